@@ -1,0 +1,351 @@
+"""crdt.py: the otela session registry, a grow-only map merged by lattice join.
+
+Role: every member of the overlay holds one `GMap` from session id to session record. Members
+exchange records (whole, as deltas, or after comparing digests) and `merge` them; whatever the
+order, loss or duplication of those exchanges, replicas that have seen the same records hold the
+same map. That is the whole consistency story of otela: no leader, no consensus, no clock sync.
+
+Data flow: the owner of a session `put`s its own record (JOIN, then SERVING with a growing
+`version` whenever models or labels change); any member may `put` DOWN or LEFT for another
+session it has found dead (with `evicted_by`); records from peers arrive through `merge`;
+`digest` and `diff` let two peers send each other only what differs; `compact` forgets sessions
+that left long ago.
+
+Rules of this file:
+  1. No I/O, no clock, no randomness in merge: time comes in as an argument (`compact(now)`),
+     so every test and every replica computes the same thing from the same inputs.
+  2. A malformed record raises `RecordError` and leaves the map exactly as it was.
+
+Liveness (heartbeats, suspicion) is deliberately NOT stored here: it changes every second and
+would bloat the map; the failure detector in otela_node.py keeps it locally.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import secrets
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+# ---------------------------------------------------------------------------------------------
+# The one JSON pair (orjson when importable; the stdlib otherwise). Used for wire messages.
+# The canonical encoding below always uses the stdlib, so replicas with and without orjson
+# break ties identically.
+# ---------------------------------------------------------------------------------------------
+try:  # optional accelerator
+    import orjson as _orjson
+
+    def dumps(obj: Any) -> bytes:
+        return _orjson.dumps(obj)
+
+    def loads(data: Union[bytes, str]) -> Any:
+        return _orjson.loads(data)
+
+except ImportError:  # pragma: no cover - exercised by the no-accelerator CI run
+    _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+    def dumps(obj: Any) -> bytes:
+        return _encoder.encode(obj).encode("utf-8")
+
+    def loads(data: Union[bytes, str]) -> Any:
+        return json.loads(data)
+
+
+def encode(record: Dict[str, Any]) -> bytes:
+    """Canonical encoding: sorted keys, no spaces, UTF-8. Equal records encode equally."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifecycle
+# ---------------------------------------------------------------------------------------------
+JOIN, SERVING, DOWN, LEFT = 0, 1, 2, 3
+STATE_NAMES = {JOIN: "JOIN", SERVING: "SERVING", DOWN: "DOWN", LEFT: "LEFT"}
+STATES_BY_NAME = {name: state for state, name in STATE_NAMES.items()}
+
+# The lifecycle as a table. States only ever go up (merge takes the higher one), so a session
+# that went DOWN never serves again: a restarted engine joins as a new session.
+#
+#   state    written by      routable  meaning
+LIFECYCLE = {
+    JOIN:    ("owner", False, "node started, engine loading"),
+    SERVING: ("owner", True, "engine ready; routable unless suspected"),
+    DOWN:    ("anyone", False, "engine dead, failing or draining; may finish in-flight work"),
+    LEFT:    ("anyone", False, "gone for good; kept for the retention time, then compacted"),
+}
+OWNER_ONLY = frozenset(s for s, (writer, _, _) in LIFECYCLE.items() if writer == "owner")
+ROUTABLE = frozenset(s for s, (_, routable, _) in LIFECYCLE.items() if routable)
+
+# ---------------------------------------------------------------------------------------------
+# Limits and defaults (the reason beside each number)
+# ---------------------------------------------------------------------------------------------
+RETENTION_S = 24 * 3600.0     # keep LEFT records a day: long enough for every partition we have
+                              # seen on a cluster to heal, short enough to bound memory
+MAX_RECORD_BYTES = 2048       # a record must fit one UDP datagram with room for the envelope
+MAX_STRING = 256              # model names and addresses; HF ids are well below this
+MAX_LIST = 64                 # models per session; real engines serve a handful
+MAX_LABELS = 32
+BUCKETS = 256                 # digest buckets: 256 * ~20 bytes is still one datagram, and at
+                              # 10,000 sessions one changed bucket holds ~40 records
+MAX_FORGOTTEN = 100_000       # compacted ids remembered: ~10 MB at worst, years of churn at
+                              # the seed paper's rate of sessions per day
+_SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+_ROLES = ("worker", "ingress", "relay")
+
+
+class RecordError(ValueError):
+    """A session record that is malformed or written by someone not allowed to write it."""
+
+
+def new_session_id() -> str:
+    """128 random bits: new at every start of a node, never reused."""
+    return secrets.token_hex(16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_string(field: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise RecordError(f"{field} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_STRING:
+        raise RecordError(f"{field} is longer than {MAX_STRING} characters")
+
+
+def validate(session_id: Any, record: Any) -> bytes:
+    """Check one record; return its canonical encoding. Raises RecordError."""
+    if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+        raise RecordError(f"bad session id {session_id!r}: 1-64 characters of [0-9A-Za-z_-]")
+    if not isinstance(record, dict):
+        raise RecordError(f"session {session_id}: record must be an object")
+    for field in ("owner", "state", "version", "started"):
+        if field not in record:
+            raise RecordError(f"session {session_id}: missing field {field!r}")
+    _check_string("owner", record["owner"])
+    state = record["state"]
+    if not isinstance(state, int) or isinstance(state, bool) or state not in STATE_NAMES:
+        raise RecordError(f"session {session_id}: unknown state {state!r}")
+    version = record["version"]
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**53:
+        raise RecordError(f"session {session_id}: version must be an integer in [0, 2^53)")
+    if not _is_number(record["started"]):
+        raise RecordError(f"session {session_id}: started must be a finite number")
+    for field in ("addr", "gossip", "code_hash", "relay", "evicted_by"):
+        if field in record:
+            _check_string(field, record[field])
+    if "role" in record and record["role"] not in _ROLES:
+        raise RecordError(f"session {session_id}: role must be one of {', '.join(_ROLES)}")
+    models = record.get("models", [])
+    if not isinstance(models, list) or len(models) > MAX_LIST:
+        raise RecordError(f"session {session_id}: models must be a list of at most {MAX_LIST}")
+    for model in models:
+        _check_string("model name", model)
+    labels = record.get("labels", {})
+    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
+        raise RecordError(f"session {session_id}: labels must be an object of at most {MAX_LABELS}")
+    for key, value in labels.items():
+        _check_string("label key", key)
+        _check_string("label value", value)
+    hardware = record.get("hardware", {})
+    if not isinstance(hardware, dict):
+        raise RecordError(f"session {session_id}: hardware must be an object")
+    if "gpu" in hardware:
+        _check_string("hardware.gpu", hardware["gpu"])
+    for field in ("count", "memory_gb"):
+        if field in hardware and (not _is_number(hardware[field]) or hardware[field] < 0):
+            raise RecordError(f"session {session_id}: hardware.{field} must be a number >= 0")
+    for field in ("capacity", "left_at"):
+        if field in record and not _is_number(record[field]):
+            raise RecordError(f"session {session_id}: {field} must be a finite number")
+    if state == LEFT and "left_at" not in record:
+        raise RecordError(f"session {session_id}: a LEFT record needs left_at")
+    if state in OWNER_ONLY and "evicted_by" in record:
+        raise RecordError(f"session {session_id}: only the owner writes "
+                          f"{STATE_NAMES[state]}; it cannot carry evicted_by")
+    try:
+        encoded = encode(record)
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"session {session_id}: not encodable: {exc}") from None
+    if len(encoded) > MAX_RECORD_BYTES:
+        raise RecordError(f"session {session_id}: record is {len(encoded)} bytes, "
+                          f"over {MAX_RECORD_BYTES}")
+    return encoded
+
+
+# ---------------------------------------------------------------------------------------------
+# The map
+# ---------------------------------------------------------------------------------------------
+def _entry_hash(session_id: str, encoded: bytes) -> int:
+    digest = hashlib.blake2b(session_id.encode() + b"\0" + encoded, digest_size=16).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _bucket(session_id: str) -> int:
+    return hashlib.blake2b(session_id.encode(), digest_size=1).digest()[0]
+
+
+class _Entry:
+    __slots__ = ("record", "state", "version", "hash", "bucket")
+
+    def __init__(self, record: Dict[str, Any], encoded: bytes, session_id: str, bucket: int):
+        self.record = record
+        self.state = record["state"]
+        self.version = record["version"]
+        self.hash = _entry_hash(session_id, encoded)
+        self.bucket = bucket
+
+
+def _wins(new: Dict[str, Any], new_encoded: bytes, old: _Entry) -> bool:
+    """The lattice order: state, then the owner's version, then the canonical encoding."""
+    if new["state"] != old.state:
+        return new["state"] > old.state
+    if new["version"] != old.version:
+        return new["version"] > old.version
+    return new_encoded > encode(old.record)   # rare: two members evicting the same session
+
+
+Entries = Union[Dict[str, Dict[str, Any]], Iterable[Tuple[str, Dict[str, Any]]]]
+
+
+class GMap:
+    """Grow-only map session id -> record; merge is commutative, associative, idempotent."""
+
+    def __init__(self, retention: float = RETENTION_S):
+        self.retention = float(retention)
+        self._entries: Dict[str, _Entry] = {}
+        self._bucket_hash = [0] * BUCKETS
+        self._root = 0
+        self._forgotten: Dict[str, float] = {}   # compacted session id -> its left_at
+        self._horizon = -math.inf                # LEFT records older than this are refused
+
+    # -- reading ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._entries
+
+    def get(self, session_id: str) -> Optional[Dict[str, Any]]:
+        entry = self._entries.get(session_id)
+        return dict(entry.record) if entry else None
+
+    def items(self) -> Iterator[Tuple[str, Dict[str, Any]]]:
+        """Every record, read-only: callers must not mutate them."""
+        return ((sid, entry.record) for sid, entry in self._entries.items())
+
+    def live(self) -> Dict[str, Dict[str, Any]]:
+        """Sessions in JOIN or SERVING."""
+        return {sid: e.record for sid, e in self._entries.items() if e.state <= SERVING}
+
+    # -- writing ---------------------------------------------------------------------------
+    def put(self, session_id: str, record: Dict[str, Any], writer: Optional[str] = None) -> bool:
+        """Write one record as `writer` (default: the session's owner). True if it changed."""
+        encoded = validate(session_id, record)
+        if writer is not None and writer != session_id:
+            if record["state"] in OWNER_ONLY:
+                raise RecordError(f"session {session_id}: only its owner writes "
+                                  f"{STATE_NAMES[record['state']]}, not {writer}")
+            if record.get("evicted_by") != writer:
+                raise RecordError(f"session {session_id}: an eviction by {writer} must set "
+                                  f"evicted_by={writer!r}")
+        return self._apply(session_id, dict(record), encoded)
+
+    def merge(self, entries: Entries) -> List[str]:
+        """Lattice join with records from a peer. Returns the session ids that changed.
+        Validates everything first: one bad record rejects the whole batch untouched."""
+        pairs = list(entries.items()) if isinstance(entries, dict) else list(entries)
+        checked = []
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise RecordError("merge takes {session_id: record} or (session_id, record) pairs")
+            session_id, record = pair
+            checked.append((session_id, record, validate(session_id, record)))
+        return [sid for sid, record, encoded in checked
+                if self._apply(sid, dict(record), encoded)]
+
+    def _apply(self, session_id: str, record: Dict[str, Any], encoded: bytes) -> bool:
+        if session_id in self._forgotten:
+            return False
+        if record["state"] == LEFT and record["left_at"] < self._horizon:
+            return False
+        old = self._entries.get(session_id)
+        if old is not None and not _wins(record, encoded, old):
+            return False
+        bucket = old.bucket if old is not None else _bucket(session_id)
+        new = _Entry(record, encoded, session_id, bucket)
+        if old is not None:
+            self._unhash(old)
+        self._entries[session_id] = new
+        self._bucket_hash[bucket] ^= new.hash
+        self._root ^= new.hash
+        return True
+
+    def _unhash(self, entry: _Entry) -> None:
+        self._bucket_hash[entry.bucket] ^= entry.hash
+        self._root ^= entry.hash
+
+    def compact(self, now: float) -> int:
+        """Drop LEFT records older than the retention; refuse them if they come back."""
+        self._horizon = now - self.retention
+        old = [sid for sid, e in self._entries.items()
+               if e.state == LEFT and e.record["left_at"] < self._horizon]
+        for sid in old:
+            entry = self._entries.pop(sid)
+            self._unhash(entry)
+            self._forgotten[sid] = entry.record["left_at"]
+        # Forgotten ids are remembered (about 100 bytes each) so that a stale JOIN or SERVING
+        # copy from a long partition cannot resurrect them; past the cap the oldest go first.
+        if len(self._forgotten) > MAX_FORGOTTEN:
+            for sid in sorted(self._forgotten, key=self._forgotten.get)[:-MAX_FORGOTTEN]:
+                del self._forgotten[sid]
+        return len(old)
+
+    # -- anti-entropy ----------------------------------------------------------------------
+    def digest(self, buckets: bool = False) -> Dict[str, Any]:
+        """A small summary. Equal roots mean equal maps (up to a 128-bit hash collision)."""
+        summary: Dict[str, Any] = {"n": len(self._entries), "root": f"{self._root:032x}"}
+        if buckets:
+            summary["b"] = {str(i): f"{h:032x}"[:16] for i, h in enumerate(self._bucket_hash) if h}
+        return summary
+
+    def summary(self, bucket_ids: Iterable[Union[int, str]]) -> Dict[str, Any]:
+        """Per-entry (state, version, hash) for the given buckets: the precise round of diff."""
+        wanted = {int(b) for b in bucket_ids}
+        return {"bk": sorted(wanted),
+                "s": {sid: [e.state, e.version, f"{e.hash:032x}"[:16]]
+                      for sid, e in self._entries.items() if e.bucket in wanted}}
+
+    def differing_buckets(self, remote_digest: Dict[str, Any]) -> List[int]:
+        """Bucket ids where a remote bucket digest differs from ours (either side non-empty)."""
+        theirs = remote_digest.get("b", {})
+        ours = self.digest(buckets=True)["b"]
+        return sorted(int(b) for b in set(ours) | set(theirs) if ours.get(b) != theirs.get(b))
+
+    def diff(self, remote_digest: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+        """The records the remote lacks or holds older, judged from what its digest tells."""
+        if remote_digest.get("root") == f"{self._root:032x}" and "s" not in remote_digest:
+            return {}
+        if "s" in remote_digest:
+            theirs = remote_digest["s"]
+            covered = {int(b) for b in remote_digest.get("bk", range(BUCKETS))}
+            out = {}
+            for sid, e in self._entries.items():
+                if e.bucket not in covered:
+                    continue
+                remote = theirs.get(sid)
+                if (remote is None or (remote[0], remote[1]) < (e.state, e.version)
+                        or ((remote[0], remote[1]) == (e.state, e.version)
+                            and remote[2] != f"{e.hash:032x}"[:16])):
+                    out[sid] = e.record
+            return out
+        if "b" in remote_digest:
+            differing = set(self.differing_buckets(remote_digest))
+            return {sid: e.record for sid, e in self._entries.items() if e.bucket in differing}
+        return {sid: e.record for sid, e in self._entries.items()}

@@ -1,0 +1,302 @@
+"""The registry's specification: lattice laws, lifecycle monotonicity, validation, anti-entropy."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import crdt
+from crdt import DOWN, JOIN, LEFT, SERVING, GMap, RecordError
+
+PROPERTY = settings(max_examples=500, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+SESSION_IDS = [f"{i:032x}" for i in range(1, 9)]
+
+
+def record(state=SERVING, version=1, **extra):
+    base = {"owner": "alice@node1", "state": state, "version": version, "started": 1000.0,
+            "role": "worker", "addr": "127.0.0.1:7700", "models": ["llama-3-8b"]}
+    if state == LEFT:
+        base["left_at"] = 2000.0
+    base.update(extra)
+    return base
+
+
+# A write is (session id, record); the strategy covers every state, version ties, and
+# concurrent evictions by different members (same state and version, different content).
+writes = st.builds(
+    lambda sid, state, version, model, evictor: (
+        sid,
+        record(state, version, models=[model],
+               **({"evicted_by": evictor, "left_at": 2000.0 + version} if state >= DOWN else {}))),
+    st.sampled_from(SESSION_IDS), st.sampled_from([JOIN, SERVING, DOWN, LEFT]),
+    st.integers(0, 3), st.sampled_from(["m1", "m2", "m3"]),
+    st.sampled_from(["e" * 32, "f" * 32]))
+write_lists = st.lists(writes, max_size=25)
+
+
+def replica(entries):
+    gmap = GMap()
+    for sid, rec in entries:
+        gmap.merge([(sid, rec)])
+    return gmap
+
+
+def state_of(gmap):
+    return {sid: crdt.encode(rec) for sid, rec in gmap.items()}
+
+
+# -- lattice laws ------------------------------------------------------------------------------
+@PROPERTY
+@given(write_lists, write_lists)
+def test_merge_is_commutative(a, b):
+    assert state_of(replica(a + b)) == state_of(replica(b + a))
+
+
+@PROPERTY
+@given(write_lists, write_lists, write_lists)
+def test_merge_is_associative(a, b, c):
+    left = replica(a)
+    left.merge(list(replica(b).items()))
+    left.merge(list(replica(c).items()))
+    bc = replica(b)
+    bc.merge(list(replica(c).items()))
+    right = replica(a)
+    right.merge(list(bc.items()))
+    assert state_of(left) == state_of(right)
+
+
+@PROPERTY
+@given(write_lists)
+def test_merge_is_idempotent(a):
+    gmap = replica(a)
+    before = state_of(gmap)
+    assert gmap.merge(list(gmap.items())) == []
+    assert gmap.merge(a) == []
+    assert state_of(gmap) == before
+
+
+@PROPERTY
+@given(write_lists)
+def test_states_never_go_backwards(a):
+    gmap = GMap()
+    seen = {}
+    for sid, rec in a:
+        gmap.merge([(sid, rec)])
+        now = gmap.get(sid)
+        assert (now["state"], now["version"]) >= seen.get(sid, (-1, -1))
+        seen[sid] = (now["state"], now["version"])
+
+
+@PROPERTY
+@given(write_lists, st.randoms(use_true_random=False))
+def test_ten_replicas_fed_random_subsets_in_random_orders_converge(a, rnd):
+    replicas = []
+    for _ in range(10):
+        subset = [w for w in a if rnd.random() < 0.6]
+        rnd.shuffle(subset)
+        replicas.append(replica(subset))
+    # then each replica receives everything, in its own random order, in random batches
+    for gmap in replicas:
+        rest = list(a)
+        rnd.shuffle(rest)
+        while rest:
+            cut = rnd.randint(1, len(rest))
+            gmap.merge(rest[:cut])
+            rest = rest[cut:]
+    digests = {r.digest()["root"] for r in replicas}
+    assert len(digests) == 1
+    assert len({tuple(sorted(state_of(r).items())) for r in replicas}) == 1
+
+
+@PROPERTY
+@given(write_lists, write_lists, st.sampled_from(["root", "buckets", "summary"]))
+def test_diff_applied_both_ways_makes_replicas_equal(a, b, depth):
+    left, right = replica(a), replica(b)
+
+    def remote_view(gmap, other):
+        if depth == "root":
+            return gmap.digest()
+        if depth == "buckets":
+            return gmap.digest(buckets=True)
+        return gmap.summary(gmap.differing_buckets(other.digest(buckets=True)))
+
+    to_right = left.diff(remote_view(right, left))
+    to_left = right.diff(remote_view(left, right))
+    right.merge(to_right)
+    left.merge(to_left)
+    assert left.digest() == right.digest()
+    assert state_of(left) == state_of(right)
+
+
+@PROPERTY
+@given(write_lists)
+def test_diff_of_equal_replicas_is_empty(a):
+    left, right = replica(a), replica(list(reversed(a)))
+    assert left.diff(right.digest()) == {}
+    assert left.diff(right.summary(range(crdt.BUCKETS))) == {}
+
+
+@PROPERTY
+@given(write_lists, st.floats(0, 200_000))
+def test_compacted_left_records_never_come_back(a, now):
+    gmap = GMap(retention=100.0)
+    gmap.merge(a)
+    gmap.compact(now)
+    dropped = {sid for sid, rec in a if rec["state"] == LEFT and rec["left_at"] < now - 100.0}
+    for sid in dropped:
+        assert sid not in gmap
+    gmap.merge(a)                                  # every record arrives again
+    for sid in dropped:
+        assert sid not in gmap
+    assert all(rec["state"] != LEFT or rec["left_at"] >= now - 100.0 for _, rec in gmap.items())
+
+
+# -- lifecycle and ownership ---------------------------------------------------------------------
+def test_higher_state_wins_whatever_the_version():
+    gmap = GMap()
+    gmap.put("a" * 32, record(SERVING, version=9))
+    gmap.put("a" * 32, record(DOWN, version=0, evicted_by="b" * 32), writer="b" * 32)
+    assert gmap.get("a" * 32)["state"] == DOWN
+    assert gmap.put("a" * 32, record(SERVING, version=10)) is False
+    assert gmap.get("a" * 32)["state"] == DOWN
+
+
+def test_within_a_state_the_owners_version_wins():
+    gmap = GMap()
+    gmap.put("a" * 32, record(SERVING, version=2, models=["new"]))
+    assert gmap.put("a" * 32, record(SERVING, version=1, models=["old"])) is False
+    assert gmap.get("a" * 32)["models"] == ["new"]
+
+
+def test_only_the_owner_writes_join_and_serving():
+    gmap = GMap()
+    with pytest.raises(RecordError, match="only its owner"):
+        gmap.put("a" * 32, record(SERVING), writer="b" * 32)
+    assert len(gmap) == 0
+
+
+def test_an_eviction_names_its_writer():
+    gmap = GMap()
+    with pytest.raises(RecordError, match="evicted_by"):
+        gmap.put("a" * 32, record(LEFT), writer="b" * 32)
+    assert gmap.put("a" * 32, record(LEFT, evicted_by="b" * 32), writer="b" * 32) is True
+    assert gmap.get("a" * 32)["evicted_by"] == "b" * 32
+
+
+def test_live_view_holds_join_and_serving_only():
+    gmap = GMap()
+    for i, state in enumerate([JOIN, SERVING, DOWN, LEFT]):
+        gmap.put(SESSION_IDS[i], record(state))
+    assert sorted(gmap.live()) == SESSION_IDS[:2]
+
+
+def test_lifecycle_table_names_owner_only_and_routable_states():
+    assert crdt.OWNER_ONLY == {JOIN, SERVING}
+    assert crdt.ROUTABLE == {SERVING}
+    assert JOIN < SERVING < DOWN < LEFT
+
+
+# -- validation ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("sid, bad, message", [
+    ("a" * 32, {"owner": "x", "state": 7, "version": 0, "started": 0}, "unknown state"),
+    ("a" * 32, {"owner": "x", "state": "SERVING", "version": 0, "started": 0}, "unknown state"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": -1, "started": 0}, "version"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": True, "started": 0}, "version"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0}, "missing field 'started'"),
+    ("a" * 32, {"owner": 5, "state": 1, "version": 0, "started": 0}, "owner must be a string"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": float("nan")}, "started"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": 0, "models": "m"}, "models"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": 0,
+                "models": ["m" * 300]}, "longer than"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": 0,
+                "blob": "x" * 3000}, "over 2048"),
+    ("a" * 32, {"owner": "x", "state": 3, "version": 0, "started": 0}, "left_at"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": 0,
+                "evicted_by": "b"}, "cannot carry evicted_by"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": 0, "role": "boss"}, "role"),
+    ("a" * 32, {"owner": "x", "state": 1, "version": 0, "started": 0,
+                "hardware": {"count": -1}}, "hardware.count"),
+    ("not a session!", {"owner": "x", "state": 1, "version": 0, "started": 0}, "session id"),
+    ("a" * 32, ["not", "a", "dict"], "must be an object"),
+])
+def test_malformed_record_raises_and_leaves_the_map_untouched(sid, bad, message):
+    gmap = GMap()
+    gmap.put("c" * 32, record())
+    before = gmap.digest(buckets=True)
+    with pytest.raises(RecordError, match=message):
+        gmap.merge([("d" * 32, record(SERVING, 5)), (sid, bad)])
+    with pytest.raises(RecordError, match=message):
+        gmap.put(sid, bad)
+    assert gmap.digest(buckets=True) == before
+    assert "d" * 32 not in gmap
+
+
+def test_unknown_extra_fields_are_kept_for_newer_versions():
+    gmap = GMap()
+    gmap.put("a" * 32, record(future_field={"x": 1}))
+    assert gmap.get("a" * 32)["future_field"] == {"x": 1}
+
+
+def test_get_returns_a_copy():
+    gmap = GMap()
+    gmap.put("a" * 32, record())
+    gmap.get("a" * 32)["state"] = LEFT
+    assert gmap.get("a" * 32)["state"] == SERVING
+
+
+# -- digests and encoding ------------------------------------------------------------------------
+def test_digest_is_small_and_tracks_content():
+    gmap = GMap()
+    empty = gmap.digest()
+    for i in range(1000):
+        gmap.put(f"{i:032x}", record())
+    assert gmap.digest()["n"] == 1000
+    assert gmap.digest() != empty
+    assert len(crdt.dumps(gmap.digest())) < 64
+    assert len(crdt.dumps(gmap.digest(buckets=True))) < 256 * 30
+
+
+def test_diff_by_summary_sends_only_what_the_remote_lacks_or_has_older():
+    ours, theirs = GMap(), GMap()
+    for i in range(200):
+        ours.put(f"{i:032x}", record(version=1))
+        theirs.put(f"{i:032x}", record(version=1))
+    ours.put(f"{5:032x}", record(version=2))          # newer here
+    ours.put("f" * 32, record())                      # missing there
+    theirs.put(f"{6:032x}", record(version=3))        # newer there: not ours to send
+    buckets = ours.differing_buckets(theirs.digest(buckets=True))
+    sent = ours.diff(theirs.summary(buckets))
+    assert sorted(sent) == sorted([f"{5:032x}", "f" * 32])
+
+
+def test_canonical_encoding_is_key_order_independent():
+    assert crdt.encode({"b": 1, "a": [1, "é"]}) == crdt.encode({"a": [1, "é"], "b": 1})
+    assert crdt.loads(crdt.dumps({"a": [1, "é"]})) == {"a": [1, "é"]}
+
+
+def test_session_ids_are_128_random_bits():
+    ids = {crdt.new_session_id() for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 32 for i in ids)
+
+
+def test_compaction_keeps_recent_left_and_all_live_records():
+    gmap = GMap(retention=10.0)
+    gmap.put("a" * 32, record(LEFT, left_at=100.0))
+    gmap.put("b" * 32, record(LEFT, left_at=195.0))
+    gmap.put("c" * 32, record(SERVING))
+    assert gmap.compact(now=200.0) == 1
+    assert sorted(sid for sid, _ in gmap.items()) == ["b" * 32, "c" * 32]
+    assert gmap.merge([("a" * 32, record(LEFT, left_at=100.0, version=9))]) == []
+
+
+def test_random_bytes_decoded_as_records_are_rejected_not_crashing():
+    rnd = random.Random(7)
+    gmap = GMap()
+    for _ in range(500):
+        junk = {rnd.choice(["owner", "state", "version", "started", "models"]):
+                rnd.choice([None, 1, "x", [], {}, 1.5, True]) for _ in range(5)}
+        with pytest.raises(RecordError):
+            gmap.merge([("a" * 32, junk)])
+    assert len(gmap) == 0
