@@ -1,0 +1,76 @@
+"""Shared fixtures: the real tiny engine (llama-cpp-python + SmolLM2-135M), free ports."""
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ENGINE_DIR = Path(os.environ.get("OTELA_ENGINE_DIR", ROOT / ".cache" / "engine"))
+ENGINE_PYTHON = ENGINE_DIR / "venv" / "bin" / "python"
+ENGINE_MODEL = ENGINE_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+ENGINE_ALIAS = "smollm2-135m"
+
+
+def free_port(kind=socket.SOCK_STREAM):
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_command(port="{port}"):
+    """The command line that starts the real engine on loopback at `port`."""
+    return " ".join(shlex.quote(str(p)) for p in (
+        ENGINE_PYTHON, "-m", "llama_cpp.server", "--model", ENGINE_MODEL,
+        "--model_alias", ENGINE_ALIAS, "--host", "127.0.0.1", "--port")) + f" {port}" + \
+        " --n_ctx 2048 --n_threads 1 --verbose False"
+
+
+def engine_installed():
+    return ENGINE_PYTHON.exists() and ENGINE_MODEL.exists()
+
+
+def wait_http(url, timeout=60.0, proc=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+class RealEngine:
+    def __init__(self, url, model, cmd, proc):
+        self.url, self.model, self.cmd, self.proc = url, model, cmd, proc
+
+
+@pytest.fixture(scope="session")
+def real_engine():
+    """A real llama-cpp-python server with SmolLM2-135M on a free loopback port."""
+    if not engine_installed():
+        pytest.skip(f"real engine not installed in {ENGINE_DIR}: run `make engine` (slow, ~8 min)")
+    port = free_port()
+    proc = subprocess.Popen(shlex.split(engine_command(port)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=120, proc=proc)
+        yield RealEngine(f"http://127.0.0.1:{port}", ENGINE_ALIAS, engine_command(), proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

