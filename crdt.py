@@ -52,10 +52,13 @@ except ImportError:  # pragma: no cover - exercised by the no-accelerator CI run
         return json.loads(data)
 
 
+_canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+
+
 def encode(record: Dict[str, Any]) -> bytes:
     """Canonical encoding: sorted keys, no spaces, UTF-8. Equal records encode equally."""
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return _canonical.encode(record).encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +214,10 @@ def _wins(new: Dict[str, Any], new_encoded: bytes, old: _Entry) -> bool:
     return new_encoded > encode(old.record)   # rare: two members evicting the same session
 
 
+def _same(session_id: str, encoded: bytes, old: _Entry) -> bool:
+    return old.hash == _entry_hash(session_id, encoded)
+
+
 Entries = Union[Dict[str, Dict[str, Any]], Iterable[Tuple[str, Dict[str, Any]]]]
 
 
@@ -276,8 +283,8 @@ class GMap:
         if record["state"] == LEFT and record["left_at"] < self._horizon:
             return False
         old = self._entries.get(session_id)
-        if old is not None and not _wins(record, encoded, old):
-            return False
+        if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
+            return False   # the common gossip case, a duplicate, costs one hash
         bucket = old.bucket if old is not None else _bucket(session_id)
         new = _Entry(record, encoded, session_id, bucket)
         if old is not None:
@@ -312,7 +319,8 @@ class GMap:
         """A small summary. Equal roots mean equal maps (up to a 128-bit hash collision)."""
         summary: Dict[str, Any] = {"n": len(self._entries), "root": f"{self._root:032x}"}
         if buckets:
-            summary["b"] = {str(i): f"{h:032x}"[:16] for i, h in enumerate(self._bucket_hash) if h}
+            # 32 bits a bucket keeps this near 3 KB; a bucket collision is caught by the root
+            summary["b"] = {str(i): f"{h & 0xFFFFFFFF:08x}" for i, h in enumerate(self._bucket_hash) if h}
         return summary
 
     def summary(self, bucket_ids: Iterable[Union[int, str]]) -> Dict[str, Any]:
@@ -326,7 +334,10 @@ class GMap:
         """Bucket ids where a remote bucket digest differs from ours (either side non-empty)."""
         theirs = remote_digest.get("b", {})
         ours = self.digest(buckets=True)["b"]
-        return sorted(int(b) for b in set(ours) | set(theirs) if ours.get(b) != theirs.get(b))
+        differing = sorted(int(b) for b in set(ours) | set(theirs) if ours.get(b) != theirs.get(b))
+        if not differing and remote_digest.get("root") != f"{self._root:032x}":
+            return list(range(BUCKETS))      # roots differ but buckets collide: compare all
+        return differing
 
     def diff(self, remote_digest: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         """The records the remote lacks or holds older, judged from what its digest tells."""

@@ -300,3 +300,10 @@ def test_random_bytes_decoded_as_records_are_rejected_not_crashing():
         with pytest.raises(RecordError):
             gmap.merge([("a" * 32, junk)])
     assert len(gmap) == 0
+
+
+def test_json_pair_uses_orjson_only_when_importable():
+    import os
+    blocked = bool(os.environ.get("OTELA_BLOCK_ACCEL"))
+    assert (crdt.dumps.__code__.co_names == ("_orjson", "dumps")) is not blocked
+    assert crdt.dumps({"b": [1.5, None, "é"]}) == '{"b":[1.5,null,"é"]}'.encode()

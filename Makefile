@@ -1,0 +1,49 @@
+# otela — the two commands a newcomer runs: `make run` and `make test`.
+# Everything installs itself into .venv (project) and .cache/engine (the real tiny engine).
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-optional.txt | cksum | cut -d' ' -f1)
+ENGINE := .cache/engine/venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: run test bench lint venv engine sysdeps clean
+
+venv: $(STAMP)
+$(STAMP): requirements.txt requirements-dev.txt requirements-optional.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-optional.txt
+	rm -f $(VENV)/.installed-*; touch $@
+
+# The real engine (llama-cpp-python + SmolLM2-135M): ~8 min the first time, seconds after.
+engine: $(ENGINE)
+$(ENGINE):
+	tests/lab/engine_install.sh .cache/engine
+
+# System packages the root-only tests use (headless Chromium for the dashboard). Skipped
+# without root: those tests then skip with a reason.
+sysdeps:
+	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
+	  echo "installing chromium (dashboard test)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	fi
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: venv engine sysdeps lint
+	$(VPY) -m pytest $(PYTEST_ARGS)
+	@echo "--- registry tests again without the optional accelerators (orjson, uvloop)"
+	OTELA_BLOCK_ACCEL=1 $(VPY) -m pytest -q tests/test_crdt.py
+
+bench: venv
+	@mkdir -p bench-results
+	@for f in tests/bench_*.py; do echo "== $$f"; $(VPY) $$f --out bench-results $(BENCH_ARGS) || exit 1; done
+	@echo "figures written to bench-results/*.json"
+
+run: venv
+	@echo "make run arrives with the ingress (issue 4): an ingress and two nodes wrapping a real engine"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-results
