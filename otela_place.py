@@ -1,0 +1,1411 @@
+#!/usr/bin/env python3
+"""otela_place.py — the placer: demand + free GPUs -> placement -> Slurm jobs.
+
+Operators run it from cron on a login node. One run:
+
+    demand (scenario file or the ingress's /v1/usage/stats)
+    free GPUs (scenario, --inventory FILE or sinfo GRES)      ──▶ candidates (model, GPU, tp)
+    per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC)
+                                                                   ▼
+    placement: [{model, gpu, tp, instances, weight}]  ──▶ replay (otela_sim) / reconcile
+    reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference
+
+The placement objective, in order (lexicographic, three solves):
+  1. the highest worst-case ratio of capacity to demand across models (capped at HEADROOM:
+     beyond it a model is served with margin and more GPUs buy nothing);
+  2. then the most capacity that is still useful (per model, capacity up to demand x
+     HEADROOM), so GPUs left over by the bottleneck model go where they still serve requests;
+     or, with --objective latency, the least traffic-weighted mean service latency;
+  3. then the fewest GPUs.
+Routing weights split a model's traffic in proportion to each row's capacity, so every
+group of instances finishes its share at the same time.
+
+What this file must never do: import the node or the ingress (it talks to a running ingress
+over HTTP only), submit or cancel jobs without --submit, or touch jobs it did not create
+(its jobs carry the comment OTELA_TAG). Everything Slurm-facing goes through one function,
+`slurm_command`, so tests can point it at a real single-node Slurm or at recorded output.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import warnings
+
+# ============================================================================ config
+# Every default in one place, with the reason for the number.
+
+# Capacity at 1.25x demand keeps an instance near 80% utilisation: queues stay short under
+# Poisson arrivals, and beyond that margin extra GPUs buy no throughput for that model.
+HEADROOM = 1.25
+# Tensor-parallel degrees tried: powers of two, because attention heads are, and a power of
+# two that divides the GPUs per node packs nodes without fragments (first-fit decreasing).
+TP_CHOICES = (1, 2, 4, 8)
+# Fraction of GPU memory the engine may use (vLLM's --gpu-memory-utilization default 0.9).
+GPU_MEMORY_UTILIZATION = 0.9
+# vLLM's default --max-num-seqs: the batch the engine will not exceed even if memory allows.
+MAX_NUM_SEQS = 256
+# CBC time limit per solve stage; the 142-model benchmark needs a few seconds per stage,
+# Table 1 milliseconds. A stage that hits it keeps CBC's best integer solution.
+SOLVE_TIME_LIMIT_S = 20.0
+# Relative gap CBC may stop at on large instances (0 = prove optimal, used below this size).
+LARGE_GAP = 1e-3
+LARGE_INSTANCE_VARS = 400
+# Comment every job we submit carries (squeue %k): reconcile only ever touches these.
+OTELA_TAG = "otela"
+# Slurm time limit of an engine job; the node gets SIGTERM 120 s before (#SBATCH --signal)
+# so it drains in-flight requests and leaves the overlay before SIGKILL.
+JOB_TIME_LIMIT = "12:00:00"
+LOCK_PATH = os.path.join(os.path.expanduser("~"), ".otela", "place.lock")
+SBATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sbatch")
+HTTP_TIMEOUT_S = 10.0
+
+# Dynamic reclamation (see the section of that name).
+RECLAIM_LOW_UTIL = 0.3     # below 30% of its capacity a model is a donor candidate...
+RECLAIM_COOLDOWN_S = 600   # ...once it stayed there 10 min (longer than a burst's gap)
+RECLAIM_HIGH_UTIL = 0.9    # above 90% a model asks for more instances (queues grow past it)
+RECLAIM_INTERVAL_S = 60    # cron's finest period
+# Load time: a fixed start (process, CUDA context, engine warm-up) plus weights read at the
+# speed of a parallel file system seen from one node.
+LOAD_FIXED_S = 30.0
+LOAD_BYTES_PER_S = 2e9
+
+
+class PlacementError(ValueError):
+    """Bad input or an infeasible placement; the message is one line for the operator."""
+
+
+# ============================================================================ scenario
+# A scenario is the placer's whole input: {"gpus": [{"type","count","per_node"}],
+# "models": {name: HF config}, "workload": [{"model","rate_rps","input","output"}],
+# optional "measured_instance_capacity_rps", "paper_placements", "duration_s"}.
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise PlacementError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise PlacementError(f"{path} is not JSON: {e}") from None
+
+
+def check_scenario(scenario):
+    """Raise PlacementError with one line if the scenario is unusable."""
+    if not isinstance(scenario, dict):
+        raise PlacementError("scenario must be a JSON object")
+    for key in ("gpus", "models", "workload"):
+        if key not in scenario:
+            raise PlacementError(f"scenario has no '{key}'")
+    for g in scenario["gpus"]:
+        if not isinstance(g, dict) or "type" not in g or "count" not in g:
+            raise PlacementError(f"gpu entry {g!r} needs 'type' and 'count'")
+        if int(g["count"]) < 0 or int(g.get("per_node", g["count"]) or 1) < 1:
+            raise PlacementError(f"gpu entry {g['type']!r} has a negative count or per_node < 1")
+    for w in scenario["workload"]:
+        if w.get("model") not in scenario["models"]:
+            raise PlacementError(f"workload names model {w.get('model')!r} that 'models' does not describe")
+        if float(w.get("rate_rps", -1)) < 0:
+            raise PlacementError(f"model {w['model']!r} has no rate_rps >= 0")
+    return scenario
+
+
+def gpu_pool(scenario):
+    """{gpu type: (count, per_node)}"""
+    pool = {}
+    for g in scenario["gpus"]:
+        count = int(g["count"])
+        per_node = int(g.get("per_node") or count or 1)
+        old = pool.get(g["type"], (0, 0))
+        pool[g["type"]] = (old[0] + count, max(old[1], per_node))
+    return pool
+
+
+def demand_of(scenario):
+    """{model: rate_rps} for models with demand."""
+    return {w["model"]: float(w["rate_rps"]) for w in scenario["workload"] if float(w["rate_rps"]) > 0}
+
+
+def workload_of(scenario, model):
+    for w in scenario["workload"]:
+        if w["model"] == model:
+            return w
+    return {"model": model, "rate_rps": 0.0, "input": {"mean": 512}, "output": {"mean": 128}}
+
+
+def param_count(config):
+    """Parameters of a decoder-only transformer from its HF config (embeddings, attention with
+    grouped KV heads, gated MLP, lm_head unless tied). Used for memP shares and load time."""
+    if hasattr(config, "num_parameters"):
+        return float(config.num_parameters)
+    h = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim", h // heads)
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    mlp = 3 * h * config["intermediate_size"]
+    embed = config["vocab_size"] * h * (1 if config.get("tie_word_embeddings") else 2)
+    return float(config["num_hidden_layers"] * (attn + mlp + 2 * h) + embed + h)
+
+
+def model_bytes(config):
+    return param_count(config) * config.get("dtype_bytes", 2)
+
+
+def load_time_s(config):
+    return LOAD_FIXED_S + model_bytes(config) / LOAD_BYTES_PER_S
+
+
+# ============================================================================ capacity
+# A candidate is one deployable (model, GPU type, tp) with the sustained request rate of one
+# instance under the model's workload and its service latency. Capacity is an input to the
+# solver, so tests give fixed figures; in production it comes from measured figures in the
+# scenario or from otela_sim.
+
+
+class Candidate:
+    __slots__ = ("model", "gpu", "tp", "capacity_rps", "latency_ms")
+
+    def __init__(self, model, gpu, tp, capacity_rps, latency_ms=None):
+        self.model, self.gpu, self.tp = model, gpu, int(tp)
+        self.capacity_rps = float(capacity_rps)
+        self.latency_ms = latency_ms
+
+    def key(self):
+        return (self.model, self.gpu, self.tp)
+
+    def __repr__(self):
+        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}, {self.capacity_rps:.3g} req/s)"
+
+
+def _sim():
+    try:
+        import otela_sim
+    except ImportError:
+        return None
+    return otela_sim
+
+
+def sim_candidate(model_name, config, gpu_name, tp, workload):
+    """Capacity of one instance from the simulator, or (None, reason) if it cannot run.
+
+    Sustained rate under continuous batching: each request costs its prefill alone (prefill
+    stalls the batch) plus its share of batched decode steps at the largest batch that fits
+    the mean context: 1 / (ttft + output x decode_step(B) / B)."""
+    sim = _sim()
+    if sim is None:
+        return None, "otela_sim.py is not importable"
+    try:
+        model = sim.resolve_model(config)
+        gpu = sim.resolve_gpu(gpu_name)
+        sim.check_config(model, gpu, tp)
+    except (ValueError, KeyError) as e:
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
+    out = max(1, int(round(workload.get("output", {}).get("mean", 128))))
+    batch = min(MAX_NUM_SEQS, int(sim.max_batch(model, gpu, tp, inp + out)))
+    if batch < 1:
+        return None, f"does not fit {gpu_name} memory at tp={tp}"
+    one = sim.estimate(model, gpu, tp=tp, batch=1, input_len=inp, output_len=out)
+    full = sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out)
+    if not full.get("fits", True):
+        return None, f"does not fit {gpu_name} memory at tp={tp}"
+    per_request_s = one["ttft_ms"] / 1e3 + out * full["decode_ms_per_token"] / 1e3 / batch
+    cap = 1.0 / per_request_s
+    return Candidate(model_name, gpu_name, tp, cap, latency_ms=full["e2e_ms"]), None
+
+
+def memory_fits(config, gpu_memory_gb, tp):
+    """Weights / tp plus one full-context sequence of KV cache within the usable memory: the
+    fallback check when the simulator is absent."""
+    h = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim", h // heads)
+    ctx = min(config.get("max_position_embeddings", 4096), 4096)
+    kv_bytes = 2 * config["num_hidden_layers"] * kv * head_dim * config.get("dtype_bytes", 2) * ctx
+    return (model_bytes(config) + kv_bytes) / tp <= gpu_memory_gb * 1e9 * GPU_MEMORY_UTILIZATION
+
+
+def tp_allowed(config, tp, per_node):
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    if tp > per_node:
+        return f"tp={tp} exceeds the {per_node} GPUs of one node"
+    if heads % tp or kv % tp:
+        return f"tp={tp} does not divide {heads} attention / {kv} KV heads"
+    return None
+
+
+def candidates(scenario, capacity="auto", tps=TP_CHOICES):
+    """All deployable (model, GPU type, tp) with their capacity, and for each model that has
+    none, the reason (one line). capacity: 'measured' (only the scenario's figures), 'sim'
+    (only otela_sim), or 'auto' (measured where the scenario gives them, else sim)."""
+    measured = scenario.get("measured_instance_capacity_rps") or {}
+    pool = gpu_pool(scenario)
+    out, why_not = [], {}
+    for model in demand_of(scenario):
+        config = scenario["models"][model]
+        reasons, found = [], []
+        m = measured.get(model) if capacity in ("auto", "measured") else None
+        for gpu, (count, per_node) in pool.items():
+            if count <= 0:
+                continue
+            if m and gpu in m:
+                tp = int(m["tp"])
+                bad = tp_allowed(config, tp, per_node)
+                if bad:
+                    reasons.append(f"{gpu}: {bad}")
+                else:
+                    found.append(Candidate(model, gpu, tp, float(m[gpu])))
+                continue
+            if capacity == "measured":
+                reasons.append(f"{gpu}: no measured figure")
+                continue
+            for tp in tps:
+                bad = tp_allowed(config, tp, per_node)
+                if bad:
+                    reasons.append(f"{gpu}: {bad}")
+                    continue
+                cand, bad = sim_candidate(model, config, gpu, tp, workload_of(scenario, model))
+                if cand is None:
+                    reasons.append(f"{gpu}: {bad}")
+                elif cand.capacity_rps > 0:
+                    found.append(cand)
+        if not found:
+            why_not[model] = "; ".join(dict.fromkeys(reasons)) or "no GPU types"
+        out.extend(found)
+    return out, why_not
+
+
+# ============================================================================ solver
+
+
+class Placement:
+    """The solver's answer: rows [{model, gpu, tp, instances, weight}] plus how it scored."""
+
+    def __init__(self, rows, ratio=0.0, served_rps=0.0, gpus_used=0, solve_s=0.0, status="optimal"):
+        self.rows, self.ratio, self.served_rps = rows, ratio, served_rps
+        self.gpus_used, self.solve_s, self.status = gpus_used, solve_s, status
+
+    def to_json(self):
+        return {"rows": self.rows, "ratio": self.ratio, "served_rps": self.served_rps,
+                "gpus_used": self.gpus_used, "solve_s": round(self.solve_s, 4), "status": self.status}
+
+
+def score(rows, demand, capacity_of, headroom=HEADROOM):
+    """(worst ratio capped at headroom, useful capacity, GPUs used) of any placement, scored
+    the way the solver scores its own: comparable across ours, paper and memP."""
+    cap = {m: 0.0 for m in demand}
+    gpus = 0
+    for r in rows:
+        c = capacity_of.get((r["model"], r["gpu"], r["tp"]), 0.0)
+        if r["model"] in cap:
+            cap[r["model"]] += c * r["instances"]
+        gpus += r["tp"] * r["instances"]
+    ratio = min((min(cap[m] / d, headroom) for m, d in demand.items()), default=headroom)
+    served = sum(min(cap[m], headroom * d) for m, d in demand.items())
+    return ratio, served, gpus
+
+
+def rows_with_weights(counts, cands, demand, latency_traffic=None):
+    """Placement rows from instance counts; weights in proportion to capacity (or to the
+    traffic the latency objective routed), summing to 1 per model."""
+    rows = []
+    for c in cands:
+        n = counts.get(c.key(), 0)
+        if n > 0:
+            rows.append({"model": c.model, "gpu": c.gpu, "tp": c.tp, "instances": int(n),
+                         "weight": (latency_traffic or {}).get(c.key(), c.capacity_rps * n)})
+    for m in demand:
+        mine = [r for r in rows if r["model"] == m]
+        total = sum(r["weight"] for r in mine)
+        for r in mine:
+            r["weight"] = round(r["weight"] / total, 4) if total > 0 else round(1 / len(mine), 4)
+    rows.sort(key=lambda r: (list(demand).index(r["model"]) if r["model"] in demand else 1 << 30,
+                             r["gpu"], r["tp"]))
+    return rows
+
+
+def _cbc(prob, time_limit, gap):
+    import pulp
+
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+    prob.solve(solver)
+    return pulp.LpStatus[prob.status]
+
+
+def solve(demand, pool, cands, objective="throughput", headroom=HEADROOM,
+          time_limit=SOLVE_TIME_LIMIT_S, gap=None):
+    # PuLP 3.x warns about APIs that 2.7 (still on many clusters) needs: silence only those.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"pulp(\.|$)")
+        return _solve(demand, pool, cands, objective, headroom, time_limit, gap)
+
+
+def _solve(demand, pool, cands, objective, headroom, time_limit, gap):
+    """Choose instances per candidate. demand {model: rps}, pool {gpu: (count, per_node)},
+    cands [Candidate]. Raises PlacementError (one line) when no placement gives every model
+    with demand at least one instance."""
+    try:
+        import pulp
+    except ImportError:
+        raise PlacementError("pulp is not installed: pip install pulp") from None
+    t0 = time.perf_counter()
+    cands = [c for c in cands if c.model in demand and c.gpu in pool and c.capacity_rps > 0]
+    if not demand:
+        return Placement([], headroom, 0.0, 0, time.perf_counter() - t0)
+    missing = [m for m in demand if not any(c.model == m for c in cands)]
+    if missing:
+        raise PlacementError(f"model {missing[0]} has no GPU type it can run on")
+    if gap is None:
+        gap = LARGE_GAP if len(cands) > LARGE_INSTANCE_VARS else 0.0
+    prob = pulp.LpProblem("otela_place", pulp.LpMaximize)
+    n = {}
+    for i, c in enumerate(cands):
+        n[c.key()] = pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.tp, cat="Integer")
+    z = pulp.LpVariable("z", 0, headroom)
+    ratio_of = {m: pulp.lpSum(c.capacity_rps / demand[m] * n[c.key()] for c in cands if c.model == m)
+                for m in demand}
+    for m in demand:
+        prob += ratio_of[m] >= z
+    for g, (count, _) in pool.items():
+        mine = [c.tp * n[c.key()] for c in cands if c.gpu == g]
+        if mine:
+            prob += pulp.lpSum(mine) <= count
+    gpus = pulp.lpSum(c.tp * n[c.key()] for c in cands)
+
+    # Stage 1: the highest worst-case ratio.
+    prob.setObjective(z)
+    status = _cbc(prob, time_limit, gap)
+    z_best = pulp.value(z) or 0.0
+    if status not in ("Optimal", "Not Solved") or z_best <= 1e-9:
+        need = {m: min(c.tp for c in cands if c.model == m) for m in demand}
+        raise PlacementError(
+            f"cannot give every model one instance: {len(demand)} models need at least "
+            f"{sum(need.values())} GPUs in fitting types, the pool has {sum(v[0] for v in pool.values())}")
+    # A small slack keeps stage 2 feasible despite CBC's integrality tolerances.
+    prob += z >= z_best * (1 - 1e-6) - 1e-9
+
+    # Stage 2: useful capacity (or latency), without giving up the ratio.
+    traffic = None
+    if objective == "latency":
+        x = {c.key(): pulp.LpVariable(f"x{i}", 0) for i, c in enumerate(cands)}
+        for c in cands:
+            prob += x[c.key()] <= c.capacity_rps * n[c.key()] / headroom if z_best >= 1 else \
+                x[c.key()] <= c.capacity_rps * n[c.key()]
+        for m in demand:
+            prob += pulp.lpSum(x[c.key()] for c in cands if c.model == m) == demand[m] * min(1.0, z_best)
+        lat = {c.key(): c.latency_ms if c.latency_ms is not None else 1e3 / c.capacity_rps for c in cands}
+        total = sum(demand.values()) or 1.0
+        prob.sense = pulp.LpMinimize
+        prob.setObjective(pulp.lpSum(lat[k] * x[k] for k in x) / total)
+        _cbc(prob, time_limit, gap)
+        best = pulp.value(prob.objective)
+        prob += pulp.lpSum(lat[k] * x[k] for k in x) / total <= best * (1 + 1e-6) + 1e-9
+    else:
+        s = {m: pulp.LpVariable(f"s{i}", 0, headroom * demand[m]) for i, m in enumerate(demand)}
+        for m in demand:
+            prob += s[m] <= ratio_of[m] * demand[m]
+        prob.setObjective(pulp.lpSum(s.values()))
+        _cbc(prob, time_limit, gap)
+        best = pulp.value(prob.objective) or 0.0
+        prob += pulp.lpSum(s.values()) >= best * (1 - 1e-6) - 1e-9
+
+    # Stage 3: the fewest GPUs.
+    prob.sense = pulp.LpMinimize
+    prob.setObjective(gpus)
+    status = _cbc(prob, time_limit, gap)
+    counts = {k: int(round(v.value() or 0)) for k, v in n.items()}
+    if objective == "latency":
+        traffic = {k: (v.value() or 0.0) for k, v in x.items()}
+    rows = rows_with_weights(counts, cands, demand, traffic)
+    capacity_of = {c.key(): c.capacity_rps for c in cands}
+    ratio, served, used = score(rows, demand, capacity_of, headroom)
+    return Placement(rows, ratio, served, used, time.perf_counter() - t0,
+                     "optimal" if status == "Optimal" and gap == 0 else status.lower())
+
+
+# ============================================================================ memP baseline
+# The paper's baseline: GPUs shared in proportion to rate x model size, each model at one
+# fixed tp, instances packed onto GPU types in inventory order, traffic split evenly per
+# instance (it does not know the GPUs differ).
+
+
+def memp_placement(scenario, tp_of=None):
+    pool = gpu_pool(scenario)
+    demand = demand_of(scenario)
+    measured = scenario.get("measured_instance_capacity_rps") or {}
+    tp_of = dict(tp_of or {})
+    for m in demand:
+        if m not in tp_of:
+            if m in measured:
+                tp_of[m] = int(measured[m]["tp"])
+            else:
+                cfg = scenario["models"][m]
+                ok = [tp for tp in TP_CHOICES if all(
+                    tp_allowed(cfg, tp, per_node) is None and memory_fits(cfg, _gpu_memory_gb(g), tp)
+                    for g, (count, per_node) in pool.items() if count > 0)]
+                tp_of[m] = ok[0] if ok else min(TP_CHOICES)
+    size = {m: d * param_count(scenario["models"][m]) for m, d in demand.items()}
+    total_gpus = sum(c for c, _ in pool.values())
+    ideal = {m: total_gpus * s / sum(size.values()) for m, s in size.items()}
+    inst = {m: int(ideal[m] // tp_of[m]) for m in demand}
+    left = total_gpus - sum(inst[m] * tp_of[m] for m in demand)
+    # Largest remainder, in units of each model's tp: give the GPUs left over one instance at
+    # a time to the model furthest below its share whose tp still fits.
+    while True:
+        short = sorted((ideal[m] - inst[m] * tp_of[m], m) for m in demand if tp_of[m] <= left)
+        if not short:
+            break
+        m = short[-1][1]
+        inst[m] += 1
+        left -= tp_of[m]
+    free = {g: c for g, (c, _) in pool.items()}
+    placed = {}
+    for m in demand:
+        for _ in range(inst[m]):
+            for g, (_, per_node) in pool.items():
+                if free[g] >= tp_of[m] and tp_of[m] <= per_node:
+                    free[g] -= tp_of[m]
+                    placed[(m, g)] = placed.get((m, g), 0) + 1
+                    break
+    rows = [{"model": m, "gpu": g, "tp": tp_of[m], "instances": k, "weight": 0.0}
+            for (m, g), k in placed.items()]
+    for m in demand:
+        mine = [r for r in rows if r["model"] == m]
+        for r in mine:
+            r["weight"] = round(r["instances"] / sum(x["instances"] for x in mine), 4)
+    return rows
+
+
+def _gpu_memory_gb(gpu_name):
+    sim = _sim()
+    if sim is not None:
+        with contextlib.suppress(ValueError, KeyError):
+            return float(sim.resolve_gpu(gpu_name).memory_gb)
+    found = re.search(r"(\d+)\s*GB", gpu_name, re.I)
+    return float(found.group(1)) if found else 80.0
+
+
+def paper_placement(scenario, name="opentela"):
+    """The scenario's published placement as rows (instance counts; weights as given, else
+    in proportion to instances)."""
+    rows = []
+    for entry in (scenario.get("paper_placements") or {}).get(name, []):
+        weights = entry.get("weights") or {}
+        gpus = [g for g in (x["type"] for x in scenario["gpus"]) if entry.get(g)]
+        total = sum(entry[g] for g in gpus)
+        for g in gpus:
+            rows.append({"model": entry["model"], "gpu": g, "tp": int(entry["tp"]), "instances": int(entry[g]),
+                         "weight": float(weights.get(g, entry[g] / total))})
+    return rows
+
+
+# ============================================================================ replay
+# Two ways to replay a placement under the scenario's workload, both with the routing
+# weights: otela_sim's request-level replay (continuous batching), and a fluid queue per
+# routed group fed by the per-instance capacities — the arithmetic behind the paper's
+# measured figures, and fast enough for hours of trace.
+
+
+def fluid_queue(arrivals, capacity, dt, service_s=0.0):
+    """FIFO fluid queue. arrivals[i]: requests arriving during step i; capacity[i]: requests/s
+    served during step i (the last value holds after the horizon). Departures are linear
+    within a step. Returns (latency samples [(seconds, requests)], time the last request
+    finishes)."""
+    steps = len(arrivals)
+    done, acc, backlog = [], 0.0, 0.0  # done[i]: requests finished by the end of step i
+    for i in range(steps):
+        acc += arrivals[i]
+        backlog = max(0.0, backlog + arrivals[i] - capacity[i] * dt)
+        done.append(acc - backlog)
+    tail_cap = capacity[-1] if steps else 0.0
+
+    def finished_at(target):  # when cumulative departures reach target
+        nonlocal s
+        while s < steps and done[s] < target - 1e-9:
+            s += 1
+        if s == steps:
+            return steps * dt + (target - done[-1]) / tail_cap if tail_cap > 0 else math.inf
+        prev = done[s - 1] if s > 0 else 0.0
+        frac = (target - prev) / (done[s] - prev) if done[s] > prev else 1.0
+        return (s + min(1.0, max(0.0, frac))) * dt
+
+    s, samples, acc = 0, [], 0.0
+    for i in range(steps):
+        if arrivals[i] > 0:
+            # the request arriving mid-step stands for the step's arrivals
+            wait = finished_at(acc + arrivals[i] / 2) - (i + 0.5) * dt
+            samples.append((max(0.0, wait) + service_s, arrivals[i]))
+        acc += arrivals[i]
+    finish = finished_at(acc) if acc > 0 else 0.0
+    return samples, finish + service_s
+
+
+def quantile(samples, q):
+    """Weighted quantile of [(value, weight)]."""
+    samples = sorted(samples)
+    total = sum(w for _, w in samples)
+    if total <= 0:
+        return 0.0
+    acc = 0.0
+    for v, w in samples:
+        acc += w
+        if acc >= q * total:
+            return v
+    return samples[-1][0]
+
+
+def replay_fluid(scenario, rows, capacity_of, latency_of=None, dt=1.0):
+    """Replay with constant Poisson-mean arrivals for duration_s, each row an independent
+    queue fed by its weight. Returns the replay object (see replay)."""
+    duration = float(scenario.get("duration_s", 300))
+    steps = max(1, int(round(duration / dt)))
+    per_model, samples = {}, []
+    for m, rate in demand_of(scenario).items():
+        mine = [r for r in rows if r["model"] == m and r["instances"] > 0]
+        if not mine:
+            per_model[m] = 0.0
+            continue
+        finish = 0.0
+        for r in mine:
+            key = (r["model"], r["gpu"], r["tp"])
+            cap = capacity_of.get(key, 0.0) * r["instances"]
+            service = ((latency_of or {}).get(key) or 0.0) / 1e3
+            s, f = fluid_queue([rate * r["weight"] * dt] * steps, [cap] * steps, dt, service)
+            samples.extend(s)
+            finish = max(finish, f)
+        per_model[m] = rate * duration / finish if finish > 0 else 0.0
+    return {"total_req_s": round(sum(per_model.values()), 2),
+            "per_model_req_s": {m: round(v, 2) for m, v in per_model.items()},
+            "p50_ms": round(quantile(samples, 0.5) * 1e3, 1),
+            "p99_ms": round(quantile(samples, 0.99) * 1e3, 1)}
+
+
+def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, seed=0):
+    """{total_req_s, per_model_req_s, p50_ms, p99_ms} of a placement. method 'sim' uses
+    otela_sim.replay; 'fluid' the capacity arithmetic; 'auto' the simulator when present."""
+    sim = _sim()
+    if method == "sim" or (method == "auto" and sim is not None and hasattr(sim, "replay")):
+        if sim is None:
+            raise PlacementError("otela_sim.py is not importable: use --replay fluid")
+        placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
+        out = sim.replay(scenario, placement, seed=seed)
+        return {"total_req_s": round(float(out["total_req_s"]), 2),
+                "per_model_req_s": {m: round(float(v), 2) for m, v in out["per_model_req_s"].items()},
+                "p50_ms": round(float(out["p50_ms"]), 1), "p99_ms": round(float(out["p99_ms"]), 1)}
+    if not capacity_of:
+        raise PlacementError("the fluid replay needs per-instance capacities")
+    return replay_fluid(scenario, rows, capacity_of, latency_of)
+
+
+# ============================================================================ plan
+# One function computes everything `plan` prints: ours, memP and (when the scenario has it)
+# the paper's placement, each replayed the same way.
+
+
+def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, replay_method="auto",
+             headroom=HEADROOM, seed=0, time_limit=SOLVE_TIME_LIMIT_S):
+    check_scenario(scenario)
+    demand = demand_of(scenario)
+    pool = gpu_pool(scenario)
+    cands, why_not = candidates(scenario, capacity)
+    if why_not:
+        m, why = next(iter(why_not.items()))
+        raise PlacementError(f"model {m} cannot run anywhere: {why}")
+    ours = solve(demand, pool, cands, objective, headroom, time_limit)
+    capacity_of = {c.key(): c.capacity_rps for c in cands}
+    latency_of = {c.key(): c.latency_ms for c in cands if c.latency_ms is not None}
+    # Baselines are scored with the capacities of their own (model, gpu, tp), which the
+    # candidate list may lack (e.g. memP's tp when ours prefers another): fill them in.
+    result = {"ours": {"placement": ours.rows}}
+    if baseline:
+        result["memp"] = {"placement": memp_placement(scenario)}
+    if scenario.get("paper_placements", {}).get("opentela"):
+        result["paper"] = {"placement": paper_placement(scenario)}
+    for entry in result.values():
+        for r in entry["placement"]:
+            key = (r["model"], r["gpu"], r["tp"])
+            if key not in capacity_of:
+                cand = _capacity_for(scenario, key, capacity)
+                capacity_of[key] = cand.capacity_rps if cand else 0.0
+                if cand is not None and cand.latency_ms is not None:
+                    latency_of[key] = cand.latency_ms
+        ratio, served, gpus = score(entry["placement"], demand, capacity_of, headroom)
+        entry["score"] = {"ratio": round(ratio, 4), "capacity_req_s": round(served, 2), "gpus": gpus}
+        if replay_method != "none":
+            entry["replay"] = replay(scenario, entry["placement"], replay_method, capacity_of, latency_of, seed)
+    result["ours"]["solve_s"] = round(ours.solve_s, 3)
+    result["ours"]["status"] = ours.status
+    return result
+
+
+def _capacity_for(scenario, key, capacity):
+    model, gpu, tp = key
+    measured = (scenario.get("measured_instance_capacity_rps") or {}).get(model)
+    if capacity != "sim" and measured and int(measured["tp"]) == tp and gpu in measured:
+        return Candidate(model, gpu, tp, float(measured[gpu]))
+    if capacity == "measured":
+        return None
+    cand, _ = sim_candidate(model, scenario["models"][model], gpu, tp, workload_of(scenario, model))
+    return cand
+
+
+def short_name(model):
+    return model.split("/")[-1]
+
+
+def format_plan(scenario, result):
+    """The side-by-side table `plan` prints."""
+    models = list(demand_of(scenario))
+    paper = scenario.get("paper_result_req_s") or {}
+    paper_key = {"ours": None, "paper": "opentela", "memp": "memory_proportional"}
+    head = f"{'placement':<10}" + "".join(f"{short_name(m)[:18]:>20}" for m in models)
+    head += f"{'total':>9}{'p50 ms':>10}{'p99 ms':>10}{'GPUs':>6}{'ratio':>7}{'paper':>8}"
+    lines = [head, "-" * len(head)]
+    for name, entry in result.items():
+        if not isinstance(entry, dict) or "replay" not in entry:
+            continue
+        rep = entry["replay"]
+        published = (paper.get(paper_key.get(name)) or {}).get("total") if paper_key.get(name) else None
+        line = f"{name:<10}" + "".join(f"{rep['per_model_req_s'].get(m, 0):>20.1f}" for m in models)
+        line += f"{rep['total_req_s']:>9.1f}{rep['p50_ms']:>10.0f}{rep['p99_ms']:>10.0f}"
+        line += f"{entry['score']['gpus']:>6}{entry['score']['ratio']:>7.3f}"
+        line += f"{published:>8.1f}" if published is not None else f"{'':>8}"
+        lines.append(line)
+    if "memp" in result and result["memp"]["replay"]["total_req_s"] > 0:
+        lines.append(f"ours / memp = {result['ours']['replay']['total_req_s'] / result['memp']['replay']['total_req_s']:.2f}"
+                     + (f"   (paper: {paper['opentela']['total'] / paper['memory_proportional']['total']:.2f})"
+                        if paper.get("opentela") and paper.get("memory_proportional") else ""))
+    for name, entry in result.items():
+        if isinstance(entry, dict) and "placement" in entry:
+            lines.append(f"{name}: " + ", ".join(
+                f"{short_name(r['model'])} {r['instances']}x{r['gpu']} tp{r['tp']} w={r['weight']:.3f}"
+                for r in entry["placement"]))
+    return "\n".join(lines)
+
+
+# ============================================================================ slurm
+# sinfo / squeue / sbatch / scancel, all through slurm_command. Jobs we submit carry the
+# comment "otela|MODEL|GPU|TP" (squeue %k), which is how reconcile recognises them.
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; one line."""
+
+
+class LockHeld(RuntimeError):
+    """Another placer run holds the lock."""
+
+
+def slurm_command(argv, timeout=60):
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmError(f"{argv[0]} not found: is Slurm installed on this node?") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{argv[0]} did not answer within {timeout} s") from None
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[0]
+        raise SlurmError(f"{' '.join(argv[:2])} failed: {why}")
+    return out.stdout
+
+
+def parse_gres(text):
+    """{gres type: count} of the GPUs in a GRES string, e.g. 'gpu:a100:4(S:0-1),shard:8'
+    -> {'a100': 4}; untyped 'gpu:2' -> {'gpu': 2}; '(null)' -> {}."""
+    found = {}
+    for item in re.split(r",(?![^(]*\))", text or ""):
+        item = re.sub(r"\(.*\)$", "", item.strip())
+        parts = item.split(":")
+        if parts[0] != "gpu" or len(parts) < 2:
+            continue
+        gtype, count = (parts[1], parts[2]) if len(parts) >= 3 else ("gpu", parts[1])
+        digits = re.match(r"\d+", count)
+        if digits:
+            found[gtype] = found.get(gtype, 0) + int(digits.group())
+    return found
+
+
+# Node states whose free GPUs a new job can get (drain, down, reserved... cannot).
+USABLE_STATES = ("idle", "mix")
+
+
+def parse_sinfo(text, aliases=None):
+    """Inventory from `sinfo -h -N -O NodeHost:|,StateCompact:|,Gres:|,GresUsed:|,Partition:|`:
+    free GPUs per type over idle/mixed nodes; per_node is the most free on one node."""
+    aliases = aliases or {}
+    seen, pool = set(), {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) < 4 or not fields[0] or fields[0] in seen:
+            continue  # a node listed once per partition counts once
+        seen.add(fields[0])
+        state = fields[1].rstrip("*~#$@^-+")
+        if state not in USABLE_STATES:
+            continue
+        total, used = parse_gres(fields[2]), parse_gres(fields[3])
+        for gtype, count in total.items():
+            free = count - used.get(gtype, 0)
+            if free <= 0:
+                continue
+            name = aliases.get(gtype, gtype)
+            entry = pool.setdefault(name, {"type": name, "count": 0, "per_node": 0,
+                                           "gres": "gpu" if gtype == "gpu" else f"gpu:{gtype}"})
+            entry["count"] += free
+            entry["per_node"] = max(entry["per_node"], free)
+    return {"gpus": list(pool.values())}
+
+
+def parse_aliases(pairs):
+    out = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise PlacementError(f"--gpu-alias {pair!r}: expected GRES=TYPE")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def slurm_inventory(aliases=None):
+    return parse_sinfo(slurm_command(["sinfo", "-h", "-N", "-O",
+                                      "NodeHost:|,StateCompact:|,Gres:|,GresUsed:|"]), aliases)
+
+
+def job_comment(key):
+    model, gpu, tp = key
+    return f"{OTELA_TAG}|{model}|{gpu}|{tp}"
+
+
+def parse_squeue(text):
+    """Our jobs from `squeue --me -h -o '%i %T %k'`: [{id, state, key}] (others skipped)."""
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split(None, 2)
+        if len(parts) < 3:
+            continue
+        fields = parts[2].split("|")
+        if len(fields) != 4 or fields[0] != OTELA_TAG or not fields[3].isdigit():
+            continue
+        jobs.append({"id": parts[0], "state": parts[1], "key": (fields[1], fields[2], int(fields[3]))})
+    return jobs
+
+
+# States in which a job holds or will hold an instance (squeue shows nothing else for long).
+LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED", "SUSPENDED")
+
+
+def slurm_jobs():
+    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %k"])
+    return [j for j in parse_squeue(out) if j["state"] in LIVE_JOB_STATES]
+
+
+@contextlib.contextmanager
+def run_lock(path=LOCK_PATH):
+    """One placer run at a time: a non-blocking flock, released when the process exits."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            raise LockHeld(f"another otela_place run holds {path} (pid {holder}); not running twice") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()
+
+
+# ============================================================================ sbatch
+# Templates live in sbatch/: {{NAME}} placeholders, filled with shell-quoted values, except
+# directive values (job name, comment, time, log dir) which must be safe as they are, and the
+# line "# {{SBATCH_EXTRA}}", replaced by extra #SBATCH lines (gres, partition, ...).
+
+TEMPLATES = {"vllm": "vllm.sbatch", "sglang": "sglang.sbatch", "llamacpp": "llamacpp.sbatch"}
+DIRECTIVE_VARS = ("JOB_NAME", "COMMENT", "TIME_LIMIT", "LOG_DIR")
+SAFE_DIRECTIVE = re.compile(r"^[A-Za-z0-9_.:/|%@+=,-]+$")
+
+
+def template_path(name):
+    if name in TEMPLATES:
+        return os.path.join(SBATCH_DIR, TEMPLATES[name])
+    if os.path.isfile(name):
+        return name
+    raise PlacementError(f"unknown template {name!r}: one of {', '.join(TEMPLATES)} or a file")
+
+
+def render(template_text, values, extra_directives=()):
+    """Fill a template. Unknown placeholders left in the text are an error."""
+    text = template_text.replace("# {{SBATCH_EXTRA}}\n", "".join(f"#SBATCH {d}\n" for d in extra_directives))
+    for name, value in values.items():
+        value = str(value)
+        if name in DIRECTIVE_VARS:
+            if not SAFE_DIRECTIVE.match(value):
+                raise PlacementError(f"{name}={value!r} has characters unsafe in an #SBATCH line")
+            text = text.replace("{{" + name + "}}", value)
+        else:
+            text = text.replace("{{" + name + "}}", shlex.quote(value))
+    left = re.findall(r"\{\{([A-Z_]+)\}\}", text)
+    if left:
+        raise PlacementError(f"template needs a value for {left[0]} (--sbatch-var {left[0]}=...)")
+    return text
+
+
+def slug(text):
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40]
+
+
+def job_scripts(rows, inventory, template, sbatch_vars):
+    """One rendered script per instance: [(key, file name, text)]."""
+    with open(template_path(template)) as f:
+        text = f.read()
+    types = {g["type"]: g for g in inventory.get("gpus", [])}
+    scripts = []
+    for r in rows:
+        key = (r["model"], r["gpu"], r["tp"])
+        gpu = types.get(r["gpu"], {})
+        extra = []
+        gres = gpu.get("gres", "gpu")
+        if gres:
+            extra.append(f"--gres={gres}:{r['tp']}")
+        if gpu.get("partition"):
+            extra.append(f"--partition={gpu['partition']}")
+        extra.extend(gpu.get("sbatch", []))
+        name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}"
+        for i in range(r["instances"]):
+            values = {"JOB_NAME": name, "COMMENT": job_comment(key), "TIME_LIMIT": JOB_TIME_LIMIT,
+                      "LOG_DIR": os.path.join(os.path.expanduser("~"), ".otela", "logs"),
+                      "MODEL": r["model"], "GPU": r["gpu"], "TP": r["tp"], "ENGINE_CMD": "",
+                      "OTELA_DIR": os.path.dirname(os.path.abspath(__file__)), "PYTHON": "python3",
+                      "LISTEN_HOST": "0.0.0.0"}
+            values.update(sbatch_vars)
+            scripts.append((key, f"{name}-{i}.sbatch", render(text, values, extra)))
+    return scripts
+
+
+# ============================================================================ ingress
+# Demand and live sessions from a running ingress, over HTTP (stdlib urllib).
+
+
+def http_json(url):
+    try:
+        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+            return json.loads(resp.read().decode())
+    except urllib.error.HTTPError as e:
+        raise PlacementError(f"{url}: HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise PlacementError(f"{url}: {getattr(e, 'reason', e)}") from None
+    except ValueError:
+        raise PlacementError(f"{url}: the answer is not JSON") from None
+
+
+def ingress_demand(base_url):
+    """Workload rows from GET /v1/usage/stats: {"models": {model: {rate_rps, input, output}}}."""
+    doc = http_json(base_url.rstrip("/") + "/v1/usage/stats")
+    models = doc.get("models", doc) if isinstance(doc, dict) else None
+    if not isinstance(models, dict):
+        raise PlacementError(f"{base_url}/v1/usage/stats: expected an object of models")
+    rows = []
+    for m, st in models.items():
+        if not isinstance(st, dict):
+            continue
+        rows.append({"model": m, "rate_rps": float(st.get("rate_rps", 0.0)),
+                     "input": st.get("input") or {"mean": 512, "std": 0},
+                     "output": st.get("output") or {"mean": 128, "std": 0}})
+    return rows
+
+
+def ingress_sessions(base_url):
+    doc = http_json(base_url.rstrip("/") + "/v1/registry")
+    sessions = doc.get("sessions", []) if isinstance(doc, dict) else doc
+    if not isinstance(sessions, list):
+        raise PlacementError(f"{base_url}/v1/registry: expected a list of sessions")
+    return sessions
+
+
+def session_key(session):
+    """(model, gpu, tp) of a live session from the labels our job templates set, or None."""
+    labels = session.get("labels") or {}
+    if isinstance(labels, list):
+        labels = dict(x.split("=", 1) for x in labels if "=" in x)
+    try:
+        return (labels["otela.model"], labels["otela.gpu"], int(labels["otela.tp"]))
+    except (KeyError, ValueError):
+        return None
+
+
+# ============================================================================ reconcile
+# plan - (jobs in squeue + labelled live sessions not from those jobs) -> sbatch / scancel.
+# Idempotent: a second run sees the first run's jobs in squeue and finds no difference.
+
+
+def reconcile_actions(rows, jobs, sessions=()):
+    """{"submit": {key: n}, "cancel": [job ids], "have": {key: n}, "want": {key: n}}."""
+    want = {(r["model"], r["gpu"], r["tp"]): r["instances"] for r in rows if r["instances"] > 0}
+    ours = {j["id"] for j in jobs}
+    have, by_key = {}, {}
+    for j in jobs:
+        have[j["key"]] = have.get(j["key"], 0) + 1
+        by_key.setdefault(j["key"], []).append(j)
+    for s in sessions:
+        key = session_key(s)
+        job = str((s.get("labels") or {}).get("slurm_job", "")) if isinstance(s.get("labels"), dict) else ""
+        if key and s.get("state") in ("JOIN", "SERVING") and job not in ours:
+            have[key] = have.get(key, 0) + 1  # started elsewhere (by hand, Kubernetes): count it
+    submit, cancel = {}, []
+    for key in set(want) | set(have):
+        diff = want.get(key, 0) - have.get(key, 0)
+        if diff > 0:
+            submit[key] = diff
+        elif diff < 0:
+            # pending jobs first (they cost no load time), newest first
+            order = sorted(by_key.get(key, []), key=lambda j: (j["state"] != "PENDING", -_job_number(j["id"])))
+            cancel.extend(j["id"] for j in order[:-diff])
+    return {"submit": submit, "cancel": sorted(cancel, key=_job_number), "have": have, "want": want}
+
+
+def _job_number(job_id):
+    digits = re.match(r"\d+", str(job_id))
+    return int(digits.group()) if digits else 0
+
+
+def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None):
+    """Write scripts, compare with squeue (+ sessions), and submit/cancel the difference when
+    `submit`, else report what would be done. Returns the report."""
+    scripts = job_scripts(rows, inventory, template, sbatch_vars)
+    if emit_dir:
+        os.makedirs(emit_dir, exist_ok=True)
+        for _, name, text in scripts:
+            with open(os.path.join(emit_dir, name), "w") as f:
+                f.write(text)
+    if jobs is None:
+        jobs = slurm_jobs() if (submit or emit_dir is None) else []
+    actions = reconcile_actions(rows, jobs, sessions)
+    report = {"scripts": [os.path.join(emit_dir, n) if emit_dir else n for _, n, _ in scripts],
+              "submit": [], "cancel": actions["cancel"], "submitted": [], "cancelled": [],
+              "dry_run": not submit}
+    by_key = {}
+    for key, name, text in scripts:
+        by_key.setdefault(key, []).append((name, text))
+    for key, n in sorted(actions["submit"].items()):
+        for name, _text in by_key.get(key, [])[:n]:
+            report["submit"].append(name)
+            if submit:
+                path = os.path.join(emit_dir, name) if emit_dir else None
+                if path is None:
+                    raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
+                job = slurm_command(["sbatch", "--parsable", path]).strip().split(";")[0]
+                report["submitted"].append(job)
+    if submit and actions["cancel"]:
+        slurm_command(["scancel"] + actions["cancel"])
+        report["cancelled"] = list(actions["cancel"])
+    return report
+
+
+# ============================================================================ dynamic reclamation
+# What the seed paper lacks. Each cron interval the reclaimer sees per-model demand and
+# decides scale-ups and scale-downs:
+#   - a model above RECLAIM_HIGH_UTIL of its capacity asks for instances up to
+#     demand x headroom; they serve only after the model's load time (the cost of a move);
+#   - a model that stayed below RECLAIM_LOW_UTIL for the cooldown is a donor: its instances
+#     beyond demand x headroom (and beyond min_instances) may be scancelled;
+#   - donors give GPUs when others need them; with release_idle they also give them back to
+#     Slurm at once (GPU-hours saved);
+#   - hysteresis: low < high watermarks, and no scale-down within a cooldown of the model's
+#     last change, so a model does not flap between bursts.
+# The class is pure (demand and a clock in, decisions out); replay_trace drives it over a
+# synthetic bursty trace and reconcile could drive it from cron with a state file.
+
+
+class Reclaimer:
+    def __init__(self, cands, pool, load_s, headroom=HEADROOM, low=RECLAIM_LOW_UTIL, high=RECLAIM_HIGH_UTIL,
+                 cooldown_s=RECLAIM_COOLDOWN_S, min_instances=1, release_idle=True):
+        self.cands = {}
+        for c in cands:  # best capacity per GPU first: what a scale-up tries
+            self.cands.setdefault(c.model, []).append(c)
+        for m in self.cands:
+            self.cands[m].sort(key=lambda c: -c.capacity_rps / c.tp)
+        self.pool = {g: count for g, (count, _) in pool.items()}
+        self.load_s, self.headroom, self.low, self.high = load_s, headroom, low, high
+        self.cooldown_s, self.min_instances, self.release_idle = cooldown_s, min_instances, release_idle
+        self.instances = {m: [] for m in self.cands}  # [candidate, ready_at]
+        self.below_since, self.last_change = {}, {}
+        self.moves = 0
+
+    def start(self, rows, now=0.0):
+        by_key = {c.key(): c for cs in self.cands.values() for c in cs}
+        for r in rows:
+            for _ in range(r["instances"]):
+                self.instances[r["model"]].append([by_key[(r["model"], r["gpu"], r["tp"])], now])
+
+    def free(self):
+        used = {g: 0 for g in self.pool}
+        for insts in self.instances.values():
+            for c, _ in insts:
+                used[c.gpu] += c.tp
+        return {g: self.pool[g] - used[g] for g in self.pool}
+
+    def capacity(self, m, now, ready_only=True):
+        return sum(c.capacity_rps for c, t in self.instances[m] if not ready_only or t <= now)
+
+    def gpus_held(self):
+        return sum(c.tp for insts in self.instances.values() for c, _ in insts)
+
+    def _surplus(self, m, demand):
+        """Instances model m can give up (worst capacity per GPU first)."""
+        insts = sorted(self.instances[m], key=lambda x: x[0].capacity_rps / x[0].tp)
+        cap, out = self.capacity(m, 0, ready_only=False), []
+        for inst in insts:
+            if len(self.instances[m]) - len(out) <= self.min_instances:
+                break
+            if cap - inst[0].capacity_rps < demand * self.headroom:
+                continue
+            cap -= inst[0].capacity_rps
+            out.append(inst)
+        return out
+
+    def step(self, now, demand):
+        """Apply one interval's decisions; returns [(model, +1/-1, gpu)]."""
+        moves = []
+        donors = []
+        for m in self.instances:
+            d = demand.get(m, 0.0)
+            cap = self.capacity(m, now, ready_only=False)
+            util = d / cap if cap > 0 else (math.inf if d > 0 else 0.0)
+            if util < self.low:
+                self.below_since.setdefault(m, now)
+            else:
+                self.below_since.pop(m, None)
+            if (now - self.below_since.get(m, now) >= self.cooldown_s
+                    and now - self.last_change.get(m, -math.inf) >= self.cooldown_s):
+                donors.append(m)
+        if self.release_idle:
+            for m in donors:
+                for inst in self._surplus(m, demand.get(m, 0.0)):
+                    self.instances[m].remove(inst)
+                    moves.append((m, -1, inst[0].gpu))
+                    self.last_change[m] = now
+        # Most starved first.
+        starved = sorted(((demand.get(m, 0.0) / max(self.capacity(m, now, False), 1e-9), m)
+                          for m in self.instances), reverse=True)
+        for util, m in starved:
+            if util <= self.high:
+                break
+            need = demand[m] * self.headroom - self.capacity(m, now, ready_only=False)
+            while need > 0:
+                cand = self._take_gpus(m, now, donors, demand, moves)
+                if cand is None:
+                    break
+                self.instances[m].append([cand, now + self.load_s[m]])
+                moves.append((m, +1, cand.gpu))
+                self.last_change[m] = now
+                need -= cand.capacity_rps
+        self.moves += len(moves)
+        return moves
+
+    def _take_gpus(self, m, now, donors, demand, moves):
+        free = self.free()
+        for c in self.cands[m]:
+            if free[c.gpu] >= c.tp:
+                return c
+        # Reclaim: donors whose reload is cheapest (load time x their demand) give first.
+        for donor in sorted((d for d in donors if d != m), key=lambda d: self.load_s[d] * demand.get(d, 0.0)):
+            for inst in self._surplus(donor, demand.get(donor, 0.0)):
+                for c in self.cands[m]:
+                    if c.gpu == inst[0].gpu and free[c.gpu] + inst[0].tp >= c.tp:
+                        self.instances[donor].remove(inst)
+                        moves.append((donor, -1, inst[0].gpu))
+                        self.last_change[donor] = now
+                        return c
+        return None
+
+
+def bursty_trace(mean_rps, hours, seed=0, ratios=(90, 15, 13), bin_s=60):
+    """Per-model rate per bin: a low base with a few bursts at ratio x mean, the mean kept
+    exact. Peak over mean is the ratio (bins are aligned with the bursts)."""
+    rng = random.Random(seed)
+    bins = max(10, int(hours * 3600 // bin_s))
+    trace = {}
+    for i, (m, mu) in enumerate(mean_rps.items()):
+        ratio = ratios[i % len(ratios)]
+        bursts = 2 if ratio >= 50 else 4
+        width = max(1, int(0.8 * bins / (ratio * bursts)))  # bursts carry 80% of the requests
+        frac = bursts * width / bins
+        base = max(0.0, (mu - ratio * mu * frac) / (1 - frac))
+        rates = [base] * bins
+        slots = rng.sample(range(bins // width), bursts)
+        for s in slots:
+            rates[s * width:(s + 1) * width] = [ratio * mu] * width
+        trace[m] = rates
+    return trace, bin_s
+
+
+def replay_trace(scenario, capacity="auto", hours=6.0, load=0.5, seed=0, ratios=(90, 15, 13),
+                 interval_s=RECLAIM_INTERVAL_S, dt=1.0):
+    """Static placement (solved for the mean demand) vs dynamic reclamation on a bursty trace:
+    P50/P99 latency, GPU-hours, moves. Mean demand is `load` of what the whole pool serves."""
+    check_scenario(scenario)
+    pool = gpu_pool(scenario)
+    cands, why_not = candidates(scenario, capacity)
+    if why_not:
+        m, why = next(iter(why_not.items()))
+        raise PlacementError(f"model {m} cannot run anywhere: {why}")
+    demand = demand_of(scenario)
+    full = solve(demand, pool, cands, headroom=1e6)  # the pool's worst-case ratio at this demand mix
+    mean = {m: d * full.ratio * load for m, d in demand.items()}
+    static_rows = solve(mean, pool, cands).rows
+    trace, bin_s = bursty_trace(mean, hours, seed, ratios)
+    steps = int(len(next(iter(trace.values()))) * bin_s / dt)
+    arrivals = {m: [trace[m][int(i * dt // bin_s)] * dt for i in range(steps)] for m in trace}
+    load_s = {m: load_time_s(scenario["models"][m]) for m in demand}
+    latency = {c.model: (c.latency_ms or 0.0) / 1e3 for c in cands}
+    results = {}
+    for name in ("static", "reclaim"):
+        r = Reclaimer(cands, pool, load_s)
+        r.start(static_rows)
+        cap = {m: [] for m in demand}
+        gpu_s, window = 0.0, {m: 0.0 for m in demand}
+        backlog = {m: 0.0 for m in demand}
+        for i in range(steps):
+            now = i * dt
+            if name == "reclaim" and i > 0 and now % interval_s == 0:
+                # what the ingress sees: the last interval's rate plus what is still queued
+                seen = {m: window[m] / interval_s + backlog[m] / interval_s for m in demand}
+                r.step(now, seen)
+                window = {m: 0.0 for m in demand}
+            for m in demand:
+                c = r.capacity(m, now)
+                cap[m].append(c)
+                window[m] += arrivals[m][i]
+                backlog[m] = max(0.0, backlog[m] + arrivals[m][i] - c * dt)
+            gpu_s += r.gpus_held() * dt
+        samples, per_model = [], {}
+        for m in demand:
+            s, _ = fluid_queue(arrivals[m], cap[m], dt, latency[m])
+            samples.extend(s)
+            per_model[m] = {"p50_ms": round(quantile(s, 0.5) * 1e3, 1), "p99_ms": round(quantile(s, 0.99) * 1e3, 1)}
+        results[name] = {"p50_ms": round(quantile(samples, 0.5) * 1e3, 1),
+                         "p99_ms": round(quantile(samples, 0.99) * 1e3, 1),
+                         "gpu_hours": round(gpu_s / 3600, 1), "moves": r.moves, "per_model": per_model}
+    peaks = {m: round(max(v) / (sum(v) / len(v)), 1) for m, v in trace.items()}
+    return {"hours": hours, "mean_rps": {m: round(v, 2) for m, v in mean.items()},
+            "peak_over_mean": peaks, "pool_gpus": sum(c for c, _ in pool.values()),
+            "static_placement": static_rows, **results}
+
+
+def format_trace(result):
+    lines = [f"bursty trace, {result['hours']:g} h, pool {result['pool_gpus']} GPUs; "
+             f"static = solver on mean demand, reclaim = same start + dynamic reclamation",
+             f"{'model':<28}{'mean rps':>9}{'peak/mean':>10}{'static p99 s':>14}{'reclaim p99 s':>15}"]
+    for m, mu in result["mean_rps"].items():
+        lines.append(f"{short_name(m)[:27]:<28}{mu:>9.2f}{result['peak_over_mean'][m]:>10.1f}"
+                     f"{result['static']['per_model'][m]['p99_ms'] / 1e3:>14.1f}"
+                     f"{result['reclaim']['per_model'][m]['p99_ms'] / 1e3:>15.1f}")
+    for name in ("static", "reclaim"):
+        x = result[name]
+        lines.append(f"{name:<8} p50 {x['p50_ms'] / 1e3:8.1f} s   p99 {x['p99_ms'] / 1e3:8.1f} s   "
+                     f"GPU-hours {x['gpu_hours']:8.1f}   moves {x['moves']}")
+    return "\n".join(lines)
+
+
+# ============================================================================ CLI
+
+
+def env_default(flag, default=None):
+    """Every flag also reads OTELA_<FLAG> (e.g. --from-ingress -> OTELA_FROM_INGRESS)."""
+    return os.environ.get("OTELA_" + flag.lstrip("-").replace("-", "_").upper(), default)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="otela_place.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="place models on GPUs; optionally emit and submit Slurm jobs")
+    src = plan.add_argument_group("inputs")
+    src.add_argument("--scenario", default=env_default("--scenario"),
+                     help="JSON with gpus, models, workload (and optional measured capacities)")
+    src.add_argument("--from-ingress", default=env_default("--from-ingress"), metavar="URL",
+                     help="read demand (/v1/usage/stats) and live sessions (/v1/registry) from an ingress")
+    src.add_argument("--inventory", default=env_default("--inventory"), metavar="FILE",
+                     help='free GPUs as JSON {"gpus": [{"type","count","per_node"}]}')
+    src.add_argument("--from-slurm", action="store_true", help="free GPUs from sinfo GRES")
+    src.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE",
+                     help="map a Slurm GRES type to a GPU name, e.g. a100=A100-80GB-SXM4 (repeatable)")
+    opt = plan.add_argument_group("placement")
+    opt.add_argument("--capacity", choices=("auto", "measured", "sim"), default=env_default("--capacity", "auto"),
+                     help="per-instance capacity: the scenario's measured figures, otela_sim, or measured where given")
+    opt.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
+                     help="after the worst-case ratio: most useful capacity, or least mean latency")
+    opt.add_argument("--headroom", type=float, default=HEADROOM,
+                     help=f"capacity/demand beyond which a model needs nothing more (default {HEADROOM})")
+    opt.add_argument("--baseline", choices=("memp", "none"), default="memp",
+                     help="also compute the memory-proportional baseline (default memp)")
+    opt.add_argument("--replay", choices=("auto", "sim", "fluid"), default="auto",
+                     help="replay with otela_sim (auto when importable) or the fluid capacity model")
+    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="CBC seconds per stage")
+    opt.add_argument("--json", action="store_true", help="print one JSON object keyed by placement name")
+    plan_slurm_args(plan)
+
+    rp = sub.add_parser("replay", help="replay placements; --trace compares static and reclamation")
+    rp.add_argument("--scenario", default=env_default("--scenario"))
+    rp.add_argument("--trace", action="store_true", help="bursty synthetic trace: static vs dynamic reclamation")
+    rp.add_argument("--hours", type=float, default=6.0, help="trace length (default 6 h)")
+    rp.add_argument("--load", type=float, default=0.5, help="mean demand as a fraction of the pool's capacity")
+    rp.add_argument("--capacity", choices=("auto", "measured", "sim"), default="auto")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--json", action="store_true")
+
+    inv = sub.add_parser("inventory", help="print free GPUs parsed from sinfo as an inventory JSON")
+    inv.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE")
+    return p
+
+
+def plan_slurm_args(plan):
+    sl = plan.add_argument_group("Slurm (cron)")
+    sl.add_argument("--emit-sbatch", metavar="DIR", default=env_default("--emit-sbatch"),
+                    help="write one job script per planned instance into DIR")
+    sl.add_argument("--submit", action="store_true",
+                    help="submit/cancel the difference between the plan and squeue --me (default: print it)")
+    sl.add_argument("--template", default=env_default("--template", "vllm"),
+                    help="job template: vllm, sglang, llamacpp, or a file (default vllm)")
+    sl.add_argument("--sbatch-var", action="append", default=[], metavar="NAME=VALUE",
+                    help="template value, e.g. KEY_FILE=~/.otela/cluster.key BOOTSTRAP=login1:7946 (repeatable)")
+    sl.add_argument("--lock", default=env_default("--lock", LOCK_PATH), help="lock file: one run at a time")
+
+
+def model_config(name):
+    """HF-style config dict of a model the scenario does not describe, from otela_sim."""
+    sim = _sim()
+    if sim is None:
+        raise PlacementError(f"model {name}: no config in the scenario and otela_sim.py is absent")
+    try:
+        model = sim.resolve_model(name)
+    except (ValueError, KeyError) as e:
+        raise PlacementError(f"model {name}: {e}") from None
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size", "max_position_embeddings", "dtype_bytes", "head_dim")
+    return {k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}
+
+
+def build_scenario(args):
+    """The scenario a plan run works on, and the inventory its job scripts use."""
+    scenario = load_json(args.scenario) if args.scenario else {"gpus": [], "models": {}, "workload": []}
+    scenario.setdefault("models", {})
+    if args.inventory:
+        inventory = load_json(args.inventory)
+        scenario["gpus"] = inventory.get("gpus", [])
+    elif args.from_slurm:
+        inventory = slurm_inventory(parse_aliases(args.gpu_alias))
+        # GPUs our own running jobs hold are ours to re-plan, not taken.
+        held = {}
+        for j in slurm_jobs():
+            if j["state"] == "RUNNING":
+                held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
+        for g in inventory["gpus"]:
+            g["count"] += held.pop(g["type"], 0)
+        inventory["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
+        scenario["gpus"] = inventory["gpus"]
+    else:
+        inventory = {"gpus": scenario.get("gpus", [])}
+    sessions = []
+    if args.from_ingress:
+        scenario["workload"] = ingress_demand(args.from_ingress)
+        sessions = ingress_sessions(args.from_ingress)
+        for w in scenario["workload"]:
+            if w["model"] not in scenario["models"]:
+                scenario["models"][w["model"]] = model_config(w["model"])
+    if not args.scenario and not args.from_ingress:
+        raise PlacementError("give --scenario FILE or --from-ingress URL")
+    if not scenario["gpus"]:
+        raise PlacementError("no GPUs: give them in the scenario, --inventory FILE or --from-slurm")
+    return scenario, inventory, sessions
+
+
+def cmd_plan(args):
+    scenario, inventory, sessions = build_scenario(args)
+    cron = bool(args.emit_sbatch or args.submit or args.from_slurm)
+    result = plan_all(scenario, args.capacity, args.objective, baseline=args.baseline == "memp" and not cron,
+                      replay_method="none" if cron else args.replay, headroom=args.headroom,
+                      seed=args.seed, time_limit=args.time_limit)
+    if cron:
+        if args.submit and not args.emit_sbatch:
+            raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
+        sbatch_vars = dict(v.split("=", 1) for v in args.sbatch_var if "=" in v)
+        with run_lock(args.lock):
+            try:
+                jobs = slurm_jobs()
+            except SlurmError:
+                if args.submit:
+                    raise
+                jobs = []  # a dry run on a machine without Slurm: compare with nothing
+            result["reconcile"] = reconcile(result["ours"]["placement"], inventory, args.template, sbatch_vars,
+                                            args.emit_sbatch, args.submit, sessions, jobs)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(format_plan(scenario, result))
+    rec = result.get("reconcile")
+    if rec:
+        verb = "would submit" if rec["dry_run"] else "submitted"
+        print(f"{verb} {len(rec['submit'])}: " + (" ".join(rec["submit"]) or "-"))
+        print(f"{'would cancel' if rec['dry_run'] else 'cancelled'} {len(rec['cancel'])}: "
+              + (" ".join(rec["cancel"]) or "-"))
+    return 0
+
+
+def cmd_replay(args):
+    if not args.scenario:
+        raise PlacementError("give --scenario FILE")
+    scenario = load_json(args.scenario)
+    if not args.trace:
+        result = plan_all(scenario, args.capacity, replay_method="auto", seed=args.seed)
+        print(json.dumps(result, indent=1) if args.json else format_plan(scenario, result))
+        return 0
+    result = replay_trace(scenario, args.capacity, args.hours, args.load, args.seed)
+    print(json.dumps(result, indent=1) if args.json else format_trace(result))
+    return 0
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        if args.command == "replay":
+            return cmd_replay(args)
+        if args.command == "inventory":
+            print(json.dumps(slurm_inventory(parse_aliases(args.gpu_alias)), indent=1))
+            return 0
+    except PlacementError as e:
+        print(f"otela_place: {e}", file=sys.stderr)
+        return 2
+    except SlurmError as e:
+        print(f"otela_place: {e}", file=sys.stderr)
+        return 1
+    except LockHeld as e:
+        print(f"otela_place: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
