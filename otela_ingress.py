@@ -1,0 +1,1779 @@
+"""otela_ingress.py: the OpenAI-compatible front door of the otela overlay.
+
+Role: a full overlay member (it runs an `otela_node.Node` with role "ingress", so it holds the
+session registry locally) that also serves the OpenAI HTTP API to users. A request comes in
+over HTTP/1.1 (h11 on asyncio), is authenticated against a hashed key in SQLite, is routed by
+a pluggable policy to one healthy session serving its model, and is proxied there over a
+keep-alive connection (to the node's tunnel address with the cluster's tunnel header). The
+answer goes back to the client as it arrives: whole for plain requests, byte for byte for
+server-sent event streams. Every finished request becomes a row of the usage ledger.
+
+Data flow:
+    client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
+        --> policy.pick --> upstream pool --h11--> node tunnel --> engine
+        <-- response relayed (retried on another session if nothing was sent yet)
+        --> ledger queue --> writer thread --> SQLite (WAL), committed before the client
+            sees the last byte, so a kill -9 never loses a completed request.
+
+What this file must never do:
+  1. Block the event loop: no SQLite, no DNS, no file I/O on the request path (keys are read
+     by the ledger thread and swapped in; usage queries run in an executor).
+  2. Re-serialise what it relays: the request body is forwarded verbatim (one exception: a
+     stream gets `stream_options.include_usage` so its tokens can be counted, and the
+     usage-only chunk the client did not ask for is removed); SSE chunks are relayed as bytes.
+  3. Let one client hurt another: every connection has its own task, its own buffers and
+     limits; a slow reader only slows its own stream.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import collections
+import hashlib
+import importlib
+import math
+import os
+import queue
+import random
+import re
+import secrets
+import socket
+import sqlite3
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from urllib.parse import parse_qs
+
+import h11
+
+import crdt
+
+# ---------------------------------------------------------------------------------------------
+# Config: every limit and timing default, with the reason for the number
+# ---------------------------------------------------------------------------------------------
+MAX_HEADER_BYTES = 16 * 1024         # request line + headers; real clients send < 2 KiB, and
+                                     # a bigger budget only helps slowloris-style abuse
+MAX_BODY_BYTES = 16 * 1024 * 1024    # a 128k-token prompt is ~0.5 MB of text; embedding
+                                     # batches are larger; 16 MiB leaves room for both
+MAX_CONNECTIONS = 4096               # below the usual 8192 fd soft limit with upstreams counted
+READ_CHUNK = 256 * 1024              # one read per SSE burst or request body in most cases
+IDLE_TIMEOUT_S = 120.0               # a keep-alive client silent this long is closed
+REQUEST_TIMEOUT_S = 30.0             # a started request must be fully received within this
+UPSTREAM_CONNECT_TIMEOUT_S = 3.0     # loopback/LAN connects take < 1 ms; 3 s means dead
+UPSTREAM_IDLE_TIMEOUT_S = 600.0      # prefill of a long prompt on a busy engine can take
+                                     # minutes before the first byte; longer means hung
+SWEEP_INTERVAL_S = 1.0               # granularity of the timeouts above
+MAX_ATTEMPTS = 3                     # sessions tried per request (the issue's "up to 3")
+RETRY_STATUSES = frozenset((500, 502, 503))  # engine-side failures worth another session
+POOL_IDLE_PER_PROVIDER = 128         # kept-alive upstream connections per session (> the 64
+                                     # concurrent clients of the benchmark)
+SICK_AFTER_FAILURES = 2              # consecutive failures before a session leaves rotation:
+                                     # one failure may be bad luck, two in a row is a pattern
+SICK_BACKOFF_S = 1.0                 # first time out of rotation, doubled per relapse ...
+SICK_BACKOFF_MAX_S = 60.0            # ... up to a minute, then probed back in by one request
+CANDIDATE_TTL_S = 1.0                # candidate lists are rebuilt on registry change, and at
+                                     # least this often in case a change went unnoticed
+STATS_WINDOW_S = 300.0               # /v1/usage/stats looks at the last five minutes ...
+STATS_MAX_SAMPLES = 20000            # ... of at most this many requests per model
+LEDGER_BATCH = 512                   # rows per SQLite transaction under load
+KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
+SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
+RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
+DEFAULT_DB = "otela.sqlite"
+NO_TRACK_HEADER = b"x-otela-no-track"  # "1" opts the request out of per-request rows
+SESSION_HEADER = b"x-otela-session"    # response header: which session served the request
+KEY_PREFIX = "sk-otela-"
+PROXIED_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"))
+STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI error bodies
+# ---------------------------------------------------------------------------------------------
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_error", 431: "invalid_request_error", 499: "client_closed_request",
+    502: "api_error", 503: "api_error", 504: "api_error",
+}
+_REASONS = {
+    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
+    404: b"Not Found", 405: b"Method Not Allowed", 413: b"Payload Too Large",
+    429: b"Too Many Requests", 431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
+    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+}
+
+
+def error_body(status: int, message: str, code: Optional[str] = None,
+               param: Optional[str] = None) -> bytes:
+    """The body OpenAI's API (and so every OpenAI client) expects for an error."""
+    return crdt.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
+                                 "param": param, "code": code}})
+
+
+class HTTPError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None,
+                 param: Optional[str] = None, headers: Sequence[Tuple[bytes, bytes]] = ()):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = list(headers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and allowlists (SQLite, hashed)
+# ---------------------------------------------------------------------------------------------
+# Keys are 256 random bits, so a plain sha256 is enough to store them: there is no password
+# to brute-force, and the lookup must cost a microsecond, not a KDF's milliseconds.
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (
+    id TEXT PRIMARY KEY, user TEXT NOT NULL, hash TEXT NOT NULL UNIQUE,
+    allow TEXT NOT NULL DEFAULT '[]', admin INTEGER NOT NULL DEFAULT 0,
+    rate REAL NOT NULL DEFAULT 0, created REAL NOT NULL, revoked REAL);
+CREATE TABLE IF NOT EXISTS requests (
+    ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
+    session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
+    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER);
+CREATE TABLE IF NOT EXISTS daily (
+    day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
+    requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
+    opted_out INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, user, model));
+"""
+
+
+def open_db(path: str) -> sqlite3.Connection:
+    """One connection with the schema, WAL and a busy timeout (the CLI and serve share it)."""
+    db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    # NORMAL in WAL mode: a commit is durable against a crash of this process (kill -9),
+    # which is the promise; only a power loss may drop the last commits.
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(_SCHEMA)
+    return db
+
+
+def hash_key(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+class Key:
+    """An API key as routing sees it (the secret itself is never kept)."""
+
+    __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp")
+
+    def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
+                 rate: float = 0.0):
+        self.id, self.user, self.allow = key_id, user, tuple(sorted(set(allow)))
+        self.admin, self.rate = bool(admin), float(rate)
+        self._tokens, self._stamp = max(1.0, self.rate), 0.0
+
+    def take(self, now: float) -> bool:
+        """Token bucket: `rate` requests per second, bursts of up to max(1, rate)."""
+        if self.rate <= 0:
+            return True
+        burst = max(1.0, self.rate)
+        self._tokens = min(burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+
+ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request under --no-auth
+
+
+def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
+               rate: float = 0.0) -> Tuple[str, str]:
+    """Store a new key; return (key id, the token, which is shown once and never stored)."""
+    key_id = secrets.token_hex(4)
+    token = KEY_PREFIX + secrets.token_urlsafe(32)
+    db.execute("INSERT INTO keys (id, user, hash, allow, admin, rate, created) VALUES (?,?,?,?,?,?,?)",
+               (key_id, user, hash_key(token), crdt.dumps(sorted(set(allow))).decode(),
+                int(admin), float(rate), time.time()))
+    return key_id, token
+
+
+def list_keys(db: sqlite3.Connection) -> List[Dict[str, Any]]:
+    rows = db.execute("SELECT id, user, allow, admin, rate, created, revoked FROM keys "
+                      "ORDER BY created").fetchall()
+    return [{"id": r[0], "user": r[1], "allow": crdt.loads(r[2]), "admin": bool(r[3]),
+             "rate": r[4], "created": r[5], "revoked": r[6]} for r in rows]
+
+
+def revoke_key(db: sqlite3.Connection, key_id: str) -> bool:
+    cur = db.execute("UPDATE keys SET revoked=? WHERE id=? AND revoked IS NULL", (time.time(), key_id))
+    return cur.rowcount > 0
+
+
+def load_keys(db: sqlite3.Connection) -> Dict[str, Key]:
+    """hash -> Key for every key not revoked."""
+    keys = {}
+    for key_id, user, digest, allow, admin, rate in db.execute(
+            "SELECT id, user, hash, allow, admin, rate FROM keys WHERE revoked IS NULL"):
+        keys[digest] = Key(key_id, user, crdt.loads(allow), bool(admin), rate)
+    return keys
+
+
+def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bool:
+    """An allowlist entry names a provider: its owner, a label "k=v", a label value, or a session."""
+    if not allow:
+        return True
+    owner = record.get("owner")
+    labels = record.get("labels") or {}
+    for entry in allow:
+        if entry == owner or entry == session_id:
+            return True
+        name, eq, value = entry.partition("=")
+        if eq and labels.get(name) == value:
+            return True
+        if not eq and entry in labels.values():
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Usage ledger (SQLite WAL, one writer thread) and live usage statistics
+# ---------------------------------------------------------------------------------------------
+class UsageRow:
+    """One finished request, as the ledger stores it."""
+
+    __slots__ = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
+                 "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
+
+    def __init__(self, ts, key_id, user, model, session, provider, status, prompt_tokens,
+                 completion_tokens, latency_ms, stream, attempts, tracked):
+        self.ts, self.key_id, self.user, self.model = ts, key_id, user, model
+        self.session, self.provider, self.status = session, provider, status
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
+        self.latency_ms, self.stream, self.attempts, self.tracked = latency_ms, stream, attempts, tracked
+
+
+def _day(ts: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(ts))
+
+
+class Ledger:
+    """Rows go in from the event loop through a queue; a thread commits them in batches.
+
+    `record(row)` returns a future that completes once the row is committed: the proxy sends
+    the last byte of a response only after that, so a kill -9 never loses a completed request,
+    and under load one commit covers many rows. The same thread reloads the keys whenever
+    another process (the `keys` CLI) changed the database.
+    """
+
+    def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None]):
+        self.path = path
+        self._on_keys = on_keys
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._db = open_db(path)
+        self._data_version = -1
+        self._reload_keys()
+        self.rows_written = 0
+        self._thread = threading.Thread(target=self._run, name="otela-ledger", daemon=True)
+        self._thread.start()
+
+    def record(self, row: UsageRow, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        fut = loop.create_future()
+        self._queue.put((row, fut, loop))
+        return fut
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        self._db.close()
+
+    def _reload_keys(self) -> None:
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._data_version:
+            self._data_version = version
+            self._on_keys(load_keys(self._db))
+
+    def _run(self) -> None:
+        next_reload = time.monotonic() + KEYS_RELOAD_S
+        while True:
+            try:
+                item = self._queue.get(timeout=KEYS_RELOAD_S)
+            except queue.Empty:
+                item = ()
+            batch = [item] if item else []
+            stop = item is None
+            while len(batch) < LEDGER_BATCH and not stop:
+                try:
+                    extra = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                stop = extra is None
+                batch.append(extra)
+            rows = [entry for entry in batch if entry]
+            if rows:
+                self._write(rows)
+            if stop:
+                return
+            if time.monotonic() >= next_reload:
+                next_reload = time.monotonic() + KEYS_RELOAD_S
+                try:
+                    self._reload_keys()
+                except sqlite3.Error as exc:
+                    print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
+
+    def _write(self, batch: List[Tuple[UsageRow, asyncio.Future, Any]]) -> None:
+        per_request = []
+        daily: Dict[Tuple[str, str, str], List[int]] = {}
+        for row, _, _ in batch:
+            day = _day(row.ts)
+            if row.tracked:
+                per_request.append((row.ts, day, row.key_id, row.user, row.model, row.session,
+                                    row.provider, row.status, row.prompt_tokens,
+                                    row.completion_tokens, row.latency_ms, int(row.stream),
+                                    row.attempts))
+            agg = daily.setdefault((day, row.user, row.model), [0, 0, 0, 0, 0])
+            agg[0] += 1
+            agg[1] += row.status >= 400
+            agg[2] += not row.tracked
+            agg[3] += row.prompt_tokens
+            agg[4] += row.completion_tokens
+        error = None
+        try:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", per_request)
+            self._db.executemany(
+                "INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
+                "requests=requests+excluded.requests, errors=errors+excluded.errors, "
+                "opted_out=opted_out+excluded.opted_out, "
+                "prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
+                "completion_tokens=completion_tokens+excluded.completion_tokens",
+                [(day, user, model, *agg) for (day, user, model), agg in daily.items()])
+            self._db.execute("COMMIT")
+            self.rows_written += len(per_request)
+        except sqlite3.Error as exc:   # a full disk must not take the API down with it
+            error = exc
+            print(f"otela-ingress: ledger write failed: {exc}", file=sys.stderr)
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        by_loop: Dict[Any, List[asyncio.Future]] = {}
+        for _, fut, loop in batch:
+            by_loop.setdefault(loop, []).append(fut)
+        for loop, futures in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_all, futures, error)
+            except RuntimeError:   # the loop is gone (shutdown)
+                pass
+
+
+def _resolve_all(futures: List[asyncio.Future], error: Optional[BaseException]) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_result(error)
+
+
+def query_usage(path: str, days: int = 31, user: Optional[str] = None,
+                model: Optional[str] = None) -> Dict[str, Any]:
+    """Totals per user, model and day (runs in an executor: it touches the disk)."""
+    db = sqlite3.connect(path, timeout=10.0)
+    try:
+        since = _day(time.time() - max(0, days - 1) * 86400.0)
+        sql = ("SELECT day, user, model, requests, errors, opted_out, prompt_tokens, "
+               "completion_tokens FROM daily WHERE day >= ?")
+        args: List[Any] = [since]
+        if user:
+            sql += " AND user = ?"
+            args.append(user)
+        if model:
+            sql += " AND model = ?"
+            args.append(model)
+        rows = db.execute(sql + " ORDER BY day, user, model", args).fetchall()
+    finally:
+        db.close()
+    fields = ("day", "user", "model", "requests", "errors", "opted_out", "prompt_tokens",
+              "completion_tokens")
+    data = [dict(zip(fields, row)) for row in rows]
+    totals = {f: sum(r[f] for r in data) for f in fields[3:]}
+    return {"object": "list", "since": since, "data": data, "totals": totals}
+
+
+class UsageStats:
+    """Per model: recent arrival rate and input/output token mean and std (for the placer)."""
+
+    def __init__(self, window: float = STATS_WINDOW_S):
+        self.window = window
+        self._samples: Dict[str, collections.deque] = {}
+
+    def add(self, model: str, now: float, prompt_tokens: int, completion_tokens: int) -> None:
+        samples = self._samples.get(model)
+        if samples is None:
+            samples = self._samples[model] = collections.deque(maxlen=STATS_MAX_SAMPLES)
+        samples.append((now, prompt_tokens, completion_tokens))
+
+    def view(self, now: float) -> Dict[str, Any]:
+        models = {}
+        for model, samples in self._samples.items():
+            while samples and samples[0][0] < now - self.window:
+                samples.popleft()
+            if not samples:
+                continue
+            n = len(samples)
+            # a younger history than the window would underestimate the rate
+            span = max(1.0, min(self.window, now - samples[0][0])) if n < samples.maxlen else \
+                max(1e-3, now - samples[0][0])
+            models[model] = {"requests": n, "arrival_rate": n / span,
+                             "input_tokens": _mean_std([s[1] for s in samples]),
+                             "output_tokens": _mean_std([s[2] for s in samples])}
+        return {"window_s": self.window, "models": models}
+
+
+def _mean_std(values: List[int]) -> Dict[str, float]:
+    mean = sum(values) / len(values)
+    return {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: the policy interface, the built-in policies, passive health
+# ---------------------------------------------------------------------------------------------
+class Candidate:
+    """A session that may serve a request: its id, its record and a hardware weight."""
+
+    __slots__ = ("session", "record", "addr", "weight")
+
+    def __init__(self, session: str, record: Dict[str, Any]):
+        self.session, self.record = session, record
+        self.addr = record.get("addr", "")
+        self.weight = hardware_weight(record)
+
+    def __repr__(self) -> str:
+        return f"Candidate({self.session[:8]}, {self.addr}, w={self.weight:g})"
+
+
+class RoutedRequest:
+    """What a policy may look at: the model, the user, whether it streams, the attempt."""
+
+    __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started")
+
+    def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str):
+        self.model, self.user, self.key_id, self.stream, self.path = model, user, key_id, stream, path
+        self.attempt, self.started = 0, time.monotonic()
+
+
+class Policy:
+    """Routing policy interface. `--policy module:Class` loads a subclass (or any duck type).
+
+    pick(candidates, request) -> Candidate: candidates is a non-empty list, already filtered
+        (SERVING, unsuspected, serving the model, allowed by the key, not sick, not tried).
+    on_request_start(candidate, request) / on_request_end(candidate, request, ok): bookkeeping;
+        ok is False when the attempt failed and the request moved on to another session.
+    """
+
+    def pick(self, candidates: List[Candidate], request: RoutedRequest) -> Candidate:
+        raise NotImplementedError
+
+    def on_request_start(self, candidate: Candidate, request: RoutedRequest) -> None:
+        pass
+
+    def on_request_end(self, candidate: Candidate, request: RoutedRequest, ok: bool) -> None:
+        pass
+
+
+class RandomPolicy(Policy):
+    def pick(self, candidates, request):
+        return candidates[random.randrange(len(candidates))] if len(candidates) > 1 else candidates[0]
+
+
+class RoundRobinPolicy(Policy):
+    def __init__(self):
+        self._next: Dict[str, int] = {}
+
+    def pick(self, candidates, request):
+        i = self._next.get(request.model, 0)
+        self._next[request.model] = i + 1
+        return candidates[i % len(candidates)]
+
+
+# Relative decode speed by GPU: decode is memory-bound, so weights follow HBM bandwidth in
+# TB/s (datasheets). Matched by substring of the declared GPU name, longest first.
+GPU_WEIGHTS = {
+    "MI300X": 5.3, "H200": 4.8, "H100": 3.35, "GH200": 4.0, "MI250X": 3.2, "A100-SXM4-80GB": 2.0,
+    "A100": 1.55, "V100": 0.9, "L40S": 0.86, "L40": 0.86, "A40": 0.7, "A10": 0.6, "RTX 4090": 1.0,
+    "L4": 0.3, "T4": 0.32,
+}
+CPU_WEIGHT = 0.05   # a CPU "engine" (the test's llama.cpp) is ~100x slower than a GPU
+
+
+def hardware_weight(record: Dict[str, Any]) -> float:
+    """Declared capacity if any, else GPU bandwidth x count."""
+    capacity = record.get("capacity")
+    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and capacity > 0:
+        return float(capacity)
+    hardware = record.get("hardware") or {}
+    gpu = str(hardware.get("gpu") or "").upper()
+    count = hardware.get("count") or 1
+    count = count if isinstance(count, (int, float)) and count > 0 else 1
+    for name in sorted(GPU_WEIGHTS, key=len, reverse=True):
+        if name in gpu:
+            return GPU_WEIGHTS[name] * count
+    return CPU_WEIGHT * count if not gpu or gpu == "CPU" else 1.0 * count
+
+
+class HardwarePolicy(Policy):
+    def pick(self, candidates, request):
+        if len(candidates) == 1:
+            return candidates[0]
+        return random.choices(candidates, weights=[c.weight for c in candidates])[0]
+
+
+class LeastLoadedPolicy(Policy):
+    """Fewest outstanding requests from this ingress; ties broken at random."""
+
+    def __init__(self):
+        self.outstanding: Dict[str, int] = {}
+
+    def pick(self, candidates, request):
+        if len(candidates) == 1:
+            return candidates[0]
+        load = self.outstanding
+        least = min(load.get(c.session, 0) for c in candidates)
+        best = [c for c in candidates if load.get(c.session, 0) == least]
+        return best[random.randrange(len(best))]
+
+    def on_request_start(self, candidate, request):
+        self.outstanding[candidate.session] = self.outstanding.get(candidate.session, 0) + 1
+
+    def on_request_end(self, candidate, request, ok):
+        left = self.outstanding.get(candidate.session, 0) - 1
+        if left > 0:
+            self.outstanding[candidate.session] = left
+        else:
+            self.outstanding.pop(candidate.session, None)
+
+
+POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware": HardwarePolicy,
+            "least_loaded": LeastLoadedPolicy}
+
+
+def load_policy(spec: str) -> Policy:
+    """A built-in name, or `module:Class` for a user's own (imported from sys.path)."""
+    if spec in POLICIES:
+        return POLICIES[spec]()
+    module_name, colon, class_name = spec.partition(":")
+    if not colon or not module_name or not class_name:
+        raise ValueError(f"unknown policy {spec!r}: use one of {', '.join(POLICIES)} or module:Class")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load policy {spec!r}: {exc}") from exc
+    policy = cls()
+    if not callable(getattr(policy, "pick", None)):
+        raise ValueError(f"policy {spec!r} has no pick(candidates, request) method")
+    for hook in ("on_request_start", "on_request_end"):
+        if not callable(getattr(policy, hook, None)):
+            setattr(policy, hook, lambda *args: None)
+    return policy
+
+
+class PassiveHealth:
+    """Sessions that keep failing here, whatever their health checks say, sit out a while.
+
+    Two failures in a row put a session out of this ingress's rotation for SICK_BACKOFF_S; when
+    that runs out it is probed back in by the next request (retried elsewhere if it fails, so
+    the client never pays for the probe); each relapse doubles the time out, any success ends it.
+    """
+
+    def __init__(self):
+        self.failures: Dict[str, int] = {}
+        self.backoff: Dict[str, float] = {}
+        self.sick_until: Dict[str, float] = {}
+
+    def failed(self, session: str, now: float) -> None:
+        count = self.failures.get(session, 0) + 1
+        self.failures[session] = count
+        if count >= SICK_AFTER_FAILURES:
+            backoff = self.backoff.get(session, SICK_BACKOFF_S / 2) * 2
+            backoff = min(backoff, SICK_BACKOFF_MAX_S)
+            self.backoff[session] = backoff
+            self.sick_until[session] = now + backoff
+
+    def succeeded(self, session: str) -> None:
+        if session in self.failures:
+            del self.failures[session]
+            self.backoff.pop(session, None)
+            self.sick_until.pop(session, None)
+
+    def is_sick(self, session: str, now: float) -> bool:
+        until = self.sick_until.get(session)
+        return until is not None and now < until
+
+    def sick(self, now: float) -> List[str]:
+        return [s for s, until in self.sick_until.items() if now < until]
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics (Prometheus text exposition, no dependency)
+# ---------------------------------------------------------------------------------------------
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    __slots__ = ("counts", "total", "n")
+
+    def __init__(self):
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total, self.n = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.total += value
+        self.n += 1
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    def __init__(self):
+        self.requests: Dict[Tuple[str, int], int] = collections.defaultdict(int)
+        self.errors: Dict[str, int] = collections.defaultdict(int)
+        self.retries = 0
+        self.stream_cuts = 0
+        self.tokens: Dict[Tuple[str, str], int] = collections.defaultdict(int)
+        self.latency: Dict[str, Histogram] = {}
+        self.ttfb: Dict[str, Histogram] = {}
+        self.connections = 0
+        self.inflight = 0
+
+    def observe(self, table: Dict[str, Histogram], model: str, value: float) -> None:
+        hist = table.get(model)
+        if hist is None:
+            hist = table[model] = Histogram()
+        hist.observe(value)
+
+    def render(self, sessions: Dict[str, int], suspected: int, sick: int) -> bytes:
+        out = []
+        add = out.append
+
+        def family(name, kind, help_text):
+            add(f"# HELP {name} {help_text}")
+            add(f"# TYPE {name} {kind}")
+
+        family("otela_requests_total", "counter", "Requests answered, by model and HTTP status.")
+        for (model, code), n in sorted(self.requests.items()):
+            add(f'otela_requests_total{{model="{_label(model)}",code="{code}"}} {n}')
+        family("otela_errors_total", "counter", "Error responses, by OpenAI error code.")
+        for code, n in sorted(self.errors.items()):
+            add(f'otela_errors_total{{code="{_label(code)}"}} {n}')
+        family("otela_retries_total", "counter", "Attempts moved to another session.")
+        add(f"otela_retries_total {self.retries}")
+        family("otela_stream_cuts_total", "counter", "Streams ended by an error event mid-way.")
+        add(f"otela_stream_cuts_total {self.stream_cuts}")
+        family("otela_tokens_total", "counter", "Tokens reported by engines, by direction.")
+        for (model, direction), n in sorted(self.tokens.items()):
+            add(f'otela_tokens_total{{model="{_label(model)}",direction="{direction}"}} {n}')
+        for name, table, help_text in (
+                ("otela_request_duration_seconds", self.latency, "Time from request to last byte."),
+                ("otela_time_to_first_byte_seconds", self.ttfb, "Time to the first streamed byte.")):
+            family(name, "histogram", help_text)
+            for model, hist in sorted(table.items()):
+                m = _label(model)
+                cumulative = 0
+                for bound, count in zip(LATENCY_BUCKETS, hist.counts):
+                    cumulative += count
+                    add(f'{name}_bucket{{model="{m}",le="{bound:g}"}} {cumulative}')
+                add(f'{name}_bucket{{model="{m}",le="+Inf"}} {hist.n}')
+                add(f'{name}_sum{{model="{m}"}} {hist.total!r}')
+                add(f'{name}_count{{model="{m}"}} {hist.n}')
+        family("otela_sessions", "gauge", "Sessions in the registry, by lifecycle state.")
+        for state, n in sorted(sessions.items()):
+            add(f'otela_sessions{{state="{state}"}} {n}')
+        family("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.")
+        add(f"otela_suspected_sessions {suspected}")
+        family("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.")
+        add(f"otela_sick_sessions {sick}")
+        family("otela_connections", "gauge", "Open client connections.")
+        add(f"otela_connections {self.connections}")
+        family("otela_inflight_requests", "gauge", "Requests being proxied now.")
+        add(f"otela_inflight_requests {self.inflight}")
+        return ("\n".join(out) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Streams: watch SSE bytes for token usage without re-serialising them
+# ---------------------------------------------------------------------------------------------
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_DONE = b"data: [DONE]"
+
+
+def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
+    """(prompt, completion) tokens of the last usage object in a response body or SSE event."""
+    at = body.rfind(b'"usage"', start)
+    if at < 0:
+        return 0, 0
+    prompt = _PROMPT_TOKENS.search(body, at)
+    completion = _COMPLETION_TOKENS.search(body, at)
+    return (int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0)
+
+
+class StreamWatch:
+    """Passes SSE bytes through event by event; reads the usage chunk and, if the client did
+    not ask for usage (we injected include_usage), drops that usage-only chunk.
+
+    Bytes go out as soon as an event is complete; only the unfinished tail of a read is held
+    back (bounded by SSE_CARRY_MAX), so the client sees exactly the engine's bytes minus the
+    chunk it did not ask for.
+    """
+
+    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens")
+
+    def __init__(self, strip: bool):
+        self.strip = strip
+        self.carry = b""
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def feed(self, piece: bytes) -> bytes:
+        if self.carry:
+            piece = self.carry + piece
+            self.carry = b""
+        cut = piece.rfind(b"\n\n")
+        end = cut + 2
+        if cut < 0:
+            cut = piece.rfind(b"\r\n\r\n")
+            end = cut + 4
+        if cut < 0:
+            if len(piece) > SSE_CARRY_MAX:
+                return piece
+            self.carry = piece
+            return b""
+        if end < len(piece):
+            self.carry = piece[end:]
+            piece = piece[:end]
+        if _USAGE.search(piece) is None:
+            return piece
+        return self._take_usage(piece)
+
+    def flush(self) -> bytes:
+        piece, self.carry = self.carry, b""
+        if piece and _USAGE.search(piece) is not None:
+            return self._take_usage(piece)
+        return piece
+
+    def _take_usage(self, piece: bytes) -> bytes:
+        kept = []
+        for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", piece):
+            if not event:
+                continue
+            if _USAGE.search(event) is not None:
+                self.prompt_tokens, self.completion_tokens = usage_of(event)
+                if self.strip and re.search(rb'"choices"\s*:\s*\[\s*\]', event):
+                    continue
+            kept.append(event)
+        return b"".join(kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream: one keep-alive pool per provider address, HTTP/1.1 via h11
+# ---------------------------------------------------------------------------------------------
+class UpstreamFailure(Exception):
+    """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
+
+
+class Upstream:
+    __slots__ = ("addr", "reader", "writer", "h11", "reused", "last")
+
+    def __init__(self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.addr, self.reader, self.writer = addr, reader, writer
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.reused = False
+        self.last = time.monotonic()
+
+    async def next_event(self):
+        conn = self.h11
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise UpstreamFailure(f"{self.addr}: {exc}") from None
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                data = await self.reader.read(READ_CHUNK)
+            except OSError as exc:
+                raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}") from None
+            self.last = time.monotonic()
+            conn.receive_data(data)
+
+    def close(self) -> None:
+        transport = self.writer.transport
+        if not transport.is_closing():
+            transport.abort()
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+class UpstreamPool:
+    def __init__(self):
+        self._idle: Dict[str, List[Upstream]] = {}
+        self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
+
+    async def acquire(self, addr: str, fresh: bool = False) -> Upstream:
+        idle = self._idle.get(addr)
+        while idle and not fresh:
+            up = idle.pop()
+            if not up.writer.transport.is_closing() and not up.reader.at_eof():
+                up.reused = True
+                up.last = time.monotonic()
+                self.active.add(up)
+                return up
+            up.close()
+        host, _, port = addr.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host.strip("[]"), int(port), limit=READ_CHUNK),
+                UPSTREAM_CONNECT_TIMEOUT_S)
+        except (OSError, ValueError, asyncio.TimeoutError) as exc:
+            raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
+        _nodelay(writer)
+        up = Upstream(addr, reader, writer)
+        self.active.add(up)
+        return up
+
+    def release(self, up: Upstream) -> None:
+        self.active.discard(up)
+        conn = up.h11
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+            idle = self._idle.setdefault(up.addr, [])
+            if len(idle) < POOL_IDLE_PER_PROVIDER:
+                idle.append(up)
+                return
+        up.close()
+
+    def discard(self, up: Upstream) -> None:
+        self.active.discard(up)
+        up.close()
+
+    def sweep(self, now: float) -> None:
+        for up in [u for u in self.active if now - u.last > UPSTREAM_IDLE_TIMEOUT_S]:
+            self.discard(up)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for up in idle:
+                up.close()
+        self._idle.clear()
+        for up in list(self.active):
+            self.discard(up)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ingress: HTTP server, auth, routing, proxy
+# ---------------------------------------------------------------------------------------------
+class _Client:
+    """One client connection: its h11 state, its writer, its idle clock."""
+
+    __slots__ = ("conn", "reader", "writer", "last", "busy")
+
+    def __init__(self, reader, writer):
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        self.reader, self.writer = reader, writer
+        self.last = time.monotonic()
+        self.busy = False
+
+
+class _Exchange:
+    """The state of one proxied request across its attempts."""
+
+    __slots__ = ("client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
+                 "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent")
+
+    def __init__(self, client, path, body, key, routed, strip_usage, tracked, t0):
+        self.client, self.path, self.body, self.key, self.routed = client, path, body, key, routed
+        self.strip_usage, self.tracked, self.t0 = strip_usage, tracked, t0
+        self.attempts = 0
+        self.candidate: Optional[Candidate] = None
+        self.status = 0
+        self.prompt_tokens = self.completion_tokens = 0
+        self.sent = False
+
+
+class Ingress:
+    """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
+    registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
+
+    def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
+                 no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
+                 max_body: int = MAX_BODY_BYTES):
+        self.node = node
+        self.db_path = db_path
+        self.policy = policy if policy is not None else LeastLoadedPolicy()
+        self.no_auth = no_auth
+        self.max_connections = max_connections
+        self.max_body = max_body
+        self.keys: Dict[str, Key] = {}
+        self.metrics = Metrics()
+        self.stats = UsageStats()
+        self.health = PassiveHealth()
+        self.pool = UpstreamPool()
+        self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
+        self._clients: set = set()
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._sweeper: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.ledger: Optional[Ledger] = None
+        tunnel = getattr(node, "tunnel_header", None)
+        self._tunnel = ((tunnel[0].encode() if isinstance(tunnel[0], str) else tunnel[0],
+                         tunnel[1].encode() if isinstance(tunnel[1], str) else tunnel[1])
+                        if tunnel else None)
+        on_change = getattr(node, "on_change", None)
+        if on_change is not None:
+            on_change(self._registry_changed)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve HTTP on host:port (0 picks a free port); returns the port."""
+        self._loop = asyncio.get_running_loop()
+        self.ledger = Ledger(self.db_path, self._set_keys)
+        self._server = await asyncio.start_server(self._serve_client, host, port,
+                                                  limit=READ_CHUNK, backlog=1024)
+        self._sweeper = asyncio.ensure_future(self._sweep())
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for client in list(self._clients):
+            client.writer.transport.abort()
+        self.pool.close()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except asyncio.TimeoutError:
+                pass
+        if self.ledger is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
+
+    def _set_keys(self, keys: Dict[str, Key]) -> None:
+        # Called from the ledger thread: one reference swap, atomic under the GIL. Rate-limit
+        # buckets carry over so a reload does not refill them.
+        old = {k.id: k for k in self.keys.values()}
+        for key in keys.values():
+            previous = old.get(key.id)
+            if previous is not None:
+                key._tokens, key._stamp = previous._tokens, previous._stamp
+        self.keys = keys
+
+    def _registry_changed(self, *_args) -> None:
+        self._candidates = {}
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = time.monotonic()
+            self.pool.sweep(now)
+            for client in list(self._clients):
+                limit = REQUEST_TIMEOUT_S if client.conn.their_state is h11.SEND_BODY or (
+                    client.conn.their_state is h11.IDLE and client.conn.trailing_data[0]) else IDLE_TIMEOUT_S
+                if not client.busy and now - client.last > limit:
+                    client.writer.transport.abort()
+
+    # -- registry -> candidates --------------------------------------------------------------
+    def candidates(self, model: str, key: Key) -> List[Candidate]:
+        """SERVING, unsuspected sessions serving `model` that the key's allowlist admits.
+
+        Cached per (model, allowlist) until the registry changes; raises HTTPError 404 for a
+        model no live session knows, 403 when only the allowlist stands in the way, 503 when
+        the model's sessions are all unhealthy.
+        """
+        cache_key = (model, key.allow)
+        now = time.monotonic()
+        hit = self._candidates.get(cache_key)
+        if hit is not None and now - hit[0] < CANDIDATE_TTL_S:
+            return hit[1]
+        node = self.node
+        found = known = False
+        result = []
+        for sid, record in node.registry.items():
+            if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()):
+                continue
+            state = record.get("state")
+            if state in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
+                known = True
+            if state != crdt.SERVING or node.is_suspected(sid):
+                continue
+            found = True
+            if allowed(key.allow, sid, record):
+                result.append(Candidate(sid, record))
+        if not result:
+            if not known:
+                raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
+                                "model_not_found", "model")
+            if found:
+                raise HTTPError(403, f"Your key may not use the providers serving '{model}'",
+                                "model_not_allowed", "model")
+            raise HTTPError(503, f"No healthy provider serves '{model}' right now",
+                            "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        if len(self._candidates) > 4096:   # bounded: models x allowlists in use
+            self._candidates = {}
+        self._candidates[cache_key] = (now, result)
+        return result
+
+    def models(self, key: Key) -> List[str]:
+        names = set()
+        node = self.node
+        for sid, record in node.registry.items():
+            if (record.get("state") == crdt.SERVING and record.get("role", "worker") == "worker"
+                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)):
+                names.update(record.get("models") or ())
+        return sorted(names)
+
+    # -- HTTP server -------------------------------------------------------------------------
+    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _nodelay(writer)
+        if len(self._clients) >= self.max_connections:
+            body = error_body(503, "Too many connections", "too_many_connections")
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                         b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            writer.close()
+            self.metrics.errors["too_many_connections"] += 1
+            return
+        client = _Client(reader, writer)
+        self._clients.add(client)
+        self.metrics.connections += 1
+        try:
+            await self._client_loop(client)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._clients.discard(client)
+            self.metrics.connections -= 1
+            writer.transport.abort() if client.conn.our_state is not h11.DONE else writer.close()
+
+    async def _client_loop(self, client: _Client) -> None:
+        conn, reader = client.conn, client.reader
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
+                await self._respond_error(client, HTTPError(status, f"Bad HTTP request: {exc}"))
+                return
+            if event is h11.NEED_DATA:
+                data = await reader.read(READ_CHUNK)
+                client.last = time.monotonic()
+                conn.receive_data(data)
+                if not data and conn.their_state is h11.IDLE:
+                    return
+                continue
+            if type(event) is h11.Request:
+                # h11 bounds only a head that arrives in pieces; one that came whole in a
+                # single read is measured here
+                size = len(event.target)
+                for name, value in event.headers:
+                    size += len(name) + len(value) + 4
+                if size > MAX_HEADER_BYTES:
+                    await self._respond_error(client, HTTPError(431, "Request headers too large",
+                                                                "headers_too_large"))
+                    return
+                client.busy = True
+                try:
+                    await self._handle(client, event)
+                finally:
+                    client.busy = False
+                    client.last = time.monotonic()
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE \
+                        or conn.our_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+            else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
+                return
+
+    async def _read_body(self, client: _Client, request: h11.Request) -> bytes:
+        for name, value in request.headers:
+            if name == b"content-length":
+                if int(value) > self.max_body:
+                    raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes",
+                                    "request_too_large")
+                break
+        conn, parts, size = client.conn, [], 0
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await client.reader.read(READ_CHUNK)
+                client.last = time.monotonic()
+                conn.receive_data(data)
+                continue
+            t = type(event)
+            if t is h11.Data:
+                size += len(event.data)
+                if size > self.max_body:
+                    raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes",
+                                    "request_too_large")
+                parts.append(event.data)
+            elif t is h11.EndOfMessage:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            else:
+                raise ConnectionResetError("client closed mid-request")
+
+    async def _handle(self, client: _Client, request: h11.Request) -> None:
+        t0 = time.monotonic()
+        target = request.target
+        path, _, query = target.partition(b"?")
+        try:
+            if request.method == b"POST" and path in PROXIED_PATHS:
+                body = await self._read_body(client, request)
+                await self._proxy(client, path, request.headers, body, t0)
+                return
+            if client.conn.their_state is h11.SEND_BODY:
+                await self._read_body(client, request)   # keep the connection usable
+            handler = self._GET.get(path)
+            if handler is None:
+                if path in PROXIED_PATHS:
+                    raise HTTPError(405, f"Use POST for {path.decode()}", "method_not_allowed")
+                raise HTTPError(404, f"No route for {request.method.decode()} {path.decode()}",
+                                "unknown_url")
+            if request.method not in (b"GET", b"HEAD"):
+                raise HTTPError(405, f"Use GET for {path.decode()}", "method_not_allowed")
+            status, content_type, payload = await handler(self, request.headers, query)
+            await self._respond(client, status, payload, content_type)
+        except HTTPError as exc:
+            await self._respond_error(client, exc)
+
+    # -- responses ---------------------------------------------------------------------------
+    async def _respond(self, client: _Client, status: int, payload: bytes,
+                       content_type: bytes = b"application/json",
+                       extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
+        conn = client.conn
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]
+        headers.extend(extra)
+        if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
+            headers.append((b"connection", b"close"))   # the request body was left unread
+        out = conn.send(h11.Response(status_code=status, headers=headers,
+                                     reason=_REASONS.get(status, b"")))
+        client.writer.write(out + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
+        await client.writer.drain()
+
+    async def _respond_error(self, client: _Client, exc: HTTPError, model: str = "",
+                             counted: bool = False) -> None:
+        if not counted:
+            self.metrics.errors[exc.code or str(exc.status)] += 1
+            self.metrics.requests[(model, exc.status)] += 1
+        conn = client.conn
+        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        await self._respond(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param),
+                            extra=exc.headers)
+
+    # -- auth --------------------------------------------------------------------------------
+    def authenticate(self, headers: Sequence[Tuple[bytes, bytes]], admin: bool = False) -> Key:
+        if self.no_auth:
+            return ANONYMOUS
+        token = None
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    token = None
+                break
+        if not token:
+            raise HTTPError(401, "Missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
+        key = self.keys.get(hashlib.sha256(token.strip()).hexdigest())
+        if key is None:
+            raise HTTPError(401, "Invalid API key", "invalid_api_key")
+        if admin and not key.admin:
+            raise HTTPError(403, "This needs an admin key", "admin_required")
+        return key
+
+    # -- the proxy ---------------------------------------------------------------------------
+    async def _proxy(self, client: _Client, path: bytes, headers, body: bytes, t0: float) -> None:
+        key = self.authenticate(headers)
+        if not key.take(t0):
+            raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
+                            "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
+        try:
+            request = crdt.loads(body)
+        except ValueError:
+            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+        if not isinstance(request, dict):
+            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        model = request.get("model")
+        if not isinstance(model, str) or not model:
+            raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        stream = request.get("stream") is True and path in STREAMABLE_PATHS
+        strip_usage = False
+        if stream:
+            options = request.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                strip_usage = True
+                if options is None and "stream_options" not in request:
+                    start = body.index(b"{") + 1   # splice, so the rest stays byte for byte
+                    body = body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
+                else:
+                    request["stream_options"] = dict(options or {}, include_usage=True)
+                    body = crdt.dumps(request)
+        tracked = True
+        for name, value in headers:
+            if name == NO_TRACK_HEADER:
+                tracked = value.strip().lower() in (b"", b"0", b"false", b"no")
+        candidates = self.candidates(model, key)
+        routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
+        ex = _Exchange(client, path, body, key, routed, strip_usage, tracked, t0)
+        self.metrics.inflight += 1
+        try:
+            await self._attempts(ex, candidates)
+        finally:
+            self.metrics.inflight -= 1
+
+    async def _attempts(self, ex: _Exchange, candidates: List[Candidate]) -> None:
+        now = time.monotonic()
+        health = self.health
+        pool = [c for c in candidates if not health.is_sick(c.session, now)] if health.sick_until \
+            else candidates
+        if not pool:
+            pool = candidates   # everyone is sick: trying beats refusing
+        pool = list(pool) if len(pool) > 1 else pool
+        policy = self.policy
+        failure = "no attempt made"
+        for attempt in range(MAX_ATTEMPTS):
+            if not pool:
+                break
+            candidate = policy.pick(pool, ex.routed)
+            ex.candidate = candidate
+            ex.attempts = attempt + 1
+            ex.routed.attempt = attempt
+            if attempt:
+                self.metrics.retries += 1
+            policy.on_request_start(candidate, ex.routed)
+            ok = False
+            try:
+                ok = await self._attempt(ex, candidate)
+            except UpstreamFailure as exc:
+                failure = str(exc)
+            finally:
+                policy.on_request_end(candidate, ex.routed, ok)
+            if ok:
+                health.succeeded(candidate.session)
+                return
+            health.failed(candidate.session, time.monotonic())
+            if ex.sent:
+                return   # the stream already carried its error event
+            pool = [c for c in pool if c is not candidate]
+            if ex.status in RETRY_STATUSES:
+                failure = f"{candidate.addr} answered {ex.status}"
+        ex.status = 502
+        self._account(ex, time.monotonic())
+        exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
+                        "upstream_failed")
+        await self._commit(ex, time.monotonic())
+        await self._respond_error(ex.client, exc, ex.routed.model, counted=True)
+
+    async def _exchange_head(self, ex: _Exchange, candidate: Candidate) -> Tuple[Upstream, h11.Response]:
+        """Send the request and read the response head; a stale pooled connection is replaced
+        by a fresh one to the same provider without counting as a failure."""
+        fresh = False
+        while True:
+            up = await self.pool.acquire(candidate.addr, fresh)
+            try:
+                headers = [(b"host", candidate.addr.encode()), (b"content-type", b"application/json"),
+                           (b"content-length", b"%d" % len(ex.body))]
+                if self._tunnel is not None:
+                    headers.append(self._tunnel)
+                if ex.routed.stream:
+                    headers.append((b"accept", b"text/event-stream"))
+                conn = up.h11
+                up.writer.write(conn.send(h11.Request(method=b"POST", target=ex.path, headers=headers))
+                                + conn.send(h11.Data(data=ex.body)) + conn.send(h11.EndOfMessage()))
+                event = await up.next_event()
+                if type(event) is not h11.Response:
+                    raise UpstreamFailure(f"{candidate.addr}: connection closed before a response")
+                return up, event
+            except UpstreamFailure:
+                self.pool.discard(up)
+                if up.reused and not fresh:
+                    fresh = True
+                    continue
+                raise
+            except BaseException:
+                self.pool.discard(up)
+                raise
+
+    async def _attempt(self, ex: _Exchange, candidate: Candidate) -> bool:
+        """One try on one session. True when the client got its answer (or an engine error
+        that another session would repeat); False to try another session."""
+        up, head = await self._exchange_head(ex, candidate)
+        try:
+            ex.status = head.status_code
+            if ex.routed.stream and head.status_code == 200:
+                return await self._relay_stream(ex, up, head)
+            parts = []
+            while True:
+                event = await up.next_event()
+                t = type(event)
+                if t is h11.Data:
+                    parts.append(event.data)
+                elif t is h11.EndOfMessage:
+                    break
+                else:
+                    raise UpstreamFailure(f"{candidate.addr}: connection closed mid-response")
+        except BaseException:
+            self.pool.discard(up)
+            raise
+        self.pool.release(up)
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        if head.status_code in RETRY_STATUSES:
+            return False
+        if head.status_code == 200:
+            ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
+        content_type = b"application/json"
+        for name, value in head.headers:
+            if name == b"content-type":
+                content_type = value
+                break
+        client = ex.client
+        conn = client.conn
+        out = conn.send(h11.Response(status_code=head.status_code, reason=_REASONS.get(head.status_code, b""),
+                                     headers=[(b"content-type", content_type),
+                                              (b"content-length", b"%d" % len(payload)),
+                                              (SESSION_HEADER, candidate.session.encode())]))
+        out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
+        now = time.monotonic()
+        self._account(ex, now)
+        await self._commit(ex, now)
+        client.writer.write(out)
+        await client.writer.drain()
+        return True
+
+    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: h11.Response) -> bool:
+        """Relay an SSE stream chunk by chunk. Before the first byte reaches the client a failure
+        is retried elsewhere; after it, the stream ends with an error event and [DONE]."""
+        client = ex.client
+        conn, writer = client.conn, client.writer
+        watch = StreamWatch(ex.strip_usage)
+        held = b""       # "data: [DONE]" waits until the ledger row is committed
+        try:
+            while True:
+                try:
+                    event = await up.next_event()
+                except UpstreamFailure as exc:
+                    if not ex.sent:
+                        raise
+                    await self._cut_stream(ex, str(exc), watch)
+                    self.pool.discard(up)
+                    return False
+                t = type(event)
+                if t is h11.Data:
+                    out = watch.feed(event.data)
+                    if not out:
+                        continue
+                    done_at = out.find(_DONE)
+                    if done_at >= 0:
+                        held, out = out[done_at:], out[:done_at]
+                        if not out:
+                            continue
+                    if not ex.sent:
+                        self._send_stream_head(ex, head)
+                    writer.write(conn.send(h11.Data(data=out)))
+                    await writer.drain()
+                elif t is h11.EndOfMessage:
+                    break
+                else:
+                    if not ex.sent:
+                        raise UpstreamFailure(f"{up.addr}: connection closed mid-stream")
+                    await self._cut_stream(ex, "connection closed mid-stream", watch)
+                    self.pool.discard(up)
+                    return False
+        except (OSError, asyncio.CancelledError):   # the client went away: stop reading too
+            self.pool.discard(up)
+            if ex.sent:
+                ex.status = 499
+                self._account(ex, time.monotonic())
+            raise
+        self.pool.release(up)
+        tail = watch.flush() + held
+        if not held and _DONE not in tail:   # the engine ended without [DONE]: say so
+            tail += b"data: [DONE]\n\n"
+        ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
+        if not ex.sent:
+            self._send_stream_head(ex, head)
+        now = time.monotonic()
+        self._account(ex, now)
+        await self._commit(ex, now)
+        writer.write(conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
+        await writer.drain()
+        return True
+
+    def _send_stream_head(self, ex: _Exchange, head: h11.Response) -> None:
+        ex.sent = True
+        self.metrics.observe(self.metrics.ttfb, ex.routed.model, time.monotonic() - ex.t0)
+        content_type = b"text/event-stream"
+        for name, value in head.headers:
+            if name == b"content-type":
+                content_type = value
+                break
+        ex.client.writer.write(ex.client.conn.send(h11.Response(
+            status_code=200, reason=b"OK",
+            headers=[(b"content-type", content_type), (b"cache-control", b"no-cache"),
+                     (SESSION_HEADER, ex.candidate.session.encode())])))
+
+    async def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
+        self.metrics.stream_cuts += 1
+        ex.status = 502
+        ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
+        now = time.monotonic()
+        self._account(ex, now)
+        await self._commit(ex, now)
+        error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
+                                      "type": "api_error", "param": None, "code": "stream_cut"}})
+        conn = ex.client.conn
+        ex.client.writer.write(conn.send(h11.Data(data=b"data: " + error + b"\n\ndata: [DONE]\n\n"))
+                               + conn.send(h11.EndOfMessage()))
+        await ex.client.writer.drain()
+
+    # -- accounting --------------------------------------------------------------------------
+    def _account(self, ex: _Exchange, now: float) -> None:
+        model = ex.routed.model
+        metrics = self.metrics
+        metrics.requests[(model, ex.status)] += 1
+        if ex.status >= 400:
+            metrics.errors["upstream_" + str(ex.status)] += 1
+        metrics.observe(metrics.latency, model, now - ex.t0)
+        if ex.prompt_tokens:
+            metrics.tokens[(model, "input")] += ex.prompt_tokens
+        if ex.completion_tokens:
+            metrics.tokens[(model, "output")] += ex.completion_tokens
+        if ex.status == 200:
+            self.stats.add(model, now, ex.prompt_tokens, ex.completion_tokens)
+
+    async def _commit(self, ex: _Exchange, now: float) -> None:
+        """Queue the ledger row and wait for its commit (the last byte goes out after it)."""
+        if self.ledger is None:
+            return
+        record = ex.candidate.record if ex.candidate is not None else {}
+        row = UsageRow(time.time(), ex.key.id, ex.key.user, ex.routed.model,
+                       ex.candidate.session if ex.candidate else "", record.get("owner", ""),
+                       ex.status, ex.prompt_tokens, ex.completion_tokens,
+                       (now - ex.t0) * 1000.0, ex.routed.stream, ex.attempts, ex.tracked)
+        await self.ledger.record(row, self._loop)
+
+    # -- GET endpoints -----------------------------------------------------------------------
+    async def _get_healthz(self, headers, query):
+        serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
+                      and r.get("role", "worker") == "worker")
+        return 200, b"application/json", crdt.dumps({"status": "ok", "session": self.node.session_id,
+                                                     "serving_sessions": serving})
+
+    async def _get_registry(self, headers, query):
+        view = self.node.registry_view()
+        if isinstance(view, dict):
+            now = time.monotonic()
+            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now)})
+        return 200, b"application/json", crdt.dumps(view)
+
+    async def _get_models(self, headers, query):
+        key = self.authenticate(headers)
+        created = int(time.time())
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
+                for m in self.models(key)]
+        return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
+
+    async def _get_usage(self, headers, query):
+        self.authenticate(headers, admin=True)
+        params = {k.decode(): v[0].decode() for k, v in parse_qs(query).items()}
+        try:
+            days = max(1, min(3660, int(params.get("days", "31"))))
+        except ValueError:
+            raise HTTPError(400, "days must be an integer", "invalid_parameter", "days") from None
+        result = await asyncio.get_running_loop().run_in_executor(
+            None, query_usage, self.db_path, days, params.get("user"), params.get("model"))
+        return 200, b"application/json", crdt.dumps(result)
+
+    async def _get_usage_stats(self, headers, query):
+        return 200, b"application/json", crdt.dumps(self.stats.view(time.monotonic()))
+
+    async def _get_metrics(self, headers, query):
+        states: Dict[str, int] = collections.defaultdict(int)
+        suspected = 0
+        for sid, record in self.node.registry.items():
+            state = record.get("state")
+            states[crdt.STATE_NAMES.get(state, str(state))] += 1
+            if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
+                suspected += 1
+        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())))
+        return 200, b"text/plain; version=0.0.4; charset=utf-8", body
+
+    async def _get_dashboard(self, headers, query):
+        return 200, b"text/html; charset=utf-8", DASHBOARD_HTML
+
+    _GET = {b"/healthz": _get_healthz, b"/v1/registry": _get_registry, b"/v1/models": _get_models,
+            b"/v1/usage": _get_usage, b"/v1/usage/stats": _get_usage_stats,
+            b"/metrics": _get_metrics, b"/dashboard": _get_dashboard, b"/": _get_dashboard}
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard: one page, no build step, refreshes itself
+# ---------------------------------------------------------------------------------------------
+DASHBOARD_HTML = b"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>otela</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<style>
+body{font:14px system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
+h1{font-size:1.3em;margin:0 0 .3em} h2{font-size:1.05em;margin:1.4em 0 .4em}
+table{border-collapse:collapse;width:100%;background:#fff}
+th,td{border:1px solid #ddd;padding:.25em .5em;text-align:left;font-variant-numeric:tabular-nums}
+th{background:#f0f0f0} .muted{color:#888} .SERVING{color:#17772a} .JOIN{color:#a66a00}
+.DOWN{color:#b00020} .LEFT{color:#888} .suspected{background:#fff0f0} .sick{background:#fff8e0}
+#counts span{margin-right:1.2em}
+</style></head><body>
+<h1>otela <span class="muted" id="self"></span></h1>
+<div id="counts"></div><div class="muted" id="status">loading&hellip;</div>
+<h2>Sessions</h2>
+<table><thead><tr><th>session</th><th>state</th><th>role</th><th>owner</th><th>models</th>
+<th>hardware</th><th>labels</th><th>addr</th><th>health</th></tr></thead><tbody id="sessions"></tbody></table>
+<h2>Recent usage (last 5 minutes)</h2>
+<table><thead><tr><th>model</th><th>requests</th><th>arrivals/s</th><th>input tokens (mean &plusmn; std)</th>
+<th>output tokens (mean &plusmn; std)</th></tr></thead><tbody id="stats"></tbody></table>
+<h2>Usage per user and day</h2>
+<p><input id="key" type="password" placeholder="admin key" size="40">
+<button id="save">show</button> <span class="muted" id="usagemsg">an admin key shows totals per user, model and day</span></p>
+<table><thead><tr><th>day</th><th>user</th><th>model</th><th>requests</th><th>errors</th><th>opted out</th>
+<th>input tokens</th><th>output tokens</th></tr></thead><tbody id="usage"></tbody></table>
+<script>
+"use strict";
+const STATES = {0: "JOIN", 1: "SERVING", 2: "DOWN", 3: "LEFT"};
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text === undefined || text === null ? "" : String(text);
+  if (cls) td.className = cls;
+  row.appendChild(td);
+}
+function fill(id, rows) {
+  const body = document.getElementById(id);
+  body.replaceChildren(...rows);
+}
+function sessionsOf(view) {
+  let s = view.sessions !== undefined ? view.sessions : (view.registry !== undefined ? view.registry : view);
+  if (Array.isArray(s)) return s.map(r => [r.session || r.id || r.sid || "", r]);
+  return Object.entries(s || {}).filter(([k, r]) => r && typeof r === "object" && "state" in r);
+}
+function fmt(x) { return typeof x === "number" ? (Math.round(x * 100) / 100).toString() : ""; }
+async function refresh() {
+  try {
+    const view = await (await fetch("/v1/registry", {cache: "no-store"})).json();
+    const ingress = view.ingress || {};
+    const sick = new Set(ingress.sick || []);
+    const suspectedList = Array.isArray(view.suspected) ? view.suspected : [];
+    document.getElementById("self").textContent = ingress.session ? "ingress " + ingress.session.slice(0, 8) : "";
+    const counts = {};
+    const rows = sessionsOf(view).map(([sid, r]) => {
+      const state = typeof r.state === "number" ? (STATES[r.state] || r.state) : (r.state_name || r.state);
+      const suspected = r.suspected === true || suspectedList.includes(sid);
+      counts[state] = (counts[state] || 0) + 1;
+      if (suspected) counts.suspected = (counts.suspected || 0) + 1;
+      const tr = document.createElement("tr");
+      if (suspected) tr.className = "suspected"; else if (sick.has(sid)) tr.className = "sick";
+      cell(tr, sid.slice(0, 12)); cell(tr, state, state); cell(tr, r.role); cell(tr, r.owner);
+      cell(tr, (r.models || []).join(", "));
+      const hw = r.hardware || {};
+      cell(tr, hw.gpu ? `${hw.count || 1} x ${hw.gpu}${hw.memory_gb ? " (" + hw.memory_gb + " GB)" : ""}` : "");
+      cell(tr, Object.entries(r.labels || {}).map(([k, v]) => k + "=" + v).join(" "));
+      cell(tr, r.addr);
+      cell(tr, suspected ? "suspected" : (sick.has(sid) ? "sick (out of rotation)" : "ok"));
+      return tr;
+    });
+    fill("sessions", rows);
+    const c = document.getElementById("counts");
+    c.replaceChildren(...Object.entries(counts).map(([k, v]) => {
+      const s = document.createElement("span"); s.textContent = k + ": " + v; return s; }));
+    const stats = await (await fetch("/v1/usage/stats", {cache: "no-store"})).json();
+    fill("stats", Object.entries(stats.models || {}).map(([m, s]) => {
+      const tr = document.createElement("tr");
+      cell(tr, m); cell(tr, s.requests); cell(tr, fmt(s.arrival_rate));
+      cell(tr, fmt(s.input_tokens.mean) + " \\u00b1 " + fmt(s.input_tokens.std));
+      cell(tr, fmt(s.output_tokens.mean) + " \\u00b1 " + fmt(s.output_tokens.std));
+      return tr;
+    }));
+    const key = localStorage.getItem("otela-admin-key");
+    if (key) {
+      const r = await fetch("/v1/usage", {cache: "no-store", headers: {Authorization: "Bearer " + key}});
+      const u = await r.json();
+      if (r.ok) {
+        document.getElementById("usagemsg").textContent = "since " + u.since;
+        fill("usage", u.data.map(d => {
+          const tr = document.createElement("tr");
+          for (const f of ["day", "user", "model", "requests", "errors", "opted_out", "prompt_tokens",
+                           "completion_tokens"]) cell(tr, d[f]);
+          return tr;
+        }));
+      } else {
+        document.getElementById("usagemsg").textContent = (u.error && u.error.message) || ("HTTP " + r.status);
+      }
+    }
+    document.getElementById("status").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (e) {
+    document.getElementById("status").textContent = "refresh failed: " + e;
+  }
+}
+document.getElementById("save").addEventListener("click", () => {
+  localStorage.setItem("otela-admin-key", document.getElementById("key").value.trim());
+  refresh();
+});
+refresh();
+setInterval(refresh, 2000);
+</script></body></html>
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: serve, keys
+# ---------------------------------------------------------------------------------------------
+def _split_listen(listen: str) -> Tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--listen must be HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+async def _serve(args: argparse.Namespace, policy: Any) -> int:
+    import otela_node  # the overlay: joins the cluster, holds the registry
+
+    config = otela_node.config_from_args(args)
+    node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
+    host, port = _split_listen(config.listen)
+    ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth)
+    await node.start(serve_http=False)
+    try:
+        port = await ingress.start(host, port)
+    except BaseException:
+        await node.stop(leave=True)
+        raise
+    print(f"otela-ingress: serving the OpenAI API on http://{host}:{port}/v1 "
+          f"(session {node.session_id}, policy {args.policy}, ledger {args.db})", file=sys.stderr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("otela-ingress: stopping", file=sys.stderr)
+    await ingress.stop()
+    await node.stop(leave=True)
+    return 0
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get("OTELA_" + name, default)
+
+
+def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
+    """The CLI; `overlay=False` leaves out serve's overlay flags so `keys` never imports the node."""
+    parser = argparse.ArgumentParser(prog="otela_ingress.py",
+                                     description="The otela ingress: one OpenAI-compatible endpoint "
+                                                 "for every healthy engine in the overlay.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    db_help = f"SQLite file with keys and the usage ledger (env OTELA_DB, default {DEFAULT_DB})"
+
+    serve = sub.add_parser("serve", help="join the overlay and serve the OpenAI API on --listen")
+    if overlay:
+        import otela_node
+        otela_node.add_overlay_args(serve)
+    serve.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    serve.add_argument("--policy", default=_env("POLICY", "least_loaded"),
+                       help="routing policy: random, round_robin, hardware, least_loaded (default), "
+                            "or module:Class for your own (env OTELA_POLICY)")
+    serve.add_argument("--no-auth", action="store_true", default=bool(_env("NO_AUTH")),
+                       help="accept requests without a key (local demos only; env OTELA_NO_AUTH)")
+
+    keys = sub.add_parser("keys", help="create, list or revoke API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
+    create.add_argument("--user", required=True, help="who the key belongs to (the ledger's user)")
+    create.add_argument("--allow", default="",
+                        help="comma-separated providers this key may use: label k=v, label value, "
+                             "or owner user@host (default: any)")
+    create.add_argument("--admin", action="store_true", help="may read GET /v1/usage")
+    create.add_argument("--rate", type=float, default=0.0, help="requests/s limit (0: none)")
+    create.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
+    lister = keys_sub.add_parser("list", help="list keys (never their secrets)")
+    lister.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    lister.add_argument("--json", action="store_true", help="print JSON")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (takes effect within 1 s)")
+    revoke.add_argument("key_id")
+    revoke.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    return parser
+
+
+def _keys_command(args: argparse.Namespace) -> int:
+    db = open_db(args.db)
+    try:
+        if args.keys_command == "create":
+            allow = [a.strip() for a in args.allow.split(",") if a.strip()]
+            if args.rate < 0:
+                raise ValueError("--rate must be >= 0")
+            key_id, token = create_key(db, args.user, allow, args.admin, args.rate)
+            if args.json:
+                print(crdt.dumps({"id": key_id, "key": token, "user": args.user, "allow": allow,
+                                  "admin": args.admin}).decode())
+            else:
+                print(token)
+                print(f"key id {key_id} for user {args.user}"
+                      f"{' (admin)' if args.admin else ''}; allow: {', '.join(allow) or 'any provider'}."
+                      " The key is shown only now.", file=sys.stderr)
+        elif args.keys_command == "list":
+            rows = list_keys(db)
+            if args.json:
+                print(crdt.dumps(rows).decode())
+            else:
+                for r in rows:
+                    state = "revoked" if r["revoked"] else "active"
+                    print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
+                          f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
+                          f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
+        elif args.keys_command == "revoke":
+            if not revoke_key(db, args.key_id):
+                print(f"otela-ingress: no active key with id {args.key_id!r}", file=sys.stderr)
+                return 1
+            print(f"revoked {args.key_id}", file=sys.stderr)
+    finally:
+        db.close()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(overlay=argv[:1] == ["serve"]).parse_args(argv)
+    try:
+        if args.command == "keys":
+            return _keys_command(args)
+        policy = load_policy(args.policy)
+        if args.no_auth:
+            print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "
+                  "every engine. For local demos only.", file=sys.stderr)
+        import otela_node
+        otela_node.install_event_loop()
+        return asyncio.run(_serve(args, policy))
+    except (ValueError, sqlite3.Error, OSError) as exc:
+        print(f"otela-ingress: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""The ingress: OpenAI API, errors, keys and allowlists, routing, retries, streams, ledger, metrics."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from test_ingress_support import Client, Stack, sse_events
+
+import crdt
+import otela_ingress
+from otela_ingress import (
+    Candidate,
+    HardwarePolicy,
+    LeastLoadedPolicy,
+    PassiveHealth,
+    RoundRobinPolicy,
+    RoutedRequest,
+    StreamWatch,
+    allowed,
+    hardware_weight,
+    load_policy,
+)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def client(stack):
+    c = Client(stack.url, stack.key("alice"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def error_of(body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+# -- the proxy path ------------------------------------------------------------------------------
+def test_chat_completion_is_answered_by_the_engine_with_the_body_forwarded_verbatim(stack, client):
+    sid, engine = stack.engine("m1")
+    raw = b'{"model":"m1","messages":[{"role":"user","content":"two words"}],"user":"u-7","x_unknown":[1,2]}'
+    status, headers, body = client.request("POST", "/v1/chat/completions", raw)
+    assert status == 200
+    assert headers["x-otela-session"] == sid
+    answer = json.loads(body)
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    assert engine.last_body == raw
+
+
+def test_completions_and_embeddings_are_proxied(stack, client):
+    stack.engine("m1")
+    status, _, body = client.request("POST", "/v1/completions", {"model": "m1", "prompt": "a b c"})
+    assert status == 200 and json.loads(body)["object"] == "text_completion"
+    status, _, body = client.request("POST", "/v1/embeddings", {"model": "m1", "input": ["x y", "z"]})
+    assert status == 200 and len(json.loads(body)["data"]) == 2
+
+
+def test_stream_is_relayed_chunk_by_chunk_without_the_usage_chunk_the_client_did_not_ask_for(stack, client):
+    _, engine = stack.engine("m1", chunks=5)
+    status, headers, body = client.chat(stream=True)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = sse_events(body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) == 5 and all(c["choices"] for c in chunks)
+    assert "usage" not in body.decode()
+    # the engine was asked for usage so the ledger could count the stream
+    assert json.loads(engine.last_body)["stream_options"] == {"include_usage": True}
+    time.sleep(0.05)
+    assert stack.sql("SELECT prompt_tokens, completion_tokens, stream FROM requests") == [(2, 5, 1)]
+
+
+def test_stream_keeps_the_usage_chunk_when_the_client_asked_for_it(stack, client):
+    _, engine = stack.engine("m1", chunks=3)
+    raw = b'{"model":"m1","stream":true,"stream_options":{"include_usage":true},"prompt":"a b c d"}'
+    status, _, body = client.request("POST", "/v1/completions", raw)
+    events = sse_events(body)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert engine.last_body == raw
+
+
+def test_stream_options_without_include_usage_get_it_added(stack, client):
+    _, engine = stack.engine("m1", chunks=2)
+    status, _, body = client.chat(stream=True, stream_options={"include_usage": False})
+    assert status == 200 and "usage" not in body.decode()
+    assert json.loads(engine.last_body)["stream_options"] == {"include_usage": True}
+
+
+# -- errors in OpenAI's shape ----------------------------------------------------------------------
+def test_errors_have_openai_bodies_and_statuses(stack, client):
+    stack.engine("m1", labels={"site": "a"})
+    other = stack.key("bob", allow=["site=b"])
+    cases = [
+        (client.request("POST", "/v1/chat/completions", b"{not json"), 400, "invalid_json"),
+        (client.request("POST", "/v1/chat/completions", {"messages": []}), 400, "missing_model"),
+        (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key=""), 401, "missing_api_key"),
+        (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key="sk-otela-nope"), 401,
+         "invalid_api_key"),
+        (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key=other), 403, "model_not_allowed"),
+        (client.request("POST", "/v1/chat/completions", {"model": "nope"}), 404, "model_not_found"),
+        (client.request("GET", "/v1/nothing"), 404, "unknown_url"),
+        (client.request("GET", "/v1/chat/completions"), 405, "method_not_allowed"),
+    ]
+    for (status, headers, body), want_status, want_code in cases:
+        assert (status, error_of(body)["code"]) == (want_status, want_code)
+        assert headers["content-type"] == "application/json"
+    assert error_of(cases[1][0][2])["param"] == "model"
+
+
+def test_a_body_over_the_limit_is_refused_with_413(tmp_path):
+    stack = Stack(str(tmp_path / "o.sqlite"), max_body=1000)
+    try:
+        client = Client(stack.url, stack.key())
+        stack.engine("m1")
+        status, _, body = client.chat(content="x " * 1000)
+        assert status == 413 and error_of(body)["code"] == "request_too_large"
+    finally:
+        stack.close()
+
+
+def test_rate_limited_key_gets_429_with_retry_after(stack):
+    stack.engine("m1")
+    client = Client(stack.url, stack.key("slow", rate=1))
+    statuses = [client.chat()[0] for _ in range(3)]
+    status, headers, body = client.chat()
+    assert statuses[0] == 200 and status == 429
+    assert headers["retry-after"] == "1" and error_of(body)["type"] == "rate_limit_error"
+
+
+def test_no_healthy_provider_gives_503_with_retry_after(stack, client):
+    down, _ = stack.engine("m1")
+    stack.call(stack.node.set_state, down, crdt.DOWN)
+    suspected, _ = stack.engine("m2")
+    stack.call(stack.node.suspect, suspected)
+    for model in ("m1", "m2"):
+        status, headers, body = client.chat(model)
+        assert status == 503 and error_of(body)["code"] == "no_healthy_provider"
+        assert int(headers["retry-after"]) > 0
+
+
+def test_502_when_every_attempt_failed(stack, client):
+    for _ in range(3):
+        stack.engine("m1", mode="error500")
+    status, _, body = client.chat()
+    assert status == 502 and error_of(body)["code"] == "upstream_failed"
+    assert stack.ingress.metrics.retries == 2
+
+
+def test_engine_client_errors_are_passed_through_not_retried(stack, client):
+    _, engine = stack.engine("m1")
+    status, _, body = client.request("POST", "/v1/chat/completions", b'["m1"]')
+    assert status == 400   # refused by the ingress: not an object
+    stack.engine("m1")
+    assert engine.requests == 0
+
+
+def test_oversized_headers_get_431(stack):
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000 + b"\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 431 ")
+
+
+def test_connections_over_the_limit_get_503(tmp_path):
+    stack = Stack(str(tmp_path / "o.sqlite"), max_connections=2)
+    socks = []
+    try:
+        socks = [socket.create_connection(("127.0.0.1", stack.port)) for _ in range(2)]
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", stack.port)) as extra:
+            extra.settimeout(5)
+            assert extra.recv(100).startswith(b"HTTP/1.1 503 ")
+        socks[0].sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert socks[0].recv(100).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for s in socks:
+            s.close()
+        stack.close()
+
+
+# -- keys and allowlists ---------------------------------------------------------------------------
+def test_allowlist_is_enforced_over_many_requests(stack):
+    a1, _ = stack.engine("m1", labels={"site": "a"})
+    a2, _ = stack.engine("m1", owner="carol@gpu7")
+    b1, _ = stack.engine("m1", labels={"site": "b"})
+    restricted = Client(stack.url, stack.key("bob", allow=["site=a", "carol@gpu7"]))
+    anyone = Client(stack.url, stack.key("dave"))
+    served = {restricted.chat()[1]["x-otela-session"] for _ in range(60)}
+    assert served == {a1, a2}
+    served_any = {anyone.chat()[1]["x-otela-session"] for _ in range(60)}
+    assert served_any == {a1, a2, b1}
+
+
+def test_allowlist_matches_owner_label_pair_label_value_or_session():
+    record = {"owner": "ann@h1", "labels": {"site": "lrz", "tier": "gold"}}
+    assert allowed([], "s1", record)
+    assert allowed(["ann@h1"], "s1", record)
+    assert allowed(["site=lrz"], "s1", record)
+    assert allowed(["gold"], "s1", record)
+    assert allowed(["s1"], "s1", record)
+    assert not allowed(["site=gold", "bob@h1", "s2"], "s1", record)
+
+
+def test_models_lists_the_union_of_serving_unsuspected_models_the_key_may_use(stack, client):
+    stack.engine("m1", labels={"site": "a"})
+    stack.engine("m2", labels={"site": "b"})
+    down, _ = stack.engine("m3")
+    stack.call(stack.node.set_state, down, crdt.DOWN)
+    suspected, _ = stack.engine("m4")
+    stack.call(stack.node.suspect, suspected)
+    status, _, body = client.request("GET", "/v1/models")
+    listing = json.loads(body)
+    assert status == 200 and listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["m1", "m2"]
+    _, _, body = client.request("GET", "/v1/models", key=stack.key("bob", allow=["site=b"]))
+    assert [m["id"] for m in json.loads(body)["data"]] == ["m2"]
+
+
+def test_a_suspected_session_gets_no_requests(stack, client):
+    healthy, _ = stack.engine("m1")
+    suspected, engine = stack.engine("m1")
+    stack.call(stack.node.suspect, suspected)
+    assert {client.chat()[1]["x-otela-session"] for _ in range(20)} == {healthy}
+    assert engine.requests == 0
+
+
+def keys_cli(db, *args):
+    return subprocess.run([sys.executable, "otela_ingress.py", "keys", *args, "--db", db],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_keys_cli_creates_lists_and_revokes_hashed_keys(stack):
+    stack.engine("m1")
+    made = keys_cli(stack.db_path, "create", "--user", "erin", "--allow", "site=a,bob@x", "--admin")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip()
+    assert token.startswith("sk-otela-") and "key id" in made.stderr
+    listed = keys_cli(stack.db_path, "list", "--json")
+    row = [r for r in json.loads(listed.stdout) if r["user"] == "erin"][0]
+    assert row["allow"] == ["bob@x", "site=a"] and row["admin"] is True and row["revoked"] is None
+    assert token not in open(stack.db_path, "rb").read().decode("latin-1")   # only its hash is stored
+    client = Client(stack.url, token)
+    deadline = time.monotonic() + 5
+    while client.request("GET", "/v1/models")[0] != 200:   # picked up by the reload within ~1 s
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert keys_cli(stack.db_path, "revoke", row["id"]).returncode == 0
+    deadline = time.monotonic() + 5
+    while client.request("GET", "/v1/models")[0] != 401:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    again = keys_cli(stack.db_path, "revoke", row["id"])
+    assert again.returncode == 1 and "no active key" in again.stderr
+
+
+def test_keys_cli_usage_error_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "otela_ingress.py", "keys", "create"], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 2 and "--user" in done.stderr
+
+
+# -- retries and passive health --------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["reset", "error500", "cut"])
+def test_a_failing_engine_costs_clients_nothing(stack, client, mode):
+    good, _ = stack.engine("m1")
+    bad, bad_engine = stack.engine("m1", mode=mode)
+    statuses = [client.chat()[0] for _ in range(40)]
+    assert statuses == [200] * 40
+    assert stack.ingress.metrics.retries >= 1
+    # the bad engine leaves this ingress's rotation after two failures in a row
+    assert bad_engine.requests <= 3
+    assert bad in stack.ingress.health.sick(time.monotonic())
+
+
+def test_a_killed_engine_costs_clients_nothing(stack, client):
+    stack.engine("m1")
+    _, doomed = stack.engine("m1")
+    stack.run(doomed.close())
+    assert [client.chat()[0] for _ in range(30)] == [200] * 30
+
+
+def test_a_stream_that_fails_before_its_first_byte_is_retried(stack, client):
+    stack.engine("m1", mode="cut", chunks=1)   # cut: drops the connection before any chunk
+    stack.engine("m1", mode="reset")
+    good, _ = stack.engine("m1", chunks=4)
+    for _ in range(5):
+        status, headers, body = client.chat(stream=True)
+        assert status == 200 and headers["x-otela-session"] == good
+        assert len(sse_events(body)) == 5
+
+
+def test_a_stream_cut_midway_ends_with_an_error_event_and_done(stack, client):
+    stack.engine("m1", mode="cut", chunks=8)
+    status, _, body = client.chat(stream=True)
+    events = sse_events(body)
+    assert status == 200
+    assert len(events) == 4 + 2
+    assert all(json.loads(e)["choices"] for e in events[:4])
+    assert json.loads(events[4])["error"]["code"] == "stream_cut"
+    assert events[5] == "[DONE]"
+    assert stack.ingress.metrics.stream_cuts == 1
+
+
+def test_passive_health_backoff_grows_per_relapse_and_ends_on_success():
+    health = PassiveHealth()
+    health.failed("s", 0.0)
+    assert not health.is_sick("s", 0.0)
+    health.failed("s", 0.0)
+    assert health.is_sick("s", 0.5) and not health.is_sick("s", 1.0)   # probed back in after 1 s
+    health.failed("s", 1.0)
+    assert health.is_sick("s", 2.9) and not health.is_sick("s", 3.0)   # relapse: 2 s
+    health.failed("s", 3.0)
+    assert health.is_sick("s", 6.9)                                    # then 4 s
+    health.succeeded("s")
+    assert not health.is_sick("s", 3.1) and health.sick(3.1) == []
+
+
+# -- policies --------------------------------------------------------------------------------------
+def candidates(n, **record):
+    return [Candidate(f"s{i}", dict({"addr": f"h:{i}"}, **record)) for i in range(n)]
+
+
+def test_round_robin_cycles_through_candidates():
+    policy, cands = RoundRobinPolicy(), candidates(3)
+    req = RoutedRequest("m", "u", "k", False, "/v1/completions")
+    assert [policy.pick(cands, req).session for _ in range(6)] == ["s0", "s1", "s2"] * 2
+
+
+def test_least_loaded_picks_the_session_with_fewest_outstanding_requests():
+    policy, cands = LeastLoadedPolicy(), candidates(3)
+    req = RoutedRequest("m", "u", "k", False, "/v1/completions")
+    for c in cands[:2]:
+        policy.on_request_start(c, req)
+    assert policy.pick(cands, req).session == "s2"
+    for c in cands[:2]:
+        policy.on_request_end(c, req, True)
+    assert policy.outstanding == {}
+
+
+def test_hardware_weights_follow_capacity_then_gpu_bandwidth():
+    assert hardware_weight({"capacity": 7}) == 7.0
+    assert hardware_weight({"hardware": {"gpu": "NVIDIA H100 80GB HBM3", "count": 2}}) == pytest.approx(6.7)
+    assert hardware_weight({"hardware": {"gpu": "NVIDIA A100-SXM4-80GB", "count": 1}}) == 2.0
+    assert hardware_weight({"hardware": {"gpu": "CPU"}}) == otela_ingress.CPU_WEIGHT
+    big, small = Candidate("big", {"capacity": 9.0}), Candidate("small", {"capacity": 1.0})
+    picks = [HardwarePolicy().pick([big, small], None).session for _ in range(2000)]
+    assert 0.85 < picks.count("big") / 2000 < 0.95
+
+
+class FirstPolicy:
+    """A user's own policy: always the first candidate (no hooks: they are optional)."""
+
+    def pick(self, candidates, request):
+        return candidates[0]
+
+
+def test_policy_can_be_loaded_from_module_and_class():
+    policy = load_policy("test_ingress:FirstPolicy")
+    assert policy.pick(candidates(2), None).session == "s0"
+    policy.on_request_start(None, None)
+    assert isinstance(load_policy("round_robin"), RoundRobinPolicy)
+    with pytest.raises(ValueError, match="unknown policy"):
+        load_policy("fastest")
+
+
+# -- stream usage watch ----------------------------------------------------------------------------
+def test_stream_watch_strips_the_usage_only_chunk_even_when_split_across_reads():
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    stream = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' * 2 + usage + b"data: [DONE]\n\n"
+    for split in range(1, len(stream)):
+        watch = StreamWatch(strip=True)
+        out = watch.feed(stream[:split]) + watch.feed(stream[split:]) + watch.flush()
+        assert out == stream.replace(usage, b"")
+        assert (watch.prompt_tokens, watch.completion_tokens) == (3, 2)
+    watch = StreamWatch(strip=False)
+    assert watch.feed(stream) == stream and watch.completion_tokens == 2
+
+
+# -- the usage ledger ------------------------------------------------------------------------------
+def test_ledger_token_sums_equal_the_engines_reported_usage(stack, client):
+    stack.engine("m1", chunks=3)
+    stack.engine("m1", chunks=5)
+    reported = [0, 0]
+    for i in range(30):
+        if i % 2:
+            _, _, body = client.chat(content="w " * i)
+            usage = json.loads(body)["usage"]
+        else:
+            _, _, body = client.chat(content="w " * i, stream=True, stream_options={"include_usage": True})
+            usage = json.loads(sse_events(body)[-2])["usage"]
+        reported[0] += usage["prompt_tokens"]
+        reported[1] += usage["completion_tokens"]
+    rows = stack.sql("SELECT count(*), sum(prompt_tokens), sum(completion_tokens) FROM requests")
+    assert rows == [(30, reported[0], reported[1])]
+    daily = stack.sql("SELECT user, model, requests, prompt_tokens, completion_tokens FROM daily")
+    assert daily == [("alice", "m1", 30, reported[0], reported[1])]
+
+
+def test_opted_out_requests_leave_no_row_but_are_counted(stack, client):
+    stack.engine("m1")
+    client.chat()
+    client.chat(headers={"x-otela-no-track": "1"})
+    client.chat(headers={"x-otela-no-track": "1"}, stream=True)
+    assert stack.sql("SELECT count(*) FROM requests") == [(1,)]
+    assert stack.sql("SELECT requests, opted_out FROM daily") == [(3, 2)]
+
+
+def test_usage_needs_an_admin_key_and_totals_per_user_model_and_day(stack, client):
+    stack.engine("m1", chunks=2)
+    stack.engine("m2", chunks=4)
+    bob = Client(stack.url, stack.key("bob"))
+    client.chat("m1")
+    client.chat("m2")
+    bob.chat("m2")
+    status, _, body = client.request("GET", "/v1/usage")
+    assert status == 403 and error_of(body)["code"] == "admin_required"
+    status, _, body = client.request("GET", "/v1/usage?days=2", key=stack.key("root", admin=True))
+    usage = json.loads(body)
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    assert status == 200
+    assert [(d["day"], d["user"], d["model"], d["requests"], d["completion_tokens"]) for d in usage["data"]] == [
+        (today, "alice", "m1", 1, 2), (today, "alice", "m2", 1, 4), (today, "bob", "m2", 1, 4)]
+    assert usage["totals"]["requests"] == 3 and usage["totals"]["completion_tokens"] == 10
+
+
+def test_usage_stats_give_arrival_rate_and_token_mean_and_std(stack, client):
+    stack.engine("m1", chunks=4)
+    for words in (2, 4, 6):
+        client.chat(content="w " * words)
+    status, _, body = client.request("GET", "/v1/usage/stats")
+    stats = json.loads(body)["models"]["m1"]
+    assert status == 200 and stats["requests"] == 3
+    assert stats["input_tokens"]["mean"] == pytest.approx(4.0)
+    assert stats["input_tokens"]["std"] == pytest.approx((8 / 3) ** 0.5)
+    assert stats["output_tokens"] == {"mean": 4.0, "std": 0.0}
+    assert stats["arrival_rate"] > 0
+
+
+KILL9_SERVER = r"""
+import asyncio, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import otela_ingress
+from test_ingress_support import StandInNode
+from fake_engine import start_fake_engine
+
+async def main():
+    node = StandInNode()
+    engine = await start_fake_engine(int(sys.argv[3]), model="m1")
+    node.add_worker("127.0.0.1:" + sys.argv[3], ["m1"])
+    ingress = otela_ingress.Ingress(node, db_path=sys.argv[2], no_auth=True)
+    port = await ingress.start("127.0.0.1", 0)
+    print(port, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+def test_kill_9_after_n_completed_requests_leaves_n_rows(tmp_path):
+    from fake_engine import free_port
+    db = str(tmp_path / "ledger.sqlite")
+    root = str(otela_ingress.__file__).rsplit("/", 1)[0]
+    proc = subprocess.Popen([sys.executable, "-c", KILL9_SERVER, root, db, str(free_port())],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        client = Client(f"http://127.0.0.1:{port}")
+        n = 25
+        for i in range(n):
+            assert client.chat(stream=bool(i % 2))[0] == 200
+        proc.kill()   # SIGKILL right after the last response arrived
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    import sqlite3
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (n,)
+
+
+# -- observability ---------------------------------------------------------------------------------
+def test_metrics_parse_with_prometheus_client(stack, client):
+    from prometheus_client.parser import text_string_to_metric_families
+    stack.engine("m1")
+    bad, _ = stack.engine("m1", mode="error500")
+    for _ in range(6):
+        client.chat()
+        client.chat(stream=True)
+    client.chat("unknown")
+    status, headers, body = client.request("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    assert samples[("otela_requests_total", (("code", "200"), ("model", "m1")))] == 12
+    assert samples[("otela_requests_total", (("code", "404"), ("model", "")))] == 1
+    assert samples[("otela_retries_total", ())] >= 1
+    assert samples[("otela_request_duration_seconds_count", (("model", "m1"),))] == 12
+    assert samples[("otela_tokens_total", (("direction", "output"), ("model", "m1")))] == 12 * 8
+    assert samples[("otela_sessions", (("state", "SERVING"),))] == 2
+    assert families["otela_request_duration_seconds"].type == "histogram"
+
+
+def test_healthz_and_registry_answer(stack):
+    sid, _ = stack.engine("m1")
+    client = Client(stack.url)
+    status, _, body = client.request("GET", "/healthz")
+    assert status == 200 and json.loads(body)["serving_sessions"] == 1
+    status, _, body = client.request("GET", "/v1/registry")
+    view = json.loads(body)
+    assert status == 200 and view["sessions"][sid]["models"] == ["m1"]
+    assert view["ingress"]["sick"] == []
+    status, headers, body = client.request("GET", "/dashboard")
+    assert status == 200 and headers["content-type"].startswith("text/html") and b"<script>" in body
+
+
+# -- one client never stalls another ---------------------------------------------------------------
+def test_a_slow_or_silent_client_does_not_stall_others(stack, client):
+    stack.engine("m1", chunks=2000)
+    # a client that streams a long answer and never reads it
+    reader = socket.create_connection(("127.0.0.1", stack.port))
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({"model": "m1", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+    reader.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {client.key}\r\n"
+                   f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n{body}".encode())
+    # and one that sends half a request head and goes quiet
+    silent = socket.create_connection(("127.0.0.1", stack.port))
+    silent.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    try:
+        t0 = time.monotonic()
+        assert [client.chat()[0] for _ in range(20)] == [200] * 20
+        assert time.monotonic() - t0 < 10   # generous: only a stall would take this long
+    finally:
+        reader.close()
+        silent.close()

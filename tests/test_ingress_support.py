@@ -1,0 +1,173 @@
+"""Harness for the ingress tests and benchmark (no tests here).
+
+`Stack` runs an Ingress in a background event loop with fake engines (tests/fake_engine.py)
+and a stand-in for the overlay node whose registry the test writes directly, so the HTTP,
+routing, retry and ledger behaviour can be tested without gossip. The tests that need the
+real overlay use otela_node itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import sqlite3
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from fake_engine import free_port, start_fake_engine
+
+import crdt
+import otela_ingress
+
+
+class StandInNode:
+    """What the ingress needs of otela_node.Node: a registry, suspicion, a tunnel header."""
+
+    tunnel_header = ("x-otela-tunnel", "stand-in")
+
+    def __init__(self):
+        self.session_id = crdt.new_session_id()
+        self.registry = crdt.GMap()
+        self.suspected: set = set()
+        self._callbacks: list = []
+        self._versions: Dict[str, int] = {}
+
+    def is_suspected(self, sid: str) -> bool:
+        return sid in self.suspected
+
+    def on_change(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def registry_view(self) -> Dict[str, Any]:
+        return {"self": self.session_id,
+                "sessions": {sid: dict(r, suspected=sid in self.suspected) for sid, r in self.registry.items()},
+                "suspected": sorted(self.suspected)}
+
+    def _changed(self, sid: str) -> None:
+        for callback in self._callbacks:
+            callback(sid, self.registry.get(sid))
+
+    def add_worker(self, addr: str, models: List[str], labels: Optional[Dict[str, str]] = None,
+                   owner: str = "alice@gpu1", hardware: Optional[Dict[str, Any]] = None,
+                   capacity: Optional[float] = None, state: int = crdt.SERVING) -> str:
+        sid = crdt.new_session_id()
+        record = {"owner": owner, "state": state, "version": 1, "started": time.time(), "role": "worker",
+                  "addr": addr, "models": models, "labels": labels or {},
+                  "hardware": hardware or {"gpu": "CPU", "count": 1, "memory_gb": 8}}
+        if capacity is not None:
+            record["capacity"] = capacity
+        self._versions[sid] = 1
+        self.registry.put(sid, record)
+        self._changed(sid)
+        return sid
+
+    def set_state(self, sid: str, state: int) -> None:
+        record = self.registry.get(sid)
+        self._versions[sid] += 1
+        record.update(state=state, version=self._versions[sid])
+        if state >= crdt.DOWN:
+            record["left_at"] = time.time()
+        self.registry.put(sid, record)
+        self._changed(sid)
+
+    def suspect(self, sid: str, on: bool = True) -> None:
+        (self.suspected.add if on else self.suspected.discard)(sid)
+        self._changed(sid)
+
+
+class Stack:
+    """An ingress on a free loopback port, with fake engines, in a background loop."""
+
+    def __init__(self, db_path: str, **ingress_opts):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.node = StandInNode()
+        self.db_path = db_path
+        self.engines: Dict[str, Any] = {}
+        self.ingress = otela_ingress.Ingress(self.node, db_path=db_path, **ingress_opts)
+        self.port = self.run(self.ingress.start("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn, *args, **kwargs):
+        async def wrapper():
+            return fn(*args, **kwargs)
+        return self.run(wrapper())
+
+    def engine(self, model: str = "m1", labels: Optional[Dict[str, str]] = None, owner: str = "alice@gpu1",
+               register: bool = True, **opts) -> Tuple[str, Any]:
+        """Start a fake engine and register it as a SERVING worker; returns (session id, engine)."""
+        hardware = opts.pop("hardware", None)
+        port = free_port()
+        engine = self.run(start_fake_engine(port, model=model, **opts))
+        sid = self.call(self.node.add_worker, f"127.0.0.1:{port}", [model], labels, owner,
+                        hardware) if register else ""
+        self.engines[sid or str(port)] = engine
+        return sid, engine
+
+    def key(self, user: str = "alice", allow=(), admin: bool = False, rate: float = 0.0) -> str:
+        db = otela_ingress.open_db(self.db_path)
+        try:
+            _, token = otela_ingress.create_key(db, user, list(allow), admin, rate)
+            keys = otela_ingress.load_keys(db)
+        finally:
+            db.close()
+        self.call(self.ingress._set_keys, keys)
+        return token
+
+    def sql(self, query: str, *args) -> list:
+        db = sqlite3.connect(self.db_path, timeout=10)
+        try:
+            return db.execute(query, args).fetchall()
+        finally:
+            db.close()
+
+    def close(self) -> None:
+        try:
+            for engine in self.engines.values():
+                self.run(engine.close())
+            self.run(self.ingress.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+class Client:
+    """A keep-alive HTTP/1.1 client (http.client) with the OpenAI body conventions."""
+
+    def __init__(self, url: str, key: Optional[str] = None, timeout: float = 30.0):
+        host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        self.key = key
+
+    def request(self, method: str, path: str, body: Any = None, headers: Optional[Dict[str, str]] = None,
+                key: Optional[str] = None) -> Tuple[int, Dict[str, str], bytes]:
+        hdrs = {"content-type": "application/json"}
+        key = key if key is not None else self.key
+        if key:
+            hdrs["authorization"] = f"Bearer {key}"
+        hdrs.update(headers or {})
+        if body is not None and not isinstance(body, (bytes, str)):
+            body = json.dumps(body)
+        self.conn.request(method, path, body=body, headers=hdrs)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+    def chat(self, model: str = "m1", content: str = "hello there", **extra) -> Tuple[int, Dict[str, str], bytes]:
+        headers = extra.pop("headers", None)
+        body = {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+        return self.request("POST", "/v1/chat/completions", body, headers=headers)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def sse_events(body: bytes) -> List[str]:
+    """The data fields of an SSE body, in order."""
+    return [line[len("data: "):] for line in body.decode().split("\n") if line.startswith("data: ")]
