@@ -87,6 +87,8 @@ class FakeEngine:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
+        except asyncio.CancelledError:
+            pass                                    # shutting down: no traceback for open connections
         finally:
             writer.close()
 

@@ -1,0 +1,1723 @@
+"""otela_node.py: the provider's side of otela, and the overlay every member runs.
+
+Role: `otela_node.py start --process "vllm serve …"` wraps one engine inside a Slurm job or a pod:
+it starts the engine as a child, waits until it is ready, joins the overlay as a session
+(JOIN, then SERVING), health-checks the engine, forwards tunnelled HTTP requests to it on
+loopback, and on SIGTERM drains, stops the engine and leaves. The ingress imports this module
+and runs the same overlay with role "ingress".
+
+Data flow:
+    UDP datagram ─▶ Wire.open (HMAC, replay window, size) ─▶ Overlay.receive(msg, src, now)
+    timer         ─▶ Overlay.tick(now)                    ─┘          │
+                                                                      ▼
+                     Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send
+    The Overlay (dissemination + failure detection) is sans-IO: messages and a clock in,
+    messages out. `Node` is the asyncio layer that only moves bytes (UDP, TCP frames, HTTP).
+    The registry itself is crdt.GMap; liveness and suspicion stay here, never in the map.
+
+This file must never: trust a datagram that fails its HMAC or replay check, let a malformed
+message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it.
+
+Sections: config · wire format · dissemination and failure detection (Overlay) · simulated
+network · HTTP/tunnel forwarding · asyncio node · engine supervisor · CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import getpass
+import hashlib
+import heapq
+import hmac
+import logging
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import h11
+
+import crdt
+
+log = logging.getLogger("otela.node")
+
+
+def install_event_loop() -> bool:
+    """Use uvloop when importable (the one place optional accelerators are picked up here)."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+# =============================================================================================
+# Config: every setting and timing default, with the reason for the number
+# =============================================================================================
+DEFAULT_LISTEN = "127.0.0.1:7700"   # TCP: tunnel + GET /v1/registry, /healthz
+DEFAULT_GOSSIP = "127.0.0.1:7946"   # UDP gossip (and TCP on the same port for big transfers),
+                                    # memberlist's port, so firewall rules people have still fit
+TUNNEL_HEADER = "x-otela-tunnel"
+
+
+@dataclasses.dataclass
+class Config:
+    key: bytes = b""
+    listen: str = DEFAULT_LISTEN
+    gossip: str = DEFAULT_GOSSIP
+    bootstrap: List[str] = dataclasses.field(default_factory=list)  # HOST:PORT, file or URL specs
+    labels: Dict[str, str] = dataclasses.field(default_factory=dict)
+    advertise_listen: str = ""      # what peers should dial when --listen binds 0.0.0.0
+    advertise_gossip: str = ""
+
+    # -- failure detection (memberlist's LAN profile, then Lifeguard) --
+    probe_interval: float = 1.0     # one probe per member per second: ~0.15 KB/s sent, flat in N;
+                                    # a dead member is probed by someone within ~1 s on average
+    probe_timeout: float = 0.4      # loopback/LAN RTT is < 1 ms; 400 ms absorbs a GC pause or a
+                                    # saturated CPU before we bother k other members
+    indirect_checks: int = 3        # k members asked to probe for us (SWIM/memberlist default)
+    suspicion_mult: float = 4.0     # min grace = mult * log10(N) * probe_interval (memberlist)
+    suspicion_max_mult: float = 6.0  # a lone suspector waits 6x longer (Lifeguard): one sick
+                                     # prober cannot evict a healthy member quickly
+    max_local_health: int = 8       # Lifeguard LHM cap: a stalled node stretches its timeouts 9x
+    stall_threshold: float = 0.25   # a timer this late means *we* were stalled: don't judge others
+
+    # -- dissemination --
+    gossip_fanout: int = 3          # peers per push; fanout 3 reaches all of 128 in ~5 hops
+    gossip_interval: float = 0.1    # retransmit tick, only while there is something to say
+    retransmit_mult: int = 2        # rounds per rumour = mult * ceil(log10(N+1)); with push on
+                                    # first receipt, 2 is enough and halves churn traffic
+    push_pull_interval: float = 5.0  # anti-entropy: idle cost is one 100-byte digest per 5 s
+    join_retry_min: float = 1.0     # bootstrap retry backoff: fast first retry ...
+    join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
+    compact_interval: float = 60.0  # LEFT compaction check; retention is hours, so minutes is fine
+    retention: float = crdt.RETENTION_S
+
+    # -- wire --
+    replay_window: float = 30.0     # accepted clock skew; NTP keeps cluster nodes within ms
+    max_datagram: int = 8192        # any single record (<= 2 KB) fits; bigger goes over TCP
+    max_frame: int = 32 * 1024 * 1024  # TCP full state: 10,000 sessions * ~1 KB, with margin
+    tcp_timeout: float = 5.0        # connect + write of one TCP gossip frame
+    nonce_cache: int = 200000       # replay cache entries: ~3,000 msgs/s for a whole window
+
+    # -- engine supervisor --
+    engine_ready_timeout: float = 7200.0  # big models take many minutes to load; 2 h is generous
+    engine_check_interval: float = 2.0    # health checks cost the engine nothing at this rate
+    engine_check_timeout: float = 5.0     # a busy engine still answers /health within seconds
+    engine_check_failures: int = 3        # consecutive failures before DOWN: one slow answer
+                                          # under full load is not a dead engine
+    drain_timeout: float = 30.0           # Slurm's default KillWait between SIGTERM and SIGKILL
+    engine_stop_timeout: float = 10.0     # SIGTERM -> SIGKILL grace for the engine
+    leave_linger: float = 0.5             # after LEFT/DOWN, keep gossiping this long so it spreads
+    max_request_body: int = 64 * 1024 * 1024  # tunnelled request bodies (long prompts, images)
+
+    @property
+    def gossip_addr(self) -> str:
+        return self.advertise_gossip or advertise(self.gossip)
+
+    @property
+    def listen_addr(self) -> str:
+        return self.advertise_listen or advertise(self.listen)
+
+
+TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("float", "int"))
+
+
+def config_from_env(config: Config, env=None) -> Config:
+    """Every timing default can be overridden as OTELA_<NAME> (tests make detection quick)."""
+    env = os.environ if env is None else env
+    for name in TIMING_FIELDS:
+        value = env.get("OTELA_" + name.upper())
+        if value:
+            kind = type(getattr(config, name))
+            setattr(config, name, kind(float(value)) if kind is int else float(value))
+    return config
+
+
+def split_addr(addr: str) -> Tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {addr!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def advertise(addr: str) -> str:
+    host, port = split_addr(addr)
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+class ConfigError(ValueError):
+    """A bad setting given by the user; the CLI prints it on one line and exits 2."""
+
+
+def load_key(path: str) -> bytes:
+    """Read the cluster secret written by `keygen` (64 hex chars); refuse group/world access."""
+    if not path:
+        raise ConfigError("no cluster key: pass --key-file or set OTELA_KEY_FILE (make one with keygen)")
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            raw = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster key {path}: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"cluster key {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
+                          f" run chmod 600 {path}")
+    try:
+        key = bytes.fromhex(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = raw
+    if len(key) < 16:
+        raise ConfigError(f"cluster key {path} is too short: need at least 16 bytes (use keygen)")
+    return key
+
+
+# =============================================================================================
+# Wire format
+# =============================================================================================
+# Every datagram (and every TCP frame body) is
+#
+#     magic "o1" (2) | unix time, seconds (uint32) | nonce (8 random bytes) | JSON body | tag (32)
+#
+# tag = HMAC-SHA256(cluster key, everything before it). A datagram is dropped, and counted, if
+# it is oversized, too short, forged (tag mismatch), stale (time outside the replay window),
+# replayed (nonce seen within the window) or malformed (body not a JSON object with a known
+# "t"). TCP frames are a 4-byte big-endian length followed by the same sealed bytes; a message
+# sent over TCP carries "ra", the sender's gossip address, which the receiver uses as `src`
+# (the TCP source port is ephemeral).
+MAGIC = b"o1"
+_HEAD = struct.Struct(">2sI8s")
+TAG_LEN = 32
+ENVELOPE = _HEAD.size + TAG_LEN     # 46 bytes of overhead per message
+DROP_REASONS = ("oversized", "truncated", "forged", "stale", "replayed", "malformed")
+
+
+class Wire:
+    def __init__(self, key: bytes, config: Config):
+        if not key:
+            raise ConfigError("the overlay needs a cluster key")
+        self._key = key
+        self.window = config.replay_window
+        self.max_datagram = config.max_datagram
+        self.max_frame = config.max_frame
+        self.cache_limit = config.nonce_cache
+        self._nonces: Dict[bytes, float] = {}
+        self._next_prune = 0.0
+        self.dropped = collections.Counter({r: 0 for r in DROP_REASONS})
+        self.accepted = 0
+
+    def seal(self, msg: Dict[str, Any], now: float) -> bytes:
+        head = _HEAD.pack(MAGIC, int(now) & 0xFFFFFFFF, os.urandom(8))
+        data = head + crdt.dumps(msg)
+        return data + hmac.new(self._key, data, hashlib.sha256).digest()
+
+    def open(self, data: bytes, now: float, tcp: bool = False) -> Optional[Dict[str, Any]]:
+        """The message inside `data`, or None (counted in `dropped`)."""
+        if len(data) > (self.max_frame if tcp else self.max_datagram):
+            return self._drop("oversized")
+        if len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
+            return self._drop("truncated")
+        body, tag = data[:-TAG_LEN], data[-TAG_LEN:]
+        if not hmac.compare_digest(hmac.new(self._key, body, hashlib.sha256).digest(), tag):
+            return self._drop("forged")
+        _, sent, nonce = _HEAD.unpack_from(body)
+        if abs(now - sent) > self.window + 1:
+            return self._drop("stale")
+        if nonce in self._nonces:
+            return self._drop("replayed")
+        if now >= self._next_prune or len(self._nonces) >= self.cache_limit:
+            self._prune(now)
+            if len(self._nonces) >= self.cache_limit:
+                return self._drop("replayed")   # flooded by valid senders: refuse, don't grow
+        self._nonces[nonce] = now + 2 * self.window + 2
+        try:
+            msg = crdt.loads(body[_HEAD.size:])
+        except ValueError:
+            return self._drop("malformed")
+        if not isinstance(msg, dict) or msg.get("t") not in MESSAGE_TYPES:
+            return self._drop("malformed")
+        self.accepted += 1
+        return msg
+
+    def _prune(self, now: float) -> None:
+        self._nonces = {n: t for n, t in self._nonces.items() if t > now}
+        self._next_prune = now + self.window
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+        return None
+
+
+# Message types ("t"): short names, because idle traffic is mostly pings and acks.
+#   t     fields                      meaning
+MESSAGE_TYPES = {
+    "p":  "n seq, to sid[:8]",       # ping (direct probe; over TCP it is the third probe path)
+    "a":  "n seq",                   # ack of ping n
+    "i":  "n seq, to sid[:8], a",    # ping-req: please probe address a for me (indirect path)
+    "r":  "r {sid: record}, s [[sid, version, by]]",  # rumours: records and suspicions
+    "j":  "r {sid: record}",         # join: my record; answer with your full state
+    "st": "r {sid: record}",         # state: records to merge (join answer, push-pull end)
+    "d":  "d {n, root}",             # push-pull 1: my digest root
+    "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
+    "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
+}
+SHORT_ID = 8                        # hex chars of a session id in pings: 32 bits tell apart
+                                    # sessions sharing one address; a full id adds 24 bytes/probe
+
+
+# =============================================================================================
+# Dissemination and failure detection: the sans-IO Overlay
+# =============================================================================================
+# Theory of operation. Each member holds the registry (crdt.GMap) and a local, unreplicated
+# view of liveness. Rules:
+#   1. A change to the map (own write, eviction, or a merge that changed something) becomes a
+#      rumour: pushed at once to `gossip_fanout` random peers, then retransmitted on the gossip
+#      tick a bounded number of times. Every 5 s push-pull anti-entropy with one random peer
+#      compares digest roots and sends only the differing buckets, repairing what rumours missed.
+#   2. Each probe round checks one member (round-robin over a shuffled list) along three
+#      independent paths; only when all fail is the member suspected. Suspicion is gossiped but
+#      never written into the map; the suspect refutes by bumping its record version. A
+#      suspicion that outlives its grace (Lifeguard: shrinking from max to min as independent
+#      confirmations arrive, min growing with log N) becomes LEFT, written by the member whose
+#      timer fired (evicted_by). A member that finds its own live session evicted rejoins as a
+#      new session.
+#
+# The probe round as a table: phase, its deadline after the round starts, and what happens at
+# the deadline if no ack (from any path) has arrived. Deadlines scale with (1 + local health).
+#   phase       deadline            on deadline without an ack
+PROBE_ROUND = (
+    ("direct",   "probe_timeout",  "indirect"),  # ping-req via k members + ping over TCP
+    ("indirect", "probe_interval", "suspect"),   # all three paths failed
+)
+
+Out = collections.namedtuple("Out", "addr msg tcp")
+
+
+class Suspicion:
+    __slots__ = ("version", "since", "confirmers", "deadline")
+
+    def __init__(self, version: int, since: float, by: str):
+        self.version = version
+        self.since = since
+        self.confirmers = {by}
+        self.deadline = math.inf
+
+
+class Overlay:
+    """Membership protocol state for one member. No I/O: every method takes `now` (unix time,
+    the one clock) and returns the list of Out messages to send."""
+
+    def __init__(self, config: Config, session_id: str, record: Dict[str, Any], now: float,
+                 rng: Optional[random.Random] = None):
+        self.cfg = config
+        self.rng = rng or random.Random()
+        self.map = crdt.GMap(retention=config.retention)
+        self.sid = session_id
+        self.record = dict(record)
+        self.addr = record.get("gossip", config.gossip_addr)
+        self.map.put(session_id, self.record)
+        self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
+        self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
+        self.suspects: Dict[str, Suspicion] = {}
+        self.listeners: List[Callable[[str, Optional[dict]], None]] = []
+        self.rejoin_listeners: List[Callable[[str, str], None]] = []
+        self.bootstrap: List[str] = []
+        self.leaving = False
+        self.lhm = 0                                # Lifeguard local health multiplier
+        self.seq = 0
+        self.probe: Optional[dict] = None
+        self.probe_order: List[str] = []
+        self.relays: Dict[int, tuple] = {}          # our seq -> (requester addr, its seq, expiry)
+        self.sent = collections.Counter()           # messages sent by type
+        self.next_probe = now + self.rng.uniform(0, config.probe_interval)
+        self.next_gossip = math.inf
+        self.next_push_pull = now + self.rng.uniform(0.5, 1.0) * config.push_pull_interval
+        self.next_join = math.inf
+        self.join_backoff = config.join_retry_min
+        self.next_compact = now + config.compact_interval
+        self.expected_wakeup = now
+
+    # -- inputs -----------------------------------------------------------------------------
+    def join(self, bootstrap: List[str], now: float) -> List[Out]:
+        self.bootstrap = [a for a in bootstrap if a != self.addr]
+        self.next_join = now + self.join_backoff if self.bootstrap else math.inf
+        out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, False) for a in self.bootstrap]
+        out += self._rumour(("r", self.sid), now)
+        return self._count(out)
+
+    def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool = False) -> List[Out]:
+        """Handle one authenticated message. Raises ValueError/KeyError/TypeError/RecordError on a
+        malformed one (the caller counts and drops it); the state is unchanged in that case."""
+        return self._count(getattr(self, "_on_" + msg["t"])(msg, src, now, tcp))
+
+    def update(self, now: float, **fields) -> List[Out]:
+        """Owner write: change fields of our own record (state, models, labels…), bump version."""
+        current = self.map.get(self.sid) or self.record
+        record = dict(current)
+        record.update(fields)
+        record.pop("evicted_by", None)
+        record["version"] = max(self.record["version"], current["version"]) + 1
+        if record["state"] == crdt.LEFT:
+            record.setdefault("left_at", now)
+        self.record = record
+        if not self.map.put(self.sid, record):
+            return []
+        return self._count(self._changed([self.sid], now))
+
+    def leave(self, now: float) -> List[Out]:
+        self.leaving = True
+        self.probe = None
+        return self.update(now, state=crdt.LEFT, left_at=now)
+
+    def rejoin(self, now: float, **fields) -> List[Out]:
+        """Start a new session (after an eviction, or an engine restart); the old one is LEFT."""
+        old = self.sid
+        out = []
+        current = self.map.get(old)
+        if current is not None and current["state"] < crdt.LEFT:
+            out += self.update(now, state=crdt.LEFT, left_at=now)
+        record = dict(self.record)
+        for stale in ("evicted_by", "left_at"):
+            record.pop(stale, None)
+        record.update(fields)
+        record.update(version=0, started=now)
+        if record["state"] >= crdt.DOWN:
+            record["state"] = crdt.SERVING
+        self.sid = crdt.new_session_id()
+        self.record = record
+        self.leaving = False
+        self.map.put(self.sid, record)
+        for cb in self.rejoin_listeners:
+            cb(old, self.sid)
+        out += self._changed([self.sid], now)
+        return self._count(out)
+
+    def tick(self, now: float) -> List[Out]:
+        """Advance every timer that is due."""
+        out: List[Out] = []
+        cfg = self.cfg
+        if now - self.expected_wakeup > cfg.stall_threshold:
+            self._degrade()                         # we ran late: trust our own judgement less
+        if self.probe is not None and now >= self.probe["deadline"]:
+            out += self._advance_probe(now)
+        if self.probe is None and now >= self.next_probe and not self.leaving:
+            out += self._start_probe(now)
+        if self.relays and now >= min(r[2] for r in self.relays.values()):
+            self.relays = {s: r for s, r in self.relays.items() if r[2] > now}
+        for sid in [s for s, sus in self.suspects.items() if now >= sus.deadline]:
+            out += self._evict(sid, now)
+        if now >= self.next_gossip:
+            out += self._gossip(now)
+        if now >= self.next_push_pull:
+            self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * cfg.push_pull_interval
+            peer = self._peers(1)
+            if peer:
+                out.append(Out(peer[0], {"t": "d", "d": self.map.digest()}, False))
+        if now >= self.next_join:
+            if self.members:
+                self.join_backoff = cfg.join_retry_min
+                self.next_join = now + cfg.join_retry_max   # only a watchdog while we have peers
+            else:                                   # lost every peer: knock again, backing off
+                self.join_backoff = min(self.join_backoff * 2, cfg.join_retry_max)
+                self.next_join = now + self.join_backoff
+                out += [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, False)
+                        for a in self.bootstrap]
+        if now >= self.next_compact:
+            self.next_compact = now + cfg.compact_interval
+            self.map.compact(now)
+        self.expected_wakeup = self.next_wakeup()
+        return self._count(out)
+
+    def next_wakeup(self) -> float:
+        times = [self.next_push_pull, self.next_join, self.next_compact]
+        if self.probe is not None:
+            times.append(self.probe["deadline"])
+        elif self.members and not self.leaving:
+            times.append(self.next_probe)
+        if self.rumours:
+            times.append(self.next_gossip)
+        times.extend(s.deadline for s in self.suspects.values())
+        return min(times)
+
+    # -- queries ----------------------------------------------------------------------------
+    def is_suspected(self, sid: str) -> bool:
+        return sid in self.suspects
+
+    # -- message handlers -------------------------------------------------------------------
+    def _on_p(self, msg, src, now, tcp):
+        if msg["to"] != self.sid[:SHORT_ID] or self.leaving:
+            return []                               # an old session at this address: stay silent
+        return [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
+
+    def _on_a(self, msg, src, now, tcp):
+        n = msg["n"]
+        if self.probe is not None and n == self.probe["seq"]:
+            self.lhm = max(0, self.lhm - 1)
+            self._end_probe()
+            return []
+        relay = self.relays.pop(n, None)
+        if relay is not None:
+            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
+        return []
+
+    def _on_i(self, msg, src, now, tcp):
+        self.seq += 1
+        self.relays[self.seq] = (src, int(msg["n"]), now + self.cfg.probe_interval * (1 + self.lhm))
+        split_addr(msg["a"])
+        return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
+
+    def _on_r(self, msg, src, now, tcp):
+        records = msg.get("r") or {}
+        suspicions = msg.get("s") or []
+        for item in suspicions:                     # validate before touching any state
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and isinstance(item[1], int) and isinstance(item[2], str)):
+                raise ValueError("bad suspicion")
+        out = self._merge(records, src, now)
+        for sid, version, by in suspicions:
+            out += self._suspect(sid, version, by, now, src)
+        return out
+
+    def _on_j(self, msg, src, now, tcp):
+        out = self._merge(msg["r"], src, now)
+        out.append(Out(src, {"t": "st", "r": dict(self.map.items())}, tcp))
+        return out
+
+    def _on_st(self, msg, src, now, tcp):
+        return self._merge(msg["r"], src, now)
+
+    def _on_d(self, msg, src, now, tcp):
+        if msg["d"]["root"] == self.map.digest()["root"]:
+            return []
+        return [Out(src, {"t": "db", "d": self.map.digest(buckets=True)}, tcp)]
+
+    def _on_db(self, msg, src, now, tcp):
+        theirs = msg["d"]
+        return [Out(src, {"t": "dr", "r": self.map.diff(theirs), "d": self.map.digest(buckets=True)}, tcp)]
+
+    def _on_dr(self, msg, src, now, tcp):
+        ours = self.map.diff(msg["d"])              # judged against their state before merging
+        out = self._merge(msg["r"], src, now)
+        if ours:
+            out.append(Out(src, {"t": "st", "r": ours}, tcp))
+        return out
+
+    # -- dissemination ----------------------------------------------------------------------
+    def _merge(self, records, src: str, now: float) -> List[Out]:
+        if not isinstance(records, dict):
+            raise ValueError("records must be an object")
+        changed = self.map.merge(records)
+        for sid in records:
+            if sid not in changed and ("r", sid) in self.rumours:
+                self.rumours[("r", sid)][0] -= 1    # others already know: lose interest sooner
+        return self._changed(changed, now, exclude=src)
+
+    def _changed(self, sids: List[str], now: float, exclude: Optional[str] = None) -> List[Out]:
+        out: List[Out] = []
+        for sid in sids:
+            record = self.map.get(sid)
+            if record is None:
+                continue
+            self._track(sid, record)
+            sus = self.suspects.get(sid)
+            if sus is not None and (record["state"] == crdt.LEFT or record["version"] > sus.version):
+                del self.suspects[sid]              # refuted, or settled
+            if sid == self.sid and not self.leaving and record.get("evicted_by") \
+                    and self.record["state"] < crdt.DOWN:
+                out += self.rejoin(now, state=self.record["state"])
+                continue
+            out += self._rumour(("r", sid), now, exclude)
+            self._notify(sid, record)
+        return out
+
+    def _track(self, sid: str, record: Dict[str, Any]) -> None:
+        if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
+            self.members[sid] = record["gossip"]
+        else:
+            self.members.pop(sid, None)
+
+    def _notify(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
+        for cb in self.listeners:
+            try:
+                cb(sid, record)
+            except Exception:                       # a listener's bug must not stop the protocol
+                log.exception("on_change callback failed")
+
+    def _retransmits(self) -> int:
+        return max(1, int(self.cfg.retransmit_mult * math.ceil(math.log10(len(self.members) + 2))))
+
+    def _rumour(self, key: tuple, now: float, exclude: Optional[str] = None) -> List[Out]:
+        """Queue a rumour and push it at once to a few random peers (the first transmit)."""
+        self.rumours[key] = [self._retransmits() - 1]
+        payload = self._payload([key])
+        out = [Out(addr, payload, False) for addr in self._peers(self.cfg.gossip_fanout, exclude)]
+        if self.rumours[key][0] <= 0:
+            del self.rumours[key]
+        else:
+            self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
+        return out
+
+    def _payload(self, keys) -> Dict[str, Any]:
+        records, suspicions = {}, []
+        for key in keys:
+            if key[0] == "r":
+                record = self.map.get(key[1])
+                if record is not None:
+                    records[key[1]] = record
+            else:
+                sus = self.suspects.get(key[1])
+                if sus is not None:
+                    suspicions.append([key[1], sus.version, key[2]])
+        msg: Dict[str, Any] = {"t": "r"}
+        if records:
+            msg["r"] = records
+        if suspicions:
+            msg["s"] = suspicions
+        return msg
+
+    def _gossip(self, now: float) -> List[Out]:
+        """Retransmit tick: pack pending rumours (newest budget first) into one datagram each
+        for `gossip_fanout` peers."""
+        self.next_gossip = math.inf
+        if not self.rumours:
+            return []
+        budget = self.cfg.max_datagram - ENVELOPE - 256
+        keys, size = [], 0
+        for key, _left in sorted(self.rumours.items(), key=lambda kv: -kv[1][0]):
+            cost = 2048 if key[0] == "r" else 64     # a record's size bound; exact size is not needed
+            if keys and size + cost > budget:
+                break
+            keys.append(key)
+            size += cost
+        payload = self._payload(keys)
+        for key in keys:
+            self.rumours[key][0] -= 1
+            if self.rumours[key][0] <= 0:
+                del self.rumours[key]
+        if self.rumours:
+            self.next_gossip = now + self.cfg.gossip_interval
+        if len(payload) == 1:
+            return []
+        return [Out(addr, payload, False) for addr in self._peers(self.cfg.gossip_fanout)]
+
+    def _peers(self, k: int, exclude: Optional[str] = None) -> List[str]:
+        addrs = [a for a in self.members.values() if a != exclude]
+        if len(addrs) <= k:
+            return addrs
+        return self.rng.sample(addrs, k)
+
+    # -- failure detection ------------------------------------------------------------------
+    def _start_probe(self, now: float) -> List[Out]:
+        while True:
+            if not self.probe_order:
+                self.probe_order = list(self.members)
+                self.rng.shuffle(self.probe_order)
+                if not self.probe_order:
+                    self.next_probe = now + self.cfg.probe_interval
+                    return []
+            sid = self.probe_order.pop()
+            if sid in self.members:
+                break
+        self.seq += 1
+        addr = self.members[sid]
+        self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
+                      "extended": False}
+        self._set_deadline()
+        return [Out(addr, {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}, False)]
+
+    def _set_deadline(self) -> None:
+        p = self.probe
+        _, after, _ = PROBE_ROUND[p["phase"]]
+        p["deadline"] = p["start"] + getattr(self.cfg, after) * (1 + self.lhm)
+
+    def _end_probe(self) -> None:
+        start = self.probe["start"]
+        self.probe = None
+        self.next_probe = start + self.cfg.probe_interval * (1 + self.lhm)
+
+    def _advance_probe(self, now: float) -> List[Out]:
+        p = self.probe
+        if p["sid"] not in self.members:            # left or evicted meanwhile
+            self._end_probe()
+            return []
+        if now - p["deadline"] > self.cfg.stall_threshold and not p["extended"]:
+            # We woke up late, so an ack may be sitting unread in our socket: give it a chance.
+            p["extended"] = True
+            p["deadline"] = now + self.cfg.probe_timeout
+            return []
+        _, _, action = PROBE_ROUND[p["phase"]]
+        if action == "indirect":
+            p["phase"] += 1
+            self._set_deadline()
+            ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
+            helpers = [a for s, a in self.members.items() if s != p["sid"]]
+            helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
+            out = [Out(a, ping_req, False) for a in helpers]
+            out.append(Out(p["addr"], {"t": "p", "n": p["seq"], "to": p["sid"][:SHORT_ID]}, True))
+            return out
+        # action == "suspect": no path answered
+        sid = p["sid"]
+        self._degrade()
+        self._end_probe()
+        record = self.map.get(sid)
+        return self._suspect(sid, record["version"], self.sid, now, None)
+
+    def _degrade(self) -> None:
+        self.lhm = min(self.lhm + 1, self.cfg.max_local_health)
+
+    def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
+        if sid == self.sid:
+            if version < self.record["version"] or self.leaving:
+                return []
+            self._degrade()                         # others can't reach us: maybe we are the problem
+            return self.update(now)                 # refute: a newer version clears the suspicion
+        record = self.map.get(sid)
+        if record is None or record["state"] == crdt.LEFT or version < record["version"]:
+            return []
+        sus = self.suspects.get(sid)
+        new = sus is None or version > sus.version
+        if new:
+            sus = self.suspects[sid] = Suspicion(version, now, by)
+        elif by in sus.confirmers:
+            return []
+        else:
+            sus.confirmers.add(by)
+        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
+        if self.sid != min(sus.confirmers):
+            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
+            # little later, so that N timers firing together do not make N different LEFT records.
+            sus.deadline += 2 * self.cfg.probe_interval
+        out: List[Out] = []
+        if len(sus.confirmers) <= self._expected_confirmations() + 1:
+            out = self._rumour(("s", sid, by), now, src)
+        if new:
+            self._notify(sid, record)
+        return out
+
+    def _expected_confirmations(self) -> int:
+        return max(1, int(self.cfg.suspicion_mult) - 2)
+
+    def _grace(self, confirmations: int) -> float:
+        """Lifeguard: start at max, fall towards min (which grows with log N) as independent
+        confirmations arrive."""
+        n = len(self.members) + 1
+        low = self.cfg.suspicion_mult * max(1.0, math.log10(n)) * self.cfg.probe_interval
+        high = self.cfg.suspicion_max_mult * low
+        k = self._expected_confirmations()
+        frac = math.log(confirmations + 1) / math.log(k + 1)
+        return max(low, high - (high - low) * frac)
+
+    def _evict(self, sid: str, now: float) -> List[Out]:
+        del self.suspects[sid]
+        record = self.map.get(sid)
+        if record is None or record["state"] == crdt.LEFT:
+            return []
+        record.update(state=crdt.LEFT, left_at=now, evicted_by=self.sid)
+        self.map.put(sid, record, writer=self.sid)
+        log.info("session %s evicted: suspected and unrefuted", sid)
+        return self._changed([sid], now)
+
+    def _count(self, out: List[Out]) -> List[Out]:
+        for o in out:
+            self.sent[o.msg["t"]] += 1
+        return out
+
+
+# =============================================================================================
+# Simulated network (tests and benchmarks): many Overlays, a fake clock, loss, delay, partitions
+# =============================================================================================
+class SimulatedNetwork:
+    """Runs Overlay members in one process. Messages are not sealed (the Wire is tested on its
+    own); their size is counted as the JSON body plus the envelope."""
+
+    def __init__(self, seed: int = 0, loss: float = 0.0, delay: Tuple[float, float] = (0.0002, 0.002),
+                 config: Optional[Config] = None, start: float = 1_700_000_000.0):
+        self.rng = random.Random(seed)
+        self.loss = loss
+        self.delay = delay
+        self.config = config or Config(key=b"k" * 32)
+        self.now = start
+        self.members: Dict[str, Overlay] = {}      # gossip address -> member
+        self.dead: set = set()
+        self.partitions: List[Tuple[set, set]] = []
+        self.queue: list = []                      # (time, n, dst, msg, src, tcp)
+        self.wakeups: list = []                    # (time, address) of member timers
+        self._n = 0
+        self.bytes_sent = collections.Counter()    # address -> bytes
+        self.changes: List[Tuple[float, str, str, Optional[dict]]] = []  # (time, at, sid, record)
+
+    def add(self, bootstrap: Optional[List[str]] = None, **fields) -> Overlay:
+        addr = f"10.0.{len(self.members) // 250}.{len(self.members) % 250 + 1}:7946"
+        record = {"owner": "sim@" + addr, "state": crdt.SERVING, "version": 0, "started": self.now,
+                  "role": "worker", "gossip": addr, "addr": addr.replace("7946", "7700")}
+        record.update(fields)
+        member = Overlay(self.config, crdt.new_session_id(), record, self.now,
+                         rng=random.Random(self.rng.random()))
+        member.listeners.append(lambda sid, rec, at=addr: self.changes.append((self.now, at, sid, rec)))
+        self.members[addr] = member
+        self.send(addr, member.join(bootstrap or [], self.now))
+        return member
+
+    def kill(self, addr: str) -> None:
+        self.dead.add(addr)
+
+    def partition(self, side_a, side_b) -> None:
+        self.partitions.append((set(side_a), set(side_b)))
+
+    def heal(self) -> None:
+        self.partitions = []
+
+    def _blocked(self, src: str, dst: str) -> bool:
+        return any((src in a and dst in b) or (src in b and dst in a) for a, b in self.partitions)
+
+    def send(self, src: str, outs: List[Out]) -> None:
+        for o in outs:
+            size = len(crdt.dumps(o.msg)) + ENVELOPE
+            self.bytes_sent[src] += size
+            if o.addr in self.dead or o.addr not in self.members or self._blocked(src, o.addr):
+                continue
+            if not o.tcp and self.rng.random() < self.loss:
+                continue                            # TCP retransmits; only datagrams get lost
+            self._n += 1
+            at = self.now + self.rng.uniform(*self.delay)
+            heapq.heappush(self.queue, (at, self._n, o.addr, o.msg, src, o.tcp))
+        member = self.members.get(src)
+        if member is not None:
+            heapq.heappush(self.wakeups, (member.next_wakeup(), src))
+
+    def run(self, duration: float) -> None:
+        """Advance the fake clock by `duration`, delivering messages and firing timers in order."""
+        end = self.now + duration
+        while True:
+            while self.wakeups and (self.wakeups[0][1] in self.dead or
+                                    self.wakeups[0][0] != self.members[self.wakeups[0][1]].next_wakeup()):
+                heapq.heappop(self.wakeups)         # stale entry: that member's timer moved
+            wake = self.wakeups[0] if self.wakeups else (math.inf, "")
+            msg_at = self.queue[0][0] if self.queue else math.inf
+            t = min(wake[0], msg_at)
+            if t > end:
+                self.now = end
+                return
+            self.now = max(self.now, t)
+            if msg_at <= wake[0]:
+                _, _, dst, msg, src, tcp = heapq.heappop(self.queue)
+                if dst not in self.dead:
+                    self.send(dst, self.members[dst].receive(msg, src, self.now, tcp))
+            else:
+                heapq.heappop(self.wakeups)
+                self.send(wake[1], self.members[wake[1]].tick(self.now))
+
+    def live(self) -> List[Overlay]:
+        return [m for a, m in self.members.items() if a not in self.dead]
+
+
+# =============================================================================================
+# HTTP and tunnel forwarding (h11): GET /v1/registry, GET /healthz, tunnelled requests
+# =============================================================================================
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
+                        b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+
+
+class EngineError(Exception):
+    """The engine refused, reset or never answered."""
+
+
+async def h11_next(conn: h11.Connection, reader: asyncio.StreamReader, timeout: Optional[float] = None):
+    """The next h11 event, reading from the socket as needed."""
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        if timeout is None:
+            data = await reader.read(65536)
+        else:
+            data = await asyncio.wait_for(reader.read(65536), timeout)
+        conn.receive_data(data)
+
+
+def set_nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+class EngineClient:
+    """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
+    used for health checks, model discovery and tunnelled requests alike."""
+
+    def __init__(self, url: str):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise ConfigError(f"bad engine URL {url!r}: expected http://HOST:PORT")
+        self.host, self.port = parts.hostname, parts.port
+        self.idle: List[tuple] = []
+
+    async def _connect(self) -> tuple:
+        try:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        except OSError as exc:
+            raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
+        set_nodelay(writer)
+        return reader, writer, h11.Connection(h11.CLIENT)
+
+    async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
+                       timeout: Optional[float] = None):
+        """Send one request; return (h11.Response, connection). Read the body with `body()`.
+        A pooled connection the engine closed while idle is retried once on a fresh one."""
+        for attempt in range(2):
+            fresh = not self.idle
+            conn = self.idle.pop() if self.idle else await self._connect()
+            reader, writer, h = conn
+            try:
+                head = [(b"host", f"{self.host}:{self.port}".encode()),
+                        (b"content-length", str(len(body)).encode())] + list(headers)
+                writer.write(h.send(h11.Request(method=method, target=target, headers=head)))
+                if body:
+                    writer.write(h.send(h11.Data(data=body)))
+                writer.write(h.send(h11.EndOfMessage()))
+                await writer.drain()
+                while True:
+                    event = await h11_next(h, reader, timeout)
+                    if isinstance(event, h11.Response):
+                        return event, conn
+                    if not isinstance(event, h11.InformationalResponse):
+                        raise EngineError("engine closed the connection without an answer")
+            except (OSError, h11.ProtocolError, EngineError, asyncio.TimeoutError) as exc:
+                writer.close()
+                if fresh or attempt:
+                    raise EngineError(str(exc) or type(exc).__name__) from None
+        raise EngineError("unreachable")            # pragma: no cover
+
+    async def body(self, conn: tuple, timeout: Optional[float] = None):
+        """Yield the response body chunk by chunk; return the connection to the pool after."""
+        reader, writer, h = conn
+        done = False
+        try:
+            while True:
+                event = await h11_next(h, reader, timeout)
+                if isinstance(event, h11.Data):
+                    yield bytes(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    done = True
+                    return
+                else:
+                    raise EngineError("engine closed the connection mid-response")
+        except (OSError, h11.ProtocolError, asyncio.TimeoutError) as exc:
+            raise EngineError(str(exc) or type(exc).__name__) from None
+        finally:
+            if done and h.our_state is h11.DONE and h.their_state is h11.DONE:
+                h.start_next_cycle()
+                self.idle.append(conn)
+            else:
+                writer.close()
+
+    async def get(self, path: str, timeout: float) -> Tuple[int, bytes]:
+        response, conn = await self.exchange("GET", path, timeout=timeout)
+        data = b"".join([chunk async for chunk in self.body(conn, timeout)])
+        return response.status_code, data
+
+    def close(self) -> None:
+        for _, writer, _ in self.idle:
+            writer.close()
+        self.idle = []
+
+
+def error_body(message: str, etype: str, code: Optional[str] = None) -> bytes:
+    return crdt.dumps({"error": {"message": message, "type": etype, "param": None, "code": code}})
+
+
+# =============================================================================================
+# The asyncio node: moves bytes between sockets and the Overlay
+# =============================================================================================
+class _GossipProtocol(asyncio.DatagramProtocol):
+    def __init__(self, node: Node):
+        self.node = node
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        self.node._on_datagram(data, addr)
+
+    def error_received(self, exc) -> None:          # ICMP unreachable from a dead peer: expected
+        pass
+
+
+def owner_name() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+def code_hash() -> str:
+    """sha256 of the otela files this process runs (so mixed versions are visible)."""
+    h = hashlib.sha256()
+    for mod in (sys.modules[__name__], crdt):
+        try:
+            with open(mod.__file__, "rb") as fh:
+                h.update(fh.read())
+        except (OSError, TypeError):
+            pass
+    return h.hexdigest()[:16]
+
+
+class Node:
+    """One overlay member with its sockets: UDP gossip, TCP gossip frames on the same port, and
+    (workers) the HTTP/tunnel port that forwards to the engine."""
+
+    def __init__(self, config: Config, role: str = "worker", models=None, hardware=None, labels=None,
+                 engine_url: Optional[str] = None):
+        self.config = config
+        self.role = role
+        self.wire = Wire(config.key, config)
+        self.models = list(models or [])
+        self.hardware = dict(hardware or {})
+        self.labels = dict(config.labels)
+        self.labels.update(labels or {})
+        self.engine = EngineClient(engine_url) if engine_url else None
+        self.overlay: Optional[Overlay] = None
+        self.draining = False
+        self.inflight = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.dropped_malformed = 0
+        self._callbacks: List[Callable[[str, Optional[dict]], None]] = []
+        self._udp = None
+        self._tcp_server = None
+        self._http_server = None
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer_at = math.inf
+        self._tasks: set = set()
+        self._addr_cache: Dict[str, tuple] = {}
+        self._pending_id = crdt.new_session_id()    # the id we will join with
+        self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
+
+    # -- public API -------------------------------------------------------------------------
+    @property
+    def session_id(self) -> str:
+        return self.overlay.sid if self.overlay else self._pending_id
+
+    @property
+    def registry(self) -> crdt.GMap:
+        return self.overlay.map
+
+    def is_suspected(self, sid: str) -> bool:
+        return self.overlay is not None and self.overlay.is_suspected(sid)
+
+    def on_change(self, callback: Callable[[str, Optional[dict]], None]) -> None:
+        """callback(sid, record) after each registry change or change of suspicion."""
+        self._callbacks.append(callback)
+
+    def registry_view(self) -> Dict[str, Any]:
+        sessions = []
+        for sid, record in self.registry.items():
+            view = dict(record)
+            view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid))
+            sessions.append(view)
+        sessions.sort(key=lambda v: (v["state"] != "SERVING", v.get("started", 0)))
+        return {"self": self.session_id, "sessions": sessions}
+
+    def stats(self) -> Dict[str, Any]:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
+                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {})}
+
+    async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
+        """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        host, port = split_addr(cfg.gossip)
+        self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self), local_addr=(host, port))
+        port = self._udp.get_extra_info("sockname")[1]
+        self._tcp_server = await asyncio.start_server(self._on_tcp_gossip, host, port, reuse_address=True)
+        gossip_addr = cfg.advertise_gossip or advertise(f"{host}:{port}")
+        if serve_http:
+            lhost, lport = split_addr(cfg.listen)
+            self._http_server = await asyncio.start_server(self._on_http, lhost, lport, reuse_address=True)
+            lport = self._http_server.sockets[0].getsockname()[1]
+            listen_addr = cfg.advertise_listen or advertise(f"{lhost}:{lport}")
+        else:
+            listen_addr = cfg.listen_addr
+        now = time.time()
+        record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
+                  "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
+                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash()}
+        self.overlay = Overlay(cfg, self._pending_id, record, now)
+        self.overlay.listeners.append(self._changed)
+        self.overlay.rejoin_listeners.append(
+            lambda old, new: log.warning("session %s was evicted or replaced; rejoined as %s", old, new))
+        bootstrap = await resolve_bootstrap(cfg.bootstrap)
+        self._send(self.overlay.join(bootstrap, now))
+        self._schedule()
+        log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
+                 self.session_id, gossip_addr, listen_addr, len(bootstrap))
+
+    def update(self, **fields) -> None:
+        """Owner write to our own record (state, models, labels, capacity…)."""
+        self._send(self.overlay.update(time.time(), **fields))
+        self._schedule()
+
+    def set_state(self, state: int) -> None:
+        self.update(state=state)
+
+    def rejoin(self, **fields) -> None:
+        """Leave this session and join again as a new one (engine restart)."""
+        self._send(self.overlay.rejoin(time.time(), **fields))
+        self._schedule()
+
+    async def stop(self, leave: bool = True) -> None:
+        """LEFT (gossiped for `leave_linger` seconds), then close every socket."""
+        if self.overlay is not None and leave and not self.overlay.leaving:
+            self._send(self.overlay.leave(time.time()))
+            self._schedule()
+            await asyncio.sleep(self.config.leave_linger)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for server in (self._http_server, self._tcp_server):
+            if server is not None:
+                server.close()
+        if self._udp is not None:
+            self._udp.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.engine is not None:
+            self.engine.close()
+        self._http_server = self._tcp_server = self._udp = None
+
+    # -- overlay plumbing -------------------------------------------------------------------
+    def _changed(self, sid: str, record: Optional[dict]) -> None:
+        for cb in self._callbacks:
+            try:
+                cb(sid, record)
+            except Exception:
+                log.exception("on_change callback failed")
+
+    def _schedule(self) -> None:
+        if self.overlay is None or self._udp is None:
+            return
+        when = self.overlay.next_wakeup()
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, when - time.time()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        self._send(self.overlay.tick(time.time()))
+        self._schedule()
+
+    def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool) -> None:
+        try:
+            outs = self.overlay.receive(msg, src, time.time(), tcp)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            self.dropped_malformed += 1              # authentic but nonsensical: drop, count
+            return
+        self._send(outs)
+        self._schedule()
+
+    def _on_datagram(self, data: bytes, addr) -> None:
+        self.bytes_received += len(data)
+        if self.overlay is None:
+            return
+        msg = self.wire.open(data, time.time())
+        if msg is not None:
+            self._deliver(msg, f"{addr[0]}:{addr[1]}", False)
+
+    def _resolve(self, addr: str) -> tuple:
+        cached = self._addr_cache.get(addr)
+        if cached is None:
+            cached = self._addr_cache[addr] = split_addr(addr)
+        return cached
+
+    def _send(self, outs: List[Out]) -> None:
+        if self._udp is None:
+            return
+        now = time.time()
+        for o in outs:
+            try:
+                target = self._resolve(o.addr)
+            except ValueError:
+                continue
+            data = self.wire.seal(o.msg, now)
+            if o.tcp or len(data) > self.config.max_datagram:
+                task = asyncio.ensure_future(self._send_tcp(target, dict(o.msg, ra=self.overlay.addr)))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                continue
+            try:
+                self._udp.sendto(data, target)
+                self.bytes_sent += len(data)
+            except OSError:
+                pass
+
+    async def _send_tcp(self, target: tuple, msg: Dict[str, Any]) -> None:
+        data = self.wire.seal(msg, time.time())
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            writer.write(struct.pack(">I", len(data)) + data)
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
+            self.bytes_sent += len(data) + 4
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(4), self.config.tcp_timeout)
+                (length,) = struct.unpack(">I", head)
+                if length > self.config.max_frame:
+                    self.wire.dropped["oversized"] += 1
+                    return
+                data = await asyncio.wait_for(reader.readexactly(length), self.config.tcp_timeout * 4)
+                self.bytes_received += length + 4
+                msg = self.wire.open(data, time.time(), tcp=True)
+                if msg is None or self.overlay is None:
+                    continue
+                src = msg.pop("ra", None)
+                if not isinstance(src, str):
+                    self.dropped_malformed += 1
+                    continue
+                self._deliver(msg, src, True)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                self.wire.dropped["truncated"] += 1
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    # -- HTTP: registry, health, tunnel -----------------------------------------------------
+    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        set_nodelay(writer)
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                event = await h11_next(conn, reader)
+                if not isinstance(event, h11.Request):
+                    break
+                body = bytearray()
+                too_big = False
+                while True:
+                    part = await h11_next(conn, reader)
+                    if isinstance(part, h11.Data):
+                        body += part.data
+                        if len(body) > self.config.max_request_body:
+                            too_big = True
+                            break
+                    elif isinstance(part, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                if too_big:
+                    self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
+                    await writer.drain()
+                    return
+                await self._dispatch(event, bytes(body), conn, writer)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    break
+                conn.start_next_cycle()
+        except (h11.ProtocolError, OSError, EngineError):
+            pass
+        finally:
+            writer.close()
+
+    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+        writer.write(conn.send(h11.Data(data=body)))
+        writer.write(conn.send(h11.EndOfMessage()))
+
+    async def _dispatch(self, request: h11.Request, body: bytes, conn, writer) -> None:
+        path = request.target.split(b"?", 1)[0]
+        if request.method == b"GET" and path == b"/v1/registry":
+            self._respond(conn, writer, 200, crdt.dumps(self.registry_view()))
+        elif request.method == b"GET" and path == b"/healthz":
+            status = "draining" if self.draining else "ok"
+            self._respond(conn, writer, 503 if self.draining else 200,
+                          crdt.dumps({"status": status, "session": self.session_id,
+                                      "state": crdt.STATE_NAMES[self.overlay.record["state"]]}))
+        else:
+            name, value = self.tunnel_header
+            given = dict(request.headers).get(name.encode(), b"")
+            if not hmac.compare_digest(given, value.encode()):
+                self._respond(conn, writer, 403, error_body("missing or bad tunnel credential",
+                                                            "permission_error", "forbidden"))
+            elif self.draining or self.engine is None:
+                self._respond(conn, writer, 503, error_body("this session is draining" if self.draining
+                                                            else "no engine behind this node",
+                                                            "server_error", "unavailable"))
+            else:
+                await self._forward(request, body, conn, writer)
+        await writer.drain()
+
+    async def _forward(self, request: h11.Request, body: bytes, conn, writer) -> None:
+        """Send the request to the engine verbatim and stream the answer back chunk by chunk.
+        If the engine cuts the answer, we cut the client connection too: never a silent 200."""
+        tunnel = self.tunnel_header[0].encode()
+        headers = [(n, v) for n, v in request.headers if n not in HOP_BY_HOP and n != tunnel]
+        self.inflight += 1
+        try:
+            try:
+                response, engine_conn = await self.engine.exchange(request.method.decode(),
+                                                                   request.target.decode(), headers, body)
+            except EngineError as exc:
+                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                return
+            out_headers = [(n, v) for n, v in response.headers
+                           if n not in HOP_BY_HOP or n == b"content-length"]
+            writer.write(conn.send(h11.Response(status_code=response.status_code, headers=out_headers,
+                                                reason=response.reason)))
+            async for chunk in self.engine.body(engine_conn):
+                writer.write(conn.send(h11.Data(data=chunk)))
+                await writer.drain()
+            writer.write(conn.send(h11.EndOfMessage()))
+        finally:
+            self.inflight -= 1
+
+
+async def resolve_bootstrap(specs: List[str]) -> List[str]:
+    """HOST:PORT entries, files holding them (one or more per line, commas allowed), or http(s)
+    URLs returning the same text or a JSON list."""
+    out: List[str] = []
+    for spec in specs:
+        for item in (s.strip() for s in spec.split(",")):
+            if not item:
+                continue
+            if item.startswith(("http://", "https://")):
+                try:
+                    text = await asyncio.get_running_loop().run_in_executor(None, _fetch_text, item)
+                except OSError as exc:
+                    log.warning("bootstrap URL %s failed: %s", item, exc)
+                    continue
+            elif os.path.isfile(item):
+                with open(item) as fh:
+                    text = fh.read()
+            else:
+                out.append(item)
+                continue
+            try:
+                entries = crdt.loads(text)
+                if not isinstance(entries, list):
+                    raise ValueError
+            except ValueError:
+                entries = text.replace(",", " ").split()
+            out.extend(str(e) for e in entries)
+    good = []
+    for addr in out:
+        try:
+            split_addr(addr)
+            good.append(addr)
+        except ValueError:
+            log.warning("ignoring bad bootstrap address %r", addr)
+    return good
+
+
+def _fetch_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read(1 << 20).decode()
+
+
+# =============================================================================================
+# Engine supervisor: start the engine, wait for it, watch it, stop it
+# =============================================================================================
+class EngineExited(Exception):
+    pass
+
+
+def _die_with_parent() -> None:                     # runs in the child between fork and exec
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: even a
+    except (OSError, AttributeError):                               # kill -9 of the node kills
+        pass                                                        # the engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineSupervisor:
+    """The engine as a child process: its own process group (so its workers die with it), never
+    daemonized, killed with the node even on SIGKILL (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, command: str, engine_url: Optional[str], config: Config):
+        if "{port}" in command:                     # let the node pick a free loopback port
+            port = free_port()
+            command = command.replace("{port}", str(port))
+            engine_url = engine_url or f"http://127.0.0.1:{port}"
+        self.argv = shlex.split(command)
+        if not self.argv:
+            raise ConfigError("--process is empty")
+        if engine_url is None:
+            port = 8000                             # vLLM's default port
+            for flag, value in zip(self.argv, self.argv[1:]):
+                if flag == "--port" and value.isdigit():
+                    port = int(value)
+            engine_url = f"http://127.0.0.1:{port}"
+        self.url = engine_url
+        self.config = config
+        self.client = EngineClient(engine_url)
+        self.health_path = "/health"
+        self.proc: Optional[asyncio.subprocess.Process] = None
+
+    async def spawn(self) -> None:
+        try:
+            self.proc = await asyncio.create_subprocess_exec(*self.argv, stdin=subprocess.DEVNULL,
+                                                             start_new_session=True,
+                                                             preexec_fn=_die_with_parent)
+        except OSError as exc:
+            raise ConfigError(f"cannot start engine {self.argv[0]!r}: {exc.strerror}") from None
+        log.info("engine started (pid %d): %s", self.proc.pid, " ".join(self.argv))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def _probe(self) -> Tuple[int, str]:
+        try:
+            status, _ = await self.client.get(self.health_path, self.config.engine_check_timeout)
+            return status, f"HTTP {status}"
+        except EngineError as exc:
+            return 0, str(exc)
+
+    async def wait_ready(self) -> None:
+        """Poll /health (or /v1/models when there is no /health) until 200; log progress."""
+        started = time.monotonic()
+        next_log = started + 10
+        delay = 0.1
+        while True:
+            if not self.alive():
+                raise EngineExited(f"engine exited with code {self.proc.returncode} before it was ready")
+            status, detail = await self._probe()
+            if status == 404 and self.health_path == "/health":
+                self.health_path = "/v1/models"     # e.g. engines without a /health route
+                continue
+            if status == 200:
+                log.info("engine ready after %.1f s", time.monotonic() - started)
+                return
+            now = time.monotonic()
+            if now - started > self.config.engine_ready_timeout:
+                raise EngineExited(f"engine not ready after {self.config.engine_ready_timeout:.0f} s ({detail})")
+            if now >= next_log:
+                log.info("waiting for engine at %s: %.0f s so far (%s)", self.url, now - started, detail)
+                next_log = now + 30
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)             # fast for small models, 1 s polls for big ones
+
+    async def models(self) -> List[str]:
+        status, body = await self.client.get("/v1/models", self.config.engine_check_timeout)
+        if status != 200:
+            raise EngineError(f"/v1/models answered {status}")
+        try:
+            return [str(m["id"]) for m in crdt.loads(body)["data"]][: crdt.MAX_LIST]
+        except (ValueError, KeyError, TypeError):
+            raise EngineError("/v1/models returned no model list") from None
+
+    async def watch(self) -> str:
+        """Return (a reason) when the engine exits or fails `engine_check_failures` checks in a row."""
+        failures = 0
+        while True:
+            await asyncio.sleep(self.config.engine_check_interval)
+            if not self.alive():
+                return f"engine exited with code {self.proc.returncode}"
+            status, detail = await self._probe()
+            failures = 0 if status == 200 else failures + 1
+            if failures >= self.config.engine_check_failures:
+                return f"engine failed {failures} health checks ({detail})"
+
+    async def stop(self) -> None:
+        self.client.close()
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, self.config.engine_stop_timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                await asyncio.wait_for(self.proc.wait(), wait)
+                break
+            except asyncio.TimeoutError:
+                continue
+        log.info("engine stopped (code %s)", self.proc.returncode)
+
+
+def detect_hardware() -> Dict[str, Any]:
+    """GPU name, count and per-GPU memory from nvidia-smi or rocm-smi; CPU fallback."""
+    def run(cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=15, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    out = run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"])
+    if out:
+        rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if "," in line]
+        if rows:
+            count = len(rows)
+            if visible not in (None, ""):
+                count = min(count, len([v for v in visible.split(",") if v.strip()]))
+            return {"gpu": rows[0][0], "count": count, "memory_gb": round(float(rows[0][1]) / 1024, 1)}
+    out = run(["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json"])
+    if out:
+        try:
+            cards = [c for k, c in crdt.loads(out).items() if k.startswith("card")]
+            first = cards[0]
+            name = first.get("Card series") or first.get("Card SKU") or "amd"
+            mem = float(first.get("VRAM Total Memory (B)", 0)) / 2**30
+            return {"gpu": str(name), "count": len(cards), "memory_gb": round(mem, 1)}
+        except (ValueError, IndexError, AttributeError, TypeError):
+            pass
+    mem_gb = 0.0
+    try:
+        with open("/proc/meminfo") as fh:
+            mem_gb = int(fh.readline().split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"gpu": "cpu", "count": os.cpu_count() or 1, "memory_gb": round(mem_gb, 1)}
+
+
+# =============================================================================================
+# CLI
+# =============================================================================================
+def _env(name: str, default=None):
+    return os.environ.get("OTELA_" + name, default)
+
+
+def add_overlay_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every overlay member takes; each also reads an OTELA_* environment variable."""
+    g = parser.add_argument_group("overlay")
+    g.add_argument("--key-file", default=_env("KEY_FILE"),
+                   help="cluster secret written by keygen (env OTELA_KEY_FILE); never pass secrets in argv")
+    g.add_argument("--bootstrap", action="append", default=None,
+                   help="HOST:PORT[,…] of any members' --gossip, a file of them, or an http URL returning "
+                        "them (env OTELA_BOOTSTRAP); none: start a new overlay")
+    g.add_argument("--gossip", default=_env("GOSSIP", DEFAULT_GOSSIP),
+                   help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {DEFAULT_GOSSIP})")
+    g.add_argument("--listen", default=_env("LISTEN", DEFAULT_LISTEN),
+                   help=f"TCP address for the tunnel, /v1/registry and /healthz (env OTELA_LISTEN; "
+                        f"default {DEFAULT_LISTEN})")
+    g.add_argument("--label", action="append", default=None,
+                   help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
+    g.add_argument("--advertise", default=_env("ADVERTISE"),
+                   help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE)")
+    g.add_argument("--probe-interval", type=float, default=None,
+                   help="failure-detector probe period in seconds (env OTELA_PROBE_INTERVAL; default 1.0); "
+                        "every timing default is also settable as OTELA_<NAME>")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
+    config = config_from_env(Config())
+    config.key = load_key(args.key_file)
+    bootstrap = args.bootstrap if args.bootstrap is not None else [_env("BOOTSTRAP", "")]
+    config.bootstrap = [b for b in bootstrap if b]
+    labels = args.label if args.label is not None else _env("LABEL", "").split(",")
+    for item in labels:
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"bad label {item!r}: expected k=v")
+        config.labels[key.strip()] = value.strip()
+    try:
+        config.gossip, config.listen = advertise_check(args.gossip), advertise_check(args.listen)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.advertise:
+        config.advertise_gossip = f"{args.advertise}:{split_addr(args.gossip)[1]}"
+        config.advertise_listen = f"{args.advertise}:{split_addr(args.listen)[1]}"
+    if args.probe_interval is not None:
+        if args.probe_interval <= 0:
+            raise ConfigError("--probe-interval must be > 0")
+        config.probe_interval = args.probe_interval
+        config.probe_timeout = min(config.probe_timeout, args.probe_interval * 0.4)
+    return config
+
+
+def advertise_check(addr: str) -> str:
+    split_addr(addr)
+    return addr
+
+
+def keygen(out_dir: str, force: bool = False) -> List[str]:
+    """Write DIR/cluster.key (64 hex chars, mode 0600) and, when openssl is there, a cluster TLS
+    certificate for the data tunnel (DIR/cluster.crt, DIR/cluster-tls.key)."""
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(out_dir, "cluster.key")
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists; pass --force to replace it (every member needs the new key)") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(os.urandom(32).hex() + "\n")
+    os.chmod(path, 0o600)
+    written = [path]
+    crt, tls_key = os.path.join(out_dir, "cluster.crt"), os.path.join(out_dir, "cluster-tls.key")
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", tls_key, "-out", crt, "-days", "3650", "-subj", "/CN=otela-cluster"],
+                       check=True, capture_output=True, timeout=60)
+        os.chmod(tls_key, 0o600)
+        written += [crt, tls_key]
+    except (OSError, subprocess.SubprocessError):
+        log.warning("openssl not available: no cluster certificate written (only needed for the TLS tunnel)")
+    return written
+
+
+async def _until(coro, stop: asyncio.Event):
+    """Run coro until it finishes or `stop` is set: (result, stopped)."""
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        waiter.cancel()
+        return task.result(), False
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None, True
+
+
+EXIT_ENGINE_FAILED = 3
+
+
+async def run_worker(args: argparse.Namespace, config: Config) -> int:
+    """`start`: supervise the engine and serve it as a session until SIGTERM or engine failure."""
+    supervisor = EngineSupervisor(args.process, args.engine_url, config)
+    node = Node(config, role="worker", hardware=detect_hardware(), engine_url=supervisor.url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await supervisor.spawn()
+        await node.start(serve_http=True, state=crdt.JOIN)
+        while True:
+            try:
+                _, stopped = await _until(supervisor.wait_ready(), stop)
+                if not stopped:
+                    models = await supervisor.models()
+                    node.update(state=crdt.SERVING, models=models)
+                    log.info("session %s SERVING %s", node.session_id, ", ".join(models))
+                    reason, stopped = await _until(supervisor.watch(), stop)
+            except (EngineExited, EngineError) as exc:
+                reason, stopped = str(exc), False
+            if stopped:
+                return await _shutdown(node, supervisor, config)
+            log.error("session %s DOWN: %s", node.session_id, reason)
+            node.set_state(crdt.DOWN)               # no new requests, at once, everywhere
+            await supervisor.stop()
+            if not args.restart:
+                await asyncio.sleep(config.leave_linger)
+                await node.stop(leave=False)
+                return EXIT_ENGINE_FAILED
+            await supervisor.spawn()
+            node.rejoin(state=crdt.JOIN, models=[])
+            log.info("engine restarted; new session %s", node.session_id)
+    finally:
+        await supervisor.stop()
+        await node.stop(leave=False)
+
+
+async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) -> int:
+    """SIGTERM: DOWN at once, drain in-flight requests, stop the engine, LEFT."""
+    log.info("stopping: session %s DOWN, draining %d in-flight requests", node.session_id, node.inflight)
+    node.draining = True
+    node.set_state(crdt.DOWN)
+    deadline = time.monotonic() + config.drain_timeout
+    while node.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if node.inflight:
+        log.warning("drain timeout: %d requests still in flight", node.inflight)
+    await supervisor.stop()
+    await node.stop(leave=True)
+    log.info("session %s LEFT", node.session_id)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="otela_node.py", description="otela node: wrap an LLM engine as a "
+                                "discoverable, health-checked session of the overlay.")
+    sub = p.add_subparsers(dest="command", required=True)
+    k = sub.add_parser("keygen", help="write the cluster secret (and TLS certificate) into DIR")
+    k.add_argument("--out", required=True, help="directory for cluster.key (mode 0600)")
+    k.add_argument("--force", action="store_true", help="replace an existing key")
+    s = sub.add_parser("start", help="start an engine and serve it as a session")
+    add_overlay_args(s)
+    s.add_argument("--process", default=_env("PROCESS"), required=_env("PROCESS") is None,
+                   help='engine command line, e.g. "vllm serve M --port 8000" ({port}: a free port) '
+                        "(env OTELA_PROCESS)")
+    s.add_argument("--engine-url", default=_env("ENGINE_URL"),
+                   help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
+    s.add_argument("--restart", action="store_true", default=bool(_env("RESTART")),
+                   help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to finish in-flight requests after SIGTERM (default 30)")
+    s.add_argument("--engine-ready-timeout", type=float, default=None,
+                   help="seconds to wait for the engine to load (default 7200)")
+    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s otela_node %(levelname)s %(message)s")
+    try:
+        if args.command == "keygen":
+            for path in keygen(args.out, args.force):
+                print(path)
+            return 0
+        config = config_from_args(args)
+        if args.drain_timeout is not None:
+            config.drain_timeout = args.drain_timeout
+        if args.engine_ready_timeout is not None:
+            config.engine_ready_timeout = args.engine_ready_timeout
+        install_event_loop()
+        return asyncio.run(run_worker(args, config))
+    except ConfigError as exc:
+        print(f"otela_node.py: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:                          # e.g. address already in use
+        print(f"otela_node.py: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
