@@ -1,0 +1,953 @@
+"""otela_sim: a calibrated roofline simulator of LLM inference, per GPU type and parallelism.
+
+Role. The placer (otela_place.py) must know how fast each model runs on each GPU type with
+each tensor-parallel degree before it spends a single GPU-hour. This file answers that from
+first principles plus a handful of fitted efficiency factors; it is pure (stdlib only, no
+I/O at import) and fast (`estimate` is microseconds, a 300 s cluster workload replays in
+seconds).
+
+Data flow.
+    GPU table + model table (or a Hugging Face config)        -> GPU, Model
+    per-layer operators (QKV, attention with grouped KV heads, output projection, gated MLP
+    or experts, norms, lm_head, tensor-parallel all-reduce)  -> StepCost: seconds for a
+    forward pass of T tokens; each operator costs max(ops / peak*eff, bytes / bw*eff)
+    StepCost + memory (weights/tp + KV cache)                -> estimate(), max_batch()
+    StepCost + a workload (arrivals, lengths) + a placement  -> replay(): continuous batching
+                                                                under a KV-cache limit
+    measured_calibration.csv                                 -> calibrate / validate
+
+Theory of operation for the replay. An instance is simulated event by event, not token by
+token: between two events (an arrival that can be admitted, a request finishing, the KV
+cache filling up) the running batch is constant, and the time of a decode step is exactly
+linear in the total context, so a run of k decode steps is summed in closed form. The
+default scheduler is vLLM's (v0, chunked prefill off): a prefill step (only prompts) whenever
+a waiting prompt fits in the KV cache, otherwise one decode step of every running request;
+a full cache preempts the youngest request, which is recomputed later.
+
+Rules of this file.
+1. No I/O outside the command-line section, nothing at import beyond building tables.
+2. Every number has its source or its reason beside it; fitted numbers live only in
+   CALIBRATION, which `calibrate --write` rewrites in place.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import math
+import random
+import re
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+class SimError(ValueError):
+    """A bad name or an impossible configuration; the message is one line for the user."""
+
+
+# =============================================================================================
+# Config: engine defaults (why each number)
+# =============================================================================================
+
+# vLLM's --gpu-memory-utilization default: the share of device memory the engine may use.
+MEMORY_UTILIZATION = 0.9
+# CUDA context, allocator fragmentation, CUDA graphs: outside weights, KV and activations.
+RUNTIME_RESERVE_GB = 1.5
+# vLLM v0 defaults: --max-num-seqs 256; --max-num-batched-tokens max(max_model_len, 2048)
+# when chunked prefill is off; block-manager watermark 1% of the KV blocks.
+MAX_NUM_SEQS = 256
+MIN_BATCHED_TOKENS = 2048
+KV_WATERMARK = 0.01
+# Sarathi / vLLM chunked-prefill token budget per step when chunked prefill is turned on.
+CHUNK_TOKENS = 2048
+# Activations are kept in 16-bit even for FP8 weights (FP8 GEMMs take 16-bit inputs scaled).
+ACT_BYTES = 2
+# Tensor parallelism beyond one node goes over the cluster network: 200 Gb/s InfiniBand.
+INTER_NODE_GBps = 25.0
+# Prefill/decode disaggregation: KV moves over the same network by default.
+KV_TRANSFER_GBps = 25.0
+
+# --- calibration (written by `python3 otela_sim.py calibrate --write`; do not edit by hand) ---
+CALIBRATION = {
+    "eff_gemm": 0.7,
+    "eff_gemm_fp8": 0.5,
+    "eff_attn": 0.5,
+    "eff_mem": 0.8,
+    "eff_comm": 0.7,
+    "allreduce_latency_us": 20.0,
+    "gqa_reread": 0.0,
+    "overhead_ms": {"trtllm": 4.0, "gptfast": 0.5, "vllm": 5.0},
+    "per_seq_overhead_ms": {"trtllm": 0.0, "gptfast": 0.0, "vllm": 0.0},
+}
+# --- end calibration ---
+
+ENGINES = ("vllm", "trtllm", "gptfast")
+
+
+# =============================================================================================
+# GPU table (transcribed from shared/data/gpu_specs.csv; dense 16-bit and FP8 peaks)
+# =============================================================================================
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gb: float
+    mem_bw_TBps: float
+    fp16_tflops: float           # dense FP16/BF16 tensor peak with FP32 accumulation
+    fp8_tflops: float            # dense FP8 peak; 0 where the chip has none (then fp16 is used)
+    interconnect_GBps: float     # scale-up link per GPU, both directions together; 0 = none
+    pcie_GBps: float             # host link, both directions together
+    per_node: int                # usual GPUs per node (default for the tp-within-node check)
+    vendor: str
+    source: str
+
+
+_NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)"
+_NV_H100 = "NVIDIA H100 Tensor Core GPU datasheet; Hopper whitepaper (dense = sparse / 2)"
+_NV_GH200 = "NVIDIA GH200 Grace Hopper Superchip datasheet (GPU side)"
+_NV_H200 = "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/)"
+
+# name, memory GB, TB/s, fp16 TF, fp8 TF, scale-up GB/s, PCIe GB/s, per node, vendor, source
+_GPU_ROWS = [
+    ("A100-40GB-SXM4", 40, 1.555, 312, 0, 600, 64, 8, "nvidia", _NV_A100),
+    ("A100-80GB-SXM4", 80, 2.039, 312, 0, 600, 64, 8, "nvidia", _NV_A100),
+    ("A100-80GB-PCIe", 80, 1.935, 312, 0, 600, 64, 8, "nvidia",
+     _NV_A100 + " (PCIe 80GB column: 1.935 TB/s; NVLink bridge)"),
+    ("H100-SXM5-80GB", 80, 3.35, 989.4, 1978.9, 900, 128, 8, "nvidia", _NV_H100),
+    ("H100-PCIe-80GB", 80, 2.0, 756.5, 1513, 600, 128, 8, "nvidia",
+     _NV_H100 + "; H100 PCIe product brief PB-11133-001"),
+    ("H100-NVL-94GB", 94, 3.9, 835, 1671, 600, 128, 8, "nvidia", _NV_H100 + " (H100 NVL column)"),
+    ("GH200-96GB", 96, 4.0, 989.4, 1978.9, 900, 900, 4, "nvidia",
+     _NV_GH200 + "; host link is NVLink-C2C"),
+    ("GH200-144GB", 144, 4.9, 989.4, 1978.9, 900, 900, 4, "nvidia",
+     _NV_GH200 + " (HBM3e variant: 144 GB @ 4.9 TB/s)"),
+    ("H200-SXM-141GB", 141, 4.8, 989.4, 1978.9, 900, 128, 8, "nvidia", _NV_H200),
+    ("H200-NVL-141GB", 141, 4.8, 835, 1671, 600, 128, 8, "nvidia",
+     _NV_H200 + " (H200 NVL: ~835 TF dense FP16; FP8 = 2x)"),
+    ("L40S", 48, 0.864, 362.05, 733, 0, 64, 8, "nvidia",
+     "NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s/); no NVLink"),
+    ("RTX-3090", 24, 0.936, 71, 0, 112.5, 64, 4, "nvidia",
+     "NVIDIA Ampere GA102 whitepaper; 71 TF = FP16 with FP32 accumulation (what frameworks use)"),
+    ("RTX-4090", 24, 1.008, 165.2, 330.3, 0, 64, 4, "nvidia",
+     "NVIDIA Ada Lovelace whitepaper (RTX 4090 appendix); FP32-accumulate figures"),
+    ("MI250X", 64, 1.6384, 191.5, 0, 400, 64, 8, "amd",
+     "AMD Instinct MI250X data sheet; one GCD (a package is 2 GCDs: 128 GB, 3.2768 TB/s, 383 TF, "
+     "800 GB/s Infinity Fabric, halved here)"),
+    ("MI300X", 192, 5.3, 1307.4, 2614.9, 896, 128, 8, "amd",
+     "AMD Instinct MI300X data sheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html)"),
+]
+GPUS = {r[0]: GPU(*r) for r in _GPU_ROWS}
+
+
+def _gpu_key(text):
+    text = re.sub(r"\([^)]*\)", " ", str(text)).upper()
+    for word in ("NVIDIA", "AMD", "INSTINCT", "GEFORCE", "TESLA", "RADEON"):
+        text = text.replace(word, " ")
+    return text
+
+
+def resolve_gpu(name) -> GPU:
+    """A GPU row from a table name, a short name (A100, H100-PCIe, ...) or an nvidia-smi /
+    rocm-smi product string ("NVIDIA A100-SXM4-80GB", "AMD Instinct MI300X")."""
+    if isinstance(name, GPU):
+        return name
+    if not isinstance(name, str) or not name.strip():
+        raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    if name in GPUS:
+        return GPUS[name]
+    text = _gpu_key(name)
+    flat = re.sub(r"[^A-Z0-9]", "", text)
+    mem = [int(x) for x in re.findall(r"(\d+)\s*G", text)]
+    pcie, nvl = "PCIE" in flat, "NVL" in flat
+    row = None
+    if "GH200" in flat:
+        row = "GH200-144GB" if 144 in mem else "GH200-96GB"
+    elif "H200" in flat:
+        row = "H200-NVL-141GB" if nvl else "H200-SXM-141GB"
+    elif "H100" in flat:
+        row = "H100-NVL-94GB" if nvl or 94 in mem else "H100-PCIe-80GB" if pcie else "H100-SXM5-80GB"
+    elif "A100" in flat:
+        if 40 in mem:
+            row = "A100-40GB-SXM4"     # the 40 GB PCIe card has the same 1.555 TB/s
+        else:
+            row = "A100-80GB-PCIe" if pcie else "A100-80GB-SXM4"
+    elif "L40S" in flat:
+        row = "L40S"
+    elif "3090" in flat:
+        row = "RTX-3090"
+    elif "4090" in flat:
+        row = "RTX-4090"
+    elif "MI250X" in flat:
+        row = "MI250X"
+    elif "MI300X" in flat:
+        row = "MI300X"
+    if row is None:
+        raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    return GPUS[row]
+
+
+# =============================================================================================
+# Model table (from each model's Hugging Face config.json)
+# =============================================================================================
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0                   # 0: hidden_size / num_attention_heads
+    dtype_bytes: int = 2
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    experts: int = 0                    # mixture of experts: experts per layer (0 = dense)
+    top_k: int = 0                      # experts per token
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+    @property
+    def params(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        mlp = 3 * h * self.intermediate_size * max(1, self.experts) + h * self.experts
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * (attn + mlp + 2 * h) + embed + h
+
+
+# key, Hugging Face id, hidden, layers, heads, kv heads, intermediate, vocab, max positions,
+# tied embeddings, head_dim (0 = hidden/heads), experts, top_k
+_MODEL_ROWS = [
+    ("llama-2-7b", "meta-llama/Llama-2-7b-hf", 4096, 32, 32, 32, 11008, 32000, 4096, False, 0, 0, 0),
+    ("llama-2-13b", "meta-llama/Llama-2-13b-hf", 5120, 40, 40, 40, 13824, 32000, 4096, False, 0, 0, 0),
+    ("llama-2-70b", "meta-llama/Llama-2-70b-hf", 8192, 80, 64, 8, 28672, 32000, 4096, False, 0, 0, 0),
+    ("codellama-34b", "codellama/CodeLlama-34b-hf", 8192, 48, 64, 8, 22016, 32000, 16384, False, 0, 0, 0),
+    ("llama-3-8b", "meta-llama/Meta-Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, 8192, False, 0, 0, 0),
+    ("llama-3-70b", "meta-llama/Meta-Llama-3-70B", 8192, 80, 64, 8, 28672, 128256, 8192, False, 0, 0, 0),
+    ("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, 131072, False, 0, 0, 0),
+    ("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8192, 80, 64, 8, 28672, 128256, 131072, False, 0, 0, 0),
+    ("llama-3.2-1b", "meta-llama/Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, 131072, True, 64, 0, 0),
+    ("llama-3.2-3b", "meta-llama/Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, 131072, True, 128, 0, 0),
+    ("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", 8192, 80, 64, 8, 28672, 128256, 131072,
+     False, 0, 0, 0),
+    ("mistral-7b", "mistralai/Mistral-7B-v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, False, 0, 0, 0),
+    ("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, False, 0, 8, 2),
+    ("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, 32768, True, 0, 0, 0),
+    ("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, 32768, True, 0, 0, 0),
+    ("qwen2.5-3b", "Qwen/Qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, 32768, True, 0, 0, 0),
+    ("qwen2.5-7b", "Qwen/Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, 131072, False, 0, 0, 0),
+    ("qwen2.5-14b", "Qwen/Qwen2.5-14B", 5120, 48, 40, 8, 13824, 152064, 131072, False, 0, 0, 0),
+    ("qwen2.5-32b", "Qwen/Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064, 131072, False, 0, 0, 0),
+    ("qwen2.5-72b", "Qwen/Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064, 131072, False, 0, 0, 0),
+    ("qwen3-0.6b", "Qwen/Qwen3-0.6B", 1024, 28, 16, 8, 3072, 151936, 40960, True, 128, 0, 0),
+    ("qwen3-1.7b", "Qwen/Qwen3-1.7B", 2048, 28, 16, 8, 6144, 151936, 40960, True, 128, 0, 0),
+    ("qwen3-4b", "Qwen/Qwen3-4B", 2560, 36, 32, 8, 9728, 151936, 40960, True, 128, 0, 0),
+    ("qwen3-8b", "Qwen/Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, 40960, False, 128, 0, 0),
+    ("qwen3-14b", "Qwen/Qwen3-14B", 5120, 40, 40, 8, 17408, 151936, 40960, False, 128, 0, 0),
+    ("qwen3-32b", "Qwen/Qwen3-32B", 5120, 64, 64, 8, 25600, 151936, 40960, False, 128, 0, 0),
+    ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, 8192, True, 0, 0, 0),
+]
+MODELS = {r[0]: Model(r[1], *r[2:8], max_position_embeddings=r[8], tie_word_embeddings=r[9],
+                      head_dim=r[10], experts=r[11], top_k=r[12]) for r in _MODEL_ROWS}
+
+
+def _model_key(name):
+    """Hugging Face id or alias -> table key: drop the organisation, the size-neutral suffixes
+    (-hf, -chat, -instruct, -it, -base, version tags) and a leading "meta-"."""
+    key = name.strip().lower().split("/")[-1]
+    key = re.sub(r"^meta-(?=llama)", "", key)
+    prev = None
+    while prev != key:
+        prev = key
+        key = re.sub(r"-(hf|chat|instruct|it|base|python|v\d+(\.\d+)*)$", "", key)
+    return key
+
+
+_MODEL_KEYS = {}
+for _k, _m in MODELS.items():
+    _MODEL_KEYS[_k] = _k
+    _MODEL_KEYS[_model_key(_m.name)] = _k
+
+
+def resolve_model(name_or_config, name=None) -> Model:
+    """A Model from a Hugging Face id, a lower-case alias ("llama-2-7b") or a config dict
+    (config.json as a dict, optionally with "dtype_bytes"; `name` labels it)."""
+    if isinstance(name_or_config, Model):
+        return name_or_config
+    if isinstance(name_or_config, dict):
+        return _model_from_config(name_or_config, name)
+    if not isinstance(name_or_config, str) or not name_or_config.strip():
+        raise SimError(f"unknown model {name_or_config!r}")
+    key = _MODEL_KEYS.get(_model_key(name_or_config))
+    if key is None:
+        raise SimError(f"unknown model {name_or_config!r}; known: {', '.join(sorted(MODELS))} "
+                       "(or pass --config config.json)")
+    return MODELS[key]
+
+
+_DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}  # fp32 is served in 16-bit
+
+
+def _model_from_config(cfg, name=None):
+    cfg = dict(cfg)
+    cfg.update(cfg.get("text_config") or {})   # multimodal wrappers keep the LM config inside
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        inter = int(cfg.get("moe_intermediate_size") if experts and cfg.get("moe_intermediate_size")
+                    else cfg["intermediate_size"])
+        dtype_bytes = int(cfg.get("dtype_bytes") or _DTYPE_BYTES.get(str(cfg.get("torch_dtype")), 2))
+        return Model(
+            name=str(name or cfg.get("name") or cfg.get("_name_or_path") or "custom"),
+            hidden_size=hidden,
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            intermediate_size=inter,
+            vocab_size=int(cfg["vocab_size"]),
+            head_dim=int(cfg.get("head_dim") or 0),
+            dtype_bytes=dtype_bytes,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok") or (2 if experts else 0)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SimError(f"bad model config {name or ''}: missing or invalid {e}") from None
+
+
+# =============================================================================================
+# Roofline: per-operator cost of one forward pass
+# =============================================================================================
+
+def check_config(model, gpu, tp, per_node=None):
+    """Raise SimError when tensor parallelism `tp` cannot shard `model` (vLLM's rules: tp
+    divides the attention heads; kv heads divide by tp or tp by kv heads) or when tp exceeds
+    the GPUs of a node (`per_node`, default the GPU's usual node size)."""
+    model, gpu = resolve_model(model), resolve_gpu(gpu)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise SimError(f"tp must be a positive integer, got {tp!r}")
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    if heads % tp:
+        raise SimError(f"tp={tp} does not divide the {heads} attention heads of {model.name}")
+    if kv % tp and tp % kv:
+        raise SimError(f"tp={tp} and the {kv} KV heads of {model.name} do not divide each other")
+    limit = per_node or gpu.per_node
+    if tp > limit:
+        raise SimError(f"tp={tp} exceeds the {limit} GPUs of a {gpu.name} node")
+
+
+def _dtype_bytes(model, dtype):
+    if dtype is None:
+        return model.dtype_bytes
+    d = str(dtype).lower()
+    if "fp8" in d or "float8" in d:
+        return 1
+    if d in ("fp16", "bf16", "float16", "bfloat16", "half", "auto"):
+        return 2
+    raise SimError(f"unknown dtype {dtype!r}; use fp16, bf16 or fp8")
+
+
+class StepCost:
+    """Seconds for one forward pass of an instance (`model` on `tp` GPUs of type `gpu`).
+
+    A step processes T tokens through the linear layers; decode requests read their whole KV
+    context (C tokens summed over requests), prefill chunks attend over query-key pairs (P);
+    lm_head runs for the rows that produce a token. Each operator costs
+    max(flops / (peak * eff), bytes / (bandwidth * eff)); the sum is per layer, times layers.
+    """
+
+    def __init__(self, model, gpu, tp=1, dtype=None, engine="vllm", cal=None):
+        cal = cal or CALIBRATION
+        if engine not in ENGINES:
+            raise SimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+        self.model, self.gpu, self.tp, self.engine = model, gpu, tp, engine
+        m = model
+        h, hd, L = m.hidden_size, m.head_dim, m.num_hidden_layers
+        wb = _dtype_bytes(m, dtype)
+        self.wb = wb
+        kvh = m.num_key_value_heads / tp if m.num_key_value_heads >= tp else 1  # replicated past tp
+        heads = m.num_attention_heads / tp
+        q, kv = heads * hd, kvh * hd
+        inter = m.intermediate_size / tp
+        fp8 = wb == 1 and gpu.fp8_tflops > 0
+        self.pc = (gpu.fp8_tflops if fp8 else gpu.fp16_tflops) * 1e12 * \
+            cal["eff_gemm_fp8" if fp8 else "eff_gemm"]
+        self.pa = gpu.fp16_tflops * 1e12 * cal["eff_attn"]   # attention kernels run in 16-bit
+        self.bm = gpu.mem_bw_TBps * 1e12 * cal["eff_mem"]
+        self.layers = L
+        # linear layers per GPU: (weights, activation bytes per token)
+        self.linears = [(h * (q + 2 * kv), (h + q + 2 * kv) * ACT_BYTES), (q * h, (q + h) * ACT_BYTES)]
+        self.experts, self.top_k = m.experts, m.top_k
+        if m.experts:
+            self.expert_w = 3 * h * inter
+            self.expert_act = (h + 3 * inter) * ACT_BYTES * m.top_k
+            self.linears.append((h * m.experts, (h + m.experts) * ACT_BYTES))   # router
+            mlp_w = self.expert_w * m.experts
+        else:
+            self.linears += [(2 * h * inter, (h + 2 * inter) * ACT_BYTES), (inter * h, (inter + h) * ACT_BYTES)]
+            mlp_w = 3 * h * inter
+        # norms, residual adds, activation function: memory-bound elementwise traffic per token
+        self.elem_bytes = (10 * h + 3 * inter * max(1, m.top_k)) * ACT_BYTES
+        # attention: flops per query-key pair; decode reads K and V of each context token
+        self.attn_flops = 4 * hd * heads
+        group = heads / kvh
+        reread = 1 + (group - 1) * cal["gqa_reread"]   # kernels that fetch KV once per query head
+        self.kv_read = 2 * kv * wb * reread
+        self.attn_io = (2 * q + 2 * kv) * ACT_BYTES + 2 * kv * wb   # Q,K,V in, O out, KV written
+        self.lm_w = h * m.vocab_size / tp
+        self.lm_act = (h + m.vocab_size / tp) * 4   # fp32 logits
+        # all-reduce of the hidden state twice per layer (Megatron), ring algorithm
+        if tp > 1:
+            link = gpu.interconnect_GBps or gpu.pcie_GBps
+            if tp > gpu.per_node:
+                link = INTER_NODE_GBps * 2
+            bw = link / 2 * 1e9 * cal["eff_comm"]
+            self.ar_lat = cal["allreduce_latency_us"] * 1e-6
+            self.ar_byte = 2 * (tp - 1) / tp * h * ACT_BYTES / bw
+        else:
+            self.ar_lat = self.ar_byte = 0.0
+        self.overhead = cal["overhead_ms"][engine] * 1e-3
+        self.per_seq = cal["per_seq_overhead_ms"][engine] * 1e-3
+        # memory per GPU
+        embed = m.vocab_size * h / tp * (1 if m.tie_word_embeddings else 2)
+        self.weights_bytes = (L * (sum(w for w, _ in self.linears[:2]) + mlp_w
+                                   + (h * m.experts if m.experts else 0)) + embed) * wb
+        self.kv_bytes_per_token = L * 2 * kv * wb
+        self.act_per_token = (4 * h + q + 2 * kv + 2 * inter * max(1, m.top_k)) * ACT_BYTES
+        self._alpha = {}
+        self.beta = L * max(self.attn_flops / self.pa, self.kv_read / self.bm)
+
+    # --- the operators -----------------------------------------------------------------------
+    def _linear(self, T):
+        pc, bm, wb = self.pc, self.bm, self.wb
+        t = 0.0
+        for w, act in self.linears:
+            t += max(2 * w * T / pc, (w * wb + act * T) / bm)
+        if self.experts:
+            touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
+            t += max(2 * self.expert_w * self.top_k * T / pc,
+                     (touched * self.expert_w * wb + self.expert_act * T) / bm)
+        return t
+
+    def _layer_tokens(self, T):
+        """Per-layer time that depends only on the token count: linears, elementwise, comm."""
+        return self._linear(T) + self.elem_bytes * T / self.bm + \
+            (2 * (self.ar_lat + self.ar_byte * T) if self.ar_lat else 0.0)
+
+    def _lm_head(self, n):
+        if n <= 0:
+            return 0.0
+        return max(2 * self.lm_w * n / self.pc, (self.lm_w * self.wb + self.lm_act * n) / self.bm) + \
+            (self.ar_lat if self.ar_lat else 0.0)
+
+    def step(self, tokens, seqs, decode_ctx=0.0, prefill_pairs=0.0, prefill_tokens=0):
+        """Seconds for one step: `tokens` through the linear layers, `seqs` rows producing a
+        token, decode attention over `decode_ctx` KV tokens and prefill attention over
+        `prefill_pairs` query-key pairs of `prefill_tokens` prompt tokens."""
+        per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
+        if prefill_tokens:
+            per_layer += max(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
+        return self.layers * per_layer + self._lm_head(seqs) + self.overhead + self.per_seq * seqs
+
+    def decode_alpha(self, n):
+        """Decode step of n requests costs decode_alpha(n) + beta * (their total context)."""
+        a = self._alpha.get(n)
+        if a is None:
+            a = self.layers * self._layer_tokens(n) + self._lm_head(n) + self.overhead + self.per_seq * n
+            self._alpha[n] = a
+        return a
+
+    def prefill(self, prompt_lens, cached=0.0):
+        """Seconds for a prefill-only step over prompts of these lengths; `cached` is the prefix
+        cache hit ratio (those tokens skip the linear layers but are still attended to)."""
+        T = 0
+        pairs = 0.0
+        for n in prompt_lens:
+            new = n - int(n * cached)
+            T += new
+            pairs += new * (n - new + (new + 1) / 2)
+        return self.step(T, len(prompt_lens), 0.0, pairs, T)
+
+    # --- memory ------------------------------------------------------------------------------
+    def reserve_bytes(self, tokens):
+        return RUNTIME_RESERVE_GB * 1e9 + self.act_per_token * tokens
+
+    def usable_bytes(self):
+        return self.gpu.memory_gb * 1e9 * MEMORY_UTILIZATION
+
+    def kv_capacity_tokens(self, batched_tokens):
+        free = self.usable_bytes() - self.weights_bytes - self.reserve_bytes(batched_tokens)
+        return max(0, int(free // self.kv_bytes_per_token))
+
+
+@lru_cache(maxsize=4096)
+def _cost(model, gpu, tp, dtype, engine, cal_key):
+    return StepCost(model, gpu, tp, dtype, engine, dict(_CAL_BY_KEY[cal_key]))
+
+
+_CAL_BY_KEY = {}
+
+
+def _cost_for(model, gpu, tp, dtype=None, engine="vllm", cal=None):
+    cal = cal or CALIBRATION
+    key = json.dumps(cal, sort_keys=True)
+    if key not in _CAL_BY_KEY:
+        if len(_CAL_BY_KEY) > 64:      # the fitter makes many; keep memory bounded
+            _CAL_BY_KEY.clear()
+            _cost.cache_clear()
+        _CAL_BY_KEY[key] = cal
+    return _cost(model, gpu, tp, dtype, engine, key)
+
+
+def _batched_tokens(model):
+    return max(model.max_position_embeddings, MIN_BATCHED_TOKENS)
+
+
+def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=None,
+             engine="vllm", cal=None) -> dict:
+    """A static batch of `batch` requests of `input_len` prompt and `output_len` generated
+    tokens on one instance. Times in ms; throughput counts all GPUs of the instance."""
+    model, gpu = resolve_model(model), resolve_gpu(gpu)
+    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
+    if batch < 1 or input_len < 1 or output_len < 1:
+        raise SimError("batch, input and output must be at least 1")
+    c = _cost_for(model, gpu, tp, dtype, engine, cal)
+    T = batch * input_len
+    ttft = c.step(T, batch, 0.0, batch * input_len * (input_len + 1) / 2, T)
+    ctx = batch * (input_len + output_len / 2)
+    step = c.decode_alpha(batch) + c.beta * ctx
+    e2e = ttft + output_len * step
+    prefill_tokens = min(batch * input_len, _batched_tokens(model))
+    weights = c.weights_bytes
+    kv = c.kv_bytes_per_token * batch * (input_len + output_len)
+    mem = weights + kv + c.reserve_bytes(prefill_tokens)
+    ctx_len = input_len + output_len
+    cap = c.kv_capacity_tokens(max(ctx_len, MIN_BATCHED_TOKENS))
+    mem_bound = c.beta * ctx + c.layers * sum(w * c.wb for w, _ in c.linears) / c.bm > \
+        c.layers * sum(2 * w * batch for w, _ in c.linears) / c.pc
+    return {
+        "model": model.name, "gpu": gpu.name, "tp": tp, "batch": batch,
+        "input_len": input_len, "output_len": output_len, "engine": engine,
+        "ttft_ms": ttft * 1e3,
+        "decode_ms_per_token": step * 1e3,
+        "e2e_ms": e2e * 1e3,
+        "throughput_tok_s": batch * output_len / e2e,
+        "memory_gb_per_gpu": mem / 1e9,
+        "weights_gb_per_gpu": weights / 1e9,
+        "kv_gb_per_gpu": kv / 1e9,
+        "usable_gb_per_gpu": c.usable_bytes() / 1e9,
+        "fits": mem <= c.usable_bytes(),
+        "max_batch": cap // ctx_len,
+        "decode_bound": "memory" if mem_bound else "compute",
+    }
+
+
+def max_batch(model, gpu, tp=1, context_len=2048, dtype=None) -> int:
+    """The most requests of `context_len` tokens whose KV cache fits beside the weights
+    (0 when the weights alone do not fit)."""
+    model, gpu = resolve_model(model), resolve_gpu(gpu)
+    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
+    c = _cost_for(model, gpu, tp, dtype)
+    return c.kv_capacity_tokens(max(context_len, MIN_BATCHED_TOKENS)) // max(1, int(context_len))
+
+
+def memory_gb_per_gpu(model, gpu, tp=1, dtype=None) -> float:
+    """Weights per GPU plus the runtime reserve, in GB (the floor before any KV cache)."""
+    model, gpu = resolve_model(model), resolve_gpu(gpu)
+    c = _cost_for(model, gpu, tp, dtype)
+    return (c.weights_bytes + c.reserve_bytes(MIN_BATCHED_TOKENS)) / 1e9
+
+
+# =============================================================================================
+# Workload: arrivals and lengths
+# =============================================================================================
+
+# table1_scenario.json: "Lengths are Normal(mean, std) clipped at input>=1, output>=5".
+INPUT_FLOOR, OUTPUT_FLOOR = 1, 5
+
+
+def _length(rng, spec, floor):
+    dist = spec.get("dist", "normal")
+    mean, std = float(spec.get("mean", 0)), float(spec.get("std", 0))
+    if dist == "normal":
+        x = rng.gauss(mean, std)
+    elif dist == "lognormal":      # parametrised by the mean and std of the lengths themselves
+        s2 = math.log(1 + (std / mean) ** 2)
+        x = rng.lognormvariate(math.log(mean) - s2 / 2, math.sqrt(s2))
+    elif dist == "exponential":
+        x = rng.expovariate(1 / mean)
+    elif dist == "uniform":
+        x = rng.uniform(float(spec["min"]), float(spec["max"]))
+    elif dist == "fixed":
+        x = mean
+    else:
+        raise SimError(f"unknown length distribution {dist!r}")
+    x = max(int(round(x)), int(spec.get("min", floor)))
+    return min(x, int(spec["max"])) if "max" in spec else x
+
+
+def workload_requests(scenario, seed=0, arrival="poisson", cv=1.0, duration_s=None):
+    """{model: [(arrival_s, input_len, output_len), ...]} for the scenario's workload.
+    arrival "poisson" (exponential gaps) or "gamma" (gaps with coefficient of variation cv;
+    cv > 1 is bursty)."""
+    duration = float(duration_s if duration_s is not None else scenario.get("duration_s", 300))
+    out = {}
+    for i, item in enumerate(scenario.get("workload", [])):
+        name, rate = item["model"], float(item["rate_rps"])
+        rng = random.Random(f"{seed}:{i}:{name}")
+        reqs, t = [], 0.0
+        if rate <= 0:
+            out[name] = reqs
+            continue
+        shape = 1.0 / (cv * cv)
+        while True:
+            if arrival == "poisson":
+                t += rng.expovariate(rate)
+            elif arrival == "gamma":
+                t += rng.gammavariate(shape, 1.0 / (rate * shape))
+            else:
+                raise SimError(f"unknown arrival process {arrival!r}; use poisson or gamma")
+            if t >= duration:
+                break
+            reqs.append((t, _length(rng, item["input"], INPUT_FLOOR), _length(rng, item["output"], OUTPUT_FLOOR)))
+        out.setdefault(name, []).extend(reqs)
+    return out
+
+
+# =============================================================================================
+# Serving replay: continuous batching on one instance, event by event
+# =============================================================================================
+
+def _steps_until(alpha, beta, n, u0, delta):
+    """Fewest decode steps (>= 1) whose summed time reaches `delta` seconds, when step j costs
+    alpha + beta * (u0 + n * j)."""
+    if delta <= 0:
+        return 1
+    a = beta * n / 2
+    b = alpha + beta * u0 - a
+    if a <= 0:
+        return max(1, math.ceil(delta / b))
+    return max(1, math.ceil((-b + math.sqrt(b * b + 4 * a * delta)) / (2 * a)))
+
+
+def _run_instance(c, arrivals, inp, out, first, done, *, kv_cap, max_seqs, max_tokens,
+                  chunk=0, cached=0.0, prefilled=False):
+    """Serve `arrivals` (sorted [(time, request id)]) on one instance with cost model `c`.
+    Writes first-token and finish times into `first` / `done` (done = -2: rejected, the
+    prompt can never fit the KV cache). Returns the busy time in seconds."""
+    limit = kv_cap * (1 - KV_WATERMARK)
+    prompt = {r: inp[r] for _, r in arrivals}
+    left = {r: out[r] for _, r in arrivals}      # tokens still to generate at (re)admission
+    dec, start, fin = {}, {}, {}                 # decode steps needed, admission step, finish step
+    heap, order = [], []
+    waiting, prefilling = deque(), deque()       # prefilling: [rid, tokens done] (chunked mode)
+    now, step, n, base, reserved, busy = 0.0, 0, 0, 0, 0, 0.0
+    ai, na = 0, len(arrivals)
+    alpha_of, beta = c.decode_alpha, c.beta
+
+    def admit(r):
+        nonlocal n, base
+        if first[r] < 0:
+            first[r] = now
+        d = left[r] - 1                            # the prefill produced one token
+        if d <= 0:
+            done[r] = now
+            return
+        dec[r], start[r], fin[r] = d, step, step + d
+        heapq.heappush(heap, (step + d, r))
+        order.append(r)
+        n += 1
+        base += prompt[r] - step
+
+    def retire(r):
+        nonlocal n, base
+        n -= 1
+        base -= prompt[r] - start.pop(r)
+
+    while True:
+        while ai < na and arrivals[ai][0] <= now:
+            waiting.append(arrivals[ai][1])
+            ai += 1
+        if not waiting and not prefilling and n == 0:
+            if ai >= na:
+                break
+            now = arrivals[ai][0]
+            continue
+        usage = base + n * step
+        # -- admission: whole prompts (vLLM v0) or into the chunked-prefill queue ---------------
+        batch, tok = [], 0
+        while waiting and n + len(batch) + len(prefilling) < max_seqs:
+            r = waiting[0]
+            L = prompt[r]
+            if L > limit:
+                waiting.popleft()
+                done[r] = -2.0
+                continue
+            if chunk == 0 and batch and tok + L > max_tokens:
+                break
+            if usage + reserved + tok + L > limit:
+                break
+            waiting.popleft()
+            batch.append(r)
+            tok += L
+        if chunk:
+            for r in batch:
+                prefilling.append([r, int(prompt[r] * cached)])
+                reserved += prompt[r]
+            batch = []
+        if batch:
+            dt = 0.0 if prefilled else c.prefill([prompt[r] for r in batch], cached)
+            now += dt
+            busy += dt
+            for r in batch:
+                admit(r)
+            continue
+        if prefilling:                               # one mixed step: all decodes + prompt chunks
+            budget, T, pairs, finished = max(0, chunk - n), 0, 0.0, []
+            for item in prefilling:
+                if budget <= 0:
+                    break
+                r, got = item
+                take = min(prompt[r] - got, budget)
+                pairs += take * (got + (take + 1) / 2)
+                T += take
+                budget -= take
+                item[1] = got + take
+                if item[1] >= prompt[r]:
+                    finished.append(r)
+            dt = c.step(n + T, n + len(finished), usage, pairs, T)
+            now += dt
+            busy += dt
+            step += 1
+            k = 0
+        else:
+            if n == 0:                               # blocked with nothing running: wait
+                if ai >= na:
+                    for r in waiting:                # cannot happen unless a prompt never fits
+                        done[r] = -2.0
+                    break
+                now = max(now, arrivals[ai][0])
+                continue
+            while heap and fin.get(heap[0][1]) != heap[0][0]:
+                heapq.heappop(heap)                  # stale entries of preempted requests
+            room = kv_cap - reserved - usage             # admission stops at the watermark, growth at 100%
+            if room < n:                             # KV full: preempt the youngest, recompute later
+                while order[-1] not in start:
+                    order.pop()
+                r = order.pop()
+                d = step - start[r]
+                retire(r)
+                del fin[r]
+                prompt[r] += 1 + d
+                left[r] = dec.pop(r) - d
+                waiting.appendleft(r)
+                continue
+            alpha = alpha_of(n)
+            k = min(heap[0][0] - step, int(room // n))
+            if not waiting and ai < na:
+                k = min(k, _steps_until(alpha, beta, n, usage, arrivals[ai][0] - now))
+            dt = k * alpha + beta * (k * usage + n * k * (k - 1) / 2)
+            now += dt
+            busy += dt
+            step += k
+            finished = []
+        while heap and heap[0][0] <= step:
+            f, r = heapq.heappop(heap)
+            if fin.get(r) == f:
+                del fin[r]
+                dec.pop(r)
+                retire(r)
+                done[r] = now
+        for r in finished:
+            prefilling.popleft()
+            reserved -= prompt[r]
+            admit(r)
+    return busy
+
+
+def _run_prefill_only(c, arrivals, inp, first, max_tokens, cached=0.0):
+    """A disaggregated prefill instance: batches prompts, hands each off when its prefill ends."""
+    now, ai, na, waiting = 0.0, 0, len(arrivals), deque()
+    while ai < na or waiting:
+        while ai < na and arrivals[ai][0] <= now:
+            waiting.append(arrivals[ai][1])
+            ai += 1
+        if not waiting:
+            now = arrivals[ai][0]
+            continue
+        batch, tok = [], 0
+        while waiting and (not batch or tok + inp[waiting[0]] <= max_tokens):
+            r = waiting.popleft()
+            batch.append(r)
+            tok += inp[r]
+        now += c.prefill([inp[r] for r in batch], cached)
+        for r in batch:
+            first[r] = now
+
+
+def _percentile(sorted_xs, q):
+    if not sorted_xs:
+        return 0.0
+    pos = (len(sorted_xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def _latency_stats(e2e, ttft):
+    e2e, ttft = sorted(e2e), sorted(ttft)
+    return {
+        "p50_ms": _percentile(e2e, 0.5) * 1e3, "p99_ms": _percentile(e2e, 0.99) * 1e3,
+        "mean_ms": (sum(e2e) / len(e2e) * 1e3) if e2e else 0.0,
+        "ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "ttft_p99_ms": _percentile(ttft, 0.99) * 1e3,
+        "ttft_mean_ms": (sum(ttft) / len(ttft) * 1e3) if ttft else 0.0,
+    }
+
+
+def scenario_model(scenario, name):
+    """The Model for a workload name: the scenario's own config when it has one."""
+    cfg = (scenario.get("models") or {}).get(name)
+    return resolve_model(cfg, name=name) if cfg else resolve_model(name)
+
+
+def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
+           chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
+           max_requests=None, engine="vllm", dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
+    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]).
+
+    A model's requests go to its placement entries in proportion to `weight` (default: the
+    entry's instance count) and uniformly to the instances of an entry. Throughput of a model
+    is its requests over the time its last request finishes; total_req_s sums the models (as
+    the seed paper reports it). Options: arrival "gamma" with `cv` (bursty), chunked prefill,
+    a prefix-cache hit ratio, and disaggregation={"prefill_share": 0.5, "kv_GBps": 25}.
+    """
+    if not 0 <= prefix_hit < 1:
+        raise SimError("prefix_hit must be in [0, 1)")
+    per_node = {resolve_gpu(g["type"]).name: int(g.get("per_node") or 0) for g in scenario.get("gpus", [])}
+    reqs_by_model = workload_requests(scenario, seed, arrival, cv, duration_s)
+    if max_requests:
+        reqs_by_model = {m: r[:max_requests] for m, r in reqs_by_model.items()}
+    arrival_t, inp, out, owner = [], [], [], []
+    for name, reqs in reqs_by_model.items():
+        model = scenario_model(scenario, name)
+        for t, i, o in reqs:
+            i = max(1, min(i, model.max_position_embeddings - o))   # the engine's max_model_len
+            arrival_t.append(t)
+            inp.append(i)
+            out.append(o)
+            owner.append(name)
+    total = len(arrival_t)
+    first, done = [-1.0] * total, [-1.0] * total
+    entries = {}
+    for e in placement:
+        if int(e.get("instances", 1)) <= 0:
+            continue
+        entries.setdefault(e["model"], []).append(e)
+    rng = random.Random(f"route:{seed}")
+    instances = []        # (cost, arrivals, role, kv_cap, max_tokens)
+    by_model = {}
+    for name in reqs_by_model:
+        by_model[name] = [r for r in range(total) if owner[r] == name]
+    index_of = {}
+    for name, rids in by_model.items():
+        es = entries.get(name, [])
+        if not es:
+            continue
+        model = scenario_model(scenario, name)
+        weights = [float(e.get("weight", e.get("instances", 1))) for e in es]
+        if sum(weights) <= 0:
+            raise SimError(f"placement weights of {name} sum to zero")
+        cum = []
+        acc = 0.0
+        for w in weights:
+            acc += w
+            cum.append(acc)
+        slots = []
+        for e in es:
+            gpu = resolve_gpu(e["gpu"])
+            tp = int(e.get("tp", 1))
+            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node))
+            c = _cost_for(model, gpu, tp, dtype, engine, cal)
+            mt = _batched_tokens(model)
+            cap = c.kv_capacity_tokens(mt)
+            if cap <= 0:
+                raise SimError(f"{model.name} does not fit on {gpu.name} with tp={tp}")
+            k = int(e.get("instances", 1))
+            split = None
+            if disaggregation and k >= 2:
+                p = min(k - 1, max(1, round(k * float(disaggregation.get("prefill_share", 0.5)))))
+                split = (p, k - p)
+            slots.append((c, cap, mt, k, split, e))
+        lists = [[[] for _ in range(s[3])] for s in slots]
+        for r in rids:
+            j = bisect.bisect_right(cum, rng.random() * acc)
+            j = min(j, len(slots) - 1)
+            lists[j][rng.randrange(slots[j][3])].append(r)
+        for (c, cap, mt, _k, split, e), per_inst in zip(slots, lists):
+            for q, rl in enumerate(per_inst):
+                index_of.setdefault(id(e), []).append(len(instances))
+                instances.append((c, [(arrival_t[r], r) for r in rl], cap, mt, split, q, e))
+    sim_kw = dict(max_seqs=max_num_seqs, cached=prefix_hit)
+    chunk = chunk_tokens if chunked_prefill else 0
+    busy_by_instance = []
+    # disaggregated entries: the first `p` instances prefill, the rest decode
+    handled = set()
+    for c, arr, cap, mt, split, _q, e in instances:
+        if split is None:
+            busy = _run_instance(c, arr, inp, out, first, done, kv_cap=cap, max_tokens=mt, chunk=chunk, **sim_kw)
+            busy_by_instance.append(busy)
+            continue
+        if id(e) in handled:
+            continue
+        handled.add(id(e))
+        group = [instances[i] for i in index_of[id(e)]]
+        p, d = split
+        kv_link = float(disaggregation.get("kv_GBps", KV_TRANSFER_GBps)) * 1e9
+        all_arr = sorted(a for g in group for a in g[1])
+        pre = [[] for _ in range(p)]
+        for j, a in enumerate(all_arr):
+            pre[j % p].append(a)
+        for lst in pre:
+            _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
+        dec = [[] for _ in range(d)]
+        for _, r in all_arr:
+            ready = first[r] + inp[r] * c.kv_bytes_per_token * c.tp / kv_link
+            dec[rng.randrange(d)].append((ready, r))
+        for lst in dec:
+            lst.sort()
+            busy_by_instance.append(_run_instance(c, lst, inp, out, first, done, kv_cap=cap, max_tokens=mt,
+                                                  chunk=0, prefilled=True, **sim_kw))
+    # -- results ---------------------------------------------------------------------------------
+    result = {"requests": total, "per_model_req_s": {}, "per_model": {}}
+    all_e2e, all_ttft, last = [], [], 0.0
+    completed = rejected = unserved = 0
+    for name, rids in by_model.items():
+        e2e = [done[r] - arrival_t[r] for r in rids if done[r] >= 0]
+        ttft = [first[r] - arrival_t[r] for r in rids if done[r] >= 0]
+        end = max((done[r] for r in rids if done[r] >= 0), default=0.0)
+        n_rej = sum(1 for r in rids if done[r] == -2.0)
+        n_uns = sum(1 for r in rids if done[r] == -1.0)
+        rate = len(e2e) / end if end > 0 else 0.0
+        result["per_model_req_s"][name] = rate
+        result["per_model"][name] = dict(req_s=rate, requests=len(rids), completed=len(e2e),
+                                         rejected=n_rej, unserved=n_uns, makespan_s=end,
+                                         **_latency_stats(e2e, ttft))
+        all_e2e += e2e
+        all_ttft += ttft
+        last = max(last, end)
+        completed += len(e2e)
+        rejected += n_rej
+        unserved += n_uns
+    result["total_req_s"] = sum(result["per_model_req_s"].values())
+    result["overall_req_s"] = completed / last if last > 0 else 0.0
+    result.update(_latency_stats(all_e2e, all_ttft))
+    result.update(completed=completed, rejected=rejected, unserved=unserved, makespan_s=last,
+                  instances=len(instances), instance_busy_s=sum(busy_by_instance))
+    return result
