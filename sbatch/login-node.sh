@@ -1,0 +1,70 @@
+#!/bin/bash
+# login-node.sh — keep an otela ingress (or relay) running on a login node, and run the
+# placer, without root and without systemd. Cron-friendly: `start` does nothing when the
+# process in the pid file is alive, so a crontab line restarts it after a reboot or a crash:
+#
+#   */5 * * * *  $HOME/otela/sbatch/login-node.sh ingress start
+#   */5 * * * *  $HOME/otela/sbatch/login-node.sh place          # plan + reconcile Slurm jobs
+#
+# Usage: login-node.sh ingress|relay start|stop|status
+#        login-node.sh place [extra otela_place.py plan flags]
+# Environment (defaults in brackets):
+#   OTELA_DIR    the otela checkout [this script's parent]
+#   OTELA_STATE  key, database, pid files and logs [~/.otela]
+#   OTELA_LISTEN ingress HTTP address [0.0.0.0:8080]   OTELA_GOSSIP gossip address [0.0.0.0:7946]
+#   OTELA_BOOTSTRAP other ingresses/relays to join [none: a new overlay]
+#   PYTHON       interpreter [python3]
+set -euo pipefail
+
+OTELA_DIR=${OTELA_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+STATE=${OTELA_STATE:-$HOME/.otela}
+PYTHON=${PYTHON:-python3}
+LISTEN=${OTELA_LISTEN:-0.0.0.0:8080}
+GOSSIP=${OTELA_GOSSIP:-0.0.0.0:7946}
+role=${1:-}
+action=${2:-start}
+mkdir -p "$STATE/logs"
+[[ -f $STATE/cluster.key ]] || "$PYTHON" "$OTELA_DIR/otela_node.py" keygen --out "$STATE"
+
+alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+case $role in
+  ingress)
+    cmd=("$PYTHON" "$OTELA_DIR/otela_ingress.py" serve --key-file "$STATE/cluster.key"
+         --listen "$LISTEN" --gossip "$GOSSIP" --db "$STATE/usage.sqlite")
+    ;;
+  relay)
+    # a public member that private compute nodes keep an outbound connection to
+    cmd=("$PYTHON" "$OTELA_DIR/otela_node.py" start --relay --key-file "$STATE/cluster.key"
+         --gossip "$GOSSIP" --listen "$LISTEN")
+    ;;
+  place)
+    shift || true
+    # --lock keeps two cron runs apart; the ingress gives demand and live sessions
+    exec "$PYTHON" "$OTELA_DIR/otela_place.py" plan --from-ingress "http://127.0.0.1:${LISTEN##*:}" \
+      --from-slurm --emit-sbatch "$STATE/jobs" --submit --lock "$STATE/place.lock" \
+      --sbatch-var "KEY_FILE=$STATE/cluster.key" --sbatch-var "BOOTSTRAP=$(hostname -f):${GOSSIP##*:}" \
+      --sbatch-var "LOG_DIR=$STATE/logs" "$@"
+    ;;
+  *) echo "usage: $0 ingress|relay start|stop|status | place [plan flags]" >&2; exit 2 ;;
+esac
+[[ -n ${OTELA_BOOTSTRAP:-} ]] && cmd+=(--bootstrap "$OTELA_BOOTSTRAP")
+
+pidfile=$STATE/$role.pid
+case $action in
+  start)
+    alive "$pidfile" && exit 0
+    # nohup + setsid is right here (a login-node service), never inside a Slurm job
+    nohup setsid "${cmd[@]}" >>"$STATE/logs/$role.log" 2>&1 < /dev/null &
+    echo $! > "$pidfile"
+    echo "$role started (pid $!), log $STATE/logs/$role.log"
+    ;;
+  stop)
+    if alive "$pidfile"; then kill -TERM "$(cat "$pidfile")"; echo "$role stopping"; fi
+    rm -f "$pidfile"
+    ;;
+  status)
+    if alive "$pidfile"; then echo "$role running (pid $(cat "$pidfile"))"; else echo "$role stopped"; exit 1; fi
+    ;;
+  *) echo "usage: $0 $role start|stop|status" >&2; exit 2 ;;
+esac
