@@ -360,7 +360,8 @@ class Overlay:
     def join(self, bootstrap: List[str], now: float) -> List[Out]:
         self.bootstrap = [a for a in bootstrap if a != self.addr]
         self.next_join = now + self.join_backoff if self.bootstrap else math.inf
-        out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, False) for a in self.bootstrap]
+        # Join over TCP: it is reliable, and the answer (our full state) rarely fits a datagram.
+        out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, True) for a in self.bootstrap]
         out += self._rumour(("r", self.sid), now)
         return self._count(out)
 
@@ -439,7 +440,7 @@ class Overlay:
             else:                                   # lost every peer: knock again, backing off
                 self.join_backoff = min(self.join_backoff * 2, cfg.join_retry_max)
                 self.next_join = now + self.join_backoff
-                out += [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, False)
+                out += [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, True)
                         for a in self.bootstrap]
         if now >= self.next_compact:
             self.next_compact = now + cfg.compact_interval
@@ -770,7 +771,7 @@ class SimulatedNetwork:
         record = {"owner": "sim@" + addr, "state": crdt.SERVING, "version": 0, "started": self.now,
                   "role": "worker", "gossip": addr, "addr": addr.replace("7946", "7700")}
         record.update(fields)
-        member = Overlay(self.config, crdt.new_session_id(), record, self.now,
+        member = Overlay(self.config, f"{self.rng.getrandbits(128):032x}", record, self.now,
                          rng=random.Random(self.rng.random()))
         member.listeners.append(lambda sid, rec, at=addr: self.changes.append((self.now, at, sid, rec)))
         self.members[addr] = member

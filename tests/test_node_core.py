@@ -1,0 +1,326 @@
+"""The node's pure parts: wire format, the sans-IO overlay on a simulated lossy network, config."""
+import os
+import random
+import stat
+import struct
+
+import pytest
+
+import crdt
+import otela_node as on
+
+KEY = bytes(range(32))
+T0 = 1_700_000_000.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire format
+# ---------------------------------------------------------------------------------------------
+def wire():
+    return on.Wire(KEY, on.Config(key=KEY))
+
+
+def test_sealed_message_opens_to_the_same_message():
+    w = wire()
+    msg = {"t": "p", "n": 7, "to": "abcd1234"}
+    assert w.open(w.seal(msg, T0), T0 + 1) == msg
+    assert w.accepted == 1
+
+
+def test_forged_tag_and_wrong_key_are_dropped_and_counted():
+    w = wire()
+    data = bytearray(w.seal({"t": "a", "n": 1}, T0))
+    data[-1] ^= 1
+    assert w.open(bytes(data), T0) is None
+    other = on.Wire(b"x" * 32, on.Config(key=b"x" * 32))
+    assert w.open(other.seal({"t": "a", "n": 1}, T0), T0) is None
+    assert w.dropped["forged"] == 2
+
+
+def test_replayed_datagram_is_dropped_once_seen():
+    w = wire()
+    data = w.seal({"t": "a", "n": 1}, T0)
+    assert w.open(data, T0) is not None
+    assert w.open(data, T0 + 0.5) is None
+    assert w.dropped["replayed"] == 1
+
+
+def test_datagram_outside_replay_window_is_stale():
+    w = wire()
+    assert w.open(w.seal({"t": "a", "n": 1}, T0), T0 + 120) is None
+    assert w.open(w.seal({"t": "a", "n": 1}, T0 + 120), T0) is None
+    assert w.dropped["stale"] == 2
+
+
+def test_truncated_oversized_and_malformed_datagrams_are_counted():
+    w = wire()
+    assert w.open(b"o1", T0) is None
+    assert w.open(w.seal({"t": "a"}, T0)[:-5], T0) is None             # tag cut: forged
+    assert w.open(b"o1" + b"\0" * 9000, T0) is None
+    head = struct.pack(">2sI8s", b"o1", int(T0), os.urandom(8))
+    import hashlib
+    import hmac
+    for body in (b"[1,2]", b"{not json", b'{"t":"zz"}'):
+        data = head[:-8] + os.urandom(8) + body
+        assert w.open(data + hmac.new(KEY, data, hashlib.sha256).digest(), T0) is None
+    assert (w.dropped["truncated"], w.dropped["forged"], w.dropped["oversized"], w.dropped["malformed"]) == (1, 1, 1, 3)
+
+
+def test_every_message_type_round_trips_through_the_wire():
+    w = wire()
+    for t in on.MESSAGE_TYPES:
+        assert w.open(w.seal({"t": t, "x": [1, "y"]}, T0), T0)["t"] == t
+
+
+# ---------------------------------------------------------------------------------------------
+# The overlay on the simulated network
+# ---------------------------------------------------------------------------------------------
+def fast_config(**kw):
+    cfg = on.Config(key=KEY, probe_interval=0.5, probe_timeout=0.2, push_pull_interval=2.0)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def cluster(n, seed=1, loss=0.0, config=None, settle=5.0):
+    net = on.SimulatedNetwork(seed=seed, loss=loss, config=config or fast_config(), start=T0)
+    first = net.add()
+    for _ in range(n - 1):
+        net.add(bootstrap=[first.addr])
+    net.run(settle)
+    return net
+
+
+def roots(net):
+    return {m.map.digest()["root"] for m in net.live()}
+
+
+def test_members_joining_through_one_seed_converge_to_one_registry():
+    net = cluster(50)
+    assert roots(net) == {net.live()[0].map.digest()["root"]}
+    assert {len(m.map) for m in net.live()} == {50}
+    assert {len(m.members) for m in net.live()} == {49}
+
+
+def test_a_write_reaches_every_member_despite_20_percent_loss():
+    net = cluster(60, loss=0.2, settle=10)
+    writer = net.live()[3]
+    net.send(writer.addr, writer.update(net.now, labels={"zone": "b"}))
+    net.run(3.0)
+    seen = [m.map.get(writer.sid)["labels"] for m in net.live()]
+    assert seen == [{"zone": "b"}] * 60
+    assert sum(len(m.suspects) for m in net.live()) == 0
+
+
+def test_anti_entropy_repairs_a_partition_after_it_heals():
+    net = cluster(20)
+    side_a = [m.addr for m in net.live()[:10]]
+    side_b = [m.addr for m in net.live()[10:]]
+    net.partition(side_a, side_b)
+    writer = net.members[side_a[0]]
+    net.send(writer.addr, writer.update(net.now, labels={"v": "2"}))
+    net.run(0.3)                                     # shorter than any suspicion grace
+    assert net.members[side_b[0]].map.get(writer.sid).get("labels") is None
+    net.heal()
+    net.run(5.0)
+    assert len(roots(net)) == 1
+    assert net.members[side_b[0]].map.get(writer.sid).get("labels") == {"v": "2"}
+
+
+def test_killed_member_is_suspected_by_all_then_evicted_as_left():
+    net = cluster(30)
+    victim = net.live()[7]
+    net.kill(victim.addr)
+    killed = net.now
+    net.run(3.0)
+    suspecting = [m.is_suspected(victim.sid) or m.map.get(victim.sid)["state"] == crdt.LEFT for m in net.live()]
+    assert all(suspecting)
+    net.run(15.0)
+    records = [m.map.get(victim.sid) for m in net.live()]
+    assert {r["state"] for r in records} == {crdt.LEFT}
+    assert all(r["evicted_by"] in {m.sid for m in net.live()} for r in records)
+    assert all(r["left_at"] > killed for r in records)
+    assert not any(m.is_suspected(victim.sid) for m in net.live())
+    assert all(victim.sid not in m.members for m in net.live())
+
+
+def test_a_false_suspicion_is_refuted_by_a_version_bump():
+    net = cluster(10)
+    accuser, target = net.live()[0], net.live()[1]
+    version = target.map.get(target.sid)["version"]
+    net.send(accuser.addr, accuser._suspect(target.sid, version, accuser.sid, net.now, None))
+    assert accuser.is_suspected(target.sid)
+    net.run(1.0)
+    assert target.map.get(target.sid)["version"] == version + 1
+    assert not any(m.is_suspected(target.sid) for m in net.live())
+    net.run(20.0)
+    assert {m.map.get(target.sid)["state"] for m in net.live()} == {crdt.SERVING}
+
+
+def test_member_partitioned_away_is_evicted_and_rejoins_as_a_new_session_after_heal():
+    net = cluster(12)
+    lonely = net.live()[5]
+    old_sid = lonely.sid
+    others = [m.addr for m in net.live() if m is not lonely]
+    net.partition([lonely.addr], others)
+    net.run(20.0)
+    assert {net.members[a].map.get(old_sid)["state"] for a in others} == {crdt.LEFT}
+    net.heal()
+    net.run(8.0)
+    assert lonely.sid != old_sid
+    assert {m.map.get(lonely.sid)["state"] for m in net.live()} == {crdt.SERVING}
+    assert {m.map.get(old_sid)["state"] for m in net.live()} == {crdt.LEFT}
+
+
+def test_leave_spreads_left_and_stops_probing_the_leaver():
+    net = cluster(15)
+    leaver = net.live()[2]
+    net.send(leaver.addr, leaver.leave(net.now))
+    net.run(0.5)
+    net.kill(leaver.addr)
+    net.run(10.0)
+    records = [m.map.get(leaver.sid) for m in net.live() if m is not leaver]
+    assert {r["state"] for r in records} == {crdt.LEFT}
+    assert all("evicted_by" not in r for r in records)           # it left by itself
+
+
+def test_own_down_state_reaches_everyone_and_down_member_is_still_probed():
+    net = cluster(10)
+    sick = net.live()[4]
+    net.send(sick.addr, sick.update(net.now, state=crdt.DOWN))
+    net.run(1.0)
+    assert {m.map.get(sick.sid)["state"] for m in net.live()} == {crdt.DOWN}
+    assert all(sick.sid in m.members for m in net.live() if m is not sick)
+
+
+def test_a_member_that_lost_every_peer_keeps_knocking_at_bootstrap():
+    net = on.SimulatedNetwork(seed=3, config=fast_config(), start=T0)
+    seed = net.add()
+    net.kill(seed.addr)
+    orphan = net.add(bootstrap=[seed.addr])
+    net.run(20.0)
+    joins = orphan.sent["j"]
+    assert 3 <= joins <= 8                           # backoff 1, 2, 4, 8, 16 s: not a flood
+    net.dead.discard(seed.addr)
+    net.run(40.0)
+    assert seed.sid in orphan.map and orphan.sid in seed.map
+
+
+def test_idle_traffic_per_member_is_flat_in_cluster_size():
+    per_node = {}
+    for n in (10, 40):
+        net = cluster(n, config=fast_config(probe_interval=1.0, probe_timeout=0.4, push_pull_interval=5.0))
+        before = sum(net.bytes_sent.values())
+        net.run(30.0)
+        per_node[n] = (sum(net.bytes_sent.values()) - before) / n / 30.0
+    assert per_node[40] < 1.3 * per_node[10]
+    assert per_node[40] < 300                        # bytes/s: a ping, an ack and a digest
+
+
+def test_lifeguard_grace_shrinks_with_confirmations_and_grows_with_size():
+    small = cluster(4)
+    m = small.live()[0]
+    assert m._grace(0) > m._grace(1) > m._grace(2) == m._grace(5)
+    big = cluster(60)
+    assert big.live()[0]._grace(2) > m._grace(2)
+
+
+def test_malformed_authentic_messages_raise_without_changing_state():
+    net = cluster(3)
+    m = net.live()[0]
+    root = m.map.digest()["root"]
+    bad = [{"t": "r", "r": {"x": {"owner": "a"}}}, {"t": "r", "r": [1]}, {"t": "r", "s": [["a", "b"]]},
+           {"t": "p"}, {"t": "i", "n": 1, "to": "x", "a": "nohostport"}, {"t": "d", "d": 5},
+           {"t": "st", "r": {m.sid: {"owner": "x", "state": 9, "version": 0, "started": 0}}}]
+    for msg in bad:
+        with pytest.raises((KeyError, TypeError, ValueError, AttributeError)):
+            m.receive(msg, "10.0.0.9:1", net.now)
+    assert m.map.digest()["root"] == root
+
+
+def test_probe_round_follows_the_table_direct_then_indirect_and_tcp_then_suspect():
+    cfg = fast_config()
+    a = on.Overlay(cfg, "a" * 32, {"owner": "x", "state": 1, "version": 0, "started": T0, "gossip": "h:1"}, T0,
+                   rng=random.Random(1))
+    for i, sid in enumerate(("b" * 32, "c" * 32, "d" * 32)):
+        a.receive({"t": "st", "r": {sid: {"owner": "x", "state": 1, "version": 0, "started": T0,
+                                          "gossip": f"h:{i + 2}"}}}, "h:2", T0)
+    out = a.tick(a.next_probe)
+    ping = [o for o in out if o.msg["t"] == "p"]
+    assert len(ping) == 1 and not ping[0].tcp
+    target = a.probe["sid"]
+    out = a.tick(a.probe["deadline"])
+    probes = sorted((o.msg["t"], o.tcp) for o in out if o.msg["t"] in ("i", "p"))
+    assert probes == [("i", False), ("i", False), ("p", True)]
+    out = a.tick(a.probe["deadline"])
+    assert a.is_suspected(target)
+    assert any(o.msg["t"] == "r" and o.msg["s"][0][0] == target for o in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config, keys, CLI bits
+# ---------------------------------------------------------------------------------------------
+def test_timing_defaults_can_be_overridden_from_the_environment():
+    cfg = on.config_from_env(on.Config(), {"OTELA_PROBE_INTERVAL": "0.2", "OTELA_INDIRECT_CHECKS": "5"})
+    assert (cfg.probe_interval, cfg.indirect_checks) == (0.2, 5)
+    assert "probe_timeout" in on.TIMING_FIELDS and "key" not in on.TIMING_FIELDS
+
+
+def test_keygen_writes_a_private_key_that_load_key_reads(tmp_path):
+    paths = on.keygen(str(tmp_path / "k"))
+    key_path = paths[0]
+    assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
+    assert len(on.load_key(key_path)) == 32
+    with pytest.raises(on.ConfigError, match="exists"):
+        on.keygen(str(tmp_path / "k"))
+
+
+def test_load_key_refuses_missing_short_and_world_readable_keys(tmp_path):
+    with pytest.raises(on.ConfigError, match="cannot read"):
+        on.load_key(str(tmp_path / "nope"))
+    p = tmp_path / "k"
+    p.write_text("ab" * 32)
+    os.chmod(p, 0o644)
+    with pytest.raises(on.ConfigError, match="chmod 600"):
+        on.load_key(str(p))
+    os.chmod(p, 0o600)
+    assert on.load_key(str(p)) == bytes.fromhex("ab" * 32)
+    p.write_text("short")
+    with pytest.raises(on.ConfigError, match="too short"):
+        on.load_key(str(p))
+
+
+def test_overlay_args_read_flags_and_environment(tmp_path, monkeypatch):
+    import argparse
+    key = on.keygen(str(tmp_path))[0]
+    monkeypatch.setenv("OTELA_KEY_FILE", key)
+    monkeypatch.setenv("OTELA_BOOTSTRAP", "10.0.0.1:7946,10.0.0.2:7946")
+    monkeypatch.setenv("OTELA_LABEL", "site=a,tier=gold")
+    parser = argparse.ArgumentParser()
+    on.add_overlay_args(parser)
+    cfg = on.config_from_args(parser.parse_args(["--gossip", "127.0.0.1:9000"]))
+    assert cfg.bootstrap == ["10.0.0.1:7946,10.0.0.2:7946"]
+    assert cfg.labels == {"site": "a", "tier": "gold"}
+    assert (cfg.gossip, cfg.listen) == ("127.0.0.1:9000", on.DEFAULT_LISTEN)
+    with pytest.raises(on.ConfigError, match="label"):
+        on.config_from_args(parser.parse_args(["--label", "novalue"]))
+
+
+def test_bootstrap_resolves_lists_files_and_skips_bad_entries(tmp_path):
+    import asyncio
+    f = tmp_path / "peers"
+    f.write_text("10.0.0.3:1\n10.0.0.4:2, 10.0.0.5:3\n")
+    got = asyncio.run(on.resolve_bootstrap(["10.0.0.1:7946,10.0.0.2:7946", str(f), "garbage"]))
+    assert got == ["10.0.0.1:7946", "10.0.0.2:7946", "10.0.0.3:1", "10.0.0.4:2", "10.0.0.5:3"]
+
+
+def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
+    assert on.main(["start", "--key-file", str(tmp_path / "none"), "--process", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cluster key" in err[0]
+
+
+def test_hardware_detection_falls_back_to_cpu_without_gpu_tools(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    hw = on.detect_hardware()
+    assert hw["gpu"] == "cpu" and hw["count"] >= 1 and hw["memory_gb"] > 0
