@@ -1,0 +1,155 @@
+"""The node's TCP port in one process: /v1/registry, /healthz and the tunnel to the engine."""
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fake_engine  # noqa: E402
+
+import crdt  # noqa: E402
+import otela_node as on  # noqa: E402
+
+KEY = bytes(range(32))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def with_node(test, **engine_opts):
+    """Start a fake engine and a node in front of it; run test(node, client); clean up."""
+    port = fake_engine.free_port()
+    engine = await fake_engine.start_fake_engine(port, **engine_opts)
+    cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05)
+    node = on.Node(cfg, models=["fake-model"], engine_url=f"http://127.0.0.1:{port}")
+    await node.start(serve_http=True)
+    client = on.EngineClient("http://" + node.registry.get(node.session_id)["addr"])
+    try:
+        return await test(node, client, engine)
+    finally:
+        client.close()
+        await node.stop()
+        await engine.close()
+
+
+async def call(client, method, path, body=b"", headers=()):
+    response, conn = await client.exchange(method, path, list(headers), body)
+    chunks = [c async for c in client.body(conn)]
+    return response, chunks
+
+
+def test_registry_endpoint_lists_this_session_with_state_names_and_suspicion():
+    async def t(node, client, engine):
+        response, chunks = await call(client, "GET", "/v1/registry")
+        view = json.loads(b"".join(chunks))
+        assert response.status_code == 200
+        assert view["self"] == node.session_id
+        [me] = view["sessions"]
+        assert (me["session"], me["state"], me["suspected"], me["models"]) == \
+            (node.session_id, "SERVING", False, ["fake-model"])
+        assert me["gossip"] == node.overlay.addr
+        return True
+    assert run(with_node(t))
+
+
+def test_healthz_answers_ok_then_503_while_draining():
+    async def t(node, client, engine):
+        r1, c1 = await call(client, "GET", "/healthz")
+        node.draining = True
+        r2, c2 = await call(client, "GET", "/healthz")
+        return r1.status_code, json.loads(b"".join(c1))["status"], r2.status_code
+    assert run(with_node(t)) == (200, "ok", 503)
+
+
+def test_request_without_tunnel_header_is_refused_with_403_openai_error():
+    async def t(node, client, engine):
+        response, chunks = await call(client, "POST", "/v1/chat/completions", b"{}")
+        return response.status_code, json.loads(b"".join(chunks)), engine.requests
+    status, body, reached = run(with_node(t))
+    assert status == 403 and body["error"]["type"] == "permission_error" and reached == 0
+
+
+def test_tunnelled_stream_arrives_chunk_by_chunk_and_body_is_forwarded_verbatim():
+    raw = b'{"model":"fake-model","stream":true,"user":"u1","extra_field":[1,2],' \
+          b'"messages":[{"role":"user","content":"one two three"}]}'
+
+    async def t(node, client, engine):
+        response, chunks = await call(client, "POST", "/v1/chat/completions", raw, [node.tunnel_header])
+        return response, chunks, engine.last_body
+    response, chunks, seen = run(with_node(t, chunks=5, chunk_delay=0.01))
+    assert response.status_code == 200
+    assert dict(response.headers)[b"content-type"] == b"text/event-stream"
+    events = b"".join(chunks).split(b"\n\n")
+    assert len([e for e in events if e.startswith(b"data: {")]) == 5
+    assert events[-2] == b"data: [DONE]"
+    assert len(chunks) >= 5                         # streamed, not buffered into one piece
+    assert seen == raw
+
+
+def test_keep_alive_connection_serves_several_tunnelled_requests():
+    async def t(node, client, engine):
+        statuses = []
+        for _ in range(3):
+            r, _ = await call(client, "POST", "/v1/completions", b'{"prompt":"a b"}', [node.tunnel_header])
+            statuses.append(r.status_code)
+        return statuses, len(client.idle), len(node.engine.idle)
+    statuses, client_pool, engine_pool = run(with_node(t))
+    assert statuses == [200, 200, 200] and client_pool == 1 and engine_pool == 1
+
+
+def test_engine_error_status_is_passed_through():
+    async def t(node, client, engine):
+        r, chunks = await call(client, "POST", "/v1/completions", b'{"prompt":"x"}', [node.tunnel_header])
+        return r.status_code, json.loads(b"".join(chunks))["error"]["type"]
+    assert run(with_node(t, mode="error500")) == (500, "server_error")
+
+
+def test_unreachable_engine_gives_502_and_draining_node_gives_503():
+    async def t(node, client, engine):
+        await engine.close()
+        r1, c1 = await call(client, "POST", "/v1/completions", b"{}", [node.tunnel_header])
+        node.draining = True
+        r2, _ = await call(client, "POST", "/v1/completions", b"{}", [node.tunnel_header])
+        return r1.status_code, json.loads(b"".join(c1))["error"]["code"], r2.status_code
+    assert run(with_node(t)) == (502, "bad_gateway", 503)
+
+
+def test_stream_cut_by_the_engine_is_cut_for_the_client_never_completed():
+    async def t(node, client, engine):
+        response, conn = await client.exchange("POST", "/v1/chat/completions", [node.tunnel_header],
+                                               b'{"stream":true,"messages":[]}')
+        got = []
+        with pytest.raises(on.EngineError):
+            async for chunk in client.body(conn):
+                got.append(chunk)
+        return response.status_code, b"".join(got)
+    status, partial = run(with_node(t, mode="cut", chunks=6))
+    assert status == 200
+    assert partial.count(b"data: {") == 3 and b"[DONE]" not in partial
+
+
+def test_in_flight_counter_tracks_a_slow_request():
+    async def t(node, client, engine):
+        task = asyncio.ensure_future(call(client, "POST", "/v1/completions", b"{}", [node.tunnel_header]))
+        await asyncio.sleep(0.3)
+        during = node.inflight
+        response, _ = await task
+        return during, node.inflight, response.status_code
+    assert run(with_node(t, mode="slow", slow_delay=0.6)) == (1, 0, 200)
+
+
+def test_on_change_reports_own_updates_and_tunnel_header_is_derived_from_key():
+    async def t(node, client, engine):
+        seen = []
+        node.on_change(lambda sid, rec: seen.append((sid, rec["state"], rec["version"])))
+        node.update(models=["m2"])
+        node.set_state(crdt.DOWN)
+        return list(seen), node.tunnel_header
+    seen, header = run(with_node(t))
+    assert [s[1:] for s in seen] == [(crdt.SERVING, 1), (crdt.DOWN, 2)]
+    import hashlib
+    import hmac
+    assert header == ("x-otela-tunnel", hmac.new(KEY, b"tunnel", hashlib.sha256).hexdigest())
