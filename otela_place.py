@@ -64,6 +64,9 @@ MAX_NUM_SEQS = 256
 # 9% more throughput (177 -> 193 req/s) and still beats the paper's ratio. 0 = strict
 # lexicographic: then measured capacities reproduce the paper's placement exactly.
 FAIRNESS_SLACK = 0.02
+# Requests one simulated instance serves to measure its capacity: about what one instance
+# completes in a Table 1 run (5 req/s x 300 s); fewer overweight the slowest last request.
+SIM_CAPACITY_REQUESTS = 2000
 # CBC time limit per solve stage; the 142-model benchmark needs a few seconds per stage,
 # Table 1 milliseconds. A stage that hits it keeps CBC's best integer solution.
 SOLVE_TIME_LIMIT_S = 20.0
@@ -195,9 +198,10 @@ class Candidate:
 def sim_candidate(model_name, config, gpu_name, tp, workload):
     """Capacity of one instance from the simulator, or (None, reason) if it cannot run.
 
-    Sustained rate under continuous batching: each request costs its prefill alone (prefill
-    stalls the batch) plus its share of batched decode steps at the largest batch that fits
-    the mean context: 1 / (ttft + output x decode_step(B) / B)."""
+    Capacity is what otela_sim's replay (continuous batching, the scenario's length
+    distributions) sustains on one saturated instance: SIM_CAPACITY_REQUESTS arriving at
+    once, over the time the last finishes. So the placer's figures and the replay that judges
+    the placement are the same model. Latency is one request's end-to-end time in a full batch."""
     sim = otela_sim
     try:
         model = sim.resolve_model(config, name=model_name)
@@ -205,28 +209,31 @@ def sim_candidate(model_name, config, gpu_name, tp, workload):
         sim.check_config(model, gpu, tp, per_node=tp)  # the node limit is checked by tp_allowed
     except (ValueError, KeyError) as e:
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    if not memory_fits(model, gpu, tp):
+        return None, f"weights + KV cache of one max-length sequence exceed {gpu_name} memory at tp={tp}"
+    burst = dict(workload, model=model_name, rate_rps=SIM_CAPACITY_REQUESTS)  # all within 1 s
+    scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: config},
+                "workload": [burst], "duration_s": 1.0}
+    out = sim.replay(scenario, [{"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}],
+                     seed=0, duration_s=1.0)
+    cap = float(out["per_model_req_s"][model_name])
     inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
-    out = max(1, int(round(workload.get("output", {}).get("mean", 128))))
-    batch = min(MAX_NUM_SEQS, int(sim.max_batch(model, gpu, tp, inp + out)))
-    if batch < 1:
-        return None, f"does not fit {gpu_name} memory at tp={tp}"
-    one = sim.estimate(model, gpu, tp=tp, batch=1, input_len=inp, output_len=out)
-    if not one["fits"]:
-        return None, f"does not fit {gpu_name} memory at tp={tp}"
-    full = sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out)
+    out_len = max(1, int(round(workload.get("output", {}).get("mean", 128))))
+    batch = max(1, min(MAX_NUM_SEQS, int(sim.max_batch(model, gpu, tp, inp + out_len))))
+    full = sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
     while not full["fits"] and batch > 1:
         # max_batch leaves out the prefill activations estimate counts: back off until it fits
         batch = max(1, int(batch * 0.95))
-        full = sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out)
-    per_request_s = one["ttft_ms"] / 1e3 + out * full["decode_ms_per_token"] / 1e3 / batch
-    cap = 1.0 / per_request_s
+        full = sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
     return Candidate(model_name, gpu_name, tp, cap, latency_ms=full["e2e_ms"]), None
 
 
 def memory_fits(config, gpu_name, tp):
-    """Weights / tp plus the KV cache of at least one mean-length request fit (simulator)."""
+    """Weights / tp plus the KV cache of one sequence of the model's full context fit, as
+    vLLM checks at start-up (it refuses to start otherwise) and as otela_sim's replay needs."""
     try:
-        return otela_sim.max_batch(otela_sim.resolve_model(config), otela_sim.resolve_gpu(gpu_name), tp, 2048) >= 1
+        model = otela_sim.resolve_model(config)
+        return otela_sim.max_batch(model, otela_sim.resolve_gpu(gpu_name), tp, model.max_position_embeddings) >= 1
     except otela_sim.SimError:
         return False
 
@@ -616,6 +623,17 @@ def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, r
     # Baselines are scored with the capacities of their own (model, gpu, tp), which the
     # candidate list may lack (e.g. memP's tp when ours prefers another): fill them in.
     result = {"ours": {"placement": ours.rows}}
+    if capacity == "auto" and scenario.get("measured_instance_capacity_rps") and replay_method != "none":
+        # Measured figures cover one tp per model: also let the solver choose tp on the
+        # simulator's capacities, judged by the same replay.
+        sim_cands, why_sim = candidates(scenario, "sim")
+        if not why_sim:
+            result["ours_sim"] = {"placement": solve(demand, pool, sim_cands, objective, headroom, time_limit,
+                                                     slack=slack).rows}
+            for c in sim_cands:
+                capacity_of.setdefault(c.key(), c.capacity_rps)
+                if c.latency_ms is not None:
+                    latency_of.setdefault(c.key(), c.latency_ms)
     if baseline:
         result["memp"] = {"placement": memp_placement(scenario)}
     if scenario.get("paper_placements", {}).get("opentela"):
@@ -648,6 +666,23 @@ def _capacity_for(scenario, key, capacity):
     return cand
 
 
+def explain_vs_paper(result):
+    """One line: does ours reproduce the paper's placement, and if not, what differs and why."""
+    if "paper" not in result:
+        return ""
+    key = lambda r: (r["model"], r["gpu"], r["tp"])  # noqa: E731
+    ours = {key(r): r["instances"] for r in result["ours"]["placement"]}
+    paper = {key(r): r["instances"] for r in result["paper"]["placement"]}
+    if ours == paper:
+        return "ours reproduces the paper's placement (instances per model, GPU type and tp)."
+    diffs = [f"{short_name(k[0])} {k[1]} tp{k[2]}: {paper.get(k, 0)}->{ours.get(k, 0)}"
+             for k in sorted(set(ours) | set(paper)) if ours.get(k, 0) != paper.get(k, 0)]
+    o, p = result["ours"]["score"], result["paper"]["score"]
+    return (f"ours differs from the paper's placement ({'; '.join(diffs)}): worst capacity/demand ratio "
+            f"{o['ratio']:.3f} vs {p['ratio']:.3f}, capacity {o['capacity_req_s']:.1f} vs {p['capacity_req_s']:.1f} "
+            f"req/s; ours trades up to --slack of the best worst ratio for throughput (--slack 0: strict max-min).")
+
+
 def short_name(model):
     return model.split("/")[-1]
 
@@ -656,7 +691,7 @@ def format_plan(scenario, result):
     """The side-by-side table `plan` prints."""
     models = list(demand_of(scenario))
     paper = scenario.get("paper_result_req_s") or {}
-    paper_key = {"ours": None, "paper": "opentela", "memp": "memory_proportional"}
+    paper_key = {"paper": "opentela", "memp": "memory_proportional"}
     head = f"{'placement':<10}" + "".join(f"{short_name(m)[:18]:>20}" for m in models)
     head += f"{'total':>9}{'p50 ms':>10}{'p99 ms':>10}{'GPUs':>6}{'ratio':>7}{'paper':>8}"
     lines = [head, "-" * len(head)]
@@ -674,6 +709,8 @@ def format_plan(scenario, result):
         lines.append(f"ours / memp = {result['ours']['replay']['total_req_s'] / result['memp']['replay']['total_req_s']:.2f}"
                      + (f"   (paper: {paper['opentela']['total'] / paper['memory_proportional']['total']:.2f})"
                         if paper.get("opentela") and paper.get("memory_proportional") else ""))
+    if "paper" in result:
+        lines.append(explain_vs_paper(result))
     for name, entry in result.items():
         if isinstance(entry, dict) and "placement" in entry:
             lines.append(f"{name}: " + ", ".join(

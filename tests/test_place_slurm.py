@@ -1,0 +1,136 @@
+"""Reconcile against a real single-node Slurm (tests/lab/slurm_up.sh): plan -> sbatch ->
+squeue -> a second run submits nothing -> demand falls -> scancel of the surplus only.
+The jobs are trivial (sleep): the engine path is tests/test_place_e2e.py. Needs root."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAB = os.path.join(ROOT, "tests", "lab")
+sys.path.insert(0, ROOT)
+import otela_place as place  # noqa: E402
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+SLEEP_TEMPLATE = """#!/bin/bash
+#SBATCH --job-name={{JOB_NAME}}
+#SBATCH --comment={{COMMENT}}
+#SBATCH --ntasks=1
+#SBATCH --time=00:10:00
+#SBATCH --signal=B:TERM@60
+#SBATCH --output={{LOG_DIR}}/%x-%j.out
+# {{SBATCH_EXTRA}}
+MODEL={{MODEL}}
+exec sleep 600
+"""
+
+
+def _alive(pidfile):
+    try:
+        with open(pidfile) as f:
+            pid = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run slurmctld/slurmd (tests/lab/slurm_up.sh)")
+    started = not _alive("/run/slurm/slurmctld.pid")
+    up = subprocess.run(["bash", os.path.join(LAB, "slurm_up.sh")], capture_output=True, text=True, timeout=900)
+    if up.returncode != 0 or not shutil.which("sbatch"):
+        subprocess.run(["bash", os.path.join(LAB, "slurm_down.sh")], capture_output=True, timeout=120)
+        pytest.skip(f"could not bring up Slurm: {(up.stdout + up.stderr).strip().splitlines()[-1:]}")
+    try:
+        yield
+    finally:
+        _cancel_ours()
+        if started:
+            subprocess.run(["bash", os.path.join(LAB, "slurm_down.sh")], capture_output=True, timeout=120)
+
+
+def _cancel_ours():
+    ids = [j["id"] for j in place.parse_squeue(place.slurm_command(["squeue", "--me", "-h", "-o", "%i %T %k"]))]
+    if ids:
+        subprocess.run(["scancel"] + ids, capture_output=True, timeout=60)
+        for _ in range(150):
+            if not place.parse_squeue(place.slurm_command(["squeue", "--me", "-h", "-o", "%i %T %k"])):
+                break
+            time.sleep(0.2)
+
+
+def scenario(tmp_path, rate):
+    doc = {"gpus": [{"type": "slot", "count": 2, "per_node": 2}],
+           "models": {"tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 1000}},
+           "workload": [{"model": "tiny", "rate_rps": rate, "input": {"mean": 50}, "output": {"mean": 20}}],
+           "measured_instance_capacity_rps": {"tiny": {"tp": 1, "slot": 1.0}}}
+    path = tmp_path / f"scenario-{rate}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def plan(tmp_path, rate, submit=True):
+    inv = tmp_path / "inventory.json"
+    inv.write_text(json.dumps({"gpus": [{"type": "slot", "count": 2, "per_node": 2, "gres": ""}]}))
+    tpl = tmp_path / "sleep.sbatch"
+    tpl.write_text(SLEEP_TEMPLATE)
+    argv = [sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario", scenario(tmp_path, rate),
+            "--inventory", str(inv), "--template", str(tpl), "--emit-sbatch", str(tmp_path / "jobs"),
+            "--lock", str(tmp_path / "lock"), "--sbatch-var", f"LOG_DIR={tmp_path / 'logs'}", "--json"]
+    out = subprocess.run(argv + (["--submit"] if submit else []), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["reconcile"]
+
+
+def our_jobs():
+    return place.slurm_jobs()
+
+
+def test_reconcile_submits_once_then_nothing_then_cancels_the_surplus(slurm, tmp_path):
+    _cancel_ours()
+    # 1.5 req/s at 1 req/s per instance and 1.25 headroom -> 2 instances
+    first = plan(tmp_path, 1.5)
+    assert len(first["submitted"]) == 2 and first["cancelled"] == []
+    jobs = our_jobs()
+    assert sorted(j["id"] for j in jobs) == sorted(first["submitted"])
+    assert all(j["key"] == ("tiny", "slot", 1) for j in jobs)
+
+    second = plan(tmp_path, 1.5)
+    assert second["submit"] == [] and second["submitted"] == [] and second["cancel"] == []
+    assert len(our_jobs()) == 2
+
+    for _ in range(100):  # let them start, so the cancel takes a running one
+        if all(j["state"] == "RUNNING" for j in our_jobs()):
+            break
+        time.sleep(0.2)
+    third = plan(tmp_path, 0.5)  # demand fell: one instance is enough
+    assert len(third["cancelled"]) == 1 and third["submitted"] == []
+    assert third["cancelled"][0] == max(first["submitted"], key=int)  # the newest goes first
+    for _ in range(100):
+        if len(our_jobs()) == 1:
+            break
+        time.sleep(0.2)
+    assert [j["id"] for j in our_jobs()] == [min(first["submitted"], key=int)]
+
+
+def test_a_dry_run_against_real_slurm_changes_nothing(slurm, tmp_path):
+    _cancel_ours()
+    report = plan(tmp_path, 1.5, submit=False)
+    assert report["dry_run"] and len(report["submit"]) == 2 and report["submitted"] == []
+    assert our_jobs() == []
+
+
+def test_free_gpus_from_sinfo_parse_on_a_real_cluster(slurm):
+    # this lab node has no GPU GRES: a real sinfo parses to an empty inventory, not an error
+    assert place.slurm_inventory() == {"gpus": []}
