@@ -1,0 +1,412 @@
+"""Specification of otela_sim: tables, roofline arithmetic, memory facts, calibration, replay."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import otela_sim as sim
+
+DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = json.loads((DATA / "table1_scenario.json").read_text())
+
+# every efficiency 1, no overheads: times are pure datasheet rooflines
+IDEAL = {
+    "eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0, "eff_comm": 1.0,
+    "allreduce_latency_us": 0.0, "gqa_reread": 0.0,
+    "overhead_ms": {e: 0.0 for e in sim.ENGINES},
+    "per_seq_overhead_ms": {e: 0.0 for e in sim.ENGINES},
+    "engine_eff": {e: 1.0 for e in sim.ENGINES},
+}
+TINY = sim.Model(name="tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+
+
+# --- tables and names ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, row", [
+    ("A100", "A100-80GB-SXM4"), ("A100-40GB", "A100-40GB-SXM4"), ("H100", "H100-SXM5-80GB"),
+    ("H100-PCIe", "H100-PCIe-80GB"), ("GH200", "GH200-96GB"), ("H200", "H200-SXM-141GB"),
+    ("L40S", "L40S"), ("RTX3090", "RTX-3090"), ("RTX4090", "RTX-4090"), ("MI250X", "MI250X"),
+    ("MI300X", "MI300X"), ("NVIDIA A100-SXM4-80GB", "A100-80GB-SXM4"),
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB-SXM4"), ("NVIDIA A100 80GB PCIe", "A100-80GB-PCIe"),
+    ("NVIDIA H100 80GB HBM3", "H100-SXM5-80GB"), ("NVIDIA H100 PCIe", "H100-PCIe-80GB"),
+    ("NVIDIA H100 NVL", "H100-NVL-94GB"), ("NVIDIA GH200 480GB", "GH200-96GB"),
+    ("NVIDIA GH200 144G HBM3e", "GH200-144GB"), ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+    ("AMD Instinct MI300X", "MI300X"), ("AMD Instinct MI250X/MI250", "MI250X"),
+    ("GH200-96GB", "GH200-96GB"), ("A100-80GB (power-limited 330 W)", "A100-80GB-SXM4"),
+])
+def test_gpu_names_from_csv_short_and_smi_strings_map_onto_rows(text, row):
+    assert sim.resolve_gpu(text).name == row
+
+
+def test_every_gpu_row_carries_its_source_and_datasheet_figures():
+    assert len(sim.GPUS) >= 13
+    assert all(g.source for g in sim.GPUS.values())
+    h100 = sim.GPUS["H100-SXM5-80GB"]
+    assert (h100.memory_gb, h100.mem_bw_TBps, h100.fp16_tflops, h100.fp8_tflops) == (80, 3.35, 989.4, 1978.9)
+    assert sim.GPUS["MI250X"].memory_gb == 64     # one GCD, as the GPU runtime exposes it
+
+
+@pytest.mark.parametrize("bad", ["", "L40", "TPUv5", "NVIDIA Tesla V100", None])
+def test_unknown_gpu_raises_sim_error_naming_it(bad):
+    with pytest.raises(sim.SimError, match="unknown GPU"):
+        sim.resolve_gpu(bad)
+
+
+@pytest.mark.parametrize("name, key", [
+    ("meta-llama/Llama-2-7b-hf", "llama-2-7b"), ("llama-2-7b", "llama-2-7b"),
+    ("Llama-2-7b-chat", "llama-2-7b"), ("meta-llama/CodeLlama-34b-hf", "codellama-34b"),
+    ("codellama/CodeLlama-34b-Instruct-hf", "codellama-34b"),
+    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b"), ("meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b"),
+    ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("Qwen/Qwen3-32B", "qwen3-32b"),
+    ("mistralai/Mistral-7B-Instruct-v0.2", "mistral-7b"), ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"),
+    ("smollm2-135m", "smollm2-135m"),
+])
+def test_model_ids_and_aliases_resolve_to_the_table(name, key):
+    assert sim.resolve_model(name) == sim.MODELS[key]
+
+
+def test_unknown_model_raises_sim_error():
+    with pytest.raises(sim.SimError, match="unknown model"):
+        sim.resolve_model("gpt-5")
+
+
+@pytest.mark.parametrize("key, billions", [
+    ("llama-2-7b", 6.74), ("llama-2-13b", 13.02), ("llama-2-70b", 68.98), ("codellama-34b", 33.74),
+    ("llama-3.1-8b", 8.03), ("mixtral-8x7b", 46.70), ("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19),
+    ("qwen2.5-0.5b", 0.494), ("smollm2-135m", 0.1348),
+])
+def test_parameter_counts_match_published_sizes(key, billions):
+    assert sim.MODELS[key].params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_hugging_face_config_dict_gives_the_same_architecture_as_the_table():
+    cfg = SCENARIO["models"]["meta-llama/Llama-2-13b-hf"]
+    m = sim.resolve_model(cfg, name="meta-llama/Llama-2-13b-hf")
+    assert replace(m, max_position_embeddings=4096) == sim.MODELS["llama-2-13b"]
+    moe = sim.resolve_model({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                             "num_local_experts": 8, "num_experts_per_tok": 2, "torch_dtype": "bfloat16"})
+    assert (moe.experts, moe.top_k, moe.dtype_bytes) == (8, 2, 2)
+    with pytest.raises(sim.SimError, match="bad model config"):
+        sim.resolve_model({"hidden_size": 64})
+
+
+# --- roofline arithmetic --------------------------------------------------------------------------
+
+def test_operation_and_byte_counts_of_a_tiny_config_match_hand_computation():
+    gpu = sim.GPUS["A100-80GB-SXM4"]
+    c = sim.StepCost(TINY, gpu, tp=1, cal=IDEAL)
+    # head_dim 16; q = 4 heads * 16 = 64; kv = 2 heads * 16 = 32
+    assert [w for w, _ in c.linears] == [64 * (64 + 2 * 32), 64 * 64, 2 * 64 * 128, 128 * 64]
+    assert c.attn_flops == 4 * 16 * 4                 # QK^T and PV, 2 flops per MAC, per pair
+    assert c.kv_bytes_per_token == 2 * 2 * 32 * 2     # layers * (K, V) * kv dim * 2 bytes
+    assert c.weights_bytes == (2 * (8192 + 4096 + 16384 + 8192) + 2 * 100 * 64) * 2
+    # one decode token at context 10: every operator is memory-bound on an A100
+    bw, peak = gpu.mem_bw_TBps * 1e12, gpu.fp16_tflops * 1e12
+    linears = sum(w * 2 + act for w, act in c.linears) / bw
+    elem = (10 * 64 + 3 * 128) * 2 / bw
+    attn = 10 * 2 * 32 * 2 / bw
+    lm = (64 * 100 * 2 + (64 + 100) * 4) / bw
+    assert c.step(1, 1, decode_ctx=10) == pytest.approx(2 * (linears + elem + attn) + lm)
+    # a long prefill: 2 flops per weight per token, against weights + activations moved;
+    # so narrow a model streams activations faster than it multiplies (memory-bound)
+    T = 100_000
+    flops = [2 * T * w for w, _ in c.linears]
+    moved = [w * 2 + act * T for w, act in c.linears]
+    assert moved[0] / bw > flops[0] / peak
+    assert c._linear(T) == pytest.approx(sum(max(f / peak, b / bw) for f, b in zip(flops, moved)))
+    wide = sim.StepCost(sim.MODELS["llama-2-70b"], gpu, tp=1, cal=IDEAL)
+    assert wide._linear(T) == pytest.approx(2 * T * sum(w for w, _ in wide.linears) / peak)
+
+
+def test_tensor_parallel_all_reduce_costs_two_ring_reductions_per_layer():
+    gpu = sim.GPUS["H100-SXM5-80GB"]
+    cal = dict(IDEAL, allreduce_latency_us=10.0)
+    m = sim.MODELS["llama-2-7b"]
+    c1, c2 = sim.StepCost(m, gpu, 1, cal=cal), sim.StepCost(m, gpu, 2, cal=cal)
+    assert c1.ar_lat == 0 and c2.ar_lat == pytest.approx(10e-6)
+    ring = 2 * (2 - 1) / 2 * 4096 * 2 / (900 / 2 * 1e9)
+    assert c2.ar_byte == pytest.approx(ring)
+
+
+def test_estimate_reports_consistent_times_and_throughput():
+    e = sim.estimate("llama-2-7b", "A100", tp=1, batch=8, input_len=512, output_len=128)
+    for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "throughput_tok_s", "memory_gb_per_gpu", "fits"):
+        assert key in e
+    assert e["e2e_ms"] == pytest.approx(e["ttft_ms"] + 128 * e["decode_ms_per_token"])
+    assert e["throughput_tok_s"] == pytest.approx(8 * 128 / (e["e2e_ms"] / 1e3))
+    assert e["fits"] is True and e["decode_bound"] == "memory"
+
+
+def test_batch_one_decode_of_llama_2_7b_on_a100_is_near_the_weight_read_time():
+    e = sim.estimate("llama-2-7b", "A100", 1, 1, 128, 128)
+    weight_read_ms = 13.48e9 / 2.039e12 * 1e3        # 6.6 ms at the datasheet bandwidth
+    assert weight_read_ms <= e["decode_ms_per_token"] <= 2 * weight_read_ms
+
+
+@pytest.mark.parametrize("model, tp", [("llama-2-7b", 1), ("llama-2-13b", 2), ("llama-3.1-70b", 4),
+                                       ("mixtral-8x7b", 2), ("qwen2.5-7b", 4)])
+def test_more_memory_bandwidth_is_never_slower(model, tp):
+    base = sim.GPUS["A100-80GB-SXM4"]
+    for batch, inp, out in [(1, 128, 128), (16, 2048, 256), (256, 512, 64)]:
+        slow = sim.estimate(model, base, tp, batch, inp, out)
+        fast = sim.estimate(model, replace(base, name="A100-fast", mem_bw_TBps=4.0), tp, batch, inp, out)
+        assert fast["ttft_ms"] <= slow["ttft_ms"]
+        assert fast["decode_ms_per_token"] <= slow["decode_ms_per_token"]
+        assert fast["e2e_ms"] <= slow["e2e_ms"]
+
+
+@pytest.mark.parametrize("model", ["llama-2-7b", "llama-2-70b", "codellama-34b", "qwen3-32b", "mixtral-8x7b"])
+def test_more_tensor_parallelism_never_needs_more_memory_per_gpu(model):
+    m = sim.resolve_model(model)
+    previous = math.inf
+    for tp in (1, 2, 4, 8):
+        if m.num_attention_heads % tp or (m.num_key_value_heads % tp and tp % m.num_key_value_heads):
+            continue
+        e = sim.estimate(m, "H100", tp, 4, 1024, 256)
+        assert e["memory_gb_per_gpu"] <= previous
+        previous = e["memory_gb_per_gpu"]
+
+
+def test_llama_2_70b_in_fp16_needs_at_least_two_80gb_gpus():
+    for gpu in ("A100", "H100", "H200"):
+        assert sim.estimate("llama-2-70b", gpu, 1, 1, 128, 128)["fits"] is False
+        assert sim.max_batch("llama-2-70b", gpu, 1, 2048) == 0
+    assert sim.estimate("llama-2-70b", "A100", 2, 1, 128, 128)["fits"] is True
+    assert sim.max_batch("llama-2-70b", "A100", 4, 4096) > sim.max_batch("llama-2-70b", "A100", 2, 4096) > 0
+    assert sim.estimate("llama-2-70b", "MI300X", 1, 1, 128, 128)["fits"] is True
+
+
+def test_memory_facts_of_small_gpus():
+    assert sim.estimate("llama-2-7b", "RTX3090", 1, 1, 512, 128)["fits"] is True
+    assert sim.estimate("llama-2-13b", "RTX4090", 1, 1, 512, 128)["fits"] is False
+    assert sim.estimate("llama-2-7b", "A100", 1, 1, 512, 128, dtype="fp8")["weights_gb_per_gpu"] == \
+        pytest.approx(sim.estimate("llama-2-7b", "A100", 1, 1, 512, 128)["weights_gb_per_gpu"] / 2)
+
+
+def test_max_batch_is_the_kv_cache_left_after_weights_divided_by_the_context():
+    m = sim.MODELS["llama-2-13b"]
+    c = sim.StepCost(m, sim.GPUS["A100-80GB-SXM4"], 1)
+    free = 80e9 * sim.MEMORY_UTILIZATION - c.weights_bytes - c.reserve_bytes(4096)
+    assert sim.max_batch(m, "A100", 1, 4096) == int(free // c.kv_bytes_per_token) // 4096
+
+
+@pytest.mark.parametrize("model, tp, message", [
+    ("llama-2-13b", 3, "attention heads"), ("llama-2-7b", 0, "positive"),
+    ("qwen2.5-7b", 8, "attention heads"), ("llama-2-70b", 16, "GPUs of a"),
+])
+def test_impossible_tensor_parallelism_raises(model, tp, message):
+    with pytest.raises(sim.SimError, match=message):
+        sim.check_config(model, "A100", tp)
+
+
+def test_tp_larger_than_kv_heads_replicates_them_as_vllm_does():
+    sim.check_config("qwen2.5-7b", "A100", 4)              # 28 heads, 4 KV heads
+    c = sim.StepCost(sim.MODELS["qwen2.5-0.5b"], sim.GPUS["A100-80GB-SXM4"], 1)
+    c2 = sim.StepCost(sim.MODELS["qwen2.5-0.5b"], sim.GPUS["A100-80GB-SXM4"], 2)
+    assert c2.kv_bytes_per_token == c.kv_bytes_per_token / 2
+
+
+# --- calibration ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def validation():
+    rows = sim.load_calibration(DATA / "measured_calibration.csv")
+    return sim.validate(rows, fit=True)
+
+
+def test_calibration_median_error_is_within_ten_percent(validation):
+    assert validation["summary"]["all"]["n"] == 30
+    assert validation["summary"]["all"]["median_abs_error"] <= 0.10
+
+
+def test_calibration_max_error_is_bounded(validation):
+    assert validation["summary"]["all"]["max_abs_error"] <= 0.35
+
+
+def test_h100_class_to_a100_ratios_are_checked_on_every_pair_measured_on_both(validation):
+    pairs = {r["pair"] for r in validation["ratios"]}
+    assert "otela_13b_gh200/otela_13b_a100" in pairs and "trt05_h100_7b_ttft2048/trt05_a100_7b_ttft2048" in pairs
+    assert len(pairs) == 6
+
+
+def test_calibrate_improves_a_deliberately_bad_calibration():
+    rows = [r for r in sim.load_calibration(DATA / "measured_calibration.csv") if r["engine"].startswith("gpt-fast")]
+    bad = json.loads(json.dumps(sim.CALIBRATION))
+    bad["eff_mem"] = 0.35
+    before = sim.validate(rows, bad)["summary"]["all"]["median_abs_error"]
+    fitted = sim.calibrate(rows, bad, iters=60)
+    after = sim.validate(rows, fitted)["summary"]["all"]["median_abs_error"]
+    assert after < before / 2
+
+
+def test_write_calibration_rewrites_only_the_calibration_block(tmp_path):
+    copy = tmp_path / "otela_sim.py"
+    shutil.copy(ROOT / "otela_sim.py", copy)
+    cal = json.loads(json.dumps(sim.CALIBRATION))
+    cal["eff_gemm"] = 0.4321
+    sim.write_calibration(cal, str(copy))
+    text = copy.read_text()
+    ns = {}
+    exec(compile(text.split("# --- end calibration ---")[0].split("# --- calibration")[1].split("\n", 1)[1],
+                 "block", "exec"), ns)
+    assert ns["CALIBRATION"] == cal
+    assert len(text.splitlines()) == len((ROOT / "otela_sim.py").read_text().splitlines())
+
+
+# --- workload and replay --------------------------------------------------------------------------
+
+def small_scenario(rate=2.0, duration=20.0, out_mean=64):
+    return {"duration_s": duration, "models": {},
+            "workload": [{"model": "llama-2-7b", "rate_rps": rate, "input": {"mean": 300, "std": 200},
+                          "output": {"mean": out_mean, "std": 40}},
+                         {"model": "qwen2.5-7b", "rate_rps": rate / 2, "input": {"mean": 800, "std": 100},
+                          "output": {"mean": 32, "std": 10}}]}
+
+
+PLACEMENT = [{"model": "llama-2-7b", "gpu": "A100", "tp": 1, "instances": 2, "weight": 0.7},
+             {"model": "llama-2-7b", "gpu": "L40S", "tp": 1, "instances": 1, "weight": 0.3},
+             {"model": "qwen2.5-7b", "gpu": "H100", "tp": 2, "instances": 1, "weight": 1}]
+
+
+def test_poisson_workload_has_the_requested_rate_and_clipped_lengths():
+    reqs = sim.workload_requests(small_scenario(rate=50, duration=40), seed=1)["llama-2-7b"]
+    assert len(reqs) == pytest.approx(2000, rel=0.1)
+    assert min(i for _, i, _ in reqs) >= sim.INPUT_FLOOR and min(o for _, _, o in reqs) >= sim.OUTPUT_FLOOR
+    assert all(a <= b for (a, _, _), (b, _, _) in zip(reqs, reqs[1:]))
+
+
+def test_gamma_arrivals_are_burstier_than_poisson_at_the_same_rate():
+    def gap_cv(reqs):
+        gaps = [b[0] - a[0] for a, b in zip(reqs, reqs[1:])]
+        mean = sum(gaps) / len(gaps)
+        return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    sc = small_scenario(rate=50, duration=60)
+    poisson = sim.workload_requests(sc, 3)["llama-2-7b"]
+    gamma = sim.workload_requests(sc, 3, arrival="gamma", cv=3.0)["llama-2-7b"]
+    assert gap_cv(poisson) == pytest.approx(1.0, abs=0.1)
+    assert gap_cv(gamma) == pytest.approx(3.0, rel=0.25)
+    assert len(gamma) == pytest.approx(3000, rel=0.25)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"chunked_prefill": True, "chunk_tokens": 512}, {"prefix_hit": 0.5},
+    {"disaggregation": {"prefill_share": 0.5}}, {"arrival": "gamma", "cv": 2.0},
+])
+def test_replay_finishes_every_request_exactly_once(options):
+    r = sim.replay(small_scenario(), PLACEMENT, seed=2, **options)
+    assert r["requests"] > 40
+    assert r["completed"] == r["requests"] and r["rejected"] == 0 and r["unserved"] == 0
+    assert sum(m["completed"] for m in r["per_model"].values()) == r["requests"]
+    assert 0 < r["ttft_p50_ms"] <= r["p50_ms"] <= r["p99_ms"]
+
+
+def test_replay_under_kv_pressure_preempts_and_still_finishes_everything():
+    sc = {"duration_s": 10, "workload": [{"model": "llama-2-13b", "rate_rps": 40,
+                                          "input": {"mean": 1500, "std": 500}, "output": {"mean": 600, "std": 200}}]}
+    r = sim.replay(sc, [{"model": "llama-2-13b", "gpu": "L40S", "tp": 1, "instances": 1}], seed=0)
+    assert r["completed"] == r["requests"] > 300
+
+
+def test_replay_of_a_model_without_placement_counts_its_requests_unserved():
+    r = sim.replay(small_scenario(), PLACEMENT[:2], seed=0)
+    assert r["per_model_req_s"]["qwen2.5-7b"] == 0.0
+    assert r["unserved"] == r["per_model"]["qwen2.5-7b"]["requests"] > 0
+    assert r["completed"] + r["unserved"] == r["requests"]
+
+
+def test_replay_is_deterministic_for_a_seed_and_total_is_the_sum_over_models():
+    a = sim.replay(small_scenario(), PLACEMENT, seed=5)
+    b = sim.replay(small_scenario(), PLACEMENT, seed=5)
+    assert a == b
+    assert a["total_req_s"] == pytest.approx(sum(a["per_model_req_s"].values()))
+
+
+def test_prefix_caching_lowers_time_to_first_token_under_load():
+    sc = small_scenario(rate=12, duration=30)
+    plain = sim.replay(sc, PLACEMENT, seed=1)
+    cached = sim.replay(sc, PLACEMENT, seed=1, prefix_hit=0.8)
+    assert cached["ttft_mean_ms"] < plain["ttft_mean_ms"]
+
+
+def test_disaggregated_ttft_includes_the_kv_transfer():
+    sc = small_scenario(rate=1, duration=20)
+    fast = sim.replay(sc, PLACEMENT, seed=1, disaggregation={"prefill_share": 0.5, "kv_GBps": 1000})
+    slow = sim.replay(sc, PLACEMENT, seed=1, disaggregation={"prefill_share": 0.5, "kv_GBps": 0.5})
+    assert slow["p50_ms"] > fast["p50_ms"]
+
+
+def test_replay_rejects_an_instance_whose_weights_do_not_fit():
+    sc = {"duration_s": 1, "workload": [{"model": "llama-2-70b", "rate_rps": 1, "input": {"mean": 10, "std": 0},
+                                         "output": {"mean": 10, "std": 0}}]}
+    with pytest.raises(sim.SimError, match="does not fit"):
+        sim.replay(sc, [{"model": "llama-2-70b", "gpu": "A100", "tp": 1, "instances": 1}])
+
+
+def test_paper_placement_converts_instance_counts_and_weights():
+    p = sim.placement_from_paper(SCENARIO["paper_placements"]["opentela"])
+    assert {"model": "codellama/CodeLlama-34b-hf", "gpu": "GH200-96GB", "tp": 2, "instances": 8,
+            "weight": 0.8367} in p
+    assert sum(e["instances"] * e["tp"] for e in p if e["gpu"].startswith("A100")) <= 24
+    assert not any(e["instances"] == 0 for e in p)
+
+
+@pytest.mark.slow
+def test_table1_replay_of_the_paper_placement_is_in_the_papers_range():
+    r = sim.replay(SCENARIO, sim.placement_from_paper(SCENARIO["paper_placements"]["opentela"]), seed=0)
+    paper = SCENARIO["paper_result_req_s"]["opentela"]
+    assert r["completed"] == r["requests"]
+    assert r["total_req_s"] == pytest.approx(paper["total"], rel=0.3)
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_cli_estimate_json_prints_one_object_with_the_contract_keys():
+    p = run_cli("estimate", "--model", "meta-llama/Llama-2-7b-hf", "--gpu", "A100", "--tp", "1", "--batch", "8",
+                "--input", "512", "--output", "128", "--json")
+    assert p.returncode == 0, p.stderr
+    e = json.loads(p.stdout)
+    assert e["fits"] is True and e["ttft_ms"] > 0 and e["throughput_tok_s"] > 0
+    assert e["e2e_ms"] == pytest.approx(sim.estimate("llama-2-7b", "A100", 1, 8, 512, 128)["e2e_ms"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope", "--gpu", "A100"], "unknown model"),
+    (["--model", "llama-2-7b", "--gpu", "V100"], "unknown GPU"),
+    (["--model", "llama-2-13b", "--gpu", "A100", "--tp", "3"], "does not divide"),
+    (["--model", "llama-2-70b", "--gpu", "A100", "--tp", "1"], "needs"),
+])
+def test_cli_bad_names_and_impossible_configs_exit_2_with_one_line(args, message):
+    p = run_cli("estimate", *args)
+    assert p.returncode == 2
+    assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_estimate_reads_a_hugging_face_config(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SCENARIO["models"]["codellama/CodeLlama-34b-hf"]))
+    p = run_cli("estimate", "--config", str(cfg), "--gpu", "H100", "--tp", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["weights_gb_per_gpu"] == pytest.approx(33.7, rel=0.02)
+
+
+def test_cli_replay_with_a_placement_file(tmp_path):
+    sc, pl = tmp_path / "s.json", tmp_path / "p.json"
+    sc.write_text(json.dumps(small_scenario(duration=5)))
+    pl.write_text(json.dumps(PLACEMENT))
+    p = run_cli("replay", "--scenario", str(sc), "--placement", str(pl), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["completed"] == r["requests"] and set(r["per_model_req_s"]) == {"llama-2-7b", "qwen2.5-7b"}
