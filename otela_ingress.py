@@ -439,10 +439,10 @@ def _mean_std(values: List[int]) -> Dict[str, float]:
 class Candidate:
     """A session that may serve a request: its id, its record and a hardware weight."""
 
-    __slots__ = ("session", "record", "addr", "weight")
+    __slots__ = ("session", "session_bytes", "record", "addr", "weight")
 
     def __init__(self, session: str, record: Dict[str, Any]):
-        self.session, self.record = session, record
+        self.session, self.session_bytes, self.record = session, session.encode(), record
         self.addr = record.get("addr", "")
         self.weight = hardware_weight(record)
 
@@ -783,30 +783,151 @@ class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
 
 
+# The upstream side speaks HTTP/1.1 by hand rather than through h11: the peer is our own node
+# (or an engine) and the request is ours, so only a small, strict subset is needed (status
+# line, headers, Content-Length / chunked / until-close bodies), and h11's general machinery
+# was half of the CPU time of a proxied request. Clients, which may send anything, get h11.
+UPSTREAM_MAX_HEAD = 64 * 1024
+_CLOSE_DELIMITED, _CHUNKED = -1, -2
+
+
+class UpstreamHead:
+    """Status and headers (lower-cased names) of an upstream response."""
+
+    __slots__ = ("status", "headers")
+
+    def __init__(self, status: int, headers: Dict[bytes, bytes]):
+        self.status, self.headers = status, headers
+
+
 class Upstream:
-    __slots__ = ("addr", "reader", "writer", "h11", "reused", "last")
+    """One kept-alive connection to a provider, and the reader of its responses."""
+
+    __slots__ = ("addr", "reader", "writer", "reused", "last", "buf", "remaining", "keep_alive", "done")
 
     def __init__(self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.addr, self.reader, self.writer = addr, reader, writer
-        self.h11 = h11.Connection(h11.CLIENT)
         self.reused = False
         self.last = time.monotonic()
+        self.buf = bytearray()
+        self.remaining = 0        # body bytes left, or _CHUNKED / _CLOSE_DELIMITED
+        self.keep_alive = True
+        self.done = True          # the last response was read to its end
 
-    async def next_event(self):
-        conn = self.h11
+    async def _fill(self) -> bool:
+        try:
+            data = await self.reader.read(READ_CHUNK)
+        except OSError as exc:
+            raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}") from None
+        self.last = time.monotonic()
+        if not data:
+            return False
+        self.buf += data
+        return True
+
+    async def read_head(self) -> UpstreamHead:
         while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise UpstreamFailure(f"{self.addr}: {exc}") from None
-            if event is not h11.NEED_DATA:
-                return event
-            try:
-                data = await self.reader.read(READ_CHUNK)
-            except OSError as exc:
-                raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}") from None
-            self.last = time.monotonic()
-            conn.receive_data(data)
+            buf = self.buf
+            end = buf.find(b"\r\n\r\n")
+            while end < 0:
+                if len(buf) > UPSTREAM_MAX_HEAD:
+                    raise UpstreamFailure(f"{self.addr}: response head too large")
+                if not await self._fill():
+                    raise UpstreamFailure(f"{self.addr}: connection closed before a response")
+                end = buf.find(b"\r\n\r\n")
+            lines = bytes(buf[:end]).split(b"\r\n")
+            del buf[:end + 4]
+            version, _, rest = lines[0].partition(b" ")
+            code = rest[:3]
+            if not version.startswith(b"HTTP/1.") or not code.isdigit():
+                raise UpstreamFailure(f"{self.addr}: bad status line {lines[0][:80]!r}")
+            status = int(code)
+            headers: Dict[bytes, bytes] = {}
+            for line in lines[1:]:
+                name, colon, value = line.partition(b":")
+                if not colon:
+                    raise UpstreamFailure(f"{self.addr}: bad header line {line[:80]!r}")
+                headers[name.strip().lower()] = value.strip()
+            if 100 <= status < 200:
+                continue   # 100 Continue and friends: the real answer follows
+            connection = headers.get(b"connection", b"").lower()
+            self.keep_alive = version == b"HTTP/1.1" and b"close" not in connection
+            if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+                self.remaining = _CHUNKED
+            elif b"content-length" in headers:
+                try:
+                    self.remaining = int(headers[b"content-length"])
+                except ValueError:
+                    raise UpstreamFailure(f"{self.addr}: bad content-length") from None
+            elif status in (204, 304):
+                self.remaining = 0
+            else:
+                self.remaining = _CLOSE_DELIMITED
+                self.keep_alive = False
+            self.done = self.remaining == 0
+            return UpstreamHead(status, headers)
+
+    async def read_body(self) -> Optional[bytes]:
+        """The next piece of the body (all of it that has arrived), or None at its end.
+        Raises UpstreamFailure when the connection ends before the body does."""
+        if self.done:
+            return None
+        remaining = self.remaining
+        if remaining == _CHUNKED:
+            return await self._read_chunks()
+        buf = self.buf
+        if remaining == _CLOSE_DELIMITED:
+            if not buf and not await self._fill():
+                self.done = True
+                return None
+            piece = bytes(buf)
+            buf.clear()
+            return piece
+        if not buf and not await self._fill():
+            raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
+        if len(buf) <= remaining:
+            piece = bytes(buf)
+            buf.clear()
+        else:
+            piece = bytes(buf[:remaining])
+            del buf[:remaining]
+        self.remaining = remaining - len(piece)
+        self.done = self.remaining == 0
+        return piece
+
+    async def _read_chunks(self) -> Optional[bytes]:
+        buf = self.buf
+        pieces = []
+        while True:
+            pos = 0
+            while True:   # every complete chunk already buffered goes out as one piece
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                try:
+                    size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
+                except ValueError:
+                    raise UpstreamFailure(f"{self.addr}: bad chunk size") from None
+                if size == 0:
+                    end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
+                    if end < 0:
+                        break
+                    del buf[:end + 4]
+                    self.done = True
+                    return b"".join(pieces) if pieces else None
+                start = eol + 2
+                if len(buf) < start + size + 2:
+                    break
+                pieces.append(bytes(buf[start:start + size]))
+                pos = start + size + 2
+            if pos:
+                del buf[:pos]
+            if pieces:
+                return b"".join(pieces) if len(pieces) > 1 else pieces[0]
+            if len(buf) > READ_CHUNK * 64:
+                raise UpstreamFailure(f"{self.addr}: chunk too large")
+            if not await self._fill():
+                raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
 
     def close(self) -> None:
         transport = self.writer.transport
@@ -852,9 +973,7 @@ class UpstreamPool:
 
     def release(self, up: Upstream) -> None:
         self.active.discard(up)
-        conn = up.h11
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            conn.start_next_cycle()
+        if up.done and up.keep_alive and not up.buf:
             idle = self._idle.setdefault(up.addr, [])
             if len(idle) < POOL_IDLE_PER_PROVIDER:
                 idle.append(up)
@@ -934,9 +1053,9 @@ class Ingress:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         tunnel = getattr(node, "tunnel_header", None)
-        self._tunnel = ((tunnel[0].encode() if isinstance(tunnel[0], str) else tunnel[0],
-                         tunnel[1].encode() if isinstance(tunnel[1], str) else tunnel[1])
-                        if tunnel else None)
+        self._tunnel_line = b"".join(
+            (v.encode() if isinstance(v, str) else v) for v in (tunnel[0], b": ", tunnel[1], b"\r\n")
+        ) if tunnel else b""
         on_change = getattr(node, "on_change", None)
         if on_change is not None:
             on_change(self._registry_changed)
@@ -1059,6 +1178,13 @@ class Ingress:
             await self._client_loop(client)
         except (OSError, asyncio.IncompleteReadError):
             pass
+        except Exception as exc:   # a bug must cost one connection, not the server
+            print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+            try:
+                await self._respond_error(client, HTTPError(500, "Internal error in the ingress",
+                                                            "internal_error"))
+            except Exception:
+                pass
         finally:
             self._clients.discard(client)
             self.metrics.connections -= 1
@@ -1282,26 +1408,22 @@ class Ingress:
         await self._commit(ex, time.monotonic())
         await self._respond_error(ex.client, exc, ex.routed.model, counted=True)
 
-    async def _exchange_head(self, ex: _Exchange, candidate: Candidate) -> Tuple[Upstream, h11.Response]:
+    def _request_head(self, ex: _Exchange, addr: str) -> bytes:
+        return b"".join((b"POST ", ex.path, b" HTTP/1.1\r\nhost: ", addr.encode(),
+                         b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % len(ex.body),
+                         self._tunnel_line,
+                         b"accept: text/event-stream\r\n\r\n" if ex.routed.stream else b"\r\n"))
+
+    async def _exchange_head(self, ex: _Exchange, candidate: Candidate) -> Tuple[Upstream, UpstreamHead]:
         """Send the request and read the response head; a stale pooled connection is replaced
         by a fresh one to the same provider without counting as a failure."""
         fresh = False
+        request = self._request_head(ex, candidate.addr) + ex.body
         while True:
             up = await self.pool.acquire(candidate.addr, fresh)
             try:
-                headers = [(b"host", candidate.addr.encode()), (b"content-type", b"application/json"),
-                           (b"content-length", b"%d" % len(ex.body))]
-                if self._tunnel is not None:
-                    headers.append(self._tunnel)
-                if ex.routed.stream:
-                    headers.append((b"accept", b"text/event-stream"))
-                conn = up.h11
-                up.writer.write(conn.send(h11.Request(method=b"POST", target=ex.path, headers=headers))
-                                + conn.send(h11.Data(data=ex.body)) + conn.send(h11.EndOfMessage()))
-                event = await up.next_event()
-                if type(event) is not h11.Response:
-                    raise UpstreamFailure(f"{candidate.addr}: connection closed before a response")
-                return up, event
+                up.writer.write(request)
+                return up, await up.read_head()
             except UpstreamFailure:
                 self.pool.discard(up)
                 if up.reused and not fresh:
@@ -1317,39 +1439,31 @@ class Ingress:
         that another session would repeat); False to try another session."""
         up, head = await self._exchange_head(ex, candidate)
         try:
-            ex.status = head.status_code
-            if ex.routed.stream and head.status_code == 200:
+            ex.status = head.status
+            if ex.routed.stream and head.status == 200:
                 return await self._relay_stream(ex, up, head)
             parts = []
             while True:
-                event = await up.next_event()
-                t = type(event)
-                if t is h11.Data:
-                    parts.append(event.data)
-                elif t is h11.EndOfMessage:
+                piece = await up.read_body()
+                if piece is None:
                     break
-                else:
-                    raise UpstreamFailure(f"{candidate.addr}: connection closed mid-response")
+                parts.append(piece)
         except BaseException:
             self.pool.discard(up)
             raise
         self.pool.release(up)
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        if head.status_code in RETRY_STATUSES:
+        if head.status in RETRY_STATUSES:
             return False
-        if head.status_code == 200:
+        if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
-        content_type = b"application/json"
-        for name, value in head.headers:
-            if name == b"content-type":
-                content_type = value
-                break
         client = ex.client
         conn = client.conn
-        out = conn.send(h11.Response(status_code=head.status_code, reason=_REASONS.get(head.status_code, b""),
-                                     headers=[(b"content-type", content_type),
+        out = conn.send(h11.Response(status_code=head.status, reason=_REASONS.get(head.status, b""),
+                                     headers=[(b"content-type",
+                                               head.headers.get(b"content-type", b"application/json")),
                                               (b"content-length", b"%d" % len(payload)),
-                                              (SESSION_HEADER, candidate.session.encode())]))
+                                              (SESSION_HEADER, candidate.session_bytes)]))
         out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
         now = time.monotonic()
         self._account(ex, now)
@@ -1358,7 +1472,7 @@ class Ingress:
         await client.writer.drain()
         return True
 
-    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: h11.Response) -> bool:
+    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> bool:
         """Relay an SSE stream chunk by chunk. Before the first byte reaches the client a failure
         is retried elsewhere; after it, the stream ends with an error event and [DONE]."""
         client = ex.client
@@ -1368,35 +1482,29 @@ class Ingress:
         try:
             while True:
                 try:
-                    event = await up.next_event()
+                    piece = await up.read_body()
                 except UpstreamFailure as exc:
                     if not ex.sent:
                         raise
-                    await self._cut_stream(ex, str(exc), watch)
                     self.pool.discard(up)
+                    await self._cut_stream(ex, str(exc), watch)
                     return False
-                t = type(event)
-                if t is h11.Data:
-                    out = watch.feed(event.data)
+                if piece is None:
+                    break
+                out = watch.feed(piece)
+                if not out:
+                    continue
+                done_at = out.find(_DONE)
+                if done_at >= 0:
+                    held, out = out[done_at:], out[:done_at]
                     if not out:
                         continue
-                    done_at = out.find(_DONE)
-                    if done_at >= 0:
-                        held, out = out[done_at:], out[:done_at]
-                        if not out:
-                            continue
-                    if not ex.sent:
-                        self._send_stream_head(ex, head)
+                if ex.sent:
                     writer.write(conn.send(h11.Data(data=out)))
-                    await writer.drain()
-                elif t is h11.EndOfMessage:
-                    break
                 else:
-                    if not ex.sent:
-                        raise UpstreamFailure(f"{up.addr}: connection closed mid-stream")
-                    await self._cut_stream(ex, "connection closed mid-stream", watch)
-                    self.pool.discard(up)
-                    return False
+                    start = self._stream_head(ex, head)
+                    writer.write(start + conn.send(h11.Data(data=out)))
+                await writer.drain()
         except (OSError, asyncio.CancelledError):   # the client went away: stop reading too
             self.pool.discard(up)
             if ex.sent:
@@ -1408,27 +1516,21 @@ class Ingress:
         if not held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
         ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
-        if not ex.sent:
-            self._send_stream_head(ex, head)
         now = time.monotonic()
         self._account(ex, now)
         await self._commit(ex, now)
-        writer.write(conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
+        start = b"" if ex.sent else self._stream_head(ex, head)
+        writer.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
         await writer.drain()
         return True
 
-    def _send_stream_head(self, ex: _Exchange, head: h11.Response) -> None:
+    def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
         ex.sent = True
         self.metrics.observe(self.metrics.ttfb, ex.routed.model, time.monotonic() - ex.t0)
-        content_type = b"text/event-stream"
-        for name, value in head.headers:
-            if name == b"content-type":
-                content_type = value
-                break
-        ex.client.writer.write(ex.client.conn.send(h11.Response(
+        return ex.client.conn.send(h11.Response(
             status_code=200, reason=b"OK",
-            headers=[(b"content-type", content_type), (b"cache-control", b"no-cache"),
-                     (SESSION_HEADER, ex.candidate.session.encode())])))
+            headers=[(b"content-type", head.headers.get(b"content-type", b"text/event-stream")),
+                     (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)]))
 
     async def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
         self.metrics.stream_cuts += 1
