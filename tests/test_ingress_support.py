@@ -171,3 +171,118 @@ class Client:
 def sse_events(body: bytes) -> List[str]:
     """The data fields of an SSE body, in order."""
     return [line[len("data: "):] for line in body.decode().split("\n") if line.startswith("data: ")]
+
+
+class Cluster:
+    """A real local overlay from the command lines: `otela_ingress.py serve` and
+    `otela_node.py start` processes on loopback, with a fresh cluster key and key database."""
+
+    def __init__(self, tmp_dir: str, policy: str = "least_loaded"):
+        import os
+        import subprocess
+        import sys
+        self.tmp = tmp_dir
+        self.root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.python = sys.executable
+        self.procs: list = []
+        self.nodes: Dict[str, Any] = {}
+        self.orphans: List[int] = []   # engines whose node was killed with SIGKILL
+        subprocess.run([self.python, os.path.join(self.root, "otela_node.py"), "keygen", "--out", tmp_dir],
+                       check=True, capture_output=True, timeout=60)
+        self.key_file = os.path.join(tmp_dir, "cluster.key")
+        self.db = os.path.join(tmp_dir, "otela.sqlite")
+        made = subprocess.run([self.python, os.path.join(self.root, "otela_ingress.py"), "keys", "create",
+                               "--user", "tester", "--admin", "--db", self.db],
+                              check=True, capture_output=True, text=True, timeout=60)
+        self.token = made.stdout.strip()
+        self.port, self.gossip = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ingress = self._spawn("ingress", [os.path.join(self.root, "otela_ingress.py"), "serve",
+                                               "--key-file", self.key_file, "--listen", f"127.0.0.1:{self.port}",
+                                               "--gossip", f"127.0.0.1:{self.gossip}", "--db", self.db,
+                                               "--policy", policy])
+        self._wait(lambda: Client(self.url).request("GET", "/healthz")[0] == 200, "ingress /healthz")
+
+    def _spawn(self, name: str, argv: List[str]):
+        import subprocess
+        log = open(f"{self.tmp}/{name}.log", "wb")
+        proc = subprocess.Popen([self.python, *argv], stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def _wait(self, ready, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} not ready within {timeout} s (logs in {self.tmp})")
+
+    def node(self, name: str, process: str, engine_port: int, model: str, labels=(), timeout: float = 120.0):
+        """Start `otela_node.py start` wrapping `process`; wait until the ingress routes `model`."""
+        import os
+        argv = [os.path.join(self.root, "otela_node.py"), "start", "--key-file", self.key_file,
+                "--bootstrap", f"127.0.0.1:{self.gossip}", "--listen", f"127.0.0.1:{free_port()}",
+                "--gossip", f"127.0.0.1:{free_port()}", "--process", process,
+                "--engine-url", f"http://127.0.0.1:{engine_port}"]
+        for label in labels:
+            argv += ["--label", label]
+        before = self.serving(model)
+        self.nodes[name] = self._spawn(name, argv)
+        self._wait(lambda: self.serving(model) > before, f"node {name} serving {model}", timeout)
+        return self.nodes[name]
+
+    def serving(self, model: str) -> int:
+        client = Client(self.url)
+        try:
+            view = json.loads(client.request("GET", "/v1/registry")[2])
+        finally:
+            client.close()
+        return sum(1 for s in view["sessions"] if s["state"] == "SERVING" and model in s.get("models", [])
+                   and not s.get("suspected"))
+
+    def close(self) -> None:
+        import signal
+        for pid in self.orphans:
+            kill_pid(pid)
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(15)
+            except Exception:
+                proc.kill()
+                proc.wait()
+
+
+def pids_listening_on(port: int) -> List[int]:
+    """Processes (of ours) whose command line carries `--port PORT`: the fake engines we started."""
+    import os
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"fake_engine.py" in b" ".join(argv) and b"--port" in argv:
+            i = argv.index(b"--port")
+            if i + 1 < len(argv) and argv[i + 1] == str(port).encode():
+                found.append(int(entry))
+    return found
+
+
+def kill_pid(pid: int) -> None:
+    import os
+    import signal
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
