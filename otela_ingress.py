@@ -12,8 +12,8 @@ Data flow:
     client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
         --> policy.pick --> upstream pool --h11--> node tunnel --> engine
         <-- response relayed (retried on another session if nothing was sent yet)
-        --> ledger queue --> writer thread --> SQLite (WAL), committed before the client
-            sees the last byte, so a kill -9 never loses a completed request.
+        --> usage journal (one write() before the client sees the last byte, so a kill -9
+            never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path (keys are read
@@ -77,7 +77,10 @@ CANDIDATE_TTL_S = 1.0                # candidate lists are rebuilt on registry c
                                      # least this often in case a change went unnoticed
 STATS_WINDOW_S = 300.0               # /v1/usage/stats looks at the last five minutes ...
 STATS_MAX_SAMPLES = 20000            # ... of at most this many requests per model
-LEDGER_BATCH = 512                   # rows per SQLite transaction under load
+LEDGER_BATCH = 4096                  # rows per SQLite transaction at most
+LEDGER_FLUSH_S = 0.02                # rows reach SQLite within ~20 ms: one commit per batch
+                                     # instead of per request (the journal makes them durable)
+LEDGER_JOURNAL_MAX = 8 * 1024 * 1024  # journal file size before starting the next one
 KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
 SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
@@ -244,6 +247,7 @@ class UsageRow:
 
     __slots__ = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
                  "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
+    FIELDS = __slots__
 
     def __init__(self, ts, key_id, user, model, session, provider, status, prompt_tokens,
                  completion_tokens, latency_ms, stream, attempts, tracked):
@@ -252,18 +256,27 @@ class UsageRow:
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         self.latency_ms, self.stream, self.attempts, self.tracked = latency_ms, stream, attempts, tracked
 
+    def line(self) -> bytes:
+        return crdt.dumps([self.ts, self.key_id, self.user, self.model, self.session, self.provider,
+                           self.status, self.prompt_tokens, self.completion_tokens, self.latency_ms,
+                           self.stream, self.attempts, self.tracked]) + b"\n"
+
 
 def _day(ts: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(ts))
 
 
 class Ledger:
-    """Rows go in from the event loop through a queue; a thread commits them in batches.
+    """The usage ledger: crash-safe without SQLite on the event loop.
 
-    `record(row)` returns a future that completes once the row is committed: the proxy sends
-    the last byte of a response only after that, so a kill -9 never loses a completed request,
-    and under load one commit covers many rows. The same thread reloads the keys whenever
-    another process (the `keys` CLI) changed the database.
+    Theory of operation. When a request completes, the event loop appends one JSON line to a
+    journal file with a single write() (a few microseconds; the bytes are in the kernel once it
+    returns, so a kill -9 right after cannot lose them) *before* the client gets the last byte,
+    and hands the row to a thread through a queue. The thread commits rows to SQLite (WAL) in
+    batches every LEDGER_FLUSH_S, together with how far into the journal it got. At start,
+    whatever the journal holds past that point (the rows a crash kept from SQLite) is applied
+    first. The journal is cut into files of LEDGER_JOURNAL_MAX bytes; a file is deleted once all
+    of it is in SQLite. The same thread reloads the keys when another process changed them.
     """
 
     def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None]):
@@ -274,18 +287,74 @@ class Ledger:
         self._data_version = -1
         self._reload_keys()
         self.rows_written = 0
+        self._state_seq = 0
+        self.seq = self._recover()
+        self._fd = os.open(self._journal(self.seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._offset = 0
         self._thread = threading.Thread(target=self._run, name="otela-ledger", daemon=True)
         self._thread.start()
 
-    def record(self, row: UsageRow, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        fut = loop.create_future()
-        self._queue.put((row, fut, loop))
-        return fut
+    # -- the event loop's side ------------------------------------------------------------------
+    def record(self, row: UsageRow) -> None:
+        """Journal the row (durable against a crash of this process) and queue it for SQLite."""
+        line = row.line()
+        try:
+            os.write(self._fd, line)
+        except OSError as exc:   # a full disk must not take the API down with it
+            print(f"otela-ingress: usage journal write failed: {exc}", file=sys.stderr)
+        self._offset += len(line)
+        self._queue.put((row, self.seq, self._offset))
+        if self._offset >= LEDGER_JOURNAL_MAX:
+            self.seq += 1
+            old, self._fd = self._fd, os.open(self._journal(self.seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                              0o600)
+            os.close(old)
+            self._offset = 0
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every row recorded so far is in SQLite (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
+        os.close(self._fd)
         self._db.close()
+
+    # -- the writer thread ------------------------------------------------------------------------
+    def _journal(self, seq: int) -> str:
+        return f"{self.path}.usage.{seq}"
+
+    def _recover(self) -> int:
+        """Apply journal rows that never reached SQLite; returns the next journal number."""
+        self._db.execute("CREATE TABLE IF NOT EXISTS ledger_state (id INTEGER PRIMARY KEY CHECK (id = 0), "
+                         "seq INTEGER NOT NULL, offset INTEGER NOT NULL)")
+        state = self._db.execute("SELECT seq, offset FROM ledger_state").fetchone() or (0, 0)
+        directory = os.path.dirname(os.path.abspath(self.path))
+        prefix = os.path.basename(self.path) + ".usage."
+        seqs = sorted(int(name[len(prefix):]) for name in os.listdir(directory)
+                      if name.startswith(prefix) and name[len(prefix):].isdigit())
+        rows = []
+        for seq in seqs:
+            if seq < state[0]:
+                continue
+            with open(self._journal(seq), "rb") as f:
+                if seq == state[0]:
+                    f.seek(state[1])
+                for line in f:
+                    try:
+                        rows.append(UsageRow(*crdt.loads(line)))
+                    except (ValueError, TypeError):   # a torn last line: the request never completed
+                        pass
+        nxt = max(seqs + [state[0]]) + 1
+        self._commit(rows, nxt, 0)
+        for seq in seqs:
+            os.unlink(self._journal(seq))
+        if rows:
+            print(f"otela-ingress: recovered {len(rows)} usage rows from the journal", file=sys.stderr)
+        return nxt
 
     def _reload_keys(self) -> None:
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
@@ -295,25 +364,37 @@ class Ledger:
 
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S
-        while True:
+        stop = False
+        while not stop:
             try:
-                item = self._queue.get(timeout=KEYS_RELOAD_S)
+                batch = [self._queue.get(timeout=KEYS_RELOAD_S)]
+                time.sleep(LEDGER_FLUSH_S)   # gather a batch: one commit for many rows
             except queue.Empty:
-                item = ()
-            batch = [item] if item else []
-            stop = item is None
-            while len(batch) < LEDGER_BATCH and not stop:
+                batch = []
+            while len(batch) < LEDGER_BATCH:
                 try:
-                    extra = self._queue.get_nowait()
+                    batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                stop = extra is None
-                batch.append(extra)
-            rows = [entry for entry in batch if entry]
-            if rows:
-                self._write(rows)
-            if stop:
-                return
+            rows, waiters, position = [], [], None
+            for item in batch:
+                if item is None:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    waiters.append(item)
+                else:
+                    rows.append(item[0])
+                    position = item[1:]
+            if position is not None:
+                old_seq = self._state_seq
+                self._commit(rows, *position)
+                for seq in range(old_seq, position[0]):
+                    try:
+                        os.unlink(self._journal(seq))
+                    except OSError:
+                        pass
+            for waiter in waiters:
+                waiter.set()
             if time.monotonic() >= next_reload:
                 next_reload = time.monotonic() + KEYS_RELOAD_S
                 try:
@@ -321,10 +402,10 @@ class Ledger:
                 except sqlite3.Error as exc:
                     print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
 
-    def _write(self, batch: List[Tuple[UsageRow, asyncio.Future, Any]]) -> None:
+    def _commit(self, rows: List[UsageRow], seq: int, offset: int) -> None:
         per_request = []
         daily: Dict[Tuple[str, str, str], List[int]] = {}
-        for row, _, _ in batch:
+        for row in rows:
             day = _day(row.ts)
             if row.tracked:
                 per_request.append((row.ts, day, row.key_id, row.user, row.model, row.session,
@@ -337,40 +418,27 @@ class Ledger:
             agg[2] += not row.tracked
             agg[3] += row.prompt_tokens
             agg[4] += row.completion_tokens
-        error = None
+        db = self._db
         try:
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", per_request)
-            self._db.executemany(
+            db.execute("BEGIN")
+            db.executemany("INSERT INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", per_request)
+            db.executemany(
                 "INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                 "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                 "opted_out=opted_out+excluded.opted_out, "
                 "prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
                 "completion_tokens=completion_tokens+excluded.completion_tokens",
                 [(day, user, model, *agg) for (day, user, model), agg in daily.items()])
-            self._db.execute("COMMIT")
+            db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", (seq, offset))
+            db.execute("COMMIT")
             self.rows_written += len(per_request)
-        except sqlite3.Error as exc:   # a full disk must not take the API down with it
-            error = exc
+            self._state_seq = seq
+        except sqlite3.Error as exc:   # rows stay in the journal; the next start applies them
             print(f"otela-ingress: ledger write failed: {exc}", file=sys.stderr)
             try:
-                self._db.execute("ROLLBACK")
+                db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-        by_loop: Dict[Any, List[asyncio.Future]] = {}
-        for _, fut, loop in batch:
-            by_loop.setdefault(loop, []).append(fut)
-        for loop, futures in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_resolve_all, futures, error)
-            except RuntimeError:   # the loop is gone (shutdown)
-                pass
-
-
-def _resolve_all(futures: List[asyncio.Future], error: Optional[BaseException]) -> None:
-    for fut in futures:
-        if not fut.done():
-            fut.set_result(error)
 
 
 def query_usage(path: str, days: int = 31, user: Optional[str] = None,
@@ -1405,7 +1473,7 @@ class Ingress:
         self._account(ex, time.monotonic())
         exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
                         "upstream_failed")
-        await self._commit(ex, time.monotonic())
+        self._record(ex, time.monotonic())
         await self._respond_error(ex.client, exc, ex.routed.model, counted=True)
 
     def _request_head(self, ex: _Exchange, addr: str) -> bytes:
@@ -1467,7 +1535,7 @@ class Ingress:
         out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
         now = time.monotonic()
         self._account(ex, now)
-        await self._commit(ex, now)
+        self._record(ex, now)
         client.writer.write(out)
         await client.writer.drain()
         return True
@@ -1518,7 +1586,7 @@ class Ingress:
         ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
         now = time.monotonic()
         self._account(ex, now)
-        await self._commit(ex, now)
+        self._record(ex, now)
         start = b"" if ex.sent else self._stream_head(ex, head)
         writer.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
         await writer.drain()
@@ -1538,7 +1606,7 @@ class Ingress:
         ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
         now = time.monotonic()
         self._account(ex, now)
-        await self._commit(ex, now)
+        self._record(ex, now)
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
                                       "type": "api_error", "param": None, "code": "stream_cut"}})
         conn = ex.client.conn
@@ -1561,16 +1629,16 @@ class Ingress:
         if ex.status == 200:
             self.stats.add(model, now, ex.prompt_tokens, ex.completion_tokens)
 
-    async def _commit(self, ex: _Exchange, now: float) -> None:
-        """Queue the ledger row and wait for its commit (the last byte goes out after it)."""
+    def _record(self, ex: _Exchange, now: float) -> None:
+        """Journal the ledger row (called before the client gets the last byte)."""
         if self.ledger is None:
             return
-        record = ex.candidate.record if ex.candidate is not None else {}
-        row = UsageRow(time.time(), ex.key.id, ex.key.user, ex.routed.model,
-                       ex.candidate.session if ex.candidate else "", record.get("owner", ""),
-                       ex.status, ex.prompt_tokens, ex.completion_tokens,
-                       (now - ex.t0) * 1000.0, ex.routed.stream, ex.attempts, ex.tracked)
-        await self.ledger.record(row, self._loop)
+        candidate = ex.candidate
+        self.ledger.record(UsageRow(
+            time.time(), ex.key.id, ex.key.user, ex.routed.model,
+            candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
+            ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
+            ex.routed.stream, ex.attempts, ex.tracked))
 
     # -- GET endpoints -----------------------------------------------------------------------
     async def _get_healthz(self, headers, query):
@@ -1600,8 +1668,11 @@ class Ingress:
             days = max(1, min(3660, int(params.get("days", "31"))))
         except ValueError:
             raise HTTPError(400, "days must be an integer", "invalid_parameter", "days") from None
-        result = await asyncio.get_running_loop().run_in_executor(
-            None, query_usage, self.db_path, days, params.get("user"), params.get("model"))
+        def flush_and_query():
+            if self.ledger is not None:
+                self.ledger.flush()   # every completed request is in the answer
+            return query_usage(self.db_path, days, params.get("user"), params.get("model"))
+        result = await asyncio.get_running_loop().run_in_executor(None, flush_and_query)
         return 200, b"application/json", crdt.dumps(result)
 
     async def _get_usage_stats(self, headers, query):

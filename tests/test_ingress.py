@@ -81,7 +81,6 @@ def test_stream_is_relayed_chunk_by_chunk_without_the_usage_chunk_the_client_did
     assert "usage" not in body.decode()
     # the engine was asked for usage so the ledger could count the stream
     assert json.loads(engine.last_body)["stream_options"] == {"include_usage": True}
-    time.sleep(0.05)
     assert stack.sql("SELECT prompt_tokens, completion_tokens, stream FROM requests") == [(2, 5, 1)]
 
 
@@ -489,7 +488,15 @@ def test_kill_9_after_n_completed_requests_leaves_n_rows(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    # the next start of the ingress applies what the journal holds beyond SQLite
+    ledger = otela_ingress.Ledger(db, lambda keys: None)
+    ledger.close()
     import sqlite3
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (n,)
+        assert conn.execute("SELECT sum(requests) FROM daily").fetchone() == (n,)
+    # and applying it is idempotent: a second start adds nothing
+    otela_ingress.Ledger(db, lambda keys: None).close()
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM requests").fetchone() == (n,)
 

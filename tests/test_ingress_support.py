@@ -120,6 +120,8 @@ class Stack:
         return token
 
     def sql(self, query: str, *args) -> list:
+        """Query the ledger database once every completed request has reached it."""
+        self.ingress.ledger.flush()
         db = sqlite3.connect(self.db_path, timeout=10)
         try:
             return db.execute(query, args).fetchall()
