@@ -514,6 +514,9 @@ def _cost_for(model, gpu, tp, dtype=None, engine="vllm", cal=None):
 
 
 def _batched_tokens(model):
+    """vLLM v0's largest step without chunked prefill: max(max_model_len, 2048) tokens. Its
+    activations are reserved at start-up: long-context configs leave less room for KV (pass a
+    config with a smaller max_position_embeddings, as --max-model-len would)."""
     return max(model.max_position_embeddings, MIN_BATCHED_TOKENS)
 
 
@@ -531,12 +534,13 @@ def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=Non
     ctx = batch * (input_len + output_len / 2)
     step = c.decode_alpha(batch) + c.beta * ctx
     e2e = ttft + output_len * step
-    prefill_tokens = min(batch * input_len, _batched_tokens(model))
+    # one memory rule everywhere (estimate, max_batch, replay): weights, KV, and the reserve
+    # for the largest step the engine plans for; so fits <=> batch <= max_batch
     weights = c.weights_bytes
     kv = c.kv_bytes_per_token * batch * (input_len + output_len)
-    mem = weights + kv + c.reserve_bytes(prefill_tokens)
+    mem = weights + kv + c.reserve_bytes(_batched_tokens(model))
     ctx_len = input_len + output_len
-    cap = c.kv_capacity_tokens(max(ctx_len, MIN_BATCHED_TOKENS))
+    cap = c.kv_capacity_tokens(_batched_tokens(model))
     mem_bound = c.beta * ctx + c.layers * sum(w * c.wb for w, _ in c.linears) / c.bm > \
         c.layers * sum(2 * w * batch for w, _ in c.linears) / c.pc
     return {
@@ -557,19 +561,19 @@ def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=Non
 
 
 def max_batch(model, gpu, tp=1, context_len=2048, dtype=None) -> int:
-    """The most requests of `context_len` tokens whose KV cache fits beside the weights
-    (0 when the weights alone do not fit)."""
+    """The most requests of `context_len` tokens whose KV cache fits beside the weights and
+    the engine's reserve (0 when the weights alone do not fit)."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
     check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
     c = _cost_for(model, gpu, tp, dtype)
-    return c.kv_capacity_tokens(max(context_len, MIN_BATCHED_TOKENS)) // max(1, int(context_len))
+    return c.kv_capacity_tokens(_batched_tokens(model)) // max(1, int(context_len))
 
 
 def memory_gb_per_gpu(model, gpu, tp=1, dtype=None) -> float:
     """Weights per GPU plus the runtime reserve, in GB (the floor before any KV cache)."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
     c = _cost_for(model, gpu, tp, dtype)
-    return (c.weights_bytes + c.reserve_bytes(MIN_BATCHED_TOKENS)) / 1e9
+    return (c.weights_bytes + c.reserve_bytes(_batched_tokens(model))) / 1e9
 
 
 # =============================================================================================

@@ -198,6 +198,16 @@ def test_max_batch_is_the_kv_cache_left_after_weights_divided_by_the_context():
     assert sim.max_batch(m, "A100", 1, 4096) == int(free // c.kv_bytes_per_token) // 4096
 
 
+@pytest.mark.parametrize("model, gpu, tp, ctx", [("llama-2-13b", "A100", 1, 4096), ("llama-3.1-8b", "L40S", 1, 2048),
+                                                 ("codellama-34b", "GH200", 2, 1700), ("llama-2-7b", "RTX3090", 1, 600)])
+def test_estimate_fits_exactly_up_to_max_batch(model, gpu, tp, ctx):
+    n = sim.max_batch(model, gpu, tp, ctx)
+    assert n >= 1
+    assert sim.estimate(model, gpu, tp, n, ctx - 100, 100)["fits"] is True
+    assert sim.estimate(model, gpu, tp, n + 1, ctx - 100, 100)["fits"] is False
+    assert sim.estimate(model, gpu, tp, 1, ctx - 100, 100)["max_batch"] == n
+
+
 @pytest.mark.parametrize("model, tp, message", [
     ("llama-2-13b", 3, "attention heads"), ("llama-2-7b", 0, "positive"),
     ("qwen2.5-7b", 8, "attention heads"), ("llama-2-70b", 16, "GPUs of a"),
