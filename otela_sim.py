@@ -822,6 +822,16 @@ def _latency_stats(e2e, ttft):
     }
 
 
+def _sustained_rate(finish_times):
+    """Completions per second between the 10th and 90th percentile completion: the steady
+    rate of a saturated instance, without its start-up and its drain at the end."""
+    ts = sorted(t for t in finish_times if t >= 0)
+    if len(ts) < 10:
+        return len(ts) / ts[-1] if ts and ts[-1] > 0 else 0.0
+    lo, hi = int(len(ts) * 0.1), int(len(ts) * 0.9)
+    return (hi - lo) / (ts[hi] - ts[lo]) if ts[hi] > ts[lo] else 0.0
+
+
 def scenario_model(scenario, name):
     """The Model for a workload name: the scenario's own config when it has one."""
     cfg = (scenario.get("models") or {}).get(name)
@@ -947,7 +957,8 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
         n_uns = sum(1 for r in rids if done[r] == -1.0)
         rate = len(e2e) / end if end > 0 else 0.0
         result["per_model_req_s"][name] = rate
-        result["per_model"][name] = dict(req_s=rate, requests=len(rids), completed=len(e2e),
+        result["per_model"][name] = dict(req_s=rate, sustained_req_s=_sustained_rate([done[r] for r in rids]),
+                                         requests=len(rids), completed=len(e2e),
                                          rejected=n_rej, unserved=n_uns, makespan_s=end,
                                          **_latency_stats(e2e, ttft))
         all_e2e += e2e
@@ -975,9 +986,9 @@ CALIBRATION_CSV_PATHS = (os.path.join(_HERE, "tests", "data", "measured_calibrat
 GPTFAST_NEW_TOKENS = 200
 # The OpenTela rows ran the Table-1 workload for 300 s on one instance.
 SUSTAINED_DURATION_S = 300.0
-# Requests replayed per sustained-throughput row while fitting (the saturated rate is reached
-# within a few hundred requests; validate replays them all).
-FIT_REQUESTS = 1500
+# Requests replayed per sustained-throughput row by a quick validation (tests, bench --quick):
+# a saturated instance reaches its steady rate within a few hundred requests.
+QUICK_REQUESTS = 1500
 
 
 def load_calibration(path=None):
@@ -1007,7 +1018,7 @@ def _length_spec(text):
     return {"mean": float(m.group(1)), "std": float(m.group(2))}
 
 
-def predict_row(row, cal=None, fit=False):
+def predict_row(row, cal=None, quick=False):
     """The simulator's value for one calibration row, in the row's unit."""
     model, gpu = resolve_model(row["model"]), resolve_gpu(row["gpu"])
     engine = _engine_of(row["engine"])
@@ -1019,8 +1030,9 @@ def predict_row(row, cal=None, fit=False):
             "model": model.name, "rate_rps": n / SUSTAINED_DURATION_S,
             "input": _length_spec(row["input_len"]), "output": _length_spec(row["output_len"])}]}
         res = replay(scenario, [{"model": model.name, "gpu": gpu.name, "tp": tp, "instances": 1}],
-                     seed=0, engine=engine, dtype=dtype, cal=cal, max_requests=FIT_REQUESTS if fit else None)
-        return res["per_model_req_s"][model.name]
+                     seed=0, engine=engine, dtype=dtype, cal=cal, max_requests=QUICK_REQUESTS if quick else None)
+        # a quick replay serves a prefix of the requests: take its steady rate, not its drain
+        return res["per_model"][model.name]["sustained_req_s" if quick else "req_s"]
     if metric == "decode_throughput":
         e = estimate(model, gpu, tp, int(row["batch"]), int(row["input_len"]), GPTFAST_NEW_TOKENS,
                      dtype, engine, cal)
@@ -1076,13 +1088,13 @@ def _ratio_pairs(rows):
     return [(a100[key(r)], r) for r in rows if family(r["gpu"]) == "H100" and key(r) in a100]
 
 
-def validate(rows=None, cal=None, fit=False):
+def validate(rows=None, cal=None, quick=False):
     """Predicted vs measured for every row; median and max absolute error per metric; the
     H100-class / A100 ratio error where both were measured."""
     rows = load_calibration() if rows is None else rows
     out = []
     for r in rows:
-        pred, meas = predict_row(r, cal, fit), float(r["value"])
+        pred, meas = predict_row(r, cal, quick), float(r["value"])
         out.append({"id": r["id"], "metric": r["metric"], "measured": meas, "predicted": pred,
                     "error": pred / meas - 1})
     by_id = {o["id"]: o for o in out}
@@ -1169,7 +1181,7 @@ def _loss(errors):
     return sum(x * x + 10 * max(0.0, x - 0.2) ** 2 for x in logs) / len(logs)
 
 
-def _fit(rows, cal, bounds, iters, fit_mode, restarts=3):
+def _fit(rows, cal, bounds, iters, restarts=3):
     names = list(bounds)
 
     def unpack(x):
@@ -1186,7 +1198,7 @@ def _fit(rows, cal, bounds, iters, fit_mode, restarts=3):
     def f(x):
         c = _with(cal, names, unpack(x))
         try:
-            return _loss([predict_row(r, c, fit_mode) / float(r["value"]) - 1 for r in rows])
+            return _loss([predict_row(r, c) / float(r["value"]) - 1 for r in rows])
         except SimError:
             return 1e9
     x, best = _nelder_mead(f, pack([_get(cal, n) for n in names]), iters=iters)
@@ -1206,9 +1218,9 @@ def calibrate(rows=None, cal=None, iters=300):
     static = [r for r in rows if r["metric"] != "sustained_request_throughput_per_instance"]
     served = [r for r in rows if r["metric"] == "sustained_request_throughput_per_instance"]
     if static:
-        cal = _fit(static, cal, _FIT_KERNELS, iters, False)
+        cal = _fit(static, cal, _FIT_KERNELS, iters)
     if served:
-        cal = _fit(served, cal, _FIT_VLLM, max(20, iters // 6), True, restarts=0)
+        cal = _fit(served, cal, _FIT_VLLM, max(20, iters // 6), restarts=0)   # full replays: minutes
     return cal
 
 
@@ -1347,6 +1359,22 @@ def _cmd_tables(a):
                   f"{m.num_attention_heads}/{m.num_key_value_heads} heads")
 
 
+def _env_defaults(parser, env=None):
+    """Every flag also reads OTELA_<FLAG> (--gpu -> OTELA_GPU, --chunk-tokens -> OTELA_CHUNK_TOKENS)."""
+    env = os.environ if env is None else env
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = env.get("OTELA_" + action.option_strings[-1].lstrip("-").replace("-", "_").upper())
+        if value is None:
+            continue
+        if action.nargs == 0:                    # store_true
+            action.default = value.lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = action.type(value) if action.type else value
+        action.required = False
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1389,6 +1417,8 @@ def main(argv=None):
     for what in ("gpus", "models"):
         t = sub.add_parser(what, help=f"list the built-in {what}")
         t.set_defaults(func=_cmd_tables, what=what)
+    for command in (e, r, v, c):
+        _env_defaults(command)
     a = p.parse_args(argv)
     if a.cmd == "estimate" and not (a.model or a.config):
         p.error("estimate needs --model or --config")

@@ -1,6 +1,7 @@
 """Specification of otela_sim: tables, roofline arithmetic, memory facts, calibration, replay."""
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -229,7 +230,7 @@ def test_tp_larger_than_kv_heads_replicates_them_as_vllm_does():
 @pytest.fixture(scope="module")
 def validation():
     rows = sim.load_calibration(DATA / "measured_calibration.csv")
-    return sim.validate(rows, fit=True)
+    return sim.validate(rows, quick=True)
 
 
 def test_calibration_median_error_is_within_ten_percent(validation):
@@ -402,6 +403,15 @@ def test_cli_bad_names_and_impossible_configs_exit_2_with_one_line(args, message
     p = run_cli("estimate", *args)
     assert p.returncode == 2
     assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_flags_also_read_otela_environment_variables():
+    env = dict(os.environ, OTELA_GPU="H100", OTELA_TP="2", OTELA_JSON="1")
+    p = subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), "estimate", "--model", "llama-2-13b"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    e = json.loads(p.stdout)
+    assert (e["gpu"], e["tp"]) == ("H100-SXM5-80GB", 2)
 
 
 def test_cli_estimate_reads_a_hugging_face_config(tmp_path):

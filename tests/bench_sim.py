@@ -1,0 +1,103 @@
+"""Benchmark of otela_sim: estimate cost per call, Table-1 replay time and result, calibration error.
+
+    .venv/bin/python tests/bench_sim.py [--quick] [--out bench-results]
+
+Prints figures and writes <out>/sim.json. Never asserts: targets are in the issue (estimate
+< 1 ms per call, Table-1 replay < 10 s, calibration median <= 10% / max <= 25%, H100/A100
+ratio within 6%).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import otela_sim as sim  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+
+CASES = [("llama-2-7b", "A100", 1, 1, 128, 128), ("llama-2-13b", "GH200", 1, 64, 600, 80),
+         ("codellama-34b", "A100", 2, 32, 1200, 500), ("llama-3.3-70b", "H100", 4, 128, 700, 64),
+         ("qwen3-32b", "H200", 2, 16, 2048, 256), ("mixtral-8x7b", "MI300X", 1, 8, 512, 128)]
+
+
+def bench_estimate(calls):
+    for case in CASES:                      # first call of each builds the cost model
+        sim.estimate(*case)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        sim.estimate(*CASES[i % len(CASES)])
+    warm = (time.perf_counter() - t0) / calls
+    cold_calls = max(60, calls // 50)
+    t0 = time.perf_counter()
+    for i in range(cold_calls):
+        sim._cost.cache_clear()
+        sim.estimate(*CASES[i % len(CASES)])
+    cold = (time.perf_counter() - t0) / cold_calls
+    return {"calls": calls, "us_per_call": warm * 1e6, "calls_per_s": 1 / warm, "cold_us_per_call": cold * 1e6}
+
+
+def bench_replay(scenario):
+    out = {}
+    for name in ("opentela", "memory_proportional"):
+        placement = sim.placement_from_paper(scenario["paper_placements"][name])
+        t0 = time.perf_counter()
+        r = sim.replay(scenario, placement, seed=0)
+        wall = time.perf_counter() - t0
+        paper = scenario["paper_result_req_s"][name]
+        out[name] = {"wall_s": wall, "requests": r["requests"], "completed": r["completed"],
+                     "total_req_s": r["total_req_s"], "paper_total_req_s": paper["total"],
+                     "per_model_req_s": r["per_model_req_s"],
+                     "paper_per_model_req_s": {k: v for k, v in paper.items() if k != "total"},
+                     "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "mean_ms": r["mean_ms"],
+                     "ttft_p50_ms": r["ttft_p50_ms"]}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--quick", action="store_true", help="fewer estimate calls; calibration replays shortened")
+    a = p.parse_args()
+    result = {"role": "sim"}
+
+    est = bench_estimate(3000 if a.quick else 30000)
+    result["estimate"] = est
+    print(f"estimate: {est['us_per_call']:.1f} us/call ({est['calls_per_s']:.0f} calls/s); "
+          f"cold (cost model rebuilt): {est['cold_us_per_call']:.1f} us/call")
+
+    scenario = json.loads((DATA / "table1_scenario.json").read_text())
+    rep = bench_replay(scenario)
+    result["replay_table1"] = rep
+    for name, r in rep.items():
+        print(f"replay table1 {name}: {r['wall_s']:.2f} s wall for {r['requests']} requests; "
+              f"total {r['total_req_s']:.1f} req/s (paper {r['paper_total_req_s']})")
+        for model, v in r["per_model_req_s"].items():
+            print(f"    {model:36s} {v:7.1f} req/s (paper {r['paper_per_model_req_s'][model]})")
+
+    t0 = time.perf_counter()
+    v = sim.validate(sim.load_calibration(DATA / "measured_calibration.csv"), quick=a.quick)
+    result["calibration"] = {"wall_s": time.perf_counter() - t0, "summary": v["summary"], "ratios": v["ratios"],
+                             "rows": v["rows"], "shortened_replays": a.quick}
+    print(f"calibration ({'shortened replays' if a.quick else 'full replays'}, "
+          f"{result['calibration']['wall_s']:.1f} s):")
+    for metric, s in v["summary"].items():
+        print(f"    {metric:42s} n={s['n']:2d} median |err| {s['median_abs_error'] * 100:5.1f}%  "
+              f"max |err| {s['max_abs_error'] * 100:5.1f}%")
+    for r in v["ratios"]:
+        print(f"    ratio {r['pair']:52s} measured {r['measured']:.3f} predicted {r['predicted']:.3f} "
+              f"error {r['error'] * 100:+5.1f}%")
+
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "sim.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
