@@ -521,9 +521,10 @@ def _batched_tokens(model):
 
 
 def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=None,
-             engine="vllm", cal=None) -> dict:
+             engine="vllm", cal=None, replicas=1) -> dict:
     """A static batch of `batch` requests of `input_len` prompt and `output_len` generated
-    tokens on one instance. Times in ms; throughput counts all GPUs of the instance."""
+    tokens on one instance. Times in ms; throughput counts all GPUs of the instance;
+    `replicas` data-parallel copies (each with its own batch) multiply the total throughput."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
     check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
     if batch < 1 or input_len < 1 or output_len < 1:
@@ -550,6 +551,8 @@ def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=Non
         "decode_ms_per_token": step * 1e3,
         "e2e_ms": e2e * 1e3,
         "throughput_tok_s": batch * output_len / e2e,
+        "replicas": replicas, "gpus": tp * replicas,
+        "total_throughput_tok_s": replicas * batch * output_len / e2e,
         "memory_gb_per_gpu": mem / 1e9,
         "weights_gb_per_gpu": weights / 1e9,
         "kv_gb_per_gpu": kv / 1e9,
@@ -1286,7 +1289,7 @@ def _cmd_estimate(a):
     model = resolve_model(_read_json(a.config), name=a.model) if a.config else resolve_model(a.model)
     gpu = resolve_gpu(a.gpu)
     check_config(model, gpu, a.tp)
-    e = estimate(model, gpu, a.tp, a.batch, a.input, a.output, a.dtype, a.engine)
+    e = estimate(model, gpu, a.tp, a.batch, a.input, a.output, a.dtype, a.engine, replicas=a.replicas)
     if not e["fits"]:
         raise SimError(f"{model.name} with tp={a.tp} and batch {a.batch} x {a.input + a.output} tokens needs "
                        f"{e['memory_gb_per_gpu']:.1f} GB per GPU; {gpu.name} offers {e['usable_gb_per_gpu']:.1f} GB")
@@ -1386,6 +1389,7 @@ def main(argv=None):
     e.add_argument("--batch", type=int, default=1, help="requests in the batch (default 1)")
     e.add_argument("--input", type=int, default=512, help="prompt tokens per request (default 512)")
     e.add_argument("--output", type=int, default=128, help="generated tokens per request (default 128)")
+    e.add_argument("--replicas", type=int, default=1, help="data-parallel instances (default 1)")
     e.add_argument("--dtype", default=None, help="fp16, bf16 or fp8 (default: the model's)")
     e.add_argument("--engine", default="vllm", choices=ENGINES, help="engine whose overheads apply")
     e.add_argument("--json", action="store_true", help="print one JSON object")

@@ -144,6 +144,8 @@ def test_estimate_reports_consistent_times_and_throughput():
     assert e["e2e_ms"] == pytest.approx(e["ttft_ms"] + 128 * e["decode_ms_per_token"])
     assert e["throughput_tok_s"] == pytest.approx(8 * 128 / (e["e2e_ms"] / 1e3))
     assert e["fits"] is True and e["decode_bound"] == "memory"
+    dp = sim.estimate("llama-2-7b", "A100", tp=1, batch=8, input_len=512, output_len=128, replicas=3)
+    assert dp["gpus"] == 3 and dp["total_throughput_tok_s"] == pytest.approx(3 * e["throughput_tok_s"])
 
 
 def test_batch_one_decode_of_llama_2_7b_on_a100_is_near_the_weight_read_time():
