@@ -1284,7 +1284,6 @@ class Ingress:
                     await self._respond_error(client, HTTPError(431, "Request headers too large",
                                                                 "headers_too_large"))
                     return
-                client.busy = True
                 try:
                     await self._handle(client, event)
                 finally:
@@ -1305,8 +1304,13 @@ class Ingress:
                                     "request_too_large")
                 break
         conn, parts, size = client.conn, [], 0
+        if conn.they_are_waiting_for_100_continue:
+            client.writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
         while True:
-            event = conn.next_event()
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:   # the client went away mid-body, or sent garbage
+                raise ConnectionResetError("bad or incomplete request body") from None
             if event is h11.NEED_DATA:
                 data = await client.reader.read(READ_CHUNK)
                 client.last = time.monotonic()
@@ -1320,6 +1324,7 @@ class Ingress:
                                     "request_too_large")
                 parts.append(event.data)
             elif t is h11.EndOfMessage:
+                client.busy = True   # from here on the request is ours: no client timeout
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             else:
                 raise ConnectionResetError("client closed mid-request")
@@ -1335,13 +1340,14 @@ class Ingress:
                 return
             if client.conn.their_state is h11.SEND_BODY:
                 await self._read_body(client, request)   # keep the connection usable
+            client.busy = True
             handler = self._GET.get(path)
             if handler is None:
                 if path in PROXIED_PATHS:
                     raise HTTPError(405, f"Use POST for {path.decode()}", "method_not_allowed")
                 raise HTTPError(404, f"No route for {request.method.decode()} {path.decode()}",
                                 "unknown_url")
-            if request.method not in (b"GET", b"HEAD"):
+            if request.method != b"GET":
                 raise HTTPError(405, f"Use GET for {path.decode()}", "method_not_allowed")
             status, content_type, payload = await handler(self, request.headers, query)
             await self._respond(client, status, payload, content_type)

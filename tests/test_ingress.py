@@ -556,3 +556,28 @@ def test_a_slow_or_silent_client_does_not_stall_others(stack, client):
     finally:
         reader.close()
         silent.close()
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent(stack, client):
+    stack.engine("m1")
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x " * 800}]}).encode()
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                     b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % (client.key.encode(), len(body)))
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 ")
+        sock.sendall(body)
+        answer = b""
+        while b'"usage"' not in answer:
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_client_that_stops_mid_body_is_closed_after_the_request_timeout(stack, monkeypatch):
+    monkeypatch.setattr(otela_ingress, "REQUEST_TIMEOUT_S", 0.5)
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"mo")
+        t0 = time.monotonic()
+        assert sock.recv(100) == b""   # closed by the ingress, not by us
+        assert time.monotonic() - t0 < 5
