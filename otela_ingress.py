@@ -83,6 +83,7 @@ LEDGER_FLUSH_S = 0.02                # rows reach SQLite within ~20 ms: one comm
 LEDGER_JOURNAL_MAX = 8 * 1024 * 1024  # journal file size before starting the next one
 KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
 SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
+DRAIN_S = 10.0                       # on SIGTERM, requests in flight get this long to finish
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
 DEFAULT_DB = "otela.sqlite"
 NO_TRACK_HEADER = b"x-otela-no-track"  # "1" opts the request out of per-request rows
@@ -313,6 +314,8 @@ class Ledger:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every row recorded so far is in SQLite (tests, shutdown)."""
+        if not self._thread.is_alive():   # closed: everything was written on the way out
+            return True
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout)
@@ -1120,6 +1123,7 @@ class Ingress:
         self._sweeper: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
+        self._stopped = False
         tunnel = getattr(node, "tunnel_header", None)
         self._tunnel_line = b"".join(
             (v.encode() if isinstance(v, str) else v) for v in (tunnel[0], b": ", tunnel[1], b"\r\n")
@@ -1138,9 +1142,16 @@ class Ingress:
         self._sweeper = asyncio.ensure_future(self._sweep())
         return self._server.sockets[0].getsockname()[1]
 
-    async def stop(self) -> None:
+    async def stop(self, drain: float = 0.0) -> None:
+        """Stop accepting; give requests in flight up to `drain` seconds; close everything."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._server is not None:
             self._server.close()
+        deadline = time.monotonic() + drain
+        while time.monotonic() < deadline and any(c.busy for c in self._clients):
+            await asyncio.sleep(0.05)
         if self._sweeper is not None:
             self._sweeper.cancel()
         for client in list(self._clients):
@@ -1849,8 +1860,8 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("otela-ingress: stopping", file=sys.stderr)
-    await ingress.stop()
+    print(f"otela-ingress: stopping (up to {DRAIN_S:g} s for requests in flight)", file=sys.stderr)
+    await ingress.stop(drain=DRAIN_S)
     await node.stop(leave=True)
     return 0
 

@@ -581,3 +581,18 @@ def test_a_client_that_stops_mid_body_is_closed_after_the_request_timeout(stack,
         t0 = time.monotonic()
         assert sock.recv(100) == b""   # closed by the ingress, not by us
         assert time.monotonic() - t0 < 5
+
+
+def test_stopping_lets_requests_in_flight_finish(stack, client):
+    import threading
+    stack.engine("m1", mode="slow", slow_delay=0.5)
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(client.chat()[0]))
+    worker.start()
+    time.sleep(0.2)
+    stack.run(stack.ingress.stop(drain=5.0))
+    worker.join(10)
+    assert answers == [200]
+    assert stack.sql("SELECT status FROM requests") == [(200,)]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", stack.port), timeout=2).close()
