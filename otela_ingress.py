@@ -15,6 +15,10 @@ Data flow:
         --> usage journal (one write() before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
+Headers: requests take `Authorization: Bearer <key>` and, to opt out of the per-request usage
+row (the request is still counted per day), `X-Otela-No-Track: 1`; responses carry
+`X-Otela-Session: <session id>` naming the session that served them.
+
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path (keys are read
      by the ledger thread and swapped in; usage queries run in an executor).
@@ -1662,13 +1666,14 @@ class Ingress:
         serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
                       and r.get("role", "worker") == "worker")
         return 200, b"application/json", crdt.dumps({"status": "ok", "session": self.node.session_id,
-                                                     "serving_sessions": serving})
+                                                     "serving_sessions": serving, "auth": not self.no_auth})
 
     async def _get_registry(self, headers, query):
         view = self.node.registry_view()
         if isinstance(view, dict):
             now = time.monotonic()
-            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now)})
+            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
+                                       "auth": not self.no_auth})
         return 200, b"application/json", crdt.dumps(view)
 
     async def _get_models(self, headers, query):
@@ -1731,6 +1736,8 @@ th{background:#f0f0f0} .muted{color:#888} .SERVING{color:#17772a} .JOIN{color:#a
 #counts span{margin-right:1.2em}
 </style></head><body>
 <h1>otela <span class="muted" id="self"></span></h1>
+<p id="noauth" hidden style="background:#b00020;color:#fff;padding:.4em .8em">--no-auth is ON: this endpoint
+accepts requests without a key</p>
 <div id="counts"></div><div class="muted" id="status">loading&hellip;</div>
 <h2>Sessions</h2>
 <table><thead><tr><th>session</th><th>state</th><th>role</th><th>owner</th><th>models</th>
@@ -1769,6 +1776,7 @@ async function refresh() {
     const sick = new Set(ingress.sick || []);
     const suspectedList = Array.isArray(view.suspected) ? view.suspected : [];
     document.getElementById("self").textContent = ingress.session ? "ingress " + ingress.session.slice(0, 8) : "";
+    document.getElementById("noauth").hidden = ingress.auth !== false;
     const counts = {};
     const rows = sessionsOf(view).map(([sid, r]) => {
       const state = typeof r.state === "number" ? (STATES[r.state] || r.state) : (r.state_name || r.state);
