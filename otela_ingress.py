@@ -742,10 +742,6 @@ class Metrics:
         family("otela_errors_total", "counter", "Error responses, by OpenAI error code.")
         for code, n in sorted(self.errors.items()):
             add(f'otela_errors_total{{code="{_label(code)}"}} {n}')
-        family("otela_retries_total", "counter", "Attempts moved to another session.")
-        add(f"otela_retries_total {self.retries}")
-        family("otela_stream_cuts_total", "counter", "Streams ended by an error event mid-way.")
-        add(f"otela_stream_cuts_total {self.stream_cuts}")
         family("otela_tokens_total", "counter", "Tokens reported by engines, by direction.")
         for (model, direction), n in sorted(self.tokens.items()):
             add(f'otela_tokens_total{{model="{_label(model)}",direction="{direction}"}} {n}')
@@ -765,14 +761,16 @@ class Metrics:
         family("otela_sessions", "gauge", "Sessions in the registry, by lifecycle state.")
         for state, n in sorted(sessions.items()):
             add(f'otela_sessions{{state="{state}"}} {n}')
-        family("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.")
-        add(f"otela_suspected_sessions {suspected}")
-        family("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.")
-        add(f"otela_sick_sessions {sick}")
-        family("otela_connections", "gauge", "Open client connections.")
-        add(f"otela_connections {self.connections}")
-        family("otela_inflight_requests", "gauge", "Requests being proxied now.")
-        add(f"otela_inflight_requests {self.inflight}")
+        for name, kind, help_text, value in (
+                ("otela_retries_total", "counter", "Attempts moved to another session.", self.retries),
+                ("otela_stream_cuts_total", "counter", "Streams ended by an error event mid-way.",
+                 self.stream_cuts),
+                ("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.", suspected),
+                ("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.", sick),
+                ("otela_connections", "gauge", "Open client connections.", self.connections),
+                ("otela_inflight_requests", "gauge", "Requests being proxied now.", self.inflight)):
+            family(name, kind, help_text)
+            add(f"{name} {value}")
         return ("\n".join(out) + "\n").encode()
 
 
