@@ -631,12 +631,15 @@ POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware":
 
 
 def load_policy(spec: str) -> Policy:
-    """A built-in name, or `module:Class` for a user's own (imported from sys.path)."""
+    """A built-in name, or `module:Class` for a user's own (importable from sys.path or the
+    current directory)."""
     if spec in POLICIES:
         return POLICIES[spec]()
     module_name, colon, class_name = spec.partition(":")
     if not colon or not module_name or not class_name:
         raise ValueError(f"unknown policy {spec!r}: use one of {', '.join(POLICIES)} or module:Class")
+    if os.getcwd() not in sys.path:   # a policy file beside where the user runs the ingress
+        sys.path.append(os.getcwd())
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
