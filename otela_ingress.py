@@ -805,12 +805,21 @@ class StreamWatch:
     chunk it did not ask for.
     """
 
-    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens")
+    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens", "events", "saw_usage")
 
     def __init__(self, strip: bool):
         self.strip = strip
         self.carry = b""
         self.prompt_tokens = self.completion_tokens = 0
+        self.events = 0          # data events relayed: the token estimate when no usage comes
+        self.saw_usage = False
+
+    def tokens(self) -> Tuple[int, int]:
+        """(prompt, completion): the engine's usage, or for an engine that ignores
+        stream_options, one completion token per streamed chunk (what engines send)."""
+        if self.saw_usage:
+            return self.prompt_tokens, self.completion_tokens
+        return 0, self.events
 
     def feed(self, piece: bytes) -> bytes:
         if self.carry:
@@ -829,12 +838,14 @@ class StreamWatch:
         if end < len(piece):
             self.carry = piece[end:]
             piece = piece[:end]
+        self.events += piece.count(b"data: {")
         if _USAGE.search(piece) is None:
             return piece
         return self._take_usage(piece)
 
     def flush(self) -> bytes:
         piece, self.carry = self.carry, b""
+        self.events += piece.count(b"data: {")
         if piece and _USAGE.search(piece) is not None:
             return self._take_usage(piece)
         return piece
@@ -846,7 +857,9 @@ class StreamWatch:
                 continue
             if _USAGE.search(event) is not None:
                 self.prompt_tokens, self.completion_tokens = usage_of(event)
+                self.saw_usage = True
                 if self.strip and re.search(rb'"choices"\s*:\s*\[\s*\]', event):
+                    self.events -= 1
                     continue
             kept.append(event)
         return b"".join(kept)
@@ -1605,7 +1618,7 @@ class Ingress:
         tail = watch.flush() + held
         if not held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
-        ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
+        ex.prompt_tokens, ex.completion_tokens = watch.tokens()
         now = time.monotonic()
         self._account(ex, now)
         self._record(ex, now)
@@ -1625,7 +1638,7 @@ class Ingress:
     async def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
         self.metrics.stream_cuts += 1
         ex.status = 502
-        ex.prompt_tokens, ex.completion_tokens = watch.prompt_tokens, watch.completion_tokens
+        ex.prompt_tokens, ex.completion_tokens = watch.tokens()
         now = time.monotonic()
         self._account(ex, now)
         self._record(ex, now)

@@ -596,3 +596,9 @@ def test_stopping_lets_requests_in_flight_finish(stack, client):
     assert stack.sql("SELECT status FROM requests") == [(200,)]
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", stack.port), timeout=2).close()
+
+
+def test_stream_watch_estimates_completion_tokens_when_the_engine_sends_no_usage():
+    watch = StreamWatch(strip=True)
+    out = watch.feed(b'data: {"choices":[{"text":"a"}]}\n\n' * 3) + watch.feed(b"data: [DONE]\n\n")
+    assert out.count(b"data: {") == 3 and watch.tokens() == (0, 3)
