@@ -1485,6 +1485,7 @@ class Ingress:
             ex.candidate = candidate
             ex.attempts = attempt + 1
             ex.routed.attempt = attempt
+            ex.status = 0
             if attempt:
                 self.metrics.retries += 1
             policy.on_request_start(candidate, ex.routed)
