@@ -1,0 +1,412 @@
+"""Overlay benchmarks: figures, not assertions.
+
+Real node processes and real UDP sockets on loopback. 128 Python processes do not fit a 2-core
+box, so each worker process hosts many `otela_node.Node` objects, every one with its own UDP and
+TCP sockets and its own protocol state (the victim of the kill -9 test is alone in its
+process). All processes share the machine's clock, so a write's arrival time at each node is
+comparable with the time it was written.
+
+    python tests/bench_node.py [--quick] [--out bench-results]
+
+Phases: idle gossip bytes/s per node at 10, 50 and 128 nodes; convergence of 20 writes to 128
+nodes; detection of a kill -9 at 128 nodes (suspected and LEFT at every peer); churn (10 nodes
+re-registering every 3 s); false evictions among 64 idle nodes while other processes saturate
+both CPUs (10 minutes; 20 s with --quick); the in-process simulator at 1,000 members.
+Writes <out>/node.json.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import crdt  # noqa: E402
+import otela_node as on  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker process: many nodes, driven by JSON lines on stdin, answering on stdout
+# ---------------------------------------------------------------------------------------------
+class Host:
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.arrivals = [dict() for _ in nodes]     # per node: tag -> time first seen
+        self.watched = None
+        self.suspected = [None] * len(nodes)
+        self.left = [None] * len(nodes)
+        self.suspicions = 0
+        self.churn_task = None
+        for i, node in enumerate(nodes):
+            node.on_change(lambda sid, rec, i=i: self.changed(i, sid, rec))
+
+    def changed(self, i, sid, rec):
+        now = time.time()
+        if rec is None:
+            return
+        tag = (rec.get("labels") or {}).get("w")
+        if tag is not None and tag not in self.arrivals[i]:
+            self.arrivals[i][tag] = now
+        if self.nodes[i].is_suspected(sid):
+            self.suspicions += 1
+        if sid == self.watched:
+            if self.suspected[i] is None and (self.nodes[i].is_suspected(sid) or rec["state"] == crdt.LEFT):
+                self.suspected[i] = now
+            if self.left[i] is None and rec["state"] == crdt.LEFT:
+                self.left[i] = now
+
+    async def handle(self, cmd):
+        op = cmd["cmd"]
+        if op == "addr":
+            return {"addr": self.nodes[0].overlay.addr}
+        if op == "live":
+            return {"min": min(len(n.registry.live()) for n in self.nodes)}
+        if op == "write":
+            node = self.nodes[cmd["node"]]
+            t = time.time()
+            node.update(labels={"w": cmd["tag"]})
+            return {"t": t, "sid": node.session_id}
+        if op == "arrivals":
+            return {"arrivals": self.arrivals}
+        if op == "bytes":
+            return {"sent": sum(n.bytes_sent for n in self.nodes), "count": len(self.nodes)}
+        if op == "sessions":
+            return {"sessions": [n.session_id for n in self.nodes]}
+        if op == "watch":
+            self.watched = cmd["sid"]
+            return {}
+        if op == "detect":
+            return {"suspected": self.suspected, "left": self.left}
+        if op == "churn":
+            self.churn_task = asyncio.ensure_future(self.churn(cmd["period"]))
+            return {}
+        if op == "evictions":
+            evicted = set()
+            for n in self.nodes:
+                evicted |= {sid for sid, r in n.registry.items() if r.get("evicted_by")}
+            return {"evicted": sorted(evicted), "suspicions": self.suspicions}
+        if op == "quit":
+            if self.churn_task:
+                self.churn_task.cancel()
+            for n in self.nodes:
+                await n.stop(leave=False)
+            return {"bye": True}
+        raise ValueError(op)
+
+    async def churn(self, period):
+        """Each node re-registers (new session, old one LEFT) every `period` s, staggered."""
+        start = time.monotonic()
+        k = 0
+        while True:
+            i = k % len(self.nodes)
+            when = start + period * (k // len(self.nodes)) + period * i / len(self.nodes)
+            await asyncio.sleep(max(0.0, when - time.monotonic()))
+            self.nodes[i].rejoin(state=crdt.SERVING)
+            k += 1
+
+
+async def worker(args):
+    key = on.load_key(args.key_file)
+    cfg = on.config_from_env(on.Config(key=key, listen="127.0.0.1:0", gossip="127.0.0.1:0"))
+    cfg.bootstrap = [args.bootstrap] if args.bootstrap else []
+    nodes = []
+    for i in range(args.count):
+        node = on.Node(cfg, role="worker", models=["bench-model"],
+                       hardware={"gpu": "H100", "count": 8, "memory_gb": 80}, labels={"i": str(i)})
+        await node.start(serve_http=False)
+        await asyncio.sleep(args.stagger)            # joins arrive as a stream, not one burst
+        if not cfg.bootstrap:                        # the first node seeds the others
+            cfg.bootstrap = [node.overlay.addr]
+        nodes.append(node)
+    host = Host(nodes)
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def reader():
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            result = asyncio.run_coroutine_threadsafe(host.handle(cmd), loop).result()
+            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.flush()
+            if cmd["cmd"] == "quit":
+                break
+        loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=reader, daemon=True).start()
+    await done.wait()
+
+
+class Worker:
+    def __init__(self, count, key_file, bootstrap=None, stagger=0.05):
+        # Each join costs the cluster ~N x fanout x retransmits datagrams; 128 nodes share two
+        # CPUs here (one per machine in real life), so joins are paced to keep the loops live.
+        argv = [sys.executable, __file__, "--worker", "--count", str(count), "--key-file", key_file,
+                "--stagger", str(stagger)]
+        if bootstrap:
+            argv += ["--bootstrap", bootstrap]
+        self.count = count
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def call(self, cmd, **kw):
+        kw["cmd"] = cmd
+        self.proc.stdin.write(json.dumps(kw) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.call("quit")
+            except (RuntimeError, OSError, ValueError):
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinator
+# ---------------------------------------------------------------------------------------------
+def pct(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summary_ms(values):
+    return {k: (round(pct(values, q) * 1000, 2) if values else None)
+            for k, q in (("p50", 50), ("p75", 75), ("p95", 95), ("p99", 99), ("max", 100))}
+
+
+def wait_live(workers, n, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(w.call("live")["min"] >= n for w in workers):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def idle_bytes(workers, window):
+    before = sum(w.call("bytes")["sent"] for w in workers)
+    time.sleep(window)
+    after = sum(w.call("bytes")["sent"] for w in workers)
+    n = sum(w.count for w in workers)
+    return (after - before) / n / window
+
+
+def cluster_phases(key_file, quick, results):
+    window = 6 if quick else 20
+    workers = [Worker(10, key_file)]
+    try:
+        seed = workers[0].call("addr")["addr"]
+        idle = {}
+        for target, sizes in ((10, []), (50, [40]), (128, [39, 38])):
+            for size in sizes:
+                workers.append(Worker(size, key_file, seed, stagger=0.1 if target < 128 else 0.3))
+            if target == 128:
+                victim = Worker(1, key_file, seed)
+                workers.append(victim)
+            ok = wait_live(workers, target)
+            time.sleep(3)                            # let join rumours and push-pull finish
+            idle[target] = round(idle_bytes(workers, window) / 1000, 3)
+            evicted = set()
+            for w in workers:
+                evicted |= set(w.call("evictions")["evicted"])
+            print(f"idle gossip at {target:>3} nodes: {idle[target]:.3f} KB/s per node sent"
+                  f"{'' if ok else ' (NOT CONVERGED)'}; {len(evicted)} evictions so far", flush=True)
+            results.setdefault("join_phase_evictions", {})[target] = len(evicted)
+        results["idle_kbps_per_node"] = idle
+
+        # convergence of writes at 128 nodes
+        writes = 10 if quick else 20
+        hosts = [w for w in workers if w is not victim]
+        written = []
+        rng = random.Random(1)
+        for k in range(writes):
+            wi = rng.randrange(len(hosts))
+            ni = rng.randrange(hosts[wi].count)
+            r = hosts[wi].call("write", node=ni, tag=f"w{k}")
+            written.append((f"w{k}", r["t"], (wi, ni)))
+            time.sleep(0.3)
+        time.sleep(2.0)
+        arrivals = [w.call("arrivals")["arrivals"] for w in hosts]
+        delays, missing = [], 0
+        for tag, t, writer in written:
+            for wi, per_worker in enumerate(arrivals):
+                for ni, per_node in enumerate(per_worker):
+                    if (wi, ni) == writer:
+                        continue                     # the writer itself
+                    if tag in per_node:
+                        delays.append(max(0.0, per_node[tag] - t))
+                    else:
+                        missing += 1
+        conv = summary_ms(delays)
+        conv["samples"], conv["missing"] = len(delays), missing
+        results["convergence_128_ms"] = conv
+        print(f"convergence of {writes} writes to 128 nodes (ms): p50 {conv['p50']} p75 {conv['p75']} "
+              f"p95 {conv['p95']} p99 {conv['p99']} max {conv['max']} ({len(delays)} arrivals, "
+              f"{missing} missing)", flush=True)
+
+        # detection: kill -9 the lone victim process
+        sid = victim.call("sessions")["sessions"][0]
+        for w in hosts:
+            w.call("watch", sid=sid)
+        victim.proc.kill()
+        victim.proc.wait()
+        killed = time.time()
+        workers.remove(victim)
+        deadline = time.monotonic() + (60 if quick else 120)
+        while time.monotonic() < deadline:
+            det = [w.call("detect") for w in hosts]
+            if all(t is not None for d in det for t in d["left"]):
+                break
+            time.sleep(0.5)
+        sus = [t - killed for d in det for t in d["suspected"] if t is not None]
+        left = [t - killed for d in det for t in d["left"] if t is not None]
+        peers = sum(w.count for w in hosts)
+        results["detection_128_s"] = {
+            "suspected_p50": round(pct(sus, 50), 3) if sus else None,
+            "suspected_max": round(max(sus), 3) if sus else None, "suspected_at": len(sus),
+            "left_p50": round(pct(left, 50), 3) if left else None,
+            "left_max": round(max(left), 3) if left else None, "left_at": len(left), "peers": peers}
+        d = results["detection_128_s"]
+        print(f"kill -9 at 128 nodes: suspected at {d['suspected_at']}/{peers} peers p50 {d['suspected_p50']} s "
+              f"max {d['suspected_max']} s; LEFT at {d['left_at']}/{peers} p50 {d['left_p50']} s "
+              f"max {d['left_max']} s", flush=True)
+    finally:
+        for w in workers:
+            w.close()
+
+
+def churn_phase(key_file, quick, results):
+    window = 9 if quick else 30
+    w = Worker(10, key_file)
+    try:
+        wait_live([w], 10)
+        time.sleep(2)
+        quiet = idle_bytes([w], 3)
+        w.call("churn", period=3.0)
+        time.sleep(3)
+        kbps = idle_bytes([w], window) / 1000
+        results["churn_kbps_per_node"] = round(kbps, 3)
+        print(f"churn, 10 nodes re-registering every 3 s: {kbps:.2f} KB/s per node sent "
+              f"(idle before: {quiet / 1000:.3f} KB/s)", flush=True)
+    finally:
+        w.close()
+
+
+def false_eviction_phase(key_file, quick, results):
+    duration = 20 if quick else 600
+    workers = [Worker(32, key_file)]
+    burners = []
+    try:
+        workers.append(Worker(32, key_file, workers[0].call("addr")["addr"]))
+        wait_live(workers, 64)
+        time.sleep(3)
+        for _ in range(2):                           # saturate both CPUs
+            burners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        time.sleep(duration)
+        ev = [w.call("evictions") for w in workers]
+        evicted = set()
+        for e in ev:
+            evicted |= set(e["evicted"])
+        suspicions = sum(e["suspicions"] for e in ev)
+        results["false_evictions_64"] = {"seconds": duration, "evicted_sessions": len(evicted),
+                                         "suspicion_events": suspicions}
+        print(f"64 idle nodes, CPUs saturated for {duration} s: {len(evicted)} false evictions, "
+              f"{suspicions} suspicion events (all refuted or pending)", flush=True)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+        for w in workers:
+            w.close()
+
+
+def simulator_phase(quick, results):
+    n = 300 if quick else 1000
+    cfg = on.Config(key=b"k" * 32)
+    net = on.SimulatedNetwork(seed=5, config=cfg, loss=0.01)
+    t0 = time.monotonic()
+    members = [net.add() for _ in range(n)]
+    records = {m.sid: m.record for m in members}
+    for m in members:                                # pre-seeded registry: a join storm of 1,000
+        m.map.merge(records)                         # through one seed is not what we measure
+        for sid, rec in records.items():
+            m._track(sid, rec)
+    net.run(5.0)
+    before = sum(net.bytes_sent.values())
+    net.run(20.0)
+    idle = (sum(net.bytes_sent.values()) - before) / n / 20.0
+    delays = []
+    for k in range(5):
+        writer = members[k * 7]
+        start = net.now
+        mark = len(net.changes)
+        net.send(writer.addr, writer.update(net.now, labels={"w": str(k)}))
+        net.run(3.0)
+        seen = {}
+        for t, at, sid, rec in net.changes[mark:]:
+            if sid == writer.sid and rec and (rec.get("labels") or {}).get("w") == str(k):
+                seen.setdefault(at, t - start)
+        delays.append((len(seen), max(seen.values()) if seen else None))
+    results["simulator"] = {"members": n, "idle_bytes_per_node_s": round(idle, 1),
+                            "write_reached": [d[0] for d in delays],
+                            "convergence_max_ms": [round(d[1] * 1000, 1) for d in delays if d[1] is not None],
+                            "wall_s": round(time.monotonic() - t0, 1)}
+    s = results["simulator"]
+    print(f"simulator, {n} members, 1% loss: idle {s['idle_bytes_per_node_s']} B/s per node; a write reached "
+          f"{min(s['write_reached'])}-{max(s['write_reached'])} members, convergence max "
+          f"{max(s['convergence_max_ms'])} ms (simulated network delay 0.2-2 ms per hop)", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--key-file", help=argparse.SUPPRESS)
+    p.add_argument("--bootstrap", help=argparse.SUPPRESS)
+    p.add_argument("--stagger", type=float, default=0.05, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        on.install_event_loop()
+        asyncio.run(worker(args))
+        return
+    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim"}
+    results = {"quick": args.quick, "method": "worker processes hosting many Node objects, each with its "
+               "own UDP+TCP sockets, on loopback; default timings"}
+    with tempfile.TemporaryDirectory() as tmp:
+        key_file = on.keygen(tmp)[0]
+        if "cluster" in phases:
+            cluster_phases(key_file, args.quick, results)
+        if "churn" in phases:
+            churn_phase(key_file, args.quick, results)
+        if "false" in phases:
+            false_eviction_phase(key_file, args.quick, results)
+    if "sim" in phases:
+        simulator_phase(args.quick, results)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "node.json"), "w") as fh:
+        json.dump(results, fh, indent=2)
+    print(f"wrote {os.path.join(args.out, 'node.json')}")
+
+
+if __name__ == "__main__":
+    main()
