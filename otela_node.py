@@ -1298,7 +1298,9 @@ class Node:
 
     async def _dispatch(self, request: h11.Request, body: bytes, conn, writer) -> None:
         path = request.target.split(b"?", 1)[0]
-        if request.method == b"GET" and path == b"/v1/registry":
+        if self.overlay is None:                    # between binding the port and joining
+            self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
+        elif request.method == b"GET" and path == b"/v1/registry":
             self._respond(conn, writer, 200, crdt.dumps(self.registry_view()))
         elif request.method == b"GET" and path == b"/healthz":
             status = "draining" if self.draining else "ok"

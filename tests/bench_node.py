@@ -309,8 +309,8 @@ def churn_phase(key_file, quick, results):
         w.close()
 
 
-def false_eviction_phase(key_file, quick, results):
-    duration = 20 if quick else 600
+def false_eviction_phase(key_file, quick, results, seconds=None):
+    duration = seconds or (20 if quick else 600)
     workers = [Worker(32, key_file)]
     burners = []
     try:
@@ -379,6 +379,8 @@ def main():
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim")
+    p.add_argument("--saturate-seconds", type=float, default=None,
+                   help="length of the false-eviction run with saturated CPUs (default 600; 20 with --quick)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--key-file", help=argparse.SUPPRESS)
@@ -399,7 +401,7 @@ def main():
         if "churn" in phases:
             churn_phase(key_file, args.quick, results)
         if "false" in phases:
-            false_eviction_phase(key_file, args.quick, results)
+            false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:
         simulator_phase(args.quick, results)
     os.makedirs(args.out, exist_ok=True)

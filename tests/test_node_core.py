@@ -324,3 +324,33 @@ def test_hardware_detection_falls_back_to_cpu_without_gpu_tools(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     hw = on.detect_hardware()
     assert hw["gpu"] == "cpu" and hw["count"] >= 1 and hw["memory_gb"] > 0
+
+
+def test_bootstrap_url_returning_a_json_list_or_text_is_followed():
+    import asyncio
+    import http.server
+    import threading
+
+    bodies = {"/json": b'["10.1.0.1:7946", "10.1.0.2:7946"]', "/text": b"10.1.0.3:7946\n"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = bodies.get(self.path, b"")
+            self.send_response(200 if body else 404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        got = asyncio.run(on.resolve_bootstrap([f"{base}/json", f"{base}/text", f"{base}/missing"]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == ["10.1.0.1:7946", "10.1.0.2:7946", "10.1.0.3:7946"]
