@@ -1,0 +1,125 @@
+"""Benchmark the placer's solve time: Table 1 (3 models x 2 GPU types, 56 GPUs) and the
+paper's production scale (142 models x 6 GPU types x 1,000 GPUs). Targets: <= 2 s and
+<= 60 s. Prints figures and writes <--out>/place.json; asserts nothing about time.
+
+    .venv/bin/python tests/bench_place.py --out bench-results [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import otela_place as place  # noqa: E402
+
+# (name, memory GB, relative speed, GPUs per node): six types a large site might mix.
+GPU_TYPES = [("A100-40GB", 40, 1.0, 8), ("A100-80GB", 80, 1.1, 4), ("H100-80GB", 80, 2.2, 8),
+             ("GH200-96GB", 96, 2.6, 4), ("L40S-48GB", 48, 0.6, 8), ("MI250X-64GB", 64, 0.9, 8)]
+GPU_COUNTS = [160, 200, 240, 192, 120, 88]  # 1,000 GPUs
+SIZES_B = [0.5, 1.5, 3, 7, 8, 13, 14, 32, 34, 70, 72]  # parameter counts of common open models
+
+
+def production_instance(seed=0, models=142, load=1.0):
+    """Demand, pool and candidates with fixed synthetic capacities (decode is memory-bound:
+    capacity ~ speed x tp^0.85 / size), memory fit as weights x 1.2 <= memory x tp."""
+    rng = random.Random(seed)
+    pool = {g: (n, per_node) for (g, _, _, per_node), n in zip(GPU_TYPES, GPU_COUNTS)}
+    demand, cands = {}, []
+    for i in range(models):
+        size = rng.choice(SIZES_B)
+        m = f"model-{i:03d}-{size:g}b"
+        demand[m] = round(load * rng.lognormvariate(0.5, 1.2), 3)  # heavy-tailed popularity
+        for g, mem, speed, per_node in GPU_TYPES:
+            for tp in place.TP_CHOICES:
+                if tp > per_node or size * 2 * 1.2 > mem * tp:
+                    continue
+                cands.append(place.Candidate(m, g, tp, round(40 * speed * tp ** 0.85 / (size + 1), 4)))
+    return demand, pool, cands
+
+
+def lp_bound(demand, pool, cands, headroom=place.HEADROOM):
+    """The LP relaxation's worst-case ratio: no integer placement does better."""
+    import pulp
+
+    prob = pulp.LpProblem("bound", pulp.LpMinimize)
+    n = {c.key(): pulp.LpVariable(f"n{i}", 0) for i, c in enumerate(cands)}
+    z = pulp.LpVariable("z", 0, headroom)
+    for m, d in demand.items():
+        prob += pulp.lpSum(c.capacity_rps / d * n[c.key()] for c in cands if c.model == m) >= z
+    for g, (count, _) in pool.items():
+        prob += pulp.lpSum(c.tp * n[c.key()] for c in cands if c.gpu == g) <= count
+    prob.setObjective(-z)
+    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    return z.value()
+
+
+def timed(fn, repeat):
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return out, times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--quick", action="store_true", help="one repetition, 3 h trace")
+    args = ap.parse_args()
+    repeat = 1 if args.quick else 3
+    result = {}
+
+    with open(os.path.join(ROOT, "tests", "data", "table1_scenario.json")) as f:
+        scenario = json.load(f)
+    demand, pool = place.demand_of(scenario), place.gpu_pool(scenario)
+    for capacity in ("measured", "sim"):
+        (cands, _), t_cands = timed(lambda c=capacity: place.candidates(scenario, c), 1)
+        plan, times = timed(lambda c=cands: place.solve(demand, pool, c), repeat)
+        result[f"table1_{capacity}"] = {"solve_s": round(statistics.median(times), 3), "candidates": len(cands),
+                                        "capacity_s": round(t_cands[0], 3), "ratio": round(plan.ratio, 4),
+                                        "capacity_req_s": round(plan.served_rps, 2), "target_s": 2.0}
+        print(f"Table 1 ({capacity} capacities): {len(cands)} candidates ({t_cands[0]:.2f} s to build), "
+              f"solve {statistics.median(times):.3f} s (median of {repeat}; target <= 2 s), "
+              f"worst ratio {plan.ratio:.3f}, capacity {plan.served_rps:.1f} req/s")
+
+    # load 1: the pool meets every model's demand with headroom (the last stage minimises
+    # GPUs); load 10: overloaded, the worst-case ratio binds and every GPU is placed.
+    for load in (1, 10):
+        demand, pool, cands = production_instance(load=load)
+        plan, times = timed(lambda d=demand, p=pool, c=cands: place.solve(d, p, c), 1)
+        name = f"production_142x6x1000_load{load}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            bound = lp_bound(demand, pool, cands)
+        result[name] = {"solve_s": round(times[0], 2), "candidates": len(cands), "status": plan.status,
+                        "ratio": round(plan.ratio, 4), "lp_bound_ratio": round(bound, 4),
+                        "gpus_used": plan.gpus_used, "rows": len(plan.rows), "target_s": 60.0}
+        print(f"142 models x 6 GPU types x 1,000 GPUs, demand x{load}: {len(cands)} candidates, "
+              f"solve {times[0]:.2f} s (target <= 60 s), {plan.status}, worst ratio {plan.ratio:.3f} "
+              f"(LP bound {bound:.3f}), {plan.gpus_used} GPUs in {len(plan.rows)} rows")
+
+    hours = 3 if args.quick else 6
+    t0 = time.perf_counter()
+    trace = place.replay_trace(scenario, capacity="measured", hours=hours)
+    result["trace"] = {"hours": hours, "wall_s": round(time.perf_counter() - t0, 2),
+                       "peak_over_mean": trace["peak_over_mean"],
+                       **{n: {k: trace[n][k] for k in ("p50_ms", "p99_ms", "gpu_hours", "moves")}
+                          for n in place.TRACE_RUNS}}
+    print(place.format_trace(trace))
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "place.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'place.json')}")
+
+
+if __name__ == "__main__":
+    main()
