@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import bisect
 import collections
+import fcntl
 import hashlib
 import importlib
 import math
@@ -288,6 +289,14 @@ class Ledger:
         self.path = path
         self._on_keys = on_keys
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # One ingress per ledger: a second one would replay the first one's live journal.
+        self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock)
+            raise ValueError(f"{path} is the ledger of another running ingress: give each its own --db") \
+                from None
         self._db = open_db(path)
         self._data_version = -1
         self._reload_keys()
@@ -329,6 +338,7 @@ class Ledger:
         self._thread.join(timeout=10)
         os.close(self._fd)
         self._db.close()
+        os.close(self._lock)
 
     # -- the writer thread ------------------------------------------------------------------------
     def _journal(self, seq: int) -> str:

@@ -602,3 +602,8 @@ def test_stream_watch_estimates_completion_tokens_when_the_engine_sends_no_usage
     watch = StreamWatch(strip=True)
     out = watch.feed(b'data: {"choices":[{"text":"a"}]}\n\n' * 3) + watch.feed(b"data: [DONE]\n\n")
     assert out.count(b"data: {") == 3 and watch.tokens() == (0, 3)
+
+
+def test_a_second_ingress_on_the_same_ledger_is_refused(stack):
+    with pytest.raises(ValueError, match="another running ingress"):
+        otela_ingress.Ledger(stack.db_path, lambda keys: None)
