@@ -75,16 +75,16 @@ KV_TRANSFER_GBps = 25.0
 
 # --- calibration (written by `python3 otela_sim.py calibrate --write`; do not edit by hand) ---
 CALIBRATION = {
-    "eff_gemm": 0.6598,
+    "eff_gemm": 0.6599,
     "eff_gemm_fp8": 0.555,
-    "eff_attn": 0.9997,
+    "eff_attn": 1.0,
     "eff_mem": 1.0,
-    "eff_comm": 0.5819,
-    "allreduce_latency_us": 30.8869,
-    "gqa_reread": 0.4418,
-    "overhead_ms": {"trtllm": 6.2008, "gptfast": 0.0001, "vllm": 0.8575},
-    "per_seq_overhead_ms": {"trtllm": 0.0, "gptfast": 0.0, "vllm": 0.0002},
-    "engine_eff": {"trtllm": 1.0, "gptfast": 0.7358, "vllm": 0.8925},
+    "eff_comm": 0.5808,
+    "allreduce_latency_us": 30.902,
+    "gqa_reread": 0.4407,
+    "overhead_ms": {"trtllm": 6.2021, "gptfast": 0.0, "vllm": 2.0784},
+    "per_seq_overhead_ms": {"trtllm": 0.0, "gptfast": 0.0, "vllm": 0.0},
+    "engine_eff": {"trtllm": 1.0, "gptfast": 0.7356, "vllm": 0.8791},
 }
 # --- end calibration ---
 
