@@ -89,6 +89,8 @@ class Config:
                                     # a dead member is probed by someone within ~1 s on average
     probe_timeout: float = 0.4      # loopback/LAN RTT is < 1 ms; 400 ms absorbs a GC pause or a
                                     # saturated CPU before we bother k other members
+    indirect_timeout: float = 0.4   # then k members and the TCP path get as long again (4 hops):
+                                    # a verdict 0.8 s after the ping keeps "suspected" under 2 s
     indirect_checks: int = 3        # k members asked to probe for us (SWIM/memberlist default)
     suspicion_mult: float = 4.0     # min grace = mult * log10(N) * probe_interval (memberlist)
     suspicion_max_mult: float = 6.0  # a lone suspector waits 6x longer (Lifeguard): one sick
@@ -305,10 +307,10 @@ SHORT_ID = 8                        # hex chars of a session id in pings: 32 bit
 #
 # The probe round as a table: phase, its deadline after the round starts, and what happens at
 # the deadline if no ack (from any path) has arrived. Deadlines scale with (1 + local health).
-#   phase       deadline            on deadline without an ack
+#   phase       deadline (sum of config fields)      on deadline without an ack
 PROBE_ROUND = (
-    ("direct",   "probe_timeout",  "indirect"),  # ping-req via k members + ping over TCP
-    ("indirect", "probe_interval", "suspect"),   # all three paths failed
+    ("direct",   ("probe_timeout",),                   "indirect"),  # ping-req via k members + TCP ping
+    ("indirect", ("probe_timeout", "indirect_timeout"), "suspect"),  # all three paths failed
 )
 
 Out = collections.namedtuple("Out", "addr msg tcp")
@@ -677,7 +679,7 @@ class Overlay:
     def _set_deadline(self) -> None:
         p = self.probe
         _, after, _ = PROBE_ROUND[p["phase"]]
-        p["deadline"] = p["start"] + getattr(self.cfg, after) * (1 + self.lhm)
+        p["deadline"] = p["start"] + sum(getattr(self.cfg, f) for f in after) * (1 + self.lhm)
 
     def _end_probe(self) -> None:
         start = self.probe["start"]
@@ -1605,6 +1607,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError("--probe-interval must be > 0")
         config.probe_interval = args.probe_interval
         config.probe_timeout = min(config.probe_timeout, args.probe_interval * 0.4)
+        config.indirect_timeout = min(config.indirect_timeout, args.probe_interval * 0.4)
     return config
 
 

@@ -76,7 +76,7 @@ def test_every_message_type_round_trips_through_the_wire():
 # The overlay on the simulated network
 # ---------------------------------------------------------------------------------------------
 def fast_config(**kw):
-    cfg = on.Config(key=KEY, probe_interval=0.5, probe_timeout=0.2, push_pull_interval=2.0)
+    cfg = on.Config(key=KEY, probe_interval=0.5, probe_timeout=0.2, indirect_timeout=0.2, push_pull_interval=2.0)
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg

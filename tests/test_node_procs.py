@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import otela_node as on  # noqa: E402
 
-FAST = {"OTELA_PROBE_INTERVAL": "0.3", "OTELA_PROBE_TIMEOUT": "0.15", "OTELA_SUSPICION_MULT": "3",
+FAST = {"OTELA_PROBE_INTERVAL": "0.3", "OTELA_PROBE_TIMEOUT": "0.1", "OTELA_INDIRECT_TIMEOUT": "0.1", "OTELA_SUSPICION_MULT": "3",
         "OTELA_PUSH_PULL_INTERVAL": "1", "OTELA_ENGINE_CHECK_INTERVAL": "0.2",
         "OTELA_ENGINE_CHECK_FAILURES": "2", "OTELA_LEAVE_LINGER": "0.3", "OTELA_LOG_LEVEL": "WARNING"}
 FUZZ_SECONDS = float(os.environ.get("OTELA_FUZZ_SECONDS", "30"))
