@@ -78,6 +78,12 @@ LARGE_GAP = 1e-2
 LARGE_INSTANCE_VARS = 400
 # Comment every job we submit carries (squeue %k): reconcile only ever touches these.
 OTELA_TAG = "otela"
+# A running job is scaled down gracefully: its comment becomes "otela-drain|EPOCH|..." and
+# only the batch shell (the node) gets SIGTERM, so it drains in-flight requests, leaves the
+# overlay and stops the engine itself. A job still there DRAIN_GRACE_S later is scancelled
+# outright (node drain 30 s + engine stop, with margin for a slow cron).
+OTELA_DRAIN_TAG = "otela-drain"
+DRAIN_GRACE_S = 300
 # Slurm time limit of an engine job; the node gets SIGTERM 120 s before (#SBATCH --signal)
 # so it drains in-flight requests and leaves the overlay before SIGKILL.
 JOB_TIME_LIMIT = "12:00:00"
@@ -918,16 +924,22 @@ def job_comment(key):
 
 
 def parse_squeue(text):
-    """Our jobs from `squeue --me -h -o '%i %T %k'`: [{id, state, key}] (others skipped)."""
+    """Our jobs from `squeue --me -h -o '%i %T %k'`: [{id, state, key, draining_since}]
+    (others skipped). A job being drained carries "otela-drain|EPOCH|MODEL|GPU|TP"."""
     jobs = []
     for line in text.splitlines():
         parts = line.strip().split(None, 2)
         if len(parts) < 3:
             continue
         fields = parts[2].split("|")
+        since = None
+        if len(fields) == 5 and fields[0] == OTELA_DRAIN_TAG and fields[1].isdigit():
+            since = int(fields[1])
+            fields = [OTELA_TAG] + fields[2:]
         if len(fields) != 4 or fields[0] != OTELA_TAG or not fields[3].isdigit():
             continue
-        jobs.append({"id": parts[0], "state": parts[1], "key": (fields[1], fields[2], int(fields[3]))})
+        jobs.append({"id": parts[0], "state": parts[1], "key": (fields[1], fields[2], int(fields[3])),
+                     "draining_since": since})
     return jobs
 
 
@@ -1086,10 +1098,17 @@ def session_key(session):
 # Idempotent: a second run sees the first run's jobs in squeue and finds no difference.
 
 
-def reconcile_actions(rows, jobs, sessions=()):
-    """{"submit": {key: n}, "cancel": [job ids], "have": {key: n}, "want": {key: n}}."""
+def reconcile_actions(rows, jobs, sessions=(), now=None):
+    """{"submit": {key: n}, "cancel": [job ids], "hard_cancel": [job ids], "have": {key: n},
+    "want": {key: n}}. cancel: jobs to stop (gracefully if running); hard_cancel: drains that
+    outlived DRAIN_GRACE_S."""
     want = {(r["model"], r["gpu"], r["tp"]): r["instances"] for r in rows if r["instances"] > 0}
     ours = {j["id"] for j in jobs}
+    now = time.time() if now is None else now
+    # draining jobs are leaving: they count for nothing; past the grace they are killed
+    hard = sorted((j["id"] for j in jobs if j.get("draining_since") is not None
+                   and now - j["draining_since"] >= DRAIN_GRACE_S), key=_job_number)
+    jobs = [j for j in jobs if j.get("draining_since") is None]
     have, by_key = {}, {}
     for j in jobs:
         have[j["key"]] = have.get(j["key"], 0) + 1
@@ -1108,7 +1127,8 @@ def reconcile_actions(rows, jobs, sessions=()):
             # pending jobs first (they cost no load time), newest first
             order = sorted(by_key.get(key, []), key=lambda j: (j["state"] != "PENDING", -_job_number(j["id"])))
             cancel.extend(j["id"] for j in order[:-diff])
-    return {"submit": submit, "cancel": sorted(cancel, key=_job_number), "have": have, "want": want}
+    return {"submit": submit, "cancel": sorted(cancel, key=_job_number), "hard_cancel": hard, "have": have,
+            "want": want}
 
 
 def _job_number(job_id):
@@ -1146,9 +1166,19 @@ def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions
                     os.makedirs(log.group(1), exist_ok=True)
                 job = slurm_command(["sbatch", "--parsable", path]).strip().split(";")[0]
                 report["submitted"].append(job)
-    if submit and actions["cancel"]:
-        slurm_command(["scancel"] + actions["cancel"])
-        report["cancelled"] = list(actions["cancel"])
+    report["hard_cancel"] = actions["hard_cancel"]
+    if submit:
+        state = {j["id"]: j for j in jobs}
+        pending = [j for j in actions["cancel"] if state[j]["state"] == "PENDING"]
+        running = [j for j in actions["cancel"] if j not in pending]
+        if pending or actions["hard_cancel"]:
+            slurm_command(["scancel"] + pending + actions["hard_cancel"])
+        for j in running:
+            model, gpu, tp = state[j]["key"]
+            slurm_command(["scontrol", "update", f"JobId={j}",
+                           f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|{model}|{gpu}|{tp}"])
+            slurm_command(["scancel", "--batch", "--signal=TERM", j])
+        report["cancelled"] = list(actions["cancel"]) + actions["hard_cancel"]
     return report
 
 
@@ -1459,7 +1489,7 @@ def build_scenario(args):
         # GPUs our own running jobs hold are ours to re-plan, not taken.
         held = {}
         for j in slurm_jobs():
-            if j["state"] == "RUNNING":
+            if j["state"] == "RUNNING" and j["draining_since"] is None:
                 held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
         for g in inventory["gpus"]:
             g["count"] += held.pop(g["type"], 0)

@@ -141,6 +141,15 @@ def test_squeue_lists_only_jobs_with_the_otela_comment():
         ("102", "PENDING", ("meta-llama/Llama-2-13b-hf", "A100-80GB-SXM4", 1))]
 
 
+def test_a_draining_job_counts_for_nothing_and_is_killed_after_the_grace():
+    jobs = place.parse_squeue("201 RUNNING otela-drain|1000|m|A|1\n202 RUNNING otela|m|A|1\n")
+    assert jobs[0]["draining_since"] == 1000 and jobs[0]["key"] == KEY and jobs[1]["draining_since"] is None
+    early = place.reconcile_actions(row(2), jobs, now=1000 + 60)
+    assert early["have"] == {KEY: 1} and early["submit"] == {KEY: 1} and early["hard_cancel"] == []
+    late = place.reconcile_actions(row(2), jobs, now=1000 + place.DRAIN_GRACE_S)
+    assert late["hard_cancel"] == ["201"]
+
+
 # ---------------------------------------------------------------- reconcile
 
 
@@ -167,8 +176,8 @@ def test_reconcile_cancels_pending_jobs_before_running_ones_newest_first():
 
 def test_reconcile_cancels_every_job_of_a_model_no_longer_planned():
     jobs = [{"id": "7", "state": "RUNNING", "key": ("old", "A", 2)}]
-    assert place.reconcile_actions(row(0), jobs) == {"submit": {}, "cancel": ["7"], "have": {("old", "A", 2): 1},
-                                                     "want": {}}
+    assert place.reconcile_actions(row(0), jobs) == {"submit": {}, "cancel": ["7"], "hard_cancel": [],
+                                                     "have": {("old", "A", 2): 1}, "want": {}}
 
 
 def test_live_sessions_started_elsewhere_count_but_our_own_jobs_count_once():

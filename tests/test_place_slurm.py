@@ -117,6 +117,10 @@ def test_reconcile_submits_once_then_nothing_then_cancels_the_surplus(slurm, tmp
     third = plan(tmp_path, 0.5)  # demand fell: one instance is enough
     assert len(third["cancelled"]) == 1 and third["submitted"] == []
     assert third["cancelled"][0] == max(first["submitted"], key=int)  # the newest goes first
+    # a running job drains: marked in its comment, SIGTERM to the batch shell only
+    draining = [j for j in our_jobs() if j["id"] == third["cancelled"][0]]
+    assert draining == [] or draining[0]["draining_since"] is not None
+    assert plan(tmp_path, 0.5)["cancelled"] == []  # a draining job is not cancelled twice
     for _ in range(100):
         if len(our_jobs()) == 1:
             break
