@@ -1416,7 +1416,8 @@ def build_parser():
     src.add_argument("--from-ingress", default=env_default("--from-ingress"), metavar="URL",
                      help="read demand (/v1/usage/stats) and live sessions (/v1/registry) from an ingress")
     src.add_argument("--inventory", default=env_default("--inventory"), metavar="FILE",
-                     help='free GPUs as JSON {"gpus": [{"type","count","per_node"}]}')
+                     help='the GPUs this placer manages (its jobs included), JSON {"gpus": [{"type", "count", '
+                          '"per_node", optional "gres", "partition", "sbatch": [extra #SBATCH args]}]}')
     src.add_argument("--from-slurm", action="store_true", help="free GPUs from sinfo GRES")
     src.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE",
                      help="map a Slurm GRES type to a GPU name, e.g. a100=A100-80GB-SXM4 (repeatable)")
@@ -1533,6 +1534,9 @@ def cmd_plan(args):
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
+    replayed = "none" if cron else ("otela_sim" if args.replay in ("auto", "sim") else "fluid queues")
+    print(f"capacities: {args.capacity} (auto: measured where the scenario gives them); replay: {replayed}; "
+          f"slack {args.slack:g}; solve {result['ours']['solve_s']} s ({result['ours']['status']})")
     print(format_plan(scenario, result))
     rec = result.get("reconcile")
     if rec:
@@ -1566,15 +1570,10 @@ def main(argv=None):
         if args.command == "inventory":
             print(json.dumps(slurm_inventory(parse_aliases(args.gpu_alias)), indent=1))
             return 0
-    except PlacementError as e:
+    except (PlacementError, SlurmError, LockHeld) as e:
         print(f"otela_place: {e}", file=sys.stderr)
-        return 2
-    except SlurmError as e:
-        print(f"otela_place: {e}", file=sys.stderr)
-        return 1
-    except LockHeld as e:
-        print(f"otela_place: {e}", file=sys.stderr)
-        return 3
+        # 2: bad input or infeasible; 1: Slurm failed; 3: another run holds the lock
+        return {PlacementError: 2, SlurmError: 1, LockHeld: 3}[type(e)]
     return 0
 
 
