@@ -39,7 +39,6 @@ import hashlib
 import importlib
 import math
 import os
-import queue
 import random
 import re
 import secrets
@@ -249,11 +248,10 @@ def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bo
 # Usage ledger (SQLite WAL, one writer thread) and live usage statistics
 # ---------------------------------------------------------------------------------------------
 class UsageRow:
-    """One finished request, as the ledger stores it."""
+    """One finished request, as the ledger stores it (a journal line is its JSON array)."""
 
     __slots__ = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
                  "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
-    FIELDS = __slots__
 
     def __init__(self, ts, key_id, user, model, session, provider, status, prompt_tokens,
                  completion_tokens, latency_ms, stream, attempts, tracked):
@@ -265,11 +263,26 @@ class UsageRow:
     def line(self) -> bytes:
         return crdt.dumps([self.ts, self.key_id, self.user, self.model, self.session, self.provider,
                            self.status, self.prompt_tokens, self.completion_tokens, self.latency_ms,
-                           self.stream, self.attempts, self.tracked]) + b"\n"
+                           int(self.stream), self.attempts, int(self.tracked)]) + b"\n"
 
 
 def _day(ts: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(ts))
+
+
+# A batch of journal lines goes into SQLite as one JSON array parameter: the per-row work runs in
+# SQLite's C code, so the writer thread hardly ever holds the GIL the event loop needs.
+_ROW = "json_extract(value, '$[{}]')"
+_INSERT_REQUESTS = (
+    "INSERT INTO requests SELECT {0}, date({0}, 'unixepoch'), {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, "
+    "{10}, {11} FROM json_each(?) WHERE {12} = 1").format(*(_ROW.format(i) for i in range(13)))
+_INSERT_DAILY = (
+    "INSERT INTO daily SELECT date({0}, 'unixepoch') AS d, {2} AS u, {3} AS m, count(*), sum({6} >= 400), "
+    "sum({12} = 0), sum({7}), sum({8}) FROM json_each(?) WHERE true GROUP BY d, u, m "
+    "ON CONFLICT(day, user, model) DO UPDATE SET requests=requests+excluded.requests, "
+    "errors=errors+excluded.errors, opted_out=opted_out+excluded.opted_out, "
+    "prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
+    "completion_tokens=completion_tokens+excluded.completion_tokens").format(*(_ROW.format(i) for i in range(13)))
 
 
 class Ledger:
@@ -278,8 +291,8 @@ class Ledger:
     Theory of operation. When a request completes, the event loop appends one JSON line to a
     journal file with a single write() (a few microseconds; the bytes are in the kernel once it
     returns, so a kill -9 right after cannot lose them) *before* the client gets the last byte,
-    and hands the row to a thread through a queue. The thread commits rows to SQLite (WAL) in
-    batches every LEDGER_FLUSH_S, together with how far into the journal it got. At start,
+    and adds the line to a list. Every LEDGER_FLUSH_S a thread takes the list and commits it to
+    SQLite (WAL) in one transaction, together with how far into the journal it got. At start,
     whatever the journal holds past that point (the rows a crash kept from SQLite) is applied
     first. The journal is cut into files of LEDGER_JOURNAL_MAX bytes; a file is deleted once all
     of it is in SQLite. The same thread reloads the keys when another process changed them.
@@ -288,7 +301,6 @@ class Ledger:
     def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None]):
         self.path = path
         self._on_keys = on_keys
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # One ingress per ledger: a second one would replay the first one's live journal.
         self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -298,9 +310,18 @@ class Ledger:
             raise ValueError(f"{path} is the ledger of another running ingress: give each its own --db") \
                 from None
         self._db = open_db(path)
+        self._db.execute("CREATE TABLE IF NOT EXISTS ledger_state (id INTEGER PRIMARY KEY CHECK (id = 0), "
+                         "seq INTEGER NOT NULL, offset INTEGER NOT NULL)")
         self._data_version = -1
         self._reload_keys()
         self.rows_written = 0
+        self._pending: List[bytes] = []    # journal lines not yet in SQLite (appended by the loop)
+        self._position = (0, 0)            # (journal file, offset) after the last pending line
+        self._wake = threading.Event()     # set by the first line of a batch, flush or close
+        self._flushed = threading.Condition()
+        self._generation = 0               # batches committed; flush() waits for the next one
+        self._waiters = 0                  # threads in flush()
+        self._closing = False
         self._state_seq = 0
         self.seq = self._recover()
         self._fd = os.open(self._journal(self.seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -317,7 +338,11 @@ class Ledger:
         except OSError as exc:   # a full disk must not take the API down with it
             print(f"otela-ingress: usage journal write failed: {exc}", file=sys.stderr)
         self._offset += len(line)
-        self._queue.put((row, self.seq, self._offset))
+        pending = self._pending
+        pending.append(line)
+        self._position = (self.seq, self._offset)
+        if len(pending) == 1:
+            self._wake.set()
         if self._offset >= LEDGER_JOURNAL_MAX:
             self.seq += 1
             old, self._fd = self._fd, os.open(self._journal(self.seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
@@ -326,15 +351,22 @@ class Ledger:
             self._offset = 0
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every row recorded so far is in SQLite (tests, shutdown)."""
+        """Wait until every row recorded so far is in SQLite (tests, /v1/usage, shutdown)."""
         if not self._thread.is_alive():   # closed: everything was written on the way out
             return True
-        done = threading.Event()
-        self._queue.put(done)
-        return done.wait(timeout)
+        with self._flushed:
+            target = self._generation + 2   # the batch in progress may have missed our rows
+            self._waiters += 1
+            self._wake.set()
+            try:
+                return self._flushed.wait_for(
+                    lambda: self._generation >= target or not self._thread.is_alive(), timeout)
+            finally:
+                self._waiters -= 1
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._closing = True
+        self._wake.set()
         self._thread.join(timeout=10)
         os.close(self._fd)
         self._db.close()
@@ -346,14 +378,12 @@ class Ledger:
 
     def _recover(self) -> int:
         """Apply journal rows that never reached SQLite; returns the next journal number."""
-        self._db.execute("CREATE TABLE IF NOT EXISTS ledger_state (id INTEGER PRIMARY KEY CHECK (id = 0), "
-                         "seq INTEGER NOT NULL, offset INTEGER NOT NULL)")
         state = self._db.execute("SELECT seq, offset FROM ledger_state").fetchone() or (0, 0)
         directory = os.path.dirname(os.path.abspath(self.path))
         prefix = os.path.basename(self.path) + ".usage."
         seqs = sorted(int(name[len(prefix):]) for name in os.listdir(directory)
                       if name.startswith(prefix) and name[len(prefix):].isdigit())
-        rows = []
+        lines = []
         for seq in seqs:
             if seq < state[0]:
                 continue
@@ -362,15 +392,16 @@ class Ledger:
                     f.seek(state[1])
                 for line in f:
                     try:
-                        rows.append(UsageRow(*crdt.loads(line)))
-                    except (ValueError, TypeError):   # a torn last line: the request never completed
+                        if len(crdt.loads(line)) == 13:
+                            lines.append(line)
+                    except ValueError:   # a torn last line: that request never completed
                         pass
         nxt = max(seqs + [state[0]]) + 1
-        self._commit(rows, nxt, 0)
+        self._commit(lines, (nxt, 0))
         for seq in seqs:
             os.unlink(self._journal(seq))
-        if rows:
-            print(f"otela-ingress: recovered {len(rows)} usage rows from the journal", file=sys.stderr)
+        if lines:
+            print(f"otela-ingress: recovered {len(lines)} usage rows from the journal", file=sys.stderr)
         return nxt
 
     def _reload_keys(self) -> None:
@@ -381,37 +412,29 @@ class Ledger:
 
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S
-        stop = False
-        while not stop:
-            try:
-                batch = [self._queue.get(timeout=KEYS_RELOAD_S)]
+        while True:
+            self._wake.wait(KEYS_RELOAD_S)
+            if not self._closing and not self._waiters:
                 time.sleep(LEDGER_FLUSH_S)   # gather a batch: one commit for many rows
-            except queue.Empty:
-                batch = []
-            while len(batch) < LEDGER_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            rows, waiters, position = [], [], None
-            for item in batch:
-                if item is None:
-                    stop = True
-                elif isinstance(item, threading.Event):
-                    waiters.append(item)
-                else:
-                    rows.append(item[0])
-                    position = item[1:]
-            if position is not None:
+            self._wake.clear()
+            closing = self._closing   # read after clear(): close() sets it before waking us
+            lines, self._pending = self._pending, []   # swapping a reference is atomic under the GIL
+            position = self._position
+            if lines:
                 old_seq = self._state_seq
-                self._commit(rows, *position)
+                self._commit(lines, position)
                 for seq in range(old_seq, position[0]):
                     try:
                         os.unlink(self._journal(seq))
                     except OSError:
                         pass
-            for waiter in waiters:
-                waiter.set()
+            with self._flushed:
+                self._generation += 1
+                self._flushed.notify_all()
+                if self._waiters:
+                    self._wake.set()   # a flush waits for one more batch
+            if closing:
+                return
             if time.monotonic() >= next_reload:
                 next_reload = time.monotonic() + KEYS_RELOAD_S
                 try:
@@ -419,37 +442,17 @@ class Ledger:
                 except sqlite3.Error as exc:
                     print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
 
-    def _commit(self, rows: List[UsageRow], seq: int, offset: int) -> None:
-        per_request = []
-        daily: Dict[Tuple[str, str, str], List[int]] = {}
-        for row in rows:
-            day = _day(row.ts)
-            if row.tracked:
-                per_request.append((row.ts, day, row.key_id, row.user, row.model, row.session,
-                                    row.provider, row.status, row.prompt_tokens,
-                                    row.completion_tokens, row.latency_ms, int(row.stream),
-                                    row.attempts))
-            agg = daily.setdefault((day, row.user, row.model), [0, 0, 0, 0, 0])
-            agg[0] += 1
-            agg[1] += row.status >= 400
-            agg[2] += not row.tracked
-            agg[3] += row.prompt_tokens
-            agg[4] += row.completion_tokens
+    def _commit(self, lines: List[bytes], position: Tuple[int, int]) -> None:
+        batch = b"[" + b",".join(line.rstrip(b"\n") for line in lines) + b"]"
         db = self._db
         try:
             db.execute("BEGIN")
-            db.executemany("INSERT INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", per_request)
-            db.executemany(
-                "INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
-                "requests=requests+excluded.requests, errors=errors+excluded.errors, "
-                "opted_out=opted_out+excluded.opted_out, "
-                "prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
-                "completion_tokens=completion_tokens+excluded.completion_tokens",
-                [(day, user, model, *agg) for (day, user, model), agg in daily.items()])
-            db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", (seq, offset))
+            if lines:
+                self.rows_written += db.execute(_INSERT_REQUESTS, (batch.decode(),)).rowcount
+                db.execute(_INSERT_DAILY, (batch.decode(),))
+            db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
-            self.rows_written += len(per_request)
-            self._state_seq = seq
+            self._state_seq = position[0]
         except sqlite3.Error as exc:   # rows stay in the journal; the next start applies them
             print(f"otela-ingress: ledger write failed: {exc}", file=sys.stderr)
             try:
