@@ -443,13 +443,13 @@ class Ledger:
                     print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
 
     def _commit(self, lines: List[bytes], position: Tuple[int, int]) -> None:
-        batch = b"[" + b",".join(line.rstrip(b"\n") for line in lines) + b"]"
+        batch = (b"[" + b",".join(lines) + b"]").decode()   # the lines' newlines are JSON whitespace
         db = self._db
         try:
             db.execute("BEGIN")
             if lines:
-                self.rows_written += db.execute(_INSERT_REQUESTS, (batch.decode(),)).rowcount
-                db.execute(_INSERT_DAILY, (batch.decode(),))
+                self.rows_written += db.execute(_INSERT_REQUESTS, (batch,)).rowcount
+                db.execute(_INSERT_DAILY, (batch,))
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
             self._state_seq = position[0]
