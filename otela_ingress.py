@@ -797,6 +797,9 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
+# A chunk that carries generated text (a non-empty "content" or "text" string): engines send one
+# per token, so counting them measures a stream whose engine ignores include_usage.
+_TOKEN_CHUNK = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 
 
 def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
@@ -824,12 +827,13 @@ class StreamWatch:
         self.strip = strip
         self.carry = b""
         self.prompt_tokens = self.completion_tokens = 0
-        self.events = 0          # data events relayed: the token estimate when no usage comes
+        self.events = 0          # chunks with text: the token estimate when no usage comes
         self.saw_usage = False
 
     def tokens(self) -> Tuple[int, int]:
         """(prompt, completion): the engine's usage, or for an engine that ignores
-        stream_options, one completion token per streamed chunk (what engines send)."""
+        stream_options (llama-cpp-python), one completion token per chunk with text and an
+        unknown (0) prompt."""
         if self.saw_usage:
             return self.prompt_tokens, self.completion_tokens
         return 0, self.events
@@ -851,14 +855,14 @@ class StreamWatch:
         if end < len(piece):
             self.carry = piece[end:]
             piece = piece[:end]
-        self.events += piece.count(b"data: {")
+        self.events += len(_TOKEN_CHUNK.findall(piece))
         if _USAGE.search(piece) is None:
             return piece
         return self._take_usage(piece)
 
     def flush(self) -> bytes:
         piece, self.carry = self.carry, b""
-        self.events += piece.count(b"data: {")
+        self.events += len(_TOKEN_CHUNK.findall(piece))
         if piece and _USAGE.search(piece) is not None:
             return self._take_usage(piece)
         return piece
@@ -872,7 +876,6 @@ class StreamWatch:
                 self.prompt_tokens, self.completion_tokens = usage_of(event)
                 self.saw_usage = True
                 if self.strip and re.search(rb'"choices"\s*:\s*\[\s*\]', event):
-                    self.events -= 1
                     continue
             kept.append(event)
         return b"".join(kept)

@@ -600,8 +600,13 @@ def test_stopping_lets_requests_in_flight_finish(stack, client):
 
 def test_stream_watch_estimates_completion_tokens_when_the_engine_sends_no_usage():
     watch = StreamWatch(strip=True)
-    out = watch.feed(b'data: {"choices":[{"text":"a"}]}\n\n' * 3) + watch.feed(b"data: [DONE]\n\n")
-    assert out.count(b"data: {") == 3 and watch.tokens() == (0, 3)
+    chat = (b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+            + b'data: {"choices":[{"delta":{"content": "tok"}}]}\n\n' * 3
+            + b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+    assert watch.feed(chat) == chat and watch.tokens() == (0, 3)
+    watch = StreamWatch(strip=True)
+    text = b'data: {"choices":[{"text":"a"}]}\n\n' * 2 + b'data: {"choices":[{"text":""}]}\n\n'
+    assert watch.feed(text) == text and watch.tokens() == (0, 2)
 
 
 def test_a_second_ingress_on_the_same_ledger_is_refused(stack):
