@@ -32,11 +32,13 @@ def free_port(kind=socket.SOCK_STREAM):
 
 
 def engine_command(port="{port}"):
-    """The command line that starts the real engine on loopback at `port`."""
+    """The command line that starts the real engine on loopback at `port`. Without
+    --interrupt_requests False, llama-cpp-python ends a stream early whenever any other request
+    arrives (another user's, or a health check's GET /v1/models)."""
     return " ".join(shlex.quote(str(p)) for p in (
         ENGINE_PYTHON, "-m", "llama_cpp.server", "--model", ENGINE_MODEL,
         "--model_alias", ENGINE_ALIAS, "--host", "127.0.0.1", "--port")) + f" {port}" + \
-        " --n_ctx 2048 --n_threads 1 --verbose False"
+        " --n_ctx 2048 --n_threads 1 --verbose False --interrupt_requests False"
 
 
 def engine_installed():

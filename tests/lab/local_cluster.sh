@@ -34,7 +34,7 @@ export OTELA_KEY_FILE=$D/cluster.key OTELA_DB=$D/usage.sqlite
 "$PY" otela_ingress.py serve --listen "127.0.0.1:$PORT" --gossip "127.0.0.1:$GOSSIP" \
   > "$D/ingress.log" 2>&1 &
 pids+=($!)
-engine="$ENGINE_PY -m llama_cpp.server --model $MODEL --model_alias smollm2-135m --host 127.0.0.1 --port {port} --n_ctx 2048 --n_threads 1 --verbose False"
+engine="$ENGINE_PY -m llama_cpp.server --model $MODEL --model_alias smollm2-135m --host 127.0.0.1 --port {port} --n_ctx 2048 --n_threads 1 --verbose False --interrupt_requests False"
 for i in 1 2; do
   "$PY" otela_node.py start --bootstrap "127.0.0.1:$GOSSIP" --listen "127.0.0.1:$((PORT + i))" \
     --gossip "127.0.0.1:$((GOSSIP + i))" --label "node=demo$i" --process "$engine" \
