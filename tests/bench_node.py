@@ -76,7 +76,8 @@ class Host:
         if op == "arrivals":
             return {"arrivals": self.arrivals}
         if op == "bytes":
-            return {"sent": sum(n.bytes_sent for n in self.nodes), "count": len(self.nodes)}
+            return {"sent": sum(n.bytes_sent for n in self.nodes), "count": len(self.nodes),
+                    "lhm": [n.overlay.lhm for n in self.nodes]}
         if op == "sessions":
             return {"sessions": [n.session_id for n in self.nodes]}
         if op == "watch":
@@ -261,6 +262,10 @@ def cluster_phases(key_file, quick, results):
               f"p95 {conv['p95']} p99 {conv['p99']} max {conv['max']} ({len(delays)} arrivals, "
               f"{missing} missing)", flush=True)
 
+        lhm = [x for w in workers for x in w.call("bytes")["lhm"]]
+        results["local_health_before_kill"] = {"max": max(lhm), "mean": round(sum(lhm) / len(lhm), 2)}
+        print(f"local health multiplier before the kill: mean {results['local_health_before_kill']['mean']} "
+              f"max {max(lhm)}", flush=True)
         # detection: kill -9 the lone victim process
         sid = victim.call("sessions")["sessions"][0]
         for w in hosts:

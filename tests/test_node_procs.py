@@ -1,7 +1,7 @@
 """Real node processes on loopback with real UDP sockets, each wrapping tests/fake_engine.py.
 
 Timings are shortened through OTELA_* variables so failures are detected in about a second;
-the defaults (probe every 1 s, grace >= 4 s) are for real clusters."""
+the defaults (probe every 0.7 s, grace >= 2.8 s) are for real clusters."""
 import json
 import os
 import random
