@@ -1199,12 +1199,17 @@ class Node:
         if self._udp is None:
             return
         now = time.time()
+        sealed: Dict[int, bytes] = {}
         for o in outs:
             try:
                 target = self._resolve(o.addr)
             except ValueError:
                 continue
-            data = self.wire.seal(o.msg, now)
+            # One rumour goes to several peers as the same bytes: a nonce must be unique per
+            # receiver, not per datagram, so sealing once per message is enough.
+            data = sealed.get(id(o.msg))
+            if data is None:
+                data = sealed[id(o.msg)] = self.wire.seal(o.msg, now)
             if o.tcp or len(data) > self.config.max_datagram:
                 task = asyncio.ensure_future(self._send_tcp(target, dict(o.msg, ra=self.overlay.addr)))
                 self._tasks.add(task)
@@ -1732,9 +1737,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--restart", action="store_true", default=bool(_env("RESTART")),
                    help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
     s.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds to finish in-flight requests after SIGTERM (default 30)")
+                   help="seconds to finish in-flight requests after SIGTERM (env OTELA_DRAIN_TIMEOUT; default 30)")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
-                   help="seconds to wait for the engine to load (default 7200)")
+                   help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
     s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
     return p
 

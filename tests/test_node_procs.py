@@ -62,10 +62,10 @@ def wait_for(predicate, timeout, what):
 
 
 class NodeProc:
-    def __init__(self, key_file, bootstrap=None, engine_flags="", node_flags=()):
+    def __init__(self, key_file, bootstrap=None, engine_flags="", node_flags=(), engine_cmd=None):
         self.gossip = f"127.0.0.1:{free_port_pair()}"
         self.listen = f"127.0.0.1:{free_port_pair()}"
-        engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} {engine_flags}"
+        engine = engine_cmd or f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} {engine_flags}"
         argv = [sys.executable, str(ROOT / "otela_node.py"), "start", "--key-file", key_file,
                 "--gossip", self.gossip, "--listen", self.listen, "--process", engine]
         if bootstrap:
@@ -262,3 +262,24 @@ def test_random_bytes_and_mutated_packets_at_the_gossip_port_leave_node_and_regi
     assert after == before and "evil" not in after
     assert get_json(f"http://{target.listen}/healthz")["status"] == "ok"
     assert sent > 100
+
+
+@pytest.mark.engine
+def test_node_wrapping_the_real_engine_serves_its_model_through_the_tunnel(real_engine, tmp_path):
+    key_file = on.keygen(str(tmp_path / "keys"))[0]
+    node = NodeProc(key_file, engine_cmd=real_engine.cmd)
+    try:
+        me = wait_for(lambda: node.sessions()[node.session]["state"] == "SERVING" and node.sessions()[node.session],
+                      180, "real engine SERVING")
+        assert me["models"] == [real_engine.model]
+        name, value = on.Node(on.Config(key=on.load_key(key_file))).tunnel_header
+        body = json.dumps({"model": real_engine.model, "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "Say hi"}]}).encode()
+        req = urllib.request.Request(f"http://{node.listen}/v1/chat/completions", data=body,
+                                     headers={name: value, "content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        assert resp.status == 200 and answer["usage"]["completion_tokens"] >= 1
+        assert answer["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        node.stop()
