@@ -339,6 +339,7 @@ class Overlay:
         self.record = dict(record)
         self.addr = record.get("gossip", config.gossip_addr)
         self.map.put(session_id, self.record)
+        self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
         self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
         self.suspects: Dict[str, Suspicion] = {}
@@ -530,10 +531,21 @@ class Overlay:
     def _merge(self, records, src: str, now: float, push: bool = True) -> List[Out]:
         if not isinstance(records, dict):
             raise ValueError("records must be an object")
-        changed = self.map.merge(records)
-        for sid in records:
+        fresh = {}
+        for sid, record in records.items():
+            mine = self.known.get(sid)
+            if mine is not None and isinstance(record, dict):
+                theirs = (record.get("state"), record.get("version"))
+                if type(theirs[0]) is int and type(theirs[1]) is int and \
+                        (theirs < mine[:2] or (theirs == mine[:2] and record == mine[2])):
+                    if ("r", sid) in self.rumours:
+                        self.rumours[("r", sid)][0] -= 1    # others know it: lose interest sooner
+                    continue                        # a copy we have, or older: no need to validate
+            fresh[sid] = record
+        changed = self.map.merge(fresh)
+        for sid in fresh:
             if sid not in changed and ("r", sid) in self.rumours:
-                self.rumours[("r", sid)][0] -= 1    # others already know: lose interest sooner
+                self.rumours[("r", sid)][0] -= 1
         return self._changed(changed, now, exclude=src, push=push)
 
     def _changed(self, sids: List[str], now: float, exclude: Optional[str] = None,
@@ -548,6 +560,7 @@ class Overlay:
             record = self.map.get(sid)
             if record is None:
                 continue
+            self.known[sid] = (record["state"], record["version"], record)
             self._track(sid, record)
             sus = self.suspects.get(sid)
             if sus is not None and (record["state"] == crdt.LEFT or record["version"] > sus.version):
