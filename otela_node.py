@@ -1326,7 +1326,8 @@ class Node:
             status = "draining" if self.draining else "ok"
             self._respond(conn, writer, 503 if self.draining else 200,
                           crdt.dumps({"status": status, "session": self.session_id,
-                                      "state": crdt.STATE_NAMES[self.overlay.record["state"]]}))
+                                      "state": crdt.STATE_NAMES[self.overlay.record["state"]],
+                                      "members": len(self.overlay.members), "gossip": self.stats()}))
         else:
             name, value = self.tunnel_header
             given = dict(request.headers).get(name.encode(), b"")
