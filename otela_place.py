@@ -40,6 +40,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -1136,9 +1137,10 @@ def _job_number(job_id):
     return int(digits.group()) if digits else 0
 
 
-def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None):
+def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None, reclaim=None):
     """Write scripts, compare with squeue (+ sessions), and submit/cancel the difference when
-    `submit`, else report what would be done. Returns the report."""
+    `submit`, else report what would be done. Returns the report. `reclaim` (a CronReclaim)
+    holds back what the reclamation rules forbid; its state is saved before anything runs."""
     scripts = job_scripts(rows, inventory, template, sbatch_vars)
     if emit_dir:
         os.makedirs(emit_dir, exist_ok=True)
@@ -1151,6 +1153,10 @@ def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions
     report = {"scripts": [os.path.join(emit_dir, n) if emit_dir else n for _, n, _ in scripts],
               "submit": [], "cancel": actions["cancel"], "submitted": [], "cancelled": [],
               "dry_run": not submit}
+    if reclaim is not None:
+        actions, notes = reclaim.gate(actions, jobs, submit)
+        report.update(notes, cancel=actions["cancel"])
+        reclaim.save()  # before acting: a run that fails half-way still counts as a change
     by_key = {}
     for key, name, text in scripts:
         by_key.setdefault(key, []).append((name, text))
@@ -1300,6 +1306,209 @@ class Reclaimer:
                         self.last_change[donor] = now
                         return c
         return None
+
+
+# ============================================================================ reclamation from cron
+# The Reclaimer's rules between cron runs, which share nothing but a small state file
+# (per model: when its demand fell below the threshold, when we last scaled it, and its
+# recent demand). reconcile_actions says what the fresh plan wants; CronReclaim.gate holds
+# back what the rules forbid:
+#   - scale-up of a model that already has capacity waits until demand exceeds
+#     RECLAIM_HIGH_UTIL of it (the plan asks at 1 / HEADROOM = 80%: the band between is
+#     the upper hysteresis);
+#   - scale-down of a model waits until its demand stayed below RECLAIM_LOW_UTIL of its
+#     capacity for the cooldown and its last change is a cooldown old; then it happens only
+#     where another model is short of GPUs of that type (planned submits and our pending
+#     jobs beyond the free GPUs), donors with the cheapest reload first (load time x demand:
+#     the requests that would wait if it comes back), except a model with no demand at all
+#     (scaled to zero) or with --release-idle (surplus handed back to Slurm);
+#   - a state file that is missing or unreadable starts fresh with a warning: every cooldown
+#     starts again, which only delays scale-downs.
+# A dry run records demand (so its report converges on what a real run would do) but no
+# change, since it made none.
+
+STATE_NAME = "place-state.json"
+STATE_HISTORY = 60   # demand samples kept per model: an hour at cron's finest period
+STATE_VERSION = 1
+
+
+def default_state_path(lock_path):
+    return os.path.join(os.path.dirname(os.path.abspath(lock_path)), STATE_NAME)
+
+
+def _warn(message):
+    print(f"otela_place: warning: {message}", file=sys.stderr)
+
+
+def _number_or_none(x):
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def load_state(path):
+    """The state file, or a fresh state (with a warning) when it is missing or corrupt."""
+    fresh = {"version": STATE_VERSION, "models": {}}
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        _warn(f"no reclamation state at {path}: starting fresh (cooldowns start now)")
+        return fresh
+    except (OSError, ValueError) as e:
+        _warn(f"reclamation state {path} unreadable ({getattr(e, 'strerror', None) or e}): starting fresh")
+        return fresh
+    if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION or not isinstance(doc.get("models"), dict):
+        _warn(f"reclamation state {path} is not a version {STATE_VERSION} state: starting fresh")
+        return fresh
+    for m, s in doc["models"].items():
+        if not isinstance(s, dict):
+            s = {}
+        history = [[float(t), float(d)] for t, d in (x for x in s.get("history") or [] if isinstance(x, list)
+                                                     and len(x) == 2 and all(_number_or_none(v) is not None
+                                                                             for v in x))]
+        fresh["models"][str(m)] = {"below_since": _number_or_none(s.get("below_since")),
+                                   "last_change": _number_or_none(s.get("last_change")),
+                                   "history": history[-STATE_HISTORY:]}
+    return fresh
+
+
+def save_state(path, state):
+    """Atomic: a temp file in the same directory, fsync, os.replace. A failure warns (the
+    next run starts fresh) rather than stopping a cron run that already acted."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        _warn(f"cannot save reclamation state {path}: {e.strerror or e}")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+class CronReclaim:
+    """One cron run's reclamation: demand, capacities and load times in, a filter of the
+    reconcile actions out; the state is read at construction and written by save()."""
+
+    def __init__(self, path, demand, capacity_of, load_s, pool, now=None, cooldown_s=RECLAIM_COOLDOWN_S,
+                 low=RECLAIM_LOW_UTIL, high=RECLAIM_HIGH_UTIL, release_idle=False):
+        self.path, self.demand, self.pool = path, dict(demand), pool
+        self._capacity_of, self._load_s = capacity_of, load_s
+        self.now = time.time() if now is None else float(now)
+        self.cooldown_s, self.low, self.high, self.release_idle = float(cooldown_s), low, high, release_idle
+        self.state = load_state(path) if path else {"version": STATE_VERSION, "models": {}}
+
+    def capacity_of(self, key):
+        cap = self._capacity_of(key) if callable(self._capacity_of) else self._capacity_of.get(key)
+        return float(cap or 0.0)
+
+    def load_s(self, model):
+        got = self._load_s(model) if callable(self._load_s) else self._load_s.get(model)
+        return LOAD_FIXED_S if got is None else float(got)
+
+    def save(self):
+        if self.path:
+            save_state(self.path, self.state)
+
+    def _observe(self, cap_have):
+        models = self.state["models"]
+        seen = set(self.demand) | set(cap_have)
+        for m in sorted(seen):
+            d, cap = self.demand.get(m, 0.0), cap_have.get(m, 0.0)
+            s = models.setdefault(m, {"below_since": None, "last_change": None, "history": []})
+            s["history"] = (s["history"] + [[round(self.now, 1), round(d, 4)]])[-STATE_HISTORY:]
+            if not (d <= 0 or d < self.low * cap):
+                s["below_since"] = None
+            elif s["below_since"] is None or s["below_since"] > self.now:  # a clock set back restarts it
+                s["below_since"] = self.now
+        for m in [m for m in models if m not in seen]:  # gone everywhere: forget it
+            del models[m]
+
+    def _why_not_donor(self, m, cap):
+        s, d = self.state["models"][m], self.demand.get(m, 0.0)
+        if s["below_since"] is None:
+            return f"demand {d:.3g} req/s is not below {self.low:.0%} of its capacity {cap:.3g} req/s"
+        quiet = self.now - s["below_since"]
+        if quiet < self.cooldown_s:
+            return f"demand low for {quiet:.0f} s of the {self.cooldown_s:.0f} s cooldown"
+        if s["last_change"] is not None and self.now - s["last_change"] < self.cooldown_s:
+            return f"scaled {self.now - s['last_change']:.0f} s ago (cooldown {self.cooldown_s:.0f} s)"
+        return None
+
+    def gate(self, actions, jobs, submit):
+        """(actions with what the rules hold back removed, {"held": [...], "reclaimed": [...]})."""
+        cap_have = {}
+        for key, n in actions["have"].items():
+            cap_have[key[0]] = cap_have.get(key[0], 0.0) + n * self.capacity_of(key)
+        self._observe(cap_have)
+        held, reclaimed = [], []
+
+        submits = {}
+        for key, n in sorted(actions["submit"].items()):
+            d, cap = self.demand.get(key[0], 0.0), cap_have.get(key[0], 0.0)
+            if cap > 0 and d <= self.high * cap:
+                held.append({"model": key[0], "action": "submit", "key": list(key), "count": n,
+                             "why": f"demand {d:.3g} req/s is {d / cap:.0%} of its capacity {cap:.3g} req/s: "
+                                    f"scale-up waits for {self.high:.0%}"})
+            else:
+                submits[key] = n
+
+        # GPUs of each type left after our live jobs and the submits that go ahead; negative
+        # = some model waits for GPUs (its jobs pend) and donors may give.
+        free = {g: count for g, (count, _) in self.pool.items()}
+        wanting = {}
+        for j in jobs:
+            if j.get("draining_since") is None and j["key"][1] in free:
+                free[j["key"][1]] -= j["key"][2]
+                if j["state"] == "PENDING":
+                    wanting.setdefault(j["key"][1], set()).add(j["key"][0])
+        for key, n in submits.items():
+            if key[1] in free:
+                free[key[1]] -= key[2] * n
+                wanting.setdefault(key[1], set()).add(key[0])
+
+        by_id = {j["id"]: j for j in jobs}
+        by_model = {}
+        for jid in actions["cancel"]:
+            by_model.setdefault(by_id[jid]["key"][0], []).append(jid)
+        cancels, donors = [], []
+        for m, ids in sorted(by_model.items()):
+            why = self._why_not_donor(m, cap_have.get(m, 0.0))
+            if why:
+                held.append({"model": m, "action": "cancel", "jobs": ids, "why": why})
+            elif self.demand.get(m, 0.0) <= 0 or self.release_idle:
+                cancels.extend(ids)
+                for jid in ids:
+                    _, g, tp = by_id[jid]["key"]
+                    if g in free:
+                        free[g] += tp
+            else:
+                donors.append((self.load_s(m) * self.demand.get(m, 0.0), m, ids))
+        for _, m, ids in sorted(donors):  # cheapest reload first
+            # running jobs first: a pending one frees no GPU anybody waits for now
+            for jid in sorted(ids, key=lambda i: by_id[i]["state"] == "PENDING"):
+                _, g, tp = by_id[jid]["key"]
+                takers = sorted(wanting.get(g, set()) - {m})
+                if free.get(g, 0) < 0 and takers:
+                    cancels.append(jid)
+                    free[g] += tp
+                    reclaimed.append({"donor": m, "job": jid, "gpu": g, "for": takers})
+                else:
+                    held.append({"model": m, "action": "cancel", "jobs": [jid],
+                                 "why": f"no other model needs its {g} GPUs"})
+        if submit:
+            changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
+            for m in changed:
+                self.state["models"][m]["last_change"] = self.now
+        gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
+        return gated, {"held": held, "reclaimed": reclaimed}
 
 
 def bursty_trace(mean_rps, hours, seed=0, ratios=TRACE_PEAK_OVER_MEAN, bin_s=60, burst_share=TRACE_BURST_SHARE):
@@ -1465,6 +1674,16 @@ def plan_slurm_args(plan):
     sl.add_argument("--sbatch-var", action="append", default=[], metavar="NAME=VALUE",
                     help="template value, e.g. KEY_FILE=~/.otela/cluster.key BOOTSTRAP=login1:7946 (repeatable)")
     sl.add_argument("--lock", default=env_default("--lock", LOCK_PATH), help="lock file: one run at a time")
+    rc = plan.add_argument_group("dynamic reclamation (cron runs; see the section in this file)")
+    rc.add_argument("--state-file", default=env_default("--state-file"), metavar="FILE",
+                    help=f"demand history and last changes kept between runs (default {STATE_NAME} next to --lock)")
+    rc.add_argument("--cooldown", type=float, default=env_default("--cooldown", RECLAIM_COOLDOWN_S),
+                    metavar="S", help=f"seconds a model's demand stays low, and since its last change, before it "
+                                      f"gives up instances (default {RECLAIM_COOLDOWN_S})")
+    rc.add_argument("--release-idle", action="store_true",
+                    help="after the cooldown, also hand surplus instances back to Slurm when no model needs them")
+    rc.add_argument("--no-reclaim", action="store_true",
+                    help="reconcile to the plan at once: no state file, no cooldown, no hysteresis")
 
 
 def model_config(name):
@@ -1529,8 +1748,9 @@ def cmd_plan(args):
                 if args.submit:
                     raise
                 jobs = []  # a dry run on a machine without Slurm: compare with nothing
+            reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
             result["reconcile"] = reconcile(result["ours"]["placement"], inventory, args.template, sbatch_vars,
-                                            args.emit_sbatch, args.submit, sessions, jobs)
+                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -1544,7 +1764,41 @@ def cmd_plan(args):
         print(f"{verb} {len(rec['submit'])}: " + (" ".join(rec["submit"]) or "-"))
         print(f"{'would cancel' if rec['dry_run'] else 'cancelled'} {len(rec['cancel'])}: "
               + (" ".join(rec["cancel"]) or "-"))
+        for r in rec.get("reclaimed", []):
+            print(f"reclaimed job {r['job']} of {short_name(r['donor'])} ({r['gpu']}) for "
+                  + ", ".join(short_name(m) for m in r["for"]))
+        for h in rec.get("held", []):
+            what = " ".join(h["jobs"]) if h["action"] == "cancel" else f"{h['count']} x {h['key'][1]} tp{h['key'][2]}"
+            print(f"held {h['action']} of {short_name(h['model'])} ({what}): {h['why']}")
     return 0
+
+
+def cron_reclaim(scenario, args):
+    """The CronReclaim of a plan run: capacities of whatever is live (the candidates' figures,
+    else the simulator's, else 0), load times from the model configs."""
+    caps, loads = {}, {}
+
+    def capacity_of(key):
+        if key not in caps:
+            try:
+                cand = _capacity_for(scenario, key, args.capacity) if key[0] in scenario["models"] else None
+            except (ValueError, KeyError, ZeroDivisionError):
+                cand = None
+            caps[key] = cand.capacity_rps if cand else 0.0
+        return caps[key]
+
+    def load_s(model):
+        if model not in loads:
+            try:
+                loads[model] = load_time_s(scenario["models"][model])
+            except (ValueError, KeyError):
+                loads[model] = LOAD_FIXED_S
+        return loads[model]
+
+    if args.cooldown < 0:
+        raise PlacementError(f"--cooldown {args.cooldown:g}: must be >= 0 seconds")
+    return CronReclaim(args.state_file or default_state_path(args.lock), demand_of(scenario), capacity_of, load_s,
+                       gpu_pool(scenario), cooldown_s=args.cooldown, release_idle=args.release_idle)
 
 
 def cmd_replay(args):

@@ -216,9 +216,7 @@ def fake_ingress():
     stats = {"window_s": 300, "models": {"meta-llama/Llama-2-13b-hf": {
         "requests": 300, "arrival_rate": 12.0, "input_tokens": {"mean": 600, "std": 100},
         "output_tokens": {"mean": 80, "std": 20}}}}
-    registry = {"sessions": [{"session": "s1", "state": "SERVING", "models": ["meta-llama/Llama-2-13b-hf"],
-                              "labels": {"otela.model": "meta-llama/Llama-2-13b-hf",
-                                         "otela.gpu": "A100-80GB-SXM4", "otela.tp": "1"}}]}
+    registry = {"sessions": []}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -234,26 +232,36 @@ def fake_ingress():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://127.0.0.1:{server.server_address[1]}", registry
     finally:
         server.shutdown()
         server.server_close()
 
 
 def test_demand_and_sessions_come_from_the_ingress(fake_ingress, tmp_path):
+    url, registry = fake_ingress
     inv = tmp_path / "inv.json"
     inv.write_text(json.dumps({"gpus": [{"type": "A100-80GB-SXM4", "count": 4, "per_node": 4, "gres": ""}]}))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--from-ingress", fake_ingress,
-                          "--inventory", str(inv), "--emit-sbatch", str(tmp_path / "jobs"), "--lock",
-                          str(tmp_path / "lock"), "--sbatch-var", "KEY_FILE=k", "--sbatch-var", "BOOTSTRAP=b:1",
-                          "--json"], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PATH="/nonexistent"))  # no squeue: a dry run compares with nothing
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
-    want = sum(r["instances"] for r in doc["ours"]["placement"])
-    assert want >= 1 and doc["ours"]["placement"][0]["model"] == "meta-llama/Llama-2-13b-hf"
-    # the live labelled session counts as one instance already there
-    assert len(doc["reconcile"]["submit"]) == want - 1
+
+    def plan():
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--from-ingress", url,
+                              "--inventory", str(inv), "--emit-sbatch", str(tmp_path / "jobs"), "--lock",
+                              str(tmp_path / "lock"), "--sbatch-var", "KEY_FILE=k", "--sbatch-var", "BOOTSTRAP=b:1",
+                              "--json"], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PATH="/nonexistent"))  # no squeue: a dry run compares with nothing
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    first = plan()
+    row = first["ours"]["placement"][0]
+    assert row["model"] == "meta-llama/Llama-2-13b-hf" and len(first["reconcile"]["submit"]) == row["instances"]
+    # a live session labelled with the planned (model, gpu, tp) counts as one instance already there
+    registry["sessions"].append({"session": "s1", "state": "SERVING", "models": [row["model"]],
+                                 "labels": {"otela.model": row["model"], "otela.gpu": row["gpu"],
+                                            "otela.tp": str(row["tp"])}})
+    second = plan()
+    assert second["ours"]["placement"][0] == row
+    assert len(second["reconcile"]["submit"]) == row["instances"] - 1
 
 
 def test_an_unreachable_ingress_is_a_one_line_error(tmp_path):
