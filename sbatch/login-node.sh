@@ -1,18 +1,22 @@
 #!/bin/bash
-# login-node.sh — keep an otela ingress (or relay) running on a login node, and run the
+# login-node.sh — keep an otela ingress running on a login node, and run the
 # placer, without root and without systemd. Cron-friendly: `start` does nothing when the
 # process in the pid file is alive, so a crontab line restarts it after a reboot or a crash:
 #
 #   */5 * * * *  $HOME/otela/sbatch/login-node.sh ingress start
 #   */5 * * * *  $HOME/otela/sbatch/login-node.sh place          # plan + reconcile Slurm jobs
 #
-# Usage: login-node.sh ingress|relay start|stop|status
+# `place` keeps its reclamation state (demand history, cooldowns) in $OTELA_STATE/place-state.json,
+# next to its lock; add --no-reclaim to reconcile to each plan at once.
+#
+# Usage: login-node.sh ingress start|stop|status
 #        login-node.sh place [extra otela_place.py plan flags]
 # Environment (defaults in brackets):
 #   OTELA_DIR    the otela checkout [this script's parent]
 #   OTELA_STATE  key, database, pid files and logs [~/.otela]
 #   OTELA_LISTEN ingress HTTP address [0.0.0.0:8080]   OTELA_GOSSIP gossip address [0.0.0.0:7946]
-#   OTELA_BOOTSTRAP other ingresses/relays to join [none: a new overlay]
+#   OTELA_BOOTSTRAP other ingresses to join [none: a new overlay]
+# (A NAT relay role is a future issue: otela_node.py has no relay mode yet.)
 #   PYTHON       interpreter [python3]
 set -euo pipefail
 
@@ -23,6 +27,10 @@ LISTEN=${OTELA_LISTEN:-0.0.0.0:8080}
 GOSSIP=${OTELA_GOSSIP:-0.0.0.0:7946}
 role=${1:-}
 action=${2:-start}
+if [[ $role == relay ]]; then
+  echo "login-node.sh: relay is not available yet (otela_node.py has no relay mode; NAT relay is a future issue)" >&2
+  exit 2
+fi
 mkdir -p "$STATE/logs"
 [[ -f $STATE/cluster.key ]] || "$PYTHON" "$OTELA_DIR/otela_node.py" keygen --out "$STATE"
 
@@ -33,11 +41,6 @@ case $role in
     cmd=("$PYTHON" "$OTELA_DIR/otela_ingress.py" serve --key-file "$STATE/cluster.key"
          --listen "$LISTEN" --gossip "$GOSSIP" --db "$STATE/usage.sqlite")
     ;;
-  relay)
-    # a public member that private compute nodes keep an outbound connection to
-    cmd=("$PYTHON" "$OTELA_DIR/otela_node.py" start --relay --key-file "$STATE/cluster.key"
-         --gossip "$GOSSIP" --listen "$LISTEN")
-    ;;
   place)
     shift || true
     # --lock keeps two cron runs apart; the ingress gives demand and live sessions
@@ -46,7 +49,7 @@ case $role in
       --sbatch-var "KEY_FILE=$STATE/cluster.key" --sbatch-var "BOOTSTRAP=$(hostname -f):${GOSSIP##*:}" \
       --sbatch-var "LOG_DIR=$STATE/logs" "$@"
     ;;
-  *) echo "usage: $0 ingress|relay start|stop|status | place [plan flags]" >&2; exit 2 ;;
+  *) echo "usage: $0 ingress start|stop|status | place [plan flags]" >&2; exit 2 ;;
 esac
 [[ -n ${OTELA_BOOTSTRAP:-} ]] && cmd+=(--bootstrap "$OTELA_BOOTSTRAP")
 

@@ -89,6 +89,42 @@ def test_rendered_script_hands_the_node_exactly_the_planned_values(tmp_path):
                       "otela.gpu=A100-80GB-SXM4", "otela.tp=4"]
 
 
+def login_node(tmp_path, *args):
+    """Run sbatch/login-node.sh with stand-ins for otela_node.py and otela_place.py that
+    print their argv, and a fresh state directory."""
+    otela = tmp_path / "otela"
+    (otela / "sbatch").mkdir(parents=True, exist_ok=True)
+    shutil.copy(os.path.join(SBATCH, "login-node.sh"), otela / "sbatch" / "login-node.sh")
+    for name in ("otela_node.py", "otela_place.py", "otela_ingress.py"):
+        (otela / name).write_text("import json, sys\nprint(json.dumps(sys.argv))\n")
+    env = dict(os.environ, OTELA_STATE=str(tmp_path / "state"), PYTHON=sys.executable, OTELA_LISTEN="127.0.0.1:8089")
+    return subprocess.run(["bash", str(otela / "sbatch" / "login-node.sh"), *args], capture_output=True, text=True,
+                          timeout=30, env=env)
+
+
+def test_login_node_relay_is_refused_in_one_line_and_touches_nothing(tmp_path):
+    out = login_node(tmp_path, "relay", "start")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("login-node.sh: relay is not available yet (otela_node.py has no relay mode; "
+                          "NAT relay is a future issue)\n")
+    assert not (tmp_path / "state").exists()
+
+
+def test_login_node_unknown_role_prints_usage(tmp_path):
+    out = login_node(tmp_path, "bogus")
+    assert out.returncode == 2 and out.stderr.startswith("usage: ") and "relay" not in out.stderr
+
+
+def test_login_node_place_runs_the_cron_plan_with_lock_and_state_next_to_it(tmp_path):
+    out = login_node(tmp_path, "place", "--cooldown", "300")
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(out.stdout.strip().splitlines()[-1])
+    state = str(tmp_path / "state")
+    assert argv[1:4] == ["plan", "--from-ingress", "http://127.0.0.1:8089"]
+    assert "--submit" in argv and argv[argv.index("--lock") + 1] == state + "/place.lock"
+    assert argv[argv.index("--emit-sbatch") + 1] == state + "/jobs" and argv[-2:] == ["--cooldown", "300"]
+
+
 def test_kubernetes_manifest_runs_the_same_node_with_a_grace_period():
     with open(os.path.join(SBATCH, "k8s-node.yaml")) as f:
         text = f.read()
