@@ -63,7 +63,7 @@ def plan(tmp_path, ingress, rate):
     path.write_text(json.dumps(scenario))
     argv = [PY, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario", str(path),
             "--template", "llamacpp", "--emit-sbatch", str(tmp_path / "jobs"), "--submit",
-            "--lock", str(tmp_path / "lock"), "--json"]
+            "--lock", str(tmp_path / "lock"), "--cooldown", "0", "--json"]  # demand gone: scale to zero at once
     for k, v in {"ENGINE_CMD": engine_command(), "MODEL_FILE": "-", "PYTHON": PY, "OTELA_DIR": ROOT,
                  "KEY_FILE": ingress["key"], "BOOTSTRAP": ingress["gossip"], "LISTEN_HOST": "127.0.0.1",
                  "LOG_DIR": str(tmp_path / "logs")}.items():

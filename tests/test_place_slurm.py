@@ -69,18 +69,28 @@ def _cancel_ours():
             time.sleep(0.2)
 
 
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 128, "vocab_size": 1000}
+
+
 def scenario(tmp_path, rate):
+    """rate: req/s of the model "tiny", or {model: req/s}; every model serves 1 req/s per slot."""
+    rates = rate if isinstance(rate, dict) else {"tiny": rate}
     doc = {"gpus": [{"type": "slot", "count": 2, "per_node": 2}],
-           "models": {"tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                               "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 1000}},
-           "workload": [{"model": "tiny", "rate_rps": rate, "input": {"mean": 50}, "output": {"mean": 20}}],
-           "measured_instance_capacity_rps": {"tiny": {"tp": 1, "slot": 1.0}}}
-    path = tmp_path / f"scenario-{rate}.json"
+           "models": {m: TINY for m in rates},
+           "workload": [{"model": m, "rate_rps": r, "input": {"mean": 50}, "output": {"mean": 20}}
+                        for m, r in rates.items()],
+           "measured_instance_capacity_rps": {m: {"tp": 1, "slot": 1.0} for m in rates}}
+    path = tmp_path / "scenario.json"
     path.write_text(json.dumps(doc))
     return str(path)
 
 
-def plan(tmp_path, rate, submit=True):
+# no cooldown, surplus handed back at once: the reconcile arithmetic alone
+AT_ONCE = ("--cooldown", "0", "--release-idle")
+
+
+def plan(tmp_path, rate, submit=True, extra=AT_ONCE):
     inv = tmp_path / "inventory.json"
     inv.write_text(json.dumps({"gpus": [{"type": "slot", "count": 2, "per_node": 2, "gres": ""}]}))
     tpl = tmp_path / "sleep.sbatch"
@@ -88,7 +98,8 @@ def plan(tmp_path, rate, submit=True):
     argv = [sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario", scenario(tmp_path, rate),
             "--inventory", str(inv), "--template", str(tpl), "--emit-sbatch", str(tmp_path / "jobs"),
             "--lock", str(tmp_path / "lock"), "--sbatch-var", f"LOG_DIR={tmp_path / 'logs'}", "--json"]
-    out = subprocess.run(argv + (["--submit"] if submit else []), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(argv + list(extra) + (["--submit"] if submit else []), capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["reconcile"]
 
@@ -126,6 +137,38 @@ def test_reconcile_submits_once_then_nothing_then_cancels_the_surplus(slurm, tmp
             break
         time.sleep(0.2)
     assert [j["id"] for j in our_jobs()] == [min(first["submitted"], key=int)]
+
+
+def _wait(predicate, what, tries=150):
+    for _ in range(tries):
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(what)
+
+
+def test_reclamation_moves_a_cold_models_slot_to_a_starved_one_after_the_cooldown(slurm, tmp_path):
+    _cancel_ours()
+    cooldown = ("--cooldown", "2")
+    first = plan(tmp_path, {"cold": 1.5}, extra=cooldown)  # 2 instances fill both slots
+    assert len(first["submitted"]) == 2
+    _wait(lambda: [j["state"] for j in our_jobs()] == ["RUNNING"] * 2, "cold jobs did not start")
+    # cold falls to 0.3 req/s, hot asks 1.5: the plan gives each one slot. hot's job is
+    # queued at once and pends; cold keeps both slots while its cooldown runs.
+    shift = {"cold": 0.3, "hot": 1.5}
+    held = plan(tmp_path, shift, extra=cooldown)
+    assert len(held["submitted"]) == 1 and held["cancelled"] == [] and held["reclaimed"] == []
+    assert held["held"][0]["model"] == "cold" and "cooldown" in held["held"][0]["why"]
+    hot = held["submitted"][0]
+    assert {j["id"]: j["state"] for j in our_jobs()}[hot] == "PENDING"
+    time.sleep(2.5)
+    moved = plan(tmp_path, shift, extra=cooldown)
+    assert moved["submitted"] == [] and len(moved["reclaimed"]) == 1
+    assert moved["reclaimed"][0]["donor"] == "cold" and moved["reclaimed"][0]["for"] == ["hot"]
+    assert moved["cancelled"] == [max(first["submitted"], key=int)]
+    _wait(lambda: {j["id"]: j["state"] for j in our_jobs()}.get(hot) == "RUNNING", "hot's job did not start")
+    assert sorted(j["key"][0] for j in our_jobs()) == ["cold", "hot"]
+    assert plan(tmp_path, shift, extra=cooldown)["cancelled"] == []  # steady: nothing more moves
 
 
 def test_a_dry_run_against_real_slurm_changes_nothing(slurm, tmp_path):
