@@ -10,7 +10,8 @@ Data flow.
     GPU table + model table (or a Hugging Face config)        -> GPU, Model
     per-layer operators (QKV, attention with grouped KV heads, output projection, gated MLP
     or experts, norms, lm_head, tensor-parallel all-reduce)  -> StepCost: seconds for a
-    forward pass of T tokens; each operator costs max(ops / peak*eff, bytes / bw*eff)
+    forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
+    smooth roofline between max() and the sum (fitted exponent roofline_p)
     StepCost + memory (weights/tp + KV cache)                -> estimate(), max_batch()
     StepCost + a workload (arrivals, lengths) + a placement  -> replay(): continuous batching
                                                                 under a KV-cache limit
@@ -64,6 +65,8 @@ RUNTIME_RESERVE_GB = 1.5
 MAX_NUM_SEQS = 256
 MIN_BATCHED_TOKENS = 2048
 KV_WATERMARK = 0.01
+# Smooth-roofline exponents at or above this are the ideal roofline max(compute, memory).
+ROOFLINE_MAX_P = 50.0
 # Sarathi / vLLM chunked-prefill token budget per step when chunked prefill is turned on.
 CHUNK_TOKENS = 2048
 # Activations are kept in 16-bit even for FP8 weights (FP8 GEMMs take 16-bit inputs scaled).
@@ -75,16 +78,17 @@ KV_TRANSFER_GBps = 25.0
 
 # --- calibration (written by `python3 otela_sim.py calibrate --write`; do not edit by hand) ---
 CALIBRATION = {
-    "eff_gemm": 0.6599,
-    "eff_gemm_fp8": 0.555,
-    "eff_attn": 1.0,
+    "eff_gemm": 0.8289,
+    "eff_gemm_fp8": 0.616,
+    "eff_attn": 0.4303,
     "eff_mem": 1.0,
-    "eff_comm": 0.5808,
-    "allreduce_latency_us": 30.902,
-    "gqa_reread": 0.4407,
-    "overhead_ms": {"trtllm": 6.2021, "gptfast": 0.0, "vllm": 2.0784},
+    "eff_comm": 0.8726,
+    "allreduce_latency_us": 18.146,
+    "gqa_reread": 0.47,
+    "overhead_ms": {"trtllm": 3.4093, "gptfast": 0.6564, "vllm": 0.0032},
     "per_seq_overhead_ms": {"trtllm": 0.0, "gptfast": 0.0, "vllm": 0.0},
-    "engine_eff": {"trtllm": 1.0, "gptfast": 0.7356, "vllm": 0.8791},
+    "engine_eff": {"trtllm": 1.0, "gptfast": 0.7335, "vllm": 0.8672},
+    "roofline_p": 1.0018,
 }
 # --- end calibration ---
 
@@ -366,7 +370,8 @@ class StepCost:
     A step processes T tokens through the linear layers; decode requests read their whole KV
     context (C tokens summed over requests), prefill chunks attend over query-key pairs (P);
     lm_head runs for the rows that produce a token. Each operator costs
-    max(flops / (peak * eff), bytes / (bandwidth * eff)); the sum is per layer, times layers.
+    roof(flops / (peak * eff), bytes / (bandwidth * eff)) (a smooth roofline, see roofline_p);
+    the sum is per layer, times layers.
     """
 
     def __init__(self, model, gpu, tp=1, dtype=None, engine="vllm", cal=None):
@@ -429,17 +434,33 @@ class StepCost:
         self.kv_bytes_per_token = L * 2 * kv * wb
         self.act_per_token = (4 * h + q + 2 * kv + 2 * inter * max(1, m.top_k)) * ACT_BYTES
         self._alpha = {}
-        self.beta = L * max(self.attn_flops / self.pa, self.kv_read / self.bm)
+        # compute and memory traffic of one kernel overlap imperfectly: a smooth roofline
+        # (c^p + m^p)^(1/p) instead of max(c, m); p -> infinity is the ideal roofline. Where the
+        # two are balanced (prefill of a short prompt, large decode batches) a kernel runs at
+        # neither bound; fitted (roofline_p), and max() above ROOFLINE_MAX_P. The fit lands at
+        # p ~ 1 (time = compute + memory): the 7B TTFT rows at 128 and 2048 tokens on A100 FP16
+        # and H100 FP8 cannot share one fixed step overhead under max() (it would have to be
+        # ~8 ms on A100 and ~5 ms on H100), and can under the sum (H100/A100 within 4% on both).
+        p = cal.get("roofline_p", ROOFLINE_MAX_P)
+        if p >= ROOFLINE_MAX_P:
+            self.roof = max
+        else:
+            inv = 1.0 / p
+
+            def roof(c, m, p=p, inv=inv):
+                return (c ** p + m ** p) ** inv if c > 0 and m > 0 else c + m
+            self.roof = roof
+        self.beta = L * self.roof(self.attn_flops / self.pa, self.kv_read / self.bm)
 
     # --- the operators -----------------------------------------------------------------------
     def _linear(self, T):
-        pc, bm, wb = self.pc, self.bm, self.wb
+        pc, bm, wb, roof = self.pc, self.bm, self.wb, self.roof
         t = 0.0
         for w, act in self.linears:
-            t += max(2 * w * T / pc, (w * wb + act * T) / bm)
+            t += roof(2 * w * T / pc, (w * wb + act * T) / bm)
         if self.experts:
             touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
-            t += max(2 * self.expert_w * self.top_k * T / pc,
+            t += roof(2 * self.expert_w * self.top_k * T / pc,
                      (touched * self.expert_w * wb + self.expert_act * T) / bm)
         return t
 
@@ -451,7 +472,7 @@ class StepCost:
     def _lm_head(self, n):
         if n <= 0:
             return 0.0
-        return max(2 * self.lm_w * n / self.pc, (self.lm_w * self.wb + self.lm_act * n) / self.bm) + \
+        return self.roof(2 * self.lm_w * n / self.pc, (self.lm_w * self.wb + self.lm_act * n) / self.bm) + \
             (self.ar_lat if self.ar_lat else 0.0)
 
     def step(self, tokens, seqs, decode_ctx=0.0, prefill_pairs=0.0, prefill_tokens=0):
@@ -460,7 +481,7 @@ class StepCost:
         `prefill_pairs` query-key pairs of `prefill_tokens` prompt tokens."""
         per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
         if prefill_tokens:
-            per_layer += max(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
+            per_layer += self.roof(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
         return self.layers * per_layer + self._lm_head(seqs) + self.overhead + self.per_seq * seqs
 
     def decode_alpha(self, n):
@@ -1075,6 +1096,27 @@ def _fill_request_counts(rows):
     return rows
 
 
+# The H100-class / A100 ratio target (issue 5: within 6%) is met on five of the six pairs; the
+# sixth, otela_34b_gh200 / otela_34b_a100 (measured 4.7865 / 1.4947 = 3.202), is inconsistent
+# with the same calculator's 13B and 70B pairs under any model whose efficiencies do not depend
+# on the model, and is left as a known miss (no per-row factor). The arithmetic:
+#  1. Peak bound. Every operator runs at most max(989.4/312, 4.0/2.039) = max(3.171, 1.962)
+#     = 3.171 times faster on GH200 than on A100 at equal efficiency; per-step overheads (equal
+#     on both) only pull the ratio towards 1. The measured 3.202 is above 3.171, so only a
+#     memory-capacity effect (smaller A100 batches, recomputed preemptions) could explain it.
+#  2. Achieved share of dense FP16 peak, useful linear FLOPs 2*params*(mean input + mean
+#     output) per request, divided by tp: 13B (tp 1) A100 0.283, GH200 0.223 (GH200/A100 0.79);
+#     70B (tp 4) 0.398, 0.315 (0.79); 34B (tp 2) 0.275, 0.278 (1.01). The 34B workload has the
+#     largest memory-bound decode share (532 output tokens per request against 74 and 64), which
+#     can only lower GH200's share relative to A100 (bandwidth ratio 1.96 < 3.17), not raise it.
+#  3. Capacity. The 34B A100 side is the same tp (2, both yaml files of the OpenTela
+#     experiment) and KV-bound (~354k tokens at 0.9 utilisation against ~500k on GH200, 96 GB),
+#     and the replay already models it. Shrinking the usable memory of both GPUs to make the
+#     A100 side starve (0.90 -> 0.75 -> 0.65 of device memory) moves the 34B ratio error only
+#     from -27% to -23% to -21% while the 70B ratio error goes from +0.5% to +5% to +40% and
+#     the 13B rows fall 14%; at 0.60 the 70B no longer fits on 4 A100s. max_num_seqs 256 -> 1024
+#     moves 34B GH200 by +4 points and 70B GH200 by +16 points (1500-request replays).
+# So a term large enough to close -26% on 34B breaks the 13B and 70B pairs that it must keep.
 def _ratio_pairs(rows):
     """Pairs (A100 row, H100-class row) measuring the same thing on both GPU families."""
     def family(g):
@@ -1116,10 +1158,11 @@ def validate(rows=None, cal=None, quick=False):
 
 
 # Fitted parameters: name -> (low, high). Static rows fit the kernels; the replay rows then
-# fit vLLM's own step overheads.
+# fit vLLM's own step overheads. The loss also counts each H100-class / A100 ratio among the
+# fitted rows as one more error (its own target).
 _FIT_KERNELS = {"eff_gemm": (0.2, 1.0), "eff_gemm_fp8": (0.1, 1.0), "eff_attn": (0.1, 1.0),
                 "eff_mem": (0.3, 1.0), "eff_comm": (0.1, 1.0), "allreduce_latency_us": (2.0, 100.0),
-                "gqa_reread": (0.0, 1.0), "overhead_ms.trtllm": (0.0, 30.0), "overhead_ms.gptfast": (0.0, 10.0),
+                "gqa_reread": (0.0, 1.0), "roofline_p": (1.0, ROOFLINE_MAX_P), "overhead_ms.trtllm": (0.0, 30.0), "overhead_ms.gptfast": (0.0, 10.0),
                 "engine_eff.gptfast": (0.5, 1.5)}
 _FIT_VLLM = {"engine_eff.vllm": (0.5, 1.5), "overhead_ms.vllm": (0.0, 60.0),
              "per_seq_overhead_ms.vllm": (0.0, 1.0)}
@@ -1184,7 +1227,7 @@ def _loss(errors):
     return sum(x * x + 10 * max(0.0, x - 0.2) ** 2 for x in logs) / len(logs)
 
 
-def _fit(rows, cal, bounds, iters, restarts=3):
+def _fit(rows, cal, bounds, iters, restarts=3, quick=False):
     names = list(bounds)
 
     def unpack(x):
@@ -1198,12 +1241,16 @@ def _fit(rows, cal, bounds, iters, restarts=3):
             out.append(math.log(p / (1 - p)))
         return out
 
+    pairs = [(rows.index(a), rows.index(b)) for a, b in _ratio_pairs(rows)]
+
     def f(x):
         c = _with(cal, names, unpack(x))
         try:
-            return _loss([predict_row(r, c) / float(r["value"]) - 1 for r in rows])
+            ratios = [predict_row(r, c, quick) / float(r["value"]) for r in rows]
         except SimError:
             return 1e9
+        # the H100-class / A100 ratio is a target of its own: weigh its error like a row's
+        return _loss([q - 1 for q in ratios] + [ratios[b] / ratios[a] - 1 for a, b in pairs])
     x, best = _nelder_mead(f, pack([_get(cal, n) for n in names]), iters=iters)
     for _ in range(restarts):            # restart from the optimum: Nelder-Mead stalls in 10 dimensions
         x, val = _nelder_mead(f, x, step=0.3, iters=iters)

@@ -250,6 +250,50 @@ def test_h100_class_to_a100_ratios_are_checked_on_every_pair_measured_on_both(va
     assert len(pairs) == 6
 
 
+# Every H100-class / A100 pair of the calibration set but one meets the 6% target; the
+# 34B pair is inconsistent with the 13B and 70B pairs of the same source (arithmetic beside
+# _ratio_pairs in otela_sim.py) and stays reported, not fudged.
+RATIO_PAIRS_MET = ["trt05_h100_7b_ttft128/trt05_a100_7b_ttft128", "trt05_h100_7b_ttft2048/trt05_a100_7b_ttft2048",
+                   "trt05_h100_70b_ttft2048/trt05_a100_70b_ttft2048", "otela_13b_gh200/otela_13b_a100",
+                   "otela_70b_gh200/otela_70b_a100"]
+
+
+@pytest.mark.parametrize("pair", RATIO_PAIRS_MET)
+def test_h100_class_to_a100_ratio_is_within_six_percent(validation, pair):
+    ratio = {r["pair"]: r for r in validation["ratios"]}[pair]
+    assert abs(ratio["error"]) <= 0.06, ratio
+
+
+def test_the_inconsistent_34b_ratio_is_still_reported_and_exceeds_the_peak_flops_ratio(validation):
+    ratio = {r["pair"]: r for r in validation["ratios"]}["otela_34b_gh200/otela_34b_a100"]
+    gh200, a100 = sim.GPUS["GH200-96GB"], sim.GPUS["A100-80GB-SXM4"]
+    bound = max(gh200.fp16_tflops / a100.fp16_tflops, gh200.mem_bw_TBps / a100.mem_bw_TBps)
+    assert ratio["measured"] > bound          # beyond any equal-efficiency roofline
+    assert ratio["predicted"] < bound
+
+
+def test_smooth_roofline_lies_between_the_bound_and_the_sum_of_compute_and_memory():
+    m, gpu = sim.MODELS["llama-2-7b"], sim.GPUS["A100-80GB-SXM4"]
+    ideal = sim.StepCost(m, gpu, 1, cal=IDEAL)
+    added = sim.StepCost(m, gpu, 1, cal=dict(IDEAL, roofline_p=1.0))
+    smooth = sim.StepCost(m, gpu, 1, cal=dict(IDEAL, roofline_p=2.0))
+    assert ideal.roof(3.0, 4.0) == 4.0 and added.roof(3.0, 4.0) == pytest.approx(7.0)
+    assert smooth.roof(3.0, 4.0) == pytest.approx(5.0)
+    for T in (1, 128, 2048):
+        assert ideal._linear(T) < smooth._linear(T) < added._linear(T)
+    bw, peak = gpu.mem_bw_TBps * 1e12, gpu.fp16_tflops * 1e12
+    assert added._linear(128) == pytest.approx(sum(2 * w * 128 / peak + (w * 2 + act * 128) / bw
+                                                   for w, act in added.linears))
+
+
+def test_fp8_on_hopper_halves_weight_and_kv_bytes_and_doubles_the_gemm_peak():
+    m, gpu = sim.MODELS["llama-2-7b"], sim.GPUS["H100-SXM5-80GB"]
+    fp16, fp8 = sim.StepCost(m, gpu, 1, cal=IDEAL), sim.StepCost(m, gpu, 1, dtype="fp8", cal=IDEAL)
+    assert fp8.kv_bytes_per_token == fp16.kv_bytes_per_token / 2
+    assert fp8.weights_bytes == fp16.weights_bytes / 2
+    assert fp8.pc == pytest.approx(2 * fp16.pc, rel=1e-3) and fp8.pa == fp16.pa
+
+
 def test_calibrate_improves_a_deliberately_bad_calibration():
     rows = [r for r in sim.load_calibration(DATA / "measured_calibration.csv") if r["engine"].startswith("gpt-fast")]
     bad = json.loads(json.dumps(sim.CALIBRATION))
