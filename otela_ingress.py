@@ -278,7 +278,7 @@ _INSERT_REQUESTS = (
     "{10}, {11} FROM json_each(?) WHERE {12} = 1").format(*(_ROW.format(i) for i in range(13)))
 _INSERT_DAILY = (
     "INSERT INTO daily SELECT date({0}, 'unixepoch') AS d, {2} AS u, {3} AS m, count(*), sum({6} >= 400), "
-    "sum({12} = 0), sum({7}), sum({8}) FROM json_each(?) WHERE true GROUP BY d, u, m "
+    "sum({12} = 0), total({7}), total({8}) FROM json_each(?) WHERE true GROUP BY d, u, m "
     "ON CONFLICT(day, user, model) DO UPDATE SET requests=requests+excluded.requests, "
     "errors=errors+excluded.errors, opted_out=opted_out+excluded.opted_out, "
     "prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
@@ -493,7 +493,7 @@ class UsageStats:
         self.window = window
         self._samples: Dict[str, collections.deque] = {}
 
-    def add(self, model: str, now: float, prompt_tokens: int, completion_tokens: int) -> None:
+    def add(self, model: str, now: float, prompt_tokens: Optional[int], completion_tokens: int) -> None:
         samples = self._samples.get(model)
         if samples is None:
             samples = self._samples[model] = collections.deque(maxlen=STATS_MAX_SAMPLES)
@@ -510,8 +510,9 @@ class UsageStats:
             # a younger history than the window would underestimate the rate
             span = max(1.0, min(self.window, now - samples[0][0])) if n < samples.maxlen else \
                 max(1e-3, now - samples[0][0])
+            known_inputs = [s[1] for s in samples if s[1] is not None]
             models[model] = {"requests": n, "arrival_rate": n / span,
-                             "input_tokens": _mean_std([s[1] for s in samples]),
+                             "input_tokens": _mean_std(known_inputs) if known_inputs else None,
                              "output_tokens": _mean_std([s[2] for s in samples])}
         return {"window_s": self.window, "models": models}
 
@@ -833,10 +834,10 @@ class StreamWatch:
     def tokens(self) -> Tuple[int, int]:
         """(prompt, completion): the engine's usage, or for an engine that ignores
         stream_options (llama-cpp-python), one completion token per chunk with text and an
-        unknown (0) prompt."""
+        unknown prompt (None: NULL in the ledger, left out of the token statistics)."""
         if self.saw_usage:
             return self.prompt_tokens, self.completion_tokens
-        return 0, self.events
+        return None, self.events
 
     def feed(self, piece: bytes) -> bytes:
         if self.carry:
@@ -1833,7 +1834,7 @@ async function refresh() {
     fill("stats", Object.entries(stats.models || {}).map(([m, s]) => {
       const tr = document.createElement("tr");
       cell(tr, m); cell(tr, s.requests); cell(tr, fmt(s.arrival_rate));
-      cell(tr, fmt(s.input_tokens.mean) + " \\u00b1 " + fmt(s.input_tokens.std));
+      cell(tr, s.input_tokens ? fmt(s.input_tokens.mean) + " \\u00b1 " + fmt(s.input_tokens.std) : "unknown");
       cell(tr, fmt(s.output_tokens.mean) + " \\u00b1 " + fmt(s.output_tokens.std));
       return tr;
     }));

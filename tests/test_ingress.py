@@ -603,12 +603,22 @@ def test_stream_watch_estimates_completion_tokens_when_the_engine_sends_no_usage
     chat = (b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
             + b'data: {"choices":[{"delta":{"content": "tok"}}]}\n\n' * 3
             + b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
-    assert watch.feed(chat) == chat and watch.tokens() == (0, 3)
+    assert watch.feed(chat) == chat and watch.tokens() == (None, 3)
     watch = StreamWatch(strip=True)
     text = b'data: {"choices":[{"text":"a"}]}\n\n' * 2 + b'data: {"choices":[{"text":""}]}\n\n'
-    assert watch.feed(text) == text and watch.tokens() == (0, 2)
+    assert watch.feed(text) == text and watch.tokens() == (None, 2)
 
 
 def test_a_second_ingress_on_the_same_ledger_is_refused(stack):
     with pytest.raises(ValueError, match="another running ingress"):
         otela_ingress.Ledger(stack.db_path, lambda keys: None)
+
+
+def test_usage_stats_leave_unknown_prompt_sizes_out_of_the_input_statistics():
+    stats = otela_ingress.UsageStats(window=60)
+    stats.add("m", 100.0, None, 5)
+    assert stats.view(101.0)["models"]["m"]["input_tokens"] is None
+    stats.add("m", 101.0, 10, 7)
+    view = stats.view(102.0)["models"]["m"]
+    assert view["input_tokens"] == {"mean": 10.0, "std": 0.0}
+    assert view["output_tokens"] == {"mean": 6.0, "std": 1.0} and view["requests"] == 2
