@@ -8,7 +8,8 @@ Operators run it from cron on a login node. One run:
     per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC)
                                                                    ▼
     placement: [{model, gpu, tp, instances, weight}]  ──▶ replay (otela_sim) / reconcile
-    reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference
+    reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
+               held back by dynamic reclamation (cooldown, hysteresis; state file next to the lock)
 
 The placement objective, in order (lexicographic, three solves):
   1. the highest worst-case ratio of capacity to demand across models (capped at HEADROOM:
@@ -1201,7 +1202,7 @@ def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions
 #   - hysteresis: low < high watermarks, and no scale-down within a cooldown of the model's
 #     last change, so a model does not flap between bursts.
 # The class is pure (demand and a clock in, decisions out); replay_trace drives it over a
-# synthetic bursty trace and reconcile could drive it from cron with a state file.
+# synthetic bursty trace; CronReclaim (next section) applies the same rules from cron.
 
 
 class Reclaimer:
