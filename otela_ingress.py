@@ -1918,7 +1918,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     db_help = f"SQLite file with keys and the usage ledger (env OTELA_DB, default {DEFAULT_DB})"
 
-    serve = sub.add_parser("serve", help="join the overlay and serve the OpenAI API on --listen")
+    serve = sub.add_parser("serve", help="join the overlay and serve the OpenAI API on --listen",
+                           description="Join the overlay (--key-file, --bootstrap, --gossip) and serve the "
+                                       "OpenAI API, /v1/registry, /v1/usage, /metrics and /dashboard on "
+                                       "--listen. Keys come from `keys create` in the same --db.")
     if overlay:
         import otela_node
         otela_node.add_overlay_args(serve)
