@@ -10,7 +10,7 @@ server-sent event streams. Every finished request becomes a row of the usage led
 
 Data flow:
     client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
-        --> policy.pick --> upstream pool --h11--> node tunnel --> engine
+        --> policy.pick --> upstream pool --HTTP/1.1--> node tunnel --> engine
         <-- response relayed (retried on another session if nothing was sent yet)
         --> usage journal (one write() before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
@@ -20,8 +20,9 @@ row (the request is still counted per day), `X-Otela-No-Track: 1`; responses car
 `X-Otela-Session: <session id>` naming the session that served them.
 
 What this file must never do:
-  1. Block the event loop: no SQLite, no DNS, no file I/O on the request path (keys are read
-     by the ledger thread and swapped in; usage queries run in an executor).
+  1. Block the event loop: no SQLite, no DNS, no file I/O on the request path but the one
+     append to the usage journal (keys are read by the ledger thread and swapped in; usage
+     queries run in an executor).
   2. Re-serialise what it relays: the request body is forwarded verbatim (one exception: a
      stream gets `stream_options.include_usage` so its tokens can be counted, and the
      usage-only chunk the client did not ask for is removed); SSE chunks are relayed as bytes.
@@ -245,7 +246,7 @@ def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bo
 
 
 # ---------------------------------------------------------------------------------------------
-# Usage ledger (SQLite WAL, one writer thread) and live usage statistics
+# Usage ledger (journal + SQLite WAL, one writer thread) and live usage statistics
 # ---------------------------------------------------------------------------------------------
 class UsageRow:
     """One finished request, as the ledger stores it (a journal line is its JSON array)."""
@@ -883,7 +884,7 @@ class StreamWatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# Upstream: one keep-alive pool per provider address, HTTP/1.1 via h11
+# Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader
 # ---------------------------------------------------------------------------------------------
 class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
