@@ -1452,6 +1452,7 @@ class EngineSupervisor:
         self.config = config
         self.client = EngineClient(engine_url)
         self.health_path = "/health"
+        self.health_route = True                    # False: the engine has no /health route
         self.proc: Optional[asyncio.subprocess.Process] = None
 
     async def spawn(self) -> None:
@@ -1473,6 +1474,18 @@ class EngineSupervisor:
         except EngineError as exc:
             return 0, str(exc)
 
+    async def _liveness(self) -> Tuple[int, str]:
+        """Once ready, an engine without /health is alive while its HTTP server answers at all:
+        probing /v1/models instead would queue behind generations in llama-cpp-python (one
+        lock for every route) and, with its default --interrupt_requests, cut user streams."""
+        if self.health_route:
+            return await self._probe()
+        try:
+            status, _ = await self.client.get("/health", self.config.engine_check_timeout)
+        except EngineError as exc:
+            return 0, str(exc)
+        return (200 if status < 500 else status), f"HTTP {status} on /health"
+
     async def wait_ready(self) -> None:
         """Poll /health (or /v1/models when there is no /health) until 200; log progress."""
         started = time.monotonic()
@@ -1484,6 +1497,7 @@ class EngineSupervisor:
             status, detail = await self._probe()
             if status == 404 and self.health_path == "/health":
                 self.health_path = "/v1/models"     # e.g. engines without a /health route
+                self.health_route = False
                 continue
             if status == 200:
                 log.info("engine ready after %.1f s", time.monotonic() - started)
@@ -1513,7 +1527,7 @@ class EngineSupervisor:
             await asyncio.sleep(self.config.engine_check_interval)
             if not self.alive():
                 return f"engine exited with code {self.proc.returncode}"
-            status, detail = await self._probe()
+            status, detail = await self._liveness()
             failures = 0 if status == 200 else failures + 1
             if failures >= self.config.engine_check_failures:
                 return f"engine failed {failures} health checks ({detail})"

@@ -60,6 +60,7 @@ class FakeEngine:
         self.slow_delay = slow_delay
         self.health = health
         self.requests = 0
+        self.hits = {}                 # path -> number of requests, every route
         self.last_body = b""
         self.server = None
 
@@ -109,6 +110,7 @@ class FakeEngine:
     # -- endpoints --------------------------------------------------------------------------
     async def respond(self, method, path, headers, body, writer) -> bool:
         path = path.split("?", 1)[0]
+        self.hits[path] = self.hits.get(path, 0) + 1
         loading = time.monotonic() < self.ready_at
         if method == "GET" and path == "/health":
             if not self.health:

@@ -153,3 +153,28 @@ def test_on_change_reports_own_updates_and_tunnel_header_is_derived_from_key():
     import hashlib
     import hmac
     assert header == ("x-otela-tunnel", hmac.new(KEY, b"tunnel", hashlib.sha256).hexdigest())
+
+
+def test_engine_without_health_route_is_watched_without_touching_v1_models():
+    async def scenario():
+        port = fake_engine.free_port()
+        engine = await fake_engine.start_fake_engine(port, health=False)
+        cfg = on.Config(key=KEY, engine_check_interval=0.05)
+        supervisor = on.EngineSupervisor(f"true --port {port}", f"http://127.0.0.1:{port}", cfg)
+        supervisor.alive = lambda: True            # the engine runs in-process here
+        try:
+            await supervisor.wait_ready()
+            ready_models = engine.hits.get("/v1/models", 0)
+            health_before = engine.hits.get("/health", 0)
+            watch = asyncio.ensure_future(supervisor.watch())
+            await asyncio.sleep(0.6)
+            assert not watch.done()                 # 404 on /health counts as alive
+            watch.cancel()
+            return ready_models, engine.hits.get("/v1/models", 0), engine.hits["/health"] - health_before
+        finally:
+            supervisor.client.close()
+            await engine.close()
+
+    ready_models, later_models, health_probes = run(scenario())
+    assert later_models == ready_models
+    assert health_probes >= 5
