@@ -261,29 +261,25 @@ class UsageRow:
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         self.latency_ms, self.stream, self.attempts, self.tracked = latency_ms, stream, attempts, tracked
 
-    def line(self) -> bytes:
-        return crdt.dumps([self.ts, self.key_id, self.user, self.model, self.session, self.provider,
-                           self.status, self.prompt_tokens, self.completion_tokens, self.latency_ms,
-                           int(self.stream), self.attempts, int(self.tracked)]) + b"\n"
+    def values(self) -> tuple:
+        """The row as the journal and the requests table take it (tracked last)."""
+        return (self.ts, self.key_id, self.user, self.model, self.session, self.provider, self.status,
+                self.prompt_tokens, self.completion_tokens, self.latency_ms, int(self.stream),
+                self.attempts, int(self.tracked))
 
 
 def _day(ts: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(ts))
 
 
-# A batch of journal lines goes into SQLite as one JSON array parameter: the per-row work runs in
-# SQLite's C code, so the writer thread hardly ever holds the GIL the event loop needs.
-_ROW = "json_extract(value, '$[{}]')"
-_INSERT_REQUESTS = (
-    "INSERT INTO requests SELECT {0}, date({0}, 'unixepoch'), {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, "
-    "{10}, {11} FROM json_each(?) WHERE {12} = 1").format(*(_ROW.format(i) for i in range(13)))
-_INSERT_DAILY = (
-    "INSERT INTO daily SELECT date({0}, 'unixepoch') AS d, {2} AS u, {3} AS m, count(*), sum({6} >= 400), "
-    "sum({12} = 0), total({7}), total({8}) FROM json_each(?) WHERE true GROUP BY d, u, m "
-    "ON CONFLICT(day, user, model) DO UPDATE SET requests=requests+excluded.requests, "
-    "errors=errors+excluded.errors, opted_out=opted_out+excluded.opted_out, "
-    "prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
-    "completion_tokens=completion_tokens+excluded.completion_tokens").format(*(_ROW.format(i) for i in range(13)))
+# One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
+# (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
+_INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
+                    "?10, ?11, ?12 WHERE ?13")
+_INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
+                 "requests=requests+excluded.requests, errors=errors+excluded.errors, "
+                 "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
+                 "completion_tokens=completion_tokens+excluded.completion_tokens")
 
 
 class Ledger:
@@ -292,7 +288,7 @@ class Ledger:
     Theory of operation. When a request completes, the event loop appends one JSON line to a
     journal file with a single write() (a few microseconds; the bytes are in the kernel once it
     returns, so a kill -9 right after cannot lose them) *before* the client gets the last byte,
-    and adds the line to a list. Every LEDGER_FLUSH_S a thread takes the list and commits it to
+    and adds the row to a list. Every LEDGER_FLUSH_S a thread takes the list and commits it to
     SQLite (WAL) in one transaction, together with how far into the journal it got. At start,
     whatever the journal holds past that point (the rows a crash kept from SQLite) is applied
     first. The journal is cut into files of LEDGER_JOURNAL_MAX bytes; a file is deleted once all
@@ -316,7 +312,7 @@ class Ledger:
         self._data_version = -1
         self._reload_keys()
         self.rows_written = 0
-        self._pending: List[bytes] = []    # journal lines not yet in SQLite (appended by the loop)
+        self._pending: List[tuple] = []    # journalled rows not yet in SQLite (appended by the loop)
         self._position = (0, 0)            # (journal file, offset) after the last pending line
         self._wake = threading.Event()     # set by the first line of a batch, flush or close
         self._flushed = threading.Condition()
@@ -333,14 +329,15 @@ class Ledger:
     # -- the event loop's side ------------------------------------------------------------------
     def record(self, row: UsageRow) -> None:
         """Journal the row (durable against a crash of this process) and queue it for SQLite."""
-        line = row.line()
+        values = row.values()
+        line = crdt.dumps(values) + b"\n"
         try:
             os.write(self._fd, line)
         except OSError as exc:   # a full disk must not take the API down with it
             print(f"otela-ingress: usage journal write failed: {exc}", file=sys.stderr)
         self._offset += len(line)
         pending = self._pending
-        pending.append(line)
+        pending.append(values)
         self._position = (self.seq, self._offset)
         if len(pending) == 1:
             self._wake.set()
@@ -384,7 +381,7 @@ class Ledger:
         prefix = os.path.basename(self.path) + ".usage."
         seqs = sorted(int(name[len(prefix):]) for name in os.listdir(directory)
                       if name.startswith(prefix) and name[len(prefix):].isdigit())
-        lines = []
+        rows = []
         for seq in seqs:
             if seq < state[0]:
                 continue
@@ -393,16 +390,17 @@ class Ledger:
                     f.seek(state[1])
                 for line in f:
                     try:
-                        if len(crdt.loads(line)) == 13:
-                            lines.append(line)
+                        values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
-                        pass
+                        continue
+                    if len(values) == 13:
+                        rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
-        self._commit(lines, (nxt, 0))
+        self._commit(rows, (nxt, 0))
         for seq in seqs:
             os.unlink(self._journal(seq))
-        if lines:
-            print(f"otela-ingress: recovered {len(lines)} usage rows from the journal", file=sys.stderr)
+        if rows:
+            print(f"otela-ingress: recovered {len(rows)} usage rows from the journal", file=sys.stderr)
         return nxt
 
     def _reload_keys(self) -> None:
@@ -419,11 +417,11 @@ class Ledger:
                 time.sleep(LEDGER_FLUSH_S)   # gather a batch: one commit for many rows
             self._wake.clear()
             closing = self._closing   # read after clear(): close() sets it before waking us
-            lines, self._pending = self._pending, []   # swapping a reference is atomic under the GIL
+            rows, self._pending = self._pending, []   # swapping a reference is atomic under the GIL
             position = self._position
-            if lines:
+            if rows:
                 old_seq = self._state_seq
-                self._commit(lines, position)
+                self._commit(rows, position)
                 for seq in range(old_seq, position[0]):
                     try:
                         os.unlink(self._journal(seq))
@@ -443,14 +441,27 @@ class Ledger:
                 except sqlite3.Error as exc:
                     print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
 
-    def _commit(self, lines: List[bytes], position: Tuple[int, int]) -> None:
-        batch = (b"[" + b",".join(lines) + b"]").decode()   # the lines' newlines are JSON whitespace
+    def _commit(self, rows: List[tuple], position: Tuple[int, int]) -> None:
+        daily: Dict[Tuple[str, str, str], List[int]] = {}
+        days: Dict[int, str] = {}
+        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked in rows:
+            day = days.get(int(ts // 86400))
+            if day is None:
+                day = days[int(ts // 86400)] = _day(ts)
+            agg = daily.get((day, user, model))
+            if agg is None:
+                agg = daily[(day, user, model)] = [0, 0, 0, 0, 0]
+            agg[0] += 1
+            agg[1] += status >= 400
+            agg[2] += not tracked
+            agg[3] += prompt or 0
+            agg[4] += completion or 0
         db = self._db
         try:
             db.execute("BEGIN")
-            if lines:
-                self.rows_written += db.execute(_INSERT_REQUESTS, (batch,)).rowcount
-                db.execute(_INSERT_DAILY, (batch,))
+            if rows:
+                self.rows_written += db.executemany(_INSERT_REQUESTS, rows).rowcount
+                db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
             self._state_seq = position[0]
