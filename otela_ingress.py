@@ -248,24 +248,9 @@ def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bo
 # ---------------------------------------------------------------------------------------------
 # Usage ledger (journal + SQLite WAL, one writer thread) and live usage statistics
 # ---------------------------------------------------------------------------------------------
-class UsageRow:
-    """One finished request, as the ledger stores it (a journal line is its JSON array)."""
-
-    __slots__ = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                 "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
-
-    def __init__(self, ts, key_id, user, model, session, provider, status, prompt_tokens,
-                 completion_tokens, latency_ms, stream, attempts, tracked):
-        self.ts, self.key_id, self.user, self.model = ts, key_id, user, model
-        self.session, self.provider, self.status = session, provider, status
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
-        self.latency_ms, self.stream, self.attempts, self.tracked = latency_ms, stream, attempts, tracked
-
-    def values(self) -> tuple:
-        """The row as the journal and the requests table take it (tracked last)."""
-        return (self.ts, self.key_id, self.user, self.model, self.session, self.provider, self.status,
-                self.prompt_tokens, self.completion_tokens, self.latency_ms, int(self.stream),
-                self.attempts, int(self.tracked))
+# A usage row: the journal line (a JSON array) and the requests table take these, in this order.
+USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
 
 
 def _day(ts: float) -> str:
@@ -327,9 +312,9 @@ class Ledger:
         self._thread.start()
 
     # -- the event loop's side ------------------------------------------------------------------
-    def record(self, row: UsageRow) -> None:
-        """Journal the row (durable against a crash of this process) and queue it for SQLite."""
-        values = row.values()
+    def record(self, values: tuple) -> None:
+        """Journal one row (USAGE_FIELDS; durable against a crash of this process once this
+        returns) and queue it for SQLite."""
         line = crdt.dumps(values) + b"\n"
         try:
             os.write(self._fd, line)
@@ -1336,14 +1321,16 @@ class Ingress:
                 # h11 bounds only a head that arrives in pieces; one that came whole in a
                 # single read is measured here
                 size = len(event.target)
+                fields = {}   # one pass over h11's headers; the rest of the request uses the dict
                 for name, value in event.headers:
                     size += len(name) + len(value) + 4
+                    fields[name] = value
                 if size > MAX_HEADER_BYTES:
                     await self._respond_error(client, HTTPError(431, "Request headers too large",
                                                                 "headers_too_large"))
                     return
                 try:
-                    await self._handle(client, event)
+                    await self._handle(client, event, fields)
                 finally:
                     client.busy = False
                     client.last = time.monotonic()
@@ -1354,13 +1341,10 @@ class Ingress:
             else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
                 return
 
-    async def _read_body(self, client: _Client, request: h11.Request) -> bytes:
-        for name, value in request.headers:
-            if name == b"content-length":
-                if int(value) > self.max_body:
-                    raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes",
-                                    "request_too_large")
-                break
+    async def _read_body(self, client: _Client, fields: Dict[bytes, bytes]) -> bytes:
+        length = fields.get(b"content-length")
+        if length is not None and int(length) > self.max_body:
+            raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes", "request_too_large")
         conn, parts, size = client.conn, [], 0
         if conn.they_are_waiting_for_100_continue:
             client.writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -1387,17 +1371,17 @@ class Ingress:
             else:
                 raise ConnectionResetError("client closed mid-request")
 
-    async def _handle(self, client: _Client, request: h11.Request) -> None:
+    async def _handle(self, client: _Client, request: h11.Request, fields: Dict[bytes, bytes]) -> None:
         t0 = time.monotonic()
         target = request.target
         path, _, query = target.partition(b"?")
         try:
             if request.method == b"POST" and path in PROXIED_PATHS:
-                body = await self._read_body(client, request)
-                await self._proxy(client, path, request.headers, body, t0)
+                body = await self._read_body(client, fields)
+                await self._proxy(client, path, fields, body, t0)
                 return
             if client.conn.their_state is h11.SEND_BODY:
-                await self._read_body(client, request)   # keep the connection usable
+                await self._read_body(client, fields)   # keep the connection usable
             client.busy = True
             handler = self._GET.get(path)
             if handler is None:
@@ -1407,7 +1391,7 @@ class Ingress:
                                 "unknown_url")
             if request.method != b"GET":
                 raise HTTPError(405, f"Use GET for {path.decode()}", "method_not_allowed")
-            status, content_type, payload = await handler(self, request.headers, query)
+            status, content_type, payload = await handler(self, fields, query)
             await self._respond(client, status, payload, content_type)
         except HTTPError as exc:
             await self._respond_error(client, exc)
@@ -1438,17 +1422,11 @@ class Ingress:
                             extra=exc.headers)
 
     # -- auth --------------------------------------------------------------------------------
-    def authenticate(self, headers: Sequence[Tuple[bytes, bytes]], admin: bool = False) -> Key:
+    def authenticate(self, fields: Dict[bytes, bytes], admin: bool = False) -> Key:
         if self.no_auth:
             return ANONYMOUS
-        token = None
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    token = None
-                break
-        if not token:
+        scheme, _, token = fields.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
             raise HTTPError(401, "Missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
         key = self.keys.get(hashlib.sha256(token.strip()).hexdigest())
         if key is None:
@@ -1458,8 +1436,9 @@ class Ingress:
         return key
 
     # -- the proxy ---------------------------------------------------------------------------
-    async def _proxy(self, client: _Client, path: bytes, headers, body: bytes, t0: float) -> None:
-        key = self.authenticate(headers)
+    async def _proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
+                     t0: float) -> None:
+        key = self.authenticate(fields)
         if not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
@@ -1484,10 +1463,8 @@ class Ingress:
                 else:
                     request["stream_options"] = dict(options or {}, include_usage=True)
                     body = crdt.dumps(request)
-        tracked = True
-        for name, value in headers:
-            if name == NO_TRACK_HEADER:
-                tracked = value.strip().lower() in (b"", b"0", b"false", b"no")
+        opt_out = fields.get(NO_TRACK_HEADER)
+        tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
         ex = _Exchange(client, path, body, key, routed, strip_usage, tracked, t0)
@@ -1699,20 +1676,20 @@ class Ingress:
         if self.ledger is None:
             return
         candidate = ex.candidate
-        self.ledger.record(UsageRow(
+        self.ledger.record((
             time.time(), ex.key.id, ex.key.user, ex.routed.model,
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
-            ex.routed.stream, ex.attempts, ex.tracked))
+            int(ex.routed.stream), ex.attempts, int(ex.tracked)))
 
     # -- GET endpoints -----------------------------------------------------------------------
-    async def _get_healthz(self, headers, query):
+    async def _get_healthz(self, fields, query):
         serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
                       and r.get("role", "worker") == "worker")
         return 200, b"application/json", crdt.dumps({"status": "ok", "session": self.node.session_id,
                                                      "serving_sessions": serving, "auth": not self.no_auth})
 
-    async def _get_registry(self, headers, query):
+    async def _get_registry(self, fields, query):
         view = self.node.registry_view()
         if isinstance(view, dict):
             now = time.monotonic()
@@ -1720,15 +1697,15 @@ class Ingress:
                                        "auth": not self.no_auth})
         return 200, b"application/json", crdt.dumps(view)
 
-    async def _get_models(self, headers, query):
-        key = self.authenticate(headers)
+    async def _get_models(self, fields, query):
+        key = self.authenticate(fields)
         created = int(time.time())
         data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
                 for m in self.models(key)]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
 
-    async def _get_usage(self, headers, query):
-        self.authenticate(headers, admin=True)
+    async def _get_usage(self, fields, query):
+        self.authenticate(fields, admin=True)
         params = {k.decode(): v[0].decode() for k, v in parse_qs(query).items()}
         try:
             days = max(1, min(3660, int(params.get("days", "31"))))
@@ -1741,10 +1718,10 @@ class Ingress:
         result = await asyncio.get_running_loop().run_in_executor(None, flush_and_query)
         return 200, b"application/json", crdt.dumps(result)
 
-    async def _get_usage_stats(self, headers, query):
+    async def _get_usage_stats(self, fields, query):
         return 200, b"application/json", crdt.dumps(self.stats.view(time.monotonic()))
 
-    async def _get_metrics(self, headers, query):
+    async def _get_metrics(self, fields, query):
         states: Dict[str, int] = collections.defaultdict(int)
         suspected = 0
         for sid, record in self.node.registry.items():
@@ -1755,7 +1732,7 @@ class Ingress:
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())))
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
-    async def _get_dashboard(self, headers, query):
+    async def _get_dashboard(self, fields, query):
         return 200, b"text/html; charset=utf-8", DASHBOARD_HTML
 
     _GET = {b"/healthz": _get_healthz, b"/v1/registry": _get_registry, b"/v1/models": _get_models,
