@@ -11,23 +11,30 @@ comparable with the time it was written.
 Phases: idle gossip bytes/s per node at 10, 50 and 128 nodes; convergence of 20 writes to 128
 nodes; detection of a kill -9 at 128 nodes (suspected and LEFT at every peer); churn (10 nodes
 re-registering every 3 s); false evictions among 64 idle nodes while other processes saturate
-both CPUs (10 minutes; 20 s with --quick); the in-process simulator at 1,000 members.
+both CPUs (10 minutes; 20 s with --quick); the in-process simulator at 1,000 members; the
+tunnel (the node's --listen port forwarding to a fake engine, node only): added latency, req/s,
+SSE chunks/s and the node's CPU per request and per chunk.
 Writes <out>/node.json.
 """
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 import crdt  # noqa: E402
 import otela_node as on  # noqa: E402
 
@@ -379,11 +386,124 @@ def simulator_phase(quick, results):
           f"{max(s['convergence_max_ms'])} ms (simulated network delay 0.2-2 ms per hop)", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Tunnel: the node's --listen port forwarding to a fake engine (node-only, no ingress)
+# ---------------------------------------------------------------------------------------------
+def _tunnel_request(model, tunnel, stream=False):
+    body = json.dumps({"model": model, "stream": stream,
+                       "messages": [{"role": "user", "content": "say hello to the benchmark"}]}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n%s: %s\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (tunnel[0].encode(), tunnel[1].encode(), len(body), body))
+
+
+def _start_tunnel_node(key_file, engine_flags, procs):
+    """`otela_node.py start` wrapping a fake engine; node on CPU 0, engine on CPU 1."""
+    import bench_ingress as bi
+    from fake_engine import free_port
+    engine_port, listen = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "otela_node.py"), "start", "--key-file", key_file,
+                             "--listen", f"127.0.0.1:{listen}", "--gossip", f"127.0.0.1:{free_port()}",
+                             "--log-level", "WARNING", "--engine-url", f"http://127.0.0.1:{engine_port}",
+                             "--process", f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} "
+                                          f"--port {engine_port} {engine_flags}"], stderr=subprocess.DEVNULL)
+    procs.append(proc)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v1/registry", timeout=2) as r:
+                if json.load(r)["sessions"][0]["state"] == "SERVING":
+                    break
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(0.2)
+    else:
+        raise RuntimeError("tunnel node did not come up")
+    bi.pin(proc.pid, 0)
+    for pid in bi._pids_of_port(engine_port):
+        bi.pin(pid, 1)
+    return proc.pid, listen, engine_port
+
+
+def tunnel_phase(key_file, quick, results):
+    import bench_ingress as bi
+    sys.path.insert(0, str(ROOT / "tests"))
+    tunnel = (on.TUNNEL_HEADER, hmac.new(on.load_key(key_file), b"tunnel", hashlib.sha256).hexdigest())
+    n_lat, seconds, rounds = (80, 2.0, 16) if quick else (400, 5.0, 48)
+    procs = []
+    out = results["tunnel"] = {}
+    try:
+        fast_pid, fast_port, fast_engine = _start_tunnel_node(key_file, "--chunks 8", procs)
+        bulk_pid, bulk_port, bulk_engine = _start_tunnel_node(key_file, "--chunks 1000", procs)
+        bi.pin(0, 1)
+        for name, port in (("direct", fast_engine), ("node", fast_port)):
+            req = _tunnel_request("fast", tunnel)
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            buf, lat = bytearray(), []
+            for _ in range(5):
+                sock.sendall(req)
+                bi.read_response(sock, buf)
+            start = time.perf_counter()
+            for i in range(n_lat):
+                time.sleep(max(0.0, start + i / 16 - time.perf_counter()))
+                t0 = time.perf_counter()
+                sock.sendall(req)
+                bi.read_response(sock, buf)
+                lat.append(time.perf_counter() - t0)
+            sock.close()
+            out[name] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+        node = out["node"]
+        node["added_p50_ms"] = node["latency_p50_ms"] - out["direct"]["latency_p50_ms"]
+        node["added_p99_ms"] = node["latency_p99_ms"] - out["direct"]["latency_p99_ms"]
+
+        async def tput(port):
+            counter, loop = [0], asyncio.get_running_loop()
+            stop_at = time.perf_counter() + seconds
+            protos = []
+            for _ in range(64):
+                _, proto = await loop.create_connection(
+                    lambda: bi._Conn(_tunnel_request("fast", tunnel), counter, stop_at), "127.0.0.1", port)
+                protos.append(proto)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(p.done for p in protos))
+            return counter[0], time.perf_counter() - t0
+
+        async def streams(port):
+            req, chunks, t0 = _tunnel_request("bulk", tunnel, stream=True), 0, time.perf_counter()
+            for _ in range(max(1, rounds // 16)):
+                chunks += sum(await asyncio.gather(*(bi._one_stream(port, req, None) for _ in range(16))))
+            return chunks, time.perf_counter() - t0
+
+        cpu0 = bi.cpu_seconds(fast_pid)
+        done, elapsed = asyncio.run(tput(fast_port))
+        node["rps_64conn"] = done / elapsed
+        node["cpu_us_per_request"] = (bi.cpu_seconds(fast_pid) - cpu0) / max(1, done) * 1e6
+        cpu0 = bi.cpu_seconds(bulk_pid)
+        chunks, elapsed = asyncio.run(streams(bulk_port))
+        node["sse_chunks_per_s_16streams"] = chunks / elapsed
+        node["cpu_us_per_chunk"] = (bi.cpu_seconds(bulk_pid) - cpu0) / max(1, chunks) * 1e6
+        chunks, elapsed = asyncio.run(streams(bulk_engine))
+        out["direct"]["sse_chunks_per_s_16streams"] = chunks / elapsed
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print("tunnel (node only, node pinned to CPU 0, engine and client on CPU 1):")
+    for name, r in out.items():
+        print(f"  {name:7}" + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim")
+    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel")
     p.add_argument("--saturate-seconds", type=float, default=None,
                    help="length of the false-eviction run with saturated CPUs (default 600; 20 with --quick)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -396,7 +516,7 @@ def main():
         on.install_event_loop()
         asyncio.run(worker(args))
         return
-    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim"}
+    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel"}
     results = {"quick": args.quick, "method": "worker processes hosting many Node objects, each with its "
                "own UDP+TCP sockets, on loopback; default timings"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -405,6 +525,8 @@ def main():
             cluster_phases(key_file, args.quick, results)
         if "churn" in phases:
             churn_phase(key_file, args.quick, results)
+        if "tunnel" in phases:
+            tunnel_phase(key_file, args.quick, results)
         if "false" in phases:
             false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:
