@@ -908,6 +908,85 @@ def set_nodelay(writer: asyncio.StreamWriter) -> None:
             pass
 
 
+# The tunnel's response path relays bytes: the engine's response head is parsed by hand (status
+# line, headers), then the body goes to the client verbatim (Content-Length or chunked framing
+# kept as the engine wrote it, only scanned for its end) instead of being re-framed chunk by
+# chunk through h11. Drain is awaited only above the transport's high-water mark.
+RELAY_READ = 262144
+RELAY_HIGH_WATER = 262144
+MAX_ENGINE_HEAD = 65536
+
+
+class _ChunkedEnd:
+    """Finds where a chunked body ends while its bytes pass through untouched."""
+    __slots__ = ("left", "line", "trailer", "done")
+
+    def __init__(self):
+        self.left = 0           # bytes of chunk data (+ its CRLF) still to pass
+        self.line = b""         # a size or trailer line split across reads
+        self.trailer = False
+        self.done = False
+
+    def feed(self, data: bytes) -> int:
+        """Scan `data`; return how many of its bytes belong to the body."""
+        pos, n = 0, len(data)
+        while pos < n and not self.done:
+            if self.left:
+                step = min(self.left, n - pos)
+                self.left -= step
+                pos += step
+                continue
+            end = data.find(b"\n", pos)
+            if end < 0:
+                self.line += data[pos:]
+                if len(self.line) > 4096:
+                    raise EngineError("bad chunked framing from the engine")
+                return n
+            line, self.line, pos = self.line + data[pos:end], b"", end + 1
+            if self.trailer:
+                self.done = not line.strip()
+                continue
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise EngineError("bad chunk size from the engine") from None
+            if size:
+                self.left = size + 2
+            else:
+                self.trailer = True
+        return pos
+
+
+async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray):
+    """(status, reason, [(lower-case name, value)], keep_alive) of the next final response."""
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        while end < 0:
+            if len(buf) > MAX_ENGINE_HEAD:
+                raise EngineError("engine response head too large")
+            data = await reader.read(RELAY_READ)
+            if not data:
+                raise EngineError("engine closed the connection without an answer")
+            buf += data
+            end = buf.find(b"\r\n\r\n")
+        lines = bytes(buf[:end]).split(b"\r\n")
+        del buf[:end + 4]
+        parts = lines[0].split(b" ", 2)
+        try:
+            status = int(parts[1])
+        except (IndexError, ValueError):
+            raise EngineError("malformed status line from the engine") from None
+        if status < 200:                            # 100 Continue and friends: not ours to relay
+            continue
+        headers = []
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers.append((name.strip().lower(), value.strip()))
+        keep_alive = parts[0] == b"HTTP/1.1" and all(
+            n != b"connection" or b"close" not in v.lower() for n, v in headers)
+        return status, parts[2] if len(parts) > 2 else b"", headers, keep_alive
+
+
 class EngineClient:
     """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
     used for health checks, model discovery and tunnelled requests alike."""
@@ -917,6 +996,7 @@ class EngineClient:
         if parts.scheme != "http" or not parts.hostname or not parts.port:
             raise ConfigError(f"bad engine URL {url!r}: expected http://HOST:PORT")
         self.host, self.port = parts.hostname, parts.port
+        self.host_header = f"{self.host}:{self.port}".encode()
         self.idle: List[tuple] = []
 
     async def _connect(self) -> tuple:
@@ -954,6 +1034,32 @@ class EngineClient:
                 if fresh or attempt:
                     raise EngineError(str(exc) or type(exc).__name__) from None
         raise EngineError("unreachable")            # pragma: no cover
+
+    async def send_raw(self, request: bytes, head_only: bool = False):
+        """Write a ready-made request (head and body bytes); return (connection, bytes read past
+        the response head, status, reason, headers, keep_alive). The tunnel's fast path."""
+        for attempt in range(2):
+            fresh = not self.idle
+            conn = self.idle.pop() if self.idle else await self._connect()
+            reader, writer, _ = conn
+            buf = bytearray()
+            try:
+                writer.write(request)
+                if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                    await writer.drain()
+                status, reason, headers, keep_alive = await _read_engine_head(reader, buf)
+                return conn, buf, status, reason, headers, keep_alive
+            except (OSError, EngineError) as exc:
+                writer.close()
+                if fresh or attempt or buf:
+                    raise EngineError(str(exc) or type(exc).__name__) from None
+        raise EngineError("unreachable")            # pragma: no cover
+
+    def release(self, conn: tuple, reusable: bool) -> None:
+        if reusable:
+            self.idle.append(conn)
+        else:
+            conn[1].close()
 
     async def body(self, conn: tuple, timeout: Optional[float] = None):
         """Yield the response body chunk by chunk; return the connection to the pool after."""
@@ -1301,7 +1407,18 @@ class Node:
                     self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
                     await writer.drain()
                     return
-                await self._dispatch(event, bytes(body), conn, writer)
+                if await self._dispatch(event, bytes(body), conn, writer):
+                    # The answer bypassed h11: carry on with a fresh parser fed what was read
+                    # past this request (pipelined bytes), unless either side asked to close.
+                    if conn.their_state is not h11.DONE or self._client_wants_close(event):
+                        break
+                    trailing, closed = conn.trailing_data
+                    conn = h11.Connection(h11.SERVER)
+                    if trailing:
+                        conn.receive_data(bytes(trailing))
+                    if closed:
+                        conn.receive_data(b"")
+                    continue
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     break
                 conn.start_next_cycle()
@@ -1316,7 +1433,8 @@ class Node:
         writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
 
-    async def _dispatch(self, request: h11.Request, body: bytes, conn, writer) -> None:
+    async def _dispatch(self, request: h11.Request, body: bytes, conn, writer) -> bool:
+        """Answer one request; True when the answer went out raw, past h11's `conn`."""
         path = request.target.split(b"?", 1)[0]
         if self.overlay is None:                    # between binding the port and joining
             self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
@@ -1339,12 +1457,127 @@ class Node:
                                                             else "no engine behind this node",
                                                             "server_error", "unavailable"))
             else:
-                await self._forward(request, body, conn, writer)
+                return await self._forward(request, body, conn, writer)
         await writer.drain()
+        return False
 
-    async def _forward(self, request: h11.Request, body: bytes, conn, writer) -> None:
-        """Send the request to the engine verbatim and stream the answer back chunk by chunk.
-        If the engine cuts the answer, we cut the client connection too: never a silent 200."""
+    async def _forward(self, request: h11.Request, body: bytes, conn, writer) -> bool:
+        """Send the request to the engine verbatim and stream the answer back as it comes.
+        If the engine cuts the answer, we cut the client connection too: never a silent 200.
+        Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
+        if conn.their_http_version != b"1.1":
+            await self._forward_h11(request, body, conn, writer)
+            return False
+        engine = self.engine
+        tunnel = self.tunnel_header[0].encode()
+        head = [request.method, b" ", request.target, b" HTTP/1.1\r\nhost: ", engine.host_header,
+                b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]
+        for name, value in request.headers:
+            if name not in HOP_BY_HOP and name != tunnel:
+                head += (name, b": ", value, b"\r\n")
+        head.append(b"\r\n")
+        head.append(body)
+        head_only = request.method == b"HEAD"
+        self.inflight += 1
+        try:
+            try:
+                engine_conn, buf, status, reason, headers, keep_alive = await engine.send_raw(b"".join(head))
+            except EngineError as exc:
+                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                return False
+            length, chunked = None, False
+            out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+            for name, value in headers:
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"transfer-encoding":
+                    chunked = b"chunked" in value.lower()
+                elif name not in HOP_BY_HOP:
+                    out += (name, b": ", value, b"\r\n")
+            if head_only or status in (204, 304):
+                length, chunked = 0, False
+                out.append(b"content-length: 0\r\n")
+            elif chunked:
+                length = None
+                out.append(b"transfer-encoding: chunked\r\n")
+            elif length is not None:
+                out.append(b"content-length: %d\r\n" % length)
+            else:                                   # until-close body: we frame it as chunked
+                out.append(b"transfer-encoding: chunked\r\n")
+                keep_alive = False
+            if self._client_wants_close(request):
+                out.append(b"connection: close\r\n")
+            out.append(b"\r\n")
+            reader = engine_conn[0]
+            transport = writer.transport
+            data = bytes(buf)
+            ok = False
+            try:
+                if chunked:
+                    scan = _ChunkedEnd()
+                    while True:
+                        if data:
+                            used = scan.feed(data)
+                            out.append(data if used == len(data) else data[:used])
+                            if scan.done:
+                                ok = used == len(data)
+                                break
+                        if out:
+                            transport.write(b"".join(out))
+                            out = []
+                            if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
+                                await writer.drain()
+                        data = await reader.read(RELAY_READ)
+                        if not data:
+                            raise EngineError("engine closed the connection mid-response")
+                elif length is not None:
+                    while True:
+                        if len(data) >= length:
+                            out.append(data[:length])
+                            ok = len(data) == length
+                            break
+                        if data:
+                            length -= len(data)
+                            out.append(data)
+                        transport.write(b"".join(out))
+                        out = []
+                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
+                            await writer.drain()
+                        data = await reader.read(RELAY_READ)
+                        if not data:
+                            raise EngineError("engine closed the connection mid-response")
+                else:
+                    while True:
+                        if data:
+                            out += (b"%x\r\n" % len(data), data, b"\r\n")
+                        transport.write(b"".join(out))
+                        out = []
+                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
+                            await writer.drain()
+                        data = await reader.read(RELAY_READ)
+                        if not data:
+                            out.append(b"0\r\n\r\n")
+                            break
+                transport.write(b"".join(out))
+            except OSError as exc:
+                raise EngineError(str(exc) or type(exc).__name__) from None
+            finally:
+                engine.release(engine_conn, ok and keep_alive)
+            if transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await writer.drain()
+            return True
+        finally:
+            self.inflight -= 1
+
+    @staticmethod
+    def _client_wants_close(request: h11.Request) -> bool:
+        for name, value in request.headers:
+            if name == b"connection" and b"close" in value.lower():
+                return True
+        return False
+
+    async def _forward_h11(self, request: h11.Request, body: bytes, conn, writer) -> None:
+        """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
         tunnel = self.tunnel_header[0].encode()
         headers = [(n, v) for n, v in request.headers if n not in HOP_BY_HOP and n != tunnel]
         self.inflight += 1
