@@ -622,3 +622,54 @@ def test_usage_stats_leave_unknown_prompt_sizes_out_of_the_input_statistics():
     view = stats.view(102.0)["models"]["m"]
     assert view["input_tokens"] == {"mean": 10.0, "std": 0.0}
     assert view["output_tokens"] == {"mean": 6.0, "std": 1.0} and view["requests"] == 2
+
+
+def _read_answers(sock: socket.socket, count: int) -> list:
+    """`count` Content-Length responses off a blocking socket: [(status line, body)]."""
+    data, answers = b"", []
+    while len(answers) < count:
+        end = data.find(b"\r\n\r\n")
+        if end >= 0:
+            head = data[:end].lower()
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(data) >= end + 4 + length:
+                answers.append((data[:data.find(b"\r\n")], data[end + 4:end + 4 + length]))
+                data = data[end + 4 + length:]
+                continue
+        piece = sock.recv(65536)
+        assert piece, f"closed after {len(answers)} answers"
+        data += piece
+    return answers
+
+
+def test_pipelined_requests_then_a_chunked_one_on_the_same_connection_are_all_answered(stack, client):
+    # plain requests take the ingress's own parser; the chunked one hands the connection to h11
+    stack.engine("m1")
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    plain = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+             b"Connection: keep-alive\r\nContent-Length: %d\r\n\r\n%s" % (client.key.encode(), len(body), body))
+    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+               b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (client.key.encode(), len(body), body))
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(plain + plain + chunked)
+        answers = _read_answers(sock, 3)
+        sock.sendall(plain + b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        answers += _read_answers(sock, 2)
+    assert [status for status, _ in answers] == [b"HTTP/1.1 200 OK"] * 5
+    assert all(json.loads(b)["usage"]["prompt_tokens"] == 1 for _, b in answers[:4])
+    assert json.loads(answers[4][1])["status"] == "ok"
+
+
+def test_http_1_0_and_bad_request_lines_keep_h11s_answers(stack, client):
+    stack.engine("m1")
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        (status, body), = _read_answers(sock, 1)
+        assert status.startswith(b"HTTP/1.1 200 ") and json.loads(body)["status"] == "ok"
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")
+        (status, body), = _read_answers(sock, 1)
+        assert status.startswith(b"HTTP/1.1 400 ") and "error" in json.loads(body)
