@@ -103,6 +103,12 @@ class Config:
                                     # ~e^-4 (2%) of members misses the first wave (e^-3 at 3: 5%)
     gossip_interval: float = 0.05   # retransmit tick, only while a rumour is pending: the 2%
                                     # the first wave missed get it within ~50 ms
+    origin_fanout: int = 256        # the writer of a change sends it straight to every member up
+                                    # to this many (sealed once): it alone knows the change for
+                                    # sure, and one hop means no duplicate first-wave copies to
+                                    # open (the cost on busy hosts). Receivers then send it once
+                                    # more, a tick later, to `gossip_fanout` peers (for loss).
+                                    # Bigger clusters: a push to `gossip_fanout`, forwarded on.
     retransmit_mult: int = 2        # rounds per rumour = mult * ceil(log10(N+1)); with push on
                                     # first receipt, 2 is enough and halves churn traffic
     push_pull_interval: float = 5.0  # anti-entropy: idle cost is one 100-byte digest per 5 s
@@ -316,6 +322,9 @@ PROBE_ROUND = (
 Out = collections.namedtuple("Out", "addr msg tcp")
 
 
+LATER = "later"                     # _changed(push=LATER): queue for one retransmit, no push now
+
+
 class Suspicion:
     __slots__ = ("version", "since", "confirmers", "deadline")
 
@@ -387,7 +396,7 @@ class Overlay:
         self.record = record
         if not self.map.put(self.sid, record):
             return []
-        return self._count(self._changed([self.sid], now))
+        return self._count(self._changed([self.sid], now, origin=True))
 
     def leave(self, now: float) -> List[Out]:
         self.leaving = True
@@ -414,7 +423,7 @@ class Overlay:
         self.map.put(self.sid, record)
         for cb in self.rejoin_listeners:
             cb(old, self.sid)
-        out += self._changed([self.sid], now)
+        out += self._changed([self.sid], now, origin=True)
         return self._count(out)
 
     def tick(self, now: float) -> List[Out]:
@@ -498,7 +507,7 @@ class Overlay:
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
                     and isinstance(item[1], int) and isinstance(item[2], str)):
                 raise ValueError("bad suspicion")
-        out = self._merge(records, src, now)
+        out = self._merge(records, src, now, push=LATER if msg.get("a") == 1 else True)
         for sid, version, by in suspicions:
             out += self._suspect(sid, version, by, now, src)
         return out
@@ -549,11 +558,12 @@ class Overlay:
         return self._changed(changed, now, exclude=src, push=push)
 
     def _changed(self, sids: List[str], now: float, exclude: Optional[str] = None,
-                 push: bool = True) -> List[Out]:
+                 push=True, origin: bool = False) -> List[Out]:
         """Bookkeeping after map changes, then one rumour for all of them. Records learned by
         anti-entropy (push=False) are not rumoured: the peer that had them is not alone in
         knowing them (push-pull spreads them further), and a joiner re-gossiping the full state
-        it was just given would cost N datagrams per join across the cluster."""
+        it was just given would cost N datagrams per join across the cluster. Records the
+        origin sent to every member (push=LATER) are sent on once, a tick later."""
         out: List[Out] = []
         keys = []
         for sid in sids:
@@ -571,7 +581,13 @@ class Overlay:
                 continue
             keys.append(("r", sid))
             self._notify(sid, record)
-        return out + (self._rumour(keys, now, exclude) if push else [])
+        if push is LATER:
+            for key in keys:
+                self.rumours[key] = [1]
+            if keys:
+                self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
+            return out
+        return out + (self._rumour(keys, now, exclude, origin) if push else [])
 
     def _track(self, sid: str, record: Dict[str, Any]) -> None:
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
@@ -589,17 +605,26 @@ class Overlay:
     def _retransmits(self) -> int:
         return max(1, int(self.cfg.retransmit_mult * math.ceil(math.log10(len(self.members) + 2))))
 
-    def _rumour(self, keys: List[tuple], now: float, exclude: Optional[str] = None) -> List[Out]:
-        """Queue rumours and push them at once to a few random peers (their first transmit)."""
+    def _rumour(self, keys: List[tuple], now: float, exclude: Optional[str] = None,
+                origin: bool = False) -> List[Out]:
+        """Queue rumours and push them at once to a few random peers (their first transmit);
+        the origin of a change, to every member (flagged "a": each sends it on once, later)."""
         if not keys:
             return []
-        limit = self._retransmits()
         out: List[Out] = []
+        if origin and len(self.members) <= self.cfg.origin_fanout:
+            peers = [a for a in self.members.values() if a != exclude]
+            limit = 2                               # this push, then one retransmit like the others
+            for payload in self._packs(keys):
+                payload["a"] = 1
+                out += [Out(addr, payload, False) for addr in peers]
+        else:
+            limit = self._retransmits()
+            peers = self._peers(self.cfg.gossip_fanout, exclude)
+            for payload in self._packs(keys):
+                out += [Out(addr, payload, False) for addr in peers]
         for key in keys:
             self.rumours[key] = [limit]
-        peers = self._peers(self.cfg.gossip_fanout, exclude)
-        for payload in self._packs(keys):
-            out += [Out(addr, payload, False) for addr in peers]
         for key in keys:
             self.rumours[key][0] -= 1
             if self.rumours[key][0] <= 0:
@@ -610,6 +635,9 @@ class Overlay:
 
     def _packs(self, keys: List[tuple]):
         """Rumour payloads, each small enough for one datagram."""
+        if len(keys) == 1:
+            yield self._payload(keys)
+            return
         budget = self.cfg.max_datagram - ENVELOPE - 256
         batch, size = [], 0
         for key in keys:
