@@ -34,8 +34,8 @@ lint: venv
 
 test: venv engine sysdeps lint
 	$(VPY) -m pytest $(PYTEST_ARGS)
-	@echo "--- registry tests again without the optional accelerators (orjson, uvloop)"
-	OTELA_BLOCK_ACCEL=1 $(VPY) -m pytest -q tests/test_crdt.py
+	@echo "--- registry and overlay tests again without the optional accelerators (orjson, uvloop)"
+	OTELA_BLOCK_ACCEL=1 $(VPY) -m pytest -q tests/test_crdt.py tests/test_node_core.py tests/test_node_tunnel.py
 
 bench: venv
 	@mkdir -p bench-results
