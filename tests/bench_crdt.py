@@ -76,7 +76,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     rows = [bench(n, 1 if args.quick else 3) for n in (100, 1000, 10000)]
-    print(f"crdt (orjson={'yes' if 'orjson' in sys.modules else 'no'})")
+    print(f"crdt (orjson={'yes' if sys.modules.get('orjson') else 'no'})")
     for r in rows:
         print(f"  {r['sessions']:>6} sessions: merge {r['merge_records_per_s']:>9,} rec/s, "
               f"duplicates {r['remerge_duplicates_per_s']:>9,} rec/s, root digest "
@@ -86,7 +86,7 @@ def main():
               f"{r['memory_bytes_per_session']:,} B/session")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "crdt.json"), "w") as f:
-        json.dump({"orjson": "orjson" in sys.modules, "sizes": rows}, f, indent=2)
+        json.dump({"orjson": bool(sys.modules.get("orjson")), "sizes": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
