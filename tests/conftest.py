@@ -59,6 +59,16 @@ def wait_http(url, timeout=60.0, proc=None):
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+def stop_process(proc, grace):
+    """SIGTERM, then SIGKILL after `grace` seconds: what every test does with what it started."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class RealEngine:
     def __init__(self, url, model, cmd, proc):
         self.url, self.model, self.cmd, self.proc = url, model, cmd, proc
@@ -76,9 +86,4 @@ def real_engine():
         wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=120, proc=proc)
         yield RealEngine(f"http://127.0.0.1:{port}", ENGINE_ALIAS, engine_command(), proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 10)

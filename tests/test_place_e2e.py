@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import ENGINE_ALIAS, engine_command, engine_installed, free_port, wait_http
+from conftest import ENGINE_ALIAS, engine_command, engine_installed, free_port, stop_process, wait_http
 from test_place_slurm import _cancel_ours, slurm  # noqa: F401  (the module-scoped Slurm fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,12 +43,7 @@ def ingress(tmp_path):
         yield {"url": f"http://127.0.0.1:{port}", "gossip": f"127.0.0.1:{gossip}",
                "key": str(tmp_path / "key" / "cluster.key")}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
         log.close()
 
 
