@@ -1261,6 +1261,12 @@ class _ClientConn:
         self.our_state = self.their_state = h11.IDLE
 
 
+def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -> bytes:
+    if type(conn) is _ClientConn:
+        return conn.head(status, headers)
+    return conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
+
+
 class _Client:
     """One client connection: its h11 state, its writer, its idle clock."""
 
@@ -1566,8 +1572,7 @@ class Ingress:
         headers.extend(extra)
         if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
             headers.append((b"connection", b"close"))   # the request body was left unread
-        out = conn.send(h11.Response(status_code=status, headers=headers,
-                                     reason=_REASONS.get(status, b"")))
+        out = _response_head(conn, status, headers)
         client.writer.write(out + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
         await client.writer.drain()
 
@@ -1730,11 +1735,9 @@ class Ingress:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
         client = ex.client
         conn = client.conn
-        out = conn.send(h11.Response(status_code=head.status, reason=_REASONS.get(head.status, b""),
-                                     headers=[(b"content-type",
-                                               head.headers.get(b"content-type", b"application/json")),
-                                              (b"content-length", b"%d" % len(payload)),
-                                              (SESSION_HEADER, candidate.session_bytes)]))
+        out = _response_head(conn, head.status,
+                             [(b"content-type", head.headers.get(b"content-type", b"application/json")),
+                              (b"content-length", b"%d" % len(payload)), (SESSION_HEADER, candidate.session_bytes)])
         out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
         now = time.monotonic()
         self._account(ex, now)
@@ -1798,10 +1801,9 @@ class Ingress:
     def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
         ex.sent = True
         self.metrics.observe(self.metrics.ttfb, ex.routed.model, time.monotonic() - ex.t0)
-        return ex.client.conn.send(h11.Response(
-            status_code=200, reason=b"OK",
-            headers=[(b"content-type", head.headers.get(b"content-type", b"text/event-stream")),
-                     (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)]))
+        return _response_head(ex.client.conn, 200,
+                              [(b"content-type", head.headers.get(b"content-type", b"text/event-stream")),
+                               (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)])
 
     async def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
         self.metrics.stream_cuts += 1
