@@ -927,6 +927,15 @@ async def h11_next(conn: h11.Connection, reader: asyncio.StreamReader, timeout: 
         conn.receive_data(data)
 
 
+def header_items(headers) -> List[Tuple[bytes, bytes]]:
+    """(lower-case name, value) pairs of h11 headers. h11's Headers is a Sequence whose
+    iteration goes through __getitem__ per item (2 us each); its backing list is read once."""
+    full = getattr(headers, "_full_items", None)
+    if full is None:                                # another h11 layout: the public way
+        return list(headers)
+    return [(name, value) for _, name, value in full]
+
+
 def set_nodelay(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
@@ -1476,7 +1485,11 @@ class Node:
                                       "members": len(self.overlay.members), "gossip": self.stats()}))
         else:
             name, value = self.tunnel_header
-            given = dict(request.headers).get(name.encode(), b"")
+            given = b""
+            wanted = name.encode()
+            for hname, hvalue in header_items(request.headers):
+                if hname == wanted:
+                    given = hvalue
             if not hmac.compare_digest(given, value.encode()):
                 self._respond(conn, writer, 403, error_body("missing or bad tunnel credential",
                                                             "permission_error", "forbidden"))
@@ -1500,7 +1513,7 @@ class Node:
         tunnel = self.tunnel_header[0].encode()
         head = [request.method, b" ", request.target, b" HTTP/1.1\r\nhost: ", engine.host_header,
                 b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]
-        for name, value in request.headers:
+        for name, value in header_items(request.headers):
             if name not in HOP_BY_HOP and name != tunnel:
                 head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
@@ -1599,7 +1612,7 @@ class Node:
 
     @staticmethod
     def _client_wants_close(request: h11.Request) -> bool:
-        for name, value in request.headers:
+        for name, value in header_items(request.headers):
             if name == b"connection" and b"close" in value.lower():
                 return True
         return False
