@@ -1024,6 +1024,54 @@ async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray):
         return status, parts[2] if len(parts) > 2 else b"", headers, keep_alive
 
 
+_FALLBACK = object()                # _read_request_head: let h11 parse this request
+MAX_REQUEST_HEAD = 65536
+_REASON = {200: b"OK", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
+           503: b"Service Unavailable"}
+
+
+def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"connection" and b"close" in value.lower():
+            return True
+    return False
+
+
+async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
+    """Read up to the end of the next request head in `buf` (nothing consumed). Returns
+    (method, target, [(lower-case name, value)], head length, body length, close) for a plain
+    HTTP/1.1 request; None at end of stream; _FALLBACK for anything h11 should judge."""
+    end = buf.find(b"\r\n\r\n")
+    while end < 0:
+        if len(buf) > MAX_REQUEST_HEAD:
+            return _FALLBACK
+        data = await reader.read(RELAY_READ)
+        if not data:
+            return None if not buf else _FALLBACK
+        buf += data
+        end = buf.find(b"\r\n\r\n")
+    lines = bytes(buf[:end]).split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[0].isalpha() or not parts[1]:
+        return _FALLBACK
+    headers, length, close = [], None, False
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or b" " in name or b"\t" in name or b"\r" in line or b"\n" in line:
+            return _FALLBACK
+        name, value = name.lower(), value.strip(b" \t")
+        if name == b"content-length":
+            if length is not None or not value.isdigit():
+                return _FALLBACK
+            length = int(value)
+        elif name in (b"transfer-encoding", b"expect"):
+            return _FALLBACK
+        elif name == b"connection" and b"close" in value.lower():
+            close = True
+        headers.append((name, value))
+    return parts[0], parts[1], headers, end + 4, length or 0, close
+
+
 class EngineClient:
     """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
     used for health checks, model discovery and tunnelled requests alike."""
@@ -1420,64 +1468,102 @@ class Node:
 
     # -- HTTP: registry, health, tunnel -----------------------------------------------------
     async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Plain HTTP/1.1 requests with a Content-Length (or no body: what the ingress sends) are
+        parsed by hand; anything else (HTTP/1.0, a chunked body, Expect, odd bytes) goes to
+        h11 from the first byte of that request, which keeps the connection from then on."""
         set_nodelay(writer)
-        conn = h11.Connection(h11.SERVER)
+        buf = bytearray()
         try:
             while True:
-                event = await h11_next(conn, reader)
-                if not isinstance(event, h11.Request):
-                    break
-                body = bytearray()
-                too_big = False
-                while True:
-                    part = await h11_next(conn, reader)
-                    if isinstance(part, h11.Data):
-                        body += part.data
-                        if len(body) > self.config.max_request_body:
-                            too_big = True
-                            break
-                    elif isinstance(part, h11.EndOfMessage):
-                        break
-                    else:
-                        return
-                if too_big:
-                    self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
+                parsed = await _read_request_head(reader, buf)
+                if parsed is None:
+                    return
+                if parsed is _FALLBACK:
+                    await self._serve_h11(reader, writer, bytes(buf))
+                    return
+                method, target, headers, head_len, length, close = parsed
+                if length > self.config.max_request_body:
+                    self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
                     await writer.drain()
                     return
-                if await self._dispatch(event, bytes(body), conn, writer):
-                    # The answer bypassed h11: carry on with a fresh parser fed what was read
-                    # past this request (pipelined bytes), unless either side asked to close.
-                    if conn.their_state is not h11.DONE or self._client_wants_close(event):
-                        break
-                    trailing, closed = conn.trailing_data
-                    conn = h11.Connection(h11.SERVER)
-                    if trailing:
-                        conn.receive_data(bytes(trailing))
-                    if closed:
-                        conn.receive_data(b"")
-                    continue
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    break
-                conn.start_next_cycle()
+                while len(buf) < head_len + length:
+                    data = await reader.read(RELAY_READ)
+                    if not data:
+                        return
+                    buf += data
+                body = bytes(buf[head_len:head_len + length])
+                del buf[:head_len + length]
+                await self._dispatch(method, target, headers, body, None, writer)
+                if close:
+                    return
         except (h11.ProtocolError, OSError, EngineError):
             pass
         finally:
             writer.close()
 
+    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if initial:
+            conn.receive_data(initial)
+        while True:
+            event = await h11_next(conn, reader)
+            if not isinstance(event, h11.Request):
+                break
+            body = bytearray()
+            too_big = False
+            while True:
+                part = await h11_next(conn, reader)
+                if isinstance(part, h11.Data):
+                    body += part.data
+                    if len(body) > self.config.max_request_body:
+                        too_big = True
+                        break
+                elif isinstance(part, h11.EndOfMessage):
+                    break
+                else:
+                    return
+            if too_big:
+                self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
+                await writer.drain()
+                return
+            headers = header_items(event.headers)
+            if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
+                # The answer bypassed h11: carry on with a fresh parser fed what was read
+                # past this request (pipelined bytes), unless either side asked to close.
+                if conn.their_state is not h11.DONE or _wants_close(headers):
+                    break
+                trailing, closed = conn.trailing_data
+                conn = h11.Connection(h11.SERVER)
+                if trailing:
+                    conn.receive_data(bytes(trailing))
+                if closed:
+                    conn.receive_data(b"")
+                continue
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                break
+            conn.start_next_cycle()
+
     def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+        """A whole answer: through h11's `conn`, or as bytes when the request was parsed by hand."""
+        if conn is None:
+            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                         % (status, _REASON.get(status, b"Status"), ctype, len(body), body))
+            return
         headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
         writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
         writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
 
-    async def _dispatch(self, request: h11.Request, body: bytes, conn, writer) -> bool:
-        """Answer one request; True when the answer went out raw, past h11's `conn`."""
-        path = request.target.split(b"?", 1)[0]
+    async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
+                        conn, writer) -> bool:
+        """Answer one request (`conn`: its h11 connection, or None when parsed by hand); True
+        when the answer went out raw, past h11's `conn`."""
+        path = target.split(b"?", 1)[0]
         if self.overlay is None:                    # between binding the port and joining
             self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
-        elif request.method == b"GET" and path == b"/v1/registry":
+        elif method == b"GET" and path == b"/v1/registry":
             self._respond(conn, writer, 200, crdt.dumps(self.registry_view()))
-        elif request.method == b"GET" and path == b"/healthz":
+        elif method == b"GET" and path == b"/healthz":
             status = "draining" if self.draining else "ok"
             self._respond(conn, writer, 503 if self.draining else 200,
                           crdt.dumps({"status": status, "session": self.session_id,
@@ -1487,7 +1573,7 @@ class Node:
             name, value = self.tunnel_header
             given = b""
             wanted = name.encode()
-            for hname, hvalue in header_items(request.headers):
+            for hname, hvalue in headers:
                 if hname == wanted:
                     given = hvalue
             if not hmac.compare_digest(given, value.encode()):
@@ -1498,37 +1584,38 @@ class Node:
                                                             else "no engine behind this node",
                                                             "server_error", "unavailable"))
             else:
-                return await self._forward(request, body, conn, writer)
+                return await self._forward(method, target, headers, body, conn, writer)
         await writer.drain()
         return False
 
-    async def _forward(self, request: h11.Request, body: bytes, conn, writer) -> bool:
+    async def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
+                       conn, writer) -> bool:
         """Send the request to the engine verbatim and stream the answer back as it comes.
         If the engine cuts the answer, we cut the client connection too: never a silent 200.
         Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
-        if conn.their_http_version != b"1.1":
-            await self._forward_h11(request, body, conn, writer)
+        if conn is not None and conn.their_http_version != b"1.1":
+            await self._forward_h11(method, target, headers, body, conn, writer)
             return False
         engine = self.engine
         tunnel = self.tunnel_header[0].encode()
-        head = [request.method, b" ", request.target, b" HTTP/1.1\r\nhost: ", engine.host_header,
+        head = [method, b" ", target, b" HTTP/1.1\r\nhost: ", engine.host_header,
                 b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]
-        for name, value in header_items(request.headers):
+        for name, value in headers:
             if name not in HOP_BY_HOP and name != tunnel:
                 head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
         head.append(body)
-        head_only = request.method == b"HEAD"
+        head_only = method == b"HEAD"
         self.inflight += 1
         try:
             try:
-                engine_conn, buf, status, reason, headers, keep_alive = await engine.send_raw(b"".join(head))
+                engine_conn, buf, status, reason, rheaders, keep_alive = await engine.send_raw(b"".join(head))
             except EngineError as exc:
                 self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
                 return False
             length, chunked = None, False
             out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-            for name, value in headers:
+            for name, value in rheaders:
                 if name == b"content-length":
                     length = int(value)
                 elif name == b"transfer-encoding":
@@ -1546,7 +1633,7 @@ class Node:
             else:                                   # until-close body: we frame it as chunked
                 out.append(b"transfer-encoding: chunked\r\n")
                 keep_alive = False
-            if self._client_wants_close(request):
+            if _wants_close(headers):
                 out.append(b"connection: close\r\n")
             out.append(b"\r\n")
             reader = engine_conn[0]
@@ -1610,22 +1697,14 @@ class Node:
         finally:
             self.inflight -= 1
 
-    @staticmethod
-    def _client_wants_close(request: h11.Request) -> bool:
-        for name, value in header_items(request.headers):
-            if name == b"connection" and b"close" in value.lower():
-                return True
-        return False
-
-    async def _forward_h11(self, request: h11.Request, body: bytes, conn, writer) -> None:
+    async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
         """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
         tunnel = self.tunnel_header[0].encode()
-        headers = [(n, v) for n, v in request.headers if n not in HOP_BY_HOP and n != tunnel]
+        headers = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != tunnel]
         self.inflight += 1
         try:
             try:
-                response, engine_conn = await self.engine.exchange(request.method.decode(),
-                                                                   request.target.decode(), headers, body)
+                response, engine_conn = await self.engine.exchange(method.decode(), target.decode(), headers, body)
             except EngineError as exc:
                 self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
                 return

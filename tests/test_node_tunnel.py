@@ -178,3 +178,60 @@ def test_engine_without_health_route_is_watched_without_touching_v1_models():
     ready_models, later_models, health_probes = run(scenario())
     assert later_models == ready_models
     assert health_probes >= 5
+
+
+async def raw_exchange(node, data: bytes) -> bytes:
+    """Write raw bytes to the node's tunnel port; read until it closes the connection."""
+    host, port = node.registry.get(node.session_id)["addr"].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        return await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+
+
+def tunnel_line(node) -> bytes:
+    name, value = node.tunnel_header
+    return f"{name}: {value}\r\n".encode()
+
+
+def test_pipelined_requests_are_answered_in_order_and_connection_close_is_honoured():
+    async def t(node, client, engine):
+        body = b'{"prompt":"a b"}'
+        one = b"POST /v1/completions HTTP/1.1\r\nhost: n\r\n%scontent-length: %d\r\n\r\n%s" % (
+            tunnel_line(node), len(body), body)
+        last = b"GET /healthz HTTP/1.1\r\nhost: n\r\nconnection: close\r\n\r\n"
+        return await raw_exchange(node, one + one + last)
+    data = run(with_node(t))
+    assert data.count(b"HTTP/1.1 200 ") == 3
+    assert data.index(b'"text_completion"') < data.rindex(b'"text_completion"') < data.index(b'"status":"ok"')
+
+
+def test_chunked_request_body_and_http10_client_are_served_through_h11():
+    raw = b'{"stream":true,"messages":[{"role":"user","content":"a b"}]}'
+
+    async def t(node, client, engine):
+        chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: n\r\n%stransfer-encoding: chunked\r\n"
+                   b"connection: close\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (tunnel_line(node), len(raw), raw))
+        first = await raw_exchange(node, chunked)
+        seen_first = engine.last_body
+        http10 = b"POST /v1/chat/completions HTTP/1.0\r\n%scontent-length: %d\r\n\r\n%s" % (
+            tunnel_line(node), len(raw), raw)
+        return first, seen_first, await raw_exchange(node, http10)
+    first, seen, second = run(with_node(t, chunks=3))
+    assert seen == raw
+    assert b"transfer-encoding: chunked\r\nconnection: close\r\n" in first.lower()
+    assert first.endswith(b"0\r\n\r\n") and first.count(b"data: {") == 3
+    assert second.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in second.lower()
+    assert second.count(b"data: {") == 3 and second.rstrip().endswith(b"data: [DONE]")
+
+
+def test_request_body_over_the_limit_gets_413_without_reaching_the_engine():
+    async def t(node, client, engine):
+        node.config.max_request_body = 100
+        data = await raw_exchange(node, b"POST /v1/completions HTTP/1.1\r\nhost: n\r\n%scontent-length: 101\r\n\r\n"
+                                  % tunnel_line(node) + b"x" * 101)
+        return data, engine.requests
+    data, reached = run(with_node(t))
+    assert data.startswith(b"HTTP/1.1 413 ") and b'"invalid_request_error"' in data and reached == 0
