@@ -87,6 +87,7 @@ LEDGER_FLUSH_S = 0.02                # rows reach SQLite within ~20 ms: one comm
                                      # instead of per request (the journal makes them durable)
 LEDGER_JOURNAL_MAX = 8 * 1024 * 1024  # journal file size before starting the next one
 KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
+STREAM_DRAIN_ABOVE = 64 * 1024      # bytes buffered for a stream's client before waiting for it
 SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
 DRAIN_S = 10.0                       # on SIGTERM, requests in flight get this long to finish
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
@@ -325,7 +326,13 @@ class Ledger:
         pending.append(values)
         self._position = (self.seq, self._offset)
         if len(pending) == 1:
-            self._wake.set()
+            # Waking the writer thread costs a context switch on the loop's core and a GIL
+            # handoff: on the loop it waits until the current step (which is about to send the
+            # response) has finished.
+            try:
+                asyncio.get_running_loop().call_soon(self._wake.set)
+            except RuntimeError:
+                self._wake.set()
         if self._offset >= LEDGER_JOURNAL_MAX:
             self.seq += 1
             old, self._fd = self._fd, os.open(self._journal(self.seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
@@ -1751,6 +1758,7 @@ class Ingress:
         is retried elsewhere; after it, the stream ends with an error event and [DONE]."""
         client = ex.client
         conn, writer = client.conn, client.writer
+        transport = writer.transport
         watch = StreamWatch(ex.strip_usage)
         held = b""       # "data: [DONE]" waits until the ledger row is committed
         try:
@@ -1778,7 +1786,11 @@ class Ingress:
                 else:
                     start = self._stream_head(ex, head)
                     writer.write(start + conn.send(h11.Data(data=out)))
-                await writer.drain()
+                # drain() only when it has something to do: a slow reader (write buffer over
+                # the transport's limit) or a client that went away; a coroutine per chunk was
+                # a fifth of the CPU per chunk
+                if transport.get_write_buffer_size() > STREAM_DRAIN_ABOVE or transport.is_closing():
+                    await writer.drain()
         except (OSError, asyncio.CancelledError):   # the client went away: stop reading too
             self.pool.discard(up)
             if ex.sent:
