@@ -1015,9 +1015,12 @@ class Upstream:
                 if eol < 0:
                     break
                 try:
-                    size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamFailure(f"{self.addr}: bad chunk size") from None
+                    size = int(buf[pos:eol], 16)
+                except ValueError:   # a chunk extension (";name=value"), or garbage
+                    try:
+                        size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
+                    except ValueError:
+                        raise UpstreamFailure(f"{self.addr}: bad chunk size") from None
                 if size == 0:
                     end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
                     if end < 0:
