@@ -1072,6 +1072,90 @@ async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
     return parts[0], parts[1], headers, end + 4, length or 0, close
 
 
+class _BodyPipe(asyncio.Protocol):
+    """Stands in for an engine connection's protocol while a response body streams: each
+    read goes to the client's transport from data_received, with no task wake-up per chunk.
+    Reading pauses while the client's buffer is above the high-water mark."""
+
+    def __init__(self, client: asyncio.Transport, engine: asyncio.Transport, scan, length: int):
+        self.client, self.engine, self.scan, self.length = client, engine, scan, length
+        self.waiter: Optional[asyncio.Future] = None
+        self.finished = self.extra = self.paused = False
+        self.error: Optional[EngineError] = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.finished:                           # bytes past the body: not reusable
+            self.extra = True
+            return
+        if self.scan is not None:
+            used = self.scan.feed(data)
+            self.finished = self.scan.done
+        else:
+            used = min(len(data), self.length)
+            self.length -= used
+            self.finished = not self.length
+        if used < len(data):
+            self.extra = True
+            data = data[:used]
+        client = self.client
+        client.write(data)
+        if self.finished:
+            self._wake()
+        elif client.get_write_buffer_size() > RELAY_HIGH_WATER or client.is_closing():
+            self.engine.pause_reading()
+            self.paused = True
+            self._wake()
+
+    def eof_received(self) -> bool:
+        self.connection_lost(None)
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if not self.finished and self.error is None:
+            self.error = EngineError("engine closed the connection mid-response")
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+async def _pipe_body(reader: asyncio.StreamReader, engine_writer: asyncio.StreamWriter,
+                     writer: asyncio.StreamWriter, scan, length: int) -> bool:
+    """Relay the rest of a body (chunked: `scan`; else `length` bytes) from the engine
+    connection to the client; True when it ended exactly at the body's end (reusable)."""
+    engine = engine_writer.transport
+    pipe = _BodyPipe(writer.transport, engine, scan, length)
+    while getattr(reader, "_buffer", None):         # bytes the stream reader still holds first
+        pipe.data_received(await reader.read(RELAY_READ))
+        if pipe.finished:
+            return not pipe.extra
+        if pipe.paused:
+            await writer.drain()
+            pipe.paused = False
+            engine.resume_reading()
+    if reader.at_eof() or reader.exception() is not None:
+        raise EngineError("engine closed the connection mid-response")
+    original = engine.get_protocol()
+    loop = asyncio.get_running_loop()
+    engine.set_protocol(pipe)
+    try:
+        while True:
+            pipe.waiter = loop.create_future()
+            await pipe.waiter
+            if pipe.error is not None:
+                raise pipe.error
+            if pipe.finished:
+                return not pipe.extra
+            if pipe.paused:
+                await writer.drain()                # raises when the client went away
+                pipe.paused = False
+                engine.resume_reading()
+    finally:
+        pipe.waiter = None
+        engine.set_protocol(original)
+
+
 class EngineClient:
     """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
     used for health checks, model discovery and tunnelled requests alike."""
@@ -1643,37 +1727,22 @@ class Node:
             try:
                 if chunked:
                     scan = _ChunkedEnd()
-                    while True:
-                        if data:
-                            used = scan.feed(data)
-                            out.append(data if used == len(data) else data[:used])
-                            if scan.done:
-                                ok = used == len(data)
-                                break
-                        if out:
-                            transport.write(b"".join(out))
-                            out = []
-                            if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
-                                await writer.drain()
-                        data = await reader.read(RELAY_READ)
-                        if not data:
-                            raise EngineError("engine closed the connection mid-response")
-                elif length is not None:
-                    while True:
-                        if len(data) >= length:
-                            out.append(data[:length])
-                            ok = len(data) == length
-                            break
-                        if data:
-                            length -= len(data)
-                            out.append(data)
+                    used = scan.feed(data)
+                    out.append(data[:used])
+                    if scan.done:
+                        ok = used == len(data)
+                    else:
                         transport.write(b"".join(out))
                         out = []
-                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
-                            await writer.drain()
-                        data = await reader.read(RELAY_READ)
-                        if not data:
-                            raise EngineError("engine closed the connection mid-response")
+                        ok = await _pipe_body(reader, engine_conn[1], writer, scan, 0)
+                elif length is not None:
+                    out.append(data[:length])
+                    if len(data) >= length:
+                        ok = len(data) == length
+                    else:
+                        transport.write(b"".join(out))
+                        out = []
+                        ok = await _pipe_body(reader, engine_conn[1], writer, None, length - len(data))
                 else:
                     while True:
                         if data:

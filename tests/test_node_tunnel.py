@@ -235,3 +235,48 @@ def test_request_body_over_the_limit_gets_413_without_reaching_the_engine():
         return data, engine.requests
     data, reached = run(with_node(t))
     assert data.startswith(b"HTTP/1.1 413 ") and b'"invalid_request_error"' in data and reached == 0
+
+
+def test_large_bodies_relay_intact_to_a_slow_client_and_engine_connection_is_reused():
+    big = bytes(range(256)) * 4096                  # 1 MiB: many reads, and back-pressure
+
+    async def engine(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                if b" /chunked " in head:
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    for i in range(0, len(big), 70000):
+                        part = big[i:i + 70000]
+                        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    writer.write(b"0\r\n\r\n")
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(big), big))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, OSError):
+            writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05)
+        node = on.Node(cfg, engine_url=f"http://127.0.0.1:{port}")
+        await node.start()
+        client = on.EngineClient("http://" + node.registry.get(node.session_id)["addr"])
+        results = []
+        try:
+            for path in ("/length", "/chunked", "/length", "/chunked"):
+                response, conn = await client.exchange("POST", path, [node.tunnel_header], b"{}")
+                got = bytearray()
+                async for chunk in client.body(conn):
+                    got += chunk
+                    await asyncio.sleep(0.002)      # a slow reader: the node must pause the engine
+                results.append((response.status_code, got == big, len(node.engine.idle)))
+        finally:
+            client.close()
+            await node.stop()
+            server.close()
+        return results
+    assert run(scenario()) == [(200, True, 1)] * 4
