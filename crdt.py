@@ -273,6 +273,9 @@ class GMap:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise RecordError("merge takes {session_id: record} or (session_id, record) pairs")
             session_id, record = pair
+            known = self._entries.get(session_id) if isinstance(session_id, str) else None
+            if known is not None and record == known.record:
+                continue        # a duplicate (most of gossip): valid and changes nothing
             checked.append((session_id, record, validate(session_id, record)))
         return [sid for sid, record, encoded in checked
                 if self._apply(sid, dict(record), encoded)]
