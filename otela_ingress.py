@@ -446,7 +446,7 @@ class Ledger:
             if rows:
                 old_seq = self._state_seq
                 self._commit(rows, position)
-                for seq in range(old_seq, position[0]):
+                for seq in range(old_seq, self._state_seq):   # files now wholly in SQLite
                     try:
                         os.unlink(self._journal(seq))
                     except OSError:

@@ -673,3 +673,22 @@ def test_http_1_0_and_bad_request_lines_keep_h11s_answers(stack, client):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")
         (status, body), = _read_answers(sock, 1)
         assert status.startswith(b"HTTP/1.1 400 ") and "error" in json.loads(body)
+
+
+def test_journal_rows_spread_over_many_mapped_files_are_all_recovered(tmp_path, monkeypatch):
+    monkeypatch.setattr(otela_ingress, "LEDGER_JOURNAL_MAX", 256)   # about two rows per file
+    db = str(tmp_path / "ledger.sqlite")
+    ledger = otela_ingress.Ledger(db, lambda keys: None)
+    ledger._commit = lambda rows, position: None   # as if killed before any batch reached SQLite
+    for i in range(9):
+        ledger.record((1764430000.0 + i, "k", "user", "model", "s", "o", 200, 1, i, 1.5, 0, 1, 1))
+    assert ledger.seq >= 3
+    ledger._closing = True
+    ledger._wake.set()
+    ledger._thread.join(10)
+    import os
+    os.close(ledger._lock)   # the lock of a dead process is released
+    otela_ingress.Ledger(db, lambda keys: None).close()
+    import sqlite3
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*), sum(completion_tokens) FROM requests").fetchone() == (9, 36)
