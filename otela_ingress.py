@@ -942,30 +942,82 @@ class UpstreamHead:
         self.status, self.headers = status, headers
 
 
+class _UpstreamProtocol(asyncio.Protocol):
+    """Puts what the provider sends straight into its Upstream's buffer and wakes the reader
+    (a StreamReader between the two was a copy and a layer of calls per read)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.transport: Any = None
+        self.buf = bytearray()
+        self.waiter: Optional[asyncio.Future] = None
+        self.eof = False
+        self.exc: Optional[BaseException] = None
+        self.paused = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if len(buf) > 2 * READ_CHUNK and not self.paused:   # the reader is behind: stop reading
+            self.paused = True
+            self.transport.pause_reading()
+        if self.waiter is not None:
+            self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self.eof = True
+        self.exc = exc
+        self._wake()
+
+
 class Upstream:
     """One kept-alive connection to a provider, and the reader of its responses."""
 
-    __slots__ = ("addr", "reader", "writer", "reused", "last", "buf", "remaining", "keep_alive", "done")
+    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "remaining", "keep_alive", "done")
 
-    def __init__(self, addr: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.addr, self.reader, self.writer = addr, reader, writer
+    def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol):
+        self.addr, self.transport, self.proto = addr, transport, proto
         self.reused = False
         self.last = time.monotonic()
-        self.buf = bytearray()
+        self.buf = proto.buf      # the protocol appends what arrives
         self.remaining = 0        # body bytes left, or _CHUNKED / _CLOSE_DELIMITED
         self.keep_alive = True
         self.done = True          # the last response was read to its end
 
     async def _fill(self) -> bool:
-        try:
-            data = await self.reader.read(READ_CHUNK)
-        except OSError as exc:
-            raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}") from None
-        self.last = time.monotonic()
-        if not data:
-            return False
-        self.buf += data
-        return True
+        """Wait for more bytes in self.buf; False at the end of the connection."""
+        proto = self.proto
+        if proto.paused:
+            proto.paused = False
+            self.transport.resume_reading()
+        size = len(self.buf)
+        while not proto.eof:
+            waiter = proto.waiter = proto.loop.create_future()
+            await waiter
+            if len(self.buf) > size:
+                self.last = time.monotonic()
+                return True
+        if len(self.buf) > size:
+            return True
+        exc = proto.exc
+        if exc is not None:
+            raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}")
+        return False
 
     async def read_head(self) -> UpstreamHead:
         while True:
@@ -1075,12 +1127,12 @@ class Upstream:
                 raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
 
     def close(self) -> None:
-        transport = self.writer.transport
+        transport = self.transport
         if not transport.is_closing():
             transport.abort()
 
 
-def _nodelay(writer: asyncio.StreamWriter) -> None:
+def _nodelay(writer: Any) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         try:
@@ -1098,21 +1150,22 @@ class UpstreamPool:
         idle = self._idle.get(addr)
         while idle and not fresh:
             up = idle.pop()
-            if not up.writer.transport.is_closing() and not up.reader.at_eof():
+            if not up.transport.is_closing() and not up.proto.eof:
                 up.reused = True
                 up.last = time.monotonic()
                 self.active.add(up)
                 return up
             up.close()
         host, _, port = addr.rpartition(":")
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host.strip("[]"), int(port), limit=READ_CHUNK),
+            transport, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port)),
                 UPSTREAM_CONNECT_TIMEOUT_S)
         except (OSError, ValueError, asyncio.TimeoutError) as exc:
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
-        _nodelay(writer)
-        up = Upstream(addr, reader, writer)
+        _nodelay(transport)
+        up = Upstream(addr, transport, proto)
         self.active.add(up)
         return up
 
@@ -1742,7 +1795,7 @@ class Ingress:
         while True:
             up = await self.pool.acquire(candidate.addr, fresh)
             try:
-                up.writer.write(request)
+                up.transport.write(request)
                 if ex.row_head is None or ex.row_head[0] is not candidate:
                     self._prepare_row(ex, candidate)   # while the engine works on the request
                 return up, await up.read_head()
