@@ -36,6 +36,7 @@ import asyncio
 import bisect
 import collections
 import fcntl
+import functools
 import hashlib
 import importlib
 import math
@@ -954,6 +955,9 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.eof = False
         self.exc: Optional[BaseException] = None
         self.paused = False
+        # set while a plain answer is awaited: finishes it here, in the step that read it,
+        # rather than one event-loop pass later in the task
+        self.on_data: Optional[Callable[[], None]] = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -971,6 +975,8 @@ class _UpstreamProtocol(asyncio.Protocol):
         if len(buf) > 2 * READ_CHUNK and not self.paused:   # the reader is behind: stop reading
             self.paused = True
             self.transport.pause_reading()
+        if self.on_data is not None:
+            self.on_data()
         if self.waiter is not None:
             self._wake()
 
@@ -988,7 +994,8 @@ class _UpstreamProtocol(asyncio.Protocol):
 class Upstream:
     """One kept-alive connection to a provider, and the reader of its responses."""
 
-    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "remaining", "keep_alive", "done")
+    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "remaining", "keep_alive", "done",
+                 "pending_head", "pending_exc")
 
     def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol):
         self.addr, self.transport, self.proto = addr, transport, proto
@@ -998,6 +1005,8 @@ class Upstream:
         self.remaining = 0        # body bytes left, or _CHUNKED / _CLOSE_DELIMITED
         self.keep_alive = True
         self.done = True          # the last response was read to its end
+        self.pending_head: Optional[UpstreamHead] = None   # parsed by the on_data hook
+        self.pending_exc: Optional[BaseException] = None
 
     async def _fill(self) -> bool:
         """Wait for more bytes in self.buf; False at the end of the connection."""
@@ -1009,10 +1018,10 @@ class Upstream:
         while not proto.eof:
             waiter = proto.waiter = proto.loop.create_future()
             await waiter
-            if len(self.buf) > size:
+            if len(self.buf) > size or self.pending_head is not None or self.pending_exc is not None:
                 self.last = time.monotonic()
                 return True
-        if len(self.buf) > size:
+        if len(self.buf) > size or self.pending_head is not None or self.pending_exc is not None:
             return True
         exc = proto.exc
         if exc is not None:
@@ -1020,15 +1029,34 @@ class Upstream:
         return False
 
     async def read_head(self) -> UpstreamHead:
+        proto = self.proto
+        while True:
+            if proto.on_data is not None:   # the hook parses; it leaves its result here
+                head, exc = self.pending_head, self.pending_exc
+                if head is not None or exc is not None:
+                    proto.on_data = None
+                    self.pending_head = self.pending_exc = None
+                    if exc is not None:
+                        raise exc
+                    return head
+            else:
+                end = self.buf.find(b"\r\n\r\n")
+                if end >= 0:
+                    head = self.parse_head(end)
+                    if head is not None:
+                        return head
+                    continue
+                if len(self.buf) > UPSTREAM_MAX_HEAD:
+                    raise UpstreamFailure(f"{self.addr}: response head too large")
+            if not await self._fill():
+                proto.on_data = None
+                raise UpstreamFailure(f"{self.addr}: connection closed before a response")
+
+    def parse_head(self, end: int) -> Optional[UpstreamHead]:
+        """Consume and parse the head that ends at `end` in the buffer, and the final head after
+        any 1xx ones; None when a 1xx head was consumed and the next one is not complete yet."""
         while True:
             buf = self.buf
-            end = buf.find(b"\r\n\r\n")
-            while end < 0:
-                if len(buf) > UPSTREAM_MAX_HEAD:
-                    raise UpstreamFailure(f"{self.addr}: response head too large")
-                if not await self._fill():
-                    raise UpstreamFailure(f"{self.addr}: connection closed before a response")
-                end = buf.find(b"\r\n\r\n")
             lines = bytes(buf[:end]).split(b"\r\n")
             del buf[:end + 4]
             version, _, rest = lines[0].partition(b" ")
@@ -1042,8 +1070,11 @@ class Upstream:
                 if not colon:
                     raise UpstreamFailure(f"{self.addr}: bad header line {line[:80]!r}")
                 headers[name.strip().lower()] = value.strip()
-            if 100 <= status < 200:
-                continue   # 100 Continue and friends: the real answer follows
+            if 100 <= status < 200:   # 100 Continue and friends: the real answer follows
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return None  # type: ignore[return-value]
+                continue
             connection = headers.get(b"connection", b"").lower()
             self.keep_alive = version == b"HTTP/1.1" and b"close" not in connection
             if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
@@ -1171,6 +1202,7 @@ class UpstreamPool:
 
     def release(self, up: Upstream) -> None:
         self.active.discard(up)
+        up.proto.on_data = None
         if up.done and up.keep_alive and not up.buf:
             idle = self._idle.setdefault(up.addr, [])
             if len(idle) < POOL_IDLE_PER_PROVIDER:
@@ -1379,7 +1411,7 @@ class _Exchange:
 
     __slots__ = ("client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head")
+                 "row_head", "finished")
 
     def __init__(self, client, path, body, key, routed, strip_usage, tracked, t0):
         self.client, self.path, self.body, self.key, self.routed = client, path, body, key, routed
@@ -1390,6 +1422,7 @@ class _Exchange:
         self.prompt_tokens = self.completion_tokens = 0
         self.sent = False
         self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
+        self.finished = False   # the upstream protocol's hook sent the whole answer
 
 
 class Ingress:
@@ -1795,6 +1828,8 @@ class Ingress:
         while True:
             up = await self.pool.acquire(candidate.addr, fresh)
             try:
+                if not ex.routed.stream:
+                    up.proto.on_data = functools.partial(self._finish_plain, ex, up, candidate)
                 up.transport.write(request)
                 if ex.row_head is None or ex.row_head[0] is not candidate:
                     self._prepare_row(ex, candidate)   # while the engine works on the request
@@ -1813,6 +1848,11 @@ class Ingress:
         """One try on one session. True when the client got its answer (or an engine error
         that another session would repeat); False to try another session."""
         up, head = await self._exchange_head(ex, candidate)
+        if ex.finished:
+            self.pool.release(up)
+            self._account(ex, time.monotonic())
+            await ex.client.writer.drain()
+            return True
         try:
             ex.status = head.status
             if ex.routed.stream and head.status == 200:
@@ -1830,22 +1870,60 @@ class Ingress:
         if head.status in RETRY_STATUSES:
             self.pool.release(up)
             return False
+        now = self._send_plain(ex, candidate, head, payload)
+        # the rest waits until the answer is on its way
+        self.pool.release(up)
+        self._account(ex, now)
+        await ex.client.writer.drain()
+        return True
+
+    def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes) -> float:
+        """Journal the row, then send the whole answer to the client (no await: the upstream
+        protocol's hook calls this from data_received)."""
+        ex.status = head.status
         if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
-        client = ex.client
-        conn = client.conn
+        conn = ex.client.conn
         out = _response_head(conn, head.status,
                              [(b"content-type", head.headers.get(b"content-type", b"application/json")),
                               (b"content-length", b"%d" % len(payload)), (SESSION_HEADER, candidate.session_bytes)])
         out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
         now = time.monotonic()
         self._record(ex, now)
-        client.writer.write(out)
-        # the rest waits until the answer is on its way
-        self.pool.release(up)
-        self._account(ex, now)
-        await client.writer.drain()
-        return True
+        ex.client.writer.write(out)
+        return now
+
+    def _finish_plain(self, ex: _Exchange, up: Upstream, candidate: Candidate) -> None:
+        """The upstream protocol's hook for a plain (not streamed) answer: when the head and a
+        Content-Length body are in, answer the client right here; anything else (a retryable
+        status, a chunked or partial body, a bad head) is handed to the task as it was."""
+        if up.pending_head is not None or up.pending_exc is not None:
+            return   # handed over already; the task takes it from here
+        buf = up.buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > UPSTREAM_MAX_HEAD:
+                up.pending_exc = UpstreamFailure(f"{up.addr}: response head too large")
+            return
+        try:
+            head = up.parse_head(end)
+        except UpstreamFailure as exc:
+            up.pending_exc = exc
+            return
+        if head is None:
+            return   # a 1xx answer; the real one follows
+        remaining = up.remaining
+        if head.status not in RETRY_STATUSES and 0 <= remaining <= len(buf):
+            payload = bytes(buf[:remaining])
+            del buf[:remaining]
+            up.remaining, up.done = 0, True
+            try:
+                self._send_plain(ex, candidate, head, payload)
+            except Exception as exc:   # not from a data_received callback: the task reports it
+                up.pending_exc = exc
+                return
+            ex.finished = True
+        up.pending_head = head
 
     async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> bool:
         """Relay an SSE stream chunk by chunk. Before the first byte reaches the client a failure
