@@ -12,7 +12,7 @@ Data flow:
     client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
         --> policy.pick --> upstream pool --HTTP/1.1--> node tunnel --> engine
         <-- response relayed (retried on another session if nothing was sent yet)
-        --> usage journal (one write() before the client sees the last byte, so a kill -9
+        --> usage journal (a copy into a mapped file before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
 Headers: requests take `Authorization: Bearer <key>` and, to opt out of the per-request usage
@@ -274,9 +274,9 @@ class Ledger:
     """The usage ledger: crash-safe without SQLite on the event loop.
 
     Theory of operation. When a request completes, the event loop appends one JSON line to a
-    journal file with a single write() (a few microseconds; the bytes are in the kernel once it
-    returns, so a kill -9 right after cannot lose them) *before* the client gets the last byte,
-    and adds the row to a list. Every LEDGER_FLUSH_S a thread takes the list and commits it to
+    journal file mapped shared (a copy into the page cache, no system call; the bytes belong to
+    the kernel at once, so a kill -9 right after cannot lose them) *before* the client gets the
+    last byte, and adds the row to a list. Every LEDGER_FLUSH_S a thread takes the list and commits it to
     SQLite (WAL) in one transaction, together with how far into the journal it got. At start,
     whatever the journal holds past that point (the rows a crash kept from SQLite) is applied
     first. The journal is cut into files of LEDGER_JOURNAL_MAX bytes; a file is deleted once all
