@@ -1,14 +1,16 @@
 """`make run` as a newcomer uses it: the cluster comes up, the printed curl and openai snippets
 work, and Ctrl-C stops every process it started (ingress, nodes, engines)."""
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import ROOT, engine_installed, free_port
+from conftest import ROOT, engine_installed
 
 pytestmark = pytest.mark.skipif(not engine_installed(),
                                 reason="real engine not installed: run `make engine`")
@@ -29,10 +31,8 @@ def _descendants(pid):
 
 
 def test_make_run_serves_the_printed_curl_and_stops_cleanly_on_ctrl_c(tmp_path):
-    base = free_port()
-    while any(_port_busy(base + i) for i in range(3)):
-        base = free_port()
-    env = dict(os.environ, OTELA_RUN_PORT=str(base), OTELA_RUN_GOSSIP=str(free_port()),
+    base, gossip = _free_block(3), _free_block(3)
+    env = dict(os.environ, OTELA_RUN_PORT=str(base), OTELA_RUN_GOSSIP=str(gossip),
                OTELA_RUN_DIR=str(tmp_path / "run"))
     proc = subprocess.Popen([str(ROOT / "tests/lab/local_cluster.sh")], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -73,10 +73,25 @@ def test_make_run_serves_the_printed_curl_and_stops_cleanly_on_ctrl_c(tmp_path):
             proc.wait()
 
 
-def _port_busy(port):
-    import socket
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def _free_block(n):
+    """n consecutive ports free for TCP and UDP, below the ephemeral range (32768+), so that
+    outgoing connections of other processes cannot take one between the check and the bind."""
+    rnd = random.Random()
+    for _ in range(200):
+        base = rnd.randrange(20000, 32000 - n)
+        if all(_bindable(base + i, kind) for i in range(n)
+               for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM)):
+            return base
+    raise RuntimeError("no block of free ports")
+
+
+def _bindable(port, kind):
+    with socket.socket(socket.AF_INET, kind) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _status(pid):
