@@ -922,6 +922,17 @@ class StreamWatch:
 # ---------------------------------------------------------------------------------------------
 # Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader
 # ---------------------------------------------------------------------------------------------
+def _take(buf: bytearray, limit: int) -> bytes:
+    """Up to `limit` bytes off the front of a body buffer (one copy)."""
+    if len(buf) <= limit:
+        piece = bytes(buf)
+        buf.clear()
+    else:
+        piece = bytes(buf[:limit])
+        del buf[:limit]
+    return piece
+
+
 class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
 
@@ -1110,12 +1121,7 @@ class Upstream:
             return piece
         if not buf and not await self._fill():
             raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
-        if len(buf) <= remaining:
-            piece = bytes(buf)
-            buf.clear()
-        else:
-            piece = bytes(buf[:remaining])
-            del buf[:remaining]
+        piece = _take(buf, remaining)
         self.remaining = remaining - len(piece)
         self.done = self.remaining == 0
         return piece
@@ -1300,12 +1306,7 @@ class _ClientConn:
                 if self._eof:
                     raise h11.RemoteProtocolError("peer closed the connection mid-body")
                 return h11.NEED_DATA
-            if len(buf) <= remaining:
-                piece = bytes(buf)
-                buf.clear()
-            else:
-                piece = bytes(buf[:remaining])
-                del buf[:remaining]
+            piece = _take(buf, remaining)
             self._remaining = remaining - len(piece)
             return h11.Data(data=piece)
         if state is not h11.IDLE:
