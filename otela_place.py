@@ -123,12 +123,9 @@ class PlacementError(ValueError):
 
 def load_json(path):
     try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as e:
-        raise PlacementError(f"cannot read {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise PlacementError(f"{path} is not JSON: {e}") from None
+        return otela_sim.read_json(path)
+    except otela_sim.SimError as e:
+        raise PlacementError(str(e)) from None
 
 
 def check_scenario(scenario):

@@ -1304,7 +1304,8 @@ def placement_from_paper(entries):
     return out
 
 
-def _read_json(path):
+def read_json(path):
+    """A JSON file, or SimError with a one-line reason (the placer reads its files this way too)."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -1320,7 +1321,7 @@ def _load_placement(path, scenario):
         if not paper:
             raise SimError("the scenario has no paper_placements.opentela; pass --placement FILE")
         return placement_from_paper(paper)
-    data = _read_json(path)
+    data = read_json(path)
     if isinstance(data, dict):
         data = data.get("placement", data.get("entries"))
     if not isinstance(data, list) or not all(isinstance(e, dict) and "model" in e for e in data):
@@ -1333,7 +1334,7 @@ def _fmt(x):
 
 
 def _cmd_estimate(a):
-    model = resolve_model(_read_json(a.config), name=a.model) if a.config else resolve_model(a.model)
+    model = resolve_model(read_json(a.config), name=a.model) if a.config else resolve_model(a.model)
     gpu = resolve_gpu(a.gpu)
     check_config(model, gpu, a.tp)
     e = estimate(model, gpu, a.tp, a.batch, a.input, a.output, a.dtype, a.engine, replicas=a.replicas)
@@ -1348,7 +1349,7 @@ def _cmd_estimate(a):
 
 
 def _cmd_replay(a):
-    scenario = _read_json(a.scenario)
+    scenario = read_json(a.scenario)
     placement = _load_placement(a.placement, scenario)
     disagg = {"prefill_share": a.disaggregate, "kv_GBps": a.kv_gbps} if a.disaggregate else None
     t0 = time.perf_counter()
