@@ -993,12 +993,16 @@ class _UpstreamProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self.on_data is not None:   # a request handled in callbacks hands itself to a task
+            self.on_data()
         self._wake()
         return False
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self.eof = True
         self.exc = exc
+        if self.on_data is not None:
+            self.on_data()
         self._wake()
 
 
@@ -1042,15 +1046,14 @@ class Upstream:
     async def read_head(self) -> UpstreamHead:
         proto = self.proto
         while True:
-            if proto.on_data is not None:   # the hook parses; it leaves its result here
-                head, exc = self.pending_head, self.pending_exc
-                if head is not None or exc is not None:
-                    proto.on_data = None
-                    self.pending_head = self.pending_exc = None
-                    if exc is not None:
-                        raise exc
-                    return head
-            else:
+            head, exc = self.pending_head, self.pending_exc
+            if head is not None or exc is not None:   # the on_data hook parsed it already
+                proto.on_data = None
+                self.pending_head = self.pending_exc = None
+                if exc is not None:
+                    raise exc
+                return head
+            if proto.on_data is None:
                 end = self.buf.find(b"\r\n\r\n")
                 if end >= 0:
                     head = self.parse_head(end)
@@ -1169,8 +1172,8 @@ class Upstream:
             transport.abort()
 
 
-def _nodelay(writer: Any) -> None:
-    sock = writer.get_extra_info("socket")
+def _nodelay(transport: Any) -> None:
+    sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -1183,9 +1186,10 @@ class UpstreamPool:
         self._idle: Dict[str, List[Upstream]] = {}
         self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
 
-    async def acquire(self, addr: str, fresh: bool = False) -> Upstream:
+    def take_idle(self, addr: str) -> Optional[Upstream]:
+        """A kept-alive connection to addr, or None."""
         idle = self._idle.get(addr)
-        while idle and not fresh:
+        while idle:
             up = idle.pop()
             if not up.transport.is_closing() and not up.proto.eof:
                 up.reused = True
@@ -1193,6 +1197,12 @@ class UpstreamPool:
                 self.active.add(up)
                 return up
             up.close()
+        return None
+
+    async def acquire(self, addr: str, fresh: bool = False) -> Upstream:
+        up = None if fresh else self.take_idle(addr)
+        if up is not None:
+            return up
         host, _, port = addr.rpartition(":")
         loop = asyncio.get_running_loop()
         try:
@@ -1352,6 +1362,22 @@ class _ClientConn:
         self.our_state = h11.SEND_RESPONSE
         return _FastRequest(method, target, headers)
 
+    def whole_body(self) -> Optional[bytes]:
+        """The body of the request just parsed when all of it is buffered (the request is then
+        complete), else None (nothing consumed)."""
+        remaining, buf = self._remaining, self.buf
+        if self.their_state is not h11.SEND_BODY or remaining > len(buf):
+            return None
+        if remaining == len(buf):
+            body = bytes(buf)
+            buf.clear()
+        else:
+            body = bytes(buf[:remaining])
+            del buf[:remaining]
+        self._remaining = 0
+        self.their_state = h11.DONE
+        return body
+
     def head(self, status: int, headers: Sequence[Tuple[bytes, bytes]]) -> bytes:
         """The response head (what send(h11.Response(...)) would give, without building one)."""
         framed = close = False
@@ -1395,16 +1421,151 @@ def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -
     return conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
 
 
-class _Client:
-    """One client connection: its h11 state, its writer, its idle clock."""
+class _Client(asyncio.Protocol):
+    """One client connection.
 
-    __slots__ = ("conn", "reader", "writer", "last", "busy")
+    A plain request (the whole of it in the buffer, body included) is handled in the callbacks:
+    data_received parses it and writes it to a kept-alive upstream connection, and that
+    connection's data_received writes the answer back; no task, no future, no event-loop pass
+    in between. Anything else (a body still arriving, a GET endpoint, a stream, a new upstream
+    connection, a retry, an unusual request that h11 handles) runs in a task that waits for
+    data through `wait_data()` and writes through `drain()`, until the connection is back at a
+    request boundary with nothing buffered.
+    """
 
-    def __init__(self, reader, writer):
+    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "_waiter",
+                 "_drain_waiter", "_write_paused", "_read_paused")
+
+    def __init__(self, ingress: Ingress):
+        self.ingress = ingress
         self.conn: Any = _ClientConn()   # an h11.Connection after the first unusual request
-        self.reader, self.writer = reader, writer
+        self.transport: Any = None
         self.last = time.monotonic()
+        self.busy = False                # a request is being answered
+        self.task: Optional[asyncio.Future] = None   # the task that owns the connection, if any
+        self.closed = False
+        self._waiter: Optional[asyncio.Future] = None
+        self._drain_waiter: Optional[asyncio.Future] = None
+        self._write_paused = self._read_paused = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        ingress = self.ingress
+        if len(ingress._clients) >= ingress.max_connections:
+            body = error_body(503, "Too many connections", "too_many_connections")
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                            b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                            % (len(body), body))
+            transport.close()
+            ingress.metrics.errors["too_many_connections"] += 1
+            self.closed = True
+            return
+        _nodelay(transport)
+        transport.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)
+        ingress._clients.add(self)
+        ingress.metrics.connections += 1
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        conn = self.conn
+        conn.receive_data(data)
+        self.last = time.monotonic()
+        if self.task is not None:
+            self._wake()
+        elif not self.busy:
+            try:
+                self.ingress._dispatch(self)
+            except Exception as exc:   # a bug must cost one request, not the connection's peace
+                self.ingress._internal_error(self, exc)
+                return
+        if not self._read_paused and (self.task is not None or self.busy) and self.buffered() > 2 * READ_CHUNK:
+            self._read_paused = True   # a client far ahead of us waits in its socket, not in our memory
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.data_received(b"")
+        return True   # half-closed: the answer may still go out
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.conn.receive_data(b"")
+        self._wake()
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        ingress = self.ingress
+        if self in ingress._clients:
+            ingress._clients.discard(self)
+            ingress.metrics.connections -= 1
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        elif self.task is None and not self.busy:
+            self.ingress._dispatch(self)   # pipelined requests waited for the client to read
+
+    # -- for the task ------------------------------------------------------------------------
+    def buffered(self) -> int:
+        conn = self.conn
+        return len(conn.buf) if type(conn) is _ClientConn else len(conn.trailing_data[0])
+
+    def resume_reading(self) -> None:
+        if self._read_paused and not self.closed:
+            self._read_paused = False
+            self.transport.resume_reading()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait_data(self) -> None:
+        """Wait until more request bytes (or the end of them) reached self.conn."""
+        if self.closed:
+            return
+        self.resume_reading()
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
+
+    async def drain(self) -> None:
+        """Wait while the client's write buffer is over its limit; ConnectionResetError once the
+        client is gone."""
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._write_paused:
+            waiter = self._drain_waiter = asyncio.get_running_loop().create_future()
+            await waiter
+            if self.closed:
+                raise ConnectionResetError("the client closed the connection")
+
+    def finish(self) -> bool:
+        """After an answer: ready for the next request (True), or the connection is closed."""
         self.busy = False
+        self.last = time.monotonic()
+        conn = self.conn
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not self.closed:
+            conn.start_next_cycle()
+            return True
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Close gracefully after a complete answer, abort in the middle of one."""
+        if self.conn.our_state is h11.DONE or self.conn.our_state is h11.MUST_CLOSE:
+            self.transport.close()
+        else:
+            self.transport.abort()
 
 
 class _Exchange:
@@ -1464,8 +1625,7 @@ class Ingress:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
         self.ledger = Ledger(self.db_path, self._set_keys)
-        self._server = await asyncio.start_server(self._serve_client, host, port,
-                                                  limit=READ_CHUNK, backlog=1024)
+        self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         self._sweeper = asyncio.ensure_future(self._sweep())
         return self._server.sockets[0].getsockname()[1]
 
@@ -1482,7 +1642,7 @@ class Ingress:
         if self._sweeper is not None:
             self._sweeper.cancel()
         for client in list(self._clients):
-            client.writer.transport.abort()
+            client.transport.abort()
         self.pool.close()
         if self._server is not None:
             try:
@@ -1514,7 +1674,7 @@ class Ingress:
                 limit = REQUEST_TIMEOUT_S if client.conn.their_state is h11.SEND_BODY or (
                     client.conn.their_state is h11.IDLE and client.conn.trailing_data[0]) else IDLE_TIMEOUT_S
                 if not client.busy and now - client.last > limit:
-                    client.writer.transport.abort()
+                    client.transport.abort()
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:
@@ -1567,66 +1727,98 @@ class Ingress:
         return sorted(names)
 
     # -- HTTP server -------------------------------------------------------------------------
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _nodelay(writer)
-        if len(self._clients) >= self.max_connections:
-            body = error_body(503, "Too many connections", "too_many_connections")
-            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                         b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(body), body))
-            writer.close()
-            self.metrics.errors["too_many_connections"] += 1
+    def _dispatch(self, client: _Client) -> None:
+        """Handle the requests buffered on a connection that no task owns: plain proxied ones
+        right here, the first other one by starting a task for it."""
+        conn = client.conn
+        while not client.closed and not client._write_paused:
+            if type(conn) is not _ClientConn:
+                self._spawn(client, self._client_loop(client))
+                return
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                self._spawn(client, self._client_loop(client))   # it reports the error
+                return
+            if event is h11.NEED_DATA:
+                client.resume_reading()
+                return
+            if type(event) is _FastRequest and event.method == b"POST" and event.target in PROXIED_PATHS:
+                fields = self._fields(event)
+                body = conn.whole_body() if fields is not None and conn._remaining <= self.max_body else None
+                if body is not None:
+                    if not self._fast_proxy(client, event.target, fields, body):
+                        return
+                    continue
+            self._spawn(client, self._client_loop(client, event))
             return
-        client = _Client(reader, writer)
-        self._clients.add(client)
-        self.metrics.connections += 1
+
+    def _spawn(self, client: _Client, work: Any) -> None:
+        client.task = asyncio.ensure_future(self._client_task(client, work))
+
+    async def _client_task(self, client: _Client, work: Any) -> None:
+        keep = False
         try:
-            await self._client_loop(client)
+            keep = await work
         except (OSError, asyncio.IncompleteReadError):
             pass
         except Exception as exc:   # a bug must cost one connection, not the server
-            print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
-            try:
-                await self._respond_error(client, HTTPError(500, "Internal error in the ingress",
-                                                            "internal_error"))
-            except Exception:
-                pass
+            self._internal_error(client, exc)
         finally:
-            self._clients.discard(client)
-            self.metrics.connections -= 1
-            writer.transport.abort() if client.conn.our_state is not h11.DONE else writer.close()
+            client.task = None
+        if keep and not client.closed:
+            self._dispatch(client)
+        else:
+            client.busy = False
+            client.close()
 
-    async def _client_loop(self, client: _Client) -> None:
-        conn, reader = client.conn, client.reader
+    def _internal_error(self, client: _Client, exc: Exception) -> None:
+        """A bug met while serving a request: say so on stderr and to the client (500), and
+        close the connection, whose state is unknown."""
+        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+        try:
+            self._write_error(client, HTTPError(500, "Internal error in the ingress", "internal_error"))
+        except Exception:
+            pass
+        client.busy = False
+        client.transport.close()
+
+    @staticmethod
+    def _fields(request: Any) -> Optional[Dict[bytes, bytes]]:
+        """The request's headers as a dict (one pass; the rest of the request uses it), or None
+        when they are over the size limit. h11 bounds only a head that arrives in pieces; one
+        that came whole in a single read is measured here."""
+        size = len(request.target)
+        fields = {}
+        for name, value in request.headers:
+            size += len(name) + len(value) + 4
+            fields[name] = value
+        return fields if size <= MAX_HEADER_BYTES else None
+
+    async def _client_loop(self, client: _Client, event: Any = None) -> bool:
+        """Serve requests until the connection is back at a boundary with nothing buffered
+        (True: the callbacks take over again) or must close (False)."""
+        conn = client.conn
         while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
-                await self._respond_error(client, HTTPError(status, f"Bad HTTP request: {exc}"))
-                return
+            if event is None:
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
+                    await self._respond_error(client, HTTPError(status, f"Bad HTTP request: {exc}"))
+                    return False
             if event is h11.NEED_DATA:
-                data = await reader.read(READ_CHUNK)
-                client.last = time.monotonic()
-                conn.receive_data(data)
-                if not data and conn.their_state is h11.IDLE:
-                    return
-                continue
-            if event is _SWITCH:
+                if type(conn) is _ClientConn and conn.their_state is h11.IDLE:
+                    return True
+                await client.wait_data()
+            elif event is _SWITCH:
                 conn = client.conn = conn.to_h11()
-                continue
-            if type(event) is _FastRequest or type(event) is h11.Request:
-                # h11 bounds only a head that arrives in pieces; one that came whole in a
-                # single read is measured here
-                size = len(event.target)
-                fields = {}   # one pass over h11's headers; the rest of the request uses the dict
-                for name, value in event.headers:
-                    size += len(name) + len(value) + 4
-                    fields[name] = value
-                if size > MAX_HEADER_BYTES:
+            elif type(event) is _FastRequest or type(event) is h11.Request:
+                fields = self._fields(event)
+                if fields is None:
                     await self._respond_error(client, HTTPError(431, "Request headers too large",
                                                                 "headers_too_large"))
-                    return
+                    return False
                 try:
                     await self._handle(client, event, fields)
                 finally:
@@ -1634,10 +1826,11 @@ class Ingress:
                     client.last = time.monotonic()
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE \
                         or conn.our_state is not h11.DONE:
-                    return
+                    return False
                 conn.start_next_cycle()
             else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
-                return
+                return False
+            event = None
 
     async def _read_body(self, client: _Client, fields: Dict[bytes, bytes]) -> bytes:
         length = fields.get(b"content-length")
@@ -1645,16 +1838,14 @@ class Ingress:
             raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes", "request_too_large")
         conn, parts, size = client.conn, [], 0
         if conn.they_are_waiting_for_100_continue:
-            client.writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            client.transport.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
         while True:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError:   # the client went away mid-body, or sent garbage
                 raise ConnectionResetError("bad or incomplete request body") from None
             if event is h11.NEED_DATA:
-                data = await client.reader.read(READ_CHUNK)
-                client.last = time.monotonic()
-                conn.receive_data(data)
+                await client.wait_data()
                 continue
             t = type(event)
             if t is h11.Data:
@@ -1676,7 +1867,12 @@ class Ingress:
         try:
             if request.method == b"POST" and path in PROXIED_PATHS:
                 body = await self._read_body(client, fields)
-                await self._proxy(client, path, fields, body, t0)
+                ex, candidates = self._prepare(client, path, fields, body, t0)
+                self.metrics.inflight += 1
+                try:
+                    await self._attempts(ex, candidates)
+                finally:
+                    self.metrics.inflight -= 1
                 return
             if client.conn.their_state is h11.SEND_BODY:
                 await self._read_body(client, fields)   # keep the connection usable
@@ -1695,28 +1891,35 @@ class Ingress:
             await self._respond_error(client, exc)
 
     # -- responses ---------------------------------------------------------------------------
-    async def _respond(self, client: _Client, status: int, payload: bytes,
-                       content_type: bytes = b"application/json",
-                       extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
+    def _write_response(self, client: _Client, status: int, payload: bytes,
+                        content_type: bytes = b"application/json",
+                        extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
         conn = client.conn
         headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]
         headers.extend(extra)
         if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
             headers.append((b"connection", b"close"))   # the request body was left unread
         out = _response_head(conn, status, headers)
-        client.writer.write(out + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
-        await client.writer.drain()
+        client.transport.write(out + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
 
-    async def _respond_error(self, client: _Client, exc: HTTPError, model: str = "",
-                             counted: bool = False) -> None:
+    async def _respond(self, client: _Client, status: int, payload: bytes,
+                       content_type: bytes = b"application/json",
+                       extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
+        self._write_response(client, status, payload, content_type, extra)
+        await client.drain()
+
+    def _write_error(self, client: _Client, exc: HTTPError, model: str = "", counted: bool = False) -> None:
         if not counted:
             self.metrics.errors[exc.code or str(exc.status)] += 1
             self.metrics.requests[(model, exc.status)] += 1
-        conn = client.conn
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        await self._respond(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param),
-                            extra=exc.headers)
+        if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param),
+                                 extra=exc.headers)
+
+    async def _respond_error(self, client: _Client, exc: HTTPError, model: str = "",
+                             counted: bool = False) -> None:
+        self._write_error(client, exc, model, counted)
+        await client.drain()
 
     # -- auth --------------------------------------------------------------------------------
     def authenticate(self, fields: Dict[bytes, bytes], admin: bool = False) -> Key:
@@ -1733,8 +1936,10 @@ class Ingress:
         return key
 
     # -- the proxy ---------------------------------------------------------------------------
-    async def _proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
-                     t0: float) -> None:
+    def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
+                 t0: float) -> Tuple[_Exchange, List[Candidate]]:
+        """Check a proxied request (key, rate, JSON, model) and find its candidates; raises
+        HTTPError for the client."""
         key = self.authenticate(fields)
         if not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
@@ -1764,41 +1969,117 @@ class Ingress:
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
-        ex = _Exchange(client, path, body, key, routed, strip_usage, tracked, t0)
-        self.metrics.inflight += 1
+        client.busy = True
+        return _Exchange(client, path, body, key, routed, strip_usage, tracked, t0), candidates
+
+    def _fast_proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes) -> bool:
+        """Start a complete proxied request from the client's data_received. True when it was
+        answered already (an error) and the next buffered request may follow; False when it is
+        in flight (the upstream's hook or a task finishes it) or the connection closed."""
+        t0 = time.monotonic()
+        client.busy = True
         try:
-            await self._attempts(ex, candidates)
+            ex, candidates = self._prepare(client, path, fields, body, t0)
+        except HTTPError as exc:
+            self._write_error(client, exc)
+            return client.finish()
+        self.metrics.inflight += 1
+        started = None
+        if not ex.routed.stream:
+            healthy = self._healthy(candidates)
+            candidate = self._pick(ex, healthy)
+            up = self.pool.take_idle(candidate.addr)
+            if up is not None:
+                up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
+                up.transport.write(self._request_head(ex, candidate.addr) + ex.body)
+                self._prepare_row(ex, candidate)   # while the engine works on the request
+                return False
+            started = (healthy, candidate, None)
+        self._spawn(client, self._exchange(ex, candidates, started))
+        return False
+
+    def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate, healthy: List[Candidate]) -> None:
+        """The upstream's hook for a request started in the callbacks: a plain answer finishes
+        here; anything else (a retryable status, a chunked or partial body, a failure) goes on
+        in a task, as if the task had sent the request."""
+        client = ex.client
+        try:
+            done = self._fast_answer_step(ex, up, candidate, healthy)
+        except Exception as exc:   # from the upstream's data_received: nobody else would see it
+            up.proto.on_data = None
+            self.pool.discard(up)
+            self.metrics.inflight -= 1
+            self._internal_error(client, exc)
+            return
+        if done and client.finish():
+            try:
+                self._dispatch(client)   # the requests the client pipelined meanwhile
+            except Exception as exc:
+                self._internal_error(client, exc)
+
+    def _fast_answer_step(self, ex: _Exchange, up: Upstream, candidate: Candidate,
+                          healthy: List[Candidate]) -> bool:
+        """True when the answer is complete."""
+        self._finish_plain(ex, up, candidate)
+        if ex.finished:
+            up.pending_head = None
+            self.pool.release(up)
+            self._account(ex, time.monotonic())
+            self.policy.on_request_end(candidate, ex.routed, True)
+            self.health.succeeded(candidate.session)
+            self.metrics.inflight -= 1
+            return True
+        if up.pending_head is not None or up.pending_exc is not None or up.proto.eof:
+            up.proto.on_data = None
+            self._spawn(ex.client, self._exchange(ex, healthy, (healthy, candidate, up)))
+        return False
+
+    async def _exchange(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple]) -> bool:
+        """A task's part of a request started in the callbacks; True to go on with the connection."""
+        try:
+            await self._attempts(ex, candidates, started)
         finally:
             self.metrics.inflight -= 1
+        return ex.client.finish()
 
-    async def _attempts(self, ex: _Exchange, candidates: List[Candidate]) -> None:
-        now = time.monotonic()
+    def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
+        """The candidates not out of rotation for failing (all of them if every one is)."""
         health = self.health
-        pool = [c for c in candidates if not health.is_sick(c.session, now)] if health.sick_until \
-            else candidates
-        if not pool:
-            pool = candidates   # everyone is sick: trying beats refusing
-        pool = list(pool) if len(pool) > 1 else pool
-        policy = self.policy
+        if not health.sick_until:
+            return candidates
+        now = time.monotonic()
+        return [c for c in candidates if not health.is_sick(c.session, now)] or candidates
+
+    def _pick(self, ex: _Exchange, pool: List[Candidate]) -> Candidate:
+        candidate = self.policy.pick(pool, ex.routed)
+        attempt = ex.attempts
+        ex.candidate = candidate
+        ex.attempts = attempt + 1
+        ex.routed.attempt = attempt
+        ex.status = 0
+        if attempt:
+            self.metrics.retries += 1
+        self.policy.on_request_start(candidate, ex.routed)
+        return candidate
+
+    async def _attempts(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple] = None) -> None:
+        """Try sessions until one answers. `started`: (pool, candidate, upstream or None) of a
+        first attempt already picked (and, with an upstream, already sent)."""
+        pool, candidate, up = started or (self._healthy(candidates), None, None)
+        health = self.health
         failure = "no attempt made"
-        for attempt in range(MAX_ATTEMPTS):
-            if not pool:
-                break
-            candidate = policy.pick(pool, ex.routed)
-            ex.candidate = candidate
-            ex.attempts = attempt + 1
-            ex.routed.attempt = attempt
-            ex.status = 0
-            if attempt:
-                self.metrics.retries += 1
-            policy.on_request_start(candidate, ex.routed)
+        while True:
+            if candidate is None:
+                if not pool or ex.attempts >= MAX_ATTEMPTS:
+                    break
+                candidate = self._pick(ex, pool)
             ok = False
             try:
-                ok = await self._attempt(ex, candidate)
+                ok = await self._attempt(ex, candidate, up)
             except UpstreamFailure as exc:
                 failure = str(exc)
             finally:
-                policy.on_request_end(candidate, ex.routed, ok)
+                self.policy.on_request_end(candidate, ex.routed, ok)
             if ok:
                 health.succeeded(candidate.session)
                 return
@@ -1808,6 +2089,7 @@ class Ingress:
             pool = [c for c in pool if c is not candidate]
             if ex.status in RETRY_STATUSES:
                 failure = f"{candidate.addr} answered {ex.status}"
+            candidate = up = None
         ex.status = 502
         self._account(ex, time.monotonic())
         exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
@@ -1821,10 +2103,10 @@ class Ingress:
                          self._tunnel_line,
                          b"accept: text/event-stream\r\n\r\n" if ex.routed.stream else b"\r\n"))
 
-    async def _exchange_head(self, ex: _Exchange, candidate: Candidate) -> Tuple[Upstream, UpstreamHead]:
+    async def _exchange_head(self, ex: _Exchange, candidate: Candidate,
+                             fresh: bool = False) -> Tuple[Upstream, UpstreamHead]:
         """Send the request and read the response head; a stale pooled connection is replaced
         by a fresh one to the same provider without counting as a failure."""
-        fresh = False
         request = self._request_head(ex, candidate.addr) + ex.body
         while True:
             up = await self.pool.acquire(candidate.addr, fresh)
@@ -1845,14 +2127,27 @@ class Ingress:
                 self.pool.discard(up)
                 raise
 
-    async def _attempt(self, ex: _Exchange, candidate: Candidate) -> bool:
-        """One try on one session. True when the client got its answer (or an engine error
-        that another session would repeat); False to try another session."""
-        up, head = await self._exchange_head(ex, candidate)
+    async def _attempt(self, ex: _Exchange, candidate: Candidate, up: Optional[Upstream] = None) -> bool:
+        """One try on one session (`up`: the request already went out on it). True when the
+        client got its answer (or an engine error that another session would repeat); False to
+        try another session."""
+        if up is None:
+            up, head = await self._exchange_head(ex, candidate)
+        else:
+            try:
+                head = await up.read_head()
+            except UpstreamFailure:
+                self.pool.discard(up)
+                if not up.reused:
+                    raise
+                up, head = await self._exchange_head(ex, candidate, fresh=True)
+            except BaseException:
+                self.pool.discard(up)
+                raise
         if ex.finished:
             self.pool.release(up)
             self._account(ex, time.monotonic())
-            await ex.client.writer.drain()
+            await ex.client.drain()
             return True
         try:
             ex.status = head.status
@@ -1875,7 +2170,7 @@ class Ingress:
         # the rest waits until the answer is on its way
         self.pool.release(up)
         self._account(ex, now)
-        await ex.client.writer.drain()
+        await ex.client.drain()
         return True
 
     def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes) -> float:
@@ -1890,8 +2185,11 @@ class Ingress:
                               (b"content-length", b"%d" % len(payload)), (SESSION_HEADER, candidate.session_bytes)])
         out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
         now = time.monotonic()
+        client = ex.client
+        if client.closed:
+            ex.status = 499   # answered, but nobody was left to hear it
         self._record(ex, now)
-        ex.client.writer.write(out)
+        client.transport.write(out)
         return now
 
     def _finish_plain(self, ex: _Exchange, up: Upstream, candidate: Candidate) -> None:
@@ -1930,8 +2228,7 @@ class Ingress:
         """Relay an SSE stream chunk by chunk. Before the first byte reaches the client a failure
         is retried elsewhere; after it, the stream ends with an error event and [DONE]."""
         client = ex.client
-        conn, writer = client.conn, client.writer
-        transport = writer.transport
+        conn, transport = client.conn, client.transport
         watch = StreamWatch(ex.strip_usage)
         held = b""       # "data: [DONE]" waits until the ledger row is committed
         try:
@@ -1955,15 +2252,15 @@ class Ingress:
                     if not out:
                         continue
                 if ex.sent:
-                    writer.write(conn.send(h11.Data(data=out)))
+                    transport.write(conn.send(h11.Data(data=out)))
                 else:
                     start = self._stream_head(ex, head)
-                    writer.write(start + conn.send(h11.Data(data=out)))
+                    transport.write(start + conn.send(h11.Data(data=out)))
                 # drain() only when it has something to do: a slow reader (write buffer over
                 # the transport's limit) or a client that went away; a coroutine per chunk was
                 # a fifth of the CPU per chunk
-                if transport.get_write_buffer_size() > STREAM_DRAIN_ABOVE or transport.is_closing():
-                    await writer.drain()
+                if client._write_paused or client.closed:
+                    await client.drain()
         except (OSError, asyncio.CancelledError):   # the client went away: stop reading too
             self.pool.discard(up)
             if ex.sent:
@@ -1978,9 +2275,9 @@ class Ingress:
         now = time.monotonic()
         self._record(ex, now)
         start = b"" if ex.sent else self._stream_head(ex, head)
-        writer.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
+        transport.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
         self._account(ex, now)
-        await writer.drain()
+        await client.drain()
         return True
 
     def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
@@ -2000,9 +2297,9 @@ class Ingress:
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
                                       "type": "api_error", "param": None, "code": "stream_cut"}})
         conn = ex.client.conn
-        ex.client.writer.write(conn.send(h11.Data(data=b"data: " + error + b"\n\ndata: [DONE]\n\n"))
-                               + conn.send(h11.EndOfMessage()))
-        await ex.client.writer.drain()
+        ex.client.transport.write(conn.send(h11.Data(data=b"data: " + error + b"\n\ndata: [DONE]\n\n"))
+                                  + conn.send(h11.EndOfMessage()))
+        await ex.client.drain()
 
     # -- accounting --------------------------------------------------------------------------
     def _account(self, ex: _Exchange, now: float) -> None:

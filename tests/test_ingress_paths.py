@@ -1,0 +1,168 @@
+"""The ingress's two ways of serving a request: in the connection callbacks (a plain request whose
+whole body is buffered, on a kept-alive upstream connection) and in a task (everything else), and
+the hand-overs between them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import time
+
+import pytest
+from fake_engine import free_port
+from test_ingress_support import Client, Stack
+
+import otela_ingress
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+class ScriptedEngine:
+    """An engine that answers the n-th request on each connection as `script(n)` says: bytes to
+    send back (then keep the connection), or None to close the connection without an answer."""
+
+    def __init__(self, stack: Stack, script):
+        self.script = script
+        self.connections = 0
+        self.port = free_port()
+        self.server = stack.run(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                answer = self.script(n)
+                n += 1
+                if answer is None:
+                    break
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+def _plain(body: bytes, status: bytes = b"200 OK") -> bytes:
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        status, len(body), body)
+
+
+ANSWER = json.dumps({"object": "chat.completion", "choices": [],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}).encode()
+
+
+def request(key: str, body: bytes) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+            b"content-length: %d\r\n\r\n%s" % (key.encode(), len(body), body))
+
+
+CHAT = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def test_a_pooled_connection_the_engine_closed_is_replaced_without_an_error(stack):
+    # the engine answers once per connection, then drops the next request unanswered: the
+    # second request (sent from the callbacks on the pooled connection) goes on in a task on
+    # a fresh connection to the same engine
+    engine = ScriptedEngine(stack, lambda n: _plain(ANSWER) if n == 0 else None)
+    stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key())
+    try:
+        assert [client.chat()[0] for _ in range(4)] == [200] * 4
+    finally:
+        client.close()
+    assert engine.connections == 4
+    assert stack.ingress.metrics.retries == 0
+    assert stack.sql("SELECT count(*), sum(prompt_tokens), sum(attempts) FROM requests") == [(4, 12, 4)]
+
+
+def test_a_chunked_plain_answer_and_a_500_are_handed_to_the_task(stack):
+    chunked = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+               b"%x\r\n%s\r\n0\r\n\r\n" % (len(ANSWER), ANSWER))
+    flaky = ScriptedEngine(stack, lambda n: _plain(b'{"error":"boom"}', b"500 Internal Server Error"))
+    good = ScriptedEngine(stack, lambda n: chunked)
+    stack.call(stack.node.add_worker, f"127.0.0.1:{flaky.port}", ["m1"])
+    stack.call(stack.node.add_worker, f"127.0.0.1:{good.port}", ["m1"])
+    client = Client(stack.url, stack.key())
+    try:
+        answers = [client.chat() for _ in range(10)]
+    finally:
+        client.close()
+    assert [status for status, _, _ in answers] == [200] * 10
+    assert all(json.loads(body)["usage"]["completion_tokens"] == 4 for _, _, body in answers)
+
+
+def test_a_body_in_pieces_then_plain_requests_on_the_same_connection(stack):
+    stack.engine("m1")
+    key = stack.key()
+    whole = request(key, CHAT)
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(whole[:-10])
+        time.sleep(0.1)   # the task reads the rest of this body
+        sock.sendall(whole[-10:] + whole + whole)
+        data = b""
+        while data.count(b"HTTP/1.1 200 OK") < 3 or not data.endswith(b"}"):
+            piece = sock.recv(65536)
+            assert piece, data
+            data += piece
+    assert data.count(b"HTTP/1.1 200 OK") == 3
+
+
+def test_a_client_gone_before_its_answer_is_logged_499_and_others_go_on(stack):
+    stack.engine("m1", mode="slow", slow_delay=0.3)
+    key = stack.key()
+
+    def vanish():
+        with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+            sock.sendall(request(key, CHAT))
+            time.sleep(0.05)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close = reset
+        time.sleep(0.5)
+
+    client = Client(stack.url, key)
+    try:
+        vanish()                          # a new upstream connection: the task's path
+        assert client.chat()[0] == 200
+        vanish()                          # a pooled one: the callbacks' path
+        assert client.chat()[0] == 200
+    finally:
+        client.close()
+    assert sorted(stack.sql("SELECT status FROM requests")) == [(200,), (200,), (499,), (499,)]
+    assert stack.ingress.metrics.inflight == 0
+
+
+def test_a_bug_in_the_callbacks_costs_one_request_a_500(stack, monkeypatch, capsys):
+    stack.engine("m1")
+    key = stack.key()
+    real = otela_ingress.Ingress._prepare
+
+    def broken(self, client, path, fields, body, t0):
+        if b"boom" in body:
+            raise RuntimeError("a bug")
+        return real(self, client, path, fields, body, t0)
+
+    monkeypatch.setattr(otela_ingress.Ingress, "_prepare", broken)
+    client = Client(stack.url, key)
+    try:
+        status, _, body = client.chat(content="boom")
+        assert status == 500 and json.loads(body)["error"]["code"] == "internal_error"
+    finally:
+        client.close()
+    assert "internal error: RuntimeError: a bug" in capsys.readouterr().err
+    client = Client(stack.url, key)
+    try:
+        assert client.chat()[0] == 200
+    finally:
+        client.close()
