@@ -1023,12 +1023,22 @@ class Upstream:
         self.pending_head: Optional[UpstreamHead] = None   # parsed by the on_data hook
         self.pending_exc: Optional[BaseException] = None
 
-    async def _fill(self) -> bool:
-        """Wait for more bytes in self.buf; False at the end of the connection."""
+    def resume_reading(self) -> None:
         proto = self.proto
         if proto.paused:
             proto.paused = False
             self.transport.resume_reading()
+
+    def pause_reading(self) -> None:
+        proto = self.proto
+        if not proto.paused and not proto.eof:
+            proto.paused = True
+            self.transport.pause_reading()
+
+    async def _fill(self) -> bool:
+        """Wait for more bytes in self.buf; False at the end of the connection."""
+        proto = self.proto
+        self.resume_reading()
         size = len(self.buf)
         while not proto.eof:
             waiter = proto.waiter = proto.loop.create_future()
@@ -1109,62 +1119,70 @@ class Upstream:
     async def read_body(self) -> Optional[bytes]:
         """The next piece of the body (all of it that has arrived), or None at its end.
         Raises UpstreamFailure when the connection ends before the body does."""
+        while True:
+            piece = self.take()
+            if piece is None:
+                return None
+            if piece:
+                return piece
+            if not await self._fill():
+                if self.remaining == _CLOSE_DELIMITED:
+                    self.done = True
+                    return None
+                raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
+
+    def take(self) -> Optional[bytes]:
+        """The body bytes complete in the buffer now (b"" when there are none yet), or None once
+        the body has ended. Raises UpstreamFailure on bad chunk framing."""
         if self.done:
             return None
-        remaining = self.remaining
+        remaining, buf = self.remaining, self.buf
         if remaining == _CHUNKED:
-            return await self._read_chunks()
-        buf = self.buf
+            return self._take_chunks()
+        if not buf:
+            return b""
         if remaining == _CLOSE_DELIMITED:
-            if not buf and not await self._fill():
-                self.done = True
-                return None
             piece = bytes(buf)
             buf.clear()
             return piece
-        if not buf and not await self._fill():
-            raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
         piece = _take(buf, remaining)
         self.remaining = remaining - len(piece)
         self.done = self.remaining == 0
         return piece
 
-    async def _read_chunks(self) -> Optional[bytes]:
+    def _take_chunks(self) -> Optional[bytes]:
+        """Every complete chunk in the buffer, unframed, as one piece."""
         buf = self.buf
         pieces = []
+        pos = 0
         while True:
-            pos = 0
-            while True:   # every complete chunk already buffered goes out as one piece
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    break
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            try:
+                size = int(buf[pos:eol], 16)
+            except ValueError:   # a chunk extension (";name=value"), or garbage
                 try:
-                    size = int(buf[pos:eol], 16)
-                except ValueError:   # a chunk extension (";name=value"), or garbage
-                    try:
-                        size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
-                    except ValueError:
-                        raise UpstreamFailure(f"{self.addr}: bad chunk size") from None
-                if size == 0:
-                    end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
-                    if end < 0:
-                        break
-                    del buf[:end + 4]
-                    self.done = True
-                    return b"".join(pieces) if pieces else None
-                start = eol + 2
-                if len(buf) < start + size + 2:
+                    size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
+                except ValueError:
+                    raise UpstreamFailure(f"{self.addr}: bad chunk size") from None
+            if size == 0:
+                end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
+                if end < 0:
                     break
-                pieces.append(bytes(buf[start:start + size]))
-                pos = start + size + 2
-            if pos:
-                del buf[:pos]
-            if pieces:
-                return b"".join(pieces) if len(pieces) > 1 else pieces[0]
-            if len(buf) > READ_CHUNK * 64:
-                raise UpstreamFailure(f"{self.addr}: chunk too large")
-            if not await self._fill():
-                raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
+                del buf[:end + 4]
+                self.done = True
+                return b"".join(pieces) if pieces else None
+            start = eol + 2
+            if len(buf) < start + size + 2:
+                break
+            pieces.append(bytes(buf[start:start + size]))
+            pos = start + size + 2
+        if pos:
+            del buf[:pos]
+        if not pieces and len(buf) > READ_CHUNK * 64:
+            raise UpstreamFailure(f"{self.addr}: chunk too large")
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def close(self) -> None:
         transport = self.transport
@@ -1241,6 +1259,120 @@ class UpstreamPool:
         self._idle.clear()
         for up in list(self.active):
             self.discard(up)
+
+
+class _Relay:
+    """Relays one SSE answer to the client from the upstream protocol's data_received: the
+    chunk framing off, the watch's filter, the client's framing on, one write per read; no task
+    wakes up per chunk. Ends by calling on_end once with True (the whole stream went out),
+    False (cut after bytes went out: the client got an error event), an UpstreamFailure (failed
+    before any byte went out: the caller may retry elsewhere) or another exception (the client
+    went away, or a bug)."""
+
+    __slots__ = ("ingress", "ex", "up", "head", "on_end", "watch", "held", "ended")
+
+    def __init__(self, ingress: Ingress, ex: _Exchange, up: Upstream, head: UpstreamHead,
+                 on_end: Callable[[Any], None]):
+        self.ingress, self.ex, self.up, self.head, self.on_end = ingress, ex, up, head, on_end
+        self.watch = StreamWatch(ex.strip_usage)
+        self.held = b""        # "data: [DONE]" waits until the ledger row is journalled
+        self.ended = False
+        up.proto.on_data = self.pump
+        ex.client.relay = self
+
+    def pump(self) -> None:
+        """Send on what has arrived; end the relay when the stream, the engine or the client
+        did."""
+        if self.ended:
+            return
+        try:
+            self._pump()
+        except Exception as exc:   # from a data_received callback: hand it to the owner
+            self._end(exc, discard=True)
+
+    def _pump(self) -> None:
+        up, client = self.up, self.ex.client
+        if client.closed:
+            return self._client_gone()
+        try:
+            piece = up.take()
+        except UpstreamFailure as exc:
+            return self._fail(str(exc))
+        if piece:
+            self._send(piece)
+        if up.done:
+            return self._finish()
+        if up.proto.eof:   # everything buffered was taken, and no more will come
+            if up.remaining == _CLOSE_DELIMITED:
+                up.done = True
+                return self._finish()
+            exc = up.proto.exc
+            return self._fail(f"{up.addr}: connection closed mid-body" + (f" ({exc})" if exc else ""))
+        if client._write_paused:
+            up.pause_reading()   # the client reads slower than the engine writes: so do we
+
+    def _send(self, piece: bytes) -> None:
+        out = self.watch.feed(piece)
+        if not out:
+            return
+        if self.held:
+            self.held += out
+            return
+        done_at = out.find(_DONE)
+        if done_at >= 0:
+            self.held, out = out[done_at:], out[:done_at]
+            if not out:
+                return
+        ex = self.ex
+        conn = ex.client.conn
+        if ex.sent:
+            ex.client.transport.write(conn.send(h11.Data(data=out)))
+        else:
+            ex.client.transport.write(self.ingress._stream_head(ex, self.head) + conn.send(h11.Data(data=out)))
+
+    def _end(self, result: Any, discard: bool = False) -> None:
+        self.ended = True
+        up = self.up
+        up.proto.on_data = None
+        self.ex.client.relay = None
+        if discard:
+            self.ingress.pool.discard(up)
+        else:
+            self.ingress.pool.release(up)
+        self.on_end(result)
+
+    def _finish(self) -> None:
+        ex, watch, ingress = self.ex, self.watch, self.ingress
+        tail = watch.flush() + self.held
+        if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
+            tail += b"data: [DONE]\n\n"
+        ex.prompt_tokens, ex.completion_tokens = watch.tokens()
+        now = time.monotonic()
+        ingress._record(ex, now)
+        conn = ex.client.conn
+        start = b"" if ex.sent else ingress._stream_head(ex, self.head)
+        ex.client.transport.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
+        ingress._account(ex, now)
+        self._end(True)
+
+    def _fail(self, reason: str) -> None:
+        ex = self.ex
+        if not ex.sent:
+            self.up.reused = False   # not a stale pooled connection: no second try on this session
+            self._end(UpstreamFailure(reason), discard=True)
+            return
+        self.ingress._cut_stream(ex, reason, self.watch)
+        self._end(False, discard=True)
+
+    def _client_gone(self) -> None:
+        ex = self.ex
+        if ex.sent:   # the tokens generated so far are metered
+            ex.status = 499
+            ex.prompt_tokens, ex.completion_tokens = self.watch.tokens()
+            now = time.monotonic()
+            self.ingress._record(ex, now)
+            self.ingress._account(ex, now)
+        self._end(ConnectionResetError("the client closed the connection"), discard=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1433,7 +1565,7 @@ class _Client(asyncio.Protocol):
     request boundary with nothing buffered.
     """
 
-    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "_waiter",
+    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "_waiter",
                  "_drain_waiter", "_write_paused", "_read_paused")
 
     def __init__(self, ingress: Ingress):
@@ -1444,6 +1576,7 @@ class _Client(asyncio.Protocol):
         self.busy = False                # a request is being answered
         self.task: Optional[asyncio.Future] = None   # the task that owns the connection, if any
         self.closed = False
+        self.relay: Optional[_Relay] = None   # the stream being relayed to this client, if any
         self._waiter: Optional[asyncio.Future] = None
         self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
@@ -1497,6 +1630,8 @@ class _Client(asyncio.Protocol):
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if self.relay is not None:
+            self.relay.pump()   # it sees the client gone and stops the engine's stream
         ingress = self.ingress
         if self in ingress._clients:
             ingress._clients.discard(self)
@@ -1510,6 +1645,8 @@ class _Client(asyncio.Protocol):
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        elif self.relay is not None:
+            self.relay.up.resume_reading()
         elif self.task is None and not self.busy:
             self.ingress._dispatch(self)   # pipelined requests waited for the client to read
 
@@ -1984,18 +2121,15 @@ class Ingress:
             self._write_error(client, exc)
             return client.finish()
         self.metrics.inflight += 1
-        started = None
-        if not ex.routed.stream:
-            healthy = self._healthy(candidates)
-            candidate = self._pick(ex, healthy)
-            up = self.pool.take_idle(candidate.addr)
-            if up is not None:
-                up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
-                up.transport.write(self._request_head(ex, candidate.addr) + ex.body)
-                self._prepare_row(ex, candidate)   # while the engine works on the request
-                return False
-            started = (healthy, candidate, None)
-        self._spawn(client, self._exchange(ex, candidates, started))
+        healthy = self._healthy(candidates)
+        candidate = self._pick(ex, healthy)
+        up = self.pool.take_idle(candidate.addr)
+        if up is None:   # a new connection: the task makes it
+            self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
+            return False
+        up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
+        up.transport.write(self._request_head(ex, candidate.addr) + ex.body)
+        self._prepare_row(ex, candidate)   # while the engine works on the request
         return False
 
     def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate, healthy: List[Candidate]) -> None:
@@ -2020,7 +2154,17 @@ class Ingress:
     def _fast_answer_step(self, ex: _Exchange, up: Upstream, candidate: Candidate,
                           healthy: List[Candidate]) -> bool:
         """True when the answer is complete."""
-        self._finish_plain(ex, up, candidate)
+        if ex.routed.stream:
+            head = self._hook_head(up)
+            if head is not None:
+                if head.status == 200:
+                    ex.status = 200
+                    on_end = functools.partial(self._fast_stream_end, ex, candidate, healthy)
+                    _Relay(self, ex, up, head, on_end).pump()
+                    return False
+                up.pending_head = head   # an error answer: the task reads it and decides
+        else:
+            self._finish_plain(ex, up, candidate)
         if ex.finished:
             up.pending_head = None
             self.pool.release(up)
@@ -2034,10 +2178,34 @@ class Ingress:
             self._spawn(ex.client, self._exchange(ex, healthy, (healthy, candidate, up)))
         return False
 
-    async def _exchange(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple]) -> bool:
+    def _fast_stream_end(self, ex: _Exchange, candidate: Candidate, healthy: List[Candidate],
+                         result: Any) -> None:
+        """The end of a stream relayed for a request started in the callbacks (see _Relay)."""
+        client = ex.client
+        ok = result is True
+        self.policy.on_request_end(candidate, ex.routed, ok)
+        if ok:
+            self.health.succeeded(candidate.session)
+        else:
+            self.health.failed(candidate.session, time.monotonic())
+        if isinstance(result, UpstreamFailure):   # nothing went out yet: a task tries the others
+            pool = [c for c in healthy if c is not candidate]
+            self._spawn(client, self._exchange(ex, pool, (pool, None, None), str(result)))
+            return
+        self.metrics.inflight -= 1
+        if isinstance(result, BaseException):
+            if not isinstance(result, OSError):
+                self._internal_error(client, result)   # type: ignore[arg-type]
+            client.busy = False
+            client.close()
+        elif client.finish():
+            self._dispatch(client)
+
+    async def _exchange(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
+                        failure: str = "no attempt made") -> bool:
         """A task's part of a request started in the callbacks; True to go on with the connection."""
         try:
-            await self._attempts(ex, candidates, started)
+            await self._attempts(ex, candidates, started, failure)
         finally:
             self.metrics.inflight -= 1
         return ex.client.finish()
@@ -2062,12 +2230,13 @@ class Ingress:
         self.policy.on_request_start(candidate, ex.routed)
         return candidate
 
-    async def _attempts(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple] = None) -> None:
-        """Try sessions until one answers. `started`: (pool, candidate, upstream or None) of a
-        first attempt already picked (and, with an upstream, already sent)."""
+    async def _attempts(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple] = None,
+                        failure: str = "no attempt made") -> None:
+        """Try sessions until one answers. `started`: (pool, candidate or None, upstream or None)
+        where attempts began in the callbacks: the sessions left, the one picked (with the
+        connection the request already went out on)."""
         pool, candidate, up = started or (self._healthy(candidates), None, None)
         health = self.health
-        failure = "no attempt made"
         while True:
             if candidate is None:
                 if not pool or ex.attempts >= MAX_ATTEMPTS:
@@ -2192,25 +2361,31 @@ class Ingress:
         client.transport.write(out)
         return now
 
-    def _finish_plain(self, ex: _Exchange, up: Upstream, candidate: Candidate) -> None:
-        """The upstream protocol's hook for a plain (not streamed) answer: when the head and a
-        Content-Length body are in, answer the client right here; anything else (a retryable
-        status, a chunked or partial body, a bad head) is handed to the task as it was."""
+    def _hook_head(self, up: Upstream) -> Optional[UpstreamHead]:
+        """In an on_data hook: the response head once all of it is in (consumed), else None; a
+        bad one leaves its UpstreamFailure in up.pending_exc for the task."""
         if up.pending_head is not None or up.pending_exc is not None:
-            return   # handed over already; the task takes it from here
+            return None   # handed over already; the task takes it from here
         buf = up.buf
         end = buf.find(b"\r\n\r\n")
         if end < 0:
             if len(buf) > UPSTREAM_MAX_HEAD:
                 up.pending_exc = UpstreamFailure(f"{up.addr}: response head too large")
-            return
+            return None
         try:
-            head = up.parse_head(end)
+            return up.parse_head(end)   # None after a 1xx head: the real one follows
         except UpstreamFailure as exc:
             up.pending_exc = exc
-            return
+            return None
+
+    def _finish_plain(self, ex: _Exchange, up: Upstream, candidate: Candidate) -> None:
+        """The upstream protocol's hook for a plain (not streamed) answer: when the head and a
+        Content-Length body are in, answer the client right here; anything else (a retryable
+        status, a chunked or partial body, a bad head) is handed to the task as it was."""
+        head = self._hook_head(up)
         if head is None:
-            return   # a 1xx answer; the real one follows
+            return
+        buf = up.buf
         remaining = up.remaining
         if head.status not in RETRY_STATUSES and 0 <= remaining <= len(buf):
             payload = bytes(buf[:remaining])
@@ -2225,60 +2400,27 @@ class Ingress:
         up.pending_head = head
 
     async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> bool:
-        """Relay an SSE stream chunk by chunk. Before the first byte reaches the client a failure
-        is retried elsewhere; after it, the stream ends with an error event and [DONE]."""
-        client = ex.client
-        conn, transport = client.conn, client.transport
-        watch = StreamWatch(ex.strip_usage)
-        held = b""       # "data: [DONE]" waits until the ledger row is committed
+        """Relay an SSE stream (see _Relay) and wait for its end. Before the first byte reaches
+        the client a failure raises UpstreamFailure (retried elsewhere); after it, the stream
+        ends with an error event and [DONE] and this returns False."""
+        done = asyncio.get_running_loop().create_future()
+
+        def on_end(result: Any) -> None:
+            if done.done():
+                return
+            if isinstance(result, BaseException):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+
+        relay = _Relay(self, ex, up, head, on_end)
+        relay.pump()
         try:
-            while True:
-                try:
-                    piece = await up.read_body()
-                except UpstreamFailure as exc:
-                    if not ex.sent:
-                        raise
-                    self.pool.discard(up)
-                    await self._cut_stream(ex, str(exc), watch)
-                    return False
-                if piece is None:
-                    break
-                out = watch.feed(piece)
-                if not out:
-                    continue
-                done_at = out.find(_DONE)
-                if done_at >= 0:
-                    held, out = out[done_at:], out[:done_at]
-                    if not out:
-                        continue
-                if ex.sent:
-                    transport.write(conn.send(h11.Data(data=out)))
-                else:
-                    start = self._stream_head(ex, head)
-                    transport.write(start + conn.send(h11.Data(data=out)))
-                # drain() only when it has something to do: a slow reader (write buffer over
-                # the transport's limit) or a client that went away; a coroutine per chunk was
-                # a fifth of the CPU per chunk
-                if client._write_paused or client.closed:
-                    await client.drain()
-        except (OSError, asyncio.CancelledError):   # the client went away: stop reading too
-            self.pool.discard(up)
-            if ex.sent:
-                ex.status = 499
-                self._account(ex, time.monotonic())
+            return await done
+        except asyncio.CancelledError:
+            if not relay.ended:
+                relay._end(False, discard=True)
             raise
-        self.pool.release(up)
-        tail = watch.flush() + held
-        if not held and _DONE not in tail:   # the engine ended without [DONE]: say so
-            tail += b"data: [DONE]\n\n"
-        ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        now = time.monotonic()
-        self._record(ex, now)
-        start = b"" if ex.sent else self._stream_head(ex, head)
-        transport.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
-        self._account(ex, now)
-        await client.drain()
-        return True
 
     def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
         ex.sent = True
@@ -2287,7 +2429,7 @@ class Ingress:
                               [(b"content-type", head.headers.get(b"content-type", b"text/event-stream")),
                                (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)])
 
-    async def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
+    def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
         self.metrics.stream_cuts += 1
         ex.status = 502
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
@@ -2299,7 +2441,6 @@ class Ingress:
         conn = ex.client.conn
         ex.client.transport.write(conn.send(h11.Data(data=b"data: " + error + b"\n\ndata: [DONE]\n\n"))
                                   + conn.send(h11.EndOfMessage()))
-        await ex.client.drain()
 
     # -- accounting --------------------------------------------------------------------------
     def _account(self, ex: _Exchange, now: float) -> None:

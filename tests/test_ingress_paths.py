@@ -166,3 +166,63 @@ def test_a_bug_in_the_callbacks_costs_one_request_a_500(stack, monkeypatch, caps
         assert client.chat()[0] == 200
     finally:
         client.close()
+
+
+def test_a_client_gone_mid_stream_stops_the_engine_stream_and_is_metered(stack):
+    stack.engine("m1", chunks=400, chunk_delay=0.005)
+    key = stack.key()
+    body = json.dumps({"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+    def read_some_then_vanish():
+        with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+            sock.settimeout(10)
+            sock.sendall(request(key, body))
+            data = b""
+            while data.count(b"data: {") < 3:
+                data += sock.recv(65536)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    read_some_then_vanish()   # a new upstream connection: the task relays
+    client = Client(stack.url, key)
+    try:
+        assert client.chat()[0] == 200   # leaves a pooled connection
+    finally:
+        client.close()
+    read_some_then_vanish()   # a pooled one: relayed from the callbacks
+    deadline = time.monotonic() + 5
+    while stack.ingress.metrics.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rows = stack.sql("SELECT status, completion_tokens FROM requests WHERE stream = 1 ORDER BY ts")
+    assert [status for status, _ in rows] == [499, 499]
+    assert all(3 <= tokens < 400 for _, tokens in rows)
+    assert stack.ingress.metrics.inflight == 0 and not stack.ingress.pool.active
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["task", "callbacks"])
+def test_a_client_that_does_not_read_its_stream_pauses_the_engine_not_our_memory(stack, warm):
+    stack.engine("m1", chunks=20000)
+    key = stack.key()
+    if warm:
+        client = Client(stack.url, key)
+        try:
+            assert client.chat()[0] == 200
+        finally:
+            client.close()
+    body = json.dumps({"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    before = set(stack.ingress._clients)
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        # small kernel buffers on the ingress's side too, or the whole stream fits in them
+        deadline = time.monotonic() + 5
+        while not set(stack.ingress._clients) - before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stack.call(lambda: [c.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096) for c in set(stack.ingress._clients) - before])
+        sock.sendall(request(key, body))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(up.proto.paused for up in stack.ingress.pool.active):
+            time.sleep(0.05)
+        time.sleep(0.2)
+        buffered = stack.call(lambda: [c.transport.get_write_buffer_size() for c in stack.ingress._clients])
+        assert any(up.proto.paused for up in stack.ingress.pool.active)
+        assert max(buffered) < 1024 * 1024
