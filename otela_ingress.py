@@ -1379,19 +1379,27 @@ class _Relay:
 # The ingress: HTTP server, auth, routing, proxy
 # ---------------------------------------------------------------------------------------------
 class _FastRequest:
-    """A request head parsed by _ClientConn (what the handlers read of an h11.Request)."""
+    """A request head parsed by _ClientConn (what the handlers read of an h11.Request, plus
+    its headers as a dict)."""
 
-    __slots__ = ("method", "target", "headers")
+    __slots__ = ("method", "target", "fields")
     http_version = b"1.1"
 
-    def __init__(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]]):
-        self.method, self.target, self.headers = method, target, headers
+    def __init__(self, method: bytes, target: bytes, fields: Dict[bytes, bytes]):
+        self.method, self.target, self.fields = method, target, fields
+
+    @property
+    def headers(self) -> List[Tuple[bytes, bytes]]:
+        return list(self.fields.items())
 
 
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-_TARGET = re.compile(rb"/[\x21-\x7e]*\Z")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+# A whole plain head in one match: request line, then header lines whose names are tokens and
+# whose values hold no control character but tab (RFC 9110's field-value, obs-fold excluded).
+_FAST_HEAD = re.compile(rb"(GET|POST) (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:%s+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*)\r\n"
+                        % _TCHAR)
+_FAST_FIELD = re.compile(rb"(%s+):[ \t]*([^\r]*?)[ \t]*\r\n" % _TCHAR)
 _FAST_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te", b"connection"))
 _EOM = h11.EndOfMessage()
 
@@ -1460,39 +1468,29 @@ class _ClientConn:
             if len(buf) > MAX_HEADER_BYTES or buf[:1] in (b"\r", b"\n"):
                 return _SWITCH
             return h11.NEED_DATA
-        lines = bytes(buf[:end]).split(b"\r\n")
-        method, _, rest = lines[0].partition(b" ")
-        target, _, version = rest.partition(b" ")
-        if version != b"HTTP/1.1" or (method != b"POST" and method != b"GET") or not _TARGET.match(target):
+        if end + 4 > MAX_HEADER_BYTES:
             return _SWITCH
-        headers = []
-        length = None
-        host = False
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not _TOKEN.match(name):
+        match = _FAST_HEAD.match(buf, 0, end + 4)
+        if match is None:
+            return _SWITCH
+        method, target, block = match.groups()
+        pairs = _FAST_FIELD.findall(block)
+        fields = {}
+        for name, value in pairs:
+            fields[name.lower()] = value
+        if len(fields) != len(pairs) or b"host" not in fields:   # a repeated name: h11 decides
+            return _SWITCH
+        if not _FAST_REFUSED.isdisjoint(fields):
+            if len(_FAST_REFUSED.intersection(fields)) > 1 or fields.get(b"connection", b"").lower() != b"keep-alive":
                 return _SWITCH
-            value = value.strip(b" \t")
-            if _BAD_VALUE.search(value):
-                return _SWITCH
-            name = name.lower()
-            if name in _FAST_REFUSED:
-                if name != b"connection" or value.lower() != b"keep-alive":
-                    return _SWITCH
-            elif name == b"content-length":
-                if length is not None or not value.isdigit():
-                    return _SWITCH
-                length = int(value)
-            elif name == b"host":
-                host = True
-            headers.append((name, value))
-        if not host:
+        length = fields.get(b"content-length")
+        if length is not None and not length.isdigit():
             return _SWITCH
         del buf[:end + 4]
-        self._remaining = length or 0
+        self._remaining = int(length) if length else 0
         self.their_state = h11.SEND_BODY
         self.our_state = h11.SEND_RESPONSE
-        return _FastRequest(method, target, headers)
+        return _FastRequest(method, target, fields)
 
     def whole_body(self) -> Optional[bytes]:
         """The body of the request just parsed when all of it is buffered (the request is then
@@ -1738,6 +1736,7 @@ class Ingress:
         self.max_connections = max_connections
         self.max_body = max_body
         self.keys: Dict[str, Key] = {}
+        self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self.metrics = Metrics()
         self.stats = UsageStats()
         self.health = PassiveHealth()
@@ -1925,6 +1924,8 @@ class Ingress:
         """The request's headers as a dict (one pass; the rest of the request uses it), or None
         when they are over the size limit. h11 bounds only a head that arrives in pieces; one
         that came whole in a single read is measured here."""
+        if type(request) is _FastRequest:
+            return request.fields   # its parser bounds the whole head
         size = len(request.target)
         fields = {}
         for name, value in request.headers:
@@ -2062,12 +2063,20 @@ class Ingress:
     def authenticate(self, fields: Dict[bytes, bytes], admin: bool = False) -> Key:
         if self.no_auth:
             return ANONYMOUS
-        scheme, _, token = fields.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            raise HTTPError(401, "Missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
-        key = self.keys.get(hashlib.sha256(token.strip()).hexdigest())
+        header = fields.get(b"authorization", b"")
+        digest = self._digests.get(header)   # the hash of a token seen before: sha256 costs more
+        if digest is None:
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not token.strip():
+                raise HTTPError(401, "Missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
+            digest = hashlib.sha256(token.strip()).hexdigest()
+        key = self.keys.get(digest)   # looked up each time: a revoked key stops working at once
         if key is None:
             raise HTTPError(401, "Invalid API key", "invalid_api_key")
+        if header not in self._digests:
+            if len(self._digests) >= 4096:   # bounded: keys in use, not every token ever tried
+                self._digests.clear()
+            self._digests[header] = digest
         if admin and not key.admin:
             raise HTTPError(403, "This needs an admin key", "admin_required")
         return key

@@ -11,6 +11,8 @@ import time
 
 import pytest
 from fake_engine import free_port
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_ingress_support import Client, Stack
 
 import otela_ingress
@@ -226,3 +228,53 @@ def test_a_client_that_does_not_read_its_stream_pauses_the_engine_not_our_memory
         buffered = stack.call(lambda: [c.transport.get_write_buffer_size() for c in stack.ingress._clients])
         assert any(up.proto.paused for up in stack.ingress.pool.active)
         assert max(buffered) < 1024 * 1024
+
+
+# -- the hand parser of plain requests agrees with h11, or leaves the request to it ----------------
+NAMES = ["host", "Host", "content-length", "Content-Type", "authorization", "connection", "transfer-encoding",
+         "expect", "x-otela-no-track", "bad name", "x:y", "", "X_Under"]
+VALUES = st.one_of(st.sampled_from(["x", "keep-alive", "close", "12", "0", " 5 ", "chunked", "100-continue",
+                                    "Bearer k", "a\tb", "", "é"]),
+                   st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x7f), max_size=8))
+
+
+def usually(valid, *odd):
+    return st.one_of(st.just(valid), st.just(valid), st.sampled_from(odd))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(method=usually("POST", "GET", "PUT", "post"),
+       target=usually("/v1/chat/completions", "/x?y=1", "*", "/a%20b", "/\u00e9"),
+       version=usually("HTTP/1.1", "HTTP/1.0", "HTTP/1.1 ", "HTTP/2"),
+       headers=st.lists(st.one_of(st.tuples(st.sampled_from(["authorization", "Content-Type", "content-length",
+                                                             "Connection"]),
+                                            st.sampled_from(["x", "12", "keep-alive", "Bearer k", "a\tb"])),
+                                  st.tuples(st.sampled_from(NAMES), VALUES)), max_size=5),
+       body=st.binary(max_size=20), space=st.sampled_from(["", " ", "\t"]), host=usually(True, False))
+def test_the_plain_request_parser_agrees_with_h11_or_hands_over(method, target, version, headers, body, space, host):
+    import h11
+    headers = [("Host", "x")] + headers if host else headers
+    head = f"{method} {target} {version}\r\n" + "".join(f"{n}:{space}{v}\r\n" for n, v in headers) + "\r\n"
+    data = head.encode("utf-8") + body
+    ours = otela_ingress._ClientConn()
+    ours.receive_data(data)
+    event = ours.next_event()
+    if event is otela_ingress._SWITCH:
+        return   # h11 takes the connection over: nothing to compare
+    reference = h11.Connection(h11.SERVER)
+    reference.receive_data(data)
+    expected = reference.next_event()   # raises if h11 would refuse what we accepted
+    assert isinstance(expected, h11.Request)
+    assert (event.method, event.target) == (expected.method, expected.target)
+    assert event.fields == dict(expected.headers)
+    parts = []
+    while True:
+        nxt = reference.next_event()
+        if nxt is h11.NEED_DATA or type(nxt) is h11.EndOfMessage:
+            break
+        parts.append(bytes(nxt.data))
+    whole = ours.whole_body()
+    if type(nxt) is h11.EndOfMessage:
+        assert whole == b"".join(parts)
+    else:
+        assert whole is None   # the body is not all here yet
