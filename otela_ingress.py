@@ -84,9 +84,10 @@ CANDIDATE_TTL_S = 1.0                # candidate lists are rebuilt on registry c
                                      # least this often in case a change went unnoticed
 STATS_WINDOW_S = 300.0               # /v1/usage/stats looks at the last five minutes ...
 STATS_MAX_SAMPLES = 20000            # ... of at most this many requests per model
-LEDGER_BATCH = 4096                  # rows per SQLite transaction at most
-LEDGER_FLUSH_S = 0.02                # rows reach SQLite within ~20 ms: one commit per batch
-                                     # instead of per request (the journal makes them durable)
+LEDGER_FLUSH_S = 0.25                # rows reach SQLite within 250 ms, one commit per batch
+                                     # (the journal makes each durable at once); the writer
+                                     # wakes on this clock, never per request, so a quiet
+                                     # ingress is not woken twice per request
 LEDGER_JOURNAL_MAX = 8 * 1024 * 1024  # journal file size before starting the next one
 KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
 STREAM_DRAIN_ABOVE = 64 * 1024      # bytes buffered for a stream's client before waiting for it
@@ -302,7 +303,8 @@ class Ledger:
         self.rows_written = 0
         self._pending: List[tuple] = []    # journalled rows not yet in SQLite (appended by the loop)
         self._position = (0, 0)            # (journal file, offset) after the last pending line
-        self._wake = threading.Event()     # set by the first line of a batch, flush or close
+        self._rows_lock = threading.Lock()
+        self._wake = threading.Event()     # set by flush or close
         self._flushed = threading.Condition()
         self._generation = 0               # batches committed; flush() waits for the next one
         self._waiters = 0                  # threads in flush()
@@ -336,17 +338,9 @@ class Ledger:
             except OSError as exc:   # a full disk must not take the API down with it
                 print(f"otela-ingress: usage journal write failed: {exc}", file=sys.stderr)
         self._offset = end
-        pending = self._pending
-        pending.append(values)
-        self._position = (self.seq, self._offset)
-        if len(pending) == 1:
-            # Waking the writer thread costs a context switch on the loop's core and a GIL
-            # handoff: on the loop it waits until the current step (which is about to send the
-            # response) has finished.
-            try:
-                asyncio.get_running_loop().call_soon(self._wake.set)
-            except RuntimeError:
-                self._wake.set()
+        with self._rows_lock:
+            self._pending.append(values)
+            self._position = (self.seq, end)
 
     def _open_journal(self, need: int) -> None:
         """Start journal file self.seq. It is mapped shared and its blocks reserved up front:
@@ -437,13 +431,12 @@ class Ledger:
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S
         while True:
-            self._wake.wait(KEYS_RELOAD_S)
-            if not self._closing and not self._waiters:
-                time.sleep(LEDGER_FLUSH_S)   # gather a batch: one commit for many rows
+            self._wake.wait(LEDGER_FLUSH_S)   # set only by flush() and close()
             self._wake.clear()
             closing = self._closing   # read after clear(): close() sets it before waking us
-            rows, self._pending = self._pending, []   # swapping a reference is atomic under the GIL
-            position = self._position
+            with self._rows_lock:   # the rows and the journal position that ends them, together
+                rows, self._pending = self._pending, []
+                position = self._position
             if rows:
                 old_seq = self._state_seq
                 self._commit(rows, position)
@@ -942,6 +935,8 @@ class UpstreamFailure(Exception):
 # line, headers, Content-Length / chunked / until-close bodies), and h11's general machinery
 # was half of the CPU time of a proxied request. Clients, which may send anything, get h11.
 UPSTREAM_MAX_HEAD = 64 * 1024
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})[^\r\n]*\r\n")
+_RESPONSE_FIELD = re.compile(rb"([^:\r\n]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")
 _CLOSE_DELIMITED, _CHUNKED = -1, -2
 
 
@@ -1081,26 +1076,23 @@ class Upstream:
         any 1xx ones; None when a 1xx head was consumed and the next one is not complete yet."""
         while True:
             buf = self.buf
-            lines = bytes(buf[:end]).split(b"\r\n")
+            head = bytes(buf[:end + 2])   # every line with its CRLF
             del buf[:end + 4]
-            version, _, rest = lines[0].partition(b" ")
-            code = rest[:3]
-            if not version.startswith(b"HTTP/1.") or not code.isdigit():
-                raise UpstreamFailure(f"{self.addr}: bad status line {lines[0][:80]!r}")
-            status = int(code)
-            headers: Dict[bytes, bytes] = {}
-            for line in lines[1:]:
-                name, colon, value = line.partition(b":")
-                if not colon:
-                    raise UpstreamFailure(f"{self.addr}: bad header line {line[:80]!r}")
-                headers[name.strip().lower()] = value.strip()
+            status_line = _STATUS_LINE.match(head)
+            if status_line is None:
+                raise UpstreamFailure(f"{self.addr}: bad status line {head[:80]!r}")
+            pairs = _RESPONSE_FIELD.findall(head, status_line.end())
+            if len(pairs) != head.count(b"\n") - 1:
+                raise UpstreamFailure(f"{self.addr}: bad header line in {head[:200]!r}")
+            status = int(status_line.group(2))
+            headers = {name.lower(): value for name, value in pairs}
             if 100 <= status < 200:   # 100 Continue and friends: the real answer follows
                 end = buf.find(b"\r\n\r\n")
                 if end < 0:
                     return None  # type: ignore[return-value]
                 continue
             connection = headers.get(b"connection", b"").lower()
-            self.keep_alive = version == b"HTTP/1.1" and b"close" not in connection
+            self.keep_alive = status_line.group(1) == b"1" and b"close" not in connection
             if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
                 self.remaining = _CHUNKED
             elif b"content-length" in headers:

@@ -9,6 +9,11 @@ ingress, with and without uvloop in the ingress:
   - SSE: added time to the first chunk of a paced stream, chunks/s across 16 concurrent streams
     and the ingress's CPU time per chunk.
 
+Peers measured in the same run, for scale on this machine: "tcp-relay", a uvloop relay that
+copies bytes between connections without reading them (the floor of any user-space proxy hop
+here), and "nginx" (a reverse proxy with upstream keep-alive, one worker pinned like the
+ingress) when an nginx binary is installed (`apt-get install nginx-light`; skipped otherwise).
+
 Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on time.
 Usage: python tests/bench_ingress.py [--out bench-results] [--quick]
 """
@@ -74,6 +79,107 @@ def child(engines: dict, use_uvloop: bool, db: str) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def relay_child(routes: dict) -> None:
+    """A TCP relay: each accepted connection gets its own connection to the engine and bytes are
+    copied both ways unread. listen port -> engine port."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+    class Pipe(asyncio.Protocol):
+        def __init__(self, peer=None):
+            self.peer, self.transport, self.pending = peer, None, []
+
+        def connection_made(self, transport):
+            self.transport = transport
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def data_received(self, data):
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.write(data)
+            else:
+                self.pending.append(data)
+
+        def connection_lost(self, exc):
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.close()
+
+    class Front(Pipe):
+        def __init__(self, engine_port):
+            super().__init__()
+            self.engine_port = engine_port
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            asyncio.ensure_future(self.connect())
+
+        async def connect(self):
+            loop = asyncio.get_running_loop()
+            _, back = await loop.create_connection(lambda: Pipe(self), "127.0.0.1", self.engine_port)
+            self.peer = back
+            for data in self.pending:
+                back.transport.write(data)
+            self.pending = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for listen, engine_port in routes.items():
+            await loop.create_server(lambda p=engine_port: Front(p), "127.0.0.1", int(listen))
+        print(json.dumps({"ready": True}), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fcgi;
+  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  {servers}
+}}
+"""
+NGINX_SERVER = """upstream e{engine} {{ server 127.0.0.1:{engine}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{listen};
+    location / {{
+      proxy_pass http://e{engine}; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_request_buffering off; client_max_body_size 16m;
+    }}
+  }}"""
+
+
+def start_nginx(tmp: str, routes: dict, procs: list):
+    """nginx in front of the engines (listen port -> engine port); returns its worker's pid, or
+    None when no nginx is installed."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if binary is None:
+        return None
+    conf = os.path.join(tmp, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(NGINX_CONF.format(tmp=tmp, servers="\n  ".join(
+            NGINX_SERVER.format(listen=listen, engine=engine) for listen, engine in routes.items())))
+    master = subprocess.Popen([binary, "-c", conf, "-p", tmp], stderr=subprocess.DEVNULL)
+    procs.append(master)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", int(next(iter(routes)))), timeout=1).close()
+            children = subprocess.run(["pgrep", "-P", str(master.pid)], capture_output=True, text=True).stdout.split()
+            if children:
+                return int(children[0])
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -320,7 +426,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         spec = json.loads(args.child)
-        child(spec["engines"], spec["uvloop"], spec["db"])
+        if spec.get("relay"):
+            relay_child(spec["relay"])
+        else:
+            child(spec["engines"], spec["uvloop"], spec["db"])
         return 0
     quick = args.quick
     n_latency = 80 if quick else 400
@@ -356,23 +465,36 @@ def main() -> int:
             pin(proc.pid, 0)
             ingresses["ingress+uvloop" if use_uvloop else "ingress+asyncio"] = (proc.pid, info["port"],
                                                                                 info["key"])
-        targets = {"direct": (None, None, "none")}
-        targets.update({name: (pid, port, key) for name, (pid, port, key) in ingresses.items()})
+        every = {model: port for model, port in ports.items()}
+        targets = {"direct": (None, every, "none")}
+        targets.update({name: (pid, {model: port for model in ports}, key)
+                        for name, (pid, port, key) in ingresses.items()})
+        # peers, for scale: the floor of a proxy hop here, and nginx when it is installed
+        relay_ports = {model: free_port() for model in ports}
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
+            {"relay": {str(relay_ports[model]): ports[model] for model in ports}})], stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        proc.stdout.readline()
+        pin(proc.pid, 0)
+        targets["tcp-relay"] = (proc.pid, relay_ports, "none")
+        nginx_ports = {model: free_port() for model in ports}
+        worker = start_nginx(tmp, {nginx_ports[model]: ports[model] for model in ports}, procs)
+        if worker is not None:
+            pin(worker, 0)
+            targets["nginx"] = (worker, nginx_ports, "none")
         if not args.no_node:
             flags = {"fast": "--chunks 8", "paced": "--chunks 10 --chunk-delay 0.005",
                      "bulk": f"--chunks {bulk_chunks}"}
             node_engines = {model: free_port() for model in flags}
             pid, port, key, _ = start_overlay(os.path.join(tmp, "overlay"), node_engines, flags, procs)
-            targets["ingress+node"] = (pid, port, key)
+            targets["ingress+node"] = (pid, {model: port for model in ports}, key)
             for engine_port in node_engines.values():
                 for engine_pid in _pids_of_port(engine_port):
                     pin(engine_pid, 1)
 
-        for name, (pid, port, key) in targets.items():
+        for name, (pid, target_ports, key) in targets.items():
             r = results["configs"][name] = {}
-            fast_port = port or ports["fast"]
-            paced_port = port or ports["paced"]
-            bulk_port = port or ports["bulk"]
+            fast_port, paced_port, bulk_port = (target_ports[m] for m in ("fast", "paced", "bulk"))
             # 1. latency at 16 req/s, one keep-alive connection
             lat = latency_run(fast_port, "fast", key, n_latency)
             r["latency_p50_ms"] = statistics.median(lat) * 1e3

@@ -278,3 +278,37 @@ def test_the_plain_request_parser_agrees_with_h11_or_hands_over(method, target, 
         assert whole == b"".join(parts)
     else:
         assert whole is None   # the body is not all here yet
+
+
+class _NoTransport:
+    def is_closing(self):
+        return False
+
+
+def _upstream(data: bytes) -> otela_ingress.Upstream:
+    proto = otela_ingress._UpstreamProtocol(None)
+    proto.buf += data
+    return otela_ingress.Upstream("127.0.0.1:1", _NoTransport(), proto)
+
+
+def test_the_upstream_head_reader_frames_bodies_and_refuses_garbage():
+    up = _upstream(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A:  b c \r\n\r\nhi")
+    head = up.parse_head(up.buf.find(b"\r\n\r\n"))
+    assert (head.status, head.headers, up.remaining, up.keep_alive) == (200, {b"content-length": b"2",
+                                                                             b"x-a": b"b c"}, 2, True)
+    assert up.take() == b"hi" and up.take() is None
+    up = _upstream(b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n1;x=y\r\nc\r\n0\r\n\r\n")
+    up.parse_head(up.buf.find(b"\r\n\r\n"))
+    assert up.keep_alive is False and up.take() == b"abc" and up.done
+    up = _upstream(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nrest")
+    up.parse_head(up.buf.find(b"\r\n\r\n"))
+    assert (up.remaining, up.keep_alive, up.take()) == (otela_ingress._CLOSE_DELIMITED, False, b"rest")
+    for bad in (b"HTTP/2 200 OK\r\n\r\n", b"HTTP/1.1 2x0 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n"):
+        up = _upstream(bad)
+        with pytest.raises(otela_ingress.UpstreamFailure):
+            up.parse_head(up.buf.find(b"\r\n\r\n"))
+    up = _upstream(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n")
+    up.parse_head(up.buf.find(b"\r\n\r\n"))
+    with pytest.raises(otela_ingress.UpstreamFailure):
+        up.take()
