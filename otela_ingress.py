@@ -1318,9 +1318,9 @@ class _Relay:
         ex = self.ex
         conn = ex.client.conn
         if ex.sent:
-            ex.client.transport.write(conn.send(h11.Data(data=out)))
+            ex.client.transport.write(_data(conn, out))
         else:
-            ex.client.transport.write(self.ingress._stream_head(ex, self.head) + conn.send(h11.Data(data=out)))
+            ex.client.transport.write(self.ingress._stream_head(ex, self.head) + _data(conn, out))
 
     def _end(self, result: Any, discard: bool = False) -> None:
         self.ended = True
@@ -1343,7 +1343,7 @@ class _Relay:
         ingress._record(ex, now)
         conn = ex.client.conn
         start = b"" if ex.sent else ingress._stream_head(ex, self.head)
-        ex.client.transport.write(start + conn.send(h11.Data(data=tail)) + conn.send(h11.EndOfMessage()))
+        ex.client.transport.write(start + _data(conn, tail) + _end(conn))
         ingress._account(ex, now)
         self._end(True)
 
@@ -1517,16 +1517,23 @@ class _ClientConn:
         self.our_state = h11.SEND_BODY
         return b"".join(out)
 
+    def data(self, data: bytes) -> bytes:
+        """What send(h11.Data(data=data)) gives, without building the event."""
+        if self._chunked:
+            return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+        return data
+
+    def end(self) -> bytes:
+        """What send(h11.EndOfMessage()) gives."""
+        self.our_state = h11.MUST_CLOSE if self._close else h11.DONE
+        return b"0\r\n\r\n" if self._chunked else b""
+
     def send(self, event: Any) -> bytes:
         t = type(event)
         if t is h11.Data:
-            data = event.data
-            if self._chunked:
-                return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
-            return data
+            return self.data(event.data)
         if t is h11.EndOfMessage:
-            self.our_state = h11.MUST_CLOSE if self._close else h11.DONE
-            return b"0\r\n\r\n" if self._chunked else b""
+            return self.end()
         if t is h11.Response:
             return self.head(event.status_code, [(name, value) for name, value in event.headers])
         raise h11.LocalProtocolError(f"cannot send {t.__name__} here")
@@ -1535,6 +1542,16 @@ class _ClientConn:
         if self.our_state is not h11.DONE or self.their_state is not h11.DONE:
             raise h11.LocalProtocolError("not in a reusable state")
         self.our_state = self.their_state = h11.IDLE
+
+
+def _data(conn: Any, data: bytes) -> bytes:
+    """Body bytes framed for the client (our parser's connection, or h11's)."""
+    return conn.data(data) if type(conn) is _ClientConn else conn.send(h11.Data(data=data))
+
+
+def _end(conn: Any) -> bytes:
+    """The end of the response body, framed for the client."""
+    return conn.end() if type(conn) is _ClientConn else conn.send(h11.EndOfMessage())
 
 
 def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -> bytes:
@@ -1555,7 +1572,7 @@ class _Client(asyncio.Protocol):
     request boundary with nothing buffered.
     """
 
-    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "_waiter",
+    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "pending", "_waiter",
                  "_drain_waiter", "_write_paused", "_read_paused")
 
     def __init__(self, ingress: Ingress):
@@ -1567,6 +1584,7 @@ class _Client(asyncio.Protocol):
         self.task: Optional[asyncio.Future] = None   # the task that owns the connection, if any
         self.closed = False
         self.relay: Optional[_Relay] = None   # the stream being relayed to this client, if any
+        self.pending: Optional[tuple] = None  # (exchange, upstream, candidate) awaiting a plain answer
         self._waiter: Optional[asyncio.Future] = None
         self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
@@ -1620,9 +1638,14 @@ class _Client(asyncio.Protocol):
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        ingress = self.ingress
+        # the engine's work for a client that left is wasted GPU time: drop its connection
         if self.relay is not None:
             self.relay.pump()   # it sees the client gone and stops the engine's stream
-        ingress = self.ingress
+        if self.pending is not None:
+            ingress._abandon(self)
+        if self.busy and self.task is not None:
+            self.task.cancel()
         if self in ingress._clients:
             ingress._clients.discard(self)
             ingress.metrics.connections -= 1
@@ -2030,7 +2053,7 @@ class Ingress:
         if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
             headers.append((b"connection", b"close"))   # the request body was left unread
         out = _response_head(conn, status, headers)
-        client.transport.write(out + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
+        client.transport.write(out + _data(conn, payload) + _end(conn))
 
     async def _respond(self, client: _Client, status: int, payload: bytes,
                        content_type: bytes = b"application/json",
@@ -2130,8 +2153,24 @@ class Ingress:
             return False
         up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
         up.transport.write(self._request_head(ex, candidate.addr) + ex.body)
+        client.pending = (ex, up, candidate)
         self._prepare_row(ex, candidate)   # while the engine works on the request
         return False
+
+    def _abandon(self, client: _Client) -> None:
+        """The client of a request started in the callbacks left before its answer: close the
+        engine connection (the engine can stop) and meter the request as 499."""
+        ex, up, candidate = client.pending
+        client.pending = None
+        up.proto.on_data = None
+        self.pool.discard(up)
+        ex.status = 499
+        now = time.monotonic()
+        self._record(ex, now)
+        self._account(ex, now)
+        self.policy.on_request_end(candidate, ex.routed, False)
+        self.metrics.inflight -= 1
+        client.busy = False
 
     def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate, healthy: List[Candidate]) -> None:
         """The upstream's hook for a request started in the callbacks: a plain answer finishes
@@ -2141,6 +2180,7 @@ class Ingress:
         try:
             done = self._fast_answer_step(ex, up, candidate, healthy)
         except Exception as exc:   # from the upstream's data_received: nobody else would see it
+            client.pending = None
             up.proto.on_data = None
             self.pool.discard(up)
             self.metrics.inflight -= 1
@@ -2160,6 +2200,7 @@ class Ingress:
             if head is not None:
                 if head.status == 200:
                     ex.status = 200
+                    ex.client.pending = None   # the relay watches the client from here
                     on_end = functools.partial(self._fast_stream_end, ex, candidate, healthy)
                     _Relay(self, ex, up, head, on_end).pump()
                     return False
@@ -2167,6 +2208,7 @@ class Ingress:
         else:
             self._finish_plain(ex, up, candidate)
         if ex.finished:
+            ex.client.pending = None
             up.pending_head = None
             self.pool.release(up)
             self._account(ex, time.monotonic())
@@ -2175,6 +2217,7 @@ class Ingress:
             self.metrics.inflight -= 1
             return True
         if up.pending_head is not None or up.pending_exc is not None or up.proto.eof:
+            ex.client.pending = None   # the task watches the client from here
             up.proto.on_data = None
             self._spawn(ex.client, self._exchange(ex, healthy, (healthy, candidate, up)))
         return False
@@ -2236,6 +2279,18 @@ class Ingress:
         """Try sessions until one answers. `started`: (pool, candidate or None, upstream or None)
         where attempts began in the callbacks: the sessions left, the one picked (with the
         connection the request already went out on)."""
+        try:
+            await self._try_sessions(ex, candidates, started, failure)
+        except asyncio.CancelledError:
+            if ex.client.closed and ex.status != 499 and not ex.finished:   # the client left: meter it
+                ex.status = 499
+                now = time.monotonic()
+                self._record(ex, now)
+                self._account(ex, now)
+            raise
+
+    async def _try_sessions(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
+                            failure: str) -> None:
         pool, candidate, up = started or (self._healthy(candidates), None, None)
         health = self.health
         while True:
@@ -2353,7 +2408,7 @@ class Ingress:
         out = _response_head(conn, head.status,
                              [(b"content-type", head.headers.get(b"content-type", b"application/json")),
                               (b"content-length", b"%d" % len(payload)), (SESSION_HEADER, candidate.session_bytes)])
-        out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
+        out += _data(conn, payload) + _end(conn)
         now = time.monotonic()
         client = ex.client
         if client.closed:
@@ -2440,8 +2495,7 @@ class Ingress:
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
                                       "type": "api_error", "param": None, "code": "stream_cut"}})
         conn = ex.client.conn
-        ex.client.transport.write(conn.send(h11.Data(data=b"data: " + error + b"\n\ndata: [DONE]\n\n"))
-                                  + conn.send(h11.EndOfMessage()))
+        ex.client.transport.write(_data(conn, b"data: " + error + b"\n\ndata: [DONE]\n\n") + _end(conn))
 
     # -- accounting --------------------------------------------------------------------------
     def _account(self, ex: _Exchange, now: float) -> None:

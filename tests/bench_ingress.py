@@ -189,11 +189,18 @@ def cpu_seconds(pid: int) -> float:
 
 
 def pin(pid: int, cpu: int) -> None:
+    """Pin every thread of a process (the ingress's ledger writer too) to one CPU."""
+    if not (os.cpu_count() and os.cpu_count() > 1):
+        return
     try:
-        if os.cpu_count() and os.cpu_count() > 1:
-            os.sched_setaffinity(pid, {cpu})
-    except (AttributeError, OSError):
-        pass
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if pid else [0]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, {cpu})
+        except (AttributeError, OSError):
+            pass
 
 
 # -- clients ---------------------------------------------------------------------------------------

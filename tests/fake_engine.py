@@ -63,14 +63,30 @@ class FakeEngine:
         self.hits = {}                 # path -> number of requests, every route
         self.last_body = b""
         self.server = None
+        self.handlers: set = set()     # the tasks serving open connections
 
     async def close(self) -> None:
+        """Stop listening and end the connections in progress (a handler left pending would
+        outlive its event loop)."""
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
+        handlers = list(self.handlers)
+        for task in handlers:
+            task.cancel()
+        if handlers:
+            await asyncio.gather(*handlers, return_exceptions=True)
 
     # -- HTTP plumbing ----------------------------------------------------------------------
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.handlers.add(task)
+        try:
+            await self._handle(reader, writer)
+        finally:
+            self.handlers.discard(task)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             try:

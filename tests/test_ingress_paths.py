@@ -122,8 +122,8 @@ def test_a_body_in_pieces_then_plain_requests_on_the_same_connection(stack):
     assert data.count(b"HTTP/1.1 200 OK") == 3
 
 
-def test_a_client_gone_before_its_answer_is_logged_499_and_others_go_on(stack):
-    stack.engine("m1", mode="slow", slow_delay=0.3)
+def test_a_client_gone_before_its_answer_frees_the_engine_is_logged_499_and_others_go_on(stack):
+    stack.engine("m1", mode="slow", slow_delay=1.0)
     key = stack.key()
 
     def vanish():
@@ -131,7 +131,12 @@ def test_a_client_gone_before_its_answer_is_logged_499_and_others_go_on(stack):
             sock.sendall(request(key, CHAT))
             time.sleep(0.05)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close = reset
-        time.sleep(0.5)
+        t0 = time.monotonic()
+        while stack.ingress.pool.active and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        # the engine connection was closed long before the engine would have answered
+        assert not stack.ingress.pool.active and time.monotonic() - t0 < 0.5
+        time.sleep(1.2)   # the engine's handler wakes up to a closed connection and ends
 
     client = Client(stack.url, key)
     try:
@@ -202,7 +207,7 @@ def test_a_client_gone_mid_stream_stops_the_engine_stream_and_is_metered(stack):
 
 @pytest.mark.parametrize("warm", [False, True], ids=["task", "callbacks"])
 def test_a_client_that_does_not_read_its_stream_pauses_the_engine_not_our_memory(stack, warm):
-    stack.engine("m1", chunks=20000)
+    stack.engine("m1", chunks=20000, chunk_delay=0.0001)   # it waits for its writes, as engines do
     key = stack.key()
     if warm:
         client = Client(stack.url, key)
@@ -228,6 +233,11 @@ def test_a_client_that_does_not_read_its_stream_pauses_the_engine_not_our_memory
         buffered = stack.call(lambda: [c.transport.get_write_buffer_size() for c in stack.ingress._clients])
         assert any(up.proto.paused for up in stack.ingress.pool.active)
         assert max(buffered) < 1024 * 1024
+    deadline = time.monotonic() + 5   # the client left: the engine's stream is dropped too
+    while stack.ingress.pool.active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not stack.ingress.pool.active
+    time.sleep(0.1)   # the engine's handler sees the end
 
 
 # -- the hand parser of plain requests agrees with h11, or leaves the request to it ----------------
