@@ -1385,6 +1385,7 @@ class _FastRequest:
         return list(self.fields.items())
 
 
+_WHOLE_ANSWER = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" + SESSION_HEADER + b": %s\r\n\r\n%s"
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
 _TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 # A whole plain head in one match: request line, then header lines whose names are tokens and
@@ -1516,6 +1517,12 @@ class _ClientConn:
         self._chunked, self._close = not framed, close
         self.our_state = h11.SEND_BODY
         return b"".join(out)
+
+    def whole_answer(self, status: int, content_type: bytes, session: bytes, payload: bytes) -> bytes:
+        """A complete Content-Length answer with the ingress's headers, in one format."""
+        self._chunked = self._close = False
+        self.our_state = h11.DONE
+        return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session, payload)
 
     def data(self, data: bytes) -> bytes:
         """What send(h11.Data(data=data)) gives, without building the event."""
@@ -2405,10 +2412,14 @@ class Ingress:
         if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
         conn = ex.client.conn
-        out = _response_head(conn, head.status,
-                             [(b"content-type", head.headers.get(b"content-type", b"application/json")),
-                              (b"content-length", b"%d" % len(payload)), (SESSION_HEADER, candidate.session_bytes)])
-        out += _data(conn, payload) + _end(conn)
+        content_type = head.headers.get(b"content-type", b"application/json")
+        if type(conn) is _ClientConn:
+            out = conn.whole_answer(head.status, content_type, candidate.session_bytes, payload)
+        else:
+            out = _response_head(conn, head.status, [(b"content-type", content_type),
+                                                     (b"content-length", b"%d" % len(payload)),
+                                                     (SESSION_HEADER, candidate.session_bytes)])
+            out += _data(conn, payload) + _end(conn)
         now = time.monotonic()
         client = ex.client
         if client.closed:
