@@ -322,3 +322,26 @@ def test_the_upstream_head_reader_frames_bodies_and_refuses_garbage():
     up.parse_head(up.buf.find(b"\r\n\r\n"))
     with pytest.raises(otela_ingress.UpstreamFailure):
         up.take()
+
+
+def test_pipelined_errors_and_answers_keep_their_order(stack):
+    from test_ingress import _read_answers
+    stack.engine("m1")
+    key = stack.key()
+    stream = json.dumps({"model": "m1", "stream": True, "messages": [{"role": "user", "content": "x"}]}).encode()
+    batch = (request("sk-otela-wrong", CHAT) + request(key, CHAT) + request(key, b"{not json")
+             + request(key, b'{"model":"nope"}') + request(key, CHAT)
+             + b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n" + request(key, CHAT))
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(batch)
+        answers = _read_answers(sock, 7)
+        sock.sendall(request(key, stream) + request(key, CHAT))   # a stream, then a plain one behind it
+        data = b""
+        while b"0\r\n\r\n" not in data or data.count(b"HTTP/1.1 200 OK") < 2 or not data.endswith(b"}"):
+            piece = sock.recv(65536)
+            assert piece, data
+            data += piece
+    assert [status.split(b" ")[1] for status, _ in answers] == [b"401", b"200", b"400", b"404", b"200", b"200",
+                                                                   b"200"]
+    assert data.index(b"data: [DONE]") < data.rindex(b"HTTP/1.1 200 OK")
