@@ -8,6 +8,16 @@ keep-alive connection (to the node's tunnel address with the cluster's tunnel he
 answer goes back to the client as it arrives: whole for plain requests, byte for byte for
 server-sent event streams. Every finished request becomes a row of the usage ledger.
 
+Two ways through, one behaviour. The common case, a plain request whose whole body is in the
+client's buffer with a kept-alive connection to the chosen session, is served in the protocol
+callbacks: the client's data_received parses, authenticates, routes and writes upstream; the
+upstream's data_received writes the answer back (or relays the stream, chunk by chunk). No
+task or future sits between them: at low load the ingress's share of a request's latency is
+mostly the CPU's cold caches, and each event-loop pass costs more of them. Everything else (a
+body still arriving, a new upstream connection, a retry, a GET endpoint, a request only h11
+can judge) runs in a task per connection, which gives the connection back to the callbacks at
+the next request boundary.
+
 Data flow:
     client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
         --> policy.pick --> upstream pool --HTTP/1.1--> node tunnel --> engine
@@ -26,8 +36,9 @@ What this file must never do:
   2. Re-serialise what it relays: the request body is forwarded verbatim (one exception: a
      stream gets `stream_options.include_usage` so its tokens can be counted, and the
      usage-only chunk the client did not ask for is removed); SSE chunks are relayed as bytes.
-  3. Let one client hurt another: every connection has its own task, its own buffers and
-     limits; a slow reader only slows its own stream.
+  3. Let one client hurt another: every connection has its own buffers and limits (and its
+     own task when it needs one); a slow reader only slows its own stream, and a client that
+     leaves frees the engine working for it.
 """
 from __future__ import annotations
 
