@@ -3,7 +3,8 @@
 Against tests/fake_engine.py on loopback, in one run, straight to the engine vs through the
 ingress, with and without uvloop in the ingress:
   - latency: p50/p99 of non-streamed chat completions at 16 requests/s on one keep-alive
-    connection; "added" = through the ingress minus straight to the engine;
+    connection; "added" = through the ingress minus straight to the engine; and "busy", the
+    same requests sent back to back (the hop's own work, with no CPU waking from idle);
   - throughput: requests/s at 64 keep-alive connections, the ingress pinned to CPU 0 (engine and
     client share CPU 1), and the ingress's CPU time per request (from /proc);
   - SSE: added time to the first chunk of a paced stream, chunks/s across 16 concurrent streams
@@ -81,9 +82,10 @@ def child(engines: dict, use_uvloop: bool, db: str) -> None:
     asyncio.run(main())
 
 
-def relay_child(routes: dict) -> None:
+def relay_child(routes: dict, parse: bool = False) -> None:
     """A TCP relay: each accepted connection gets its own connection to the engine and bytes are
-    copied both ways unread. listen port -> engine port."""
+    copied both ways unread (listen port -> engine port). With `parse`, the bare asyncio proxy
+    the issue cites: requests are read by hand (head, Content-Length body) and sent on whole."""
     try:
         import uvloop
         uvloop.install()
@@ -112,6 +114,26 @@ def relay_child(routes: dict) -> None:
         def __init__(self, engine_port):
             super().__init__()
             self.engine_port = engine_port
+            self.buf = bytearray()
+
+        def data_received(self, data):
+            if not parse:
+                return super().data_received(data)
+            buf = self.buf
+            buf += data
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                length = 0
+                for line in bytes(buf[:end]).split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                if len(buf) < end + 4 + length:
+                    return
+                super().data_received(bytes(buf[:end + 4 + length]))
+                del buf[:end + 4 + length]
 
         def connection_made(self, transport):
             super().connection_made(transport)
@@ -434,7 +456,7 @@ def main() -> int:
     if args.child:
         spec = json.loads(args.child)
         if spec.get("relay"):
-            relay_child(spec["relay"])
+            relay_child(spec["relay"], spec.get("parse", False))
         else:
             child(spec["engines"], spec["uvloop"], spec["db"])
         return 0
@@ -476,14 +498,17 @@ def main() -> int:
         targets = {"direct": (None, every, "none")}
         targets.update({name: (pid, {model: port for model in ports}, key)
                         for name, (pid, port, key) in ingresses.items()})
-        # peers, for scale: the floor of a proxy hop here, and nginx when it is installed
-        relay_ports = {model: free_port() for model in ports}
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
-            {"relay": {str(relay_ports[model]): ports[model] for model in ports}})], stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        proc.stdout.readline()
-        pin(proc.pid, 0)
-        targets["tcp-relay"] = (proc.pid, relay_ports, "none")
+        # peers, for scale: the floor of a proxy hop here (bytes copied unread), the floor of a
+        # Python HTTP proxy (requests read by hand, nothing else), and nginx when installed
+        for name, parse in (("tcp-relay", False), ("bare-asyncio", True)):
+            relay_ports = {model: free_port() for model in ports}
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
+                {"relay": {str(relay_ports[model]): ports[model] for model in ports}, "parse": parse})],
+                stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            proc.stdout.readline()
+            pin(proc.pid, 0)
+            targets[name] = (proc.pid, relay_ports, "none")
         nginx_ports = {model: free_port() for model in ports}
         worker = start_nginx(tmp, {nginx_ports[model]: ports[model] for model in ports}, procs)
         if worker is not None:
@@ -506,6 +531,9 @@ def main() -> int:
             lat = latency_run(fast_port, "fast", key, n_latency)
             r["latency_p50_ms"] = statistics.median(lat) * 1e3
             r["latency_p99_ms"] = pct(lat, 99) * 1e3
+            # 1b. the same back to back: the hop's own work, without a CPU waking from idle
+            busy = latency_run(fast_port, "fast", key, n_latency * 5, rate=1e9)
+            r["busy_latency_p50_ms"] = statistics.median(busy) * 1e3
             # 2. throughput at 64 connections
             cpu0 = cpu_seconds(pid) if pid else 0.0
             done, elapsed = throughput_run(fast_port, "fast", key, 64, tput_seconds)
@@ -529,6 +557,7 @@ def main() -> int:
             r["added_p50_ms"] = r["latency_p50_ms"] - direct["latency_p50_ms"]
             r["added_p99_ms"] = r["latency_p99_ms"] - direct["latency_p99_ms"]
             r["added_ttfb_ms"] = r["ttfb_p50_ms"] - direct["ttfb_p50_ms"]
+            r["busy_added_p50_ms"] = r["busy_latency_p50_ms"] - direct["busy_latency_p50_ms"]
             if "cpu_us_per_request" in r:
                 r["cpu_us_per_request_normalised"] = r["cpu_us_per_request"] / results["machine"][
                     "slowdown_vs_reference"]
@@ -544,7 +573,7 @@ def main() -> int:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    cols = ["latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps_64conn",
+    cols = ["latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "busy_added_p50_ms", "rps_64conn",
             "cpu_us_per_request", "cpu_us_per_request_normalised", "ingress_cpu_utilisation", "ttfb_p50_ms", "added_ttfb_ms",
             "sse_chunks_per_s_16streams", "cpu_us_per_chunk"]
     print(f"{'':28}" + "".join(f"{name:>18}" for name in results["configs"]))
