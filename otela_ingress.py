@@ -56,7 +56,6 @@ import os
 import random
 import re
 import secrets
-import socket
 import sqlite3
 import sys
 import threading
@@ -1193,15 +1192,6 @@ class Upstream:
             transport.abort()
 
 
-def _nodelay(transport: Any) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-
-
 class UpstreamPool:
     def __init__(self):
         self._idle: Dict[str, List[Upstream]] = {}
@@ -1232,8 +1222,7 @@ class UpstreamPool:
                 UPSTREAM_CONNECT_TIMEOUT_S)
         except (OSError, ValueError, asyncio.TimeoutError) as exc:
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
-        _nodelay(transport)
-        up = Upstream(addr, transport, proto)
+        up = Upstream(addr, transport, proto)   # asyncio and uvloop set TCP_NODELAY themselves
         self.active.add(up)
         return up
 
@@ -1620,8 +1609,7 @@ class _Client(asyncio.Protocol):
             ingress.metrics.errors["too_many_connections"] += 1
             self.closed = True
             return
-        _nodelay(transport)
-        transport.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)
+        transport.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)   # TCP_NODELAY: set by the loop
         ingress._clients.add(self)
         ingress.metrics.connections += 1
 

@@ -164,12 +164,13 @@ error_log {tmp}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
 http {{
   access_log off;
+  keepalive_requests 1000000;   # nginx closes a client connection after 1000 requests by default
   client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fcgi;
   uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
   {servers}
 }}
 """
-NGINX_SERVER = """upstream e{engine} {{ server 127.0.0.1:{engine}; keepalive 128; }}
+NGINX_SERVER = """upstream e{engine} {{ server 127.0.0.1:{engine}; keepalive 128; keepalive_requests 1000000; }}
   server {{
     listen 127.0.0.1:{listen};
     location / {{
