@@ -2236,7 +2236,7 @@ class Ingress:
         self.policy.on_request_end(candidate, ex.routed, ok)
         if ok:
             self.health.succeeded(candidate.session)
-        else:
+        elif result is False or isinstance(result, UpstreamFailure):   # the engine's fault, not the client's
             self.health.failed(candidate.session, time.monotonic())
         if isinstance(result, UpstreamFailure):   # nothing went out yet: a task tries the others
             pool = [c for c in healthy if c is not candidate]

@@ -203,6 +203,7 @@ def test_a_client_gone_mid_stream_stops_the_engine_stream_and_is_metered(stack):
     assert [status for status, _ in rows] == [499, 499]
     assert all(3 <= tokens < 400 for _, tokens in rows)
     assert stack.ingress.metrics.inflight == 0 and not stack.ingress.pool.active
+    assert not stack.ingress.health.failures   # clients leaving says nothing about the engine
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["task", "callbacks"])
