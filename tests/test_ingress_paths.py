@@ -186,7 +186,9 @@ def test_a_client_gone_mid_stream_stops_the_engine_stream_and_is_metered(stack):
             sock.sendall(request(key, body))
             data = b""
             while data.count(b"data: {") < 3:
-                data += sock.recv(65536)
+                piece = sock.recv(65536)
+                assert piece, data
+                data += piece
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     read_some_then_vanish()   # a new upstream connection: the task relays
