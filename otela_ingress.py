@@ -1924,7 +1924,10 @@ class Ingress:
         finally:
             client.task = None
         if keep and not client.closed:
-            self._dispatch(client)
+            try:
+                self._dispatch(client)
+            except Exception as exc:
+                self._internal_error(client, exc)
         else:
             client.busy = False
             client.close()
