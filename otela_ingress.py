@@ -1622,12 +1622,8 @@ class _Client(asyncio.Protocol):
         if self.task is not None:
             self._wake()
         elif not self.busy:
-            try:
-                self.ingress._dispatch(self)
-            except Exception as exc:   # a bug must cost one request, not the connection's peace
-                self.ingress._internal_error(self, exc)
-                return
-        if not self._read_paused and (self.task is not None or self.busy) and self.buffered() > 2 * READ_CHUNK:
+            self.ingress._dispatch(self)
+        if not self._read_paused and not self.transport.is_closing() and (self.task is not None or self.busy) and self.buffered() > 2 * READ_CHUNK:
             self._read_paused = True   # a client far ahead of us waits in its socket, not in our memory
             self.transport.pause_reading()
 
@@ -1886,7 +1882,14 @@ class Ingress:
     # -- HTTP server -------------------------------------------------------------------------
     def _dispatch(self, client: _Client) -> None:
         """Handle the requests buffered on a connection that no task owns: plain proxied ones
-        right here, the first other one by starting a task for it."""
+        right here, the first other one by starting a task for it. Called from callbacks,
+        where a bug must cost this connection a 500, not go unseen."""
+        try:
+            self._dispatch_buffered(client)
+        except Exception as exc:
+            self._internal_error(client, exc)
+
+    def _dispatch_buffered(self, client: _Client) -> None:
         conn = client.conn
         while not client.closed and not client._write_paused:
             if type(conn) is not _ClientConn:
@@ -1924,10 +1927,7 @@ class Ingress:
         finally:
             client.task = None
         if keep and not client.closed:
-            try:
-                self._dispatch(client)
-            except Exception as exc:
-                self._internal_error(client, exc)
+            self._dispatch(client)
         else:
             client.busy = False
             client.close()
@@ -2196,10 +2196,7 @@ class Ingress:
             self._internal_error(client, exc)
             return
         if done and client.finish():
-            try:
-                self._dispatch(client)   # the requests the client pipelined meanwhile
-            except Exception as exc:
-                self._internal_error(client, exc)
+            self._dispatch(client)   # the requests the client pipelined meanwhile
 
     def _fast_answer_step(self, ex: _Exchange, up: Upstream, candidate: Candidate,
                           healthy: List[Candidate]) -> bool:
