@@ -1623,7 +1623,8 @@ class _Client(asyncio.Protocol):
             self._wake()
         elif not self.busy:
             self.ingress._dispatch(self)
-        if not self._read_paused and not self.transport.is_closing() and (self.task is not None or self.busy) and self.buffered() > 2 * READ_CHUNK:
+        if (self.task is not None or self.busy) and not self._read_paused \
+                and not self.transport.is_closing() and self.buffered() > 2 * READ_CHUNK:
             self._read_paused = True   # a client far ahead of us waits in its socket, not in our memory
             self.transport.pause_reading()
 
