@@ -1385,7 +1385,8 @@ class _FastRequest:
         return list(self.fields.items())
 
 
-_WHOLE_ANSWER = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" + SESSION_HEADER + b": %s\r\n\r\n%s"
+_WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+                 + SESSION_HEADER + b": %s\r\n\r\n%s")
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
 _TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 # A whole plain head in one match: request line, then header lines whose names are tokens and
@@ -1474,7 +1475,8 @@ class _ClientConn:
         if len(fields) != len(pairs) or b"host" not in fields:   # a repeated name: h11 decides
             return _SWITCH
         if not _FAST_REFUSED.isdisjoint(fields):
-            if len(_FAST_REFUSED.intersection(fields)) > 1 or fields.get(b"connection", b"").lower() != b"keep-alive":
+            keep_alive = fields.get(b"connection", b"").lower() == b"keep-alive"
+            if len(_FAST_REFUSED.intersection(fields)) > 1 or not keep_alive:
                 return _SWITCH
         length = fields.get(b"content-length")
         if length is not None and not length.isdigit():

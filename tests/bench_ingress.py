@@ -196,7 +196,8 @@ def start_nginx(tmp: str, routes: dict, procs: list):
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", int(next(iter(routes)))), timeout=1).close()
-            children = subprocess.run(["pgrep", "-P", str(master.pid)], capture_output=True, text=True).stdout.split()
+            children = subprocess.run(["pgrep", "-P", str(master.pid)], capture_output=True,
+                                      text=True).stdout.split()
             if children:
                 return int(children[0])
         except OSError:

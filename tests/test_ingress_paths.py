@@ -264,7 +264,8 @@ def usually(valid, *odd):
                                             st.sampled_from(["x", "12", "keep-alive", "Bearer k", "a\tb"])),
                                   st.tuples(st.sampled_from(NAMES), VALUES)), max_size=5),
        body=st.binary(max_size=20), space=st.sampled_from(["", " ", "\t"]), host=usually(True, False))
-def test_the_plain_request_parser_agrees_with_h11_or_hands_over(method, target, version, headers, body, space, host):
+def test_the_plain_request_parser_agrees_with_h11_or_hands_over(method, target, version, headers, body, space,
+                                                                host):
     import h11
     headers = [("Host", "x")] + headers if host else headers
     head = f"{method} {target} {version}\r\n" + "".join(f"{n}:{space}{v}\r\n" for n, v in headers) + "\r\n"
