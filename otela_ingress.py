@@ -1391,8 +1391,8 @@ _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, 
 _TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 # A whole plain head in one match: request line, then header lines whose names are tokens and
 # whose values hold no control character but tab (RFC 9110's field-value, obs-fold excluded).
-_FAST_HEAD = re.compile(rb"(GET|POST) (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:%s+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*)\r\n"
-                        % _TCHAR)
+_FAST_HEAD = re.compile(rb"(GET|POST) (/[\x21-\x7e]*) HTTP/1\.1\r\n"
+                        rb"((?:%s+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*)\r\n" % _TCHAR)
 _FAST_FIELD = re.compile(rb"(%s+):[ \t]*([^\r]*?)[ \t]*\r\n" % _TCHAR)
 _FAST_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te", b"connection"))
 _EOM = h11.EndOfMessage()
@@ -1524,7 +1524,8 @@ class _ClientConn:
         """A complete Content-Length answer with the ingress's headers, in one format."""
         self._chunked = self._close = False
         self.our_state = h11.DONE
-        return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session, payload)
+        return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session,
+                                payload)
 
     def data(self, data: bytes) -> bytes:
         """What send(h11.Data(data=data)) gives, without building the event."""
@@ -1581,8 +1582,8 @@ class _Client(asyncio.Protocol):
     request boundary with nothing buffered.
     """
 
-    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "pending", "_waiter",
-                 "_drain_waiter", "_write_paused", "_read_paused")
+    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "pending",
+                 "_waiter", "_drain_waiter", "_write_paused", "_read_paused")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -2157,8 +2158,12 @@ class Ingress:
             self._write_error(client, exc)
             return client.finish()
         self.metrics.inflight += 1
-        healthy = self._healthy(candidates)
-        candidate = self._pick(ex, healthy)
+        try:
+            healthy = self._healthy(candidates)
+            candidate = self._pick(ex, healthy)   # a user's policy may raise: a 500, counted out
+        except Exception:
+            self.metrics.inflight -= 1
+            raise
         up = self.pool.take_idle(candidate.addr)
         if up is None:   # a new connection: the task makes it
             self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
@@ -2184,7 +2189,8 @@ class Ingress:
         self.metrics.inflight -= 1
         client.busy = False
 
-    def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate, healthy: List[Candidate]) -> None:
+    def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate,
+                     healthy: List[Candidate]) -> None:
         """The upstream's hook for a request started in the callbacks: a plain answer finishes
         here; anything else (a retryable status, a chunked or partial body, a failure) goes on
         in a task, as if the task had sent the request."""
@@ -2239,7 +2245,7 @@ class Ingress:
         self.policy.on_request_end(candidate, ex.routed, ok)
         if ok:
             self.health.succeeded(candidate.session)
-        elif result is False or isinstance(result, UpstreamFailure):   # the engine's fault, not the client's
+        elif result is False or isinstance(result, UpstreamFailure):   # the engine's fault, not a client's
             self.health.failed(candidate.session, time.monotonic())
         if isinstance(result, UpstreamFailure):   # nothing went out yet: a task tries the others
             pool = [c for c in healthy if c is not candidate]

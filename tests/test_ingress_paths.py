@@ -349,3 +349,26 @@ def test_pipelined_errors_and_answers_keep_their_order(stack):
     assert [status.split(b" ")[1] for status, _ in answers] == [b"401", b"200", b"400", b"404", b"200", b"200",
                                                                    b"200"]
     assert data.index(b"data: [DONE]") < data.rindex(b"HTTP/1.1 200 OK")
+
+
+def test_a_policy_that_raises_costs_its_request_a_500_and_nothing_else(tmp_path):
+    class Broken(otela_ingress.LeastLoadedPolicy):
+        def pick(self, candidates, request):
+            if request.user == "mallory":
+                raise RuntimeError("policy bug")
+            return super().pick(candidates, request)
+
+    stack = Stack(str(tmp_path / "otela.sqlite"), policy=Broken())
+    try:
+        stack.engine("m1")
+        good, bad = Client(stack.url, stack.key("alice")), Client(stack.url, stack.key("mallory"))
+        try:
+            assert good.chat()[0] == 200            # leaves a pooled connection: the callbacks' path
+            assert bad.chat()[0] == 500
+            assert good.chat()[0] == 200
+        finally:
+            good.close()
+            bad.close()
+        assert stack.ingress.metrics.inflight == 0
+    finally:
+        stack.close()
