@@ -8,7 +8,9 @@ ingress, with and without uvloop in the ingress:
   - throughput: requests/s at 64 keep-alive connections, the ingress pinned to CPU 0 (engine and
     client share CPU 1), and the ingress's CPU time per request (from /proc);
   - SSE: added time to the first chunk of a paced stream, chunks/s across 16 concurrent streams
-    and the ingress's CPU time per chunk.
+    and the ingress's CPU time per chunk;
+  - failures (see failure_runs): client errors and the added cost of a retried request with one
+    of two engines answering 500 or killed, and error events when an engine dies mid-stream.
 
 Peers measured in the same run, for scale on this machine: "tcp-relay", a uvloop relay that
 copies bytes between connections without reading them (the floor of any user-space proxy hop
@@ -70,7 +72,8 @@ def child(engines: dict, use_uvloop: bool, db: str) -> None:
     async def main():
         node = StandInNode()
         for model, port in engines.items():
-            node.add_worker(f"127.0.0.1:{port}", [model])
+            for one in (port if isinstance(port, list) else [port]):   # a list: sessions sharing a model
+                node.add_worker(f"127.0.0.1:{one}", [model])
         db_conn = otela_ingress.open_db(db)
         _, key = otela_ingress.create_key(db_conn, "bench")
         db_conn.close()
@@ -437,6 +440,112 @@ def start_overlay(tmp: str, models: dict, flags: dict, procs: list) -> tuple:
     return ingress.pid, port, key, side
 
 
+def failure_runs(procs: list, tmp: str, quick: bool) -> dict:
+    """The issue's failure cases, through an ingress (uvloop) in front of fake engines:
+    one of two engines answering 500 while healthy, one of two killed with SIGKILL mid-run (both
+    at 16 requests/s on one keep-alive connection: client errors, and what a retried request
+    costs against one answered first time, from the ledger's latencies), and an engine that dies
+    mid-stream (how many streams end with an error event and [DONE])."""
+    import sqlite3
+    good, bad, victim, cut = free_port(), free_port(), free_port(), free_port()
+    procs.append(spawn_fake_engine(good, "--chunks", "8"))
+    procs.append(spawn_fake_engine(bad, "--chunks", "8", "--mode", "error500"))
+    victim_proc = spawn_fake_engine(victim, "--chunks", "8")
+    procs.append(victim_proc)
+    procs.append(spawn_fake_engine(cut, "--chunks", "10", "--mode", "cut"))
+    for proc in procs[-4:]:
+        pin(proc.pid, 1)
+    db = os.path.join(tmp, "ledger-failures.sqlite")
+    spec = json.dumps({"engines": {"half500": [good, bad], "killed": [good, victim], "cut": cut},
+                       "uvloop": True, "db": db})
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec], stdout=subprocess.PIPE,
+                            text=True)
+    procs.append(proc)
+    info = json.loads(proc.stdout.readline())
+    pin(proc.pid, 0)
+    port, key = info["port"], info["key"]
+    seconds = 4.0 if quick else 15.0
+    out = {}
+
+    def paced(model, on_tick=None):
+        sock = socket.create_connection(("127.0.0.1", port))
+        req, buf, errors, sent = request_bytes(model, key), bytearray(), 0, 0
+        start = time.perf_counter()
+        try:
+            while time.perf_counter() - start < seconds:
+                if on_tick is not None:
+                    on_tick(time.perf_counter() - start)
+                sock.sendall(req)
+                status = read_status(sock, buf)
+                errors += status != 200
+                sent += 1
+                time.sleep(max(0.0, start + sent / 16.0 - time.perf_counter()))
+        finally:
+            sock.close()
+        return sent, errors
+
+    def retry_cost(model):
+        time.sleep(0.6)   # the ledger commits every 250 ms
+        db_conn = sqlite3.connect(db)
+        try:
+            rows = db_conn.execute("SELECT attempts, latency_ms FROM requests WHERE model = ? AND status = 200",
+                                   (model,)).fetchall()
+        finally:
+            db_conn.close()
+        first = [lat for attempts, lat in rows if attempts == 1]
+        retried = [lat for attempts, lat in rows if attempts > 1]
+        return len(retried), (statistics.median(retried) - statistics.median(first)) if retried and first else None
+
+    sent, errors = paced("half500")
+    retried, cost = retry_cost("half500")
+    out["one_engine_500"] = {"requests": sent, "client_errors": errors, "retried": retried,
+                             "added_ms_per_retried_request": cost}
+    killed = []
+
+    def kill_at_one_second(t):
+        if t > 1.0 and not killed:
+            victim_proc.kill()
+            killed.append(t)
+
+    sent, errors = paced("killed", kill_at_one_second)
+    retried, cost = retry_cost("killed")
+    out["one_engine_killed"] = {"requests": sent, "client_errors": errors, "retried": retried,
+                                "added_ms_per_retried_request": cost}
+    streams, with_event = 20, 0
+    for _ in range(streams):
+        sock = socket.create_connection(("127.0.0.1", port))
+        try:
+            sock.sendall(request_bytes("cut", key, stream=True))
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                piece = sock.recv(65536)
+                if not piece:
+                    break
+                data += piece
+        finally:
+            sock.close()
+        with_event += b'"code":"stream_cut"' in data and b"data: [DONE]" in data and data.endswith(b"0\r\n\r\n")
+    out["engine_dies_mid_stream"] = {"streams": streams, "ended_with_error_event_and_done": with_event}
+    return out
+
+
+def read_status(sock: socket.socket, buf: bytearray) -> int:
+    """The status of one Content-Length response read off a blocking socket."""
+    while True:
+        head_end = buf.find(b"\r\n\r\n")
+        if head_end >= 0:
+            length = int(_CONTENT_LENGTH.search(buf, 0, head_end).group(1))
+            total = head_end + 4 + length
+            if len(buf) >= total:
+                status = int(buf[9:12])
+                del buf[:total]
+                return status
+        data = sock.recv(262144)
+        if not data:
+            raise ConnectionError("closed")
+        buf += data
+
+
 def _pids_of_port(port: int) -> list:
     from test_ingress_support import pids_listening_on
     return pids_listening_on(port)
@@ -563,6 +672,7 @@ def main() -> int:
             if "cpu_us_per_request" in r:
                 r["cpu_us_per_request_normalised"] = r["cpu_us_per_request"] / results["machine"][
                     "slowdown_vs_reference"]
+        results["failures"] = failure_runs(procs, tmp, quick)
         results["machine"]["loadavg_end"] = os.getloadavg()[0]
     finally:
         for proc in procs:
@@ -586,6 +696,9 @@ def main() -> int:
             cells.append(f"{v:18.3f}" if isinstance(v, float) and v < 100 else
                          (f"{v:18.0f}" if isinstance(v, float) else f"{'-':>18}"))
         print(f"{col:28}" + "".join(cells))
+    for case, figures in results["failures"].items():
+        print(f"failures, {case}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                               for k, v in figures.items()))
     m = results["machine"]
     print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start']:.2f} -> {m['loadavg_end']:.2f}; h11's own "
           f"work per proxied request {m['h11_proxied_request_us']:.0f} us (reference machine: 110 us), so CPU "
