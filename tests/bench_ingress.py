@@ -238,16 +238,17 @@ def request_bytes(model: str, key: str, stream: bool = False) -> bytes:
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (key.encode(), len(body), body))
 
 
-def read_response(sock: socket.socket, buf: bytearray) -> None:
-    """Read one Content-Length response off a blocking socket."""
+def read_response(sock: socket.socket, buf: bytearray) -> int:
+    """Read one Content-Length response off a blocking socket; its status."""
     while True:
         head_end = buf.find(b"\r\n\r\n")
         if head_end >= 0:
             length = int(_CONTENT_LENGTH.search(buf, 0, head_end).group(1))
             total = head_end + 4 + length
             if len(buf) >= total:
+                status = int(buf[9:12])
                 del buf[:total]
-                return
+                return status
         data = sock.recv(262144)
         if not data:
             raise ConnectionError("closed")
@@ -476,7 +477,7 @@ def failure_runs(procs: list, tmp: str, quick: bool) -> dict:
                 if on_tick is not None:
                     on_tick(time.perf_counter() - start)
                 sock.sendall(req)
-                status = read_status(sock, buf)
+                status = read_response(sock, buf)
                 errors += status != 200
                 sent += 1
                 time.sleep(max(0.0, start + sent / 16.0 - time.perf_counter()))
@@ -527,23 +528,6 @@ def failure_runs(procs: list, tmp: str, quick: bool) -> dict:
         with_event += b'"code":"stream_cut"' in data and b"data: [DONE]" in data and data.endswith(b"0\r\n\r\n")
     out["engine_dies_mid_stream"] = {"streams": streams, "ended_with_error_event_and_done": with_event}
     return out
-
-
-def read_status(sock: socket.socket, buf: bytearray) -> int:
-    """The status of one Content-Length response read off a blocking socket."""
-    while True:
-        head_end = buf.find(b"\r\n\r\n")
-        if head_end >= 0:
-            length = int(_CONTENT_LENGTH.search(buf, 0, head_end).group(1))
-            total = head_end + 4 + length
-            if len(buf) >= total:
-                status = int(buf[9:12])
-                del buf[:total]
-                return status
-        data = sock.recv(262144)
-        if not data:
-            raise ConnectionError("closed")
-        buf += data
 
 
 def _pids_of_port(port: int) -> list:

@@ -87,3 +87,14 @@ def real_engine():
         yield RealEngine(f"http://127.0.0.1:{port}", ENGINE_ALIAS, engine_command(), proc)
     finally:
         stop_process(proc, 10)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """An ingress in a background event loop with fake engines to add (test_ingress_support.Stack)."""
+    from test_ingress_support import Stack
+    s = Stack(str(tmp_path / "otela.sqlite"))
+    try:
+        yield s
+    finally:
+        s.close()

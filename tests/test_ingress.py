@@ -27,15 +27,6 @@ from otela_ingress import (
 
 
 @pytest.fixture
-def stack(tmp_path):
-    s = Stack(str(tmp_path / "otela.sqlite"))
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture
 def client(stack):
     c = Client(stack.url, stack.key("alice"))
     try:

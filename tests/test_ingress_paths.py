@@ -18,15 +18,6 @@ from test_ingress_support import Client, Stack
 import otela_ingress
 
 
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(str(tmp_path / "otela.sqlite"))
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 class ScriptedEngine:
     """An engine that answers the n-th request on each connection as `script(n)` says: bytes to
     send back (then keep the connection), or None to close the connection without an answer."""
