@@ -923,8 +923,15 @@ class StreamWatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader
+# Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader, and the
+# relay of a stream from it to a client
 # ---------------------------------------------------------------------------------------------
+def _resolve(waiter: Optional[asyncio.Future]) -> None:
+    """Wake whoever awaits `waiter` (a future that may be gone or done already)."""
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
 def _take(buf: bytearray, limit: int) -> bytes:
     """Up to `limit` bytes off the front of a body buffer (one copy)."""
     if len(buf) <= limit:
@@ -979,11 +986,8 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.transport = transport
 
     def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        waiter, self.waiter = self.waiter, None
+        _resolve(waiter)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -1368,7 +1372,7 @@ class _Relay:
 
 
 # ---------------------------------------------------------------------------------------------
-# The ingress: HTTP server, auth, routing, proxy
+# Client connections: the hand parser of plain requests, the connection protocol
 # ---------------------------------------------------------------------------------------------
 class _FastRequest:
     """A request head parsed by _ClientConn (what the handlers read of an h11.Request, plus
@@ -1641,9 +1645,7 @@ class _Client(asyncio.Protocol):
         self.closed = True
         self.conn.receive_data(b"")
         self._wake()
-        waiter = self._drain_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        _resolve(self._drain_waiter)
         ingress = self.ingress
         # the engine's work for a client that left is wasted GPU time: drop its connection
         if self.relay is not None:
@@ -1663,7 +1665,7 @@ class _Client(asyncio.Protocol):
         self._write_paused = False
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            _resolve(waiter)
         elif self.relay is not None:
             self.relay.up.resume_reading()
         elif self.task is None and not self.busy:
@@ -1680,11 +1682,8 @@ class _Client(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        waiter, self._waiter = self._waiter, None
+        _resolve(waiter)
 
     async def wait_data(self) -> None:
         """Wait until more request bytes (or the end of them) reached self.conn."""
@@ -1743,6 +1742,9 @@ class _Exchange:
         self.finished = False   # the upstream protocol's hook sent the whole answer
 
 
+# ---------------------------------------------------------------------------------------------
+# The ingress: dispatch, auth, routing, proxy, accounting, GET endpoints
+# ---------------------------------------------------------------------------------------------
 class Ingress:
     """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
     registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""

@@ -936,15 +936,6 @@ def header_items(headers) -> List[Tuple[bytes, bytes]]:
     return [(name, value) for _, name, value in full]
 
 
-def set_nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-
-
 # The tunnel's response path relays bytes: the engine's response head is parsed by hand (status
 # line, headers), then the body goes to the client verbatim (Content-Length or chunked framing
 # kept as the engine wrote it, only scanned for its end) instead of being re-framed chunk by
@@ -1173,7 +1164,6 @@ class EngineClient:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         except OSError as exc:
             raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
-        set_nodelay(writer)
         return reader, writer, h11.Connection(h11.CLIENT)
 
     async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
@@ -1555,7 +1545,6 @@ class Node:
         """Plain HTTP/1.1 requests with a Content-Length (or no body: what the ingress sends) are
         parsed by hand; anything else (HTTP/1.0, a chunked body, Expect, odd bytes) goes to
         h11 from the first byte of that request, which keeps the connection from then on."""
-        set_nodelay(writer)
         buf = bytearray()
         try:
             while True:

@@ -87,13 +87,7 @@ class FakeEngine:
             self.handlers.discard(task)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        try:
+        try:   # TCP_NODELAY: asyncio and uvloop set it on every TCP transport
             while True:
                 request = await read_request(reader)
                 if request is None:
