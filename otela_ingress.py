@@ -952,8 +952,6 @@ class UpstreamFailure(Exception):
 # line, headers, Content-Length / chunked / until-close bodies), and h11's general machinery
 # was half of the CPU time of a proxied request. Clients, which may send anything, get h11.
 UPSTREAM_MAX_HEAD = 64 * 1024
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})[^\r\n]*\r\n")
-_RESPONSE_FIELD = re.compile(rb"([^:\r\n]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")
 _CLOSE_DELIMITED, _CHUNKED = -1, -2
 
 
@@ -1090,23 +1088,31 @@ class Upstream:
         any 1xx ones; None when a 1xx head was consumed and the next one is not complete yet."""
         while True:
             buf = self.buf
-            head = bytes(buf[:end + 2])   # every line with its CRLF
+            head = bytes(buf[:end])
             del buf[:end + 4]
-            status_line = _STATUS_LINE.match(head)
-            if status_line is None:
+            # split rather than regexes: half the time (about 2 us for an engine's head)
+            lines = head.split(b"\r\n")
+            first = lines[0]
+            code = first[9:12]
+            if first[:7] != b"HTTP/1." or first[7:9] not in (b"0 ", b"1 ") or len(code) != 3 \
+                    or not code.isdigit() or first[12:13] not in (b"", b" "):
                 raise UpstreamFailure(f"{self.addr}: bad status line {head[:80]!r}")
-            pairs = _RESPONSE_FIELD.findall(head, status_line.end())
-            if len(pairs) != head.count(b"\n") - 1:
-                raise UpstreamFailure(f"{self.addr}: bad header line in {head[:200]!r}")
-            status = int(status_line.group(2))
-            headers = {name.lower(): value for name, value in pairs}
+            if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+                raise UpstreamFailure(f"{self.addr}: a bare CR or LF in {head[:200]!r}")
+            status = int(code)
+            headers = {}
+            for line in lines[1:]:
+                name, colon, value = line.partition(b":")
+                if not name or not colon:
+                    raise UpstreamFailure(f"{self.addr}: bad header line in {head[:200]!r}")
+                headers[name.lower()] = value.strip(b" \t")
             if 100 <= status < 200:   # 100 Continue and friends: the real answer follows
                 end = buf.find(b"\r\n\r\n")
                 if end < 0:
                     return None  # type: ignore[return-value]
                 continue
             connection = headers.get(b"connection", b"").lower()
-            self.keep_alive = status_line.group(1) == b"1" and b"close" not in connection
+            self.keep_alive = first[7:8] == b"1" and b"close" not in connection
             if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
                 self.remaining = _CHUNKED
             elif b"content-length" in headers:

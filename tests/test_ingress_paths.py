@@ -308,8 +308,12 @@ def test_the_upstream_head_reader_frames_bodies_and_refuses_garbage():
     up = _upstream(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nrest")
     up.parse_head(up.buf.find(b"\r\n\r\n"))
     assert (up.remaining, up.keep_alive, up.take()) == (otela_ingress._CLOSE_DELIMITED, False, b"rest")
+    up = _upstream(b"HTTP/1.1 204\r\n\r\n")   # no reason phrase, no fields
+    assert (up.parse_head(up.buf.find(b"\r\n\r\n")).status, up.remaining) == (204, 0)
     for bad in (b"HTTP/2 200 OK\r\n\r\n", b"HTTP/1.1 2x0 OK\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n",
-                b"HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n"):
+                b"HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n", b"HTTP/1.1 2000 OK\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nx: a\nb: c\r\n\r\n", b"HTTP/1.1 200 OK\r\nx: a\rb\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\n: empty name\r\n\r\n"):
         up = _upstream(bad)
         with pytest.raises(otela_ingress.UpstreamFailure):
             up.parse_head(up.buf.find(b"\r\n\r\n"))
