@@ -3,8 +3,9 @@
 Against tests/fake_engine.py on loopback, in one run, straight to the engine vs through the
 ingress, with and without uvloop in the ingress:
   - latency: p50/p99 of non-streamed chat completions at 16 requests/s on one keep-alive
-    connection; "added" = through the ingress minus straight to the engine; and "busy", the
-    same requests sent back to back (the hop's own work, with no CPU waking from idle);
+    connection; "added" = through the ingress minus straight to the engine; the same at 100
+    and 1000 requests/s; and "busy", the same requests sent back to back (the hop's own work,
+    with no CPU waking from idle);
   - throughput: requests/s at 64 keep-alive connections, the ingress pinned to CPU 0 (engine and
     client share CPU 1), and the ingress's CPU time per request (from /proc);
   - SSE: added time to the first chunk of a paced stream, chunks/s across 16 concurrent streams
@@ -54,6 +55,7 @@ PEERS = {"nginx": {"added_p50_ms": 0.23, "rps_64conn": 23600, "cpu_us_per_reques
          "production-stack router": {"added_p50_ms": 2.3, "rps_64conn": 600},
          "LiteLLM": {"added_p50_ms": 15, "rps_64conn": 74, "sse_chunks_per_s_16streams": 1400},
          "bare asyncio proxy": {"rps_64conn": 18000, "cpu_us_per_request": 51}}
+SWEEP_RATES = (100, 1000)   # requests/s, besides the issue's 16 and back to back
 _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.I)
 
 
@@ -629,6 +631,11 @@ def main() -> int:
             # 1b. the same back to back: the hop's own work, without a CPU waking from idle
             busy = latency_run(fast_port, "fast", key, n_latency * 5, rate=1e9)
             r["busy_latency_p50_ms"] = statistics.median(busy) * 1e3
+            # 1c. at 100 and 1000 requests/s: how the cost of a request grows with the idle time
+            # before it (caches and TLBs gone cold), which 16 req/s leaves at ~62 ms
+            for rate in SWEEP_RATES:
+                lat = latency_run(fast_port, "fast", key, n_latency * (5 if rate >= 1000 else 1), rate=rate)
+                r[f"latency_p50_ms_at_{rate}rps"] = statistics.median(lat) * 1e3
             # 2. throughput at 64 connections
             cpu0 = cpu_seconds(pid) if pid else 0.0
             done, elapsed = throughput_run(fast_port, "fast", key, 64, tput_seconds)
@@ -653,6 +660,9 @@ def main() -> int:
             r["added_p99_ms"] = r["latency_p99_ms"] - direct["latency_p99_ms"]
             r["added_ttfb_ms"] = r["ttfb_p50_ms"] - direct["ttfb_p50_ms"]
             r["busy_added_p50_ms"] = r["busy_latency_p50_ms"] - direct["busy_latency_p50_ms"]
+            for rate in SWEEP_RATES:
+                r[f"added_p50_ms_at_{rate}rps"] = (r[f"latency_p50_ms_at_{rate}rps"]
+                                                   - direct[f"latency_p50_ms_at_{rate}rps"])
             if "cpu_us_per_request" in r:
                 r["cpu_us_per_request_normalised"] = r["cpu_us_per_request"] / results["machine"][
                     "slowdown_vs_reference"]
@@ -669,7 +679,8 @@ def main() -> int:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    cols = ["latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "busy_added_p50_ms", "rps_64conn",
+    cols = ["latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms",
+            *(f"added_p50_ms_at_{rate}rps" for rate in SWEEP_RATES), "busy_added_p50_ms", "rps_64conn",
             "cpu_us_per_request", "cpu_us_per_request_normalised", "ingress_cpu_utilisation", "ttfb_p50_ms", "added_ttfb_ms",
             "sse_chunks_per_s_16streams", "cpu_us_per_chunk"]
     print(f"{'':28}" + "".join(f"{name:>18}" for name in results["configs"]))
