@@ -170,12 +170,19 @@ CREATE TABLE IF NOT EXISTS daily (
 
 def open_db(path: str) -> sqlite3.Connection:
     """One connection with the schema, WAL and a busy timeout (the CLI and serve share it)."""
-    db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
-    db.execute("PRAGMA journal_mode=WAL")
-    # NORMAL in WAL mode: a commit is durable against a crash of this process (kill -9),
-    # which is the promise; only a power loss may drop the last commits.
-    db.execute("PRAGMA synchronous=NORMAL")
-    db.executescript(_SCHEMA)
+    try:
+        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode: a commit is durable against a crash of this process (kill -9),
+            # which is the promise; only a power loss may drop the last commits.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+        except BaseException:
+            db.close()
+            raise
+    except sqlite3.Error as exc:   # say which file: "unable to open database file" alone is no help
+        raise sqlite3.Error(f"--db {path}: {exc}") from None
     return db
 
 
@@ -2809,7 +2816,7 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
     create.add_argument("--user", required=True, help="who the key belongs to (the ledger's user)")
-    create.add_argument("--allow", default="",
+    create.add_argument("--allow", default=None,
                         help="comma-separated providers this key may use: label k=v, label value, "
                              "or owner user@host (default: any)")
     create.add_argument("--admin", action="store_true", help="may read GET /v1/usage")
@@ -2826,19 +2833,25 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
 
 
 def _keys_command(args: argparse.Namespace) -> int:
+    if args.keys_command == "create":   # checked before the database is touched
+        user = args.user.strip()
+        if not user or not user.isprintable():
+            raise ValueError("--user must name someone (printable, not empty)")
+        allow = [a.strip() for a in (args.allow or "").split(",") if a.strip()]
+        if args.allow is not None and not allow:   # e.g. --allow "$EMPTY": never a key for any provider
+            raise ValueError("--allow names no provider; leave it out for a key that may use any")
+        if not (math.isfinite(args.rate) and args.rate >= 0):
+            raise ValueError("--rate must be a number >= 0")
     db = open_db(args.db)
     try:
         if args.keys_command == "create":
-            allow = [a.strip() for a in args.allow.split(",") if a.strip()]
-            if args.rate < 0:
-                raise ValueError("--rate must be >= 0")
-            key_id, token = create_key(db, args.user, allow, args.admin, args.rate)
+            key_id, token = create_key(db, user, allow, args.admin, args.rate)
             if args.json:
-                print(crdt.dumps({"id": key_id, "key": token, "user": args.user, "allow": allow,
+                print(crdt.dumps({"id": key_id, "key": token, "user": user, "allow": allow,
                                   "admin": args.admin}).decode())
             else:
                 print(token)
-                print(f"key id {key_id} for user {args.user}"
+                print(f"key id {key_id} for user {user}"
                       f"{' (admin)' if args.admin else ''}; allow: {', '.join(allow) or 'any provider'}."
                       " The key is shown only now.", file=sys.stderr)
         elif args.keys_command == "list":

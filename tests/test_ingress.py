@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -262,6 +263,19 @@ def test_keys_cli_usage_error_exits_2(tmp_path):
     done = subprocess.run([sys.executable, "otela_ingress.py", "keys", "create"], capture_output=True,
                           text=True, timeout=30)
     assert done.returncode == 2 and "--user" in done.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--user", " "], "--user"), (["--user", "a\tb"], "--user"),
+    (["--user", "ann", "--allow", ""], "--allow"), (["--user", "ann", "--allow", " , ,"], "--allow"),
+    (["--user", "ann", "--rate", "-1"], "--rate"), (["--user", "ann", "--rate", "nan"], "--rate"),
+    (["--user", "ann", "--rate", "inf"], "--rate")])
+def test_keys_cli_refuses_a_key_for_nobody_or_for_an_empty_allowlist(tmp_path, args, says):
+    db = str(tmp_path / "keys.sqlite")
+    done = keys_cli(db, "create", *args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("otela-ingress: " + says) and done.stderr.count("\n") == 1
+    assert not os.path.exists(db)   # nothing written
 
 
 # -- retries and passive health --------------------------------------------------------------------
@@ -683,3 +697,14 @@ def test_journal_rows_spread_over_many_mapped_files_are_all_recovered(tmp_path, 
     import sqlite3
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*), sum(completion_tokens) FROM requests").fetchone() == (9, 36)
+
+
+def test_keys_cli_names_a_db_it_cannot_use_and_leaves_it_alone(tmp_path):
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_bytes(b"my notes, not a database\n" * 200)
+    for args in (("list",), ("create", "--user", "ann"), ("revoke", "abc")):
+        done = keys_cli(str(not_a_db), *args)
+        assert done.returncode == 2 and done.stderr == f"otela-ingress: --db {not_a_db}: file is not a database\n"
+    assert not_a_db.read_bytes() == b"my notes, not a database\n" * 200
+    done = keys_cli(str(tmp_path / "no" / "such" / "dir.sqlite"), "list")
+    assert done.returncode == 2 and "unable to open database file" in done.stderr
