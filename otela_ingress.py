@@ -1797,7 +1797,12 @@ class Ingress:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
         self.ledger = Ledger(self.db_path, self._set_keys)
-        self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
+        try:
+            self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
+        except OSError as exc:
+            self.ledger.close()
+            self.ledger = None
+            raise OSError(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}") from None
         self._sweeper = asyncio.ensure_future(self._sweep())
         return self._server.sockets[0].getsockname()[1]
 

@@ -160,8 +160,8 @@ def config_from_env(config: Config, env=None) -> Config:
 
 def split_addr(addr: str) -> Tuple[str, int]:
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad address {addr!r}: expected HOST:PORT")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"bad address {addr!r}: expected HOST:PORT (port 0-65535)")
     return host.strip("[]"), int(port)
 
 
@@ -1359,21 +1359,31 @@ class Node:
         cfg = self.config
         host, wanted = split_addr(cfg.gossip)
         for attempt in range(20):                   # port 0: find one free for UDP *and* TCP
-            self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self),
-                                                               local_addr=(host, wanted))
+            try:
+                self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self),
+                                                                   local_addr=(host, wanted))
+            except OSError as exc:
+                raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
             port = self._udp.get_extra_info("sockname")[1]
             try:
                 self._tcp_server = await asyncio.start_server(self._on_tcp_gossip, host, port, reuse_address=True)
                 break
-            except OSError:
+            except OSError as exc:
                 self._udp.close()
                 self._udp = None
                 if wanted or attempt == 19:
-                    raise
+                    raise OSError(f"cannot bind the gossip address {host}:{port} (TCP): "
+                                  f"{exc.strerror or exc}") from None
         gossip_addr = cfg.advertise_gossip or advertise(f"{host}:{port}")
         if serve_http:
             lhost, lport = split_addr(cfg.listen)
-            self._http_server = await asyncio.start_server(self._on_http, lhost, lport, reuse_address=True)
+            try:
+                self._http_server = await asyncio.start_server(self._on_http, lhost, lport, reuse_address=True)
+            except OSError as exc:
+                self._tcp_server.close()
+                self._udp.close()
+                self._tcp_server = self._udp = None
+                raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
             lport = self._http_server.sockets[0].getsockname()[1]
             listen_addr = cfg.advertise_listen or advertise(f"{lhost}:{lport}")
         else:

@@ -708,3 +708,24 @@ def test_keys_cli_names_a_db_it_cannot_use_and_leaves_it_alone(tmp_path):
     assert not_a_db.read_bytes() == b"my notes, not a database\n" * 200
     done = keys_cli(str(tmp_path / "no" / "such" / "dir.sqlite"), "list")
     assert done.returncode == 2 and "unable to open database file" in done.stderr
+
+
+def test_serve_refuses_addresses_it_cannot_use_in_one_line(tmp_path):
+    assert subprocess.run([sys.executable, "otela_node.py", "keygen", "--out", str(tmp_path)],
+                          capture_output=True, timeout=60).returncode == 0
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = f"127.0.0.1:{held.getsockname()[1]}"
+    try:
+        for flags, says in ((["--listen", "127.0.0.1:99999"], "port 0-65535"),
+                            (["--gossip", "127.0.0.1:65536"], "port 0-65535"),
+                            (["--gossip", "no-such-host.invalid:0"], "cannot bind the gossip address"),
+                            (["--listen", taken], f"cannot serve the API on {taken}")):
+            done = subprocess.run([sys.executable, "otela_ingress.py", "serve", "--key-file",
+                                   str(tmp_path / "cluster.key"), "--db", str(tmp_path / "x.sqlite"),
+                                   "--gossip", "127.0.0.1:0", *flags], capture_output=True, text=True, timeout=60)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1 and says in lines[0], (flags, done.stderr)
+    finally:
+        held.close()
