@@ -61,7 +61,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import h11
 
@@ -109,6 +109,7 @@ NO_TRACK_HEADER = b"x-otela-no-track"  # "1" opts the request out of per-request
 SESSION_HEADER = b"x-otela-session"    # response header: which session served the request
 KEY_PREFIX = "sk-otela-"
 PROXIED_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"))
+MODEL_PREFIX = b"/v1/models/"
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 
 
@@ -2064,6 +2065,10 @@ class Ingress:
                 await self._read_body(client, fields)   # keep the connection usable
             client.busy = True
             handler = self._GET.get(path)
+            if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
+                # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
+                handler = functools.partial(Ingress._get_model, model=unquote(path[len(MODEL_PREFIX):].decode(
+                    "utf-8", "replace")))
             if handler is None:
                 if path in PROXIED_PATHS:
                     raise HTTPError(405, f"Use POST for {path.decode()}", "method_not_allowed")
@@ -2599,6 +2604,14 @@ class Ingress:
         data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
                 for m in self.models(key)]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
+
+    async def _get_model(self, fields, query, model: str):
+        key = self.authenticate(fields)
+        if model not in self.models(key):
+            raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
+                            "model_not_found", "model")
+        return 200, b"application/json", crdt.dumps({"id": model, "object": "model",
+                                                     "created": int(time.time()), "owned_by": "otela"})
 
     async def _get_usage(self, fields, query):
         self.authenticate(fields, admin=True)

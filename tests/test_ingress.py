@@ -222,6 +222,18 @@ def test_models_lists_the_union_of_serving_unsuspected_models_the_key_may_use(st
     assert [m["id"] for m in json.loads(body)["data"]] == ["m2"]
 
 
+def test_a_model_is_retrieved_by_its_id_slashes_included_within_the_key_allowlist(stack, client):
+    stack.engine("org/m1", labels={"site": "a"})
+    for target in ("/v1/models/org/m1", "/v1/models/org%2Fm1"):
+        status, _, body = client.request("GET", target)
+        assert status == 200 and json.loads(body)["id"] == "org/m1" and json.loads(body)["object"] == "model"
+    for target, key in (("/v1/models/m2", None), ("/v1/models/org/m1", stack.key("bob", allow=["site=b"]))):
+        status, _, body = client.request("GET", target, key=key)
+        assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert client.request("GET", "/v1/models/org/m1", key="sk-otela-wrong")[0] == 401
+    assert client.request("POST", "/v1/models/org/m1")[0] == 405
+
+
 def test_a_suspected_session_gets_no_requests(stack, client):
     healthy, _ = stack.engine("m1")
     suspected, engine = stack.engine("m1")

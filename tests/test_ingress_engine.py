@@ -45,7 +45,12 @@ def ledger(cluster):
 
 
 def test_openai_client_lists_the_model(cluster, openai_client):
+    import openai
     assert [m.id for m in openai_client.models.list()] == [cluster.model]
+    assert openai_client.models.retrieve(cluster.model).id == cluster.model
+    with pytest.raises(openai.NotFoundError) as caught:
+        openai_client.models.retrieve("no-such-model")
+    assert caught.value.code == "model_not_found"
 
 
 def test_openai_client_chat_without_streaming_is_answered_and_metered(cluster, openai_client):
