@@ -109,6 +109,14 @@ class Stack:
         self.engines[sid or str(port)] = engine
         return sid, engine
 
+    def inflight_settled(self, timeout: float = 5.0) -> int:
+        """The in-flight count once it stops falling: a request's bookkeeping ends just after its
+        client has the answer, so a test that reads the count at once can look too early."""
+        deadline = time.monotonic() + timeout
+        while self.call(lambda: self.ingress.metrics.inflight) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.call(lambda: self.ingress.metrics.inflight)
+
     def key(self, user: str = "alice", allow=(), admin: bool = False, rate: float = 0.0) -> str:
         db = otela_ingress.open_db(self.db_path)
         try:
