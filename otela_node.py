@@ -2009,26 +2009,47 @@ def detect_hardware() -> Dict[str, Any]:
 # =============================================================================================
 # CLI
 # =============================================================================================
-def _env(name: str, default=None):
+def env(name: str, default=None):
+    """OTELA_<NAME> from the environment: the one way every otela file reads its variables."""
     return os.environ.get("OTELA_" + name, default)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    """OTELA_<NAME> as a boolean: 1/true/yes/on or 0/false/no/off (any case); unset is `default`.
+    Anything else is a ConfigError: a variable that might mean the opposite must not be guessed."""
+    raw = os.environ.get("OTELA_" + name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ConfigError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
+
+
 
 
 def add_overlay_args(parser: argparse.ArgumentParser) -> None:
     """The flags every overlay member takes; each also reads an OTELA_* environment variable."""
     g = parser.add_argument_group("overlay")
-    g.add_argument("--key-file", default=_env("KEY_FILE"),
+    g.add_argument("--key-file", default=env("KEY_FILE"),
                    help="cluster secret written by keygen (env OTELA_KEY_FILE); never pass secrets in argv")
     g.add_argument("--bootstrap", action="append", default=None,
                    help="HOST:PORT[,…] of any members' --gossip, a file of them, or an http URL returning "
                         "them (env OTELA_BOOTSTRAP); none: start a new overlay")
-    g.add_argument("--gossip", default=_env("GOSSIP", DEFAULT_GOSSIP),
+    g.add_argument("--gossip", default=env("GOSSIP", DEFAULT_GOSSIP),
                    help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {DEFAULT_GOSSIP})")
-    g.add_argument("--listen", default=_env("LISTEN", DEFAULT_LISTEN),
+    g.add_argument("--listen", default=env("LISTEN", DEFAULT_LISTEN),
                    help=f"TCP address for the tunnel, /v1/registry and /healthz (env OTELA_LISTEN; "
                         f"default {DEFAULT_LISTEN})")
     g.add_argument("--label", action="append", default=None,
                    help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
-    g.add_argument("--advertise", default=_env("ADVERTISE"),
+    g.add_argument("--advertise", default=env("ADVERTISE"),
                    help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE)")
     g.add_argument("--probe-interval", type=float, default=None,
                    help="failure-detector probe period in seconds (env OTELA_PROBE_INTERVAL; default 0.7); "
@@ -2039,9 +2060,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
     config = config_from_env(Config())
     config.key = load_key(args.key_file)
-    bootstrap = args.bootstrap if args.bootstrap is not None else [_env("BOOTSTRAP", "")]
+    bootstrap = args.bootstrap if args.bootstrap is not None else [env("BOOTSTRAP", "")]
     config.bootstrap = [b for b in bootstrap if b]
-    labels = args.label if args.label is not None else _env("LABEL", "").split(",")
+    labels = args.label if args.label is not None else env("LABEL", "").split(",")
     for item in labels:
         if not item:
             continue
@@ -2178,18 +2199,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--force", action="store_true", help="replace an existing key")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)
-    s.add_argument("--process", default=_env("PROCESS"), required=_env("PROCESS") is None,
+    s.add_argument("--process", default=env("PROCESS"), required=env("PROCESS") is None,
                    help='engine command line, e.g. "vllm serve M --port 8000" ({port}: a free port) '
                         "(env OTELA_PROCESS)")
-    s.add_argument("--engine-url", default=_env("ENGINE_URL"),
+    s.add_argument("--engine-url", default=env("ENGINE_URL"),
                    help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
-    s.add_argument("--restart", action="store_true", default=bool(_env("RESTART")),
+    s.add_argument("--restart", action="store_true", default=None,
                    help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
     s.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds to finish in-flight requests after SIGTERM (env OTELA_DRAIN_TIMEOUT; default 30)")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
-    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    s.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
     return p
 
 
@@ -2203,6 +2224,8 @@ def main(argv=None) -> int:
                 print(path)
             return 0
         config = config_from_args(args)
+        if args.restart is None:
+            args.restart = env_bool("RESTART")
         if args.drain_timeout is not None:
             config.drain_timeout = args.drain_timeout
         if args.engine_ready_timeout is not None:
