@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt r
 ENGINE := .cache/engine/venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test bench lint venv engine sysdeps clean
+.PHONY: run test bench reliability lint venv engine sysdeps netdeps clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt requirements-optional.txt
@@ -20,13 +20,21 @@ engine: $(ENGINE)
 $(ENGINE):
 	tests/lab/engine_install.sh .cache/engine
 
-# System packages the root-only tests use (headless Chromium for the dashboard). Skipped
+# System packages the root-only tests use: headless Chromium (dashboard), and netdeps. Skipped
 # without root: those tests then skip with a reason.
-sysdeps:
+sysdeps: netdeps
 	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
 	  echo "installing chromium (dashboard test)"; \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	fi
+
+# iproute2 and iptables: the network-namespace tests (partitions in tests/netns.py, NAT labs).
+netdeps:
+	@if [ "$$(id -u)" = 0 ] && ! { command -v ip >/dev/null && command -v iptables >/dev/null; }; then \
+	  echo "installing iproute2 and iptables (network-namespace tests)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 iptables >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 iptables >/dev/null; }; \
 	fi
 
 lint: venv
@@ -41,6 +49,13 @@ bench: venv
 	@mkdir -p bench-results
 	@for f in tests/bench_*.py; do echo "== $$f"; $(VPY) $$f --out bench-results $(BENCH_ARGS) || exit 1; done
 	@echo "figures written to bench-results/*.json"
+
+# Fault scenarios (partition in network namespaces as root, ingress restarts, churn) against
+# real processes on the fake engine: one table, and bench-results/reliability.json. A few
+# minutes; RELIABILITY_ARGS=--quick for a shorter run.
+reliability: venv netdeps
+	@mkdir -p bench-results
+	$(VPY) tests/reliability.py --out bench-results $(RELIABILITY_ARGS)
 
 run: venv engine
 	tests/lab/local_cluster.sh

@@ -1,0 +1,674 @@
+"""tests/reliability.py: `make reliability`, how the overlay and the ingress live through faults.
+
+Each scenario starts real processes (`otela_ingress.py serve`, `otela_node.py start` wrapping
+tests/fake_engine.py), sends a bounded load through the ingress, does one kind of harm, and
+measures what the clients saw and how long the overlay took to heal. The rows make ONE table,
+printed, and written as JSON to bench-results/reliability.json.
+
+    scenario       what was run
+    load           what the clients sent meanwhile (a bounded rate, or a number of streams)
+    faults         what was done, with the timings used (OTELA_* variables)
+    client errors  requests answered with anything but 200 within the window the row names
+    stale routes   requests the ingress sent to a session that could not answer them then:
+                   retried elsewhere (the ledger's attempts beyond each request's first), or
+                   held until the fault ended (answered later than SLOW_S)
+    time to heal   seconds from the end of the harm until the overlay serves as before
+    data lost      requests answered 200 whose usage row is missing from the ledger
+
+Adding a scenario: a function `(args) -> dict` with the COLUMNS keys (values as the table
+shows them; numbers under "detail" for the JSON), appended to SCENARIOS. tests/reliability_sim.py,
+when it exists, adds the simulator's rows through `rows(quick: bool) -> list[dict]`.
+
+What this file must never do: send traffic anywhere but loopback and the network namespaces
+it makes itself (tests/netns.py); leave a process, namespace or temporary file behind, even
+when a scenario fails or is interrupted; assert on time (it measures and reports).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import netns
+from netns import LOOPBACK, Place
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+MODEL = "fm"
+COLUMNS = ("scenario", "load", "faults", "client_errors", "stale_routes", "time_to_heal", "data_lost")
+HEADINGS = ("scenario", "load", "faults", "client errors", "stale routes", "time to heal", "data lost")
+
+# Shorter failure-detector timings for --quick (the defaults are for real clusters): a member
+# is suspected ~0.5 s after it goes silent and evicted 0.9-5.4 s later (grace = 3 x 0.3 s,
+# times up to 6 for a lone suspector).
+QUICK_TIMINGS = {"OTELA_PROBE_INTERVAL": "0.3", "OTELA_PROBE_TIMEOUT": "0.1", "OTELA_INDIRECT_TIMEOUT": "0.1",
+                 "OTELA_SUSPICION_MULT": "3", "OTELA_PUSH_PULL_INTERVAL": "1"}
+
+
+# =============================================================================================
+# Waiting: poll a state with a deadline, never a bare sleep
+# =============================================================================================
+def until(predicate: Callable[[], Any], timeout: float, every: float = 0.2) -> Optional[float]:
+    """Poll `predicate` until it is true: the monotonic time it was, or None after `timeout`.
+    A predicate that raises OSError or ValueError (nothing listening yet, a half answer) is false."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return time.monotonic()
+        except (OSError, ValueError, KeyError, http.client.HTTPException):
+            pass
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(every)
+
+
+def wait(predicate: Callable[[], Any], timeout: float, what: str) -> float:
+    """`until`, or TimeoutError naming `what`."""
+    reached = until(predicate, timeout)
+    if reached is None:
+        raise TimeoutError(f"{what}: not within {timeout:g} s")
+    return reached
+
+
+def get_json(url: str, timeout: float = 3.0) -> Tuple[int, Any]:
+    """(status, parsed body) of a GET; an error status is an answer too, not an exception."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        try:
+            return exc.code, json.loads(body)
+        except ValueError:
+            return exc.code, None
+
+
+# =============================================================================================
+# Fleet: the processes of one scenario, each in its Place, all stopped at the end
+# =============================================================================================
+class Member:
+    """One `otela_ingress.py serve` or `otela_node.py start` process and its addresses."""
+
+    def __init__(self, name: str, role: str, place: Place, argv: List[str], listen: str, gossip: str):
+        self.name, self.role, self.place, self.argv = name, role, place, argv
+        self.listen, self.gossip = listen, gossip
+        self.url = f"http://{listen}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.old: List[subprocess.Popen] = []   # earlier processes of this member (restarts)
+        self.engines: List[int] = []            # engine pids seen, killed at the end too
+
+
+class Fleet:
+    """A cluster key, a key database with one admin key, and the members started from them.
+    `close()` (or leaving the `with`) stops every process it started, engines included."""
+
+    def __init__(self, tmp: str, timings: Optional[Dict[str, str]] = None):
+        self.tmp = tmp
+        self.timings = dict(timings or {})
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTELA_")}
+        self.env.update(self.timings, PYTHONUNBUFFERED="1")
+        self.members: List[Member] = []
+        self.starts: Dict[str, int] = {}
+        keys = os.path.join(tmp, "keys")
+        subprocess.run([PY, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", keys], env=self.env,
+                       check=True, capture_output=True, timeout=60)
+        self.key_file = os.path.join(keys, "cluster.key")
+        self.db = os.path.join(tmp, "otela.sqlite")
+        made = subprocess.run([PY, os.path.join(ROOT, "otela_ingress.py"), "keys", "create", "--user", "tester",
+                               "--admin", "--db", self.db], env=self.env, check=True, capture_output=True,
+                              text=True, timeout=60)
+        self.token = made.stdout.strip()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- starting ----------------------------------------------------------------------------
+    def ingress(self, place: Place = LOOPBACK, policy: str = "least_loaded", name: str = "ingress") -> Member:
+        """`otela_ingress.py serve` without --bootstrap (the README's set-up); waits for /healthz."""
+        listen = f"{place.host}:{place.port(8080)}"
+        gossip = f"{place.host}:{place.port(7946)}"
+        argv = [PY, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", self.key_file,
+                "--listen", listen, "--gossip", gossip, "--db", self.db, "--policy", policy]
+        member = Member(name, "ingress", place, argv, listen, gossip)
+        self.members.append(member)
+        self.start(member)
+        wait(lambda: self.get(member, "/healthz")[0] == 200, 60, f"{name} /healthz")
+        return member
+
+    def node(self, name: str, place: Place = LOOPBACK, bootstrap: Tuple[str, ...] = (),
+             engine_flags: str = "", flags: Tuple[str, ...] = ()) -> Member:
+        """`otela_node.py start` wrapping the fake engine serving MODEL; does not wait."""
+        listen = f"{place.host}:{place.port(7700)}"
+        gossip = f"{place.host}:{place.port(7946)}"
+        engine = f"{PY} {os.path.join(ROOT, 'tests', 'fake_engine.py')} --model {MODEL} --port {{port}} {engine_flags}"
+        argv = [PY, os.path.join(ROOT, "otela_node.py"), "start", "--key-file", self.key_file,
+                "--listen", listen, "--gossip", gossip, "--process", engine.strip()]
+        for addr in bootstrap:
+            argv += ["--bootstrap", addr]
+        member = Member(name, "worker", place, argv + list(flags), listen, gossip)
+        self.members.append(member)
+        self.start(member)
+        return member
+
+    def start(self, member: Member) -> None:
+        """Start (or start again, with the same flags) the member's process; its log is
+        TMP/NAME.N.log."""
+        if member.proc is not None:
+            member.old.append(member.proc)
+        self.starts[member.name] = n = self.starts.get(member.name, 0) + 1
+        with open(os.path.join(self.tmp, f"{member.name}.{n}.log"), "wb") as log:
+            member.proc = subprocess.Popen(member.place.argv(member.argv), stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=self.env, cwd=ROOT)
+
+    # -- stopping ----------------------------------------------------------------------------
+    def stop(self, member: Member, sig: int = signal.SIGTERM, grace: float = 20.0) -> Optional[int]:
+        """Send `sig` and wait for the exit (SIGKILL after `grace`); the exit code."""
+        proc = member.proc
+        if proc is None:
+            return None
+        self.engine_pid(member)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            return proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+
+    def engine_pid(self, member: Member) -> Optional[int]:
+        """The engine the node runs now (its child), remembered so that close() can kill it."""
+        pid = member.proc.pid if member.proc else None
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as fh:
+                children = [int(c) for c in fh.read().split()]
+        except (OSError, TypeError, ValueError):
+            return None
+        member.engines += [c for c in children if c not in member.engines]
+        return children[0] if children else None
+
+    def close(self) -> None:
+        for member in reversed(self.members):
+            if member.proc is not None and member.proc.poll() is None:
+                self.engine_pid(member)
+                member.proc.terminate()
+        for member in reversed(self.members):
+            for proc in member.old + ([member.proc] if member.proc else []):
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+            for pid in member.engines:       # dies with its node (PR_SET_PDEATHSIG); in case not
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    # -- looking -----------------------------------------------------------------------------
+    def get(self, member: Member, path: str) -> Tuple[int, Any]:
+        """GET a member's HTTP path (its --listen), from inside its place."""
+        return member.place.call(get_json, member.url + path)
+
+    def registry(self, member: Member) -> Dict[str, Any]:
+        status, view = self.get(member, "/v1/registry")
+        if status != 200 or not isinstance(view, dict):
+            raise ValueError(f"{member.name} /v1/registry answered {status}")
+        return view
+
+    def serving(self, ingress: Member) -> set:
+        """Worker sessions the ingress can route to: SERVING and not suspected."""
+        return {s["session"] for s in self.registry(ingress)["sessions"]
+                if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected")}
+
+
+def live(view: Dict[str, Any]) -> set:
+    """The sessions a registry view holds live: SERVING and not suspected."""
+    return {s["session"] for s in view["sessions"] if s["state"] == "SERVING" and not s.get("suspected")}
+
+
+def agreed(fleet: Fleet, members: List[Member]) -> bool:
+    """Every member's registry shows the same live sessions: exactly one per member, its own."""
+    views = [fleet.registry(m) for m in members]
+    selves = {v["self"] for v in views}
+    return len(selves) == len(members) and all(live(v) == selves for v in views)
+
+
+# =============================================================================================
+# Load: chat completions through the ingress at a bounded rate, every outcome kept
+# =============================================================================================
+OK, REFUSED = "ok", "refused"
+STREAM_GAP_S = 0.25                 # a stream thread's pause between streams: no spin on fast errors
+SLOW_S = 5.0                        # an answer later than this is counted as slow in the details
+CUT_WITH_ERROR, CUT_SILENT = "cut, error event", "cut, no error event"
+
+
+def chat(conn: http.client.HTTPConnection, token: str, stream: bool) -> Tuple[str, str]:
+    """One chat completion on `conn`: (outcome, serving session). Outcomes: OK; "http N" (no
+    answer begun: for a stream, an error before it started); CUT_WITH_ERROR (a stream ended by
+    an error event, then [DONE]); CUT_SILENT (a 200 that ended any other way)."""
+    body = json.dumps({"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": "one two"}]})
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"content-type": "application/json", "authorization": f"Bearer {token}"})
+    resp = conn.getresponse()
+    session = resp.getheader("x-otela-session", "")
+    try:
+        data = resp.read()
+    except (http.client.HTTPException, OSError):
+        if resp.status == 200:
+            return CUT_SILENT, session
+        raise
+    if resp.status != 200:
+        return f"http {resp.status}", session
+    if not stream:
+        return (OK if json.loads(data).get("choices") else CUT_SILENT), session
+    events = [line[6:] for line in data.decode("utf-8", "replace").split("\n") if line.startswith("data: ")]
+    if len(events) >= 2 and events[-1] == "[DONE]":
+        try:
+            last = json.loads(events[-2])
+        except ValueError:
+            return CUT_SILENT, session
+        if "error" in last:
+            return CUT_WITH_ERROR, session
+        if any(c.get("finish_reason") for c in last.get("choices", [])) or "usage" in last:
+            return OK, session
+    return CUT_SILENT, session
+
+
+class Load:
+    """Plain requests at `rate` per second from `senders` threads (each at rate/senders, so one
+    request hanging on a cut link does not stop the others), and `streams` streams in flight
+    (one thread each, the next soon after the last), all from inside `place`. Each outcome is a
+    record (sent, done, kind, outcome, session); a thread's connection is replaced after a failure."""
+
+    def __init__(self, place: Place, url: str, token: str, rate: float = 5.0, streams: int = 0,
+                 senders: int = 5):
+        self.place, self.token = place, token
+        self.host, self.port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+        self.records: List[tuple] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        senders = senders if rate else 0
+        self._threads = [threading.Thread(target=self._run, args=(False, senders / rate, i / rate), daemon=True)
+                         for i in range(senders)]
+        self._threads += [threading.Thread(target=self._run, args=(True, STREAM_GAP_S, i * STREAM_GAP_S),
+                                           daemon=True) for i in range(streams)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(40)
+
+    def _run(self, stream: bool, gap: float, offset: float) -> None:
+        self.place.enter()
+        conn = None
+        next_at = time.monotonic() + offset - gap
+        while not self._stop.is_set():
+            next_at = max(next_at + gap, time.monotonic())    # bounded: never a burst to catch up
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+            if self._stop.is_set():
+                break
+            if conn is None:
+                conn = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
+            sent = time.monotonic()
+            try:
+                outcome, session = chat(conn, self.token, stream)
+            except ConnectionRefusedError:
+                outcome, session = REFUSED, ""
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                outcome, session = f"error: {type(exc).__name__}", ""
+            if outcome != OK:
+                conn.close()
+                conn = None
+            self.add(sent, "stream" if stream else "plain", outcome, session)
+        if conn is not None:
+            conn.close()
+
+    def add(self, sent: float, kind: str, outcome: str, session: str) -> None:
+        with self._lock:
+            self.records.append((sent, time.monotonic(), kind, outcome, session))
+
+    def probe(self, n: int) -> set:
+        """`n` plain requests one after the other, now: the sessions that answered them."""
+        def run():
+            conn = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
+            try:
+                for _ in range(n):
+                    sent = time.monotonic()
+                    outcome, session = chat(conn, self.token, False)
+                    self.add(sent, "probe", outcome, session)
+                    served.add(session if outcome == OK else "")
+            finally:
+                conn.close()
+        served: set = set()
+        self.place.call(run)
+        return served - {""}
+
+    def select(self, kind: Optional[str] = None, since: float = 0.0, until: float = float("inf")) -> List[tuple]:
+        with self._lock:
+            return [r for r in self.records if (kind is None or r[2] == kind) and since <= r[0] < until]
+
+    def answered_ok(self) -> int:
+        return sum(1 for r in self.select() if r[3] == OK)
+
+    def slow(self) -> int:
+        """Requests answered, but later than SLOW_S: held on a session that could not answer."""
+        return sum(1 for r in self.select() if r[2] != "stream" and r[1] - r[0] > SLOW_S)
+
+    def outcomes(self) -> Dict[str, int]:
+        """How many records of each kind ended each way, e.g. {"plain ok": 590, "stream http 503": 1},
+        and how many plain answers took longer than SLOW_S ("plain slow")."""
+        counts: Dict[str, int] = {}
+        for r in self.select():
+            counts[f"{r[2]} {r[3]}"] = counts.get(f"{r[2]} {r[3]}", 0) + 1
+            if r[2] != "stream" and r[1] - r[0] > SLOW_S:
+                counts[f"{r[2]} slow"] = counts.get(f"{r[2]} slow", 0) + 1
+        return counts
+
+
+def errors(records: List[tuple], refused_too: bool = False) -> int:
+    """Records that did not end OK (a refused connection only when `refused_too`)."""
+    return sum(1 for r in records if r[3] != OK and (refused_too or r[3] != REFUSED))
+
+
+def read_ledger(db: str) -> Tuple[int, int]:
+    """(rows with status 200, attempts beyond each request's first) from a stopped ingress's ledger."""
+    conn = sqlite3.connect(db, timeout=10)
+    try:
+        ok, extra = conn.execute("SELECT COALESCE(SUM(status = 200), 0), "
+                                 "COALESCE(SUM(MAX(COALESCE(attempts, 1), 1) - 1), 0) FROM requests").fetchone()
+    finally:
+        conn.close()
+    return int(ok), int(extra)
+
+
+# =============================================================================================
+# Scenarios: each (args) -> one row
+# =============================================================================================
+@contextlib.contextmanager
+def workdir(args: argparse.Namespace, name: str):
+    """A temporary directory for one scenario's keys, ledger and logs (kept under --keep)."""
+    if getattr(args, "keep", None):
+        path = os.path.join(args.keep, name.split()[0] + "-" + str(int(time.time())))
+        os.makedirs(path, exist_ok=True)
+        yield path
+    else:
+        with tempfile.TemporaryDirectory(prefix="otela-reliability-") as path:
+            yield path
+
+
+def timings_text(timings: Dict[str, str]) -> str:
+    if not timings:
+        return "default timings"
+    return ", ".join(f"{k[len('OTELA_'):].lower()} {v}" for k, v in sorted(timings.items()))
+
+
+def row(scenario: str, load: str, faults: str, client_errors: Any = "-", stale_routes: Any = "-",
+        time_to_heal: Any = "-", data_lost: Any = "-", **detail) -> Dict[str, Any]:
+    out = dict(zip(COLUMNS, (scenario, load, faults, client_errors, stale_routes, time_to_heal, data_lost)))
+    out["detail"] = detail
+    return out
+
+
+def partition(args: argparse.Namespace, nodes: int = 5) -> Dict[str, Any]:
+    """One ingress and `nodes` nodes, each in a network namespace of its own on one bridge; the
+    ingress with two nodes split from the other three for longer than the suspicion grace, then
+    healed. Heals when every member's GET /v1/registry shows the same live sessions (one per
+    member) and the ingress routes requests to every node."""
+    quick = args.quick
+    timings = dict(QUICK_TIMINGS) if quick else {}
+    split_s = 12.0 if quick else 30.0
+    heal_s = 45.0 if quick else 90.0
+    near = (nodes + 1) // 2                       # the ingress's side, the ingress included
+    name = f"partition {near}|{nodes + 1 - near}, heal"
+    load_text = "5 chat/s (round robin)"
+    faults = f"bridge split {split_s:g} s ({timings_text(timings)})"
+    reason = netns.unavailable()
+    if reason:
+        return row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason)
+    with workdir(args, name) as tmp, netns.Lab(nodes + 1) as lab, Fleet(tmp, timings) as fleet:
+        ingress = fleet.ingress(lab.places[0], policy="round_robin")
+        workers = [fleet.node(f"n{i}", lab.places[i], bootstrap=(ingress.gossip,)) for i in range(1, nodes + 1)]
+        members = [ingress] + workers
+        wait(lambda: agreed(fleet, members), 90, "every member SERVING in every registry")
+        with Load(lab.places[0], ingress.url, fleet.token, rate=5) as load:
+            time.sleep(1.0)
+            far = list(range(near, nodes + 1))
+            lab.partition(far)
+            cut_at = time.monotonic()
+            time.sleep(split_s)
+            far_sessions = {fleet.registry(m)["self"] for m in members[near:]}
+            still_live_at_ingress = len(far_sessions & live(fleet.registry(ingress)))
+            lab.heal()
+            healed_at = time.monotonic()
+            workers_routed: set = set()
+
+            def healed() -> bool:
+                if not agreed(fleet, members):
+                    return False
+                workers_routed.update(load.probe(2 * nodes))
+                return {fleet.registry(w)["self"] for w in workers} <= workers_routed
+            done = until(healed, heal_s, every=0.5)
+            end = done or time.monotonic()
+            time.sleep(1.0)
+        during_split = load.select("plain", cut_at, healed_at)
+        during_heal = load.select("plain", healed_at, end)
+        fleet.stop(ingress)                       # SIGTERM: the ledger reaches SQLite
+        ledger_ok, stale = read_ledger(fleet.db)
+    lost = max(0, load.answered_ok() - ledger_ok)
+    return row(name, load_text, faults, errors(during_heal, True), stale + load.slow(),
+               round(done - healed_at, 1) if done else f"not healed in {heal_s:g} s", lost,
+               healed=done is not None, heal_s=round(done - healed_at, 2) if done else None,
+               errors_during_split=errors(during_split, True), requests_during_split=len(during_split),
+               requests_during_heal=len(during_heal), far_live_at_ingress_before_heal=still_live_at_ingress,
+               split_s=split_s, timings=timings, nodes=nodes, ledger_ok=ledger_ok, outcomes=load.outcomes())
+
+
+def ingress_restart(args: argparse.Namespace, sig: int, nodes: int = 3, down_s: float = 9.0,
+                    serve_s: Optional[float] = None) -> Dict[str, Any]:
+    """The README's set-up: the ingress without --bootstrap, `nodes` nodes bootstrapping to its
+    gossip address. Stop the ingress with `sig`, leave it down `down_s` seconds (after a kill -9,
+    at least until every node noticed), start it again with the same flags. Heals at the first
+    chat completion answered 200 after its start (the target: within 10 s, no flag added)."""
+    kind = "SIGTERM" if sig == signal.SIGTERM else "kill -9"
+    name = f"ingress restart, {kind}"
+    serve_s = serve_s or (20.0 if args.quick else 30.0)
+    load_text = f"5 chat/s, {nodes} nodes"
+    faults = f"ingress {kind}, down {down_s:g} s, same flags (default timings)"
+    with workdir(args, name) as tmp, Fleet(tmp) as fleet:
+        ingress = fleet.ingress()
+        for i in range(nodes):
+            fleet.node(f"n{i}", bootstrap=(ingress.gossip,))
+        wait(lambda: len(fleet.serving(ingress)) == nodes, 90, f"{nodes} nodes serving at the ingress")
+        workers = [m for m in fleet.members if m.role == "worker"]
+        with Load(LOOPBACK, ingress.url, fleet.token, rate=5) as load:
+            time.sleep(1.0)
+            gone = fleet.registry(ingress)["self"]
+            fleet.stop(ingress, sig)
+            stopped_at = time.monotonic()
+            noticed = until(lambda: all(noticed_gone(fleet.registry(w), gone) for w in workers), down_s + 30)
+            time.sleep(max(0.0, stopped_at + down_s - time.monotonic()))
+            fleet.start(ingress)
+            started_at = time.monotonic()
+            served = until(lambda: any(r[3] == OK for r in load.select("plain", started_at)), serve_s, every=0.1)
+            end = served or time.monotonic()
+            time.sleep(2.0)
+        while_up = load.select("plain", started_at)
+        fleet.stop(ingress)
+        ledger_ok, stale = read_ledger(fleet.db)
+    lost = max(0, load.answered_ok() - ledger_ok)
+    return row(name, load_text, faults, errors(while_up), stale + load.slow(),
+               round(served - started_at, 1) if served else f"no 200 in {serve_s:g} s", lost,
+               served=served is not None, serving_after_s=round(served - started_at, 2) if served else None,
+               nodes_noticed_after_s=round(noticed - stopped_at, 2) if noticed else None,
+               errors_until_serving=errors(load.select("plain", started_at, end)), requests_while_up=len(while_up),
+               down_s=round(started_at - stopped_at, 2), ledger_ok=ledger_ok, outcomes=load.outcomes())
+
+
+def noticed_gone(view: Dict[str, Any], session: str) -> bool:
+    """A node's view has `session` suspected, or no longer live (DOWN, LEFT, or forgotten)."""
+    record = next((s for s in view["sessions"] if s["session"] == session), None)
+    return record is None or record["state"] != "SERVING" or bool(record.get("suspected"))
+
+
+def restart_sigterm(args: argparse.Namespace) -> Dict[str, Any]:
+    return ingress_restart(args, signal.SIGTERM)
+
+
+def restart_kill9(args: argparse.Namespace) -> Dict[str, Any]:
+    return ingress_restart(args, signal.SIGKILL)
+
+
+def churn(args: argparse.Namespace, nodes: int = 8) -> Dict[str, Any]:
+    """`nodes` nodes behind one ingress; every `interval` seconds a random node, or its engine,
+    is killed with SIGKILL and a new node started in its place, under plain and streaming load.
+    Heals (per kill) when the ingress routes to `nodes` live sessions again, the dead one not
+    among them."""
+    duration = args.churn_seconds or (60.0 if args.quick else 120.0)
+    interval = args.churn_interval or (15.0 if args.quick else 20.0)
+    rng = random.Random(args.seed)
+    streams = 4
+    name = f"churn, {nodes} nodes"
+    load_text = f"5 chat/s + {streams} streams (2 s each) in flight"
+    with workdir(args, name) as tmp, Fleet(tmp) as fleet:
+        ingress = fleet.ingress()
+        flags = "--chunks 20 --chunk-delay 0.1"
+        running = [fleet.node(f"n{i}", bootstrap=(ingress.gossip,), engine_flags=flags) for i in range(nodes)]
+        wait(lambda: len(fleet.serving(ingress)) == nodes, 120, f"{nodes} nodes serving at the ingress")
+        kills = {"node": 0, "engine": 0}
+        heals: List[Optional[float]] = []
+        with Load(LOOPBACK, ingress.url, fleet.token, rate=5, streams=streams) as load:
+            began = time.monotonic()
+            for k in range(1, int((duration - interval / 2) // interval) + 1):
+                time.sleep(max(0.0, began + k * interval - time.monotonic()))
+                victim = running.pop(rng.randrange(len(running)))
+                session = fleet.registry(victim)["self"]
+                what = rng.choice(("node", "engine"))
+                target = victim.proc.pid if what == "node" else fleet.engine_pid(victim)
+                if target is None:
+                    what, target = "node", victim.proc.pid
+                os.kill(target, signal.SIGKILL)
+                killed_at = time.monotonic()
+                kills[what] += 1
+                running.append(fleet.node(f"n{nodes + k - 1}", bootstrap=(ingress.gossip,), engine_flags=flags))
+                healed = until(lambda s=session: heal_of_churn(fleet.serving(ingress), s, nodes),
+                               max(1.0, began + (k + 1) * interval - time.monotonic() - 1.0), every=0.25)
+                heals.append(round(healed - killed_at, 2) if healed else None)
+            time.sleep(max(0.0, began + duration - time.monotonic()))
+        fleet.stop(ingress)
+        ledger_ok, stale = read_ledger(fleet.db)
+    plain, streamed = load.select("plain"), load.select("stream")
+    unstarted = sum(1 for r in streamed if r[3].startswith(("http", "error", REFUSED)))
+    cut = [r for r in streamed if r[3] in (CUT_WITH_ERROR, CUT_SILENT)]
+    cut_ok = sum(1 for r in cut if r[3] == CUT_WITH_ERROR)
+    healed = [h for h in heals if h is not None]
+    heal_text = (f"max {max(healed):.1f} s, mean {sum(healed) / len(healed):.1f} s" if healed else "never")
+    if len(healed) < len(heals):
+        heal_text += f"; {len(heals) - len(healed)} of {len(heals)} not healed"
+    errors_text = (f"{errors(plain, True)}/{len(plain)} plain, {unstarted}/{len(streamed)} unstarted streams; "
+                   f"{len(cut)} cut, {cut_ok} by error event")
+    faults = (f"kill -9 every {interval:g} s for {duration:g} s: {kills['node']} nodes, {kills['engine']} "
+              "engines; each replaced (default timings)")
+    return row(name, load_text, faults, errors_text, stale + load.slow(), heal_text,
+               max(0, load.answered_ok() - ledger_ok),
+               plain_errors=errors(plain, True), plain_requests=len(plain), streams=len(streamed),
+               streams_failed_before_start=unstarted, streams_cut=len(cut), streams_cut_with_error_event=cut_ok,
+               heal_s=heals, kills=kills, ledger_ok=ledger_ok, outcomes=load.outcomes())
+
+
+def heal_of_churn(serving: set, dead: str, nodes: int) -> bool:
+    return dead not in serving and len(serving) == nodes
+
+
+def simulator(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The rows of tests/reliability_sim.py (the overlay simulated at scale), when it exists."""
+    try:
+        import reliability_sim
+    except ModuleNotFoundError as exc:
+        if exc.name == "reliability_sim":
+            return []
+        raise
+    rows = []
+    for found in reliability_sim.rows(args.quick):
+        named = {k.replace(" ", "_").lower(): v for k, v in found.items()}
+        rows.append(dict({c: named.pop(c, "-") for c in COLUMNS}, **named))
+    return rows
+
+
+SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, simulator]
+
+
+# =============================================================================================
+# The table and the command line
+# =============================================================================================
+def table(rows: List[Dict[str, Any]]) -> str:
+    cells = [HEADINGS] + [tuple(str(r.get(c, "-")) for c in COLUMNS) for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Fault scenarios against real otela processes: one table "
+                                            "(and OUT/reliability.json).")
+    p.add_argument("--quick", action="store_true", help="shorter scenarios and timings (for tests)")
+    p.add_argument("--only", action="append", default=None,
+                   help="run only scenarios whose function name contains this (repeatable): "
+                        + ", ".join(f.__name__ for f in SCENARIOS))
+    p.add_argument("--out", default="bench-results", help="directory for reliability.json")
+    p.add_argument("--churn-seconds", type=float, default=None, help="churn duration (default 120, quick 60)")
+    p.add_argument("--churn-interval", type=float, default=None, help="seconds between kills (default 20, quick 15)")
+    p.add_argument("--seed", type=int, default=11, help="which nodes churn kills")
+    p.add_argument("--keep", default=None, help="keep each scenario's logs and ledger under this directory")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM (make, a CI timeout) unwinds like Ctrl-C, so every `with` cleans up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows, failed = [], 0
+    for scenario in SCENARIOS:
+        if args.only and not any(o in scenario.__name__ for o in args.only):
+            continue
+        print(f"== {scenario.__name__}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        try:
+            found = scenario(args)
+        except Exception as exc:                  # a broken scenario is a row, and a failed run
+            failed += 1
+            found = row(scenario.__name__, "-", "-", time_to_heal=f"failed: {type(exc).__name__}: {exc}")
+        found = found if isinstance(found, list) else [found]
+        rows += found
+        print(f"   {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    print(table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "reliability.json")
+    with open(path, "w") as fh:
+        json.dump({"quick": args.quick, "columns": list(COLUMNS), "rows": rows}, fh, indent=1)
+    print(f"rows written to {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
