@@ -71,6 +71,8 @@ def install_event_loop() -> bool:
 DEFAULT_LISTEN = "127.0.0.1:7700"   # TCP: tunnel + GET /v1/registry, /healthz
 DEFAULT_GOSSIP = "127.0.0.1:7946"   # UDP gossip (and TCP on the same port for big transfers),
                                     # memberlist's port, so firewall rules people have still fit
+INGRESS_GOSSIP = "0.0.0.0:7946"     # the ingress is what nodes on other hosts bootstrap to: it
+                                    # gossips on every interface unless told otherwise
 TUNNEL_HEADER = "x-otela-tunnel"
 
 
@@ -97,6 +99,15 @@ class Config:
                                      # prober cannot evict a healthy member quickly
     max_local_health: int = 8       # Lifeguard LHM cap: a stalled node stretches its timeouts 9x
     stall_threshold: float = 0.25   # a timer this late means *we* were stalled: don't judge others
+    probe_timeout_max: float = 1.5  # a member whose acks come late gets up to this long (twice
+                                    # the slowest recent ack): a lagging member is not flapped,
+                                    # and a dead one is still suspected within ~2 s
+    nack_after: float = 0.8         # Lifeguard nack: a ping-req helper that got no ack within this
+                                    # share of indirect_timeout says so; a prober missing nacks
+                                    # knows *it* is the slow one and stretches its own timeouts
+    suspicion_hold_max: float = 600.0  # a member that sees most of the cluster suspected is likely
+                                    # on the small side of a partition (or sick): it evicts nobody
+                                    # until it sees a majority again or this long has passed
 
     # -- dissemination --
     gossip_fanout: int = 4          # peers per push: with push-on-first-receipt, a fraction
@@ -111,7 +122,25 @@ class Config:
                                     # Bigger clusters: a push to `gossip_fanout`, forwarded on.
     retransmit_mult: int = 2        # rounds per rumour = mult * ceil(log10(N+1)); with push on
                                     # first receipt, 2 is enough and halves churn traffic
+    push_resend_interval: float = 0.15  # the writer resends its change to members that have not
+                                    # acked it, every 150 ms (LAN RTTs are < 1 ms; a busy host's
+                                    # loop may lag 100 ms) ...
+    push_resend_rounds: int = 12    # ... up to 12 times: at 20% loss a member still lacks it after
+                                    # k rounds with p = 0.2^k, so 128 members are all reached in
+                                    # ~1 s, and anti-entropy is the fallback, not the tail
     push_pull_interval: float = 5.0  # anti-entropy: idle cost is one 100-byte digest per 5 s
+    seed_redial_interval: float = 3.0  # a bootstrap, ingress or relay address with no live member:
+                                    # one digest every ~3 s, so a restarted ingress is found again
+                                    # within seconds of its start (~50 bytes/s while it is away)
+    lost_redial_max: float = 30.0   # an evicted member's address is re-dialled from 1 s, doubling
+                                    # to this: two halves of a healed partition find each other
+    lost_forget: float = 3600.0     # ... for an hour, then forgotten (a job that ended stays gone)
+    max_remembered: int = 1024      # addresses re-dialled at most: bounded memory and traffic
+    join_warn_after: float = 3.0    # a bootstrap that has not answered in this long is named in
+                                    # the log and on /healthz
+    join_left_age: float = 600.0    # a join answer carries LEFT records only this recent: enough
+                                    # to stop a stale copy resurrecting them; older ones follow by
+                                    # anti-entropy, bucket by bucket
     join_retry_min: float = 1.0     # bootstrap retry backoff: fast first retry ...
     join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
     compact_interval: float = 60.0  # LEFT compaction check; retention is hours, so minutes is fine
@@ -280,16 +309,30 @@ class Wire:
 # Message types ("t"): short names, because idle traffic is mostly pings and acks.
 #   t     fields                      meaning
 MESSAGE_TYPES = {
-    "p":  "n seq, to sid[:8]",       # ping (direct probe; over TCP it is the third probe path)
+    "p":  "n seq, to sid[:8], sv?",  # ping (direct probe; over TCP it is the third probe path);
+                                     # sv: "you are suspected at this version" (Lifeguard buddy)
     "a":  "n seq",                   # ack of ping n
     "i":  "n seq, to sid[:8], a",    # ping-req: please probe address a for me (indirect path)
-    "r":  "r {sid: record}, s [[sid, version, by]]",  # rumours: records and suspicions
+    "n":  "n seq",                   # nack of ping-req n: I asked, the target did not answer
+    "r":  "r {sid: record}, s [[sid, version, by]], k?",  # rumours: records and suspicions;
+                                     # k: the writer's push id, to be acked
+    "k":  "k push id",               # ack of a writer's push: stop resending it to me
     "j":  "r {sid: record}",         # join: my record; answer with your full state
     "st": "r {sid: record}",         # state: records to merge (join answer, push-pull end)
-    "d":  "d {n, root}",             # push-pull 1: my digest root
+    "d":  "d {n, root}, s?",         # push-pull 1: my digest root (and my suspicions, below)
     "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
     "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
 }
+def _suspicions(msg: Dict[str, Any]) -> List[list]:
+    """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
+    items = msg.get("s") or []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                and type(item[1]) is int and isinstance(item[2], str)):
+            raise ValueError("bad suspicion")
+    return items
+
+
 SHORT_ID = 8                        # hex chars of a session id in pings: 32 bits tell apart
                                     # sessions sharing one address; a full id adds 24 bytes/probe
 
@@ -322,17 +365,19 @@ PROBE_ROUND = (
 Out = collections.namedtuple("Out", "addr msg tcp")
 
 
+SEED_ROLES = ("ingress", "relay")   # members others bootstrap to: their addresses are kept for good
 LATER = "later"                     # _changed(push=LATER): queue for one retransmit, no push now
 
 
 class Suspicion:
-    __slots__ = ("version", "since", "confirmers", "deadline")
+    __slots__ = ("version", "since", "confirmers", "deadline", "held")
 
     def __init__(self, version: int, since: float, by: str):
         self.version = version
         self.since = since
         self.confirmers = {by}
         self.deadline = math.inf
+        self.held = False                           # eviction held back (see Overlay._evict)
 
 
 class Overlay:
@@ -352,6 +397,9 @@ class Overlay:
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
         self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
         self.suspects: Dict[str, Suspicion] = {}
+        self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
+        self.evictions: collections.deque = collections.deque()   # when members were evicted
+        self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
         self.bootstrap: List[str] = []
@@ -359,14 +407,22 @@ class Overlay:
         self.lhm = 0                                # Lifeguard local health multiplier
         self.seq = 0
         self.probe: Optional[dict] = None
-        self.probe_order: List[str] = []
-        self.relays: Dict[int, tuple] = {}          # our seq -> (requester addr, its seq, expiry)
+        self.relays: Dict[int, list] = {}           # our seq -> [requester addr, its seq, expiry,
+                                                    #             nack time (inf once sent)]
+        self.late: Dict[int, tuple] = {}            # recent probe seq -> (sid, start): late acks
+        self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
+        self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
+        self.remembered: Dict[str, list] = {}       # addr -> [next dial, backoff, since, seed?]
+        self.heard: set = set()                     # bootstrap addresses that have answered
+        self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.sent = collections.Counter()           # messages sent by type
         self.next_probe = now + self.rng.uniform(0, config.probe_interval)
         self.next_gossip = math.inf
         self.next_push_pull = now + self.rng.uniform(0.5, 1.0) * config.push_pull_interval
         self.next_join = math.inf
+        self.next_redial = math.inf
         self.join_backoff = config.join_retry_min
+        self.started = now
         self.next_compact = now + config.compact_interval
         self.expected_wakeup = now
 
@@ -374,6 +430,8 @@ class Overlay:
     def join(self, bootstrap: List[str], now: float) -> List[Out]:
         self.bootstrap = [a for a in bootstrap if a != self.addr]
         self.next_join = now + self.join_backoff if self.bootstrap else math.inf
+        for addr in self.bootstrap:
+            self.remember(addr, now, seed=True)
         # Join over TCP: it is reliable, and the answer (our full state) rarely fits a datagram.
         out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, True) for a in self.bootstrap]
         out += self._rumour([("r", self.sid)], now)
@@ -382,7 +440,44 @@ class Overlay:
     def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool = False) -> List[Out]:
         """Handle one authenticated message. Raises ValueError/KeyError/TypeError/RecordError on a
         malformed one (the caller counts and drops it); the state is unchanged in that case."""
-        return self._count(getattr(self, "_on_" + msg["t"])(msg, src, now, tcp))
+        out = getattr(self, "_on_" + msg["t"])(msg, src, now, tcp)
+        if src not in self.heard and src in self.bootstrap:
+            self.heard.add(src)
+        return self._count(out)
+
+    def remember(self, addr: str, now: float, seed: bool = False) -> None:
+        """Keep dialling `addr` while no live member is there: seeds (bootstrap, ingress and relay
+        addresses) for good, every `seed_redial_interval`; other lost peers on a backoff for
+        `lost_forget` seconds. Two halves of a healed partition and a restarted ingress are found
+        this way, with nobody naming them again."""
+        if addr == self.addr:
+            return
+        entry = self.remembered.get(addr)
+        if entry is not None:
+            entry[3] = entry[3] or seed
+            return
+        if len(self.remembered) >= self.cfg.max_remembered:
+            oldest = min((a for a, e in self.remembered.items() if not e[3]),
+                         key=lambda a: self.remembered[a][2], default=None)
+            if oldest is None:
+                return
+            del self.remembered[oldest]
+        first = self.cfg.seed_redial_interval if seed else self.cfg.join_retry_min
+        self.remembered[addr] = [now + first * self.rng.uniform(0.5, 1.0), first, now, seed]
+        self.next_redial = min(self.next_redial, self.remembered[addr][0])
+
+    def health(self, now: float) -> List[str]:
+        """Warnings for /healthz and the log: bootstrap peers that never answered, being alone."""
+        warnings = []
+        if self.bootstrap and now - self.started >= self.cfg.join_warn_after:
+            silent = [a for a in self.bootstrap if a not in self.heard]
+            if silent and not self.members:
+                warnings.append(f"bootstrap {', '.join(silent)} has not answered in "
+                                f"{now - self.started:.0f} s: is it running, and does its --gossip bind an "
+                                "address this host can reach (not 127.0.0.1 across hosts)?")
+            elif not self.members:
+                warnings.append("every peer is lost: re-dialling the bootstrap and remembered peers")
+        return warnings
 
     def update(self, now: float, **fields) -> List[Out]:
         """Owner write: change fields of our own record (state, models, labels…), bump version."""
@@ -418,6 +513,7 @@ class Overlay:
         if record["state"] >= crdt.DOWN:
             record["state"] = crdt.SERVING
         self.sid = crdt.new_session_id()
+        self.ring = None
         self.record = record
         self.leaving = False
         self.map.put(self.sid, record)
@@ -436,17 +532,21 @@ class Overlay:
             out += self._advance_probe(now)
         if self.probe is None and now >= self.next_probe and not self.leaving:
             out += self._start_probe(now)
-        if self.relays and now >= min(r[2] for r in self.relays.values()):
-            self.relays = {s: r for s, r in self.relays.items() if r[2] > now}
+        if self.relays:
+            out += self._nacks(now)
         for sid in [s for s, sus in self.suspects.items() if now >= sus.deadline]:
             out += self._evict(sid, now)
         if now >= self.next_gossip:
             out += self._gossip(now)
+        if self.pushes:
+            out += self._resend(now)
+        if now >= self.next_redial:
+            out += self._redial(now)
         if now >= self.next_push_pull:
             self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * cfg.push_pull_interval
             peer = self._peers(1)
             if peer:
-                out.append(Out(peer[0], {"t": "d", "d": self.map.digest()}, False))
+                out.append(self._digest_to(peer[0]))
         if now >= self.next_join:
             if self.members:
                 self.join_backoff = cfg.join_retry_min
@@ -458,7 +558,12 @@ class Overlay:
                         for a in self.bootstrap]
         if now >= self.next_compact:
             self.next_compact = now + cfg.compact_interval
-            self.map.compact(now)
+            if self.map.compact(now):
+                self.known = {sid: k for sid, k in self.known.items() if sid in self.map}
+            horizon = now - 10 * cfg.probe_timeout_max
+            self.late = {n: p for n, p in self.late.items() if p[1] > horizon}
+            self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
+            self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
         self.expected_wakeup = self.next_wakeup()
         return self._count(out)
 
@@ -470,6 +575,11 @@ class Overlay:
             times.append(self.next_probe)
         if self.rumours:
             times.append(self.next_gossip)
+        if self.pushes:
+            times.append(min(p["next"] for p in self.pushes.values()))
+        if self.relays:
+            times.append(min(r[3] for r in self.relays.values()))
+        times.append(self.next_redial)
         times.extend(s.deadline for s in self.suspects.values())
         return min(times)
 
@@ -479,61 +589,148 @@ class Overlay:
 
     # -- message handlers -------------------------------------------------------------------
     def _on_p(self, msg, src, now, tcp):
-        if msg["to"] != self.sid[:SHORT_ID] or self.leaving:
-            return []                               # an old session at this address: stay silent
-        return [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
+        if self.leaving:
+            return []
+        if msg["to"] != self.sid[:SHORT_ID]:
+            # An old session at this address (we restarted here): the prober does not know us
+            # yet. Start an anti-entropy exchange with it (once per push-pull period), so it
+            # learns our session, and that ours supersedes the one it is probing, at once.
+            if now - self.hinted.get(src, -math.inf) < self.cfg.push_pull_interval:
+                return []
+            self.hinted[src] = now
+            return [self._digest_to(src)]
+        out = [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
+        if "sv" in msg:                             # the prober suspects us: refute at once
+            out += self._suspect(self.sid, int(msg["sv"]), "", now, None)
+        return out
 
     def _on_a(self, msg, src, now, tcp):
         n = msg["n"]
-        if self.probe is not None and n == self.probe["seq"]:
+        p = self.probe
+        if p is not None and n == p["seq"]:
             self.lhm = max(0, self.lhm - 1)
+            self._acked(p["sid"], now - p["start"], now)
             self._end_probe()
             return []
         relay = self.relays.pop(n, None)
         if relay is not None:
             return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
+        late = self.late.get(n)
+        if late is not None:                        # after its round gave up: still evidence
+            sid = late[0]
+            self._acked(sid, now - late[1], now)
+            sus = self.suspects.get(sid)
+            if sus is not None and sid in self.members:   # tell it, so that it refutes
+                return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
         return []
+
+    def _acked(self, sid: str, rtt: float, now: float) -> None:
+        """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
+        ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
+        self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
+        sus = self.suspects.get(sid)
+        if sus is not None:
+            record = self.map.get(sid)
+            if record is not None and record["version"] <= sus.version:
+                del self.suspects[sid]              # fresh evidence beats a rumour
+                self._notify(sid, record)
 
     def _on_i(self, msg, src, now, tcp):
         self.seq += 1
-        self.relays[self.seq] = (src, int(msg["n"]), now + self.cfg.probe_interval * (1 + self.lhm))
+        cfg = self.cfg
+        nack_at = now + cfg.nack_after * cfg.indirect_timeout
+        expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
+        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
         split_addr(msg["a"])
         return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
 
+    def _on_n(self, msg, src, now, tcp):
+        p = self.probe
+        if p is not None and msg["n"] == p["seq"]:
+            p["nacks"] += 1
+        return []
+
+    def _nacks(self, now: float) -> List[Out]:
+        """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
+        out = []
+        for seq, relay in list(self.relays.items()):
+            if relay[3] <= now:
+                relay[3] = math.inf
+                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
+            if relay[2] <= now:
+                del self.relays[seq]
+        return out
+
+    def _on_k(self, msg, src, now, tcp):
+        push = self.pushes.get(msg["k"])
+        if push is not None:
+            push["pending"].discard(src)
+            if not push["pending"]:
+                del self.pushes[msg["k"]]
+        return []
+
     def _on_r(self, msg, src, now, tcp):
         records = msg.get("r") or {}
-        suspicions = msg.get("s") or []
-        for item in suspicions:                     # validate before touching any state
-            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
-                    and isinstance(item[1], int) and isinstance(item[2], str)):
-                raise ValueError("bad suspicion")
-        out = self._merge(records, src, now, push=LATER if msg.get("a") == 1 else True)
+        suspicions = _suspicions(msg)               # validated before touching any state
+        if "k" in msg:                              # the writer resends until we ack: no forwarding
+            push = False
+        else:
+            push = LATER if msg.get("a") == 1 else True
+        out = self._merge(records, src, now, push=push)
         for sid, version, by in suspicions:
             out += self._suspect(sid, version, by, now, src)
+        if "k" in msg:
+            out.append(Out(src, {"t": "k", "k": int(msg["k"])}, False))
         return out
 
     def _on_j(self, msg, src, now, tcp):
         out = self._merge(msg["r"], src, now)
-        out.append(Out(src, {"t": "st", "r": dict(self.map.items())}, tcp))
+        horizon = now - self.cfg.join_left_age      # what a joiner needs: no day of LEFT records
+        records = {sid: r for sid, r in self.map.items()
+                   if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon}
+        out.append(Out(src, self._with_suspicions({"t": "st", "r": records}), tcp))
         return out
 
     def _on_st(self, msg, src, now, tcp):
-        return self._merge(msg["r"], src, now, push=False)
+        suspicions = _suspicions(msg)
+        return self._merge(msg["r"], src, now, push=False) + self._take(suspicions, src, now)
 
     def _on_d(self, msg, src, now, tcp):
+        out = self._take(_suspicions(msg), src, now)
         if msg["d"]["root"] == self.map.digest()["root"]:
-            return []
-        return [Out(src, {"t": "db", "d": self.map.digest(buckets=True)}, tcp)]
+            return out
+        return out + [Out(src, {"t": "db", "d": self.map.digest(buckets=True)}, tcp)]
 
     def _on_db(self, msg, src, now, tcp):
         theirs = msg["d"]
-        return [Out(src, {"t": "dr", "r": self.map.diff(theirs), "d": self.map.digest(buckets=True)}, tcp)]
+        reply = {"t": "dr", "r": self.map.diff(theirs), "d": self.map.digest(buckets=True)}
+        return [Out(src, self._with_suspicions(reply), tcp)]
 
     def _on_dr(self, msg, src, now, tcp):
+        suspicions = _suspicions(msg)
         ours = self.map.diff(msg["d"])              # judged against their state before merging
-        out = self._merge(msg["r"], src, now, push=False)
+        out = self._merge(msg["r"], src, now, push=False) + self._take(suspicions, src, now)
         if ours:
-            out.append(Out(src, {"t": "st", "r": ours}, tcp))
+            out.append(Out(src, self._with_suspicions({"t": "st", "r": ours}), tcp))
+        return out
+
+    # Anti-entropy carries suspicions too: a member that missed the rumour that it is suspected
+    # learns it at the next exchange and refutes, instead of being evicted while healthy.
+    MAX_SUSPICIONS = 64                             # per message: one datagram's worth
+
+    def _with_suspicions(self, msg: Dict[str, Any]) -> Dict[str, Any]:
+        if self.suspects:
+            msg["s"] = [[sid, sus.version, min(sus.confirmers)]
+                        for sid, sus in list(self.suspects.items())[: self.MAX_SUSPICIONS]]
+        return msg
+
+    def _digest_to(self, addr: str) -> Out:
+        return Out(addr, self._with_suspicions({"t": "d", "d": self.map.digest()}), False)
+
+    def _take(self, suspicions: List[list], src: str, now: float) -> List[Out]:
+        out: List[Out] = []
+        for sid, version, by in suspicions:
+            out += self._suspect(sid, version, by, now, src)
         return out
 
     # -- dissemination ----------------------------------------------------------------------
@@ -566,12 +763,17 @@ class Overlay:
         origin sent to every member (push=LATER) are sent on once, a tick later."""
         out: List[Out] = []
         keys = []
+        met = []
+        gone = []
         for sid in sids:
             record = self.map.get(sid)
             if record is None:
                 continue
             self.known[sid] = (record["state"], record["version"], record)
-            self._track(sid, record)
+            if self._track(sid, record, now) and not push:
+                met.append(self.members[sid])
+            if self._superseded(sid, record):
+                gone.append(sid)
             sus = self.suspects.get(sid)
             if sus is not None and (record["state"] == crdt.LEFT or record["version"] > sus.version):
                 del self.suspects[sid]              # refuted, or settled
@@ -581,6 +783,13 @@ class Overlay:
                 continue
             keys.append(("r", sid))
             self._notify(sid, record)
+        for sid in gone:                            # once every member is known: pushed to all
+            log.info("session %s superseded: this process now serves its address", sid)
+            out += self._retire(sid, now, "superseded")
+        if met and not self.leaving:
+            # Members met through anti-entropy (a healed split, a restart) may not know us:
+            # introduce ourselves to them the way a write is pushed, acked and resent.
+            out += self._push([("r", self.sid)], met, now)
         if push is LATER:
             for key in keys:
                 self.rumours[key] = [1]
@@ -589,11 +798,42 @@ class Overlay:
             return out
         return out + (self._rumour(keys, now, exclude, origin) if push else [])
 
-    def _track(self, sid: str, record: Dict[str, Any]) -> None:
+    def _track(self, sid: str, record: Dict[str, Any], now: float) -> bool:
+        """Keep `members` (and the address tables) in step with a changed record; True when
+        it is a member we did not have."""
+        seed = record.get("role") in SEED_ROLES
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
-            self.members[sid] = record["gossip"]
+            addr = record["gossip"]
+            new = self.members.get(sid) != addr
+            if new:
+                self.members[sid] = addr
+                self.by_addr[addr] = sid
+                self.ring = None
+            if seed:
+                self.remember(addr, now, seed=True)   # dialled again if it ever goes away
+            return new
         else:
-            self.members.pop(sid, None)
+            addr = self.members.pop(sid, None)
+            if addr is None:
+                return False
+            self.ring = None
+            if self.by_addr.get(addr) == sid:
+                del self.by_addr[addr]
+            if record.get("evicted_by"):
+                self.evictions.append(now)
+            if seed or record.get("evicted_by"):    # it may come back, or be alive beyond a split
+                self.remember(addr, now, seed=seed)
+        return False
+
+    def _superseded(self, sid: str, record: Dict[str, Any]) -> bool:
+        """A live session of our owner at our own gossip address, older than ours, belonged to the
+        process that was here before us (a restart on the same port): it is LEFT at once, by
+        us alone, instead of after a suspicion grace."""
+        if record["state"] >= crdt.LEFT or sid == self.sid or record.get("gossip") != self.addr \
+                or record.get("owner") != self.record.get("owner"):
+            return False
+        # a newer process claiming our address is not ours to judge
+        return (record.get("started", 0), sid) < (self.record.get("started", 0), self.sid)
 
     def _notify(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
         for cb in self.listeners:
@@ -613,11 +853,10 @@ class Overlay:
             return []
         out: List[Out] = []
         if origin and len(self.members) <= self.cfg.origin_fanout:
-            peers = [a for a in self.members.values() if a != exclude]
-            limit = 2                               # this push, then one retransmit like the others
-            for payload in self._packs(keys):
-                payload["a"] = 1
-                out += [Out(addr, payload, False) for addr in peers]
+            # The writer pushes to every member and resends to those that have not acked, in
+            # rounds (see _resend): no retransmit by the receivers, and no straggler waits for
+            # anti-entropy.
+            return self._push(keys, [a for a in self.members.values() if a != exclude], now)
         else:
             limit = self._retransmits()
             peers = self._peers(self.cfg.gossip_fanout, exclude)
@@ -631,6 +870,64 @@ class Overlay:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
+        return out
+
+    def _push(self, keys: List[tuple], peers: List[str], now: float) -> List[Out]:
+        out: List[Out] = []
+        for payload in self._packs(keys):
+            self.seq += 1
+            payload["k"] = self.seq
+            out += [Out(addr, payload, False) for addr in peers]
+            if peers:
+                self.pushes[self.seq] = {"msg": payload, "pending": set(peers),
+                                         "next": now + self._resend_interval(),
+                                         "left": self.cfg.push_resend_rounds}
+        return out
+
+    def _resend(self, now: float) -> List[Out]:
+        """Resend each push to the members that have not acked it (still members), until every
+        one has or its rounds run out."""
+        out: List[Out] = []
+        live = None
+        for pid, push in list(self.pushes.items()):
+            if push["next"] > now:
+                continue
+            if live is None:
+                live = set(self.members.values())
+            push["pending"] &= live
+            push["left"] -= 1
+            if not push["pending"] or push["left"] < 0:
+                del self.pushes[pid]
+                continue
+            out += [Out(addr, push["msg"], False) for addr in push["pending"]]
+            push["next"] = now + self._resend_interval()
+        return out
+
+    def _resend_interval(self) -> float:
+        return self.cfg.push_resend_interval * (1 + self.lhm)   # a slow member's acks come late
+
+    def _redial(self, now: float) -> List[Out]:
+        """Dial remembered addresses that are due and have no live member: an anti-entropy
+        digest, which starts a full two-way exchange if the far side holds anything else."""
+        cfg = self.cfg
+        self.next_redial = math.inf
+        out: List[Out] = []
+        for addr, entry in list(self.remembered.items()):
+            when, backoff, since, seed = entry
+            if when <= now:
+                if addr in self.by_addr:            # a live member is there: probing covers it
+                    if not seed:
+                        del self.remembered[addr]
+                        continue
+                elif not seed and now - since > cfg.lost_forget:
+                    del self.remembered[addr]
+                    continue
+                else:
+                    out.append(self._digest_to(addr))
+                    if not seed:
+                        entry[1] = backoff = min(backoff * 2, cfg.lost_redial_max)
+                entry[0] = when = now + (cfg.seed_redial_interval if seed else backoff) * self.rng.uniform(0.8, 1.2)
+            self.next_redial = min(self.next_redial, when)
         return out
 
     def _packs(self, keys: List[tuple]):
@@ -700,27 +997,48 @@ class Overlay:
 
     # -- failure detection ------------------------------------------------------------------
     def _start_probe(self, now: float) -> List[Out]:
-        while True:
-            if not self.probe_order:
-                self.probe_order = list(self.members)
-                self.rng.shuffle(self.probe_order)
-                if not self.probe_order:
-                    self.next_probe = now + self.cfg.probe_interval
-                    return []
-            sid = self.probe_order.pop()
-            if sid in self.members:
-                break
+        """Probe the member `offset` places after us on the ring of sorted session ids, with one
+        offset per round for everyone (a hash of the round number): with one view of the
+        membership each round is a permutation, so every member is probed by exactly one other
+        in every round, and a dead one is suspected within one round plus the timeouts (a
+        random choice leaves it unprobed for a round with p = 1/e, and the p99 at ~5 rounds).
+        The prober of a member changes every round, so one sick prober judges nobody twice."""
+        if not self.members:
+            self.next_probe = now + self.cfg.probe_interval
+            return []
+        if self.ring is None:
+            self.ring = sorted([self.sid, *self.members])
+        ring = self.ring
+        rnd = int(now / self.cfg.probe_interval)
+        offset = 1 + ((rnd * 2654435761) >> 7) % (len(ring) - 1)   # Knuth's multiplicative hash
+        sid = ring[(ring.index(self.sid) + offset) % len(ring)]
         self.seq += 1
         addr = self.members[sid]
         self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
-                      "extended": False}
+                      "extended": False, "nacks": 0, "helpers": 0}
+        self.late[self.seq] = (sid, now)
         self._set_deadline()
-        return [Out(addr, {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}, False)]
+        ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
+        sus = self.suspects.get(sid)
+        if sus is not None:
+            ping["sv"] = sus.version                # Lifeguard's buddy: tell it, so it refutes
+        self.probe["ping"] = ping
+        return [Out(addr, ping, False)]
+
+    def _timeout(self, name: str, sid: str) -> float:
+        """A probe phase's timeout: the direct one stretches for a member known to ack late."""
+        if name == "probe_timeout":
+            cfg = self.cfg
+            record = self.map.get(sid) or {}
+            lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
+            wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
+            return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
+        return getattr(self.cfg, name)
 
     def _set_deadline(self) -> None:
         p = self.probe
         _, after, _ = PROBE_ROUND[p["phase"]]
-        p["deadline"] = p["start"] + sum(getattr(self.cfg, f) for f in after) * (1 + self.lhm)
+        p["deadline"] = p["start"] + sum(self._timeout(f, p["sid"]) for f in after) * (1 + self.lhm)
 
     def _end_probe(self) -> None:
         start = self.probe["start"]
@@ -744,12 +1062,15 @@ class Overlay:
             ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
             helpers = [a for s, a in self.members.items() if s != p["sid"]]
             helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
+            p["helpers"] = len(helpers)
             out = [Out(a, ping_req, False) for a in helpers]
-            out.append(Out(p["addr"], {"t": "p", "n": p["seq"], "to": p["sid"][:SHORT_ID]}, True))
+            out.append(Out(p["addr"], p["ping"], True))
             return out
-        # action == "suspect": no path answered
+        # action == "suspect": no path answered. Lifeguard: if the helpers' nacks did not reach
+        # us either, the fault is likely ours, so we trust our own timeouts less.
         sid = p["sid"]
-        self._degrade()
+        if p["nacks"] < p["helpers"] or not p["helpers"]:
+            self._degrade()
         self._end_probe()
         record = self.map.get(sid)
         return self._suspect(sid, record["version"], self.sid, now, None)
@@ -762,7 +1083,9 @@ class Overlay:
             if version < self.record["version"] or self.leaving:
                 return []
             self._degrade()                         # others can't reach us: maybe we are the problem
-            return self.update(now)                 # refute: a newer version clears the suspicion
+            # Refute: a newer version clears the suspicion. It carries our local health, so
+            # that every prober gives a member that knows it is slow longer to answer.
+            return self.update(now, lhm=self.lhm)
         record = self.map.get(sid)
         if record is None or record["state"] == crdt.LEFT or version < record["version"]:
             return []
@@ -800,14 +1123,46 @@ class Overlay:
         return max(low, high - (high - low) * frac)
 
     def _evict(self, sid: str, now: float) -> List[Out]:
+        sus = self.suspects[sid]
+        if self._partitioned(now) and now - sus.since < self.cfg.suspicion_hold_max:
+            # A quarter of the cluster unreachable at once (and at least 3 members) is far
+            # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
+            # nobody, so the halves merge again without losing the sessions alive on each.
+            sus.held = True
+            sus.deadline = now + self.cfg.probe_interval
+            return []
+        if sus.held:
+            # The split is over (or was never one): a held suspect gets a whole grace from now
+            # to hear of it and refute, as the rest of the cluster comes back into view.
+            sus.held = False
+            sus.since = now
+            sus.deadline = now + self._grace(len(sus.confirmers) - 1)
+            return []
         del self.suspects[sid]
+        return self._retire(sid, now, "suspected and unrefuted")
+
+    PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
+    PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
+                                    # rest are suspected) must not shrink the cluster it is judged
+                                    # against; steady churn (a kill every 20 s) stays below it
+
+    def _partitioned(self, now: float) -> bool:
+        evictions = self.evictions
+        while evictions and evictions[0] < now - self.PARTITION_WINDOW:
+            evictions.popleft()
+        unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
+        return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
+
+    def _retire(self, sid: str, now: float, why: str) -> List[Out]:
+        """Write LEFT for another member's session, as its evictor; the writer pushes it to all."""
+        self.suspects.pop(sid, None)
         record = self.map.get(sid)
         if record is None or record["state"] == crdt.LEFT:
             return []
-        record.update(state=crdt.LEFT, left_at=now, evicted_by=self.sid)
+        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid)
         self.map.put(sid, record, writer=self.sid)
-        log.info("session %s evicted: suspected and unrefuted", sid)
-        return self._changed([sid], now)
+        log.info("session %s evicted: %s", sid, why)
+        return self._changed([sid], now, origin=True)
 
     def _count(self, out: List[Out]) -> List[Out]:
         for o in out:
@@ -830,6 +1185,7 @@ class SimulatedNetwork:
         self.config = config or Config(key=b"k" * 32)
         self.now = start
         self.members: Dict[str, Overlay] = {}      # gossip address -> member
+        self.slow: Dict[str, Tuple[float, float]] = {}   # address -> extra delay of what it receives
         self.dead: set = set()
         self.partitions: List[Tuple[set, set]] = []
         self.queue: list = []                      # (time, n, dst, msg, src, tcp)
@@ -838,8 +1194,11 @@ class SimulatedNetwork:
         self.bytes_sent = collections.Counter()    # address -> bytes
         self.changes: List[Tuple[float, str, str, Optional[dict]]] = []  # (time, at, sid, record)
 
-    def add(self, bootstrap: Optional[List[str]] = None, **fields) -> Overlay:
-        addr = f"10.0.{len(self.members) // 250}.{len(self.members) % 250 + 1}:7946"
+    def add(self, bootstrap: Optional[List[str]] = None, addr: Optional[str] = None, **fields) -> Overlay:
+        """A new member (at `addr`: a restart of the process that was there)."""
+        if addr is None:
+            addr = f"10.0.{len(self.members) // 250}.{len(self.members) % 250 + 1}:7946"
+        self.dead.discard(addr)
         record = {"owner": "sim@" + addr, "state": crdt.SERVING, "version": 0, "started": self.now,
                   "role": "worker", "gossip": addr, "addr": addr.replace("7946", "7700")}
         record.update(fields)
@@ -872,6 +1231,8 @@ class SimulatedNetwork:
                 continue                            # TCP retransmits; only datagrams get lost
             self._n += 1
             at = self.now + self.rng.uniform(*self.delay)
+            if o.addr in self.slow:                 # a lagging member reads its socket late
+                at += self.rng.uniform(*self.slow[o.addr])
             heapq.heappush(self.queue, (at, self._n, o.addr, o.msg, src, o.tcp))
         member = self.members.get(src)
         if member is not None:
