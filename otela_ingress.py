@@ -74,6 +74,8 @@ MAX_HEADER_BYTES = 16 * 1024         # request line + headers; real clients send
                                      # a bigger budget only helps slowloris-style abuse
 MAX_BODY_BYTES = 16 * 1024 * 1024    # a 128k-token prompt is ~0.5 MB of text; embedding
                                      # batches are larger; 16 MiB leaves room for both
+MAX_CONTENT_LENGTH_DIGITS = 18       # 10**18 bytes is an exabyte: a longer Content-Length is an
+                                     # attack (int() of 5,000 digits raises), never a request
 MAX_CONNECTIONS = 4096               # below the usual 8192 fd soft limit with upstreams counted
 READ_CHUNK = 256 * 1024              # one read per SSE burst or request body in most cases
 IDLE_TIMEOUT_S = 120.0               # a keep-alive client silent this long is closed
@@ -1414,6 +1416,27 @@ _FAST_HEAD = re.compile(rb"(GET|POST) (/[\x21-\x7e]*) HTTP/1\.1\r\n"
 _FAST_FIELD = re.compile(rb"(%s+):[ \t]*([^\r]*?)[ \t]*\r\n" % _TCHAR)
 _FAST_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te", b"connection"))
 _EOM = h11.EndOfMessage()
+_FRAMING_FIELD = re.compile(rb"\r\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)",
+                            re.IGNORECASE)
+
+
+def framing_error(fields: Sequence[Tuple[bytes, bytes]]) -> Optional[str]:
+    """Why a request's body framing is refused (None: it is not), from its header fields with
+    lower-case names. Two readings of where a body ends are how a request is smuggled past a
+    proxy: with both Content-Length and Transfer-Encoding, two Content-Lengths, or a coding we
+    do not decode, the bytes after the head could be a second request to one reader and body
+    to another. RFC 9112 6.1 and 6.3: answer 400 and close the connection."""
+    lengths = [value for name, value in fields if name == b"content-length"]
+    codings = [value for name, value in fields if name == b"transfer-encoding"]
+    if codings and lengths:
+        return "both Content-Length and Transfer-Encoding"
+    if len(codings) > 1 or (codings and codings[0].strip().lower() != b"chunked"):
+        return "a Transfer-Encoding other than chunked"
+    if len(lengths) > 1:
+        return "more than one Content-Length"
+    if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_CONTENT_LENGTH_DIGITS):
+        return "a Content-Length that is not a number of bytes"
+    return None
 
 
 class _ClientConn:
@@ -1424,10 +1447,12 @@ class _ClientConn:
     send, start_next_cycle, our_state/their_state with h11's state objects, trailing_data) for
     plain requests: HTTP/1.1 GET or POST, a Host header, no body or a Content-Length one, no
     Transfer-Encoding / Expect / Upgrade / Connection other than keep-alive, well-formed tokens.
-    The first request that is anything else (or a head that is incomplete past the size limit,
-    or a connection closed mid-head) makes next_event return _SWITCH at a request boundary: the
-    caller then swaps in `to_h11()`, an h11.Connection fed the buffered bytes, for the rest of
-    the connection, so every odd case keeps h11's exact behaviour.
+    A request that is anything else (or a head that is incomplete past the size limit, or a
+    connection closed mid-head) makes next_event return _SWITCH at a request boundary: the
+    caller then asks `framing_error()` (a body framing that could smuggle a request past us is
+    refused before any parser reads on), swaps in `to_h11()`, an h11.Connection fed the
+    buffered bytes, for that request, so every odd case keeps h11's exact behaviour, and
+    `resume(h11 connection)` after it: every head is seen here first.
     """
 
     __slots__ = ("buf", "our_state", "their_state", "_remaining", "_chunked", "_close", "_eof")
@@ -1449,6 +1474,14 @@ class _ClientConn:
         if self._eof:
             conn.receive_data(b"")
         return conn
+
+    @classmethod
+    def resume(cls, conn: h11.Connection) -> _ClientConn:
+        """The hand parser again, after a request h11 served, with what h11 had buffered."""
+        new = cls()
+        new.buf += conn.trailing_data[0]
+        new._eof = conn.trailing_data[1]
+        return new
 
     def receive_data(self, data: bytes) -> None:
         if data:
@@ -1497,13 +1530,23 @@ class _ClientConn:
             if len(_FAST_REFUSED.intersection(fields)) > 1 or not keep_alive:
                 return _SWITCH
         length = fields.get(b"content-length")
-        if length is not None and not length.isdigit():
+        if length is not None and not (length.isdigit() and len(length) <= MAX_CONTENT_LENGTH_DIGITS):
             return _SWITCH
         del buf[:end + 4]
         self._remaining = int(length) if length else 0
         self.their_state = h11.SEND_BODY
         self.our_state = h11.SEND_RESPONSE
         return _FastRequest(method, target, fields)
+
+    def framing_error(self) -> Optional[str]:
+        """framing_error() of the complete head at the front of the buffer, read line by line
+        (None when it is fine, or not all here): asked before h11 takes a request over, since
+        h11 merges repeated Content-Lengths and accepts one beside Transfer-Encoding."""
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        return framing_error([(name.lower(), value) for name, value in
+                              _FRAMING_FIELD.findall(self.buf, 0, end + 2)])
 
     def whole_body(self) -> Optional[bytes]:
         """The body of the request just parsed when all of it is buffered (the request is then
@@ -1992,19 +2035,30 @@ class Ingress:
                     event = conn.next_event()
                 except h11.RemoteProtocolError as exc:
                     status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
-                    await self._respond_error(client, HTTPError(status, f"Bad HTTP request: {exc}"))
+                    await self._respond_error(client, HTTPError(status, f"Bad HTTP request: {exc}",
+                                                                "bad_request"))
                     return False
             if event is h11.NEED_DATA:
                 if type(conn) is _ClientConn and conn.their_state is h11.IDLE:
                     return True
                 await client.wait_data()
             elif event is _SWITCH:
+                error = conn.framing_error()
+                if error is not None:
+                    await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
+                                                                "bad_request"))
+                    return False
                 conn = client.conn = conn.to_h11()
             elif type(event) is _FastRequest or type(event) is h11.Request:
                 fields = self._fields(event)
                 if fields is None:
                     await self._respond_error(client, HTTPError(431, "Request headers too large",
                                                                 "headers_too_large"))
+                    return False
+                error = framing_error(event.headers) if type(event) is h11.Request else None
+                if error is not None:   # a head h11 read whole (one after blank lines, say)
+                    await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
+                                                                "bad_request"))
                     return False
                 try:
                     await self._handle(client, event, fields)
@@ -2015,6 +2069,8 @@ class Ingress:
                         or conn.our_state is not h11.DONE:
                     return False
                 conn.start_next_cycle()
+                if type(conn) is not _ClientConn:
+                    conn = client.conn = _ClientConn.resume(conn)
             else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
                 return False
             event = None
@@ -2029,8 +2085,10 @@ class Ingress:
         while True:
             try:
                 event = conn.next_event()
-            except h11.RemoteProtocolError:   # the client went away mid-body, or sent garbage
-                raise ConnectionResetError("bad or incomplete request body") from None
+            except h11.RemoteProtocolError as exc:
+                if client.closed or conn.trailing_data[1]:   # the client went away mid-body
+                    raise ConnectionResetError("incomplete request body") from None
+                raise HTTPError(400, f"Bad HTTP request body: {exc}", "bad_request") from None
             if event is h11.NEED_DATA:
                 await client.wait_data()
                 continue

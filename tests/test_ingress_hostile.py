@@ -1,0 +1,147 @@
+"""The ingress under attack: what a hostile client (or a broken engine) sends to the real
+listening port, and what it must get back. Every test talks to 127.0.0.1 only, with bounded
+counts and deadlines, and asserts on what the attacker sees."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import List, Optional, Tuple
+
+import pytest
+
+CHAT = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def post_head(key: str, *fields: bytes) -> bytes:
+    """A chat request head with the given extra header lines (each without its CRLF)."""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n" % key.encode()
+            + b"".join(field + b"\r\n" for field in fields) + b"\r\n")
+
+
+def read_to_close(sock: socket.socket, deadline_s: float = 10.0) -> Tuple[bytes, bool]:
+    """Everything the ingress sends until it closes (True), or what came before the deadline
+    (False: still open)."""
+    sock.settimeout(0.2)
+    data = b""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            piece = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return data, True
+        if not piece:
+            return data, True
+        data += piece
+    return data, False
+
+
+def responses(data: bytes) -> List[Tuple[int, dict, bytes]]:
+    """The Content-Length responses in `data`, in order; every byte must belong to one."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, f"a partial response head: {data[:200]!r}"
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        assert len(rest) >= length, f"a partial body: {data[:300]!r}"
+        out.append((status, headers, rest[:length]))
+        data = rest[length:]
+    return out
+
+
+def attack(port: int, data: bytes, source: Optional[str] = None) -> Tuple[List[Tuple[int, dict, bytes]], bool]:
+    """Send `data` on a fresh connection; the responses and whether the ingress closed it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if source:
+            sock.bind((source, 0))
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(data)
+        got, closed = read_to_close(sock)
+    finally:
+        sock.close()
+    return responses(got), closed
+
+
+def openai_error(body: bytes) -> dict:
+    error = json.loads(body)["error"]
+    assert {"message", "type", "code"} <= set(error) and error["message"]
+    return error
+
+
+# -- 1. request smuggling and bad framing -----------------------------------------------------------
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("fields, body", [
+    ((b"content-length: 5", b"transfer-encoding: chunked"), b"0\r\n\r\n"),
+    ((b"transfer-encoding: chunked", b"content-length: 5"), b"0\r\n\r\n"),
+    ((b"content-length: 0", b"transfer-encoding: chunked"), b"0\r\n\r\n"),
+    ((b"Content-Length: 5", b"Transfer-Encoding: CHUNKED", b"connection: keep-alive"), b"0\r\n\r\n"),
+    ((b"transfer-encoding: gzip",), b""),
+    ((b"transfer-encoding: chunked, identity",), b"0\r\n\r\n"),
+    ((b"transfer-encoding: chunked", b"transfer-encoding: chunked"), b"0\r\n\r\n"),
+    ((b"content-length: %d" % len(CHAT), b"content-length: %d" % len(CHAT)), CHAT),
+    ((b"content-length: %d" % len(CHAT), b"content-length: 3"), CHAT),
+    ((b"content-length: 3, 3",), b"abc"),
+    ((b"content-length: -6",), b""),
+    ((b"content-length: +6",), b""),
+    ((b"content-length: " + b"9" * 5000,), b""),
+])
+def test_ambiguous_body_framing_gets_400_and_a_close_and_nothing_after_it_is_served(stack, fields, body):
+    stack.engine("m1")
+    key = stack.key()
+    answers, closed = attack(stack.port, post_head(key, *fields) + body + SMUGGLED)
+    assert [status for status, _, _ in answers] == [400] and closed
+    assert answers[0][1]["connection"] == "close"
+    error = openai_error(answers[0][2])
+    assert error["type"] == "invalid_request_error" and error["code"] == "bad_request"
+    assert stack.engines and all(engine.requests == 0 for engine in stack.engines.values())
+
+
+def test_ambiguous_framing_after_an_unusual_request_is_still_refused(stack):
+    # a repeated header makes the h11 fallback parse the first request; the smuggling attempt
+    # that follows on the same connection is still read by the hand parser first
+    stack.engine("m1")
+    key = stack.key()
+    odd = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-odd: 1\r\nx-odd: 2\r\n\r\n"
+    answers, closed = attack(stack.port, odd + post_head(key, b"content-length: 5",
+                                                         b"transfer-encoding: chunked") + b"0\r\n\r\n" + SMUGGLED)
+    assert [status for status, _, _ in answers] == [200, 400] and closed
+
+
+@pytest.mark.parametrize("chunk", [b"zz", b"-6", b"0x6", b"6_0", b"f" * 30, b""])
+def test_a_bad_chunk_size_from_a_client_gets_400_and_a_close(stack, chunk):
+    stack.engine("m1")
+    answers, closed = attack(stack.port, post_head(stack.key(), b"transfer-encoding: chunked")
+                             + chunk + b"\r\n" + b"a" * 6 + b"\r\n0\r\n\r\n" + SMUGGLED)
+    assert [status for status, _, _ in answers] == [400] and closed
+    assert openai_error(answers[0][2])["type"] == "invalid_request_error"
+
+
+def test_a_well_framed_chunked_request_is_served_on_a_kept_alive_connection(stack):
+    # the control for the attacks above: chunked alone is fine, and the connection stays usable
+    stack.engine("m1")
+    key = stack.key()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT), CHAT)
+    sock = socket.create_connection(("127.0.0.1", stack.port), timeout=5)
+    try:
+        sock.sendall(post_head(key, b"transfer-encoding: chunked") + chunked
+                     + post_head(key, b"content-length: %d" % len(CHAT)) + CHAT)
+        data = b""
+        while data.count(b'"usage"') < 2:
+            piece = sock.recv(65536)
+            assert piece, data
+            data += piece
+    finally:
+        sock.close()
+    assert [status for status, _, _ in responses(data)] == [200, 200]
