@@ -1682,6 +1682,9 @@ class Node:
         self._tasks: set = set()
         self._addr_cache: Dict[str, tuple] = {}
         self._pending_id = crdt.new_session_id()    # the id we will join with
+        self._unresolved: List[str] = []            # bootstrap host names that did not resolve yet
+        self._warned: set = set()                   # warnings already logged
+        self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
 
     # -- public API -------------------------------------------------------------------------
@@ -1757,11 +1760,53 @@ class Node:
         self.overlay.listeners.append(self._changed)
         self.overlay.rejoin_listeners.append(
             lambda old, new: log.warning("session %s was evicted or replaced; rejoined as %s", old, new))
-        bootstrap = await resolve_bootstrap(cfg.bootstrap)
+        bootstrap, self._unresolved = await resolve_hosts(await resolve_bootstrap(cfg.bootstrap))
+        if _is_loopback(host) and (self.role == "ingress" or any(not _is_loopback(split_addr(a)[0])
+                                                                  for a in bootstrap)):
+            log.warning("gossip binds %s, loopback only: members on other hosts cannot reach this %s "
+                        "(bind all interfaces with --gossip 0.0.0.0:%d)", cfg.gossip, self.role, port)
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
+        self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
                  self.session_id, gossip_addr, listen_addr, len(bootstrap))
+        for name in self._unresolved:
+            log.warning("bootstrap %s does not resolve; trying again every %.0f s", name, cfg.join_warn_after)
+
+    def health_warnings(self) -> List[str]:
+        """What /healthz and the log say is wrong with our place in the overlay."""
+        if self.overlay is None:
+            return []
+        warnings = self.overlay.health(time.time())
+        warnings += [f"bootstrap {name} does not resolve" for name in self._unresolved]
+        return warnings
+
+    def _check_health(self) -> None:
+        """Every join_warn_after seconds: log each new warning once, and resolve the bootstrap
+        names that did not resolve before (DNS may come up after us)."""
+        self._health_timer = asyncio.get_running_loop().call_later(self.config.join_warn_after, self._check_health)
+        warnings = self.health_warnings()
+        for text in warnings:
+            if text.split(" has not answered")[0] not in self._warned:
+                self._warned.add(text.split(" has not answered")[0])
+                log.warning("%s", text)
+        if not warnings:
+            self._warned.clear()
+        if self._unresolved:
+            task = asyncio.ensure_future(self._resolve_again())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _resolve_again(self) -> None:
+        found, self._unresolved = await resolve_hosts(self._unresolved)
+        now = time.time()
+        for addr in found:
+            log.info("bootstrap resolved: %s", addr)
+            if addr not in self.overlay.bootstrap:
+                self.overlay.bootstrap.append(addr)
+            self.overlay.remember(addr, now, seed=True)
+            self._send([self.overlay._digest_to(addr)])
+        self._schedule()
 
     def update(self, **fields) -> None:
         """Owner write to our own record (state, models, labels, capacity…)."""
@@ -1782,9 +1827,10 @@ class Node:
             self._send(self.overlay.leave(time.time()))
             self._schedule()
             await asyncio.sleep(self.config.leave_linger)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._health_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._health_timer = None
         for server in (self._http_server, self._tcp_server):
             if server is not None:
                 server.close()
@@ -2008,11 +2054,13 @@ class Node:
         elif method == b"GET" and path == b"/v1/registry":
             self._respond(conn, writer, 200, crdt.dumps(self.registry_view()))
         elif method == b"GET" and path == b"/healthz":
-            status = "draining" if self.draining else "ok"
+            warnings = self.health_warnings()
+            status = "draining" if self.draining else "isolated" if not self.overlay.members and warnings else "ok"
             self._respond(conn, writer, 503 if self.draining else 200,
                           crdt.dumps({"status": status, "session": self.session_id,
                                       "state": crdt.STATE_NAMES[self.overlay.record["state"]],
-                                      "members": len(self.overlay.members), "gossip": self.stats()}))
+                                      "members": len(self.overlay.members), "warnings": warnings,
+                                      "gossip": self.stats()}))
         else:
             name, value = self.tunnel_header
             given = b""
@@ -2184,6 +2232,35 @@ async def resolve_bootstrap(specs: List[str]) -> List[str]:
         except ValueError:
             log.warning("ignoring bad bootstrap address %r", addr)
     return good
+
+
+async def resolve_hosts(addrs: List[str]) -> Tuple[List[str], List[str]]:
+    """HOST:PORT entries with host names resolved to an address (IPv4 first), so that a peer's
+    answer, which comes from its address, is recognised as the bootstrap's; and the entries
+    whose name does not resolve."""
+    loop = asyncio.get_running_loop()
+    found, missing = [], []
+    for addr in addrs:
+        host, port = split_addr(addr)
+        try:
+            socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+            found.append(addr)
+            continue
+        except OSError:
+            pass
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except (OSError, UnicodeError):
+            missing.append(addr)
+            continue
+        infos.sort(key=lambda info: info[0] != socket.AF_INET)
+        ip = infos[0][4][0]
+        found.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return found, missing
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def _fetch_text(url: str) -> str:
@@ -2395,16 +2472,18 @@ def env_bool(name: str, default: bool = False) -> bool:
 
 
 
-def add_overlay_args(parser: argparse.ArgumentParser) -> None:
-    """The flags every overlay member takes; each also reads an OTELA_* environment variable."""
+def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFAULT_GOSSIP) -> None:
+    """The flags every overlay member takes; each also reads an OTELA_* environment variable.
+    The ingress binds its gossip port on every interface by default (INGRESS_GOSSIP): it is
+    what nodes on other hosts bootstrap to."""
     g = parser.add_argument_group("overlay")
     g.add_argument("--key-file", default=env("KEY_FILE"),
                    help="cluster secret written by keygen (env OTELA_KEY_FILE); never pass secrets in argv")
     g.add_argument("--bootstrap", action="append", default=None,
                    help="HOST:PORT[,…] of any members' --gossip, a file of them, or an http URL returning "
                         "them (env OTELA_BOOTSTRAP); none: start a new overlay")
-    g.add_argument("--gossip", default=env("GOSSIP", DEFAULT_GOSSIP),
-                   help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {DEFAULT_GOSSIP})")
+    g.add_argument("--gossip", default=env("GOSSIP", gossip_default),
+                   help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {gossip_default})")
     g.add_argument("--listen", default=env("LISTEN", DEFAULT_LISTEN),
                    help=f"TCP address for the tunnel, /v1/registry and /healthz (env OTELA_LISTEN; "
                         f"default {DEFAULT_LISTEN})")
