@@ -354,3 +354,169 @@ def test_bootstrap_url_returning_a_json_list_or_text_is_followed():
         server.shutdown()
         server.server_close()
     assert got == ["10.1.0.1:7946", "10.1.0.2:7946", "10.1.0.3:7946"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The overlay heals: partitions, restarts, loss, a slow member (issue 11)
+# ---------------------------------------------------------------------------------------------
+def converged(net):
+    """One registry, in which every live process has its session live and unsuspected."""
+    want = {m.sid for m in net.live()}
+    return len(roots(net)) == 1 and all(
+        {sid for sid, r in m.map.items() if r["state"] < crdt.LEFT and not m.is_suspected(sid)} == want
+        for m in net.live())
+
+
+def run_until(net, predicate, limit, step=0.1):
+    start = net.now
+    while not predicate() and net.now - start < limit:
+        net.run(step)
+    return net.now - start
+
+
+def test_halves_split_longer_than_the_suspicion_grace_merge_again_without_evicting_anyone():
+    net = cluster(24)
+    sids = [m.sid for m in net.live()]
+    addrs = [m.addr for m in net.live()]
+    net.partition(addrs[:12], addrs[12:])
+    net.run(40.0)                                   # the lone-suspector grace here is ~12 s
+    assert all(m.is_suspected(sid) for m in net.live()[:12] for sid in sids[12:])
+    net.heal()
+    assert run_until(net, lambda: converged(net), 10.0) < 10.0
+    assert [m.sid for m in net.live()] == sids       # nobody was evicted, nobody rejoined
+    assert all(m.map.get(sid)["state"] == crdt.SERVING for m in net.live() for sid in sids)
+
+
+def test_evicted_members_are_redialled_so_a_lopsided_split_merges_when_it_heals():
+    net = cluster(16)
+    lonely = net.live()[0]                          # the member everybody bootstrapped to
+    old = lonely.sid
+    net.partition([lonely.addr], [m.addr for m in net.live()[1:]])
+    net.run(30.0)
+    assert all(m.map.get(old)["state"] == crdt.LEFT for m in net.live()[1:])
+    net.heal()
+    assert run_until(net, lambda: converged(net), 15.0) < 15.0
+    assert lonely.sid != old
+
+
+@pytest.mark.parametrize("kill9, down", [(False, 9.0), (True, 9.0), (True, 0.3)])
+def test_a_restarted_seed_without_bootstrap_is_found_again_within_seconds(kill9, down):
+    net = on.SimulatedNetwork(seed=3, config=fast_config(), start=T0)
+    ingress = net.add(role="ingress")
+    for _ in range(10):
+        net.add(bootstrap=[ingress.addr])
+    net.run(5.0)
+    old = ingress.sid
+    if not kill9:
+        net.send(ingress.addr, ingress.leave(net.now))
+        net.run(0.5)
+    net.kill(ingress.addr)
+    net.run(down)
+    new = net.add(addr=ingress.addr, role="ingress")     # same flags: no --bootstrap
+    nodes = {m.sid for m in net.live() if m is not new}
+    took = run_until(net, lambda: nodes <= {s for s, r in new.map.items() if r["state"] == crdt.SERVING}, 30.0)
+    assert took < 10.0
+    assert run_until(net, lambda: converged(net), 10.0) < 10.0
+    assert all(m.map.get(old)["state"] == crdt.LEFT for m in net.live())
+
+
+def test_a_suspicion_the_suspect_missed_reaches_it_by_anti_entropy_and_is_refuted():
+    net = cluster(10)
+    accuser, target = net.live()[0], net.live()[1]
+    version = target.record["version"]
+    accuser._suspect(target.sid, version, accuser.sid, net.now, None)   # its rumour is lost
+    assert accuser.is_suspected(target.sid)
+    net.run(12.0)                                   # push-pull every 2 s, probes every 0.5 s
+    assert target.record["version"] > version
+    assert not any(m.is_suspected(target.sid) for m in net.live())
+    assert target.map.get(target.sid)["state"] == crdt.SERVING
+
+
+def test_an_ack_from_a_suspect_clears_the_suspicion_and_the_ping_asks_it_to_refute():
+    net = cluster(5)
+    prober, target = net.live()[0], net.live()[1]
+    prober._suspect(target.sid, target.record["version"], prober.sid, net.now, None)
+    prober.ring = [prober.sid, target.sid]          # make the next probe go to the suspect
+    prober.members = {target.sid: target.addr}
+    out = prober._start_probe(net.now)
+    assert out[0].msg["sv"] == target.record["version"]
+    answer = target.receive(out[0].msg, prober.addr, net.now)
+    assert [o.msg["t"] for o in answer][0] == "a" and target.record["version"] == 1
+    prober.receive(answer[0].msg, target.addr, net.now)
+    assert not prober.is_suspected(target.sid)
+
+
+def test_every_member_is_probed_in_every_round_with_one_view():
+    net = cluster(40)
+    probed = []
+    for m in net.live():
+        m.probe = None
+        out = m._start_probe(net.now)
+        probed.append(out[0].addr)
+    assert sorted(probed) == sorted(m.addr for m in net.live())
+
+
+def test_a_lagging_member_is_not_evicted_and_stops_being_accused():
+    net = cluster(30, settle=8)
+    slow = net.live()[4]
+    net.slow[slow.addr] = (0.3, 1.5)
+    sids = [m.sid for m in net.live()]
+    net.run(120.0)
+    early = slow.record["version"]
+    net.run(120.0)
+    assert [m.sid for m in net.live()] == sids
+    assert all(m.map.get(s)["state"] == crdt.SERVING for m in net.live() for s in sids)
+    assert slow.record["version"] - early <= 2      # the refutations die out
+
+
+def test_no_false_eviction_at_20_percent_loss():
+    net = cluster(30, loss=0.2, settle=10)
+    sids = [m.sid for m in net.live()]
+    net.run(180.0)
+    assert all(m.map.get(s)["state"] == crdt.SERVING for m in net.live() for s in sids)
+
+
+def test_writes_reach_every_member_in_resend_rounds_not_at_anti_entropy():
+    net = cluster(60, loss=0.2, settle=10, config=fast_config(push_pull_interval=3600.0))
+    writer = net.live()[3]
+    net.send(writer.addr, writer.update(net.now, labels={"zone": "c"}))
+    net.run(2.0)
+    assert [m.map.get(writer.sid)["labels"] for m in net.live()] == [{"zone": "c"}] * 60
+    assert not writer.pushes                        # every member acked
+
+
+def test_a_join_answer_carries_live_and_recent_records_only_and_compaction_prunes_known():
+    net = cluster(4)
+    seed = net.live()[0]
+    gone = {"owner": "x", "state": crdt.LEFT, "version": 3, "started": net.now - 9000,
+            "left_at": net.now - 7200, "gossip": "10.9.9.9:1"}
+    recent = dict(gone, left_at=net.now - 60)
+    seed.map.merge({"a" * 32: gone, "b" * 32: recent})
+    seed.known["a" * 32] = (crdt.LEFT, 3, gone)
+    answer = seed.receive({"t": "j", "r": {}}, "10.0.0.99:7946", net.now)
+    state = [o.msg for o in answer if o.msg["t"] == "st"][0]["r"]
+    assert "a" * 32 not in state and "b" * 32 in state and len(state) == 5
+    seed.tick(net.now + seed.cfg.retention + seed.cfg.compact_interval)
+    assert "a" * 32 not in seed.known
+
+
+def test_an_alone_member_names_the_bootstrap_that_never_answered():
+    net = on.SimulatedNetwork(seed=1, config=fast_config(), start=T0)
+    lonely = net.add(bootstrap=["10.99.0.1:7946"])
+    net.run(1.0)
+    assert lonely.health(net.now) == []
+    net.run(3.0)
+    [warning] = lonely.health(net.now)
+    assert "10.99.0.1:7946 has not answered" in warning
+
+
+def test_env_bool_reads_the_usual_spellings_and_refuses_the_rest(monkeypatch):
+    for raw, want in (("1", True), ("TRUE", True), ("yes", True), ("on", True), ("0", False),
+                      ("false", False), ("No", False), ("off", False), ("", False)):
+        monkeypatch.setenv("OTELA_X", raw)
+        assert on.env_bool("X") is want
+    monkeypatch.delenv("OTELA_X")
+    assert on.env_bool("X", True) is True
+    monkeypatch.setenv("OTELA_X", "maybe")
+    with pytest.raises(on.ConfigError):
+        on.env_bool("X")
