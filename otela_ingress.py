@@ -105,6 +105,10 @@ KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes
 STREAM_DRAIN_ABOVE = 64 * 1024      # bytes buffered for a stream's client before waiting for it
 SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
 DRAIN_S = 10.0                       # on SIGTERM, requests in flight get this long to finish
+LINGER_S = 2.0                       # after a last answer, what a client still sends (a body we
+                                     # refused to read) is read and dropped this long at most:
+                                     # closing with unread bytes sends a TCP reset, which can
+                                     # destroy the answer before the client reads it
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
 DEFAULT_DB = "otela.sqlite"
 NO_TRACK_HEADER = b"x-otela-no-track"  # "1" opts the request out of per-request rows
@@ -1644,7 +1648,7 @@ class _Client(asyncio.Protocol):
     """
 
     __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "pending",
-                 "_waiter", "_drain_waiter", "_write_paused", "_read_paused")
+                 "lingering", "_waiter", "_drain_waiter", "_write_paused", "_read_paused")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -1656,6 +1660,7 @@ class _Client(asyncio.Protocol):
         self.closed = False
         self.relay: Optional[_Relay] = None   # the stream being relayed to this client, if any
         self.pending: Optional[tuple] = None  # (exchange, upstream, candidate) awaiting a plain answer
+        self.lingering = False           # answered and half-closed: what arrives is dropped
         self._waiter: Optional[asyncio.Future] = None
         self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
@@ -1678,7 +1683,7 @@ class _Client(asyncio.Protocol):
         ingress.metrics.connections += 1
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self.lingering:
             return
         conn = self.conn
         conn.receive_data(data)
@@ -1693,6 +1698,8 @@ class _Client(asyncio.Protocol):
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
+        if self.lingering:
+            return False   # the client read our answer and closed: close too
         self.data_received(b"")
         return True   # half-closed: the answer may still go out
 
@@ -1775,9 +1782,23 @@ class _Client(asyncio.Protocol):
     def close(self) -> None:
         """Close gracefully after a complete answer, abort in the middle of one."""
         if self.conn.our_state is h11.DONE or self.conn.our_state is h11.MUST_CLOSE:
-            self.transport.close()
+            self.linger()
         else:
             self.transport.abort()
+
+    def linger(self) -> None:
+        """Close after a complete answer without a reset: send our FIN, then read and drop what
+        the client still sends until it closes too, or for LINGER_S."""
+        transport = self.transport
+        if transport.is_closing() or self.lingering:
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        self.lingering = True
+        transport.write_eof()   # after what is buffered: the answer goes out first
+        self.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
 
 class _Exchange:
@@ -2111,16 +2132,20 @@ class Ingress:
         path, _, query = target.partition(b"?")
         try:
             if request.method == b"POST" and path in PROXIED_PATHS:
+                self.authenticate(fields)   # on the head: a stranger's body is never read
                 body = await self._read_body(client, fields)
-                ex, candidates = self._prepare(client, path, fields, body, t0)
+                ex, candidates = self._prepare(client, path, fields, body, t0)   # (a cached key: 0.1 us)
                 self.metrics.inflight += 1
                 try:
                     await self._attempts(ex, candidates)
                 finally:
                     self.metrics.inflight -= 1
                 return
-            if client.conn.their_state is h11.SEND_BODY:
-                await self._read_body(client, fields)   # keep the connection usable
+            length = fields.get(b"content-length") or b"0"
+            if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
+                    and int(length) <= MAX_HEADER_BYTES:
+                await self._read_body(client, fields)   # a stray small body: keep the connection
+            # a bigger one is never read: the answer closes the connection
             client.busy = True
             handler = self._GET.get(path)
             if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):

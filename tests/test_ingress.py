@@ -594,7 +594,8 @@ def test_a_client_that_stops_mid_body_is_closed_after_the_request_timeout(stack,
     monkeypatch.setattr(otela_ingress, "REQUEST_TIMEOUT_S", 0.5)
     with socket.create_connection(("127.0.0.1", stack.port)) as sock:
         sock.settimeout(10)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"mo")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                     b"content-length: 100\r\n\r\n{\"mo" % stack.key().encode())   # a key: the body is read
         t0 = time.monotonic()
         assert sock.recv(100) == b""   # closed by the ingress, not by us
         assert time.monotonic() - t0 < 5

@@ -145,3 +145,72 @@ def test_a_well_framed_chunked_request_is_served_on_a_kept_alive_connection(stac
     finally:
         sock.close()
     assert [status for status, _, _ in responses(data)] == [200, 200]
+
+
+# -- 2. no work before authentication ---------------------------------------------------------------
+def read_response(sock: socket.socket, deadline_s: float = 10.0) -> Tuple[int, dict, bytes]:
+    """One Content-Length response, read without waiting for the connection to end."""
+    sock.settimeout(deadline_s)
+    data = b""
+    while True:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(rest) >= length:
+                return responses(data[:len(head) + 4 + length])[0]
+        piece = sock.recv(65536)
+        assert piece, f"closed before a whole response: {data!r}"
+        data += piece
+
+
+@pytest.mark.parametrize("authorization", [b"authorization: Bearer sk-otela-wrong", b"x-no-key: 1",
+                                           b"authorization: Basic dXNlcjpwYXNz"])
+def test_a_bad_key_gets_401_on_the_head_without_the_body_being_read(stack, authorization):
+    stack.engine("m1")
+    ten_mib = 10 * 1024 * 1024
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n%s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % (authorization, ten_mib))
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as sock:
+        sock.sendall(head)   # and never the body: the answer cannot be waiting for it
+        status, headers, body = read_response(sock)
+        assert status == 401 and headers["connection"] == "close"
+        assert openai_error(body)["type"] == "authentication_error"
+        rest, closed = read_to_close(sock)
+        assert (rest, closed) == (b"", True)
+
+
+def test_strangers_sending_big_bodies_cost_no_memory_and_still_read_their_401(stack):
+    # each sends a head promising 10 MiB, then 1 MiB of it after the 401: the ingress drops
+    # what arrives after its answer (no buffering, and no reset that would destroy the 401)
+    stack.engine("m1")
+    head = post_head("sk-otela-wrong", b"content-length: %d" % (10 * 1024 * 1024))
+    socks = [socket.create_connection(("127.0.0.1", stack.port), timeout=10) for _ in range(20)]
+    try:
+        for sock in socks:
+            sock.sendall(head)
+        for sock in socks:
+            assert read_response(sock)[0] == 401
+            try:
+                sock.sendall(b"x" * (1024 * 1024))
+            except OSError:   # the ingress may have closed already
+                pass
+        held = stack.call(lambda: sum(c.buffered() for c in stack.ingress._clients))
+        assert held == 0
+    finally:
+        for sock in socks:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while stack.call(lambda: len(stack.ingress._clients)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stack.call(lambda: len(stack.ingress._clients)) == 0
+
+
+def test_a_good_key_with_a_body_in_pieces_is_still_served(stack):
+    stack.engine("m1")
+    key = stack.key()
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as sock:
+        sock.sendall(post_head(key, b"content-length: %d" % len(CHAT)) + CHAT[:5])
+        time.sleep(0.05)
+        sock.sendall(CHAT[5:])
+        status, _, body = read_response(sock)
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] > 0
