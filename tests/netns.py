@@ -70,18 +70,20 @@ def enter(netns: str) -> None:
 
 
 class Place:
-    """Where a member runs and its sockets live: this machine's loopback, or one namespace of a
-    Lab. `argv` wraps a command to run there; `call` runs a function with its network."""
+    """Where a member runs and its sockets live: this machine's loopback, one namespace of a
+    Lab, or (`isolated`) a namespace of each process's own. `argv` wraps a command to run
+    there; `call` runs a function with its network."""
 
-    def __init__(self, host: str, netns: Optional[str] = None):
+    def __init__(self, host: str, netns: Optional[str] = None, prefix: Optional[List[str]] = None):
         self.host = host
         self.netns = netns
+        self.prefix = ["ip", "netns", "exec", netns] if netns else list(prefix or [])
         self._thread = None
         if netns:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, initializer=enter, initargs=(netns,))
 
     def argv(self, argv: List[str]) -> List[str]:
-        return ["ip", "netns", "exec", self.netns, *argv] if self.netns else list(argv)
+        return self.prefix + list(argv)
 
     def call(self, fn: Callable, *args, timeout: float = 30.0):
         if self._thread is None:
@@ -104,6 +106,22 @@ class Place:
 
 
 LOOPBACK = Place("127.0.0.1")
+
+
+def isolated() -> Optional[Place]:
+    """A place where each process gets a fresh network namespace with only loopback (unshare;
+    as a user, inside a user namespace): a name it resolves or a packet it sends reaches no one
+    outside, and its sockets cannot be reached from here either (read its log). None where
+    unshare is refused."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return None
+    userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    prefix = ["unshare", *userns, "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "isolated"]
+    try:
+        works = subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        works = False
+    return Place("127.0.0.1", prefix=prefix) if works else None
 
 
 def free_port_pair() -> int:

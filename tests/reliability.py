@@ -149,7 +149,7 @@ class Fleet:
         member = Member(name, "ingress", place, argv, listen, gossip)
         self.members.append(member)
         self.start(member)
-        wait(lambda: self.get(member, "/healthz")[0] == 200, 60, f"{name} /healthz")
+        wait(lambda: self.up() and self.get(member, "/healthz")[0] == 200, 60, f"{name} /healthz")
         return member
 
     def node(self, name: str, place: Place = LOOPBACK, bootstrap: Tuple[str, ...] = (),
@@ -220,6 +220,21 @@ class Fleet:
                     os.kill(pid, signal.SIGKILL)
 
     # -- looking -----------------------------------------------------------------------------
+    def up(self) -> bool:
+        """True; RuntimeError naming a member whose process exited (a wait for the cluster to come
+        up then fails at once, with the reason, instead of at its deadline)."""
+        for member in self.members:
+            code = member.proc.poll() if member.proc else None
+            if code is not None:
+                last = (self.log(member).strip().splitlines() or ["(empty log)"])[-1]
+                raise RuntimeError(f"{member.name} exited with {code}: {last}")
+        return True
+
+    def log(self, member: Member) -> str:
+        """What the member's current process has written (stdout and stderr)."""
+        with open(os.path.join(self.tmp, f"{member.name}.{self.starts[member.name]}.log"), "rb") as fh:
+            return fh.read().decode("utf-8", "replace")
+
     def get(self, member: Member, path: str) -> Tuple[int, Any]:
         """GET a member's HTTP path (its --listen), from inside its place."""
         return member.place.call(get_json, member.url + path)
@@ -449,7 +464,7 @@ def partition(args: argparse.Namespace, nodes: int = 5) -> Dict[str, Any]:
         ingress = fleet.ingress(lab.places[0], policy="round_robin")
         workers = [fleet.node(f"n{i}", lab.places[i], bootstrap=(ingress.gossip,)) for i in range(1, nodes + 1)]
         members = [ingress] + workers
-        wait(lambda: agreed(fleet, members), 90, "every member SERVING in every registry")
+        wait(lambda: fleet.up() and agreed(fleet, members), 90, "every member SERVING in every registry")
         with Load(lab.places[0], ingress.url, fleet.token, rate=5) as load:
             time.sleep(1.0)
             far = list(range(near, nodes + 1))
@@ -498,7 +513,7 @@ def ingress_restart(args: argparse.Namespace, sig: int, nodes: int = 3, down_s: 
         ingress = fleet.ingress()
         for i in range(nodes):
             fleet.node(f"n{i}", bootstrap=(ingress.gossip,))
-        wait(lambda: len(fleet.serving(ingress)) == nodes, 90, f"{nodes} nodes serving at the ingress")
+        wait(lambda: fleet.up() and len(fleet.serving(ingress)) == nodes, 90, f"{nodes} nodes serving at the ingress")
         workers = [m for m in fleet.members if m.role == "worker"]
         with Load(LOOPBACK, ingress.url, fleet.token, rate=5) as load:
             time.sleep(1.0)
@@ -553,7 +568,7 @@ def churn(args: argparse.Namespace, nodes: int = 8) -> Dict[str, Any]:
         ingress = fleet.ingress()
         flags = "--chunks 20 --chunk-delay 0.1"
         running = [fleet.node(f"n{i}", bootstrap=(ingress.gossip,), engine_flags=flags) for i in range(nodes)]
-        wait(lambda: len(fleet.serving(ingress)) == nodes, 120, f"{nodes} nodes serving at the ingress")
+        wait(lambda: fleet.up() and len(fleet.serving(ingress)) == nodes, 120, f"{nodes} nodes serving at the ingress")
         kills = {"node": 0, "engine": 0}
         heals: List[Optional[float]] = []
         with Load(LOOPBACK, ingress.url, fleet.token, rate=5, streams=streams) as load:
