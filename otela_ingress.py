@@ -76,14 +76,24 @@ MAX_BODY_BYTES = 16 * 1024 * 1024    # a 128k-token prompt is ~0.5 MB of text; e
                                      # batches are larger; 16 MiB leaves room for both
 MAX_CONTENT_LENGTH_DIGITS = 18       # 10**18 bytes is an exabyte: a longer Content-Length is an
                                      # attack (int() of 5,000 digits raises), never a request
-MAX_CONNECTIONS = 4096               # below the usual 8192 fd soft limit with upstreams counted
+MAX_CONNECTIONS = 4096               # below the usual 8192 fd soft limit with upstreams counted;
+                                     # the one over it is answered 503, not reset
+ADDRESS_SHARE = 0.25                 # one client address holds at most this share of them, so
+                                     # filling the ingress takes four hosts, not one script ...
+ADDRESS_FLOOR = 64                   # ... but never fewer than 64: one app server's pool (the
+                                     # benchmark keeps 64) behind one address is normal
 READ_CHUNK = 256 * 1024              # one read per SSE burst or request body in most cases
 IDLE_TIMEOUT_S = 120.0               # a keep-alive client silent this long is closed
-REQUEST_TIMEOUT_S = 30.0             # a started request must be fully received within this
+HEAD_TIMEOUT_S = 10.0                # a request head (< 2 KiB, one packet from real clients) must
+                                     # be whole this long after its first byte, or after the
+                                     # connection opened; absolute, so a client dribbling a byte
+                                     # at a time (slowloris) cannot hold its connection longer
+REQUEST_TIMEOUT_S = 30.0             # a request's body must be whole this long after its head,
+                                     # however it trickles in (16 MiB needs 4.5 Mbit/s)
 UPSTREAM_CONNECT_TIMEOUT_S = 3.0     # loopback/LAN connects take < 1 ms; 3 s means dead
 UPSTREAM_IDLE_TIMEOUT_S = 600.0      # prefill of a long prompt on a busy engine can take
                                      # minutes before the first byte; longer means hung
-SWEEP_INTERVAL_S = 1.0               # granularity of the timeouts above
+SWEEP_INTERVAL_S = 1.0               # granularity of the timeouts and deadlines above
 MAX_ATTEMPTS = 3                     # sessions tried per request (the issue's "up to 3")
 RETRY_STATUSES = frozenset((500, 502, 503))  # engine-side failures worth another session
 POOL_IDLE_PER_PROVIDER = 128         # kept-alive upstream connections per session (> the 64
@@ -126,7 +136,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
     429: "rate_limit_error", 431: "invalid_request_error", 499: "client_closed_request",
-    502: "api_error", 503: "api_error", 504: "api_error",
+    500: "server_error", 502: "server_error", 503: "server_error", 504: "server_error",
 }
 _REASONS = {
     200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
@@ -1647,14 +1657,18 @@ class _Client(asyncio.Protocol):
     request boundary with nothing buffered.
     """
 
-    __slots__ = ("ingress", "conn", "transport", "last", "busy", "task", "closed", "relay", "pending",
-                 "lingering", "_waiter", "_drain_waiter", "_write_paused", "_read_paused")
+    __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "task", "closed",
+                 "relay", "pending", "lingering", "_waiter", "_drain_waiter", "_write_paused", "_read_paused")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
         self.conn: Any = _ClientConn()   # an h11.Connection after the first unusual request
         self.transport: Any = None
-        self.last = time.monotonic()
+        self.address = ""                # the client's IP address (its share of the connections)
+        # when the sweep closes the connection unless a request is being answered: the head is
+        # due (HEAD_TIMEOUT_S), its body (REQUEST_TIMEOUT_S), or it idles between requests
+        self.deadline = time.monotonic() + HEAD_TIMEOUT_S
+        self.idle = False                # between requests with nothing of the next one yet
         self.busy = False                # a request is being answered
         self.task: Optional[asyncio.Future] = None   # the task that owns the connection, if any
         self.closed = False
@@ -1669,25 +1683,36 @@ class _Client(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         ingress = self.ingress
+        peer = transport.get_extra_info("peername")
+        address = self.address = peer[0] if peer else ""
         if len(ingress._clients) >= ingress.max_connections:
-            body = error_body(503, "Too many connections", "too_many_connections")
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                            b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                            % (len(body), body))
-            transport.close()
-            ingress.metrics.errors["too_many_connections"] += 1
-            self.closed = True
-            return
+            return self._refuse(503, "Too many connections to the ingress", "too_many_connections")
+        held = ingress._per_address.get(address, 0)
+        if held >= ingress.max_per_address:
+            return self._refuse(429, f"Too many connections from {address}", "too_many_connections")
+        ingress._per_address[address] = held + 1
         transport.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)   # TCP_NODELAY: set by the loop
         ingress._clients.add(self)
         ingress.metrics.connections += 1
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer a connection over a cap with an error, and close it without a reset (its request
+        may be on the way already: see linger)."""
+        body = error_body(status, message, code)
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, _REASONS[status], len(body), body))
+        self.ingress.metrics.errors[code] += 1
+        self.linger()
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self.lingering:
             return
         conn = self.conn
         conn.receive_data(data)
-        self.last = time.monotonic()
+        if self.idle:   # the first byte of the next request: its head is due
+            self.idle = False
+            self.deadline = time.monotonic() + HEAD_TIMEOUT_S
         if self.task is not None:
             self._wake()
         elif not self.busy:
@@ -1721,6 +1746,9 @@ class _Client(asyncio.Protocol):
         if self in ingress._clients:
             ingress._clients.discard(self)
             ingress.metrics.connections -= 1
+            held = ingress._per_address.pop(self.address, 1) - 1
+            if held:
+                ingress._per_address[self.address] = held
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -1768,10 +1796,15 @@ class _Client(asyncio.Protocol):
             if self.closed:
                 raise ConnectionResetError("the client closed the connection")
 
+    def between_requests(self) -> None:
+        """An answer went out: the next head is due (bytes of it are here), or the client idles."""
+        self.busy = False
+        self.idle = not self.buffered()
+        self.deadline = time.monotonic() + (IDLE_TIMEOUT_S if self.idle else HEAD_TIMEOUT_S)
+
     def finish(self) -> bool:
         """After an answer: ready for the next request (True), or the connection is closed."""
-        self.busy = False
-        self.last = time.monotonic()
+        self.between_requests()
         conn = self.conn
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not self.closed:
             conn.start_next_cycle()
@@ -1829,12 +1862,15 @@ class Ingress:
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
-                 max_body: int = MAX_BODY_BYTES):
+                 max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None):
         self.node = node
         self.db_path = db_path
         self.policy = policy if policy is not None else LeastLoadedPolicy()
         self.no_auth = no_auth
         self.max_connections = max_connections
+        self.max_per_address = max_per_address if max_per_address is not None else \
+            min(max_connections, max(ADDRESS_FLOOR, int(max_connections * ADDRESS_SHARE)))
+        self._per_address: Dict[str, int] = {}   # open connections per client address
         self.max_body = max_body
         self.keys: Dict[str, Key] = {}
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
@@ -1912,11 +1948,8 @@ class Ingress:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now = time.monotonic()
             self.pool.sweep(now)
-            for client in list(self._clients):
-                limit = REQUEST_TIMEOUT_S if client.conn.their_state is h11.SEND_BODY or (
-                    client.conn.their_state is h11.IDLE and client.conn.trailing_data[0]) else IDLE_TIMEOUT_S
-                if not client.busy and now - client.last > limit:
-                    client.transport.abort()
+            for client in [c for c in self._clients if not c.busy and now > c.deadline]:
+                client.transport.abort()
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:
@@ -2081,11 +2114,11 @@ class Ingress:
                     await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
                                                                 "bad_request"))
                     return False
+                client.deadline = time.monotonic() + REQUEST_TIMEOUT_S   # for its body
                 try:
                     await self._handle(client, event, fields)
                 finally:
-                    client.busy = False
-                    client.last = time.monotonic()
+                    client.between_requests()
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE \
                         or conn.our_state is not h11.DONE:
                     return False
@@ -2620,7 +2653,7 @@ class Ingress:
         self._account(ex, now)
         self._record(ex, now)
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
-                                      "type": "api_error", "param": None, "code": "stream_cut"}})
+                                      "type": "server_error", "param": None, "code": "stream_cut"}})
         conn = ex.client.conn
         ex.client.transport.write(_data(conn, b"data: " + error + b"\n\ndata: [DONE]\n\n") + _end(conn))
 

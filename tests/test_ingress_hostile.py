@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
+from test_ingress_support import Client, Stack
+
+import otela_ingress
 
 CHAT = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -214,3 +218,134 @@ def test_a_good_key_with_a_body_in_pieces_is_still_served(stack):
         sock.sendall(CHAT[5:])
         status, _, body = read_response(sock)
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] > 0
+
+
+# -- 3. slowloris and connection caps ---------------------------------------------------------------
+def connect_from(source: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def open_connections(stack: Stack) -> int:
+    return stack.call(lambda: len(stack.ingress._clients))
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_others_are_served(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(otela_ingress, "HEAD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
+    stack = Stack(str(tmp_path / "o.sqlite"), max_connections=400)   # 100 per address
+    dribblers: List[socket.socket] = []
+    try:
+        stack.engine("m1")
+        key = stack.key()
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"a" * 4000
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", stack.port), timeout=5)
+            sock.setblocking(False)
+            dribblers.append(sock)
+        outcome: Dict[socket.socket, bytes] = {}   # closed -> what the ingress said first
+        said: Dict[socket.socket, bytes] = {sock: b"" for sock in dribblers}
+        served: List[int] = []
+
+        def legitimate():
+            client = Client(stack.url, key, timeout=10, source="127.0.0.2")
+            try:
+                for _ in range(20):
+                    served.append(client.chat()[0])
+            except OSError as exc:
+                served.append(repr(exc))
+            finally:
+                client.close()
+
+        worker = threading.Thread(target=legitimate)
+        worker.start()
+        deadline = time.monotonic() + 20   # bounded: a test that never ends is a failed test
+        sent = 0
+        while len(outcome) < len(dribblers) and time.monotonic() < deadline:
+            for sock in dribblers:
+                if sock in outcome:
+                    continue
+                try:
+                    piece = sock.recv(4096)
+                    if piece:
+                        said[sock] += piece
+                        continue
+                    outcome[sock] = said[sock]
+                except BlockingIOError:
+                    try:
+                        sock.send(head[sent % len(head):sent % len(head) + 1])
+                    except OSError:
+                        outcome[sock] = said[sock]
+                except OSError:
+                    outcome[sock] = said[sock]
+            sent += 1
+            time.sleep(0.1)
+        worker.join(30)
+        assert served == [200] * 20   # the legitimate client never failed meanwhile
+        assert len(outcome) == len(dribblers)   # every dribbler was closed, although it kept sending
+        cut = [sock for sock, first in outcome.items() if first == b""]
+        refused = [first for first in outcome.values() if first]
+        assert cut and sent > 10   # cut by the deadline (1 s), not by a pause in its bytes
+        for first in refused:   # over its address's share: an answer, not a reset
+            (status, _, body), = responses(first)
+            assert status == 429 and openai_error(body)["code"] == "too_many_connections"
+        assert wait_for(lambda: open_connections(stack) == 0)
+    finally:
+        for sock in dribblers:
+            sock.close()
+        stack.close()
+
+
+def test_the_connection_over_the_cap_gets_503_with_an_error_body_and_a_share_is_per_address(tmp_path):
+    stack = Stack(str(tmp_path / "o.sqlite"), max_connections=8, max_per_address=2)
+    held: List[socket.socket] = []
+    try:
+        first = connect_from("127.0.0.20", stack.port)
+        second = connect_from("127.0.0.20", stack.port)
+        held += [first, second]
+        assert wait_for(lambda: open_connections(stack) == 2)
+        answers, closed = attack(stack.port, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n", source="127.0.0.20")
+        assert [status for status, _, _ in answers] == [429] and closed
+        assert answers[0][1]["retry-after"] == "1"
+        assert openai_error(answers[0][2])["type"] == "rate_limit_error"
+        for source in ("127.0.0.21", "127.0.0.22", "127.0.0.23"):
+            held += [connect_from(source, stack.port), connect_from(source, stack.port)]
+        assert wait_for(lambda: open_connections(stack) == 8)
+        # the request is sent at once: it must not turn the answer into a reset
+        answers, closed = attack(stack.port, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n" * 3,
+                                 source="127.0.0.24")
+        assert [status for status, _, _ in answers] == [503] and closed
+        error = openai_error(answers[0][2])
+        assert error["code"] == "too_many_connections" and error["type"] == "server_error"
+        first.close()
+        assert wait_for(lambda: open_connections(stack) == 7)
+        answers, _ = attack(stack.port, b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+                            source="127.0.0.24")
+        assert [status for status, _, _ in answers] == [200]
+        held.append(second)
+        second.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")   # the held ones still work
+        assert read_response(second)[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+        stack.close()
+
+
+def test_a_connection_that_never_sends_a_head_is_closed_after_the_head_deadline(stack, monkeypatch):
+    monkeypatch.setattr(otela_ingress, "HEAD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as sock:
+        assert read_to_close(sock) == (b"", True)

@@ -150,9 +150,12 @@ class Stack:
 class Client:
     """A keep-alive HTTP/1.1 client (http.client) with the OpenAI body conventions."""
 
-    def __init__(self, url: str, key: Optional[str] = None, timeout: float = 30.0):
+    def __init__(self, url: str, key: Optional[str] = None, timeout: float = 30.0,
+                 source: Optional[str] = None):
+        """`source`: the local address to connect from (any of 127.0.0.0/8 works on Linux)."""
         host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=timeout,
+                                               source_address=(source, 0) if source else None)
         self.key = key
 
     def request(self, method: str, path: str, body: Any = None, headers: Optional[Dict[str, str]] = None,
