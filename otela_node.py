@@ -411,6 +411,7 @@ class Overlay:
                                                     #             nack time (inf once sent)]
         self.late: Dict[int, tuple] = {}            # recent probe seq -> (sid, start): late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
+        self.rtt = 0.0                              # moving average of every ack's delay
         self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
         self.remembered: Dict[str, list] = {}       # addr -> [next dial, backoff, since, seed?]
         self.heard: set = set()                     # bootstrap addresses that have answered
@@ -608,7 +609,8 @@ class Overlay:
         n = msg["n"]
         p = self.probe
         if p is not None and n == p["seq"]:
-            self.lhm = max(0, self.lhm - 1)
+            if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
+                self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
             self._acked(p["sid"], now - p["start"], now)
             self._end_probe()
             return []
@@ -619,6 +621,9 @@ class Overlay:
         if late is not None:                        # after its round gave up: still evidence
             sid = late[0]
             self._acked(sid, now - late[1], now)
+            if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
+                self._degrade()                     # we alone accused a live member: our clock
+                                                    # or socket lags, so we judge more slowly
             sus = self.suspects.get(sid)
             if sus is not None and sid in self.members:   # tell it, so that it refutes
                 return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
@@ -628,6 +633,7 @@ class Overlay:
         """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
         ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
         self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
+        self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
         sus = self.suspects.get(sid)
         if sus is not None:
             record = self.map.get(sid)
