@@ -144,7 +144,7 @@ def write_tail(loss: float, n: int = N, writes: int = 20, seed: int = 3) -> Dict
         net.send(writer.addr, writer.update(net.now, labels={"w": str(i)}))
         version = writer.record["version"]
 
-        def everywhere():
+        def everywhere(writer=writer, version=version):
             return all((m.map.get(writer.sid) or {}).get("version", -1) >= version for m in net.live())
         time_to(net, everywhere, 30.0, step=0.05)
         arrivals = {at: t for t, at, sid, rec in net.changes[seen:]
@@ -166,8 +166,8 @@ def detection(trials: int = 10, loss: float = 0.0, seed: int = 4) -> Dict[str, A
         net.kill(victim.addr)
         t0 = net.now
         for m in net.live():
-            done = time_to(net, lambda m=m: m.is_suspected(victim.sid) or
-                           (m.map.get(victim.sid) or {}).get("state") == crdt.LEFT, 30.0, step=0.02)
+            done = time_to(net, lambda m=m, v=victim.sid: m.is_suspected(v) or
+                           (m.map.get(v) or {}).get("state") == crdt.LEFT, 30.0, step=0.02)
             times.append(net.now - t0 if not math.isinf(done) else math.inf)
     times.sort()
     p99 = times[int(0.99 * (len(times) - 1))]
