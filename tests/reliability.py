@@ -423,7 +423,8 @@ def read_ledger(db: str) -> Tuple[int, int]:
 def workdir(args: argparse.Namespace, name: str):
     """A temporary directory for one scenario's keys, ledger and logs (kept under --keep)."""
     if getattr(args, "keep", None):
-        path = os.path.join(args.keep, name.split()[0] + "-" + str(int(time.time())))
+        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
+        path = os.path.join(args.keep, f"{slug}-{int(time.time())}")
         os.makedirs(path, exist_ok=True)
         yield path
     else:
