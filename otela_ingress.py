@@ -1658,7 +1658,8 @@ class _Client(asyncio.Protocol):
     """
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "task", "closed",
-                 "relay", "pending", "lingering", "_waiter", "_drain_waiter", "_write_paused", "_read_paused")
+                 "relay", "pending", "lingering", "head_only", "_waiter", "_drain_waiter", "_write_paused",
+                 "_read_paused")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -1675,6 +1676,7 @@ class _Client(asyncio.Protocol):
         self.relay: Optional[_Relay] = None   # the stream being relayed to this client, if any
         self.pending: Optional[tuple] = None  # (exchange, upstream, candidate) awaiting a plain answer
         self.lingering = False           # answered and half-closed: what arrives is dropped
+        self.head_only = False           # the request being answered is a HEAD
         self._waiter: Optional[asyncio.Future] = None
         self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
@@ -1798,7 +1800,7 @@ class _Client(asyncio.Protocol):
 
     def between_requests(self) -> None:
         """An answer went out: the next head is due (bytes of it are here), or the client idles."""
-        self.busy = False
+        self.busy = self.head_only = False
         self.idle = not self.buffered()
         self.deadline = time.monotonic() + (IDLE_TIMEOUT_S if self.idle else HEAD_TIMEOUT_S)
 
@@ -2180,18 +2182,21 @@ class Ingress:
                 await self._read_body(client, fields)   # a stray small body: keep the connection
             # a bigger one is never read: the answer closes the connection
             client.busy = True
+            client.head_only = request.method == b"HEAD"   # a GET whose answer has no body
             handler = self._GET.get(path)
             if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
                 # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
                 handler = functools.partial(Ingress._get_model, model=unquote(path[len(MODEL_PREFIX):].decode(
                     "utf-8", "replace")))
+            shown = path.decode("utf-8", "replace")
             if handler is None:
                 if path in PROXIED_PATHS:
-                    raise HTTPError(405, f"Use POST for {path.decode()}", "method_not_allowed")
-                raise HTTPError(404, f"No route for {request.method.decode()} {path.decode()}",
-                                "unknown_url")
-            if request.method != b"GET":
-                raise HTTPError(405, f"Use GET for {path.decode()}", "method_not_allowed")
+                    raise HTTPError(405, f"Use POST for {shown}", "method_not_allowed",
+                                    headers=[(b"allow", b"POST")])
+                raise HTTPError(404, f"No route for {request.method.decode('latin-1')} {shown}", "unknown_url")
+            if request.method != b"GET" and not client.head_only:
+                raise HTTPError(405, f"Use GET for {shown}", "method_not_allowed",
+                                headers=[(b"allow", b"GET, HEAD")])
             status, content_type, payload = await handler(self, fields, query)
             await self._respond(client, status, payload, content_type)
         except HTTPError as exc:
@@ -2207,7 +2212,10 @@ class Ingress:
         if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
             headers.append((b"connection", b"close"))   # the request body was left unread
         out = _response_head(conn, status, headers)
-        client.transport.write(out + _data(conn, payload) + _end(conn))
+        if client.head_only:   # the length a GET would get, and no body
+            client.transport.write(out + _end(conn))
+        else:
+            client.transport.write(out + _data(conn, payload) + _end(conn))
 
     async def _respond(self, client: _Client, status: int, payload: bytes,
                        content_type: bytes = b"application/json",
@@ -2261,7 +2269,7 @@ class Ingress:
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
         try:
             request = crdt.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
             raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
         if not isinstance(request, dict):
             raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
@@ -2731,7 +2739,10 @@ class Ingress:
 
     async def _get_usage(self, fields, query):
         self.authenticate(fields, admin=True)
-        params = {k.decode(): v[0].decode() for k, v in parse_qs(query).items()}
+        try:
+            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
+        except UnicodeDecodeError:
+            raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
         try:
             days = max(1, min(3660, int(params.get("days", "31"))))
         except ValueError:

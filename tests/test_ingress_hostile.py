@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 from test_ingress_support import Client, Stack
 
+import crdt
 import otela_ingress
 
 CHAT = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -349,3 +350,61 @@ def test_a_connection_that_never_sends_a_head_is_closed_after_the_head_deadline(
     monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
     with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as sock:
         assert read_to_close(sock) == (b"", True)
+
+
+# -- 4. odd methods, queries and bodies -------------------------------------------------------------
+@pytest.mark.parametrize("path, status, allow", [
+    ("/healthz", 200, None), ("/metrics", 200, None), ("/v1/models", 200, None), ("/v1/models/m1", 200, None),
+    ("/v1/registry", 200, None), ("/dashboard", 200, None), ("/v1/usage", 200, None),
+    ("/v1/usage/stats", 200, None), ("/nowhere", 404, None), ("/v1/models/nope", 404, None),
+    ("/v1/chat/completions", 405, "POST"), ("/v1/embeddings", 405, "POST"),
+])
+def test_head_is_answered_like_get_without_a_body_on_any_path(stack, path, status, allow):
+    stack.engine("m1")
+    client = Client(stack.url, stack.key(admin=True))
+    try:
+        got, headers, body = client.request("HEAD", path)
+        assert (got, body, headers.get("allow")) == (status, b"", allow)
+        if path == "/dashboard":   # a page whose length does not move: HEAD says what GET sends
+            assert int(headers["content-length"]) == len(client.request("GET", path)[2])
+        else:
+            assert int(headers["content-length"]) > 0
+        assert client.request("GET", "/healthz")[0] == 200   # the connection is still in use
+    finally:
+        client.close()
+
+
+def test_a_post_on_a_get_endpoint_gets_405_naming_the_methods(stack):
+    client = Client(stack.url, stack.key())
+    try:
+        status, headers, body = client.request("POST", "/healthz", b"{}")
+        assert (status, headers["allow"], openai_error(body)["code"]) == (405, "GET, HEAD", "method_not_allowed")
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("query", ["user=%ff", "model=%c3%28", "user=%ff%fe&days=2"])
+def test_a_query_that_is_not_utf8_gets_400(stack, query):
+    client = Client(stack.url, stack.key(admin=True))
+    try:
+        status, _, body = client.request("GET", f"/v1/usage?{query}")
+        assert status == 400 and openai_error(body)["type"] == "invalid_request_error"
+        assert client.request("GET", "/v1/usage?user=%C3%A9")[0] == 200   # UTF-8 percent-encoded is fine
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("decoder", ["as installed", "stdlib json"])
+def test_a_deeply_nested_body_gets_400_with_or_without_orjson(stack, monkeypatch, decoder):
+    if decoder == "stdlib json":   # what a bare interpreter (OTELA_BLOCK_ACCEL=1) decodes with
+        monkeypatch.setattr(crdt, "loads", json.loads)
+    stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        for body in (b"[" * 100_000, b'{"model": "m1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+            status, _, answer = client.request("POST", "/v1/chat/completions", body)
+            error = openai_error(answer)
+            assert (status, error["type"], error["code"]) == (400, "invalid_request_error", "invalid_json")
+        assert client.chat()[0] == 200
+    finally:
+        client.close()
