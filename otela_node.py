@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import socket
@@ -1312,6 +1313,15 @@ RELAY_HIGH_WATER = 262144
 MAX_ENGINE_HEAD = 65536
 
 
+MAX_LENGTH_DIGITS = 18              # 10^18 bytes is past any body; int() of 4,300+ digits raises
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")          # a chunk size below 2^60
+
+
+def _valid_length(value: bytes) -> bool:
+    """A Content-Length as RFC 9112 allows it: digits only, and not absurdly many."""
+    return value.isdigit() and len(value) <= MAX_LENGTH_DIGITS
+
+
 class _ChunkedEnd:
     """Finds where a chunked body ends while its bytes pass through untouched."""
     __slots__ = ("left", "line", "trailer", "done")
@@ -1341,10 +1351,10 @@ class _ChunkedEnd:
             if self.trailer:
                 self.done = not line.strip()
                 continue
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise EngineError("bad chunk size from the engine") from None
+            digits = line.split(b";", 1)[0].strip()
+            if not _HEX.fullmatch(digits):         # no sign, no 0x, no 5,000 digits
+                raise EngineError("bad chunk size from the engine")
+            size = int(digits, 16)
             if size:
                 self.left = size + 2
             else:
@@ -1367,22 +1377,37 @@ async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray):
         lines = bytes(buf[:end]).split(b"\r\n")
         del buf[:end + 4]
         parts = lines[0].split(b" ", 2)
-        try:
-            status = int(parts[1])
-        except (IndexError, ValueError):
-            raise EngineError("malformed status line from the engine") from None
+        if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 \
+                or not parts[1].isdigit():
+            raise EngineError("malformed status line from the engine")
+        status = int(parts[1])
         if status < 200:                            # 100 Continue and friends: not ours to relay
             continue
         headers = []
+        length = chunked = None
         for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers.append((name.strip().lower(), value.strip()))
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name != name.strip() or b"\r" in line or b"\n" in line:
+                raise EngineError("malformed header line from the engine")
+            name, value = name.lower(), value.strip(b" \t")
+            if name == b"content-length":
+                if not _valid_length(value) or (length is not None and value != length):
+                    raise EngineError("bad Content-Length from the engine")
+                length = value
+            elif name == b"transfer-encoding":
+                if value.lower() != b"chunked" or chunked is not None:
+                    raise EngineError("unsupported Transfer-Encoding from the engine")
+                chunked = value
+            headers.append((name, value))
+        if length is not None and chunked is not None:   # RFC 9112 6.3: a smuggling vector
+            raise EngineError("both Content-Length and Transfer-Encoding from the engine")
         keep_alive = parts[0] == b"HTTP/1.1" and all(
             n != b"connection" or b"close" not in v.lower() for n, v in headers)
         return status, parts[2] if len(parts) > 2 else b"", headers, keep_alive
 
 
 _FALLBACK = object()                # _read_request_head: let h11 parse this request
+_BAD_REQUEST = object()             # ... or answer 400 and close
 MAX_REQUEST_HEAD = 65536
 _REASON = {200: b"OK", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
            503: b"Service Unavailable"}
@@ -1412,7 +1437,7 @@ async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
     parts = lines[0].split(b" ")
     if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[0].isalpha() or not parts[1]:
         return _FALLBACK
-    headers, length, close = [], None, False
+    headers, length, close, fallback = [], None, False, False
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep or not name or b" " in name or b"\t" in name or b"\r" in line or b"\n" in line:
@@ -1421,12 +1446,19 @@ async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
         if name == b"content-length":
             if length is not None or not value.isdigit():
                 return _FALLBACK
+            if len(value) > MAX_LENGTH_DIGITS:
+                return _BAD_REQUEST
             length = int(value)
         elif name in (b"transfer-encoding", b"expect"):
-            return _FALLBACK
+            fallback = True
         elif name == b"connection" and b"close" in value.lower():
             close = True
         headers.append((name, value))
+    names = {name for name, _ in headers}
+    if b"transfer-encoding" in names and b"content-length" in names:
+        return _BAD_REQUEST                         # RFC 9112 6.1: a smuggling attempt; close
+    if fallback:
+        return _FALLBACK
     return parts[0], parts[1], headers, end + 4, length or 0, close
 
 
@@ -1977,6 +2009,8 @@ class Node:
                 if parsed is _FALLBACK:
                     await self._serve_h11(reader, writer, bytes(buf))
                     return
+                if parsed is _BAD_REQUEST:
+                    raise h11.RemoteProtocolError("bad request framing")
                 method, target, headers, head_len, length, close = parsed
                 if length > self.config.max_request_body:
                     self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
@@ -1992,6 +2026,10 @@ class Node:
                 await self._dispatch(method, target, headers, body, None, writer)
                 if close:
                     return
+        except h11.RemoteProtocolError as exc:      # bad framing from the client: say so, close
+            body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
+            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                         b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         except (h11.ProtocolError, OSError, EngineError):
             pass
         finally:
@@ -2141,7 +2179,12 @@ class Node:
             try:
                 if chunked:
                     scan = _ChunkedEnd()
-                    used = scan.feed(data)
+                    try:
+                        used = scan.feed(data)
+                    except EngineError as exc:      # nothing went out yet: a clear 502
+                        self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error",
+                                                                    "bad_gateway"))
+                        return False
                     out.append(data[:used])
                     if scan.done:
                         ok = used == len(data)

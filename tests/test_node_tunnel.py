@@ -280,3 +280,75 @@ def test_large_bodies_relay_intact_to_a_slow_client_and_engine_connection_is_reu
             server.close()
         return results
     assert run(scenario()) == [(200, True, 1)] * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken framing, from an engine or a client: a clear status or a clean cut, never a hang
+# ---------------------------------------------------------------------------------------------
+async def _raw_exchange(host, port, request: bytes, limit: float = 5.0) -> bytes:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(request)
+    data = b""
+    try:
+        while True:
+            piece = await asyncio.wait_for(reader.read(65536), limit)
+            if not piece:
+                break
+            data += piece
+    except asyncio.TimeoutError:            # a kept-alive connection after a whole answer
+        pass
+    finally:
+        writer.close()
+    return data
+
+
+@pytest.mark.parametrize("answer, cut", [
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n-6\r\nabcdef\r\n0\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x5\r\nabcde\r\n0\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"9" * 5000 + b"\r\nx", True),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\nhello", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: " + b"9" * 5000 + b"\r\n\r\nhello", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", False),
+    (b"HTTP/1.1 -200 OK\r\ncontent-length: 5\r\n\r\nhello", False),
+])
+def test_an_engine_with_broken_framing_gets_a_502_or_a_clean_cut_never_a_hang(answer, cut):
+    async def scripted(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(3)                      # keep the connection open: a hang would show
+        writer.close()
+
+    async def t():
+        server = await asyncio.start_server(scripted, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05)
+        node = on.Node(cfg, models=["m"], engine_url=f"http://127.0.0.1:{port}")
+        await node.start(serve_http=True)
+        host, nport = node.registry.get(node.session_id)["addr"].split(":")
+        name, value = node.tunnel_header
+        try:
+            return await _raw_exchange(host, int(nport), b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                                       b"%s: %s\r\ncontent-length: 2\r\n\r\n{}" % (name.encode(), value.encode()),
+                                       limit=2.0)
+        finally:
+            await node.stop()
+            server.close()
+    data = run(t())
+    if cut and data.startswith(b"HTTP/1.1 200"):   # the head went out before the body turned
+        assert not data.endswith(b"0\r\n\r\n")       # bad: the answer is cut, unfinished
+    else:
+        assert data.startswith(b"HTTP/1.1 502") and b'"server_error"' in data
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: " + b"9" * 5000 + b"\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n-6\r\nabcdef\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+])
+def test_a_client_with_broken_framing_gets_a_400_and_the_connection_closed(head):
+    async def t(node, client, engine):
+        host, port = node.registry.get(node.session_id)["addr"].split(":")
+        return await _raw_exchange(host, int(port), head), engine.requests
+    data, reached = run(with_node(t))
+    assert data.startswith(b"HTTP/1.1 400") and b"invalid_request_error" in data and reached == 0
