@@ -2949,7 +2949,7 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                        "--listen. Keys come from `keys create` in the same --db.")
     if overlay:
         import otela_node
-        otela_node.add_overlay_args(serve)
+        otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP)
     serve.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
     serve.add_argument("--policy", default=_env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
