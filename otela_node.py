@@ -1803,6 +1803,9 @@ class Node:
                                                                   for a in bootstrap)):
             log.warning("gossip binds %s, loopback only: members on other hosts cannot reach this %s "
                         "(bind all interfaces with --gossip 0.0.0.0:%d)", cfg.gossip, self.role, port)
+        elif not _is_loopback(host) and _is_loopback(split_addr(gossip_addr)[0]):
+            log.warning("gossip binds %s but advertises %s, where peers on other hosts cannot reach it "
+                        "(this host name resolves to loopback): pass --advertise HOST", cfg.gossip, gossip_addr)
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
