@@ -976,7 +976,13 @@ class UpstreamFailure(Exception):
 # line, headers, Content-Length / chunked / until-close bodies), and h11's general machinery
 # was half of the CPU time of a proxied request. Clients, which may send anything, get h11.
 UPSTREAM_MAX_HEAD = 64 * 1024
+UPSTREAM_MAX_CHUNK = 64 * READ_CHUNK   # 16 MiB: engines send an SSE event or a body per chunk; a
+                                       # chunk said to be bigger is garbage, refused before it is
+                                       # awaited (a "huge" chunk would otherwise hang the request)
 _CLOSE_DELIMITED, _CHUNKED = -1, -2
+# A chunk-size line: hex digits only (int(x, 16) also takes "-6", "+6", "0x6" and "6_0"), an
+# optional extension after ";"; 15 digits are 2**60, far past UPSTREAM_MAX_CHUNK.
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?")
 
 
 class UpstreamHead:
@@ -1140,10 +1146,10 @@ class Upstream:
             if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
                 self.remaining = _CHUNKED
             elif b"content-length" in headers:
-                try:
-                    self.remaining = int(headers[b"content-length"])
-                except ValueError:
-                    raise UpstreamFailure(f"{self.addr}: bad content-length") from None
+                length = headers[b"content-length"]
+                if not (length.isdigit() and len(length) <= MAX_CONTENT_LENGTH_DIGITS):   # "-6", 5,000 digits
+                    raise UpstreamFailure(f"{self.addr}: bad content-length {length[:40]!r}")
+                self.remaining = int(length)
             elif status in (204, 304):
                 self.remaining = 0
             else:
@@ -1195,13 +1201,12 @@ class Upstream:
             eol = buf.find(b"\r\n", pos)
             if eol < 0:
                 break
-            try:
-                size = int(buf[pos:eol], 16)
-            except ValueError:   # a chunk extension (";name=value"), or garbage
-                try:
-                    size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamFailure(f"{self.addr}: bad chunk size") from None
+            match = _CHUNK_SIZE.fullmatch(buf, pos, eol)
+            size = int(match.group(1), 16) if match is not None else -1
+            if not 0 <= size <= UPSTREAM_MAX_CHUNK:
+                if pieces:   # the good chunks before it go out first; the next call raises
+                    break
+                raise UpstreamFailure(f"{self.addr}: bad chunk size {bytes(buf[pos:min(eol, pos + 40)])!r}")
             if size == 0:
                 end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
                 if end < 0:
@@ -1212,11 +1217,15 @@ class Upstream:
             start = eol + 2
             if len(buf) < start + size + 2:
                 break
+            if buf[start + size:start + size + 2] != b"\r\n":
+                if pieces:
+                    break
+                raise UpstreamFailure(f"{self.addr}: a chunk longer than its size")
             pieces.append(bytes(buf[start:start + size]))
             pos = start + size + 2
         if pos:
             del buf[:pos]
-        if not pieces and len(buf) > READ_CHUNK * 64:
+        if not pieces and len(buf) > UPSTREAM_MAX_CHUNK + UPSTREAM_MAX_HEAD:   # a size line never ends
             raise UpstreamFailure(f"{self.addr}: chunk too large")
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
@@ -1320,12 +1329,16 @@ class _Relay:
         up, client = self.up, self.ex.client
         if client.closed:
             return self._client_gone()
-        try:
-            piece = up.take()
-        except UpstreamFailure as exc:
-            return self._fail(str(exc))
-        if piece:
+        while True:   # twice when good chunks came before bad framing: they go out first
+            try:
+                piece = up.take()
+            except UpstreamFailure as exc:
+                return self._fail(str(exc))
+            if not piece:
+                break
             self._send(piece)
+            if up.done or not up.buf:
+                break
         if up.done:
             return self._finish()
         if up.proto.eof:   # everything buffered was taken, and no more will come

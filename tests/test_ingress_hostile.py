@@ -10,7 +10,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import pytest
-from test_ingress_support import Client, Stack
+from test_ingress_paths import ScriptedEngine
+from test_ingress_support import Client, Stack, sse_events
 
 import crdt
 import otela_ingress
@@ -406,5 +407,53 @@ def test_a_deeply_nested_body_gets_400_with_or_without_orjson(stack, monkeypatch
             error = openai_error(answer)
             assert (status, error["type"], error["code"]) == (400, "invalid_request_error", "invalid_json")
         assert client.chat()[0] == 200
+    finally:
+        client.close()
+
+
+# -- 5. broken framing from an engine ---------------------------------------------------------------
+def plain_answer(framing: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%s\r\n\r\n%s" % (framing, body)
+
+
+GOOD_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+BAD_CHUNKS = [b"-6\r\nabcdef\r\n0\r\n\r\n", b"zz\r\nabcdef\r\n0\r\n\r\n", b"0x6\r\nabcdef\r\n0\r\n\r\n",
+              b"6_0\r\nabcdef\r\n0\r\n\r\n", b"+6\r\nabcdef\r\n0\r\n\r\n", b"ffffffffffff\r\nabcdef",
+              b"f" * 5000 + b"\r\nabcdef", b"6\r\nabcdefXX0\r\n\r\n"]
+
+
+@pytest.mark.parametrize("answer", [plain_answer(b"content-length: -6", b"abcdef"),
+                                    plain_answer(b"content-length: " + b"9" * 5000, b"abcdef"),
+                                    plain_answer(b"content-length: 6x", b"abcdef")]
+                         + [plain_answer(b"transfer-encoding: chunked", chunks) for chunks in BAD_CHUNKS])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_with_broken_framing_costs_the_client_a_clean_502(stack, answer, stream):
+    # the engine keeps its connection open after the bad answer: waiting for more would hang
+    engine = ScriptedEngine(stack, lambda n: answer)
+    stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key(), timeout=10)
+    try:
+        for _ in range(2):   # the callbacks' path (a pooled connection), then the task's
+            status, headers, body = client.chat(stream=stream)
+            error = openai_error(body)
+            assert (status, error["type"], error["code"]) == (502, "server_error", "upstream_failed")
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("bad", BAD_CHUNKS)
+def test_an_engine_whose_framing_breaks_mid_stream_gives_an_error_event_and_a_clean_end(stack, bad):
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    answer = head + b"%x\r\n%s\r\n" % (len(GOOD_EVENT), GOOD_EVENT) + bad
+    engine = ScriptedEngine(stack, lambda n: answer)
+    stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key(), timeout=10)
+    try:
+        for _ in range(2):
+            status, _, body = client.chat(stream=True)   # http.client reads to the chunked end
+            events = sse_events(body)
+            assert status == 200 and events[0] == GOOD_EVENT[6:-2].decode()
+            error = json.loads(events[-2])["error"]
+            assert (error["type"], error["code"], events[-1]) == ("server_error", "stream_cut", "[DONE]")
     finally:
         client.close()
