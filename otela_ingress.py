@@ -1854,7 +1854,7 @@ class _Exchange:
 
     __slots__ = ("client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "finished")
+                 "row_head", "finished", "refusal")
 
     def __init__(self, client, path, body, key, routed, strip_usage, tracked, t0):
         self.client, self.path, self.body, self.key, self.routed = client, path, body, key, routed
@@ -1866,6 +1866,7 @@ class _Exchange:
         self.sent = False
         self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
         self.finished = False   # the upstream protocol's hook sent the whole answer
+        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # the last attempt's 5xx answer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2468,14 +2469,21 @@ class Ingress:
 
     async def _try_sessions(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
                             failure: str) -> None:
+        """Who is to blame decides what happens: a session that fails to answer (connect, reset,
+        bad framing) counts against its passive health and the request moves on; an engine's 4xx
+        is the request's (passed through, never retried); a 5xx answer is held against nobody
+        until another session judges the same request: a success there blames the first, a
+        second 5xx blames the request (a poison one), whose client gets that answer as it is."""
         pool, candidate, up = started or (self._healthy(candidates), None, None)
         health = self.health
+        refused: List[Candidate] = []   # sessions that answered this request with a 5xx
         while True:
             if candidate is None:
                 if not pool or ex.attempts >= MAX_ATTEMPTS:
                     break
                 candidate = self._pick(ex, pool)
             ok = False
+            ex.refusal = None
             try:
                 ok = await self._attempt(ex, candidate, up)
             except UpstreamFailure as exc:
@@ -2484,14 +2492,26 @@ class Ingress:
                 self.policy.on_request_end(candidate, ex.routed, ok)
             if ok:
                 health.succeeded(candidate.session)
+                for other in refused:   # it refused what another session served
+                    health.failed(other.session, time.monotonic())
                 return
-            health.failed(candidate.session, time.monotonic())
-            if ex.sent:
-                return   # the stream already carried its error event
-            pool = [c for c in pool if c is not candidate]
-            if ex.status in RETRY_STATUSES:
+            if ex.refusal is not None:
+                if refused:   # a second session refuses this request: the request's fault
+                    head, payload = ex.refusal
+                    now = self._send_plain(ex, candidate, head, payload)
+                    self._account(ex, now)
+                    await ex.client.drain()
+                    return
+                refused.append(candidate)
                 failure = f"{candidate.addr} answered {ex.status}"
+            else:
+                health.failed(candidate.session, time.monotonic())
+                if ex.sent:
+                    return   # the stream already carried its error event
+            pool = [c for c in pool if c is not candidate]
             candidate = up = None
+        for other in refused:
+            health.failed(other.session, time.monotonic())
         ex.status = 502
         self._account(ex, time.monotonic())
         exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
@@ -2567,6 +2587,7 @@ class Ingress:
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
         if head.status in RETRY_STATUSES:
             self.pool.release(up)
+            ex.refusal = (head, payload)
             return False
         now = self._send_plain(ex, candidate, head, payload)
         # the rest waits until the answer is on its way

@@ -3,6 +3,7 @@ listening port, and what it must get back. Every test talks to 127.0.0.1 only, w
 counts and deadlines, and asserts on what the attacker sees."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -10,6 +11,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+from fake_engine import free_port
 from test_ingress_paths import ScriptedEngine
 from test_ingress_support import Client, Stack, sse_events
 
@@ -457,3 +459,97 @@ def test_an_engine_whose_framing_breaks_mid_stream_gives_an_error_event_and_a_cl
             assert (error["type"], error["code"], events[-1]) == ("server_error", "stream_cut", "[DONE]")
     finally:
         client.close()
+
+
+# -- 6. a poison request ----------------------------------------------------------------------------
+class JudgingEngine:
+    """An engine that answers `verdict(body)` (status, error message or None for a completion) and
+    counts the requests it judged; its connections stay open between requests."""
+
+    def __init__(self, stack: Stack, verdict):
+        self.verdict = verdict
+        self.judged: List[bytes] = []
+        self.port = free_port()
+        self.server = stack.run(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self.sid = stack.call(stack.node.add_worker, f"127.0.0.1:{self.port}", ["m1"])
+
+    async def _serve(self, reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(length)
+                self.judged.append(body)
+                status, message = self.verdict(body)
+                if message is None:
+                    payload = json.dumps({"object": "chat.completion", "choices": [],
+                                          "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+                else:
+                    payload = json.dumps({"error": {"message": message, "type": "server_error",
+                                                    "param": None, "code": None}}).encode()
+                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, len(payload), payload))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+def poison_verdict(status: int):
+    return lambda body: (status, f"cannot digest this ({status})") if b"poison" in body else (200, None)
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_a_request_two_sessions_refuse_with_5xx_gets_the_engines_answer_and_blames_no_session(tmp_path, status):
+    stack = Stack(str(tmp_path / "o.sqlite"), policy=otela_ingress.RoundRobinPolicy())
+    try:
+        engines = [JudgingEngine(stack, poison_verdict(status)) for _ in range(2)]
+        client = Client(stack.url, stack.key(), timeout=10)
+        try:
+            for _ in range(3):   # twice would put a session out of rotation, were it blamed
+                before = sum(len(e.judged) for e in engines)
+                got, _, body = client.chat(content="poison pill")
+                assert (got, openai_error(body)["message"]) == (status, f"cannot digest this ({status})")
+                assert sum(len(e.judged) for e in engines) - before == 2   # one try per session, no third
+            served = {client.chat()[1]["x-otela-session"] for _ in range(4)}
+        finally:
+            client.close()
+        assert served == {e.sid for e in engines}   # both still in rotation
+        assert stack.call(lambda: dict(stack.ingress.health.failures)) == {}
+        assert stack.sql("SELECT status, attempts FROM requests WHERE status >= 400") == [(status, 2)] * 3
+    finally:
+        stack.close()
+
+
+def test_an_engines_4xx_is_passed_on_untried_elsewhere_and_blames_no_session(tmp_path):
+    stack = Stack(str(tmp_path / "o.sqlite"), policy=otela_ingress.RoundRobinPolicy())
+    try:
+        engines = [JudgingEngine(stack, poison_verdict(400)) for _ in range(2)]
+        client = Client(stack.url, stack.key(), timeout=10)
+        try:
+            for _ in range(4):
+                got, _, body = client.chat(content="poison pill")
+                assert (got, openai_error(body)["message"]) == (400, "cannot digest this (400)")
+            assert sum(len(e.judged) for e in engines) == 4   # never retried
+            served = {client.chat()[1]["x-otela-session"] for _ in range(4)}
+        finally:
+            client.close()
+        assert served == {e.sid for e in engines}
+        assert stack.call(lambda: dict(stack.ingress.health.failures)) == {}
+    finally:
+        stack.close()
+
+
+def test_a_5xx_the_next_session_does_not_repeat_is_held_against_the_first(tmp_path):
+    stack = Stack(str(tmp_path / "o.sqlite"), policy=otela_ingress.RoundRobinPolicy())
+    try:
+        sick = JudgingEngine(stack, lambda body: (500, "sick"))
+        JudgingEngine(stack, lambda body: (200, None))
+        client = Client(stack.url, stack.key(), timeout=10)
+        try:
+            assert [client.chat()[0] for _ in range(4)] == [200] * 4
+        finally:
+            client.close()
+        assert stack.call(lambda: stack.ingress.health.is_sick(sick.sid, time.monotonic()))
+    finally:
+        stack.close()
