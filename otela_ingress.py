@@ -1060,6 +1060,17 @@ class Upstream:
         self.pending_head: Optional[UpstreamHead] = None   # parsed by the on_data hook
         self.pending_exc: Optional[BaseException] = None
 
+    def send(self, data: bytes) -> None:
+        """Write a request; a connection the provider closed under us (a reset right after it
+        opened) is an UpstreamFailure: uvloop raises RuntimeError on a closed transport, asyncio
+        would drop the bytes unsaid."""
+        if self.transport.is_closing():
+            raise UpstreamFailure(f"{self.addr}: connection closed before the request went out")
+        try:
+            self.transport.write(data)
+        except (RuntimeError, OSError) as exc:
+            raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}") from None
+
     def resume_reading(self) -> None:
         proto = self.proto
         if proto.paused:
@@ -1263,7 +1274,7 @@ class UpstreamPool:
             transport, proto = await asyncio.wait_for(
                 loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port)),
                 UPSTREAM_CONNECT_TIMEOUT_S)
-        except (OSError, ValueError, asyncio.TimeoutError) as exc:
+        except (OSError, ValueError, RuntimeError, asyncio.TimeoutError) as exc:   # RuntimeError: uvloop's
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
         up = Upstream(addr, transport, proto)   # asyncio and uvloop set TCP_NODELAY themselves
         self.active.add(up)
@@ -2220,6 +2231,8 @@ class Ingress:
     def _write_response(self, client: _Client, status: int, payload: bytes,
                         content_type: bytes = b"application/json",
                         extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
+        if client.closed:   # nobody to tell (and uvloop raises on a closed transport)
+            return
         conn = client.conn
         headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]
         headers.extend(extra)
@@ -2331,8 +2344,13 @@ class Ingress:
         if up is None:   # a new connection: the task makes it
             self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
             return False
+        try:
+            up.send(self._request_head(ex, candidate.addr) + ex.body)
+        except UpstreamFailure:   # closed under us: the task makes a new connection
+            self.pool.discard(up)
+            self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
+            return False
         up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
-        up.transport.write(self._request_head(ex, candidate.addr) + ex.body)
         client.pending = (ex, up, candidate)
         self._prepare_row(ex, candidate)   # while the engine works on the request
         return False
@@ -2535,7 +2553,7 @@ class Ingress:
             try:
                 if not ex.routed.stream:
                     up.proto.on_data = functools.partial(self._finish_plain, ex, up, candidate)
-                up.transport.write(request)
+                up.send(request)
                 if ex.row_head is None or ex.row_head[0] is not candidate:
                     self._prepare_row(ex, candidate)   # while the engine works on the request
                 return up, await up.read_head()
@@ -2616,7 +2634,8 @@ class Ingress:
         if client.closed:
             ex.status = 499   # answered, but nobody was left to hear it
         self._record(ex, now)
-        client.transport.write(out)
+        if not client.closed:   # uvloop raises on a closed transport
+            client.transport.write(out)
         return now
 
     def _hook_head(self, up: Upstream) -> Optional[UpstreamHead]:

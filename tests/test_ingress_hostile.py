@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -552,4 +553,65 @@ def test_a_5xx_the_next_session_does_not_repeat_is_held_against_the_first(tmp_pa
             client.close()
         assert stack.call(lambda: stack.ingress.health.is_sick(sick.sid, time.monotonic()))
     finally:
+        stack.close()
+
+
+# -- 7. an engine that resets each connection as it opens -------------------------------------------
+class ResettingEngine:
+    """Accepts each connection and closes it at once with a reset (SO_LINGER 0)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            self.accepted += 1
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_engine_resetting_each_new_connection_costs_clients_nothing(tmp_path, monkeypatch, loop):
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    monkeypatch.setattr(otela_ingress, "SICK_AFTER_FAILURES", 10**6)   # keep sending it requests
+    real_acquire = otela_ingress.UpstreamPool.acquire
+
+    async def slow_acquire(self, addr, fresh=False):
+        # the reset lands between the connection's opening and the request's write, every time
+        up = await real_acquire(self, addr, fresh)
+        await asyncio.sleep(0.02)
+        return up
+
+    monkeypatch.setattr(otela_ingress.UpstreamPool, "acquire", slow_acquire)
+    stack = Stack(str(tmp_path / "o.sqlite"), uvloop=loop == "uvloop")
+    resetting = ResettingEngine()
+    try:
+        stack.engine("m1")
+        stack.call(stack.node.add_worker, f"127.0.0.1:{resetting.port}", ["m1"])
+        client = Client(stack.url, stack.key(), timeout=10)
+        try:
+            statuses = [client.chat(stream=n % 2 == 1)[0] for n in range(30)]
+        finally:
+            client.close()
+        assert statuses == [200] * 30 and resetting.accepted >= 5
+    finally:
+        resetting.close()
         stack.close()

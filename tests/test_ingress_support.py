@@ -79,8 +79,13 @@ class StandInNode:
 class Stack:
     """An ingress on a free loopback port, with fake engines, in a background loop."""
 
-    def __init__(self, db_path: str, **ingress_opts):
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, db_path: str, uvloop: bool = False, **ingress_opts):
+        """`uvloop`: run on uvloop's event loop (as `serve` does where it is installed)."""
+        if uvloop:
+            import uvloop as _uvloop
+            self.loop = _uvloop.new_event_loop()
+        else:
+            self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.node = StandInNode()
