@@ -626,7 +626,12 @@ def simulator(args: argparse.Namespace) -> List[Dict[str, Any]]:
     rows = []
     for found in reliability_sim.rows(args.quick):
         named = {k.replace(" ", "_").lower(): v for k, v in found.items()}
-        rows.append(dict({c: named.pop(c, "-") for c in COLUMNS}, **named))
+        if "time_to_heal" not in named and "time_to_heal_s" in named:   # seconds, or None: never
+            seconds = named["time_to_heal_s"]
+            named["time_to_heal"] = "never" if seconds is None else seconds
+        detail = named.pop("detail", {})
+        columns = {c: named.pop(c, "-") for c in COLUMNS}
+        rows.append(dict(columns, detail=dict(detail, **named)))
     return rows
 
 

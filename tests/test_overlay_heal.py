@@ -59,7 +59,8 @@ def test_a_restarted_ingress_serves_again_within_10_s_of_its_start_with_the_same
     fleet.start(ingress)
     served = until(lambda: chat_ok(fleet, ingress), SERVE_WITHIN_S, every=0.1)
     assert served is not None, f"no chat completion answered 200 within {SERVE_WITHIN_S:g} s of the restart"
-    assert len(fleet.serving(ingress)) == 2
+    both = until(lambda: len(fleet.serving(ingress)) == 2, 5)
+    assert both is not None, f"the restarted ingress routes to {len(fleet.serving(ingress))} of the 2 nodes"
 
 
 def test_a_bootstrap_that_never_answers_is_named_in_the_log_and_on_healthz(fleet):
