@@ -186,7 +186,13 @@ CREATE TABLE IF NOT EXISTS daily (
 
 
 def open_db(path: str) -> sqlite3.Connection:
-    """One connection with the schema, WAL and a busy timeout (the CLI and serve share it)."""
+    """One connection with the schema, WAL and a busy timeout (the CLI and serve share it).
+    The database is private to its owner (mode 0600, like the journal and the cluster key):
+    SQLite gives its -wal, -shm and journal files the database file's mode."""
+    try:   # created here, with its mode, before SQLite would create it 0644
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:   # there already, or not creatable: SQLite says which
+        pass
     try:
         db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
         try:
@@ -200,6 +206,13 @@ def open_db(path: str) -> sqlite3.Connection:
             raise
     except sqlite3.Error as exc:   # say which file: "unable to open database file" alone is no help
         raise sqlite3.Error(f"--db {path}: {exc}") from None
+    for suffix in ("", "-wal", "-shm", "-journal"):   # one made before this rule: private from now on
+        try:
+            mode = os.stat(path + suffix).st_mode
+            if mode & 0o077:
+                os.chmod(path + suffix, mode & 0o700)
+        except OSError:   # absent, or not ours to change
+            pass
     return db
 
 
@@ -316,6 +329,10 @@ class Ledger:
     whatever the journal holds past that point (the rows a crash kept from SQLite) is applied
     first. The journal is cut into files of LEDGER_JOURNAL_MAX bytes; a file is deleted once all
     of it is in SQLite. The same thread reloads the keys when another process changed them.
+    A row leaves the journal only once committed: a batch SQLite refuses (a full disk, a locked
+    or read-only file) goes back in front of the queue for the next commit, the journal position
+    moves only with a commit, and a journal file is deleted only when a commit went past it. A
+    failing ledger shows on /healthz and /metrics while requests go on being served.
     """
 
     def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None]):
@@ -335,6 +352,8 @@ class Ledger:
         self._data_version = -1
         self._reload_keys()
         self.rows_written = 0
+        self.failed_commits = 0             # batches SQLite refused (each retried with the next)
+        self.error: Optional[str] = None    # why the last commit failed; None once one succeeds
         self._pending: List[tuple] = []    # journalled rows not yet in SQLite (appended by the loop)
         self._position = (0, 0)            # (journal file, offset) after the last pending line
         self._rows_lock = threading.Lock()
@@ -449,7 +468,9 @@ class Ledger:
                     if len(values) == 13:
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
-        self._commit(rows, (nxt, 0))
+        if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
+            self._pending, self._position = rows, (nxt, 0)
+            return nxt
         for seq in seqs:
             os.unlink(self._journal(seq))
         if rows:
@@ -473,7 +494,9 @@ class Ledger:
                 position = self._position
             if rows:
                 old_seq = self._state_seq
-                self._commit(rows, position)
+                if not self._commit(rows, position):
+                    with self._rows_lock:   # first in the next batch; the position stays theirs
+                        self._pending = rows + self._pending
                 for seq in range(old_seq, self._state_seq):   # files now wholly in SQLite
                     try:
                         os.unlink(self._journal(seq))
@@ -493,7 +516,9 @@ class Ledger:
                 except sqlite3.Error as exc:
                     print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
 
-    def _commit(self, rows: List[tuple], position: Tuple[int, int]) -> None:
+    def _commit(self, rows: List[tuple], position: Tuple[int, int]) -> bool:
+        """Rows and the journal position after them, in one transaction; False when SQLite
+        refused them (nothing of them is in)."""
         daily: Dict[Tuple[str, str, str], List[int]] = {}
         days: Dict[int, str] = {}
         for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked in rows:
@@ -509,20 +534,34 @@ class Ledger:
             agg[3] += prompt or 0
             agg[4] += completion or 0
         db = self._db
+        written = 0
         try:
             db.execute("BEGIN")
             if rows:
-                self.rows_written += db.executemany(_INSERT_REQUESTS, rows).rowcount
+                written = db.executemany(_INSERT_REQUESTS, rows).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
-            self._state_seq = position[0]
-        except sqlite3.Error as exc:   # rows stay in the journal; the next start applies them
-            print(f"otela-ingress: ledger write failed: {exc}", file=sys.stderr)
+        except sqlite3.Error as exc:   # the rows stay in the journal and in the queue
+            self.failed_commits += 1
+            if self.error is None:   # said once per outage, not four times a second
+                print(f"otela-ingress: ledger write failed (rows kept, retried): {exc}", file=sys.stderr)
+            self.error = str(exc)
             try:
                 db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+            return False
+        self.rows_written += written
+        self._state_seq = position[0]
+        if self.error is not None:
+            print("otela-ingress: ledger writes work again", file=sys.stderr)
+            self.error = None
+        return True
+
+    def pending(self) -> int:
+        """Rows journalled but not yet in SQLite."""
+        return len(self._pending)
 
 
 def query_usage(path: str, days: int = 31, user: Optional[str] = None,
@@ -809,7 +848,8 @@ class Metrics:
             hist = table[model] = Histogram()
         hist.observe(value)
 
-    def render(self, sessions: Dict[str, int], suspected: int, sick: int) -> bytes:
+    def render(self, sessions: Dict[str, int], suspected: int, sick: int, ledger_failures: int = 0,
+               ledger_pending: int = 0) -> bytes:
         out = []
         add = out.append
 
@@ -848,6 +888,10 @@ class Metrics:
                  self.stream_cuts),
                 ("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.", suspected),
                 ("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.", sick),
+                ("otela_ledger_commit_failures_total", "counter",
+                 "Usage ledger batches SQLite refused (kept in the journal and retried).", ledger_failures),
+                ("otela_ledger_pending_rows", "gauge", "Usage rows journalled but not yet in SQLite.",
+                 ledger_pending),
                 ("otela_connections", "gauge", "Open client connections.", self.connections),
                 ("otela_inflight_requests", "gauge", "Requests being proxied now.", self.inflight)):
             family(name, kind, help_text)
@@ -2764,8 +2808,14 @@ class Ingress:
     async def _get_healthz(self, fields, query):
         serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
                       and r.get("role", "worker") == "worker")
-        return 200, b"application/json", crdt.dumps({"status": "ok", "session": self.node.session_id,
-                                                     "serving_sessions": serving, "auth": not self.no_auth})
+        ledger = self.ledger
+        error = ledger.error if ledger is not None else None
+        return 200, b"application/json", crdt.dumps({
+            "status": "ok" if error is None else "degraded", "session": self.node.session_id,
+            "serving_sessions": serving, "auth": not self.no_auth,
+            "ledger": {"ok": error is None, "error": error,
+                       "failed_commits": ledger.failed_commits if ledger is not None else 0,
+                       "pending_rows": ledger.pending() if ledger is not None else 0}})
 
     async def _get_registry(self, fields, query):
         view = self.node.registry_view()
@@ -2818,7 +2868,10 @@ class Ingress:
             states[crdt.STATE_NAMES.get(state, str(state))] += 1
             if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
                 suspected += 1
-        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())))
+        ledger = self.ledger
+        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
+                                   ledger.failed_commits if ledger is not None else 0,
+                                   ledger.pending() if ledger is not None else 0)
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
     async def _get_dashboard(self, fields, query):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import sqlite3
 import struct
 import threading
 import time
@@ -615,3 +617,139 @@ def test_an_engine_resetting_each_new_connection_costs_clients_nothing(tmp_path,
     finally:
         resetting.close()
         stack.close()
+
+
+# -- 8. the usage ledger: private files, and no row lost to a failing database -----------------------
+class FailingDB:
+    """The ledger writer's SQLite connection, refusing every write while `failing`."""
+
+    def __init__(self, db):
+        self.db, self.failing = db, True
+
+    def _check(self, sql: str) -> None:
+        if self.failing and sql.lstrip().upper().startswith(("INSERT", "COMMIT")):
+            raise sqlite3.OperationalError("database or disk is full (test)")
+
+    def execute(self, sql, *args):
+        self._check(sql)
+        return self.db.execute(sql, *args)
+
+    def executemany(self, sql, rows):
+        self._check(sql)
+        return self.db.executemany(sql, rows)
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def count_rows(db_path: str) -> Tuple[int, int]:
+    db = sqlite3.connect(db_path, timeout=10)
+    try:
+        return db.execute("SELECT (SELECT count(*) FROM requests), (SELECT sum(requests) FROM daily)").fetchone()
+    finally:
+        db.close()
+
+
+def ledger_health(stack: Stack) -> dict:
+    client = Client(stack.url)
+    try:
+        return json.loads(client.request("GET", "/healthz")[2])["ledger"]
+    finally:
+        client.close()
+
+
+def metric(stack: Stack, name: str) -> float:
+    client = Client(stack.url)
+    try:
+        text = client.request("GET", "/metrics")[2].decode()
+    finally:
+        client.close()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_the_key_and_usage_database_and_its_wal_files_are_private(stack):
+    stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        assert client.chat()[0] == 200
+    finally:
+        client.close()
+    stack.sql("SELECT 1")   # the ledger wrote: the -wal and -shm files exist
+    modes = {suffix: os.stat(stack.db_path + suffix).st_mode & 0o777 for suffix in ("", "-wal", "-shm")
+             if os.path.exists(stack.db_path + suffix)}
+    assert modes == {"": 0o600, "-wal": 0o600, "-shm": 0o600}
+
+
+def test_rows_refused_by_sqlite_are_kept_retried_and_shown_and_none_is_lost_across_a_restart(tmp_path):
+    db_path = str(tmp_path / "o.sqlite")
+    stack = Stack(db_path)
+    try:
+        stack.engine("m1")
+        key = stack.key()
+        failing = FailingDB(stack.ingress.ledger._db)
+        stack.ingress.ledger._db = failing   # the writer thread takes it at its next commit
+        client = Client(stack.url, key)
+        try:
+            assert [client.chat()[0] for _ in range(10)] == [200] * 10
+            assert wait_for(lambda: stack.ingress.ledger.failed_commits >= 2)
+            assert [client.chat()[0] for _ in range(5)] == [200] * 5   # after a failed commit too
+        finally:
+            client.close()
+        health = ledger_health(stack)
+        assert health["ok"] is False and "disk is full (test)" in health["error"]
+        assert health["pending_rows"] >= 5
+        assert metric(stack, "otela_ledger_commit_failures_total") >= 2
+        failing.failing = False
+        assert stack.sql("SELECT count(*) FROM requests") == [(15,)]
+        after = ledger_health(stack)
+        assert (after["ok"], after["error"], after["pending_rows"]) == (True, None, 0)
+    finally:
+        stack.close()
+    again = Stack(db_path)   # a restart applies nothing twice
+    again.close()
+    assert count_rows(db_path) == (15, 15)
+
+
+def test_rows_survive_a_shutdown_and_a_recovery_that_both_fail_to_commit(tmp_path, monkeypatch):
+    db_path = str(tmp_path / "o.sqlite")
+    first = Stack(db_path)
+    try:
+        first.engine("m1")
+        key = first.key()
+        first.ingress.ledger._db = FailingDB(first.ingress.ledger._db)
+        client = Client(first.url, key)
+        try:
+            assert [client.chat()[0] for _ in range(6)] == [200] * 6
+        finally:
+            client.close()
+    finally:
+        first.close()   # its last commit fails too: the rows are only in the journal
+    assert count_rows(db_path) == (0, None)
+
+    opened: List[FailingDB] = []
+    real_open_db = otela_ingress.open_db
+
+    def open_failing(path):
+        opened.append(FailingDB(real_open_db(path)))
+        return opened[-1]
+
+    monkeypatch.setattr(otela_ingress, "open_db", open_failing)
+    second = Stack(db_path)   # its recovery cannot commit: the journal must stay
+    monkeypatch.setattr(otela_ingress, "open_db", real_open_db)
+    try:
+        second.engine("m1")
+        client = Client(second.url, key)
+        try:
+            assert [client.chat()[0] for _ in range(4)] == [200] * 4
+        finally:
+            client.close()
+        assert ledger_health(second)["ok"] is False
+        opened[0].failing = False
+        assert second.sql("SELECT count(*) FROM requests") == [(10,)]
+    finally:
+        second.close()
+    third = Stack(db_path)
+    third.close()
+    assert count_rows(db_path) == (10, 10)
+    leftovers = [name for name in os.listdir(tmp_path) if ".usage." in name]
+    assert len(leftovers) <= 1   # the journal files already in SQLite were deleted
