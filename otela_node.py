@@ -1722,6 +1722,7 @@ class Node:
         self._pending_id = crdt.new_session_id()    # the id we will join with
         self._unresolved: List[str] = []            # bootstrap host names that did not resolve yet
         self._warned: set = set()                   # warnings already logged
+        self._reach_warning = ""                    # a gossip address others cannot reach
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
 
@@ -1799,13 +1800,14 @@ class Node:
         self.overlay.rejoin_listeners.append(
             lambda old, new: log.warning("session %s was evicted or replaced; rejoined as %s", old, new))
         bootstrap, self._unresolved = await resolve_hosts(await resolve_bootstrap(cfg.bootstrap))
+        # Said at the first health check, once the rest of the start (the ingress's API) is up.
         if _is_loopback(host) and (self.role == "ingress" or any(not _is_loopback(split_addr(a)[0])
                                                                   for a in bootstrap)):
-            log.warning("gossip binds %s, loopback only: members on other hosts cannot reach this %s "
-                        "(bind all interfaces with --gossip 0.0.0.0:%d)", cfg.gossip, self.role, port)
+            self._reach_warning = (f"gossip binds {cfg.gossip}, loopback only: members on other hosts cannot "
+                                   f"reach this {self.role} (bind all interfaces with --gossip 0.0.0.0:{port})")
         elif not _is_loopback(host) and _is_loopback(split_addr(gossip_addr)[0]):
-            log.warning("gossip binds %s but advertises %s, where peers on other hosts cannot reach it "
-                        "(this host name resolves to loopback): pass --advertise HOST", cfg.gossip, gossip_addr)
+            self._reach_warning = (f"gossip binds {cfg.gossip} but advertises {gossip_addr}, where peers on other "
+                                   "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
@@ -1826,6 +1828,9 @@ class Node:
         """Every join_warn_after seconds: log each new warning once, and resolve the bootstrap
         names that did not resolve before (DNS may come up after us)."""
         self._health_timer = asyncio.get_running_loop().call_later(self.config.join_warn_after, self._check_health)
+        if self._reach_warning:
+            log.warning("%s", self._reach_warning)
+            self._reach_warning = ""
         warnings = self.health_warnings()
         for text in warnings:
             if text.split(" has not answered")[0] not in self._warned:
