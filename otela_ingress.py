@@ -66,6 +66,7 @@ from urllib.parse import parse_qs, unquote
 import h11
 
 import crdt
+import otela_node  # the overlay (joins the cluster, holds the registry) and the OTELA_* readers
 
 # ---------------------------------------------------------------------------------------------
 # Config: every limit and timing default, with the reason for the number
@@ -3011,8 +3012,6 @@ def _split_listen(listen: str) -> Tuple[str, int]:
 
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
-    import otela_node  # the overlay: joins the cluster, holds the registry
-
     config = otela_node.config_from_args(args)
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
@@ -3037,12 +3036,11 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     return 0
 
 
-def _env(name: str, default: Any = None) -> Any:
-    return os.environ.get("OTELA_" + name, default)
-
-
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
-    """The CLI; `overlay=False` leaves out serve's overlay flags so `keys` never imports the node."""
+    """The CLI; `overlay=False` leaves out serve's overlay flags (and the variables they read),
+    which `keys` has no use for. A boolean variable is read after parsing (see main), where a
+    bad value is a one-line error."""
+    env = otela_node.env
     parser = argparse.ArgumentParser(prog="otela_ingress.py",
                                      description="The otela ingress: one OpenAI-compatible endpoint "
                                                  "for every healthy engine in the overlay.")
@@ -3054,14 +3052,14 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                        "OpenAI API, /v1/registry, /v1/usage, /metrics and /dashboard on "
                                        "--listen. Keys come from `keys create` in the same --db.")
     if overlay:
-        import otela_node
         otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP)
-    serve.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
-    serve.add_argument("--policy", default=_env("POLICY", "least_loaded"),
+    serve.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")
-    serve.add_argument("--no-auth", action="store_true", default=bool(_env("NO_AUTH")),
-                       help="accept requests without a key (local demos only; env OTELA_NO_AUTH)")
+    serve.add_argument("--no-auth", action="store_true", default=None,
+                       help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
+                            "1/true/yes/on or 0/false/no/off)")
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -3072,14 +3070,14 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                              "or owner user@host (default: any)")
     create.add_argument("--admin", action="store_true", help="may read GET /v1/usage")
     create.add_argument("--rate", type=float, default=0.0, help="requests/s limit (0: none)")
-    create.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    create.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets)")
-    lister.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    lister.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     lister.add_argument("--json", action="store_true", help="print JSON")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (takes effect within 1 s)")
     revoke.add_argument("key_id")
-    revoke.add_argument("--db", default=_env("DB", DEFAULT_DB), help=db_help)
+    revoke.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     return parser
 
 
@@ -3131,11 +3129,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "keys":
             return _keys_command(args)
+        if args.no_auth is None:   # OTELA_NO_AUTH=0 keeps the keys on; "maybe" is an error
+            args.no_auth = otela_node.env_bool("NO_AUTH")
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "
                   "every engine. For local demos only.", file=sys.stderr)
-        import otela_node
         otela_node.install_event_loop()
         return asyncio.run(_serve(args, policy))
     except (ValueError, sqlite3.Error, OSError) as exc:

@@ -9,11 +9,14 @@ import os
 import socket
 import sqlite3
 import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+from conftest import ROOT
 from fake_engine import free_port
 from test_ingress_paths import ScriptedEngine
 from test_ingress_support import Client, Stack, sse_events
@@ -753,3 +756,36 @@ def test_rows_survive_a_shutdown_and_a_recovery_that_both_fail_to_commit(tmp_pat
     assert count_rows(db_path) == (10, 10)
     leftovers = [name for name in os.listdir(tmp_path) if ".usage." in name]
     assert len(leftovers) <= 1   # the journal files already in SQLite were deleted
+
+
+# -- 9. boolean environment variables ---------------------------------------------------------------
+@pytest.mark.parametrize("value, flag, no_auth", [
+    (None, False, False), ("0", False, False), ("false", False, False), ("off", False, False),
+    ("1", False, True), ("yes", False, True), ("ON", False, True), ("0", True, True),
+])
+def test_otela_no_auth_means_what_it_says(monkeypatch, value, flag, no_auth):
+    seen = []
+
+    async def serve(args, policy):   # stands in for joining the overlay and serving
+        seen.append(args.no_auth)
+        return 0
+
+    monkeypatch.setattr(otela_ingress, "_serve", serve)
+    monkeypatch.setattr(otela_ingress.otela_node, "install_event_loop", lambda: False)
+    if value is None:
+        monkeypatch.delenv("OTELA_NO_AUTH", raising=False)
+    else:
+        monkeypatch.setenv("OTELA_NO_AUTH", value)
+    assert otela_ingress.main(["serve"] + (["--no-auth"] if flag else [])) == 0
+    assert seen == [no_auth]
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enabled"])
+def test_a_boolean_variable_that_is_not_one_is_a_one_line_error(tmp_path, value):
+    env = dict(os.environ, OTELA_NO_AUTH=value, OTELA_DB=str(tmp_path / "o.sqlite"))
+    done = subprocess.run([sys.executable, "otela_ingress.py", "serve"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "OTELA_NO_AUTH" in lines[0] and repr(value) in lines[0]
+    assert not os.path.exists(tmp_path / "o.sqlite")   # refused before anything started
