@@ -32,6 +32,7 @@ import json
 import os
 import random
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -136,8 +137,8 @@ class Fleet:
     def __enter__(self) -> Fleet:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, failed, *exc) -> None:
+        self.close(grace=15.0 if failed is None else 2.0)   # interrupted: no waiting on drains
 
     # -- starting ----------------------------------------------------------------------------
     def ingress(self, place: Place = LOOPBACK, policy: str = "least_loaded", name: str = "ingress") -> Member:
@@ -203,15 +204,17 @@ class Fleet:
         member.engines += [c for c in children if c not in member.engines]
         return children[0] if children else None
 
-    def close(self) -> None:
+    def close(self, grace: float = 15.0) -> None:
+        """SIGTERM to every process still running, SIGKILL to those still there after `grace`."""
         for member in reversed(self.members):
             if member.proc is not None and member.proc.poll() is None:
                 self.engine_pid(member)
                 member.proc.terminate()
+        deadline = time.monotonic() + grace
         for member in reversed(self.members):
             for proc in member.old + ([member.proc] if member.proc else []):
                 try:
-                    proc.wait(15)
+                    proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(10)
@@ -317,6 +320,7 @@ class Load:
         self.records: List[tuple] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._conns: Dict[int, http.client.HTTPConnection] = {}   # each thread's, to cut on failure
         senders = senders if rate else 0
         self._threads = [threading.Thread(target=self._run, args=(False, senders / rate, i / rate), daemon=True)
                          for i in range(senders)]
@@ -328,14 +332,21 @@ class Load:
             thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, failed, *exc) -> None:
+        """Let the requests in flight finish (they are counted), unless the scenario failed or
+        was interrupted: then cut them, so that cleaning up does not wait on a hung request."""
         self._stop.set()
+        if failed is not None:
+            for conn in list(self._conns.values()):
+                with contextlib.suppress(OSError, AttributeError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(40)
 
     def _run(self, stream: bool, gap: float, offset: float) -> None:
         self.place.enter()
         conn = None
+        me = threading.get_ident()
         next_at = time.monotonic() + offset - gap
         while not self._stop.is_set():
             next_at = max(next_at + gap, time.monotonic())    # bounded: never a burst to catch up
@@ -343,7 +354,7 @@ class Load:
             if self._stop.is_set():
                 break
             if conn is None:
-                conn = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
+                conn = self._conns[me] = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
             sent = time.monotonic()
             try:
                 outcome, session = chat(conn, self.token, stream)
