@@ -154,11 +154,12 @@ class Fleet:
         return member
 
     def node(self, name: str, place: Place = LOOPBACK, bootstrap: Tuple[str, ...] = (),
-             engine_flags: str = "", flags: Tuple[str, ...] = ()) -> Member:
-        """`otela_node.py start` wrapping the fake engine serving MODEL; does not wait."""
+             engine_flags: str = "", flags: Tuple[str, ...] = (), engine: Optional[str] = None) -> Member:
+        """`otela_node.py start` wrapping the fake engine serving MODEL (or the `engine` command,
+        with {port}); does not wait."""
         listen = f"{place.host}:{place.port(7700)}"
         gossip = f"{place.host}:{place.port(7946)}"
-        engine = f"{PY} {os.path.join(ROOT, 'tests', 'fake_engine.py')} --model {MODEL} --port {{port}} {engine_flags}"
+        engine = engine or f"{PY} {os.path.join(ROOT, 'tests', 'fake_engine.py')} --model {MODEL} --port {{port}} {engine_flags}"
         argv = [PY, os.path.join(ROOT, "otela_node.py"), "start", "--key-file", self.key_file,
                 "--listen", listen, "--gossip", gossip, "--process", engine.strip()]
         for addr in bootstrap:
@@ -626,6 +627,13 @@ def heal_of_churn(serving: set, dead: str, nodes: int) -> bool:
     return dead not in serving and len(serving) == nodes
 
 
+def hostile(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The rows of tests/reliability_hostile.py: attackers and broken engines against real
+    processes."""
+    import reliability_hostile
+    return reliability_hostile.rows(args)
+
+
 def simulator(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """The rows of tests/reliability_sim.py (the overlay simulated at scale), when it exists."""
     try:
@@ -646,7 +654,7 @@ def simulator(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, simulator]
+SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator]
 
 
 # =============================================================================================
