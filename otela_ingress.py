@@ -75,8 +75,6 @@ MAX_HEADER_BYTES = 16 * 1024         # request line + headers; real clients send
                                      # a bigger budget only helps slowloris-style abuse
 MAX_BODY_BYTES = 16 * 1024 * 1024    # a 128k-token prompt is ~0.5 MB of text; embedding
                                      # batches are larger; 16 MiB leaves room for both
-MAX_CONTENT_LENGTH_DIGITS = 18       # 10**18 bytes is an exabyte: a longer Content-Length is an
-                                     # attack (int() of 5,000 digits raises), never a request
 MAX_CONNECTIONS = 4096               # below the usual 8192 fd soft limit with upstreams counted;
                                      # the one over it is answered 503, not reset
 ADDRESS_SHARE = 0.25                 # one client address holds at most this share of them, so
@@ -1016,27 +1014,12 @@ class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
 
 
-# The upstream side speaks HTTP/1.1 by hand rather than through h11: the peer is our own node
-# (or an engine) and the request is ours, so only a small, strict subset is needed (status
-# line, headers, Content-Length / chunked / until-close bodies), and h11's general machinery
-# was half of the CPU time of a proxied request. Clients, which may send anything, get h11.
-UPSTREAM_MAX_HEAD = 64 * 1024
-UPSTREAM_MAX_CHUNK = 64 * READ_CHUNK   # 16 MiB: engines send an SSE event or a body per chunk; a
-                                       # chunk said to be bigger is garbage, refused before it is
-                                       # awaited (a "huge" chunk would otherwise hang the request)
-_CLOSE_DELIMITED, _CHUNKED = -1, -2
-# A chunk-size line: hex digits only (int(x, 16) also takes "-6", "+6", "0x6" and "6_0"), an
-# optional extension after ";"; 15 digits are 2**60, far past UPSTREAM_MAX_CHUNK.
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?")
-
-
-class UpstreamHead:
-    """Status and headers (lower-cased names) of an upstream response."""
-
-    __slots__ = ("status", "headers")
-
-    def __init__(self, status: int, headers: Dict[bytes, bytes]):
-        self.status, self.headers = status, headers
+# The upstream side reads with otela_node's codec rather than h11: the peer is our own node (or
+# an engine) and the request is ours, so the codec's strict subset suffices (status line, fields,
+# Content-Length / chunked / until-close bodies), and h11's general machinery was half of the CPU
+# time of a proxied request. Clients, which may send anything, get the codec first and h11 after.
+UpstreamHead = otela_node.MessageHead     # status, reason, headers, fields (lower-case names), framing
+_NO_BODY = otela_node.BodyReader(otela_node.NO_BODY)   # done: what a connection holds between answers
 
 
 class _UpstreamProtocol(asyncio.Protocol):
@@ -1091,7 +1074,7 @@ class _UpstreamProtocol(asyncio.Protocol):
 class Upstream:
     """One kept-alive connection to a provider, and the reader of its responses."""
 
-    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "remaining", "keep_alive", "done",
+    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "body", "keep_alive",
                  "pending_head", "pending_exc")
 
     def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol):
@@ -1099,11 +1082,15 @@ class Upstream:
         self.reused = False
         self.last = time.monotonic()
         self.buf = proto.buf      # the protocol appends what arrives
-        self.remaining = 0        # body bytes left, or _CHUNKED / _CLOSE_DELIMITED
+        self.body = _NO_BODY      # the reader of the response body being read (its framing)
         self.keep_alive = True
-        self.done = True          # the last response was read to its end
         self.pending_head: Optional[UpstreamHead] = None   # parsed by the on_data hook
         self.pending_exc: Optional[BaseException] = None
+
+    @property
+    def done(self) -> bool:
+        """The last response was read to its end."""
+        return self.body.done
 
     def send(self, data: bytes) -> None:
         """Write a request; a connection the provider closed under us (a reset right after it
@@ -1157,62 +1144,25 @@ class Upstream:
                     raise exc
                 return head
             if proto.on_data is None:
-                end = self.buf.find(b"\r\n\r\n")
-                if end >= 0:
-                    head = self.parse_head(end)
-                    if head is not None:
-                        return head
-                    continue
-                if len(self.buf) > UPSTREAM_MAX_HEAD:
-                    raise UpstreamFailure(f"{self.addr}: response head too large")
+                head = self.parse_head()
+                if head is not None:
+                    return head
             if not await self._fill():
                 proto.on_data = None
                 raise UpstreamFailure(f"{self.addr}: connection closed before a response")
 
-    def parse_head(self, end: int) -> Optional[UpstreamHead]:
-        """Consume and parse the head that ends at `end` in the buffer, and the final head after
-        any 1xx ones; None when a 1xx head was consumed and the next one is not complete yet."""
-        while True:
-            buf = self.buf
-            head = bytes(buf[:end])
-            del buf[:end + 4]
-            # split rather than regexes: half the time (about 2 us for an engine's head)
-            lines = head.split(b"\r\n")
-            first = lines[0]
-            code = first[9:12]
-            if first[:7] != b"HTTP/1." or first[7:9] not in (b"0 ", b"1 ") or len(code) != 3 \
-                    or not code.isdigit() or first[12:13] not in (b"", b" "):
-                raise UpstreamFailure(f"{self.addr}: bad status line {head[:80]!r}")
-            if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
-                raise UpstreamFailure(f"{self.addr}: a bare CR or LF in {head[:200]!r}")
-            status = int(code)
-            headers = {}
-            for line in lines[1:]:
-                name, colon, value = line.partition(b":")
-                if not name or not colon:
-                    raise UpstreamFailure(f"{self.addr}: bad header line in {head[:200]!r}")
-                headers[name.lower()] = value.strip(b" \t")
-            if 100 <= status < 200:   # 100 Continue and friends: the real answer follows
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    return None  # type: ignore[return-value]
-                continue
-            connection = headers.get(b"connection", b"").lower()
-            self.keep_alive = first[7:8] == b"1" and b"close" not in connection
-            if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-                self.remaining = _CHUNKED
-            elif b"content-length" in headers:
-                length = headers[b"content-length"]
-                if not (length.isdigit() and len(length) <= MAX_CONTENT_LENGTH_DIGITS):   # "-6", 5,000 digits
-                    raise UpstreamFailure(f"{self.addr}: bad content-length {length[:40]!r}")
-                self.remaining = int(length)
-            elif status in (204, 304):
-                self.remaining = 0
-            else:
-                self.remaining = _CLOSE_DELIMITED
-                self.keep_alive = False
-            self.done = self.remaining == 0
-            return UpstreamHead(status, headers)
+    def parse_head(self) -> Optional[UpstreamHead]:
+        """Consume and parse the final response head at the front of the buffer (after any 1xx
+        ones), or None while it is incomplete; UpstreamFailure for a bad one."""
+        try:
+            head = otela_node.parse_response(self.buf)
+        except otela_node.HTTPViolation as exc:
+            raise UpstreamFailure(f"{self.addr}: {exc}") from None
+        if head is not None:
+            del self.buf[:head.size]
+            self.keep_alive = head.keep_alive
+            self.body = otela_node.BodyReader(head.framing, head.length)
+        return head
 
     async def read_body(self) -> Optional[bytes]:
         """The next piece of the body (all of it that has arrived), or None at its end.
@@ -1224,66 +1174,27 @@ class Upstream:
             if piece:
                 return piece
             if not await self._fill():
-                if self.remaining == _CLOSE_DELIMITED:
-                    self.done = True
-                    return None
-                raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
+                self.end_of_stream()
+                return None
 
     def take(self) -> Optional[bytes]:
         """The body bytes complete in the buffer now (b"" when there are none yet), or None once
-        the body has ended. Raises UpstreamFailure on bad chunk framing."""
-        if self.done:
-            return None
-        remaining, buf = self.remaining, self.buf
-        if remaining == _CHUNKED:
-            return self._take_chunks()
-        if not buf:
-            return b""
-        if remaining == _CLOSE_DELIMITED:
-            piece = bytes(buf)
-            buf.clear()
-            return piece
-        piece = _take(buf, remaining)
-        self.remaining = remaining - len(piece)
-        self.done = self.remaining == 0
-        return piece
+        the body has ended. Raises UpstreamFailure on bad framing (after the good bytes before
+        it were taken)."""
+        try:
+            return self.body.take(self.buf)
+        except otela_node.HTTPViolation as exc:
+            raise UpstreamFailure(f"{self.addr}: {exc}") from None
 
-    def _take_chunks(self) -> Optional[bytes]:
-        """Every complete chunk in the buffer, unframed, as one piece."""
-        buf = self.buf
-        pieces = []
-        pos = 0
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            match = _CHUNK_SIZE.fullmatch(buf, pos, eol)
-            size = int(match.group(1), 16) if match is not None else -1
-            if not 0 <= size <= UPSTREAM_MAX_CHUNK:
-                if pieces:   # the good chunks before it go out first; the next call raises
-                    break
-                raise UpstreamFailure(f"{self.addr}: bad chunk size {bytes(buf[pos:min(eol, pos + 40)])!r}")
-            if size == 0:
-                end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
-                if end < 0:
-                    break
-                del buf[:end + 4]
-                self.done = True
-                return b"".join(pieces) if pieces else None
-            start = eol + 2
-            if len(buf) < start + size + 2:
-                break
-            if buf[start + size:start + size + 2] != b"\r\n":
-                if pieces:
-                    break
-                raise UpstreamFailure(f"{self.addr}: a chunk longer than its size")
-            pieces.append(bytes(buf[start:start + size]))
-            pos = start + size + 2
-        if pos:
-            del buf[:pos]
-        if not pieces and len(buf) > UPSTREAM_MAX_CHUNK + UPSTREAM_MAX_HEAD:   # a size line never ends
-            raise UpstreamFailure(f"{self.addr}: chunk too large")
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    def end_of_stream(self) -> None:
+        """The connection ended with everything buffered taken: the end of an until-close body,
+        else an UpstreamFailure."""
+        try:
+            self.body.end_of_stream()
+        except otela_node.HTTPViolation:
+            exc = self.proto.exc
+            raise UpstreamFailure(f"{self.addr}: connection closed mid-body" + (f" ({exc})" if exc else "")) \
+                from None
 
     def close(self) -> None:
         transport = self.transport
@@ -1398,11 +1309,11 @@ class _Relay:
         if up.done:
             return self._finish()
         if up.proto.eof:   # everything buffered was taken, and no more will come
-            if up.remaining == _CLOSE_DELIMITED:
-                up.done = True
-                return self._finish()
-            exc = up.proto.exc
-            return self._fail(f"{up.addr}: connection closed mid-body" + (f" ({exc})" if exc else ""))
+            try:
+                up.end_of_stream()
+            except UpstreamFailure as exc:
+                return self._fail(str(exc))
+            return self._finish()
         if client._write_paused:
             up.pause_reading()   # the client reads slower than the engine writes: so do we
 
@@ -1491,60 +1402,31 @@ class _FastRequest:
 _WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
                  + SESSION_HEADER + b": %s\r\n\r\n%s")
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
-_TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
-# A whole plain head in one match: request line, then header lines whose names are tokens and
-# whose values hold no control character but tab (RFC 9110's field-value, obs-fold excluded).
-_FAST_HEAD = re.compile(rb"(GET|POST) (/[\x21-\x7e]*) HTTP/1\.1\r\n"
-                        rb"((?:%s+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*)\r\n" % _TCHAR)
-_FAST_FIELD = re.compile(rb"(%s+):[ \t]*([^\r]*?)[ \t]*\r\n" % _TCHAR)
-_FAST_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te", b"connection"))
 _EOM = h11.EndOfMessage()
-_FRAMING_FIELD = re.compile(rb"\r\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)",
-                            re.IGNORECASE)
-
-
-def framing_error(fields: Sequence[Tuple[bytes, bytes]]) -> Optional[str]:
-    """Why a request's body framing is refused (None: it is not), from its header fields with
-    lower-case names. Two readings of where a body ends are how a request is smuggled past a
-    proxy: with both Content-Length and Transfer-Encoding, two Content-Lengths, or a coding we
-    do not decode, the bytes after the head could be a second request to one reader and body
-    to another. RFC 9112 6.1 and 6.3: answer 400 and close the connection."""
-    lengths = [value for name, value in fields if name == b"content-length"]
-    codings = [value for name, value in fields if name == b"transfer-encoding"]
-    if codings and lengths:
-        return "both Content-Length and Transfer-Encoding"
-    if len(codings) > 1 or (codings and codings[0].strip().lower() != b"chunked"):
-        return "a Transfer-Encoding other than chunked"
-    if len(lengths) > 1:
-        return "more than one Content-Length"
-    if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_CONTENT_LENGTH_DIGITS):
-        return "a Content-Length that is not a number of bytes"
-    return None
 
 
 class _ClientConn:
-    """The server side of h11.Connection for the requests a proxy sees all day, by hand.
+    """The server side of h11.Connection for the requests a proxy sees all day, on the codec.
 
     h11's general machinery was over a third of the CPU time of a proxied request. This class
     answers the subset of h11.Connection's interface the ingress uses (receive_data, next_event,
     send, start_next_cycle, our_state/their_state with h11's state objects, trailing_data) for
-    plain requests: HTTP/1.1 GET or POST, a Host header, no body or a Content-Length one, no
-    Transfer-Encoding / Expect / Upgrade / Connection other than keep-alive, well-formed tokens.
-    A request that is anything else (or a head that is incomplete past the size limit, or a
-    connection closed mid-head) makes next_event return _SWITCH at a request boundary: the
-    caller then asks `framing_error()` (a body framing that could smuggle a request past us is
-    refused before any parser reads on), swaps in `to_h11()`, an h11.Connection fed the
-    buffered bytes, for that request, so every odd case keeps h11's exact behaviour, and
-    `resume(h11 connection)` after it: every head is seen here first.
+    the requests otela_node.parse_request takes: HTTP/1.1, a Host field, a Content-Length or
+    chunked body (or none), kept alive, no Expect or Upgrade. A head it refuses (a framing that
+    could smuggle a request) raises h11.RemoteProtocolError, as h11 would (400 and close). A
+    request the codec leaves to h11 (or a head incomplete at the end of the connection) makes
+    next_event return _SWITCH at a request boundary: the caller swaps in `to_h11()`, an
+    h11.Connection fed the buffered bytes, for that request, so every odd case keeps h11's exact
+    behaviour, and `resume(h11 connection)` after it: every head is seen here first.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "_remaining", "_chunked", "_close", "_eof")
+    __slots__ = ("buf", "our_state", "their_state", "_body", "_chunked", "_close", "_eof")
     they_are_waiting_for_100_continue = False
 
     def __init__(self):
         self.buf = bytearray()
         self.our_state = self.their_state = h11.IDLE
-        self._remaining = 0
+        self._body = _NO_BODY
         self._chunked = self._close = self._eof = False
 
     @property
@@ -1560,7 +1442,7 @@ class _ClientConn:
 
     @classmethod
     def resume(cls, conn: h11.Connection) -> _ClientConn:
-        """The hand parser again, after a request h11 served, with what h11 had buffered."""
+        """The codec again, after a request h11 served, with what h11 had buffered."""
         new = cls()
         new.buf += conn.trailing_data[0]
         new._eof = conn.trailing_data[1]
@@ -1575,77 +1457,50 @@ class _ClientConn:
     def next_event(self) -> Any:
         state = self.their_state
         buf = self.buf
-        if state is h11.SEND_BODY:
-            remaining = self._remaining
-            if not remaining:
-                self.their_state = h11.DONE
-                return _EOM
-            if not buf:
+        try:
+            if state is h11.SEND_BODY:
+                piece = self._body.take(buf)
+                if piece is None:
+                    self.their_state = h11.DONE
+                    return _EOM
+                if piece:
+                    return h11.Data(data=piece)
                 if self._eof:
                     raise h11.RemoteProtocolError("peer closed the connection mid-body")
                 return h11.NEED_DATA
-            piece = _take(buf, remaining)
-            self._remaining = remaining - len(piece)
-            return h11.Data(data=piece)
-        if state is not h11.IDLE:
-            return h11.PAUSED
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
+            if state is not h11.IDLE:
+                return h11.PAUSED
+            head = otela_node.parse_request(buf, MAX_HEADER_BYTES)
+        except otela_node.HTTPViolation as exc:
+            raise h11.RemoteProtocolError(str(exc), error_status_hint=400) from None
+        if head is None:
             if self._eof:
                 return _SWITCH if buf else h11.ConnectionClosed()
-            if len(buf) > MAX_HEADER_BYTES or buf[:1] in (b"\r", b"\n"):
-                return _SWITCH
             return h11.NEED_DATA
-        if end + 4 > MAX_HEADER_BYTES:
+        if head is otela_node.H11_JUDGES or not head.keep_alive:   # h11 writes the Connection: close
             return _SWITCH
-        match = _FAST_HEAD.match(buf, 0, end + 4)
-        if match is None:
-            return _SWITCH
-        method, target, block = match.groups()
-        pairs = _FAST_FIELD.findall(block)
-        fields = {}
-        for name, value in pairs:
-            fields[name.lower()] = value
-        if len(fields) != len(pairs) or b"host" not in fields:   # a repeated name: h11 decides
-            return _SWITCH
-        if not _FAST_REFUSED.isdisjoint(fields):
-            keep_alive = fields.get(b"connection", b"").lower() == b"keep-alive"
-            if len(_FAST_REFUSED.intersection(fields)) > 1 or not keep_alive:
-                return _SWITCH
-        length = fields.get(b"content-length")
-        if length is not None and not (length.isdigit() and len(length) <= MAX_CONTENT_LENGTH_DIGITS):
-            return _SWITCH
-        del buf[:end + 4]
-        self._remaining = int(length) if length else 0
+        del buf[:head.size]
+        self._body = otela_node.BodyReader(head.framing, head.length)
         self.their_state = h11.SEND_BODY
         self.our_state = h11.SEND_RESPONSE
-        return _FastRequest(method, target, fields)
+        return _FastRequest(head.method, head.target, head.fields)
 
-    def framing_error(self) -> Optional[str]:
-        """framing_error() of the complete head at the front of the buffer, read line by line
-        (None when it is fine, or not all here): asked before h11 takes a request over, since
-        h11 merges repeated Content-Lengths and accepts one beside Transfer-Encoding."""
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return None
-        return framing_error([(name.lower(), value) for name, value in
-                              _FRAMING_FIELD.findall(self.buf, 0, end + 2)])
+    def whole_length(self) -> int:
+        """The length of the body of the request just parsed (-1 when it is chunked)."""
+        body = self._body
+        return body.remaining if body.framing is otela_node.LENGTH else -1
 
     def whole_body(self) -> Optional[bytes]:
         """The body of the request just parsed when all of it is buffered (the request is then
         complete), else None (nothing consumed)."""
-        remaining, buf = self._remaining, self.buf
-        if self.their_state is not h11.SEND_BODY or remaining > len(buf):
+        body, buf = self._body, self.buf
+        if self.their_state is not h11.SEND_BODY or body.framing is not otela_node.LENGTH \
+                or body.remaining > len(buf):
             return None
-        if remaining == len(buf):
-            body = bytes(buf)
-            buf.clear()
-        else:
-            body = bytes(buf[:remaining])
-            del buf[:remaining]
-        self._remaining = 0
+        data = _take(buf, body.remaining)
+        body.remaining, body.done = 0, True
         self.their_state = h11.DONE
-        return body
+        return data
 
     def head(self, status: int, headers: Sequence[Tuple[bytes, bytes]]) -> bytes:
         """The response head (what send(h11.Response(...)) would give, without building one)."""
@@ -2099,7 +1954,7 @@ class Ingress:
                 return
             if type(event) is _FastRequest and event.method == b"POST" and event.target in PROXIED_PATHS:
                 fields = self._fields(event)
-                body = conn.whole_body() if fields is not None and conn._remaining <= self.max_body else None
+                body = conn.whole_body() if fields is not None and conn.whole_length() <= self.max_body else None
                 if body is not None:
                     if not self._fast_proxy(client, event.target, fields, body):
                         return
@@ -2168,12 +2023,7 @@ class Ingress:
                 if type(conn) is _ClientConn and conn.their_state is h11.IDLE:
                     return True
                 await client.wait_data()
-            elif event is _SWITCH:
-                error = conn.framing_error()
-                if error is not None:
-                    await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
-                                                                "bad_request"))
-                    return False
+            elif event is _SWITCH:   # its framing passed the codec's check already
                 conn = client.conn = conn.to_h11()
             elif type(event) is _FastRequest or type(event) is h11.Request:
                 fields = self._fields(event)
@@ -2181,7 +2031,7 @@ class Ingress:
                     await self._respond_error(client, HTTPError(431, "Request headers too large",
                                                                 "headers_too_large"))
                     return False
-                error = framing_error(event.headers) if type(event) is h11.Request else None
+                error = otela_node.framing_error(event.headers) if type(event) is h11.Request else None
                 if error is not None:   # a head h11 read whole (one after blank lines, say)
                     await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
                                                                 "bad_request"))
@@ -2666,7 +2516,7 @@ class Ingress:
         if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
         conn = ex.client.conn
-        content_type = head.headers.get(b"content-type", b"application/json")
+        content_type = head.fields.get(b"content-type", b"application/json")
         if type(conn) is _ClientConn:
             out = conn.whole_answer(head.status, content_type, candidate.session_bytes, payload)
         else:
@@ -2688,14 +2538,8 @@ class Ingress:
         bad one leaves its UpstreamFailure in up.pending_exc for the task."""
         if up.pending_head is not None or up.pending_exc is not None:
             return None   # handed over already; the task takes it from here
-        buf = up.buf
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > UPSTREAM_MAX_HEAD:
-                up.pending_exc = UpstreamFailure(f"{up.addr}: response head too large")
-            return None
         try:
-            return up.parse_head(end)   # None after a 1xx head: the real one follows
+            return up.parse_head()
         except UpstreamFailure as exc:
             up.pending_exc = exc
             return None
@@ -2707,12 +2551,10 @@ class Ingress:
         head = self._hook_head(up)
         if head is None:
             return
-        buf = up.buf
-        remaining = up.remaining
-        if head.status not in RETRY_STATUSES and 0 <= remaining <= len(buf):
-            payload = bytes(buf[:remaining])
-            del buf[:remaining]
-            up.remaining, up.done = 0, True
+        body = up.body
+        if head.status not in RETRY_STATUSES and (body.done or body.framing is otela_node.LENGTH
+                                                  and body.remaining <= len(up.buf)):
+            payload = body.take(up.buf) or b""   # the whole body is here: one piece
             try:
                 self._send_plain(ex, candidate, head, payload)
             except Exception as exc:   # not from a data_received callback: the task reports it
@@ -2748,7 +2590,7 @@ class Ingress:
         ex.sent = True
         self.metrics.observe(self.metrics.ttfb, ex.routed.model, time.monotonic() - ex.t0)
         return _response_head(ex.client.conn, 200,
-                              [(b"content-type", head.headers.get(b"content-type", b"text/event-stream")),
+                              [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
                                (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)])
 
     def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
