@@ -2,7 +2,8 @@
 
 Role: a full overlay member (it runs an `otela_node.Node` with role "ingress", so it holds the
 session registry locally) that also serves the OpenAI HTTP API to users. A request comes in
-over HTTP/1.1 (h11 on asyncio), is authenticated against a hashed key in SQLite, is routed by
+over HTTP/1.1 (read by otela_node's sans-IO codec, by h11 when the codec leaves a request to
+it, on asyncio), is authenticated against a hashed key in SQLite, is routed by
 a pluggable policy to one healthy session serving its model, and is proxied there over a
 keep-alive connection (to the node's tunnel address with the cluster's tunnel header). The
 answer goes back to the client as it arrives: whole for plain requests, byte for byte for
@@ -17,6 +18,13 @@ mostly the CPU's cold caches, and each event-loop pass costs more of them. Every
 body still arriving, a new upstream connection, a retry, a GET endpoint, a request only h11
 can judge) runs in a task per connection, which gives the connection back to the callbacks at
 the next request boundary.
+
+One request, one state machine. Whichever way it goes, each proxied request is one _Exchange
+whose state moves down EXCHANGE_LIFECYCLE (received -> routed -> sent -> head -> body | stream
+-> done, or -> retried -> routed again, or -> failed), and whose end is booked in one place,
+_Exchange.finish(outcome), once: the in-flight count, the policy's on_request_end, passive
+health, metrics and the ledger row, before the client's last byte goes out (OUTCOMES says what
+each way of ending books).
 
 Data flow:
     client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
@@ -1353,12 +1361,10 @@ class _Relay:
         if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        now = time.monotonic()
-        ingress._record(ex, now)
         conn = ex.client.conn
         start = b"" if ex.sent else ingress._stream_head(ex, self.head)
+        ex.finish("ok")
         ex.client.transport.write(start + _data(conn, tail) + _end(conn))
-        ingress._account(ex, now)
         self._end(True)
 
     def _fail(self, reason: str) -> None:
@@ -1372,12 +1378,8 @@ class _Relay:
 
     def _client_gone(self) -> None:
         ex = self.ex
-        if ex.sent:   # the tokens generated so far are metered
-            ex.status = 499
-            ex.prompt_tokens, ex.completion_tokens = self.watch.tokens()
-            now = time.monotonic()
-            self.ingress._record(ex, now)
-            self.ingress._account(ex, now)
+        ex.prompt_tokens, ex.completion_tokens = self.watch.tokens()   # what was generated is metered
+        ex.finish("gone")
         self._end(ConnectionResetError("the client closed the connection"), discard=True)
 
 
@@ -1760,24 +1762,129 @@ class _Client(asyncio.Protocol):
         asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
 
+# ---------------------------------------------------------------------------------------------
+# The exchange: one proxied request, its lifecycle as a table, and the one place it is booked
+# ---------------------------------------------------------------------------------------------
+RECEIVED, ROUTED, SENT, HEAD, BODY, STREAM, RETRIED, DONE, FAILED = (
+    "received", "routed", "sent", "head", "body", "stream", "retried", "done", "failed")
+# state -> the states it may go to. Every proxied request runs down this table, whichever of the
+# callbacks or the connection's task moves it; a move not in it is a bug (RuntimeError -> 500).
+EXCHANGE_LIFECYCLE = {
+    RECEIVED: (ROUTED, FAILED),              # authenticated, parsed; candidates known
+    ROUTED: (SENT, RETRIED, FAILED),         # the policy picked a session
+    SENT: (SENT, HEAD, RETRIED, FAILED),     # the request went upstream (again, on a fresh
+                                             # connection, when a pooled one was stale)
+    HEAD: (BODY, STREAM, DONE, RETRIED, FAILED),   # the answer's head is in and judged
+    BODY: (DONE, RETRIED, FAILED),           # a plain body being read whole
+    STREAM: (DONE, RETRIED, FAILED),         # an SSE stream being relayed
+    RETRIED: (ROUTED, FAILED),               # that session failed or refused: maybe another
+    DONE: (),                                # the client has its answer
+    FAILED: (),                              # it has an error, a cut stream, or is gone
+}
+# How a request ends -> (state, status it is booked with (None: the engine's), ok for the policy,
+# the passive health of the session that answered, whether sessions that refused it with a 5xx
+# are blamed, whether it is metered and gets a ledger row).
+OUTCOMES = {
+    "ok": (DONE, None, True, "succeeded", True, True),          # answered (a 4xx is an answer)
+    "poison": (DONE, None, False, None, False, True),           # two sessions refused it: the
+                                                                # engine's 5xx, nobody blamed
+    "cut": (FAILED, 502, False, "failed", False, True),         # the stream broke after bytes
+    "gone": (FAILED, 499, False, None, False, True),            # the client left first
+    "exhausted": (FAILED, 502, False, None, True, True),        # every attempt failed
+    "error": (FAILED, 500, False, None, False, False),          # a bug (or a policy's); its 500
+                                                                # is counted where it is written
+}
+
+
 class _Exchange:
-    """The state of one proxied request across its attempts."""
+    """One proxied request across its attempts: its state in EXCHANGE_LIFECYCLE, and `finish`,
+    the one place where its end is booked (in-flight count, policy, passive health, metrics,
+    ledger row), once."""
 
-    __slots__ = ("client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
+    __slots__ = ("ingress", "client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "finished", "refusal")
+                 "row_head", "state", "refusal", "refused")
 
-    def __init__(self, client, path, body, key, routed, strip_usage, tracked, t0):
-        self.client, self.path, self.body, self.key, self.routed = client, path, body, key, routed
-        self.strip_usage, self.tracked, self.t0 = strip_usage, tracked, t0
+    def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
+        self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
+        self.routed, self.strip_usage, self.tracked, self.t0 = routed, strip_usage, tracked, t0
         self.attempts = 0
         self.candidate: Optional[Candidate] = None
         self.status = 0
         self.prompt_tokens = self.completion_tokens = 0
-        self.sent = False
+        self.sent = False       # the stream's head went out: no other session may answer now
         self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
-        self.finished = False   # the upstream protocol's hook sent the whole answer
-        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # the last attempt's 5xx answer
+        self.state = RECEIVED
+        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
+        self.refused: List[Candidate] = []   # sessions that answered this request with a 5xx
+        ingress.metrics.inflight += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state is DONE or self.state is FAILED
+
+    def to(self, state: str) -> None:
+        if state not in EXCHANGE_LIFECYCLE[self.state]:
+            raise RuntimeError(f"a request cannot go from {self.state} to {state}")
+        self.state = state
+
+    def pick(self, pool: List[Candidate]) -> Candidate:
+        """The next attempt: the policy picks a session (a user's policy may raise)."""
+        ingress = self.ingress
+        candidate = ingress.policy.pick(pool, self.routed)
+        self.to(ROUTED)
+        attempt = self.attempts
+        self.candidate = candidate
+        self.attempts = attempt + 1
+        self.routed.attempt = attempt
+        self.status = 0
+        self.refusal = None
+        if attempt:
+            ingress.metrics.retries += 1
+        ingress.policy.on_request_start(candidate, self.routed)
+        return candidate
+
+    def retry(self, blame: bool) -> None:
+        """This attempt is over without an answer for the client. `blame`: its session failed
+        to answer (connect, reset, bad framing), which counts against its passive health; else
+        it refused with a 5xx, held against nobody until another session judges the request."""
+        candidate = self.candidate
+        self.to(RETRIED)
+        ingress = self.ingress
+        if blame:
+            ingress.health.failed(candidate.session, time.monotonic())
+        else:
+            self.refused.append(candidate)
+        ingress.policy.on_request_end(candidate, self.routed, False)
+
+    def finish(self, outcome: str) -> bool:
+        """Book the end of the request (OUTCOMES), before its last byte goes out, so the ledger
+        row is journalled and the counts are right when the client has its answer. False when
+        it was finished already: nothing is booked twice."""
+        if self.state is DONE or self.state is FAILED:
+            return False
+        state, status, ok, health, blame_refused, booked = OUTCOMES[outcome]
+        attempt_open = self.state is not RECEIVED and self.state is not RETRIED
+        self.to(state)
+        if status is not None:
+            self.status = status
+        ingress = self.ingress
+        now = time.monotonic()
+        ingress.metrics.inflight -= 1
+        if booked:
+            ingress._record(self, now)
+            ingress._account(self, now)
+        candidate = self.candidate
+        if attempt_open and health == "succeeded":
+            ingress.health.succeeded(candidate.session)
+        elif attempt_open and health == "failed":
+            ingress.health.failed(candidate.session, now)
+        if blame_refused:   # it refused what another session served, or all failed
+            for other in self.refused:
+                ingress.health.failed(other.session, now)
+        if attempt_open:    # last: a user's policy that raises here costs nothing booked
+            ingress.policy.on_request_end(candidate, self.routed, ok)
+        return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2090,11 +2197,7 @@ class Ingress:
                 self.authenticate(fields)   # on the head: a stranger's body is never read
                 body = await self._read_body(client, fields)
                 ex, candidates = self._prepare(client, path, fields, body, t0)   # (a cached key: 0.1 us)
-                self.metrics.inflight += 1
-                try:
-                    await self._attempts(ex, candidates)
-                finally:
-                    self.metrics.inflight -= 1
+                await self._attempts(ex, candidates)
                 return
             length = fields.get(b"content-length") or b"0"
             if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
@@ -2215,7 +2318,7 @@ class Ingress:
         candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
         client.busy = True
-        return _Exchange(client, path, body, key, routed, strip_usage, tracked, t0), candidates
+        return _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0), candidates
 
     def _fast_proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes) -> bool:
         """Start a complete proxied request from the client's data_received. True when it was
@@ -2228,12 +2331,11 @@ class Ingress:
         except HTTPError as exc:
             self._write_error(client, exc)
             return client.finish()
-        self.metrics.inflight += 1
         try:
             healthy = self._healthy(candidates)
-            candidate = self._pick(ex, healthy)   # a user's policy may raise: a 500, counted out
+            candidate = ex.pick(healthy)   # a user's policy may raise: a 500, booked as an error
         except Exception:
-            self.metrics.inflight -= 1
+            ex.finish("error")
             raise
         up = self.pool.take_idle(candidate.addr)
         if up is None:   # a new connection: the task makes it
@@ -2245,6 +2347,7 @@ class Ingress:
             self.pool.discard(up)
             self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
             return False
+        ex.to(SENT)
         up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
         client.pending = (ex, up, candidate)
         self._prepare_row(ex, candidate)   # while the engine works on the request
@@ -2257,12 +2360,7 @@ class Ingress:
         client.pending = None
         up.proto.on_data = None
         self.pool.discard(up)
-        ex.status = 499
-        now = time.monotonic()
-        self._record(ex, now)
-        self._account(ex, now)
-        self.policy.on_request_end(candidate, ex.routed, False)
-        self.metrics.inflight -= 1
+        ex.finish("gone")
         client.busy = False
 
     def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate,
@@ -2277,7 +2375,7 @@ class Ingress:
             client.pending = None
             up.proto.on_data = None
             self.pool.discard(up)
-            self.metrics.inflight -= 1
+            ex.finish("error")
             self._internal_error(client, exc)
             return
         if done and client.finish():
@@ -2290,7 +2388,9 @@ class Ingress:
             head = self._hook_head(up)
             if head is not None:
                 if head.status == 200:
+                    ex.to(HEAD)
                     ex.status = 200
+                    ex.to(STREAM)
                     ex.client.pending = None   # the relay watches the client from here
                     on_end = functools.partial(self._fast_stream_end, ex, candidate, healthy)
                     _Relay(self, ex, up, head, on_end).pump()
@@ -2298,14 +2398,10 @@ class Ingress:
                 up.pending_head = head   # an error answer: the task reads it and decides
         else:
             self._finish_plain(ex, up, candidate)
-        if ex.finished:
+        if ex.state is DONE:
             ex.client.pending = None
             up.pending_head = None
             self.pool.release(up)
-            self._account(ex, time.monotonic())
-            self.policy.on_request_end(candidate, ex.routed, True)
-            self.health.succeeded(candidate.session)
-            self.metrics.inflight -= 1
             return True
         if up.pending_head is not None or up.pending_exc is not None or up.proto.eof:
             ex.client.pending = None   # the task watches the client from here
@@ -2317,32 +2413,24 @@ class Ingress:
                          result: Any) -> None:
         """The end of a stream relayed for a request started in the callbacks (see _Relay)."""
         client = ex.client
-        ok = result is True
-        self.policy.on_request_end(candidate, ex.routed, ok)
-        if ok:
-            self.health.succeeded(candidate.session)
-        elif result is False or isinstance(result, UpstreamFailure):   # the engine's fault, not a client's
-            self.health.failed(candidate.session, time.monotonic())
         if isinstance(result, UpstreamFailure):   # nothing went out yet: a task tries the others
+            ex.retry(blame=True)
             pool = [c for c in healthy if c is not candidate]
             self._spawn(client, self._exchange(ex, pool, (pool, None, None), str(result)))
             return
-        self.metrics.inflight -= 1
         if isinstance(result, BaseException):
+            ex.finish("gone" if isinstance(result, OSError) else "error")
             if not isinstance(result, OSError):
                 self._internal_error(client, result)   # type: ignore[arg-type]
             client.busy = False
             client.close()
-        elif client.finish():
+        elif client.finish():   # the relay finished the exchange ("ok", or "cut")
             self._dispatch(client)
 
     async def _exchange(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
                         failure: str = "no attempt made") -> bool:
         """A task's part of a request started in the callbacks; True to go on with the connection."""
-        try:
-            await self._attempts(ex, candidates, started, failure)
-        finally:
-            self.metrics.inflight -= 1
+        await self._attempts(ex, candidates, started, failure)
         return ex.client.finish()
 
     def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
@@ -2353,31 +2441,16 @@ class Ingress:
         now = time.monotonic()
         return [c for c in candidates if not health.is_sick(c.session, now)] or candidates
 
-    def _pick(self, ex: _Exchange, pool: List[Candidate]) -> Candidate:
-        candidate = self.policy.pick(pool, ex.routed)
-        attempt = ex.attempts
-        ex.candidate = candidate
-        ex.attempts = attempt + 1
-        ex.routed.attempt = attempt
-        ex.status = 0
-        if attempt:
-            self.metrics.retries += 1
-        self.policy.on_request_start(candidate, ex.routed)
-        return candidate
-
     async def _attempts(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple] = None,
                         failure: str = "no attempt made") -> None:
         """Try sessions until one answers. `started`: (pool, candidate or None, upstream or None)
         where attempts began in the callbacks: the sessions left, the one picked (with the
-        connection the request already went out on)."""
+        connection the request already went out on). Whatever stops it, the exchange is finished."""
         try:
             await self._try_sessions(ex, candidates, started, failure)
-        except asyncio.CancelledError:
-            if ex.client.closed and ex.status != 499 and not ex.finished:   # the client left: meter it
-                ex.status = 499
-                now = time.monotonic()
-                self._record(ex, now)
-                self._account(ex, now)
+        except BaseException as exc:   # the client left (reset, or its task cancelled), or a bug
+            gone = ex.client.closed or isinstance(exc, (OSError, asyncio.CancelledError))
+            ex.finish("gone" if gone else "error")
             raise
 
     async def _try_sessions(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
@@ -2388,48 +2461,31 @@ class Ingress:
         until another session judges the same request: a success there blames the first, a
         second 5xx blames the request (a poison one), whose client gets that answer as it is."""
         pool, candidate, up = started or (self._healthy(candidates), None, None)
-        health = self.health
-        refused: List[Candidate] = []   # sessions that answered this request with a 5xx
         while True:
             if candidate is None:
                 if not pool or ex.attempts >= MAX_ATTEMPTS:
                     break
-                candidate = self._pick(ex, pool)
-            ok = False
-            ex.refusal = None
+                candidate = ex.pick(pool)
             try:
-                ok = await self._attempt(ex, candidate, up)
+                await self._attempt(ex, candidate, up)
             except UpstreamFailure as exc:
                 failure = str(exc)
-            finally:
-                self.policy.on_request_end(candidate, ex.routed, ok)
-            if ok:
-                health.succeeded(candidate.session)
-                for other in refused:   # it refused what another session served
-                    health.failed(other.session, time.monotonic())
-                return
-            if ex.refusal is not None:
-                if refused:   # a second session refuses this request: the request's fault
+                ex.retry(blame=True)
+            else:
+                if ex.finished:   # answered, or a stream cut after its first bytes
+                    return
+                if ex.refused:   # a second session refuses this request: the request's fault
                     head, payload = ex.refusal
-                    now = self._send_plain(ex, candidate, head, payload)
-                    self._account(ex, now)
+                    self._send_plain(ex, candidate, head, payload, "poison")
                     await ex.client.drain()
                     return
-                refused.append(candidate)
                 failure = f"{candidate.addr} answered {ex.status}"
-            else:
-                health.failed(candidate.session, time.monotonic())
-                if ex.sent:
-                    return   # the stream already carried its error event
+                ex.retry(blame=False)
             pool = [c for c in pool if c is not candidate]
             candidate = up = None
-        for other in refused:
-            health.failed(other.session, time.monotonic())
-        ex.status = 502
-        self._account(ex, time.monotonic())
         exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
                         "upstream_failed")
-        self._record(ex, time.monotonic())
+        ex.finish("exhausted")
         await self._respond_error(ex.client, exc, ex.routed.model, counted=True)
 
     def _request_head(self, ex: _Exchange, addr: str) -> bytes:
@@ -2449,6 +2505,7 @@ class Ingress:
                 if not ex.routed.stream:
                     up.proto.on_data = functools.partial(self._finish_plain, ex, up, candidate)
                 up.send(request)
+                ex.to(SENT)
                 if ex.row_head is None or ex.row_head[0] is not candidate:
                     self._prepare_row(ex, candidate)   # while the engine works on the request
                 return up, await up.read_head()
@@ -2462,10 +2519,10 @@ class Ingress:
                 self.pool.discard(up)
                 raise
 
-    async def _attempt(self, ex: _Exchange, candidate: Candidate, up: Optional[Upstream] = None) -> bool:
-        """One try on one session (`up`: the request already went out on it). True when the
-        client got its answer (or an engine error that another session would repeat); False to
-        try another session."""
+    async def _attempt(self, ex: _Exchange, candidate: Candidate, up: Optional[Upstream] = None) -> None:
+        """One try on one session (`up`: the request already went out on it). On return the
+        exchange is finished (the client has its answer), or it holds the session's 5xx in
+        ex.refusal; UpstreamFailure: the session failed to answer."""
         if up is None:
             up, head = await self._exchange_head(ex, candidate)
         else:
@@ -2479,15 +2536,18 @@ class Ingress:
             except BaseException:
                 self.pool.discard(up)
                 raise
-        if ex.finished:
+        if ex.state is DONE:   # the upstream's hook answered the client already
             self.pool.release(up)
-            self._account(ex, time.monotonic())
             await ex.client.drain()
-            return True
+            return
+        ex.to(HEAD)
         try:
             ex.status = head.status
             if ex.routed.stream and head.status == 200:
-                return await self._relay_stream(ex, up, head)
+                ex.to(STREAM)
+                await self._relay_stream(ex, up, head)
+                return
+            ex.to(BODY)
             parts = []
             while True:
                 piece = await up.read_body()
@@ -2498,20 +2558,17 @@ class Ingress:
             self.pool.discard(up)
             raise
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        if head.status in RETRY_STATUSES:
-            self.pool.release(up)
-            ex.refusal = (head, payload)
-            return False
-        now = self._send_plain(ex, candidate, head, payload)
-        # the rest waits until the answer is on its way
         self.pool.release(up)
-        self._account(ex, now)
+        if head.status in RETRY_STATUSES:
+            ex.refusal = (head, payload)
+            return
+        self._send_plain(ex, candidate, head, payload)
         await ex.client.drain()
-        return True
 
-    def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes) -> float:
-        """Journal the row, then send the whole answer to the client (no await: the upstream
-        protocol's hook calls this from data_received)."""
+    def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes,
+                    outcome: str = "ok") -> None:
+        """Finish the exchange (its ledger row journalled), then send the whole answer to the
+        client (no await: the upstream protocol's hook calls this from data_received)."""
         ex.status = head.status
         if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
@@ -2524,14 +2581,10 @@ class Ingress:
                                                      (b"content-length", b"%d" % len(payload)),
                                                      (SESSION_HEADER, candidate.session_bytes)])
             out += _data(conn, payload) + _end(conn)
-        now = time.monotonic()
         client = ex.client
-        if client.closed:
-            ex.status = 499   # answered, but nobody was left to hear it
-        self._record(ex, now)
+        ex.finish("gone" if client.closed else outcome)   # answered, but nobody left to hear it
         if not client.closed:   # uvloop raises on a closed transport
             client.transport.write(out)
-        return now
 
     def _hook_head(self, up: Upstream) -> Optional[UpstreamHead]:
         """In an on_data hook: the response head once all of it is in (consumed), else None; a
@@ -2556,17 +2609,17 @@ class Ingress:
                                                   and body.remaining <= len(up.buf)):
             payload = body.take(up.buf) or b""   # the whole body is here: one piece
             try:
+                ex.to(HEAD)
                 self._send_plain(ex, candidate, head, payload)
             except Exception as exc:   # not from a data_received callback: the task reports it
                 up.pending_exc = exc
                 return
-            ex.finished = True
         up.pending_head = head
 
-    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> bool:
+    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> None:
         """Relay an SSE stream (see _Relay) and wait for its end. Before the first byte reaches
         the client a failure raises UpstreamFailure (retried elsewhere); after it, the stream
-        ends with an error event and [DONE] and this returns False."""
+        ends with an error event and [DONE] (the exchange finished as "cut")."""
         done = asyncio.get_running_loop().create_future()
 
         def on_end(result: Any) -> None:
@@ -2580,7 +2633,7 @@ class Ingress:
         relay = _Relay(self, ex, up, head, on_end)
         relay.pump()
         try:
-            return await done
+            await done
         except asyncio.CancelledError:
             if not relay.ended:
                 relay._end(False, discard=True)
@@ -2595,11 +2648,8 @@ class Ingress:
 
     def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
         self.metrics.stream_cuts += 1
-        ex.status = 502
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        now = time.monotonic()
-        self._account(ex, now)
-        self._record(ex, now)
+        ex.finish("cut")
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
                                       "type": "server_error", "param": None, "code": "stream_cut"}})
         conn = ex.client.conn

@@ -1341,6 +1341,7 @@ _FRAMING_FIELD = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*
 # A chunk-size line: hex digits only (int(x, 16) also takes "-6", "+6", "0x6" and "6_0"), an
 # optional extension after ";"; 15 digits are 2**60, far past MAX_CHUNK.
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:;[^\r]*)?[ \t]*\r")
+_TRAILER_FRAMING = re.compile(rb"(?i)(?:content-length|transfer-encoding|host)[ \t]*:")
 _HANDED_TO_H11 = frozenset((b"expect", b"upgrade"))   # h11 speaks 100-continue and refuses upgrades
 
 
@@ -1552,8 +1553,8 @@ class BodyReader:
             elif line == b"\r":           # the blank line after the trailer fields: the end
                 self.state, self.done = _DONE, True
             elif len(line) > MAX_CHUNK_LINE or not _FIELD_LINE.fullmatch(line, 0, len(line) - 1) \
-                    or not line.endswith(b"\r"):
-                self.error = f"bad trailer line {bytes(line[:40])!r}"
+                    or not line.endswith(b"\r") or _TRAILER_FRAMING.match(line):
+                self.error = f"bad trailer line {bytes(line[:40])!r}"   # (framing there: RFC 9110 6.5.1)
                 return pos
             self._line = b""
             pos = eol + 1
