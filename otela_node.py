@@ -1272,7 +1272,7 @@ class SimulatedNetwork:
 
 
 # =============================================================================================
-# HTTP and tunnel forwarding (h11): GET /v1/registry, GET /healthz, tunnelled requests
+# HTTP (the codec below; h11 for what it leaves to h11): GET /v1/registry, GET /healthz, the tunnel
 # =============================================================================================
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                         b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
@@ -1332,7 +1332,6 @@ _VALUE = rb"[\t\x20-\x7e\x80-\xff]*"   # a field value: no control but tab (obs-
 _REQUEST_HEAD = re.compile(rb"(%s+) (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:%s+:%s\r\n)*)\r\n" % (_TCHAR, _TCHAR, _VALUE))
 _RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: (%s))?\r\n((?:%s+:%s\r\n)*)\r\n"
                             % (_VALUE, _TCHAR, _VALUE))
-_FIELD = re.compile(rb"(%s+):[ \t]*([^\r]*?)[ \t]*\r\n" % _TCHAR)
 _FIELD_LINE = re.compile(rb"%s+:%s" % (_TCHAR, _VALUE))
 # The framing fields of a head we do not parse ourselves, line by line (bare LF too: h11 takes it)
 _BLANK_LINE = re.compile(rb"\n\r?\n")           # the end of a head as h11 finds it
@@ -1385,19 +1384,26 @@ def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
 
 
 def _fields(block: bytes, size: int) -> MessageHead:
-    """The head of the field lines in `block` (matched by a head pattern), framed."""
-    headers = [(name.lower(), value) for name, value in _FIELD.findall(block)]
+    """The head of the field lines in `block` (already matched by a head pattern, so every line
+    is `token:value` ending CRLF), framed. Split and partition, not a regex: half the time."""
+    headers = []
+    for line in block.split(b"\r\n")[:-1]:
+        name, _, value = line.partition(b":")
+        headers.append((name.lower(), value.strip(b" \t")))
     fields = dict(headers)
     head = MessageHead(headers, fields, size)
     length, coding = fields.get(b"content-length"), fields.get(b"transfer-encoding")
-    if length is not None or coding is not None:
+    if coding is not None:
         error = framing_error(headers)
         if error is not None:
             raise HTTPViolation(error)
-        if coding is not None:
-            head.framing = CHUNKED
-        else:
-            head.framing, head.length = LENGTH, int(length)
+        head.framing = CHUNKED
+    elif length is not None:
+        if len(fields) < len(headers) or not length.isdigit() or len(length) > MAX_LENGTH_DIGITS:
+            error = framing_error(headers)   # a repeated name: maybe a second Content-Length
+            if error is not None:
+                raise HTTPViolation(error)
+        head.framing, head.length = LENGTH, int(length)
     connection = fields.get(b"connection")
     if connection is not None:
         head.keep_alive = b"close" not in [t.strip() for t in connection.lower().split(b",")]
@@ -1410,7 +1416,7 @@ def parse_request(buf, max_head: int = MAX_HEAD):
     framing that could smuggle a request, whoever would read it."""
     end = buf.find(b"\r\n\r\n")
     if end < 0 or end + 4 > max_head:
-        if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and _BLANK_LINE.search(buf)):
+        if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
             _check_framing(buf, max_head)
             return H11_JUDGES
         return None
@@ -1513,6 +1519,18 @@ class BodyReader:
         pos = 0
         while pos < n:
             state = self.state
+            if state is _SIZE and not self._line:   # the common case: a whole chunk in one read
+                eol = data.find(b"\n", pos)
+                match = _CHUNK_SIZE.fullmatch(data, pos, eol) if eol > pos else None
+                if match is not None:
+                    size = int(match.group(1), 16)
+                    start = eol + 1
+                    end = start + size
+                    if 0 < size <= self.max_chunk and data[end:end + 2] == b"\r\n":
+                        if pieces is not None:
+                            pieces.append(data[start:end])
+                        pos = end + 2
+                        continue
             if state is _DATA:
                 step = min(self.remaining, n - pos)
                 if pieces is not None:
@@ -1572,6 +1590,19 @@ class BodyReader:
             return None
         if not buf:
             return b""
+        framing = self.framing
+        if framing is LENGTH or framing is UNTIL_CLOSE:   # one copy, off the front of buf
+            remaining = self.remaining if framing is LENGTH else len(buf)
+            if len(buf) <= remaining:
+                piece = bytes(buf)
+                buf.clear()
+            else:
+                piece = bytes(buf[:remaining])
+                del buf[:remaining]
+            if framing is LENGTH:
+                self.remaining = remaining - len(piece)
+                self.done = not self.remaining
+            return piece
         pieces: list = []
         data = bytes(buf)
         used = self.feed(data, pieces)
@@ -1727,9 +1758,25 @@ async def _pipe_body(reader: asyncio.StreamReader, engine_writer: asyncio.Stream
         engine.set_protocol(original)
 
 
+class _EngineConn:
+    """A kept-alive connection to the engine: its streams, the bytes read past the last
+    response head, and the reader of the body being read."""
+
+    __slots__ = ("reader", "writer", "buf", "body", "keep_alive")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer, self.buf = reader, writer, bytearray()
+        self.body: Optional[BodyReader] = None
+        self.keep_alive = True
+
+
+def _text(value) -> bytes:
+    return value.encode("latin-1") if isinstance(value, str) else value
+
+
 class EngineClient:
     """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
-    used for health checks, model discovery and tunnelled requests alike."""
+    used for health checks, model discovery and tunnelled requests alike, read by the codec."""
 
     def __init__(self, url: str):
         parts = urllib.parse.urlsplit(url)
@@ -1737,100 +1784,86 @@ class EngineClient:
             raise ConfigError(f"bad engine URL {url!r}: expected http://HOST:PORT")
         self.host, self.port = parts.hostname, parts.port
         self.host_header = f"{self.host}:{self.port}".encode()
-        self.idle: List[tuple] = []
+        self.idle: List[_EngineConn] = []
 
-    async def _connect(self) -> tuple:
+    async def _connect(self) -> _EngineConn:
         try:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         except OSError as exc:
             raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
-        return reader, writer, h11.Connection(h11.CLIENT)
+        return _EngineConn(reader, writer)
 
     async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
                        timeout: Optional[float] = None):
-        """Send one request; return (h11.Response, connection). Read the body with `body()`.
-        A pooled connection the engine closed while idle is retried once on a fresh one."""
-        for attempt in range(2):
-            fresh = not self.idle
-            conn = self.idle.pop() if self.idle else await self._connect()
-            reader, writer, h = conn
-            try:
-                head = [(b"host", f"{self.host}:{self.port}".encode()),
-                        (b"content-length", str(len(body)).encode())] + list(headers)
-                writer.write(h.send(h11.Request(method=method, target=target, headers=head)))
-                if body:
-                    writer.write(h.send(h11.Data(data=body)))
-                writer.write(h.send(h11.EndOfMessage()))
-                await writer.drain()
-                while True:
-                    event = await h11_next(h, reader, timeout)
-                    if isinstance(event, h11.Response):
-                        return event, conn
-                    if not isinstance(event, h11.InformationalResponse):
-                        raise EngineError("engine closed the connection without an answer")
-            except (OSError, h11.ProtocolError, EngineError, asyncio.TimeoutError) as exc:
-                writer.close()
-                if fresh or attempt:
-                    raise EngineError(str(exc) or type(exc).__name__) from None
-        raise EngineError("unreachable")            # pragma: no cover
+        """Send one request; return (its response's MessageHead, connection). Read the body with
+        `body()`. A pooled connection the engine closed while idle is retried once on a fresh one."""
+        request = [_text(method), b" ", _text(target), b" HTTP/1.1\r\nhost: ", self.host_header,
+                   b"\r\ncontent-length: %d\r\n" % len(body)]
+        for name, value in headers:
+            request += (_text(name), b": ", _text(value), b"\r\n")
+        request += (b"\r\n", body)
+        conn, buf, head = await self.send_raw(b"".join(request), method == "HEAD", timeout)
+        conn.body, conn.keep_alive = BodyReader(head.framing, head.length), head.keep_alive
+        return head, conn
 
-    async def send_raw(self, request: bytes, head_only: bool = False):
+    async def send_raw(self, request: bytes, head_only: bool = False, timeout: Optional[float] = None):
         """Write a ready-made request (head and body bytes); return (connection, bytes read past
         the response head, its MessageHead). The tunnel's fast path."""
         for attempt in range(2):
             fresh = not self.idle
             conn = self.idle.pop() if self.idle else await self._connect()
-            reader, writer, _ = conn
-            buf = bytearray()
+            buf = conn.buf
             try:
-                writer.write(request)
-                if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                    await writer.drain()
-                head = await _read_engine_head(reader, buf, head_only)
+                conn.writer.write(request)
+                if conn.writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                    await conn.writer.drain()
+                reading = _read_engine_head(conn.reader, buf, head_only)
+                head = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
                 return conn, buf, head
-            except (OSError, EngineError) as exc:
-                writer.close()
+            except (OSError, EngineError, asyncio.TimeoutError) as exc:
+                conn.writer.close()
                 if fresh or attempt or buf:
                     raise EngineError(str(exc) or type(exc).__name__) from None
         raise EngineError("unreachable")            # pragma: no cover
 
-    def release(self, conn: tuple, reusable: bool) -> None:
+    def release(self, conn: _EngineConn, reusable: bool) -> None:
         if reusable:
+            conn.buf.clear()
             self.idle.append(conn)
         else:
-            conn[1].close()
+            conn.writer.close()
 
-    async def body(self, conn: tuple, timeout: Optional[float] = None):
-        """Yield the response body chunk by chunk; return the connection to the pool after."""
-        reader, writer, h = conn
+    async def body(self, conn: _EngineConn, timeout: Optional[float] = None):
+        """Yield the response body piece by piece; return the connection to the pool after."""
         done = False
         try:
             while True:
-                event = await h11_next(h, reader, timeout)
-                if isinstance(event, h11.Data):
-                    yield bytes(event.data)
-                elif isinstance(event, h11.EndOfMessage):
+                piece = conn.body.take(conn.buf)
+                if piece is None:
                     done = True
                     return
-                else:
-                    raise EngineError("engine closed the connection mid-response")
-        except (OSError, h11.ProtocolError, asyncio.TimeoutError) as exc:
+                if piece:
+                    yield piece
+                    continue
+                reading = conn.reader.read(RELAY_READ)
+                data = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
+                if not data:
+                    conn.body.end_of_stream()       # the end of an until-close body, or an error
+                    conn.keep_alive = False
+                conn.buf += data
+        except (OSError, HTTPViolation, asyncio.TimeoutError) as exc:
             raise EngineError(str(exc) or type(exc).__name__) from None
         finally:
-            if done and h.our_state is h11.DONE and h.their_state is h11.DONE:
-                h.start_next_cycle()
-                self.idle.append(conn)
-            else:
-                writer.close()
+            self.release(conn, done and conn.keep_alive and not conn.buf)
 
     async def get(self, path: str, timeout: float) -> Tuple[int, bytes]:
         response, conn = await self.exchange("GET", path, timeout=timeout)
         data = b"".join([chunk async for chunk in self.body(conn, timeout)])
-        return response.status_code, data
+        return response.status, data
 
     def close(self) -> None:
-        for _, writer, _ in self.idle:
-            writer.close()
+        for conn in self.idle:
+            conn.writer.close()
         self.idle = []
 
 
@@ -2362,7 +2395,7 @@ class Node:
             if _wants_close(headers):
                 out.append(b"connection: close\r\n")
             out.append(b"\r\n")
-            reader = engine_conn[0]
+            reader = engine_conn.reader
             transport = writer.transport
             data = bytes(buf)
             ok = False
@@ -2393,7 +2426,7 @@ class Node:
                     else:
                         transport.write(b"".join(out))
                         out = []
-                        ok = await _pipe_body(reader, engine_conn[1], writer, body)
+                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
                 transport.write(b"".join(out))
             except OSError as exc:
                 raise EngineError(str(exc) or type(exc).__name__) from None
@@ -2418,7 +2451,7 @@ class Node:
                 return
             out_headers = [(n, v) for n, v in response.headers
                            if n not in HOP_BY_HOP or n == b"content-length"]
-            writer.write(conn.send(h11.Response(status_code=response.status_code, headers=out_headers,
+            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
                                                 reason=response.reason)))
             async for chunk in self.engine.body(engine_conn):
                 writer.write(conn.send(h11.Data(data=chunk)))

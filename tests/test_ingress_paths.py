@@ -371,3 +371,50 @@ def test_a_policy_that_raises_costs_its_request_a_500_and_nothing_else(tmp_path)
         assert stack.inflight_settled() == 0
     finally:
         stack.close()
+
+
+def test_every_proxied_request_runs_down_the_lifecycle_table_and_is_booked_once(tmp_path, monkeypatch):
+    paths, booked = {}, {}
+    moved, finished = otela_ingress._Exchange.to, otela_ingress._Exchange.finish
+
+    def to(ex, state):
+        paths.setdefault(id(ex), ["received"]).append(state)
+        moved(ex, state)
+
+    def finish(ex, outcome):
+        did = finished(ex, outcome)
+        booked[id(ex)] = booked.get(id(ex), 0) + did
+        return did
+
+    monkeypatch.setattr(otela_ingress._Exchange, "to", to)
+    monkeypatch.setattr(otela_ingress._Exchange, "finish", finish)
+
+    def run(modes, **chat):
+        paths.clear()
+        booked.clear()
+        stack = Stack(str(tmp_path / f"{'-'.join(modes)}-{len(chat)}.sqlite"))
+        try:
+            for mode in modes:
+                stack.engine("m1", mode=mode)
+            client = Client(stack.url, stack.key())
+            try:
+                answers = [client.chat(**chat)[0] for _ in range(2)]
+            finally:
+                client.close()
+            assert stack.inflight_settled() == 0
+            rows = stack.sql("SELECT status FROM requests")
+        finally:
+            stack.close()
+        assert sorted(booked.values()) == [1, 1]   # each request booked once, in finish
+        return answers, sorted(paths.values()), sorted(status for status, in rows)
+
+    plain = ["received", "routed", "sent", "head", "done"]
+    # the first goes through the task (a new upstream connection), the second in the callbacks
+    assert run(["ok"]) == ([200, 200], [plain, plain], [200, 200])
+    stream = ["received", "routed", "sent", "head", "stream", "done"]
+    assert run(["ok"], stream=True) == ([200, 200], [stream, stream], [200, 200])
+    refused = ["routed", "sent", "head", "body", "retried"]
+    poison = ["received"] + refused + ["routed", "sent", "head", "body", "done"]
+    assert run(["error500", "error500"]) == ([500, 500], [poison, poison], [500, 500])
+    exhausted = ["received", "routed", "sent", "retried", "routed", "sent", "retried", "failed"]
+    assert run(["reset", "reset"]) == ([502, 502], [exhausted, exhausted], [502, 502])
