@@ -1398,6 +1398,9 @@ def _fields(block: bytes, size: int) -> MessageHead:
         if error is not None:
             raise HTTPViolation(error)
         head.framing = CHUNKED
+        if coding != b"chunked":        # "Chunked": written as h11 and RFC 9112 7 spell it
+            head.headers = headers = [(n, b"chunked" if n == b"transfer-encoding" else v) for n, v in headers]
+            fields[b"transfer-encoding"] = b"chunked"
     elif length is not None:
         if len(fields) < len(headers) or not length.isdigit() or len(length) > MAX_LENGTH_DIGITS:
             error = framing_error(headers)   # a repeated name: maybe a second Content-Length

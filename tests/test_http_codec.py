@@ -105,7 +105,7 @@ def requests(draw):
         lines.append(b"Content-Length: %d" % len(body))
     elif kind == "chunked":
         body = draw(chunked_body(clean))
-        lines.append(b"Transfer-Encoding: chunked")
+        lines.append(b"Transfer-Encoding: " + draw(st.sampled_from([b"chunked", b"Chunked", b"CHUNKED"])))
     else:
         body = b""
     eol = either(clean, draw, [b"\r\n"], [b"\r\n", b"\n"])
@@ -127,7 +127,7 @@ def responses(draw):
         lines.append(b"content-length: %d" % len(body))
     elif kind == "chunked":
         body = draw(chunked_body(clean))
-        lines.append(b"transfer-encoding: chunked")
+        lines.append(b"transfer-encoding: " + draw(st.sampled_from([b"chunked", b"chunkEd"])))
     else:
         body = draw(BODY)
     eol = either(clean, draw, [b"\r\n"], [b"\r\n", b"\n"])
