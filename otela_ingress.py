@@ -1384,7 +1384,7 @@ class _Relay:
 
 
 # ---------------------------------------------------------------------------------------------
-# Client connections: the hand parser of plain requests, the connection protocol
+# Client connections: the codec's h11-like face for plain requests, the connection protocol
 # ---------------------------------------------------------------------------------------------
 class _FastRequest:
     """A request head parsed by _ClientConn (what the handlers read of an h11.Request, plus

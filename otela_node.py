@@ -2222,9 +2222,9 @@ class Node:
 
     # -- HTTP: registry, health, tunnel -----------------------------------------------------
     async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Plain HTTP/1.1 requests with a Content-Length (or no body: what the ingress sends) are
-        parsed by hand; anything else (HTTP/1.0, a chunked body, Expect, odd bytes) goes to
-        h11 from the first byte of that request, which keeps the connection from then on."""
+        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
+        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
+        goes to h11 from the first byte of that request, which keeps the connection from then on."""
         buf = bytearray()
         try:
             while True:
@@ -2313,7 +2313,7 @@ class Node:
             conn.start_next_cycle()
 
     def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
-        """A whole answer: through h11's `conn`, or as bytes when the request was parsed by hand."""
+        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
         if conn is None:
             writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
                          % (status, _REASON.get(status, b"Status"), ctype, len(body), body))
@@ -2325,7 +2325,7 @@ class Node:
 
     async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
                         conn, writer) -> bool:
-        """Answer one request (`conn`: its h11 connection, or None when parsed by hand); True
+        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
         when the answer went out raw, past h11's `conn`."""
         path = target.split(b"?", 1)[0]
         if self.overlay is None:                    # between binding the port and joining
