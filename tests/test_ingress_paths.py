@@ -378,12 +378,12 @@ def test_every_proxied_request_runs_down_the_lifecycle_table_and_is_booked_once(
     moved, finished = otela_ingress._Exchange.to, otela_ingress._Exchange.finish
 
     def to(ex, state):
-        paths.setdefault(id(ex), ["received"]).append(state)
+        paths.setdefault(ex, ["received"]).append(state)   # (held: no id reused)
         moved(ex, state)
 
     def finish(ex, outcome):
         did = finished(ex, outcome)
-        booked[id(ex)] = booked.get(id(ex), 0) + did
+        booked[ex] = booked.get(ex, 0) + did
         return did
 
     monkeypatch.setattr(otela_ingress._Exchange, "to", to)
