@@ -2,7 +2,8 @@
 
 Role: a full overlay member (it runs an `otela_node.Node` with role "ingress", so it holds the
 session registry locally) that also serves the OpenAI HTTP API to users. A request comes in
-over HTTP/1.1 (h11 on asyncio), is authenticated against a hashed key in SQLite, is routed by
+over HTTP/1.1 (read by otela_node's sans-IO codec, by h11 when the codec leaves a request to
+it, on asyncio), is authenticated against a hashed key in SQLite, is routed by
 a pluggable policy to one healthy session serving its model, and is proxied there over a
 keep-alive connection (to the node's tunnel address with the cluster's tunnel header). The
 answer goes back to the client as it arrives: whole for plain requests, byte for byte for
@@ -17,6 +18,13 @@ mostly the CPU's cold caches, and each event-loop pass costs more of them. Every
 body still arriving, a new upstream connection, a retry, a GET endpoint, a request only h11
 can judge) runs in a task per connection, which gives the connection back to the callbacks at
 the next request boundary.
+
+One request, one state machine. Whichever way it goes, each proxied request is one _Exchange
+whose state moves down EXCHANGE_LIFECYCLE (received -> routed -> sent -> head -> body | stream
+-> done, or -> retried -> routed again, or -> failed), and whose end is booked in one place,
+_Exchange.finish(outcome), once: the in-flight count, the policy's on_request_end, passive
+health, metrics and the ledger row, before the client's last byte goes out (OUTCOMES says what
+each way of ending books).
 
 Data flow:
     client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
@@ -75,8 +83,6 @@ MAX_HEADER_BYTES = 16 * 1024         # request line + headers; real clients send
                                      # a bigger budget only helps slowloris-style abuse
 MAX_BODY_BYTES = 16 * 1024 * 1024    # a 128k-token prompt is ~0.5 MB of text; embedding
                                      # batches are larger; 16 MiB leaves room for both
-MAX_CONTENT_LENGTH_DIGITS = 18       # 10**18 bytes is an exabyte: a longer Content-Length is an
-                                     # attack (int() of 5,000 digits raises), never a request
 MAX_CONNECTIONS = 4096               # below the usual 8192 fd soft limit with upstreams counted;
                                      # the one over it is answered 503, not reset
 ADDRESS_SHARE = 0.25                 # one client address holds at most this share of them, so
@@ -1016,27 +1022,12 @@ class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
 
 
-# The upstream side speaks HTTP/1.1 by hand rather than through h11: the peer is our own node
-# (or an engine) and the request is ours, so only a small, strict subset is needed (status
-# line, headers, Content-Length / chunked / until-close bodies), and h11's general machinery
-# was half of the CPU time of a proxied request. Clients, which may send anything, get h11.
-UPSTREAM_MAX_HEAD = 64 * 1024
-UPSTREAM_MAX_CHUNK = 64 * READ_CHUNK   # 16 MiB: engines send an SSE event or a body per chunk; a
-                                       # chunk said to be bigger is garbage, refused before it is
-                                       # awaited (a "huge" chunk would otherwise hang the request)
-_CLOSE_DELIMITED, _CHUNKED = -1, -2
-# A chunk-size line: hex digits only (int(x, 16) also takes "-6", "+6", "0x6" and "6_0"), an
-# optional extension after ";"; 15 digits are 2**60, far past UPSTREAM_MAX_CHUNK.
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?")
-
-
-class UpstreamHead:
-    """Status and headers (lower-cased names) of an upstream response."""
-
-    __slots__ = ("status", "headers")
-
-    def __init__(self, status: int, headers: Dict[bytes, bytes]):
-        self.status, self.headers = status, headers
+# The upstream side reads with otela_node's codec rather than h11: the peer is our own node (or
+# an engine) and the request is ours, so the codec's strict subset suffices (status line, fields,
+# Content-Length / chunked / until-close bodies), and h11's general machinery was half of the CPU
+# time of a proxied request. Clients, which may send anything, get the codec first and h11 after.
+UpstreamHead = otela_node.MessageHead     # status, reason, headers, fields (lower-case names), framing
+_NO_BODY = otela_node.BodyReader(otela_node.NO_BODY)   # done: what a connection holds between answers
 
 
 class _UpstreamProtocol(asyncio.Protocol):
@@ -1091,7 +1082,7 @@ class _UpstreamProtocol(asyncio.Protocol):
 class Upstream:
     """One kept-alive connection to a provider, and the reader of its responses."""
 
-    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "remaining", "keep_alive", "done",
+    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "body", "keep_alive",
                  "pending_head", "pending_exc")
 
     def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol):
@@ -1099,11 +1090,15 @@ class Upstream:
         self.reused = False
         self.last = time.monotonic()
         self.buf = proto.buf      # the protocol appends what arrives
-        self.remaining = 0        # body bytes left, or _CHUNKED / _CLOSE_DELIMITED
+        self.body = _NO_BODY      # the reader of the response body being read (its framing)
         self.keep_alive = True
-        self.done = True          # the last response was read to its end
         self.pending_head: Optional[UpstreamHead] = None   # parsed by the on_data hook
         self.pending_exc: Optional[BaseException] = None
+
+    @property
+    def done(self) -> bool:
+        """The last response was read to its end."""
+        return self.body.done
 
     def send(self, data: bytes) -> None:
         """Write a request; a connection the provider closed under us (a reset right after it
@@ -1157,62 +1152,25 @@ class Upstream:
                     raise exc
                 return head
             if proto.on_data is None:
-                end = self.buf.find(b"\r\n\r\n")
-                if end >= 0:
-                    head = self.parse_head(end)
-                    if head is not None:
-                        return head
-                    continue
-                if len(self.buf) > UPSTREAM_MAX_HEAD:
-                    raise UpstreamFailure(f"{self.addr}: response head too large")
+                head = self.parse_head()
+                if head is not None:
+                    return head
             if not await self._fill():
                 proto.on_data = None
                 raise UpstreamFailure(f"{self.addr}: connection closed before a response")
 
-    def parse_head(self, end: int) -> Optional[UpstreamHead]:
-        """Consume and parse the head that ends at `end` in the buffer, and the final head after
-        any 1xx ones; None when a 1xx head was consumed and the next one is not complete yet."""
-        while True:
-            buf = self.buf
-            head = bytes(buf[:end])
-            del buf[:end + 4]
-            # split rather than regexes: half the time (about 2 us for an engine's head)
-            lines = head.split(b"\r\n")
-            first = lines[0]
-            code = first[9:12]
-            if first[:7] != b"HTTP/1." or first[7:9] not in (b"0 ", b"1 ") or len(code) != 3 \
-                    or not code.isdigit() or first[12:13] not in (b"", b" "):
-                raise UpstreamFailure(f"{self.addr}: bad status line {head[:80]!r}")
-            if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
-                raise UpstreamFailure(f"{self.addr}: a bare CR or LF in {head[:200]!r}")
-            status = int(code)
-            headers = {}
-            for line in lines[1:]:
-                name, colon, value = line.partition(b":")
-                if not name or not colon:
-                    raise UpstreamFailure(f"{self.addr}: bad header line in {head[:200]!r}")
-                headers[name.lower()] = value.strip(b" \t")
-            if 100 <= status < 200:   # 100 Continue and friends: the real answer follows
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    return None  # type: ignore[return-value]
-                continue
-            connection = headers.get(b"connection", b"").lower()
-            self.keep_alive = first[7:8] == b"1" and b"close" not in connection
-            if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-                self.remaining = _CHUNKED
-            elif b"content-length" in headers:
-                length = headers[b"content-length"]
-                if not (length.isdigit() and len(length) <= MAX_CONTENT_LENGTH_DIGITS):   # "-6", 5,000 digits
-                    raise UpstreamFailure(f"{self.addr}: bad content-length {length[:40]!r}")
-                self.remaining = int(length)
-            elif status in (204, 304):
-                self.remaining = 0
-            else:
-                self.remaining = _CLOSE_DELIMITED
-                self.keep_alive = False
-            self.done = self.remaining == 0
-            return UpstreamHead(status, headers)
+    def parse_head(self) -> Optional[UpstreamHead]:
+        """Consume and parse the final response head at the front of the buffer (after any 1xx
+        ones), or None while it is incomplete; UpstreamFailure for a bad one."""
+        try:
+            head = otela_node.parse_response(self.buf)
+        except otela_node.HTTPViolation as exc:
+            raise UpstreamFailure(f"{self.addr}: {exc}") from None
+        if head is not None:
+            del self.buf[:head.size]
+            self.keep_alive = head.keep_alive
+            self.body = otela_node.BodyReader(head.framing, head.length)
+        return head
 
     async def read_body(self) -> Optional[bytes]:
         """The next piece of the body (all of it that has arrived), or None at its end.
@@ -1224,66 +1182,27 @@ class Upstream:
             if piece:
                 return piece
             if not await self._fill():
-                if self.remaining == _CLOSE_DELIMITED:
-                    self.done = True
-                    return None
-                raise UpstreamFailure(f"{self.addr}: connection closed mid-body")
+                self.end_of_stream()
+                return None
 
     def take(self) -> Optional[bytes]:
         """The body bytes complete in the buffer now (b"" when there are none yet), or None once
-        the body has ended. Raises UpstreamFailure on bad chunk framing."""
-        if self.done:
-            return None
-        remaining, buf = self.remaining, self.buf
-        if remaining == _CHUNKED:
-            return self._take_chunks()
-        if not buf:
-            return b""
-        if remaining == _CLOSE_DELIMITED:
-            piece = bytes(buf)
-            buf.clear()
-            return piece
-        piece = _take(buf, remaining)
-        self.remaining = remaining - len(piece)
-        self.done = self.remaining == 0
-        return piece
+        the body has ended. Raises UpstreamFailure on bad framing (after the good bytes before
+        it were taken)."""
+        try:
+            return self.body.take(self.buf)
+        except otela_node.HTTPViolation as exc:
+            raise UpstreamFailure(f"{self.addr}: {exc}") from None
 
-    def _take_chunks(self) -> Optional[bytes]:
-        """Every complete chunk in the buffer, unframed, as one piece."""
-        buf = self.buf
-        pieces = []
-        pos = 0
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            match = _CHUNK_SIZE.fullmatch(buf, pos, eol)
-            size = int(match.group(1), 16) if match is not None else -1
-            if not 0 <= size <= UPSTREAM_MAX_CHUNK:
-                if pieces:   # the good chunks before it go out first; the next call raises
-                    break
-                raise UpstreamFailure(f"{self.addr}: bad chunk size {bytes(buf[pos:min(eol, pos + 40)])!r}")
-            if size == 0:
-                end = buf.find(b"\r\n\r\n", eol)   # the chunk terminator plus optional trailers
-                if end < 0:
-                    break
-                del buf[:end + 4]
-                self.done = True
-                return b"".join(pieces) if pieces else None
-            start = eol + 2
-            if len(buf) < start + size + 2:
-                break
-            if buf[start + size:start + size + 2] != b"\r\n":
-                if pieces:
-                    break
-                raise UpstreamFailure(f"{self.addr}: a chunk longer than its size")
-            pieces.append(bytes(buf[start:start + size]))
-            pos = start + size + 2
-        if pos:
-            del buf[:pos]
-        if not pieces and len(buf) > UPSTREAM_MAX_CHUNK + UPSTREAM_MAX_HEAD:   # a size line never ends
-            raise UpstreamFailure(f"{self.addr}: chunk too large")
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    def end_of_stream(self) -> None:
+        """The connection ended with everything buffered taken: the end of an until-close body,
+        else an UpstreamFailure."""
+        try:
+            self.body.end_of_stream()
+        except otela_node.HTTPViolation:
+            exc = self.proto.exc
+            raise UpstreamFailure(f"{self.addr}: connection closed mid-body" + (f" ({exc})" if exc else "")) \
+                from None
 
     def close(self) -> None:
         transport = self.transport
@@ -1398,11 +1317,11 @@ class _Relay:
         if up.done:
             return self._finish()
         if up.proto.eof:   # everything buffered was taken, and no more will come
-            if up.remaining == _CLOSE_DELIMITED:
-                up.done = True
-                return self._finish()
-            exc = up.proto.exc
-            return self._fail(f"{up.addr}: connection closed mid-body" + (f" ({exc})" if exc else ""))
+            try:
+                up.end_of_stream()
+            except UpstreamFailure as exc:
+                return self._fail(str(exc))
+            return self._finish()
         if client._write_paused:
             up.pause_reading()   # the client reads slower than the engine writes: so do we
 
@@ -1442,12 +1361,10 @@ class _Relay:
         if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        now = time.monotonic()
-        ingress._record(ex, now)
         conn = ex.client.conn
         start = b"" if ex.sent else ingress._stream_head(ex, self.head)
+        ex.finish("ok")
         ex.client.transport.write(start + _data(conn, tail) + _end(conn))
-        ingress._account(ex, now)
         self._end(True)
 
     def _fail(self, reason: str) -> None:
@@ -1461,17 +1378,13 @@ class _Relay:
 
     def _client_gone(self) -> None:
         ex = self.ex
-        if ex.sent:   # the tokens generated so far are metered
-            ex.status = 499
-            ex.prompt_tokens, ex.completion_tokens = self.watch.tokens()
-            now = time.monotonic()
-            self.ingress._record(ex, now)
-            self.ingress._account(ex, now)
+        ex.prompt_tokens, ex.completion_tokens = self.watch.tokens()   # what was generated is metered
+        ex.finish("gone")
         self._end(ConnectionResetError("the client closed the connection"), discard=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Client connections: the hand parser of plain requests, the connection protocol
+# Client connections: the codec's h11-like face for plain requests, the connection protocol
 # ---------------------------------------------------------------------------------------------
 class _FastRequest:
     """A request head parsed by _ClientConn (what the handlers read of an h11.Request, plus
@@ -1491,60 +1404,31 @@ class _FastRequest:
 _WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
                  + SESSION_HEADER + b": %s\r\n\r\n%s")
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
-_TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
-# A whole plain head in one match: request line, then header lines whose names are tokens and
-# whose values hold no control character but tab (RFC 9110's field-value, obs-fold excluded).
-_FAST_HEAD = re.compile(rb"(GET|POST) (/[\x21-\x7e]*) HTTP/1\.1\r\n"
-                        rb"((?:%s+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*)\r\n" % _TCHAR)
-_FAST_FIELD = re.compile(rb"(%s+):[ \t]*([^\r]*?)[ \t]*\r\n" % _TCHAR)
-_FAST_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te", b"connection"))
 _EOM = h11.EndOfMessage()
-_FRAMING_FIELD = re.compile(rb"\r\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)",
-                            re.IGNORECASE)
-
-
-def framing_error(fields: Sequence[Tuple[bytes, bytes]]) -> Optional[str]:
-    """Why a request's body framing is refused (None: it is not), from its header fields with
-    lower-case names. Two readings of where a body ends are how a request is smuggled past a
-    proxy: with both Content-Length and Transfer-Encoding, two Content-Lengths, or a coding we
-    do not decode, the bytes after the head could be a second request to one reader and body
-    to another. RFC 9112 6.1 and 6.3: answer 400 and close the connection."""
-    lengths = [value for name, value in fields if name == b"content-length"]
-    codings = [value for name, value in fields if name == b"transfer-encoding"]
-    if codings and lengths:
-        return "both Content-Length and Transfer-Encoding"
-    if len(codings) > 1 or (codings and codings[0].strip().lower() != b"chunked"):
-        return "a Transfer-Encoding other than chunked"
-    if len(lengths) > 1:
-        return "more than one Content-Length"
-    if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_CONTENT_LENGTH_DIGITS):
-        return "a Content-Length that is not a number of bytes"
-    return None
 
 
 class _ClientConn:
-    """The server side of h11.Connection for the requests a proxy sees all day, by hand.
+    """The server side of h11.Connection for the requests a proxy sees all day, on the codec.
 
     h11's general machinery was over a third of the CPU time of a proxied request. This class
     answers the subset of h11.Connection's interface the ingress uses (receive_data, next_event,
     send, start_next_cycle, our_state/their_state with h11's state objects, trailing_data) for
-    plain requests: HTTP/1.1 GET or POST, a Host header, no body or a Content-Length one, no
-    Transfer-Encoding / Expect / Upgrade / Connection other than keep-alive, well-formed tokens.
-    A request that is anything else (or a head that is incomplete past the size limit, or a
-    connection closed mid-head) makes next_event return _SWITCH at a request boundary: the
-    caller then asks `framing_error()` (a body framing that could smuggle a request past us is
-    refused before any parser reads on), swaps in `to_h11()`, an h11.Connection fed the
-    buffered bytes, for that request, so every odd case keeps h11's exact behaviour, and
-    `resume(h11 connection)` after it: every head is seen here first.
+    the requests otela_node.parse_request takes: HTTP/1.1, a Host field, a Content-Length or
+    chunked body (or none), kept alive, no Expect or Upgrade. A head it refuses (a framing that
+    could smuggle a request) raises h11.RemoteProtocolError, as h11 would (400 and close). A
+    request the codec leaves to h11 (or a head incomplete at the end of the connection) makes
+    next_event return _SWITCH at a request boundary: the caller swaps in `to_h11()`, an
+    h11.Connection fed the buffered bytes, for that request, so every odd case keeps h11's exact
+    behaviour, and `resume(h11 connection)` after it: every head is seen here first.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "_remaining", "_chunked", "_close", "_eof")
+    __slots__ = ("buf", "our_state", "their_state", "_body", "_chunked", "_close", "_eof")
     they_are_waiting_for_100_continue = False
 
     def __init__(self):
         self.buf = bytearray()
         self.our_state = self.their_state = h11.IDLE
-        self._remaining = 0
+        self._body = _NO_BODY
         self._chunked = self._close = self._eof = False
 
     @property
@@ -1560,7 +1444,7 @@ class _ClientConn:
 
     @classmethod
     def resume(cls, conn: h11.Connection) -> _ClientConn:
-        """The hand parser again, after a request h11 served, with what h11 had buffered."""
+        """The codec again, after a request h11 served, with what h11 had buffered."""
         new = cls()
         new.buf += conn.trailing_data[0]
         new._eof = conn.trailing_data[1]
@@ -1575,77 +1459,50 @@ class _ClientConn:
     def next_event(self) -> Any:
         state = self.their_state
         buf = self.buf
-        if state is h11.SEND_BODY:
-            remaining = self._remaining
-            if not remaining:
-                self.their_state = h11.DONE
-                return _EOM
-            if not buf:
+        try:
+            if state is h11.SEND_BODY:
+                piece = self._body.take(buf)
+                if piece is None:
+                    self.their_state = h11.DONE
+                    return _EOM
+                if piece:
+                    return h11.Data(data=piece)
                 if self._eof:
                     raise h11.RemoteProtocolError("peer closed the connection mid-body")
                 return h11.NEED_DATA
-            piece = _take(buf, remaining)
-            self._remaining = remaining - len(piece)
-            return h11.Data(data=piece)
-        if state is not h11.IDLE:
-            return h11.PAUSED
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
+            if state is not h11.IDLE:
+                return h11.PAUSED
+            head = otela_node.parse_request(buf, MAX_HEADER_BYTES)
+        except otela_node.HTTPViolation as exc:
+            raise h11.RemoteProtocolError(str(exc), error_status_hint=400) from None
+        if head is None:
             if self._eof:
                 return _SWITCH if buf else h11.ConnectionClosed()
-            if len(buf) > MAX_HEADER_BYTES or buf[:1] in (b"\r", b"\n"):
-                return _SWITCH
             return h11.NEED_DATA
-        if end + 4 > MAX_HEADER_BYTES:
+        if head is otela_node.H11_JUDGES or not head.keep_alive:   # h11 writes the Connection: close
             return _SWITCH
-        match = _FAST_HEAD.match(buf, 0, end + 4)
-        if match is None:
-            return _SWITCH
-        method, target, block = match.groups()
-        pairs = _FAST_FIELD.findall(block)
-        fields = {}
-        for name, value in pairs:
-            fields[name.lower()] = value
-        if len(fields) != len(pairs) or b"host" not in fields:   # a repeated name: h11 decides
-            return _SWITCH
-        if not _FAST_REFUSED.isdisjoint(fields):
-            keep_alive = fields.get(b"connection", b"").lower() == b"keep-alive"
-            if len(_FAST_REFUSED.intersection(fields)) > 1 or not keep_alive:
-                return _SWITCH
-        length = fields.get(b"content-length")
-        if length is not None and not (length.isdigit() and len(length) <= MAX_CONTENT_LENGTH_DIGITS):
-            return _SWITCH
-        del buf[:end + 4]
-        self._remaining = int(length) if length else 0
+        del buf[:head.size]
+        self._body = otela_node.BodyReader(head.framing, head.length)
         self.their_state = h11.SEND_BODY
         self.our_state = h11.SEND_RESPONSE
-        return _FastRequest(method, target, fields)
+        return _FastRequest(head.method, head.target, head.fields)
 
-    def framing_error(self) -> Optional[str]:
-        """framing_error() of the complete head at the front of the buffer, read line by line
-        (None when it is fine, or not all here): asked before h11 takes a request over, since
-        h11 merges repeated Content-Lengths and accepts one beside Transfer-Encoding."""
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return None
-        return framing_error([(name.lower(), value) for name, value in
-                              _FRAMING_FIELD.findall(self.buf, 0, end + 2)])
+    def whole_length(self) -> int:
+        """The length of the body of the request just parsed (-1 when it is chunked)."""
+        body = self._body
+        return body.remaining if body.framing is otela_node.LENGTH else -1
 
     def whole_body(self) -> Optional[bytes]:
         """The body of the request just parsed when all of it is buffered (the request is then
         complete), else None (nothing consumed)."""
-        remaining, buf = self._remaining, self.buf
-        if self.their_state is not h11.SEND_BODY or remaining > len(buf):
+        body, buf = self._body, self.buf
+        if self.their_state is not h11.SEND_BODY or body.framing is not otela_node.LENGTH \
+                or body.remaining > len(buf):
             return None
-        if remaining == len(buf):
-            body = bytes(buf)
-            buf.clear()
-        else:
-            body = bytes(buf[:remaining])
-            del buf[:remaining]
-        self._remaining = 0
+        data = _take(buf, body.remaining)
+        body.remaining, body.done = 0, True
         self.their_state = h11.DONE
-        return body
+        return data
 
     def head(self, status: int, headers: Sequence[Tuple[bytes, bytes]]) -> bytes:
         """The response head (what send(h11.Response(...)) would give, without building one)."""
@@ -1905,24 +1762,129 @@ class _Client(asyncio.Protocol):
         asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
 
+# ---------------------------------------------------------------------------------------------
+# The exchange: one proxied request, its lifecycle as a table, and the one place it is booked
+# ---------------------------------------------------------------------------------------------
+RECEIVED, ROUTED, SENT, HEAD, BODY, STREAM, RETRIED, DONE, FAILED = (
+    "received", "routed", "sent", "head", "body", "stream", "retried", "done", "failed")
+# state -> the states it may go to. Every proxied request runs down this table, whichever of the
+# callbacks or the connection's task moves it; a move not in it is a bug (RuntimeError -> 500).
+EXCHANGE_LIFECYCLE = {
+    RECEIVED: (ROUTED, FAILED),              # authenticated, parsed; candidates known
+    ROUTED: (SENT, RETRIED, FAILED),         # the policy picked a session
+    SENT: (SENT, HEAD, RETRIED, FAILED),     # the request went upstream (again, on a fresh
+                                             # connection, when a pooled one was stale)
+    HEAD: (BODY, STREAM, DONE, RETRIED, FAILED),   # the answer's head is in and judged
+    BODY: (DONE, RETRIED, FAILED),           # a plain body being read whole
+    STREAM: (DONE, RETRIED, FAILED),         # an SSE stream being relayed
+    RETRIED: (ROUTED, FAILED),               # that session failed or refused: maybe another
+    DONE: (),                                # the client has its answer
+    FAILED: (),                              # it has an error, a cut stream, or is gone
+}
+# How a request ends -> (state, status it is booked with (None: the engine's), ok for the policy,
+# the passive health of the session that answered, whether sessions that refused it with a 5xx
+# are blamed, whether it is metered and gets a ledger row).
+OUTCOMES = {
+    "ok": (DONE, None, True, "succeeded", True, True),          # answered (a 4xx is an answer)
+    "poison": (DONE, None, False, None, False, True),           # two sessions refused it: the
+                                                                # engine's 5xx, nobody blamed
+    "cut": (FAILED, 502, False, "failed", False, True),         # the stream broke after bytes
+    "gone": (FAILED, 499, False, None, False, True),            # the client left first
+    "exhausted": (FAILED, 502, False, None, True, True),        # every attempt failed
+    "error": (FAILED, 500, False, None, False, False),          # a bug (or a policy's); its 500
+                                                                # is counted where it is written
+}
+
+
 class _Exchange:
-    """The state of one proxied request across its attempts."""
+    """One proxied request across its attempts: its state in EXCHANGE_LIFECYCLE, and `finish`,
+    the one place where its end is booked (in-flight count, policy, passive health, metrics,
+    ledger row), once."""
 
-    __slots__ = ("client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
+    __slots__ = ("ingress", "client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "finished", "refusal")
+                 "row_head", "state", "refusal", "refused")
 
-    def __init__(self, client, path, body, key, routed, strip_usage, tracked, t0):
-        self.client, self.path, self.body, self.key, self.routed = client, path, body, key, routed
-        self.strip_usage, self.tracked, self.t0 = strip_usage, tracked, t0
+    def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
+        self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
+        self.routed, self.strip_usage, self.tracked, self.t0 = routed, strip_usage, tracked, t0
         self.attempts = 0
         self.candidate: Optional[Candidate] = None
         self.status = 0
         self.prompt_tokens = self.completion_tokens = 0
-        self.sent = False
+        self.sent = False       # the stream's head went out: no other session may answer now
         self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
-        self.finished = False   # the upstream protocol's hook sent the whole answer
-        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # the last attempt's 5xx answer
+        self.state = RECEIVED
+        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
+        self.refused: List[Candidate] = []   # sessions that answered this request with a 5xx
+        ingress.metrics.inflight += 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state is DONE or self.state is FAILED
+
+    def to(self, state: str) -> None:
+        if state not in EXCHANGE_LIFECYCLE[self.state]:
+            raise RuntimeError(f"a request cannot go from {self.state} to {state}")
+        self.state = state
+
+    def pick(self, pool: List[Candidate]) -> Candidate:
+        """The next attempt: the policy picks a session (a user's policy may raise)."""
+        ingress = self.ingress
+        candidate = ingress.policy.pick(pool, self.routed)
+        self.to(ROUTED)
+        attempt = self.attempts
+        self.candidate = candidate
+        self.attempts = attempt + 1
+        self.routed.attempt = attempt
+        self.status = 0
+        self.refusal = None
+        if attempt:
+            ingress.metrics.retries += 1
+        ingress.policy.on_request_start(candidate, self.routed)
+        return candidate
+
+    def retry(self, blame: bool) -> None:
+        """This attempt is over without an answer for the client. `blame`: its session failed
+        to answer (connect, reset, bad framing), which counts against its passive health; else
+        it refused with a 5xx, held against nobody until another session judges the request."""
+        candidate = self.candidate
+        self.to(RETRIED)
+        ingress = self.ingress
+        if blame:
+            ingress.health.failed(candidate.session, time.monotonic())
+        else:
+            self.refused.append(candidate)
+        ingress.policy.on_request_end(candidate, self.routed, False)
+
+    def finish(self, outcome: str) -> bool:
+        """Book the end of the request (OUTCOMES), before its last byte goes out, so the ledger
+        row is journalled and the counts are right when the client has its answer. False when
+        it was finished already: nothing is booked twice."""
+        if self.state is DONE or self.state is FAILED:
+            return False
+        state, status, ok, health, blame_refused, booked = OUTCOMES[outcome]
+        attempt_open = self.state is not RECEIVED and self.state is not RETRIED
+        self.to(state)
+        if status is not None:
+            self.status = status
+        ingress = self.ingress
+        now = time.monotonic()
+        ingress.metrics.inflight -= 1
+        if booked:
+            ingress._record(self, now)
+            ingress._account(self, now)
+        candidate = self.candidate
+        if attempt_open and health == "succeeded":
+            ingress.health.succeeded(candidate.session)
+        elif attempt_open and health == "failed":
+            ingress.health.failed(candidate.session, now)
+        if blame_refused:   # it refused what another session served, or all failed
+            for other in self.refused:
+                ingress.health.failed(other.session, now)
+        if attempt_open:    # last: a user's policy that raises here costs nothing booked
+            ingress.policy.on_request_end(candidate, self.routed, ok)
+        return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2099,7 +2061,7 @@ class Ingress:
                 return
             if type(event) is _FastRequest and event.method == b"POST" and event.target in PROXIED_PATHS:
                 fields = self._fields(event)
-                body = conn.whole_body() if fields is not None and conn._remaining <= self.max_body else None
+                body = conn.whole_body() if fields is not None and conn.whole_length() <= self.max_body else None
                 if body is not None:
                     if not self._fast_proxy(client, event.target, fields, body):
                         return
@@ -2168,12 +2130,7 @@ class Ingress:
                 if type(conn) is _ClientConn and conn.their_state is h11.IDLE:
                     return True
                 await client.wait_data()
-            elif event is _SWITCH:
-                error = conn.framing_error()
-                if error is not None:
-                    await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
-                                                                "bad_request"))
-                    return False
+            elif event is _SWITCH:   # its framing passed the codec's check already
                 conn = client.conn = conn.to_h11()
             elif type(event) is _FastRequest or type(event) is h11.Request:
                 fields = self._fields(event)
@@ -2181,7 +2138,7 @@ class Ingress:
                     await self._respond_error(client, HTTPError(431, "Request headers too large",
                                                                 "headers_too_large"))
                     return False
-                error = framing_error(event.headers) if type(event) is h11.Request else None
+                error = otela_node.framing_error(event.headers) if type(event) is h11.Request else None
                 if error is not None:   # a head h11 read whole (one after blank lines, say)
                     await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
                                                                 "bad_request"))
@@ -2240,11 +2197,7 @@ class Ingress:
                 self.authenticate(fields)   # on the head: a stranger's body is never read
                 body = await self._read_body(client, fields)
                 ex, candidates = self._prepare(client, path, fields, body, t0)   # (a cached key: 0.1 us)
-                self.metrics.inflight += 1
-                try:
-                    await self._attempts(ex, candidates)
-                finally:
-                    self.metrics.inflight -= 1
+                await self._attempts(ex, candidates)
                 return
             length = fields.get(b"content-length") or b"0"
             if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
@@ -2365,7 +2318,7 @@ class Ingress:
         candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
         client.busy = True
-        return _Exchange(client, path, body, key, routed, strip_usage, tracked, t0), candidates
+        return _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0), candidates
 
     def _fast_proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes) -> bool:
         """Start a complete proxied request from the client's data_received. True when it was
@@ -2378,12 +2331,11 @@ class Ingress:
         except HTTPError as exc:
             self._write_error(client, exc)
             return client.finish()
-        self.metrics.inflight += 1
         try:
             healthy = self._healthy(candidates)
-            candidate = self._pick(ex, healthy)   # a user's policy may raise: a 500, counted out
+            candidate = ex.pick(healthy)   # a user's policy may raise: a 500, booked as an error
         except Exception:
-            self.metrics.inflight -= 1
+            ex.finish("error")
             raise
         up = self.pool.take_idle(candidate.addr)
         if up is None:   # a new connection: the task makes it
@@ -2395,6 +2347,7 @@ class Ingress:
             self.pool.discard(up)
             self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
             return False
+        ex.to(SENT)
         up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
         client.pending = (ex, up, candidate)
         self._prepare_row(ex, candidate)   # while the engine works on the request
@@ -2407,12 +2360,7 @@ class Ingress:
         client.pending = None
         up.proto.on_data = None
         self.pool.discard(up)
-        ex.status = 499
-        now = time.monotonic()
-        self._record(ex, now)
-        self._account(ex, now)
-        self.policy.on_request_end(candidate, ex.routed, False)
-        self.metrics.inflight -= 1
+        ex.finish("gone")
         client.busy = False
 
     def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate,
@@ -2427,7 +2375,7 @@ class Ingress:
             client.pending = None
             up.proto.on_data = None
             self.pool.discard(up)
-            self.metrics.inflight -= 1
+            ex.finish("error")
             self._internal_error(client, exc)
             return
         if done and client.finish():
@@ -2440,7 +2388,9 @@ class Ingress:
             head = self._hook_head(up)
             if head is not None:
                 if head.status == 200:
+                    ex.to(HEAD)
                     ex.status = 200
+                    ex.to(STREAM)
                     ex.client.pending = None   # the relay watches the client from here
                     on_end = functools.partial(self._fast_stream_end, ex, candidate, healthy)
                     _Relay(self, ex, up, head, on_end).pump()
@@ -2448,14 +2398,10 @@ class Ingress:
                 up.pending_head = head   # an error answer: the task reads it and decides
         else:
             self._finish_plain(ex, up, candidate)
-        if ex.finished:
+        if ex.state is DONE:
             ex.client.pending = None
             up.pending_head = None
             self.pool.release(up)
-            self._account(ex, time.monotonic())
-            self.policy.on_request_end(candidate, ex.routed, True)
-            self.health.succeeded(candidate.session)
-            self.metrics.inflight -= 1
             return True
         if up.pending_head is not None or up.pending_exc is not None or up.proto.eof:
             ex.client.pending = None   # the task watches the client from here
@@ -2467,32 +2413,24 @@ class Ingress:
                          result: Any) -> None:
         """The end of a stream relayed for a request started in the callbacks (see _Relay)."""
         client = ex.client
-        ok = result is True
-        self.policy.on_request_end(candidate, ex.routed, ok)
-        if ok:
-            self.health.succeeded(candidate.session)
-        elif result is False or isinstance(result, UpstreamFailure):   # the engine's fault, not a client's
-            self.health.failed(candidate.session, time.monotonic())
         if isinstance(result, UpstreamFailure):   # nothing went out yet: a task tries the others
+            ex.retry(blame=True)
             pool = [c for c in healthy if c is not candidate]
             self._spawn(client, self._exchange(ex, pool, (pool, None, None), str(result)))
             return
-        self.metrics.inflight -= 1
         if isinstance(result, BaseException):
+            ex.finish("gone" if isinstance(result, OSError) else "error")
             if not isinstance(result, OSError):
                 self._internal_error(client, result)   # type: ignore[arg-type]
             client.busy = False
             client.close()
-        elif client.finish():
+        elif client.finish():   # the relay finished the exchange ("ok", or "cut")
             self._dispatch(client)
 
     async def _exchange(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
                         failure: str = "no attempt made") -> bool:
         """A task's part of a request started in the callbacks; True to go on with the connection."""
-        try:
-            await self._attempts(ex, candidates, started, failure)
-        finally:
-            self.metrics.inflight -= 1
+        await self._attempts(ex, candidates, started, failure)
         return ex.client.finish()
 
     def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
@@ -2503,31 +2441,16 @@ class Ingress:
         now = time.monotonic()
         return [c for c in candidates if not health.is_sick(c.session, now)] or candidates
 
-    def _pick(self, ex: _Exchange, pool: List[Candidate]) -> Candidate:
-        candidate = self.policy.pick(pool, ex.routed)
-        attempt = ex.attempts
-        ex.candidate = candidate
-        ex.attempts = attempt + 1
-        ex.routed.attempt = attempt
-        ex.status = 0
-        if attempt:
-            self.metrics.retries += 1
-        self.policy.on_request_start(candidate, ex.routed)
-        return candidate
-
     async def _attempts(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple] = None,
                         failure: str = "no attempt made") -> None:
         """Try sessions until one answers. `started`: (pool, candidate or None, upstream or None)
         where attempts began in the callbacks: the sessions left, the one picked (with the
-        connection the request already went out on)."""
+        connection the request already went out on). Whatever stops it, the exchange is finished."""
         try:
             await self._try_sessions(ex, candidates, started, failure)
-        except asyncio.CancelledError:
-            if ex.client.closed and ex.status != 499 and not ex.finished:   # the client left: meter it
-                ex.status = 499
-                now = time.monotonic()
-                self._record(ex, now)
-                self._account(ex, now)
+        except BaseException as exc:   # the client left (reset, or its task cancelled), or a bug
+            gone = ex.client.closed or isinstance(exc, (OSError, asyncio.CancelledError))
+            ex.finish("gone" if gone else "error")
             raise
 
     async def _try_sessions(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
@@ -2538,48 +2461,31 @@ class Ingress:
         until another session judges the same request: a success there blames the first, a
         second 5xx blames the request (a poison one), whose client gets that answer as it is."""
         pool, candidate, up = started or (self._healthy(candidates), None, None)
-        health = self.health
-        refused: List[Candidate] = []   # sessions that answered this request with a 5xx
         while True:
             if candidate is None:
                 if not pool or ex.attempts >= MAX_ATTEMPTS:
                     break
-                candidate = self._pick(ex, pool)
-            ok = False
-            ex.refusal = None
+                candidate = ex.pick(pool)
             try:
-                ok = await self._attempt(ex, candidate, up)
+                await self._attempt(ex, candidate, up)
             except UpstreamFailure as exc:
                 failure = str(exc)
-            finally:
-                self.policy.on_request_end(candidate, ex.routed, ok)
-            if ok:
-                health.succeeded(candidate.session)
-                for other in refused:   # it refused what another session served
-                    health.failed(other.session, time.monotonic())
-                return
-            if ex.refusal is not None:
-                if refused:   # a second session refuses this request: the request's fault
+                ex.retry(blame=True)
+            else:
+                if ex.finished:   # answered, or a stream cut after its first bytes
+                    return
+                if ex.refused:   # a second session refuses this request: the request's fault
                     head, payload = ex.refusal
-                    now = self._send_plain(ex, candidate, head, payload)
-                    self._account(ex, now)
+                    self._send_plain(ex, candidate, head, payload, "poison")
                     await ex.client.drain()
                     return
-                refused.append(candidate)
                 failure = f"{candidate.addr} answered {ex.status}"
-            else:
-                health.failed(candidate.session, time.monotonic())
-                if ex.sent:
-                    return   # the stream already carried its error event
+                ex.retry(blame=False)
             pool = [c for c in pool if c is not candidate]
             candidate = up = None
-        for other in refused:
-            health.failed(other.session, time.monotonic())
-        ex.status = 502
-        self._account(ex, time.monotonic())
         exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
                         "upstream_failed")
-        self._record(ex, time.monotonic())
+        ex.finish("exhausted")
         await self._respond_error(ex.client, exc, ex.routed.model, counted=True)
 
     def _request_head(self, ex: _Exchange, addr: str) -> bytes:
@@ -2599,6 +2505,7 @@ class Ingress:
                 if not ex.routed.stream:
                     up.proto.on_data = functools.partial(self._finish_plain, ex, up, candidate)
                 up.send(request)
+                ex.to(SENT)
                 if ex.row_head is None or ex.row_head[0] is not candidate:
                     self._prepare_row(ex, candidate)   # while the engine works on the request
                 return up, await up.read_head()
@@ -2612,10 +2519,10 @@ class Ingress:
                 self.pool.discard(up)
                 raise
 
-    async def _attempt(self, ex: _Exchange, candidate: Candidate, up: Optional[Upstream] = None) -> bool:
-        """One try on one session (`up`: the request already went out on it). True when the
-        client got its answer (or an engine error that another session would repeat); False to
-        try another session."""
+    async def _attempt(self, ex: _Exchange, candidate: Candidate, up: Optional[Upstream] = None) -> None:
+        """One try on one session (`up`: the request already went out on it). On return the
+        exchange is finished (the client has its answer), or it holds the session's 5xx in
+        ex.refusal; UpstreamFailure: the session failed to answer."""
         if up is None:
             up, head = await self._exchange_head(ex, candidate)
         else:
@@ -2629,15 +2536,18 @@ class Ingress:
             except BaseException:
                 self.pool.discard(up)
                 raise
-        if ex.finished:
+        if ex.state is DONE:   # the upstream's hook answered the client already
             self.pool.release(up)
-            self._account(ex, time.monotonic())
             await ex.client.drain()
-            return True
+            return
+        ex.to(HEAD)
         try:
             ex.status = head.status
             if ex.routed.stream and head.status == 200:
-                return await self._relay_stream(ex, up, head)
+                ex.to(STREAM)
+                await self._relay_stream(ex, up, head)
+                return
+            ex.to(BODY)
             parts = []
             while True:
                 piece = await up.read_body()
@@ -2648,25 +2558,22 @@ class Ingress:
             self.pool.discard(up)
             raise
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        if head.status in RETRY_STATUSES:
-            self.pool.release(up)
-            ex.refusal = (head, payload)
-            return False
-        now = self._send_plain(ex, candidate, head, payload)
-        # the rest waits until the answer is on its way
         self.pool.release(up)
-        self._account(ex, now)
+        if head.status in RETRY_STATUSES:
+            ex.refusal = (head, payload)
+            return
+        self._send_plain(ex, candidate, head, payload)
         await ex.client.drain()
-        return True
 
-    def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes) -> float:
-        """Journal the row, then send the whole answer to the client (no await: the upstream
-        protocol's hook calls this from data_received)."""
+    def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes,
+                    outcome: str = "ok") -> None:
+        """Finish the exchange (its ledger row journalled), then send the whole answer to the
+        client (no await: the upstream protocol's hook calls this from data_received)."""
         ex.status = head.status
         if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
         conn = ex.client.conn
-        content_type = head.headers.get(b"content-type", b"application/json")
+        content_type = head.fields.get(b"content-type", b"application/json")
         if type(conn) is _ClientConn:
             out = conn.whole_answer(head.status, content_type, candidate.session_bytes, payload)
         else:
@@ -2674,28 +2581,18 @@ class Ingress:
                                                      (b"content-length", b"%d" % len(payload)),
                                                      (SESSION_HEADER, candidate.session_bytes)])
             out += _data(conn, payload) + _end(conn)
-        now = time.monotonic()
         client = ex.client
-        if client.closed:
-            ex.status = 499   # answered, but nobody was left to hear it
-        self._record(ex, now)
+        ex.finish("gone" if client.closed else outcome)   # answered, but nobody left to hear it
         if not client.closed:   # uvloop raises on a closed transport
             client.transport.write(out)
-        return now
 
     def _hook_head(self, up: Upstream) -> Optional[UpstreamHead]:
         """In an on_data hook: the response head once all of it is in (consumed), else None; a
         bad one leaves its UpstreamFailure in up.pending_exc for the task."""
         if up.pending_head is not None or up.pending_exc is not None:
             return None   # handed over already; the task takes it from here
-        buf = up.buf
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > UPSTREAM_MAX_HEAD:
-                up.pending_exc = UpstreamFailure(f"{up.addr}: response head too large")
-            return None
         try:
-            return up.parse_head(end)   # None after a 1xx head: the real one follows
+            return up.parse_head()
         except UpstreamFailure as exc:
             up.pending_exc = exc
             return None
@@ -2707,24 +2604,22 @@ class Ingress:
         head = self._hook_head(up)
         if head is None:
             return
-        buf = up.buf
-        remaining = up.remaining
-        if head.status not in RETRY_STATUSES and 0 <= remaining <= len(buf):
-            payload = bytes(buf[:remaining])
-            del buf[:remaining]
-            up.remaining, up.done = 0, True
+        body = up.body
+        if head.status not in RETRY_STATUSES and (body.done or body.framing is otela_node.LENGTH
+                                                  and body.remaining <= len(up.buf)):
+            payload = body.take(up.buf) or b""   # the whole body is here: one piece
             try:
+                ex.to(HEAD)
                 self._send_plain(ex, candidate, head, payload)
             except Exception as exc:   # not from a data_received callback: the task reports it
                 up.pending_exc = exc
                 return
-            ex.finished = True
         up.pending_head = head
 
-    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> bool:
+    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> None:
         """Relay an SSE stream (see _Relay) and wait for its end. Before the first byte reaches
         the client a failure raises UpstreamFailure (retried elsewhere); after it, the stream
-        ends with an error event and [DONE] and this returns False."""
+        ends with an error event and [DONE] (the exchange finished as "cut")."""
         done = asyncio.get_running_loop().create_future()
 
         def on_end(result: Any) -> None:
@@ -2738,7 +2633,7 @@ class Ingress:
         relay = _Relay(self, ex, up, head, on_end)
         relay.pump()
         try:
-            return await done
+            await done
         except asyncio.CancelledError:
             if not relay.ended:
                 relay._end(False, discard=True)
@@ -2748,16 +2643,13 @@ class Ingress:
         ex.sent = True
         self.metrics.observe(self.metrics.ttfb, ex.routed.model, time.monotonic() - ex.t0)
         return _response_head(ex.client.conn, 200,
-                              [(b"content-type", head.headers.get(b"content-type", b"text/event-stream")),
+                              [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
                                (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)])
 
     def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
         self.metrics.stream_cuts += 1
-        ex.status = 502
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        now = time.monotonic()
-        self._account(ex, now)
-        self._record(ex, now)
+        ex.finish("cut")
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
                                       "type": "server_error", "param": None, "code": "stream_cut"}})
         conn = ex.client.conn

@@ -1272,7 +1272,7 @@ class SimulatedNetwork:
 
 
 # =============================================================================================
-# HTTP and tunnel forwarding (h11): GET /v1/registry, GET /healthz, tunnelled requests
+# HTTP (the codec below; h11 for what it leaves to h11): GET /v1/registry, GET /healthz, the tunnel
 # =============================================================================================
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                         b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
@@ -1304,113 +1304,355 @@ def header_items(headers) -> List[Tuple[bytes, bytes]]:
     return [(name, value) for _, name, value in full]
 
 
-# The tunnel's response path relays bytes: the engine's response head is parsed by hand (status
-# line, headers), then the body goes to the client verbatim (Content-Length or chunked framing
-# kept as the engine wrote it, only scanned for its end) instead of being re-framed chunk by
-# chunk through h11. Drain is awaited only above the transport's high-water mark.
-RELAY_READ = 262144
-RELAY_HIGH_WATER = 262144
-MAX_ENGINE_HEAD = 65536
-
-
+# -- The HTTP/1.1 codec: sans-IO, strict by RFC 9112 ---------------------------------------------
+# One parser of message heads and one reader of bodies for every hop: the node's tunnel (the
+# ingress's requests in, the engine's responses back) and both sides of the ingress (clients'
+# requests, the tunnel's responses). Bytes in; a head, a piece of body, "need more" or an
+# HTTPViolation out; no sockets, no clock. Two numbered rules decide what belongs here:
+#   1. A message we accept, h11 accepts too, with the same method, target, status, fields and
+#      body (tests/test_http_codec.py checks it both ways, on generated and mutated bytes). We are
+#      stricter where a proxy must be (RFC 9112 6.1, 6.3, 7.1): both Content-Length and
+#      Transfer-Encoding, a repeated or non-decimal Content-Length, a chunk size that is not 1-15
+#      hex digits, a bare CR or LF, a head or chunk over its limit.
+#   2. What a client sends that the codec does not judge (HTTP/1.0, Expect, Upgrade, obs-fold,
+#      odd bytes, a head over the limit) is H11_JUDGES: that request goes to h11 as it is, after
+#      the framing check, so no parser after us can be smuggled a second request.
+# A body's framing is a kind (NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE), never a length with
+# sentinel values: a negative Content-Length once collided with them.
+NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = "no body", "content-length", "chunked", "until close"
+H11_JUDGES = "h11 judges"           # parse_request: a request for h11 to read
+MAX_HEAD = 65536                    # engine heads are < 1 KiB; 64 KiB allows big cookies/traces
+MAX_CHUNK = 16 * 1024 * 1024        # engines send an SSE event or a whole body per chunk; a chunk
+                                    # said to be bigger is garbage, refused before it is awaited
+MAX_CHUNK_LINE = 4096               # a size line with its extension: "1f40" plus room for ";x=y"
 MAX_LENGTH_DIGITS = 18              # 10^18 bytes is past any body; int() of 4,300+ digits raises
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")          # a chunk size below 2^60
+_TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+_VALUE = rb"[\t\x20-\x7e\x80-\xff]*"   # a field value: no control but tab (obs-fold excluded)
+# A whole head in one match: start line, then field lines, each ending CRLF (no bare CR or LF).
+_REQUEST_HEAD = re.compile(rb"(%s+) (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:%s+:%s\r\n)*)\r\n" % (_TCHAR, _TCHAR, _VALUE))
+_RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: (%s))?\r\n((?:%s+:%s\r\n)*)\r\n"
+                            % (_VALUE, _TCHAR, _VALUE))
+_FIELD_LINE = re.compile(rb"%s+:%s" % (_TCHAR, _VALUE))
+# The framing fields of a head we do not parse ourselves, line by line (bare LF too: h11 takes it)
+_BLANK_LINE = re.compile(rb"\n\r?\n")           # the end of a head as h11 finds it
+_FRAMING_FIELD = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r?\n)",
+                            re.IGNORECASE)
+# A chunk-size line: hex digits only (int(x, 16) also takes "-6", "+6", "0x6" and "6_0"), an
+# optional extension after ";"; 15 digits are 2**60, far past MAX_CHUNK.
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:;[^\r]*)?[ \t]*\r")
+_TRAILER_FRAMING = re.compile(rb"(?i)(?:content-length|transfer-encoding|host)[ \t]*:")
+_HANDED_TO_H11 = frozenset((b"expect", b"upgrade"))   # h11 speaks 100-continue and refuses upgrades
 
 
-def _valid_length(value: bytes) -> bool:
-    """A Content-Length as RFC 9112 allows it: digits only, and not absurdly many."""
-    return value.isdigit() and len(value) <= MAX_LENGTH_DIGITS
+class HTTPViolation(ValueError):
+    """A message whose framing we refuse: a client gets 400 and a close, an engine's answer is
+    a failed upstream (502, or a cut stream)."""
 
 
-class _ChunkedEnd:
-    """Finds where a chunked body ends while its bytes pass through untouched."""
-    __slots__ = ("left", "line", "trailer", "done")
+class MessageHead:
+    """A parsed request or response head. `headers`: (lower-case name, value) in order;
+    `fields`: the same as a dict (the last of a repeated name)."""
 
-    def __init__(self):
-        self.left = 0           # bytes of chunk data (+ its CRLF) still to pass
-        self.line = b""         # a size or trailer line split across reads
-        self.trailer = False
-        self.done = False
+    __slots__ = ("method", "target", "status", "reason", "version", "headers", "fields", "framing", "length",
+                 "keep_alive", "size")
 
-    def feed(self, data: bytes) -> int:
-        """Scan `data`; return how many of its bytes belong to the body."""
-        pos, n = 0, len(data)
-        while pos < n and not self.done:
-            if self.left:
-                step = min(self.left, n - pos)
-                self.left -= step
+    def __init__(self, headers: List[Tuple[bytes, bytes]], fields: Dict[bytes, bytes], size: int):
+        self.method = self.target = self.reason = b""
+        self.status = 0
+        self.version = b"1.1"
+        self.headers, self.fields, self.size = headers, fields, size
+        self.framing, self.length, self.keep_alive = NO_BODY, 0, True
+
+
+def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
+    """Why a message's body framing is refused (None: it is not), from its fields with lower-case
+    names. Two readings of where a body ends are how a request is smuggled past a proxy: with
+    both Content-Length and Transfer-Encoding, two Content-Lengths, or a coding we do not decode,
+    the bytes after the head could be a second request to one reader and body to another.
+    RFC 9112 6.1 and 6.3: answer 400 and close the connection (502 from an engine)."""
+    lengths = [value for name, value in fields if name == b"content-length"]
+    codings = [value for name, value in fields if name == b"transfer-encoding"]
+    if codings and lengths:
+        return "both Content-Length and Transfer-Encoding"
+    if len(codings) > 1 or (codings and codings[0].strip().lower() != b"chunked"):
+        return "a Transfer-Encoding other than chunked"
+    if len(lengths) > 1:
+        return "more than one Content-Length"
+    if lengths and not (lengths[0].isdigit() and len(lengths[0]) <= MAX_LENGTH_DIGITS):
+        return "a Content-Length that is not a number of bytes"
+    return None
+
+
+def _fields(block: bytes, size: int) -> MessageHead:
+    """The head of the field lines in `block` (already matched by a head pattern, so every line
+    is `token:value` ending CRLF), framed. Split and partition, not a regex: half the time."""
+    headers = []
+    for line in block.split(b"\r\n")[:-1]:
+        name, _, value = line.partition(b":")
+        headers.append((name.lower(), value.strip(b" \t")))
+    fields = dict(headers)
+    head = MessageHead(headers, fields, size)
+    length, coding = fields.get(b"content-length"), fields.get(b"transfer-encoding")
+    if coding is not None:
+        error = framing_error(headers)
+        if error is not None:
+            raise HTTPViolation(error)
+        head.framing = CHUNKED
+        if coding != b"chunked":        # "Chunked": written as h11 and RFC 9112 7 spell it
+            head.headers = headers = [(n, b"chunked" if n == b"transfer-encoding" else v) for n, v in headers]
+            fields[b"transfer-encoding"] = b"chunked"
+    elif length is not None:
+        if len(fields) < len(headers) or not length.isdigit() or len(length) > MAX_LENGTH_DIGITS:
+            error = framing_error(headers)   # a repeated name: maybe a second Content-Length
+            if error is not None:
+                raise HTTPViolation(error)
+        head.framing, head.length = LENGTH, int(length)
+    connection = fields.get(b"connection")
+    if connection is not None:
+        head.keep_alive = b"close" not in [t.strip() for t in connection.lower().split(b",")]
+    return head
+
+
+def parse_request(buf, max_head: int = MAX_HEAD):
+    """The request head at the front of `buf` (nothing is consumed: its length is `size`), None
+    while it is incomplete, or H11_JUDGES for one h11 should read. Raises HTTPViolation for a
+    framing that could smuggle a request, whoever would read it."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0 or end + 4 > max_head:
+        if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
+            _check_framing(buf, max_head)
+            return H11_JUDGES
+        return None
+    match = _REQUEST_HEAD.match(buf, 0, end + 4)
+    if match is None:
+        _check_framing(buf, max_head)
+        return H11_JUDGES
+    method, target, block = match.groups()
+    head = _fields(block, end + 4)
+    fields = head.fields
+    if b"host" not in fields or not _HANDED_TO_H11.isdisjoint(fields):
+        return H11_JUDGES              # (its framing fields passed _fields already)
+    if len(fields) < len(head.headers) and [name for name, _ in head.headers].count(b"host") > 1:
+        raise HTTPViolation("more than one Host")   # RFC 9112 3.2: which host is it for?
+    head.method, head.target = method, target
+    if head.framing is NO_BODY:
+        head.framing = LENGTH          # a request without framing fields has an empty body
+    return head
+
+
+def _check_framing(buf, max_head: int) -> None:
+    """framing_error() of a head h11 is to read, line by line up to its end as h11 finds it (a
+    blank line, bare LF or not): h11 merges repeated Content-Lengths and takes one beside
+    Transfer-Encoding, so this is asked first."""
+    blank = _BLANK_LINE.search(buf, 1)           # (a blank line first is h11's to refuse)
+    end = min(blank.end() if blank else len(buf), max_head)
+    error = framing_error([(name.lower(), value) for name, value in _FRAMING_FIELD.findall(buf, 0, end)])
+    if error is not None:
+        raise HTTPViolation(error)
+
+
+def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) -> Optional[MessageHead]:
+    """The final response head at the front of `buf` (interim 1xx heads before it are skipped;
+    `size` counts them too), or None while it is incomplete. Raises HTTPViolation."""
+    start = 0
+    while True:
+        end = buf.find(b"\r\n\r\n", start)
+        if end < 0 or end + 4 - start > max_head:
+            if len(buf) - start > max_head:
+                raise HTTPViolation("response head too large")
+            if _BLANK_LINE.search(buf, start):   # a head ended by bare LFs: h11 would take it
+                raise HTTPViolation("a bare LF in the response head")
+            return None
+        match = _RESPONSE_HEAD.match(buf, start, end + 4)
+        if match is None:
+            raise HTTPViolation(f"malformed response head {bytes(buf[start:start + 120])!r}")
+        minor, code, reason, block = match.groups()
+        status = int(code)
+        if status < 200:                # 100 Continue and friends: the final answer follows
+            start = end + 4
+            continue
+        head = _fields(block, end + 4)
+        head.status, head.reason, head.version = status, reason or b"", b"1." + minor
+        if minor == b"0":
+            head.keep_alive = False
+        if head_request or status in (204, 304):
+            head.framing, head.length = NO_BODY, 0
+        elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
+            head.framing, head.keep_alive = UNTIL_CLOSE, False
+        return head
+
+
+_SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)   # BodyReader states (chunked framing)
+
+
+class BodyReader:
+    """The body of one message, by its framing: feed it bytes as they come; it tells how many
+    belong to the body (the rest is the next message), and hands out the body's own bytes (the
+    chunks unframed) or just finds the end of the body while its bytes pass through as they are.
+    Bad framing sets `error` (the bytes before it were good) instead of raising, so a relay can
+    pass on what came before it and then fail."""
+
+    __slots__ = ("framing", "remaining", "state", "done", "error", "_line", "max_chunk")
+
+    def __init__(self, framing: str, length: int = 0, max_chunk: int = MAX_CHUNK):
+        self.framing, self.max_chunk = framing, max_chunk
+        self.remaining = length           # LENGTH: body bytes left; CHUNKED: of this chunk
+        self.state = _SIZE
+        self.done = framing is NO_BODY or (framing is LENGTH and not length)
+        self.error: Optional[str] = None
+        self._line = b""                  # a size or trailer line split across reads
+
+    def feed(self, data, pieces: Optional[list] = None) -> int:
+        """Read `data`; return how many of its bytes belong to the body. With `pieces`, append
+        the body's own bytes to it."""
+        framing, n = self.framing, len(data)
+        if self.done or self.error is not None:
+            return 0
+        if framing is UNTIL_CLOSE:
+            if pieces is not None and n:
+                pieces.append(data)
+            return n
+        if framing is LENGTH:
+            step = min(self.remaining, n)
+            if pieces is not None and step:
+                pieces.append(data if step == n else data[:step])
+            self.remaining -= step
+            self.done = not self.remaining
+            return step
+        pos = 0
+        while pos < n:
+            state = self.state
+            if state is _SIZE and not self._line:   # the common case: a whole chunk in one read
+                eol = data.find(b"\n", pos)
+                match = _CHUNK_SIZE.fullmatch(data, pos, eol) if eol > pos else None
+                if match is not None:
+                    size = int(match.group(1), 16)
+                    start = eol + 1
+                    end = start + size
+                    if 0 < size <= self.max_chunk and data[end:end + 2] == b"\r\n":
+                        if pieces is not None:
+                            pieces.append(data[start:end])
+                        pos = end + 2
+                        continue
+            if state is _DATA:
+                step = min(self.remaining, n - pos)
+                if pieces is not None:
+                    pieces.append(data[pos:pos + step])
                 pos += step
+                self.remaining -= step
+                if not self.remaining:
+                    self.state = _CRLF
                 continue
-            end = data.find(b"\n", pos)
-            if end < 0:
-                self.line += data[pos:]
-                if len(self.line) > 4096:
-                    raise EngineError("bad chunked framing from the engine")
-                return n
-            line, self.line, pos = self.line + data[pos:end], b"", end + 1
-            if self.trailer:
-                self.done = not line.strip()
+            if state is _CRLF:
+                need = 2 - len(self._line)
+                got = self._line + data[pos:pos + need]
+                if got != b"\r\n"[:len(got)]:
+                    self.error = "a chunk longer than its size"
+                    return pos
+                pos += len(got) - len(self._line)
+                if len(got) < 2:
+                    self._line = got
+                    continue
+                self._line, self.state = b"", _SIZE
                 continue
-            digits = line.split(b";", 1)[0].strip()
-            if not _HEX.fullmatch(digits):         # no sign, no 0x, no 5,000 digits
-                raise EngineError("bad chunk size from the engine")
-            size = int(digits, 16)
-            if size:
-                self.left = size + 2
-            else:
-                self.trailer = True
+            if state is _DONE:
+                break
+            eol = data.find(b"\n", pos)
+            if eol < 0:
+                self._line += data[pos:]
+                if len(self._line) > MAX_CHUNK_LINE:
+                    self.error = "a chunk size line that never ends"
+                return n if self.error is None else pos
+            line = self._line + data[pos:eol] if self._line else data[pos:eol]
+            if state is _SIZE:
+                match = _CHUNK_SIZE.fullmatch(line)
+                size = int(match.group(1), 16) if match is not None else -1
+                if not 0 <= size <= self.max_chunk:
+                    self.error = f"bad chunk size {bytes(line[:40])!r}"
+                    return pos
+                self.remaining, self.state = size, (_DATA if size else _TRAILER)
+            elif line == b"\r":           # the blank line after the trailer fields: the end
+                self.state, self.done = _DONE, True
+            elif len(line) > MAX_CHUNK_LINE or not _FIELD_LINE.fullmatch(line, 0, len(line) - 1) \
+                    or not line.endswith(b"\r") or _TRAILER_FRAMING.match(line):
+                self.error = f"bad trailer line {bytes(line[:40])!r}"   # (framing there: RFC 9110 6.5.1)
+                return pos
+            self._line = b""
+            pos = eol + 1
+            if self.done:
+                break
         return pos
 
+    def take(self, buf: bytearray) -> Optional[bytes]:
+        """The body bytes complete in `buf` now, unframed and consumed (b"" when there are none
+        yet), or None once the body has ended. Raises HTTPViolation on bad framing, once the
+        good bytes before it were taken."""
+        if self.error is not None:
+            raise HTTPViolation(self.error)
+        if self.done:
+            return None
+        if not buf:
+            return b""
+        framing = self.framing
+        if framing is LENGTH or framing is UNTIL_CLOSE:   # one copy, off the front of buf
+            remaining = self.remaining if framing is LENGTH else len(buf)
+            if len(buf) <= remaining:
+                piece = bytes(buf)
+                buf.clear()
+            else:
+                piece = bytes(buf[:remaining])
+                del buf[:remaining]
+            if framing is LENGTH:
+                self.remaining = remaining - len(piece)
+                self.done = not self.remaining
+            return piece
+        pieces: list = []
+        data = bytes(buf)
+        used = self.feed(data, pieces)
+        if used == len(buf):
+            buf.clear()
+        else:
+            del buf[:used]
+        if not pieces:
+            if self.error is not None:
+                raise HTTPViolation(self.error)
+            return None if self.done else b""
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray):
-    """(status, reason, [(lower-case name, value)], keep_alive) of the next final response."""
-    while True:
-        end = buf.find(b"\r\n\r\n")
-        while end < 0:
-            if len(buf) > MAX_ENGINE_HEAD:
-                raise EngineError("engine response head too large")
+    def end_of_stream(self) -> None:
+        """The connection ended: the end of an until-close body; HTTPViolation for any other
+        unfinished one."""
+        if self.framing is UNTIL_CLOSE:
+            self.done = True
+        elif not self.done:
+            raise HTTPViolation("the connection closed mid-body")
+
+
+# The tunnel's response path relays bytes: the engine's response head is parsed by the codec,
+# then the body goes to the client verbatim (Content-Length or chunked framing kept as the engine
+# wrote it, only read by a BodyReader for its end) instead of being re-framed chunk by chunk
+# through h11. Drain is awaited only above the transport's high-water mark.
+RELAY_READ = 262144
+RELAY_HIGH_WATER = 262144
+MAX_REQUEST_HEAD = 65536
+_REASON = {200: b"OK", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
+           503: b"Service Unavailable"}
+
+
+async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray, head_request: bool = False) -> MessageHead:
+    """The engine's next final response head, consumed from `buf` (what follows it stays)."""
+    try:
+        while True:
+            head = parse_response(buf, head_request)
+            if head is not None:
+                del buf[:head.size]
+                return head
             data = await reader.read(RELAY_READ)
             if not data:
                 raise EngineError("engine closed the connection without an answer")
             buf += data
-            end = buf.find(b"\r\n\r\n")
-        lines = bytes(buf[:end]).split(b"\r\n")
-        del buf[:end + 4]
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts[1]) != 3 \
-                or not parts[1].isdigit():
-            raise EngineError("malformed status line from the engine")
-        status = int(parts[1])
-        if status < 200:                            # 100 Continue and friends: not ours to relay
-            continue
-        headers = []
-        length = chunked = None
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip() or b"\r" in line or b"\n" in line:
-                raise EngineError("malformed header line from the engine")
-            name, value = name.lower(), value.strip(b" \t")
-            if name == b"content-length":
-                if not _valid_length(value) or (length is not None and value != length):
-                    raise EngineError("bad Content-Length from the engine")
-                length = value
-            elif name == b"transfer-encoding":
-                if value.lower() != b"chunked" or chunked is not None:
-                    raise EngineError("unsupported Transfer-Encoding from the engine")
-                chunked = value
-            headers.append((name, value))
-        if length is not None and chunked is not None:   # RFC 9112 6.3: a smuggling vector
-            raise EngineError("both Content-Length and Transfer-Encoding from the engine")
-        keep_alive = parts[0] == b"HTTP/1.1" and all(
-            n != b"connection" or b"close" not in v.lower() for n, v in headers)
-        return status, parts[2] if len(parts) > 2 else b"", headers, keep_alive
-
-
-_FALLBACK = object()                # _read_request_head: let h11 parse this request
-_BAD_REQUEST = object()             # ... or answer 400 and close
-MAX_REQUEST_HEAD = 65536
-_REASON = {200: b"OK", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
-           503: b"Service Unavailable"}
+    except HTTPViolation as exc:
+        raise EngineError(f"bad response from the engine: {exc}") from None
 
 
 def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
@@ -1421,45 +1663,16 @@ def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
 
 
 async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
-    """Read up to the end of the next request head in `buf` (nothing consumed). Returns
-    (method, target, [(lower-case name, value)], head length, body length, close) for a plain
-    HTTP/1.1 request; None at end of stream; _FALLBACK for anything h11 should judge."""
-    end = buf.find(b"\r\n\r\n")
-    while end < 0:
-        if len(buf) > MAX_REQUEST_HEAD:
-            return _FALLBACK
+    """Read up to the end of the next request head in `buf` (nothing consumed): its MessageHead,
+    None at the end of the stream, or H11_JUDGES. Raises HTTPViolation (400 and close)."""
+    while True:
+        head = parse_request(buf, MAX_REQUEST_HEAD)
+        if head is not None:
+            return head
         data = await reader.read(RELAY_READ)
         if not data:
-            return None if not buf else _FALLBACK
+            return None if not buf else H11_JUDGES
         buf += data
-        end = buf.find(b"\r\n\r\n")
-    lines = bytes(buf[:end]).split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[0].isalpha() or not parts[1]:
-        return _FALLBACK
-    headers, length, close, fallback = [], None, False, False
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or b" " in name or b"\t" in name or b"\r" in line or b"\n" in line:
-            return _FALLBACK
-        name, value = name.lower(), value.strip(b" \t")
-        if name == b"content-length":
-            if length is not None or not value.isdigit():
-                return _FALLBACK
-            if len(value) > MAX_LENGTH_DIGITS:
-                return _BAD_REQUEST
-            length = int(value)
-        elif name in (b"transfer-encoding", b"expect"):
-            fallback = True
-        elif name == b"connection" and b"close" in value.lower():
-            close = True
-        headers.append((name, value))
-    names = {name for name, _ in headers}
-    if b"transfer-encoding" in names and b"content-length" in names:
-        return _BAD_REQUEST                         # RFC 9112 6.1: a smuggling attempt; close
-    if fallback:
-        return _FALLBACK
-    return parts[0], parts[1], headers, end + 4, length or 0, close
 
 
 class _BodyPipe(asyncio.Protocol):
@@ -1467,29 +1680,29 @@ class _BodyPipe(asyncio.Protocol):
     read goes to the client's transport from data_received, with no task wake-up per chunk.
     Reading pauses while the client's buffer is above the high-water mark."""
 
-    def __init__(self, client: asyncio.Transport, engine: asyncio.Transport, scan, length: int):
-        self.client, self.engine, self.scan, self.length = client, engine, scan, length
+    def __init__(self, client: asyncio.Transport, engine: asyncio.Transport, body: BodyReader):
+        self.client, self.engine, self.body = client, engine, body
         self.waiter: Optional[asyncio.Future] = None
         self.finished = self.extra = self.paused = False
         self.error: Optional[EngineError] = None
 
     def data_received(self, data: bytes) -> None:
-        if self.finished:                           # bytes past the body: not reusable
+        if self.finished or self.error is not None:   # bytes past the body: not reusable
             self.extra = True
             return
-        if self.scan is not None:
-            used = self.scan.feed(data)
-            self.finished = self.scan.done
-        else:
-            used = min(len(data), self.length)
-            self.length -= used
-            self.finished = not self.length
+        body = self.body
+        used = body.feed(data)
+        self.finished = body.done
         if used < len(data):
             self.extra = True
             data = data[:used]
         client = self.client
-        client.write(data)
-        if self.finished:
+        if data:
+            client.write(data)
+        if body.error is not None:                  # what came before it went out: now the cut
+            self.error = EngineError(f"bad response from the engine: {body.error}")
+            self._wake()
+        elif self.finished:
             self._wake()
         elif client.get_write_buffer_size() > RELAY_HIGH_WATER or client.is_closing():
             self.engine.pause_reading()
@@ -1511,13 +1724,15 @@ class _BodyPipe(asyncio.Protocol):
 
 
 async def _pipe_body(reader: asyncio.StreamReader, engine_writer: asyncio.StreamWriter,
-                     writer: asyncio.StreamWriter, scan, length: int) -> bool:
-    """Relay the rest of a body (chunked: `scan`; else `length` bytes) from the engine
-    connection to the client; True when it ended exactly at the body's end (reusable)."""
+                     writer: asyncio.StreamWriter, body: BodyReader) -> bool:
+    """Relay the rest of a body from the engine connection to the client as it was framed;
+    True when it ended exactly at the body's end (the connection is reusable)."""
     engine = engine_writer.transport
-    pipe = _BodyPipe(writer.transport, engine, scan, length)
+    pipe = _BodyPipe(writer.transport, engine, body)
     while getattr(reader, "_buffer", None):         # bytes the stream reader still holds first
         pipe.data_received(await reader.read(RELAY_READ))
+        if pipe.error is not None:
+            raise pipe.error
         if pipe.finished:
             return not pipe.extra
         if pipe.paused:
@@ -1546,9 +1761,25 @@ async def _pipe_body(reader: asyncio.StreamReader, engine_writer: asyncio.Stream
         engine.set_protocol(original)
 
 
+class _EngineConn:
+    """A kept-alive connection to the engine: its streams, the bytes read past the last
+    response head, and the reader of the body being read."""
+
+    __slots__ = ("reader", "writer", "buf", "body", "keep_alive")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer, self.buf = reader, writer, bytearray()
+        self.body: Optional[BodyReader] = None
+        self.keep_alive = True
+
+
+def _text(value) -> bytes:
+    return value.encode("latin-1") if isinstance(value, str) else value
+
+
 class EngineClient:
     """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
-    used for health checks, model discovery and tunnelled requests alike."""
+    used for health checks, model discovery and tunnelled requests alike, read by the codec."""
 
     def __init__(self, url: str):
         parts = urllib.parse.urlsplit(url)
@@ -1556,100 +1787,86 @@ class EngineClient:
             raise ConfigError(f"bad engine URL {url!r}: expected http://HOST:PORT")
         self.host, self.port = parts.hostname, parts.port
         self.host_header = f"{self.host}:{self.port}".encode()
-        self.idle: List[tuple] = []
+        self.idle: List[_EngineConn] = []
 
-    async def _connect(self) -> tuple:
+    async def _connect(self) -> _EngineConn:
         try:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         except OSError as exc:
             raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
-        return reader, writer, h11.Connection(h11.CLIENT)
+        return _EngineConn(reader, writer)
 
     async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
                        timeout: Optional[float] = None):
-        """Send one request; return (h11.Response, connection). Read the body with `body()`.
-        A pooled connection the engine closed while idle is retried once on a fresh one."""
-        for attempt in range(2):
-            fresh = not self.idle
-            conn = self.idle.pop() if self.idle else await self._connect()
-            reader, writer, h = conn
-            try:
-                head = [(b"host", f"{self.host}:{self.port}".encode()),
-                        (b"content-length", str(len(body)).encode())] + list(headers)
-                writer.write(h.send(h11.Request(method=method, target=target, headers=head)))
-                if body:
-                    writer.write(h.send(h11.Data(data=body)))
-                writer.write(h.send(h11.EndOfMessage()))
-                await writer.drain()
-                while True:
-                    event = await h11_next(h, reader, timeout)
-                    if isinstance(event, h11.Response):
-                        return event, conn
-                    if not isinstance(event, h11.InformationalResponse):
-                        raise EngineError("engine closed the connection without an answer")
-            except (OSError, h11.ProtocolError, EngineError, asyncio.TimeoutError) as exc:
-                writer.close()
-                if fresh or attempt:
-                    raise EngineError(str(exc) or type(exc).__name__) from None
-        raise EngineError("unreachable")            # pragma: no cover
+        """Send one request; return (its response's MessageHead, connection). Read the body with
+        `body()`. A pooled connection the engine closed while idle is retried once on a fresh one."""
+        request = [_text(method), b" ", _text(target), b" HTTP/1.1\r\nhost: ", self.host_header,
+                   b"\r\ncontent-length: %d\r\n" % len(body)]
+        for name, value in headers:
+            request += (_text(name), b": ", _text(value), b"\r\n")
+        request += (b"\r\n", body)
+        conn, buf, head = await self.send_raw(b"".join(request), method == "HEAD", timeout)
+        conn.body, conn.keep_alive = BodyReader(head.framing, head.length), head.keep_alive
+        return head, conn
 
-    async def send_raw(self, request: bytes, head_only: bool = False):
+    async def send_raw(self, request: bytes, head_only: bool = False, timeout: Optional[float] = None):
         """Write a ready-made request (head and body bytes); return (connection, bytes read past
-        the response head, status, reason, headers, keep_alive). The tunnel's fast path."""
+        the response head, its MessageHead). The tunnel's fast path."""
         for attempt in range(2):
             fresh = not self.idle
             conn = self.idle.pop() if self.idle else await self._connect()
-            reader, writer, _ = conn
-            buf = bytearray()
+            buf = conn.buf
             try:
-                writer.write(request)
-                if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                    await writer.drain()
-                status, reason, headers, keep_alive = await _read_engine_head(reader, buf)
-                return conn, buf, status, reason, headers, keep_alive
-            except (OSError, EngineError) as exc:
-                writer.close()
+                conn.writer.write(request)
+                if conn.writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                    await conn.writer.drain()
+                reading = _read_engine_head(conn.reader, buf, head_only)
+                head = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
+                return conn, buf, head
+            except (OSError, EngineError, asyncio.TimeoutError) as exc:
+                conn.writer.close()
                 if fresh or attempt or buf:
                     raise EngineError(str(exc) or type(exc).__name__) from None
         raise EngineError("unreachable")            # pragma: no cover
 
-    def release(self, conn: tuple, reusable: bool) -> None:
+    def release(self, conn: _EngineConn, reusable: bool) -> None:
         if reusable:
+            conn.buf.clear()
             self.idle.append(conn)
         else:
-            conn[1].close()
+            conn.writer.close()
 
-    async def body(self, conn: tuple, timeout: Optional[float] = None):
-        """Yield the response body chunk by chunk; return the connection to the pool after."""
-        reader, writer, h = conn
+    async def body(self, conn: _EngineConn, timeout: Optional[float] = None):
+        """Yield the response body piece by piece; return the connection to the pool after."""
         done = False
         try:
             while True:
-                event = await h11_next(h, reader, timeout)
-                if isinstance(event, h11.Data):
-                    yield bytes(event.data)
-                elif isinstance(event, h11.EndOfMessage):
+                piece = conn.body.take(conn.buf)
+                if piece is None:
                     done = True
                     return
-                else:
-                    raise EngineError("engine closed the connection mid-response")
-        except (OSError, h11.ProtocolError, asyncio.TimeoutError) as exc:
+                if piece:
+                    yield piece
+                    continue
+                reading = conn.reader.read(RELAY_READ)
+                data = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
+                if not data:
+                    conn.body.end_of_stream()       # the end of an until-close body, or an error
+                    conn.keep_alive = False
+                conn.buf += data
+        except (OSError, HTTPViolation, asyncio.TimeoutError) as exc:
             raise EngineError(str(exc) or type(exc).__name__) from None
         finally:
-            if done and h.our_state is h11.DONE and h.their_state is h11.DONE:
-                h.start_next_cycle()
-                self.idle.append(conn)
-            else:
-                writer.close()
+            self.release(conn, done and conn.keep_alive and not conn.buf)
 
     async def get(self, path: str, timeout: float) -> Tuple[int, bytes]:
         response, conn = await self.exchange("GET", path, timeout=timeout)
         data = b"".join([chunk async for chunk in self.body(conn, timeout)])
-        return response.status_code, data
+        return response.status, data
 
     def close(self) -> None:
-        for _, writer, _ in self.idle:
-            writer.close()
+        for conn in self.idle:
+            conn.writer.close()
         self.idle = []
 
 
@@ -2005,36 +2222,46 @@ class Node:
 
     # -- HTTP: registry, health, tunnel -----------------------------------------------------
     async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Plain HTTP/1.1 requests with a Content-Length (or no body: what the ingress sends) are
-        parsed by hand; anything else (HTTP/1.0, a chunked body, Expect, odd bytes) goes to
-        h11 from the first byte of that request, which keeps the connection from then on."""
+        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
+        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
+        goes to h11 from the first byte of that request, which keeps the connection from then on."""
         buf = bytearray()
         try:
             while True:
-                parsed = await _read_request_head(reader, buf)
-                if parsed is None:
+                head = await _read_request_head(reader, buf)
+                if head is None:
                     return
-                if parsed is _FALLBACK:
+                if head is H11_JUDGES:
                     await self._serve_h11(reader, writer, bytes(buf))
                     return
-                if parsed is _BAD_REQUEST:
-                    raise h11.RemoteProtocolError("bad request framing")
-                method, target, headers, head_len, length, close = parsed
-                if length > self.config.max_request_body:
+                limit = self.config.max_request_body
+                if head.length > limit:
                     self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
                     await writer.drain()
                     return
-                while len(buf) < head_len + length:
+                del buf[:head.size]
+                reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
+                while True:
+                    piece = reader_of_body.take(buf)
+                    if piece is None:
+                        break
+                    if piece:
+                        parts.append(piece)
+                        size += len(piece)
+                        if size > limit:
+                            self._respond(None, writer, 413, error_body("request body too large",
+                                                                        "invalid_request_error"))
+                            await writer.drain()
+                            return
+                        continue
                     data = await reader.read(RELAY_READ)
                     if not data:
                         return
                     buf += data
-                body = bytes(buf[head_len:head_len + length])
-                del buf[:head_len + length]
-                await self._dispatch(method, target, headers, body, None, writer)
-                if close:
+                await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
+                if not head.keep_alive:
                     return
-        except h11.RemoteProtocolError as exc:      # bad framing from the client: say so, close
+        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
             body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
             writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
                          b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
@@ -2086,7 +2313,7 @@ class Node:
             conn.start_next_cycle()
 
     def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
-        """A whole answer: through h11's `conn`, or as bytes when the request was parsed by hand."""
+        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
         if conn is None:
             writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
                          % (status, _REASON.get(status, b"Status"), ctype, len(body), body))
@@ -2098,7 +2325,7 @@ class Node:
 
     async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
                         conn, writer) -> bool:
-        """Answer one request (`conn`: its h11 connection, or None when parsed by hand); True
+        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
         when the answer went out raw, past h11's `conn`."""
         path = target.split(b"?", 1)[0]
         if self.overlay is None:                    # between binding the port and joining
@@ -2153,62 +2380,30 @@ class Node:
         self.inflight += 1
         try:
             try:
-                engine_conn, buf, status, reason, rheaders, keep_alive = await engine.send_raw(b"".join(head))
+                engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
             except EngineError as exc:
                 self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
                 return False
-            length, chunked = None, False
-            out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-            for name, value in rheaders:
-                if name == b"content-length":
-                    length = int(value)
-                elif name == b"transfer-encoding":
-                    chunked = b"chunked" in value.lower()
-                elif name not in HOP_BY_HOP:
+            framing, keep_alive = answer.framing, answer.keep_alive
+            out = [b"HTTP/1.1 %d %s\r\n" % (answer.status, answer.reason)]
+            for name, value in answer.headers:
+                if name not in HOP_BY_HOP:
                     out += (name, b": ", value, b"\r\n")
-            if head_only or status in (204, 304):
-                length, chunked = 0, False
+            if framing is NO_BODY:
                 out.append(b"content-length: 0\r\n")
-            elif chunked:
-                length = None
-                out.append(b"transfer-encoding: chunked\r\n")
-            elif length is not None:
-                out.append(b"content-length: %d\r\n" % length)
-            else:                                   # until-close body: we frame it as chunked
-                out.append(b"transfer-encoding: chunked\r\n")
-                keep_alive = False
+            elif framing is LENGTH:
+                out.append(b"content-length: %d\r\n" % answer.length)
+            else:                                   # chunked as the engine sent it, or an until-close
+                out.append(b"transfer-encoding: chunked\r\n")   # body we frame as chunked
             if _wants_close(headers):
                 out.append(b"connection: close\r\n")
             out.append(b"\r\n")
-            reader = engine_conn[0]
+            reader = engine_conn.reader
             transport = writer.transport
             data = bytes(buf)
             ok = False
             try:
-                if chunked:
-                    scan = _ChunkedEnd()
-                    try:
-                        used = scan.feed(data)
-                    except EngineError as exc:      # nothing went out yet: a clear 502
-                        self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error",
-                                                                    "bad_gateway"))
-                        return False
-                    out.append(data[:used])
-                    if scan.done:
-                        ok = used == len(data)
-                    else:
-                        transport.write(b"".join(out))
-                        out = []
-                        ok = await _pipe_body(reader, engine_conn[1], writer, scan, 0)
-                elif length is not None:
-                    out.append(data[:length])
-                    if len(data) >= length:
-                        ok = len(data) == length
-                    else:
-                        transport.write(b"".join(out))
-                        out = []
-                        ok = await _pipe_body(reader, engine_conn[1], writer, None, length - len(data))
-                else:
+                if framing is UNTIL_CLOSE:
                     while True:
                         if data:
                             out += (b"%x\r\n" % len(data), data, b"\r\n")
@@ -2220,6 +2415,21 @@ class Node:
                         if not data:
                             out.append(b"0\r\n\r\n")
                             break
+                else:
+                    body = BodyReader(framing, answer.length)
+                    used = body.feed(data)
+                    if body.error is not None:      # nothing went out yet: a clear 502
+                        self._respond(conn, writer, 502, error_body(f"engine failed: bad response from the "
+                                                                    f"engine: {body.error}", "server_error",
+                                                                    "bad_gateway"))
+                        return False
+                    out.append(data[:used])
+                    if body.done:
+                        ok = used == len(data)
+                    else:
+                        transport.write(b"".join(out))
+                        out = []
+                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
                 transport.write(b"".join(out))
             except OSError as exc:
                 raise EngineError(str(exc) or type(exc).__name__) from None
@@ -2244,7 +2454,7 @@ class Node:
                 return
             out_headers = [(n, v) for n, v in response.headers
                            if n not in HOP_BY_HOP or n == b"content-length"]
-            writer.write(conn.send(h11.Response(status_code=response.status_code, headers=out_headers,
+            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
                                                 reason=response.reason)))
             async for chunk in self.engine.body(engine_conn):
                 writer.write(conn.send(h11.Data(data=chunk)))

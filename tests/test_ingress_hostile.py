@@ -262,11 +262,13 @@ def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_o
         stack.engine("m1")
         key = stack.key()
         head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"a" * 4000
+        opened = time.monotonic()   # before any of them: each deadline runs from its own opening
         for _ in range(300):
             sock = socket.create_connection(("127.0.0.1", stack.port), timeout=5)
             sock.setblocking(False)
             dribblers.append(sock)
         outcome: Dict[socket.socket, bytes] = {}   # closed -> what the ingress said first
+        closed_at: Dict[socket.socket, float] = {}
         said: Dict[socket.socket, bytes] = {sock: b"" for sock in dribblers}
         sends: Dict[socket.socket, List[float]] = {sock: [time.monotonic()] for sock in dribblers}
         served: List[int] = []
@@ -288,6 +290,7 @@ def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_o
         while len(outcome) < len(dribblers) and time.monotonic() < deadline:
             for sock in dribblers:
                 if sock in outcome:
+                    closed_at.setdefault(sock, time.monotonic())
                     continue
                 try:
                     piece = sock.recv(4096)
@@ -310,6 +313,10 @@ def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_o
         assert len(outcome) == len(dribblers)   # every dribbler was closed, although it kept sending
         cut = [sock for sock, first in outcome.items() if first == b""]
         refused = [first for first in outcome.values() if first]
+        for sock in outcome:
+            closed_at.setdefault(sock, time.monotonic())
+        # cut by the deadline (1 s after opening), although a byte came every 0.1 s
+        assert cut and min(closed_at[sock] for sock in cut) - opened >= 1.0
         # cut by the deadline (1 s), not by a pause in its bytes: dribblers whose bytes never
         # paused as long as the deadline (any loop pace) were cut all the same
         steady = [sock for sock in cut if len(sends[sock]) > 2 and

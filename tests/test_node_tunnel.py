@@ -45,7 +45,7 @@ def test_registry_endpoint_lists_this_session_with_state_names_and_suspicion():
     async def t(node, client, engine):
         response, chunks = await call(client, "GET", "/v1/registry")
         view = json.loads(b"".join(chunks))
-        assert response.status_code == 200
+        assert response.status == 200
         assert view["self"] == node.session_id
         [me] = view["sessions"]
         assert (me["session"], me["state"], me["suspected"], me["models"]) == \
@@ -60,14 +60,14 @@ def test_healthz_answers_ok_then_503_while_draining():
         r1, c1 = await call(client, "GET", "/healthz")
         node.draining = True
         r2, c2 = await call(client, "GET", "/healthz")
-        return r1.status_code, json.loads(b"".join(c1))["status"], r2.status_code
+        return r1.status, json.loads(b"".join(c1))["status"], r2.status
     assert run(with_node(t)) == (200, "ok", 503)
 
 
 def test_request_without_tunnel_header_is_refused_with_403_openai_error():
     async def t(node, client, engine):
         response, chunks = await call(client, "POST", "/v1/chat/completions", b"{}")
-        return response.status_code, json.loads(b"".join(chunks)), engine.requests
+        return response.status, json.loads(b"".join(chunks)), engine.requests
     status, body, reached = run(with_node(t))
     assert status == 403 and body["error"]["type"] == "permission_error" and reached == 0
 
@@ -80,7 +80,7 @@ def test_tunnelled_stream_arrives_chunk_by_chunk_and_body_is_forwarded_verbatim(
         response, chunks = await call(client, "POST", "/v1/chat/completions", raw, [node.tunnel_header])
         return response, chunks, engine.last_body
     response, chunks, seen = run(with_node(t, chunks=5, chunk_delay=0.01))
-    assert response.status_code == 200
+    assert response.status == 200
     assert dict(response.headers)[b"content-type"] == b"text/event-stream"
     events = b"".join(chunks).split(b"\n\n")
     assert len([e for e in events if e.startswith(b"data: {")]) == 5
@@ -94,7 +94,7 @@ def test_keep_alive_connection_serves_several_tunnelled_requests():
         statuses = []
         for _ in range(3):
             r, _ = await call(client, "POST", "/v1/completions", b'{"prompt":"a b"}', [node.tunnel_header])
-            statuses.append(r.status_code)
+            statuses.append(r.status)
         return statuses, len(client.idle), len(node.engine.idle)
     statuses, client_pool, engine_pool = run(with_node(t))
     assert statuses == [200, 200, 200] and client_pool == 1 and engine_pool == 1
@@ -103,7 +103,7 @@ def test_keep_alive_connection_serves_several_tunnelled_requests():
 def test_engine_error_status_is_passed_through():
     async def t(node, client, engine):
         r, chunks = await call(client, "POST", "/v1/completions", b'{"prompt":"x"}', [node.tunnel_header])
-        return r.status_code, json.loads(b"".join(chunks))["error"]["type"]
+        return r.status, json.loads(b"".join(chunks))["error"]["type"]
     assert run(with_node(t, mode="error500")) == (500, "server_error")
 
 
@@ -113,7 +113,7 @@ def test_unreachable_engine_gives_502_and_draining_node_gives_503():
         r1, c1 = await call(client, "POST", "/v1/completions", b"{}", [node.tunnel_header])
         node.draining = True
         r2, _ = await call(client, "POST", "/v1/completions", b"{}", [node.tunnel_header])
-        return r1.status_code, json.loads(b"".join(c1))["error"]["code"], r2.status_code
+        return r1.status, json.loads(b"".join(c1))["error"]["code"], r2.status
     assert run(with_node(t)) == (502, "bad_gateway", 503)
 
 
@@ -125,7 +125,7 @@ def test_stream_cut_by_the_engine_is_cut_for_the_client_never_completed():
         with pytest.raises(on.EngineError):
             async for chunk in client.body(conn):
                 got.append(chunk)
-        return response.status_code, b"".join(got)
+        return response.status, b"".join(got)
     status, partial = run(with_node(t, mode="cut", chunks=6))
     assert status == 200
     assert partial.count(b"data: {") == 3 and b"[DONE]" not in partial
@@ -137,7 +137,7 @@ def test_in_flight_counter_tracks_a_slow_request():
         await asyncio.sleep(0.3)
         during = node.inflight
         response, _ = await task
-        return during, node.inflight, response.status_code
+        return during, node.inflight, response.status
     assert run(with_node(t, mode="slow", slow_delay=0.6)) == (1, 0, 200)
 
 
@@ -273,7 +273,7 @@ def test_large_bodies_relay_intact_to_a_slow_client_and_engine_connection_is_reu
                 async for chunk in client.body(conn):
                     got += chunk
                     await asyncio.sleep(0.002)      # a slow reader: the node must pause the engine
-                results.append((response.status_code, got == big, len(node.engine.idle)))
+                results.append((response.status, got == big, len(node.engine.idle)))
         finally:
             client.close()
             await node.stop()
