@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import errno
 import getpass
 import hashlib
 import heapq
@@ -40,6 +41,7 @@ import re
 import shlex
 import signal
 import socket
+import ssl
 import stat
 import struct
 import subprocess
@@ -164,6 +166,24 @@ class Config:
     engine_stop_timeout: float = 10.0     # SIGTERM -> SIGKILL grace for the engine
     leave_linger: float = 0.5             # after LEFT/DOWN, keep gossiping this long so it spreads
     max_request_body: int = 64 * 1024 * 1024  # tunnelled request bodies (long prompts, images)
+
+    # -- ports before authentication: a stranger gets no memory, no descriptors, no time --
+    max_gossip_connections: int = 64      # gossip TCP carries full-state transfers and the third
+                                          # probe path, a handful at a time; strangers can hold at
+                                          # most 64 * max_datagram (0.5 MiB) before a frame is authentic
+    max_tunnel_connections: int = 512     # the ingress keeps <= 128 idle per session plus its streams;
+                                          # 512 stays inside the usual 1,024-descriptor limit, and
+                                          # the one over it gets a 503 error body, not a reset
+    max_unauthenticated: int = 64         # tunnel connections not yet past TLS or their credential;
+                                          # a newcomer over this cuts the oldest: members authenticate
+                                          # within a millisecond, idle strangers never starve them
+    head_timeout: float = 10.0            # TLS handshake and first request head after connecting, a
+                                          # stranger's every head (the ingress's HEAD_TIMEOUT_S)
+    body_timeout: float = 60.0            # a request body whole after its head: 64 MiB at >= 1 MiB/s
+    tunnel_idle_timeout: float = 300.0    # an authenticated kept-alive connection with no request this
+                                          # long is closed (the ingress reconnects on demand)
+    tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
+    tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
     @property
     def gossip_addr(self) -> str:
@@ -323,6 +343,8 @@ MESSAGE_TYPES = {
     "d":  "d {n, root}, s?",         # push-pull 1: my digest root (and my suspicions, below)
     "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
     "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
+    "h":  "",                        # TCP hello: the frames after it on this connection may be
+                                     # up to max_frame (before it, max_datagram: see Node._on_tcp_gossip)
 }
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
@@ -1658,6 +1680,141 @@ def error_body(message: str, etype: str, code: Optional[str] = None) -> bytes:
 
 
 # =============================================================================================
+# Tunnel security: mutual TLS from the cluster's key material, and no work before authentication
+# =============================================================================================
+# Theory of operation. `keygen` writes one cluster certificate and its private key beside the
+# cluster secret; every member holds the same pair. The tunnel port is then TLS 1.3 with the
+# certificate required on both sides and that one certificate as the only trust anchor (pinned:
+# a peer must hold the cluster's TLS key to finish the handshake). No credential crosses the
+# wire: each connection's keys come from a fresh ECDHE exchange, and Python's ssl offers no
+# 0-RTT data, so recorded handshake or request bytes replayed on a new connection are refused.
+# Rules:
+#   1. A stranger costs bounded memory, descriptors and time: at most max_unauthenticated
+#      connections wait for their handshake or credential (a newcomer cuts the oldest), all
+#      within head_timeout; max_tunnel_connections in all (the one over gets a 503 body).
+#   2. A request's credential is judged on its head, before one byte of its body is read.
+#   3. The same port still answers plain HTTP for GET /healthz and /v1/registry (readiness
+#      probes, curl): the first byte tells a TLS ClientHello (0x16) from a request line. A plain
+#      tunnelled request to a TLS node is refused (403), never forwarded.
+# Without the certificate (keygen without openssl, or a test's in-memory key) the tunnel is the
+# older plain HTTP with the static header credential, and the node says so at start.
+TLS_RECORD_HANDSHAKE = 0x16         # the first byte of every TLS ClientHello
+TLS_SERVER_NAME = "otela-cluster"   # the certificate's CN; hosts are not named in it (rule: pin)
+OPEN_PATHS = (b"/healthz", b"/v1/registry")   # GET without a credential, on plain HTTP too
+
+
+def tunnel_tls(config: Config) -> Tuple[Optional[ssl.SSLContext], Optional[ssl.SSLContext]]:
+    """(server, client) contexts for the data tunnel, or (None, None) without a certificate.
+    Raises ConfigError when the files are there but unusable."""
+    if not config.tls_cert:
+        return None, None
+    contexts = []
+    for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
+        ctx = ssl.SSLContext(purpose)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        try:
+            ctx.load_cert_chain(config.tls_cert, config.tls_key)
+            ctx.load_verify_locations(cafile=config.tls_cert)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load the cluster certificate {config.tls_cert}: {exc}") from None
+        ctx.check_hostname = False                  # the pinned certificate names the cluster
+        ctx.verify_mode = ssl.CERT_REQUIRED         # mutual: the ingress shows it too
+        contexts.append(ctx)
+    return contexts[0], contexts[1]
+
+
+def find_tunnel_tls(key_file: str) -> Tuple[str, str]:
+    """keygen's cluster.crt and cluster-tls.key beside the cluster key, or ("", ""). The TLS key
+    must be private to its owner, as the cluster key is."""
+    folder = os.path.dirname(os.path.abspath(key_file))
+    crt, tls_key = os.path.join(folder, "cluster.crt"), os.path.join(folder, "cluster-tls.key")
+    if not (os.path.isfile(crt) and os.path.isfile(tls_key)):
+        return "", ""
+    mode = os.stat(tls_key).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"cluster TLS key {tls_key} is accessible by others (mode {stat.S_IMODE(mode):o});"
+                          f" run chmod 600 {tls_key}")
+    return crt, tls_key
+
+
+def _busy_answer() -> bytes:
+    body = error_body("node at its connection limit; retry on another session", "server_error", "busy")
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+BUSY_ANSWER = _busy_answer()        # the connection over max_tunnel_connections: one send, no read
+LISTEN_BACKLOG = 1024               # a burst of reconnects after an ingress restart waits, not refused
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The tunnel port's listening socket (accepted by Node._accept_tunnel, which admits)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _TunnelConnection:
+    """One accepted tunnel connection's admission: whether it has authenticated, and the one
+    watchdog timer that cuts it at its current deadline (head, body or idle)."""
+
+    __slots__ = ("task", "writer", "tls", "authenticated", "_timer")
+
+    def __init__(self, task: Optional[asyncio.Task]):
+        self.task = task
+        self.writer: Optional[asyncio.StreamWriter] = None
+        self.tls = False
+        self.authenticated = False
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def arm(self, seconds: float) -> None:
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self.cut)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def cut(self) -> None:
+        """Close at once: the handler sees its stream end (or, before it has one, is cancelled)."""
+        self.disarm()
+        if self.writer is not None:
+            self.writer.transport.abort()
+        elif self.task is not None:
+            self.task.cancel()
+
+
+async def _wait_readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], handshake_timeout: float):
+    """(reader, writer) over an accepted socket, through a server-side TLS handshake when ctx."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=RELAY_READ)
+    protocol = asyncio.StreamReaderProtocol(reader)
+    kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
+    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **kwargs)
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+# =============================================================================================
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
 class _GossipProtocol(asyncio.DatagramProtocol):
@@ -1691,6 +1848,9 @@ def code_hash() -> str:
     return h.hexdigest()[:16]
 
 
+REFUSALS = ("busy", "cut", "deadline", "handshake", "credential", "gossip_busy")   # Node.refused
+
+
 class Node:
     """One overlay member with its sockets: UDP gossip, TCP gossip frames on the same port, and
     (workers) the HTTP/tunnel port that forwards to the engine."""
@@ -1714,7 +1874,6 @@ class Node:
         self._callbacks: List[Callable[[str, Optional[dict]], None]] = []
         self._udp = None
         self._tcp_server = None
-        self._http_server = None
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = math.inf
         self._tasks: set = set()
@@ -1722,9 +1881,15 @@ class Node:
         self._pending_id = crdt.new_session_id()    # the id we will join with
         self._unresolved: List[str] = []            # bootstrap host names that did not resolve yet
         self._warned: set = set()                   # warnings already logged
-        self._reach_warning = ""                    # a gossip address others cannot reach
+        self._start_warnings: List[str] = []        # a gossip address others cannot reach, a plain tunnel
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
+        self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
+        self._tunnel_sock: Optional[socket.socket] = None
+        self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
+        self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
+        self._gossip_connections = 0
+        self.refused = collections.Counter({r: 0 for r in REFUSALS})
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -1754,7 +1919,9 @@ class Node:
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
-                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {})}
+                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
+                "refused": dict(self.refused), "tunnel_connections": len(self._tunnel_conns),
+                "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
@@ -1781,13 +1948,18 @@ class Node:
         if serve_http:
             lhost, lport = split_addr(cfg.listen)
             try:
-                self._http_server = await asyncio.start_server(self._on_http, lhost, lport, reuse_address=True)
+                self._tunnel_sock = _listen(lhost, lport)
             except OSError as exc:
                 self._tcp_server.close()
                 self._udp.close()
                 self._tcp_server = self._udp = None
                 raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
-            lport = self._http_server.sockets[0].getsockname()[1]
+            lport = self._tunnel_sock.getsockname()[1]
+            self._spawn(self._accept_tunnel(self._tunnel_sock))
+            if self.tunnel_server_ssl is None:
+                self._start_warnings.append(
+                    "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
+                    "the key: run keygen where openssl is installed)")
             listen_addr = cfg.advertise_listen or advertise(f"{lhost}:{lport}")
         else:
             listen_addr = cfg.listen_addr
@@ -1803,11 +1975,11 @@ class Node:
         # Said at the first health check, once the rest of the start (the ingress's API) is up.
         if _is_loopback(host) and (self.role == "ingress" or any(not _is_loopback(split_addr(a)[0])
                                                                   for a in bootstrap)):
-            self._reach_warning = (f"gossip binds {cfg.gossip}, loopback only: members on other hosts cannot "
-                                   f"reach this {self.role} (bind all interfaces with --gossip 0.0.0.0:{port})")
+            self._start_warnings.append(f"gossip binds {cfg.gossip}, loopback only: members on other hosts cannot "
+                                        f"reach this {self.role} (bind all interfaces with --gossip 0.0.0.0:{port})")
         elif not _is_loopback(host) and _is_loopback(split_addr(gossip_addr)[0]):
-            self._reach_warning = (f"gossip binds {cfg.gossip} but advertises {gossip_addr}, where peers on other "
-                                   "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
+            self._start_warnings.append(f"gossip binds {cfg.gossip} but advertises {gossip_addr}, where peers on other "
+                                        "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
@@ -1828,9 +2000,9 @@ class Node:
         """Every join_warn_after seconds: log each new warning once, and resolve the bootstrap
         names that did not resolve before (DNS may come up after us)."""
         self._health_timer = asyncio.get_running_loop().call_later(self.config.join_warn_after, self._check_health)
-        if self._reach_warning:
-            log.warning("%s", self._reach_warning)
-            self._reach_warning = ""
+        for text in self._start_warnings:
+            log.warning("%s", text)
+        self._start_warnings = []
         warnings = self.health_warnings()
         for text in warnings:
             if text.split(" has not answered")[0] not in self._warned:
@@ -1877,16 +2049,19 @@ class Node:
             if timer is not None:
                 timer.cancel()
         self._timer = self._health_timer = None
-        for server in (self._http_server, self._tcp_server):
-            if server is not None:
-                server.close()
+        if self._tcp_server is not None:
+            self._tcp_server.close()
         if self._udp is not None:
             self._udp.close()
         for task in list(self._tasks):
             task.cancel()
+        for connection in list(self._tunnel_conns):
+            connection.cut()
+        if self._tunnel_sock is not None:
+            self._tunnel_sock.close()
         if self.engine is not None:
             self.engine.close()
-        self._http_server = self._tcp_server = self._udp = None
+        self._tcp_server = self._udp = self._tunnel_sock = None
 
     # -- overlay plumbing -------------------------------------------------------------------
     def _changed(self, sid: str, record: Optional[dict]) -> None:
@@ -1963,32 +2138,51 @@ class Node:
                 pass
 
     async def _send_tcp(self, target: tuple, msg: Dict[str, Any]) -> None:
-        data = self.wire.seal(msg, time.time())
+        now = time.time()
+        data = self.wire.seal(msg, now)
+        frames = struct.pack(">I", len(data)) + data
+        if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
+            hello = self.wire.seal({"t": "h"}, now)
+            frames = struct.pack(">I", len(hello)) + hello + frames
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
         except (OSError, asyncio.TimeoutError):
             return
         try:
-            writer.write(struct.pack(">I", len(data)) + data)
+            writer.write(frames)
             await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
-            self.bytes_sent += len(data) + 4
+            self.bytes_sent += len(frames)
         except (OSError, asyncio.TimeoutError):
             pass
         finally:
             writer.close()
 
     async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """TCP gossip frames. No work before authentication: at most max_gossip_connections at
+        once; until one frame on the connection has passed its HMAC (and replay check), a frame
+        may be no bigger than a datagram, so a stranger's length field never makes us read more
+        than 8 KiB; after it (a hello, or any small message), up to max_frame. The first bad
+        frame closes the connection."""
+        if self._gossip_connections >= self.config.max_gossip_connections:
+            self.refused["gossip_busy"] += 1
+            writer.transport.abort()
+            return
+        self._gossip_connections += 1
+        limit = self.config.max_datagram             # before the first authentic frame
         try:
             while True:
                 head = await asyncio.wait_for(reader.readexactly(4), self.config.tcp_timeout)
                 (length,) = struct.unpack(">I", head)
-                if length > self.config.max_frame:
+                if length > limit:
                     self.wire.dropped["oversized"] += 1
                     return
                 data = await asyncio.wait_for(reader.readexactly(length), self.config.tcp_timeout * 4)
                 self.bytes_received += length + 4
                 msg = self.wire.open(data, time.time(), tcp=True)
-                if msg is None or self.overlay is None:
+                if msg is None:
+                    return
+                limit = self.config.max_frame
+                if msg["t"] == "h" or self.overlay is None:
                     continue
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
@@ -2001,34 +2195,154 @@ class Node:
         except (OSError, asyncio.TimeoutError):
             pass
         finally:
+            self._gossip_connections -= 1
             writer.close()
 
+    # -- the tunnel port: admission (see "Tunnel security") ---------------------------------
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _accept_tunnel(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    await asyncio.sleep(0.1)        # out of descriptors: the caps below free some
+                    continue
+                return                              # the listening socket was closed (stop)
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Rule 1: the cap on all connections, then on strangers (the oldest is cut)."""
+        cfg = self.config
+        conn.setblocking(False)
+        if len(self._tunnel_conns) >= cfg.max_tunnel_connections:
+            self.refused["busy"] += 1
+            try:
+                conn.send(BUSY_ANSWER)
+            except OSError:
+                pass
+            conn.close()
+            return
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        connection = _TunnelConnection(None)
+        self._tunnel_conns[connection] = None
+        self._unauthenticated[connection] = None
+        if len(self._unauthenticated) > cfg.max_unauthenticated:
+            self.refused["cut"] += 1
+            next(iter(self._unauthenticated)).cut()
+        connection.task = self._spawn(self._tunnel_connection(conn, connection))
+
+    def _authenticated(self, connection: _TunnelConnection) -> None:
+        connection.authenticated = True
+        self._unauthenticated.pop(connection, None)
+
+    async def _tunnel_connection(self, conn: socket.socket, connection: _TunnelConnection) -> None:
+        cfg = self.config
+        connection.arm(cfg.head_timeout)
+        writer = None
+        try:
+            ctx = self.tunnel_server_ssl
+            if ctx is not None:                     # rule 3: a ClientHello, or plain HTTP?
+                await _wait_readable(conn)
+                first = conn.recv(1, socket.MSG_PEEK)
+                if first and first[0] != TLS_RECORD_HANDSHAKE:
+                    ctx = None
+            try:
+                reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
+            except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
+                self.refused["handshake"] += 1      # no certificate, the wrong one, a replay
+                return
+            connection.writer = writer
+            if ctx is not None:
+                connection.tls = True
+                self._authenticated(connection)
+            await self._on_http(reader, writer, connection)
+        except (asyncio.CancelledError, OSError):
+            pass
+        finally:
+            connection.disarm()
+            self._tunnel_conns.pop(connection, None)
+            self._unauthenticated.pop(connection, None)
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+
+    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
+        """Rule 2, on the head: None when this request may be served (its body read), else the
+        (status, error body) to answer before closing."""
+        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
+            return None
+        if connection is not None and connection.tls:
+            return None                             # the handshake showed the cluster certificate
+        if self.tunnel_server_ssl is not None:
+            self.refused["credential"] += 1
+            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
+                                   "are not forwarded", "permission_error", "tls_required")
+        name, value = self.tunnel_header
+        wanted, given = name.encode(), b""
+        for hname, hvalue in headers:
+            if hname == wanted:
+                given = hvalue
+        if not hmac.compare_digest(given, value.encode()):
+            self.refused["credential"] += 1
+            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
+        if connection is not None:
+            self._authenticated(connection)
+        return None
+
     # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       connection: Optional[_TunnelConnection] = None) -> None:
         """Plain HTTP/1.1 requests with a Content-Length (or no body: what the ingress sends) are
         parsed by hand; anything else (HTTP/1.0, a chunked body, Expect, odd bytes) goes to
-        h11 from the first byte of that request, which keeps the connection from then on."""
+        h11 from the first byte of that request, which keeps the connection from then on.
+        `connection` (the admission) holds the deadlines and whether the client authenticated."""
         buf = bytearray()
+        cfg = self.config
         try:
             while True:
+                if connection is not None:          # armed from the accept for the first head
+                    if connection.authenticated and not buf:
+                        connection.arm(cfg.tunnel_idle_timeout)
+                    elif buf:
+                        connection.arm(cfg.head_timeout)
                 parsed = await _read_request_head(reader, buf)
                 if parsed is None:
                     return
                 if parsed is _FALLBACK:
-                    await self._serve_h11(reader, writer, bytes(buf))
+                    await self._serve_h11(reader, writer, bytes(buf), connection)
                     return
                 if parsed is _BAD_REQUEST:
                     raise h11.RemoteProtocolError("bad request framing")
                 method, target, headers, head_len, length, close = parsed
-                if length > self.config.max_request_body:
+                refusal = self._refusal(method, target, headers, connection)
+                if refusal is not None:             # judged on the head: the body is never read
+                    self._respond(None, writer, refusal[0], refusal[1], close=True)
+                    await writer.drain()
+                    return
+                if length > cfg.max_request_body:
                     self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
                     await writer.drain()
                     return
+                if connection is not None and len(buf) < head_len + length:
+                    connection.arm(cfg.body_timeout)
                 while len(buf) < head_len + length:
                     data = await reader.read(RELAY_READ)
                     if not data:
                         return
                     buf += data
+                if connection is not None:
+                    connection.disarm()             # the engine may take minutes to answer
                 body = bytes(buf[head_len:head_len + length])
                 del buf[:head_len + length]
                 await self._dispatch(method, target, headers, body, None, writer)
@@ -2043,14 +2357,22 @@ class Node:
         finally:
             writer.close()
 
-    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes) -> None:
+    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
+                         connection: Optional[_TunnelConnection] = None) -> None:
         conn = h11.Connection(h11.SERVER)
         if initial:
             conn.receive_data(initial)
         while True:
+            if connection is not None:
+                connection.arm(self.config.head_timeout + self.config.body_timeout)
             event = await h11_next(conn, reader)
             if not isinstance(event, h11.Request):
                 break
+            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
+            if refusal is not None:
+                self._respond(conn, writer, refusal[0], refusal[1], close=True)
+                await writer.drain()
+                return
             body = bytearray()
             too_big = False
             while True:
@@ -2069,6 +2391,8 @@ class Node:
                 await writer.drain()
                 return
             headers = header_items(event.headers)
+            if connection is not None:
+                connection.disarm()
             if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
                 # The answer bypassed h11: carry on with a fresh parser fed what was read
                 # past this request (pipelined bytes), unless either side asked to close.
@@ -2085,13 +2409,17 @@ class Node:
                 break
             conn.start_next_cycle()
 
-    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
+                 close: bool = False) -> None:
         """A whole answer: through h11's `conn`, or as bytes when the request was parsed by hand."""
         if conn is None:
-            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                         % (status, _REASON.get(status, b"Status"), ctype, len(body), body))
+            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s"
+                         % (status, _REASON.get(status, b"Status"), ctype,
+                            b"connection: close\r\n" if close else b"", len(body), body))
             return
         headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
         writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
         writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
@@ -2113,17 +2441,8 @@ class Node:
                                       "state": crdt.STATE_NAMES[self.overlay.record["state"]],
                                       "members": len(self.overlay.members), "warnings": warnings,
                                       "gossip": self.stats()}))
-        else:
-            name, value = self.tunnel_header
-            given = b""
-            wanted = name.encode()
-            for hname, hvalue in headers:
-                if hname == wanted:
-                    given = hvalue
-            if not hmac.compare_digest(given, value.encode()):
-                self._respond(conn, writer, 403, error_body("missing or bad tunnel credential",
-                                                            "permission_error", "forbidden"))
-            elif self.draining or self.engine is None:
+        else:                                       # the credential was judged on the head (_refusal)
+            if self.draining or self.engine is None:
                 self._respond(conn, writer, 503, error_body("this session is draining" if self.draining
                                                             else "no engine behind this node",
                                                             "server_error", "unavailable"))
