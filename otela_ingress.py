@@ -1292,7 +1292,10 @@ class Upstream:
 
 
 class UpstreamPool:
-    def __init__(self):
+    def __init__(self, tls: Any = None):
+        self.ssl = tls         # an ssl.SSLContext: connections to nodes are TLS (with a deadline)
+        self._tls_options = {"ssl": tls, "server_hostname": otela_node.TLS_SERVER_NAME,
+                             "ssl_handshake_timeout": UPSTREAM_CONNECT_TIMEOUT_S} if tls is not None else {}
         self._idle: Dict[str, List[Upstream]] = {}
         self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
 
@@ -1317,7 +1320,8 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             transport, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port)),
+                loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port),
+                                       **self._tls_options),
                 UPSTREAM_CONNECT_TIMEOUT_S)
         except (OSError, ValueError, RuntimeError, asyncio.TimeoutError) as exc:   # RuntimeError: uvloop's
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
@@ -1949,7 +1953,9 @@ class Ingress:
         self.metrics = Metrics()
         self.stats = UsageStats()
         self.health = PassiveHealth()
-        self.pool = UpstreamPool()
+        # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
+        # the credential, and no static one is sent (otela_node, "Tunnel security").
+        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None))
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
@@ -1957,7 +1963,7 @@ class Ingress:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         self._stopped = False
-        tunnel = getattr(node, "tunnel_header", None)
+        tunnel = getattr(node, "tunnel_header", None) if self.pool.ssl is None else None
         self._tunnel_line = b"".join(
             (v.encode() if isinstance(v, str) else v) for v in (tunnel[0], b": ", tunnel[1], b"\r\n")
         ) if tunnel else b""

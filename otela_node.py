@@ -1848,7 +1848,7 @@ def code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-REFUSALS = ("busy", "cut", "deadline", "handshake", "credential", "gossip_busy")   # Node.refused
+REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy")   # Node.refused
 
 
 class Node:
@@ -1890,6 +1890,7 @@ class Node:
         self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self._gossip_connections = 0
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
+        self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -1920,7 +1921,7 @@ class Node:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
-                "refused": dict(self.refused), "tunnel_connections": len(self._tunnel_conns),
+                "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
@@ -2238,7 +2239,9 @@ class Node:
         self._unauthenticated[connection] = None
         if len(self._unauthenticated) > cfg.max_unauthenticated:
             self.refused["cut"] += 1
-            next(iter(self._unauthenticated)).cut()
+            oldest = next(iter(self._unauthenticated))
+            del self._unauthenticated[oldest]       # counted out now; its task closes it next
+            oldest.cut()
         connection.task = self._spawn(self._tunnel_connection(conn, connection))
 
     def _authenticated(self, connection: _TunnelConnection) -> None:
@@ -2262,6 +2265,7 @@ class Node:
                 self.refused["handshake"] += 1      # no certificate, the wrong one, a replay
                 return
             connection.writer = writer
+            self.admitted["tls" if ctx is not None else "plain"] += 1
             if ctx is not None:
                 connection.tls = True
                 self._authenticated(connection)
@@ -2876,6 +2880,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
     config = config_from_env(Config())
     config.key = load_key(args.key_file)
+    config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
     bootstrap = args.bootstrap if args.bootstrap is not None else [env("BOOTSTRAP", "")]
     config.bootstrap = [b for b in bootstrap if b]
     labels = args.label if args.label is not None else env("LABEL", "").split(",")

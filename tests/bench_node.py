@@ -411,7 +411,7 @@ def _start_tunnel_node(key_file, engine_flags, procs):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v1/registry", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v1/registry", timeout=2) as r:   # open in plain
                 if json.load(r)["sessions"][0]["state"] == "SERVING":
                     break
         except (OSError, ValueError, KeyError, IndexError):
@@ -425,21 +425,59 @@ def _start_tunnel_node(key_file, engine_flags, procs):
     return proc.pid, listen, engine_port
 
 
+def _tls_client(key_file):
+    """The client context a member dials a TLS tunnel with, or None for a plain-tunnel key."""
+    cfg = on.Config(key=on.load_key(key_file))
+    cfg.tls_cert, cfg.tls_key = on.find_tunnel_tls(key_file)
+    return on.tunnel_tls(cfg)[1]
+
+
+def _plain_key(key_file):
+    """The same cluster secret alone in a folder: a node started with it runs the plain tunnel."""
+    folder = tempfile.mkdtemp(prefix="otela-plain-")
+    path = os.path.join(folder, "cluster.key")
+    with open(key_file) as src, open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as dst:
+        dst.write(src.read())
+    return path
+
+
+async def _one_stream_tls(port, req, tls):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls,
+                                                   server_hostname=on.TLS_SERVER_NAME if tls else None)
+    writer.write(req)
+    data = bytearray()
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        piece = await reader.read(262144)
+        if not piece:
+            break
+        data += piece
+    writer.close()
+    return data.count(b"data: {")
+
+
 def tunnel_phase(key_file, quick, results):
+    """Side by side in one run: the engine direct, a plain-tunnel node (static header) and a
+    TLS-tunnel node (mutual TLS, keygen's certificate), same engine flags."""
     import bench_ingress as bi
     sys.path.insert(0, str(ROOT / "tests"))
     tunnel = (on.TUNNEL_HEADER, hmac.new(on.load_key(key_file), b"tunnel", hashlib.sha256).hexdigest())
+    tls = _tls_client(key_file)
+    plain_key = _plain_key(key_file)
     n_lat, seconds, rounds = (80, 2.0, 16) if quick else (400, 5.0, 48)
     procs = []
     out = results["tunnel"] = {}
     try:
         fast_pid, fast_port, fast_engine = _start_tunnel_node(key_file, "--chunks 8", procs)
+        plain_pid, plain_port, _ = _start_tunnel_node(plain_key, "--chunks 8", procs)
         bulk_pid, bulk_port, bulk_engine = _start_tunnel_node(key_file, "--chunks 1000", procs)
         bi.pin(0, 1)
-        for name, port in (("direct", fast_engine), ("node", fast_port)):
+        paths = (("direct", fast_engine, None), ("node_plain", plain_port, None), ("node", fast_port, tls))
+        for name, port, ctx in paths:
             req = _tunnel_request("fast", tunnel)
             sock = socket.create_connection(("127.0.0.1", port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ctx is not None:
+                sock = ctx.wrap_socket(sock, server_hostname=on.TLS_SERVER_NAME)
             buf, lat = bytearray(), []
             for _ in range(5):
                 sock.sendall(req)
@@ -453,37 +491,48 @@ def tunnel_phase(key_file, quick, results):
                 lat.append(time.perf_counter() - t0)
             sock.close()
             out[name] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+        for name in ("node_plain", "node"):
+            out[name]["added_p50_ms"] = out[name]["latency_p50_ms"] - out["direct"]["latency_p50_ms"]
+            out[name]["added_p99_ms"] = out[name]["latency_p99_ms"] - out["direct"]["latency_p99_ms"]
         node = out["node"]
-        node["added_p50_ms"] = node["latency_p50_ms"] - out["direct"]["latency_p50_ms"]
-        node["added_p99_ms"] = node["latency_p99_ms"] - out["direct"]["latency_p99_ms"]
+        node["tls_added_p50_ms"] = node["latency_p50_ms"] - out["node_plain"]["latency_p50_ms"]
 
-        async def tput(port):
+        class Held(bi._Conn):
+            """Connected (and through its handshake) first; the clock starts when all are."""
+            def connection_made(self, transport):
+                self.transport = transport
+
+        async def tput(port, ctx):
             counter, loop = [0], asyncio.get_running_loop()
-            stop_at = time.perf_counter() + seconds
             protos = []
             for _ in range(64):
                 _, proto = await loop.create_connection(
-                    lambda: bi._Conn(_tunnel_request("fast", tunnel), counter, stop_at), "127.0.0.1", port)
+                    lambda: Held(_tunnel_request("fast", tunnel), counter, 0.0), "127.0.0.1", port,
+                    ssl=ctx, server_hostname=on.TLS_SERVER_NAME if ctx else None)
                 protos.append(proto)
             t0 = time.perf_counter()
+            for proto in protos:
+                proto.stop_at = t0 + seconds
+                proto.transport.write(proto.req)
             await asyncio.gather(*(p.done for p in protos))
             return counter[0], time.perf_counter() - t0
 
-        async def streams(port):
+        async def streams(port, ctx):
             req, chunks, t0 = _tunnel_request("bulk", tunnel, stream=True), 0, time.perf_counter()
             for _ in range(max(1, rounds // 16)):
-                chunks += sum(await asyncio.gather(*(bi._one_stream(port, req, None) for _ in range(16))))
+                chunks += sum(await asyncio.gather(*(_one_stream_tls(port, req, ctx) for _ in range(16))))
             return chunks, time.perf_counter() - t0
 
-        cpu0 = bi.cpu_seconds(fast_pid)
-        done, elapsed = asyncio.run(tput(fast_port))
-        node["rps_64conn"] = done / elapsed
-        node["cpu_us_per_request"] = (bi.cpu_seconds(fast_pid) - cpu0) / max(1, done) * 1e6
+        for name, pid, port, ctx in (("node_plain", plain_pid, plain_port, None), ("node", fast_pid, fast_port, tls)):
+            cpu0 = bi.cpu_seconds(pid)
+            done, elapsed = asyncio.run(tput(port, ctx))
+            out[name]["rps_64conn"] = done / elapsed
+            out[name]["cpu_us_per_request"] = (bi.cpu_seconds(pid) - cpu0) / max(1, done) * 1e6
         cpu0 = bi.cpu_seconds(bulk_pid)
-        chunks, elapsed = asyncio.run(streams(bulk_port))
+        chunks, elapsed = asyncio.run(streams(bulk_port, tls))
         node["sse_chunks_per_s_16streams"] = chunks / elapsed
         node["cpu_us_per_chunk"] = (bi.cpu_seconds(bulk_pid) - cpu0) / max(1, chunks) * 1e6
-        chunks, elapsed = asyncio.run(streams(bulk_engine))
+        chunks, elapsed = asyncio.run(streams(bulk_engine, None))
         out["direct"]["sse_chunks_per_s_16streams"] = chunks / elapsed
     finally:
         for proc in procs:
@@ -494,9 +543,12 @@ def tunnel_phase(key_file, quick, results):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    print("tunnel (node only, node pinned to CPU 0, engine and client on CPU 1):")
+        import shutil
+        shutil.rmtree(os.path.dirname(plain_key), ignore_errors=True)
+    print("tunnel (node only, node pinned to CPU 0, engine and client on CPU 1; node = TLS tunnel,"
+          " node_plain = the plain one, same run):")
     for name, r in out.items():
-        print(f"  {name:7}" + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
+        print(f"  {name:10}" + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
 
 
 def main():
