@@ -182,6 +182,15 @@ class Config:
     body_timeout: float = 60.0            # a request body whole after its head: 64 MiB at >= 1 MiB/s
     tunnel_idle_timeout: float = 300.0    # an authenticated kept-alive connection with no request this
                                           # long is closed (the ingress reconnects on demand)
+    # -- NAT traversal and relay --
+    reach: str = "auto"                   # auto: a seed's dial-back decides; private: act as if behind
+                                          # a NAT (links to relays at once); public: never ask
+    relay: bool = True                    # a dialable member relays for private ones (--no-relay: off)
+    relay_links: int = 2                  # links a private member keeps: one relay dying is survived
+    relay_check_interval: float = 1.0     # links re-checked each second: a dead relay is replaced in ~1 s
+    dialback_timeout: float = 1.0         # a seed's dial-back connect: LAN/WAN connects take < 100 ms
+    splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
+    max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
     tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
     tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
@@ -290,6 +299,17 @@ class Wire:
         data = head + crdt.dumps(msg)
         return data + hmac.new(self._key, data, hashlib.sha256).digest()
 
+    def authentic(self, data: bytes, limit: int) -> bool:
+        """Whether `data` carries a valid tag (a relay's check before forwarding: the nonce is
+        left for the final receiver). A forgery is counted."""
+        if len(data) > limit or len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
+            self.dropped["forged"] += 1
+            return False
+        if not hmac.compare_digest(hmac.new(self._key, data[:-TAG_LEN], hashlib.sha256).digest(), data[-TAG_LEN:]):
+            self.dropped["forged"] += 1
+            return False
+        return True
+
     def open(self, data: bytes, now: float, tcp: bool = False) -> Optional[Dict[str, Any]]:
         """The message inside `data`, or None (counted in `dropped`)."""
         if len(data) > (self.max_frame if tcp else self.max_datagram):
@@ -343,8 +363,12 @@ MESSAGE_TYPES = {
     "d":  "d {n, root}, s?",         # push-pull 1: my digest root (and my suspicions, below)
     "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
     "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
-    "h":  "",                        # TCP hello: the frames after it on this connection may be
-                                     # up to max_frame (before it, max_datagram: see Node._on_tcp_gossip)
+    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the frames after it on this connection may
+                                     # be up to max_frame (before it, max_datagram: Node._on_tcp_gossip);
+                                     # link: a private member's relay link; splice: open a tunnel
+                                     # stream to that link; dial (relay->member)/accept: its dial-back
+    "rq": "n, a",                    # reachability: dial me back at gossip address a (over TCP)
+    "rs": "n, seen, back",           # answer: the address the seed saw, and whether its dial worked
 }
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
@@ -1815,6 +1839,89 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 
 
 # =============================================================================================
+# NAT traversal and relay: reachability, relay links, relayed gossip and spliced tunnel streams
+# =============================================================================================
+# Theory of operation. A worker asks each seed (ingress or relay) it bootstraps to, over TCP,
+# to dial it back ("rq"); the seed answers ("rs") with the address it saw (`seen`) and whether
+# its own TCP connect to the worker's gossip port worked (`back`). A worker no seed could dial
+# is private: it keeps outbound TCP links to `relay_links` relays (any dialable member that
+# relays; standalone relays and the ingress first) and advertises
+# "relay/<link id>" as its gossip and tunnel address, with its relays' gossip addresses in its
+# record's "relay" (comma-separated; "relaying": true marks a member that relays). Rules:
+#   1. Gossip: a private member sends everything over a link, each message inside an envelope
+#      (FORWARD | destination | sealed message); the relay checks the inner HMAC (never work
+#      for a stranger) and sends it on by UDP, or down the destination's link. Others reach a
+#      relayed address through the first of its relays that is not suspected.
+#   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
+#      authentic hello (a fresh nonce: not replayable); the relay asks the private member over
+#      its link to dial back, and splices the two connections byte for byte. TLS then runs end
+#      to end through the splice: the relay sees only ciphertext.
+#   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
+#      relays rewritten: same session, a new version, so a dead relay costs no eviction.
+RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
+FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
+
+
+def is_relayed(addr: str) -> bool:
+    return addr.startswith(RELAYED_PREFIX)
+
+
+def envelope(dest: str, sealed: bytes) -> bytes:
+    raw = dest.encode()
+    return FORWARD + bytes((len(raw),)) + raw + sealed
+
+
+def open_envelope(data: bytes) -> Optional[Tuple[str, bytes]]:
+    if len(data) < 4 or data[:2] != FORWARD:
+        return None
+    end = 3 + data[2]
+    try:
+        return data[3:end].decode("ascii"), data[end:]
+    except UnicodeDecodeError:
+        return None
+
+
+def frame(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: Optional[float]) -> Optional[bytes]:
+    """One length-prefixed frame (None at a clean end); ValueError when over `limit`."""
+    try:
+        head = await asyncio.wait_for(reader.readexactly(4), timeout)
+    except asyncio.IncompleteReadError:
+        return None
+    (length,) = struct.unpack(">I", head)
+    if length > limit:
+        raise ValueError("oversized")
+    return await asyncio.wait_for(reader.readexactly(length), timeout)
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
+    sock = writer.get_extra_info("socket")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            data = await reader.read(RELAY_READ)
+            if not data:
+                break
+            writer.write(data)
+            if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+# =============================================================================================
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
 class _GossipProtocol(asyncio.DatagramProtocol):
@@ -1891,6 +1998,16 @@ class Node:
         self._gossip_connections = 0
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
+        # NAT traversal and relay (see that section)
+        self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
+        self.private = False                        # no seed could dial us: reached through relays
+        self.observed = ""                          # our address as a seed saw it
+        self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
+        self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
+        self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
+        self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
+        self._seed_relays: List[str] = []                    # seeds that answered our "rq"
+        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "refused": 0})
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -1912,17 +2029,24 @@ class Node:
         sessions = []
         for sid, record in self.registry.items():
             view = dict(record)
-            view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid))
+            view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid),
+                        reach=self.reach_of(record))
             sessions.append(view)
         sessions.sort(key=lambda v: (v["state"] != "SERVING", v.get("started", 0)))
         return {"self": self.session_id, "sessions": sessions}
+
+    def reach_of(self, record: Dict[str, Any]) -> str:
+        """How this member reaches a session: "direct", "punched" or "relayed"."""
+        return "relayed" if is_relayed(record.get("gossip", "")) else "direct"
 
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
-                "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections}
+                "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
+                "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
+                "linked": len(self._linked), "relayed": dict(self.relayed)}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
@@ -1967,7 +2091,8 @@ class Node:
         now = time.time()
         record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
-                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash()}
+                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(),
+                  "relaying": bool(cfg.relay)}
         self.overlay = Overlay(cfg, self._pending_id, record, now)
         self.overlay.listeners.append(self._changed)
         self.overlay.rejoin_listeners.append(
@@ -1983,6 +2108,8 @@ class Node:
                                         "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
+        if self.role not in SEED_ROLES and (cfg.reach == "private" or (cfg.reach == "auto" and bootstrap)):
+            self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
                  self.session_id, gossip_addr, listen_addr, len(bootstrap))
@@ -2058,6 +2185,8 @@ class Node:
             task.cancel()
         for connection in list(self._tunnel_conns):
             connection.cut()
+        for link in list(self._links.values()) + list(self._linked.values()):
+            link.close()
         if self._tunnel_sock is not None:
             self._tunnel_sock.close()
         if self.engine is not None:
@@ -2066,6 +2195,12 @@ class Node:
 
     # -- overlay plumbing -------------------------------------------------------------------
     def _changed(self, sid: str, record: Optional[dict]) -> None:
+        gossip = (record or {}).get("gossip", "")
+        if is_relayed(gossip):
+            if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
+                self._relays_of[gossip] = record["relay"].split(",")
+            else:
+                self._relays_of.pop(gossip, None)
         for cb in self._callbacks:
             try:
                 cb(sid, record)
@@ -2102,9 +2237,13 @@ class Node:
         self.bytes_received += len(data)
         if self.overlay is None:
             return
+        if data[:2] == FORWARD:
+            self._forward_envelope(data, from_link=False)
+            return
         msg = self.wire.open(data, time.time())
         if msg is not None:
-            self._deliver(msg, f"{addr[0]}:{addr[1]}", False)
+            src = msg.pop("ra", None)               # relayed: the sender's own gossip address
+            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False)
 
     def _resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
@@ -2118,6 +2257,9 @@ class Node:
         now = time.time()
         sealed: Dict[int, bytes] = {}
         for o in outs:
+            if self.private or is_relayed(o.addr):
+                self._send_relayed(o.addr, o.msg, now)
+                continue
             try:
                 target = self._resolve(o.addr)
             except ValueError:
@@ -2163,27 +2305,65 @@ class Node:
         once; until one frame on the connection has passed its HMAC (and replay check), a frame
         may be no bigger than a datagram, so a stranger's length field never makes us read more
         than 8 KiB; after it (a hello, or any small message), up to max_frame. The first bad
-        frame closes the connection."""
-        if self._gossip_connections >= self.config.max_gossip_connections:
+        frame closes the connection. A hello may turn the connection into a relay link, a
+        spliced tunnel stream, or a private member's dial-back (see "NAT traversal and relay")."""
+        cfg = self.config
+        if self._gossip_connections >= cfg.max_gossip_connections:
             self.refused["gossip_busy"] += 1
             writer.transport.abort()
             return
         self._gossip_connections += 1
-        limit = self.config.max_datagram             # before the first authentic frame
+        counted, keep, link = True, False, ""
+        limit = cfg.max_datagram                    # before the first authentic frame
+        timeout: Optional[float] = cfg.tcp_timeout
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(4), self.config.tcp_timeout)
+                head = await asyncio.wait_for(reader.readexactly(4), timeout)
                 (length,) = struct.unpack(">I", head)
                 if length > limit:
                     self.wire.dropped["oversized"] += 1
                     return
-                data = await asyncio.wait_for(reader.readexactly(length), self.config.tcp_timeout * 4)
+                data = await asyncio.wait_for(reader.readexactly(length), None if link else cfg.tcp_timeout * 4)
                 self.bytes_received += length + 4
+                if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
+                    if not self._forward_envelope(data, from_link=bool(link)):
+                        return
+                    limit = cfg.max_frame
+                    continue
                 msg = self.wire.open(data, time.time(), tcp=True)
                 if msg is None:
                     return
-                limit = self.config.max_frame
-                if msg["t"] == "h" or self.overlay is None:
+                limit = cfg.max_frame
+                kind = msg["t"]
+                if kind == "h":
+                    if "link" in msg and not link:
+                        if not (cfg.relay and not self.private) or len(self._linked) >= cfg.max_relay_links:
+                            self.relayed["refused"] += 1
+                            return
+                        link = str(msg["link"])
+                        old = self._linked.get(link)
+                        if old is not None:
+                            old.close()
+                        self._linked[link] = writer
+                        _keepalive(writer)
+                        self._gossip_connections -= 1
+                        counted, timeout = False, None   # open as long as its member lives
+                    elif "splice" in msg:
+                        self._gossip_connections -= 1
+                        counted = False
+                        await self._splice(str(msg["splice"]), reader, writer)
+                        return
+                    elif "accept" in msg:
+                        waiter = self._splices.pop(str(msg["accept"]), None)
+                        if waiter is not None and not waiter.done():
+                            keep = True             # the splice owns it now
+                            waiter.set_result((reader, writer))
+                        return
+                    continue
+                if kind == "rq":
+                    await self._answer_reach(msg, writer)
+                    continue
+                if self.overlay is None:
                     continue
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
@@ -2196,8 +2376,310 @@ class Node:
         except (OSError, asyncio.TimeoutError):
             pass
         finally:
-            self._gossip_connections -= 1
+            if counted:
+                self._gossip_connections -= 1
+            if link and self._linked.get(link) is writer:
+                del self._linked[link]
+            if not keep:
+                writer.close()
+
+    # -- NAT traversal and relay (see that section) -----------------------------------------
+    def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float) -> None:
+        """Rule 1: a private member sends everything over a link; anyone sends to a relayed
+        address through its first relay that is not suspected (or down its link, if ours)."""
+        data = self.wire.seal(dict(msg, ra=self.overlay.addr), now)
+        if self.private:
+            for writer in self._links.values():
+                if not writer.transport.is_closing():
+                    writer.write(frame(envelope(dest, data)))
+                    self.bytes_sent += len(data) + 4
+                    return
+            if is_relayed(dest):
+                return
+            try:                                    # no link yet: straight out (a cone NAT passes it)
+                self._udp.sendto(data, self._resolve(dest))
+                self.bytes_sent += len(data)
+            except (OSError, ValueError):
+                pass
+            return
+        mine = self._linked.get(dest[len(RELAYED_PREFIX):])
+        if mine is not None:                        # we are its relay
+            mine.write(frame(data))
+            self.bytes_sent += len(data) + 4
+            return
+        by_addr = self.overlay.by_addr
+        for relay in self._relays_of.get(dest, ()):
+            if relay == self.overlay.addr:
+                continue
+            sid = by_addr.get(relay)
+            if sid is not None and self.overlay.is_suspected(sid):
+                continue
+            wrapped = envelope(dest, data)
+            try:
+                target = self._resolve(relay)
+            except ValueError:
+                continue
+            if len(wrapped) <= self.config.max_datagram:
+                try:
+                    self._udp.sendto(wrapped, target)
+                    self.bytes_sent += len(wrapped)
+                except OSError:
+                    pass
+            else:
+                self._spawn(self._send_frames(target, frame(wrapped)))
+            return
+
+    def _forward_envelope(self, data: bytes, from_link: bool) -> bool:
+        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered.
+        False when it was forged or is not ours to pass on."""
+        opened = open_envelope(data)
+        if opened is None or self.overlay is None:
+            self.wire.dropped["malformed"] += 1
+            return False
+        dest, inner = opened
+        if not self.wire.authentic(inner, self.config.max_frame):
+            return False
+        if dest == self.overlay.addr:
+            msg = self.wire.open(inner, time.time(), tcp=True)
+            src = msg.pop("ra", None) if msg is not None else None
+            if isinstance(src, str):
+                self._deliver(msg, src, True)
+            return msg is not None
+        if not self.config.relay or self.private:
+            self.relayed["refused"] += 1
+            return False
+        self.relayed["forwarded"] += 1
+        if is_relayed(dest):
+            link = self._linked.get(dest[len(RELAYED_PREFIX):])
+            if link is not None:
+                link.write(frame(inner))
+            elif from_link:                         # one hop on to its relay, never more (no loops)
+                for relay in self._relays_of.get(dest, ()):
+                    if relay != self.overlay.addr:
+                        self._spawn(self._send_frames(self._resolve(relay), frame(data)))
+                        break
+            return True
+        try:
+            target = self._resolve(dest)
+        except ValueError:
+            return False
+        if len(inner) <= self.config.max_datagram:
+            try:
+                self._udp.sendto(inner, target)
+            except OSError:
+                pass
+        else:
+            self._spawn(self._send_frames(target, frame(inner)))
+        return True
+
+    async def _send_frames(self, target: tuple, frames: bytes) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            hello = self.wire.seal({"t": "h"}, time.time())
+            writer.write(frame(hello) + frames)
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
             writer.close()
+
+    async def _answer_reach(self, msg: Dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """A seed's side of the reachability check: dial the asker back, say what we saw."""
+        peer = writer.get_extra_info("peername") or ("", 0)
+        back = False
+        try:
+            target = self._resolve(str(msg["a"]))
+            _, dialled = await asyncio.wait_for(asyncio.open_connection(*target), self.config.dialback_timeout)
+            dialled.close()
+            back = True
+        except (OSError, ValueError, KeyError, asyncio.TimeoutError):
+            pass
+        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back},
+                                time.time())
+        writer.write(frame(answer))
+        await writer.drain()
+
+    async def _ask_reach(self, seed: str) -> Optional[Dict[str, Any]]:
+        """Our side: ask one seed to dial us back; its answer, or None."""
+        cfg = self.config
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(seed)), cfg.tcp_timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return None
+        try:
+            nonce = os.urandom(4).hex()
+            writer.write(frame(self.wire.seal({"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]}, time.time())))
+            data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
+            answer = self.wire.open(data, time.time(), tcp=True) if data else None
+            if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
+                return answer
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+        return None
+
+    async def _keep_reach(self, bootstrap: List[str]) -> None:
+        """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
+        cfg = self.config
+        if cfg.reach == "auto":
+            while not self.private:
+                answers = [(seed, await self._ask_reach(seed)) for seed in bootstrap]
+                heard = [(seed, a) for seed, a in answers if a is not None]
+                if heard:
+                    self.observed = str(heard[0][1].get("seen", ""))
+                    if any(a.get("back") for _, a in heard):
+                        log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+                        return
+                    self._seed_relays = [seed for seed, _ in heard]
+                    break
+                await asyncio.sleep(cfg.join_retry_min * 3)
+        else:
+            self._seed_relays = list(bootstrap)
+        log.info("private (seen as %s): reached through relays", self.observed or "?")
+        self.private = True
+        relayed = RELAYED_PREFIX + self.link_id
+        while True:
+            for relay, writer in list(self._links.items()):
+                sid = self.overlay.by_addr.get(relay)
+                if writer.transport.is_closing() or (sid is not None and self.overlay.is_suspected(sid)):
+                    writer.close()
+                    del self._links[relay]
+            for relay in self._relay_candidates():
+                if len(self._links) >= cfg.relay_links:
+                    break
+                if relay not in self._links:
+                    await self._open_link(relay)
+            relays = ",".join(sorted(self._links))
+            record = self.overlay.record
+            if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
+                self.overlay.addr = relayed
+                self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            await asyncio.sleep(cfg.relay_check_interval)
+
+    def _relay_candidates(self) -> List[str]:
+        """Seeds that answered us, then members offering to relay: standalone relays, then
+        ingresses, then dialable workers; never a suspected or relayed one."""
+        ranked = []
+        for sid, record in self.registry.items():
+            gossip = record.get("gossip", "")
+            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.is_suspected(sid):
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        out = [seed for seed in self._seed_relays if seed not in {g for _, g in ranked}
+               and not any(self.is_suspected(s) for s in [self.overlay.by_addr.get(seed)] if s)]
+        out = [g for _, g in sorted(ranked) if g in self._seed_relays] + out
+        return out + [g for _, g in sorted(ranked) if g not in out]
+
+    async def _open_link(self, relay: str) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(relay)),
+                                                    self.config.tcp_timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return
+        _keepalive(writer)
+        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id}, time.time())))
+        self._links[relay] = writer
+        self._spawn(self._read_link(relay, reader, writer))
+        log.info("relay link to %s", relay)
+
+    async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """What a relay sends down our link: gossip for us, and dial-back requests (rule 2)."""
+        try:
+            while True:
+                data = await _read_frame(reader, self.config.max_frame, None)
+                if data is None:
+                    return
+                msg = self.wire.open(data, time.time(), tcp=True)
+                if msg is None:
+                    continue
+                if msg["t"] == "h" and "dial" in msg:
+                    self._spawn(self._dial_back(relay, str(msg["dial"])))
+                    continue
+                src = msg.pop("ra", None)
+                if isinstance(src, str):
+                    self._deliver(msg, src, True)
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            if self._links.get(relay) is writer:
+                del self._links[relay]
+            log.info("relay link to %s ended", relay)
+
+    async def _dial_back(self, relay: str, token: str) -> None:
+        """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
+        connection of ours (the dialer's TLS handshake arrives through the splice)."""
+        loop = asyncio.get_running_loop()
+        try:
+            host, port = self._resolve(relay)
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, addr = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except (OSError, ValueError):
+            return
+        try:
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, addr), self.config.tcp_timeout)
+            await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "accept": token}, time.time())))
+        except (OSError, asyncio.TimeoutError):
+            sock.close()
+            return
+        if self._tunnel_sock is None:
+            sock.close()
+            return
+        self._admit(sock)
+
+    async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
+        link = self._linked.get(link_id)
+        if link is None or not self.config.relay:
+            self.relayed["refused"] += 1
+            return
+        token = os.urandom(8).hex()
+        waiter = asyncio.get_running_loop().create_future()
+        self._splices[token] = waiter
+        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
+        try:
+            other_reader, other_writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
+        except asyncio.TimeoutError:
+            self.relayed["refused"] += 1
+            return
+        finally:
+            self._splices.pop(token, None)
+        self.relayed["spliced"] += 1
+        for w in (writer, other_writer):
+            try:
+                w.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        await asyncio.gather(_pump(reader, other_writer), _pump(other_reader, writer))
+
+    async def open_relayed(self, addr: str) -> socket.socket:
+        """A connected socket through one of `addr`'s relays, its splice asked for (rule 2): the
+        caller starts TLS on it. Raises OSError when no relay answers."""
+        loop = asyncio.get_running_loop()
+        link_id = addr[len(RELAYED_PREFIX):]
+        for relay in self._relays_of.get(addr, ()):
+            try:
+                host, port = self._resolve(relay)
+                family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+            except (OSError, ValueError):
+                continue
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, target), self.config.tcp_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "splice": link_id}, time.time())))
+                return sock
+            except (OSError, asyncio.TimeoutError):
+                sock.close()
+        raise OSError(f"no relay of {addr} answers")
 
     # -- the tunnel port: admission (see "Tunnel security") ---------------------------------
     def _spawn(self, coro) -> asyncio.Task:
@@ -2881,6 +3363,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config = config_from_env(Config())
     config.key = load_key(args.key_file)
     config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
+    config.reach = env("REACH", "auto")
+    if config.reach not in ("auto", "private", "public"):
+        raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
     bootstrap = args.bootstrap if args.bootstrap is not None else [env("BOOTSTRAP", "")]
     config.bootstrap = [b for b in bootstrap if b]
     labels = args.label if args.label is not None else env("LABEL", "").split(",")
@@ -3032,7 +3517,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
     s.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    r = sub.add_parser("relay", help="a standalone relay (and seed) for members behind NATs, e.g. on a login node")
+    add_overlay_args(r, gossip_default=INGRESS_GOSSIP)
+    r.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
     return p
+
+
+async def run_relay(config: Config) -> int:
+    """`relay`: a dialable member that only relays (and seeds), until SIGTERM."""
+    config.relay, config.reach = True, "public"
+    node = Node(config, role="relay")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await node.start(serve_http=True, state=crdt.SERVING)
+    log.info("relay %s on gossip %s", node.session_id, node.overlay.addr)
+    try:
+        await stop.wait()
+    finally:
+        await node.stop(leave=True)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -3045,6 +3550,9 @@ def main(argv=None) -> int:
                 print(path)
             return 0
         config = config_from_args(args)
+        if args.command == "relay":
+            install_event_loop()
+            return asyncio.run(run_relay(config))
         if args.restart is None:
             args.restart = env_bool("RESTART")
         if args.drain_timeout is not None:
