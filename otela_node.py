@@ -2548,12 +2548,14 @@ class Node:
                 if writer.transport.is_closing() or (sid is not None and self.overlay.is_suspected(sid)):
                     writer.close()
                     del self._links[relay]
-            for relay in self._relay_candidates():
+            candidates = self._relay_candidates()
+            for relay in candidates:
                 if len(self._links) >= cfg.relay_links:
                     break
                 if relay not in self._links:
                     await self._open_link(relay)
-            relays = ",".join(sorted(self._links))
+            rank = {relay: i for i, relay in enumerate(candidates)}
+            relays = ",".join(sorted(self._links, key=lambda r: (rank.get(r, len(rank)), r)))
             record = self.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
@@ -2561,8 +2563,9 @@ class Node:
             await asyncio.sleep(cfg.relay_check_interval)
 
     def _relay_candidates(self) -> List[str]:
-        """Seeds that answered us, then members offering to relay: standalone relays, then
-        ingresses, then dialable workers; never a suspected or relayed one."""
+        """Members offering to relay, best first: standalone relays (they exist for it), then
+        ingresses, then dialable workers, never a suspected or relayed one; then the seeds that
+        answered us and are not in the registry yet."""
         ranked = []
         for sid, record in self.registry.items():
             gossip = record.get("gossip", "")
@@ -2570,10 +2573,8 @@ class Node:
                     or is_relayed(gossip) or self.is_suspected(sid):
                 continue
             ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        out = [seed for seed in self._seed_relays if seed not in {g for _, g in ranked}
-               and not any(self.is_suspected(s) for s in [self.overlay.by_addr.get(seed)] if s)]
-        out = [g for _, g in sorted(ranked) if g in self._seed_relays] + out
-        return out + [g for _, g in sorted(ranked) if g not in out]
+        out = [gossip for _, gossip in sorted(ranked)]
+        return out + [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
 
     async def _open_link(self, relay: str) -> None:
         try:
