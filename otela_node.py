@@ -191,6 +191,15 @@ class Config:
     dialback_timeout: float = 1.0         # a seed's dial-back connect: LAN/WAN connects take < 100 ms
     splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
     max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
+    punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
+    punch_delay: float = 0.3              # the side that sends second waits this long, so the first
+                                          # side's NAT has its mapping before any packet reaches it
+                                          # (a leaky gateway remaps a port an early packet touched)
+    punch_retry: float = 30.0             # a pair that failed is tried again after this: the UDP
+                                          # conntrack timeout, so stale entries are gone
+    punch_idle: float = 10.0              # a punched path silent this long falls back to the relay
+    punch_keepalive: float = 3.0          # a probe on each punched path: NAT mappings live >= 30 s
+    max_punched: int = 32                 # punched paths (one UDP socket each): bounded descriptors
     tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
     tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
@@ -369,6 +378,13 @@ MESSAGE_TYPES = {
                                      # stream to that link; dial (relay->member)/accept: its dial-back
     "rq": "n, a",                    # reachability: dial me back at gossip address a (over TCP)
     "rs": "n, seen, back",           # answer: the address the seed saw, and whether its dial worked
+    "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
+    "os": "n, seen",                 # answer to ob
+    "pq": "a, seen, first",          # punch request (through a relay): my socket is seen at `seen`;
+                                     # first: you send first (attempt a)
+    "pr": "a, seen",                 # punch reply (through a relay): and mine at `seen`
+    "pp": "",                        # punch probe, straight at the peer's mapping
+    "pa": "",                        # punch ack: your probe arrived (the path works both ways)
 }
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
@@ -1858,6 +1874,15 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      to end through the splice: the relay sees only ciphertext.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
+#   4. Hole punching, coordinated through a relay: of two private members, the one with the
+#      smaller link id asks ("pq", through the relay) with a fresh UDP socket's mapping (as a
+#      seed saw it, "ob"/"os"); the peer answers ("pr") with its own; both probe ("pp"/"pa")
+#      each other's mapping, one side punch_delay after the other (attempt 1 the peer first,
+#      attempt 2 the asker first: a leaky gateway remaps a port that an early packet touched, so
+#      its side must send first). A path whose probe is acked carries their gossip from then on
+#      ("reach": "punched"); a symmetric NAT or blocked UDP fails cleanly and the relay stays;
+#      a punched path silent for punch_idle falls back to the relay. The data tunnel still goes
+#      through the relay's splice (no TCP simultaneous open yet).
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
 
@@ -1919,6 +1944,56 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
     finally:
         writer.close()
+
+
+class _PunchSocket(asyncio.DatagramProtocol):
+    """A fresh UDP socket for one hole punch with one peer, and then its punched path: gossip
+    with that peer goes in and out here. Its own socket, so a failed attempt's NAT and
+    conntrack state never touches the gossip port or the next attempt."""
+
+    def __init__(self, node: Node, peer: str):
+        self.node, self.peer = node, peer
+        self.transport: Optional[asyncio.DatagramTransport] = None
+        self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
+        self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
+        self.peer_addr: Optional[tuple] = None       # where the peer's packets really come from
+        self.last_rx = 0.0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def error_received(self, exc) -> None:          # ICMP from a NAT that dropped a probe: expected
+        pass
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        node = self.node
+        node.bytes_received += len(data)
+        now = time.time()
+        msg = node.wire.open(data, now)
+        if msg is None:
+            return
+        kind = msg["t"]
+        if kind == "os":
+            if self.seen is not None and not self.seen.done():
+                self.seen.set_result(str(msg.get("seen", "")))
+            return
+        if msg.get("ra") != self.peer:              # only the peer we punched for talks here
+            return
+        self.last_rx = now
+        if kind == "pp":
+            self.peer_addr = addr                   # peer-reflexive: answer where it came from
+            self.transport.sendto(node.wire.seal({"t": "pa", "ra": node.overlay.addr}, now), addr)
+        elif kind == "pa":
+            self.peer_addr = addr
+            if self.hit is not None and not self.hit.done():
+                self.hit.set_result(addr)
+        else:
+            msg.pop("ra", None)
+            node._deliver(msg, self.peer, False)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
 # =============================================================================================
@@ -2008,6 +2083,12 @@ class Node:
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
         self._seed_relays: List[str] = []                    # seeds that answered our "rq"
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "refused": 0})
+        self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
+        self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
+        self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
+        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0})
+        self.punch_ms: List[float] = []                     # how long each successful punch took
+        self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply}
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -2037,7 +2118,10 @@ class Node:
 
     def reach_of(self, record: Dict[str, Any]) -> str:
         """How this member reaches a session: "direct", "punched" or "relayed"."""
-        return "relayed" if is_relayed(record.get("gossip", "")) else "direct"
+        gossip = record.get("gossip", "")
+        if gossip in self._punched:
+            return "punched"
+        return "relayed" if is_relayed(gossip) else "direct"
 
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
@@ -2046,7 +2130,8 @@ class Node:
                 "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
-                "linked": len(self._linked), "relayed": dict(self.relayed)}
+                "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
+                "punch_ms": self.punch_ms[-8:], "punched": sorted(self._punched)}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
@@ -2187,6 +2272,8 @@ class Node:
             connection.cut()
         for link in list(self._links.values()) + list(self._linked.values()):
             link.close()
+        for path in list(self._punched.values()):
+            path.close()
         if self._tunnel_sock is not None:
             self._tunnel_sock.close()
         if self.engine is not None:
@@ -2225,6 +2312,10 @@ class Node:
         self._schedule()
 
     def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool) -> None:
+        handler = self._punch_handlers.get(msg["t"])
+        if handler is not None:                     # NAT traversal's own messages, not the Overlay's
+            handler(msg, src)
+            return
         try:
             outs = self.overlay.receive(msg, src, time.time(), tcp)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
@@ -2386,8 +2477,14 @@ class Node:
     # -- NAT traversal and relay (see that section) -----------------------------------------
     def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float) -> None:
         """Rule 1: a private member sends everything over a link; anyone sends to a relayed
-        address through its first relay that is not suspected (or down its link, if ours)."""
+        address through its first relay that is not suspected (or down its link, if ours).
+        A punched path, when there is one, goes first (rule 4)."""
         data = self.wire.seal(dict(msg, ra=self.overlay.addr), now)
+        path = self._punched.get(dest)
+        if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
+            path.transport.sendto(data, path.peer_addr)
+            self.bytes_sent += len(data)
+            return
         if self.private:
             for writer in self._links.values():
                 if not writer.transport.is_closing():
@@ -2560,6 +2657,7 @@ class Node:
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
                 self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
 
     def _relay_candidates(self) -> List[str]:
@@ -2659,6 +2757,138 @@ class Node:
             except (OSError, AttributeError):
                 pass
         await asyncio.gather(_pump(reader, other_writer), _pump(other_reader, writer))
+
+    # -- hole punching (rule 4) -------------------------------------------------------------
+    def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
+        """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
+        try:
+            self._udp.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
+                             self._resolve(src))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    async def _punch_socket(self, peer: str) -> Tuple[Optional[_PunchSocket], str]:
+        """A fresh UDP socket and its mapping as a seed sees it; ("" when UDP does not pass)."""
+        loop = asyncio.get_running_loop()
+        host = split_addr(self.config.gossip)[0]
+        try:
+            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer), local_addr=(host, 0))
+        except OSError:
+            return None, ""
+        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        sock.seen = loop.create_future()
+        nonce = os.urandom(4).hex()
+        deadline = time.monotonic() + 1.0
+        while seeds and not sock.seen.done() and time.monotonic() < deadline:
+            for seed in seeds[:2]:
+                try:
+                    sock.transport.sendto(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self._resolve(seed))
+                except (OSError, ValueError):
+                    pass
+            await asyncio.wait([sock.seen], timeout=0.2)
+        if not sock.seen.done():
+            sock.close()
+            return None, ""                         # UDP blocked on our side: the relay it is
+        return sock, sock.seen.result()
+
+    async def _spray(self, sock: _PunchSocket, seen: str, first: bool) -> bool:
+        """Probe the peer's mapping every 50 ms (after punch_delay unless we go first) until an
+        ack arrives or punch_timeout passes."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        sock.hit = loop.create_future()
+        try:
+            target = self._resolve(seen)
+        except ValueError:
+            return False
+        if not first:
+            await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
+        deadline = time.monotonic() + cfg.punch_timeout
+        while not sock.hit.done() and time.monotonic() < deadline:
+            try:
+                sock.transport.sendto(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, time.time()),
+                                      sock.peer_addr or target)
+            except OSError:
+                pass
+            await asyncio.wait([sock.hit], timeout=0.05)
+        return sock.hit.done()
+
+    def _tend_punches(self) -> None:
+        """Each relay check: start a punch towards private peers we only reach relayed (the
+        smaller link id asks, through the relay); drop punched paths gone silent (back to the
+        relay, rule 4); keep live ones' NAT mappings open."""
+        cfg = self.config
+        now = time.time()
+        for peer, path in list(self._punched.items()):
+            if now - path.last_rx > cfg.punch_idle:
+                path.close()
+                del self._punched[peer]
+                self.punches["fell_back"] += 1
+                log.info("punched path to %s went silent: back to its relays", peer)
+            elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
+                path.transport.sendto(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
+        mine = self.overlay.addr
+        for peer in list(self._relays_of):
+            if peer == mine or peer in self._punched or len(self._punched) >= cfg.max_punched:
+                continue
+            if mine[len(RELAYED_PREFIX):] > peer[len(RELAYED_PREFIX):] or \
+                    now - self._punch_tried.get(peer, -math.inf) < cfg.punch_retry:
+                continue
+            self._punch_tried[peer] = now
+            self._spawn(self._punch(peer))
+
+    async def _punch(self, peer: str) -> None:
+        """The asking side: two attempts on fresh sockets, the peer first, then us first (one
+        of the orders works behind a leaky gateway on either side)."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        for attempt, peer_first in ((1, True), (2, False)):
+            sock, seen = await self._punch_socket(peer)
+            if sock is None:
+                break
+            waiter = self._punch_wait[(peer, attempt)] = loop.create_future()
+            self._send_relayed(peer, {"t": "pq", "a": attempt, "seen": seen, "first": peer_first}, time.time())
+            try:
+                theirs = await asyncio.wait_for(waiter, 3.0)
+            except asyncio.TimeoutError:
+                theirs = ""
+            finally:
+                self._punch_wait.pop((peer, attempt), None)
+            if theirs and await self._spray(sock, theirs, first=not peer_first):
+                self._punched_path(peer, sock, started)
+                return
+            sock.close()
+        self.punches["failed"] += 1
+        log.info("hole punch to %s failed: it stays relayed", peer)
+
+    def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
+        if is_relayed(src) and self.private and src not in self._punched:
+            self._spawn(self._answer_punch(src, msg))
+
+    async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
+        started = time.monotonic()
+        sock, seen = await self._punch_socket(peer)
+        self._send_relayed(peer, {"t": "pr", "a": msg.get("a"), "seen": seen}, time.time())
+        if sock is None:
+            return
+        if seen and msg.get("seen") and await self._spray(sock, str(msg["seen"]), first=bool(msg.get("first"))):
+            self._punched_path(peer, sock, started)
+        else:
+            sock.close()
+
+    def _on_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
+        waiter = self._punch_wait.get((src, msg.get("a")))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(str(msg.get("seen") or ""))
+
+    def _punched_path(self, peer: str, sock: _PunchSocket, started: float) -> None:
+        old = self._punched.pop(peer, None)
+        if old is not None and old is not sock:
+            old.close()
+        self._punched[peer] = sock
+        self.punches["ok"] += 1
+        self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
     async def open_relayed(self, addr: str) -> socket.socket:
         """A connected socket through one of `addr`'s relays, its splice asked for (rule 2): the

@@ -210,6 +210,12 @@ def run(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> D
         rel.wait(lambda: fleet.up() and ready(), 60, "both private nodes SERVING at the ingress, relayed")
         out["serving_after_s"] = round(time.monotonic() - started, 2)
         sessions = {m.name: fleet.registry(m)["self"] for m in nodes}
+
+        def punch_settled() -> bool:
+            counts = [fleet.get(m, "/healthz")[1].get("gossip", {}).get("punches", {}) for m in nodes]
+            return any(c.get("ok") or c.get("failed") for c in counts)
+        settled = rel.until(lambda: fleet.up() and punch_settled(), 15)
+        out["punch_settled_after_s"] = round(settled - started, 2) if settled else None
         view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
         out["relays_before"] = {n: view[sid].get("relay", "") for n, sid in sessions.items()}
         with rel.Load(pub, ingress.url, fleet.token, rate=5) as load:
@@ -229,7 +235,11 @@ def run(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> D
         out["relays"] = {n: view[sid].get("relay", "") for n, sid in sessions.items()}
         a_view = {s["session"]: s for s in fleet.registry(nodes[0])["sessions"]}
         out["a_reaches_b"] = a_view.get(sessions["b"], {}).get("reach")
+        b_view = {s["session"]: s for s in fleet.registry(nodes[1])["sessions"]}
+        out["b_reaches_a"] = b_view.get(sessions["a"], {}).get("reach")
         health = [fleet.get(m, "/healthz")[1].get("gossip", {}) for m in nodes]
+        out["punches"] = [h.get("punches") for h in health]
+        out["punch_ms"] = [h.get("punch_ms") for h in health]
         out["private"] = [h.get("private") for h in health]
         out["observed"] = [h.get("observed") for h in health]
         fleet.stop(ingress)

@@ -100,8 +100,11 @@ class Bed:
             await engine.close()
 
 
-async def with_bed(tmp_path, test):
-    bed = Bed(base_config(tmp_path), tmp_path)
+async def with_bed(tmp_path, test, **config):
+    cfg = base_config(tmp_path)
+    for name, value in config.items():
+        setattr(cfg, name, value)
+    bed = Bed(cfg, tmp_path)
     await bed.ingress()
     try:
         return await test(bed)
@@ -166,17 +169,24 @@ def test_a_private_worker_keeps_two_relays_and_survives_the_death_of_one(tmp_pat
     assert after["state"] == crdt.SERVING and after["version"] > first["version"]
 
 
-def test_two_private_workers_gossip_with_each_other_only_through_relays(tmp_path):
+def test_two_private_workers_punch_a_direct_path_and_fall_back_to_the_relay_when_it_breaks(tmp_path):
     async def t(bed):
         a, b = await bed.worker(), await bed.worker()
         for w in (a, b):
             await until(lambda w=w: serving_relayed(bed, w), what="relayed")
-        await until(lambda: (a.registry.get(b.session_id) or {}).get("state") == crdt.SERVING
-                    and (b.registry.get(a.session_id) or {}).get("state") == crdt.SERVING, what="each sees the other")
-        await asyncio.sleep(1.5)                        # a few probe rounds: nobody is suspected
-        return [a.is_suspected(b.session_id), b.is_suspected(a.session_id)], bed.view_of(a, b.session_id)["reach"]
-    suspected, reach = run(with_bed(tmp_path, t))
-    assert suspected == [False, False] and reach == "relayed"
+        await until(lambda: bed.view_of(a, b.session_id)["reach"] == "punched"
+                    and bed.view_of(b, a.session_id)["reach"] == "punched", what="punched both ways")
+        received = a._punched[b.overlay.addr].last_rx
+        await until(lambda: a._punched[b.overlay.addr].last_rx > received, what="gossip over the punched path")
+        for w in (a, b):                               # the path breaks (its sockets vanish) ...
+            for path in w._punched.values():
+                path.transport.close()
+        await until(lambda: not a._punched and not b._punched, what="fallen back")
+        await asyncio.sleep(1.5)                        # ... and nobody is suspected meanwhile
+        return ([a.is_suspected(b.session_id), b.is_suspected(a.session_id)], bed.view_of(a, b.session_id)["reach"],
+                a.punches["ok"] + b.punches["ok"], a.punches["fell_back"] + b.punches["fell_back"], a.punch_ms)
+    suspected, reach, ok, fell_back, took = run(with_bed(tmp_path, t, punch_idle=1.0))
+    assert suspected == [False, False] and reach == "relayed" and ok >= 2 and fell_back == 2
 
 
 def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_path):

@@ -31,26 +31,30 @@ def assert_served_through_relays(out):
     assert out["observed"][1].startswith(natlab.ROUTER_WAN["b"] + ":")
 
 
-def test_cone_cone_both_private_nodes_serve_through_the_relay(scenario):
+def test_cone_cone_both_private_nodes_serve_and_reach_each_other_punched(scenario):
     out = scenario("cone/cone")
     assert_served_through_relays(out)
-    assert out["a_reaches_b"] in ("punched", "relayed")
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("punched", "punched")
+    assert sum(p["ok"] for p in out["punches"]) == 2
 
 
 def test_symmetric_nats_are_served_through_the_relay(scenario):
     out = scenario("symmetric")
     assert_served_through_relays(out)
-    assert out["a_reaches_b"] == "relayed"           # a punch cannot work here; the relay does
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("relayed", "relayed")   # the punch failed cleanly
+    assert sum(p["failed"] for p in out["punches"]) == 1 and sum(p["ok"] for p in out["punches"]) == 0
 
 
 def test_udp_blocked_on_one_side_gossip_and_tunnel_go_over_tcp_through_the_relay(scenario):
     out = scenario("udp blocked at A")
     assert_served_through_relays(out)
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("relayed", "relayed")
 
 
-def test_a_leaky_gateway_still_serves(scenario):
+def test_behind_a_leaky_gateway_the_punch_still_succeeds(scenario):
     out = scenario("leaky gateway at B")
     assert_served_through_relays(out)
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("punched", "punched")
 
 
 def test_killing_the_relay_in_use_while_a_second_exists_fails_no_plain_request(scenario):
