@@ -551,11 +551,112 @@ def tunnel_phase(key_file, quick, results):
         print(f"  {name:10}" + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
 
 
+# ---------------------------------------------------------------------------------------------
+# NAT lab (root): the same ingress reaching a public node directly and a private one relayed
+# ---------------------------------------------------------------------------------------------
+def nat_phase(quick, results):
+    """In tests/natlab.py's lab (cone NATs): the ingress on the public host, one node on the
+    public host (reached direct) serving model "fm-direct", one behind NAT A (reached through
+    the ingress's relay, TLS end to end) serving "fm-relayed", both wrapping the fake engine.
+    Clients on the public host, through the ingress, side by side in one run: latency p50/p99
+    (sequential, 16/s), plain requests/s with 16 connections, SSE chunks/s with 8 streams; and
+    the hole punch between two private nodes (its time, from the asker's request to the ack)."""
+    import http.client
+
+    import natlab
+    import reliability as rel
+    out = results["nat"] = {}
+    reason = natlab.unavailable()
+    if reason:
+        out["skipped"] = reason
+        print(f"nat: skipped ({reason})")
+        return
+    n_lat, seconds = (80, 2.0) if quick else (400, 5.0)
+    with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
+        pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
+        ingress = fleet.ingress(pub)
+        engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} --chunks 8"
+        members = {}
+        for name, place, gossip, listen in (("fm-direct", pub, 7950, 7710), ("fm-relayed", a, 7946, 7700),
+                                            ("fm-punch", b, 7946, 7700)):
+            argv = [sys.executable, str(ROOT / "otela_node.py"), "start", "--key-file", fleet.key_file,
+                    "--listen", f"{place.host}:{listen}", "--gossip", f"{place.host}:{gossip}",
+                    "--bootstrap", ingress.gossip, "--process", f"{engine} --model {name}"]
+            members[name] = rel.Member(name, "worker", place, argv, f"{place.host}:{listen}", f"{place.host}:{gossip}")
+            fleet.members.append(members[name])
+            fleet.start(members[name])
+
+        def ready():
+            view = {s.get("models", [""])[0] if s.get("models") else "": s for s in fleet.registry(ingress)["sessions"]
+                    if s.get("role") == "worker" and s["state"] == "SERVING"}
+            return len(view) == 3 and view["fm-relayed"]["reach"] == "relayed" and view["fm-direct"]["reach"] == "direct"
+        rel.wait(lambda: fleet.up() and ready(), 60, "three nodes SERVING, one relayed")
+        rel.until(lambda: fleet.get(members["fm-relayed"], "/healthz")[1]["gossip"]["punches"]["ok"], 15)
+        health = [fleet.get(members[m], "/healthz")[1]["gossip"] for m in ("fm-relayed", "fm-punch")]
+        out["punch_ms"] = [h["punch_ms"] for h in health]
+        out["punched"] = [bool(h["punched"]) for h in health]
+        host, port = ingress.listen.rsplit(":", 1)
+
+        def body(model, stream=False):
+            return json.dumps({"model": model, "stream": stream,
+                               "messages": [{"role": "user", "content": "say hello to the benchmark"}]})
+
+        def latency(model):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+            lat = []
+            for i in range(n_lat + 5):
+                t0 = time.perf_counter()
+                conn.request("POST", "/v1/chat/completions", body=body(model), headers=heads)
+                resp = conn.getresponse()
+                resp.read()
+                if i >= 5:
+                    lat.append(time.perf_counter() - t0)
+                time.sleep(1 / 16)
+            conn.close()
+            return {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+
+        def throughput(model, stream=False, threads=16):
+            counts, stop_at = [0] * threads, time.perf_counter() + seconds
+
+            def worker(i):
+                pub.enter()
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+                while time.perf_counter() < stop_at:
+                    conn.request("POST", "/v1/chat/completions", body=body(model, stream), headers=heads)
+                    data = conn.getresponse().read()
+                    counts[i] += data.count(b"data: {") if stream else 1
+                conn.close()
+            pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+            t0 = time.perf_counter()
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join(seconds + 30)
+            return sum(counts) / (time.perf_counter() - t0)
+
+        for model in ("fm-direct", "fm-relayed"):
+            row = out[model.split("-")[1]] = pub.call(latency, model, timeout=120)
+            row["rps_16conn"] = throughput(model)
+            row["sse_chunks_per_s_8streams"] = throughput(model, stream=True, threads=8)
+        direct, relayed = out["direct"], out["relayed"]
+        relayed["added_p50_ms"] = relayed["latency_p50_ms"] - direct["latency_p50_ms"]
+        relayed["added_p99_ms"] = relayed["latency_p99_ms"] - direct["latency_p99_ms"]
+        relayed["throughput_loss_pct"] = 100 * (1 - relayed["rps_16conn"] / direct["rps_16conn"])
+        fleet.stop(ingress)
+    print("nat lab (cone NATs; through the ingress; the relayed node's tunnel spliced through the ingress's "
+          "relay, TLS end to end):")
+    for name in ("direct", "relayed"):
+        print(f"  {name:8}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
+    print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel")
+    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel,nat")
     p.add_argument("--saturate-seconds", type=float, default=None,
                    help="length of the false-eviction run with saturated CPUs (default 600; 20 with --quick)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -568,7 +669,7 @@ def main():
         on.install_event_loop()
         asyncio.run(worker(args))
         return
-    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel"}
+    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel", "nat"}
     results = {"quick": args.quick, "method": "worker processes hosting many Node objects, each with its "
                "own UDP+TCP sockets, on loopback; default timings"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -579,6 +680,8 @@ def main():
             churn_phase(key_file, args.quick, results)
         if "tunnel" in phases:
             tunnel_phase(key_file, args.quick, results)
+        if "nat" in phases:
+            nat_phase(args.quick, results)
         if "false" in phases:
             false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:
