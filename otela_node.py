@@ -2082,6 +2082,7 @@ class Node:
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
         self._seed_relays: List[str] = []                    # seeds that answered our "rq"
+        self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "refused": 0})
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
@@ -2111,7 +2112,7 @@ class Node:
         for sid, record in self.registry.items():
             view = dict(record)
             view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid),
-                        reach=self.reach_of(record))
+                        reach="direct" if sid == self.session_id else self.reach_of(record))
             sessions.append(view)
         sessions.sort(key=lambda v: (v["state"] != "SERVING", v.get("started", 0)))
         return {"self": self.session_id, "sessions": sessions}
@@ -2444,6 +2445,9 @@ class Node:
                         counted = False
                         await self._splice(str(msg["splice"]), reader, writer)
                         return
+                    elif "back" in msg:             # a seed's dial-back (see _answer_reach)
+                        self._dialled_back.add(str(msg["back"]))
+                        return
                     elif "accept" in msg:
                         waiter = self._splices.pop(str(msg["accept"]), None)
                         if waiter is not None and not waiter.done():
@@ -2587,11 +2591,15 @@ class Node:
         """A seed's side of the reachability check: dial the asker back, say what we saw."""
         peer = writer.get_extra_info("peername") or ("", 0)
         back = False
-        try:
+        try:                                        # the asker's nonce proves we reached *it*
             target = self._resolve(str(msg["a"]))
             _, dialled = await asyncio.wait_for(asyncio.open_connection(*target), self.config.dialback_timeout)
-            dialled.close()
-            back = True
+            try:
+                dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
+                await asyncio.wait_for(dialled.drain(), self.config.dialback_timeout)
+                back = True
+            finally:
+                dialled.close()
         except (OSError, ValueError, KeyError, asyncio.TimeoutError):
             pass
         answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back},
@@ -2612,6 +2620,11 @@ class Node:
             data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
             answer = self.wire.open(data, time.time(), tcp=True) if data else None
             if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
+                deadline = time.monotonic() + cfg.dialback_timeout
+                while answer.get("back") and nonce not in self._dialled_back and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)       # its dial-back frame may still be on its way
+                answer["back"] = nonce in self._dialled_back
+                self._dialled_back.discard(nonce)
                 return answer
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
@@ -2623,6 +2636,7 @@ class Node:
         """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
         cfg = self.config
         if cfg.reach == "auto":
+            delay = cfg.join_retry_min
             while not self.private:
                 answers = [(seed, await self._ask_reach(seed)) for seed in bootstrap]
                 heard = [(seed, a) for seed, a in answers if a is not None]
@@ -2633,7 +2647,8 @@ class Node:
                         return
                     self._seed_relays = [seed for seed, _ in heard]
                     break
-                await asyncio.sleep(cfg.join_retry_min * 3)
+                await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
+                delay = min(delay * 2, cfg.join_retry_max)
         else:
             self._seed_relays = list(bootstrap)
         log.info("private (seen as %s): reached through relays", self.observed or "?")
