@@ -3043,11 +3043,9 @@ class Node:
         cfg = self.config
         try:
             while True:
-                if connection is not None:          # armed from the accept for the first head
-                    if connection.authenticated and not buf:
-                        connection.arm(cfg.tunnel_idle_timeout)
-                    elif buf:
-                        connection.arm(cfg.head_timeout)
+                if connection is not None:          # a member may idle; a stranger gets head_timeout
+                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
+                                   else cfg.head_timeout)
                 parsed = await _read_request_head(reader, buf)
                 if parsed is None:
                     return

@@ -184,6 +184,17 @@ def test_a_silent_connection_and_a_slow_head_are_closed_at_the_head_deadline():
     assert results == [b"", b""]
 
 
+def test_a_stranger_kept_alive_after_an_open_request_is_closed_at_the_head_deadline():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "addr"))
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")   # kept alive, then silent
+        answer = await read_all(reader)
+        writer.close()
+        return answer
+    answer = run(with_node(t, head_timeout=0.3))
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"}")   # answered, then closed
+
+
 def test_a_body_that_stops_arriving_is_cut_at_the_body_deadline_and_never_reaches_the_engine():
     async def t(node, engine):
         reader, writer = await asyncio.open_connection(*addr_of(node, "addr"))
