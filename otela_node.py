@@ -15,11 +15,17 @@ Data flow:
     messages out. `Node` is the asyncio layer that only moves bytes (UDP, TCP frames, HTTP).
     The registry itself is crdt.GMap; liveness and suspicion stay here, never in the map.
 
+    Members behind a NAT are reached through relays (gossip in envelopes, tunnel streams spliced),
+    or by a punched UDP path between two of them; the tunnel is mutual TLS end to end.
+
 This file must never: trust a datagram that fails its HMAC or replay check, let a malformed
-message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it.
+message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it;
+do work for a connection beyond bounded frame and head limits before it authenticates, or
+relay a message whose tag it has not checked.
 
 Sections: config · wire format · dissemination and failure detection (Overlay) · simulated
-network · HTTP/tunnel forwarding · asyncio node · engine supervisor · CLI.
+network · HTTP/tunnel forwarding · tunnel security · NAT traversal and relay · asyncio node ·
+engine supervisor · CLI.
 """
 
 from __future__ import annotations
