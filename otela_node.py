@@ -1877,7 +1877,8 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
 #      authentic hello (a fresh nonce: not replayable); the relay asks the private member over
 #      its link to dial back, and splices the two connections byte for byte. TLS then runs end
-#      to end through the splice: the relay sees only ciphertext.
+#      to end through the splice: the relay sees only ciphertext. A dialer that holds the
+#      member's link itself (the ingress as its relay) takes the dial-back connection as it is.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -2089,7 +2090,7 @@ class Node:
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
         self._seed_relays: List[str] = []                    # seeds that answered our "rq"
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
-        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "refused": 0})
+        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0})
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
@@ -2667,12 +2668,13 @@ class Node:
                     writer.close()
                     del self._links[relay]
             candidates = self._relay_candidates()
-            for relay in candidates:
-                if len(self._links) >= cfg.relay_links:
-                    break
-                if relay not in self._links:
+            for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
+                if relay not in self._links and (i < cfg.relay_links or len(self._links) < cfg.relay_links):
                     await self._open_link(relay)
             rank = {relay: i for i, relay in enumerate(candidates)}
+            while len(self._links) > cfg.relay_links:   # a better relay came: the worst link goes
+                worst = max(self._links, key=lambda r: (rank.get(r, len(rank)), r))
+                self._links.pop(worst).close()
             relays = ",".join(sorted(self._links, key=lambda r: (rank.get(r, len(rank)), r)))
             record = self.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
@@ -2911,11 +2913,37 @@ class Node:
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
+    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
+        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
+        dial-back connection is handed over as it is, no splice, no second hop."""
+        token = os.urandom(8).hex()
+        waiter = asyncio.get_running_loop().create_future()
+        self._splices[token] = waiter
+        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
+        try:
+            reader, writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
+        except asyncio.TimeoutError:
+            raise OSError("the private member did not dial back") from None
+        finally:
+            self._splices.pop(token, None)
+        if getattr(reader, "_buffer", None):        # it sends nothing before our ClientHello
+            writer.close()
+            raise OSError("unexpected bytes on a dial-back")
+        writer.transport.pause_reading()
+        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        writer.transport.abort()                    # closes its descriptor only: ours stays open
+        sock.setblocking(False)
+        self.relayed["handed_over"] += 1
+        return sock
+
     async def open_relayed(self, addr: str) -> socket.socket:
         """A connected socket through one of `addr`'s relays, its splice asked for (rule 2): the
         caller starts TLS on it. Raises OSError when no relay answers."""
         loop = asyncio.get_running_loop()
         link_id = addr[len(RELAYED_PREFIX):]
+        link = self._linked.get(link_id)
+        if link is not None and not link.transport.is_closing():
+            return await self._take_dial_back(link)
         for relay in self._relays_of.get(addr, ()):
             try:
                 host, port = self._resolve(relay)

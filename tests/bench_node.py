@@ -557,7 +557,8 @@ def tunnel_phase(key_file, quick, results):
 def nat_phase(quick, results):
     """In tests/natlab.py's lab (cone NATs): the ingress on the public host, one node on the
     public host (reached direct) serving model "fm-direct", one behind NAT A (reached through
-    the ingress's relay, TLS end to end) serving "fm-relayed", both wrapping the fake engine.
+    the ingress's relay, then through a standalone relay's splice; TLS end to end) serving
+    "fm-relayed", all wrapping the fake engine.
     Clients on the public host, through the ingress, side by side in one run: latency p50/p99
     (sequential, 16/s), plain requests/s with 16 connections, SSE chunks/s with 8 streams; and
     the hole punch between two private nodes (its time, from the asker's request to the ack)."""
@@ -575,6 +576,13 @@ def nat_phase(quick, results):
     with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
         pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
         ingress = fleet.ingress(pub)
+        relay_gossip = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"   # a standalone relay, preferred at first
+        relay = rel.Member("relay", "relay", pub, [sys.executable, str(ROOT / "otela_node.py"), "relay",
+                                                   "--key-file", fleet.key_file, "--gossip", relay_gossip, "--listen",
+                                                   f"{natlab.PUBLIC}:7701", "--bootstrap", ingress.gossip],
+                           f"{natlab.PUBLIC}:7701", relay_gossip)
+        fleet.members.append(relay)
+        fleet.start(relay)
         engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} --chunks 8"
         members = {}
         for name, place, gossip, listen in (("fm-direct", pub, 7950, 7710), ("fm-relayed", a, 7946, 7700),
@@ -589,7 +597,8 @@ def nat_phase(quick, results):
         def ready():
             view = {s.get("models", [""])[0] if s.get("models") else "": s for s in fleet.registry(ingress)["sessions"]
                     if s.get("role") == "worker" and s["state"] == "SERVING"}
-            return len(view) == 3 and view["fm-relayed"]["reach"] == "relayed" and view["fm-direct"]["reach"] == "direct"
+            return len(view) == 3 and view["fm-relayed"]["reach"] == "relayed" and view["fm-direct"]["reach"] == "direct" \
+                and view["fm-relayed"].get("relay", "").startswith(relay_gossip)
         rel.wait(lambda: fleet.up() and ready(), 60, "three nodes SERVING, one relayed")
         rel.until(lambda: fleet.get(members["fm-relayed"], "/healthz")[1]["gossip"]["punches"]["ok"], 15)
         health = [fleet.get(members[m], "/healthz")[1]["gossip"] for m in ("fm-relayed", "fm-punch")]
@@ -636,19 +645,30 @@ def nat_phase(quick, results):
                 t.join(seconds + 30)
             return sum(counts) / (time.perf_counter() - t0)
 
-        for model in ("fm-direct", "fm-relayed"):
-            row = out[model.split("-")[1]] = pub.call(latency, model, timeout=120)
+        def measure(name, model):
+            row = out[name] = pub.call(latency, model, timeout=120)
             row["rps_16conn"] = throughput(model)
             row["sse_chunks_per_s_8streams"] = throughput(model, stream=True, threads=8)
-        direct, relayed = out["direct"], out["relayed"]
-        relayed["added_p50_ms"] = relayed["latency_p50_ms"] - direct["latency_p50_ms"]
-        relayed["added_p99_ms"] = relayed["latency_p99_ms"] - direct["latency_p99_ms"]
-        relayed["throughput_loss_pct"] = 100 * (1 - relayed["rps_16conn"] / direct["rps_16conn"])
+        def relays_of_private():
+            return next((s.get("relay", "") for s in fleet.registry(ingress)["sessions"]
+                         if s.get("models") == ["fm-relayed"] and s["state"] == "SERVING"), "")
+        measure("direct", "fm-direct")
+        measure("relayed_splice", "fm-relayed")      # spliced through the standalone relay (its first)
+        fleet.stop(relay)                            # then the ingress is its relay: dial-backs handed over
+        rel.wait(lambda: relay_gossip not in relays_of_private(), 30, "the standalone relay replaced")
+        measure("relayed", "fm-relayed")
+        direct = out["direct"]
+        for name in ("relayed", "relayed_splice"):
+            row = out[name]
+            row["added_p50_ms"] = row["latency_p50_ms"] - direct["latency_p50_ms"]
+            row["added_p99_ms"] = row["latency_p99_ms"] - direct["latency_p99_ms"]
+            row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / direct["rps_16conn"])
+            row["sse_loss_pct"] = 100 * (1 - row["sse_chunks_per_s_8streams"] / direct["sse_chunks_per_s_8streams"])
         fleet.stop(ingress)
-    print("nat lab (cone NATs; through the ingress; the relayed node's tunnel spliced through the ingress's "
-          "relay, TLS end to end):")
-    for name in ("direct", "relayed"):
-        print(f"  {name:8}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
+    print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay and "
+          "takes its dial-back; relayed_splice: through a standalone relay's splice; TLS end to end):")
+    for name in ("direct", "relayed", "relayed_splice"):
+        print(f"  {name:15}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
     print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
 
 
