@@ -1211,7 +1211,11 @@ class Upstream:
 
 
 class UpstreamPool:
-    def __init__(self):
+    def __init__(self, tls: Any = None, open_relayed: Any = None):
+        self.ssl = tls         # an ssl.SSLContext: connections to nodes are TLS (with a deadline)
+        self.open_relayed = open_relayed   # a private node ("relay/…"): a socket spliced through its relay
+        self._tls_options = {"ssl": tls, "server_hostname": otela_node.TLS_SERVER_NAME,
+                             "ssl_handshake_timeout": UPSTREAM_CONNECT_TIMEOUT_S} if tls is not None else {}
         self._idle: Dict[str, List[Upstream]] = {}
         self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
 
@@ -1235,9 +1239,13 @@ class UpstreamPool:
         host, _, port = addr.rpartition(":")
         loop = asyncio.get_running_loop()
         try:
-            transport, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port)),
-                UPSTREAM_CONNECT_TIMEOUT_S)
+            if self.open_relayed is not None and otela_node.is_relayed(addr):
+                sock = await asyncio.wait_for(self.open_relayed(addr), UPSTREAM_CONNECT_TIMEOUT_S)
+                connect = loop.create_connection(lambda: _UpstreamProtocol(loop), sock=sock, **self._tls_options)
+            else:
+                connect = loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port),
+                                                 **self._tls_options)
+            transport, proto = await asyncio.wait_for(connect, UPSTREAM_CONNECT_TIMEOUT_S)
         except (OSError, ValueError, RuntimeError, asyncio.TimeoutError) as exc:   # RuntimeError: uvloop's
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
         up = Upstream(addr, transport, proto)   # asyncio and uvloop set TCP_NODELAY themselves
@@ -1911,7 +1919,9 @@ class Ingress:
         self.metrics = Metrics()
         self.stats = UsageStats()
         self.health = PassiveHealth()
-        self.pool = UpstreamPool()
+        # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
+        # the credential, and no static one is sent (otela_node, "Tunnel security").
+        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None))
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
@@ -1919,7 +1929,7 @@ class Ingress:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         self._stopped = False
-        tunnel = getattr(node, "tunnel_header", None)
+        tunnel = getattr(node, "tunnel_header", None) if self.pool.ssl is None else None
         self._tunnel_line = b"".join(
             (v.encode() if isinstance(v, str) else v) for v in (tunnel[0], b": ", tunnel[1], b"\r\n")
         ) if tunnel else b""
@@ -2905,6 +2915,7 @@ def _split_listen(listen: str) -> Tuple[str, int]:
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     config = otela_node.config_from_args(args)
+    config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth)
@@ -2952,6 +2963,9 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--no-auth", action="store_true", default=None,
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")
+    serve.add_argument("--no-relay", action="store_true", default=None,
+                       help="do not relay for members behind NATs (env OTELA_NO_RELAY; by default the "
+                            "ingress relays their gossip and tunnel streams)")
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -3023,6 +3037,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _keys_command(args)
         if args.no_auth is None:   # OTELA_NO_AUTH=0 keeps the keys on; "maybe" is an error
             args.no_auth = otela_node.env_bool("NO_AUTH")
+        if getattr(args, "no_relay", False) is None:
+            args.no_relay = otela_node.env_bool("NO_RELAY")
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "

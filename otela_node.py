@@ -15,11 +15,17 @@ Data flow:
     messages out. `Node` is the asyncio layer that only moves bytes (UDP, TCP frames, HTTP).
     The registry itself is crdt.GMap; liveness and suspicion stay here, never in the map.
 
+    Members behind a NAT are reached through relays (gossip in envelopes, tunnel streams spliced),
+    or by a punched UDP path between two of them; the tunnel is mutual TLS end to end.
+
 This file must never: trust a datagram that fails its HMAC or replay check, let a malformed
-message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it.
+message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it;
+do work for a connection beyond bounded frame and head limits before it authenticates, or
+relay a message whose tag it has not checked.
 
 Sections: config · wire format · dissemination and failure detection (Overlay) · simulated
-network · HTTP/tunnel forwarding · asyncio node · engine supervisor · CLI.
+network · HTTP/tunnel forwarding · tunnel security · NAT traversal and relay · asyncio node ·
+engine supervisor · CLI.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import errno
 import getpass
 import hashlib
 import heapq
@@ -40,6 +47,7 @@ import re
 import shlex
 import signal
 import socket
+import ssl
 import stat
 import struct
 import subprocess
@@ -165,6 +173,42 @@ class Config:
     leave_linger: float = 0.5             # after LEFT/DOWN, keep gossiping this long so it spreads
     max_request_body: int = 64 * 1024 * 1024  # tunnelled request bodies (long prompts, images)
 
+    # -- ports before authentication: a stranger gets no memory, no descriptors, no time --
+    max_gossip_connections: int = 64      # gossip TCP carries full-state transfers and the third
+                                          # probe path, a handful at a time; strangers can hold at
+                                          # most 64 * max_datagram (0.5 MiB) before a frame is authentic
+    max_tunnel_connections: int = 512     # the ingress keeps <= 128 idle per session plus its streams;
+                                          # 512 stays inside the usual 1,024-descriptor limit, and
+                                          # the one over it gets a 503 error body, not a reset
+    max_unauthenticated: int = 64         # tunnel connections not yet past TLS or their credential;
+                                          # a newcomer over this cuts the oldest: members authenticate
+                                          # within a millisecond, idle strangers never starve them
+    head_timeout: float = 10.0            # TLS handshake and first request head after connecting, a
+                                          # stranger's every head (the ingress's HEAD_TIMEOUT_S)
+    body_timeout: float = 60.0            # a request body whole after its head: 64 MiB at >= 1 MiB/s
+    tunnel_idle_timeout: float = 300.0    # an authenticated kept-alive connection with no request this
+                                          # long is closed (the ingress reconnects on demand)
+    # -- NAT traversal and relay --
+    reach: str = "auto"                   # auto: a seed's dial-back decides; private: act as if behind
+                                          # a NAT (links to relays at once); public: never ask
+    relay: bool = True                    # a dialable member relays for private ones (--no-relay: off)
+    relay_links: int = 2                  # links a private member keeps: one relay dying is survived
+    relay_check_interval: float = 1.0     # links re-checked each second: a dead relay is replaced in ~1 s
+    dialback_timeout: float = 1.0         # a seed's dial-back connect: LAN/WAN connects take < 100 ms
+    splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
+    max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
+    punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
+    punch_delay: float = 0.3              # the side that sends second waits this long, so the first
+                                          # side's NAT has its mapping before any packet reaches it
+                                          # (a leaky gateway remaps a port an early packet touched)
+    punch_retry: float = 30.0             # a pair that failed is tried again after this: the UDP
+                                          # conntrack timeout, so stale entries are gone
+    punch_idle: float = 10.0              # a punched path silent this long falls back to the relay
+    punch_keepalive: float = 3.0          # a probe on each punched path: NAT mappings live >= 30 s
+    max_punched: int = 32                 # punched paths (one UDP socket each): bounded descriptors
+    tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
+    tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
+
     @property
     def gossip_addr(self) -> str:
         return self.advertise_gossip or advertise(self.gossip)
@@ -270,6 +314,17 @@ class Wire:
         data = head + crdt.dumps(msg)
         return data + hmac.new(self._key, data, hashlib.sha256).digest()
 
+    def authentic(self, data: bytes, limit: int) -> bool:
+        """Whether `data` carries a valid tag (a relay's check before forwarding: the nonce is
+        left for the final receiver). A forgery is counted."""
+        if len(data) > limit or len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
+            self.dropped["forged"] += 1
+            return False
+        if not hmac.compare_digest(hmac.new(self._key, data[:-TAG_LEN], hashlib.sha256).digest(), data[-TAG_LEN:]):
+            self.dropped["forged"] += 1
+            return False
+        return True
+
     def open(self, data: bytes, now: float, tcp: bool = False) -> Optional[Dict[str, Any]]:
         """The message inside `data`, or None (counted in `dropped`)."""
         if len(data) > (self.max_frame if tcp else self.max_datagram):
@@ -323,6 +378,19 @@ MESSAGE_TYPES = {
     "d":  "d {n, root}, s?",         # push-pull 1: my digest root (and my suspicions, below)
     "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
     "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
+    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the frames after it on this connection may
+                                     # be up to max_frame (before it, max_datagram: Node._on_tcp_gossip);
+                                     # link: a private member's relay link; splice: open a tunnel
+                                     # stream to that link; dial (relay->member)/accept: its dial-back
+    "rq": "n, a",                    # reachability: dial me back at gossip address a (over TCP)
+    "rs": "n, seen, back",           # answer: the address the seed saw, and whether its dial worked
+    "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
+    "os": "n, seen",                 # answer to ob
+    "pq": "a, seen, first",          # punch request (through a relay): my socket is seen at `seen`;
+                                     # first: you send first (attempt a)
+    "pr": "a, seen",                 # punch reply (through a relay): and mine at `seen`
+    "pp": "",                        # punch probe, straight at the peer's mapping
+    "pa": "",                        # punch ack: your probe arrived (the path works both ways)
 }
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
@@ -1875,6 +1943,284 @@ def error_body(message: str, etype: str, code: Optional[str] = None) -> bytes:
 
 
 # =============================================================================================
+# Tunnel security: mutual TLS from the cluster's key material, and no work before authentication
+# =============================================================================================
+# Theory of operation. `keygen` writes one cluster certificate and its private key beside the
+# cluster secret; every member holds the same pair. The tunnel port is then TLS 1.3 with the
+# certificate required on both sides and that one certificate as the only trust anchor (pinned:
+# a peer must hold the cluster's TLS key to finish the handshake). No credential crosses the
+# wire: each connection's keys come from a fresh ECDHE exchange, and Python's ssl offers no
+# 0-RTT data, so recorded handshake or request bytes replayed on a new connection are refused.
+# Rules:
+#   1. A stranger costs bounded memory, descriptors and time: at most max_unauthenticated
+#      connections wait for their handshake or credential (a newcomer cuts the oldest), all
+#      within head_timeout; max_tunnel_connections in all (the one over gets a 503 body).
+#   2. A request's credential is judged on its head, before one byte of its body is read.
+#   3. The same port still answers plain HTTP for GET /healthz and /v1/registry (readiness
+#      probes, curl): the first byte tells a TLS ClientHello (0x16) from a request line. A plain
+#      tunnelled request to a TLS node is refused (403), never forwarded.
+# Without the certificate (keygen without openssl, or a test's in-memory key) the tunnel is the
+# older plain HTTP with the static header credential, and the node says so at start.
+TLS_RECORD_HANDSHAKE = 0x16         # the first byte of every TLS ClientHello
+TLS_SERVER_NAME = "otela-cluster"   # the certificate's CN; hosts are not named in it (rule: pin)
+OPEN_PATHS = (b"/healthz", b"/v1/registry")   # GET without a credential, on plain HTTP too
+
+
+def tunnel_tls(config: Config) -> Tuple[Optional[ssl.SSLContext], Optional[ssl.SSLContext]]:
+    """(server, client) contexts for the data tunnel, or (None, None) without a certificate.
+    Raises ConfigError when the files are there but unusable."""
+    if not config.tls_cert:
+        return None, None
+    contexts = []
+    for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
+        ctx = ssl.SSLContext(purpose)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        try:
+            ctx.load_cert_chain(config.tls_cert, config.tls_key)
+            ctx.load_verify_locations(cafile=config.tls_cert)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load the cluster certificate {config.tls_cert}: {exc}") from None
+        ctx.check_hostname = False                  # the pinned certificate names the cluster
+        ctx.verify_mode = ssl.CERT_REQUIRED         # mutual: the ingress shows it too
+        contexts.append(ctx)
+    return contexts[0], contexts[1]
+
+
+def find_tunnel_tls(key_file: str) -> Tuple[str, str]:
+    """keygen's cluster.crt and cluster-tls.key beside the cluster key, or ("", ""). The TLS key
+    must be private to its owner, as the cluster key is."""
+    folder = os.path.dirname(os.path.abspath(key_file))
+    crt, tls_key = os.path.join(folder, "cluster.crt"), os.path.join(folder, "cluster-tls.key")
+    if not (os.path.isfile(crt) and os.path.isfile(tls_key)):
+        return "", ""
+    mode = os.stat(tls_key).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"cluster TLS key {tls_key} is accessible by others (mode {stat.S_IMODE(mode):o});"
+                          f" run chmod 600 {tls_key}")
+    return crt, tls_key
+
+
+def _busy_answer() -> bytes:
+    body = error_body("node at its connection limit; retry on another session", "server_error", "busy")
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+BUSY_ANSWER = _busy_answer()        # the connection over max_tunnel_connections: one send, no read
+LISTEN_BACKLOG = 1024               # a burst of reconnects after an ingress restart waits, not refused
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The tunnel port's listening socket (accepted by Node._accept_tunnel, which admits)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _TunnelConnection:
+    """One accepted tunnel connection's admission: whether it has authenticated, and the one
+    watchdog timer that cuts it at its current deadline (head, body or idle)."""
+
+    __slots__ = ("task", "writer", "tls", "authenticated", "_timer")
+
+    def __init__(self, task: Optional[asyncio.Task]):
+        self.task = task
+        self.writer: Optional[asyncio.StreamWriter] = None
+        self.tls = False
+        self.authenticated = False
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def arm(self, seconds: float) -> None:
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self.cut)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def cut(self) -> None:
+        """Close at once: the handler sees its stream end (or, before it has one, is cancelled)."""
+        self.disarm()
+        if self.writer is not None:
+            self.writer.transport.abort()
+        elif self.task is not None:
+            self.task.cancel()
+
+
+async def _wait_readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], handshake_timeout: float):
+    """(reader, writer) over an accepted socket, through a server-side TLS handshake when ctx."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=RELAY_READ)
+    protocol = asyncio.StreamReaderProtocol(reader)
+    kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
+    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **kwargs)
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+# =============================================================================================
+# NAT traversal and relay: reachability, relay links, relayed gossip and spliced tunnel streams
+# =============================================================================================
+# Theory of operation. A worker asks each seed (ingress or relay) it bootstraps to, over TCP,
+# to dial it back ("rq"); the seed answers ("rs") with the address it saw (`seen`) and whether
+# its own TCP connect to the worker's gossip port worked (`back`). A worker no seed could dial
+# is private: it keeps outbound TCP links to `relay_links` relays (any dialable member that
+# relays; standalone relays and the ingress first) and advertises
+# "relay/<link id>" as its gossip and tunnel address, with its relays' gossip addresses in its
+# record's "relay" (comma-separated; "relaying": true marks a member that relays). Rules:
+#   1. Gossip: a private member sends everything over a link, each message inside an envelope
+#      (FORWARD | destination | sealed message); the relay checks the inner HMAC (never work
+#      for a stranger) and sends it on by UDP, or down the destination's link. Others reach a
+#      relayed address through the first of its relays that is not suspected.
+#   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
+#      authentic hello (a fresh nonce: not replayable); the relay asks the private member over
+#      its link to dial back, and splices the two connections byte for byte. TLS then runs end
+#      to end through the splice: the relay sees only ciphertext. A dialer that holds the
+#      member's link itself (the ingress as its relay) takes the dial-back connection as it is.
+#   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
+#      relays rewritten: same session, a new version, so a dead relay costs no eviction.
+#   4. Hole punching, coordinated through a relay: of two private members, the one with the
+#      smaller link id asks ("pq", through the relay) with a fresh UDP socket's mapping (as a
+#      seed saw it, "ob"/"os"); the peer answers ("pr") with its own; both probe ("pp"/"pa")
+#      each other's mapping, one side punch_delay after the other (attempt 1 the peer first,
+#      attempt 2 the asker first: a leaky gateway remaps a port that an early packet touched, so
+#      its side must send first). A path whose probe is acked carries their gossip from then on
+#      ("reach": "punched"); a symmetric NAT or blocked UDP fails cleanly and the relay stays;
+#      a punched path silent for punch_idle falls back to the relay. The data tunnel still goes
+#      through the relay's splice (no TCP simultaneous open yet).
+RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
+FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
+
+
+def is_relayed(addr: str) -> bool:
+    return addr.startswith(RELAYED_PREFIX)
+
+
+def envelope(dest: str, sealed: bytes) -> bytes:
+    raw = dest.encode()
+    return FORWARD + bytes((len(raw),)) + raw + sealed
+
+
+def open_envelope(data: bytes) -> Optional[Tuple[str, bytes]]:
+    if len(data) < 4 or data[:2] != FORWARD:
+        return None
+    end = 3 + data[2]
+    try:
+        return data[3:end].decode("ascii"), data[end:]
+    except UnicodeDecodeError:
+        return None
+
+
+def frame(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: Optional[float]) -> Optional[bytes]:
+    """One length-prefixed frame (None at a clean end); ValueError when over `limit`."""
+    try:
+        head = await asyncio.wait_for(reader.readexactly(4), timeout)
+    except asyncio.IncompleteReadError:
+        return None
+    (length,) = struct.unpack(">I", head)
+    if length > limit:
+        raise ValueError("oversized")
+    return await asyncio.wait_for(reader.readexactly(length), timeout)
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
+    sock = writer.get_extra_info("socket")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            data = await reader.read(RELAY_READ)
+            if not data:
+                break
+            writer.write(data)
+            if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+class _PunchSocket(asyncio.DatagramProtocol):
+    """A fresh UDP socket for one hole punch with one peer, and then its punched path: gossip
+    with that peer goes in and out here. Its own socket, so a failed attempt's NAT and
+    conntrack state never touches the gossip port or the next attempt."""
+
+    def __init__(self, node: Node, peer: str):
+        self.node, self.peer = node, peer
+        self.transport: Optional[asyncio.DatagramTransport] = None
+        self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
+        self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
+        self.peer_addr: Optional[tuple] = None       # where the peer's packets really come from
+        self.last_rx = 0.0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def error_received(self, exc) -> None:          # ICMP from a NAT that dropped a probe: expected
+        pass
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        node = self.node
+        node.bytes_received += len(data)
+        now = time.time()
+        msg = node.wire.open(data, now)
+        if msg is None:
+            return
+        kind = msg["t"]
+        if kind == "os":
+            if self.seen is not None and not self.seen.done():
+                self.seen.set_result(str(msg.get("seen", "")))
+            return
+        if msg.get("ra") != self.peer:              # only the peer we punched for talks here
+            return
+        self.last_rx = now
+        if kind == "pp":
+            self.peer_addr = addr                   # peer-reflexive: answer where it came from
+            self.transport.sendto(node.wire.seal({"t": "pa", "ra": node.overlay.addr}, now), addr)
+        elif kind == "pa":
+            self.peer_addr = addr
+            if self.hit is not None and not self.hit.done():
+                self.hit.set_result(addr)
+        else:
+            msg.pop("ra", None)
+            node._deliver(msg, self.peer, False)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+# =============================================================================================
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
 class _GossipProtocol(asyncio.DatagramProtocol):
@@ -1908,6 +2254,9 @@ def code_hash() -> str:
     return h.hexdigest()[:16]
 
 
+REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy")   # Node.refused
+
+
 class Node:
     """One overlay member with its sockets: UDP gossip, TCP gossip frames on the same port, and
     (workers) the HTTP/tunnel port that forwards to the engine."""
@@ -1931,7 +2280,6 @@ class Node:
         self._callbacks: List[Callable[[str, Optional[dict]], None]] = []
         self._udp = None
         self._tcp_server = None
-        self._http_server = None
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = math.inf
         self._tasks: set = set()
@@ -1939,9 +2287,33 @@ class Node:
         self._pending_id = crdt.new_session_id()    # the id we will join with
         self._unresolved: List[str] = []            # bootstrap host names that did not resolve yet
         self._warned: set = set()                   # warnings already logged
-        self._reach_warning = ""                    # a gossip address others cannot reach
+        self._start_warnings: List[str] = []        # a gossip address others cannot reach, a plain tunnel
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
+        self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
+        self._tunnel_sock: Optional[socket.socket] = None
+        self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
+        self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
+        self._gossip_connections = 0
+        self.refused = collections.Counter({r: 0 for r in REFUSALS})
+        self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
+        # NAT traversal and relay (see that section)
+        self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
+        self.private = False                        # no seed could dial us: reached through relays
+        self.observed = ""                          # our address as a seed saw it
+        self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
+        self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
+        self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
+        self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
+        self._seed_relays: List[str] = []                    # seeds that answered our "rq"
+        self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
+        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0})
+        self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
+        self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
+        self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
+        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0})
+        self.punch_ms: List[float] = []                     # how long each successful punch took
+        self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply}
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -1963,15 +2335,28 @@ class Node:
         sessions = []
         for sid, record in self.registry.items():
             view = dict(record)
-            view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid))
+            view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid),
+                        reach="direct" if sid == self.session_id else self.reach_of(record))
             sessions.append(view)
         sessions.sort(key=lambda v: (v["state"] != "SERVING", v.get("started", 0)))
         return {"self": self.session_id, "sessions": sessions}
 
+    def reach_of(self, record: Dict[str, Any]) -> str:
+        """How this member reaches a session: "direct", "punched" or "relayed"."""
+        gossip = record.get("gossip", "")
+        if gossip in self._punched:
+            return "punched"
+        return "relayed" if is_relayed(gossip) else "direct"
+
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
-                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {})}
+                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
+                "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
+                "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
+                "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
+                "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
+                "punch_ms": self.punch_ms[-8:], "punched": sorted(self._punched)}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
@@ -1998,20 +2383,26 @@ class Node:
         if serve_http:
             lhost, lport = split_addr(cfg.listen)
             try:
-                self._http_server = await asyncio.start_server(self._on_http, lhost, lport, reuse_address=True)
+                self._tunnel_sock = _listen(lhost, lport)
             except OSError as exc:
                 self._tcp_server.close()
                 self._udp.close()
                 self._tcp_server = self._udp = None
                 raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
-            lport = self._http_server.sockets[0].getsockname()[1]
+            lport = self._tunnel_sock.getsockname()[1]
+            self._spawn(self._accept_tunnel(self._tunnel_sock))
+            if self.tunnel_server_ssl is None:
+                self._start_warnings.append(
+                    "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
+                    "the key: run keygen where openssl is installed)")
             listen_addr = cfg.advertise_listen or advertise(f"{lhost}:{lport}")
         else:
             listen_addr = cfg.listen_addr
         now = time.time()
         record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
-                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash()}
+                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(),
+                  "relaying": bool(cfg.relay)}
         self.overlay = Overlay(cfg, self._pending_id, record, now)
         self.overlay.listeners.append(self._changed)
         self.overlay.rejoin_listeners.append(
@@ -2020,13 +2411,15 @@ class Node:
         # Said at the first health check, once the rest of the start (the ingress's API) is up.
         if _is_loopback(host) and (self.role == "ingress" or any(not _is_loopback(split_addr(a)[0])
                                                                   for a in bootstrap)):
-            self._reach_warning = (f"gossip binds {cfg.gossip}, loopback only: members on other hosts cannot "
-                                   f"reach this {self.role} (bind all interfaces with --gossip 0.0.0.0:{port})")
+            self._start_warnings.append(f"gossip binds {cfg.gossip}, loopback only: members on other hosts cannot "
+                                        f"reach this {self.role} (bind all interfaces with --gossip 0.0.0.0:{port})")
         elif not _is_loopback(host) and _is_loopback(split_addr(gossip_addr)[0]):
-            self._reach_warning = (f"gossip binds {cfg.gossip} but advertises {gossip_addr}, where peers on other "
-                                   "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
+            self._start_warnings.append(f"gossip binds {cfg.gossip} but advertises {gossip_addr}, where peers on other "
+                                        "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
+        if self.role not in SEED_ROLES and (cfg.reach == "private" or (cfg.reach == "auto" and bootstrap)):
+            self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
                  self.session_id, gossip_addr, listen_addr, len(bootstrap))
@@ -2045,9 +2438,9 @@ class Node:
         """Every join_warn_after seconds: log each new warning once, and resolve the bootstrap
         names that did not resolve before (DNS may come up after us)."""
         self._health_timer = asyncio.get_running_loop().call_later(self.config.join_warn_after, self._check_health)
-        if self._reach_warning:
-            log.warning("%s", self._reach_warning)
-            self._reach_warning = ""
+        for text in self._start_warnings:
+            log.warning("%s", text)
+        self._start_warnings = []
         warnings = self.health_warnings()
         for text in warnings:
             if text.split(" has not answered")[0] not in self._warned:
@@ -2094,19 +2487,32 @@ class Node:
             if timer is not None:
                 timer.cancel()
         self._timer = self._health_timer = None
-        for server in (self._http_server, self._tcp_server):
-            if server is not None:
-                server.close()
+        if self._tcp_server is not None:
+            self._tcp_server.close()
         if self._udp is not None:
             self._udp.close()
         for task in list(self._tasks):
             task.cancel()
+        for connection in list(self._tunnel_conns):
+            connection.cut()
+        for link in list(self._links.values()) + list(self._linked.values()):
+            link.close()
+        for path in list(self._punched.values()):
+            path.close()
+        if self._tunnel_sock is not None:
+            self._tunnel_sock.close()
         if self.engine is not None:
             self.engine.close()
-        self._http_server = self._tcp_server = self._udp = None
+        self._tcp_server = self._udp = self._tunnel_sock = None
 
     # -- overlay plumbing -------------------------------------------------------------------
     def _changed(self, sid: str, record: Optional[dict]) -> None:
+        gossip = (record or {}).get("gossip", "")
+        if is_relayed(gossip):
+            if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
+                self._relays_of[gossip] = record["relay"].split(",")
+            else:
+                self._relays_of.pop(gossip, None)
         for cb in self._callbacks:
             try:
                 cb(sid, record)
@@ -2131,6 +2537,10 @@ class Node:
         self._schedule()
 
     def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool) -> None:
+        handler = self._punch_handlers.get(msg["t"])
+        if handler is not None:                     # NAT traversal's own messages, not the Overlay's
+            handler(msg, src)
+            return
         try:
             outs = self.overlay.receive(msg, src, time.time(), tcp)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
@@ -2143,9 +2553,13 @@ class Node:
         self.bytes_received += len(data)
         if self.overlay is None:
             return
+        if data[:2] == FORWARD:
+            self._forward_envelope(data, from_link=False)
+            return
         msg = self.wire.open(data, time.time())
         if msg is not None:
-            self._deliver(msg, f"{addr[0]}:{addr[1]}", False)
+            src = msg.pop("ra", None)               # relayed: the sender's own gossip address
+            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False)
 
     def _resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
@@ -2159,6 +2573,9 @@ class Node:
         now = time.time()
         sealed: Dict[int, bytes] = {}
         for o in outs:
+            if self.private or is_relayed(o.addr):
+                self._send_relayed(o.addr, o.msg, now)
+                continue
             try:
                 target = self._resolve(o.addr)
             except ValueError:
@@ -2180,32 +2597,92 @@ class Node:
                 pass
 
     async def _send_tcp(self, target: tuple, msg: Dict[str, Any]) -> None:
-        data = self.wire.seal(msg, time.time())
+        now = time.time()
+        data = self.wire.seal(msg, now)
+        frames = struct.pack(">I", len(data)) + data
+        if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
+            hello = self.wire.seal({"t": "h"}, now)
+            frames = struct.pack(">I", len(hello)) + hello + frames
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
         except (OSError, asyncio.TimeoutError):
             return
         try:
-            writer.write(struct.pack(">I", len(data)) + data)
+            writer.write(frames)
             await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
-            self.bytes_sent += len(data) + 4
+            self.bytes_sent += len(frames)
         except (OSError, asyncio.TimeoutError):
             pass
         finally:
             writer.close()
 
     async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """TCP gossip frames. No work before authentication: at most max_gossip_connections at
+        once; until one frame on the connection has passed its HMAC (and replay check), a frame
+        may be no bigger than a datagram, so a stranger's length field never makes us read more
+        than 8 KiB; after it (a hello, or any small message), up to max_frame. The first bad
+        frame closes the connection. A hello may turn the connection into a relay link, a
+        spliced tunnel stream, or a private member's dial-back (see "NAT traversal and relay")."""
+        cfg = self.config
+        if self._gossip_connections >= cfg.max_gossip_connections:
+            self.refused["gossip_busy"] += 1
+            writer.transport.abort()
+            return
+        self._gossip_connections += 1
+        counted, keep, link = True, False, ""
+        limit = cfg.max_datagram                    # before the first authentic frame
+        timeout: Optional[float] = cfg.tcp_timeout
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(4), self.config.tcp_timeout)
+                head = await asyncio.wait_for(reader.readexactly(4), timeout)
                 (length,) = struct.unpack(">I", head)
-                if length > self.config.max_frame:
+                if length > limit:
                     self.wire.dropped["oversized"] += 1
                     return
-                data = await asyncio.wait_for(reader.readexactly(length), self.config.tcp_timeout * 4)
+                data = await asyncio.wait_for(reader.readexactly(length), None if link else cfg.tcp_timeout * 4)
                 self.bytes_received += length + 4
+                if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
+                    if not self._forward_envelope(data, from_link=bool(link)):
+                        return
+                    limit = cfg.max_frame
+                    continue
                 msg = self.wire.open(data, time.time(), tcp=True)
-                if msg is None or self.overlay is None:
+                if msg is None:
+                    return
+                limit = cfg.max_frame
+                kind = msg["t"]
+                if kind == "h":
+                    if "link" in msg and not link:
+                        if not (cfg.relay and not self.private) or len(self._linked) >= cfg.max_relay_links:
+                            self.relayed["refused"] += 1
+                            return
+                        link = str(msg["link"])
+                        old = self._linked.get(link)
+                        if old is not None:
+                            old.close()
+                        self._linked[link] = writer
+                        _keepalive(writer)
+                        self._gossip_connections -= 1
+                        counted, timeout = False, None   # open as long as its member lives
+                    elif "splice" in msg:
+                        self._gossip_connections -= 1
+                        counted = False
+                        await self._splice(str(msg["splice"]), reader, writer)
+                        return
+                    elif "back" in msg:             # a seed's dial-back (see _answer_reach)
+                        self._dialled_back.add(str(msg["back"]))
+                        return
+                    elif "accept" in msg:
+                        waiter = self._splices.pop(str(msg["accept"]), None)
+                        if waiter is not None and not waiter.done():
+                            keep = True             # the splice owns it now
+                            waiter.set_result((reader, writer))
+                        return
+                    continue
+                if kind == "rq":
+                    await self._answer_reach(msg, writer)
+                    continue
+                if self.overlay is None:
                     continue
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
@@ -2218,28 +2695,627 @@ class Node:
         except (OSError, asyncio.TimeoutError):
             pass
         finally:
+            if counted:
+                self._gossip_connections -= 1
+            if link and self._linked.get(link) is writer:
+                del self._linked[link]
+            if not keep:
+                writer.close()
+
+    # -- NAT traversal and relay (see that section) -----------------------------------------
+    def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float) -> None:
+        """Rule 1: a private member sends everything over a link; anyone sends to a relayed
+        address through its first relay that is not suspected (or down its link, if ours).
+        A punched path, when there is one, goes first (rule 4)."""
+        data = self.wire.seal(dict(msg, ra=self.overlay.addr), now)
+        path = self._punched.get(dest)
+        if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
+            path.transport.sendto(data, path.peer_addr)
+            self.bytes_sent += len(data)
+            return
+        if self.private:
+            for writer in self._links.values():
+                if not writer.transport.is_closing():
+                    writer.write(frame(envelope(dest, data)))
+                    self.bytes_sent += len(data) + 4
+                    return
+            if is_relayed(dest):
+                return
+            try:                                    # no link yet: straight out (a cone NAT passes it)
+                self._udp.sendto(data, self._resolve(dest))
+                self.bytes_sent += len(data)
+            except (OSError, ValueError):
+                pass
+            return
+        mine = self._linked.get(dest[len(RELAYED_PREFIX):])
+        if mine is not None:                        # we are its relay
+            mine.write(frame(data))
+            self.bytes_sent += len(data) + 4
+            return
+        by_addr = self.overlay.by_addr
+        for relay in self._relays_of.get(dest, ()):
+            if relay == self.overlay.addr:
+                continue
+            sid = by_addr.get(relay)
+            if sid is not None and self.overlay.is_suspected(sid):
+                continue
+            wrapped = envelope(dest, data)
+            try:
+                target = self._resolve(relay)
+            except ValueError:
+                continue
+            if len(wrapped) <= self.config.max_datagram:
+                try:
+                    self._udp.sendto(wrapped, target)
+                    self.bytes_sent += len(wrapped)
+                except OSError:
+                    pass
+            else:
+                self._spawn(self._send_frames(target, frame(wrapped)))
+            return
+
+    def _forward_envelope(self, data: bytes, from_link: bool) -> bool:
+        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered.
+        False when it was forged or is not ours to pass on."""
+        opened = open_envelope(data)
+        if opened is None or self.overlay is None:
+            self.wire.dropped["malformed"] += 1
+            return False
+        dest, inner = opened
+        if not self.wire.authentic(inner, self.config.max_frame):
+            return False
+        if dest == self.overlay.addr:
+            msg = self.wire.open(inner, time.time(), tcp=True)
+            src = msg.pop("ra", None) if msg is not None else None
+            if isinstance(src, str):
+                self._deliver(msg, src, True)
+            return msg is not None
+        if not self.config.relay or self.private:
+            self.relayed["refused"] += 1
+            return False
+        self.relayed["forwarded"] += 1
+        if is_relayed(dest):
+            link = self._linked.get(dest[len(RELAYED_PREFIX):])
+            if link is not None:
+                link.write(frame(inner))
+            elif from_link:                         # one hop on to its relay, never more (no loops)
+                for relay in self._relays_of.get(dest, ()):
+                    if relay != self.overlay.addr:
+                        self._spawn(self._send_frames(self._resolve(relay), frame(data)))
+                        break
+            return True
+        try:
+            target = self._resolve(dest)
+        except ValueError:
+            return False
+        if len(inner) <= self.config.max_datagram:
+            try:
+                self._udp.sendto(inner, target)
+            except OSError:
+                pass
+        else:
+            self._spawn(self._send_frames(target, frame(inner)))
+        return True
+
+    async def _send_frames(self, target: tuple, frames: bytes) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            hello = self.wire.seal({"t": "h"}, time.time())
+            writer.write(frame(hello) + frames)
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
             writer.close()
 
-    # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
-        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
-        goes to h11 from the first byte of that request, which keeps the connection from then on."""
-        buf = bytearray()
+    async def _answer_reach(self, msg: Dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """A seed's side of the reachability check: dial the asker back, say what we saw."""
+        peer = writer.get_extra_info("peername") or ("", 0)
+        back = False
+        try:                                        # the asker's nonce proves we reached *it*
+            target = self._resolve(str(msg["a"]))
+            _, dialled = await asyncio.wait_for(asyncio.open_connection(*target), self.config.dialback_timeout)
+            try:
+                dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
+                await asyncio.wait_for(dialled.drain(), self.config.dialback_timeout)
+                back = True
+            finally:
+                dialled.close()
+        except (OSError, ValueError, KeyError, asyncio.TimeoutError):
+            pass
+        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back},
+                                time.time())
+        writer.write(frame(answer))
+        await writer.drain()
+
+    async def _ask_reach(self, seed: str) -> Optional[Dict[str, Any]]:
+        """Our side: ask one seed to dial us back; its answer, or None."""
+        cfg = self.config
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(seed)), cfg.tcp_timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return None
+        try:
+            nonce = os.urandom(4).hex()
+            writer.write(frame(self.wire.seal({"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]}, time.time())))
+            data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
+            answer = self.wire.open(data, time.time(), tcp=True) if data else None
+            if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
+                deadline = time.monotonic() + cfg.dialback_timeout
+                while answer.get("back") and nonce not in self._dialled_back and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)       # its dial-back frame may still be on its way
+                answer["back"] = nonce in self._dialled_back
+                self._dialled_back.discard(nonce)
+                return answer
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+        return None
+
+    async def _keep_reach(self, bootstrap: List[str]) -> None:
+        """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
+        cfg = self.config
+        if cfg.reach == "auto":
+            delay = cfg.join_retry_min
+            while not self.private:
+                answers = [(seed, await self._ask_reach(seed)) for seed in bootstrap]
+                heard = [(seed, a) for seed, a in answers if a is not None]
+                if heard:
+                    self.observed = str(heard[0][1].get("seen", ""))
+                    if any(a.get("back") for _, a in heard):
+                        log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+                        return
+                    self._seed_relays = [seed for seed, _ in heard]
+                    break
+                await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
+                delay = min(delay * 2, cfg.join_retry_max)
+        else:
+            self._seed_relays = list(bootstrap)
+        log.info("private (seen as %s): reached through relays", self.observed or "?")
+        self.private = True
+        relayed = RELAYED_PREFIX + self.link_id
+        while True:
+            for relay, writer in list(self._links.items()):
+                sid = self.overlay.by_addr.get(relay)
+                if writer.transport.is_closing() or (sid is not None and self.overlay.is_suspected(sid)):
+                    writer.close()
+                    del self._links[relay]
+            candidates = self._relay_candidates()
+            for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
+                if relay not in self._links and (i < cfg.relay_links or len(self._links) < cfg.relay_links):
+                    await self._open_link(relay)
+            rank = {relay: i for i, relay in enumerate(candidates)}
+            while len(self._links) > cfg.relay_links:   # a better relay came: the worst link goes
+                worst = max(self._links, key=lambda r: (rank.get(r, len(rank)), r))
+                self._links.pop(worst).close()
+            relays = ",".join(sorted(self._links, key=lambda r: (rank.get(r, len(rank)), r)))
+            record = self.overlay.record
+            if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
+                self.overlay.addr = relayed
+                self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            self._tend_punches()
+            await asyncio.sleep(cfg.relay_check_interval)
+
+    def _relay_candidates(self) -> List[str]:
+        """Members offering to relay, best first: standalone relays (they exist for it), then
+        ingresses, then dialable workers, never a suspected or relayed one; then the seeds that
+        answered us and are not in the registry yet."""
+        ranked = []
+        for sid, record in self.registry.items():
+            gossip = record.get("gossip", "")
+            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.is_suspected(sid):
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        out = [gossip for _, gossip in sorted(ranked)]
+        return out + [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
+
+    async def _open_link(self, relay: str) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(relay)),
+                                                    self.config.tcp_timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return
+        _keepalive(writer)
+        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id}, time.time())))
+        self._links[relay] = writer
+        self._spawn(self._read_link(relay, reader, writer))
+        log.info("relay link to %s", relay)
+
+    async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """What a relay sends down our link: gossip for us, and dial-back requests (rule 2)."""
         try:
             while True:
+                data = await _read_frame(reader, self.config.max_frame, None)
+                if data is None:
+                    return
+                msg = self.wire.open(data, time.time(), tcp=True)
+                if msg is None:
+                    continue
+                if msg["t"] == "h" and "dial" in msg:
+                    self._spawn(self._dial_back(relay, str(msg["dial"])))
+                    continue
+                src = msg.pop("ra", None)
+                if isinstance(src, str):
+                    self._deliver(msg, src, True)
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            if self._links.get(relay) is writer:
+                del self._links[relay]
+            log.info("relay link to %s ended", relay)
+
+    async def _dial_back(self, relay: str, token: str) -> None:
+        """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
+        connection of ours (the dialer's TLS handshake arrives through the splice)."""
+        loop = asyncio.get_running_loop()
+        try:
+            host, port = self._resolve(relay)
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, addr = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except (OSError, ValueError):
+            return
+        try:
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, addr), self.config.tcp_timeout)
+            await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "accept": token}, time.time())))
+        except (OSError, asyncio.TimeoutError):
+            sock.close()
+            return
+        if self._tunnel_sock is None:
+            sock.close()
+            return
+        self._admit(sock)
+
+    async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
+        link = self._linked.get(link_id)
+        if link is None or not self.config.relay:
+            self.relayed["refused"] += 1
+            return
+        token = os.urandom(8).hex()
+        waiter = asyncio.get_running_loop().create_future()
+        self._splices[token] = waiter
+        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
+        try:
+            other_reader, other_writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
+        except asyncio.TimeoutError:
+            self.relayed["refused"] += 1
+            return
+        finally:
+            self._splices.pop(token, None)
+        self.relayed["spliced"] += 1
+        for w in (writer, other_writer):
+            try:
+                w.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        await asyncio.gather(_pump(reader, other_writer), _pump(other_reader, writer))
+
+    # -- hole punching (rule 4) -------------------------------------------------------------
+    def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
+        """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
+        try:
+            self._udp.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
+                             self._resolve(src))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    async def _punch_socket(self, peer: str) -> Tuple[Optional[_PunchSocket], str]:
+        """A fresh UDP socket and its mapping as a seed sees it; ("" when UDP does not pass)."""
+        loop = asyncio.get_running_loop()
+        host = split_addr(self.config.gossip)[0]
+        try:
+            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer), local_addr=(host, 0))
+        except OSError:
+            return None, ""
+        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        sock.seen = loop.create_future()
+        nonce = os.urandom(4).hex()
+        deadline = time.monotonic() + 1.0
+        while seeds and not sock.seen.done() and time.monotonic() < deadline:
+            for seed in seeds[:2]:
+                try:
+                    sock.transport.sendto(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self._resolve(seed))
+                except (OSError, ValueError):
+                    pass
+            await asyncio.wait([sock.seen], timeout=0.2)
+        if not sock.seen.done():
+            sock.close()
+            return None, ""                         # UDP blocked on our side: the relay it is
+        return sock, sock.seen.result()
+
+    async def _spray(self, sock: _PunchSocket, seen: str, first: bool) -> bool:
+        """Probe the peer's mapping every 50 ms (after punch_delay unless we go first) until an
+        ack arrives or punch_timeout passes."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        sock.hit = loop.create_future()
+        try:
+            target = self._resolve(seen)
+        except ValueError:
+            return False
+        if not first:
+            await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
+        deadline = time.monotonic() + cfg.punch_timeout
+        while not sock.hit.done() and time.monotonic() < deadline:
+            try:
+                sock.transport.sendto(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, time.time()),
+                                      sock.peer_addr or target)
+            except OSError:
+                pass
+            await asyncio.wait([sock.hit], timeout=0.05)
+        return sock.hit.done()
+
+    def _tend_punches(self) -> None:
+        """Each relay check: start a punch towards private peers we only reach relayed (the
+        smaller link id asks, through the relay); drop punched paths gone silent (back to the
+        relay, rule 4); keep live ones' NAT mappings open."""
+        cfg = self.config
+        now = time.time()
+        for peer, path in list(self._punched.items()):
+            if now - path.last_rx > cfg.punch_idle:
+                path.close()
+                del self._punched[peer]
+                self.punches["fell_back"] += 1
+                log.info("punched path to %s went silent: back to its relays", peer)
+            elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
+                path.transport.sendto(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
+        mine = self.overlay.addr
+        for peer in list(self._relays_of):
+            if peer == mine or peer in self._punched or len(self._punched) >= cfg.max_punched:
+                continue
+            if mine[len(RELAYED_PREFIX):] > peer[len(RELAYED_PREFIX):] or \
+                    now - self._punch_tried.get(peer, -math.inf) < cfg.punch_retry:
+                continue
+            self._punch_tried[peer] = now
+            self._spawn(self._punch(peer))
+
+    async def _punch(self, peer: str) -> None:
+        """The asking side: two attempts on fresh sockets, the peer first, then us first (one
+        of the orders works behind a leaky gateway on either side)."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        for attempt, peer_first in ((1, True), (2, False)):
+            sock, seen = await self._punch_socket(peer)
+            if sock is None:
+                break
+            waiter = self._punch_wait[(peer, attempt)] = loop.create_future()
+            self._send_relayed(peer, {"t": "pq", "a": attempt, "seen": seen, "first": peer_first}, time.time())
+            try:
+                theirs = await asyncio.wait_for(waiter, 3.0)
+            except asyncio.TimeoutError:
+                theirs = ""
+            finally:
+                self._punch_wait.pop((peer, attempt), None)
+            if theirs and await self._spray(sock, theirs, first=not peer_first):
+                self._punched_path(peer, sock, started)
+                return
+            sock.close()
+        self.punches["failed"] += 1
+        log.info("hole punch to %s failed: it stays relayed", peer)
+
+    def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
+        if is_relayed(src) and self.private and src not in self._punched:
+            self._spawn(self._answer_punch(src, msg))
+
+    async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
+        started = time.monotonic()
+        sock, seen = await self._punch_socket(peer)
+        self._send_relayed(peer, {"t": "pr", "a": msg.get("a"), "seen": seen}, time.time())
+        if sock is None:
+            return
+        if seen and msg.get("seen") and await self._spray(sock, str(msg["seen"]), first=bool(msg.get("first"))):
+            self._punched_path(peer, sock, started)
+        else:
+            sock.close()
+
+    def _on_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
+        waiter = self._punch_wait.get((src, msg.get("a")))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(str(msg.get("seen") or ""))
+
+    def _punched_path(self, peer: str, sock: _PunchSocket, started: float) -> None:
+        old = self._punched.pop(peer, None)
+        if old is not None and old is not sock:
+            old.close()
+        self._punched[peer] = sock
+        self.punches["ok"] += 1
+        self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
+
+    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
+        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
+        dial-back connection is handed over as it is, no splice, no second hop."""
+        token = os.urandom(8).hex()
+        waiter = asyncio.get_running_loop().create_future()
+        self._splices[token] = waiter
+        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
+        try:
+            reader, writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
+        except asyncio.TimeoutError:
+            raise OSError("the private member did not dial back") from None
+        finally:
+            self._splices.pop(token, None)
+        if getattr(reader, "_buffer", None):        # it sends nothing before our ClientHello
+            writer.close()
+            raise OSError("unexpected bytes on a dial-back")
+        writer.transport.pause_reading()
+        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        writer.transport.abort()                    # closes its descriptor only: ours stays open
+        sock.setblocking(False)
+        self.relayed["handed_over"] += 1
+        return sock
+
+    async def open_relayed(self, addr: str) -> socket.socket:
+        """A connected socket through one of `addr`'s relays, its splice asked for (rule 2): the
+        caller starts TLS on it. Raises OSError when no relay answers."""
+        loop = asyncio.get_running_loop()
+        link_id = addr[len(RELAYED_PREFIX):]
+        link = self._linked.get(link_id)
+        if link is not None and not link.transport.is_closing():
+            return await self._take_dial_back(link)
+        for relay in self._relays_of.get(addr, ()):
+            try:
+                host, port = self._resolve(relay)
+                family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+            except (OSError, ValueError):
+                continue
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, target), self.config.tcp_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "splice": link_id}, time.time())))
+                return sock
+            except (OSError, asyncio.TimeoutError):
+                sock.close()
+        raise OSError(f"no relay of {addr} answers")
+
+    # -- the tunnel port: admission (see "Tunnel security") ---------------------------------
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _accept_tunnel(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    await asyncio.sleep(0.1)        # out of descriptors: the caps below free some
+                    continue
+                return                              # the listening socket was closed (stop)
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Rule 1: the cap on all connections, then on strangers (the oldest is cut)."""
+        cfg = self.config
+        conn.setblocking(False)
+        if len(self._tunnel_conns) >= cfg.max_tunnel_connections:
+            self.refused["busy"] += 1
+            try:
+                conn.send(BUSY_ANSWER)
+            except OSError:
+                pass
+            conn.close()
+            return
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        connection = _TunnelConnection(None)
+        self._tunnel_conns[connection] = None
+        self._unauthenticated[connection] = None
+        if len(self._unauthenticated) > cfg.max_unauthenticated:
+            self.refused["cut"] += 1
+            oldest = next(iter(self._unauthenticated))
+            del self._unauthenticated[oldest]       # counted out now; its task closes it next
+            oldest.cut()
+        connection.task = self._spawn(self._tunnel_connection(conn, connection))
+
+    def _authenticated(self, connection: _TunnelConnection) -> None:
+        connection.authenticated = True
+        self._unauthenticated.pop(connection, None)
+
+    async def _tunnel_connection(self, conn: socket.socket, connection: _TunnelConnection) -> None:
+        cfg = self.config
+        connection.arm(cfg.head_timeout)
+        writer = None
+        try:
+            ctx = self.tunnel_server_ssl
+            if ctx is not None:                     # rule 3: a ClientHello, or plain HTTP?
+                await _wait_readable(conn)
+                first = conn.recv(1, socket.MSG_PEEK)
+                if first and first[0] != TLS_RECORD_HANDSHAKE:
+                    ctx = None
+            try:
+                reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
+            except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
+                self.refused["handshake"] += 1      # no certificate, the wrong one, a replay
+                return
+            connection.writer = writer
+            self.admitted["tls" if ctx is not None else "plain"] += 1
+            if ctx is not None:
+                connection.tls = True
+                self._authenticated(connection)
+            await self._on_http(reader, writer, connection)
+        except (asyncio.CancelledError, OSError):
+            pass
+        finally:
+            connection.disarm()
+            self._tunnel_conns.pop(connection, None)
+            self._unauthenticated.pop(connection, None)
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+
+    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
+        """Rule 2, on the head: None when this request may be served (its body read), else the
+        (status, error body) to answer before closing."""
+        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
+            return None
+        if connection is not None and connection.tls:
+            return None                             # the handshake showed the cluster certificate
+        if self.tunnel_server_ssl is not None:
+            self.refused["credential"] += 1
+            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
+                                   "are not forwarded", "permission_error", "tls_required")
+        name, value = self.tunnel_header
+        wanted, given = name.encode(), b""
+        for hname, hvalue in headers:
+            if hname == wanted:
+                given = hvalue
+        if not hmac.compare_digest(given, value.encode()):
+            self.refused["credential"] += 1
+            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
+        if connection is not None:
+            self._authenticated(connection)
+        return None
+
+    # -- HTTP: registry, health, tunnel -----------------------------------------------------
+    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       connection: Optional[_TunnelConnection] = None) -> None:
+        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
+        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
+        goes to h11 from the first byte of that request, which keeps the connection from then on.
+        `connection` (the admission) holds the deadlines and whether the client authenticated."""
+        buf = bytearray()
+        cfg = self.config
+        try:
+            while True:
+                if connection is not None:          # a member may idle; a stranger gets head_timeout
+                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
+                                   else cfg.head_timeout)
                 head = await _read_request_head(reader, buf)
                 if head is None:
                     return
                 if head is H11_JUDGES:
-                    await self._serve_h11(reader, writer, bytes(buf))
+                    await self._serve_h11(reader, writer, bytes(buf), connection)
                     return
-                limit = self.config.max_request_body
+                refusal = self._refusal(head.method, head.target, head.headers, connection)
+                if refusal is not None:             # judged on the head: the body is never read
+                    self._respond(None, writer, refusal[0], refusal[1], close=True)
+                    await writer.drain()
+                    return
+                limit = cfg.max_request_body
                 if head.length > limit:
                     self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
                     await writer.drain()
                     return
                 del buf[:head.size]
+                if connection is not None:
+                    connection.arm(cfg.body_timeout)
                 reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
                 while True:
                     piece = reader_of_body.take(buf)
@@ -2258,6 +3334,8 @@ class Node:
                     if not data:
                         return
                     buf += data
+                if connection is not None:
+                    connection.disarm()             # the engine may take minutes to answer
                 await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
                 if not head.keep_alive:
                     return
@@ -2270,14 +3348,22 @@ class Node:
         finally:
             writer.close()
 
-    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes) -> None:
+    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
+                         connection: Optional[_TunnelConnection] = None) -> None:
         conn = h11.Connection(h11.SERVER)
         if initial:
             conn.receive_data(initial)
         while True:
+            if connection is not None:
+                connection.arm(self.config.head_timeout + self.config.body_timeout)
             event = await h11_next(conn, reader)
             if not isinstance(event, h11.Request):
                 break
+            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
+            if refusal is not None:
+                self._respond(conn, writer, refusal[0], refusal[1], close=True)
+                await writer.drain()
+                return
             body = bytearray()
             too_big = False
             while True:
@@ -2296,6 +3382,8 @@ class Node:
                 await writer.drain()
                 return
             headers = header_items(event.headers)
+            if connection is not None:
+                connection.disarm()
             if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
                 # The answer bypassed h11: carry on with a fresh parser fed what was read
                 # past this request (pipelined bytes), unless either side asked to close.
@@ -2312,13 +3400,17 @@ class Node:
                 break
             conn.start_next_cycle()
 
-    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
+                 close: bool = False) -> None:
         """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
         if conn is None:
-            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                         % (status, _REASON.get(status, b"Status"), ctype, len(body), body))
+            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s"
+                         % (status, _REASON.get(status, b"Status"), ctype,
+                            b"connection: close\r\n" if close else b"", len(body), body))
             return
         headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
         writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
         writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
@@ -2340,17 +3432,8 @@ class Node:
                                       "state": crdt.STATE_NAMES[self.overlay.record["state"]],
                                       "members": len(self.overlay.members), "warnings": warnings,
                                       "gossip": self.stats()}))
-        else:
-            name, value = self.tunnel_header
-            given = b""
-            wanted = name.encode()
-            for hname, hvalue in headers:
-                if hname == wanted:
-                    given = hvalue
-            if not hmac.compare_digest(given, value.encode()):
-                self._respond(conn, writer, 403, error_body("missing or bad tunnel credential",
-                                                            "permission_error", "forbidden"))
-            elif self.draining or self.engine is None:
+        else:                                       # the credential was judged on the head (_refusal)
+            if self.draining or self.engine is None:
                 self._respond(conn, writer, 503, error_body("this session is draining" if self.draining
                                                             else "no engine behind this node",
                                                             "server_error", "unavailable"))
@@ -2767,6 +3850,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
     config = config_from_env(Config())
     config.key = load_key(args.key_file)
+    config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
+    config.reach = env("REACH", "auto")
+    if config.reach not in ("auto", "private", "public"):
+        raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
     bootstrap = args.bootstrap if args.bootstrap is not None else [env("BOOTSTRAP", "")]
     config.bootstrap = [b for b in bootstrap if b]
     labels = args.label if args.label is not None else env("LABEL", "").split(",")
@@ -2918,7 +4005,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
     s.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    r = sub.add_parser("relay", help="a standalone relay (and seed) for members behind NATs, e.g. on a login node")
+    add_overlay_args(r, gossip_default=INGRESS_GOSSIP)
+    r.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
     return p
+
+
+async def run_relay(config: Config) -> int:
+    """`relay`: a dialable member that only relays (and seeds), until SIGTERM."""
+    config.relay, config.reach = True, "public"
+    node = Node(config, role="relay")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await node.start(serve_http=True, state=crdt.SERVING)
+    log.info("relay %s on gossip %s", node.session_id, node.overlay.addr)
+    try:
+        await stop.wait()
+    finally:
+        await node.stop(leave=True)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -2931,6 +4038,9 @@ def main(argv=None) -> int:
                 print(path)
             return 0
         config = config_from_args(args)
+        if args.command == "relay":
+            install_event_loop()
+            return asyncio.run(run_relay(config))
         if args.restart is None:
             args.restart = env_bool("RESTART")
         if args.drain_timeout is not None:

@@ -5,18 +5,21 @@
 #
 #   */5 * * * *  $HOME/otela/sbatch/login-node.sh ingress start
 #   */5 * * * *  $HOME/otela/sbatch/login-node.sh place          # plan + reconcile Slurm jobs
+#   */5 * * * *  $HOME/otela/sbatch/login-node.sh relay start    # a relay for nodes behind NATs
 #
 # `place` keeps its reclamation state (demand history, cooldowns) in $OTELA_STATE/place-state.json,
 # next to its lock; add --no-reclaim to reconcile to each plan at once.
 #
 # Usage: login-node.sh ingress start|stop|status
+#        login-node.sh relay start|stop|status
 #        login-node.sh place [extra otela_place.py plan flags]
 # Environment (defaults in brackets):
 #   OTELA_DIR    the otela checkout [this script's parent]
 #   OTELA_STATE  key, database, pid files and logs [~/.otela]
 #   OTELA_LISTEN ingress HTTP address [0.0.0.0:8080]   OTELA_GOSSIP gossip address [0.0.0.0:7946]
 #   OTELA_BOOTSTRAP other ingresses to join [none: a new overlay]
-# (A NAT relay role is a future issue: otela_node.py has no relay mode yet.)
+#   OTELA_RELAY_GOSSIP the relay's gossip address [0.0.0.0:7946, or 0.0.0.0:7947 beside an ingress]
+#   OTELA_RELAY_LISTEN the relay's /healthz address [127.0.0.1:7701]
 #   PYTHON       interpreter [python3]
 set -euo pipefail
 
@@ -27,10 +30,6 @@ LISTEN=${OTELA_LISTEN:-0.0.0.0:8080}
 GOSSIP=${OTELA_GOSSIP:-0.0.0.0:7946}
 role=${1:-}
 action=${2:-start}
-if [[ $role == relay ]]; then
-  echo "login-node.sh: relay is not available yet (otela_node.py has no relay mode; NAT relay is a future issue)" >&2
-  exit 2
-fi
 mkdir -p "$STATE/logs"
 [[ -f $STATE/cluster.key ]] || "$PYTHON" "$OTELA_DIR/otela_node.py" keygen --out "$STATE"
 
@@ -41,6 +40,18 @@ case $role in
     cmd=("$PYTHON" "$OTELA_DIR/otela_ingress.py" serve --key-file "$STATE/cluster.key"
          --listen "$LISTEN" --gossip "$GOSSIP" --db "$STATE/usage.sqlite")
     ;;
+  relay)
+    # the ingress relays too; a relay of its own on another port keeps private nodes reachable
+    # while the ingress restarts (they hold links to two relays)
+    relay_gossip=${OTELA_RELAY_GOSSIP:-}
+    if [[ -z $relay_gossip ]]; then
+      relay_gossip=0.0.0.0:7946
+      alive "$STATE/ingress.pid" && relay_gossip=0.0.0.0:7947
+    fi
+    cmd=("$PYTHON" "$OTELA_DIR/otela_node.py" relay --key-file "$STATE/cluster.key"
+         --gossip "$relay_gossip" --listen "${OTELA_RELAY_LISTEN:-127.0.0.1:7701}")
+    [[ -z ${OTELA_BOOTSTRAP:-} ]] && alive "$STATE/ingress.pid" && cmd+=(--bootstrap "127.0.0.1:${GOSSIP##*:}")
+    ;;
   place)
     shift || true
     # --lock keeps two cron runs apart; the ingress gives demand and live sessions
@@ -49,7 +60,7 @@ case $role in
       --sbatch-var "KEY_FILE=$STATE/cluster.key" --sbatch-var "BOOTSTRAP=$(hostname -f):${GOSSIP##*:}" \
       --sbatch-var "LOG_DIR=$STATE/logs" "$@"
     ;;
-  *) echo "usage: $0 ingress start|stop|status | place [plan flags]" >&2; exit 2 ;;
+  *) echo "usage: $0 ingress|relay start|stop|status | place [plan flags]" >&2; exit 2 ;;
 esac
 [[ -n ${OTELA_BOOTSTRAP:-} ]] && cmd+=(--bootstrap "$OTELA_BOOTSTRAP")
 

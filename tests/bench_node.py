@@ -411,7 +411,7 @@ def _start_tunnel_node(key_file, engine_flags, procs):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v1/registry", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{listen}/v1/registry", timeout=2) as r:   # open in plain
                 if json.load(r)["sessions"][0]["state"] == "SERVING":
                     break
         except (OSError, ValueError, KeyError, IndexError):
@@ -425,21 +425,59 @@ def _start_tunnel_node(key_file, engine_flags, procs):
     return proc.pid, listen, engine_port
 
 
+def _tls_client(key_file):
+    """The client context a member dials a TLS tunnel with, or None for a plain-tunnel key."""
+    cfg = on.Config(key=on.load_key(key_file))
+    cfg.tls_cert, cfg.tls_key = on.find_tunnel_tls(key_file)
+    return on.tunnel_tls(cfg)[1]
+
+
+def _plain_key(key_file):
+    """The same cluster secret alone in a folder: a node started with it runs the plain tunnel."""
+    folder = tempfile.mkdtemp(prefix="otela-plain-")
+    path = os.path.join(folder, "cluster.key")
+    with open(key_file) as src, open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as dst:
+        dst.write(src.read())
+    return path
+
+
+async def _one_stream_tls(port, req, tls):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls,
+                                                   server_hostname=on.TLS_SERVER_NAME if tls else None)
+    writer.write(req)
+    data = bytearray()
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        piece = await reader.read(262144)
+        if not piece:
+            break
+        data += piece
+    writer.close()
+    return data.count(b"data: {")
+
+
 def tunnel_phase(key_file, quick, results):
+    """Side by side in one run: the engine direct, a plain-tunnel node (static header) and a
+    TLS-tunnel node (mutual TLS, keygen's certificate), same engine flags."""
     import bench_ingress as bi
     sys.path.insert(0, str(ROOT / "tests"))
     tunnel = (on.TUNNEL_HEADER, hmac.new(on.load_key(key_file), b"tunnel", hashlib.sha256).hexdigest())
+    tls = _tls_client(key_file)
+    plain_key = _plain_key(key_file)
     n_lat, seconds, rounds = (80, 2.0, 16) if quick else (400, 5.0, 48)
     procs = []
     out = results["tunnel"] = {}
     try:
         fast_pid, fast_port, fast_engine = _start_tunnel_node(key_file, "--chunks 8", procs)
+        plain_pid, plain_port, _ = _start_tunnel_node(plain_key, "--chunks 8", procs)
         bulk_pid, bulk_port, bulk_engine = _start_tunnel_node(key_file, "--chunks 1000", procs)
         bi.pin(0, 1)
-        for name, port in (("direct", fast_engine), ("node", fast_port)):
+        paths = (("direct", fast_engine, None), ("node_plain", plain_port, None), ("node", fast_port, tls))
+        for name, port, ctx in paths:
             req = _tunnel_request("fast", tunnel)
             sock = socket.create_connection(("127.0.0.1", port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ctx is not None:
+                sock = ctx.wrap_socket(sock, server_hostname=on.TLS_SERVER_NAME)
             buf, lat = bytearray(), []
             for _ in range(5):
                 sock.sendall(req)
@@ -453,37 +491,48 @@ def tunnel_phase(key_file, quick, results):
                 lat.append(time.perf_counter() - t0)
             sock.close()
             out[name] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+        for name in ("node_plain", "node"):
+            out[name]["added_p50_ms"] = out[name]["latency_p50_ms"] - out["direct"]["latency_p50_ms"]
+            out[name]["added_p99_ms"] = out[name]["latency_p99_ms"] - out["direct"]["latency_p99_ms"]
         node = out["node"]
-        node["added_p50_ms"] = node["latency_p50_ms"] - out["direct"]["latency_p50_ms"]
-        node["added_p99_ms"] = node["latency_p99_ms"] - out["direct"]["latency_p99_ms"]
+        node["tls_added_p50_ms"] = node["latency_p50_ms"] - out["node_plain"]["latency_p50_ms"]
 
-        async def tput(port):
+        class Held(bi._Conn):
+            """Connected (and through its handshake) first; the clock starts when all are."""
+            def connection_made(self, transport):
+                self.transport = transport
+
+        async def tput(port, ctx):
             counter, loop = [0], asyncio.get_running_loop()
-            stop_at = time.perf_counter() + seconds
             protos = []
             for _ in range(64):
                 _, proto = await loop.create_connection(
-                    lambda: bi._Conn(_tunnel_request("fast", tunnel), counter, stop_at), "127.0.0.1", port)
+                    lambda: Held(_tunnel_request("fast", tunnel), counter, 0.0), "127.0.0.1", port,
+                    ssl=ctx, server_hostname=on.TLS_SERVER_NAME if ctx else None)
                 protos.append(proto)
             t0 = time.perf_counter()
+            for proto in protos:
+                proto.stop_at = t0 + seconds
+                proto.transport.write(proto.req)
             await asyncio.gather(*(p.done for p in protos))
             return counter[0], time.perf_counter() - t0
 
-        async def streams(port):
+        async def streams(port, ctx):
             req, chunks, t0 = _tunnel_request("bulk", tunnel, stream=True), 0, time.perf_counter()
             for _ in range(max(1, rounds // 16)):
-                chunks += sum(await asyncio.gather(*(bi._one_stream(port, req, None) for _ in range(16))))
+                chunks += sum(await asyncio.gather(*(_one_stream_tls(port, req, ctx) for _ in range(16))))
             return chunks, time.perf_counter() - t0
 
-        cpu0 = bi.cpu_seconds(fast_pid)
-        done, elapsed = asyncio.run(tput(fast_port))
-        node["rps_64conn"] = done / elapsed
-        node["cpu_us_per_request"] = (bi.cpu_seconds(fast_pid) - cpu0) / max(1, done) * 1e6
+        for name, pid, port, ctx in (("node_plain", plain_pid, plain_port, None), ("node", fast_pid, fast_port, tls)):
+            cpu0 = bi.cpu_seconds(pid)
+            done, elapsed = asyncio.run(tput(port, ctx))
+            out[name]["rps_64conn"] = done / elapsed
+            out[name]["cpu_us_per_request"] = (bi.cpu_seconds(pid) - cpu0) / max(1, done) * 1e6
         cpu0 = bi.cpu_seconds(bulk_pid)
-        chunks, elapsed = asyncio.run(streams(bulk_port))
+        chunks, elapsed = asyncio.run(streams(bulk_port, tls))
         node["sse_chunks_per_s_16streams"] = chunks / elapsed
         node["cpu_us_per_chunk"] = (bi.cpu_seconds(bulk_pid) - cpu0) / max(1, chunks) * 1e6
-        chunks, elapsed = asyncio.run(streams(bulk_engine))
+        chunks, elapsed = asyncio.run(streams(bulk_engine, None))
         out["direct"]["sse_chunks_per_s_16streams"] = chunks / elapsed
     finally:
         for proc in procs:
@@ -494,16 +543,140 @@ def tunnel_phase(key_file, quick, results):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    print("tunnel (node only, node pinned to CPU 0, engine and client on CPU 1):")
+        import shutil
+        shutil.rmtree(os.path.dirname(plain_key), ignore_errors=True)
+    print("tunnel (node only, node pinned to CPU 0, engine and client on CPU 1; node = TLS tunnel,"
+          " node_plain = the plain one, same run):")
     for name, r in out.items():
-        print(f"  {name:7}" + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
+        print(f"  {name:10}" + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# NAT lab (root): the same ingress reaching a public node directly and a private one relayed
+# ---------------------------------------------------------------------------------------------
+def nat_phase(quick, results):
+    """In tests/natlab.py's lab (cone NATs): the ingress on the public host, one node on the
+    public host (reached direct) serving model "fm-direct", one behind NAT A (reached through
+    the ingress's relay, then through a standalone relay's splice; TLS end to end) serving
+    "fm-relayed", all wrapping the fake engine.
+    Clients on the public host, through the ingress, side by side in one run: latency p50/p99
+    (sequential, 16/s), plain requests/s with 16 connections, SSE chunks/s with 8 streams; and
+    the hole punch between two private nodes (its time, from the asker's request to the ack)."""
+    import http.client
+
+    import natlab
+    import reliability as rel
+    out = results["nat"] = {}
+    reason = natlab.unavailable()
+    if reason:
+        out["skipped"] = reason
+        print(f"nat: skipped ({reason})")
+        return
+    n_lat, seconds = (80, 2.0) if quick else (400, 5.0)
+    with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
+        pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
+        ingress = fleet.ingress(pub)
+        relay_gossip = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"   # a standalone relay, preferred at first
+        relay = rel.Member("relay", "relay", pub, [sys.executable, str(ROOT / "otela_node.py"), "relay",
+                                                   "--key-file", fleet.key_file, "--gossip", relay_gossip, "--listen",
+                                                   f"{natlab.PUBLIC}:7701", "--bootstrap", ingress.gossip],
+                           f"{natlab.PUBLIC}:7701", relay_gossip)
+        fleet.members.append(relay)
+        fleet.start(relay)
+        engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} --chunks 8"
+        members = {}
+        for name, place, gossip, listen in (("fm-direct", pub, 7950, 7710), ("fm-relayed", a, 7946, 7700),
+                                            ("fm-punch", b, 7946, 7700)):
+            argv = [sys.executable, str(ROOT / "otela_node.py"), "start", "--key-file", fleet.key_file,
+                    "--listen", f"{place.host}:{listen}", "--gossip", f"{place.host}:{gossip}",
+                    "--bootstrap", ingress.gossip, "--process", f"{engine} --model {name}"]
+            members[name] = rel.Member(name, "worker", place, argv, f"{place.host}:{listen}", f"{place.host}:{gossip}")
+            fleet.members.append(members[name])
+            fleet.start(members[name])
+
+        def ready():
+            view = {s.get("models", [""])[0] if s.get("models") else "": s for s in fleet.registry(ingress)["sessions"]
+                    if s.get("role") == "worker" and s["state"] == "SERVING"}
+            return len(view) == 3 and view["fm-relayed"]["reach"] == "relayed" and view["fm-direct"]["reach"] == "direct" \
+                and view["fm-relayed"].get("relay", "").startswith(relay_gossip)
+        rel.wait(lambda: fleet.up() and ready(), 60, "three nodes SERVING, one relayed")
+        rel.until(lambda: fleet.get(members["fm-relayed"], "/healthz")[1]["gossip"]["punches"]["ok"], 15)
+        health = [fleet.get(members[m], "/healthz")[1]["gossip"] for m in ("fm-relayed", "fm-punch")]
+        out["punch_ms"] = [h["punch_ms"] for h in health]
+        out["punched"] = [bool(h["punched"]) for h in health]
+        host, port = ingress.listen.rsplit(":", 1)
+
+        def body(model, stream=False):
+            return json.dumps({"model": model, "stream": stream,
+                               "messages": [{"role": "user", "content": "say hello to the benchmark"}]})
+
+        def latency(model):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+            lat = []
+            for i in range(n_lat + 5):
+                t0 = time.perf_counter()
+                conn.request("POST", "/v1/chat/completions", body=body(model), headers=heads)
+                resp = conn.getresponse()
+                resp.read()
+                if i >= 5:
+                    lat.append(time.perf_counter() - t0)
+                time.sleep(1 / 16)
+            conn.close()
+            return {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+
+        def throughput(model, stream=False, threads=16):
+            counts, stop_at = [0] * threads, time.perf_counter() + seconds
+
+            def worker(i):
+                pub.enter()
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+                while time.perf_counter() < stop_at:
+                    conn.request("POST", "/v1/chat/completions", body=body(model, stream), headers=heads)
+                    data = conn.getresponse().read()
+                    counts[i] += data.count(b"data: {") if stream else 1
+                conn.close()
+            pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+            t0 = time.perf_counter()
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join(seconds + 30)
+            return sum(counts) / (time.perf_counter() - t0)
+
+        def measure(name, model):
+            row = out[name] = pub.call(latency, model, timeout=120)
+            row["rps_16conn"] = throughput(model)
+            row["sse_chunks_per_s_8streams"] = throughput(model, stream=True, threads=8)
+        def relays_of_private():
+            return next((s.get("relay", "") for s in fleet.registry(ingress)["sessions"]
+                         if s.get("models") == ["fm-relayed"] and s["state"] == "SERVING"), "")
+        measure("direct", "fm-direct")
+        measure("relayed_splice", "fm-relayed")      # spliced through the standalone relay (its first)
+        fleet.stop(relay)                            # then the ingress is its relay: dial-backs handed over
+        rel.wait(lambda: relay_gossip not in relays_of_private(), 30, "the standalone relay replaced")
+        measure("relayed", "fm-relayed")
+        direct = out["direct"]
+        for name in ("relayed", "relayed_splice"):
+            row = out[name]
+            row["added_p50_ms"] = row["latency_p50_ms"] - direct["latency_p50_ms"]
+            row["added_p99_ms"] = row["latency_p99_ms"] - direct["latency_p99_ms"]
+            row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / direct["rps_16conn"])
+            row["sse_loss_pct"] = 100 * (1 - row["sse_chunks_per_s_8streams"] / direct["sse_chunks_per_s_8streams"])
+        fleet.stop(ingress)
+    print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay and "
+          "takes its dial-back; relayed_splice: through a standalone relay's splice; TLS end to end):")
+    for name in ("direct", "relayed", "relayed_splice"):
+        print(f"  {name:15}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
+    print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel")
+    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel,nat")
     p.add_argument("--saturate-seconds", type=float, default=None,
                    help="length of the false-eviction run with saturated CPUs (default 600; 20 with --quick)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -516,7 +689,7 @@ def main():
         on.install_event_loop()
         asyncio.run(worker(args))
         return
-    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel"}
+    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel", "nat"}
     results = {"quick": args.quick, "method": "worker processes hosting many Node objects, each with its "
                "own UDP+TCP sockets, on loopback; default timings"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -527,6 +700,8 @@ def main():
             churn_phase(key_file, args.quick, results)
         if "tunnel" in phases:
             tunnel_phase(key_file, args.quick, results)
+        if "nat" in phases:
+            nat_phase(args.quick, results)
         if "false" in phases:
             false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:

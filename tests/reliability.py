@@ -654,7 +654,32 @@ def simulator(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator]
+def nat(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The NAT lab (tests/natlab.py): the ingress on a public host, two nodes behind NATs (cone,
+    symmetric, UDP blocked, a leaky gateway; a standalone relay killed with SIGKILL while in
+    use), 5 plain chat/s through the ingress. A row per scenario; heals when both private nodes
+    serve (seconds from their start)."""
+    import natlab
+    timings = dict(QUICK_TIMINGS) if args.quick else {}
+    seconds = 6.0 if args.quick else 20.0
+    reason = natlab.unavailable()
+    rows = []
+    for name, (_, kill) in natlab.SCENARIOS.items():
+        load_text = "5 chat/s, 2 private nodes"
+        faults = f"NAT lab: {name}" + (" (SIGKILL at 1 s)" if kill else "") + f" ({timings_text(timings)})"
+        if reason:
+            rows.append(row(f"nat: {name}", load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason))
+            continue
+        with workdir(args, f"nat {name}") as tmp:
+            out = natlab.run(name, tmp, timings, seconds)
+        reach = ", ".join(f"{k}: {v}" for k, v in sorted(out["reach_at_ingress"].items()))
+        rows.append(row(f"nat: {name} ({reach}; a->b {out['a_reaches_b']})", load_text, faults,
+                        out["plain_errors"], "-", out["serving_after_s"], "-",
+                        **{k: v for k, v in out.items() if k != "scenario"}))
+    return rows
+
+
+SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat]
 
 
 # =============================================================================================

@@ -47,6 +47,13 @@ def get_json(url, timeout=2.0):
         return json.loads(resp.read())
 
 
+def tunnel_context(key_file):
+    """The TLS client context a member dials a node's tunnel with (keygen's cluster certificate)."""
+    cfg = on.Config(key=on.load_key(key_file))
+    cfg.tls_cert, cfg.tls_key = on.find_tunnel_tls(key_file)
+    return on.tunnel_tls(cfg)[1]
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     last = None
@@ -120,6 +127,7 @@ def cluster(tmp_path):
         return nodes
 
     start.key = on.load_key(key_file)
+    start.key_file = key_file
     try:
         yield start
     finally:
@@ -185,13 +193,13 @@ def test_node_killed_9_is_suspected_then_left_and_its_engine_dies_with_it(cluste
 def test_sigterm_drains_in_flight_request_then_leaves_and_exits_0(cluster):
     nodes = cluster(3, {2: "--mode slow --slow-delay 1.5"})
     victim = nodes[2]
-    name, value = on.Node(on.Config(key=cluster.key)).tunnel_header
+    tls = tunnel_context(cluster.key_file)
     result = {}
 
     def slow_request():
-        req = urllib.request.Request(f"http://{victim.listen}/v1/completions", data=b'{"prompt":"a b c"}',
-                                     headers={name: value, "content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        req = urllib.request.Request(f"https://{victim.listen}/v1/completions", data=b'{"prompt":"a b c"}',
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10, context=tls) as resp:
             result["status"] = resp.status
             result["body"] = json.loads(resp.read())
 
@@ -200,9 +208,9 @@ def test_sigterm_drains_in_flight_request_then_leaves_and_exits_0(cluster):
     time.sleep(0.5)
     victim.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: nodes[0].sessions()[victim.session]["state"] == "DOWN", 5, "DOWN while draining")
-    req = urllib.request.Request(f"http://{victim.listen}/v1/completions", data=b"{}", headers={name: value})
+    req = urllib.request.Request(f"https://{victim.listen}/v1/completions", data=b"{}")
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(req, timeout=5)
+        urllib.request.urlopen(req, timeout=5, context=tls)
     assert refused.value.code == 503
     thread.join(10)
     assert result["status"] == 200 and result["body"]["usage"]["prompt_tokens"] == 3
@@ -275,12 +283,11 @@ def test_node_wrapping_the_real_engine_serves_its_model_through_the_tunnel(real_
         me = wait_for(lambda: node.sessions()[node.session]["state"] == "SERVING" and node.sessions()[node.session],
                       180, "real engine SERVING")
         assert me["models"] == [real_engine.model]
-        name, value = on.Node(on.Config(key=on.load_key(key_file))).tunnel_header
         body = json.dumps({"model": real_engine.model, "max_tokens": 4,
                            "messages": [{"role": "user", "content": "Say hi"}]}).encode()
-        req = urllib.request.Request(f"http://{node.listen}/v1/chat/completions", data=body,
-                                     headers={name: value, "content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        req = urllib.request.Request(f"https://{node.listen}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120, context=tunnel_context(key_file)) as resp:
             answer = json.loads(resp.read())
         assert resp.status == 200 and answer["usage"]["completion_tokens"] >= 1
         assert answer["choices"][0]["message"]["role"] == "assistant"

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -102,17 +103,22 @@ def login_node(tmp_path, *args):
                           timeout=30, env=env)
 
 
-def test_login_node_relay_is_refused_in_one_line_and_touches_nothing(tmp_path):
+def test_login_node_relay_starts_the_standalone_relay_with_the_cluster_key(tmp_path):
     out = login_node(tmp_path, "relay", "start")
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == ("login-node.sh: relay is not available yet (otela_node.py has no relay mode; "
-                          "NAT relay is a future issue)\n")
-    assert not (tmp_path / "state").exists()
+    assert out.returncode == 0, out.stderr
+    state = tmp_path / "state"
+    log = state / "logs" / "relay.log"
+    deadline = time.monotonic() + 10
+    while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    argv = json.loads(log.read_text().strip().splitlines()[-1])
+    assert argv[1:] == ["relay", "--key-file", f"{state}/cluster.key", "--gossip", "0.0.0.0:7946",
+                        "--listen", "127.0.0.1:7701"]
 
 
 def test_login_node_unknown_role_prints_usage(tmp_path):
     out = login_node(tmp_path, "bogus")
-    assert out.returncode == 2 and out.stderr.startswith("usage: ") and "relay" not in out.stderr
+    assert out.returncode == 2 and out.stderr.startswith("usage: ") and "ingress|relay" in out.stderr
 
 
 def test_login_node_place_runs_the_cron_plan_with_lock_and_state_next_to_it(tmp_path):

@@ -1,0 +1,246 @@
+"""A NAT test bed in network namespaces (root only): the recipe of /work/shared/lab/natlab.sh,
+brought into the project's harness on top of tests/netns.py.
+
+    {tag}pub  public host (ingress, relays)      10.79.0.100/24 eth0
+        |
+    {tag}wan  the "internet": bridge br0, no address
+        |                                   |
+    {tag}ra  wan0 10.79.0.11 (NAT A)       {tag}rb  wan0 10.79.0.12 (NAT B)
+             lan0 10.79.1.1                         lan0 10.79.2.1
+        |                                   |
+    {tag}ha  eth0 10.79.1.2 (private A)    {tag}hb  eth0 10.79.2.2 (private B)
+
+NAT modes per router (iptables inside the router's namespace):
+  cone       MASQUERADE: Linux keeps the source port when it is free, so the mapping is
+             endpoint-independent (port-restricted cone): hole punching works.
+  symmetric  MASQUERADE --random-fully: a fresh port per 5-tuple: punching fails, relay.
+Routers drop unsolicited inbound (FORWARD: only ESTABLISHED,RELATED from wan); `block_udp`
+drops all forwarded UDP; `leaky` leaves the router's INPUT chain open (a bare Linux gateway:
+an unsolicited packet gets a conntrack entry and may make the NAT remap a flow).
+
+Names are "otn-<pid>-<n>-…": unique per lab, so labs of parallel runs never meet; `close()`
+(also on failure, as a context manager) kills every process inside and deletes the namespaces;
+a lab whose creator died is swept by the next one. Nothing is attached to this machine's own
+network, so no packet leaves the lab.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any, Dict, List, Optional
+
+import netns
+
+PREFIX = "otn-"
+PUBLIC = "10.79.0.100"
+ROUTER_WAN = {"a": "10.79.0.11", "b": "10.79.0.12"}
+PRIVATE = {"a": "10.79.1.2", "b": "10.79.2.2"}
+GATEWAY = {"a": "10.79.1.1", "b": "10.79.2.1"}
+MODES = ("cone", "symmetric")
+_count = itertools.count()
+
+
+def unavailable() -> Optional[str]:
+    """Why a NAT lab cannot be built here, or None."""
+    why = netns.unavailable()
+    if why:
+        return why
+    if shutil.which("iptables") is None:
+        return "iptables is not installed (make netdeps)"
+    return None
+
+
+def _sweep() -> None:
+    stale = []
+    for name in netns.existing():
+        if name.startswith(PREFIX):
+            pid = name[len(PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                stale.append(name)
+    if stale:
+        netns.remove(stale)
+
+
+def _run(ns: str, *argv: str) -> None:
+    done = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=15)
+    if done.returncode != 0:
+        raise RuntimeError(f"{ns}: {' '.join(argv)}: {done.stderr.strip()}")
+
+
+class NatLab:
+    """One public host and two private hosts behind NATs A and B. A context manager."""
+
+    def __init__(self, nat_a: str = "cone", nat_b: str = "cone", block_udp: str = "", leaky: str = ""):
+        for mode in (nat_a, nat_b):
+            if mode not in MODES:
+                raise ValueError(f"NAT mode {mode!r}: use one of {MODES}")
+        self.tag = f"{PREFIX}{os.getpid()}-{next(_count)}-"
+        self.names: Dict[str, str] = {n: self.tag + n for n in ("wan", "pub", "ra", "rb", "ha", "hb")}
+        self.nat = {"a": nat_a, "b": nat_b}
+        self.block_udp, self.leaky = block_udp, leaky
+        self.places: Dict[str, netns.Place] = {}
+        _sweep()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        ip, n = netns.ip, self.names
+        for name in n.values():
+            ip("netns", "add", name)
+            ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", n["wan"], "link", "add", "br0", "type", "bridge")
+        ip("-n", n["wan"], "link", "set", "br0", "up")
+        ip("-n", n["wan"], "link", "add", "pub0", "type", "veth", "peer", "name", "eth0", "netns", n["pub"])
+        for side in "ab":
+            ip("-n", n["wan"], "link", "add", f"r{side}0", "type", "veth", "peer", "name", "wan0",
+               "netns", n["r" + side])
+            ip("-n", n["r" + side], "link", "add", "lan0", "type", "veth", "peer", "name", "eth0",
+               "netns", n["h" + side])
+        for port in ("pub0", "ra0", "rb0"):
+            ip("-n", n["wan"], "link", "set", port, "master", "br0", "up")
+        ip("-n", n["pub"], "addr", "add", f"{PUBLIC}/24", "dev", "eth0")
+        ip("-n", n["pub"], "link", "set", "eth0", "up")
+        for side in "ab":
+            router, host = n["r" + side], n["h" + side]
+            ip("-n", router, "addr", "add", f"{ROUTER_WAN[side]}/24", "dev", "wan0")
+            ip("-n", router, "link", "set", "wan0", "up")
+            ip("-n", router, "addr", "add", f"{GATEWAY[side]}/24", "dev", "lan0")
+            ip("-n", router, "link", "set", "lan0", "up")
+            ip("-n", host, "addr", "add", f"{PRIVATE[side]}/24", "dev", "eth0")
+            ip("-n", host, "link", "set", "eth0", "up")
+            ip("-n", host, "route", "add", "default", "via", GATEWAY[side])
+            _run(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            self._firewall(side)
+        self.places = {"pub": netns.Place(PUBLIC, n["pub"]), "a": netns.Place(PRIVATE["a"], n["ha"]),
+                       "b": netns.Place(PRIVATE["b"], n["hb"])}
+
+    def _firewall(self, side: str) -> None:
+        router = self.names["r" + side]
+        ipt = ["iptables", "-w"]
+        masquerade = [*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
+        if self.nat[side] == "symmetric":
+            masquerade.append("--random-fully")
+        _run(router, *masquerade)
+        _run(router, *ipt, "-P", "FORWARD", "DROP")
+        if side in self.block_udp:
+            _run(router, *ipt, "-A", "FORWARD", "-p", "udp", "-j", "DROP")
+        _run(router, *ipt, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
+        _run(router, *ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-m", "conntrack",
+             "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        if side not in self.leaky:
+            _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate",
+                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-p", "icmp", "--icmp-type", "echo-request",
+                 "-j", "ACCEPT")
+            _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-j", "DROP")
+
+    def place(self, host: str) -> netns.Place:
+        """"pub", "a" or "b"."""
+        return self.places[host]
+
+    def pids(self) -> List[int]:
+        out = []
+        for name in self.names.values():
+            done = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10)
+            out += [int(p) for p in done.stdout.split()]
+        return out
+
+    def close(self) -> None:
+        for place in self.places.values():
+            place.close()
+        netns.remove(list(self.names.values()))
+
+    def __enter__(self) -> NatLab:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# =============================================================================================
+# Scenarios: the ingress (a relay) on the public host, nodes wrapping the fake engine on the
+# private hosts; shared by tests/test_nat_lab.py and `make reliability` (tests/reliability.py)
+# =============================================================================================
+SCENARIOS = {               # name: (NatLab arguments, a standalone relay that is killed midway)
+    "cone/cone": (dict(nat_a="cone", nat_b="cone"), False),
+    "symmetric": (dict(nat_a="symmetric", nat_b="symmetric"), False),
+    "udp blocked at A": (dict(block_udp="a"), False),
+    "leaky gateway at B": (dict(leaky="b"), False),
+    "relay in use killed": (dict(), True),
+}
+RELAY_GOSSIP_PORT = 7947            # the standalone relay beside the ingress on the public host
+
+
+def run(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> Dict[str, Any]:
+    """Build scenario `name`'s lab, start the members, send 5 plain chat/s through the ingress
+    for `seconds` (killing the standalone relay, with SIGKILL, a second in), and return what
+    happened: outcomes, sessions served, how each member reaches the others, relay links."""
+    import reliability as rel
+    lab_args, kill_relay = SCENARIOS[name]
+    out: Dict[str, Any] = {"scenario": name}
+    with NatLab(**lab_args) as lab, rel.Fleet(tmp, timings) as fleet:
+        pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
+        ingress = fleet.ingress(pub)
+        relay = None
+        if kill_relay:
+            gossip = f"{PUBLIC}:{RELAY_GOSSIP_PORT}"
+            argv = [rel.PY, os.path.join(rel.ROOT, "otela_node.py"), "relay", "--key-file", fleet.key_file,
+                    "--gossip", gossip, "--listen", f"{PUBLIC}:7701", "--bootstrap", ingress.gossip]
+            relay = rel.Member("relay", "relay", pub, argv, f"{PUBLIC}:7701", gossip)
+            fleet.members.append(relay)
+            fleet.start(relay)
+            rel.wait(lambda: fleet.up() and any(s.get("role") == "relay" and s["state"] == "SERVING"
+                                                for s in fleet.registry(ingress)["sessions"]), 30, "relay SERVING")
+        nodes = [fleet.node(side, place, bootstrap=(ingress.gossip,)) for side, place in (("a", a), ("b", b))]
+        want = 2 if kill_relay else 1
+
+        def ready() -> bool:
+            view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
+            workers = [s for s in view.values() if s.get("role") == "worker" and s["state"] == "SERVING"
+                       and not s.get("suspected")]
+            return len(workers) == 2 and all(len(s.get("relay", "").split(",")) >= want for s in workers)
+        started = time.monotonic()
+        rel.wait(lambda: fleet.up() and ready(), 60, "both private nodes SERVING at the ingress, relayed")
+        out["serving_after_s"] = round(time.monotonic() - started, 2)
+        sessions = {m.name: fleet.registry(m)["self"] for m in nodes}
+
+        def punch_settled() -> bool:
+            counts = [fleet.get(m, "/healthz")[1].get("gossip", {}).get("punches", {}) for m in nodes]
+            return any(c.get("ok") or c.get("failed") for c in counts)
+        settled = rel.until(lambda: fleet.up() and punch_settled(), 15)
+        out["punch_settled_after_s"] = round(settled - started, 2) if settled else None
+        view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
+        out["relays_before"] = {n: view[sid].get("relay", "") for n, sid in sessions.items()}
+        with rel.Load(pub, ingress.url, fleet.token, rate=5) as load:
+            time.sleep(1.0)
+            if relay is not None:
+                fleet.stop(relay, signal.SIGKILL)
+                out["relay_killed_at_s"] = 1.0
+            time.sleep(seconds)
+        outcomes = load.outcomes()
+        out["outcomes"] = outcomes
+        out["plain_requests"] = len(load.select("plain"))
+        out["plain_errors"] = rel.errors(load.select("plain"), True)
+        out["served_by"] = sorted({r[4] for r in load.select("plain") if r[3] == rel.OK} & set(sessions.values()))
+        out["both_served"] = set(out["served_by"]) == set(sessions.values())
+        view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
+        out["reach_at_ingress"] = {n: view[sid]["reach"] for n, sid in sessions.items()}
+        out["relays"] = {n: view[sid].get("relay", "") for n, sid in sessions.items()}
+        a_view = {s["session"]: s for s in fleet.registry(nodes[0])["sessions"]}
+        out["a_reaches_b"] = a_view.get(sessions["b"], {}).get("reach")
+        b_view = {s["session"]: s for s in fleet.registry(nodes[1])["sessions"]}
+        out["b_reaches_a"] = b_view.get(sessions["a"], {}).get("reach")
+        health = [fleet.get(m, "/healthz")[1].get("gossip", {}) for m in nodes]
+        out["punches"] = [h.get("punches") for h in health]
+        out["punch_ms"] = [h.get("punch_ms") for h in health]
+        out["private"] = [h.get("private") for h in health]
+        out["observed"] = [h.get("observed") for h in health]
+        fleet.stop(ingress)
+    return out

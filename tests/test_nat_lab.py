@@ -1,0 +1,65 @@
+"""The NAT lab (tests/natlab.py, root only): the ingress on a public host, nodes wrapping the
+fake engine on two private hosts behind NATs, as real processes. Namespaces are removed at the
+end of each test even when it fails (NatLab is a context manager; names are unique per lab)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import natlab  # noqa: E402
+import netns  # noqa: E402
+import reliability  # noqa: E402
+
+REASON = natlab.unavailable()
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
+
+
+@pytest.fixture
+def scenario(tmp_path):
+    def run(name):
+        return natlab.run(name, str(tmp_path), dict(reliability.QUICK_TIMINGS), seconds=4.0)
+    yield run
+    assert not [n for n in netns.existing() if n.startswith(f"{natlab.PREFIX}{os.getpid()}-")]
+
+
+def assert_served_through_relays(out):
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+    assert out["both_served"] and out["private"] == [True, True]
+    assert out["reach_at_ingress"] == {"a": "relayed", "b": "relayed"}
+    assert out["observed"][0].startswith(natlab.ROUTER_WAN["a"] + ":")   # the NAT's address, not 10.79.1.2
+    assert out["observed"][1].startswith(natlab.ROUTER_WAN["b"] + ":")
+
+
+def test_cone_cone_both_private_nodes_serve_and_reach_each_other_punched(scenario):
+    out = scenario("cone/cone")
+    assert_served_through_relays(out)
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("punched", "punched")
+    assert sum(p["ok"] for p in out["punches"]) == 2
+
+
+def test_symmetric_nats_are_served_through_the_relay(scenario):
+    out = scenario("symmetric")
+    assert_served_through_relays(out)
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("relayed", "relayed")   # the punch failed cleanly
+    assert sum(p["failed"] for p in out["punches"]) == 1 and sum(p["ok"] for p in out["punches"]) == 0
+
+
+def test_udp_blocked_on_one_side_gossip_and_tunnel_go_over_tcp_through_the_relay(scenario):
+    out = scenario("udp blocked at A")
+    assert_served_through_relays(out)
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("relayed", "relayed")
+
+
+def test_behind_a_leaky_gateway_the_punch_still_succeeds(scenario):
+    out = scenario("leaky gateway at B")
+    assert_served_through_relays(out)
+    assert (out["a_reaches_b"], out["b_reaches_a"]) == ("punched", "punched")
+
+
+def test_killing_the_relay_in_use_while_a_second_exists_fails_no_plain_request(scenario):
+    out = scenario("relay in use killed")
+    relay = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"
+    assert all(r.split(",")[0] == relay and len(r.split(",")) == 2 for r in out["relays_before"].values())
+    assert_served_through_relays(out)
+    assert all(relay not in r for r in out["relays"].values())   # replaced, same sessions served

@@ -1,0 +1,296 @@
+"""No work before authentication on the node's ports: the gossip TCP port and the tunnel port
+under attack (idle connections, huge frame lengths, keyless bodies) stay bounded, and members'
+own traffic still goes through. In one process, plus one real node process for memory and
+descriptors."""
+import asyncio
+import json
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+import fake_engine  # noqa: E402
+
+import otela_node as on  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = bytes(range(32))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def with_node(test, **config):
+    port = fake_engine.free_port()
+    engine = await fake_engine.start_fake_engine(port)
+    cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05, **config)
+    node = on.Node(cfg, models=["fake-model"], engine_url=f"http://127.0.0.1:{port}")
+    await node.start(serve_http=True)
+    try:
+        return await test(node, engine)
+    finally:
+        await node.stop()
+        await engine.close()
+
+
+async def until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def addr_of(node, field):
+    host, port = node.registry.get(node.session_id)[field].rsplit(":", 1)
+    return host, int(port)
+
+
+def credential(node) -> bytes:
+    name, value = node.tunnel_header
+    return f"{name}: {value}\r\n".encode()
+
+
+async def read_all(reader, timeout=10.0) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.read(-1), timeout)
+    except ConnectionResetError:
+        return b""
+
+
+async def plain_request(node, body=b'{"prompt":"a b"}') -> bytes:
+    reader, writer = await asyncio.open_connection(*addr_of(node, "addr"))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%sconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                 % (credential(node), len(body), body))
+    try:
+        return await read_all(reader)
+    finally:
+        writer.close()
+
+
+# -- gossip TCP ------------------------------------------------------------------------------
+def test_a_strangers_huge_frame_length_closes_the_gossip_connection_before_its_body_is_read():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "gossip"))
+        writer.write(struct.pack(">I", 32 * 1024 * 1024) + b"\0" * 65536)
+        closed = await read_all(reader)
+        writer.close()
+        return closed, node.wire.dropped["oversized"], node.bytes_received
+    closed, oversized, received = run(with_node(t))
+    assert closed == b"" and oversized == 1 and received == 0
+
+
+def test_a_big_authentic_frame_after_a_hello_is_accepted_and_a_forged_small_one_closes():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        before = node.wire.accepted
+        big = {"t": "a", "n": 1, "pad": "x" * 50000}    # > max_datagram: sent after a hello
+        await node._send_tcp(target, dict(big, ra="127.0.0.1:1"))
+        await until(lambda: node.wire.accepted >= before + 2, what="hello and big frame")
+        reader, writer = await asyncio.open_connection(*target)
+        forged = b"o1" + os.urandom(100)
+        writer.write(struct.pack(">I", len(forged)) + forged + struct.pack(">I", 4096) + os.urandom(4096))
+        closed = await read_all(reader)
+        writer.close()
+        return node.wire.accepted - before, node.wire.dropped["forged"], closed
+    accepted, forged, closed = run(with_node(t))
+    assert accepted == 2 and forged == 1 and closed == b""
+
+
+def test_gossip_tcp_connections_over_the_cap_are_closed_at_once_and_members_still_gossip():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        idle = [await asyncio.open_connection(*target) for _ in range(100)]
+        await until(lambda: node._gossip_connections + node.refused["gossip_busy"] >= 100, what="100 accepted")
+        held, refused = node._gossip_connections, node.refused["gossip_busy"]
+        for _, w in idle:
+            w.close()
+        await until(lambda: node._gossip_connections == 0, what="idle closed")
+        before = node.wire.accepted
+        await node._send_tcp(target, {"t": "a", "n": 1, "ra": "127.0.0.1:1"})
+        await until(lambda: node.wire.accepted == before + 1, what="a member's frame")
+        return held, refused
+    held, refused = run(with_node(t, max_gossip_connections=64))
+    assert held == 64 and refused == 36
+
+
+# -- the tunnel port -------------------------------------------------------------------------
+def test_a_keyless_request_is_refused_on_its_head_before_its_body_is_sent():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "addr"))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 60000000\r\n\r\n")
+        answer = await read_all(reader)                     # no body byte was ever written
+        writer.close()
+        return answer, engine.requests, node.refused["credential"]
+    answer, reached, refused = run(with_node(t))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403") and b"connection: close" in head
+    assert json.loads(body)["error"]["type"] == "permission_error" and reached == 0 and refused == 1
+
+
+def test_idle_strangers_are_capped_and_cut_oldest_first_while_a_member_is_served():
+    async def t(node, engine):
+        target = addr_of(node, "addr")
+        idle = [await asyncio.open_connection(*target) for _ in range(200)]
+        await until(lambda: node.refused["cut"] >= 200 - 64, what="strangers cut")
+        held = len(node._unauthenticated)
+        answer = await plain_request(node)
+        first_closed = await read_all(idle[0][0], 2)
+        for _, w in idle:
+            w.close()
+        return held, answer, first_closed
+    held, answer, first_closed = run(with_node(t, max_unauthenticated=64))
+    assert held == 64 and answer.startswith(b"HTTP/1.1 200") and first_closed == b""
+
+
+def test_the_connection_over_the_cap_gets_a_503_error_body_and_a_close():
+    async def t(node, engine):
+        target = addr_of(node, "addr")
+        idle = [await asyncio.open_connection(*target) for _ in range(8)]
+        await until(lambda: len(node._tunnel_conns) == 8, what="8 held")
+        reader, writer = await asyncio.open_connection(*target)
+        answer = await read_all(reader)
+        writer.close()
+        for _, w in idle:
+            w.close()
+        await until(lambda: not node._tunnel_conns, what="all closed")
+        return answer, await plain_request(node)
+    busy, after = run(with_node(t, max_tunnel_connections=8, max_unauthenticated=8))
+    head, _, body = busy.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "busy"
+    assert after.startswith(b"HTTP/1.1 200")
+
+
+def test_a_silent_connection_and_a_slow_head_are_closed_at_the_head_deadline():
+    async def t(node, engine):
+        target = addr_of(node, "addr")
+        silent = await asyncio.open_connection(*target)
+        slow = await asyncio.open_connection(*target)
+        slow[1].write(b"POST /v1/completions HTTP/1.1\r\n")       # and never the rest
+        started = time.monotonic()
+        results = [await read_all(silent[0]), await read_all(slow[0])]
+        for _, w in (silent, slow):
+            w.close()
+        await until(lambda: not node._tunnel_conns, what="both gone")
+        return results, time.monotonic() - started
+    results, _ = run(with_node(t, head_timeout=0.3))
+    assert results == [b"", b""]
+
+
+def test_a_stranger_kept_alive_after_an_open_request_is_closed_at_the_head_deadline():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "addr"))
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")   # kept alive, then silent
+        answer = await read_all(reader)
+        writer.close()
+        return answer
+    answer = run(with_node(t, head_timeout=0.3))
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"}")   # answered, then closed
+
+
+def test_a_body_that_stops_arriving_is_cut_at_the_body_deadline_and_never_reaches_the_engine():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "addr"))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%scontent-length: 1000\r\n\r\n{" % credential(node))
+        answer = await read_all(reader)
+        writer.close()
+        return answer, engine.requests
+    assert run(with_node(t, body_timeout=0.3)) == (b"", 0)
+
+
+# -- a real node process: memory and descriptors stay bounded ---------------------------------
+def _rss_kb(pid):
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def _fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _wait(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _http(port, data, timeout=10.0):
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        while True:
+            part = sock.recv(65536)
+            if not part:
+                return out
+            out += part
+
+
+def test_a_node_process_under_port_attack_keeps_its_memory_and_descriptors_and_serves(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    key_file = tmp_path / "cluster.key"                     # no certificate beside it: plain tunnel
+    key_file.write_text(KEY.hex() + "\n")
+    key_file.chmod(0o600)
+    listen, gossip, engine = fake_engine.free_port(), fake_engine.free_port(), fake_engine.free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "otela_node.py"), "start", "--key-file", str(key_file),
+         "--listen", f"127.0.0.1:{listen}", "--gossip", f"127.0.0.1:{gossip}", "--log-level", "ERROR",
+         "--engine-url", f"http://127.0.0.1:{engine}",
+         "--process", f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {engine}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    socks = []
+    try:
+        _wait(lambda: b"SERVING" in _http(listen, b"GET /v1/registry HTTP/1.1\r\nconnection: close\r\n\r\n"),
+              30, "node SERVING")
+        name, value = on.Node(on.Config(key=KEY)).tunnel_header
+        good = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%s: %s\r\nconnection: close\r\n"
+                b"content-length: 2\r\n\r\n{}" % (name.encode(), value.encode()))
+        rss0, fds0 = _rss_kb(proc.pid), _fds(proc.pid)
+        for _ in range(24):                                 # 32 MiB frame lengths at the gossip port
+            s = socket.create_connection(("127.0.0.1", gossip))
+            s.setblocking(False)
+            try:
+                s.send(struct.pack(">I", 32 * 1024 * 1024) + b"\0" * (1 << 20))
+            except OSError:
+                pass
+            socks.append(s)
+        for _ in range(8):                                  # keyless heads with 60 MB bodies behind
+            s = socket.create_connection(("127.0.0.1", listen))
+            s.setblocking(False)
+            try:
+                s.send(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 60000000\r\n\r\n"
+                       + b"x" * (1 << 20))
+            except OSError:
+                pass
+            socks.append(s)
+        for _ in range(1300):                               # idle connections at the tunnel port
+            socks.append(socket.create_connection(("127.0.0.1", listen)))
+        _wait(lambda: _fds(proc.pid) <= fds0 + 64 + 8, 20, "strangers cut down to the cap")
+        answer = _http(listen, good)
+        rss1, fds1 = _rss_kb(proc.pid), _fds(proc.pid)
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert fds1 - fds0 <= 64 + 8                            # max_unauthenticated, plus a margin
+    assert rss1 - rss0 < 40 * 1024                          # KiB: was +1 GB (gossip) and +550 MB (tunnel)
