@@ -254,7 +254,7 @@ def test_a_node_process_under_port_attack_keeps_its_memory_and_descriptors_and_s
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     socks = []
     try:
-        _wait(lambda: b"SERVING" in _http(listen, b"GET /v1/registry HTTP/1.1\r\nconnection: close\r\n\r\n"),
+        _wait(lambda: b"SERVING" in _http(listen, b"GET /v1/registry HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
               30, "node SERVING")
         name, value = on.Node(on.Config(key=KEY)).tunnel_header
         good = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%s: %s\r\nconnection: close\r\n"

@@ -138,7 +138,7 @@ def test_clients_without_the_key_material_are_refused_and_never_reach_the_engine
         credential = "{}: {}\r\n".format(*node.tunnel_header).encode()
         answers = [await exchange(*addr, request(CHAT), ctx) for ctx in (no_cert, other_cluster, stranger)]
         plain = await exchange(*addr, request(CHAT, credential))   # even the old static credential
-        health = await exchange(*addr, b"GET /healthz HTTP/1.1\r\nconnection: close\r\n\r\n")
+        health = await exchange(*addr, b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         return answers, plain, health, engine.requests, node.refused["handshake"]
     answers, plain, health, reached, handshakes = run(with_node(cluster_config, t))
     assert answers == [b"", b"", b""] and handshakes >= 2    # the other cluster's client refuses us
