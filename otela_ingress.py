@@ -148,9 +148,10 @@ _REASONS = {
 
 
 def error_body(status: int, message: str, code: Optional[str] = None,
-               param: Optional[str] = None) -> bytes:
-    """The body OpenAI's API (and so every OpenAI client) expects for an error."""
-    return crdt.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
+               param: Optional[str] = None, etype: Optional[str] = None) -> bytes:
+    """The body OpenAI's API (and so every OpenAI client) expects for an error. `etype` names
+    a type other than the status's (OpenAI's 429 insufficient_quota, say)."""
+    return crdt.dumps({"error": {"message": message, "type": etype or _ERROR_TYPES.get(status, "api_error"),
                                  "param": param, "code": code}})
 
 
@@ -158,10 +159,12 @@ class HTTPError(Exception):
     """An error answered to the client in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, code: Optional[str] = None,
-                 param: Optional[str] = None, headers: Sequence[Tuple[bytes, bytes]] = ()):
+                 param: Optional[str] = None, headers: Sequence[Tuple[bytes, bytes]] = (),
+                 etype: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = list(headers)
+        self.etype = etype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +176,10 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
     id TEXT PRIMARY KEY, user TEXT NOT NULL, hash TEXT NOT NULL UNIQUE,
     allow TEXT NOT NULL DEFAULT '[]', admin INTEGER NOT NULL DEFAULT 0,
-    rate REAL NOT NULL DEFAULT 0, created REAL NOT NULL, revoked REAL);
+    rate REAL NOT NULL DEFAULT 0, created REAL NOT NULL, revoked REAL,
+    budget_day INTEGER NOT NULL DEFAULT 0, budget_month INTEGER NOT NULL DEFAULT 0,
+    expires REAL, replica TEXT);
+CREATE TABLE IF NOT EXISTS usage_slots (id TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
@@ -202,6 +208,7 @@ def open_db(path: str) -> sqlite3.Connection:
             # which is the promise; only a power loss may drop the last commits.
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
+            _add_key_columns(db)
         except BaseException:
             db.close()
             raise
@@ -217,6 +224,19 @@ def open_db(path: str) -> sqlite3.Connection:
     return db
 
 
+# Columns added by issue 14 (budgets, expiry, the replicated record): a database made before
+# them gets them on open, with the defaults of a key that has none.
+_KEY_COLUMNS = (("budget_day", "INTEGER NOT NULL DEFAULT 0"), ("budget_month", "INTEGER NOT NULL DEFAULT 0"),
+                ("expires", "REAL"), ("replica", "TEXT"))
+
+
+def _add_key_columns(db: sqlite3.Connection) -> None:
+    have = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
+    for name, decl in _KEY_COLUMNS:
+        if name not in have:
+            db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
+
+
 def hash_key(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
 
@@ -224,13 +244,31 @@ def hash_key(token: str) -> str:
 class Key:
     """An API key as routing sees it (the secret itself is never kept)."""
 
-    __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp")
+    __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
+                 "budget_month", "expires", "record")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
-                 rate: float = 0.0):
+                 rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
         self.id, self.user, self.allow = key_id, user, tuple(sorted(set(allow)))
         self.admin, self.rate = bool(admin), float(rate)
         self._tokens, self._stamp = max(1.0, self.rate), 0.0
+        self.hash = key_hash
+        self.record = record   # its replicated record (crdt.key_record), None for ANONYMOUS
+        self.budget_day = int(record.get("budget_day", 0)) if record else 0
+        self.budget_month = int(record.get("budget_month", 0)) if record else 0
+        self.expires: Optional[float] = record.get("expires") if record else None
+
+    @classmethod
+    def of_record(cls, key_hash: str, record: Dict[str, Any]) -> Key:
+        return cls(record["id"], record["user"], record.get("allow", ()), record.get("admin", False),
+                   record.get("rate", 0.0), key_hash, record)
+
+    def charge(self, requests: int) -> None:
+        """Requests another ingress admitted for this key take tokens from this bucket too, so
+        the rate holds for the cluster (down to a debt of one burst: a flood elsewhere cannot
+        lock the key out here for longer than a second's refill)."""
+        if self.rate > 0 and requests > 0:
+            self._tokens = max(-max(1.0, self.rate), self._tokens - requests)
 
     def take(self, now: float) -> bool:
         """Token bucket: `rate` requests per second, bursts of up to max(1, rate)."""
@@ -248,22 +286,45 @@ class Key:
 ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request under --no-auth
 
 
-def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
-               rate: float = 0.0) -> Tuple[str, str]:
-    """Store a new key; return (key id, the token, which is shown once and never stored)."""
-    key_id = secrets.token_hex(4)
+def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: float = 0.0,
+            budget_day: int = 0, budget_month: int = 0,
+            expires: Optional[float] = None) -> Tuple[str, str, Dict[str, Any]]:
+    """A new key: (the token, shown once and never stored, the sha256 of it, its record)."""
     token = KEY_PREFIX + secrets.token_urlsafe(32)
-    db.execute("INSERT INTO keys (id, user, hash, allow, admin, rate, created) VALUES (?,?,?,?,?,?,?)",
-               (key_id, user, hash_key(token), crdt.dumps(sorted(set(allow))).decode(),
-                int(admin), float(rate), time.time()))
-    return key_id, token
+    record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
+                             budget_day, budget_month, expires)
+    return token, hash_key(token), record
+
+
+def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
+               rate: float = 0.0, budget_day: int = 0, budget_month: int = 0,
+               expires: Optional[float] = None) -> Tuple[str, str]:
+    """Store a new key; return (key id, the token, which is shown once and never stored)."""
+    token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+    store_key_record(db, digest, record)
+    return record["id"], token
+
+
+def store_key_record(db: sqlite3.Connection, digest: str, record: Dict[str, Any]) -> None:
+    """Write a key's record (made here or replicated from another ingress) into its row."""
+    revoked = record.get("revoked_at", 0.0) if record["state"] == crdt.KEY_REVOKED else None
+    db.execute("INSERT INTO keys (id, user, hash, allow, admin, rate, created, revoked, budget_day, "
+               "budget_month, expires, replica) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(hash) DO UPDATE "
+               "SET user=excluded.user, allow=excluded.allow, admin=excluded.admin, rate=excluded.rate, "
+               "revoked=coalesce(revoked, excluded.revoked), budget_day=excluded.budget_day, "
+               "budget_month=excluded.budget_month, expires=excluded.expires, replica=excluded.replica",
+               (record["id"], record["user"], digest, crdt.dumps(record.get("allow", [])).decode(),
+                int(record.get("admin", False)), float(record.get("rate", 0.0)), record["created"], revoked,
+                record.get("budget_day", 0), record.get("budget_month", 0), record.get("expires"),
+                crdt.encode(record).decode()))
 
 
 def list_keys(db: sqlite3.Connection) -> List[Dict[str, Any]]:
-    rows = db.execute("SELECT id, user, allow, admin, rate, created, revoked FROM keys "
-                      "ORDER BY created").fetchall()
+    rows = db.execute("SELECT id, user, allow, admin, rate, created, revoked, budget_day, budget_month, "
+                      "expires, hash FROM keys ORDER BY created").fetchall()
     return [{"id": r[0], "user": r[1], "allow": crdt.loads(r[2]), "admin": bool(r[3]),
-             "rate": r[4], "created": r[5], "revoked": r[6]} for r in rows]
+             "rate": r[4], "created": r[5], "revoked": r[6], "budget_day": r[7], "budget_month": r[8],
+             "expires": r[9], "hash": r[10]} for r in rows]
 
 
 def revoke_key(db: sqlite3.Connection, key_id: str) -> bool:
@@ -271,13 +332,33 @@ def revoke_key(db: sqlite3.Connection, key_id: str) -> bool:
     return cur.rowcount > 0
 
 
+def load_key_records(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
+    """sha256 -> replicated record for every key, revoked ones included. A row from before
+    replication (or revoked by the CLI since) gets the record its columns say."""
+    records = {}
+    for key_id, user, digest, allow, admin, rate, created, revoked, budget_day, budget_month, expires, replica \
+            in db.execute("SELECT id, user, hash, allow, admin, rate, created, revoked, budget_day, "
+                          "budget_month, expires, replica FROM keys"):
+        record = None
+        if replica:
+            try:
+                record = crdt.loads(replica)
+                crdt.validate_key(crdt.key_entry(digest), record)
+            except (ValueError, crdt.RecordError):
+                record = None
+        if record is None:
+            record = crdt.key_record(key_id, user, created, crdt.loads(allow), bool(admin), rate,
+                                     budget_day, budget_month, expires)
+        if revoked is not None:
+            record = crdt.revoked(record, revoked)
+        records[digest] = record
+    return records
+
+
 def load_keys(db: sqlite3.Connection) -> Dict[str, Key]:
     """hash -> Key for every key not revoked."""
-    keys = {}
-    for key_id, user, digest, allow, admin, rate in db.execute(
-            "SELECT id, user, hash, allow, admin, rate FROM keys WHERE revoked IS NULL"):
-        keys[digest] = Key(key_id, user, crdt.loads(allow), bool(admin), rate)
-    return keys
+    return {digest: Key.of_record(digest, record) for digest, record in load_key_records(db).items()
+            if record["state"] in crdt.ACCEPTED_KEY_STATES}
 
 
 def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bool:
@@ -336,9 +417,13 @@ class Ledger:
     failing ledger shows on /healthz and /metrics while requests go on being served.
     """
 
-    def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None]):
+    def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None],
+                 on_key_records: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None):
+        """`on_keys(keys)` gets the accepted keys at each reload; `on_key_records(records)`,
+        when given, gets every key's record instead (revoked ones too: ClusterKeys)."""
         self.path = path
         self._on_keys = on_keys
+        self._on_key_records = on_key_records
         # One ingress per ledger: a second one would replay the first one's live journal.
         self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -351,6 +436,7 @@ class Ledger:
         self._db.execute("CREATE TABLE IF NOT EXISTS ledger_state (id INTEGER PRIMARY KEY CHECK (id = 0), "
                          "seq INTEGER NOT NULL, offset INTEGER NOT NULL)")
         self._data_version = -1
+        self._replicas: Dict[str, Dict[str, Any]] = {}   # entry id -> record to keep (ClusterKeys)
         self._reload_keys()
         self.rows_written = 0
         self.failed_commits = 0             # batches SQLite refused (each retried with the next)
@@ -482,7 +568,45 @@ class Ledger:
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         if version != self._data_version:
             self._data_version = version
-            self._on_keys(load_keys(self._db))
+            if self._on_key_records is not None:
+                self._on_key_records(load_key_records(self._db))
+            else:
+                self._on_keys(load_keys(self._db))
+
+    def replicate(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """Keep a replicated key record or usage slot in SQLite (the event loop's side: a dict
+        store; the writer thread commits the latest of each with the next batch)."""
+        with self._rows_lock:
+            self._replicas[entry_id] = record
+
+    def _store_replicas(self) -> None:
+        with self._rows_lock:
+            replicas, self._replicas = self._replicas, {}
+        if not replicas:
+            return
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            for entry_id, record in replicas.items():
+                if crdt.kind_of(entry_id) == crdt.KEY:
+                    try:
+                        store_key_record(db, entry_id[len(crdt.KEY_ENTRY):], record)
+                    except sqlite3.IntegrityError:   # its short id names another key here
+                        print(f"otela-ingress: key {record['id']} from the overlay clashes with a "
+                              "local key id; it works but is not kept in this --db", file=sys.stderr)
+                else:
+                    db.execute("INSERT OR REPLACE INTO usage_slots VALUES (?, ?)",
+                               (entry_id, crdt.encode(record).decode()))
+            db.execute("COMMIT")
+            # our own writes leave PRAGMA data_version alone: no reload, no echo
+        except sqlite3.Error as exc:   # kept for the next round, like ledger rows
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            with self._rows_lock:
+                self._replicas = dict(replicas, **self._replicas)
+            print(f"otela-ingress: keeping replicated keys/usage failed (retried): {exc}", file=sys.stderr)
 
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S
@@ -503,6 +627,7 @@ class Ledger:
                         os.unlink(self._journal(seq))
                     except OSError:
                         pass
+            self._store_replicas()   # keys and usage slots from the overlay (ClusterKeys)
             with self._flushed:
                 self._generation += 1
                 self._flushed.notify_all()
@@ -624,6 +749,230 @@ class UsageStats:
 def _mean_std(values: List[int]) -> Dict[str, float]:
     mean = sum(values) / len(values)
     return {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
+# ---------------------------------------------------------------------------------------------
+# Theory of operation. A key's record (crdt KEY entry, keyed by the token's sha256) and the
+# per-(key, model, day) usage G-Counters (crdt USAGE entries, one slot per ingress session)
+# live in the overlay's map, so every ingress holds all of them and they spread the way
+# sessions do (pushed at once, repaired by anti-entropy, sent whole to a (re)joining ingress).
+#   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
+#      learned from the overlay is written to this ingress's SQLite, so `keys list` shows it
+#      and a restart starts from it. The request path reads only `Ingress.keys`, rebuilt here
+#      on each change of a key record.
+#   2. Each request this ingress serves adds to its own slot at once; the slots that changed
+#      go out every USAGE_PUBLISH_S. A peer's slot that grew charges the key's rate bucket
+#      here with the requests it served, so a rate holds for the cluster, not per ingress.
+#   3. Budgets (tokens per UTC day and month) are checked against the sum of every slot: the
+#      cluster's use, stale by at most USAGE_PUBLISH_S plus one push (a few ms on a LAN).
+USAGE_PUBLISH_S = 0.5     # own slots go out at most this often: at 50 req/s one record per
+                          # (key, model) per half second instead of 50, and budgets elsewhere
+                          # lag by half a second (a key can overrun by that much use)
+QUOTA_MESSAGE = ("You exceeded your current quota ({what}); it renews at {renews} UTC. "
+                 "Ask the operator for a larger budget.")
+
+
+class ClusterKeys:
+    """The keys and usage of the whole cluster as this ingress sees them."""
+
+    def __init__(self, ingress: Ingress):
+        self.ingress = ingress
+        self.records: Dict[str, Dict[str, Any]] = {}   # sha256 -> key record (revoked too)
+        self.slots: Dict[str, Dict[str, Any]] = {}     # usage entry id -> slot record
+        self.mine: Dict[str, Dict[str, Any]] = {}      # our own slots, live (entry id -> record)
+        self._dirty: set = set()                       # own slots changed since published
+        self.day_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)    # (hash, day)
+        self.month_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # (hash, YYYY-MM)
+        self.next_expiry = math.inf
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    # -- what comes in: SQLite at start and after the CLI, the overlay at any time ------------
+    def adopt(self, records: Dict[str, Dict[str, Any]]) -> None:
+        """Key records read from this ingress's SQLite: publish them (the lattice keeps the
+        newer of each, and a revocation always wins)."""
+        for digest, record in records.items():
+            self.publish(crdt.key_entry(digest), record)
+
+    def adopt_slots(self, slots: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Usage slots kept in SQLite (ours from before a restart, and other ingresses')."""
+        for entry_id, record in slots:
+            self.publish(entry_id, record)
+
+    def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
+        node = self.ingress.node
+        try:
+            if hasattr(node, "publish"):
+                node.publish(entry_id, record)   # the overlay tells on_entry, as for any change
+            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
+                self.on_entry(entry_id, node.registry.get(entry_id))
+        except crdt.RecordError as exc:   # a bad row in SQLite must not stop the ingress
+            print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
+
+    def on_entry(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
+        """A key record or usage slot changed in the map (ours or a peer's)."""
+        if record is None:
+            return
+        kind = crdt.kind_of(entry_id)
+        ledger = self.ingress.ledger
+        if kind == crdt.KEY:
+            digest = entry_id[len(crdt.KEY_ENTRY):]
+            self.records[digest] = record
+            self._rebuild_one(digest, record, time.time())
+        elif kind == crdt.USAGE:
+            self._count_slot(entry_id, record)
+        else:
+            return
+        if ledger is not None:
+            ledger.replicate(entry_id, record)
+
+    def _count_slot(self, entry_id: str, record: Dict[str, Any]) -> None:
+        if entry_id in self.mine:
+            return   # counted live in count(); the map has an older or equal copy
+        old = self.slots.get(entry_id)
+        self.slots[entry_id] = record
+        tokens = record["prompt_tokens"] + record["completion_tokens"]
+        requests = record["requests"]
+        if old is not None:
+            tokens -= old["prompt_tokens"] + old["completion_tokens"]
+            requests -= old["requests"]
+        if tokens > 0:
+            self._add(record["key"], record["day"], tokens)
+        key = self.ingress.keys.get(record["key"])
+        if key is not None and old is not None:   # a slot we knew grew: requests served elsewhere
+            key.charge(requests)
+
+    def _add(self, digest: str, day: str, tokens: int) -> None:
+        self.day_used[(digest, day)] += tokens
+        self.month_used[(digest, day[:7])] += tokens
+
+    # -- the keys the request path reads ------------------------------------------------------
+    def _rebuild_one(self, digest: str, record: Dict[str, Any], now: float) -> None:
+        ingress = self.ingress
+        keys = dict(ingress.keys)
+        old = keys.pop(digest, None)
+        if crdt.key_accepts(record, now):
+            key = Key.of_record(digest, record)
+            if old is not None:   # a rate bucket carries over an edit of its key
+                key._tokens, key._stamp = old._tokens, old._stamp
+            keys[digest] = key
+            if key.expires is not None:
+                self.next_expiry = min(self.next_expiry, key.expires)
+        ingress.keys = keys   # one reference swap: the request path never sees half of it
+
+    def expire(self, now: float) -> None:
+        """Drop keys whose expiry has come (checked every USAGE_PUBLISH_S)."""
+        if now < self.next_expiry:
+            return
+        keys = {d: k for d, k in self.ingress.keys.items() if k.expires is None or now < k.expires}
+        self.next_expiry = min((k.expires for k in keys.values() if k.expires is not None), default=math.inf)
+        self.ingress.keys = keys
+
+    def refusal(self, digest: Optional[str]) -> HTTPError:
+        """The 401 for a token that is not an accepted key: say why when we know the key."""
+        record = self.records.get(digest) if digest else None
+        if record is not None and record["state"] == crdt.KEY_REVOKED:
+            return HTTPError(401, "This API key was revoked", "invalid_api_key")
+        if record is not None and record.get("expires") is not None and time.time() >= record["expires"]:
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(record["expires"]))
+            return HTTPError(401, f"This API key expired at {when} UTC", "expired_api_key")
+        return HTTPError(401, "Invalid API key", "invalid_api_key")
+
+    # -- usage: our slots, budgets -----------------------------------------------------------
+    def count(self, key: Key, model: str, prompt_tokens: Optional[int], completion_tokens: Optional[int]) -> None:
+        """One finished request (any status) served here."""
+        if not key.hash:
+            return   # --no-auth's anonymous key: nothing to budget
+        day = crdt.time_day(time.time())
+        slot = self.ingress.node.session_id
+        entry_id = crdt.usage_entry(key.hash, model, day, slot)
+        record = self.mine.get(entry_id)
+        if record is None:
+            record = self.mine[entry_id] = crdt.usage_record(key.hash, model, day, slot, 0, 0, 0, 0)
+        prompt, completion = prompt_tokens or 0, completion_tokens or 0
+        record["requests"] += 1
+        record["prompt_tokens"] += prompt
+        record["completion_tokens"] += completion
+        self._add(key.hash, day, prompt + completion)
+        self._dirty.add(entry_id)
+
+    def check_quota(self, key: Key) -> None:
+        """429 insufficient_quota (OpenAI's shape) for a key whose day or month budget is used."""
+        if not (key.budget_day or key.budget_month):
+            return
+        now = time.time()
+        day = crdt.time_day(now)
+        if key.budget_day and self.day_used.get((key.hash, day), 0) >= key.budget_day:
+            renews = time.strftime("%Y-%m-%d 00:00", time.gmtime(crdt.day_start(day) + 86400))
+            raise HTTPError(429, QUOTA_MESSAGE.format(what=f"{key.budget_day} tokens a day", renews=renews),
+                            "insufficient_quota", etype="insufficient_quota")
+        if key.budget_month and self.month_used.get((key.hash, day[:7]), 0) >= key.budget_month:
+            year, month = int(day[:4]), int(day[5:7])
+            renews = f"{year + month // 12:04d}-{month % 12 + 1:02d}-01 00:00"
+            raise HTTPError(429, QUOTA_MESSAGE.format(what=f"{key.budget_month} tokens a month", renews=renews),
+                            "insufficient_quota", etype="insufficient_quota")
+
+    def usage(self, digest: str, now: float) -> Dict[str, Any]:
+        """A key's cluster-wide use today and this month against its budgets."""
+        day = crdt.time_day(now)
+        record = self.records.get(digest) or {}
+        return {"day": day, "tokens_today": self.day_used.get((digest, day), 0),
+                "tokens_this_month": self.month_used.get((digest, day[:7]), 0),
+                "budget_day": record.get("budget_day", 0), "budget_month": record.get("budget_month", 0)}
+
+    def totals(self, digest: Optional[str] = None) -> Dict[Tuple[str, str, str], Dict[str, int]]:
+        """The G-Counters' values, our live slots included."""
+        slots = list(self.slots.values()) + list(self.mine.values())
+        return crdt.usage_totals(slots, digest)
+
+    # -- the timer ---------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(USAGE_PUBLISH_S, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.flush()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(USAGE_PUBLISH_S, self._tick, loop)
+        try:
+            self.flush()
+            self.expire(time.time())
+        except Exception as exc:   # a bug here must not stop the timer, nor the ingress
+            print(f"otela-ingress: usage publish failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+
+    def flush(self) -> None:
+        """Publish our slots that changed (each write bumps its version)."""
+        dirty, self._dirty = self._dirty, set()
+        slot = self.ingress.node.session_id
+        today = crdt.time_day(time.time())
+        for entry_id in [e for e, r in self.mine.items() if r["day"] < today and e not in dirty]:
+            self.slots[entry_id] = self.mine.pop(entry_id)   # a closed day: no more writes
+        for entry_id in dirty:
+            record = self.mine[entry_id]
+            if record["slot"] != slot:   # we rejoined as a new session: this slot is closed
+                continue
+            record["version"] += 1
+            self.publish(entry_id, dict(record))
+
+
+def load_usage_slots(path: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """The usage slots this ingress kept (read once at start, before serving)."""
+    db = open_db(path)
+    try:
+        rows = db.execute("SELECT id, record FROM usage_slots").fetchall()
+    finally:
+        db.close()
+    slots = []
+    for entry_id, text in rows:
+        try:
+            slots.append((entry_id, crdt.loads(text)))
+        except ValueError:
+            continue
+    return slots
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1945,6 +2294,7 @@ class Ingress:
         self._per_address: Dict[str, int] = {}   # open connections per client address
         self.max_body = max_body
         self.keys: Dict[str, Key] = {}
+        self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self.metrics = Metrics()
         self.stats = UsageStats()
@@ -1969,7 +2319,9 @@ class Ingress:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
-        self.ledger = Ledger(self.db_path, self._set_keys)
+        self.ledger = Ledger(self.db_path, self._set_keys, self._set_key_records)
+        self.cluster.adopt_slots(load_usage_slots(self.db_path))
+        self.cluster.start(self._loop)
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         except OSError as exc:
@@ -1999,20 +2351,32 @@ class Ingress:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             except asyncio.TimeoutError:
                 pass
+        self.cluster.stop()   # our last usage goes out, and into SQLite below
         if self.ledger is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
 
     def _set_keys(self, keys: Dict[str, Key]) -> None:
-        # Called from the ledger thread: one reference swap, atomic under the GIL. Rate-limit
-        # buckets carry over so a reload does not refill them.
-        old = {k.id: k for k in self.keys.values()}
-        for key in keys.values():
-            previous = old.get(key.id)
-            if previous is not None:
-                key._tokens, key._stamp = previous._tokens, previous._stamp
-        self.keys = keys
+        """Accepted keys (read from SQLite): published, as _set_key_records."""
+        self._set_key_records({digest: key.record for digest, key in keys.items() if key.record is not None})
 
-    def _registry_changed(self, *_args) -> None:
+    def _set_key_records(self, records: Dict[str, Dict[str, Any]]) -> None:
+        """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
+        and after the CLI changed them): published to the cluster, whose view `self.keys`
+        follows (see ClusterKeys)."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here or loop is None:
+            self.cluster.adopt(records)
+        else:
+            loop.call_soon_threadsafe(self.cluster.adopt, records)
+
+    def _registry_changed(self, sid: str = "", record: Optional[Dict[str, Any]] = None) -> None:
+        if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
+            self.cluster.on_entry(sid, record)
+            return
         self._candidates = {}
 
     async def _sweep(self) -> None:
@@ -2300,8 +2664,8 @@ class Ingress:
             self.metrics.errors[exc.code or str(exc.status)] += 1
             self.metrics.requests[(model, exc.status)] += 1
         if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param),
-                                 extra=exc.headers)
+            self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param,
+                                                                exc.etype), extra=exc.headers)
 
     async def _respond_error(self, client: _Client, exc: HTTPError, model: str = "",
                              counted: bool = False) -> None:
@@ -2321,7 +2685,7 @@ class Ingress:
             digest = hashlib.sha256(token.strip()).hexdigest()
         key = self.keys.get(digest)   # looked up each time: a revoked key stops working at once
         if key is None:
-            raise HTTPError(401, "Invalid API key", "invalid_api_key")
+            raise self.cluster.refusal(digest)   # revoked, expired or unknown
         if header not in self._digests:
             if len(self._digests) >= 4096:   # bounded: keys in use, not every token ever tried
                 self._digests.clear()
@@ -2339,6 +2703,7 @@ class Ingress:
         if not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
+        self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
         try:
             request = crdt.loads(body)
         except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
@@ -2771,6 +3136,7 @@ class Ingress:
         if ex.status >= 400:
             metrics.errors["upstream_" + str(ex.status)] += 1
         metrics.observe(metrics.latency, model, now - ex.t0)
+        self.cluster.count(ex.key, model, ex.prompt_tokens, ex.completion_tokens)   # the G-Counter slot
         if ex.prompt_tokens:
             metrics.tokens[(model, "input")] += ex.prompt_tokens
         if ex.completion_tokens:

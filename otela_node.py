@@ -693,7 +693,7 @@ class Overlay:
     def _on_j(self, msg, src, now, tcp):
         out = self._merge(msg["r"], src, now)
         horizon = now - self.cfg.join_left_age      # what a joiner needs: no day of LEFT records
-        records = {sid: r for sid, r in self.map.items()
+        records = {sid: r for sid, r in self.map.all_items()   # keys and usage slots too
                    if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon}
         out.append(Out(src, self._with_suspicions({"t": "st", "r": records}), tcp))
         return out
@@ -1175,6 +1175,19 @@ class Overlay:
         for o in out:
             self.sent[o.msg["t"]] += 1
         return out
+
+    # -- replicated entries that are not sessions: API keys and usage slots ------------------
+    # An ingress writes key records and its own usage slots (crdt's KEY and USAGE kinds) into
+    # the same map. They travel as any change does: pushed by their writer to every member and
+    # resent until acked, carried by digests and push-pull, and sent whole to a joiner, so an
+    # ingress that was down catches up when it rejoins. They never touch membership.
+    def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
+        """Write a key record or one of our usage slots; rumoured if it changed the map."""
+        if crdt.kind_of(entry_id) == crdt.SESSION:
+            raise crdt.RecordError(f"{entry_id}: sessions are written by update and eviction")
+        if not self.map.put(entry_id, record, writer=self.sid):
+            return []
+        return self._count(self._changed([entry_id], now, origin=True))
 
 
 # =============================================================================================
@@ -1861,6 +1874,11 @@ class Node:
 
     def set_state(self, state: int) -> None:
         self.update(state=state)
+
+    def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """Write a replicated key record or usage slot (see Overlay.publish)."""
+        self._send(self.overlay.publish(entry_id, record, time.time()))
+        self._schedule()
 
     def rejoin(self, **fields) -> None:
         """Leave this session and join again as a new one (engine restart)."""
