@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import calendar
 import collections
 import fcntl
 import functools
@@ -127,6 +128,7 @@ SESSION_HEADER = b"x-otela-session"    # response header: which session served t
 KEY_PREFIX = "sk-otela-"
 PROXIED_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"))
 MODEL_PREFIX = b"/v1/models/"
+ADMIN_PREFIX = b"/v1/admin/"
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 
 
@@ -294,6 +296,50 @@ def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: flo
     record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
                              budget_day, budget_month, expires)
     return token, hash_key(token), record
+
+
+def parse_expiry(text: str, now: float) -> float:
+    """An expiry: a duration from now ("30d", "12h", "90m") or a UTC date or time
+    ("2027-01-31", "2027-01-31T12:00"); a unix time for the record."""
+    text = text.strip()
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return now + float(text[:-1]) * units[text[-1]]
+    for fmt in ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M:%S"):
+        try:
+            return float(calendar.timegm(time.strptime(text, fmt)))
+        except ValueError:
+            continue
+    raise ValueError(f"expires must be a duration (30d, 12h, 90m) or a UTC date/time "
+                     f"(2027-01-31, 2027-01-31T12:00), got {text!r}")
+
+
+def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0, budget_month: Any = 0,
+             expires: Any = None) -> Tuple[str, List[str], float, int, int, Optional[float]]:
+    """Check what a new key is to be (the CLI's flags, the admin API's fields): ValueError
+    with a one-line reason."""
+    if not isinstance(user, str) or not user.strip() or not user.strip().isprintable():
+        raise ValueError("user must name someone (printable, not empty)")
+    if isinstance(allow, str):
+        allow = [a.strip() for a in allow.split(",") if a.strip()]
+        if not allow:   # e.g. --allow "$EMPTY": never a key for any provider
+            raise ValueError("allow names no provider; leave it out for a key that may use any")
+    elif allow is None:
+        allow = []
+    elif not (isinstance(allow, list) and all(isinstance(a, str) and a for a in allow)):
+        raise ValueError("allow must be a list of provider names")
+    if type(rate) not in (int, float) or not (math.isfinite(rate) and rate >= 0):
+        raise ValueError("rate must be a number >= 0 (requests/s; 0: none)")
+    for name, value in (("budget_day", budget_day), ("budget_month", budget_month)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be a whole number of tokens >= 0 (0: none)")
+    if expires is not None:
+        if isinstance(expires, str):
+            expires = parse_expiry(expires, time.time())
+        elif type(expires) not in (int, float) or not math.isfinite(expires) or expires < 0:
+            raise ValueError("expires must be a unix time, a duration (30d) or a UTC date")
+        expires = float(expires)
+    return user.strip(), list(allow), float(rate), budget_day, budget_month, expires
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -2610,6 +2656,8 @@ class Ingress:
                 finally:
                     self.metrics.inflight -= 1
                 return
+            if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
+                return await self._admin(client, request, fields, path, query)
             length = fields.get(b"content-length") or b"0"
             if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
                     and int(length) <= MAX_HEADER_BYTES:
@@ -3171,6 +3219,100 @@ class Ingress:
             ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
             int(ex.routed.stream), ex.attempts, int(ex.tracked)))
 
+    # -- admin API: keys (create, list, revoke) and cluster-wide usage, behind an admin key ----
+    # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
+    # GET  /v1/admin/keys                    every key of the cluster, with use against budget
+    # POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
+    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key, model and day
+    async def _admin(self, client: _Client, request: Any, fields: Dict[bytes, bytes], path: bytes,
+                     query: bytes) -> None:
+        self.authenticate(fields, admin=True)   # on the head, like the proxy
+        method = request.method
+        body = b""
+        if method == b"POST":
+            body = await self._read_body(client, fields)
+        client.busy = True
+        rest = path[len(ADMIN_PREFIX):].decode("utf-8", "replace").strip("/").split("/")
+        if rest == ["keys"] and method == b"GET":
+            payload = {"object": "list", "data": self._admin_keys()}
+        elif rest == ["keys"] and method == b"POST":
+            payload = self._admin_create(body)
+        elif len(rest) == 3 and rest[0] == "keys" and rest[2] == "revoke" and method == b"POST" or \
+                len(rest) == 2 and rest[0] == "keys" and method == b"DELETE":
+            payload = self._admin_revoke(rest[1])
+        elif rest == ["usage"] and method in (b"GET", b"HEAD"):
+            payload = self._admin_usage(query)
+        else:
+            raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
+                                 f"{path.decode('utf-8', 'replace')}", "unknown_url")
+        await self._respond(client, 200, crdt.dumps(payload))
+
+    def _admin_keys(self) -> List[Dict[str, Any]]:
+        now = time.time()
+        out = []
+        for digest, record in sorted(self.cluster.records.items(), key=lambda kv: kv[1]["created"]):
+            view = {f: record[f] for f in ("id", "user", "created") if f in record}
+            view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
+                        admin=record.get("admin", False), rate=record.get("rate", 0.0),
+                        expires=record.get("expires"), usage=self.cluster.usage(digest, now))
+            if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
+                view["state"] = "expired"
+            out.append(view)
+        return out
+
+    def _admin_create(self, body: bytes) -> Dict[str, Any]:
+        try:
+            spec = crdt.loads(body or b"{}")
+        except (ValueError, RecursionError):
+            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+        if not isinstance(spec, dict):
+            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        try:
+            user, allow, rate, budget_day, budget_month, expires = key_spec(
+                spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
+                spec.get("budget_month", 0), spec.get("expires"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter") from None
+        admin = spec.get("admin", False)
+        if type(admin) is not bool:
+            raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
+        return dict(record, key=token, object="api_key")
+
+    def _admin_revoke(self, key_id: str) -> Dict[str, Any]:
+        for digest, record in self.cluster.records.items():
+            if record["id"] == key_id:
+                gone = crdt.revoked(record, time.time())
+                self.cluster.publish(crdt.key_entry(digest), gone)
+                return {"id": key_id, "object": "api_key", "state": "revoked"}
+        raise HTTPError(404, f"No key with id {key_id!r}", "key_not_found")
+
+    def _admin_usage(self, query: bytes) -> Dict[str, Any]:
+        try:
+            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
+            days = max(1, min(crdt.USAGE_RETENTION_DAYS, int(params.get("days", "31"))))
+        except (UnicodeDecodeError, ValueError):
+            raise HTTPError(400, "Bad query: key=ID and days=N (an integer)", "invalid_parameter") from None
+        by_hash = {digest: r for digest, r in self.cluster.records.items()}
+        wanted = params.get("key")
+        digest = None
+        if wanted is not None:
+            digest = next((d for d, r in by_hash.items() if r["id"] == wanted), None)
+            if digest is None:
+                raise HTTPError(404, f"No key with id {wanted!r}", "key_not_found")
+        now = time.time()
+        since = crdt.time_day(now - (days - 1) * 86400.0)
+        data = []
+        for (key_hash, model, day), sums in sorted(self.cluster.totals(digest).items(),
+                                                   key=lambda kv: (kv[0][2], kv[0][1])):
+            if day >= since:
+                record = by_hash.get(key_hash, {})
+                data.append(dict(sums, key=record.get("id", key_hash[:8]), user=record.get("user", ""),
+                                 model=model, day=day))
+        totals = {f: sum(r[f] for r in data) for f in crdt.USAGE_COUNTS}
+        return {"object": "list", "since": since, "data": data, "totals": totals}
+
     # -- GET endpoints -----------------------------------------------------------------------
     async def _get_healthz(self, fields, query):
         serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
@@ -3430,18 +3572,30 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
-    create.add_argument("--user", required=True, help="who the key belongs to (the ledger's user)")
+    create.add_argument("--user", default=env("USER"), required=env("USER") is None,
+                        help="who the key belongs to (the ledger's user; env OTELA_USER)")
     create.add_argument("--allow", default=None,
                         help="comma-separated providers this key may use: label k=v, label value, "
                              "or owner user@host (default: any)")
-    create.add_argument("--admin", action="store_true", help="may read GET /v1/usage")
-    create.add_argument("--rate", type=float, default=0.0, help="requests/s limit (0: none)")
+    create.add_argument("--admin", action="store_true",
+                        help="may read GET /v1/usage and use the admin API /v1/admin/ (default: no)")
+    create.add_argument("--rate", type=float, default=0.0,
+                        help="requests/s limit, for the whole cluster (default 0: none)")
+    create.add_argument("--budget-day", type=int, default=0, metavar="TOKENS",
+                        help="prompt + completion tokens a UTC day, for the whole cluster; past it "
+                             "requests get 429 insufficient_quota (default 0: none)")
+    create.add_argument("--budget-month", type=int, default=0, metavar="TOKENS",
+                        help="the same per UTC calendar month (default 0: none)")
+    create.add_argument("--expires", default=None, metavar="WHEN",
+                        help="the key stops working then: a duration (30d, 12h, 90m) or a UTC date/time "
+                             "(2027-01-31, 2027-01-31T12:00) (default: never)")
     create.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
-    lister = keys_sub.add_parser("list", help="list keys (never their secrets)")
+    lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
+                                              "budget, every ingress's use included")
     lister.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     lister.add_argument("--json", action="store_true", help="print JSON")
-    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (takes effect within 1 s)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (at every ingress within 2 s)")
     revoke.add_argument("key_id")
     revoke.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     return parser
@@ -3449,18 +3603,15 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
 
 def _keys_command(args: argparse.Namespace) -> int:
     if args.keys_command == "create":   # checked before the database is touched
-        user = args.user.strip()
-        if not user or not user.isprintable():
-            raise ValueError("--user must name someone (printable, not empty)")
-        allow = [a.strip() for a in (args.allow or "").split(",") if a.strip()]
-        if args.allow is not None and not allow:   # e.g. --allow "$EMPTY": never a key for any provider
-            raise ValueError("--allow names no provider; leave it out for a key that may use any")
-        if not (math.isfinite(args.rate) and args.rate >= 0):
-            raise ValueError("--rate must be a number >= 0")
+        try:
+            user, allow, rate, budget_day, budget_month, expires = key_spec(
+                args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
+        except ValueError as exc:
+            raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     db = open_db(args.db)
     try:
         if args.keys_command == "create":
-            key_id, token = create_key(db, user, allow, args.admin, args.rate)
+            key_id, token = create_key(db, user, allow, args.admin, rate, budget_day, budget_month, expires)
             if args.json:
                 print(crdt.dumps({"id": key_id, "key": token, "user": user, "allow": allow,
                                   "admin": args.admin}).decode())
@@ -3471,13 +3622,28 @@ def _keys_command(args: argparse.Namespace) -> int:
                       " The key is shown only now.", file=sys.stderr)
         elif args.keys_command == "list":
             rows = list_keys(db)
+            now = time.time()
+            day = crdt.time_day(now)
+            slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
+            for r in rows:   # every ingress's use, as this --db last heard it
+                used = crdt.usage_totals(slots, r.pop("hash"))
+                r["tokens_today"] = sum(v["prompt_tokens"] + v["completion_tokens"]
+                                        for (_, _, d), v in used.items() if d == day)
+                r["tokens_this_month"] = sum(v["prompt_tokens"] + v["completion_tokens"]
+                                             for (_, _, d), v in used.items() if d[:7] == day[:7])
             if args.json:
                 print(crdt.dumps(rows).decode())
             else:
                 for r in rows:
-                    state = "revoked" if r["revoked"] else "active"
+                    state = "revoked" if r["revoked"] else \
+                        "expired" if r["expires"] is not None and now >= r["expires"] else "active"
+                    today = f"{r['tokens_today']}/{r['budget_day'] or '-'}"
+                    month = f"{r['tokens_this_month']}/{r['budget_month'] or '-'}"
+                    expires = time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['expires'])) \
+                        if r["expires"] is not None else "never"
                     print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
                           f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
+                          f"tokens today {today} month {month}  expires {expires}  "
                           f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
         elif args.keys_command == "revoke":
             if not revoke_key(db, args.key_id):

@@ -1,0 +1,239 @@
+"""Several ingresses, one service: keys and usage replicated through the overlay.
+
+Two real `otela_ingress.py serve` processes on loopback, each with its own --db, the second
+bootstrapping to the first, and one `otela_node.py start` wrapping tests/fake_engine.py. What
+is checked is what a user sees: a key made at one ingress works at the other, a revocation at
+either stops it at both, usage and budgets are the cluster's, and an ingress that was down
+catches up when it comes back. Times to converge are printed (the issue's targets: 2 s for
+keys, 5 s for usage), never asserted; each wait polls with a generous deadline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_ingress_support import Client, Cluster, Stack, free_port
+
+pytestmark = pytest.mark.slow
+ENGINE = f"{sys.executable} tests/fake_engine.py --model fm --chunks 6 --port"
+CONVERGE_S = 20.0   # deadline of every wait: ten times the targets, for a loaded test box
+
+
+def poll(check, what: str, timeout: float = CONVERGE_S):
+    """Call `check` until it returns a true value; that value, and how long it took."""
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < timeout:
+        try:
+            last = check()
+        except OSError as exc:
+            last = exc
+        if last and not isinstance(last, OSError):
+            return last, time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout} s (last: {last!r})")
+
+
+class TwoIngresses(Cluster):
+    """Cluster's ingress (A, with the admin key in its --db) and a second one, B."""
+
+    def __init__(self, tmp_dir: str):
+        super().__init__(tmp_dir)
+        self.db_b = os.path.join(tmp_dir, "b.sqlite")
+        self.port_b = free_port()
+        self.url_b = f"http://127.0.0.1:{self.port_b}"
+        self.ingress_b = self.start_b()
+
+    def start_b(self):
+        proc = self._spawn("ingress-b", [os.path.join(self.root, "otela_ingress.py"), "serve",
+                                         "--key-file", self.key_file, "--listen", f"127.0.0.1:{self.port_b}",
+                                         "--gossip", f"127.0.0.1:{free_port()}", "--db", self.db_b,
+                                         "--bootstrap", f"127.0.0.1:{self.gossip}"])
+        self._wait(lambda: Client(self.url_b).request("GET", "/healthz")[0] == 200, "ingress B /healthz")
+        return proc
+
+    def cli(self, db: str, *argv: str) -> str:
+        done = subprocess.run([self.python, os.path.join(self.root, "otela_ingress.py"), "keys", *argv,
+                               "--db", db], capture_output=True, text=True, timeout=60, check=True)
+        return done.stdout
+
+    def create(self, db: str, *flags: str) -> dict:
+        return json.loads(self.cli(db, "create", "--user", "carol", "--json", *flags))
+
+
+def status_at(url: str, token: str) -> int:
+    client = Client(url, token)
+    try:
+        return client.request("GET", "/v1/models")[0]
+    finally:
+        client.close()
+
+
+def usage_at(url: str, admin: str, key_id: str) -> dict:
+    client = Client(url, admin)
+    try:
+        status, _, body = client.request("GET", f"/v1/admin/usage?key={key_id}")
+    finally:
+        client.close()
+    assert status == 200, body
+    return json.loads(body)["totals"]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    cluster = TwoIngresses(str(tmp_path_factory.mktemp("multi")))
+    try:
+        port = free_port()
+        cluster.node("n1", f"{ENGINE} {port}", port, "fm")
+        poll(lambda: status_at(cluster.url_b, cluster.token) == 200, "A's admin key at B")
+        poll(lambda: Client(cluster.url_b, cluster.token).chat("fm")[0] == 200, "B routing to the node")
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_a_key_created_at_one_ingress_answers_at_the_other(two):
+    key = two.create(two.db)
+    _, took = poll(lambda: status_at(two.url_b, key["key"]) == 200, "the new key at B")
+    print(f"key created at A answered 200 at B after {took:.2f} s")
+    assert status_at(two.url, key["key"]) == 200
+    # B keeps it in its own --db: its `keys list` shows it (the secret never: only the hash travels)
+    poll(lambda: key["id"] in two.cli(two.db_b, "list"), "the key in B's --db")
+    with open(two.db_b, "rb") as f:
+        assert key["key"].encode() not in f.read()
+
+
+def test_a_key_revoked_at_one_ingress_is_refused_at_the_other(two):
+    key = two.create(two.db_b)
+    poll(lambda: status_at(two.url, key["key"]) == 200, "B's key at A")
+    two.cli(two.db_b, "revoke", key["id"])
+    _, took = poll(lambda: status_at(two.url, key["key"]) == 401, "the revocation at A")
+    print(f"key revoked at B refused at A after {took:.2f} s")
+    client = Client(two.url, key["key"])
+    status, _, body = client.request("GET", "/v1/models")
+    assert status == 401 and json.loads(body)["error"]["message"] == "This API key was revoked"
+
+
+def test_the_admin_api_creates_and_revokes_keys_for_the_whole_cluster(two):
+    admin = Client(two.url_b, two.token)
+    status, _, body = admin.request("POST", "/v1/admin/keys", {"user": "dave", "budget_day": 1000})
+    assert status == 200, body
+    made = json.loads(body)
+    assert made["key"].startswith("sk-otela-") and made["budget_day"] == 1000
+    poll(lambda: status_at(two.url, made["key"]) == 200, "the API's key at A")
+    listed = json.loads(Client(two.url, two.token).request("GET", "/v1/admin/keys")[2])["data"]
+    assert [k["user"] for k in listed if k["id"] == made["id"]] == ["dave"]
+    assert "key" not in [k for k in listed if k["id"] == made["id"]][0]
+    assert admin.request("POST", f"/v1/admin/keys/{made['id']}/revoke")[0] == 200
+    poll(lambda: status_at(two.url, made["key"]) == 401, "the API's revocation at A")
+    assert Client(two.url, made["key"]).request("GET", "/v1/admin/keys")[0] == 401
+    assert status_at(two.url, made["key"]) == 401
+
+
+def test_usage_totals_are_the_same_at_both_ingresses(two):
+    key = two.create(two.db)
+    poll(lambda: status_at(two.url_b, key["key"]) == 200, "the key at B")
+    at_a, at_b = Client(two.url, key["key"]), Client(two.url_b, key["key"])
+    statuses = [at_a.chat("fm", "one two three")[0] for _ in range(5)]
+    statuses += [at_b.chat("fm", "one two three")[0] for _ in range(3)]
+    assert statuses == [200] * 8
+    want = {"requests": 8, "prompt_tokens": 8 * 3, "completion_tokens": 8 * 6}
+    _, took = poll(lambda: usage_at(two.url, two.token, key["id"]) == want
+                   and usage_at(two.url_b, two.token, key["id"]) == want, "equal usage at A and B")
+    print(f"usage totals equal at A and B {took:.2f} s after the last request")
+
+
+def test_a_daily_budget_holds_for_the_cluster_with_openais_insufficient_quota(two):
+    key = two.create(two.db, "--budget-day", "40")   # four requests of 3 + 6 tokens: 36, then 45
+    poll(lambda: status_at(two.url_b, key["key"]) == 200, "the key at B")
+    at_a = Client(two.url, key["key"])
+    assert [at_a.chat("fm", "one two three")[0] for _ in range(5)] == [200] * 5
+    status, _, body = at_a.chat("fm", "one two three")
+    assert status == 429
+    error = json.loads(body)["error"]
+    assert error["type"] == "insufficient_quota" and error["code"] == "insufficient_quota"
+    at_b = Client(two.url_b, key["key"])
+    poll(lambda: at_b.chat("fm", "one")[0] == 429, "the used budget at B")
+    shown = json.loads(two.cli(two.db, "list", "--json"))
+    row = [r for r in shown if r["id"] == key["id"]][0]
+    assert row["budget_day"] == 40 and row["tokens_today"] >= 45
+
+
+def test_an_ingress_that_was_down_catches_up_when_it_rejoins(two):
+    two.ingress_b.send_signal(signal.SIGTERM)
+    two.ingress_b.wait(30)
+    key = two.create(two.db)
+    gone = two.create(two.db)
+    poll(lambda: status_at(two.url, gone["key"]) == 200, "the key at A")
+    two.cli(two.db, "revoke", gone["id"])
+    poll(lambda: status_at(two.url, gone["key"]) == 401, "the revocation at A")
+    two.ingress_b = two.start_b()
+    _, took = poll(lambda: status_at(two.url_b, key["key"]) == 200, "the key made while B was down")
+    print(f"restarted B accepted a key made while it was down {took:.2f} s after its start")
+    assert status_at(two.url_b, gone["key"]) == 401
+
+
+# -- one ingress in-process (the stand-in node): budgets, expiry, the 401s --------------------
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(str(tmp_path / "one.sqlite"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def add_key(stack, **spec) -> dict:
+    admin = stack.key(admin=True)
+    status, _, body = Client(stack.url, admin).request("POST", "/v1/admin/keys", dict({"user": "eve"}, **spec))
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_an_expired_key_is_refused_with_the_time_it_expired(stack):
+    made = add_key(stack, expires=time.time() + 0.5)
+    assert status_at(stack.url, made["key"]) == 200
+    poll(lambda: status_at(stack.url, made["key"]) == 401, "the expiry")
+    body = json.loads(Client(stack.url, made["key"]).request("GET", "/v1/models")[2])
+    assert body["error"]["code"] == "expired_api_key" and "expired at" in body["error"]["message"]
+
+
+def test_a_monthly_budget_refuses_once_used_and_keys_list_shows_the_use(stack):
+    stack.engine("m1")
+    made = add_key(stack, budget_month=10)
+    client = Client(stack.url, made["key"])
+    assert client.chat("m1", "a b c")[0] == 200   # the fake engine: 3 + 8 tokens
+    status, _, body = client.chat("m1", "a b c")
+    assert status == 429 and json.loads(body)["error"]["type"] == "insufficient_quota"
+    assert "10 tokens a month" in json.loads(body)["error"]["message"]
+    admin = stack.key(admin=True)
+    listed = json.loads(Client(stack.url, admin).request("GET", "/v1/admin/keys")[2])["data"]
+    usage = [k["usage"] for k in listed if k["id"] == made["id"]][0]
+    assert usage["tokens_this_month"] == 11 and usage["budget_month"] == 10
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({}, "user must name someone"),
+    ({"user": "x", "budget_day": -5}, "budget_day must be a whole number"),
+    ({"user": "x", "expires": "soon"}, "expires must be a duration"),
+    ({"user": "x", "allow": "a,,"}, None),
+])
+def test_the_admin_api_checks_what_a_new_key_is_to_be(stack, spec, message):
+    admin = stack.key(admin=True)
+    status, _, body = Client(stack.url, admin).request("POST", "/v1/admin/keys", spec)
+    if message is None:
+        assert status == 200 and json.loads(body)["allow"] == ["a"]
+    else:
+        assert status == 400 and message in json.loads(body)["error"]["message"]
+
+
+def test_the_admin_api_needs_an_admin_key(stack):
+    plain = stack.key()
+    status, _, body = Client(stack.url, plain).request("GET", "/v1/admin/keys")
+    assert status == 403 and json.loads(body)["error"]["code"] == "admin_required"
+    assert Client(stack.url).request("GET", "/v1/admin/keys")[0] == 401
