@@ -2329,8 +2329,13 @@ class Ingress:
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
-                 max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None):
+                 max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
+                 require_code_hash: Optional[str] = None):
+        """`require_code_hash`: route only to sessions advertising this code hash ("self": what
+        a worker from this checkout advertises); see --require-code-hash."""
         self.node = node
+        self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
+            else require_code_hash
         self.db_path = db_path
         self.policy = policy if policy is not None else LeastLoadedPolicy()
         self.no_auth = no_auth
@@ -2457,6 +2462,8 @@ class Ingress:
                 known = True
             if state != crdt.SERVING or node.is_suspected(sid):
                 continue
+            if self.require_code_hash and record.get("code_hash") != self.require_code_hash:
+                continue   # --require-code-hash: not the code we route to
             found = True
             if allowed(key.allow, sid, record):
                 result.append(Candidate(sid, record))
@@ -2479,7 +2486,8 @@ class Ingress:
         node = self.node
         for sid, record in node.registry.items():
             if (record.get("state") == crdt.SERVING and record.get("role", "worker") == "worker"
-                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)):
+                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)
+                    and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)):
                 names.update(record.get("models") or ())
         return sorted(names)
 
@@ -3523,7 +3531,11 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     config = otela_node.config_from_args(args)
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
-    ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth)
+    ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
+                      require_code_hash=args.require_code_hash)
+    if ingress.require_code_hash:
+        print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
+              file=sys.stderr)
     await node.start(serve_http=False)
     try:
         port = await ingress.start(host, port)
@@ -3542,6 +3554,13 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     await ingress.stop(drain=DRAIN_S)
     await node.stop(leave=True)
     return 0
+
+
+def _code_hash_arg(value: str) -> str:
+    value = value.strip()
+    if value != "self" and not re.fullmatch(r"[0-9a-f]{16}", value):
+        raise argparse.ArgumentTypeError(f"expected 16 hex digits (as in /v1/registry) or 'self', got {value!r}")
+    return value
 
 
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
@@ -3565,6 +3584,17 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")
+    serve.add_argument("--require-code-hash", default=env("REQUIRE_CODE_HASH"), metavar="HASH|self",
+                       type=_code_hash_arg,
+                       help="route only to worker sessions advertising this code hash (the 16 hex digits "
+                            "in /v1/registry's code_hash; 'self': what a worker started from this "
+                            "ingress's own checkout advertises, the sha256 of its otela_node.py and "
+                            "crdt.py). Protects against a node started by mistake from a modified or "
+                            "outdated checkout: it gets no requests. Does NOT protect against a hostile "
+                            "node: the hash is self-reported (anyone holding the cluster key can "
+                            "advertise any hash; this is not attestation), and it covers neither the "
+                            "engine, nor Python and its packages (env OTELA_REQUIRE_CODE_HASH; "
+                            "default: route to any code)")
     serve.add_argument("--no-auth", action="store_true", default=None,
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")

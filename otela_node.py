@@ -1692,14 +1692,27 @@ def owner_name() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def code_hash() -> str:
-    """sha256 of the otela files this process runs (so mixed versions are visible)."""
+# The otela files each role runs, all of them: a session's code_hash covers these (the engine,
+# Python and its packages are not covered; see the ingress's --require-code-hash).
+ROLE_FILES = {
+    "worker": ("otela_node.py", "crdt.py"),
+    "relay": ("otela_node.py", "crdt.py"),
+    "ingress": ("otela_ingress.py", "otela_node.py", "crdt.py"),
+}
+
+
+def code_hash(role: str = "worker", directory: Optional[str] = None) -> str:
+    """sha256 of the otela files `role` runs, as found in `directory` (default: beside this
+    file), so mixed or modified versions are visible and can be pinned. A missing file hashes
+    as its name alone: such a checkout never matches a whole one."""
+    directory = directory or os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
-    for mod in (sys.modules[__name__], crdt):
+    for name in ROLE_FILES.get(role, ROLE_FILES["worker"]):
+        h.update(name.encode() + b"\0")
         try:
-            with open(mod.__file__, "rb") as fh:
-                h.update(fh.read())
-        except (OSError, TypeError):
+            with open(os.path.join(directory, name), "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+        except OSError:
             pass
     return h.hexdigest()[:16]
 
@@ -1807,7 +1820,7 @@ class Node:
         now = time.time()
         record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
-                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash()}
+                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(self.role)}
         self.overlay = Overlay(cfg, self._pending_id, record, now)
         self.overlay.listeners.append(self._changed)
         self.overlay.rejoin_listeners.append(

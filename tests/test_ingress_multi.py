@@ -53,7 +53,8 @@ class TwoIngresses(Cluster):
         proc = self._spawn("ingress-b", [os.path.join(self.root, "otela_ingress.py"), "serve",
                                          "--key-file", self.key_file, "--listen", f"127.0.0.1:{self.port_b}",
                                          "--gossip", f"127.0.0.1:{free_port()}", "--db", self.db_b,
-                                         "--bootstrap", f"127.0.0.1:{self.gossip}"])
+                                         "--bootstrap", f"127.0.0.1:{self.gossip}",
+                                         "--require-code-hash", "self"])
         self._wait(lambda: Client(self.url_b).request("GET", "/healthz")[0] == 200, "ingress B /healthz")
         return proc
 
@@ -176,6 +177,56 @@ def test_an_ingress_that_was_down_catches_up_when_it_rejoins(two):
     _, took = poll(lambda: status_at(two.url_b, key["key"]) == 200, "the key made while B was down")
     print(f"restarted B accepted a key made while it was down {took:.2f} s after its start")
     assert status_at(two.url_b, gone["key"]) == 401
+
+
+def test_a_node_running_modified_code_gets_nothing_from_an_ingress_pinned_to_its_own(two, tmp_path):
+    # the case: a copy of the node with one line changed, serving the same model
+    for name in ("otela_node.py", "crdt.py"):
+        with open(os.path.join(two.root, name)) as src, open(tmp_path / name, "w") as dst:
+            dst.write(src.read() + ("\n# tampered\n" if name == "otela_node.py" else ""))
+    port = free_port()
+    before = two.serving("fm")
+    two._spawn("tampered", [str(tmp_path / "otela_node.py"), "start", "--key-file", two.key_file,
+                            "--bootstrap", f"127.0.0.1:{two.gossip}", "--listen", f"127.0.0.1:{free_port()}",
+                            "--gossip", f"127.0.0.1:{free_port()}", "--process", f"{ENGINE} {port}",
+                            "--engine-url", f"http://127.0.0.1:{port}"])
+    poll(lambda: two.serving("fm") > before, "the tampered node serving", timeout=120)
+    view = json.loads(Client(two.url).request("GET", "/v1/registry")[2])
+    hashes = {s["code_hash"] for s in view["sessions"] if s.get("role") == "worker" and s["state"] == "SERVING"}
+    assert len(hashes) == 2   # it says so itself: the hash is what the node reports
+    pinned, unpinned = Client(two.url_b, two.token), Client(two.url, two.token)
+    assert [pinned.chat("fm")[0] for _ in range(20)] == [200] * 20
+    engine = Client(f"http://127.0.0.1:{port}")
+    assert json.loads(engine.request("GET", "/fake/stats")[2])["requests"] == 0
+    assert [unpinned.chat("fm")[0] for _ in range(20)] == [200] * 20   # unpinned A uses it
+    assert json.loads(engine.request("GET", "/fake/stats")[2])["requests"] > 0
+
+
+def test_the_code_hash_covers_every_file_of_the_role(tmp_path):
+    import otela_node
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("otela_node.py", "crdt.py", "otela_ingress.py"):
+        with open(os.path.join(root, name)) as src, open(tmp_path / name, "w") as dst:
+            dst.write(src.read())
+    same = otela_node.code_hash("worker", str(tmp_path))
+    assert same == otela_node.code_hash("worker") and len(same) == 16
+    ingress_hash = otela_node.code_hash("ingress", str(tmp_path))
+    with open(tmp_path / "crdt.py", "a") as f:
+        f.write("# changed\n")
+    changed = otela_node.code_hash("worker", str(tmp_path))
+    assert changed != same
+    assert otela_node.code_hash("ingress", str(tmp_path)) != ingress_hash
+    with open(tmp_path / "otela_ingress.py", "a") as f:   # not a file a worker runs
+        f.write("# changed\n")
+    assert otela_node.code_hash("worker", str(tmp_path)) == changed
+
+
+def test_a_bad_require_code_hash_is_a_one_line_error():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "otela_ingress.py"), "serve",
+                           "--require-code-hash", "abc"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "expected 16 hex digits" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # -- one ingress in-process (the stand-in node): budgets, expiry, the 401s --------------------
