@@ -129,6 +129,8 @@ KEY_PREFIX = "sk-otela-"
 PROXIED_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"))
 MODEL_PREFIX = b"/v1/models/"
 ADMIN_PREFIX = b"/v1/admin/"
+REQUEST_ID_HEADER = b"x-request-id"   # taken from the client when sane, else made; on every answer
+_REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, as OpenAI's req_... ids
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 
 
@@ -185,7 +187,7 @@ CREATE TABLE IF NOT EXISTS usage_slots (id TEXT PRIMARY KEY, record TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
-    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER);
+    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT);
 CREATE TABLE IF NOT EXISTS daily (
     day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
@@ -237,6 +239,8 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
     for name, decl in _KEY_COLUMNS:
         if name not in have:
             db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
+    if "request_id" not in {row[1] for row in db.execute("PRAGMA table_info(requests)")}:
+        db.execute("ALTER TABLE requests ADD COLUMN request_id TEXT")
 
 
 def hash_key(token: str) -> str:
@@ -429,7 +433,7 @@ def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bo
 # ---------------------------------------------------------------------------------------------
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id")
 
 
 def _day(ts: float) -> str:
@@ -439,7 +443,7 @@ def _day(ts: float) -> str:
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11, ?12 WHERE ?13")
+                    "?10, ?11, ?12, ?14 WHERE ?13")
 _INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                  "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                  "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
@@ -598,7 +602,7 @@ class Ledger:
                         values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
                         continue
-                    if len(values) == 13:
+                    if len(values) in (13, 14):   # 13: a journal from before request ids
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
         if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
@@ -693,7 +697,7 @@ class Ledger:
         refused them (nothing of them is in)."""
         daily: Dict[Tuple[str, str, str], List[int]] = {}
         days: Dict[int, str] = {}
-        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked in rows:
+        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *_ in rows:
             day = days.get(int(ts // 86400))
             if day is None:
                 day = days[int(ts // 86400)] = _day(ts)
@@ -710,7 +714,8 @@ class Ledger:
         try:
             db.execute("BEGIN")
             if rows:
-                written = db.executemany(_INSERT_REQUESTS, rows).rowcount
+                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 14 else r + (None,)
+                                                            for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
@@ -1884,7 +1889,7 @@ class _FastRequest:
 
 
 _WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
-                 + SESSION_HEADER + b": %s\r\n\r\n%s")
+                 + SESSION_HEADER + b": %s\r\n%s\r\n%s")
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
 _TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 # A whole plain head in one match: request line, then header lines whose names are tokens and
@@ -1933,7 +1938,7 @@ class _ClientConn:
     `resume(h11 connection)` after it: every head is seen here first.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "_remaining", "_chunked", "_close", "_eof")
+    __slots__ = ("buf", "our_state", "their_state", "_remaining", "_chunked", "_close", "_eof", "extra")
     they_are_waiting_for_100_continue = False
 
     def __init__(self):
@@ -1941,6 +1946,7 @@ class _ClientConn:
         self.our_state = self.their_state = h11.IDLE
         self._remaining = 0
         self._chunked = self._close = self._eof = False
+        self.extra = b""   # header lines every answer to this request carries (Ingress._tag)
 
     @property
     def trailing_data(self) -> Tuple[bytes, bool]:
@@ -2054,7 +2060,7 @@ class _ClientConn:
             out.append(b"%s: %s\r\n" % (name, value))
         if not framed:
             out.append(b"transfer-encoding: chunked\r\n")
-        out.append(b"\r\n")
+        out.append(self.extra + b"\r\n")
         self._chunked, self._close = not framed, close
         self.our_state = h11.SEND_BODY
         return b"".join(out)
@@ -2064,7 +2070,7 @@ class _ClientConn:
         self._chunked = self._close = False
         self.our_state = h11.DONE
         return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session,
-                                payload)
+                                self.extra, payload)
 
     def data(self, data: bytes) -> bytes:
         """What send(h11.Data(data=data)) gives, without building the event."""
@@ -2106,6 +2112,9 @@ def _end(conn: Any) -> bytes:
 def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -> bytes:
     if type(conn) is _ClientConn:
         return conn.head(status, headers)
+    extra = getattr(conn, "extra", b"")   # Ingress._tag's lines, on an h11 connection
+    if extra:
+        headers = headers + [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]
     return conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
 
 
@@ -2123,7 +2132,7 @@ class _Client(asyncio.Protocol):
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "task", "closed",
                  "relay", "pending", "lingering", "head_only", "_waiter", "_drain_waiter", "_write_paused",
-                 "_read_paused")
+                 "_read_paused", "request_id")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -2141,6 +2150,7 @@ class _Client(asyncio.Protocol):
         self.pending: Optional[tuple] = None  # (exchange, upstream, candidate) awaiting a plain answer
         self.lingering = False           # answered and half-closed: what arrives is dropped
         self.head_only = False           # the request being answered is a HEAD
+        self.request_id = b""            # the X-Request-Id of the request being answered
         self._waiter: Optional[asyncio.Future] = None
         self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
@@ -2305,7 +2315,7 @@ class _Exchange:
 
     __slots__ = ("client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "finished", "refusal")
+                 "row_head", "finished", "refusal", "request_id")
 
     def __init__(self, client, path, body, key, routed, strip_usage, tracked, t0):
         self.client, self.path, self.body, self.key, self.routed = client, path, body, key, routed
@@ -2318,6 +2328,7 @@ class _Exchange:
         self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
         self.finished = False   # the upstream protocol's hook sent the whole answer
         self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # the last attempt's 5xx answer
+        self.request_id: bytes = client.request_id   # X-Request-Id (see Ingress._tag)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2330,10 +2341,13 @@ class Ingress:
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
                  max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
-                 require_code_hash: Optional[str] = None):
+                 require_code_hash: Optional[str] = None,
+                 aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = ()):
         """`require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash."""
         self.node = node
+        self.aliases = dict(aliases or {})   # public name -> served models, tried in order
+        self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
         self.db_path = db_path
@@ -2471,9 +2485,9 @@ class Ingress:
             if not known:
                 raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
                                 "model_not_found", "model")
-            if found:
-                raise HTTPError(403, f"Your key may not use the providers serving '{model}'",
-                                "model_not_allowed", "model")
+            if found:   # as if it did not exist: an allowlist must not show the catalogue
+                raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
+                                "model_not_found", "model")
             raise HTTPError(503, f"No healthy provider serves '{model}' right now",
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
         if len(self._candidates) > 4096:   # bounded: models x allowlists in use
@@ -2482,6 +2496,11 @@ class Ingress:
         return result
 
     def models(self, key: Key) -> List[str]:
+        names = self._served_models(key)
+        names.update(alias for alias, targets in self.aliases.items() if names.intersection(targets))
+        return sorted(names)
+
+    def _served_models(self, key: Key) -> set:
         names = set()
         node = self.node
         for sid, record in node.registry.items():
@@ -2489,7 +2508,7 @@ class Ingress:
                     and not node.is_suspected(sid) and allowed(key.allow, sid, record)
                     and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)):
                 names.update(record.get("models") or ())
-        return sorted(names)
+        return names
 
     # -- HTTP server -------------------------------------------------------------------------
     def _dispatch(self, client: _Client) -> None:
@@ -2547,7 +2566,8 @@ class Ingress:
     def _internal_error(self, client: _Client, exc: Exception) -> None:
         """A bug met while serving a request: say so on stderr and to the client (500), and
         close the connection, whose state is unknown."""
-        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
+              f"(request {client.request_id.decode() or '-'})", file=sys.stderr)
         try:
             self._write_error(client, HTTPError(500, "Internal error in the ingress", "internal_error"))
         except Exception:
@@ -2653,8 +2673,11 @@ class Ingress:
         t0 = time.monotonic()
         target = request.target
         path, _, query = target.partition(b"?")
+        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
         try:
-            if request.method == b"POST" and path in PROXIED_PATHS:
+            if request.method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
+                return await self._respond(client, 204, b"", extra=self._preflight(fields))
+            if request.method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
                 self.authenticate(fields)   # on the head: a stranger's body is never read
                 body = await self._read_body(client, fields)
                 ex, candidates = self._prepare(client, path, fields, body, t0)   # (a cached key: 0.1 us)
@@ -2771,6 +2794,7 @@ class Ingress:
             raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
         stream = request.get("stream") is True and path in STREAMABLE_PATHS
         strip_usage = False
+        candidates = None
         if stream:
             options = request.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
@@ -2781,9 +2805,12 @@ class Ingress:
                 else:
                     request["stream_options"] = dict(options or {}, include_usage=True)
                     body = crdt.dumps(request)
+        if model in self.aliases:   # a public name: the first of its models that is served
+            model, body, candidates = self._alias(model, key, body)
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
-        candidates = self.candidates(model, key)
+        if model not in self.aliases or candidates is None:
+            candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
         client.busy = True
         return _Exchange(client, path, body, key, routed, strip_usage, tracked, t0), candidates
@@ -2794,6 +2821,7 @@ class Ingress:
         in flight (the upstream's hook or a task finishes it) or the connection closed."""
         t0 = time.monotonic()
         client.busy = True
+        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
         try:
             ex, candidates = self._prepare(client, path, fields, body, t0)
         except HTTPError as exc:
@@ -3219,13 +3247,67 @@ class Ingress:
             latency = round((now - ex.t0) * 1000.0, 3)
             tail = (ex.status, ex.prompt_tokens, ex.completion_tokens, latency, int(ex.routed.stream),
                     ex.attempts, int(ex.tracked))
-            self.ledger.record(row_head[1] + tail, b"%s,%d,%d,%d,%r,%d,%d,%d]\n" % ((row_head[2],) + tail))
+            # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
+            self.ledger.record(row_head[1] + tail + (ex.request_id.decode(),),
+                               b'%s,%d,%d,%d,%r,%d,%d,%d,"%s"]\n' % ((row_head[2],) + tail + (ex.request_id,)))
             return
         self.ledger.record((
             time.time(), ex.key.id, ex.key.user, ex.routed.model,
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
-            int(ex.routed.stream), ex.attempts, int(ex.tracked)))
+            int(ex.routed.stream), ex.attempts, int(ex.tracked), ex.request_id.decode()))
+
+    # -- request ids and CORS: header lines on every answer to a request ---------------------
+    def _tag(self, client: _Client, fields: Dict[bytes, bytes]) -> None:
+        """At a request's start: its id (the client's X-Request-Id when sane, else a new one),
+        returned on every answer, stored in its ledger row and named in the log; and, for an
+        Origin that --cors-origin admits, the CORS headers a browser needs to read the answer."""
+        rid = fields.get(REQUEST_ID_HEADER)
+        if rid is None or not _REQUEST_ID.fullmatch(rid):
+            rid = b"req_%s" % secrets.token_hex(12).encode()
+        client.request_id = rid
+        extra = b"x-request-id: %s\r\n" % rid
+        if self.cors_origins:
+            origin = fields.get(b"origin")
+            if origin is not None and (origin in self.cors_origins or b"*" in self.cors_origins):
+                extra += (b"access-control-allow-origin: %s\r\nvary: origin\r\n"
+                          b"access-control-expose-headers: x-request-id, x-otela-session\r\n" % origin)
+        client.conn.extra = extra
+
+    def _preflight(self, fields: Dict[bytes, bytes]) -> List[Tuple[bytes, bytes]]:
+        """The answer to OPTIONS (the CORS lines themselves come from _tag)."""
+        asked = fields.get(b"access-control-request-headers", b"")
+        return [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+                (b"access-control-allow-headers", asked or b"authorization, content-type, x-request-id"),
+                (b"access-control-max-age", b"600")]
+
+    # -- model aliases and fallbacks; pass-through of other engine routes ----------------------
+    def _alias(self, alias: str, key: Key, body: bytes) -> Tuple[str, bytes, List[Candidate]]:
+        """The first of an alias's models that has candidates for this key, and the body naming
+        it (the engine knows only the models it serves: the one rewrite of a body besides
+        include_usage, and only for an alias). The last model's error when none serves."""
+        error: Optional[HTTPError] = None
+        for model in self.aliases[alias]:
+            try:
+                candidates = self.candidates(model, key)
+            except HTTPError as exc:
+                error = exc
+                continue
+            request = crdt.loads(body)
+            request["model"] = model
+            return model, crdt.dumps(request), candidates
+        assert error is not None
+        if error.status == 404:   # say the name the client used
+            error = HTTPError(404, f"The model '{alias}' does not exist or no session serves it",
+                              "model_not_found", "model")
+        raise error
+
+    def _passes_through(self, path: bytes) -> bool:
+        """Any POST under /v1/ that is no route of ours goes to an engine like the completions
+        (same auth, routing and metering; its body must name a model): /v1/responses,
+        /v1/rerank, /v1/audio/..., whatever the engine serves."""
+        return path.startswith(b"/v1/") and not path.startswith(ADMIN_PREFIX) and path not in self._GET \
+            and not path.startswith(MODEL_PREFIX)
 
     # -- admin API: keys (create, list, revoke) and cluster-wide usage, behind an admin key ----
     # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
@@ -3532,7 +3614,8 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
-                      require_code_hash=args.require_code_hash)
+                      require_code_hash=args.require_code_hash, aliases=dict(args.alias),
+                      cors_origins=args.cors_origin)
     if ingress.require_code_hash:
         print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
               file=sys.stderr)
@@ -3554,6 +3637,14 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     await ingress.stop(drain=DRAIN_S)
     await node.stop(leave=True)
     return 0
+
+
+def _alias_arg(value: str) -> Tuple[str, List[str]]:
+    name, eq, targets = value.partition("=")
+    models = [t.strip() for t in targets.split(",") if t.strip()]
+    if not eq or not name.strip() or not models:
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL[,MODEL...], got {value!r}")
+    return name.strip(), models
 
 
 def _code_hash_arg(value: str) -> str:
@@ -3595,6 +3686,15 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "advertise any hash; this is not attestation), and it covers neither the "
                             "engine, nor Python and its packages (env OTELA_REQUIRE_CODE_HASH; "
                             "default: route to any code)")
+    serve.add_argument("--alias", action="append", default=None, metavar="NAME=MODEL[,MODEL...]",
+                       type=_alias_arg,
+                       help="a public model name for served ones, tried in order: the first that a "
+                            "healthy session serves gets the request (its body then names that model). "
+                            "Repeatable; env OTELA_ALIASES, aliases separated by ';' (default: none)")
+    serve.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                       help="let browser pages from ORIGIN (https://app.example.org, or * for any) call "
+                            "the API: CORS headers on answers and OPTIONS preflights answered. "
+                            "Repeatable; env OTELA_CORS_ORIGIN, comma-separated (default: none)")
     serve.add_argument("--no-auth", action="store_true", default=None,
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")
@@ -3691,6 +3791,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "keys":
             return _keys_command(args)
+        if args.cors_origin is None:
+            args.cors_origin = [o.strip() for o in (otela_node.env("CORS_ORIGIN") or "").split(",") if o.strip()]
+        if args.alias is None:   # OTELA_ALIASES="fast=a,b;big=c"
+            try:
+                args.alias = [_alias_arg(a) for a in (otela_node.env("ALIASES") or "").split(";") if a.strip()]
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"OTELA_ALIASES: {exc}") from None
         if args.no_auth is None:   # OTELA_NO_AUTH=0 keeps the keys on; "maybe" is an error
             args.no_auth = otela_node.env_bool("NO_AUTH")
         policy = load_policy(args.policy)

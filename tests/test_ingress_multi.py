@@ -288,3 +288,84 @@ def test_the_admin_api_needs_an_admin_key(stack):
     status, _, body = Client(stack.url, plain).request("GET", "/v1/admin/keys")
     assert status == 403 and json.loads(body)["error"]["code"] == "admin_required"
     assert Client(stack.url).request("GET", "/v1/admin/keys")[0] == 401
+
+
+# -- gateway features: aliases, pass-through, CORS, request ids, the allowlist's 404 -----------
+@pytest.fixture
+def gateway(tmp_path):
+    s = Stack(str(tmp_path / "gw.sqlite"), aliases={"fast": ["m-small", "m-big"], "none": ["gone"]},
+              cors_origins=["https://app.example.org"])
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_an_alias_goes_to_its_first_served_model_and_falls_back_in_order(gateway):
+    key = gateway.key()
+    _, big = gateway.engine("m-big")
+    client = Client(gateway.url, key)
+    status, _, body = client.chat("fast")
+    assert status == 200 and json.loads(big.last_body)["model"] == "m-big"   # the engine's own name
+    _, small = gateway.engine("m-small")
+    assert client.chat("fast")[0] == 200
+    assert json.loads(small.last_body)["model"] == "m-small" and small.requests == 1
+    models = [m["id"] for m in json.loads(client.request("GET", "/v1/models")[2])["data"]]
+    assert models == ["fast", "m-big", "m-small"]   # an alias nobody serves ("none") is not listed
+    status, _, body = client.chat("none")
+    assert status == 404 and "'none'" in json.loads(body)["error"]["message"]
+
+
+def test_any_post_with_a_model_under_v1_passes_through_with_auth_and_metering(gateway):
+    key = gateway.key()
+    _, engine = gateway.engine("m1")
+    client = Client(gateway.url, key)
+    status, _, body = client.request("POST", "/v1/rerank", {"model": "m1", "query": "q", "documents": ["a"]})
+    assert status == 404 and engine.hits.get("/v1/rerank") == 1   # the engine's own answer, passed on
+    assert Client(gateway.url, "sk-otela-nope").request("POST", "/v1/rerank", {"model": "m1"})[0] == 401
+    assert client.request("POST", "/v1/responses", {"input": "x"})[0] == 400   # no model: not routable
+    assert gateway.sql("SELECT model, status FROM requests WHERE status = 404") == [("m1", 404)]
+
+
+def test_a_request_id_is_taken_or_made_returned_and_kept_in_the_ledger_row(gateway):
+    key = gateway.key()
+    gateway.engine("m1")
+    client = Client(gateway.url, key)
+    status, headers, _ = client.chat("m1", headers={"x-request-id": "trace-42"})
+    assert status == 200 and headers["x-request-id"] == "trace-42"
+    _, made, _ = client.chat("m1")
+    _, bad, _ = client.chat("m1", headers={"x-request-id": 'has "quotes" and spaces'})
+    assert made["x-request-id"].startswith("req_") and bad["x-request-id"].startswith("req_")
+    status, headers, _ = client.chat("nope", headers={"x-request-id": "trace-43"})
+    assert status == 404 and headers["x-request-id"] == "trace-43"   # errors carry it too
+    stream_status, stream_headers, _ = client.chat("m1", stream=True, headers={"x-request-id": "trace-44"})
+    assert stream_status == 200 and stream_headers["x-request-id"] == "trace-44"
+    rows = [r[0] for r in gateway.sql("SELECT request_id FROM requests ORDER BY ts")]
+    assert rows == ["trace-42", made["x-request-id"], bad["x-request-id"], "trace-44"]
+
+
+def test_cors_preflight_is_answered_and_answers_carry_the_origin_it_admits(gateway):
+    key = gateway.key()
+    gateway.engine("m1")
+    client = Client(gateway.url, key)
+    origin = {"origin": "https://app.example.org"}
+    status, headers, _ = client.request("OPTIONS", "/v1/chat/completions", headers=dict(
+        origin, **{"access-control-request-method": "POST",
+                   "access-control-request-headers": "authorization, content-type"}))
+    assert status == 204 and headers["access-control-allow-origin"] == "https://app.example.org"
+    assert "POST" in headers["access-control-allow-methods"]
+    assert headers["access-control-allow-headers"] == "authorization, content-type"
+    status, headers, _ = client.chat("m1", headers=origin)
+    assert status == 200 and headers["access-control-allow-origin"] == "https://app.example.org"
+    assert "x-request-id" in headers["access-control-expose-headers"]
+    _, headers, _ = client.chat("m1", headers={"origin": "https://evil.example.com"})
+    assert "access-control-allow-origin" not in headers
+
+
+def test_a_key_limited_by_allow_gets_404_for_a_model_its_list_hides(gateway):
+    gateway.engine("m1", labels={"site": "a"})
+    limited = Client(gateway.url, gateway.key("bob", allow=["site=b"]))
+    assert json.loads(limited.request("GET", "/v1/models")[2])["data"] == []
+    status, _, body = limited.chat("m1")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert limited.request("GET", "/v1/models/m1")[0] == 404
