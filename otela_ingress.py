@@ -123,6 +123,8 @@ LINGER_S = 2.0                       # after a last answer, what a client still 
                                      # destroy the answer before the client reads it
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
 DEFAULT_DB = "otela.sqlite"
+DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
+                                     # told otherwise (a node's tunnel is on 7700)
 NO_TRACK_HEADER = b"x-otela-no-track"  # "1" opts the request out of per-request rows
 SESSION_HEADER = b"x-otela-session"    # response header: which session served the request
 KEY_PREFIX = "sk-otela-"
@@ -3670,7 +3672,9 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                        "OpenAI API, /v1/registry, /v1/usage, /metrics and /dashboard on "
                                        "--listen. Keys come from `keys create` in the same --db.")
     if overlay:
-        otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP)
+        otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP, listen_default=DEFAULT_LISTEN,
+                                    listen_help="HOST:PORT of the OpenAI API, /v1/registry, /metrics "
+                                                "and /dashboard (0.0.0.0:PORT for other hosts)")
     serve.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "

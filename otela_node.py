@@ -2427,11 +2427,17 @@ class EngineSupervisor:
         lock for every route) and, with its default --interrupt_requests, cut user streams."""
         if self.health_route:
             return await self._probe()
+        # A TCP connect, not a request: its HTTP server logs none (GET /health, answered 404,
+        # put a line into the node's log every 2 s). A hung server that still accepts is left
+        # to the ingress's passive health, which takes it out of rotation after two failures.
+        host, port = split_addr(self.url.split("://", 1)[-1].split("/", 1)[0])
         try:
-            status, _ = await self.client.get("/health", self.config.engine_check_timeout)
-        except EngineError as exc:
-            return 0, str(exc)
-        return (200 if status < 500 else status), f"HTTP {status} on /health"
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                               self.config.engine_check_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return 0, f"connect to {host}:{port}: {exc or 'timed out'}"
+        writer.close()
+        return 200, "accepts connections"
 
     async def wait_ready(self) -> None:
         """Poll /health (or /v1/models when there is no /health) until 200; log progress."""
@@ -2560,7 +2566,9 @@ def env_bool(name: str, default: bool = False) -> bool:
 
 
 
-def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFAULT_GOSSIP) -> None:
+def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFAULT_GOSSIP,
+                     listen_default: str = DEFAULT_LISTEN,
+                     listen_help: str = "TCP address for the tunnel, /v1/registry and /healthz") -> None:
     """The flags every overlay member takes; each also reads an OTELA_* environment variable.
     The ingress binds its gossip port on every interface by default (INGRESS_GOSSIP): it is
     what nodes on other hosts bootstrap to."""
@@ -2572,9 +2580,8 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                         "them (env OTELA_BOOTSTRAP); none: start a new overlay")
     g.add_argument("--gossip", default=env("GOSSIP", gossip_default),
                    help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {gossip_default})")
-    g.add_argument("--listen", default=env("LISTEN", DEFAULT_LISTEN),
-                   help=f"TCP address for the tunnel, /v1/registry and /healthz (env OTELA_LISTEN; "
-                        f"default {DEFAULT_LISTEN})")
+    g.add_argument("--listen", default=env("LISTEN", listen_default),
+                   help=f"{listen_help} (env OTELA_LISTEN; default {listen_default})")
     g.add_argument("--label", action="append", default=None,
                    help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
     g.add_argument("--advertise", default=env("ADVERTISE"),
@@ -2723,7 +2730,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "discoverable, health-checked session of the overlay.")
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("keygen", help="write the cluster secret (and TLS certificate) into DIR")
-    k.add_argument("--out", required=True, help="directory for cluster.key (mode 0600)")
+    k.add_argument("--out", default=env("OUT"), required=env("OUT") is None,
+                   help="directory for cluster.key (mode 0600; env OTELA_OUT)")
     k.add_argument("--force", action="store_true", help="replace an existing key")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)

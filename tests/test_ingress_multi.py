@@ -369,3 +369,55 @@ def test_a_key_limited_by_allow_gets_404_for_a_model_its_list_hides(gateway):
     status, _, body = limited.chat("m1")
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
     assert limited.request("GET", "/v1/models/m1")[0] == 404
+
+
+# -- operator polish -------------------------------------------------------------------------
+def run_cli(*argv: str, env=None) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, *argv], cwd=root, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_keys_create_user_and_keygen_out_read_their_otela_variables(tmp_path):
+    made = run_cli("otela_ingress.py", "keys", "create", "--json", "--db", str(tmp_path / "k.sqlite"),
+                   env={"OTELA_USER": "zed"})
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["user"] == "zed"
+    out = tmp_path / "secret"
+    made = run_cli("otela_node.py", "keygen", env={"OTELA_OUT": str(out)})
+    assert made.returncode == 0, made.stderr
+    assert (out / "cluster.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_ingress_listen_help_speaks_of_the_api_and_its_own_default():
+    shown = " ".join(run_cli("otela_ingress.py", "serve", "--help").stdout.split())
+    assert "--listen LISTEN HOST:PORT of the OpenAI API" in shown and "default 127.0.0.1:8080" in shown
+    assert "tunnel" not in shown.split("--listen LISTEN", 1)[1].split("--label", 1)[0]
+
+
+def test_an_engine_without_health_is_watched_by_connecting_and_its_death_is_seen():
+    import asyncio
+
+    import fake_engine
+
+    import otela_node
+
+    async def scenario():
+        port = fake_engine.free_port()
+        engine = await fake_engine.start_fake_engine(port, health=False)
+        cfg = otela_node.Config(key=b"k" * 32, engine_check_interval=0.05)
+        supervisor = otela_node.EngineSupervisor(f"true --port {port}", f"http://127.0.0.1:{port}", cfg)
+        supervisor.alive = lambda: True            # the engine runs in-process here
+        try:
+            await supervisor.wait_ready()
+            before = dict(engine.hits)
+            watch = asyncio.ensure_future(supervisor.watch())
+            await asyncio.sleep(0.3)
+            assert not watch.done() and engine.hits == before   # not one request meanwhile
+            await engine.close()
+            return await asyncio.wait_for(watch, 30)
+        finally:
+            supervisor.client.close()
+
+    reason = asyncio.run(scenario())
+    assert "health checks" in reason and "connect to 127.0.0.1" in reason
