@@ -276,7 +276,10 @@ class Key:
         the rate holds for the cluster (down to a debt of one burst: a flood elsewhere cannot
         lock the key out here for longer than a second's refill)."""
         if self.rate > 0 and requests > 0:
-            self._tokens = max(-max(1.0, self.rate), self._tokens - requests)
+            now = time.monotonic()   # take()'s clock: the refill up to now first
+            burst = max(1.0, self.rate)
+            tokens = min(burst, self._tokens + (now - self._stamp) * self.rate) if self._stamp else burst
+            self._tokens, self._stamp = max(-burst, tokens - requests), now
 
     def take(self, now: float) -> bool:
         """Token bucket: `rate` requests per second, bursts of up to max(1, rate)."""
@@ -840,6 +843,16 @@ class ClusterKeys:
         self.month_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # (hash, YYYY-MM)
         self.next_expiry = math.inf
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
+        self._slot_ids: Dict[Tuple[str, str, str, str], str] = {}   # (hash, model, day, slot) -> id
+
+    def today(self, now: float) -> str:
+        """The UTC day of `now`, formatted once a day instead of per request."""
+        number = int(now // 86400)
+        if number != self._today[0]:
+            self._today = (number, crdt.time_day(now))
+            self._slot_ids = {}
+        return self._today[1]
 
     # -- what comes in: SQLite at start and after the CLI, the overlay at any time ------------
     def adopt(self, records: Dict[str, Dict[str, Any]]) -> None:
@@ -937,9 +950,12 @@ class ClusterKeys:
         """One finished request (any status) served here."""
         if not key.hash:
             return   # --no-auth's anonymous key: nothing to budget
-        day = crdt.time_day(time.time())
+        day = self.today(time.time())
         slot = self.ingress.node.session_id
-        entry_id = crdt.usage_entry(key.hash, model, day, slot)
+        ids = (key.hash, model, day, slot)
+        entry_id = self._slot_ids.get(ids)
+        if entry_id is None:   # a hash per (key, model) a day, not per request
+            entry_id = self._slot_ids[ids] = crdt.usage_entry(*ids)
         record = self.mine.get(entry_id)
         if record is None:
             record = self.mine[entry_id] = crdt.usage_record(key.hash, model, day, slot, 0, 0, 0, 0)
@@ -955,7 +971,7 @@ class ClusterKeys:
         if not (key.budget_day or key.budget_month):
             return
         now = time.time()
-        day = crdt.time_day(now)
+        day = self.today(now)
         if key.budget_day and self.day_used.get((key.hash, day), 0) >= key.budget_day:
             renews = time.strftime("%Y-%m-%d 00:00", time.gmtime(crdt.day_start(day) + 86400))
             raise HTTPError(429, QUOTA_MESSAGE.format(what=f"{key.budget_day} tokens a day", renews=renews),

@@ -421,3 +421,27 @@ def test_an_engine_without_health_is_watched_by_connecting_and_its_death_is_seen
 
     reason = asyncio.run(scenario())
     assert "health checks" in reason and "connect to 127.0.0.1" in reason
+
+
+def test_requests_another_ingress_served_take_from_this_ingress_rate_bucket(stack):
+    import crdt
+    stack.engine("m1")
+    made = add_key(stack, rate=2.0)
+    digest = otela_ingress_hash(made["key"])
+    peer = "f" * 32   # another ingress session's slot for this key
+
+    def peer_served(version, requests):
+        record = crdt.usage_record(digest, "m1", crdt.time_day(time.time()), peer, version, requests, 0, 0)
+        stack.call(stack.ingress.cluster.publish, crdt.usage_entry(digest, "m1", record["day"], peer), record)
+
+    peer_served(1, 0)
+    peer_served(2, 50)   # the peer served 50 requests since: the cluster's rate is spent
+    status, _, body = Client(stack.url, made["key"]).chat("m1")
+    assert status == 429 and json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+    _, took = poll(lambda: Client(stack.url, made["key"]).chat("m1")[0] == 200, "the bucket refilled")
+    print(f"bucket refilled after {took:.2f} s")
+
+
+def otela_ingress_hash(token: str) -> str:
+    import otela_ingress
+    return otela_ingress.hash_key(token)
