@@ -1,4 +1,5 @@
-"""crdt.py: the otela session registry, a grow-only map merged by lattice join.
+"""crdt.py: the otela registry (sessions, API keys, usage counters), a grow-only map merged
+by lattice join.
 
 Role: every member of the overlay holds one `GMap` from session id to session record. Members
 exchange records (whole, as deltas, or after comparing digests) and `merge` them; whatever the

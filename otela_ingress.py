@@ -25,9 +25,15 @@ Data flow:
         --> usage journal (a copy into a mapped file before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
-Headers: requests take `Authorization: Bearer <key>` and, to opt out of the per-request usage
-row (the request is still counted per day), `X-Otela-No-Track: 1`; responses carry
-`X-Otela-Session: <session id>` naming the session that served them.
+Several ingresses are one service: key records and per-(key, model, day) usage counters are
+entries of the overlay's map (crdt.py), so a key made or revoked at one ingress holds at all,
+and rate limits and token budgets count the whole cluster's use (see ClusterKeys). Each
+ingress keeps its own SQLite copy of them, and its own request rows.
+
+Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
+made) and, to opt out of the per-request usage row (the request is still counted per day),
+`X-Otela-No-Track: 1`; responses carry `X-Otela-Session: <session id>` naming the session that
+served them and `X-Request-Id`.
 
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path but the one
