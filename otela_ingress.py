@@ -2833,7 +2833,7 @@ class Ingress:
             model, body, candidates = self._alias(model, key, body)
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
-        if model not in self.aliases or candidates is None:
+        if candidates is None:   # (an alias found them already)
             candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
         client.busy = True
