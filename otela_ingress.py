@@ -57,6 +57,7 @@ import fcntl
 import functools
 import hashlib
 import importlib
+import itertools
 import math
 import mmap
 import os
@@ -139,6 +140,8 @@ MODEL_PREFIX = b"/v1/models/"
 ADMIN_PREFIX = b"/v1/admin/"
 REQUEST_ID_HEADER = b"x-request-id"   # taken from the client when sane, else made; on every answer
 _REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, as OpenAI's req_... ids
+_REQUEST_ID_PREFIX = secrets.token_hex(8).encode()   # 64 random bits per process
+_request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 
 
@@ -850,14 +853,14 @@ class ClusterKeys:
         self.next_expiry = math.inf
         self._timer: Optional[asyncio.TimerHandle] = None
         self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
-        self._slot_ids: Dict[Tuple[str, str, str, str], str] = {}   # (hash, model, day, slot) -> id
+        self._hot: Dict[Tuple[str, str], tuple] = {}  # (hash, model) -> today's own slot, see count
 
     def today(self, now: float) -> str:
         """The UTC day of `now`, formatted once a day instead of per request."""
         number = int(now // 86400)
         if number != self._today[0]:
             self._today = (number, crdt.time_day(now))
-            self._slot_ids = {}
+            self._hot = {}
         return self._today[1]
 
     # -- what comes in: SQLite at start and after the CLI, the overlay at any time ------------
@@ -956,21 +959,26 @@ class ClusterKeys:
         """One finished request (any status) served here."""
         if not key.hash:
             return   # --no-auth's anonymous key: nothing to budget
-        day = self.today(time.time())
+        now = time.time()
         slot = self.ingress.node.session_id
-        ids = (key.hash, model, day, slot)
-        entry_id = self._slot_ids.get(ids)
-        if entry_id is None:   # a hash per (key, model) a day, not per request
-            entry_id = self._slot_ids[ids] = crdt.usage_entry(*ids)
-        record = self.mine.get(entry_id)
-        if record is None:
-            record = self.mine[entry_id] = crdt.usage_record(key.hash, model, day, slot, 0, 0, 0, 0)
+        hot = self._hot.get((key.hash, model))   # this (key, model)'s slot today: the common case
+        if hot is None or hot[0] != int(now // 86400) or hot[1] != slot:
+            day = self.today(now)
+            entry_id = crdt.usage_entry(key.hash, model, day, slot)   # hashed once a day
+            record = self.mine.get(entry_id)
+            if record is None:
+                record = self.mine[entry_id] = crdt.usage_record(key.hash, model, day, slot, 0, 0, 0, 0)
+            hot = self._hot[(key.hash, model)] = (int(now // 86400), slot, record, entry_id,
+                                                  (key.hash, day), (key.hash, day[:7]))
+        record = hot[2]
         prompt, completion = prompt_tokens or 0, completion_tokens or 0
         record["requests"] += 1
         record["prompt_tokens"] += prompt
         record["completion_tokens"] += completion
-        self._add(key.hash, day, prompt + completion)
-        self._dirty.add(entry_id)
+        if prompt or completion:
+            self.day_used[hot[4]] += prompt + completion
+            self.month_used[hot[5]] += prompt + completion
+        self._dirty.add(hot[3])
 
     def check_quota(self, key: Key) -> None:
         """429 insufficient_quota (OpenAI's shape) for a key whose day or month budget is used."""
@@ -3288,7 +3296,8 @@ class Ingress:
         Origin that --cors-origin admits, the CORS headers a browser needs to read the answer."""
         rid = fields.get(REQUEST_ID_HEADER)
         if rid is None or not _REQUEST_ID.fullmatch(rid):
-            rid = b"req_%s" % secrets.token_hex(12).encode()
+            # unique without a system call per request: this process's random prefix, a counter
+            rid = b"req_%s%x" % (_REQUEST_ID_PREFIX, next(_request_numbers))
         client.request_id = rid
         extra = b"x-request-id: %s\r\n" % rid
         if self.cors_origins:
