@@ -3779,7 +3779,8 @@ def _keys_command(args: argparse.Namespace) -> int:
             key_id, token = create_key(db, user, allow, args.admin, rate, budget_day, budget_month, expires)
             if args.json:
                 print(crdt.dumps({"id": key_id, "key": token, "user": user, "allow": allow,
-                                  "admin": args.admin}).decode())
+                                  "admin": args.admin, "rate": rate, "budget_day": budget_day,
+                                  "budget_month": budget_month, "expires": expires}).decode())
             else:
                 print(token)
                 print(f"key id {key_id} for user {user}"

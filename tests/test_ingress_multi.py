@@ -445,3 +445,32 @@ def test_requests_another_ingress_served_take_from_this_ingress_rate_bucket(stac
 def otela_ingress_hash(token: str) -> str:
     import otela_ingress
     return otela_ingress.hash_key(token)
+
+
+def test_a_database_from_before_replication_gets_the_new_columns_and_its_keys_replicate(tmp_path):
+    import sqlite3
+
+    import otela_ingress
+    path = str(tmp_path / "old.sqlite")
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE keys (id TEXT PRIMARY KEY, user TEXT NOT NULL, hash TEXT NOT NULL UNIQUE,
+            allow TEXT NOT NULL DEFAULT '[]', admin INTEGER NOT NULL DEFAULT 0,
+            rate REAL NOT NULL DEFAULT 0, created REAL NOT NULL, revoked REAL);
+        CREATE TABLE requests (ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
+            session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
+            completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER);""")
+    old.execute("INSERT INTO keys VALUES ('k1', 'ann', ?, '[\"site=a\"]', 1, 2.5, 1000.0, NULL)", ("a" * 64,))
+    old.execute("INSERT INTO keys VALUES ('k2', 'bob', ?, '[]', 0, 0, 1001.0, 1500.0)", ("b" * 64,))
+    old.commit()
+    old.close()
+    db = otela_ingress.open_db(path)
+    try:
+        records = otela_ingress.load_key_records(db)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+    finally:
+        db.close()
+    assert "request_id" in columns
+    assert records["a" * 64] == {"state": 0, "version": 0, "id": "k1", "user": "ann", "created": 1000.0,
+                                 "allow": ["site=a"], "admin": True, "rate": 2.5}
+    assert records["b" * 64]["state"] == 1 and records["b" * 64]["revoked_at"] == 1500.0
