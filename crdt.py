@@ -1,4 +1,5 @@
-"""crdt.py: the otela session registry, a grow-only map merged by lattice join.
+"""crdt.py: the otela registry (sessions, API keys, usage counters), a grow-only map merged
+by lattice join.
 
 Role: every member of the overlay holds one `GMap` from session id to session record. Members
 exchange records (whole, as deltas, or after comparing digests) and `merge` them; whatever the
@@ -16,16 +17,26 @@ Rules of this file:
      so every test and every replica computes the same thing from the same inputs.
   2. A malformed record raises `RecordError` and leaves the map exactly as it was.
 
+Three kinds of entry share the map, told apart by their id (a session id has no colon):
+  session  "<32 hex>"          a member's session record (the lifecycle below);
+  key      "key:<sha256 hex>"  an API key's record: who may use it for what (never its secret);
+  usage    "use:<32 hex>"      one slot of a per-(key, model, day) G-Counter: the requests and
+                               tokens one ingress session served for that key, model and day.
+All three are ordered the same way (state, then version, then encoding), so they travel with
+the same rumours, digests and anti-entropy, and a replica that was away catches up on all.
+
 Liveness (heartbeats, suspicion) is deliberately NOT stored here: it changes every second and
 would bloat the map; the failure detector in otela_node.py keeps it locally.
 """
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import math
 import re
 import secrets
+import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +108,11 @@ MAX_FORGOTTEN = 100_000       # compacted ids remembered: ~10 MB at worst, years
 _SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _ROLES = ("worker", "ingress", "relay")
 
+# Entry kinds, by id prefix. A session id is [0-9A-Za-z_-], so the colon keeps kinds apart.
+SESSION, KEY, USAGE = "session", "key", "usage"
+KEY_ENTRY = "key:"
+USAGE_ENTRY = "use:"
+
 
 class RecordError(ValueError):
     """A session record that is malformed or written by someone not allowed to write it."""
@@ -122,8 +138,23 @@ def _check_string(field: str, value: Any) -> None:
         raise RecordError(f"{field} is longer than {MAX_STRING} characters")
 
 
+def kind_of(entry_id: str) -> str:
+    """SESSION, KEY or USAGE, from the entry id's prefix."""
+    if entry_id.startswith(KEY_ENTRY):
+        return KEY
+    if entry_id.startswith(USAGE_ENTRY):
+        return USAGE
+    return SESSION
+
+
 def validate(session_id: Any, record: Any) -> bytes:
     """Check one record; return its canonical encoding. Raises RecordError."""
+    if isinstance(session_id, str) and ":" in session_id:
+        kind = kind_of(session_id)
+        if kind == KEY:
+            return validate_key(session_id, record)
+        if kind == USAGE:
+            return validate_usage(session_id, record)
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
         raise RecordError(f"bad session id {session_id!r}: 1-64 characters of [0-9A-Za-z_-]")
     if not isinstance(record, dict):
@@ -183,8 +214,197 @@ def validate(session_id: Any, record: Any) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
+# Key records: an API key's rights, replicated; revocation wins every merge
+# ---------------------------------------------------------------------------------------------
+# A key's entry id is "key:" + sha256(token) in hex: the hash is all an ingress needs to check a
+# bearer token, and the token itself is never in a record (the field set below is closed, so
+# a record carrying anything else, a secret included, is refused). Any ingress may write a key
+# record (it was created or revoked there); versions order edits, and the state orders first:
+#
+#   state    written by   accepted  meaning
+KEY_ACTIVE, KEY_REVOKED = 0, 1
+KEY_LIFECYCLE = {
+    KEY_ACTIVE:  ("any ingress", True, "accepted at every ingress until it expires"),
+    KEY_REVOKED: ("any ingress", False, "refused everywhere for good: wins every merge"),
+}
+KEY_STATE_NAMES = {KEY_ACTIVE: "active", KEY_REVOKED: "revoked"}
+ACCEPTED_KEY_STATES = frozenset(s for s, (_, accepted, _) in KEY_LIFECYCLE.items() if accepted)
+_KEY_ENTRY = re.compile(r"^key:[0-9a-f]{64}$")
+_KEY_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+# field: (required, check); budgets are tokens (prompt + completion), 0 meaning no budget
+_KEY_FIELDS = {
+    "state": True, "version": True, "id": True, "user": True, "created": True,
+    "allow": False, "admin": False, "rate": False, "budget_day": False, "budget_month": False,
+    "expires": False, "revoked_at": False,
+}
+
+
+def key_entry(key_hash: str) -> str:
+    """The map id of the key whose token hashes (sha256, hex) to `key_hash`."""
+    return KEY_ENTRY + key_hash
+
+
+def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = (), admin: bool = False,
+               rate: float = 0.0, budget_day: int = 0, budget_month: int = 0,
+               expires: Optional[float] = None, version: int = 0) -> Dict[str, Any]:
+    """A new active key's record (its defaults left out, to keep records small)."""
+    record: Dict[str, Any] = {"state": KEY_ACTIVE, "version": version, "id": key_id, "user": user,
+                              "created": created}
+    if allow:
+        record["allow"] = sorted(set(allow))
+    if admin:
+        record["admin"] = True
+    if rate:
+        record["rate"] = rate
+    if budget_day:
+        record["budget_day"] = int(budget_day)
+    if budget_month:
+        record["budget_month"] = int(budget_month)
+    if expires is not None:
+        record["expires"] = expires
+    return record
+
+
+def revoked(record: Dict[str, Any], now: float) -> Dict[str, Any]:
+    """The record of the same key, revoked (idempotent: revoking twice changes nothing)."""
+    if record["state"] == KEY_REVOKED:
+        return dict(record)
+    return dict(record, state=KEY_REVOKED, version=record["version"] + 1, revoked_at=now)
+
+
+def validate_key(entry_id: str, record: Any) -> bytes:
+    if not _KEY_ENTRY.match(entry_id):
+        raise RecordError(f"bad key entry {entry_id!r}: 'key:' and 64 hex digits of sha256")
+    if not isinstance(record, dict):
+        raise RecordError(f"{entry_id}: record must be an object")
+    for field, required in _KEY_FIELDS.items():
+        if required and field not in record:
+            raise RecordError(f"{entry_id}: missing field {field!r}")
+    unknown = sorted(set(record) - set(_KEY_FIELDS))
+    if unknown:   # closed: nothing else (a secret, say) ever travels in a key record
+        raise RecordError(f"{entry_id}: unknown field {unknown[0]!r}")
+    state = record["state"]
+    if type(state) is not int or state not in KEY_LIFECYCLE:
+        raise RecordError(f"{entry_id}: unknown key state {state!r}")
+    if type(record["version"]) is not int or not 0 <= record["version"] < 2**53:
+        raise RecordError(f"{entry_id}: version must be an integer in [0, 2^53)")
+    if not isinstance(record["id"], str) or not _KEY_ID.match(record["id"]):
+        raise RecordError(f"{entry_id}: id must be 1-64 characters of [0-9A-Za-z_-]")
+    _check_string("user", record["user"])
+    allow = record.get("allow", [])
+    if not isinstance(allow, list) or len(allow) > MAX_LIST:
+        raise RecordError(f"{entry_id}: allow must be a list of at most {MAX_LIST}")
+    for entry in allow:
+        _check_string("allow entry", entry)
+    if type(record.get("admin", False)) is not bool:
+        raise RecordError(f"{entry_id}: admin must be true or false")
+    for field in ("rate", "created", "expires", "revoked_at"):
+        if field in record and (not _is_number(record[field]) or record[field] < 0):
+            raise RecordError(f"{entry_id}: {field} must be a finite number >= 0")
+    for field in ("budget_day", "budget_month"):
+        value = record.get(field, 0)
+        if type(value) is not int or not 0 <= value < 2**53:
+            raise RecordError(f"{entry_id}: {field} must be an integer >= 0 (tokens; 0: none)")
+    return _encode_checked(entry_id, record)
+
+
+def key_accepts(record: Dict[str, Any], now: float) -> bool:
+    """Whether a key's record lets its token in at `now` (active and not expired)."""
+    return record["state"] in ACCEPTED_KEY_STATES and not (
+        "expires" in record and now >= record["expires"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Usage: per (key, model, day) G-Counters, one slot per ingress session
+# ---------------------------------------------------------------------------------------------
+# Each ingress session counts what it served in its own slot, which only it writes: the slot's
+# counts only grow, and each write bumps its version, so "the higher version wins" is the
+# G-Counter's slot-wise max. The counter's value is the sum over its slots (`usage_totals`).
+# A restarted ingress is a new session with new slots; the old ones stay as they were.
+_USAGE_ENTRY = re.compile(r"^use:[0-9a-f]{32}$")
+_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens")
+USAGE_RETENTION_DAYS = 62     # a month budget needs this month; `keys list` shows the last too
+
+
+def usage_entry(key_hash: str, model: str, day: str, slot: str) -> str:
+    """The map id of one slot: derived from what it counts, so no two slots can claim it."""
+    digest = hashlib.blake2b("\0".join((key_hash, model, day, slot)).encode(), digest_size=16)
+    return USAGE_ENTRY + digest.hexdigest()
+
+
+def usage_record(key_hash: str, model: str, day: str, slot: str, version: int, requests: int,
+                 prompt_tokens: int, completion_tokens: int) -> Dict[str, Any]:
+    return {"state": 0, "version": version, "key": key_hash, "model": model, "day": day, "slot": slot,
+            "requests": requests, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+
+
+def validate_usage(entry_id: str, record: Any) -> bytes:
+    if not _USAGE_ENTRY.match(entry_id):
+        raise RecordError(f"bad usage entry {entry_id!r}: 'use:' and 32 hex digits")
+    if not isinstance(record, dict):
+        raise RecordError(f"{entry_id}: record must be an object")
+    fields = ("state", "version", "key", "model", "day", "slot") + USAGE_COUNTS
+    for field in fields:
+        if field not in record:
+            raise RecordError(f"{entry_id}: missing field {field!r}")
+    if set(record) - set(fields):
+        raise RecordError(f"{entry_id}: unknown field {sorted(set(record) - set(fields))[0]!r}")
+    if record["state"] != 0 or type(record["state"]) is not int:
+        raise RecordError(f"{entry_id}: a usage slot's state is 0")
+    for field in ("version",) + USAGE_COUNTS:
+        if type(record[field]) is not int or not 0 <= record[field] < 2**53:
+            raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+    for field in ("key", "model", "day", "slot"):
+        _check_string(field, record[field])
+    if not re.match(r"^[0-9a-f]{64}$", record["key"]) or not _DAY.match(record["day"]) \
+            or not _SESSION_ID.match(record["slot"]):
+        raise RecordError(f"{entry_id}: key must be 64 hex digits, day YYYY-MM-DD, slot a session id")
+    if entry_id != usage_entry(record["key"], record["model"], record["day"], record["slot"]):
+        raise RecordError(f"{entry_id}: the id does not match the slot's key, model, day and slot")
+    return _encode_checked(entry_id, record)
+
+
+def day_start(day: str) -> float:
+    """Unix time of 00:00 UTC on `day` (YYYY-MM-DD)."""
+    return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
+
+
+def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = None,
+                 days: Optional[Iterable[str]] = None) -> Dict[Tuple[str, str, str], Dict[str, int]]:
+    """The G-Counters' values: (key, model, day) -> summed counts over their slots, optionally
+    for one key and some days."""
+    wanted = set(days) if days is not None else None
+    totals: Dict[Tuple[str, str, str], Dict[str, int]] = {}
+    for record in records:
+        if (key_hash is not None and record["key"] != key_hash) or \
+                (wanted is not None and record["day"] not in wanted):
+            continue
+        sums = totals.setdefault((record["key"], record["model"], record["day"]),
+                                 dict.fromkeys(USAGE_COUNTS, 0))
+        for field in USAGE_COUNTS:
+            sums[field] += record[field]
+    return totals
+
+
+def _encode_checked(entry_id: str, record: Dict[str, Any]) -> bytes:
+    try:
+        encoded = encode(record)
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"{entry_id}: not encodable: {exc}") from None
+    if len(encoded) > MAX_RECORD_BYTES:
+        raise RecordError(f"{entry_id}: record is {len(encoded)} bytes, over {MAX_RECORD_BYTES}")
+    return encoded
+
+
+# ---------------------------------------------------------------------------------------------
 # The map
 # ---------------------------------------------------------------------------------------------
+def time_day(ts: float) -> str:
+    """The UTC day (YYYY-MM-DD) of a unix time: the G-Counters' day."""
+    return time.strftime("%Y-%m-%d", time.gmtime(ts))   # pure: a conversion, not a clock read
+
+
 def _entry_hash(session_id: str, encoded: bytes) -> int:
     digest = hashlib.blake2b(session_id.encode() + b"\0" + encoded, digest_size=16).digest()
     return int.from_bytes(digest, "big")
@@ -222,15 +442,18 @@ Entries = Union[Dict[str, Dict[str, Any]], Iterable[Tuple[str, Dict[str, Any]]]]
 
 
 class GMap:
-    """Grow-only map session id -> record; merge is commutative, associative, idempotent."""
+    """Grow-only map id -> record (sessions, keys, usage slots); merge is commutative,
+    associative, idempotent."""
 
     def __init__(self, retention: float = RETENTION_S):
         self.retention = float(retention)
         self._entries: Dict[str, _Entry] = {}
+        self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}}
         self._bucket_hash = [0] * BUCKETS
         self._root = 0
         self._forgotten: Dict[str, float] = {}   # compacted session id -> its left_at
         self._horizon = -math.inf                # LEFT records older than this are refused
+        self._usage_horizon = ""                 # usage slots of days before this are refused
 
     # -- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -244,18 +467,33 @@ class GMap:
         return dict(entry.record) if entry else None
 
     def items(self) -> Iterator[Tuple[str, Dict[str, Any]]]:
-        """Every record, read-only: callers must not mutate them."""
-        return ((sid, entry.record) for sid, entry in self._entries.items())
+        """Every session record, read-only: callers must not mutate them."""
+        return ((sid, entry.record) for sid, entry in self._by_kind[SESSION].items())
+
+    def all_items(self) -> Iterator[Tuple[str, Dict[str, Any]]]:
+        """Every entry of every kind (what a joining replica is sent), read-only."""
+        return ((eid, entry.record) for eid, entry in self._entries.items())
+
+    def key_records(self) -> Iterator[Tuple[str, Dict[str, Any]]]:
+        """(sha256 of the token, record) for every key, revoked ones included; read-only."""
+        return ((eid[len(KEY_ENTRY):], e.record) for eid, e in self._by_kind[KEY].items())
+
+    def usage_records(self) -> Iterator[Dict[str, Any]]:
+        """Every usage slot's record, read-only."""
+        return (e.record for e in self._by_kind[USAGE].values())
 
     def live(self) -> Dict[str, Dict[str, Any]]:
         """Sessions in JOIN or SERVING."""
-        return {sid: e.record for sid, e in self._entries.items() if e.state <= SERVING}
+        return {sid: e.record for sid, e in self._by_kind[SESSION].items() if e.state <= SERVING}
 
     # -- writing ---------------------------------------------------------------------------
     def put(self, session_id: str, record: Dict[str, Any], writer: Optional[str] = None) -> bool:
         """Write one record as `writer` (default: the session's owner). True if it changed."""
         encoded = validate(session_id, record)
-        if writer is not None and writer != session_id:
+        kind = kind_of(session_id)
+        if kind == USAGE and writer is not None and writer != record["slot"]:
+            raise RecordError(f"{session_id}: only session {record['slot']} writes its usage slot")
+        if kind == SESSION and writer is not None and writer != session_id:
             if record["state"] in OWNER_ONLY:
                 raise RecordError(f"session {session_id}: only its owner writes "
                                   f"{STATE_NAMES[record['state']]}, not {writer}")
@@ -283,7 +521,10 @@ class GMap:
     def _apply(self, session_id: str, record: Dict[str, Any], encoded: bytes) -> bool:
         if session_id in self._forgotten:
             return False
-        if record["state"] == LEFT and record["left_at"] < self._horizon:
+        kind = kind_of(session_id)
+        if kind == SESSION and record["state"] == LEFT and record["left_at"] < self._horizon:
+            return False
+        if kind == USAGE and record["day"] < self._usage_horizon:
             return False
         old = self._entries.get(session_id)
         if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
@@ -293,6 +534,7 @@ class GMap:
         if old is not None:
             self._unhash(old)
         self._entries[session_id] = new
+        self._by_kind[kind][session_id] = new
         self._bucket_hash[bucket] ^= new.hash
         self._root ^= new.hash
         return True
@@ -304,12 +546,20 @@ class GMap:
     def compact(self, now: float) -> int:
         """Drop LEFT records older than the retention; refuse them if they come back."""
         self._horizon = now - self.retention
-        old = [sid for sid, e in self._entries.items()
+        old = [sid for sid, e in self._by_kind[SESSION].items()
                if e.state == LEFT and e.record["left_at"] < self._horizon]
         for sid in old:
             entry = self._entries.pop(sid)
+            del self._by_kind[SESSION][sid]
             self._unhash(entry)
             self._forgotten[sid] = entry.record["left_at"]
+        # Usage slots of days past USAGE_RETENTION_DAYS: no budget counts them any more.
+        self._usage_horizon = time_day(now - USAGE_RETENTION_DAYS * 86400.0)
+        stale = [eid for eid, e in self._by_kind[USAGE].items() if e.record["day"] < self._usage_horizon]
+        for eid in stale:
+            self._unhash(self._entries.pop(eid))
+            del self._by_kind[USAGE][eid]
+        old += stale
         # Forgotten ids are remembered (about 100 bytes each) so that a stale JOIN or SERVING
         # copy from a long partition cannot resurrect them; past the cap the oldest go first.
         if len(self._forgotten) > MAX_FORGOTTEN:

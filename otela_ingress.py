@@ -33,9 +33,15 @@ Data flow:
         --> usage journal (a copy into a mapped file before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
-Headers: requests take `Authorization: Bearer <key>` and, to opt out of the per-request usage
-row (the request is still counted per day), `X-Otela-No-Track: 1`; responses carry
-`X-Otela-Session: <session id>` naming the session that served them.
+Several ingresses are one service: key records and per-(key, model, day) usage counters are
+entries of the overlay's map (crdt.py), so a key made or revoked at one ingress holds at all,
+and rate limits and token budgets count the whole cluster's use (see ClusterKeys). Each
+ingress keeps its own SQLite copy of them, and its own request rows.
+
+Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
+made) and, to opt out of the per-request usage row (the request is still counted per day),
+`X-Otela-No-Track: 1`; responses carry `X-Otela-Session: <session id>` naming the session that
+served them and `X-Request-Id`.
 
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path but the one
@@ -53,11 +59,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import calendar
 import collections
 import fcntl
 import functools
 import hashlib
 import importlib
+import itertools
 import math
 import mmap
 import os
@@ -128,11 +136,18 @@ LINGER_S = 2.0                       # after a last answer, what a client still 
                                      # destroy the answer before the client reads it
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
 DEFAULT_DB = "otela.sqlite"
+DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
+                                     # told otherwise (a node's tunnel is on 7700)
 NO_TRACK_HEADER = b"x-otela-no-track"  # "1" opts the request out of per-request rows
 SESSION_HEADER = b"x-otela-session"    # response header: which session served the request
 KEY_PREFIX = "sk-otela-"
 PROXIED_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"))
 MODEL_PREFIX = b"/v1/models/"
+ADMIN_PREFIX = b"/v1/admin/"
+REQUEST_ID_HEADER = b"x-request-id"   # taken from the client when sane, else made; on every answer
+_REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, as OpenAI's req_... ids
+_REQUEST_ID_PREFIX = secrets.token_hex(8).encode()   # 64 random bits per process
+_request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 
 
@@ -154,9 +169,10 @@ _REASONS = {
 
 
 def error_body(status: int, message: str, code: Optional[str] = None,
-               param: Optional[str] = None) -> bytes:
-    """The body OpenAI's API (and so every OpenAI client) expects for an error."""
-    return crdt.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
+               param: Optional[str] = None, etype: Optional[str] = None) -> bytes:
+    """The body OpenAI's API (and so every OpenAI client) expects for an error. `etype` names
+    a type other than the status's (OpenAI's 429 insufficient_quota, say)."""
+    return crdt.dumps({"error": {"message": message, "type": etype or _ERROR_TYPES.get(status, "api_error"),
                                  "param": param, "code": code}})
 
 
@@ -164,10 +180,12 @@ class HTTPError(Exception):
     """An error answered to the client in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, code: Optional[str] = None,
-                 param: Optional[str] = None, headers: Sequence[Tuple[bytes, bytes]] = ()):
+                 param: Optional[str] = None, headers: Sequence[Tuple[bytes, bytes]] = (),
+                 etype: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = list(headers)
+        self.etype = etype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,11 +197,14 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
     id TEXT PRIMARY KEY, user TEXT NOT NULL, hash TEXT NOT NULL UNIQUE,
     allow TEXT NOT NULL DEFAULT '[]', admin INTEGER NOT NULL DEFAULT 0,
-    rate REAL NOT NULL DEFAULT 0, created REAL NOT NULL, revoked REAL);
+    rate REAL NOT NULL DEFAULT 0, created REAL NOT NULL, revoked REAL,
+    budget_day INTEGER NOT NULL DEFAULT 0, budget_month INTEGER NOT NULL DEFAULT 0,
+    expires REAL, replica TEXT);
+CREATE TABLE IF NOT EXISTS usage_slots (id TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
-    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER);
+    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT);
 CREATE TABLE IF NOT EXISTS daily (
     day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
@@ -208,6 +229,7 @@ def open_db(path: str) -> sqlite3.Connection:
             # which is the promise; only a power loss may drop the last commits.
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
+            _add_key_columns(db)
         except BaseException:
             db.close()
             raise
@@ -223,6 +245,21 @@ def open_db(path: str) -> sqlite3.Connection:
     return db
 
 
+# Columns added by issue 14 (budgets, expiry, the replicated record): a database made before
+# them gets them on open, with the defaults of a key that has none.
+_KEY_COLUMNS = (("budget_day", "INTEGER NOT NULL DEFAULT 0"), ("budget_month", "INTEGER NOT NULL DEFAULT 0"),
+                ("expires", "REAL"), ("replica", "TEXT"))
+
+
+def _add_key_columns(db: sqlite3.Connection) -> None:
+    have = {row[1] for row in db.execute("PRAGMA table_info(keys)")}
+    for name, decl in _KEY_COLUMNS:
+        if name not in have:
+            db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
+    if "request_id" not in {row[1] for row in db.execute("PRAGMA table_info(requests)")}:
+        db.execute("ALTER TABLE requests ADD COLUMN request_id TEXT")
+
+
 def hash_key(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
 
@@ -230,13 +267,34 @@ def hash_key(token: str) -> str:
 class Key:
     """An API key as routing sees it (the secret itself is never kept)."""
 
-    __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp")
+    __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
+                 "budget_month", "expires", "record")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
-                 rate: float = 0.0):
+                 rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
         self.id, self.user, self.allow = key_id, user, tuple(sorted(set(allow)))
         self.admin, self.rate = bool(admin), float(rate)
         self._tokens, self._stamp = max(1.0, self.rate), 0.0
+        self.hash = key_hash
+        self.record = record   # its replicated record (crdt.key_record), None for ANONYMOUS
+        self.budget_day = int(record.get("budget_day", 0)) if record else 0
+        self.budget_month = int(record.get("budget_month", 0)) if record else 0
+        self.expires: Optional[float] = record.get("expires") if record else None
+
+    @classmethod
+    def of_record(cls, key_hash: str, record: Dict[str, Any]) -> Key:
+        return cls(record["id"], record["user"], record.get("allow", ()), record.get("admin", False),
+                   record.get("rate", 0.0), key_hash, record)
+
+    def charge(self, requests: int) -> None:
+        """Requests another ingress admitted for this key take tokens from this bucket too, so
+        the rate holds for the cluster (down to a debt of one burst: a flood elsewhere cannot
+        lock the key out here for longer than a second's refill)."""
+        if self.rate > 0 and requests > 0:
+            now = time.monotonic()   # take()'s clock: the refill up to now first
+            burst = max(1.0, self.rate)
+            tokens = min(burst, self._tokens + (now - self._stamp) * self.rate) if self._stamp else burst
+            self._tokens, self._stamp = max(-burst, tokens - requests), now
 
     def take(self, now: float) -> bool:
         """Token bucket: `rate` requests per second, bursts of up to max(1, rate)."""
@@ -254,22 +312,89 @@ class Key:
 ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request under --no-auth
 
 
-def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
-               rate: float = 0.0) -> Tuple[str, str]:
-    """Store a new key; return (key id, the token, which is shown once and never stored)."""
-    key_id = secrets.token_hex(4)
+def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: float = 0.0,
+            budget_day: int = 0, budget_month: int = 0,
+            expires: Optional[float] = None) -> Tuple[str, str, Dict[str, Any]]:
+    """A new key: (the token, shown once and never stored, the sha256 of it, its record)."""
     token = KEY_PREFIX + secrets.token_urlsafe(32)
-    db.execute("INSERT INTO keys (id, user, hash, allow, admin, rate, created) VALUES (?,?,?,?,?,?,?)",
-               (key_id, user, hash_key(token), crdt.dumps(sorted(set(allow))).decode(),
-                int(admin), float(rate), time.time()))
-    return key_id, token
+    record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
+                             budget_day, budget_month, expires)
+    return token, hash_key(token), record
+
+
+def parse_expiry(text: str, now: float) -> float:
+    """An expiry: a duration from now ("30d", "12h", "90m") or a UTC date or time
+    ("2027-01-31", "2027-01-31T12:00"); a unix time for the record."""
+    text = text.strip()
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return now + float(text[:-1]) * units[text[-1]]
+    for fmt in ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M:%S"):
+        try:
+            return float(calendar.timegm(time.strptime(text, fmt)))
+        except ValueError:
+            continue
+    raise ValueError(f"expires must be a duration (30d, 12h, 90m) or a UTC date/time "
+                     f"(2027-01-31, 2027-01-31T12:00), got {text!r}")
+
+
+def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0, budget_month: Any = 0,
+             expires: Any = None) -> Tuple[str, List[str], float, int, int, Optional[float]]:
+    """Check what a new key is to be (the CLI's flags, the admin API's fields): ValueError
+    with a one-line reason."""
+    if not isinstance(user, str) or not user.strip() or not user.strip().isprintable():
+        raise ValueError("user must name someone (printable, not empty)")
+    if isinstance(allow, str):
+        allow = [a.strip() for a in allow.split(",") if a.strip()]
+        if not allow:   # e.g. --allow "$EMPTY": never a key for any provider
+            raise ValueError("allow names no provider; leave it out for a key that may use any")
+    elif allow is None:
+        allow = []
+    elif not (isinstance(allow, list) and all(isinstance(a, str) and a for a in allow)):
+        raise ValueError("allow must be a list of provider names")
+    if type(rate) not in (int, float) or not (math.isfinite(rate) and rate >= 0):
+        raise ValueError("rate must be a number >= 0 (requests/s; 0: none)")
+    for name, value in (("budget_day", budget_day), ("budget_month", budget_month)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be a whole number of tokens >= 0 (0: none)")
+    if expires is not None:
+        if isinstance(expires, str):
+            expires = parse_expiry(expires, time.time())
+        elif type(expires) not in (int, float) or not math.isfinite(expires) or expires < 0:
+            raise ValueError("expires must be a unix time, a duration (30d) or a UTC date")
+        expires = float(expires)
+    return user.strip(), list(allow), float(rate), budget_day, budget_month, expires
+
+
+def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
+               rate: float = 0.0, budget_day: int = 0, budget_month: int = 0,
+               expires: Optional[float] = None) -> Tuple[str, str]:
+    """Store a new key; return (key id, the token, which is shown once and never stored)."""
+    token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+    store_key_record(db, digest, record)
+    return record["id"], token
+
+
+def store_key_record(db: sqlite3.Connection, digest: str, record: Dict[str, Any]) -> None:
+    """Write a key's record (made here or replicated from another ingress) into its row."""
+    revoked = record.get("revoked_at", 0.0) if record["state"] == crdt.KEY_REVOKED else None
+    db.execute("INSERT INTO keys (id, user, hash, allow, admin, rate, created, revoked, budget_day, "
+               "budget_month, expires, replica) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(hash) DO UPDATE "
+               "SET user=excluded.user, allow=excluded.allow, admin=excluded.admin, rate=excluded.rate, "
+               "revoked=coalesce(revoked, excluded.revoked), budget_day=excluded.budget_day, "
+               "budget_month=excluded.budget_month, expires=excluded.expires, replica=excluded.replica",
+               (record["id"], record["user"], digest, crdt.dumps(record.get("allow", [])).decode(),
+                int(record.get("admin", False)), float(record.get("rate", 0.0)), record["created"], revoked,
+                record.get("budget_day", 0), record.get("budget_month", 0), record.get("expires"),
+                crdt.encode(record).decode()))
 
 
 def list_keys(db: sqlite3.Connection) -> List[Dict[str, Any]]:
-    rows = db.execute("SELECT id, user, allow, admin, rate, created, revoked FROM keys "
-                      "ORDER BY created").fetchall()
+    rows = db.execute("SELECT id, user, allow, admin, rate, created, revoked, budget_day, budget_month, "
+                      "expires, hash FROM keys ORDER BY created").fetchall()
     return [{"id": r[0], "user": r[1], "allow": crdt.loads(r[2]), "admin": bool(r[3]),
-             "rate": r[4], "created": r[5], "revoked": r[6]} for r in rows]
+             "rate": r[4], "created": r[5], "revoked": r[6], "budget_day": r[7], "budget_month": r[8],
+             "expires": r[9], "hash": r[10]} for r in rows]
 
 
 def revoke_key(db: sqlite3.Connection, key_id: str) -> bool:
@@ -277,13 +402,33 @@ def revoke_key(db: sqlite3.Connection, key_id: str) -> bool:
     return cur.rowcount > 0
 
 
+def load_key_records(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
+    """sha256 -> replicated record for every key, revoked ones included. A row from before
+    replication (or revoked by the CLI since) gets the record its columns say."""
+    records = {}
+    for key_id, user, digest, allow, admin, rate, created, revoked, budget_day, budget_month, expires, replica \
+            in db.execute("SELECT id, user, hash, allow, admin, rate, created, revoked, budget_day, "
+                          "budget_month, expires, replica FROM keys"):
+        record = None
+        if replica:
+            try:
+                record = crdt.loads(replica)
+                crdt.validate_key(crdt.key_entry(digest), record)
+            except (ValueError, crdt.RecordError):
+                record = None
+        if record is None:
+            record = crdt.key_record(key_id, user, created, crdt.loads(allow), bool(admin), rate,
+                                     budget_day, budget_month, expires)
+        if revoked is not None:
+            record = crdt.revoked(record, revoked)
+        records[digest] = record
+    return records
+
+
 def load_keys(db: sqlite3.Connection) -> Dict[str, Key]:
     """hash -> Key for every key not revoked."""
-    keys = {}
-    for key_id, user, digest, allow, admin, rate in db.execute(
-            "SELECT id, user, hash, allow, admin, rate FROM keys WHERE revoked IS NULL"):
-        keys[digest] = Key(key_id, user, crdt.loads(allow), bool(admin), rate)
-    return keys
+    return {digest: Key.of_record(digest, record) for digest, record in load_key_records(db).items()
+            if record["state"] in crdt.ACCEPTED_KEY_STATES}
 
 
 def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bool:
@@ -308,7 +453,7 @@ def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bo
 # ---------------------------------------------------------------------------------------------
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                "completion_tokens", "latency_ms", "stream", "attempts", "tracked")
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id")
 
 
 def _day(ts: float) -> str:
@@ -318,7 +463,7 @@ def _day(ts: float) -> str:
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11, ?12 WHERE ?13")
+                    "?10, ?11, ?12, ?14 WHERE ?13")
 _INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                  "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                  "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
@@ -342,9 +487,13 @@ class Ledger:
     failing ledger shows on /healthz and /metrics while requests go on being served.
     """
 
-    def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None]):
+    def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None],
+                 on_key_records: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None):
+        """`on_keys(keys)` gets the accepted keys at each reload; `on_key_records(records)`,
+        when given, gets every key's record instead (revoked ones too: ClusterKeys)."""
         self.path = path
         self._on_keys = on_keys
+        self._on_key_records = on_key_records
         # One ingress per ledger: a second one would replay the first one's live journal.
         self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
@@ -357,6 +506,7 @@ class Ledger:
         self._db.execute("CREATE TABLE IF NOT EXISTS ledger_state (id INTEGER PRIMARY KEY CHECK (id = 0), "
                          "seq INTEGER NOT NULL, offset INTEGER NOT NULL)")
         self._data_version = -1
+        self._replicas: Dict[str, Dict[str, Any]] = {}   # entry id -> record to keep (ClusterKeys)
         self._reload_keys()
         self.rows_written = 0
         self.failed_commits = 0             # batches SQLite refused (each retried with the next)
@@ -472,7 +622,7 @@ class Ledger:
                         values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
                         continue
-                    if len(values) == 13:
+                    if len(values) in (13, 14):   # 13: a journal from before request ids
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
         if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
@@ -488,7 +638,45 @@ class Ledger:
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         if version != self._data_version:
             self._data_version = version
-            self._on_keys(load_keys(self._db))
+            if self._on_key_records is not None:
+                self._on_key_records(load_key_records(self._db))
+            else:
+                self._on_keys(load_keys(self._db))
+
+    def replicate(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """Keep a replicated key record or usage slot in SQLite (the event loop's side: a dict
+        store; the writer thread commits the latest of each with the next batch)."""
+        with self._rows_lock:
+            self._replicas[entry_id] = record
+
+    def _store_replicas(self) -> None:
+        with self._rows_lock:
+            replicas, self._replicas = self._replicas, {}
+        if not replicas:
+            return
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            for entry_id, record in replicas.items():
+                if crdt.kind_of(entry_id) == crdt.KEY:
+                    try:
+                        store_key_record(db, entry_id[len(crdt.KEY_ENTRY):], record)
+                    except sqlite3.IntegrityError:   # its short id names another key here
+                        print(f"otela-ingress: key {record['id']} from the overlay clashes with a "
+                              "local key id; it works but is not kept in this --db", file=sys.stderr)
+                else:
+                    db.execute("INSERT OR REPLACE INTO usage_slots VALUES (?, ?)",
+                               (entry_id, crdt.encode(record).decode()))
+            db.execute("COMMIT")
+            # our own writes leave PRAGMA data_version alone: no reload, no echo
+        except sqlite3.Error as exc:   # kept for the next round, like ledger rows
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            with self._rows_lock:
+                self._replicas = dict(replicas, **self._replicas)
+            print(f"otela-ingress: keeping replicated keys/usage failed (retried): {exc}", file=sys.stderr)
 
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S
@@ -509,6 +697,7 @@ class Ledger:
                         os.unlink(self._journal(seq))
                     except OSError:
                         pass
+            self._store_replicas()   # keys and usage slots from the overlay (ClusterKeys)
             with self._flushed:
                 self._generation += 1
                 self._flushed.notify_all()
@@ -528,7 +717,7 @@ class Ledger:
         refused them (nothing of them is in)."""
         daily: Dict[Tuple[str, str, str], List[int]] = {}
         days: Dict[int, str] = {}
-        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked in rows:
+        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *_ in rows:
             day = days.get(int(ts // 86400))
             if day is None:
                 day = days[int(ts // 86400)] = _day(ts)
@@ -545,7 +734,8 @@ class Ledger:
         try:
             db.execute("BEGIN")
             if rows:
-                written = db.executemany(_INSERT_REQUESTS, rows).rowcount
+                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 14 else r + (None,)
+                                                            for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
@@ -630,6 +820,248 @@ class UsageStats:
 def _mean_std(values: List[int]) -> Dict[str, float]:
     mean = sum(values) / len(values)
     return {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
+# ---------------------------------------------------------------------------------------------
+# Theory of operation. A key's record (crdt KEY entry, keyed by the token's sha256) and the
+# per-(key, model, day) usage G-Counters (crdt USAGE entries, one slot per ingress session)
+# live in the overlay's map, so every ingress holds all of them and they spread the way
+# sessions do (pushed at once, repaired by anti-entropy, sent whole to a (re)joining ingress).
+#   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
+#      learned from the overlay is written to this ingress's SQLite, so `keys list` shows it
+#      and a restart starts from it. The request path reads only `Ingress.keys`, rebuilt here
+#      on each change of a key record.
+#   2. Each request this ingress serves adds to its own slot at once; the slots that changed
+#      go out every USAGE_PUBLISH_S. A peer's slot that grew charges the key's rate bucket
+#      here with the requests it served, so a rate holds for the cluster, not per ingress.
+#   3. Budgets (tokens per UTC day and month) are checked against the sum of every slot: the
+#      cluster's use, stale by at most USAGE_PUBLISH_S plus one push (a few ms on a LAN).
+USAGE_PUBLISH_S = 0.5     # own slots go out at most this often: at 50 req/s one record per
+                          # (key, model) per half second instead of 50, and budgets elsewhere
+                          # lag by half a second (a key can overrun by that much use)
+QUOTA_MESSAGE = ("You exceeded your current quota ({what}); it renews at {renews} UTC. "
+                 "Ask the operator for a larger budget.")
+
+
+class ClusterKeys:
+    """The keys and usage of the whole cluster as this ingress sees them."""
+
+    def __init__(self, ingress: Ingress):
+        self.ingress = ingress
+        self.records: Dict[str, Dict[str, Any]] = {}   # sha256 -> key record (revoked too)
+        self.slots: Dict[str, Dict[str, Any]] = {}     # usage entry id -> slot record
+        self.mine: Dict[str, Dict[str, Any]] = {}      # our own slots, live (entry id -> record)
+        self._dirty: set = set()                       # own slots changed since published
+        self.day_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)    # (hash, day)
+        self.month_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # (hash, YYYY-MM)
+        self.next_expiry = math.inf
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
+        self._hot: Dict[Tuple[str, str], tuple] = {}  # (hash, model) -> today's own slot, see count
+
+    def today(self, now: float) -> str:
+        """The UTC day of `now`, formatted once a day instead of per request."""
+        number = int(now // 86400)
+        if number != self._today[0]:
+            self._today = (number, crdt.time_day(now))
+            self._hot = {}
+        return self._today[1]
+
+    # -- what comes in: SQLite at start and after the CLI, the overlay at any time ------------
+    def adopt(self, records: Dict[str, Dict[str, Any]]) -> None:
+        """Key records read from this ingress's SQLite: publish them (the lattice keeps the
+        newer of each, and a revocation always wins)."""
+        for digest, record in records.items():
+            self.publish(crdt.key_entry(digest), record)
+
+    def adopt_slots(self, slots: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Usage slots kept in SQLite (ours from before a restart, and other ingresses')."""
+        for entry_id, record in slots:
+            self.publish(entry_id, record)
+
+    def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
+        node = self.ingress.node
+        try:
+            if hasattr(node, "publish"):
+                node.publish(entry_id, record)   # the overlay tells on_entry, as for any change
+            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
+                self.on_entry(entry_id, node.registry.get(entry_id))
+        except crdt.RecordError as exc:   # a bad row in SQLite must not stop the ingress
+            print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
+
+    def on_entry(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
+        """A key record or usage slot changed in the map (ours or a peer's)."""
+        if record is None:
+            return
+        kind = crdt.kind_of(entry_id)
+        ledger = self.ingress.ledger
+        if kind == crdt.KEY:
+            digest = entry_id[len(crdt.KEY_ENTRY):]
+            self.records[digest] = record
+            self._rebuild_one(digest, record, time.time())
+        elif kind == crdt.USAGE:
+            self._count_slot(entry_id, record)
+        else:
+            return
+        if ledger is not None:
+            ledger.replicate(entry_id, record)
+
+    def _count_slot(self, entry_id: str, record: Dict[str, Any]) -> None:
+        if entry_id in self.mine:
+            return   # counted live in count(); the map has an older or equal copy
+        old = self.slots.get(entry_id)
+        self.slots[entry_id] = record
+        tokens = record["prompt_tokens"] + record["completion_tokens"]
+        requests = record["requests"]
+        if old is not None:
+            tokens -= old["prompt_tokens"] + old["completion_tokens"]
+            requests -= old["requests"]
+        if tokens > 0:
+            self._add(record["key"], record["day"], tokens)
+        key = self.ingress.keys.get(record["key"])
+        if key is not None and old is not None:   # a slot we knew grew: requests served elsewhere
+            key.charge(requests)
+
+    def _add(self, digest: str, day: str, tokens: int) -> None:
+        self.day_used[(digest, day)] += tokens
+        self.month_used[(digest, day[:7])] += tokens
+
+    # -- the keys the request path reads ------------------------------------------------------
+    def _rebuild_one(self, digest: str, record: Dict[str, Any], now: float) -> None:
+        ingress = self.ingress
+        keys = dict(ingress.keys)
+        old = keys.pop(digest, None)
+        if crdt.key_accepts(record, now):
+            key = Key.of_record(digest, record)
+            if old is not None:   # a rate bucket carries over an edit of its key
+                key._tokens, key._stamp = old._tokens, old._stamp
+            keys[digest] = key
+            if key.expires is not None:
+                self.next_expiry = min(self.next_expiry, key.expires)
+        ingress.keys = keys   # one reference swap: the request path never sees half of it
+
+    def expire(self, now: float) -> None:
+        """Drop keys whose expiry has come (checked every USAGE_PUBLISH_S)."""
+        if now < self.next_expiry:
+            return
+        keys = {d: k for d, k in self.ingress.keys.items() if k.expires is None or now < k.expires}
+        self.next_expiry = min((k.expires for k in keys.values() if k.expires is not None), default=math.inf)
+        self.ingress.keys = keys
+
+    def refusal(self, digest: Optional[str]) -> HTTPError:
+        """The 401 for a token that is not an accepted key: say why when we know the key."""
+        record = self.records.get(digest) if digest else None
+        if record is not None and record["state"] == crdt.KEY_REVOKED:
+            return HTTPError(401, "This API key was revoked", "invalid_api_key")
+        if record is not None and record.get("expires") is not None and time.time() >= record["expires"]:
+            when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(record["expires"]))
+            return HTTPError(401, f"This API key expired at {when} UTC", "expired_api_key")
+        return HTTPError(401, "Invalid API key", "invalid_api_key")
+
+    # -- usage: our slots, budgets -----------------------------------------------------------
+    def count(self, key: Key, model: str, prompt_tokens: Optional[int], completion_tokens: Optional[int]) -> None:
+        """One finished request (any status) served here."""
+        if not key.hash:
+            return   # --no-auth's anonymous key: nothing to budget
+        now = time.time()
+        slot = self.ingress.node.session_id
+        hot = self._hot.get((key.hash, model))   # this (key, model)'s slot today: the common case
+        if hot is None or hot[0] != int(now // 86400) or hot[1] != slot:
+            day = self.today(now)
+            entry_id = crdt.usage_entry(key.hash, model, day, slot)   # hashed once a day
+            record = self.mine.get(entry_id)
+            if record is None:
+                record = self.mine[entry_id] = crdt.usage_record(key.hash, model, day, slot, 0, 0, 0, 0)
+            hot = self._hot[(key.hash, model)] = (int(now // 86400), slot, record, entry_id,
+                                                  (key.hash, day), (key.hash, day[:7]))
+        record = hot[2]
+        prompt, completion = prompt_tokens or 0, completion_tokens or 0
+        record["requests"] += 1
+        record["prompt_tokens"] += prompt
+        record["completion_tokens"] += completion
+        if prompt or completion:
+            self.day_used[hot[4]] += prompt + completion
+            self.month_used[hot[5]] += prompt + completion
+        self._dirty.add(hot[3])
+
+    def check_quota(self, key: Key) -> None:
+        """429 insufficient_quota (OpenAI's shape) for a key whose day or month budget is used."""
+        if not (key.budget_day or key.budget_month):
+            return
+        now = time.time()
+        day = self.today(now)
+        if key.budget_day and self.day_used.get((key.hash, day), 0) >= key.budget_day:
+            renews = time.strftime("%Y-%m-%d 00:00", time.gmtime(crdt.day_start(day) + 86400))
+            raise HTTPError(429, QUOTA_MESSAGE.format(what=f"{key.budget_day} tokens a day", renews=renews),
+                            "insufficient_quota", etype="insufficient_quota")
+        if key.budget_month and self.month_used.get((key.hash, day[:7]), 0) >= key.budget_month:
+            year, month = int(day[:4]), int(day[5:7])
+            renews = f"{year + month // 12:04d}-{month % 12 + 1:02d}-01 00:00"
+            raise HTTPError(429, QUOTA_MESSAGE.format(what=f"{key.budget_month} tokens a month", renews=renews),
+                            "insufficient_quota", etype="insufficient_quota")
+
+    def usage(self, digest: str, now: float) -> Dict[str, Any]:
+        """A key's cluster-wide use today and this month against its budgets."""
+        day = crdt.time_day(now)
+        record = self.records.get(digest) or {}
+        return {"day": day, "tokens_today": self.day_used.get((digest, day), 0),
+                "tokens_this_month": self.month_used.get((digest, day[:7]), 0),
+                "budget_day": record.get("budget_day", 0), "budget_month": record.get("budget_month", 0)}
+
+    def totals(self, digest: Optional[str] = None) -> Dict[Tuple[str, str, str], Dict[str, int]]:
+        """The G-Counters' values, our live slots included."""
+        slots = list(self.slots.values()) + list(self.mine.values())
+        return crdt.usage_totals(slots, digest)
+
+    # -- the timer ---------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(USAGE_PUBLISH_S, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.flush()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(USAGE_PUBLISH_S, self._tick, loop)
+        try:
+            self.flush()
+            self.expire(time.time())
+        except Exception as exc:   # a bug here must not stop the timer, nor the ingress
+            print(f"otela-ingress: usage publish failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+
+    def flush(self) -> None:
+        """Publish our slots that changed (each write bumps its version)."""
+        dirty, self._dirty = self._dirty, set()
+        slot = self.ingress.node.session_id
+        today = crdt.time_day(time.time())
+        for entry_id in [e for e, r in self.mine.items() if r["day"] < today and e not in dirty]:
+            self.slots[entry_id] = self.mine.pop(entry_id)   # a closed day: no more writes
+        for entry_id in dirty:
+            record = self.mine[entry_id]
+            if record["slot"] != slot:   # we rejoined as a new session: this slot is closed
+                continue
+            record["version"] += 1
+            self.publish(entry_id, dict(record))
+
+
+def load_usage_slots(path: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """The usage slots this ingress kept (read once at start, before serving)."""
+    db = open_db(path)
+    try:
+        rows = db.execute("SELECT id, record FROM usage_slots").fetchall()
+    finally:
+        db.close()
+    slots = []
+    for entry_id, text in rows:
+        try:
+            slots.append((entry_id, crdt.loads(text)))
+        except ValueError:
+            continue
+    return slots
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1410,7 +1842,7 @@ class _FastRequest:
 
 
 _WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
-                 + SESSION_HEADER + b": %s\r\n\r\n%s")
+                 + SESSION_HEADER + b": %s\r\n%s\r\n%s")
 _SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
 _EOM = h11.EndOfMessage()
 
@@ -1430,7 +1862,7 @@ class _ClientConn:
     behaviour, and `resume(h11 connection)` after it: every head is seen here first.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "_body", "_chunked", "_close", "_eof")
+    __slots__ = ("buf", "our_state", "their_state", "_body", "_chunked", "_close", "_eof", "extra")
     they_are_waiting_for_100_continue = False
 
     def __init__(self):
@@ -1438,6 +1870,7 @@ class _ClientConn:
         self.our_state = self.their_state = h11.IDLE
         self._body = _NO_BODY
         self._chunked = self._close = self._eof = False
+        self.extra = b""   # header lines every answer to this request carries (Ingress._tag)
 
     @property
     def trailing_data(self) -> Tuple[bytes, bool]:
@@ -1524,7 +1957,7 @@ class _ClientConn:
             out.append(b"%s: %s\r\n" % (name, value))
         if not framed:
             out.append(b"transfer-encoding: chunked\r\n")
-        out.append(b"\r\n")
+        out.append(self.extra + b"\r\n")
         self._chunked, self._close = not framed, close
         self.our_state = h11.SEND_BODY
         return b"".join(out)
@@ -1534,7 +1967,7 @@ class _ClientConn:
         self._chunked = self._close = False
         self.our_state = h11.DONE
         return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session,
-                                payload)
+                                self.extra, payload)
 
     def data(self, data: bytes) -> bytes:
         """What send(h11.Data(data=data)) gives, without building the event."""
@@ -1576,6 +2009,9 @@ def _end(conn: Any) -> bytes:
 def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -> bytes:
     if type(conn) is _ClientConn:
         return conn.head(status, headers)
+    extra = getattr(conn, "extra", b"")   # Ingress._tag's lines, on an h11 connection
+    if extra:
+        headers = headers + [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]
     return conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
 
 
@@ -1593,7 +2029,7 @@ class _Client(asyncio.Protocol):
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "task", "closed",
                  "relay", "pending", "lingering", "head_only", "_waiter", "_drain_waiter", "_write_paused",
-                 "_read_paused")
+                 "_read_paused", "request_id")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -1611,6 +2047,7 @@ class _Client(asyncio.Protocol):
         self.pending: Optional[tuple] = None  # (exchange, upstream, candidate) awaiting a plain answer
         self.lingering = False           # answered and half-closed: what arrives is dropped
         self.head_only = False           # the request being answered is a HEAD
+        self.request_id = b""            # the X-Request-Id of the request being answered
         self._waiter: Optional[asyncio.Future] = None
         self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
@@ -1811,7 +2248,7 @@ class _Exchange:
 
     __slots__ = ("ingress", "client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "state", "refusal", "refused")
+                 "row_head", "state", "refusal", "refused", "request_id")
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -1825,6 +2262,7 @@ class _Exchange:
         self.state = RECEIVED
         self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
         self.refused: List[Candidate] = []   # sessions that answered this request with a 5xx
+        self.request_id: bytes = client.request_id   # X-Request-Id (see Ingress._tag)
         ingress.metrics.inflight += 1
 
     @property
@@ -1904,8 +2342,16 @@ class Ingress:
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
-                 max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None):
+                 max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
+                 require_code_hash: Optional[str] = None,
+                 aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = ()):
+        """`require_code_hash`: route only to sessions advertising this code hash ("self": what
+        a worker from this checkout advertises); see --require-code-hash."""
         self.node = node
+        self.aliases = dict(aliases or {})   # public name -> served models, tried in order
+        self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
+        self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
+            else require_code_hash
         self.db_path = db_path
         self.policy = policy if policy is not None else LeastLoadedPolicy()
         self.no_auth = no_auth
@@ -1915,6 +2361,7 @@ class Ingress:
         self._per_address: Dict[str, int] = {}   # open connections per client address
         self.max_body = max_body
         self.keys: Dict[str, Key] = {}
+        self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self.metrics = Metrics()
         self.stats = UsageStats()
@@ -1941,7 +2388,9 @@ class Ingress:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
-        self.ledger = Ledger(self.db_path, self._set_keys)
+        self.ledger = Ledger(self.db_path, self._set_keys, self._set_key_records)
+        self.cluster.adopt_slots(load_usage_slots(self.db_path))
+        self.cluster.start(self._loop)
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         except OSError as exc:
@@ -1971,20 +2420,32 @@ class Ingress:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             except asyncio.TimeoutError:
                 pass
+        self.cluster.stop()   # our last usage goes out, and into SQLite below
         if self.ledger is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
 
     def _set_keys(self, keys: Dict[str, Key]) -> None:
-        # Called from the ledger thread: one reference swap, atomic under the GIL. Rate-limit
-        # buckets carry over so a reload does not refill them.
-        old = {k.id: k for k in self.keys.values()}
-        for key in keys.values():
-            previous = old.get(key.id)
-            if previous is not None:
-                key._tokens, key._stamp = previous._tokens, previous._stamp
-        self.keys = keys
+        """Accepted keys (read from SQLite): published, as _set_key_records."""
+        self._set_key_records({digest: key.record for digest, key in keys.items() if key.record is not None})
 
-    def _registry_changed(self, *_args) -> None:
+    def _set_key_records(self, records: Dict[str, Dict[str, Any]]) -> None:
+        """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
+        and after the CLI changed them): published to the cluster, whose view `self.keys`
+        follows (see ClusterKeys)."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here or loop is None:
+            self.cluster.adopt(records)
+        else:
+            loop.call_soon_threadsafe(self.cluster.adopt, records)
+
+    def _registry_changed(self, sid: str = "", record: Optional[Dict[str, Any]] = None) -> None:
+        if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
+            self.cluster.on_entry(sid, record)
+            return
         self._candidates = {}
 
     async def _sweep(self) -> None:
@@ -2019,6 +2480,8 @@ class Ingress:
                 known = True
             if state != crdt.SERVING or node.is_suspected(sid):
                 continue
+            if self.require_code_hash and record.get("code_hash") != self.require_code_hash:
+                continue   # --require-code-hash: not the code we route to
             found = True
             if allowed(key.allow, sid, record):
                 result.append(Candidate(sid, record))
@@ -2026,9 +2489,9 @@ class Ingress:
             if not known:
                 raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
                                 "model_not_found", "model")
-            if found:
-                raise HTTPError(403, f"Your key may not use the providers serving '{model}'",
-                                "model_not_allowed", "model")
+            if found:   # as if it did not exist: an allowlist must not show the catalogue
+                raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
+                                "model_not_found", "model")
             raise HTTPError(503, f"No healthy provider serves '{model}' right now",
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
         if len(self._candidates) > 4096:   # bounded: models x allowlists in use
@@ -2037,13 +2500,19 @@ class Ingress:
         return result
 
     def models(self, key: Key) -> List[str]:
+        names = self._served_models(key)
+        names.update(alias for alias, targets in self.aliases.items() if names.intersection(targets))
+        return sorted(names)
+
+    def _served_models(self, key: Key) -> set:
         names = set()
         node = self.node
         for sid, record in node.registry.items():
             if (record.get("state") == crdt.SERVING and record.get("role", "worker") == "worker"
-                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)):
+                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)
+                    and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)):
                 names.update(record.get("models") or ())
-        return sorted(names)
+        return names
 
     # -- HTTP server -------------------------------------------------------------------------
     def _dispatch(self, client: _Client) -> None:
@@ -2101,7 +2570,8 @@ class Ingress:
     def _internal_error(self, client: _Client, exc: Exception) -> None:
         """A bug met while serving a request: say so on stderr and to the client (500), and
         close the connection, whose state is unknown."""
-        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
+              f"(request {client.request_id.decode() or '-'})", file=sys.stderr)
         try:
             self._write_error(client, HTTPError(500, "Internal error in the ingress", "internal_error"))
         except Exception:
@@ -2202,13 +2672,18 @@ class Ingress:
         t0 = time.monotonic()
         target = request.target
         path, _, query = target.partition(b"?")
+        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
         try:
-            if request.method == b"POST" and path in PROXIED_PATHS:
+            if request.method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
+                return await self._respond(client, 204, b"", extra=self._preflight(fields))
+            if request.method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
                 self.authenticate(fields)   # on the head: a stranger's body is never read
                 body = await self._read_body(client, fields)
                 ex, candidates = self._prepare(client, path, fields, body, t0)   # (a cached key: 0.1 us)
                 await self._attempts(ex, candidates)
                 return
+            if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
+                return await self._admin(client, request, fields, path, query)
             length = fields.get(b"content-length") or b"0"
             if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
                     and int(length) <= MAX_HEADER_BYTES:
@@ -2263,8 +2738,8 @@ class Ingress:
             self.metrics.errors[exc.code or str(exc.status)] += 1
             self.metrics.requests[(model, exc.status)] += 1
         if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param),
-                                 extra=exc.headers)
+            self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param,
+                                                                exc.etype), extra=exc.headers)
 
     async def _respond_error(self, client: _Client, exc: HTTPError, model: str = "",
                              counted: bool = False) -> None:
@@ -2284,7 +2759,7 @@ class Ingress:
             digest = hashlib.sha256(token.strip()).hexdigest()
         key = self.keys.get(digest)   # looked up each time: a revoked key stops working at once
         if key is None:
-            raise HTTPError(401, "Invalid API key", "invalid_api_key")
+            raise self.cluster.refusal(digest)   # revoked, expired or unknown
         if header not in self._digests:
             if len(self._digests) >= 4096:   # bounded: keys in use, not every token ever tried
                 self._digests.clear()
@@ -2302,6 +2777,7 @@ class Ingress:
         if not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
+        self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
         try:
             request = crdt.loads(body)
         except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
@@ -2313,6 +2789,7 @@ class Ingress:
             raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
         stream = request.get("stream") is True and path in STREAMABLE_PATHS
         strip_usage = False
+        candidates = None
         if stream:
             options = request.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
@@ -2323,9 +2800,12 @@ class Ingress:
                 else:
                     request["stream_options"] = dict(options or {}, include_usage=True)
                     body = crdt.dumps(request)
+        if model in self.aliases:   # a public name: the first of its models that is served
+            model, body, candidates = self._alias(model, key, body)
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
-        candidates = self.candidates(model, key)
+        if candidates is None:   # (an alias found them already)
+            candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
         client.busy = True
         return _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0), candidates
@@ -2336,6 +2816,7 @@ class Ingress:
         in flight (the upstream's hook or a task finishes it) or the connection closed."""
         t0 = time.monotonic()
         client.busy = True
+        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
         try:
             ex, candidates = self._prepare(client, path, fields, body, t0)
         except HTTPError as exc:
@@ -2673,6 +3154,7 @@ class Ingress:
         if ex.status >= 400:
             metrics.errors["upstream_" + str(ex.status)] += 1
         metrics.observe(metrics.latency, model, now - ex.t0)
+        self.cluster.count(ex.key, model, ex.prompt_tokens, ex.completion_tokens)   # the G-Counter slot
         if ex.prompt_tokens:
             metrics.tokens[(model, "input")] += ex.prompt_tokens
         if ex.completion_tokens:
@@ -2699,13 +3181,162 @@ class Ingress:
             latency = round((now - ex.t0) * 1000.0, 3)
             tail = (ex.status, ex.prompt_tokens, ex.completion_tokens, latency, int(ex.routed.stream),
                     ex.attempts, int(ex.tracked))
-            self.ledger.record(row_head[1] + tail, b"%s,%d,%d,%d,%r,%d,%d,%d]\n" % ((row_head[2],) + tail))
+            # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
+            self.ledger.record(row_head[1] + tail + (ex.request_id.decode(),),
+                               b'%s,%d,%d,%d,%r,%d,%d,%d,"%s"]\n' % ((row_head[2],) + tail + (ex.request_id,)))
             return
         self.ledger.record((
             time.time(), ex.key.id, ex.key.user, ex.routed.model,
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
-            int(ex.routed.stream), ex.attempts, int(ex.tracked)))
+            int(ex.routed.stream), ex.attempts, int(ex.tracked), ex.request_id.decode()))
+
+    # -- request ids and CORS: header lines on every answer to a request ---------------------
+    def _tag(self, client: _Client, fields: Dict[bytes, bytes]) -> None:
+        """At a request's start: its id (the client's X-Request-Id when sane, else a new one),
+        returned on every answer, stored in its ledger row and named in the log; and, for an
+        Origin that --cors-origin admits, the CORS headers a browser needs to read the answer."""
+        rid = fields.get(REQUEST_ID_HEADER)
+        if rid is None or not _REQUEST_ID.fullmatch(rid):
+            # unique without a system call per request: this process's random prefix, a counter
+            rid = b"req_%s%x" % (_REQUEST_ID_PREFIX, next(_request_numbers))
+        client.request_id = rid
+        extra = b"x-request-id: %s\r\n" % rid
+        if self.cors_origins:
+            origin = fields.get(b"origin")
+            if origin is not None and (origin in self.cors_origins or b"*" in self.cors_origins):
+                extra += (b"access-control-allow-origin: %s\r\nvary: origin\r\n"
+                          b"access-control-expose-headers: x-request-id, x-otela-session\r\n" % origin)
+        client.conn.extra = extra
+
+    def _preflight(self, fields: Dict[bytes, bytes]) -> List[Tuple[bytes, bytes]]:
+        """The answer to OPTIONS (the CORS lines themselves come from _tag)."""
+        asked = fields.get(b"access-control-request-headers", b"")
+        return [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+                (b"access-control-allow-headers", asked or b"authorization, content-type, x-request-id"),
+                (b"access-control-max-age", b"600")]
+
+    # -- model aliases and fallbacks; pass-through of other engine routes ----------------------
+    def _alias(self, alias: str, key: Key, body: bytes) -> Tuple[str, bytes, List[Candidate]]:
+        """The first of an alias's models that has candidates for this key, and the body naming
+        it (the engine knows only the models it serves: the one rewrite of a body besides
+        include_usage, and only for an alias). The last model's error when none serves."""
+        error: Optional[HTTPError] = None
+        for model in self.aliases[alias]:
+            try:
+                candidates = self.candidates(model, key)
+            except HTTPError as exc:
+                error = exc
+                continue
+            request = crdt.loads(body)
+            request["model"] = model
+            return model, crdt.dumps(request), candidates
+        assert error is not None
+        if error.status == 404:   # say the name the client used
+            error = HTTPError(404, f"The model '{alias}' does not exist or no session serves it",
+                              "model_not_found", "model")
+        raise error
+
+    def _passes_through(self, path: bytes) -> bool:
+        """Any POST under /v1/ that is no route of ours goes to an engine like the completions
+        (same auth, routing and metering; its body must name a model): /v1/responses,
+        /v1/rerank, /v1/audio/..., whatever the engine serves."""
+        return path.startswith(b"/v1/") and not path.startswith(ADMIN_PREFIX) and path not in self._GET \
+            and not path.startswith(MODEL_PREFIX)
+
+    # -- admin API: keys (create, list, revoke) and cluster-wide usage, behind an admin key ----
+    # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
+    # GET  /v1/admin/keys                    every key of the cluster, with use against budget
+    # POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
+    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key, model and day
+    async def _admin(self, client: _Client, request: Any, fields: Dict[bytes, bytes], path: bytes,
+                     query: bytes) -> None:
+        self.authenticate(fields, admin=True)   # on the head, like the proxy
+        method = request.method
+        body = b""
+        if method == b"POST":
+            body = await self._read_body(client, fields)
+        client.busy = True
+        rest = path[len(ADMIN_PREFIX):].decode("utf-8", "replace").strip("/").split("/")
+        if rest == ["keys"] and method == b"GET":
+            payload = {"object": "list", "data": self._admin_keys()}
+        elif rest == ["keys"] and method == b"POST":
+            payload = self._admin_create(body)
+        elif len(rest) == 3 and rest[0] == "keys" and rest[2] == "revoke" and method == b"POST" or \
+                len(rest) == 2 and rest[0] == "keys" and method == b"DELETE":
+            payload = self._admin_revoke(rest[1])
+        elif rest == ["usage"] and method in (b"GET", b"HEAD"):
+            payload = self._admin_usage(query)
+        else:
+            raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
+                                 f"{path.decode('utf-8', 'replace')}", "unknown_url")
+        await self._respond(client, 200, crdt.dumps(payload))
+
+    def _admin_keys(self) -> List[Dict[str, Any]]:
+        now = time.time()
+        out = []
+        for digest, record in sorted(self.cluster.records.items(), key=lambda kv: kv[1]["created"]):
+            view = {f: record[f] for f in ("id", "user", "created") if f in record}
+            view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
+                        admin=record.get("admin", False), rate=record.get("rate", 0.0),
+                        expires=record.get("expires"), usage=self.cluster.usage(digest, now))
+            if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
+                view["state"] = "expired"
+            out.append(view)
+        return out
+
+    def _admin_create(self, body: bytes) -> Dict[str, Any]:
+        try:
+            spec = crdt.loads(body or b"{}")
+        except (ValueError, RecursionError):
+            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+        if not isinstance(spec, dict):
+            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        try:
+            user, allow, rate, budget_day, budget_month, expires = key_spec(
+                spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
+                spec.get("budget_month", 0), spec.get("expires"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter") from None
+        admin = spec.get("admin", False)
+        if type(admin) is not bool:
+            raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
+        return dict(record, key=token, object="api_key")
+
+    def _admin_revoke(self, key_id: str) -> Dict[str, Any]:
+        for digest, record in self.cluster.records.items():
+            if record["id"] == key_id:
+                gone = crdt.revoked(record, time.time())
+                self.cluster.publish(crdt.key_entry(digest), gone)
+                return {"id": key_id, "object": "api_key", "state": "revoked"}
+        raise HTTPError(404, f"No key with id {key_id!r}", "key_not_found")
+
+    def _admin_usage(self, query: bytes) -> Dict[str, Any]:
+        try:
+            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
+            days = max(1, min(crdt.USAGE_RETENTION_DAYS, int(params.get("days", "31"))))
+        except (UnicodeDecodeError, ValueError):
+            raise HTTPError(400, "Bad query: key=ID and days=N (an integer)", "invalid_parameter") from None
+        by_hash = {digest: r for digest, r in self.cluster.records.items()}
+        wanted = params.get("key")
+        digest = None
+        if wanted is not None:
+            digest = next((d for d, r in by_hash.items() if r["id"] == wanted), None)
+            if digest is None:
+                raise HTTPError(404, f"No key with id {wanted!r}", "key_not_found")
+        now = time.time()
+        since = crdt.time_day(now - (days - 1) * 86400.0)
+        data = []
+        for (key_hash, model, day), sums in sorted(self.cluster.totals(digest).items(),
+                                                   key=lambda kv: (kv[0][2], kv[0][1])):
+            if day >= since:
+                record = by_hash.get(key_hash, {})
+                data.append(dict(sums, key=record.get("id", key_hash[:8]), user=record.get("user", ""),
+                                 model=model, day=day))
+        totals = {f: sum(r[f] for r in data) for f in crdt.USAGE_COUNTS}
+        return {"object": "list", "since": since, "data": data, "totals": totals}
 
     # -- GET endpoints -----------------------------------------------------------------------
     async def _get_healthz(self, fields, query):
@@ -2918,7 +3549,12 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
-    ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth)
+    ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
+                      require_code_hash=args.require_code_hash, aliases=dict(args.alias),
+                      cors_origins=args.cors_origin)
+    if ingress.require_code_hash:
+        print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
+              file=sys.stderr)
     await node.start(serve_http=False)
     try:
         port = await ingress.start(host, port)
@@ -2939,6 +3575,21 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     return 0
 
 
+def _alias_arg(value: str) -> Tuple[str, List[str]]:
+    name, eq, targets = value.partition("=")
+    models = [t.strip() for t in targets.split(",") if t.strip()]
+    if not eq or not name.strip() or not models:
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL[,MODEL...], got {value!r}")
+    return name.strip(), models
+
+
+def _code_hash_arg(value: str) -> str:
+    value = value.strip()
+    if value != "self" and not re.fullmatch(r"[0-9a-f]{16}", value):
+        raise argparse.ArgumentTypeError(f"expected 16 hex digits (as in /v1/registry) or 'self', got {value!r}")
+    return value
+
+
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     """The CLI; `overlay=False` leaves out serve's overlay flags (and the variables they read),
     which `keys` has no use for. A boolean variable is read after parsing (see main), where a
@@ -2955,11 +3606,33 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                        "OpenAI API, /v1/registry, /v1/usage, /metrics and /dashboard on "
                                        "--listen. Keys come from `keys create` in the same --db.")
     if overlay:
-        otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP)
+        otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP, listen_default=DEFAULT_LISTEN,
+                                    listen_help="HOST:PORT of the OpenAI API, /v1/registry, /metrics "
+                                                "and /dashboard (0.0.0.0:PORT for other hosts)")
     serve.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")
+    serve.add_argument("--require-code-hash", default=env("REQUIRE_CODE_HASH"), metavar="HASH|self",
+                       type=_code_hash_arg,
+                       help="route only to worker sessions advertising this code hash (the 16 hex digits "
+                            "in /v1/registry's code_hash; 'self': what a worker started from this "
+                            "ingress's own checkout advertises, the sha256 of its otela_node.py and "
+                            "crdt.py). Protects against a node started by mistake from a modified or "
+                            "outdated checkout: it gets no requests. Does NOT protect against a hostile "
+                            "node: the hash is self-reported (anyone holding the cluster key can "
+                            "advertise any hash; this is not attestation), and it covers neither the "
+                            "engine, nor Python and its packages (env OTELA_REQUIRE_CODE_HASH; "
+                            "default: route to any code)")
+    serve.add_argument("--alias", action="append", default=None, metavar="NAME=MODEL[,MODEL...]",
+                       type=_alias_arg,
+                       help="a public model name for served ones, tried in order: the first that a "
+                            "healthy session serves gets the request (its body then names that model). "
+                            "Repeatable; env OTELA_ALIASES, aliases separated by ';' (default: none)")
+    serve.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                       help="let browser pages from ORIGIN (https://app.example.org, or * for any) call "
+                            "the API: CORS headers on answers and OPTIONS preflights answered. "
+                            "Repeatable; env OTELA_CORS_ORIGIN, comma-separated (default: none)")
     serve.add_argument("--no-auth", action="store_true", default=None,
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")
@@ -2970,18 +3643,30 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
-    create.add_argument("--user", required=True, help="who the key belongs to (the ledger's user)")
+    create.add_argument("--user", default=env("USER"), required=env("USER") is None,
+                        help="who the key belongs to (the ledger's user; env OTELA_USER)")
     create.add_argument("--allow", default=None,
                         help="comma-separated providers this key may use: label k=v, label value, "
                              "or owner user@host (default: any)")
-    create.add_argument("--admin", action="store_true", help="may read GET /v1/usage")
-    create.add_argument("--rate", type=float, default=0.0, help="requests/s limit (0: none)")
+    create.add_argument("--admin", action="store_true",
+                        help="may read GET /v1/usage and use the admin API /v1/admin/ (default: no)")
+    create.add_argument("--rate", type=float, default=0.0,
+                        help="requests/s limit, for the whole cluster (default 0: none)")
+    create.add_argument("--budget-day", type=int, default=0, metavar="TOKENS",
+                        help="prompt + completion tokens a UTC day, for the whole cluster; past it "
+                             "requests get 429 insufficient_quota (default 0: none)")
+    create.add_argument("--budget-month", type=int, default=0, metavar="TOKENS",
+                        help="the same per UTC calendar month (default 0: none)")
+    create.add_argument("--expires", default=None, metavar="WHEN",
+                        help="the key stops working then: a duration (30d, 12h, 90m) or a UTC date/time "
+                             "(2027-01-31, 2027-01-31T12:00) (default: never)")
     create.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
-    lister = keys_sub.add_parser("list", help="list keys (never their secrets)")
+    lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
+                                              "budget, every ingress's use included")
     lister.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     lister.add_argument("--json", action="store_true", help="print JSON")
-    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (takes effect within 1 s)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (at every ingress within 2 s)")
     revoke.add_argument("key_id")
     revoke.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
     return parser
@@ -2989,21 +3674,19 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
 
 def _keys_command(args: argparse.Namespace) -> int:
     if args.keys_command == "create":   # checked before the database is touched
-        user = args.user.strip()
-        if not user or not user.isprintable():
-            raise ValueError("--user must name someone (printable, not empty)")
-        allow = [a.strip() for a in (args.allow or "").split(",") if a.strip()]
-        if args.allow is not None and not allow:   # e.g. --allow "$EMPTY": never a key for any provider
-            raise ValueError("--allow names no provider; leave it out for a key that may use any")
-        if not (math.isfinite(args.rate) and args.rate >= 0):
-            raise ValueError("--rate must be a number >= 0")
+        try:
+            user, allow, rate, budget_day, budget_month, expires = key_spec(
+                args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
+        except ValueError as exc:
+            raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     db = open_db(args.db)
     try:
         if args.keys_command == "create":
-            key_id, token = create_key(db, user, allow, args.admin, args.rate)
+            key_id, token = create_key(db, user, allow, args.admin, rate, budget_day, budget_month, expires)
             if args.json:
                 print(crdt.dumps({"id": key_id, "key": token, "user": user, "allow": allow,
-                                  "admin": args.admin}).decode())
+                                  "admin": args.admin, "rate": rate, "budget_day": budget_day,
+                                  "budget_month": budget_month, "expires": expires}).decode())
             else:
                 print(token)
                 print(f"key id {key_id} for user {user}"
@@ -3011,13 +3694,28 @@ def _keys_command(args: argparse.Namespace) -> int:
                       " The key is shown only now.", file=sys.stderr)
         elif args.keys_command == "list":
             rows = list_keys(db)
+            now = time.time()
+            day = crdt.time_day(now)
+            slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
+            for r in rows:   # every ingress's use, as this --db last heard it
+                used = crdt.usage_totals(slots, r.pop("hash"))
+                r["tokens_today"] = sum(v["prompt_tokens"] + v["completion_tokens"]
+                                        for (_, _, d), v in used.items() if d == day)
+                r["tokens_this_month"] = sum(v["prompt_tokens"] + v["completion_tokens"]
+                                             for (_, _, d), v in used.items() if d[:7] == day[:7])
             if args.json:
                 print(crdt.dumps(rows).decode())
             else:
                 for r in rows:
-                    state = "revoked" if r["revoked"] else "active"
+                    state = "revoked" if r["revoked"] else \
+                        "expired" if r["expires"] is not None and now >= r["expires"] else "active"
+                    today = f"{r['tokens_today']}/{r['budget_day'] or '-'}"
+                    month = f"{r['tokens_this_month']}/{r['budget_month'] or '-'}"
+                    expires = time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['expires'])) \
+                        if r["expires"] is not None else "never"
                     print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
                           f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
+                          f"tokens today {today} month {month}  expires {expires}  "
                           f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
         elif args.keys_command == "revoke":
             if not revoke_key(db, args.key_id):
@@ -3035,6 +3733,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "keys":
             return _keys_command(args)
+        if args.cors_origin is None:
+            args.cors_origin = [o.strip() for o in (otela_node.env("CORS_ORIGIN") or "").split(",") if o.strip()]
+        if args.alias is None:   # OTELA_ALIASES="fast=a,b;big=c"
+            try:
+                args.alias = [_alias_arg(a) for a in (otela_node.env("ALIASES") or "").split(";") if a.strip()]
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"OTELA_ALIASES: {exc}") from None
         if args.no_auth is None:   # OTELA_NO_AUTH=0 keeps the keys on; "maybe" is an error
             args.no_auth = otela_node.env_bool("NO_AUTH")
         if getattr(args, "no_relay", False) is None:

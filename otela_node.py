@@ -761,7 +761,7 @@ class Overlay:
     def _on_j(self, msg, src, now, tcp):
         out = self._merge(msg["r"], src, now)
         horizon = now - self.cfg.join_left_age      # what a joiner needs: no day of LEFT records
-        records = {sid: r for sid, r in self.map.items()
+        records = {sid: r for sid, r in self.map.all_items()   # keys and usage slots too
                    if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon}
         out.append(Out(src, self._with_suspicions({"t": "st", "r": records}), tcp))
         return out
@@ -1243,6 +1243,19 @@ class Overlay:
         for o in out:
             self.sent[o.msg["t"]] += 1
         return out
+
+    # -- replicated entries that are not sessions: API keys and usage slots ------------------
+    # An ingress writes key records and its own usage slots (crdt's KEY and USAGE kinds) into
+    # the same map. They travel as any change does: pushed by their writer to every member and
+    # resent until acked, carried by digests and push-pull, and sent whole to a joiner, so an
+    # ingress that was down catches up when it rejoins. They never touch membership.
+    def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
+        """Write a key record or one of our usage slots; rumoured if it changed the map."""
+        if crdt.kind_of(entry_id) == crdt.SESSION:
+            raise crdt.RecordError(f"{entry_id}: sessions are written by update and eviction")
+        if not self.map.put(entry_id, record, writer=self.sid):
+            return []
+        return self._count(self._changed([entry_id], now, origin=True))
 
 
 # =============================================================================================
@@ -2242,14 +2255,27 @@ def owner_name() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def code_hash() -> str:
-    """sha256 of the otela files this process runs (so mixed versions are visible)."""
+# The otela files each role runs, all of them: a session's code_hash covers these (the engine,
+# Python and its packages are not covered; see the ingress's --require-code-hash).
+ROLE_FILES = {
+    "worker": ("otela_node.py", "crdt.py"),
+    "relay": ("otela_node.py", "crdt.py"),
+    "ingress": ("otela_ingress.py", "otela_node.py", "crdt.py"),
+}
+
+
+def code_hash(role: str = "worker", directory: Optional[str] = None) -> str:
+    """sha256 of the otela files `role` runs, as found in `directory` (default: beside this
+    file), so mixed or modified versions are visible and can be pinned. A missing file hashes
+    as its name alone: such a checkout never matches a whole one."""
+    directory = directory or os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
-    for mod in (sys.modules[__name__], crdt):
+    for name in ROLE_FILES.get(role, ROLE_FILES["worker"]):
+        h.update(name.encode() + b"\0")
         try:
-            with open(mod.__file__, "rb") as fh:
-                h.update(fh.read())
-        except (OSError, TypeError):
+            with open(os.path.join(directory, name), "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+        except OSError:
             pass
     return h.hexdigest()[:16]
 
@@ -2401,7 +2427,7 @@ class Node:
         now = time.time()
         record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
-                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(),
+                  "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(self.role),
                   "relaying": bool(cfg.relay)}
         self.overlay = Overlay(cfg, self._pending_id, record, now)
         self.overlay.listeners.append(self._changed)
@@ -2471,6 +2497,11 @@ class Node:
 
     def set_state(self, state: int) -> None:
         self.update(state=state)
+
+    def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """Write a replicated key record or usage slot (see Overlay.publish)."""
+        self._send(self.overlay.publish(entry_id, record, time.time()))
+        self._schedule()
 
     def rejoin(self, **fields) -> None:
         """Leave this session and join again as a new one (engine restart)."""
@@ -3689,11 +3720,17 @@ class EngineSupervisor:
         lock for every route) and, with its default --interrupt_requests, cut user streams."""
         if self.health_route:
             return await self._probe()
+        # A TCP connect, not a request: its HTTP server logs none (GET /health, answered 404,
+        # put a line into the node's log every 2 s). A hung server that still accepts is left
+        # to the ingress's passive health, which takes it out of rotation after two failures.
+        host, port = split_addr(self.url.split("://", 1)[-1].split("/", 1)[0])
         try:
-            status, _ = await self.client.get("/health", self.config.engine_check_timeout)
-        except EngineError as exc:
-            return 0, str(exc)
-        return (200 if status < 500 else status), f"HTTP {status} on /health"
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                               self.config.engine_check_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return 0, f"connect to {host}:{port}: {exc or 'timed out'}"
+        writer.close()
+        return 200, "accepts connections"
 
     async def wait_ready(self) -> None:
         """Poll /health (or /v1/models when there is no /health) until 200; log progress."""
@@ -3822,7 +3859,9 @@ def env_bool(name: str, default: bool = False) -> bool:
 
 
 
-def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFAULT_GOSSIP) -> None:
+def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFAULT_GOSSIP,
+                     listen_default: str = DEFAULT_LISTEN,
+                     listen_help: str = "TCP address for the tunnel, /v1/registry and /healthz") -> None:
     """The flags every overlay member takes; each also reads an OTELA_* environment variable.
     The ingress binds its gossip port on every interface by default (INGRESS_GOSSIP): it is
     what nodes on other hosts bootstrap to."""
@@ -3834,9 +3873,8 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                         "them (env OTELA_BOOTSTRAP); none: start a new overlay")
     g.add_argument("--gossip", default=env("GOSSIP", gossip_default),
                    help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {gossip_default})")
-    g.add_argument("--listen", default=env("LISTEN", DEFAULT_LISTEN),
-                   help=f"TCP address for the tunnel, /v1/registry and /healthz (env OTELA_LISTEN; "
-                        f"default {DEFAULT_LISTEN})")
+    g.add_argument("--listen", default=env("LISTEN", listen_default),
+                   help=f"{listen_help} (env OTELA_LISTEN; default {listen_default})")
     g.add_argument("--label", action="append", default=None,
                    help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
     g.add_argument("--advertise", default=env("ADVERTISE"),
@@ -3989,7 +4027,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "discoverable, health-checked session of the overlay.")
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("keygen", help="write the cluster secret (and TLS certificate) into DIR")
-    k.add_argument("--out", required=True, help="directory for cluster.key (mode 0600)")
+    k.add_argument("--out", default=env("OUT"), required=env("OUT") is None,
+                   help="directory for cluster.key (mode 0600; env OTELA_OUT)")
     k.add_argument("--force", action="store_true", help="replace an existing key")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)

@@ -31,6 +31,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import sqlite3
@@ -680,6 +681,175 @@ def nat(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat]
+
+
+# =============================================================================================
+# Failover: two ingresses on one overlay, one killed under load; lost requests per client kind
+# =============================================================================================
+# Three ways a client can live through an ingress dying, side by side under one load:
+#   both URLs     the client knows both ingresses and sends a request that failed without an
+#                 answer (refused, reset, a 5xx from the ingress) to the other one at once
+#   DNS round robin  one name, both addresses, a new connection per request in turn; like
+#                 socket.create_connection (curl too) it tries the next address when a connect
+#                 is refused, but a request already sent to the dying one is lost
+#   relay         nginx in front of both (when installed), its defaults but upstream keep-alive:
+#                 a POST goes to the other upstream only when the first could not take it
+#   one URL       the client knows only the ingress that dies (what it costs without failover)
+FAILOVER_KINDS = (("both URLs", 15.0), ("DNS round robin", 15.0), ("relay", 10.0),
+                  ("one URL", 10.0))   # requests/s: 50 in all
+
+
+def _failover_chat(addrs: List[Tuple[str, int]], token: str, kind: str, turn: int) -> str:
+    """One chat completion the way `kind` sends it: OK or what went wrong."""
+    order = addrs[turn % len(addrs):] + addrs[:turn % len(addrs)] if kind == "DNS round robin" else addrs
+    tries = order[:1] if kind in ("one URL", "relay") else order
+    outcome = "not sent"
+    for host, port in tries:
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        try:
+            outcome = chat(conn, token, False)[0]
+        except ConnectionRefusedError:
+            outcome = REFUSED
+            continue                              # every kind tries the next address on a refusal
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            outcome = f"error: {type(exc).__name__}"
+        finally:
+            conn.close()
+        if outcome == OK or kind != "both URLs":
+            return outcome
+    return outcome
+
+
+def ingress_failover(args: argparse.Namespace, nodes: int = 2) -> List[Dict[str, Any]]:
+    """Ingress A (the README's, no --bootstrap) and ingress B (its own --db, bootstrapping to
+    A) on one overlay with `nodes` nodes; the admin key made at A works at B through the
+    overlay. 50 chat/s for `window` seconds from the three client kinds above; A is killed
+    (kill -9) a third of the way in. Each kind's row: its requests that did not end OK."""
+    window = 20.0 if args.quick else 60.0
+    kill_at = window / 3
+    rows = []
+    with workdir(args, "ingress failover") as tmp, Fleet(tmp) as fleet:
+        a = fleet.ingress(name="ingress-a")
+        listen, gossip = f"127.0.0.1:{LOOPBACK.port(8080)}", f"127.0.0.1:{LOOPBACK.port(7946)}"
+        b = Member("ingress-b", "ingress", LOOPBACK,
+                   [PY, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", fleet.key_file,
+                    "--listen", listen, "--gossip", gossip, "--db", os.path.join(tmp, "b.sqlite"),
+                    "--bootstrap", a.gossip], listen, gossip)
+        fleet.members.append(b)
+        b_started = time.monotonic()
+        fleet.start(b)
+        for i in range(nodes):
+            fleet.node(f"n{i}", bootstrap=(a.gossip,))
+        for ingress in (a, b):
+            wait(lambda ingress=ingress: fleet.up() and len(fleet.serving(ingress)) == nodes, 90,
+                 f"{nodes} nodes serving at {ingress.name}")
+        key_at_b = wait(lambda: get_json_auth(b.url + "/v1/models", fleet.token) == 200, 30, "A's key at B")
+        addrs = [(m.listen.rsplit(":", 1)[0], int(m.listen.rsplit(":", 1)[1])) for m in (a, b)]
+        relay = _start_relay(tmp, addrs)
+        kinds = [(kind, rate) for kind, rate in FAILOVER_KINDS if kind != "relay" or relay is not None]
+        targets = {kind: [relay[1]] if kind == "relay" else addrs for kind, _ in kinds}
+        records: Dict[str, List[tuple]] = {kind: [] for kind, _ in kinds}
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def sender(kind: str, gap: float, offset: float, turn: int) -> None:
+            next_at = time.monotonic() + offset
+            while not stop.is_set():
+                stop.wait(max(0.0, next_at - time.monotonic()))
+                if stop.is_set():
+                    break
+                sent = time.monotonic()
+                outcome = _failover_chat(targets[kind], fleet.token, kind, turn)
+                turn += 1
+                with lock:
+                    records[kind].append((sent, time.monotonic(), outcome))
+                next_at = max(next_at + gap, time.monotonic())   # bounded: no burst to catch up
+
+        senders = 5   # per kind: one request hanging on the dead ingress stalls a fifth of its rate
+        threads = [threading.Thread(target=sender, args=(kind, senders / rate, i / rate, i), daemon=True)
+                   for kind, rate in kinds for i in range(senders)]
+        try:
+            started = time.monotonic()
+            for thread in threads:
+                thread.start()
+            time.sleep(kill_at)
+            fleet.stop(a, signal.SIGKILL)
+            killed = time.monotonic()
+            time.sleep(max(0.0, started + window - time.monotonic()))
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(40)
+            if relay is not None:
+                relay[0].terminate()
+                relay[0].wait(10)
+    if relay is None:
+        rows.append(row("ingress failover, relay", "-", "-", time_to_heal="skipped: no nginx installed"))
+    for kind, rate in kinds:
+        done = records[kind]
+        lost = [r for r in done if r[2] != OK]
+        after = [r for r in done if r[0] >= killed]
+        first_ok = min((r[1] for r in after if r[2] == OK), default=None)
+        outcomes: Dict[str, int] = {}
+        for r in done:
+            outcomes[r[2]] = outcomes.get(r[2], 0) + 1
+        rows.append(row(f"ingress failover, {kind}", f"{rate:g} of 50 chat/s, 2 ingresses, {nodes} nodes",
+                        f"ingress A kill -9 at {kill_at:.0f} s of {window:g} s (default timings)",
+                        len(lost), "-",
+                        round(first_ok - killed, 2) if first_ok is not None else "never",
+                        "-", requests=len(done), lost=len(lost), lost_after_kill=sum(1 for r in after if r[2] != OK),
+                        availability=round(1 - len(lost) / len(done), 4) if done else None,
+                        key_at_b_after_s=round(key_at_b - b_started, 2), window_s=window, outcomes=outcomes))
+    return rows
+
+
+RELAY_CONF = """worker_processes 1;
+daemon off;
+pid {tmp}/relay.pid;
+error_log {tmp}/relay-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/rb; proxy_temp_path {tmp}/rp; fastcgi_temp_path {tmp}/rf;
+  uwsgi_temp_path {tmp}/ru; scgi_temp_path {tmp}/rs;
+  upstream ingresses {{ {servers} keepalive 32; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{ proxy_pass http://ingresses; proxy_http_version 1.1; proxy_set_header Connection ""; }}
+  }}
+}}
+"""
+
+
+def _start_relay(tmp: str, addrs: List[Tuple[str, int]]) -> Optional[Tuple[subprocess.Popen, Tuple[str, int]]]:
+    """nginx in front of the ingresses, when installed: (its process, its address), or None."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if binary is None:
+        return None
+    port = LOOPBACK.port(8080)
+    conf = os.path.join(tmp, "relay.conf")
+    with open(conf, "w") as fh:
+        fh.write(RELAY_CONF.format(tmp=tmp, port=port,
+                                   servers=" ".join(f"server {h}:{p};" for h, p in addrs)))
+    proc = subprocess.Popen([binary, "-c", conf, "-p", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if until(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() is None, 10) is None:
+        proc.terminate()
+        proc.wait(10)
+        return None
+    return proc, ("127.0.0.1", port)
+
+
+def get_json_auth(url: str, token: str) -> int:
+    """The status of a GET with a bearer token."""
+    req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=3) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+SCENARIOS.append(ingress_failover)
 
 
 # =============================================================================================

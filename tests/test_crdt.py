@@ -307,3 +307,179 @@ def test_json_pair_uses_orjson_only_when_importable():
     blocked = bool(os.environ.get("OTELA_BLOCK_ACCEL"))
     assert (crdt.dumps.__code__.co_names == ("_orjson", "dumps")) is not blocked
     assert crdt.dumps({"b": [1.5, None, "é"]}) == '{"b":[1.5,null,"é"]}'.encode()
+
+
+# -- keys and usage: entries of their own kinds in the same map ------------------------------
+KEY_HASHES = [f"{i:064x}" for i in range(1, 4)]
+SLOTS = ["a" * 32, "b" * 32, "c" * 32]
+KEYED = settings(max_examples=200, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def key_write(key_hash, state, version, user, rate):
+    record = crdt.key_record(key_hash[-8:], user, 1000.0, rate=rate, version=version)
+    if state == crdt.KEY_REVOKED:
+        record.update(state=crdt.KEY_REVOKED, revoked_at=2000.0 + version)
+    return crdt.key_entry(key_hash), record
+
+
+def usage_write(key_hash, model, slot, version):
+    # a slot's counts grow with its version (its one writer only adds)
+    record = crdt.usage_record(key_hash, model, "2026-12-01", slot, version, version * 2,
+                               version * 10, version * 7)
+    return crdt.usage_entry(key_hash, model, "2026-12-01", slot), record
+
+
+key_writes = st.builds(key_write, st.sampled_from(KEY_HASHES),
+                       st.sampled_from([crdt.KEY_ACTIVE, crdt.KEY_REVOKED]), st.integers(0, 3),
+                       st.sampled_from(["alice", "bob"]), st.sampled_from([0.0, 5.0]))
+usage_writes = st.builds(usage_write, st.sampled_from(KEY_HASHES), st.sampled_from(["m1", "m2"]),
+                         st.sampled_from(SLOTS), st.integers(0, 5))
+mixed_lists = st.lists(st.one_of(writes, key_writes, usage_writes), max_size=30)
+
+
+def full_state(gmap):
+    return {eid: crdt.encode(rec) for eid, rec in gmap.all_items()}
+
+
+@KEYED
+@given(mixed_lists, mixed_lists)
+def test_merge_of_sessions_keys_and_usage_is_commutative(a, b):
+    assert full_state(replica(a + b)) == full_state(replica(b + a))
+
+
+@KEYED
+@given(mixed_lists, mixed_lists, mixed_lists)
+def test_merge_of_sessions_keys_and_usage_is_associative(a, b, c):
+    left = replica(a)
+    left.merge(list(replica(b).all_items()))
+    left.merge(list(replica(c).all_items()))
+    bc = replica(b)
+    bc.merge(list(replica(c).all_items()))
+    right = replica(a)
+    right.merge(list(bc.all_items()))
+    assert full_state(left) == full_state(right)
+
+
+@KEYED
+@given(mixed_lists)
+def test_merge_of_sessions_keys_and_usage_is_idempotent(a):
+    gmap = replica(a)
+    before = full_state(gmap)
+    assert gmap.merge(list(gmap.all_items())) == []
+    assert gmap.merge(a) == []
+    assert full_state(gmap) == before
+
+
+@KEYED
+@given(mixed_lists, mixed_lists)
+def test_anti_entropy_carries_keys_and_usage_like_sessions(a, b):
+    left, right = replica(a), replica(b)
+    right.merge(left.diff(right.digest(buckets=True)))
+    left.merge(right.diff(left.digest(buckets=True)))
+    assert full_state(left) == full_state(right)
+
+
+@KEYED
+@given(st.lists(key_writes, min_size=1, max_size=20))
+def test_a_revocation_wins_every_merge_whatever_the_versions(a):
+    gmap = replica(a)
+    for key_hash, record in gmap.key_records():
+        writes_for_key = [r for eid, r in a if eid == crdt.key_entry(key_hash)]
+        if any(r["state"] == crdt.KEY_REVOKED for r in writes_for_key):
+            assert record["state"] == crdt.KEY_REVOKED
+            assert not crdt.key_accepts(record, 0.0)
+
+
+@KEYED
+@given(st.lists(usage_writes, max_size=30), st.randoms(use_true_random=False))
+def test_usage_totals_are_the_sum_of_each_slots_highest_count_in_any_order(a, rnd):
+    shuffled = list(a)
+    rnd.shuffle(shuffled)
+    expected = {}
+    for _, rec in a:
+        slot = (rec["key"], rec["model"], rec["slot"])
+        expected[slot] = max(expected.get(slot, 0), rec["prompt_tokens"])
+    for order in (a, shuffled):
+        totals = crdt.usage_totals(replica(order).usage_records())
+        for (key_hash, model, _day), sums in totals.items():
+            assert sums["prompt_tokens"] == sum(v for (k, m, _), v in expected.items()
+                                                if k == key_hash and m == model)
+
+
+@KEYED
+@given(st.lists(usage_writes, max_size=20), st.lists(usage_writes, max_size=20))
+def test_usage_totals_never_fall_when_more_is_merged(a, b):
+    gmap = replica(a)
+    before = crdt.usage_totals(gmap.usage_records())
+    gmap.merge(b)
+    after = crdt.usage_totals(gmap.usage_records())
+    for counter, sums in before.items():
+        assert all(after[counter][f] >= sums[f] for f in crdt.USAGE_COUNTS)
+
+
+def test_items_and_live_show_sessions_only_while_all_items_show_every_kind():
+    gmap = GMap()
+    gmap.put("a" * 32, record())
+    gmap.put(*key_write(KEY_HASHES[0], crdt.KEY_REVOKED, 1, "alice", 0.0))
+    gmap.put(*usage_write(KEY_HASHES[0], "m1", SLOTS[0], 1))
+    assert [sid for sid, _ in gmap.items()] == ["a" * 32]
+    assert list(gmap.live()) == ["a" * 32]
+    assert len(list(gmap.all_items())) == 3 == len(gmap)
+    assert [h for h, _ in gmap.key_records()] == [KEY_HASHES[0]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"token": "sk-otela-secret"}, "unknown field 'token'"),
+    ({"state": 2}, "unknown key state"),
+    ({"budget_day": -1}, "budget_day must be an integer"),
+    ({"admin": 1}, "admin must be true or false"),
+    ({"allow": "m1"}, "allow must be a list"),
+    ({"expires": float("inf")}, "expires must be a finite number"),
+])
+def test_a_key_record_carries_no_secret_and_only_sane_fields(extra, message):
+    eid, rec = key_write(KEY_HASHES[0], crdt.KEY_ACTIVE, 0, "alice", 0.0)
+    gmap = GMap()
+    with pytest.raises(RecordError, match=message):
+        gmap.put(eid, dict(rec, **extra))
+    assert len(gmap) == 0
+
+
+def test_a_key_entry_id_is_its_tokens_sha256():
+    rec = crdt.key_record("k1", "alice", 1.0)
+    with pytest.raises(RecordError, match="64 hex digits"):
+        GMap().put("key:sk-otela-plain", rec)
+
+
+def test_a_usage_slot_id_must_match_what_it_counts_and_only_its_session_writes_it():
+    eid, rec = usage_write(KEY_HASHES[0], "m1", SLOTS[0], 1)
+    with pytest.raises(RecordError, match="does not match"):
+        GMap().put(eid, dict(rec, model="m2"))
+    with pytest.raises(RecordError, match="only session"):
+        GMap().put(eid, rec, writer=SLOTS[1])
+    assert GMap().put(eid, rec, writer=SLOTS[0])
+
+
+def test_revoking_twice_changes_nothing_and_expiry_refuses_from_its_time():
+    rec = crdt.key_record("k1", "alice", 1.0, expires=500.0)
+    assert crdt.key_accepts(rec, 499.9) and not crdt.key_accepts(rec, 500.0)
+    gone = crdt.revoked(rec, 10.0)
+    assert gone["state"] == crdt.KEY_REVOKED and gone["version"] == 1
+    assert crdt.revoked(gone, 20.0) == gone
+
+
+def test_usage_slots_older_than_the_retention_are_compacted_and_refused_after():
+    gmap = GMap()
+    old = crdt.usage_record(KEY_HASHES[0], "m1", "2026-01-01", SLOTS[0], 1, 1, 1, 1)
+    new = crdt.usage_record(KEY_HASHES[0], "m1", "2026-12-01", SLOTS[0], 1, 1, 1, 1)
+    for rec in (old, new):
+        gmap.put(crdt.usage_entry(rec["key"], rec["model"], rec["day"], rec["slot"]), rec)
+    now = crdt.day_start("2026-12-02")
+    gmap.compact(now)
+    assert [r["day"] for r in gmap.usage_records()] == ["2026-12-01"]
+    assert gmap.merge([(crdt.usage_entry(old["key"], "m1", old["day"], old["slot"]), old)]) == []
+
+
+def test_days_convert_both_ways_in_utc():
+    assert crdt.time_day(crdt.day_start("2026-02-28") + 86399.0) == "2026-02-28"
+    assert crdt.day_start("1970-01-02") == 86400.0

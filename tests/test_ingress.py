@@ -103,7 +103,7 @@ def test_errors_have_openai_bodies_and_statuses(stack, client):
         (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key=""), 401, "missing_api_key"),
         (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key="sk-otela-nope"), 401,
          "invalid_api_key"),
-        (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key=other), 403, "model_not_allowed"),
+        (client.request("POST", "/v1/chat/completions", {"model": "m1"}, key=other), 404, "model_not_found"),
         (client.request("POST", "/v1/chat/completions", {"model": "nope"}), 404, "model_not_found"),
         (client.request("GET", "/v1/nothing"), 404, "unknown_url"),
         (client.request("GET", "/v1/chat/completions"), 405, "method_not_allowed"),

@@ -168,16 +168,16 @@ def test_engine_without_health_route_is_watched_without_touching_v1_models():
             health_before = engine.hits.get("/health", 0)
             watch = asyncio.ensure_future(supervisor.watch())
             await asyncio.sleep(0.6)
-            assert not watch.done()                 # 404 on /health counts as alive
+            assert not watch.done()                 # accepting connections counts as alive
             watch.cancel()
-            return ready_models, engine.hits.get("/v1/models", 0), engine.hits["/health"] - health_before
+            return ready_models, engine.hits.get("/v1/models", 0), engine.hits.get("/health", 0) - health_before
         finally:
             supervisor.client.close()
             await engine.close()
 
     ready_models, later_models, health_probes = run(scenario())
     assert later_models == ready_models
-    assert health_probes >= 5
+    assert health_probes == 0   # no request at all: an engine logs each (a 404 line every 2 s)
 
 
 async def raw_exchange(node, data: bytes) -> bytes:

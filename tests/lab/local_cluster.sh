@@ -2,8 +2,10 @@
 # local_cluster.sh — what `make run` runs: a whole otela cluster on loopback.
 #   one ingress (OpenAI API on $OTELA_RUN_PORT, default 8080) and two nodes, each wrapping a
 #   real tiny engine (llama-cpp-python + SmolLM2-135M), a demo key, then a curl to try.
-# Ctrl-C stops everything: nodes drain and leave, engines stop, the ingress leaves.
-# State (cluster key, usage ledger, logs) lives in ${OTELA_RUN_DIR:-.cache/run}.
+# Ctrl-C stops everything: nodes drain and leave, engines stop, the ingress leaves; the script
+# then exits 0 (a clean stop is no error for make).
+# State (cluster key, usage ledger, the demo key, logs) lives in ${OTELA_RUN_DIR:-.cache/run};
+# the demo key is made once and reused while it is active in that ledger.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -27,7 +29,8 @@ stop() {
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   echo "run: stopped"
 }
-trap stop INT TERM EXIT
+trap 'stop; exit 0' INT TERM
+trap stop EXIT
 
 [ -s "$D/cluster.key" ] || "$PY" otela_node.py keygen --out "$D" >/dev/null
 export OTELA_KEY_FILE=$D/cluster.key OTELA_DB=$D/usage.sqlite
@@ -41,7 +44,20 @@ for i in 1 2; do
     > "$D/node$i.log" 2>&1 &
   pids+=($!)
 done
-KEY=$("$PY" otela_ingress.py keys create --user demo --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+# The demo key: the one saved by an earlier run while it is still active, else a new one.
+KEY=""
+if [ -s "$D/demo.key" ]; then
+  read -r KEY_ID KEY < "$D/demo.key" || true
+  "$PY" otela_ingress.py keys list --json | "$PY" -c 'import json, sys, time
+keys = [k for k in json.load(sys.stdin) if k["id"] == sys.argv[1]]
+sys.exit(0 if keys and not keys[0]["revoked"] and (keys[0]["expires"] or 1e300) > time.time() else 1)' "$KEY_ID" \
+    || KEY=""
+fi
+if [ -z "$KEY" ]; then
+  made=$("$PY" otela_ingress.py keys create --user demo --json)
+  read -r KEY_ID KEY <<<"$("$PY" -c 'import json,sys; k = json.load(sys.stdin); print(k["id"], k["key"])' <<<"$made")"
+  (umask 077; echo "$KEY_ID $KEY" > "$D/demo.key")
+fi
 
 echo "run: waiting for both engines to load and join (logs in $D)"
 for _ in $(seq 600); do
