@@ -1340,8 +1340,11 @@ def predict_row(row, cal=None, quick=False):
         scenario = {"duration_s": SUSTAINED_DURATION_S, "workload": [{
             "model": model.name, "rate_rps": n / SUSTAINED_DURATION_S,
             "input": _length_spec(row["input_len"]), "output": _length_spec(row["output_len"])}]}
+        # a quick replay draws only the arrivals it serves (the same first requests: one stream)
+        until = min(SUSTAINED_DURATION_S, 1.2 * QUICK_REQUESTS * SUSTAINED_DURATION_S / n) if quick else None
         res = replay(scenario, [{"model": model.name, "gpu": gpu.name, "tp": tp, "instances": 1}],
-                     seed=0, engine=engine, dtype=dtype, cal=cal, max_requests=QUICK_REQUESTS if quick else None)
+                     seed=0, engine=engine, dtype=dtype, cal=cal, max_requests=QUICK_REQUESTS if quick else None,
+                     duration_s=until)
         # a quick replay serves a prefix of the requests: take its steady rate, not its drain
         return res["per_model"][model.name]["sustained_req_s" if quick else "req_s"]
     batch, inp = int(row["batch"]), int(row["input_len"])
@@ -1523,6 +1526,13 @@ ROW_SIGMA = 0.05
 BOUND_MARGIN = 0.01
 
 
+def _robust(r):
+    """A residual under the soft-L1 loss 2 (sqrt(1 + r^2) - 1): quadratic within a few spreads,
+    linear beyond, so one row inconsistent with the rest (otela_34b_a100, see _ratio_pairs)
+    cannot drag a parameter every other row shares."""
+    return math.copysign(math.sqrt(2 * (math.sqrt(1 + r * r) - 1)), r)
+
+
 def _get(cal, name):
     node = cal
     for part in name.split("/"):
@@ -1649,9 +1659,9 @@ def fit(rows, cal=None, iters=25, quick=True, params=None):
             ratios = [predict_row(r, c, quick) / float(r["value"]) for r in rows]
         except SimError:
             return [1e3] * (len(rows) + len(pairs) + len(names))
-        res = [math.log(max(1e-9, q)) / ROW_SIGMA for q in ratios]
+        res = [_robust(math.log(max(1e-9, q)) / ROW_SIGMA) for q in ratios]
         # the H100-class / A100 ratio is a target of its own: weigh its error like a row's
-        res += [math.log(max(1e-9, ratios[b] / ratios[a])) / ROW_SIGMA for a, b in pairs]
+        res += [_robust(math.log(max(1e-9, ratios[b] / ratios[a])) / ROW_SIGMA) for a, b in pairs]
         res += [math.log(max(1e-12, v) / med) / spread for v, (med, spread, _b) in zip(vals, params.values())]
         return res
 
@@ -1669,8 +1679,9 @@ def fit(rows, cal=None, iters=25, quick=True, params=None):
 
 def calibrate(rows=None, cal=None, iters=25, quick=True, served_iters=None):
     """Fit the calibration to the rows in two stages: every parameter on the static-batch rows
-    (closed-form estimates, fast), then the engine parameters of the versions that have
-    sustained-throughput rows, on those rows replayed plus that version's static rows.
+    (closed-form estimates, fast), then the parameters the sustained-throughput rows touch (the
+    served engine versions and their GPUs' architectures), on those rows replayed plus the
+    static rows of the same versions or architectures.
     Returns fit()'s dict (calibration, failed parameters, cost)."""
     rows = load_calibration() if rows is None else rows
     cal = json.loads(json.dumps(cal or DEFAULT_CALIBRATION))
@@ -1682,9 +1693,14 @@ def calibrate(rows=None, cal=None, iters=25, quick=True, served_iters=None):
         result = fit(static, cal, iters=iters, quick=quick)
         cal, failed = result["calibration"], list(result["failed"])
     if served:
+        # the served rows are the main evidence for 16-bit GEMMs on their GPUs (the static
+        # Hopper rows are FP8 or decode-bound): refit the hardware of their architectures with
+        # the served engine versions, every static row of those architectures or versions kept
+        # in the loss so they still anchor it
         versions = {row_engine(r).key for r in served}
-        stage = served + [r for r in static if row_engine(r).key in versions]
-        params = {n: p for n, p in parameters_for(stage).items() if n.split("/")[1] in versions}
+        archs = {gpu_arch(r["gpu"]) for r in served}
+        stage = served + [r for r in static if row_engine(r).key in versions or gpu_arch(r["gpu"]) in archs]
+        params = {n: p for n, p in parameters_for(served).items()}
         result = fit(stage, cal, iters=served_iters or max(3, iters // 3), quick=quick, params=params)
         failed = sorted(set(f for f in failed if f not in params) | set(result["failed"]))
         cal = result["calibration"]

@@ -242,7 +242,11 @@ def test_calibration_median_error_is_within_ten_percent(validation):
 # Rows the bounded, prior-anchored fit misses by more than 25% in-sample, each with its reason:
 # otela_34b_a100 is the row inconsistent with its own source's 13B and 70B pairs (arithmetic
 # beside _ratio_pairs in otela_sim.py); no per-row knob is fitted to close it.
-KNOWN_MISSES = {"otela_34b_a100"}
+# trt061_a100_70b_2 (Llama-2-70B, 2048 output tokens: decode over long contexts) is faster than
+# TensorRT-LLM 0.6.1's kernel reading the KV of each GQA group once per query head (its
+# documented feature, ENGINE_VERSIONS): the L2 cache absorbs part of the rereads. The old
+# calibration fitted gqa_reread = 0.47 to this one row; now the row stays a miss, reported.
+KNOWN_MISSES = {"otela_34b_a100", "trt061_a100_70b_2"}
 
 
 def test_calibration_max_error_is_bounded(validation):
@@ -259,10 +263,11 @@ def test_h100_class_to_a100_ratios_are_checked_on_every_pair_measured_on_both(va
 # Every H100-class / A100 pair of the calibration set but one meets the issue's 6% target; the
 # 34B pair is inconsistent with the 13B and 70B pairs of the same source (arithmetic beside
 # _ratio_pairs in otela_sim.py) and stays reported, not fudged.
-# Since the hardware efficiencies are per architecture with priors (issue 15), the OpenTela
-# 13B and 70B GH200/A100 pairs are off by 10-14% (a regression from issue 5's 6%, reported).
-RATIO_PAIRS_MET = ["trt05_h100_7b_ttft128/trt05_a100_7b_ttft128", "trt05_h100_7b_ttft2048/trt05_a100_7b_ttft2048",
-                   "trt05_h100_70b_ttft2048/trt05_a100_70b_ttft2048"]
+# Since the hardware efficiencies are per architecture with priors (issue 15), the TensorRT-LLM
+# 0.5 7B TTFT pair at 128 tokens (7 ms on H100 FP8, a figure rounded to 1 ms) is off by ~11%,
+# a regression from issue 5's 6%, reported; the others hold.
+RATIO_PAIRS_MET = ["trt05_h100_7b_ttft2048/trt05_a100_7b_ttft2048", "trt05_h100_70b_ttft2048/trt05_a100_70b_ttft2048",
+                   "otela_13b_gh200/otela_13b_a100", "otela_70b_gh200/otela_70b_a100"]
 
 
 @pytest.mark.parametrize("pair", RATIO_PAIRS_MET)
@@ -312,12 +317,13 @@ def test_calibrate_improves_a_deliberately_bad_calibration():
 
 
 def test_a_fit_that_ends_at_a_physical_bound_is_reported_failed():
-    # a row twice as slow as anything the hardware does at its worst: only eff_mem at its floor explains it
+    # 5 tok/s at batch 1 would need ~190 ms of engine time per step: past the 50 ms bound
     row = dict(next(r for r in sim.load_calibration(DATA / "measured_calibration.csv") if r["id"] == "gptfast_7b_tp1"))
-    row["value"] = str(float(row["value"]) / 8)
-    params = {"hardware/ampere/eff_mem": sim.HARDWARE_PRIORS["eff_mem"][:3]}
-    result = sim.fit([row], params=params, iters=15)
-    assert result["failed"] == ["hardware/ampere/eff_mem"]
+    row["value"] = "5"
+    params = {"engines/gptfast/overhead_ms": sim.engine_prior("gptfast", "overhead_ms")[:3]}
+    result = sim.fit([row], params=params, iters=25)
+    assert result["failed"] == ["engines/gptfast/overhead_ms"]
+    assert sim._get(result["calibration"], "engines/gptfast/overhead_ms") == pytest.approx(50.0, rel=0.05)
 
 
 def test_calibrate_write_stores_a_data_file_the_simulator_reads(tmp_path, monkeypatch):
