@@ -242,3 +242,16 @@ def test_plan_with_a_bad_probes_file_exits_2_with_one_line(tmp_path):
     out = run_place("plan", "--scenario", os.path.join(ROOT, "tests", "data", "table1_scenario.json"),
                     "--probes", str(probes))
     assert out.returncode == 2 and "probes" in out.stderr and out.stderr.strip().count("\n") == 0
+
+
+def test_plan_into_a_closed_pipe_is_one_line_and_exit_2():
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario",
+                              os.path.join(ROOT, "tests", "data", "table1_scenario.json"), "--capacity", "measured",
+                              "--replay", "fluid"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 2 and "broken pipe" in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr

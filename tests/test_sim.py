@@ -666,3 +666,26 @@ def test_cli_probe_of_nothing_listening_is_one_line_and_exit_2():
     p = run_cli("probe", "--url", f"http://127.0.0.1:{fake_engine.free_port()}", "--model", "llama-3.1-8b",
                 "--gpu", "H100", "--engine", "vllm", "--seconds", "0.3")
     assert p.returncode == 2 and "cannot probe" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_calibrate_write_stores_the_fit_in_a_data_file_and_leaves_the_source_alone(tmp_path):
+    rows = (DATA / "measured_calibration.csv").read_text().splitlines()
+    small = tmp_path / "gptfast.csv"
+    small.write_text("\n".join([rows[0]] + [r for r in rows if r.startswith("gptfast_")]) + "\n")
+    out = tmp_path / "calibration.json"
+    source = (ROOT / "otela_sim.py").read_text()
+    p = run_cli("calibrate", "--csv", str(small), "--iters", "3", "--write", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert (ROOT / "otela_sim.py").read_text() == source
+    cal = json.loads(out.read_text())["calibration"]
+    assert cal["engines"]["gptfast"]["overhead_ms"] != sim.DEFAULT_CALIBRATION["engines"]["gptfast"]["overhead_ms"]
+    env = dict(os.environ, OTELA_CALIBRATION=str(out))
+    q = subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), "estimate", "--model", "llama-2-7b", "--gpu",
+                        "A100", "--engine", "gptfast", "--json"], capture_output=True, text=True, timeout=60, env=env)
+    assert q.returncode == 0, q.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1]")
+    r = subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), "estimate", "--model", "llama-2-7b", "--gpu",
+                        "A100", "--engine", "gptfast"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, OTELA_CALIBRATION=str(bad)))
+    assert r.returncode == 2 and "a calibration file is a JSON object" in r.stderr
