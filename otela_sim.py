@@ -728,12 +728,24 @@ def _cost(model, gpu, tp, dtype, engine, cal_key):
 _CAL_BY_KEY = {}
 
 
+# id(calibration dict) -> (the dict, its JSON key): a calibration is serialised once, not on
+# every estimate (the dict is held, so its id cannot be reused while the entry lives)
+_KEY_BY_ID = {}
+
+
 def _cost_for(model, gpu, tp, dtype=None, engine=DEFAULT_ENGINE, cal=None):
     cal = cal or active_calibration()
     engine = resolve_engine(engine).key
-    key = json.dumps(cal, sort_keys=True)
+    known = _KEY_BY_ID.get(id(cal))
+    if known is not None and known[0] is cal:
+        key = known[1]
+    else:
+        key = json.dumps(cal, sort_keys=True)
+        if len(_KEY_BY_ID) > 64:       # the fitter makes many; keep memory bounded
+            _KEY_BY_ID.clear()
+        _KEY_BY_ID[id(cal)] = (cal, key)
     if key not in _CAL_BY_KEY:
-        if len(_CAL_BY_KEY) > 64:      # the fitter makes many; keep memory bounded
+        if len(_CAL_BY_KEY) > 64:
             _CAL_BY_KEY.clear()
             _cost.cache_clear()
         _CAL_BY_KEY[key] = cal
