@@ -235,8 +235,9 @@ def sim_candidate(model_name, config, gpu_name, tp, workload):
     return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload)), None
 
 
-def sim_latency_ms(model, gpu, tp, workload):
-    """End-to-end time of a mean request in the fullest batch that fits (otela_sim), or None."""
+def full_batch_estimate(model, gpu, tp, workload):
+    """otela_sim's estimate of a mean request of the workload in the fullest batch that fits
+    (at most MAX_NUM_SEQS), or None when the model cannot run there."""
     try:
         model, gpu = otela_sim.resolve_model(model), otela_sim.resolve_gpu(gpu)
         inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
@@ -247,27 +248,25 @@ def sim_latency_ms(model, gpu, tp, workload):
             # max_batch leaves out the prefill activations estimate counts: back off until it fits
             batch = max(1, int(batch * 0.95))
             full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
-        return full["e2e_ms"]
+        return full
     except otela_sim.SimError:
         return None
+
+
+def sim_latency_ms(model, gpu, tp, workload):
+    """End-to-end time of a mean request in the fullest batch that fits (otela_sim), or None."""
+    full = full_batch_estimate(model, gpu, tp, workload)
+    return full["e2e_ms"] if full else None
 
 
 def sim_energy(model, gpu, tp, workload):
     """Energy of one instance serving the model's mean request in the fullest batch that fits
     (otela_sim's stated model: TDP x (0.3 + 0.7 x roofline utilisation)), or None."""
-    try:
-        model, gpu = otela_sim.resolve_model(model), otela_sim.resolve_gpu(gpu)
-        inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
-        out_len = max(1, int(round(workload.get("output", {}).get("mean", 128))))
-        batch = max(1, min(MAX_NUM_SEQS, int(otela_sim.max_batch(model, gpu, tp, inp + out_len))))
-        e = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
-        while not e["fits"] and batch > 1:
-            batch = max(1, int(batch * 0.95))
-            e = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
-        return {"j_per_output_token": e["j_per_output_token"], "kwh_per_million_tokens": e["kwh_per_million_tokens"],
-                "power_w_per_gpu": e["power_w_per_gpu"], "batch": batch}
-    except otela_sim.SimError:
+    e = full_batch_estimate(model, gpu, tp, workload)
+    if e is None:
         return None
+    return {"j_per_output_token": e["j_per_output_token"], "kwh_per_million_tokens": e["kwh_per_million_tokens"],
+            "power_w_per_gpu": e["power_w_per_gpu"], "batch": e["batch"]}
 
 
 def placement_energy(scenario, rows):
@@ -1899,10 +1898,7 @@ def main(argv=None):
         print(f"otela_place: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # the reader left (`otela_place.py plan ... | head`): one line, and a quiet exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print("otela_place: output closed before it was all written (broken pipe)", file=sys.stderr)
-        return 2
+        return otela_sim.output_closed("otela_place")
     return 0
 
 

@@ -106,13 +106,14 @@ _ENGINE_ROWS = [
                   "TensorRT-LLM 0.10.0 release notes: 'Integrated the new NVIDIA Hopper XQA kernels for LLaMA 2 70B'"),
     EngineVersion("gptfast", "gptfast", "0f925b5", False,
                   "gpt-fast model.py (commit 0f925b5): k/v repeat_interleave(n_head // n_local_heads) before SDPA"),
-    EngineVersion("vllm-0.4", "vllm", "0.4", True,
-                  "vLLM 0.4: FlashAttention prefill, paged-attention decode kernel indexes the KV head of each "
-                  "query group (csrc/attention); one engine step per scheduler call"),
+    EngineVersion("vllm-0.4", "vllm", "0.4", False,
+                  "vLLM 0.4 decode: the paged_attention v1/v2 kernels (csrc/attention) run one thread block per "
+                  "query head, each reading its group's KV; one engine step per scheduler call"),
     EngineVersion("vllm-0.6", "vllm", "0.6", True,
                   "vLLM v0.6.0 blog (2024-09-05, 'vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency "
                   "Reduction'): multi-step scheduling and the async output processor cut the CPU time per step; "
-                  "the V0 scheduler (chunked prefill off) this file's replay models"),
+                  "FLASH_ATTN backend (GQA-aware paged decode) by default on Ampere and Hopper; the V0 "
+                  "scheduler (chunked prefill off) this file's replay models"),
     EngineVersion("vllm-v1", "vllm", "0.8", True,
                   "vLLM V1 engine (default from 0.8): chunked prefill always on, persistent batch, piecewise "
                   "CUDA graphs; FlashAttention / FlashInfer decode (GQA-aware)"),
@@ -2115,6 +2116,14 @@ def _engine_flags(parser):
     parser.add_argument("--engine-version", default=None, help="with an engine name: its release (0.6.3)")
 
 
+def output_closed(prefix):
+    """The reader of stdout left (`otela_sim.py gpus | head`): say so once on stderr, send the
+    rest of stdout to /dev/null (so the interpreter's own flush at exit is quiet); exit 2."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(f"{prefix}: output closed before it was all written (broken pipe)", file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -2188,11 +2197,7 @@ def main(argv=None):
         print(f"otela_sim.py: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # the reader left (`otela_sim.py gpus | head`): say so once, on stderr, and stop
-        # writing; stdout goes to /dev/null so the interpreter's own flush at exit is quiet
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print("otela_sim.py: error: output closed before it was all written (broken pipe)", file=sys.stderr)
-        return 2
+        return output_closed("otela_sim.py: error")
     except KeyboardInterrupt:
         print("otela_sim.py: error: interrupted", file=sys.stderr)
         return 130
