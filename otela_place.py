@@ -58,6 +58,10 @@ HEADROOM = 1.25
 # Tensor-parallel degrees tried: powers of two, because attention heads are, and a power of
 # two that divides the GPUs per node packs nodes without fragments (first-fit decreasing).
 TP_CHOICES = (1, 2, 4, 8)
+# The engine version the simulator's capacities, latencies and energies assume
+# (otela_sim.ENGINE_VERSIONS; plan --engine sets it): vLLM V0 with chunked prefill off, what
+# the Table-1 experiment ran; its overheads are fitted to published vLLM rows.
+SIM_ENGINE = otela_sim.DEFAULT_ENGINE
 # Fraction of GPU memory the engine may use (vLLM's --gpu-memory-utilization default 0.9).
 GPU_MEMORY_UTILIZATION = 0.9
 # vLLM's default --max-num-seqs: the batch the engine will not exceed even if memory allows.
@@ -230,7 +234,7 @@ def sim_candidate(model_name, config, gpu_name, tp, workload):
     scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: config},
                 "workload": [burst], "duration_s": 1.0}
     out = sim.replay(scenario, [{"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}],
-                     seed=0, duration_s=1.0)
+                     seed=0, duration_s=1.0, engine=SIM_ENGINE)
     cap = float(out["per_model_req_s"][model_name])
     return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload)), None
 
@@ -243,11 +247,12 @@ def full_batch_estimate(model, gpu, tp, workload):
         inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
         out_len = max(1, int(round(workload.get("output", {}).get("mean", 128))))
         batch = max(1, min(MAX_NUM_SEQS, int(otela_sim.max_batch(model, gpu, tp, inp + out_len))))
-        full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
+        full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len, engine=SIM_ENGINE)
         while not full["fits"] and batch > 1:
             # max_batch leaves out the prefill activations estimate counts: back off until it fits
             batch = max(1, int(batch * 0.95))
-            full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
+            full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len,
+                                      engine=SIM_ENGINE)
         return full
     except otela_sim.SimError:
         return None
@@ -740,7 +745,7 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
         if not hasattr(sim, "replay"):
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
-        out = sim.replay(scenario, placement, seed=seed)
+        out = sim.replay(scenario, placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
                 "per_model_req_s": {m: round(float(v), 2) for m, v in out["per_model_req_s"].items()},
                 "p50_ms": round(float(out["p50_ms"]), 1), "p99_ms": round(float(out["p99_ms"]), 1)}
@@ -1687,6 +1692,9 @@ def build_parser():
                      help="replay with otela_sim (auto when importable) or the fluid capacity model")
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="CBC seconds per stage")
+    opt.add_argument("--engine", default=env_default("--engine"),
+                     help=f"engine version the simulator's capacities assume ({', '.join(otela_sim.ENGINES)}, or "
+                          f"an engine name; default {otela_sim.DEFAULT_ENGINE})")
     opt.add_argument("--probes", default=env_default("--probes"), metavar="FILE",
                      help="engine overheads measured by `otela_sim.py probe --write FILE` on live sessions: "
                           "the simulator's capacities use them")
@@ -1780,6 +1788,15 @@ def build_scenario(args):
     return scenario, inventory, sessions
 
 
+def use_engine(name):
+    """Make the simulator's figures assume this engine version (plan --engine)."""
+    global SIM_ENGINE
+    try:
+        SIM_ENGINE = otela_sim.resolve_engine(name).key
+    except otela_sim.SimError as e:
+        raise PlacementError(str(e)) from None
+
+
 def use_probes(path):
     """Make the engine overheads of a probes file the simulator's (otela_sim.probe --write)."""
     data = load_json(path)
@@ -1792,6 +1809,8 @@ def use_probes(path):
 
 
 def cmd_plan(args):
+    if args.engine:
+        use_engine(args.engine)
     if args.probes:
         use_probes(args.probes)
     scenario, inventory, sessions = build_scenario(args)

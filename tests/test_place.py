@@ -255,3 +255,21 @@ def test_plan_into_a_closed_pipe_is_one_line_and_exit_2():
         os.close(write_end)
     assert out.returncode == 2 and "broken pipe" in out.stderr
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+
+
+def test_plan_engine_flag_sets_the_engine_the_simulator_assumes_and_rejects_unknown_ones():
+    s = table1()
+    key = ("meta-llama/Llama-2-13b-hf", "A100-80GB-SXM4", 1)
+    config = s["models"][key[0]]
+    saved = place.SIM_ENGINE
+    try:
+        place.use_engine("vllm")
+        assert place.SIM_ENGINE == "vllm-0.6"
+        v0 = place.sim_latency_ms(config, key[1], key[2], place.workload_of(s, key[0]))
+        place.use_engine("trtllm-0.10")
+        trt = place.sim_latency_ms(config, key[1], key[2], place.workload_of(s, key[0]))
+        assert trt != v0
+        with pytest.raises(place.PlacementError, match="unknown engine"):
+            place.use_engine("tgi")
+    finally:
+        place.SIM_ENGINE = saved
