@@ -80,13 +80,13 @@ def bench_vllm_static_held_out(rows):
 
 
 def bench_left_out_engine(rows, engine):
-    """An engine version left out of the fit entirely, then two of its rows used as its two
-    probes (smallest and largest batch; for batch-1 engines, smallest and largest tp): fit
-    only its overhead terms on them, predict its other rows."""
+    """An engine version left out of the fit entirely, then two of its static rows used as its
+    two probes (smallest and largest batch; for batch-1 engines, smallest and largest tp): fit
+    only its overhead terms on them, predict its other rows (sustained rows replayed)."""
     mine = [r for r in rows if sim.row_engine(r).key == engine]
     train = [r for r in rows if r not in mine and r["metric"] != sim.SUSTAINED]
     base = sim.fit(train, iters=25)["calibration"]
-    order = sorted(mine, key=lambda r: (int(r["batch"]), int(r["tp"])))
+    order = sorted((r for r in mine if r["metric"] != sim.SUSTAINED), key=lambda r: (int(r["batch"]), int(r["tp"])))
     probes = [order[0], order[-1]]
     rest = [r for r in mine if r not in probes]
     before = _errors(rest, base)
@@ -144,7 +144,7 @@ def main():
     for rid, e in held["rows"].items():
         print(f"    {rid:32s} {e * 100:+6.1f}%")
     result["left_out_engines"] = []
-    for engine in ("trtllm-0.6", "gptfast"):
+    for engine in ("trtllm-0.6", "gptfast", "vllm-0.6"):
         lo = bench_left_out_engine(rows, engine)
         result["left_out_engines"].append(lo)
         print(f"engine {engine} left out: median |err| {lo['before']['median_abs_error'] * 100:.1f}% "
