@@ -1532,10 +1532,13 @@ def leave_one_group_out(rows, groups=None, quick=True, iters=12, cal=None):
 
 # --- the fit: maximum a posteriori, Levenberg-Marquardt on log errors -------------------------
 # A row's log error counts against its spread ROW_SIGMA (the scatter of published figures of
-# one configuration, run to run and version to version); a parameter's distance from its prior
-# against the prior's spread. A parameter within BOUND_MARGIN of its (logarithmic) range from a
+# one configuration: A100 variants a source leaves unstated, power caps, latencies rounded to
+# 1 ms, versions between releases); a parameter's distance from its prior against the prior's
+# spread. 0.15 was chosen by leave-one-group-out among 0.03, 0.05, 0.1, 0.15, 0.2 (median
+# 9.9, 10.1, 9.0, 8.6, 8.6%; in-sample 2.3, 2.9, 4.1, 4.5, 5.1%): the held-out figure is
+# therefore slightly optimistic (no nested cross-validation). A parameter within BOUND_MARGIN of its (logarithmic) range from a
 # bound has been pushed there by the rows against physics and its prior: the fit is failed.
-ROW_SIGMA = 0.05
+ROW_SIGMA = 0.15
 BOUND_MARGIN = 0.01
 
 
