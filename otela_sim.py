@@ -1643,10 +1643,13 @@ def _linsolve(a, b):
     return x
 
 
-def fit(rows, cal=None, iters=25, quick=True, params=None):
+def fit(rows, cal=None, iters=25, quick=True, params=None, row_sigma=None):
     """Fit the parameters `rows` constrain (parameters_for, or `params`), starting from `cal`
-    (default the priors). Returns {"calibration", "failed": [names at a bound], "cost"}; a
-    failed fit must not be used (calibrate --write refuses it)."""
+    (default the priors). `row_sigma` (default ROW_SIGMA) is a row's spread: a probe of the
+    engine itself is a measurement, not a published figure of a similar setup, and is fitted
+    tight (probe_fit solves it exactly). Returns {"calibration", "failed": [names at a bound],
+    "cost"}; a failed fit must not be used (calibrate --write refuses it)."""
+    sigma = row_sigma or ROW_SIGMA
     cal = json.loads(json.dumps(cal or DEFAULT_CALIBRATION))
     params = params or parameters_for(rows)
     names = list(params)
@@ -1675,9 +1678,9 @@ def fit(rows, cal=None, iters=25, quick=True, params=None):
             ratios = [predict_row(r, c, quick) / float(r["value"]) for r in rows]
         except SimError:
             return [1e3] * (len(rows) + len(pairs) + len(names))
-        res = [_robust(math.log(max(1e-9, q)) / ROW_SIGMA) for q in ratios]
+        res = [_robust(math.log(max(1e-9, q)) / sigma) for q in ratios]
         # the H100-class / A100 ratio is a target of its own: weigh its error like a row's
-        res += [_robust(math.log(max(1e-9, ratios[b] / ratios[a])) / ROW_SIGMA) for a, b in pairs]
+        res += [_robust(math.log(max(1e-9, ratios[b] / ratios[a])) / sigma) for a, b in pairs]
         res += [math.log(max(1e-12, v) / med) / spread for v, (med, spread, _b) in zip(vals, params.values())]
         return res
 
