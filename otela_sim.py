@@ -2,16 +2,17 @@
 
 Role. The placer (otela_place.py) must know how fast each model runs on each GPU type with
 each tensor-parallel degree before it spends a single GPU-hour. This file answers that from
-first principles plus a handful of fitted efficiency factors; it is pure (stdlib only, no
-I/O at import) and fast (`estimate` is microseconds, a 300 s cluster workload replays in
-seconds).
+first principles plus efficiency factors per GPU architecture and overheads per engine
+version, each fitted around a prior within physical bounds; it is pure (stdlib only, no I/O
+at import) and fast (`estimate` is microseconds, a 300 s cluster workload replays in
+seconds). Energy per token follows a stated TDP x utilisation model (energy()).
 
 Data flow.
     GPU table + model table (or a Hugging Face config)        -> GPU, Model
     per-layer operators (QKV, attention with grouped KV heads, output projection, gated MLP
     or experts, norms, lm_head, tensor-parallel all-reduce)  -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
-    smooth roofline between max() and the sum (fitted exponent roofline_p)
+    smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
     StepCost + memory (weights/tp + KV cache)                -> estimate(), max_batch()
     StepCost + a workload (arrivals, lengths) + a placement  -> replay(): continuous batching
                                                                 under a KV-cache limit
@@ -643,10 +644,9 @@ class StepCost:
         # compute and memory traffic of one kernel overlap imperfectly: a smooth roofline
         # (c^p + m^p)^(1/p) instead of max(c, m); p -> infinity is the ideal roofline. Where the
         # two are balanced (prefill of a short prompt, large decode batches) a kernel runs at
-        # neither bound; fitted (roofline_p), and max() above ROOFLINE_MAX_P. The fit lands at
-        # p ~ 1 (time = compute + memory): the 7B TTFT rows at 128 and 2048 tokens on A100 FP16
-        # and H100 FP8 cannot share one fixed step overhead under max() (it would have to be
-        # ~8 ms on A100 and ~5 ms on H100), and can under the sum (H100/A100 within 4% on both).
+        # neither bound; p is ROOFLINE_P (1: time = compute + memory, the model form the TTFT
+        # rows need, see ROOFLINE_P), and max() at or above ROOFLINE_MAX_P (the ideal
+        # calibration's datasheet roofline).
         p = cal.get("roofline_p", ROOFLINE_P)
         if p >= ROOFLINE_MAX_P:
             self.roof = max
