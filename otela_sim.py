@@ -204,14 +204,33 @@ ENGINE_PRIORS = {
     "overhead_ms": (1.0, 1.2, (0.01, 50.0)),        # CPU + launch time of one engine step
     "per_seq_overhead_ms": (0.01, 1.5, (0.0005, 1.0)),   # CPU time per running request per step
     "kernel_eff": (0.9, 0.15, (0.5, 1.2)),          # how close the engine's kernels get (1 = the hardware's)
+    # Host time a step with prompt tokens costs beyond a decode step (the first-token overhead).
+    # Every engine here replays a CUDA graph for decode only: vLLM V0's model runner captures
+    # graphs for decode batches and runs prefill eagerly; SGLang captures them for decode
+    # (cuda_graph_max_bs), not for extend; gpt-fast compiles decode_one_token with
+    # mode="reduce-overhead" (CUDA graphs) and prefill without; TensorRT-LLM's gptSession runs
+    # the context phase as its own engine enqueue and sets the decoder up for the new batch
+    # before the first token. A prefill step also builds and copies its prompt's attention
+    # metadata and positions. ~1 ms (the order of a step's launch and copy time), a decade wide.
+    "prefill_overhead_ms": (1.0, 1.0, (0.01, 50.0)),
+    # Host time per running request per step that a tensor-parallel instance (tp > 1) adds to
+    # one GPU's: where each rank runs its own loop (TensorRT-LLM under MPI, gpt-fast under
+    # torchrun) nothing grows with the batch, ~1 us; vLLM overrides it below.
+    "tp_per_seq_overhead_ms": (0.001, 1.5, (1e-5, 1.0)),
 }
 # Where a version's prior differs, with the reason.
 ENGINE_PRIOR_OVERRIDES = {
     # v0.6.0 blog: for Llama-3-8B on one H100 before v0.6, the API server and the scheduler took
     # 62% of the step; multi-step scheduling amortises them: a few ms per step remain at most.
-    "vllm-0.4": {"overhead_ms": (4.0, 0.8, (0.01, 50.0))},
-    "vllm-0.6": {"overhead_ms": (2.0, 0.8, (0.01, 50.0))},
-    "vllm-v1": {"overhead_ms": (1.0, 0.8, (0.01, 50.0))},
+    # With tp > 1 vLLM's driver process schedules and broadcasts every step's inputs (sequence
+    # metadata, block tables, sampling parameters: they grow with the running requests) to the
+    # tp - 1 worker processes before the forward pass: V0's LocalOrDistributedWorkerBase
+    # execute_model broadcast_tensor_dict (a shared-memory message queue from v0.6), V1's
+    # scheduler output through its shm broadcast queue; ~1 ms per step at a hundred running
+    # requests (V0), about half in V1.
+    "vllm-0.4": {"overhead_ms": (4.0, 0.8, (0.01, 50.0)), "tp_per_seq_overhead_ms": (0.01, 1.0, (1e-5, 1.0))},
+    "vllm-0.6": {"overhead_ms": (2.0, 0.8, (0.01, 50.0)), "tp_per_seq_overhead_ms": (0.01, 1.0, (1e-5, 1.0))},
+    "vllm-v1": {"overhead_ms": (1.0, 0.8, (0.01, 50.0)), "tp_per_seq_overhead_ms": (0.005, 1.0, (1e-5, 1.0))},
     # compiled engines: C++ runtime (TensorRT-LLM), torch.compile with CUDA graphs (gpt-fast)
     "trtllm-0.5": {"overhead_ms": (0.5, 1.0, (0.01, 50.0)), "kernel_eff": (1.0, 0.1, (0.5, 1.2))},
     "trtllm-0.6": {"overhead_ms": (0.5, 1.0, (0.01, 50.0)), "kernel_eff": (1.0, 0.1, (0.5, 1.2))},
@@ -242,7 +261,8 @@ def ideal_calibration():
     return {"roofline_p": ROOFLINE_MAX_P,
             "hardware": {a: {"eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0,
                              "eff_comm": 1.0, "allreduce_latency_us": 0.0} for a in ARCHS},
-            "engines": {e: {"overhead_ms": 0.0, "per_seq_overhead_ms": 0.0, "kernel_eff": 1.0,
+            "engines": {e: {"overhead_ms": 0.0, "per_seq_overhead_ms": 0.0, "prefill_overhead_ms": 0.0, "tp_per_seq_overhead_ms": 0.0,
+                            "kernel_eff": 1.0,
                             "gqa_kv_once": True} for e in ENGINES}}
 
 
@@ -633,7 +653,8 @@ class StepCost:
         else:
             self.ar_lat = self.ar_byte = 0.0
         self.overhead = eng["overhead_ms"] * 1e-3
-        self.per_seq = eng["per_seq_overhead_ms"] * 1e-3
+        self.per_seq = (eng["per_seq_overhead_ms"] + (eng.get("tp_per_seq_overhead_ms", 0.0) if tp > 1 else 0.0)) * 1e-3
+        self.prefill_overhead = eng.get("prefill_overhead_ms", 0.0) * 1e-3
         # memory per GPU
         embed = m.vocab_size * h / tp * (1 if m.tie_word_embeddings else 2)
         self.weights_bytes = (L * (sum(w for w, _ in self.linears[:2]) + mlp_w
@@ -688,7 +709,8 @@ class StepCost:
         per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
         if prefill_tokens:
             per_layer += self.roof(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
-        return self.layers * per_layer + self._lm_head(seqs) + self.overhead + self.per_seq * seqs
+        return self.layers * per_layer + self._lm_head(seqs) + self.overhead + self.per_seq * seqs + \
+            (self.prefill_overhead if prefill_tokens else 0.0)
 
     def decode_alpha(self, n):
         """Decode step of n requests costs decode_alpha(n) + beta * (their total context)."""
@@ -1643,6 +1665,8 @@ def parameters_for(rows):
                 continue
             params[f"hardware/{arch}/{n}"] = (med, spread, bounds)
         for n in ENGINE_PRIORS:
+            if n == "tp_per_seq_overhead_ms" and int(r["tp"]) < 2:
+                continue
             params[f"engines/{ev}/{n}"] = engine_prior(ev, n)[:3]
     return params
 

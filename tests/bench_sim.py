@@ -135,7 +135,10 @@ def main():
         print(f"    ratio {r['pair']:52s} measured {r['measured']:.3f} predicted {r['predicted']:.3f} "
               f"error {r['error'] * 100:+5.1f}%")
 
-    rows = sim.load_calibration(DATA / "measured_calibration.csv")
+    for o in v["inconsistent"]:
+        print(f"    marked inconsistent in the data (not fitted, not summarised): {o['id']} "
+              f"{o['error'] * 100:+.1f}%")
+    rows = sim.fitted_rows(sim.load_calibration(DATA / "measured_calibration.csv"))
     t0 = time.perf_counter()
     held = bench_vllm_static_held_out(rows)
     result["vllm_static_held_out"] = held

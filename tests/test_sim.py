@@ -724,3 +724,30 @@ def test_cli_calibrate_write_stores_the_fit_in_a_data_file_and_leaves_the_source
                         "A100", "--engine", "gptfast"], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, OTELA_CALIBRATION=str(bad)))
     assert r.returncode == 2 and "a calibration file is a JSON object" in r.stderr
+
+
+def test_the_prefill_overhead_is_paid_by_steps_with_prompt_tokens_only():
+    m, gpu = sim.MODELS["llama-2-7b"], sim.GPUS["H100-SXM5-80GB"]
+    base = sim.merge_calibration(sim.DEFAULT_CALIBRATION, {"engines": {"trtllm-0.5": {"prefill_overhead_ms": 0.0}}})
+    more = sim.merge_calibration(base, {"engines": {"trtllm-0.5": {"prefill_overhead_ms": 2.0}}})
+    c0 = sim.StepCost(m, gpu, 1, engine="trtllm-0.5", cal=base)
+    c2 = sim.StepCost(m, gpu, 1, engine="trtllm-0.5", cal=more)
+    assert c2.prefill([128]) - c0.prefill([128]) == pytest.approx(2e-3)
+    assert c2.decode_alpha(8) == pytest.approx(c0.decode_alpha(8))
+    assert c2.step(8, 8, 8 * 500.0) == pytest.approx(c0.step(8, 8, 8 * 500.0))
+    e0 = sim.estimate(m, gpu, 1, 1, 128, 64, engine="trtllm-0.5", cal=base)
+    e2 = sim.estimate(m, gpu, 1, 1, 128, 64, engine="trtllm-0.5", cal=more)
+    assert e2["ttft_ms"] - e0["ttft_ms"] == pytest.approx(2.0)
+    assert e2["decode_ms_per_token"] == pytest.approx(e0["decode_ms_per_token"])
+
+
+def test_the_tensor_parallel_per_request_overhead_applies_to_tp_above_one_only():
+    m, gpu = sim.MODELS["llama-2-13b"], sim.GPUS["A100-80GB-SXM4"]
+    base = sim.merge_calibration(sim.DEFAULT_CALIBRATION, {"engines": {"vllm-0.6": {"tp_per_seq_overhead_ms": 0.0}}})
+    more = sim.merge_calibration(base, {"engines": {"vllm-0.6": {"tp_per_seq_overhead_ms": 0.05}}})
+    for tp, extra in ((1, 0.0), (2, 64 * 0.05e-3)):
+        a = sim.StepCost(m, gpu, tp, engine="vllm-0.6", cal=base).decode_alpha(64)
+        b = sim.StepCost(m, gpu, tp, engine="vllm-0.6", cal=more).decode_alpha(64)
+        assert b - a == pytest.approx(extra)
+    assert "engines/vllm-0.6/tp_per_seq_overhead_ms" not in sim.parameters_for(
+        [{"gpu": "A100", "engine": "vllm", "engine_version": "0.6", "dtype": "bf16", "tp": "1"}])
