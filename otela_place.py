@@ -58,6 +58,10 @@ HEADROOM = 1.25
 # Tensor-parallel degrees tried: powers of two, because attention heads are, and a power of
 # two that divides the GPUs per node packs nodes without fragments (first-fit decreasing).
 TP_CHOICES = (1, 2, 4, 8)
+# The engine version the simulator's capacities, latencies and energies assume
+# (otela_sim.ENGINE_VERSIONS; plan --engine sets it): vLLM V0 with chunked prefill off, what
+# the Table-1 experiment ran; its overheads are fitted to published vLLM rows.
+SIM_ENGINE = otela_sim.DEFAULT_ENGINE
 # Fraction of GPU memory the engine may use (vLLM's --gpu-memory-utilization default 0.9).
 GPU_MEMORY_UTILIZATION = 0.9
 # vLLM's default --max-num-seqs: the batch the engine will not exceed even if memory allows.
@@ -230,26 +234,64 @@ def sim_candidate(model_name, config, gpu_name, tp, workload):
     scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: config},
                 "workload": [burst], "duration_s": 1.0}
     out = sim.replay(scenario, [{"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}],
-                     seed=0, duration_s=1.0)
+                     seed=0, duration_s=1.0, engine=SIM_ENGINE)
     cap = float(out["per_model_req_s"][model_name])
     return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload)), None
 
 
-def sim_latency_ms(model, gpu, tp, workload):
-    """End-to-end time of a mean request in the fullest batch that fits (otela_sim), or None."""
+def full_batch_estimate(model, gpu, tp, workload):
+    """otela_sim's estimate of a mean request of the workload in the fullest batch that fits
+    (at most MAX_NUM_SEQS), or None when the model cannot run there."""
     try:
         model, gpu = otela_sim.resolve_model(model), otela_sim.resolve_gpu(gpu)
         inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
         out_len = max(1, int(round(workload.get("output", {}).get("mean", 128))))
         batch = max(1, min(MAX_NUM_SEQS, int(otela_sim.max_batch(model, gpu, tp, inp + out_len))))
-        full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
+        full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len, engine=SIM_ENGINE)
         while not full["fits"] and batch > 1:
             # max_batch leaves out the prefill activations estimate counts: back off until it fits
             batch = max(1, int(batch * 0.95))
-            full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len)
-        return full["e2e_ms"]
+            full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len,
+                                      engine=SIM_ENGINE)
+        return full
     except otela_sim.SimError:
         return None
+
+
+def sim_latency_ms(model, gpu, tp, workload):
+    """End-to-end time of a mean request in the fullest batch that fits (otela_sim), or None."""
+    full = full_batch_estimate(model, gpu, tp, workload)
+    return full["e2e_ms"] if full else None
+
+
+def sim_energy(model, gpu, tp, workload):
+    """Energy of one instance serving the model's mean request in the fullest batch that fits
+    (otela_sim's stated model: TDP x (0.3 + 0.7 x roofline utilisation)), or None."""
+    e = full_batch_estimate(model, gpu, tp, workload)
+    if e is None:
+        return None
+    return {"j_per_output_token": e["j_per_output_token"], "kwh_per_million_tokens": e["kwh_per_million_tokens"],
+            "power_w_per_gpu": e["power_w_per_gpu"], "batch": e["batch"]}
+
+
+def placement_energy(scenario, rows):
+    """Per row (model, gpu, tp) and for the whole placement (weighted by each row's share of
+    its model's output tokens): J per output token and kWh per million output tokens."""
+    per_row, total_j, total_tok = [], 0.0, 0.0
+    for r in rows:
+        w = workload_of(scenario, r["model"])
+        config = scenario.get("models", {}).get(r["model"], r["model"])
+        e = sim_energy(otela_sim.resolve_model(config, name=r["model"]) if isinstance(config, dict) else config,
+                       r["gpu"], r["tp"], w)
+        if e is None:
+            continue
+        tokens = float(w.get("rate_rps", 0)) * float(w.get("output", {}).get("mean", 128)) * float(r.get("weight", 1))
+        per_row.append(dict(model=r["model"], gpu=r["gpu"], tp=r["tp"], **e))
+        total_j += e["j_per_output_token"] * tokens
+        total_tok += tokens
+    j = total_j / total_tok if total_tok else 0.0
+    return {"rows": per_row, "j_per_output_token": j, "kwh_per_million_tokens": j * 1e6 / otela_sim.KWH_J,
+            "model": "otela_sim energy(): P = TDP x (0.3 + 0.7 x roofline utilisation), fullest batch that fits"}
 
 
 def memory_fits(config, gpu_name, tp):
@@ -703,7 +745,7 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
         if not hasattr(sim, "replay"):
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
-        out = sim.replay(scenario, placement, seed=seed)
+        out = sim.replay(scenario, placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
                 "per_model_req_s": {m: round(float(v), 2) for m, v in out["per_model_req_s"].items()},
                 "p50_ms": round(float(out["p50_ms"]), 1), "p99_ms": round(float(out["p99_ms"]), 1)}
@@ -759,6 +801,7 @@ def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, r
         entry["score"] = {"ratio": round(ratio, 4), "capacity_req_s": round(served, 2), "gpus": gpus}
         if replay_method != "none":
             entry["replay"] = replay(scenario, entry["placement"], replay_method, capacity_of, latency_of, seed)
+            entry["energy"] = placement_energy(scenario, entry["placement"])
     result["ours"]["solve_s"] = round(ours.solve_s, 3)
     result["ours"]["status"] = ours.status
     return result
@@ -821,6 +864,11 @@ def format_plan(scenario, result):
                         if paper.get("opentela") and paper.get("memory_proportional") else ""))
     if "paper" in result:
         lines.append(explain_vs_paper(result))
+    energies = [(n, e["energy"]) for n, e in result.items() if isinstance(e, dict) and e.get("energy")]
+    if energies:
+        lines.append("energy per output token (" + energies[0][1]["model"] + "): " + ", ".join(
+            f"{n} {en['j_per_output_token']:.2f} J = {en['kwh_per_million_tokens']:.3f} kWh/M tokens"
+            for n, en in energies) + "   (OpenTela paper, measured: 0.16-0.25 kWh/M tokens)")
     for name, entry in result.items():
         if isinstance(entry, dict) and "placement" in entry:
             lines.append(f"{name}: " + ", ".join(
@@ -1644,6 +1692,12 @@ def build_parser():
                      help="replay with otela_sim (auto when importable) or the fluid capacity model")
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="CBC seconds per stage")
+    opt.add_argument("--engine", default=env_default("--engine"),
+                     help=f"engine version the simulator's capacities assume ({', '.join(otela_sim.ENGINES)}, or "
+                          f"an engine name; default {otela_sim.DEFAULT_ENGINE})")
+    opt.add_argument("--probes", default=env_default("--probes"), metavar="FILE",
+                     help="engine overheads measured by `otela_sim.py probe --write FILE` on live sessions: "
+                          "the simulator's capacities use them")
     opt.add_argument("--json", action="store_true", help="print one JSON object keyed by placement name")
     plan_slurm_args(plan)
 
@@ -1698,9 +1752,14 @@ def model_config(name):
 def build_scenario(args):
     """The scenario a plan run works on, and the inventory its job scripts use."""
     scenario = load_json(args.scenario) if args.scenario else {"gpus": [], "models": {}, "workload": []}
+    if not isinstance(scenario, dict):
+        raise PlacementError(f"{args.scenario}: scenario must be a JSON object with gpus, models and workload, "
+                             f"not a {type(scenario).__name__}")
     scenario.setdefault("models", {})
     if args.inventory:
         inventory = load_json(args.inventory)
+        if not isinstance(inventory, dict):
+            raise PlacementError(f"{args.inventory}: an inventory is a JSON object {{\"gpus\": [...]}}")
         scenario["gpus"] = inventory.get("gpus", [])
     elif args.from_slurm:
         inventory = slurm_inventory(parse_aliases(args.gpu_alias))
@@ -1729,7 +1788,31 @@ def build_scenario(args):
     return scenario, inventory, sessions
 
 
+def use_engine(name):
+    """Make the simulator's figures assume this engine version (plan --engine)."""
+    global SIM_ENGINE
+    try:
+        SIM_ENGINE = otela_sim.resolve_engine(name).key
+    except otela_sim.SimError as e:
+        raise PlacementError(str(e)) from None
+
+
+def use_probes(path):
+    """Make the engine overheads of a probes file the simulator's (otela_sim.probe --write)."""
+    data = load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("probes"), list) or not data["probes"]:
+        raise PlacementError(f"{path}: a probes file is a JSON object with a non-empty \"probes\" list")
+    try:
+        otela_sim.use_calibration(otela_sim.calibration_with_probes(data["probes"]))
+    except otela_sim.SimError as e:
+        raise PlacementError(f"{path}: {e}") from None
+
+
 def cmd_plan(args):
+    if args.engine:
+        use_engine(args.engine)
+    if args.probes:
+        use_probes(args.probes)
     scenario, inventory, sessions = build_scenario(args)
     cron = bool(args.emit_sbatch or args.submit or args.from_slurm)
     result = plan_all(scenario, args.capacity, args.objective, baseline=args.baseline == "memp" and not cron,
@@ -1802,7 +1885,7 @@ def cron_reclaim(scenario, args):
 def cmd_replay(args):
     if not args.scenario:
         raise PlacementError("give --scenario FILE")
-    scenario = load_json(args.scenario)
+    scenario = check_scenario(load_json(args.scenario))
     if not args.trace:
         result = plan_all(scenario, args.capacity, replay_method="auto", seed=args.seed)
         print(json.dumps(result, indent=1) if args.json else format_plan(scenario, result))
@@ -1816,9 +1899,13 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         if args.command == "plan":
-            return cmd_plan(args)
+            code = cmd_plan(args)
+            sys.stdout.flush()
+            return code
         if args.command == "replay":
-            return cmd_replay(args)
+            code = cmd_replay(args)
+            sys.stdout.flush()
+            return code
         if args.command == "inventory":
             print(json.dumps(slurm_inventory(parse_aliases(args.gpu_alias)), indent=1))
             return 0
@@ -1826,6 +1913,11 @@ def main(argv=None):
         print(f"otela_place: {e}", file=sys.stderr)
         # 2: bad input or infeasible; 1: Slurm failed; 3: another run holds the lock
         return {PlacementError: 2, SlurmError: 1, LockHeld: 3}[type(e)]
+    except otela_sim.SimError as e:
+        print(f"otela_place: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return otela_sim.output_closed("otela_place")
     return 0
 
 

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import otela_place as place  # noqa: E402
+import otela_sim  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE1 = os.path.join(ROOT, "tests", "data", "table1_scenario.json")
@@ -192,3 +193,83 @@ def test_table1_in_the_simulator_ours_beats_the_papers_placement_and_memp_by_178
     ours, paper, memp = (result[k]["replay"]["total_req_s"] for k in ("ours", "paper", "memp"))
     assert ours >= paper
     assert ours / memp >= 1.78
+
+
+def run_place(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("content", ["[]", "[{\"model\": \"x\"}]", "3"])
+def test_plan_with_a_scenario_that_is_a_json_list_exits_2_with_one_line(tmp_path, content):
+    path = tmp_path / "s.json"
+    path.write_text(content)
+    out = run_place("plan", "--scenario", str(path))
+    assert out.returncode == 2 and "scenario must be a JSON object" in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+
+
+def test_plan_report_states_energy_per_output_token_beside_the_papers_figure():
+    s = table1()
+    result = place.plan_all(s, capacity="measured", replay_method="fluid", baseline=False)
+    energy = result["ours"]["energy"]
+    assert 0.05 < energy["kwh_per_million_tokens"] < 1.0
+    assert energy["kwh_per_million_tokens"] == pytest.approx(energy["j_per_output_token"] / 3.6)
+    assert "0.16-0.25 kWh/M tokens" in place.format_plan(s, result)
+
+
+def test_plan_uses_probed_engine_overheads_for_its_capacities(tmp_path):
+    s = table1()
+    key = ("meta-llama/Llama-2-13b-hf", "A100-80GB-SXM4", 1)
+    config = s["models"][key[0]]
+    before = place.sim_candidate(key[0], config, key[1], key[2], place.workload_of(s, key[0]))[0].capacity_rps
+    probes = tmp_path / "probes.json"
+    probes.write_text(json.dumps({"probes": [{"engine_version": "vllm-0.6", "overhead_ms": 30.0,
+                                              "per_seq_overhead_ms": 0.1}]}))
+    saved = dict(otela_sim._ACTIVE)
+    try:
+        place.use_probes(str(probes))
+        after = place.sim_candidate(key[0], config, key[1], key[2], place.workload_of(s, key[0]))[0].capacity_rps
+    finally:
+        otela_sim._ACTIVE.clear()
+        otela_sim._ACTIVE.update(saved)
+    assert after < before * 0.8       # a slow engine step serves fewer requests per second
+
+
+def test_plan_with_a_bad_probes_file_exits_2_with_one_line(tmp_path):
+    probes = tmp_path / "probes.json"
+    probes.write_text("[]")
+    out = run_place("plan", "--scenario", os.path.join(ROOT, "tests", "data", "table1_scenario.json"),
+                    "--probes", str(probes))
+    assert out.returncode == 2 and "probes" in out.stderr and out.stderr.strip().count("\n") == 0
+
+
+def test_plan_into_a_closed_pipe_is_one_line_and_exit_2():
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario",
+                              os.path.join(ROOT, "tests", "data", "table1_scenario.json"), "--capacity", "measured",
+                              "--replay", "fluid"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 2 and "broken pipe" in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+
+
+def test_plan_engine_flag_sets_the_engine_the_simulator_assumes_and_rejects_unknown_ones():
+    s = table1()
+    key = ("meta-llama/Llama-2-13b-hf", "A100-80GB-SXM4", 1)
+    config = s["models"][key[0]]
+    saved = place.SIM_ENGINE
+    try:
+        place.use_engine("vllm")
+        assert place.SIM_ENGINE == "vllm-0.6"
+        v0 = place.sim_latency_ms(config, key[1], key[2], place.workload_of(s, key[0]))
+        place.use_engine("trtllm-0.10")
+        trt = place.sim_latency_ms(config, key[1], key[2], place.workload_of(s, key[0]))
+        assert trt != v0
+        with pytest.raises(place.PlacementError, match="unknown engine"):
+            place.use_engine("tgi")
+    finally:
+        place.SIM_ENGINE = saved
