@@ -3867,7 +3867,8 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
     what nodes on other hosts bootstrap to."""
     g = parser.add_argument_group("overlay")
     g.add_argument("--key-file", default=env("KEY_FILE"),
-                   help="cluster secret written by keygen (env OTELA_KEY_FILE); never pass secrets in argv")
+                   help="cluster secret written by keygen (env OTELA_KEY_FILE; required, no default: every member "
+                        "of one cluster names the same file); never pass secrets in argv")
     g.add_argument("--bootstrap", action="append", default=None,
                    help="HOST:PORT[,…] of any members' --gossip, a file of them, or an http URL returning "
                         "them (env OTELA_BOOTSTRAP); none: start a new overlay")
@@ -3878,7 +3879,8 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
     g.add_argument("--label", action="append", default=None,
                    help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
     g.add_argument("--advertise", default=env("ADVERTISE"),
-                   help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE)")
+                   help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE; "
+                        "default: the host bound, or the address this machine's name resolves to when that is 0.0.0.0)")
     g.add_argument("--probe-interval", type=float, default=None,
                    help="failure-detector probe period in seconds (env OTELA_PROBE_INTERVAL; default 0.7); "
                         "every timing default is also settable as OTELA_<NAME>")
@@ -4028,7 +4030,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("keygen", help="write the cluster secret (and TLS certificate) into DIR")
     k.add_argument("--out", default=env("OUT"), required=env("OUT") is None,
-                   help="directory for cluster.key (mode 0600; env OTELA_OUT)")
+                   help="directory for cluster.key (mode 0600) and the tunnel certificate (env OTELA_OUT; "
+                        "required, no default)")
     k.add_argument("--force", action="store_true", help="replace an existing key")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)
@@ -4043,10 +4046,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to finish in-flight requests after SIGTERM (env OTELA_DRAIN_TIMEOUT; default 30)")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
-    s.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    s.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     r = sub.add_parser("relay", help="a standalone relay (and seed) for members behind NATs, e.g. on a login node")
     add_overlay_args(r, gossip_default=INGRESS_GOSSIP)
-    r.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING")
+    r.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     return p
 
 
