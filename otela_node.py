@@ -2358,6 +2358,8 @@ class Node:
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0})
         self.punch_ms: List[float] = []                     # how long each successful punch took
+        self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
+        self._member_since: Dict[str, float] = {}           # relayed address (ours too) -> first seen
         self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens
         self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
         self._tunnel_reach: Dict[str, str] = {}             # relayed address -> how its last tunnel went
@@ -2418,7 +2420,8 @@ class Node:
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
                 "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
-                "punch_ms": self.punch_ms[-8:], "punched": sorted(self._punched),
+                "punch_ms": self.punch_ms[-8:], "punch_after_join_ms": self.punch_after_join_ms[-8:],
+                "punched": sorted(self._punched),
                 "tunnel_punches": dict(self.tunnel_punches), "tunnel_punch_ms": self.tunnel_punch_ms[-8:]}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
@@ -2481,7 +2484,10 @@ class Node:
                                         "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
-        if self.role not in SEED_ROLES and (cfg.reach == "private" or (cfg.reach == "auto" and bootstrap)):
+        # An ingress is a seed and dialable, unless told it is not (OTELA_REACH=private: an ingress
+        # inside a cluster's private network, whose tunnels to private nodes punch, rule 5).
+        if (cfg.reach == "private" and self.role != "relay") or \
+                (self.role not in SEED_ROLES and cfg.reach == "auto" and bootstrap):
             self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
@@ -2578,7 +2584,12 @@ class Node:
         gossip = (record or {}).get("gossip", "")
         if is_relayed(gossip):
             if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
+                new = gossip not in self._relays_of
                 self._relays_of[gossip] = record["relay"].split(",")
+                if new:
+                    self._member_since.setdefault(gossip, time.monotonic())
+                    if self.private and is_relayed(self.overlay.addr):
+                        self._tend_punches()        # punch now, not at the next relay check
             else:
                 self._relays_of.pop(gossip, None)
         for cb in self._callbacks:
@@ -2964,6 +2975,7 @@ class Node:
             record = self.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
+                self._member_since.setdefault(relayed, time.monotonic())
                 self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
@@ -3196,6 +3208,8 @@ class Node:
         self._punched[peer] = sock
         self.punches["ok"] += 1
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        both = max(self._member_since.get(peer, started), self._member_since.get(self.overlay.addr, started))
+        self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
     async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
