@@ -2356,11 +2356,11 @@ class Node:
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
-        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0})
+        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
         self.punch_ms: List[float] = []                     # how long each successful punch took
         self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
         self._member_since: Dict[str, float] = {}           # relayed address (ours too) -> first seen
-        self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens
+        self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
         self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
         self._tunnel_reach: Dict[str, str] = {}             # relayed address -> how its last tunnel went
         self._tunnel_attempts: Dict[str, int] = {}          # relayed address -> attempts (orders alternate)
@@ -3195,6 +3195,7 @@ class Node:
             self._punched_path(peer, sock, started)
         else:
             sock.close()
+        self.punches["answered"] += 1
 
     def _on_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
         waiter = self._punch_wait.get((src, msg.get("a")))
@@ -3453,6 +3454,7 @@ class Node:
                                                  extra=self._admit)
         finally:
             self._tunnel_answering -= 1
+        self.tunnel_punches["ok" if sock is not None else "failed"] += 1
         if sock is not None:
             if self._tunnel_sock is None:
                 sock.close()
