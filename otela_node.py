@@ -2592,6 +2592,9 @@ class Node:
                         self._tend_punches()        # punch now, not at the next relay check
             else:
                 self._relays_of.pop(gossip, None)
+                for per_peer in (self._member_since, self._tunnel_reach, self._tunnel_attempts,
+                                 self._tunnel_failures, self._tunnel_given_up):
+                    per_peer.pop(gossip, None)      # a relayed address names one process: gone for good
         for cb in self._callbacks:
             try:
                 cb(sid, record)
