@@ -614,15 +614,16 @@ def nat_phase(quick, results):
         out["punch_ms"] = [h["punch_ms"] for h in health]
         out["punch_after_join_ms"] = [h.get("punch_after_join_ms") for h in health]   # both members -> acked path
         out["punched"] = [bool(h["punched"]) for h in health]
-        host, port = ingress.listen.rsplit(":", 1)
+        front = {"host": ingress.listen.rsplit(":", 1)[0], "port": int(ingress.listen.rsplit(":", 1)[1]),
+                 "place": pub, "token": fleet.token}   # where the clients send: the public ingress first
 
         def body(model, stream=False):
             return json.dumps({"model": model, "stream": stream,
                                "messages": [{"role": "user", "content": "say hello to the benchmark"}]})
 
         def latency(model):
-            conn = http.client.HTTPConnection(host, int(port), timeout=30)
-            heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+            conn = http.client.HTTPConnection(front["host"], front["port"], timeout=30)
+            heads = {"content-type": "application/json", "authorization": f"Bearer {front['token']}"}
             lat = []
             for i in range(n_lat + 5):
                 t0 = time.perf_counter()
@@ -639,9 +640,9 @@ def nat_phase(quick, results):
             counts, stop_at = [0] * threads, time.perf_counter() + seconds
 
             def worker(i):
-                pub.enter()
-                conn = http.client.HTTPConnection(host, int(port), timeout=30)
-                heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+                front["place"].enter()
+                conn = http.client.HTTPConnection(front["host"], front["port"], timeout=30)
+                heads = {"content-type": "application/json", "authorization": f"Bearer {front['token']}"}
                 while time.perf_counter() < stop_at:
                     conn.request("POST", "/v1/chat/completions", body=body(model, stream), headers=heads)
                     data = conn.getresponse().read()
@@ -656,7 +657,7 @@ def nat_phase(quick, results):
             return sum(counts) / (time.perf_counter() - t0)
 
         def measure(name, model):
-            row = out[name] = pub.call(latency, model, timeout=120)
+            row = out[name] = front["place"].call(latency, model, timeout=120)
             row["rps_16conn"] = throughput(model)
             row["sse_chunks_per_s_8streams"] = throughput(model, stream=True, threads=8)
         def relays_of_private():
@@ -674,11 +675,42 @@ def nat_phase(quick, results):
             row["added_p99_ms"] = row["latency_p99_ms"] - direct["latency_p99_ms"]
             row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / direct["rps_16conn"])
             row["sse_loss_pct"] = 100 * (1 - row["sse_chunks_per_s_8streams"] / direct["sse_chunks_per_s_8streams"])
+        # A private ingress on host A (behind NAT A, OTELA_REACH=private), its clients on host A:
+        # the public node direct, the node behind NAT B over a punched TCP tunnel, side by side.
+        listen, gossip = f"{a.host}:8090", f"{a.host}:7956"
+        db = os.path.join(tmp, "private-ingress.sqlite")
+        token = subprocess.run([sys.executable, str(ROOT / "otela_ingress.py"), "keys", "create", "--user", "bench",
+                                "--db", db], env=fleet.env, check=True, capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+        private = rel.Member("private-ingress", "ingress", a,
+                             ["env", "OTELA_REACH=private", sys.executable, str(ROOT / "otela_ingress.py"), "serve",
+                              "--key-file", fleet.key_file, "--listen", listen, "--gossip", gossip, "--db", db,
+                              "--bootstrap", ingress.gossip], listen, gossip)
+        fleet.members.append(private)
+        fleet.start(private)
+
+        def punched_at_private():
+            return any(s.get("models") == ["fm-punch"] and s["state"] == "SERVING" and s["reach"] == "punched"
+                       for s in fleet.registry(private)["sessions"])
+        rel.wait(lambda: private.proc.poll() is None and punched_at_private(), 60,   # (the relay was stopped)
+                 "fm-punch punched at the private ingress")
+        front.update(host=a.host, port=8090, place=a, token=token)
+        measure("private_ingress_direct", "fm-direct")
+        measure("private_ingress_punched", "fm-punch")
+        tunnel = {s.get("models", [""])[0]: s.get("tunnel") for s in fleet.registry(private)["sessions"]
+                  if s.get("role") == "worker"}
+        out["private_ingress_tunnels"] = tunnel
+        base, row = out["private_ingress_direct"], out["private_ingress_punched"]
+        row["added_p50_ms"] = row["latency_p50_ms"] - base["latency_p50_ms"]
+        row["added_p99_ms"] = row["latency_p99_ms"] - base["latency_p99_ms"]
+        row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / base["rps_16conn"])
+        fleet.stop(private)
         fleet.stop(ingress)
     print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay and "
           "takes its dial-back; relayed_splice: through a standalone relay's splice; TLS end to end):")
-    for name in ("direct", "relayed", "relayed_splice"):
+    for name in ("direct", "relayed", "relayed_splice", "private_ingress_direct", "private_ingress_punched"):
         print(f"  {name:15}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
+    print(f"  private ingress on host A (clients on host A), tunnel per model: {out['private_ingress_tunnels']}")
     print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
     print(f"  punch in use after both sides were members (target < 1000 ms): {out['punch_after_join_ms']} ms")
 
