@@ -2367,6 +2367,8 @@ class Node:
         self._tunnel_failures: Dict[str, int] = {}          # relayed address -> failures in a row
         self._tunnel_given_up: Dict[str, float] = {}        # relayed address -> its last failure
         self._tunnel_answering = 0                          # simultaneous opens we answer right now
+        self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
+                                                            # ingress's pool retires its relayed connections
         self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply,
                                 "tq": self._on_tunnel_punch, "tr": self._on_tunnel_punch_reply}
 
@@ -3211,6 +3213,9 @@ class Node:
             old.close()
         self._punched[peer] = sock
         self.punches["ok"] += 1
+        if self.private:                            # our next tunnel connections to it may punch
+            for listener in self.punch_listeners:
+                listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         both = max(self._member_since.get(peer, started), self._member_since.get(self.overlay.addr, started))
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))

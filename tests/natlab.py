@@ -253,6 +253,7 @@ def run(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> D
 PRIVATE_INGRESS_SCENARIOS = {
     "private ingress, cone/cone": dict(nat_a="cone", nat_b="cone"),
     "private ingress, symmetric": dict(nat_a="symmetric", nat_b="symmetric"),
+    "private ingress, leaky gateway at A": dict(leaky="a"),   # the dialer's side: its SYN must go first
 }
 
 

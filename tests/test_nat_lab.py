@@ -85,3 +85,10 @@ def test_a_private_ingress_reaches_a_node_behind_a_symmetric_nat_through_the_rel
     assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
     assert out["private"] is True and out["reach"] == "relayed" and out["tunnel"] == "relayed"
     assert out["tunnel_punches"] == {"ok": 0, "failed": 0}     # no UDP punch: no TCP punch tried
+
+
+def test_behind_a_leaky_gateway_at_the_private_ingress_its_tunnel_switches_to_punched_with_no_failed_request(
+        private_ingress):
+    out = private_ingress("private ingress, leaky gateway at A")   # the load starts before the punch is done
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+    assert out["reach"] == "punched" and out["tunnel"] == "punched" and out["tunnel_punches"]["ok"] >= 1
