@@ -1,6 +1,8 @@
 """Reachability and relays on loopback, in one process: a worker that acts as if behind a NAT
 (Config.reach="private") is reached through relay links, gossip and tunnel alike; a public one
-is dialled back and stays direct. The NAT lab (tests/natlab.py) runs the same over real NATs."""
+is dialled back and stays direct; two private members open tunnel connections punched (TCP
+simultaneous open) or, failing that, through the relay. The NAT lab (tests/natlab.py) runs the
+same over real NATs."""
 import asyncio
 import json
 import os

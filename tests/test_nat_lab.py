@@ -1,5 +1,6 @@
 """The NAT lab (tests/natlab.py, root only): the ingress on a public host, nodes wrapping the
-fake engine on two private hosts behind NATs, as real processes. Namespaces are removed at the
+fake engine on two private hosts behind NATs, as real processes; and a private ingress on one
+private host whose tunnel to a node on the other punches (TCP simultaneous open) or is relayed. Namespaces are removed at the
 end of each test even when it fails (NatLab is a context manager; names are unique per lab)."""
 import os
 import sys
