@@ -1650,6 +1650,7 @@ class UpstreamPool:
                              "ssl_handshake_timeout": UPSTREAM_CONNECT_TIMEOUT_S} if tls is not None else {}
         self._idle: Dict[str, List[Upstream]] = {}
         self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
+        self._retiring: set = set()   # in use on a path a better one replaced: closed when released
 
     def take_idle(self, addr: str) -> Optional[Upstream]:
         """A kept-alive connection to addr, or None."""
@@ -1684,9 +1685,20 @@ class UpstreamPool:
         self.active.add(up)
         return up
 
+    def retire(self, addr: str) -> None:
+        """A better path to addr appeared (a punched tunnel, otela_node's relay rule 5): its idle
+        connections close now, the ones in use once their exchange is done; new ones take it."""
+        for up in self._idle.pop(addr, []):
+            up.close()
+        self._retiring.update(up for up in self.active if up.addr == addr)
+
     def release(self, up: Upstream) -> None:
         self.active.discard(up)
         up.proto.on_data = None
+        if self._retiring and up in self._retiring:
+            self._retiring.discard(up)
+            up.close()
+            return
         if up.done and up.keep_alive and not up.buf:
             idle = self._idle.setdefault(up.addr, [])
             if len(idle) < POOL_IDLE_PER_PROVIDER:
@@ -1696,6 +1708,7 @@ class UpstreamPool:
 
     def discard(self, up: Upstream) -> None:
         self.active.discard(up)
+        self._retiring.discard(up)
         up.close()
 
     def sweep(self, now: float) -> None:
@@ -2369,6 +2382,7 @@ class Ingress:
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
         # the credential, and no static one is sent (otela_node, "Tunnel security").
         self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None))
+        getattr(node, "punch_listeners", []).append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None

@@ -206,6 +206,11 @@ class Config:
     punch_idle: float = 10.0              # a punched path silent this long falls back to the relay
     punch_keepalive: float = 3.0          # a probe on each punched path: NAT mappings live >= 30 s
     max_punched: int = 32                 # punched paths (one UDP socket each): bounded descriptors
+    tunnel_punch_timeout: float = 1.0     # a TCP simultaneous open, mapping to connection: a cone NAT
+                                          # connects in ~1 relay RTT + punch_delay; under 1 s leaves 2 s
+                                          # of the ingress's 3 s connect deadline for the relay's splice
+    tunnel_syn_interval: float = 0.2      # a fresh SYN this often (Linux resends one only after 1 s):
+                                          # a SYN dropped or reset by the peer's NAT is soon replaced
     tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
     tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
@@ -382,7 +387,8 @@ MESSAGE_TYPES = {
                                      # be up to max_frame (before it, max_datagram: Node._on_tcp_gossip);
                                      # link: a private member's relay link; splice: open a tunnel
                                      # stream to that link; dial (relay->member)/accept: its dial-back
-    "rq": "n, a",                    # reachability: dial me back at gossip address a (over TCP)
+    "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
+                                     # without a: only say where you see me (a TCP punch's mapping)
     "rs": "n, seen, back",           # answer: the address the seed saw, and whether its dial worked
     "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
     "os": "n, seen",                 # answer to ob
@@ -391,6 +397,9 @@ MESSAGE_TYPES = {
     "pr": "a, seen",                 # punch reply (through a relay): and mine at `seen`
     "pp": "",                        # punch probe, straight at the peer's mapping
     "pa": "",                        # punch ack: your probe arrived (the path works both ways)
+    "tq": "n, seen, first",          # tunnel punch request (relayed): connect to my TCP mapping
+                                     # `seen` now (first: you send the first SYN); token n
+    "tr": "n, seen",                 # tunnel punch reply: and connect to mine at `seen`
 }
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
@@ -2118,8 +2127,18 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      attempt 2 the asker first: a leaky gateway remaps a port that an early packet touched, so
 #      its side must send first). A path whose probe is acked carries their gossip from then on
 #      ("reach": "punched"); a symmetric NAT or blocked UDP fails cleanly and the relay stays;
-#      a punched path silent for punch_idle falls back to the relay. The data tunnel still goes
-#      through the relay's splice (no TCP simultaneous open yet).
+#      a punched path silent for punch_idle falls back to the relay.
+#   5. Tunnel punching (TCP simultaneous open), for a private dialer and a private member (a
+#      private ingress; a public dialer already gets the member's own outbound dial-back, rule 2):
+#      once their UDP punch worked (both NATs keep a mapping per source port), each new tunnel
+#      connection is tried punched first. Both sides bind a fresh port (SO_REUSEADDR/REUSEPORT),
+#      learn its TCP mapping from a seed ("rq" without a dial-back), swap mappings through the
+#      relay ("tq"/"tr") and connect() to each other from that port, a fresh SYN every
+#      tunnel_syn_interval; the side that goes first alternates per attempt (a leaky gateway
+#      remaps a port an early SYN touched, so its side must send first). The dialer is the TLS
+#      client; the member admits the socket as if accepted (TLS server, rule 1 of "Tunnel
+#      security"). Within tunnel_punch_timeout or not at all: then the splice, and after two
+#      failures in a row the pair goes straight to the relay for punch_retry.
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
 
@@ -2337,9 +2356,21 @@ class Node:
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
-        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0})
+        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
         self.punch_ms: List[float] = []                     # how long each successful punch took
-        self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply}
+        self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
+        self._member_since: Dict[str, float] = {}           # relayed address (ours too) -> first seen
+        self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
+        self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
+        self._tunnel_reach: Dict[str, str] = {}             # relayed address -> how its last tunnel went
+        self._tunnel_attempts: Dict[str, int] = {}          # relayed address -> attempts (orders alternate)
+        self._tunnel_failures: Dict[str, int] = {}          # relayed address -> failures in a row
+        self._tunnel_given_up: Dict[str, float] = {}        # relayed address -> its last failure
+        self._tunnel_answering = 0                          # simultaneous opens we answer right now
+        self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
+                                                            # ingress's pool retires its relayed connections
+        self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply,
+                                "tq": self._on_tunnel_punch, "tr": self._on_tunnel_punch_reply}
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -2362,7 +2393,8 @@ class Node:
         for sid, record in self.registry.items():
             view = dict(record)
             view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid),
-                        reach="direct" if sid == self.session_id else self.reach_of(record))
+                        reach="direct" if sid == self.session_id else self.reach_of(record),
+                        tunnel="direct" if sid == self.session_id else self.tunnel_reach_of(record))
             sessions.append(view)
         sessions.sort(key=lambda v: (v["state"] != "SERVING", v.get("started", 0)))
         return {"self": self.session_id, "sessions": sessions}
@@ -2374,6 +2406,14 @@ class Node:
             return "punched"
         return "relayed" if is_relayed(gossip) else "direct"
 
+    def tunnel_reach_of(self, record: Dict[str, Any]) -> str:
+        """How this member's last tunnel connection to a session went: "direct", "punched" (TCP
+        simultaneous open, rule 5) or "relayed" (a dial-back or a relay's splice)."""
+        addr = record.get("addr", "")
+        if not is_relayed(addr):
+            return "direct"
+        return self._tunnel_reach.get(addr, "relayed")
+
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
@@ -2382,7 +2422,9 @@ class Node:
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
                 "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
-                "punch_ms": self.punch_ms[-8:], "punched": sorted(self._punched)}
+                "punch_ms": self.punch_ms[-8:], "punch_after_join_ms": self.punch_after_join_ms[-8:],
+                "punched": sorted(self._punched),
+                "tunnel_punches": dict(self.tunnel_punches), "tunnel_punch_ms": self.tunnel_punch_ms[-8:]}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
@@ -2444,7 +2486,10 @@ class Node:
                                         "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
         self._send(self.overlay.join(bootstrap, now))
         self._schedule()
-        if self.role not in SEED_ROLES and (cfg.reach == "private" or (cfg.reach == "auto" and bootstrap)):
+        # An ingress is a seed and dialable, unless told it is not (OTELA_REACH=private: an ingress
+        # inside a cluster's private network, whose tunnels to private nodes punch, rule 5).
+        if (cfg.reach == "private" and self.role != "relay") or \
+                (self.role not in SEED_ROLES and cfg.reach == "auto" and bootstrap):
             self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
@@ -2541,9 +2586,17 @@ class Node:
         gossip = (record or {}).get("gossip", "")
         if is_relayed(gossip):
             if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
+                new = gossip not in self._relays_of
                 self._relays_of[gossip] = record["relay"].split(",")
+                if new:
+                    self._member_since.setdefault(gossip, time.monotonic())
+                    if self.private and is_relayed(self.overlay.addr):
+                        self._tend_punches()        # punch now, not at the next relay check
             else:
                 self._relays_of.pop(gossip, None)
+                for per_peer in (self._member_since, self._tunnel_reach, self._tunnel_attempts,
+                                 self._tunnel_failures, self._tunnel_given_up):
+                    per_peer.pop(gossip, None)      # a relayed address names one process: gone for good
         for cb in self._callbacks:
             try:
                 cb(sid, record)
@@ -2927,6 +2980,7 @@ class Node:
             record = self.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
+                self._member_since.setdefault(relayed, time.monotonic())
                 self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
@@ -3146,6 +3200,7 @@ class Node:
             self._punched_path(peer, sock, started)
         else:
             sock.close()
+        self.punches["answered"] += 1
 
     def _on_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
         waiter = self._punch_wait.get((src, msg.get("a")))
@@ -3158,7 +3213,12 @@ class Node:
             old.close()
         self._punched[peer] = sock
         self.punches["ok"] += 1
+        if self.private:                            # our next tunnel connections to it may punch
+            for listener in self.punch_listeners:
+                listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        both = max(self._member_since.get(peer, started), self._member_since.get(self.overlay.addr, started))
+        self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
     async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
@@ -3185,9 +3245,15 @@ class Node:
         return sock
 
     async def open_relayed(self, addr: str) -> socket.socket:
-        """A connected socket through one of `addr`'s relays, its splice asked for (rule 2): the
-        caller starts TLS on it. Raises OSError when no relay answers."""
+        """A connected socket to the private member at `addr`: punched (rule 5) when both of us
+        are private and it may work, else through one of its relays, its splice asked for (rule
+        2). The caller starts TLS on it. Raises OSError when no relay answers."""
         loop = asyncio.get_running_loop()
+        if self._may_punch_tunnel(addr):
+            sock = await self._punch_tunnel(addr)
+            if sock is not None:
+                return sock
+        self._tunnel_reach[addr] = "relayed"
         link_id = addr[len(RELAYED_PREFIX):]
         link = self._linked.get(link_id)
         if link is not None and not link.transport.is_closing():
@@ -3208,6 +3274,205 @@ class Node:
             except (OSError, asyncio.TimeoutError):
                 sock.close()
         raise OSError(f"no relay of {addr} answers")
+
+    # -- tunnel punching: TCP simultaneous open (rule 5) ------------------------------------
+    def _may_punch_tunnel(self, peer: str) -> bool:
+        """Both private, their UDP punch worked (cone NATs), and not given up on lately."""
+        if not (self.private and peer in self._punched):
+            return False
+        if self._tunnel_failures.get(peer, 0) < 2:
+            return True
+        if time.time() - self._tunnel_given_up.get(peer, -math.inf) >= self.config.punch_retry:
+            self._tunnel_failures[peer] = 0         # conntrack entries of the failed tries are gone
+            return True
+        return False
+
+    def _bound_tcp(self, local: tuple) -> socket.socket:
+        """A TCP socket on `local`, sharing the port with the other sockets of one punch."""
+        family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if hasattr(socket, "SO_REUSEPORT"):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setblocking(False)
+            sock.bind(local[:2])
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    async def _tcp_mapping(self, deadline: float) -> Tuple[Optional[tuple], str]:
+        """A fresh local port and its TCP mapping as a seed saw it ((None, "") when none answers).
+        The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
+        loop = asyncio.get_running_loop()
+        host = split_addr(self.config.gossip)[0] or "0.0.0.0"
+        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        seeds += [a for a in self._links if a not in seeds]
+        local: Optional[tuple] = None
+        for seed in seeds[:2]:
+            try:
+                sock = self._bound_tcp(local or (host, 0))
+            except OSError:
+                return None, ""
+            local = sock.getsockname()
+            try:
+                remaining = deadline - time.monotonic()
+                await asyncio.wait_for(loop.sock_connect(sock, self._resolve(seed)), max(remaining, 0.01))
+                nonce = os.urandom(4).hex()
+                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "rq", "n": nonce}, time.time())))
+                reader, writer = await asyncio.open_connection(sock=sock)
+                try:
+                    data = await _read_frame(reader, self.config.max_datagram, max(deadline - time.monotonic(), 0.01))
+                    answer = self.wire.open(data, time.time(), tcp=True) if data else None
+                finally:
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                               struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce and answer.get("seen"):
+                    return local, str(answer["seen"])
+            except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+                sock.close()
+        return None, ""
+
+    async def _simultaneous_open(self, local: tuple, target: str, first: bool, deadline: float,
+                                 extra: Optional[Callable[[socket.socket], None]] = None):
+        """connect() from `local` to the peer's mapping while it connects to ours: a connected
+        socket, or None by the deadline. A SYN the peer's NAT dropped or reset is replaced by a
+        fresh socket's every tunnel_syn_interval; a listener on the same port takes the peer's
+        SYN that arrives between two of ours (a reset of ours came back at once). Connections
+        beyond the first (both SYNs got through) go to `extra`, or are closed."""
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        try:
+            remote = self._resolve(target)
+            listener = self._bound_tcp(local)
+            listener.listen(8)
+        except (OSError, ValueError):
+            return None
+        spare = extra or (lambda conn: conn.close())
+        accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
+        won: Optional[socket.socket] = None
+        try:
+            if not first:                           # the first side's NAT gets its mapping first
+                await asyncio.wait([accepting], timeout=min(cfg.punch_delay, max(deadline - time.monotonic(), 0)))
+            while won is None and time.monotonic() < deadline:
+                if accepting.done():
+                    won = self._from_peer(accepting, remote)
+                    accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
+                    continue
+                sock = self._bound_tcp(local)
+                connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
+                await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
+                                                                        max(deadline - time.monotonic(), 0.01)))
+                if connecting.done() and connecting.exception() is None:
+                    won = sock
+                else:
+                    connecting.cancel()
+                    sock.close()
+                    if not accepting.done():
+                        await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
+        except OSError:
+            pass
+        finally:
+            if accepting is not None and accepting.done() and not accepting.cancelled():
+                conn = self._from_peer(accepting, remote)
+                if conn is not None and won is None:
+                    won = conn
+                elif conn is not None:
+                    spare(conn)
+            elif accepting is not None:
+                accepting.cancel()
+            while True:                             # both SYNs got through: the rest are extras
+                try:
+                    conn, addr = listener.accept()
+                except OSError:
+                    break
+                if addr[0] == remote[0]:
+                    conn.setblocking(False)
+                    spare(conn)
+                else:
+                    conn.close()
+            listener.close()
+        if won is not None:
+            won.setblocking(False)
+            won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return won
+
+    @staticmethod
+    def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
+        """The accepted connection if it came from the peer's address (anyone else: closed)."""
+        try:
+            conn, addr = accepting.result()
+        except OSError:
+            return None
+        if addr[0] != remote[0]:
+            conn.close()
+            return None
+        return conn
+
+    async def _punch_tunnel(self, peer: str) -> Optional[socket.socket]:
+        """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        deadline = started + self.config.tunnel_punch_timeout
+        attempt = self._tunnel_attempts[peer] = self._tunnel_attempts.get(peer, 0) + 1
+        peer_first = attempt % 2 == 1              # odd attempts the member first, even ones us
+        sock = None
+        local, seen = await self._tcp_mapping(deadline)
+        if local is not None:
+            token = os.urandom(8).hex()
+            waiter = self._punch_wait[(peer, token)] = loop.create_future()
+            self._send_relayed(peer, {"t": "tq", "n": token, "seen": seen, "first": peer_first}, time.time())
+            try:
+                theirs = await asyncio.wait_for(waiter, max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                theirs = ""
+            finally:
+                self._punch_wait.pop((peer, token), None)
+            if theirs:
+                sock = await self._simultaneous_open(local, theirs, not peer_first, deadline)
+        if sock is None:
+            self.tunnel_punches["failed"] += 1
+            self._tunnel_failures[peer] = self._tunnel_failures.get(peer, 0) + 1
+            self._tunnel_given_up[peer] = time.time()
+            return None
+        self.tunnel_punches["ok"] += 1
+        self._tunnel_failures[peer] = 0
+        self._tunnel_reach[peer] = "punched"
+        self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        return sock
+
+    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
+        if is_relayed(src) and self.private and self._tunnel_sock is not None \
+                and self._tunnel_answering < self.config.max_punched:
+            self._spawn(self._answer_tunnel_punch(src, msg))
+
+    async def _answer_tunnel_punch(self, peer: str, msg: Dict[str, Any]) -> None:
+        """The member's side of rule 5: our mapping back, then connect; the socket is admitted
+        as a tunnel connection (the dialer's TLS handshake comes next)."""
+        self._tunnel_answering += 1
+        try:
+            deadline = time.monotonic() + self.config.tunnel_punch_timeout
+            local, seen = await self._tcp_mapping(deadline)
+            self._send_relayed(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
+            if local is None or not msg.get("seen"):
+                return
+            sock = await self._simultaneous_open(local, str(msg["seen"]), bool(msg.get("first")), deadline,
+                                                 extra=self._admit)
+        finally:
+            self._tunnel_answering -= 1
+        self.tunnel_punches["ok" if sock is not None else "failed"] += 1
+        if sock is not None:
+            if self._tunnel_sock is None:
+                sock.close()
+                return
+            self._admit(sock)
+
+    def _on_tunnel_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
+        waiter = self._punch_wait.get((src, msg.get("n")))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(str(msg.get("seen") or ""))
 
     # -- the tunnel port: admission (see "Tunnel security") ---------------------------------
     def _spawn(self, coro) -> asyncio.Task:

@@ -472,29 +472,38 @@ def tunnel_phase(key_file, quick, results):
         bulk_pid, bulk_port, bulk_engine = _start_tunnel_node(key_file, "--chunks 1000", procs)
         bi.pin(0, 1)
         paths = (("direct", fast_engine, None), ("node_plain", plain_port, None), ("node", fast_port, tls))
+        # Interleaved: each round sends one request down every path in turn (one kept-alive
+        # connection each), so the three see the same machine load; the TLS cost is also taken
+        # per round (TLS minus plain of the same round), which cancels load that drifts.
+        socks, lat = {}, {name: [] for name, _, _ in paths}
+        req, buf = _tunnel_request("fast", tunnel), bytearray()
         for name, port, ctx in paths:
-            req = _tunnel_request("fast", tunnel)
             sock = socket.create_connection(("127.0.0.1", port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if ctx is not None:
                 sock = ctx.wrap_socket(sock, server_hostname=on.TLS_SERVER_NAME)
-            buf, lat = bytearray(), []
             for _ in range(5):
                 sock.sendall(req)
                 bi.read_response(sock, buf)
-            start = time.perf_counter()
-            for i in range(n_lat):
-                time.sleep(max(0.0, start + i / 16 - time.perf_counter()))
+            socks[name] = sock
+        start = time.perf_counter()
+        for i in range(n_lat):
+            time.sleep(max(0.0, start + i / 16 - time.perf_counter()))
+            for name, sock in socks.items():
                 t0 = time.perf_counter()
                 sock.sendall(req)
                 bi.read_response(sock, buf)
-                lat.append(time.perf_counter() - t0)
+                lat[name].append(time.perf_counter() - t0)
+        for sock in socks.values():
             sock.close()
-            out[name] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+        for name, _, _ in paths:
+            out[name] = {"latency_p50_ms": pct(lat[name], 50) * 1e3, "latency_p90_ms": pct(lat[name], 90) * 1e3,
+                         "latency_p99_ms": pct(lat[name], 99) * 1e3}
         for name in ("node_plain", "node"):
             out[name]["added_p50_ms"] = out[name]["latency_p50_ms"] - out["direct"]["latency_p50_ms"]
             out[name]["added_p99_ms"] = out[name]["latency_p99_ms"] - out["direct"]["latency_p99_ms"]
         node = out["node"]
+        node["tls_added_per_round_p50_ms"] = pct([t - p for t, p in zip(lat["node"], lat["node_plain"])], 50) * 1e3
         node["tls_added_p50_ms"] = node["latency_p50_ms"] - out["node_plain"]["latency_p50_ms"]
 
         class Held(bi._Conn):
@@ -502,7 +511,7 @@ def tunnel_phase(key_file, quick, results):
             def connection_made(self, transport):
                 self.transport = transport
 
-        async def tput(port, ctx):
+        async def tput(port, ctx, pid):
             counter, loop = [0], asyncio.get_running_loop()
             protos = []
             for _ in range(64):
@@ -510,12 +519,13 @@ def tunnel_phase(key_file, quick, results):
                     lambda: Held(_tunnel_request("fast", tunnel), counter, 0.0), "127.0.0.1", port,
                     ssl=ctx, server_hostname=on.TLS_SERVER_NAME if ctx else None)
                 protos.append(proto)
+            cpu0 = bi.cpu_seconds(pid)              # after the 64 handshakes: per request only
             t0 = time.perf_counter()
             for proto in protos:
                 proto.stop_at = t0 + seconds
                 proto.transport.write(proto.req)
             await asyncio.gather(*(p.done for p in protos))
-            return counter[0], time.perf_counter() - t0
+            return counter[0], time.perf_counter() - t0, bi.cpu_seconds(pid) - cpu0
 
         async def streams(port, ctx):
             req, chunks, t0 = _tunnel_request("bulk", tunnel, stream=True), 0, time.perf_counter()
@@ -524,10 +534,9 @@ def tunnel_phase(key_file, quick, results):
             return chunks, time.perf_counter() - t0
 
         for name, pid, port, ctx in (("node_plain", plain_pid, plain_port, None), ("node", fast_pid, fast_port, tls)):
-            cpu0 = bi.cpu_seconds(pid)
-            done, elapsed = asyncio.run(tput(port, ctx))
+            done, elapsed, cpu = asyncio.run(tput(port, ctx, pid))
             out[name]["rps_64conn"] = done / elapsed
-            out[name]["cpu_us_per_request"] = (bi.cpu_seconds(pid) - cpu0) / max(1, done) * 1e6
+            out[name]["cpu_us_per_request"] = cpu / max(1, done) * 1e6
         cpu0 = bi.cpu_seconds(bulk_pid)
         chunks, elapsed = asyncio.run(streams(bulk_port, tls))
         node["sse_chunks_per_s_16streams"] = chunks / elapsed
@@ -603,16 +612,18 @@ def nat_phase(quick, results):
         rel.until(lambda: fleet.get(members["fm-relayed"], "/healthz")[1]["gossip"]["punches"]["ok"], 15)
         health = [fleet.get(members[m], "/healthz")[1]["gossip"] for m in ("fm-relayed", "fm-punch")]
         out["punch_ms"] = [h["punch_ms"] for h in health]
+        out["punch_after_join_ms"] = [h.get("punch_after_join_ms") for h in health]   # both members -> acked path
         out["punched"] = [bool(h["punched"]) for h in health]
-        host, port = ingress.listen.rsplit(":", 1)
+        front = {"host": ingress.listen.rsplit(":", 1)[0], "port": int(ingress.listen.rsplit(":", 1)[1]),
+                 "place": pub, "token": fleet.token}   # where the clients send: the public ingress first
 
         def body(model, stream=False):
             return json.dumps({"model": model, "stream": stream,
                                "messages": [{"role": "user", "content": "say hello to the benchmark"}]})
 
         def latency(model):
-            conn = http.client.HTTPConnection(host, int(port), timeout=30)
-            heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+            conn = http.client.HTTPConnection(front["host"], front["port"], timeout=30)
+            heads = {"content-type": "application/json", "authorization": f"Bearer {front['token']}"}
             lat = []
             for i in range(n_lat + 5):
                 t0 = time.perf_counter()
@@ -629,9 +640,9 @@ def nat_phase(quick, results):
             counts, stop_at = [0] * threads, time.perf_counter() + seconds
 
             def worker(i):
-                pub.enter()
-                conn = http.client.HTTPConnection(host, int(port), timeout=30)
-                heads = {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"}
+                front["place"].enter()
+                conn = http.client.HTTPConnection(front["host"], front["port"], timeout=30)
+                heads = {"content-type": "application/json", "authorization": f"Bearer {front['token']}"}
                 while time.perf_counter() < stop_at:
                     conn.request("POST", "/v1/chat/completions", body=body(model, stream), headers=heads)
                     data = conn.getresponse().read()
@@ -646,7 +657,7 @@ def nat_phase(quick, results):
             return sum(counts) / (time.perf_counter() - t0)
 
         def measure(name, model):
-            row = out[name] = pub.call(latency, model, timeout=120)
+            row = out[name] = front["place"].call(latency, model, timeout=120)
             row["rps_16conn"] = throughput(model)
             row["sse_chunks_per_s_8streams"] = throughput(model, stream=True, threads=8)
         def relays_of_private():
@@ -664,12 +675,44 @@ def nat_phase(quick, results):
             row["added_p99_ms"] = row["latency_p99_ms"] - direct["latency_p99_ms"]
             row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / direct["rps_16conn"])
             row["sse_loss_pct"] = 100 * (1 - row["sse_chunks_per_s_8streams"] / direct["sse_chunks_per_s_8streams"])
+        # A private ingress on host A (behind NAT A, OTELA_REACH=private), its clients on host A:
+        # the public node direct, the node behind NAT B over a punched TCP tunnel, side by side.
+        listen, gossip = f"{a.host}:8090", f"{a.host}:7956"
+        db = os.path.join(tmp, "private-ingress.sqlite")
+        token = subprocess.run([sys.executable, str(ROOT / "otela_ingress.py"), "keys", "create", "--user", "bench",
+                                "--db", db], env=fleet.env, check=True, capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+        private = rel.Member("private-ingress", "ingress", a,
+                             ["env", "OTELA_REACH=private", sys.executable, str(ROOT / "otela_ingress.py"), "serve",
+                              "--key-file", fleet.key_file, "--listen", listen, "--gossip", gossip, "--db", db,
+                              "--bootstrap", ingress.gossip], listen, gossip)
+        fleet.members.append(private)
+        fleet.start(private)
+
+        def punched_at_private():
+            return any(s.get("models") == ["fm-punch"] and s["state"] == "SERVING" and s["reach"] == "punched"
+                       for s in fleet.registry(private)["sessions"])
+        rel.wait(lambda: private.proc.poll() is None and punched_at_private(), 60,   # (the relay was stopped)
+                 "fm-punch punched at the private ingress")
+        front.update(host=a.host, port=8090, place=a, token=token)
+        measure("private_ingress_direct", "fm-direct")
+        measure("private_ingress_punched", "fm-punch")
+        tunnel = {s.get("models", [""])[0]: s.get("tunnel") for s in fleet.registry(private)["sessions"]
+                  if s.get("role") == "worker"}
+        out["private_ingress_tunnels"] = tunnel
+        base, row = out["private_ingress_direct"], out["private_ingress_punched"]
+        row["added_p50_ms"] = row["latency_p50_ms"] - base["latency_p50_ms"]
+        row["added_p99_ms"] = row["latency_p99_ms"] - base["latency_p99_ms"]
+        row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / base["rps_16conn"])
+        fleet.stop(private)
         fleet.stop(ingress)
     print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay and "
           "takes its dial-back; relayed_splice: through a standalone relay's splice; TLS end to end):")
-    for name in ("direct", "relayed", "relayed_splice"):
+    for name in ("direct", "relayed", "relayed_splice", "private_ingress_direct", "private_ingress_punched"):
         print(f"  {name:15}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
+    print(f"  private ingress on host A (clients on host A), tunnel per model: {out['private_ingress_tunnels']}")
     print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
+    print(f"  punch in use after both sides were members (target < 1000 ms): {out['punch_after_join_ms']} ms")
 
 
 def main():

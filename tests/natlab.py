@@ -244,3 +244,72 @@ def run(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> D
         out["observed"] = [h.get("observed") for h in health]
         fleet.stop(ingress)
     return out
+
+
+# A private ingress: the public host runs the relay (an ingress), host A an ingress that is itself
+# behind NAT A (OTELA_REACH=private) and host B a node behind NAT B. The private ingress's tunnel
+# to the node punches (TCP simultaneous open) when both NATs are cone, and is spliced through the
+# relay otherwise; clients on host A send to the private ingress.
+PRIVATE_INGRESS_SCENARIOS = {
+    "private ingress, cone/cone": dict(nat_a="cone", nat_b="cone"),
+    "private ingress, symmetric": dict(nat_a="symmetric", nat_b="symmetric"),
+    "private ingress, leaky gateway at A": dict(leaky="a"),   # the dialer's side: its SYN must go first
+}
+
+
+def is_relayed_addr(addr: str) -> bool:
+    return addr.startswith("relay/")
+
+
+def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> Dict[str, Any]:
+    """Build the lab, start the three members, wait for the node SERVING at the private
+    ingress and for its UDP punch to settle, send 5 plain chat/s for `seconds` from host A, and
+    return the outcomes and how the private ingress's tunnel reaches the node."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": name}
+    with NatLab(**PRIVATE_INGRESS_SCENARIOS[name]) as lab, rel.Fleet(tmp, timings) as fleet:
+        pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
+        relay = fleet.ingress(pub)
+        listen, gossip = f"{a.host}:{a.port(8080)}", f"{a.host}:{a.port(7946)}"
+        db = os.path.join(tmp, "private-ingress.sqlite")    # each ingress its own ledger, its own key
+        token = subprocess.run([rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "keys", "create", "--user",
+                                "tester", "--db", db], env=fleet.env, check=True, capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+        argv = ["env", "OTELA_REACH=private", rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "serve",
+                "--key-file", fleet.key_file, "--listen", listen, "--gossip", gossip, "--db", db,
+                "--bootstrap", relay.gossip]
+        ingress = rel.Member("private-ingress", "ingress", a, argv, listen, gossip)
+        fleet.members.append(ingress)
+        fleet.start(ingress)
+        node = fleet.node("b", b, bootstrap=(relay.gossip,))
+        started = time.monotonic()
+
+        def worker_view() -> Optional[Dict[str, Any]]:
+            for s in fleet.registry(ingress)["sessions"]:
+                if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected"):
+                    return s
+            return None
+        rel.wait(lambda: fleet.up() and worker_view() is not None, 60, "the node SERVING at the private ingress")
+        out["serving_after_s"] = round(time.monotonic() - started, 2)
+
+        def punch_settled() -> bool:
+            counts = fleet.get(node, "/healthz")[1].get("gossip", {}).get("punches", {})
+            return bool(counts.get("ok") or counts.get("failed") or counts.get("answered"))
+        settled = rel.until(lambda: fleet.up() and punch_settled(), 15)
+        out["punch_settled_after_s"] = round(settled - started, 2) if settled else None
+        with rel.Load(a, ingress.url, token, rate=5) as load:
+            time.sleep(seconds)
+        out["outcomes"] = load.outcomes()
+        out["plain_requests"] = len(load.select("plain"))
+        out["plain_errors"] = rel.errors(load.select("plain"), True)
+        view = worker_view() or {}
+        out["reach"], out["tunnel"] = view.get("reach"), view.get("tunnel")
+        own = fleet.registry(ingress)
+        out["private"] = is_relayed_addr(next(s for s in own["sessions"] if s["session"] == own["self"])["gossip"])
+        health = fleet.get(node, "/healthz")[1].get("gossip", {})   # the node's side of the punches
+        out["tunnel_punches"] = health.get("tunnel_punches")
+        out["tunnel_punch_ms"] = health.get("tunnel_punch_ms")
+        out["punch_after_join_ms"] = health.get("punch_after_join_ms")
+        fleet.stop(ingress)
+        fleet.stop(relay)
+    return out

@@ -680,7 +680,29 @@ def nat(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat]
+def nat_private_ingress(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The NAT lab with a private ingress (host A) and a node behind NAT B: the ingress's tunnel
+    to the node punched (TCP simultaneous open) on cone NATs, relayed on symmetric ones; 5 plain
+    chat/s from host A. Heals when the node serves at the private ingress."""
+    import natlab
+    timings = dict(QUICK_TIMINGS) if args.quick else {}
+    seconds = 6.0 if args.quick else 20.0
+    reason = natlab.unavailable()
+    rows = []
+    for name in natlab.PRIVATE_INGRESS_SCENARIOS:
+        load_text = "5 chat/s, private ingress, 1 private node"
+        faults = f"NAT lab: {name} ({timings_text(timings)})"
+        if reason:
+            rows.append(row(f"nat: {name}", load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason))
+            continue
+        with workdir(args, f"nat {name}") as tmp:
+            out = natlab.run_private_ingress(name, tmp, timings, seconds)
+        rows.append(row(f"nat: {name} (tunnel {out['tunnel']})", load_text, faults, out["plain_errors"], "-",
+                        out["serving_after_s"], "-", **{k: v for k, v in out.items() if k != "scenario"}))
+    return rows
+
+
+SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat, nat_private_ingress]
 
 
 # =============================================================================================

@@ -1,6 +1,8 @@
 """Reachability and relays on loopback, in one process: a worker that acts as if behind a NAT
 (Config.reach="private") is reached through relay links, gossip and tunnel alike; a public one
-is dialled back and stays direct. The NAT lab (tests/natlab.py) runs the same over real NATs."""
+is dialled back and stays direct; two private members open tunnel connections punched (TCP
+simultaneous open) or, failing that, through the relay. The NAT lab (tests/natlab.py) runs the
+same over real NATs."""
 import asyncio
 import json
 import os
@@ -187,6 +189,57 @@ def test_two_private_workers_punch_a_direct_path_and_fall_back_to_the_relay_when
                 a.punches["ok"] + b.punches["ok"], a.punches["fell_back"] + b.punches["fell_back"], a.punch_ms)
     suspected, reach, ok, fell_back, took = run(with_bed(tmp_path, t, punch_idle=1.0))
     assert suspected == [False, False] and reach == "relayed" and ok >= 2 and fell_back == 2
+
+
+async def tunnel_get(node, addr) -> bytes:
+    """GET /v1/models from the member at `addr` over node.open_relayed's socket (TLS when the
+    cluster certificate is there, as the ingress's pool does)."""
+    sock = await node.open_relayed(addr)
+    tls = node.tunnel_client_ssl
+    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls,
+                                                   server_hostname=on.TLS_SERVER_NAME if tls else None)
+    name, value = node.tunnel_header
+    writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n%s: %s\r\n\r\n"
+                 % (name.encode(), value.encode()))
+    try:
+        return await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+
+
+async def punched_pair(bed):
+    a, b = await bed.worker(), await bed.worker()
+    for w in (a, b):
+        await until(lambda w=w: serving_relayed(bed, w), what="relayed")
+    await until(lambda: b.overlay.addr in a._punched and a.overlay.addr in b._punched, what="UDP punched both ways")
+    return a, b
+
+
+def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tmp_path):
+    async def t(bed):
+        a, b = await punched_pair(bed)
+        spliced = bed.ingress_node.relayed["spliced"] + bed.ingress_node.relayed["handed_over"]
+        answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
+        return (answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
+                bed.ingress_node.relayed["spliced"] + bed.ingress_node.relayed["handed_over"] - spliced,
+                dict(b.admitted), b.tunnel_server_ssl is not None)
+    answers, punches, tunnel, via_relay, admitted, tls = run(with_bed(tmp_path, t))
+    assert all(a.startswith(b"HTTP/1.1 200") and b'"fm"' in a for a in answers)
+    assert punches == {"ok": 3, "failed": 0} and tunnel == "punched" and via_relay == 0
+    if tls:
+        assert admitted["tls"] == 3 and admitted["plain"] == 0
+
+
+def test_a_tunnel_punch_that_gets_no_answer_falls_back_to_the_relay_and_serves(tmp_path):
+    async def t(bed):
+        a, b = await punched_pair(bed)
+        b._punch_handlers.pop("tq")                # b's side never answers: a symmetric NAT's effect
+        answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
+        return answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"], dict(bed.ingress_node.relayed)
+    answers, punches, tunnel, relayed = run(with_bed(tmp_path, t))
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
+    assert punches == {"ok": 0, "failed": 2}       # two orders tried, then straight to the relay
+    assert tunnel == "relayed" and relayed["spliced"] == 3
 
 
 def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_path):

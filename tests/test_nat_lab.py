@@ -1,5 +1,6 @@
 """The NAT lab (tests/natlab.py, root only): the ingress on a public host, nodes wrapping the
-fake engine on two private hosts behind NATs, as real processes. Namespaces are removed at the
+fake engine on two private hosts behind NATs, as real processes; and a private ingress on one
+private host whose tunnel to a node on the other punches (TCP simultaneous open) or is relayed. Namespaces are removed at the
 end of each test even when it fails (NatLab is a context manager; names are unique per lab)."""
 import os
 import sys
@@ -63,3 +64,32 @@ def test_killing_the_relay_in_use_while_a_second_exists_fails_no_plain_request(s
     assert all(r.split(",")[0] == relay and len(r.split(",")) == 2 for r in out["relays_before"].values())
     assert_served_through_relays(out)
     assert all(relay not in r for r in out["relays"].values())   # replaced, same sessions served
+
+
+@pytest.fixture
+def private_ingress(tmp_path):
+    def run(name):
+        return natlab.run_private_ingress(name, str(tmp_path), dict(reliability.QUICK_TIMINGS), seconds=4.0)
+    yield run
+    assert not [n for n in netns.existing() if n.startswith(f"{natlab.PREFIX}{os.getpid()}-")]
+
+
+def test_a_private_ingress_reaches_a_private_node_over_a_punched_tcp_tunnel_on_cone_nats(private_ingress):
+    out = private_ingress("private ingress, cone/cone")
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+    assert out["private"] is True and out["reach"] == "punched" and out["tunnel"] == "punched"
+    assert out["tunnel_punches"]["ok"] >= 1
+
+
+def test_a_private_ingress_reaches_a_node_behind_a_symmetric_nat_through_the_relay(private_ingress):
+    out = private_ingress("private ingress, symmetric")
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+    assert out["private"] is True and out["reach"] == "relayed" and out["tunnel"] == "relayed"
+    assert out["tunnel_punches"] == {"ok": 0, "failed": 0}     # no UDP punch: no TCP punch tried
+
+
+def test_behind_a_leaky_gateway_at_the_private_ingress_its_tunnel_switches_to_punched_with_no_failed_request(
+        private_ingress):
+    out = private_ingress("private ingress, leaky gateway at A")   # the load starts before the punch is done
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+    assert out["reach"] == "punched" and out["tunnel"] == "punched" and out["tunnel_punches"]["ok"] >= 1
