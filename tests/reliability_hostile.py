@@ -35,6 +35,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import reliability as rel
 from reliability import LOOPBACK, OK, Fleet, Load, errors, read_ledger, row, until, wait, workdir
 
+sys.path.insert(0, rel.ROOT)             # the test helpers below import the otela modules
+from test_ingress_support import read_to_close  # noqa: E402
+
 PY = sys.executable
 ROOT = rel.ROOT
 CHAT = json.dumps({"model": rel.MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -51,23 +54,6 @@ def connect(port: int, source: str = "127.0.0.1", timeout: float = 5.0) -> socke
     return sock
 
 
-def read_until_close(sock: socket.socket, limit_s: float = 10.0) -> Tuple[bytes, bool]:
-    """What the peer sends until it closes (True) or until `limit_s` (False: still open)."""
-    sock.settimeout(0.2)
-    data, deadline = b"", time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            piece = sock.recv(65536)
-        except socket.timeout:
-            continue
-        except ConnectionResetError:
-            return data, True
-        if not piece:
-            return data, True
-        data += piece
-    return data, False
-
-
 def statuses(data: bytes) -> List[int]:
     """The status codes of the responses in `data` (heads found in order)."""
     found = []
@@ -81,7 +67,7 @@ def exchange(port: int, raw: bytes, limit_s: float = 10.0) -> Tuple[List[int], b
     """Send `raw` on a fresh connection: (statuses answered, closed by the ingress, bytes)."""
     with contextlib.closing(connect(port)) as sock:
         sock.sendall(raw)
-        data, closed = read_until_close(sock, limit_s)
+        data, closed = read_to_close(sock, limit_s)
     return statuses(data), closed, data
 
 
@@ -316,7 +302,7 @@ def odd_requests(args: argparse.Namespace) -> Dict[str, Any]:
             raw = raw.replace(b"TOKEN", fleet.token.encode())
             with contextlib.closing(connect(port)) as sock:
                 sock.sendall(raw)
-                data, _ = read_until_close(sock, 3.0)   # kept alive: the answer, then the limit
+                data, _ = read_to_close(sock, 3.0)   # kept alive: the answer, then the limit
             got = statuses(data)
             results[what] = {"status": got[0] if got else None, "want": want,
                              "body_bytes": len(data.partition(b"\r\n\r\n")[2])}

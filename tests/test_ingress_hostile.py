@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT
 from fake_engine import free_port
 from test_ingress_paths import ScriptedEngine
-from test_ingress_support import Client, Stack, sse_events
+from test_ingress_support import Client, Stack, read_to_close, sse_events
 
 import crdt
 import otela_ingress
@@ -31,25 +31,6 @@ def post_head(key: str, *fields: bytes) -> bytes:
     """A chat request head with the given extra header lines (each without its CRLF)."""
     return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n" % key.encode()
             + b"".join(field + b"\r\n" for field in fields) + b"\r\n")
-
-
-def read_to_close(sock: socket.socket, deadline_s: float = 10.0) -> Tuple[bytes, bool]:
-    """Everything the ingress sends until it closes (True), or what came before the deadline
-    (False: still open)."""
-    sock.settimeout(0.2)
-    data = b""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            piece = sock.recv(65536)
-        except socket.timeout:
-            continue
-        except ConnectionResetError:
-            return data, True
-        if not piece:
-            return data, True
-        data += piece
-    return data, False
 
 
 def responses(data: bytes) -> List[Tuple[int, dict, bytes]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import sqlite3
 import threading
 import time
@@ -150,6 +151,25 @@ class Stack:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+def read_to_close(sock: socket.socket, deadline_s: float = 10.0) -> Tuple[bytes, bool]:
+    """Everything the ingress sends until it closes (True), or what came before the deadline
+    (False: still open)."""
+    sock.settimeout(0.2)
+    data = b""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            piece = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return data, True
+        if not piece:
+            return data, True
+        data += piece
+    return data, False
 
 
 class Client:
