@@ -196,8 +196,24 @@ HARDWARE_PRIORS = {
                 "reports ~1700 of 2039 GB/s (0.83) on A100-80GB; 1.0 is the datasheet"),
     "eff_comm": (0.75, 0.25, (0.1, 1.0), "nccl-tests all-reduce bus bandwidth ~230 of 300 GB/s per direction on "
                  "NVLink3 (A100), similar share on NVLink4"),
-    "allreduce_latency_us": (15.0, 0.6, (2.0, 200.0), "nccl-tests small-message all-reduce latency ~10-30 us "
-                             "within a node"),
+    # A small all-reduce within a node is NCCL's ring (its tree algorithm is for inter-node): 2 (tp - 1)
+    # steps, each a hop over NVLink, plus a fixed part (the kernel launch and the ranks' first
+    # synchronisation). nccl-tests small-message all-reduce latency within a node is ~10-30 us and
+    # grows with the GPUs in the ring (~10 us at 2, ~25-30 us at 8 on DGX A100): a fixed ~8 us and
+    # ~1.5 us per hop (NVLink latency plus the LL protocol's flag handshake) reproduce that range.
+    "allreduce_latency_us": (8.0, 0.6, (1.0, 200.0), "nccl-tests small-message all-reduce latency: the fixed "
+                             "part (launch, first synchronisation)"),
+    "allreduce_hop_us": (1.5, 0.6, (0.1, 20.0), "NCCL ring all-reduce: 2 (tp - 1) NVLink hops per reduction, "
+                         "~1-2 us each with the LL protocol (nccl-tests 8-GPU vs 2-GPU small-message latency)"),
+    # A decode kernel without GQA support (ENGINE_VERSIONS: gqa_kv_once False) runs one thread
+    # block per query head; the heads of one group are adjacent blocks, resident together, so a
+    # KV head is read from HBM once and group times from L2: the read costs max(HBM once, group
+    # times at the L2 bandwidth). This is the L2 bandwidth it reaches over the HBM's. A100
+    # whitepaper: L2 read bandwidth 5120 B/clk (x 1.41 GHz = 7.2 TB/s, 3.5x its 2.04 TB/s HBM2e);
+    # pointer-chase and streaming microbenchmarks reach about half of that L2 peak: ~2x.
+    # Physical floor 1 (the L2 is never slower than the HBM behind it).
+    "l2_over_hbm": (2.0, 0.4, (1.0, 8.0), "A100 whitepaper L2 5120 B/clk against HBM2e 2.04 TB/s (3.5x peak), "
+                    "about half reached"),
 }
 # name -> (prior median, prior log-spread, physical bounds); per engine version, overridden below
 ENGINE_PRIORS = {
@@ -260,7 +276,8 @@ def ideal_calibration():
     GPU can run by its datasheet. A measurement faster than this is a wrong row."""
     return {"roofline_p": ROOFLINE_MAX_P,
             "hardware": {a: {"eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0,
-                             "eff_comm": 1.0, "allreduce_latency_us": 0.0} for a in ARCHS},
+                             "eff_comm": 1.0, "allreduce_latency_us": 0.0, "allreduce_hop_us": 0.0,
+                             "l2_over_hbm": 8.0} for a in ARCHS},
             "engines": {e: {"overhead_ms": 0.0, "per_seq_overhead_ms": 0.0, "prefill_overhead_ms": 0.0, "tp_per_seq_overhead_ms": 0.0,
                             "kernel_eff": 1.0,
                             "gqa_kv_once": True} for e in ENGINES}}
@@ -637,7 +654,8 @@ class StepCost:
         # a decode kernel without GQA support reads the KV of a group once per query head
         # (ENGINE_VERSIONS: gqa_kv_once); the ideal calibration reads it once
         once = eng.get("gqa_kv_once", ev.gqa_kv_once)
-        reread = 1 if once else group
+        # ... once from HBM and `group` times from L2 (HARDWARE_PRIORS: l2_over_hbm)
+        reread = 1 if once else max(1.0, group / hw.get("l2_over_hbm", 1.0))
         self.kv_read = 2 * kv * wb * reread
         self.attn_io = (2 * q + 2 * kv) * ACT_BYTES + 2 * kv * wb   # Q,K,V in, O out, KV written
         self.lm_w = h * m.vocab_size / tp
@@ -648,7 +666,8 @@ class StepCost:
             if tp > gpu.per_node:
                 link = INTER_NODE_GBps * 2
             bw = link / 2 * 1e9 * hw["eff_comm"]
-            self.ar_lat = hw["allreduce_latency_us"] * 1e-6
+            # NCCL's ring within a node: a fixed part and 2 (tp - 1) hops (HARDWARE_PRIORS)
+            self.ar_lat = (hw["allreduce_latency_us"] + 2 * (tp - 1) * hw.get("allreduce_hop_us", 0.0)) * 1e-6
             self.ar_byte = 2 * (tp - 1) / tp * h * ACT_BYTES / bw
         else:
             self.ar_lat = self.ar_byte = 0.0
@@ -1661,7 +1680,12 @@ def parameters_for(rows):
         for n, (med, spread, bounds, _src) in HARDWARE_PRIORS.items():
             if n == "eff_gemm_fp8" and not fp8 or n == "eff_gemm" and fp8:
                 continue
-            if n in ("eff_comm", "allreduce_latency_us") and int(r["tp"]) < 2:
+            if n in ("eff_comm", "allreduce_latency_us", "allreduce_hop_us") and int(r["tp"]) < 2:
+                continue
+            # the L2 re-read of a GQA group: only where a kernel without GQA support meets a GQA model
+            if n == "l2_over_hbm" and (row_engine(r).gqa_kv_once or
+                                       resolve_model(r["model"]).num_key_value_heads
+                                       >= resolve_model(r["model"]).num_attention_heads):
                 continue
             params[f"hardware/{arch}/{n}"] = (med, spread, bounds)
         for n in ENGINE_PRIORS:

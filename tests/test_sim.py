@@ -135,6 +135,14 @@ def test_tensor_parallel_all_reduce_costs_two_ring_reductions_per_layer():
     assert c2.ar_byte == pytest.approx(ring)
 
 
+def test_all_reduce_latency_grows_with_the_ring_hops_of_tensor_parallelism():
+    # NCCL's ring within a node: a fixed part plus 2 (tp - 1) hops
+    cal = with_hw(IDEAL, allreduce_latency_us=8.0, allreduce_hop_us=1.5)
+    m, gpu = sim.MODELS["llama-2-7b"], sim.GPUS["A100-80GB-SXM4"]
+    lat = {tp: sim.StepCost(m, gpu, tp, cal=cal).ar_lat for tp in (2, 4, 8)}
+    assert lat == pytest.approx({2: 11e-6, 4: 17e-6, 8: 29e-6})
+
+
 def test_estimate_reports_consistent_times_and_throughput():
     e = sim.estimate("llama-2-7b", "A100", tp=1, batch=8, input_len=512, output_len=128)
     for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "throughput_tok_s", "memory_gb_per_gpu", "fits"):
@@ -405,7 +413,15 @@ def test_gqa_feature_of_an_engine_version_sets_how_often_decode_reads_the_kv_cac
     m, gpu = sim.MODELS["llama-2-70b"], sim.GPUS["A100-80GB-SXM4"]    # 64 query heads, 8 KV heads
     cal = sim.DEFAULT_CALIBRATION
     aware, naive = sim.StepCost(m, gpu, 4, engine="trtllm-0.10", cal=cal), sim.StepCost(m, gpu, 4, engine="trtllm-0.6", cal=cal)
-    assert naive.kv_read == 8 * aware.kv_read
+    # a group of 8 query heads per KV head: read once from HBM, 8 times from L2 at l2_over_hbm
+    # (prior 2) times the HBM's bandwidth: the cost of 8 / 2 = 4 HBM reads
+    assert naive.kv_read == pytest.approx(8 / 2.0 * aware.kv_read)
+    # an L2 no faster than the HBM: every query head's read costs a full HBM read
+    slow_l2 = sim.StepCost(m, gpu, 4, engine="trtllm-0.6", cal=with_hw(cal, l2_over_hbm=1.0))
+    assert slow_l2.kv_read == pytest.approx(8 * aware.kv_read)
+    # an L2 faster than the whole group's re-reads: bounded by the one HBM read
+    fast_l2 = sim.StepCost(m, gpu, 4, engine="trtllm-0.6", cal=with_hw(cal, l2_over_hbm=16.0))
+    assert fast_l2.kv_read == pytest.approx(aware.kv_read)
 
 
 def test_estimate_names_its_engine_version_and_energy_per_token():
