@@ -1317,14 +1317,25 @@ IDEAL_TOLERANCE = 0.02
 INCONSISTENT = "inconsistent"
 
 
+# Optional column: a usable row kept out of every fit as a check of rows the simulator has not
+# seen (issue 15: "others you have not seen"); the text says why it was picked. validate
+# predicts it with the fit and reports it apart; it is never summarised with the fitted rows.
+HELD_OUT = "held_out"
+
+
 def inconsistent(row) -> str:
     """The reason a row is marked inconsistent in the data ('' for a usable row)."""
     return (row.get(INCONSISTENT) or "").strip()
 
 
+def held_out(row) -> str:
+    """Why a row is held out of every fit ('' for a row the fit may use)."""
+    return (row.get(HELD_OUT) or "").strip()
+
+
 def fitted_rows(rows):
-    """The rows a fit may use: every row not marked inconsistent."""
-    return [r for r in rows if not inconsistent(r)]
+    """The rows a fit may use: every row neither marked inconsistent nor held out."""
+    return [r for r in rows if not inconsistent(r) and not held_out(r)]
 
 
 def load_calibration(path=None, check_roofline=True):
@@ -1564,10 +1575,12 @@ def validate(rows=None, cal=None, quick=False, logo=False, iters=12):
     for r in rows:
         pred, meas = predict_row(r, cal, quick), float(r["value"])
         out.append({"id": r["id"], "metric": r["metric"], "measured": meas, "predicted": pred,
-                    "error": pred / meas - 1, "inconsistent": inconsistent(r)})
+                    "error": pred / meas - 1, "inconsistent": inconsistent(r), "held_out": held_out(r)})
     by_id = {o["id"]: o for o in out}
-    # the summaries and the groups are over the usable rows; the inconsistent ones are listed apart
-    usable = [o for o in out if not o["inconsistent"]]
+    # the summaries and the groups are over the fitted rows; the inconsistent and the held-out
+    # ones are listed apart
+    usable = [o for o in out if not o["inconsistent"] and not o["held_out"]]
+    held = [o for o in out if o["held_out"] and not o["inconsistent"]]
     summary = {m: _summary([o["error"] for o in usable if m in ("all", o["metric"])])
                for m in sorted({o["metric"] for o in usable}) + ["all"]}
     groups = {dim: {} for dim in GROUP_DIMENSIONS}
@@ -1587,7 +1600,8 @@ def validate(rows=None, cal=None, quick=False, logo=False, iters=12):
                        "beyond_bound": bound["beyond_bound"], "bound_text": bound["bound_text"],
                        "inconsistent": bool(pa["inconsistent"] or pb["inconsistent"])})
     result = {"rows": out, "summary": summary, "groups": in_sample, "ratios": ratios,
-              "inconsistent": [o for o in out if o["inconsistent"]]}
+              "inconsistent": [o for o in out if o["inconsistent"]],
+              "held_out": held, "held_out_summary": _summary([o["error"] for o in held])}
     if logo:
         result["logo"] = leave_one_group_out(rows, groups, quick=quick, iters=iters, cal=cal)
     return result
@@ -2137,7 +2151,8 @@ def _print_summary_line(label, s, extra=""):
 def _print_validation(v):
     print(f"{'id':28s} {'metric':42s} {'measured':>10s} {'predicted':>10s} {'error':>7s}")
     for o in v["rows"]:
-        mark = "  (inconsistent: not fitted, not summarised)" if o.get("inconsistent") else ""
+        mark = "  (inconsistent: not fitted, not summarised)" if o.get("inconsistent") else \
+            "  (held out: never fitted, summarised apart)" if o.get("held_out") else ""
         print(f"{o['id']:28s} {o['metric']:42s} {o['measured']:10.4g} {o['predicted']:10.4g} "
               f"{o['error'] * 100:+6.1f}%{mark}")
     print()
@@ -2154,6 +2169,9 @@ def _print_validation(v):
         for o in v["inconsistent"]:
             print(f"  {o['id']}: measured {o['measured']:.4g}, predicted {o['predicted']:.4g} "
                   f"({o['error'] * 100:+.1f}%): {o['inconsistent']}")
+    if v.get("held_out"):
+        print()
+        _print_summary_line("held out of every fit (never seen)", v["held_out_summary"])
     logo = v.get("logo")
     print()
     print("in-sample and leave-one-group-out (refit without the group, then predict it) |error|:")
@@ -2193,8 +2211,9 @@ def _cmd_calibrate(a):
     if a.write:
         path = write_calibration(result["calibration"], a.out,
                                  about=f"fitted on {os.path.basename(a.csv or CALIBRATION_CSV_PATHS[0])} "
-                                       f"({len(fitted_rows(rows))} rows; {len(rows) - len(fitted_rows(rows))} "
-                                       f"marked inconsistent left out) by `otela_sim.py calibrate --write`")
+                                       f"({len(fitted_rows(rows))} rows; {sum(1 for r in rows if inconsistent(r))} "
+                                       f"marked inconsistent and {sum(1 for r in rows if held_out(r))} held out "
+                                       "left out) by `otela_sim.py calibrate --write`")
         print(f"otela_sim.py: calibration written to {path}", file=sys.stderr)
     _print_validation(validate(rows, result["calibration"], quick=True))
 
