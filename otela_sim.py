@@ -1878,14 +1878,21 @@ def write_calibration(cal, path=None, about=""):
 # through an OpenAI-compatible URL (an ingress, or a node's tunnel to its engine) at batch 1
 # and at one larger batch for a few seconds each, takes the median time between streamed
 # tokens (TPOT) at each, and solves the two decode-step equations
-#     TPOT(b) = roofline(b) + overhead + b x per_seq_overhead        (b = 1 and b = PROBE_BATCH)
-# for the engine's two overhead terms; the hardware terms stay the calibration's.
+#     TPOT(b) = roofline(b) + overhead + b x per-request overhead     (b = 1 and b = PROBE_BATCH)
+# for the engine's two overhead terms; the hardware terms stay the calibration's. The
+# per-request term of an instance with tp > 1 is per_seq_overhead_ms + tp_per_seq_overhead_ms
+# (StepCost): a probe there fits tp_per_seq_overhead_ms and keeps per_seq_overhead_ms, so a
+# tp-4 probe does not move the engine's tp-1 instances (probe_terms says which terms two
+# measurements tell apart; the bench's left-out engine uses the same rule).
 
 # 3 s per batch size: a few hundred decode steps at 5-20 ms, a steady median, a cheap probe.
 PROBE_SECONDS = 3.0
-# The larger batch: 8 concurrent streams separate per-step from per-request time and stay
-# far below any engine's max-num-seqs, so nothing queues.
-PROBE_BATCH = 8
+# The larger batch: 32 concurrent streams. The per-request term is ~0.01 ms (ENGINE_PRIORS):
+# at 8 streams it adds ~0.07 ms to a 5-20 ms step, below the jitter of a median over a few
+# hundred gaps; at 32 it adds ~0.3 ms, nearer the 64-256 running requests of a served
+# instance the placer plans for. 32 short streams (a ~30-token prompt, 64 tokens) use ~3k
+# tokens of KV and stay far below any engine's max-num-seqs, so nothing queues.
+PROBE_BATCH = 32
 # Tokens per probe request: 64 gaps per stream; the prompt is short (its prefill is not timed).
 PROBE_TOKENS = 64
 PROBE_PROMPT = "Write a long story about a lighthouse keeper who counts the waves at night."
@@ -1966,24 +1973,42 @@ def probe_engine(url, model, batch=PROBE_BATCH, seconds=PROBE_SECONDS, api_key=N
     return out
 
 
+def probe_terms(probes):
+    """The engine terms two probes ((batch, tp) each) tell apart, as calibration names. Every
+    step pays overhead_ms; the second term is the per-request one the two probes see in
+    different amounts: two batch sizes at one tp measure that tp's per-request term
+    (per_seq_overhead_ms at tp 1, tp_per_seq_overhead_ms above it, per_seq staying the
+    calibration's); one batch size at tp 1 and at tp > 1 measures tp_per_seq_overhead_ms (the
+    tp > 1 probe alone pays it). Two probes that differ in neither fit overhead_ms alone."""
+    (b1, t1), (b2, t2) = [(int(b), int(t)) for b, t in probes]
+    if b1 != b2 and (t1 > 1) == (t2 > 1):
+        return ("overhead_ms", "tp_per_seq_overhead_ms" if t1 > 1 else "per_seq_overhead_ms")
+    if (t1 > 1) != (t2 > 1):
+        return ("overhead_ms", "tp_per_seq_overhead_ms")
+    return ("overhead_ms",)
+
+
 def probe_fit(model, gpu, tp, engine, measured, cal=None, context=None):
-    """The engine's overhead_ms and per_seq_overhead_ms from two TPOT measurements
-    ({1: {"tpot_ms"}, b: {"tpot_ms"}}), the rest of the step from the calibration's roofline
-    at context `context` (default the probe's: a short prompt plus half the tokens). A value
+    """The engine's overhead_ms and its per-request term at this tp (per_seq_overhead_ms at
+    tp 1, tp_per_seq_overhead_ms above it: probe_terms) from two TPOT measurements ({1:
+    {"tpot_ms"}, b: {"tpot_ms"}}), the rest of the step from the calibration's roofline at
+    context `context` (default the probe's: a short prompt plus half the tokens). A value
     clipped to a bound is reported (at_bound) and the probe is still stored as clipped."""
     cal = cal or active_calibration()
     ev = resolve_engine(engine)
-    bare = merge_calibration(cal, {"engines": {ev.key: {"overhead_ms": 0.0, "per_seq_overhead_ms": 0.0}}})
+    (b1, m1), (bb, mb) = sorted((int(b), float(m["tpot_ms"]) * 1e-3) for b, m in measured.items())[:2]
+    per_request = probe_terms([(b1, tp), (bb, tp)])[1]
+    # the roofline without the terms fitted here; a tp > 1 probe keeps the tp-1 per_seq term
+    bare = merge_calibration(cal, {"engines": {ev.key: {"overhead_ms": 0.0, per_request: 0.0}}})
     c = _cost_for(resolve_model(model), resolve_gpu(gpu), tp, None, ev.key, bare)
     ctx = context if context is not None else len(PROBE_PROMPT.split()) * 2 + PROBE_TOKENS / 2
-    (b1, m1), (bb, mb) = sorted((int(b), float(m["tpot_ms"]) * 1e-3) for b, m in measured.items())[:2]
     r1 = c.decode_alpha(b1) + c.beta * b1 * ctx
     rb = c.decode_alpha(bb) + c.beta * bb * ctx
     per_seq = ((mb - rb) - (m1 - r1)) / (bb - b1)
     overhead = (m1 - r1) - per_seq * b1
     at_bound = []
     values = {}
-    for name, v in (("overhead_ms", overhead * 1e3), ("per_seq_overhead_ms", per_seq * 1e3)):
+    for name, v in (("overhead_ms", overhead * 1e3), (per_request, per_seq * 1e3)):
         lo, hi = engine_prior(ev.key, name)[2]
         if not lo <= v <= hi:
             at_bound.append(name)
@@ -2019,8 +2044,14 @@ def calibration_with_probes(probes, cal=None):
             raise SimError(f"a probe is an object with engine_version, overhead_ms, per_seq_overhead_ms: {p!r}")
         ev = resolve_engine(p["engine_version"]).key
         by_version.setdefault(ev, []).append(p)
-    update = {ev: {n: sum(float(p[n]) for p in ps) / len(ps) for n in ("overhead_ms", "per_seq_overhead_ms")}
-              for ev, ps in by_version.items()}
+    # each term is the mean of the probes that fitted it (a tp > 1 probe fits
+    # tp_per_seq_overhead_ms, a tp-1 probe per_seq_overhead_ms: probe_fit)
+    update = {}
+    for ev, ps in by_version.items():
+        for n in ("overhead_ms", "per_seq_overhead_ms", "tp_per_seq_overhead_ms"):
+            have = [float(p[n]) for p in ps if n in p]
+            if have:
+                update.setdefault(ev, {})[n] = sum(have) / len(have)
     return merge_calibration(cal, {"engines": update})
 
 

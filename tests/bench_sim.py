@@ -83,8 +83,10 @@ def bench_vllm_static_held_out(rows, never_seen=()):
 
 def bench_left_out_engine(rows, engine):
     """An engine version left out of the fit entirely, then two of its static rows used as its
-    two probes (smallest and largest batch; for batch-1 engines, smallest and largest tp): fit
-    only its overhead terms on them, predict its other rows (sustained rows replayed)."""
+    two probes (smallest and largest batch; at one batch size, smallest and largest tp): fit
+    only the overhead terms the two probes tell apart (sim.probe_terms: overhead_ms and the
+    per-request term of their tp, or tp_per_seq_overhead_ms for a tp-1 and a tp > 1 probe at
+    one batch size), predict its other rows (sustained rows replayed)."""
     mine = [r for r in rows if sim.row_engine(r).key == engine]
     train = [r for r in rows if r not in mine and r["metric"] != sim.SUSTAINED]
     base = sim.fit(train, iters=25)["calibration"]
@@ -92,7 +94,8 @@ def bench_left_out_engine(rows, engine):
     probes = [order[0], order[-1]]
     rest = [r for r in mine if r not in probes]
     before = _errors(rest, base)
-    params = {f"engines/{engine}/{n}": sim.engine_prior(engine, n)[:3] for n in ("overhead_ms", "per_seq_overhead_ms")}
+    terms = sim.probe_terms([(r["batch"], r["tp"]) for r in probes])
+    params = {f"engines/{engine}/{n}": sim.engine_prior(engine, n)[:3] for n in terms}
     # a probe measures the engine itself: fitted tight, as probe_fit solves its two equations
     probed = sim.fit(probes, base, iters=25, params=params, row_sigma=0.01)
     after = _errors(rest, probed["calibration"])

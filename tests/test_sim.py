@@ -708,6 +708,29 @@ def test_probe_fit_recovers_the_overheads_it_was_given():
     assert probed["engines"]["vllm-0.6"]["overhead_ms"] == pytest.approx(3.0)
 
 
+def test_probe_terms_are_the_overheads_two_probes_tell_apart():
+    assert sim.probe_terms([(1, 1), (32, 1)]) == ("overhead_ms", "per_seq_overhead_ms")
+    assert sim.probe_terms([(1, 4), (32, 4)]) == ("overhead_ms", "tp_per_seq_overhead_ms")
+    assert sim.probe_terms([(8, 1), (8, 4)]) == ("overhead_ms", "tp_per_seq_overhead_ms")
+    assert sim.probe_terms([(8, 2), (8, 4)]) == ("overhead_ms",)
+    assert sim.PROBE_BATCH == 32
+
+
+def test_a_tensor_parallel_probe_fits_the_tp_term_and_keeps_the_single_gpu_one():
+    cal = sim.DEFAULT_CALIBRATION
+    per_seq = cal["engines"]["vllm-0.6"]["per_seq_overhead_ms"]
+    bare = sim.merge_calibration(cal, {"engines": {"vllm-0.6": {"overhead_ms": 0.0, "tp_per_seq_overhead_ms": 0.0}}})
+    c = sim.StepCost(sim.MODELS["llama-3.1-70b"], sim.GPUS["H100-SXM5-80GB"], 4, engine="vllm-0.6", cal=bare)
+    ctx = 100
+    # measured: 2.5 ms per step, 0.03 ms per request beyond the calibration's per_seq term
+    measured = {b: {"tpot_ms": (c.decode_alpha(b) + c.beta * b * ctx) * 1e3 + 2.5 + 0.03 * b} for b in (1, 32)}
+    fit = sim.probe_fit("llama-3.1-70b", "H100", 4, "vllm-0.6", measured, cal=cal, context=ctx)
+    assert fit["overhead_ms"] == pytest.approx(2.5, abs=1e-6)
+    assert fit["tp_per_seq_overhead_ms"] == pytest.approx(0.03) and "per_seq_overhead_ms" not in fit
+    probed = sim.calibration_with_probes([fit], cal)["engines"]["vllm-0.6"]
+    assert probed["tp_per_seq_overhead_ms"] == pytest.approx(0.03) and probed["per_seq_overhead_ms"] == per_seq
+
+
 def test_cli_probe_measures_a_running_engine_and_stores_its_overheads(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     import fake_engine
