@@ -9,15 +9,19 @@ seconds). Energy per token follows a stated TDP x utilisation model (energy()).
 
 Data flow.
     GPU table + model table (or a Hugging Face config)        -> GPU, Model
-    per-layer operators (QKV, attention with grouped KV heads, output projection, gated MLP
-    or experts, norms, lm_head, tensor-parallel all-reduce)  -> StepCost: seconds for a
+    per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
+    support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
+    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops)
+                                                             -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
     smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
     StepCost + memory (weights/tp + KV cache)                -> estimate(), max_batch()
     StepCost + a workload (arrivals, lengths) + a placement  -> replay(): continuous batching
                                                                 under a KV-cache limit
     measured_calibration.csv (+ engine version per row)     -> calibrate / validate (in-sample
-                                                                and leave-one-group-out)
+                                                                and leave-one-group-out; rows
+                                                                marked held_out never fitted,
+                                                                reported apart)
     a running engine (probe --url)                           -> that engine's overhead terms
 
 Theory of operation for the replay. An instance is simulated event by event, not token by
