@@ -219,6 +219,23 @@ HARDWARE_PRIORS = {
     "l2_over_hbm": (2.0, 0.4, (1.0, 8.0), "A100 whitepaper L2 5120 B/clk against HBM2e 2.04 TB/s (3.5x peak), "
                     "about half reached"),
 }
+# Where an architecture's prior differs from the one above, with its source.
+HARDWARE_PRIOR_OVERRIDES = {
+    # H100 SXM: L2 ~12 TB/s against HBM3 3.35 TB/s (fridayswithfaraday.com/posts/gpu-hw-memory-
+    # hierarchy-cache-behavior, table 'GPU Memory Hierarchy (H100 SXM)': 'L2 Cache | 50 MB | ~12 TB/s',
+    # 'HBM3 | 80 GB | 3.35 TB/s'): 12 / 3.35 = 3.6x, as the A100's 3.5x; with the same half of it
+    # reached (the A100 prior's rule above), 1.8. The 50 MB is a partitioned L2 (Luo et al.,
+    # "Dissecting the NVIDIA Hopper Architecture through Microbenchmarking", arXiv 2501.12084).
+    "hopper": {"l2_over_hbm": (1.8, 0.4, (1.0, 8.0), "H100 SXM L2 ~12 TB/s against HBM3 3.35 TB/s (3.6x), "
+                               "about half reached")},
+}
+
+
+def hardware_prior(arch, name):
+    """(median, spread, bounds, source) of a hardware parameter on one architecture."""
+    return HARDWARE_PRIOR_OVERRIDES.get(arch, {}).get(name, HARDWARE_PRIORS[name])
+
+
 # name -> (prior median, prior log-spread, physical bounds); per engine version, overridden below
 ENGINE_PRIORS = {
     "overhead_ms": (1.0, 1.2, (0.01, 50.0)),        # CPU + launch time of one engine step
@@ -271,7 +288,7 @@ def engine_prior(key, name):
 def prior_calibration():
     """Every parameter at its prior median: what the simulator uses with no calibration file."""
     return {"roofline_p": ROOFLINE_P,
-            "hardware": {a: {n: p[0] for n, p in HARDWARE_PRIORS.items()} for a in ARCHS},
+            "hardware": {a: {n: hardware_prior(a, n)[0] for n in HARDWARE_PRIORS} for a in ARCHS},
             "engines": {e: {n: engine_prior(e, n)[0] for n in ENGINE_PRIORS} for e in ENGINES}}
 
 
@@ -1695,7 +1712,8 @@ def parameters_for(rows):
     for r in rows:
         arch, ev = gpu_arch(r["gpu"]), row_engine(r).key
         fp8 = "fp8" in r["dtype"].lower() and resolve_gpu(r["gpu"]).fp8_tflops > 0
-        for n, (med, spread, bounds, _src) in HARDWARE_PRIORS.items():
+        for n in HARDWARE_PRIORS:
+            med, spread, bounds, _src = hardware_prior(arch, n)
             if n == "eff_gemm_fp8" and not fp8 or n == "eff_gemm" and fp8:
                 continue
             if n in ("eff_comm", "allreduce_latency_us", "allreduce_hop_us") and int(r["tp"]) < 2:

@@ -398,6 +398,17 @@ def test_calibrate_write_stores_a_data_file_the_simulator_reads(tmp_path, monkey
     assert slow > prior * 1.4          # weights stream at 0.5 of the bandwidth instead of 0.85
 
 
+def test_an_architecture_prior_override_sets_that_architecture_alone_with_its_source():
+    hopper, ampere = sim.hardware_prior("hopper", "l2_over_hbm"), sim.hardware_prior("ampere", "l2_over_hbm")
+    # H100 SXM L2 ~12 TB/s over HBM3 3.35 TB/s, half of it reached; A100 keeps its whitepaper prior
+    assert hopper[0] == pytest.approx(1.8) and "H100" in hopper[3]
+    assert ampere == sim.HARDWARE_PRIORS["l2_over_hbm"]
+    assert sim.DEFAULT_CALIBRATION["hardware"]["hopper"]["l2_over_hbm"] == pytest.approx(1.8)
+    assert sim.DEFAULT_CALIBRATION["hardware"]["ampere"]["l2_over_hbm"] == pytest.approx(2.0)
+    rows = [r for r in sim.load_calibration() if r["id"] == "trt061_h100_70b_4"]
+    assert sim.parameters_for(rows)["hardware/hopper/l2_over_hbm"][0] == pytest.approx(1.8)
+
+
 def test_the_shipped_calibration_file_is_a_complete_fit_of_the_priors():
     data = json.loads((DATA / "calibration.json").read_text())
     cal = data["calibration"]
