@@ -198,14 +198,6 @@ HARDWARE_PRIORS = {
                  "~35% of H100 peak (FlashAttention-3 paper)"),
     "eff_mem": (0.85, 0.12, (0.3, 1.0), "achieved HBM bandwidth in copy/decode microbenchmarks: gpt-fast README "
                 "reports ~1700 of 2039 GB/s (0.83) on A100-80GB; 1.0 is the datasheet"),
-    # An FP8 GEMM streams its weights at a share of the bandwidth a 16-bit GEMM reaches (eff_mem):
-    # vLLM's FP8 W8A8 docs (docs.vllm.ai .../quantization/fp8): 'a 2x reduction in model memory
-    # requirements and up to a 1.6x improvement in throughput': half the weight bytes, at most 1.6x
-    # faster, so the FP8 weight stream runs at up to 1.6 / 2 = 0.8 of the 16-bit one's bandwidth
-    # (the FP8 kernels' tiles at small M, the activation quantize before each GEMM). Bounds 0.3 ..
-    # 1.1: eff_mem is itself a fit of the 16-bit rows, good to ~10%.
-    "eff_mem_fp8": (0.8, 0.25, (0.3, 1.1), "vLLM FP8 W8A8 docs: 2x less weight memory, up to 1.6x the "
-                    "throughput: an FP8 weight stream at up to 0.8 of a 16-bit GEMM's bandwidth share"),
     "eff_comm": (0.75, 0.25, (0.1, 1.0), "nccl-tests all-reduce bus bandwidth ~230 of 300 GB/s per direction on "
                  "NVLink3 (A100), similar share on NVLink4"),
     # A small all-reduce within a node is NCCL's ring (its tree algorithm is for inter-node): 2 (tp - 1)
@@ -304,7 +296,7 @@ def ideal_calibration():
     """Every efficiency 1, no overheads, the ideal roofline max(compute, memory): the fastest a
     GPU can run by its datasheet. A measurement faster than this is a wrong row."""
     return {"roofline_p": ROOFLINE_MAX_P,
-            "hardware": {a: {"eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0, "eff_mem_fp8": 1.0,
+            "hardware": {a: {"eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0,
                              "eff_comm": 1.0, "allreduce_latency_us": 0.0, "allreduce_hop_us": 0.0,
                              "l2_over_hbm": 8.0} for a in ARCHS},
             "engines": {e: {"overhead_ms": 0.0, "per_seq_overhead_ms": 0.0, "prefill_overhead_ms": 0.0, "tp_per_seq_overhead_ms": 0.0,
@@ -659,8 +651,6 @@ class StepCost:
             min(1.0, hw["eff_gemm_fp8" if fp8 else "eff_gemm"] * kernels)
         self.pa = gpu.fp16_tflops * 1e12 * min(1.0, hw["eff_attn"] * kernels)   # attention runs in 16-bit
         self.bm = gpu.mem_bw_TBps * 1e12 * min(1.0, hw["eff_mem"] * kernels)
-        # the bandwidth a GEMM streams its weights at: an FP8 GEMM's is a share of it (eff_mem_fp8)
-        self.bw_weights = self.bm * (min(1.0, hw.get("eff_mem_fp8", 1.0)) if fp8 else 1.0)
         # the datasheet roofline (every efficiency 1): the energy model's utilisation is the
         # share of a step the bounding unit would need at its peak
         self.peak_c = (gpu.fp8_tflops if fp8 else gpu.fp16_tflops) * 1e12
@@ -731,14 +721,14 @@ class StepCost:
 
     # --- the operators -----------------------------------------------------------------------
     def _linear(self, T):
-        pc, bm, bw, wb, roof = self.pc, self.bm, self.bw_weights, self.wb, self.roof
+        pc, bm, wb, roof = self.pc, self.bm, self.wb, self.roof
         t = 0.0
         for w, act in self.linears:
-            t += roof(2 * w * T / pc, w * wb / bw + act * T / bm)
+            t += roof(2 * w * T / pc, (w * wb + act * T) / bm)
         if self.experts:
             touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
             t += roof(2 * self.expert_w * self.top_k * T / pc,
-                     touched * self.expert_w * wb / bw + self.expert_act * T / bm)
+                     (touched * self.expert_w * wb + self.expert_act * T) / bm)
         return t
 
     def _layer_tokens(self, T):
@@ -1724,7 +1714,7 @@ def parameters_for(rows):
         fp8 = "fp8" in r["dtype"].lower() and resolve_gpu(r["gpu"]).fp8_tflops > 0
         for n in HARDWARE_PRIORS:
             med, spread, bounds, _src = hardware_prior(arch, n)
-            if n in ("eff_gemm_fp8", "eff_mem_fp8") and not fp8 or n == "eff_gemm" and fp8:
+            if n == "eff_gemm_fp8" and not fp8 or n == "eff_gemm" and fp8:
                 continue
             if n in ("eff_comm", "allreduce_latency_us", "allreduce_hop_us") and int(r["tp"]) < 2:
                 continue

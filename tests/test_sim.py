@@ -409,20 +409,6 @@ def test_an_architecture_prior_override_sets_that_architecture_alone_with_its_so
     assert sim.parameters_for(rows)["hardware/hopper/l2_over_hbm"][0] == pytest.approx(1.8)
 
 
-def test_an_fp8_gemm_streams_its_weights_at_its_share_of_the_16_bit_bandwidth():
-    m, h100, a100 = sim.MODELS["llama-2-7b"], sim.GPUS["H100-SXM5-80GB"], sim.GPUS["A100-80GB-SXM4"]
-    cal = sim.DEFAULT_CALIBRATION
-    full, half = with_hw(cal, eff_mem_fp8=1.0), with_hw(cal, eff_mem_fp8=0.5)
-    fp8_full, fp8_half = sim.StepCost(m, h100, 1, "fp8", cal=full), sim.StepCost(m, h100, 1, "fp8", cal=half)
-    assert fp8_half.bw_weights == pytest.approx(fp8_full.bw_weights / 2) and fp8_half.bm == fp8_full.bm
-    # at one token the linears are their weight stream: half the bandwidth, twice the time
-    w_bytes = sum(w for w, _ in fp8_full.linears) * fp8_full.wb
-    assert fp8_half._linear(1) - fp8_full._linear(1) == pytest.approx(w_bytes / fp8_full.bw_weights, rel=1e-6)
-    # 16-bit weights, and FP8 weights on a GPU without FP8 GEMMs, stream at eff_mem alone
-    assert sim.StepCost(m, h100, 1, cal=half).bw_weights == sim.StepCost(m, h100, 1, cal=half).bm
-    assert sim.StepCost(m, a100, 1, "fp8", cal=half).bw_weights == sim.StepCost(m, a100, 1, "fp8", cal=half).bm
-
-
 def test_the_shipped_calibration_file_is_a_complete_fit_of_the_priors():
     data = json.loads((DATA / "calibration.json").read_text())
     cal = data["calibration"]
