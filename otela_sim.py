@@ -83,6 +83,13 @@ ROOFLINE_MAX_P = 50.0
 CHUNK_TOKENS = 2048
 # Activations are kept in 16-bit even for FP8 weights (FP8 GEMMs take 16-bit inputs scaled).
 ACT_BYTES = 2
+# NCCL's protocols for a ring all-reduce within a node, from its own cost model (src/graph/
+# tuning.cc, ring over NVLink: baseLat LL/LL128/Simple 6.6/14.0/8.4 us, hwLat per step 0.6/1.9/3.4
+# us; LL sends 8-byte words of 4 data bytes and a flag: half the bandwidth; LL128 120 data bytes of
+# each 128). NCCL picks the cheapest per message: LL for decode's small messages, LL128 or Simple
+# for a prefill's megabytes. Per protocol: (extra base latency over LL's, extra per step over LL's,
+# share of the bandwidth); the fitted allreduce_latency_us and allreduce_hop_us are LL's own.
+NCCL_PROTOCOLS = ((0.0, 0.0, 0.5), (14.0 - 6.6, 1.9 - 0.6, 120 / 128), (8.4 - 6.6, 3.4 - 0.6, 1.0))
 # Tensor parallelism beyond one node goes over the cluster network: 200 Gb/s InfiniBand.
 INTER_NODE_GBps = 25.0
 # Prefill/decode disaggregation: KV moves over the same network by default.
@@ -199,6 +206,14 @@ HARDWARE_PRIORS = {
                  "~35% of H100 peak (FlashAttention-3 paper)"),
     "eff_mem": (0.85, 0.12, (0.3, 1.0), "achieved HBM bandwidth in copy/decode microbenchmarks: gpt-fast README "
                 "reports ~1700 of 2039 GB/s (0.83) on A100-80GB; 1.0 is the datasheet"),
+    # An FP8 GEMM streams its weights at a share of the bandwidth a 16-bit GEMM reaches (eff_mem):
+    # vLLM's FP8 W8A8 docs (docs.vllm.ai .../quantization/fp8): 'a 2x reduction in model memory
+    # requirements and up to a 1.6x improvement in throughput': half the weight bytes, at most 1.6x
+    # faster, so the FP8 weight stream runs at up to 1.6 / 2 = 0.8 of the 16-bit one's bandwidth
+    # (the FP8 kernels' tiles at small M, the activation quantize before each GEMM). Bounds 0.3 ..
+    # 1.1: eff_mem is itself a fit of the 16-bit rows, good to ~10%.
+    "eff_mem_fp8": (0.8, 0.25, (0.3, 1.1), "vLLM FP8 W8A8 docs: 2x less weight memory, up to 1.6x the "
+                    "throughput: an FP8 weight stream at up to 0.8 of a 16-bit GEMM's bandwidth share"),
     "eff_comm": (0.75, 0.25, (0.1, 1.0), "nccl-tests all-reduce bus bandwidth ~230 of 300 GB/s per direction on "
                  "NVLink3 (A100), similar share on NVLink4"),
     # A small all-reduce within a node is NCCL's ring (its tree algorithm is for inter-node): 2 (tp - 1)
@@ -297,7 +312,7 @@ def ideal_calibration():
     """Every efficiency 1, no overheads, the ideal roofline max(compute, memory): the fastest a
     GPU can run by its datasheet. A measurement faster than this is a wrong row."""
     return {"roofline_p": ROOFLINE_MAX_P,
-            "hardware": {a: {"eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0,
+            "hardware": {a: {"eff_gemm": 1.0, "eff_gemm_fp8": 1.0, "eff_attn": 1.0, "eff_mem": 1.0, "eff_mem_fp8": 1.0,
                              "eff_comm": 1.0, "allreduce_latency_us": 0.0, "allreduce_hop_us": 0.0,
                              "l2_over_hbm": 8.0} for a in ARCHS},
             "engines": {e: {"overhead_ms": 0.0, "per_seq_overhead_ms": 0.0, "prefill_overhead_ms": 0.0, "tp_per_seq_overhead_ms": 0.0,
@@ -652,6 +667,8 @@ class StepCost:
             min(1.0, hw["eff_gemm_fp8" if fp8 else "eff_gemm"] * kernels)
         self.pa = gpu.fp16_tflops * 1e12 * min(1.0, hw["eff_attn"] * kernels)   # attention runs in 16-bit
         self.bm = gpu.mem_bw_TBps * 1e12 * min(1.0, hw["eff_mem"] * kernels)
+        # the bandwidth a GEMM streams its weights at: an FP8 GEMM's is a share of it (eff_mem_fp8)
+        self.bw_weights = self.bm * (min(1.0, hw.get("eff_mem_fp8", 1.0)) if fp8 else 1.0)
         # the datasheet roofline (every efficiency 1): the energy model's utilisation is the
         # share of a step the bounding unit would need at its peak
         self.peak_c = (gpu.fp8_tflops if fp8 else gpu.fp16_tflops) * 1e12
@@ -689,10 +706,18 @@ class StepCost:
                 link = INTER_NODE_GBps * 2
             bw = link / 2 * 1e9 * hw["eff_comm"]
             # NCCL's ring within a node: a fixed part and 2 (tp - 1) hops (HARDWARE_PRIORS)
-            self.ar_lat = (hw["allreduce_latency_us"] + 2 * (tp - 1) * hw.get("allreduce_hop_us", 0.0)) * 1e-6
+            hops = 2 * (tp - 1)
+            self.ar_lat = (hw["allreduce_latency_us"] + hops * hw.get("allreduce_hop_us", 0.0)) * 1e-6
             self.ar_byte = 2 * (tp - 1) / tp * h * ACT_BYTES / bw
+            # NCCL picks a protocol per message (NCCL_PROTOCOLS): the fitted latency is LL's (the
+            # small messages of decode); a larger message pays LL128's or Simple's extra latency
+            # or LL's half bandwidth. The ideal calibration (no latency at all) has none of it.
+            ideal = hw["allreduce_latency_us"] <= 0 and hw.get("allreduce_hop_us", 0.0) <= 0
+            self.ar_protocols = [(0.0, 1.0)] if ideal else \
+                [((base + hops * hop) * 1e-6, 1.0 / share) for base, hop, share in NCCL_PROTOCOLS]
         else:
             self.ar_lat = self.ar_byte = 0.0
+            self.ar_protocols = [(0.0, 1.0)]
         self.overhead = eng["overhead_ms"] * 1e-3
         self.per_seq = (eng["per_seq_overhead_ms"] + (eng.get("tp_per_seq_overhead_ms", 0.0) if tp > 1 else 0.0)) * 1e-3
         self.prefill_overhead = eng.get("prefill_overhead_ms", 0.0) * 1e-3
@@ -722,20 +747,23 @@ class StepCost:
 
     # --- the operators -----------------------------------------------------------------------
     def _linear(self, T):
-        pc, bm, wb, roof = self.pc, self.bm, self.wb, self.roof
+        pc, bm, bw, wb, roof = self.pc, self.bm, self.bw_weights, self.wb, self.roof
         t = 0.0
         for w, act in self.linears:
-            t += roof(2 * w * T / pc, (w * wb + act * T) / bm)
+            t += roof(2 * w * T / pc, w * wb / bw + act * T / bm)
         if self.experts:
             touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
             t += roof(2 * self.expert_w * self.top_k * T / pc,
-                     (touched * self.expert_w * wb + self.expert_act * T) / bm)
+                     touched * self.expert_w * wb / bw + self.expert_act * T / bm)
         return t
 
     def _layer_tokens(self, T):
         """Per-layer time that depends only on the token count: linears, elementwise, comm."""
-        return self._linear(T) + self.elem_bytes * T / self.bm + \
-            (2 * (self.ar_lat + self.ar_byte * T) if self.tp > 1 else 0.0)
+        return self._linear(T) + self.elem_bytes * T / self.bm + (2 * self.allreduce(T) if self.tp > 1 else 0.0)
+
+    def allreduce(self, T):
+        """Seconds for one all-reduce of T tokens' hidden states: the cheapest NCCL protocol."""
+        return self.ar_lat + min(extra + self.ar_byte * T * slower for extra, slower in self.ar_protocols)
 
     def _lm_head(self, n):
         if n <= 0:
@@ -1715,7 +1743,7 @@ def parameters_for(rows):
         fp8 = "fp8" in r["dtype"].lower() and resolve_gpu(r["gpu"]).fp8_tflops > 0
         for n in HARDWARE_PRIORS:
             med, spread, bounds, _src = hardware_prior(arch, n)
-            if n == "eff_gemm_fp8" and not fp8 or n == "eff_gemm" and fp8:
+            if n in ("eff_gemm_fp8", "eff_mem_fp8") and not fp8 or n == "eff_gemm" and fp8:
                 continue
             if n in ("eff_comm", "allreduce_latency_us", "allreduce_hop_us") and int(r["tp"]) < 2:
                 continue

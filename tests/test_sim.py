@@ -143,6 +143,26 @@ def test_all_reduce_latency_grows_with_the_ring_hops_of_tensor_parallelism():
     assert lat == pytest.approx({2: 11e-6, 4: 17e-6, 8: 29e-6})
 
 
+def test_an_all_reduce_takes_the_cheapest_nccl_protocol_for_its_message():
+    # NCCL's cost model (tuning.cc): LL for small messages (the fitted latency, half the bandwidth),
+    # LL128 or Simple with their extra latency for megabytes
+    cal = with_hw(sim.DEFAULT_CALIBRATION, allreduce_latency_us=8.0, allreduce_hop_us=1.0, eff_comm=1.0)
+    m, gpu = sim.MODELS["llama-2-70b"], sim.GPUS["A100-80GB-SXM4"]
+    c = sim.StepCost(m, gpu, 4, cal=cal)
+    hops = 6
+    ll = lambda T: c.ar_lat + 2 * c.ar_byte * T                                    # noqa: E731
+    ll128 = lambda T: c.ar_lat + (7.4 + hops * 1.3) * 1e-6 + c.ar_byte * T * 128 / 120   # noqa: E731
+    simple = lambda T: c.ar_lat + (1.8 + hops * 2.8) * 1e-6 + c.ar_byte * T           # noqa: E731
+    assert c.ar_lat == pytest.approx((8.0 + hops * 1.0) * 1e-6)
+    for T in (1, 8, 128, 2048):
+        assert c.allreduce(T) == pytest.approx(min(ll(T), ll128(T), simple(T)))
+    assert c.allreduce(1) == pytest.approx(ll(1))            # one token's 16 KB: LL
+    assert c.allreduce(2048) == pytest.approx(simple(2048))  # 2048 tokens' 32 MB: Simple
+    # the ideal calibration has no latency and no protocol to pay for
+    ideal = sim.StepCost(m, gpu, 4, cal=IDEAL)
+    assert ideal.allreduce(128) == pytest.approx(ideal.ar_byte * 128)
+
+
 def test_estimate_reports_consistent_times_and_throughput():
     e = sim.estimate("llama-2-7b", "A100", tp=1, batch=8, input_len=512, output_len=128)
     for key in ("ttft_ms", "decode_ms_per_token", "e2e_ms", "throughput_tok_s", "memory_gb_per_gpu", "fits"):
@@ -407,6 +427,20 @@ def test_an_architecture_prior_override_sets_that_architecture_alone_with_its_so
     assert sim.DEFAULT_CALIBRATION["hardware"]["ampere"]["l2_over_hbm"] == pytest.approx(2.0)
     rows = [r for r in sim.load_calibration() if r["id"] == "trt061_h100_70b_4"]
     assert sim.parameters_for(rows)["hardware/hopper/l2_over_hbm"][0] == pytest.approx(1.8)
+
+
+def test_an_fp8_gemm_streams_its_weights_at_its_share_of_the_16_bit_bandwidth():
+    m, h100, a100 = sim.MODELS["llama-2-7b"], sim.GPUS["H100-SXM5-80GB"], sim.GPUS["A100-80GB-SXM4"]
+    cal = sim.DEFAULT_CALIBRATION
+    full, half = with_hw(cal, eff_mem_fp8=1.0), with_hw(cal, eff_mem_fp8=0.5)
+    fp8_full, fp8_half = sim.StepCost(m, h100, 1, "fp8", cal=full), sim.StepCost(m, h100, 1, "fp8", cal=half)
+    assert fp8_half.bw_weights == pytest.approx(fp8_full.bw_weights / 2) and fp8_half.bm == fp8_full.bm
+    # at one token the linears are their weight stream: half the bandwidth, twice the time
+    w_bytes = sum(w for w, _ in fp8_full.linears) * fp8_full.wb
+    assert fp8_half._linear(1) - fp8_full._linear(1) == pytest.approx(w_bytes / fp8_full.bw_weights, rel=1e-6)
+    # 16-bit weights, and FP8 weights on a GPU without FP8 GEMMs, stream at eff_mem alone
+    assert sim.StepCost(m, h100, 1, cal=half).bw_weights == sim.StepCost(m, h100, 1, cal=half).bm
+    assert sim.StepCost(m, a100, 1, "fp8", cal=half).bw_weights == sim.StepCost(m, a100, 1, "fp8", cal=half).bm
 
 
 def test_the_shipped_calibration_file_is_a_complete_fit_of_the_priors():
