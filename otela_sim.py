@@ -85,11 +85,13 @@ CHUNK_TOKENS = 2048
 ACT_BYTES = 2
 # NCCL's protocols for a ring all-reduce within a node, from its own cost model (src/graph/
 # tuning.cc, ring over NVLink: baseLat LL/LL128/Simple 6.6/14.0/8.4 us, hwLat per step 0.6/1.9/3.4
-# us; LL sends 8-byte words of 4 data bytes and a flag: half the bandwidth; LL128 120 data bytes of
-# each 128). NCCL picks the cheapest per message: LL for decode's small messages, LL128 or Simple
+# us; bandwidth per protocol as tuning.cc scales the bus bandwidth of a ring all-reduce: LL x 1/4
+# (its 8-byte words carry 4 data bytes and a flag, and its all-reduce is slower still: 'busBw * 1.0/4.0'
+# for ncclFuncAllReduce), LL128 x 0.92 ('0.92 /*120.0/128.0*/' with two or more GPUs per node), Simple
+# x 1). NCCL picks the cheapest per message: LL for decode's small messages, LL128 or Simple
 # for a prefill's megabytes. Per protocol: (extra base latency over LL's, extra per step over LL's,
 # share of the bandwidth); the fitted allreduce_latency_us and allreduce_hop_us are LL's own.
-NCCL_PROTOCOLS = ((0.0, 0.0, 0.5), (14.0 - 6.6, 1.9 - 0.6, 120 / 128), (8.4 - 6.6, 3.4 - 0.6, 1.0))
+NCCL_PROTOCOLS = ((0.0, 0.0, 0.25), (14.0 - 6.6, 1.9 - 0.6, 0.92), (8.4 - 6.6, 3.4 - 0.6, 1.0))
 # Tensor parallelism beyond one node goes over the cluster network: 200 Gb/s InfiniBand.
 INTER_NODE_GBps = 25.0
 # Prefill/decode disaggregation: KV moves over the same network by default.
