@@ -11,7 +11,7 @@ Data flow.
     GPU table + model table (or a Hugging Face config)        -> GPU, Model
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
     support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
-    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops)
+    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message)
                                                              -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
     smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
@@ -713,7 +713,7 @@ class StepCost:
             self.ar_byte = 2 * (tp - 1) / tp * h * ACT_BYTES / bw
             # NCCL picks a protocol per message (NCCL_PROTOCOLS): the fitted latency is LL's (the
             # small messages of decode); a larger message pays LL128's or Simple's extra latency
-            # or LL's half bandwidth. The ideal calibration (no latency at all) has none of it.
+            # or LL's quarter bandwidth. The ideal calibration (no latency at all) has none of it.
             ideal = hw["allreduce_latency_us"] <= 0 and hw.get("allreduce_hop_us", 0.0) <= 0
             self.ar_protocols = [(0.0, 1.0)] if ideal else \
                 [((base + hops * hop) * 1e-6, 1.0 / share) for base, hop, share in NCCL_PROTOCOLS]

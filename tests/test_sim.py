@@ -158,6 +158,7 @@ def test_an_all_reduce_takes_the_cheapest_nccl_protocol_for_its_message():
         assert c.allreduce(T) == pytest.approx(min(ll(T), ll128(T), simple(T)))
     assert c.allreduce(1) == pytest.approx(ll(1))            # one token's 16 KB: LL
     assert c.allreduce(2048) == pytest.approx(simple(2048))  # 2048 tokens' 32 MB: Simple
+    assert c.allreduce(128) == pytest.approx(ll128(128))     # 128 tokens' 2 MB: LL128 (LL's quarter bandwidth loses)
     # the ideal calibration has no latency and no protocol to pay for
     ideal = sim.StepCost(m, gpu, 4, cal=IDEAL)
     assert ideal.allreduce(128) == pytest.approx(ideal.ar_byte * 128)
