@@ -132,9 +132,14 @@ _ENGINE_ROWS = [
     EngineVersion("vllm-v1", "vllm", "0.8", True,
                   "vLLM V1 engine (default from 0.8): chunked prefill always on, persistent batch, piecewise "
                   "CUDA graphs; FlashAttention / FlashInfer decode (GQA-aware)"),
+    # No published SGLang static-batch row with its GPU stated is in tests/data yet (the
+    # bench_latency figures in sgl-project/sglang issue #1008 and PR #1401 name model, batch and
+    # lengths but no GPU): the sglang-0.4 engine parameters stay at their priors.
     EngineVersion("sglang-0.4", "sglang", "0.4", True,
-                  "SGLang 0.4: FlashInfer attention (GQA-aware decode), overlap scheduler (CPU work of a step "
-                  "hidden under the GPU work of the previous one)"),
+                  "SGLang v0.4 release blog (lmsys.org/blog/2024-12-04-sglang-v0-4): 'zero-overhead batch "
+                  "scheduler' (the scheduler runs one batch ahead, overlapping its CPU work and the radix "
+                  "cache operations with the GPU's); FlashInfer attention backend (GQA-aware decode) by "
+                  "default; decode CUDA graphs (cuda_graph_max_bs), prefill eager"),
 ]
 ENGINE_VERSIONS = {e.key: e for e in _ENGINE_ROWS}
 ENGINES = tuple(ENGINE_VERSIONS)
