@@ -1632,7 +1632,8 @@ def validate(rows=None, cal=None, quick=False, logo=False, iters=12):
     for r in rows:
         pred, meas = predict_row(r, cal, quick), float(r["value"])
         out.append({"id": r["id"], "metric": r["metric"], "measured": meas, "predicted": pred,
-                    "error": pred / meas - 1, "inconsistent": inconsistent(r), "held_out": held_out(r)})
+                    "error": pred / meas - 1, "inconsistent": inconsistent(r), "held_out": held_out(r),
+                    "engine": row_engine(r).engine})
     by_id = {o["id"]: o for o in out}
     # the summaries and the groups are over the fitted rows; the inconsistent and the held-out
     # ones are listed apart
@@ -1658,7 +1659,10 @@ def validate(rows=None, cal=None, quick=False, logo=False, iters=12):
                        "inconsistent": bool(pa["inconsistent"] or pb["inconsistent"])})
     result = {"rows": out, "summary": summary, "groups": in_sample, "ratios": ratios,
               "inconsistent": [o for o in out if o["inconsistent"]],
-              "held_out": held, "held_out_summary": _summary([o["error"] for o in held])}
+              "held_out": held, "held_out_summary": _summary([o["error"] for o in held]),
+              # issue 15 judges each engine's unseen rows apart (its vLLM target is on vLLM rows)
+              "held_out_by_engine": {e: _summary([o["error"] for o in held if o["engine"] == e])
+                                     for e in sorted({o["engine"] for o in held})}}
     if logo:
         result["logo"] = leave_one_group_out(rows, groups, quick=quick, iters=iters, cal=cal)
     return result
@@ -2261,6 +2265,8 @@ def _print_validation(v):
     if v.get("held_out"):
         print()
         _print_summary_line("held out of every fit (never seen)", v["held_out_summary"])
+        for engine, summary in v.get("held_out_by_engine", {}).items():
+            _print_summary_line(f"  of them {engine}", summary)
     logo = v.get("logo")
     print()
     print("in-sample and leave-one-group-out (refit without the group, then predict it) |error|:")

@@ -264,7 +264,7 @@ def validation():
 
 
 def test_calibration_median_error_is_within_ten_percent(validation):
-    assert validation["summary"]["all"]["n"] == 43      # 47 rows, one marked inconsistent, three held out
+    assert validation["summary"]["all"]["n"] == 45      # 50 rows, one marked inconsistent, four held out
     assert validation["summary"]["all"]["median_abs_error"] <= 0.10
 
 
@@ -317,13 +317,30 @@ KNOWN_MISSES = {"trt05_h100_70b_ttft128"}
 def test_held_out_rows_are_never_fitted_and_are_reported_apart(validation):
     rows = sim.load_calibration(DATA / "measured_calibration.csv")
     held = {r["id"] for r in rows if sim.held_out(r)}
-    assert held == {"vllmci_h100_8b_lat", "vllmci_h100_70b_lat", "vllmci_h100_mixtral_lat"}
+    assert held == {"vllmci_h100_8b_lat", "vllmci_h100_70b_lat", "vllmci_h100_mixtral_lat",
+                    "accelmark_a100_70b_tp8_tpot"}
     assert not held & {r["id"] for r in sim.fitted_rows(rows)}
     assert {o["id"] for o in validation["held_out"]} == held
-    assert validation["held_out_summary"]["n"] == 3
+    assert validation["held_out_summary"]["n"] == 4
+    vllm = validation["held_out_by_engine"]["vllm"]
+    assert vllm["n"] == 3 and validation["held_out_by_engine"]["sglang"]["n"] == 1
     # issue 15's target for published static vLLM rows the fit has not seen: median <= 12%, max <= 30%
-    assert validation["held_out_summary"]["median_abs_error"] <= 0.12
-    assert validation["held_out_summary"]["max_abs_error"] <= 0.30
+    assert vllm["median_abs_error"] <= 0.12
+    assert vllm["max_abs_error"] <= 0.30
+
+
+def test_sglang_rows_constrain_the_sglang_version_and_one_is_held_out(validation):
+    # issue 15: "vLLM and SGLang are constrained by data, not defaults": published SGLang 0.5.6
+    # batch-1 decode steps (AccelMark interactive TPOT, A100-SXM4-40GB), two fitted (Llama-3-8B
+    # and Qwen2.5-0.5B at tp 1: the weight stream and the per-step overhead), one held out
+    # (Llama-3-70B at tp 8), each within the issue's 12% of its published figure.
+    rows = [r for r in sim.load_calibration(DATA / "measured_calibration.csv") if sim.row_engine(r).engine == "sglang"]
+    assert {sim.row_engine(r).key for r in rows} == {"sglang-0.4"}
+    assert all(r["engine_version"] == "0.5.6" and "AccelMark" in r["source_locator"] for r in rows)
+    assert len(sim.fitted_rows(rows)) == 2 and sum(1 for r in rows if sim.held_out(r)) == 1
+    by_id = {o["id"]: o for o in validation["rows"]}
+    for r in rows:
+        assert abs(by_id[r["id"]]["error"]) <= 0.12, r["id"]
 
 
 def test_calibration_max_error_is_bounded(validation):
