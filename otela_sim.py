@@ -132,9 +132,10 @@ _ENGINE_ROWS = [
     EngineVersion("vllm-v1", "vllm", "0.8", True,
                   "vLLM V1 engine (default from 0.8): chunked prefill always on, persistent batch, piecewise "
                   "CUDA graphs; FlashAttention / FlashInfer decode (GQA-aware)"),
-    # No published SGLang static-batch row with its GPU stated is in tests/data yet (the
-    # bench_latency figures in sgl-project/sglang issue #1008 and PR #1401 name model, batch and
-    # lengths but no GPU): the sglang-0.4 engine parameters stay at their priors.
+    # SGLang 0.5.x maps onto this row (same scheduler and kernels as far as the roofline sees).
+    # Its parameters are fitted on the AccelMark SGLang 0.5.6 batch-1 decode rows in tests/data
+    # (A100-SXM4-40GB, tp 1; the tp-8 row is held out). The bench_latency figures in
+    # sgl-project/sglang issue #1008 and PR #1401 are not in the data: they state no GPU.
     EngineVersion("sglang-0.4", "sglang", "0.4", True,
                   "SGLang v0.4 release blog (lmsys.org/blog/2024-12-04-sglang-v0-4): 'zero-overhead batch "
                   "scheduler' (the scheduler runs one batch ahead, overlapping its CPU work and the radix "
