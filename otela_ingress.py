@@ -135,6 +135,10 @@ LINGER_S = 2.0                       # after a last answer, what a client still 
                                      # closing with unread bytes sends a TCP reset, which can
                                      # destroy the answer before the client reads it
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
+WARMUP_MAX_S = 10.0                  # a (re)started ingress that has heard from no peer yet says
+                                     # 503 (Retry-After: 1), not 404, for a model it does not know:
+                                     # nodes redial a seed every ~3 s and the first answer carries
+                                     # a node's whole view; 10 s without one means it is alone
 DEFAULT_DB = "otela.sqlite"
 DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
                                      # told otherwise (a node's tunnel is on 7700)
@@ -2357,10 +2361,15 @@ class Ingress:
                  no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
                  max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
                  require_code_hash: Optional[str] = None,
-                 aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = ()):
+                 aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
+                 warmup: Optional[float] = None):
         """`require_code_hash`: route only to sessions advertising this code hash ("self": what
-        a worker from this checkout advertises); see --require-code-hash."""
+        a worker from this checkout advertises); see --require-code-hash. `warmup`: seconds
+        after start during which, until a peer's record arrives, an unknown model is a 503
+        (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole)."""
         self.node = node
+        self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
+        self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
         self.aliases = dict(aliases or {})   # public name -> served models, tried in order
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
@@ -2402,6 +2411,9 @@ class Ingress:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
+        if self.warmup > 0 and not any(sid != self.node.session_id and ":" not in sid
+                                       for sid, _ in self.node.registry.items()):
+            self._warm_until = time.monotonic() + self.warmup
         self.ledger = Ledger(self.db_path, self._set_keys, self._set_key_records)
         self.cluster.adopt_slots(load_usage_slots(self.db_path))
         self.cluster.start(self._loop)
@@ -2460,6 +2472,8 @@ class Ingress:
         if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
             self.cluster.on_entry(sid, record)
             return
+        if sid != self.node.session_id:   # a peer's record: the registry is a peer's view now
+            self._warm_until = 0.0
         self._candidates = {}
 
     async def _sweep(self) -> None:
@@ -2500,6 +2514,10 @@ class Ingress:
             if allowed(key.allow, sid, record):
                 result.append(Candidate(sid, record))
         if not result:
+            if not known and self._warm_until and now < self._warm_until:   # not heard from a peer yet
+                raise HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
+                                     f"'{model}' may be served; retry", "no_healthy_provider",
+                                headers=[(b"retry-after", b"1")])
             if not known:
                 raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
                                 "model_not_found", "model")
