@@ -9,17 +9,18 @@ keep-alive connection (to the node's tunnel address with the cluster's tunnel he
 answer goes back to the client as it arrives: whole for plain requests, byte for byte for
 server-sent event streams. Every finished request becomes a row of the usage ledger.
 
-Two ways through, one behaviour. The common case, a plain request whose whole body is in the
-client's buffer with a kept-alive connection to the chosen session, is served in the protocol
-callbacks: the client's data_received parses, authenticates, routes and writes upstream; the
-upstream's data_received writes the answer back (or relays the stream, chunk by chunk). No
-task or future sits between them: at low load the ingress's share of a request's latency is
-mostly the CPU's cold caches, and each event-loop pass costs more of them. Everything else (a
-body still arriving, a new upstream connection, a retry, a GET endpoint, a request only h11
-can judge) runs in a task per connection, which gives the connection back to the callbacks at
-the next request boundary.
+One engine: the protocol callbacks. The client connection's data_received parses (the codec,
+or h11 for a request only h11 can judge), authenticates, routes and writes upstream; a body
+still arriving is read piece by piece by each data_received, under its deadline and size
+limit; the upstream connection's data_received reads the answer and writes it back (or relays
+the stream, chunk by chunk, see _Relay). No task or future sits between them on the common
+path: at low load the ingress's share of a request's latency is mostly the CPU's cold caches,
+and each event-loop pass costs more of them. What must wait on something else (a new upstream
+connection, a usage query in an executor) is a future whose completion calls one method back;
+no task owns a connection or loops over its events. Backpressure is the transports' own
+pause/resume callbacks, in both directions.
 
-One request, one state machine. Whichever way it goes, each proxied request is one _Exchange
+One request, one state machine. Each proxied request is one _Exchange
 whose state moves down EXCHANGE_LIFECYCLE (received -> routed -> sent -> head -> body | stream
 -> done, or -> retried -> routed again, or -> failed), and whose end is booked in one place,
 _Exchange.finish(outcome), once: the in-flight count, the policy's on_request_end, passive
@@ -50,9 +51,9 @@ What this file must never do:
   2. Re-serialise what it relays: the request body is forwarded verbatim (one exception: a
      stream gets `stream_options.include_usage` so its tokens can be counted, and the
      usage-only chunk the client did not ask for is removed); SSE chunks are relayed as bytes.
-  3. Let one client hurt another: every connection has its own buffers and limits (and its
-     own task when it needs one); a slow reader only slows its own stream, and a client that
-     leaves frees the engine working for it.
+  3. Let one client hurt another: every connection has its own buffers, limits and deadlines;
+     a slow reader only slows its own stream, and a client that leaves frees the engine
+     working for it.
 """
 from __future__ import annotations
 
@@ -2590,16 +2591,18 @@ class Ingress:
         if method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
             self.authenticate(fields)   # on the head: a stranger's body is never read
             return self._read_body(client, fields, lambda body: self._proxy(client, path, fields, body, t0))
+        # a GET's stray small body (or its empty one) is read, to keep the connection; a bigger
+        # one is never read: the answer closes the connection
+        length = fields.get(b"content-length") or b"0"
+        small = client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
+            and int(length) <= MAX_HEADER_BYTES
         if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
             self.authenticate(fields, admin=True)   # on the head, like the proxy
-            if method == b"POST":
+            if method == b"POST" or small:
                 return self._read_body(client, fields, lambda body: self._admin(client, method, path, query, body))
             return self._admin(client, method, path, query, b"")
-        length = fields.get(b"content-length") or b"0"
-        if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
-                and int(length) <= MAX_HEADER_BYTES:   # a stray small body: keep the connection
+        if small:
             return self._read_body(client, fields, lambda _: self._get(client, method, path, query, fields))
-        # a bigger one is never read: the answer closes the connection
         self._get(client, method, path, query, fields)
 
     def _read_body(self, client: _Client, fields: Dict[bytes, bytes], then: Callable[[bytes], None]) -> None:
