@@ -1752,8 +1752,7 @@ class _Relay:
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
         conn = ex.client.conn
         start = b"" if ex.sent else ingress._stream_head(ex, self.head)
-        ex.finish("ok")
-        ex.client.transport.write(start + _data(conn, tail) + _end(conn))
+        ex.finish("ok", start + _data(conn, tail) + _end(conn))
         self._end(True)
 
     def _fail(self, reason: str) -> None:
@@ -2052,8 +2051,8 @@ class _Client(asyncio.Protocol):
             self.deadline = time.monotonic() + HEAD_TIMEOUT_S
         if not self.busy:
             self.ingress._serve(self)
-        if self.busy and not self._read_paused and not self.transport.is_closing() \
-                and self.buffered() > 2 * READ_CHUNK:
+        if self.busy and not self._read_paused and self.buffered() > 2 * READ_CHUNK \
+                and not self.transport.is_closing():
             self._read_paused = True   # a client far ahead of us waits in its socket, not in our memory
             self.transport.pause_reading()
 
@@ -2249,11 +2248,17 @@ class _Exchange:
             self.refused.append(candidate)
         ingress.policy.on_request_end(candidate, self.routed, False)
 
-    def finish(self, outcome: str) -> bool:
-        """Book the end of the request (OUTCOMES), before its last byte goes out, so the ledger
-        row is journalled and the counts are right when the client has its answer. False when
-        it was finished already: nothing is booked twice."""
+    def finish(self, outcome: str, last: bytes = b"") -> bool:
+        """Book the end of the request (OUTCOMES) around `last`, the client's last bytes: the
+        ledger row is journalled before they go out (a kill -9 after the client has its answer
+        loses no row), the rest right after them, in the same callback, so no other event (no
+        request of this client or another) sees the counts before they are right, and the
+        answer does not wait for them. False when it was finished already: nothing is booked
+        twice."""
+        client = self.client
         if self.state is DONE or self.state is FAILED:
+            if last and not client.closed:
+                client.transport.write(last)
             return False
         state, status, ok, health, blame_refused, booked = OUTCOMES[outcome]
         attempt_open = self.state is not RECEIVED and self.state is not RETRIED
@@ -2265,6 +2270,9 @@ class _Exchange:
         ingress.metrics.inflight -= 1
         if booked:
             ingress._record(self, now)
+        if last and not client.closed:   # uvloop raises on a closed transport
+            client.transport.write(last)
+        if booked:
             ingress._account(self, now)
         candidate = self.candidate
         if attempt_open and health == "succeeded":
@@ -2701,7 +2709,10 @@ class Ingress:
         future's): on to the next request the client sent meanwhile."""
         client.exchange = None
         if client.finish():
-            self._serve(client)
+            if not client.idle:   # bytes of the next request are here already
+                self._serve(client)
+            elif client._read_paused:
+                client.resume_reading()
 
     # -- responses ---------------------------------------------------------------------------
     def _write_response(self, client: _Client, status: int, payload: bytes,
@@ -2916,8 +2927,9 @@ class Ingress:
                                                       and body.remaining <= len(up.buf)):
                 payload = body.take(up.buf) or b""   # the whole body is here: one piece
                 ex.up = None
-                self.pool.release(up)
+                up.proto.on_data = None
                 self._send_plain(ex, ex.candidate, head, payload)
+                self.pool.release(up)   # after the answer went out, before the next request
                 return self._next(ex.client)
             ex.to(BODY)
             ex.parts = []
@@ -3019,10 +3031,7 @@ class Ingress:
                                                      (b"content-length", b"%d" % len(payload)),
                                                      (SESSION_HEADER, candidate.session_bytes)])
             out += _data(conn, payload) + _end(conn)
-        client = ex.client
-        ex.finish("gone" if client.closed else outcome)   # answered, but nobody left to hear it
-        if not client.closed:   # uvloop raises on a closed transport
-            client.transport.write(out)
+        ex.finish("gone" if ex.client.closed else outcome, out)   # "gone": answered, but nobody left to hear it
 
     def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
         ex.sent = True

@@ -381,8 +381,8 @@ def test_every_proxied_request_runs_down_the_lifecycle_table_and_is_booked_once(
         paths.setdefault(ex, ["received"]).append(state)   # (held: no id reused)
         moved(ex, state)
 
-    def finish(ex, outcome):
-        did = finished(ex, outcome)
+    def finish(ex, outcome, *last):
+        did = finished(ex, outcome, *last)
         booked[ex] = booked.get(ex, 0) + did
         return did
 
