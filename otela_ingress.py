@@ -1350,6 +1350,7 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
 # A chunk that carries generated text (a non-empty "content" or "text" string): engines send one
 # per token, so counting them measures a stream whose engine ignores include_usage.
 _TOKEN_CHUNK = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
@@ -1421,16 +1422,28 @@ class StreamWatch:
         return piece
 
     def _take_usage(self, piece: bytes) -> bytes:
-        kept = []
-        for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", piece):
-            if not event:
+        """Read the usage of each event of `piece` that carries one, and drop a usage-only one
+        the client did not ask for. Only those events are cut out: the ones around them (a
+        whole stream's worth, in one read from a fast engine) pass as one slice."""
+        kept, at = [], 0
+        for match in _USAGE.finditer(piece):
+            where = match.start()
+            if where < at:   # in the event just read
                 continue
-            if _USAGE.search(event) is not None:
-                self.prompt_tokens, self.completion_tokens = usage_of(event)
-                self.saw_usage = True
-                if self.strip and re.search(rb'"choices"\s*:\s*\[\s*\]', event):
-                    continue
-            kept.append(event)
+            lf, crlf = piece.find(b"\n\n", where), piece.find(b"\r\n\r\n", where)
+            end = min(lf + 2 if lf >= 0 else len(piece), crlf + 4 if crlf >= 0 else len(piece))
+            if end < match.end():   # "usage" ends one event, the object starts another: none
+                continue
+            lf, crlf = piece.rfind(b"\n\n", at, where), piece.rfind(b"\r\n\r\n", at, where)
+            start = max(lf + 2 if lf >= 0 else at, crlf + 4 if crlf >= 0 else at)
+            event = piece[start:end]
+            self.prompt_tokens, self.completion_tokens = usage_of(event)
+            self.saw_usage = True
+            kept.append(piece[at:start])
+            if not (self.strip and _EMPTY_CHOICES.search(event)):
+                kept.append(event)
+            at = end
+        kept.append(piece[at:])
         return b"".join(kept)
 
 
