@@ -2064,9 +2064,10 @@ class _Client(asyncio.Protocol):
             self.deadline = time.monotonic() + HEAD_TIMEOUT_S
         if not self.busy:
             self.ingress._serve(self)
-        if self.busy and not self._read_paused and self.buffered() > 2 * READ_CHUNK \
-                and not self.transport.is_closing():
-            self._read_paused = True   # a client far ahead of us waits in its socket, not in our memory
+        if not self._read_paused and self.buffered() > 2 * READ_CHUNK and not self.transport.is_closing():
+            # a client far ahead of us (pipelining while a request is in flight, or while it
+            # does not read our answers) waits in its socket, not in our memory
+            self._read_paused = True
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
