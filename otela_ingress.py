@@ -1706,6 +1706,7 @@ class _Relay:
         up, client = self.up, self.ex.client
         if client.closed:
             return self._client_gone()
+        up.last = time.monotonic()   # a stream longer than UPSTREAM_IDLE_TIMEOUT_S is not idle
         while True:   # twice when good chunks came before bad framing: they go out first
             try:
                 piece = up.take()
