@@ -2200,27 +2200,29 @@ class _Exchange:
     the one place where its end is booked (in-flight count, policy, passive health, metrics,
     ledger row), once."""
 
-    # What every exchange starts with, as class attributes (no __slots__): __init__ sets only what
-    # is its own, once per proxied request. Lists are replaced, never appended to, while shared.
-    attempts = 0
-    candidate: Optional[Candidate] = None
-    status = 0
-    prompt_tokens = completion_tokens = 0
-    sent = False       # the stream's head went out: no other session may answer now
-    row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
-    refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
-    refused: Tuple[Candidate, ...] = ()   # sessions that answered this request with a 5xx
-    left: List[Candidate] = []     # the sessions it may still try (set by Ingress._proxy)
-    up: Optional[Upstream] = None   # the connection this attempt's answer comes on
-    connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
-    head: Optional[UpstreamHead] = None   # this attempt's answer head
-    parts: List[bytes] = []        # ... and its plain body so far (a new list per body)
+    __slots__ = ("ingress", "client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
+                 "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
+                 "row_head", "state", "refusal", "refused", "request_id", "left", "up", "connecting",
+                 "head", "parts")
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
         self.routed, self.strip_usage, self.tracked, self.t0 = routed, strip_usage, tracked, t0
+        self.attempts = 0
+        self.candidate: Optional[Candidate] = None
+        self.status = 0
+        self.prompt_tokens = self.completion_tokens = 0
+        self.sent = False       # the stream's head went out: no other session may answer now
+        self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
         self.state = RECEIVED
+        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
+        self.refused: List[Candidate] = []   # sessions that answered this request with a 5xx
         self.request_id: bytes = client.request_id   # X-Request-Id (see Ingress._tag)
+        self.left: List[Candidate] = []   # the sessions it may still try
+        self.up: Optional[Upstream] = None   # the connection this attempt's answer comes on
+        self.connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
+        self.head: Optional[UpstreamHead] = None   # this attempt's answer head
+        self.parts: List[bytes] = []      # ... and its plain body so far
         ingress.metrics.inflight += 1
 
     @property
@@ -2258,7 +2260,7 @@ class _Exchange:
         if blame:
             ingress.health.failed(candidate.session, time.monotonic())
         else:
-            self.refused += (candidate,)
+            self.refused.append(candidate)
         ingress.policy.on_request_end(candidate, self.routed, False)
 
     def finish(self, outcome: str, last: bytes = b"") -> bool:

@@ -1583,18 +1583,15 @@ class BodyReader:
     Bad framing sets `error` (the bytes before it were good) instead of raising, so a relay can
     pass on what came before it and then fail."""
 
-    # Defaults as class attributes (no __slots__), like MessageHead's: two readers per request.
-    state = _SIZE
-    error: Optional[str] = None
-    _line = b""                           # a size or trailer line split across reads
-    max_chunk = MAX_CHUNK
+    __slots__ = ("framing", "remaining", "state", "done", "error", "_line", "max_chunk")
 
     def __init__(self, framing: str, length: int = 0, max_chunk: int = MAX_CHUNK):
-        self.framing = framing
-        if max_chunk != MAX_CHUNK:
-            self.max_chunk = max_chunk
+        self.framing, self.max_chunk = framing, max_chunk
         self.remaining = length           # LENGTH: body bytes left; CHUNKED: of this chunk
+        self.state = _SIZE
         self.done = framing is NO_BODY or (framing is LENGTH and not length)
+        self.error: Optional[str] = None
+        self._line = b""                  # a size or trailer line split across reads
 
     def feed(self, data, pieces: Optional[list] = None) -> int:
         """Read `data`; return how many of its bytes belong to the body. With `pieces`, append
