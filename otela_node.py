@@ -1443,15 +1443,15 @@ class MessageHead:
     """A parsed request or response head. `headers`: (lower-case name, value) in order;
     `fields`: the same as a dict (the last of a repeated name)."""
 
-    # Defaults as class attributes (no __slots__): a head sets only what differs, two heads per
-    # proxied request.
-    method = target = reason = b""
-    status = 0
-    version = b"1.1"
-    framing, length, keep_alive = NO_BODY, 0, True
+    __slots__ = ("method", "target", "status", "reason", "version", "headers", "fields", "framing", "length",
+                 "keep_alive", "size")
 
     def __init__(self, headers: List[Tuple[bytes, bytes]], fields: Dict[bytes, bytes], size: int):
+        self.method = self.target = self.reason = b""
+        self.status = 0
+        self.version = b"1.1"
         self.headers, self.fields, self.size = headers, fields, size
+        self.framing, self.length, self.keep_alive = NO_BODY, 0, True
 
 
 def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
