@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import timeit
@@ -167,6 +168,7 @@ async def measure(quick: bool) -> dict:
         }
     finally:
         await ingress.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     out["loadavg"] = os.getloadavg()[0]
     return out
 
