@@ -9,17 +9,18 @@ keep-alive connection (to the node's tunnel address with the cluster's tunnel he
 answer goes back to the client as it arrives: whole for plain requests, byte for byte for
 server-sent event streams. Every finished request becomes a row of the usage ledger.
 
-Two ways through, one behaviour. The common case, a plain request whose whole body is in the
-client's buffer with a kept-alive connection to the chosen session, is served in the protocol
-callbacks: the client's data_received parses, authenticates, routes and writes upstream; the
-upstream's data_received writes the answer back (or relays the stream, chunk by chunk). No
-task or future sits between them: at low load the ingress's share of a request's latency is
-mostly the CPU's cold caches, and each event-loop pass costs more of them. Everything else (a
-body still arriving, a new upstream connection, a retry, a GET endpoint, a request only h11
-can judge) runs in a task per connection, which gives the connection back to the callbacks at
-the next request boundary.
+One engine: the protocol callbacks. The client connection's data_received parses (the codec,
+or h11 for a request only h11 can judge), authenticates, routes and writes upstream; a body
+still arriving is read piece by piece by each data_received, under its deadline and size
+limit; the upstream connection's data_received reads the answer and writes it back (or relays
+the stream, chunk by chunk, see _Relay). No task or future sits between them on the common
+path: at low load the ingress's share of a request's latency is mostly the CPU's cold caches,
+and each event-loop pass costs more of them. What must wait on something else (a new upstream
+connection, a usage query in an executor) is a future whose completion calls one method back;
+no task owns a connection or loops over its events. Backpressure is the transports' own
+pause/resume callbacks, in both directions.
 
-One request, one state machine. Whichever way it goes, each proxied request is one _Exchange
+One request, one state machine. Each proxied request is one _Exchange
 whose state moves down EXCHANGE_LIFECYCLE (received -> routed -> sent -> head -> body | stream
 -> done, or -> retried -> routed again, or -> failed), and whose end is booked in one place,
 _Exchange.finish(outcome), once: the in-flight count, the policy's on_request_end, passive
@@ -50,9 +51,9 @@ What this file must never do:
   2. Re-serialise what it relays: the request body is forwarded verbatim (one exception: a
      stream gets `stream_options.include_usage` so its tokens can be counted, and the
      usage-only chunk the client did not ask for is removed); SSE chunks are relayed as bytes.
-  3. Let one client hurt another: every connection has its own buffers and limits (and its
-     own task when it needs one); a slow reader only slows its own stream, and a client that
-     leaves frees the engine working for it.
+  3. Let one client hurt another: every connection has its own buffers, limits and deadlines;
+     a slow reader only slows its own stream, and a client that leaves frees the engine
+     working for it.
 """
 from __future__ import annotations
 
@@ -135,6 +136,10 @@ LINGER_S = 2.0                       # after a last answer, what a client still 
                                      # closing with unread bytes sends a TCP reset, which can
                                      # destroy the answer before the client reads it
 RETRY_AFTER_S = 5                    # Retry-After on 503: about one gossip round plus a probe
+WARMUP_MAX_S = 10.0                  # a (re)started ingress that has heard from no peer yet says
+                                     # 503 (Retry-After: 1), not 404, for a model it does not know:
+                                     # nodes redial a seed every ~3 s and the first answer carries
+                                     # a node's whole view; 10 s without one means it is alone
 DEFAULT_DB = "otela.sqlite"
 DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
                                      # told otherwise (a node's tunnel is on 7700)
@@ -1345,6 +1350,7 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
 # A chunk that carries generated text (a non-empty "content" or "text" string): engines send one
 # per token, so counting them measures a stream whose engine ignores include_usage.
 _TOKEN_CHUNK = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
@@ -1416,16 +1422,28 @@ class StreamWatch:
         return piece
 
     def _take_usage(self, piece: bytes) -> bytes:
-        kept = []
-        for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", piece):
-            if not event:
+        """Read the usage of each event of `piece` that carries one, and drop a usage-only one
+        the client did not ask for. Only those events are cut out: the ones around them (a
+        whole stream's worth, in one read from a fast engine) pass as one slice."""
+        kept, at = [], 0
+        for match in _USAGE.finditer(piece):
+            where = match.start()
+            if where < at:   # in the event just read
                 continue
-            if _USAGE.search(event) is not None:
-                self.prompt_tokens, self.completion_tokens = usage_of(event)
-                self.saw_usage = True
-                if self.strip and re.search(rb'"choices"\s*:\s*\[\s*\]', event):
-                    continue
-            kept.append(event)
+            lf, crlf = piece.find(b"\n\n", where), piece.find(b"\r\n\r\n", where)
+            end = min(lf + 2 if lf >= 0 else len(piece), crlf + 4 if crlf >= 0 else len(piece))
+            if end < match.end():   # "usage" ends one event, the object starts another: none
+                continue
+            lf, crlf = piece.rfind(b"\n\n", at, where), piece.rfind(b"\r\n\r\n", at, where)
+            start = max(lf + 2 if lf >= 0 else at, crlf + 4 if crlf >= 0 else at)
+            event = piece[start:end]
+            self.prompt_tokens, self.completion_tokens = usage_of(event)
+            self.saw_usage = True
+            kept.append(piece[at:start])
+            if not (self.strip and _EMPTY_CHOICES.search(event)):
+                kept.append(event)
+            at = end
+        kept.append(piece[at:])
         return b"".join(kept)
 
 
@@ -1433,12 +1451,6 @@ class StreamWatch:
 # Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader, and the
 # relay of a stream from it to a client
 # ---------------------------------------------------------------------------------------------
-def _resolve(waiter: Optional[asyncio.Future]) -> None:
-    """Wake whoever awaits `waiter` (a future that may be gone or done already)."""
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
-
-
 def _take(buf: bytearray, limit: int) -> bytes:
     """Up to `limit` bytes off the front of a body buffer (one copy)."""
     if len(buf) <= limit:
@@ -1463,27 +1475,20 @@ _NO_BODY = otela_node.BodyReader(otela_node.NO_BODY)   # done: what a connection
 
 
 class _UpstreamProtocol(asyncio.Protocol):
-    """Puts what the provider sends straight into its Upstream's buffer and wakes the reader
-    (a StreamReader between the two was a copy and a layer of calls per read)."""
+    """Puts what the provider sends straight into its Upstream's buffer and calls the exchange
+    reading it (on_data: Ingress._on_upstream, or a _Relay's pump), in the step that read it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.transport: Any = None
         self.buf = bytearray()
-        self.waiter: Optional[asyncio.Future] = None
         self.eof = False
         self.exc: Optional[BaseException] = None
         self.paused = False
-        # set while a plain answer is awaited: finishes it here, in the step that read it,
-        # rather than one event-loop pass later in the task
-        self.on_data: Optional[Callable[[], None]] = None
+        self.on_data: Optional[Callable[[], None]] = None   # set while an exchange reads this
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        _resolve(waiter)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -1493,14 +1498,11 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.transport.pause_reading()
         if self.on_data is not None:
             self.on_data()
-        if self.waiter is not None:
-            self._wake()
 
     def eof_received(self) -> bool:
         self.eof = True
-        if self.on_data is not None:   # a request handled in callbacks hands itself to a task
+        if self.on_data is not None:
             self.on_data()
-        self._wake()
         return False
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
@@ -1508,14 +1510,12 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.exc = exc
         if self.on_data is not None:
             self.on_data()
-        self._wake()
 
 
 class Upstream:
     """One kept-alive connection to a provider, and the reader of its responses."""
 
-    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "body", "keep_alive",
-                 "pending_head", "pending_exc")
+    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "body", "keep_alive")
 
     def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol):
         self.addr, self.transport, self.proto = addr, transport, proto
@@ -1524,8 +1524,6 @@ class Upstream:
         self.buf = proto.buf      # the protocol appends what arrives
         self.body = _NO_BODY      # the reader of the response body being read (its framing)
         self.keep_alive = True
-        self.pending_head: Optional[UpstreamHead] = None   # parsed by the on_data hook
-        self.pending_exc: Optional[BaseException] = None
 
     @property
     def done(self) -> bool:
@@ -1555,42 +1553,6 @@ class Upstream:
             proto.paused = True
             self.transport.pause_reading()
 
-    async def _fill(self) -> bool:
-        """Wait for more bytes in self.buf; False at the end of the connection."""
-        proto = self.proto
-        self.resume_reading()
-        size = len(self.buf)
-        while not proto.eof:
-            waiter = proto.waiter = proto.loop.create_future()
-            await waiter
-            if len(self.buf) > size or self.pending_head is not None or self.pending_exc is not None:
-                self.last = time.monotonic()
-                return True
-        if len(self.buf) > size or self.pending_head is not None or self.pending_exc is not None:
-            return True
-        exc = proto.exc
-        if exc is not None:
-            raise UpstreamFailure(f"{self.addr}: {exc.__class__.__name__}: {exc}")
-        return False
-
-    async def read_head(self) -> UpstreamHead:
-        proto = self.proto
-        while True:
-            head, exc = self.pending_head, self.pending_exc
-            if head is not None or exc is not None:   # the on_data hook parsed it already
-                proto.on_data = None
-                self.pending_head = self.pending_exc = None
-                if exc is not None:
-                    raise exc
-                return head
-            if proto.on_data is None:
-                head = self.parse_head()
-                if head is not None:
-                    return head
-            if not await self._fill():
-                proto.on_data = None
-                raise UpstreamFailure(f"{self.addr}: connection closed before a response")
-
     def parse_head(self) -> Optional[UpstreamHead]:
         """Consume and parse the final response head at the front of the buffer (after any 1xx
         ones), or None while it is incomplete; UpstreamFailure for a bad one."""
@@ -1603,19 +1565,6 @@ class Upstream:
             self.keep_alive = head.keep_alive
             self.body = otela_node.BodyReader(head.framing, head.length)
         return head
-
-    async def read_body(self) -> Optional[bytes]:
-        """The next piece of the body (all of it that has arrived), or None at its end.
-        Raises UpstreamFailure when the connection ends before the body does."""
-        while True:
-            piece = self.take()
-            if piece is None:
-                return None
-            if piece:
-                return piece
-            if not await self._fill():
-                self.end_of_stream()
-                return None
 
     def take(self) -> Optional[bytes]:
         """The body bytes complete in the buffer now (b"" when there are none yet), or None once
@@ -1757,6 +1706,7 @@ class _Relay:
         up, client = self.up, self.ex.client
         if client.closed:
             return self._client_gone()
+        up.last = time.monotonic()   # a stream longer than UPSTREAM_IDLE_TIMEOUT_S is not idle
         while True:   # twice when good chunks came before bad framing: they go out first
             try:
                 piece = up.take()
@@ -1816,8 +1766,7 @@ class _Relay:
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
         conn = ex.client.conn
         start = b"" if ex.sent else ingress._stream_head(ex, self.head)
-        ex.finish("ok")
-        ex.client.transport.write(start + _data(conn, tail) + _end(conn))
+        ex.finish("ok", start + _data(conn, tail) + _end(conn))
         self._end(True)
 
     def _fail(self, reason: str) -> None:
@@ -2028,41 +1977,57 @@ def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -
     return conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
 
 
-class _Client(asyncio.Protocol):
-    """One client connection.
+class _BodyRead:
+    """A request body being read as it arrives (each data_received takes what came), and what
+    the request does with it once whole (`then(body)`)."""
 
-    A plain request (the whole of it in the buffer, body included) is handled in the callbacks:
-    data_received parses it and writes it to a kept-alive upstream connection, and that
-    connection's data_received writes the answer back; no task, no future, no event-loop pass
-    in between. Anything else (a body still arriving, a GET endpoint, a stream, a new upstream
-    connection, a retry, an unusual request that h11 handles) runs in a task that waits for
-    data through `wait_data()` and writes through `drain()`, until the connection is back at a
-    request boundary with nothing buffered.
+    __slots__ = ("then", "parts", "size")
+
+    def __init__(self, then: Callable[[bytes], None]):
+        self.then = then
+        self.parts: List[bytes] = []
+        self.size = 0
+
+
+class _Client(asyncio.Protocol):
+    """One client connection, served from its protocol callbacks alone.
+
+    data_received feeds the connection's parser (the codec, or h11 for a request only h11 can
+    judge) and Ingress._serve moves the request on: a plain proxied request whose whole body is
+    buffered goes upstream at once; a body still arriving is taken piece by piece by each
+    data_received (`reading`, under its deadline and the size limit); the answer comes back in
+    the upstream connection's callbacks, or a _Relay's for a stream. What waits on something
+    else (a new upstream connection, a usage query in an executor) is a future whose completion
+    calls one method back; no task owns the connection, nothing is handed over or back.
+    Backpressure: reading pauses while a client is far ahead of us (pause_reading), and serving
+    stops while our writes to it are over their limit (pause_writing), going on from
+    resume_writing.
     """
 
-    __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "task", "closed",
-                 "relay", "pending", "lingering", "head_only", "_waiter", "_drain_waiter", "_write_paused",
-                 "_read_paused", "request_id")
+    __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "closed", "ending",
+                 "serving", "relay", "exchange", "reading", "waiting", "lingering", "head_only",
+                 "_write_paused", "_read_paused", "request_id")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
-        self.conn: Any = _ClientConn()   # an h11.Connection after the first unusual request
+        self.conn: Any = _ClientConn()   # an h11.Connection for a request only h11 judges
         self.transport: Any = None
         self.address = ""                # the client's IP address (its share of the connections)
         # when the sweep closes the connection unless a request is being answered: the head is
         # due (HEAD_TIMEOUT_S), its body (REQUEST_TIMEOUT_S), or it idles between requests
         self.deadline = time.monotonic() + HEAD_TIMEOUT_S
         self.idle = False                # between requests with nothing of the next one yet
-        self.busy = False                # a request is being answered
-        self.task: Optional[asyncio.Future] = None   # the task that owns the connection, if any
-        self.closed = False
-        self.relay: Optional[_Relay] = None   # the stream being relayed to this client, if any
-        self.pending: Optional[tuple] = None  # (exchange, upstream, candidate) awaiting a plain answer
+        self.busy = False                # a request is being answered (its body is read)
+        self.closed = False              # connection_lost was called
+        self.ending = False              # we closed (or are closing) it: nothing more is served
+        self.serving = False             # Ingress._serve is on the stack for this connection
+        self.relay: Optional[_Relay] = None       # the stream being relayed to this client, if any
+        self.exchange: Optional[_Exchange] = None  # the proxied request in flight (not relaying)
+        self.reading: Optional[_BodyRead] = None   # the request body being read, if any
+        self.waiting: Optional[asyncio.Future] = None   # a GET endpoint's result being computed
         self.lingering = False           # answered and half-closed: what arrives is dropped
         self.head_only = False           # the request being answered is a HEAD
         self.request_id = b""            # the X-Request-Id of the request being answered
-        self._waiter: Optional[asyncio.Future] = None
-        self._drain_waiter: Optional[asyncio.Future] = None
         self._write_paused = self._read_paused = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -2094,18 +2059,16 @@ class _Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed or self.lingering:
             return
-        conn = self.conn
-        conn.receive_data(data)
+        self.conn.receive_data(data)
         if self.idle:   # the first byte of the next request: its head is due
             self.idle = False
             self.deadline = time.monotonic() + HEAD_TIMEOUT_S
-        if self.task is not None:
-            self._wake()
-        elif not self.busy:
-            self.ingress._dispatch(self)
-        if (self.task is not None or self.busy) and not self._read_paused \
-                and not self.transport.is_closing() and self.buffered() > 2 * READ_CHUNK:
-            self._read_paused = True   # a client far ahead of us waits in its socket, not in our memory
+        if not self.busy:
+            self.ingress._serve(self)
+        if not self._read_paused and self.buffered() > 2 * READ_CHUNK and not self.transport.is_closing():
+            # a client far ahead of us (pipelining while a request is in flight, or while it
+            # does not read our answers) waits in its socket, not in our memory
+            self._read_paused = True
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -2117,18 +2080,16 @@ class _Client(asyncio.Protocol):
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         if self.closed:
             return
-        self.closed = True
+        self.closed = self.ending = True
         self.conn.receive_data(b"")
-        self._wake()
-        _resolve(self._drain_waiter)
         ingress = self.ingress
         # the engine's work for a client that left is wasted GPU time: drop its connection
         if self.relay is not None:
             self.relay.pump()   # it sees the client gone and stops the engine's stream
-        if self.pending is not None:
+        elif self.exchange is not None:
             ingress._abandon(self)
-        if self.busy and self.task is not None:
-            self.task.cancel()
+        if self.waiting is not None:
+            self.waiting.cancel()
         if self in ingress._clients:
             ingress._clients.discard(self)
             ingress.metrics.connections -= 1
@@ -2141,15 +2102,12 @@ class _Client(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        waiter = self._drain_waiter
-        if waiter is not None and not waiter.done():
-            _resolve(waiter)
-        elif self.relay is not None:
+        if self.relay is not None:
             self.relay.up.resume_reading()
-        elif self.task is None and not self.busy:
-            self.ingress._dispatch(self)   # pipelined requests waited for the client to read
+        elif not self.busy:
+            self.ingress._serve(self)   # pipelined requests waited for the client to read
 
-    # -- for the task ------------------------------------------------------------------------
+    # -- for the ingress -----------------------------------------------------------------------
     def buffered(self) -> int:
         conn = self.conn
         return len(conn.buf) if type(conn) is _ClientConn else len(conn.trailing_data[0])
@@ -2159,29 +2117,6 @@ class _Client(asyncio.Protocol):
             self._read_paused = False
             self.transport.resume_reading()
 
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        _resolve(waiter)
-
-    async def wait_data(self) -> None:
-        """Wait until more request bytes (or the end of them) reached self.conn."""
-        if self.closed:
-            return
-        self.resume_reading()
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter
-
-    async def drain(self) -> None:
-        """Wait while the client's write buffer is over its limit; ConnectionResetError once the
-        client is gone."""
-        if self.closed:
-            raise ConnectionResetError("the client closed the connection")
-        if self._write_paused:
-            waiter = self._drain_waiter = asyncio.get_running_loop().create_future()
-            await waiter
-            if self.closed:
-                raise ConnectionResetError("the client closed the connection")
-
     def between_requests(self) -> None:
         """An answer went out: the next head is due (bytes of it are here), or the client idles."""
         self.busy = self.head_only = False
@@ -2189,17 +2124,22 @@ class _Client(asyncio.Protocol):
         self.deadline = time.monotonic() + (IDLE_TIMEOUT_S if self.idle else HEAD_TIMEOUT_S)
 
     def finish(self) -> bool:
-        """After an answer: ready for the next request (True), or the connection is closed."""
+        """After an answer: ready for the next request (True), or the connection is closed. A
+        request h11 served gives the codec back what h11 buffered after it."""
         self.between_requests()
         conn = self.conn
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not self.closed:
             conn.start_next_cycle()
+            if type(conn) is not _ClientConn:
+                self.conn = _ClientConn.resume(conn)
             return True
         self.close()
         return False
 
     def close(self) -> None:
         """Close gracefully after a complete answer, abort in the middle of one."""
+        self.busy = False
+        self.ending = True
         if self.conn.our_state is h11.DONE or self.conn.our_state is h11.MUST_CLOSE:
             self.linger()
         else:
@@ -2208,6 +2148,7 @@ class _Client(asyncio.Protocol):
     def linger(self) -> None:
         """Close after a complete answer without a reset: send our FIN, then read and drop what
         the client still sends until it closes too, or for LINGER_S."""
+        self.ending = True
         transport = self.transport
         if transport.is_closing() or self.lingering:
             return
@@ -2225,8 +2166,8 @@ class _Client(asyncio.Protocol):
 # ---------------------------------------------------------------------------------------------
 RECEIVED, ROUTED, SENT, HEAD, BODY, STREAM, RETRIED, DONE, FAILED = (
     "received", "routed", "sent", "head", "body", "stream", "retried", "done", "failed")
-# state -> the states it may go to. Every proxied request runs down this table, whichever of the
-# callbacks or the connection's task moves it; a move not in it is a bug (RuntimeError -> 500).
+# state -> the states it may go to. Every proxied request runs down this table, moved by the
+# client's and the upstream's protocol callbacks; a move not in it is a bug (RuntimeError -> 500).
 EXCHANGE_LIFECYCLE = {
     RECEIVED: (ROUTED, FAILED),              # authenticated, parsed; candidates known
     ROUTED: (SENT, RETRIED, FAILED),         # the policy picked a session
@@ -2261,7 +2202,8 @@ class _Exchange:
 
     __slots__ = ("ingress", "client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
                  "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "state", "refusal", "refused", "request_id")
+                 "row_head", "state", "refusal", "refused", "request_id", "left", "up", "connecting",
+                 "head", "parts")
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -2276,6 +2218,11 @@ class _Exchange:
         self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
         self.refused: List[Candidate] = []   # sessions that answered this request with a 5xx
         self.request_id: bytes = client.request_id   # X-Request-Id (see Ingress._tag)
+        self.left: List[Candidate] = []   # the sessions it may still try
+        self.up: Optional[Upstream] = None   # the connection this attempt's answer comes on
+        self.connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
+        self.head: Optional[UpstreamHead] = None   # this attempt's answer head
+        self.parts: List[bytes] = []      # ... and its plain body so far
         ingress.metrics.inflight += 1
 
     @property
@@ -2316,11 +2263,17 @@ class _Exchange:
             self.refused.append(candidate)
         ingress.policy.on_request_end(candidate, self.routed, False)
 
-    def finish(self, outcome: str) -> bool:
-        """Book the end of the request (OUTCOMES), before its last byte goes out, so the ledger
-        row is journalled and the counts are right when the client has its answer. False when
-        it was finished already: nothing is booked twice."""
+    def finish(self, outcome: str, last: bytes = b"") -> bool:
+        """Book the end of the request (OUTCOMES) around `last`, the client's last bytes: the
+        ledger row is journalled before they go out (a kill -9 after the client has its answer
+        loses no row), the rest right after them, in the same callback, so no other event (no
+        request of this client or another) sees the counts before they are right, and the
+        answer does not wait for them. False when it was finished already: nothing is booked
+        twice."""
+        client = self.client
         if self.state is DONE or self.state is FAILED:
+            if last and not client.closed:
+                client.transport.write(last)
             return False
         state, status, ok, health, blame_refused, booked = OUTCOMES[outcome]
         attempt_open = self.state is not RECEIVED and self.state is not RETRIED
@@ -2332,6 +2285,9 @@ class _Exchange:
         ingress.metrics.inflight -= 1
         if booked:
             ingress._record(self, now)
+        if last and not client.closed:   # uvloop raises on a closed transport
+            client.transport.write(last)
+        if booked:
             ingress._account(self, now)
         candidate = self.candidate
         if attempt_open and health == "succeeded":
@@ -2357,10 +2313,15 @@ class Ingress:
                  no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
                  max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
                  require_code_hash: Optional[str] = None,
-                 aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = ()):
+                 aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
+                 warmup: Optional[float] = None):
         """`require_code_hash`: route only to sessions advertising this code hash ("self": what
-        a worker from this checkout advertises); see --require-code-hash."""
+        a worker from this checkout advertises); see --require-code-hash. `warmup`: seconds
+        after start during which, until a peer's record arrives, an unknown model is a 503
+        (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole)."""
         self.node = node
+        self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
+        self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
         self.aliases = dict(aliases or {})   # public name -> served models, tried in order
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
@@ -2402,6 +2363,9 @@ class Ingress:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
+        if self.warmup > 0 and not any(sid != self.node.session_id and ":" not in sid
+                                       for sid, _ in self.node.registry.items()):
+            self._warm_until = time.monotonic() + self.warmup
         self.ledger = Ledger(self.db_path, self._set_keys, self._set_key_records)
         self.cluster.adopt_slots(load_usage_slots(self.db_path))
         self.cluster.start(self._loop)
@@ -2460,6 +2424,8 @@ class Ingress:
         if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
             self.cluster.on_entry(sid, record)
             return
+        if sid != self.node.session_id:   # a peer's record: the registry is a peer's view now
+            self._warm_until = 0.0
         self._candidates = {}
 
     async def _sweep(self) -> None:
@@ -2500,6 +2466,10 @@ class Ingress:
             if allowed(key.allow, sid, record):
                 result.append(Candidate(sid, record))
         if not result:
+            if not known and self._warm_until and now < self._warm_until:   # not heard from a peer yet
+                raise HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
+                                     f"'{model}' may be served; retry", "no_healthy_provider",
+                                headers=[(b"retry-after", b"1")])
             if not known:
                 raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
                                 "model_not_found", "model")
@@ -2528,69 +2498,76 @@ class Ingress:
                 names.update(record.get("models") or ())
         return names
 
-    # -- HTTP server -------------------------------------------------------------------------
-    def _dispatch(self, client: _Client) -> None:
-        """Handle the requests buffered on a connection that no task owns: plain proxied ones
-        right here, the first other one by starting a task for it. Called from callbacks,
-        where a bug must cost this connection a 500, not go unseen."""
+    # -- HTTP server: the client connection's callbacks move its requests on -----------------
+    def _serve(self, client: _Client) -> None:
+        """Serve what is buffered on a connection: parse heads, read bodies, answer or send
+        upstream, until more bytes are needed, a request is in flight, our writes to the client
+        are over their limit, or the connection ends. Called from callbacks, where a bug must
+        cost this connection a 500, not go unseen."""
+        if client.serving:   # called back from inside itself: the loop below goes on
+            return
+        client.serving = True
         try:
-            self._dispatch_buffered(client)
+            self._serve_buffered(client)
+        except OSError:   # its socket failed under us (write_eof after a reset, say): it is gone
+            if client.exchange is not None:
+                self._abandon(client)
+            client.ending = True
+            client.transport.abort()
         except Exception as exc:
             self._internal_error(client, exc)
+        finally:
+            client.serving = False
 
-    def _dispatch_buffered(self, client: _Client) -> None:
-        conn = client.conn
-        while not client.closed and not client._write_paused:
-            if type(conn) is not _ClientConn:
-                self._spawn(client, self._client_loop(client))
-                return
+    def _serve_buffered(self, client: _Client) -> None:
+        while not client.busy and not client.ending and not client._write_paused:
+            if client.reading is not None:
+                if not self._read_step(client):
+                    return
+                continue
+            conn = client.conn
             try:
                 event = conn.next_event()
-            except h11.RemoteProtocolError:
-                self._spawn(client, self._client_loop(client))   # it reports the error
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
+                self._write_error(client, HTTPError(status, f"Bad HTTP request: {exc}", "bad_request"))
+                client.close()
                 return
             if event is h11.NEED_DATA:
                 client.resume_reading()
                 return
-            if type(event) is _FastRequest and event.method == b"POST" and event.target in PROXIED_PATHS:
-                fields = self._fields(event)
-                body = conn.whole_body() if fields is not None and conn.whole_length() <= self.max_body else None
-                if body is not None:
-                    if not self._fast_proxy(client, event.target, fields, body):
-                        return
-                    continue
-            self._spawn(client, self._client_loop(client, event))
-            return
+            t = type(event)
+            if t is _FastRequest:
+                if event.method == b"POST" and event.target in PROXIED_PATHS and conn.whole_length() <= self.max_body:
+                    body = conn.whole_body()
+                    if body is not None:   # the common case: the whole request is here
+                        self._tag(client, event.fields)   # X-Request-Id and CORS (see _tag)
+                        self._proxy(client, event.target, event.fields, body, time.monotonic())
+                        continue
+                self._begin(client, event)
+            elif event is _SWITCH:   # its framing passed the codec's check already
+                client.conn = conn.to_h11()
+            elif t is h11.Request:
+                self._begin(client, event)
+            else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
+                client.close()
+                return
 
-    def _spawn(self, client: _Client, work: Any) -> None:
-        client.task = asyncio.ensure_future(self._client_task(client, work))
-
-    async def _client_task(self, client: _Client, work: Any) -> None:
-        keep = False
-        try:
-            keep = await work
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        except Exception as exc:   # a bug must cost one connection, not the server
-            self._internal_error(client, exc)
-        finally:
-            client.task = None
-        if keep and not client.closed:
-            self._dispatch(client)
-        else:
-            client.busy = False
-            client.close()
-
-    def _internal_error(self, client: _Client, exc: Exception) -> None:
-        """A bug met while serving a request: say so on stderr and to the client (500), and
-        close the connection, whose state is unknown."""
+    def _internal_error(self, client: _Client, exc: BaseException) -> None:
+        """A bug met while serving a request: say so on stderr and to the client (500), book its
+        exchange as an error, and close the connection, whose state is unknown."""
         print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
               f"(request {client.request_id.decode() or '-'})", file=sys.stderr)
+        ex = client.exchange
+        if ex is not None:
+            self._drop_attempt(client)
+            ex.finish("error")
         try:
             self._write_error(client, HTTPError(500, "Internal error in the ingress", "internal_error"))
         except Exception:
             pass
         client.busy = False
+        client.ending = True
         client.transport.close()
 
     @staticmethod
@@ -2607,122 +2584,150 @@ class Ingress:
             fields[name] = value
         return fields if size <= MAX_HEADER_BYTES else None
 
-    async def _client_loop(self, client: _Client, event: Any = None) -> bool:
-        """Serve requests until the connection is back at a boundary with nothing buffered
-        (True: the callbacks take over again) or must close (False)."""
-        conn = client.conn
-        while True:
-            if event is None:
-                try:
-                    event = conn.next_event()
-                except h11.RemoteProtocolError as exc:
-                    status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
-                    await self._respond_error(client, HTTPError(status, f"Bad HTTP request: {exc}",
-                                                                "bad_request"))
-                    return False
-            if event is h11.NEED_DATA:
-                if type(conn) is _ClientConn and conn.their_state is h11.IDLE:
-                    return True
-                await client.wait_data()
-            elif event is _SWITCH:   # its framing passed the codec's check already
-                conn = client.conn = conn.to_h11()
-            elif type(event) is _FastRequest or type(event) is h11.Request:
-                fields = self._fields(event)
-                if fields is None:
-                    await self._respond_error(client, HTTPError(431, "Request headers too large",
-                                                                "headers_too_large"))
-                    return False
-                error = otela_node.framing_error(event.headers) if type(event) is h11.Request else None
-                if error is not None:   # a head h11 read whole (one after blank lines, say)
-                    await self._respond_error(client, HTTPError(400, f"Bad HTTP request: {error}",
-                                                                "bad_request"))
-                    return False
-                client.deadline = time.monotonic() + REQUEST_TIMEOUT_S   # for its body
-                try:
-                    await self._handle(client, event, fields)
-                finally:
-                    client.between_requests()
-                if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE \
-                        or conn.our_state is not h11.DONE:
-                    return False
-                conn.start_next_cycle()
-                if type(conn) is not _ClientConn:
-                    conn = client.conn = _ClientConn.resume(conn)
-            else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
-                return False
-            event = None
+    def _begin(self, client: _Client, request: Any) -> None:
+        """A request head other than a plain proxied request with its body buffered: checked,
+        then routed (see _route); an HTTPError is its answer."""
+        fields = self._fields(request)
+        if fields is None:
+            self._write_error(client, HTTPError(431, "Request headers too large", "headers_too_large"))
+            return client.close()
+        error = otela_node.framing_error(request.headers) if type(request) is h11.Request else None
+        if error is not None:   # a head h11 read whole (one after blank lines, say)
+            self._write_error(client, HTTPError(400, f"Bad HTTP request: {error}", "bad_request"))
+            return client.close()
+        t0 = time.monotonic()
+        client.deadline = t0 + REQUEST_TIMEOUT_S   # for its body
+        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
+        try:
+            self._route(client, request, fields, t0)
+        except HTTPError as exc:
+            self._write_error(client, exc)
+            client.finish()
 
-    async def _read_body(self, client: _Client, fields: Dict[bytes, bytes]) -> bytes:
+    def _route(self, client: _Client, request: Any, fields: Dict[bytes, bytes], t0: float) -> None:
+        path, _, query = request.target.partition(b"?")
+        method = request.method
+        if method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
+            self._write_response(client, 204, b"", extra=self._preflight(fields))
+            client.finish()
+            return
+        if method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
+            self.authenticate(fields)   # on the head: a stranger's body is never read
+            return self._read_body(client, fields, lambda body: self._proxy(client, path, fields, body, t0))
+        # a GET's stray small body (or its empty one) is read, to keep the connection; a bigger
+        # one is never read: the answer closes the connection
+        length = fields.get(b"content-length") or b"0"
+        small = client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
+            and int(length) <= MAX_HEADER_BYTES
+        if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
+            self.authenticate(fields, admin=True)   # on the head, like the proxy
+            if method == b"POST" or small:
+                return self._read_body(client, fields, lambda body: self._admin(client, method, path, query, body))
+            return self._admin(client, method, path, query, b"")
+        if small:
+            return self._read_body(client, fields, lambda _: self._get(client, method, path, query, fields))
+        self._get(client, method, path, query, fields)
+
+    def _read_body(self, client: _Client, fields: Dict[bytes, bytes], then: Callable[[bytes], None]) -> None:
+        """Read the request's body as it arrives (see _read_step), then `then(body)`."""
         length = fields.get(b"content-length")
         if length is not None and int(length) > self.max_body:
             raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes", "request_too_large")
-        conn, parts, size = client.conn, [], 0
+        conn = client.conn
         if conn.they_are_waiting_for_100_continue:
             client.transport.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                if client.closed or conn.trailing_data[1]:   # the client went away mid-body
-                    raise ConnectionResetError("incomplete request body") from None
-                raise HTTPError(400, f"Bad HTTP request body: {exc}", "bad_request") from None
-            if event is h11.NEED_DATA:
-                await client.wait_data()
-                continue
-            t = type(event)
-            if t is h11.Data:
-                size += len(event.data)
-                if size > self.max_body:
-                    raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes",
-                                    "request_too_large")
-                parts.append(event.data)
-            elif t is h11.EndOfMessage:
-                client.busy = True   # from here on the request is ours: no client timeout
-                return parts[0] if len(parts) == 1 else b"".join(parts)
-            else:
-                raise ConnectionResetError("client closed mid-request")
+        client.reading = _BodyRead(then)
 
-    async def _handle(self, client: _Client, request: h11.Request, fields: Dict[bytes, bytes]) -> None:
-        t0 = time.monotonic()
-        target = request.target
-        path, _, query = target.partition(b"?")
-        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
+    def _read_step(self, client: _Client) -> bool:
+        """Take what arrived of the body being read; once it is whole, go on with its request.
+        False while more of it is due (or the connection ended)."""
+        reading, conn = client.reading, client.conn
         try:
-            if request.method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
-                return await self._respond(client, 204, b"", extra=self._preflight(fields))
-            if request.method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
-                self.authenticate(fields)   # on the head: a stranger's body is never read
-                body = await self._read_body(client, fields)
-                ex, candidates = self._prepare(client, path, fields, body, t0)   # (a cached key: 0.1 us)
-                await self._attempts(ex, candidates)
-                return
-            if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
-                return await self._admin(client, request, fields, path, query)
-            length = fields.get(b"content-length") or b"0"
-            if client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
-                    and int(length) <= MAX_HEADER_BYTES:
-                await self._read_body(client, fields)   # a stray small body: keep the connection
-            # a bigger one is never read: the answer closes the connection
-            client.busy = True
-            client.head_only = request.method == b"HEAD"   # a GET whose answer has no body
-            handler = self._GET.get(path)
-            if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
-                # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
-                handler = functools.partial(Ingress._get_model, model=unquote(path[len(MODEL_PREFIX):].decode(
-                    "utf-8", "replace")))
-            shown = path.decode("utf-8", "replace")
-            if handler is None:
-                if path in PROXIED_PATHS:
-                    raise HTTPError(405, f"Use POST for {shown}", "method_not_allowed",
-                                    headers=[(b"allow", b"POST")])
-                raise HTTPError(404, f"No route for {request.method.decode('latin-1')} {shown}", "unknown_url")
-            if request.method != b"GET" and not client.head_only:
-                raise HTTPError(405, f"Use GET for {shown}", "method_not_allowed",
-                                headers=[(b"allow", b"GET, HEAD")])
-            status, content_type, payload = await handler(self, fields, query)
-            await self._respond(client, status, payload, content_type)
+            while True:
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    if client.closed or conn.trailing_data[1]:   # the client went away mid-body
+                        client.reading = None
+                        client.close()
+                        return False
+                    raise HTTPError(400, f"Bad HTTP request body: {exc}", "bad_request") from None
+                if event is h11.NEED_DATA:
+                    client.resume_reading()
+                    return False
+                t = type(event)
+                if t is h11.Data:
+                    reading.size += len(event.data)
+                    if reading.size > self.max_body:
+                        raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes",
+                                        "request_too_large")
+                    reading.parts.append(event.data)
+                elif t is h11.EndOfMessage:
+                    client.reading = None
+                    client.busy = True   # from here on the request is ours: no client timeout
+                    parts = reading.parts
+                    reading.then(parts[0] if len(parts) == 1 else b"".join(parts))
+                    return True
+                else:   # the client closed mid-request
+                    client.reading = None
+                    client.close()
+                    return False
         except HTTPError as exc:
-            await self._respond_error(client, exc)
+            client.reading = None
+            self._write_error(client, exc)
+            client.finish()
+            return True
+
+    def _get(self, client: _Client, method: bytes, path: bytes, query: bytes, fields: Dict[bytes, bytes]) -> None:
+        """A GET (or HEAD) endpoint: answered here, or, for one whose answer is computed
+        elsewhere (a usage query in an executor), when its future is done (_got)."""
+        client.busy = True
+        client.head_only = method == b"HEAD"   # a GET whose answer has no body
+        handler = self._GET.get(path)
+        if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
+            # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
+            handler = functools.partial(Ingress._get_model, model=unquote(path[len(MODEL_PREFIX):].decode(
+                "utf-8", "replace")))
+        shown = path.decode("utf-8", "replace")
+        if handler is None:
+            if path in PROXIED_PATHS:
+                raise HTTPError(405, f"Use POST for {shown}", "method_not_allowed", headers=[(b"allow", b"POST")])
+            raise HTTPError(404, f"No route for {method.decode('latin-1')} {shown}", "unknown_url")
+        if method != b"GET" and not client.head_only:
+            raise HTTPError(405, f"Use GET for {shown}", "method_not_allowed", headers=[(b"allow", b"GET, HEAD")])
+        answer = handler(self, fields, query)
+        if isinstance(answer, asyncio.Future):
+            client.waiting = answer
+            answer.add_done_callback(functools.partial(self._got, client))
+            return
+        status, content_type, payload = answer
+        self._write_response(client, status, payload, content_type)
+        client.finish()
+
+    def _got(self, client: _Client, answer: asyncio.Future) -> None:
+        """A GET endpoint's computed answer: to its client, then on to the next request."""
+        client.waiting = None
+        if client.closed or answer.cancelled():
+            return
+        exc = answer.exception()
+        if exc is not None and not isinstance(exc, HTTPError):
+            return self._internal_error(client, exc)
+        if exc is not None:
+            self._write_error(client, exc)
+        else:
+            status, content_type, payload = answer.result()
+            self._write_response(client, status, payload, content_type)
+        self._next(client)
+
+    def _next(self, client: _Client) -> None:
+        """A request was answered from a callback other than the client's (the upstream's, a
+        future's): on to the next request the client sent meanwhile."""
+        client.exchange = None
+        if client.finish():
+            if not client.idle:   # bytes of the next request are here already
+                self._serve(client)
+            elif client._read_paused:
+                client.resume_reading()
 
     # -- responses ---------------------------------------------------------------------------
     def _write_response(self, client: _Client, status: int, payload: bytes,
@@ -2741,12 +2746,6 @@ class Ingress:
         else:
             client.transport.write(out + _data(conn, payload) + _end(conn))
 
-    async def _respond(self, client: _Client, status: int, payload: bytes,
-                       content_type: bytes = b"application/json",
-                       extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
-        self._write_response(client, status, payload, content_type, extra)
-        await client.drain()
-
     def _write_error(self, client: _Client, exc: HTTPError, model: str = "", counted: bool = False) -> None:
         if not counted:
             self.metrics.errors[exc.code or str(exc.status)] += 1
@@ -2754,11 +2753,6 @@ class Ingress:
         if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param,
                                                                 exc.etype), extra=exc.headers)
-
-    async def _respond_error(self, client: _Client, exc: HTTPError, model: str = "",
-                             counted: bool = False) -> None:
-        self._write_error(client, exc, model, counted)
-        await client.drain()
 
     # -- auth --------------------------------------------------------------------------------
     def authenticate(self, fields: Dict[bytes, bytes], admin: bool = False) -> Key:
@@ -2824,119 +2818,19 @@ class Ingress:
         client.busy = True
         return _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0), candidates
 
-    def _fast_proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes) -> bool:
-        """Start a complete proxied request from the client's data_received. True when it was
-        answered already (an error) and the next buffered request may follow; False when it is
-        in flight (the upstream's hook or a task finishes it) or the connection closed."""
-        t0 = time.monotonic()
+    def _proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float) -> None:
+        """A proxied request with its whole body: checked, routed and sent upstream from here;
+        its answer comes back in the upstream connection's callbacks (_on_upstream)."""
         client.busy = True
-        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
         try:
             ex, candidates = self._prepare(client, path, fields, body, t0)
         except HTTPError as exc:
             self._write_error(client, exc)
-            return client.finish()
-        try:
-            healthy = self._healthy(candidates)
-            candidate = ex.pick(healthy)   # a user's policy may raise: a 500, booked as an error
-        except Exception:
-            ex.finish("error")
-            raise
-        up = self.pool.take_idle(candidate.addr)
-        if up is None:   # a new connection: the task makes it
-            self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
-            return False
-        try:
-            up.send(self._request_head(ex, candidate.addr) + ex.body)
-        except UpstreamFailure:   # closed under us: the task makes a new connection
-            self.pool.discard(up)
-            self._spawn(client, self._exchange(ex, healthy, (healthy, candidate, None)))
-            return False
-        ex.to(SENT)
-        up.proto.on_data = functools.partial(self._fast_answer, ex, up, candidate, healthy)
-        client.pending = (ex, up, candidate)
-        self._prepare_row(ex, candidate)   # while the engine works on the request
-        return False
-
-    def _abandon(self, client: _Client) -> None:
-        """The client of a request started in the callbacks left before its answer: close the
-        engine connection (the engine can stop) and meter the request as 499."""
-        ex, up, candidate = client.pending
-        client.pending = None
-        up.proto.on_data = None
-        self.pool.discard(up)
-        ex.finish("gone")
-        client.busy = False
-
-    def _fast_answer(self, ex: _Exchange, up: Upstream, candidate: Candidate,
-                     healthy: List[Candidate]) -> None:
-        """The upstream's hook for a request started in the callbacks: a plain answer finishes
-        here; anything else (a retryable status, a chunked or partial body, a failure) goes on
-        in a task, as if the task had sent the request."""
-        client = ex.client
-        try:
-            done = self._fast_answer_step(ex, up, candidate, healthy)
-        except Exception as exc:   # from the upstream's data_received: nobody else would see it
-            client.pending = None
-            up.proto.on_data = None
-            self.pool.discard(up)
-            ex.finish("error")
-            self._internal_error(client, exc)
+            client.finish()
             return
-        if done and client.finish():
-            self._dispatch(client)   # the requests the client pipelined meanwhile
-
-    def _fast_answer_step(self, ex: _Exchange, up: Upstream, candidate: Candidate,
-                          healthy: List[Candidate]) -> bool:
-        """True when the answer is complete."""
-        if ex.routed.stream:
-            head = self._hook_head(up)
-            if head is not None:
-                if head.status == 200:
-                    ex.to(HEAD)
-                    ex.status = 200
-                    ex.to(STREAM)
-                    ex.client.pending = None   # the relay watches the client from here
-                    on_end = functools.partial(self._fast_stream_end, ex, candidate, healthy)
-                    _Relay(self, ex, up, head, on_end).pump()
-                    return False
-                up.pending_head = head   # an error answer: the task reads it and decides
-        else:
-            self._finish_plain(ex, up, candidate)
-        if ex.state is DONE:
-            ex.client.pending = None
-            up.pending_head = None
-            self.pool.release(up)
-            return True
-        if up.pending_head is not None or up.pending_exc is not None or up.proto.eof:
-            ex.client.pending = None   # the task watches the client from here
-            up.proto.on_data = None
-            self._spawn(ex.client, self._exchange(ex, healthy, (healthy, candidate, up)))
-        return False
-
-    def _fast_stream_end(self, ex: _Exchange, candidate: Candidate, healthy: List[Candidate],
-                         result: Any) -> None:
-        """The end of a stream relayed for a request started in the callbacks (see _Relay)."""
-        client = ex.client
-        if isinstance(result, UpstreamFailure):   # nothing went out yet: a task tries the others
-            ex.retry(blame=True)
-            pool = [c for c in healthy if c is not candidate]
-            self._spawn(client, self._exchange(ex, pool, (pool, None, None), str(result)))
-            return
-        if isinstance(result, BaseException):
-            ex.finish("gone" if isinstance(result, OSError) else "error")
-            if not isinstance(result, OSError):
-                self._internal_error(client, result)   # type: ignore[arg-type]
-            client.busy = False
-            client.close()
-        elif client.finish():   # the relay finished the exchange ("ok", or "cut")
-            self._dispatch(client)
-
-    async def _exchange(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
-                        failure: str = "no attempt made") -> bool:
-        """A task's part of a request started in the callbacks; True to go on with the connection."""
-        await self._attempts(ex, candidates, started, failure)
-        return ex.client.finish()
+        client.exchange = ex
+        ex.left = self._healthy(candidates)
+        self._next_attempt(ex, "no attempt made")
 
     def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
         """The candidates not out of rotation for failing (all of them if every one is)."""
@@ -2946,52 +2840,189 @@ class Ingress:
         now = time.monotonic()
         return [c for c in candidates if not health.is_sick(c.session, now)] or candidates
 
-    async def _attempts(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple] = None,
-                        failure: str = "no attempt made") -> None:
-        """Try sessions until one answers. `started`: (pool, candidate or None, upstream or None)
-        where attempts began in the callbacks: the sessions left, the one picked (with the
-        connection the request already went out on). Whatever stops it, the exchange is finished."""
-        try:
-            await self._try_sessions(ex, candidates, started, failure)
-        except BaseException as exc:   # the client left (reset, or its task cancelled), or a bug
-            gone = ex.client.closed or isinstance(exc, (OSError, asyncio.CancelledError))
-            ex.finish("gone" if gone else "error")
-            raise
+    # Who is to blame decides what happens next: a session that fails to answer (connect, reset,
+    # bad framing) counts against its passive health and the request moves on; an engine's 4xx
+    # is the request's (passed through, never retried); a 5xx answer is held against nobody
+    # until another session judges the same request: a success there blames the first, a
+    # second 5xx blames the request (a poison one), whose client gets that answer as it is.
+    def _next_attempt(self, ex: _Exchange, failure: str) -> None:
+        """Try the session the policy picks next, or answer 502 once MAX_ATTEMPTS sessions (or
+        every one there is) failed to answer."""
+        left = ex.left
+        if not left or ex.attempts >= MAX_ATTEMPTS:
+            exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
+                            "upstream_failed")
+            ex.finish("exhausted")
+            self._write_error(ex.client, exc, ex.routed.model, counted=True)
+            return self._next(ex.client)
+        self._send(ex, ex.pick(left), fresh=False)
 
-    async def _try_sessions(self, ex: _Exchange, candidates: List[Candidate], started: Optional[tuple],
-                            failure: str) -> None:
-        """Who is to blame decides what happens: a session that fails to answer (connect, reset,
-        bad framing) counts against its passive health and the request moves on; an engine's 4xx
-        is the request's (passed through, never retried); a 5xx answer is held against nobody
-        until another session judges the same request: a success there blames the first, a
-        second 5xx blames the request (a poison one), whose client gets that answer as it is."""
-        pool, candidate, up = started or (self._healthy(candidates), None, None)
-        while True:
-            if candidate is None:
-                if not pool or ex.attempts >= MAX_ATTEMPTS:
-                    break
-                candidate = ex.pick(pool)
+    def _send(self, ex: _Exchange, candidate: Candidate, fresh: bool) -> None:
+        """Send this attempt on a kept-alive connection to its session, or on a new one once it
+        is open (_connected)."""
+        up = None if fresh else self.pool.take_idle(candidate.addr)
+        if up is None:
+            connecting = ex.connecting = asyncio.ensure_future(self.pool.acquire(candidate.addr, True))
+            connecting.add_done_callback(functools.partial(self._connected, ex, candidate))
+            return
+        self._send_on(ex, candidate, up)
+
+    def _connected(self, ex: _Exchange, candidate: Candidate, connecting: asyncio.Future) -> None:
+        """A new connection for an attempt is open, or failed to open."""
+        if ex.connecting is not connecting:   # the client left (or the ingress stopped) meanwhile
+            if not connecting.cancelled() and connecting.exception() is None:
+                self.pool.discard(connecting.result())
+            return
+        ex.connecting = None
+        if connecting.cancelled():
+            return
+        try:
+            exc = connecting.exception()
+            if isinstance(exc, UpstreamFailure):
+                return self._attempt_failed(ex, str(exc))
+            if exc is not None:
+                raise exc
+            self._send_on(ex, candidate, connecting.result())
+        except Exception as exc:   # a bug, from a future's callback: nobody else would see it
+            self._internal_error(ex.client, exc)
+
+    def _send_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
+        try:
+            up.send(self._request_head(ex, candidate.addr) + ex.body)
+        except UpstreamFailure as exc:
+            self.pool.discard(up)
+            if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
+                return self._send(ex, candidate, fresh=True)
+            return self._attempt_failed(ex, str(exc))
+        ex.to(SENT)
+        ex.up, ex.head = up, None
+        up.proto.on_data = functools.partial(self._on_upstream, ex, up)
+        if ex.row_head is None or ex.row_head[0] is not candidate:
+            self._prepare_row(ex, candidate)   # while the engine works on the request
+        if up.buf or up.proto.eof:   # it spoke (or closed) before we listened
+            self._on_upstream(ex, up)
+
+    def _attempt_failed(self, ex: _Exchange, reason: str) -> None:
+        """The attempt's session failed to answer: it is blamed, and the next one is tried."""
+        candidate = ex.candidate
+        ex.retry(blame=True)
+        ex.left = [c for c in ex.left if c is not candidate]
+        self._next_attempt(ex, reason)
+
+    def _on_upstream(self, ex: _Exchange, up: Upstream) -> None:
+        """The upstream protocol's hook while an attempt's answer head, or its plain body, comes."""
+        try:
+            self._upstream_step(ex, up)
+        except Exception as exc:   # from the upstream's data_received: nobody else would see it
+            self._internal_error(ex.client, exc)
+
+    def _upstream_step(self, ex: _Exchange, up: Upstream) -> None:
+        head = ex.head
+        if head is None:
             try:
-                await self._attempt(ex, candidate, up)
+                head = up.parse_head()
             except UpstreamFailure as exc:
-                failure = str(exc)
-                ex.retry(blame=True)
-            else:
-                if ex.finished:   # answered, or a stream cut after its first bytes
-                    return
-                if ex.refused:   # a second session refuses this request: the request's fault
-                    head, payload = ex.refusal
-                    self._send_plain(ex, candidate, head, payload, "poison")
-                    await ex.client.drain()
-                    return
-                failure = f"{candidate.addr} answered {ex.status}"
-                ex.retry(blame=False)
-            pool = [c for c in pool if c is not candidate]
-            candidate = up = None
-        exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
-                        "upstream_failed")
-        ex.finish("exhausted")
-        await self._respond_error(ex.client, exc, ex.routed.model, counted=True)
+                return self._upstream_failed(ex, up, str(exc))
+            if head is None:
+                if up.proto.eof:
+                    exc = up.proto.exc
+                    return self._upstream_failed(ex, up, f"{up.addr}: connection closed before a response"
+                                                 + (f" ({exc})" if exc else ""))
+                return
+            ex.head = head
+            ex.to(HEAD)
+            ex.status = head.status
+            if ex.routed.stream and head.status == 200:
+                ex.to(STREAM)
+                ex.up = ex.client.exchange = None   # the relay has both from here
+                _Relay(self, ex, up, head, functools.partial(self._stream_end, ex)).pump()
+                return
+            body = up.body
+            if head.status not in RETRY_STATUSES and (body.done or body.framing is otela_node.LENGTH
+                                                      and body.remaining <= len(up.buf)):
+                payload = body.take(up.buf) or b""   # the whole body is here: one piece
+                ex.up = None
+                up.proto.on_data = None
+                self._send_plain(ex, ex.candidate, head, payload)
+                self.pool.release(up)   # after the answer went out, before the next request
+                return self._next(ex.client)
+            ex.to(BODY)
+            ex.parts = []
+        parts = ex.parts
+        try:
+            while True:
+                piece = up.take()
+                if piece is None:
+                    break
+                if not piece:
+                    if not up.proto.eof:   # more is due
+                        up.last = time.monotonic()
+                        up.resume_reading()
+                        return
+                    up.end_of_stream()   # the end of an until-close body, or a failure
+                    break
+                parts.append(piece)
+        except UpstreamFailure as exc:
+            return self._upstream_failed(ex, up, str(exc))
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        ex.up = None
+        self.pool.release(up)
+        candidate = ex.candidate
+        if head.status not in RETRY_STATUSES:
+            self._send_plain(ex, candidate, head, payload)
+        elif ex.refused:   # a second session refuses this request: the request's fault
+            self._send_plain(ex, candidate, head, payload, "poison")
+        else:   # held against nobody until another session judges the same request
+            ex.refusal = (head, payload)
+            ex.retry(blame=False)
+            ex.left = [c for c in ex.left if c is not candidate]
+            return self._next_attempt(ex, f"{candidate.addr} answered {head.status}")
+        self._next(ex.client)
+
+    def _upstream_failed(self, ex: _Exchange, up: Upstream, reason: str) -> None:
+        ex.up = None
+        up.proto.on_data = None
+        self.pool.discard(up)
+        if ex.head is None and up.reused:   # a stale pooled connection: again on a fresh one, no failure
+            return self._send(ex, ex.candidate, fresh=True)
+        self._attempt_failed(ex, reason)
+
+    def _stream_end(self, ex: _Exchange, result: Any) -> None:
+        """The end of a relayed stream (see _Relay)."""
+        client = ex.client
+        try:
+            if isinstance(result, UpstreamFailure):   # nothing went out yet: the next session
+                client.exchange = ex
+                return self._attempt_failed(ex, str(result))
+            if isinstance(result, BaseException):   # the client went away, or a bug
+                ex.finish("gone" if isinstance(result, OSError) else "error")
+                if not isinstance(result, OSError):
+                    return self._internal_error(client, result)
+                return client.close()
+            self._next(client)   # the relay finished the exchange ("ok", or "cut")
+        except Exception as exc:
+            self._internal_error(client, exc)
+
+    def _drop_attempt(self, client: _Client) -> None:
+        """Stop the attempt in flight for the client's exchange: its upstream connection closes
+        (the engine can stop working for nobody), a connection being opened is given up."""
+        ex = client.exchange
+        client.exchange = None
+        up, connecting = ex.up, ex.connecting
+        ex.up = ex.connecting = None
+        if up is not None:
+            up.proto.on_data = None
+            self.pool.discard(up)
+        if connecting is not None:
+            connecting.cancel()
+
+    def _abandon(self, client: _Client) -> None:
+        """The client left before its answer: the engine connection closes and the request is
+        metered as 499."""
+        ex = client.exchange
+        self._drop_attempt(client)
+        ex.finish("gone")
+        client.busy = False
 
     def _request_head(self, ex: _Exchange, addr: str) -> bytes:
         return b"".join((b"POST ", ex.path, b" HTTP/1.1\r\nhost: ", addr.encode(),
@@ -2999,81 +3030,10 @@ class Ingress:
                          self._tunnel_line,
                          b"accept: text/event-stream\r\n\r\n" if ex.routed.stream else b"\r\n"))
 
-    async def _exchange_head(self, ex: _Exchange, candidate: Candidate,
-                             fresh: bool = False) -> Tuple[Upstream, UpstreamHead]:
-        """Send the request and read the response head; a stale pooled connection is replaced
-        by a fresh one to the same provider without counting as a failure."""
-        request = self._request_head(ex, candidate.addr) + ex.body
-        while True:
-            up = await self.pool.acquire(candidate.addr, fresh)
-            try:
-                if not ex.routed.stream:
-                    up.proto.on_data = functools.partial(self._finish_plain, ex, up, candidate)
-                up.send(request)
-                ex.to(SENT)
-                if ex.row_head is None or ex.row_head[0] is not candidate:
-                    self._prepare_row(ex, candidate)   # while the engine works on the request
-                return up, await up.read_head()
-            except UpstreamFailure:
-                self.pool.discard(up)
-                if up.reused and not fresh:
-                    fresh = True
-                    continue
-                raise
-            except BaseException:
-                self.pool.discard(up)
-                raise
-
-    async def _attempt(self, ex: _Exchange, candidate: Candidate, up: Optional[Upstream] = None) -> None:
-        """One try on one session (`up`: the request already went out on it). On return the
-        exchange is finished (the client has its answer), or it holds the session's 5xx in
-        ex.refusal; UpstreamFailure: the session failed to answer."""
-        if up is None:
-            up, head = await self._exchange_head(ex, candidate)
-        else:
-            try:
-                head = await up.read_head()
-            except UpstreamFailure:
-                self.pool.discard(up)
-                if not up.reused:
-                    raise
-                up, head = await self._exchange_head(ex, candidate, fresh=True)
-            except BaseException:
-                self.pool.discard(up)
-                raise
-        if ex.state is DONE:   # the upstream's hook answered the client already
-            self.pool.release(up)
-            await ex.client.drain()
-            return
-        ex.to(HEAD)
-        try:
-            ex.status = head.status
-            if ex.routed.stream and head.status == 200:
-                ex.to(STREAM)
-                await self._relay_stream(ex, up, head)
-                return
-            ex.to(BODY)
-            parts = []
-            while True:
-                piece = await up.read_body()
-                if piece is None:
-                    break
-                parts.append(piece)
-        except BaseException:
-            self.pool.discard(up)
-            raise
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        self.pool.release(up)
-        if head.status in RETRY_STATUSES:
-            ex.refusal = (head, payload)
-            return
-        self._send_plain(ex, candidate, head, payload)
-        await ex.client.drain()
-
     def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes,
                     outcome: str = "ok") -> None:
         """Finish the exchange (its ledger row journalled), then send the whole answer to the
-        client (no await: the upstream protocol's hook calls this from data_received)."""
+        client."""
         ex.status = head.status
         if head.status == 200:
             ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
@@ -3086,63 +3046,7 @@ class Ingress:
                                                      (b"content-length", b"%d" % len(payload)),
                                                      (SESSION_HEADER, candidate.session_bytes)])
             out += _data(conn, payload) + _end(conn)
-        client = ex.client
-        ex.finish("gone" if client.closed else outcome)   # answered, but nobody left to hear it
-        if not client.closed:   # uvloop raises on a closed transport
-            client.transport.write(out)
-
-    def _hook_head(self, up: Upstream) -> Optional[UpstreamHead]:
-        """In an on_data hook: the response head once all of it is in (consumed), else None; a
-        bad one leaves its UpstreamFailure in up.pending_exc for the task."""
-        if up.pending_head is not None or up.pending_exc is not None:
-            return None   # handed over already; the task takes it from here
-        try:
-            return up.parse_head()
-        except UpstreamFailure as exc:
-            up.pending_exc = exc
-            return None
-
-    def _finish_plain(self, ex: _Exchange, up: Upstream, candidate: Candidate) -> None:
-        """The upstream protocol's hook for a plain (not streamed) answer: when the head and a
-        Content-Length body are in, answer the client right here; anything else (a retryable
-        status, a chunked or partial body, a bad head) is handed to the task as it was."""
-        head = self._hook_head(up)
-        if head is None:
-            return
-        body = up.body
-        if head.status not in RETRY_STATUSES and (body.done or body.framing is otela_node.LENGTH
-                                                  and body.remaining <= len(up.buf)):
-            payload = body.take(up.buf) or b""   # the whole body is here: one piece
-            try:
-                ex.to(HEAD)
-                self._send_plain(ex, candidate, head, payload)
-            except Exception as exc:   # not from a data_received callback: the task reports it
-                up.pending_exc = exc
-                return
-        up.pending_head = head
-
-    async def _relay_stream(self, ex: _Exchange, up: Upstream, head: UpstreamHead) -> None:
-        """Relay an SSE stream (see _Relay) and wait for its end. Before the first byte reaches
-        the client a failure raises UpstreamFailure (retried elsewhere); after it, the stream
-        ends with an error event and [DONE] (the exchange finished as "cut")."""
-        done = asyncio.get_running_loop().create_future()
-
-        def on_end(result: Any) -> None:
-            if done.done():
-                return
-            if isinstance(result, BaseException):
-                done.set_exception(result)
-            else:
-                done.set_result(result)
-
-        relay = _Relay(self, ex, up, head, on_end)
-        relay.pump()
-        try:
-            await done
-        except asyncio.CancelledError:
-            if not relay.ended:
-                relay._end(False, discard=True)
-            raise
+        ex.finish("gone" if ex.client.closed else outcome, out)   # "gone": answered, but nobody left to hear it
 
     def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
         ex.sent = True
@@ -3263,13 +3167,9 @@ class Ingress:
     # GET  /v1/admin/keys                    every key of the cluster, with use against budget
     # POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
     # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key, model and day
-    async def _admin(self, client: _Client, request: Any, fields: Dict[bytes, bytes], path: bytes,
-                     query: bytes) -> None:
-        self.authenticate(fields, admin=True)   # on the head, like the proxy
-        method = request.method
-        body = b""
-        if method == b"POST":
-            body = await self._read_body(client, fields)
+    def _admin(self, client: _Client, method: bytes, path: bytes, query: bytes, body: bytes) -> None:
+        """An admin request (its key checked on the head, its body read whole); an HTTPError is
+        its answer."""
         client.busy = True
         rest = path[len(ADMIN_PREFIX):].decode("utf-8", "replace").strip("/").split("/")
         if rest == ["keys"] and method == b"GET":
@@ -3284,7 +3184,8 @@ class Ingress:
         else:
             raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
                                  f"{path.decode('utf-8', 'replace')}", "unknown_url")
-        await self._respond(client, 200, crdt.dumps(payload))
+        self._write_response(client, 200, crdt.dumps(payload))
+        client.finish()
 
     def _admin_keys(self) -> List[Dict[str, Any]]:
         now = time.time()
@@ -3352,8 +3253,8 @@ class Ingress:
         totals = {f: sum(r[f] for r in data) for f in crdt.USAGE_COUNTS}
         return {"object": "list", "since": since, "data": data, "totals": totals}
 
-    # -- GET endpoints -----------------------------------------------------------------------
-    async def _get_healthz(self, fields, query):
+    # -- GET endpoints: (status, content type, payload), or a future of it ----------------------
+    def _get_healthz(self, fields, query):
         serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
                       and r.get("role", "worker") == "worker")
         ledger = self.ledger
@@ -3365,7 +3266,7 @@ class Ingress:
                        "failed_commits": ledger.failed_commits if ledger is not None else 0,
                        "pending_rows": ledger.pending() if ledger is not None else 0}})
 
-    async def _get_registry(self, fields, query):
+    def _get_registry(self, fields, query):
         view = self.node.registry_view()
         if isinstance(view, dict):
             now = time.monotonic()
@@ -3373,14 +3274,14 @@ class Ingress:
                                        "auth": not self.no_auth})
         return 200, b"application/json", crdt.dumps(view)
 
-    async def _get_models(self, fields, query):
+    def _get_models(self, fields, query):
         key = self.authenticate(fields)
         created = int(time.time())
         data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
                 for m in self.models(key)]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
 
-    async def _get_model(self, fields, query, model: str):
+    def _get_model(self, fields, query, model: str):
         key = self.authenticate(fields)
         if model not in self.models(key):
             raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
@@ -3388,7 +3289,7 @@ class Ingress:
         return 200, b"application/json", crdt.dumps({"id": model, "object": "model",
                                                      "created": int(time.time()), "owned_by": "otela"})
 
-    async def _get_usage(self, fields, query):
+    def _get_usage(self, fields, query):
         self.authenticate(fields, admin=True)
         try:
             params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
@@ -3398,17 +3299,17 @@ class Ingress:
             days = max(1, min(3660, int(params.get("days", "31"))))
         except ValueError:
             raise HTTPError(400, "days must be an integer", "invalid_parameter", "days") from None
-        def flush_and_query():
+        def flush_and_query():   # off the event loop: SQLite
             if self.ledger is not None:
                 self.ledger.flush()   # every completed request is in the answer
-            return query_usage(self.db_path, days, params.get("user"), params.get("model"))
-        result = await asyncio.get_running_loop().run_in_executor(None, flush_and_query)
-        return 200, b"application/json", crdt.dumps(result)
+            result = query_usage(self.db_path, days, params.get("user"), params.get("model"))
+            return 200, b"application/json", crdt.dumps(result)
+        return asyncio.get_running_loop().run_in_executor(None, flush_and_query)
 
-    async def _get_usage_stats(self, fields, query):
+    def _get_usage_stats(self, fields, query):
         return 200, b"application/json", crdt.dumps(self.stats.view(time.monotonic()))
 
-    async def _get_metrics(self, fields, query):
+    def _get_metrics(self, fields, query):
         states: Dict[str, int] = collections.defaultdict(int)
         suspected = 0
         for sid, record in self.node.registry.items():
@@ -3422,7 +3323,7 @@ class Ingress:
                                    ledger.pending() if ledger is not None else 0)
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
-    async def _get_dashboard(self, fields, query):
+    def _get_dashboard(self, fields, query):
         return 200, b"text/html; charset=utf-8", DASHBOARD_HTML
 
     _GET = {b"/healthz": _get_healthz, b"/v1/registry": _get_registry, b"/v1/models": _get_models,

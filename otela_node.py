@@ -1475,11 +1475,12 @@ def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
 
 def _fields(block: bytes, size: int) -> MessageHead:
     """The head of the field lines in `block` (already matched by a head pattern, so every line
-    is `token:value` ending CRLF), framed. Split and partition, not a regex: half the time."""
-    headers = []
-    for line in block.split(b"\r\n")[:-1]:
-        name, _, value = line.partition(b":")
-        headers.append((name.lower(), value.strip(b" \t")))
+    is `token:value` ending CRLF), framed. Split and partition, not a regex: half the time; the
+    partitions in C (map), one comprehension for the rest: this ran twice per proxied request."""
+    lines = block.split(b"\r\n")
+    lines.pop()                        # the empty piece after the last CRLF
+    headers = [(name.lower(), value.strip(b" \t"))
+               for name, _, value in map(bytes.partition, lines, [b":"] * len(lines))]
     fields = dict(headers)
     head = MessageHead(headers, fields, size)
     length, coding = fields.get(b"content-length"), fields.get(b"transfer-encoding")
@@ -1698,7 +1699,27 @@ class BodyReader:
             return piece
         pieces: list = []
         data = bytes(buf)
-        used = self.feed(data, pieces)
+        used = 0
+        if self.state is _SIZE and not self._line:
+            # whole chunks, the way an engine writes an SSE event: one size line, its data, CRLF;
+            # anything else (a chunk cut by the read, the last chunk, bad framing) from `used`
+            # on is feed's, in the same state, to judge
+            find, size_line, max_chunk, append = data.find, _CHUNK_SIZE.fullmatch, self.max_chunk, pieces.append
+            while True:
+                eol = find(b"\n", used)
+                match = size_line(data, used, eol) if eol > used else None
+                if match is None:
+                    break
+                start = eol + 1
+                end = start + int(match.group(1), 16)
+                if not start < end <= start + max_chunk or data[end:end + 2] != b"\r\n":
+                    break
+                append(data[start:end])
+                used = end + 2
+            if used < len(data):
+                used += self.feed(data[used:] if used else data, pieces)
+        else:
+            used = self.feed(data, pieces)
         if used == len(buf):
             buf.clear()
         else:

@@ -550,6 +550,8 @@ def ingress_restart(args: argparse.Namespace, sig: int, nodes: int = 3, down_s: 
                served=served is not None, serving_after_s=round(served - started_at, 2) if served else None,
                nodes_noticed_after_s=round(noticed - stopped_at, 2) if noticed else None,
                errors_until_serving=errors(load.select("plain", started_at, end)), requests_while_up=len(while_up),
+               # 503 + Retry-After while it has not heard from a node yet: the openai client retries those
+               retryable_503s_while_up=sum(1 for r in while_up if r[3] == "http 503"),
                down_s=round(started_at - stopped_at, 2), ledger_ok=ledger_ok, outcomes=load.outcomes())
 
 

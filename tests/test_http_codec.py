@@ -289,6 +289,40 @@ def test_a_body_read_in_any_pieces_ends_where_it_ends_read_whole(data, cuts):
         assert (used, b"".join(split_pieces)) == (whole_used, b"".join(whole_pieces))
 
 
+@EXAMPLES
+@given(data=responses(), cuts=st.lists(st.integers(0, 200), max_size=6))
+def test_a_body_taken_off_a_buffer_in_any_pieces_is_the_body_read_whole(data, cuts):
+    """BodyReader.take (its fast loop over whole chunks, then feed for the rest) hands out the
+    bytes feed finds reading the body whole, leaves what follows the body in the buffer, and
+    raises where feed finds bad framing, after the good bytes before it."""
+    data, method = data
+    try:
+        head = on.parse_response(data, method == b"HEAD")
+    except HTTPViolation:
+        return
+    if head is None:
+        return
+    body = data[head.size:]
+    whole, whole_pieces = BodyReader(head.framing, head.length), []
+    whole_used = whole.feed(body, whole_pieces)
+    reader, buf, taken, fed, failed = BodyReader(head.framing, head.length), bytearray(), [], 0, False
+    for cut in sorted(set(cuts)) + [len(body)] * 3:   # at the end: until it ends, fails or waits
+        buf += body[fed:max(fed, cut)]
+        fed = max(fed, cut)
+        try:
+            piece = reader.take(buf)
+        except HTTPViolation:
+            failed = True
+            break
+        if piece is None:
+            break
+        taken.append(piece)
+    assert failed == (whole.error is not None)
+    assert b"".join(taken) == b"".join(whole_pieces)
+    if whole.done:
+        assert reader.done and bytes(buf) + body[fed:] == body[whole_used:]
+
+
 # -- the rules, one by one ------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, why", [
     (b"content-length: 5\r\ntransfer-encoding: chunked", "both Content-Length and Transfer-Encoding"),

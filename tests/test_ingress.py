@@ -9,6 +9,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_ingress_support import Client, Stack, sse_events
 
 import crdt
@@ -405,6 +407,43 @@ def test_stream_watch_strips_the_usage_only_chunk_even_when_split_across_reads()
         assert (watch.prompt_tokens, watch.completion_tokens) == (3, 2)
     watch = StreamWatch(strip=False)
     assert watch.feed(stream) == stream and watch.completion_tokens == 2
+
+
+
+def _take_usage_by_splitting(watch: StreamWatch, piece: bytes) -> bytes:
+    """The reference: every event split out, each one with a usage object read (and a usage-only
+    one dropped when the client did not ask for it)."""
+    import re
+    kept = []
+    for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", piece):
+        if not event:
+            continue
+        if otela_ingress._USAGE.search(event) is not None:
+            watch.prompt_tokens, watch.completion_tokens = otela_ingress.usage_of(event)
+            watch.saw_usage = True
+            if watch.strip and re.search(rb'"choices"\s*:\s*\[\s*\]', event):
+                continue
+        kept.append(event)
+    return b"".join(kept)
+
+
+_SSE_EVENTS = st.sampled_from([
+    b'data: {"choices":[{"delta":{"content":"a"}}]}',
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}',
+    b'data: {"choices":[{"delta":{}}],"usage":{"prompt_tokens":5,"completion_tokens":7}}',
+    b'data: {"usage" : {"prompt_tokens":1}, "choices" : [ ]}',
+    b": keep-alive", b"data: [DONE]", b'data: {"usage":{', b"event: x\ndata: y", b'data: "usage"', b':{"a":1}'])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_SSE_EVENTS, st.sampled_from([b"\n\n", b"\r\n\r\n", b"\n"])), max_size=12),
+       st.booleans())
+def test_the_usage_reader_agrees_with_splitting_every_event(events, strip):
+    piece = b"".join(event + end for event, end in events)
+    fast, slow = StreamWatch(strip), StreamWatch(strip)
+    assert fast._take_usage(piece) == _take_usage_by_splitting(slow, piece)
+    assert (fast.prompt_tokens, fast.completion_tokens, fast.saw_usage) == \
+        (slow.prompt_tokens, slow.completion_tokens, slow.saw_usage)
 
 
 # -- the usage ledger ------------------------------------------------------------------------------

@@ -435,7 +435,7 @@ def test_an_engine_with_broken_framing_costs_the_client_a_clean_502(stack, answe
     stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
     client = Client(stack.url, stack.key(), timeout=10)
     try:
-        for _ in range(2):   # the callbacks' path (a pooled connection), then the task's
+        for _ in range(2):   # twice: nothing of the first failure lingers
             status, headers, body = client.chat(stream=stream)
             error = openai_error(body)
             assert (status, error["type"], error["code"]) == (502, "server_error", "upstream_failed")

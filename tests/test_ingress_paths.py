@@ -1,6 +1,6 @@
-"""The ingress's two ways of serving a request: in the connection callbacks (a plain request whose
-whole body is buffered, on a kept-alive upstream connection) and in a task (everything else), and
-the hand-overs between them."""
+"""The ingress's one request engine, its protocol callbacks, on every path: a plain request whose
+whole body is buffered on a kept-alive upstream connection, a body arriving in pieces, a new
+upstream connection, a retry, a stream, a request h11 judges; no task ever owns a connection."""
 from __future__ import annotations
 
 import asyncio
@@ -67,8 +67,8 @@ CHAT = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}
 
 def test_a_pooled_connection_the_engine_closed_is_replaced_without_an_error(stack):
     # the engine answers once per connection, then drops the next request unanswered: the
-    # second request (sent from the callbacks on the pooled connection) goes on in a task on
-    # a fresh connection to the same engine
+    # second request (sent on the pooled connection) goes again on a fresh connection to the
+    # same engine, not counted as a retry
     engine = ScriptedEngine(stack, lambda n: _plain(ANSWER) if n == 0 else None)
     stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
     client = Client(stack.url, stack.key())
@@ -81,7 +81,7 @@ def test_a_pooled_connection_the_engine_closed_is_replaced_without_an_error(stac
     assert stack.sql("SELECT count(*), sum(prompt_tokens), sum(attempts) FROM requests") == [(4, 12, 4)]
 
 
-def test_a_chunked_plain_answer_and_a_500_are_handed_to_the_task(stack):
+def test_a_chunked_plain_answer_and_a_500_are_read_in_pieces_and_retried(stack):
     chunked = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
                b"%x\r\n%s\r\n0\r\n\r\n" % (len(ANSWER), ANSWER))
     flaky = ScriptedEngine(stack, lambda n: _plain(b'{"error":"boom"}', b"500 Internal Server Error"))
@@ -104,7 +104,7 @@ def test_a_body_in_pieces_then_plain_requests_on_the_same_connection(stack):
     with socket.create_connection(("127.0.0.1", stack.port)) as sock:
         sock.settimeout(10)
         sock.sendall(whole[:-10])
-        time.sleep(0.1)   # the task reads the rest of this body
+        time.sleep(0.1)   # data_received reads the rest of this body as it comes
         sock.sendall(whole[-10:] + whole + whole)
         data = b""
         while data.count(b"HTTP/1.1 200 OK") < 3 or not data.endswith(b"}"):
@@ -132,9 +132,9 @@ def test_a_client_gone_before_its_answer_frees_the_engine_is_logged_499_and_othe
 
     client = Client(stack.url, key)
     try:
-        vanish()                          # a new upstream connection: the task's path
+        vanish()                          # a new upstream connection
         assert client.chat()[0] == 200
-        vanish()                          # a pooled one: the callbacks' path
+        vanish()                          # a pooled one
         assert client.chat()[0] == 200
     finally:
         client.close()
@@ -183,7 +183,7 @@ def test_a_client_gone_mid_stream_stops_the_engine_stream_and_is_metered(stack):
                 data += piece
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    read_some_then_vanish()   # a new upstream connection: the task relays
+    read_some_then_vanish()   # a new upstream connection
     client = Client(stack.url, key)
     try:
         assert client.chat()[0] == 200   # leaves a pooled connection
@@ -198,7 +198,7 @@ def test_a_client_gone_mid_stream_stops_the_engine_stream_and_is_metered(stack):
     assert not stack.ingress.health.failures   # clients leaving says nothing about the engine
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["task", "callbacks"])
+@pytest.mark.parametrize("warm", [False, True], ids=["new-connection", "pooled"])
 def test_a_client_that_does_not_read_its_stream_pauses_the_engine_not_our_memory(stack, warm):
     stack.engine("m1", chunks=20000, chunk_delay=0.0001)   # it waits for its writes, as engines do
     key = stack.key()
@@ -362,7 +362,7 @@ def test_a_policy_that_raises_costs_its_request_a_500_and_nothing_else(tmp_path)
         stack.engine("m1")
         good, bad = Client(stack.url, stack.key("alice")), Client(stack.url, stack.key("mallory"))
         try:
-            assert good.chat()[0] == 200            # leaves a pooled connection: the callbacks' path
+            assert good.chat()[0] == 200            # leaves a pooled connection
             assert bad.chat()[0] == 500
             assert good.chat()[0] == 200
         finally:
@@ -381,8 +381,8 @@ def test_every_proxied_request_runs_down_the_lifecycle_table_and_is_booked_once(
         paths.setdefault(ex, ["received"]).append(state)   # (held: no id reused)
         moved(ex, state)
 
-    def finish(ex, outcome):
-        did = finished(ex, outcome)
+    def finish(ex, outcome, *last):
+        did = finished(ex, outcome, *last)
         booked[ex] = booked.get(ex, 0) + did
         return did
 
@@ -409,7 +409,7 @@ def test_every_proxied_request_runs_down_the_lifecycle_table_and_is_booked_once(
         return answers, sorted(paths.values()), sorted(status for status, in rows)
 
     plain = ["received", "routed", "sent", "head", "done"]
-    # the first goes through the task (a new upstream connection), the second in the callbacks
+    # the first on a new upstream connection, the second on the pooled one
     assert run(["ok"]) == ([200, 200], [plain, plain], [200, 200])
     stream = ["received", "routed", "sent", "head", "stream", "done"]
     assert run(["ok"], stream=True) == ([200, 200], [stream, stream], [200, 200])
@@ -418,3 +418,95 @@ def test_every_proxied_request_runs_down_the_lifecycle_table_and_is_booked_once(
     assert run(["error500", "error500"]) == ([500, 500], [poison, poison], [500, 500])
     exhausted = ["received", "routed", "sent", "retried", "routed", "sent", "retried", "failed"]
     assert run(["reset", "reset"]) == ([502, 502], [exhausted, exhausted], [502, 502])
+
+
+# -- one engine: every kind of request is served by the protocol callbacks -------------------------
+def _answers(sock: socket.socket, n: int, head_only: bool = False) -> list:
+    """The status lines of n answers read off sock (Content-Length or chunked bodies; none at
+    all for answers to HEAD)."""
+    data, statuses = b"", []
+    while len(statuses) < n:
+        while b"\r\n\r\n" not in data:
+            piece = sock.recv(65536)
+            assert piece, (statuses, data)
+            data += piece
+        head, _, data = data.partition(b"\r\n\r\n")
+        status, *lines = head.split(b"\r\n")
+        if status.startswith(b"HTTP/1.1 1"):   # 100 Continue: no body
+            continue
+        fields = dict(line.lower().split(b": ", 1) for line in lines)
+        if b"content-length" in fields:
+            need = 0 if head_only else int(fields[b"content-length"])
+            while len(data) < need:
+                data += sock.recv(65536)
+            data = data[need:]
+        else:   # chunked: read to the last chunk
+            while b"0\r\n\r\n" not in data:
+                data += sock.recv(65536)
+            data = data[data.index(b"0\r\n\r\n") + 5:]
+        statuses.append(status.split(b" ")[1].decode())
+    return statuses
+
+
+def test_every_kind_of_request_is_served_with_no_task_owning_its_connection(tmp_path):
+    # Structure: no coroutine in the request path, and nothing a connection could be handed to.
+    coroutines = {name for name, fn in vars(otela_ingress.Ingress).items() if asyncio.iscoroutinefunction(fn)}
+    assert coroutines == {"start", "stop", "_sweep"}
+    assert not any(asyncio.iscoroutinefunction(fn) for fn in vars(otela_ingress._Client).values())
+    assert "task" not in otela_ingress._Client.__slots__
+    # Behaviour: every task the ingress's code starts while serving, by the coroutine it runs.
+    stack = Stack(str(tmp_path / "one.sqlite"))
+    started: list = []
+
+    def factory(loop, coro, **kwargs):
+        code = getattr(coro, "cr_code", None)
+        if code is not None and code.co_filename == otela_ingress.__file__:
+            started.append(coro.__qualname__)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    stack.call(stack.loop.set_task_factory, factory)
+    try:
+        stack.engine("m1")
+        for _ in range(2):   # m2's request is refused by both: a retry, then the engine's answer
+            flaky = ScriptedEngine(stack, lambda n: _plain(b'{"error":"boom"}', b"500 Internal Server Error"))
+            stack.call(stack.node.add_worker, f"127.0.0.1:{flaky.port}", ["m2"])
+        key, admin = stack.key(), stack.key("root", admin=True)
+        body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        stream = json.dumps({"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        retried = json.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        auth = b"authorization: Bearer %s\r\n" % key.encode()
+        post = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + auth
+        kinds = [
+            ("plain", post + b"content-length: %d\r\n\r\n%s" % (len(body), body), "200"),
+            ("stream", post + b"content-length: %d\r\n\r\n%s" % (len(stream), stream), "200"),
+            ("retry", post + b"content-length: %d\r\n\r\n%s" % (len(retried), retried), "500"),
+            ("h11 (chunked body)", post + b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+             % (len(body), body), "200"),
+            ("expect 100-continue", post + b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n%s"
+             % (len(body), body), "200"),
+            ("GET", b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + auth + b"\r\n", "200"),
+            ("HEAD", b"HEAD /healthz HTTP/1.1\r\nhost: x\r\n\r\n", "200"),
+            ("admin", b"GET /v1/admin/keys HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n\r\n"
+             % admin.encode(), "200"),
+            ("usage (SQLite in an executor)", b"GET /v1/usage HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n\r\n"
+             % admin.encode(), "200"),
+            ("an error answer", b"GET /nowhere HTTP/1.1\r\nhost: x\r\n\r\n", "404"),
+        ]
+        with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+            sock.settimeout(10)
+            for name, raw, status in kinds:
+                sock.sendall(raw)
+                assert _answers(sock, 1, head_only=name == "HEAD") == [status], name
+            # a body in pieces, then a pipelined pair, on the same connection
+            whole = post + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            sock.sendall(whole[:-7])
+            time.sleep(0.05)
+            sock.sendall(whole[-7:] + whole + whole)
+            assert _answers(sock, 3) == ["200"] * 3
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n")   # a protocol error
+            assert _answers(sock, 1) == ["400"]
+        assert stack.inflight_settled() == 0 and stack.ingress.metrics.retries == 1
+        # the only tasks: opening new upstream connections (each calls one method back when done)
+        assert started and set(started) == {"UpstreamPool.acquire"}
+    finally:
+        stack.close()

@@ -1,0 +1,192 @@
+"""The ingress's own work per proxied request and per SSE chunk, measured in process: no sockets,
+no engine process, so it is stable on a busy machine where tests/bench_ingress.py is not.
+
+Fake transports drive the protocol callbacks (a client connection, one pooled upstream connection)
+through the whole request path: head parsed, routed, sent upstream, the answer's head and body
+parsed, the answer written, the exchange booked (ledger row journalled, metrics, usage). Figures:
+  - steps: interpreter instructions (sys.settrace opcode events) per request and per chunk: the
+    same count every run, whatever the machine's load, so a change to the path is seen exactly;
+  - us: wall time per request and per chunk (the best of several rounds), which still moves
+    with the load but far less than a socket benchmark's.
+SSE is measured twice: one chunk per read (a paced engine) and 16 chunks per read (a fast one).
+Run it from two checkouts to compare them. Prints a table and writes JSON to <--out>/ingress_steps.json.
+Never asserts on time. Usage: python tests/bench_ingress_steps.py [--out bench-results] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import timeit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from test_ingress_support import StandInNode  # noqa: E402
+
+import otela_ingress  # noqa: E402
+
+ADDR = "127.0.0.1:9"   # never connected to: the pool holds a fake connection to it
+BODY = (b'{"id": "fake-1", "object": "chat.completion", "created": 1796166468, "model": "fake-model", '
+        b'"choices": [{"index": 0, "message": {"role": "assistant", "content": "tok0 tok1 tok2 tok3 "}, '
+        b'"finish_reason": "stop"}], "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}}')
+ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\nx-fake-engine: 1\r\n\r\n%s"
+          % (len(BODY), BODY))   # tests/fake_engine.py's head
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+CHUNKS = 500           # per stream, like the bench's "bulk" engine
+
+
+class FakeTransport:
+    """What the ingress calls on a transport; writes are kept (and cleared by the driver)."""
+
+    def __init__(self):
+        self.out, self.closing = [], False
+
+    def write(self, data):
+        self.out.append(data)
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 5555) if name == "peername" else default
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
+    def is_closing(self):
+        return self.closing
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def abort(self):
+        self.closing = True
+
+    close = abort
+
+    def can_write_eof(self):
+        return True
+
+    def write_eof(self):
+        pass
+
+
+def request(key: str, stream: bool) -> bytes:
+    body = json.dumps({"model": "fake-model", "stream": stream,
+                       "messages": [{"role": "user", "content": "say hello to the benchmark"}]}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\nauthorization: Bearer %s\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (key.encode(), len(body), body))
+
+
+def stream_chunks(n: int) -> list:
+    chunks = []
+    for i in range(n):
+        event = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"fake-model",'
+                 b'"choices":[{"index":0,"delta":{"content":"tok%d "},"finish_reason":null}]}\n\n' % i)
+        chunks.append(b"%x\r\n%s\r\n" % (len(event), event))
+    event = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"fake-model","choices":[],'
+             b'"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":9}}\n\ndata: [DONE]\n\n' % n)
+    chunks.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+    return chunks
+
+
+def steps(fn, runs: int) -> float:
+    """Interpreter instructions per call of fn."""
+    count = [0]
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(runs):
+            fn()
+    finally:
+        sys.settrace(None)
+    return count[0] / runs
+
+
+async def measure(quick: bool) -> dict:
+    tmp = tempfile.mkdtemp(prefix="otela-steps-")
+    db = os.path.join(tmp, "usage.sqlite")
+    conn = otela_ingress.open_db(db)
+    _, key = otela_ingress.create_key(conn, "bench")
+    conn.close()
+    node = StandInNode()
+    node.add_worker(ADDR, ["fake-model"])
+    ingress = otela_ingress.Ingress(node, db_path=db)
+    await ingress.start("127.0.0.1", 0)
+    try:
+        loop = asyncio.get_running_loop()
+        client, client_transport = otela_ingress._Client(ingress), FakeTransport()
+        client.connection_made(client_transport)
+        proto, up_transport = otela_ingress._UpstreamProtocol(loop), FakeTransport()
+        proto.connection_made(up_transport)
+        ingress.pool._idle[ADDR] = [otela_ingress.Upstream(ADDR, up_transport, proto)]
+        plain, streamed = request(key, False), request(key, True)
+        chunks = stream_chunks(CHUNKS)
+        grouped = [b"".join(chunks[i:i + 16]) for i in range(0, len(chunks), 16)]
+
+        def one():
+            client.data_received(plain)
+            proto.data_received(ANSWER)
+            client_transport.out.clear()
+            up_transport.out.clear()
+
+        def stream(reads):
+            client.data_received(streamed)
+            proto.data_received(STREAM_HEAD)
+            for read in reads:
+                proto.data_received(read)
+            client_transport.out.clear()
+            up_transport.out.clear()
+
+        for _ in range(50):
+            one()
+        stream(chunks)
+        if not ingress.pool._idle.get(ADDR) or client.busy:
+            raise RuntimeError("the driven request did not complete (the request path changed?)")
+        n, rounds = (1000, 3) if quick else (3000, 7)
+        per_chunk = len(chunks)
+        out = {
+            "steps_per_request": steps(one, 100),
+            "us_per_request": min(timeit.repeat(one, number=n, repeat=rounds)) / n * 1e6,
+            "steps_per_chunk_1_per_read": steps(lambda: stream(chunks), 2) / per_chunk,
+            "us_per_chunk_1_per_read": min(timeit.repeat(lambda: stream(chunks), number=5, repeat=rounds))
+            / 5 / per_chunk * 1e6,
+            "steps_per_chunk_16_per_read": steps(lambda: stream(grouped), 2) / per_chunk,
+            "us_per_chunk_16_per_read": min(timeit.repeat(lambda: stream(grouped), number=5, repeat=rounds))
+            / 5 / per_chunk * 1e6,
+        }
+    finally:
+        await ingress.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["loadavg"] = os.getloadavg()[0]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--quick", action="store_true", help="fewer timing rounds")
+    args = parser.parse_args()
+    result = asyncio.run(measure(args.quick))
+    for name, value in result.items():
+        print(f"{name:32} {value:10.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ingress_steps.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {os.path.join(args.out, 'ingress_steps.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
