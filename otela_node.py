@@ -211,6 +211,10 @@ class Config:
                                           # of the ingress's 3 s connect deadline for the relay's splice
     tunnel_syn_interval: float = 0.2      # a fresh SYN this often (Linux resends one only after 1 s):
                                           # a SYN dropped or reset by the peer's NAT is soon replaced
+    punched_tcp_timeout: float = 5.0      # a punched tunnel connection that gets nothing acked this
+                                          # long is dead (TCP_USER_TIMEOUT, keepalive when idle): TCP
+                                          # alone waits ~15 min (tcp_retries2); 5 s rides out ~4 RTO
+                                          # doublings of a lossy WAN path before the request moves on
     tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
     tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
@@ -2139,6 +2143,17 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      client; the member admits the socket as if accepted (TLS server, rule 1 of "Tunnel
 #      security"). Within tunnel_punch_timeout or not at all: then the splice, and after two
 #      failures in a row the pair goes straight to the relay for punch_retry.
+#   6. A broken punched path (a NAT that lost its mapping, a firewall rule, a route change)
+#      fails no request that has not started: punched connections carry TCP_USER_TIMEOUT and
+#      keepalive (punched_tcp_timeout), so a dead one errors within seconds instead of TCP's
+#      ~15 min; the ingress resends a request whose pooled connection died before any answer
+#      on a fresh connection, whose punch fails within tunnel_punch_timeout and which is
+#      spliced through the relay (a stream already answering is cut with an SSE error event).
+#      Two failed punches in a row and new connections go straight to the relay. Every relay
+#      check after punch_retry, a dialer whose tunnel to a peer is relayed while their UDP
+#      path is punched probes a punch in the background; when it works the connection is kept
+#      for the next dial (a spare, used within half the member's head_timeout) and the dialer's
+#      listeners retire the relayed connections, so the tunnel goes punched again.
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
 
@@ -2352,7 +2367,8 @@ class Node:
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
         self._seed_relays: List[str] = []                    # seeds that answered our "rq"
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
-        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0})
+        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
+                                            "dialed_back": 0})   # the last: as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
@@ -2367,6 +2383,8 @@ class Node:
         self._tunnel_failures: Dict[str, int] = {}          # relayed address -> failures in a row
         self._tunnel_given_up: Dict[str, float] = {}        # relayed address -> its last failure
         self._tunnel_answering = 0                          # simultaneous opens we answer right now
+        self._tunnel_probing: set = set()                   # relayed addresses a re-punch probe is on
+        self._spare_tunnel: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection
         self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
                                                             # ingress's pool retires its relayed connections
         self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply,
@@ -2575,6 +2593,9 @@ class Node:
             link.close()
         for path in list(self._punched.values()):
             path.close()
+        for sock, _ in self._spare_tunnel.values():
+            sock.close()
+        self._spare_tunnel.clear()
         if self._tunnel_sock is not None:
             self._tunnel_sock.close()
         if self.engine is not None:
@@ -2597,6 +2618,9 @@ class Node:
                 for per_peer in (self._member_since, self._tunnel_reach, self._tunnel_attempts,
                                  self._tunnel_failures, self._tunnel_given_up):
                     per_peer.pop(gossip, None)      # a relayed address names one process: gone for good
+                spare = self._spare_tunnel.pop(gossip, None)
+                if spare is not None:
+                    spare[0].close()
         for cb in self._callbacks:
             try:
                 cb(sid, record)
@@ -3056,6 +3080,7 @@ class Node:
         if self._tunnel_sock is None:
             sock.close()
             return
+        self.relayed["dialed_back"] += 1
         self._admit(sock)
 
     async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -3161,6 +3186,12 @@ class Node:
                 continue
             self._punch_tried[peer] = now
             self._spawn(self._punch(peer))
+        if self.private and self.punch_listeners:   # rule 6: a dialer back to punched when it works
+            for peer in list(self._punched):
+                if self._tunnel_reach.get(peer) == "relayed" and peer not in self._tunnel_probing \
+                        and peer not in self._spare_tunnel and self._tunnel_failures.get(peer, 0) >= 2 \
+                        and self._may_punch_tunnel(peer):
+                    self._spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
@@ -3249,6 +3280,12 @@ class Node:
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
         loop = asyncio.get_running_loop()
+        spare = self._spare_tunnel.pop(addr, None)
+        if spare is not None:                       # a probe's (rule 6), if the member still waits on it
+            if time.monotonic() - spare[1] < self.config.head_timeout / 2:
+                self._tunnel_reach[addr] = "punched"
+                return spare[0]
+            spare[0].close()
         if self._may_punch_tunnel(addr):
             sock = await self._punch_tunnel(addr)
             if sock is not None:
@@ -3350,7 +3387,13 @@ class Node:
             listener.listen(8)
         except (OSError, ValueError):
             return None
-        spare = extra or (lambda conn: conn.close())
+
+        def spare(conn: socket.socket) -> None:
+            if extra is None:
+                conn.close()
+                return
+            self._watch_punched(conn)
+            extra(conn)
         accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
         won: Optional[socket.socket] = None
         try:
@@ -3397,7 +3440,24 @@ class Node:
         if won is not None:
             won.setblocking(False)
             won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._watch_punched(won)
         return won
+
+    def _watch_punched(self, sock: socket.socket) -> None:
+        """Rule 6: a punched connection whose path breaks errors within punched_tcp_timeout:
+        unacked data (TCP_USER_TIMEOUT), or keepalive probes when idle (which also keep the
+        NATs' mappings of an idle pooled connection alive)."""
+        timeout = self.config.punched_tcp_timeout
+        options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        for name, value in (("TCP_USER_TIMEOUT", int(timeout * 1000)), ("TCP_KEEPIDLE", max(1, int(timeout / 2))),
+                            ("TCP_KEEPINTVL", max(1, int(timeout / 4))), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):               # Linux; elsewhere keepalive at the system's pace
+                options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+        for level, option, value in options:
+            try:
+                sock.setsockopt(level, option, value)
+            except OSError:
+                pass
 
     @staticmethod
     def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
@@ -3442,6 +3502,25 @@ class Node:
         self._tunnel_reach[peer] = "punched"
         self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         return sock
+
+    async def _probe_tunnel(self, peer: str) -> None:
+        """Rule 6: one punch in the background while the tunnel to `peer` is relayed; the
+        connection it makes is the next dial's, and the relayed ones are retired."""
+        self._tunnel_probing.add(peer)
+        try:
+            sock = await self._punch_tunnel(peer)
+        finally:
+            self._tunnel_probing.discard(peer)
+        if sock is None:
+            self._tunnel_failures[peer] = max(2, self._tunnel_failures.get(peer, 0))   # still broken
+            return
+        old = self._spare_tunnel.pop(peer, None)
+        if old is not None:
+            old[0].close()
+        self._spare_tunnel[peer] = (sock, time.monotonic())
+        log.info("tunnel to %s punches again: its relayed connections are retired", peer)
+        for listener in self.punch_listeners:
+            listener(peer)
 
     def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
         if is_relayed(src) and self.private and self._tunnel_sock is not None \

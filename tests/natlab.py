@@ -25,12 +25,14 @@ network, so no packet leaves the lab.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import signal
 import subprocess
 import time
+import types
 from typing import Any, Dict, List, Optional
 
 import netns
@@ -261,13 +263,13 @@ def is_relayed_addr(addr: str) -> bool:
     return addr.startswith("relay/")
 
 
-def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> Dict[str, Any]:
-    """Build the lab, start the three members, wait for the node SERVING at the private
-    ingress and for its UDP punch to settle, send 5 plain chat/s for `seconds` from host A, and
-    return the outcomes and how the private ingress's tunnel reaches the node."""
+@contextlib.contextmanager
+def _private_ingress(lab_args: Dict[str, Any], tmp: str, timings: Dict[str, str], engine_flags: str = ""):
+    """The lab, the relay (an ingress) on the public host, a private ingress on host A and a
+    node behind NAT B, the node SERVING at the private ingress and its UDP punch settled: a
+    namespace of lab, fleet, relay, ingress, node, token, worker_view() and the times."""
     import reliability as rel
-    out: Dict[str, Any] = {"scenario": name}
-    with NatLab(**PRIVATE_INGRESS_SCENARIOS[name]) as lab, rel.Fleet(tmp, timings) as fleet:
+    with NatLab(**lab_args) as lab, rel.Fleet(tmp, timings) as fleet:
         pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
         relay = fleet.ingress(pub)
         listen, gossip = f"{a.host}:{a.port(8080)}", f"{a.host}:{a.port(7946)}"
@@ -281,7 +283,7 @@ def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: f
         ingress = rel.Member("private-ingress", "ingress", a, argv, listen, gossip)
         fleet.members.append(ingress)
         fleet.start(ingress)
-        node = fleet.node("b", b, bootstrap=(relay.gossip,))
+        node = fleet.node("b", b, bootstrap=(relay.gossip,), engine_flags=engine_flags)
         started = time.monotonic()
 
         def worker_view() -> Optional[Dict[str, Any]]:
@@ -290,19 +292,35 @@ def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: f
                     return s
             return None
         rel.wait(lambda: fleet.up() and worker_view() is not None, 60, "the node SERVING at the private ingress")
-        out["serving_after_s"] = round(time.monotonic() - started, 2)
+        serving_after_s = round(time.monotonic() - started, 2)
 
         def punch_settled() -> bool:
             counts = fleet.get(node, "/healthz")[1].get("gossip", {}).get("punches", {})
             return bool(counts.get("ok") or counts.get("failed") or counts.get("answered"))
         settled = rel.until(lambda: fleet.up() and punch_settled(), 15)
-        out["punch_settled_after_s"] = round(settled - started, 2) if settled else None
-        with rel.Load(a, ingress.url, token, rate=5) as load:
+        yield types.SimpleNamespace(
+            lab=lab, fleet=fleet, relay=relay, ingress=ingress, node=node, token=token, worker_view=worker_view,
+            serving_after_s=serving_after_s,
+            punch_settled_after_s=round(settled - started, 2) if settled else None)
+        fleet.stop(ingress)
+        fleet.stop(relay)
+
+
+def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> Dict[str, Any]:
+    """Build the lab, start the three members, wait for the node SERVING at the private
+    ingress and for its UDP punch to settle, send 5 plain chat/s for `seconds` from host A, and
+    return the outcomes and how the private ingress's tunnel reaches the node."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": name}
+    with _private_ingress(PRIVATE_INGRESS_SCENARIOS[name], tmp, timings) as bed:
+        fleet, ingress, node = bed.fleet, bed.ingress, bed.node
+        out["serving_after_s"], out["punch_settled_after_s"] = bed.serving_after_s, bed.punch_settled_after_s
+        with rel.Load(bed.lab.place("a"), ingress.url, bed.token, rate=5) as load:
             time.sleep(seconds)
         out["outcomes"] = load.outcomes()
         out["plain_requests"] = len(load.select("plain"))
         out["plain_errors"] = rel.errors(load.select("plain"), True)
-        view = worker_view() or {}
+        view = bed.worker_view() or {}
         out["reach"], out["tunnel"] = view.get("reach"), view.get("tunnel")
         own = fleet.registry(ingress)
         out["private"] = is_relayed_addr(next(s for s in own["sessions"] if s["session"] == own["self"])["gossip"])
@@ -310,6 +328,67 @@ def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: f
         out["tunnel_punches"] = health.get("tunnel_punches")
         out["tunnel_punch_ms"] = health.get("tunnel_punch_ms")
         out["punch_after_join_ms"] = health.get("punch_after_join_ms")
-        fleet.stop(ingress)
-        fleet.stop(relay)
+    return out
+
+
+# A punched tunnel broken under load (rule 6 of the node's "NAT traversal and relay"): the private
+# ingress of PRIVATE_INGRESS_SCENARIOS on cone NATs, its tunnel to the node punched, then every TCP
+# packet between the two NATs dropped at gateway B (the relay's path, through the public host,
+# untouched; the UDP punched path too), then the rule removed.
+PUNCH_CUT_TIMINGS = {"OTELA_PUNCHED_TCP_TIMEOUT": "2",   # a dead punched connection errors in ~2 s
+                     "OTELA_PUNCH_RETRY": "4"}           # the re-punch probe within the test's time
+PUNCH_CUT_STREAM_FLAGS = "--chunks 20 --chunk-delay 0.1"   # 2 s streams: some are mid-answer at the cut
+
+
+def _cut_rules(action: str) -> List[List[str]]:
+    other = ROUTER_WAN["a"]
+    return [["iptables", "-w", action, "FORWARD", *(["1"] if action == "-I" else []), "-p", "tcp", side, other,
+             "-j", "DROP"] for side in ("-s", "-d")]
+
+
+def run_punched_cut(tmp: str, timings: Dict[str, str], before: float = 3.0, cut: float = 8.0,
+                    restored: float = 12.0) -> Dict[str, Any]:
+    """Plain (5/s) and streaming (2 in flight) chats from host A through the private ingress
+    while its tunnel to the node is punched; `before` s in, TCP between the NATs is dropped for
+    `cut` s, then restored; the load goes on until the tunnel is punched again (at most
+    `restored` s). Returns the outcomes per phase and how the tunnel went in each."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": "punched tunnel cut"}
+    timings = dict(timings, **PUNCH_CUT_TIMINGS)
+    with _private_ingress(dict(nat_a="cone", nat_b="cone"), tmp, timings, PUNCH_CUT_STREAM_FLAGS) as bed:
+        fleet, node, gateway = bed.fleet, bed.node, bed.lab.names["rb"]
+        out["serving_after_s"] = bed.serving_after_s
+
+        def tunnel() -> Optional[str]:
+            return (bed.worker_view() or {}).get("tunnel")
+
+        def node_counts() -> Dict[str, int]:
+            health = fleet.get(node, "/healthz")[1].get("gossip", {})
+            return dict(health.get("tunnel_punches", {}), dialed_back=health.get("relayed", {}).get("dialed_back", 0))
+        with rel.Load(bed.lab.place("a"), bed.ingress.url, bed.token, rate=5, streams=2) as load:
+            out["punched_before"] = rel.until(lambda: tunnel() == "punched", 10) is not None
+            time.sleep(before)
+            out["tunnel_before"], out["counts_before"] = tunnel(), node_counts()
+            cut_at = time.monotonic()
+            for rule in _cut_rules("-I"):
+                _run(gateway, *rule)
+            try:
+                time.sleep(cut)
+                out["tunnel_cut"], out["counts_cut"] = tunnel(), node_counts()
+            finally:
+                for rule in _cut_rules("-D"):
+                    _run(gateway, *rule)
+            restored_at = time.monotonic()
+            again = rel.until(lambda: tunnel() == "punched", restored)
+            out["punched_again_after_s"] = round(again - restored_at, 2) if again else None
+            time.sleep(1.0)                         # requests on the punched path again
+            out["tunnel_after"], out["counts_after"] = tunnel(), node_counts()
+        plain, streams = load.select("plain"), load.select("stream")
+        out["outcomes"] = load.outcomes()
+        out["plain_requests"], out["plain_errors"] = len(plain), rel.errors(plain, True)
+        out["plain_requests_during_cut"] = len(load.select("plain", cut_at, restored_at))
+        out["streams"] = len(streams)
+        out["streams_cut_with_error_event"] = sum(1 for r in streams if r[3] == rel.CUT_WITH_ERROR)
+        out["streams_failed"] = sum(1 for r in streams if r[3] not in (rel.OK, rel.CUT_WITH_ERROR))
+        out["slowest_plain_s"] = round(max((r[1] - r[0] for r in plain), default=0.0), 2)
     return out
