@@ -197,6 +197,10 @@ class Config:
     dialback_timeout: float = 1.0         # a seed's dial-back connect: LAN/WAN connects take < 100 ms
     splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
     max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
+    relay_mux: int = 1                    # 1: tunnel streams multiplexed on the member's link; 0: a
+                                          # dial-back connection per stream, spliced (rule 2)
+    max_link_streams: int = 512           # tunnel streams on one link at once: the member's
+                                          # max_tunnel_connections; an OPEN over it gets a CLOSE
     punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
     punch_delay: float = 0.3              # the side that sends second waits this long, so the first
                                           # side's NAT has its mapping before any packet reaches it
@@ -2217,6 +2221,195 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+# -- tunnel streams multiplexed on a relay link (rule 2) ----------------------------------
+MUX = b"oS"                         # a mux frame on a link: MUX | kind (1) | stream id (4) | payload
+MUX_OPEN, MUX_DATA, MUX_CREDIT, MUX_CLOSE = 1, 2, 3, 4
+MUX_WINDOW = 262144                 # bytes in flight per stream each way: one LLM stream is KB/s,
+                                    # a 16 MiB body moves at 256 KiB per RTT (~128 MB/s at 2 ms);
+                                    # a stream's memory on either side never exceeds it
+MUX_CHUNK = 65536                   # the largest DATA payload: under max_frame, and one SSL read
+_MUX_HEAD = struct.Struct(">2sBI")
+
+
+def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", _MUX_HEAD.size + len(payload)) + _MUX_HEAD.pack(MUX, kind, stream) + payload
+
+
+class _MuxStream:
+    """One tunnel stream on a link, bridged to a local stream (the dialer's connection at the
+    relay, a socketpair's end at the member and at a dialer that holds the link itself). Its
+    peer may send at most `window` bytes we have not credited back; we credit what the local
+    side has taken (drained), so a slow reader holds up its own stream only."""
+
+    def __init__(self, link: _MuxLink, sid: int):
+        self.link, self.sid = link, sid
+        self.credit = MUX_WINDOW                    # bytes we may still send
+        self.window = MUX_WINDOW                    # bytes the peer may still send us
+        self.inbound: collections.deque = collections.deque()
+        self.wake = asyncio.Event()                 # inbound data, or the end
+        self.credited = asyncio.Event()             # credit arrived
+        self.closed = False                         # CLOSE sent or received: no more frames
+        self.ended = False                          # the peer is done (CLOSE, or the link died)
+        self.writer: Optional[asyncio.StreamWriter] = None
+
+    def on_data(self, data: bytes) -> bool:
+        if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
+            return False
+        self.window -= len(data)
+        self.inbound.append(data)
+        self.wake.set()
+        return True
+
+    def on_credit(self, amount: int) -> None:
+        self.credit += amount
+        self.credited.set()
+
+    def end(self, abort: bool = False) -> None:
+        self.ended = self.closed = True
+        self.wake.set()
+        self.credited.set()
+        if abort and self.writer is not None:
+            self.writer.transport.abort()
+
+    async def bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Bytes both ways until either side ends; then the other is closed too."""
+        self.writer = writer
+        outbound = asyncio.ensure_future(self._outbound(reader))
+        try:
+            await self._inbound(writer)
+        finally:
+            outbound.cancel()
+            self.close()
+            writer.close()
+
+    async def _inbound(self, writer: asyncio.StreamWriter) -> None:
+        link = self.link
+        while True:
+            while not self.inbound:
+                if self.ended:
+                    return
+                self.wake.clear()
+                await self.wake.wait()
+            taken = 0
+            while self.inbound:
+                data = self.inbound.popleft()
+                writer.write(data)
+                taken += len(data)
+            try:
+                await writer.drain()
+            except (OSError, RuntimeError):
+                return
+            if not self.closed:                     # credit back what the local side took
+                self.window += taken
+                link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", taken)))
+
+    async def _outbound(self, reader: asyncio.StreamReader) -> None:
+        link = self.link
+        try:
+            while not self.closed:
+                while self.credit <= 0 and not self.closed:
+                    self.credited.clear()
+                    await self.credited.wait()
+                if self.closed:
+                    return
+                data = await reader.read(min(self.credit, MUX_CHUNK))
+                if not data or self.closed:
+                    break
+                self.credit -= len(data)
+                link.send(mux_frame(MUX_DATA, self.sid, data))
+                await link.drain()
+        except (OSError, asyncio.IncompleteReadError, RuntimeError):
+            pass
+        self.close()
+        self.wake.set()
+        self.ended = True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.link.send(mux_frame(MUX_CLOSE, self.sid))
+        self.link.streams.pop(self.sid, None)
+
+
+class _MuxLink:
+    """The tunnel streams of one relay link: the relay (or a dialer holding the link) opens
+    them, the member answers each as an admitted tunnel connection. Frames other than
+    mux frames on the link (gossip, dial requests) are not ours."""
+
+    def __init__(self, writer: asyncio.StreamWriter, max_streams: int):
+        self.writer, self.max_streams = writer, max_streams
+        self.streams: Dict[int, _MuxStream] = {}
+        self._next = 1
+        self._drain_lock = asyncio.Lock()           # one drain at a time on the shared writer
+        self.refused = 0                            # OPENs over max_streams, answered CLOSE
+
+    def send(self, data: bytes) -> None:
+        if not self.writer.transport.is_closing():
+            self.writer.write(data)
+
+    async def drain(self) -> None:
+        if self.writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+            async with self._drain_lock:
+                await self.writer.drain()
+
+    def open(self) -> Optional[_MuxStream]:
+        """A new stream, its OPEN sent; None over max_streams or on a closing link."""
+        if len(self.streams) >= self.max_streams or self.writer.transport.is_closing():
+            return None
+        sid = self._next
+        self._next = self._next % 0xFFFFFFFF + 1
+        stream = self.streams[sid] = _MuxStream(self, sid)
+        self.send(mux_frame(MUX_OPEN, sid))
+        return stream
+
+    def on_frame(self, data: bytes, accept: Optional[Callable[[_MuxStream], None]] = None) -> bool:
+        """One mux frame from the link; False when the peer broke the protocol (the link goes)."""
+        if len(data) < _MUX_HEAD.size:
+            return False
+        _, kind, sid = _MUX_HEAD.unpack_from(data)
+        stream = self.streams.get(sid)
+        if kind == MUX_DATA:
+            return stream is None or stream.on_data(data[_MUX_HEAD.size:])   # after our CLOSE: dropped
+        if kind == MUX_CREDIT:
+            if stream is not None and len(data) == _MUX_HEAD.size + 4:
+                stream.on_credit(struct.unpack_from(">I", data, _MUX_HEAD.size)[0])
+            return True
+        if kind == MUX_CLOSE:
+            if stream is not None:
+                stream.closed = True                # no CLOSE back: the peer is done with it
+                stream.end()
+                self.streams.pop(sid, None)
+            return True
+        if kind == MUX_OPEN and accept is not None:
+            if stream is not None:
+                return False
+            if len(self.streams) >= self.max_streams:
+                self.refused += 1
+                self.send(mux_frame(MUX_CLOSE, sid))
+                return True
+            stream = self.streams[sid] = _MuxStream(self, sid)
+            accept(stream)
+            return True
+        return False
+
+    def cut(self) -> None:
+        """The link died: every stream's local side is cut at once (an unanswered request is
+        retried by the ingress elsewhere)."""
+        for stream in list(self.streams.values()):
+            stream.end(abort=True)
+        self.streams.clear()
+
+
+async def _socketpair_stream() -> Tuple[socket.socket, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A local socket for the tunnel code (TLS runs over it end to end) and the stream of its
+    other end, which a _MuxStream bridges to the link."""
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    theirs.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=mine, limit=MUX_WINDOW)
+    return theirs, reader, writer
+
+
 class _PunchSocket(asyncio.DatagramProtocol):
     """A fresh UDP socket for one hole punch with one peer, and then its punched path: gossip
     with that peer goes in and out here. Its own socket, so a failed attempt's NAT and
@@ -2363,12 +2556,15 @@ class Node:
         self.observed = ""                          # our address as a seed saw it
         self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
         self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
+        self._muxes: Dict[str, _MuxLink] = {}                # as a relay: link id -> its tunnel streams
+        self._link_muxes: Dict[str, _MuxLink] = {}           # as a member: relay -> our link's streams
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
         self._seed_relays: List[str] = []                    # seeds that answered our "rq"
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
-                                            "dialed_back": 0})   # the last: as a private member
+                                            "muxed": 0,          # streams opened on links, as relay/dialer
+                                            "dialed_back": 0, "streams": 0})   # as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
@@ -2749,6 +2945,11 @@ class Node:
                     return
                 data = await asyncio.wait_for(reader.readexactly(length), None if link else cfg.tcp_timeout * 4)
                 self.bytes_received += length + 4
+                if link and data[:2] == MUX:        # a tunnel stream's frame from the member (rule 2)
+                    mux = self._muxes.get(link)
+                    if mux is None or mux.writer is not writer or not mux.on_frame(data):
+                        return
+                    continue
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
                     if not self._forward_envelope(data, from_link=bool(link)):
                         return
@@ -2769,6 +2970,10 @@ class Node:
                         if old is not None:
                             old.close()
                         self._linked[link] = writer
+                        old_mux = self._muxes.pop(link, None)
+                        if old_mux is not None:
+                            old_mux.cut()
+                        self._muxes[link] = _MuxLink(writer, cfg.max_link_streams)
                         _keepalive(writer)
                         self._gossip_connections -= 1
                         counted, timeout = False, None   # open as long as its member lives
@@ -2807,6 +3012,10 @@ class Node:
                 self._gossip_connections -= 1
             if link and self._linked.get(link) is writer:
                 del self._linked[link]
+            mux = self._muxes.get(link) if link else None
+            if mux is not None and mux.writer is writer:
+                del self._muxes[link]
+                mux.cut()
             if not keep:
                 writer.close()
 
@@ -3032,6 +3241,7 @@ class Node:
         _keepalive(writer)
         writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id}, time.time())))
         self._links[relay] = writer
+        self._link_muxes[relay] = _MuxLink(writer, self.config.max_link_streams)
         self._spawn(self._read_link(relay, reader, writer))
         log.info("relay link to %s", relay)
 
@@ -3042,6 +3252,11 @@ class Node:
                 data = await _read_frame(reader, self.config.max_frame, None)
                 if data is None:
                     return
+                if data[:2] == MUX:                 # a tunnel stream the relay opened for a dialer
+                    mux = self._link_muxes.get(relay)
+                    if mux is None or mux.writer is not writer or not mux.on_frame(data, self._accept_stream):
+                        return
+                    continue
                 msg = self.wire.open(data, time.time(), tcp=True)
                 if msg is None:
                     continue
@@ -3057,7 +3272,25 @@ class Node:
             writer.close()
             if self._links.get(relay) is writer:
                 del self._links[relay]
+            mux = self._link_muxes.get(relay)
+            if mux is not None and mux.writer is writer:
+                del self._link_muxes[relay]
+                mux.cut()
             log.info("relay link to %s ended", relay)
+
+    def _accept_stream(self, stream: _MuxStream) -> None:
+        self._spawn(self._serve_stream(stream))
+
+    async def _serve_stream(self, stream: _MuxStream) -> None:
+        """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
+        connection of ours over a socketpair (the dialer's TLS handshake arrives through it)."""
+        if self._tunnel_sock is None:
+            stream.close()
+            return
+        theirs, reader, writer = await _socketpair_stream()
+        self.relayed["streams"] += 1
+        self._admit(theirs)
+        await stream.bridge(reader, writer)
 
     async def _dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -3088,6 +3321,19 @@ class Node:
         link = self._linked.get(link_id)
         if link is None or not self.config.relay:
             self.relayed["refused"] += 1
+            return
+        if self.config.relay_mux:                   # a stream on the member's link
+            mux = self._muxes.get(link_id)
+            stream = mux.open() if mux is not None else None
+            if stream is None:
+                self.relayed["refused"] += 1
+                return
+            self.relayed["muxed"] += 1
+            try:
+                writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+            await stream.bridge(reader, writer)
             return
         token = os.urandom(8).hex()
         waiter = asyncio.get_running_loop().create_future()
@@ -3294,7 +3540,16 @@ class Node:
         link_id = addr[len(RELAYED_PREFIX):]
         link = self._linked.get(link_id)
         if link is not None and not link.transport.is_closing():
-            return await self._take_dial_back(link)
+            mux = self._muxes.get(link_id) if self.config.relay_mux else None
+            if mux is None:
+                return await self._take_dial_back(link)
+            stream = mux.open()
+            if stream is None:
+                raise OSError(f"{addr}: its link has max_link_streams streams open")
+            theirs, reader, writer = await _socketpair_stream()
+            self.relayed["muxed"] += 1
+            self._spawn(stream.bridge(reader, writer))
+            return theirs
         for relay in self._relays_of.get(addr, ()):
             try:
                 host, port = self._resolve(relay)

@@ -364,7 +364,8 @@ def run_punched_cut(tmp: str, timings: Dict[str, str], before: float = 3.0, cut:
 
         def node_counts() -> Dict[str, int]:
             health = fleet.get(node, "/healthz")[1].get("gossip", {})
-            return dict(health.get("tunnel_punches", {}), dialed_back=health.get("relayed", {}).get("dialed_back", 0))
+            relayed = health.get("relayed", {})     # the node's relayed tunnel connections: dial-backs or streams
+            return dict(health.get("tunnel_punches", {}), relayed=relayed.get("dialed_back", 0) + relayed.get("streams", 0))
         with rel.Load(bed.lab.place("a"), bed.ingress.url, bed.token, rate=5, streams=2) as load:
             out["punched_before"] = rel.until(lambda: tunnel() == "punched", 10) is not None
             time.sleep(before)

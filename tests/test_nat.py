@@ -131,7 +131,8 @@ def test_a_public_worker_is_dialled_back_and_stays_direct(tmp_path):
     assert answer.startswith(b"HTTP/1.1 200")
 
 
-def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection(tmp_path):
+@pytest.mark.parametrize("mux", [1, 0], ids=["multiplexed", "dial-back"])
+def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection(tmp_path, mux):
     async def t(bed):
         worker = await bed.worker()
         record = await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING")
@@ -139,12 +140,17 @@ def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection
         stream = await bed.chat(stream=True)
         view = bed.view_of(bed.ingress_node, worker.session_id)
         return worker, record, plain, stream, view, dict(bed.ingress_node.relayed)
-    worker, record, plain, stream, view, relayed = run(with_bed(tmp_path, t))
+    worker, record, plain, stream, view, relayed = run(with_bed(tmp_path, t, relay_mux=mux))
     assert record["gossip"] == record["addr"] == "relay/" + worker.link_id
     assert record["relay"] == worker.config.bootstrap[0] and view["reach"] == "relayed"
     assert all(a.startswith(b"HTTP/1.1 200") for a in plain)
     assert stream.count(b"data: {") == 3 and b"data: [DONE]" in stream
-    assert relayed["handed_over"] >= 1 and relayed["spliced"] == 0   # the ingress holds the link itself
+    assert relayed["spliced"] == 0                                   # the ingress holds the link itself
+    if mux:
+        assert relayed["muxed"] >= 1 and relayed["handed_over"] == 0
+        assert worker.relayed["streams"] >= 1 and worker.relayed["dialed_back"] == 0
+    else:
+        assert relayed["handed_over"] >= 1 and relayed["muxed"] == 0 and worker.relayed["dialed_back"] >= 1
     if worker.tunnel_server_ssl is not None:
         assert worker.admitted["tls"] >= 1 and worker.admitted["plain"] == 0
 
@@ -218,10 +224,10 @@ async def punched_pair(bed):
 def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tmp_path):
     async def t(bed):
         a, b = await punched_pair(bed)
-        spliced = bed.ingress_node.relayed["spliced"] + bed.ingress_node.relayed["handed_over"]
+        spliced = sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed"))
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
         return (answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
-                bed.ingress_node.relayed["spliced"] + bed.ingress_node.relayed["handed_over"] - spliced,
+                sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed")) - spliced,
                 dict(b.admitted), b.tunnel_server_ssl is not None)
     answers, punches, tunnel, via_relay, admitted, tls = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") and b'"fm"' in a for a in answers)
@@ -239,7 +245,7 @@ def test_a_tunnel_punch_that_gets_no_answer_falls_back_to_the_relay_and_serves(t
     answers, punches, tunnel, relayed = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
     assert punches == {"ok": 0, "failed": 2}       # two orders tried, then straight to the relay
-    assert tunnel == "relayed" and relayed["spliced"] == 3
+    assert tunnel == "relayed" and relayed["spliced"] + relayed["muxed"] == 3
 
 
 def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_path):
