@@ -35,6 +35,7 @@ import asyncio
 import collections
 import dataclasses
 import errno
+import functools
 import getpass
 import hashlib
 import heapq
@@ -199,8 +200,10 @@ class Config:
     max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
     relay_mux: int = 1                    # 1: tunnel streams multiplexed on the member's link; 0: a
                                           # dial-back connection per stream, spliced (rule 2)
-    max_link_streams: int = 512           # tunnel streams on one link at once: the member's
-                                          # max_tunnel_connections; an OPEN over it gets a CLOSE
+    max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
+                                          # a CLOSE): two descriptors each at the member (a socketpair),
+                                          # 512 in all, its max_tunnel_connections; the ingress keeps
+                                          # <= 128 idle per session plus its streams in flight
     punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
     punch_delay: float = 0.3              # the side that sends second waits this long, so the first
                                           # side's NAT has its mapping before any packet reaches it
@@ -2122,10 +2125,21 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      for a stranger) and sends it on by UDP, or down the destination's link. Others reach a
 #      relayed address through the first of its relays that is not suspected.
 #   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
-#      authentic hello (a fresh nonce: not replayable); the relay asks the private member over
-#      its link to dial back, and splices the two connections byte for byte. TLS then runs end
-#      to end through the splice: the relay sees only ciphertext. A dialer that holds the
-#      member's link itself (the ingress as its relay) takes the dial-back connection as it is.
+#      authentic hello (a fresh nonce: not replayable); the relay opens a stream on the private
+#      member's link (relay_mux, the default) and bridges the dialer's connection to it. The
+#      link carries numbered streams (MUX frames: OPEN, DATA, CREDIT, CLOSE) beside gossip:
+#      each side may have MUX_WINDOW bytes of a stream in flight that the other has not
+#      credited back, and credits only what its local side has drained, so a slow reader holds
+#      up its own stream and never the link, and no stream holds more than MUX_WINDOW in memory;
+#      at most max_link_streams per link (an OPEN over it is answered CLOSE; each stream is a
+#      tunnel connection at the member, under that port's caps on strangers); a link that dies
+#      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
+#      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
+#      end to end and the relay forwards only ciphertext; no connection is made per stream. A
+#      dialer that holds the member's link itself (the ingress as its relay) opens the stream
+#      on it directly. relay_mux 0: the relay asks the member over its link to dial back, and
+#      splices the two connections byte for byte (a dialer holding the link takes that
+#      connection as it is). Measured side by side: see tests/bench_node.py --only nat.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -3287,7 +3301,11 @@ class Node:
         if self._tunnel_sock is None:
             stream.close()
             return
-        theirs, reader, writer = await _socketpair_stream()
+        try:
+            theirs, reader, writer = await _socketpair_stream()
+        except OSError:                             # out of descriptors: this stream is refused
+            stream.close()
+            return
         self.relayed["streams"] += 1
         self._admit(theirs)
         await stream.bridge(reader, writer)
@@ -3852,6 +3870,15 @@ class Node:
             del self._unauthenticated[oldest]       # counted out now; its task closes it next
             oldest.cut()
         connection.task = self._spawn(self._tunnel_connection(conn, connection))
+        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
+
+    def _forget_connection(self, connection: _TunnelConnection, conn: socket.socket, task: asyncio.Task) -> None:
+        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
+        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
+        if task.cancelled():
+            self._tunnel_conns.pop(connection, None)
+            self._unauthenticated.pop(connection, None)
+            conn.close()
 
     def _authenticated(self, connection: _TunnelConnection) -> None:
         connection.authenticated = True
