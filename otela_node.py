@@ -2259,6 +2259,7 @@ class _MuxStream:
         self.link, self.sid = link, sid
         self.credit = MUX_WINDOW                    # bytes we may still send
         self.window = MUX_WINDOW                    # bytes the peer may still send us
+        self.owed = 0                               # bytes taken locally, not credited back yet
         self.inbound: collections.deque = collections.deque()
         self.wake = asyncio.Event()                 # inbound data, or the end
         self.credited = asyncio.Event()             # credit arrived
@@ -2313,9 +2314,11 @@ class _MuxStream:
                 await writer.drain()
             except (OSError, RuntimeError):
                 return
-            if not self.closed:                     # credit back what the local side took
-                self.window += taken
-                link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", taken)))
+            self.owed += taken
+            if not self.closed and self.owed >= MUX_WINDOW // 2:   # credit back what the local side
+                self.window += self.owed                           # took, half a window at a time:
+                link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))   # no frame per
+                self.owed = 0                                      # request, and never a stall
 
     async def _outbound(self, reader: asyncio.StreamReader) -> None:
         link = self.link

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -563,26 +564,71 @@ def tunnel_phase(key_file, quick, results):
 # ---------------------------------------------------------------------------------------------
 # NAT lab (root): the same ingress reaching a public node directly and a private one relayed
 # ---------------------------------------------------------------------------------------------
-def nat_phase(quick, results):
+NAT_ROWS = ("direct", "relayed", "relayed_splice", "private_ingress_direct", "private_ingress_punched")
+NAT_COMPARED = ("added_p50_ms", "added_p99_ms", "throughput_loss_pct", "sse_loss_pct")
+
+
+def nat_phase(quick, results, runs=1):
     """In tests/natlab.py's lab (cone NATs): the ingress on the public host, one node on the
     public host (reached direct) serving model "fm-direct", one behind NAT A (reached through
-    the ingress's relay, then through a standalone relay's splice; TLS end to end) serving
+    the ingress's relay, then through a standalone relay; TLS end to end) serving
     "fm-relayed", all wrapping the fake engine.
     Clients on the public host, through the ingress, side by side in one run: latency p50/p99
     (sequential, 16/s), plain requests/s with 16 connections, SSE chunks/s with 8 streams; and
-    the hole punch between two private nodes (its time, from the asker's request to the ack)."""
-    import http.client
-
+    the hole punch between two private nodes (its time, from the asker's request to the ack).
+    Each of `runs` rounds builds the lab twice: relay_mux 1 (tunnel streams multiplexed on the
+    private node's link) and relay_mux 0 (a dial-back per stream: spliced at the standalone
+    relay, handed over at the ingress); the medians over rounds, and mux/splice ratios."""
     import natlab
-    import reliability as rel
     out = results["nat"] = {}
     reason = natlab.unavailable()
     if reason:
         out["skipped"] = reason
         print(f"nat: skipped ({reason})")
         return
+    rounds = out["rounds"] = []
+    for i in range(runs):
+        rounds.append({mode: _nat_lab_run(quick, mux, with_private=(i == 0 and mux == "1"))
+                       for mode, mux in (("mux", "1"), ("splice", "0"))})
+    first = rounds[0]["mux"]
+    print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay "
+          "(mux: streams on its link; splice: the dial-back handed over); relayed_splice: through a standalone "
+          "relay (mux: streams on the link; splice: the dial-back spliced); TLS end to end):")
+    for i, r in enumerate(rounds):
+        for mode in ("mux", "splice"):
+            for name in NAT_ROWS:
+                if name in r[mode]:
+                    print(f"  run {i + 1} {mode:6} {name:24}" + "  ".join(f"{k}={v:.3f}" for k, v in r[mode][name].items()))
+    summary = out["summary"] = {}
+    for name in ("relayed", "relayed_splice"):
+        for mode in ("mux", "splice"):
+            summary[f"{name}/{mode}"] = {k: statistics.median(r[mode][name][k] for r in rounds) for k in
+                                         ("latency_p50_ms", "latency_p99_ms", "rps_16conn", "sse_chunks_per_s_8streams",
+                                          *NAT_COMPARED)}
+        m, sp = summary[f"{name}/mux"], summary[f"{name}/splice"]
+        summary[f"{name}/mux_over_splice"] = {k: m[k] / sp[k] if sp[k] else float("nan") for k in
+                                              ("latency_p50_ms", "latency_p99_ms", "rps_16conn",
+                                               "sse_chunks_per_s_8streams")}
+    print(f"  medians over {runs} run(s), and mux/splice ratios (targets: added p50 <= 0.5 ms, loss <= 10 %):")
+    for key, row in summary.items():
+        print(f"  {key:30}" + "  ".join(f"{k}={v:.3f}" for k, v in row.items()))
+    out.update({k: v for k, v in first.items() if k not in NAT_ROWS})
+    if "private_ingress_tunnels" in first:
+        print(f"  private ingress on host A (clients on host A), tunnel per model: {first['private_ingress_tunnels']}")
+    print(f"  punch between the two private nodes: {first['punch_ms']} ms, punched {first['punched']}")
+    print(f"  punch in use after both sides were members (target < 1000 ms): {first['punch_after_join_ms']} ms")
+
+
+def _nat_lab_run(quick, mux, with_private):
+    """One lab, every member with OTELA_RELAY_MUX=`mux`: the rows of nat_phase."""
+    import http.client
+
+    import natlab
+    import reliability as rel
+    out = {}
     n_lat, seconds = (80, 2.0) if quick else (400, 5.0)
-    with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
+    timings = dict(rel.QUICK_TIMINGS, OTELA_RELAY_MUX=mux)
+    with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, rel.Fleet(tmp, timings) as fleet:
         pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
         ingress = fleet.ingress(pub)
         relay_gossip = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"   # a standalone relay, preferred at first
@@ -675,6 +721,9 @@ def nat_phase(quick, results):
             row["added_p99_ms"] = row["latency_p99_ms"] - direct["latency_p99_ms"]
             row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / direct["rps_16conn"])
             row["sse_loss_pct"] = 100 * (1 - row["sse_chunks_per_s_8streams"] / direct["sse_chunks_per_s_8streams"])
+        if not with_private:
+            fleet.stop(ingress)
+            return out
         # A private ingress on host A (behind NAT A, OTELA_REACH=private), its clients on host A:
         # the public node direct, the node behind NAT B over a punched TCP tunnel, side by side.
         listen, gossip = f"{a.host}:8090", f"{a.host}:7956"
@@ -706,13 +755,7 @@ def nat_phase(quick, results):
         row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / base["rps_16conn"])
         fleet.stop(private)
         fleet.stop(ingress)
-    print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay and "
-          "takes its dial-back; relayed_splice: through a standalone relay's splice; TLS end to end):")
-    for name in ("direct", "relayed", "relayed_splice", "private_ingress_direct", "private_ingress_punched"):
-        print(f"  {name:15}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
-    print(f"  private ingress on host A (clients on host A), tunnel per model: {out['private_ingress_tunnels']}")
-    print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
-    print(f"  punch in use after both sides were members (target < 1000 ms): {out['punch_after_join_ms']} ms")
+    return out
 
 
 def main():
@@ -720,6 +763,8 @@ def main():
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel,nat")
+    p.add_argument("--nat-runs", type=int, default=1,
+                   help="rounds of the nat phase (each: relay_mux 1 and 0 side by side); medians over them")
     p.add_argument("--saturate-seconds", type=float, default=None,
                    help="length of the false-eviction run with saturated CPUs (default 600; 20 with --quick)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -744,7 +789,7 @@ def main():
         if "tunnel" in phases:
             tunnel_phase(key_file, args.quick, results)
         if "nat" in phases:
-            nat_phase(args.quick, results)
+            nat_phase(args.quick, results, args.nat_runs)
         if "false" in phases:
             false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:
