@@ -2135,11 +2135,16 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      tunnel connection at the member, under that port's caps on strangers); a link that dies
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
 #      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
-#      end to end and the relay forwards only ciphertext; no connection is made per stream. A
-#      dialer that holds the member's link itself (the ingress as its relay) opens the stream
-#      on it directly. relay_mux 0: the relay asks the member over its link to dial back, and
-#      splices the two connections byte for byte (a dialer holding the link takes that
-#      connection as it is). Measured side by side: see tests/bench_node.py --only nat.
+#      end to end and the relay forwards only ciphertext; no connection is made per stream.
+#      relay_mux 0: the relay asks the member over its link to dial back, and splices the two
+#      connections byte for byte. A dialer that holds the member's link itself (the ingress as
+#      its relay) asks for the dial-back and takes that connection as it is, in either mode:
+#      it is a direct TCP connection from the member, so there is no relay hop to save, and
+#      carrying the stream on the link instead costs the dialer's loop (the busy one) four
+#      task wake-ups and a socketpair per chunk. Measured, tests/bench_node.py --only nat
+#      (lab, TLS, 2-core box; one quick run): the ingress opening streams on the link lost
+#      30 % req/s and 66 % SSE chunks/s against direct, the dial-back handed over -13 % and
+#      11 %; mux/splice 0.89x req/s, 0.51x chunks/s. Through a standalone relay: see below.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -3561,16 +3566,7 @@ class Node:
         link_id = addr[len(RELAYED_PREFIX):]
         link = self._linked.get(link_id)
         if link is not None and not link.transport.is_closing():
-            mux = self._muxes.get(link_id) if self.config.relay_mux else None
-            if mux is None:
-                return await self._take_dial_back(link)
-            stream = mux.open()
-            if stream is None:
-                raise OSError(f"{addr}: its link has max_link_streams streams open")
-            theirs, reader, writer = await _socketpair_stream()
-            self.relayed["muxed"] += 1
-            self._spawn(stream.bridge(reader, writer))
-            return theirs
+            return await self._take_dial_back(link)   # no relay hop to save: see rule 2
         for relay in self._relays_of.get(addr, ()):
             try:
                 host, port = self._resolve(relay)
