@@ -2254,103 +2254,152 @@ def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
     return struct.pack(">I", _MUX_HEAD.size + len(payload)) + _MUX_HEAD.pack(MUX, kind, stream) + payload
 
 
-class _MuxStream:
+class _MuxStream(asyncio.Protocol):
     """One tunnel stream on a link, bridged to a local stream (the dialer's connection at the
-    relay, a socketpair's end at the member and at a dialer that holds the link itself). Its
-    peer may send at most `window` bytes we have not credited back; we credit what the local
-    side has taken (drained), so a slow reader holds up its own stream only."""
+    relay, a socketpair's end at the member), all in the transports' callbacks: no task and
+    no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
+    back; we credit what the local side has taken (its transport's buffer drained), so a slow
+    reader holds up its own stream only. What we may not send yet for want of credit stops
+    the local side's reading."""
 
     def __init__(self, link: _MuxLink, sid: int):
         self.link, self.sid = link, sid
         self.credit = MUX_WINDOW                    # bytes we may still send
         self.window = MUX_WINDOW                    # bytes the peer may still send us
-        self.owed = 0                               # bytes taken locally, not credited back yet
-        self.inbound: collections.deque = collections.deque()
-        self.wake = asyncio.Event()                 # inbound data, or the end
-        self.credited = asyncio.Event()             # credit arrived
+        self.owed = 0                               # bytes the local side took, not credited back yet
+        self.held = bytearray()                     # local bytes waiting for credit (one read at most)
+        self.pending: List[bytes] = []              # the peer's bytes before the local side is attached
+        self.transport: Optional[asyncio.Transport] = None
         self.closed = False                         # CLOSE sent or received: no more frames
-        self.ended = False                          # the peer is done (CLOSE, or the link died)
-        self.writer: Optional[asyncio.StreamWriter] = None
+        self.peer_closed = False
+        self._paused = False                        # local reading stopped for want of credit
+        self._blocked = False                       # the local side's write buffer is not empty
+        self.done = asyncio.get_running_loop().create_future()
 
+    # -- the link's side --------------------------------------------------------------------
     def on_data(self, data: bytes) -> bool:
         if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
             return False
         self.window -= len(data)
-        self.inbound.append(data)
-        self.wake.set()
+        if self.transport is None:
+            self.pending.append(data)
+        elif not self.transport.is_closing():
+            self.transport.write(data)
+            self._taken(len(data))
         return True
 
     def on_credit(self, amount: int) -> None:
         self.credit += amount
-        self.credited.set()
+        self._send_held()
 
-    def end(self, abort: bool = False) -> None:
-        self.ended = self.closed = True
-        self.wake.set()
-        self.credited.set()
-        if abort and self.writer is not None:
-            self.writer.transport.abort()
+    def on_close(self) -> None:
+        """The peer is done: what it sent reaches the local side, then the local side closes."""
+        self.closed = self.peer_closed = True
+        self.link.streams.pop(self.sid, None)
+        if self.transport is not None:
+            self.transport.close()
 
-    async def bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Bytes both ways until either side ends; then the other is closed too."""
-        self.writer = writer
-        outbound = asyncio.ensure_future(self._outbound(reader))
-        try:
-            await self._inbound(writer)
-        finally:
-            outbound.cancel()
-            self.close()
-            writer.close()
+    def cut(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._finish()
 
-    async def _inbound(self, writer: asyncio.StreamWriter) -> None:
-        link = self.link
-        while True:
-            while not self.inbound:
-                if self.ended:
-                    return
-                self.wake.clear()
-                await self.wake.wait()
-            taken = 0
-            while self.inbound:
-                data = self.inbound.popleft()
-                writer.write(data)
-                taken += len(data)
-            try:
-                await writer.drain()
-            except (OSError, RuntimeError):
-                return
-            self.owed += taken
-            if not self.closed and self.owed >= MUX_WINDOW // 2:   # credit back what the local side
-                self.window += self.owed                           # took, half a window at a time:
-                link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))   # no frame per
-                self.owed = 0                                      # request, and never a stall
+    # -- the local side (asyncio.Protocol) ---------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0)   # pause_writing whenever a byte waits: credit
+        for data in self.pending:                   # goes back only for what the kernel took
+            transport.write(data)
+            self._taken(len(data))
+        self.pending.clear()
+        if self.peer_closed:
+            transport.close()
 
-    async def _outbound(self, reader: asyncio.StreamReader) -> None:
-        link = self.link
-        try:
-            while not self.closed:
-                while self.credit <= 0 and not self.closed:
-                    self.credited.clear()
-                    await self.credited.wait()
-                if self.closed:
-                    return
-                data = await reader.read(min(self.credit, MUX_CHUNK))
-                if not data or self.closed:
-                    break
-                self.credit -= len(data)
-                link.send(mux_frame(MUX_DATA, self.sid, data))
-                await link.drain()
-        except (OSError, asyncio.IncompleteReadError, RuntimeError):
-            pass
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.held += data
+        self._send_held()
+
+    def eof_received(self) -> bool:
         self.close()
-        self.wake.set()
-        self.ended = True
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.close()
+        self._finish()
+
+    def pause_writing(self) -> None:
+        self._blocked = True
+
+    def resume_writing(self) -> None:
+        self._blocked = False
+        self._taken(0)
+
+    # -- both ----------------------------------------------------------------------------------
+    def _taken(self, amount: int) -> None:
+        self.owed += amount
+        if self._blocked or self.closed:
+            return
+        if self.owed >= MUX_WINDOW // 2:            # half a window at a time: no frame per request,
+            self.window += self.owed                # and never a stall (the peer stops at a whole one)
+            self.link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))
+            self.owed = 0
+
+    def _send_held(self) -> None:
+        held = self.held
+        while held and self.credit > 0 and not self.closed:
+            n = min(len(held), self.credit, MUX_CHUNK)
+            self.link.send(mux_frame(MUX_DATA, self.sid, bytes(held[:n])))
+            del held[:n]
+            self.credit -= n
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if held and not self._paused:
+            self._paused = True
+            transport.pause_reading()
+        elif not held and self._paused:
+            self._paused = False
+            transport.resume_reading()
+
+    def buffered(self) -> int:
+        """Bytes of the peer's this side holds in memory (the local transport's buffer)."""
+        pending = sum(len(d) for d in self.pending)
+        return pending + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.link.send(mux_frame(MUX_CLOSE, self.sid))
         self.link.streams.pop(self.sid, None)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Take over the local stream's transport (bytes it already read come first) and wait
+        for the end of the stream."""
+        transport = writer.transport
+        early = bytes(getattr(reader, "_buffer", b""))   # what arrived before the hand-over
+        at_eof = bool(getattr(reader, "_eof", False))
+        transport.set_protocol(self)
+        self.connection_made(transport)
+        if not at_eof and hasattr(transport, "is_reading") and not transport.is_reading():
+            transport.resume_reading()              # the stream reader had paused it (its limit)
+        if early:
+            self.data_received(early)
+        if at_eof:
+            self.close()
+        try:
+            await self.done
+        finally:
+            if not transport.is_closing():
+                transport.close()
 
 
 class _MuxLink:
@@ -2398,9 +2447,7 @@ class _MuxLink:
             return True
         if kind == MUX_CLOSE:
             if stream is not None:
-                stream.closed = True                # no CLOSE back: the peer is done with it
-                stream.end()
-                self.streams.pop(sid, None)
+                stream.on_close()                   # no CLOSE back: the peer is done with it
             return True
         if kind == MUX_OPEN and accept is not None:
             if stream is not None:
@@ -2418,7 +2465,7 @@ class _MuxLink:
         """The link died: every stream's local side is cut at once (an unanswered request is
         retried by the ingress elsewhere)."""
         for stream in list(self.streams.values()):
-            stream.end(abort=True)
+            stream.cut()
         self.streams.clear()
 
 

@@ -332,7 +332,7 @@ def test_a_slow_reader_on_one_multiplexed_stream_does_not_stall_another_nor_grow
                 line = await asyncio.get_running_loop().sock_recv(fast_far, 64)
                 await asyncio.get_running_loop().sock_sendall(fast_far, line)
                 echoed.append(await asyncio.wait_for(fast_r.readexactly(len(line)), 5))
-            held = [sum(len(d) for d in s.inbound) for s in answerer.streams.values()]
+            held = [s.buffered() for s in answerer.streams.values()]
             sending = [s.credit for s in opener.streams.values()]
             return echoed, held, sending
         finally:
