@@ -2140,11 +2140,15 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      connections byte for byte. A dialer that holds the member's link itself (the ingress as
 #      its relay) asks for the dial-back and takes that connection as it is, in either mode:
 #      it is a direct TCP connection from the member, so there is no relay hop to save, and
-#      carrying the stream on the link instead costs the dialer's loop (the busy one) four
-#      task wake-ups and a socketpair per chunk. Measured, tests/bench_node.py --only nat
-#      (lab, TLS, 2-core box; one quick run): the ingress opening streams on the link lost
-#      30 % req/s and 66 % SSE chunks/s against direct, the dial-back handed over -13 % and
-#      11 %; mux/splice 0.89x req/s, 0.51x chunks/s. Through a standalone relay: see below.
+#      carrying the stream on the link instead costs the dialer's loop (the busy one) a bridge
+#      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
+#      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
+#      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
+#      -0.24-0.61 ms. Through a standalone relay, with the callback bridge below (2 runs,
+#      --nat-runs 2): mux p50 2.69 ms vs splice 2.83 ms (0.95x), p99 7.96 vs 8.71 ms (0.91x),
+#      added p50 over direct +0.003 vs +0.058 ms; req/s and SSE chunks/s vary more between
+#      labs on that box (direct alone 950-1360 req/s) than between the modes (mux 1.5x/2.4x
+#      the splice, within that noise). So streams go multiplexed through third-party relays.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
