@@ -2144,11 +2144,12 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
 #      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
 #      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
-#      -0.24-0.61 ms. Through a standalone relay, with the callback bridge below (2 runs,
-#      --nat-runs 2): mux p50 2.69 ms vs splice 2.83 ms (0.95x), p99 7.96 vs 8.71 ms (0.91x),
-#      added p50 over direct +0.003 vs +0.058 ms; req/s and SSE chunks/s vary more between
-#      labs on that box (direct alone 950-1360 req/s) than between the modes (mux 1.5x/2.4x
-#      the splice, within that noise). So streams go multiplexed through third-party relays.
+#      -0.24-0.61 ms. Through a standalone relay, with the callback bridge below (medians of
+#      3 runs, --nat-runs 3): mux p50 2.89 ms vs splice 2.91 ms (1.00x), p99 7.0 vs 7.5 ms
+#      (0.94x), added p50 over direct +0.001 vs +0.013 ms; req/s 1.00x, SSE chunks/s 1.07x
+#      (both vary more between labs on that box, direct alone 845-1165 req/s, than between
+#      the modes). The task-per-stream bridge had added 0.8 ms p50 (1.22x the splice). Equal
+#      on speed, the mux makes no connection per stream, so it is the default.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
