@@ -56,7 +56,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import h11
 
@@ -199,7 +199,9 @@ class Config:
     splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
     max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
     relay_mux: int = 1                    # 1: tunnel streams multiplexed on the member's link; 0: a
-                                          # dial-back connection per stream, spliced (rule 2)
+                                          # dial-back connection per stream, spliced (rule 2); at a
+                                          # relay: whether it offers streams; at a member: whether its
+                                          # links take them (both 1: streams), so one lab runs both
     max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
                                           # a CLOSE): two descriptors each at the member (a socketpair),
                                           # 512 in all, its max_tunnel_connections; the ingress keeps
@@ -2136,9 +2138,10 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
 #      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
 #      end to end and the relay forwards only ciphertext; no connection is made per stream.
-#      relay_mux 0: the relay asks the member over its link to dial back, and splices the two
-#      connections byte for byte. A dialer that holds the member's link itself (the ingress as
-#      its relay) asks for the dial-back and takes that connection as it is, in either mode:
+#      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
+#      asks the member over its link to dial back, and splices the two connections byte for
+#      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
+#      the dial-back and takes that connection as it is, in either mode:
 #      it is a direct TCP connection from the member, so there is no relay hop to save, and
 #      carrying the stream on the link instead costs the dialer's loop (the busy one) a bridge
 #      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
@@ -2632,6 +2635,7 @@ class Node:
         self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
         self._muxes: Dict[str, _MuxLink] = {}                # as a relay: link id -> its tunnel streams
         self._link_muxes: Dict[str, _MuxLink] = {}           # as a member: relay -> our link's streams
+        self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
         self._seed_relays: List[str] = []                    # seeds that answered our "rq"
@@ -3048,6 +3052,10 @@ class Node:
                         if old_mux is not None:
                             old_mux.cut()
                         self._muxes[link] = _MuxLink(writer, cfg.max_link_streams)
+                        if msg.get("mux", 1):
+                            self._dialback_links.discard(link)
+                        else:
+                            self._dialback_links.add(link)
                         _keepalive(writer)
                         self._gossip_connections -= 1
                         counted, timeout = False, None   # open as long as its member lives
@@ -3086,6 +3094,7 @@ class Node:
                 self._gossip_connections -= 1
             if link and self._linked.get(link) is writer:
                 del self._linked[link]
+                self._dialback_links.discard(link)
             mux = self._muxes.get(link) if link else None
             if mux is not None and mux.writer is writer:
                 del self._muxes[link]
@@ -3313,7 +3322,8 @@ class Node:
         except (OSError, ValueError, asyncio.TimeoutError):
             return
         _keepalive(writer)
-        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id}, time.time())))
+        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
+                                          time.time())))
         self._links[relay] = writer
         self._link_muxes[relay] = _MuxLink(writer, self.config.max_link_streams)
         self._spawn(self._read_link(relay, reader, writer))
@@ -3400,7 +3410,7 @@ class Node:
         if link is None or not self.config.relay:
             self.relayed["refused"] += 1
             return
-        if self.config.relay_mux:                   # a stream on the member's link
+        if self.config.relay_mux and link_id not in self._dialback_links:   # a stream on the member's link
             mux = self._muxes.get(link_id)
             stream = mux.open() if mux is not None else None
             if stream is None:
