@@ -203,9 +203,9 @@ class Config:
                                           # relay: whether it offers streams; at a member: whether its
                                           # links take them (both 1: streams), so one lab runs both
     max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
-                                          # a CLOSE): two descriptors each at the member (a socketpair),
-                                          # 512 in all, its max_tunnel_connections; the ingress keeps
-                                          # <= 128 idle per session plus its streams in flight
+                                          # a CLOSE): each is a tunnel connection at the member, so two
+                                          # links fill its max_tunnel_connections (512); the ingress
+                                          # keeps <= 128 idle per session plus its streams in flight
     punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
     punch_delay: float = 0.3              # the side that sends second waits this long, so the first
                                           # side's NAT has its mapping before any packet reaches it
@@ -2136,8 +2136,9 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      at most max_link_streams per link (an OPEN over it is answered CLOSE; each stream is a
 #      tunnel connection at the member, under that port's caps on strangers); a link that dies
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
-#      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
-#      end to end and the relay forwards only ciphertext; no connection is made per stream.
+#      member serves a stream as an admitted tunnel connection over an in-memory transport
+#      (TLS by asyncio's SSLProtocol over it), so TLS runs end to end and the relay forwards
+#      only ciphertext; no connection, descriptor or system call is added per stream.
 #      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
 #      asks the member over its link to dial back, and splices the two connections byte for
 #      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
@@ -2256,15 +2257,16 @@ MUX_WINDOW = 262144                 # bytes in flight per stream each way: one L
                                     # a stream's memory on either side never exceeds it
 MUX_CHUNK = 65536                   # the largest DATA payload: under max_frame, and one SSL read
 _MUX_HEAD = struct.Struct(">2sBI")
+_MUX_FRAMED = struct.Struct(">I2sBI")   # the frame's length, then the mux head: packed at once
 
 
 def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", _MUX_HEAD.size + len(payload)) + _MUX_HEAD.pack(MUX, kind, stream) + payload
+    return _MUX_FRAMED.pack(_MUX_HEAD.size + len(payload), MUX, kind, stream) + payload
 
 
 class _MuxStream(asyncio.Protocol):
     """One tunnel stream on a link, bridged to a local stream (the dialer's connection at the
-    relay, a socketpair's end at the member), all in the transports' callbacks: no task and
+    relay, a _StreamTransport at the member), all in the transports' callbacks: no task and
     no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
     back; we credit what the local side has taken (its transport's buffer drained), so a slow
     reader holds up its own stream only. What we may not send yet for want of credit stops
@@ -2326,6 +2328,10 @@ class _MuxStream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
+            return
+        if not self.held and len(data) <= min(self.credit, MUX_CHUNK):   # the usual case: one frame,
+            self.link.send(mux_frame(MUX_DATA, self.sid, data))            # one copy
+            self.credit -= len(data)
             return
         self.held += data
         self._send_held()
@@ -2533,7 +2539,7 @@ class _StreamTransport(asyncio.Transport):
 
     def write(self, data) -> None:
         if not self._closed and data:
-            self.stream.data_received(bytes(data))
+            self.stream.data_received(data if isinstance(data, bytes) else bytes(data))
 
     def writelines(self, list_of_data) -> None:
         self.write(b"".join(list_of_data))
