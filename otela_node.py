@@ -56,7 +56,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import h11
 
@@ -203,9 +203,9 @@ class Config:
                                           # relay: whether it offers streams; at a member: whether its
                                           # links take them (both 1: streams), so one lab runs both
     max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
-                                          # a CLOSE): each is a tunnel connection at the member, so two
-                                          # links fill its max_tunnel_connections (512); the ingress
-                                          # keeps <= 128 idle per session plus its streams in flight
+                                          # a CLOSE): two descriptors each at the member (a socketpair),
+                                          # 512 in all, its max_tunnel_connections; the ingress keeps
+                                          # <= 128 idle per session plus its streams in flight
     punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
     punch_delay: float = 0.3              # the side that sends second waits this long, so the first
                                           # side's NAT has its mapping before any packet reaches it
@@ -2136,9 +2136,12 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      at most max_link_streams per link (an OPEN over it is answered CLOSE; each stream is a
 #      tunnel connection at the member, under that port's caps on strangers); a link that dies
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
-#      member serves a stream as an admitted tunnel connection over an in-memory transport
-#      (TLS by asyncio's SSLProtocol over it), so TLS runs end to end and the relay forwards
-#      only ciphertext; no connection, descriptor or system call is added per stream.
+#      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
+#      end to end and the relay forwards only ciphertext; no connection is made per stream.
+#      (An in-memory transport instead, TLS by asyncio's SSLProtocol over it since uvloop's
+#      start_tls takes only its own transports, cost the member more: CPU per request 1.44x
+#      the direct path's node against the socketpair's 1.27x, pure-Python TLS against
+#      uvloop's, for the syscalls it saved.)
 #      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
 #      asks the member over its link to dial back, and splices the two connections byte for
 #      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
@@ -2266,7 +2269,7 @@ def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
 
 class _MuxStream(asyncio.Protocol):
     """One tunnel stream on a link, bridged to a local stream (the dialer's connection at the
-    relay, a _StreamTransport at the member), all in the transports' callbacks: no task and
+    relay, a socketpair's end at the member), all in the transports' callbacks: no task and
     no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
     back; we credit what the local side has taken (its transport's buffer drained), so a slow
     reader holds up its own stream only. What we may not send yet for want of credit stops
@@ -2483,182 +2486,14 @@ class _MuxLink:
         self.streams.clear()
 
 
-class _StreamTransport(asyncio.Transport):
-    """A member's end of a tunnel stream (rule 2), in memory: the tunnel code's transport (TLS
-    runs over it through loop.start_tls, so the relay forwards ciphertext), and the local
-    side the _MuxStream bridges to the link, without the socketpair's two descriptors and four
-    system calls per chunk. Bytes toward the link go through the stream's credit (held, and the
-    protocol's writing paused, while credit is short); the peer's bytes go to the protocol at
-    once, or wait here while the protocol paused our reading, and are credited back only when
-    delivered, so what waits is at most MUX_WINDOW."""
-
-    _start_tls_compatible = True                    # loop.start_tls accepts it
-
-    def __init__(self, stream: _MuxStream):
-        super().__init__()
-        self.stream = stream
-        self._protocol: Optional[asyncio.BaseProtocol] = None
-        self._inbox: List[bytes] = []               # the peer's bytes the protocol has not taken
-        self._reading = False                       # until a protocol is set and reads
-        self._closed = False
-        self.first = asyncio.get_running_loop().create_future()   # the first byte in (b"" at an end)
-        stream.connection_made(_StreamTransport._LinkSide(self))
-
-    # -- the tunnel code's side (asyncio.Transport) -----------------------------------------
-    def get_extra_info(self, name, default=None):
-        return {"peername": ("relay-stream", self.stream.sid)}.get(name, default)
-
-    def set_protocol(self, protocol) -> None:
-        self._protocol = protocol
-
-    def get_protocol(self):
-        return self._protocol
-
-    def is_closing(self) -> bool:
-        return self._closed
-
-    def is_reading(self) -> bool:
-        return self._reading
-
-    def pause_reading(self) -> None:
-        self._reading = False
-
-    def resume_reading(self) -> None:
-        if self._closed or self._protocol is None:
-            return
-        self._reading = True
-        taken = 0
-        while self._inbox and self._reading:
-            data = self._inbox.pop(0)
-            taken += len(data)
-            _feed(self._protocol, data)
-        if taken and not self._inbox:
-            self.stream.resume_writing()            # drained: the peer's bytes are credited back
-        if self.stream.peer_closed and not self._inbox:
-            self._lose(None)
-
-    def write(self, data) -> None:
-        if not self._closed and data:
-            self.stream.data_received(data if isinstance(data, bytes) else bytes(data))
-
-    def writelines(self, list_of_data) -> None:
-        self.write(b"".join(list_of_data))
-
-    def can_write_eof(self) -> bool:
-        return False
-
-    def get_write_buffer_size(self) -> int:
-        return len(self.stream.held)
-
-    def set_write_buffer_limits(self, high=None, low=None) -> None:
-        pass
-
-    def get_write_buffer_limits(self):
-        return 0, MUX_CHUNK
-
-    def close(self) -> None:
-        if not self._closed:
-            self.stream.close()                     # CLOSE on the link
-            self._lose(None)
-
-    def abort(self) -> None:
-        self.close()
-
-    def _lose(self, exc: Optional[Exception]) -> None:
-        if self._closed and self._protocol is None:
-            return
-        self._closed = True
-        self._reading = False
-        self._inbox.clear()
-        if not self.first.done():
-            self.first.set_result(b"")
-        protocol, self._protocol = self._protocol, None
-        if protocol is not None:
-            asyncio.get_running_loop().call_soon(protocol.connection_lost, exc)
-        self.stream._finish()
-
-    class _LinkSide:
-        """What the _MuxStream sees as its local transport."""
-
-        def __init__(self, end: _StreamTransport):
-            self.end = end
-
-        def write(self, data: bytes) -> None:       # the peer's bytes
-            end = self.end
-            if not end.first.done():
-                end.first.set_result(data[:1])
-            if end._reading and not end._inbox:
-                _feed(end._protocol, data)
-            else:
-                end._inbox.append(data)
-                end.stream.pause_writing()          # no credit back until the protocol takes it
-
-        def is_closing(self) -> bool:
-            return self.end._closed
-
-        def close(self) -> None:                    # the peer's CLOSE: after what it sent
-            if not self.end._inbox:
-                self.end._lose(None)
-
-        def abort(self) -> None:                    # the link died
-            self.end._lose(ConnectionResetError("the relay link ended"))
-
-        def pause_reading(self) -> None:            # short of credit: stop the writer
-            protocol = self.end._protocol
-            if protocol is not None:
-                protocol.pause_writing()
-
-        def resume_reading(self) -> None:
-            protocol = self.end._protocol
-            if protocol is not None:
-                protocol.resume_writing()
-
-        def get_write_buffer_size(self) -> int:
-            return sum(len(d) for d in self.end._inbox)
-
-        def set_write_buffer_limits(self, high=None, low=None) -> None:
-            pass
-
-
-def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
-    """Bytes to a protocol, a BufferedProtocol (asyncio's TLS since 3.11) into its buffers."""
-    if not isinstance(protocol, asyncio.BufferedProtocol):
-        protocol.data_received(data)
-        return
-    view = memoryview(data)
-    while view:
-        buf = protocol.get_buffer(len(view))
-        n = min(len(buf), len(view))
-        buf[:n] = view[:n]
-        protocol.buffer_updated(n)
-        view = view[n:]
-
-
-async def _stream_over(end: _StreamTransport, ctx: Optional[ssl.SSLContext], handshake_timeout: float):
-    """(reader, writer) over a member's stream end, through a server-side TLS handshake when
-    ctx (the same as _accepted_stream for a socket)."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=RELAY_READ)
-    protocol = asyncio.StreamReaderProtocol(reader)
-    if ctx is None:
-        end.set_protocol(protocol)
-        protocol.connection_made(end)
-        end.resume_reading()
-        return reader, asyncio.StreamWriter(end, protocol, reader, loop)
-    # asyncio's own TLS protocol over our transport: loop.start_tls would do the same, but
-    # uvloop's takes only its own transports.
-    waiter = loop.create_future()
-    tls = asyncio.sslproto.SSLProtocol(loop, protocol, ctx, waiter, server_side=True,
-                                       ssl_handshake_timeout=handshake_timeout)
-    end.set_protocol(tls)
-    tls.connection_made(end)                        # the app protocol's connection_made: after it
-    end.resume_reading()
-    try:
-        await waiter
-    except BaseException:
-        end.abort()
-        raise
-    return reader, asyncio.StreamWriter(tls._app_transport, protocol, reader, loop)
+async def _socketpair_stream() -> Tuple[socket.socket, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A local socket for the tunnel code (TLS runs over it end to end) and the stream of its
+    other end, which a _MuxStream bridges to the link."""
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    theirs.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=mine, limit=MUX_WINDOW)
+    return theirs, reader, writer
 
 
 class _PunchSocket(asyncio.DatagramProtocol):
@@ -3537,14 +3372,22 @@ class Node:
             log.info("relay link to %s ended", relay)
 
     def _accept_stream(self, stream: _MuxStream) -> None:
+        self._spawn(self._serve_stream(stream))
+
+    async def _serve_stream(self, stream: _MuxStream) -> None:
         """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
-        connection of ours over its in-memory transport (the dialer's TLS handshake arrives
-        through it)."""
+        connection of ours over a socketpair (the dialer's TLS handshake arrives through it)."""
         if self._tunnel_sock is None:
             stream.close()
             return
+        try:
+            theirs, reader, writer = await _socketpair_stream()
+        except OSError:                             # out of descriptors: this stream is refused
+            stream.close()
+            return
         self.relayed["streams"] += 1
-        self._admit(_StreamTransport(stream))
+        self._admit(theirs)
+        await stream.bridge(reader, writer)
 
     async def _dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -4072,24 +3915,22 @@ class Node:
                 return                              # the listening socket was closed (stop)
             self._admit(conn)
 
-    def _admit(self, conn: Union[socket.socket, _StreamTransport]) -> None:
-        """Rule 1: the cap on all connections, then on strangers (the oldest is cut). `conn`:
-        an accepted socket, or a relay link's tunnel stream."""
+    def _admit(self, conn: socket.socket) -> None:
+        """Rule 1: the cap on all connections, then on strangers (the oldest is cut)."""
         cfg = self.config
+        conn.setblocking(False)
         if len(self._tunnel_conns) >= cfg.max_tunnel_connections:
             self.refused["busy"] += 1
             try:
-                (conn.write if isinstance(conn, _StreamTransport) else conn.send)(BUSY_ANSWER)
+                conn.send(BUSY_ANSWER)
             except OSError:
                 pass
             conn.close()
             return
-        if isinstance(conn, socket.socket):
-            conn.setblocking(False)
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
         connection = _TunnelConnection(None)
         self._tunnel_conns[connection] = None
         self._unauthenticated[connection] = None
@@ -4101,8 +3942,7 @@ class Node:
         connection.task = self._spawn(self._tunnel_connection(conn, connection))
         connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
 
-    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _StreamTransport],
-                           task: asyncio.Task) -> None:
+    def _forget_connection(self, connection: _TunnelConnection, conn: socket.socket, task: asyncio.Task) -> None:
         """A connection cut before its task ever ran (a burst of admissions in one loop turn:
         the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
         if task.cancelled():
@@ -4114,25 +3954,19 @@ class Node:
         connection.authenticated = True
         self._unauthenticated.pop(connection, None)
 
-    async def _tunnel_connection(self, conn: Union[socket.socket, _StreamTransport],
-                                 connection: _TunnelConnection) -> None:
+    async def _tunnel_connection(self, conn: socket.socket, connection: _TunnelConnection) -> None:
         cfg = self.config
         connection.arm(cfg.head_timeout)
         writer = None
-        stream = isinstance(conn, _StreamTransport)
         try:
             ctx = self.tunnel_server_ssl
             if ctx is not None:                     # rule 3: a ClientHello, or plain HTTP?
-                if stream:
-                    first = await conn.first
-                else:
-                    await _wait_readable(conn)
-                    first = conn.recv(1, socket.MSG_PEEK)
+                await _wait_readable(conn)
+                first = conn.recv(1, socket.MSG_PEEK)
                 if first and first[0] != TLS_RECORD_HANDSHAKE:
                     ctx = None
             try:
-                reader, writer = await (_stream_over(conn, ctx, cfg.head_timeout) if stream else
-                                        _accepted_stream(conn, ctx, cfg.head_timeout))
+                reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
             except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
                 self.refused["handshake"] += 1      # no certificate, the wrong one, a replay
                 return
