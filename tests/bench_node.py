@@ -628,7 +628,8 @@ def _nat_lab_run(quick, rounds, out):
         fleet.members.append(relay)
         fleet.start(relay)
         engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} --chunks 8"
-        members = {}
+        members = {}                # (each bootstraps to the relay too: a private member whose only seed
+        # does not relay has no link through which to learn of a relay, so it never joins)
         for path, place, gossip, listen, mux in (("direct", pub, 7950, 7710, "1"), ("mux", a, 7946, 7700, "1"),
                                                  ("splice", b, 7946, 7700, "0")):
             argv = ["env", f"OTELA_RELAY_MUX={mux}", sys.executable, str(ROOT / "otela_node.py"), "start",
@@ -767,7 +768,7 @@ def _nat_lab_run(quick, rounds, out):
         private = rel.Member("private-ingress", "ingress", a,
                              ["env", "OTELA_REACH=private", sys.executable, str(ROOT / "otela_ingress.py"), "serve",
                               "--key-file", fleet.key_file, "--listen", listen, "--gossip", gossip, "--db", db,
-                              "--bootstrap", ingress.gossip], listen, gossip)
+                              "--bootstrap", f"{relay_gossip},{ingress.gossip}"], listen, gossip)
         fleet.members.append(private)
         fleet.start(private)
 
