@@ -2228,6 +2228,32 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: Optiona
     return await asyncio.wait_for(reader.readexactly(length), timeout)
 
 
+_FRAME_LENGTH = struct.Struct(">I")
+
+
+async def _read_frames(reader: asyncio.StreamReader, buf: bytearray, limit: int) -> Optional[List[bytes]]:
+    """The length-prefixed frames complete after a read into `buf` (a busy relay link brings
+    many per read: one await for them all, not two per frame); None at the end; ValueError
+    when one is over `limit`."""
+    while True:
+        chunk = await reader.read(RELAY_READ)
+        if not chunk:
+            return None
+        buf += chunk
+        frames, pos, end = [], 0, len(buf)
+        while end - pos >= 4:
+            (length,) = _FRAME_LENGTH.unpack_from(buf, pos)
+            if length > limit:
+                raise ValueError("oversized")
+            if end - pos - 4 < length:
+                break
+            frames.append(bytes(buf[pos + 4:pos + 4 + length]))
+            pos += 4 + length
+        del buf[:pos]
+        if frames:
+            return frames
+
+
 def _keepalive(writer: asyncio.StreamWriter) -> None:
     """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
     sock = writer.get_extra_info("socket")
@@ -3340,25 +3366,27 @@ class Node:
 
     async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """What a relay sends down our link: gossip for us, and dial-back requests (rule 2)."""
+        buf = bytearray()
         try:
             while True:
-                data = await _read_frame(reader, self.config.max_frame, None)
-                if data is None:
+                frames = await _read_frames(reader, buf, self.config.max_frame)
+                if frames is None:
                     return
-                if data[:2] == MUX:                 # a tunnel stream the relay opened for a dialer
-                    mux = self._link_muxes.get(relay)
-                    if mux is None or mux.writer is not writer or not mux.on_frame(data, self._accept_stream):
-                        return
-                    continue
-                msg = self.wire.open(data, time.time(), tcp=True)
-                if msg is None:
-                    continue
-                if msg["t"] == "h" and "dial" in msg:
-                    self._spawn(self._dial_back(relay, str(msg["dial"])))
-                    continue
-                src = msg.pop("ra", None)
-                if isinstance(src, str):
-                    self._deliver(msg, src, True)
+                for data in frames:
+                    if data[:2] == MUX:             # a tunnel stream the relay opened for a dialer
+                        mux = self._link_muxes.get(relay)
+                        if mux is None or mux.writer is not writer or not mux.on_frame(data, self._accept_stream):
+                            return
+                        continue
+                    msg = self.wire.open(data, time.time(), tcp=True)
+                    if msg is None:
+                        continue
+                    if msg["t"] == "h" and "dial" in msg:
+                        self._spawn(self._dial_back(relay, str(msg["dial"])))
+                        continue
+                    src = msg.pop("ra", None)
+                    if isinstance(src, str):
+                        self._deliver(msg, src, True)
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
