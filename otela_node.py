@@ -2151,12 +2151,17 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
 #      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
 #      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
-#      -0.24-0.61 ms. Through a standalone relay, with the callback bridge below (medians of
-#      3 runs, --nat-runs 3): mux p50 2.89 ms vs splice 2.91 ms (1.00x), p99 7.0 vs 7.5 ms
-#      (0.94x), added p50 over direct +0.001 vs +0.013 ms; req/s 1.00x, SSE chunks/s 1.07x
-#      (both vary more between labs on that box, direct alone 845-1165 req/s, than between
-#      the modes). The task-per-stream bridge had added 0.8 ms p50 (1.22x the splice). Equal
-#      on speed, the mux makes no connection per stream, so it is the default.
+#      -0.24-0.61 ms. Through a standalone relay (bench_node --only nat --nat-runs 10: one
+#      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; 3 runs on a
+#      loaded 2-core box): added p50 over direct, median of the rounds, mux 0.74-0.85 ms,
+#      splice 0.40-0.69 ms; CPU per plain request, the member's node 1.12-1.16x with streams
+#      (the socketpair bridge: two more sends and receives per chunk) than with the splice,
+#      the relay 0.96x, the whole path 1.05-1.07x (+37-57 us of ~850). Wall-clock req/s
+#      ratios swung 0.7-1.1 between runs on that box. The mux stays the default for what
+#      the splice lacks: no connection per stream, nothing for a NAT or firewall to refuse
+#      per stream; relay_mux 0 (at the member or the relay) buys the ~6 % back. (Earlier
+#      figures here, with the ingress relaying too, measured its handed-over dial-back in
+#      both modes: it held a link of the member's.)
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
