@@ -402,7 +402,8 @@ MESSAGE_TYPES = {
                                      # stream to that link; dial (relay->member)/accept: its dial-back
     "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
                                      # without a: only say where you see me (a TCP punch's mapping)
-    "rs": "n, seen, back",           # answer: the address the seed saw, and whether its dial worked
+    "rs": "n, seen, back, relaying?, relays?",  # answer: the address the seed saw, whether its dial
+                                     # worked, whether it relays, and the relays it knows (gossip addresses)
     "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
     "os": "n, seen",                 # answer to ob
     "pq": "a, seen, first",          # punch request (through a relay): my socket is seen at `seen`;
@@ -2194,7 +2195,17 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      path is punched probes a punch in the background; when it works the connection is kept
 #      for the next dial (a spare, used within half the member's head_timeout) and the dialer's
 #      listeners retire the relayed connections, so the tunnel goes punched again.
+#   7. A seed that does not relay (an ingress with --no-relay) still names the relays it knows
+#      in its "rs" ("relaying": false, "relays": their gossip addresses, members that relay and
+#      are neither suspected nor relayed), so a private member whose only seed it is links to
+#      them: it cannot learn of a relay through gossip before it holds a link. A member with no
+#      link asks its seeds again every relay check (an "rq" without a dial-back) and says
+#      NO_RELAY_TEXT once on stderr until it holds one.
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
+NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
+                                    # and the answer stays one small frame (under max_datagram)
+NO_RELAY_TEXT = ("no relay reachable: start `otela_node.py relay` or drop --no-relay on the ingress "
+                 "(retrying every relay check)")
 FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
 
 
@@ -2678,7 +2689,10 @@ class Node:
         self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
-        self._seed_relays: List[str] = []                    # seeds that answered our "rq"
+        self._seed_relays: List[str] = []                    # seeds that answered our "rq" and relay
+        self._named_relays: List[str] = []                   # relays those seeds named (rule 7)
+        self._no_relay_said = False                          # NO_RELAY_TEXT logged, no link since
+        self._dialable_gossip = ""                           # our gossip address before we went private
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
                                             "muxed": 0,          # streams opened on links, as relay/dialer
@@ -3266,13 +3280,28 @@ class Node:
                 dialled.close()
         except (OSError, ValueError, KeyError, asyncio.TimeoutError):
             pass
-        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back},
-                                time.time())
+        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back,
+                                 "relaying": bool(self.config.relay and not self.private),
+                                 "relays": self._known_relays(str(msg.get("a", "")))}, time.time())
         writer.write(frame(answer))
         await writer.drain()
 
-    async def _ask_reach(self, seed: str) -> Optional[Dict[str, Any]]:
-        """Our side: ask one seed to dial us back; its answer, or None."""
+    def _known_relays(self, asker: str = "") -> List[str]:
+        """The relays a seed names in its "rs" (rule 7), best first: members that relay, are
+        dialable and not suspected; ourselves left out (our own "relaying" says that), and the
+        asker (its first record says it relays: it did not know yet that it is private)."""
+        ranked = []
+        for sid, record in self.registry.items() if self.overlay is not None else ():
+            gossip = record.get("gossip", "")
+            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.is_suspected(sid) or gossip == asker:
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
+
+    async def _ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
+        """Our side: ask one seed to dial us back (or, without `dial_back`, only for what it
+        sees and the relays it knows); its answer, or None."""
         cfg = self.config
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(seed)), cfg.tcp_timeout)
@@ -3280,7 +3309,8 @@ class Node:
             return None
         try:
             nonce = os.urandom(4).hex()
-            writer.write(frame(self.wire.seal({"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]}, time.time())))
+            ask = {"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]} if dial_back else {"t": "rq", "n": nonce}
+            writer.write(frame(self.wire.seal(ask, time.time())))
             data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
             answer = self.wire.open(data, time.time(), tcp=True) if data else None
             if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
@@ -3299,6 +3329,7 @@ class Node:
     async def _keep_reach(self, bootstrap: List[str]) -> None:
         """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
         cfg = self.config
+        self._dialable_gossip = self.overlay.record["gossip"]
         if cfg.reach == "auto":
             delay = cfg.join_retry_min
             while not self.private:
@@ -3309,7 +3340,7 @@ class Node:
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
                         return
-                    self._seed_relays = [seed for seed, _ in heard]
+                    self._heard_seeds(heard)
                     break
                 await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
                 delay = min(delay * 2, cfg.join_retry_max)
@@ -3328,6 +3359,13 @@ class Node:
             for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
                 if relay not in self._links and (i < cfg.relay_links or len(self._links) < cfg.relay_links):
                     await self._open_link(relay)
+            if self._links:
+                self._no_relay_said = False
+            else:                                   # rule 7: say it once, ask the seeds again
+                if not self._no_relay_said:
+                    self._no_relay_said = True
+                    log.warning("%s", NO_RELAY_TEXT)
+                await self._ask_seeds_for_relays(bootstrap)
             rank = {relay: i for i, relay in enumerate(candidates)}
             while len(self._links) > cfg.relay_links:   # a better relay came: the worst link goes
                 worst = max(self._links, key=lambda r: (rank.get(r, len(rank)), r))
@@ -3353,7 +3391,29 @@ class Node:
                 continue
             ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
         out = [gossip for _, gossip in sorted(ranked)]
-        return out + [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
+        out += [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
+        return out + [relay for relay in self._named_relays if relay not in out and relay not in self.overlay.by_addr]
+
+    def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
+        version says nothing: it relays), and the relays they named."""
+        self._seed_relays = [seed for seed, a in heard if a.get("relaying", True)]
+        named: List[str] = []
+        for _, answer in heard:
+            relays = answer.get("relays")
+            for relay in relays if isinstance(relays, list) else ():
+                if isinstance(relay, str) and not is_relayed(relay) and relay not in named \
+                        and relay != self._dialable_gossip:     # our own first record, at an old seed
+                    named.append(relay)
+        self._named_relays = named[:NAMED_RELAYS]
+
+    async def _ask_seeds_for_relays(self, bootstrap: List[str]) -> None:
+        """With no link: the seeds' relays again, without a dial-back (a relay may have started
+        since, or the one they named died)."""
+        answers = [(seed, await self._ask_reach(seed, dial_back=False)) for seed in bootstrap]
+        heard = [(seed, a) for seed, a in answers if a is not None]
+        if heard:
+            self._heard_seeds(heard)
 
     async def _open_link(self, relay: str) -> None:
         try:

@@ -393,3 +393,60 @@ def run_punched_cut(tmp: str, timings: Dict[str, str], before: float = 3.0, cut:
         out["streams_failed"] = sum(1 for r in streams if r[3] not in (rel.OK, rel.CUT_WITH_ERROR))
         out["slowest_plain_s"] = round(max((r[1] - r[0] for r in plain), default=0.0), 2)
     return out
+
+
+# An ingress that does not relay (--no-relay), a standalone relay beside it on the public host,
+# and one node behind NAT A that bootstraps to the ingress only: the node learns of the relay
+# from the ingress's answer to its reachability check ("rs" names the relays it knows), links
+# to it and is served through it.
+def run_no_relay_seed(tmp: str, timings: Dict[str, str], seconds: float = 4.0, join_s: float = 45.0,
+                      relay: bool = True) -> Dict[str, Any]:
+    """Start the three members (without the relay when `relay` is false), wait up to `join_s`
+    for the node SERVING at the ingress, relayed; if it is, send 5 plain chat/s for `seconds`.
+    Returns whether it joined, the outcomes, its relays and the node's log."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": "ingress --no-relay, relay beside it" if relay else "no relay at all"}
+    with NatLab() as lab, rel.Fleet(tmp, timings) as fleet:
+        pub, a = lab.place("pub"), lab.place("a")
+        ingress = rel.Member("ingress", "ingress", pub,
+                             [rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "serve", "--key-file",
+                              fleet.key_file, "--listen", f"{PUBLIC}:8080", "--gossip", f"{PUBLIC}:7946",
+                              "--db", fleet.db, "--no-relay"], f"{PUBLIC}:8080", f"{PUBLIC}:7946")
+        fleet.members.append(ingress)
+        fleet.start(ingress)
+        rel.wait(lambda: fleet.up() and fleet.get(ingress, "/healthz")[0] == 200, 60, "ingress /healthz")
+        relay_gossip = f"{PUBLIC}:{RELAY_GOSSIP_PORT}"
+        if relay:
+            argv = [rel.PY, os.path.join(rel.ROOT, "otela_node.py"), "relay", "--key-file", fleet.key_file,
+                    "--gossip", relay_gossip, "--listen", f"{PUBLIC}:7701", "--bootstrap", ingress.gossip]
+            standalone = rel.Member("relay", "relay", pub, argv, f"{PUBLIC}:7701", relay_gossip)
+            fleet.members.append(standalone)
+            fleet.start(standalone)
+            rel.wait(lambda: fleet.up() and any(s.get("role") == "relay" and s["state"] == "SERVING"
+                                                for s in fleet.registry(ingress)["sessions"]), 30, "relay SERVING")
+        node = fleet.node("a", a, bootstrap=(ingress.gossip,))
+
+        def worker() -> Optional[Dict[str, Any]]:
+            for s in fleet.registry(ingress)["sessions"]:
+                if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected") \
+                        and s.get("reach") == "relayed" and s.get("relay", "").startswith(relay_gossip):
+                    return s                # relayed by the standalone relay, not the ingress
+            return None
+        started = time.monotonic()
+        joined = rel.until(lambda: fleet.up() and worker() is not None, join_s)
+        out["joined"] = joined is not None
+        out["serving_after_s"] = round(joined - started, 2) if joined else None
+        if joined:
+            out["relay"] = worker().get("relay", "")
+            with rel.Load(pub, ingress.url, fleet.token, rate=5) as load:
+                time.sleep(seconds)
+            out["outcomes"] = load.outcomes()
+            out["plain_requests"] = len(load.select("plain"))
+            out["plain_errors"] = rel.errors(load.select("plain"), True)
+            out["served"] = any(r[3] == rel.OK for r in load.select("plain"))
+        out["private"] = fleet.get(node, "/healthz")[1].get("gossip", {}).get("private")
+        fleet.stop(node)
+        with open(os.path.join(tmp, "a.1.log"), errors="replace") as fh:
+            out["node_log"] = fh.read()
+        fleet.stop(ingress)
+    return out
