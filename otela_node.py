@@ -2200,7 +2200,11 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      are neither suspected nor relayed), so a private member whose only seed it is links to
 #      them: it cannot learn of a relay through gossip before it holds a link. A member with no
 #      link asks its seeds again every relay check (an "rq" without a dial-back) and says
-#      NO_RELAY_TEXT once on stderr until it holds one.
+#      NO_RELAY_TEXT once on stderr until it holds one. A member that waited for its first link
+#      rejoins as a new session once it holds one: its first record (a dialable address, as it
+#      thought) reached the seed with its join, was suspected and evicted while nothing could
+#      carry a refutation, and an evicted session never comes back. (One that loses every link
+#      later keeps its session: rule 3.)
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
                                     # and the answer stays one small frame (under max_datagram)
@@ -3349,6 +3353,7 @@ class Node:
         log.info("private (seen as %s): reached through relays", self.observed or "?")
         self.private = True
         relayed = RELAYED_PREFIX + self.link_id
+        waited = False                              # a check passed before our first link (rule 7)
         while True:
             for relay, writer in list(self._links.items()):
                 sid = self.overlay.by_addr.get(relay)
@@ -3362,6 +3367,7 @@ class Node:
             if self._links:
                 self._no_relay_said = False
             else:                                   # rule 7: say it once, ask the seeds again
+                waited = waited or not is_relayed(self.overlay.record.get("gossip", ""))
                 if not self._no_relay_said:
                     self._no_relay_said = True
                     log.warning("%s", NO_RELAY_TEXT)
@@ -3376,6 +3382,10 @@ class Node:
                 self.overlay.addr = relayed
                 self._member_since.setdefault(relayed, time.monotonic())
                 self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+                if waited:                          # our first record (dialable, it said) was suspected
+                    waited = False                  # and evicted with no way to refute it: start over
+                    log.info("first relay link after a wait: rejoining as a reachable session")
+                    self.rejoin(state=self.overlay.record["state"])
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
 
