@@ -2204,7 +2204,8 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      rejoins as a new session once it holds one: its first record (a dialable address, as it
 #      thought) reached the seed with its join, was suspected and evicted while nothing could
 #      carry a refutation, and an evicted session never comes back. (One that loses every link
-#      later keeps its session: rule 3.)
+#      later keeps its session: rule 3.) The old session goes LEFT with its first record: a
+#      LEFT record naming our relayed address would make every member forget how to reach it.
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
                                     # and the answer stays one small frame (under max_datagram)
@@ -3381,11 +3382,13 @@ class Node:
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
                 self._member_since.setdefault(relayed, time.monotonic())
-                self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
                 if waited:                          # our first record (dialable, it said) was suspected
-                    waited = False                  # and evicted with no way to refute it: start over
+                    waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.rejoin(state=self.overlay.record["state"])
+                    self.rejoin(state=record["state"], gossip=relayed, addr=relayed, relay=relays,
+                                relaying=False)     # the old session never named our relayed address
+                else:
+                    self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
 

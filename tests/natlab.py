@@ -459,6 +459,9 @@ def run_no_relay_seed(tmp: str, timings: Dict[str, str], relay: str = "before", 
             out["outcomes"] = load.outcomes()
             out["plain_requests"] = len(load.select("plain"))
             out["plain_errors"] = rel.errors(load.select("plain"), True)
+            out["failed"] = [(round(r[0] - joined, 2), r[3], r[4]) for r in load.select("plain") if r[3] != rel.OK]
+            out["sessions"] = [(s["session"][:8], s.get("role"), s["state"], s.get("reach"), s.get("relay"))
+                               for s in fleet.registry(ingress)["sessions"]]
         out["private"] = fleet.get(node, "/healthz")[1].get("gossip", {}).get("private")
         out["said_no_relay"] = said()
         fleet.stop(node)
