@@ -3349,8 +3349,9 @@ class Node:
                     break
                 await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
                 delay = min(delay * 2, cfg.join_retry_max)
-        else:
-            self._seed_relays = list(bootstrap)
+        else:                                       # told we are private: the seeds that relay, and
+            self._seed_relays = list(bootstrap)     # those they name (until they answer: every seed)
+            await self._ask_seeds_for_relays(bootstrap)
         log.info("private (seen as %s): reached through relays", self.observed or "?")
         self.private = True
         relayed = RELAYED_PREFIX + self.link_id

@@ -258,6 +258,25 @@ def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_pat
     assert links == {} and refused >= 1 and forged >= 1 and forwarded == 0
 
 
+def test_a_private_worker_whose_only_seed_does_not_relay_links_to_the_relay_the_seed_names(tmp_path):
+    async def t(bed):
+        ingress = bed.ingress_node
+        ingress.config.relay = False                   # an ingress run with --no-relay
+        relay = await bed.relay()
+        await until(lambda: (ingress.registry.get(relay.session_id) or {}).get("state") == crdt.SERVING,
+                    what="the relay SERVING at the ingress")
+        named = ingress._known_relays()
+        worker = await bed.worker(relay_check_interval=0.1)
+        record = await until(lambda: (serving_relayed(bed, worker) or {}).get("relay") == relay.overlay.addr and
+                             serving_relayed(bed, worker), what="relayed by the standalone relay")
+        answers = [await bed.chat() for _ in range(3)]
+        return named, relay.overlay.addr, record, answers, worker
+    named, relay_addr, record, answers, worker = run(with_bed(tmp_path, t))
+    assert named == [relay_addr]
+    assert record["relay"] == relay_addr and worker._named_relays == [relay_addr] and worker._seed_relays == []
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
+
+
 @pytest.mark.parametrize("argv", [["relay", "--help"]])
 def test_the_relay_command_exists(argv, capsys):
     with pytest.raises(SystemExit) as done:
