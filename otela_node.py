@@ -2694,7 +2694,9 @@ class Node:
         self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
-        self._seed_relays: List[str] = []                    # seeds that answered our "rq" and relay
+        self._seeds: List[str] = []                          # seeds that answered our "rq" (they tell
+                                                             # a punch socket's mapping)
+        self._seed_relays: List[str] = []                    # ... those of them that relay
         self._named_relays: List[str] = []                   # relays those seeds named (rule 7)
         self._no_relay_said = False                          # NO_RELAY_TEXT logged, no link since
         self._dialable_gossip = ""                           # our gossip address before we went private
@@ -3350,7 +3352,7 @@ class Node:
                 await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
                 delay = min(delay * 2, cfg.join_retry_max)
         else:                                       # told we are private: the seeds that relay, and
-            self._seed_relays = list(bootstrap)     # those they name (until they answer: every seed)
+            self._seeds = self._seed_relays = list(bootstrap)   # those they name (until they answer: every seed)
             await self._ask_seeds_for_relays(bootstrap)
         log.info("private (seen as %s): reached through relays", self.observed or "?")
         self.private = True
@@ -3411,6 +3413,7 @@ class Node:
     def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
         version says nothing: it relays), and the relays they named."""
+        self._seeds = [seed for seed, _ in heard]
         self._seed_relays = [seed for seed, a in heard if a.get("relaying", True)]
         named: List[str] = []
         for _, answer in heard:
@@ -3575,7 +3578,7 @@ class Node:
             _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer), local_addr=(host, 0))
         except OSError:
             return None, ""
-        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        seeds = [a for a in self._seeds if not is_relayed(a)]
         sock.seen = loop.create_future()
         nonce = os.urandom(4).hex()
         deadline = time.monotonic() + 1.0
@@ -3794,7 +3797,7 @@ class Node:
         The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
         loop = asyncio.get_running_loop()
         host = split_addr(self.config.gossip)[0] or "0.0.0.0"
-        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        seeds = [a for a in self._seeds if not is_relayed(a)]
         seeds += [a for a in self._links if a not in seeds]
         local: Optional[tuple] = None
         for seed in seeds[:2]:
