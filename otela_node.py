@@ -35,6 +35,7 @@ import asyncio
 import collections
 import dataclasses
 import errno
+import functools
 import getpass
 import hashlib
 import heapq
@@ -55,7 +56,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import h11
 
@@ -197,6 +198,14 @@ class Config:
     dialback_timeout: float = 1.0         # a seed's dial-back connect: LAN/WAN connects take < 100 ms
     splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
     max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
+    relay_mux: int = 1                    # 1: tunnel streams multiplexed on the member's link; 0: a
+                                          # dial-back connection per stream, spliced (rule 2); at a
+                                          # relay: whether it offers streams; at a member: whether its
+                                          # links take them (both 1: streams), so one lab runs both
+    max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
+                                          # a CLOSE): two descriptors each at the member (a socketpair),
+                                          # 512 in all, its max_tunnel_connections; the ingress keeps
+                                          # <= 128 idle per session plus its streams in flight
     punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
     punch_delay: float = 0.3              # the side that sends second waits this long, so the first
                                           # side's NAT has its mapping before any packet reaches it
@@ -211,6 +220,10 @@ class Config:
                                           # of the ingress's 3 s connect deadline for the relay's splice
     tunnel_syn_interval: float = 0.2      # a fresh SYN this often (Linux resends one only after 1 s):
                                           # a SYN dropped or reset by the peer's NAT is soon replaced
+    punched_tcp_timeout: float = 5.0      # a punched tunnel connection that gets nothing acked this
+                                          # long is dead (TCP_USER_TIMEOUT, keepalive when idle): TCP
+                                          # alone waits ~15 min (tcp_retries2); 5 s rides out ~4 RTO
+                                          # doublings of a lossy WAN path before the request moves on
     tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
     tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
@@ -389,7 +402,8 @@ MESSAGE_TYPES = {
                                      # stream to that link; dial (relay->member)/accept: its dial-back
     "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
                                      # without a: only say where you see me (a TCP punch's mapping)
-    "rs": "n, seen, back",           # answer: the address the seed saw, and whether its dial worked
+    "rs": "n, seen, back, relaying?, relays?",  # answer: the address the seed saw, whether its dial
+                                     # worked, whether it relays, and the relays it knows (gossip addresses)
     "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
     "os": "n, seen",                 # answer to ob
     "pq": "a, seen, first",          # punch request (through a relay): my socket is seen at `seen`;
@@ -2135,10 +2149,41 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      for a stranger) and sends it on by UDP, or down the destination's link. Others reach a
 #      relayed address through the first of its relays that is not suspected.
 #   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
-#      authentic hello (a fresh nonce: not replayable); the relay asks the private member over
-#      its link to dial back, and splices the two connections byte for byte. TLS then runs end
-#      to end through the splice: the relay sees only ciphertext. A dialer that holds the
-#      member's link itself (the ingress as its relay) takes the dial-back connection as it is.
+#      authentic hello (a fresh nonce: not replayable); the relay opens a stream on the private
+#      member's link (relay_mux, the default) and bridges the dialer's connection to it. The
+#      link carries numbered streams (MUX frames: OPEN, DATA, CREDIT, CLOSE) beside gossip:
+#      each side may have MUX_WINDOW bytes of a stream in flight that the other has not
+#      credited back, and credits only what its local side has drained, so a slow reader holds
+#      up its own stream and never the link, and no stream holds more than MUX_WINDOW in memory;
+#      at most max_link_streams per link (an OPEN over it is answered CLOSE; each stream is a
+#      tunnel connection at the member, under that port's caps on strangers); a link that dies
+#      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
+#      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
+#      end to end and the relay forwards only ciphertext; no connection is made per stream.
+#      (An in-memory transport instead, TLS by asyncio's SSLProtocol over it since uvloop's
+#      start_tls takes only its own transports, cost the member more: CPU per request 1.44x
+#      the direct path's node against the socketpair's 1.27x, pure-Python TLS against
+#      uvloop's, for the syscalls it saved.)
+#      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
+#      asks the member over its link to dial back, and splices the two connections byte for
+#      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
+#      the dial-back and takes that connection as it is, in either mode:
+#      it is a direct TCP connection from the member, so there is no relay hop to save, and
+#      carrying the stream on the link instead costs the dialer's loop (the busy one) a bridge
+#      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
+#      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
+#      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
+#      -0.24-0.61 ms. Through a standalone relay (bench_node --only nat --nat-runs 10: one
+#      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; 3 runs on a
+#      loaded 2-core box): added p50 over direct, median of the rounds, mux 0.74-0.85 ms,
+#      splice 0.40-0.69 ms; CPU per plain request, the member's node 1.12-1.16x with streams
+#      (the socketpair bridge: two more sends and receives per chunk) than with the splice,
+#      the relay 0.96x, the whole path 1.05-1.07x (+37-57 us of ~850). Wall-clock req/s
+#      ratios swung 0.7-1.1 between runs on that box. The mux stays the default for what
+#      the splice lacks: no connection per stream, nothing for a NAT or firewall to refuse
+#      per stream; relay_mux 0 (at the member or the relay) buys the ~6 % back. (Earlier
+#      figures here, with the ingress relaying too, measured its handed-over dial-back in
+#      both modes: it held a link of the member's.)
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -2160,7 +2205,33 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      client; the member admits the socket as if accepted (TLS server, rule 1 of "Tunnel
 #      security"). Within tunnel_punch_timeout or not at all: then the splice, and after two
 #      failures in a row the pair goes straight to the relay for punch_retry.
+#   6. A broken punched path (a NAT that lost its mapping, a firewall rule, a route change)
+#      fails no request that has not started: punched connections carry TCP_USER_TIMEOUT and
+#      keepalive (punched_tcp_timeout), so a dead one errors within seconds instead of TCP's
+#      ~15 min; the ingress resends a request whose pooled connection died before any answer
+#      on a fresh connection, whose punch fails within tunnel_punch_timeout and which is
+#      spliced through the relay (a stream already answering is cut with an SSE error event).
+#      Two failed punches in a row and new connections go straight to the relay. Every relay
+#      check after punch_retry, a dialer whose tunnel to a peer is relayed while their UDP
+#      path is punched probes a punch in the background; when it works the connection is kept
+#      for the next dial (a spare, used within half the member's head_timeout) and the dialer's
+#      listeners retire the relayed connections, so the tunnel goes punched again.
+#   7. A seed that does not relay (an ingress with --no-relay) still names the relays it knows
+#      in its "rs" ("relaying": false, "relays": their gossip addresses, members that relay and
+#      are neither suspected nor relayed), so a private member whose only seed it is links to
+#      them: it cannot learn of a relay through gossip before it holds a link. A member with no
+#      link asks its seeds again every relay check (an "rq" without a dial-back) and says
+#      NO_RELAY_TEXT once on stderr until it holds one. A member that waited for its first link
+#      rejoins as a new session once it holds one: its first record (a dialable address, as it
+#      thought) reached the seed with its join, was suspected and evicted while nothing could
+#      carry a refutation, and an evicted session never comes back. (One that loses every link
+#      later keeps its session: rule 3.) The old session goes LEFT with its first record: a
+#      LEFT record naming our relayed address would make every member forget how to reach it.
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
+NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
+                                    # and the answer stays one small frame (under max_datagram)
+NO_RELAY_TEXT = ("no relay reachable: start `otela_node.py relay` or drop --no-relay on the ingress "
+                 "(retrying every relay check)")
 FORWARD = b"oR"                     # envelope: FORWARD | dest length (1 byte) | dest | sealed message
 
 
@@ -2199,6 +2270,32 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: Optiona
     return await asyncio.wait_for(reader.readexactly(length), timeout)
 
 
+_FRAME_LENGTH = struct.Struct(">I")
+
+
+async def _read_frames(reader: asyncio.StreamReader, buf: bytearray, limit: int) -> Optional[List[bytes]]:
+    """The length-prefixed frames complete after a read into `buf` (a busy relay link brings
+    many per read: one await for them all, not two per frame); None at the end; ValueError
+    when one is over `limit`."""
+    while True:
+        chunk = await reader.read(RELAY_READ)
+        if not chunk:
+            return None
+        buf += chunk
+        frames, pos, end = [], 0, len(buf)
+        while end - pos >= 4:
+            (length,) = _FRAME_LENGTH.unpack_from(buf, pos)
+            if length > limit:
+                raise ValueError("oversized")
+            if end - pos - 4 < length:
+                break
+            frames.append(bytes(buf[pos + 4:pos + 4 + length]))
+            pos += 4 + length
+        del buf[:pos]
+        if frames:
+            return frames
+
+
 def _keepalive(writer: asyncio.StreamWriter) -> None:
     """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
     sock = writer.get_extra_info("socket")
@@ -2221,6 +2318,250 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
     finally:
         writer.close()
+
+
+# -- tunnel streams multiplexed on a relay link (rule 2) ----------------------------------
+MUX = b"oS"                         # a mux frame on a link: MUX | kind (1) | stream id (4) | payload
+MUX_OPEN, MUX_DATA, MUX_CREDIT, MUX_CLOSE = 1, 2, 3, 4
+MUX_WINDOW = 262144                 # bytes in flight per stream each way: one LLM stream is KB/s,
+                                    # a 16 MiB body moves at 256 KiB per RTT (~128 MB/s at 2 ms);
+                                    # a stream's memory on either side never exceeds it
+MUX_CHUNK = 65536                   # the largest DATA payload: under max_frame, and one SSL read
+_MUX_HEAD = struct.Struct(">2sBI")
+_MUX_FRAMED = struct.Struct(">I2sBI")   # the frame's length, then the mux head: packed at once
+
+
+def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
+    return _MUX_FRAMED.pack(_MUX_HEAD.size + len(payload), MUX, kind, stream) + payload
+
+
+class _MuxStream(asyncio.Protocol):
+    """One tunnel stream on a link, bridged to a local stream (the dialer's connection at the
+    relay, a socketpair's end at the member), all in the transports' callbacks: no task and
+    no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
+    back; we credit what the local side has taken (its transport's buffer drained), so a slow
+    reader holds up its own stream only. What we may not send yet for want of credit stops
+    the local side's reading."""
+
+    def __init__(self, link: _MuxLink, sid: int):
+        self.link, self.sid = link, sid
+        self.credit = MUX_WINDOW                    # bytes we may still send
+        self.window = MUX_WINDOW                    # bytes the peer may still send us
+        self.owed = 0                               # bytes the local side took, not credited back yet
+        self.held = bytearray()                     # local bytes waiting for credit (one read at most)
+        self.pending: List[bytes] = []              # the peer's bytes before the local side is attached
+        self.transport: Optional[asyncio.Transport] = None
+        self.closed = False                         # CLOSE sent or received: no more frames
+        self.peer_closed = False
+        self._paused = False                        # local reading stopped for want of credit
+        self._blocked = False                       # the local side's write buffer is not empty
+        self.done = asyncio.get_running_loop().create_future()
+
+    # -- the link's side --------------------------------------------------------------------
+    def on_data(self, data: bytes) -> bool:
+        if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
+            return False
+        self.window -= len(data)
+        if self.transport is None:
+            self.pending.append(data)
+        elif not self.transport.is_closing():
+            self.transport.write(data)
+            self._taken(len(data))
+        return True
+
+    def on_credit(self, amount: int) -> None:
+        self.credit += amount
+        self._send_held()
+
+    def on_close(self) -> None:
+        """The peer is done: what it sent reaches the local side, then the local side closes."""
+        self.closed = self.peer_closed = True
+        self.link.streams.pop(self.sid, None)
+        if self.transport is not None:
+            self.transport.close()
+
+    def cut(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._finish()
+
+    # -- the local side (asyncio.Protocol) ---------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=0)   # pause_writing whenever a byte waits: credit
+        for data in self.pending:                   # goes back only for what the kernel took
+            transport.write(data)
+            self._taken(len(data))
+        self.pending.clear()
+        if self.peer_closed:
+            transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if not self.held and len(data) <= min(self.credit, MUX_CHUNK):   # the usual case: one frame,
+            self.link.send(mux_frame(MUX_DATA, self.sid, data))            # one copy
+            self.credit -= len(data)
+            return
+        self.held += data
+        self._send_held()
+
+    def eof_received(self) -> bool:
+        self.close()
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.close()
+        self._finish()
+
+    def pause_writing(self) -> None:
+        self._blocked = True
+
+    def resume_writing(self) -> None:
+        self._blocked = False
+        self._taken(0)
+
+    # -- both ----------------------------------------------------------------------------------
+    def _taken(self, amount: int) -> None:
+        self.owed += amount
+        if self._blocked or self.closed:
+            return
+        if self.owed >= MUX_WINDOW // 2:            # half a window at a time: no frame per request,
+            self.window += self.owed                # and never a stall (the peer stops at a whole one)
+            self.link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))
+            self.owed = 0
+
+    def _send_held(self) -> None:
+        held = self.held
+        while held and self.credit > 0 and not self.closed:
+            n = min(len(held), self.credit, MUX_CHUNK)
+            self.link.send(mux_frame(MUX_DATA, self.sid, bytes(held[:n])))
+            del held[:n]
+            self.credit -= n
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if held and not self._paused:
+            self._paused = True
+            transport.pause_reading()
+        elif not held and self._paused:
+            self._paused = False
+            transport.resume_reading()
+
+    def buffered(self) -> int:
+        """Bytes of the peer's this side holds in memory (the local transport's buffer)."""
+        pending = sum(len(d) for d in self.pending)
+        return pending + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.link.send(mux_frame(MUX_CLOSE, self.sid))
+        self.link.streams.pop(self.sid, None)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Take over the local stream's transport (bytes it already read come first) and wait
+        for the end of the stream."""
+        transport = writer.transport
+        early = bytes(getattr(reader, "_buffer", b""))   # what arrived before the hand-over
+        at_eof = bool(getattr(reader, "_eof", False))
+        transport.set_protocol(self)
+        self.connection_made(transport)
+        if not at_eof and hasattr(transport, "is_reading") and not transport.is_reading():
+            transport.resume_reading()              # the stream reader had paused it (its limit)
+        if early:
+            self.data_received(early)
+        if at_eof:
+            self.close()
+        try:
+            await self.done
+        finally:
+            if not transport.is_closing():
+                transport.close()
+
+
+class _MuxLink:
+    """The tunnel streams of one relay link: the relay (or a dialer holding the link) opens
+    them, the member answers each as an admitted tunnel connection. Frames other than
+    mux frames on the link (gossip, dial requests) are not ours."""
+
+    def __init__(self, writer: asyncio.StreamWriter, max_streams: int):
+        self.writer, self.max_streams = writer, max_streams
+        self.streams: Dict[int, _MuxStream] = {}
+        self._next = 1
+        self._drain_lock = asyncio.Lock()           # one drain at a time on the shared writer
+        self.refused = 0                            # OPENs over max_streams, answered CLOSE
+
+    def send(self, data: bytes) -> None:
+        if not self.writer.transport.is_closing():
+            self.writer.write(data)
+
+    async def drain(self) -> None:
+        if self.writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+            async with self._drain_lock:
+                await self.writer.drain()
+
+    def open(self) -> Optional[_MuxStream]:
+        """A new stream, its OPEN sent; None over max_streams or on a closing link."""
+        if len(self.streams) >= self.max_streams or self.writer.transport.is_closing():
+            return None
+        sid = self._next
+        self._next = self._next % 0xFFFFFFFF + 1
+        stream = self.streams[sid] = _MuxStream(self, sid)
+        self.send(mux_frame(MUX_OPEN, sid))
+        return stream
+
+    def on_frame(self, data: bytes, accept: Optional[Callable[[_MuxStream], None]] = None) -> bool:
+        """One mux frame from the link; False when the peer broke the protocol (the link goes)."""
+        if len(data) < _MUX_HEAD.size:
+            return False
+        _, kind, sid = _MUX_HEAD.unpack_from(data)
+        stream = self.streams.get(sid)
+        if kind == MUX_DATA:
+            return stream is None or stream.on_data(data[_MUX_HEAD.size:])   # after our CLOSE: dropped
+        if kind == MUX_CREDIT:
+            if stream is not None and len(data) == _MUX_HEAD.size + 4:
+                stream.on_credit(struct.unpack_from(">I", data, _MUX_HEAD.size)[0])
+            return True
+        if kind == MUX_CLOSE:
+            if stream is not None:
+                stream.on_close()                   # no CLOSE back: the peer is done with it
+            return True
+        if kind == MUX_OPEN and accept is not None:
+            if stream is not None:
+                return False
+            if len(self.streams) >= self.max_streams:
+                self.refused += 1
+                self.send(mux_frame(MUX_CLOSE, sid))
+                return True
+            stream = self.streams[sid] = _MuxStream(self, sid)
+            accept(stream)
+            return True
+        return False
+
+    def cut(self) -> None:
+        """The link died: every stream's local side is cut at once (an unanswered request is
+        retried by the ingress elsewhere)."""
+        for stream in list(self.streams.values()):
+            stream.cut()
+        self.streams.clear()
+
+
+async def _socketpair_stream() -> Tuple[socket.socket, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A local socket for the tunnel code (TLS runs over it end to end) and the stream of its
+    other end, which a _MuxStream bridges to the link."""
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    theirs.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=mine, limit=MUX_WINDOW)
+    return theirs, reader, writer
 
 
 class _PunchSocket(asyncio.DatagramProtocol):
@@ -2369,11 +2710,21 @@ class Node:
         self.observed = ""                          # our address as a seed saw it
         self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
         self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
+        self._muxes: Dict[str, _MuxLink] = {}                # as a relay: link id -> its tunnel streams
+        self._link_muxes: Dict[str, _MuxLink] = {}           # as a member: relay -> our link's streams
+        self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
         self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
-        self._seed_relays: List[str] = []                    # seeds that answered our "rq"
+        self._seeds: List[str] = []                          # seeds that answered our "rq" (they tell
+                                                             # a punch socket's mapping)
+        self._seed_relays: List[str] = []                    # ... those of them that relay
+        self._named_relays: List[str] = []                   # relays those seeds named (rule 7)
+        self._no_relay_said = False                          # NO_RELAY_TEXT logged, no link since
+        self._dialable_gossip = ""                           # our gossip address before we went private
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
-        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0})
+        self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
+                                            "muxed": 0,          # streams opened on links, as relay/dialer
+                                            "dialed_back": 0, "streams": 0})   # as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
         self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
@@ -2388,6 +2739,8 @@ class Node:
         self._tunnel_failures: Dict[str, int] = {}          # relayed address -> failures in a row
         self._tunnel_given_up: Dict[str, float] = {}        # relayed address -> its last failure
         self._tunnel_answering = 0                          # simultaneous opens we answer right now
+        self._tunnel_probing: set = set()                   # relayed addresses a re-punch probe is on
+        self._spare_tunnel: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection
         self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
                                                             # ingress's pool retires its relayed connections
         self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply,
@@ -2596,6 +2949,9 @@ class Node:
             link.close()
         for path in list(self._punched.values()):
             path.close()
+        for sock, _ in self._spare_tunnel.values():
+            sock.close()
+        self._spare_tunnel.clear()
         if self._tunnel_sock is not None:
             self._tunnel_sock.close()
         if self.engine is not None:
@@ -2618,6 +2974,9 @@ class Node:
                 for per_peer in (self._member_since, self._tunnel_reach, self._tunnel_attempts,
                                  self._tunnel_failures, self._tunnel_given_up):
                     per_peer.pop(gossip, None)      # a relayed address names one process: gone for good
+                spare = self._spare_tunnel.pop(gossip, None)
+                if spare is not None:
+                    spare[0].close()
         for cb in self._callbacks:
             try:
                 cb(sid, record)
@@ -2746,6 +3105,11 @@ class Node:
                     return
                 data = await asyncio.wait_for(reader.readexactly(length), None if link else cfg.tcp_timeout * 4)
                 self.bytes_received += length + 4
+                if link and data[:2] == MUX:        # a tunnel stream's frame from the member (rule 2)
+                    mux = self._muxes.get(link)
+                    if mux is None or mux.writer is not writer or not mux.on_frame(data):
+                        return
+                    continue
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
                     if not self._forward_envelope(data, from_link=bool(link)):
                         return
@@ -2766,6 +3130,14 @@ class Node:
                         if old is not None:
                             old.close()
                         self._linked[link] = writer
+                        old_mux = self._muxes.pop(link, None)
+                        if old_mux is not None:
+                            old_mux.cut()
+                        self._muxes[link] = _MuxLink(writer, cfg.max_link_streams)
+                        if msg.get("mux", 1):
+                            self._dialback_links.discard(link)
+                        else:
+                            self._dialback_links.add(link)
                         _keepalive(writer)
                         self._gossip_connections -= 1
                         counted, timeout = False, None   # open as long as its member lives
@@ -2804,6 +3176,11 @@ class Node:
                 self._gossip_connections -= 1
             if link and self._linked.get(link) is writer:
                 del self._linked[link]
+                self._dialback_links.discard(link)
+            mux = self._muxes.get(link) if link else None
+            if mux is not None and mux.writer is writer:
+                del self._muxes[link]
+                mux.cut()
             if not keep:
                 writer.close()
 
@@ -2931,13 +3308,28 @@ class Node:
                 dialled.close()
         except (OSError, ValueError, KeyError, asyncio.TimeoutError):
             pass
-        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back},
-                                time.time())
+        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back,
+                                 "relaying": bool(self.config.relay and not self.private),
+                                 "relays": self._known_relays(str(msg.get("a", "")))}, time.time())
         writer.write(frame(answer))
         await writer.drain()
 
-    async def _ask_reach(self, seed: str) -> Optional[Dict[str, Any]]:
-        """Our side: ask one seed to dial us back; its answer, or None."""
+    def _known_relays(self, asker: str = "") -> List[str]:
+        """The relays a seed names in its "rs" (rule 7), best first: members that relay, are
+        dialable and not suspected; ourselves left out (our own "relaying" says that), and the
+        asker (its first record says it relays: it did not know yet that it is private)."""
+        ranked = []
+        for sid, record in self.registry.items() if self.overlay is not None else ():
+            gossip = record.get("gossip", "")
+            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.is_suspected(sid) or gossip == asker:
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
+
+    async def _ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
+        """Our side: ask one seed to dial us back (or, without `dial_back`, only for what it
+        sees and the relays it knows); its answer, or None."""
         cfg = self.config
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(seed)), cfg.tcp_timeout)
@@ -2945,7 +3337,8 @@ class Node:
             return None
         try:
             nonce = os.urandom(4).hex()
-            writer.write(frame(self.wire.seal({"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]}, time.time())))
+            ask = {"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]} if dial_back else {"t": "rq", "n": nonce}
+            writer.write(frame(self.wire.seal(ask, time.time())))
             data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
             answer = self.wire.open(data, time.time(), tcp=True) if data else None
             if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
@@ -2964,6 +3357,7 @@ class Node:
     async def _keep_reach(self, bootstrap: List[str]) -> None:
         """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
         cfg = self.config
+        self._dialable_gossip = self.overlay.record["gossip"]
         if cfg.reach == "auto":
             delay = cfg.join_retry_min
             while not self.private:
@@ -2974,15 +3368,17 @@ class Node:
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
                         return
-                    self._seed_relays = [seed for seed, _ in heard]
+                    self._heard_seeds(heard)
                     break
                 await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
                 delay = min(delay * 2, cfg.join_retry_max)
-        else:
-            self._seed_relays = list(bootstrap)
+        else:                                       # told we are private: the seeds that relay, and
+            self._seeds = self._seed_relays = list(bootstrap)   # those they name (until they answer: every seed)
+            await self._ask_seeds_for_relays(bootstrap)
         log.info("private (seen as %s): reached through relays", self.observed or "?")
         self.private = True
         relayed = RELAYED_PREFIX + self.link_id
+        waited = False                              # a check passed before our first link (rule 7)
         while True:
             for relay, writer in list(self._links.items()):
                 sid = self.overlay.by_addr.get(relay)
@@ -2993,6 +3389,14 @@ class Node:
             for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
                 if relay not in self._links and (i < cfg.relay_links or len(self._links) < cfg.relay_links):
                     await self._open_link(relay)
+            if self._links:
+                self._no_relay_said = False
+            else:                                   # rule 7: say it once, ask the seeds again
+                waited = waited or not is_relayed(self.overlay.record.get("gossip", ""))
+                if not self._no_relay_said:
+                    self._no_relay_said = True
+                    log.warning("%s", NO_RELAY_TEXT)
+                await self._ask_seeds_for_relays(bootstrap)
             rank = {relay: i for i, relay in enumerate(candidates)}
             while len(self._links) > cfg.relay_links:   # a better relay came: the worst link goes
                 worst = max(self._links, key=lambda r: (rank.get(r, len(rank)), r))
@@ -3002,7 +3406,13 @@ class Node:
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
                 self._member_since.setdefault(relayed, time.monotonic())
-                self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+                if waited:                          # our first record (dialable, it said) was suspected
+                    waited = False                  # and evicted with no way to refute it: start over,
+                    log.info("first relay link after a wait: rejoining as a reachable session")
+                    self.rejoin(state=record["state"], gossip=relayed, addr=relayed, relay=relays,
+                                relaying=False)     # the old session never named our relayed address
+                else:
+                    self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
 
@@ -3018,7 +3428,30 @@ class Node:
                 continue
             ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
         out = [gossip for _, gossip in sorted(ranked)]
-        return out + [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
+        out += [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
+        return out + [relay for relay in self._named_relays if relay not in out and relay not in self.overlay.by_addr]
+
+    def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
+        version says nothing: it relays), and the relays they named."""
+        self._seeds = [seed for seed, _ in heard]
+        self._seed_relays = [seed for seed, a in heard if a.get("relaying", True)]
+        named: List[str] = []
+        for _, answer in heard:
+            relays = answer.get("relays")
+            for relay in relays if isinstance(relays, list) else ():
+                if isinstance(relay, str) and not is_relayed(relay) and relay not in named \
+                        and relay != self._dialable_gossip:     # our own first record, at an old seed
+                    named.append(relay)
+        self._named_relays = named[:NAMED_RELAYS]
+
+    async def _ask_seeds_for_relays(self, bootstrap: List[str]) -> None:
+        """With no link: the seeds' relays again, without a dial-back (a relay may have started
+        since, or the one they named died)."""
+        answers = [(seed, await self._ask_reach(seed, dial_back=False)) for seed in bootstrap]
+        heard = [(seed, a) for seed, a in answers if a is not None]
+        if heard:
+            self._heard_seeds(heard)
 
     async def _open_link(self, relay: str) -> None:
         try:
@@ -3027,34 +3460,65 @@ class Node:
         except (OSError, ValueError, asyncio.TimeoutError):
             return
         _keepalive(writer)
-        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id}, time.time())))
+        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
+                                          time.time())))
         self._links[relay] = writer
+        self._link_muxes[relay] = _MuxLink(writer, self.config.max_link_streams)
         self._spawn(self._read_link(relay, reader, writer))
         log.info("relay link to %s", relay)
 
     async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """What a relay sends down our link: gossip for us, and dial-back requests (rule 2)."""
+        buf = bytearray()
         try:
             while True:
-                data = await _read_frame(reader, self.config.max_frame, None)
-                if data is None:
+                frames = await _read_frames(reader, buf, self.config.max_frame)
+                if frames is None:
                     return
-                msg = self.wire.open(data, time.time(), tcp=True)
-                if msg is None:
-                    continue
-                if msg["t"] == "h" and "dial" in msg:
-                    self._spawn(self._dial_back(relay, str(msg["dial"])))
-                    continue
-                src = msg.pop("ra", None)
-                if isinstance(src, str):
-                    self._deliver(msg, src, True)
+                for data in frames:
+                    if data[:2] == MUX:             # a tunnel stream the relay opened for a dialer
+                        mux = self._link_muxes.get(relay)
+                        if mux is None or mux.writer is not writer or not mux.on_frame(data, self._accept_stream):
+                            return
+                        continue
+                    msg = self.wire.open(data, time.time(), tcp=True)
+                    if msg is None:
+                        continue
+                    if msg["t"] == "h" and "dial" in msg:
+                        self._spawn(self._dial_back(relay, str(msg["dial"])))
+                        continue
+                    src = msg.pop("ra", None)
+                    if isinstance(src, str):
+                        self._deliver(msg, src, True)
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
             if self._links.get(relay) is writer:
                 del self._links[relay]
+            mux = self._link_muxes.get(relay)
+            if mux is not None and mux.writer is writer:
+                del self._link_muxes[relay]
+                mux.cut()
             log.info("relay link to %s ended", relay)
+
+    def _accept_stream(self, stream: _MuxStream) -> None:
+        self._spawn(self._serve_stream(stream))
+
+    async def _serve_stream(self, stream: _MuxStream) -> None:
+        """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
+        connection of ours over a socketpair (the dialer's TLS handshake arrives through it)."""
+        if self._tunnel_sock is None:
+            stream.close()
+            return
+        try:
+            theirs, reader, writer = await _socketpair_stream()
+        except OSError:                             # out of descriptors: this stream is refused
+            stream.close()
+            return
+        self.relayed["streams"] += 1
+        self._admit(theirs)
+        await stream.bridge(reader, writer)
 
     async def _dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -3077,6 +3541,7 @@ class Node:
         if self._tunnel_sock is None:
             sock.close()
             return
+        self.relayed["dialed_back"] += 1
         self._admit(sock)
 
     async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -3084,6 +3549,19 @@ class Node:
         link = self._linked.get(link_id)
         if link is None or not self.config.relay:
             self.relayed["refused"] += 1
+            return
+        if self.config.relay_mux and link_id not in self._dialback_links:   # a stream on the member's link
+            mux = self._muxes.get(link_id)
+            stream = mux.open() if mux is not None else None
+            if stream is None:
+                self.relayed["refused"] += 1
+                return
+            self.relayed["muxed"] += 1
+            try:
+                writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+            await stream.bridge(reader, writer)
             return
         token = os.urandom(8).hex()
         waiter = asyncio.get_running_loop().create_future()
@@ -3121,7 +3599,7 @@ class Node:
             _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer), local_addr=(host, 0))
         except OSError:
             return None, ""
-        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        seeds = [a for a in self._seeds if not is_relayed(a)]
         sock.seen = loop.create_future()
         nonce = os.urandom(4).hex()
         deadline = time.monotonic() + 1.0
@@ -3182,6 +3660,12 @@ class Node:
                 continue
             self._punch_tried[peer] = now
             self._spawn(self._punch(peer))
+        if self.private and self.punch_listeners:   # rule 6: a dialer back to punched when it works
+            for peer in list(self._punched):
+                if self._tunnel_reach.get(peer) == "relayed" and peer not in self._tunnel_probing \
+                        and peer not in self._spare_tunnel and self._tunnel_failures.get(peer, 0) >= 2 \
+                        and self._may_punch_tunnel(peer):
+                    self._spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
@@ -3270,6 +3754,12 @@ class Node:
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
         loop = asyncio.get_running_loop()
+        spare = self._spare_tunnel.pop(addr, None)
+        if spare is not None:                       # a probe's (rule 6), if the member still waits on it
+            if time.monotonic() - spare[1] < self.config.head_timeout / 2:
+                self._tunnel_reach[addr] = "punched"
+                return spare[0]
+            spare[0].close()
         if self._may_punch_tunnel(addr):
             sock = await self._punch_tunnel(addr)
             if sock is not None:
@@ -3278,7 +3768,7 @@ class Node:
         link_id = addr[len(RELAYED_PREFIX):]
         link = self._linked.get(link_id)
         if link is not None and not link.transport.is_closing():
-            return await self._take_dial_back(link)
+            return await self._take_dial_back(link)   # no relay hop to save: see rule 2
         for relay in self._relays_of.get(addr, ()):
             try:
                 host, port = self._resolve(relay)
@@ -3328,7 +3818,7 @@ class Node:
         The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
         loop = asyncio.get_running_loop()
         host = split_addr(self.config.gossip)[0] or "0.0.0.0"
-        seeds = [a for a in self._seed_relays if not is_relayed(a)]
+        seeds = [a for a in self._seeds if not is_relayed(a)]
         seeds += [a for a in self._links if a not in seeds]
         local: Optional[tuple] = None
         for seed in seeds[:2]:
@@ -3371,7 +3861,13 @@ class Node:
             listener.listen(8)
         except (OSError, ValueError):
             return None
-        spare = extra or (lambda conn: conn.close())
+
+        def spare(conn: socket.socket) -> None:
+            if extra is None:
+                conn.close()
+                return
+            self._watch_punched(conn)
+            extra(conn)
         accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
         won: Optional[socket.socket] = None
         try:
@@ -3418,7 +3914,24 @@ class Node:
         if won is not None:
             won.setblocking(False)
             won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._watch_punched(won)
         return won
+
+    def _watch_punched(self, sock: socket.socket) -> None:
+        """Rule 6: a punched connection whose path breaks errors within punched_tcp_timeout:
+        unacked data (TCP_USER_TIMEOUT), or keepalive probes when idle (which also keep the
+        NATs' mappings of an idle pooled connection alive)."""
+        timeout = self.config.punched_tcp_timeout
+        options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        for name, value in (("TCP_USER_TIMEOUT", int(timeout * 1000)), ("TCP_KEEPIDLE", max(1, int(timeout / 2))),
+                            ("TCP_KEEPINTVL", max(1, int(timeout / 4))), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):               # Linux; elsewhere keepalive at the system's pace
+                options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+        for level, option, value in options:
+            try:
+                sock.setsockopt(level, option, value)
+            except OSError:
+                pass
 
     @staticmethod
     def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
@@ -3463,6 +3976,25 @@ class Node:
         self._tunnel_reach[peer] = "punched"
         self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         return sock
+
+    async def _probe_tunnel(self, peer: str) -> None:
+        """Rule 6: one punch in the background while the tunnel to `peer` is relayed; the
+        connection it makes is the next dial's, and the relayed ones are retired."""
+        self._tunnel_probing.add(peer)
+        try:
+            sock = await self._punch_tunnel(peer)
+        finally:
+            self._tunnel_probing.discard(peer)
+        if sock is None:
+            self._tunnel_failures[peer] = max(2, self._tunnel_failures.get(peer, 0))   # still broken
+            return
+        old = self._spare_tunnel.pop(peer, None)
+        if old is not None:
+            old[0].close()
+        self._spare_tunnel[peer] = (sock, time.monotonic())
+        log.info("tunnel to %s punches again: its relayed connections are retired", peer)
+        for listener in self.punch_listeners:
+            listener(peer)
 
     def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
         if is_relayed(src) and self.private and self._tunnel_sock is not None \
@@ -3539,6 +4071,15 @@ class Node:
             del self._unauthenticated[oldest]       # counted out now; its task closes it next
             oldest.cut()
         connection.task = self._spawn(self._tunnel_connection(conn, connection))
+        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
+
+    def _forget_connection(self, connection: _TunnelConnection, conn: socket.socket, task: asyncio.Task) -> None:
+        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
+        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
+        if task.cancelled():
+            self._tunnel_conns.pop(connection, None)
+            self._unauthenticated.pop(connection, None)
+            conn.close()
 
     def _authenticated(self, connection: _TunnelConnection) -> None:
         connection.authenticated = True

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -563,29 +564,63 @@ def tunnel_phase(key_file, quick, results):
 # ---------------------------------------------------------------------------------------------
 # NAT lab (root): the same ingress reaching a public node directly and a private one relayed
 # ---------------------------------------------------------------------------------------------
-def nat_phase(quick, results):
-    """In tests/natlab.py's lab (cone NATs): the ingress on the public host, one node on the
-    public host (reached direct) serving model "fm-direct", one behind NAT A (reached through
-    the ingress's relay, then through a standalone relay's splice; TLS end to end) serving
-    "fm-relayed", all wrapping the fake engine.
-    Clients on the public host, through the ingress, side by side in one run: latency p50/p99
-    (sequential, 16/s), plain requests/s with 16 connections, SSE chunks/s with 8 streams; and
-    the hole punch between two private nodes (its time, from the asker's request to the ack)."""
-    import http.client
+NAT_PATHS = ("direct", "mux", "splice")    # the three paths of one lab, measured in alternating rounds
+CLK_TCK = os.sysconf("SC_CLK_TCK")         # /proc/PID/stat's utime and stime are in these
 
+
+def cpu_seconds(pid):
+    """utime + stime of a process (fields 14 and 15 of /proc/PID/stat; the name may hold spaces)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def nat_phase(quick, results, rounds=10):
+    """In tests/natlab.py's lab (cone NATs), one lab for the whole phase: the ingress and a
+    standalone relay (relay_mux 1) on the public host; node "fm-direct" on the public host
+    (reached direct), "fm-mux" behind NAT A (its link takes tunnel streams: relay_mux 1) and
+    "fm-splice" behind NAT B (its link hello says mux 0: a dial-back per stream, spliced at the
+    relay), both reached through the standalone relay; TLS end to end; all wrap the fake engine.
+    Clients on the public host, through the ingress. `rounds` rounds, each measuring the three
+    paths one after the other (the order rotating per round) with the same clients and the same
+    number of requests: latency (sequential), plain requests/s (16 connections x a fixed count)
+    and SSE chunks/s (8 streams x a fixed count), and the CPU seconds of the ingress, the relay
+    and the path's node over the plain requests (/proc/PID/stat). Per-round ratios against the
+    direct path of the same round, medians over rounds: what else runs on the box slows all
+    three paths of a round alike. Then the hole punch between the two private nodes and a
+    private ingress reaching fm-splice's node punched (once)."""
     import natlab
-    import reliability as rel
     out = results["nat"] = {}
     reason = natlab.unavailable()
     if reason:
         out["skipped"] = reason
         print(f"nat: skipped ({reason})")
         return
-    n_lat, seconds = (80, 2.0) if quick else (400, 5.0)
-    with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
+    _nat_lab_run(quick, rounds, out)
+
+
+def _nat_lab_run(quick, rounds, out):
+    import http.client
+
+    import natlab
+    import reliability as rel
+    n_lat, per_conn, per_stream = (30, 20, 4) if quick else (60, 60, 12)
+    with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, \
+            rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
         pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
-        ingress = fleet.ingress(pub)
-        relay_gossip = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"   # a standalone relay, preferred at first
+        # --no-relay: an ingress holding a member's link takes its dial-back itself (relay rule 2),
+        # so both relayed paths would be the same path; only the standalone relay relays here.
+        ingress = rel.Member("ingress", "ingress", pub,
+                             [sys.executable, str(ROOT / "otela_ingress.py"), "serve", "--key-file", fleet.key_file,
+                              "--listen", f"{pub.host}:8080", "--gossip", f"{pub.host}:7946", "--db", fleet.db,
+                              "--no-relay"], f"{pub.host}:8080", f"{pub.host}:7946")
+        fleet.members.append(ingress)
+        fleet.start(ingress)
+        rel.wait(lambda: fleet.up() and fleet.get(ingress, "/healthz")[0] == 200, 60, "ingress /healthz")
+        relay_gossip = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"   # a standalone relay, preferred
         relay = rel.Member("relay", "relay", pub, [sys.executable, str(ROOT / "otela_node.py"), "relay",
                                                    "--key-file", fleet.key_file, "--gossip", relay_gossip, "--listen",
                                                    f"{natlab.PUBLIC}:7701", "--bootstrap", ingress.gossip],
@@ -593,24 +628,33 @@ def nat_phase(quick, results):
         fleet.members.append(relay)
         fleet.start(relay)
         engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} --chunks 8"
+        # Each node bootstraps to the relay too: a private member whose only seed does not relay
+        # has no link through which to learn of a relay, so it never joins.
         members = {}
-        for name, place, gossip, listen in (("fm-direct", pub, 7950, 7710), ("fm-relayed", a, 7946, 7700),
-                                            ("fm-punch", b, 7946, 7700)):
-            argv = [sys.executable, str(ROOT / "otela_node.py"), "start", "--key-file", fleet.key_file,
-                    "--listen", f"{place.host}:{listen}", "--gossip", f"{place.host}:{gossip}",
-                    "--bootstrap", ingress.gossip, "--process", f"{engine} --model {name}"]
-            members[name] = rel.Member(name, "worker", place, argv, f"{place.host}:{listen}", f"{place.host}:{gossip}")
-            fleet.members.append(members[name])
-            fleet.start(members[name])
+        for path, place, gossip, listen, mux in (("direct", pub, 7950, 7710, "1"), ("mux", a, 7946, 7700, "1"),
+                                                 ("splice", b, 7946, 7700, "0")):
+            argv = ["env", f"OTELA_RELAY_MUX={mux}", sys.executable, str(ROOT / "otela_node.py"), "start",
+                    "--key-file", fleet.key_file, "--listen", f"{place.host}:{listen}",
+                    "--gossip", f"{place.host}:{gossip}", "--bootstrap", f"{relay_gossip},{ingress.gossip}",
+                    "--process", f"{engine} --model fm-{path}"]
+            members[path] = rel.Member(f"fm-{path}", "worker", place, argv, f"{place.host}:{listen}",
+                                       f"{place.host}:{gossip}")
+            fleet.members.append(members[path])
+            fleet.start(members[path])
 
         def ready():
-            view = {s.get("models", [""])[0] if s.get("models") else "": s for s in fleet.registry(ingress)["sessions"]
-                    if s.get("role") == "worker" and s["state"] == "SERVING"}
-            return len(view) == 3 and view["fm-relayed"]["reach"] == "relayed" and view["fm-direct"]["reach"] == "direct" \
-                and view["fm-relayed"].get("relay", "").startswith(relay_gossip)
-        rel.wait(lambda: fleet.up() and ready(), 60, "three nodes SERVING, one relayed")
-        rel.until(lambda: fleet.get(members["fm-relayed"], "/healthz")[1]["gossip"]["punches"]["ok"], 15)
-        health = [fleet.get(members[m], "/healthz")[1]["gossip"] for m in ("fm-relayed", "fm-punch")]
+            view = {s["models"][0]: s for s in fleet.registry(ingress)["sessions"]
+                    if s.get("role") == "worker" and s["state"] == "SERVING" and s.get("models")}
+            state["view"] = {m: (s["reach"], s.get("relay")) for m, s in view.items()}
+            return len(view) == 3 and view["fm-direct"]["reach"] == "direct" and all(
+                view[m]["reach"] == "relayed" and view[m].get("relay", "").startswith(relay_gossip)
+                for m in ("fm-mux", "fm-splice"))
+        state = {}
+        if rel.until(lambda: fleet.up() and ready(), 60) is None:
+            raise TimeoutError(f"three nodes SERVING, two relayed by the standalone relay: not within 60 s "
+                               f"(seen: {state.get('view')})")
+        rel.until(lambda: fleet.get(members["mux"], "/healthz")[1]["gossip"]["punches"]["ok"], 15)
+        health = [fleet.get(members[m], "/healthz")[1]["gossip"] for m in ("mux", "splice")]
         out["punch_ms"] = [h["punch_ms"] for h in health]
         out["punch_after_join_ms"] = [h.get("punch_after_join_ms") for h in health]   # both members -> acked path
         out["punched"] = [bool(h["punched"]) for h in health]
@@ -621,60 +665,100 @@ def nat_phase(quick, results):
             return json.dumps({"model": model, "stream": stream,
                                "messages": [{"role": "user", "content": "say hello to the benchmark"}]})
 
-        def latency(model):
+        def latency(model, n):
             conn = http.client.HTTPConnection(front["host"], front["port"], timeout=30)
             heads = {"content-type": "application/json", "authorization": f"Bearer {front['token']}"}
             lat = []
-            for i in range(n_lat + 5):
+            for i in range(n + 3):
                 t0 = time.perf_counter()
                 conn.request("POST", "/v1/chat/completions", body=body(model), headers=heads)
-                resp = conn.getresponse()
-                resp.read()
-                if i >= 5:
+                conn.getresponse().read()
+                if i >= 3:                           # the first ones open the pooled connections
                     lat.append(time.perf_counter() - t0)
-                time.sleep(1 / 16)
+                time.sleep(1 / 32)
             conn.close()
-            return {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3}
+            return lat
 
-        def throughput(model, stream=False, threads=16):
-            counts, stop_at = [0] * threads, time.perf_counter() + seconds
+        def throughput(model, per_client, stream=False, clients=16):
+            """`clients` connections, `per_client` requests each: (units/s, requests, units)."""
+            counts = [0] * clients
 
             def worker(i):
                 front["place"].enter()
                 conn = http.client.HTTPConnection(front["host"], front["port"], timeout=30)
                 heads = {"content-type": "application/json", "authorization": f"Bearer {front['token']}"}
-                while time.perf_counter() < stop_at:
+                for _ in range(per_client):
                     conn.request("POST", "/v1/chat/completions", body=body(model, stream), headers=heads)
                     data = conn.getresponse().read()
                     counts[i] += data.count(b"data: {") if stream else 1
                 conn.close()
-            pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+            pool = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
             t0 = time.perf_counter()
             for t in pool:
                 t.start()
             for t in pool:
-                t.join(seconds + 30)
-            return sum(counts) / (time.perf_counter() - t0)
+                t.join(120)
+            return sum(counts) / (time.perf_counter() - t0), clients * per_client, sum(counts)
 
-        def measure(name, model):
-            row = out[name] = front["place"].call(latency, model, timeout=120)
-            row["rps_16conn"] = throughput(model)
-            row["sse_chunks_per_s_8streams"] = throughput(model, stream=True, threads=8)
-        def relays_of_private():
-            return next((s.get("relay", "") for s in fleet.registry(ingress)["sessions"]
-                         if s.get("models") == ["fm-relayed"] and s["state"] == "SERVING"), "")
-        measure("direct", "fm-direct")
-        measure("relayed_splice", "fm-relayed")      # spliced through the standalone relay (its first)
-        fleet.stop(relay)                            # then the ingress is its relay: dial-backs handed over
-        rel.wait(lambda: relay_gossip not in relays_of_private(), 30, "the standalone relay replaced")
-        measure("relayed", "fm-relayed")
-        direct = out["direct"]
-        for name in ("relayed", "relayed_splice"):
-            row = out[name]
-            row["added_p50_ms"] = row["latency_p50_ms"] - direct["latency_p50_ms"]
-            row["added_p99_ms"] = row["latency_p99_ms"] - direct["latency_p99_ms"]
-            row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / direct["rps_16conn"])
-            row["sse_loss_pct"] = 100 * (1 - row["sse_chunks_per_s_8streams"] / direct["sse_chunks_per_s_8streams"])
+        on_path = {"ingress": ingress, "relay": relay}
+        per_round = []
+        cpu = {p: {"requests": 0, **{k: 0.0 for k in ("ingress", "relay", "node")}} for p in NAT_PATHS}
+        lat_all = {p: [] for p in NAT_PATHS}
+        for r in range(rounds):
+            row = {}
+            for path in NAT_PATHS[r % 3:] + NAT_PATHS[:r % 3]:   # the order rotates: no path always first
+                model = f"fm-{path}"
+                lat = front["place"].call(latency, model, n_lat, timeout=120)
+                lat_all[path] += lat
+                procs = dict(on_path, node=members[path])
+                before = {k: cpu_seconds(m.proc.pid) for k, m in procs.items()}
+                rps, n, _ = throughput(model, per_conn)
+                for k, m in procs.items():
+                    cpu[path][k] += cpu_seconds(m.proc.pid) - before[k]
+                cpu[path]["requests"] += n
+                sse = throughput(model, per_stream, stream=True, clients=8)[0]
+                row[path] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3,
+                             "rps_16conn": rps, "sse_chunks_per_s_8streams": sse}
+            per_round.append(row)
+        out["rounds"] = per_round
+        out["relay_counters"] = fleet.get(relay, "/healthz")[1].get("gossip", {}).get("relayed")
+        summary = out["summary"] = {}
+        for path in ("mux", "splice"):
+            ratios = {k: statistics.median(rw[path][k] / rw["direct"][k] for rw in per_round)
+                      for k in ("rps_16conn", "sse_chunks_per_s_8streams")}
+            lat_d, lat_p = lat_all["direct"], lat_all[path]
+            summary[path] = {
+                "rps_over_direct": ratios["rps_16conn"],
+                "sse_over_direct": ratios["sse_chunks_per_s_8streams"],
+                "throughput_loss_pct": 100 * (1 - ratios["rps_16conn"]),
+                "sse_loss_pct": 100 * (1 - ratios["sse_chunks_per_s_8streams"]),
+                "added_p50_ms": statistics.median(rw[path]["latency_p50_ms"] - rw["direct"]["latency_p50_ms"]
+                                                  for rw in per_round),
+                "added_p99_ms": statistics.median(rw[path]["latency_p99_ms"] - rw["direct"]["latency_p99_ms"]
+                                                  for rw in per_round),
+                "pooled_added_p50_ms": (pct(lat_p, 50) - pct(lat_d, 50)) * 1e3,
+                "pooled_added_p99_ms": (pct(lat_p, 99) - pct(lat_d, 99)) * 1e3}
+        summary["mux_over_splice_rps"] = statistics.median(rw["mux"]["rps_16conn"] / rw["splice"]["rps_16conn"]
+                                                           for rw in per_round)
+        out["cpu_us_per_request"] = {p: {k: 1e6 * c[k] / c["requests"] for k in ("ingress", "relay", "node")}
+                                     for p, c in cpu.items()}
+        for c in out["cpu_us_per_request"].values():
+            c["path"] = sum(c.values())
+        print(f"nat lab (cone NATs; clients on the public host through the ingress; mux and splice through a "
+              f"standalone relay, TLS end to end; {rounds} rounds x 3 paths, {n_lat} latency requests, "
+              f"16 x {per_conn} plain, 8 x {per_stream} SSE requests per path per round):")
+        for i, rw in enumerate(per_round):
+            print(f"  round {i + 1:2}  " + "  ".join(
+                f"{p}: p50={rw[p]['latency_p50_ms']:.2f} rps={rw[p]['rps_16conn']:.0f} "
+                f"sse={rw[p]['sse_chunks_per_s_8streams']:.0f}" for p in NAT_PATHS))
+        print("  medians of the per-round ratios (targets: added p50 <= 0.5 ms, throughput loss <= 10 %):")
+        for key, row in summary.items():
+            print(f"  {key:22}" + ("  ".join(f"{k}={v:.3f}" for k, v in row.items()) if isinstance(row, dict)
+                                  else f"{row:.3f}"))
+        print(f"  the standalone relay's tunnel streams: {out['relay_counters']}")
+        print("  CPU us per plain request (utime+stime over the 16-connection runs, all rounds):")
+        for p, c in out["cpu_us_per_request"].items():
+            print(f"  {p:8}" + "  ".join(f"{k}={v:.0f}" for k, v in c.items()))
         # A private ingress on host A (behind NAT A, OTELA_REACH=private), its clients on host A:
         # the public node direct, the node behind NAT B over a punched TCP tunnel, side by side.
         listen, gossip = f"{a.host}:8090", f"{a.host}:7956"
@@ -685,34 +769,38 @@ def nat_phase(quick, results):
         private = rel.Member("private-ingress", "ingress", a,
                              ["env", "OTELA_REACH=private", sys.executable, str(ROOT / "otela_ingress.py"), "serve",
                               "--key-file", fleet.key_file, "--listen", listen, "--gossip", gossip, "--db", db,
-                              "--bootstrap", ingress.gossip], listen, gossip)
+                              "--bootstrap", f"{relay_gossip},{ingress.gossip}"], listen, gossip)
         fleet.members.append(private)
         fleet.start(private)
 
         def punched_at_private():
-            return any(s.get("models") == ["fm-punch"] and s["state"] == "SERVING" and s["reach"] == "punched"
+            return any(s.get("models") == ["fm-splice"] and s["state"] == "SERVING" and s["reach"] == "punched"
                        for s in fleet.registry(private)["sessions"])
-        rel.wait(lambda: private.proc.poll() is None and punched_at_private(), 60,   # (the relay was stopped)
-                 "fm-punch punched at the private ingress")
-        front.update(host=a.host, port=8090, place=a, token=token)
-        measure("private_ingress_direct", "fm-direct")
-        measure("private_ingress_punched", "fm-punch")
-        tunnel = {s.get("models", [""])[0]: s.get("tunnel") for s in fleet.registry(private)["sessions"]
-                  if s.get("role") == "worker"}
-        out["private_ingress_tunnels"] = tunnel
-        base, row = out["private_ingress_direct"], out["private_ingress_punched"]
-        row["added_p50_ms"] = row["latency_p50_ms"] - base["latency_p50_ms"]
-        row["added_p99_ms"] = row["latency_p99_ms"] - base["latency_p99_ms"]
-        row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / base["rps_16conn"])
+        punched = rel.until(lambda: private.proc.poll() is None and punched_at_private(), 60)
+        if punched:
+            front.update(host=a.host, port=8090, place=a, token=token)
+            rows = {}
+            for name, model in (("private_ingress_direct", "fm-direct"), ("private_ingress_punched", "fm-splice")):
+                lat = front["place"].call(latency, model, n_lat * 3, timeout=120)
+                rows[name] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3,
+                              "rps_16conn": throughput(model, per_conn)[0]}
+            base, row = rows["private_ingress_direct"], rows["private_ingress_punched"]
+            row["added_p50_ms"] = row["latency_p50_ms"] - base["latency_p50_ms"]
+            row["added_p99_ms"] = row["latency_p99_ms"] - base["latency_p99_ms"]
+            row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / base["rps_16conn"])
+            out.update(rows)
+            out["private_ingress_tunnels"] = {s.get("models", [""])[0]: s.get("tunnel")
+                                              for s in fleet.registry(private)["sessions"] if s.get("role") == "worker"}
+            for name in rows:
+                print(f"  {name:24}" + "  ".join(f"{k}={v:.3f}" for k, v in rows[name].items()))
+            print(f"  private ingress on host A (clients on host A), tunnel per model: {out['private_ingress_tunnels']}")
+        else:
+            print("  private ingress: fm-splice not punched within 60 s")
         fleet.stop(private)
+        print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
+        print(f"  punch in use after both sides were members (target < 1000 ms): {out['punch_after_join_ms']} ms")
+        fleet.stop(relay)
         fleet.stop(ingress)
-    print("nat lab (cone NATs; clients through the ingress; relayed: the ingress is the private node's relay and "
-          "takes its dial-back; relayed_splice: through a standalone relay's splice; TLS end to end):")
-    for name in ("direct", "relayed", "relayed_splice", "private_ingress_direct", "private_ingress_punched"):
-        print(f"  {name:15}" + "  ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
-    print(f"  private ingress on host A (clients on host A), tunnel per model: {out['private_ingress_tunnels']}")
-    print(f"  punch between the two private nodes: {out['punch_ms']} ms, punched {out['punched']}")
-    print(f"  punch in use after both sides were members (target < 1000 ms): {out['punch_after_join_ms']} ms")
 
 
 def main():
@@ -720,6 +808,9 @@ def main():
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel,nat")
+    p.add_argument("--nat-runs", type=int, default=10,
+                   help="rounds of the nat phase (each: direct, mux and splice one after the other); "
+                        "medians of the per-round ratios")
     p.add_argument("--saturate-seconds", type=float, default=None,
                    help="length of the false-eviction run with saturated CPUs (default 600; 20 with --quick)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -744,7 +835,7 @@ def main():
         if "tunnel" in phases:
             tunnel_phase(key_file, args.quick, results)
         if "nat" in phases:
-            nat_phase(args.quick, results)
+            nat_phase(args.quick, results, args.nat_runs)
         if "false" in phases:
             false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:

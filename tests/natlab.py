@@ -25,12 +25,14 @@ network, so no packet leaves the lab.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import signal
 import subprocess
 import time
+import types
 from typing import Any, Dict, List, Optional
 
 import netns
@@ -261,13 +263,13 @@ def is_relayed_addr(addr: str) -> bool:
     return addr.startswith("relay/")
 
 
-def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> Dict[str, Any]:
-    """Build the lab, start the three members, wait for the node SERVING at the private
-    ingress and for its UDP punch to settle, send 5 plain chat/s for `seconds` from host A, and
-    return the outcomes and how the private ingress's tunnel reaches the node."""
+@contextlib.contextmanager
+def _private_ingress(lab_args: Dict[str, Any], tmp: str, timings: Dict[str, str], engine_flags: str = ""):
+    """The lab, the relay (an ingress) on the public host, a private ingress on host A and a
+    node behind NAT B, the node SERVING at the private ingress and its UDP punch settled: a
+    namespace of lab, fleet, relay, ingress, node, token, worker_view() and the times."""
     import reliability as rel
-    out: Dict[str, Any] = {"scenario": name}
-    with NatLab(**PRIVATE_INGRESS_SCENARIOS[name]) as lab, rel.Fleet(tmp, timings) as fleet:
+    with NatLab(**lab_args) as lab, rel.Fleet(tmp, timings) as fleet:
         pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
         relay = fleet.ingress(pub)
         listen, gossip = f"{a.host}:{a.port(8080)}", f"{a.host}:{a.port(7946)}"
@@ -281,7 +283,7 @@ def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: f
         ingress = rel.Member("private-ingress", "ingress", a, argv, listen, gossip)
         fleet.members.append(ingress)
         fleet.start(ingress)
-        node = fleet.node("b", b, bootstrap=(relay.gossip,))
+        node = fleet.node("b", b, bootstrap=(relay.gossip,), engine_flags=engine_flags)
         started = time.monotonic()
 
         def worker_view() -> Optional[Dict[str, Any]]:
@@ -290,19 +292,35 @@ def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: f
                     return s
             return None
         rel.wait(lambda: fleet.up() and worker_view() is not None, 60, "the node SERVING at the private ingress")
-        out["serving_after_s"] = round(time.monotonic() - started, 2)
+        serving_after_s = round(time.monotonic() - started, 2)
 
         def punch_settled() -> bool:
             counts = fleet.get(node, "/healthz")[1].get("gossip", {}).get("punches", {})
             return bool(counts.get("ok") or counts.get("failed") or counts.get("answered"))
         settled = rel.until(lambda: fleet.up() and punch_settled(), 15)
-        out["punch_settled_after_s"] = round(settled - started, 2) if settled else None
-        with rel.Load(a, ingress.url, token, rate=5) as load:
+        yield types.SimpleNamespace(
+            lab=lab, fleet=fleet, relay=relay, ingress=ingress, node=node, token=token, worker_view=worker_view,
+            serving_after_s=serving_after_s,
+            punch_settled_after_s=round(settled - started, 2) if settled else None)
+        fleet.stop(ingress)
+        fleet.stop(relay)
+
+
+def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> Dict[str, Any]:
+    """Build the lab, start the three members, wait for the node SERVING at the private
+    ingress and for its UDP punch to settle, send 5 plain chat/s for `seconds` from host A, and
+    return the outcomes and how the private ingress's tunnel reaches the node."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": name}
+    with _private_ingress(PRIVATE_INGRESS_SCENARIOS[name], tmp, timings) as bed:
+        fleet, ingress, node = bed.fleet, bed.ingress, bed.node
+        out["serving_after_s"], out["punch_settled_after_s"] = bed.serving_after_s, bed.punch_settled_after_s
+        with rel.Load(bed.lab.place("a"), ingress.url, bed.token, rate=5) as load:
             time.sleep(seconds)
         out["outcomes"] = load.outcomes()
         out["plain_requests"] = len(load.select("plain"))
         out["plain_errors"] = rel.errors(load.select("plain"), True)
-        view = worker_view() or {}
+        view = bed.worker_view() or {}
         out["reach"], out["tunnel"] = view.get("reach"), view.get("tunnel")
         own = fleet.registry(ingress)
         out["private"] = is_relayed_addr(next(s for s in own["sessions"] if s["session"] == own["self"])["gossip"])
@@ -310,6 +328,142 @@ def run_private_ingress(name: str, tmp: str, timings: Dict[str, str], seconds: f
         out["tunnel_punches"] = health.get("tunnel_punches")
         out["tunnel_punch_ms"] = health.get("tunnel_punch_ms")
         out["punch_after_join_ms"] = health.get("punch_after_join_ms")
+    return out
+
+
+# A punched tunnel broken under load (rule 6 of the node's "NAT traversal and relay"): the private
+# ingress of PRIVATE_INGRESS_SCENARIOS on cone NATs, its tunnel to the node punched, then every TCP
+# packet between the two NATs dropped at gateway B (the relay's path, through the public host,
+# untouched; the UDP punched path too), then the rule removed.
+PUNCH_CUT_TIMINGS = {"OTELA_PUNCHED_TCP_TIMEOUT": "2",   # a dead punched connection errors in ~2 s
+                     "OTELA_PUNCH_RETRY": "4"}           # the re-punch probe within the test's time
+PUNCH_CUT_STREAM_FLAGS = "--chunks 20 --chunk-delay 0.1"   # 2 s streams: some are mid-answer at the cut
+
+
+def _cut_rules(action: str) -> List[List[str]]:
+    other = ROUTER_WAN["a"]
+    return [["iptables", "-w", action, "FORWARD", *(["1"] if action == "-I" else []), "-p", "tcp", side, other,
+             "-j", "DROP"] for side in ("-s", "-d")]
+
+
+def run_punched_cut(tmp: str, timings: Dict[str, str], before: float = 3.0, cut: float = 8.0,
+                    restored: float = 12.0) -> Dict[str, Any]:
+    """Plain (5/s) and streaming (2 in flight) chats from host A through the private ingress
+    while its tunnel to the node is punched; `before` s in, TCP between the NATs is dropped for
+    `cut` s, then restored; the load goes on until the tunnel is punched again (at most
+    `restored` s). Returns the outcomes per phase and how the tunnel went in each."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": "punched tunnel cut"}
+    timings = dict(timings, **PUNCH_CUT_TIMINGS)
+    with _private_ingress(dict(nat_a="cone", nat_b="cone"), tmp, timings, PUNCH_CUT_STREAM_FLAGS) as bed:
+        fleet, node, gateway = bed.fleet, bed.node, bed.lab.names["rb"]
+        out["serving_after_s"] = bed.serving_after_s
+
+        def tunnel() -> Optional[str]:
+            return (bed.worker_view() or {}).get("tunnel")
+
+        def node_counts() -> Dict[str, int]:
+            health = fleet.get(node, "/healthz")[1].get("gossip", {})
+            relayed = health.get("relayed", {})     # the node's relayed tunnel connections: dial-backs or streams
+            return dict(health.get("tunnel_punches", {}), relayed=relayed.get("dialed_back", 0) + relayed.get("streams", 0))
+        with rel.Load(bed.lab.place("a"), bed.ingress.url, bed.token, rate=5, streams=2) as load:
+            out["punched_before"] = rel.until(lambda: tunnel() == "punched", 10) is not None
+            time.sleep(before)
+            out["tunnel_before"], out["counts_before"] = tunnel(), node_counts()
+            cut_at = time.monotonic()
+            for rule in _cut_rules("-I"):
+                _run(gateway, *rule)
+            try:
+                time.sleep(cut)
+                out["tunnel_cut"], out["counts_cut"] = tunnel(), node_counts()
+            finally:
+                for rule in _cut_rules("-D"):
+                    _run(gateway, *rule)
+            restored_at = time.monotonic()
+            again = rel.until(lambda: tunnel() == "punched", restored)
+            out["punched_again_after_s"] = round(again - restored_at, 2) if again else None
+            time.sleep(1.0)                         # requests on the punched path again
+            out["tunnel_after"], out["counts_after"] = tunnel(), node_counts()
+        plain, streams = load.select("plain"), load.select("stream")
+        out["outcomes"] = load.outcomes()
+        out["plain_requests"], out["plain_errors"] = len(plain), rel.errors(plain, True)
+        out["plain_requests_during_cut"] = len(load.select("plain", cut_at, restored_at))
+        out["streams"] = len(streams)
+        out["streams_cut_with_error_event"] = sum(1 for r in streams if r[3] == rel.CUT_WITH_ERROR)
+        out["streams_failed"] = sum(1 for r in streams if r[3] not in (rel.OK, rel.CUT_WITH_ERROR))
+        out["slowest_plain_s"] = round(max((r[1] - r[0] for r in plain), default=0.0), 2)
+    return out
+
+
+# An ingress that does not relay (--no-relay), a standalone relay beside it on the public host,
+# and one node behind NAT A that bootstraps to the ingress only: the node learns of the relay
+# from the ingress's answer to its reachability check ("rs" names the relays it knows: relay
+# rule 7 of the node), links to it and is served through it.
+NO_RELAY_TEXT = "no relay reachable: start `otela_node.py relay` or drop --no-relay on the ingress"
+
+
+def run_no_relay_seed(tmp: str, timings: Dict[str, str], relay: str = "before", seconds: float = 4.0,
+                      join_s: float = 45.0) -> Dict[str, Any]:
+    """Start the ingress, then the standalone relay and the node: `relay` "before" the node,
+    "after" it (once the node said NO_RELAY_TEXT), or "none". Wait up to `join_s` for the node
+    SERVING at the ingress, relayed by the standalone relay; if it is, send 5 plain chat/s for
+    `seconds`. Returns whether it joined, the outcomes, its relays and how often the node said
+    NO_RELAY_TEXT."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": f"ingress --no-relay, relay {relay}"}
+    with NatLab() as lab, rel.Fleet(tmp, timings) as fleet:
+        pub, a = lab.place("pub"), lab.place("a")
+        ingress = rel.Member("ingress", "ingress", pub,
+                             [rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "serve", "--key-file",
+                              fleet.key_file, "--listen", f"{PUBLIC}:8080", "--gossip", f"{PUBLIC}:7946",
+                              "--db", fleet.db, "--no-relay"], f"{PUBLIC}:8080", f"{PUBLIC}:7946")
+        fleet.members.append(ingress)
+        fleet.start(ingress)
+        rel.wait(lambda: fleet.up() and fleet.get(ingress, "/healthz")[0] == 200, 60, "ingress /healthz")
+        relay_gossip = f"{PUBLIC}:{RELAY_GOSSIP_PORT}"
+        node_log = os.path.join(tmp, "a.1.log")
+
+        def said() -> int:
+            with open(node_log, errors="replace") as fh:
+                return fh.read().count(NO_RELAY_TEXT)
+
+        def start_relay() -> None:
+            argv = [rel.PY, os.path.join(rel.ROOT, "otela_node.py"), "relay", "--key-file", fleet.key_file,
+                    "--gossip", relay_gossip, "--listen", f"{PUBLIC}:7701", "--bootstrap", ingress.gossip]
+            standalone = rel.Member("relay", "relay", pub, argv, f"{PUBLIC}:7701", relay_gossip)
+            fleet.members.append(standalone)
+            fleet.start(standalone)
+            rel.wait(lambda: fleet.up() and any(s.get("role") == "relay" and s["state"] == "SERVING"
+                                                for s in fleet.registry(ingress)["sessions"]), 30, "relay SERVING")
+        if relay == "before":
+            start_relay()
+        node = fleet.node("a", a, bootstrap=(ingress.gossip,))
+        if relay == "after":
+            rel.wait(lambda: said() > 0, 30, "the node saying no relay is reachable")
+            start_relay()
+
+        def worker() -> Optional[Dict[str, Any]]:
+            for s in fleet.registry(ingress)["sessions"]:
+                if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected") \
+                        and s.get("reach") == "relayed" and s.get("relay", "").startswith(relay_gossip):
+                    return s                # relayed by the standalone relay, not the ingress
+            return None
+        started = time.monotonic()
+        joined = rel.until(lambda: fleet.up() and worker() is not None, join_s)
+        out["joined"] = joined is not None
+        out["serving_after_s"] = round(joined - started, 2) if joined else None
+        if joined:
+            out["relay"] = worker().get("relay", "")
+            with rel.Load(pub, ingress.url, fleet.token, rate=5) as load:
+                time.sleep(seconds)
+            out["outcomes"] = load.outcomes()
+            out["plain_requests"] = len(load.select("plain"))
+            out["plain_errors"] = rel.errors(load.select("plain"), True)
+            out["failed"] = [(round(r[0] - joined, 2), r[3], r[4]) for r in load.select("plain") if r[3] != rel.OK]
+            out["sessions"] = [(s["session"][:8], s.get("role"), s["state"], s.get("reach"), s.get("relay"))
+                               for s in fleet.registry(ingress)["sessions"]]
+        out["private"] = fleet.get(node, "/healthz")[1].get("gossip", {}).get("private")
+        out["said_no_relay"] = said()
+        fleet.stop(node)
         fleet.stop(ingress)
-        fleet.stop(relay)
     return out

@@ -704,7 +704,56 @@ def nat_private_ingress(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat, nat_private_ingress]
+def nat_punched_cut(args: argparse.Namespace) -> Dict[str, Any]:
+    """The NAT lab's private ingress on cone NATs, its tunnel to the node punched, under 5 plain
+    chat/s and 2 streams; every TCP packet between the NATs dropped at gateway B for 8 s (the
+    relay's path untouched), then restored. Heals when the tunnel is punched again (seconds from
+    the restore); client errors count plain requests, streams cut by an error event apart."""
+    import natlab
+    timings = dict(QUICK_TIMINGS) if args.quick else {}
+    name = "nat: punched tunnel cut"
+    load_text = "5 chat/s + 2 streams (2 s each), private ingress, 1 private node"
+    faults = (f"TCP between the NATs dropped for 8 s, then restored ({timings_text(dict(timings, **natlab.PUNCH_CUT_TIMINGS))})")
+    reason = natlab.unavailable()
+    if reason:
+        return row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason)
+    with workdir(args, name) as tmp:
+        out = natlab.run_punched_cut(tmp, timings)
+    errors_text = (f"{out['plain_errors']}/{out['plain_requests']} plain; {out['streams_failed']}/{out['streams']} "
+                   f"streams failed, {out['streams_cut_with_error_event']} cut by error event")
+    heal = out["punched_again_after_s"] if out["punched_again_after_s"] is not None else "never"
+    return row(f"{name} (tunnel {out['tunnel_before']} -> {out['tunnel_cut']} -> {out['tunnel_after']})", load_text,
+               faults, errors_text, "-", heal, "-", **{k: v for k, v in out.items() if k != "scenario"})
+
+
+def nat_no_relay_seed(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The NAT lab's ingress with --no-relay, a standalone relay beside it, and one node behind
+    NAT A bootstrapping to the ingress only (node relay rule 7): the relay started before the
+    node, or after it (once the node said no relay is reachable). 5 plain chat/s through the
+    ingress; heals when the node serves through the relay (seconds from the node's start, or
+    from the relay's)."""
+    import natlab
+    timings = dict(QUICK_TIMINGS) if args.quick else {}
+    seconds = 6.0 if args.quick else 20.0
+    reason = natlab.unavailable()
+    rows = []
+    for when in ("before", "after"):
+        name = f"nat: ingress --no-relay, relay started {when} the node"
+        load_text = "5 chat/s, 1 private node"
+        faults = f"NAT lab, the node's only seed does not relay ({timings_text(timings)})"
+        if reason:
+            rows.append(row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason))
+            continue
+        with workdir(args, name) as tmp:
+            out = natlab.run_no_relay_seed(tmp, timings, relay=when, seconds=seconds)
+        heal = out["serving_after_s"] if out["joined"] else "never"
+        rows.append(row(f"{name} (said no relay: {out['said_no_relay']})", load_text, faults,
+                        out.get("plain_errors", "-"), "-", heal, "-", **{k: v for k, v in out.items() if k != "scenario"}))
+    return rows
+
+
+SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat, nat_private_ingress,
+             nat_punched_cut, nat_no_relay_seed]
 
 
 # =============================================================================================

@@ -65,8 +65,8 @@ class Bed:
         self.ingress_node = node
         return node
 
-    async def relay(self):
-        node = on.Node(self.config(bootstrap=[self.ingress_node.overlay.addr]), role="relay")
+    async def relay(self, **fields):
+        node = on.Node(self.config(bootstrap=[self.ingress_node.overlay.addr], **fields), role="relay")
         await node.start(serve_http=False)
         self.members.append(node)
         return node
@@ -131,7 +131,8 @@ def test_a_public_worker_is_dialled_back_and_stays_direct(tmp_path):
     assert answer.startswith(b"HTTP/1.1 200")
 
 
-def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection(tmp_path):
+@pytest.mark.parametrize("mux", [1, 0], ids=["multiplexed", "dial-back"])
+def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection(tmp_path, mux):
     async def t(bed):
         worker = await bed.worker()
         record = await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING")
@@ -139,12 +140,14 @@ def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection
         stream = await bed.chat(stream=True)
         view = bed.view_of(bed.ingress_node, worker.session_id)
         return worker, record, plain, stream, view, dict(bed.ingress_node.relayed)
-    worker, record, plain, stream, view, relayed = run(with_bed(tmp_path, t))
+    worker, record, plain, stream, view, relayed = run(with_bed(tmp_path, t, relay_mux=mux))
     assert record["gossip"] == record["addr"] == "relay/" + worker.link_id
     assert record["relay"] == worker.config.bootstrap[0] and view["reach"] == "relayed"
     assert all(a.startswith(b"HTTP/1.1 200") for a in plain)
     assert stream.count(b"data: {") == 3 and b"data: [DONE]" in stream
-    assert relayed["handed_over"] >= 1 and relayed["spliced"] == 0   # the ingress holds the link itself
+    # the ingress holds the link itself: it takes the member's dial-back as it is, in either mode
+    assert relayed["spliced"] == relayed["muxed"] == 0 and relayed["handed_over"] >= 1
+    assert worker.relayed["dialed_back"] >= 1 and worker.relayed["streams"] == 0
     if worker.tunnel_server_ssl is not None:
         assert worker.admitted["tls"] >= 1 and worker.admitted["plain"] == 0
 
@@ -218,10 +221,10 @@ async def punched_pair(bed):
 def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tmp_path):
     async def t(bed):
         a, b = await punched_pair(bed)
-        spliced = bed.ingress_node.relayed["spliced"] + bed.ingress_node.relayed["handed_over"]
+        spliced = sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed"))
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
         return (answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
-                bed.ingress_node.relayed["spliced"] + bed.ingress_node.relayed["handed_over"] - spliced,
+                sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed")) - spliced,
                 dict(b.admitted), b.tunnel_server_ssl is not None)
     answers, punches, tunnel, via_relay, admitted, tls = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") and b'"fm"' in a for a in answers)
@@ -239,7 +242,7 @@ def test_a_tunnel_punch_that_gets_no_answer_falls_back_to_the_relay_and_serves(t
     answers, punches, tunnel, relayed = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
     assert punches == {"ok": 0, "failed": 2}       # two orders tried, then straight to the relay
-    assert tunnel == "relayed" and relayed["spliced"] == 3
+    assert tunnel == "relayed" and relayed["spliced"] + relayed["muxed"] == 3
 
 
 def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_path):
@@ -255,8 +258,251 @@ def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_pat
     assert links == {} and refused >= 1 and forged >= 1 and forwarded == 0
 
 
+def test_a_private_worker_whose_only_seed_does_not_relay_links_to_the_relay_the_seed_names(tmp_path):
+    async def t(bed):
+        ingress = bed.ingress_node
+        ingress.config.relay = False                   # an ingress run with --no-relay
+        relay = await bed.relay()
+        await until(lambda: (ingress.registry.get(relay.session_id) or {}).get("state") == crdt.SERVING,
+                    what="the relay SERVING at the ingress")
+        named = ingress._known_relays()
+        worker = await bed.worker(relay_check_interval=0.1)
+        record = await until(lambda: (serving_relayed(bed, worker) or {}).get("relay") == relay.overlay.addr and
+                             serving_relayed(bed, worker), what="relayed by the standalone relay")
+        answers = [await bed.chat() for _ in range(3)]
+        return named, relay.overlay.addr, record, answers, worker
+    named, relay_addr, record, answers, worker = run(with_bed(tmp_path, t))
+    assert named == [relay_addr]
+    assert record["relay"] == relay_addr and worker._named_relays == [relay_addr] and worker._seed_relays == []
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
+
+
 @pytest.mark.parametrize("argv", [["relay", "--help"]])
 def test_the_relay_command_exists(argv, capsys):
     with pytest.raises(SystemExit) as done:
         on.main(argv)
     assert done.value.code == 0 and "--gossip" in capsys.readouterr().out
+
+
+# -- tunnel streams multiplexed on a relay link (the node's relay rule 2) --------------------
+async def mux_pair(max_streams=512):
+    """Two _MuxLinks over one loopback TCP connection, each side's frames read as a link's are:
+    (opener, answerer, accepted streams, cleanup). An accepted stream is bridged to a socketpair
+    whose far end goes in the list, for the test to read (or not) and write."""
+    accepted, readers = [], []
+    server_side = asyncio.get_running_loop().create_future()
+
+    async def on_conn(r, w):
+        server_side.set_result((r, w))
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    r1, w1 = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    r2, w2 = await server_side
+    opener, answerer = on._MuxLink(w1, max_streams), on._MuxLink(w2, max_streams)
+
+    def accept(stream):
+        async def serve():
+            theirs, reader, writer = await on._socketpair_stream()
+            accepted.append(theirs)
+            await stream.bridge(reader, writer)
+        readers.append(asyncio.ensure_future(serve()))
+
+    async def read(link, reader, accept_fn):
+        try:
+            while True:
+                data = await on._read_frame(reader, 1 << 20, None)
+                if data is None or not link.on_frame(data, accept_fn):
+                    break
+        finally:
+            link.cut()
+    readers += [asyncio.ensure_future(read(opener, r1, None)), asyncio.ensure_future(read(answerer, r2, accept))]
+
+    async def cleanup():
+        for w in (w1, w2):
+            w.close()
+        for task in readers:
+            task.cancel()
+        for sock in accepted:
+            sock.close()
+        server.close()
+    return opener, answerer, accepted, w1, cleanup
+
+
+async def open_local(link):
+    """Open a stream on `link` bridged to a socketpair: the test's end as (reader, writer)."""
+    stream = link.open()
+    theirs, reader, writer = await on._socketpair_stream()
+    task = asyncio.ensure_future(stream.bridge(reader, writer))
+    r, w = await asyncio.open_connection(sock=theirs)
+    return stream, r, w, task
+
+
+def test_a_slow_reader_on_one_multiplexed_stream_does_not_stall_another_nor_grow_memory():
+    async def t():
+        opener, answerer, accepted, _, cleanup = await mux_pair()
+        try:
+            _, _, slow_w, _ = await open_local(opener)
+            _, fast_r, fast_w, _ = await open_local(opener)
+            await until(lambda: len(accepted) == 2, what="both streams accepted")
+            fast_far = accepted[1]
+            slow_w.write(b"x" * (8 << 20))            # 8 MiB at a reader that never reads
+            echoed = []
+            for i in range(20):                        # the other stream goes on, round trip by round trip
+                fast_w.write(b"ping %d\n" % i)
+                line = await asyncio.get_running_loop().sock_recv(fast_far, 64)
+                await asyncio.get_running_loop().sock_sendall(fast_far, line)
+                echoed.append(await asyncio.wait_for(fast_r.readexactly(len(line)), 5))
+            held = [s.buffered() for s in answerer.streams.values()]
+            sending = [s.credit for s in opener.streams.values()]
+            return echoed, held, sending
+        finally:
+            await cleanup()
+    echoed, held, sending = run(t())
+    assert echoed == [b"ping %d\n" % i for i in range(20)]
+    assert max(held) <= on.MUX_WINDOW               # the slow stream's bytes held: one window at most
+    assert min(sending) == 0                         # ... and its sender stopped at its credit
+
+
+def test_a_multiplexed_link_that_dies_mid_stream_cuts_every_stream():
+    async def t():
+        opener, answerer, accepted, opener_writer, cleanup = await mux_pair()
+        try:
+            locals_ = [await open_local(opener) for _ in range(3)]
+            await until(lambda: len(accepted) == 3, what="three streams accepted")
+            for _, _, w, _ in locals_:
+                w.write(b"half a request")
+            opener_writer.transport.abort()          # the link dies
+            ends = [await asyncio.wait_for(r.read(-1), 5) for _, r, _, _ in locals_]
+            loop = asyncio.get_running_loop()
+            far_ends = []
+            for sock in accepted:                     # the member's side of each stream ends too
+                data = b""
+                while True:
+                    chunk = await asyncio.wait_for(loop.sock_recv(sock, 65536), 5)
+                    if not chunk:
+                        break
+                    data += chunk
+                far_ends.append(data)
+            await until(lambda: not opener.streams and not answerer.streams, what="streams dropped")
+            return ends, far_ends
+        finally:
+            await cleanup()
+    ends, far_ends = run(t())
+    assert ends == [b""] * 3                         # the dialer's side: closed, nothing more
+    assert all(d in (b"", b"half a request") for d in far_ends)
+
+
+def test_a_peer_opening_10000_streams_on_a_link_gets_them_refused_over_the_cap_and_the_link_still_serves():
+    async def t():
+        opener, answerer, accepted, opener_writer, cleanup = await mux_pair(max_streams=64)
+        try:
+            opener_writer.write(b"".join(on.mux_frame(on.MUX_OPEN, 1_000_000 + i) for i in range(10_000)))
+            await until(lambda: answerer.refused == 10_000 - 64, what="the OPENs over the cap refused")
+            at_cap = len(answerer.streams)
+            for i in range(64):                       # the hostile opener lets its streams go
+                opener_writer.write(on.mux_frame(on.MUX_CLOSE, 1_000_000 + i))
+            await until(lambda: not answerer.streams, what="its streams closed")
+            _, r, w, _ = await open_local(opener)    # a stream opened afterwards is served
+            await until(lambda: len(accepted) == 65, what="the new stream accepted")
+            loop = asyncio.get_running_loop()
+            w.write(b"hello")
+            got = await asyncio.wait_for(loop.sock_recv(accepted[-1], 16), 5)
+            return at_cap, got
+        finally:
+            await cleanup()
+    at_cap, got = run(t())
+    assert at_cap == 64 and got == b"hello"
+
+
+def established_to(port: int) -> int:
+    """Established TCP connections from this machine to `port` (both /proc/net/tcp tables)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net/tcp to count connections")
+@pytest.mark.parametrize("mux", [1, 0], ids=["multiplexed", "dial-back"])
+def test_tunnel_streams_through_a_standalone_relay_make_no_connection_from_the_member_per_stream(tmp_path, mux):
+    async def t(bed):
+        relay = await bed.relay(relay=True, relay_mux=mux)
+        worker = await bed.worker()
+        await until(lambda: list(worker._links) == [relay.overlay.addr] and serving_relayed(bed, worker),
+                    what="linked to the standalone relay only")
+        relay_port = int(relay.overlay.addr.rsplit(":", 1)[1])
+        before = established_to(relay_port)           # the member's link (and gossip of the moment)
+        tls = bed.ingress_node.tunnel_client_ssl
+        held = []
+        for _ in range(10):                            # ten tunnel connections open at once, TLS done
+            sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+            held.append(await asyncio.open_connection(sock=sock, ssl=tls,
+                                                      server_hostname=on.TLS_SERVER_NAME if tls else None))
+        during = established_to(relay_port)
+        answers = [await tunnel_get(bed.ingress_node, worker.overlay.addr) for _ in range(3)]
+        for _, writer in held:
+            writer.close()
+        return answers, during - before, worker.relayed["streams"], worker.relayed["dialed_back"], dict(relay.relayed)
+    answers, extra, streams, dialed_back, relayed = run(with_bed(tmp_path, t, relay=False))
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
+    if mux:       # the dialer's ten connections to the relay; none from the member
+        assert 10 <= extra < 20 and streams == 13 and dialed_back == 0 and relayed["muxed"] == 13
+    else:         # ... and ten dial-backs from the member
+        assert extra >= 20 and streams == 0 and dialed_back == 13 and relayed["spliced"] == 13
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the cluster certificate needs openssl (keygen)")
+def test_a_relay_forwards_no_plaintext_of_a_multiplexed_tunnel_stream(tmp_path):
+    secret = b"the-relay-must-never-see-this-" + os.urandom(6).hex().encode()
+
+    async def t(bed):
+        relay = await bed.relay(relay=True)
+        worker = await bed.worker()
+        await until(lambda: list(worker._links) == [relay.overlay.addr] and serving_relayed(bed, worker),
+                    what="linked to the standalone relay only")
+        mux = relay._muxes[worker.link_id]
+        seen = []
+        send, on_frame = mux.send, mux.on_frame
+        mux.send = lambda data: (seen.append(bytes(data)), send(data))[1]
+        mux.on_frame = lambda data, accept=None: (seen.append(bytes(data)), on_frame(data, accept))[1]
+        sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+        tls = bed.ingress_node.tunnel_client_ssl
+        reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME)
+        name, value = bed.ingress_node.tunnel_header
+        body = json.dumps({"model": "fm", "messages": [{"role": "user", "content": secret.decode()}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n%s: %s\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (name.encode(), value.encode(), len(body), body))
+        answer = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+        return answer, b"".join(seen), relay.relayed["muxed"]
+    answer, captured, muxed = run(with_bed(tmp_path, t, relay=False))
+    assert answer.startswith(b"HTTP/1.1 200") and muxed == 1
+    assert len(captured) > 2000                       # the handshake and the exchange went through it
+    assert secret not in captured and b"/v1/chat/completions" not in captured and b"HTTP/1.1" not in captured
+
+
+def test_a_relay_opening_10000_streams_on_a_members_link_leaves_it_bounded_and_serving(tmp_path):
+    async def t(bed):
+        worker = await bed.worker()
+        await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING")
+        mux = bed.ingress_node._muxes[worker.link_id]
+        mux.writer.write(b"".join(on.mux_frame(on.MUX_OPEN, 1_000_000 + i) for i in range(10_000)))
+        own = worker._link_muxes[bed.ingress_node.overlay.addr]
+        await until(lambda: own.refused >= 10_000 - worker.config.max_link_streams, what="OPENs over the cap refused")
+        peak = max(len(own.streams), len(worker._tunnel_conns))
+        await until(lambda: len(own.streams) <= worker.config.max_unauthenticated,
+                    what="the strangers' streams cut to the cap on strangers")   # the oldest first
+        answer = await bed.chat()
+        return peak, answer, own.refused, len(worker._tunnel_conns)
+    peak, answer, refused, conns = run(with_bed(tmp_path, t))
+    assert peak <= 256 and refused >= 10_000 - 256
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert conns <= 256 + 2

@@ -93,3 +93,35 @@ def test_behind_a_leaky_gateway_at_the_private_ingress_its_tunnel_switches_to_pu
     out = private_ingress("private ingress, leaky gateway at A")   # the load starts before the punch is done
     assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
     assert out["reach"] == "punched" and out["tunnel"] == "punched" and out["tunnel_punches"]["ok"] >= 1
+
+
+def test_a_broken_punched_tunnel_falls_back_to_the_relay_without_failing_a_plain_request_and_punches_again(
+        tmp_path):
+    out = natlab.run_punched_cut(str(tmp_path), dict(reliability.QUICK_TIMINGS))
+    assert not [n for n in netns.existing() if n.startswith(f"{natlab.PREFIX}{os.getpid()}-")]
+    assert out["punched_before"] and out["tunnel_before"] == "punched", out
+    assert out["plain_requests"] >= 40 and out["plain_requests_during_cut"] >= 20, out["outcomes"]
+    assert out["plain_errors"] == 0, out["outcomes"]       # unstarted requests moved to the relay
+    assert out["streams_failed"] == 0, out["outcomes"]     # a stream mid-answer ends with an error event
+    assert out["tunnel_cut"] == "relayed"                  # new connections spliced while TCP is dropped
+    assert out["counts_cut"]["relayed"] > out["counts_before"]["relayed"]
+    assert out["counts_cut"]["failed"] > out["counts_before"]["failed"]    # their punches failed
+    assert out["punched_again_after_s"] is not None and out["tunnel_after"] == "punched", out
+    assert out["counts_after"]["ok"] > out["counts_cut"]["ok"]
+
+
+def test_a_node_whose_only_seed_is_an_ingress_with_no_relay_links_to_the_relay_it_names_and_is_served(tmp_path):
+    out = natlab.run_no_relay_seed(str(tmp_path), dict(reliability.QUICK_TIMINGS), relay="before")
+    assert not [n for n in netns.existing() if n.startswith(f"{natlab.PREFIX}{os.getpid()}-")]
+    assert out["joined"] and out["private"] is True, out
+    assert out["relay"].split(",") == [f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"]   # never the ingress
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+    assert out["said_no_relay"] == 0
+
+
+def test_a_node_with_no_relay_anywhere_says_so_once_and_joins_when_a_relay_starts(tmp_path):
+    out = natlab.run_no_relay_seed(str(tmp_path), dict(reliability.QUICK_TIMINGS), relay="after")
+    assert not [n for n in netns.existing() if n.startswith(f"{natlab.PREFIX}{os.getpid()}-")]
+    assert out["said_no_relay"] == 1, out
+    assert out["joined"] and out["relay"].split(",") == [f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"], out
+    assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
