@@ -628,8 +628,8 @@ def _nat_lab_run(quick, rounds, out):
         fleet.members.append(relay)
         fleet.start(relay)
         engine = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'} --port {{port}} --chunks 8"
-        # Each node bootstraps to the relay too: a private member whose only seed does not relay
-        # has no link through which to learn of a relay, so it never joins.
+        # Each node bootstraps to the relay too, so the lab is up at once (a private member whose
+        # only seed does not relay learns of the relay from that seed's answer, a relay check later).
         members = {}
         for path, place, gossip, listen, mux in (("direct", pub, 7950, 7710, "1"), ("mux", a, 7946, 7700, "1"),
                                                  ("splice", b, 7946, 7700, "0")):
