@@ -2135,7 +2135,7 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 
 
 # =============================================================================================
-# NAT traversal and relay: reachability, relay links, relayed gossip and spliced tunnel streams
+# NAT traversal and relay: reachability, relay links, relayed gossip, tunnel streams multiplexed on a link (or spliced)
 # =============================================================================================
 # Theory of operation. A worker asks each seed (ingress or relay) it bootstraps to, over TCP,
 # to dial it back ("rq"); the seed answers ("rs") with the address it saw (`seen`) and whether

@@ -263,19 +263,27 @@ def test_a_response_the_codec_reads_is_read_the_same_by_h11_and_one_it_refuses_h
     assert (body, rest) == (their_body, their_rest)
 
 
-@EXAMPLES
-@given(data=responses(), cuts=st.lists(st.integers(0, 200), max_size=6))
-def test_a_body_read_in_any_pieces_ends_where_it_ends_read_whole(data, cuts):
-    data, method = data
+def _read_whole(data, method):
+    """A response's head, its body bytes, and a BodyReader that read them in one piece (with
+    its pieces and the bytes it used); None when the codec refuses the head or wants more."""
     try:
         head = on.parse_response(data, method == b"HEAD")
     except HTTPViolation:
-        return
+        return None
     if head is None:
-        return
+        return None
     body = data[head.size:]
     whole, whole_pieces = BodyReader(head.framing, head.length), []
-    whole_used = whole.feed(body, whole_pieces)
+    return head, body, whole, whole_pieces, whole.feed(body, whole_pieces)
+
+
+@EXAMPLES
+@given(data=responses(), cuts=st.lists(st.integers(0, 200), max_size=6))
+def test_a_body_read_in_any_pieces_ends_where_it_ends_read_whole(data, cuts):
+    read = _read_whole(*data)
+    if read is None:
+        return
+    head, body, whole, whole_pieces, whole_used = read
     split, split_pieces, used, start = BodyReader(head.framing, head.length), [], 0, 0
     for cut in sorted(set(cuts)) + [len(body)]:
         piece = body[start:max(start, cut)]
@@ -295,16 +303,10 @@ def test_a_body_taken_off_a_buffer_in_any_pieces_is_the_body_read_whole(data, cu
     """BodyReader.take (its fast loop over whole chunks, then feed for the rest) hands out the
     bytes feed finds reading the body whole, leaves what follows the body in the buffer, and
     raises where feed finds bad framing, after the good bytes before it."""
-    data, method = data
-    try:
-        head = on.parse_response(data, method == b"HEAD")
-    except HTTPViolation:
+    read = _read_whole(*data)
+    if read is None:
         return
-    if head is None:
-        return
-    body = data[head.size:]
-    whole, whole_pieces = BodyReader(head.framing, head.length), []
-    whole_used = whole.feed(body, whole_pieces)
+    head, body, whole, whole_pieces, whole_used = read
     reader, buf, taken, fed, failed = BodyReader(head.framing, head.length), bytearray(), [], 0, False
     for cut in sorted(set(cuts)) + [len(body)] * 3:   # at the end: until it ends, fails or waits
         buf += body[fed:max(fed, cut)]
