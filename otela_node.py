@@ -56,7 +56,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import h11
 
@@ -2489,12 +2489,15 @@ class _MuxStream(asyncio.Protocol):
 
 class _MuxLink:
     """The tunnel streams of one relay link: the relay (or a dialer holding the link) opens
-    them, the member answers each as an admitted tunnel connection. Frames other than
-    mux frames on the link (gossip, dial requests) are not ours."""
+    them, the member answers each as an admitted tunnel connection (`answer` makes the stream
+    for a peer's OPEN: a _MuxTunnel at the member). Frames other than mux frames on the link
+    (gossip, dial requests) are not ours."""
 
-    def __init__(self, writer: asyncio.StreamWriter, max_streams: int):
+    def __init__(self, writer: asyncio.StreamWriter, max_streams: int,
+                 answer: Optional[Callable[[_MuxLink, int], Any]] = None):
         self.writer, self.max_streams = writer, max_streams
-        self.streams: Dict[int, _MuxStream] = {}
+        self.answer = answer or _MuxStream
+        self.streams: Dict[int, Any] = {}           # _MuxStream or _MuxTunnel
         self._next = 1
         self._drain_lock = asyncio.Lock()           # one drain at a time on the shared writer
         self.refused = 0                            # OPENs over max_streams, answered CLOSE
@@ -2518,7 +2521,7 @@ class _MuxLink:
         self.send(mux_frame(MUX_OPEN, sid))
         return stream
 
-    def on_frame(self, data: bytes, accept: Optional[Callable[[_MuxStream], None]] = None) -> bool:
+    def on_frame(self, data: bytes, accept: Optional[Callable[[Any], None]] = None) -> bool:
         """One mux frame from the link; False when the peer broke the protocol (the link goes)."""
         if len(data) < _MUX_HEAD.size:
             return False
@@ -2541,7 +2544,7 @@ class _MuxLink:
                 self.refused += 1
                 self.send(mux_frame(MUX_CLOSE, sid))
                 return True
-            stream = self.streams[sid] = _MuxStream(self, sid)
+            stream = self.streams[sid] = self.answer(self, sid)
             accept(stream)
             return True
         return False
@@ -2554,14 +2557,247 @@ class _MuxLink:
         self.streams.clear()
 
 
-async def _socketpair_stream() -> Tuple[socket.socket, asyncio.StreamReader, asyncio.StreamWriter]:
-    """A local socket for the tunnel code (TLS runs over it end to end) and the stream of its
-    other end, which a _MuxStream bridges to the link."""
-    mine, theirs = socket.socketpair()
-    mine.setblocking(False)
-    theirs.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=mine, limit=MUX_WINDOW)
-    return theirs, reader, writer
+class _MuxTunnel(asyncio.Transport):
+    """At the member: one stream a relay opened on our link, served as a tunnel connection
+    with no socket (rule 2). The dialer's TLS ends here, in memory: ssl.MemoryBIO in and out
+    under the tunnel port's own server context (the same pinned certificate, required), fed by
+    the link's DATA frames; this is the transport the tunnel code reads its plaintext from and
+    writes its answers to, each write encrypted and sent as DATA at once. The stream's first
+    byte tells a ClientHello from plain HTTP, as on the port (rule 3 of "Tunnel security").
+    Credit as _MuxStream's: the peer may send MUX_WINDOW bytes we have not credited back, and
+    none is credited while the tunnel code has paused our reading; what we may not send for
+    want of credit waits here, the tunnel code's writing paused above RELAY_HIGH_WATER, so a
+    slow dialer holds up its own stream and at most about a window of its answer."""
+
+    def __init__(self, link: _MuxLink, sid: int, ctx: Optional[ssl.SSLContext]):
+        super().__init__()
+        self.link, self.sid, self.ctx = link, sid, ctx
+        self.credit = MUX_WINDOW                    # bytes we may still send
+        self.window = MUX_WINDOW                    # bytes the peer may still send us
+        self.owed = 0                               # bytes taken in, not credited back yet
+        self.held = bytearray()                     # bytes out waiting for credit
+        self.tls: Optional[ssl.SSLObject] = None    # from the first byte, when it is a ClientHello
+        self._in = self._out = None                 # the TLS object's ciphertext, each way
+        loop = asyncio.get_running_loop()
+        self.ready = loop.create_future()           # "tls" or "plain" once the tunnel code may read,
+                                                    # None when refused or ended before that
+        self.reader = asyncio.StreamReader(limit=RELAY_READ)
+        self.protocol: asyncio.BaseProtocol = asyncio.StreamReaderProtocol(self.reader)
+        self.closed = False                         # CLOSE sent or received: no more frames
+        self._closing = False                       # close(): CLOSE once what is held went out
+        self._lost = False                          # the tunnel code was told (connection_lost)
+        self._reading = True                        # the tunnel code has not paused our reading
+        self._write_paused = False
+        self.protocol.connection_made(self)
+
+    def writer(self) -> asyncio.StreamWriter:
+        return asyncio.StreamWriter(self, self.protocol, self.reader, asyncio.get_running_loop())
+
+    # -- the link's side ----------------------------------------------------------------------
+    def on_data(self, data: bytes) -> bool:
+        if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
+            return False
+        self.window -= len(data)
+        if self._lost or not data:
+            return True
+        tls = self.tls
+        if tls is None and not self.ready.done():   # the first byte: a ClientHello, or plain HTTP?
+            if self.ctx is not None and data[0] == TLS_RECORD_HANDSHAKE:
+                self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+                tls = self.tls = self.ctx.wrap_bio(self._in, self._out, server_side=True)
+            else:
+                self.ready.set_result("plain")
+        if tls is None:
+            self.protocol.data_received(data)
+        else:
+            self._in.write(data)
+            if self.ready.done() or self._handshake():
+                self._decrypt()
+        self._taken(len(data))
+        return True
+
+    def on_credit(self, amount: int) -> None:
+        self.credit += amount
+        self._send_held()
+
+    def on_close(self) -> None:
+        """The peer is done (the dialer went): the tunnel code sees its stream end."""
+        self.closed = True
+        self._lose(None)
+
+    def cut(self) -> None:
+        """The link died."""
+        self.closed = True
+        self._lose(ConnectionResetError("the relay link ended"))
+
+    def buffered(self) -> int:
+        """Bytes of the peer's this side holds (read, not yet taken by the tunnel code)."""
+        return len(getattr(self.reader, "_buffer", b"")) + (self._in.pending if self._in is not None else 0)
+
+    # -- TLS in memory ------------------------------------------------------------------------
+    def _handshake(self) -> bool:
+        """Another step of the server handshake; True once it is done."""
+        try:
+            self.tls.do_handshake()
+        except ssl.SSLWantReadError:
+            self._flush()
+            return False
+        except (ssl.SSLError, ValueError):           # garbage, no certificate, the wrong one
+            self._flush()                            # the alert says why
+            self.abort()
+            return False
+        self._flush()
+        self.ready.set_result("tls")
+        return True
+
+    def _decrypt(self) -> None:
+        tls, incoming, protocol = self.tls, self._in, self.protocol
+        while incoming.pending or tls.pending():
+            try:
+                data = tls.read(MUX_CHUNK)
+            except ssl.SSLWantReadError:
+                break                                # a record's rest is still on its way
+            except ssl.SSLZeroReturnError:
+                data = b""
+            except ssl.SSLError:
+                self.abort()
+                return
+            if not data:                             # the dialer's close_notify
+                protocol.eof_received()
+                return
+            protocol.data_received(data)
+            if self._lost:
+                return
+        if self._out.pending:                        # a key update or ticket of TLS 1.3's own
+            self._flush()
+
+    def _flush(self) -> None:
+        data = self._out.read()
+        if data and not self.closed:
+            self._send(data)
+
+    # -- the tunnel code's side (asyncio.Transport) -------------------------------------------
+    def write(self, data) -> None:
+        if self._closing or not data:
+            return
+        if self.tls is not None:
+            self.tls.write(data)
+            data = self._out.read()
+        self._send(bytes(data))
+
+    def writelines(self, list_of_data) -> None:
+        self.write(b"".join(list_of_data))
+
+    def _send(self, data: bytes) -> None:
+        if not self.held and len(data) <= self.credit and len(data) <= MUX_CHUNK:
+            self.link.send(mux_frame(MUX_DATA, self.sid, data))   # the usual case: one frame
+            self.credit -= len(data)
+            return
+        self.held += data
+        self._send_held()
+        if len(self.held) > RELAY_HIGH_WATER and not self._write_paused and not self._lost:
+            self._write_paused = True
+            self.protocol.pause_writing()
+
+    def _send_held(self) -> None:
+        held = self.held
+        while held and self.credit > 0 and not self.closed:
+            n = min(len(held), self.credit, MUX_CHUNK)
+            self.link.send(mux_frame(MUX_DATA, self.sid, bytes(held[:n])))
+            del held[:n]
+            self.credit -= n
+        if self._write_paused and len(held) <= RELAY_HIGH_WATER // 4 and not self._lost:
+            self._write_paused = False
+            self.protocol.resume_writing()
+        if self._closing and not held:
+            self._end()
+
+    def _taken(self, amount: int) -> None:
+        self.owed += amount
+        if self._reading and not self.closed and self.owed >= MUX_WINDOW // 2:   # as _MuxStream's
+            self.window += self.owed
+            self.link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))
+            self.owed = 0
+
+    def pause_reading(self) -> None:
+        self._reading = False
+
+    def resume_reading(self) -> None:
+        self._reading = True
+        self._taken(0)
+
+    def is_reading(self) -> bool:
+        return self._reading and not self._lost
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.held)
+
+    def get_write_buffer_limits(self) -> Tuple[int, int]:
+        return RELAY_HIGH_WATER // 4, RELAY_HIGH_WATER
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass                                        # the marks are the ones _BodyPipe checks
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def get_protocol(self):
+        return self.protocol
+
+    def set_protocol(self, protocol) -> None:
+        self.protocol = protocol
+
+    def get_extra_info(self, name, default=None):
+        tls = self.tls if self.ready.done() else None
+        if name == "peername":                      # the relay's address: the stream came through it
+            return self.link.writer.get_extra_info("peername", default)
+        if name == "ssl_object":
+            return tls or default
+        if name == "sslcontext":
+            return self.ctx if tls is not None else default
+        if name == "peercert":
+            return tls.getpeercert() if tls is not None else default
+        return default
+
+    def close(self) -> None:
+        """What was written goes out (as credit allows), then CLOSE."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.tls is not None and self.ready.done() and not self.closed:
+            try:
+                self.tls.unwrap()                   # our close_notify: the dialer sees a clean end
+            except (ssl.SSLError, ValueError):      # (SSLWantReadError: we do not wait for theirs)
+                pass
+            data = self._out.read()
+            if data:
+                self.held += data
+        self._send_held()
+
+    def abort(self) -> None:
+        self._closing = True
+        self.held.clear()
+        self._end()
+
+    def _end(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.link.send(mux_frame(MUX_CLOSE, self.sid))
+        self._lose(None)
+
+    def _lose(self, exc: Optional[Exception]) -> None:
+        if self.link.streams.get(self.sid) is self:
+            del self.link.streams[self.sid]
+        if self._lost:
+            return
+        self._lost = self._closing = True
+        self.held.clear()
+        if not self.ready.done():
+            self.ready.set_result(None)
+        asyncio.get_running_loop().call_soon(self.protocol.connection_lost, exc)
 
 
 class _PunchSocket(asyncio.DatagramProtocol):
@@ -3463,7 +3699,7 @@ class Node:
         writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
         self._links[relay] = writer
-        self._link_muxes[relay] = _MuxLink(writer, self.config.max_link_streams)
+        self._link_muxes[relay] = _MuxLink(writer, self.config.max_link_streams, self._answer_stream)
         self._spawn(self._read_link(relay, reader, writer))
         log.info("relay link to %s", relay)
 
@@ -3502,23 +3738,17 @@ class Node:
                 mux.cut()
             log.info("relay link to %s ended", relay)
 
-    def _accept_stream(self, stream: _MuxStream) -> None:
-        self._spawn(self._serve_stream(stream))
+    def _answer_stream(self, link: _MuxLink, sid: int) -> _MuxTunnel:
+        return _MuxTunnel(link, sid, self.tunnel_server_ssl)
 
-    async def _serve_stream(self, stream: _MuxStream) -> None:
+    def _accept_stream(self, stream: _MuxTunnel) -> None:
         """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
-        connection of ours over a socketpair (the dialer's TLS handshake arrives through it)."""
+        connection of ours, its TLS in memory (the dialer's handshake arrives on the link)."""
         if self._tunnel_sock is None:
-            stream.close()
-            return
-        try:
-            theirs, reader, writer = await _socketpair_stream()
-        except OSError:                             # out of descriptors: this stream is refused
-            stream.close()
+            stream.abort()
             return
         self.relayed["streams"] += 1
-        self._admit(theirs)
-        await stream.bridge(reader, writer)
+        self._admit(stream)
 
     async def _dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -4046,22 +4276,26 @@ class Node:
                 return                              # the listening socket was closed (stop)
             self._admit(conn)
 
-    def _admit(self, conn: socket.socket) -> None:
-        """Rule 1: the cap on all connections, then on strangers (the oldest is cut)."""
+    def _admit(self, conn: Union[socket.socket, _MuxTunnel]) -> None:
+        """Rule 1: the cap on all connections, then on strangers (the oldest is cut). `conn`:
+        an accepted (or punched, or dialled-back) socket, or a tunnel stream on a relay link."""
         cfg = self.config
-        conn.setblocking(False)
+        stream = isinstance(conn, _MuxTunnel)
+        if not stream:
+            conn.setblocking(False)
         if len(self._tunnel_conns) >= cfg.max_tunnel_connections:
             self.refused["busy"] += 1
             try:
-                conn.send(BUSY_ANSWER)
+                (conn.write if stream else conn.send)(BUSY_ANSWER)
             except OSError:
                 pass
             conn.close()
             return
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
+        if not stream:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
         connection = _TunnelConnection(None)
         self._tunnel_conns[connection] = None
         self._unauthenticated[connection] = None
@@ -4073,7 +4307,8 @@ class Node:
         connection.task = self._spawn(self._tunnel_connection(conn, connection))
         connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
 
-    def _forget_connection(self, connection: _TunnelConnection, conn: socket.socket, task: asyncio.Task) -> None:
+    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
+                           task: asyncio.Task) -> None:
         """A connection cut before its task ever ran (a burst of admissions in one loop turn:
         the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
         if task.cancelled():
@@ -4085,22 +4320,31 @@ class Node:
         connection.authenticated = True
         self._unauthenticated.pop(connection, None)
 
-    async def _tunnel_connection(self, conn: socket.socket, connection: _TunnelConnection) -> None:
+    async def _tunnel_connection(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
         cfg = self.config
         connection.arm(cfg.head_timeout)
         writer = None
         try:
             ctx = self.tunnel_server_ssl
-            if ctx is not None:                     # rule 3: a ClientHello, or plain HTTP?
-                await _wait_readable(conn)
-                first = conn.recv(1, socket.MSG_PEEK)
-                if first and first[0] != TLS_RECORD_HANDSHAKE:
+            if isinstance(conn, _MuxTunnel):        # its first byte decides, its handshake in memory
+                mode = await conn.ready
+                if mode is None:
+                    self.refused["handshake"] += 1
+                    return
+                if mode == "plain":
                     ctx = None
-            try:
-                reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
-            except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
-                self.refused["handshake"] += 1      # no certificate, the wrong one, a replay
-                return
+                reader, writer = conn.reader, conn.writer()
+            else:
+                if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
+                    await _wait_readable(conn)
+                    first = conn.recv(1, socket.MSG_PEEK)
+                    if first and first[0] != TLS_RECORD_HANDSHAKE:
+                        ctx = None
+                try:
+                    reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
+                except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
+                    self.refused["handshake"] += 1  # no certificate, the wrong one, a replay
+                    return
             connection.writer = writer
             self.admitted["tls" if ctx is not None else "plain"] += 1
             if ctx is not None:

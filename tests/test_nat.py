@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 
@@ -285,6 +286,16 @@ def test_the_relay_command_exists(argv, capsys):
 
 
 # -- tunnel streams multiplexed on a relay link (the node's relay rule 2) --------------------
+async def socketpair_stream():
+    """A local socket for the test and the stream of its other end, which a _MuxStream bridges
+    to the link (as the relay bridges the dialer's connection)."""
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    theirs.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=mine, limit=on.MUX_WINDOW)
+    return theirs, reader, writer
+
+
 async def mux_pair(max_streams=512):
     """Two _MuxLinks over one loopback TCP connection, each side's frames read as a link's are:
     (opener, answerer, accepted streams, cleanup). An accepted stream is bridged to a socketpair
@@ -301,7 +312,7 @@ async def mux_pair(max_streams=512):
 
     def accept(stream):
         async def serve():
-            theirs, reader, writer = await on._socketpair_stream()
+            theirs, reader, writer = await socketpair_stream()
             accepted.append(theirs)
             await stream.bridge(reader, writer)
         readers.append(asyncio.ensure_future(serve()))
@@ -330,7 +341,7 @@ async def mux_pair(max_streams=512):
 async def open_local(link):
     """Open a stream on `link` bridged to a socketpair: the test's end as (reader, writer)."""
     stream = link.open()
-    theirs, reader, writer = await on._socketpair_stream()
+    theirs, reader, writer = await socketpair_stream()
     task = asyncio.ensure_future(stream.bridge(reader, writer))
     r, w = await asyncio.open_connection(sock=theirs)
     return stream, r, w, task
