@@ -203,9 +203,9 @@ class Config:
                                           # relay: whether it offers streams; at a member: whether its
                                           # links take them (both 1: streams), so one lab runs both
     max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
-                                          # a CLOSE): two descriptors each at the member (a socketpair),
-                                          # 512 in all, its max_tunnel_connections; the ingress keeps
-                                          # <= 128 idle per session plus its streams in flight
+                                          # a CLOSE): each a tunnel connection at the member, so two
+                                          # links fill its max_tunnel_connections (512); the ingress
+                                          # keeps <= 128 idle per session plus its streams in flight
     punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
     punch_delay: float = 0.3              # the side that sends second waits this long, so the first
                                           # side's NAT has its mapping before any packet reaches it
@@ -2158,12 +2158,14 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      at most max_link_streams per link (an OPEN over it is answered CLOSE; each stream is a
 #      tunnel connection at the member, under that port's caps on strangers); a link that dies
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
-#      member serves a stream as an admitted tunnel connection over a socketpair, so TLS runs
-#      end to end and the relay forwards only ciphertext; no connection is made per stream.
-#      (An in-memory transport instead, TLS by asyncio's SSLProtocol over it since uvloop's
-#      start_tls takes only its own transports, cost the member more: CPU per request 1.44x
-#      the direct path's node against the socketpair's 1.27x, pure-Python TLS against
-#      uvloop's, for the syscalls it saved.)
+#      member serves a stream as an admitted tunnel connection with no socket (_MuxTunnel):
+#      TLS runs end to end, its server side in memory (SSLContext.wrap_bio, the tunnel port's
+#      context), fed by the link's DATA frames, its plaintext handed to the tunnel code as a
+#      transport's; the relay forwards only ciphertext, and no connection, descriptor or
+#      system call is added per stream. (Before it, a socketpair per stream bridged to the
+#      link cost two more sends and receives and a loop wake per chunk; asyncio's SSLProtocol
+#      over an in-memory transport, since uvloop's start_tls takes only its own transports,
+#      cost more still: CPU per request 1.44x the direct path's node, the socketpair's 1.27x.)
 #      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
 #      asks the member over its link to dial back, and splices the two connections byte for
 #      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
@@ -2336,9 +2338,9 @@ def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
 
 
 class _MuxStream(asyncio.Protocol):
-    """One tunnel stream on a link, bridged to a local stream (the dialer's connection at the
-    relay, a socketpair's end at the member), all in the transports' callbacks: no task and
-    no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
+    """One tunnel stream on a link, bridged to a local stream (the dialer's connection, at the
+    relay; the member serves its end as a _MuxTunnel), all in the transports' callbacks: no
+    task and no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
     back; we credit what the local side has taken (its transport's buffer drained), so a slow
     reader holds up its own stream only. What we may not send yet for want of credit stops
     the local side's reading."""

@@ -517,3 +517,199 @@ def test_a_relay_opening_10000_streams_on_a_members_link_leaves_it_bounded_and_s
     assert peak <= 256 and refused >= 10_000 - 256
     assert answer.startswith(b"HTTP/1.1 200")
     assert conns <= 256 + 2
+
+
+# -- the member's side of a multiplexed stream: TLS in memory, no socket (_MuxTunnel) --------
+needs_tls = pytest.mark.skipif(shutil.which("openssl") is None, reason="the cluster certificate needs openssl (keygen)")
+
+
+async def linked_to_standalone_relay(bed, worker=None):
+    """A standalone relay (the ingress --no-relay) and a private worker linked to it only: a
+    tunnel connection the ingress opens to the worker is a stream on that link."""
+    relay = await bed.relay(relay=True)
+    worker = worker or await bed.worker()
+    await until(lambda: list(worker._links) == [relay.overlay.addr] and serving_relayed(bed, worker),
+                what="linked to the standalone relay only")
+    return relay, worker
+
+
+async def raw_stream(bed, worker, data: bytes = b"", close=False) -> bytes:
+    """Bytes sent on a fresh stream to `worker` (no TLS of ours), and all that came back."""
+    reader, writer = await asyncio.open_connection(sock=await bed.ingress_node.open_relayed(worker.overlay.addr))
+    try:
+        writer.write(data)
+        if close:
+            writer.transport.abort()
+            return b""
+        return await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+
+
+def client_hello() -> bytes:
+    """The first flight of a TLS 1.3 client holding the cluster's certificate or not (a
+    ClientHello shows no certificate)."""
+    ctx = on.ssl.SSLContext(on.ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, on.ssl.CERT_NONE
+    incoming, outgoing = on.ssl.MemoryBIO(), on.ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=on.TLS_SERVER_NAME)
+    with pytest.raises(on.ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+async def tls_exchange(bed, worker, ctx) -> bytes:
+    """A tunnelled GET over TLS with `ctx` on a fresh stream: the answer, or b"" when refused."""
+    sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(sock=sock, ssl=ctx, server_hostname=on.TLS_SERVER_NAME), 10)
+    except (OSError, on.ssl.SSLError):
+        return b""
+    try:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        return await asyncio.wait_for(reader.read(-1), 10)
+    except (OSError, on.ssl.SSLError):
+        return b""
+    finally:
+        writer.close()
+
+
+@needs_tls
+def test_a_stream_with_a_garbage_handshake_or_a_foreign_certificate_is_refused_and_the_link_serves_on(tmp_path):
+    other = on.Config(key=bytes(32))
+    other.tls_cert, other.tls_key = on.find_tunnel_tls(on.keygen(str(tmp_path / "other"))[0])
+    foreign = on.tunnel_tls(other)[1]                 # a certificate, not the cluster's
+
+    async def t(bed):
+        anonymous = on.ssl.SSLContext(on.ssl.PROTOCOL_TLS_CLIENT)   # trusts the cluster, shows nothing
+        anonymous.check_hostname = False
+        anonymous.load_verify_locations(cafile=bed.cfg.tls_cert)
+        relay, worker = await linked_to_standalone_relay(bed)
+        link = worker._links[relay.overlay.addr]
+        answers = [await raw_stream(bed, worker, bytes([on.TLS_RECORD_HANDSHAKE]) + b"\x03\x01\x00\x20" + b"x" * 300),
+                   await raw_stream(bed, worker, client_hello()[:5] + os.urandom(4000)),
+                   await tls_exchange(bed, worker, foreign),
+                   await tls_exchange(bed, worker, anonymous)]
+        plain = [await raw_stream(bed, worker, b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
+                 await raw_stream(bed, worker, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")]
+        await until(lambda: not worker._link_muxes[relay.overlay.addr].streams, what="the refused streams gone")
+        served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
+        return (answers, plain, dict(worker.refused), worker._links.get(relay.overlay.addr) is link, served,
+                dict(worker.admitted), len(worker._unauthenticated))
+    answers, plain, refused, same_link, served, admitted, strangers = run(with_bed(tmp_path, t, relay=False))
+    assert all(b"HTTP/" not in a for a in answers)    # no answer to any of them, an alert at most
+    assert refused["handshake"] == 4
+    assert plain[0].startswith(b"HTTP/1.1 200") and plain[1].startswith(b"HTTP/1.1 403")   # rule 3, on a stream
+    assert b"tls_required" in plain[1]
+    assert same_link and served.startswith(b"HTTP/1.1 200") and b'"fm"' in served
+    assert admitted == {"tls": 1, "plain": 2} and strangers == 0
+
+
+@needs_tls
+def test_a_client_that_closes_mid_handshake_frees_its_stream_and_its_place_among_strangers(tmp_path):
+    async def t(bed):
+        relay, worker = await linked_to_standalone_relay(bed)
+        hello = client_hello()
+        await raw_stream(bed, worker, hello[:len(hello) // 2], close=True)   # half a ClientHello, then gone
+        await raw_stream(bed, worker, hello, close=True)                     # a whole one, gone before its Finished
+        await raw_stream(bed, worker, b"", close=True)                       # nothing at all
+        own = worker._link_muxes[relay.overlay.addr]
+        await until(lambda: worker.relayed["streams"] == 3 and not own.streams and not worker._unauthenticated
+                    and not worker._tunnel_conns, what="the three streams and their admissions gone")
+        served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
+        return served, dict(worker.refused), relay.relayed["muxed"]
+    served, refused, muxed = run(with_bed(tmp_path, t, relay=False))
+    assert served.startswith(b"HTTP/1.1 200") and muxed == 4
+    assert refused["handshake"] == 3
+
+
+BIG = bytes(range(256)) * (24 << 12)                 # 24 MiB: beyond what loopback's socket buffers hold
+
+
+async def big_engine():
+    """An engine that answers every request with BIG, as one Content-Length body."""
+    async def serve(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(BIG))
+                for i in range(0, len(BIG), 1 << 20):
+                    writer.write(BIG[i:i + (1 << 20)])
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, OSError):
+            writer.close()
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@needs_tls
+def test_a_big_answer_to_a_slow_reader_on_a_stream_holds_about_a_window_each_side_and_arrives_whole(tmp_path):
+    async def t(bed):
+        engine = await big_engine()
+        try:
+            cfg = bed.config(bootstrap=[bed.ingress_node.overlay.addr], reach="private")
+            worker = on.Node(cfg, models=["fm"], engine_url=f"http://127.0.0.1:{engine.sockets[0].getsockname()[1]}")
+            await worker.start(serve_http=True)
+            bed.members.append(worker)
+            relay, _ = await linked_to_standalone_relay(bed, worker)
+            tls = bed.ingress_node.tunnel_client_ssl
+            sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+            reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME,
+                                                           limit=1 << 16)
+            writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
+            own = worker._link_muxes[relay.overlay.addr]
+            stalled = await until(lambda: next((s for s in own.streams.values() if s.credit == 0 and s.held), None),
+                                  what="the member's side stopped at its credit")   # nobody reads yet
+            held, at_relay = [], []
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:        # the bounds hold all along while nobody reads
+                held.append(len(stalled.held))
+                at_relay.append(max(s.buffered() for s in relay._muxes[worker.link_id].streams.values()))
+                await asyncio.sleep(0.02)
+            other = await tunnel_get(bed.ingress_node, worker.overlay.addr)   # the link is not held up
+            got = bytearray()
+            while True:                               # now a slow reader: 64 KiB at a time
+                data = await asyncio.wait_for(reader.read(1 << 16), 10)
+                if not data:
+                    break
+                got += data
+                if len(got) % (1 << 21) < (1 << 16):
+                    await asyncio.sleep(0.001)
+            writer.close()
+            return max(held), max(at_relay), other, bytes(got)
+        finally:
+            engine.close()
+    held, at_relay, other, got = run(with_bed(tmp_path, t, relay=False))
+    assert held <= on.RELAY_HIGH_WATER + on.RELAY_READ + 4096   # paused writing: one engine read past the mark
+    assert at_relay <= on.MUX_WINDOW
+    assert other.startswith(b"HTTP/1.1 200")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == BIG
+
+
+@needs_tls
+def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_path):
+    async def t(bed):
+        relay, worker = await linked_to_standalone_relay(bed)
+        tls = bed.ingress_node.tunnel_client_ssl
+        held = []
+        for _ in range(3):                            # three streams, TLS done, idle
+            sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+            held.append(await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME))
+        own = worker._link_muxes[relay.overlay.addr]
+        await until(lambda: len(own.streams) == 3 and len(worker._tunnel_conns) == 3, what="three streams served")
+        streams = list(own.streams.values())
+        relay._linked[worker.link_id].transport.abort()   # the link dies (at the relay's end)
+        ends = []
+        for reader, writer in held:
+            try:
+                ends.append(await asyncio.wait_for(reader.read(-1), 10))
+            except (OSError, on.ssl.SSLError):
+                ends.append(b"")
+            writer.close()
+        await until(lambda: not worker._tunnel_conns, what="the member's tunnel connections ended")
+        return ends, [s.closed for s in streams], not own.streams
+    ends, closed, dropped = run(with_bed(tmp_path, t, relay=False))
+    assert ends == [b""] * 3 and closed == [True] * 3 and dropped
