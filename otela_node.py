@@ -2275,27 +2275,72 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: Optiona
 _FRAME_LENGTH = struct.Struct(">I")
 
 
-async def _read_frames(reader: asyncio.StreamReader, buf: bytearray, limit: int) -> Optional[List[bytes]]:
-    """The length-prefixed frames complete after a read into `buf` (a busy relay link brings
-    many per read: one await for them all, not two per frame); None at the end; ValueError
-    when one is over `limit`."""
-    while True:
-        chunk = await reader.read(RELAY_READ)
-        if not chunk:
-            return None
-        buf += chunk
-        frames, pos, end = [], 0, len(buf)
-        while end - pos >= 4:
-            (length,) = _FRAME_LENGTH.unpack_from(buf, pos)
-            if length > limit:
-                raise ValueError("oversized")
-            if end - pos - 4 < length:
-                break
-            frames.append(bytes(buf[pos + 4:pos + 4 + length]))
-            pos += 4 + length
+class _LinkFrames(asyncio.Protocol):
+    """A relay link read in its transport's callbacks once its hello is through (both ends):
+    the frames complete after each read go to `on_frame` there and then, so a tunnel stream's
+    DATA costs no task wake-up per read or per frame on the relay's hop or at the member.
+    `on_frame(data) -> bool`: False when the peer broke the protocol (the link goes). Flow
+    control and the end go on to the link StreamWriter's own protocol, so its writer works
+    as before."""
+
+    def __init__(self, inner: asyncio.BaseProtocol, on_frame: Callable[[bytes], bool], limit: int):
+        self.inner, self.on_frame, self.limit = inner, on_frame, limit
+        self.buf = bytearray()
+        self.transport: Optional[asyncio.Transport] = None
+        self.done = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos, end = 0, len(buf)
+        try:
+            while end - pos >= 4:
+                (length,) = _FRAME_LENGTH.unpack_from(buf, pos)
+                if length > self.limit:
+                    raise ValueError("oversized")
+                if end - pos - 4 < length:
+                    break
+                data = bytes(buf[pos + 4:pos + 4 + length])
+                pos += 4 + length
+                if not self.on_frame(data):
+                    raise ValueError("broken")
+        except (OSError, ValueError):
+            buf.clear()
+            self.transport.abort()
+            return
         del buf[:pos]
-        if frames:
-            return frames
+
+    def eof_received(self) -> bool:
+        return False                                # the transport closes: connection_lost
+
+    def connection_lost(self, exc) -> None:
+        self.inner.connection_lost(exc)
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+async def _link_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       on_frame: Callable[[bytes], bool], limit: int) -> None:
+    """Read the rest of a link through _LinkFrames (what the stream reader already holds
+    first) until it ends."""
+    transport = writer.transport
+    frames = _LinkFrames(transport.get_protocol(), on_frame, limit)
+    frames.transport = transport
+    early = bytes(getattr(reader, "_buffer", b""))
+    if getattr(reader, "_eof", False) or transport.is_closing():
+        return
+    transport.set_protocol(frames)
+    if early:
+        frames.data_received(early)
+    if hasattr(transport, "is_reading") and not transport.is_reading() and not transport.is_closing():
+        transport.resume_reading()                  # the stream reader had paused it (its limit)
+    await frames.done
 
 
 def _keepalive(writer: asyncio.StreamWriter) -> None:
@@ -3333,23 +3378,17 @@ class Node:
         self._gossip_connections += 1
         counted, keep, link = True, False, ""
         limit = cfg.max_datagram                    # before the first authentic frame
-        timeout: Optional[float] = cfg.tcp_timeout
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(4), timeout)
+                head = await asyncio.wait_for(reader.readexactly(4), cfg.tcp_timeout)
                 (length,) = struct.unpack(">I", head)
                 if length > limit:
                     self.wire.dropped["oversized"] += 1
                     return
-                data = await asyncio.wait_for(reader.readexactly(length), None if link else cfg.tcp_timeout * 4)
+                data = await asyncio.wait_for(reader.readexactly(length), cfg.tcp_timeout * 4)
                 self.bytes_received += length + 4
-                if link and data[:2] == MUX:        # a tunnel stream's frame from the member (rule 2)
-                    mux = self._muxes.get(link)
-                    if mux is None or mux.writer is not writer or not mux.on_frame(data):
-                        return
-                    continue
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
-                    if not self._forward_envelope(data, from_link=bool(link)):
+                    if not self._forward_envelope(data, from_link=False):
                         return
                     limit = cfg.max_frame
                     continue
@@ -3359,7 +3398,7 @@ class Node:
                 limit = cfg.max_frame
                 kind = msg["t"]
                 if kind == "h":
-                    if "link" in msg and not link:
+                    if "link" in msg:
                         if not (cfg.relay and not self.private) or len(self._linked) >= cfg.max_relay_links:
                             self.relayed["refused"] += 1
                             return
@@ -3378,7 +3417,9 @@ class Node:
                             self._dialback_links.add(link)
                         _keepalive(writer)
                         self._gossip_connections -= 1
-                        counted, timeout = False, None   # open as long as its member lives
+                        counted = False             # open as long as its member lives
+                        await self._serve_link(link, reader, writer)
+                        return
                     elif "splice" in msg:
                         self._gossip_connections -= 1
                         counted = False
@@ -3473,6 +3514,32 @@ class Node:
             else:
                 self._spawn(self._send_frames(target, frame(wrapped)))
             return
+
+    async def _serve_link(self, link: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A relay's side of a member's link, read in the transport's callbacks (_LinkFrames):
+        its tunnel streams' frames, envelopes to pass on (rule 1), and its own gossip."""
+        mux = self._muxes.get(link)
+
+        def on_frame(data: bytes) -> bool:
+            self.bytes_received += len(data) + 4
+            if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
+                return self._muxes.get(link) is mux and mux.on_frame(data)
+            if data[:2] == FORWARD:
+                return self._forward_envelope(data, from_link=True)
+            msg = self.wire.open(data, time.time(), tcp=True)
+            if msg is None:
+                return False
+            if msg["t"] == "rq":
+                self._spawn(self._answer_reach(msg, writer))
+            elif msg["t"] != "h" and self.overlay is not None:
+                src = msg.pop("ra", None)
+                if not isinstance(src, str):
+                    self.dropped_malformed += 1
+                else:
+                    self._deliver(msg, src, True)
+            return True
+        if mux is not None and mux.writer is writer:
+            await _link_frames(reader, writer, on_frame, self.config.max_frame)
 
     def _forward_envelope(self, data: bytes, from_link: bool) -> bool:
         """A relay passes an envelope on (after checking the inner tag); for us, it is delivered.
@@ -3706,28 +3773,26 @@ class Node:
         log.info("relay link to %s", relay)
 
     async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """What a relay sends down our link: gossip for us, and dial-back requests (rule 2)."""
-        buf = bytearray()
+        """What a relay sends down our link, read in the transport's callbacks (_LinkFrames):
+        gossip for us, tunnel streams and dial-back requests (rule 2)."""
+        mux = self._link_muxes.get(relay)
+
+        def on_frame(data: bytes) -> bool:
+            if data[:2] == MUX:                     # a tunnel stream the relay opened for a dialer
+                return self._link_muxes.get(relay) is mux and mux.on_frame(data, self._accept_stream)
+            msg = self.wire.open(data, time.time(), tcp=True)
+            if msg is None:
+                return True
+            if msg["t"] == "h" and "dial" in msg:
+                self._spawn(self._dial_back(relay, str(msg["dial"])))
+                return True
+            src = msg.pop("ra", None)
+            if isinstance(src, str):
+                self._deliver(msg, src, True)
+            return True
         try:
-            while True:
-                frames = await _read_frames(reader, buf, self.config.max_frame)
-                if frames is None:
-                    return
-                for data in frames:
-                    if data[:2] == MUX:             # a tunnel stream the relay opened for a dialer
-                        mux = self._link_muxes.get(relay)
-                        if mux is None or mux.writer is not writer or not mux.on_frame(data, self._accept_stream):
-                            return
-                        continue
-                    msg = self.wire.open(data, time.time(), tcp=True)
-                    if msg is None:
-                        continue
-                    if msg["t"] == "h" and "dial" in msg:
-                        self._spawn(self._dial_back(relay, str(msg["dial"])))
-                        continue
-                    src = msg.pop("ra", None)
-                    if isinstance(src, str):
-                        self._deliver(msg, src, True)
+            if mux is not None and mux.writer is writer:
+                await _link_frames(reader, writer, on_frame, self.config.max_frame)
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
