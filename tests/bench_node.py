@@ -783,17 +783,22 @@ def _nat_lab_run(quick, rounds, out):
             for name, model in (("private_ingress_direct", "fm-direct"), ("private_ingress_punched", "fm-splice")):
                 lat = front["place"].call(latency, model, n_lat * 3, timeout=120)
                 rows[name] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3,
-                              "rps_16conn": throughput(model, per_conn)[0]}
+                              "rps_16conn": throughput(model, per_conn)[0],   # 15 of the 16 connections new
+                              "rps_16conn_warm": throughput(model, per_conn)[0]}   # the same 16, pooled
             base, row = rows["private_ingress_direct"], rows["private_ingress_punched"]
             row["added_p50_ms"] = row["latency_p50_ms"] - base["latency_p50_ms"]
             row["added_p99_ms"] = row["latency_p99_ms"] - base["latency_p99_ms"]
             row["throughput_loss_pct"] = 100 * (1 - row["rps_16conn"] / base["rps_16conn"])
+            row["warm_throughput_loss_pct"] = 100 * (1 - row["rps_16conn_warm"] / base["rps_16conn_warm"])
+            gossip = fleet.get(members["splice"], "/healthz")[1].get("gossip", {})   # the member's side
+            out["private_ingress_tunnel_punches"] = gossip.get("tunnel_punches")     # of the punched connections
             out.update(rows)
             out["private_ingress_tunnels"] = {s.get("models", [""])[0]: s.get("tunnel")
                                               for s in fleet.registry(private)["sessions"] if s.get("role") == "worker"}
             for name in rows:
                 print(f"  {name:24}" + "  ".join(f"{k}={v:.3f}" for k, v in rows[name].items()))
             print(f"  private ingress on host A (clients on host A), tunnel per model: {out['private_ingress_tunnels']}")
+            print(f"  its punched tunnel connections: {out['private_ingress_tunnel_punches']}")
         else:
             print("  private ingress: fm-splice not punched within 60 s")
         fleet.stop(private)
