@@ -2180,16 +2180,18 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
 #      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
 #      -0.24-0.61 ms. Through a standalone relay (bench_node --only nat --nat-runs 10: one
-#      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; 3 runs on a
-#      loaded 2-core box): added p50 over direct, median of the rounds, mux 0.74-0.85 ms,
-#      splice 0.40-0.69 ms; CPU per plain request, the member's node 1.12-1.16x with streams
-#      (the socketpair bridge: two more sends and receives per chunk) than with the splice,
-#      the relay 0.96x, the whole path 1.05-1.07x (+37-57 us of ~850). Wall-clock req/s
-#      ratios swung 0.7-1.1 between runs on that box. The mux stays the default for what
-#      the splice lacks: no connection per stream, nothing for a NAT or firewall to refuse
-#      per stream; relay_mux 0 (at the member or the relay) buys the ~6 % back. (Earlier
-#      figures here, with the ingress relaying too, measured its handed-over dial-back in
-#      both modes: it held a link of the member's.)
+#      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; a loaded
+#      2-core box, medians of the rounds; 4 runs, alternating with 3 of main's socketpair):
+#      with the member's TLS in memory and links read in callbacks, mux added 0.31-0.44 ms
+#      p50 over direct (socketpair 0.55-0.74), splice 0.42-0.52; req/s lost 5-13 % (socket-
+#      pair 1-15 %); CPU per plain request, the member's node +20-51 us over direct (socket-
+#      pair +47-90), the relay 117-128 us (socketpair 131-158, splice 142-155), the whole
+#      mux path 39-66 us under the splice's (socketpair: 28-78 over it). Wall-clock req/s
+#      swung 0.7-1.0x between runs on that box, all three paths alike. The mux stays the
+#      default for what the splice lacks, and now costs less: no connection per stream,
+#      nothing for a NAT or firewall to refuse per stream. (Earlier figures here, with the
+#      ingress relaying too, measured its handed-over dial-back in both modes: it held a
+#      link of the member's.)
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
