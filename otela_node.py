@@ -2393,7 +2393,46 @@ def mux_frame(kind: int, stream: int, payload: bytes = b"") -> bytes:
     return _MUX_FRAMED.pack(_MUX_HEAD.size + len(payload), MUX, kind, stream) + payload
 
 
-class _MuxStream(asyncio.Protocol):
+class _MuxCredit:
+    """The flow control of one stream on a link, the same at both ends: the peer may send at
+    most MUX_WINDOW bytes we have not credited back (more breaks the link), and we credit half
+    a window at a time once our local side has taken it; our bytes beyond our credit wait in
+    `held` and go out as DATA frames when credit comes."""
+
+    def _start_credit(self, link: _MuxLink, sid: int) -> None:
+        self.link, self.sid = link, sid
+        self.credit = MUX_WINDOW                    # bytes we may still send
+        self.window = MUX_WINDOW                    # bytes the peer may still send us
+        self.owed = 0                               # bytes the local side took, not credited back yet
+        self.held = bytearray()                     # local bytes waiting for credit
+        self.closed = False                         # CLOSE sent or received: no more frames
+
+    def _within_window(self, data: bytes) -> bool:
+        if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
+            return False
+        self.window -= len(data)
+        return True
+
+    def on_credit(self, amount: int) -> None:
+        self.credit += amount
+        self._send_held()
+
+    def _send_held(self) -> None:
+        held = self.held
+        while held and self.credit > 0 and not self.closed:
+            n = min(len(held), self.credit, MUX_CHUNK)
+            self.link.send(mux_frame(MUX_DATA, self.sid, bytes(held[:n])))
+            del held[:n]
+            self.credit -= n
+
+    def _credit_back(self) -> None:
+        if self.owed >= MUX_WINDOW // 2:            # half a window at a time: no frame per request,
+            self.window += self.owed                # and never a stall (the peer stops at a whole one)
+            self.link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))
+            self.owed = 0
+
+
+class _MuxStream(_MuxCredit, asyncio.Protocol):
     """One tunnel stream on a link, bridged to a local stream (the dialer's connection, at the
     relay; the member serves its end as a _MuxTunnel), all in the transports' callbacks: no
     task and no copy queue per chunk. The peer may send at most MUX_WINDOW bytes we have not credited
@@ -2402,14 +2441,9 @@ class _MuxStream(asyncio.Protocol):
     the local side's reading."""
 
     def __init__(self, link: _MuxLink, sid: int):
-        self.link, self.sid = link, sid
-        self.credit = MUX_WINDOW                    # bytes we may still send
-        self.window = MUX_WINDOW                    # bytes the peer may still send us
-        self.owed = 0                               # bytes the local side took, not credited back yet
-        self.held = bytearray()                     # local bytes waiting for credit (one read at most)
+        self._start_credit(link, sid)               # held: one local read at most
         self.pending: List[bytes] = []              # the peer's bytes before the local side is attached
         self.transport: Optional[asyncio.Transport] = None
-        self.closed = False                         # CLOSE sent or received: no more frames
         self.peer_closed = False
         self._paused = False                        # local reading stopped for want of credit
         self._blocked = False                       # the local side's write buffer is not empty
@@ -2417,19 +2451,14 @@ class _MuxStream(asyncio.Protocol):
 
     # -- the link's side --------------------------------------------------------------------
     def on_data(self, data: bytes) -> bool:
-        if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
+        if not self._within_window(data):
             return False
-        self.window -= len(data)
         if self.transport is None:
             self.pending.append(data)
         elif not self.transport.is_closing():
             self.transport.write(data)
             self._taken(len(data))
         return True
-
-    def on_credit(self, amount: int) -> None:
-        self.credit += amount
-        self._send_held()
 
     def on_close(self) -> None:
         """The peer is done: what it sent reaches the local side, then the local side closes."""
@@ -2483,20 +2512,12 @@ class _MuxStream(asyncio.Protocol):
     # -- both ----------------------------------------------------------------------------------
     def _taken(self, amount: int) -> None:
         self.owed += amount
-        if self._blocked or self.closed:
-            return
-        if self.owed >= MUX_WINDOW // 2:            # half a window at a time: no frame per request,
-            self.window += self.owed                # and never a stall (the peer stops at a whole one)
-            self.link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))
-            self.owed = 0
+        if not (self._blocked or self.closed):
+            self._credit_back()
 
     def _send_held(self) -> None:
+        super()._send_held()
         held = self.held
-        while held and self.credit > 0 and not self.closed:
-            n = min(len(held), self.credit, MUX_CHUNK)
-            self.link.send(mux_frame(MUX_DATA, self.sid, bytes(held[:n])))
-            del held[:n]
-            self.credit -= n
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -2615,25 +2636,22 @@ class _MuxLink:
         self.streams.clear()
 
 
-class _MuxTunnel(asyncio.Transport):
+class _MuxTunnel(_MuxCredit, asyncio.Transport):
     """At the member: one stream a relay opened on our link, served as a tunnel connection
     with no socket (rule 2). The dialer's TLS ends here, in memory: ssl.MemoryBIO in and out
     under the tunnel port's own server context (the same pinned certificate, required), fed by
     the link's DATA frames; this is the transport the tunnel code reads its plaintext from and
     writes its answers to, each write encrypted and sent as DATA at once. The stream's first
     byte tells a ClientHello from plain HTTP, as on the port (rule 3 of "Tunnel security").
-    Credit as _MuxStream's: the peer may send MUX_WINDOW bytes we have not credited back, and
+    Credit as _MuxCredit says: the peer may send MUX_WINDOW bytes we have not credited back, and
     none is credited while the tunnel code has paused our reading; what we may not send for
     want of credit waits here, the tunnel code's writing paused above RELAY_HIGH_WATER, so a
     slow dialer holds up its own stream and at most about a window of its answer."""
 
     def __init__(self, link: _MuxLink, sid: int, ctx: Optional[ssl.SSLContext]):
         super().__init__()
-        self.link, self.sid, self.ctx = link, sid, ctx
-        self.credit = MUX_WINDOW                    # bytes we may still send
-        self.window = MUX_WINDOW                    # bytes the peer may still send us
-        self.owed = 0                               # bytes taken in, not credited back yet
-        self.held = bytearray()                     # bytes out waiting for credit
+        self._start_credit(link, sid)
+        self.ctx = ctx
         self.tls: Optional[ssl.SSLObject] = None    # from the first byte, when it is a ClientHello
         self._in = self._out = None                 # the TLS object's ciphertext, each way
         loop = asyncio.get_running_loop()
@@ -2641,7 +2659,6 @@ class _MuxTunnel(asyncio.Transport):
                                                     # None when refused or ended before that
         self.reader = asyncio.StreamReader(limit=RELAY_READ)
         self.protocol: asyncio.BaseProtocol = asyncio.StreamReaderProtocol(self.reader)
-        self.closed = False                         # CLOSE sent or received: no more frames
         self._closing = False                       # close(): CLOSE once what is held went out
         self._lost = False                          # the tunnel code was told (connection_lost)
         self._reading = True                        # the tunnel code has not paused our reading
@@ -2653,9 +2670,8 @@ class _MuxTunnel(asyncio.Transport):
 
     # -- the link's side ----------------------------------------------------------------------
     def on_data(self, data: bytes) -> bool:
-        if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
+        if not self._within_window(data):
             return False
-        self.window -= len(data)
         if self._lost or not data:
             return True
         tls = self.tls
@@ -2673,10 +2689,6 @@ class _MuxTunnel(asyncio.Transport):
                 self._decrypt()
         self._taken(len(data))
         return True
-
-    def on_credit(self, amount: int) -> None:
-        self.credit += amount
-        self._send_held()
 
     def on_close(self) -> None:
         """The peer is done (the dialer went): the tunnel code sees its stream end."""
@@ -2758,12 +2770,8 @@ class _MuxTunnel(asyncio.Transport):
             self.protocol.pause_writing()
 
     def _send_held(self) -> None:
+        super()._send_held()
         held = self.held
-        while held and self.credit > 0 and not self.closed:
-            n = min(len(held), self.credit, MUX_CHUNK)
-            self.link.send(mux_frame(MUX_DATA, self.sid, bytes(held[:n])))
-            del held[:n]
-            self.credit -= n
         if self._write_paused and len(held) <= RELAY_HIGH_WATER // 4 and not self._lost:
             self._write_paused = False
             self.protocol.resume_writing()
@@ -2772,10 +2780,8 @@ class _MuxTunnel(asyncio.Transport):
 
     def _taken(self, amount: int) -> None:
         self.owed += amount
-        if self._reading and not self.closed and self.owed >= MUX_WINDOW // 2:   # as _MuxStream's
-            self.window += self.owed
-            self.link.send(mux_frame(MUX_CREDIT, self.sid, struct.pack(">I", self.owed)))
-            self.owed = 0
+        if self._reading and not self.closed:
+            self._credit_back()
 
     def pause_reading(self) -> None:
         self._reading = False
