@@ -2181,13 +2181,14 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
 #      -0.24-0.61 ms. Through a standalone relay (bench_node --only nat --nat-runs 10: one
 #      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; a loaded
-#      2-core box, medians of the rounds; 4 runs, alternating with 3 of main's socketpair):
-#      with the member's TLS in memory and links read in callbacks, mux added 0.31-0.44 ms
-#      p50 over direct (socketpair 0.55-0.74), splice 0.42-0.52; req/s lost 5-13 % (socket-
-#      pair 1-15 %); CPU per plain request, the member's node +20-51 us over direct (socket-
-#      pair +47-90), the relay 117-128 us (socketpair 131-158, splice 142-155), the whole
-#      mux path 39-66 us under the splice's (socketpair: 28-78 over it). Wall-clock req/s
-#      swung 0.7-1.0x between runs on that box, all three paths alike. The mux stays the
+#      2-core box, medians of the rounds; 5 runs, alternating with 4 of main's socketpair):
+#      with the member's TLS in memory and links read in callbacks, mux added 0.31-0.54 ms
+#      p50 over direct (median 0.40; socketpair 0.55-0.80), splice 0.42-0.52; req/s lost
+#      5-21 % (median 12; socketpair 1-15 %, median 15); CPU per plain request, the member's
+#      node +20-51 us over direct (socketpair +47-90), the relay 117-128 us (socketpair
+#      131-158, splice 142-155), the whole mux path 2-66 us under the splice's (socketpair:
+#      28-78 over it). Wall-clock req/s swung 0.7-1.0x between runs on that box, all three
+#      paths alike, so the loss figures are the least sure. The mux stays the
 #      default for what the splice lacks, and now costs less: no connection per stream,
 #      nothing for a NAT or firewall to refuse per stream. (Earlier figures here, with the
 #      ingress relaying too, measured its handed-over dial-back in both modes: it held a
