@@ -968,28 +968,30 @@ class ClusterKeys:
     # -- usage: our slots, budgets -----------------------------------------------------------
     def count(self, key: Key, model: str, prompt_tokens: Optional[int], completion_tokens: Optional[int]) -> None:
         """One finished request (any status) served here."""
-        if not key.hash:
+        digest = key.hash
+        if not digest:
             return   # --no-auth's anonymous key: nothing to budget
         now = time.time()
         slot = self.ingress.node.session_id
-        hot = self._hot.get((key.hash, model))   # this (key, model)'s slot today: the common case
-        if hot is None or hot[0] != int(now // 86400) or hot[1] != slot:
+        hot = self._hot.get((digest, model))   # this (key, model)'s slot today: the common case
+        if hot is None or not hot[0] <= now < hot[1] or hot[2] != slot:
             day = self.today(now)
-            entry_id = crdt.usage_entry(key.hash, model, day, slot)   # hashed once a day
+            entry_id = crdt.usage_entry(digest, model, day, slot)   # hashed once a day
             record = self.mine.get(entry_id)
             if record is None:
-                record = self.mine[entry_id] = crdt.usage_record(key.hash, model, day, slot, 0, 0, 0, 0)
-            hot = self._hot[(key.hash, model)] = (int(now // 86400), slot, record, entry_id,
-                                                  (key.hash, day), (key.hash, day[:7]))
-        record = hot[2]
-        prompt, completion = prompt_tokens or 0, completion_tokens or 0
+                record = self.mine[entry_id] = crdt.usage_record(digest, model, day, slot, 0, 0, 0, 0)
+            start = now // 86400 * 86400   # the UTC day's bounds: its slot holds between them
+            hot = self._hot[(digest, model)] = (start, start + 86400, slot, record, entry_id,
+                                                (digest, day), (digest, day[:7]))
+        record = hot[3]
         record["requests"] += 1
-        record["prompt_tokens"] += prompt
-        record["completion_tokens"] += completion
-        if prompt or completion:
-            self.day_used[hot[4]] += prompt + completion
-            self.month_used[hot[5]] += prompt + completion
-        self._dirty.add(hot[3])
+        if prompt_tokens or completion_tokens:
+            prompt, completion = prompt_tokens or 0, completion_tokens or 0
+            record["prompt_tokens"] += prompt
+            record["completion_tokens"] += completion
+            self.day_used[hot[5]] += prompt + completion
+            self.month_used[hot[6]] += prompt + completion
+        self._dirty.add(hot[4])
 
     def check_quota(self, key: Key) -> None:
         """429 insufficient_quota (OpenAI's shape) for a key whose day or month budget is used."""
@@ -1091,9 +1093,10 @@ class RoutedRequest:
 
     __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started")
 
-    def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str):
+    def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str,
+                 started: Optional[float] = None):
         self.model, self.user, self.key_id, self.stream, self.path = model, user, key_id, stream, path
-        self.attempt, self.started = 0, time.monotonic()
+        self.attempt, self.started = 0, time.monotonic() if started is None else started
 
 
 class Policy:
@@ -1788,19 +1791,9 @@ class _Relay:
 # ---------------------------------------------------------------------------------------------
 # Client connections: the codec's h11-like face for plain requests, the connection protocol
 # ---------------------------------------------------------------------------------------------
-class _FastRequest:
-    """A request head parsed by _ClientConn (what the handlers read of an h11.Request, plus
-    its headers as a dict)."""
-
-    __slots__ = ("method", "target", "fields")
-    http_version = b"1.1"
-
-    def __init__(self, method: bytes, target: bytes, fields: Dict[bytes, bytes]):
-        self.method, self.target, self.fields = method, target, fields
-
-    @property
-    def headers(self) -> List[Tuple[bytes, bytes]]:
-        return list(self.fields.items())
+# A request head parsed by _ClientConn is the codec's own MessageHead: what the handlers read of
+# an h11.Request (method, target, headers with lower-case names), plus its fields as a dict.
+_FastRequest = otela_node.MessageHead
 
 
 _WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
@@ -1824,13 +1817,14 @@ class _ClientConn:
     behaviour, and `resume(h11 connection)` after it: every head is seen here first.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "_body", "_chunked", "_close", "_eof", "extra")
+    __slots__ = ("buf", "our_state", "their_state", "_head", "_body", "_chunked", "_close", "_eof", "extra")
     they_are_waiting_for_100_continue = False
 
     def __init__(self):
         self.buf = bytearray()
         self.our_state = self.their_state = h11.IDLE
-        self._body = _NO_BODY
+        self._head: Any = None   # the request being read
+        self._body = _NO_BODY    # its body's reader: made when a body is read piece by piece
         self._chunked = self._close = self._eof = False
         self.extra = b""   # header lines every answer to this request carries (Ingress._tag)
 
@@ -1864,7 +1858,11 @@ class _ClientConn:
         buf = self.buf
         try:
             if state is h11.SEND_BODY:
-                piece = self._body.take(buf)
+                body = self._body
+                if body is None:   # (whole_body takes a buffered body without one)
+                    head = self._head
+                    body = self._body = otela_node.BodyReader(head.framing, head.length)
+                piece = body.take(buf)
                 if piece is None:
                     self.their_state = h11.DONE
                     return _EOM
@@ -1885,27 +1883,20 @@ class _ClientConn:
         if head is otela_node.H11_JUDGES or not head.keep_alive:   # h11 writes the Connection: close
             return _SWITCH
         del buf[:head.size]
-        self._body = otela_node.BodyReader(head.framing, head.length)
+        self._head, self._body = head, None
         self.their_state = h11.SEND_BODY
         self.our_state = h11.SEND_RESPONSE
-        return _FastRequest(head.method, head.target, head.fields)
+        return head
 
-    def whole_length(self) -> int:
-        """The length of the body of the request just parsed (-1 when it is chunked)."""
-        body = self._body
-        return body.remaining if body.framing is otela_node.LENGTH else -1
-
-    def whole_body(self) -> Optional[bytes]:
-        """The body of the request just parsed when all of it is buffered (the request is then
-        complete), else None (nothing consumed)."""
-        body, buf = self._body, self.buf
-        if self.their_state is not h11.SEND_BODY or body.framing is not otela_node.LENGTH \
-                or body.remaining > len(buf):
+    def whole_body(self, limit: int) -> Optional[bytes]:
+        """The body of the request just parsed when it has a Content-Length of at most `limit`
+        and all of it is buffered (the request is then complete), else None (nothing consumed)."""
+        head, buf = self._head, self.buf
+        if self.their_state is not h11.SEND_BODY or self._body is not None \
+                or head.framing is not otela_node.LENGTH or head.length > len(buf) or head.length > limit:
             return None
-        data = _take(buf, body.remaining)
-        body.remaining, body.done = 0, True
         self.their_state = h11.DONE
-        return data
+        return _take(buf, head.length)
 
     def head(self, status: int, headers: Sequence[Tuple[bytes, bytes]]) -> bytes:
         """The response head (what send(h11.Response(...)) would give, without building one)."""
@@ -2200,29 +2191,28 @@ class _Exchange:
     the one place where its end is booked (in-flight count, policy, passive health, metrics,
     ledger row), once."""
 
-    __slots__ = ("ingress", "client", "path", "body", "key", "routed", "strip_usage", "tracked", "t0",
-                 "attempts", "candidate", "status", "prompt_tokens", "completion_tokens", "sent",
-                 "row_head", "state", "refusal", "refused", "request_id", "left", "up", "connecting",
-                 "head", "parts")
+    # What every exchange starts with, as class attributes rather than slots set per request: an
+    # exchange is made per request, and what it does not change costs nothing (see MessageHead).
+    state = RECEIVED
+    attempts = 0
+    candidate: Optional[Candidate] = None
+    status = 0
+    prompt_tokens: Optional[int] = 0
+    completion_tokens = 0
+    sent = False            # the stream's head went out: no other session may answer now
+    row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
+    refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
+    refused: Sequence[Candidate] = ()   # sessions that answered this request with a 5xx
+    left: Sequence[Candidate] = ()      # the sessions it may still try
+    up: Optional[Upstream] = None       # the connection this attempt's answer comes on
+    connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
+    head: Optional[UpstreamHead] = None   # this attempt's answer head
+    parts: Sequence[bytes] = ()           # ... and its plain body so far
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
         self.routed, self.strip_usage, self.tracked, self.t0 = routed, strip_usage, tracked, t0
-        self.attempts = 0
-        self.candidate: Optional[Candidate] = None
-        self.status = 0
-        self.prompt_tokens = self.completion_tokens = 0
-        self.sent = False       # the stream's head went out: no other session may answer now
-        self.row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
-        self.state = RECEIVED
-        self.refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
-        self.refused: List[Candidate] = []   # sessions that answered this request with a 5xx
         self.request_id: bytes = client.request_id   # X-Request-Id (see Ingress._tag)
-        self.left: List[Candidate] = []   # the sessions it may still try
-        self.up: Optional[Upstream] = None   # the connection this attempt's answer comes on
-        self.connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
-        self.head: Optional[UpstreamHead] = None   # this attempt's answer head
-        self.parts: List[bytes] = []      # ... and its plain body so far
         ingress.metrics.inflight += 1
 
     @property
@@ -2242,10 +2232,10 @@ class _Exchange:
         attempt = self.attempts
         self.candidate = candidate
         self.attempts = attempt + 1
-        self.routed.attempt = attempt
-        self.status = 0
-        self.refusal = None
-        if attempt:
+        if attempt:   # (a first attempt starts from the defaults)
+            self.routed.attempt = attempt
+            self.status = 0
+            self.refusal = None
             ingress.metrics.retries += 1
         ingress.policy.on_request_start(candidate, self.routed)
         return candidate
@@ -2260,7 +2250,7 @@ class _Exchange:
         if blame:
             ingress.health.failed(candidate.session, time.monotonic())
         else:
-            self.refused.append(candidate)
+            self.refused = [*self.refused, candidate]
         ingress.policy.on_request_end(candidate, self.routed, False)
 
     def finish(self, outcome: str, last: bytes = b"") -> bool:
@@ -2345,6 +2335,7 @@ class Ingress:
         self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None))
         getattr(node, "punch_listeners", []).append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
+        self._request_heads: Dict[Tuple[bytes, str, bool], Tuple[bytes, bytes]] = {}   # _request_head
         self._clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -2538,8 +2529,8 @@ class Ingress:
                 return
             t = type(event)
             if t is _FastRequest:
-                if event.method == b"POST" and event.target in PROXIED_PATHS and conn.whole_length() <= self.max_body:
-                    body = conn.whole_body()
+                if event.method == b"POST" and event.target in PROXIED_PATHS:
+                    body = conn.whole_body(self.max_body)
                     if body is not None:   # the common case: the whole request is here
                         self._tag(client, event.fields)   # X-Request-Id and CORS (see _tag)
                         self._proxy(client, event.target, event.fields, body, time.monotonic())
@@ -2814,7 +2805,7 @@ class Ingress:
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         if candidates is None:   # (an alias found them already)
             candidates = self.candidates(model, key)
-        routed = RoutedRequest(model, key.user, key.id, stream, path.decode())
+        routed = RoutedRequest(model, key.user, key.id, stream, path.decode(), t0)
         client.busy = True
         return _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0), candidates
 
@@ -2940,7 +2931,11 @@ class Ingress:
             body = up.body
             if head.status not in RETRY_STATUSES and (body.done or body.framing is otela_node.LENGTH
                                                       and body.remaining <= len(up.buf)):
-                payload = body.take(up.buf) or b""   # the whole body is here: one piece
+                if body.done:
+                    payload = b""
+                else:   # the whole body is here: one piece
+                    payload = _take(up.buf, body.remaining)
+                    body.remaining, body.done = 0, True
                 ex.up = None
                 up.proto.on_data = None
                 self._send_plain(ex, ex.candidate, head, payload)
@@ -3025,10 +3020,18 @@ class Ingress:
         client.busy = False
 
     def _request_head(self, ex: _Exchange, addr: str) -> bytes:
-        return b"".join((b"POST ", ex.path, b" HTTP/1.1\r\nhost: ", addr.encode(),
-                         b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % len(ex.body),
-                         self._tunnel_line,
-                         b"accept: text/event-stream\r\n\r\n" if ex.routed.stream else b"\r\n"))
+        """The head of a request upstream: the same but for its length per (path, session,
+        streaming), so it is formatted once (bounded: routes x sessions in use)."""
+        stream = ex.routed.stream
+        frame = self._request_heads.get((ex.path, addr, stream))
+        if frame is None:
+            if len(self._request_heads) >= 4096:
+                self._request_heads = {}
+            frame = self._request_heads[(ex.path, addr, stream)] = (
+                b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
+                % (ex.path, addr.encode()),
+                b"\r\n" + self._tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
+        return b"%s%d%s" % (frame[0], len(ex.body), frame[1])
 
     def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes,
                     outcome: str = "ok") -> None:
@@ -3066,19 +3069,20 @@ class Ingress:
 
     # -- accounting --------------------------------------------------------------------------
     def _account(self, ex: _Exchange, now: float) -> None:
-        model = ex.routed.model
+        model, status = ex.routed.model, ex.status
+        prompt, completion = ex.prompt_tokens, ex.completion_tokens
         metrics = self.metrics
-        metrics.requests[(model, ex.status)] += 1
-        if ex.status >= 400:
-            metrics.errors["upstream_" + str(ex.status)] += 1
+        metrics.requests[(model, status)] += 1
+        if status >= 400:
+            metrics.errors["upstream_" + str(status)] += 1
         metrics.observe(metrics.latency, model, now - ex.t0)
-        self.cluster.count(ex.key, model, ex.prompt_tokens, ex.completion_tokens)   # the G-Counter slot
-        if ex.prompt_tokens:
-            metrics.tokens[(model, "input")] += ex.prompt_tokens
-        if ex.completion_tokens:
-            metrics.tokens[(model, "output")] += ex.completion_tokens
-        if ex.status == 200:
-            self.stats.add(model, now, ex.prompt_tokens, ex.completion_tokens)
+        self.cluster.count(ex.key, model, prompt, completion)   # the G-Counter slot
+        if prompt:
+            metrics.tokens[(model, "input")] += prompt
+        if completion:
+            metrics.tokens[(model, "output")] += completion
+        if status == 200:
+            self.stats.add(model, now, prompt, completion)
 
     def _prepare_row(self, ex: _Exchange, candidate: Candidate) -> None:
         """Serialise the fields of the ledger row known before the answer, so that what is left

@@ -1455,17 +1455,19 @@ class HTTPViolation(ValueError):
 
 class MessageHead:
     """A parsed request or response head. `headers`: (lower-case name, value) in order;
-    `fields`: the same as a dict (the last of a repeated name)."""
+    `fields`: the same as a dict (the last of a repeated name).
 
-    __slots__ = ("method", "target", "status", "reason", "version", "headers", "fields", "framing", "length",
-                 "keep_alive", "size")
+    The defaults are class attributes, not slots set per head: a head is parsed on every request
+    and every answer, and what a parse does not set costs nothing (a cold CPU pays for each
+    instruction and each line of memory an idle-gapped request touches)."""
+
+    method = target = reason = b""
+    status = 0
+    version = b"1.1"
+    framing, length, keep_alive = NO_BODY, 0, True
 
     def __init__(self, headers: List[Tuple[bytes, bytes]], fields: Dict[bytes, bytes], size: int):
-        self.method = self.target = self.reason = b""
-        self.status = 0
-        self.version = b"1.1"
         self.headers, self.fields, self.size = headers, fields, size
-        self.framing, self.length, self.keep_alive = NO_BODY, 0, True
 
 
 def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
@@ -1597,15 +1599,18 @@ class BodyReader:
     Bad framing sets `error` (the bytes before it were good) instead of raising, so a relay can
     pass on what came before it and then fail."""
 
-    __slots__ = ("framing", "remaining", "state", "done", "error", "_line", "max_chunk")
+    # per reader: framing, remaining (LENGTH: body bytes left; CHUNKED: of this chunk) and done;
+    # the rest starts as these class defaults (one reader per answer: see MessageHead)
+    state = _SIZE
+    error: Optional[str] = None
+    _line = b""                           # a size or trailer line split across reads
+    max_chunk = MAX_CHUNK
 
     def __init__(self, framing: str, length: int = 0, max_chunk: int = MAX_CHUNK):
-        self.framing, self.max_chunk = framing, max_chunk
-        self.remaining = length           # LENGTH: body bytes left; CHUNKED: of this chunk
-        self.state = _SIZE
+        self.framing, self.remaining = framing, length
         self.done = framing is NO_BODY or (framing is LENGTH and not length)
-        self.error: Optional[str] = None
-        self._line = b""                  # a size or trailer line split across reads
+        if max_chunk != MAX_CHUNK:
+            self.max_chunk = max_chunk
 
     def feed(self, data, pieces: Optional[list] = None) -> int:
         """Read `data`; return how many of its bytes belong to the body. With `pieces`, append
