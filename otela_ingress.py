@@ -1888,7 +1888,7 @@ class _ClientConn:
         self.our_state = h11.SEND_RESPONSE
         return head
 
-    def whole_body(self, limit: int) -> Optional[bytes]:
+    def whole_body(self, limit: int = MAX_BODY_BYTES) -> Optional[bytes]:
         """The body of the request just parsed when it has a Content-Length of at most `limit`
         and all of it is buffered (the request is then complete), else None (nothing consumed)."""
         head, buf = self._head, self.buf
@@ -2773,10 +2773,11 @@ class Ingress:
         """Check a proxied request (key, rate, JSON, model) and find its candidates; raises
         HTTPError for the client."""
         key = self.authenticate(fields)
-        if not key.take(t0):
+        if key.rate > 0 and not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
-        self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
+        if key.budget_day or key.budget_month:
+            self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
         try:
             request = crdt.loads(body)
         except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
@@ -2820,8 +2821,8 @@ class Ingress:
             client.finish()
             return
         client.exchange = ex
-        ex.left = self._healthy(candidates)
-        self._next_attempt(ex, "no attempt made")
+        ex.left = left = self._healthy(candidates) if self.health.sick_until else candidates
+        self._send(ex, ex.pick(left), fresh=False)   # (the first attempt: _next_attempt's checks hold)
 
     def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
         """The candidates not out of rotation for failing (all of them if every one is)."""
