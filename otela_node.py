@@ -1524,18 +1524,21 @@ def parse_request(buf, max_head: int = MAX_HEAD):
     """The request head at the front of `buf` (nothing is consumed: its length is `size`), None
     while it is incomplete, or H11_JUDGES for one h11 should read. Raises HTTPViolation for a
     framing that could smuggle a request, whoever would read it."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0 or end + 4 > max_head:
-        if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
-            _check_framing(buf, max_head)
-            return H11_JUDGES
-        return None
-    match = _REQUEST_HEAD.match(buf, 0, end + 4)
-    if match is None:
-        _check_framing(buf, max_head)
+    # The pattern ends at the first blank line (a field line cannot start with CR), so a match
+    # over the whole buffer is the head the search for it would find: the common case, a whole
+    # plain head, is one match (no search first: each piece of code run costs a cold CPU dearly).
+    match = _REQUEST_HEAD.match(buf)
+    if match is None or match.end() > max_head:
+        end = buf.find(b"\r\n\r\n")
+        if end < 0 or end + 4 > max_head:
+            if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
+                _check_framing(buf, max_head)
+                return H11_JUDGES
+            return None
+        _check_framing(buf, max_head)   # (a whole head the pattern refuses)
         return H11_JUDGES
     method, target, block = match.groups()
-    head = _fields(block, end + 4)
+    head = _fields(block, match.end())
     fields = head.fields
     if b"host" not in fields or not _HANDED_TO_H11.isdisjoint(fields):
         return H11_JUDGES              # (its framing fields passed _fields already)
@@ -1561,6 +1564,9 @@ def _check_framing(buf, max_head: int) -> None:
 def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) -> Optional[MessageHead]:
     """The final response head at the front of `buf` (interim 1xx heads before it are skipped;
     `size` counts them too), or None while it is incomplete. Raises HTTPViolation."""
+    match = _RESPONSE_HEAD.match(buf)   # the common case in one match, as in parse_request
+    if match is not None and match.end() <= max_head and match.group(2)[0] >= 0x32:   # (not 1xx)
+        return _response(match, head_request)
     start = 0
     while True:
         end = buf.find(b"\r\n\r\n", start)
@@ -1573,20 +1579,25 @@ def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) ->
         match = _RESPONSE_HEAD.match(buf, start, end + 4)
         if match is None:
             raise HTTPViolation(f"malformed response head {bytes(buf[start:start + 120])!r}")
-        minor, code, reason, block = match.groups()
-        status = int(code)
-        if status < 200:                # 100 Continue and friends: the final answer follows
+        if int(match.group(2)) < 200:   # 100 Continue and friends: the final answer follows
             start = end + 4
             continue
-        head = _fields(block, end + 4)
-        head.status, head.reason, head.version = status, reason or b"", b"1." + minor
-        if minor == b"0":
-            head.keep_alive = False
-        if head_request or status in (204, 304):
-            head.framing, head.length = NO_BODY, 0
-        elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
-            head.framing, head.keep_alive = UNTIL_CLOSE, False
-        return head
+        return _response(match, head_request)
+
+
+def _response(match, head_request: bool) -> MessageHead:
+    """The final response head of a _RESPONSE_HEAD match (its end is the head's size)."""
+    minor, code, reason, block = match.groups()
+    status = int(code)
+    head = _fields(block, match.end())
+    head.status, head.reason, head.version = status, reason or b"", b"1." + minor
+    if minor == b"0":
+        head.keep_alive = False
+    if head_request or status in (204, 304):
+        head.framing, head.length = NO_BODY, 0
+    elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
+        head.framing, head.keep_alive = UNTIL_CLOSE, False
+    return head
 
 
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)   # BodyReader states (chunked framing)
