@@ -1459,17 +1459,19 @@ class HTTPViolation(ValueError):
 
 class MessageHead:
     """A parsed request or response head. `headers`: (lower-case name, value) in order;
-    `fields`: the same as a dict (the last of a repeated name)."""
+    `fields`: the same as a dict (the last of a repeated name).
 
-    __slots__ = ("method", "target", "status", "reason", "version", "headers", "fields", "framing", "length",
-                 "keep_alive", "size")
+    The defaults are class attributes, not slots set per head: a head is parsed on every request
+    and every answer, and what a parse does not set costs nothing (a cold CPU pays for each
+    instruction and each line of memory an idle-gapped request touches)."""
+
+    method = target = reason = b""
+    status = 0
+    version = b"1.1"
+    framing, length, keep_alive = NO_BODY, 0, True
 
     def __init__(self, headers: List[Tuple[bytes, bytes]], fields: Dict[bytes, bytes], size: int):
-        self.method = self.target = self.reason = b""
-        self.status = 0
-        self.version = b"1.1"
         self.headers, self.fields, self.size = headers, fields, size
-        self.framing, self.length, self.keep_alive = NO_BODY, 0, True
 
 
 def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
@@ -1526,18 +1528,21 @@ def parse_request(buf, max_head: int = MAX_HEAD):
     """The request head at the front of `buf` (nothing is consumed: its length is `size`), None
     while it is incomplete, or H11_JUDGES for one h11 should read. Raises HTTPViolation for a
     framing that could smuggle a request, whoever would read it."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0 or end + 4 > max_head:
-        if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
-            _check_framing(buf, max_head)
-            return H11_JUDGES
-        return None
-    match = _REQUEST_HEAD.match(buf, 0, end + 4)
-    if match is None:
-        _check_framing(buf, max_head)
+    # The pattern ends at the first blank line (a field line cannot start with CR), so a match
+    # over the whole buffer is the head the search for it would find: the common case, a whole
+    # plain head, is one match (no search first: each piece of code run costs a cold CPU dearly).
+    match = _REQUEST_HEAD.match(buf)
+    if match is None or match.end() > max_head:
+        end = buf.find(b"\r\n\r\n")
+        if end < 0 or end + 4 > max_head:
+            if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
+                _check_framing(buf, max_head)
+                return H11_JUDGES
+            return None
+        _check_framing(buf, max_head)   # (a whole head the pattern refuses)
         return H11_JUDGES
     method, target, block = match.groups()
-    head = _fields(block, end + 4)
+    head = _fields(block, match.end())
     fields = head.fields
     if b"host" not in fields or not _HANDED_TO_H11.isdisjoint(fields):
         return H11_JUDGES              # (its framing fields passed _fields already)
@@ -1563,6 +1568,9 @@ def _check_framing(buf, max_head: int) -> None:
 def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) -> Optional[MessageHead]:
     """The final response head at the front of `buf` (interim 1xx heads before it are skipped;
     `size` counts them too), or None while it is incomplete. Raises HTTPViolation."""
+    match = _RESPONSE_HEAD.match(buf)   # the common case in one match, as in parse_request
+    if match is not None and match.end() <= max_head and match.group(2)[0] >= 0x32:   # (not 1xx)
+        return _response(match, head_request)
     start = 0
     while True:
         end = buf.find(b"\r\n\r\n", start)
@@ -1575,20 +1583,25 @@ def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) ->
         match = _RESPONSE_HEAD.match(buf, start, end + 4)
         if match is None:
             raise HTTPViolation(f"malformed response head {bytes(buf[start:start + 120])!r}")
-        minor, code, reason, block = match.groups()
-        status = int(code)
-        if status < 200:                # 100 Continue and friends: the final answer follows
+        if int(match.group(2)) < 200:   # 100 Continue and friends: the final answer follows
             start = end + 4
             continue
-        head = _fields(block, end + 4)
-        head.status, head.reason, head.version = status, reason or b"", b"1." + minor
-        if minor == b"0":
-            head.keep_alive = False
-        if head_request or status in (204, 304):
-            head.framing, head.length = NO_BODY, 0
-        elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
-            head.framing, head.keep_alive = UNTIL_CLOSE, False
-        return head
+        return _response(match, head_request)
+
+
+def _response(match, head_request: bool) -> MessageHead:
+    """The final response head of a _RESPONSE_HEAD match (its end is the head's size)."""
+    minor, code, reason, block = match.groups()
+    status = int(code)
+    head = _fields(block, match.end())
+    head.status, head.reason, head.version = status, reason or b"", b"1." + minor
+    if minor == b"0":
+        head.keep_alive = False
+    if head_request or status in (204, 304):
+        head.framing, head.length = NO_BODY, 0
+    elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
+        head.framing, head.keep_alive = UNTIL_CLOSE, False
+    return head
 
 
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)   # BodyReader states (chunked framing)
@@ -1601,15 +1614,18 @@ class BodyReader:
     Bad framing sets `error` (the bytes before it were good) instead of raising, so a relay can
     pass on what came before it and then fail."""
 
-    __slots__ = ("framing", "remaining", "state", "done", "error", "_line", "max_chunk")
+    # per reader: framing, remaining (LENGTH: body bytes left; CHUNKED: of this chunk) and done;
+    # the rest starts as these class defaults (one reader per answer: see MessageHead)
+    state = _SIZE
+    error: Optional[str] = None
+    _line = b""                           # a size or trailer line split across reads
+    max_chunk = MAX_CHUNK
 
     def __init__(self, framing: str, length: int = 0, max_chunk: int = MAX_CHUNK):
-        self.framing, self.max_chunk = framing, max_chunk
-        self.remaining = length           # LENGTH: body bytes left; CHUNKED: of this chunk
-        self.state = _SIZE
+        self.framing, self.remaining = framing, length
         self.done = framing is NO_BODY or (framing is LENGTH and not length)
-        self.error: Optional[str] = None
-        self._line = b""                  # a size or trailer line split across reads
+        if max_chunk != MAX_CHUNK:
+            self.max_chunk = max_chunk
 
     def feed(self, data, pieces: Optional[list] = None) -> int:
         """Read `data`; return how many of its bytes belong to the body. With `pieces`, append

@@ -19,7 +19,10 @@ here), and "nginx" (a reverse proxy with upstream keep-alive, one worker pinned 
 ingress) when an nginx binary is installed (`apt-get install nginx-light`; skipped otherwise).
 
 Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on time.
-Usage: python tests/bench_ingress.py [--out bench-results] [--quick]
+With --rounds N every config is measured N times in rotating order (a noisy machine's bursts
+then fall on different configs); figures are medians of the rounds, and the ratios to nginx
+(added p50, req/s, SSE chunks/s) are the medians of per-round ratios.
+Usage: python tests/bench_ingress.py [--out bench-results] [--quick] [--no-node] [--rounds N]
 """
 from __future__ import annotations
 
@@ -542,14 +545,74 @@ def pct(values, p):
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
+# -- one config, one round -------------------------------------------------------------------------
+def measure_config(target: tuple, n_latency: int, tput_seconds: float, n_ttfb: int, stream_rounds: int) -> dict:
+    """Latency (16 req/s, back to back, the sweep rates), throughput and SSE of one target, once."""
+    pid, target_ports, key = target
+    r = {}
+    fast_port, paced_port, bulk_port = (target_ports[m] for m in ("fast", "paced", "bulk"))
+    # 1. latency at 16 req/s, one keep-alive connection
+    lat = latency_run(fast_port, "fast", key, n_latency)
+    r["latency_p50_ms"] = statistics.median(lat) * 1e3
+    r["latency_p99_ms"] = pct(lat, 99) * 1e3
+    # 1b. the same back to back: the hop's own work, without a CPU waking from idle
+    busy = latency_run(fast_port, "fast", key, n_latency * 5, rate=1e9)
+    r["busy_latency_p50_ms"] = statistics.median(busy) * 1e3
+    # 1c. at 100 and 1000 requests/s: how the cost of a request grows with the idle time
+    # before it (caches and TLBs gone cold), which 16 req/s leaves at ~62 ms
+    for rate in SWEEP_RATES:
+        lat = latency_run(fast_port, "fast", key, n_latency * (5 if rate >= 1000 else 1), rate=rate)
+        r[f"latency_p50_ms_at_{rate}rps"] = statistics.median(lat) * 1e3
+    # 2. throughput at 64 connections
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    done, elapsed = throughput_run(fast_port, "fast", key, 64, tput_seconds)
+    r["rps_64conn"] = done / elapsed
+    if pid:
+        r["cpu_us_per_request"] = (cpu_seconds(pid) - cpu0) / done * 1e6
+        r["ingress_cpu_utilisation"] = (cpu_seconds(pid) - cpu0) / elapsed
+    # 3. SSE: time to first chunk on a paced stream; chunks/s across 16 streams
+    ttfb = asyncio.run(_ttfb(paced_port, "paced", key, n_ttfb))
+    r["ttfb_p50_ms"] = statistics.median(ttfb) * 1e3
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    chunks, elapsed = asyncio.run(_streams(bulk_port, "bulk", key, 16, stream_rounds))
+    r["sse_chunks_per_s_16streams"] = chunks / elapsed
+    if pid:
+        r["cpu_us_per_chunk"] = (cpu_seconds(pid) - cpu0) / max(1, chunks) * 1e6
+    return r
+
+
+def nginx_ratios(per_round: dict) -> dict:
+    """config -> the median over rounds of its ratio to nginx's figure of the same round: added p50
+    (lower is better, the target is <= 1.2), req/s and SSE chunks/s (higher is better, >= 1)."""
+    direct, nginx = per_round["direct"], per_round["nginx"]
+    out = {}
+    for name, rounds in per_round.items():
+        if name in ("direct", "nginx"):
+            continue
+        added, rps, sse = [], [], []
+        for r, d, n in zip(rounds, direct, nginx):
+            nginx_added = n["latency_p50_ms"] - d["latency_p50_ms"]
+            if nginx_added > 0:
+                added.append((r["latency_p50_ms"] - d["latency_p50_ms"]) / nginx_added)
+            rps.append(r["rps_64conn"] / n["rps_64conn"])
+            sse.append(r["sse_chunks_per_s_16streams"] / n["sse_chunks_per_s_16streams"])
+        out[name] = {"added_p50": statistics.median(added) if added else None,
+                     "rps_64conn": statistics.median(rps), "sse_chunks_per_s_16streams": statistics.median(sse)}
+    return out
+
+
 # -- the run ---------------------------------------------------------------------------------------
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="short run (~30 s)")
     parser.add_argument("--no-node", action="store_true", help="skip the whole path through otela_node")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every config N times in rotating order; medians and per-round ratios")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.child:
         spec = json.loads(args.child)
         if spec.get("relay"):
@@ -621,36 +684,21 @@ def main() -> int:
                 for engine_pid in _pids_of_port(engine_port):
                     pin(engine_pid, 1)
 
-        for name, (pid, target_ports, key) in targets.items():
-            r = results["configs"][name] = {}
-            fast_port, paced_port, bulk_port = (target_ports[m] for m in ("fast", "paced", "bulk"))
-            # 1. latency at 16 req/s, one keep-alive connection
-            lat = latency_run(fast_port, "fast", key, n_latency)
-            r["latency_p50_ms"] = statistics.median(lat) * 1e3
-            r["latency_p99_ms"] = pct(lat, 99) * 1e3
-            # 1b. the same back to back: the hop's own work, without a CPU waking from idle
-            busy = latency_run(fast_port, "fast", key, n_latency * 5, rate=1e9)
-            r["busy_latency_p50_ms"] = statistics.median(busy) * 1e3
-            # 1c. at 100 and 1000 requests/s: how the cost of a request grows with the idle time
-            # before it (caches and TLBs gone cold), which 16 req/s leaves at ~62 ms
-            for rate in SWEEP_RATES:
-                lat = latency_run(fast_port, "fast", key, n_latency * (5 if rate >= 1000 else 1), rate=rate)
-                r[f"latency_p50_ms_at_{rate}rps"] = statistics.median(lat) * 1e3
-            # 2. throughput at 64 connections
-            cpu0 = cpu_seconds(pid) if pid else 0.0
-            done, elapsed = throughput_run(fast_port, "fast", key, 64, tput_seconds)
-            r["rps_64conn"] = done / elapsed
-            if pid:
-                r["cpu_us_per_request"] = (cpu_seconds(pid) - cpu0) / done * 1e6
-                r["ingress_cpu_utilisation"] = (cpu_seconds(pid) - cpu0) / elapsed
-            # 3. SSE: time to first chunk on a paced stream; chunks/s across 16 streams
-            ttfb = asyncio.run(_ttfb(paced_port, "paced", key, n_ttfb))
-            r["ttfb_p50_ms"] = statistics.median(ttfb) * 1e3
-            cpu0 = cpu_seconds(pid) if pid else 0.0
-            chunks, elapsed = asyncio.run(_streams(bulk_port, "bulk", key, 16, stream_rounds))
-            r["sse_chunks_per_s_16streams"] = chunks / elapsed
-            if pid:
-                r["cpu_us_per_chunk"] = (cpu_seconds(pid) - cpu0) / max(1, chunks) * 1e6
+        # --rounds N: every config is measured N times, in an order that rotates each round, so
+        # a burst of load elsewhere on the machine falls on different configs in different rounds;
+        # each figure is the median of its rounds, and the ratios to nginx are taken per round
+        # (against nginx's figure of the same round) before their median is taken
+        names = list(targets)
+        per_round = {name: [] for name in names}
+        for round_no in range(args.rounds):
+            for name in names[round_no % len(names):] + names[:round_no % len(names)]:
+                per_round[name].append(measure_config(targets[name], n_latency, tput_seconds, n_ttfb,
+                                                      stream_rounds))
+        for name in names:
+            rounds = per_round[name]
+            results["configs"][name] = {col: statistics.median(r[col] for r in rounds) for col in rounds[0]}
+            if args.rounds > 1:
+                results["configs"][name]["rounds"] = rounds
         direct = results["configs"]["direct"]
         for name in results["configs"]:
             if name == "direct":
@@ -666,6 +714,9 @@ def main() -> int:
             if "cpu_us_per_request" in r:
                 r["cpu_us_per_request_normalised"] = r["cpu_us_per_request"] / results["machine"][
                     "slowdown_vs_reference"]
+        if "nginx" in per_round:
+            results["ratios_to_nginx"] = nginx_ratios(per_round)
+        results["rounds"] = args.rounds
         results["failures"] = failure_runs(procs, tmp, quick)
         results["machine"]["loadavg_end"] = os.getloadavg()[0]
     finally:
@@ -694,6 +745,12 @@ def main() -> int:
     for case, figures in results["failures"].items():
         print(f"failures, {case}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in figures.items()))
+    for name, ratios in results.get("ratios_to_nginx", {}).items():
+        added = ratios["added_p50"]
+        print(f"vs nginx, median of {args.rounds} per-round ratios, {name}: added p50 "
+              + (f"{added:.2f}x" if added is not None else "-") + f" (target <= 1.2), "
+              f"req/s {ratios['rps_64conn']:.2f}x, SSE chunks/s {ratios['sse_chunks_per_s_16streams']:.2f}x "
+              "(targets >= 1)")
     m = results["machine"]
     print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start']:.2f} -> {m['loadavg_end']:.2f}; h11's own "
           f"work per proxied request {m['h11_proxied_request_us']:.0f} us (reference machine: 110 us), so CPU "

@@ -9,8 +9,13 @@ parsed, the answer written, the exchange booked (ledger row journalled, metrics,
   - us: wall time per request and per chunk (the best of several rounds), which still moves
     with the load but far less than a socket benchmark's.
 SSE is measured twice: one chunk per read (a paced engine) and 16 chunks per read (a fast one).
+With --phases, the plain request is also cut in three at its writes: A (the client's bytes to
+the upstream write), B (the upstream's answer to the client write) and C (what runs after that
+write, in the same callback): steps per phase, and wall time per phase warm (back to back) and
+cold (after an idle gap of COLD_GAP_S, as the bench's 16 req/s leaves the CPU), the medians of
+PHASE_SAMPLES requests, the process pinned to one CPU.
 Run it from two checkouts to compare them. Prints a table and writes JSON to <--out>/ingress_steps.json.
-Never asserts on time. Usage: python tests/bench_ingress_steps.py [--out bench-results] [--quick]
+Never asserts on time. Usage: python tests/bench_ingress_steps.py [--out bench-results] [--quick] [--phases]
 """
 from __future__ import annotations
 
@@ -19,8 +24,10 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 import timeit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +45,9 @@ ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length:
           % (len(BODY), BODY))   # tests/fake_engine.py's head
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 CHUNKS = 500           # per stream, like the bench's "bulk" engine
+COLD_GAP_S = 0.06      # the idle time before each request at the bench's 16 req/s (10 ms already
+                       # costs the full cold penalty)
+PHASE_SAMPLES = 60     # requests per phase timing (cold: 60 x 60 ms, about 4 s)
 
 
 class FakeTransport:
@@ -95,6 +105,68 @@ def stream_chunks(n: int) -> list:
     return chunks
 
 
+class PhaseTransport(FakeTransport):
+    """A transport whose write marks the end of a phase: `phase` moves to `then`, the time is kept."""
+
+    def __init__(self, phase: list, then: str):
+        super().__init__()
+        self.phase, self.then, self.at = phase, then, 0.0
+
+    def write(self, data):
+        self.out.append(data)
+        if self.phase[0] != self.then:
+            self.at = time.perf_counter()
+            self.phase[0] = self.then
+
+
+def phase_figures(client, proto, plain: bytes, phase: list, client_transport, up_transport) -> dict:
+    """Steps and warm/cold microseconds of phases A, B and C of one plain request."""
+    counts = {"A": 0, "B": 0, "C": 0}
+
+    def one():
+        phase[0] = "A"
+        client.data_received(plain)
+        if phase[0] == "A":
+            raise RuntimeError("the request did not reach the upstream (the request path changed?)")
+        phase[0] = "B"
+        t1 = time.perf_counter()
+        proto.data_received(ANSWER)
+        t3 = time.perf_counter()
+        phase[0] = "-"
+        client_transport.out.clear()
+        up_transport.out.clear()
+        return up_transport.at, t1, client_transport.at, t3
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode" and phase[0] in counts:
+            counts[phase[0]] += 1
+        return trace
+
+    runs = 50
+    sys.settrace(trace)
+    try:
+        for _ in range(runs):
+            one()
+    finally:
+        sys.settrace(None)
+    out = {f"steps_phase_{p}": counts[p] / runs for p in "ABC"}
+    for label, gap in (("warm", 0.0), ("cold", COLD_GAP_S)):
+        times = {"A": [], "B": [], "C": []}
+        for _ in range(PHASE_SAMPLES):
+            if gap:
+                time.sleep(gap)
+            t0 = time.perf_counter()
+            t_up, t1, t_client, t3 = one()
+            times["A"].append(t_up - t0)
+            times["B"].append(t_client - t1)
+            times["C"].append(t3 - t_client)
+        for p in "ABC":
+            out[f"us_phase_{p}_{label}"] = statistics.median(times[p]) * 1e6
+        out[f"us_phase_AB_{label}"] = out[f"us_phase_A_{label}"] + out[f"us_phase_B_{label}"]
+    return out
+
+
 def steps(fn, runs: int) -> float:
     """Interpreter instructions per call of fn."""
     count = [0]
@@ -114,7 +186,7 @@ def steps(fn, runs: int) -> float:
     return count[0] / runs
 
 
-async def measure(quick: bool) -> dict:
+async def measure(quick: bool, phases: bool = False) -> dict:
     tmp = tempfile.mkdtemp(prefix="otela-steps-")
     db = os.path.join(tmp, "usage.sqlite")
     conn = otela_ingress.open_db(db)
@@ -126,9 +198,10 @@ async def measure(quick: bool) -> dict:
     await ingress.start("127.0.0.1", 0)
     try:
         loop = asyncio.get_running_loop()
-        client, client_transport = otela_ingress._Client(ingress), FakeTransport()
+        phase = ["-"]   # --phases: which phase of a plain request runs (see phase_figures)
+        client, client_transport = otela_ingress._Client(ingress), PhaseTransport(phase, "C")
         client.connection_made(client_transport)
-        proto, up_transport = otela_ingress._UpstreamProtocol(loop), FakeTransport()
+        proto, up_transport = otela_ingress._UpstreamProtocol(loop), PhaseTransport(phase, "B")
         proto.connection_made(up_transport)
         ingress.pool._idle[ADDR] = [otela_ingress.Upstream(ADDR, up_transport, proto)]
         plain, streamed = request(key, False), request(key, True)
@@ -166,6 +239,9 @@ async def measure(quick: bool) -> dict:
             "us_per_chunk_16_per_read": min(timeit.repeat(lambda: stream(grouped), number=5, repeat=rounds))
             / 5 / per_chunk * 1e6,
         }
+        if phases:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # one CPU, as the bench pins
+            out.update(phase_figures(client, proto, plain, phase, client_transport, up_transport))
     finally:
         await ingress.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,8 +253,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="fewer timing rounds")
+    parser.add_argument("--phases", action="store_true",
+                        help="also steps and warm/cold us of a plain request's phases A, B, C")
     args = parser.parse_args()
-    result = asyncio.run(measure(args.quick))
+    result = asyncio.run(measure(args.quick, args.phases))
     for name, value in result.items():
         print(f"{name:32} {value:10.2f}")
     os.makedirs(args.out, exist_ok=True)

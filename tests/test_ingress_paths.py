@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sqlite3
 import struct
 import time
 
@@ -510,3 +511,97 @@ def test_every_kind_of_request_is_served_with_no_task_owning_its_connection(tmp_
         assert started and set(started) == {"UpstreamPool.acquire"}
     finally:
         stack.close()
+
+
+class _Recorded:
+    """A transport that keeps what is written to it."""
+
+    def __init__(self):
+        self.out, self.closing = [], False
+
+    def write(self, data):
+        self.out.append(data)
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 5555) if name == "peername" else default
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
+    def is_closing(self):
+        return self.closing
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def abort(self):
+        self.closing = True
+
+    close = abort
+
+    def can_write_eof(self):
+        return True
+
+    def write_eof(self):
+        pass
+
+    def taken(self) -> bytes:
+        data, self.out = b"".join(self.out), []
+        return data
+
+
+def test_the_common_request_s_own_path_answers_and_books_as_the_general_one(tmp_path, monkeypatch):
+    """A request in one read and its answer in one read (_serve_whole, _upstream_whole) send the
+    engine, the client and the ledger exactly what the same bytes in pieces do."""
+    from test_ingress_support import StandInNode
+    whole_paths = []
+    for name in ("_serve_whole", "_upstream_whole"):
+        original = getattr(otela_ingress.Ingress, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            taken = _original(self, *args)
+            whole_paths.append((_name, taken))
+            return taken
+        monkeypatch.setattr(otela_ingress.Ingress, name, counted)
+
+    async def run():
+        db = str(tmp_path / "otela.sqlite")
+        conn = otela_ingress.open_db(db)
+        _, key = otela_ingress.create_key(conn, "alice")
+        conn.close()
+        node = StandInNode()
+        node.add_worker("127.0.0.1:9", ["m1"])
+        ingress = otela_ingress.Ingress(node, db_path=db)
+        await ingress.start("127.0.0.1", 0)
+        try:
+            client, to_client = otela_ingress._Client(ingress), _Recorded()
+            client.connection_made(to_client)
+            proto, to_engine = otela_ingress._UpstreamProtocol(asyncio.get_running_loop()), _Recorded()
+            proto.connection_made(to_engine)
+            ingress.pool._idle["127.0.0.1:9"] = [otela_ingress.Upstream("127.0.0.1:9", to_engine, proto)]
+            sent = request(key, CHAT)
+            answer = _plain(ANSWER)
+            seen = []
+            for pieces in ((sent,), (sent[:40], sent[40:-5], sent[-5:])):
+                for piece in pieces:
+                    client.data_received(piece)
+                upstream = to_engine.taken()
+                for piece in ((answer,) if len(pieces) == 1 else (answer[:20], answer[20:-3], answer[-3:])):
+                    proto.data_received(piece)
+                seen.append((upstream, to_client.taken().replace(client.request_id, b"<id>")))
+            assert ingress.ledger.flush()
+            with sqlite3.connect(db) as ledger:
+                rows = ledger.execute("SELECT status, prompt_tokens, completion_tokens FROM requests").fetchall()
+        finally:
+            await ingress.stop()
+        return seen, rows
+
+    (whole, pieces), rows = asyncio.run(run())
+    assert whole == pieces
+    assert whole[1].startswith(b"HTTP/1.1 200 OK\r\n") and whole[1].endswith(ANSWER)
+    assert whole[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n") and whole[0].endswith(CHAT)
+    assert ("_serve_whole", True) in whole_paths and ("_upstream_whole", True) in whole_paths
+    assert rows == [(200, 3, 4), (200, 3, 4)]
