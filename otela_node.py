@@ -2188,7 +2188,18 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      node +20-51 us over direct (socketpair +47-90), the relay 117-128 us (socketpair
 #      131-158, splice 142-155), the whole mux path 2-66 us under the splice's (socketpair:
 #      28-78 over it). Wall-clock req/s swung 0.7-1.0x between runs on that box, all three
-#      paths alike, so the loss figures are the least sure. The mux stays the
+#      paths alike, so the loss figures are the least sure. Most of a forwarded request's
+#      cost at the relay is its writes (each carries the receiver's TCP path, and in the lab
+#      the NAT gateways', on the sender's CPU), so a link's reads are parsed in place (a mux
+#      frame is a view of the bytes read, its DATA written on as it is), what the streams send
+#      on a link goes out once per read of it or per loop turn (DATA, credit, CLOSE of every
+#      stream in one write), and a stream's DATA of one read in one write to its local side
+#      (_MuxLink.flush). Measured, the relay's CPU per request: bench_node --only relay (in
+#      process, loopback, no TLS, 16 dialers) 44-59 us -> 24-39; in the lab (--only nat
+#      --nat-runs 10, 4 runs alternating with 3 of the code before) 107-130 us (before
+#      124-130; against the unchanged splice's, 0.74-0.84x of it, before 0.84-0.85x), the
+#      member's node 272-318 (before 308-342); added p50 0.48-0.75 ms (before 0.53-0.57),
+#      req/s lost 13-22 % (before -3-15 %): within that box's swing. The mux stays the
 #      default for what the splice lacks, and now costs less: no connection per stream,
 #      nothing for a NAT or firewall to refuse per stream. (Earlier figures here, with the
 #      ingress relaying too, measured its handed-over dial-back in both modes: it held a
