@@ -2196,10 +2196,12 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      stream in one write), and a stream's DATA of one read in one write to its local side
 #      (_MuxLink.flush). Measured, the relay's CPU per request: bench_node --only relay (in
 #      process, loopback, no TLS, 16 dialers) 44-59 us -> 24-39; in the lab (--only nat
-#      --nat-runs 10, 4 runs alternating with 3 of the code before) 107-130 us (before
+#      --nat-runs 10, 5 runs alternating with 4 of the code before) 107-130 us (before
 #      124-130; against the unchanged splice's, 0.74-0.84x of it, before 0.84-0.85x), the
-#      member's node 272-318 (before 308-342); added p50 0.48-0.75 ms (before 0.53-0.57),
-#      req/s lost 13-22 % (before -3-15 %): within that box's swing. The mux stays the
+#      member's node 272-318 (before 308-342); added p50 0.48-0.75 ms (before 0.53-0.58),
+#      req/s lost 12-22 % (before -3-15 %): within that box's swing. The writes left are one
+#      per request each way per hop; fewer needs the dialer's connections on one link too
+#      (each read's frames for it in one write), which is the dialer's code. The mux stays the
 #      default for what the splice lacks, and now costs less: no connection per stream,
 #      nothing for a NAT or firewall to refuse per stream. (Earlier figures here, with the
 #      ingress relaying too, measured its handed-over dial-back in both modes: it held a
