@@ -808,11 +808,136 @@ def _nat_lab_run(quick, rounds, out):
         fleet.stop(ingress)
 
 
+# ---------------------------------------------------------------------------------------------
+# The relay's own cost, in process (no lab, no TLS): a relay forwarding tunnel streams between
+# dialers' connections and one member link, all on loopback
+# ---------------------------------------------------------------------------------------------
+RELAY_REQUEST = 400                 # bytes a dialer sends per request: a TLS record of a small request
+RELAY_ANSWER = (600, 1400)          # the member's answer: two DATA frames (head's and body's records)
+
+
+def _batched(mux):
+    """_link_frames's `mux` where the code has it (the phase also measures older code)."""
+    import inspect
+    return {"mux": mux} if "mux" in inspect.signature(on._link_frames).parameters else {}
+
+
+def _relay_process(link_port, dial_port, ready):
+    """The relay's side alone in this process: one member link read as the node reads one
+    (_link_frames, its _MuxLink), each dialer's connection a stream on it (_MuxStream.bridge)."""
+    on.install_event_loop()
+
+    async def run():
+        muxes = []
+
+        async def on_link(reader, writer):
+            mux = on._MuxLink(writer, 4096)
+            muxes.append(mux)
+            await on._link_frames(reader, writer, lambda data: mux.on_frame(data), 1 << 20, **_batched(mux))
+
+        async def on_dialer(reader, writer):
+            writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stream = muxes[0].open()
+            await stream.bridge(reader, writer)
+        servers = [await asyncio.start_server(on_link, "127.0.0.1", link_port),
+                   await asyncio.start_server(on_dialer, "127.0.0.1", dial_port)]
+        ready.set()
+        await asyncio.sleep(3600)
+        for s in servers:
+            s.close()
+    asyncio.run(run())
+
+
+class _AnswerStream(on._MuxCredit):
+    """The member's side of a stream in this phase: RELAY_ANSWER for each RELAY_REQUEST bytes."""
+
+    def __init__(self, link, sid):
+        self._start_credit(link, sid)
+        self.got = 0
+
+    def on_data(self, data):
+        if not self._within_window(data):
+            return False
+        self.got += len(data)
+        self.owed += len(data)
+        self._credit_back()
+        while self.got >= RELAY_REQUEST:
+            self.got -= RELAY_REQUEST
+            for n in RELAY_ANSWER:
+                self.link.send(on.mux_frame(on.MUX_DATA, self.sid, b"a" * n))
+                self.credit -= n
+        return True
+
+    def on_close(self):
+        self.link.streams.pop(self.sid, None)
+
+    def cut(self):
+        pass
+
+
+def relay_phase(quick, results):
+    """The standalone relay's CPU per forwarded request (utime + stime of its process), its
+    requests/s with 16 dialers, and the sequential round trip through it, on loopback: the
+    relay's own code, without the lab's NAT gateways and TLS (those add to every path alike)."""
+    import multiprocessing
+    out = results["relay"] = {}
+    per_conn, n_lat, conns = (200, 300, 16) if quick else (1000, 2000, 16)
+    link_port, dial_port = on.free_port(), on.free_port()
+    ready = multiprocessing.get_context("fork").Event()
+    proc = multiprocessing.get_context("fork").Process(target=_relay_process, args=(link_port, dial_port, ready),
+                                                       daemon=True)
+    proc.start()
+    try:
+        ready.wait(30)
+        answer = sum(RELAY_ANSWER)
+
+        async def run():
+            reader, writer = await asyncio.open_connection("127.0.0.1", link_port)
+            mux = on._MuxLink(writer, 4096, _AnswerStream)
+            reading = asyncio.ensure_future(on._link_frames(
+                reader, writer, lambda data: mux.on_frame(data, lambda stream: None), 1 << 20, **_batched(mux)))
+
+            async def dialer(count, lat=None):
+                r, w = await asyncio.open_connection("127.0.0.1", dial_port)
+                w.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                request = b"q" * RELAY_REQUEST
+                for _ in range(count):
+                    t0 = time.perf_counter()
+                    w.write(request)
+                    await r.readexactly(answer)
+                    if lat is not None:
+                        lat.append(time.perf_counter() - t0)
+                w.close()
+            await dialer(50)                        # warm up
+            lat = []
+            await dialer(n_lat, lat)
+            before = cpu_seconds(proc.pid)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(dialer(per_conn) for _ in range(conns)))
+            elapsed = time.perf_counter() - t0
+            cpu = cpu_seconds(proc.pid) - before
+            reading.cancel()
+            writer.close()
+            return lat, elapsed, cpu
+        on.install_event_loop()
+        lat, elapsed, cpu = asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.join(10)
+    n = per_conn * conns
+    out.update({"requests": n, "cpu_us_per_request": cpu / n * 1e6, "rps_16conn": n / elapsed,
+                "latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3})
+    print(f"relay alone (in process, loopback, no TLS; {conns} dialers x {per_conn} requests of {RELAY_REQUEST} B, "
+          f"answers {RELAY_ANSWER} B): CPU {out['cpu_us_per_request']:.1f} us/request, "
+          f"{out['rps_16conn']:.0f} req/s, round trip p50 {out['latency_p50_ms']:.3f} ms "
+          f"p99 {out['latency_p99_ms']:.3f} ms")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench-results")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel,nat")
+    p.add_argument("--only", default="", help="comma list of phases: cluster,churn,false,sim,tunnel,nat,relay")
     p.add_argument("--nat-runs", type=int, default=10,
                    help="rounds of the nat phase (each: direct, mux and splice one after the other); "
                         "medians of the per-round ratios")
@@ -828,7 +953,7 @@ def main():
         on.install_event_loop()
         asyncio.run(worker(args))
         return
-    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel", "nat"}
+    phases = set(args.only.split(",")) if args.only else {"cluster", "churn", "false", "sim", "tunnel", "nat", "relay"}
     results = {"quick": args.quick, "method": "worker processes hosting many Node objects, each with its "
                "own UDP+TCP sockets, on loopback; default timings"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -841,6 +966,8 @@ def main():
             tunnel_phase(key_file, args.quick, results)
         if "nat" in phases:
             nat_phase(args.quick, results, args.nat_runs)
+        if "relay" in phases:
+            relay_phase(args.quick, results)
         if "false" in phases:
             false_eviction_phase(key_file, args.quick, results, args.saturate_seconds)
     if "sim" in phases:
