@@ -33,7 +33,7 @@ import timeit
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from test_ingress_support import StandInNode  # noqa: E402
+from test_ingress_support import RecordingTransport, StandInNode  # noqa: E402
 
 import otela_ingress  # noqa: E402
 
@@ -48,42 +48,6 @@ CHUNKS = 500           # per stream, like the bench's "bulk" engine
 COLD_GAP_S = 0.06      # the idle time before each request at the bench's 16 req/s (10 ms already
                        # costs the full cold penalty)
 PHASE_SAMPLES = 60     # requests per phase timing (cold: 60 x 60 ms, about 4 s)
-
-
-class FakeTransport:
-    """What the ingress calls on a transport; writes are kept (and cleared by the driver)."""
-
-    def __init__(self):
-        self.out, self.closing = [], False
-
-    def write(self, data):
-        self.out.append(data)
-
-    def get_extra_info(self, name, default=None):
-        return ("127.0.0.1", 5555) if name == "peername" else default
-
-    def set_write_buffer_limits(self, high=None, low=None):
-        pass
-
-    def is_closing(self):
-        return self.closing
-
-    def pause_reading(self):
-        pass
-
-    def resume_reading(self):
-        pass
-
-    def abort(self):
-        self.closing = True
-
-    close = abort
-
-    def can_write_eof(self):
-        return True
-
-    def write_eof(self):
-        pass
 
 
 def request(key: str, stream: bool) -> bytes:
@@ -105,7 +69,7 @@ def stream_chunks(n: int) -> list:
     return chunks
 
 
-class PhaseTransport(FakeTransport):
+class PhaseTransport(RecordingTransport):
     """A transport whose write marks the end of a phase: `phase` moves to `then`, the time is kept."""
 
     def __init__(self, phase: list, then: str):

@@ -14,7 +14,7 @@ import pytest
 from fake_engine import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ingress_support import Client, Stack
+from test_ingress_support import Client, RecordingTransport, Stack
 
 import otela_ingress
 import otela_node
@@ -513,46 +513,6 @@ def test_every_kind_of_request_is_served_with_no_task_owning_its_connection(tmp_
         stack.close()
 
 
-class _Recorded:
-    """A transport that keeps what is written to it."""
-
-    def __init__(self):
-        self.out, self.closing = [], False
-
-    def write(self, data):
-        self.out.append(data)
-
-    def get_extra_info(self, name, default=None):
-        return ("127.0.0.1", 5555) if name == "peername" else default
-
-    def set_write_buffer_limits(self, high=None, low=None):
-        pass
-
-    def is_closing(self):
-        return self.closing
-
-    def pause_reading(self):
-        pass
-
-    def resume_reading(self):
-        pass
-
-    def abort(self):
-        self.closing = True
-
-    close = abort
-
-    def can_write_eof(self):
-        return True
-
-    def write_eof(self):
-        pass
-
-    def taken(self) -> bytes:
-        data, self.out = b"".join(self.out), []
-        return data
-
-
 def test_the_common_request_s_own_path_answers_and_books_as_the_general_one(tmp_path, monkeypatch):
     """A request in one read and its answer in one read (_serve_whole, _upstream_whole) send the
     engine, the client and the ledger exactly what the same bytes in pieces do."""
@@ -577,9 +537,9 @@ def test_the_common_request_s_own_path_answers_and_books_as_the_general_one(tmp_
         ingress = otela_ingress.Ingress(node, db_path=db)
         await ingress.start("127.0.0.1", 0)
         try:
-            client, to_client = otela_ingress._Client(ingress), _Recorded()
+            client, to_client = otela_ingress._Client(ingress), RecordingTransport()
             client.connection_made(to_client)
-            proto, to_engine = otela_ingress._UpstreamProtocol(asyncio.get_running_loop()), _Recorded()
+            proto, to_engine = otela_ingress._UpstreamProtocol(asyncio.get_running_loop()), RecordingTransport()
             proto.connection_made(to_engine)
             ingress.pool._idle["127.0.0.1:9"] = [otela_ingress.Upstream("127.0.0.1:9", to_engine, proto)]
             sent = request(key, CHAT)

@@ -324,3 +324,44 @@ def kill_pid(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+class RecordingTransport:
+    """A transport with no socket for driving the ingress's protocol callbacks in process: it
+    keeps what is written to it (taken() returns and clears it)."""
+
+    def __init__(self):
+        self.out, self.closing = [], False
+
+    def write(self, data):
+        self.out.append(data)
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 5555) if name == "peername" else default
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
+    def is_closing(self):
+        return self.closing
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def abort(self):
+        self.closing = True
+
+    close = abort
+
+    def can_write_eof(self):
+        return True
+
+    def write_eof(self):
+        pass
+
+    def taken(self) -> bytes:
+        data, self.out = b"".join(self.out), []
+        return data
