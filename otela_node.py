@@ -2776,6 +2776,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         self._lost = False                          # the tunnel code was told (connection_lost)
         self._reading = True                        # the tunnel code has not paused our reading
         self._write_paused = False
+        self._plain: List[bytes] = []               # written, not yet encrypted (see write)
         self.protocol.connection_made(self)
 
     def writer(self) -> asyncio.StreamWriter:
@@ -2863,13 +2864,31 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
     def write(self, data) -> None:
         if self._closing or not data:
             return
-        if self.tls is not None:
-            self.tls.write(data)
-            data = self._out.read()
-        self._send(bytes(data))
+        if self.tls is None:
+            self._send(bytes(data))
+            return
+        # Encrypted at the link's flush (the end of this read of the link, or of this turn of
+        # the loop): the writes of one turn (an SSE stream's chunks, a head and its body) become
+        # one TLS record and one DATA frame, not one each, which the relay and the dialer then
+        # forward and decrypt once.
+        plain = self._plain
+        if not plain:
+            self.link.touch(self)
+        plain.append(bytes(data))
+        if len(plain) > 1 and sum(map(len, plain)) >= MUX_CHUNK:   # a big answer: now, so that
+            self.flush_local()                      # the credit and the high-water mark hold it
 
     def writelines(self, list_of_data) -> None:
         self.write(b"".join(list_of_data))
+
+    def flush_local(self) -> None:
+        """The tunnel code's writes since the last flush, encrypted at once and sent (_MuxLink.flush)."""
+        plain = self._plain
+        if not plain or self._lost:
+            return
+        self._plain = []
+        self.tls.write(plain[0] if len(plain) == 1 else b"".join(plain))
+        self._send(self._out.read())
 
     def _send(self, data: bytes) -> None:
         if not self.held and len(data) <= self.credit and len(data) <= MUX_CHUNK:
@@ -2907,7 +2926,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         return self._reading and not self._lost
 
     def get_write_buffer_size(self) -> int:
-        return len(self.held)
+        return len(self.held) + sum(map(len, self._plain))
 
     def get_write_buffer_limits(self) -> Tuple[int, int]:
         return RELAY_HIGH_WATER // 4, RELAY_HIGH_WATER
@@ -2943,6 +2962,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         """What was written goes out (as credit allows), then CLOSE."""
         if self._closing:
             return
+        self.flush_local()                          # what was written goes before the close_notify
         self._closing = True
         if self.tls is not None and self.ready.done() and not self.closed:
             try:
@@ -2957,6 +2977,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
     def abort(self) -> None:
         self._closing = True
         self.held.clear()
+        self._plain = []
         self._end()
 
     def _end(self) -> None:
@@ -2972,6 +2993,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
             return
         self._lost = self._closing = True
         self.held.clear()
+        self._plain = []
         if not self.ready.done():
             self.ready.set_result(None)
         asyncio.get_running_loop().call_soon(self.protocol.connection_lost, exc)

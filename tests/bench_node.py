@@ -607,7 +607,9 @@ def _nat_lab_run(quick, rounds, out):
 
     import natlab
     import reliability as rel
-    n_lat, per_conn, per_stream = (30, 20, 4) if quick else (60, 60, 12)
+    # plain and SSE counts sized for about a second each per path per round: a shorter window
+    # (960 requests took ~0.15 s) was swung by any burst of load elsewhere on the box
+    n_lat, per_conn, per_stream = (30, 20, 4) if quick else (60, 360, 48)
     with tempfile.TemporaryDirectory() as tmp, natlab.NatLab() as lab, \
             rel.Fleet(tmp, dict(rel.QUICK_TIMINGS)) as fleet:
         pub, a, b = lab.place("pub"), lab.place("a"), lab.place("b")
@@ -703,6 +705,7 @@ def _nat_lab_run(quick, rounds, out):
         on_path = {"ingress": ingress, "relay": relay}
         per_round = []
         cpu = {p: {"requests": 0, **{k: 0.0 for k in ("ingress", "relay", "node")}} for p in NAT_PATHS}
+        sse_cpu = {p: {"chunks": 0, **{k: 0.0 for k in ("ingress", "relay", "node")}} for p in NAT_PATHS}
         lat_all = {p: [] for p in NAT_PATHS}
         for r in range(rounds):
             row = {}
@@ -716,7 +719,11 @@ def _nat_lab_run(quick, rounds, out):
                 for k, m in procs.items():
                     cpu[path][k] += cpu_seconds(m.proc.pid) - before[k]
                 cpu[path]["requests"] += n
-                sse = throughput(model, per_stream, stream=True, clients=8)[0]
+                before = {k: cpu_seconds(m.proc.pid) for k, m in procs.items()}
+                sse, _, chunks = throughput(model, per_stream, stream=True, clients=8)
+                for k, m in procs.items():
+                    sse_cpu[path][k] += cpu_seconds(m.proc.pid) - before[k]
+                sse_cpu[path]["chunks"] += chunks
                 row[path] = {"latency_p50_ms": pct(lat, 50) * 1e3, "latency_p99_ms": pct(lat, 99) * 1e3,
                              "rps_16conn": rps, "sse_chunks_per_s_8streams": sse}
             per_round.append(row)
@@ -742,8 +749,11 @@ def _nat_lab_run(quick, rounds, out):
                                                            for rw in per_round)
         out["cpu_us_per_request"] = {p: {k: 1e6 * c[k] / c["requests"] for k in ("ingress", "relay", "node")}
                                      for p, c in cpu.items()}
-        for c in out["cpu_us_per_request"].values():
-            c["path"] = sum(c.values())
+        out["cpu_us_per_sse_chunk"] = {p: {k: 1e6 * c[k] / max(1, c["chunks"]) for k in ("ingress", "relay", "node")}
+                                       for p, c in sse_cpu.items()}
+        for table in (out["cpu_us_per_request"], out["cpu_us_per_sse_chunk"]):
+            for c in table.values():
+                c["path"] = sum(c.values())
         print(f"nat lab (cone NATs; clients on the public host through the ingress; mux and splice through a "
               f"standalone relay, TLS end to end; {rounds} rounds x 3 paths, {n_lat} latency requests, "
               f"16 x {per_conn} plain, 8 x {per_stream} SSE requests per path per round):")
@@ -759,6 +769,9 @@ def _nat_lab_run(quick, rounds, out):
         print("  CPU us per plain request (utime+stime over the 16-connection runs, all rounds):")
         for p, c in out["cpu_us_per_request"].items():
             print(f"  {p:8}" + "  ".join(f"{k}={v:.0f}" for k, v in c.items()))
+        print("  CPU us per SSE chunk (over the 8-stream runs, all rounds):")
+        for p, c in out["cpu_us_per_sse_chunk"].items():
+            print(f"  {p:8}" + "  ".join(f"{k}={v:.1f}" for k, v in c.items()))
         # A private ingress on host A (behind NAT A, OTELA_REACH=private), its clients on host A:
         # the public node direct, the node behind NAT B over a punched TCP tunnel, side by side.
         listen, gossip = f"{a.host}:8090", f"{a.host}:7956"

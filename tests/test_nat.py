@@ -713,3 +713,35 @@ def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_
         return ends, [s.closed for s in streams], not own.streams
     ends, closed, dropped = run(with_bed(tmp_path, t, relay=False))
     assert ends == [b""] * 3 and closed == [True] * 3 and dropped
+
+
+@needs_tls
+def test_the_members_writes_of_one_loop_turn_on_a_stream_go_out_as_one_data_frame(tmp_path):
+    """An SSE stream's chunks written in one turn are encrypted together at the link's flush:
+    one TLS record and one DATA frame for the relay to forward and the dialer to decrypt."""
+    async def t(bed):
+        relay, worker = await linked_to_standalone_relay(bed)
+        sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+        reader, writer = await asyncio.open_connection(sock=sock, ssl=bed.ingress_node.tunnel_client_ssl,
+                                                       server_hostname=on.TLS_SERVER_NAME)
+        own = worker._link_muxes[relay.overlay.addr]
+        await until(lambda: len(own.streams) == 1 and next(iter(own.streams.values())).ready.done(),
+                    what="the stream's TLS done at the member")
+        stream = next(iter(own.streams.values()))
+        frames = []
+        send_data = own.send_data
+        own.send_data = lambda sid, payload: (frames.append(sid), send_data(sid, payload))
+        events = [b"data: {\"n\": %d}\n\n" % i for i in range(20)]
+        for event in events:                          # the tunnel code's writes of one turn
+            stream.write(event)
+        stream.writelines([b"data: [DONE]\n\n"])
+        pending = stream.get_write_buffer_size()
+        got = b""
+        while len(got) < len(b"".join(events)) + 14:
+            got += await asyncio.wait_for(reader.read(1 << 16), 10)
+        sent_before_close = list(frames)
+        writer.close()
+        return sent_before_close, pending, got, b"".join(events) + b"data: [DONE]\n\n"
+    frames, pending, got, sent = run(with_bed(tmp_path, t, relay=False))
+    assert pending == len(sent)                       # held until the flush, and counted as buffered
+    assert len(frames) == 1 and got == sent
