@@ -22,7 +22,9 @@ Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on tim
 With --rounds N every config is measured N times in rotating order (a noisy machine's bursts
 then fall on different configs); figures are medians of the rounds, and the ratios to nginx
 (added p50, req/s, SSE chunks/s) are the medians of per-round ratios.
-Usage: python tests/bench_ingress.py [--out bench-results] [--quick] [--no-node] [--rounds N]
+With --before DIR (a checkout of an earlier commit, e.g. `git worktree add DIR REV`), that
+checkout's ingress is measured beside this one as "before+uvloop", in the same rounds.
+Usage: python tests/bench_ingress.py [--out bench-results] [--quick] [--no-node] [--rounds N] [--before DIR]
 """
 from __future__ import annotations
 
@@ -609,10 +611,15 @@ def main() -> int:
     parser.add_argument("--no-node", action="store_true", help="skip the whole path through otela_node")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every config N times in rotating order; medians and per-round ratios")
+    parser.add_argument("--before", metavar="DIR",
+                        help="a checkout of an earlier commit: its ingress measured beside this one")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    before = os.path.join(args.before, "tests", "bench_ingress.py") if args.before else None
+    if before is not None and not os.path.isfile(before):
+        parser.error(f"--before: {before} does not exist")
     if args.child:
         spec = json.loads(args.child)
         if spec.get("relay"):
@@ -644,16 +651,19 @@ def main() -> int:
             pin(pid, 1)
         pin(0, 1)
         ingresses = {}
-        for use_uvloop in (True, False):
+        runs = [("ingress+uvloop", os.path.abspath(__file__), True),
+                ("ingress+asyncio", os.path.abspath(__file__), False)]
+        if before is not None:   # the earlier checkout's own child, with its own otela_ingress
+            runs.append(("before+uvloop", os.path.abspath(before), True))
+        for name, script, use_uvloop in runs:
             spec = json.dumps({"engines": ports, "uvloop": use_uvloop,
-                               "db": os.path.join(tmp, f"ledger-{int(use_uvloop)}.sqlite")})
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec],
+                               "db": os.path.join(tmp, f"ledger-{name}.sqlite")})
+            proc = subprocess.Popen([sys.executable, script, "--child", spec],
                                     stdout=subprocess.PIPE, text=True)
             procs.append(proc)
             info = json.loads(proc.stdout.readline())
             pin(proc.pid, 0)
-            ingresses["ingress+uvloop" if use_uvloop else "ingress+asyncio"] = (proc.pid, info["port"],
-                                                                                info["key"])
+            ingresses[name] = (proc.pid, info["port"], info["key"])
         every = {model: port for model, port in ports.items()}
         targets = {"direct": (None, every, "none")}
         targets.update({name: (pid, {model: port for model in ports}, key)

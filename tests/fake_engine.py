@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -336,10 +337,44 @@ async def start_fake_engine(port: int, host: str = "127.0.0.1", **opts) -> FakeE
     return engine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_handed_out: set = set()
+
+
+def free_port(kind: int = socket.SOCK_STREAM, both: bool = False) -> int:
+    """A loopback port free now for `kind` (TCP and UDP with `both`: gossip binds both), for a
+    process the test starts later. Taken below the kernel's ephemeral range: a port bound to 0
+    comes from that range, and an outgoing connection of any process on the machine could take
+    it as its source port before the server binds it ("address already in use"). Not one this
+    process handed out before."""
+    rng = random.Random()
+    low = max(1024, min(_EPHEMERAL_LOW, 65536) - 20000)
+    for _ in range(200):
+        port = rng.randrange(low, max(low + 1, _EPHEMERAL_LOW))
+        if port in _handed_out:
+            continue
+        try:
+            for k in ((socket.SOCK_STREAM, socket.SOCK_DGRAM) if both else (kind,)):
+                with socket.socket(socket.AF_INET, k) as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def free_port_pair() -> int:
+    """A loopback port free for both TCP and UDP (gossip binds both)."""
+    return free_port(both=True)
 
 
 def spawn_fake_engine(port: int, *flags: str, wait: float = 10.0) -> subprocess.Popen:

@@ -160,8 +160,12 @@ def test_a_daily_budget_holds_for_the_cluster_with_openais_insufficient_quota(tw
     assert error["type"] == "insufficient_quota" and error["code"] == "insufficient_quota"
     at_b = Client(two.url_b, key["key"])
     poll(lambda: at_b.chat("fm", "one")[0] == 429, "the used budget at B")
-    shown = json.loads(two.cli(two.db, "list", "--json"))
-    row = [r for r in shown if r["id"] == key["id"]][0]
+    # `keys list` shows the cluster's use as this --db last heard it: the slot that took B to 429
+    # is in A's SQLite at the ledger's next commit, which may come after B's answer
+    def listed():
+        row = [r for r in json.loads(two.cli(two.db, "list", "--json")) if r["id"] == key["id"]][0]
+        return row if row["tokens_today"] >= 45 else None
+    row, _ = poll(listed, "the cluster's use in A's `keys list`")
     assert row["budget_day"] == 40 and row["tokens_today"] >= 45
 
 
