@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt r
 ENGINE := .cache/engine/venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test bench reliability lint venv engine sysdeps netdeps clean
+.PHONY: run test bench reliability lint venv engine sysdeps netdeps benchdeps clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt requirements-optional.txt
@@ -45,7 +45,16 @@ test: venv engine sysdeps lint
 	@echo "--- registry and overlay tests again without the optional accelerators (orjson, uvloop)"
 	OTELA_BLOCK_ACCEL=1 $(VPY) -m pytest -q tests/test_crdt.py tests/test_node_core.py tests/test_node_tunnel.py
 
-bench: venv
+# nginx-light: the peer the ingress is measured against in the same run (as root; without it
+# the bench says nginx was skipped). netdeps: the NAT lab of the tunnel benchmarks.
+benchdeps: netdeps
+	@if [ "$$(id -u)" = 0 ] && ! { command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; }; then \
+	  echo "installing nginx-light (the ingress benchmark's peer)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null; }; \
+	fi
+
+bench: venv benchdeps
 	@mkdir -p bench-results
 	@for f in tests/bench_*.py; do echo "== $$f"; $(VPY) $$f --out bench-results $(BENCH_ARGS) || exit 1; done
 	@echo "figures written to bench-results/*.json"
@@ -53,7 +62,7 @@ bench: venv
 # Fault scenarios (partition in network namespaces as root, ingress restarts, churn) against
 # real processes on the fake engine: one table, and bench-results/reliability.json. A few
 # minutes; RELIABILITY_ARGS=--quick for a shorter run.
-reliability: venv netdeps
+reliability: venv benchdeps
 	@mkdir -p bench-results
 	$(VPY) tests/reliability.py --out bench-results $(RELIABILITY_ARGS)
 
