@@ -47,7 +47,7 @@ class TwoIngresses(Cluster):
         self.db_b = os.path.join(tmp_dir, "b.sqlite")
         self.port_b = free_port()
         self.url_b = f"http://127.0.0.1:{self.port_b}"
-        self.ingress_b = self.start_b()
+        self._started(self.start_b)
 
     def start_b(self):
         proc = self._spawn("ingress-b", [os.path.join(self.root, "otela_ingress.py"), "serve",
@@ -55,6 +55,7 @@ class TwoIngresses(Cluster):
                                          "--gossip", f"127.0.0.1:{free_port()}", "--db", self.db_b,
                                          "--bootstrap", f"127.0.0.1:{self.gossip}",
                                          "--require-code-hash", "self"])
+        self.ingress_b = proc
         self._wait(lambda: Client(self.url_b).request("GET", "/healthz")[0] == 200, "ingress B /healthz")
         return proc
 

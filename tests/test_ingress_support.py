@@ -239,7 +239,17 @@ class Cluster:
                                                "--key-file", self.key_file, "--listen", f"127.0.0.1:{self.port}",
                                                "--gossip", f"127.0.0.1:{self.gossip}", "--db", self.db,
                                                "--policy", policy])
-        self._wait(lambda: Client(self.url).request("GET", "/healthz")[0] == 200, "ingress /healthz")
+        self._started(lambda: self._wait(lambda: Client(self.url).request("GET", "/healthz")[0] == 200,
+                                         "ingress /healthz"))
+
+    def _started(self, step) -> None:
+        """Run a step of the start; when it fails, what was started is stopped before the error
+        goes on (a fixture whose setup raises never reaches its own cleanup)."""
+        try:
+            step()
+        except BaseException:
+            self.close()
+            raise
 
     def _spawn(self, name: str, argv: List[str]):
         import subprocess
