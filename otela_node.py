@@ -4981,7 +4981,29 @@ def _die_with_parent() -> None:                     # runs in the child between 
         pass                                                        # the engine
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port free now, for an engine that binds it later (vLLM takes tens of seconds).
+    Taken below the kernel's ephemeral range: a port bound to 0 comes from that range, where any
+    outgoing connection on the machine could take it as its source port before the engine binds
+    it. Port 0's pick when no port below the range is free."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 20000), max(1025, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,6 +1,7 @@
 """The node's pure parts: wire format, the sans-IO overlay on a simulated lossy network, config."""
 import os
 import random
+import socket
 import stat
 import struct
 
@@ -520,3 +521,20 @@ def test_env_bool_reads_the_usual_spellings_and_refuses_the_rest(monkeypatch):
     monkeypatch.setenv("OTELA_X", "maybe")
     with pytest.raises(on.ConfigError):
         on.env_bool("X")
+
+
+def test_the_port_a_node_picks_for_its_engine_is_below_the_ephemeral_range_and_free(monkeypatch):
+    # an engine that binds its port tens of seconds after the node chose it must not find it
+    # taken by an outgoing connection's source port (those come from the ephemeral range)
+    low = on._ephemeral_low()
+    ports = [on.free_port() for _ in range(50)]
+    assert all(max(1024, low - 20000) <= p < low for p in ports)
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(on, "_ephemeral_low", lambda: 1024)   # no room below the range: port 0's pick
+    assert 0 < on.free_port() < 65536
+    cfg = on.Config(key=bytes(32))
+    sup = on.EngineSupervisor("engine --port {port}", None, cfg)
+    port = int(sup.argv[-1])
+    assert sup.url == f"http://127.0.0.1:{port}"
