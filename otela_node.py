@@ -2794,6 +2794,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         self._reading = True                        # the tunnel code has not paused our reading
         self._write_paused = False
         self._plain: List[bytes] = []               # written, not yet encrypted (see write)
+        self._plain_size = 0                        # ... their bytes
         self.protocol.connection_made(self)
 
     def writer(self) -> asyncio.StreamWriter:
@@ -2892,7 +2893,8 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         if not plain:
             self.link.touch(self)
         plain.append(bytes(data))
-        if len(plain) > 1 and sum(map(len, plain)) >= MUX_CHUNK:   # a big answer: now, so that
+        self._plain_size += len(data)
+        if len(plain) > 1 and self._plain_size >= MUX_CHUNK:   # a big answer: now, so that
             self.flush_local()                      # the credit and the high-water mark hold it
 
     def writelines(self, list_of_data) -> None:
@@ -2903,7 +2905,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         plain = self._plain
         if not plain or self._lost:
             return
-        self._plain = []
+        self._plain, self._plain_size = [], 0
         self.tls.write(plain[0] if len(plain) == 1 else b"".join(plain))
         self._send(self._out.read())
 
@@ -2943,7 +2945,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         return self._reading and not self._lost
 
     def get_write_buffer_size(self) -> int:
-        return len(self.held) + sum(map(len, self._plain))
+        return len(self.held) + self._plain_size
 
     def get_write_buffer_limits(self) -> Tuple[int, int]:
         return RELAY_HIGH_WATER // 4, RELAY_HIGH_WATER
@@ -2994,7 +2996,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
     def abort(self) -> None:
         self._closing = True
         self.held.clear()
-        self._plain = []
+        self._plain, self._plain_size = [], 0
         self._end()
 
     def _end(self) -> None:
@@ -3010,7 +3012,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
             return
         self._lost = self._closing = True
         self.held.clear()
-        self._plain = []
+        self._plain, self._plain_size = [], 0
         if not self.ready.done():
             self.ready.set_result(None)
         asyncio.get_running_loop().call_soon(self.protocol.connection_lost, exc)
@@ -4989,21 +4991,28 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """A loopback port free now, for an engine that binds it later (vLLM takes tens of seconds).
-    Taken below the kernel's ephemeral range: a port bound to 0 comes from that range, where any
-    outgoing connection on the machine could take it as its source port before the engine binds
-    it. Port 0's pick when no port below the range is free."""
+def free_port(kinds: Tuple[int, ...] = (socket.SOCK_STREAM,), avoid: Optional[Set[int]] = None) -> int:
+    """A loopback port free now for each socket kind in `kinds`, for a server that binds it later
+    (vLLM takes tens of seconds). Taken below the kernel's ephemeral range: a port bound to 0
+    comes from that range, where any outgoing connection on the machine could take it as its
+    source port before the server binds it. `avoid`: ports not to hand out, and the chosen one
+    is added to it (a caller choosing several ports before any is bound). Port 0's pick when no
+    port below the range is free."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
-    for _ in range(64):
+    for _ in range(200):
         port = rng.randrange(max(1024, low - 20000), max(1025, low))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+        if avoid is not None and port in avoid:
+            continue
+        try:
+            for kind in kinds:
+                with socket.socket(socket.AF_INET, kind) as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        if avoid is not None:
+            avoid.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -337,39 +336,18 @@ async def start_fake_engine(port: int, host: str = "127.0.0.1", **opts) -> FakeE
     return engine
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_EPHEMERAL_LOW = _ephemeral_low()
-_handed_out: set = set()
+_handed_out: set = set()            # the ports free_port gave this process
 
 
 def free_port(kind: int = socket.SOCK_STREAM, both: bool = False) -> int:
     """A loopback port free now for `kind` (TCP and UDP with `both`: gossip binds both), for a
-    process the test starts later. Taken below the kernel's ephemeral range: a port bound to 0
-    comes from that range, and an outgoing connection of any process on the machine could take
-    it as its source port before the server binds it ("address already in use"). Not one this
-    process handed out before."""
-    rng = random.Random()
-    low = max(1024, min(_EPHEMERAL_LOW, 65536) - 20000)
-    for _ in range(200):
-        port = rng.randrange(low, max(low + 1, _EPHEMERAL_LOW))
-        if port in _handed_out:
-            continue
-        try:
-            for k in ((socket.SOCK_STREAM, socket.SOCK_DGRAM) if both else (kind,)):
-                with socket.socket(socket.AF_INET, k) as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free loopback port below the ephemeral range")
+    process the test starts later: otela_node.free_port's (below the ephemeral range, where no
+    outgoing connection takes it first), never one this process was given before."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import otela_node  # here, not at the top: the engine process never needs it
+    return otela_node.free_port((socket.SOCK_STREAM, socket.SOCK_DGRAM) if both else (kind,), _handed_out)
 
 
 def free_port_pair() -> int:
