@@ -418,3 +418,18 @@ def test_a_short_round_of_coverage_guided_fuzzing_finds_no_disagreement(tmp_path
     done = subprocess.run([sys.executable, os.path.join(here, "fuzz_http_codec.py"), "-runs=2000", "-max_len=256",
                            "-seed=1", str(corpus)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_table_of_field_lines_seen_before_stays_bounded_under_lines_never_seen_twice():
+    # a hostile client sending a new header line on every request costs a lookup, not memory;
+    # a long line is split each time and never kept; what is read is the same either way
+    on._FIELD_LINES.clear()
+    long_value = b"c" * (on._FIELD_LINE_CACHED + 10)
+    for i in range(on._FIELD_LINES_MAX * 3):
+        head = on.parse_request(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-n-%d:  v%d \r\ncookie: %s\r\n\r\n"
+                                % (i, i, long_value))
+        assert head.fields[b"x-n-%d" % i] == b"v%d" % i and head.fields[b"cookie"] == long_value
+        assert len(on._FIELD_LINES) <= on._FIELD_LINES_MAX + 2
+    assert all(len(line) <= on._FIELD_LINE_CACHED for line in on._FIELD_LINES)
+    again = on.parse_request(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-N-1:  v1 \r\n\r\n")
+    assert again.headers == [(b"host", b"x"), (b"x-n-1", b"v1")]
