@@ -540,8 +540,13 @@ class Ledger:
         """Journal one row (USAGE_FIELDS; durable against a crash of this process once this
         returns) and queue it for SQLite. `line`, when given, is the row already serialised
         (a JSON array and a newline)."""
-        if line is None:
-            line = crdt.dumps(values) + b"\n"
+        self.journal(crdt.dumps(values) + b"\n" if line is None else line)
+        self.queue(values)
+
+    def journal(self, line: bytes) -> None:
+        """The first half of record: the row's line into the journal (before the client's last
+        byte). queue(values) must follow with nothing journalled between: a row's place in the
+        journal is where the journal ends when it is queued."""
         offset = self._offset
         end = offset + len(line)
         if end > self._size:
@@ -556,9 +561,12 @@ class Ledger:
             except OSError as exc:   # a full disk must not take the API down with it
                 print(f"otela-ingress: usage journal write failed: {exc}", file=sys.stderr)
         self._offset = end
+
+    def queue(self, values: tuple) -> None:
+        """The second half of record: the journalled row, queued for SQLite."""
         with self._rows_lock:
             self._pending.append(values)
-            self._position = (self.seq, end)
+            self._position = (self.seq, self._offset)
 
     def _open_journal(self, need: int) -> None:
         """Start journal file self.seq. It is mapped shared and its blocks reserved up front:
@@ -2238,8 +2246,11 @@ class _Exchange:
 
     def pick(self, pool: List[Candidate]) -> Candidate:
         """The next attempt: the policy picks a session (a user's policy may raise)."""
+        return self.begin(self.ingress.policy.pick(pool, self.routed))
+
+    def begin(self, candidate: Candidate) -> Candidate:
+        """An attempt on `candidate`, which the policy picked, starts."""
         ingress = self.ingress
-        candidate = ingress.policy.pick(pool, self.routed)
         self.to(ROUTED)
         attempt = self.attempts
         self.candidate = candidate
@@ -2284,11 +2295,12 @@ class _Exchange:
             self.status = status
         ingress = self.ingress
         now = time.monotonic()
-        ingress.metrics.inflight -= 1
-        if booked:
-            ingress._record(self, now)
+        row = ingress._record(self, now) if booked else None   # journalled; queued for SQLite below
         if last and not client.closed:   # uvloop raises on a closed transport
             client.transport.write(last)
+        ingress.metrics.inflight -= 1
+        if row is not None:
+            ingress.ledger.queue(row)
         if booked:
             ingress._account(self, now)
         candidate = self.candidate
@@ -2553,7 +2565,6 @@ class Ingress:
                 if event.method == b"POST" and event.target in PROXIED_PATHS:
                     body = conn.whole_body(self.max_body)
                     if body is not None:   # the common case: the whole request is here
-                        self._tag(client, event.fields)   # X-Request-Id and CORS (see _tag)
                         self._proxy(client, event.target, event.fields, body, time.monotonic())
                         continue
                 self._begin(client, event)
@@ -2585,8 +2596,7 @@ class Ingress:
         conn._head, conn._body = head, None   # as next_event and whole_body leave it
         conn.their_state, conn.our_state = h11.DONE, h11.SEND_RESPONSE
         fields = head.fields
-        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
-        self._proxy(client, head.target, fields, data[head.size:], time.monotonic())
+        self._proxy(client, head.target, fields, data[head.size:], time.monotonic())   # (and _tag)
         return True
 
     def _internal_error(self, client: _Client, exc: BaseException) -> None:
@@ -2649,7 +2659,7 @@ class Ingress:
             return
         if method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
             self.authenticate(fields)   # on the head: a stranger's body is never read
-            return self._read_body(client, fields, lambda body: self._proxy(client, path, fields, body, t0))
+            return self._read_body(client, fields, lambda body: self._proxy(client, path, fields, body, t0, tag=False))
         # a GET's stray small body (or its empty one) is read, to keep the connection; a bigger
         # one is never read: the answer closes the connection
         length = fields.get(b"content-length") or b"0"
@@ -2814,9 +2824,10 @@ class Ingress:
 
     # -- the proxy ---------------------------------------------------------------------------
     def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
-                 t0: float) -> Tuple[_Exchange, List[Candidate]]:
-        """Check a proxied request (key, rate, JSON, model) and find its candidates; raises
-        HTTPError for the client."""
+                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate]]:
+        """Check a proxied request (key, rate, JSON, model) and find its candidates: what the
+        policy sees, the key, the body to send (include_usage or an alias spliced in), whether
+        the stream's usage is ours to strip, and the candidates. Raises HTTPError for the client."""
         key = self.authenticate(fields)
         if key.rate > 0 and not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
@@ -2847,27 +2858,52 @@ class Ingress:
                     body = crdt.dumps(request)
         if model in self.aliases:   # a public name: the first of its models that is served
             model, body, candidates = self._alias(model, key, body)
-        opt_out = fields.get(NO_TRACK_HEADER)
-        tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         if candidates is None:   # (an alias found them already)
             candidates = self.candidates(model, key)
-        routed = RoutedRequest(model, key.user, key.id, stream, path.decode(), t0)
-        client.busy = True
-        return _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0), candidates
+        return RoutedRequest(model, key.user, key.id, stream, path.decode(), t0), key, body, strip_usage, candidates
 
-    def _proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float) -> None:
+    def _proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
+               tag: bool = True) -> None:
         """A proxied request with its whole body: checked, routed and sent upstream from here;
-        its answer comes back in the upstream connection's callbacks (_on_upstream)."""
+        its answer comes back in the upstream connection's callbacks (_on_upstream). `tag`: its
+        request id is still to be given (see _tag; _begin gave it already).
+
+        On the common path, a kept-alive connection to the session the policy picked, the
+        request goes out first and is booked after, while the engine works on it: its exchange,
+        its request id, the policy's count. At 16 requests/s every step before that write is
+        paid on a cold CPU, and none of these is needed to send it."""
         client.busy = True
         try:
-            ex, candidates = self._prepare(client, path, fields, body, t0)
+            routed, key, body, strip_usage, candidates = self._prepare(client, path, fields, body, t0)
+            left = self._healthy(candidates) if self.health.sick_until else candidates
+            candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
+            if tag:
+                self._tag(client, fields)
             self._write_error(client, exc)
             client.finish()
             return
-        client.exchange = ex
-        ex.left = left = self._healthy(candidates) if self.health.sick_until else candidates
-        self._send(ex, ex.pick(left), fresh=False)   # (the first attempt: _next_attempt's checks hold)
+        except Exception:   # a bug, or a user's policy that raises: its 500 (see _serve) names it
+            if tag:
+                self._tag(client, fields)
+            raise
+        up = self.pool.take_idle(candidate.addr)
+        if up is not None:
+            try:
+                up.send(self._request_head(path, candidate.addr, routed.stream, body) + body)
+            except UpstreamFailure:   # a pooled connection closed under us: a fresh one, no failure
+                self.pool.discard(up)
+                up = None
+        if tag:
+            self._tag(client, fields)
+        opt_out = fields.get(NO_TRACK_HEADER)
+        tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
+        ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
+        ex.left = left
+        ex.begin(candidate)   # (the first attempt: _next_attempt's checks hold)
+        if up is None:
+            return self._send(ex, candidate, fresh=True)
+        self._sent_on(ex, candidate, up)
 
     def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
         """The candidates not out of rotation for failing (all of them if every one is)."""
@@ -2925,12 +2961,16 @@ class Ingress:
 
     def _send_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
         try:
-            up.send(self._request_head(ex, candidate.addr) + ex.body)
+            up.send(self._request_head(ex.path, candidate.addr, ex.routed.stream, ex.body) + ex.body)
         except UpstreamFailure as exc:
             self.pool.discard(up)
             if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
                 return self._send(ex, candidate, fresh=True)
             return self._attempt_failed(ex, str(exc))
+        self._sent_on(ex, candidate, up)
+
+    def _sent_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
+        """The attempt's request went out on `up`: its answer is read from there."""
         ex.to(SENT)
         ex.up, ex.head = up, None
         proto = up.proto
@@ -3095,19 +3135,18 @@ class Ingress:
         ex.finish("gone")
         client.busy = False
 
-    def _request_head(self, ex: _Exchange, addr: str) -> bytes:
+    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes) -> bytes:
         """The head of a request upstream: the same but for its length per (path, session,
         streaming), so it is formatted once (bounded: routes x sessions in use)."""
-        stream = ex.routed.stream
-        frame = self._request_heads.get((ex.path, addr, stream))
+        frame = self._request_heads.get((path, addr, stream))
         if frame is None:
             if len(self._request_heads) >= 4096:
                 self._request_heads = {}
-            frame = self._request_heads[(ex.path, addr, stream)] = (
+            frame = self._request_heads[(path, addr, stream)] = (
                 b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
-                % (ex.path, addr.encode()),
+                % (path, addr.encode()),
                 b"\r\n" + self._tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
-        return b"%s%d%s" % (frame[0], len(ex.body), frame[1])
+        return b"%s%d%s" % (frame[0], len(body), frame[1])
 
     def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes,
                     outcome: str = "ok") -> None:
@@ -3169,10 +3208,11 @@ class Ingress:
                 candidate.record.get("owner", ""))
         ex.row_head = (candidate, head, crdt.dumps(head)[:-1])
 
-    def _record(self, ex: _Exchange, now: float) -> None:
-        """Journal the ledger row (called before the client gets the last byte)."""
+    def _record(self, ex: _Exchange, now: float) -> Optional[tuple]:
+        """Journal the ledger row (called before the client gets the last byte). Returns the row,
+        for Ledger.queue right after that byte went out, when it is not queued already."""
         if self.ledger is None:
-            return
+            return None
         candidate = ex.candidate
         row_head = ex.row_head
         if row_head is not None and candidate is row_head[0] and ex.prompt_tokens is not None:
@@ -3183,17 +3223,17 @@ class Ingress:
             status, prompt, completion = ex.status, ex.prompt_tokens, ex.completion_tokens
             stream, attempts, tracked = int(ex.routed.stream), ex.attempts, int(ex.tracked)
             # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
-            self.ledger.record(row_head[1] + (status, prompt, completion, micros / 1000, stream, attempts, tracked,
-                                              ex.request_id.decode()),
-                               b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s"]\n' % (
-                                   row_head[2], status, prompt, completion, micros // 1000, micros % 1000, stream,
-                                   attempts, tracked, ex.request_id))
-            return
+            self.ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s"]\n' % (
+                row_head[2], status, prompt, completion, micros // 1000, micros % 1000, stream, attempts, tracked,
+                ex.request_id))
+            return row_head[1] + (status, prompt, completion, micros / 1000, stream, attempts, tracked,
+                                  ex.request_id.decode())
         self.ledger.record((
             time.time(), ex.key.id, ex.key.user, ex.routed.model,
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
             int(ex.routed.stream), ex.attempts, int(ex.tracked), ex.request_id.decode()))
+        return None
 
     # -- request ids and CORS: header lines on every answer to a request ---------------------
     def _tag(self, client: _Client, fields: Dict[bytes, bytes]) -> None:

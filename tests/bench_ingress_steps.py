@@ -9,9 +9,11 @@ parsed, the answer written, the exchange booked (ledger row journalled, metrics,
   - us: wall time per request and per chunk (the best of several rounds), which still moves
     with the load but far less than a socket benchmark's.
 SSE is measured twice: one chunk per read (a paced engine) and 16 chunks per read (a fast one).
-With --phases, the plain request is also cut in three at its writes: A (the client's bytes to
-the upstream write), B (the upstream's answer to the client write) and C (what runs after that
-write, in the same callback): steps per phase, and wall time per phase warm (back to back) and
+With --phases, the plain request is also cut in four at its writes: A (the client's bytes to
+the upstream write), T (what runs after that write, in the same callback, while the engine
+works), B (the upstream's answer to the client write) and C (what runs after that write, in the
+same callback): A and B are what a client waits for. Steps per phase, and wall time of A, B and C
+warm (back to back) and
 cold (after an idle gap of COLD_GAP_S, as the bench's 16 req/s leaves the CPU), the medians of
 PHASE_SAMPLES requests, the process pinned to one CPU.
 Run it from two checkouts to compare them. Prints a table and writes JSON to <--out>/ingress_steps.json.
@@ -84,8 +86,8 @@ class PhaseTransport(RecordingTransport):
 
 
 def phase_figures(client, proto, plain: bytes, phase: list, client_transport, up_transport) -> dict:
-    """Steps and warm/cold microseconds of phases A, B and C of one plain request."""
-    counts = {"A": 0, "B": 0, "C": 0}
+    """Steps of phases A, T, B and C of one plain request, and warm/cold microseconds of A, B, C."""
+    counts = {"A": 0, "T": 0, "B": 0, "C": 0}
 
     def one():
         phase[0] = "A"
@@ -114,7 +116,7 @@ def phase_figures(client, proto, plain: bytes, phase: list, client_transport, up
             one()
     finally:
         sys.settrace(None)
-    out = {f"steps_phase_{p}": counts[p] / runs for p in "ABC"}
+    out = {f"steps_phase_{p}": counts[p] / runs for p in "ATBC"}
     for label, gap in (("warm", 0.0), ("cold", COLD_GAP_S)):
         times = {"A": [], "B": [], "C": []}
         for _ in range(PHASE_SAMPLES):
@@ -165,7 +167,7 @@ async def measure(quick: bool, phases: bool = False) -> dict:
         phase = ["-"]   # --phases: which phase of a plain request runs (see phase_figures)
         client, client_transport = otela_ingress._Client(ingress), PhaseTransport(phase, "C")
         client.connection_made(client_transport)
-        proto, up_transport = otela_ingress._UpstreamProtocol(loop), PhaseTransport(phase, "B")
+        proto, up_transport = otela_ingress._UpstreamProtocol(loop), PhaseTransport(phase, "T")
         proto.connection_made(up_transport)
         ingress.pool._idle[ADDR] = [otela_ingress.Upstream(ADDR, up_transport, proto)]
         plain, streamed = request(key, False), request(key, True)
@@ -218,7 +220,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="fewer timing rounds")
     parser.add_argument("--phases", action="store_true",
-                        help="also steps and warm/cold us of a plain request's phases A, B, C")
+                        help="also steps and warm/cold us of a plain request's phases (A, T, B, C)")
     args = parser.parse_args()
     result = asyncio.run(measure(args.quick, args.phases))
     for name, value in result.items():
