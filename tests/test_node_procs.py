@@ -241,8 +241,7 @@ def test_random_bytes_and_mutated_packets_at_the_gossip_port_leave_node_and_regi
     valid = [wire.seal(m, time.time()) for m in (
         {"t": "r", "r": {"evil": {"owner": "x", "state": 3, "version": 9, "started": 0, "left_at": 0}}},
         {"t": "p", "n": 1, "to": target.session[:8]}, {"t": "d", "d": {"n": 1, "root": "00"}})]
-    authentic_nonsense = [wire.seal(m, time.time()) for m in (
-        {"t": "r", "r": [1, 2]}, {"t": "st", "r": {"x": {"owner": 1}}}, {"t": "i", "n": "x"}, {"t": "d"})]
+    nonsense = ({"t": "r", "r": [1, 2]}, {"t": "st", "r": {"x": {"owner": 1}}}, {"t": "i", "n": "x"}, {"t": "d"})
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sent = 0
     end = time.monotonic() + FUZZ_SECONDS
@@ -267,8 +266,10 @@ def test_random_bytes_and_mutated_packets_at_the_gossip_port_leave_node_and_regi
             sent += 1
             if sent % 200 == 0:
                 time.sleep(0.02)                     # ~10,000 packets/s at most: bounded load
-        for data in authentic_nonsense:
-            sock.sendto(data, (host, port))
+        time.sleep(1.0)   # the flood's queue drains first: a full socket queue drops what follows
+        for message in nonsense:   # authentic, and sealed now: a seal older than the window is stale
+            sock.sendto(wire.seal(message, time.time()), (host, port))
+            time.sleep(0.01)
         with socket.create_connection((host, port), timeout=2) as tcp:   # garbage TCP frames too
             tcp.sendall(b"\xff\xff\xff\xff" + os.urandom(100))
     finally:
