@@ -2296,11 +2296,13 @@ class _Exchange:
         ingress = self.ingress
         now = time.monotonic()
         row = ingress._record(self, now) if booked else None   # journalled; queued for SQLite below
-        if last and not client.closed:   # uvloop raises on a closed transport
-            client.transport.write(last)
-        ingress.metrics.inflight -= 1
-        if row is not None:
-            ingress.ledger.queue(row)
+        try:
+            if last and not client.closed:   # uvloop raises on a closed transport
+                client.transport.write(last)
+        finally:   # a journalled row that is never queued would be lost to SQLite
+            ingress.metrics.inflight -= 1
+            if row is not None:
+                ingress.ledger.queue(row)
         if booked:
             ingress._account(self, now)
         candidate = self.candidate
@@ -2888,12 +2890,8 @@ class Ingress:
                 self._tag(client, fields)
             raise
         up = self.pool.take_idle(candidate.addr)
-        if up is not None:
-            try:
-                up.send(self._request_head(path, candidate.addr, routed.stream, body) + body)
-            except UpstreamFailure:   # a pooled connection closed under us: a fresh one, no failure
-                self.pool.discard(up)
-                up = None
+        if up is not None and self._write_request(up, path, candidate.addr, routed.stream, body) is not None:
+            up = None   # a pooled connection closed under us: a fresh one, no failure
         if tag:
             self._tag(client, fields)
         opt_out = fields.get(NO_TRACK_HEADER)
@@ -2960,14 +2958,22 @@ class Ingress:
             self._internal_error(ex.client, exc)
 
     def _send_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
+        failure = self._write_request(up, ex.path, candidate.addr, ex.routed.stream, ex.body)
+        if failure is None:
+            return self._sent_on(ex, candidate, up)
+        if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
+            return self._send(ex, candidate, fresh=True)
+        self._attempt_failed(ex, str(failure))
+
+    def _write_request(self, up: Upstream, path: bytes, addr: str, stream: bool,
+                       body: bytes) -> Optional[UpstreamFailure]:
+        """Send a request on `up`; the failure (the connection discarded) when it could not go."""
         try:
-            up.send(self._request_head(ex.path, candidate.addr, ex.routed.stream, ex.body) + ex.body)
+            up.send(self._request_head(path, addr, stream, body) + body)
         except UpstreamFailure as exc:
             self.pool.discard(up)
-            if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
-                return self._send(ex, candidate, fresh=True)
-            return self._attempt_failed(ex, str(exc))
-        self._sent_on(ex, candidate, up)
+            return exc
+        return None
 
     def _sent_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
         """The attempt's request went out on `up`: its answer is read from there."""
