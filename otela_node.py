@@ -1436,10 +1436,6 @@ MAX_CHUNK_LINE = 4096               # a size line with its extension: "1f40" plu
 MAX_LENGTH_DIGITS = 18              # 10^18 bytes is past any body; int() of 4,300+ digits raises
 _TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 _VALUE = rb"[\t\x20-\x7e\x80-\xff]*"   # a field value: no control but tab (obs-fold excluded)
-# A whole head in one match: start line, then field lines, each ending CRLF (no bare CR or LF).
-_REQUEST_HEAD = re.compile(rb"(%s+) (/[\x21-\x7e]*) HTTP/1\.1\r\n((?:%s+:%s\r\n)*)\r\n" % (_TCHAR, _TCHAR, _VALUE))
-_RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: (%s))?\r\n((?:%s+:%s\r\n)*)\r\n"
-                            % (_VALUE, _TCHAR, _VALUE))
 _FIELD_LINE = re.compile(rb"%s+:%s" % (_TCHAR, _VALUE))
 # The framing fields of a head we do not parse ourselves, line by line (bare LF too: h11 takes it)
 _BLANK_LINE = re.compile(rb"\n\r?\n")           # the end of a head as h11 finds it
@@ -1493,31 +1489,64 @@ def framing_error(fields: List[Tuple[bytes, bytes]]) -> Optional[str]:
     return None
 
 
-_FIELD_LINES: Dict[bytes, Tuple[bytes, bytes]] = {}   # a field line -> (lower-case name, value)
+# The characters a head's pieces may hold (RFC 9110 5.6.2, 5.5; RFC 9112 3.2): `x.translate(None,
+# SET)` deletes them, so what is left is what is not allowed (empty: all allowed).
+_TCHARS = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_TARGET_CHARS = bytes(range(0x21, 0x7f))
+_VALUE_CHARS = b"\t" + bytes(range(0x20, 0x7f)) + bytes(range(0x80, 0x100))   # no control but tab
+# Tables of the lines seen before: a line -> what it says (request line: (method, target); status
+# line: (status, reason, minor version); field line: (lower-case name, value)). Most lines come
+# again and again (an engine's status and content-type, a client's request line, host and key),
+# so each short one is judged once, and a head of lines seen before is read by lookups that run
+# in C, with no regex: a cold CPU (16 requests/s) pays for each distinct routine a request runs.
+# Bounded: short lines only, and a table starts afresh when full, so lines never seen twice cost
+# a lookup and no memory. Only lines judged valid go in.
+_FIELD_LINES: Dict[bytes, Tuple[bytes, bytes]] = {}
+_REQUEST_LINES: Dict[bytes, Tuple[bytes, bytes]] = {}
+_STATUS_LINES: Dict[bytes, Tuple[int, bytes, bytes]] = {}
 _FIELD_LINES_MAX = 4096
-_FIELD_LINE_CACHED = 256            # longer lines (cookies, traces) are split each time
+_FIELD_LINE_CACHED = 256            # longer lines (cookies, traces, long targets) are judged each time
 
 
-def _fields(block: bytes, size: int) -> MessageHead:
-    """The head of the field lines in `block` (already matched by a head pattern, so every line
-    is `token:value` ending CRLF), framed. Split, and a table of the lines seen before, not a
-    regex (twice the time): this runs twice per proxied request."""
-    lines = block.split(b"\r\n")
-    lines.pop()                        # the empty piece after the last CRLF
-    # Most lines come again and again (an engine's content-type, a client's host and key), so
-    # each short line's (name, value) is kept: the lookups run in C (map), and only lines not
-    # seen before are split, lower-cased and stripped. Bounded: short lines only, and the
-    # table starts afresh when full, so lines never seen twice cost a lookup and no memory.
+def _remember(table: Dict[bytes, Tuple], line: bytes, reading: Tuple) -> Tuple:
+    if len(line) <= _FIELD_LINE_CACHED:
+        if len(table) >= _FIELD_LINES_MAX:
+            table.clear()
+        table[line] = reading
+    return reading
+
+
+def _request_line(line: bytes) -> Optional[Tuple[bytes, bytes]]:
+    """A request line not seen before, judged (and remembered if valid): (method, target) of `method SP origin-form SP HTTP/1.1`, or None (not ours to judge)."""
+    method, _, rest = line.partition(b" ")
+    target, _, version = rest.partition(b" ")
+    if version != b"HTTP/1.1" or not method or method.translate(None, _TCHARS) \
+            or target[:1] != b"/" or target.translate(None, _TARGET_CHARS):
+        return None
+    return _remember(_REQUEST_LINES, line, (method, target))
+
+
+def _status_line(line: bytes) -> Optional[Tuple[int, bytes, bytes]]:
+    """A status line not seen before, judged (and remembered if valid): (status, reason, minor version) of `HTTP/1.x SP 3DIGIT [SP reason]`, or None (malformed)."""
+    code, rest = line[9:12], line[12:]
+    if line[:7] != b"HTTP/1." or line[7:8] not in (b"0", b"1") or line[8:9] != b" " \
+            or len(code) != 3 or not code.isdigit() \
+            or (rest and (rest[:1] != b" " or rest.translate(None, _VALUE_CHARS))):
+        return None
+    return _remember(_STATUS_LINES, line, (int(code), rest[1:], line[7:8]))
+
+
+def _fields(lines: List[bytes], size: int) -> Optional[MessageHead]:
+    """The head of the field lines `lines` (`token:value`, the CRLFs split off), framed; None if
+    a line is not a valid field line. Raises HTTPViolation for a framing that could smuggle."""
     headers = list(map(_FIELD_LINES.get, lines))
     if None in headers:
-        if len(_FIELD_LINES) > _FIELD_LINES_MAX:
-            _FIELD_LINES.clear()
         for i, line in enumerate(lines):
             if headers[i] is None:
-                name, _, value = line.partition(b":")
-                headers[i] = pair = (name.lower(), value.strip(b" \t"))
-                if len(line) <= _FIELD_LINE_CACHED:
-                    _FIELD_LINES[line] = pair
+                name, colon, value = line.partition(b":")
+                if not colon or not name or name.translate(None, _TCHARS) or value.translate(None, _VALUE_CHARS):
+                    return None
+                headers[i] = _remember(_FIELD_LINES, line, (name.lower(), value.strip(b" \t")))
     fields = dict(headers)
     head = MessageHead(headers, fields, size)
     length, coding = fields.get(b"content-length"), fields.get(b"transfer-encoding")
@@ -1545,27 +1574,25 @@ def parse_request(buf, max_head: int = MAX_HEAD):
     """The request head at the front of `buf` (nothing is consumed: its length is `size`), None
     while it is incomplete, or H11_JUDGES for one h11 should read. Raises HTTPViolation for a
     framing that could smuggle a request, whoever would read it."""
-    # The pattern ends at the first blank line (a field line cannot start with CR), so a match
-    # over the whole buffer is the head the search for it would find: the common case, a whole
-    # plain head, is one match (no search first: each piece of code run costs a cold CPU dearly).
-    match = _REQUEST_HEAD.match(buf)
-    if match is None or match.end() > max_head:
-        end = buf.find(b"\r\n\r\n")
-        if end < 0 or end + 4 > max_head:
-            if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
-                _check_framing(buf, max_head)
-                return H11_JUDGES
-            return None
-        _check_framing(buf, max_head)   # (a whole head the pattern refuses)
+    end = buf.find(b"\r\n\r\n")     # the first blank line ends the head (no line starts with CR)
+    if end < 0 or end + 4 > max_head:
+        if len(buf) > max_head or (buf and buf[0] < 0x21) or (end < 0 and (b"\n\n" in buf or b"\n\r\n" in buf)):
+            _check_framing(buf, max_head)
+            return H11_JUDGES
+        return None
+    lines = (buf[:end] if type(buf) is bytes else bytes(buf[:end])).split(b"\r\n")
+    start = _REQUEST_LINES.get(lines[0]) or _request_line(lines[0])
+    del lines[0]
+    head = None if start is None else _fields(lines, end + 4)
+    if head is None:                    # a whole head we do not read: h11 judges it
+        _check_framing(buf, max_head)
         return H11_JUDGES
-    method, target, block = match.groups()
-    head = _fields(block, match.end())
     fields = head.fields
     if b"host" not in fields or not _HANDED_TO_H11.isdisjoint(fields):
         return H11_JUDGES              # (its framing fields passed _fields already)
     if len(fields) < len(head.headers) and [name for name, _ in head.headers].count(b"host") > 1:
         raise HTTPViolation("more than one Host")   # RFC 9112 3.2: which host is it for?
-    head.method, head.target = method, target
+    head.method, head.target = start
     if head.framing is NO_BODY:
         head.framing = LENGTH          # a request without framing fields has an empty body
     return head
@@ -1585,9 +1612,6 @@ def _check_framing(buf, max_head: int) -> None:
 def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) -> Optional[MessageHead]:
     """The final response head at the front of `buf` (interim 1xx heads before it are skipped;
     `size` counts them too), or None while it is incomplete. Raises HTTPViolation."""
-    match = _RESPONSE_HEAD.match(buf)   # the common case in one match, as in parse_request
-    if match is not None and match.end() <= max_head and match.group(2)[0] >= 0x32:   # (not 1xx)
-        return _response(match, head_request)
     start = 0
     while True:
         end = buf.find(b"\r\n\r\n", start)
@@ -1597,28 +1621,26 @@ def parse_response(buf, head_request: bool = False, max_head: int = MAX_HEAD) ->
             if _BLANK_LINE.search(buf, start):   # a head ended by bare LFs: h11 would take it
                 raise HTTPViolation("a bare LF in the response head")
             return None
-        match = _RESPONSE_HEAD.match(buf, start, end + 4)
-        if match is None:
+        lines = (buf[start:end] if type(buf) is bytes else bytes(buf[start:end])).split(b"\r\n")
+        status_line = _STATUS_LINES.get(lines[0]) or _status_line(lines[0])
+        if status_line is None:
             raise HTTPViolation(f"malformed response head {bytes(buf[start:start + 120])!r}")
-        if int(match.group(2)) < 200:   # 100 Continue and friends: the final answer follows
+        status, reason, minor = status_line
+        del lines[0]
+        head = _fields(lines, end + 4)
+        if head is None:
+            raise HTTPViolation(f"malformed response head {bytes(buf[start:start + 120])!r}")
+        if status < 200:                # 100 Continue and friends: the final answer follows
             start = end + 4
             continue
-        return _response(match, head_request)
-
-
-def _response(match, head_request: bool) -> MessageHead:
-    """The final response head of a _RESPONSE_HEAD match (its end is the head's size)."""
-    minor, code, reason, block = match.groups()
-    status = int(code)
-    head = _fields(block, match.end())
-    head.status, head.reason, head.version = status, reason or b"", b"1." + minor
-    if minor == b"0":
-        head.keep_alive = False
-    if head_request or status in (204, 304):
-        head.framing, head.length = NO_BODY, 0
-    elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
-        head.framing, head.keep_alive = UNTIL_CLOSE, False
-    return head
+        head.status, head.reason, head.version = status, reason, b"1." + minor
+        if minor == b"0":
+            head.keep_alive = False
+        if head_request or status in (204, 304):
+            head.framing, head.length = NO_BODY, 0
+        elif head.framing is NO_BODY:   # neither field: the body runs until the connection closes
+            head.framing, head.keep_alive = UNTIL_CLOSE, False
+        return head
 
 
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)   # BodyReader states (chunked framing)

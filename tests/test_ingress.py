@@ -410,6 +410,24 @@ def test_stream_watch_strips_the_usage_only_chunk_even_when_split_across_reads()
 
 
 
+_USAGE_PIECES = st.sampled_from([
+    b'"usage"', b'"prompt_tokens"', b'"completion_tokens"', b":", b" ", b"\n", b"\t", b",", b"}", b"{",
+    b"0", b"7", b"12", b"123456789012345678901234", b"-1", b"x", b'"', b"1_0", b"\xff"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_USAGE_PIECES, max_size=30), st.integers(0, 40))
+def test_usage_is_read_as_the_patterns_read_it_whatever_the_spacing_and_junk(pieces, start):
+    body = b"".join(pieces)
+    at = body.rfind(b'"usage"', start)
+    expect = (0, 0)
+    if at >= 0:
+        prompt = otela_ingress._PROMPT_TOKENS.search(body, at)
+        completion = otela_ingress._COMPLETION_TOKENS.search(body, at)
+        expect = (int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0)
+    assert otela_ingress.usage_of(body, start) == expect
+
+
 def _take_usage_by_splitting(watch: StreamWatch, piece: bytes) -> bytes:
     """The reference: every event split out, each one with a usage object read (and a usage-only
     one dropped when the client did not ask for it)."""

@@ -134,7 +134,10 @@ class Stack:
         return token
 
     def sql(self, query: str, *args) -> list:
-        """Query the ledger database once every completed request has reached it."""
+        """Query the ledger database once every completed request has reached it. A row is queued
+        for SQLite just after the client's last byte, in the same callback on the loop: a turn
+        of the loop first, so a request this thread has its answer to is queued before the flush."""
+        self.run(asyncio.sleep(0))
         self.ingress.ledger.flush()
         db = sqlite3.connect(self.db_path, timeout=10)
         try:
