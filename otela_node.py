@@ -1434,9 +1434,6 @@ MAX_CHUNK = 16 * 1024 * 1024        # engines send an SSE event or a whole body 
                                     # said to be bigger is garbage, refused before it is awaited
 MAX_CHUNK_LINE = 4096               # a size line with its extension: "1f40" plus room for ";x=y"
 MAX_LENGTH_DIGITS = 18              # 10^18 bytes is past any body; int() of 4,300+ digits raises
-_TCHAR = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
-_VALUE = rb"[\t\x20-\x7e\x80-\xff]*"   # a field value: no control but tab (obs-fold excluded)
-_FIELD_LINE = re.compile(rb"%s+:%s" % (_TCHAR, _VALUE))
 # The framing fields of a head we do not parse ourselves, line by line (bare LF too: h11 takes it)
 _BLANK_LINE = re.compile(rb"\n\r?\n")           # the end of a head as h11 finds it
 _FRAMING_FIELD = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r?\n)",
@@ -1508,6 +1505,12 @@ _FIELD_LINES_MAX = 4096
 _FIELD_LINE_CACHED = 256            # longer lines (cookies, traces, long targets) are judged each time
 
 
+def _field_line(line: bytes) -> bool:
+    """Whether `line` (no CRLF) is `token ":" value`: no control but tab, obs-fold excluded."""
+    name, colon, value = line.partition(b":")
+    return bool(colon and name) and not name.translate(None, _TCHARS) and not value.translate(None, _VALUE_CHARS)
+
+
 def _remember(table: Dict[bytes, Tuple], line: bytes, reading: Tuple) -> Tuple:
     if len(line) <= _FIELD_LINE_CACHED:
         if len(table) >= _FIELD_LINES_MAX:
@@ -1517,7 +1520,8 @@ def _remember(table: Dict[bytes, Tuple], line: bytes, reading: Tuple) -> Tuple:
 
 
 def _request_line(line: bytes) -> Optional[Tuple[bytes, bytes]]:
-    """A request line not seen before, judged (and remembered if valid): (method, target) of `method SP origin-form SP HTTP/1.1`, or None (not ours to judge)."""
+    """A request line not seen before, judged (and remembered if valid): (method, target) of
+    `method SP origin-form SP HTTP/1.1`, or None (not ours to judge)."""
     method, _, rest = line.partition(b" ")
     target, _, version = rest.partition(b" ")
     if version != b"HTTP/1.1" or not method or method.translate(None, _TCHARS) \
@@ -1527,7 +1531,8 @@ def _request_line(line: bytes) -> Optional[Tuple[bytes, bytes]]:
 
 
 def _status_line(line: bytes) -> Optional[Tuple[int, bytes, bytes]]:
-    """A status line not seen before, judged (and remembered if valid): (status, reason, minor version) of `HTTP/1.x SP 3DIGIT [SP reason]`, or None (malformed)."""
+    """A status line not seen before, judged (and remembered if valid): (status, reason, minor
+    version) of `HTTP/1.x SP 3DIGIT [SP reason]`, or None (malformed)."""
     code, rest = line[9:12], line[12:]
     if line[:7] != b"HTTP/1." or line[7:8] not in (b"0", b"1") or line[8:9] != b" " \
             or len(code) != 3 or not code.isdigit() \
@@ -1543,9 +1548,9 @@ def _fields(lines: List[bytes], size: int) -> Optional[MessageHead]:
     if None in headers:
         for i, line in enumerate(lines):
             if headers[i] is None:
-                name, colon, value = line.partition(b":")
-                if not colon or not name or name.translate(None, _TCHARS) or value.translate(None, _VALUE_CHARS):
+                if not _field_line(line):
                     return None
+                name, _, value = line.partition(b":")
                 headers[i] = _remember(_FIELD_LINES, line, (name.lower(), value.strip(b" \t")))
     fields = dict(headers)
     head = MessageHead(headers, fields, size)
@@ -1737,7 +1742,7 @@ class BodyReader:
                 self.remaining, self.state = size, (_DATA if size else _TRAILER)
             elif line == b"\r":           # the blank line after the trailer fields: the end
                 self.state, self.done = _DONE, True
-            elif len(line) > MAX_CHUNK_LINE or not _FIELD_LINE.fullmatch(line, 0, len(line) - 1) \
+            elif len(line) > MAX_CHUNK_LINE or not _field_line(line[:-1]) \
                     or not line.endswith(b"\r") or _TRAILER_FRAMING.match(line):
                 self.error = f"bad trailer line {bytes(line[:40])!r}"   # (framing there: RFC 9110 6.5.1)
                 return pos
