@@ -3081,7 +3081,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
         self.last_rx = now
         if kind == "pp":
             self.peer_addr = addr                   # peer-reflexive: answer where it came from
-            self.transport.sendto(node.wire.seal({"t": "pa", "ra": node.overlay.addr}, now), addr)
+            self.send(node.wire.seal({"t": "pa", "ra": node.overlay.addr}, now), addr)
         elif kind == "pa":
             self.peer_addr = addr
             if self.hit is not None and not self.hit.done():
@@ -3089,6 +3089,22 @@ class _PunchSocket(asyncio.DatagramProtocol):
         else:
             msg.pop("ra", None)
             node._deliver(msg, self.peer, False)
+
+    def send(self, data: bytes, addr) -> bool:
+        """False once the socket is closing: asyncio's datagram transport, closed with a datagram
+        still buffered, drops its socket later without marking itself lost, and a sendto then
+        raises out of whatever timer or task called it."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        try:
+            transport.sendto(data, addr)
+        except OSError:
+            return False
+        return True
+
+    def connection_lost(self, exc) -> None:         # the socket vanished: back to the relays now
+        self.node._punch_lost(self)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -3430,7 +3446,9 @@ class Node:
             connection.cut()
         for link in list(self._links.values()) + list(self._linked.values()):
             link.close()
-        for path in list(self._punched.values()):
+        paths = list(self._punched.values())
+        self._punched.clear()                       # closing: no path "falls back"
+        for path in paths:
             path.close()
         for sock, _ in self._spare_tunnel.values():
             sock.close()
@@ -3480,8 +3498,10 @@ class Node:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = math.inf
-        self._send(self.overlay.tick(time.time()))
-        self._schedule()
+        try:
+            self._send(self.overlay.tick(time.time()))
+        finally:                                    # whatever a send raised, the overlay ticks on
+            self._schedule()
 
     def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool) -> None:
         handler = self._punch_handlers.get(msg["t"])
@@ -3671,9 +3691,10 @@ class Node:
         data = self.wire.seal(dict(msg, ra=self.overlay.addr), now)
         path = self._punched.get(dest)
         if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
-            path.transport.sendto(data, path.peer_addr)
-            self.bytes_sent += len(data)
-            return
+            if path.send(data, path.peer_addr):
+                self.bytes_sent += len(data)
+                return
+            self._punch_lost(path)                  # closed under us: this one goes relayed
         if self.private:
             for writer in self._links.values():
                 if not writer.transport.is_closing():
@@ -4103,8 +4124,8 @@ class Node:
         while seeds and not sock.seen.done() and time.monotonic() < deadline:
             for seed in seeds[:2]:
                 try:
-                    sock.transport.sendto(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self._resolve(seed))
-                except (OSError, ValueError):
+                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self._resolve(seed))
+                except ValueError:
                     pass
             await asyncio.wait([sock.seen], timeout=0.2)
         if not sock.seen.done():
@@ -4126,11 +4147,7 @@ class Node:
             await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
         deadline = time.monotonic() + cfg.punch_timeout
         while not sock.hit.done() and time.monotonic() < deadline:
-            try:
-                sock.transport.sendto(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, time.time()),
-                                      sock.peer_addr or target)
-            except OSError:
-                pass
+            sock.send(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, time.time()), sock.peer_addr or target)
             await asyncio.wait([sock.hit], timeout=0.05)
         return sock.hit.done()
 
@@ -4140,14 +4157,11 @@ class Node:
         relay, rule 4); keep live ones' NAT mappings open."""
         cfg = self.config
         now = time.time()
-        for peer, path in list(self._punched.items()):
+        for path in list(self._punched.values()):
             if now - path.last_rx > cfg.punch_idle:
-                path.close()
-                del self._punched[peer]
-                self.punches["fell_back"] += 1
-                log.info("punched path to %s went silent: back to its relays", peer)
+                self._punch_lost(path, "went silent")
             elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
-                path.transport.sendto(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
+                path.send(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
         mine = self.overlay.addr
         for peer in list(self._relays_of):
             if peer == mine or peer in self._punched or len(self._punched) >= cfg.max_punched:
@@ -4208,6 +4222,17 @@ class Node:
         waiter = self._punch_wait.get((src, msg.get("a")))
         if waiter is not None and not waiter.done():
             waiter.set_result(str(msg.get("seen") or ""))
+
+    def _punch_lost(self, path: _PunchSocket, why: str = "closed") -> None:
+        """A punched path that went silent or whose socket is gone: its peer goes back to its
+        relays (rule 4). Only the path on record counts; a replaced or failed attempt's socket
+        closing is nothing."""
+        if self._punched.get(path.peer) is not path:
+            return
+        del self._punched[path.peer]
+        path.close()
+        self.punches["fell_back"] += 1
+        log.info("punched path to %s %s: back to its relays", path.peer, why)
 
     def _punched_path(self, peer: str, sock: _PunchSocket, started: float) -> None:
         old = self._punched.pop(peer, None)
