@@ -57,6 +57,10 @@ What this file must never do:
   3. Let one client hurt another: every connection has its own buffers, limits and deadlines;
      a slow reader only slows its own stream, and a client that leaves frees the engine
      working for it.
+
+Sections: config · OpenAI error bodies · keys and allowlists · usage ledger · cluster-wide keys
+and usage · routing · metrics · streams · upstream · client connections · the exchange · the
+ingress · dashboard · CLI.
 """
 from __future__ import annotations
 

@@ -2275,7 +2275,10 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      attempt 2 the asker first: a leaky gateway remaps a port that an early packet touched, so
 #      its side must send first). A path whose probe is acked carries their gossip from then on
 #      ("reach": "punched"); a symmetric NAT or blocked UDP fails cleanly and the relay stays;
-#      a punched path silent for punch_idle falls back to the relay.
+#      a punched path silent for punch_idle, or whose socket is gone, falls back to the relay.
+#      What the Overlay sends over TCP (the third probe path, push-pull, answers to what came
+#      relayed) takes the relay even then: a path that silently broke must not blind all three
+#      probe paths at once for punch_idle.
 #   5. Tunnel punching (TCP simultaneous open), for a private dialer and a private member (a
 #      private ingress; a public dialer already gets the member's own outbound dial-back, rule 2):
 #      once their UDP punch worked (both NATs keep a mapping per source port), each new tunnel
@@ -3091,15 +3094,14 @@ class _PunchSocket(asyncio.DatagramProtocol):
             node._deliver(msg, self.peer, False)
 
     def send(self, data: bytes, addr) -> bool:
-        """False once the socket is closing: asyncio's datagram transport, closed with a datagram
-        still buffered, drops its socket later without marking itself lost, and a sendto then
-        raises out of whatever timer or task called it."""
+        """False once the socket is closing: asyncio's unconnected datagram transport, its socket
+        gone, raises from sendto (AttributeError) out of whatever timer or task called it."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
         try:
             transport.sendto(data, addr)
-        except OSError:
+        except OSError:                             # asyncio's gives it to error_received; uvloop's may not
             return False
         return True
 
@@ -3541,7 +3543,7 @@ class Node:
         sealed: Dict[int, bytes] = {}
         for o in outs:
             if self.private or is_relayed(o.addr):
-                self._send_relayed(o.addr, o.msg, now)
+                self._send_relayed(o.addr, o.msg, now, o.tcp)
                 continue
             try:
                 target = self._resolve(o.addr)
@@ -3684,12 +3686,13 @@ class Node:
                 writer.close()
 
     # -- NAT traversal and relay (see that section) -----------------------------------------
-    def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float) -> None:
+    def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float, tcp: bool = False) -> None:
         """Rule 1: a private member sends everything over a link; anyone sends to a relayed
         address through its first relay that is not suspected (or down its link, if ours).
-        A punched path, when there is one, goes first (rule 4)."""
+        A punched path, when there is one, goes first for datagrams; what the Overlay sends
+        over TCP stays on the links, a probe path apart from the punched one (rule 4)."""
         data = self.wire.seal(dict(msg, ra=self.overlay.addr), now)
-        path = self._punched.get(dest)
+        path = None if tcp else self._punched.get(dest)
         if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
             if path.send(data, path.peer_addr):
                 self.bytes_sent += len(data)

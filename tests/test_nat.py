@@ -195,6 +195,34 @@ def test_two_private_workers_punch_a_direct_path_and_fall_back_to_the_relay_when
     assert suspected == [False, False] and reach == "relayed" and ok >= 2 and fell_back == 2
 
 
+def test_a_punched_path_cut_by_a_partition_falls_back_on_silence_and_is_punched_again_once_healed(
+        tmp_path, monkeypatch):
+    """The sockets stay open but nothing crosses between them (the relay links still carry
+    gossip): each side falls back after punch_idle, nobody is suspected, punches tried during
+    the cut fail, and once it heals the pair punches a path again."""
+    cut = [False]
+    received = on._PunchSocket.datagram_received
+    monkeypatch.setattr(on._PunchSocket, "datagram_received",
+                        lambda self, data, addr: None if cut[0] else received(self, data, addr))
+
+    async def t(bed):
+        a, b = await bed.worker(), await bed.worker()
+        for w in (a, b):
+            await until(lambda w=w: serving_relayed(bed, w), what="relayed")
+        both = lambda reach: (bed.view_of(a, b.session_id)["reach"] == reach  # noqa: E731
+                              and bed.view_of(b, a.session_id)["reach"] == reach)
+        await until(lambda: both("punched"), what="punched both ways")
+        cut[0] = True
+        await until(lambda: not a._punched and not b._punched, what="fallen back")
+        during = [a.is_suspected(b.session_id), b.is_suspected(a.session_id), both("relayed")]
+        fell_back = a.punches["fell_back"] + b.punches["fell_back"]
+        cut[0] = False
+        await until(lambda: both("punched"), timeout=20.0, what="punched again")
+        return during, fell_back, [a.is_suspected(b.session_id), b.is_suspected(a.session_id)]
+    during, fell_back, after = run(with_bed(tmp_path, t, punch_idle=1.0, punch_retry=2.0))
+    assert during == [False, False, True] and fell_back == 2 and after == [False, False]
+
+
 def test_a_punched_socket_that_vanishes_reports_itself_lost_and_never_raises_on_send():
     """asyncio's unconnected datagram transport, once its socket is gone, raises from sendto
     (AttributeError out of _fatal_error); a node timer sending over such a path stopped ticking
