@@ -23,7 +23,15 @@ Three kinds of entry share the map, told apart by their id (a session id has no 
   usage    "use:<32 hex>"      one slot of a per-(key, model, day) G-Counter: the requests and
                                tokens one ingress session served for that key, model and day.
 All three are ordered the same way (state, then version, then encoding), so they travel with
-the same rumours, digests and anti-entropy, and a replica that was away catches up on all.
+the same rumours, digests and anti-entropy, and a replica that was away catches up on all. An id
+of another "<kind>:<name>" shape is a kind a newer release knows and this one does not: it is
+carried (validated only for its order and size, at most MAX_UNKNOWN of them), never rejected.
+
+Planes and tiers. Sessions (and unknown kinds) are the routing plane: every member holds them.
+Keys and usage slots are the ingress plane: only ingresses hold them, and only a record signed
+with the ingress tier's secret (`Authority`, a secret that only ingress hosts have, apart from the
+cluster key every Slurm job holds) is ever applied. The map keeps a digest per plane, so a worker
+and an ingress compare only what both hold.
 
 Liveness (heartbeats, suspicion) is deliberately NOT stored here: it changes every second and
 would bloat the map; the failure detector in otela_node.py keeps it locally.
@@ -31,7 +39,9 @@ would bloat the map; the failure detector in otela_node.py keeps it locally.
 from __future__ import annotations
 
 import calendar
+import collections
 import hashlib
+import hmac
 import json
 import math
 import re
@@ -105,13 +115,22 @@ BUCKETS = 256                 # digest buckets: 256 * ~20 bytes is still one dat
                               # 10,000 sessions one changed bucket holds ~40 records
 MAX_FORGOTTEN = 100_000       # compacted ids remembered: ~10 MB at worst, years of churn at
                               # the seed paper's rate of sessions per day
+MAX_UNKNOWN = 1024            # entries of kinds this release does not know: room for what a
+                              # newer release adds, never a way to fill a replica's memory
 _SESSION_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+_UNKNOWN_ID = re.compile(r"^[a-z]{1,16}:[0-9A-Za-z_.-]{1,128}$")
 _ROLES = ("worker", "ingress", "relay")
 
 # Entry kinds, by id prefix. A session id is [0-9A-Za-z_-], so the colon keeps kinds apart.
-SESSION, KEY, USAGE = "session", "key", "usage"
+SESSION, KEY, USAGE, UNKNOWN = "session", "key", "usage", "unknown"
 KEY_ENTRY = "key:"
 USAGE_ENTRY = "use:"
+
+# Planes: who holds an entry. Routing: every member (what routing needs: sessions, their reach
+# and load). Ingress: ingresses only (keys, usage), and only as written by the ingress tier.
+ROUTING, INGRESS = "routing", "ingress"
+PLANES = (ROUTING, INGRESS)
+PLANE_OF = {SESSION: ROUTING, UNKNOWN: ROUTING, KEY: INGRESS, USAGE: INGRESS}
 
 
 class RecordError(ValueError):
@@ -139,12 +158,17 @@ def _check_string(field: str, value: Any) -> None:
 
 
 def kind_of(entry_id: str) -> str:
-    """SESSION, KEY or USAGE, from the entry id's prefix."""
+    """SESSION, KEY, USAGE or UNKNOWN (another release's kind), from the entry id's prefix."""
     if entry_id.startswith(KEY_ENTRY):
         return KEY
     if entry_id.startswith(USAGE_ENTRY):
         return USAGE
-    return SESSION
+    return UNKNOWN if ":" in entry_id else SESSION
+
+
+def plane_of(entry_id: str) -> str:
+    """ROUTING or INGRESS: which members hold this entry."""
+    return PLANE_OF[kind_of(entry_id)]
 
 
 def validate(session_id: Any, record: Any) -> bytes:
@@ -155,6 +179,7 @@ def validate(session_id: Any, record: Any) -> bytes:
             return validate_key(session_id, record)
         if kind == USAGE:
             return validate_usage(session_id, record)
+        return validate_unknown(session_id, record)
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
         raise RecordError(f"bad session id {session_id!r}: 1-64 characters of [0-9A-Za-z_-]")
     if not isinstance(record, dict):
@@ -235,7 +260,7 @@ _KEY_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 _KEY_FIELDS = {
     "state": True, "version": True, "id": True, "user": True, "created": True,
     "allow": False, "admin": False, "rate": False, "budget_day": False, "budget_month": False,
-    "expires": False, "revoked_at": False,
+    "expires": False, "revoked_at": False, "sig": False,
 }
 
 
@@ -305,6 +330,7 @@ def validate_key(entry_id: str, record: Any) -> bytes:
         value = record.get(field, 0)
         if type(value) is not int or not 0 <= value < 2**53:
             raise RecordError(f"{entry_id}: {field} must be an integer >= 0 (tokens; 0: none)")
+    _check_sig(entry_id, record)
     return _encode_checked(entry_id, record)
 
 
@@ -324,7 +350,10 @@ def key_accepts(record: Dict[str, Any], now: float) -> bool:
 _USAGE_ENTRY = re.compile(r"^use:[0-9a-f]{32}$")
 _DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens")
-USAGE_RETENTION_DAYS = 62     # a month budget needs this month; `keys list` shows the last too
+USAGE_RETENTION_DAYS = 62     # in the map: a month budget needs this month, `keys list` the last
+                              # too; older days stay in each ingress's SQLite (its own retention)
+KEY_RETENTION_S = 30 * 86400.0   # a revoked or expired key's record is compacted this long after it
+                                 # stopped working; its id is remembered, so no copy comes back
 
 
 def usage_entry(key_hash: str, model: str, day: str, slot: str) -> str:
@@ -348,8 +377,9 @@ def validate_usage(entry_id: str, record: Any) -> bytes:
     for field in fields:
         if field not in record:
             raise RecordError(f"{entry_id}: missing field {field!r}")
-    if set(record) - set(fields):
-        raise RecordError(f"{entry_id}: unknown field {sorted(set(record) - set(fields))[0]!r}")
+    if set(record) - set(fields) - {"sig"}:
+        raise RecordError(f"{entry_id}: unknown field {sorted(set(record) - set(fields) - {'sig'})[0]!r}")
+    _check_sig(entry_id, record)
     if record["state"] != 0 or type(record["state"]) is not int:
         raise RecordError(f"{entry_id}: a usage slot's state is 0")
     for field in ("version",) + USAGE_COUNTS:
@@ -387,6 +417,93 @@ def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = No
     return totals
 
 
+def validate_unknown(entry_id: str, record: Any) -> bytes:
+    """An entry of a kind this release does not know: checked only for what the map needs to
+    order and bound it (rule 2 still holds: anything else raises RecordError)."""
+    if not _UNKNOWN_ID.match(entry_id):
+        raise RecordError(f"bad entry id {entry_id!r}: a session id, or '<kind>:<name>'")
+    if not isinstance(record, dict):
+        raise RecordError(f"{entry_id}: record must be an object")
+    for field in ("state", "version"):
+        if type(record.get(field)) is not int or not 0 <= record[field] < 2**53:
+            raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+    return _encode_checked(entry_id, record)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ingress tier: who may write keys and usage
+# ---------------------------------------------------------------------------------------------
+# Two secrets, two tiers. The cluster key (every Slurm job and pod has it) admits a member: it
+# may serve, gossip and relay. The ingress secret (only on the hosts that run ingresses) is the
+# authority over keys and usage: a key record or usage slot carries "sig", an HMAC of its id and
+# canonical encoding under that secret, and a replica that holds the ingress plane applies,
+# stores and forwards nothing else of that plane. An ingress's own session record carries
+# "tier", an HMAC of its session id and gossip address, so that ingresses send the ingress plane
+# only to each other (a worker claiming role "ingress" gets nothing of it).
+# Rotation: the secret file holds one secret per line; the first signs, every one verifies.
+SIG_LEN = 64                  # hex digits of HMAC-SHA256
+_SIG = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_sig(entry_id: str, record: Dict[str, Any]) -> None:
+    if "sig" in record and (not isinstance(record["sig"], str) or not _SIG.match(record["sig"])):
+        raise RecordError(f"{entry_id}: sig must be {SIG_LEN} hex digits")
+
+
+def unsigned(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The record without its signature (what the signature covers, and what the ingress stores)."""
+    if "sig" not in record:
+        return record
+    return {k: v for k, v in record.items() if k != "sig"}
+
+
+class Authority:
+    """The ingress tier's secrets: `sign` with the first, `verify` with any (rotation). Pure: an
+    HMAC is a computation, not I/O."""
+
+    def __init__(self, secrets_: Iterable[bytes]):
+        self.secrets = [bytes(s) for s in secrets_]
+        if not self.secrets or any(len(s) < 16 for s in self.secrets):
+            raise ValueError("the ingress tier needs at least one secret of 16 bytes or more")
+
+    def _tag(self, secret: bytes, entry_id: str, record: Dict[str, Any]) -> str:
+        data = b"otela-entry\0" + entry_id.encode() + b"\0" + encode(unsigned(record))
+        return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+    def sign(self, entry_id: str, record: Dict[str, Any]) -> Dict[str, Any]:
+        """The record with its signature by the current secret."""
+        signed = dict(unsigned(record))
+        signed["sig"] = self._tag(self.secrets[0], entry_id, signed)
+        return signed
+
+    def verify(self, entry_id: str, record: Dict[str, Any]) -> bool:
+        sig = record.get("sig")
+        if not isinstance(sig, str):
+            return False
+        return any(hmac.compare_digest(self._tag(s, entry_id, record), sig) for s in self.secrets)
+
+    def current(self, record: Dict[str, Any], entry_id: str) -> bool:
+        """Whether the record is signed by the current (first) secret."""
+        sig = record.get("sig")
+        return isinstance(sig, str) and hmac.compare_digest(self._tag(self.secrets[0], entry_id, record), sig)
+
+    def _proof(self, secret: bytes, session_id: str, gossip: str) -> str:
+        data = b"otela-tier\0" + session_id.encode() + b"\0" + gossip.encode()
+        return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+    def proof(self, session_id: str, gossip: str) -> str:
+        """An ingress session's "tier" field: proof to other ingresses that it holds the secret."""
+        return self._proof(self.secrets[0], session_id, gossip)
+
+    def proven(self, session_id: str, record: Dict[str, Any]) -> bool:
+        """Whether a session record is an ingress's, as proven by its "tier" field."""
+        tier = record.get("tier")
+        if record.get("role") != "ingress" or not isinstance(tier, str):
+            return False
+        gossip = str(record.get("gossip", ""))
+        return any(hmac.compare_digest(self._proof(s, session_id, gossip), tier) for s in self.secrets)
+
+
 def _encode_checked(entry_id: str, record: Dict[str, Any]) -> bytes:
     try:
         encoded = encode(record)
@@ -415,14 +532,36 @@ def _bucket(session_id: str) -> int:
 
 
 class _Entry:
-    __slots__ = ("record", "state", "version", "hash", "bucket")
+    __slots__ = ("record", "state", "version", "hash", "bucket", "plane")
 
-    def __init__(self, record: Dict[str, Any], encoded: bytes, session_id: str, bucket: int):
+    def __init__(self, record: Dict[str, Any], encoded: bytes, session_id: str, bucket: int, plane: str):
         self.record = record
         self.state = record["state"]
         self.version = record["version"]
         self.hash = _entry_hash(session_id, encoded)
         self.bucket = bucket
+        self.plane = plane
+
+
+class _Hashes:
+    """The XOR of entry hashes, per bucket and in all: a plane's (or the map's) digest, kept
+    up to date in O(1) per change."""
+    __slots__ = ("root", "buckets")
+
+    def __init__(self):
+        self.root = 0
+        self.buckets = [0] * BUCKETS
+
+    def flip(self, entry: _Entry) -> None:
+        self.buckets[entry.bucket] ^= entry.hash
+        self.root ^= entry.hash
+
+
+def _key_ended(record: Dict[str, Any]) -> float:
+    """When a key stopped working for good (revoked, or expired), or +inf while it works."""
+    if record["state"] == KEY_REVOKED:
+        return record.get("revoked_at", 0.0)
+    return record.get("expires", math.inf)
 
 
 def _wins(new: Dict[str, Any], new_encoded: bytes, old: _Entry) -> bool:
@@ -445,15 +584,21 @@ class GMap:
     """Grow-only map id -> record (sessions, keys, usage slots); merge is commutative,
     associative, idempotent."""
 
-    def __init__(self, retention: float = RETENTION_S):
+    def __init__(self, retention: float = RETENTION_S, usage_days: int = USAGE_RETENTION_DAYS,
+                 planes: Iterable[str] = PLANES):
         self.retention = float(retention)
+        self.usage_days = int(usage_days)
+        self.planes = frozenset(planes)          # what this replica holds (workers: ROUTING)
         self._entries: Dict[str, _Entry] = {}
-        self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}}
-        self._bucket_hash = [0] * BUCKETS
-        self._root = 0
-        self._forgotten: Dict[str, float] = {}   # compacted session id -> its left_at
+        self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, UNKNOWN: {}}
+        self._usage_by_day: Dict[str, set] = {}  # day -> its usage entry ids: retention pops days
+        self._all = _Hashes()
+        self._hashes = {plane: _Hashes() for plane in PLANES}
+        self._forgotten: Dict[str, float] = {}   # compacted id -> when it stopped mattering
         self._horizon = -math.inf                # LEFT records older than this are refused
         self._usage_horizon = ""                 # usage slots of days before this are refused
+        self._key_horizon = -math.inf            # keys revoked or expired before this are refused
+        self.refused: collections.Counter = collections.Counter()   # entries not applied, by why
 
     # -- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -481,6 +626,15 @@ class GMap:
     def usage_records(self) -> Iterator[Dict[str, Any]]:
         """Every usage slot's record, read-only."""
         return (e.record for e in self._by_kind[USAGE].values())
+
+    def plane_items(self, plane: str) -> Iterator[Tuple[str, Dict[str, Any]]]:
+        """Every entry of one plane, read-only."""
+        return ((eid, e.record) for eid, e in self._entries.items() if e.plane == plane)
+
+    def plane_size(self, plane: str) -> int:
+        if plane == ROUTING:
+            return len(self._by_kind[SESSION]) + len(self._by_kind[UNKNOWN])
+        return len(self._by_kind[KEY]) + len(self._by_kind[USAGE])
 
     def live(self) -> Dict[str, Dict[str, Any]]:
         """Sessions in JOIN or SERVING."""
@@ -522,26 +676,43 @@ class GMap:
         if session_id in self._forgotten:
             return False
         kind = kind_of(session_id)
+        plane = PLANE_OF[kind]
+        if plane not in self.planes:
+            self.refused["plane"] += 1           # not ours to hold (a worker: keys and usage)
+            return False
         if kind == SESSION and record["state"] == LEFT and record["left_at"] < self._horizon:
             return False
         if kind == USAGE and record["day"] < self._usage_horizon:
             return False
+        if kind == KEY and _key_ended(record) < self._key_horizon:
+            return False
         old = self._entries.get(session_id)
         if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
             return False   # the common gossip case, a duplicate, costs one hash
+        if old is None and kind == UNKNOWN and len(self._by_kind[UNKNOWN]) >= MAX_UNKNOWN:
+            self.refused["unknown_full"] += 1
+            return False
         bucket = old.bucket if old is not None else _bucket(session_id)
-        new = _Entry(record, encoded, session_id, bucket)
+        new = _Entry(record, encoded, session_id, bucket, plane)
         if old is not None:
             self._unhash(old)
+        elif kind == USAGE:
+            self._usage_by_day.setdefault(record["day"], set()).add(session_id)
         self._entries[session_id] = new
         self._by_kind[kind][session_id] = new
-        self._bucket_hash[bucket] ^= new.hash
-        self._root ^= new.hash
+        self._all.flip(new)
+        self._hashes[plane].flip(new)
         return True
 
     def _unhash(self, entry: _Entry) -> None:
-        self._bucket_hash[entry.bucket] ^= entry.hash
-        self._root ^= entry.hash
+        self._all.flip(entry)
+        self._hashes[entry.plane].flip(entry)
+
+    def _drop(self, entry_id: str, kind: str) -> _Entry:
+        entry = self._entries.pop(entry_id)
+        del self._by_kind[kind][entry_id]
+        self._unhash(entry)
+        return entry
 
     def compact(self, now: float) -> int:
         """Drop LEFT records older than the retention; refuse them if they come back."""
@@ -549,17 +720,23 @@ class GMap:
         old = [sid for sid, e in self._by_kind[SESSION].items()
                if e.state == LEFT and e.record["left_at"] < self._horizon]
         for sid in old:
-            entry = self._entries.pop(sid)
-            del self._by_kind[SESSION][sid]
-            self._unhash(entry)
-            self._forgotten[sid] = entry.record["left_at"]
-        # Usage slots of days past USAGE_RETENTION_DAYS: no budget counts them any more.
-        self._usage_horizon = time_day(now - USAGE_RETENTION_DAYS * 86400.0)
-        stale = [eid for eid, e in self._by_kind[USAGE].items() if e.record["day"] < self._usage_horizon]
-        for eid in stale:
-            self._unhash(self._entries.pop(eid))
-            del self._by_kind[USAGE][eid]
-        old += stale
+            self._forgotten[sid] = self._drop(sid, SESSION).record["left_at"]
+        # Usage slots of days past the map's usage retention: no budget counts them any more (a
+        # day at a time: the sweep never scans the slots that stay).
+        self._usage_horizon = time_day(now - self.usage_days * 86400.0)
+        stale = []
+        for day in [d for d in self._usage_by_day if d < self._usage_horizon]:
+            for eid in self._usage_by_day.pop(day):
+                if eid in self._entries:
+                    self._drop(eid, USAGE)
+                    stale.append(eid)
+        # Keys revoked or expired longer than KEY_RETENTION_S ago: compacted, their ids remembered
+        # so that an older active copy held by a replica that was away cannot bring them back.
+        self._key_horizon = now - KEY_RETENTION_S
+        ended = [eid for eid, e in self._by_kind[KEY].items() if _key_ended(e.record) < self._key_horizon]
+        for eid in ended:
+            self._forgotten[eid] = _key_ended(self._drop(eid, KEY).record)
+        old += stale + ended
         # Forgotten ids are remembered (about 100 bytes each) so that a stale JOIN or SERVING
         # copy from a long partition cannot resurrect them; past the cap the oldest go first.
         if len(self._forgotten) > MAX_FORGOTTEN:
@@ -568,39 +745,51 @@ class GMap:
         return len(old)
 
     # -- anti-entropy ----------------------------------------------------------------------
-    def digest(self, buckets: bool = False) -> Dict[str, Any]:
+    # Every call below takes a plane: None for the whole map, ROUTING or INGRESS for the entries
+    # of that plane only (what a worker and an ingress, or two ingresses, have in common).
+    def _plane_hashes(self, plane: Optional[str]) -> _Hashes:
+        return self._all if plane is None else self._hashes[plane]
+
+    def _plane_entries(self, plane: Optional[str]) -> Iterator[Tuple[str, _Entry]]:
+        if plane is None:
+            return iter(self._entries.items())
+        return ((eid, e) for eid, e in self._entries.items() if e.plane == plane)
+
+    def digest(self, buckets: bool = False, plane: Optional[str] = None) -> Dict[str, Any]:
         """A small summary. Equal roots mean equal maps (up to a 128-bit hash collision)."""
-        summary: Dict[str, Any] = {"n": len(self._entries), "root": f"{self._root:032x}"}
+        hashes = self._plane_hashes(plane)
+        n = len(self._entries) if plane is None else self.plane_size(plane)
+        summary: Dict[str, Any] = {"n": n, "root": f"{hashes.root:032x}"}
         if buckets:
             # 32 bits a bucket keeps this near 3 KB; a bucket collision is caught by the root
-            summary["b"] = {str(i): f"{h & 0xFFFFFFFF:08x}" for i, h in enumerate(self._bucket_hash) if h}
+            summary["b"] = {str(i): f"{h & 0xFFFFFFFF:08x}" for i, h in enumerate(hashes.buckets) if h}
         return summary
 
-    def summary(self, bucket_ids: Iterable[Union[int, str]]) -> Dict[str, Any]:
+    def summary(self, bucket_ids: Iterable[Union[int, str]], plane: Optional[str] = None) -> Dict[str, Any]:
         """Per-entry (state, version, hash) for the given buckets: the precise round of diff."""
         wanted = {int(b) for b in bucket_ids}
         return {"bk": sorted(wanted),
                 "s": {sid: [e.state, e.version, f"{e.hash:032x}"[:16]]
-                      for sid, e in self._entries.items() if e.bucket in wanted}}
+                      for sid, e in self._plane_entries(plane) if e.bucket in wanted}}
 
-    def differing_buckets(self, remote_digest: Dict[str, Any]) -> List[int]:
+    def differing_buckets(self, remote_digest: Dict[str, Any], plane: Optional[str] = None) -> List[int]:
         """Bucket ids where a remote bucket digest differs from ours (either side non-empty)."""
         theirs = remote_digest.get("b", {})
-        ours = self.digest(buckets=True)["b"]
+        ours = self.digest(buckets=True, plane=plane)["b"]
         differing = sorted(int(b) for b in set(ours) | set(theirs) if ours.get(b) != theirs.get(b))
-        if not differing and remote_digest.get("root") != f"{self._root:032x}":
+        if not differing and remote_digest.get("root") != f"{self._plane_hashes(plane).root:032x}":
             return list(range(BUCKETS))      # roots differ but buckets collide: compare all
         return differing
 
-    def diff(self, remote_digest: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    def diff(self, remote_digest: Dict[str, Any], plane: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
         """The records the remote lacks or holds older, judged from what its digest tells."""
-        if remote_digest.get("root") == f"{self._root:032x}" and "s" not in remote_digest:
+        if remote_digest.get("root") == f"{self._plane_hashes(plane).root:032x}" and "s" not in remote_digest:
             return {}
         if "s" in remote_digest:
             theirs = remote_digest["s"]
             covered = {int(b) for b in remote_digest.get("bk", range(BUCKETS))}
             out = {}
-            for sid, e in self._entries.items():
+            for sid, e in self._plane_entries(plane):
                 if e.bucket not in covered:
                     continue
                 remote = theirs.get(sid)
@@ -610,6 +799,6 @@ class GMap:
                     out[sid] = e.record
             return out
         if "b" in remote_digest:
-            differing = set(self.differing_buckets(remote_digest))
-            return {sid: e.record for sid, e in self._entries.items() if e.bucket in differing}
-        return {sid: e.record for sid, e in self._entries.items()}
+            differing = set(self.differing_buckets(remote_digest, plane))
+            return {sid: e.record for sid, e in self._plane_entries(plane) if e.bucket in differing}
+        return {sid: e.record for sid, e in self._plane_entries(plane)}
