@@ -1078,11 +1078,14 @@ def load_usage_slots(path: str) -> List[Tuple[str, Dict[str, Any]]]:
     finally:
         db.close()
     slots = []
+    horizon = crdt.time_day(time.time() - crdt.USAGE_RETENTION_DAYS * 86400.0)
     for entry_id, text in rows:
         try:
-            slots.append((entry_id, crdt.loads(text)))
+            record = crdt.loads(text)
         except ValueError:
             continue
+        if isinstance(record, dict) and str(record.get("day", "")) >= horizon:
+            slots.append((entry_id, record))   # older days stay in SQLite, out of the map
     return slots
 
 
@@ -3473,6 +3476,9 @@ class Ingress:
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
                                    ledger.failed_commits if ledger is not None else 0,
                                    ledger.pending() if ledger is not None else 0)
+        overlay = getattr(self.node, "overlay", None)
+        if overlay is not None:
+            body += registry_refusals(overlay)
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
     def _get_dashboard(self, fields, query):
@@ -3614,6 +3620,7 @@ def _split_listen(listen: str) -> Tuple[str, int]:
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     config = otela_node.config_from_args(args)
     config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
+    config.ingress_keys = ingress_secrets(args.ingress_key_file, args.key_file)
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
@@ -3640,6 +3647,36 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     await ingress.stop(drain=DRAIN_S)
     await node.stop(leave=True)
     return 0
+
+
+REFUSAL_REASONS = ("unsigned", "plane", "unknown_full")
+
+
+def registry_refusals(overlay: Any) -> bytes:
+    """/metrics lines for registry entries this member refused: an attack shows here (unsigned:
+    a key or usage record without the ingress tier's signature; plane: ingress-plane traffic
+    from or to a member that is not a proven ingress; unknown_full: entries of unknown kinds
+    over crdt.MAX_UNKNOWN)."""
+    refused = overlay.refused + overlay.map.refused
+    lines = ["# HELP otela_registry_refused_total Registry entries and exchanges refused, by reason.",
+             "# TYPE otela_registry_refused_total counter"]
+    lines += [f'otela_registry_refused_total{{why="{why}"}} {refused.get(why, 0)}' for why in REFUSAL_REASONS]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def ingress_secrets(path: Optional[str], cluster_key_file: str) -> List[bytes]:
+    """The ingress tier's secrets (crdt.Authority): --ingress-key-file, or ingress.key beside the
+    cluster key. Without one, this ingress's keys and usage stay on it (not shared with other
+    ingresses, and nothing any other member sends on that plane is taken)."""
+    if path:
+        return otela_node.load_secrets(path, "ingress key")
+    beside = os.path.join(os.path.dirname(os.path.abspath(cluster_key_file)), otela_node.KEY_FILES["ingress"])
+    if os.path.exists(beside):
+        return otela_node.load_secrets(beside, "ingress key")
+    print(f"otela-ingress: no ingress secret ({beside} or --ingress-key-file): API keys and usage stay on "
+          "this ingress; `otela_node.py keygen --ingress-only --out DIR` makes one for every ingress host",
+          file=sys.stderr)
+    return []
 
 
 def _alias_arg(value: str) -> Tuple[str, List[str]]:
@@ -3677,6 +3714,11 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                     listen_help="HOST:PORT of the OpenAI API, /v1/registry, /metrics "
                                                 "and /dashboard (0.0.0.0:PORT for other hosts)")
     serve.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    serve.add_argument("--ingress-key-file", default=env("INGRESS_KEY_FILE"),
+                       help="the ingress tier's secret (keygen's ingress.key; on ingress hosts only, never on "
+                            "compute nodes): only it creates, changes or revokes API keys and writes usage "
+                            "that other ingresses accept (env OTELA_INGRESS_KEY_FILE; default: ingress.key "
+                            "beside --key-file, when there)")
     serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")

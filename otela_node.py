@@ -155,6 +155,13 @@ class Config:
     join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
     compact_interval: float = 60.0  # LEFT compaction check; retention is hours, so minutes is fine
     retention: float = crdt.RETENTION_S
+    state_chunk: int = 256 * 1024   # a full state or anti-entropy answer goes in frames of at most
+                                    # this much (records, ~500 bytes each): no answer needs a big
+                                    # frame, and a receiver merges a piece at a time
+    accept_keys: List[bytes] = dataclasses.field(default_factory=list)  # older cluster keys still
+                                    # accepted while a new one rolls out (cluster.key's later lines)
+    ingress_keys: List[bytes] = dataclasses.field(default_factory=list)  # the ingress tier's
+                                    # secrets (ingress hosts only; the first signs): see crdt.Authority
 
     # -- wire --
     replay_window: float = 30.0     # accepted clock skew; NTP keeps cluster nodes within ms
@@ -276,25 +283,37 @@ class ConfigError(ValueError):
 
 
 def load_key(path: str) -> bytes:
-    """Read the cluster secret written by `keygen` (64 hex chars); refuse group/world access."""
+    """Read the cluster secret written by `keygen` (64 hex chars); refuse group/world access.
+    A file of several lines is a rotation: the first line is the key, see load_secrets."""
+    return load_secrets(path)[0]
+
+
+def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
+    """Every secret in a key file written by `keygen`, one per line (64 hex chars): the first is
+    the one this member seals (or signs) with, all of them are accepted (rotation). Refuses a
+    file others can read."""
     if not path:
-        raise ConfigError("no cluster key: pass --key-file or set OTELA_KEY_FILE (make one with keygen)")
+        raise ConfigError(f"no {what}: pass --key-file or set OTELA_KEY_FILE (make one with keygen)")
     try:
         st = os.stat(path)
         with open(path, "rb") as fh:
             raw = fh.read().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read cluster key {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"cluster key {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
+        raise ConfigError(f"{what} {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
                           f" run chmod 600 {path}")
-    try:
-        key = bytes.fromhex(raw.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        key = raw
-    if len(key) < 16:
-        raise ConfigError(f"cluster key {path} is too short: need at least 16 bytes (use keygen)")
-    return key
+    lines = [line.strip() for line in raw.splitlines() if line.strip()] or [b""]
+    secrets_ = []
+    for line in lines:
+        try:
+            key = bytes.fromhex(line.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            key = line if len(lines) == 1 else b""   # one line may be any bytes (older files)
+        if len(key) < 16:
+            raise ConfigError(f"{what} {path} is too short: need at least 16 bytes a line (use keygen)")
+        secrets_.append(key)
+    return secrets_
 
 
 # =============================================================================================
@@ -322,6 +341,8 @@ class Wire:
         if not key:
             raise ConfigError("the overlay needs a cluster key")
         self._key = key
+        self._keys = [key] + [k for k in config.accept_keys if k != key]   # rotation: seal with the
+                                                                            # first, accept any
         self.window = config.replay_window
         self.max_datagram = config.max_datagram
         self.max_frame = config.max_frame
@@ -342,10 +363,13 @@ class Wire:
         if len(data) > limit or len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
             self.dropped["forged"] += 1
             return False
-        if not hmac.compare_digest(hmac.new(self._key, data[:-TAG_LEN], hashlib.sha256).digest(), data[-TAG_LEN:]):
+        if not self._tag_ok(data[:-TAG_LEN], data[-TAG_LEN:]):
             self.dropped["forged"] += 1
             return False
         return True
+
+    def _tag_ok(self, body: bytes, tag: bytes) -> bool:
+        return any(hmac.compare_digest(hmac.new(k, body, hashlib.sha256).digest(), tag) for k in self._keys)
 
     def open(self, data: bytes, now: float, tcp: bool = False) -> Optional[Dict[str, Any]]:
         """The message inside `data`, or None (counted in `dropped`)."""
@@ -354,7 +378,7 @@ class Wire:
         if len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
             return self._drop("truncated")
         body, tag = data[:-TAG_LEN], data[-TAG_LEN:]
-        if not hmac.compare_digest(hmac.new(self._key, body, hashlib.sha256).digest(), tag):
+        if not self._tag_ok(body, tag):
             return self._drop("forged")
         _, sent, nonce = _HEAD.unpack_from(body)
         if abs(now - sent) > self.window + 1:
@@ -484,11 +508,19 @@ class Overlay:
                  rng: Optional[random.Random] = None):
         self.cfg = config
         self.rng = rng or random.Random()
-        self.map = crdt.GMap(retention=config.retention)
+        # The ingress tier (crdt.Authority): only a member holding its secret writes, verifies and
+        # sends on the ingress plane. An ingress without it keeps keys and usage to itself.
+        self.authority = crdt.Authority(config.ingress_keys) if config.ingress_keys else None
+        holds_ingress = self.authority is not None or record.get("role") == "ingress"
+        self.map = crdt.GMap(retention=config.retention,
+                             planes=crdt.PLANES if holds_ingress else (crdt.ROUTING,))
         self.sid = session_id
-        self.record = dict(record)
         self.addr = record.get("gossip", config.gossip_addr)
+        self.record = self._with_tier(session_id, dict(record))
         self.map.put(session_id, self.record)
+        self.ingresses: Dict[str, str] = {}         # proven ingress sid -> gossip address: the
+                                                    # only members the ingress plane goes to
+        self.refused = collections.Counter()        # entries refused: unsigned, plane
         self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
         self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
@@ -533,6 +565,13 @@ class Overlay:
         out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, True) for a in self.bootstrap]
         out += self._rumour([("r", self.sid)], now)
         return self._count(out)
+
+    def _with_tier(self, sid: str, record: Dict[str, Any]) -> Dict[str, Any]:
+        """An ingress's record carries its proof of the ingress tier (crdt.Authority.proof)."""
+        record.pop("tier", None)
+        if self.authority is not None and record.get("role") == "ingress":
+            record["tier"] = self.authority.proof(sid, record.get("gossip", self.addr))
+        return record
 
     def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool = False) -> List[Out]:
         """Handle one authenticated message. Raises ValueError/KeyError/TypeError/RecordError on a
@@ -611,7 +650,7 @@ class Overlay:
             record["state"] = crdt.SERVING
         self.sid = crdt.new_session_id()
         self.ring = None
-        self.record = record
+        self.record = self._with_tier(self.sid, record)
         self.leaving = False
         self.map.put(self.sid, record)
         for cb in self.rejoin_listeners:
@@ -788,32 +827,74 @@ class Overlay:
     def _on_j(self, msg, src, now, tcp):
         out = self._merge(msg["r"], src, now)
         horizon = now - self.cfg.join_left_age      # what a joiner needs: no day of LEFT records
-        records = {sid: r for sid, r in self.map.all_items()   # keys and usage slots too
-                   if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon}
-        out.append(Out(src, self._with_suspicions({"t": "st", "r": records}), tcp))
+        records = [(sid, r) for sid, r in self.map.plane_items(crdt.ROUTING)
+                   if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon]
+        joiner = msg["r"]
+        if any(self._proven(sid, r) for sid, r in joiner.items() if isinstance(r, dict)):
+            records += list(self.map.plane_items(crdt.INGRESS))   # keys and usage: ingresses only
+        return out + self._state(src, records, tcp, self._with_suspicions({"t": "st", "r": {}}))
+
+    def _state(self, dest: str, records, tcp: bool, first: Dict[str, Any]) -> List[Out]:
+        """Records to send, in messages of at most `state_chunk` bytes of records each: `first`
+        carries the first piece, "st" messages the rest (a release before this one merges each)."""
+        out: List[Out] = []
+        msg, size = first, 0
+        msg.setdefault("r", {})
+        for sid, record in records:
+            cost = len(crdt.encode(record)) + len(sid) + 6
+            if msg["r"] and size + cost > self.cfg.state_chunk:
+                out.append(Out(dest, msg, tcp))
+                msg, size = {"t": "st", "r": {}}, 0
+            msg["r"][sid] = record
+            size += cost
+        out.append(Out(dest, msg, tcp))
         return out
+
+    def _proven(self, sid: str, record: Dict[str, Any]) -> bool:
+        """An ingress's session, as proven by its tier (never without our own ingress secret)."""
+        return self.authority is not None and sid != self.sid and self.authority.proven(sid, record)
 
     def _on_st(self, msg, src, now, tcp):
         suspicions = _suspicions(msg)
         return self._merge(msg["r"], src, now, push=False) + self._take(suspicions, src, now)
 
+    # Push-pull per plane: "d" carries the routing plane's root (what every member holds) and,
+    # between two proven ingresses, "di", the ingress plane's; "db" and "dr" name the plane they
+    # are about ("pl": "i" for the ingress plane; none: the routing plane, as before planes).
+    def _plane(self, msg: Dict[str, Any], src: str) -> Optional[str]:
+        if msg.get("pl") != "i":
+            return crdt.ROUTING
+        return crdt.INGRESS if src in self.ingresses.values() else None
+
     def _on_d(self, msg, src, now, tcp):
         out = self._take(_suspicions(msg), src, now)
-        if msg["d"]["root"] == self.map.digest()["root"]:
-            return out
-        return out + [Out(src, {"t": "db", "d": self.map.digest(buckets=True)}, tcp)]
+        if msg["d"]["root"] != self.map.digest(plane=crdt.ROUTING)["root"]:
+            out.append(Out(src, {"t": "db", "d": self.map.digest(buckets=True, plane=crdt.ROUTING)}, tcp))
+        if "di" in msg and src in self.ingresses.values() \
+                and msg["di"]["root"] != self.map.digest(plane=crdt.INGRESS)["root"]:
+            out.append(Out(src, {"t": "db", "pl": "i", "d": self.map.digest(buckets=True, plane=crdt.INGRESS)}, tcp))
+        return out
 
     def _on_db(self, msg, src, now, tcp):
-        theirs = msg["d"]
-        reply = {"t": "dr", "r": self.map.diff(theirs), "d": self.map.digest(buckets=True)}
-        return [Out(src, self._with_suspicions(reply), tcp)]
+        plane = self._plane(msg, src)
+        if plane is None:
+            self.refused["plane"] += 1
+            return []
+        reply = {"t": "dr", "r": {}, "d": self.map.digest(buckets=True, plane=plane)}
+        if plane == crdt.INGRESS:
+            reply["pl"] = "i"
+        return self._state(src, self.map.diff(msg["d"], plane).items(), tcp, self._with_suspicions(reply))
 
     def _on_dr(self, msg, src, now, tcp):
+        plane = self._plane(msg, src)
+        if plane is None:
+            self.refused["plane"] += 1
+            return []
         suspicions = _suspicions(msg)
-        ours = self.map.diff(msg["d"])              # judged against their state before merging
+        ours = self.map.diff(msg["d"], plane)       # judged against their state before merging
         out = self._merge(msg["r"], src, now, push=False) + self._take(suspicions, src, now)
         if ours:
-            out.append(Out(src, self._with_suspicions({"t": "st", "r": ours}), tcp))
+            out += self._state(src, ours.items(), tcp, self._with_suspicions({"t": "st", "r": {}}))
         return out
 
     # Anti-entropy carries suspicions too: a member that missed the rumour that it is suspected
@@ -827,7 +908,10 @@ class Overlay:
         return msg
 
     def _digest_to(self, addr: str) -> Out:
-        return Out(addr, self._with_suspicions({"t": "d", "d": self.map.digest()}), False)
+        msg = {"t": "d", "d": self.map.digest(plane=crdt.ROUTING)}
+        if addr in self.ingresses.values():
+            msg["di"] = self.map.digest(plane=crdt.INGRESS)
+        return Out(addr, self._with_suspicions(msg), False)
 
     def _take(self, suspicions: List[list], src: str, now: float) -> List[Out]:
         out: List[Out] = []
@@ -841,6 +925,16 @@ class Overlay:
             raise ValueError("records must be an object")
         fresh = {}
         for sid, record in records.items():
+            if isinstance(sid, str) and crdt.plane_of(sid) == crdt.INGRESS:
+                # The ingress plane: held by ingresses, written only by the ingress tier. A worker
+                # drops it (an ingress of the release before planes still sends it); an ingress
+                # applies only what the tier signed (the cluster key alone writes nothing here).
+                if self.authority is None or crdt.kind_of(sid) not in (crdt.KEY, crdt.USAGE):
+                    self.refused["plane"] += 1
+                    continue
+                if not isinstance(record, dict) or not self.authority.verify(sid, record):
+                    self.refused["unsigned"] += 1
+                    continue
             mine = self.known.get(sid)
             if mine is not None and isinstance(record, dict):
                 theirs = (record.get("state"), record.get("version"))
@@ -851,8 +945,9 @@ class Overlay:
                     continue                        # a copy we have, or older: no need to validate
             fresh[sid] = record
         changed = self.map.merge(fresh)
+        done = set(changed)                         # a set: a joiner's merge of 100k records is linear
         for sid in fresh:
-            if sid not in changed and ("r", sid) in self.rumours:
+            if sid not in done and ("r", sid) in self.rumours:
                 self.rumours[("r", sid)][0] -= 1
         return self._changed(changed, now, exclude=src, push=push)
 
@@ -879,8 +974,9 @@ class Overlay:
             sus = self.suspects.get(sid)
             if sus is not None and (record["state"] == crdt.LEFT or record["version"] > sus.version):
                 del self.suspects[sid]              # refuted, or settled
-            if sid == self.sid and not self.leaving and record.get("evicted_by") \
-                    and self.record["state"] < crdt.DOWN:
+            if sid == self.sid and not self.leaving and record["state"] >= crdt.DOWN \
+                    and self.record["state"] < crdt.DOWN:   # evicted (or written down by anyone
+                                                            # else, evicted_by or not): a new session
                 out += self.rejoin(now, state=self.record["state"])
                 continue
             keys.append(("r", sid))
@@ -894,7 +990,8 @@ class Overlay:
             out += self._push([("r", self.sid)], met, now)
         if push is LATER:
             for key in keys:
-                self.rumours[key] = [1]
+                if crdt.plane_of(key[1]) == crdt.ROUTING:
+                    self.rumours[key] = [1]
             if keys:
                 self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
             return out
@@ -904,6 +1001,11 @@ class Overlay:
         """Keep `members` (and the address tables) in step with a changed record; True when
         it is a member we did not have."""
         seed = record.get("role") in SEED_ROLES
+        if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip") \
+                and record.get("role") == "ingress" and self._proven(sid, record):
+            self.ingresses[sid] = record["gossip"]
+        else:
+            self.ingresses.pop(sid, None)
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
             addr = record["gossip"]
             new = self.members.get(sid) != addr
@@ -954,11 +1056,20 @@ class Overlay:
         if not keys:
             return []
         out: List[Out] = []
+        ingress_plane = [k for k in keys if k[0] == "r" and crdt.plane_of(k[1]) == crdt.INGRESS]
+        if ingress_plane:
+            # Pushed by its writer to every proven ingress, resent until acked; never rumoured on
+            # (receivers do not forward it, and workers never see it); anti-entropy repairs.
+            keys = [k for k in keys if not (k[0] == "r" and crdt.plane_of(k[1]) == crdt.INGRESS)]
+            if origin:
+                out += self._push(ingress_plane, [a for a in self.ingresses.values() if a != exclude], now)
+            if not keys:
+                return out
         if origin and len(self.members) <= self.cfg.origin_fanout:
             # The writer pushes to every member and resends to those that have not acked, in
             # rounds (see _resend): no retransmit by the receivers, and no straggler waits for
             # anti-entropy.
-            return self._push(keys, [a for a in self.members.values() if a != exclude], now)
+            return out + self._push(keys, [a for a in self.members.values() if a != exclude], now)
         else:
             limit = self._retransmits()
             peers = self._peers(self.cfg.gossip_fanout, exclude)
@@ -1278,8 +1389,12 @@ class Overlay:
     # ingress that was down catches up when it rejoins. They never touch membership.
     def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
         """Write a key record or one of our usage slots; rumoured if it changed the map."""
-        if crdt.kind_of(entry_id) == crdt.SESSION:
+        if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE):
             raise crdt.RecordError(f"{entry_id}: sessions are written by update and eviction")
+        if crdt.INGRESS not in self.map.planes:
+            raise crdt.RecordError(f"{entry_id}: only an ingress writes keys and usage")
+        if self.authority is not None:              # without the tier's secret: kept here alone
+            record = self.authority.sign(entry_id, record)
         if not self.map.put(entry_id, record, writer=self.sid):
             return []
         return self._count(self._changed([entry_id], now, origin=True))
@@ -3196,6 +3311,8 @@ class Node:
         self._start_warnings: List[str] = []        # a gossip address others cannot reach, a plain tunnel
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
+        self._tunnel_credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
+                                    for k in [config.key] + config.accept_keys]   # rotation: any key's
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
         self._tunnel_sock: Optional[socket.socket] = None
         self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
@@ -4681,7 +4798,7 @@ class Node:
         for hname, hvalue in headers:
             if hname == wanted:
                 given = hvalue
-        if not hmac.compare_digest(given, value.encode()):
+        if not any(hmac.compare_digest(given, v) for v in self._tunnel_credentials):
             self.refused["credential"] += 1
             return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
         if connection is not None:
@@ -5292,7 +5409,8 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
 def config_from_args(args: argparse.Namespace) -> Config:
     """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
     config = config_from_env(Config())
-    config.key = load_key(args.key_file)
+    ring = load_secrets(args.key_file)
+    config.key, config.accept_keys = ring[0], ring[1:]
     config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
     config.reach = env("REACH", "auto")
     if config.reach not in ("auto", "private", "public"):
@@ -5328,20 +5446,57 @@ def advertise_check(addr: str) -> str:
     return addr
 
 
-def keygen(out_dir: str, force: bool = False) -> List[str]:
-    """Write DIR/cluster.key (64 hex chars, mode 0600) and, when openssl is there, a cluster TLS
-    certificate for the data tunnel (DIR/cluster.crt, DIR/cluster-tls.key)."""
-    os.makedirs(out_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(out_dir, "cluster.key")
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+KEY_FILES = {"cluster": "cluster.key", "ingress": "ingress.key"}   # keygen's secrets, by tier
+
+
+def _write_secret(path: str, force: bool, keep: List[str] = ()) -> None:
+    """A new secret (64 hex chars) as the first line of `path`, mode 0600; `keep`: lines after it."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force or keep else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
     except FileExistsError:
-        raise ConfigError(f"{path} exists; pass --force to replace it (every member needs the new key)") from None
+        raise ConfigError(f"{path} exists; pass --force to replace it (every holder needs the new key), "
+                          "or --rotate to add a new one beside it") from None
     with os.fdopen(fd, "w") as fh:
-        fh.write(os.urandom(32).hex() + "\n")
+        fh.write("\n".join([os.urandom(32).hex()] + list(keep)) + "\n")
     os.chmod(path, 0o600)
+
+
+def rotate(out_dir: str, tier: str, retire: bool = False) -> str:
+    """Rotation without an outage: `rotate` puts a new secret first in DIR/<tier>.key and keeps the
+    old ones after it (accepted, no longer used to seal or sign); `retire` keeps the first only."""
+    path = os.path.join(out_dir, KEY_FILES[tier])
+    lines = [line.hex() for line in load_secrets(path, f"{tier} key")]
+    if retire:
+        _write_secret_lines(path, lines[:1])
+    else:
+        _write_secret(path, True, lines)
+    return path
+
+
+def _write_secret_lines(path: str, lines: List[str]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o600)
+
+
+def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> List[str]:
+    """Write DIR/cluster.key (for every member), DIR/ingress.key (for ingress hosts only: the
+    authority over API keys and usage, see crdt.Authority), 64 hex chars each, mode 0600, and,
+    when openssl is there, a cluster TLS certificate for the data tunnel (DIR/cluster.crt,
+    DIR/cluster-tls.key). `ingress_only`: just ingress.key, for a cluster that has its key."""
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    ingress = os.path.join(out_dir, KEY_FILES["ingress"])
+    if ingress_only:
+        _write_secret(ingress, force)
+        return [ingress]
+    path = os.path.join(out_dir, KEY_FILES["cluster"])
+    _write_secret(path, force)
     written = [path]
+    if force or not os.path.exists(ingress):
+        _write_secret(ingress, force)
+        written.append(ingress)
     crt, tls_key = os.path.join(out_dir, "cluster.crt"), os.path.join(out_dir, "cluster-tls.key")
     try:
         subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
@@ -5436,6 +5591,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for cluster.key (mode 0600) and the tunnel certificate (env OTELA_OUT; "
                         "required, no default)")
     k.add_argument("--force", action="store_true", help="replace an existing key")
+    k.add_argument("--ingress-only", action="store_true",
+                   help="write only DIR/ingress.key (the ingress hosts' secret) for a cluster that has its cluster.key")
+    k.add_argument("--rotate", choices=sorted(KEY_FILES), default=None,
+                   help="put a new secret first in DIR/<tier>.key and keep the old ones after it (still "
+                        "accepted): copy the file to every holder, restart them one at a time, then --retire")
+    k.add_argument("--retire", choices=sorted(KEY_FILES), default=None,
+                   help="keep only the first secret of DIR/<tier>.key (after a --rotate has reached every holder)")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)
     s.add_argument("--process", default=env("PROCESS"), required=env("PROCESS") is None,
@@ -5481,7 +5643,10 @@ def main(argv=None) -> int:
                         format="%(asctime)s otela_node %(levelname)s %(message)s")
     try:
         if args.command == "keygen":
-            for path in keygen(args.out, args.force):
+            if args.rotate or args.retire:
+                print(rotate(args.out, args.rotate or args.retire, retire=bool(args.retire)))
+                return 0
+            for path in keygen(args.out, args.force, args.ingress_only):
                 print(path)
             return 0
         config = config_from_args(args)
