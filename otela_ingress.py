@@ -1364,6 +1364,21 @@ class Metrics:
         return ("\n".join(out) + "\n").encode()
 
 
+REFUSAL_REASONS = ("unsigned", "plane", "unknown_full")
+
+
+def registry_refusals(overlay: Any) -> bytes:
+    """/metrics lines for registry entries this member refused: an attack shows here (unsigned:
+    a key or usage record without the ingress tier's signature; plane: ingress-plane traffic
+    from or to a member that is not a proven ingress; unknown_full: entries of unknown kinds
+    over crdt.MAX_UNKNOWN)."""
+    refused = overlay.refused + overlay.map.refused
+    lines = ["# HELP otela_registry_refused_total Registry entries and exchanges refused, by reason.",
+             "# TYPE otela_registry_refused_total counter"]
+    lines += [f'otela_registry_refused_total{{why="{why}"}} {refused.get(why, 0)}' for why in REFUSAL_REASONS]
+    return ("\n".join(lines) + "\n").encode()
+
+
 # ---------------------------------------------------------------------------------------------
 # Streams: watch SSE bytes for token usage without re-serialising them
 # ---------------------------------------------------------------------------------------------
@@ -3647,21 +3662,6 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     await ingress.stop(drain=DRAIN_S)
     await node.stop(leave=True)
     return 0
-
-
-REFUSAL_REASONS = ("unsigned", "plane", "unknown_full")
-
-
-def registry_refusals(overlay: Any) -> bytes:
-    """/metrics lines for registry entries this member refused: an attack shows here (unsigned:
-    a key or usage record without the ingress tier's signature; plane: ingress-plane traffic
-    from or to a member that is not a proven ingress; unknown_full: entries of unknown kinds
-    over crdt.MAX_UNKNOWN)."""
-    refused = overlay.refused + overlay.map.refused
-    lines = ["# HELP otela_registry_refused_total Registry entries and exchanges refused, by reason.",
-             "# TYPE otela_registry_refused_total counter"]
-    lines += [f'otela_registry_refused_total{{why="{why}"}} {refused.get(why, 0)}' for why in REFUSAL_REASONS]
-    return ("\n".join(lines) + "\n").encode()
 
 
 def ingress_secrets(path: Optional[str], cluster_key_file: str) -> List[bytes]:

@@ -1424,15 +1424,17 @@ class SimulatedNetwork:
         self.bytes_sent = collections.Counter()    # address -> bytes
         self.changes: List[Tuple[float, str, str, Optional[dict]]] = []  # (time, at, sid, record)
 
-    def add(self, bootstrap: Optional[List[str]] = None, addr: Optional[str] = None, **fields) -> Overlay:
-        """A new member (at `addr`: a restart of the process that was there)."""
+    def add(self, bootstrap: Optional[List[str]] = None, addr: Optional[str] = None,
+            config: Optional[Config] = None, **fields) -> Overlay:
+        """A new member (at `addr`: a restart of the process that was there); `config`: its own
+        (an ingress with the ingress tier's secret), else the network's."""
         if addr is None:
             addr = f"10.0.{len(self.members) // 250}.{len(self.members) % 250 + 1}:7946"
         self.dead.discard(addr)
         record = {"owner": "sim@" + addr, "state": crdt.SERVING, "version": 0, "started": self.now,
                   "role": "worker", "gossip": addr, "addr": addr.replace("7946", "7700")}
         record.update(fields)
-        member = Overlay(self.config, f"{self.rng.getrandbits(128):032x}", record, self.now,
+        member = Overlay(config or self.config, f"{self.rng.getrandbits(128):032x}", record, self.now,
                          rng=random.Random(self.rng.random()))
         member.listeners.append(lambda sid, rec, at=addr: self.changes.append((self.now, at, sid, rec)))
         self.members[addr] = member

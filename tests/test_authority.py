@@ -1,0 +1,228 @@
+"""Authority in tiers, the registry in planes.
+
+The cluster key (every compute job has it) admits a member; only the ingress tier's secret
+writes API keys and usage, and only ingresses hold them. Checked in the simulated overlay
+(sans-IO: workers, ingresses and an attacker in one process) and against a real ingress
+attacked over loopback by tests/attack_registry.py with nothing but the cluster key.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import crdt
+import otela_node as on
+
+KEY = b"c" * 32
+TIER = b"i" * 32
+T0 = 1_700_000_000.0
+
+
+def config(**kw):
+    cfg = on.Config(key=KEY, probe_interval=0.5, probe_timeout=0.2, indirect_timeout=0.2, push_pull_interval=2.0)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def fleet(workers=3, ingresses=2):
+    """Ingresses holding the tier's secret and workers without it, joined through ingress 0."""
+    net = on.SimulatedNetwork(seed=7, config=config(), start=T0)
+    first = net.add(config=config(ingress_keys=[TIER]), role="ingress")
+    ins = [first] + [net.add([first.addr], config=config(ingress_keys=[TIER]), role="ingress")
+                     for _ in range(ingresses - 1)]
+    ws = [net.add([first.addr]) for _ in range(workers)]
+    net.run(4.0)
+    return net, ins, ws
+
+
+def key_write(member, net, token="sk-1", **fields):
+    digest = crdt.hashlib.sha256(token.encode()).hexdigest()
+    record = crdt.key_record("k1", "alice", net.now, **fields)
+    net.send(member.addr, member.publish(crdt.key_entry(digest), record, net.now))
+    return crdt.key_entry(digest)
+
+
+def test_a_key_written_at_one_ingress_reaches_the_other_ingresses_and_no_worker():
+    net, ins, ws = fleet()
+    entry = key_write(ins[0], net)
+    net.run(2.0)
+    assert ins[1].map.get(entry)["user"] == "alice"
+    assert all(entry not in w.map for w in ws)
+    assert all(w.map.plane_size(crdt.INGRESS) == 0 for w in ws)
+    # what workers compare in push-pull is what both sides hold: the routing plane
+    assert {w.map.digest(plane=crdt.ROUTING)["root"] for w in ws} == \
+        {ins[0].map.digest(plane=crdt.ROUTING)["root"]}
+    assert ins[0].ingresses.keys() == {ins[1].sid} and not ws[0].ingresses
+
+
+def test_records_from_a_member_holding_only_the_cluster_key_are_never_applied_at_an_ingress():
+    net, ins, ws = fleet()
+    victim = key_write(ins[0], net, budget_day=1000)
+    net.run(2.0)
+    attacker = ws[0]
+    now = net.now
+    real = ins[1].map.get(victim)
+    forged = {
+        victim: dict(crdt.unsigned(real), version=99, admin=True),             # promoted, unbudgeted
+        crdt.key_entry("ab" * 32): crdt.key_record("evil", "mallory", now, admin=True),
+        crdt.usage_entry("ab" * 32, "m", crdt.time_day(now), "s1"):
+            crdt.usage_record("ab" * 32, "m", crdt.time_day(now), "s1", 1, 1, 10**9, 0),
+    }
+    forged_sig = {victim: dict(crdt.revoked(crdt.unsigned(real), now), sig="f" * 64)}
+    for target in ins:
+        for batch in (forged, forged_sig):
+            net.send(attacker.addr, [on.Out(target.addr, {"t": "r", "r": batch}, False)])
+            net.send(attacker.addr, [on.Out(target.addr, {"t": "st", "r": batch}, True)])
+    net.run(3.0)
+    for ingress in ins:
+        assert ingress.map.get(victim)["version"] == real["version"]
+        assert ingress.map.get(victim)["state"] == crdt.KEY_ACTIVE and "admin" not in ingress.map.get(victim)
+        assert ingress.map.get(victim)["budget_day"] == 1000
+        assert crdt.key_entry("ab" * 32) not in ingress.map
+        assert ingress.map.plane_size(crdt.INGRESS) == 1
+        assert ingress.refused["unsigned"] >= 8
+
+
+def test_a_worker_claiming_to_be_an_ingress_gets_no_keys_or_usage():
+    net, ins, ws = fleet(workers=1, ingresses=1)
+    key_write(ins[0], net)
+    net.run(1.0)
+    impostor = net.add([ins[0].addr], role="ingress")            # the cluster key, no tier secret
+    net.run(4.0)
+    assert impostor.map.plane_size(crdt.INGRESS) == 0
+    assert impostor.sid not in ins[0].ingresses
+    # and asking outright for the ingress plane's differences is refused
+    before = ins[0].refused["plane"]
+    digest = {"n": 0, "root": "0" * 32, "b": {}}
+    net.send(impostor.addr, [on.Out(ins[0].addr, {"t": "db", "pl": "i", "d": digest}, True)])
+    net.run(1.0)
+    assert ins[0].refused["plane"] == before + 1 and impostor.map.plane_size(crdt.INGRESS) == 0
+
+
+def test_an_ingress_that_was_away_catches_up_on_keys_by_anti_entropy():
+    net, ins, ws = fleet(workers=2, ingresses=2)
+    net.partition([ins[1].addr], [m.addr for m in net.live() if m is not ins[1]])
+    entries = [key_write(ins[0], net, token=f"sk-{i}") for i in range(20)]
+    net.run(2.0)
+    assert not any(e in ins[1].map for e in entries)
+    net.heal()
+    net.run(12.0)
+    assert all(e in ins[1].map for e in entries)
+
+
+def test_a_join_answer_goes_in_pieces_no_bigger_than_the_state_chunk():
+    cfg = config(state_chunk=4096)
+    member = on.Overlay(cfg, "a" * 32, {"owner": "o", "state": crdt.SERVING, "version": 0, "started": T0,
+                                        "role": "worker", "gossip": "10.0.0.1:7946"}, T0)
+    sessions = {f"{i:032x}": {"owner": "o", "state": crdt.SERVING, "version": 0, "started": T0,
+                              "role": "worker", "gossip": f"10.0.1.{i}:7946", "models": ["m" * 40]}
+                for i in range(1, 200)}
+    member.receive({"t": "st", "r": sessions}, "10.0.0.9:7946", T0)
+    joiner = {"b" * 32: {"owner": "o", "state": crdt.JOIN, "version": 0, "started": T0,
+                         "gossip": "10.0.0.2:7946"}}
+    outs = member.receive({"t": "j", "r": joiner}, "10.0.0.2:7946", T0, tcp=True)
+    answers = [o for o in outs if o.msg["t"] == "st"]
+    assert len(answers) >= 8
+    assert max(len(crdt.dumps(o.msg["r"])) for o in answers) <= 4096 + 2048
+    received = {}
+    for o in answers:
+        received.update(o.msg["r"])
+    assert set(sessions) <= set(received)
+
+
+def test_a_session_written_left_without_evicted_by_rejoins_as_a_new_session():
+    net = on.SimulatedNetwork(seed=3, config=config(), start=T0)
+    a = net.add()
+    b = net.add([a.addr])
+    net.run(3.0)
+    old = b.sid
+    zombie = dict(b.map.get(old), state=crdt.LEFT, left_at=net.now, version=b.record["version"] + 1)
+    net.send(a.addr, [on.Out(b.addr, {"t": "r", "r": {old: zombie}}, False)])
+    net.run(3.0)
+    assert b.sid != old and a.map.get(b.sid)["state"] == crdt.SERVING
+
+
+def test_entries_of_a_kind_this_release_does_not_know_are_carried_and_bounded():
+    net = on.SimulatedNetwork(seed=5, config=config(), start=T0)
+    a = net.add()
+    b = net.add([a.addr])
+    net.run(3.0)
+    future = {"zz:one": {"state": 0, "version": 3, "anything": [1, 2]}}
+    net.send(a.addr, [on.Out(b.addr, {"t": "r", "r": dict(future, **{a.sid: a.map.get(a.sid)})}, False)])
+    net.run(3.0)
+    assert a.map.get("zz:one") is None or a.map.get("zz:one")["version"] == 3
+    assert b.map.get("zz:one")["anything"] == [1, 2]
+    gmap = crdt.GMap()
+    gmap.merge({f"zz:{i}": {"state": 0, "version": 0} for i in range(crdt.MAX_UNKNOWN + 10)})
+    assert gmap.plane_size(crdt.ROUTING) == crdt.MAX_UNKNOWN and gmap.refused["unknown_full"] == 10
+
+
+def test_the_ingress_tier_rotates_without_an_outage():
+    old, new = crdt.Authority([b"o" * 32]), crdt.Authority([b"n" * 32, b"o" * 32])
+    entry = crdt.key_entry("cd" * 32)
+    signed_old = old.sign(entry, crdt.key_record("k", "u", T0))
+    assert new.verify(entry, signed_old) and not new.current(signed_old, entry)
+    signed_new = new.sign(entry, signed_old)
+    assert new.current(signed_new, entry) and not old.verify(entry, signed_new)
+    assert not crdt.Authority([b"n" * 32]).verify(entry, signed_old)   # retired: refused
+    # the cluster key: a member that has the new key first still hears one sealing with the old
+    cfg = on.Config(key=b"n" * 32, accept_keys=[b"o" * 32])
+    sealed = on.Wire(b"o" * 32, on.Config(key=b"o" * 32)).seal({"t": "a", "n": 1}, T0)
+    assert on.Wire(cfg.key, cfg).open(sealed, T0) == {"t": "a", "n": 1}
+    assert on.Wire(b"n" * 32, on.Config(key=b"n" * 32)).open(sealed, T0) is None
+
+
+def test_keygen_rotate_and_retire_keep_every_holder_working(tmp_path):
+    written = on.keygen(str(tmp_path))
+    assert [os.path.basename(p) for p in written[:2]] == ["cluster.key", "ingress.key"]
+    first = on.load_secrets(str(tmp_path / "ingress.key"))
+    on.rotate(str(tmp_path), "ingress")
+    both = on.load_secrets(str(tmp_path / "ingress.key"))
+    assert len(both) == 2 and both[1] == first[0]
+    on.rotate(str(tmp_path), "ingress", retire=True)
+    assert on.load_secrets(str(tmp_path / "ingress.key")) == both[:1]
+    assert (tmp_path / "ingress.key").stat().st_mode & 0o077 == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A real ingress, attacked with the cluster key alone
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_compute_job_with_the_cluster_key_cannot_create_change_or_revoke_keys_or_usage(tmp_path):
+    from test_ingress_support import Client, Cluster
+    cluster = Cluster(str(tmp_path))
+    try:
+        root = cluster.root
+        made = subprocess.run([sys.executable, os.path.join(root, "otela_ingress.py"), "keys", "create",
+                               "--user", "bob", "--budget-day", "1000", "--json", "--db", cluster.db],
+                              capture_output=True, text=True, timeout=60, check=True)
+        bob = json.loads(made.stdout)["key"]
+        admin = Client(cluster.url, cluster.token)
+        time.sleep(1.5)   # the new key reaches the ingress through its --db
+        before = json.loads(admin.request("GET", "/v1/admin/keys")[2])
+        view = json.loads(Client(cluster.url).request("GET", "/v1/registry")[2])
+        attack = subprocess.run([sys.executable, os.path.join(root, "tests", "attack_registry.py"),
+                                 "--key-file", cluster.key_file, "--gossip", f"127.0.0.1:{cluster.gossip}",
+                                 "--db", cluster.db, "--slot", view["self"]],
+                                capture_output=True, text=True, timeout=60, check=True)
+        report = json.loads(attack.stdout)
+        time.sleep(1.0)
+        forged_admin = Client(cluster.url, report["token"])
+        assert forged_admin.request("GET", "/v1/admin/keys")[0] == 401
+        assert Client(cluster.url, bob).request("GET", "/v1/models")[0] == 200        # not revoked
+        assert Client(cluster.url, bob).request("GET", "/v1/admin/keys")[0] in (401, 403)   # not admin
+        after = json.loads(admin.request("GET", "/v1/admin/keys")[2])
+        assert after == before                                   # nothing renamed, expired, unbudgeted
+        usage = json.loads(Client(cluster.url, bob).request("GET", "/v1/usage")[2])
+        assert usage.get("tokens_today", 0) == 0
+        metrics = Client(cluster.url).request("GET", "/metrics")[2].decode()
+        refused = [line for line in metrics.splitlines() if line.startswith('otela_registry_refused_total{why="unsigned"}')]
+        assert refused and int(refused[0].split()[-1]) >= report["sent"] - 1
+    finally:
+        cluster.close()
