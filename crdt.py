@@ -105,8 +105,16 @@ ROUTABLE = frozenset(s for s, (_, routable, _) in LIFECYCLE.items() if routable)
 # ---------------------------------------------------------------------------------------------
 # Limits and defaults (the reason beside each number)
 # ---------------------------------------------------------------------------------------------
-RETENTION_S = 24 * 3600.0     # keep LEFT records a day: long enough for every partition we have
-                              # seen on a cluster to heal, short enough to bound memory
+RETENTION_S = 900.0           # LEFT records are kept 15 minutes (a join answer carries the last
+                              # 10 of them), then compacted: at 100 leaves a minute in a 1,000-node
+                              # cluster that is 1,500 records, where a day of them was 62.8 MB
+FORGET_S = 3600.0             # ... and a compacted session's id is remembered for an hour, so no
+                              # stale copy brings it back; one that comes later (a partition longer
+                              # than that) is a dead address, probed and evicted again in seconds
+MAX_SESSIONS = 20_000         # session records a replica takes from others (live and LEFT): 4x the
+                              # 5,000 members the overlay is measured at; past it, new ids are
+                              # refused (counted) until compaction, so a member flooding forged
+                              # sessions costs each replica at most ~25 MB
 MAX_RECORD_BYTES = 2048       # a record must fit one UDP datagram with room for the envelope
 MAX_STRING = 256              # model names and addresses; HF ids are well below this
 MAX_LIST = 64                 # models per session; real engines serve a handful
@@ -594,7 +602,8 @@ class GMap:
         self._usage_by_day: Dict[str, set] = {}  # day -> its usage entry ids: retention pops days
         self._all = _Hashes()
         self._hashes = {plane: _Hashes() for plane in PLANES}
-        self._forgotten: Dict[str, float] = {}   # compacted id -> when it stopped mattering
+        self._forgotten: Dict[str, float] = {}   # compacted id -> when (a session's compaction,
+                                                 # a key's end): refused while remembered
         self._horizon = -math.inf                # LEFT records older than this are refused
         self._usage_horizon = ""                 # usage slots of days before this are refused
         self._key_horizon = -math.inf            # keys revoked or expired before this are refused
@@ -661,6 +670,7 @@ class GMap:
         Validates everything first: one bad record rejects the whole batch untouched."""
         pairs = list(entries.items()) if isinstance(entries, dict) else list(entries)
         checked = []
+        room = MAX_SESSIONS - len(self._by_kind[SESSION])
         for pair in pairs:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise RecordError("merge takes {session_id: record} or (session_id, record) pairs")
@@ -668,7 +678,13 @@ class GMap:
             known = self._entries.get(session_id) if isinstance(session_id, str) else None
             if known is not None and record == known.record:
                 continue        # a duplicate (most of gossip): valid and changes nothing
-            checked.append((session_id, record, validate(session_id, record)))
+            encoded = validate(session_id, record)
+            if known is None and kind_of(session_id) == SESSION:
+                if room <= 0:
+                    self.refused["sessions_full"] += 1
+                    continue
+                room -= 1
+            checked.append((session_id, record, encoded))
         return [sid for sid, record, encoded in checked
                 if self._apply(sid, dict(record), encoded)]
 
@@ -720,7 +736,8 @@ class GMap:
         old = [sid for sid, e in self._by_kind[SESSION].items()
                if e.state == LEFT and e.record["left_at"] < self._horizon]
         for sid in old:
-            self._forgotten[sid] = self._drop(sid, SESSION).record["left_at"]
+            self._drop(sid, SESSION)
+            self._forgotten[sid] = now              # remembered FORGET_S from now
         # Usage slots of days past the map's usage retention: no budget counts them any more (a
         # day at a time: the sweep never scans the slots that stay).
         self._usage_horizon = time_day(now - self.usage_days * 86400.0)
@@ -738,7 +755,10 @@ class GMap:
             self._forgotten[eid] = _key_ended(self._drop(eid, KEY).record)
         old += stale + ended
         # Forgotten ids are remembered (about 100 bytes each) so that a stale JOIN or SERVING
-        # copy from a long partition cannot resurrect them; past the cap the oldest go first.
+        # copy from a long partition cannot resurrect them: sessions' for FORGET_S, keys' for as
+        # long as the cap allows; past the cap the oldest go first.
+        for sid in [sid for sid, t in self._forgotten.items() if t < now - FORGET_S and ":" not in sid]:
+            del self._forgotten[sid]
         if len(self._forgotten) > MAX_FORGOTTEN:
             for sid in sorted(self._forgotten, key=self._forgotten.get)[:-MAX_FORGOTTEN]:
                 del self._forgotten[sid]

@@ -1364,14 +1364,14 @@ class Metrics:
         return ("\n".join(out) + "\n").encode()
 
 
-REFUSAL_REASONS = ("unsigned", "plane", "unknown_full")
+REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full")
 
 
 def registry_refusals(overlay: Any) -> bytes:
     """/metrics lines for registry entries this member refused: an attack shows here (unsigned:
     a key or usage record without the ingress tier's signature; plane: ingress-plane traffic
     from or to a member that is not a proven ingress; unknown_full: entries of unknown kinds
-    over crdt.MAX_UNKNOWN)."""
+    over crdt.MAX_UNKNOWN; sessions_full: new sessions over crdt.MAX_SESSIONS)."""
     refused = overlay.refused + overlay.map.refused
     lines = ["# HELP otela_registry_refused_total Registry entries and exchanges refused, by reason.",
              "# TYPE otela_registry_refused_total counter"]

@@ -153,7 +153,7 @@ class Config:
                                     # anti-entropy, bucket by bucket
     join_retry_min: float = 1.0     # bootstrap retry backoff: fast first retry ...
     join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
-    compact_interval: float = 60.0  # LEFT compaction check; retention is hours, so minutes is fine
+    compact_interval: float = 60.0  # LEFT compaction check; retention is 15 minutes, so a minute is fine
     retention: float = crdt.RETENTION_S
     state_chunk: int = 256 * 1024   # a full state or anti-entropy answer goes in frames of at most
                                     # this much (records, ~500 bytes each): no answer needs a big

@@ -360,7 +360,7 @@ def simulator_phase(quick, results):
     for m in members:                                # pre-seeded registry: a join storm of 1,000
         m.map.merge(records)                         # through one seed is not what we measure
         for sid, rec in records.items():
-            m._track(sid, rec)
+            m._track(sid, rec, net.now)
     net.run(5.0)
     before = sum(net.bytes_sent.values())
     net.run(20.0)
