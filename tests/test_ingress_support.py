@@ -218,27 +218,29 @@ class Cluster:
     """A real local overlay from the command lines: `otela_ingress.py serve` and
     `otela_node.py start` processes on loopback, with a fresh cluster key and key database."""
 
-    def __init__(self, tmp_dir: str, policy: str = "least_loaded"):
+    def __init__(self, tmp_dir: str, policy: str = "least_loaded", ingress_root: Optional[str] = None):
+        """`ingress_root`: a folder holding another release's files to run the ingress from."""
         import os
         import subprocess
         import sys
         self.tmp = tmp_dir
         self.root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ingress_root = ingress_root or self.root
         self.python = sys.executable
         self.procs: list = []
         self.nodes: Dict[str, Any] = {}
         self.orphans: List[int] = []   # engines whose node was killed with SIGKILL
-        subprocess.run([self.python, os.path.join(self.root, "otela_node.py"), "keygen", "--out", tmp_dir],
+        subprocess.run([self.python, os.path.join(ingress_root, "otela_node.py"), "keygen", "--out", tmp_dir],
                        check=True, capture_output=True, timeout=60)
         self.key_file = os.path.join(tmp_dir, "cluster.key")
         self.db = os.path.join(tmp_dir, "otela.sqlite")
-        made = subprocess.run([self.python, os.path.join(self.root, "otela_ingress.py"), "keys", "create",
+        made = subprocess.run([self.python, os.path.join(ingress_root, "otela_ingress.py"), "keys", "create",
                                "--user", "tester", "--admin", "--db", self.db],
                               check=True, capture_output=True, text=True, timeout=60)
         self.token = made.stdout.strip()
         self.port, self.gossip = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.ingress = self._spawn("ingress", [os.path.join(self.root, "otela_ingress.py"), "serve",
+        self.ingress = self._spawn("ingress", [os.path.join(ingress_root, "otela_ingress.py"), "serve",
                                                "--key-file", self.key_file, "--listen", f"127.0.0.1:{self.port}",
                                                "--gossip", f"127.0.0.1:{self.gossip}", "--db", self.db,
                                                "--policy", policy])
@@ -273,10 +275,12 @@ class Cluster:
             time.sleep(0.1)
         raise TimeoutError(f"{what} not ready within {timeout} s (logs in {self.tmp})")
 
-    def node(self, name: str, process: str, engine_port: int, model: str, labels=(), timeout: float = 120.0):
-        """Start `otela_node.py start` wrapping `process`; wait until the ingress routes `model`."""
+    def node(self, name: str, process: str, engine_port: int, model: str, labels=(), timeout: float = 120.0,
+             root: Optional[str] = None):
+        """Start `otela_node.py start` wrapping `process`; wait until the ingress routes `model`.
+        `root`: a folder holding another release's files to run the node from."""
         import os
-        argv = [os.path.join(self.root, "otela_node.py"), "start", "--key-file", self.key_file,
+        argv = [os.path.join(root or self.root, "otela_node.py"), "start", "--key-file", self.key_file,
                 "--bootstrap", f"127.0.0.1:{self.gossip}", "--listen", f"127.0.0.1:{free_port()}",
                 "--gossip", f"127.0.0.1:{free_port()}", "--process", process,
                 "--engine-url", f"http://127.0.0.1:{engine_port}"]
