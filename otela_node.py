@@ -541,6 +541,8 @@ class Overlay:
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
         self.rtt = 0.0                              # moving average of every ack's delay
         self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
+        self.next_resend = math.inf                 # the earliest push's next resend (or later):
+                                                    # no scan of every push at every wakeup
         self.remembered: Dict[str, list] = {}       # addr -> [next dial, backoff, since, seed?]
         self.heard: set = set()                     # bootstrap addresses that have answered
         self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
@@ -674,7 +676,7 @@ class Overlay:
             out += self._evict(sid, now)
         if now >= self.next_gossip:
             out += self._gossip(now)
-        if self.pushes:
+        if self.pushes and now >= self.next_resend:
             out += self._resend(now)
         if now >= self.next_redial:
             out += self._redial(now)
@@ -712,7 +714,7 @@ class Overlay:
         if self.rumours:
             times.append(self.next_gossip)
         if self.pushes:
-            times.append(min(p["next"] for p in self.pushes.values()))
+            times.append(self.next_resend)
         if self.relays:
             times.append(min(r[3] for r in self.relays.values()))
         times.append(self.next_redial)
@@ -1092,6 +1094,7 @@ class Overlay:
             payload["k"] = self.seq
             out += [Out(addr, payload, False) for addr in peers]
             if peers:
+                self.next_resend = min(self.next_resend, now + self._resend_interval())
                 self.pushes[self.seq] = {"msg": payload, "pending": set(peers),
                                          "next": now + self._resend_interval(),
                                          "left": self.cfg.push_resend_rounds}
@@ -1114,6 +1117,7 @@ class Overlay:
                 continue
             out += [Out(addr, push["msg"], False) for addr in push["pending"]]
             push["next"] = now + self._resend_interval()
+        self.next_resend = min((p["next"] for p in self.pushes.values()), default=math.inf)
         return out
 
     def _resend_interval(self) -> float:
