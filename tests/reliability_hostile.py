@@ -412,13 +412,53 @@ def file_modes(args: argparse.Namespace) -> Dict[str, Any]:
     name = "database and key file modes"
     with cluster(args, name) as (fleet, ingress):
         rel.chat(http.client.HTTPConnection("127.0.0.1", port_of(ingress), timeout=10), fleet.token, False)
-        paths = [fleet.db, fleet.db + "-wal", fleet.db + "-shm", fleet.key_file]
+        paths = [fleet.db, fleet.db + "-wal", fleet.db + "-shm", fleet.key_file,
+                 os.path.join(os.path.dirname(fleet.key_file), "ingress.key")]
         modes = {os.path.basename(p): oct(stat.S_IMODE(os.stat(p).st_mode)) for p in paths if os.path.exists(p)}
     wrong = sum(1 for m in modes.values() if int(m, 8) & 0o077)
     return row(name, "-", "-", f"{wrong}/{len(modes)} readable by others", "-", "-", "-", modes=modes)
 
 
-ATTACKS = [slowloris, keyless_bodies, smuggling, broken_engine, odd_requests, resetting_engine,
+def registry_forgery(args: argparse.Namespace) -> Dict[str, Any]:
+    """A compute job's attacks on keys and usage with the cluster key alone (tests/attack_registry.py:
+    a forged admin key, a real key promoted, renamed, expired, unbudgeted and revoked, usage
+    inflated and an ingress's slot frozen): how many of them changed what the ingress does."""
+    name = "registry forgery with cluster.key"
+    with cluster(args, name) as (fleet, ingress):
+        made = subprocess.run([rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "keys", "create", "--user",
+                               "victim", "--budget-day", "1000", "--json", "--db", fleet.db],
+                              env=fleet.env, capture_output=True, text=True, timeout=60, check=True)
+        victim = json.loads(made.stdout)["key"]
+        conn = http.client.HTTPConnection("127.0.0.1", port_of(ingress), timeout=10)
+
+        def get(path: str, token: str) -> Tuple[int, bytes]:
+            conn.request("GET", path, headers={"authorization": f"Bearer {token}"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+
+        wait(lambda: get("/v1/models", victim)[0] == 200, 20, "the victim's key at the ingress")
+        before = get("/v1/admin/keys", fleet.token)[1]
+        view = json.loads(get("/v1/registry", fleet.token)[1])
+        attack = subprocess.run([rel.PY, os.path.join(rel.ROOT, "tests", "attack_registry.py"), "--key-file",
+                                 fleet.key_file, "--gossip", ingress.gossip, "--db", fleet.db, "--slot", view["self"]],
+                                env=fleet.env, capture_output=True, text=True, timeout=60, check=True)
+        report = json.loads(attack.stdout)
+        time.sleep(2.0)
+        forged_admin = get("/v1/admin/keys", report["token"])[0]
+        victim_models, victim_admin = get("/v1/models", victim)[0], get("/v1/admin/keys", victim)[0]
+        changed = int(get("/v1/admin/keys", fleet.token)[1] != before)
+        used = json.loads(get("/v1/usage", victim)[1]).get("tokens_today", 0)
+        metrics = get("/metrics", fleet.token)[1].decode()
+        refused = sum(int(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("otela_registry_refused_total"))
+    wrong = (forged_admin != 401) + (victim_models != 200) + (victim_admin not in (401, 403)) + changed + (used != 0)
+    return row(name, f"{report['sent']} forged records over UDP", "cluster.key only",
+               f"{wrong}/5 took effect", "-", "-", "-", forged_admin_status=forged_admin,
+               victim_status=victim_models, victim_admin_status=victim_admin, keys_changed=changed,
+               victim_tokens_today=used, refused_on_metrics=refused)
+
+
+ATTACKS = [registry_forgery, slowloris, keyless_bodies, smuggling, broken_engine, odd_requests, resetting_engine,
            poison_request, boolean_config, ledger_failure, file_modes]
 
 
