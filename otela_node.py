@@ -969,8 +969,9 @@ class Overlay:
             if record is None:
                 continue
             self.known[sid] = (record["state"], record["version"], record)
-            if self._track(sid, record, now) and not push:
-                met.append(self.members[sid])
+            if self._track(sid, record, now) and not push and self.members[sid] != exclude:
+                met.append(self.members[sid])       # (the sender knows us: it sent us state, or
+                                                    # pushed to us as a member it knows)
             if self._superseded(sid, record):
                 gone.append(sid)
             sus = self.suspects.get(sid)
@@ -988,8 +989,12 @@ class Overlay:
             out += self._retire(sid, now, "superseded")
         if met and not self.leaving:
             # Members met through anti-entropy (a healed split, a restart) may not know us:
-            # introduce ourselves to them the way a write is pushed, acked and resent.
-            out += self._push([("r", self.sid)], met, now)
+            # introduce ourselves to them the way a write is pushed, acked and resent (to more
+            # than origin_fanout: as a rumour, which reaches them all in a few hops).
+            if len(met) <= self.cfg.origin_fanout:
+                out += self._push([("r", self.sid)], met, now)
+            else:
+                out += self._rumour([("r", self.sid)], now)
         if push is LATER:
             for key in keys:
                 if crdt.plane_of(key[1]) == crdt.ROUTING:
