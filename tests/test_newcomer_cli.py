@@ -16,7 +16,7 @@ import time
 
 import pytest
 from conftest import ROOT
-from test_ingress_support import Client, Stack
+from test_ingress_support import Client
 
 import otela_ingress
 import otela_node
@@ -81,25 +81,37 @@ def test_node_and_ingress_refuse_a_typo_in_bootstrap_with_one_line_and_exit_2(ke
 
 def test_a_node_says_joined_only_once_a_member_answered(key_file, tmp_path):
     from fake_engine import free_port_pair
-    silent = f"127.0.0.1:{free_port_pair()}"   # nobody there
+    silent = f"127.0.0.1:{free_port_pair()}"   # nobody there, until the second node binds it
     engine = f"{sys.executable} {FAKE_ENGINE} --port {{port}}"
-    log = tmp_path / "node.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, NODE, "start", "--key-file", key_file, "--bootstrap", silent,
-                                 "--gossip", f"127.0.0.1:{free_port_pair()}", "--listen",
-                                 f"127.0.0.1:{free_port_pair()}", "--process", engine],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, OTELA_LOG_LEVEL="INFO", OTELA_JOIN_WARN_AFTER="0.5"))
-    try:
+    env = dict(os.environ, OTELA_LOG_LEVEL="INFO", OTELA_JOIN_WARN_AFTER="0.5")
+    env.pop("OTELA_BOOTSTRAP", None)
+
+    def node(log, gossip, *bootstrap):
+        with open(log, "w") as out:
+            return subprocess.Popen([sys.executable, NODE, "start", "--key-file", key_file, "--gossip", gossip,
+                                     "--listen", f"127.0.0.1:{free_port_pair()}", "--process", engine, *bootstrap],
+                                    stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+    def until(log, text):
         deadline = time.monotonic() + 20
-        while "has not answered" not in log.read_text() and time.monotonic() < deadline:
+        while text not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        text = log.read_text()
+        return log.read_text()
+
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    procs = [node(first_log, f"127.0.0.1:{free_port_pair()}", "--bootstrap", silent)]
+    try:
+        text = until(first_log, "has not answered")
         assert "joining through 1 bootstrap peers" in text and "has not answered" in text
         assert " joined" not in text
+        procs.append(node(second_log, silent))   # the bootstrap comes up and answers
+        assert "no bootstrap: the first member" in until(second_log, "first member")
+        assert "joined the overlay (1 members besides it)" in until(first_log, "joined the overlay")
     finally:
-        proc.terminate()
-        proc.wait(15)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(15)
 
 
 # -- bind before the engine ----------------------------------------------------------------------
@@ -179,15 +191,6 @@ def test_a_ledger_opened_read_only_recovers_by_itself_once_the_file_is_writable(
 # -- a new key: one shape, checked before it is handed out ----------------------------------------
 KEY_FIELDS = {"object", "id", "key", "user", "created", "admin", "allow", "rate", "budget_day", "budget_month",
               "expires"}
-
-
-@pytest.fixture
-def stack(tmp_path):
-    s = Stack(str(tmp_path / "one.sqlite"))
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_the_admin_api_and_keys_create_json_answer_the_same_fields(stack, tmp_path):
