@@ -727,6 +727,8 @@ class Ledger:
             with self._rows_lock:
                 self._replicas = dict(replicas, **self._replicas)
             print(f"otela-ingress: keeping replicated keys/usage failed (retried): {exc}", file=sys.stderr)
+            if "readonly" in str(exc):
+                self._reopen()
 
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S

@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT
 from test_ingress_support import Client
 
+import crdt
 import otela_ingress
 import otela_node
 
@@ -174,6 +175,8 @@ def test_a_ledger_opened_read_only_recovers_by_itself_once_the_file_is_writable(
     ledger = otela_ingress.Ledger(path, lambda keys: None)
     try:
         ledger.record((time.time(), "k", "user", "model", "s", "o", 200, 1, 2, 1.5, 0, 1, 1, "r1"))
+        # and a key learned from another ingress, kept in SQLite by the same writer
+        ledger.replicate(crdt.key_entry("ab" * 32), crdt.key_record("k1", "bob", time.time()))
         ledger.flush(2.0)
         time.sleep(0.6)   # a few more batches, each refused
         assert "readonly" in (ledger.error or "") and ledger.rows_written == 0 and ledger.failed_commits >= 2
@@ -182,10 +185,12 @@ def test_a_ledger_opened_read_only_recovers_by_itself_once_the_file_is_writable(
         while ledger.rows_written == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ledger.error is None and ledger.rows_written == 1
+        ledger.flush(2.0)
     finally:
         ledger.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT count(*), sum(completion_tokens) FROM requests").fetchone() == (1, 2)
+        assert conn.execute("SELECT id, user FROM keys").fetchall() == [("k1", "bob")]
 
 
 # -- a new key: one shape, checked before it is handed out ----------------------------------------
