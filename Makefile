@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-optional.txt | cksum | cut -d' ' -f1)
-ENGINE := .cache/engine/venv/bin/python
+ENGINE := .cache/engine/.ready
 PYTEST_ARGS ?=
 
 .PHONY: run test bench reliability lint venv engine sysdeps netdeps benchdeps clean

@@ -55,4 +55,5 @@ if ! engine_ok; then
     engine_ok
   fi
 fi
+touch "$D/.ready"   # make's target: written only once the engine generates
 echo "engine: ready ($VENV, $MODEL; start it with tests/lab/engine_serve.py)"
