@@ -66,7 +66,7 @@ def test_readme_cluster_commands_parse_with_the_flags_they_name():
     for line in block("## Using it"):
         if line.startswith("KEY=$("):   # the command inside $(...)
             line = line[len("KEY=$("):line.rindex(")")]
-        argv = shlex.split(line.split(" #")[0])
+        argv = shlex.split(line.split(" #")[0].rstrip(" &"))
         script = next((a for a in argv if a in parsers), None)
         if script is None:
             continue
