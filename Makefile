@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-optional.txt | cksum | cut -d' ' -f1)
-ENGINE := .cache/engine/venv/bin/python
+ENGINE := .cache/engine/.ready
 PYTEST_ARGS ?=
 
 .PHONY: run test bench reliability lint venv engine sysdeps netdeps benchdeps clean
@@ -15,7 +15,8 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-optional.txt
 	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt -r requirements-optional.txt
 	rm -f $(VENV)/.installed-*; touch $@
 
-# The real engine (llama-cpp-python + SmolLM2-135M): ~8 min the first time, seconds after.
+# The real engine (llama.cpp's server from the xllamacpp wheel + SmolLM2-135M): ~15 s the first
+# time; where no wheel fits, llama-cpp-python is built from source once (8-17 min).
 engine: $(ENGINE)
 $(ENGINE):
 	tests/lab/engine_install.sh .cache/engine

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import bisect
 import calendar
 import collections
@@ -87,7 +88,11 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, unquote
 
-import h11
+try:
+    import h11
+except ModuleNotFoundError:
+    import otela_node  # noqa: F401  (exits with the one line that says how to get h11)
+    raise
 
 import crdt
 import otela_node  # the overlay (joins the cluster, holds the registry) and the OTELA_* readers
@@ -350,6 +355,9 @@ def parse_expiry(text: str, now: float) -> float:
                      f"(2027-01-31, 2027-01-31T12:00), got {text!r}")
 
 
+MAX_EXPIRES = 253402300799.0   # 9999-12-31T23:59:59Z
+
+
 def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0, budget_month: Any = 0,
              expires: Any = None) -> Tuple[str, List[str], float, int, int, Optional[float]]:
     """Check what a new key is to be (the CLI's flags, the admin API's fields): ValueError
@@ -369,13 +377,32 @@ def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0,
     for name, value in (("budget_day", budget_day), ("budget_month", budget_month)):
         if type(value) is not int or value < 0:
             raise ValueError(f"{name} must be a whole number of tokens >= 0 (0: none)")
+        if value >= 2**53:   # what every ingress's registry accepts (exact in a JSON double)
+            raise ValueError(f"{name} must be below 2^53 tokens (0: none)")
     if expires is not None:
         if isinstance(expires, str):
             expires = parse_expiry(expires, time.time())
-        elif type(expires) not in (int, float) or not math.isfinite(expires) or expires < 0:
+        elif type(expires) not in (int, float) or not 0 <= expires < math.inf:
             raise ValueError("expires must be a unix time, a duration (30d) or a UTC date")
+        if expires > MAX_EXPIRES:   # a time `keys list` (gmtime) and every ingress can still read
+            raise ValueError("expires must be before the year 10000")
         expires = float(expires)
-    return user.strip(), list(allow), float(rate), budget_day, budget_month, expires
+    user, allow = user.strip(), list(allow)
+    try:   # whatever the registry would refuse is refused now, not after a key was handed out
+        crdt.validate_key(crdt.key_entry("0" * 64), crdt.key_record(
+            "check", user, time.time(), allow, False, float(rate), budget_day, budget_month, expires))
+    except crdt.RecordError as exc:
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
+    return user, allow, float(rate), budget_day, budget_month, expires
+
+
+def key_answer(token: str, record: Dict[str, Any]) -> Dict[str, Any]:
+    """What `keys create --json` prints and POST /v1/admin/keys answers: one shape, every
+    field spelled out (the record leaves defaults out), no internal state or version."""
+    return {"object": "api_key", "id": record["id"], "key": token, "user": record["user"],
+            "created": record["created"], "admin": record.get("admin", False), "allow": record.get("allow", []),
+            "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
+            "budget_month": record.get("budget_month", 0), "expires": record.get("expires")}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -507,7 +534,10 @@ class Ledger:
         self._on_keys = on_keys
         self._on_key_records = on_key_records
         # One ingress per ledger: a second one would replay the first one's live journal.
-        self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+        except OSError as exc:   # name the --db, not the lock file beside it
+            raise ValueError(f"--db {path}: {exc.strerror} (its folder must exist and be writable)") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -697,6 +727,8 @@ class Ledger:
             with self._rows_lock:
                 self._replicas = dict(replicas, **self._replicas)
             print(f"otela-ingress: keeping replicated keys/usage failed (retried): {exc}", file=sys.stderr)
+            if "readonly" in str(exc):
+                self._reopen()
 
     def _run(self) -> None:
         next_reload = time.monotonic() + KEYS_RELOAD_S
@@ -768,6 +800,8 @@ class Ledger:
                 db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
+            if "readonly" in str(exc):
+                self._reopen()
             return False
         self.rows_written += written
         self._state_seq = position[0]
@@ -775,6 +809,16 @@ class Ledger:
             print("otela-ingress: ledger writes work again", file=sys.stderr)
             self.error = None
         return True
+
+    def _reopen(self) -> None:
+        """SQLite opens a file it may not write read-only, and that connection stays read-only
+        after the file becomes writable: a new one sees it, so the ledger recovers by itself."""
+        try:
+            fresh = open_db(self.path)
+        except sqlite3.Error:   # still not usable: the next failed commit tries again
+            return
+        self._db.close()
+        self._db = fresh
 
     def pending(self) -> int:
         """Rows journalled but not yet in SQLite."""
@@ -2781,6 +2825,8 @@ class Ingress:
             raise HTTPError(404, f"No route for {method.decode('latin-1')} {shown}", "unknown_url")
         if method != b"GET" and not client.head_only:
             raise HTTPError(405, f"Use GET for {shown}", "method_not_allowed", headers=[(b"allow", b"GET, HEAD")])
+        if self.require_key_for_views and path in self.KEYED_VIEWS:
+            self._view_key(path, fields)
         answer = handler(self, fields, query)
         if isinstance(answer, asyncio.Future):
             client.waiting = answer
@@ -3388,7 +3434,7 @@ class Ingress:
             raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
         token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
         self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
-        return dict(record, key=token, object="api_key")
+        return key_answer(token, record)
 
     def _admin_revoke(self, key_id: str) -> Dict[str, Any]:
         for digest, record in self.cluster.records.items():
@@ -3502,6 +3548,27 @@ class Ingress:
     _GET = {b"/healthz": _get_healthz, b"/v1/registry": _get_registry, b"/v1/models": _get_models,
             b"/v1/usage": _get_usage, b"/v1/usage/stats": _get_usage_stats,
             b"/metrics": _get_metrics, b"/dashboard": _get_dashboard, b"/": _get_dashboard}
+
+    # The views a cluster's operator may not want public (topology, addresses, traffic): without
+    # a key by default; with --require-key-for-views, any valid key, as Bearer, or as the
+    # password of HTTP Basic, which a browser asks for on /dashboard and then sends itself.
+    KEYED_VIEWS = frozenset((b"/v1/registry", b"/metrics", b"/dashboard", b"/", b"/v1/usage/stats"))
+    require_key_for_views = False
+
+    def _view_key(self, path: bytes, fields: Dict[bytes, bytes]) -> None:
+        scheme, _, credentials = fields.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"basic":
+            try:
+                token = base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+            except ValueError:
+                token = b""
+            fields = {**fields, b"authorization": b"Bearer " + token}
+        try:
+            self.authenticate(fields)
+        except HTTPError as exc:
+            if exc.status == 401 and path in (b"/dashboard", b"/"):   # the browser asks for the key
+                exc.headers.append((b"www-authenticate", b'Basic realm="otela", charset="UTF-8"'))
+            raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3641,6 +3708,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       cors_origins=args.cors_origin)
+    ingress.require_key_for_views = args.require_key_for_views
     if ingress.require_code_hash:
         print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
               file=sys.stderr)
@@ -3745,6 +3813,11 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--no-auth", action="store_true", default=None,
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")
+    serve.add_argument("--require-key-for-views", action="store_true", default=None,
+                       help="answer /v1/registry, /metrics, /dashboard and /v1/usage/stats only to a "
+                            "valid key (Bearer, or the password of HTTP Basic: a browser asks for it on "
+                            "/dashboard); by default they need none (env OTELA_REQUIRE_KEY_FOR_VIEWS: "
+                            "1/true/yes/on or 0/false/no/off)")
     serve.add_argument("--no-relay", action="store_true", default=None,
                        help="do not relay for members behind NATs (env OTELA_NO_RELAY; by default the "
                             "ingress relays their gossip and tunnel streams)")
@@ -3788,14 +3861,17 @@ def _keys_command(args: argparse.Namespace) -> int:
                 args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
         except ValueError as exc:
             raise ValueError(f"--{str(exc).replace('_', '-')}") from None
+    elif not os.path.exists(args.db):   # a typo must not become a new, empty database
+        raise ValueError(f"--db {args.db}: no such database (check the path or OTELA_DB; "
+                         "`keys create` makes one)")
     db = open_db(args.db)
     try:
         if args.keys_command == "create":
-            key_id, token = create_key(db, user, allow, args.admin, rate, budget_day, budget_month, expires)
+            token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires)
+            store_key_record(db, digest, record)
+            key_id = record["id"]
             if args.json:
-                print(crdt.dumps({"id": key_id, "key": token, "user": user, "allow": allow,
-                                  "admin": args.admin, "rate": rate, "budget_day": budget_day,
-                                  "budget_month": budget_month, "expires": expires}).decode())
+                print(crdt.dumps(key_answer(token, record)).decode())
             else:
                 print(token)
                 print(f"key id {key_id} for user {user}"
@@ -3853,6 +3929,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.no_auth = otela_node.env_bool("NO_AUTH")
         if getattr(args, "no_relay", False) is None:
             args.no_relay = otela_node.env_bool("NO_RELAY")
+        if getattr(args, "require_key_for_views", False) is None:
+            args.require_key_for_views = otela_node.env_bool("REQUIRE_KEY_FOR_VIEWS")
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "

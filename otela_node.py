@@ -58,7 +58,14 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-import h11
+try:
+    import h11
+except ModuleNotFoundError as exc:   # a bare cluster Python: one line that says what to do
+    if exc.name != "h11":
+        raise
+    sys.exit(f"{os.path.basename(sys.argv[0]) or 'otela'}: this Python ({sys.executable}) lacks the "
+             "package h11 (pure Python): run with .venv/bin/python after `make venv`, or "
+             "`pip install --user h11`, or put its wheel on PYTHONPATH (README: without pip)")
 
 import crdt
 
@@ -3320,6 +3327,7 @@ class Node:
         self._unresolved: List[str] = []            # bootstrap host names that did not resolve yet
         self._warned: set = set()                   # warnings already logged
         self._start_warnings: List[str] = []        # a gossip address others cannot reach, a plain tunnel
+        self._joined_said = False                   # "joined" is logged once a member has answered
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
         self._tunnel_credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
@@ -3495,8 +3503,9 @@ class Node:
                 (self.role not in SEED_ROLES and cfg.reach == "auto" and bootstrap):
             self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
-        log.info("session %s joined (gossip %s, listen %s, %d bootstrap peers)",
-                 self.session_id, gossip_addr, listen_addr, len(bootstrap))
+        # "joined" only once a member has answered (_changed): before that we are alone.
+        log.info("session %s started (gossip %s, listen %s); %s", self.session_id, gossip_addr, listen_addr,
+                 f"joining through {len(bootstrap)} bootstrap peers" if bootstrap else "no bootstrap: the first member")
         for name in self._unresolved:
             log.warning("bootstrap %s does not resolve; trying again every %.0f s", name, cfg.join_warn_after)
 
@@ -3591,6 +3600,10 @@ class Node:
 
     # -- overlay plumbing -------------------------------------------------------------------
     def _changed(self, sid: str, record: Optional[dict]) -> None:
+        if not self._joined_said and sid != self.session_id and self.overlay.members:
+            self._joined_said = True
+            log.info("session %s joined the overlay (%d members besides it)", self.session_id,
+                     len(self.overlay.members))
         gossip = (record or {}).get("gossip", "")
         if is_relayed(gossip):
             if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
@@ -5417,6 +5430,21 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                         "every timing default is also settable as OTELA_<NAME>")
 
 
+def check_bootstrap(specs: List[str]) -> None:
+    """A bootstrap typed on the command line that is neither HOST:PORT, nor a URL, nor an
+    existing file is a ConfigError: warning and starting alone would split the cluster in two.
+    (What a file or URL holds is read at each start, and a bad line there only warned.)"""
+    for spec in specs:
+        for item in (s.strip() for s in spec.split(",")):
+            if not item or item.startswith(("http://", "https://")) or os.path.isfile(item):
+                continue
+            try:
+                split_addr(item)
+            except ValueError:
+                raise ConfigError(f"bad --bootstrap {item!r}: expected HOST:PORT (e.g. login1:7946), "
+                                  "an http(s) URL or a file listing them") from None
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
     config = config_from_env(Config())
@@ -5428,6 +5456,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
     bootstrap = args.bootstrap if args.bootstrap is not None else [env("BOOTSTRAP", "")]
     config.bootstrap = [b for b in bootstrap if b]
+    check_bootstrap(config.bootstrap)
     labels = args.label if args.label is not None else env("LABEL", "").split(",")
     for item in labels:
         if not item:
@@ -5548,8 +5577,10 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await supervisor.spawn()
+        # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
+        # weights) is started for nothing.
         await node.start(serve_http=True, state=crdt.JOIN)
+        await supervisor.spawn()
         while True:
             try:
                 _, stopped = await _until(supervisor.wait_ready(), stop)

@@ -1093,11 +1093,14 @@ def job_scripts(rows, inventory, template, sbatch_vars):
 
 
 def http_json(url):
+    key = os.environ.get("OTELA_API_KEY")   # an ingress run with --require-key-for-views wants one
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
             return json.loads(resp.read().decode())
     except urllib.error.HTTPError as e:
-        raise PlacementError(f"{url}: HTTP {e.code}") from None
+        hint = " (the ingress wants a key: set OTELA_API_KEY)" if e.code == 401 else ""
+        raise PlacementError(f"{url}: HTTP {e.code}{hint}") from None
     except (urllib.error.URLError, OSError) as e:
         raise PlacementError(f"{url}: {getattr(e, 'reason', e)}") from None
     except ValueError:
@@ -1669,7 +1672,8 @@ def build_parser():
     src.add_argument("--scenario", default=env_default("--scenario"),
                      help="JSON with gpus, models, workload (and optional measured capacities)")
     src.add_argument("--from-ingress", default=env_default("--from-ingress"), metavar="URL",
-                     help="read demand (/v1/usage/stats) and live sessions (/v1/registry) from an ingress")
+                     help="read demand (/v1/usage/stats) and live sessions (/v1/registry) from an ingress "
+                          "(with the key in OTELA_API_KEY when the ingress runs --require-key-for-views)")
     src.add_argument("--inventory", default=env_default("--inventory"), metavar="FILE",
                      help='the GPUs this placer manages (its jobs included), JSON {"gpus": [{"type", "count", '
                           '"per_node", optional "gres", "partition", "sbatch": [extra #SBATCH args]}]}')

@@ -369,7 +369,7 @@ def active_calibration():
 
 
 # =============================================================================================
-# GPU table (transcribed from shared/data/gpu_specs.csv; dense 16-bit and FP8 peaks)
+# GPU table (from the vendors' data sheets named in each row; dense 16-bit and FP8 peaks)
 # =============================================================================================
 
 @dataclass(frozen=True)
@@ -384,7 +384,7 @@ class GPU:
     per_node: int                # usual GPUs per node (default for the tp-within-node check)
     vendor: str
     source: str
-    tdp_w: float = 0.0           # board power limit (gpu_specs.csv tdp_w): the energy model's ceiling
+    tdp_w: float = 0.0           # board power limit (_TDP_W below): the energy model's ceiling
 
 
 _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)"
@@ -421,7 +421,7 @@ _GPU_ROWS = [
     ("MI300X", 192, 5.3, 1307.4, 2614.9, 896, 128, 8, "amd",
      "AMD Instinct MI300X data sheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html)"),
 ]
-# TDP in W from gpu_specs.csv (tdp_w). Where the CSV gives a range or a module: H100 NVL 350-400
+# TDP in W, from the same data sheets. Where a sheet gives a range or a module: H100 NVL 350-400
 # -> 400; H200 NVL up to 600 (H200 datasheet); GH200's 450-1000 W is the whole module with the
 # CPU and LPDDR5X, its GPU is the H100 SXM die -> 700; MI250X 500 W per package -> 250 per GCD.
 _TDP_W = {"A100-40GB-SXM4": 400, "A100-80GB-SXM4": 400, "A100-80GB-PCIe": 300, "H100-SXM5-80GB": 700,
@@ -2378,7 +2378,7 @@ def main(argv=None):
     e = sub.add_parser("estimate", help="a static batch on one instance")
     e.add_argument("--model", help="Hugging Face id or alias (llama-2-7b); with --config, a label")
     e.add_argument("--config", help="a Hugging Face config.json instead of a built-in model")
-    e.add_argument("--gpu", required=True, help="gpu_specs.csv name, short name (A100, H100) or nvidia-smi string")
+    e.add_argument("--gpu", required=True, help="a GPU of the table (`otela_sim.py gpus` lists them: A100-80GB-SXM4…), a short name (A100, H100) or an nvidia-smi name")
     e.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     e.add_argument("--batch", type=int, default=1, help="requests in the batch (default 1)")
     e.add_argument("--input", type=int, default=512, help="prompt tokens per request (default 512)")

@@ -20,12 +20,16 @@
 #   OTELA_BOOTSTRAP other ingresses to join [none: a new overlay]
 #   OTELA_RELAY_GOSSIP the relay's gossip address [0.0.0.0:7946, or 0.0.0.0:7947 beside an ingress]
 #   OTELA_RELAY_LISTEN the relay's /healthz address [127.0.0.1:7701]
-#   PYTHON       interpreter [python3]
+#   PYTHON       interpreter [the checkout's .venv/bin/python when there (make venv), else python3,
+#                which then needs h11 installed or on PYTHONPATH: see the README, without pip]
 set -euo pipefail
 
 OTELA_DIR=${OTELA_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 STATE=${OTELA_STATE:-$HOME/.otela}
-PYTHON=${PYTHON:-python3}
+if [[ -z ${PYTHON:-} ]]; then
+  PYTHON=python3
+  [[ -x $OTELA_DIR/.venv/bin/python ]] && PYTHON=$OTELA_DIR/.venv/bin/python
+fi
 LISTEN=${OTELA_LISTEN:-0.0.0.0:8080}
 GOSSIP=${OTELA_GOSSIP:-0.0.0.0:7946}
 role=${1:-}

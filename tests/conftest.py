@@ -1,4 +1,5 @@
-"""Shared fixtures: the real tiny engine (llama-cpp-python + SmolLM2-135M), free ports."""
+"""Shared fixtures: the real tiny engine (llama.cpp's server from the xllamacpp wheel +
+SmolLM2-135M, tests/lab/engine_serve.py), free ports."""
 import os
 import shlex
 import socket
@@ -30,14 +31,15 @@ def free_port(kind=socket.SOCK_STREAM):
     return below_ephemeral(kind)
 
 
+ENGINE_SERVE = ROOT / "tests" / "lab" / "engine_serve.py"
+
+
 def engine_command(port="{port}"):
-    """The command line that starts the real engine on loopback at `port`. Without
-    --interrupt_requests False, llama-cpp-python ends a stream early whenever any other request
-    arrives (another user's, or a health check's GET /v1/models)."""
+    """The command line that starts the real engine on loopback at `port` (llama-server's
+    flags; engine_serve.py hands them to llama-cpp-python where that is the installed one)."""
     return " ".join(shlex.quote(str(p)) for p in (
-        ENGINE_PYTHON, "-m", "llama_cpp.server", "--model", ENGINE_MODEL,
-        "--model_alias", ENGINE_ALIAS, "--host", "127.0.0.1", "--port")) + f" {port}" + \
-        " --n_ctx 2048 --n_threads 1 --verbose False --interrupt_requests False"
+        ENGINE_PYTHON, ENGINE_SERVE, "-m", ENGINE_MODEL, "--alias", ENGINE_ALIAS,
+        "--host", "127.0.0.1", "--port")) + f" {port}"
 
 
 def engine_installed():
@@ -75,9 +77,9 @@ class RealEngine:
 
 @pytest.fixture(scope="session")
 def real_engine():
-    """A real llama-cpp-python server with SmolLM2-135M on a free loopback port."""
+    """A real llama.cpp server with SmolLM2-135M on a free loopback port."""
     if not engine_installed():
-        pytest.skip(f"real engine not installed in {ENGINE_DIR}: run `make engine` (slow, ~8 min)")
+        pytest.skip(f"real engine not installed in {ENGINE_DIR}: run `make engine` (seconds; minutes where it must build from source)")
     port = free_port()
     proc = subprocess.Popen(shlex.split(engine_command(port)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -1,5 +1,5 @@
-"""A NAT test bed in network namespaces (root only): the recipe of /work/shared/lab/natlab.sh,
-brought into the project's harness on top of tests/netns.py.
+"""A NAT test bed in network namespaces (root only): two private networks behind NATs (iptables
+MASQUERADE) and a public host, built on top of tests/netns.py.
 
     {tag}pub  public host (ingress, relays)      10.79.0.100/24 eth0
         |

@@ -17,7 +17,7 @@ registry costs no process start.
 
 Names start with "otr-<pid>-". `close()` kills every process inside the lab and deletes its
 namespaces; a lab whose creator died without closing it is removed by the next Lab.
-The technique is /work/shared/lab/natlab.sh's, without its NAT.
+The technique is tests/natlab.py's, without its NAT.
 """
 from __future__ import annotations
 

@@ -778,8 +778,10 @@ def test_keys_cli_names_a_db_it_cannot_use_and_leaves_it_alone(tmp_path):
         done = keys_cli(str(not_a_db), *args)
         assert done.returncode == 2 and done.stderr == f"otela-ingress: --db {not_a_db}: file is not a database\n"
     assert not_a_db.read_bytes() == b"my notes, not a database\n" * 200
-    done = keys_cli(str(tmp_path / "no" / "such" / "dir.sqlite"), "list")
+    done = keys_cli(str(tmp_path / "no" / "such" / "dir.sqlite"), "create", "--user", "ann")
     assert done.returncode == 2 and "unable to open database file" in done.stderr
+    done = keys_cli(str(tmp_path / "no" / "such" / "dir.sqlite"), "list")   # never a new, empty one
+    assert done.returncode == 2 and "no such database" in done.stderr
 
 
 def test_serve_refuses_addresses_it_cannot_use_in_one_line(tmp_path):

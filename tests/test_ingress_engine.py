@@ -1,5 +1,6 @@
 """The official openai client and curl through the ingress and a real node to the real tiny engine
-(llama-cpp-python with SmolLM2-135M); skips with a reason when the engine is not installed."""
+(llama.cpp's server from the xllamacpp wheel with SmolLM2-135M); skips with a reason when the
+engine is not installed."""
 from __future__ import annotations
 
 import json
@@ -75,16 +76,19 @@ def test_openai_client_streams_chat_chunk_by_chunk(cluster, openai_client):
     assert after[0] == before[0] + 1 and after[2] > before[2]   # yet the ingress counted the tokens
 
 
-def test_stream_tokens_are_metered_even_though_this_engine_sends_no_stream_usage(cluster, openai_client):
-    # llama-cpp-python ignores stream_options.include_usage: the ingress then counts one
-    # completion token per chunk with text, which is what this engine sends
+def test_streamed_completion_tokens_are_metered_as_the_engine_counted_them(cluster, openai_client):
+    # llama-server sends usage in the last chunk when asked (stream_options.include_usage);
+    # the fallback engine (llama-cpp-python) ignores it, and the ingress then counts one
+    # completion token per chunk with text, which is what that engine sends
     before = ledger(cluster)
     chunks = list(openai_client.completions.create(model=cluster.model, prompt="Once upon a time", max_tokens=6,
                                                    stream=True, stream_options={"include_usage": True}))
     with_text = sum(1 for c in chunks if c.choices and c.choices[0].text)
+    usage = [c.usage for c in chunks if c.usage is not None]
     assert with_text > 0
     after = ledger(cluster)
-    assert after[0] == before[0] + 1 and after[2] - before[2] == with_text
+    expected = usage[-1].completion_tokens if usage else with_text
+    assert after[0] == before[0] + 1 and after[2] - before[2] == expected
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")

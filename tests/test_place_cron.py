@@ -64,6 +64,19 @@ class FakeSlurm:
                    and (state is None or j["state"] == state))
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A test writes only under its own temporary directory: the default log directory of the
+    scripts (~/.otela/logs, which a submit creates) is then there too."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_submitting_creates_the_log_directory_under_the_tests_own_folder(slurm, tmp_path, home):
+    cron_run(tmp_path, 0, {"hot": 30.0}, reclaim=False)
+    assert (tmp_path / "logs").is_dir() and not home.exists()
+
+
 @pytest.fixture
 def slurm(monkeypatch):
     fake = FakeSlurm()
@@ -84,8 +97,8 @@ def cron_run(tmp_path, now, demand, load_s=None, submit=True, reclaim=True, **kw
         gate = place.CronReclaim(str(tmp_path / "state.json"), demand, {("hot", "A", 1): 10.0, ("cold", "A", 1): 10.0,
                                                                          ("big", "A", 1): 10.0, ("small", "A", 1): 10.0},
                                  load_s or {}, POOL, now=now, **kw)
-    return place.reconcile(rows, INVENTORY, "vllm", VARS, str(tmp_path / "jobs"), submit,
-                           jobs=place.slurm_jobs(), reclaim=gate)  # as cmd_plan does
+    return place.reconcile(rows, INVENTORY, "vllm", dict(VARS, LOG_DIR=str(tmp_path / "logs")),
+                           str(tmp_path / "jobs"), submit, jobs=place.slurm_jobs(), reclaim=gate)  # as cmd_plan does
 
 
 def test_a_cold_model_gives_gpus_to_a_starved_one_only_after_its_cooldown(slurm, tmp_path):

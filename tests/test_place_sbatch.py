@@ -90,7 +90,7 @@ def test_rendered_script_hands_the_node_exactly_the_planned_values(tmp_path):
                       "otela.gpu=A100-80GB-SXM4", "otela.tp=4"]
 
 
-def login_node(tmp_path, *args):
+def login_node(tmp_path, *args, python=sys.executable):
     """Run sbatch/login-node.sh with stand-ins for otela_node.py and otela_place.py that
     print their argv, and a fresh state directory."""
     otela = tmp_path / "otela"
@@ -98,7 +98,7 @@ def login_node(tmp_path, *args):
     shutil.copy(os.path.join(SBATCH, "login-node.sh"), otela / "sbatch" / "login-node.sh")
     for name in ("otela_node.py", "otela_place.py", "otela_ingress.py"):
         (otela / name).write_text("import json, sys\nprint(json.dumps(sys.argv))\n")
-    env = dict(os.environ, OTELA_STATE=str(tmp_path / "state"), PYTHON=sys.executable, OTELA_LISTEN="127.0.0.1:8089")
+    env = dict(os.environ, OTELA_STATE=str(tmp_path / "state"), PYTHON=python, OTELA_LISTEN="127.0.0.1:8089")
     return subprocess.run(["bash", str(otela / "sbatch" / "login-node.sh"), *args], capture_output=True, text=True,
                           timeout=30, env=env)
 
@@ -114,6 +114,16 @@ def test_login_node_relay_starts_the_standalone_relay_with_the_cluster_key(tmp_p
     argv = json.loads(log.read_text().strip().splitlines()[-1])
     assert argv[1:] == ["relay", "--key-file", f"{state}/cluster.key", "--gossip", "0.0.0.0:7946",
                         "--listen", "127.0.0.1:7701"]
+
+
+def test_login_node_runs_the_checkouts_venv_python_when_no_python_is_given(tmp_path):
+    venv_python = tmp_path / "otela" / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f"#!/bin/sh\necho venv >> {tmp_path}/used\nexec {sys.executable} \"$@\"\n")
+    venv_python.chmod(0o755)
+    out = login_node(tmp_path, "place", python="")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "used").read_text().split() == ["venv", "venv"]   # keygen, then the placer
 
 
 def test_login_node_unknown_role_prints_usage(tmp_path):

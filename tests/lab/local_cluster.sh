@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # local_cluster.sh — what `make run` runs: a whole otela cluster on loopback.
 #   one ingress (OpenAI API on $OTELA_RUN_PORT, default 8080) and two nodes, each wrapping a
-#   real tiny engine (llama-cpp-python + SmolLM2-135M), a demo key, then a curl to try.
+#   real tiny engine (llama.cpp's server from the xllamacpp wheel + SmolLM2-135M), a demo key, then a curl to try.
 # Ctrl-C stops everything: nodes drain and leave, engines stop, the ingress leaves; the script
 # then exits 0 (a clean stop is no error for make).
 # State (cluster key, usage ledger, the demo key, logs) lives in ${OTELA_RUN_DIR:-.cache/run};
@@ -37,7 +37,7 @@ export OTELA_KEY_FILE=$D/cluster.key OTELA_DB=$D/usage.sqlite
 "$PY" otela_ingress.py serve --listen "127.0.0.1:$PORT" --gossip "127.0.0.1:$GOSSIP" \
   > "$D/ingress.log" 2>&1 &
 pids+=($!)
-engine="$ENGINE_PY -m llama_cpp.server --model $MODEL --model_alias smollm2-135m --host 127.0.0.1 --port {port} --n_ctx 2048 --n_threads 1 --verbose False --interrupt_requests False"
+engine="$ENGINE_PY tests/lab/engine_serve.py -m $MODEL --alias smollm2-135m --host 127.0.0.1 --port {port}"
 for i in 1 2; do
   "$PY" otela_node.py start --bootstrap "127.0.0.1:$GOSSIP" --listen "127.0.0.1:$((PORT + i))" \
     --gossip "127.0.0.1:$((GOSSIP + i))" --label "node=demo$i" --process "$engine" \
