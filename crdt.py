@@ -112,9 +112,10 @@ FORGET_S = 3600.0             # ... and a compacted session's id is remembered f
                               # stale copy brings it back; one that comes later (a partition longer
                               # than that) is a dead address, probed and evicted again in seconds
 MAX_SESSIONS = 20_000         # session records a replica takes from others (live and LEFT): 4x the
-                              # 5,000 members the overlay is measured at; past it, new ids are
-                              # refused (counted) until compaction, so a member flooding forged
-                              # sessions costs each replica at most ~25 MB
+                              # 5,000 members the overlay is measured at; past it (or past
+MAX_SESSION_BYTES = 12 << 20  # this many bytes of them encoded, 20,000 of a real record's ~600),
+                              # new ids are refused (counted) until compaction: a member flooding
+                              # forged sessions costs each replica at most ~35 MB of memory
 MAX_RECORD_BYTES = 2048       # a record must fit one UDP datagram with room for the envelope
 MAX_STRING = 256              # model names and addresses; HF ids are well below this
 MAX_LIST = 64                 # models per session; real engines serve a handful
@@ -540,10 +541,11 @@ def _bucket(session_id: str) -> int:
 
 
 class _Entry:
-    __slots__ = ("record", "state", "version", "hash", "bucket", "plane")
+    __slots__ = ("record", "state", "version", "hash", "bucket", "plane", "size")
 
     def __init__(self, record: Dict[str, Any], encoded: bytes, session_id: str, bucket: int, plane: str):
         self.record = record
+        self.size = len(encoded)
         self.state = record["state"]
         self.version = record["version"]
         self.hash = _entry_hash(session_id, encoded)
@@ -600,6 +602,7 @@ class GMap:
         self._entries: Dict[str, _Entry] = {}
         self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, UNKNOWN: {}}
         self._usage_by_day: Dict[str, set] = {}  # day -> its usage entry ids: retention pops days
+        self._session_bytes = 0                  # encoded bytes of the session records held
         self._all = _Hashes()
         self._hashes = {plane: _Hashes() for plane in PLANES}
         self._forgotten: Dict[str, float] = {}   # compacted id -> when (a session's compaction,
@@ -671,6 +674,7 @@ class GMap:
         pairs = list(entries.items()) if isinstance(entries, dict) else list(entries)
         checked = []
         room = MAX_SESSIONS - len(self._by_kind[SESSION])
+        room_bytes = MAX_SESSION_BYTES - self._session_bytes
         for pair in pairs:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise RecordError("merge takes {session_id: record} or (session_id, record) pairs")
@@ -680,10 +684,11 @@ class GMap:
                 continue        # a duplicate (most of gossip): valid and changes nothing
             encoded = validate(session_id, record)
             if known is None and kind_of(session_id) == SESSION:
-                if room <= 0:
+                if room <= 0 or room_bytes < len(encoded):
                     self.refused["sessions_full"] += 1
                     continue
                 room -= 1
+                room_bytes -= len(encoded)
             checked.append((session_id, record, encoded))
         return [sid for sid, record, encoded in checked
                 if self._apply(sid, dict(record), encoded)]
@@ -716,6 +721,8 @@ class GMap:
             self._usage_by_day.setdefault(record["day"], set()).add(session_id)
         self._entries[session_id] = new
         self._by_kind[kind][session_id] = new
+        if kind == SESSION:
+            self._session_bytes += new.size - (old.size if old is not None else 0)
         self._all.flip(new)
         self._hashes[plane].flip(new)
         return True
@@ -727,6 +734,8 @@ class GMap:
     def _drop(self, entry_id: str, kind: str) -> _Entry:
         entry = self._entries.pop(entry_id)
         del self._by_kind[kind][entry_id]
+        if kind == SESSION:
+            self._session_bytes -= entry.size
         self._unhash(entry)
         return entry
 

@@ -226,3 +226,17 @@ def test_a_compute_job_with_the_cluster_key_cannot_create_change_or_revoke_keys_
         assert refused and int(refused[0].split()[-1]) >= report["sent"] - 1
     finally:
         cluster.close()
+
+
+def test_a_flood_of_forged_sessions_is_bounded_in_count_and_bytes_and_counted():
+    gmap = crdt.GMap()
+    big = {"owner": "x" * 200, "state": crdt.SERVING, "version": 0, "started": T0, "gossip": "10.1.1.1:1",
+           "labels": {f"l{i}": "v" * 40 for i in range(25)}}
+    flood = {f"{i:032x}": big for i in range(30_000)}
+    gmap.merge(flood)
+    held = gmap.plane_size(crdt.ROUTING)
+    assert held < crdt.MAX_SESSIONS and gmap._session_bytes <= crdt.MAX_SESSION_BYTES
+    assert gmap.refused["sessions_full"] == 30_000 - held
+    assert gmap.put("f" * 32, dict(big, owner="me"))    # a member's own record always goes in
+    gmap.compact(T0)                                    # nothing LEFT: still full, still bounded
+    assert gmap.plane_size(crdt.ROUTING) == held + 1
