@@ -428,9 +428,12 @@ MESSAGE_TYPES = {
     "k":  "k push id",               # ack of a writer's push: stop resending it to me
     "j":  "r {sid: record}",         # join: my record; answer with your full state
     "st": "r {sid: record}",         # state: records to merge (join answer, push-pull end)
-    "d":  "d {n, root}, s?",         # push-pull 1: my digest root (and my suspicions, below)
-    "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
-    "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
+    "d":  "d {n, root}, di?, s?",    # push-pull 1: my digest root (and my suspicions, below);
+                                     # di: the ingress plane's root (between proven ingresses)
+    "db": "d {n, root, b}, pl?",     # push-pull 2: roots differ, here are my bucket hashes
+                                     # (pl "i": the ingress plane's; none: the routing plane's)
+    "dr": "r {sid: record}, d, pl?",  # push-pull 3: what you lack, and my buckets (the rest
+                                     # of what you lack follows in "st" pieces)
     "h":  "link?, splice?, accept?, dial?",  # TCP hello: the frames after it on this connection may
                                      # be up to max_frame (before it, max_datagram: Node._on_tcp_gossip);
                                      # link: a private member's relay link; splice: open a tunnel
@@ -480,6 +483,14 @@ SHORT_ID = 8                        # hex chars of a session id in pings: 32 bit
 #      confirmations arrive, min growing with log N) becomes LEFT, written by the member whose
 #      timer fired (evicted_by). A member that finds its own live session evicted rejoins as a
 #      new session.
+#   3. Two planes (crdt.PLANES). The routing plane (sessions) is every member's; the ingress
+#      plane (API keys, usage) is only the ingresses': its writer pushes it to the members whose
+#      session record proves the ingress tier (crdt.Authority), nobody forwards it, push-pull
+#      compares it only between two such members ("di", "pl"), and a record of it that the
+#      tier did not sign is dropped and counted (`refused`). A worker never holds it.
+#   4. State moves in pieces: a join answer or an anti-entropy answer is split into messages
+#      of at most `state_chunk` bytes of records, each merged on its own (a set, not a list:
+#      linear in what arrives).
 #
 # The probe round as a table: phase, its deadline after the round starts, and what happens at
 # the deadline if no ack (from any path) has arrived. Deadlines scale with (1 + local health).
