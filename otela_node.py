@@ -538,6 +538,7 @@ class Overlay:
         self.map.put(session_id, self.record)
         self.ingresses: Dict[str, str] = {}         # proven ingress sid -> gossip address: the
                                                     # only members the ingress plane goes to
+        self.met_ingresses: List[str] = []          # newly proven ones, sent a digest at once
         self.refused = collections.Counter()        # entries refused: unsigned, plane
         self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
@@ -703,6 +704,9 @@ class Overlay:
             peer = self._peers(1)
             if peer:
                 out.append(self._digest_to(peer[0]))
+            others = [a for a in self.ingresses.values() if a not in peer]
+            if others:                              # and with an ingress, for the ingress plane
+                out.append(self._digest_to(self.rng.choice(others)))
         if now >= self.next_join:
             if self.members:
                 self.join_backoff = cfg.join_retry_min
@@ -849,9 +853,9 @@ class Overlay:
         horizon = now - self.cfg.join_left_age      # what a joiner needs: no day of LEFT records
         records = [(sid, r) for sid, r in self.map.plane_items(crdt.ROUTING)
                    if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon]
-        joiner = msg["r"]
-        if any(self._proven(sid, r) for sid, r in joiner.items() if isinstance(r, dict)):
-            records += list(self.map.plane_items(crdt.INGRESS))   # keys and usage: ingresses only
+        # Keys and usage are not in it: a joining ingress (proven by its record, just merged)
+        # is sent a digest of them at once (see _changed), and pulls what it lacks, bucket by
+        # bucket, instead of everything (a restarted one holds most of it already).
         return out + self._state(src, records, tcp, self._with_suspicions({"t": "st", "r": {}}))
 
     def _state(self, dest: str, records, tcp: bool, first: Dict[str, Any]) -> List[Out]:
@@ -1005,6 +1009,8 @@ class Overlay:
         for sid in gone:                            # once every member is known: pushed to all
             log.info("session %s superseded: this process now serves its address", sid)
             out += self._retire(sid, now, "superseded")
+        while self.met_ingresses:                   # the ingress plane's anti-entropy, now
+            out.append(self._digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
             # Members met through anti-entropy (a healed split, a restart) may not know us:
             # introduce ourselves to them the way a write is pushed, acked and resent (to more
@@ -1028,6 +1034,8 @@ class Overlay:
         seed = record.get("role") in SEED_ROLES
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip") \
                 and record.get("role") == "ingress" and self._proven(sid, record):
+            if sid not in self.ingresses:
+                self.met_ingresses.append(record["gossip"])
             self.ingresses[sid] = record["gossip"]
         else:
             self.ingresses.pop(sid, None)
