@@ -15,7 +15,9 @@
 #        login-node.sh place [extra otela_place.py plan flags]
 # Environment (defaults in brackets):
 #   OTELA_DIR    the otela checkout [this script's parent]
-#   OTELA_STATE  key, database, pid files and logs [~/.otela]
+#   OTELA_STATE  cluster key, pid files and logs [~/.otela]
+#   OTELA_INGRESS_STATE the ingress's secret (ingress.key) and database, on this login node's own
+#                disk, never the shared home that compute jobs read [/var/tmp/otela-$USER]
 #   OTELA_LISTEN ingress HTTP address [0.0.0.0:8080]   OTELA_GOSSIP gossip address [0.0.0.0:7946]
 #   OTELA_BOOTSTRAP other ingresses to join [none: a new overlay]
 #   OTELA_RELAY_GOSSIP the relay's gossip address [0.0.0.0:7946, or 0.0.0.0:7947 beside an ingress]
@@ -41,8 +43,18 @@ alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 case $role in
   ingress)
+    # The ingress tier's secret and the key database stay off the shared home (a job runs as this
+    # user and could otherwise mint keys): keygen wrote ingress.key into $STATE; move it here.
+    LOCAL=${OTELA_INGRESS_STATE:-/var/tmp/otela-${USER:-$(id -un)}}
+    mkdir -p -m 700 "$LOCAL"
+    if [[ ! -f $LOCAL/ingress.key ]]; then
+      if [[ -f $STATE/ingress.key ]]; then mv "$STATE/ingress.key" "$LOCAL/ingress.key"
+      else "$PYTHON" "$OTELA_DIR/otela_node.py" keygen --ingress-only --out "$LOCAL" >/dev/null; fi
+    fi
+    DB=$LOCAL/usage.sqlite
+    [[ -f $STATE/usage.sqlite && ! -f $DB ]] && DB=$STATE/usage.sqlite   # an existing deployment's
     cmd=("$PYTHON" "$OTELA_DIR/otela_ingress.py" serve --key-file "$STATE/cluster.key"
-         --listen "$LISTEN" --gossip "$GOSSIP" --db "$STATE/usage.sqlite")
+         --listen "$LISTEN" --gossip "$GOSSIP" --db "$DB" --ingress-key-file "$LOCAL/ingress.key")
     ;;
   relay)
     # the ingress relays too; a relay of its own on another port keeps private nodes reachable

@@ -98,7 +98,8 @@ def login_node(tmp_path, *args, python=sys.executable):
     shutil.copy(os.path.join(SBATCH, "login-node.sh"), otela / "sbatch" / "login-node.sh")
     for name in ("otela_node.py", "otela_place.py", "otela_ingress.py"):
         (otela / name).write_text("import json, sys\nprint(json.dumps(sys.argv))\n")
-    env = dict(os.environ, OTELA_STATE=str(tmp_path / "state"), PYTHON=python, OTELA_LISTEN="127.0.0.1:8089")
+    env = dict(os.environ, OTELA_STATE=str(tmp_path / "state"), PYTHON=python, OTELA_LISTEN="127.0.0.1:8089",
+               OTELA_INGRESS_STATE=str(tmp_path / "local"))
     return subprocess.run(["bash", str(otela / "sbatch" / "login-node.sh"), *args], capture_output=True, text=True,
                           timeout=30, env=env)
 
@@ -114,6 +115,24 @@ def test_login_node_relay_starts_the_standalone_relay_with_the_cluster_key(tmp_p
     argv = json.loads(log.read_text().strip().splitlines()[-1])
     assert argv[1:] == ["relay", "--key-file", f"{state}/cluster.key", "--gossip", "0.0.0.0:7946",
                         "--listen", "127.0.0.1:7701"]
+
+
+def test_login_node_ingress_keeps_its_secret_and_database_off_the_shared_state_folder(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "ingress.key").write_text("ab" * 32 + "\n")   # where keygen wrote it
+    out = login_node(tmp_path, "ingress", "start")
+    assert out.returncode == 0, out.stderr
+    state, local = tmp_path / "state", tmp_path / "local"
+    log = state / "logs" / "ingress.log"
+    deadline = time.monotonic() + 10
+    while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    argv = json.loads(log.read_text().strip().splitlines()[-1])
+    assert argv[argv.index("--ingress-key-file") + 1] == f"{local}/ingress.key"
+    assert argv[argv.index("--db") + 1] == f"{local}/usage.sqlite"
+    assert (local / "ingress.key").read_text() == "ab" * 32 + "\n" and not (state / "ingress.key").exists()
+    assert local.stat().st_mode & 0o077 == 0
+    login_node(tmp_path, "ingress", "stop")
 
 
 def test_login_node_runs_the_checkouts_venv_python_when_no_python_is_given(tmp_path):
