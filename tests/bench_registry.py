@@ -150,17 +150,20 @@ class Timed:
 
     def __init__(self):
         self.cpu = 0.0
+        self.by_member: dict = {}
 
     def wrap(self, member: on.Overlay) -> None:
         for name in ("receive", "tick"):
             inner = getattr(member, name)
 
-            def timed(*args, _inner=inner, **kw):
+            def timed(*args, _inner=inner, _addr=member.addr, **kw):
                 t = time.process_time()
                 try:
                     return _inner(*args, **kw)
                 finally:
-                    self.cpu += time.process_time() - t
+                    spent = time.process_time() - t
+                    self.cpu += spent
+                    self.by_member[_addr] = self.by_member.get(_addr, 0.0) + spent
             setattr(member, name, timed)
 
 
@@ -178,11 +181,14 @@ def storm_phase(quick: bool, results: dict) -> None:
     took = run_until(net, lambda: all(len(m.map) == n for m in members[:: max(1, n // 50)]) and len(seed.map) == n,
                      120.0, step=0.5)
     cpu = time.process_time() - t0
+    seed_cpu = timed.by_member.get(seed.addr, 0.0)
+    busiest = max(v for a, v in timed.by_member.items() if a != seed.addr)
     results["storm"] = {"members": n, "converged_s": round(took, 1), "cpu_s": round(cpu, 1),
-                        "members_cpu_s": round(timed.cpu, 1)}
+                        "members_cpu_s": round(timed.cpu, 1), "seed_cpu_s": round(seed_cpu, 2),
+                        "busiest_joiner_cpu_s": round(busiest, 2)}
     print(f"join storm, {n} members through one seed: every sampled member holds all {n} sessions after "
-          f"{took:.1f} simulated s; {timed.cpu:.1f} s of CPU in the members' code ({cpu:.1f} s with the "
-          "simulator's own)", flush=True)
+          f"{took:.1f} simulated s; CPU: the seed {seed_cpu:.2f} s, the busiest joiner {busiest:.2f} s, all "
+          f"members together {timed.cpu:.1f} s ({cpu:.1f} s with the simulator's own)", flush=True)
 
 
 def planes_phase(quick: bool, results: dict) -> None:
