@@ -752,8 +752,33 @@ def nat_no_relay_seed(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, nat, nat_private_ingress,
-             nat_punched_cut, nat_no_relay_seed]
+def registry_scale(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The registry at scale in the simulator (tests/bench_registry.py): a day of churn at 1,000
+    nodes, a joiner, a join storm through one seed, and the ingress plane among workers."""
+    import bench_registry
+    found: Dict[str, Any] = {}
+    churned = bench_registry.churn_phase(args.quick, found)
+    bench_registry.joiner_phase(args.quick, found, churned)
+    bench_registry.storm_phase(args.quick, found)
+    bench_registry.planes_phase(args.quick, found)
+    c, j, s, p = found["churn"], found["joiner"], found["storm"], found["planes"]
+    return [
+        row(f"registry: {c['hours']} h of 10 %/min churn, 1,000 sessions (sim)", "-", "100 leave + 100 join a minute",
+            "n/a (sim)", "-", "-", 0, state_bytes_per_worker=c["state_bytes_per_worker"],
+            largest_piece_bytes=c["largest_piece_bytes"], **{k: c[k] for k in ("entries", "remembered")}),
+        row(f"registry: a joiner among {j['members']} (sim)", "-", f"{j['tombstones']} LEFT records",
+            "n/a (sim)", "-", j["catch_up_s"], 0, largest_message_bytes=j["largest_message_bytes"]),
+        row(f"registry: join storm of {s['members']} through one seed (sim)", "-", "all at once", "n/a (sim)", "-",
+            s["converged_s"], 0, seed_cpu_s=s["seed_cpu_s"], members_cpu_s=s["members_cpu_s"]),
+        row(f"registry: planes, {p['workers']} workers, 3 ingresses, {p['api_keys']} keys (sim)",
+            "30 usage slots/s", "an ingress restarted", "n/a (sim)", "-", p["restarted_ingress_catch_up_s"], 0,
+            worker_bytes_s=p["publishing_bytes_per_worker_s"], worker_idle_bytes_s=p["idle_bytes_per_worker_s"],
+            ingress_entries_on_workers=p["ingress_entries_on_workers"]),
+    ]
+
+
+SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, registry_scale, nat,
+             nat_private_ingress, nat_punched_cut, nat_no_relay_seed]
 
 
 # =============================================================================================
