@@ -131,12 +131,15 @@ class Config:
                                     # ~e^-4 (2%) of members misses the first wave (e^-3 at 3: 5%)
     gossip_interval: float = 0.05   # retransmit tick, only while a rumour is pending: the 2%
                                     # the first wave missed get it within ~50 ms
-    origin_fanout: int = 256        # the writer of a change sends it straight to every member up
+    origin_fanout: int = 4096       # the writer of a change sends it straight to every member up
                                     # to this many (sealed once): it alone knows the change for
                                     # sure, and one hop means no duplicate first-wave copies to
                                     # open (the cost on busy hosts). Receivers then send it once
                                     # more, a tick later, to `gossip_fanout` peers (for loss).
                                     # Bigger clusters: a push to `gossip_fanout`, forwarded on.
+                                    # At 400 members a write cost each 2,558 bytes as a rumour
+                                    # (the old limit, 256) and 326 pushed (tests/bench_registry.py
+                                    # --only fanout); 4,096 datagrams is a ~3 MB burst for the writer
     retransmit_mult: int = 2        # rounds per rumour = mult * ceil(log10(N+1)); with push on
                                     # first receipt, 2 is enough and halves churn traffic
     push_resend_interval: float = 0.15  # the writer resends its change to members that have not

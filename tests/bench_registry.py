@@ -8,11 +8,13 @@ Phases:
             records, remembered ids, and the largest piece of a join answer.
   joiner    a member joining a settled overlay of N members (plus that churn's tombstones):
             simulated seconds until its routing plane equals the seed's, largest message.
-  storm     N members joining through one seed at the same instant: CPU seconds of the whole
-            simulation until every member holds every session.
+  storm     N members joining through one seed at the same instant: CPU seconds in the seed,
+            the busiest joiner and all members' code until every member holds every session.
   planes    3 ingresses and N workers; the ingresses publish usage slots at 30 a second and
             hold 5,000 API keys: bytes a second a worker receives (against the same overlay
             idle), ingress-plane entries on workers, and a restarted ingress's catch-up time.
+  fanout    bytes a member receives for one write above 256 members: pushed by the writer to
+            every member (origin_fanout's default) or as a rumour (256, the limit before).
 Writes <out>/registry.json.
 """
 from __future__ import annotations
@@ -241,11 +243,35 @@ def planes_phase(quick: bool, results: dict) -> None:
           f"holds all {ingresses[0].map.plane_size(crdt.INGRESS)} after {took:.2f} simulated s", flush=True)
 
 
+def fanout_phase(quick: bool, results: dict) -> None:
+    """Bytes each member receives for one write, pushed by its writer to all (origin_fanout at
+    its default) or as a rumour (origin_fanout 256, the limit before), above 256 members."""
+    n = 300 if quick else 600
+    out = {}
+    for fanout in (256, on.Config().origin_fanout):
+        net = settled(n, on.Config(key=b"k" * 32, origin_fanout=fanout))
+        base = sum(net.received.values())
+        net.run(4.0)
+        idle = sum(net.received.values()) - base
+        base = sum(net.received.values())
+        members = net.live()
+        for k in range(5):
+            writer = members[k * 7]
+            net.send(writer.addr, writer.update(net.now, labels={"w": str(k)}))
+            net.run(0.8)
+        per_write = (sum(net.received.values()) - base - idle) / 5 / n
+        reached = sum(1 for m in members if (m.map.get(members[28].sid).get("labels") or {}).get("w") == "4")
+        out[str(fanout)] = {"bytes_per_member_per_write": round(per_write), "reached": reached}
+        print(f"fanout, {n} members, origin_fanout {fanout}: {per_write:.0f} bytes per member per write, "
+              f"the last write reached {reached}/{n}", flush=True)
+    results["fanout"] = dict(out, members=n)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("churn", "joiner", "storm", "planes"))
+    parser.add_argument("--only", choices=("churn", "joiner", "storm", "planes", "fanout"))
     args = parser.parse_args()
     results: dict = {}
     churned = None
@@ -257,6 +283,8 @@ def main() -> int:
         storm_phase(args.quick, results)
     if args.only in (None, "planes"):
         planes_phase(args.quick, results)
+    if args.only in (None, "fanout"):
+        fanout_phase(args.quick, results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "registry.json"), "w") as fh:
         json.dump(results, fh, indent=2)
