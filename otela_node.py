@@ -5511,28 +5511,38 @@ def advertise_check(addr: str) -> str:
 KEY_FILES = {"cluster": "cluster.key", "ingress": "ingress.key"}   # keygen's secrets, by tier
 
 
-def _write_secret(path: str, force: bool, keep: List[str] = ()) -> None:
-    """A new secret (64 hex chars) as the first line of `path`, mode 0600; `keep`: lines after it."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force or keep else os.O_EXCL)
+def _write_secret(path: str, force: bool) -> None:
+    """A new secret (64 hex chars) in `path`, mode 0600."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
     except FileExistsError:
         raise ConfigError(f"{path} exists; pass --force to replace it (every holder needs the new key), "
-                          "or --rotate to add a new one beside it") from None
+                          "or rotate it without an outage (--rotate, --promote, --retire)") from None
     with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join([os.urandom(32).hex()] + list(keep)) + "\n")
+        fh.write(os.urandom(32).hex() + "\n")
     os.chmod(path, 0o600)
 
 
-def rotate(out_dir: str, tier: str, retire: bool = False) -> str:
-    """Rotation without an outage: `rotate` puts a new secret first in DIR/<tier>.key and keeps the
-    old ones after it (accepted, no longer used to seal or sign); `retire` keeps the first only."""
+ROTATION_STEPS = ("rotate", "promote", "retire")
+
+
+def rotate(out_dir: str, tier: str, step: str = "rotate") -> str:
+    """Rotation without an outage, in three steps, each copied to every holder and followed by a
+    rolling restart (a holder seals or signs with the first secret and accepts all):
+      rotate   add a new secret last: accepted everywhere, used by nobody yet;
+      promote  move the last secret first: used, while the old one is still accepted;
+      retire   keep the first secret only.
+    Sealing with a secret before every holder accepts it would cut the cluster in two."""
     path = os.path.join(out_dir, KEY_FILES[tier])
     lines = [line.hex() for line in load_secrets(path, f"{tier} key")]
-    if retire:
-        _write_secret_lines(path, lines[:1])
+    if step == "rotate":
+        lines.append(os.urandom(32).hex())
+    elif step == "promote":
+        lines = lines[-1:] + lines[:-1]
     else:
-        _write_secret(path, True, lines)
+        lines = lines[:1]
+    _write_secret_lines(path, lines)
     return path
 
 
@@ -5658,10 +5668,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--ingress-only", action="store_true",
                    help="write only DIR/ingress.key (the ingress hosts' secret) for a cluster that has its cluster.key")
     k.add_argument("--rotate", choices=sorted(KEY_FILES), default=None,
-                   help="put a new secret first in DIR/<tier>.key and keep the old ones after it (still "
-                        "accepted): copy the file to every holder, restart them one at a time, then --retire")
+                   help="rotation, step 1 of 3: add a new secret to DIR/<tier>.key, accepted but not used yet; "
+                        "after each step copy the file to every holder and restart them one at a time")
+    k.add_argument("--promote", choices=sorted(KEY_FILES), default=None,
+                   help="rotation, step 2: the new secret seals or signs, the old one is still accepted")
     k.add_argument("--retire", choices=sorted(KEY_FILES), default=None,
-                   help="keep only the first secret of DIR/<tier>.key (after a --rotate has reached every holder)")
+                   help="rotation, step 3: keep only the secret in use")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)
     s.add_argument("--process", default=env("PROCESS"), required=env("PROCESS") is None,
@@ -5707,8 +5719,11 @@ def main(argv=None) -> int:
                         format="%(asctime)s otela_node %(levelname)s %(message)s")
     try:
         if args.command == "keygen":
-            if args.rotate or args.retire:
-                print(rotate(args.out, args.rotate or args.retire, retire=bool(args.retire)))
+            steps = [(step, getattr(args, step)) for step in ROTATION_STEPS if getattr(args, step)]
+            if len(steps) > 1:
+                raise ConfigError("keygen: one of --rotate, --promote, --retire at a time")
+            if steps:
+                print(rotate(args.out, steps[0][1], steps[0][0]))
                 return 0
             for path in keygen(args.out, args.force, args.ingress_only):
                 print(path)

@@ -178,16 +178,29 @@ def test_the_ingress_tier_rotates_without_an_outage():
     assert on.Wire(b"n" * 32, on.Config(key=b"n" * 32)).open(sealed, T0) is None
 
 
-def test_keygen_rotate_and_retire_keep_every_holder_working(tmp_path):
+def test_keygen_rotates_in_three_steps_each_of_which_every_holder_of_the_step_before_accepts(tmp_path):
     written = on.keygen(str(tmp_path))
     assert [os.path.basename(p) for p in written[:2]] == ["cluster.key", "ingress.key"]
-    first = on.load_secrets(str(tmp_path / "ingress.key"))
-    on.rotate(str(tmp_path), "ingress")
-    both = on.load_secrets(str(tmp_path / "ingress.key"))
-    assert len(both) == 2 and both[1] == first[0]
-    on.rotate(str(tmp_path), "ingress", retire=True)
-    assert on.load_secrets(str(tmp_path / "ingress.key")) == both[:1]
-    assert (tmp_path / "ingress.key").stat().st_mode & 0o077 == 0
+    path = str(tmp_path / "cluster.key")
+    steps = [on.load_secrets(path)]
+    for step in on.ROTATION_STEPS:
+        on.rotate(str(tmp_path), "cluster", step)
+        steps.append(on.load_secrets(path))
+    old, new = steps[0][0], steps[1][1]
+    assert steps[1] == [old, new] and steps[2] == [new, old] and steps[3] == [new]
+    for before, after in zip(steps, steps[1:]):   # a holder still at the step before hears one at the next
+        sealer = on.Wire(after[0], on.Config(key=after[0]))
+        hearer = on.Config(key=before[0], accept_keys=before[1:])
+        assert on.Wire(hearer.key, hearer).open(sealer.seal({"t": "a", "n": 1}, T0), T0) == {"t": "a", "n": 1}
+    assert (tmp_path / "cluster.key").stat().st_mode & 0o077 == 0
+
+
+def test_keygen_takes_one_rotation_step_at_a_time(tmp_path):
+    on.keygen(str(tmp_path))
+    done = subprocess.run([sys.executable, "otela_node.py", "keygen", "--out", str(tmp_path), "--rotate", "ingress",
+                           "--retire", "ingress"], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "one of" in done.stderr
 
 
 # ---------------------------------------------------------------------------------------------
