@@ -40,6 +40,7 @@ import getpass
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import logging
 import math
 import os
@@ -178,6 +179,20 @@ class Config:
     max_gossip_connections: int = 64      # gossip TCP carries full-state transfers and the third
                                           # probe path, a handful at a time; strangers can hold at
                                           # most 64 * max_datagram (0.5 MiB) before a frame is authentic
+    gossip_auth_timeout: float = 2.0      # a gossip TCP connection's first authentic frame is due this
+                                          # long after it opens: members send it in their first packet
+                                          # (a lost one is resent within ~1 s); a stranger's 4 bytes are
+                                          # not a reason to hold a slot for tcp_timeout
+    max_gossip_strangers: int = 16        # gossip TCP connections one address (an IPv6 /64) holds
+                                          # before their first authentic frame: a quarter of the slots,
+                                          # so filling them takes four hosts; a newcomer over it cuts that
+                                          # address's oldest, and when every slot is taken, a newcomer
+                                          # cuts the oldest stranger: authenticated links and transfers
+                                          # are never cut for it (a keyless flood cannot shut members out)
+    max_frame_bytes: int = 64 * 1024 * 1024  # frames over max_datagram being read at once, all gossip
+                                          # connections together: two full states in flight; a big frame
+                                          # over it is refused (its sender retries), so a holder of the key
+                                          # opening connections does not grow us by max_frame each
     max_tunnel_connections: int = 512     # the ingress keeps <= 128 idle per session plus its streams;
                                           # 512 stays inside the usual 1,024-descriptor limit, and
                                           # the one over it gets a 503 error body, not a reset
@@ -259,6 +274,20 @@ def split_addr(addr: str) -> Tuple[str, int]:
     if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"bad address {addr!r}: expected HOST:PORT (port 0-65535)")
     return host.strip("[]"), int(port)
+
+
+def address_group(host: str) -> str:
+    """What one client "address" is for per-address caps: an IPv4 address, or an IPv6 /64 (one
+    host is given a whole /64, so its addresses are one client's)."""
+    if ":" not in host:
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
 def advertise(addr: str) -> str:
@@ -400,8 +429,8 @@ MESSAGE_TYPES = {
     "d":  "d {n, root}, s?",         # push-pull 1: my digest root (and my suspicions, below)
     "db": "d {n, root, b}",          # push-pull 2: roots differ, here are my bucket hashes
     "dr": "r {sid: record}, d",      # push-pull 3: what you lack, and my buckets
-    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the frames after it on this connection may
-                                     # be up to max_frame (before it, max_datagram: Node._on_tcp_gossip);
+    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the one frame after it may be up to
+                                     # max_frame (any other, max_datagram: Node._on_tcp_gossip);
                                      # link: a private member's relay link; splice: open a tunnel
                                      # stream to that link; dial (relay->member)/accept: its dial-back
     "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
@@ -3160,7 +3189,12 @@ def code_hash(role: str = "worker", directory: Optional[str] = None) -> str:
     return h.hexdigest()[:16]
 
 
-REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy")   # Node.refused
+REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy",   # Node.refused
+            "gossip_evicted",   # a gossip TCP stranger cut for a newcomer (full, or its address's share)
+            "gossip_slow",      # ... closed with no authentic frame by gossip_auth_timeout
+            "frame_budget",     # a big frame refused: max_frame_bytes were being read already
+            "join_limited",     # a join answered with no state: its source asked too often
+            "join_misdirected")  # ... or it named an address it did not come from
 
 
 class Node:
@@ -3200,7 +3234,10 @@ class Node:
         self._tunnel_sock: Optional[socket.socket] = None
         self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
         self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
-        self._gossip_connections = 0
+        self._gossip_strangers: Dict[asyncio.StreamWriter, str] = {}  # no authentic frame yet, oldest
+                                                    # first -> the address group (the ones cut first)
+        self._gossip_members: Set[asyncio.StreamWriter] = set()      # authenticated (links apart)
+        self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
         # NAT traversal and relay (see that section)
@@ -3253,6 +3290,10 @@ class Node:
         return self.overlay.sid if self.overlay else self._pending_id
 
     @property
+    def _gossip_connections(self) -> int:
+        return len(self._gossip_strangers) + len(self._gossip_members)
+
+    @property
     def registry(self) -> crdt.GMap:
         return self.overlay.map
 
@@ -3295,6 +3336,7 @@ class Node:
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
+                "gossip_strangers": len(self._gossip_strangers),
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
                 "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
                 "punch_ms": self.punch_ms[-8:], "punch_after_join_ms": self.punch_after_join_ms[-8:],
@@ -3587,37 +3629,52 @@ class Node:
 
     async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """TCP gossip frames. No work before authentication: at most max_gossip_connections at
-        once; until one frame on the connection has passed its HMAC (and replay check), a frame
-        may be no bigger than a datagram, so a stranger's length field never makes us read more
-        than 8 KiB; after it (a hello, or any small message), up to max_frame. The first bad
-        frame closes the connection. A hello may turn the connection into a relay link, a
-        spliced tunnel stream, or a private member's dial-back (see "NAT traversal and relay")."""
+        once, of which strangers (no authentic frame yet) hold at most max_gossip_strangers per
+        address and are cut oldest first for a newcomer (_admit_gossip), and must send an
+        authentic frame within gossip_auth_timeout. A frame may be no bigger than a datagram,
+        so a stranger's length field never makes us read more than 8 KiB, and neither does a
+        member's, but for the one frame after a hello (a state transfer: up to max_frame,
+        within max_frame_bytes for all connections together). The first bad frame closes the
+        connection. A hello may turn the connection into a relay link, a spliced tunnel
+        stream, or a private member's dial-back (see "NAT traversal and relay")."""
         cfg = self.config
-        if self._gossip_connections >= cfg.max_gossip_connections:
-            self.refused["gossip_busy"] += 1
-            writer.transport.abort()
+        if not self._admit_gossip(writer):
             return
-        self._gossip_connections += 1
-        counted, keep, link = True, False, ""
-        limit = cfg.max_datagram                    # before the first authentic frame
+        keep, link = False, ""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
+        limit = cfg.max_datagram                    # but for the frame after a hello
+        reserved = 0
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(4), cfg.tcp_timeout)
+                stranger = writer in self._gossip_strangers
+                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
+                head = await asyncio.wait_for(reader.readexactly(4), timeout)
                 (length,) = struct.unpack(">I", head)
                 if length > limit:
                     self.wire.dropped["oversized"] += 1
                     return
-                data = await asyncio.wait_for(reader.readexactly(length), cfg.tcp_timeout * 4)
+                if length > cfg.max_datagram:       # a state transfer after its hello
+                    if self._frame_bytes + length > cfg.max_frame_bytes:
+                        self.refused["frame_budget"] += 1
+                        return
+                    self._frame_bytes += length
+                    reserved = length
+                limit = cfg.max_datagram
+                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
+                data = await asyncio.wait_for(reader.readexactly(length), timeout)
+                self._frame_bytes -= reserved
+                reserved = 0
                 self.bytes_received += length + 4
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
                     if not self._forward_envelope(data, from_link=False):
                         return
-                    limit = cfg.max_frame
+                    self._authenticated_gossip(writer)
                     continue
                 msg = self.wire.open(data, time.time(), tcp=True)
                 if msg is None:
                     return
-                limit = cfg.max_frame
+                self._authenticated_gossip(writer)
                 kind = msg["t"]
                 if kind == "h":
                     if "link" in msg:
@@ -3638,13 +3695,11 @@ class Node:
                         else:
                             self._dialback_links.add(link)
                         _keepalive(writer)
-                        self._gossip_connections -= 1
-                        counted = False             # open as long as its member lives
+                        self._gossip_members.discard(writer)   # open as long as its member lives
                         await self._serve_link(link, reader, writer)
                         return
                     elif "splice" in msg:
-                        self._gossip_connections -= 1
-                        counted = False
+                        self._gossip_members.discard(writer)
                         await self._splice(str(msg["splice"]), reader, writer)
                         return
                     elif "back" in msg:             # a seed's dial-back (see _answer_reach)
@@ -3656,6 +3711,7 @@ class Node:
                             keep = True             # the splice owns it now
                             waiter.set_result((reader, writer))
                         return
+                    limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
                     continue
                 if kind == "rq":
                     await self._answer_reach(msg, writer)
@@ -3670,11 +3726,15 @@ class Node:
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.wire.dropped["truncated"] += 1
-        except (OSError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
+            if writer in self._gossip_strangers:
+                self.refused["gossip_slow"] += 1
+        except OSError:
             pass
         finally:
-            if counted:
-                self._gossip_connections -= 1
+            self._frame_bytes -= reserved
+            self._gossip_strangers.pop(writer, None)
+            self._gossip_members.discard(writer)
             if link and self._linked.get(link) is writer:
                 del self._linked[link]
                 self._dialback_links.discard(link)
@@ -3684,6 +3744,36 @@ class Node:
                 mux.cut()
             if not keep:
                 writer.close()
+
+    def _admit_gossip(self, writer: asyncio.StreamWriter) -> bool:
+        """Room for a new gossip TCP connection: a stranger from an address holding its share
+        cuts that address's oldest; at the cap, the oldest stranger anywhere is cut; only when
+        every slot is an authenticated member's is the newcomer refused."""
+        cfg = self.config
+        peer = writer.get_extra_info("peername")
+        group = address_group(peer[0]) if peer else ""
+        strangers = self._gossip_strangers
+        mine = [w for w, g in strangers.items() if g == group]    # bounded: max_gossip_connections
+        if len(mine) >= cfg.max_gossip_strangers:
+            self._cut_stranger(mine[0])
+        elif self._gossip_connections >= cfg.max_gossip_connections:
+            if not strangers:
+                self.refused["gossip_busy"] += 1
+                writer.transport.abort()
+                return False
+            self._cut_stranger(next(iter(strangers)))
+        strangers[writer] = group
+        return True
+
+    def _cut_stranger(self, writer: asyncio.StreamWriter) -> None:
+        del self._gossip_strangers[writer]
+        self.refused["gossip_evicted"] += 1
+        writer.transport.abort()
+
+    def _authenticated_gossip(self, writer: asyncio.StreamWriter) -> None:
+        """The connection sent an authentic frame: a member's, never cut for a stranger."""
+        if self._gossip_strangers.pop(writer, None) is not None:
+            self._gossip_members.add(writer)
 
     # -- NAT traversal and relay (see that section) -----------------------------------------
     def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float, tcp: bool = False) -> None:

@@ -4,6 +4,7 @@ is dialled back and stays direct; two private members open tunnel connections pu
 simultaneous open) or, failing that, through the relay. The NAT lab (tests/natlab.py) runs the
 same over real NATs."""
 import asyncio
+import collections
 import json
 import os
 import shutil
@@ -797,3 +798,85 @@ def test_the_members_writes_of_one_loop_turn_on_a_stream_go_out_as_one_data_fram
     frames, pending, got, sent = run(with_bed(tmp_path, t, relay=False))
     assert pending == len(sent)                       # held until the flush, and counted as buffered
     assert len(frames) == 1 and got == sent
+
+
+# -- a keyless flood of the gossip port (issue 25) ------------------------------------------------
+class SlotFlood:
+    """`per_address` sockets from each of `addresses` loopback addresses, each sending 4 bytes (a
+    frame length) and nothing more, re-opened as soon as the target cuts it: an attacker with no
+    key holding as many gossip TCP slots as it can. Runs in a thread until stopped (or 60 s)."""
+
+    def __init__(self, target, addresses=8, per_address=10):
+        import selectors
+        import threading
+        self.target, self.sources = target, [f"127.0.0.{2 + i}" for i in range(addresses)]
+        self.per_address = per_address
+        self.sel = selectors.DefaultSelector()
+        self.opened = self.cut = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, source):
+        sock = socket.socket()
+        try:
+            sock.bind((source, 0))
+            sock.settimeout(2)
+            sock.connect(self.target)
+            sock.sendall(b"\x00\x00\x10\x00")      # "a 4 KiB frame follows"
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            return
+        import selectors
+        self.sel.register(sock, selectors.EVENT_READ, source)
+        self.opened += 1
+
+    def _run(self):
+        for source in self.sources:
+            for _ in range(self.per_address):
+                self._open(source)
+        deadline = time.monotonic() + 60
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            for key, _ in self.sel.select(timeout=0.1):
+                try:
+                    key.fileobj.recv(4096)
+                except OSError:
+                    pass
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()
+                self.cut += 1
+                self._open(key.data)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_a_private_worker_started_during_a_keyless_gossip_slot_flood_is_served_within_5_s(tmp_path):
+    async def t(bed):
+        ingress = bed.ingress_node
+        host, port = on.split_addr(ingress.overlay.addr)
+        with SlotFlood((host, port)) as flood:
+            await until(lambda: ingress._gossip_connections >= ingress.config.max_gossip_connections,
+                        what="the flood holding every slot")
+            held = len(ingress._gossip_strangers)
+            started = time.monotonic()
+            worker = await bed.worker()
+            await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING", timeout=10)
+            answer = await bed.chat()
+            served = time.monotonic() - started
+            per_address = max(collections.Counter(ingress._gossip_strangers.values()).values())
+            evicted = ingress.refused["gossip_evicted"]
+        return held, served, answer, per_address, evicted, flood.cut
+    held, served, answer, per_address, evicted, cut = run(with_bed(tmp_path, t))
+    print(f"served {served:.2f} s after start, {evicted} evicted")
+    assert held == 64 and answer.startswith(b"HTTP/1.1 200")
+    assert served < 5.0, f"served {served:.1f} s after it started"
+    assert per_address <= 16 and evicted >= 16 and cut >= evicted - 80

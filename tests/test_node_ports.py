@@ -104,21 +104,85 @@ def test_a_big_authentic_frame_after_a_hello_is_accepted_and_a_forged_small_one_
     assert accepted == 2 and forged == 1 and closed == b""
 
 
-def test_gossip_tcp_connections_over_the_cap_are_closed_at_once_and_members_still_gossip():
+def test_gossip_tcp_strangers_are_cut_oldest_first_per_address_and_at_the_cap_never_an_authenticated_member():
     async def t(node, engine):
         target = addr_of(node, "gossip")
-        idle = [await asyncio.open_connection(*target) for _ in range(100)]
-        await until(lambda: node._gossip_connections + node.refused["gossip_busy"] >= 100, what="100 accepted")
-        held, refused = node._gossip_connections, node.refused["gossip_busy"]
-        for _, w in idle:
+        member = await asyncio.open_connection(*target)     # authenticated by its first frame, then idle
+        hello = node.wire.seal({"t": "h"}, time.time())
+        member[1].write(struct.pack(">I", len(hello)) + hello)
+        await until(lambda: len(node._gossip_members) == 1, what="the member authenticated")
+        idle = [await asyncio.open_connection(*target) for _ in range(100)]        # one address
+        await until(lambda: node.refused["gossip_evicted"] >= 100 - 16, what="its share cut")
+        one_address = len(node._gossip_strangers)
+        first_closed = await read_all(idle[0][0], 2)
+        others = [await asyncio.open_connection(*target, local_addr=(f"127.0.0.{2 + i // 16}", 0))
+                  for i in range(80)]                                                # five more
+        await until(lambda: node.refused["gossip_evicted"] >= 84 + 17, what="the oldest cut at the cap")
+        held = node._gossip_connections, len(node._gossip_members)
+        member_open = not member[1].transport.is_closing() and not member[0].at_eof()
+        for _, w in idle + others:
             w.close()
+        member[1].close()
         await until(lambda: node._gossip_connections == 0, what="idle closed")
         before = node.wire.accepted
         await node._send_tcp(target, {"t": "a", "n": 1, "ra": "127.0.0.1:1"})
         await until(lambda: node.wire.accepted == before + 1, what="a member's frame")
-        return held, refused
-    held, refused = run(with_node(t, max_gossip_connections=64))
-    assert held == 64 and refused == 36
+        return one_address, first_closed, held, member_open, node.refused["gossip_busy"]
+    one_address, first_closed, held, member_open, busy = run(with_node(t, max_gossip_connections=64))
+    assert one_address == 16 and first_closed == b""
+    assert held == (64, 1) and member_open and busy == 0
+
+
+def test_a_gossip_tcp_stranger_with_no_authentic_frame_is_closed_at_the_auth_deadline():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "gossip"))
+        writer.write(b"\x00\x00\x10\x00")                  # a length, then nothing
+        began = time.monotonic()
+        closed = await read_all(reader, 5)
+        writer.close()
+        return closed, time.monotonic() - began, node.refused["gossip_slow"]
+    closed, took, slow = run(with_node(t, gossip_auth_timeout=0.5))
+    assert closed == b"" and 0.4 <= took < 2.0 and slow == 1
+
+
+def test_frames_after_an_authentic_frame_stay_datagram_sized_but_for_one_after_a_hello_within_a_global_budget():
+    def framed(node, msg) -> bytes:
+        sealed = node.wire.seal(msg, time.time())
+        return struct.pack(">I", len(sealed)) + sealed
+
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        big = {"t": "a", "n": 1, "ra": "127.0.0.1:1", "pad": "x" * 50000}
+        # a small authentic message, then a big frame: refused, as before any frame
+        reader, writer = await asyncio.open_connection(*target)
+        writer.write(framed(node, {"t": "a", "n": 1, "ra": "127.0.0.1:1"}) + struct.pack(">I", 60000))
+        after_small = await read_all(reader, 5)
+        writer.close()
+        oversized = node.wire.dropped["oversized"]
+        # a hello buys one big frame; the next big one on that connection is refused
+        reader, writer = await asyncio.open_connection(*target)
+        before = node.wire.accepted
+        writer.write(framed(node, {"t": "h"}) + framed(node, big) + framed(node, big))
+        after_two = await read_all(reader, 5)
+        writer.close()
+        accepted = node.wire.accepted - before
+        # two hellos announcing 80 KB each at once, with a 100 KB budget: the second is refused
+        held = []
+        for _ in range(2):
+            r, w = await asyncio.open_connection(*target)
+            w.write(framed(node, {"t": "h"}) + struct.pack(">I", 80000) + b"\0" * 1000)
+            held.append((r, w))
+        await until(lambda: node.refused["frame_budget"] == 1, what="the second big frame refused")
+        budget = node._frame_bytes
+        for _, w in held:
+            w.close()
+        await until(lambda: node._frame_bytes == 0, what="the budget given back")
+        return after_small, oversized, after_two, accepted, node.wire.dropped["oversized"], budget
+    after_small, oversized, after_two, accepted, oversized_then, budget = run(
+        with_node(t, max_frame_bytes=100000))
+    assert after_small == b"" and oversized == 1
+    assert after_two == b"" and accepted == 2 and oversized_then == 2    # the hello and one big frame
+    assert budget == 80000
 
 
 # -- the tunnel port -------------------------------------------------------------------------
