@@ -41,6 +41,7 @@ import hashlib
 import heapq
 import hmac
 import ipaddress
+import itertools
 import logging
 import math
 import os
@@ -162,7 +163,12 @@ class Config:
     max_datagram: int = 8192        # any single record (<= 2 KB) fits; bigger goes over TCP
     max_frame: int = 32 * 1024 * 1024  # TCP full state: 10,000 sessions * ~1 KB, with margin
     tcp_timeout: float = 5.0        # connect + write of one TCP gossip frame
-    nonce_cache: int = 200000       # replay cache entries: ~3,000 msgs/s for a whole window
+    nonce_cache: int = 200000       # replay cache entries: ~6,000 msgs/s for a whole window (an
+                                    # entry lives until its datagram would be stale: ~31 s)
+    nonce_cache_per_sender: int = 50000  # ... of which one sender address holds at most this many
+                                    # (~1,600 msgs/s, far above a member's or a relay's honest rate):
+                                    # a flooding holder of the key fills its own share, and others'
+                                    # datagrams still get in (Wire.open)
 
     # -- engine supervisor --
     engine_ready_timeout: float = 7200.0  # big models take many minutes to load; 2 h is generous
@@ -343,10 +349,19 @@ MAGIC = b"o1"
 _HEAD = struct.Struct(">2sI8s")
 TAG_LEN = 32
 ENVELOPE = _HEAD.size + TAG_LEN     # 46 bytes of overhead per message
-DROP_REASONS = ("oversized", "truncated", "forged", "stale", "replayed", "malformed")
+DROP_REASONS = ("oversized", "truncated", "forged", "stale", "replayed", "malformed",
+                "flooded")                  # authentic and new, but its sender's replay cache share is full
+FLOODERS_NAMED = 64                 # senders whose "flooded" drops are counted by name (then "other")
 
 
 class Wire:
+    """Seal and open messages. The replay cache holds each accepted nonce until its datagram
+    would be stale anyway, with the sender that brought it: one sender address holds at most
+    nonce_cache_per_sender entries, and once the whole cache (nonce_cache) is full only senders
+    holding less than the average share get in (to at most twice it), so a holder of the key
+    flooding from a few addresses fills their own shares, not everyone's. A nonce is looked up
+    in the whole cache: a datagram replayed from another address is still a replay."""
+
     def __init__(self, key: bytes, config: Config):
         if not key:
             raise ConfigError("the overlay needs a cluster key")
@@ -355,9 +370,12 @@ class Wire:
         self.max_datagram = config.max_datagram
         self.max_frame = config.max_frame
         self.cache_limit = config.nonce_cache
-        self._nonces: Dict[bytes, float] = {}
-        self._next_prune = 0.0
+        self.sender_limit = config.nonce_cache_per_sender
+        self._nonces: Dict[bytes, Tuple[float, str]] = {}   # nonce -> (when it may go, its sender)
+        self._held: Dict[str, int] = {}                     # sender -> its nonces in the cache
+        self._next_prune = self._pruned = 0.0
         self.dropped = collections.Counter({r: 0 for r in DROP_REASONS})
+        self.flooders: collections.Counter = collections.Counter()   # sender -> datagrams "flooded"
         self.accepted = 0
 
     def seal(self, msg: Dict[str, Any], now: float) -> bytes:
@@ -376,8 +394,9 @@ class Wire:
             return False
         return True
 
-    def open(self, data: bytes, now: float, tcp: bool = False) -> Optional[Dict[str, Any]]:
-        """The message inside `data`, or None (counted in `dropped`)."""
+    def open(self, data: bytes, now: float, tcp: bool = False, sender: str = "") -> Optional[Dict[str, Any]]:
+        """The message inside `data`, or None (counted in `dropped`). `sender`: the address it
+        came from (its share of the replay cache)."""
         if len(data) > (self.max_frame if tcp else self.max_datagram):
             return self._drop("oversized")
         if len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
@@ -390,11 +409,18 @@ class Wire:
             return self._drop("stale")
         if nonce in self._nonces:
             return self._drop("replayed")
-        if now >= self._next_prune or len(self._nonces) >= self.cache_limit:
-            self._prune(now)
-            if len(self._nonces) >= self.cache_limit:
-                return self._drop("replayed")   # flooded by valid senders: refuse, don't grow
-        self._nonces[nonce] = now + 2 * self.window + 2
+        if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
+            self._prune(now)                # full: at most once a second, not once per datagram
+        held = self._held.get(sender, 0)
+        if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
+                held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
+            if sender in self.flooders or len(self.flooders) < FLOODERS_NAMED:
+                self.flooders[sender] += 1
+            else:
+                self.flooders["other"] += 1
+            return self._drop("flooded")    # refuse, don't grow: its sender's share is full
+        self._nonces[nonce] = (sent + self.window + 2, sender)   # stale after that: no replay to fear
+        self._held[sender] = held + 1
         try:
             msg = crdt.loads(body[_HEAD.size:])
         except ValueError:
@@ -405,8 +431,12 @@ class Wire:
         return msg
 
     def _prune(self, now: float) -> None:
-        self._nonces = {n: t for n, t in self._nonces.items() if t > now}
-        self._next_prune = now + self.window
+        self._nonces = {n: kept for n, kept in self._nonces.items() if kept[0] > now}
+        held: Dict[str, int] = {}
+        for _, sender in self._nonces.values():
+            held[sender] = held.get(sender, 0) + 1
+        self._held = held
+        self._pruned, self._next_prune = now, now + self.window
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] += 1
@@ -3100,7 +3130,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
         node = self.node
         node.bytes_received += len(data)
         now = time.time()
-        msg = node.wire.open(data, now)
+        msg = node.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
         if msg is None:
             return
         kind = msg["t"]
@@ -3258,7 +3288,11 @@ class Node:
         self._no_relay_said = False                          # NO_RELAY_TEXT logged, no link since
         self._dialable_gossip = ""                           # our gossip address before we went private
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
+        self._forwarded: Dict[bytes, float] = {}             # as a relay: envelopes passed on (nonce and
+                                                             # destination) -> until when a copy is refused
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
+                                            "stale": 0, "not_member": 0, "replayed": 0,   # envelopes
+                                            # not passed on (_relay_refusal)
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
@@ -3565,9 +3599,9 @@ class Node:
         if self.overlay is None:
             return
         if data[:2] == FORWARD:
-            self._forward_envelope(data, from_link=False)
+            self._forward_envelope(data, from_link=False, sender=f"{addr[0]}:{addr[1]}")
             return
-        msg = self.wire.open(data, time.time())
+        msg = self.wire.open(data, time.time(), sender=f"{addr[0]}:{addr[1]}")
         if msg is not None:
             src = msg.pop("ra", None)               # relayed: the sender's own gossip address
             self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False)
@@ -3640,7 +3674,7 @@ class Node:
         cfg = self.config
         if not self._admit_gossip(writer):
             return
-        keep, link = False, ""
+        keep, link, peer = False, "", writer.get_extra_info("peername") or ("", 0)
         loop = asyncio.get_running_loop()
         due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
         limit = cfg.max_datagram                    # but for the frame after a hello
@@ -3667,11 +3701,11 @@ class Node:
                 reserved = 0
                 self.bytes_received += length + 4
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
-                    if not self._forward_envelope(data, from_link=False):
+                    if not self._forward_envelope(data, from_link=False, sender=peer[0]):
                         return
                     self._authenticated_gossip(writer)
                     continue
-                msg = self.wire.open(data, time.time(), tcp=True)
+                msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
                 if msg is None:
                     return
                 self._authenticated_gossip(writer)
@@ -3839,8 +3873,8 @@ class Node:
             if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
                 return self._muxes.get(link) is mux and mux.on_frame(data)
             if data[:2] == FORWARD:
-                return self._forward_envelope(data, from_link=True)
-            msg = self.wire.open(data, time.time(), tcp=True)
+                return self._forward_envelope(data, from_link=True, sender=RELAYED_PREFIX + link)
+            msg = self.wire.open(data, time.time(), tcp=True, sender=RELAYED_PREFIX + link)
             if msg is None:
                 return False
             if msg["t"] == "rq":
@@ -3855,9 +3889,10 @@ class Node:
         if mux is not None and mux.writer is writer:
             await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
 
-    def _forward_envelope(self, data: bytes, from_link: bool) -> bool:
-        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered.
-        False when it was forged or is not ours to pass on."""
+    def _forward_envelope(self, data: bytes, from_link: bool, sender: str = "") -> bool:
+        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered
+        (`sender`: where it came from, for the replay cache). False when it was forged or is
+        not ours to pass on."""
         opened = open_envelope(data)
         if opened is None or self.overlay is None:
             self.wire.dropped["malformed"] += 1
@@ -3866,7 +3901,7 @@ class Node:
         if not self.wire.authentic(inner, self.config.max_frame):
             return False
         if dest == self.overlay.addr:
-            msg = self.wire.open(inner, time.time(), tcp=True)
+            msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
             src = msg.pop("ra", None) if msg is not None else None
             if isinstance(src, str):
                 self._deliver(msg, src, True)
@@ -3874,6 +3909,10 @@ class Node:
         if not self.config.relay or self.private:
             self.relayed["refused"] += 1
             return False
+        refusal = self._relay_refusal(dest, inner, from_link)
+        if refusal:
+            self.relayed[refusal] += 1
+            return from_link                        # a member's link stays; a stranger's connection goes
         self.relayed["forwarded"] += 1
         if is_relayed(dest):
             link = self._linked.get(dest[len(RELAYED_PREFIX):])
@@ -3897,6 +3936,37 @@ class Node:
         else:
             self._spawn(self._send_frames(target, frame(inner)))
         return True
+
+    def _relay_refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
+        """Why an authentic envelope is not passed on ("" when it is): sealed outside the replay
+        window ("stale"), a copy of one passed on already ("replayed"), or not for a member
+        ("not_member"): what comes from outside goes only down our own links, and what our
+        linked members send only to members (or one hop on to a relayed member's relay). A
+        captured datagram is worth nothing to a stranger: it reaches no address it chooses, and
+        each copy at most once."""
+        now = time.time()
+        _, sent, nonce = _HEAD.unpack_from(inner)
+        if abs(now - sent) > self.wire.window + 1:
+            return "stale"
+        if is_relayed(dest):
+            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and dest in self._relays_of):
+                return "not_member"
+        elif not from_link or (dest not in self.overlay.by_addr and dest not in self.overlay.remembered):
+            return "not_member"
+        seen = self._forwarded
+        key = nonce + dest.encode()
+        if key in seen:
+            return "replayed"
+        if len(seen) >= self.config.nonce_cache:     # oldest first: expiry is insertion order
+            for old in list(itertools.islice(seen, len(seen) // 2)):
+                del seen[old]
+        seen[key] = now + 2 * self.wire.window + 2
+        while seen:
+            oldest = next(iter(seen))
+            if seen[oldest] > now:
+                break
+            del seen[oldest]
+        return ""
 
     async def _send_frames(self, target: tuple, frames: bytes) -> None:
         try:
@@ -4094,7 +4164,7 @@ class Node:
         def on_frame(data: bytes) -> bool:
             if data[:2] == MUX:                     # a tunnel stream the relay opened for a dialer
                 return self._link_muxes.get(relay) is mux and mux.on_frame(data, self._accept_stream)
-            msg = self.wire.open(data, time.time(), tcp=True)
+            msg = self.wire.open(data, time.time(), tcp=True, sender=relay)
             if msg is None:
                 return True
             if msg["t"] == "h" and "dial" in msg:

@@ -880,3 +880,46 @@ def test_a_private_worker_started_during_a_keyless_gossip_slot_flood_is_served_w
     assert held == 64 and answer.startswith(b"HTTP/1.1 200")
     assert served < 5.0, f"served {served:.1f} s after it started"
     assert per_address <= 16 and evicted >= 16 and cut >= evicted - 80
+
+
+def test_a_relay_passes_on_no_captured_datagram_to_a_non_member_nor_a_stale_or_repeated_one(tmp_path):
+    async def t(bed):
+        ingress = bed.ingress_node
+        worker = await bed.worker()
+        await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING")
+        sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)     # an arbitrary address
+        sink.bind(("127.0.0.1", 0))
+        sink.setblocking(False)
+        victim = f"127.0.0.1:{sink.getsockname()[1]}"
+        relay = on.split_addr(ingress.overlay.addr)
+        attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        now = time.time()
+        # "captured" authentic datagrams: one 47 s old, fresh ones (the attacker has no key)
+        old = ingress.wire.seal({"t": "p", "n": 1, "to": "x"}, now - 47)
+        fresh = ingress.wire.seal({"t": "p", "n": 2, "to": "x"}, now)
+        to_worker = ingress.wire.seal({"t": "p", "n": 3, "to": "x"}, now)
+        before = dict(ingress.relayed)
+        for i in range(300):
+            attacker.sendto(on.envelope(victim, old), relay)
+            attacker.sendto(on.envelope(victim, fresh), relay)
+            attacker.sendto(on.envelope("relay/" + worker.link_id, to_worker), relay)
+            if i % 20 == 19:
+                await asyncio.sleep(0.005)                 # within the socket's receive buffer
+        await until(lambda: sum(ingress.relayed[k] - before[k] for k in ("stale", "not_member", "replayed",
+                                                                          "forwarded")) >= 900,
+                    what="every envelope judged")
+        reached = 0
+        try:
+            while True:
+                sink.recv(65536)
+                reached += 1
+        except BlockingIOError:
+            pass
+        sink.close()
+        attacker.close()
+        return reached, {k: ingress.relayed[k] - before[k] for k in ("stale", "not_member", "replayed")}, \
+            ingress.relayed["forwarded"] - before["forwarded"], worker.wire.dropped["replayed"]
+    reached, refused, forwarded, worker_replayed = run(with_bed(tmp_path, t))
+    assert reached == 0                                   # nothing relayed to a non-member
+    assert refused == {"stale": 300, "not_member": 300, "replayed": 299}
+    assert forwarded >= 1 and worker_replayed == 0         # the fresh one to its member, once
