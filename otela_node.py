@@ -153,6 +153,10 @@ class Config:
     join_left_age: float = 600.0    # a join answer carries LEFT records only this recent: enough
                                     # to stop a stale copy resurrecting them; older ones follow by
                                     # anti-entropy, bucket by bucket
+    join_answer_rate: float = 0.5   # full-state join answers per second to one source (an address,
+                                    # an IPv6 /64, or a relayed member): a joiner asks once, then at
+                                    # join_retry_min..max; a flood of joins gets no more state than this
+    join_answer_burst: int = 8      # ... after this many at once (eight jobs starting on one host)
     join_retry_min: float = 1.0     # bootstrap retry backoff: fast first retry ...
     join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
     compact_interval: float = 60.0  # LEFT compaction check; retention is hours, so minutes is fine
@@ -3150,7 +3154,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
                 self.hit.set_result(addr)
         else:
             msg.pop("ra", None)
-            node._deliver(msg, self.peer, False)
+            node._deliver(msg, self.peer, False, self.peer)
 
     def send(self, data: bytes, addr) -> bool:
         """False once the socket is closing: asyncio's unconnected datagram transport, its socket
@@ -3268,6 +3272,7 @@ class Node:
                                                     # first -> the address group (the ones cut first)
         self._gossip_members: Set[asyncio.StreamWriter] = set()      # authenticated (links apart)
         self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
+        self._join_budget: Dict[str, Tuple[float, float]] = {}   # join source -> (answers left, when)
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
         # NAT traversal and relay (see that section)
@@ -3581,10 +3586,16 @@ class Node:
         finally:                                    # whatever a send raised, the overlay ticks on
             self._schedule()
 
-    def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool) -> None:
+    def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool, peer: Optional[str] = None) -> None:
+        """Hand an authentic message to the Overlay (or NAT traversal) and send what it answers.
+        `peer`: where it came from (an IP address, or "relay/<link>" for one of our links), for
+        a join: its answer goes only there (_answer_join)."""
         handler = self._punch_handlers.get(msg["t"])
         if handler is not None:                     # NAT traversal's own messages, not the Overlay's
             handler(msg, src)
+            return
+        if msg["t"] == "j" and peer is not None:
+            self._answer_join(msg, src, peer)
             return
         try:
             outs = self.overlay.receive(msg, src, time.time(), tcp)
@@ -3604,7 +3615,7 @@ class Node:
         msg = self.wire.open(data, time.time(), sender=f"{addr[0]}:{addr[1]}")
         if msg is not None:
             src = msg.pop("ra", None)               # relayed: the sender's own gossip address
-            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False)
+            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False, addr[0])
 
     def _resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
@@ -3631,7 +3642,10 @@ class Node:
             if data is None:
                 data = sealed[id(o.msg)] = self.wire.seal(o.msg, now)
             if o.tcp or len(data) > self.config.max_datagram:
-                task = asyncio.ensure_future(self._send_tcp(target, dict(o.msg, ra=self.overlay.addr)))
+                msg = dict(o.msg, ra=self.overlay.addr)
+                if msg["t"] == "j":
+                    msg["rc"] = 1                   # answer on this connection (_answer_join)
+                task = asyncio.ensure_future(self._send_tcp(target, msg, o.addr))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 continue
@@ -3641,7 +3655,9 @@ class Node:
             except OSError:
                 pass
 
-    async def _send_tcp(self, target: tuple, msg: Dict[str, Any]) -> None:
+    async def _send_tcp(self, target: tuple, msg: Dict[str, Any], addr: str = "") -> None:
+        """One message on a new TCP connection; a join ("rc") then reads its answer there, from
+        `addr` (an older member answers by a connection of its own instead)."""
         now = time.time()
         data = self.wire.seal(msg, now)
         frames = struct.pack(">I", len(data)) + data
@@ -3656,10 +3672,97 @@ class Node:
             writer.write(frames)
             await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
             self.bytes_sent += len(frames)
-        except (OSError, asyncio.TimeoutError):
+            if msg.get("rc") and addr:
+                writer.write_eof()                  # an older member closes at once: no wait
+                await self._read_join_answer(reader, target, addr)
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
+
+    async def _read_join_answer(self, reader: asyncio.StreamReader, target: tuple, addr: str) -> None:
+        cfg = self.config
+        limit = cfg.max_datagram
+        while True:
+            data = await _read_frame(reader, limit, cfg.tcp_timeout * 4)
+            if data is None:
+                return
+            self.bytes_received += len(data) + 4
+            answer = self.wire.open(data, time.time(), tcp=True, sender=target[0])
+            if answer is None:
+                return
+            if answer["t"] == "h":
+                limit = cfg.max_frame               # the state follows
+                continue
+            limit = cfg.max_datagram
+            answer.pop("ra", None)
+            self._deliver(answer, addr, True)
+            if answer["t"] == "st":
+                return
+
+    def _answer_join(self, msg: Dict[str, Any], src: str, peer: str,
+                     writer: Optional[asyncio.StreamWriter] = None) -> None:
+        """A join: the joiner's record is merged, and our state goes back only where the join
+        came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
+        that is where it came from (the address of `peer`, or a relayed member, answered through
+        its relays; on one of our links, that link's member), and at most join_answer_rate per
+        source (a flood of joins is answered by no more). What is not sent is counted."""
+        now = time.time()
+        here = writer is not None and msg.pop("rc", None) == 1
+        try:
+            outs = self.overlay.receive(msg, src, now, True)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            self.dropped_malformed += 1
+            return
+        answers = [o for o in outs if o.addr == src and o.msg.get("t") == "st"]
+        self._send([o for o in outs if not (o.addr == src and o.msg.get("t") == "st")])
+        self._schedule()
+        if not answers:
+            return
+        if here:
+            source = address_group(peer)
+        elif is_relayed(peer):                      # down one of our links: its member only
+            source = src if src == peer else ""
+        elif is_relayed(src):
+            source = src
+        else:
+            try:
+                source = address_group(peer) if split_addr(src)[0] == peer else ""
+            except ValueError:
+                source = ""
+        if not source:
+            self.refused["join_misdirected"] += 1
+            return
+        if not self._join_allowed(source, now):
+            self.refused["join_limited"] += 1
+            return
+        if not here:
+            self._send(answers)
+            return
+        for o in answers:
+            data = self.wire.seal(dict(o.msg, ra=self.overlay.addr), now)
+            frames = frame(data)
+            if len(data) > self.config.max_datagram:   # a big frame: an authentic hello goes first
+                frames = frame(self.wire.seal({"t": "h"}, now)) + frames
+            writer.write(frames)
+            self.bytes_sent += len(frames)
+
+    def _join_allowed(self, source: str, now: float) -> bool:
+        """A token bucket per join source: join_answer_burst, refilled at join_answer_rate."""
+        cfg = self.config
+        budget = self._join_budget
+        left, since = budget.get(source, (float(cfg.join_answer_burst), now))
+        left = min(float(cfg.join_answer_burst), left + (now - since) * cfg.join_answer_rate)
+        if source not in budget and len(budget) >= cfg.max_remembered:   # forget the full buckets
+            self._join_budget = budget = {k: v for k, v in budget.items()
+                                          if v[0] + (now - v[1]) * cfg.join_answer_rate < cfg.join_answer_burst}
+            if len(budget) >= cfg.max_remembered:
+                return False
+        if left < 1.0:
+            budget[source] = (left, now)
+            return False
+        budget[source] = (left - 1.0, now)
+        return True
 
     async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """TCP gossip frames. No work before authentication: at most max_gossip_connections at
@@ -3755,6 +3858,9 @@ class Node:
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
                     self.dropped_malformed += 1
+                    continue
+                if kind == "j":
+                    self._answer_join(msg, src, peer[0], writer)
                     continue
                 self._deliver(msg, src, True)
         except asyncio.IncompleteReadError as exc:
@@ -3884,7 +3990,7 @@ class Node:
                 if not isinstance(src, str):
                     self.dropped_malformed += 1
                 else:
-                    self._deliver(msg, src, True)
+                    self._deliver(msg, src, True, RELAYED_PREFIX + link)
             return True
         if mux is not None and mux.writer is writer:
             await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
@@ -3904,7 +4010,7 @@ class Node:
             msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
             src = msg.pop("ra", None) if msg is not None else None
             if isinstance(src, str):
-                self._deliver(msg, src, True)
+                self._deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
             return msg is not None
         if not self.config.relay or self.private:
             self.relayed["refused"] += 1
@@ -4172,7 +4278,7 @@ class Node:
                 return True
             src = msg.pop("ra", None)
             if isinstance(src, str):
-                self._deliver(msg, src, True)
+                self._deliver(msg, src, True, relay)
             return True
         try:
             if mux is not None and mux.writer is writer:

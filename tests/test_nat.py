@@ -315,7 +315,8 @@ def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_pat
 def test_a_private_worker_whose_only_seed_does_not_relay_links_to_the_relay_the_seed_names(tmp_path):
     async def t(bed):
         ingress = bed.ingress_node
-        ingress.config.relay = False                   # an ingress run with --no-relay
+        ingress.config.relay = False                   # an ingress run with --no-relay, whose
+        ingress.update(relaying=False)                 # record says so (a member learns it at its join)
         relay = await bed.relay()
         await until(lambda: (ingress.registry.get(relay.session_id) or {}).get("state") == crdt.SERVING,
                     what="the relay SERVING at the ingress")

@@ -185,6 +185,69 @@ def test_frames_after_an_authentic_frame_stay_datagram_sized_but_for_one_after_a
     assert budget == 80000
 
 
+async def join_over_tcp(node, target, ra: str, rc: bool, source: str = "127.0.0.1") -> bytes:
+    """A join with no record of its own (the answer is the whole state all the same); what comes
+    back on its connection."""
+    reader, writer = await asyncio.open_connection(*target, local_addr=(source, 0))
+    join = {"t": "j", "r": {}, "ra": ra, **({"rc": 1} if rc else {})}
+    sealed = node.wire.seal(join, time.time())
+    writer.write(struct.pack(">I", len(sealed)) + sealed)
+    writer.write_eof()
+    back = await read_all(reader, 5)
+    writer.close()
+    return back
+
+
+def test_a_join_is_answered_on_its_own_connection_never_at_an_address_it_names_and_a_flood_is_rate_limited():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        dialled = []
+        victim = await asyncio.start_server(lambda r, w: (dialled.append(1), w.close()), "127.0.0.2", 0)
+        victim_addr = f"127.0.0.2:{victim.sockets[0].getsockname()[1]}"
+        # no "rc" (an older joiner) and an address it did not come from: no answer anywhere
+        misdirected = await join_over_tcp(node, target, victim_addr, rc=False)
+        # "rc": the state comes back on the connection, and never to the address named
+        answered = await join_over_tcp(node, target, victim_addr, rc=True)
+        # a flood of 40 joins from one address: the burst answered, the rest refused
+        flood = [await join_over_tcp(node, target, victim_addr, rc=True) for _ in range(40)]
+        await asyncio.sleep(0.3)
+        victim.close()
+        return misdirected, answered, flood, len(dialled), dict(node.refused)
+    misdirected, answered, flood, dialled, refused = run(with_node(t))
+    assert misdirected == b"" and dialled == 0 and refused["join_misdirected"] == 1
+    answer = on.Wire(KEY, on.Config(key=KEY))
+    frames, pos = [], 0
+    while pos < len(answered):
+        (length,) = struct.unpack_from(">I", answered, pos)
+        frames.append(answer.open(answered[pos + 4:pos + 4 + length], time.time(), tcp=True))
+        pos += 4 + length
+    assert [f["t"] for f in frames] == ["st"] and len(frames[0]["r"]) >= 1
+    served = sum(1 for back in flood if back)
+    assert 7 <= served <= 9 and refused["join_limited"] == 40 - served      # burst 8 (+ ~0.5/s refill)
+
+
+def test_a_new_member_joins_by_the_answer_on_its_own_connection():
+    async def t(node, engine):
+        cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05,
+                        bootstrap=[node.overlay.addr], push_pull_interval=600.0)
+        joiner = on.Node(cfg, role="relay")
+        read = joiner._read_join_answer
+        learned = []
+
+        async def reading(*args):                   # what the joiner knew once its answer was read
+            await read(*args)
+            learned.append(joiner.registry.get(node.session_id) is not None)
+        joiner._read_join_answer = reading
+        await joiner.start(serve_http=False)
+        try:
+            await until(lambda: learned, 5, "the answer read on the join's connection")
+            return node.refused["join_misdirected"], node.refused["join_limited"], learned
+        finally:
+            await joiner.stop(leave=False)
+    misdirected, limited, learned = run(with_node(t))
+    assert misdirected == limited == 0 and learned == [True]
+
+
 # -- the tunnel port -------------------------------------------------------------------------
 def test_a_keyless_request_is_refused_on_its_head_before_its_body_is_sent():
     async def t(node, engine):
