@@ -1371,6 +1371,32 @@ class Metrics:
         return ("\n".join(out) + "\n").encode()
 
 
+FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
+
+
+def overlay_metrics(node: Any) -> bytes:
+    """The overlay node's refusals as Prometheus families, so an operator sees an attack on the
+    gossip port or the relay: datagrams and frames dropped (by reason), connections and join
+    answers refused, envelopes not relayed, and the senders whose replay-cache share is full.
+    Nothing for a stand-in node without them."""
+    wire = getattr(node, "wire", None)
+    if wire is None:
+        return b""
+    out = []
+    for name, help_text, counts, label in (
+            ("otela_gossip_dropped_total", "Gossip datagrams and frames dropped, by reason.", wire.dropped, "reason"),
+            ("otela_gossip_refused_total", "Gossip and tunnel connections, frames and join answers refused, "
+             "by reason.", node.refused, "reason"),
+            ("otela_relay_refused_total", "Envelopes this relay did not pass on, by reason.",
+             {k: node.relayed[k] for k in ("refused", "stale", "not_member", "replayed")}, "reason"),
+            ("otela_gossip_flooded_total", "Authentic datagrams refused because their sender's share of the "
+             "replay cache was full, by sender.", dict(wire.flooders.most_common(FLOODERS_SHOWN)), "sender")):
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} counter")
+        out += [f'{name}{{{label}="{_label(str(key))}"}} {n}' for key, n in sorted(counts.items())]
+    return ("\n".join(out) + "\n").encode()
+
+
 # ---------------------------------------------------------------------------------------------
 # Streams: watch SSE bytes for token usage without re-serialising them
 # ---------------------------------------------------------------------------------------------
@@ -3522,6 +3548,7 @@ class Ingress:
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
                                    ledger.failed_commits if ledger is not None else 0,
                                    ledger.pending() if ledger is not None else 0)
+        body += overlay_metrics(self.node)
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
     def _get_dashboard(self, fields, query):

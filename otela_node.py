@@ -3372,6 +3372,7 @@ class Node:
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
+                "flooded_by": dict(self.wire.flooders.most_common(8)),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,

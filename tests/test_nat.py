@@ -924,3 +924,37 @@ def test_a_relay_passes_on_no_captured_datagram_to_a_non_member_nor_a_stale_or_r
     assert reached == 0                                   # nothing relayed to a non-member
     assert refused == {"stale": 300, "not_member": 300, "replayed": 299}
     assert forwarded >= 1 and worker_replayed == 0         # the fresh one to its member, once
+
+
+def test_the_ingress_metrics_name_every_refusal_at_the_gossip_port_and_the_relay(tmp_path):
+    async def get_metrics(port) -> dict:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        body = (await asyncio.wait_for(reader.read(-1), 10)).partition(b"\r\n\r\n")[2].decode()
+        writer.close()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in body.splitlines() if line and not line.startswith("#")}
+
+    async def t(bed):
+        ingress = bed.ingress_node
+        target = on.split_addr(ingress.overlay.addr)
+        ingress.wire.sender_limit = 5                      # a flood from one sender, in small
+        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sender.bind(("127.0.0.1", 0))
+        for n in range(10):
+            sender.sendto(ingress.wire.seal({"t": "a", "n": n}, time.time()), target)
+        stale = ingress.wire.seal({"t": "p", "n": 1, "to": "x"}, time.time() - 47)
+        sender.sendto(on.envelope("127.0.0.1:9", stale), target)
+        await until(lambda: ingress.relayed["stale"] == 1 and ingress.wire.dropped["flooded"] == 5,
+                    what="the flood and the stale envelope counted")
+        name = f"127.0.0.1:{sender.getsockname()[1]}"
+        sender.close()
+        return await get_metrics(bed.port), name
+    metrics, name = run(with_bed(tmp_path, t))
+    assert metrics[f'otela_gossip_flooded_total{{sender="{name}"}}'] == 5
+    assert metrics['otela_gossip_dropped_total{reason="flooded"}'] == 5
+    assert metrics['otela_relay_refused_total{reason="stale"}'] == 1
+    for reason in ("gossip_evicted", "gossip_slow", "frame_budget", "join_limited", "join_misdirected"):
+        assert metrics[f'otela_gossip_refused_total{{reason="{reason}"}}'] == 0
+    assert metrics["otela_headless_evicted_total"] == 0
+    assert metrics['otela_relay_refused_total{reason="not_member"}'] == 0
