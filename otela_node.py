@@ -377,6 +377,7 @@ class Wire:
         self.sender_limit = config.nonce_cache_per_sender
         self._nonces: Dict[bytes, Tuple[float, str]] = {}   # nonce -> (when it may go, its sender)
         self._held: Dict[str, int] = {}                     # sender -> its nonces in the cache
+        self._names: Dict[str, str] = {}                    # sender -> the one copy of its name kept
         self._next_prune = self._pruned = 0.0
         self.dropped = collections.Counter({r: 0 for r in DROP_REASONS})
         self.flooders: collections.Counter = collections.Counter()   # sender -> datagrams "flooded"
@@ -415,6 +416,7 @@ class Wire:
             return self._drop("replayed")
         if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
             self._prune(now)                # full: at most once a second, not once per datagram
+        sender = self._names.setdefault(sender, sender)   # one string per sender, not per entry
         held = self._held.get(sender, 0)
         if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
                 held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
@@ -440,6 +442,7 @@ class Wire:
         for _, sender in self._nonces.values():
             held[sender] = held.get(sender, 0) + 1
         self._held = held
+        self._names = {sender: sender for sender in held}
         self._pruned, self._next_prune = now, now + self.window
 
     def _drop(self, reason: str) -> None:
@@ -2274,7 +2277,11 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #   1. Gossip: a private member sends everything over a link, each message inside an envelope
 #      (FORWARD | destination | sealed message); the relay checks the inner HMAC (never work
 #      for a stranger) and sends it on by UDP, or down the destination's link. Others reach a
-#      relayed address through the first of its relays that is not suspected.
+#      relayed address through the first of its relays that is not suspected. Only what is
+#      fresh (sealed within the replay window), new (no copy passed on before) and for a member
+#      goes on: from outside, only down our own links; from a link, only to members (or one hop
+#      on to a relayed member's relay). A captured datagram, replayed by anyone, reaches no
+#      address of the replayer's choice (Node._relay_refusal).
 #   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
 #      authentic hello (a fresh nonce: not replayable); the relay opens a stream on the private
 #      member's link (relay_mux, the default) and bridges the dialer's connection to it. The
