@@ -2115,9 +2115,10 @@ class _Client(asyncio.Protocol):
         self.await_head()
 
     def await_head(self) -> None:
-        """The connection has sent no complete head (yet, or since its last request): it is one
-        of at most MAX_HEADLESS such; over it, the oldest is cut whose address holds at least
-        its share of them (a client's one new connection is not cut for an attacker's many)."""
+        """The connection has sent no complete head (yet; or, found by the sweep, not since its
+        last request): it is one of at most MAX_HEADLESS such; over it, the oldest is cut whose
+        address holds at least its share of them (a client's one new connection is not cut for
+        an attacker's many). A request's head takes it out (Ingress._tag)."""
         ingress = self.ingress
         headless, per = ingress._headless, ingress._headless_per
         if len(headless) >= MAX_HEADLESS:
@@ -2150,8 +2151,6 @@ class _Client(asyncio.Protocol):
         if self.idle:   # the first byte of the next request: its head is due
             self.idle = False
             self.deadline = time.monotonic() + HEAD_TIMEOUT_S
-            if not self.headless:
-                self.await_head()
         if self.busy:
             self.conn.receive_data(data)
         else:
@@ -2536,6 +2535,11 @@ class Ingress:
             self.pool.sweep(now)
             for client in [c for c in self._clients if not c.busy and now > c.deadline]:
                 client.transport.abort()
+            # kept-alive connections part-way through a next head join the headless ones here,
+            # once a second, not at each request's first byte (the common path stays as it was)
+            for client in [c for c in self._clients if not (c.busy or c.idle or c.headless or c.ending)
+                           and c.waiting is None and c.reading is None]:
+                client.await_head()
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:

@@ -425,6 +425,29 @@ def test_slowloris_from_4_addresses_of_1100_connections_leaves_99_percent_of_new
     assert headless <= otela_ingress.MAX_HEADLESS and evicted >= 4 * 1100 - otela_ingress.MAX_HEADLESS
 
 
+def test_a_kept_alive_connection_dribbling_its_next_head_is_headless_again_and_cut_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(otela_ingress, "MAX_HEADLESS", 4)
+    monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
+    stack = Stack(str(tmp_path / "o.sqlite"))
+    held: List[socket.socket] = []
+    try:
+        first = connect_from("127.0.0.30", stack.port)
+        held.append(first)
+        first.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert read_response(first)[0] == 200
+        first.sendall(b"GET /healthz HTTP/1.1\r\nhost: ")          # the next head, never finished
+        assert wait_for(lambda: stack.call(lambda: len(stack.ingress._headless)) == 1)
+        for _ in range(4):                                          # newcomers over the budget
+            held.append(connect_from("127.0.0.30", stack.port))
+        assert wait_for(lambda: stack.ingress.metrics.headless_evicted == 1)
+        assert read_to_close(first, 5) == (b"", True)
+        assert stack.call(lambda: len(stack.ingress._headless)) == 4
+    finally:
+        for sock in held:
+            sock.close()
+        stack.close()
+
+
 def test_per_address_shares_group_ipv6_by_64_and_ipv4_mapped_as_ipv4():
     from otela_node import address_group
     assert address_group("2001:db8:1:2::1") == address_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
