@@ -345,7 +345,8 @@ def load_key(path: str) -> bytes:
 #
 # tag = HMAC-SHA256(cluster key, everything before it). A datagram is dropped, and counted, if
 # it is oversized, too short, forged (tag mismatch), stale (time outside the replay window),
-# replayed (nonce seen within the window) or malformed (body not a JSON object with a known
+# replayed (nonce seen within the window), flooded (new, but its sender's share of the replay
+# cache is full: see Wire) or malformed (body not a JSON object with a known
 # "t"). TCP frames are a 4-byte big-endian length followed by the same sealed bytes; a message
 # sent over TCP carries "ra", the sender's gossip address, which the receiver uses as `src`
 # (the TCP source port is ephemeral).
