@@ -185,6 +185,26 @@ def test_frames_after_an_authentic_frame_stay_datagram_sized_but_for_one_after_a
     assert budget == 80000
 
 
+def test_16_connections_each_announcing_a_30_mib_frame_after_a_hello_get_the_budget_of_two():
+    """The issue's insider (the key, 16 connections, 30 MiB frames after one hello each, +466 MB
+    before): what may be read at once is max_frame_bytes (64 MiB), the rest refused at the length."""
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        held = []
+        for _ in range(16):
+            r, w = await asyncio.open_connection(*target)
+            hello = node.wire.seal({"t": "h"}, time.time())
+            w.write(struct.pack(">I", len(hello)) + hello + struct.pack(">I", 30 * 1024 * 1024) + b"\0" * 4096)
+            held.append((r, w))
+        await until(lambda: node.refused["frame_budget"] == 14, what="14 big frames refused")
+        reading = node._frame_bytes
+        for _, w in held:
+            w.close()
+        return reading
+    reading = run(with_node(t))
+    assert reading == 2 * 30 * 1024 * 1024 <= on.Config().max_frame_bytes
+
+
 async def join_over_tcp(node, target, ra: str, rc: bool, source: str = "127.0.0.1") -> bytes:
     """A join with no record of its own (the answer is the whole state all the same); what comes
     back on its connection."""
