@@ -3278,7 +3278,8 @@ class Node:
         self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self._gossip_strangers: Dict[asyncio.StreamWriter, str] = {}  # no authentic frame yet, oldest
                                                     # first -> the address group (the ones cut first)
-        self._gossip_members: Set[asyncio.StreamWriter] = set()      # authenticated (links apart)
+        self._gossip_members: Dict[asyncio.StreamWriter, bool] = {}  # authenticated (links apart), oldest
+                                                    # first -> waiting for its next frame (idle)
         self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
         self._join_budget: Dict[str, Tuple[float, float]] = {}   # join source -> (answers left, when)
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
@@ -3795,7 +3796,11 @@ class Node:
             while True:
                 stranger = writer in self._gossip_strangers
                 timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
+                if writer in self._gossip_members:
+                    self._gossip_members[writer] = True     # idle until a frame begins
                 head = await asyncio.wait_for(reader.readexactly(4), timeout)
+                if writer in self._gossip_members:
+                    self._gossip_members[writer] = False
                 (length,) = struct.unpack(">I", head)
                 if length > limit:
                     self.wire.dropped["oversized"] += 1
@@ -3841,11 +3846,11 @@ class Node:
                         else:
                             self._dialback_links.add(link)
                         _keepalive(writer)
-                        self._gossip_members.discard(writer)   # open as long as its member lives
+                        self._gossip_members.pop(writer, None)   # open as long as its member lives
                         await self._serve_link(link, reader, writer)
                         return
                     elif "splice" in msg:
-                        self._gossip_members.discard(writer)
+                        self._gossip_members.pop(writer, None)
                         await self._splice(str(msg["splice"]), reader, writer)
                         return
                     elif "back" in msg:             # a seed's dial-back (see _answer_reach)
@@ -3883,7 +3888,7 @@ class Node:
         finally:
             self._frame_bytes -= reserved
             self._gossip_strangers.pop(writer, None)
-            self._gossip_members.discard(writer)
+            self._gossip_members.pop(writer, None)
             if link and self._linked.get(link) is writer:
                 del self._linked[link]
                 self._dialback_links.discard(link)
@@ -3896,8 +3901,9 @@ class Node:
 
     def _admit_gossip(self, writer: asyncio.StreamWriter) -> bool:
         """Room for a new gossip TCP connection: a stranger from an address holding its share
-        cuts that address's oldest; at the cap, the oldest stranger anywhere is cut; only when
-        every slot is an authenticated member's is the newcomer refused."""
+        cuts that address's oldest; at the cap, the oldest stranger anywhere is cut, or else the
+        oldest member's connection idle between frames; only when every slot is a member's
+        connection busy with a frame is the newcomer refused."""
         cfg = self.config
         peer = writer.get_extra_info("peername")
         group = address_group(peer[0]) if peer else ""
@@ -3906,11 +3912,17 @@ class Node:
         if len(mine) >= cfg.max_gossip_strangers:
             self._cut_stranger(mine[0])
         elif self._gossip_connections >= cfg.max_gossip_connections:
-            if not strangers:
+            idle = next((w for w, waiting in self._gossip_members.items() if waiting), None)
+            if strangers:
+                self._cut_stranger(next(iter(strangers)))
+            elif idle is not None:                  # a member's connection between frames: it
+                del self._gossip_members[idle]      # sends again on a new one when it needs to
+                self.refused["gossip_evicted"] += 1
+                idle.transport.abort()
+            else:
                 self.refused["gossip_busy"] += 1
                 writer.transport.abort()
                 return False
-            self._cut_stranger(next(iter(strangers)))
         strangers[writer] = group
         return True
 
@@ -3922,7 +3934,7 @@ class Node:
     def _authenticated_gossip(self, writer: asyncio.StreamWriter) -> None:
         """The connection sent an authentic frame: a member's, never cut for a stranger."""
         if self._gossip_strangers.pop(writer, None) is not None:
-            self._gossip_members.add(writer)
+            self._gossip_members[writer] = False
 
     # -- NAT traversal and relay (see that section) -----------------------------------------
     def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float, tcp: bool = False) -> None:

@@ -133,6 +133,36 @@ def test_gossip_tcp_strangers_are_cut_oldest_first_per_address_and_at_the_cap_ne
     assert held == (64, 1) and member_open and busy == 0
 
 
+def test_with_every_slot_a_members_a_newcomer_cuts_the_oldest_idle_one_never_one_mid_frame():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+
+        async def member(mid_frame: bool):
+            r, w = await asyncio.open_connection(*target)
+            hello = node.wire.seal({"t": "h"}, time.time())
+            w.write(struct.pack(">I", len(hello)) + hello + (struct.pack(">I", 100000) + b"\0" * 10 if mid_frame else b""))
+            return r, w
+        idle = [await member(False) for _ in range(4)]
+        await until(lambda: len(node._gossip_members) == 4 and all(node._gossip_members.values()), what="4 idle")
+        newcomer = await asyncio.open_connection(*target)
+        first_cut = await read_all(idle[0][0], 5)
+        await until(lambda: node.refused["gossip_evicted"] == 1, what="the oldest idle cut")
+        for _, w in idle + [newcomer]:
+            w.close()
+        await until(lambda: node._gossip_connections == 0, what="all closed")
+        busy = [await member(True) for _ in range(4)]
+        await until(lambda: len(node._gossip_members) == 4 and not any(node._gossip_members.values()),
+                    what="4 mid-frame")
+        refused = await asyncio.open_connection(*target)
+        await until(lambda: node.refused["gossip_busy"] == 1, what="the newcomer refused")
+        still = node._gossip_connections
+        for _, w in busy + [refused]:
+            w.close()
+        return first_cut, still, node.refused["gossip_evicted"]
+    first_cut, still, evicted = run(with_node(t, max_gossip_connections=4))
+    assert first_cut == b"" and still == 4 and evicted == 1
+
+
 def test_a_gossip_tcp_stranger_with_no_authentic_frame_is_closed_at_the_auth_deadline():
     async def t(node, engine):
         reader, writer = await asyncio.open_connection(*addr_of(node, "gossip"))
