@@ -3706,9 +3706,7 @@ class Node:
                 continue
             limit = cfg.max_datagram
             answer.pop("ra", None)
-            self._deliver(answer, addr, True)
-            if answer["t"] == "st":
-                return
+            self._deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
 
     def _answer_join(self, msg: Dict[str, Any], src: str, peer: str,
                      writer: Optional[asyncio.StreamWriter] = None) -> None:
@@ -3724,8 +3722,8 @@ class Node:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             self.dropped_malformed += 1
             return
-        answers = [o for o in outs if o.addr == src and o.msg.get("t") == "st"]
-        self._send([o for o in outs if not (o.addr == src and o.msg.get("t") == "st")])
+        answers = [o for o in outs if o.addr == src]   # the state, in whatever messages it takes
+        self._send([o for o in outs if o.addr != src])
         self._schedule()
         if not answers:
             return
