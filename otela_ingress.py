@@ -110,6 +110,13 @@ ADDRESS_SHARE = 0.25                 # one client address holds at most this sha
                                      # filling the ingress takes four hosts, not one script ...
 ADDRESS_FLOOR = 64                   # ... but never fewer than 64: one app server's pool (the
                                      # benchmark keeps 64) behind one address is normal
+MAX_HEADLESS = 1024                  # connections with no complete head yet, all addresses
+                                     # together (nginx's way against slowloris from many hosts):
+                                     # a real client's head follows its handshake within an RTT,
+                                     # so 1,024 mid-head at once is an attack; a newcomer over it
+                                     # cuts the oldest, and a legitimate client always gets in
+HEADLESS_SCAN = 64                   # the oldest this many are looked at for one of an address
+                                     # over its share; none such: the oldest of all is cut
 READ_CHUNK = 256 * 1024              # one read per SSE burst or request body in most cases
 IDLE_TIMEOUT_S = 120.0               # a keep-alive client silent this long is closed
 HEAD_TIMEOUT_S = 10.0                # a request head (< 2 KiB, one packet from real clients) must
@@ -1350,6 +1357,7 @@ class Metrics:
         self.ttfb: Dict[str, Histogram] = {}
         self.connections = 0
         self.inflight = 0
+        self.headless_evicted = 0   # connections with no complete head cut for a newcomer
 
     def observe(self, table: Dict[str, Histogram], model: str, value: float) -> None:
         hist = table.get(model)
@@ -1402,6 +1410,8 @@ class Metrics:
                 ("otela_ledger_pending_rows", "gauge", "Usage rows journalled but not yet in SQLite.",
                  ledger_pending),
                 ("otela_connections", "gauge", "Open client connections.", self.connections),
+                ("otela_headless_evicted_total", "counter", "Connections cut with no complete request head, "
+                 "the oldest of MAX_HEADLESS for a newcomer (slowloris).", self.headless_evicted),
                 ("otela_inflight_requests", "gauge", "Requests being proxied now.", self.inflight)):
             family(name, kind, help_text)
             add(f"{name} {value}")
@@ -1421,6 +1431,32 @@ def registry_refusals(overlay: Any) -> bytes:
              "# TYPE otela_registry_refused_total counter"]
     lines += [f'otela_registry_refused_total{{why="{why}"}} {refused.get(why, 0)}' for why in REFUSAL_REASONS]
     return ("\n".join(lines) + "\n").encode()
+
+
+FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
+
+
+def overlay_metrics(node: Any) -> bytes:
+    """The overlay node's refusals as Prometheus families, so an operator sees an attack on the
+    gossip port or the relay: datagrams and frames dropped (by reason), connections and join
+    answers refused, envelopes not relayed, and the senders whose replay-cache share is full.
+    Nothing for a stand-in node without them."""
+    wire = getattr(node, "wire", None)
+    if wire is None:
+        return b""
+    out = []
+    for name, help_text, counts, label in (
+            ("otela_gossip_dropped_total", "Gossip datagrams and frames dropped, by reason.", wire.dropped, "reason"),
+            ("otela_gossip_refused_total", "Gossip and tunnel connections, frames and join answers refused, "
+             "by reason.", node.refused, "reason"),
+            ("otela_relay_refused_total", "Envelopes this relay did not pass on, by reason.",
+             {k: node.relayed[k] for k in ("refused", "stale", "not_member", "replayed")}, "reason"),
+            ("otela_gossip_flooded_total", "Authentic datagrams refused because their sender's share of the "
+             "replay cache was full, by sender.", dict(wire.flooders.most_common(FLOODERS_SHOWN)), "sender")):
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} counter")
+        out += [f'{name}{{{label}="{_label(str(key))}"}} {n}' for key, n in sorted(counts.items())]
+    return ("\n".join(out) + "\n").encode()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2098,7 +2134,7 @@ class _Client(asyncio.Protocol):
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "closed", "ending",
                  "serving", "relay", "exchange", "reading", "waiting", "lingering", "head_only",
-                 "_write_paused", "_read_paused", "request_id")
+                 "_write_paused", "_read_paused", "request_id", "headless")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -2121,13 +2157,14 @@ class _Client(asyncio.Protocol):
         self.head_only = False           # the request being answered is a HEAD
         self.request_id = b""            # the X-Request-Id of the request being answered
         self._write_paused = self._read_paused = False
+        self.headless = False            # among the ingress's connections with no complete head
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         ingress = self.ingress
         peer = transport.get_extra_info("peername")
-        address = self.address = peer[0] if peer else ""
+        address = self.address = otela_node.address_group(peer[0]) if peer else ""
         if len(ingress._clients) >= ingress.max_connections:
             return self._refuse(503, "Too many connections to the ingress", "too_many_connections")
         held = ingress._per_address.get(address, 0)
@@ -2137,6 +2174,28 @@ class _Client(asyncio.Protocol):
         transport.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)   # TCP_NODELAY: set by the loop
         ingress._clients.add(self)
         ingress.metrics.connections += 1
+        self.await_head()
+
+    def await_head(self) -> None:
+        """The connection has sent no complete head (yet; or, found by the sweep, not since its
+        last request): it is one of at most MAX_HEADLESS such; over it, the oldest is cut whose
+        address holds at least its share of them (a client's one new connection is not cut for
+        an attacker's many). A request's head takes it out (Ingress._tag)."""
+        ingress = self.ingress
+        headless, per = ingress._headless, ingress._headless_per
+        if len(headless) >= MAX_HEADLESS:
+            share = len(headless) / len(per)
+            victim = next(iter(headless))
+            for other in itertools.islice(headless, HEADLESS_SCAN):
+                if per[other.address] >= share:
+                    victim = other
+                    break
+            ingress.headed(victim)
+            ingress.metrics.headless_evicted += 1
+            victim.transport.abort()
+        headless[self] = None
+        per[self.address] = per.get(self.address, 0) + 1
+        self.headless = True
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer a connection over a cap with an error, and close it without a reset (its request
@@ -2183,6 +2242,8 @@ class _Client(asyncio.Protocol):
             ingress._abandon(self)
         if self.waiting is not None:
             self.waiting.cancel()
+        if self.headless:
+            ingress.headed(self)
         if self in ingress._clients:
             ingress._clients.discard(self)
             ingress.metrics.connections -= 1
@@ -2430,7 +2491,9 @@ class Ingress:
         self.max_connections = max_connections
         self.max_per_address = max_per_address if max_per_address is not None else \
             min(max_connections, max(ADDRESS_FLOOR, int(max_connections * ADDRESS_SHARE)))
-        self._per_address: Dict[str, int] = {}   # open connections per client address
+        self._per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
+        self._headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
+        self._headless_per: Dict[str, int] = {}    # ... how many of them per address
         self.max_body = max_body
         self.keys: Dict[str, Key] = {}
         self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
@@ -2534,6 +2597,11 @@ class Ingress:
             self.pool.sweep(now)
             for client in [c for c in self._clients if not c.busy and now > c.deadline]:
                 client.transport.abort()
+            # kept-alive connections part-way through a next head join the headless ones here,
+            # once a second, not at each request's first byte (the common path stays as it was)
+            for client in [c for c in self._clients if not (c.busy or c.idle or c.headless or c.ending)
+                           and c.waiting is None and c.reading is None]:
+                client.await_head()
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:
@@ -3329,7 +3397,10 @@ class Ingress:
     def _tag(self, client: _Client, fields: Dict[bytes, bytes]) -> None:
         """At a request's start: its id (the client's X-Request-Id when sane, else a new one),
         returned on every answer, stored in its ledger row and named in the log; and, for an
-        Origin that --cors-origin admits, the CORS headers a browser needs to read the answer."""
+        Origin that --cors-origin admits, the CORS headers a browser needs to read the answer.
+        Its head is whole: the connection leaves the headless ones."""
+        if client.headless:
+            self.headed(client)
         rid = fields.get(REQUEST_ID_HEADER)
         if rid is None or not _REQUEST_ID.fullmatch(rid):
             # unique without a system call per request: this process's random prefix, a counter
@@ -3342,6 +3413,14 @@ class Ingress:
                 extra += (b"access-control-allow-origin: %s\r\nvary: origin\r\n"
                           b"access-control-expose-headers: x-request-id, x-otela-session\r\n" % origin)
         client.conn.extra = extra
+
+    def headed(self, client: _Client) -> None:
+        """The client is no longer among the headless connections (its head came, or it went)."""
+        client.headless = False
+        del self._headless[client]
+        held = self._headless_per.pop(client.address) - 1
+        if held:
+            self._headless_per[client.address] = held
 
     def _preflight(self, fields: Dict[bytes, bytes]) -> List[Tuple[bytes, bytes]]:
         """The answer to OPTIONS (the CORS lines themselves come from _tag)."""
@@ -3540,6 +3619,7 @@ class Ingress:
         overlay = getattr(self.node, "overlay", None)
         if overlay is not None:
             body += registry_refusals(overlay)
+        body += overlay_metrics(self.node)
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
     def _get_dashboard(self, fields, query):

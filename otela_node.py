@@ -40,6 +40,8 @@ import getpass
 import hashlib
 import heapq
 import hmac
+import ipaddress
+import itertools
 import logging
 import math
 import os
@@ -161,6 +163,10 @@ class Config:
     join_left_age: float = 600.0    # a join answer carries LEFT records only this recent: enough
                                     # to stop a stale copy resurrecting them; older ones follow by
                                     # anti-entropy, bucket by bucket
+    join_answer_rate: float = 0.5   # full-state join answers per second to one source (an address,
+                                    # an IPv6 /64, or a relayed member): a joiner asks once, then at
+                                    # join_retry_min..max; a flood of joins gets no more state than this
+    join_answer_burst: int = 8      # ... after this many at once (eight jobs starting on one host)
     join_retry_min: float = 1.0     # bootstrap retry backoff: fast first retry ...
     join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
     compact_interval: float = 60.0  # LEFT compaction check; retention is 15 minutes, so a minute is fine
@@ -178,7 +184,12 @@ class Config:
     max_datagram: int = 8192        # any single record (<= 2 KB) fits; bigger goes over TCP
     max_frame: int = 32 * 1024 * 1024  # TCP full state: 10,000 sessions * ~1 KB, with margin
     tcp_timeout: float = 5.0        # connect + write of one TCP gossip frame
-    nonce_cache: int = 200000       # replay cache entries: ~3,000 msgs/s for a whole window
+    nonce_cache: int = 200000       # replay cache entries: ~6,000 msgs/s for a whole window (an
+                                    # entry lives until its datagram would be stale: ~31 s)
+    nonce_cache_per_sender: int = 50000  # ... of which one sender address holds at most this many
+                                    # (~1,600 msgs/s, far above a member's or a relay's honest rate):
+                                    # a flooding holder of the key fills its own share, and others'
+                                    # datagrams still get in (Wire.open)
 
     # -- engine supervisor --
     engine_ready_timeout: float = 7200.0  # big models take many minutes to load; 2 h is generous
@@ -195,6 +206,20 @@ class Config:
     max_gossip_connections: int = 64      # gossip TCP carries full-state transfers and the third
                                           # probe path, a handful at a time; strangers can hold at
                                           # most 64 * max_datagram (0.5 MiB) before a frame is authentic
+    gossip_auth_timeout: float = 2.0      # a gossip TCP connection's first authentic frame is due this
+                                          # long after it opens: members send it in their first packet
+                                          # (a lost one is resent within ~1 s); a stranger's 4 bytes are
+                                          # not a reason to hold a slot for tcp_timeout
+    max_gossip_strangers: int = 16        # gossip TCP connections one address (an IPv6 /64) holds
+                                          # before their first authentic frame: a quarter of the slots,
+                                          # so filling them takes four hosts; a newcomer over it cuts that
+                                          # address's oldest, and when every slot is taken, a newcomer
+                                          # cuts the oldest stranger: authenticated links and transfers
+                                          # are never cut for it (a keyless flood cannot shut members out)
+    max_frame_bytes: int = 64 * 1024 * 1024  # frames over max_datagram being read at once, all gossip
+                                          # connections together: two full states in flight; a big frame
+                                          # over it is refused (its sender retries), so a holder of the key
+                                          # opening connections does not grow us by max_frame each
     max_tunnel_connections: int = 512     # the ingress keeps <= 128 idle per session plus its streams;
                                           # 512 stays inside the usual 1,024-descriptor limit, and
                                           # the one over it gets a 503 error body, not a reset
@@ -278,6 +303,20 @@ def split_addr(addr: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def address_group(host: str) -> str:
+    """What one client "address" is for per-address caps: an IPv4 address, or an IPv6 /64 (one
+    host is given a whole /64, so its addresses are one client's)."""
+    if ":" not in host:
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
+
+
 def advertise(addr: str) -> str:
     host, port = split_addr(addr)
     if host in ("0.0.0.0", "::", ""):
@@ -335,7 +374,8 @@ def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
 #
 # tag = HMAC-SHA256(cluster key, everything before it). A datagram is dropped, and counted, if
 # it is oversized, too short, forged (tag mismatch), stale (time outside the replay window),
-# replayed (nonce seen within the window) or malformed (body not a JSON object with a known
+# replayed (nonce seen within the window), flooded (new, but its sender's share of the replay
+# cache is full: see Wire) or malformed (body not a JSON object with a known
 # "t"). TCP frames are a 4-byte big-endian length followed by the same sealed bytes; a message
 # sent over TCP carries "ra", the sender's gossip address, which the receiver uses as `src`
 # (the TCP source port is ephemeral).
@@ -343,10 +383,19 @@ MAGIC = b"o1"
 _HEAD = struct.Struct(">2sI8s")
 TAG_LEN = 32
 ENVELOPE = _HEAD.size + TAG_LEN     # 46 bytes of overhead per message
-DROP_REASONS = ("oversized", "truncated", "forged", "stale", "replayed", "malformed")
+DROP_REASONS = ("oversized", "truncated", "forged", "stale", "replayed", "malformed",
+                "flooded")                  # authentic and new, but its sender's replay cache share is full
+FLOODERS_NAMED = 64                 # senders whose "flooded" drops are counted by name (then "other")
 
 
 class Wire:
+    """Seal and open messages. The replay cache holds each accepted nonce until its datagram
+    would be stale anyway, with the sender that brought it: one sender address holds at most
+    nonce_cache_per_sender entries, and once the whole cache (nonce_cache) is full only senders
+    holding less than the average share get in (to at most twice it), so a holder of the key
+    flooding from a few addresses fills their own shares, not everyone's. A nonce is looked up
+    in the whole cache: a datagram replayed from another address is still a replay."""
+
     def __init__(self, key: bytes, config: Config):
         if not key:
             raise ConfigError("the overlay needs a cluster key")
@@ -357,9 +406,13 @@ class Wire:
         self.max_datagram = config.max_datagram
         self.max_frame = config.max_frame
         self.cache_limit = config.nonce_cache
-        self._nonces: Dict[bytes, float] = {}
-        self._next_prune = 0.0
+        self.sender_limit = config.nonce_cache_per_sender
+        self._nonces: Dict[bytes, Tuple[float, str]] = {}   # nonce -> (when it may go, its sender)
+        self._held: Dict[str, int] = {}                     # sender -> its nonces in the cache
+        self._names: Dict[str, str] = {}                    # sender -> the one copy of its name kept
+        self._next_prune = self._pruned = 0.0
         self.dropped = collections.Counter({r: 0 for r in DROP_REASONS})
+        self.flooders: collections.Counter = collections.Counter()   # sender -> datagrams "flooded"
         self.accepted = 0
 
     def seal(self, msg: Dict[str, Any], now: float) -> bytes:
@@ -381,8 +434,9 @@ class Wire:
     def _tag_ok(self, body: bytes, tag: bytes) -> bool:
         return any(hmac.compare_digest(hmac.new(k, body, hashlib.sha256).digest(), tag) for k in self._keys)
 
-    def open(self, data: bytes, now: float, tcp: bool = False) -> Optional[Dict[str, Any]]:
-        """The message inside `data`, or None (counted in `dropped`)."""
+    def open(self, data: bytes, now: float, tcp: bool = False, sender: str = "") -> Optional[Dict[str, Any]]:
+        """The message inside `data`, or None (counted in `dropped`). `sender`: the address it
+        came from (its share of the replay cache)."""
         if len(data) > (self.max_frame if tcp else self.max_datagram):
             return self._drop("oversized")
         if len(data) < ENVELOPE + 2 or data[:2] != MAGIC:
@@ -395,11 +449,19 @@ class Wire:
             return self._drop("stale")
         if nonce in self._nonces:
             return self._drop("replayed")
-        if now >= self._next_prune or len(self._nonces) >= self.cache_limit:
-            self._prune(now)
-            if len(self._nonces) >= self.cache_limit:
-                return self._drop("replayed")   # flooded by valid senders: refuse, don't grow
-        self._nonces[nonce] = now + 2 * self.window + 2
+        if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
+            self._prune(now)                # full: at most once a second, not once per datagram
+        sender = self._names.setdefault(sender, sender)   # one string per sender, not per entry
+        held = self._held.get(sender, 0)
+        if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
+                held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
+            if sender in self.flooders or len(self.flooders) < FLOODERS_NAMED:
+                self.flooders[sender] += 1
+            else:
+                self.flooders["other"] += 1
+            return self._drop("flooded")    # refuse, don't grow: its sender's share is full
+        self._nonces[nonce] = (sent + self.window + 2, sender)   # stale after that: no replay to fear
+        self._held[sender] = held + 1
         try:
             msg = crdt.loads(body[_HEAD.size:])
         except ValueError:
@@ -410,8 +472,13 @@ class Wire:
         return msg
 
     def _prune(self, now: float) -> None:
-        self._nonces = {n: t for n, t in self._nonces.items() if t > now}
-        self._next_prune = now + self.window
+        self._nonces = {n: kept for n, kept in self._nonces.items() if kept[0] > now}
+        held: Dict[str, int] = {}
+        for _, sender in self._nonces.values():
+            held[sender] = held.get(sender, 0) + 1
+        self._held = held
+        self._names = {sender: sender for sender in held}
+        self._pruned, self._next_prune = now, now + self.window
 
     def _drop(self, reason: str) -> None:
         self.dropped[reason] += 1
@@ -437,8 +504,8 @@ MESSAGE_TYPES = {
                                      # (pl "i": the ingress plane's; none: the routing plane's)
     "dr": "r {sid: record}, d, pl?",  # push-pull 3: what you lack, and my buckets (the rest
                                      # of what you lack follows in "st" pieces)
-    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the frames after it on this connection may
-                                     # be up to max_frame (before it, max_datagram: Node._on_tcp_gossip);
+    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the one frame after it may be up to
+                                     # max_frame (any other, max_datagram: Node._on_tcp_gossip);
                                      # link: a private member's relay link; splice: open a tunnel
                                      # stream to that link; dial (relay->member)/accept: its dial-back
     "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
@@ -2366,7 +2433,11 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #   1. Gossip: a private member sends everything over a link, each message inside an envelope
 #      (FORWARD | destination | sealed message); the relay checks the inner HMAC (never work
 #      for a stranger) and sends it on by UDP, or down the destination's link. Others reach a
-#      relayed address through the first of its relays that is not suspected.
+#      relayed address through the first of its relays that is not suspected. Only what is
+#      fresh (sealed within the replay window), new (no copy passed on before) and for a member
+#      goes on: from outside, only down our own links; from a link, only to members (or one hop
+#      on to a relayed member's relay). A captured datagram, replayed by anyone, reaches no
+#      address of the replayer's choice (Node._relay_refusal).
 #   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
 #      authentic hello (a fresh nonce: not replayable); the relay opens a stream on the private
 #      member's link (relay_mux, the default) and bridges the dialer's connection to it. The
@@ -3226,7 +3297,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
         node = self.node
         node.bytes_received += len(data)
         now = time.time()
-        msg = node.wire.open(data, now)
+        msg = node.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
         if msg is None:
             return
         kind = msg["t"]
@@ -3246,7 +3317,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
                 self.hit.set_result(addr)
         else:
             msg.pop("ra", None)
-            node._deliver(msg, self.peer, False)
+            node._deliver(msg, self.peer, False, self.peer)
 
     def send(self, data: bytes, addr) -> bool:
         """False once the socket is closing: asyncio's unconnected datagram transport, its socket
@@ -3315,7 +3386,12 @@ def code_hash(role: str = "worker", directory: Optional[str] = None) -> str:
     return h.hexdigest()[:16]
 
 
-REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy")   # Node.refused
+REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy",   # Node.refused
+            "gossip_evicted",   # a gossip TCP stranger cut for a newcomer (full, or its address's share)
+            "gossip_slow",      # ... closed with no authentic frame by gossip_auth_timeout
+            "frame_budget",     # a big frame refused: max_frame_bytes were being read already
+            "join_limited",     # a join answered with no state: its source asked too often
+            "join_misdirected")  # ... or it named an address it did not come from
 
 
 class Node:
@@ -3358,7 +3434,12 @@ class Node:
         self._tunnel_sock: Optional[socket.socket] = None
         self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
         self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
-        self._gossip_connections = 0
+        self._gossip_strangers: Dict[asyncio.StreamWriter, str] = {}  # no authentic frame yet, oldest
+                                                    # first -> the address group (the ones cut first)
+        self._gossip_members: Dict[asyncio.StreamWriter, bool] = {}  # authenticated (links apart), oldest
+                                                    # first -> waiting for its next frame (idle)
+        self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
+        self._join_budget: Dict[str, Tuple[float, float]] = {}   # join source -> (answers left, when)
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
         # NAT traversal and relay (see that section)
@@ -3379,7 +3460,11 @@ class Node:
         self._no_relay_said = False                          # NO_RELAY_TEXT logged, no link since
         self._dialable_gossip = ""                           # our gossip address before we went private
         self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
+        self._forwarded: Dict[bytes, float] = {}             # as a relay: envelopes passed on (nonce and
+                                                             # destination) -> until when a copy is refused
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
+                                            "stale": 0, "not_member": 0, "replayed": 0,   # envelopes
+                                            # not passed on (_relay_refusal)
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
@@ -3409,6 +3494,10 @@ class Node:
     @property
     def session_id(self) -> str:
         return self.overlay.sid if self.overlay else self._pending_id
+
+    @property
+    def _gossip_connections(self) -> int:
+        return len(self._gossip_strangers) + len(self._gossip_members)
 
     @property
     def registry(self) -> crdt.GMap:
@@ -3450,9 +3539,11 @@ class Node:
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
+                "flooded_by": dict(self.wire.flooders.most_common(8)),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
                 "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
+                "gossip_strangers": len(self._gossip_strangers),
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
                 "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
                 "punch_ms": self.punch_ms[-8:], "punch_after_join_ms": self.punch_after_join_ms[-8:],
@@ -3668,10 +3759,16 @@ class Node:
         finally:                                    # whatever a send raised, the overlay ticks on
             self._schedule()
 
-    def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool) -> None:
+    def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool, peer: Optional[str] = None) -> None:
+        """Hand an authentic message to the Overlay (or NAT traversal) and send what it answers.
+        `peer`: where it came from (an IP address, or "relay/<link>" for one of our links), for
+        a join: its answer goes only there (_answer_join)."""
         handler = self._punch_handlers.get(msg["t"])
         if handler is not None:                     # NAT traversal's own messages, not the Overlay's
             handler(msg, src)
+            return
+        if msg["t"] == "j" and peer is not None:
+            self._answer_join(msg, src, peer)
             return
         try:
             outs = self.overlay.receive(msg, src, time.time(), tcp)
@@ -3686,12 +3783,12 @@ class Node:
         if self.overlay is None:
             return
         if data[:2] == FORWARD:
-            self._forward_envelope(data, from_link=False)
+            self._forward_envelope(data, from_link=False, sender=f"{addr[0]}:{addr[1]}")
             return
-        msg = self.wire.open(data, time.time())
+        msg = self.wire.open(data, time.time(), sender=f"{addr[0]}:{addr[1]}")
         if msg is not None:
             src = msg.pop("ra", None)               # relayed: the sender's own gossip address
-            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False)
+            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False, addr[0])
 
     def _resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
@@ -3718,7 +3815,10 @@ class Node:
             if data is None:
                 data = sealed[id(o.msg)] = self.wire.seal(o.msg, now)
             if o.tcp or len(data) > self.config.max_datagram:
-                task = asyncio.ensure_future(self._send_tcp(target, dict(o.msg, ra=self.overlay.addr)))
+                msg = dict(o.msg, ra=self.overlay.addr)
+                if msg["t"] == "j":
+                    msg["rc"] = 1                   # answer on this connection (_answer_join)
+                task = asyncio.ensure_future(self._send_tcp(target, msg, o.addr))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 continue
@@ -3728,7 +3828,9 @@ class Node:
             except OSError:
                 pass
 
-    async def _send_tcp(self, target: tuple, msg: Dict[str, Any]) -> None:
+    async def _send_tcp(self, target: tuple, msg: Dict[str, Any], addr: str = "") -> None:
+        """One message on a new TCP connection; a join ("rc") then reads its answer there, from
+        `addr` (an older member answers by a connection of its own instead)."""
         now = time.time()
         data = self.wire.seal(msg, now)
         frames = struct.pack(">I", len(data)) + data
@@ -3743,44 +3845,148 @@ class Node:
             writer.write(frames)
             await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
             self.bytes_sent += len(frames)
-        except (OSError, asyncio.TimeoutError):
+            if msg.get("rc") and addr:
+                writer.write_eof()                  # an older member closes at once: no wait
+                await self._read_join_answer(reader, target, addr)
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
 
+    async def _read_join_answer(self, reader: asyncio.StreamReader, target: tuple, addr: str) -> None:
+        cfg = self.config
+        limit = cfg.max_datagram
+        while True:
+            data = await _read_frame(reader, limit, cfg.tcp_timeout * 4)
+            if data is None:
+                return
+            self.bytes_received += len(data) + 4
+            answer = self.wire.open(data, time.time(), tcp=True, sender=target[0])
+            if answer is None:
+                return
+            if answer["t"] == "h":
+                limit = cfg.max_frame               # the state follows
+                continue
+            limit = cfg.max_datagram
+            answer.pop("ra", None)
+            self._deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
+
+    def _answer_join(self, msg: Dict[str, Any], src: str, peer: str,
+                     writer: Optional[asyncio.StreamWriter] = None) -> None:
+        """A join: the joiner's record is merged, and our state goes back only where the join
+        came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
+        that is where it came from (the address of `peer`, or a relayed member, answered through
+        its relays; on one of our links, that link's member), and at most join_answer_rate per
+        source (a flood of joins is answered by no more). What is not sent is counted."""
+        now = time.time()
+        here = writer is not None and msg.pop("rc", None) == 1
+        try:
+            outs = self.overlay.receive(msg, src, now, True)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            self.dropped_malformed += 1
+            return
+        answers = [o for o in outs if o.addr == src]   # the state, in whatever messages it takes
+        self._send([o for o in outs if o.addr != src])
+        self._schedule()
+        if not answers:
+            return
+        if here:
+            source = address_group(peer)
+        elif is_relayed(peer):                      # down one of our links: its member only
+            source = src if src == peer else ""
+        elif is_relayed(src):
+            source = src
+        else:
+            try:
+                source = address_group(peer) if split_addr(src)[0] == peer else ""
+            except ValueError:
+                source = ""
+        if not source:
+            self.refused["join_misdirected"] += 1
+            return
+        if not self._join_allowed(source, now):
+            self.refused["join_limited"] += 1
+            return
+        if not here:
+            self._send(answers)
+            return
+        for o in answers:
+            data = self.wire.seal(dict(o.msg, ra=self.overlay.addr), now)
+            frames = frame(data)
+            if len(data) > self.config.max_datagram:   # a big frame: an authentic hello goes first
+                frames = frame(self.wire.seal({"t": "h"}, now)) + frames
+            writer.write(frames)
+            self.bytes_sent += len(frames)
+
+    def _join_allowed(self, source: str, now: float) -> bool:
+        """A token bucket per join source: join_answer_burst, refilled at join_answer_rate."""
+        cfg = self.config
+        budget = self._join_budget
+        left, since = budget.get(source, (float(cfg.join_answer_burst), now))
+        left = min(float(cfg.join_answer_burst), left + (now - since) * cfg.join_answer_rate)
+        if source not in budget and len(budget) >= cfg.max_remembered:   # forget the full buckets
+            self._join_budget = budget = {k: v for k, v in budget.items()
+                                          if v[0] + (now - v[1]) * cfg.join_answer_rate < cfg.join_answer_burst}
+            if len(budget) >= cfg.max_remembered:
+                return False
+        if left < 1.0:
+            budget[source] = (left, now)
+            return False
+        budget[source] = (left - 1.0, now)
+        return True
+
     async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """TCP gossip frames. No work before authentication: at most max_gossip_connections at
-        once; until one frame on the connection has passed its HMAC (and replay check), a frame
-        may be no bigger than a datagram, so a stranger's length field never makes us read more
-        than 8 KiB; after it (a hello, or any small message), up to max_frame. The first bad
-        frame closes the connection. A hello may turn the connection into a relay link, a
-        spliced tunnel stream, or a private member's dial-back (see "NAT traversal and relay")."""
+        once, of which strangers (no authentic frame yet) hold at most max_gossip_strangers per
+        address and are cut oldest first for a newcomer (_admit_gossip), and must send an
+        authentic frame within gossip_auth_timeout. A frame may be no bigger than a datagram,
+        so a stranger's length field never makes us read more than 8 KiB, and neither does a
+        member's, but for the one frame after a hello (a state transfer: up to max_frame,
+        within max_frame_bytes for all connections together). The first bad frame closes the
+        connection. A hello may turn the connection into a relay link, a spliced tunnel
+        stream, or a private member's dial-back (see "NAT traversal and relay")."""
         cfg = self.config
-        if self._gossip_connections >= cfg.max_gossip_connections:
-            self.refused["gossip_busy"] += 1
-            writer.transport.abort()
+        if not self._admit_gossip(writer):
             return
-        self._gossip_connections += 1
-        counted, keep, link = True, False, ""
-        limit = cfg.max_datagram                    # before the first authentic frame
+        keep, link, peer = False, "", writer.get_extra_info("peername") or ("", 0)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
+        limit = cfg.max_datagram                    # but for the frame after a hello
+        reserved = 0
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(4), cfg.tcp_timeout)
+                stranger = writer in self._gossip_strangers
+                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
+                if writer in self._gossip_members:
+                    self._gossip_members[writer] = True     # idle until a frame begins
+                head = await asyncio.wait_for(reader.readexactly(4), timeout)
+                if writer in self._gossip_members:
+                    self._gossip_members[writer] = False
                 (length,) = struct.unpack(">I", head)
                 if length > limit:
                     self.wire.dropped["oversized"] += 1
                     return
-                data = await asyncio.wait_for(reader.readexactly(length), cfg.tcp_timeout * 4)
+                if length > cfg.max_datagram:       # a state transfer after its hello
+                    if self._frame_bytes + length > cfg.max_frame_bytes:
+                        self.refused["frame_budget"] += 1
+                        return
+                    self._frame_bytes += length
+                    reserved = length
+                limit = cfg.max_datagram
+                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
+                data = await asyncio.wait_for(reader.readexactly(length), timeout)
+                self._frame_bytes -= reserved
+                reserved = 0
                 self.bytes_received += length + 4
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
-                    if not self._forward_envelope(data, from_link=False):
+                    if not self._forward_envelope(data, from_link=False, sender=peer[0]):
                         return
-                    limit = cfg.max_frame
+                    self._authenticated_gossip(writer)
                     continue
-                msg = self.wire.open(data, time.time(), tcp=True)
+                msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
                 if msg is None:
                     return
-                limit = cfg.max_frame
+                self._authenticated_gossip(writer)
                 kind = msg["t"]
                 if kind == "h":
                     if "link" in msg:
@@ -3801,13 +4007,11 @@ class Node:
                         else:
                             self._dialback_links.add(link)
                         _keepalive(writer)
-                        self._gossip_connections -= 1
-                        counted = False             # open as long as its member lives
+                        self._gossip_members.pop(writer, None)   # open as long as its member lives
                         await self._serve_link(link, reader, writer)
                         return
                     elif "splice" in msg:
-                        self._gossip_connections -= 1
-                        counted = False
+                        self._gossip_members.pop(writer, None)
                         await self._splice(str(msg["splice"]), reader, writer)
                         return
                     elif "back" in msg:             # a seed's dial-back (see _answer_reach)
@@ -3819,6 +4023,7 @@ class Node:
                             keep = True             # the splice owns it now
                             waiter.set_result((reader, writer))
                         return
+                    limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
                     continue
                 if kind == "rq":
                     await self._answer_reach(msg, writer)
@@ -3829,15 +4034,22 @@ class Node:
                 if not isinstance(src, str):
                     self.dropped_malformed += 1
                     continue
+                if kind == "j":
+                    self._answer_join(msg, src, peer[0], writer)
+                    continue
                 self._deliver(msg, src, True)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.wire.dropped["truncated"] += 1
-        except (OSError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
+            if writer in self._gossip_strangers:
+                self.refused["gossip_slow"] += 1
+        except OSError:
             pass
         finally:
-            if counted:
-                self._gossip_connections -= 1
+            self._frame_bytes -= reserved
+            self._gossip_strangers.pop(writer, None)
+            self._gossip_members.pop(writer, None)
             if link and self._linked.get(link) is writer:
                 del self._linked[link]
                 self._dialback_links.discard(link)
@@ -3847,6 +4059,43 @@ class Node:
                 mux.cut()
             if not keep:
                 writer.close()
+
+    def _admit_gossip(self, writer: asyncio.StreamWriter) -> bool:
+        """Room for a new gossip TCP connection: a stranger from an address holding its share
+        cuts that address's oldest; at the cap, the oldest stranger anywhere is cut, or else the
+        oldest member's connection idle between frames; only when every slot is a member's
+        connection busy with a frame is the newcomer refused."""
+        cfg = self.config
+        peer = writer.get_extra_info("peername")
+        group = address_group(peer[0]) if peer else ""
+        strangers = self._gossip_strangers
+        mine = [w for w, g in strangers.items() if g == group]    # bounded: max_gossip_connections
+        if len(mine) >= cfg.max_gossip_strangers:
+            self._cut_stranger(mine[0])
+        elif self._gossip_connections >= cfg.max_gossip_connections:
+            idle = next((w for w, waiting in self._gossip_members.items() if waiting), None)
+            if strangers:
+                self._cut_stranger(next(iter(strangers)))
+            elif idle is not None:                  # a member's connection between frames: it
+                del self._gossip_members[idle]      # sends again on a new one when it needs to
+                self.refused["gossip_evicted"] += 1
+                idle.transport.abort()
+            else:
+                self.refused["gossip_busy"] += 1
+                writer.transport.abort()
+                return False
+        strangers[writer] = group
+        return True
+
+    def _cut_stranger(self, writer: asyncio.StreamWriter) -> None:
+        del self._gossip_strangers[writer]
+        self.refused["gossip_evicted"] += 1
+        writer.transport.abort()
+
+    def _authenticated_gossip(self, writer: asyncio.StreamWriter) -> None:
+        """The connection sent an authentic frame: a member's, never cut for a stranger."""
+        if self._gossip_strangers.pop(writer, None) is not None:
+            self._gossip_members[writer] = False
 
     # -- NAT traversal and relay (see that section) -----------------------------------------
     def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float, tcp: bool = False) -> None:
@@ -3912,8 +4161,8 @@ class Node:
             if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
                 return self._muxes.get(link) is mux and mux.on_frame(data)
             if data[:2] == FORWARD:
-                return self._forward_envelope(data, from_link=True)
-            msg = self.wire.open(data, time.time(), tcp=True)
+                return self._forward_envelope(data, from_link=True, sender=RELAYED_PREFIX + link)
+            msg = self.wire.open(data, time.time(), tcp=True, sender=RELAYED_PREFIX + link)
             if msg is None:
                 return False
             if msg["t"] == "rq":
@@ -3923,14 +4172,15 @@ class Node:
                 if not isinstance(src, str):
                     self.dropped_malformed += 1
                 else:
-                    self._deliver(msg, src, True)
+                    self._deliver(msg, src, True, RELAYED_PREFIX + link)
             return True
         if mux is not None and mux.writer is writer:
             await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
 
-    def _forward_envelope(self, data: bytes, from_link: bool) -> bool:
-        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered.
-        False when it was forged or is not ours to pass on."""
+    def _forward_envelope(self, data: bytes, from_link: bool, sender: str = "") -> bool:
+        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered
+        (`sender`: where it came from, for the replay cache). False when it was forged or is
+        not ours to pass on."""
         opened = open_envelope(data)
         if opened is None or self.overlay is None:
             self.wire.dropped["malformed"] += 1
@@ -3939,14 +4189,18 @@ class Node:
         if not self.wire.authentic(inner, self.config.max_frame):
             return False
         if dest == self.overlay.addr:
-            msg = self.wire.open(inner, time.time(), tcp=True)
+            msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
             src = msg.pop("ra", None) if msg is not None else None
             if isinstance(src, str):
-                self._deliver(msg, src, True)
+                self._deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
             return msg is not None
         if not self.config.relay or self.private:
             self.relayed["refused"] += 1
             return False
+        refusal = self._relay_refusal(dest, inner, from_link)
+        if refusal:
+            self.relayed[refusal] += 1
+            return from_link                        # a member's link stays; a stranger's connection goes
         self.relayed["forwarded"] += 1
         if is_relayed(dest):
             link = self._linked.get(dest[len(RELAYED_PREFIX):])
@@ -3970,6 +4224,37 @@ class Node:
         else:
             self._spawn(self._send_frames(target, frame(inner)))
         return True
+
+    def _relay_refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
+        """Why an authentic envelope is not passed on ("" when it is): sealed outside the replay
+        window ("stale"), a copy of one passed on already ("replayed"), or not for a member
+        ("not_member"): what comes from outside goes only down our own links, and what our
+        linked members send only to members (or one hop on to a relayed member's relay). A
+        captured datagram is worth nothing to a stranger: it reaches no address it chooses, and
+        each copy at most once."""
+        now = time.time()
+        _, sent, nonce = _HEAD.unpack_from(inner)
+        if abs(now - sent) > self.wire.window + 1:
+            return "stale"
+        if is_relayed(dest):
+            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and dest in self._relays_of):
+                return "not_member"
+        elif not from_link or (dest not in self.overlay.by_addr and dest not in self.overlay.remembered):
+            return "not_member"
+        seen = self._forwarded
+        key = nonce + dest.encode()
+        if key in seen:
+            return "replayed"
+        if len(seen) >= self.config.nonce_cache:     # oldest first: expiry is insertion order
+            for old in list(itertools.islice(seen, len(seen) // 2)):
+                del seen[old]
+        seen[key] = now + 2 * self.wire.window + 2
+        while seen:
+            oldest = next(iter(seen))
+            if seen[oldest] > now:
+                break
+            del seen[oldest]
+        return ""
 
     async def _send_frames(self, target: tuple, frames: bytes) -> None:
         try:
@@ -4167,7 +4452,7 @@ class Node:
         def on_frame(data: bytes) -> bool:
             if data[:2] == MUX:                     # a tunnel stream the relay opened for a dialer
                 return self._link_muxes.get(relay) is mux and mux.on_frame(data, self._accept_stream)
-            msg = self.wire.open(data, time.time(), tcp=True)
+            msg = self.wire.open(data, time.time(), tcp=True, sender=relay)
             if msg is None:
                 return True
             if msg["t"] == "h" and "dial" in msg:
@@ -4175,7 +4460,7 @@ class Node:
                 return True
             src = msg.pop("ra", None)
             if isinstance(src, str):
-                self._deliver(msg, src, True)
+                self._deliver(msg, src, True, relay)
             return True
         try:
             if mux is not None and mux.writer is writer:

@@ -355,6 +355,106 @@ def test_a_connection_that_never_sends_a_head_is_closed_after_the_head_deadline(
         assert read_to_close(sock) == (b"", True)
 
 
+def test_slowloris_from_4_addresses_of_1100_connections_leaves_99_percent_of_new_legitimate_clients_served(tmp_path):
+    """The issue's attack at its size: 4 x 1,100 connections that never finish a head, re-opened
+    when cut, against the default caps (4,096 connections, 1,024 per address: four addresses
+    could hold them all). The oldest headless connection is cut for each newcomer, so a new
+    legitimate client (its own connection per request) always gets in."""
+    import selectors
+    stack = Stack(str(tmp_path / "o.sqlite"))
+    sel = selectors.DefaultSelector()
+    held: Dict[socket.socket, str] = {}
+    answers: List[object] = []
+    try:
+        stack.engine("m1")
+        key = stack.key()
+        request = post_head(key, b"content-length: %d" % len(CHAT), b"connection: close") + CHAT
+
+        def open_one(source: str) -> None:
+            sock = socket.socket()
+            try:
+                sock.bind((source, 0))
+                sock.settimeout(5)
+                sock.connect(("127.0.0.1", stack.port))
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-pad: a")
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                return
+            sel.register(sock, selectors.EVENT_READ)
+            held[sock] = source
+
+        sources = [f"127.0.1.{2 + i}" for i in range(4)]
+        for i in range(4 * 1100):
+            open_one(sources[i % 4])
+
+        def legitimate():
+            for _ in range(100):
+                try:
+                    got, _ = attack(stack.port, request)
+                    answers.append(got[0][0] if got else "nothing")
+                except OSError as exc:
+                    answers.append(repr(exc))
+                time.sleep(0.05)
+
+        worker = threading.Thread(target=legitimate)
+        worker.start()
+        deadline = time.monotonic() + 60   # bounded; the legitimate client takes ~6 s
+        while worker.is_alive() and time.monotonic() < deadline:
+            for sel_key, _ in sel.select(timeout=0.1):
+                sock = sel_key.fileobj
+                try:
+                    sock.recv(4096)
+                except OSError:
+                    pass
+                sel.unregister(sock)
+                source = held.pop(sock)
+                sock.close()
+                open_one(source)                  # at once: the attacker holds all it can
+        worker.join(30)
+        headless = stack.call(lambda: len(stack.ingress._headless))
+        evicted = stack.ingress.metrics.headless_evicted
+    finally:
+        for sock in held:
+            sock.close()
+        sel.close()
+        stack.close()
+    served = answers.count(200)
+    print(f"legitimate: {served}/{len(answers)} answered 200; {evicted} headless cut; others {[a for a in answers if a != 200]}")
+    assert len(answers) == 100 and served >= 99, answers
+    assert headless <= otela_ingress.MAX_HEADLESS and evicted >= 4 * 1100 - otela_ingress.MAX_HEADLESS
+
+
+def test_a_kept_alive_connection_dribbling_its_next_head_is_headless_again_and_cut_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(otela_ingress, "MAX_HEADLESS", 4)
+    monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
+    stack = Stack(str(tmp_path / "o.sqlite"))
+    held: List[socket.socket] = []
+    try:
+        first = connect_from("127.0.0.30", stack.port)
+        held.append(first)
+        first.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert read_response(first)[0] == 200
+        first.sendall(b"GET /healthz HTTP/1.1\r\nhost: ")          # the next head, never finished
+        assert wait_for(lambda: stack.call(lambda: len(stack.ingress._headless)) == 1)
+        for _ in range(4):                                          # newcomers over the budget
+            held.append(connect_from("127.0.0.30", stack.port))
+        assert wait_for(lambda: stack.ingress.metrics.headless_evicted == 1)
+        assert read_to_close(first, 5) == (b"", True)
+        assert stack.call(lambda: len(stack.ingress._headless)) == 4
+    finally:
+        for sock in held:
+            sock.close()
+        stack.close()
+
+
+def test_per_address_shares_group_ipv6_by_64_and_ipv4_mapped_as_ipv4():
+    from otela_node import address_group
+    assert address_group("2001:db8:1:2::1") == address_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert address_group("2001:db8:1:3::1") != address_group("2001:db8:1:2::1")
+    assert address_group("::ffff:10.0.0.7") == "10.0.0.7" and address_group("10.0.0.7") == "10.0.0.7"
+
+
 # -- 4. odd methods, queries and bodies -------------------------------------------------------------
 @pytest.mark.parametrize("path, status, allow", [
     ("/healthz", 200, None), ("/metrics", 200, None), ("/v1/models", 200, None), ("/v1/models/m1", 200, None),

@@ -4,6 +4,7 @@ is dialled back and stays direct; two private members open tunnel connections pu
 simultaneous open) or, failing that, through the relay. The NAT lab (tests/natlab.py) runs the
 same over real NATs."""
 import asyncio
+import collections
 import json
 import os
 import shutil
@@ -314,7 +315,8 @@ def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_pat
 def test_a_private_worker_whose_only_seed_does_not_relay_links_to_the_relay_the_seed_names(tmp_path):
     async def t(bed):
         ingress = bed.ingress_node
-        ingress.config.relay = False                   # an ingress run with --no-relay
+        ingress.config.relay = False                   # an ingress run with --no-relay, whose
+        ingress.update(relaying=False)                 # record says so (a member learns it at its join)
         relay = await bed.relay()
         await until(lambda: (ingress.registry.get(relay.session_id) or {}).get("state") == crdt.SERVING,
                     what="the relay SERVING at the ingress")
@@ -797,3 +799,162 @@ def test_the_members_writes_of_one_loop_turn_on_a_stream_go_out_as_one_data_fram
     frames, pending, got, sent = run(with_bed(tmp_path, t, relay=False))
     assert pending == len(sent)                       # held until the flush, and counted as buffered
     assert len(frames) == 1 and got == sent
+
+
+# -- a keyless flood of the gossip port (issue 25) ------------------------------------------------
+class SlotFlood:
+    """`per_address` sockets from each of `addresses` loopback addresses, each sending 4 bytes (a
+    frame length) and nothing more, re-opened as soon as the target cuts it: an attacker with no
+    key holding as many gossip TCP slots as it can. Runs in a thread until stopped (or 60 s)."""
+
+    def __init__(self, target, addresses=8, per_address=10):
+        import selectors
+        import threading
+        self.target, self.sources = target, [f"127.0.0.{2 + i}" for i in range(addresses)]
+        self.per_address = per_address
+        self.sel = selectors.DefaultSelector()
+        self.opened = self.cut = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, source):
+        sock = socket.socket()
+        try:
+            sock.bind((source, 0))
+            sock.settimeout(2)
+            sock.connect(self.target)
+            sock.sendall(b"\x00\x00\x10\x00")      # "a 4 KiB frame follows"
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            return
+        import selectors
+        self.sel.register(sock, selectors.EVENT_READ, source)
+        self.opened += 1
+
+    def _run(self):
+        for source in self.sources:
+            for _ in range(self.per_address):
+                self._open(source)
+        deadline = time.monotonic() + 60
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            for key, _ in self.sel.select(timeout=0.1):
+                try:
+                    key.fileobj.recv(4096)
+                except OSError:
+                    pass
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()
+                self.cut += 1
+                self._open(key.data)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_a_private_worker_started_during_a_keyless_gossip_slot_flood_is_served_within_5_s(tmp_path):
+    async def t(bed):
+        ingress = bed.ingress_node
+        host, port = on.split_addr(ingress.overlay.addr)
+        with SlotFlood((host, port)) as flood:
+            await until(lambda: ingress._gossip_connections >= ingress.config.max_gossip_connections,
+                        what="the flood holding every slot")
+            held = len(ingress._gossip_strangers)
+            started = time.monotonic()
+            worker = await bed.worker()
+            await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING", timeout=10)
+            answer = await bed.chat()
+            served = time.monotonic() - started
+            per_address = max(collections.Counter(ingress._gossip_strangers.values()).values())
+            evicted = ingress.refused["gossip_evicted"]
+        return held, served, answer, per_address, evicted, flood.cut
+    held, served, answer, per_address, evicted, cut = run(with_bed(tmp_path, t))
+    print(f"served {served:.2f} s after start, {evicted} evicted")
+    assert held == 64 and answer.startswith(b"HTTP/1.1 200")
+    assert served < 5.0, f"served {served:.1f} s after it started"
+    assert per_address <= 16 and evicted >= 16 and cut >= evicted - 80
+
+
+def test_a_relay_passes_on_no_captured_datagram_to_a_non_member_nor_a_stale_or_repeated_one(tmp_path):
+    async def t(bed):
+        ingress = bed.ingress_node
+        worker = await bed.worker()
+        await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING")
+        sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)     # an arbitrary address
+        sink.bind(("127.0.0.1", 0))
+        sink.setblocking(False)
+        victim = f"127.0.0.1:{sink.getsockname()[1]}"
+        relay = on.split_addr(ingress.overlay.addr)
+        attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        now = time.time()
+        # "captured" authentic datagrams: one 47 s old, fresh ones (the attacker has no key)
+        old = ingress.wire.seal({"t": "p", "n": 1, "to": "x"}, now - 47)
+        fresh = ingress.wire.seal({"t": "p", "n": 2, "to": "x"}, now)
+        to_worker = ingress.wire.seal({"t": "p", "n": 3, "to": "x"}, now)
+        before = dict(ingress.relayed)
+        for i in range(300):
+            attacker.sendto(on.envelope(victim, old), relay)
+            attacker.sendto(on.envelope(victim, fresh), relay)
+            attacker.sendto(on.envelope("relay/" + worker.link_id, to_worker), relay)
+            if i % 20 == 19:
+                await asyncio.sleep(0.005)                 # within the socket's receive buffer
+        await until(lambda: sum(ingress.relayed[k] - before[k] for k in ("stale", "not_member", "replayed",
+                                                                          "forwarded")) >= 900,
+                    what="every envelope judged")
+        reached = 0
+        try:
+            while True:
+                sink.recv(65536)
+                reached += 1
+        except BlockingIOError:
+            pass
+        sink.close()
+        attacker.close()
+        return reached, {k: ingress.relayed[k] - before[k] for k in ("stale", "not_member", "replayed")}, \
+            ingress.relayed["forwarded"] - before["forwarded"], worker.wire.dropped["replayed"]
+    reached, refused, forwarded, worker_replayed = run(with_bed(tmp_path, t))
+    assert reached == 0                                   # nothing relayed to a non-member
+    assert refused == {"stale": 300, "not_member": 300, "replayed": 299}
+    assert forwarded >= 1 and worker_replayed == 0         # the fresh one to its member, once
+
+
+def test_the_ingress_metrics_name_every_refusal_at_the_gossip_port_and_the_relay(tmp_path):
+    async def get_metrics(port) -> dict:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        body = (await asyncio.wait_for(reader.read(-1), 10)).partition(b"\r\n\r\n")[2].decode()
+        writer.close()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in body.splitlines() if line and not line.startswith("#")}
+
+    async def t(bed):
+        ingress = bed.ingress_node
+        target = on.split_addr(ingress.overlay.addr)
+        ingress.wire.sender_limit = 5                      # a flood from one sender, in small
+        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sender.bind(("127.0.0.1", 0))
+        for n in range(10):
+            sender.sendto(ingress.wire.seal({"t": "a", "n": n}, time.time()), target)
+        stale = ingress.wire.seal({"t": "p", "n": 1, "to": "x"}, time.time() - 47)
+        sender.sendto(on.envelope("127.0.0.1:9", stale), target)
+        await until(lambda: ingress.relayed["stale"] == 1 and ingress.wire.dropped["flooded"] == 5,
+                    what="the flood and the stale envelope counted")
+        name = f"127.0.0.1:{sender.getsockname()[1]}"
+        sender.close()
+        return await get_metrics(bed.port), name
+    metrics, name = run(with_bed(tmp_path, t))
+    assert metrics[f'otela_gossip_flooded_total{{sender="{name}"}}'] == 5
+    assert metrics['otela_gossip_dropped_total{reason="flooded"}'] == 5
+    assert metrics['otela_relay_refused_total{reason="stale"}'] == 1
+    for reason in ("gossip_evicted", "gossip_slow", "frame_budget", "join_limited", "join_misdirected"):
+        assert metrics[f'otela_gossip_refused_total{{reason="{reason}"}}'] == 0
+    assert metrics["otela_headless_evicted_total"] == 0
+    assert metrics['otela_relay_refused_total{reason="not_member"}'] == 0

@@ -53,6 +53,46 @@ def test_datagram_outside_replay_window_is_stale():
     assert w.dropped["stale"] == 2
 
 
+def test_a_sender_flooding_6k_fresh_datagrams_a_second_for_60_s_leaves_others_honest_gossip_accepted():
+    """The issue's flood at its rate (a holder of the key, one address) against the default
+    cache: it fills its own share; a member's 10 datagrams a second all get in throughout."""
+    w = wire()
+    flood = {"t": "p", "n": 1, "to": "x"}
+    honest_accepted = honest_sent = 0
+    for tick in range(600):                            # 60 s in steps of 0.1 s
+        now = T0 + tick / 10
+        for _ in range(600):
+            w.open(w.seal(flood, now), now, sender="10.0.0.66:7946")
+        honest_sent += 1
+        honest_accepted += w.open(w.seal({"t": "a", "n": tick}, now), now, sender="10.0.0.2:7946") is not None
+    assert honest_accepted == honest_sent == 600
+    assert w.flooders["10.0.0.66:7946"] == w.dropped["flooded"] > 300000 and w.dropped["replayed"] == 0
+    assert len(w._nonces) <= on.Config().nonce_cache
+
+
+def test_when_the_whole_replay_cache_is_full_only_senders_under_their_share_get_in():
+    w = on.Wire(KEY, on.Config(key=KEY, nonce_cache=1000, nonce_cache_per_sender=300))
+    for i in range(4):                                 # 4 flooding addresses, 400 each
+        for _ in range(400):
+            w.open(w.seal({"t": "p", "n": 1}, T0), T0, sender=f"10.0.1.{i}:1")
+    flooded, held = w.dropped["flooded"], len(w._nonces)
+    quiet = [w.open(w.seal({"t": "a", "n": n}, T0), T0, sender="10.0.0.2:1") for n in range(20)]
+    again = w.open(w.seal({"t": "p", "n": 1}, T0), T0, sender="10.0.1.0:1")
+    assert flooded == 4 * 100 and held == 4 * 300           # each its own share, the last past the cap
+    assert all(m is not None for m in quiet) and again is None
+    assert w.flooders == {f"10.0.1.{i}:1": 100 + (i == 0) for i in range(4)}
+
+
+def test_a_datagram_replayed_from_another_address_is_still_a_replay_and_nonces_go_once_stale():
+    w = wire()
+    data = w.seal({"t": "a", "n": 1}, T0 - 20)
+    assert w.open(data, T0, sender="10.0.0.2:1") is not None
+    assert w.open(data, T0 + 1, sender="10.0.0.3:1") is None and w.dropped["replayed"] == 1
+    w._prune(T0 + 13)                                  # sealed 33 s before: stale from now on
+    assert data[10:18] not in w._nonces and w.open(data, T0 + 13, sender="10.0.0.2:1") is None
+    assert w.dropped["stale"] == 1
+
+
 def test_truncated_oversized_and_malformed_datagrams_are_counted():
     w = wire()
     assert w.open(b"o1", T0) is None

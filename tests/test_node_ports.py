@@ -104,21 +104,198 @@ def test_a_big_authentic_frame_after_a_hello_is_accepted_and_a_forged_small_one_
     assert accepted == 2 and forged == 1 and closed == b""
 
 
-def test_gossip_tcp_connections_over_the_cap_are_closed_at_once_and_members_still_gossip():
+def test_gossip_tcp_strangers_are_cut_oldest_first_per_address_and_at_the_cap_never_an_authenticated_member():
     async def t(node, engine):
         target = addr_of(node, "gossip")
-        idle = [await asyncio.open_connection(*target) for _ in range(100)]
-        await until(lambda: node._gossip_connections + node.refused["gossip_busy"] >= 100, what="100 accepted")
-        held, refused = node._gossip_connections, node.refused["gossip_busy"]
-        for _, w in idle:
+        member = await asyncio.open_connection(*target)     # authenticated by its first frame, then idle
+        hello = node.wire.seal({"t": "h"}, time.time())
+        member[1].write(struct.pack(">I", len(hello)) + hello)
+        await until(lambda: len(node._gossip_members) == 1, what="the member authenticated")
+        idle = [await asyncio.open_connection(*target) for _ in range(100)]        # one address
+        await until(lambda: node.refused["gossip_evicted"] >= 100 - 16, what="its share cut")
+        one_address = len(node._gossip_strangers)
+        first_closed = await read_all(idle[0][0], 2)
+        others = [await asyncio.open_connection(*target, local_addr=(f"127.0.0.{2 + i // 16}", 0))
+                  for i in range(80)]                                                # five more
+        await until(lambda: node.refused["gossip_evicted"] >= 84 + 17, what="the oldest cut at the cap")
+        held = node._gossip_connections, len(node._gossip_members)
+        member_open = not member[1].transport.is_closing() and not member[0].at_eof()
+        for _, w in idle + others:
             w.close()
+        member[1].close()
         await until(lambda: node._gossip_connections == 0, what="idle closed")
         before = node.wire.accepted
         await node._send_tcp(target, {"t": "a", "n": 1, "ra": "127.0.0.1:1"})
         await until(lambda: node.wire.accepted == before + 1, what="a member's frame")
-        return held, refused
-    held, refused = run(with_node(t, max_gossip_connections=64))
-    assert held == 64 and refused == 36
+        return one_address, first_closed, held, member_open, node.refused["gossip_busy"]
+    one_address, first_closed, held, member_open, busy = run(with_node(t, max_gossip_connections=64))
+    assert one_address == 16 and first_closed == b""
+    assert held == (64, 1) and member_open and busy == 0
+
+
+def test_with_every_slot_a_members_a_newcomer_cuts_the_oldest_idle_one_never_one_mid_frame():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+
+        async def member(mid_frame: bool):
+            r, w = await asyncio.open_connection(*target)
+            hello = node.wire.seal({"t": "h"}, time.time())
+            w.write(struct.pack(">I", len(hello)) + hello + (struct.pack(">I", 100000) + b"\0" * 10 if mid_frame else b""))
+            return r, w
+        idle = [await member(False) for _ in range(4)]
+        await until(lambda: len(node._gossip_members) == 4 and all(node._gossip_members.values()), what="4 idle")
+        newcomer = await asyncio.open_connection(*target)
+        first_cut = await read_all(idle[0][0], 5)
+        await until(lambda: node.refused["gossip_evicted"] == 1, what="the oldest idle cut")
+        for _, w in idle + [newcomer]:
+            w.close()
+        await until(lambda: node._gossip_connections == 0, what="all closed")
+        busy = [await member(True) for _ in range(4)]
+        await until(lambda: len(node._gossip_members) == 4 and not any(node._gossip_members.values()),
+                    what="4 mid-frame")
+        refused = await asyncio.open_connection(*target)
+        await until(lambda: node.refused["gossip_busy"] == 1, what="the newcomer refused")
+        still = node._gossip_connections
+        for _, w in busy + [refused]:
+            w.close()
+        return first_cut, still, node.refused["gossip_evicted"]
+    first_cut, still, evicted = run(with_node(t, max_gossip_connections=4))
+    assert first_cut == b"" and still == 4 and evicted == 1
+
+
+def test_a_gossip_tcp_stranger_with_no_authentic_frame_is_closed_at_the_auth_deadline():
+    async def t(node, engine):
+        reader, writer = await asyncio.open_connection(*addr_of(node, "gossip"))
+        writer.write(b"\x00\x00\x10\x00")                  # a length, then nothing
+        began = time.monotonic()
+        closed = await read_all(reader, 5)
+        writer.close()
+        return closed, time.monotonic() - began, node.refused["gossip_slow"]
+    closed, took, slow = run(with_node(t, gossip_auth_timeout=0.5))
+    assert closed == b"" and 0.4 <= took < 2.0 and slow == 1
+
+
+def test_frames_after_an_authentic_frame_stay_datagram_sized_but_for_one_after_a_hello_within_a_global_budget():
+    def framed(node, msg) -> bytes:
+        sealed = node.wire.seal(msg, time.time())
+        return struct.pack(">I", len(sealed)) + sealed
+
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        big = {"t": "a", "n": 1, "ra": "127.0.0.1:1", "pad": "x" * 50000}
+        # a small authentic message, then a big frame: refused, as before any frame
+        reader, writer = await asyncio.open_connection(*target)
+        writer.write(framed(node, {"t": "a", "n": 1, "ra": "127.0.0.1:1"}) + struct.pack(">I", 60000))
+        after_small = await read_all(reader, 5)
+        writer.close()
+        oversized = node.wire.dropped["oversized"]
+        # a hello buys one big frame; the next big one on that connection is refused
+        reader, writer = await asyncio.open_connection(*target)
+        before = node.wire.accepted
+        writer.write(framed(node, {"t": "h"}) + framed(node, big) + framed(node, big))
+        after_two = await read_all(reader, 5)
+        writer.close()
+        accepted = node.wire.accepted - before
+        # two hellos announcing 80 KB each at once, with a 100 KB budget: the second is refused
+        held = []
+        for _ in range(2):
+            r, w = await asyncio.open_connection(*target)
+            w.write(framed(node, {"t": "h"}) + struct.pack(">I", 80000) + b"\0" * 1000)
+            held.append((r, w))
+        await until(lambda: node.refused["frame_budget"] == 1, what="the second big frame refused")
+        budget = node._frame_bytes
+        for _, w in held:
+            w.close()
+        await until(lambda: node._frame_bytes == 0, what="the budget given back")
+        return after_small, oversized, after_two, accepted, node.wire.dropped["oversized"], budget
+    after_small, oversized, after_two, accepted, oversized_then, budget = run(
+        with_node(t, max_frame_bytes=100000))
+    assert after_small == b"" and oversized == 1
+    assert after_two == b"" and accepted == 2 and oversized_then == 2    # the hello and one big frame
+    assert budget == 80000
+
+
+def test_16_connections_each_announcing_a_30_mib_frame_after_a_hello_get_the_budget_of_two():
+    """The issue's insider (the key, 16 connections, 30 MiB frames after one hello each, +466 MB
+    before): what may be read at once is max_frame_bytes (64 MiB), the rest refused at the length."""
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        held = []
+        for _ in range(16):
+            r, w = await asyncio.open_connection(*target)
+            hello = node.wire.seal({"t": "h"}, time.time())
+            w.write(struct.pack(">I", len(hello)) + hello + struct.pack(">I", 30 * 1024 * 1024) + b"\0" * 4096)
+            held.append((r, w))
+        await until(lambda: node.refused["frame_budget"] == 14, what="14 big frames refused")
+        reading = node._frame_bytes
+        for _, w in held:
+            w.close()
+        return reading
+    reading = run(with_node(t))
+    assert reading == 2 * 30 * 1024 * 1024 <= on.Config().max_frame_bytes
+
+
+async def join_over_tcp(node, target, ra: str, rc: bool, source: str = "127.0.0.1") -> bytes:
+    """A join with no record of its own (the answer is the whole state all the same); what comes
+    back on its connection."""
+    reader, writer = await asyncio.open_connection(*target, local_addr=(source, 0))
+    join = {"t": "j", "r": {}, "ra": ra, **({"rc": 1} if rc else {})}
+    sealed = node.wire.seal(join, time.time())
+    writer.write(struct.pack(">I", len(sealed)) + sealed)
+    writer.write_eof()
+    back = await read_all(reader, 5)
+    writer.close()
+    return back
+
+
+def test_a_join_is_answered_on_its_own_connection_never_at_an_address_it_names_and_a_flood_is_rate_limited():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        dialled = []
+        victim = await asyncio.start_server(lambda r, w: (dialled.append(1), w.close()), "127.0.0.2", 0)
+        victim_addr = f"127.0.0.2:{victim.sockets[0].getsockname()[1]}"
+        # no "rc" (an older joiner) and an address it did not come from: no answer anywhere
+        misdirected = await join_over_tcp(node, target, victim_addr, rc=False)
+        # "rc": the state comes back on the connection, and never to the address named
+        answered = await join_over_tcp(node, target, victim_addr, rc=True)
+        # a flood of 40 joins from one address: the burst answered, the rest refused
+        flood = [await join_over_tcp(node, target, victim_addr, rc=True) for _ in range(40)]
+        await asyncio.sleep(0.3)
+        victim.close()
+        return misdirected, answered, flood, len(dialled), dict(node.refused)
+    misdirected, answered, flood, dialled, refused = run(with_node(t))
+    assert misdirected == b"" and dialled == 0 and refused["join_misdirected"] == 1
+    answer = on.Wire(KEY, on.Config(key=KEY))
+    frames, pos = [], 0
+    while pos < len(answered):
+        (length,) = struct.unpack_from(">I", answered, pos)
+        frames.append(answer.open(answered[pos + 4:pos + 4 + length], time.time(), tcp=True))
+        pos += 4 + length
+    assert [f["t"] for f in frames] == ["st"] and len(frames[0]["r"]) >= 1
+    served = sum(1 for back in flood if back)
+    assert 7 <= served <= 9 and refused["join_limited"] == 40 - served      # burst 8 (+ ~0.5/s refill)
+
+
+def test_a_new_member_joins_by_the_answer_on_its_own_connection():
+    async def t(node, engine):
+        cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05,
+                        bootstrap=[node.overlay.addr], push_pull_interval=600.0)
+        joiner = on.Node(cfg, role="relay")
+        read = joiner._read_join_answer
+        learned = []
+
+        async def reading(*args):                   # what the joiner knew once its answer was read
+            await read(*args)
+            learned.append(joiner.registry.get(node.session_id) is not None)
+        joiner._read_join_answer = reading
+        await joiner.start(serve_http=False)
+        try:
+            await until(lambda: learned, 5, "the answer read on the join's connection")
+            return node.refused["join_misdirected"], node.refused["join_limited"], learned
+        finally:
+            await joiner.stop(leave=False)
+    misdirected, limited, learned = run(with_node(t))
+    assert misdirected == limited == 0 and learned == [True]
 
 
 # -- the tunnel port -------------------------------------------------------------------------
