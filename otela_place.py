@@ -1384,23 +1384,36 @@ def job_comment(key):
     return f"{OTELA_TAG}|{model}|{gpu}|{tp}"
 
 
+def _parse_comment(comment):
+    """(key, draining_since) of one of our comments, or None."""
+    fields = comment.split("|")
+    since = None
+    if len(fields) == 5 and fields[0] == OTELA_DRAIN_TAG and fields[1].isdigit():
+        since = int(fields[1])
+        fields = [OTELA_TAG] + fields[2:]
+    if len(fields) != 4 or fields[0] != OTELA_TAG or not fields[3].isdigit():
+        return None
+    return (fields[1], fields[2], int(fields[3])), since
+
+
 def parse_squeue(text):
-    """Our jobs from `squeue --me -h -o '%i %T %k'`: [{id, state, key, draining_since}]
-    (others skipped). A job being drained carries "otela-drain|EPOCH|MODEL|GPU|TP"."""
+    """Our jobs from `squeue --me -h -o '%i %T %j %k'` (or '%i %T %k', no names):
+    [{id, state, key, draining_since, name}] (others skipped). A job being drained carries
+    "otela-drain|EPOCH|MODEL|GPU|TP"; name is the job name (its slot, see reconcile) or None."""
     jobs = []
     for line in text.splitlines():
-        parts = line.strip().split(None, 2)
+        parts = line.strip().split(None, 3)
         if len(parts) < 3:
             continue
-        fields = parts[2].split("|")
-        since = None
-        if len(fields) == 5 and fields[0] == OTELA_DRAIN_TAG and fields[1].isdigit():
-            since = int(fields[1])
-            fields = [OTELA_TAG] + fields[2:]
-        if len(fields) != 4 or fields[0] != OTELA_TAG or not fields[3].isdigit():
+        name, parsed = None, None
+        if len(parts) == 4:
+            parsed = _parse_comment(parts[3])
+            name = parts[2] if parsed else None
+        if parsed is None:
+            parsed = _parse_comment(line.strip().split(None, 2)[2])
+        if parsed is None:
             continue
-        jobs.append({"id": parts[0], "state": parts[1], "key": (fields[1], fields[2], int(fields[3])),
-                     "draining_since": since})
+        jobs.append({"id": parts[0], "state": parts[1], "key": parsed[0], "draining_since": parsed[1], "name": name})
     return jobs
 
 
@@ -1409,7 +1422,7 @@ LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED", 
 
 
 def slurm_jobs():
-    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %k"])
+    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %j %k"])
     return [j for j in parse_squeue(out) if j["state"] in LIVE_JOB_STATES]
 
 
@@ -1491,15 +1504,26 @@ def job_scripts(rows, inventory, template, sbatch_vars):
         extra.extend(gpu.get("sbatch", []))
         name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}"
         for i in range(r["instances"]):
-            values = {"JOB_NAME": name, "COMMENT": job_comment(key), "TIME_LIMIT": JOB_TIME_LIMIT,
+            values = {"JOB_NAME": slot_name(name, i), "COMMENT": job_comment(key), "TIME_LIMIT": JOB_TIME_LIMIT,
                       "LOG_DIR": os.path.join(os.path.expanduser("~"), ".otela", "logs"),
                       "MODEL": r["model"], "GPU": r["gpu"], "TP": r["tp"], "ENGINE_CMD": "",
                       "OTELA_DIR": os.path.dirname(os.path.abspath(__file__)), "PYTHON": "python3",
                       "LISTEN_HOST": "0.0.0.0"}
             values.update({k: os.path.expanduser(v) if str(v).startswith("~/") else v
                            for k, v in sbatch_vars.items()})
-            scripts.append((key, f"{name}-{i}.sbatch", render(text, values, extra)))
+            scripts.append((key, f"{slot_name(name, i)}.sbatch", render(text, values, extra)))
     return scripts
+
+
+def slot_name(name, i):
+    """The job name of instance i of a (model, GPU, tp): its slot (see reconcile)."""
+    return f"{name}-{i}"
+
+
+def slot_of(job):
+    """The slot number in a job's name, or None (a job named by hand or by an older placer)."""
+    digits = re.search(r"-(\d+)$", job.get("name") or "")
+    return int(digits.group(1)) if digits and (job.get("name") or "").startswith("otela-") else None
 
 
 # ============================================================================ ingress
@@ -1557,6 +1581,23 @@ def session_key(session):
 # ============================================================================ reconcile
 # plan - (jobs in squeue + labelled live sessions not from those jobs) -> sbatch / scancel.
 # Idempotent: a second run sees the first run's jobs in squeue and finds no difference.
+#
+# Placers that cannot collide (two login nodes running cron, or a run overlapping the last;
+# the flock in run_lock only serialises runs on one host). Slurm itself is the lease:
+#   - every instance has a slot, its job name (otela-MODEL-GPU-tpN-i); a run submits the
+#     lowest slots that no live job holds, so two runs that see the same squeue pick the
+#     same names;
+#   - every job is submitted with --dependency=singleton: Slurm starts no job while another
+#     job of ours with the same name is pending or running, so a slot submitted twice never
+#     holds GPUs twice;
+#   - after submitting, a run cancels every duplicate (same name, not draining, all but the
+#     lowest job id). The later of two racing submissions is always followed by its own
+#     run's pass, which sees the earlier job, and every run keeps the same one;
+#   - scripts are written atomically (temp file + rename): a run never submits a script
+#     another run is half-way through writing.
+# A run killed at any point leaves jobs that are each a whole slot (or a duplicate the next
+# pass cancels), scripts that are whole, and a state file that is whole: the next run submits
+# the slots still missing and nothing twice.
 
 
 def reconcile_actions(rows, jobs, sessions=(), now=None):
@@ -1566,6 +1607,8 @@ def reconcile_actions(rows, jobs, sessions=(), now=None):
     want = {(r["model"], r["gpu"], r["tp"]): r["instances"] for r in rows if r["instances"] > 0}
     ours = {j["id"] for j in jobs}
     now = time.time() if now is None else now
+    duplicates = duplicate_jobs(jobs)
+    jobs = [j for j in jobs if j["id"] not in duplicates]
     # draining jobs are leaving: they count for nothing; past the grace they are killed
     hard = sorted((j["id"] for j in jobs if j.get("draining_since") is not None
                    and now - j["draining_since"] >= DRAIN_GRACE_S), key=_job_number)
@@ -1589,7 +1632,31 @@ def reconcile_actions(rows, jobs, sessions=(), now=None):
             order = sorted(by_key.get(key, []), key=lambda j: (j["state"] != "PENDING", -_job_number(j["id"])))
             cancel.extend(j["id"] for j in order[:-diff])
     return {"submit": submit, "cancel": sorted(cancel, key=_job_number), "hard_cancel": hard, "have": have,
-            "want": want}
+            "want": want, "duplicates": duplicates, "slots": {k: {slot_of(j) for j in js} - {None}
+                                                              for k, js in by_key.items()}}
+
+
+def duplicate_jobs(jobs):
+    """Ids of jobs that hold a slot another live job already holds (same name, neither
+    draining): all but the lowest job id, which every placer keeps."""
+    by_name = {}
+    for j in jobs:
+        if j.get("name") and j.get("draining_since") is None and slot_of(j) is not None:
+            by_name.setdefault(j["name"], []).append(j["id"])
+    return sorted((i for ids in by_name.values() for i in sorted(ids, key=_job_number)[1:]), key=_job_number)
+
+
+def write_atomically(path, text):
+    """Write a file whole or not at all: another run's sbatch never reads half of it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix="." + os.path.basename(path) + ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _job_number(job_id):
@@ -1605,8 +1672,7 @@ def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions
     if emit_dir:
         os.makedirs(emit_dir, exist_ok=True)
         for _, name, text in scripts:
-            with open(os.path.join(emit_dir, name), "w") as f:
-                f.write(text)
+            write_atomically(os.path.join(emit_dir, name), text)
     if jobs is None:
         jobs = slurm_jobs() if (submit or emit_dir is None) else []
     actions = reconcile_actions(rows, jobs, sessions)
@@ -1621,7 +1687,9 @@ def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions
     for key, name, text in scripts:
         by_key.setdefault(key, []).append((name, text))
     for key, n in sorted(actions["submit"].items()):
-        for name, text in by_key.get(key, [])[:n]:
+        held = actions.get("slots", {}).get(key, set())
+        free = [i for i in range(len(by_key.get(key, []))) if i not in held][:n]  # the lowest slots no job holds
+        for name, text in (by_key[key][i] for i in free):
             report["submit"].append(name)
             if submit:
                 path = os.path.join(emit_dir, name) if emit_dir else None
@@ -1630,10 +1698,19 @@ def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions
                 log = re.search(r"^#SBATCH --output=(\S+)/", text, re.M)
                 if log:  # Slurm does not create the log directory; a job without it fails
                     os.makedirs(log.group(1), exist_ok=True)
-                job = slurm_command(["sbatch", "--parsable", path]).strip().split(";")[0]
+                job = slurm_command(["sbatch", "--parsable", "--dependency=singleton", path]).strip().split(";")[0]
                 report["submitted"].append(job)
     report["hard_cancel"] = actions["hard_cancel"]
+    report["duplicates"] = []
     if submit:
+        # duplicates seen before (a racing run's, or a killed run's) and after our submits
+        dups = set(actions.get("duplicates", []))
+        if report["submitted"]:
+            dups |= set(duplicate_jobs(slurm_jobs()))
+        if dups:
+            slurm_command(["scancel"] + sorted(dups, key=_job_number))
+            report["duplicates"] = sorted(dups, key=_job_number)
+            report["submitted"] = [j for j in report["submitted"] if j not in dups]
         state = {j["id"]: j for j in jobs}
         pending = [j for j in actions["cancel"] if state[j]["state"] == "PENDING"]
         running = [j for j in actions["cancel"] if j not in pending]
