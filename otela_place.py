@@ -139,16 +139,33 @@ def check_scenario(scenario):
     for key in ("gpus", "models", "workload"):
         if key not in scenario:
             raise PlacementError(f"scenario has no '{key}'")
+    if not isinstance(scenario["gpus"], list) or not isinstance(scenario["workload"], list):
+        raise PlacementError("scenario 'gpus' and 'workload' must be lists")
+    if not isinstance(scenario["models"], dict) or not all(isinstance(c, dict) for c in scenario["models"].values()):
+        raise PlacementError("scenario 'models' must be an object of {name: Hugging Face config object}")
+    try:
+        return _check_entries(scenario)
+    except (TypeError, ValueError) as e:
+        raise PlacementError(f"scenario has a value of the wrong type ({e})") from None
+
+
+def _check_entries(scenario):
     for g in scenario["gpus"]:
         if not isinstance(g, dict) or "type" not in g or "count" not in g:
             raise PlacementError(f"gpu entry {g!r} needs 'type' and 'count'")
         if int(g["count"]) < 0 or int(g.get("per_node", g["count"]) or 1) < 1:
             raise PlacementError(f"gpu entry {g['type']!r} has a negative count or per_node < 1")
     for w in scenario["workload"]:
+        if not isinstance(w, dict):
+            raise PlacementError(f"workload entry {w!r} must be an object {{model, rate_rps, input, output}}")
         if w.get("model") not in scenario["models"]:
             raise PlacementError(f"workload names model {w.get('model')!r} that 'models' does not describe")
-        if float(w.get("rate_rps", -1)) < 0:
+        if not float(w.get("rate_rps", -1)) >= 0 or not math.isfinite(float(w["rate_rps"])):
             raise PlacementError(f"model {w['model']!r} has no rate_rps >= 0")
+        try:  # a config the simulator cannot read (missing heads, layers...) is the user's to fix
+            otela_sim.resolve_model(scenario["models"][w["model"]], name=w["model"])
+        except otela_sim.SimError as e:
+            raise PlacementError(f"model {w['model']!r}: {e}") from None
     return scenario
 
 
@@ -2151,8 +2168,44 @@ def env_default(flag, default=None):
     return os.environ.get("OTELA_" + flag.lstrip("-").replace("-", "_").upper(), default)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (a cron log reads one line per failed run)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (--help for usage)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _number(kind, low, low_open=False, high=None):
+    """An argparse type: `kind` at least `low` (above it when low_open), below `high`."""
+    def check(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or (value <= low if low_open else value < low) or (high is not None
+                                                                                       and value >= high):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low:g}"
+                                             + (f" and < {high:g}" if high is not None else ""))
+        return value
+    check.__name__ = kind.__name__
+    return check
+
+
+def _check_choices(parser, args):
+    """Defaults read from OTELA_* are not checked by argparse against a flag's choices."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(args, action.dest, None))
+            if sub is not None:
+                _check_choices(sub, args)
+        elif action.choices is not None and getattr(args, action.dest, None) not in action.choices:
+            parser.error(f"{action.option_strings[-1]} {getattr(args, action.dest)!r} (or its OTELA_ variable): "
+                         f"expected one of {', '.join(map(str, action.choices))}")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="otela_place.py", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="otela_place.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="place models on GPUs; optionally emit and submit Slurm jobs")
@@ -2172,9 +2225,9 @@ def build_parser():
                      help="per-instance capacity: the scenario's measured figures, otela_sim, or measured where given")
     opt.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
                      help="after the worst-case ratio: most useful capacity, or least mean latency")
-    opt.add_argument("--headroom", type=float, default=HEADROOM,
+    opt.add_argument("--headroom", type=_number(float, 0, low_open=True), default=HEADROOM,
                      help=f"capacity/demand beyond which a model needs nothing more (default {HEADROOM})")
-    opt.add_argument("--slack", type=float, default=FAIRNESS_SLACK,
+    opt.add_argument("--slack", type=_number(float, 0, high=1), default=FAIRNESS_SLACK,
                      help=f"share of the best worst-case ratio later stages may give up (default {FAIRNESS_SLACK}; "
                           "0 = strict)")
     opt.add_argument("--baseline", choices=("memp", "none"), default="memp",
@@ -2182,7 +2235,8 @@ def build_parser():
     opt.add_argument("--replay", choices=("auto", "sim", "fluid"), default="auto",
                      help="replay with otela_sim (auto when importable) or the fluid capacity model")
     opt.add_argument("--seed", type=int, default=0)
-    opt.add_argument("--time-limit", type=float, default=SOLVE_TIME_LIMIT_S, help="CBC seconds per stage")
+    opt.add_argument("--time-limit", type=_number(float, 0, low_open=True), default=SOLVE_TIME_LIMIT_S,
+                     help="CBC seconds per stage (at scale: for the whole solve)")
     opt.add_argument("--engine", default=env_default("--engine"),
                      help=f"engine version the simulator's capacities assume ({', '.join(otela_sim.ENGINES)}, or "
                           f"an engine name; default {otela_sim.DEFAULT_ENGINE})")
@@ -2195,8 +2249,8 @@ def build_parser():
     rp = sub.add_parser("replay", help="replay placements; --trace compares static and reclamation")
     rp.add_argument("--scenario", default=env_default("--scenario"))
     rp.add_argument("--trace", action="store_true", help="bursty synthetic trace: static vs dynamic reclamation")
-    rp.add_argument("--hours", type=float, default=6.0, help="trace length (default 6 h)")
-    rp.add_argument("--load", type=float, default=0.5, help="mean demand as a fraction of the pool's capacity")
+    rp.add_argument("--hours", type=_number(float, 0, low_open=True), default=6.0, help="trace length (default 6 h)")
+    rp.add_argument("--load", type=_number(float, 0, low_open=True), default=0.5, help="mean demand as a fraction of the pool's capacity")
     rp.add_argument("--capacity", choices=("auto", "measured", "sim"), default="auto")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", action="store_true")
@@ -2220,7 +2274,7 @@ def plan_slurm_args(plan):
     rc = plan.add_argument_group("dynamic reclamation (cron runs; see the section in this file)")
     rc.add_argument("--state-file", default=env_default("--state-file"), metavar="FILE",
                     help=f"demand history and last changes kept between runs (default {STATE_NAME} next to --lock)")
-    rc.add_argument("--cooldown", type=float, default=env_default("--cooldown", RECLAIM_COOLDOWN_S),
+    rc.add_argument("--cooldown", type=_number(float, 0), default=env_default("--cooldown", RECLAIM_COOLDOWN_S),
                     metavar="S", help=f"seconds a model's demand stays low, and since its last change, before it "
                                       f"gives up instances (default {RECLAIM_COOLDOWN_S})")
     rc.add_argument("--release-idle", action="store_true",
@@ -2300,6 +2354,7 @@ def use_probes(path):
 
 
 def cmd_plan(args):
+    parse_aliases(args.gpu_alias)  # a bad alias is an error even where no sinfo is read
     if args.engine:
         use_engine(args.engine)
     if args.probes:
@@ -2312,7 +2367,11 @@ def cmd_plan(args):
     if cron:
         if args.submit and not args.emit_sbatch:
             raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
-        sbatch_vars = dict(v.split("=", 1) for v in args.sbatch_var if "=" in v)
+        bad = [v for v in args.sbatch_var if "=" not in v or not v.split("=", 1)[0]]
+        if bad:
+            raise PlacementError(f"--sbatch-var {bad[0]!r}: expected NAME=VALUE")
+        sbatch_vars = dict(v.split("=", 1) for v in args.sbatch_var)
+        job_scripts(result["ours"]["placement"], inventory, args.template, sbatch_vars)  # a bad template fails first
         with run_lock(args.lock):
             try:
                 jobs = slurm_jobs()
@@ -2391,7 +2450,9 @@ def cmd_replay(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_choices(parser, args)
     try:
         if args.command == "plan":
             code = cmd_plan(args)
@@ -2413,6 +2474,9 @@ def main(argv=None):
         return 2
     except BrokenPipeError:
         return otela_sim.output_closed("otela_place")
+    except OSError as e:  # a lock, script or state directory that cannot be written
+        print(f"otela_place: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 
