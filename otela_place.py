@@ -283,18 +283,23 @@ def sim_latency_ms(model, gpu, tp, workload):
 
 def sim_energy(model, gpu, tp, workload):
     """Energy of one instance serving the model's mean request in the fullest batch that fits
-    (otela_sim's stated model: TDP x (0.3 + 0.7 x roofline utilisation)), or None."""
+    (otela_sim's stated model, energy(): GPUs by roofline utilisation, plus a host share per
+    GPU for the node figures), or None."""
     e = full_batch_estimate(model, gpu, tp, workload)
     if e is None:
         return None
     return {"j_per_output_token": e["j_per_output_token"], "kwh_per_million_tokens": e["kwh_per_million_tokens"],
-            "power_w_per_gpu": e["power_w_per_gpu"], "batch": e["batch"]}
+            "power_w_per_gpu": e["power_w_per_gpu"], "node_j_per_output_token": e["node_j_per_output_token"],
+            "batch": e["batch"]}
 
 
-def placement_energy(scenario, rows):
+def placement_energy(scenario, rows, capacity_of=None):
     """Per row (model, gpu, tp) and for the whole placement (weighted by each row's share of
-    its model's output tokens): J per output token and kWh per million output tokens."""
-    per_row, total_j, total_tok = [], 0.0, 0.0
+    its model's output tokens): J per output token and kWh per million output tokens, on the
+    GPUs while busy (what a GPU meter such as the ML.ENERGY leaderboard's reads), and for the
+    nodes: host power added, and the idle power of an instance for the share of time its
+    load leaves it waiting (load = its traffic over its capacity, from capacity_of)."""
+    per_row, total_j, total_node_j, total_tok = [], 0.0, 0.0, 0.0
     for r in rows:
         w = workload_of(scenario, r["model"])
         config = scenario.get("models", {}).get(r["model"], r["model"])
@@ -302,13 +307,25 @@ def placement_energy(scenario, rows):
                        r["gpu"], r["tp"], w)
         if e is None:
             continue
-        tokens = float(w.get("rate_rps", 0)) * float(w.get("output", {}).get("mean", 128)) * float(r.get("weight", 1))
-        per_row.append(dict(model=r["model"], gpu=r["gpu"], tp=r["tp"], **e))
+        out_len = float(w.get("output", {}).get("mean", 128))
+        rate = float(w.get("rate_rps", 0)) * float(r.get("weight", 1))
+        tokens = rate * out_len
+        node_j = e["node_j_per_output_token"]
+        cap = (capacity_of or {}).get((r["model"], r["gpu"], r["tp"]), 0.0) * r["instances"]
+        load = min(1.0, rate / cap) if cap > 0 else 1.0
+        if 0 < load < 1:  # idle instances wait at idle power: charged to the tokens they serve
+            node_j += (1 - load) * r["instances"] * otela_sim.idle_power_w(r["gpu"], r["tp"]) / (load * cap * out_len)
+        per_row.append(dict(model=r["model"], gpu=r["gpu"], tp=r["tp"], load=round(load, 3), **e,
+                            node_j_with_idle=node_j))
         total_j += e["j_per_output_token"] * tokens
+        total_node_j += node_j * tokens
         total_tok += tokens
     j = total_j / total_tok if total_tok else 0.0
+    node = total_node_j / total_tok if total_tok else 0.0
     return {"rows": per_row, "j_per_output_token": j, "kwh_per_million_tokens": j * 1e6 / otela_sim.KWH_J,
-            "model": "otela_sim energy(): P = TDP x (0.3 + 0.7 x roofline utilisation), fullest batch that fits"}
+            "node_j_per_output_token": node, "node_kwh_per_million_tokens": node * 1e6 / otela_sim.KWH_J,
+            "model": "otela_sim energy(): GPU P = TDP x (0.3 + 0.7 x roofline utilisation) at the fullest batch "
+                     "that fits; node adds host 0.4 x TDP per GPU and idle time at (0.15 + 0.4) x TDP"}
 
 
 def memory_fits(config, gpu_name, tp):
@@ -1231,7 +1248,7 @@ def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, r
         entry["score"] = {"ratio": round(ratio, 4), "capacity_req_s": round(served, 2), "gpus": gpus}
         if replay_method != "none":
             entry["replay"] = replay(scenario, entry["placement"], replay_method, capacity_of, latency_of, seed)
-            entry["energy"] = placement_energy(scenario, entry["placement"])
+            entry["energy"] = placement_energy(scenario, entry["placement"], capacity_of)
     result["ours"]["solve_s"] = round(ours.solve_s, 3)
     result["ours"]["status"] = ours.status
     result["ours"]["bounds"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in (ours.bounds or {}).items()}
@@ -1298,7 +1315,8 @@ def format_plan(scenario, result):
     energies = [(n, e["energy"]) for n, e in result.items() if isinstance(e, dict) and e.get("energy")]
     if energies:
         lines.append("energy per output token (" + energies[0][1]["model"] + "): " + ", ".join(
-            f"{n} {en['j_per_output_token']:.2f} J = {en['kwh_per_million_tokens']:.3f} kWh/M tokens"
+            f"{n} {en['j_per_output_token']:.2f} J = {en['kwh_per_million_tokens']:.3f} kWh/M tokens on the GPUs, "
+            f"{en['node_kwh_per_million_tokens']:.3f} with host and idle time"
             for n, en in energies) + "   (OpenTela paper, measured: 0.16-0.25 kWh/M tokens)")
     for name, entry in result.items():
         if isinstance(entry, dict) and "placement" in entry:
