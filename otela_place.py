@@ -759,7 +759,14 @@ def _lp_cover(demand, pool, groups, need):
 
     prob, n = _scale_model(demand, pool, groups, integer=False)
     _capacity_rows(prob, n, demand, groups, need)
-    prob.setObjective(pulp.lpSum(groups.cands[i].tp * n[i] for i in range(len(n))))
+    cands = groups.cands
+    for m, idx in groups.by_model.items():
+        # whole instances give whole GPUs: a model needs at least need / (its best capacity
+        # per GPU) GPUs, rounded up (valid for every integer placement; it steers the LP's
+        # answer towards one that rounds)
+        best = max(cands[i].capacity_rps / cands[i].tp for i in idx)
+        prob += pulp.lpSum(cands[i].tp * n[i] for i in idx) >= math.ceil(need[m] / best - 1e-9)
+    prob.setObjective(pulp.lpSum(cands[i].tp * n[i] for i in range(len(n))))
     return [v.value() or 0.0 for v in n] if _lp_solve(prob) == "Optimal" else None
 
 
@@ -891,7 +898,9 @@ def _max_min_at_scale(demand, pool, groups, headroom, deadline):
         z = upper if step == 0 else (lower + hi) / 2  # the bound itself first: optimal if it rounds
         left = max(0.1, deadline - time.perf_counter())
         counts = _round_cover(demand, pool, groups, {m: z * d for m, d in demand.items()}, min(SCALE_REPAIR_S, left))
-        if counts is None and _lagrangian_proof(demand, pool, groups, z, prices):
+        if counts is None and step == 0:
+            pass  # the bound itself does not round: nothing new to prove there
+        elif counts is None and _lagrangian_proof(demand, pool, groups, z, prices):
             upper = z
         elif counts is None:
             proved, counts = _proved_infeasible(demand, pool, groups, z, min(SCALE_PROOF_S, left))
@@ -995,8 +1004,8 @@ def _lp_gpu_bound(demand, pool, groups, headroom, floor_ratio, useful):
 def _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
     """The three stages by LP bound, rounding and repair (see the section's comment)."""
     groups = _Groups(demand, pool, cands)
-    # stage 1's bisection may use half the budget; stages 2 and 3 take about a second
-    counts, ratio, ratio_bound = _max_min_at_scale(demand, pool, groups, headroom, t0 + time_limit / 2)
+    # stage 1's bisection may use 40% of the budget; stages 2 and 3 take one to a few seconds
+    counts, ratio, ratio_bound = _max_min_at_scale(demand, pool, groups, headroom, t0 + 0.4 * time_limit)
     deadline = t0 + time_limit
     if ratio <= 1e-9:
         raise PlacementError(f"cannot give every model one instance: {len(demand)} models, "
