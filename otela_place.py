@@ -2195,30 +2195,6 @@ def env_default(flag, default=None):
     return os.environ.get("OTELA_" + flag.lstrip("-").replace("-", "_").upper(), default)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (a cron log reads one line per failed run)."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message} (--help for usage)", file=sys.stderr)
-        sys.exit(2)
-
-
-def _number(kind, low, low_open=False, high=None):
-    """An argparse type: `kind` at least `low` (above it when low_open), below `high`."""
-    def check(text):
-        try:
-            value = kind(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not math.isfinite(value) or (value <= low if low_open else value < low) or (high is not None
-                                                                                       and value >= high):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low:g}"
-                                             + (f" and < {high:g}" if high is not None else ""))
-        return value
-    check.__name__ = kind.__name__
-    return check
-
-
 def _check_choices(parser, args):
     """Defaults read from OTELA_* are not checked by argparse against a flag's choices."""
     for action in parser._actions:
@@ -2232,7 +2208,7 @@ def _check_choices(parser, args):
 
 
 def build_parser():
-    p = _Parser(prog="otela_place.py", description=__doc__.split("\n\n")[0])
+    p = otela_sim.OneLineParser(prog="otela_place.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="place models on GPUs; optionally emit and submit Slurm jobs")
@@ -2252,9 +2228,9 @@ def build_parser():
                      help="per-instance capacity: the scenario's measured figures, otela_sim, or measured where given")
     opt.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
                      help="after the worst-case ratio: most useful capacity, or least mean latency")
-    opt.add_argument("--headroom", type=_number(float, 0, low_open=True), default=HEADROOM,
+    opt.add_argument("--headroom", type=otela_sim.number_type(float, 0, low_open=True), default=HEADROOM,
                      help=f"capacity/demand beyond which a model needs nothing more (default {HEADROOM})")
-    opt.add_argument("--slack", type=_number(float, 0, high=1), default=FAIRNESS_SLACK,
+    opt.add_argument("--slack", type=otela_sim.number_type(float, 0, high=1), default=FAIRNESS_SLACK,
                      help=f"share of the best worst-case ratio later stages may give up (default {FAIRNESS_SLACK}; "
                           "0 = strict)")
     opt.add_argument("--baseline", choices=("memp", "none"), default="memp",
@@ -2262,7 +2238,7 @@ def build_parser():
     opt.add_argument("--replay", choices=("auto", "sim", "fluid"), default="auto",
                      help="replay with otela_sim (auto when importable) or the fluid capacity model")
     opt.add_argument("--seed", type=int, default=0)
-    opt.add_argument("--time-limit", type=_number(float, 0, low_open=True), default=SOLVE_TIME_LIMIT_S,
+    opt.add_argument("--time-limit", type=otela_sim.number_type(float, 0, low_open=True), default=SOLVE_TIME_LIMIT_S,
                      help="CBC seconds per stage (at scale: for the whole solve)")
     opt.add_argument("--engine", default=env_default("--engine"),
                      help=f"engine version the simulator's capacities assume ({', '.join(otela_sim.ENGINES)}, or "
@@ -2276,8 +2252,8 @@ def build_parser():
     rp = sub.add_parser("replay", help="replay placements; --trace compares static and reclamation")
     rp.add_argument("--scenario", default=env_default("--scenario"))
     rp.add_argument("--trace", action="store_true", help="bursty synthetic trace: static vs dynamic reclamation")
-    rp.add_argument("--hours", type=_number(float, 0, low_open=True), default=6.0, help="trace length (default 6 h)")
-    rp.add_argument("--load", type=_number(float, 0, low_open=True), default=0.5, help="mean demand as a fraction of the pool's capacity")
+    rp.add_argument("--hours", type=otela_sim.number_type(float, 0, low_open=True), default=6.0, help="trace length (default 6 h)")
+    rp.add_argument("--load", type=otela_sim.number_type(float, 0, low_open=True), default=0.5, help="mean demand as a fraction of the pool's capacity")
     rp.add_argument("--capacity", choices=("auto", "measured", "sim"), default="auto")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--json", action="store_true")
@@ -2301,7 +2277,7 @@ def plan_slurm_args(plan):
     rc = plan.add_argument_group("dynamic reclamation (cron runs; see the section in this file)")
     rc.add_argument("--state-file", default=env_default("--state-file"), metavar="FILE",
                     help=f"demand history and last changes kept between runs (default {STATE_NAME} next to --lock)")
-    rc.add_argument("--cooldown", type=_number(float, 0), default=env_default("--cooldown", RECLAIM_COOLDOWN_S),
+    rc.add_argument("--cooldown", type=otela_sim.number_type(float, 0), default=env_default("--cooldown", RECLAIM_COOLDOWN_S),
                     metavar="S", help=f"seconds a model's demand stays low, and since its last change, before it "
                                       f"gives up instances (default {RECLAIM_COOLDOWN_S})")
     rc.add_argument("--release-idle", action="store_true",

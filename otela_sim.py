@@ -2444,16 +2444,16 @@ def _cmd_probe(a):
                                                       if not isinstance(v, dict)))
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors: a bad flag or value is one line on stderr and exit 2,
-    not a usage block (--help has that)."""
+    not a usage block (--help has that). The placer's command line uses it too."""
 
     def error(self, message):
         print(f"{self.prog}: error: {message} (--help for usage)", file=sys.stderr)
         sys.exit(2)
 
 
-def _number(kind, low=None, high=None, low_open=False, high_open=True):
+def number_type(kind, low=None, high=None, low_open=False, high_open=True):
     """An argparse type: `kind` (int or float) within [low, high) (bounds as flagged), with a
     one-line reason when not."""
     def check(text):
@@ -2472,9 +2472,9 @@ def _number(kind, low=None, high=None, low_open=False, high_open=True):
     return check
 
 
-_AT_LEAST_1 = _number(int, 1)              # GPUs, requests, tokens, iterations
-_POSITIVE = _number(float, 0, low_open=True)
-_SHARE = _number(float, 0, 1)              # a fraction in [0, 1)
+_AT_LEAST_1 = number_type(int, 1)              # GPUs, requests, tokens, iterations
+_POSITIVE = number_type(float, 0, low_open=True)
+_SHARE = number_type(float, 0, 1)              # a fraction in [0, 1)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -2518,7 +2518,7 @@ def output_closed(prefix):
 
 
 def main(argv=None):
-    p = _Parser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("estimate", help="a static batch on one instance")
     e.add_argument("--model", help="Hugging Face id or alias (llama-2-7b); with --config, a label")
