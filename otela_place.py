@@ -5,7 +5,8 @@ Operators run it from cron on a login node. One run:
 
     demand (scenario file or the ingress's /v1/usage/stats)
     free GPUs (scenario, --inventory FILE or sinfo GRES)      ──▶ candidates (model, GPU, tp)
-    per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC)
+    per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC); at scale
+                                                                   │  LP bound, rounding, repair
                                                                    ▼
     placement: [{model, gpu, tp, instances, weight}]  ──▶ replay (otela_sim) / reconcile
     reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
@@ -19,8 +20,16 @@ The placement objective, in order (lexicographic, three solves):
      HEADROOM), so GPUs left over by the bottleneck model go where they still serve requests;
      or, with --objective latency, the least traffic-weighted mean service latency;
   3. then the fewest GPUs.
+Up to LARGE_INSTANCE_VARS candidates CBC solves the stages exactly; beyond, the section
+"solver at scale" works from the LP relaxation and proves a bound. Either way the plan states
+the gap it proved (Placement.bounds; "bounds" in plan --json).
 Routing weights split a model's traffic in proportion to each row's capacity, so every
 group of instances finishes its share at the same time.
+
+Two placers never collide (two login nodes' cron, or a run that overlaps the last): each
+instance is a slot with its own job name, submitted with --dependency=singleton, and every
+run cancels duplicates of a slot; a run killed at any point leaves what the next finishes
+(see the section "reconcile").
 
 What this file must never do: import the node or the ingress (it talks to a running ingress
 over HTTP only), submit or cancel jobs without --submit, or touch jobs it did not create
@@ -1638,7 +1647,9 @@ def session_key(session):
 #     lowest job id). The later of two racing submissions is always followed by its own
 #     run's pass, which sees the earlier job, and every run keeps the same one;
 #   - scripts are written atomically (temp file + rename): a run never submits a script
-#     another run is half-way through writing.
+#     another run is half-way through writing;
+#   - a draining job keeps its name: a slot submitted again while it drains waits for it
+#     (singleton) and so never holds GPUs twice, at most DRAIN_GRACE_S.
 # A run killed at any point leaves jobs that are each a whole slot (or a duplicate the next
 # pass cancels), scripts that are whole, and a state file that is whole: the next run submits
 # the slots still missing and nothing twice.
