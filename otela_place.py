@@ -648,13 +648,17 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
 # There the placer works from the LP relaxation instead, and states the gap it proved:
 #   stage 1: bound = the LP's best worst-case ratio (with the valid cut "every model has at
 #     least one instance"); a ratio z is reached by rounding: the LP that covers z x demand
-#     with the fewest GPUs, its solution floored, and the shortfall covered by whole instances
-#     from the GPUs the floor freed (greedily, else a small CBC model of only the shortfall).
-#     Bisection on z between what rounding reached and the bound; a z that rounding misses is
-#     handed to CBC for a short proof of infeasibility, which lowers the bound when it comes;
-#   stage 2: the GPUs left go, one instance at a time, to the best useful capacity per GPU;
+#     with the fewest GPUs (cut: a model needs whole GPUs), its solution floored, and the
+#     shortfall covered by whole instances from the GPUs the floor freed (greedily, else a
+#     small CBC model near the LP's answer). Bisection on z between what rounding reached and
+#     the bound; a z that rounding misses is refused by a proof when one comes: Lagrangian
+#     (the LP's GPU prices, each model's cheapest whole-instance cover: _lagrangian_proof),
+#     else a short CBC run; each proof lowers the bound;
+#   stage 2: the GPUs left go, one instance at a time, to the best useful capacity per GPU,
+#     from stage 1's answer and from the fewest-GPU cover of the ratio kept within the slack;
 #     its bound is stage 2's LP (worst ratio held within the slack);
-#   stage 3: instances whose capacity is beyond every model's demand x headroom are dropped.
+#   stage 3: instances whose capacity is beyond every model's demand x headroom are dropped,
+#     or the fewest-GPU cover of what each model serves is taken when it uses fewer GPUs.
 # Gaps are relative: (bound - found) / bound, GPUs (found - bound) / found.
 
 SCALE_GAP = 0.005         # stage 1 stops when its proved gap is this small (half the 1% target)
