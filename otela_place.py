@@ -663,7 +663,7 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
 
 SCALE_GAP = 0.005         # stage 1 stops when its proved gap is this small (half the 1% target)
 SCALE_PROOF_S = 1.0       # CBC seconds per infeasibility proof (on 1,000 GPUs it answers in 0.1 s)
-SCALE_REPAIR_S = 1.0      # CBC seconds for the shortfall (or near-LP) model when greedy covering fails
+SCALE_REPAIR_S = 2.0      # CBC seconds for the shortfall or near-LP model (it answers in 0.5 s on 1,000 GPUs)
 SCALE_BISECTIONS = 12     # 2^-12 of the interval: far below the 0.5% the gap needs
 
 
@@ -906,7 +906,8 @@ def _max_min_at_scale(demand, pool, groups, headroom, deadline):
     upper, prices = lp_ratio_bound(demand, pool, groups, headroom)
     hi = upper
     for step in range(SCALE_BISECTIONS):
-        if upper <= 0 or (upper - lower) / upper <= SCALE_GAP or time.perf_counter() >= deadline:
+        if upper <= 0 or (upper - lower) / upper <= SCALE_GAP or time.perf_counter() >= deadline \
+                or (step > 0 and (hi - lower) / upper <= SCALE_GAP / 4):  # finer changes no stated gap
             break
         z = upper if step == 0 else (lower + hi) / 2  # the bound itself first: optimal if it rounds
         left = max(0.1, deadline - time.perf_counter())
@@ -915,7 +916,9 @@ def _max_min_at_scale(demand, pool, groups, headroom, deadline):
             pass  # the bound itself does not round: nothing new to prove there
         elif counts is None and _lagrangian_proof(demand, pool, groups, z, prices):
             upper = z
-        elif counts is None:
+        elif counts is None and z >= upper * (1 - 2 * SCALE_GAP):
+            # CBC's proofs come near the bound (on 1,000 GPUs at x10: 0.5% below it in 0.1 s,
+            # 1.5% below not in 8 s); further down a rounding that failed is only a failure
             proved, counts = _proved_infeasible(demand, pool, groups, z, min(SCALE_PROOF_S, left))
             if proved:
                 upper = z
