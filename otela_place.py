@@ -1089,6 +1089,7 @@ def _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
     if left > 0.5:
         final = _polish_gpus(final, demand, pool, groups, headroom, keep, min(SCALE_POLISH_S, left))
     gpus = sum(cands[i].tp * k for i, k in enumerate(final))
+    ratio = max(ratio, _ratio_of_counts(final, demand, groups, headroom))  # stages 2-3 may find a better one
     gpu_bound = min(gpus, _lp_gpu_bound(demand, pool, groups, headroom, keep, _useful(final, demand, groups, headroom)))
     bounds = {"ratio": ratio, "ratio_bound": ratio_bound,
               "ratio_gap": (ratio_bound - ratio) / ratio_bound if ratio_bound else 0.0,
