@@ -5,7 +5,7 @@ each tensor-parallel degree before it spends a single GPU-hour. This file answer
 first principles plus efficiency factors per GPU architecture and overheads per engine
 version, each fitted around a prior within physical bounds; it is pure (stdlib only, no I/O
 at import) and fast (`estimate` is microseconds, a 300 s cluster workload replays in
-seconds). Energy per token follows a stated TDP x utilisation model (energy()).
+seconds). Energy per token follows a stated model of GPU, host and idle power (energy()).
 
 Data flow.
     GPU table + model table (or a Hugging Face config)        -> GPU, Model
@@ -870,22 +870,46 @@ def _static_times(c, batch, input_len, output_len):
     return ttft, step, ttft + steps * step
 
 
-# Energy model (stated, not measured): a GPU draws P = TDP x (IDLE_POWER_SHARE + (1 -
-# IDLE_POWER_SHARE) x u), where u is the roofline utilisation of the run: the time the run
-# would take at the datasheet peaks (ideal roofline, no overheads) over its modelled time. An
-# engine holding a GPU with its clocks up and nothing to do draws about a third of TDP
-# (HBM refresh, clocks, polling); a kernel at its roofline draws about TDP.
+# Energy model (stated, not measured here). Three parts, each per GPU of an instance:
+#  - the GPU while it runs the work: P = TDP x (IDLE_POWER_SHARE + (1 - IDLE_POWER_SHARE) x u),
+#    u the roofline utilisation of the run (the time the run would take at the datasheet
+#    peaks, no overheads, over its modelled time). A GPU running kernels far below its roofline
+#    still draws about a third of TDP (clocks up, HBM refresh, the engine's polling and small
+#    kernels); a kernel at its roofline draws about TDP. This is the only part a GPU-side meter
+#    sees (NVML, which the ML.ENERGY leaderboard reads): compare GPU figures with it;
+#  - the host: HOST_POWER_SHARE x TDP for every GPU, loaded or not. NVIDIA's datasheets give a
+#    DGX H100 10.2 kW maximum for 8 x 700 W GPUs and a DGX A100 6.5 kW for 8 x 400 W: 0.8 and
+#    1.0 x the GPUs' TDP for CPUs, DRAM, NICs, NVSwitches, fans and power-supply losses at
+#    full load. Serving loads the CPUs lightly (a core or two per engine), fans stay high with
+#    hot GPUs: about half that maximum, 0.4 x TDP (280 W per H100, 160 W per A100);
+#  - an allocated instance with nothing to do (between requests, or a whole node held by an
+#    idle job): GPU_IDLE_SHARE x TDP per GPU (an engine holds the context and its clocks: about
+#    100 W of an H100 SXM's 700 W, 60 W of an A100 SXM's 400 W) plus the host share. The
+#    placer charges it for the time a placed instance waits (otela_place.placement_energy).
+# Not counted: the data centre's cooling and distribution (PUE), the network, storage.
 IDLE_POWER_SHARE = 0.3
+HOST_POWER_SHARE = 0.4
+GPU_IDLE_SHARE = 0.15
 KWH_J = 3.6e6
 
 
+def idle_power_w(gpu, tp):
+    """Power of an allocated instance of tp GPUs with nothing to run: GPUs idle plus host."""
+    return resolve_gpu(gpu).tdp_w * tp * (GPU_IDLE_SHARE + HOST_POWER_SHARE)
+
+
 def energy(gpu, tp, seconds, ideal_seconds, output_tokens):
-    """{power_w_per_gpu, utilisation, j_per_output_token, kwh_per_million_tokens} of a run."""
+    """{power_w_per_gpu, utilisation, j_per_output_token, kwh_per_million_tokens} of a run on
+    the GPUs alone (what NVML meters), and node_power_w_per_gpu, node_j_per_output_token,
+    node_kwh_per_million_tokens with each GPU's host share added."""
     u = min(1.0, ideal_seconds / seconds) if seconds > 0 else 0.0
     power = gpu.tdp_w * (IDLE_POWER_SHARE + (1 - IDLE_POWER_SHARE) * u)
+    node = power + gpu.tdp_w * HOST_POWER_SHARE
     joules = power * tp * seconds / max(1, output_tokens)
+    node_joules = node * tp * seconds / max(1, output_tokens)
     return {"power_w_per_gpu": power, "utilisation": u, "j_per_output_token": joules,
-            "kwh_per_million_tokens": joules * 1e6 / KWH_J}
+            "kwh_per_million_tokens": joules * 1e6 / KWH_J, "node_power_w_per_gpu": node,
+            "node_j_per_output_token": node_joules, "node_kwh_per_million_tokens": node_joules * 1e6 / KWH_J}
 
 
 def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=None,
@@ -929,7 +953,8 @@ def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=Non
         "max_batch": cap // ctx_len,
         "decode_bound": "memory" if mem_bound else "compute",
         **energy(gpu, tp, e2e, ideal_e2e, batch * output_len),
-        "energy_model": f"P = TDP {gpu.tdp_w:g} W x ({IDLE_POWER_SHARE} + {1 - IDLE_POWER_SHARE:.1f} x roofline utilisation)",
+        "energy_model": f"GPU P = TDP {gpu.tdp_w:g} W x ({IDLE_POWER_SHARE} + {1 - IDLE_POWER_SHARE:.1f} x roofline "
+                        f"utilisation); node adds host {HOST_POWER_SHARE} x TDP per GPU (see energy())",
     }
 
 
@@ -2170,15 +2195,86 @@ def _fmt(x):
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
+def _known_versions(engine):
+    rows = [e for e in _ENGINE_ROWS if e.engine == engine]
+    return ", ".join(f"{e.key} ({e.engine} {e.version})" for e in rows)
+
+
 def _cli_engine(a):
     """The engine version a command runs with: --engine, or DEFAULT_ENGINE said on stderr
-    (an estimate never silently assumes an engine)."""
+    (an estimate never silently assumes an engine). A version that is no release number (or
+    --engine-version without --engine) is an error naming the versions known."""
+    if a.engine_version and not a.engine:
+        raise SimError(f"--engine-version {a.engine_version} needs --engine (vllm, trtllm, sglang, gptfast; "
+                       f"known versions: {', '.join(ENGINES)})")
     if a.engine:
-        return resolve_engine(a.engine, a.engine_version)
-    ev = ENGINE_VERSIONS[DEFAULT_ENGINE]
-    print(f"otela_sim.py: no --engine given: assuming {ev.key} ({ev.engine} {ev.version}, V0 scheduler); "
-          f"pass --engine {'|'.join(ENGINES)}", file=sys.stderr)
-    return ev
+        ev = resolve_engine(a.engine, a.engine_version)
+        if a.engine_version and ev.engine != "gptfast" and not re.fullmatch(r"v?\d+(\.\d+){1,3}\S*",
+                                                                            a.engine_version.strip()):
+            raise SimError(f"unknown {ev.engine} version {a.engine_version!r}: give a release such as "
+                           f"{ev.version}.0; known: {_known_versions(ev.engine)}")
+        return ev
+    return ENGINE_VERSIONS[DEFAULT_ENGINE]
+
+
+def _say_engine(a, ev):
+    """Once a command succeeded: the engine it assumed, when none was given (said after the
+    work, so that a failing command prints its one error line alone)."""
+    if not a.engine:
+        print(f"otela_sim.py: no --engine given: assuming {ev.key} ({ev.engine} {ev.version}, V0 scheduler); "
+              f"pass --engine {'|'.join(ENGINES)}", file=sys.stderr)
+
+
+def _requested_version(a):
+    """The release a user asked for: --engine-version, or one written in --engine's text."""
+    if a.engine_version:
+        return a.engine_version.strip()
+    found = re.search(r"\d+\.\d+(\.\d+)?", a.engine or "") if a.engine not in ENGINE_VERSIONS else None
+    return found.group() if found else None
+
+
+def engine_coverage(ev, requested=None, rows=None, cal=None):
+    """Whether measured rows back the engine parameters an estimate uses: {row, fitted,
+    fitted_on, note}. fitted is False when no fitted row (the calibration CSV's rows neither
+    inconsistent nor held out) is of this engine row, when the release asked for is not among
+    the releases those rows ran (the row's parameters then stand in for it), or when the
+    calibration is off; None when the calibration data is not there to tell."""
+    out = {"row": ev.key, "fitted": None, "fitted_on": [], "note": ""}
+    if (cal if cal is not None else active_calibration()) is DEFAULT_CALIBRATION:
+        out.update(fitted=False, note=f"no calibration in use (OTELA_CALIBRATION=none or no {CALIBRATION_FILE}): "
+                                      f"{ev.key} runs on its priors")
+        return out
+    if rows is None:
+        out["note"] = "calibration rows not found: cannot say which engine versions were fitted"
+        return out
+    ran = sorted({r.get("engine_version") or ev.version for r in fitted_rows(rows) if row_engine(r).key == ev.key})
+    out["fitted_on"] = ran
+
+    def same_release(x, y):
+        return x == y or (re.search(r"\d+\.\d+", x) and re.search(r"\d+\.\d+", y)
+                          and _version_tuple(x)[:2] == _version_tuple(y)[:2])
+
+    if not ran:
+        out.update(fitted=False, note=f"no fitted calibration row for {ev.key}: its engine parameters are priors, "
+                                      "not fitted to any measurement")
+    elif requested and not any(same_release(requested, v) for v in ran):
+        out.update(fitted=False, note=f"no fitted calibration row for {ev.engine} {requested}: the parameters of "
+                                      f"{ev.key}, fitted on {ev.engine} {', '.join(ran)}, stand in for it")
+    else:
+        out.update(fitted=True, note=f"{ev.key} fitted on measured rows of {ev.engine} {', '.join(ran)}")
+    return out
+
+
+def _cli_coverage(a, ev):
+    """engine_coverage for a command line, with a warning on stderr when nothing fitted backs it."""
+    try:
+        rows = load_calibration(check_roofline=False)
+    except SimError:
+        rows = None
+    coverage = engine_coverage(ev, _requested_version(a), rows)
+    if coverage["fitted"] is False:
+        print(f"otela_sim.py: warning: {coverage['note']}", file=sys.stderr)
+    return coverage
 
 
 def _cmd_estimate(a):
@@ -2190,11 +2286,13 @@ def _cmd_estimate(a):
     if not e["fits"]:
         raise SimError(f"{model.name} with tp={a.tp} and batch {a.batch} x {a.input + a.output} tokens needs "
                        f"{e['memory_gb_per_gpu']:.1f} GB per GPU; {gpu.name} offers {e['usable_gb_per_gpu']:.1f} GB")
+    _say_engine(a, ev)
+    e["calibration"] = _cli_coverage(a, ev)
     if a.json:
         print(json.dumps(e))
     else:
         for k, v in e.items():
-            print(f"{k:22s} {_fmt(v)}")
+            print(f"{k:22s} {v['note'] if k == 'calibration' else _fmt(v)}")
 
 
 def read_scenario(path):
@@ -2220,13 +2318,16 @@ def _cmd_replay(a):
         raise SimError(f"the placement serves none of the workload's models ({', '.join(sorted(asked))})")
     disagg = {"prefill_share": a.disaggregate, "kv_GBps": a.kv_gbps} if a.disaggregate else None
     t0 = time.perf_counter()
+    ev = _cli_engine(a)
     r = replay(scenario, placement, seed=a.seed, arrival=a.arrival, cv=a.cv, chunked_prefill=a.chunked_prefill,
                chunk_tokens=a.chunk_tokens, prefix_hit=a.prefix_hit, disaggregation=disagg,
-               duration_s=a.duration, engine=_cli_engine(a).key)
+               duration_s=a.duration, engine=ev.key)
     r["replay_wall_s"] = time.perf_counter() - t0
     if r["requests"] and not r["completed"]:
         raise SimError(f"none of the {r['requests']} requests was served (rejected {r['rejected']}, "
                        f"unserved {r['unserved']})")
+    _say_engine(a, ev)
+    r["calibration"] = _cli_coverage(a, ev)
     if a.json:
         print(json.dumps(r))
         return
@@ -2335,6 +2436,7 @@ def _cmd_probe(a):
     check_config(model, gpu, a.tp)
     measured = probe_engine(a.url, a.served_model or a.model, a.batch, a.seconds, a.api_key, a.max_tokens)
     result = probe_fit(model, gpu, a.tp, ev.key, measured)
+    _say_engine(a, ev)
     if a.write:
         store_probe(a.write, result)
         print(f"otela_sim.py: probe stored in {a.write}", file=sys.stderr)
@@ -2342,19 +2444,62 @@ def _cmd_probe(a):
                                                       if not isinstance(v, dict)))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors: a bad flag or value is one line on stderr and exit 2,
+    not a usage block (--help has that). The placer's command line uses it too."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (--help for usage)", file=sys.stderr)
+        sys.exit(2)
+
+
+def number_type(kind, low=None, high=None, low_open=False, high_open=True):
+    """An argparse type: `kind` (int or float) within [low, high) (bounds as flagged), with a
+    one-line reason when not."""
+    def check(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if low is not None and (value <= low if low_open else value < low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low:g}")
+        if high is not None and (value >= high if high_open else value > high):
+            raise argparse.ArgumentTypeError(f"{text} must be {'<' if high_open else '<='} {high:g}")
+        return value
+    check.__name__ = kind.__name__  # argparse names the type in its messages
+    return check
+
+
+_AT_LEAST_1 = number_type(int, 1)              # GPUs, requests, tokens, iterations
+_POSITIVE = number_type(float, 0, low_open=True)
+_SHARE = number_type(float, 0, 1)              # a fraction in [0, 1)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
 def _env_defaults(parser, env=None):
-    """Every flag also reads OTELA_<FLAG> (--gpu -> OTELA_GPU, --chunk-tokens -> OTELA_CHUNK_TOKENS)."""
+    """Every flag also reads OTELA_<FLAG> (--gpu -> OTELA_GPU, --chunk-tokens -> OTELA_CHUNK_TOKENS),
+    checked as the flag would be: a bad value is a one-line error naming the variable."""
     env = os.environ if env is None else env
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        value = env.get("OTELA_" + action.option_strings[-1].lstrip("-").replace("-", "_").upper())
+        name = "OTELA_" + action.option_strings[-1].lstrip("-").replace("-", "_").upper()
+        value = env.get(name)
         if value is None:
             continue
         if action.nargs == 0:                    # store_true
-            action.default = value.lower() in ("1", "true", "yes", "on")
+            if value.lower() not in _TRUE + _FALSE:
+                parser.error(f"{name}={value!r}: expected one of 1, 0, true, false, yes, no, on, off")
+            action.default = value.lower() in _TRUE
         else:
-            action.default = action.type(value) if action.type else value
+            try:
+                action.default = action.type(value) if action.type else value
+            except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+                parser.error(f"{name}={value!r}: {e or 'not a valid value'}")
+            if action.choices is not None and action.default not in action.choices:
+                parser.error(f"{name}={value!r}: expected one of {', '.join(map(str, action.choices))}")
         action.required = False
 
 
@@ -2373,17 +2518,17 @@ def output_closed(prefix):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("estimate", help="a static batch on one instance")
     e.add_argument("--model", help="Hugging Face id or alias (llama-2-7b); with --config, a label")
     e.add_argument("--config", help="a Hugging Face config.json instead of a built-in model")
     e.add_argument("--gpu", required=True, help="a GPU of the table (`otela_sim.py gpus` lists them: A100-80GB-SXM4…), a short name (A100, H100) or an nvidia-smi name")
-    e.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
-    e.add_argument("--batch", type=int, default=1, help="requests in the batch (default 1)")
-    e.add_argument("--input", type=int, default=512, help="prompt tokens per request (default 512)")
-    e.add_argument("--output", type=int, default=128, help="generated tokens per request (default 128)")
-    e.add_argument("--replicas", type=int, default=1, help="data-parallel instances (default 1)")
+    e.add_argument("--tp", type=_AT_LEAST_1, default=1, help="tensor-parallel GPUs (default 1)")
+    e.add_argument("--batch", type=_AT_LEAST_1, default=1, help="requests in the batch (default 1)")
+    e.add_argument("--input", type=_AT_LEAST_1, default=512, help="prompt tokens per request (default 512)")
+    e.add_argument("--output", type=_AT_LEAST_1, default=128, help="generated tokens per request (default 128)")
+    e.add_argument("--replicas", type=_AT_LEAST_1, default=1, help="data-parallel instances (default 1)")
     e.add_argument("--dtype", default=None, help="fp16, bf16 or fp8 (default: the model's)")
     _engine_flags(e)
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -2393,26 +2538,26 @@ def main(argv=None):
     r.add_argument("--placement", help="placement JSON; default the scenario's paper_placements.opentela")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"))
-    r.add_argument("--cv", type=float, default=2.0, help="gamma arrivals: coefficient of variation of gaps")
-    r.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default the scenario's)")
+    r.add_argument("--cv", type=_POSITIVE, default=2.0, help="gamma arrivals: coefficient of variation of gaps")
+    r.add_argument("--duration", type=_POSITIVE, default=None, help="seconds of arrivals (default the scenario's)")
     r.add_argument("--chunked-prefill", action="store_true", help="mix prompt chunks into decode steps")
-    r.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS, help="token budget per chunked step")
-    r.add_argument("--prefix-hit", type=float, default=0.0, help="prefix-cache hit ratio of prompt tokens")
-    r.add_argument("--disaggregate", type=float, default=0.0, metavar="SHARE",
+    r.add_argument("--chunk-tokens", type=_AT_LEAST_1, default=CHUNK_TOKENS, help="token budget per chunked step")
+    r.add_argument("--prefix-hit", type=_SHARE, default=0.0, help="prefix-cache hit ratio of prompt tokens")
+    r.add_argument("--disaggregate", type=_SHARE, default=0.0, metavar="SHARE",
                    help="prefill/decode disaggregation: share of each entry's instances that prefill")
-    r.add_argument("--kv-gbps", type=float, default=KV_TRANSFER_GBps, help="KV transfer bandwidth (GB/s)")
+    r.add_argument("--kv-gbps", type=_POSITIVE, default=KV_TRANSFER_GBps, help="KV transfer bandwidth (GB/s)")
     _engine_flags(r)
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=_cmd_replay)
     v = sub.add_parser("validate", help="predicted vs measured on a calibration CSV, in-sample and left out")
     v.add_argument("csv", nargs="?", default=None, help="default tests/data/measured_calibration.csv")
     v.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out refits (minutes)")
-    v.add_argument("--iters", type=int, default=12, help="fit iterations per left-out group")
+    v.add_argument("--iters", type=_AT_LEAST_1, default=12, help="fit iterations per left-out group")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_cmd_validate)
     c = sub.add_parser("calibrate", help="fit the hardware and engine parameters")
     c.add_argument("--csv", default=None, help="default tests/data/measured_calibration.csv")
-    c.add_argument("--iters", type=int, default=25, help="Levenberg-Marquardt iterations per stage")
+    c.add_argument("--iters", type=_AT_LEAST_1, default=25, help="Levenberg-Marquardt iterations per stage")
     c.add_argument("--write", action="store_true", help="store the fit in the calibration data file")
     c.add_argument("--out", default=None, help=f"with --write: the file (default {CALIBRATION_FILE})")
     c.set_defaults(func=_cmd_calibrate)
@@ -2421,10 +2566,10 @@ def main(argv=None):
     pr.add_argument("--model", required=True, help="the model the engine serves (simulator name or HF id)")
     pr.add_argument("--served-model", default=None, help="the name to send as \"model\" (default --model)")
     pr.add_argument("--gpu", required=True, help="the GPU the engine runs on")
-    pr.add_argument("--tp", type=int, default=1)
-    pr.add_argument("--batch", type=int, default=PROBE_BATCH, help=f"the larger batch (default {PROBE_BATCH})")
-    pr.add_argument("--seconds", type=float, default=PROBE_SECONDS, help="seconds per batch size")
-    pr.add_argument("--max-tokens", type=int, default=PROBE_TOKENS, help="tokens generated per request")
+    pr.add_argument("--tp", type=_AT_LEAST_1, default=1)
+    pr.add_argument("--batch", type=_AT_LEAST_1, default=PROBE_BATCH, help=f"the larger batch (default {PROBE_BATCH})")
+    pr.add_argument("--seconds", type=_POSITIVE, default=PROBE_SECONDS, help="seconds per batch size")
+    pr.add_argument("--max-tokens", type=_AT_LEAST_1, default=PROBE_TOKENS, help="tokens generated per request")
     pr.add_argument("--api-key", default=None, help="bearer key for an ingress (also OTELA_API_KEY)")
     pr.add_argument("--write", default=None, metavar="FILE", help="store the probe in FILE (the placer's --probes)")
     _engine_flags(pr)

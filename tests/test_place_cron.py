@@ -258,4 +258,5 @@ def test_plan_cli_keeps_its_state_next_to_the_lock(tmp_path):
     second = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert second.returncode == 0 and second.stderr == ""
     bad = subprocess.run(argv + ["--cooldown", "-1"], capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode == 2 and bad.stderr == "otela_place: --cooldown -1: must be >= 0 seconds\n"
+    assert bad.returncode == 2
+    assert bad.stderr == "otela_place.py plan: error: argument --cooldown: -1 must be >= 0 (--help for usage)\n"

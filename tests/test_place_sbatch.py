@@ -248,7 +248,8 @@ def test_reconcile_cancels_pending_jobs_before_running_ones_newest_first():
 def test_reconcile_cancels_every_job_of_a_model_no_longer_planned():
     jobs = [{"id": "7", "state": "RUNNING", "key": ("old", "A", 2)}]
     assert place.reconcile_actions(row(0), jobs) == {"submit": {}, "cancel": ["7"], "hard_cancel": [],
-                                                     "have": {("old", "A", 2): 1}, "want": {}}
+                                                     "have": {("old", "A", 2): 1}, "want": {}, "duplicates": [],
+                                                     "slots": {("old", "A", 2): set()}}
 
 
 def test_live_sessions_started_elsewhere_count_but_our_own_jobs_count_once():

@@ -181,3 +181,95 @@ def test_a_dry_run_against_real_slurm_changes_nothing(slurm, tmp_path):
 def test_free_gpus_from_sinfo_parse_on_a_real_cluster(slurm):
     # this lab node has no GPU GRES: a real sinfo parses to an empty inventory, not an error
     assert place.slurm_inventory() == {"gpus": []}
+
+
+# ---------------------------------------------------------------- placers that cannot collide
+# Two login nodes (two lock files, two state files) running cron at once, and a run killed
+# half-way: Slurm's job names (one per slot) with --dependency=singleton are the lease.
+
+
+def slow_sbatch(tmp_path, delay, barrier=0):
+    """A PATH with an sbatch that waits `delay` s before the real one, and with barrier=N a
+    squeue whose first call in each placer waits until N placers made theirs: every run then
+    reads the queue before any submits, the race two cron runs on two login nodes can have."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "sbatch"
+    wrapper.write_text(f"#!/bin/sh\nsleep {delay}\nexec {shutil.which('sbatch')} \"$@\"\n")
+    wrapper.chmod(0o755)
+    if barrier:
+        seen = tmp_path / "squeue-callers"
+        seen.mkdir(exist_ok=True)
+        squeue = bin_dir / "squeue"
+        squeue.write_text(f"#!/bin/sh\nif [ ! -e {seen}/$PPID ]; then touch {seen}/$PPID; i=0\n"
+                          f"  while [ $(ls {seen} | wc -l) -lt {barrier} ] && [ $i -lt 600 ]; do sleep 0.05; "
+                          f"i=$((i+1)); done\nfi\nexec {shutil.which('squeue')} \"$@\"\n")
+        squeue.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def plan_argv(tmp_path, node, rates, gpus=4):
+    """A plan --submit run as login node `node` would start it: its own lock and state."""
+    inv = tmp_path / "inventory.json"
+    inv.write_text(json.dumps({"gpus": [{"type": "slot", "count": gpus, "per_node": gpus, "gres": ""}]}))
+    tpl = tmp_path / "sleep.sbatch"
+    tpl.write_text(SLEEP_TEMPLATE)
+    doc = {"gpus": [{"type": "slot", "count": gpus, "per_node": gpus}], "models": {m: TINY for m in rates},
+           "workload": [{"model": m, "rate_rps": r, "input": {"mean": 50}, "output": {"mean": 20}}
+                        for m, r in rates.items()],
+           "measured_instance_capacity_rps": {m: {"tp": 1, "slot": 1.0} for m in rates}}
+    (tmp_path / "scenario.json").write_text(json.dumps(doc))
+    return [sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario", str(tmp_path / "scenario.json"),
+            "--inventory", str(inv), "--template", str(tpl), "--emit-sbatch", str(tmp_path / "jobs"),
+            "--lock", str(tmp_path / f"{node}.lock"), "--sbatch-var", f"LOG_DIR={tmp_path / 'logs'}",
+            "--json", "--submit"] + list(AT_ONCE)
+
+
+def _slots():
+    """{job name: [job ids]} of our live jobs."""
+    out = {}
+    for j in our_jobs():
+        out.setdefault(j["name"], []).append(j["id"])
+    return out
+
+
+def test_two_placers_started_together_submit_every_job_once(slurm, tmp_path):
+    _cancel_ours()
+    env = dict(os.environ, PATH=slow_sbatch(tmp_path, 0.2, barrier=2))
+    # 2 req/s at 1 req/s per instance with 1.25 headroom: 3 instances
+    runs = [subprocess.Popen(plan_argv(tmp_path, node, {"race": 2.0}), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for node in ("login1", "login2")]
+    outs = [r.communicate(timeout=120) for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], [o[1] for o in outs]
+    reports = [json.loads(o[0])["reconcile"] for o in outs]
+    assert all(len(r["submit"]) == 3 for r in reports), reports  # both saw an empty queue: the race happened
+    slots = _slots()
+    assert sorted(slots) == ["otela-race-slot-tp1-0", "otela-race-slot-tp1-1", "otela-race-slot-tp1-2"]
+    assert all(len(ids) == 1 for ids in slots.values())
+    # each duplicate was cancelled by a run, and every run keeps the lowest id of a slot
+    assert sum(len(r["duplicates"]) for r in reports) + 3 == sum(len(r["submit"]) for r in reports)
+    # a third run finds nothing to do
+    third = subprocess.run(plan_argv(tmp_path, "login1", {"race": 2.0}), capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr
+    assert json.loads(third.stdout)["reconcile"]["submitted"] == [] and _slots() == slots
+
+
+def test_a_placer_killed_mid_run_is_finished_by_the_next_run_with_every_job_once(slurm, tmp_path):
+    _cancel_ours()
+    env = dict(os.environ, PATH=slow_sbatch(tmp_path, 1.0))
+    run = subprocess.Popen(plan_argv(tmp_path, "login1", {"kill": 2.0}), env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait(lambda: len(our_jobs()) >= 1, "the first run submitted nothing", tries=300)
+    finally:
+        os.killpg(run.pid, 9)  # the placer and the sbatch it is waiting on, mid-run
+        run.wait(timeout=30)
+    before = {j["id"] for j in our_jobs()}
+    assert 1 <= len(before) < 3
+    again = subprocess.run(plan_argv(tmp_path, "login1", {"kill": 2.0}), capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    slots = _slots()
+    assert sorted(slots) == ["otela-kill-slot-tp1-0", "otela-kill-slot-tp1-1", "otela-kill-slot-tp1-2"]
+    assert all(len(ids) == 1 for ids in slots.values())
+    assert before <= {j["id"] for j in our_jobs()}  # what the killed run submitted stays, once
