@@ -1634,7 +1634,10 @@ def slot_of(job):
 
 def http_json(url):
     key = os.environ.get("OTELA_API_KEY")   # an ingress run with --require-key-for-views wants one
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    except ValueError:
+        raise PlacementError(f"{url}: not an http:// URL") from None
     try:
         with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
             return json.loads(resp.read().decode())
