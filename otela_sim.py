@@ -2169,6 +2169,12 @@ TOKEN_RULE = re.compile(r"\s*\S{1,4}")
 # picked from the prompt's CRC-32, so one prompt always gets the same answer.
 OUTPUT_WORDS = ("the", "a", "sea", "of", "and", "lamp", "to", "wave", "in", "is", "it", "red", "we",
                 "sky", "on", "old")
+# The emulator's own work before a step (reading and parsing a request, tokenizing, hashing
+# its blocks: ~1 ms for a 2k-token prompt) is not the GPU's: a step that starts an idle engine
+# starts at the arrival of its earliest request, and the loop waits this long after waking
+# (in wall time, not emulated time) so that requests sent together, as a static batch, are
+# planned as one batch, as an engine whose scheduler sees them within a step would.
+ADMIT_WINDOW_S = 0.002
 # The longest request head or body the emulator reads (a 128k-token prompt is ~0.5 MB).
 SERVE_MAX_HEAD, SERVE_MAX_BODY = 64 * 1024, 32 * 1024 * 1024
 
@@ -2549,14 +2555,13 @@ class EmulatedServer:
                 self.busy = False
                 self.wake.clear()
                 await self.wake.wait()
-                # requests whose bytes came in together are parsed before the first step
-                # plans its batch (a static batch sent at once runs as one batch)
-                await asyncio.sleep(0)
-                await asyncio.sleep(0)
+                await asyncio.sleep(ADMIT_WINDOW_S)
                 continue
             # back to back while busy: each step starts at the previous one's planned end, so
-            # the loop's wake-up lag (about a millisecond) does not add up over a stream
-            start = self.step_end if self.busy else loop.time()
+            # the loop's wake-up lag (about a millisecond) does not add up over a stream; after
+            # idle, at the earliest arrival it admits (ADMIT_WINDOW_S)
+            start = self.step_end if self.busy else \
+                max(self.step_end, min(min(r.arrival for r, _ in step.items), loop.time()))
             self.busy = True
             self.step_end = start + step.seconds
             delay = self.step_end - loop.time()
@@ -2579,6 +2584,7 @@ class EmulatedServer:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                     return
+                received = asyncio.get_running_loop().time()     # the request's arrival
                 lines = head.decode("latin-1").split("\r\n")
                 parts = lines[0].split(" ")
                 if len(parts) != 3:
@@ -2606,7 +2612,7 @@ class EmulatedServer:
                     body = await reader.readexactly(length) if length else b""
                 if body is None:
                     return
-                keep = await self._route(method, target.split("?", 1)[0], body, writer, keep) and keep
+                keep = await self._route(method, target.split("?", 1)[0], body, writer, received) and keep
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -2636,13 +2642,13 @@ class EmulatedServer:
     async def _send_json(self, writer, status, obj, close=False):
         await self._send(writer, status, "application/json", json.dumps(obj).encode(), close)
 
-    async def _route(self, method, path, body, writer, keep):
+    async def _route(self, method, path, body, writer, received):
         """Answer one request; False when the connection must close."""
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
                 await self._send_json(writer, 405, _openai_error(f"{method} not allowed on {path}", "invalid_request_error"))
                 return True
-            return await self._completion(path == "/v1/chat/completions", body, writer)
+            return await self._completion(path == "/v1/chat/completions", body, writer, received)
         if method != "GET":
             known = path in ("/v1/models", "/health", "/metrics")
             await self._send_json(writer, 405 if known else 404,
@@ -2725,7 +2731,7 @@ class EmulatedServer:
         return (text, tokens, stated or SERVE_DEFAULT_OUTPUT, stream,
                 bool(isinstance(opts, dict) and opts.get("include_usage")), stated is not None)
 
-    async def _completion(self, chat, body, writer):
+    async def _completion(self, chat, body, writer, received):
         import zlib
         parsed = self._parse(chat, body)
         if len(parsed) == 2:
@@ -2734,7 +2740,7 @@ class EmulatedServer:
         text, tokens, max_tokens, stream, include_usage, stated = parsed
         self.counter += 1
         loop = self.asyncio.get_running_loop()
-        req = EmulatedRequest(self.counter, tokens, max_tokens, loop.time(), zlib.crc32(text.encode()))
+        req = EmulatedRequest(self.counter, tokens, max_tokens, received, zlib.crc32(text.encode()))
         req.stream = stream
         req.waiter = loop.create_future()
         try:

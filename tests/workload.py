@@ -125,14 +125,16 @@ def arrivals(n, rate, kind="poisson", cv=2.0, seed=0, duration=None):
 
 # --- the runner -------------------------------------------------------------------------------------
 
-async def _one(host, port, path, body, timeout):
-    """Send one streamed request; {"ttft", "e2e", "tokens", "prompt_tokens", "cached_tokens", ...}."""
+async def one_request(host, port, path, body, timeout, headers=None):
+    """Send one streamed request; {"ttft", "last" (s to the last token), "e2e", "tokens",
+    "prompt_tokens", "cached_tokens", and llama.cpp's "cache_n", "prompt_n" when it sends them}."""
     t0 = time.monotonic()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     rec = {"ttft": None, "tokens": 0, "status": None, "prompt_tokens": None, "cached_tokens": None}
     try:
         data = json.dumps(body).encode()
-        writer.write(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        writer.write(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n{extra}"
                      f"content-length: {len(data)}\r\nconnection: close\r\n\r\n".encode() + data)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
         rec["status"] = int(head.split(b" ", 2)[1])
@@ -166,6 +168,7 @@ async def _one(host, port, path, body, timeout):
                     delta = choice.get("delta") or {}
                     if delta.get("content") or choice.get("text"):
                         rec["tokens"] += 1
+                        rec["last"] = now - t0
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0
                 usage = ev.get("usage")
@@ -181,10 +184,17 @@ async def _one(host, port, path, body, timeout):
     return rec
 
 
-async def run_async(url, model, requests, times, timeout=120.0, extra=None):
+def loopback(url):
+    """(host, port, path prefix) of a loopback URL; anything else is refused."""
     u = urllib.parse.urlsplit(url)
     if u.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit("workload.py sends to loopback only")
+    return u.hostname, u.port, u.path.rstrip("/")
+
+
+async def run_async(url, model, requests, times, timeout=120.0, extra=None, headers=None):
+    u = urllib.parse.urlsplit(url)
+    loopback(url)
     path = (u.path.rstrip("/") or "") + "/v1/chat/completions"
     start = time.monotonic()
     tasks = []
@@ -194,13 +204,13 @@ async def run_async(url, model, requests, times, timeout=120.0, extra=None):
             await asyncio.sleep(delay)
         body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True, **(extra or {})}
-        tasks.append(asyncio.ensure_future(_one(u.hostname, u.port, path, body, timeout)))
+        tasks.append(asyncio.ensure_future(one_request(u.hostname, u.port, path, body, timeout, headers)))
     out = await asyncio.gather(*tasks, return_exceptions=True)
     return [r if isinstance(r, dict) else {"error": repr(r)} for r in out]
 
 
-def run(url, model, requests, times, timeout=120.0, extra=None):
-    return asyncio.run(run_async(url, model, requests, times, timeout, extra))
+def run(url, model, requests, times, timeout=120.0, extra=None, headers=None):
+    return asyncio.run(run_async(url, model, requests, times, timeout, extra, headers))
 
 
 def summary(records):
