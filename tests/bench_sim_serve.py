@@ -27,6 +27,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,8 +123,70 @@ def bench_llamacpp(python, quick=False):
     return {"skipped": "not yet"}
 
 
-def bench_cost(duration=10.0):
-    return {"skipped": "not yet"}
+def _cpu_seconds(pid):
+    """utime + stime of a process, in seconds (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_pids(parents):
+    """The `otela_sim.py serve` children of these node processes."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+        except (OSError, ValueError):
+            continue
+        if ppid in parents and b"otela_sim.py\0serve" in argv:
+            found.append(int(entry))
+    return found
+
+
+def bench_cost(engines=16, rate=100.0, duration=10.0):
+    """(c): 16 emulated engines behind one ingress at 100 req/s: their CPU time, in cores."""
+    import tempfile
+
+    from test_ingress_support import Cluster
+    tmp = tempfile.mkdtemp(prefix="otela-bench-fleet-")
+    cluster = Cluster(tmp)
+    try:
+        process = f"{sys.executable} otela_sim.py serve --model {MODEL} --gpu {GPU} --engine vllm-v1 --port {{port}}"
+        for i in range(engines):
+            argv = [str(ROOT / "otela_node.py"), "start", "--key-file", cluster.key_file,
+                    "--bootstrap", f"127.0.0.1:{cluster.gossip}", "--listen", f"127.0.0.1:{free_port()}",
+                    "--gossip", f"127.0.0.1:{free_port()}", "--process", process]
+            cluster.nodes[f"sim{i}"] = cluster._spawn(f"sim{i}", argv)
+        cluster._wait(lambda: cluster.serving(MODEL) == engines, f"{engines} engines serving", 180)
+        pids = _engine_pids({p.pid for p in cluster.nodes.values()})
+        # instruct-shaped requests (~1000 prompt tokens, 15 % shared), 64 tokens out, streamed
+        reqs = workload.preset("instruct", seed=7, output_len=64, prompts=64)
+        times = workload.arrivals(len(reqs), rate, "poisson", seed=7, duration=duration)
+        before = {pid: _cpu_seconds(pid) for pid in pids}
+        t0 = time.monotonic()
+        recs = workload.run(cluster.url, MODEL, reqs[:len(times)], times,
+                            headers={"authorization": f"Bearer {cluster.token}"})
+        wall = time.monotonic() - t0
+        used = sum(_cpu_seconds(pid) - before[pid] for pid in pids)
+        s = workload.summary(recs)
+        cores = used / wall
+        print(f"cost: {len(pids)} engines, {len(recs)} requests in {wall:.1f} s ({len(recs) / wall:.0f} req/s offered "
+              f"{rate:g}), {s['ok']} ok; engines' CPU {used:.2f} s = {cores:.3f} cores together (target <= 0.5); "
+              f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, prefix hit rate {s['hit_rate'] * 100:.0f}%")
+        return {"engines": len(pids), "requests": len(recs), "ok": s["ok"], "wall_s": wall, "rate": rate,
+                "engine_cpu_s": used, "engine_cores": cores, "summary": s,
+                "command": f"tests/bench_sim_serve.py --only cost ({engines} x otela_node.py start --process "
+                           f"'otela_sim.py serve --model {MODEL} --gpu {GPU} --port {{port}}' behind one ingress, "
+                           f"tests/workload.py instruct preset, 64 tokens out, streamed, Poisson {rate:g} req/s)"}
+    finally:
+        cluster.close()
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -239,11 +239,13 @@ def main():
     p.add_argument("--count", type=int, default=32)
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--key", default=None, help="bearer key (an ingress)")
     a = p.parse_args()
     reqs = preset(a.preset, a.seed)[:a.count]
     times = arrivals(len(reqs), a.rate, a.arrival, a.cv, a.seed, a.duration)
     print(f"reusable prefix share {reusable_share(reqs) * 100:.1f}%")
-    print(json.dumps(summary(run(a.url, a.model, reqs[:len(times)], times))))
+    headers = {"authorization": f"Bearer {a.key}"} if a.key else None
+    print(json.dumps(summary(run(a.url, a.model, reqs[:len(times)], times, headers=headers))))
 
 
 if __name__ == "__main__":
