@@ -2175,6 +2175,11 @@ OUTPUT_WORDS = ("the", "a", "sea", "of", "and", "lamp", "to", "wave", "in", "is"
 # (in wall time, not emulated time) so that requests sent together, as a static batch, are
 # planned as one batch, as an engine whose scheduler sees them within a step would.
 ADMIT_WINDOW_S = 0.002
+# Steps whose end nobody sees (decode-only, no stream, nobody finishing, nobody waiting) are
+# slept through in one sleep: an arrival wakes the loop, which brings the core up to the end
+# of the step in progress and admits it there, as a real engine would. This many at most in
+# one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
+RUN_AHEAD_STEPS = 256
 # The longest request head or body the emulator reads (a 128k-token prompt is ~0.5 MB).
 SERVE_MAX_HEAD, SERVE_MAX_BODY = 64 * 1024, 32 * 1024 * 1024
 
@@ -2341,11 +2346,15 @@ class EngineCore:
 
     # --- requests in and out -----------------------------------------------------------------
     def add(self, req):
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req):
+        """SimError when the request can never run here (longer than the model)."""
         if req.prompt_len + req.max_tokens > self.max_model_len:
             raise SimError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                            f"requested {req.prompt_len + req.max_tokens} tokens ({req.prompt_len} in the "
                            f"messages, {req.max_tokens} in the completion).")
-        self.waiting.append(req)
 
     def abort(self, req):
         """A client left: its blocks go back to the pool (still cached), it is never scheduled."""
@@ -2527,6 +2536,7 @@ class EmulatedServer:
         self.core, self.model = core, served_model
         self.max_model_len = max_model_len or core.max_model_len
         self.wake = asyncio.Event()
+        self.inbox = []                        # arrived, not yet seen by the core
         self.step_end = 0.0
         self.busy = False
         self.counter = 0
@@ -2550,6 +2560,9 @@ class EmulatedServer:
         asyncio = self.asyncio
         loop = asyncio.get_running_loop()
         while True:
+            for req in self.inbox:             # requests join the core at step boundaries
+                self.core.add(req)
+            self.inbox.clear()
             step = self.core.schedule()
             if step is None:
                 self.busy = False
@@ -2563,16 +2576,46 @@ class EmulatedServer:
             start = self.step_end if self.busy else \
                 max(self.step_end, min(min(r.arrival for r, _ in step.items), loop.time()))
             self.busy = True
-            self.step_end = start + step.seconds
-            delay = self.step_end - loop.time()
+            ends = self._run_ahead(step, start)
+            if len(ends) > 1:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), max(0.0, ends[-1] - loop.time()))
+                except asyncio.TimeoutError:
+                    pass
+                # an arrival: the steps up to the one in progress run; it joins after them
+                ends = ends[:min(len(ends), bisect.bisect_right(ends, loop.time()) + 1)]
+            delay = ends[-1] - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            for req in self.core.complete(step, loop.time()):
+            self.step_end = ends[-1]
+            produced = self.core.complete(step, loop.time())
+            for _ in ends[1:]:
+                produced += self.core.complete(self.core.schedule(), loop.time())
+            for req in produced:
                 if req.waiter is not None and not req.waiter.done() and (req.stream or req.state == "finished"):
                     req.waiter.set_result(None)
 
+    def _run_ahead(self, step, start):
+        """Planned ends of `step` and of the decode steps after it whose end nobody sees."""
+        ends = [start + step.seconds]
+        items, core = step.items, self.core
+        if core.waiting or self.inbox or step.decodes != len(items) or any(r.stream for r, _ in items):
+            return ends
+        n = len(items)
+        ahead = min(min(r.max_tokens - r.generated for r, _ in items) - 1, RUN_AHEAD_STEPS)
+        if len(core.cache.free) < n * (ahead // core.block_size + 2):
+            return ends                        # a step ahead might need to preempt
+        ctx = sum(len(r.tokens) for r, _ in items)
+        t = ends[0]
+        for i in range(1, ahead):
+            t += core.cost.step(n, n, ctx + i * n, 0.0, 0)
+            ends.append(t)
+        return ends
+
     def _submit(self, req):
-        self.core.add(req)
+        self.core.check(req)
+        self.inbox.append(req)
         self.wake.set()
 
     # --- HTTP --------------------------------------------------------------------------------
@@ -2765,20 +2808,24 @@ class EmulatedServer:
                          b"transfer-encoding: chunked\r\n\r\n")
             sent = 0
             chunk_obj = obj + ".chunk" if chat else obj
+            token_event = json.dumps({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                                      "choices": [{"index": 0, ("delta" if chat else "text"): "@@",
+                                                   "logprobs": None, "finish_reason": None}]})
+            token_event = token_event.replace("%", "%%").replace('"@@"', '{"content": %s}' if chat else "%s")
             while True:
                 await req.waiter
                 req.waiter = loop.create_future()
                 pieces = req.tokens[req.prompt_len + sent:req.prompt_len + req.generated]
                 events = []
                 for piece in pieces:
-                    if chat:
-                        delta = {"role": "assistant", "content": piece} if sent == 0 else {"content": piece}
-                        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-                    else:
-                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+                    if sent == 0:
+                        choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
+                            {"index": 0, "text": piece}
+                        events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                                       "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
+                    else:                      # the common chunk, formatted from a template (CPU per token)
+                        events.append(token_event % json.dumps(piece))
                     sent += 1
-                    events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
-                                   "choices": [choice]})
                 done = req.state == "finished"
                 if done:
                     last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else \
@@ -2788,17 +2835,21 @@ class EmulatedServer:
                     if include_usage:
                         events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
                                        "choices": [], "usage": _usage(req)})
-                data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + ("data: [DONE]\n\n" if done else "")
+                data = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events) + \
+                    ("data: [DONE]\n\n" if done else "")
                 payload = data.encode()
                 writer.write(b"%x\r\n%s\r\n" % (len(payload), payload) + (b"0\r\n\r\n" if done else b""))
-                await writer.drain()
+                if done or writer.transport.get_write_buffer_size() > SERVE_MAX_HEAD:
+                    await writer.drain()       # a slow reader: wait (a fast one never pays for it)
                 if done:
                     return True
         except (ConnectionError, self.asyncio.CancelledError):
-            self.core.abort(req)
             raise
         finally:
-            if req.state not in ("finished", "aborted"):
+            if req in self.inbox:
+                self.inbox.remove(req)
+                req.state = "aborted"
+            elif req.state not in ("finished", "aborted"):
                 self.core.abort(req)
 
 

@@ -269,6 +269,30 @@ def test_metrics_show_a_running_request_and_the_kv_it_holds(server):
     assert metric(server, "vllm:prefix_cache_queries_total") >= metric(server, "vllm:prefix_cache_hits_total")
 
 
+def test_an_arrival_while_decode_steps_are_slept_through_joins_at_the_next_step(server):
+    import threading
+    done = []
+
+    def send_long():
+        answer = http(server, "POST", "/v1/chat/completions", chat("one long answer", max_tokens=200))
+        done.append((time.monotonic(), answer))
+    long = threading.Thread(target=send_long)
+    t0 = time.monotonic()
+    long.start()
+    try:
+        time.sleep(0.3)                  # the long request's decode steps are slept through now
+        t1 = time.monotonic()
+        status, body = http(server, "POST", "/v1/chat/completions", chat("short", max_tokens=2, stream=True))
+        short = time.monotonic() - t1
+    finally:
+        long.join(30)
+    e = sim.estimate(MODEL, "H100", 1, 1, 10, 200, engine="vllm-v1")
+    assert status == 200 and body.decode().rstrip().endswith("data: [DONE]")
+    assert short < 0.1                   # three ~7 ms steps, not the ~1 s left of the long request
+    assert done[0][1][0] == 200
+    assert e["e2e_ms"] / 1e3 <= done[0][0] - t0 < e["e2e_ms"] / 1e3 * 1.25
+
+
 @pytest.mark.parametrize("body,status,kind", [
     ("{not json", 400, "invalid_request_error"),
     (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}), 404, "NotFoundError"),

@@ -125,6 +125,20 @@ def arrivals(n, rate, kind="poisson", cv=2.0, seed=0, duration=None):
 
 # --- the runner -------------------------------------------------------------------------------------
 
+def _account(rec, obj):
+    """Usage (prompt and cached tokens) and llama.cpp's timings from a response or chunk."""
+    usage = obj.get("usage")
+    if usage:
+        rec["usage"] = usage
+        rec["prompt_tokens"] = usage.get("prompt_tokens")
+        rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    timings = obj.get("timings")
+    if timings:                              # llama.cpp's server: its own cache accounting
+        rec["cache_n"], rec["prompt_n"] = timings.get("cache_n"), timings.get("prompt_n")
+    if "choices" in obj:
+        rec["_choices"] = obj["choices"]
+
+
 async def one_request(host, port, path, body, timeout, headers=None):
     """Send one streamed request; {"ttft", "last" (s to the last token), "e2e", "tokens",
     "prompt_tokens", "cached_tokens", and llama.cpp's "cache_n", "prompt_n" when it sends them}."""
@@ -171,13 +185,13 @@ async def one_request(host, port, path, body, timeout, headers=None):
                         rec["last"] = now - t0
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0
-                usage = ev.get("usage")
-                if usage:
-                    rec["prompt_tokens"] = usage.get("prompt_tokens")
-                    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                timings = ev.get("timings")
-                if timings:                  # llama.cpp's server: its own cache accounting
-                    rec["cache_n"], rec["prompt_n"] = timings.get("cache_n"), timings.get("prompt_n")
+                _account(rec, ev)
+        if buf.strip().startswith(b"{"):      # not streamed: one JSON body
+            _account(rec, json.loads(buf))
+            choice = (rec.pop("_choices", None) or [{}])[0]
+            rec["tokens"] = (rec.get("usage") or {}).get("completion_tokens", 0) if "message" in choice or \
+                "text" in choice else 0
+        rec.pop("_choices", None)
         rec["e2e"] = time.monotonic() - t0
     finally:
         writer.close()
@@ -215,8 +229,8 @@ def run(url, model, requests, times, timeout=120.0, extra=None, headers=None):
 
 def summary(records):
     """Median and p90 TTFT (ms), the hit rate seen by the server (cached / prompt tokens)."""
-    ok = [r for r in records if r.get("status") == 200 and r.get("ttft") is not None]
-    ttft = sorted(r["ttft"] for r in ok)
+    ok = [r for r in records if r.get("status") == 200]
+    ttft = sorted(r["ttft"] for r in ok if r.get("ttft") is not None)
     cached = sum((r.get("cache_n") if r.get("cache_n") is not None else r.get("cached_tokens")) or 0 for r in ok)
     prompt = sum(((r["cache_n"] + r["prompt_n"]) if r.get("cache_n") is not None else r.get("prompt_tokens")) or 0
                  for r in ok)
