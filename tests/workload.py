@@ -36,6 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import otela_sim as sim  # noqa: E402
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# Common English words of at most four letters: one token each under the emulator's rule and,
+# with their leading space, one token each in GPT-2-style BPE vocabularies (SmolLM2's tokenizer
+# counts 300 of them as 300 tokens): text of these has the same length for a real engine.
+WORDS = tuple("the and of to in is it for on was with as at by be this from or but not are have they you his her "
+              "she he we can all one out up so if my new time day year work life home back good make like just "
+              "over know take come see long very well also down more then some them what when that into only "
+              "most".split())
 
 # name -> (shape, parameters). reasoning: a long shared system prompt / context and a short
 # question (3840 of ~4100 prompt tokens shared, the first of each group missing: 90.6 %); instruct:
@@ -49,17 +56,20 @@ PRESETS = {
 }
 
 
-def text(n, rng):
-    """n tokens of text: " " + four letters each."""
-    return "".join(" " + "".join(rng.choice(LETTERS) for _ in range(4)) for _ in range(n))
+def text(n, rng, words=None):
+    """n tokens of text: " " + four random letters each, or " " + one of `words` each."""
+    if words:
+        return "".join(" " + w for w in rng.choices(words, k=n))
+    letters = "".join(rng.choices(LETTERS, k=4 * n))
+    return "".join(" " + letters[i:i + 4] for i in range(0, 4 * n, 4))
 
 
-def shared_prefix(groups, prompts, system_len, question_len, output_len, seed=0):
+def shared_prefix(groups, prompts, system_len, question_len, output_len, seed=0, words=None):
     """Requests ({"messages", "max_tokens"}) of the generated-shared-prefix shape, shuffled."""
     rng = random.Random(seed)
-    systems = [text(system_len, rng) for _ in range(groups)]
+    systems = [text(system_len, rng, words) for _ in range(groups)]
     out = [{"messages": [{"role": "system", "content": systems[g]},
-                         {"role": "user", "content": text(question_len, rng)}],
+                         {"role": "user", "content": text(question_len, rng, words)}],
             "max_tokens": output_len, "group": g} for g in range(groups) for _ in range(prompts)]
     rng.shuffle(out)
     return out
