@@ -2185,6 +2185,11 @@ ADMIT_WINDOW_S = 0.002
 # of the step in progress and admits it there, as a real engine would. This many at most in
 # one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
 RUN_AHEAD_STEPS = 256
+# llama.cpp's server keeps a prefix cache per slot, not per block: a request takes the idle slot
+# whose cached tokens share the longest prefix with its prompt when that prefix is at least
+# this share of the prompt (llama-server's --slot-prompt-similarity default 0.1), else the idle
+# slot used longest ago; it reuses that prefix only (`serve --prefix-cache slots`).
+SLOT_PROMPT_SIMILARITY = 0.1
 # The longest request head or body the emulator reads (a 128k-token prompt is ~0.5 MB).
 SERVE_MAX_HEAD, SERVE_MAX_BODY = 64 * 1024, 32 * 1024 * 1024
 
@@ -2311,7 +2316,9 @@ class EmulatedRequest:
         self.state = "waiting"
         self.first_token_at = self.finished_at = None
         self.waiter = None                 # the server's wake-up for this request
-        self.stream = False                # the server wakes a stream on every token
+        self.stream = False                # the server writes a stream's tokens as they are made
+        self.sink = None                   # ... with this (EmulatedServer._completion's flush)
+        self.slot = None                   # llama.cpp mode: the slot it holds
 
     def block_hash(self, i, block_size):
         """The hash of block i: its tokens chained to the hash of the block before."""
@@ -2339,8 +2346,13 @@ class EngineCore:
     its step() signature). Sans-IO: add(), schedule() -> ScheduledStep, complete(step, now)."""
 
     def __init__(self, cost, num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=SERVE_BATCHED_TOKENS_SMALL,
-                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None):
+                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False):
+        """`slots`: llama.cpp's prefix cache (one per slot, max_num_seqs slots; the block pool
+        then only counts KV) instead of vLLM's shared block cache."""
         self.cost, self.block_size = cost, block_size
+        # slot: [cached tokens, the request holding it or None, when it was last left]
+        self.slots = [[[], None, 0] for _ in range(max_num_seqs)] if slots else None
+        self.slot_clock = 0
         self.cache = PrefixCache(num_blocks, block_size)
         self.max_batched_tokens, self.max_num_seqs = max_batched_tokens, max_num_seqs
         # a request longer than the whole pool could never run: the model length is capped by it
@@ -2369,6 +2381,7 @@ class EngineCore:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
+            self._leave_slot(req)
             self.cache.release(req.blocks)
         req.blocks = []
         req.state = "aborted"
@@ -2387,16 +2400,56 @@ class EngineCore:
         req.blocks += got
         return True
 
+    def _leave_slot(self, req):
+        """A request leaves its slot (llama.cpp mode): the slot keeps the tokens it computed."""
+        slot = req.slot
+        if slot is not None:
+            self.slot_clock += 1
+            slot[:] = [req.tokens[:req.computed], None, self.slot_clock]
+            req.slot = None
+
     def _preempt(self, req):
         self.running.remove(req)
+        self._leave_slot(req)
         self.cache.release(req.blocks)
         req.blocks, req.computed, req.registered = [], 0, 0
         req.state = "preempted"
         self.waiting.appendleft(req)
         self.preemptions += 1
 
+    def _admit_to_slot(self, req, budget):
+        """llama.cpp's admission: the idle slot by prefix similarity or age, its prefix reused."""
+        idle = [s for s in self.slots if s[1] is None]
+        if not idle:
+            return None
+
+        def common(slot):
+            n, cached, tokens = 0, slot[0], req.tokens
+            limit = min(len(cached), len(tokens))
+            while n < limit and cached[n] == tokens[n]:
+                n += 1
+            return n
+        shared, slot = max(((common(s), s) for s in idle), key=lambda x: (x[0], -x[1][2]))
+        if shared < SLOT_PROMPT_SIMILARITY * len(req.tokens):
+            slot = min(idle, key=lambda s: s[2])
+            shared = common(slot)
+        cached = min(shared, len(req.tokens) - 1)
+        n = min(len(req.tokens) - cached, budget)
+        fresh = self.cache.allocate(-(-(cached + n) // self.block_size))
+        if fresh is None:
+            return None
+        slot[1], req.slot = req, slot
+        self.cache.queries += len(req.tokens)
+        self.cache.hits += cached
+        if req.cached_tokens is None:
+            req.cached_tokens = cached
+        req.blocks, req.computed, req.registered = fresh, cached, len(fresh)
+        return n
+
     def _admit(self, req, budget):
         """Blocks for a waiting request's cached prefix and its first chunk; None: no room."""
+        if self.slots is not None:
+            return self._admit_to_slot(req, budget)
         bs = self.block_size
         # at least one prompt token is always computed (it produces the first token)
         full = (len(req.tokens) - 1) // bs
@@ -2473,7 +2526,7 @@ class EngineCore:
             req.computed += n
             if req.generated == 0 or n > 1:
                 self.prompt_tokens += n
-            while req.registered < req.computed // bs:
+            while req.registered < min(req.computed // bs, len(req.blocks)):
                 self.cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
                 req.registered += 1
             if req.computed < len(req.tokens):
@@ -2485,6 +2538,7 @@ class EngineCore:
                 req.first_token_at = now
             if req.generated >= req.max_tokens:
                 self.running.remove(req)
+                self._leave_slot(req)
                 self.cache.release(req.blocks)
                 req.blocks = []
                 req.state = "finished"
@@ -2559,7 +2613,7 @@ class EmulatedServer:
     """The asyncio edge of `serve`: HTTP/1.1 on loopback (keep-alive, Content-Length bodies),
     the OpenAI routes, and the step loop that sleeps each step's roofline time."""
 
-    def __init__(self, core, served_model, max_model_len=None, clock=time.monotonic):
+    def __init__(self, core, served_model, max_model_len=None):
         import asyncio
         self.asyncio = asyncio
         self.core, self.model = core, served_model
@@ -2622,7 +2676,9 @@ class EmulatedServer:
             for _ in ends[1:]:
                 produced += self.core.complete(self.core.schedule(), loop.time())
             for req in produced:
-                if req.waiter is not None and not req.waiter.done() and (req.stream or req.state == "finished"):
+                if req.sink is not None and not req.sink():
+                    self.core.abort(req)       # a stream whose client left
+                if req.waiter is not None and not req.waiter.done() and req.state in ("finished", "aborted"):
                     req.waiter.set_result(None)
 
     def _run_ahead(self, step, start):
@@ -2835,43 +2891,49 @@ class EmulatedServer:
                 return True
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                          b"transfer-encoding: chunked\r\n\r\n")
-            sent = 0
             chunk_obj = obj + ".chunk" if chat else obj
             token_event = json.dumps({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
                                       "choices": [{"index": 0, ("delta" if chat else "text"): "@@",
                                                    "logprobs": None, "finish_reason": None}]})
             token_event = token_event.replace("%", "%%").replace('"@@"', '{"content": %s}' if chat else "%s")
-            while True:
-                await req.waiter
-                req.waiter = loop.create_future()
-                pieces = req.tokens[req.prompt_len + sent:req.prompt_len + req.generated]
+            transport = writer.transport
+            sent = [0]
+
+            def flush():
+                """Write the tokens made since the last call; False when the client has left.
+                The step loop calls it as tokens are made (no task switch per token)."""
+                if transport.is_closing():
+                    return False
                 events = []
-                for piece in pieces:
-                    if sent == 0:
+                for piece in req.tokens[req.prompt_len + sent[0]:req.prompt_len + req.generated]:
+                    if sent[0] == 0:
                         choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
                             {"index": 0, "text": piece}
-                        events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
-                                       "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
+                        events.append(json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
+                                                  "model": self.model, "choices": [{**choice, "logprobs": None,
+                                                                                    "finish_reason": None}]}))
                     else:                      # the common chunk, formatted from a template (CPU per token)
                         events.append(token_event % json.dumps(piece))
-                    sent += 1
-                done = req.state == "finished"
-                if done:
-                    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else \
-                        {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
-                    events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
-                                   "choices": [last]})
-                    if include_usage:
-                        events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
-                                       "choices": [], "usage": _usage(req)})
-                data = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events) + \
-                    ("data: [DONE]\n\n" if done else "")
-                payload = data.encode()
-                writer.write(b"%x\r\n%s\r\n" % (len(payload), payload) + (b"0\r\n\r\n" if done else b""))
-                if done or writer.transport.get_write_buffer_size() > SERVE_MAX_HEAD:
-                    await writer.drain()       # a slow reader: wait (a fast one never pays for it)
-                if done:
-                    return True
+                    sent[0] += 1
+                if events:
+                    payload = "".join(f"data: {e}\n\n" for e in events).encode()
+                    transport.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+                return True
+            req.sink = flush
+            await req.waiter                   # set when the request finishes or is aborted
+            if req.state != "finished" or not flush():
+                return False
+            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else \
+                {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+            events = [{"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                       "choices": [last]}]
+            if include_usage:
+                events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                               "choices": [], "usage": _usage(req)})
+            payload = ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+            await writer.drain()
+            return True
         except (ConnectionError, self.asyncio.CancelledError):
             raise
         finally:
@@ -2904,11 +2966,12 @@ def _cmd_serve(a):
         cost = LinearStepCost.from_profile(read_json(a.step_profile))
         core = EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
                           a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
-                          a.max_model_len or a.kv_tokens)
+                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
     else:
         model = resolve_model(a.model)
         core = serve_core(model, a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
                           a.max_model_len, a.kv_tokens, a.block_size)
+        core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
     served = a.served_model_name or a.model
 
     async def run():
@@ -2943,6 +3006,9 @@ def add_serve_command(sub):
     s.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"KV block size in tokens ({BLOCK_SIZE})")
     s.add_argument("--kv-tokens", type=int, default=None,
                    help="KV pool in tokens (default: the GPU's memory less weights and activation reserve)")
+    s.add_argument("--prefix-cache", default="blocks", choices=("blocks", "slots"),
+                   help="blocks: vLLM's cache of shared blocks (default); slots: llama.cpp's, one prefix per "
+                        "slot (--max-num-seqs slots)")
     s.add_argument("--step-profile", default=None, metavar="FILE",
                    help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
     _engine_flags(s)

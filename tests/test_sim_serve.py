@@ -109,6 +109,28 @@ def test_a_full_kv_pool_preempts_the_most_recently_admitted_request_which_is_rec
     assert core.cache.usage() == 0.0
 
 
+def test_in_llama_cpp_mode_a_prompt_reuses_only_the_prefix_cached_in_the_slot_it_takes():
+    core = sim.EngineCore(FlatCost(), num_blocks=1000, block_size=16, max_batched_tokens=4096, max_num_seqs=2,
+                          slots=True)
+    for group in ("a", "b"):
+        core.add(sim.EmulatedRequest(group, words(100, group) + words(10, group + "1"), max_tokens=2))
+        run_until_idle(core)
+    # two more of group a at once: one takes a's slot (its 100 shared tokens), the other the
+    # idle slot holding b's prompt (nothing shared): one prefix per slot, not shared blocks
+    again = sim.EmulatedRequest("a2", words(100, "a") + words(10, "a2"), max_tokens=2)
+    third = sim.EmulatedRequest("a3", words(100, "a") + words(10, "a3"), max_tokens=2)
+    core.add(again)
+    core.add(third)
+    run_until_idle(core)
+    assert (again.cached_tokens, third.cached_tokens) == (100, 0)
+    # a's prefix now lives in both slots: the next one hits whichever it takes
+    fourth = sim.EmulatedRequest("a4", words(100, "a") + words(10, "a4"), max_tokens=2)
+    core.add(fourth)
+    run_until_idle(core)
+    assert fourth.cached_tokens == 100
+    assert core.cache.usage() == 0.0
+
+
 def test_a_step_stays_within_the_token_budget_and_chunks_a_long_prompt():
     cost = FlatCost()
     core = sim.EngineCore(cost, num_blocks=1000, block_size=16, max_batched_tokens=64)
@@ -313,6 +335,24 @@ def test_an_arrival_while_decode_steps_are_slept_through_joins_at_the_next_step(
     assert short < 0.1                   # three ~7 ms steps, not the ~1 s left of the long request
     assert done[0][1][0] == 200
     assert e["e2e_ms"] / 1e3 <= done[0][0] - t0 < e["e2e_ms"] / 1e3 * 1.25
+
+
+def test_a_stream_whose_client_leaves_is_aborted_and_its_kv_freed(server):
+    import socket
+    host, port = server.rsplit("/", 1)[-1].split(":")
+    body = json.dumps(chat("leave early", max_tokens=2000, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: " not in got:
+            got += sock.recv(65536)
+        assert metric(server, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 5
+    while metric(server, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
 
 
 @pytest.mark.parametrize("body,status,kind", [
