@@ -2582,13 +2582,15 @@ class LinearStepCost:
         pairs, seconds to the first token at batch 1)] (unique prompts, whose pairs are n (n + 1)
         / 2, and prompts behind a cached prefix, whose new tokens attend over it too), at least
         three that differ; `decode` {batch: seconds between tokens} at batch 1 and one larger
-        batch. Prefill is fitted as a + per_token n + per_pair pairs (least squares), decode as
+        batch. Prefill is fitted as a + per_token n + per_pair pairs (least squares of relative
+        errors, weights 1 / t^2: a short prompt's TTFT counts as much as a long one's), decode as
         overhead + (per_token + per_seq) x batch; a negative term is clipped to 0. Returns the
         profile (a dict of seconds)."""
         xs = [(1.0, float(n), float(pairs)) for n, pairs, _ in prefill]
         ys = [float(t) for _, _, t in prefill]
-        ata = [[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)]
-        aty = [sum(x[i] * y for x, y in zip(xs, ys)) for i in range(3)]
+        ws = [1.0 / (y * y) for y in ys]
+        ata = [[sum(w * x[i] * x[j] for w, x in zip(ws, xs)) for j in range(3)] for i in range(3)]
+        aty = [sum(w * x[i] * y for w, x, y in zip(ws, xs, ys)) for i in range(3)]
         solved = _linsolve(ata, aty)
         if solved is None:
             raise SimError("a step profile needs prefill measurements at three different lengths")
