@@ -2455,10 +2455,11 @@ class EngineCore:
         full = (len(req.tokens) - 1) // bs
         hit = self.cache.match(req.block_hash(i, bs) for i in range(full))
         n = min(len(req.tokens) - len(hit) * bs, budget)
+        self.cache.take(hit)                   # first: the allocation must not evict them
         fresh = self.cache.allocate(-(-(len(hit) * bs + n) // bs) - len(hit))
         if fresh is None:
+            self.cache.release(hit)
             return None
-        self.cache.take(hit)
         self.cache.queries += len(req.tokens)
         self.cache.hits += len(hit) * bs
         if req.cached_tokens is None:

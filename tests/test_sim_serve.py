@@ -10,6 +10,8 @@ import time
 
 import pytest
 from conftest import ROOT, free_port, stop_process, wait_http
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import otela_sim as sim
 
@@ -77,6 +79,21 @@ def test_a_prompt_sharing_only_a_prefix_hits_the_shared_blocks_and_no_more():
     assert other.cached_tokens == 48
 
 
+def test_a_prefix_hit_is_never_handed_out_again_as_a_fresh_block_of_the_same_request():
+    core = sim.EngineCore(FlatCost(), num_blocks=6, block_size=4, max_batched_tokens=64)
+    core.add(sim.EmulatedRequest("a", words(4, "s") + words(5, "a"), max_tokens=1))
+    run_until_idle(core)                                     # blocks 0-2 freed; 0 holds "s"
+    other = sim.EmulatedRequest("c", words(11, "c"), max_tokens=3)
+    core.add(other)
+    core.complete(core.schedule(), 0.0)                      # c holds the 3 never-used blocks
+    hit = sim.EmulatedRequest("b", words(4, "s") + words(9, "b"), max_tokens=2)
+    core.add(hit)
+    core.schedule()          # b would need its hit and 3 fresh blocks: only 2 others are free
+    held = [b for r in core.running for b in r.blocks]
+    assert len(held) == len(set(held))
+    assert hit.state == "waiting" and core.cache.match([hit.block_hash(0, 4)]) != []
+
+
 def test_the_least_recently_freed_cached_block_is_evicted_first():
     cache = sim.PrefixCache(2, block_size=16)
     a = cache.allocate(1)
@@ -129,6 +146,38 @@ def test_in_llama_cpp_mode_a_prompt_reuses_only_the_prefix_cached_in_the_slot_it
     run_until_idle(core)
     assert fourth.cached_tokens == 100
     assert core.cache.usage() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 80), st.integers(1, 12), st.integers(0, 20)),
+                min_size=1, max_size=12),
+       st.integers(6, 40), st.sampled_from([4, 16]), st.integers(8, 64), st.booleans())
+def test_every_request_ends_with_its_tokens_within_budget_and_the_pool_is_whole_again(
+        reqs, num_blocks, block_size, budget, slots):
+    """Requests (a shared prefix of 0-3 x 8 tokens, their own tokens, tokens out, the step they
+    arrive at) on a small pool: whatever preempts and evicts, all finish and all KV returns."""
+    core = sim.EngineCore(FlatCost(), num_blocks=num_blocks, block_size=block_size, max_batched_tokens=budget,
+                          max_num_seqs=4, slots=slots)
+    made = []
+    last = max(at for *_, at in reqs)
+    for step_no in range(20000):
+        for i, (prefix, own, out, at) in enumerate(reqs):
+            r = sim.EmulatedRequest(i, words(prefix * 8, "p") + words(own, f"q{i}"), max_tokens=out)
+            if at == step_no and r.prompt_len + out <= core.max_model_len:
+                core.add(r)
+                made.append(r)
+        step = core.schedule()
+        if step is None and step_no > last:
+            break
+        if step is not None:
+            assert step.tokens <= budget
+            core.complete(step, float(step_no))
+    assert all(r.state == "finished" and r.generated == r.max_tokens for r in made)
+    assert all(0 <= r.cached_tokens <= r.prompt_len - 1 for r in made)
+    if not slots:
+        assert all(r.cached_tokens % block_size == 0 for r in made)
+    assert core.cache.usage() == 0.0 and len(core.cache.free) == num_blocks
+    assert sorted(core.cache.free) == list(range(num_blocks))
 
 
 def test_a_step_stays_within_the_token_budget_and_chunks_a_long_prompt():
