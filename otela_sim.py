@@ -2621,68 +2621,64 @@ class EmulatedServer:
         self.asyncio = asyncio
         self.core, self.model = core, served_model
         self.max_model_len = max_model_len or core.max_model_len
-        self.wake = asyncio.Event()
         self.inbox = []                        # arrived, not yet seen by the core
+        self.step, self.ends = None, []        # the step in flight and its planned end(s)
+        self.timer = None                      # the loop's handle for the next callback
         self.step_end = 0.0
         self.busy = False
         self.counter = 0
         self.created = int(time.time())
-        self.server = self.loop_task = None
+        self.server = self.loop = None
 
     async def start(self, host, port):
+        self.loop = self.asyncio.get_running_loop()
         self.server = await self.asyncio.start_server(self._connection, host, port, limit=SERVE_MAX_HEAD)
-        self.loop_task = self.asyncio.ensure_future(self._step_loop())
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self):
-        if self.loop_task:
-            self.loop_task.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         if self.server:
             self.server.close()
             await self.server.wait_closed()
 
-    # --- the step loop: the only place time passes ------------------------------------------
-    async def _step_loop(self):
-        asyncio = self.asyncio
-        loop = asyncio.get_running_loop()
-        while True:
-            for req in self.inbox:             # requests join the core at step boundaries
-                self.core.add(req)
-            self.inbox.clear()
-            step = self.core.schedule()
-            if step is None:
-                self.busy = False
-                self.wake.clear()
-                await self.wake.wait()
-                await asyncio.sleep(ADMIT_WINDOW_S)
-                continue
-            # back to back while busy: each step starts at the previous one's planned end, so
-            # the loop's wake-up lag (about a millisecond) does not add up over a stream; after
-            # idle, at the earliest arrival it admits (ADMIT_WINDOW_S)
-            start = self.step_end if self.busy else \
-                max(self.step_end, min(min(r.arrival for r, _ in step.items), loop.time()))
-            self.busy = True
-            ends = self._run_ahead(step, start)
-            if len(ends) > 1:
-                self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), max(0.0, ends[-1] - loop.time()))
-                except asyncio.TimeoutError:
-                    pass
-                # an arrival: the steps up to the one in progress run; it joins after them
-                ends = ends[:min(len(ends), bisect.bisect_right(ends, loop.time()) + 1)]
-            delay = ends[-1] - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            self.step_end = ends[-1]
-            produced = self.core.complete(step, loop.time())
-            for _ in ends[1:]:
-                produced += self.core.complete(self.core.schedule(), loop.time())
-            for req in produced:
-                if req.sink is not None and not req.sink():
-                    self.core.abort(req)       # a stream whose client left
-                if req.waiter is not None and not req.waiter.done() and req.state in ("finished", "aborted"):
-                    req.waiter.set_result(None)
+    # --- the step timer: the only place time passes ------------------------------------------
+    # Two callbacks on the loop's clock, no task: _start_step plans a step (and the steps after
+    # it nobody sees the end of, _run_ahead) and arms the timer at its planned end; _end_step
+    # completes it, hands the tokens out and starts the next one. One timer wake per step,
+    # without a coroutine switch (what a streamed token costs the CPU).
+    def _start_step(self):
+        self.timer = None
+        for req in self.inbox:                 # requests join the core at step boundaries
+            self.core.add(req)
+        self.inbox.clear()
+        step = self.core.schedule()
+        if step is None:
+            self.busy = False
+            return
+        # back to back while busy: each step starts at the previous one's planned end, so the
+        # loop's wake-up lag (about a millisecond) does not add up over a stream; after idle,
+        # at the earliest arrival it admits (ADMIT_WINDOW_S)
+        start = self.step_end if self.busy else \
+            max(self.step_end, min(min(r.arrival for r, _ in step.items), self.loop.time()))
+        self.busy = True
+        self.step, self.ends = step, self._run_ahead(step, start)
+        self.timer = self.loop.call_at(self.ends[-1], self._end_step)
+
+    def _end_step(self):
+        self.timer = None
+        step, ends, now = self.step, self.ends, self.loop.time()
+        self.step, self.ends = None, []
+        self.step_end = ends[-1]
+        produced = self.core.complete(step, now)
+        for _ in ends[1:]:
+            produced += self.core.complete(self.core.schedule(), now)
+        for req in produced:
+            if req.sink is not None and not req.sink():
+                self.core.abort(req)           # a stream whose client left
+            if req.waiter is not None and not req.waiter.done() and req.state in ("finished", "aborted"):
+                req.waiter.set_result(None)
+        self._start_step()
 
     def _run_ahead(self, step, start):
         """Planned ends of `step` and of the decode steps after it whose end nobody sees."""
@@ -2704,7 +2700,16 @@ class EmulatedServer:
     def _submit(self, req):
         self.core.check(req)
         self.inbox.append(req)
-        self.wake.set()
+        if self.step is None and self.timer is None:
+            # idle: requests sent together (a static batch) are planned as one batch
+            self.timer = self.loop.call_later(ADMIT_WINDOW_S, self._start_step)
+        elif len(self.ends) > 1:
+            # steps slept through: the ones up to the step in progress run; it joins after them
+            keep = min(len(self.ends), bisect.bisect_right(self.ends, self.loop.time()) + 1)
+            if keep < len(self.ends):
+                self.ends = self.ends[:keep]
+                self.timer.cancel()
+                self.timer = self.loop.call_at(self.ends[-1], self._end_step)
 
     # --- HTTP --------------------------------------------------------------------------------
     async def _connection(self, reader, writer):
