@@ -2185,6 +2185,10 @@ ADMIT_WINDOW_S = 0.002
 # of the step in progress and admits it there, as a real engine would. This many at most in
 # one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
 RUN_AHEAD_STEPS = 256
+# asyncio's epoll timer wakes 0-1 ms late (a timeout is rounded up to whole milliseconds): the
+# step timer is armed half of that early, so a step's tokens go out centred on its modelled
+# end instead of ~0.5 ms after it on average (2.5 % of a 20 ms TTFT).
+TIMER_EARLY_S = 0.0005
 # llama.cpp's server keeps a prefix cache per slot, not per block: a request takes the idle slot
 # whose cached tokens share the longest prefix with its prompt when that prefix is at least
 # this share of the prompt (llama-server's --slot-prompt-similarity default 0.1), else the idle
@@ -2663,7 +2667,7 @@ class EmulatedServer:
             max(self.step_end, min(min(r.arrival for r, _ in step.items), self.loop.time()))
         self.busy = True
         self.step, self.ends = step, self._run_ahead(step, start)
-        self.timer = self.loop.call_at(self.ends[-1], self._end_step)
+        self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
 
     def _end_step(self):
         self.timer = None
@@ -2709,7 +2713,7 @@ class EmulatedServer:
             if keep < len(self.ends):
                 self.ends = self.ends[:keep]
                 self.timer.cancel()
-                self.timer = self.loop.call_at(self.ends[-1], self._end_step)
+                self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
 
     # --- HTTP --------------------------------------------------------------------------------
     async def _connection(self, reader, writer):
