@@ -2132,10 +2132,10 @@ def use_calibration(cal):
 #   PrefixCache, EngineCore  sans-IO: a block pool with a prefix cache, and a scheduler that
 #                            turns the waiting and running requests into one step at a time;
 #                            a test drives them with a fake clock (no sockets, no sleeps)
-#   EmulatedServer           asyncio edge: HTTP/1.1 on loopback, one loop that asks the core
-#                            for a step, sleeps the step's roofline time (StepCost.step of the
-#                            batch as scheduled), then hands the produced tokens to their
-#                            requests. It sleeps; it never spins.
+#   EmulatedServer           asyncio edge: HTTP/1.1 on loopback, and a timer that asks the
+#                            core for a step, waits out the step's roofline time (StepCost.step
+#                            of the batch as scheduled), then hands the produced tokens to
+#                            their requests. It sleeps; it never spins.
 # The scheduler is vLLM V1's (chunked prefill always on): each step first gives every running
 # request what it needs (one token for a decode, the next chunk of a prompt), then admits
 # waiting requests first come first served, all within a token budget per step
@@ -2618,7 +2618,7 @@ class LinearStepCost:
 
 class EmulatedServer:
     """The asyncio edge of `serve`: HTTP/1.1 on loopback (keep-alive, Content-Length bodies),
-    the OpenAI routes, and the step loop that sleeps each step's roofline time."""
+    the OpenAI routes, and the step timer that waits out each step's roofline time."""
 
     def __init__(self, core, served_model, max_model_len=None):
         import asyncio
@@ -2913,7 +2913,7 @@ class EmulatedServer:
 
             def flush():
                 """Write the tokens made since the last call; False when the client has left.
-                The step loop calls it as tokens are made (no task switch per token)."""
+                The step timer (_end_step) calls it as tokens are made (no task switch per token)."""
                 if transport.is_closing():
                     return False
                 events = []
