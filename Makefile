@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt r
 ENGINE := .cache/engine/.ready
 PYTEST_ARGS ?=
 
-.PHONY: run test bench reliability lint venv engine sysdeps netdeps benchdeps clean
+.PHONY: run fleet test bench reliability lint venv engine sysdeps netdeps benchdeps clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt requirements-optional.txt
@@ -69,6 +69,11 @@ reliability: venv benchdeps
 
 run: venv engine
 	tests/lab/local_cluster.sh
+
+# An emulated GPU fleet (no GPU, no engine build): FLEET_N x `otela_sim.py serve` (default 8 x
+# Llama-3.1-8B on H100) behind one ingress; FLEET_MODEL, FLEET_GPU, FLEET_TP choose the engines.
+fleet: venv
+	tests/lab/sim_fleet.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis bench-results

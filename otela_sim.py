@@ -2149,6 +2149,912 @@ def use_calibration(cal):
 
 
 # =============================================================================================
+# Emulated engine: `serve`, an OpenAI-compatible server timed by the roofline
+# =============================================================================================
+# Theory of operation. `otela_sim.py serve` stands in for `vllm serve` on a box without GPUs:
+# it answers the OpenAI API, and every answer takes the time the roofline gives for the batch
+# the engine would actually be running. Two layers, as the rest of the project (h11's rule):
+#   PrefixCache, EngineCore  sans-IO: a block pool with a prefix cache, and a scheduler that
+#                            turns the waiting and running requests into one step at a time;
+#                            a test drives them with a fake clock (no sockets, no sleeps)
+#   EmulatedServer           asyncio edge: HTTP/1.1 on loopback, and a timer that asks the
+#                            core for a step, waits out the step's roofline time (StepCost.step
+#                            of the batch as scheduled), then hands the produced tokens to
+#                            their requests. It sleeps; it never spins.
+# The scheduler is vLLM V1's (chunked prefill always on): each step first gives every running
+# request what it needs (one token for a decode, the next chunk of a prompt), then admits
+# waiting requests first come first served, all within a token budget per step
+# (--max-num-batched-tokens) and at most --max-num-seqs running. KV lives in blocks of
+# BLOCK_SIZE tokens; a full block is hashed with its prefix (a chain of hashes) and stays
+# cached after its request ends, until the pool needs it (least recently freed first). When a
+# running request needs a block and none is free, the most recently admitted running request
+# is preempted: its blocks are freed and it goes back to the head of the queue, to be
+# recomputed (its own freed blocks may still be cached then).
+# Token counts come from a stated rule (TOKEN_RULE), not from a real tokenizer, so that a
+# workload generator (tests/workload.py) and the server agree on every length.
+# Rule 1 of this file holds here as in the probe: the I/O is EmulatedServer's and _cmd_serve's
+# alone; PrefixCache, EngineCore and LinearStepCost are pure. What the emulator does not model:
+# an end-of-sequence (every answer is max_tokens long, or SERVE_DEFAULT_OUTPUT), n > 1,
+# sampling parameters (accepted, ignored), swapping KV to the host, speculative decoding; while
+# steps are slept through (RUN_AHEAD_STEPS) /metrics lags by up to those steps.
+
+# vLLM's default --block-size on CUDA (vllm/config: block_size 16).
+BLOCK_SIZE = 16
+# vLLM V1's --max-num-batched-tokens default for the OpenAI server (engine/arg_utils.py,
+# _set_default_args): 8192 on a GPU with at least 70 GiB, 2048 below.
+SERVE_BATCHED_TOKENS_LARGE, SERVE_BATCHED_TOKENS_SMALL, SERVE_LARGE_GPU_GB = 8192, 2048, 70
+# The engine row `serve` times with when none is named: the V1 engine (chunked prefill on), the
+# scheduler emulated here. Another row changes the fitted overheads, not the scheduler.
+SERVE_ENGINE = "vllm-v1"
+# Tokens generated when a request names no max_tokens (the emulator has no end-of-sequence):
+# a typical chat answer's length; the answer then ends with finish_reason "stop".
+SERVE_DEFAULT_OUTPUT = 128
+# TOKEN_RULE: a token is up to 4 non-space characters with the whitespace before them (BPE
+# vocabularies average ~4 characters of English per token). It is prefix-stable: text that
+# starts with the same characters starts with the same tokens, up to the last piece.
+TOKEN_RULE = re.compile(r"\s*\S{1,4}")
+# Chat messages become one prompt text: "<|role|> content " per message, then "<|assistant|>"
+# (the role markers cost 2-4 tokens each, as real chat templates' special tokens do).
+# The generated text: " " + one of these words per token (each one token under TOKEN_RULE),
+# picked from the prompt's CRC-32, so one prompt always gets the same answer.
+OUTPUT_WORDS = ("the", "a", "sea", "of", "and", "lamp", "to", "wave", "in", "is", "it", "red", "we",
+                "sky", "on", "old")
+# The emulator's own work before a step (reading and parsing a request, tokenizing, hashing
+# its blocks: ~1 ms for a 2k-token prompt) is not the GPU's: a step that starts an idle engine
+# starts at the arrival of its earliest request, and the loop waits this long after waking
+# (in wall time, not emulated time) so that requests sent together, as a static batch, are
+# planned as one batch, as an engine whose scheduler sees them within a step would.
+ADMIT_WINDOW_S = 0.002
+# Steps whose end nobody sees (decode-only, no stream, nobody finishing, nobody waiting) are
+# slept through in one sleep: an arrival wakes the loop, which brings the core up to the end
+# of the step in progress and admits it there, as a real engine would. This many at most in
+# one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
+RUN_AHEAD_STEPS = 256
+# asyncio's epoll timer wakes 0-1 ms late (a timeout is rounded up to whole milliseconds): the
+# step timer is armed half of that early, so a step's tokens go out centred on its modelled
+# end instead of ~0.5 ms after it on average (2.5 % of a 20 ms TTFT).
+TIMER_EARLY_S = 0.0005
+# llama.cpp's server keeps a prefix cache per slot, not per block: a request takes the idle slot
+# whose cached tokens share the longest prefix with its prompt when that prefix is at least
+# this share of the prompt (llama-server's --slot-prompt-similarity default 0.1), else the idle
+# slot used longest ago; it reuses that prefix only (`serve --prefix-cache slots`).
+SLOT_PROMPT_SIMILARITY = 0.1
+# The longest request head or body the emulator reads (a 128k-token prompt is ~0.5 MB).
+SERVE_MAX_HEAD, SERVE_MAX_BODY = 64 * 1024, 32 * 1024 * 1024
+
+
+def count_tokens(text):
+    """Tokens in `text` under TOKEN_RULE (what `serve` reports as prompt_tokens)."""
+    return len(TOKEN_RULE.findall(text))
+
+
+def tokenize(text):
+    """The pieces of `text` under TOKEN_RULE; equal pieces are equal tokens for the prefix cache."""
+    return TOKEN_RULE.findall(text)
+
+
+def chat_prompt(messages):
+    """The prompt text of a chat request (the emulator's chat template)."""
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):       # OpenAI content parts: the text ones count
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"<|{m.get('role', 'user')}|> {content or ''} ")
+    return "".join(parts) + "<|assistant|>"
+
+
+def output_token(prompt_key, i):
+    """The i-th generated token of a prompt whose CRC-32 is `prompt_key`."""
+    return " " + OUTPUT_WORDS[(prompt_key + i * 7) % len(OUTPUT_WORDS)]
+
+
+class PrefixCache:
+    """A pool of KV blocks with a prefix cache (vLLM V1's KVCacheManager, reduced).
+
+    A block is held by requests (ref > 0) or free; a free block keeps its hash, and so its
+    cached content, until it is handed out again: the free queue is in order of release, the
+    least recently freed first (LRU). queries/hits count prompt tokens, as vLLM's counters do."""
+
+    def __init__(self, num_blocks, block_size=BLOCK_SIZE):
+        if num_blocks < 1:
+            raise SimError("the KV cache has no room for a single block (the weights fill the GPU)")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = dict.fromkeys(range(num_blocks))     # insertion order: the LRU queue
+        self.ref = [0] * num_blocks
+        self.hash_of = [None] * num_blocks
+        self.by_hash = {}
+        self.queries = self.hits = self.evictions = 0
+
+    def match(self, hashes):
+        """The cached blocks of the longest prefix of these block hashes."""
+        found = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def take(self, blocks):
+        """Hold cached blocks for one more request."""
+        for b in blocks:
+            self.ref[b] += 1
+            self.free.pop(b, None)
+
+    def allocate(self, n):
+        """n fresh blocks (evicting the least recently freed cached ones), or None: no room."""
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            b = next(iter(self.free))
+            del self.free[b]
+            h = self.hash_of[b]
+            if h is not None:
+                self.hash_of[b] = None
+                if self.by_hash.get(h) == b:
+                    del self.by_hash[h]
+                    self.evictions += 1
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks):
+        """A request lets go of its blocks; the last ones are queued first, so a sequence's tail
+        is evicted before its shared head (vLLM frees in reverse for that reason)."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+
+    def register(self, block, h):
+        """A block became full with content `h`: it can now be hit."""
+        if h not in self.by_hash:
+            self.by_hash[h] = block
+            self.hash_of[block] = h
+
+    def usage(self):
+        """The share of blocks held by requests (vLLM's kv_cache_usage_perc, 0..1)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+
+# A request's lifecycle: state -> (in the waiting queue, holds KV blocks, may be scheduled).
+# preempted = back in the queue with its KV freed: it recomputes prompt and generated tokens.
+REQUEST_LIFECYCLE = {
+    "waiting": (True, False, True),
+    "running": (False, True, True),
+    "preempted": (True, False, True),
+    "finished": (False, False, False),
+    "aborted": (False, False, False),
+}
+
+
+class EmulatedRequest:
+    """One request in the core: its tokens (prompt, then generated), how many have KV
+    (computed), its blocks, and what usage reports."""
+
+    def __init__(self, rid, tokens, max_tokens, arrival=0.0, prompt_key=0):
+        self.id, self.tokens, self.max_tokens, self.arrival = rid, list(tokens), max_tokens, arrival
+        self.prompt_len = len(tokens)
+        self.prompt_key = prompt_key
+        self.generated = self.computed = self.registered = 0
+        self.blocks = []
+        self.hashes = []
+        self.cached_tokens = None          # prompt tokens found in the cache at first admission
+        self.state = "waiting"
+        self.first_token_at = self.finished_at = None
+        self.waiter = None                 # the server's wake-up for this request
+        self.stream = False                # the server writes a stream's tokens as they are made
+        self.sink = None                   # ... with this (EmulatedServer._completion's flush)
+        self.slot = None                   # llama.cpp mode: the slot it holds
+
+    def block_hash(self, i, block_size):
+        """The hash of block i: its tokens chained to the hash of the block before."""
+        while len(self.hashes) <= i:
+            j = len(self.hashes)
+            self.hashes.append(hash((self.hashes[-1] if j else None,
+                                     tuple(self.tokens[j * block_size:(j + 1) * block_size]))))
+        return self.hashes[i]
+
+    def output_text(self):
+        return "".join(self.tokens[self.prompt_len:])
+
+
+class ScheduledStep:
+    """What one step runs: (request, new tokens) pairs, and its roofline seconds."""
+
+    __slots__ = ("items", "seconds", "tokens", "decodes")
+
+    def __init__(self, items, seconds, tokens, decodes):
+        self.items, self.seconds, self.tokens, self.decodes = items, seconds, tokens, decodes
+
+
+class EngineCore:
+    """vLLM V1's scheduler over a PrefixCache, timed by a cost model (StepCost or anything with
+    its step() signature). Sans-IO: add(), schedule() -> ScheduledStep, complete(step, now)."""
+
+    def __init__(self, cost, num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=SERVE_BATCHED_TOKENS_SMALL,
+                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False):
+        """`slots`: llama.cpp's prefix cache (one per slot, max_num_seqs slots; the block pool
+        then only counts KV) instead of vLLM's shared block cache."""
+        self.cost, self.block_size = cost, block_size
+        # slot: [cached tokens, the request holding it or None, when it was last left]
+        self.slots = [[[], None, 0] for _ in range(max_num_seqs)] if slots else None
+        self.slot_clock = 0
+        self.cache = PrefixCache(num_blocks, block_size)
+        self.max_batched_tokens, self.max_num_seqs = max_batched_tokens, max_num_seqs
+        # a request longer than the whole pool could never run: the model length is capped by it
+        self.max_model_len = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
+        self.waiting = deque()
+        self.running = []
+        self.preemptions = self.prompt_tokens = self.generation_tokens = 0
+
+    # --- requests in and out -----------------------------------------------------------------
+    def add(self, req):
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req):
+        """SimError when the request can never run here (longer than the model)."""
+        if req.prompt_len + req.max_tokens > self.max_model_len:
+            raise SimError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {req.prompt_len + req.max_tokens} tokens ({req.prompt_len} in the "
+                           f"messages, {req.max_tokens} in the completion).")
+
+    def abort(self, req):
+        """A client left: its blocks go back to the pool (still cached), it is never scheduled."""
+        if req.state in ("finished", "aborted"):
+            return
+        if REQUEST_LIFECYCLE[req.state][0]:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            self._leave_slot(req)
+            self.cache.release(req.blocks)
+        req.blocks = []
+        req.state = "aborted"
+
+    def idle(self):
+        return not self.waiting and not self.running
+
+    # --- one step ----------------------------------------------------------------------------
+    def _grow(self, req, total):
+        need = -(-total // self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.cache.allocate(need)
+        if got is None:
+            return False
+        req.blocks += got
+        return True
+
+    def _leave_slot(self, req):
+        """A request leaves its slot (llama.cpp mode): the slot keeps the tokens it computed."""
+        slot = req.slot
+        if slot is not None:
+            self.slot_clock += 1
+            slot[:] = [req.tokens[:req.computed], None, self.slot_clock]
+            req.slot = None
+
+    def _preempt(self, req):
+        self.running.remove(req)
+        self._leave_slot(req)
+        self.cache.release(req.blocks)
+        req.blocks, req.computed, req.registered = [], 0, 0
+        req.state = "preempted"
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _admit_to_slot(self, req, budget):
+        """llama.cpp's admission: the idle slot by prefix similarity or age, its prefix reused."""
+        idle = [s for s in self.slots if s[1] is None]
+        if not idle:
+            return None
+
+        def common(slot):
+            n, cached, tokens = 0, slot[0], req.tokens
+            limit = min(len(cached), len(tokens))
+            while n < limit and cached[n] == tokens[n]:
+                n += 1
+            return n
+        shared, slot = max(((common(s), s) for s in idle), key=lambda x: (x[0], -x[1][2]))
+        if shared < SLOT_PROMPT_SIMILARITY * len(req.tokens):
+            slot = min(idle, key=lambda s: s[2])
+            shared = common(slot)
+        cached = min(shared, len(req.tokens) - 1)
+        n = min(len(req.tokens) - cached, budget)
+        fresh = self.cache.allocate(-(-(cached + n) // self.block_size))
+        if fresh is None:
+            return None
+        slot[1], req.slot = req, slot
+        self.cache.queries += len(req.tokens)
+        self.cache.hits += cached
+        if req.cached_tokens is None:
+            req.cached_tokens = cached
+        req.blocks, req.computed, req.registered = fresh, cached, len(fresh)
+        return n
+
+    def _admit(self, req, budget):
+        """Blocks for a waiting request's cached prefix and its first chunk; None: no room."""
+        if self.slots is not None:
+            return self._admit_to_slot(req, budget)
+        bs = self.block_size
+        # at least one prompt token is always computed (it produces the first token)
+        full = (len(req.tokens) - 1) // bs
+        hit = self.cache.match(req.block_hash(i, bs) for i in range(full))
+        n = min(len(req.tokens) - len(hit) * bs, budget)
+        self.cache.take(hit)                   # first: the allocation must not evict them
+        fresh = self.cache.allocate(-(-(len(hit) * bs + n) // bs) - len(hit))
+        if fresh is None:
+            self.cache.release(hit)
+            return None
+        self.cache.queries += len(req.tokens)
+        self.cache.hits += len(hit) * bs
+        if req.cached_tokens is None:
+            req.cached_tokens = len(hit) * bs
+        req.blocks = hit + fresh
+        req.computed, req.registered = len(hit) * bs, len(hit)
+        return n
+
+    def schedule(self):
+        """The next step, or None when there is nothing to run."""
+        budget = self.max_batched_tokens
+        items = []
+        preempted = False
+        for req in list(self.running):
+            if req.state != "running" or budget <= 0:
+                continue
+            n = min(len(req.tokens) - req.computed, budget)
+            while not self._grow(req, req.computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.state == "running":
+                items.append((req, n))
+                budget -= n
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = self._admit(req, budget)
+            if n is None:
+                break
+            self.waiting.popleft()
+            req.state = "running"
+            self.running.append(req)
+            items.append((req, n))
+            budget -= n
+        if not items:
+            return None
+        return self._timed(items)
+
+    def _timed(self, items):
+        tokens = seqs = decodes = 0
+        ctx = pairs = 0.0
+        prefill = 0
+        for req, n in items:
+            tokens += n
+            if req.computed + n == len(req.tokens):
+                seqs += 1                     # this row samples a token
+            if n == 1 and req.generated and req.computed == len(req.tokens) - 1:
+                decodes += 1
+                ctx += len(req.tokens)        # attends over prompt + generated (estimate's rule)
+            else:
+                pairs += n * (req.computed + (n + 1) / 2)
+                prefill += n
+        return ScheduledStep(items, self.cost.step(tokens, seqs, ctx, pairs, prefill), tokens, decodes)
+
+    def complete(self, step, now):
+        """The step ran: KV is computed, full blocks are cached, rows sample a token. Returns
+        the requests that got a token (finished ones have state "finished")."""
+        out = []
+        bs = self.block_size
+        for req, n in step.items:
+            if req.state != "running":
+                continue                       # aborted while the step ran
+            req.computed += n
+            if req.generated == 0 or n > 1:
+                self.prompt_tokens += n
+            while req.registered < min(req.computed // bs, len(req.blocks)):
+                self.cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
+                req.registered += 1
+            if req.computed < len(req.tokens):
+                continue                       # a prompt chunk: no token yet
+            req.tokens.append(output_token(req.prompt_key, req.generated))
+            req.generated += 1
+            self.generation_tokens += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if req.generated >= req.max_tokens:
+                self.running.remove(req)
+                self._leave_slot(req)
+                self.cache.release(req.blocks)
+                req.blocks = []
+                req.state = "finished"
+                req.finished_at = now
+            out.append(req)
+        return out
+
+
+def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, max_num_seqs=MAX_NUM_SEQS,
+               max_model_len=None, kv_tokens=None, block_size=BLOCK_SIZE, cal=None):
+    """An EngineCore for `model` on `tp` GPUs of type `gpu`: the step cost is the roofline's,
+    the KV pool what the GPU's memory leaves after the weights and the activations of the
+    largest step (StepCost.kv_capacity_tokens), unless `kv_tokens` says otherwise."""
+    model, gpu = resolve_model(model), resolve_gpu(gpu)
+    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
+    c = _cost_for(model, gpu, tp, None, resolve_engine(engine).key, cal)
+    if max_batched_tokens is None:
+        max_batched_tokens = SERVE_BATCHED_TOKENS_LARGE if gpu.memory_gb >= SERVE_LARGE_GPU_GB \
+            else SERVE_BATCHED_TOKENS_SMALL
+    tokens = kv_tokens if kv_tokens is not None else c.kv_capacity_tokens(max_batched_tokens)
+    return EngineCore(c, tokens // block_size, block_size, max_batched_tokens, max_num_seqs,
+                      min(max_model_len or model.max_position_embeddings, model.max_position_embeddings))
+
+
+class LinearStepCost:
+    """A step cost fitted on a real engine where the roofline has no device row (llama.cpp on a
+    CPU): seconds = overhead + per_token x tokens + per_seq x rows sampled + per_ctx x decode
+    context + per_pair x prefill query-key pairs. The same step() signature as StepCost."""
+
+    def __init__(self, overhead, per_token, per_seq=0.0, per_ctx=0.0, per_pair=0.0, prefill_overhead=0.0):
+        self.overhead, self.per_token, self.per_seq = overhead, per_token, per_seq
+        self.per_ctx, self.per_pair, self.prefill_overhead = per_ctx, per_pair, prefill_overhead
+
+    def step(self, tokens, seqs, decode_ctx=0.0, prefill_pairs=0.0, prefill_tokens=0):
+        return (self.overhead + self.per_token * tokens + self.per_seq * seqs + self.per_ctx * decode_ctx
+                + self.per_pair * prefill_pairs + (self.prefill_overhead if prefill_tokens else 0.0))
+
+    @classmethod
+    def fit(cls, prefill, decode):
+        """A profile from measurements of a real engine: `prefill` [(new prompt tokens, query-key
+        pairs, seconds to the first token at batch 1)] (unique prompts, whose pairs are n (n + 1)
+        / 2, and prompts behind a cached prefix, whose new tokens attend over it too), at least
+        three that differ; `decode` {batch: seconds between tokens} at batch 1 and one larger
+        batch. Prefill is fitted as a + per_token n + per_pair pairs (least squares of relative
+        errors, weights 1 / t^2: a short prompt's TTFT counts as much as a long one's), decode as
+        overhead + (per_token + per_seq) x batch; a negative term is clipped to 0. Returns the
+        profile (a dict of seconds)."""
+        xs = [(1.0, float(n), float(pairs)) for n, pairs, _ in prefill]
+        ys = [float(t) for _, _, t in prefill]
+        ws = [1.0 / (y * y) for y in ys]
+        ata = [[sum(w * x[i] * x[j] for w, x in zip(ws, xs)) for j in range(3)] for i in range(3)]
+        aty = [sum(w * x[i] * y for w, x, y in zip(ws, xs, ys)) for i in range(3)]
+        solved = _linsolve(ata, aty)
+        if solved is None:
+            raise SimError("a step profile needs prefill measurements at three different lengths")
+        a, per_token, per_pair = solved
+        per_token, per_pair = max(0.0, per_token), max(0.0, per_pair)
+        (b1, d1), (bb, db) = sorted(decode.items())[:2]
+        per_seq = max(0.0, (db - d1) / (bb - b1) - per_token)
+        overhead = max(0.0, d1 - b1 * (per_token + per_seq))
+        return {"overhead": overhead, "per_token": per_token, "per_seq": per_seq, "per_ctx": 0.0,
+                "per_pair": per_pair, "prefill_overhead": max(0.0, a - overhead - per_seq)}
+
+    @classmethod
+    def from_profile(cls, profile):
+        keys = ("overhead", "per_token", "per_seq", "per_ctx", "per_pair", "prefill_overhead")
+        try:
+            return cls(*(float(profile.get(k, 0.0)) for k in keys))
+        except (TypeError, ValueError, AttributeError):
+            raise SimError(f"a step profile is a JSON object of numbers: {', '.join(keys)}") from None
+
+
+class EmulatedServer:
+    """The asyncio edge of `serve`: HTTP/1.1 on loopback (keep-alive, Content-Length bodies),
+    the OpenAI routes, and the step timer that waits out each step's roofline time."""
+
+    def __init__(self, core, served_model, max_model_len=None):
+        import asyncio
+        self.asyncio = asyncio
+        self.core, self.model = core, served_model
+        self.max_model_len = max_model_len or core.max_model_len
+        self.inbox = []                        # arrived, not yet seen by the core
+        self.step, self.ends = None, []        # the step in flight and its planned end(s)
+        self.timer = None                      # the loop's handle for the next callback
+        self.step_end = 0.0
+        self.busy = False
+        self.counter = 0
+        self.created = int(time.time())
+        self.server = self.loop = None
+
+    async def start(self, host, port):
+        self.loop = self.asyncio.get_running_loop()
+        self.server = await self.asyncio.start_server(self._connection, host, port, limit=SERVE_MAX_HEAD)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self):
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.server:
+            self.server.close()
+            await self.server.wait_closed()
+
+    # --- the step timer: the only place time passes ------------------------------------------
+    # Two callbacks on the loop's clock, no task: _start_step plans a step (and the steps after
+    # it nobody sees the end of, _run_ahead) and arms the timer at its planned end; _end_step
+    # completes it, hands the tokens out and starts the next one. One timer wake per step,
+    # without a coroutine switch (what a streamed token costs the CPU).
+    def _start_step(self):
+        self.timer = None
+        for req in self.inbox:                 # requests join the core at step boundaries
+            self.core.add(req)
+        self.inbox.clear()
+        step = self.core.schedule()
+        if step is None:
+            self.busy = False
+            return
+        # back to back while busy: each step starts at the previous one's planned end, so the
+        # loop's wake-up lag (about a millisecond) does not add up over a stream; after idle,
+        # at the earliest arrival it admits (ADMIT_WINDOW_S)
+        start = self.step_end if self.busy else \
+            max(self.step_end, min(min(r.arrival for r, _ in step.items), self.loop.time()))
+        self.busy = True
+        self.step, self.ends = step, self._run_ahead(step, start)
+        self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
+
+    def _end_step(self):
+        self.timer = None
+        step, ends, now = self.step, self.ends, self.loop.time()
+        self.step, self.ends = None, []
+        self.step_end = ends[-1]
+        produced = self.core.complete(step, now)
+        for _ in ends[1:]:
+            produced += self.core.complete(self.core.schedule(), now)
+        for req in produced:
+            if req.sink is not None and not req.sink():
+                self.core.abort(req)           # a stream whose client left
+            if req.waiter is not None and not req.waiter.done() and req.state in ("finished", "aborted"):
+                req.waiter.set_result(None)
+        self._start_step()
+
+    def _run_ahead(self, step, start):
+        """Planned ends of `step` and of the decode steps after it whose end nobody sees."""
+        ends = [start + step.seconds]
+        items, core = step.items, self.core
+        if core.waiting or self.inbox or step.decodes != len(items) or any(r.stream for r, _ in items):
+            return ends
+        n = len(items)
+        ahead = min(min(r.max_tokens - r.generated for r, _ in items) - 1, RUN_AHEAD_STEPS)
+        if len(core.cache.free) < n * (ahead // core.block_size + 2):
+            return ends                        # a step ahead might need to preempt
+        ctx = sum(len(r.tokens) for r, _ in items)
+        t = ends[0]
+        for i in range(1, ahead):
+            t += core.cost.step(n, n, ctx + i * n, 0.0, 0)
+            ends.append(t)
+        return ends
+
+    def _submit(self, req):
+        self.core.check(req)
+        self.inbox.append(req)
+        if self.step is None and self.timer is None:
+            # idle: requests sent together (a static batch) are planned as one batch
+            self.timer = self.loop.call_later(ADMIT_WINDOW_S, self._start_step)
+        elif len(self.ends) > 1:
+            # steps slept through: the ones up to the step in progress run; it joins after them
+            keep = min(len(self.ends), bisect.bisect_right(self.ends, self.loop.time()) + 1)
+            if keep < len(self.ends):
+                self.ends = self.ends[:keep]
+                self.timer.cancel()
+                self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
+
+    # --- HTTP --------------------------------------------------------------------------------
+    async def _connection(self, reader, writer):
+        asyncio = self.asyncio
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                received = asyncio.get_running_loop().time()     # the request's arrival
+                lines = head.decode("latin-1").split("\r\n")
+                parts = lines[0].split(" ")
+                if len(parts) != 3:
+                    await self._send_json(writer, 400, _openai_error("malformed request line", "invalid_request_error"),
+                                          close=True)
+                    return
+                method, target, version = parts
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+                if "chunked" in headers.get("transfer-encoding", "").lower():
+                    body = await self._read_chunked(reader)
+                else:
+                    try:
+                        length = int(headers.get("content-length", "0"))
+                    except ValueError:
+                        length = -1
+                    if not 0 <= length <= SERVE_MAX_BODY:
+                        await self._send_json(writer, 413 if length > 0 else 400,
+                                              _openai_error("bad Content-Length", "invalid_request_error"), close=True)
+                        return
+                    body = await reader.readexactly(length) if length else b""
+                if body is None:
+                    return
+                keep = await self._route(method, target.split("?", 1)[0], body, writer, received) and keep
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+    async def _read_chunked(self, reader):
+        body = b""
+        while True:
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                await reader.readline()
+                return body
+            body += await reader.readexactly(size)
+            await reader.readline()
+            if len(body) > SERVE_MAX_BODY:
+                return None
+
+    async def _send(self, writer, status, ctype, payload, close=False):
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  413: "Payload Too Large"}.get(status, "Error")
+        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\ncontent-length: {len(payload)}\r\n"
+                     f"{'connection: close' + chr(13) + chr(10) if close else ''}\r\n".encode() + payload)
+        await writer.drain()
+
+    async def _send_json(self, writer, status, obj, close=False):
+        await self._send(writer, status, "application/json", json.dumps(obj).encode(), close)
+
+    async def _route(self, method, path, body, writer, received):
+        """Answer one request; False when the connection must close."""
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            if method != "POST":
+                await self._send_json(writer, 405, _openai_error(f"{method} not allowed on {path}", "invalid_request_error"))
+                return True
+            return await self._completion(path == "/v1/chat/completions", body, writer, received)
+        if method != "GET":
+            known = path in ("/v1/models", "/health", "/metrics")
+            await self._send_json(writer, 405 if known else 404,
+                                  _openai_error(f"{method} {path}: no such route", "invalid_request_error"))
+            return True
+        if path == "/health":
+            await self._send(writer, 200, "application/json", b"")
+        elif path == "/v1/models":
+            await self._send_json(writer, 200, {"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": self.created, "owned_by": "otela-sim",
+                 "root": self.model, "max_model_len": self.max_model_len}]})
+        elif path == "/metrics":
+            await self._send(writer, 200, "text/plain; version=0.0.4", self.metrics_text().encode())
+        else:
+            await self._send_json(writer, 404, _openai_error(f"no route {path}", "invalid_request_error", code=404))
+        return True
+
+    def metrics_text(self):
+        """Prometheus text with vLLM V1's names (and the older gpu_cache_usage_perc)."""
+        core = self.core
+        label = "{model_name=\"" + self.model.replace('"', "") + "\"}"
+        rows = (("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+                 len(core.running)),
+                ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", len(core.waiting)),
+                ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", core.cache.usage()),
+                ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage (the name before vLLM V1).",
+                 core.cache.usage()),
+                ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in queried tokens.", core.cache.queries),
+                ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in cached tokens.", core.cache.hits),
+                ("vllm:num_preemptions", "counter", "Cumulative number of preemptions.", core.preemptions),
+                ("vllm:prompt_tokens", "counter", "Prefill tokens processed.", core.prompt_tokens),
+                ("vllm:generation_tokens", "counter", "Generation tokens processed.", core.generation_tokens))
+        out = []
+        for name, kind, doc, value in rows:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
+                    f"{name}{'_total' if kind == 'counter' else ''}{label} {float(value)}"]
+        return "\n".join(out) + "\n"
+
+    def _parse(self, chat, body):
+        """(prompt text, tokens, max_tokens, stream, include_usage, stated max) or an error tuple."""
+        try:
+            req = json.loads(body)
+        except ValueError as e:
+            return (400, _openai_error(f"the body is not valid JSON: {e}", "invalid_request_error"))
+        if not isinstance(req, dict):
+            return (400, _openai_error("the body must be a JSON object", "invalid_request_error"))
+        if req.get("model") not in (None, self.model):
+            return (404, _openai_error(f"The model `{req.get('model')}` does not exist.", "NotFoundError",
+                                       param="model", code="model_not_found"))
+        if chat:
+            msgs = req.get("messages")
+            if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+                return (400, _openai_error("'messages' must be a non-empty list of objects", "invalid_request_error",
+                                           param="messages"))
+            text = chat_prompt(msgs)
+            tokens = tokenize(text)
+        else:
+            prompt = req.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                text, tokens = prompt, tokenize(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in prompt):
+                text, tokens = " ".join(map(str, prompt)), [f"#{t}" for t in prompt]
+            else:
+                return (400, _openai_error("'prompt' must be a string, a list of one string or a list of token ids",
+                                           "invalid_request_error", param="prompt"))
+        if not tokens:
+            return (400, _openai_error("the prompt is empty", "invalid_request_error",
+                                       param="messages" if chat else "prompt"))
+        stated = req.get("max_completion_tokens", req.get("max_tokens"))
+        if stated is not None and (not isinstance(stated, int) or isinstance(stated, bool) or stated < 1):
+            return (400, _openai_error("max_tokens must be a positive integer", "invalid_request_error",
+                                       param="max_tokens"))
+        if req.get("n", 1) != 1:
+            return (400, _openai_error("the emulator serves n = 1 only", "invalid_request_error", param="n"))
+        stream = bool(req.get("stream", False))
+        opts = req.get("stream_options") or {}
+        return (text, tokens, stated or SERVE_DEFAULT_OUTPUT, stream,
+                bool(isinstance(opts, dict) and opts.get("include_usage")), stated is not None)
+
+    async def _completion(self, chat, body, writer, received):
+        import zlib
+        parsed = self._parse(chat, body)
+        if len(parsed) == 2:
+            await self._send_json(writer, *parsed)
+            return True
+        text, tokens, max_tokens, stream, include_usage, stated = parsed
+        self.counter += 1
+        loop = self.asyncio.get_running_loop()
+        req = EmulatedRequest(self.counter, tokens, max_tokens, received, zlib.crc32(text.encode()))
+        req.stream = stream
+        req.waiter = loop.create_future()
+        try:
+            self._submit(req)
+        except SimError as e:
+            await self._send_json(writer, 400, _openai_error(str(e), "invalid_request_error", param="max_tokens"))
+            return True
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.counter}"
+        obj = "chat.completion" if chat else "text_completion"
+        finish = "length" if stated else "stop"
+        try:
+            if not stream:
+                await req.waiter
+                usage = _usage(req)
+                choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+                choice.update({"message": {"role": "assistant", "content": req.output_text()}} if chat
+                              else {"text": req.output_text()})
+                await self._send_json(writer, 200, {"id": rid, "object": obj, "created": int(time.time()),
+                                                    "model": self.model, "choices": [choice], "usage": usage})
+                return True
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            chunk_obj = obj + ".chunk" if chat else obj
+            token_event = json.dumps({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                                      "choices": [{"index": 0, ("delta" if chat else "text"): "@@",
+                                                   "logprobs": None, "finish_reason": None}]})
+            token_event = token_event.replace("%", "%%").replace('"@@"', '{"content": %s}' if chat else "%s")
+            transport = writer.transport
+            sent = [0]
+
+            def flush():
+                """Write the tokens made since the last call; False when the client has left.
+                The step timer (_end_step) calls it as tokens are made (no task switch per token)."""
+                if transport.is_closing():
+                    return False
+                events = []
+                for piece in req.tokens[req.prompt_len + sent[0]:req.prompt_len + req.generated]:
+                    if sent[0] == 0:
+                        choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
+                            {"index": 0, "text": piece}
+                        events.append(json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
+                                                  "model": self.model, "choices": [{**choice, "logprobs": None,
+                                                                                    "finish_reason": None}]}))
+                    else:                      # the common chunk, formatted from a template (CPU per token)
+                        events.append(token_event % json.dumps(piece))
+                    sent[0] += 1
+                if events:
+                    payload = "".join(f"data: {e}\n\n" for e in events).encode()
+                    transport.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+                return True
+            req.sink = flush
+            await req.waiter                   # set when the request finishes or is aborted
+            if req.state != "finished" or not flush():
+                return False
+            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else \
+                {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+            events = [{"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                       "choices": [last]}]
+            if include_usage:
+                events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                               "choices": [], "usage": _usage(req)})
+            payload = ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+            await writer.drain()
+            return True
+        except (ConnectionError, self.asyncio.CancelledError):
+            raise
+        finally:
+            if req in self.inbox:
+                self.inbox.remove(req)
+                req.state = "aborted"
+            elif req.state not in ("finished", "aborted"):
+                self.core.abort(req)
+
+
+def _openai_error(message, kind, param=None, code=None):
+    """An error body as OpenAI (and vLLM's OpenAI server) write it."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _usage(req):
+    return {"prompt_tokens": req.prompt_len, "completion_tokens": req.generated,
+            "total_tokens": req.prompt_len + req.generated,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens or 0}}
+
+
+def _cmd_serve(a):
+    import asyncio
+    import signal
+    engine = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
+    if a.step_profile:
+        model = resolve_model(a.model)
+        if a.kv_tokens is None:
+            raise SimError("--step-profile needs --kv-tokens (the engine's context size)")
+        cost = LinearStepCost.from_profile(read_json(a.step_profile))
+        core = EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
+                          a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
+                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
+    else:
+        model = resolve_model(a.model)
+        core = serve_core(model, a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
+                          a.max_model_len, a.kv_tokens, a.block_size)
+        core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
+    served = a.served_model_name or a.model
+
+    async def run():
+        server = EmulatedServer(core, served)
+        port = await server.start(a.host, a.port)
+        timing = f"timed by the profile {a.step_profile}" if a.step_profile else \
+            f"on {a.tp} x {a.gpu} ({engine.key})"
+        print(f"otela_sim.py serve: {served} as {model.name} {timing}; "
+              f"{core.cache.num_blocks} KV blocks of {core.block_size} tokens, "
+              f"{core.max_batched_tokens} tokens per step; http://{a.host}:{port}", file=sys.stderr, flush=True)
+        stop = asyncio.get_running_loop().create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        await stop
+        await server.close()
+    asyncio.run(run())
+
+
+def add_serve_command(sub):
+    """Register `serve` on the command line's subparsers."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible emulated engine timed by the roofline")
+    s.add_argument("--model", required=True, help="the model emulated (simulator name or HF id); also its served name")
+    s.add_argument("--served-model-name", default=None, help="the name in /v1/models (default --model)")
+    s.add_argument("--gpu", default="H100", help="the GPU emulated (default H100)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default vLLM V1's: 8192 on GPUs of 70 GiB or more, else 2048)")
+    s.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help=f"running requests at most ({MAX_NUM_SEQS})")
+    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default the model's)")
+    s.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"KV block size in tokens ({BLOCK_SIZE})")
+    s.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV pool in tokens (default: the GPU's memory less weights and activation reserve)")
+    s.add_argument("--prefix-cache", default="blocks", choices=("blocks", "slots"),
+                   help="blocks: vLLM's cache of shared blocks (default); slots: llama.cpp's, one prefix per "
+                        "slot (--max-num-seqs slots)")
+    s.add_argument("--step-profile", default=None, metavar="FILE",
+                   help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
+    _engine_flags(s)
+    s.set_defaults(func=_cmd_serve)
+    _env_defaults(s)
+    return s
+
+
+# =============================================================================================
 # Command line
 # =============================================================================================
 
@@ -2575,6 +3481,7 @@ def main(argv=None):
     _engine_flags(pr)
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=_cmd_probe)
+    add_serve_command(sub)
     for what in ("gpus", "models", "engines"):
         t = sub.add_parser(what, help=f"list the built-in {what}")
         t.set_defaults(func=_cmd_tables, what=what)

@@ -1,0 +1,452 @@
+"""Specification of `otela_sim.py serve`, the emulated engine: the prefix cache (hits, LRU
+eviction), the scheduler (token budget, chunked prefill, preemption) and its step times, driven
+as pure objects with a fake clock; then the server on loopback (streaming, usage, metrics,
+errors), and the server wrapped as an engine by a real node behind a real ingress."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, free_port, stop_process, wait_http
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import otela_sim as sim
+
+# --- pure objects: a fake clock, a fixed step cost ----------------------------------------------
+
+
+class FlatCost:
+    """Every step 10 ms: the core's decisions, not its times, are under test."""
+
+    def __init__(self):
+        self.calls = []
+
+    def step(self, tokens, seqs, decode_ctx=0.0, prefill_pairs=0.0, prefill_tokens=0):
+        self.calls.append((tokens, seqs, decode_ctx, prefill_tokens))
+        return 0.01
+
+
+def words(n, tag="w"):
+    """n distinct tokens (the core compares tokens as strings; any string is one token)."""
+    return [f" {tag}{i}" for i in range(n)]
+
+
+def run_until_idle(core, clock=0.0, limit=10000):
+    """Schedule and complete steps until nothing is left; the fake clock advances by the step
+    times. Returns (clock, steps)."""
+    steps = []
+    for _ in range(limit):
+        step = core.schedule()
+        if step is None:
+            return clock, steps
+        clock += step.seconds
+        core.complete(step, clock)
+        steps.append(step)
+    raise AssertionError("the core never went idle")
+
+
+def test_the_token_rule_cuts_four_characters_per_piece_with_the_space_before_them():
+    assert sim.tokenize("hello there") == ["hell", "o", " ther", "e"]
+    assert sim.count_tokens("hello there") == 4
+    # prefix-stable: a longer text starts with the tokens of its prefix, but for the last piece
+    assert sim.tokenize("hello there, and more")[:3] == sim.tokenize("hello there")[:3]
+
+
+def test_a_repeated_prompt_finds_its_full_blocks_in_the_prefix_cache():
+    core = sim.EngineCore(FlatCost(), num_blocks=100, block_size=16, max_batched_tokens=2048)
+    first = sim.EmulatedRequest(1, words(40), max_tokens=4)
+    core.add(first)
+    run_until_idle(core)
+    again = sim.EmulatedRequest(2, words(40), max_tokens=4)
+    core.add(again)
+    run_until_idle(core)
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == 32              # 2 full blocks of 16; the 40th token is computed
+    assert (core.cache.queries, core.cache.hits) == (80, 32)
+    assert again.output_text() == first.output_text() == "".join(sim.output_token(0, i) for i in range(4))
+
+
+def test_a_prompt_sharing_only_a_prefix_hits_the_shared_blocks_and_no_more():
+    core = sim.EngineCore(FlatCost(), num_blocks=100, block_size=16, max_batched_tokens=2048)
+    core.add(sim.EmulatedRequest(1, words(48) + words(20, "a"), max_tokens=1))
+    run_until_idle(core)
+    other = sim.EmulatedRequest(2, words(48) + words(20, "b"), max_tokens=1)
+    core.add(other)
+    run_until_idle(core)
+    assert other.cached_tokens == 48
+
+
+def test_a_prefix_hit_is_never_handed_out_again_as_a_fresh_block_of_the_same_request():
+    core = sim.EngineCore(FlatCost(), num_blocks=6, block_size=4, max_batched_tokens=64)
+    core.add(sim.EmulatedRequest("a", words(4, "s") + words(5, "a"), max_tokens=1))
+    run_until_idle(core)                                     # blocks 0-2 freed; 0 holds "s"
+    other = sim.EmulatedRequest("c", words(11, "c"), max_tokens=3)
+    core.add(other)
+    core.complete(core.schedule(), 0.0)                      # c holds the 3 never-used blocks
+    hit = sim.EmulatedRequest("b", words(4, "s") + words(9, "b"), max_tokens=2)
+    core.add(hit)
+    core.schedule()          # b would need its hit and 3 fresh blocks: only 2 others are free
+    held = [b for r in core.running for b in r.blocks]
+    assert len(held) == len(set(held))
+    assert hit.state == "waiting" and core.cache.match([hit.block_hash(0, 4)]) != []
+
+
+def test_the_least_recently_freed_cached_block_is_evicted_first():
+    cache = sim.PrefixCache(2, block_size=16)
+    a = cache.allocate(1)
+    cache.register(a[0], "A")
+    cache.release(a)
+    b = cache.allocate(1)
+    cache.register(b[0], "B")
+    cache.release(b)
+    assert cache.match(["A"]) == a and cache.match(["B"]) == b
+    cache.take(a)                  # a hit on A makes it the most recently used once freed again
+    cache.release(a)
+    cache.allocate(1)              # the pool is full of cached blocks: B, freed longest ago, goes
+    assert cache.match(["B"]) == [] and cache.match(["A"]) == a
+    assert cache.evictions == 1
+    assert cache.allocate(2) is None            # one block is held: no room for two
+
+
+def test_a_full_kv_pool_preempts_the_most_recently_admitted_request_which_is_recomputed():
+    # 4 blocks of 4 tokens: two requests of 6 prompt + 8 output tokens need 4 blocks each
+    core = sim.EngineCore(FlatCost(), num_blocks=4, block_size=4, max_batched_tokens=64)
+    older = sim.EmulatedRequest(1, words(6, "o"), max_tokens=8)
+    newer = sim.EmulatedRequest(2, words(6, "n"), max_tokens=8)
+    core.add(older)
+    core.add(newer)
+    run_until_idle(core)
+    assert core.preemptions >= 1
+    assert older.state == newer.state == "finished"
+    assert older.finished_at < newer.finished_at
+    assert (older.generated, newer.generated) == (8, 8)
+    assert core.cache.usage() == 0.0
+
+
+def test_in_llama_cpp_mode_a_prompt_reuses_only_the_prefix_cached_in_the_slot_it_takes():
+    core = sim.EngineCore(FlatCost(), num_blocks=1000, block_size=16, max_batched_tokens=4096, max_num_seqs=2,
+                          slots=True)
+    for group in ("a", "b"):
+        core.add(sim.EmulatedRequest(group, words(100, group) + words(10, group + "1"), max_tokens=2))
+        run_until_idle(core)
+    # two more of group a at once: one takes a's slot (its 100 shared tokens), the other the
+    # idle slot holding b's prompt (nothing shared): one prefix per slot, not shared blocks
+    again = sim.EmulatedRequest("a2", words(100, "a") + words(10, "a2"), max_tokens=2)
+    third = sim.EmulatedRequest("a3", words(100, "a") + words(10, "a3"), max_tokens=2)
+    core.add(again)
+    core.add(third)
+    run_until_idle(core)
+    assert (again.cached_tokens, third.cached_tokens) == (100, 0)
+    # a's prefix now lives in both slots: the next one hits whichever it takes
+    fourth = sim.EmulatedRequest("a4", words(100, "a") + words(10, "a4"), max_tokens=2)
+    core.add(fourth)
+    run_until_idle(core)
+    assert fourth.cached_tokens == 100
+    assert core.cache.usage() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 80), st.integers(1, 12), st.integers(0, 20)),
+                min_size=1, max_size=12),
+       st.integers(6, 40), st.sampled_from([4, 16]), st.integers(8, 64), st.booleans())
+def test_every_request_ends_with_its_tokens_within_budget_and_the_pool_is_whole_again(
+        reqs, num_blocks, block_size, budget, slots):
+    """Requests (a shared prefix of 0-3 x 8 tokens, their own tokens, tokens out, the step they
+    arrive at) on a small pool: whatever preempts and evicts, all finish and all KV returns."""
+    core = sim.EngineCore(FlatCost(), num_blocks=num_blocks, block_size=block_size, max_batched_tokens=budget,
+                          max_num_seqs=4, slots=slots)
+    made = []
+    last = max(at for *_, at in reqs)
+    for step_no in range(20000):
+        for i, (prefix, own, out, at) in enumerate(reqs):
+            r = sim.EmulatedRequest(i, words(prefix * 8, "p") + words(own, f"q{i}"), max_tokens=out)
+            if at == step_no and r.prompt_len + out <= core.max_model_len:
+                core.add(r)
+                made.append(r)
+        step = core.schedule()
+        if step is None and step_no > last:
+            break
+        if step is not None:
+            assert step.tokens <= budget
+            core.complete(step, float(step_no))
+    assert all(r.state == "finished" and r.generated == r.max_tokens for r in made)
+    assert all(0 <= r.cached_tokens <= r.prompt_len - 1 for r in made)
+    if not slots:
+        assert all(r.cached_tokens % block_size == 0 for r in made)
+    assert core.cache.usage() == 0.0 and len(core.cache.free) == num_blocks
+    assert sorted(core.cache.free) == list(range(num_blocks))
+
+
+def test_a_step_stays_within_the_token_budget_and_chunks_a_long_prompt():
+    cost = FlatCost()
+    core = sim.EngineCore(cost, num_blocks=1000, block_size=16, max_batched_tokens=64)
+    long = sim.EmulatedRequest(1, words(200), max_tokens=3)
+    core.add(long)
+    steps = []
+    for _ in range(4):
+        step = core.schedule()
+        core.complete(step, 0.0)
+        steps.append(step.tokens)
+    assert steps == [64, 64, 64, 8]
+    assert long.generated == 1                   # the first token comes with the last chunk
+
+
+def test_running_decodes_are_scheduled_before_a_new_prompt_fills_the_rest_of_the_budget():
+    cost = FlatCost()
+    core = sim.EngineCore(cost, num_blocks=1000, block_size=16, max_batched_tokens=64)
+    core.add(sim.EmulatedRequest(1, words(10), max_tokens=5))
+    core.complete(core.schedule(), 0.0)          # prefill: request 1 now decodes
+    core.add(sim.EmulatedRequest(2, words(200, "x"), max_tokens=5))
+    step = core.schedule()
+    assert [(r.id, n) for r, n in step.items] == [(1, 1), (2, 63)]
+    assert step.decodes == 1
+
+
+def test_no_more_requests_run_than_max_num_seqs():
+    core = sim.EngineCore(FlatCost(), num_blocks=1000, block_size=16, max_batched_tokens=4096, max_num_seqs=3)
+    for i in range(5):
+        core.add(sim.EmulatedRequest(i, words(20, f"r{i}"), max_tokens=4))
+    core.complete(core.schedule(), 0.0)
+    assert (len(core.running), len(core.waiting)) == (3, 2)
+
+
+def test_a_request_longer_than_the_model_is_refused():
+    core = sim.EngineCore(FlatCost(), num_blocks=10, block_size=16, max_model_len=100)
+    with pytest.raises(sim.SimError, match="maximum context length is 100"):
+        core.add(sim.EmulatedRequest(1, words(90), max_tokens=20))
+
+
+def test_the_step_times_of_a_static_batch_are_the_estimate_of_the_same_batch():
+    core = sim.serve_core("llama-3.1-8b", "H100", engine="vllm-v1")
+    for i in range(4):
+        core.add(sim.EmulatedRequest(i, words(512, f"b{i}"), max_tokens=64))
+    clock, steps = run_until_idle(core)
+    e = sim.estimate("llama-3.1-8b", "H100", 1, 4, 512, 64, engine="vllm-v1")
+    assert steps[0].seconds * 1e3 == pytest.approx(e["ttft_ms"], rel=1e-9)
+    decode = [s.seconds for s in steps[1:]]
+    assert len(decode) == 63
+    assert sum(decode) / len(decode) * 1e3 == pytest.approx(e["decode_ms_per_token"], rel=1e-9)
+    assert clock * 1e3 == pytest.approx(e["e2e_ms"], rel=1e-9)
+
+
+def test_the_kv_pool_is_what_the_gpu_leaves_after_weights_and_activations():
+    core = sim.serve_core("llama-3.1-8b", "H100")
+    c = sim._cost_for(sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu("H100"), 1, None, "vllm-v1")
+    assert core.max_batched_tokens == 8192                  # vLLM V1's default on an 80 GB GPU
+    assert core.cache.num_blocks == c.kv_capacity_tokens(8192) // 16
+    assert 20000 < core.cache.num_blocks < 30000            # ~400k tokens of 128 KiB each in ~53 GB
+
+
+def test_a_step_profile_fitted_on_measurements_recovers_the_terms_that_made_them():
+    truth = sim.LinearStepCost(overhead=0.004, per_token=0.002, per_seq=0.001, per_pair=1e-5, prefill_overhead=0.03)
+    prefill = []
+    for new, cached in ((32, 0), (128, 0), (384, 0), (32, 384), (96, 128)):
+        pairs = new * (cached + (new + 1) / 2)
+        prefill.append((new, pairs, truth.step(new, 1, 0.0, pairs, new)))
+    decode = {b: truth.step(b, b) for b in (1, 4)}
+    fitted = sim.LinearStepCost.fit(prefill, decode)
+    for name in ("overhead", "per_token", "per_seq", "per_pair", "prefill_overhead"):
+        assert fitted[name] == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_the_workload_presets_have_the_reuse_the_trace_reports():
+    import workload
+    assert workload.reusable_share(workload.preset("reasoning")) == pytest.approx(0.90, abs=0.02)
+    assert workload.reusable_share(workload.preset("instruct")) == pytest.approx(0.15, abs=0.02)
+    chat = workload.preset("chat", conversations=2, turns=3)
+    # turn k of a conversation starts with every message of turn k - 1
+    first, second = [r["messages"] for r in chat if r["group"] == 0][:2]
+    assert second[:len(first)] == first and len(second) == len(first) + 2
+
+
+# --- the server on loopback ------------------------------------------------------------------------
+
+MODEL = "llama-3.1-8b"
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--gpu", "H100",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=30, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc, 5)
+
+
+def http(url, method="GET", path="/", body=None, raw=None):
+    import http.client
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        conn.request(method, path, data, {"content-type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def chat(content, **extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def metric(url, name):
+    text = http(url, path="/metrics")[1].decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics:\n{text}")
+
+
+def test_a_second_identical_chat_reports_its_cached_prompt_tokens_in_usage(server):
+    prompt = " ".join(f"q{i:03d}" for i in range(100))
+    status, body = http(server, "POST", "/v1/chat/completions", chat(prompt, max_tokens=4))
+    first = json.loads(body)
+    status2, body2 = http(server, "POST", "/v1/chat/completions", chat(prompt, max_tokens=4))
+    second = json.loads(body2)
+    assert (status, status2) == (200, 200)
+    n = first["usage"]["prompt_tokens"]
+    assert n == sim.count_tokens(sim.chat_prompt([{"role": "user", "content": prompt}]))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert second["usage"]["completion_tokens"] == 4
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert second["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stream_sends_one_event_per_token_then_usage_then_done(server):
+    status, body = http(server, "POST", "/v1/chat/completions",
+                        chat("tell me", max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    content = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]
+               and c["choices"][0]["delta"].get("content")]
+    assert len(content) == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_a_text_completion_counts_its_prompt_by_the_token_rule(server):
+    status, body = http(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "abcdefgh ij", "max_tokens": 2})
+    answer = json.loads(body)
+    assert status == 200 and answer["object"] == "text_completion"
+    assert answer["usage"]["prompt_tokens"] == 3          # "abcd", "efgh", " ij"
+    assert sim.count_tokens(answer["choices"][0]["text"]) == 2
+
+
+def test_metrics_show_a_running_request_and_the_kv_it_holds(server):
+    import threading
+    done = []
+    t = threading.Thread(target=lambda: done.append(http(server, "POST", "/v1/chat/completions",
+                                                         chat("long one " * 50, max_tokens=300))))
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+        while metric(server, "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert metric(server, "vllm:num_requests_running") == 1
+        assert metric(server, "vllm:num_requests_waiting") == 0
+        assert 0 < metric(server, "vllm:kv_cache_usage_perc") < 0.01
+        assert metric(server, "vllm:gpu_cache_usage_perc") == metric(server, "vllm:kv_cache_usage_perc")
+    finally:
+        t.join(30)
+    assert done and done[0][0] == 200
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:prefix_cache_queries_total") >= metric(server, "vllm:prefix_cache_hits_total")
+
+
+def test_an_arrival_while_decode_steps_are_slept_through_joins_at_the_next_step(server):
+    import threading
+    done = []
+
+    def send_long():
+        answer = http(server, "POST", "/v1/chat/completions", chat("one long answer", max_tokens=200))
+        done.append((time.monotonic(), answer))
+    long = threading.Thread(target=send_long)
+    t0 = time.monotonic()
+    long.start()
+    try:
+        time.sleep(0.3)                  # the long request's decode steps are slept through now
+        t1 = time.monotonic()
+        status, body = http(server, "POST", "/v1/chat/completions", chat("short", max_tokens=2, stream=True))
+        short = time.monotonic() - t1
+    finally:
+        long.join(30)
+    e = sim.estimate(MODEL, "H100", 1, 1, 10, 200, engine="vllm-v1")
+    assert status == 200 and body.decode().rstrip().endswith("data: [DONE]")
+    assert short < 0.1                   # three ~7 ms steps, not the ~1 s left of the long request
+    assert done[0][1][0] == 200
+    assert e["e2e_ms"] / 1e3 <= done[0][0] - t0 < e["e2e_ms"] / 1e3 * 1.25
+
+
+def test_a_stream_whose_client_leaves_is_aborted_and_its_kv_freed(server):
+    import socket
+    host, port = server.rsplit("/", 1)[-1].split(":")
+    body = json.dumps(chat("leave early", max_tokens=2000, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: " not in got:
+            got += sock.recv(65536)
+        assert metric(server, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 5
+    while metric(server, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize("body,status,kind", [
+    ("{not json", 400, "invalid_request_error"),
+    (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}), 404, "NotFoundError"),
+    (json.dumps({"model": MODEL, "messages": []}), 400, "invalid_request_error"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), 400,
+     "invalid_request_error"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 7}), 400,
+     "invalid_request_error"),
+])
+def test_a_bad_request_gets_an_openai_error_body_and_status(server, body, status, kind):
+    got, raw = http(server, "POST", "/v1/chat/completions", raw=body)
+    error = json.loads(raw)["error"]
+    assert got == status and error["type"] == kind and error["message"]
+
+
+def test_the_model_list_and_health_answer(server):
+    status, body = http(server, path="/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL]
+    assert http(server, path="/health")[0] == 200
+    assert http(server, path="/nope")[0] == 404
+
+
+# --- wrapped as an engine by a real node, behind a real ingress ----------------------------------
+
+def test_a_node_wraps_serve_as_its_engine_and_the_ingress_routes_to_it(tmp_path):
+    from test_ingress_support import Client, Cluster
+    cluster = Cluster(str(tmp_path))
+    try:
+        process = f"{sys.executable} otela_sim.py serve --model {MODEL} --gpu H100 --port {{port}}"
+        argv = [os.path.join(cluster.root, "otela_node.py"), "start", "--key-file", cluster.key_file,
+                "--bootstrap", f"127.0.0.1:{cluster.gossip}", "--listen", f"127.0.0.1:{free_port()}",
+                "--gossip", f"127.0.0.1:{free_port()}", "--process", process]
+        cluster.nodes["sim"] = cluster._spawn("sim", argv)
+        cluster._wait(lambda: cluster.serving(MODEL) == 1, f"node serving {MODEL}", 60)
+        client = Client(cluster.url, cluster.token)
+        try:
+            status, _, body = client.chat(MODEL, "hello through the overlay", max_tokens=5)
+            assert status == 200
+            answer = json.loads(body)
+            assert answer["usage"]["completion_tokens"] == 5
+            assert answer["usage"]["prompt_tokens"] == sim.count_tokens(
+                sim.chat_prompt([{"role": "user", "content": "hello through the overlay"}]))
+        finally:
+            client.close()
+    finally:
+        cluster.close()
