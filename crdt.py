@@ -668,13 +668,16 @@ class GMap:
                                   f"evicted_by={writer!r}")
         return self._apply(session_id, dict(record), encoded)
 
-    def merge(self, entries: Entries) -> List[str]:
+    def merge(self, entries: Entries, joining: Iterable[str] = ()) -> List[str]:
         """Lattice join with records from a peer. Returns the session ids that changed.
-        Validates everything first: one bad record rejects the whole batch untouched."""
+        Validates everything first: one bad record rejects the whole batch untouched.
+        `joining`: sessions that asked to join here themselves; past the cap they still get in, up
+        to twice it (a flood of forged sessions gossiped in must not lock real joiners out)."""
         pairs = list(entries.items()) if isinstance(entries, dict) else list(entries)
         checked = []
         room = MAX_SESSIONS - len(self._by_kind[SESSION])
         room_bytes = MAX_SESSION_BYTES - self._session_bytes
+        joining = set(joining)
         for pair in pairs:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise RecordError("merge takes {session_id: record} or (session_id, record) pairs")
@@ -684,9 +687,13 @@ class GMap:
                 continue        # a duplicate (most of gossip): valid and changes nothing
             encoded = validate(session_id, record)
             if known is None and kind_of(session_id) == SESSION:
+                if session_id in joining:
+                    room, room_bytes = room + MAX_SESSIONS, room_bytes + MAX_SESSION_BYTES
                 if room <= 0 or room_bytes < len(encoded):
                     self.refused["sessions_full"] += 1
                     continue
+                if session_id in joining:
+                    room, room_bytes = room - MAX_SESSIONS, room_bytes - MAX_SESSION_BYTES
                 room -= 1
                 room_bytes -= len(encoded)
             checked.append((session_id, record, encoded))

@@ -609,6 +609,7 @@ class Overlay:
         self.ingresses: Dict[str, str] = {}         # proven ingress sid -> gossip address: the
                                                     # only members the ingress plane goes to
         self.met_ingresses: List[str] = []          # newly proven ones, sent a digest at once
+        self.seeds: Dict[str, str] = {}             # live ingress and relay sid -> gossip address
         self.refused = collections.Counter()        # entries refused: unsigned, plane
         self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
@@ -774,9 +775,13 @@ class Overlay:
             peer = self._peers(1)
             if peer:
                 out.append(self._digest_to(peer[0]))
-            others = [a for a in self.ingresses.values() if a not in peer]
-            if others:                              # and with an ingress, for the ingress plane
-                out.append(self._digest_to(self.rng.choice(others)))
+            # ... and with a seed (an ingress, or a relay): whatever the members' number, or how
+            # many of them are forged sessions nobody answers for, the seeds hear from everyone
+            # and everyone from the seeds every round. An ingress picks an ingress (the ingress
+            # plane is compared with ingresses only).
+            seeds = [a for a in (self.ingresses or self.seeds).values() if a not in peer]
+            if seeds:
+                out.append(self._digest_to(self.rng.choice(seeds)))
         if now >= self.next_join:
             if self.members:
                 self.join_backoff = cfg.join_retry_min
@@ -919,7 +924,7 @@ class Overlay:
         return out
 
     def _on_j(self, msg, src, now, tcp):
-        out = self._merge(msg["r"], src, now)
+        out = self._merge(msg["r"], src, now, joining=tuple(msg["r"]))
         horizon = now - self.cfg.join_left_age      # what a joiner needs: no day of LEFT records
         records = [(sid, r) for sid, r in self.map.plane_items(crdt.ROUTING)
                    if r["state"] < crdt.LEFT or r.get("left_at", now) > horizon]
@@ -1014,7 +1019,7 @@ class Overlay:
         return out
 
     # -- dissemination ----------------------------------------------------------------------
-    def _merge(self, records, src: str, now: float, push: bool = True) -> List[Out]:
+    def _merge(self, records, src: str, now: float, push: bool = True, joining: tuple = ()) -> List[Out]:
         if not isinstance(records, dict):
             raise ValueError("records must be an object")
         fresh = {}
@@ -1038,7 +1043,7 @@ class Overlay:
                         self.rumours[("r", sid)][0] -= 1    # others know it: lose interest sooner
                     continue                        # a copy we have, or older: no need to validate
             fresh[sid] = record
-        changed = self.map.merge(fresh)
+        changed = self.map.merge(fresh, joining)
         done = set(changed)                         # a set: a joiner's merge of 100k records is linear
         for sid in fresh:
             if sid not in done and ("r", sid) in self.rumours:
@@ -1088,7 +1093,7 @@ class Overlay:
             if len(met) <= self.cfg.origin_fanout:
                 out += self._push([("r", self.sid)], met, now)
             else:
-                out += self._rumour([("r", self.sid)], now)
+                out += self._rumour([("r", self.sid)], now, origin=True)
         if push is LATER:
             for key in keys:
                 if crdt.plane_of(key[1]) == crdt.ROUTING:
@@ -1109,6 +1114,10 @@ class Overlay:
             self.ingresses[sid] = record["gossip"]
         else:
             self.ingresses.pop(sid, None)
+        if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip") and seed:
+            self.seeds[sid] = record["gossip"]
+        else:
+            self.seeds.pop(sid, None)
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
             addr = record["gossip"]
             new = self.members.get(sid) != addr
@@ -1178,6 +1187,8 @@ class Overlay:
             peers = self._peers(self.cfg.gossip_fanout, exclude)
             for payload in self._packs(keys):
                 out += [Out(addr, payload, False) for addr in peers]
+            if origin:                              # the seeds always get it from its writer
+                out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
         for key in keys:
             self.rumours[key] = [limit]
         for key in keys:

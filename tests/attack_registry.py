@@ -79,6 +79,21 @@ def send(key_file: str, gossip: str, batches: List[Dict[str, Dict[str, Any]]]) -
     return sent
 
 
+def flood_batches(keys: int, sessions: int, now: float, per: int = 8) -> List[Dict[str, Dict[str, Any]]]:
+    """An insider's floods: `keys` valid-looking key records (unsigned: the cluster key is all it
+    has) and `sessions` session records of members that do not exist (JOIN, no models, at
+    addresses nobody listens on), `per` records to a datagram."""
+    records: List[Tuple[str, Dict[str, Any]]] = []
+    for i in range(keys):
+        digest = hashlib.sha256(f"flood-{i}-{now}".encode()).hexdigest()
+        records.append((crdt.key_entry(digest), crdt.key_record(f"f{i}", "mallory" * 30, now, allow=["m" * 200] * 5)))
+    for i in range(sessions):
+        addr = f"127.{64 + i // 65536 % 64}.{i // 256 % 256}.{i % 256}:9"
+        records.append((crdt.new_session_id(), {"owner": "mallory@" + "x" * 200, "state": crdt.JOIN, "version": 0,
+                                                "started": now, "role": "worker", "gossip": addr, "addr": addr}))
+    return [dict(records[i:i + per]) for i in range(0, len(records), per)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--key-file", required=True)

@@ -685,7 +685,33 @@ def registry_forgery(args: argparse.Namespace) -> Dict[str, Any]:
                victim_tokens_today=used, refused_on_metrics=refused)
 
 
-ATTACKS = [registry_forgery, slowloris, slowloris_4_addresses, gossip_slot_flood, relay_replay, keyless_bodies,
+def insider_flood(args: argparse.Namespace) -> Dict[str, Any]:
+    """An insider holding the cluster key floods an ingress with 20,000 key records (about 2 KB
+    each, unsigned) and 30,000 sessions of members that do not exist: the ingress's memory may
+    grow by at most 50 MB, and a node started afterwards must still join and be served."""
+    import attack_registry
+    name = "insider flood: 20,000 key records, 30,000 sessions"
+    with cluster(args, name, nodes=0) as (fleet, ingress):
+        pid = ingress.proc.pid
+        before = rss_mb(pid)
+        batches = attack_registry.flood_batches(20_000, 30_000, time.time())
+        sent = attack_registry.send(fleet.key_file, ingress.gossip, batches)
+        peak = before
+        for _ in range(20):                         # the flood lands, is probed, evicted
+            time.sleep(0.5)
+            peak = max(peak, rss_mb(pid))
+        fleet.node("after", bootstrap=(ingress.gossip,))
+        took = served_within(fleet, ingress, 60.0)
+        peak = max(peak, rss_mb(pid))
+        unsigned = metric(fleet, ingress, 'otela_registry_refused_total{why="unsigned"}')
+        full = metric(fleet, ingress, 'otela_registry_refused_total{why="sessions_full"}')
+    heal = f"a new node served {took:.1f} s after its start" if took is not None else "not served within 60 s"
+    return row(name, f"{sent} datagrams", "cluster.key only", f"RSS +{peak - before:.0f} MB", "-", heal, "-",
+               rss_before_mb=round(before, 1), rss_peak_mb=round(peak, 1), rss_added_mb=round(peak - before, 1),
+               refused_unsigned=unsigned, refused_sessions_full=full, seconds_to_served=took)
+
+
+ATTACKS = [registry_forgery, insider_flood, slowloris, slowloris_4_addresses, gossip_slot_flood, relay_replay, keyless_bodies,
            smuggling, broken_engine, odd_requests, resetting_engine, poison_request, boolean_config, ledger_failure,
            file_modes]
 

@@ -253,3 +253,17 @@ def test_a_flood_of_forged_sessions_is_bounded_in_count_and_bytes_and_counted():
     assert gmap.put("f" * 32, dict(big, owner="me"))    # a member's own record always goes in
     gmap.compact(T0)                                    # nothing LEFT: still full, still bounded
     assert gmap.plane_size(crdt.ROUTING) == held + 1
+
+
+def test_a_member_that_joins_itself_gets_in_when_forged_sessions_fill_the_registry():
+    member = on.Overlay(config(), "a" * 32, {"owner": "o", "state": crdt.SERVING, "version": 0, "started": T0,
+                                             "role": "ingress", "gossip": "10.0.0.1:7946"}, T0)
+    forged = {f"{i:032x}": {"owner": "m" * 200, "state": crdt.JOIN, "version": 0, "started": T0,
+                            "gossip": f"10.9.{i // 250 % 250}.{i % 250}:9"} for i in range(1, crdt.MAX_SESSIONS + 50)}
+    member.receive({"t": "r", "r": forged}, "10.0.0.66:7946", T0)
+    assert member.map.refused["sessions_full"] > 0
+    joiner = {"b" * 32: {"owner": "o", "state": crdt.JOIN, "version": 0, "started": T0, "gossip": "10.0.0.2:7946"}}
+    member.receive({"t": "r", "r": {"c" * 32: joiner["b" * 32]}}, "10.0.0.66:7946", T0)
+    assert "c" * 32 not in member.map                  # gossiped in: still refused
+    member.receive({"t": "j", "r": joiner}, "10.0.0.2:7946", T0, tcp=True)
+    assert member.map.get("b" * 32)["gossip"] == "10.0.0.2:7946"
