@@ -6,7 +6,8 @@ Operators run it from cron on a login node. One run:
     demand (scenario file or the ingress's /v1/usage/stats)
     free GPUs (scenario, --inventory FILE or sinfo GRES)      ──▶ candidates (model, GPU, tp)
     per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC); at scale
-                                                                   │  LP bound, rounding, repair
+                                                                   │  LP bound, column generation,
+                                                                   │  rounding and repair
                                                                    ▼
     placement: [{model, gpu, tp, instances, weight}]  ──▶ replay (otela_sim) / reconcile
     reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
@@ -542,7 +543,7 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
             counts, bounds = _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
             rows = rows_with_weights(counts, cands, demand)
             ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
-            status = f"LP bound, rounding and repair: worst ratio within {bounds['ratio_gap']:.2%} of its bound"
+            status = f"LP bound, column generation and repair: worst ratio within {bounds['ratio_gap']:.2%} of its bound"
             bounds["proved_by"] = "LP relaxation and Lagrangian proofs at column generation's GPU prices"
             return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
     if gap is None:
@@ -1008,6 +1009,8 @@ def _max_min_at_scale(demand, pool, groups, headroom, deadline):
         else:
             # a fixed CBC limit (the deadline is checked between steps): the same answer on a busy machine
             counts = _pattern_choice(demand, pool, groups, z, patterns, SCALE_REPAIR_S)
+            if counts is None:  # too few patterns (few models): the plain LP's rounding may still reach z
+                counts = _round_cover(demand, pool, groups, {m: z * d for m, d in demand.items()}, SCALE_REPAIR_S)
         reached = _ratio_of_counts(counts, demand, groups, headroom) if counts is not None else 0.0
         if reached >= z * (1 - 1e-9):
             if reached > lower:
@@ -1137,7 +1140,7 @@ def _lp_gpu_bound(demand, pool, groups, headroom, floor_ratio, useful):
 
 
 def _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
-    """The three stages by LP bound, rounding and repair (see the section's comment)."""
+    """The three stages by LP bound, column generation and repair (see the section's comment)."""
     groups = _Groups(demand, pool, cands)
     # stage 1 may use a third of the budget (a step begun before it ends may finish); stages 2 and 3 take a second or two
     counts, ratio, ratio_bound = _max_min_at_scale(demand, pool, groups, headroom, t0 + time_limit / 3)

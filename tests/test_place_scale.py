@@ -1,5 +1,6 @@
-"""The placer's solver at scale (LP bound, rounding and repair) as specifications: what it
-proves brackets the true optimum, what it returns fits the pool, and the plan states the gap."""
+"""The placer's solver at scale (LP bound, column generation and repair) as specifications:
+what it proves brackets the true optimum, what it returns fits the pool, and the plan states
+the gap."""
 from __future__ import annotations
 
 import json
