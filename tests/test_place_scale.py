@@ -1,5 +1,6 @@
-"""The placer's solver at scale (LP bound, rounding and repair) as specifications: what it
-proves brackets the true optimum, what it returns fits the pool, and the plan states the gap."""
+"""The placer's solver at scale (LP bound, column generation and repair) as specifications:
+what it proves brackets the true optimum, what it returns fits the pool, and the plan states
+the gap."""
 from __future__ import annotations
 
 import json
@@ -89,14 +90,43 @@ def test_scale_path_reaches_the_headroom_when_gpus_are_plentiful_and_says_gap_ze
     assert got.bounds["capacity_gap"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_lagrangian_proof_refuses_a_ratio_no_whole_instances_reach():
+def test_column_generation_refuses_a_ratio_no_whole_instances_reach_and_allows_one_they_do():
     # one model, one GPU type, 3 GPUs of 1 req/s each at demand 1: ratio 3 is the most;
     # the LP agrees, but 2.5 instances are not a placement: 3.5 needs 4 GPUs
     demand, pool = {"m": 1.0}, {"A": (3, 4)}
     cands = [place.Candidate("m", "A", 1, 1.0), place.Candidate("m", "A", 2, 1.8)]
     groups = place._Groups(demand, pool, cands)
-    assert place._lagrangian_proof(demand, pool, groups, 3.5, {"A": 1.0})
-    assert not place._lagrangian_proof(demand, pool, groups, 3.0, {"A": 1.0})
+    assert place._column_generation(demand, pool, groups, 3.5, {"m": set()})
+    patterns = {"m": set()}
+    assert not place._column_generation(demand, pool, groups, 3.0, patterns)
+    assert place._pattern_choice(demand, pool, groups, 3.0, patterns, 5.0) == [3, 0]
+
+
+def test_patterns_fit_a_ratio_only_whole_instances_across_types_reach_and_refuse_one_just_above():
+    # 10 GPUs of type A, 5 of type B; an instance serves 1 req/s on A (1 GPU), 3 on B (2 GPUs);
+    # two models of demand 8. Ratio 1 is reached only one way: 2 B + 2 A for one model, 8 A
+    # for the other (all 10 A, 4 of the 5 B: 16 req/s). Ratio 1.03 needs 9 instances' worth
+    # each, 18 req/s: beyond the 17.5 even a fractional mix of whole-instance covers has,
+    # though the plain LP (16.5 of 17.5) allows it
+    demand, pool = {"p": 8.0, "q": 8.0}, {"A": (10, 8), "B": (5, 8)}
+    cands = [place.Candidate(m, "A", 1, 1.0) for m in demand] + [place.Candidate(m, "B", 2, 3.0) for m in demand]
+    groups = place._Groups(demand, pool, cands)
+    assert place.lp_ratio_bound(demand, pool, groups, place.HEADROOM) >= 1.03
+    patterns = {m: set() for m in demand}
+    assert not place._column_generation(demand, pool, groups, 1.0, patterns)
+    counts = place._pattern_choice(demand, pool, groups, 1.0, patterns, 5.0)
+    per_model = sorted(zip(counts[0:2], counts[2:4]))  # (instances on A, on B) of each model
+    assert per_model == [(2, 2), (8, 0)]
+    assert place._column_generation(demand, pool, groups, 1.03, {m: set() for m in demand})
+
+
+def test_cheapest_cover_is_exact_and_a_cut_short_search_still_bounds_it():
+    items = [(1.0, 1.0), (1.8, 2.0), (3.0, 2.9)]  # (capacity, cost)
+    cost, counts, low = place._cheapest_cover(items, 3.5)
+    assert (cost, low) == (pytest.approx(3.9), pytest.approx(3.9))  # one of 3.0 and one of 1.0
+    assert counts == [1, 0, 1]
+    cost, counts, low = place._cheapest_cover(items, 3.5, budget=1)
+    assert low <= 3.9 <= cost and sum(c * k for (c, _), k in zip(items, counts)) >= 3.5
 
 
 def test_plan_json_states_the_gap_it_proved_on_table1():
