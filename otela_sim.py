@@ -2660,8 +2660,43 @@ class EmulatedServer:
         self.server = self.loop = None
 
     async def start(self, host, port):
-        self.loop = self.asyncio.get_running_loop()
-        self.server = await self.asyncio.start_server(self._connection, host, port, limit=SERVE_MAX_HEAD)
+        asyncio = self.asyncio
+        loop = self.loop = asyncio.get_running_loop()
+        try:
+            import fcntl
+            import termios
+        except ImportError:                    # not Unix: a request arrives when it is read
+            fcntl = termios = None
+
+        class StampedProtocol(asyncio.StreamReaderProtocol):
+            """asyncio's stream protocol that notes when bytes last came in: a request arrives
+            with its last bytes, before the emulator's task wakes to read and parse it (the
+            emulated GPU starts then, not after the emulator's own work)."""
+            arrived, ready = 0.0, 0
+
+            def connection_made(self, transport):
+                super().connection_made(transport)
+                # a client writes its request right after connecting: bytes already in the
+                # socket here arrived by now, a loop iteration before they are read
+                sock = transport.get_extra_info("socket")
+                try:
+                    waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4)
+                    self.ready = int.from_bytes(waiting, sys.byteorder)
+                except (OSError, AttributeError):       # not Unix, or no socket
+                    self.ready = 0
+                self.arrived = loop.time()
+
+            def data_received(self, data):
+                if len(data) > self.ready:
+                    self.arrived = loop.time()
+                self.ready = max(0, self.ready - len(data))
+                super().data_received(data)
+
+        def protocol():
+            reader = asyncio.StreamReader(limit=SERVE_MAX_HEAD)
+            stamped = StampedProtocol(reader, lambda r, w: self._connection(r, w, stamped))
+            return stamped
+        self.server = await loop.create_server(protocol, host, port)
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self):
@@ -2741,7 +2776,7 @@ class EmulatedServer:
                 self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
 
     # --- HTTP --------------------------------------------------------------------------------
-    async def _connection(self, reader, writer):
+    async def _connection(self, reader, writer, stamped):
         asyncio = self.asyncio
         try:
             while True:
@@ -2749,7 +2784,6 @@ class EmulatedServer:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                     return
-                received = asyncio.get_running_loop().time()     # the request's arrival
                 lines = head.decode("latin-1").split("\r\n")
                 parts = lines[0].split(" ")
                 if len(parts) != 3:
@@ -2777,6 +2811,8 @@ class EmulatedServer:
                     body = await reader.readexactly(length) if length else b""
                 if body is None:
                     return
+                # the request's arrival: its last bytes in (later if the next one's bytes came since)
+                received = min(stamped.arrived, self.loop.time())
                 keep = await self._route(method, target.split("?", 1)[0], body, writer, received) and keep
                 if not keep:
                     return

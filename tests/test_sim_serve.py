@@ -426,6 +426,89 @@ def test_the_model_list_and_health_answer(server):
     assert http(server, path="/nope")[0] == 404
 
 
+
+# --- the server in this process: what it writes, and when it says a request arrived -------------
+
+def in_process(check, served='odd "@@" name'):
+    """Run `check(server, port)` (a coroutine) against an EmulatedServer on a FlatCost core;
+    every request the core is handed is kept in server.submitted."""
+    import asyncio
+
+    class Kept(sim.EmulatedServer):
+        def _submit(self, req):
+            self.submitted.append(req)
+            super()._submit(req)
+
+    async def main():
+        server = Kept(sim.EngineCore(FlatCost(), 4096, max_batched_tokens=2048), served)
+        server.submitted = []
+        port = await server.start("127.0.0.1", 0)
+        try:
+            return await check(server, port)
+        finally:
+            await server.close()
+    return asyncio.run(main())
+
+
+async def _exchange(port, head, body, pause=0.0):
+    """Send a request's head, then after `pause` its body; the whole answer, read to close."""
+    import asyncio
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    await asyncio.sleep(pause)
+    writer.write(body)
+    await writer.drain()
+    sent = asyncio.get_running_loop().time()
+    answer = await reader.read()
+    writer.close()
+    return sent, answer
+
+
+def _request(path, obj):
+    body = json.dumps(obj).encode()
+    return (b"POST %s HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (path.encode(), len(body)), body)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_every_streamed_token_event_is_the_json_of_its_chunk_whatever_the_model_is_called(path):
+    chat_route = path == "/v1/chat/completions"
+    name = 'odd "@@" name'
+    obj = {"model": name, "max_tokens": 40, "stream": True}
+    obj.update({"messages": [{"role": "user", "content": "splice"}]} if chat_route else {"prompt": "splice"})
+
+    async def check(server, port):
+        return (await _exchange(port, *_request(path, obj)))[1], server.submitted[0]
+    answer, req = in_process(check, served=name)
+    events = [line[6:] for line in answer.decode().split("\n") if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = chunks[:40]
+    kind = "chat.completion.chunk" if chat_route else "text_completion"
+    assert all(c["model"] == name and c["object"] == kind and c["id"] == tokens[0]["id"] for c in chunks)
+    pieces = [c["choices"][0]["delta"]["content"] if chat_route else c["choices"][0]["text"] for c in tokens]
+    assert pieces == req.tokens[req.prompt_len:]
+    for c in tokens[1:]:
+        field = {"delta": {"content": c["choices"][0]["delta"]["content"]}} if chat_route else \
+            {"text": c["choices"][0]["text"]}
+        assert c["choices"] == [{"index": 0, **field, "logprobs": None, "finish_reason": None}]
+    if chat_route:
+        assert tokens[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+def test_a_request_arrives_with_its_last_bytes_not_with_its_head():
+    head, body = _request("/v1/completions", {"model": 'odd "@@" name', "prompt": "late body", "max_tokens": 2})
+
+    async def check(server, port):
+        sent, answer = await _exchange(port, head, body, pause=0.2)
+        return sent, answer, server.submitted[0].arrival
+    sent, answer, arrival = in_process(check)
+    assert answer.startswith(b"HTTP/1.1 200")
+    # one loop, one clock: the body went out 0.2 s after the head, and was read after it was sent
+    assert sent <= arrival
+
+
 # --- wrapped as an engine by a real node, behind a real ingress ----------------------------------
 
 def test_a_node_wraps_serve_as_its_engine_and_the_ingress_routes_to_it(tmp_path):
