@@ -2210,10 +2210,14 @@ ADMIT_WINDOW_S = 0.002
 # of the step in progress and admits it there, as a real engine would. This many at most in
 # one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
 RUN_AHEAD_STEPS = 256
-# asyncio's epoll timer wakes 0-1 ms late (a timeout is rounded up to whole milliseconds): the
-# step timer is armed half of that early, so a step's tokens go out centred on its modelled
-# end instead of ~0.5 ms after it on average (2.5 % of a 20 ms TTFT).
-TIMER_EARLY_S = 0.0005
+# asyncio's timers wake late: epoll takes whole milliseconds, and CPython's EpollSelector rounds
+# a timeout up to them as 18 * 1e-3 = 0.018000000000000002 s, which epoll.poll rounds up once
+# more (3.11: a timer 17.5 ms out wakes 1.7 ms late, median of 10 on our box). The step timer
+# is armed early by the lateness its own past wakes measured (a running mean over ~16 wakes,
+# TIMER_LATE_WEIGHT, each wake's lateness capped at TIMER_LATE_CAP_S so that a stalled box does
+# not drag it), from TIMER_EARLY_S before the first, so tokens go out centred on the modelled
+# end of their step, whatever the Python version's rounding.
+TIMER_EARLY_S, TIMER_LATE_WEIGHT, TIMER_LATE_CAP_S = 0.0005, 1 / 16, 0.003
 # llama.cpp's server keeps a prefix cache per slot, not per block: a request takes the idle slot
 # whose cached tokens share the longest prefix with its prompt when that prefix is at least
 # this share of the prompt (llama-server's --slot-prompt-similarity default 0.1), else the idle
@@ -2653,6 +2657,8 @@ class EmulatedServer:
         self.inbox = []                        # arrived, not yet seen by the core
         self.step, self.ends = None, []        # the step in flight and its planned end(s)
         self.timer = None                      # the loop's handle for the next callback
+        self.armed = 0.0                       # ... and the loop time it is due at
+        self.early = TIMER_EARLY_S             # how early the step timer is armed (measured lateness)
         self.step_end = 0.0
         self.busy = False
         self.counter = 0
@@ -2727,11 +2733,17 @@ class EmulatedServer:
             max(self.step_end, min(min(r.arrival for r, _ in step.items), self.loop.time()))
         self.busy = True
         self.step, self.ends = step, self._run_ahead(step, start)
-        self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
+        self._arm()
+
+    def _arm(self):
+        """The step timer at the planned end of the steps in flight, early by the lateness measured."""
+        self.armed = self.ends[-1] - self.early
+        self.timer = self.loop.call_at(self.armed, self._end_step)
 
     def _end_step(self):
         self.timer = None
         step, ends, now = self.step, self.ends, self.loop.time()
+        self.early += (min(max(now - self.armed, 0.0), TIMER_LATE_CAP_S) - self.early) * TIMER_LATE_WEIGHT
         self.step, self.ends = None, []
         self.step_end = ends[-1]
         produced = self.core.complete(step, now)
@@ -2773,7 +2785,7 @@ class EmulatedServer:
             if keep < len(self.ends):
                 self.ends = self.ends[:keep]
                 self.timer.cancel()
-                self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
+                self._arm()
 
     # --- HTTP --------------------------------------------------------------------------------
     async def _connection(self, reader, writer, stamped):

@@ -427,6 +427,51 @@ def test_the_model_list_and_health_answer(server):
 
 
 
+
+class LateLoop:
+    """The loop's clock and timers as the step timer uses them; the test fires each timer as
+    late as it likes."""
+
+    def __init__(self):
+        self.now, self.due = 0.0, None
+
+    def time(self):
+        return self.now
+
+    def call_at(self, when, callback):
+        self.due = (when, callback)
+        return self
+
+    def call_later(self, delay, callback):
+        return self.call_at(self.now + delay, callback)
+
+    def cancel(self):
+        self.due = None
+
+    def fire(self, late):
+        when, callback = self.due
+        self.now = max(self.now, when + late)
+        self.due = None
+        callback()
+
+
+def test_the_step_timer_is_armed_early_by_the_lateness_its_wakes_measured_and_a_stall_barely_moves_it():
+    server = sim.EmulatedServer(sim.EngineCore(FlatCost(), 4096), "m")
+    server.loop = LateLoop()
+    req = sim.EmulatedRequest(1, words(40), 200)
+    req.stream = True                          # one wake per step
+    server._submit(req)
+    server.loop.fire(0.0)                      # the admission window
+    for _ in range(120):
+        server.loop.fire(0.0017)               # every wake 1.7 ms after it was due
+    assert server.early == pytest.approx(0.0017, abs=2e-5)
+    assert server.loop.due[0] == pytest.approx(server.ends[-1] - server.early)
+    before = server.early
+    server.loop.fire(0.050)                    # a stalled box: 50 ms late once
+    assert server.early - before <= (sim.TIMER_LATE_CAP_S - before) * sim.TIMER_LATE_WEIGHT + 1e-12
+    assert req.generated == 120 + 1             # one step, one token per wake (the first: the prefill)
+
+
 # --- the server in this process: what it writes, and when it says a request arrived -------------
 
 def in_process(check, served='odd "@@" name'):
