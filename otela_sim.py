@@ -2999,8 +2999,7 @@ class EmulatedServer:
                 The step timer (_end_step) calls it as tokens are made (no task switch per token)."""
                 if transport.is_closing():
                     return False
-                new = req.generated - sent[0]
-                if new <= 0:
+                if req.generated <= sent[0]:
                     return True
                 start = req.prompt_len + sent[0]
                 chunks = []
