@@ -2383,6 +2383,10 @@ class EngineCore:
         """`slots`: llama.cpp's prefix cache (one per slot, max_num_seqs slots; the block pool
         then only counts KV) instead of vLLM's shared block cache."""
         self.cost, self.block_size = cost, block_size
+        # a decode-only step from the cost's per-batch-size constant, as estimate times it (StepCost
+        # and LinearStepCost: decode_alpha(n) + beta x context; a dict look-up, not the roofline's
+        # dozen operators every step: most of a streamed token's CPU is its step's, from cold caches)
+        self.decode_alpha = getattr(cost, "decode_alpha", None)
         # slot: [cached tokens, the request holding it or None, when it was last left]
         self.slots = [[[], None, 0] for _ in range(max_num_seqs)] if slots else None
         self.slot_clock = 0
@@ -2547,7 +2551,15 @@ class EngineCore:
             else:
                 pairs += n * (req.computed + (n + 1) / 2)
                 prefill += n
+        if not prefill:
+            return ScheduledStep(items, self.decode_seconds(decodes, ctx), tokens, decodes)
         return ScheduledStep(items, self.cost.step(tokens, seqs, ctx, pairs, prefill), tokens, decodes)
+
+    def decode_seconds(self, n, ctx):
+        """A step of n decodes attending over ctx tokens in all."""
+        if self.decode_alpha is not None:
+            return self.decode_alpha(n) + self.cost.beta * ctx
+        return self.cost.step(n, n, ctx, 0.0, 0)
 
     def complete(self, step, now):
         """The step ran: KV is computed, full blocks are cached, rows sample a token. Returns
@@ -2609,6 +2621,14 @@ class LinearStepCost:
     def step(self, tokens, seqs, decode_ctx=0.0, prefill_pairs=0.0, prefill_tokens=0):
         return (self.overhead + self.per_token * tokens + self.per_seq * seqs + self.per_ctx * decode_ctx
                 + self.per_pair * prefill_pairs + (self.prefill_overhead if prefill_tokens else 0.0))
+
+    @property
+    def beta(self):
+        return self.per_ctx
+
+    def decode_alpha(self, n):
+        """A decode step of n requests costs decode_alpha(n) + beta x their context (StepCost's form)."""
+        return self.overhead + (self.per_token + self.per_seq) * n
 
     @classmethod
     def fit(cls, prefill, decode):
@@ -2769,7 +2789,7 @@ class EmulatedServer:
         ctx = sum(len(r.tokens) for r, _ in items)
         t = ends[0]
         for i in range(1, ahead):
-            t += core.cost.step(n, n, ctx + i * n, 0.0, 0)
+            t += core.decode_seconds(n, ctx + i * n)
             ends.append(t)
         return ends
 

@@ -232,6 +232,19 @@ def test_the_step_times_of_a_static_batch_are_the_estimate_of_the_same_batch():
     assert clock * 1e3 == pytest.approx(e["e2e_ms"], rel=1e-9)
 
 
+
+@pytest.mark.parametrize("cost", [sim.serve_core("llama-3.1-8b", "H100", engine="vllm-v1").cost,
+                                  sim.LinearStepCost(0.002, 0.0007, 0.0009, 3e-7, 8e-9, 0.07)])
+def test_a_decode_step_is_timed_by_the_per_batch_constant_and_beta_as_the_full_step_cost_would(cost):
+    core = sim.EngineCore(cost, 4096)
+    for i in range(3):
+        core.add(sim.EmulatedRequest(i, words(100 + 7 * i, f"d{i}"), max_tokens=5))
+    core.complete(core.schedule(), 0.0)        # the prefill
+    step = core.schedule()
+    assert step.decodes == 3 and core.decode_alpha is not None
+    assert step.seconds == pytest.approx(cost.step(3, 3, 3 * 101 + 7 + 14, 0.0, 0), rel=1e-12)
+
+
 def test_the_kv_pool_is_what_the_gpu_leaves_after_weights_and_activations():
     core = sim.serve_core("llama-3.1-8b", "H100")
     c = sim._cost_for(sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu("H100"), 1, None, "vllm-v1")
