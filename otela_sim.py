@@ -2210,10 +2210,14 @@ ADMIT_WINDOW_S = 0.002
 # of the step in progress and admits it there, as a real engine would. This many at most in
 # one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
 RUN_AHEAD_STEPS = 256
-# asyncio's epoll timer wakes 0-1 ms late (a timeout is rounded up to whole milliseconds): the
-# step timer is armed half of that early, so a step's tokens go out centred on its modelled
-# end instead of ~0.5 ms after it on average (2.5 % of a 20 ms TTFT).
-TIMER_EARLY_S = 0.0005
+# asyncio's timers wake late: epoll takes whole milliseconds, and CPython's EpollSelector rounds
+# a timeout up to them as 18 * 1e-3 = 0.018000000000000002 s, which epoll.poll rounds up once
+# more (3.11: a timer 17.5 ms out wakes 1.7 ms late, median of 10 on our box). The step timer
+# is armed early by the lateness its own past wakes measured (a running mean over ~16 wakes,
+# TIMER_LATE_WEIGHT, each wake's lateness capped at TIMER_LATE_CAP_S so that a stalled box does
+# not drag it), from TIMER_EARLY_S before the first, so tokens go out centred on the modelled
+# end of their step, whatever the Python version's rounding.
+TIMER_EARLY_S, TIMER_LATE_WEIGHT, TIMER_LATE_CAP_S = 0.0005, 1 / 16, 0.003
 # llama.cpp's server keeps a prefix cache per slot, not per block: a request takes the idle slot
 # whose cached tokens share the longest prefix with its prompt when that prefix is at least
 # this share of the prompt (llama-server's --slot-prompt-similarity default 0.1), else the idle
@@ -2379,6 +2383,10 @@ class EngineCore:
         """`slots`: llama.cpp's prefix cache (one per slot, max_num_seqs slots; the block pool
         then only counts KV) instead of vLLM's shared block cache."""
         self.cost, self.block_size = cost, block_size
+        # a decode-only step from the cost's per-batch-size constant, as estimate times it (StepCost
+        # and LinearStepCost: decode_alpha(n) + beta x context; a dict look-up, not the roofline's
+        # dozen operators every step: most of a streamed token's CPU is its step's, from cold caches)
+        self.decode_alpha = getattr(cost, "decode_alpha", None)
         # slot: [cached tokens, the request holding it or None, when it was last left]
         self.slots = [[[], None, 0] for _ in range(max_num_seqs)] if slots else None
         self.slot_clock = 0
@@ -2543,7 +2551,15 @@ class EngineCore:
             else:
                 pairs += n * (req.computed + (n + 1) / 2)
                 prefill += n
+        if not prefill:
+            return ScheduledStep(items, self.decode_seconds(decodes, ctx), tokens, decodes)
         return ScheduledStep(items, self.cost.step(tokens, seqs, ctx, pairs, prefill), tokens, decodes)
+
+    def decode_seconds(self, n, ctx):
+        """A step of n decodes attending over ctx tokens in all."""
+        if self.decode_alpha is not None:
+            return self.decode_alpha(n) + self.cost.beta * ctx
+        return self.cost.step(n, n, ctx, 0.0, 0)
 
     def complete(self, step, now):
         """The step ran: KV is computed, full blocks are cached, rows sample a token. Returns
@@ -2606,6 +2622,14 @@ class LinearStepCost:
         return (self.overhead + self.per_token * tokens + self.per_seq * seqs + self.per_ctx * decode_ctx
                 + self.per_pair * prefill_pairs + (self.prefill_overhead if prefill_tokens else 0.0))
 
+    @property
+    def beta(self):
+        return self.per_ctx
+
+    def decode_alpha(self, n):
+        """A decode step of n requests costs decode_alpha(n) + beta x their context (StepCost's form)."""
+        return self.overhead + (self.per_token + self.per_seq) * n
+
     @classmethod
     def fit(cls, prefill, decode):
         """A profile from measurements of a real engine: `prefill` [(new prompt tokens, query-key
@@ -2653,6 +2677,8 @@ class EmulatedServer:
         self.inbox = []                        # arrived, not yet seen by the core
         self.step, self.ends = None, []        # the step in flight and its planned end(s)
         self.timer = None                      # the loop's handle for the next callback
+        self.armed = 0.0                       # ... and the loop time it is due at
+        self.early = TIMER_EARLY_S             # how early the step timer is armed (measured lateness)
         self.step_end = 0.0
         self.busy = False
         self.counter = 0
@@ -2660,8 +2686,43 @@ class EmulatedServer:
         self.server = self.loop = None
 
     async def start(self, host, port):
-        self.loop = self.asyncio.get_running_loop()
-        self.server = await self.asyncio.start_server(self._connection, host, port, limit=SERVE_MAX_HEAD)
+        asyncio = self.asyncio
+        loop = self.loop = asyncio.get_running_loop()
+        try:
+            import fcntl
+            import termios
+        except ImportError:                    # not Unix: a request arrives when it is read
+            fcntl = termios = None
+
+        class StampedProtocol(asyncio.StreamReaderProtocol):
+            """asyncio's stream protocol that notes when bytes last came in: a request arrives
+            with its last bytes, before the emulator's task wakes to read and parse it (the
+            emulated GPU starts then, not after the emulator's own work)."""
+            arrived, ready = 0.0, 0
+
+            def connection_made(self, transport):
+                super().connection_made(transport)
+                # a client writes its request right after connecting: bytes already in the
+                # socket here arrived by now, a loop iteration before they are read
+                sock = transport.get_extra_info("socket")
+                try:
+                    waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4)
+                    self.ready = int.from_bytes(waiting, sys.byteorder)
+                except (OSError, AttributeError):       # not Unix, or no socket
+                    self.ready = 0
+                self.arrived = loop.time()
+
+            def data_received(self, data):
+                if len(data) > self.ready:
+                    self.arrived = loop.time()
+                self.ready = max(0, self.ready - len(data))
+                super().data_received(data)
+
+        def protocol():
+            reader = asyncio.StreamReader(limit=SERVE_MAX_HEAD)
+            stamped = StampedProtocol(reader, lambda r, w: self._connection(r, w, stamped))
+            return stamped
+        self.server = await loop.create_server(protocol, host, port)
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self):
@@ -2692,11 +2753,17 @@ class EmulatedServer:
             max(self.step_end, min(min(r.arrival for r, _ in step.items), self.loop.time()))
         self.busy = True
         self.step, self.ends = step, self._run_ahead(step, start)
-        self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
+        self._arm()
+
+    def _arm(self):
+        """The step timer at the planned end of the steps in flight, early by the lateness measured."""
+        self.armed = self.ends[-1] - self.early
+        self.timer = self.loop.call_at(self.armed, self._end_step)
 
     def _end_step(self):
         self.timer = None
         step, ends, now = self.step, self.ends, self.loop.time()
+        self.early += (min(max(now - self.armed, 0.0), TIMER_LATE_CAP_S) - self.early) * TIMER_LATE_WEIGHT
         self.step, self.ends = None, []
         self.step_end = ends[-1]
         produced = self.core.complete(step, now)
@@ -2722,7 +2789,7 @@ class EmulatedServer:
         ctx = sum(len(r.tokens) for r, _ in items)
         t = ends[0]
         for i in range(1, ahead):
-            t += core.cost.step(n, n, ctx + i * n, 0.0, 0)
+            t += core.decode_seconds(n, ctx + i * n)
             ends.append(t)
         return ends
 
@@ -2738,10 +2805,10 @@ class EmulatedServer:
             if keep < len(self.ends):
                 self.ends = self.ends[:keep]
                 self.timer.cancel()
-                self.timer = self.loop.call_at(self.ends[-1] - TIMER_EARLY_S, self._end_step)
+                self._arm()
 
     # --- HTTP --------------------------------------------------------------------------------
-    async def _connection(self, reader, writer):
+    async def _connection(self, reader, writer, stamped):
         asyncio = self.asyncio
         try:
             while True:
@@ -2749,7 +2816,6 @@ class EmulatedServer:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                     return
-                received = asyncio.get_running_loop().time()     # the request's arrival
                 lines = head.decode("latin-1").split("\r\n")
                 parts = lines[0].split(" ")
                 if len(parts) != 3:
@@ -2777,6 +2843,8 @@ class EmulatedServer:
                     body = await reader.readexactly(length) if length else b""
                 if body is None:
                     return
+                # the request's arrival: its last bytes in (later if the next one's bytes came since)
+                received = min(stamped.arrived, self.loop.time())
                 keep = await self._route(method, target.split("?", 1)[0], body, writer, received) and keep
                 if not keep:
                     return
@@ -2929,32 +2997,46 @@ class EmulatedServer:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
                          b"transfer-encoding: chunked\r\n\r\n")
             chunk_obj = obj + ".chunk" if chat else obj
-            token_event = json.dumps({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
-                                      "choices": [{"index": 0, ("delta" if chat else "text"): "@@",
-                                                   "logprobs": None, "finish_reason": None}]})
-            token_event = token_event.replace("%", "%%").replace('"@@"', '{"content": %s}' if chat else "%s")
+            # a token's event is its text spliced between two pre-encoded halves, framed as one
+            # HTTP chunk, and kept per distinct text (OUTPUT_WORDS: 16 of them), so a token costs
+            # a dict look-up and a write, no JSON (what a streamed token costs the CPU)
+            before, after = json.dumps({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                                        "choices": [{"index": 0, ("delta" if chat else "text"): "@@",
+                                                     "logprobs": None, "finish_reason": None}]}).rsplit('"@@"', 1)
+            before = ("data: " + before + ('{"content": ' if chat else "")).encode()
+            after = (("}" if chat else "") + after + "\n\n").encode()
+            framed = {}
             transport = writer.transport
             sent = [0]
+
+            def frame(piece):
+                event = before + json.dumps(piece).encode() + after
+                framed[piece] = chunk = b"%x\r\n%s\r\n" % (len(event), event)
+                return chunk
 
             def flush():
                 """Write the tokens made since the last call; False when the client has left.
                 The step timer (_end_step) calls it as tokens are made (no task switch per token)."""
                 if transport.is_closing():
                     return False
-                events = []
-                for piece in req.tokens[req.prompt_len + sent[0]:req.prompt_len + req.generated]:
-                    if sent[0] == 0:
-                        choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
-                            {"index": 0, "text": piece}
-                        events.append(json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
-                                                  "model": self.model, "choices": [{**choice, "logprobs": None,
-                                                                                    "finish_reason": None}]}))
-                    else:                      # the common chunk, formatted from a template (CPU per token)
-                        events.append(token_event % json.dumps(piece))
-                    sent[0] += 1
-                if events:
-                    payload = "".join(f"data: {e}\n\n" for e in events).encode()
-                    transport.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+                if req.generated <= sent[0]:
+                    return True
+                start = req.prompt_len + sent[0]
+                chunks = []
+                if sent[0] == 0:               # the first event names the role
+                    piece = req.tokens[start]
+                    choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
+                        {"index": 0, "text": piece}
+                    event = ("data: " + json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
+                                                    "model": self.model, "choices": [{**choice, "logprobs": None,
+                                                                                      "finish_reason": None}]})
+                             + "\n\n").encode()
+                    chunks.append(b"%x\r\n%s\r\n" % (len(event), event))
+                    start += 1
+                for piece in req.tokens[start:req.prompt_len + req.generated]:
+                    chunks.append(framed.get(piece) or frame(piece))
+                sent[0] = req.generated
+                transport.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
                 return True
             req.sink = flush
             await req.waiter                   # set when the request finishes or is aborted

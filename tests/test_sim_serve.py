@@ -232,6 +232,19 @@ def test_the_step_times_of_a_static_batch_are_the_estimate_of_the_same_batch():
     assert clock * 1e3 == pytest.approx(e["e2e_ms"], rel=1e-9)
 
 
+
+@pytest.mark.parametrize("cost", [sim.serve_core("llama-3.1-8b", "H100", engine="vllm-v1").cost,
+                                  sim.LinearStepCost(0.002, 0.0007, 0.0009, 3e-7, 8e-9, 0.07)])
+def test_a_decode_step_is_timed_by_the_per_batch_constant_and_beta_as_the_full_step_cost_would(cost):
+    core = sim.EngineCore(cost, 4096)
+    for i in range(3):
+        core.add(sim.EmulatedRequest(i, words(100 + 7 * i, f"d{i}"), max_tokens=5))
+    core.complete(core.schedule(), 0.0)        # the prefill
+    step = core.schedule()
+    assert step.decodes == 3 and core.decode_alpha is not None
+    assert step.seconds == pytest.approx(cost.step(3, 3, 3 * 101 + 7 + 14, 0.0, 0), rel=1e-12)
+
+
 def test_the_kv_pool_is_what_the_gpu_leaves_after_weights_and_activations():
     core = sim.serve_core("llama-3.1-8b", "H100")
     c = sim._cost_for(sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu("H100"), 1, None, "vllm-v1")
@@ -424,6 +437,134 @@ def test_the_model_list_and_health_answer(server):
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL]
     assert http(server, path="/health")[0] == 200
     assert http(server, path="/nope")[0] == 404
+
+
+
+
+class LateLoop:
+    """The loop's clock and timers as the step timer uses them; the test fires each timer as
+    late as it likes."""
+
+    def __init__(self):
+        self.now, self.due = 0.0, None
+
+    def time(self):
+        return self.now
+
+    def call_at(self, when, callback):
+        self.due = (when, callback)
+        return self
+
+    def call_later(self, delay, callback):
+        return self.call_at(self.now + delay, callback)
+
+    def cancel(self):
+        self.due = None
+
+    def fire(self, late):
+        when, callback = self.due
+        self.now = max(self.now, when + late)
+        self.due = None
+        callback()
+
+
+def test_the_step_timer_is_armed_early_by_the_lateness_its_wakes_measured_and_a_stall_barely_moves_it():
+    server = sim.EmulatedServer(sim.EngineCore(FlatCost(), 4096), "m")
+    server.loop = LateLoop()
+    req = sim.EmulatedRequest(1, words(40), 200)
+    req.stream = True                          # one wake per step
+    server._submit(req)
+    server.loop.fire(0.0)                      # the admission window
+    for _ in range(120):
+        server.loop.fire(0.0017)               # every wake 1.7 ms after it was due
+    assert server.early == pytest.approx(0.0017, abs=2e-5)
+    assert server.loop.due[0] == pytest.approx(server.ends[-1] - server.early)
+    before = server.early
+    server.loop.fire(0.050)                    # a stalled box: 50 ms late once
+    assert server.early - before <= (sim.TIMER_LATE_CAP_S - before) * sim.TIMER_LATE_WEIGHT + 1e-12
+    assert req.generated == 120 + 1             # one step, one token per wake (the first: the prefill)
+
+
+# --- the server in this process: what it writes, and when it says a request arrived -------------
+
+def in_process(check, served='odd "@@" name'):
+    """Run `check(server, port)` (a coroutine) against an EmulatedServer on a FlatCost core;
+    every request the core is handed is kept in server.submitted."""
+    import asyncio
+
+    class Kept(sim.EmulatedServer):
+        def _submit(self, req):
+            self.submitted.append(req)
+            super()._submit(req)
+
+    async def main():
+        server = Kept(sim.EngineCore(FlatCost(), 4096, max_batched_tokens=2048), served)
+        server.submitted = []
+        port = await server.start("127.0.0.1", 0)
+        try:
+            return await check(server, port)
+        finally:
+            await server.close()
+    return asyncio.run(main())
+
+
+async def _exchange(port, head, body, pause=0.0):
+    """Send a request's head, then after `pause` its body; the whole answer, read to close."""
+    import asyncio
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    await asyncio.sleep(pause)
+    writer.write(body)
+    await writer.drain()
+    sent = asyncio.get_running_loop().time()
+    answer = await reader.read()
+    writer.close()
+    return sent, answer
+
+
+def _request(path, obj):
+    body = json.dumps(obj).encode()
+    return (b"POST %s HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (path.encode(), len(body)), body)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_every_streamed_token_event_is_the_json_of_its_chunk_whatever_the_model_is_called(path):
+    chat_route = path == "/v1/chat/completions"
+    name = 'odd "@@" name'
+    obj = {"model": name, "max_tokens": 40, "stream": True}
+    obj.update({"messages": [{"role": "user", "content": "splice"}]} if chat_route else {"prompt": "splice"})
+
+    async def check(server, port):
+        return (await _exchange(port, *_request(path, obj)))[1], server.submitted[0]
+    answer, req = in_process(check, served=name)
+    events = [line[6:] for line in answer.decode().split("\n") if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = chunks[:40]
+    kind = "chat.completion.chunk" if chat_route else "text_completion"
+    assert all(c["model"] == name and c["object"] == kind and c["id"] == tokens[0]["id"] for c in chunks)
+    pieces = [c["choices"][0]["delta"]["content"] if chat_route else c["choices"][0]["text"] for c in tokens]
+    assert pieces == req.tokens[req.prompt_len:]
+    for c in tokens[1:]:
+        field = {"delta": {"content": c["choices"][0]["delta"]["content"]}} if chat_route else \
+            {"text": c["choices"][0]["text"]}
+        assert c["choices"] == [{"index": 0, **field, "logprobs": None, "finish_reason": None}]
+    if chat_route:
+        assert tokens[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+def test_a_request_arrives_with_its_last_bytes_not_with_its_head():
+    head, body = _request("/v1/completions", {"model": 'odd "@@" name', "prompt": "late body", "max_tokens": 2})
+
+    async def check(server, port):
+        sent, answer = await _exchange(port, head, body, pause=0.2)
+        return sent, answer, server.submitted[0].arrival
+    sent, answer, arrival = in_process(check)
+    assert answer.startswith(b"HTTP/1.1 200")
+    # one loop, one clock: the body went out 0.2 s after the head, and was read after it was sent
+    assert sent <= arrival
 
 
 # --- wrapped as an engine by a real node, behind a real ingress ----------------------------------
