@@ -491,11 +491,6 @@ class Authority:
             return False
         return any(hmac.compare_digest(self._tag(s, entry_id, record), sig) for s in self.secrets)
 
-    def current(self, record: Dict[str, Any], entry_id: str) -> bool:
-        """Whether the record is signed by the current (first) secret."""
-        sig = record.get("sig")
-        return isinstance(sig, str) and hmac.compare_digest(self._tag(self.secrets[0], entry_id, record), sig)
-
     def _proof(self, secret: bytes, session_id: str, gossip: str) -> str:
         data = b"otela-tier\0" + session_id.encode() + b"\0" + gossip.encode()
         return hmac.new(secret, data, hashlib.sha256).hexdigest()
@@ -643,6 +638,10 @@ class GMap:
         """Every entry of one plane, read-only."""
         return ((eid, e.record) for eid, e in self._entries.items() if e.plane == plane)
 
+    def size_of(self, entry_id: str) -> int:
+        """Bytes of an entry's canonical encoding (kept from its validation: no encoding again)."""
+        return self._entries[entry_id].size
+
     def plane_size(self, plane: str) -> int:
         if plane == ROUTING:
             return len(self._by_kind[SESSION]) + len(self._by_kind[UNKNOWN])
@@ -678,6 +677,7 @@ class GMap:
         room = MAX_SESSIONS - len(self._by_kind[SESSION])
         room_bytes = MAX_SESSION_BYTES - self._session_bytes
         joining = set(joining)
+        extra = (MAX_SESSIONS, MAX_SESSION_BYTES)   # a joiner's own record: room up to twice the caps
         for pair in pairs:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise RecordError("merge takes {session_id: record} or (session_id, record) pairs")
@@ -687,13 +687,10 @@ class GMap:
                 continue        # a duplicate (most of gossip): valid and changes nothing
             encoded = validate(session_id, record)
             if known is None and kind_of(session_id) == SESSION:
-                if session_id in joining:
-                    room, room_bytes = room + MAX_SESSIONS, room_bytes + MAX_SESSION_BYTES
-                if room <= 0 or room_bytes < len(encoded):
+                more, more_bytes = extra if session_id in joining else (0, 0)
+                if room + more <= 0 or room_bytes + more_bytes < len(encoded):
                     self.refused["sessions_full"] += 1
                     continue
-                if session_id in joining:
-                    room, room_bytes = room - MAX_SESSIONS, room_bytes - MAX_SESSION_BYTES
                 room -= 1
                 room_bytes -= len(encoded)
             checked.append((session_id, record, encoded))

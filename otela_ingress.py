@@ -1421,29 +1421,21 @@ class Metrics:
 REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full")
 
 
-def registry_refusals(overlay: Any) -> bytes:
-    """/metrics lines for registry entries this member refused: an attack shows here (unsigned:
-    a key or usage record without the ingress tier's signature; plane: ingress-plane traffic
-    from or to a member that is not a proven ingress; unknown_full: entries of unknown kinds
-    over crdt.MAX_UNKNOWN; sessions_full: new sessions over crdt.MAX_SESSIONS)."""
-    refused = overlay.refused + overlay.map.refused
-    lines = ["# HELP otela_registry_refused_total Registry entries and exchanges refused, by reason.",
-             "# TYPE otela_registry_refused_total counter"]
-    lines += [f'otela_registry_refused_total{{why="{why}"}} {refused.get(why, 0)}' for why in REFUSAL_REASONS]
-    return ("\n".join(lines) + "\n").encode()
-
-
 FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
 
 
 def overlay_metrics(node: Any) -> bytes:
     """The overlay node's refusals as Prometheus families, so an operator sees an attack on the
     gossip port or the relay: datagrams and frames dropped (by reason), connections and join
-    answers refused, envelopes not relayed, and the senders whose replay-cache share is full.
-    Nothing for a stand-in node without them."""
-    wire = getattr(node, "wire", None)
-    if wire is None:
+    answers refused, envelopes not relayed, the senders whose replay-cache share is full, and
+    registry entries refused (unsigned: a key or usage record without the ingress tier's
+    signature; plane: ingress-plane traffic from or to a member that is not a proven ingress;
+    unknown_full: entries of unknown kinds over crdt.MAX_UNKNOWN; sessions_full: new sessions
+    over crdt.MAX_SESSIONS). Nothing for a stand-in node without them."""
+    wire, overlay = getattr(node, "wire", None), getattr(node, "overlay", None)
+    if wire is None or overlay is None:
         return b""
+    registry = overlay.refused + overlay.map.refused
     out = []
     for name, help_text, counts, label in (
             ("otela_gossip_dropped_total", "Gossip datagrams and frames dropped, by reason.", wire.dropped, "reason"),
@@ -1452,7 +1444,9 @@ def overlay_metrics(node: Any) -> bytes:
             ("otela_relay_refused_total", "Envelopes this relay did not pass on, by reason.",
              {k: node.relayed[k] for k in ("refused", "stale", "not_member", "replayed")}, "reason"),
             ("otela_gossip_flooded_total", "Authentic datagrams refused because their sender's share of the "
-             "replay cache was full, by sender.", dict(wire.flooders.most_common(FLOODERS_SHOWN)), "sender")):
+             "replay cache was full, by sender.", dict(wire.flooders.most_common(FLOODERS_SHOWN)), "sender"),
+            ("otela_registry_refused_total", "Registry entries and exchanges refused, by reason.",
+             {why: registry.get(why, 0) for why in REFUSAL_REASONS}, "why")):
         out.append(f"# HELP {name} {help_text}")
         out.append(f"# TYPE {name} counter")
         out += [f'{name}{{{label}="{_label(str(key))}"}} {n}' for key, n in sorted(counts.items())]
@@ -3616,9 +3610,6 @@ class Ingress:
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
                                    ledger.failed_commits if ledger is not None else 0,
                                    ledger.pending() if ledger is not None else 0)
-        overlay = getattr(self.node, "overlay", None)
-        if overlay is not None:
-            body += registry_refusals(overlay)
         body += overlay_metrics(self.node)
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 

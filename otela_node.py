@@ -740,7 +740,7 @@ class Overlay:
         record.update(version=0, started=now)
         if record["state"] >= crdt.DOWN:
             record["state"] = crdt.SERVING
-        self.sid = crdt.new_session_id()
+        self.sid = f"{self.rng.getrandbits(128):032x}"   # from our rng: the simulator replays a run
         self.ring = None
         self.record = self._with_tier(self.sid, record)
         self.leaving = False
@@ -940,7 +940,7 @@ class Overlay:
         msg, size = first, 0
         msg.setdefault("r", {})
         for sid, record in records:
-            cost = len(crdt.encode(record)) + len(sid) + 6
+            cost = self.map.size_of(sid) + len(sid) + 6
             if msg["r"] and size + cost > self.cfg.state_chunk:
                 out.append(Out(dest, msg, tcp))
                 msg, size = {"t": "st", "r": {}}, 0
@@ -1028,7 +1028,7 @@ class Overlay:
                 # The ingress plane: held by ingresses, written only by the ingress tier. A worker
                 # drops it (an ingress of the release before planes still sends it); an ingress
                 # applies only what the tier signed (the cluster key alone writes nothing here).
-                if self.authority is None or crdt.kind_of(sid) not in (crdt.KEY, crdt.USAGE):
+                if self.authority is None:
                     self.refused["plane"] += 1
                     continue
                 if not isinstance(record, dict) or not self.authority.verify(sid, record):
@@ -1172,7 +1172,8 @@ class Overlay:
         if ingress_plane:
             # Pushed by its writer to every proven ingress, resent until acked; never rumoured on
             # (receivers do not forward it, and workers never see it); anti-entropy repairs.
-            keys = [k for k in keys if not (k[0] == "r" and crdt.plane_of(k[1]) == crdt.INGRESS)]
+            held = set(ingress_plane)
+            keys = [k for k in keys if k not in held]
             if origin:
                 out += self._push(ingress_plane, [a for a in self.ingresses.values() if a != exclude], now)
             if not keys:

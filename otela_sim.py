@@ -33,14 +33,18 @@ a waiting prompt fits in the KV cache, otherwise one decode step of every runnin
 a full cache preempts the youngest request, which is recomputed later.
 
 Rules of this file.
-1. No I/O outside the probe and command-line sections, nothing at import beyond building
-   tables; the calibration data file is read once, at first use (active_calibration()).
+1. No I/O outside the probe, emulated-engine (`serve`) and command-line sections, nothing at
+   import beyond building tables; the calibration data file is read once, at first use
+   (active_calibration()).
 2. Every number has its source or its reason beside it. Priors and physical bounds live here
    (HARDWARE_PRIORS with per-architecture HARDWARE_PRIOR_OVERRIDES, ENGINE_PRIORS with
    ENGINE_PRIOR_OVERRIDES); fitted numbers live only in the calibration data file
    (tests/data/calibration.json), which `calibrate --write` writes and a user can diff.
 3. The engine version is an input (ENGINE_VERSIONS): what a version changes that the roofline
    sees is a documented feature, never a knob fitted to the one row that shows it.
+
+Sections: config · GPU table · model table · roofline · workload · serving replay ·
+calibration · probe · emulated engine (`serve`) · command line.
 """
 from __future__ import annotations
 

@@ -246,8 +246,10 @@ def test_two_placers_started_together_submit_every_job_once(slurm, tmp_path):
     slots = _slots()
     assert sorted(slots) == ["otela-race-slot-tp1-0", "otela-race-slot-tp1-1", "otela-race-slot-tp1-2"]
     assert all(len(ids) == 1 for ids in slots.values())
-    # each duplicate was cancelled by a run, and every run keeps the lowest id of a slot
-    assert sum(len(r["duplicates"]) for r in reports) + 3 == sum(len(r["submit"]) for r in reports)
+    # each duplicate was cancelled by a run (by both, when both looked after both had submitted:
+    # scancel of a job already cancelled is harmless), and every run keeps the lowest id of a slot
+    cancelled = set().union(*(r["duplicates"] for r in reports))
+    assert len(cancelled) + 3 == sum(len(r["submit"]) for r in reports)
     # a third run finds nothing to do
     third = subprocess.run(plan_argv(tmp_path, "login1", {"race": 2.0}), capture_output=True, text=True, timeout=120)
     assert third.returncode == 0, third.stderr
