@@ -350,17 +350,27 @@ def key_accepts(record: Dict[str, Any], now: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Usage: per (key, model, day) G-Counters, one slot per ingress session
+# Usage: per (key, period) G-Counters, one slot per ingress session
 # ---------------------------------------------------------------------------------------------
 # Each ingress session counts what it served in its own slot, which only it writes: the slot's
 # counts only grow, and each write bumps its version, so "the higher version wins" is the
 # G-Counter's slot-wise max. The counter's value is the sum over its slots (`usage_totals`).
 # A restarted ingress is a new session with new slots; the old ones stay as they were.
+#
+# A counter's period ("day") is a UTC day (YYYY-MM-DD: the day budget, recent days' views) or a
+# month (YYYY-MM: the month budget, a year of totals). Its "model" is "" (all models): the
+# replicated counters hold what budgets and totals need, 1,000 keys x 3 ingresses x (8 days + 13
+# months) = 63k slots however many models a key uses; the per-model rows stay in each ingress's
+# SQLite (its `daily` table and ledger). Slots with a model name are a release before this one's
+# (per model and day); they are still counted, in their day and its month.
 _USAGE_ENTRY = re.compile(r"^use:[0-9a-f]{32}$")
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_PERIOD = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens")
-USAGE_RETENTION_DAYS = 62     # in the map: a month budget needs this month, `keys list` the last
-                              # too; older days stay in each ingress's SQLite (its own retention)
+USAGE_RETENTION_DAYS = 8      # day counters in the map (a day budget needs today; views a week);
+USAGE_RETENTION_MONTHS = 13   # month counters: this month's budget, a year of totals. Both are
+                              # the operator's (ingress --usage-days, --usage-months); older
+                              # periods stay in each ingress's SQLite
+ALL_MODELS = ""               # a counter's "model": every model of its key
 KEY_RETENTION_S = 30 * 86400.0   # a revoked or expired key's record is compacted this long after it
                                  # stopped working; its id is remembered, so no copy comes back
 
@@ -396,9 +406,10 @@ def validate_usage(entry_id: str, record: Any) -> bytes:
             raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
     for field in ("key", "model", "day", "slot"):
         _check_string(field, record[field])
-    if not re.match(r"^[0-9a-f]{64}$", record["key"]) or not _DAY.match(record["day"]) \
+    if not re.match(r"^[0-9a-f]{64}$", record["key"]) or not _PERIOD.match(record["day"]) \
             or not _SESSION_ID.match(record["slot"]):
-        raise RecordError(f"{entry_id}: key must be 64 hex digits, day YYYY-MM-DD, slot a session id")
+        raise RecordError(f"{entry_id}: key must be 64 hex digits, day YYYY-MM-DD or YYYY-MM, "
+                          "slot a session id")
     if entry_id != usage_entry(record["key"], record["model"], record["day"], record["slot"]):
         raise RecordError(f"{entry_id}: the id does not match the slot's key, model, day and slot")
     return _encode_checked(entry_id, record)
@@ -407,6 +418,34 @@ def validate_usage(entry_id: str, record: Any) -> bytes:
 def day_start(day: str) -> float:
     """Unix time of 00:00 UTC on `day` (YYYY-MM-DD)."""
     return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
+
+
+def usage_spent(records: Iterable[Dict[str, Any]], key_hash: str, day: str) -> Tuple[int, int]:
+    """Tokens `key_hash` used on `day` and in its month, over every slot: day counters count in
+    their day, month counters in their month, a release before's per-model day slots in both."""
+    today = month = 0
+    for record in records:
+        if record["key"] != key_hash:
+            continue
+        tokens = record["prompt_tokens"] + record["completion_tokens"]
+        period = record["day"]
+        if period == day:
+            today += tokens
+        if period == day[:7] or (len(period) == 10 and record["model"] != ALL_MODELS and period[:7] == day[:7]):
+            month += tokens
+    return today, month
+
+
+def usage_kept(period: str, day_horizon: str, month_horizon: str) -> bool:
+    """Whether a counter of `period` is inside the retention (horizons: the oldest kept)."""
+    return period >= (month_horizon if len(period) == 7 else day_horizon)
+
+
+def usage_horizons(now: float, days: int, months: int) -> Tuple[str, str]:
+    """The oldest day and month kept: `days` days back (today is day 1), `months` months back."""
+    year, month = time.gmtime(now)[:2]
+    back = year * 12 + month - 1 - (months - 1)
+    return time_day(now - (days - 1) * 86400.0), f"{back // 12:04d}-{back % 12 + 1:02d}"
 
 
 def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = None,
@@ -590,20 +629,22 @@ class GMap:
     associative, idempotent."""
 
     def __init__(self, retention: float = RETENTION_S, usage_days: int = USAGE_RETENTION_DAYS,
-                 planes: Iterable[str] = PLANES):
+                 planes: Iterable[str] = PLANES, usage_months: int = USAGE_RETENTION_MONTHS):
         self.retention = float(retention)
         self.usage_days = int(usage_days)
+        self.usage_months = int(usage_months)
         self.planes = frozenset(planes)          # what this replica holds (workers: ROUTING)
         self._entries: Dict[str, _Entry] = {}
         self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, UNKNOWN: {}}
-        self._usage_by_day: Dict[str, set] = {}  # day -> its usage entry ids: retention pops days
+        self._usage_by_day: Dict[str, set] = {}  # period -> its usage entry ids: retention pops them
         self._session_bytes = 0                  # encoded bytes of the session records held
         self._all = _Hashes()
         self._hashes = {plane: _Hashes() for plane in PLANES}
         self._forgotten: Dict[str, float] = {}   # compacted id -> when (a session's compaction,
                                                  # a key's end): refused while remembered
         self._horizon = -math.inf                # LEFT records older than this are refused
-        self._usage_horizon = ""                 # usage slots of days before this are refused
+        self._usage_horizon = ("", "")           # usage slots of periods before these (oldest day
+                                                 # and month kept) are refused
         self._key_horizon = -math.inf            # keys revoked or expired before this are refused
         self.refused: collections.Counter = collections.Counter()   # entries not applied, by why
 
@@ -707,7 +748,7 @@ class GMap:
             return False
         if kind == SESSION and record["state"] == LEFT and record["left_at"] < self._horizon:
             return False
-        if kind == USAGE and record["day"] < self._usage_horizon:
+        if kind == USAGE and not usage_kept(record["day"], *self._usage_horizon):
             return False
         if kind == KEY and _key_ended(record) < self._key_horizon:
             return False
@@ -751,11 +792,11 @@ class GMap:
         for sid in old:
             self._drop(sid, SESSION)
             self._forgotten[sid] = now              # remembered FORGET_S from now
-        # Usage slots of days past the map's usage retention: no budget counts them any more (a
-        # day at a time: the sweep never scans the slots that stay).
-        self._usage_horizon = time_day(now - self.usage_days * 86400.0)
+        # Usage slots of periods past the map's usage retention: no budget counts them any more
+        # (a period at a time: the sweep never scans the slots that stay).
+        self._usage_horizon = usage_horizons(now, self.usage_days, self.usage_months)
         stale = []
-        for day in [d for d in self._usage_by_day if d < self._usage_horizon]:
+        for day in [d for d in self._usage_by_day if not usage_kept(d, *self._usage_horizon)]:
             for eid in self._usage_by_day.pop(day):
                 if eid in self._entries:
                     self._drop(eid, USAGE)

@@ -480,6 +480,36 @@ def test_usage_slots_older_than_the_retention_are_compacted_and_refused_after():
     assert gmap.merge([(crdt.usage_entry(old["key"], "m1", old["day"], old["slot"]), old)]) == []
 
 
+def test_day_and_month_counters_are_kept_by_their_own_retention():
+    gmap = GMap(usage_days=2, usage_months=2)
+    periods = ["2026-10", "2026-11", "2026-12", "2026-11-30", "2026-12-01", "2026-12-02"]
+    for period in periods:
+        rec = crdt.usage_record(KEY_HASHES[0], crdt.ALL_MODELS, period, SLOTS[0], 1, 1, 1, 1)
+        gmap.put(crdt.usage_entry(rec["key"], rec["model"], period, rec["slot"]), rec)
+    gmap.compact(crdt.day_start("2026-12-02") + 3600.0)
+    assert sorted(r["day"] for r in gmap.usage_records()) == ["2026-11", "2026-12", "2026-12-01", "2026-12-02"]
+    late = crdt.usage_record(KEY_HASHES[1], crdt.ALL_MODELS, "2026-10", SLOTS[0], 1, 1, 1, 1)
+    assert gmap.merge([(crdt.usage_entry(late["key"], "", "2026-10", late["slot"]), late)]) == []
+
+
+@pytest.mark.parametrize("period", ["2026-12-1", "2026", "2026-12-01T00", "12-2026", ""])
+def test_a_usage_period_is_a_day_or_a_month(period):
+    rec = crdt.usage_record(KEY_HASHES[0], crdt.ALL_MODELS, period, SLOTS[0], 1, 1, 1, 1)
+    with pytest.raises(crdt.RecordError, match="YYYY-MM"):
+        crdt.validate(crdt.usage_entry(rec["key"], "", period, rec["slot"]), rec)
+
+
+def test_spent_counts_day_counters_month_counters_and_a_release_befores_per_model_days_once():
+    key = KEY_HASHES[0]
+    records = [crdt.usage_record(key, "", "2026-12-04", SLOTS[0], 1, 1, 10, 5),     # today, all models
+               crdt.usage_record(key, "", "2026-12", SLOTS[0], 1, 3, 40, 20),       # its month (today in it)
+               crdt.usage_record(key, "m1", "2026-12-04", SLOTS[1], 1, 1, 100, 0),  # an older ingress's slot
+               crdt.usage_record(key, "m1", "2026-12-01", SLOTS[1], 1, 1, 1000, 0),
+               crdt.usage_record(key, "", "2026-11", SLOTS[0], 1, 1, 7, 0),
+               crdt.usage_record(KEY_HASHES[1], "", "2026-12-04", SLOTS[0], 1, 1, 9, 9)]
+    assert crdt.usage_spent(records, key, "2026-12-04") == (15 + 100, 60 + 100 + 1000)
+
+
 def test_days_convert_both_ways_in_utc():
     assert crdt.time_day(crdt.day_start("2026-02-28") + 86399.0) == "2026-02-28"
     assert crdt.day_start("1970-01-02") == 86400.0
