@@ -253,6 +253,7 @@ def validate(session_id: Any, record: Any) -> bytes:
     if state in OWNER_ONLY and "evicted_by" in record:
         raise RecordError(f"session {session_id}: only the owner writes "
                           f"{STATE_NAMES[state]}; it cannot carry evicted_by")
+    _check_ending(session_id, record)
     try:
         encoded = encode(record)
     except (TypeError, ValueError) as exc:
@@ -261,6 +262,69 @@ def validate(session_id: Any, record: Any) -> bytes:
         raise RecordError(f"session {session_id}: record is {len(encoded)} bytes, "
                           f"over {MAX_RECORD_BYTES}")
     return encoded
+
+
+# ---------------------------------------------------------------------------------------------
+# The end of a session, bound to who wrote it (as far as a shared cluster key allows)
+# ---------------------------------------------------------------------------------------------
+# Every holder of the cluster key can write any record, so the map binds the two ways a session
+# ends to their writers by what the record carries, not by who sent it:
+#   - The owner's own DOWN or LEFT reveals a secret: the session's records carry "seal", a
+#     hash of a secret only the owner process knows (seal_of); its DOWN or LEFT carries "unseal",
+#     the secret. A replica holding a sealed record takes no record of that session with another
+#     seal, and no DOWN or LEFT without evicted_by that does not unseal it (GMap refuses them, and
+#     counts why): nobody else can end a live session as if its owner had.
+#   - An eviction (evicted_by) carries the failure detector's "evidence": when the suspicion
+#     began, the grace it was given, and the members that confirmed it (the evictor among them);
+#     a LEFT comes no sooner than its grace after the suspicion began. Members share one key, so
+#     evidence can be made up by a key holder; it stops evictions without any (a release before
+#     this one's, a bug) and it tells the operator who evicted whom and on whose word. A live
+#     member evicted anyway rejoins as a new session within a second.
+SEAL_BYTES = 16
+MAX_CONFIRMERS = 8
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def seal_of(secret: str) -> str:
+    """The commitment a session's records carry for `secret` (32 hex digits)."""
+    return hashlib.blake2b(bytes.fromhex(secret), digest_size=SEAL_BYTES).hexdigest()
+
+
+def _check_ending(session_id: str, record: Dict[str, Any]) -> None:
+    for field in ("seal", "unseal"):
+        if field in record and not (isinstance(record[field], str) and _HEX32.match(record[field])):
+            raise RecordError(f"session {session_id}: {field} must be 32 hex digits")
+    if "unseal" in record:
+        if record["state"] < DOWN or "seal" not in record or seal_of(record["unseal"]) != record["seal"]:
+            raise RecordError(f"session {session_id}: unseal is the secret of the record's seal, "
+                              "in its owner's DOWN or LEFT only")
+    evidence = record.get("evidence")
+    if evidence is None:
+        return
+    if "evicted_by" not in record or not isinstance(evidence, dict) \
+            or set(evidence) != {"since", "grace", "by"}:
+        raise RecordError(f"session {session_id}: evidence is an eviction's since, grace and by")
+    by = evidence["by"]
+    if not _is_number(evidence["since"]) or not _is_number(evidence["grace"]) or evidence["grace"] < 0 \
+            or not isinstance(by, list) or not 1 <= len(by) <= MAX_CONFIRMERS \
+            or not all(isinstance(b, str) and _SESSION_ID.match(b) for b in by) or record["evicted_by"] not in by:
+        raise RecordError(f"session {session_id}: evidence: since and grace >= 0 numbers, by 1-"
+                          f"{MAX_CONFIRMERS} session ids with the evictor")
+    if record["state"] == LEFT and record["left_at"] < evidence["since"] + evidence["grace"]:
+        raise RecordError(f"session {session_id}: evicted before its grace was over")
+
+
+def ending_refused(held: Optional[Dict[str, Any]], record: Dict[str, Any]) -> Optional[str]:
+    """Why a (valid) session record must not replace `held` (None: it may)."""
+    if record["state"] >= DOWN and "evicted_by" in record and "evidence" not in record:
+        return "eviction_without_evidence"
+    if held is None or "seal" not in held:
+        return None
+    if record.get("seal") != held["seal"]:
+        return "seal"
+    if record["state"] >= DOWN and "evicted_by" not in record and "unseal" not in record:
+        return "seal"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -771,6 +835,11 @@ class GMap:
         old = self._entries.get(session_id)
         if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
             return False   # the common gossip case, a duplicate, costs one hash
+        if kind == SESSION and (record["state"] >= DOWN or old is not None):
+            why = ending_refused(old.record if old is not None else None, record)
+            if why is not None:
+                self.refused[why] += 1
+                return False
         if old is None and kind == UNKNOWN and len(self._by_kind[UNKNOWN]) >= MAX_UNKNOWN:
             self.refused["unknown_full"] += 1
             return False

@@ -23,13 +23,17 @@ def record(state=SERVING, version=1, **extra):
     return base
 
 
+EVIDENCE = {"since": 1990.0, "grace": 5.0, "by": ["b" * 32]}   # an eviction by b, 10 s after the suspicion
+
+
 # A write is (session id, record); the strategy covers every state, version ties, and
 # concurrent evictions by different members (same state and version, different content).
 writes = st.builds(
     lambda sid, state, version, model, evictor: (
         sid,
         record(state, version, models=[model],
-               **({"evicted_by": evictor, "left_at": 2000.0 + version} if state >= DOWN else {}))),
+               **({"evicted_by": evictor, "left_at": 2000.0 + version,
+                   "evidence": {"since": 1990.0, "grace": 5.0, "by": [evictor]}} if state >= DOWN else {}))),
     st.sampled_from(SESSION_IDS), st.sampled_from([JOIN, SERVING, DOWN, LEFT]),
     st.integers(0, 3), st.sampled_from(["m1", "m2", "m3"]),
     st.sampled_from(["e" * 32, "f" * 32]))
@@ -157,7 +161,7 @@ def test_compacted_left_records_never_come_back(a, now):
 def test_higher_state_wins_whatever_the_version():
     gmap = GMap()
     gmap.put("a" * 32, record(SERVING, version=9))
-    gmap.put("a" * 32, record(DOWN, version=0, evicted_by="b" * 32), writer="b" * 32)
+    gmap.put("a" * 32, record(DOWN, version=0, evicted_by="b" * 32, evidence=EVIDENCE), writer="b" * 32)
     assert gmap.get("a" * 32)["state"] == DOWN
     assert gmap.put("a" * 32, record(SERVING, version=10)) is False
     assert gmap.get("a" * 32)["state"] == DOWN
@@ -181,7 +185,7 @@ def test_an_eviction_names_its_writer():
     gmap = GMap()
     with pytest.raises(RecordError, match="evicted_by"):
         gmap.put("a" * 32, record(LEFT), writer="b" * 32)
-    assert gmap.put("a" * 32, record(LEFT, evicted_by="b" * 32), writer="b" * 32) is True
+    assert gmap.put("a" * 32, record(LEFT, evicted_by="b" * 32, evidence=EVIDENCE), writer="b" * 32) is True
     assert gmap.get("a" * 32)["evicted_by"] == "b" * 32
 
 
