@@ -1426,7 +1426,7 @@ class Metrics:
         return ("\n".join(out) + "\n").encode()
 
 
-REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full")
+REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full", "seal", "eviction_without_evidence")
 
 
 FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
@@ -1439,7 +1439,8 @@ def overlay_metrics(node: Any) -> bytes:
     registry entries refused (unsigned: a key or usage record without the ingress tier's
     signature; plane: ingress-plane traffic from or to a member that is not a proven ingress;
     unknown_full: entries of unknown kinds over crdt.MAX_UNKNOWN; sessions_full: new sessions
-    over crdt.MAX_SESSIONS). Nothing for a stand-in node without them."""
+    over crdt.MAX_SESSIONS; seal: a session's end, or another seal, not written by its owner;
+    eviction_without_evidence: crdt, the end of a session). Nothing for a stand-in node without them."""
     wire, overlay = getattr(node, "wire", None), getattr(node, "overlay", None)
     if wire is None or overlay is None:
         return b""
