@@ -20,8 +20,8 @@ Rules of this file:
 Three kinds of entry share the map, told apart by their id (a session id has no colon):
   session  "<32 hex>"          a member's session record (the lifecycle below);
   key      "key:<sha256 hex>"  an API key's record: who may use it for what (never its secret);
-  usage    "use:<32 hex>"      one slot of a per-(key, model, day) G-Counter: the requests and
-                               tokens one ingress session served for that key, model and day.
+  usage    "use:<32 hex>"      one slot of a per-(key, day) or per-(key, month) G-Counter: the
+                               requests and tokens one ingress session served for that key then.
 All three are ordered the same way (state, then version, then encoding), so they travel with
 the same rumours, digests and anti-entropy, and a replica that was away catches up on all. An id
 of another "<kind>:<name>" shape is a kind a newer release knows and this one does not: it is

@@ -37,7 +37,7 @@ Data flow:
         --> usage journal (a copy into a mapped file before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
-Several ingresses are one service: key records and per-(key, model, day) usage counters are
+Several ingresses are one service: key records and per-(key, day) and per-(key, month) usage counters are
 entries of the overlay's map (crdt.py), so a key made or revoked at one ingress holds at all,
 and rate limits and token budgets count the whole cluster's use (see ClusterKeys). Each
 ingress keeps its own SQLite copy of them, and its own request rows.
@@ -897,7 +897,7 @@ def _mean_std(values: List[int]) -> Dict[str, float]:
 # Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
 # ---------------------------------------------------------------------------------------------
 # Theory of operation. A key's record (crdt KEY entry, keyed by the token's sha256) and the
-# per-(key, model, day) usage G-Counters (crdt USAGE entries, one slot per ingress session)
+# per-(key, day) and per-(key, month) usage G-Counters (crdt USAGE entries, one slot per ingress session)
 # live in the overlay's map, so every ingress holds all of them and they spread the way
 # sessions do (pushed at once, repaired by anti-entropy, sent whole to a (re)joining ingress).
 #   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
@@ -3468,7 +3468,7 @@ class Ingress:
     # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
     # GET  /v1/admin/keys                    every key of the cluster, with use against budget
     # POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
-    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key, model and day
+    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month
     def _admin(self, client: _Client, method: bytes, path: bytes, query: bytes, body: bytes) -> None:
         """An admin request (its key checked on the head, its body read whole); an HTTPError is
         its answer."""
