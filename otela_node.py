@@ -1039,7 +1039,7 @@ class Overlay:
             raise ValueError("records must be an object")
         fresh = {}
         for sid, record in records.items():
-            if isinstance(sid, str) and crdt.plane_of(sid) == crdt.INGRESS:
+            if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
                 # The ingress plane: held by ingresses, written only by the ingress tier. A worker
                 # drops it (an ingress of the release before planes still sends it); an ingress
                 # applies only what the tier signed (the cluster key alone writes nothing here).
