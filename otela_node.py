@@ -1532,6 +1532,25 @@ class Overlay(FailureDetector):
     # the same map. They travel as any change does: pushed by their writer to every member and
     # resent until acked, carried by digests and push-pull, and sent whole to a joiner, so an
     # ingress that was down catches up when it rejoins. They never touch membership.
+    def adopt(self, entries: List[Tuple[str, Dict[str, Any]]], now: float) -> List[Out]:
+        """Key records and usage slots an ingress kept on its own disk, taken back at its start:
+        its slots from before a restart (another session's now) and the other ingresses' it had
+        heard. Its own disk is as trusted as its secret, so a record whose signature does not
+        verify (a release before signing, a retired secret) is signed anew; none is pushed (the
+        other ingresses hold them, or pull them by digest). A malformed one is skipped."""
+        if crdt.INGRESS not in self.map.planes:
+            raise crdt.RecordError("only an ingress holds keys and usage")
+        changed = []
+        for entry_id, record in entries:
+            if self.authority is not None and not self.authority.verify(entry_id, record):
+                record = self.authority.sign(entry_id, record)
+            try:
+                if self.map.put(entry_id, record):
+                    changed.append(entry_id)
+            except crdt.RecordError as exc:
+                log.warning("not taken back from the database: %s", exc)
+        return self._count(self._changed(changed, now, push=False))
+
     def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
         """Write a key record or one of our usage slots; rumoured if it changed the map."""
         if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE):
@@ -3711,6 +3730,11 @@ class Node:
     def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
         """Write a replicated key record or usage slot (see Overlay.publish)."""
         self._send(self.overlay.publish(entry_id, record, time.time()))
+        self._schedule()
+
+    def adopt(self, entries: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Take back the ingress plane's entries kept in this ingress's --db (see Overlay.adopt)."""
+        self._send(self.overlay.adopt(entries, time.time()))
         self._schedule()
 
     def rejoin(self, **fields) -> None:
