@@ -1464,6 +1464,9 @@ def overlay_metrics(node: Any) -> bytes:
         out.append(f"# HELP {name} {help_text}")
         out.append(f"# TYPE {name} counter")
         out += [f'{name}{{{label}="{_label(str(key))}"}} {n}' for key, n in sorted(counts.items())]
+    out += ["# HELP otela_registry_entries Registry entries held, by plane (routing: sessions; ingress: "
+            "API keys and usage counters).", "# TYPE otela_registry_entries gauge"]
+    out += [f'otela_registry_entries{{plane="{plane}"}} {overlay.map.plane_size(plane)}' for plane in crdt.PLANES]
     return ("\n".join(out) + "\n").encode()
 
 

@@ -3865,6 +3865,7 @@ class Node:
             return
         now = time.time()
         sealed: Dict[int, bytes] = {}
+        by_target: Dict[tuple, List[Dict[str, Any]]] = {}
         for o in outs:
             if self.private or is_relayed(o.addr):
                 self._send_relayed(o.addr, o.msg, now, o.tcp)
@@ -3882,32 +3883,47 @@ class Node:
                 msg = dict(o.msg, ra=self.overlay.addr)
                 if msg["t"] == "j":
                     msg["rc"] = 1                   # answer on this connection (_answer_join)
-                task = asyncio.ensure_future(self._send_tcp(target, msg, o.addr))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                    self._spawn(self._send_tcp(target, [msg], o.addr))
+                else:                               # the pieces of one state transfer: one connection
+                    by_target.setdefault(target, []).append(msg)
                 continue
             try:
                 self._udp.sendto(data, target)
                 self.bytes_sent += len(data)
             except OSError:
                 pass
+        for target, msgs in by_target.items():
+            self._spawn(self._send_tcp(target, msgs))
 
-    async def _send_tcp(self, target: tuple, msg: Dict[str, Any], addr: str = "") -> None:
-        """One message on a new TCP connection; a join ("rc") then reads its answer there, from
-        `addr` (an older member answers by a connection of its own instead)."""
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_tcp(self, target: tuple, msgs: List[Dict[str, Any]], addr: str = "") -> None:
+        """Messages on one new TCP connection, in order (a state transfer's pieces: many
+        connections at once would take the receiver's slots for strangers, and the pieces over
+        them would be lost until the next exchange); each big frame after an authentic hello. A
+        join ("rc") then reads its answer there, from `addr` (an older member answers by a
+        connection of its own instead)."""
         now = time.time()
-        data = self.wire.seal(msg, now)
-        frames = struct.pack(">I", len(data)) + data
-        if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
-            hello = self.wire.seal({"t": "h"}, now)
-            frames = struct.pack(">I", len(hello)) + hello + frames
+        parts = []
+        for msg in msgs:
+            data = self.wire.seal(msg, now)
+            if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
+                hello = self.wire.seal({"t": "h"}, now)
+                parts.append(struct.pack(">I", len(hello)) + hello)
+            parts.append(struct.pack(">I", len(data)) + data)
+        frames = b"".join(parts)
+        msg = msgs[0]
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
         except (OSError, asyncio.TimeoutError):
             return
         try:
             writer.write(frames)
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
+            # the receiver merges each piece before it reads the next: a timeout per piece
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * len(msgs))
             self.bytes_sent += len(frames)
             if msg.get("rc") and addr:
                 writer.write_eof()                  # an older member closes at once: no wait

@@ -92,7 +92,7 @@ def test_a_big_authentic_frame_after_a_hello_is_accepted_and_a_forged_small_one_
         target = addr_of(node, "gossip")
         before = node.wire.accepted
         big = {"t": "a", "n": 1, "pad": "x" * 50000}    # > max_datagram: sent after a hello
-        await node._send_tcp(target, dict(big, ra="127.0.0.1:1"))
+        await node._send_tcp(target, [dict(big, ra="127.0.0.1:1")])
         await until(lambda: node.wire.accepted >= before + 2, what="hello and big frame")
         reader, writer = await asyncio.open_connection(*target)
         forged = b"o1" + os.urandom(100)
@@ -125,7 +125,7 @@ def test_gossip_tcp_strangers_are_cut_oldest_first_per_address_and_at_the_cap_ne
         member[1].close()
         await until(lambda: node._gossip_connections == 0, what="idle closed")
         before = node.wire.accepted
-        await node._send_tcp(target, {"t": "a", "n": 1, "ra": "127.0.0.1:1"})
+        await node._send_tcp(target, [{"t": "a", "n": 1, "ra": "127.0.0.1:1"}])
         await until(lambda: node.wire.accepted == before + 1, what="a member's frame")
         return one_address, first_closed, held, member_open, node.refused["gossip_busy"]
     one_address, first_closed, held, member_open, busy = run(with_node(t, max_gossip_connections=64))
