@@ -774,7 +774,19 @@ def registry_scale(args: argparse.Namespace) -> List[Dict[str, Any]]:
             "30 usage slots/s", "an ingress restarted", "n/a (sim)", "-", p["restarted_ingress_catch_up_s"], 0,
             worker_bytes_s=p["publishing_bytes_per_worker_s"], worker_idle_bytes_s=p["idle_bytes_per_worker_s"],
             ingress_entries_on_workers=p["ingress_entries_on_workers"]),
-    ]
+    ] + [usage_year(args)]
+
+
+def usage_year(args: argparse.Namespace) -> Dict[str, Any]:
+    """tests/bench_usage_year.py: a year of usage at real ingresses, a new one and a restarted one."""
+    with workdir(args, "usage year") as tmp:
+        subprocess.run([PY, os.path.join(ROOT, "tests", "bench_usage_year.py"), "--out", tmp]
+                       + (["--quick"] if args.quick else []), check=False, timeout=900)
+        with open(os.path.join(tmp, "bench_usage_year.json")) as f:
+            y = json.load(f)
+    return row(f"registry: a year of usage, {y['api_keys']:,} keys, {y['usage_counters']:,} counters (real)", "-",
+               "a new ingress; then it restarted", "-", "-", f"{y['b_joined_s']} s; {y['b_restarted_s']} s", 0,
+               **{k: y[k] for k in ("b_after_join", "b_after_restart", "a_from_its_db_s")})
 
 
 SCENARIOS = [partition, restart_sigterm, restart_kill9, churn, hostile, simulator, registry_scale, nat,
