@@ -104,6 +104,18 @@ def test_a_big_authentic_frame_after_a_hello_is_accepted_and_a_forged_small_one_
     assert accepted == 2 and forged == 1 and closed == b""
 
 
+def test_the_pieces_of_a_state_transfer_go_on_one_connection_each_big_frame_after_a_hello():
+    async def t(node, engine):
+        target = addr_of(node, "gossip")
+        before, connections = node.wire.accepted, node.refused["gossip_evicted"]
+        pieces = [{"t": "a", "n": i, "pad": "x" * 50000, "ra": "127.0.0.1:1"} for i in range(40)]
+        await node._send_tcp(target, pieces)     # 40 connections at once would take 16 slots
+        await until(lambda: node.wire.accepted >= before + 80, what="40 hellos and 40 big frames")
+        return node.wire.accepted - before, node.refused["gossip_evicted"] - connections, node.wire.dropped["oversized"]
+    accepted, evicted, oversized = run(with_node(t))
+    assert (accepted, evicted, oversized) == (80, 0, 0)
+
+
 def test_gossip_tcp_strangers_are_cut_oldest_first_per_address_and_at_the_cap_never_an_authenticated_member():
     async def t(node, engine):
         target = addr_of(node, "gossip")
