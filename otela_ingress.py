@@ -75,6 +75,10 @@ entries of the overlay's map (crdt.py), so a key made or revoked at one ingress 
 and rate limits and token budgets count the whole cluster's use (see ClusterKeys). Each
 ingress keeps its own SQLite copy of them, and its own request rows.
 
+Settings: a setting is its flag, else the OTELA_* variable named after it, else its default
+(otela_node.parse_settings); the limits below are flags too (LIMITS: --max-connections,
+OTELA_MAX_CONNECTIONS, ...).
+
 Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
 made) and, to opt out of the per-request usage row (the request is still counted per day),
 `X-Otela-No-Track: 1`; responses carry `X-Otela-Session: <session id>` naming the session that
@@ -202,6 +206,14 @@ _REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, 
 _REQUEST_ID_PREFIX = secrets.token_hex(8).encode()   # 64 random bits per process
 _request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+# The limits above a deployment may have to change: each is also a flag of `serve` and an OTELA_*
+# variable named after it (MAX_CONNECTIONS: --max-connections, OTELA_MAX_CONNECTIONS), read as
+# every setting is (otela_node.parse_settings), set before the ingress starts.
+LIMITS = {name: globals()[name] for name in (   # name -> its default
+    "MAX_HEADER_BYTES", "MAX_BODY_BYTES", "MAX_CONNECTIONS", "ADDRESS_SHARE", "ADDRESS_FLOOR", "MAX_HEADLESS",
+    "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
+    "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
+    "DRAIN_S", "LINGER_S", "WARMUP_MAX_S")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3740,7 +3752,23 @@ def _split_listen(listen: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def set_limits(args: argparse.Namespace) -> None:
+    """The LIMITS as `serve`'s flags (or their variables) set them, for this process."""
+    globals().update((name, getattr(args, name.lower())) for name in LIMITS)
+
+
+def _limit_arg(kind: type) -> Callable[[str], Any]:
+    def positive(value: str) -> Any:
+        number = kind(value)
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"{value} is not > 0")
+        return number
+    positive.__name__ = kind.__name__   # argparse names the type in its messages
+    return positive
+
+
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
+    set_limits(args)
     config = otela_node.config_from_args(args)
     config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
     config.ingress_keys = ingress_secrets(args.ingress_key_file, args.key_file)
@@ -3748,7 +3776,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
-                      cors_origins=args.cors_origin)
+                      cors_origins=args.cors_origin, max_connections=MAX_CONNECTIONS, max_body=MAX_BODY_BYTES)
     ingress.require_key_for_views = args.require_key_for_views
     if ingress.require_code_hash:
         print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
@@ -3803,11 +3831,13 @@ def _code_hash_arg(value: str) -> str:
     return value
 
 
+# The variables of flags whose names or separators are not parse_settings' own (see main)
+SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";")}
+
+
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     """The CLI; `overlay=False` leaves out serve's overlay flags (and the variables they read),
-    which `keys` has no use for. A boolean variable is read after parsing (see main), where a
-    bad value is a one-line error."""
-    env = otela_node.env
+    which `keys` has no use for. Every flag also reads its OTELA_* variable (see main)."""
     parser = argparse.ArgumentParser(prog="otela_ingress.py",
                                      description="The otela ingress: one OpenAI-compatible endpoint "
                                                  "for every healthy engine in the overlay.")
@@ -3822,16 +3852,16 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
         otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP, listen_default=DEFAULT_LISTEN,
                                     listen_help="HOST:PORT of the OpenAI API, /v1/registry, /metrics "
                                                 "and /dashboard (0.0.0.0:PORT for other hosts)")
-    serve.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
-    serve.add_argument("--ingress-key-file", default=env("INGRESS_KEY_FILE"),
+    serve.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    serve.add_argument("--ingress-key-file", default=None,
                        help="the ingress tier's secret (keygen's ingress.key; on ingress hosts only, never on "
                             "compute nodes): only it creates, changes or revokes API keys and writes usage "
                             "that other ingresses accept (env OTELA_INGRESS_KEY_FILE; default: ingress.key "
                             "beside --key-file, when there)")
-    serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
+    serve.add_argument("--policy", default="least_loaded",
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")
-    serve.add_argument("--require-code-hash", default=env("REQUIRE_CODE_HASH"), metavar="HASH|self",
+    serve.add_argument("--require-code-hash", default=None, metavar="HASH|self",
                        type=_code_hash_arg,
                        help="route only to worker sessions advertising this code hash (the 16 hex digits "
                             "in /v1/registry's code_hash; 'self': what a worker started from this "
@@ -3842,31 +3872,36 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "advertise any hash; this is not attestation), and it covers neither the "
                             "engine, nor Python and its packages (env OTELA_REQUIRE_CODE_HASH; "
                             "default: route to any code)")
-    serve.add_argument("--alias", action="append", default=None, metavar="NAME=MODEL[,MODEL...]",
+    serve.add_argument("--alias", action="append", default=[], metavar="NAME=MODEL[,MODEL...]",
                        type=_alias_arg,
                        help="a public model name for served ones, tried in order: the first that a "
                             "healthy session serves gets the request (its body then names that model). "
                             "Repeatable; env OTELA_ALIASES, aliases separated by ';' (default: none)")
-    serve.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="let browser pages from ORIGIN (https://app.example.org, or * for any) call "
                             "the API: CORS headers on answers and OPTIONS preflights answered. "
                             "Repeatable; env OTELA_CORS_ORIGIN, comma-separated (default: none)")
-    serve.add_argument("--no-auth", action="store_true", default=None,
+    serve.add_argument("--no-auth", action="store_true",
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")
-    serve.add_argument("--require-key-for-views", action="store_true", default=None,
+    serve.add_argument("--require-key-for-views", action="store_true",
                        help="answer /v1/registry, /metrics, /dashboard and /v1/usage/stats only to a "
                             "valid key (Bearer, or the password of HTTP Basic: a browser asks for it on "
                             "/dashboard); by default they need none (env OTELA_REQUIRE_KEY_FOR_VIEWS: "
                             "1/true/yes/on or 0/false/no/off)")
-    serve.add_argument("--no-relay", action="store_true", default=None,
+    serve.add_argument("--no-relay", action="store_true",
                        help="do not relay for members behind NATs (env OTELA_NO_RELAY; by default the "
                             "ingress relays their gossip and tunnel streams)")
+    limits = serve.add_argument_group("limits", "the connection, size and time limits (the reason for each "
+                                                "default is beside it at the top of otela_ingress.py)")
+    for name, default in LIMITS.items():
+        limits.add_argument("--" + name.lower().replace("_", "-"), type=_limit_arg(type(default)), default=default,
+                            metavar="N", help=f"env OTELA_{name}; default {default}")
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
-    create.add_argument("--user", default=env("USER"), required=env("USER") is None,
+    create.add_argument("--user", required=True,
                         help="who the key belongs to (the ledger's user; env OTELA_USER)")
     create.add_argument("--allow", default=None,
                         help="comma-separated providers this key may use: label k=v, label value, "
@@ -3883,15 +3918,15 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     create.add_argument("--expires", default=None, metavar="WHEN",
                         help="the key stops working then: a duration (30d, 12h, 90m) or a UTC date/time "
                              "(2027-01-31, 2027-01-31T12:00) (default: never)")
-    create.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    create.add_argument("--db", default=DEFAULT_DB, help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
                                               "budget, every ingress's use included")
-    lister.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    lister.add_argument("--db", default=DEFAULT_DB, help=db_help)
     lister.add_argument("--json", action="store_true", help="print JSON")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (at every ingress within 2 s)")
     revoke.add_argument("key_id")
-    revoke.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
     return parser
 
 
@@ -3955,23 +3990,14 @@ def _keys_command(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(overlay=argv[:1] == ["serve"]).parse_args(argv)
+    try:   # every flag also reads its OTELA_* variable: OTELA_ALIASES="fast=a,b;big=c", OTELA_NO_AUTH=0
+        args = otela_node.parse_settings(build_parser(overlay=argv[:1] == ["serve"]), argv, SETTING_NAMES)
+    except ValueError as exc:
+        print(f"otela-ingress: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "keys":
             return _keys_command(args)
-        if args.cors_origin is None:
-            args.cors_origin = [o.strip() for o in (otela_node.env("CORS_ORIGIN") or "").split(",") if o.strip()]
-        if args.alias is None:   # OTELA_ALIASES="fast=a,b;big=c"
-            try:
-                args.alias = [_alias_arg(a) for a in (otela_node.env("ALIASES") or "").split(";") if a.strip()]
-            except argparse.ArgumentTypeError as exc:
-                raise ValueError(f"OTELA_ALIASES: {exc}") from None
-        if args.no_auth is None:   # OTELA_NO_AUTH=0 keeps the keys on; "maybe" is an error
-            args.no_auth = otela_node.env_bool("NO_AUTH")
-        if getattr(args, "no_relay", False) is None:
-            args.no_relay = otela_node.env_bool("NO_RELAY")
-        if getattr(args, "require_key_for_views", False) is None:
-            args.require_key_for_views = otela_node.env_bool("REQUIRE_KEY_FOR_VIEWS")
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "
