@@ -34,8 +34,8 @@ How a proxied request flows through them:
 
     1. _Client.data_received -> _Client.serve: the connection's parser reads the head. It is
        otela_node's sans-IO codec, with h11 inside it for a request only h11 judges (HTTP/1.0,
-       Expect, odd bytes): one parser per connection, one kind of head (a MessageHead), one
-       read path (every read is buffered, then parsed: no second path for a "whole" read).
+       Expect, odd bytes): one parser per connection, one kind of head (a MessageHead). A read
+       holding exactly one plain proxied request is read from its own bytes (whole_request).
     2. Ingress.proxy: the key, its rate and budget, the JSON, the model, the candidates (cached
        per model and allowlist); the policy picks a session and the request goes out on a
        kept-alive connection (UpstreamPool.send_request) before anything else is booked; an
@@ -2080,6 +2080,26 @@ class _ClientConn:
         self.our_state = h11.SEND_RESPONSE
         return head
 
+    def whole_request(self, data: bytes, limit: int) -> Optional[_Request]:
+        """The common request read from `data`, one read, without touching the buffer (a
+        bytearray: its methods are other code than bytes' for a cold CPU to run): when `data` is
+        exactly one plain POST to a proxied route with a body of at most `limit` bytes and
+        nothing is buffered before it, its head, the request then read whole (its body is
+        data[head.size:]); else None, nothing done (receive_data takes `data`, as any other)."""
+        if self._h11 is not None or self.buf or self.their_state is not h11.IDLE:
+            return None
+        try:
+            head = otela_node.parse_request(data, MAX_HEADER_BYTES)
+        except otela_node.HTTPViolation:   # refused by next_event, with its answer
+            return None
+        if head is None or head is otela_node.H11_JUDGES or not head.keep_alive \
+                or head.framing is not otela_node.LENGTH or head.size + head.length != len(data) \
+                or head.length > limit or head.target not in PROXIED_PATHS:
+            return None
+        self._head, self._body = head, None   # as next_event and whole_body leave it
+        self.their_state, self.our_state = h11.DONE, h11.SEND_RESPONSE
+        return head
+
     def whole_body(self, limit: int = MAX_BODY_BYTES) -> Optional[bytes]:
         """The body of the request just parsed when it has a Content-Length of at most `limit`
         and all of it is buffered (the request is then complete), else None (nothing consumed)."""
@@ -2361,7 +2381,9 @@ class _Client(asyncio.Protocol):
             return
         self.serving = True
         try:
-            if data is not None:
+            # the common request, one read holding exactly one plain proxied request, is read
+            # from the read's own bytes (see _ClientConn.whole_request); anything else is buffered
+            if data is not None and not (data.startswith(b"POST /v1/") and self._serve_whole(data)):
                 self.conn.receive_data(data)
             self._serve_buffered()
         except OSError:   # its socket failed under us (write_eof after a reset, say): it is gone
@@ -2373,6 +2395,15 @@ class _Client(asyncio.Protocol):
             self.internal_error(exc)
         finally:
             self.serving = False
+
+    def _serve_whole(self, data: bytes) -> bool:
+        if self.ending or self.write_paused:
+            return False
+        head = self.conn.whole_request(data, self.ingress.max_body)
+        if head is None:
+            return False
+        self.ingress.proxy(self, head.target, head.fields, data[head.size:], time.monotonic())   # (and tag)
+        return True
 
     def _serve_buffered(self) -> None:
         ingress = self.ingress

@@ -516,10 +516,19 @@ def test_every_kind_of_request_is_served_with_no_task_owning_its_connection(tmp_
         stack.close()
 
 
-def test_a_request_and_its_answer_in_one_read_are_served_as_the_same_bytes_in_pieces(tmp_path):
-    """A request in one read and its answer in one read send the engine, the client and the
-    ledger exactly what the same bytes in pieces do (one read path: no "whole read" shortcut)."""
+def test_a_request_and_its_answer_in_one_read_are_served_as_the_same_bytes_in_pieces(tmp_path, monkeypatch):
+    """A request in one read (read from the read's own bytes, _ClientConn.whole_request) and its
+    answer in one read send the engine, the client and the ledger exactly what the same bytes in
+    pieces do."""
     from test_ingress_support import StandInNode
+    whole_paths = []
+    original = otela_ingress._ClientConn.whole_request
+
+    def counted(self, *args):
+        head = original(self, *args)
+        whole_paths.append(head is not None)
+        return head
+    monkeypatch.setattr(otela_ingress._ClientConn, "whole_request", counted)
 
     async def run():
         db = str(tmp_path / "otela.sqlite")
@@ -557,4 +566,5 @@ def test_a_request_and_its_answer_in_one_read_are_served_as_the_same_bytes_in_pi
     assert whole == pieces
     assert whole[1].startswith(b"HTTP/1.1 200 OK\r\n") and whole[1].endswith(ANSWER)
     assert whole[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n") and whole[0].endswith(CHAT)
+    assert True in whole_paths
     assert rows == [(200, 3, 4), (200, 3, 4)]
