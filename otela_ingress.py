@@ -2876,18 +2876,21 @@ class _Exchange:
         try:
             while True:
                 piece = up.take()
+                if piece:
+                    parts.append(piece)
+                    if up.body.done:   # (the common answer: its whole body in one read, one take)
+                        break
+                    continue
                 if piece is None:
                     break
-                if not piece:
-                    if not up.proto.eof:   # more is due
-                        if self.state is HEAD:
-                            self.to(BODY)
-                        up.last = time.monotonic()
-                        up.resume_reading()
-                        return
-                    up.end_of_stream()   # the end of an until-close body, or a failure
-                    break
-                parts.append(piece)
+                if not up.proto.eof:   # more is due
+                    if self.state is HEAD:
+                        self.to(BODY)
+                    up.last = time.monotonic()
+                    up.resume_reading()
+                    return
+                up.end_of_stream()   # the end of an until-close body, or a failure
+                break
         except UpstreamFailure as exc:
             return self._answer_failed(up, str(exc))
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -2913,8 +2916,7 @@ class _Exchange:
 
     def _send_plain(self, head: UpstreamHead, payload: bytes, outcome: str) -> None:
         """Finish the exchange (its ledger row journalled), then send the whole answer to the
-        client."""
-        self.status = head.status
+        client (its status is the exchange's already)."""
         if head.status == 200:
             self.prompt_tokens, self.completion_tokens = usage_of(payload)
         client = self.client
