@@ -47,6 +47,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -662,10 +663,272 @@ class Suspicion:
         self.since = since
         self.confirmers = {by}
         self.deadline = math.inf
-        self.held = False                           # eviction held back (see Overlay._evict)
+        self.held = False                           # eviction held back (see FailureDetector._evict)
 
 
-class Overlay:
+class FailureDetector:
+    """The failure detector's half of an Overlay (SWIM probes over three paths, Lifeguard
+    suspicion, evictions with their evidence): the same object's state (members, suspects,
+    probe, local health), kept apart by concern. Overlay is the only class built on it."""
+
+    # -- queries ----------------------------------------------------------------------------
+    def is_suspected(self, sid: str) -> bool:
+        return sid in self.suspects
+
+    # -- message handlers -------------------------------------------------------------------
+    def _on_p(self, msg, src, now, tcp):
+        if self.leaving:
+            return []
+        if msg["to"] != self.sid[:SHORT_ID]:
+            # An old session at this address (we restarted here): the prober does not know us
+            # yet. Start an anti-entropy exchange with it (once per push-pull period), so it
+            # learns our session, and that ours supersedes the one it is probing, at once.
+            if now - self.hinted.get(src, -math.inf) < self.cfg.push_pull_interval:
+                return []
+            self.hinted[src] = now
+            return [self._digest_to(src)]
+        out = [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
+        if "sv" in msg:                             # the prober suspects us: refute at once
+            out += self._suspect(self.sid, int(msg["sv"]), "", now, None)
+        return out
+
+    def _on_a(self, msg, src, now, tcp):
+        n = msg["n"]
+        p = self.probe
+        if p is not None and n == p["seq"]:
+            if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
+                self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
+            self._acked(p["sid"], now - p["start"], now)
+            self._end_probe()
+            return []
+        relay = self.relays.pop(n, None)
+        if relay is not None:
+            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
+        late = self.late.get(n)
+        if late is not None:                        # after its round gave up: still evidence
+            sid = late[0]
+            self._acked(sid, now - late[1], now)
+            if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
+                self._degrade()                     # we alone accused a live member: our clock
+                                                    # or socket lags, so we judge more slowly
+            sus = self.suspects.get(sid)
+            if sus is not None and sid in self.members:   # tell it, so that it refutes
+                return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
+        return []
+
+    def _acked(self, sid: str, rtt: float, now: float) -> None:
+        """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
+        ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
+        self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
+        self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
+        sus = self.suspects.get(sid)
+        if sus is not None:
+            record = self.map.get(sid)
+            if record is not None and record["version"] <= sus.version:
+                del self.suspects[sid]              # fresh evidence beats a rumour
+                self._notify(sid, record)
+
+    def _on_i(self, msg, src, now, tcp):
+        self.seq += 1
+        cfg = self.cfg
+        nack_at = now + cfg.nack_after * cfg.indirect_timeout
+        expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
+        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
+        split_addr(msg["a"])
+        return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
+
+    def _on_n(self, msg, src, now, tcp):
+        p = self.probe
+        if p is not None and msg["n"] == p["seq"]:
+            p["nacks"] += 1
+        return []
+
+    def _nacks(self, now: float) -> List[Out]:
+        """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
+        out = []
+        for seq, relay in list(self.relays.items()):
+            if relay[3] <= now:
+                relay[3] = math.inf
+                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
+            if relay[2] <= now:
+                del self.relays[seq]
+        return out
+
+    # -- failure detection ------------------------------------------------------------------
+    def _start_probe(self, now: float) -> List[Out]:
+        """Probe the member `offset` places after us on the ring of sorted session ids, with one
+        offset per round for everyone (a hash of the round number): with one view of the
+        membership each round is a permutation, so every member is probed by exactly one other
+        in every round, and a dead one is suspected within one round plus the timeouts (a
+        random choice leaves it unprobed for a round with p = 1/e, and the p99 at ~5 rounds).
+        The prober of a member changes every round, so one sick prober judges nobody twice."""
+        if not self.members:
+            self.next_probe = now + self.cfg.probe_interval
+            return []
+        if self.ring is None:
+            self.ring = sorted([self.sid, *self.members])
+        ring = self.ring
+        rnd = int(now / self.cfg.probe_interval)
+        offset = 1 + ((rnd * 2654435761) >> 7) % (len(ring) - 1)   # Knuth's multiplicative hash
+        sid = ring[(ring.index(self.sid) + offset) % len(ring)]
+        self.seq += 1
+        addr = self.members[sid]
+        self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
+                      "extended": False, "nacks": 0, "helpers": 0}
+        self.late[self.seq] = (sid, now)
+        self._set_deadline()
+        ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
+        sus = self.suspects.get(sid)
+        if sus is not None:
+            ping["sv"] = sus.version                # Lifeguard's buddy: tell it, so it refutes
+        self.probe["ping"] = ping
+        return [Out(addr, ping, False)]
+
+    def _timeout(self, name: str, sid: str) -> float:
+        """A probe phase's timeout: the direct one stretches for a member known to ack late."""
+        if name == "probe_timeout":
+            cfg = self.cfg
+            record = self.map.get(sid) or {}
+            lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
+            wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
+            return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
+        return getattr(self.cfg, name)
+
+    def _set_deadline(self) -> None:
+        p = self.probe
+        _, after, _ = PROBE_ROUND[p["phase"]]
+        p["deadline"] = p["start"] + sum(self._timeout(f, p["sid"]) for f in after) * (1 + self.lhm)
+
+    def _end_probe(self) -> None:
+        start = self.probe["start"]
+        self.probe = None
+        self.next_probe = start + self.cfg.probe_interval * (1 + self.lhm)
+
+    def _advance_probe(self, now: float) -> List[Out]:
+        p = self.probe
+        if p["sid"] not in self.members:            # left or evicted meanwhile
+            self._end_probe()
+            return []
+        if now - p["deadline"] > self.cfg.stall_threshold and not p["extended"]:
+            # We woke up late, so an ack may be sitting unread in our socket: give it a chance.
+            p["extended"] = True
+            p["deadline"] = now + self.cfg.probe_timeout
+            return []
+        _, _, action = PROBE_ROUND[p["phase"]]
+        if action == "indirect":
+            p["phase"] += 1
+            self._set_deadline()
+            ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
+            helpers = [a for s, a in self.members.items() if s != p["sid"]]
+            helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
+            p["helpers"] = len(helpers)
+            out = [Out(a, ping_req, False) for a in helpers]
+            out.append(Out(p["addr"], p["ping"], True))
+            return out
+        # action == "suspect": no path answered. Lifeguard: if the helpers' nacks did not reach
+        # us either, the fault is likely ours, so we trust our own timeouts less.
+        sid = p["sid"]
+        if p["nacks"] < p["helpers"] or not p["helpers"]:
+            self._degrade()
+        self._end_probe()
+        record = self.map.get(sid)
+        return self._suspect(sid, record["version"], self.sid, now, None)
+
+    def _degrade(self) -> None:
+        self.lhm = min(self.lhm + 1, self.cfg.max_local_health)
+
+    def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
+        if sid == self.sid:
+            if version < self.record["version"] or self.leaving:
+                return []
+            self._degrade()                         # others can't reach us: maybe we are the problem
+            # Refute: a newer version clears the suspicion. It carries our local health, so
+            # that every prober gives a member that knows it is slow longer to answer.
+            return self.update(now, lhm=self.lhm)
+        record = self.map.get(sid)
+        if record is None or record["state"] == crdt.LEFT or version < record["version"]:
+            return []
+        sus = self.suspects.get(sid)
+        new = sus is None or version > sus.version
+        if new:
+            sus = self.suspects[sid] = Suspicion(version, now, by)
+        elif by in sus.confirmers:
+            return []
+        else:
+            sus.confirmers.add(by)
+        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
+        if self.sid != min(sus.confirmers):
+            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
+            # little later, so that N timers firing together do not make N different LEFT records.
+            sus.deadline += 2 * self.cfg.probe_interval
+        out: List[Out] = []
+        if len(sus.confirmers) <= self._expected_confirmations() + 1:
+            out = self._rumour([("s", sid, by)], now, src)
+        if new:
+            self._notify(sid, record)
+        return out
+
+    def _expected_confirmations(self) -> int:
+        return max(1, int(self.cfg.suspicion_mult) - 2)
+
+    def _grace(self, confirmations: int) -> float:
+        """Lifeguard: start at max, fall towards min (which grows with log N) as independent
+        confirmations arrive."""
+        n = len(self.members) + 1
+        low = self.cfg.suspicion_mult * max(1.0, math.log10(n)) * self.cfg.probe_interval
+        high = self.cfg.suspicion_max_mult * low
+        k = self._expected_confirmations()
+        frac = math.log(confirmations + 1) / math.log(k + 1)
+        return max(low, high - (high - low) * frac)
+
+    def _evict(self, sid: str, now: float) -> List[Out]:
+        sus = self.suspects[sid]
+        if self._partitioned(now) and now - sus.since < self.cfg.suspicion_hold_max:
+            # A quarter of the cluster unreachable at once (and at least 3 members) is far
+            # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
+            # nobody, so the halves merge again without losing the sessions alive on each.
+            sus.held = True
+            sus.deadline = now + self.cfg.probe_interval
+            return []
+        if sus.held:
+            # The split is over (or was never one): a held suspect gets a whole grace from now
+            # to hear of it and refute, as the rest of the cluster comes back into view.
+            sus.held = False
+            sus.since = now
+            sus.deadline = now + self._grace(len(sus.confirmers) - 1)
+            return []
+        del self.suspects[sid]
+        others = sorted(c for c in sus.confirmers if c != self.sid)[: crdt.MAX_CONFIRMERS - 1]
+        grace = min(self._grace(len(sus.confirmers) - 1), max(0.0, now - sus.since))
+        return self._retire(sid, now, "suspected and unrefuted",
+                            {"since": sus.since, "grace": grace, "by": [self.sid] + others})
+
+    PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
+    PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
+                                    # rest are suspected) must not shrink the cluster it is judged
+                                    # against; steady churn (a kill every 20 s) stays below it
+
+    def _partitioned(self, now: float) -> bool:
+        evictions = self.evictions
+        while evictions and evictions[0] < now - self.PARTITION_WINDOW:
+            evictions.popleft()
+        unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
+        return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
+
+    def _retire(self, sid: str, now: float, why: str, evidence: Dict[str, Any]) -> List[Out]:
+        """Write LEFT for another member's session, as its evictor, with the evidence (crdt: the
+        end of a session); the writer pushes it to all."""
+        self.suspects.pop(sid, None)
+        record = self.map.get(sid)
+        if record is None or record["state"] == crdt.LEFT:
+            return []
+        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=evidence)
+        self.map.put(sid, record, writer=self.sid)
+        log.info("session %s evicted: %s", sid, why)
+        return self._changed([sid], now, origin=True)
+
+
+class Overlay(FailureDetector):
     """Membership protocol state for one member. No I/O: every method takes `now` (unix time,
     the one clock) and returns the list of Out messages to send."""
 
@@ -673,6 +936,7 @@ class Overlay:
                  rng: Optional[random.Random] = None):
         self.cfg = config
         self.rng = rng or random.Random()
+        self._secure = rng is None                  # the simulator passes rng: runs replay
         # The ingress tier (crdt.Authority): only a member holding its secret writes, verifies and
         # sends on the ingress plane. An ingress without it keeps keys and usage to itself.
         self.authority = crdt.Authority(config.ingress_keys) if config.ingress_keys else None
@@ -681,7 +945,7 @@ class Overlay:
                              planes=crdt.PLANES if holds_ingress else (crdt.ROUTING,))
         self.sid = session_id
         self.addr = record.get("gossip", config.gossip_addr)
-        self.record = self._with_tier(session_id, dict(record))
+        self.record = self._with_tier(session_id, self._sealed(dict(record)))
         self.map.put(session_id, self.record)
         self.ingresses: Dict[str, str] = {}         # proven ingress sid -> gossip address: the
                                                     # only members the ingress plane goes to
@@ -784,15 +1048,28 @@ class Overlay:
                 warnings.append("every peer is lost: re-dialling the bootstrap and remembered peers")
         return warnings
 
+    def _sealed(self, record: Dict[str, Any]) -> Dict[str, Any]:
+        """Our new session's record with the seal of a new secret (crdt: the end of a session):
+        only this process can write its DOWN or LEFT."""
+        self._unseal = secrets.token_hex(16) if self._secure else \
+            hashlib.blake2b(b"unseal" + self.sid.encode(), digest_size=16).hexdigest()   # a replay: no secret
+        for stale in ("unseal", "evidence"):
+            record.pop(stale, None)
+        record["seal"] = crdt.seal_of(self._unseal)
+        return record
+
     def update(self, now: float, **fields) -> List[Out]:
         """Owner write: change fields of our own record (state, models, labels…), bump version."""
         current = self.map.get(self.sid) or self.record
         record = dict(current)
         record.update(fields)
         record.pop("evicted_by", None)
+        record.pop("evidence", None)
         record["version"] = max(self.record["version"], current["version"]) + 1
         if record["state"] == crdt.LEFT:
             record.setdefault("left_at", now)
+        if record["state"] >= crdt.DOWN and "seal" in record:
+            record["unseal"] = self._unseal         # our own end: proven by the secret
         self.record = record
         if not self.map.put(self.sid, record):
             return []
@@ -819,7 +1096,7 @@ class Overlay:
             record["state"] = crdt.SERVING
         self.sid = f"{self.rng.getrandbits(128):032x}"   # from our rng: the simulator replays a run
         self.ring = None
-        self.record = self._with_tier(self.sid, record)
+        self.record = self._with_tier(self.sid, self._sealed(record))
         self.leaving = False
         self.map.put(self.sid, record)
         for cb in self.rejoin_listeners:
@@ -895,88 +1172,7 @@ class Overlay:
         times.extend(s.deadline for s in self.suspects.values())
         return min(times)
 
-    # -- queries ----------------------------------------------------------------------------
-    def is_suspected(self, sid: str) -> bool:
-        return sid in self.suspects
-
     # -- message handlers -------------------------------------------------------------------
-    def _on_p(self, msg, src, now, tcp):
-        if self.leaving:
-            return []
-        if msg["to"] != self.sid[:SHORT_ID]:
-            # An old session at this address (we restarted here): the prober does not know us
-            # yet. Start an anti-entropy exchange with it (once per push-pull period), so it
-            # learns our session, and that ours supersedes the one it is probing, at once.
-            if now - self.hinted.get(src, -math.inf) < self.cfg.push_pull_interval:
-                return []
-            self.hinted[src] = now
-            return [self._digest_to(src)]
-        out = [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
-        if "sv" in msg:                             # the prober suspects us: refute at once
-            out += self._suspect(self.sid, int(msg["sv"]), "", now, None)
-        return out
-
-    def _on_a(self, msg, src, now, tcp):
-        n = msg["n"]
-        p = self.probe
-        if p is not None and n == p["seq"]:
-            if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
-                self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
-            self._acked(p["sid"], now - p["start"], now)
-            self._end_probe()
-            return []
-        relay = self.relays.pop(n, None)
-        if relay is not None:
-            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
-        late = self.late.get(n)
-        if late is not None:                        # after its round gave up: still evidence
-            sid = late[0]
-            self._acked(sid, now - late[1], now)
-            if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
-                self._degrade()                     # we alone accused a live member: our clock
-                                                    # or socket lags, so we judge more slowly
-            sus = self.suspects.get(sid)
-            if sus is not None and sid in self.members:   # tell it, so that it refutes
-                return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
-        return []
-
-    def _acked(self, sid: str, rtt: float, now: float) -> None:
-        """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
-        ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
-        self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
-        self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
-        sus = self.suspects.get(sid)
-        if sus is not None:
-            record = self.map.get(sid)
-            if record is not None and record["version"] <= sus.version:
-                del self.suspects[sid]              # fresh evidence beats a rumour
-                self._notify(sid, record)
-
-    def _on_i(self, msg, src, now, tcp):
-        self.seq += 1
-        cfg = self.cfg
-        nack_at = now + cfg.nack_after * cfg.indirect_timeout
-        expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
-        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
-        split_addr(msg["a"])
-        return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
-
-    def _on_n(self, msg, src, now, tcp):
-        p = self.probe
-        if p is not None and msg["n"] == p["seq"]:
-            p["nacks"] += 1
-        return []
-
-    def _nacks(self, now: float) -> List[Out]:
-        """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
-        out = []
-        for seq, relay in list(self.relays.items()):
-            if relay[3] <= now:
-                relay[3] = math.inf
-                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
-            if relay[2] <= now:
-                del self.relays[seq]
-        return out
 
     def _on_k(self, msg, src, now, tcp):
         push = self.pushes.get(msg["k"])
@@ -1101,7 +1297,7 @@ class Overlay:
             raise ValueError("records must be an object")
         fresh = {}
         for sid, record in records.items():
-            if isinstance(sid, str) and crdt.plane_of(sid) == crdt.INGRESS:
+            if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
                 # The ingress plane: held by ingresses, written only by the ingress tier. A worker
                 # drops it (an ingress of the release before planes still sends it); an ingress
                 # applies only what the tier signed (the cluster key alone writes nothing here).
@@ -1160,7 +1356,7 @@ class Overlay:
             self._notify(sid, record)
         for sid in gone:                            # once every member is known: pushed to all
             log.info("session %s superseded: this process now serves its address", sid)
-            out += self._retire(sid, now, "superseded")
+            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]})
         while self.met_ingresses:                   # the ingress plane's anti-entropy, now
             out.append(self._digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
@@ -1402,174 +1598,6 @@ class Overlay:
             return addrs
         return self.rng.sample(addrs, k)
 
-    # -- failure detection ------------------------------------------------------------------
-    def _start_probe(self, now: float) -> List[Out]:
-        """Probe the member `offset` places after us on the ring of sorted session ids, with one
-        offset per round for everyone (a hash of the round number): with one view of the
-        membership each round is a permutation, so every member is probed by exactly one other
-        in every round, and a dead one is suspected within one round plus the timeouts (a
-        random choice leaves it unprobed for a round with p = 1/e, and the p99 at ~5 rounds).
-        The prober of a member changes every round, so one sick prober judges nobody twice."""
-        if not self.members:
-            self.next_probe = now + self.cfg.probe_interval
-            return []
-        if self.ring is None:
-            self.ring = sorted([self.sid, *self.members])
-        ring = self.ring
-        rnd = int(now / self.cfg.probe_interval)
-        offset = 1 + ((rnd * 2654435761) >> 7) % (len(ring) - 1)   # Knuth's multiplicative hash
-        sid = ring[(ring.index(self.sid) + offset) % len(ring)]
-        self.seq += 1
-        addr = self.members[sid]
-        self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
-                      "extended": False, "nacks": 0, "helpers": 0}
-        self.late[self.seq] = (sid, now)
-        self._set_deadline()
-        ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
-        sus = self.suspects.get(sid)
-        if sus is not None:
-            ping["sv"] = sus.version                # Lifeguard's buddy: tell it, so it refutes
-        self.probe["ping"] = ping
-        return [Out(addr, ping, False)]
-
-    def _timeout(self, name: str, sid: str) -> float:
-        """A probe phase's timeout: the direct one stretches for a member known to ack late."""
-        if name == "probe_timeout":
-            cfg = self.cfg
-            record = self.map.get(sid) or {}
-            lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
-            wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
-            return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
-        return getattr(self.cfg, name)
-
-    def _set_deadline(self) -> None:
-        p = self.probe
-        _, after, _ = PROBE_ROUND[p["phase"]]
-        p["deadline"] = p["start"] + sum(self._timeout(f, p["sid"]) for f in after) * (1 + self.lhm)
-
-    def _end_probe(self) -> None:
-        start = self.probe["start"]
-        self.probe = None
-        self.next_probe = start + self.cfg.probe_interval * (1 + self.lhm)
-
-    def _advance_probe(self, now: float) -> List[Out]:
-        p = self.probe
-        if p["sid"] not in self.members:            # left or evicted meanwhile
-            self._end_probe()
-            return []
-        if now - p["deadline"] > self.cfg.stall_threshold and not p["extended"]:
-            # We woke up late, so an ack may be sitting unread in our socket: give it a chance.
-            p["extended"] = True
-            p["deadline"] = now + self.cfg.probe_timeout
-            return []
-        _, _, action = PROBE_ROUND[p["phase"]]
-        if action == "indirect":
-            p["phase"] += 1
-            self._set_deadline()
-            ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
-            helpers = [a for s, a in self.members.items() if s != p["sid"]]
-            helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
-            p["helpers"] = len(helpers)
-            out = [Out(a, ping_req, False) for a in helpers]
-            out.append(Out(p["addr"], p["ping"], True))
-            return out
-        # action == "suspect": no path answered. Lifeguard: if the helpers' nacks did not reach
-        # us either, the fault is likely ours, so we trust our own timeouts less.
-        sid = p["sid"]
-        if p["nacks"] < p["helpers"] or not p["helpers"]:
-            self._degrade()
-        self._end_probe()
-        record = self.map.get(sid)
-        return self._suspect(sid, record["version"], self.sid, now, None)
-
-    def _degrade(self) -> None:
-        self.lhm = min(self.lhm + 1, self.cfg.max_local_health)
-
-    def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
-        if sid == self.sid:
-            if version < self.record["version"] or self.leaving:
-                return []
-            self._degrade()                         # others can't reach us: maybe we are the problem
-            # Refute: a newer version clears the suspicion. It carries our local health, so
-            # that every prober gives a member that knows it is slow longer to answer.
-            return self.update(now, lhm=self.lhm)
-        record = self.map.get(sid)
-        if record is None or record["state"] == crdt.LEFT or version < record["version"]:
-            return []
-        sus = self.suspects.get(sid)
-        new = sus is None or version > sus.version
-        if new:
-            sus = self.suspects[sid] = Suspicion(version, now, by)
-        elif by in sus.confirmers:
-            return []
-        else:
-            sus.confirmers.add(by)
-        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
-        if self.sid != min(sus.confirmers):
-            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
-            # little later, so that N timers firing together do not make N different LEFT records.
-            sus.deadline += 2 * self.cfg.probe_interval
-        out: List[Out] = []
-        if len(sus.confirmers) <= self._expected_confirmations() + 1:
-            out = self._rumour([("s", sid, by)], now, src)
-        if new:
-            self._notify(sid, record)
-        return out
-
-    def _expected_confirmations(self) -> int:
-        return max(1, int(self.cfg.suspicion_mult) - 2)
-
-    def _grace(self, confirmations: int) -> float:
-        """Lifeguard: start at max, fall towards min (which grows with log N) as independent
-        confirmations arrive."""
-        n = len(self.members) + 1
-        low = self.cfg.suspicion_mult * max(1.0, math.log10(n)) * self.cfg.probe_interval
-        high = self.cfg.suspicion_max_mult * low
-        k = self._expected_confirmations()
-        frac = math.log(confirmations + 1) / math.log(k + 1)
-        return max(low, high - (high - low) * frac)
-
-    def _evict(self, sid: str, now: float) -> List[Out]:
-        sus = self.suspects[sid]
-        if self._partitioned(now) and now - sus.since < self.cfg.suspicion_hold_max:
-            # A quarter of the cluster unreachable at once (and at least 3 members) is far
-            # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
-            # nobody, so the halves merge again without losing the sessions alive on each.
-            sus.held = True
-            sus.deadline = now + self.cfg.probe_interval
-            return []
-        if sus.held:
-            # The split is over (or was never one): a held suspect gets a whole grace from now
-            # to hear of it and refute, as the rest of the cluster comes back into view.
-            sus.held = False
-            sus.since = now
-            sus.deadline = now + self._grace(len(sus.confirmers) - 1)
-            return []
-        del self.suspects[sid]
-        return self._retire(sid, now, "suspected and unrefuted")
-
-    PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
-    PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
-                                    # rest are suspected) must not shrink the cluster it is judged
-                                    # against; steady churn (a kill every 20 s) stays below it
-
-    def _partitioned(self, now: float) -> bool:
-        evictions = self.evictions
-        while evictions and evictions[0] < now - self.PARTITION_WINDOW:
-            evictions.popleft()
-        unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
-        return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
-
-    def _retire(self, sid: str, now: float, why: str) -> List[Out]:
-        """Write LEFT for another member's session, as its evictor; the writer pushes it to all."""
-        self.suspects.pop(sid, None)
-        record = self.map.get(sid)
-        if record is None or record["state"] == crdt.LEFT:
-            return []
-        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid)
-        self.map.put(sid, record, writer=self.sid)
-        log.info("session %s evicted: %s", sid, why)
-        return self._changed([sid], now, origin=True)
 
     def _count(self, out: List[Out]) -> List[Out]:
         for o in out:

@@ -56,6 +56,7 @@ TABLE = {
         [("--policy", "POLICY", "least_loaded", "random", "round_robin", "policy"),
          ("--max-connections", "MAX_CONNECTIONS", otela_ingress.MAX_CONNECTIONS, "100", "7", "max_connections"),
          ("--head-timeout-s", "HEAD_TIMEOUT_S", otela_ingress.HEAD_TIMEOUT_S, "2.5", "1", "head_timeout_s"),
+         ("--usage-days", "USAGE_DAYS", crdt.USAGE_RETENTION_DAYS, "20", "9", "usage_days"),
          ("--no-auth", "NO_AUTH", False, "on", None, "no_auth"),
          ("--alias", "ALIASES", [], "fast=a,b;big=c", "small=d", "alias")]),
     "otela_place.py": (
