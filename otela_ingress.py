@@ -1312,6 +1312,11 @@ POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware":
             "least_loaded": LeastLoadedPolicy}
 
 
+def serving_worker(record: Dict[str, Any]) -> bool:
+    """A worker session whose lifecycle state takes requests (crdt.ROUTABLE, from its table)."""
+    return record.get("state") in crdt.ROUTABLE and record.get("role", "worker") == "worker"
+
+
 def load_policy(spec: str) -> Policy:
     """A built-in name, or `module:Class` for a user's own (importable from sys.path or the
     current directory)."""
@@ -3151,13 +3156,10 @@ class Ingress:
         for sid, record in node.registry.items():
             if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()):
                 continue
-            state = record.get("state")
-            if state in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
+            if record.get("state") in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
                 known = True
-            if state != crdt.SERVING or node.is_suspected(sid):
+            if not self._routable(sid, record):
                 continue
-            if self.require_code_hash and record.get("code_hash") != self.require_code_hash:
-                continue   # --require-code-hash: not the code we route to
             found = True
             if allowed(key.allow, sid, record):
                 result.append(Candidate(sid, record))
@@ -3186,13 +3188,16 @@ class Ingress:
 
     def _served_models(self, key: Key) -> set:
         names = set()
-        node = self.node
-        for sid, record in node.registry.items():
-            if (record.get("state") == crdt.SERVING and record.get("role", "worker") == "worker"
-                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)
-                    and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)):
+        for sid, record in self.node.registry.items():
+            if self._routable(sid, record) and allowed(key.allow, sid, record):
                 names.update(record.get("models") or ())
         return names
+
+    def _routable(self, sid: str, record: Dict[str, Any]) -> bool:
+        """A session requests go to: a worker whose lifecycle state takes them (serving_worker),
+        not suspected, of the code --require-code-hash names (if it names one)."""
+        return serving_worker(record) and not self.node.is_suspected(sid) \
+            and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)
 
     # -- routes: what a request head asks for ------------------------------------------------
     def route(self, client: _Client, request: otela_node.MessageHead, t0: float) -> None:
@@ -3545,8 +3550,7 @@ class Ingress:
 
     # -- GET endpoints: (status, content type, payload), or a future of it ----------------------
     def _get_healthz(self, fields, query):
-        serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
-                      and r.get("role", "worker") == "worker")
+        serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
         ledger = self.ledger
         error = ledger.error if ledger is not None else None
         return 200, b"application/json", crdt.dumps({
