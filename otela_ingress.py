@@ -2,37 +2,70 @@
 
 Role: a full overlay member (it runs an `otela_node.Node` with role "ingress", so it holds the
 session registry locally) that also serves the OpenAI HTTP API to users. A request comes in
-over HTTP/1.1 (read by otela_node's sans-IO codec, by h11 when the codec leaves a request to
-it, on asyncio), is authenticated against a hashed key in SQLite, is routed by
-a pluggable policy to one healthy session serving its model, and is proxied there over a
-keep-alive connection (to the node's tunnel address with the cluster's tunnel header). The
-answer goes back to the client as it arrives: whole for plain requests, byte for byte for
-server-sent event streams. Every finished request becomes a row of the usage ledger.
+over HTTP/1.1, is authenticated against a hashed key, is routed by a pluggable policy to one
+healthy session serving its model, and is proxied there over a kept-alive connection (the
+node's tunnel: mutual TLS, or the cluster's tunnel header). The answer goes back to the client
+as it arrives: whole for plain requests, byte for byte for server-sent event streams. Every
+finished request becomes a row of the usage ledger.
 
-One engine: the protocol callbacks. The client connection's data_received parses (the codec,
-or h11 for a request only h11 can judge), authenticates, routes and writes upstream; a body
-still arriving is read piece by piece by each data_received, under its deadline and size
-limit; the upstream connection's data_received reads the answer and writes it back (or relays
-the stream, chunk by chunk, see _Relay). No task or future sits between them on the common
+Theory of operation
+-------------------
+The sections, in file order, and what each holds:
+
+    config               every limit and timing default, with the reason for the number
+    error bodies         OpenAI's error JSON; HTTPError, the one way a request is refused
+    keys, usage ledger   Key (hashed, with its rate bucket), Ledger (a journal file, then SQLite)
+    cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
+                         map, so rate limits and budgets count the whole cluster's use
+    routing              Candidate, the policies, PassiveHealth (sessions out of rotation)
+    metrics              Metrics: /metrics in Prometheus' text format
+    streams              StreamWatch: SSE events passed through, their usage read (and stripped)
+    upstream             UpstreamPool (kept-alive connections per session; writes requests),
+                         Upstream (reads an answer with otela_node's codec), _Relay (a stream)
+    client connections   _ClientConn (the connection's one parser and writer of answers) and
+                         _Client (its protocol, and the loop that serves its requests in turn)
+    the exchange         _Exchange: one proxied request, its lifecycle as a table, its
+                         attempts, its answer, and finish(), the one place its end is booked
+    the ingress          Ingress: the shared state, candidates from the registry, auth, the
+                         routes, the admin API and the GET endpoints
+    dashboard, CLI
+
+How a proxied request flows through them:
+
+    1. _Client.data_received -> _Client.serve: the connection's parser reads the head. It is
+       otela_node's sans-IO codec, with h11 inside it for a request only h11 judges (HTTP/1.0,
+       Expect, odd bytes): one parser per connection, one kind of head (a MessageHead). A read
+       holding exactly one plain proxied request is read from its own bytes (whole_request).
+    2. Ingress.proxy: the key, its rate and budget, the JSON, the model, the candidates (cached
+       per model and allowlist); the policy picks a session and the request goes out on a
+       kept-alive connection (UpstreamPool.send_request) before anything else is booked; an
+       _Exchange is made. Any other head goes to Ingress.route: its body is read piece by piece
+       by each data_received (_Client.read_body, under its deadline and size limit), then it is
+       proxied, or the admin API or a GET endpoint answers it.
+    3. The upstream connection's data_received (_UpstreamProtocol) calls the exchange back: the
+       answer's head, then its plain body whole (_Exchange._read_answer), or, for a stream, a
+       _Relay that writes each read to the client as it comes. A session that fails to answer,
+       or refuses with a 5xx, hands the request to the next one (_Exchange.retry, up to
+       MAX_ATTEMPTS).
+    4. _Exchange.finish(outcome): the ledger row is journalled before the client's last bytes
+       go out, the in-flight count, the policy, passive health and metrics right after them.
+    5. _Client.serve_next: on to the next request the client sent meanwhile.
+
+One engine: the protocol callbacks. No task or future sits between the steps on the common
 path: at low load the ingress's share of a request's latency is mostly the CPU's cold caches,
 and each event-loop pass costs more of them. What must wait on something else (a new upstream
 connection, a usage query in an executor) is a future whose completion calls one method back;
 no task owns a connection or loops over its events. Backpressure is the transports' own
-pause/resume callbacks, in both directions. The common request (one read holding
-exactly one plain proxied request; one read holding exactly its whole answer) is read from the
-read's own bytes (_serve_whole, _upstream_whole), with the same codec and the same exchange;
-anything else goes through the connection's buffer and the general loop.
+pause/resume callbacks, in both directions.
 
-One request, one state machine. Each proxied request is one _Exchange
-whose state moves down EXCHANGE_LIFECYCLE (received -> routed -> sent -> head -> body | stream
--> done, or -> retried -> routed again, or -> failed), and whose end is booked in one place,
-_Exchange.finish(outcome), once: the in-flight count, the policy's on_request_end, passive
-health, metrics and the ledger row, before the client's last byte goes out (OUTCOMES says what
-each way of ending books).
+One request, one state machine: each proxied request's state moves down EXCHANGE_LIFECYCLE
+(received -> routed -> sent -> head -> [body] -> done, or stream -> done, or -> retried ->
+routed again, or -> failed), and its end is booked once, in _Exchange.finish (OUTCOMES says
+what each way of ending books).
 
 Data flow:
-    client --h11--> auth (keys in memory) --> candidates (cached per model and allowlist)
-        --> policy.pick --> upstream pool --HTTP/1.1--> node tunnel --> engine
+    client --codec/h11--> auth (keys in memory) --> candidates --> policy.pick
+        --> upstream pool --HTTP/1.1--> node tunnel --> engine
         <-- response relayed (retried on another session if nothing was sent yet)
         --> usage journal (a copy into a mapped file before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
@@ -41,6 +74,10 @@ Several ingresses are one service: key records and per-(key, day) and per-(key, 
 entries of the overlay's map (crdt.py), so a key made or revoked at one ingress holds at all,
 and rate limits and token budgets count the whole cluster's use (see ClusterKeys). Each
 ingress keeps its own SQLite copy of them, and its own request rows.
+
+Settings: a setting is its flag, else the OTELA_* variable named after it, else its default
+(otela_node.parse_settings); the limits below are flags too (LIMITS: --max-connections,
+OTELA_MAX_CONNECTIONS, ...).
 
 Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
 made) and, to opt out of the per-request usage row (the request is still counted per day),
@@ -57,10 +94,6 @@ What this file must never do:
   3. Let one client hurt another: every connection has its own buffers, limits and deadlines;
      a slow reader only slows its own stream, and a client that leaves frees the engine
      working for it.
-
-Sections: config · OpenAI error bodies · keys and allowlists · usage ledger · cluster-wide keys
-and usage · routing · metrics · streams · upstream · client connections · the exchange · the
-ingress · dashboard · CLI.
 """
 from __future__ import annotations
 
@@ -173,6 +206,14 @@ _REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, 
 _REQUEST_ID_PREFIX = secrets.token_hex(8).encode()   # 64 random bits per process
 _request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+# The limits above a deployment may have to change: each is also a flag of `serve` and an OTELA_*
+# variable named after it (MAX_CONNECTIONS: --max-connections, OTELA_MAX_CONNECTIONS), read as
+# every setting is (otela_node.parse_settings), set before the ingress starts.
+LIMITS = {name: globals()[name] for name in (   # name -> its default
+    "MAX_HEADER_BYTES", "MAX_BODY_BYTES", "MAX_CONNECTIONS", "ADDRESS_SHARE", "ADDRESS_FLOOR", "MAX_HEADLESS",
+    "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
+    "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
+    "DRAIN_S", "LINGER_S", "WARMUP_MAX_S")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1276,6 +1317,11 @@ POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware":
             "least_loaded": LeastLoadedPolicy}
 
 
+def serving_worker(record: Dict[str, Any]) -> bool:
+    """A worker session whose lifecycle state takes requests (crdt.ROUTABLE, from its table)."""
+    return record.get("state") in crdt.ROUTABLE and record.get("role", "worker") == "worker"
+
+
 def load_policy(spec: str) -> Policy:
     """A built-in name, or `module:Class` for a user's own (importable from sys.path or the
     current directory)."""
@@ -1333,6 +1379,13 @@ class PassiveHealth:
 
     def sick(self, now: float) -> List[str]:
         return [s for s, until in self.sick_until.items() if now < until]
+
+    def healthy(self, candidates: List[Candidate]) -> List[Candidate]:
+        """The candidates not out of rotation for failing (all of them if every one is)."""
+        if not self.sick_until:
+            return candidates
+        now = time.monotonic()
+        return [c for c in candidates if not self.is_sick(c.session, now)] or candidates
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1594,17 +1647,6 @@ class StreamWatch:
 # Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader, and the
 # relay of a stream from it to a client
 # ---------------------------------------------------------------------------------------------
-def _take(buf: bytearray, limit: int) -> bytes:
-    """Up to `limit` bytes off the front of a body buffer (one copy)."""
-    if len(buf) <= limit:
-        piece = bytes(buf)
-        buf.clear()
-    else:
-        piece = bytes(buf[:limit])
-        del buf[:limit]
-    return piece
-
-
 class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
 
@@ -1619,7 +1661,8 @@ _NO_BODY = otela_node.BodyReader(otela_node.NO_BODY)   # done: what a connection
 
 class _UpstreamProtocol(asyncio.Protocol):
     """Puts what the provider sends straight into its Upstream's buffer and calls the exchange
-    reading it (on_data: Ingress._on_upstream, or a _Relay's pump), in the step that read it."""
+    reading it (on_data: the _Exchange's answer reader, or a _Relay's pump), in the step that
+    read it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -1629,19 +1672,11 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.exc: Optional[BaseException] = None
         self.paused = False
         self.on_data: Optional[Callable[[], None]] = None   # set while an exchange reads this
-        self.answer_for: Optional[_Exchange] = None   # the exchange whose answer's first read is due
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        ex = self.answer_for
-        if ex is not None:   # an answer's first read: a whole plain one takes its own path
-            self.answer_for = None
-            up = ex.up
-            if not self.buf and self.on_data is not None and up is not None and up.proto is self \
-                    and ex.ingress._upstream_whole(ex, up, data):
-                return
         buf = self.buf
         buf += data
         if len(buf) > 2 * READ_CHUNK and not self.paused:   # the reader is behind: stop reading
@@ -1743,9 +1778,16 @@ class Upstream:
 
 
 class UpstreamPool:
-    def __init__(self, tls: Any = None, open_relayed: Any = None):
+    """Kept-alive connections per provider address, and the writer of the requests sent on them."""
+
+    def __init__(self, tls: Any = None, open_relayed: Any = None, tunnel_header: Any = None):
         self.ssl = tls         # an ssl.SSLContext: connections to nodes are TLS (with a deadline)
         self.open_relayed = open_relayed   # a private node ("relay/…"): a socket spliced through its relay
+        # without TLS, the cluster's static credential is a header line on every request
+        self.tunnel_line = b"".join((v.encode() if isinstance(v, str) else v)
+                                    for v in (tunnel_header[0], b": ", tunnel_header[1], b"\r\n")) \
+            if tunnel_header and tls is None else b""
+        self._request_heads: Dict[Tuple[bytes, str, bool], Tuple[bytes, bytes]] = {}   # _request_head
         self._tls_options = {"ssl": tls, "server_hostname": otela_node.TLS_SERVER_NAME,
                              "ssl_handshake_timeout": UPSTREAM_CONNECT_TIMEOUT_S} if tls is not None else {}
         self._idle: Dict[str, List[Upstream]] = {}
@@ -1784,6 +1826,28 @@ class UpstreamPool:
         up = Upstream(addr, transport, proto)   # asyncio and uvloop set TCP_NODELAY themselves
         self.active.add(up)
         return up
+
+    def send_request(self, up: Upstream, path: bytes, stream: bool, body: bytes) -> Optional[UpstreamFailure]:
+        """Send a request on `up`; the failure (the connection discarded) when it could not go."""
+        try:
+            up.send(self._request_head(path, up.addr, stream, body) + body)
+        except UpstreamFailure as exc:
+            self.discard(up)
+            return exc
+        return None
+
+    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes) -> bytes:
+        """The head of a request upstream: the same but for its length per (path, session,
+        streaming), so it is formatted once (bounded: routes x sessions in use)."""
+        frame = self._request_heads.get((path, addr, stream))
+        if frame is None:
+            if len(self._request_heads) >= 4096:
+                self._request_heads = {}
+            frame = self._request_heads[(path, addr, stream)] = (
+                b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
+                % (path, addr.encode()),
+                b"\r\n" + self.tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
+        return b"%s%d%s" % (frame[0], len(body), frame[1])
 
     def retire(self, addr: str) -> None:
         """A better path to addr appeared (a punched tunnel, otela_node's relay rule 5): its idle
@@ -1832,11 +1896,10 @@ class _Relay:
     before any byte went out: the caller may retry elsewhere) or another exception (the client
     went away, or a bug)."""
 
-    __slots__ = ("ingress", "ex", "up", "head", "on_end", "watch", "held", "ended")
+    __slots__ = ("ex", "up", "head", "on_end", "watch", "held", "ended")
 
-    def __init__(self, ingress: Ingress, ex: _Exchange, up: Upstream, head: UpstreamHead,
-                 on_end: Callable[[Any], None]):
-        self.ingress, self.ex, self.up, self.head, self.on_end = ingress, ex, up, head, on_end
+    def __init__(self, ex: _Exchange, up: Upstream, head: UpstreamHead, on_end: Callable[[Any], None]):
+        self.ex, self.up, self.head, self.on_end = ex, up, head, on_end
         self.watch = StreamWatch(ex.strip_usage)
         self.held = b""        # "data: [DONE]" waits until the ledger row is journalled
         self.ended = False
@@ -1876,7 +1939,7 @@ class _Relay:
             except UpstreamFailure as exc:
                 return self._fail(str(exc))
             return self._finish()
-        if client._write_paused:
+        if client.write_paused:
             up.pause_reading()   # the client reads slower than the engine writes: so do we
 
     def _send(self, piece: bytes) -> None:
@@ -1892,11 +1955,12 @@ class _Relay:
             if not out:
                 return
         ex = self.ex
-        conn = ex.client.conn
+        client = ex.client
         if ex.sent:
-            ex.client.transport.write(_data(conn, out))
-        else:
-            ex.client.transport.write(self.ingress._stream_head(ex, self.head) + _data(conn, out))
+            client.transport.write(client.conn.data(out))
+        else:   # (the head first: it sets the framing of the data)
+            head = ex.stream_head(self.head)
+            client.transport.write(head + client.conn.data(out))
 
     def _end(self, result: Any, discard: bool = False) -> None:
         self.ended = True
@@ -1904,20 +1968,20 @@ class _Relay:
         up.proto.on_data = None
         self.ex.client.relay = None
         if discard:
-            self.ingress.pool.discard(up)
+            self.ex.ingress.pool.discard(up)
         else:
-            self.ingress.pool.release(up)
+            self.ex.ingress.pool.release(up)
         self.on_end(result)
 
     def _finish(self) -> None:
-        ex, watch, ingress = self.ex, self.watch, self.ingress
+        ex, watch = self.ex, self.watch
         tail = watch.flush() + self.held
         if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
         conn = ex.client.conn
-        start = b"" if ex.sent else ingress._stream_head(ex, self.head)
-        ex.finish("ok", start + _data(conn, tail) + _end(conn))
+        start = b"" if ex.sent else ex.stream_head(self.head)
+        ex.finish("ok", start + conn.data(tail) + conn.end())
         self._end(True)
 
     def _fail(self, reason: str) -> None:
@@ -1926,7 +1990,7 @@ class _Relay:
             self.up.reused = False   # not a stale pooled connection: no second try on this session
             self._end(UpstreamFailure(reason), discard=True)
             return
-        self.ingress._cut_stream(ex, reason, self.watch)
+        ex.cut_stream(reason, self.watch)
         self._end(False, discard=True)
 
     def _client_gone(self) -> None:
@@ -1937,71 +2001,73 @@ class _Relay:
 
 
 # ---------------------------------------------------------------------------------------------
-# Client connections: the codec's h11-like face for plain requests, the connection protocol
+# Client connections: one parser per connection (the codec, h11 inside it for odd requests),
+# the connection protocol, and the loop that serves its requests
 # ---------------------------------------------------------------------------------------------
-# A request head parsed by _ClientConn is the codec's own MessageHead: what the handlers read of
-# an h11.Request (method, target, headers with lower-case names), plus its fields as a dict.
-_FastRequest = otela_node.MessageHead
+# A request head is the codec's own MessageHead (method, target, headers with lower-case names,
+# fields as a dict), whichever parser read it: h11's Request is turned into one.
+_Request = otela_node.MessageHead
 
 
 _WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
                  + SESSION_HEADER + b": %s\r\n%s\r\n%s")
-_SWITCH = object()   # _ClientConn.next_event: this request is not a plain one, h11 takes over
 _EOM = h11.EndOfMessage()
 
 
 class _ClientConn:
-    """The server side of h11.Connection for the requests a proxy sees all day, on the codec.
+    """The parser of one client connection and the writer of its answers: the codec for the
+    requests a proxy sees all day, h11 inside it for a request only h11 judges.
 
-    h11's general machinery was over a third of the CPU time of a proxied request. This class
-    answers the subset of h11.Connection's interface the ingress uses (receive_data, next_event,
-    send, start_next_cycle, our_state/their_state with h11's state objects, trailing_data) for
-    the requests otela_node.parse_request takes: HTTP/1.1, a Host field, a Content-Length or
-    chunked body (or none), kept alive, no Expect or Upgrade. A head it refuses (a framing that
-    could smuggle a request) raises h11.RemoteProtocolError, as h11 would (400 and close). A
-    request the codec leaves to h11 (or a head incomplete at the end of the connection) makes
-    next_event return _SWITCH at a request boundary: the caller swaps in `to_h11()`, an
-    h11.Connection fed the buffered bytes, for that request, so every odd case keeps h11's exact
-    behaviour, and `resume(h11 connection)` after it: every head is seen here first.
+    h11's general machinery was over a third of the CPU time of a proxied request, so the codec
+    (otela_node.parse_request) reads every head first. It takes HTTP/1.1 with a Host field, a
+    Content-Length or chunked body (or none), kept alive, no Expect or Upgrade. A head it
+    refuses (a framing that could smuggle a request) raises h11.RemoteProtocolError, as h11
+    would (400 and close). A request it leaves to h11 (or a head incomplete at the end of the
+    connection) goes, with the bytes buffered, to an h11.Connection made for it, so every odd
+    case keeps h11's exact behaviour; at the next request boundary the codec takes the bytes
+    h11 buffered back. Either way the caller sees one parser with h11's face: next_event gives
+    a MessageHead, h11.Data, h11.EndOfMessage, NEED_DATA or ConnectionClosed; our_state and
+    their_state are h11's state objects; head, data and end frame the answer.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "_head", "_body", "_chunked", "_close", "_eof", "extra")
-    they_are_waiting_for_100_continue = False
+    __slots__ = ("buf", "our_state", "their_state", "waiting_for_continue", "extra",
+                 "_head", "_body", "_chunked", "_close", "_eof", "_h11")
 
     def __init__(self):
         self.buf = bytearray()
         self.our_state = self.their_state = h11.IDLE
+        self.waiting_for_continue = False   # the request said Expect: 100-continue (h11 reads it)
+        self.extra = b""   # header lines every answer to this request carries (_Client.tag)
         self._head: Any = None   # the request being read
         self._body = _NO_BODY    # its body's reader: made when a body is read piece by piece
         self._chunked = self._close = self._eof = False
-        self.extra = b""   # header lines every answer to this request carries (Ingress._tag)
+        self._h11: Optional[h11.Connection] = None   # while it reads a request the codec left to it
 
     @property
-    def trailing_data(self) -> Tuple[bytes, bool]:
-        return bytes(self.buf), self._eof
+    def eof(self) -> bool:
+        """The client closed its side."""
+        return self._eof
 
-    def to_h11(self) -> h11.Connection:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-        conn.receive_data(bytes(self.buf))
-        if self._eof:
-            conn.receive_data(b"")
-        return conn
+    @property
+    def by_h11(self) -> bool:
+        """The request being read is h11's."""
+        return self._h11 is not None
 
-    @classmethod
-    def resume(cls, conn: h11.Connection) -> _ClientConn:
-        """The codec again, after a request h11 served, with what h11 had buffered."""
-        new = cls()
-        new.buf += conn.trailing_data[0]
-        new._eof = conn.trailing_data[1]
-        return new
+    def buffered(self) -> int:
+        """Bytes received and not read yet."""
+        return len(self.buf) if self._h11 is None else len(self._h11.trailing_data[0])
 
     def receive_data(self, data: bytes) -> None:
-        if data:
-            self.buf += data
-        else:
+        if not data:
             self._eof = True
+        if self._h11 is not None:
+            self._h11.receive_data(data)
+        elif data:
+            self.buf += data
 
     def next_event(self) -> Any:
+        if self._h11 is not None:
+            return self._h11_event()
         state = self.their_state
         buf = self.buf
         try:
@@ -2026,28 +2092,61 @@ class _ClientConn:
             raise h11.RemoteProtocolError(str(exc), error_status_hint=400) from None
         if head is None:
             if self._eof:
-                return _SWITCH if buf else h11.ConnectionClosed()
+                return self._hand_to_h11() if buf else h11.ConnectionClosed()
             return h11.NEED_DATA
         if head is otela_node.H11_JUDGES or not head.keep_alive:   # h11 writes the Connection: close
-            return _SWITCH
+            return self._hand_to_h11()   # (its framing passed the codec's check already)
         del buf[:head.size]
         self._head, self._body = head, None
         self.their_state = h11.SEND_BODY
         self.our_state = h11.SEND_RESPONSE
         return head
 
+    def whole_request(self, data: bytes, limit: int) -> Optional[_Request]:
+        """The common request read from `data`, one read, without touching the buffer (a
+        bytearray: its methods are other code than bytes' for a cold CPU to run): when `data` is
+        exactly one plain POST to a proxied route with a body of at most `limit` bytes and
+        nothing is buffered before it, its head, the request then read whole (its body is
+        data[head.size:]); else None, nothing done (receive_data takes `data`, as any other)."""
+        if self._h11 is not None or self.buf or self.their_state is not h11.IDLE:
+            return None
+        try:
+            head = otela_node.parse_request(data, MAX_HEADER_BYTES)
+        except otela_node.HTTPViolation:   # refused by next_event, with its answer
+            return None
+        if head is None or head is otela_node.H11_JUDGES or not head.keep_alive \
+                or head.framing is not otela_node.LENGTH or head.size + head.length != len(data) \
+                or head.length > limit or head.target not in PROXIED_PATHS:
+            return None
+        self._head, self._body = head, None   # as next_event and whole_body leave it
+        self.their_state, self.our_state = h11.DONE, h11.SEND_RESPONSE
+        return head
+
     def whole_body(self, limit: int = MAX_BODY_BYTES) -> Optional[bytes]:
         """The body of the request just parsed when it has a Content-Length of at most `limit`
         and all of it is buffered (the request is then complete), else None (nothing consumed)."""
         head, buf = self._head, self.buf
-        if self.their_state is not h11.SEND_BODY or self._body is not None \
+        if self._h11 is not None or self.their_state is not h11.SEND_BODY or self._body is not None \
                 or head.framing is not otela_node.LENGTH or head.length > len(buf) or head.length > limit:
             return None
         self.their_state = h11.DONE
-        return _take(buf, head.length)
+        return otela_node.BodyReader(otela_node.LENGTH, head.length).take(buf) or b""   # (None: empty)
 
-    def head(self, status: int, headers: Sequence[Tuple[bytes, bytes]]) -> bytes:
-        """The response head (what send(h11.Response(...)) would give, without building one)."""
+    def continue_(self) -> bytes:
+        """The interim 100 Continue a client that asked for it waits for before its body, or
+        b"" when it did not ask."""
+        if not self.waiting_for_continue:
+            return b""
+        self.waiting_for_continue = False
+        return self._h11_send(h11.InformationalResponse(status_code=100, headers=[]))
+
+    def head(self, status: int, headers: List[Tuple[bytes, bytes]]) -> bytes:
+        """The response head (what h11 would write for h11.Response(...), without building one)."""
+        if self._h11 is not None:
+            extra = self.extra
+            if extra:
+                headers = headers + [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]
+            return self._h11_send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
         framed = close = False
         out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
         for name, value in headers:
@@ -2065,55 +2164,74 @@ class _ClientConn:
 
     def whole_answer(self, status: int, content_type: bytes, session: bytes, payload: bytes) -> bytes:
         """A complete Content-Length answer with the ingress's headers, in one format."""
+        if self._h11 is not None:
+            return self.head(status, [(b"content-type", content_type), (b"content-length", b"%d" % len(payload)),
+                                      (SESSION_HEADER, session)]) + self.data(payload) + self.end()
         self._chunked = self._close = False
         self.our_state = h11.DONE
         return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session,
                                 self.extra, payload)
 
     def data(self, data: bytes) -> bytes:
-        """What send(h11.Data(data=data)) gives, without building the event."""
+        """Body bytes framed for the client."""
+        if self._h11 is not None:
+            return self._h11_send(h11.Data(data=data))
         if self._chunked:
             return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
         return data
 
     def end(self) -> bytes:
-        """What send(h11.EndOfMessage()) gives."""
+        """The end of the response body, framed for the client."""
+        if self._h11 is not None:
+            return self._h11_send(_EOM)
         self.our_state = h11.MUST_CLOSE if self._close else h11.DONE
         return b"0\r\n\r\n" if self._chunked else b""
-
-    def send(self, event: Any) -> bytes:
-        t = type(event)
-        if t is h11.Data:
-            return self.data(event.data)
-        if t is h11.EndOfMessage:
-            return self.end()
-        if t is h11.Response:
-            return self.head(event.status_code, [(name, value) for name, value in event.headers])
-        raise h11.LocalProtocolError(f"cannot send {t.__name__} here")
 
     def start_next_cycle(self) -> None:
         if self.our_state is not h11.DONE or self.their_state is not h11.DONE:
             raise h11.LocalProtocolError("not in a reusable state")
+        if self._h11 is not None:   # the codec again, with what h11 buffered after its request
+            self.buf += self._h11.trailing_data[0]
+            self._h11 = None
+            self.extra, self.waiting_for_continue = b"", False
         self.our_state = self.their_state = h11.IDLE
 
+    # -- h11, for the request the codec left to it -------------------------------------------------
+    def _hand_to_h11(self) -> Any:
+        conn = self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        conn.receive_data(bytes(self.buf))
+        self.buf.clear()
+        if self._eof:
+            conn.receive_data(b"")
+        return self._h11_event()
 
-def _data(conn: Any, data: bytes) -> bytes:
-    """Body bytes framed for the client (our parser's connection, or h11's)."""
-    return conn.data(data) if type(conn) is _ClientConn else conn.send(h11.Data(data=data))
+    def _h11_event(self) -> Any:
+        conn = self._h11
+        try:
+            event = conn.next_event()
+        finally:
+            self.our_state, self.their_state = conn.our_state, conn.their_state
+        if type(event) is not h11.Request:
+            return event
+        self.waiting_for_continue = conn.they_are_waiting_for_100_continue
+        headers = otela_node.header_items(event.headers)
+        # h11 bounds only a head that arrives in pieces; one that came whole in a single read is
+        # measured here. Its framing is checked as the codec's is (a head after blank lines, say).
+        if len(event.target) + sum(len(name) + len(value) + 4 for name, value in headers) > MAX_HEADER_BYTES:
+            raise h11.RemoteProtocolError("Request headers too large", error_status_hint=431)
+        error = otela_node.framing_error(headers)
+        if error is not None:
+            raise h11.RemoteProtocolError(error, error_status_hint=400)
+        head = _Request(headers, dict(headers), 0)
+        head.method, head.target = event.method, event.target
+        return head
 
-
-def _end(conn: Any) -> bytes:
-    """The end of the response body, framed for the client."""
-    return conn.end() if type(conn) is _ClientConn else conn.send(h11.EndOfMessage())
-
-
-def _response_head(conn: Any, status: int, headers: List[Tuple[bytes, bytes]]) -> bytes:
-    if type(conn) is _ClientConn:
-        return conn.head(status, headers)
-    extra = getattr(conn, "extra", b"")   # Ingress._tag's lines, on an h11 connection
-    if extra:
-        headers = headers + [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]
-    return conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
+    def _h11_send(self, event: Any) -> bytes:
+        conn = self._h11
+        try:
+            return conn.send(event)
+        finally:
+            self.our_state, self.their_state = conn.our_state, conn.their_state
 
 
 class _BodyRead:
@@ -2131,25 +2249,25 @@ class _BodyRead:
 class _Client(asyncio.Protocol):
     """One client connection, served from its protocol callbacks alone.
 
-    data_received feeds the connection's parser (the codec, or h11 for a request only h11 can
-    judge) and Ingress._serve moves the request on: a plain proxied request whose whole body is
-    buffered goes upstream at once; a body still arriving is taken piece by piece by each
-    data_received (`reading`, under its deadline and the size limit); the answer comes back in
-    the upstream connection's callbacks, or a _Relay's for a stream. What waits on something
-    else (a new upstream connection, a usage query in an executor) is a future whose completion
-    calls one method back; no task owns the connection, nothing is handed over or back.
-    Backpressure: reading pauses while a client is far ahead of us (pause_reading), and serving
-    stops while our writes to it are over their limit (pause_writing), going on from
-    resume_writing.
+    data_received feeds the connection's parser (_ClientConn) and `serve` moves the requests
+    on: a plain proxied request whose whole body is buffered goes upstream at once
+    (Ingress.proxy); any other head is routed (Ingress.route), and a body still arriving is
+    taken piece by piece by each data_received (`reading`, under its deadline and the size
+    limit); the answer comes back in the upstream connection's callbacks (see _Exchange), or a
+    _Relay's for a stream. What waits on something else (a new upstream connection, a usage
+    query in an executor) is a future whose completion calls one method back; no task owns the
+    connection, nothing is handed over or back. Backpressure: reading pauses while a client is
+    far ahead of us (pause_reading), and serving stops while our writes to it are over their
+    limit (pause_writing), going on from resume_writing.
     """
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "closed", "ending",
                  "serving", "relay", "exchange", "reading", "waiting", "lingering", "head_only",
-                 "_write_paused", "_read_paused", "request_id", "headless")
+                 "write_paused", "read_paused", "request_id", "headless")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
-        self.conn: Any = _ClientConn()   # an h11.Connection for a request only h11 judges
+        self.conn = _ClientConn()
         self.transport: Any = None
         self.address = ""                # the client's IP address (its share of the connections)
         # when the sweep closes the connection unless a request is being answered: the head is
@@ -2159,7 +2277,7 @@ class _Client(asyncio.Protocol):
         self.busy = False                # a request is being answered (its body is read)
         self.closed = False              # connection_lost was called
         self.ending = False              # we closed (or are closing) it: nothing more is served
-        self.serving = False             # Ingress._serve is on the stack for this connection
+        self.serving = False             # serve is on the stack for this connection
         self.relay: Optional[_Relay] = None       # the stream being relayed to this client, if any
         self.exchange: Optional[_Exchange] = None  # the proxied request in flight (not relaying)
         self.reading: Optional[_BodyRead] = None   # the request body being read, if any
@@ -2167,7 +2285,7 @@ class _Client(asyncio.Protocol):
         self.lingering = False           # answered and half-closed: what arrives is dropped
         self.head_only = False           # the request being answered is a HEAD
         self.request_id = b""            # the X-Request-Id of the request being answered
-        self._write_paused = self._read_paused = False
+        self.write_paused = self.read_paused = False
         self.headless = False            # among the ingress's connections with no complete head
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -2176,14 +2294,14 @@ class _Client(asyncio.Protocol):
         ingress = self.ingress
         peer = transport.get_extra_info("peername")
         address = self.address = otela_node.address_group(peer[0]) if peer else ""
-        if len(ingress._clients) >= ingress.max_connections:
+        if len(ingress.clients) >= ingress.max_connections:
             return self._refuse(503, "Too many connections to the ingress", "too_many_connections")
-        held = ingress._per_address.get(address, 0)
+        held = ingress.per_address.get(address, 0)
         if held >= ingress.max_per_address:
             return self._refuse(429, f"Too many connections from {address}", "too_many_connections")
-        ingress._per_address[address] = held + 1
+        ingress.per_address[address] = held + 1
         transport.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)   # TCP_NODELAY: set by the loop
-        ingress._clients.add(self)
+        ingress.clients.add(self)
         ingress.metrics.connections += 1
         self.await_head()
 
@@ -2191,9 +2309,9 @@ class _Client(asyncio.Protocol):
         """The connection has sent no complete head (yet; or, found by the sweep, not since its
         last request): it is one of at most MAX_HEADLESS such; over it, the oldest is cut whose
         address holds at least its share of them (a client's one new connection is not cut for
-        an attacker's many). A request's head takes it out (Ingress._tag)."""
+        an attacker's many). A request's head takes it out (tag)."""
         ingress = self.ingress
-        headless, per = ingress._headless, ingress._headless_per
+        headless, per = ingress.headless, ingress.headless_per
         if len(headless) >= MAX_HEADLESS:
             share = len(headless) / len(per)
             victim = next(iter(headless))
@@ -2227,11 +2345,11 @@ class _Client(asyncio.Protocol):
         if self.busy:
             self.conn.receive_data(data)
         else:
-            self.ingress._serve(self, data)
-        if not self._read_paused and self.buffered() > 2 * READ_CHUNK and not self.transport.is_closing():
+            self.serve(data)
+        if not self.read_paused and self.conn.buffered() > 2 * READ_CHUNK and not self.transport.is_closing():
             # a client far ahead of us (pipelining while a request is in flight, or while it
             # does not read our answers) waits in its socket, not in our memory
-            self._read_paused = True
+            self.read_paused = True
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
@@ -2250,53 +2368,258 @@ class _Client(asyncio.Protocol):
         if self.relay is not None:
             self.relay.pump()   # it sees the client gone and stops the engine's stream
         elif self.exchange is not None:
-            ingress._abandon(self)
+            self.exchange.abandon()
         if self.waiting is not None:
             self.waiting.cancel()
         if self.headless:
             ingress.headed(self)
-        if self in ingress._clients:
-            ingress._clients.discard(self)
+        if self in ingress.clients:
+            ingress.clients.discard(self)
             ingress.metrics.connections -= 1
-            held = ingress._per_address.pop(self.address, 1) - 1
+            held = ingress.per_address.pop(self.address, 1) - 1
             if held:
-                ingress._per_address[self.address] = held
+                ingress.per_address[self.address] = held
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         if self.relay is not None:
             self.relay.up.resume_reading()
         elif not self.busy:
-            self.ingress._serve(self)   # pipelined requests waited for the client to read
+            self.serve()   # pipelined requests waited for the client to read
 
-    # -- for the ingress -----------------------------------------------------------------------
-    def buffered(self) -> int:
+    # -- serving: the requests of this connection, one after the other ---------------------------
+    def serve(self, data: Optional[bytes] = None) -> None:
+        """Serve what is buffered on the connection, after `data` (what just arrived, if
+        anything): parse heads, read bodies, answer or send upstream, until more bytes are
+        needed, a request is in flight, our writes to the client are over their limit, or the
+        connection ends. Called from callbacks, where a bug must cost this connection a 500, not
+        go unseen."""
+        if self.serving:   # called back from inside itself: the loop below goes on
+            if data is not None:
+                self.conn.receive_data(data)
+            return
+        self.serving = True
+        try:
+            # the common request, one read holding exactly one plain proxied request, is read
+            # from the read's own bytes (see _ClientConn.whole_request); anything else is buffered
+            if data is not None and not (data.startswith(b"POST /v1/") and self._serve_whole(data)):
+                self.conn.receive_data(data)
+            self._serve_buffered()
+        except OSError:   # its socket failed under us (write_eof after a reset, say): it is gone
+            if self.exchange is not None:
+                self.exchange.abandon()
+            self.ending = True
+            self.transport.abort()
+        except Exception as exc:
+            self.internal_error(exc)
+        finally:
+            self.serving = False
+
+    def _serve_whole(self, data: bytes) -> bool:
+        if self.ending or self.write_paused:
+            return False
+        head = self.conn.whole_request(data, self.ingress.max_body)
+        if head is None:
+            return False
+        self.ingress.proxy(self, head.target, head.fields, data[head.size:], time.monotonic())   # (and tag)
+        return True
+
+    def _serve_buffered(self) -> None:
+        ingress = self.ingress
+        while not self.busy and not self.ending and not self.write_paused:
+            if self.reading is not None:
+                if not self._read_step():
+                    return
+                continue
+            conn = self.conn
+            try:
+                head = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
+                self.error(HTTPError(431, "Request headers too large", "headers_too_large") if status == 431 else
+                           HTTPError(status, f"Bad HTTP request: {exc}", "bad_request"))
+                self.close()
+                return
+            if head is h11.NEED_DATA:
+                self.resume_reading()
+                return
+            if type(head) is not _Request:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
+                self.close()
+                return
+            if head.method == b"POST" and head.target in PROXIED_PATHS:
+                body = conn.whole_body(ingress.max_body)
+                if body is not None:   # the common case: the whole request is here
+                    ingress.proxy(self, head.target, head.fields, body, time.monotonic())
+                    continue
+            t0 = time.monotonic()
+            self.deadline = t0 + REQUEST_TIMEOUT_S   # for its body
+            self.tag(head.fields)   # X-Request-Id and CORS (see tag)
+            try:
+                ingress.route(self, head, t0)
+            except HTTPError as exc:
+                self.error(exc)
+                self.finish()
+
+    def read_body(self, fields: Dict[bytes, bytes], then: Callable[[bytes], None]) -> None:
+        """Read the request's body as it arrives (see _read_step), then `then(body)`."""
+        length = fields.get(b"content-length")
+        limit = self.ingress.max_body
+        if length is not None and int(length) > limit:
+            raise HTTPError(413, f"Request body over the limit of {limit} bytes", "request_too_large")
+        go_on = self.conn.continue_()   # b"" unless the client waits for a 100 Continue
+        if go_on:
+            self.transport.write(go_on)
+        self.reading = _BodyRead(then)
+
+    def _read_step(self) -> bool:
+        """Take what arrived of the body being read; once it is whole, go on with its request.
+        False while more of it is due (or the connection ended)."""
+        reading, conn, limit = self.reading, self.conn, self.ingress.max_body
+        try:
+            while True:
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    if self.closed or conn.eof:   # the client went away mid-body
+                        self.reading = None
+                        self.close()
+                        return False
+                    raise HTTPError(400, f"Bad HTTP request body: {exc}", "bad_request") from None
+                if event is h11.NEED_DATA:
+                    self.resume_reading()
+                    return False
+                t = type(event)
+                if t is h11.Data:
+                    reading.size += len(event.data)
+                    if reading.size > limit:
+                        raise HTTPError(413, f"Request body over the limit of {limit} bytes", "request_too_large")
+                    reading.parts.append(event.data)
+                elif t is h11.EndOfMessage:
+                    self.reading = None
+                    self.busy = True   # from here on the request is ours: no client timeout
+                    parts = reading.parts
+                    reading.then(parts[0] if len(parts) == 1 else b"".join(parts))
+                    return True
+                else:   # the client closed mid-request
+                    self.reading = None
+                    self.close()
+                    return False
+        except HTTPError as exc:
+            self.reading = None
+            self.error(exc)
+            self.finish()
+            return True
+
+    def got(self, answer: asyncio.Future) -> None:
+        """A GET endpoint's computed answer: to the client, then on to the next request."""
+        self.waiting = None
+        if self.closed or answer.cancelled():
+            return
+        exc = answer.exception()
+        if exc is not None and not isinstance(exc, HTTPError):
+            return self.internal_error(exc)
+        if exc is not None:
+            self.error(exc)
+        else:
+            status, content_type, payload = answer.result()
+            self.answer(status, payload, content_type)
+        self.serve_next()
+
+    def serve_next(self) -> None:
+        """A request was answered from a callback other than this connection's (the upstream's,
+        a future's): on to the next request the client sent meanwhile."""
+        self.exchange = None
+        if self.finish():
+            if not self.idle:   # bytes of the next request are here already
+                self.serve()
+            elif self.read_paused:
+                self.resume_reading()
+
+    # -- answers ---------------------------------------------------------------------------------
+    def answer(self, status: int, payload: bytes, content_type: bytes = b"application/json",
+               extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
+        if self.closed:   # nobody to tell (and uvloop raises on a closed transport)
+            return
         conn = self.conn
-        return len(conn.buf) if type(conn) is _ClientConn else len(conn.trailing_data[0])
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]
+        headers.extend(extra)
+        if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
+            headers.append((b"connection", b"close"))   # the request body was left unread
+        out = conn.head(status, headers)
+        if self.head_only:   # the length a GET would get, and no body
+            self.transport.write(out + conn.end())
+        else:
+            self.transport.write(out + conn.data(payload) + conn.end())
 
+    def error(self, exc: HTTPError, model: str = "", counted: bool = False) -> None:
+        if not counted:
+            metrics = self.ingress.metrics
+            metrics.errors[exc.code or str(exc.status)] += 1
+            metrics.requests[(model, exc.status)] += 1
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self.answer(exc.status, error_body(exc.status, exc.message, exc.code, exc.param, exc.etype),
+                        extra=exc.headers)
+
+    def internal_error(self, exc: BaseException) -> None:
+        """A bug met while serving a request: say so on stderr and to the client (500), book its
+        exchange as an error, and close the connection, whose state is unknown."""
+        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
+              f"(request {self.request_id.decode() or '-'})", file=sys.stderr)
+        ex = self.exchange
+        if ex is not None:
+            ex.drop()
+            ex.finish("error")
+        try:
+            self.error(HTTPError(500, "Internal error in the ingress", "internal_error"))
+        except Exception:
+            pass
+        self.busy = False
+        self.ending = True
+        self.transport.close()
+
+    def tag(self, fields: Dict[bytes, bytes]) -> None:
+        """At a request's start: its id (the client's X-Request-Id when sane, else a new one),
+        returned on every answer, stored in its ledger row and named in the log; and, for an
+        Origin that --cors-origin admits, the CORS headers a browser needs to read the answer.
+        Its head is whole: the connection leaves the headless ones."""
+        ingress = self.ingress
+        if self.headless:
+            ingress.headed(self)
+        rid = fields.get(REQUEST_ID_HEADER)
+        if rid is None or not _REQUEST_ID.fullmatch(rid):
+            # unique without a system call per request: this process's random prefix, a counter
+            rid = b"req_%s%x" % (_REQUEST_ID_PREFIX, next(_request_numbers))
+        self.request_id = rid
+        extra = b"x-request-id: %s\r\n" % rid
+        origins = ingress.cors_origins
+        if origins:
+            origin = fields.get(b"origin")
+            if origin is not None and (origin in origins or b"*" in origins):
+                extra += (b"access-control-allow-origin: %s\r\nvary: origin\r\n"
+                          b"access-control-expose-headers: x-request-id, x-otela-session\r\n" % origin)
+        self.conn.extra = extra
+
+    # -- the connection's state ------------------------------------------------------------------
     def resume_reading(self) -> None:
-        if self._read_paused and not self.closed:
-            self._read_paused = False
+        if self.read_paused and not self.closed:
+            self.read_paused = False
             self.transport.resume_reading()
 
     def between_requests(self) -> None:
         """An answer went out: the next head is due (bytes of it are here), or the client idles."""
         self.busy = self.head_only = False
-        self.idle = not self.buffered()
+        self.idle = not self.conn.buffered()
         self.deadline = time.monotonic() + (IDLE_TIMEOUT_S if self.idle else HEAD_TIMEOUT_S)
 
     def finish(self) -> bool:
-        """After an answer: ready for the next request (True), or the connection is closed. A
-        request h11 served gives the codec back what h11 buffered after it."""
+        """After an answer: ready for the next request (True), or the connection is closed."""
         self.between_requests()
         conn = self.conn
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE and not self.closed:
             conn.start_next_cycle()
-            if type(conn) is not _ClientConn:
-                self.conn = _ClientConn.resume(conn)
             return True
         self.close()
         return False
@@ -2417,10 +2740,16 @@ class _Exchange:
         ingress.policy.on_request_start(candidate, self.routed)
         return candidate
 
-    def retry(self, blame: bool) -> None:
-        """This attempt is over without an answer for the client. `blame`: its session failed
-        to answer (connect, reset, bad framing), which counts against its passive health; else
-        it refused with a 5xx, held against nobody until another session judges the request."""
+    # Who is to blame decides what happens next: a session that fails to answer (connect, reset,
+    # bad framing) counts against its passive health and the request moves on; an engine's 4xx
+    # is the request's (passed through, never retried); a 5xx answer is held against nobody
+    # until another session judges the same request: a success there blames the first, a
+    # second 5xx blames the request (a poison one), whose client gets that answer as it is.
+    def retry(self, blame: bool, failure: str) -> None:
+        """This attempt is over without an answer for the client: the next session is tried
+        (next_attempt). `blame`: its session failed to answer (connect, reset, bad framing),
+        which counts against its passive health; else it refused with a 5xx, held against nobody
+        until another session judges the request."""
         candidate = self.candidate
         self.to(RETRIED)
         ingress = self.ingress
@@ -2429,6 +2758,8 @@ class _Exchange:
         else:
             self.refused = [*self.refused, candidate]
         ingress.policy.on_request_end(candidate, self.routed, False)
+        self.left = [c for c in self.left if c is not candidate]
+        self.next_attempt(failure)
 
     def finish(self, outcome: str, last: bytes = b"") -> bool:
         """Book the end of the request (OUTCOMES) around `last`, the client's last bytes: the
@@ -2449,7 +2780,7 @@ class _Exchange:
             self.status = status
         ingress = self.ingress
         now = time.monotonic()
-        row = ingress._record(self, now) if booked else None   # journalled; queued for SQLite below
+        row = ingress.journal_row(self, now) if booked else None   # journalled; queued for SQLite below
         try:
             if last and not client.closed:   # uvloop raises on a closed transport
                 client.transport.write(last)
@@ -2458,7 +2789,7 @@ class _Exchange:
             if row is not None:
                 ingress.ledger.queue(row)
         if booked:
-            ingress._account(self, now)
+            ingress.account(self, now)
         candidate = self.candidate
         if attempt_open and health == "succeeded":
             ingress.health.succeeded(candidate.session)
@@ -2470,6 +2801,206 @@ class _Exchange:
         if attempt_open:    # last: a user's policy that raises here costs nothing booked
             ingress.policy.on_request_end(candidate, self.routed, ok)
         return True
+
+    # -- sending: an attempt on a kept-alive connection to its session, or on a new one -----------
+    def send(self, candidate: Candidate, fresh: bool) -> None:
+        """Send this attempt on a kept-alive connection to its session, or on a new one once it
+        is open (_connected)."""
+        pool = self.ingress.pool
+        up = None if fresh else pool.take_idle(candidate.addr)
+        if up is None:
+            connecting = self.connecting = asyncio.ensure_future(pool.acquire(candidate.addr, True))
+            connecting.add_done_callback(functools.partial(self._connected, candidate))
+            return
+        self._send_on(candidate, up)
+
+    def _connected(self, candidate: Candidate, connecting: asyncio.Future) -> None:
+        """A new connection for an attempt is open, or failed to open."""
+        if self.connecting is not connecting:   # the client left (or the ingress stopped) meanwhile
+            if not connecting.cancelled() and connecting.exception() is None:
+                self.ingress.pool.discard(connecting.result())
+            return
+        self.connecting = None
+        if connecting.cancelled():
+            return
+        try:
+            exc = connecting.exception()
+            if isinstance(exc, UpstreamFailure):
+                return self.retry(blame=True, failure=str(exc))
+            if exc is not None:
+                raise exc
+            self._send_on(candidate, connecting.result())
+        except Exception as exc:   # a bug, from a future's callback: nobody else would see it
+            self.client.internal_error(exc)
+
+    def _send_on(self, candidate: Candidate, up: Upstream) -> None:
+        failure = self.ingress.pool.send_request(up, self.path, self.routed.stream, self.body)
+        if failure is None:
+            return self.sent_on(candidate, up)
+        if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
+            return self.send(candidate, fresh=True)
+        self.retry(blame=True, failure=str(failure))
+
+    def sent_on(self, candidate: Candidate, up: Upstream) -> None:
+        """The attempt's request went out on `up`: its answer is read from there."""
+        self.to(SENT)
+        self.up, self.head = up, None
+        proto = up.proto
+        proto.on_data = functools.partial(self._on_answer, up)
+        if self.row_head is None or self.row_head[0] is not candidate:
+            self.ingress.prepare_row(self, candidate)   # while the engine works on the request
+        if up.buf or proto.eof:   # it spoke (or closed) before we listened
+            self._on_answer(up)
+
+    def next_attempt(self, failure: str) -> None:
+        """Try the session the policy picks next, or answer 502 once MAX_ATTEMPTS sessions (or
+        every one there is) failed to answer."""
+        left = self.left
+        if not left or self.attempts >= MAX_ATTEMPTS:
+            exc = HTTPError(502, f"Every provider attempt failed ({self.attempts} tried; last: {failure})",
+                            "upstream_failed")
+            self.finish("exhausted")
+            self.client.error(exc, self.routed.model, counted=True)
+            return self.client.serve_next()
+        self.send(self.pick(left), fresh=False)
+
+    # -- the answer: its head, then its plain body whole, or a stream relayed ----------------------
+    def _on_answer(self, up: Upstream) -> None:
+        """The upstream protocol's hook while an attempt's answer head, or its plain body, comes."""
+        try:
+            self._read_answer(up)
+        except Exception as exc:   # from the upstream's data_received: nobody else would see it
+            self.client.internal_error(exc)
+
+    def _read_answer(self, up: Upstream) -> None:
+        head = self.head
+        if head is None:
+            try:
+                head = up.parse_head()
+            except UpstreamFailure as exc:
+                return self._answer_failed(up, str(exc))
+            if head is None:
+                if up.proto.eof:
+                    exc = up.proto.exc
+                    return self._answer_failed(up, f"{up.addr}: connection closed before a response"
+                                               + (f" ({exc})" if exc else ""))
+                return
+            self.head = head
+            self.to(HEAD)
+            self.status = head.status
+            if self.routed.stream and head.status == 200:
+                self.to(STREAM)
+                self.up = self.client.exchange = None   # the relay has both from here
+                _Relay(self, up, head, self._stream_end).pump()
+                return
+            self.parts = []
+        parts = self.parts
+        try:
+            while True:
+                piece = up.take()
+                if piece:
+                    parts.append(piece)
+                    if up.body.done:   # (the common answer: its whole body in one read, one take)
+                        break
+                    continue
+                if piece is None:
+                    break
+                if not up.proto.eof:   # more is due
+                    if self.state is HEAD:
+                        self.to(BODY)
+                    up.last = time.monotonic()
+                    up.resume_reading()
+                    return
+                up.end_of_stream()   # the end of an until-close body, or a failure
+                break
+        except UpstreamFailure as exc:
+            return self._answer_failed(up, str(exc))
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.up = None
+        pool = self.ingress.pool
+        if head.status in RETRY_STATUSES and not self.refused:
+            # held against nobody until another session judges the same request
+            pool.release(up)
+            self.refusal = (head, payload)
+            return self.retry(blame=False, failure=f"{self.candidate.addr} answered {head.status}")
+        # a 5xx from a second session is the request's fault ("poison"): its client gets it
+        self._send_plain(head, payload, "ok" if head.status not in RETRY_STATUSES else "poison")
+        pool.release(up)   # after the answer went out, before the next request
+        self.client.serve_next()
+
+    def _answer_failed(self, up: Upstream, reason: str) -> None:
+        self.up = None
+        up.proto.on_data = None
+        self.ingress.pool.discard(up)
+        if self.head is None and up.reused:   # a stale pooled connection: again on a fresh one, no failure
+            return self.send(self.candidate, fresh=True)
+        self.retry(blame=True, failure=reason)
+
+    def _send_plain(self, head: UpstreamHead, payload: bytes, outcome: str) -> None:
+        """Finish the exchange (its ledger row journalled), then send the whole answer to the
+        client (its status is the exchange's already)."""
+        if head.status == 200:
+            self.prompt_tokens, self.completion_tokens = usage_of(payload)
+        client = self.client
+        out = client.conn.whole_answer(head.status, head.fields.get(b"content-type", b"application/json"),
+                                       self.candidate.session_bytes, payload)
+        self.finish("gone" if client.closed else outcome, out)   # "gone": answered, but nobody left to hear it
+
+    def stream_head(self, head: UpstreamHead) -> bytes:
+        """The head of a relayed stream's answer (see _Relay); from here no other session may
+        answer."""
+        self.sent = True
+        metrics = self.ingress.metrics
+        metrics.observe(metrics.ttfb, self.routed.model, time.monotonic() - self.t0)
+        return self.client.conn.head(200, [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
+                                           (b"cache-control", b"no-cache"),
+                                           (SESSION_HEADER, self.candidate.session_bytes)])
+
+    def cut_stream(self, reason: str, watch: StreamWatch) -> None:
+        """The stream broke after bytes went out: the client gets an error event and the end."""
+        self.ingress.metrics.stream_cuts += 1
+        self.prompt_tokens, self.completion_tokens = watch.tokens()
+        self.finish("cut")
+        error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
+                                      "type": "server_error", "param": None, "code": "stream_cut"}})
+        client = self.client
+        client.transport.write(client.conn.data(b"data: " + error + b"\n\ndata: [DONE]\n\n") + client.conn.end())
+
+    def _stream_end(self, result: Any) -> None:
+        """The end of a relayed stream (see _Relay)."""
+        client = self.client
+        try:
+            if isinstance(result, UpstreamFailure):   # nothing went out yet: the next session
+                client.exchange = self
+                return self.retry(blame=True, failure=str(result))
+            if isinstance(result, BaseException):   # the client went away, or a bug
+                self.finish("gone" if isinstance(result, OSError) else "error")
+                if not isinstance(result, OSError):
+                    return client.internal_error(result)
+                return client.close()
+            client.serve_next()   # the relay finished the exchange ("ok", or "cut")
+        except Exception as exc:
+            client.internal_error(exc)
+
+    # -- the client left, or the ingress failed it -------------------------------------------------
+    def drop(self) -> None:
+        """Stop the attempt in flight: its upstream connection closes (the engine can stop
+        working for nobody), a connection being opened is given up."""
+        self.client.exchange = None
+        up, connecting = self.up, self.connecting
+        self.up = self.connecting = None
+        if up is not None:
+            up.proto.on_data = None
+            self.ingress.pool.discard(up)
+        if connecting is not None:
+            connecting.cancel()
+
+    def abandon(self) -> None:
+        """The client left before its answer: the engine connection closes and the request is
+        metered as 499."""
+        self.drop()
+        self.finish("gone")
+        self.client.busy = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2503,9 +3034,9 @@ class Ingress:
         self.max_connections = max_connections
         self.max_per_address = max_per_address if max_per_address is not None else \
             min(max_connections, max(ADDRESS_FLOOR, int(max_connections * ADDRESS_SHARE)))
-        self._per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
-        self._headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
-        self._headless_per: Dict[str, int] = {}    # ... how many of them per address
+        self.per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
+        self.headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
+        self.headless_per: Dict[str, int] = {}    # ... how many of them per address
         self.max_body = max_body
         self.keys: Dict[str, Key] = {}
         self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
@@ -2515,20 +3046,16 @@ class Ingress:
         self.health = PassiveHealth()
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
         # the credential, and no static one is sent (otela_node, "Tunnel security").
-        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None))
+        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None),
+                                 getattr(node, "tunnel_header", None))
         getattr(node, "punch_listeners", []).append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
-        self._request_heads: Dict[Tuple[bytes, str, bool], Tuple[bytes, bytes]] = {}   # _request_head
-        self._clients: set = set()
+        self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         self._stopped = False
-        tunnel = getattr(node, "tunnel_header", None) if self.pool.ssl is None else None
-        self._tunnel_line = b"".join(
-            (v.encode() if isinstance(v, str) else v) for v in (tunnel[0], b": ", tunnel[1], b"\r\n")
-        ) if tunnel else b""
         on_change = getattr(node, "on_change", None)
         if on_change is not None:
             on_change(self._registry_changed)
@@ -2563,11 +3090,11 @@ class Ingress:
         if self._server is not None:
             self._server.close()
         deadline = time.monotonic() + drain
-        while time.monotonic() < deadline and any(c.busy for c in self._clients):
+        while time.monotonic() < deadline and any(c.busy for c in self.clients):
             await asyncio.sleep(0.05)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for client in list(self._clients):
+        for client in list(self.clients):
             client.transport.abort()
         self.pool.close()
         if self._server is not None:
@@ -2610,11 +3137,11 @@ class Ingress:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now = time.monotonic()
             self.pool.sweep(now)
-            for client in [c for c in self._clients if not c.busy and now > c.deadline]:
+            for client in [c for c in self.clients if not c.busy and now > c.deadline]:
                 client.transport.abort()
             # kept-alive connections part-way through a next head join the headless ones here,
             # once a second, not at each request's first byte (the common path stays as it was)
-            for client in [c for c in self._clients if not (c.busy or c.idle or c.headless or c.ending)
+            for client in [c for c in self.clients if not (c.busy or c.idle or c.headless or c.ending)
                            and c.waiting is None and c.reading is None]:
                 client.await_head()
 
@@ -2637,13 +3164,10 @@ class Ingress:
         for sid, record in node.registry.items():
             if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()):
                 continue
-            state = record.get("state")
-            if state in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
+            if record.get("state") in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
                 known = True
-            if state != crdt.SERVING or node.is_suspected(sid):
+            if not self._routable(sid, record):
                 continue
-            if self.require_code_hash and record.get("code_hash") != self.require_code_hash:
-                continue   # --require-code-hash: not the code we route to
             found = True
             if allowed(key.allow, sid, record):
                 result.append(Candidate(sid, record))
@@ -2672,161 +3196,31 @@ class Ingress:
 
     def _served_models(self, key: Key) -> set:
         names = set()
-        node = self.node
-        for sid, record in node.registry.items():
-            if (record.get("state") == crdt.SERVING and record.get("role", "worker") == "worker"
-                    and not node.is_suspected(sid) and allowed(key.allow, sid, record)
-                    and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)):
+        for sid, record in self.node.registry.items():
+            if self._routable(sid, record) and allowed(key.allow, sid, record):
                 names.update(record.get("models") or ())
         return names
 
-    # -- HTTP server: the client connection's callbacks move its requests on -----------------
-    def _serve(self, client: _Client, data: Optional[bytes] = None) -> None:
-        """Serve what is buffered on a connection, after `data` (what just arrived, if anything):
-        parse heads, read bodies, answer or send upstream, until more bytes are needed, a request
-        is in flight, our writes to the client are over their limit, or the connection ends.
-        Called from callbacks, where a bug must cost this connection a 500, not go unseen."""
-        if client.serving:   # called back from inside itself: the loop below goes on
-            if data is not None:
-                client.conn.receive_data(data)
-            return
-        client.serving = True
-        try:
-            if data is not None:
-                conn = client.conn
-                # a whole plain proxied request in one read, nothing before it: straight from the
-                # read's bytes (see _serve_whole); anything else is buffered for the loop below
-                if not (data and type(conn) is _ClientConn and not conn.buf and conn.their_state is h11.IDLE
-                        and data.startswith(b"POST /v1/") and self._serve_whole(client, conn, data)):
-                    conn.receive_data(data)
-            self._serve_buffered(client)
-        except OSError:   # its socket failed under us (write_eof after a reset, say): it is gone
-            if client.exchange is not None:
-                self._abandon(client)
-            client.ending = True
-            client.transport.abort()
-        except Exception as exc:
-            self._internal_error(client, exc)
-        finally:
-            client.serving = False
+    def _routable(self, sid: str, record: Dict[str, Any]) -> bool:
+        """A session requests go to: a worker whose lifecycle state takes them (serving_worker),
+        not suspected, of the code --require-code-hash names (if it names one)."""
+        return serving_worker(record) and not self.node.is_suspected(sid) \
+            and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)
 
-    def _serve_buffered(self, client: _Client) -> None:
-        while not client.busy and not client.ending and not client._write_paused:
-            if client.reading is not None:
-                if not self._read_step(client):
-                    return
-                continue
-            conn = client.conn
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
-                self._write_error(client, HTTPError(status, f"Bad HTTP request: {exc}", "bad_request"))
-                client.close()
-                return
-            if event is h11.NEED_DATA:
-                client.resume_reading()
-                return
-            t = type(event)
-            if t is _FastRequest:
-                if event.method == b"POST" and event.target in PROXIED_PATHS:
-                    body = conn.whole_body(self.max_body)
-                    if body is not None:   # the common case: the whole request is here
-                        self._proxy(client, event.target, event.fields, body, time.monotonic())
-                        continue
-                self._begin(client, event)
-            elif event is _SWITCH:   # its framing passed the codec's check already
-                client.conn = conn.to_h11()
-            elif t is h11.Request:
-                self._begin(client, event)
-            else:   # ConnectionClosed, or PAUSED after a protocol switch we never accept
-                client.close()
-                return
-
-    def _serve_whole(self, client: _Client, conn: _ClientConn, data: bytes) -> bool:
-        """The common request on its own path: one read that is exactly one POST to a proxied
-        route, its head parsed by the codec from the read itself and its body a slice of it, the
-        connection's buffer (a bytearray) never touched. At 16 requests/s each request finds the
-        CPU's caches cold, and every distinct piece of code a request runs costs it microseconds
-        (bytearray's and bytes' methods are separate code); a busy ingress saves the copies.
-        False (nothing done) for anything else: the general loop reads it, as before."""
-        if client.ending or client._write_paused:
-            return False
-        try:
-            head = otela_node.parse_request(data, MAX_HEADER_BYTES)
-        except otela_node.HTTPViolation:   # refused by the general path, with its answer
-            return False
-        if head is None or head is otela_node.H11_JUDGES or not head.keep_alive or head.framing is not otela_node.LENGTH \
-                or head.size + head.length != len(data) or head.length > self.max_body \
-                or head.target not in PROXIED_PATHS:
-            return False
-        conn._head, conn._body = head, None   # as next_event and whole_body leave it
-        conn.their_state, conn.our_state = h11.DONE, h11.SEND_RESPONSE
-        fields = head.fields
-        self._proxy(client, head.target, fields, data[head.size:], time.monotonic())   # (and _tag)
-        return True
-
-    def _internal_error(self, client: _Client, exc: BaseException) -> None:
-        """A bug met while serving a request: say so on stderr and to the client (500), book its
-        exchange as an error, and close the connection, whose state is unknown."""
-        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
-              f"(request {client.request_id.decode() or '-'})", file=sys.stderr)
-        ex = client.exchange
-        if ex is not None:
-            self._drop_attempt(client)
-            ex.finish("error")
-        try:
-            self._write_error(client, HTTPError(500, "Internal error in the ingress", "internal_error"))
-        except Exception:
-            pass
-        client.busy = False
-        client.ending = True
-        client.transport.close()
-
-    @staticmethod
-    def _fields(request: Any) -> Optional[Dict[bytes, bytes]]:
-        """The request's headers as a dict (one pass; the rest of the request uses it), or None
-        when they are over the size limit. h11 bounds only a head that arrives in pieces; one
-        that came whole in a single read is measured here."""
-        if type(request) is _FastRequest:
-            return request.fields   # its parser bounds the whole head
-        size = len(request.target)
-        fields = {}
-        for name, value in request.headers:
-            size += len(name) + len(value) + 4
-            fields[name] = value
-        return fields if size <= MAX_HEADER_BYTES else None
-
-    def _begin(self, client: _Client, request: Any) -> None:
-        """A request head other than a plain proxied request with its body buffered: checked,
-        then routed (see _route); an HTTPError is its answer."""
-        fields = self._fields(request)
-        if fields is None:
-            self._write_error(client, HTTPError(431, "Request headers too large", "headers_too_large"))
-            return client.close()
-        error = otela_node.framing_error(request.headers) if type(request) is h11.Request else None
-        if error is not None:   # a head h11 read whole (one after blank lines, say)
-            self._write_error(client, HTTPError(400, f"Bad HTTP request: {error}", "bad_request"))
-            return client.close()
-        t0 = time.monotonic()
-        client.deadline = t0 + REQUEST_TIMEOUT_S   # for its body
-        self._tag(client, fields)   # X-Request-Id and CORS (see _tag)
-        try:
-            self._route(client, request, fields, t0)
-        except HTTPError as exc:
-            self._write_error(client, exc)
-            client.finish()
-
-    def _route(self, client: _Client, request: Any, fields: Dict[bytes, bytes], t0: float) -> None:
+    # -- routes: what a request head asks for ------------------------------------------------
+    def route(self, client: _Client, request: otela_node.MessageHead, t0: float) -> None:
+        """A request head other than a plain proxied request with its body buffered, tagged
+        (_Client.tag): its body read if it has one we take, then proxied, an admin request or a
+        GET endpoint. Raises HTTPError for the client."""
         path, _, query = request.target.partition(b"?")
-        method = request.method
+        method, fields = request.method, request.fields
         if method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
-            self._write_response(client, 204, b"", extra=self._preflight(fields))
+            client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
             return
         if method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
             self.authenticate(fields)   # on the head: a stranger's body is never read
-            return self._read_body(client, fields, lambda body: self._proxy(client, path, fields, body, t0, tag=False))
+            return client.read_body(fields, lambda body: self.proxy(client, path, fields, body, t0, tag=False))
         # a GET's stray small body (or its empty one) is read, to keep the connection; a bigger
         # one is never read: the answer closes the connection
         length = fields.get(b"content-length") or b"0"
@@ -2835,72 +3229,22 @@ class Ingress:
         if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
             self.authenticate(fields, admin=True)   # on the head, like the proxy
             if method == b"POST" or small:
-                return self._read_body(client, fields, lambda body: self._admin(client, method, path, query, body))
+                return client.read_body(fields, lambda body: self._admin(client, method, path, query, body))
             return self._admin(client, method, path, query, b"")
         if small:
-            return self._read_body(client, fields, lambda _: self._get(client, method, path, query, fields))
+            return client.read_body(fields, lambda _: self._get(client, method, path, query, fields))
         self._get(client, method, path, query, fields)
-
-    def _read_body(self, client: _Client, fields: Dict[bytes, bytes], then: Callable[[bytes], None]) -> None:
-        """Read the request's body as it arrives (see _read_step), then `then(body)`."""
-        length = fields.get(b"content-length")
-        if length is not None and int(length) > self.max_body:
-            raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes", "request_too_large")
-        conn = client.conn
-        if conn.they_are_waiting_for_100_continue:
-            client.transport.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-        client.reading = _BodyRead(then)
-
-    def _read_step(self, client: _Client) -> bool:
-        """Take what arrived of the body being read; once it is whole, go on with its request.
-        False while more of it is due (or the connection ended)."""
-        reading, conn = client.reading, client.conn
-        try:
-            while True:
-                try:
-                    event = conn.next_event()
-                except h11.RemoteProtocolError as exc:
-                    if client.closed or conn.trailing_data[1]:   # the client went away mid-body
-                        client.reading = None
-                        client.close()
-                        return False
-                    raise HTTPError(400, f"Bad HTTP request body: {exc}", "bad_request") from None
-                if event is h11.NEED_DATA:
-                    client.resume_reading()
-                    return False
-                t = type(event)
-                if t is h11.Data:
-                    reading.size += len(event.data)
-                    if reading.size > self.max_body:
-                        raise HTTPError(413, f"Request body over the limit of {self.max_body} bytes",
-                                        "request_too_large")
-                    reading.parts.append(event.data)
-                elif t is h11.EndOfMessage:
-                    client.reading = None
-                    client.busy = True   # from here on the request is ours: no client timeout
-                    parts = reading.parts
-                    reading.then(parts[0] if len(parts) == 1 else b"".join(parts))
-                    return True
-                else:   # the client closed mid-request
-                    client.reading = None
-                    client.close()
-                    return False
-        except HTTPError as exc:
-            client.reading = None
-            self._write_error(client, exc)
-            client.finish()
-            return True
 
     def _get(self, client: _Client, method: bytes, path: bytes, query: bytes, fields: Dict[bytes, bytes]) -> None:
         """A GET (or HEAD) endpoint: answered here, or, for one whose answer is computed
-        elsewhere (a usage query in an executor), when its future is done (_got)."""
+        elsewhere (a usage query in an executor), when its future is done (_Client.got)."""
         client.busy = True
         client.head_only = method == b"HEAD"   # a GET whose answer has no body
         handler = self._GET.get(path)
         if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
             # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
-            handler = functools.partial(Ingress._get_model, model=unquote(path[len(MODEL_PREFIX):].decode(
-                "utf-8", "replace")))
+            model = unquote(path[len(MODEL_PREFIX):].decode("utf-8", "replace"))
+            handler = lambda ingress, fields, query: ingress.get_model(fields, query, model)  # noqa: E731
         shown = path.decode("utf-8", "replace")
         if handler is None:
             if path in PROXIED_PATHS:
@@ -2913,61 +3257,11 @@ class Ingress:
         answer = handler(self, fields, query)
         if isinstance(answer, asyncio.Future):
             client.waiting = answer
-            answer.add_done_callback(functools.partial(self._got, client))
+            answer.add_done_callback(client.got)
             return
         status, content_type, payload = answer
-        self._write_response(client, status, payload, content_type)
+        client.answer(status, payload, content_type)
         client.finish()
-
-    def _got(self, client: _Client, answer: asyncio.Future) -> None:
-        """A GET endpoint's computed answer: to its client, then on to the next request."""
-        client.waiting = None
-        if client.closed or answer.cancelled():
-            return
-        exc = answer.exception()
-        if exc is not None and not isinstance(exc, HTTPError):
-            return self._internal_error(client, exc)
-        if exc is not None:
-            self._write_error(client, exc)
-        else:
-            status, content_type, payload = answer.result()
-            self._write_response(client, status, payload, content_type)
-        self._next(client)
-
-    def _next(self, client: _Client) -> None:
-        """A request was answered from a callback other than the client's (the upstream's, a
-        future's): on to the next request the client sent meanwhile."""
-        client.exchange = None
-        if client.finish():
-            if not client.idle:   # bytes of the next request are here already
-                self._serve(client)
-            elif client._read_paused:
-                client.resume_reading()
-
-    # -- responses ---------------------------------------------------------------------------
-    def _write_response(self, client: _Client, status: int, payload: bytes,
-                        content_type: bytes = b"application/json",
-                        extra: Sequence[Tuple[bytes, bytes]] = ()) -> None:
-        if client.closed:   # nobody to tell (and uvloop raises on a closed transport)
-            return
-        conn = client.conn
-        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]
-        headers.extend(extra)
-        if conn.their_state is not h11.DONE and conn.their_state is not h11.MUST_CLOSE:
-            headers.append((b"connection", b"close"))   # the request body was left unread
-        out = _response_head(conn, status, headers)
-        if client.head_only:   # the length a GET would get, and no body
-            client.transport.write(out + _end(conn))
-        else:
-            client.transport.write(out + _data(conn, payload) + _end(conn))
-
-    def _write_error(self, client: _Client, exc: HTTPError, model: str = "", counted: bool = False) -> None:
-        if not counted:
-            self.metrics.errors[exc.code or str(exc.status)] += 1
-            self.metrics.requests[(model, exc.status)] += 1
-        if client.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self._write_response(client, exc.status, error_body(exc.status, exc.message, exc.code, exc.param,
-                                                                exc.etype), extra=exc.headers)
 
     # -- auth --------------------------------------------------------------------------------
     def authenticate(self, fields: Dict[bytes, bytes], admin: bool = False) -> Key:
@@ -3031,11 +3325,11 @@ class Ingress:
             candidates = self.candidates(model, key)
         return RoutedRequest(model, key.user, key.id, stream, path.decode(), t0), key, body, strip_usage, candidates
 
-    def _proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
-               tag: bool = True) -> None:
+    def proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
+              tag: bool = True) -> None:
         """A proxied request with its whole body: checked, routed and sent upstream from here;
-        its answer comes back in the upstream connection's callbacks (_on_upstream). `tag`: its
-        request id is still to be given (see _tag; _begin gave it already).
+        its answer comes back in the upstream connection's callbacks (see _Exchange). `tag`: its
+        request id is still to be given (see _Client.tag; route's caller gave it already).
 
         On the common path, a kept-alive connection to the session the policy picked, the
         request goes out first and is booked after, while the engine works on it: its exchange,
@@ -3044,319 +3338,34 @@ class Ingress:
         client.busy = True
         try:
             routed, key, body, strip_usage, candidates = self._prepare(client, path, fields, body, t0)
-            left = self._healthy(candidates) if self.health.sick_until else candidates
+            left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
             if tag:
-                self._tag(client, fields)
-            self._write_error(client, exc)
+                client.tag(fields)
+            client.error(exc)
             client.finish()
             return
-        except Exception:   # a bug, or a user's policy that raises: its 500 (see _serve) names it
+        except Exception:   # a bug, or a user's policy that raises: its 500 (see _Client.serve) names it
             if tag:
-                self._tag(client, fields)
+                client.tag(fields)
             raise
         up = self.pool.take_idle(candidate.addr)
-        if up is not None and self._write_request(up, path, candidate.addr, routed.stream, body) is not None:
+        if up is not None and self.pool.send_request(up, path, routed.stream, body) is not None:
             up = None   # a pooled connection closed under us: a fresh one, no failure
         if tag:
-            self._tag(client, fields)
+            client.tag(fields)
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
         ex.left = left
-        ex.begin(candidate)   # (the first attempt: _next_attempt's checks hold)
+        ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
-            return self._send(ex, candidate, fresh=True)
-        self._sent_on(ex, candidate, up)
-
-    def _healthy(self, candidates: List[Candidate]) -> List[Candidate]:
-        """The candidates not out of rotation for failing (all of them if every one is)."""
-        health = self.health
-        if not health.sick_until:
-            return candidates
-        now = time.monotonic()
-        return [c for c in candidates if not health.is_sick(c.session, now)] or candidates
-
-    # Who is to blame decides what happens next: a session that fails to answer (connect, reset,
-    # bad framing) counts against its passive health and the request moves on; an engine's 4xx
-    # is the request's (passed through, never retried); a 5xx answer is held against nobody
-    # until another session judges the same request: a success there blames the first, a
-    # second 5xx blames the request (a poison one), whose client gets that answer as it is.
-    def _next_attempt(self, ex: _Exchange, failure: str) -> None:
-        """Try the session the policy picks next, or answer 502 once MAX_ATTEMPTS sessions (or
-        every one there is) failed to answer."""
-        left = ex.left
-        if not left or ex.attempts >= MAX_ATTEMPTS:
-            exc = HTTPError(502, f"Every provider attempt failed ({ex.attempts} tried; last: {failure})",
-                            "upstream_failed")
-            ex.finish("exhausted")
-            self._write_error(ex.client, exc, ex.routed.model, counted=True)
-            return self._next(ex.client)
-        self._send(ex, ex.pick(left), fresh=False)
-
-    def _send(self, ex: _Exchange, candidate: Candidate, fresh: bool) -> None:
-        """Send this attempt on a kept-alive connection to its session, or on a new one once it
-        is open (_connected)."""
-        up = None if fresh else self.pool.take_idle(candidate.addr)
-        if up is None:
-            connecting = ex.connecting = asyncio.ensure_future(self.pool.acquire(candidate.addr, True))
-            connecting.add_done_callback(functools.partial(self._connected, ex, candidate))
-            return
-        self._send_on(ex, candidate, up)
-
-    def _connected(self, ex: _Exchange, candidate: Candidate, connecting: asyncio.Future) -> None:
-        """A new connection for an attempt is open, or failed to open."""
-        if ex.connecting is not connecting:   # the client left (or the ingress stopped) meanwhile
-            if not connecting.cancelled() and connecting.exception() is None:
-                self.pool.discard(connecting.result())
-            return
-        ex.connecting = None
-        if connecting.cancelled():
-            return
-        try:
-            exc = connecting.exception()
-            if isinstance(exc, UpstreamFailure):
-                return self._attempt_failed(ex, str(exc))
-            if exc is not None:
-                raise exc
-            self._send_on(ex, candidate, connecting.result())
-        except Exception as exc:   # a bug, from a future's callback: nobody else would see it
-            self._internal_error(ex.client, exc)
-
-    def _send_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
-        failure = self._write_request(up, ex.path, candidate.addr, ex.routed.stream, ex.body)
-        if failure is None:
-            return self._sent_on(ex, candidate, up)
-        if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
-            return self._send(ex, candidate, fresh=True)
-        self._attempt_failed(ex, str(failure))
-
-    def _write_request(self, up: Upstream, path: bytes, addr: str, stream: bool,
-                       body: bytes) -> Optional[UpstreamFailure]:
-        """Send a request on `up`; the failure (the connection discarded) when it could not go."""
-        try:
-            up.send(self._request_head(path, addr, stream, body) + body)
-        except UpstreamFailure as exc:
-            self.pool.discard(up)
-            return exc
-        return None
-
-    def _sent_on(self, ex: _Exchange, candidate: Candidate, up: Upstream) -> None:
-        """The attempt's request went out on `up`: its answer is read from there."""
-        ex.to(SENT)
-        ex.up, ex.head = up, None
-        proto = up.proto
-        proto.on_data = functools.partial(self._on_upstream, ex, up)
-        proto.answer_for = ex   # (see _upstream_whole)
-        if ex.row_head is None or ex.row_head[0] is not candidate:
-            self._prepare_row(ex, candidate)   # while the engine works on the request
-        if up.buf or up.proto.eof:   # it spoke (or closed) before we listened
-            self._on_upstream(ex, up)
-
-    def _attempt_failed(self, ex: _Exchange, reason: str) -> None:
-        """The attempt's session failed to answer: it is blamed, and the next one is tried."""
-        candidate = ex.candidate
-        ex.retry(blame=True)
-        ex.left = [c for c in ex.left if c is not candidate]
-        self._next_attempt(ex, reason)
-
-    def _on_upstream(self, ex: _Exchange, up: Upstream) -> None:
-        """The upstream protocol's hook while an attempt's answer head, or its plain body, comes."""
-        try:
-            self._upstream_step(ex, up)
-        except Exception as exc:   # from the upstream's data_received: nobody else would see it
-            self._internal_error(ex.client, exc)
-
-    def _upstream_step(self, ex: _Exchange, up: Upstream) -> None:
-        head = ex.head
-        if head is None:
-            try:
-                head = up.parse_head()
-            except UpstreamFailure as exc:
-                return self._upstream_failed(ex, up, str(exc))
-            if head is None:
-                if up.proto.eof:
-                    exc = up.proto.exc
-                    return self._upstream_failed(ex, up, f"{up.addr}: connection closed before a response"
-                                                 + (f" ({exc})" if exc else ""))
-                return
-            ex.head = head
-            ex.to(HEAD)
-            ex.status = head.status
-            if ex.routed.stream and head.status == 200:
-                ex.to(STREAM)
-                ex.up = ex.client.exchange = None   # the relay has both from here
-                _Relay(self, ex, up, head, functools.partial(self._stream_end, ex)).pump()
-                return
-            body = up.body
-            if head.status not in RETRY_STATUSES and (body.done or body.framing is otela_node.LENGTH
-                                                      and body.remaining <= len(up.buf)):
-                if body.done:
-                    payload = b""
-                else:   # the whole body is here: one piece
-                    payload = _take(up.buf, body.remaining)
-                    body.remaining, body.done = 0, True
-                ex.up = None
-                up.proto.on_data = None
-                self._send_plain(ex, ex.candidate, head, payload)
-                self.pool.release(up)   # after the answer went out, before the next request
-                return self._next(ex.client)
-            ex.to(BODY)
-            ex.parts = []
-        parts = ex.parts
-        try:
-            while True:
-                piece = up.take()
-                if piece is None:
-                    break
-                if not piece:
-                    if not up.proto.eof:   # more is due
-                        up.last = time.monotonic()
-                        up.resume_reading()
-                        return
-                    up.end_of_stream()   # the end of an until-close body, or a failure
-                    break
-                parts.append(piece)
-        except UpstreamFailure as exc:
-            return self._upstream_failed(ex, up, str(exc))
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        ex.up = None
-        self.pool.release(up)
-        candidate = ex.candidate
-        if head.status not in RETRY_STATUSES:
-            self._send_plain(ex, candidate, head, payload)
-        elif ex.refused:   # a second session refuses this request: the request's fault
-            self._send_plain(ex, candidate, head, payload, "poison")
-        else:   # held against nobody until another session judges the same request
-            ex.refusal = (head, payload)
-            ex.retry(blame=False)
-            ex.left = [c for c in ex.left if c is not candidate]
-            return self._next_attempt(ex, f"{candidate.addr} answered {head.status}")
-        self._next(ex.client)
-
-    def _upstream_whole(self, ex: _Exchange, up: Upstream, data: bytes) -> bool:
-        """The common answer on its own path (as _serve_whole for the request): the first read of
-        an answer that is exactly one whole plain answer the client gets as it is, its head parsed
-        from the read itself and its body a slice of it, the connection's buffer never touched.
-        False (nothing done) for anything else: _upstream_step reads it, as before."""
-        if ex.routed.stream:
-            return False
-        try:
-            head = otela_node.parse_response(data)
-        except otela_node.HTTPViolation:   # the general path fails the attempt
-            return False
-        if head is None or head.framing is not otela_node.LENGTH or head.size + head.length != len(data) \
-                or head.status in RETRY_STATUSES:
-            return False
-        try:
-            up.keep_alive, up.body = head.keep_alive, _NO_BODY   # read to its end
-            ex.head = head
-            ex.to(HEAD)
-            ex.status = head.status
-            ex.up = None
-            up.proto.on_data = None
-            self._send_plain(ex, ex.candidate, head, data[head.size:])
-            self.pool.release(up)   # after the answer went out, before the next request
-            self._next(ex.client)
-        except Exception as exc:   # from the upstream's data_received: nobody else would see it
-            self._internal_error(ex.client, exc)
-        return True
-
-    def _upstream_failed(self, ex: _Exchange, up: Upstream, reason: str) -> None:
-        ex.up = None
-        up.proto.on_data = None
-        self.pool.discard(up)
-        if ex.head is None and up.reused:   # a stale pooled connection: again on a fresh one, no failure
-            return self._send(ex, ex.candidate, fresh=True)
-        self._attempt_failed(ex, reason)
-
-    def _stream_end(self, ex: _Exchange, result: Any) -> None:
-        """The end of a relayed stream (see _Relay)."""
-        client = ex.client
-        try:
-            if isinstance(result, UpstreamFailure):   # nothing went out yet: the next session
-                client.exchange = ex
-                return self._attempt_failed(ex, str(result))
-            if isinstance(result, BaseException):   # the client went away, or a bug
-                ex.finish("gone" if isinstance(result, OSError) else "error")
-                if not isinstance(result, OSError):
-                    return self._internal_error(client, result)
-                return client.close()
-            self._next(client)   # the relay finished the exchange ("ok", or "cut")
-        except Exception as exc:
-            self._internal_error(client, exc)
-
-    def _drop_attempt(self, client: _Client) -> None:
-        """Stop the attempt in flight for the client's exchange: its upstream connection closes
-        (the engine can stop working for nobody), a connection being opened is given up."""
-        ex = client.exchange
-        client.exchange = None
-        up, connecting = ex.up, ex.connecting
-        ex.up = ex.connecting = None
-        if up is not None:
-            up.proto.on_data = None
-            self.pool.discard(up)
-        if connecting is not None:
-            connecting.cancel()
-
-    def _abandon(self, client: _Client) -> None:
-        """The client left before its answer: the engine connection closes and the request is
-        metered as 499."""
-        ex = client.exchange
-        self._drop_attempt(client)
-        ex.finish("gone")
-        client.busy = False
-
-    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes) -> bytes:
-        """The head of a request upstream: the same but for its length per (path, session,
-        streaming), so it is formatted once (bounded: routes x sessions in use)."""
-        frame = self._request_heads.get((path, addr, stream))
-        if frame is None:
-            if len(self._request_heads) >= 4096:
-                self._request_heads = {}
-            frame = self._request_heads[(path, addr, stream)] = (
-                b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
-                % (path, addr.encode()),
-                b"\r\n" + self._tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
-        return b"%s%d%s" % (frame[0], len(body), frame[1])
-
-    def _send_plain(self, ex: _Exchange, candidate: Candidate, head: UpstreamHead, payload: bytes,
-                    outcome: str = "ok") -> None:
-        """Finish the exchange (its ledger row journalled), then send the whole answer to the
-        client."""
-        ex.status = head.status
-        if head.status == 200:
-            ex.prompt_tokens, ex.completion_tokens = usage_of(payload)
-        conn = ex.client.conn
-        content_type = head.fields.get(b"content-type", b"application/json")
-        if type(conn) is _ClientConn:
-            out = conn.whole_answer(head.status, content_type, candidate.session_bytes, payload)
-        else:
-            out = _response_head(conn, head.status, [(b"content-type", content_type),
-                                                     (b"content-length", b"%d" % len(payload)),
-                                                     (SESSION_HEADER, candidate.session_bytes)])
-            out += _data(conn, payload) + _end(conn)
-        ex.finish("gone" if ex.client.closed else outcome, out)   # "gone": answered, but nobody left to hear it
-
-    def _stream_head(self, ex: _Exchange, head: UpstreamHead) -> bytes:
-        ex.sent = True
-        self.metrics.observe(self.metrics.ttfb, ex.routed.model, time.monotonic() - ex.t0)
-        return _response_head(ex.client.conn, 200,
-                              [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
-                               (b"cache-control", b"no-cache"), (SESSION_HEADER, ex.candidate.session_bytes)])
-
-    def _cut_stream(self, ex: _Exchange, reason: str, watch: StreamWatch) -> None:
-        self.metrics.stream_cuts += 1
-        ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        ex.finish("cut")
-        error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
-                                      "type": "server_error", "param": None, "code": "stream_cut"}})
-        conn = ex.client.conn
-        ex.client.transport.write(_data(conn, b"data: " + error + b"\n\ndata: [DONE]\n\n") + _end(conn))
+            return ex.send(candidate, fresh=True)
+        ex.sent_on(candidate, up)
 
     # -- accounting --------------------------------------------------------------------------
-    def _account(self, ex: _Exchange, now: float) -> None:
+    def account(self, ex: _Exchange, now: float) -> None:
         model, status = ex.routed.model, ex.status
         prompt, completion = ex.prompt_tokens, ex.completion_tokens
         metrics = self.metrics
@@ -3372,7 +3381,7 @@ class Ingress:
         if status == 200:
             self.stats.add(model, now, prompt, completion)
 
-    def _prepare_row(self, ex: _Exchange, candidate: Candidate) -> None:
+    def prepare_row(self, ex: _Exchange, candidate: Candidate) -> None:
         """Serialise the fields of the ledger row known before the answer, so that what is left
         between the engine's answer and the client's last byte is a little formatting."""
         if self.ledger is None:
@@ -3381,7 +3390,7 @@ class Ingress:
                 candidate.record.get("owner", ""))
         ex.row_head = (candidate, head, crdt.dumps(head)[:-1])
 
-    def _record(self, ex: _Exchange, now: float) -> Optional[tuple]:
+    def journal_row(self, ex: _Exchange, now: float) -> Optional[tuple]:
         """Journal the ledger row (called before the client gets the last byte). Returns the row,
         for Ledger.queue right after that byte went out, when it is not queued already."""
         if self.ledger is None:
@@ -3408,37 +3417,17 @@ class Ingress:
             int(ex.routed.stream), ex.attempts, int(ex.tracked), ex.request_id.decode()))
         return None
 
-    # -- request ids and CORS: header lines on every answer to a request ---------------------
-    def _tag(self, client: _Client, fields: Dict[bytes, bytes]) -> None:
-        """At a request's start: its id (the client's X-Request-Id when sane, else a new one),
-        returned on every answer, stored in its ledger row and named in the log; and, for an
-        Origin that --cors-origin admits, the CORS headers a browser needs to read the answer.
-        Its head is whole: the connection leaves the headless ones."""
-        if client.headless:
-            self.headed(client)
-        rid = fields.get(REQUEST_ID_HEADER)
-        if rid is None or not _REQUEST_ID.fullmatch(rid):
-            # unique without a system call per request: this process's random prefix, a counter
-            rid = b"req_%s%x" % (_REQUEST_ID_PREFIX, next(_request_numbers))
-        client.request_id = rid
-        extra = b"x-request-id: %s\r\n" % rid
-        if self.cors_origins:
-            origin = fields.get(b"origin")
-            if origin is not None and (origin in self.cors_origins or b"*" in self.cors_origins):
-                extra += (b"access-control-allow-origin: %s\r\nvary: origin\r\n"
-                          b"access-control-expose-headers: x-request-id, x-otela-session\r\n" % origin)
-        client.conn.extra = extra
-
+    # -- connections with no complete head yet; CORS ------------------------------------------
     def headed(self, client: _Client) -> None:
         """The client is no longer among the headless connections (its head came, or it went)."""
         client.headless = False
-        del self._headless[client]
-        held = self._headless_per.pop(client.address) - 1
+        del self.headless[client]
+        held = self.headless_per.pop(client.address) - 1
         if held:
-            self._headless_per[client.address] = held
+            self.headless_per[client.address] = held
 
     def _preflight(self, fields: Dict[bytes, bytes]) -> List[Tuple[bytes, bytes]]:
-        """The answer to OPTIONS (the CORS lines themselves come from _tag)."""
+        """The answer to OPTIONS (the CORS lines themselves come from _Client.tag)."""
         asked = fields.get(b"access-control-request-headers", b"")
         return [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers", asked or b"authorization, content-type, x-request-id"),
@@ -3494,7 +3483,7 @@ class Ingress:
         else:
             raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
                                  f"{path.decode('utf-8', 'replace')}", "unknown_url")
-        self._write_response(client, 200, crdt.dumps(payload))
+        client.answer(200, crdt.dumps(payload))
         client.finish()
 
     def _admin_keys(self) -> List[Dict[str, Any]]:
@@ -3569,8 +3558,7 @@ class Ingress:
 
     # -- GET endpoints: (status, content type, payload), or a future of it ----------------------
     def _get_healthz(self, fields, query):
-        serving = sum(1 for _, r in self.node.registry.items() if r.get("state") == crdt.SERVING
-                      and r.get("role", "worker") == "worker")
+        serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
         ledger = self.ledger
         error = ledger.error if ledger is not None else None
         return 200, b"application/json", crdt.dumps({
@@ -3595,7 +3583,7 @@ class Ingress:
                 for m in self.models(key)]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
 
-    def _get_model(self, fields, query, model: str):
+    def get_model(self, fields, query, model: str):
         key = self.authenticate(fields)
         if model not in self.models(key):
             raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
@@ -3795,7 +3783,23 @@ def _split_listen(listen: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def set_limits(args: argparse.Namespace) -> None:
+    """The LIMITS as `serve`'s flags (or their variables) set them, for this process."""
+    globals().update((name, getattr(args, name.lower())) for name in LIMITS)
+
+
+def _limit_arg(kind: type) -> Callable[[str], Any]:
+    def positive(value: str) -> Any:
+        number = kind(value)
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"{value} is not > 0")
+        return number
+    positive.__name__ = kind.__name__   # argparse names the type in its messages
+    return positive
+
+
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
+    set_limits(args)
     config = otela_node.config_from_args(args)
     config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
     config.ingress_keys = ingress_secrets(args.ingress_key_file, args.key_file)
@@ -3803,7 +3807,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
-                      cors_origins=args.cors_origin)
+                      cors_origins=args.cors_origin, max_connections=MAX_CONNECTIONS, max_body=MAX_BODY_BYTES)
     ingress.require_key_for_views = args.require_key_for_views
     ingress.usage_days, ingress.usage_months = args.usage_days, args.usage_months
     if ingress.require_code_hash:
@@ -3869,11 +3873,13 @@ def _retention_arg(value: str) -> int:
     return number
 
 
+# The variables of flags whose names or separators are not parse_settings' own (see main)
+SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";")}
+
+
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     """The CLI; `overlay=False` leaves out serve's overlay flags (and the variables they read),
-    which `keys` has no use for. A boolean variable is read after parsing (see main), where a
-    bad value is a one-line error."""
-    env = otela_node.env
+    which `keys` has no use for. Every flag also reads its OTELA_* variable (see main)."""
     parser = argparse.ArgumentParser(prog="otela_ingress.py",
                                      description="The otela ingress: one OpenAI-compatible endpoint "
                                                  "for every healthy engine in the overlay.")
@@ -3888,25 +3894,23 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
         otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP, listen_default=DEFAULT_LISTEN,
                                     listen_help="HOST:PORT of the OpenAI API, /v1/registry, /metrics "
                                                 "and /dashboard (0.0.0.0:PORT for other hosts)")
-    serve.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
-    serve.add_argument("--ingress-key-file", default=env("INGRESS_KEY_FILE"),
+    serve.add_argument("--db", default=DEFAULT_DB, help=db_help)
+    serve.add_argument("--ingress-key-file", default=None,
                        help="the ingress tier's secret (keygen's ingress.key; on ingress hosts only, never on "
                             "compute nodes): only it creates, changes or revokes API keys and writes usage "
                             "that other ingresses accept (env OTELA_INGRESS_KEY_FILE; default: ingress.key "
                             "beside --key-file, when there)")
-    serve.add_argument("--usage-days", type=_retention_arg, metavar="N",
-                       default=env("USAGE_DAYS", str(crdt.USAGE_RETENTION_DAYS)),
+    serve.add_argument("--usage-days", type=_retention_arg, metavar="N", default=crdt.USAGE_RETENTION_DAYS,
                        help="days of per-key usage counters the ingresses replicate (today's budget, "
                             "/v1/admin/usage's days; env OTELA_USAGE_DAYS; default "
                             f"{crdt.USAGE_RETENTION_DAYS}). Older days stay in --db")
-    serve.add_argument("--usage-months", type=_retention_arg, metavar="N",
-                       default=env("USAGE_MONTHS", str(crdt.USAGE_RETENTION_MONTHS)),
+    serve.add_argument("--usage-months", type=_retention_arg, metavar="N", default=crdt.USAGE_RETENTION_MONTHS,
                        help="months of per-key usage totals the ingresses replicate (this month's budget, "
                             f"a year of totals; env OTELA_USAGE_MONTHS; default {crdt.USAGE_RETENTION_MONTHS})")
-    serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
+    serve.add_argument("--policy", default="least_loaded",
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")
-    serve.add_argument("--require-code-hash", default=env("REQUIRE_CODE_HASH"), metavar="HASH|self",
+    serve.add_argument("--require-code-hash", default=None, metavar="HASH|self",
                        type=_code_hash_arg,
                        help="route only to worker sessions advertising this code hash (the 16 hex digits "
                             "in /v1/registry's code_hash; 'self': what a worker started from this "
@@ -3917,31 +3921,36 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "advertise any hash; this is not attestation), and it covers neither the "
                             "engine, nor Python and its packages (env OTELA_REQUIRE_CODE_HASH; "
                             "default: route to any code)")
-    serve.add_argument("--alias", action="append", default=None, metavar="NAME=MODEL[,MODEL...]",
+    serve.add_argument("--alias", action="append", default=[], metavar="NAME=MODEL[,MODEL...]",
                        type=_alias_arg,
                        help="a public model name for served ones, tried in order: the first that a "
                             "healthy session serves gets the request (its body then names that model). "
                             "Repeatable; env OTELA_ALIASES, aliases separated by ';' (default: none)")
-    serve.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="let browser pages from ORIGIN (https://app.example.org, or * for any) call "
                             "the API: CORS headers on answers and OPTIONS preflights answered. "
                             "Repeatable; env OTELA_CORS_ORIGIN, comma-separated (default: none)")
-    serve.add_argument("--no-auth", action="store_true", default=None,
+    serve.add_argument("--no-auth", action="store_true",
                        help="accept requests without a key (local demos only; env OTELA_NO_AUTH: "
                             "1/true/yes/on or 0/false/no/off)")
-    serve.add_argument("--require-key-for-views", action="store_true", default=None,
+    serve.add_argument("--require-key-for-views", action="store_true",
                        help="answer /v1/registry, /metrics, /dashboard and /v1/usage/stats only to a "
                             "valid key (Bearer, or the password of HTTP Basic: a browser asks for it on "
                             "/dashboard); by default they need none (env OTELA_REQUIRE_KEY_FOR_VIEWS: "
                             "1/true/yes/on or 0/false/no/off)")
-    serve.add_argument("--no-relay", action="store_true", default=None,
+    serve.add_argument("--no-relay", action="store_true",
                        help="do not relay for members behind NATs (env OTELA_NO_RELAY; by default the "
                             "ingress relays their gossip and tunnel streams)")
+    limits = serve.add_argument_group("limits", "the connection, size and time limits (the reason for each "
+                                                "default is beside it at the top of otela_ingress.py)")
+    for name, default in LIMITS.items():
+        limits.add_argument("--" + name.lower().replace("_", "-"), type=_limit_arg(type(default)), default=default,
+                            metavar="N", help=f"env OTELA_{name}; default {default}")
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (shown once)")
-    create.add_argument("--user", default=env("USER"), required=env("USER") is None,
+    create.add_argument("--user", required=True,
                         help="who the key belongs to (the ledger's user; env OTELA_USER)")
     create.add_argument("--allow", default=None,
                         help="comma-separated providers this key may use: label k=v, label value, "
@@ -3958,15 +3967,15 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     create.add_argument("--expires", default=None, metavar="WHEN",
                         help="the key stops working then: a duration (30d, 12h, 90m) or a UTC date/time "
                              "(2027-01-31, 2027-01-31T12:00) (default: never)")
-    create.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    create.add_argument("--db", default=DEFAULT_DB, help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
                                               "budget, every ingress's use included")
-    lister.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    lister.add_argument("--db", default=DEFAULT_DB, help=db_help)
     lister.add_argument("--json", action="store_true", help="print JSON")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (at every ingress within 2 s)")
     revoke.add_argument("key_id")
-    revoke.add_argument("--db", default=env("DB", DEFAULT_DB), help=db_help)
+    revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
     return parser
 
 
@@ -4026,23 +4035,14 @@ def _keys_command(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(overlay=argv[:1] == ["serve"]).parse_args(argv)
+    try:   # every flag also reads its OTELA_* variable: OTELA_ALIASES="fast=a,b;big=c", OTELA_NO_AUTH=0
+        args = otela_node.parse_settings(build_parser(overlay=argv[:1] == ["serve"]), argv, SETTING_NAMES)
+    except ValueError as exc:
+        print(f"otela-ingress: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "keys":
             return _keys_command(args)
-        if args.cors_origin is None:
-            args.cors_origin = [o.strip() for o in (otela_node.env("CORS_ORIGIN") or "").split(",") if o.strip()]
-        if args.alias is None:   # OTELA_ALIASES="fast=a,b;big=c"
-            try:
-                args.alias = [_alias_arg(a) for a in (otela_node.env("ALIASES") or "").split(";") if a.strip()]
-            except argparse.ArgumentTypeError as exc:
-                raise ValueError(f"OTELA_ALIASES: {exc}") from None
-        if args.no_auth is None:   # OTELA_NO_AUTH=0 keeps the keys on; "maybe" is an error
-            args.no_auth = otela_node.env_bool("NO_AUTH")
-        if getattr(args, "no_relay", False) is None:
-            args.no_relay = otela_node.env_bool("NO_RELAY")
-        if getattr(args, "require_key_for_views", False) is None:
-            args.require_key_for_views = otela_node.env_bool("REQUIRE_KEY_FOR_VIEWS")
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "

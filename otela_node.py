@@ -287,13 +287,15 @@ TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("
 
 
 def config_from_env(config: Config, env=None) -> Config:
-    """Every timing default can be overridden as OTELA_<NAME> (tests make detection quick)."""
-    env = os.environ if env is None else env
+    """Every timing default can be overridden as OTELA_<NAME> (tests make detection quick), read
+    as every setting is (env_value; these have no flags but --probe-interval). Raises ConfigError."""
     for name in TIMING_FIELDS:
-        value = env.get("OTELA_" + name.upper())
-        if value:
-            kind = type(getattr(config, name))
-            setattr(config, name, kind(float(value)) if kind is int else float(value))
+        try:
+            value = env_value(name.upper(), float, env)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if value is not None:
+            setattr(config, name, int(value) if type(getattr(config, name)) is int else value)
     return config
 
 
@@ -330,6 +332,81 @@ def advertise(addr: str) -> str:
 
 class ConfigError(ValueError):
     """A bad setting given by the user; the CLI prints it on one line and exits 2."""
+
+
+# -- Settings: one way every otela file reads them -----------------------------------------------
+# A setting is its flag, else its OTELA_<NAME> variable, else the default. The same two functions
+# stand, letter for letter, in otela_node.py (for the node and the ingress) and otela_sim.py (for
+# the simulator and the placer, which run on hosts without otela_node.py): a role file is copied
+# alone onto a cluster, so neither imports the other; tests/test_settings.py checks that the two
+# copies are the same and behave the same in every file.
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+def env_value(name, kind=str, env=None):
+    """OTELA_<NAME> read as `kind` (a type or an argparse type function), or None when it is not
+    set. A boolean is 1/true/yes/on or 0/false/no/off (any case; empty is false): anything else,
+    like a value `kind` refuses, is a ValueError that names the variable, on one line. A setting
+    that might mean the opposite is never guessed."""
+    raw = (os.environ if env is None else env).get("OTELA_" + name)
+    if raw is None:
+        return None
+    if kind is bool:
+        if raw.strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
+            raise ValueError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
+        return raw.strip().lower() in _TRUE_WORDS
+    try:
+        return kind(raw)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"OTELA_{name}={raw!r}: {exc or 'not a valid value'}") from None
+
+
+def parse_settings(parser, argv=None, names=None, env=None):
+    """parser.parse_args(argv), every flag (of every subcommand) defaulting to its variable:
+    --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
+    switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
+    by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
+    they differ (separator None: one value). ValueError for a variable the flag would refuse."""
+    names, repeated = names or {}, []
+
+    def read(parser):
+        for action in parser._actions:
+            if isinstance(action.choices, dict):   # the subcommands
+                for sub in action.choices.values():
+                    read(sub)
+                continue
+            if not action.option_strings or action.dest in ("help", "version"):
+                continue
+            flag = action.option_strings[-1]
+            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
+            convert = action.type or str
+            if action.nargs == 0:   # a switch: true is as if it were given
+                value = env_value(name, bool, env)
+                if value is not None:
+                    action.default = action.const if value else not action.const
+            elif isinstance(action, argparse._AppendAction):
+                def items(raw, convert=convert, sep=sep):
+                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
+                value = env_value(name, items, env)
+                if value is not None:
+                    repeated.append((action, value))
+            else:
+                value = env_value(name, convert, env)
+                if value is not None and action.choices is not None and value not in action.choices:
+                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
+                                     f"{', '.join(map(str, action.choices))}")
+                if value is not None:
+                    action.default = value
+            if value is not None:
+                action.required = False
+
+    read(parser)
+    args = parser.parse_args(argv)
+    for action, values in repeated:
+        if getattr(args, action.dest, None) is action.default:   # the flag was not given
+            setattr(args, action.dest, values)
+    return args
 
 
 def load_key(path: str) -> bytes:
@@ -5765,51 +5842,26 @@ def detect_hardware() -> Dict[str, Any]:
 # =============================================================================================
 # CLI
 # =============================================================================================
-def env(name: str, default=None):
-    """OTELA_<NAME> from the environment: the one way every otela file reads its variables."""
-    return os.environ.get("OTELA_" + name, default)
-
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
-
-
-def env_bool(name: str, default: bool = False) -> bool:
-    """OTELA_<NAME> as a boolean: 1/true/yes/on or 0/false/no/off (any case); unset is `default`.
-    Anything else is a ConfigError: a variable that might mean the opposite must not be guessed."""
-    raw = os.environ.get("OTELA_" + name)
-    if raw is None:
-        return default
-    word = raw.strip().lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ConfigError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
-
-
-
-
 def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFAULT_GOSSIP,
                      listen_default: str = DEFAULT_LISTEN,
                      listen_help: str = "TCP address for the tunnel, /v1/registry and /healthz") -> None:
-    """The flags every overlay member takes; each also reads an OTELA_* environment variable.
-    The ingress binds its gossip port on every interface by default (INGRESS_GOSSIP): it is
-    what nodes on other hosts bootstrap to."""
+    """The flags every overlay member takes; each also reads an OTELA_* environment variable
+    (parse_settings). The ingress binds its gossip port on every interface by default
+    (INGRESS_GOSSIP): it is what nodes on other hosts bootstrap to."""
     g = parser.add_argument_group("overlay")
-    g.add_argument("--key-file", default=env("KEY_FILE"),
+    g.add_argument("--key-file", default=None,
                    help="cluster secret written by keygen (env OTELA_KEY_FILE; required, no default: every member "
                         "of one cluster names the same file); never pass secrets in argv")
     g.add_argument("--bootstrap", action="append", default=None,
                    help="HOST:PORT[,…] of any members' --gossip, a file of them, or an http URL returning "
                         "them (env OTELA_BOOTSTRAP); none: start a new overlay")
-    g.add_argument("--gossip", default=env("GOSSIP", gossip_default),
+    g.add_argument("--gossip", default=gossip_default,
                    help=f"UDP (and TCP) gossip address to bind (env OTELA_GOSSIP; default {gossip_default})")
-    g.add_argument("--listen", default=env("LISTEN", listen_default),
+    g.add_argument("--listen", default=listen_default,
                    help=f"{listen_help} (env OTELA_LISTEN; default {listen_default})")
     g.add_argument("--label", action="append", default=None,
                    help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
-    g.add_argument("--advertise", default=env("ADVERTISE"),
+    g.add_argument("--advertise", default=None,
                    help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE; "
                         "default: the host bound, or the address this machine's name resolves to when that is 0.0.0.0)")
     g.add_argument("--probe-interval", type=float, default=None,
@@ -5838,14 +5890,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     ring = load_secrets(args.key_file)
     config.key, config.accept_keys = ring[0], ring[1:]
     config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
-    config.reach = env("REACH", "auto")
+    config.reach = env_value("REACH") or "auto"   # (no flag: a lab's knob)
     if config.reach not in ("auto", "private", "public"):
         raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
-    bootstrap = args.bootstrap if args.bootstrap is not None else [env("BOOTSTRAP", "")]
-    config.bootstrap = [b for b in bootstrap if b]
+    config.bootstrap = [b for b in args.bootstrap or () if b]
     check_bootstrap(config.bootstrap)
-    labels = args.label if args.label is not None else env("LABEL", "").split(",")
-    for item in labels:
+    for item in args.label or ():
         if not item:
             continue
         key, sep, value = item.partition("=")
@@ -6021,12 +6071,17 @@ async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) ->
     return 0
 
 
+# The variables of flags whose names or separators are not parse_settings' own: --bootstrap's
+# OTELA_BOOTSTRAP is one value (its commas are read with it, as the flag's are)
+SETTING_NAMES = {"--bootstrap": ("BOOTSTRAP", None)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="otela_node.py", description="otela node: wrap an LLM engine as a "
                                 "discoverable, health-checked session of the overlay.")
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("keygen", help="write the cluster secret (and TLS certificate) into DIR")
-    k.add_argument("--out", default=env("OUT"), required=env("OUT") is None,
+    k.add_argument("--out", required=True,
                    help="directory for cluster.key (mode 0600) and the tunnel certificate (env OTELA_OUT; "
                         "required, no default)")
     k.add_argument("--force", action="store_true", help="replace an existing key")
@@ -6041,22 +6096,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rotation, step 3: keep only the secret in use")
     s = sub.add_parser("start", help="start an engine and serve it as a session")
     add_overlay_args(s)
-    s.add_argument("--process", default=env("PROCESS"), required=env("PROCESS") is None,
+    s.add_argument("--process", required=True,
                    help='engine command line, e.g. "vllm serve M --port 8000" ({port}: a free port) '
                         "(env OTELA_PROCESS)")
-    s.add_argument("--engine-url", default=env("ENGINE_URL"),
+    s.add_argument("--engine-url", default=None,
                    help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
-    s.add_argument("--restart", action="store_true", default=None,
+    s.add_argument("--restart", action="store_true",
                    help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
     s.add_argument("--drain-timeout", type=float, default=None,
                    help="seconds to finish in-flight requests after SIGTERM (env OTELA_DRAIN_TIMEOUT; default 30)")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
-    s.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"),
+    s.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     r = sub.add_parser("relay", help="a standalone relay (and seed) for members behind NATs, e.g. on a login node")
     add_overlay_args(r, gossip_default=INGRESS_GOSSIP)
-    r.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"),
+    r.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     return p
 
@@ -6079,7 +6134,11 @@ async def run_relay(config: Config) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:   # every flag also reads its OTELA_<FLAG> (the label's OTELA_LABEL, comma-separated)
+        args = parse_settings(build_parser(), argv, SETTING_NAMES)
+    except ValueError as exc:
+        print(f"otela_node.py: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s otela_node %(levelname)s %(message)s")
     try:
@@ -6097,8 +6156,6 @@ def main(argv=None) -> int:
         if args.command == "relay":
             install_event_loop()
             return asyncio.run(run_relay(config))
-        if args.restart is None:
-            args.restart = env_bool("RESTART")
         if args.drain_timeout is not None:
             config.drain_timeout = args.drain_timeout
         if args.engine_ready_timeout is not None:

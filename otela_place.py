@@ -39,7 +39,6 @@ over HTTP only), submit or cancel jobs without --submit, or touch jobs it did no
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import heapq
@@ -1721,7 +1720,7 @@ def slot_of(job):
 
 
 def http_json(url):
-    key = os.environ.get("OTELA_API_KEY")   # an ingress run with --require-key-for-views wants one
+    key = otela_sim.env_value("API_KEY")   # an ingress run with --require-key-for-views wants one
     try:
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     except ValueError:
@@ -2344,42 +2343,25 @@ def format_trace(result):
 # ============================================================================ CLI
 
 
-def env_default(flag, default=None):
-    """Every flag also reads OTELA_<FLAG> (e.g. --from-ingress -> OTELA_FROM_INGRESS)."""
-    return os.environ.get("OTELA_" + flag.lstrip("-").replace("-", "_").upper(), default)
-
-
-def _check_choices(parser, args):
-    """Defaults read from OTELA_* are not checked by argparse against a flag's choices."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            sub = action.choices.get(getattr(args, action.dest, None))
-            if sub is not None:
-                _check_choices(sub, args)
-        elif action.choices is not None and getattr(args, action.dest, None) not in action.choices:
-            parser.error(f"{action.option_strings[-1]} {getattr(args, action.dest)!r} (or its OTELA_ variable): "
-                         f"expected one of {', '.join(map(str, action.choices))}")
-
-
 def build_parser():
     p = otela_sim.OneLineParser(prog="otela_place.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="place models on GPUs; optionally emit and submit Slurm jobs")
     src = plan.add_argument_group("inputs")
-    src.add_argument("--scenario", default=env_default("--scenario"),
+    src.add_argument("--scenario", default=None,
                      help="JSON with gpus, models, workload (and optional measured capacities)")
-    src.add_argument("--from-ingress", default=env_default("--from-ingress"), metavar="URL",
+    src.add_argument("--from-ingress", default=None, metavar="URL",
                      help="read demand (/v1/usage/stats) and live sessions (/v1/registry) from an ingress "
                           "(with the key in OTELA_API_KEY when the ingress runs --require-key-for-views)")
-    src.add_argument("--inventory", default=env_default("--inventory"), metavar="FILE",
+    src.add_argument("--inventory", default=None, metavar="FILE",
                      help='the GPUs this placer manages (its jobs included), JSON {"gpus": [{"type", "count", '
                           '"per_node", optional "gres", "partition", "sbatch": [extra #SBATCH args]}]}')
     src.add_argument("--from-slurm", action="store_true", help="free GPUs from sinfo GRES")
     src.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE",
                      help="map a Slurm GRES type to a GPU name, e.g. a100=A100-80GB-SXM4 (repeatable)")
     opt = plan.add_argument_group("placement")
-    opt.add_argument("--capacity", choices=("auto", "measured", "sim"), default=env_default("--capacity", "auto"),
+    opt.add_argument("--capacity", choices=("auto", "measured", "sim"), default="auto",
                      help="per-instance capacity: the scenario's measured figures, otela_sim, or measured where given")
     opt.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
                      help="after the worst-case ratio: most useful capacity, or least mean latency")
@@ -2395,17 +2377,17 @@ def build_parser():
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--time-limit", type=otela_sim.number_type(float, 0, low_open=True), default=SOLVE_TIME_LIMIT_S,
                      help="CBC seconds per stage (at scale: for the whole solve)")
-    opt.add_argument("--engine", default=env_default("--engine"),
+    opt.add_argument("--engine", default=None,
                      help=f"engine version the simulator's capacities assume ({', '.join(otela_sim.ENGINES)}, or "
                           f"an engine name; default {otela_sim.DEFAULT_ENGINE})")
-    opt.add_argument("--probes", default=env_default("--probes"), metavar="FILE",
+    opt.add_argument("--probes", default=None, metavar="FILE",
                      help="engine overheads measured by `otela_sim.py probe --write FILE` on live sessions: "
                           "the simulator's capacities use them")
     opt.add_argument("--json", action="store_true", help="print one JSON object keyed by placement name")
     plan_slurm_args(plan)
 
     rp = sub.add_parser("replay", help="replay placements; --trace compares static and reclamation")
-    rp.add_argument("--scenario", default=env_default("--scenario"))
+    rp.add_argument("--scenario", default=None)
     rp.add_argument("--trace", action="store_true", help="bursty synthetic trace: static vs dynamic reclamation")
     rp.add_argument("--hours", type=otela_sim.number_type(float, 0, low_open=True), default=6.0, help="trace length (default 6 h)")
     rp.add_argument("--load", type=otela_sim.number_type(float, 0, low_open=True), default=0.5, help="mean demand as a fraction of the pool's capacity")
@@ -2420,19 +2402,19 @@ def build_parser():
 
 def plan_slurm_args(plan):
     sl = plan.add_argument_group("Slurm (cron)")
-    sl.add_argument("--emit-sbatch", metavar="DIR", default=env_default("--emit-sbatch"),
+    sl.add_argument("--emit-sbatch", metavar="DIR", default=None,
                     help="write one job script per planned instance into DIR")
     sl.add_argument("--submit", action="store_true",
                     help="submit/cancel the difference between the plan and squeue --me (default: print it)")
-    sl.add_argument("--template", default=env_default("--template", "vllm"),
+    sl.add_argument("--template", default="vllm",
                     help="job template: vllm, sglang, llamacpp, or a file (default vllm)")
     sl.add_argument("--sbatch-var", action="append", default=[], metavar="NAME=VALUE",
                     help="template value, e.g. KEY_FILE=~/.otela/cluster.key BOOTSTRAP=login1:7946 (repeatable)")
-    sl.add_argument("--lock", default=env_default("--lock", LOCK_PATH), help="lock file: one run at a time")
+    sl.add_argument("--lock", default=LOCK_PATH, help="lock file: one run at a time")
     rc = plan.add_argument_group("dynamic reclamation (cron runs; see the section in this file)")
-    rc.add_argument("--state-file", default=env_default("--state-file"), metavar="FILE",
+    rc.add_argument("--state-file", default=None, metavar="FILE",
                     help=f"demand history and last changes kept between runs (default {STATE_NAME} next to --lock)")
-    rc.add_argument("--cooldown", type=otela_sim.number_type(float, 0), default=env_default("--cooldown", RECLAIM_COOLDOWN_S),
+    rc.add_argument("--cooldown", type=otela_sim.number_type(float, 0), default=RECLAIM_COOLDOWN_S,
                     metavar="S", help=f"seconds a model's demand stays low, and since its last change, before it "
                                       f"gives up instances (default {RECLAIM_COOLDOWN_S})")
     rc.add_argument("--release-idle", action="store_true",
@@ -2609,8 +2591,10 @@ def cmd_replay(args):
 
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_choices(parser, args)
+    try:   # every flag also reads its OTELA_<FLAG> (--from-ingress: OTELA_FROM_INGRESS), as otela_sim's do
+        args = otela_sim.parse_settings(parser, argv)
+    except ValueError as e:
+        parser.error(str(e))
     try:
         if args.command == "plan":
             code = cmd_plan(args)

@@ -363,7 +363,7 @@ def read_calibration_file(path):
 def active_calibration():
     """The calibration in use: CALIBRATION_FILE (or $OTELA_CALIBRATION) over the priors; read
     once, at first use (nothing is read at import)."""
-    path = os.environ.get("OTELA_CALIBRATION", CALIBRATION_FILE)
+    path = env_value("CALIBRATION") or CALIBRATION_FILE
     if path not in _ACTIVE:
         if path.lower() == "none" or (path == CALIBRATION_FILE and not os.path.exists(path)):
             _ACTIVE[path] = DEFAULT_CALIBRATION
@@ -2149,7 +2149,7 @@ def calibration_with_probes(probes, cal=None):
 
 def use_calibration(cal):
     """Make `cal` the active calibration of this process (the placer's --probes)."""
-    _ACTIVE[os.environ.get("OTELA_CALIBRATION", CALIBRATION_FILE)] = cal
+    _ACTIVE[env_value("CALIBRATION") or CALIBRATION_FILE] = cal
 
 
 # =============================================================================================
@@ -3136,7 +3136,6 @@ def add_serve_command(sub):
                    help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
     _engine_flags(s)
     s.set_defaults(func=_cmd_serve)
-    _env_defaults(s)
     return s
 
 
@@ -3467,32 +3466,79 @@ def number_type(kind, low=None, high=None, low_open=False, high_open=True):
 _AT_LEAST_1 = number_type(int, 1)              # GPUs, requests, tokens, iterations
 _POSITIVE = number_type(float, 0, low_open=True)
 _SHARE = number_type(float, 0, 1)              # a fraction in [0, 1)
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+# -- Settings: one way every otela file reads them -----------------------------------------------
+# A setting is its flag, else its OTELA_<NAME> variable, else the default. The same two functions
+# stand, letter for letter, in otela_node.py (for the node and the ingress) and otela_sim.py (for
+# the simulator and the placer, which run on hosts without otela_node.py): a role file is copied
+# alone onto a cluster, so neither imports the other; tests/test_settings.py checks that the two
+# copies are the same and behave the same in every file.
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
-def _env_defaults(parser, env=None):
-    """Every flag also reads OTELA_<FLAG> (--gpu -> OTELA_GPU, --chunk-tokens -> OTELA_CHUNK_TOKENS),
-    checked as the flag would be: a bad value is a one-line error naming the variable."""
-    env = os.environ if env is None else env
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        name = "OTELA_" + action.option_strings[-1].lstrip("-").replace("-", "_").upper()
-        value = env.get(name)
-        if value is None:
-            continue
-        if action.nargs == 0:                    # store_true
-            if value.lower() not in _TRUE + _FALSE:
-                parser.error(f"{name}={value!r}: expected one of 1, 0, true, false, yes, no, on, off")
-            action.default = value.lower() in _TRUE
-        else:
-            try:
-                action.default = action.type(value) if action.type else value
-            except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
-                parser.error(f"{name}={value!r}: {e or 'not a valid value'}")
-            if action.choices is not None and action.default not in action.choices:
-                parser.error(f"{name}={value!r}: expected one of {', '.join(map(str, action.choices))}")
-        action.required = False
+def env_value(name, kind=str, env=None):
+    """OTELA_<NAME> read as `kind` (a type or an argparse type function), or None when it is not
+    set. A boolean is 1/true/yes/on or 0/false/no/off (any case; empty is false): anything else,
+    like a value `kind` refuses, is a ValueError that names the variable, on one line. A setting
+    that might mean the opposite is never guessed."""
+    raw = (os.environ if env is None else env).get("OTELA_" + name)
+    if raw is None:
+        return None
+    if kind is bool:
+        if raw.strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
+            raise ValueError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
+        return raw.strip().lower() in _TRUE_WORDS
+    try:
+        return kind(raw)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"OTELA_{name}={raw!r}: {exc or 'not a valid value'}") from None
+
+
+def parse_settings(parser, argv=None, names=None, env=None):
+    """parser.parse_args(argv), every flag (of every subcommand) defaulting to its variable:
+    --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
+    switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
+    by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
+    they differ (separator None: one value). ValueError for a variable the flag would refuse."""
+    names, repeated = names or {}, []
+
+    def read(parser):
+        for action in parser._actions:
+            if isinstance(action.choices, dict):   # the subcommands
+                for sub in action.choices.values():
+                    read(sub)
+                continue
+            if not action.option_strings or action.dest in ("help", "version"):
+                continue
+            flag = action.option_strings[-1]
+            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
+            convert = action.type or str
+            if action.nargs == 0:   # a switch: true is as if it were given
+                value = env_value(name, bool, env)
+                if value is not None:
+                    action.default = action.const if value else not action.const
+            elif isinstance(action, argparse._AppendAction):
+                def items(raw, convert=convert, sep=sep):
+                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
+                value = env_value(name, items, env)
+                if value is not None:
+                    repeated.append((action, value))
+            else:
+                value = env_value(name, convert, env)
+                if value is not None and action.choices is not None and value not in action.choices:
+                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
+                                     f"{', '.join(map(str, action.choices))}")
+                if value is not None:
+                    action.default = value
+            if value is not None:
+                action.required = False
+
+    read(parser)
+    args = parser.parse_args(argv)
+    for action, values in repeated:
+        if getattr(args, action.dest, None) is action.default:   # the flag was not given
+            setattr(args, action.dest, values)
+    return args
 
 
 def _engine_flags(parser):
@@ -3509,7 +3555,7 @@ def output_closed(prefix):
     return 2
 
 
-def main(argv=None):
+def build_parser():
     p = OneLineParser(prog="otela_sim.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("estimate", help="a static batch on one instance")
@@ -3562,7 +3608,7 @@ def main(argv=None):
     pr.add_argument("--batch", type=_AT_LEAST_1, default=PROBE_BATCH, help=f"the larger batch (default {PROBE_BATCH})")
     pr.add_argument("--seconds", type=_POSITIVE, default=PROBE_SECONDS, help="seconds per batch size")
     pr.add_argument("--max-tokens", type=_AT_LEAST_1, default=PROBE_TOKENS, help="tokens generated per request")
-    pr.add_argument("--api-key", default=None, help="bearer key for an ingress (also OTELA_API_KEY)")
+    pr.add_argument("--api-key", default=None, help="bearer key for an ingress (env OTELA_API_KEY)")
     pr.add_argument("--write", default=None, metavar="FILE", help="store the probe in FILE (the placer's --probes)")
     _engine_flags(pr)
     pr.add_argument("--json", action="store_true")
@@ -3571,9 +3617,15 @@ def main(argv=None):
     for what in ("gpus", "models", "engines"):
         t = sub.add_parser(what, help=f"list the built-in {what}")
         t.set_defaults(func=_cmd_tables, what=what)
-    for command in (e, r, v, c, pr):
-        _env_defaults(command)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
+    try:   # every flag also reads its OTELA_<FLAG> (--gpu: OTELA_GPU)
+        a = parse_settings(p, argv)
+    except ValueError as err:
+        p.error(str(err))
     if a.cmd == "estimate" and not (a.model or a.config):
         p.error("estimate needs --model or --config")
     try:

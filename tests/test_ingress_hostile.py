@@ -189,15 +189,15 @@ def test_strangers_sending_big_bodies_cost_no_memory_and_still_read_their_401(st
                 sock.sendall(b"x" * (1024 * 1024))
             except OSError:   # the ingress may have closed already
                 pass
-        held = stack.call(lambda: sum(c.buffered() for c in stack.ingress._clients))
+        held = stack.call(lambda: sum(c.conn.buffered() for c in stack.ingress.clients))
         assert held == 0
     finally:
         for sock in socks:
             sock.close()
     deadline = time.monotonic() + 10
-    while stack.call(lambda: len(stack.ingress._clients)) and time.monotonic() < deadline:
+    while stack.call(lambda: len(stack.ingress.clients)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert stack.call(lambda: len(stack.ingress._clients)) == 0
+    assert stack.call(lambda: len(stack.ingress.clients)) == 0
 
 
 def test_a_good_key_with_a_body_in_pieces_is_still_served(stack):
@@ -221,7 +221,7 @@ def connect_from(source: str, port: int) -> socket.socket:
 
 
 def open_connections(stack: Stack) -> int:
-    return stack.call(lambda: len(stack.ingress._clients))
+    return stack.call(lambda: len(stack.ingress.clients))
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -412,7 +412,7 @@ def test_slowloris_from_4_addresses_of_1100_connections_leaves_99_percent_of_new
                 sock.close()
                 open_one(source)                  # at once: the attacker holds all it can
         worker.join(30)
-        headless = stack.call(lambda: len(stack.ingress._headless))
+        headless = stack.call(lambda: len(stack.ingress.headless))
         evicted = stack.ingress.metrics.headless_evicted
     finally:
         for sock in held:
@@ -436,12 +436,12 @@ def test_a_kept_alive_connection_dribbling_its_next_head_is_headless_again_and_c
         first.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
         assert read_response(first)[0] == 200
         first.sendall(b"GET /healthz HTTP/1.1\r\nhost: ")          # the next head, never finished
-        assert wait_for(lambda: stack.call(lambda: len(stack.ingress._headless)) == 1)
+        assert wait_for(lambda: stack.call(lambda: len(stack.ingress.headless)) == 1)
         for _ in range(4):                                          # newcomers over the budget
             held.append(connect_from("127.0.0.30", stack.port))
         assert wait_for(lambda: stack.ingress.metrics.headless_evicted == 1)
         assert read_to_close(first, 5) == (b"", True)
-        assert stack.call(lambda: len(stack.ingress._headless)) == 4
+        assert stack.call(lambda: len(stack.ingress.headless)) == 4
     finally:
         for sock in held:
             sock.close()

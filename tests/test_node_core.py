@@ -339,12 +339,12 @@ def test_overlay_args_read_flags_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("OTELA_LABEL", "site=a,tier=gold")
     parser = argparse.ArgumentParser()
     on.add_overlay_args(parser)
-    cfg = on.config_from_args(parser.parse_args(["--gossip", "127.0.0.1:9000"]))
+    cfg = on.config_from_args(on.parse_settings(parser, ["--gossip", "127.0.0.1:9000"], on.SETTING_NAMES))
     assert cfg.bootstrap == ["10.0.0.1:7946,10.0.0.2:7946"]
     assert cfg.labels == {"site": "a", "tier": "gold"}
     assert (cfg.gossip, cfg.listen) == ("127.0.0.1:9000", on.DEFAULT_LISTEN)
     with pytest.raises(on.ConfigError, match="label"):
-        on.config_from_args(parser.parse_args(["--label", "novalue"]))
+        on.config_from_args(on.parse_settings(parser, ["--label", "novalue"], on.SETTING_NAMES))
 
 
 def test_bootstrap_resolves_lists_files_and_skips_bad_entries(tmp_path):
@@ -549,18 +549,6 @@ def test_an_alone_member_names_the_bootstrap_that_never_answered():
     net.run(3.0)
     [warning] = lonely.health(net.now)
     assert "10.99.0.1:7946 has not answered" in warning
-
-
-def test_env_bool_reads_the_usual_spellings_and_refuses_the_rest(monkeypatch):
-    for raw, want in (("1", True), ("TRUE", True), ("yes", True), ("on", True), ("0", False),
-                      ("false", False), ("No", False), ("off", False), ("", False)):
-        monkeypatch.setenv("OTELA_X", raw)
-        assert on.env_bool("X") is want
-    monkeypatch.delenv("OTELA_X")
-    assert on.env_bool("X", True) is True
-    monkeypatch.setenv("OTELA_X", "maybe")
-    with pytest.raises(on.ConfigError):
-        on.env_bool("X")
 
 
 def test_the_port_a_node_picks_for_its_engine_is_below_the_ephemeral_range_and_free(monkeypatch):

@@ -188,7 +188,7 @@ def test_the_ingress_reaches_a_node_over_mutual_tls_and_sends_no_static_credenti
                     break
                 await asyncio.sleep(0.05)
             answers = [await exchange("127.0.0.1", port, request(CHAT)) for _ in range(3)]
-            return answers, dict(node.admitted), node.refused["credential"], ingress._tunnel_line
+            return answers, dict(node.admitted), node.refused["credential"], ingress.pool.tunnel_line
         finally:
             await ingress.stop()
             await member.stop()

@@ -1,0 +1,148 @@
+"""One way to read a setting in every role file: its flag, else its OTELA_* variable, else its
+default; a boolean variable is 1/true/yes/on or 0/false/no/off and anything else is a one-line
+error and a non-zero exit, never a silent False."""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import crdt  # noqa: E402
+import otela_ingress  # noqa: E402
+import otela_node  # noqa: E402
+import otela_place  # noqa: E402
+import otela_sim  # noqa: E402
+
+ROLE_FILES = {"otela_node.py": otela_node, "otela_ingress.py": otela_ingress, "otela_place.py": otela_place,
+              "otela_sim.py": otela_sim, "crdt.py": crdt}
+
+
+def test_the_node_and_the_simulator_hold_the_same_reader_letter_for_letter():
+    # otela_sim.py (and the placer with it) runs where otela_node.py is not copied: its own copy
+    for name in ("env_value", "parse_settings"):
+        assert inspect.getsource(getattr(otela_node, name)) == inspect.getsource(getattr(otela_sim, name)), name
+    assert (otela_node._TRUE_WORDS, otela_node._FALSE_WORDS) == (otela_sim._TRUE_WORDS, otela_sim._FALSE_WORDS)
+
+
+@pytest.mark.parametrize("path", sorted(ROLE_FILES))
+def test_no_role_file_reads_an_otela_variable_but_through_the_reader(path):
+    source = inspect.getsource(ROLE_FILES[path])
+    direct = re.findall(r".*(?:environ\.get|getenv|environ\[)\(?\s*[\"']OTELA_.*", source)
+    assert direct == [], direct
+    readers = re.findall(r'.*\.get\("OTELA_" \+ name\)', source)
+    assert len(readers) == (1 if ROLE_FILES[path] in (otela_node, otela_sim) else 0), readers
+
+
+# file -> how its command line is parsed (its own parser, names and reader, as its main does),
+# the arguments every case starts from, and settings: (flag, variable, default, a value given
+# as the variable, another given as the flag, what the parsed field is called)
+TABLE = {
+    "otela_node.py": (
+        lambda argv, env: otela_node.parse_settings(otela_node.build_parser(), argv, otela_node.SETTING_NAMES, env),
+        ["start", "--process", "engine"],
+        [("--log-level", "LOG_LEVEL", "INFO", "DEBUG", "WARNING", "log_level"),
+         ("--drain-timeout", "DRAIN_TIMEOUT", None, "12", "3", "drain_timeout"),
+         ("--restart", "RESTART", False, "yes", None, "restart"),
+         ("--label", "LABEL", None, "gpu=a100,site=x", "rack=7", "label")]),
+    "otela_ingress.py": (
+        lambda argv, env: otela_node.parse_settings(otela_ingress.build_parser(), argv, otela_ingress.SETTING_NAMES,
+                                                    env),
+        ["serve"],
+        [("--policy", "POLICY", "least_loaded", "random", "round_robin", "policy"),
+         ("--max-connections", "MAX_CONNECTIONS", otela_ingress.MAX_CONNECTIONS, "100", "7", "max_connections"),
+         ("--head-timeout-s", "HEAD_TIMEOUT_S", otela_ingress.HEAD_TIMEOUT_S, "2.5", "1", "head_timeout_s"),
+         ("--usage-days", "USAGE_DAYS", crdt.USAGE_RETENTION_DAYS, "20", "9", "usage_days"),
+         ("--no-auth", "NO_AUTH", False, "on", None, "no_auth"),
+         ("--alias", "ALIASES", [], "fast=a,b;big=c", "small=d", "alias")]),
+    "otela_place.py": (
+        lambda argv, env: otela_sim.parse_settings(otela_place.build_parser(), argv, None, env),
+        ["plan"],
+        [("--capacity", "CAPACITY", "auto", "sim", "measured", "capacity"),
+         ("--cooldown", "COOLDOWN", otela_place.RECLAIM_COOLDOWN_S, "60", "5", "cooldown"),
+         ("--submit", "SUBMIT", False, "1", None, "submit")]),
+    "otela_sim.py": (
+        lambda argv, env: otela_sim.parse_settings(otela_sim.build_parser(), argv, None, env),
+        ["estimate", "--model", "llama-2-7b", "--gpu", "H100"],
+        [("--tp", "TP", 1, "2", "4", "tp"),
+         ("--dtype", "DTYPE", None, "fp8", "bf16", "dtype"),
+         ("--json", "JSON", False, "true", None, "json")]),
+}
+CASES = [(path, setting) for path, (_, _, settings) in TABLE.items() for setting in settings]
+
+
+def typed(value, default):
+    """What a variable's text is once read as the flag reads it."""
+    if value is None or isinstance(default, (bool, str)) or default is None:
+        return value
+    return type(default)(value)
+
+
+@pytest.mark.parametrize("path, setting", CASES, ids=[f"{p} {s[0]}" for p, s in CASES])
+def test_a_setting_is_its_flag_else_its_variable_else_its_default(path, setting):
+    parse, base, _ = TABLE[path]
+    flag, name, default, from_env, from_flag, field = setting
+    env = {"OTELA_" + name: from_env}
+    switch = from_flag is None
+    assert getattr(parse(base, {}), field) == default
+    got = getattr(parse(base, env), field)
+    if switch:
+        assert got is True
+        assert getattr(parse(base, {"OTELA_" + name: "off"}), field) is False
+        assert getattr(parse(base + [flag], {"OTELA_" + name: "0"}), field) is True   # the flag wins
+        return
+    flag_args = [flag, from_flag]
+    if flag == "--alias":   # a repeatable flag: its variable holds several, the flag given replaces them
+        assert got == [("fast", ["a", "b"]), ("big", ["c"])]
+        assert getattr(parse(base + flag_args, env), field) == [("small", ["d"])]
+        return
+    if flag == "--label":
+        assert got == ["gpu=a100", "site=x"]
+        assert getattr(parse(base + flag_args, env), field) == ["rack=7"]
+        return
+    assert got == (typed(from_env, default) if default is not None else
+                   (float(from_env) if flag == "--drain-timeout" else from_env))
+    assert getattr(parse(base + flag_args, env), field) == \
+        (typed(from_flag, default) if default is not None else
+         (float(from_flag) if flag == "--drain-timeout" else from_flag))
+
+
+@pytest.mark.parametrize("path, setting", [c for c in CASES if c[1][4] is None], ids=lambda c: str(c))
+def test_a_boolean_variable_that_is_not_one_is_refused_naming_it(path, setting):
+    parse, base, _ = TABLE[path]
+    name = setting[1]
+    with pytest.raises(ValueError, match=f"OTELA_{name}='maybe' is not a boolean"):
+        parse(base, {"OTELA_" + name: "maybe"})
+
+
+@pytest.mark.parametrize("path, argv, name", [
+    ("otela_node.py", ["start", "--process", "engine"], "RESTART"),
+    ("otela_ingress.py", ["serve"], "NO_AUTH"),
+    ("otela_ingress.py", ["serve"], "REQUIRE_KEY_FOR_VIEWS"),
+    ("otela_place.py", ["plan"], "SUBMIT"),
+    ("otela_sim.py", ["estimate", "--model", "llama-2-7b", "--gpu", "H100"], "JSON"),
+])
+def test_maybe_is_a_one_line_error_and_a_nonzero_exit_in_every_file(path, argv, name, monkeypatch, capsys):
+    monkeypatch.setenv("OTELA_" + name, "maybe")
+    try:
+        code = ROLE_FILES[path].main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code not in (0, None)
+    assert len(err.splitlines()) == 1 and f"OTELA_{name}='maybe' is not a boolean" in err
+
+
+def test_a_value_the_flag_would_refuse_is_refused_as_a_variable_naming_it():
+    parse, base, _ = TABLE["otela_ingress.py"]
+    with pytest.raises(ValueError, match="OTELA_MAX_CONNECTIONS='-1'"):
+        parse(base, {"OTELA_MAX_CONNECTIONS": "-1"})
+    parse, base, _ = TABLE["otela_place.py"]
+    with pytest.raises(ValueError, match="OTELA_CAPACITY='foo': expected one of auto, measured, sim"):
+        parse(base, {"OTELA_CAPACITY": "foo"})
+    with pytest.raises(otela_node.ConfigError, match="OTELA_PROBE_TIMEOUT='soon'"):
+        otela_node.config_from_env(otela_node.Config(), {"OTELA_PROBE_TIMEOUT": "soon"})
