@@ -367,7 +367,8 @@ def parse_settings(parser, argv=None, names=None, env=None):
     --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
     switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
     by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
-    they differ (separator None: one value). ValueError for a variable the flag would refuse."""
+    they differ (separator None: one value), or to None: no variable (a destructive one-shot
+    switch such as keygen's --force). ValueError for a variable the flag would refuse."""
     names, repeated = names or {}, []
 
     def read(parser):
@@ -379,6 +380,8 @@ def parse_settings(parser, argv=None, names=None, env=None):
             if not action.option_strings or action.dest in ("help", "version"):
                 continue
             flag = action.option_strings[-1]
+            if flag in names and names[flag] is None:
+                continue
             name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
             convert = action.type or str
             if action.nargs == 0:   # a switch: true is as if it were given
@@ -6073,7 +6076,7 @@ async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) ->
 
 # The variables of flags whose names or separators are not parse_settings' own: --bootstrap's
 # OTELA_BOOTSTRAP is one value (its commas are read with it, as the flag's are)
-SETTING_NAMES = {"--bootstrap": ("BOOTSTRAP", None)}
+SETTING_NAMES = {"--bootstrap": ("BOOTSTRAP", None), "--force": None}   # keygen --force: the flag only
 
 
 def build_parser() -> argparse.ArgumentParser:

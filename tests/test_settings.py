@@ -146,3 +146,14 @@ def test_a_value_the_flag_would_refuse_is_refused_as_a_variable_naming_it():
         parse(base, {"OTELA_CAPACITY": "foo"})
     with pytest.raises(otela_node.ConfigError, match="OTELA_PROBE_TIMEOUT='soon'"):
         otela_node.config_from_env(otela_node.Config(), {"OTELA_PROBE_TIMEOUT": "soon"})
+
+
+def test_keygens_force_is_the_flag_only_a_variable_never_replaces_a_key(tmp_path):
+    import subprocess
+    out = str(tmp_path)
+    run = [sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", out]
+    subprocess.run(run, check=True, capture_output=True)
+    before = open(os.path.join(out, "cluster.key"), "rb").read()
+    again = subprocess.run(run, capture_output=True, text=True, env=dict(os.environ, OTELA_FORCE="1"))
+    assert again.returncode != 0 and "--force" in again.stderr
+    assert open(os.path.join(out, "cluster.key"), "rb").read() == before
