@@ -2590,25 +2590,20 @@ class EngineCore:
             if req.first_token_at is None:
                 req.first_token_at = now
             if req.generated >= req.max_tokens:
-                self.running.remove(req)
-                self._leave_slot(req)
-                self.cache.release(req.blocks)
-                req.blocks = []
-                req.state = "finished"
-                req.finished_at = now
+                self._finish(req, now)
             out.append(req)
         return out
 
-    def complete_run(self, step, k, now):
-        """complete(step), then k - 1 decode steps of the same requests, with the state and the
-        pool exactly as k - 1 rounds of complete(schedule()) leave them, without planning each
-        step: a run as EmulatedServer._run_ahead plans one (only decodes, nobody waiting,
-        nobody finishing before its last step, blocks free for every step). Returns the
-        requests that got tokens."""
-        out = self.complete(step, now)
+    def complete_run(self, step, ends):
+        """complete(step) at ends[0], then one decode step of the same requests at each further
+        end, leaving the state and the pool exactly as complete(schedule()) step by step would,
+        without planning each step: a run as EmulatedServer._run_ahead plans one (every prompt
+        done in the first step, nobody waiting, nobody finishing before the last step, blocks
+        free for every step). Returns the requests that got tokens."""
+        out = self.complete(step, ends[0])
         reqs = [req for req, _ in step.items if req.state == "running"]    # not one aborted meanwhile
         bs, cache = self.block_size, self.cache
-        for _ in range(k - 1):
+        for now in ends[1:]:
             for req in reqs:                   # schedule(): each decode's block, in running order
                 if req.computed >= len(req.blocks) * bs:
                     req.blocks += cache.allocate(1)
@@ -2619,8 +2614,18 @@ class EngineCore:
                     req.registered += 1
                 req.tokens.append(output_token(req.prompt_key, req.generated))
                 req.generated += 1
-        self.generation_tokens += (k - 1) * len(reqs)
+                if req.generated >= req.max_tokens:
+                    self._finish(req, now)
+            self.generation_tokens += len(reqs)
         return out
+
+    def _finish(self, req, now):
+        self.running.remove(req)
+        self._leave_slot(req)
+        self.cache.release(req.blocks)
+        req.blocks = []
+        req.state = "finished"
+        req.finished_at = now
 
 
 def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, max_num_seqs=MAX_NUM_SEQS,
@@ -2811,7 +2816,7 @@ class EmulatedServer:
         step = self.step
         self.step, self.ends, self.streams = None, [], ()
         self.step_end = ends[-1]
-        for req in self.core.complete_run(step, len(ends), now):
+        for req in self.core.complete_run(step, ends):
             if req.sink is not None and not req.sink():
                 self.core.abort(req)           # a stream whose client left
             if req.waiter is not None and not req.waiter.done() and req.state in ("finished", "aborted"):
@@ -2820,16 +2825,18 @@ class EmulatedServer:
 
     def _run_ahead(self, step, start):
         """Planned ends of `step` and of the decode steps after it that change nothing but the
-        tokens (nobody waiting, arriving or finishing, no block short)."""
+        tokens: every prompt done in `step`, all running requests in it, nobody waiting or
+        arriving, no block short; the run ends with the first step that finishes a request."""
         ends = [start + step.seconds]
         items, core = step.items, self.core
-        if core.waiting or self.inbox or step.decodes != len(items):
+        if core.waiting or self.inbox or len(items) != len(core.running) or \
+                any(r.computed + n != len(r.tokens) for r, n in items):
             return ends
         n = len(items)
-        ahead = min(min(r.max_tokens - r.generated for r, _ in items) - 1, RUN_AHEAD_STEPS)
+        ahead = min(min(r.max_tokens - r.generated for r, _ in items), RUN_AHEAD_STEPS)
         if len(core.cache.free) < n * (ahead // core.block_size + 2):
             return ends                        # a step ahead might need to preempt
-        ctx = sum(len(r.tokens) for r, _ in items)
+        ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
         t = ends[0]
         for i in range(1, ahead):
             t += core.decode_seconds(n, ctx + i * n)

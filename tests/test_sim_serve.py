@@ -499,7 +499,7 @@ def test_a_run_without_streams_wakes_once_at_its_end():
         server.loop.fire(0.0)
         wakes += 1
     assert req.state == "finished" and req.generated == 200
-    assert wakes == 4          # the admission window, the prefill, a run of 198 decodes, the last step
+    assert wakes == 2          # the admission window, then one run: the prefill and 199 decodes
     assert server.step_end == pytest.approx(200 * 0.01)     # 200 steps of 10 ms, back to back
 
 
@@ -560,28 +560,36 @@ def test_tokens_planned_ahead_reach_each_stream_at_the_end_of_their_own_step():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(2, 60)), min_size=1, max_size=5),
-       st.integers(100, 400), st.sampled_from([2, 4, 16]))
-def test_a_run_completed_at_once_leaves_the_core_as_its_steps_one_by_one_would(shapes, pool, block_size):
+       st.integers(100, 400), st.sampled_from([2, 4, 16]), st.booleans())
+def test_a_run_completed_at_once_leaves_the_core_as_its_steps_one_by_one_would(shapes, pool, block_size, slots):
+    reqs = {}
+
     def core():                                # pools from one request's worth of KV: preemptions too
-        c = sim.EngineCore(FlatCost(), pool // block_size, block_size, max_batched_tokens=256, max_num_seqs=8)
-        for i, (prompt, out) in enumerate(shapes):
-            c.add(sim.EmulatedRequest(i, words(prompt, "p" if i % 2 else "q"), out, prompt_key=i % 2))
+        c = sim.EngineCore(FlatCost(), pool // block_size, block_size, max_batched_tokens=256, max_num_seqs=8,
+                           slots=slots)
+        reqs[c] = [sim.EmulatedRequest(i, words(prompt, "p" if i % 2 else "q"), out, prompt_key=i % 2)
+                   for i, (prompt, out) in enumerate(shapes)]
+        for req in reqs[c]:
+            c.add(req)
         return c
     once, by_step = core(), core()
+    clock = 0.0
     while True:
         step, twin = once.schedule(), by_step.schedule()
         if step is None:
             assert twin is None
             break
-        k = len(sim.EmulatedServer(once, "m")._run_ahead(step, 0.0))
-        once.complete_run(step, k, 1.0)
-        by_step.complete(twin, 1.0)
-        for _ in range(k - 1):
-            by_step.complete(by_step.schedule(), 1.0)
-        for a, b in zip(once.running + list(once.waiting), by_step.running + list(by_step.waiting)):
-            assert (a.id, a.tokens, a.computed, a.registered, a.blocks, a.state) == \
-                (b.id, b.tokens, b.computed, b.registered, b.blocks, b.state)
+        ends = sim.EmulatedServer(once, "m")._run_ahead(step, clock)
+        once.complete_run(step, ends)
+        by_step.complete(twin, ends[0])
+        for end in ends[1:]:
+            by_step.complete(by_step.schedule(), end)
+        clock = ends[-1]
+        for a, b in zip(reqs[once], reqs[by_step]):
+            assert (a.tokens, a.computed, a.registered, a.blocks, a.state, a.first_token_at, a.finished_at) == \
+                (b.tokens, b.computed, b.registered, b.blocks, b.state, b.first_token_at, b.finished_at)
         assert list(once.cache.free) == list(by_step.cache.free) and once.cache.by_hash == by_step.cache.by_hash
+        assert [s[0] for s in once.slots or ()] == [s[0] for s in by_step.slots or ()]
         assert (once.generation_tokens, once.prompt_tokens, once.preemptions) == \
             (by_step.generation_tokens, by_step.prompt_tokens, by_step.preemptions)
 
