@@ -2383,7 +2383,8 @@ class ScheduledStep:
 
 class EngineCore:
     """vLLM V1's scheduler over a PrefixCache, timed by a cost model (StepCost or anything with
-    its step() signature). Sans-IO: add(), schedule() -> ScheduledStep, complete(step, now)."""
+    its step() signature). Sans-IO: add(), schedule() -> ScheduledStep, complete(step, now);
+    complete_run(step, ends) for a run of decode steps planned at once (EmulatedServer._run_ahead)."""
 
     def __init__(self, cost, num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=SERVE_BATCHED_TOKENS_SMALL,
                  max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False):
