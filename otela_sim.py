@@ -2604,6 +2604,8 @@ class EngineCore:
         out = self.complete(step, ends[0])
         reqs = [req for req, _ in step.items if req.state == "running"]    # not one aborted meanwhile
         bs, cache = self.block_size, self.cache
+        for req in reqs:                       # the run's tokens, known in advance
+            req.tokens += [output_token(req.prompt_key, i) for i in range(req.generated, req.generated + len(ends) - 1)]
         for now in ends[1:]:
             for req in reqs:                   # schedule(): each decode's block, in running order
                 if req.computed >= len(req.blocks) * bs:
@@ -2613,7 +2615,6 @@ class EngineCore:
                 while req.registered < min(req.computed // bs, len(req.blocks)):
                     cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
                     req.registered += 1
-                req.tokens.append(output_token(req.prompt_key, req.generated))
                 req.generated += 1
                 if req.generated >= req.max_tokens:
                     self._finish(req, now)
@@ -2806,14 +2807,14 @@ class EmulatedServer:
         self.timer = None
         at, ends, now = self.at, self.ends, self.loop.time()
         self.early += (min(max(now - self.armed, 0.0), TIMER_LATE_CAP_S) - self.early) * TIMER_LATE_WEIGHT
-        if self.streams and at + 1 < len(ends):
-            # inside a run: step `at` gave each stream its token generated + at (the core's
-            # counts are the run's start's until its end)
-            if all(req.sink(req.generated + at + 1) for req in self.streams):
+        if self.streams:
+            # step `at` of a run gave each stream its token generated + at (the core's counts
+            # are the run's start's until its end): written first, before any catching up
+            if all(req.sink(req.generated + at + 1) for req in self.streams) and at + 1 < len(ends):
                 self.at = at + 1
                 self._arm()
                 return
-            del ends[at + 1:]                  # a client left: the run ends at this step
+            del ends[at + 1:]                  # the run's last step, or a client left: it ends here
         step = self.step
         self.step, self.ends, self.streams = None, [], ()
         self.step_end = ends[-1]
