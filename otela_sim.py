@@ -59,7 +59,7 @@ import random
 import re
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -2271,7 +2271,11 @@ class PrefixCache:
         if num_blocks < 1:
             raise SimError("the KV cache has no room for a single block (the weights fill the GPU)")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free = dict.fromkeys(range(num_blocks))     # insertion order: the LRU queue
+        # the LRU queue, in order of release: an OrderedDict, whose first entry is found at once (a
+        # dict's first entry is found past every entry deleted before it, until the dict is
+        # rebuilt: a queue popped at the front and refilled at the back makes that thousands of
+        # slots per block handed out, ~1 ms per 1k-token prompt once an engine has served a while)
+        self.free = OrderedDict.fromkeys(range(num_blocks))
         self.ref = [0] * num_blocks
         self.hash_of = [None] * num_blocks
         self.by_hash = {}
@@ -2299,8 +2303,7 @@ class PrefixCache:
             return None
         out = []
         for _ in range(n):
-            b = next(iter(self.free))
-            del self.free[b]
+            b = self.free.popitem(last=False)[0]
             h = self.hash_of[b]
             if h is not None:
                 self.hash_of[b] = None
