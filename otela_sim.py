@@ -2843,6 +2843,12 @@ class EmulatedServer:
             return ends                        # a step ahead might need to preempt
         ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
         t = ends[0]
+        if core.decode_alpha is not None:      # decode_seconds, its two terms looked up once
+            alpha, beta = core.decode_alpha(n), core.cost.beta
+            for i in range(1, ahead):
+                t += alpha + beta * (ctx + i * n)
+                ends.append(t)
+            return ends
         for i in range(1, ahead):
             t += core.decode_seconds(n, ctx + i * n)
             ends.append(t)
