@@ -18,7 +18,7 @@
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points). Skipped with a reason when the venv is missing.
 (c) cost: first one engine in this process, streamed and not, its CPU per generated token,
-    beside the floor (a bare asyncio server writing the same chunks, one wake per step); then
+    beside the floor (BARE_ENGINE below: the same chunks, one wake per step, no engine); then
     16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the CPU
     time (utime + stime from /proc) of the 16 engine processes over the run, in cores
     (target: at most 0.5 together). floor (not run by default): the same fleet of bare engines
@@ -365,73 +365,35 @@ for _ in range(3):
 """
 
 
-class _BareStreams:
-    """The floor under a streamed token's CPU: a bare asyncio server that reads a request (its
-    max_tokens) and writes it one pre-built token chunk per step, every stream on one timer
-    (one wake per step, one write per stream per step, as the emulator), no engine."""
-    EVENT = b'data: {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": ' \
-            b'[{"index": 0, "text": " sea", "logprobs": null, "finish_reason": null}]}\n\n'
-
-    def __init__(self, step_s):
-        self.step_s, self.streams, self.ticking = step_s, [], False
-        self.chunk = b"%x\r\n%s\r\n" % (len(self.EVENT), self.EVENT)
-
-    async def serve(self, reader, writer):
-        loop = asyncio.get_running_loop()
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-        left = json.loads(await reader.readexactly(length))["max_tokens"]
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        done = loop.create_future()
-        self.streams.append([writer.transport, left, done])
-        if not self.ticking:
-            self.ticking = True
-            loop.call_later(self.step_s, self.tick)
-        await done
-        writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
-        writer.close()
-
-    def tick(self):
-        for stream in list(self.streams):
-            stream[0].write(self.chunk)
-            stream[1] -= 1
-            if not stream[1]:
-                self.streams.remove(stream)
-                stream[2].set_result(None)
-        if self.streams:
-            asyncio.get_running_loop().call_later(self.step_s, self.tick)
-        else:
-            self.ticking = False
-
-
 def bench_token_cpu(streams=4, output=200):
     """An engine in this process (its CPU is this process's), 3 x `streams` requests of `output`
     tokens from a client process, streamed and not: the engine's CPU per generated token; then
-    the floor, _BareStreams at the estimate's step time for that batch, in the same way."""
+    the floor, BARE_ENGINE in a process of its own at the estimate's step time for that batch."""
     async def one(mode):
+        bare = None
         if mode == "floor":
             step = sim.estimate(MODEL, GPU, 1, streams, 1000, output, engine="vllm-v1")["decode_ms_per_token"] / 1e3
-            server = await asyncio.start_server(_BareStreams(step).serve, "127.0.0.1", 0)
-            port = server.sockets[0].getsockname()[1]
+            port = free_port()
+            bare = subprocess.Popen([sys.executable, "-c", BARE_ENGINE, str(port), MODEL, str(step)])
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=30, proc=bare)
         else:
             server = sim.EmulatedServer(sim.serve_core(MODEL, GPU, engine="vllm-v1"), "m")
             port = await server.start("127.0.0.1", 0)
         stream = mode != "not streamed"
         clients = await asyncio.create_subprocess_exec(sys.executable, "-c", TOKEN_CLIENTS, str(ROOT / "tests"),
                                                        str(port), str(streams), str(output), "1" if stream else "0")
-        cpu = time.process_time()
+        cpu = _cpu_seconds(bare.pid) if bare else time.process_time()
         await clients.wait()
-        cpu = time.process_time() - cpu
-        if mode == "floor":
-            server.close()
-            await server.wait_closed()
+        cpu = (_cpu_seconds(bare.pid) if bare else time.process_time()) - cpu
+        if bare:
+            stop_process(bare, 5)
         else:
             await server.close()
         return cpu / (3 * streams * output)
     out = {}
     for mode in ("not streamed", "streamed", "floor"):
         out[mode] = asyncio.run(one(mode)) * 1e6
-        what = "the floor (a bare asyncio server, one wake per step, one write per stream per step)" \
+        what = "the floor (BARE_ENGINE in a process of its own: one wake per step, one write per stream per step)" \
             if mode == "floor" else f"one engine, 3 x {streams} requests of {output} tokens {mode}"
         print(f"cost, in process: {what}: {out[mode]:.1f} us of CPU per token (requests included)")
     return {"us_per_token": out, "streams": streams, "output": output}
