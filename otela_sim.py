@@ -3071,6 +3071,15 @@ class EmulatedServer:
             framed = {}
             transport = writer.transport
             sent = [0]
+            # the first event names the role; built now, not in the step timer's wake that sends it
+            piece = output_token(req.prompt_key, 0)
+            choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
+                {"index": 0, "text": piece}
+            event = ("data: " + json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
+                                            "model": self.model, "choices": [{**choice, "logprobs": None,
+                                                                              "finish_reason": None}]})
+                     + "\n\n").encode()
+            first = b"%x\r\n%s\r\n" % (len(event), event)
 
             def frame(piece):
                 event = before + json.dumps(piece).encode() + after
@@ -3089,15 +3098,8 @@ class EmulatedServer:
                 if upto <= i:
                     return True
                 chunks = []
-                if i == 0:                     # the first event names the role
-                    piece = output_token(req.prompt_key, 0)
-                    choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
-                        {"index": 0, "text": piece}
-                    event = ("data: " + json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
-                                                    "model": self.model, "choices": [{**choice, "logprobs": None,
-                                                                                      "finish_reason": None}]})
-                             + "\n\n").encode()
-                    chunks.append(b"%x\r\n%s\r\n" % (len(event), event))
+                if i == 0:
+                    chunks.append(first)
                     i = 1
                 for j in range(i, upto):
                     piece = output_token(req.prompt_key, j)
