@@ -59,7 +59,7 @@ import random
 import re
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -2180,7 +2180,7 @@ def use_calibration(cal):
 # alone; PrefixCache, EngineCore and LinearStepCost are pure. What the emulator does not model:
 # an end-of-sequence (every answer is max_tokens long, or SERVE_DEFAULT_OUTPUT), n > 1,
 # sampling parameters (accepted, ignored), swapping KV to the host, speculative decoding; while
-# steps are slept through (RUN_AHEAD_STEPS) /metrics lags by up to those steps.
+# steps run ahead of the core (RUN_AHEAD_STEPS) /metrics lags by up to those steps.
 
 # vLLM's default --block-size on CUDA (vllm/config: block_size 16).
 BLOCK_SIZE = 16
@@ -2209,10 +2209,13 @@ OUTPUT_WORDS = ("the", "a", "sea", "of", "and", "lamp", "to", "wave", "in", "is"
 # (in wall time, not emulated time) so that requests sent together, as a static batch, are
 # planned as one batch, as an engine whose scheduler sees them within a step would.
 ADMIT_WINDOW_S = 0.002
-# Steps whose end nobody sees (decode-only, no stream, nobody finishing, nobody waiting) are
-# slept through in one sleep: an arrival wakes the loop, which brings the core up to the end
-# of the step in progress and admits it there, as a real engine would. This many at most in
-# one sleep (~2 s of 8 ms steps); the loop then wakes ~once per request, not once per step.
+# Decode steps that change nothing but the tokens (nobody waiting, arriving or finishing, no
+# block short) are planned as one run: their ends are known when it starts. Without streams the
+# run is slept through in one sleep; with streams the loop wakes at each step's end only to
+# write each stream its token (a wake and a write per token is what a stream costs, no step
+# planned). An arrival ends the run with the step in progress; the core catches up in one call
+# and admits it there, as a real engine would. This many steps at most in a run (~2 s of 8 ms
+# steps); without streams the loop then wakes ~once per request, not once per step.
 RUN_AHEAD_STEPS = 256
 # asyncio's timers wake late: epoll takes whole milliseconds, and CPython's EpollSelector rounds
 # a timeout up to them as 18 * 1e-3 = 0.018000000000000002 s, which epoll.poll rounds up once
@@ -2268,7 +2271,11 @@ class PrefixCache:
         if num_blocks < 1:
             raise SimError("the KV cache has no room for a single block (the weights fill the GPU)")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free = dict.fromkeys(range(num_blocks))     # insertion order: the LRU queue
+        # the LRU queue, in order of release: an OrderedDict, whose first entry is found at once (a
+        # dict's first entry is found past every entry deleted before it, until the dict is
+        # rebuilt: a queue popped at the front and refilled at the back makes that thousands of
+        # slots per block handed out, ~1 ms per 1k-token prompt once an engine has served a while)
+        self.free = OrderedDict.fromkeys(range(num_blocks))
         self.ref = [0] * num_blocks
         self.hash_of = [None] * num_blocks
         self.by_hash = {}
@@ -2296,8 +2303,7 @@ class PrefixCache:
             return None
         out = []
         for _ in range(n):
-            b = next(iter(self.free))
-            del self.free[b]
+            b = self.free.popitem(last=False)[0]
             h = self.hash_of[b]
             if h is not None:
                 self.hash_of[b] = None
@@ -2380,7 +2386,8 @@ class ScheduledStep:
 
 class EngineCore:
     """vLLM V1's scheduler over a PrefixCache, timed by a cost model (StepCost or anything with
-    its step() signature). Sans-IO: add(), schedule() -> ScheduledStep, complete(step, now)."""
+    its step() signature). Sans-IO: add(), schedule() -> ScheduledStep, complete(step, now);
+    complete_run(step, ends) for a run of decode steps planned at once (EmulatedServer._run_ahead)."""
 
     def __init__(self, cost, num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=SERVE_BATCHED_TOKENS_SMALL,
                  max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False):
@@ -2587,14 +2594,43 @@ class EngineCore:
             if req.first_token_at is None:
                 req.first_token_at = now
             if req.generated >= req.max_tokens:
-                self.running.remove(req)
-                self._leave_slot(req)
-                self.cache.release(req.blocks)
-                req.blocks = []
-                req.state = "finished"
-                req.finished_at = now
+                self._finish(req, now)
             out.append(req)
         return out
+
+    def complete_run(self, step, ends):
+        """complete(step) at ends[0], then one decode step of the same requests at each further
+        end, leaving the state and the pool exactly as complete(schedule()) step by step would,
+        without planning each step: a run as EmulatedServer._run_ahead plans one (every prompt
+        done in the first step, nobody waiting, nobody finishing before the last step, blocks
+        free for every step). Returns the requests that got tokens."""
+        out = self.complete(step, ends[0])
+        reqs = [req for req, _ in step.items if req.state == "running"]    # not one aborted meanwhile
+        bs, cache = self.block_size, self.cache
+        for req in reqs:                       # the run's tokens, known in advance
+            req.tokens += [output_token(req.prompt_key, i) for i in range(req.generated, req.generated + len(ends) - 1)]
+        for now in ends[1:]:
+            for req in reqs:                   # schedule(): each decode's block, in running order
+                if req.computed >= len(req.blocks) * bs:
+                    req.blocks += cache.allocate(1)
+            for req in reqs:                   # complete(): KV, full blocks cached, one token each
+                req.computed += 1
+                while req.registered < min(req.computed // bs, len(req.blocks)):
+                    cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
+                    req.registered += 1
+                req.generated += 1
+                if req.generated >= req.max_tokens:
+                    self._finish(req, now)
+            self.generation_tokens += len(reqs)
+        return out
+
+    def _finish(self, req, now):
+        self.running.remove(req)
+        self._leave_slot(req)
+        self.cache.release(req.blocks)
+        req.blocks = []
+        req.state = "finished"
+        req.finished_at = now
 
 
 def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, max_num_seqs=MAX_NUM_SEQS,
@@ -2679,7 +2715,9 @@ class EmulatedServer:
         self.core, self.model = core, served_model
         self.max_model_len = max_model_len or core.max_model_len
         self.inbox = []                        # arrived, not yet seen by the core
-        self.step, self.ends = None, []        # the step in flight and its planned end(s)
+        self.step, self.ends = None, []        # the step in flight and the planned ends of its run
+        self.at = 0                            # the step of the run the timer is armed for
+        self.streams = ()                      # the streams of the run, when it wakes at every step
         self.timer = None                      # the loop's handle for the next callback
         self.armed = 0.0                       # ... and the loop time it is due at
         self.early = TIMER_EARLY_S             # how early the step timer is armed (measured lateness)
@@ -2737,10 +2775,12 @@ class EmulatedServer:
             await self.server.wait_closed()
 
     # --- the step timer: the only place time passes ------------------------------------------
-    # Two callbacks on the loop's clock, no task: _start_step plans a step (and the steps after
-    # it nobody sees the end of, _run_ahead) and arms the timer at its planned end; _end_step
-    # completes it, hands the tokens out and starts the next one. One timer wake per step,
-    # without a coroutine switch (what a streamed token costs the CPU).
+    # Two callbacks on the loop's clock, no task: _start_step plans a step (and the decode steps
+    # after it that change nothing but the tokens: a run, _run_ahead) and arms the timer;
+    # _end_step hands out what ended. A run with streams wakes at each step's end and writes
+    # each stream the token of that step, nothing else (the next step's time was planned, its
+    # tokens are known); a run without streams wakes at its end only. The core catches up at
+    # the run's end, in one call (EngineCore.complete_run), and the next step is planned there.
     def _start_step(self):
         self.timer = None
         for req in self.inbox:                 # requests join the core at step boundaries
@@ -2756,24 +2796,32 @@ class EmulatedServer:
         start = self.step_end if self.busy else \
             max(self.step_end, min(min(r.arrival for r, _ in step.items), self.loop.time()))
         self.busy = True
-        self.step, self.ends = step, self._run_ahead(step, start)
+        self.step, self.ends, self.at = step, self._run_ahead(step, start), 0
+        self.streams = [r for r, _ in step.items if r.sink is not None] if len(self.ends) > 1 else ()
         self._arm()
 
     def _arm(self):
-        """The step timer at the planned end of the steps in flight, early by the lateness measured."""
-        self.armed = self.ends[-1] - self.early
+        """The step timer at the next end a client sees (a run's next step with streams, else its
+        last), early by the lateness measured."""
+        self.armed = (self.ends[self.at] if self.streams else self.ends[-1]) - self.early
         self.timer = self.loop.call_at(self.armed, self._end_step)
 
     def _end_step(self):
         self.timer = None
-        step, ends, now = self.step, self.ends, self.loop.time()
+        at, ends, now = self.at, self.ends, self.loop.time()
         self.early += (min(max(now - self.armed, 0.0), TIMER_LATE_CAP_S) - self.early) * TIMER_LATE_WEIGHT
-        self.step, self.ends = None, []
+        if self.streams:
+            # step `at` of a run gave each stream its token generated + at (the core's counts
+            # are the run's start's until its end): written first, before any catching up
+            if all(req.sink(req.generated + at + 1) for req in self.streams) and at + 1 < len(ends):
+                self.at = at + 1
+                self._arm()
+                return
+            del ends[at + 1:]                  # the run's last step, or a client left: it ends here
+        step = self.step
+        self.step, self.ends, self.streams = None, [], ()
         self.step_end = ends[-1]
-        produced = self.core.complete(step, now)
-        for _ in ends[1:]:
-            produced += self.core.complete(self.core.schedule(), now)
-        for req in produced:
+        for req in self.core.complete_run(step, ends):
             if req.sink is not None and not req.sink():
                 self.core.abort(req)           # a stream whose client left
             if req.waiter is not None and not req.waiter.done() and req.state in ("finished", "aborted"):
@@ -2781,17 +2829,26 @@ class EmulatedServer:
         self._start_step()
 
     def _run_ahead(self, step, start):
-        """Planned ends of `step` and of the decode steps after it whose end nobody sees."""
+        """Planned ends of `step` and of the decode steps after it that change nothing but the
+        tokens: every prompt done in `step`, all running requests in it, nobody waiting or
+        arriving, no block short; the run ends with the first step that finishes a request."""
         ends = [start + step.seconds]
         items, core = step.items, self.core
-        if core.waiting or self.inbox or step.decodes != len(items) or any(r.stream for r, _ in items):
+        if core.waiting or self.inbox or len(items) != len(core.running) or \
+                any(r.computed + n != len(r.tokens) for r, n in items):
             return ends
         n = len(items)
-        ahead = min(min(r.max_tokens - r.generated for r, _ in items) - 1, RUN_AHEAD_STEPS)
+        ahead = min(min(r.max_tokens - r.generated for r, _ in items), RUN_AHEAD_STEPS)
         if len(core.cache.free) < n * (ahead // core.block_size + 2):
             return ends                        # a step ahead might need to preempt
-        ctx = sum(len(r.tokens) for r, _ in items)
+        ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
         t = ends[0]
+        if core.decode_alpha is not None:      # decode_seconds, its two terms looked up once
+            alpha, beta = core.decode_alpha(n), core.cost.beta
+            for i in range(1, ahead):
+                t += alpha + beta * (ctx + i * n)
+                ends.append(t)
+            return ends
         for i in range(1, ahead):
             t += core.decode_seconds(n, ctx + i * n)
             ends.append(t)
@@ -2803,13 +2860,15 @@ class EmulatedServer:
         if self.step is None and self.timer is None:
             # idle: requests sent together (a static batch) are planned as one batch
             self.timer = self.loop.call_later(ADMIT_WINDOW_S, self._start_step)
-        elif len(self.ends) > 1:
-            # steps slept through: the ones up to the step in progress run; it joins after them
-            keep = min(len(self.ends), bisect.bisect_right(self.ends, self.loop.time()) + 1)
+        elif len(self.ends) > self.at + 1:
+            # inside a run: it ends with the step in progress (or the next one the timer is
+            # armed for); the arrival joins after it
+            keep = max(self.at + 1, bisect.bisect_right(self.ends, self.loop.time()) + 1)
             if keep < len(self.ends):
-                self.ends = self.ends[:keep]
-                self.timer.cancel()
-                self._arm()
+                del self.ends[keep:]
+                if not self.streams:           # its timer was at the run's end
+                    self.timer.cancel()
+                    self._arm()
 
     # --- HTTP --------------------------------------------------------------------------------
     async def _connection(self, reader, writer, stamped):
@@ -3012,34 +3071,40 @@ class EmulatedServer:
             framed = {}
             transport = writer.transport
             sent = [0]
+            # the first event names the role; built now, not in the step timer's wake that sends it
+            piece = output_token(req.prompt_key, 0)
+            choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
+                {"index": 0, "text": piece}
+            event = ("data: " + json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
+                                            "model": self.model, "choices": [{**choice, "logprobs": None,
+                                                                              "finish_reason": None}]})
+                     + "\n\n").encode()
+            first = b"%x\r\n%s\r\n" % (len(event), event)
 
             def frame(piece):
                 event = before + json.dumps(piece).encode() + after
                 framed[piece] = chunk = b"%x\r\n%s\r\n" % (len(event), event)
                 return chunk
 
-            def flush():
-                """Write the tokens made since the last call; False when the client has left.
-                The step timer (_end_step) calls it as tokens are made (no task switch per token)."""
+            def flush(upto=None):
+                """Write the tokens up to the `upto`-th (default: all made so far) not yet written;
+                False when the client has left. The step timer calls it as tokens are made (no
+                task switch per token); inside a run, ahead of the core (its i-th token is
+                output_token(prompt_key, i) whenever it is made)."""
                 if transport.is_closing():
                     return False
-                if req.generated <= sent[0]:
+                upto = req.generated if upto is None else upto
+                i = sent[0]
+                if upto <= i:
                     return True
-                start = req.prompt_len + sent[0]
                 chunks = []
-                if sent[0] == 0:               # the first event names the role
-                    piece = req.tokens[start]
-                    choice = {"index": 0, "delta": {"role": "assistant", "content": piece}} if chat else \
-                        {"index": 0, "text": piece}
-                    event = ("data: " + json.dumps({"id": rid, "object": chunk_obj, "created": self.created,
-                                                    "model": self.model, "choices": [{**choice, "logprobs": None,
-                                                                                      "finish_reason": None}]})
-                             + "\n\n").encode()
-                    chunks.append(b"%x\r\n%s\r\n" % (len(event), event))
-                    start += 1
-                for piece in req.tokens[start:req.prompt_len + req.generated]:
+                if i == 0:
+                    chunks.append(first)
+                    i = 1
+                for j in range(i, upto):
+                    piece = output_token(req.prompt_key, j)
                     chunks.append(framed.get(piece) or frame(piece))
-                sent[0] = req.generated
+                sent[0] = upto
                 transport.write(chunks[0] if len(chunks) == 1 else b"".join(chunks))
                 return True
             req.sink = flush

@@ -1,6 +1,6 @@
 """Benchmark of `otela_sim.py serve`, the emulated engine (issue 27's validation).
 
-    .venv/bin/python tests/bench_sim_serve.py [--out bench-results] [--only static,llamacpp,cost]
+    .venv/bin/python tests/bench_sim_serve.py [--out bench-results] [--only static,llamacpp,cost,floor]
         [--llama-python /tmp/xl-venv/bin/python]
 
 (a) static: static batches sent at once to one emulated Llama-3.1-8B on H100; the measured
@@ -17,10 +17,12 @@
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points). Skipped with a reason when the venv is missing.
-(c) cost: first one engine in this process, streamed and not, its CPU per generated token;
-    then 16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the
-    CPU time (utime + stime from /proc) of the 16 engine processes over the run, in cores
-    (target: at most 0.5 together).
+(c) cost: first one engine in this process, streamed and not, its CPU per generated token,
+    beside the floor (BARE_ENGINE below: the same chunks, one wake per step, no engine); then
+    16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the CPU
+    time (utime + stime from /proc) of the 16 engine processes over the run, in cores
+    (target: at most 0.5 together). floor (not run by default): the same fleet of bare engines
+    (BARE_ENGINE: one token per step on one timer, no engine), the floor under (c)'s figure.
 
 Prints figures and writes <out>/sim_serve.json; never asserts. Loopback only; every process
 started is stopped at the end.
@@ -170,6 +172,8 @@ def main():
     if "cost" in only:
         result["cost_in_process"] = bench_token_cpu()
         result["cost"] = bench_cost(duration=5.0 if a.quick else 10.0)
+    if "floor" in only:
+        result["cost_floor"] = bench_cost(duration=5.0 if a.quick else 10.0, floor=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sim_serve.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -326,8 +330,8 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _engine_pids(parents):
-    """The `otela_sim.py serve` children of these node processes."""
+def _engine_pids(parents, marker=b"otela_sim.py\0serve"):
+    """The children of these node processes whose command line holds `marker` (the engines)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -339,7 +343,7 @@ def _engine_pids(parents):
                 argv = f.read()
         except (OSError, ValueError):
             continue
-        if ppid in parents and b"otela_sim.py\0serve" in argv:
+        if ppid in parents and marker in argv:
             found.append(int(entry))
     return found
 
@@ -363,43 +367,135 @@ for _ in range(3):
 
 def bench_token_cpu(streams=4, output=200):
     """An engine in this process (its CPU is this process's), 3 x `streams` requests of `output`
-    tokens from a client process, streamed and not: the engine's CPU per generated token."""
-    async def one(stream):
-        server = sim.EmulatedServer(sim.serve_core(MODEL, GPU, engine="vllm-v1"), "m")
-        port = await server.start("127.0.0.1", 0)
+    tokens from a client process, streamed and not: the engine's CPU per generated token; then
+    the floor, BARE_ENGINE in a process of its own at the estimate's step time for that batch."""
+    async def one(mode):
+        bare = None
+        if mode == "floor":
+            step = sim.estimate(MODEL, GPU, 1, streams, 1000, output, engine="vllm-v1")["decode_ms_per_token"] / 1e3
+            port = free_port()
+            bare = subprocess.Popen([sys.executable, "-c", BARE_ENGINE, str(port), MODEL, str(step)])
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=30, proc=bare)
+        else:
+            server = sim.EmulatedServer(sim.serve_core(MODEL, GPU, engine="vllm-v1"), "m")
+            port = await server.start("127.0.0.1", 0)
+        stream = mode != "not streamed"
         clients = await asyncio.create_subprocess_exec(sys.executable, "-c", TOKEN_CLIENTS, str(ROOT / "tests"),
                                                        str(port), str(streams), str(output), "1" if stream else "0")
-        cpu = time.process_time()
+        cpu = _cpu_seconds(bare.pid) if bare else time.process_time()
         await clients.wait()
-        cpu = time.process_time() - cpu
-        await server.close()
+        cpu = (_cpu_seconds(bare.pid) if bare else time.process_time()) - cpu
+        if bare:
+            stop_process(bare, 5)
+        else:
+            await server.close()
         return cpu / (3 * streams * output)
     out = {}
-    for stream in (False, True):
-        mode = "streamed" if stream else "not streamed"
-        out[mode] = asyncio.run(one(stream)) * 1e6
-        print(f"cost, in process: one engine, 3 x {streams} requests of {output} tokens {mode}: "
-              f"{out[mode]:.1f} us of engine CPU per token (requests included)")
+    for mode in ("not streamed", "streamed", "floor"):
+        out[mode] = asyncio.run(one(mode)) * 1e6
+        what = "the floor (BARE_ENGINE in a process of its own: one wake per step, one write per stream per step)" \
+            if mode == "floor" else f"one engine, 3 x {streams} requests of {output} tokens {mode}"
+        print(f"cost, in process: {what}: {out[mode]:.1f} us of CPU per token (requests included)")
     return {"us_per_token": out, "streams": streams, "output": output}
 
 
-def bench_cost(engines=16, rate=100.0, duration=10.0):
-    """(c): 16 emulated engines behind one ingress at 100 req/s: their CPU time, in cores."""
+# The floor under (c)'s fleet: a bare engine the node wraps as it wraps `serve` (GET /health,
+# /v1/models; POST completions, streamed or not, keep-alive), that reads each request (its JSON
+# for max_tokens and stream) and gives it one token per step of BARE_STEP_S (the emulator's
+# decode step for a few 8B requests on an H100), every request on one timer: one wake per
+# step, one write per stream per step; no tokenizer, no scheduler, no cache.
+BARE_STEP_S = 0.007
+BARE_ENGINE = """
+import asyncio, json, signal, sys
+STEP, MODEL = float(sys.argv[3]), sys.argv[2]
+EVENT = (b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": '
+         b'[{"index": 0, "delta": {"content": " sea"}, "logprobs": null, "finish_reason": null}]}\\n\\n')
+CHUNK = b"%x\\r\\n%s\\r\\n" % (len(EVENT), EVENT)
+running, ticking = [], [False]
+def tick():
+    for r in list(running):
+        if r[3]:
+            r[0].write(CHUNK)
+        r[1] -= 1
+        if not r[1]:
+            running.remove(r)
+            r[2].set_result(None)
+    if running:
+        asyncio.get_running_loop().call_later(STEP, tick)
+    else:
+        ticking[0] = False
+def answer(writer, ctype, body):
+    writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-type: %s\\r\\ncontent-length: %d\\r\\n\\r\\n%s" % (ctype, len(body), body))
+async def serve(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\\r\\n\\r\\n")
+            method, path = head.split(b" ", 2)[:2]
+            length = 0
+            for line in head.lower().split(b"\\r\\n"):
+                if line.startswith(b"content-length:"):
+                    length = int(line[15:])
+            body = await reader.readexactly(length) if length else b""
+            if method == b"GET":
+                answer(writer, b"application/json", json.dumps({"object": "list", "data": [
+                    {"id": MODEL, "object": "model"}]}).encode() if path == b"/v1/models" else b"")
+                continue
+            req = json.loads(body)
+            stream = bool(req.get("stream"))
+            done = asyncio.get_running_loop().create_future()
+            if stream:
+                writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
+            running.append([writer.transport, int(req.get("max_tokens") or 16), done, stream])
+            if not ticking[0]:
+                ticking[0] = True
+                asyncio.get_running_loop().call_later(STEP, tick)
+            await done
+            usage = {"prompt_tokens": 1, "completion_tokens": req.get("max_tokens"), "total_tokens": 1}
+            if stream:
+                tail = ("data: " + json.dumps({"choices": [], "usage": usage}) + "\\n\\ndata: [DONE]\\n\\n").encode()
+                writer.write(b"%x\\r\\n%s\\r\\n0\\r\\n\\r\\n" % (len(tail), tail))
+            else:
+                answer(writer, b"application/json", json.dumps({"choices": [{"index": 0, "message": {
+                    "role": "assistant", "content": " sea" * req.get("max_tokens", 16)}, "finish_reason": "length"}],
+                    "usage": usage}).encode())
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]))
+    stop = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set_result, None)
+    await stop
+    server.close()
+asyncio.run(main())
+"""
+
+
+def bench_cost(engines=16, rate=100.0, duration=10.0, floor=False):
+    """(c): 16 emulated engines behind one ingress at 100 req/s: their CPU time, in cores; with
+    `floor`, the same fleet of BARE_ENGINE instead (the floor under the emulator's figure)."""
     import tempfile
 
     from test_ingress_support import Cluster
     tmp = tempfile.mkdtemp(prefix="otela-bench-fleet-")
     cluster = Cluster(tmp)
     try:
-        process = f"{sys.executable} otela_sim.py serve --model {MODEL} --gpu {GPU} --engine vllm-v1 --port {{port}}"
+        if floor:
+            script = os.path.join(tmp, "bare_engine.py")
+            with open(script, "w") as f:
+                f.write(BARE_ENGINE)
+            process, marker = f"{sys.executable} {script} {{port}} {MODEL} {BARE_STEP_S}", b"bare_engine.py"
+        else:
+            process = f"{sys.executable} otela_sim.py serve --model {MODEL} --gpu {GPU} --engine vllm-v1 --port {{port}}"
+            marker = b"otela_sim.py\0serve"
         for i in range(engines):
             argv = [str(ROOT / "otela_node.py"), "start", "--key-file", cluster.key_file,
                     "--bootstrap", f"127.0.0.1:{cluster.gossip}", "--listen", f"127.0.0.1:{free_port()}",
                     "--gossip", f"127.0.0.1:{free_port()}", "--process", process]
             cluster.nodes[f"sim{i}"] = cluster._spawn(f"sim{i}", argv)
         cluster._wait(lambda: cluster.serving(MODEL) == engines, f"{engines} engines serving", 180)
-        pids = _engine_pids({p.pid for p in cluster.nodes.values()})
+        pids = _engine_pids({p.pid for p in cluster.nodes.values()}, marker)
         out = {"engines": len(pids)}
+        label = "cost floor (bare engines)" if floor else "cost"
         for mode in ("not streamed", "streamed"):
             # instruct-shaped requests (~1000 prompt tokens, 15 % shared), 64 tokens out
             reqs = workload.preset("instruct", seed=7, output_len=64, prompts=int(rate * duration / 8) + 1)
@@ -415,16 +511,18 @@ def bench_cost(engines=16, rate=100.0, duration=10.0):
             # the engines' CPU per request times the rate: their share of a core at 100 req/s even
             # where this 2-core box's ingress and client could not keep up with the rate
             at_rate = used / len(recs) * rate
-            print(f"cost, {mode}: {len(pids)} engines, {len(recs)} requests sent in {times[-1]:.1f} s "
+            print(f"{label}, {mode}: {len(pids)} engines, {len(recs)} requests sent in {times[-1]:.1f} s "
                   f"({len(recs) / times[-1]:.0f} req/s), {s['ok']} ok, all answered in {wall:.1f} s; the engines' CPU "
                   f"{used:.2f} s: {used / len(recs) * 1e3:.2f} ms per request, {at_rate:.3f} cores at {rate:g} req/s "
                   f"(target <= 0.5; {cores:.3f} over the run's wall time)")
             out[mode] = {"requests": len(recs), "ok": s["ok"], "wall_s": wall, "rate": rate, "engine_cpu_s": used,
                          "engine_cpu_ms_per_request": used / len(recs) * 1e3, "engine_cores_at_rate": at_rate,
                          "engine_cores_over_wall": cores, "summary": s}
-        out["command"] = (f"tests/bench_sim_serve.py --only cost ({engines} x otela_node.py start --process "
-                          f"'otela_sim.py serve --model {MODEL} --gpu {GPU} --port {{port}}' behind one ingress, "
-                          f"tests/workload.py instruct preset, 64 tokens out, Poisson {rate:g} req/s for {duration:g} s)")
+        engine = f"tests/bench_sim_serve.py's BARE_ENGINE (one token per {BARE_STEP_S * 1e3:g} ms step)" if floor \
+            else f"otela_sim.py serve --model {MODEL} --gpu {GPU} --port {{port}}"
+        out["command"] = (f"tests/bench_sim_serve.py --only {'floor' if floor else 'cost'} ({engines} x otela_node.py "
+                          f"start --process '{engine}' behind one ingress, tests/workload.py instruct preset, 64 tokens "
+                          f"out, Poisson {rate:g} req/s for {duration:g} s)")
         return out
     finally:
         cluster.close()
