@@ -2555,6 +2555,11 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      carry a refutation, and an evicted session never comes back. (One that loses every link
 #      later keeps its session: rule 3.) The old session goes LEFT with its first record: a
 #      LEFT record naming our relayed address would make every member forget how to reach it.
+#   8. A worker is not SERVING before its reach is known: until a seed dialled it back, or its
+#      relayed address is in its record, its SERVING waits (Node.update holds it). Its first
+#      record names the --listen address it binds, which for a private worker no dialer can
+#      reach: an ingress that routed to it then would wait out a connect timeout per request,
+#      and count those failures against a session that is fine once its record says "relay/…".
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
                                     # and the answer stays one small frame (under max_datagram)
@@ -3457,6 +3462,8 @@ class Node:
         # NAT traversal and relay (see that section)
         self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
         self.private = False                        # no seed could dial us: reached through relays
+        self.reach_pending = False                  # a worker's reach check is not done: SERVING waits
+        self._held_state: Optional[int] = None      # ... the SERVING it holds meanwhile (rule 8)
         self.observed = ""                          # our address as a seed saw it
         self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
         self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
@@ -3607,6 +3614,11 @@ class Node:
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
                   "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(self.role),
                   "relaying": bool(cfg.relay)}
+        checks_reach = (cfg.reach == "private" and self.role != "relay") or \
+            (self.role not in SEED_ROLES and cfg.reach == "auto" and bool(cfg.bootstrap))
+        if checks_reach and self.role == "worker" and state == crdt.SERVING:   # rule 8
+            record["state"], self._held_state = crdt.JOIN, state
+        self.reach_pending = checks_reach and self.role == "worker"
         self.overlay = Overlay(cfg, self._pending_id, record, now)
         self.overlay.listeners.append(self._changed)
         self.overlay.rejoin_listeners.append(
@@ -3624,8 +3636,7 @@ class Node:
         self._schedule()
         # An ingress is a seed and dialable, unless told it is not (OTELA_REACH=private: an ingress
         # inside a cluster's private network, whose tunnels to private nodes punch, rule 5).
-        if (cfg.reach == "private" and self.role != "relay") or \
-                (self.role not in SEED_ROLES and cfg.reach == "auto" and bootstrap):
+        if checks_reach:
             self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         # "joined" only once a member has answered (_changed): before that we are alone.
@@ -3673,9 +3684,30 @@ class Node:
         self._schedule()
 
     def update(self, **fields) -> None:
-        """Owner write to our own record (state, models, labels, capacity…)."""
+        """Owner write to our own record (state, models, labels, capacity…). A worker's SERVING
+        waits for its reach check (rule 8 of "NAT traversal and relay")."""
+        if "state" in fields:
+            self._held_state = None
+            if fields["state"] == crdt.SERVING and self.reach_pending:
+                self._held_state = fields.pop("state")
+                log.info("session %s SERVING once its reach is known", self.session_id)
+                if not fields:
+                    return
         self._send(self.overlay.update(time.time(), **fields))
         self._schedule()
+
+    def _reach_known(self, **fields) -> None:
+        """Our reach is known (dialable, or our relayed address is ready in `fields`): the record
+        says so, with the SERVING held meanwhile."""
+        self.reach_pending = False
+        held, self._held_state = self._held_state, None
+        if held is not None:
+            fields["state"] = held
+        if fields:
+            self.update(**fields)
+        if held is not None:
+            log.info("session %s SERVING: its reach is known (%s)", self.session_id,
+                     "relayed" if self.private else "direct")
 
     def set_state(self, state: int) -> None:
         self.update(state=state)
@@ -4356,6 +4388,7 @@ class Node:
                     self.observed = str(heard[0][1].get("seen", ""))
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+                        self._reach_known()
                         return
                     self._heard_seeds(heard)
                     break
@@ -4398,10 +4431,12 @@ class Node:
                 if waited:                          # our first record (dialable, it said) was suspected
                     waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.rejoin(state=record["state"], gossip=relayed, addr=relayed, relay=relays,
+                    state = record["state"] if self._held_state is None else self._held_state
+                    self.reach_pending, self._held_state = False, None
+                    self.rejoin(state=state, gossip=relayed, addr=relayed, relay=relays,
                                 relaying=False)     # the old session never named our relayed address
                 else:
-                    self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+                    self._reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
 
@@ -5916,7 +5951,8 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
                 if not stopped:
                     models = await supervisor.models()
                     node.update(state=crdt.SERVING, models=models)
-                    log.info("session %s SERVING %s", node.session_id, ", ".join(models))
+                    if not node.reach_pending:
+                        log.info("session %s SERVING %s", node.session_id, ", ".join(models))
                     reason, stopped = await _until(supervisor.watch(), stop)
             except (EngineExited, EngineError) as exc:
                 reason, stopped = str(exc), False

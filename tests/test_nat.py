@@ -133,6 +133,31 @@ def test_a_public_worker_is_dialled_back_and_stays_direct(tmp_path):
     assert answer.startswith(b"HTTP/1.1 200")
 
 
+
+@pytest.mark.parametrize("reach", ["private", "auto"])
+def test_a_worker_is_not_serving_at_any_address_before_its_reach_is_known(tmp_path, reach):
+    """Rule 8: the ingress never sees a worker SERVING at its --listen address when that
+    worker is private, nor SERVING at all before the worker's reach check is done."""
+    async def t(bed):
+        seen = []                                   # (state, addr) of every record the ingress saw
+
+        def watch(sid, record):
+            if record is not None and record.get("role") == "worker":
+                seen.append((record["state"], record["addr"]))
+        bed.ingress_node.on_change(watch)
+        worker = await bed.worker(reach=reach)
+        assert worker.reach_pending and worker.overlay.record["state"] == crdt.JOIN
+        await until(lambda: (bed.ingress_node.registry.get(worker.session_id) or {}).get("state") == crdt.SERVING,
+                    what="SERVING at the ingress")
+        worker.update(state=crdt.SERVING)          # once known, SERVING is no longer held
+        return worker, seen, await bed.chat()
+    worker, seen, answer = run(with_bed(tmp_path, t))
+    serving = [addr for state, addr in seen if state == crdt.SERVING]
+    assert serving and not worker.reach_pending and worker.overlay.record["state"] == crdt.SERVING
+    if reach == "private":
+        assert all(on.is_relayed(addr) for addr in serving), seen
+    assert answer.startswith(b"HTTP/1.1 200")
+
 @pytest.mark.parametrize("mux", [1, 0], ids=["multiplexed", "dial-back"])
 def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection(tmp_path, mux):
     async def t(bed):
