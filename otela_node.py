@@ -2646,6 +2646,7 @@ class _MuxCredit:
         self.owed = 0                               # bytes the local side took, not credited back yet
         self.held = bytearray()                     # local bytes waiting for credit
         self.closed = False                         # CLOSE sent or received: no more frames
+        self.stalled = False                        # the local side takes nothing now: no credit back
 
     def _within_window(self, data: bytes) -> bool:
         if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
@@ -2664,6 +2665,29 @@ class _MuxCredit:
             self.link.send_data(self.sid, bytes(held[:n]))
             del held[:n]
             self.credit -= n
+
+    def _send_or_hold(self, data: bytes) -> None:
+        """Local bytes for the peer: one DATA frame when credit allows (the usual case, no
+        copy), else held until credit comes."""
+        if not self.held and len(data) <= self.credit and len(data) <= MUX_CHUNK:
+            self.link.send_data(self.sid, data)
+            self.credit -= len(data)
+            return
+        self.held += data
+        self._send_held()
+
+    def _taken(self, amount: int) -> None:
+        """The local side took `amount` of the peer's bytes: credited back unless it stalls."""
+        self.owed += amount
+        if not (self.stalled or self.closed) and self.owed >= MUX_WINDOW // 2:
+            self._credit_back()
+
+    def _stall(self) -> None:
+        self.stalled = True
+
+    def _unstall(self) -> None:
+        self.stalled = False
+        self._taken(0)
 
     def _credit_back(self) -> None:
         if self.owed >= MUX_WINDOW // 2:            # half a window at a time: no frame per request,
@@ -2688,7 +2712,6 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.peer_closed = False
         self._paused = False                        # local reading stopped for want of credit
-        self._blocked = False                       # the local side's write buffer is not empty
         self.done = asyncio.get_running_loop().create_future()
 
     # -- the link's side --------------------------------------------------------------------
@@ -2745,14 +2768,8 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
             transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return
-        if not self.held and len(data) <= min(self.credit, MUX_CHUNK):   # the usual case: one frame,
-            self.link.send_data(self.sid, data)                            # no copy
-            self.credit -= len(data)
-            return
-        self.held += data
-        self._send_held()
+        if not self.closed:
+            self._send_or_hold(data)
 
     def eof_received(self) -> bool:
         self.close()
@@ -2762,19 +2779,10 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
         self.close()
         self._finish()
 
-    def pause_writing(self) -> None:
-        self._blocked = True
-
-    def resume_writing(self) -> None:
-        self._blocked = False
-        self._taken(0)
+    pause_writing = _MuxCredit._stall               # the local side's write buffer is not empty:
+    resume_writing = _MuxCredit._unstall            # no credit back until it drained
 
     # -- both ----------------------------------------------------------------------------------
-    def _taken(self, amount: int) -> None:
-        self.owed += amount
-        if not (self._blocked or self.closed):
-            self._credit_back()
-
     def _send_held(self) -> None:
         super()._send_held()
         held = self.held
@@ -2967,7 +2975,6 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         self.protocol: asyncio.BaseProtocol = asyncio.StreamReaderProtocol(self.reader)
         self._closing = False                       # close(): CLOSE once what is held went out
         self._lost = False                          # the tunnel code was told (connection_lost)
-        self._reading = True                        # the tunnel code has not paused our reading
         self._write_paused = False
         self._plain: List[bytes] = []               # written, not yet encrypted (see write)
         self._plain_size = 0                        # ... their bytes
@@ -3086,12 +3093,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         self._send(self._out.read())
 
     def _send(self, data: bytes) -> None:
-        if not self.held and len(data) <= self.credit and len(data) <= MUX_CHUNK:
-            self.link.send_data(self.sid, data)     # the usual case: one frame
-            self.credit -= len(data)
-            return
-        self.held += data
-        self._send_held()
+        self._send_or_hold(data)
         if len(self.held) > RELAY_HIGH_WATER and not self._write_paused and not self._lost:
             self._write_paused = True
             self.protocol.pause_writing()
@@ -3105,20 +3107,11 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         if self._closing and not held:
             self._end()
 
-    def _taken(self, amount: int) -> None:
-        self.owed += amount
-        if self._reading and not self.closed:
-            self._credit_back()
-
-    def pause_reading(self) -> None:
-        self._reading = False
-
-    def resume_reading(self) -> None:
-        self._reading = True
-        self._taken(0)
+    pause_reading = _MuxCredit._stall               # the tunnel code paused our reading: nothing
+    resume_reading = _MuxCredit._unstall            # is credited back until it resumes
 
     def is_reading(self) -> bool:
-        return self._reading and not self._lost
+        return not (self.stalled or self._lost)
 
     def get_write_buffer_size(self) -> int:
         return len(self.held) + self._plain_size
@@ -4482,17 +4475,11 @@ class Node:
                 pass
             await stream.bridge(reader, writer)
             return
-        token = os.urandom(8).hex()
-        waiter = asyncio.get_running_loop().create_future()
-        self._splices[token] = waiter
-        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
         try:
-            other_reader, other_writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
+            other_reader, other_writer = await self._ask_dial_back(link)
         except asyncio.TimeoutError:
             self.relayed["refused"] += 1
             return
-        finally:
-            self._splices.pop(token, None)
         self.relayed["spliced"] += 1
         for w in (writer, other_writer):
             try:
@@ -4649,19 +4636,25 @@ class Node:
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
-    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
-        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
-        dial-back connection is handed over as it is, no splice, no second hop."""
+    async def _ask_dial_back(self, link: asyncio.StreamWriter) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Ask the member on `link` to dial us back (rule 2) and wait for its connection;
+        asyncio.TimeoutError after splice_timeout."""
         token = os.urandom(8).hex()
         waiter = asyncio.get_running_loop().create_future()
         self._splices[token] = waiter
         link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
         try:
-            reader, writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
-        except asyncio.TimeoutError:
-            raise OSError("the private member did not dial back") from None
+            return await asyncio.wait_for(waiter, self.config.splice_timeout)
         finally:
             self._splices.pop(token, None)
+
+    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
+        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
+        dial-back connection is handed over as it is, no splice, no second hop."""
+        try:
+            reader, writer = await self._ask_dial_back(link)
+        except asyncio.TimeoutError:
+            raise OSError("the private member did not dial back") from None
         if getattr(reader, "_buffer", None):        # it sends nothing before our ClientHello
             writer.close()
             raise OSError("unexpected bytes on a dial-back")
