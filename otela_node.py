@@ -2618,6 +2618,166 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+# -- Reach: the rules above as a pure object (no I/O; times passed in), like Overlay ----------
+class PeerReach:
+    """What this member knows of reaching one relayed address (one private process): its
+    relays (from its record), when it became a member, and how its tunnel connections went."""
+
+    __slots__ = ("relays", "since", "punch_tried", "tunnel", "attempts", "order", "failures", "given_up",
+                 "probing")
+
+    def __init__(self):
+        self.relays: List[str] = []                 # its record's relays, best first
+        self.since: Optional[float] = None          # first seen as a member (monotonic)
+        self.punch_tried = -math.inf                # our last UDP punch towards it (wall clock)
+        self.tunnel: Optional[str] = None           # how our last tunnel connection went: "punched"/"relayed"
+        self.attempts = 0                           # tunnel punches tried (the orders alternate)
+        self.order: Optional[bool] = None           # the order that worked (True: the member first), kept
+                                                    # until it fails
+        self.failures = 0                           # tunnel punches failed in a row
+        self.given_up = -math.inf                   # the last failure (wall clock)
+        self.probing = False                        # a re-punch probe is on (rule 6)
+
+
+class Reach:
+    """Per peer, one PeerReach; the rules of "NAT traversal and relay" that decide a path, as
+    functions of that record, our own state and the time (`now`: wall clock, unless named
+    monotonic). Node does the I/O they ask for.
+
+    How a tunnel connection to a relayed address goes (open_relayed), first rule that holds:
+
+        rule  when                                                         path
+        6     a probe's punched connection is waiting, younger than       "spare"
+              half the member's head_timeout
+        5     both private, their UDP path punched, and under 2 tunnel    "punch" (then the
+              punch failures in a row (or punch_retry since the last)     next rule if it fails)
+        2     we hold the member's link ourselves                          "dial-back"
+        2     otherwise                                                    "splice"
+
+    How gossip reaches it (reach_of): "punched" while a punched UDP path is on record (rule 4),
+    else "relayed"; a dialable member's address is "direct"."""
+
+    TUNNEL_RULES = (("spare", "spare_fresh"), ("punch", "may_punch"), ("dial-back", "holds_link"),
+                    ("splice", None))
+
+    def __init__(self, config: Config):
+        self.config = config                        # punch_retry, max_punched
+        self.peers: Dict[str, PeerReach] = {}
+
+    def peer(self, addr: str) -> PeerReach:
+        """Its record, made on first use."""
+        peer = self.peers.get(addr)
+        if peer is None:
+            peer = self.peers[addr] = PeerReach()
+        return peer
+
+    def relays(self, addr: str) -> List[str]:
+        peer = self.peers.get(addr)
+        return peer.relays if peer is not None else []
+
+    def learned(self, addr: str, relays: List[str], since: float) -> bool:
+        """A live record of `addr` names `relays`; True the first time it does (then it is a
+        member since `since`, monotonic, unless it was one before)."""
+        peer = self.peer(addr)
+        new = not peer.relays
+        peer.relays = relays
+        if new:
+            self.member(addr, since)
+        return new
+
+    def member(self, addr: str, since: float) -> None:
+        peer = self.peer(addr)
+        if peer.since is None:
+            peer.since = since
+
+    def member_since(self, addr: str, default: float) -> float:
+        peer = self.peers.get(addr)
+        return peer.since if peer is not None and peer.since is not None else default
+
+    def forget(self, addr: str) -> None:
+        """Its record went LEFT (or away): a relayed address names one process, gone for good."""
+        self.peers.pop(addr, None)
+
+    def tunnel_reach(self, addr: str) -> str:
+        peer = self.peers.get(addr)
+        return (peer.tunnel if peer is not None else None) or "relayed"
+
+    # -- rule 4: UDP hole punching ---------------------------------------------------------
+    def punches_due(self, mine: str, punched: Any, now: float) -> List[str]:
+        """The peers to punch towards now (marked tried): relayed, not punched, ours the smaller
+        link id (that side asks), not tried within punch_retry, under max_punched paths."""
+        due = []
+        for addr, peer in self.peers.items():
+            if not peer.relays or addr == mine or addr in punched or len(punched) >= self.config.max_punched:
+                continue
+            if mine[len(RELAYED_PREFIX):] > addr[len(RELAYED_PREFIX):] or now - peer.punch_tried < self.config.punch_retry:
+                continue
+            peer.punch_tried = now
+            due.append(addr)
+        return due
+
+    # -- rules 5 and 6: the tunnel ---------------------------------------------------------
+    def tunnel_path(self, addr: str, private: bool, punched: bool, holds_link: bool, spare_age: Optional[float],
+                    head_timeout: float, now: float) -> str:
+        """The path of a new tunnel connection to `addr` (the table above)."""
+        facts = {"spare_fresh": lambda: spare_age is not None and spare_age < head_timeout / 2,
+                 "may_punch": lambda: self.may_punch(addr, private, punched, now), "holds_link": lambda: holds_link}
+        return next(path for path, fact in self.TUNNEL_RULES if fact is None or facts[fact]())
+
+    def may_punch(self, addr: str, private: bool, punched: bool, now: float) -> bool:
+        """Rule 5: both private, their UDP punch worked (cone NATs), and not given up on lately
+        (after punch_retry the failed tries' conntrack entries are gone: the count starts over)."""
+        if not (private and punched):
+            return False
+        peer = self.peers.get(addr)
+        if peer is None or peer.failures < 2:
+            return True
+        if now - peer.given_up >= self.config.punch_retry:
+            peer.failures = 0
+            return True
+        return False
+
+    def punch_plan(self, addr: str, now: float) -> Tuple[bool, Optional[bool]]:
+        """A tunnel punch starts: (the member first?, the kept order or None)."""
+        peer = self.peer(addr)
+        peer.attempts += 1
+        kept = peer.order
+        return (kept if kept is not None else peer.attempts % 2 == 1), kept   # odd attempts the member first
+
+    def punch_failed(self, addr: str, kept: Optional[bool], now: float) -> None:
+        peer = self.peer(addr)
+        if kept is not None and peer.order is kept:
+            peer.order = None                       # the kept order failed: alternate again
+        peer.failures += 1
+        peer.given_up = now
+
+    def punch_worked(self, addr: str, peer_first: bool, now: float) -> None:
+        peer = self.peer(addr)
+        peer.order, peer.failures, peer.tunnel = peer_first, 0, "punched"
+
+    def went(self, addr: str, path: str, now: float) -> None:
+        """A tunnel connection to `addr` went `path` ("punched" or "relayed")."""
+        self.peer(addr).tunnel = path
+
+    def probes_due(self, punched: Any, spares: Any, private: bool, now: float) -> List[str]:
+        """Rule 6: the peers whose tunnel went relayed after two failed punches while their UDP
+        path is punched: a punch is probed in the background (marked probing)."""
+        due = []
+        for addr in list(punched):
+            peer = self.peers.get(addr)
+            if peer is not None and peer.tunnel == "relayed" and not peer.probing and addr not in spares \
+                    and peer.failures >= 2 and self.may_punch(addr, private, True, now):
+                peer.probing = True
+                due.append(addr)
+        return due
+
+    def probe_done(self, addr: str, worked: bool, now: float) -> None:
+        peer = self.peer(addr)
+        peer.probing = False
+        if not worked:
+            peer.failures = max(2, peer.failures)   # still broken
+
+
 # -- tunnel streams multiplexed on a relay link (rule 2) ----------------------------------
 MUX = b"oS"                         # a mux frame on a link: MUX | kind (1) | stream id (4) | payload
 MUX_OPEN, MUX_DATA, MUX_CREDIT, MUX_CLOSE = 1, 2, 3, 4
@@ -3367,7 +3527,8 @@ class Node:
         self._link_muxes: Dict[str, _MuxLink] = {}           # as a member: relay -> our link's streams
         self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
-        self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
+        self.reach = Reach(config)   # per relayed address: its relays,
+                                                             # punches and tunnels (the rules)
         self._seeds: List[str] = []                          # seeds that answered our "rq" (they tell
                                                              # a punch socket's mapping)
         self._seed_relays: List[str] = []                    # ... those of them that relay
@@ -3383,22 +3544,13 @@ class Node:
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
-        self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
         self.punch_ms: List[float] = []                     # how long each successful punch took
         self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
-        self._member_since: Dict[str, float] = {}           # relayed address (ours too) -> first seen
         self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
         self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
-        self._tunnel_reach: Dict[str, str] = {}             # relayed address -> how its last tunnel went
-        self._tunnel_attempts: Dict[str, int] = {}          # relayed address -> attempts (orders alternate)
-        self._tunnel_order: Dict[str, bool] = {}            # relayed address -> the order that worked (True:
-                                                            # the member first), kept until it fails
-        self._tunnel_failures: Dict[str, int] = {}          # relayed address -> failures in a row
-        self._tunnel_given_up: Dict[str, float] = {}        # relayed address -> its last failure
         self._tunnel_answering = 0                          # simultaneous opens we answer right now
-        self._tunnel_probing: set = set()                   # relayed addresses a re-punch probe is on
         self._spare_tunnel: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection
         self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
                                                             # ingress's pool retires its relayed connections
@@ -3449,7 +3601,7 @@ class Node:
         addr = record.get("addr", "")
         if not is_relayed(addr):
             return "direct"
-        return self._tunnel_reach.get(addr, "relayed")
+        return self.reach.tunnel_reach(addr)
 
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
@@ -3660,17 +3812,11 @@ class Node:
         gossip = (record or {}).get("gossip", "")
         if is_relayed(gossip):
             if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
-                new = gossip not in self._relays_of
-                self._relays_of[gossip] = record["relay"].split(",")
-                if new:
-                    self._member_since.setdefault(gossip, time.monotonic())
-                    if self.private and is_relayed(self.overlay.addr):
-                        self._tend_punches()        # punch now, not at the next relay check
+                if self.reach.learned(gossip, record["relay"].split(","), time.monotonic()) \
+                        and self.private and is_relayed(self.overlay.addr):
+                    self._tend_punches()            # punch now, not at the next relay check
             else:
-                self._relays_of.pop(gossip, None)
-                for per_peer in (self._member_since, self._tunnel_reach, self._tunnel_attempts,
-                                 self._tunnel_order, self._tunnel_failures, self._tunnel_given_up):
-                    per_peer.pop(gossip, None)      # a relayed address names one process: gone for good
+                self.reach.forget(gossip)           # a relayed address names one process: gone for good
                 spare = self._spare_tunnel.pop(gossip, None)
                 if spare is not None:
                     spare[0].close()
@@ -4070,7 +4216,7 @@ class Node:
             self.bytes_sent += len(data) + 4
             return
         by_addr = self.overlay.by_addr
-        for relay in self._relays_of.get(dest, ()):
+        for relay in self.reach.relays(dest):
             if relay == self.overlay.addr:
                 continue
             sid = by_addr.get(relay)
@@ -4147,7 +4293,7 @@ class Node:
             if link is not None:
                 link.write(frame(inner))
             elif from_link:                         # one hop on to its relay, never more (no loops)
-                for relay in self._relays_of.get(dest, ()):
+                for relay in self.reach.relays(dest):
                     if relay != self.overlay.addr:
                         self._spawn(self._send_frames(self._resolve(relay), frame(data)))
                         break
@@ -4177,7 +4323,7 @@ class Node:
         if abs(now - sent) > self.wire.window + 1:
             return "stale"
         if is_relayed(dest):
-            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and dest in self._relays_of):
+            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and self.reach.relays(dest)):
                 return "not_member"
         elif not from_link or (dest not in self.overlay.by_addr and dest not in self.overlay.remembered):
             return "not_member"
@@ -4323,7 +4469,7 @@ class Node:
             record = self.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
-                self._member_since.setdefault(relayed, time.monotonic())
+                self.reach.member(relayed, time.monotonic())
                 if waited:                          # our first record (dialable, it said) was suspected
                     waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
@@ -4550,21 +4696,11 @@ class Node:
                 self._punch_lost(path, "went silent")
             elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
                 path.send(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
-        mine = self.overlay.addr
-        for peer in list(self._relays_of):
-            if peer == mine or peer in self._punched or len(self._punched) >= cfg.max_punched:
-                continue
-            if mine[len(RELAYED_PREFIX):] > peer[len(RELAYED_PREFIX):] or \
-                    now - self._punch_tried.get(peer, -math.inf) < cfg.punch_retry:
-                continue
-            self._punch_tried[peer] = now
+        for peer in self.reach.punches_due(self.overlay.addr, self._punched, now):
             self._spawn(self._punch(peer))
         if self.private and self.punch_listeners:   # rule 6: a dialer back to punched when it works
-            for peer in list(self._punched):
-                if self._tunnel_reach.get(peer) == "relayed" and peer not in self._tunnel_probing \
-                        and peer not in self._spare_tunnel and self._tunnel_failures.get(peer, 0) >= 2 \
-                        and self._may_punch_tunnel(peer):
-                    self._spawn(self._probe_tunnel(peer))
+            for peer in self.reach.probes_due(self._punched, self._spare_tunnel, self.private, now):
+                self._spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
@@ -4632,7 +4768,7 @@ class Node:
             for listener in self.punch_listeners:
                 listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        both = max(self._member_since.get(peer, started), self._member_since.get(self.overlay.addr, started))
+        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.overlay.addr, started))
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
@@ -4670,22 +4806,28 @@ class Node:
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
         loop = asyncio.get_running_loop()
-        spare = self._spare_tunnel.pop(addr, None)
-        if spare is not None:                       # a probe's (rule 6), if the member still waits on it
-            if time.monotonic() - spare[1] < self.config.head_timeout / 2:
-                self._tunnel_reach[addr] = "punched"
-                return spare[0]
+        now = time.time()
+        spare = self._spare_tunnel.pop(addr, None)  # a probe's (rule 6), if the member still waits on it
+        link_id = addr[len(RELAYED_PREFIX):]
+        link = self._linked.get(link_id)
+        path = self.reach.tunnel_path(addr, self.private, addr in self._punched,
+                                      link is not None and not link.transport.is_closing(),
+                                      None if spare is None else time.monotonic() - spare[1],
+                                      self.config.head_timeout, now)
+        if path == "spare":
+            self.reach.went(addr, "punched", now)
+            return spare[0]
+        if spare is not None:
             spare[0].close()
-        if self._may_punch_tunnel(addr):
+        if path == "punch":
             sock = await self._punch_tunnel(addr)
             if sock is not None:
                 return sock
-        self._tunnel_reach[addr] = "relayed"
-        link_id = addr[len(RELAYED_PREFIX):]
-        link = self._linked.get(link_id)
+            link = self._linked.get(link_id)        # (the punch took a while)
+        self.reach.went(addr, "relayed", time.time())
         if link is not None and not link.transport.is_closing():
             return await self._take_dial_back(link)   # no relay hop to save: see rule 2
-        for relay in self._relays_of.get(addr, ()):
+        for relay in self.reach.relays(addr):
             try:
                 host, port = self._resolve(relay)
                 family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
@@ -4703,17 +4845,6 @@ class Node:
         raise OSError(f"no relay of {addr} answers")
 
     # -- tunnel punching: TCP simultaneous open (rule 5) ------------------------------------
-    def _may_punch_tunnel(self, peer: str) -> bool:
-        """Both private, their UDP punch worked (cone NATs), and not given up on lately."""
-        if not (self.private and peer in self._punched):
-            return False
-        if self._tunnel_failures.get(peer, 0) < 2:
-            return True
-        if time.time() - self._tunnel_given_up.get(peer, -math.inf) >= self.config.punch_retry:
-            self._tunnel_failures[peer] = 0         # conntrack entries of the failed tries are gone
-            return True
-        return False
-
     def _bound_tcp(self, local: tuple) -> socket.socket:
         """A TCP socket on `local`, sharing the port with the other sockets of one punch."""
         family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
@@ -4869,9 +5000,7 @@ class Node:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         deadline = started + self.config.tunnel_punch_timeout
-        attempt = self._tunnel_attempts[peer] = self._tunnel_attempts.get(peer, 0) + 1
-        kept = self._tunnel_order.get(peer)         # the order that worked, or None: alternate
-        peer_first = kept if kept is not None else attempt % 2 == 1   # odd attempts the member first
+        peer_first, kept = self.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
         sock = None
         local, seen = await self._tcp_mapping(deadline)
         if local is not None:
@@ -4888,29 +5017,23 @@ class Node:
                 margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
                 sock = await self._simultaneous_open(local, theirs, not peer_first, deadline, head_start=margin)
         if sock is None:
-            if kept is not None and self._tunnel_order.get(peer) is kept:
-                del self._tunnel_order[peer]        # the kept order failed: alternate again
             self.tunnel_punches["failed"] += 1
-            self._tunnel_failures[peer] = self._tunnel_failures.get(peer, 0) + 1
-            self._tunnel_given_up[peer] = time.time()
+            self.reach.punch_failed(peer, kept, time.time())
             return None
         self.tunnel_punches["ok"] += 1
-        self._tunnel_order[peer] = peer_first
-        self._tunnel_failures[peer] = 0
-        self._tunnel_reach[peer] = "punched"
+        self.reach.punch_worked(peer, peer_first, time.time())
         self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         return sock
 
     async def _probe_tunnel(self, peer: str) -> None:
         """Rule 6: one punch in the background while the tunnel to `peer` is relayed; the
         connection it makes is the next dial's, and the relayed ones are retired."""
-        self._tunnel_probing.add(peer)
+        sock = None
         try:
             sock = await self._punch_tunnel(peer)
         finally:
-            self._tunnel_probing.discard(peer)
+            self.reach.probe_done(peer, sock is not None, time.time())
         if sock is None:
-            self._tunnel_failures[peer] = max(2, self._tunnel_failures.get(peer, 0))   # still broken
             return
         old = self._spare_tunnel.pop(peer, None)
         if old is not None:
