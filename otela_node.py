@@ -57,7 +57,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Container, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 try:
     import h11
@@ -1954,6 +1954,53 @@ class BodyReader:
             raise HTTPViolation("the connection closed mid-body")
 
 
+# The codec's writers: every head this file sends is written here, as pieces for one b"".join
+# with what follows (no copy of a body). Names and values are bytes, as the parsers give them.
+_REASON = {200: b"OK", 400: b"Bad Request", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
+           503: b"Service Unavailable"}
+
+
+def _fields_out(out: List[bytes], headers: Iterable[Tuple[bytes, bytes]], drop: Container[bytes]) -> List[bytes]:
+    for name, value in headers:
+        if name not in drop:
+            out += (name, b": ", value, b"\r\n")
+    return out
+
+
+def request_head(method: bytes, target: bytes, host: bytes, length: int,
+                 headers: Iterable[Tuple[bytes, bytes]] = (), drop: Container[bytes] = ()) -> List[bytes]:
+    """An HTTP/1.1 request head: host and content-length ours, then `headers` but those in `drop`."""
+    out = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\ncontent-length: %d\r\n" % length]
+    _fields_out(out, headers, drop).append(b"\r\n")
+    return out
+
+
+def response_head(status: int, reason: bytes, headers: Iterable[Tuple[bytes, bytes]] = (),
+                  drop: Container[bytes] = (), framing: str = LENGTH, length: int = 0,
+                  close: bool = False) -> List[bytes]:
+    """An HTTP/1.1 response head: `headers` but those in `drop`, then the framing (`length`
+    bytes, none, or chunked for anything else) and, if `close`, connection: close."""
+    out = _fields_out([b"HTTP/1.1 %d %s\r\n" % (status, reason)], headers, drop)
+    if framing is NO_BODY:
+        out.append(b"content-length: 0\r\n")
+    elif framing is LENGTH:
+        out.append(b"content-length: %d\r\n" % length)
+    else:                                           # chunked as the engine sent it, or an until-close
+        out.append(b"transfer-encoding: chunked\r\n")   # body we frame as chunked
+    if close:
+        out.append(b"connection: close\r\n")
+    out.append(b"\r\n")
+    return out
+
+
+def whole_response(status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False) -> bytes:
+    """A whole answer with its body, in one piece of bytes."""
+    head = response_head(status, _REASON.get(status, b"Status"), ((b"content-type", ctype),), length=len(body),
+                         close=close)
+    head.append(body)
+    return b"".join(head)
+
+
 # The tunnel's response path relays bytes: the engine's response head is parsed by the codec,
 # then the body goes to the client verbatim (Content-Length or chunked framing kept as the engine
 # wrote it, only read by a BodyReader for its end) instead of being re-framed chunk by chunk
@@ -1961,8 +2008,6 @@ class BodyReader:
 RELAY_READ = 262144
 RELAY_HIGH_WATER = 262144
 MAX_REQUEST_HEAD = 65536
-_REASON = {200: b"OK", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
-           503: b"Service Unavailable"}
 
 
 async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray, head_request: bool = False) -> MessageHead:
@@ -2126,11 +2171,9 @@ class EngineClient:
                        timeout: Optional[float] = None):
         """Send one request; return (its response's MessageHead, connection). Read the body with
         `body()`. A pooled connection the engine closed while idle is retried once on a fresh one."""
-        request = [_text(method), b" ", _text(target), b" HTTP/1.1\r\nhost: ", self.host_header,
-                   b"\r\ncontent-length: %d\r\n" % len(body)]
-        for name, value in headers:
-            request += (_text(name), b": ", _text(value), b"\r\n")
-        request += (b"\r\n", body)
+        request = request_head(_text(method), _text(target), self.host_header, len(body),
+                               [(_text(name), _text(value)) for name, value in headers])
+        request.append(body)
         conn, buf, head = await self.send_raw(b"".join(request), method == "HEAD", timeout)
         conn.body, conn.keep_alive = BodyReader(head.framing, head.length), head.keep_alive
         return head, conn
@@ -2260,8 +2303,7 @@ def find_tunnel_tls(key_file: str) -> Tuple[str, str]:
 
 def _busy_answer() -> bytes:
     body = error_body("node at its connection limit; retry on another session", "server_error", "busy")
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return whole_response(503, body, close=True)
 
 
 BUSY_ANSWER = _busy_answer()        # the connection over max_tunnel_connections: one send, no read
@@ -3501,6 +3543,7 @@ class Node:
         self._joined_said = False                   # "joined" is logged once a member has answered
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
+        self._not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode()}   # the engine never sees these
         self._tunnel_credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
                                     for k in [config.key] + config.accept_keys]   # rotation: any key's
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
@@ -5260,8 +5303,7 @@ class Node:
                     return
         except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
             body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
-            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                         b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(whole_response(400, body, close=True))
         except (h11.ProtocolError, OSError, EngineError):
             pass
         finally:
@@ -5323,9 +5365,7 @@ class Node:
                  close: bool = False) -> None:
         """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
         if conn is None:
-            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s"
-                         % (status, _REASON.get(status, b"Status"), ctype,
-                            b"connection: close\r\n" if close else b"", len(body), body))
+            writer.write(whole_response(status, body, ctype, close))
             return
         headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
         if close:
@@ -5370,13 +5410,7 @@ class Node:
             await self._forward_h11(method, target, headers, body, conn, writer)
             return False
         engine = self.engine
-        tunnel = self.tunnel_header[0].encode()
-        head = [method, b" ", target, b" HTTP/1.1\r\nhost: ", engine.host_header,
-                b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]
-        for name, value in headers:
-            if name not in HOP_BY_HOP and name != tunnel:
-                head += (name, b": ", value, b"\r\n")
-        head.append(b"\r\n")
+        head = request_head(method, target, engine.host_header, len(body), headers, self._not_forwarded)
         head.append(body)
         head_only = method == b"HEAD"
         self.inflight += 1
@@ -5387,19 +5421,8 @@ class Node:
                 self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
                 return False
             framing, keep_alive = answer.framing, answer.keep_alive
-            out = [b"HTTP/1.1 %d %s\r\n" % (answer.status, answer.reason)]
-            for name, value in answer.headers:
-                if name not in HOP_BY_HOP:
-                    out += (name, b": ", value, b"\r\n")
-            if framing is NO_BODY:
-                out.append(b"content-length: 0\r\n")
-            elif framing is LENGTH:
-                out.append(b"content-length: %d\r\n" % answer.length)
-            else:                                   # chunked as the engine sent it, or an until-close
-                out.append(b"transfer-encoding: chunked\r\n")   # body we frame as chunked
-            if _wants_close(headers):
-                out.append(b"connection: close\r\n")
-            out.append(b"\r\n")
+            out = response_head(answer.status, answer.reason, answer.headers, HOP_BY_HOP, framing, answer.length,
+                                _wants_close(headers))
             reader = engine_conn.reader
             transport = writer.transport
             data = bytes(buf)
