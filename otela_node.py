@@ -3392,10 +3392,12 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
 class _PunchSocket(asyncio.DatagramProtocol):
     """A fresh UDP socket for one hole punch with one peer, and then its punched path: gossip
     with that peer goes in and out here. Its own socket, so a failed attempt's NAT and
-    conntrack state never touches the gossip port or the next attempt."""
+    conntrack state never touches the gossip port or the next attempt. `deliver(msg, peer)`
+    takes the peer's gossip, `lost(path)` hears that the socket is gone."""
 
-    def __init__(self, node: Node, peer: str):
-        self.node, self.peer = node, peer
+    def __init__(self, node: Node, peer: str, deliver: Callable[[Dict[str, Any], str], None],
+                 lost: Callable[[_PunchSocket], None]):
+        self.node, self.peer, self.deliver, self.lost = node, peer, deliver, lost
         self.transport: Optional[asyncio.DatagramTransport] = None
         self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
         self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
@@ -3432,7 +3434,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
                 self.hit.set_result(addr)
         else:
             msg.pop("ra", None)
-            node._deliver(msg, self.peer, False, self.peer)
+            self.deliver(msg, self.peer)
 
     def send(self, data: bytes, addr) -> bool:
         """False once the socket is closing: asyncio's unconnected datagram transport, its socket
@@ -3447,7 +3449,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
         return True
 
     def connection_lost(self, exc) -> None:         # the socket vanished: back to the relays now
-        self.node._punch_lost(self)
+        self.lost(self)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -3458,11 +3460,8 @@ class _PunchSocket(asyncio.DatagramProtocol):
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
 class _GossipProtocol(asyncio.DatagramProtocol):
-    def __init__(self, node: Node):
-        self.node = node
-
-    def datagram_received(self, data: bytes, addr) -> None:
-        self.node._on_datagram(data, addr)
+    def __init__(self, on_datagram: Callable[[bytes, Any], None]):
+        self.datagram_received = on_datagram        # (data, addr): the node's, called directly
 
     def error_received(self, exc) -> None:          # ICMP unreachable from a dead peer: expected
         pass
@@ -3667,7 +3666,7 @@ class Node:
         host, wanted = split_addr(cfg.gossip)
         for attempt in range(20):                   # port 0: find one free for UDP *and* TCP
             try:
-                self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self),
+                self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
                                                                    local_addr=(host, wanted))
             except OSError as exc:
                 raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
@@ -4691,7 +4690,7 @@ class Node:
         loop = asyncio.get_running_loop()
         host = split_addr(self.config.gossip)[0]
         try:
-            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer), local_addr=(host, 0))
+            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer, self._punched_gossip, self._punch_lost), local_addr=(host, 0))
         except OSError:
             return None, ""
         seeds = [a for a in self._seeds if not is_relayed(a)]
@@ -4789,6 +4788,9 @@ class Node:
         waiter = self._punch_wait.get((src, msg.get("a")))
         if waiter is not None and not waiter.done():
             waiter.set_result(str(msg.get("seen") or ""))
+
+    def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
+        self._deliver(msg, peer, False, peer)
 
     def _punch_lost(self, path: _PunchSocket, why: str = "closed") -> None:
         """A punched path that went silent or whose socket is gone: its peer goes back to its
