@@ -3456,6 +3456,125 @@ class _PunchSocket(asyncio.DatagramProtocol):
             self.transport.close()
 
 
+# -- TCP simultaneous open (rule 5): sockets sharing one port, SYNs both ways -------------
+def _bound_tcp(local: tuple) -> socket.socket:
+    """A TCP socket on `local`, sharing the port with the other sockets of one punch."""
+    family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setblocking(False)
+        sock.bind(local[:2])
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _watch_punched(sock: socket.socket, timeout: float) -> None:
+    """Rule 6: a punched connection whose path breaks errors within punched_tcp_timeout:
+    unacked data (TCP_USER_TIMEOUT), or keepalive probes when idle (which also keep the
+    NATs' mappings of an idle pooled connection alive)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_USER_TIMEOUT", int(timeout * 1000)), ("TCP_KEEPIDLE", max(1, int(timeout / 2))),
+                        ("TCP_KEEPINTVL", max(1, int(timeout / 4))), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):               # Linux; elsewhere keepalive at the system's pace
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:
+            pass
+
+
+def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
+    """The accepted connection if it came from the peer's address (anyone else: closed)."""
+    try:
+        conn, addr = accepting.result()
+    except OSError:
+        return None
+    if addr[0] != remote[0]:
+        conn.close()
+        return None
+    return conn
+
+
+async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local: tuple, target: str, first: bool,
+                            deadline: float, extra: Optional[Callable[[socket.socket], None]] = None,
+                            head_start: Optional[float] = None) -> Optional[socket.socket]:
+    """connect() from `local` to the peer's mapping while it connects to ours: a connected
+    socket, or None by the deadline. A SYN the peer's NAT dropped or reset is replaced by a
+    fresh socket's every tunnel_syn_interval; a listener on the same port takes the peer's
+    SYN that arrives between two of ours (a reset of ours came back at once). Connections
+    beyond the first (both SYNs got through) go to `extra`, or are closed. Going second, we
+    give the first side `head_start` (punch_delay unless told)."""
+    loop = asyncio.get_running_loop()
+    try:
+        remote = resolve(target)
+        listener = _bound_tcp(local)
+        listener.listen(8)
+    except (OSError, ValueError):
+        return None
+
+    def spare(conn: socket.socket) -> None:
+        if extra is None:
+            conn.close()
+            return
+        _watch_punched(conn, cfg.punched_tcp_timeout)
+        extra(conn)
+    accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
+    won: Optional[socket.socket] = None
+    try:
+        if not first:                           # the first side's NAT gets its mapping first
+            wait = cfg.punch_delay if head_start is None else head_start
+            await asyncio.wait([accepting], timeout=min(wait, max(deadline - time.monotonic(), 0)))
+        while won is None and time.monotonic() < deadline:
+            if accepting.done():
+                won = _from_peer(accepting, remote)
+                accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
+                continue
+            sock = _bound_tcp(local)
+            connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
+            await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
+                                                                    max(deadline - time.monotonic(), 0.01)))
+            if connecting.done() and connecting.exception() is None:
+                won = sock
+            else:
+                connecting.cancel()
+                sock.close()
+                if not accepting.done():
+                    await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
+    except OSError:
+        pass
+    finally:
+        if accepting is not None and accepting.done() and not accepting.cancelled():
+            conn = _from_peer(accepting, remote)
+            if conn is not None and won is None:
+                won = conn
+            elif conn is not None:
+                spare(conn)
+        elif accepting is not None:
+            accepting.cancel()
+        while True:                             # both SYNs got through: the rest are extras
+            try:
+                conn, addr = listener.accept()
+            except OSError:
+                break
+            if addr[0] == remote[0]:
+                conn.setblocking(False)
+                spare(conn)
+            else:
+                conn.close()
+        listener.close()
+    if won is not None:
+        won.setblocking(False)
+        won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _watch_punched(won, cfg.punched_tcp_timeout)
+    return won
+
+
 # =============================================================================================
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
@@ -4890,21 +5009,6 @@ class Node:
         raise OSError(f"no relay of {addr} answers")
 
     # -- tunnel punching: TCP simultaneous open (rule 5) ------------------------------------
-    def _bound_tcp(self, local: tuple) -> socket.socket:
-        """A TCP socket on `local`, sharing the port with the other sockets of one punch."""
-        family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if hasattr(socket, "SO_REUSEPORT"):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.setblocking(False)
-            sock.bind(local[:2])
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
     async def _tcp_mapping(self, deadline: float) -> Tuple[Optional[tuple], str]:
         """A fresh local port and its TCP mapping as a seed saw it ((None, "") when none answers).
         The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
@@ -4915,7 +5019,7 @@ class Node:
         local: Optional[tuple] = None
         for seed in seeds[:2]:
             try:
-                sock = self._bound_tcp(local or (host, 0))
+                sock = _bound_tcp(local or (host, 0))
             except OSError:
                 return None, ""
             local = sock.getsockname()
@@ -4938,108 +5042,6 @@ class Node:
                 sock.close()
         return None, ""
 
-    async def _simultaneous_open(self, local: tuple, target: str, first: bool, deadline: float,
-                                 extra: Optional[Callable[[socket.socket], None]] = None,
-                                 head_start: Optional[float] = None):
-        """connect() from `local` to the peer's mapping while it connects to ours: a connected
-        socket, or None by the deadline. A SYN the peer's NAT dropped or reset is replaced by a
-        fresh socket's every tunnel_syn_interval; a listener on the same port takes the peer's
-        SYN that arrives between two of ours (a reset of ours came back at once). Connections
-        beyond the first (both SYNs got through) go to `extra`, or are closed. Going second, we
-        give the first side `head_start` (punch_delay unless told)."""
-        loop = asyncio.get_running_loop()
-        cfg = self.config
-        try:
-            remote = self._resolve(target)
-            listener = self._bound_tcp(local)
-            listener.listen(8)
-        except (OSError, ValueError):
-            return None
-
-        def spare(conn: socket.socket) -> None:
-            if extra is None:
-                conn.close()
-                return
-            self._watch_punched(conn)
-            extra(conn)
-        accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
-        won: Optional[socket.socket] = None
-        try:
-            if not first:                           # the first side's NAT gets its mapping first
-                wait = cfg.punch_delay if head_start is None else head_start
-                await asyncio.wait([accepting], timeout=min(wait, max(deadline - time.monotonic(), 0)))
-            while won is None and time.monotonic() < deadline:
-                if accepting.done():
-                    won = self._from_peer(accepting, remote)
-                    accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
-                    continue
-                sock = self._bound_tcp(local)
-                connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
-                await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
-                                                                        max(deadline - time.monotonic(), 0.01)))
-                if connecting.done() and connecting.exception() is None:
-                    won = sock
-                else:
-                    connecting.cancel()
-                    sock.close()
-                    if not accepting.done():
-                        await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
-        except OSError:
-            pass
-        finally:
-            if accepting is not None and accepting.done() and not accepting.cancelled():
-                conn = self._from_peer(accepting, remote)
-                if conn is not None and won is None:
-                    won = conn
-                elif conn is not None:
-                    spare(conn)
-            elif accepting is not None:
-                accepting.cancel()
-            while True:                             # both SYNs got through: the rest are extras
-                try:
-                    conn, addr = listener.accept()
-                except OSError:
-                    break
-                if addr[0] == remote[0]:
-                    conn.setblocking(False)
-                    spare(conn)
-                else:
-                    conn.close()
-            listener.close()
-        if won is not None:
-            won.setblocking(False)
-            won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._watch_punched(won)
-        return won
-
-    def _watch_punched(self, sock: socket.socket) -> None:
-        """Rule 6: a punched connection whose path breaks errors within punched_tcp_timeout:
-        unacked data (TCP_USER_TIMEOUT), or keepalive probes when idle (which also keep the
-        NATs' mappings of an idle pooled connection alive)."""
-        timeout = self.config.punched_tcp_timeout
-        options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-        for name, value in (("TCP_USER_TIMEOUT", int(timeout * 1000)), ("TCP_KEEPIDLE", max(1, int(timeout / 2))),
-                            ("TCP_KEEPINTVL", max(1, int(timeout / 4))), ("TCP_KEEPCNT", 3)):
-            if hasattr(socket, name):               # Linux; elsewhere keepalive at the system's pace
-                options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-        for level, option, value in options:
-            try:
-                sock.setsockopt(level, option, value)
-            except OSError:
-                pass
-
-    @staticmethod
-    def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
-        """The accepted connection if it came from the peer's address (anyone else: closed)."""
-        try:
-            conn, addr = accepting.result()
-        except OSError:
-            return None
-        if addr[0] != remote[0]:
-            conn.close()
-            return None
-        return conn
-
     async def _punch_tunnel(self, peer: str) -> Optional[socket.socket]:
         """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
         loop = asyncio.get_running_loop()
@@ -5060,7 +5062,8 @@ class Node:
                 self._punch_wait.pop((peer, token), None)
             if theirs:
                 margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
-                sock = await self._simultaneous_open(local, theirs, not peer_first, deadline, head_start=margin)
+                sock = await simultaneous_open(self.config, self._resolve, local, theirs, not peer_first, deadline,
+                                               head_start=margin)
         if sock is None:
             self.tunnel_punches["failed"] += 1
             self.reach.punch_failed(peer, kept, time.time())
@@ -5103,8 +5106,8 @@ class Node:
             self._send_relayed(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
             if local is None or not msg.get("seen"):
                 return
-            sock = await self._simultaneous_open(local, str(msg["seen"]), bool(msg.get("first")), deadline,
-                                                 extra=self._admit)
+            sock = await simultaneous_open(self.config, self._resolve, local, str(msg["seen"]), bool(msg.get("first")),
+                                           deadline, extra=self._admit)
         finally:
             self._tunnel_answering -= 1
         self.tunnel_punches["ok" if sock is not None else "failed"] += 1
