@@ -6,26 +6,47 @@ it starts the engine as a child, waits until it is ready, joins the overlay as a
 loopback, and on SIGTERM drains, stops the engine and leaves. The ingress imports this module
 and runs the same overlay with role "ingress".
 
-Data flow:
-    UDP datagram ─▶ Wire.open (HMAC, replay window, size) ─▶ Overlay.receive(msg, src, now)
-    timer         ─▶ Overlay.tick(now)                    ─┘          │
-                                                                      ▼
-                     Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send
-    The Overlay (dissemination + failure detection) is sans-IO: messages and a clock in,
-    messages out. `Node` is the asyncio layer that only moves bytes (UDP, TCP frames, HTTP).
-    The registry itself is crdt.GMap; liveness and suspicion stay here, never in the map.
+Theory of operation. The file is in sections, each a room with one job:
 
-    Members behind a NAT are reached through relays (gossip in envelopes, tunnel streams spliced),
-    or by a punched UDP path between two of them; the tunnel is mutual TLS end to end.
+    config             Config: every setting, and where it is read from
+    wire format        Wire: seal/open a message (HMAC, replay window, size)
+    Overlay            the membership and the registry, sans-IO: messages and a clock in,
+                       messages out (dissemination, SWIM failure detection); tests/simnet.py
+                       runs many of them on a simulated network
+    HTTP               the codec (parse_request/parse_response, BodyReader; request_head,
+                       response_head, whole_response write every head), EngineClient
+    tunnel security    the tunnel port's TLS, credential and caps on strangers
+    NAT traversal      Reach: the rules of reaching a private peer, pure (per peer: relays,
+      and relay        punches, how its tunnel went; the tunnel's path as a table); then the
+                       transports those rules drive: relay links and envelopes, mux streams
+                       (_MuxCredit, _MuxStream at a relay, _MuxTunnel at a member), punch
+                       sockets, TCP simultaneous open
+    asyncio node       Node: the sockets, the timer and the lifecycle; it wires the others
+    engine supervisor  the engine as a child process, its health
+    CLI                keygen, start, relay
+
+A gossip message:
+    UDP datagram / TCP frame / relay link frame / punched socket
+        ─▶ Wire.open (HMAC, replay window, size) ─▶ Node._deliver ─▶ Overlay.receive(msg, src, now)
+    timer ─▶ Overlay.tick(now)                                    ─┘          │
+                                                                              ▼
+        Node._send: Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send; to a relayed
+        address ("relay/<link>") in an envelope through one of its relays (Reach.relays), or
+        over the punched UDP path when there is one.
+    The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
+
+A request (the ingress dials the node's "addr" from its record):
+    direct       TCP to --listen ─▶ tunnel admission (caps, TLS, credential) ─▶ codec reads the
+                 head ─▶ Node._forward: request_head to the engine (EngineClient) ─▶ the answer's
+                 head re-written (response_head), its body relayed as it comes
+    private      the dialer asks Node.open_relayed, which asks Reach.tunnel_path: a punched TCP
+                 connection, the member's dial-back, or a relay's splice / mux stream; at the
+                 member the stream is admitted like an accepted socket, then as above.
 
 This file must never: trust a datagram that fails its HMAC or replay check, let a malformed
 message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it;
 do work for a connection beyond bounded frame and head limits before it authenticates, or
 relay a message whose tag it has not checked.
-
-Sections: config · wire format · dissemination and failure detection (Overlay; tests/simnet.py
-runs many of them on a simulated network) · HTTP/tunnel forwarding · tunnel security · NAT traversal and relay · asyncio node ·
-engine supervisor · CLI.
 """
 
 from __future__ import annotations
