@@ -2332,7 +2332,7 @@ LISTEN_BACKLOG = 1024               # a burst of reconnects after an ingress res
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The tunnel port's listening socket (accepted by Node._accept_tunnel, which admits)."""
+    """The tunnel port's listening socket (accepted by Tunnel.accept, which admits)."""
     family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
@@ -2396,6 +2396,393 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
     kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
     transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **kwargs)
     return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+class Tunnel:
+    """The tunnel port's side of a worker: admission (caps, TLS, credential: "Tunnel security"),
+    then HTTP: the codec reads each request, the node's pages answer GET /v1/registry and
+    /healthz, anything else goes to the engine and its answer comes back as it is read. Its
+    connections are accepted sockets, punched or dialled-back ones, and streams on relay links
+    (_MuxTunnel): `admit` takes any of them. The node it serves gives the engine, the TLS
+    contexts and the pages; `spawn` runs a connection's task."""
+
+    def __init__(self, node: Node, spawn: Callable[[Any], asyncio.Task], refused: collections.Counter):
+        config = self.config = node.config
+        self.node, self.spawn, self.refused = node, spawn, refused
+        self.credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
+                            for k in [config.key] + config.accept_keys]   # rotation: any key's
+        self.not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode()}   # the engine never sees these
+        self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
+        self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
+        self.admitted = collections.Counter({"tls": 0, "plain": 0})   # connections opened
+
+    def cut_all(self) -> None:
+        for connection in list(self.connections):
+            connection.cut()
+
+    async def accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    await asyncio.sleep(0.1)        # out of descriptors: the caps below free some
+                    continue
+                return                              # the listening socket was closed (stop)
+            self.admit(conn)
+
+    def admit(self, conn: Union[socket.socket, _MuxTunnel]) -> None:
+        """Rule 1: the cap on all connections, then on strangers (the oldest is cut). `conn`:
+        an accepted (or punched, or dialled-back) socket, or a tunnel stream on a relay link."""
+        cfg = self.config
+        stream = isinstance(conn, _MuxTunnel)
+        if not stream:
+            conn.setblocking(False)
+        if len(self.connections) >= cfg.max_tunnel_connections:
+            self.refused["busy"] += 1
+            try:
+                (conn.write if stream else conn.send)(BUSY_ANSWER)
+            except OSError:
+                pass
+            conn.close()
+            return
+        if not stream:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        connection = _TunnelConnection(None)
+        self.connections[connection] = None
+        self.unauthenticated[connection] = None
+        if len(self.unauthenticated) > cfg.max_unauthenticated:
+            self.refused["cut"] += 1
+            oldest = next(iter(self.unauthenticated))
+            del self.unauthenticated[oldest]       # counted out now; its task closes it next
+            oldest.cut()
+        connection.task = self.spawn(self._tunnel_connection(conn, connection))
+        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
+
+    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
+                           task: asyncio.Task) -> None:
+        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
+        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
+        if task.cancelled():
+            self.connections.pop(connection, None)
+            self.unauthenticated.pop(connection, None)
+            conn.close()
+
+    def _authenticated(self, connection: _TunnelConnection) -> None:
+        connection.authenticated = True
+        self.unauthenticated.pop(connection, None)
+
+    async def _tunnel_connection(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
+        cfg = self.config
+        connection.arm(cfg.head_timeout)
+        writer = None
+        try:
+            ctx = self.node.tunnel_server_ssl
+            if isinstance(conn, _MuxTunnel):        # its first byte decides, its handshake in memory
+                mode = await conn.ready
+                if mode is None:
+                    self.refused["handshake"] += 1
+                    return
+                if mode == "plain":
+                    ctx = None
+                reader, writer = conn.reader, conn.writer()
+            else:
+                if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
+                    await _wait_readable(conn)
+                    first = conn.recv(1, socket.MSG_PEEK)
+                    if first and first[0] != TLS_RECORD_HANDSHAKE:
+                        ctx = None
+                try:
+                    reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
+                except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
+                    self.refused["handshake"] += 1  # no certificate, the wrong one, a replay
+                    return
+            connection.writer = writer
+            self.admitted["tls" if ctx is not None else "plain"] += 1
+            if ctx is not None:
+                connection.tls = True
+                self._authenticated(connection)
+            await self._on_http(reader, writer, connection)
+        except (asyncio.CancelledError, OSError):
+            pass
+        finally:
+            connection.disarm()
+            self.connections.pop(connection, None)
+            self.unauthenticated.pop(connection, None)
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+
+    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
+        """Rule 2, on the head: None when this request may be served (its body read), else the
+        (status, error body) to answer before closing."""
+        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
+            return None
+        if connection is not None and connection.tls:
+            return None                             # the handshake showed the cluster certificate
+        if self.node.tunnel_server_ssl is not None:
+            self.refused["credential"] += 1
+            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
+                                   "are not forwarded", "permission_error", "tls_required")
+        name, value = self.node.tunnel_header
+        wanted, given = name.encode(), b""
+        for hname, hvalue in headers:
+            if hname == wanted:
+                given = hvalue
+        if not any(hmac.compare_digest(given, v) for v in self.credentials):
+            self.refused["credential"] += 1
+            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
+        if connection is not None:
+            self._authenticated(connection)
+        return None
+
+    # -- HTTP: registry, health, tunnel -----------------------------------------------------
+    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       connection: Optional[_TunnelConnection] = None) -> None:
+        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
+        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
+        goes to h11 from the first byte of that request, which keeps the connection from then on.
+        `connection` (the admission) holds the deadlines and whether the client authenticated."""
+        buf = bytearray()
+        cfg = self.config
+        try:
+            while True:
+                if connection is not None:          # a member may idle; a stranger gets head_timeout
+                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
+                                   else cfg.head_timeout)
+                head = await _read_request_head(reader, buf)
+                if head is None:
+                    return
+                if head is H11_JUDGES:
+                    await self._serve_h11(reader, writer, bytes(buf), connection)
+                    return
+                refusal = self._refusal(head.method, head.target, head.headers, connection)
+                if refusal is not None:             # judged on the head: the body is never read
+                    self._respond(None, writer, refusal[0], refusal[1], close=True)
+                    await writer.drain()
+                    return
+                limit = cfg.max_request_body
+                if head.length > limit:
+                    self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
+                    await writer.drain()
+                    return
+                del buf[:head.size]
+                if connection is not None:
+                    connection.arm(cfg.body_timeout)
+                reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
+                while True:
+                    piece = reader_of_body.take(buf)
+                    if piece is None:
+                        break
+                    if piece:
+                        parts.append(piece)
+                        size += len(piece)
+                        if size > limit:
+                            self._respond(None, writer, 413, error_body("request body too large",
+                                                                        "invalid_request_error"))
+                            await writer.drain()
+                            return
+                        continue
+                    data = await reader.read(RELAY_READ)
+                    if not data:
+                        return
+                    buf += data
+                if connection is not None:
+                    connection.disarm()             # the engine may take minutes to answer
+                await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
+                if not head.keep_alive:
+                    return
+        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
+            body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
+            writer.write(whole_response(400, body, close=True))
+        except (h11.ProtocolError, OSError, EngineError):
+            pass
+        finally:
+            writer.close()
+
+    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
+                         connection: Optional[_TunnelConnection] = None) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if initial:
+            conn.receive_data(initial)
+        while True:
+            if connection is not None:
+                connection.arm(self.config.head_timeout + self.config.body_timeout)
+            event = await h11_next(conn, reader)
+            if not isinstance(event, h11.Request):
+                break
+            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
+            if refusal is not None:
+                self._respond(conn, writer, refusal[0], refusal[1], close=True)
+                await writer.drain()
+                return
+            body = bytearray()
+            too_big = False
+            while True:
+                part = await h11_next(conn, reader)
+                if isinstance(part, h11.Data):
+                    body += part.data
+                    if len(body) > self.config.max_request_body:
+                        too_big = True
+                        break
+                elif isinstance(part, h11.EndOfMessage):
+                    break
+                else:
+                    return
+            if too_big:
+                self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
+                await writer.drain()
+                return
+            headers = header_items(event.headers)
+            if connection is not None:
+                connection.disarm()
+            if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
+                # The answer bypassed h11: carry on with a fresh parser fed what was read
+                # past this request (pipelined bytes), unless either side asked to close.
+                if conn.their_state is not h11.DONE or _wants_close(headers):
+                    break
+                trailing, closed = conn.trailing_data
+                conn = h11.Connection(h11.SERVER)
+                if trailing:
+                    conn.receive_data(bytes(trailing))
+                if closed:
+                    conn.receive_data(b"")
+                continue
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                break
+            conn.start_next_cycle()
+
+    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
+                 close: bool = False) -> None:
+        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
+        if conn is None:
+            writer.write(whole_response(status, body, ctype, close))
+            return
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+        writer.write(conn.send(h11.Data(data=body)))
+        writer.write(conn.send(h11.EndOfMessage()))
+
+    async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
+                        conn, writer) -> bool:
+        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
+        when the answer went out raw, past h11's `conn`."""
+        path = target.split(b"?", 1)[0]
+        if self.node.overlay is None:                    # between binding the port and joining
+            self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
+        elif method == b"GET" and path == b"/v1/registry":
+            self._respond(conn, writer, 200, crdt.dumps(self.node.registry_view()))
+        elif method == b"GET" and path == b"/healthz":
+            warnings = self.node.health_warnings()
+            status = "draining" if self.node.draining else "isolated" if not self.node.overlay.members and warnings else "ok"
+            self._respond(conn, writer, 503 if self.node.draining else 200,
+                          crdt.dumps({"status": status, "session": self.node.session_id,
+                                      "state": crdt.STATE_NAMES[self.node.overlay.record["state"]],
+                                      "members": len(self.node.overlay.members), "warnings": warnings,
+                                      "gossip": self.node.stats()}))
+        else:                                       # the credential was judged on the head (_refusal)
+            if self.node.draining or self.node.engine is None:
+                self._respond(conn, writer, 503, error_body("this session is draining" if self.node.draining
+                                                            else "no engine behind this node",
+                                                            "server_error", "unavailable"))
+            else:
+                return await self._forward(method, target, headers, body, conn, writer)
+        await writer.drain()
+        return False
+
+    async def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
+                       conn, writer) -> bool:
+        """Send the request to the engine verbatim and stream the answer back as it comes.
+        If the engine cuts the answer, we cut the client connection too: never a silent 200.
+        Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
+        if conn is not None and conn.their_http_version != b"1.1":
+            await self._forward_h11(method, target, headers, body, conn, writer)
+            return False
+        engine = self.node.engine
+        head = request_head(method, target, engine.host_header, len(body), headers, self.not_forwarded)
+        head.append(body)
+        head_only = method == b"HEAD"
+        self.node.inflight += 1
+        try:
+            try:
+                engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
+            except EngineError as exc:
+                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                return False
+            framing, keep_alive = answer.framing, answer.keep_alive
+            out = response_head(answer.status, answer.reason, answer.headers, HOP_BY_HOP, framing, answer.length,
+                                _wants_close(headers))
+            reader = engine_conn.reader
+            transport = writer.transport
+            data = bytes(buf)
+            ok = False
+            try:
+                if framing is UNTIL_CLOSE:
+                    while True:
+                        if data:
+                            out += (b"%x\r\n" % len(data), data, b"\r\n")
+                        transport.write(b"".join(out))
+                        out = []
+                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
+                            await writer.drain()
+                        data = await reader.read(RELAY_READ)
+                        if not data:
+                            out.append(b"0\r\n\r\n")
+                            break
+                else:
+                    body = BodyReader(framing, answer.length)
+                    used = body.feed(data)
+                    if body.error is not None:      # nothing went out yet: a clear 502
+                        self._respond(conn, writer, 502, error_body(f"engine failed: bad response from the "
+                                                                    f"engine: {body.error}", "server_error",
+                                                                    "bad_gateway"))
+                        return False
+                    out.append(data[:used])
+                    if body.done:
+                        ok = used == len(data)
+                    else:
+                        transport.write(b"".join(out))
+                        out = []
+                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
+                transport.write(b"".join(out))
+            except OSError as exc:
+                raise EngineError(str(exc) or type(exc).__name__) from None
+            finally:
+                engine.release(engine_conn, ok and keep_alive)
+            if transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await writer.drain()
+            return True
+        finally:
+            self.node.inflight -= 1
+
+    async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
+        """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
+        tunnel = self.node.tunnel_header[0].encode()
+        headers = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != tunnel]
+        self.node.inflight += 1
+        try:
+            try:
+                response, engine_conn = await self.node.engine.exchange(method.decode(), target.decode(), headers, body)
+            except EngineError as exc:
+                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                return
+            out_headers = [(n, v) for n, v in response.headers
+                           if n not in HOP_BY_HOP or n == b"content-length"]
+            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
+                                                reason=response.reason)))
+            async for chunk in self.node.engine.body(engine_conn):
+                writer.write(conn.send(h11.Data(data=chunk)))
+                await writer.drain()
+            writer.write(conn.send(h11.EndOfMessage()))
+        finally:
+            self.node.inflight -= 1
 
 
 # =============================================================================================
@@ -3682,13 +4069,8 @@ class Node:
         self._joined_said = False                   # "joined" is logged once a member has answered
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
-        self._not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode()}   # the engine never sees these
-        self._tunnel_credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
-                                    for k in [config.key] + config.accept_keys]   # rotation: any key's
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
         self._tunnel_sock: Optional[socket.socket] = None
-        self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
-        self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self._gossip_strangers: Dict[asyncio.StreamWriter, str] = {}  # no authentic frame yet, oldest
                                                     # first -> the address group (the ones cut first)
         self._gossip_members: Dict[asyncio.StreamWriter, bool] = {}  # authenticated (links apart), oldest
@@ -3696,7 +4078,7 @@ class Node:
         self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
         self._join_budget: Dict[str, Tuple[float, float]] = {}   # join source -> (answers left, when)
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
-        self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
+        self.tunnel = Tunnel(self, self._spawn, self.refused)   # the tunnel port: admission, HTTP, engine
         # NAT traversal and relay (see that section)
         self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
         self.private = False                        # no seed could dial us: reached through relays
@@ -3790,8 +4172,8 @@ class Node:
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
                 "flooded_by": dict(self.wire.flooders.most_common(8)),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
-                "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
-                "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
+                "refused": dict(self.refused), "admitted": dict(self.tunnel.admitted), "tunnel_connections": len(self.tunnel.connections),
+                "unauthenticated": len(self.tunnel.unauthenticated), "gossip_connections": self._gossip_connections,
                 "gossip_strangers": len(self._gossip_strangers),
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
                 "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
@@ -3831,7 +4213,7 @@ class Node:
                 self._tcp_server = self._udp = None
                 raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
             lport = self._tunnel_sock.getsockname()[1]
-            self._spawn(self._accept_tunnel(self._tunnel_sock))
+            self._spawn(self.tunnel.accept(self._tunnel_sock))
             if self.tunnel_server_ssl is None:
                 self._start_warnings.append(
                     "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
@@ -3968,8 +4350,7 @@ class Node:
             self._udp.close()
         for task in list(self._tasks):
             task.cancel()
-        for connection in list(self._tunnel_conns):
-            connection.cut()
+        self.tunnel.cut_all()
         for link in list(self._links.values()) + list(self._linked.values()):
             link.close()
         paths = list(self._punched.values())
@@ -4758,7 +5139,7 @@ class Node:
             stream.abort()
             return
         self.relayed["streams"] += 1
-        self._admit(stream)
+        self.tunnel.admit(stream)
 
     async def _dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -4782,7 +5163,7 @@ class Node:
             sock.close()
             return
         self.relayed["dialed_back"] += 1
-        self._admit(sock)
+        self.tunnel.admit(sock)
 
     async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
@@ -5128,7 +5509,7 @@ class Node:
             if local is None or not msg.get("seen"):
                 return
             sock = await simultaneous_open(self.config, self._resolve, local, str(msg["seen"]), bool(msg.get("first")),
-                                           deadline, extra=self._admit)
+                                           deadline, extra=self.tunnel.admit)
         finally:
             self._tunnel_answering -= 1
         self.tunnel_punches["ok" if sock is not None else "failed"] += 1
@@ -5136,7 +5517,7 @@ class Node:
             if self._tunnel_sock is None:
                 sock.close()
                 return
-            self._admit(sock)
+            self.tunnel.admit(sock)
 
     def _on_tunnel_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
         waiter = self._punch_wait.get((src, msg.get("n")))
@@ -5149,370 +5530,6 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _accept_tunnel(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    await asyncio.sleep(0.1)        # out of descriptors: the caps below free some
-                    continue
-                return                              # the listening socket was closed (stop)
-            self._admit(conn)
-
-    def _admit(self, conn: Union[socket.socket, _MuxTunnel]) -> None:
-        """Rule 1: the cap on all connections, then on strangers (the oldest is cut). `conn`:
-        an accepted (or punched, or dialled-back) socket, or a tunnel stream on a relay link."""
-        cfg = self.config
-        stream = isinstance(conn, _MuxTunnel)
-        if not stream:
-            conn.setblocking(False)
-        if len(self._tunnel_conns) >= cfg.max_tunnel_connections:
-            self.refused["busy"] += 1
-            try:
-                (conn.write if stream else conn.send)(BUSY_ANSWER)
-            except OSError:
-                pass
-            conn.close()
-            return
-        if not stream:
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        connection = _TunnelConnection(None)
-        self._tunnel_conns[connection] = None
-        self._unauthenticated[connection] = None
-        if len(self._unauthenticated) > cfg.max_unauthenticated:
-            self.refused["cut"] += 1
-            oldest = next(iter(self._unauthenticated))
-            del self._unauthenticated[oldest]       # counted out now; its task closes it next
-            oldest.cut()
-        connection.task = self._spawn(self._tunnel_connection(conn, connection))
-        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
-
-    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
-                           task: asyncio.Task) -> None:
-        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
-        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
-        if task.cancelled():
-            self._tunnel_conns.pop(connection, None)
-            self._unauthenticated.pop(connection, None)
-            conn.close()
-
-    def _authenticated(self, connection: _TunnelConnection) -> None:
-        connection.authenticated = True
-        self._unauthenticated.pop(connection, None)
-
-    async def _tunnel_connection(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
-        cfg = self.config
-        connection.arm(cfg.head_timeout)
-        writer = None
-        try:
-            ctx = self.tunnel_server_ssl
-            if isinstance(conn, _MuxTunnel):        # its first byte decides, its handshake in memory
-                mode = await conn.ready
-                if mode is None:
-                    self.refused["handshake"] += 1
-                    return
-                if mode == "plain":
-                    ctx = None
-                reader, writer = conn.reader, conn.writer()
-            else:
-                if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
-                    await _wait_readable(conn)
-                    first = conn.recv(1, socket.MSG_PEEK)
-                    if first and first[0] != TLS_RECORD_HANDSHAKE:
-                        ctx = None
-                try:
-                    reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
-                except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
-                    self.refused["handshake"] += 1  # no certificate, the wrong one, a replay
-                    return
-            connection.writer = writer
-            self.admitted["tls" if ctx is not None else "plain"] += 1
-            if ctx is not None:
-                connection.tls = True
-                self._authenticated(connection)
-            await self._on_http(reader, writer, connection)
-        except (asyncio.CancelledError, OSError):
-            pass
-        finally:
-            connection.disarm()
-            self._tunnel_conns.pop(connection, None)
-            self._unauthenticated.pop(connection, None)
-            if writer is not None:
-                writer.close()
-            else:
-                conn.close()
-
-    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
-        """Rule 2, on the head: None when this request may be served (its body read), else the
-        (status, error body) to answer before closing."""
-        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
-            return None
-        if connection is not None and connection.tls:
-            return None                             # the handshake showed the cluster certificate
-        if self.tunnel_server_ssl is not None:
-            self.refused["credential"] += 1
-            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
-                                   "are not forwarded", "permission_error", "tls_required")
-        name, value = self.tunnel_header
-        wanted, given = name.encode(), b""
-        for hname, hvalue in headers:
-            if hname == wanted:
-                given = hvalue
-        if not any(hmac.compare_digest(given, v) for v in self._tunnel_credentials):
-            self.refused["credential"] += 1
-            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
-        if connection is not None:
-            self._authenticated(connection)
-        return None
-
-    # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       connection: Optional[_TunnelConnection] = None) -> None:
-        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
-        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
-        goes to h11 from the first byte of that request, which keeps the connection from then on.
-        `connection` (the admission) holds the deadlines and whether the client authenticated."""
-        buf = bytearray()
-        cfg = self.config
-        try:
-            while True:
-                if connection is not None:          # a member may idle; a stranger gets head_timeout
-                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
-                                   else cfg.head_timeout)
-                head = await _read_request_head(reader, buf)
-                if head is None:
-                    return
-                if head is H11_JUDGES:
-                    await self._serve_h11(reader, writer, bytes(buf), connection)
-                    return
-                refusal = self._refusal(head.method, head.target, head.headers, connection)
-                if refusal is not None:             # judged on the head: the body is never read
-                    self._respond(None, writer, refusal[0], refusal[1], close=True)
-                    await writer.drain()
-                    return
-                limit = cfg.max_request_body
-                if head.length > limit:
-                    self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
-                    await writer.drain()
-                    return
-                del buf[:head.size]
-                if connection is not None:
-                    connection.arm(cfg.body_timeout)
-                reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
-                while True:
-                    piece = reader_of_body.take(buf)
-                    if piece is None:
-                        break
-                    if piece:
-                        parts.append(piece)
-                        size += len(piece)
-                        if size > limit:
-                            self._respond(None, writer, 413, error_body("request body too large",
-                                                                        "invalid_request_error"))
-                            await writer.drain()
-                            return
-                        continue
-                    data = await reader.read(RELAY_READ)
-                    if not data:
-                        return
-                    buf += data
-                if connection is not None:
-                    connection.disarm()             # the engine may take minutes to answer
-                await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
-                if not head.keep_alive:
-                    return
-        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
-            body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
-            writer.write(whole_response(400, body, close=True))
-        except (h11.ProtocolError, OSError, EngineError):
-            pass
-        finally:
-            writer.close()
-
-    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
-                         connection: Optional[_TunnelConnection] = None) -> None:
-        conn = h11.Connection(h11.SERVER)
-        if initial:
-            conn.receive_data(initial)
-        while True:
-            if connection is not None:
-                connection.arm(self.config.head_timeout + self.config.body_timeout)
-            event = await h11_next(conn, reader)
-            if not isinstance(event, h11.Request):
-                break
-            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
-            if refusal is not None:
-                self._respond(conn, writer, refusal[0], refusal[1], close=True)
-                await writer.drain()
-                return
-            body = bytearray()
-            too_big = False
-            while True:
-                part = await h11_next(conn, reader)
-                if isinstance(part, h11.Data):
-                    body += part.data
-                    if len(body) > self.config.max_request_body:
-                        too_big = True
-                        break
-                elif isinstance(part, h11.EndOfMessage):
-                    break
-                else:
-                    return
-            if too_big:
-                self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
-                await writer.drain()
-                return
-            headers = header_items(event.headers)
-            if connection is not None:
-                connection.disarm()
-            if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
-                # The answer bypassed h11: carry on with a fresh parser fed what was read
-                # past this request (pipelined bytes), unless either side asked to close.
-                if conn.their_state is not h11.DONE or _wants_close(headers):
-                    break
-                trailing, closed = conn.trailing_data
-                conn = h11.Connection(h11.SERVER)
-                if trailing:
-                    conn.receive_data(bytes(trailing))
-                if closed:
-                    conn.receive_data(b"")
-                continue
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                break
-            conn.start_next_cycle()
-
-    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
-                 close: bool = False) -> None:
-        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
-        if conn is None:
-            writer.write(whole_response(status, body, ctype, close))
-            return
-        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
-        if close:
-            headers.append((b"connection", b"close"))
-        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
-        writer.write(conn.send(h11.Data(data=body)))
-        writer.write(conn.send(h11.EndOfMessage()))
-
-    async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                        conn, writer) -> bool:
-        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
-        when the answer went out raw, past h11's `conn`."""
-        path = target.split(b"?", 1)[0]
-        if self.overlay is None:                    # between binding the port and joining
-            self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
-        elif method == b"GET" and path == b"/v1/registry":
-            self._respond(conn, writer, 200, crdt.dumps(self.registry_view()))
-        elif method == b"GET" and path == b"/healthz":
-            warnings = self.health_warnings()
-            status = "draining" if self.draining else "isolated" if not self.overlay.members and warnings else "ok"
-            self._respond(conn, writer, 503 if self.draining else 200,
-                          crdt.dumps({"status": status, "session": self.session_id,
-                                      "state": crdt.STATE_NAMES[self.overlay.record["state"]],
-                                      "members": len(self.overlay.members), "warnings": warnings,
-                                      "gossip": self.stats()}))
-        else:                                       # the credential was judged on the head (_refusal)
-            if self.draining or self.engine is None:
-                self._respond(conn, writer, 503, error_body("this session is draining" if self.draining
-                                                            else "no engine behind this node",
-                                                            "server_error", "unavailable"))
-            else:
-                return await self._forward(method, target, headers, body, conn, writer)
-        await writer.drain()
-        return False
-
-    async def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                       conn, writer) -> bool:
-        """Send the request to the engine verbatim and stream the answer back as it comes.
-        If the engine cuts the answer, we cut the client connection too: never a silent 200.
-        Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
-        if conn is not None and conn.their_http_version != b"1.1":
-            await self._forward_h11(method, target, headers, body, conn, writer)
-            return False
-        engine = self.engine
-        head = request_head(method, target, engine.host_header, len(body), headers, self._not_forwarded)
-        head.append(body)
-        head_only = method == b"HEAD"
-        self.inflight += 1
-        try:
-            try:
-                engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
-            except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
-                return False
-            framing, keep_alive = answer.framing, answer.keep_alive
-            out = response_head(answer.status, answer.reason, answer.headers, HOP_BY_HOP, framing, answer.length,
-                                _wants_close(headers))
-            reader = engine_conn.reader
-            transport = writer.transport
-            data = bytes(buf)
-            ok = False
-            try:
-                if framing is UNTIL_CLOSE:
-                    while True:
-                        if data:
-                            out += (b"%x\r\n" % len(data), data, b"\r\n")
-                        transport.write(b"".join(out))
-                        out = []
-                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
-                            await writer.drain()
-                        data = await reader.read(RELAY_READ)
-                        if not data:
-                            out.append(b"0\r\n\r\n")
-                            break
-                else:
-                    body = BodyReader(framing, answer.length)
-                    used = body.feed(data)
-                    if body.error is not None:      # nothing went out yet: a clear 502
-                        self._respond(conn, writer, 502, error_body(f"engine failed: bad response from the "
-                                                                    f"engine: {body.error}", "server_error",
-                                                                    "bad_gateway"))
-                        return False
-                    out.append(data[:used])
-                    if body.done:
-                        ok = used == len(data)
-                    else:
-                        transport.write(b"".join(out))
-                        out = []
-                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
-                transport.write(b"".join(out))
-            except OSError as exc:
-                raise EngineError(str(exc) or type(exc).__name__) from None
-            finally:
-                engine.release(engine_conn, ok and keep_alive)
-            if transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                await writer.drain()
-            return True
-        finally:
-            self.inflight -= 1
-
-    async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
-        """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
-        tunnel = self.tunnel_header[0].encode()
-        headers = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != tunnel]
-        self.inflight += 1
-        try:
-            try:
-                response, engine_conn = await self.engine.exchange(method.decode(), target.decode(), headers, body)
-            except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
-                return
-            out_headers = [(n, v) for n, v in response.headers
-                           if n not in HOP_BY_HOP or n == b"content-length"]
-            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
-                                                reason=response.reason)))
-            async for chunk in self.engine.body(engine_conn):
-                writer.write(conn.send(h11.Data(data=chunk)))
-                await writer.drain()
-            writer.write(conn.send(h11.EndOfMessage()))
-        finally:
-            self.inflight -= 1
 
 
 async def resolve_bootstrap(specs: List[str]) -> List[str]:

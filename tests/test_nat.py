@@ -176,7 +176,7 @@ def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection
     assert relayed["spliced"] == relayed["muxed"] == 0 and relayed["handed_over"] >= 1
     assert worker.relayed["dialed_back"] >= 1 and worker.relayed["streams"] == 0
     if worker.tunnel_server_ssl is not None:
-        assert worker.admitted["tls"] >= 1 and worker.admitted["plain"] == 0
+        assert worker.tunnel.admitted["tls"] >= 1 and worker.tunnel.admitted["plain"] == 0
 
 
 def test_a_private_worker_keeps_two_relays_and_survives_the_death_of_one(tmp_path):
@@ -299,7 +299,7 @@ def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tm
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
         return (answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
                 sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed")) - spliced,
-                dict(b.admitted), b.tunnel_server_ssl is not None)
+                dict(b.tunnel.admitted), b.tunnel_server_ssl is not None)
     answers, punches, tunnel, via_relay, admitted, tls = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") and b'"fm"' in a for a in answers)
     assert punches == {"ok": 3, "failed": 0} and tunnel == "punched" and via_relay == 0
@@ -582,11 +582,11 @@ def test_a_relay_opening_10000_streams_on_a_members_link_leaves_it_bounded_and_s
         mux.writer.write(b"".join(on.mux_frame(on.MUX_OPEN, 1_000_000 + i) for i in range(10_000)))
         own = worker._link_muxes[bed.ingress_node.overlay.addr]
         await until(lambda: own.refused >= 10_000 - worker.config.max_link_streams, what="OPENs over the cap refused")
-        peak = max(len(own.streams), len(worker._tunnel_conns))
+        peak = max(len(own.streams), len(worker.tunnel.connections))
         await until(lambda: len(own.streams) <= worker.config.max_unauthenticated,
                     what="the strangers' streams cut to the cap on strangers")   # the oldest first
         answer = await bed.chat()
-        return peak, answer, own.refused, len(worker._tunnel_conns)
+        return peak, answer, own.refused, len(worker.tunnel.connections)
     peak, answer, refused, conns = run(with_bed(tmp_path, t))
     assert peak <= 256 and refused >= 10_000 - 256
     assert answer.startswith(b"HTTP/1.1 200")
@@ -670,7 +670,7 @@ def test_a_stream_with_a_garbage_handshake_or_a_foreign_certificate_is_refused_a
         await until(lambda: not worker._link_muxes[relay.overlay.addr].streams, what="the refused streams gone")
         served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
         return (answers, plain, dict(worker.refused), worker._links.get(relay.overlay.addr) is link, served,
-                dict(worker.admitted), len(worker._unauthenticated))
+                dict(worker.tunnel.admitted), len(worker.tunnel.unauthenticated))
     answers, plain, refused, same_link, served, admitted, strangers = run(with_bed(tmp_path, t, relay=False))
     assert all(b"HTTP/" not in a for a in answers)    # no answer to any of them, an alert at most
     assert refused["handshake"] == 4
@@ -689,8 +689,8 @@ def test_a_client_that_closes_mid_handshake_frees_its_stream_and_its_place_among
         await raw_stream(bed, worker, hello, close=True)                     # a whole one, gone before its Finished
         await raw_stream(bed, worker, b"", close=True)                       # nothing at all
         own = worker._link_muxes[relay.overlay.addr]
-        await until(lambda: worker.relayed["streams"] == 3 and not own.streams and not worker._unauthenticated
-                    and not worker._tunnel_conns, what="the three streams and their admissions gone")
+        await until(lambda: worker.relayed["streams"] == 3 and not own.streams and not worker.tunnel.unauthenticated
+                    and not worker.tunnel.connections, what="the three streams and their admissions gone")
         served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
         return served, dict(worker.refused), relay.relayed["muxed"]
     served, refused, muxed = run(with_bed(tmp_path, t, relay=False))
@@ -773,7 +773,7 @@ def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_
             sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
             held.append(await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME))
         own = worker._link_muxes[relay.overlay.addr]
-        await until(lambda: len(own.streams) == 3 and len(worker._tunnel_conns) == 3, what="three streams served")
+        await until(lambda: len(own.streams) == 3 and len(worker.tunnel.connections) == 3, what="three streams served")
         streams = list(own.streams.values())
         relay._linked[worker.link_id].transport.abort()   # the link dies (at the relay's end)
         ends = []
@@ -783,7 +783,7 @@ def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_
             except (OSError, on.ssl.SSLError):
                 ends.append(b"")
             writer.close()
-        await until(lambda: not worker._tunnel_conns, what="the member's tunnel connections ended")
+        await until(lambda: not worker.tunnel.connections, what="the member's tunnel connections ended")
         return ends, [s.closed for s in streams], not own.streams
     ends, closed, dropped = run(with_bed(tmp_path, t, relay=False))
     assert ends == [b""] * 3 and closed == [True] * 3 and dropped
