@@ -15,7 +15,8 @@ Theory of operation. The file is in sections, each a room with one job:
                        runs many of them on a simulated network
     HTTP               the codec (parse_request/parse_response, BodyReader; request_head,
                        response_head, whole_response write every head), EngineClient
-    tunnel security    the tunnel port's TLS, credential and caps on strangers
+    tunnel security    Tunnel: the tunnel port's admission (caps on strangers, TLS, credential)
+                       and its HTTP: the node's pages, the engine forward
     NAT traversal      Reach: the rules of reaching a private peer, pure (per peer: relays,
       and relay        punches, how its tunnel went; the tunnel's path as a table); then the
                        transports those rules drive: relay links and envelopes, mux streams
@@ -36,12 +37,12 @@ A gossip message:
     The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
 
 A request (the ingress dials the node's "addr" from its record):
-    direct       TCP to --listen ─▶ tunnel admission (caps, TLS, credential) ─▶ codec reads the
-                 head ─▶ Node._forward: request_head to the engine (EngineClient) ─▶ the answer's
+    direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ the codec reads the
+                 head ─▶ Tunnel._forward: request_head to the engine (EngineClient) ─▶ the answer's
                  head re-written (response_head), its body relayed as it comes
     private      the dialer asks Node.open_relayed, which asks Reach.tunnel_path: a punched TCP
                  connection, the member's dial-back, or a relay's splice / mux stream; at the
-                 member the stream is admitted like an accepted socket, then as above.
+                 member each is given to Tunnel.admit like an accepted socket, then as above.
 
 This file must never: trust a datagram that fails its HMAC or replay check, let a malformed
 message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it;
