@@ -20,8 +20,8 @@ Rules of this file:
 Three kinds of entry share the map, told apart by their id (a session id has no colon):
   session  "<32 hex>"          a member's session record (the lifecycle below);
   key      "key:<sha256 hex>"  an API key's record: who may use it for what (never its secret);
-  usage    "use:<32 hex>"      one slot of a per-(key, model, day) G-Counter: the requests and
-                               tokens one ingress session served for that key, model and day.
+  usage    "use:<32 hex>"      one slot of a per-(key, day) or per-(key, month) G-Counter: the
+                               requests and tokens one ingress session served for that key then.
 All three are ordered the same way (state, then version, then encoding), so they travel with
 the same rumours, digests and anti-entropy, and a replica that was away catches up on all. An id
 of another "<kind>:<name>" shape is a kind a newer release knows and this one does not: it is
@@ -77,8 +77,21 @@ _canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
                               allow_nan=False)
 
 
+def _not_encodable(obj: Any) -> Any:
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+try:   # the same C encoder _canonical builds, made once (every record of a join goes through it)
+    _c_canonical = json.encoder.c_make_encoder(
+        None, _not_encodable, json.encoder.encode_basestring, None, ":", ",", True, False, False)
+except (AttributeError, TypeError):   # pragma: no cover - an interpreter without the C module
+    _c_canonical = None
+
+
 def encode(record: Dict[str, Any]) -> bytes:
     """Canonical encoding: sorted keys, no spaces, UTF-8. Equal records encode equally."""
+    if _c_canonical is not None and type(record) is dict:
+        return "".join(_c_canonical(record, 0)).encode("utf-8")
     return _canonical.encode(record).encode("utf-8")
 
 
@@ -206,21 +219,24 @@ def validate(session_id: Any, record: Any) -> bytes:
     if not _is_number(record["started"]):
         raise RecordError(f"session {session_id}: started must be a finite number")
     for field in ("addr", "gossip", "code_hash", "relay", "evicted_by"):
-        if field in record:
-            _check_string(field, record[field])
+        value = record.get(field)
+        if value is not None or field in record:
+            _check_string(field, value)
     if "role" in record and record["role"] not in _ROLES:
         raise RecordError(f"session {session_id}: role must be one of {', '.join(_ROLES)}")
     models = record.get("models", [])
     if not isinstance(models, list) or len(models) > MAX_LIST:
         raise RecordError(f"session {session_id}: models must be a list of at most {MAX_LIST}")
     for model in models:
-        _check_string("model name", model)
+        if type(model) is not str or len(model) > MAX_STRING:   # the common case in one test
+            _check_string("model name", model)
     labels = record.get("labels", {})
     if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
         raise RecordError(f"session {session_id}: labels must be an object of at most {MAX_LABELS}")
     for key, value in labels.items():
-        _check_string("label key", key)
-        _check_string("label value", value)
+        if type(key) is not str or type(value) is not str or len(key) > MAX_STRING or len(value) > MAX_STRING:
+            _check_string("label key", key)
+            _check_string("label value", value)
     hardware = record.get("hardware", {})
     if not isinstance(hardware, dict):
         raise RecordError(f"session {session_id}: hardware must be an object")
@@ -237,6 +253,7 @@ def validate(session_id: Any, record: Any) -> bytes:
     if state in OWNER_ONLY and "evicted_by" in record:
         raise RecordError(f"session {session_id}: only the owner writes "
                           f"{STATE_NAMES[state]}; it cannot carry evicted_by")
+    _check_ending(session_id, record)
     try:
         encoded = encode(record)
     except (TypeError, ValueError) as exc:
@@ -245,6 +262,69 @@ def validate(session_id: Any, record: Any) -> bytes:
         raise RecordError(f"session {session_id}: record is {len(encoded)} bytes, "
                           f"over {MAX_RECORD_BYTES}")
     return encoded
+
+
+# ---------------------------------------------------------------------------------------------
+# The end of a session, bound to who wrote it (as far as a shared cluster key allows)
+# ---------------------------------------------------------------------------------------------
+# Every holder of the cluster key can write any record, so the map binds the two ways a session
+# ends to their writers by what the record carries, not by who sent it:
+#   - The owner's own DOWN or LEFT reveals a secret: the session's records carry "seal", a
+#     hash of a secret only the owner process knows (seal_of); its DOWN or LEFT carries "unseal",
+#     the secret. A replica holding a sealed record takes no record of that session with another
+#     seal, and no DOWN or LEFT without evicted_by that does not unseal it (GMap refuses them, and
+#     counts why): nobody else can end a live session as if its owner had.
+#   - An eviction (evicted_by) carries the failure detector's "evidence": when the suspicion
+#     began, the grace it was given, and the members that confirmed it (the evictor among them);
+#     a LEFT comes no sooner than its grace after the suspicion began. Members share one key, so
+#     evidence can be made up by a key holder; it stops evictions without any (a release before
+#     this one's, a bug) and it tells the operator who evicted whom and on whose word. A live
+#     member evicted anyway rejoins as a new session within a second.
+SEAL_BYTES = 16
+MAX_CONFIRMERS = 8
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def seal_of(secret: str) -> str:
+    """The commitment a session's records carry for `secret` (32 hex digits)."""
+    return hashlib.blake2b(bytes.fromhex(secret), digest_size=SEAL_BYTES).hexdigest()
+
+
+def _check_ending(session_id: str, record: Dict[str, Any]) -> None:
+    for field in ("seal", "unseal"):
+        if field in record and not (isinstance(record[field], str) and _HEX32.match(record[field])):
+            raise RecordError(f"session {session_id}: {field} must be 32 hex digits")
+    if "unseal" in record:
+        if record["state"] < DOWN or "seal" not in record or seal_of(record["unseal"]) != record["seal"]:
+            raise RecordError(f"session {session_id}: unseal is the secret of the record's seal, "
+                              "in its owner's DOWN or LEFT only")
+    evidence = record.get("evidence")
+    if evidence is None:
+        return
+    if "evicted_by" not in record or not isinstance(evidence, dict) \
+            or set(evidence) != {"since", "grace", "by"}:
+        raise RecordError(f"session {session_id}: evidence is an eviction's since, grace and by")
+    by = evidence["by"]
+    if not _is_number(evidence["since"]) or not _is_number(evidence["grace"]) or evidence["grace"] < 0 \
+            or not isinstance(by, list) or not 1 <= len(by) <= MAX_CONFIRMERS \
+            or not all(isinstance(b, str) and _SESSION_ID.match(b) for b in by) or record["evicted_by"] not in by:
+        raise RecordError(f"session {session_id}: evidence: since and grace >= 0 numbers, by 1-"
+                          f"{MAX_CONFIRMERS} session ids with the evictor")
+    if record["state"] == LEFT and record["left_at"] < evidence["since"] + evidence["grace"]:
+        raise RecordError(f"session {session_id}: evicted before its grace was over")
+
+
+def ending_refused(held: Optional[Dict[str, Any]], record: Dict[str, Any]) -> Optional[str]:
+    """Why a (valid) session record must not replace `held` (None: it may)."""
+    if record["state"] >= DOWN and "evicted_by" in record and "evidence" not in record:
+        return "eviction_without_evidence"
+    if held is None or "seal" not in held:
+        return None
+    if record.get("seal") != held["seal"]:
+        return "seal"
+    if record["state"] >= DOWN and "evicted_by" not in record and "unseal" not in record:
+        return "seal"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,17 +430,27 @@ def key_accepts(record: Dict[str, Any], now: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Usage: per (key, model, day) G-Counters, one slot per ingress session
+# Usage: per (key, period) G-Counters, one slot per ingress session
 # ---------------------------------------------------------------------------------------------
 # Each ingress session counts what it served in its own slot, which only it writes: the slot's
 # counts only grow, and each write bumps its version, so "the higher version wins" is the
 # G-Counter's slot-wise max. The counter's value is the sum over its slots (`usage_totals`).
 # A restarted ingress is a new session with new slots; the old ones stay as they were.
+#
+# A counter's period ("day") is a UTC day (YYYY-MM-DD: the day budget, recent days' views) or a
+# month (YYYY-MM: the month budget, a year of totals). Its "model" is "" (all models): the
+# replicated counters hold what budgets and totals need, 1,000 keys x 3 ingresses x (8 days + 13
+# months) = 63k slots however many models a key uses; the per-model rows stay in each ingress's
+# SQLite (its `daily` table and ledger). Slots with a model name are a release before this one's
+# (per model and day); they are still counted, in their day and its month.
 _USAGE_ENTRY = re.compile(r"^use:[0-9a-f]{32}$")
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_PERIOD = re.compile(r"^\d{4}-\d{2}(-\d{2})?$")
 USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens")
-USAGE_RETENTION_DAYS = 62     # in the map: a month budget needs this month, `keys list` the last
-                              # too; older days stay in each ingress's SQLite (its own retention)
+USAGE_RETENTION_DAYS = 8      # day counters in the map (a day budget needs today; views a week);
+USAGE_RETENTION_MONTHS = 13   # month counters: this month's budget, a year of totals. Both are
+                              # the operator's (ingress --usage-days, --usage-months); older
+                              # periods stay in each ingress's SQLite
+ALL_MODELS = ""               # a counter's "model": every model of its key
 KEY_RETENTION_S = 30 * 86400.0   # a revoked or expired key's record is compacted this long after it
                                  # stopped working; its id is remembered, so no copy comes back
 
@@ -396,9 +486,10 @@ def validate_usage(entry_id: str, record: Any) -> bytes:
             raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
     for field in ("key", "model", "day", "slot"):
         _check_string(field, record[field])
-    if not re.match(r"^[0-9a-f]{64}$", record["key"]) or not _DAY.match(record["day"]) \
+    if not re.match(r"^[0-9a-f]{64}$", record["key"]) or not _PERIOD.match(record["day"]) \
             or not _SESSION_ID.match(record["slot"]):
-        raise RecordError(f"{entry_id}: key must be 64 hex digits, day YYYY-MM-DD, slot a session id")
+        raise RecordError(f"{entry_id}: key must be 64 hex digits, day YYYY-MM-DD or YYYY-MM, "
+                          "slot a session id")
     if entry_id != usage_entry(record["key"], record["model"], record["day"], record["slot"]):
         raise RecordError(f"{entry_id}: the id does not match the slot's key, model, day and slot")
     return _encode_checked(entry_id, record)
@@ -407,6 +498,34 @@ def validate_usage(entry_id: str, record: Any) -> bytes:
 def day_start(day: str) -> float:
     """Unix time of 00:00 UTC on `day` (YYYY-MM-DD)."""
     return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
+
+
+def usage_spent(records: Iterable[Dict[str, Any]], key_hash: str, day: str) -> Tuple[int, int]:
+    """Tokens `key_hash` used on `day` and in its month, over every slot: day counters count in
+    their day, month counters in their month, a release before's per-model day slots in both."""
+    today = month = 0
+    for record in records:
+        if record["key"] != key_hash:
+            continue
+        tokens = record["prompt_tokens"] + record["completion_tokens"]
+        period = record["day"]
+        if period == day:
+            today += tokens
+        if period == day[:7] or (len(period) == 10 and record["model"] != ALL_MODELS and period[:7] == day[:7]):
+            month += tokens
+    return today, month
+
+
+def usage_kept(period: str, day_horizon: str, month_horizon: str) -> bool:
+    """Whether a counter of `period` is inside the retention (horizons: the oldest kept)."""
+    return period >= (month_horizon if len(period) == 7 else day_horizon)
+
+
+def usage_horizons(now: float, days: int, months: int) -> Tuple[str, str]:
+    """The oldest day and month kept: `days` days back (today is day 1), `months` months back."""
+    year, month = time.gmtime(now)[:2]
+    back = year * 12 + month - 1 - (months - 1)
+    return time_day(now - (days - 1) * 86400.0), f"{back // 12:04d}-{back % 12 + 1:02d}"
 
 
 def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = None,
@@ -590,20 +709,22 @@ class GMap:
     associative, idempotent."""
 
     def __init__(self, retention: float = RETENTION_S, usage_days: int = USAGE_RETENTION_DAYS,
-                 planes: Iterable[str] = PLANES):
+                 planes: Iterable[str] = PLANES, usage_months: int = USAGE_RETENTION_MONTHS):
         self.retention = float(retention)
         self.usage_days = int(usage_days)
+        self.usage_months = int(usage_months)
         self.planes = frozenset(planes)          # what this replica holds (workers: ROUTING)
         self._entries: Dict[str, _Entry] = {}
         self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, UNKNOWN: {}}
-        self._usage_by_day: Dict[str, set] = {}  # day -> its usage entry ids: retention pops days
+        self._usage_by_day: Dict[str, set] = {}  # period -> its usage entry ids: retention pops them
         self._session_bytes = 0                  # encoded bytes of the session records held
         self._all = _Hashes()
         self._hashes = {plane: _Hashes() for plane in PLANES}
         self._forgotten: Dict[str, float] = {}   # compacted id -> when (a session's compaction,
                                                  # a key's end): refused while remembered
         self._horizon = -math.inf                # LEFT records older than this are refused
-        self._usage_horizon = ""                 # usage slots of days before this are refused
+        self._usage_horizon = ("", "")           # usage slots of periods before these (oldest day
+                                                 # and month kept) are refused
         self._key_horizon = -math.inf            # keys revoked or expired before this are refused
         self.refused: collections.Counter = collections.Counter()   # entries not applied, by why
 
@@ -707,13 +828,18 @@ class GMap:
             return False
         if kind == SESSION and record["state"] == LEFT and record["left_at"] < self._horizon:
             return False
-        if kind == USAGE and record["day"] < self._usage_horizon:
+        if kind == USAGE and not usage_kept(record["day"], *self._usage_horizon):
             return False
         if kind == KEY and _key_ended(record) < self._key_horizon:
             return False
         old = self._entries.get(session_id)
         if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
             return False   # the common gossip case, a duplicate, costs one hash
+        if kind == SESSION and (record["state"] >= DOWN or old is not None):
+            why = ending_refused(old.record if old is not None else None, record)
+            if why is not None:
+                self.refused[why] += 1
+                return False
         if old is None and kind == UNKNOWN and len(self._by_kind[UNKNOWN]) >= MAX_UNKNOWN:
             self.refused["unknown_full"] += 1
             return False
@@ -751,11 +877,11 @@ class GMap:
         for sid in old:
             self._drop(sid, SESSION)
             self._forgotten[sid] = now              # remembered FORGET_S from now
-        # Usage slots of days past the map's usage retention: no budget counts them any more (a
-        # day at a time: the sweep never scans the slots that stay).
-        self._usage_horizon = time_day(now - self.usage_days * 86400.0)
+        # Usage slots of periods past the map's usage retention: no budget counts them any more
+        # (a period at a time: the sweep never scans the slots that stay).
+        self._usage_horizon = usage_horizons(now, self.usage_days, self.usage_months)
         stale = []
-        for day in [d for d in self._usage_by_day if d < self._usage_horizon]:
+        for day in [d for d in self._usage_by_day if not usage_kept(d, *self._usage_horizon)]:
             for eid in self._usage_by_day.pop(day):
                 if eid in self._entries:
                     self._drop(eid, USAGE)

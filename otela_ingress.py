@@ -37,7 +37,7 @@ Data flow:
         --> usage journal (a copy into a mapped file before the client sees the last byte, so a kill -9
             never loses a completed request) --> writer thread --> SQLite (WAL), in batches.
 
-Several ingresses are one service: key records and per-(key, model, day) usage counters are
+Several ingresses are one service: key records and per-(key, day) and per-(key, month) usage counters are
 entries of the overlay's map (crdt.py), so a key made or revoked at one ingress holds at all,
 and rate limits and token budgets count the whole cluster's use (see ClusterKeys). Each
 ingress keeps its own SQLite copy of them, and its own request rows.
@@ -897,7 +897,7 @@ def _mean_std(values: List[int]) -> Dict[str, float]:
 # Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
 # ---------------------------------------------------------------------------------------------
 # Theory of operation. A key's record (crdt KEY entry, keyed by the token's sha256) and the
-# per-(key, model, day) usage G-Counters (crdt USAGE entries, one slot per ingress session)
+# per-(key, day) and per-(key, month) usage G-Counters (crdt USAGE entries, one slot per ingress session)
 # live in the overlay's map, so every ingress holds all of them and they spread the way
 # sessions do (pushed at once, repaired by anti-entropy, sent whole to a (re)joining ingress).
 #   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
@@ -930,7 +930,7 @@ class ClusterKeys:
         self.next_expiry = math.inf
         self._timer: Optional[asyncio.TimerHandle] = None
         self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
-        self._hot: Dict[Tuple[str, str], tuple] = {}  # (hash, model) -> today's own slot, see count
+        self._hot: Dict[str, tuple] = {}               # hash -> today's own slots, see count
 
     def today(self, now: float) -> str:
         """The UTC day of `now`, formatted once a day instead of per request."""
@@ -989,15 +989,18 @@ class ClusterKeys:
         if old is not None:
             tokens -= old["prompt_tokens"] + old["completion_tokens"]
             requests -= old["requests"]
+        digest, period = record["key"], record["day"]
+        if len(period) == 7:                      # a month counter: the month budget only
+            if tokens > 0:
+                self.month_used[(digest, period)] += tokens
+            return
         if tokens > 0:
-            self._add(record["key"], record["day"], tokens)
-        key = self.ingress.keys.get(record["key"])
+            self.day_used[(digest, period)] += tokens
+            if record["model"] != crdt.ALL_MODELS:   # a release before's per-model day slot
+                self.month_used[(digest, period[:7])] += tokens
+        key = self.ingress.keys.get(digest)
         if key is not None and old is not None:   # a slot we knew grew: requests served elsewhere
             key.charge(requests)
-
-    def _add(self, digest: str, day: str, tokens: int) -> None:
-        self.day_used[(digest, day)] += tokens
-        self.month_used[(digest, day[:7])] += tokens
 
     # -- the keys the request path reads ------------------------------------------------------
     def _rebuild_one(self, digest: str, record: Dict[str, Any], now: float) -> None:
@@ -1032,32 +1035,35 @@ class ClusterKeys:
         return HTTPError(401, "Invalid API key", "invalid_api_key")
 
     # -- usage: our slots, budgets -----------------------------------------------------------
+    def _own(self, digest: str, period: str, slot: str) -> Tuple[Dict[str, Any], str]:
+        entry_id = crdt.usage_entry(digest, crdt.ALL_MODELS, period, slot)   # hashed once a day
+        record = self.mine.get(entry_id)
+        if record is None:
+            record = self.mine[entry_id] = crdt.usage_record(digest, crdt.ALL_MODELS, period, slot, 0, 0, 0, 0)
+        return record, entry_id
+
     def count(self, key: Key, model: str, prompt_tokens: Optional[int], completion_tokens: Optional[int]) -> None:
-        """One finished request (any status) served here."""
+        """One finished request (any status) served here: our day and month counters of its key
+        (the model is in the ledger's rows, not in the replicated counters)."""
         digest = key.hash
         if not digest:
             return   # --no-auth's anonymous key: nothing to budget
         now = time.time()
         slot = self.ingress.node.session_id
-        hot = self._hot.get((digest, model))   # this (key, model)'s slot today: the common case
+        hot = self._hot.get(digest)   # this key's slots today: the common case
         if hot is None or not hot[0] <= now < hot[1] or hot[2] != slot:
             day = self.today(now)
-            entry_id = crdt.usage_entry(digest, model, day, slot)   # hashed once a day
-            record = self.mine.get(entry_id)
-            if record is None:
-                record = self.mine[entry_id] = crdt.usage_record(digest, model, day, slot, 0, 0, 0, 0)
-            start = now // 86400 * 86400   # the UTC day's bounds: its slot holds between them
-            hot = self._hot[(digest, model)] = (start, start + 86400, slot, record, entry_id,
-                                                (digest, day), (digest, day[:7]))
-        record = hot[3]
-        record["requests"] += 1
-        if prompt_tokens or completion_tokens:
-            prompt, completion = prompt_tokens or 0, completion_tokens or 0
+            start = now // 86400 * 86400   # the UTC day's bounds: its slots hold between them
+            hot = self._hot[digest] = (start, start + 86400, slot, self._own(digest, day, slot),
+                                       self._own(digest, day[:7], slot), (digest, day), (digest, day[:7]))
+        prompt, completion = prompt_tokens or 0, completion_tokens or 0
+        for record, entry_id in hot[3:5]:
+            record["requests"] += 1
             record["prompt_tokens"] += prompt
             record["completion_tokens"] += completion
-            self.day_used[hot[5]] += prompt + completion
-            self.month_used[hot[6]] += prompt + completion
-        self._dirty.add(hot[4])
+            self._dirty.add(entry_id)
+        self.day_used[hot[5]] += prompt + completion
+        self.month_used[hot[6]] += prompt + completion
 
     def check_quota(self, key: Key) -> None:
         """429 insufficient_quota (OpenAI's shape) for a key whose day or month budget is used."""
@@ -1111,8 +1117,9 @@ class ClusterKeys:
         dirty, self._dirty = self._dirty, set()
         slot = self.ingress.node.session_id
         today = crdt.time_day(time.time())
-        for entry_id in [e for e, r in self.mine.items() if r["day"] < today and e not in dirty]:
-            self.slots[entry_id] = self.mine.pop(entry_id)   # a closed day: no more writes
+        for entry_id in [e for e, r in self.mine.items()
+                         if r["day"] < today[:len(r["day"])] and e not in dirty]:
+            self.slots[entry_id] = self.mine.pop(entry_id)   # a closed day or month: no more writes
         for entry_id in dirty:
             record = self.mine[entry_id]
             if record["slot"] != slot:   # we rejoined as a new session: this slot is closed
@@ -1121,7 +1128,8 @@ class ClusterKeys:
             self.publish(entry_id, dict(record))
 
 
-def load_usage_slots(path: str) -> List[Tuple[str, Dict[str, Any]]]:
+def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,
+                     months: int = crdt.USAGE_RETENTION_MONTHS) -> List[Tuple[str, Dict[str, Any]]]:
     """The usage slots this ingress kept (read once at start, before serving)."""
     db = open_db(path)
     try:
@@ -1129,14 +1137,14 @@ def load_usage_slots(path: str) -> List[Tuple[str, Dict[str, Any]]]:
     finally:
         db.close()
     slots = []
-    horizon = crdt.time_day(time.time() - crdt.USAGE_RETENTION_DAYS * 86400.0)
+    horizons = crdt.usage_horizons(time.time(), days, months)
     for entry_id, text in rows:
         try:
             record = crdt.loads(text)
         except ValueError:
             continue
-        if isinstance(record, dict) and str(record.get("day", "")) >= horizon:
-            slots.append((entry_id, record))   # older days stay in SQLite, out of the map
+        if isinstance(record, dict) and crdt.usage_kept(str(record.get("day", "")), *horizons):
+            slots.append((entry_id, record))   # older periods stay in SQLite, out of the map
     return slots
 
 
@@ -1430,7 +1438,7 @@ class Metrics:
         return ("\n".join(out) + "\n").encode()
 
 
-REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full")
+REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full", "seal", "eviction_without_evidence")
 
 
 FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
@@ -1443,7 +1451,8 @@ def overlay_metrics(node: Any) -> bytes:
     registry entries refused (unsigned: a key or usage record without the ingress tier's
     signature; plane: ingress-plane traffic from or to a member that is not a proven ingress;
     unknown_full: entries of unknown kinds over crdt.MAX_UNKNOWN; sessions_full: new sessions
-    over crdt.MAX_SESSIONS). Nothing for a stand-in node without them."""
+    over crdt.MAX_SESSIONS; seal: a session's end, or another seal, not written by its owner;
+    eviction_without_evidence: crdt, the end of a session). Nothing for a stand-in node without them."""
     wire, overlay = getattr(node, "wire", None), getattr(node, "overlay", None)
     if wire is None or overlay is None:
         return b""
@@ -2486,6 +2495,7 @@ class Ingress:
         after start during which, until a peer's record arrives, an unknown model is a 503
         (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole)."""
         self.node = node
+        self.usage_days, self.usage_months = crdt.USAGE_RETENTION_DAYS, crdt.USAGE_RETENTION_MONTHS
         self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
         self.aliases = dict(aliases or {})   # public name -> served models, tried in order
@@ -2536,7 +2546,10 @@ class Ingress:
                                        for sid, _ in self.node.registry.items()):
             self._warm_until = time.monotonic() + self.warmup
         self.ledger = Ledger(self.db_path, self._set_keys, self._set_key_records)
-        self.cluster.adopt_slots(load_usage_slots(self.db_path))
+        registry = getattr(self.node, "registry", None)
+        if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
+            registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
+        self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         self.cluster.start(self._loop)
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
@@ -3482,7 +3495,7 @@ class Ingress:
     # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
     # GET  /v1/admin/keys                    every key of the cluster, with use against budget
     # POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
-    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key, model and day
+    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month
     def _admin(self, client: _Client, method: bytes, path: bytes, query: bytes, body: bytes) -> None:
         """An admin request (its key checked on the head, its body read whole); an HTTPError is
         its answer."""
@@ -3547,7 +3560,7 @@ class Ingress:
     def _admin_usage(self, query: bytes) -> Dict[str, Any]:
         try:
             params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
-            days = max(1, min(crdt.USAGE_RETENTION_DAYS, int(params.get("days", "31"))))
+            days = max(1, min(self.usage_days, int(params.get("days", str(self.usage_days)))))
         except (UnicodeDecodeError, ValueError):
             raise HTTPError(400, "Bad query: key=ID and days=N (an integer)", "invalid_parameter") from None
         by_hash = {digest: r for digest, r in self.cluster.records.items()}
@@ -3559,15 +3572,19 @@ class Ingress:
                 raise HTTPError(404, f"No key with id {wanted!r}", "key_not_found")
         now = time.time()
         since = crdt.time_day(now - (days - 1) * 86400.0)
-        data = []
+        data, months = [], []
         for (key_hash, model, day), sums in sorted(self.cluster.totals(digest).items(),
                                                    key=lambda kv: (kv[0][2], kv[0][1])):
-            if day >= since:
-                record = by_hash.get(key_hash, {})
-                data.append(dict(sums, key=record.get("id", key_hash[:8]), user=record.get("user", ""),
-                                 model=model, day=day))
+            record = by_hash.get(key_hash, {})
+            row = dict(sums, key=record.get("id", key_hash[:8]), user=record.get("user", ""),
+                       model=model or "*", day=day)
+            if len(day) == 7:                 # a month's totals (per model: each ingress's --db)
+                del row["day"]
+                months.append(dict(row, month=day))
+            elif day >= since:
+                data.append(row)
         totals = {f: sum(r[f] for r in data) for f in crdt.USAGE_COUNTS}
-        return {"object": "list", "since": since, "data": data, "totals": totals}
+        return {"object": "list", "since": since, "data": data, "totals": totals, "months": months}
 
     # -- GET endpoints: (status, content type, payload), or a future of it ----------------------
     def _get_healthz(self, fields, query):
@@ -3807,6 +3824,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       cors_origins=args.cors_origin)
     ingress.require_key_for_views = args.require_key_for_views
+    ingress.usage_days, ingress.usage_months = args.usage_days, args.usage_months
     if ingress.require_code_hash:
         print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
               file=sys.stderr)
@@ -3860,6 +3878,16 @@ def _code_hash_arg(value: str) -> str:
     return value
 
 
+def _retention_arg(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 100_000:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return number
+
+
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     """The CLI; `overlay=False` leaves out serve's overlay flags (and the variables they read),
     which `keys` has no use for. A boolean variable is read after parsing (see main), where a
@@ -3885,6 +3913,15 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "compute nodes): only it creates, changes or revokes API keys and writes usage "
                             "that other ingresses accept (env OTELA_INGRESS_KEY_FILE; default: ingress.key "
                             "beside --key-file, when there)")
+    serve.add_argument("--usage-days", type=_retention_arg, metavar="N",
+                       default=env("USAGE_DAYS", str(crdt.USAGE_RETENTION_DAYS)),
+                       help="days of per-key usage counters the ingresses replicate (today's budget, "
+                            "/v1/admin/usage's days; env OTELA_USAGE_DAYS; default "
+                            f"{crdt.USAGE_RETENTION_DAYS}). Older days stay in --db")
+    serve.add_argument("--usage-months", type=_retention_arg, metavar="N",
+                       default=env("USAGE_MONTHS", str(crdt.USAGE_RETENTION_MONTHS)),
+                       help="months of per-key usage totals the ingresses replicate (this month's budget, "
+                            f"a year of totals; env OTELA_USAGE_MONTHS; default {crdt.USAGE_RETENTION_MONTHS})")
     serve.add_argument("--policy", default=env("POLICY", "least_loaded"),
                        help="routing policy: random, round_robin, hardware, least_loaded (default), "
                             "or module:Class for your own (env OTELA_POLICY)")
@@ -3981,11 +4018,7 @@ def _keys_command(args: argparse.Namespace) -> int:
             day = crdt.time_day(now)
             slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
             for r in rows:   # every ingress's use, as this --db last heard it
-                used = crdt.usage_totals(slots, r.pop("hash"))
-                r["tokens_today"] = sum(v["prompt_tokens"] + v["completion_tokens"]
-                                        for (_, _, d), v in used.items() if d == day)
-                r["tokens_this_month"] = sum(v["prompt_tokens"] + v["completion_tokens"]
-                                             for (_, _, d), v in used.items() if d[:7] == day[:7])
+                r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, r.pop("hash"), day)
             if args.json:
                 print(crdt.dumps(rows).decode())
             else:

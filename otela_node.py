@@ -68,6 +68,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -617,6 +618,7 @@ class Overlay:
                  rng: Optional[random.Random] = None):
         self.cfg = config
         self.rng = rng or random.Random()
+        self._secure = rng is None                  # the simulator passes rng: runs replay
         # The ingress tier (crdt.Authority): only a member holding its secret writes, verifies and
         # sends on the ingress plane. An ingress without it keeps keys and usage to itself.
         self.authority = crdt.Authority(config.ingress_keys) if config.ingress_keys else None
@@ -625,7 +627,7 @@ class Overlay:
                              planes=crdt.PLANES if holds_ingress else (crdt.ROUTING,))
         self.sid = session_id
         self.addr = record.get("gossip", config.gossip_addr)
-        self.record = self._with_tier(session_id, dict(record))
+        self.record = self._with_tier(session_id, self._sealed(dict(record)))
         self.map.put(session_id, self.record)
         self.ingresses: Dict[str, str] = {}         # proven ingress sid -> gossip address: the
                                                     # only members the ingress plane goes to
@@ -728,15 +730,28 @@ class Overlay:
                 warnings.append("every peer is lost: re-dialling the bootstrap and remembered peers")
         return warnings
 
+    def _sealed(self, record: Dict[str, Any]) -> Dict[str, Any]:
+        """Our new session's record with the seal of a new secret (crdt: the end of a session):
+        only this process can write its DOWN or LEFT."""
+        self._unseal = secrets.token_hex(16) if self._secure else \
+            hashlib.blake2b(b"unseal" + self.sid.encode(), digest_size=16).hexdigest()   # a replay: no secret
+        for stale in ("unseal", "evidence"):
+            record.pop(stale, None)
+        record["seal"] = crdt.seal_of(self._unseal)
+        return record
+
     def update(self, now: float, **fields) -> List[Out]:
         """Owner write: change fields of our own record (state, models, labels…), bump version."""
         current = self.map.get(self.sid) or self.record
         record = dict(current)
         record.update(fields)
         record.pop("evicted_by", None)
+        record.pop("evidence", None)
         record["version"] = max(self.record["version"], current["version"]) + 1
         if record["state"] == crdt.LEFT:
             record.setdefault("left_at", now)
+        if record["state"] >= crdt.DOWN and "seal" in record:
+            record["unseal"] = self._unseal         # our own end: proven by the secret
         self.record = record
         if not self.map.put(self.sid, record):
             return []
@@ -763,7 +778,7 @@ class Overlay:
             record["state"] = crdt.SERVING
         self.sid = f"{self.rng.getrandbits(128):032x}"   # from our rng: the simulator replays a run
         self.ring = None
-        self.record = self._with_tier(self.sid, record)
+        self.record = self._with_tier(self.sid, self._sealed(record))
         self.leaving = False
         self.map.put(self.sid, record)
         for cb in self.rejoin_listeners:
@@ -1104,7 +1119,7 @@ class Overlay:
             self._notify(sid, record)
         for sid in gone:                            # once every member is known: pushed to all
             log.info("session %s superseded: this process now serves its address", sid)
-            out += self._retire(sid, now, "superseded")
+            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]})
         while self.met_ingresses:                   # the ingress plane's anti-entropy, now
             out.append(self._digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
@@ -1490,7 +1505,10 @@ class Overlay:
             sus.deadline = now + self._grace(len(sus.confirmers) - 1)
             return []
         del self.suspects[sid]
-        return self._retire(sid, now, "suspected and unrefuted")
+        others = sorted(c for c in sus.confirmers if c != self.sid)[: crdt.MAX_CONFIRMERS - 1]
+        grace = min(self._grace(len(sus.confirmers) - 1), max(0.0, now - sus.since))
+        return self._retire(sid, now, "suspected and unrefuted",
+                            {"since": sus.since, "grace": grace, "by": [self.sid] + others})
 
     PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
     PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
@@ -1504,13 +1522,14 @@ class Overlay:
         unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
         return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
 
-    def _retire(self, sid: str, now: float, why: str) -> List[Out]:
-        """Write LEFT for another member's session, as its evictor; the writer pushes it to all."""
+    def _retire(self, sid: str, now: float, why: str, evidence: Dict[str, Any]) -> List[Out]:
+        """Write LEFT for another member's session, as its evictor, with the evidence (crdt: the
+        end of a session); the writer pushes it to all."""
         self.suspects.pop(sid, None)
         record = self.map.get(sid)
         if record is None or record["state"] == crdt.LEFT:
             return []
-        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid)
+        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=evidence)
         self.map.put(sid, record, writer=self.sid)
         log.info("session %s evicted: %s", sid, why)
         return self._changed([sid], now, origin=True)

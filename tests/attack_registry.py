@@ -58,10 +58,11 @@ def forged_records(db_path: str, slot: str, now: float) -> Tuple[List[Dict[str, 
         batches.append({entry: dict(newer, expires=now - 1)})            # expired remotely
         batches.append({entry: crdt.revoked(dict(newer), now)})          # revoked
         day = crdt.time_day(now)
-        big = crdt.usage_record(key_hash, "fm", day, crdt.new_session_id(), 1, 1, 10**12, 10**12)
-        batches.append({crdt.usage_entry(key_hash, "fm", day, big["slot"]): big})   # inflated
-        frozen = crdt.usage_record(key_hash, "fm", day, slot, 2**53 - 1, 0, 0, 0)
-        batches.append({crdt.usage_entry(key_hash, "fm", day, slot): frozen})       # frozen slot
+        for model, period in (("fm", day), (crdt.ALL_MODELS, day), (crdt.ALL_MODELS, day[:7])):
+            big = crdt.usage_record(key_hash, model, period, crdt.new_session_id(), 1, 1, 10**12, 10**12)
+            batches.append({crdt.usage_entry(key_hash, model, period, big["slot"]): big})   # inflated
+            frozen = crdt.usage_record(key_hash, model, period, slot, 2**53 - 1, 0, 0, 0)
+            batches.append({crdt.usage_entry(key_hash, model, period, slot): frozen})       # frozen slot
     return batches, token
 
 

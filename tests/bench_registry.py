@@ -210,6 +210,25 @@ def planes_phase(quick: bool, results: dict) -> None:
         net.send(writer.addr, writer.publish(crdt.key_entry(digest), crdt.key_record(f"k{i}", f"user{i % 700}",
                                                                                      net.now), net.now))
     net.run(5.0)
+    # A year of dense use (1,000 keys x 150 models every day, at 3 ingresses) as the ingresses
+    # replicate it: per key, the kept days' and months' counters of each ingress (the models are
+    # in each ingress's SQLite rows, not here). Written straight into the three maps, signed.
+    authority = crdt.Authority([TIER])
+    year = []
+    t0 = time.perf_counter()
+    periods = [crdt.time_day(net.now - d * 86400.0) for d in range(crdt.USAGE_RETENTION_DAYS)]
+    periods += sorted({crdt.time_day(net.now - d * 86400.0)[:7] for d in range(0, 396, 28)})[-crdt.USAGE_RETENTION_MONTHS:]
+    for ing in ingresses:
+        for digest in keys[:1000]:
+            for period in periods:
+                scale = 30 if len(period) == 7 else 1
+                entry = crdt.usage_entry(digest, crdt.ALL_MODELS, period, ing.sid)
+                year.append((entry, authority.sign(entry, crdt.usage_record(
+                    digest, crdt.ALL_MODELS, period, ing.sid, 150 * scale, 150 * scale, 10**5 * scale, 10**4 * scale))))
+    for ing in ingresses:
+        ing.map.merge(year)
+    load_s = time.perf_counter() - t0
+    net.run(5.0)
 
     def window(seconds: float, publish: bool) -> float:
         before = sum(net.received.get(w.addr, 0) for w in workers)
@@ -217,15 +236,15 @@ def planes_phase(quick: bool, results: dict) -> None:
         version = {}
         while net.now - start < seconds:
             if publish:
-                for _ in range(3):                  # 30 slots a second from the three ingresses
+                for _ in range(3):                  # 30 slot writes a second from the three ingresses
                     ing = rng.choice(ingresses)
                     digest = rng.choice(keys[:1000])
-                    model = f"model-{rng.randrange(150)}"
                     day = crdt.time_day(net.now)
-                    entry = crdt.usage_entry(digest, model, day, ing.sid)
-                    v = version[entry] = version.get(entry, 0) + 1
-                    record = crdt.usage_record(digest, model, day, ing.sid, v, v, 100 * v, 50 * v)
-                    net.send(ing.addr, ing.publish(entry, record, net.now))
+                    for period in (day, day[:7]):
+                        entry = crdt.usage_entry(digest, crdt.ALL_MODELS, period, ing.sid)
+                        v = version[entry] = version.get(entry, 150 * 30) + 1
+                        record = crdt.usage_record(digest, crdt.ALL_MODELS, period, ing.sid, v, v, 100 * v, 50 * v)
+                        net.send(ing.addr, ing.publish(entry, record, net.now))
             net.run(0.1)
         return (sum(net.received.get(w.addr, 0) for w in workers) - before) / len(workers) / seconds
 
@@ -234,15 +253,21 @@ def planes_phase(quick: bool, results: dict) -> None:
     on_workers = sum(w.map.plane_size(crdt.INGRESS) for w in workers)
     net.kill(ingresses[2].addr)
     net.run(2.0)
+    cpu = time.process_time()
     restarted = net.add([ingresses[0].addr], config=tier, role="ingress")
     took = run_until(net, lambda: converged(restarted, ingresses[0], crdt.INGRESS), 120.0, step=0.25)
+    cpu = time.process_time() - cpu
     results["planes"] = {"workers": n, "api_keys": len(keys), "idle_bytes_per_worker_s": round(idle, 1),
                          "publishing_bytes_per_worker_s": round(busy, 1), "ingress_entries_on_workers": on_workers,
                          "ingress_entries": ingresses[0].map.plane_size(crdt.INGRESS),
-                         "restarted_ingress_catch_up_s": round(took, 2)}
-    print(f"planes, {n} workers, 3 ingresses, {len(keys)} keys, 30 usage slots/s: a worker receives "
-          f"{busy:.0f} B/s (idle {idle:.0f} B/s) and holds {on_workers} ingress entries; a restarted ingress "
-          f"holds all {ingresses[0].map.plane_size(crdt.INGRESS)} after {took:.2f} simulated s", flush=True)
+                         "year_of_usage_counters": len(year), "year_written_in_s": round(load_s, 2),
+                         "usage_days_kept": crdt.USAGE_RETENTION_DAYS, "usage_months_kept": crdt.USAGE_RETENTION_MONTHS,
+                         "restarted_ingress_catch_up_s": round(took, 2), "catch_up_cpu_s": round(cpu, 2)}
+    print(f"planes, {n} workers, 3 ingresses, {len(keys)} keys, a year of usage ({len(year)} counters: "
+          f"{crdt.USAGE_RETENTION_DAYS} days and {crdt.USAGE_RETENTION_MONTHS} months x 1,000 keys x 3 ingresses), "
+          f"30 usage slots/s: a worker receives {busy:.0f} B/s (idle {idle:.0f} B/s) and holds {on_workers} "
+          f"ingress entries; a restarted ingress holds all {ingresses[0].map.plane_size(crdt.INGRESS)} after "
+          f"{took:.2f} simulated s ({cpu:.1f} s of CPU for the whole simulated cluster meanwhile)", flush=True)
 
 
 def fanout_phase(quick: bool, results: dict) -> None:

@@ -137,16 +137,60 @@ def test_a_join_answer_goes_in_pieces_no_bigger_than_the_state_chunk():
     assert set(sessions) <= set(received)
 
 
-def test_a_session_written_left_without_evicted_by_rejoins_as_a_new_session():
-    net = simnet.SimulatedNetwork(seed=3, config=config(), start=T0)
+def _two(seed):
+    net = simnet.SimulatedNetwork(seed=seed, config=config(), start=T0)
     a = net.add()
     b = net.add([a.addr])
     net.run(3.0)
+    return net, a, b
+
+
+def test_only_the_owner_ends_its_session_as_its_owner_a_forged_left_or_new_seal_is_refused():
+    net, a, b = _two(3)
     old = b.sid
-    zombie = dict(b.map.get(old), state=crdt.LEFT, left_at=net.now, version=b.record["version"] + 1)
-    net.send(a.addr, [on.Out(b.addr, {"t": "r", "r": {old: zombie}}, False)])
+    held = b.map.get(old)
+    zombie = dict(held, state=crdt.LEFT, left_at=net.now, version=b.record["version"] + 1)   # no unseal
+    reseal = dict(held, version=held["version"] + 5, seal="0" * 32, models=["forged"])
+    net.send(a.addr, [on.Out(b.addr, {"t": "r", "r": {old: zombie}}, False),
+                      on.Out(a.addr, {"t": "r", "r": {old: reseal}}, False)])
+    net.run(3.0)
+    assert b.sid == old and a.map.get(old)["state"] == crdt.SERVING and a.map.get(old).get("models") != ["forged"]
+    assert a.map.refused["seal"] >= 1 and b.map.refused["seal"] >= 1
+    net.send(b.addr, b.leave(net.now))                       # the owner's own LEFT unseals: taken
+    net.run(3.0)
+    left = a.map.get(old)
+    assert left["state"] == crdt.LEFT and crdt.seal_of(left["unseal"]) == left["seal"]
+
+
+def test_an_eviction_needs_the_failure_detectors_evidence():
+    net, a, b = _two(4)
+    old = b.sid
+    bare = dict(b.map.get(old), state=crdt.LEFT, left_at=net.now, evicted_by=a.sid)
+    net.send(a.addr, [on.Out(b.addr, {"t": "r", "r": {old: bare}}, False)])
+    net.run(3.0)
+    assert b.sid == old and b.map.refused["eviction_without_evidence"] == 1
+    with pytest.raises(crdt.RecordError, match="grace"):     # sooner than its own grace: malformed
+        crdt.validate(old, dict(bare, evidence={"since": bare["left_at"], "grace": 5.0, "by": [a.sid]}))
+    # Evidence can be made up by a key holder: the live member then rejoins as a new session
+    evicted = dict(bare, left_at=net.now, evidence={"since": net.now - 5.0, "grace": 4.0, "by": [a.sid]})
+    net.send(a.addr, [on.Out(b.addr, {"t": "r", "r": {old: evicted}}, False)])
     net.run(3.0)
     assert b.sid != old and a.map.get(b.sid)["state"] == crdt.SERVING
+
+
+def test_a_dead_member_is_evicted_with_the_evidence_of_its_suspicion():
+    net = simnet.SimulatedNetwork(seed=6, config=config(), start=T0)
+    members = [net.add()]
+    members += [net.add([members[0].addr]) for _ in range(4)]
+    net.run(5.0)
+    victim = members[-1]
+    net.kill(victim.addr)
+    net.run(30.0)
+    record = members[0].map.get(victim.sid)
+    evidence = record["evidence"]
+    assert record["state"] == crdt.LEFT and record["evicted_by"] in evidence["by"]
+    assert set(evidence["by"]) <= {m.sid for m in members[:-1]}
+    assert record["left_at"] >= evidence["since"] + evidence["grace"] > evidence["since"]
 
 
 def test_entries_of_a_kind_this_release_does_not_know_are_carried_and_bounded():

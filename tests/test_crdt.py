@@ -23,13 +23,17 @@ def record(state=SERVING, version=1, **extra):
     return base
 
 
+EVIDENCE = {"since": 1990.0, "grace": 5.0, "by": ["b" * 32]}   # an eviction by b, 10 s after the suspicion
+
+
 # A write is (session id, record); the strategy covers every state, version ties, and
 # concurrent evictions by different members (same state and version, different content).
 writes = st.builds(
     lambda sid, state, version, model, evictor: (
         sid,
         record(state, version, models=[model],
-               **({"evicted_by": evictor, "left_at": 2000.0 + version} if state >= DOWN else {}))),
+               **({"evicted_by": evictor, "left_at": 2000.0 + version,
+                   "evidence": {"since": 1990.0, "grace": 5.0, "by": [evictor]}} if state >= DOWN else {}))),
     st.sampled_from(SESSION_IDS), st.sampled_from([JOIN, SERVING, DOWN, LEFT]),
     st.integers(0, 3), st.sampled_from(["m1", "m2", "m3"]),
     st.sampled_from(["e" * 32, "f" * 32]))
@@ -157,7 +161,7 @@ def test_compacted_left_records_never_come_back(a, now):
 def test_higher_state_wins_whatever_the_version():
     gmap = GMap()
     gmap.put("a" * 32, record(SERVING, version=9))
-    gmap.put("a" * 32, record(DOWN, version=0, evicted_by="b" * 32), writer="b" * 32)
+    gmap.put("a" * 32, record(DOWN, version=0, evicted_by="b" * 32, evidence=EVIDENCE), writer="b" * 32)
     assert gmap.get("a" * 32)["state"] == DOWN
     assert gmap.put("a" * 32, record(SERVING, version=10)) is False
     assert gmap.get("a" * 32)["state"] == DOWN
@@ -181,7 +185,7 @@ def test_an_eviction_names_its_writer():
     gmap = GMap()
     with pytest.raises(RecordError, match="evicted_by"):
         gmap.put("a" * 32, record(LEFT), writer="b" * 32)
-    assert gmap.put("a" * 32, record(LEFT, evicted_by="b" * 32), writer="b" * 32) is True
+    assert gmap.put("a" * 32, record(LEFT, evicted_by="b" * 32, evidence=EVIDENCE), writer="b" * 32) is True
     assert gmap.get("a" * 32)["evicted_by"] == "b" * 32
 
 
@@ -478,6 +482,36 @@ def test_usage_slots_older_than_the_retention_are_compacted_and_refused_after():
     gmap.compact(now)
     assert [r["day"] for r in gmap.usage_records()] == ["2026-12-01"]
     assert gmap.merge([(crdt.usage_entry(old["key"], "m1", old["day"], old["slot"]), old)]) == []
+
+
+def test_day_and_month_counters_are_kept_by_their_own_retention():
+    gmap = GMap(usage_days=2, usage_months=2)
+    periods = ["2026-10", "2026-11", "2026-12", "2026-11-30", "2026-12-01", "2026-12-02"]
+    for period in periods:
+        rec = crdt.usage_record(KEY_HASHES[0], crdt.ALL_MODELS, period, SLOTS[0], 1, 1, 1, 1)
+        gmap.put(crdt.usage_entry(rec["key"], rec["model"], period, rec["slot"]), rec)
+    gmap.compact(crdt.day_start("2026-12-02") + 3600.0)
+    assert sorted(r["day"] for r in gmap.usage_records()) == ["2026-11", "2026-12", "2026-12-01", "2026-12-02"]
+    late = crdt.usage_record(KEY_HASHES[1], crdt.ALL_MODELS, "2026-10", SLOTS[0], 1, 1, 1, 1)
+    assert gmap.merge([(crdt.usage_entry(late["key"], "", "2026-10", late["slot"]), late)]) == []
+
+
+@pytest.mark.parametrize("period", ["2026-12-1", "2026", "2026-12-01T00", "12-2026", ""])
+def test_a_usage_period_is_a_day_or_a_month(period):
+    rec = crdt.usage_record(KEY_HASHES[0], crdt.ALL_MODELS, period, SLOTS[0], 1, 1, 1, 1)
+    with pytest.raises(crdt.RecordError, match="YYYY-MM"):
+        crdt.validate(crdt.usage_entry(rec["key"], "", period, rec["slot"]), rec)
+
+
+def test_spent_counts_day_counters_month_counters_and_a_release_befores_per_model_days_once():
+    key = KEY_HASHES[0]
+    records = [crdt.usage_record(key, "", "2026-12-04", SLOTS[0], 1, 1, 10, 5),     # today, all models
+               crdt.usage_record(key, "", "2026-12", SLOTS[0], 1, 3, 40, 20),       # its month (today in it)
+               crdt.usage_record(key, "m1", "2026-12-04", SLOTS[1], 1, 1, 100, 0),  # an older ingress's slot
+               crdt.usage_record(key, "m1", "2026-12-01", SLOTS[1], 1, 1, 1000, 0),
+               crdt.usage_record(key, "", "2026-11", SLOTS[0], 1, 1, 7, 0),
+               crdt.usage_record(KEY_HASHES[1], "", "2026-12-04", SLOTS[0], 1, 1, 9, 9)]
+    assert crdt.usage_spent(records, key, "2026-12-04") == (15 + 100, 60 + 100 + 1000)
 
 
 def test_days_convert_both_ways_in_utc():

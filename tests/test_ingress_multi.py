@@ -447,6 +447,27 @@ def test_requests_another_ingress_served_take_from_this_ingress_rate_bucket(stac
     print(f"bucket refilled after {took:.2f} s")
 
 
+def test_the_replicated_counters_are_per_key_day_and_month_and_a_peers_month_total_spends_the_budget(stack):
+    import crdt
+    stack.engine("m1")
+    made = add_key(stack, budget_month=1000)
+    digest = otela_ingress_hash(made["key"])
+    assert Client(stack.url, made["key"]).chat("m1")[0] == 200
+    day = crdt.time_day(time.time())
+    mine = poll(lambda: [r for r in stack.ingress.cluster.mine.values() if r["key"] == digest
+                         and r["requests"] == 1] or None, "our counters")[0]
+    assert sorted((r["model"], r["day"]) for r in mine) == [("", day[:7]), ("", day)]
+    peer = "e" * 32   # another ingress's month total for this key: the month budget is spent
+    record = crdt.usage_record(digest, crdt.ALL_MODELS, day[:7], peer, 1, 40, 500, 500)
+    stack.call(stack.ingress.cluster.publish, crdt.usage_entry(digest, "", day[:7], peer), record)
+    status, _, body = Client(stack.url, made["key"]).chat("m1")
+    assert status == 429 and "tokens a month" in json.loads(body)["error"]["message"]
+    admin = stack.key(admin=True)
+    view = json.loads(Client(stack.url, admin).request("GET", f"/v1/admin/usage?key={made['id']}")[2])
+    assert [(r["model"], r["day"], r["requests"]) for r in view["data"]] == [("*", day, 1)]
+    assert [(r["month"], r["requests"]) for r in view["months"]] == [(day[:7], 41)]
+
+
 def otela_ingress_hash(token: str) -> str:
     import otela_ingress
     return otela_ingress.hash_key(token)
