@@ -807,7 +807,7 @@ class GMap:
             if known is not None and record == known.record:
                 continue        # a duplicate (most of gossip): valid and changes nothing
             encoded = validate(session_id, record)
-            if known is None and kind_of(session_id) == SESSION:
+            if known is None and ":" not in session_id:   # a session (validated above)
                 more, more_bytes = extra if session_id in joining else (0, 0)
                 if room + more <= 0 or room_bytes + more_bytes < len(encoded):
                     self.refused["sessions_full"] += 1

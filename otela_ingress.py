@@ -948,7 +948,12 @@ class ClusterKeys:
             self.publish(crdt.key_entry(digest), record)
 
     def adopt_slots(self, slots: List[Tuple[str, Dict[str, Any]]]) -> None:
-        """Usage slots kept in SQLite (ours from before a restart, and other ingresses')."""
+        """Usage slots kept in SQLite (ours from before a restart, and other ingresses'): taken
+        back as they were, not published (no slot but our session's own is ours to write)."""
+        node = self.ingress.node
+        if hasattr(node, "adopt"):
+            node.adopt(slots)   # the overlay tells on_entry, as for any change
+            return
         for entry_id, record in slots:
             self.publish(entry_id, record)
 

@@ -607,10 +607,272 @@ class Suspicion:
         self.since = since
         self.confirmers = {by}
         self.deadline = math.inf
-        self.held = False                           # eviction held back (see Overlay._evict)
+        self.held = False                           # eviction held back (see FailureDetector._evict)
 
 
-class Overlay:
+class FailureDetector:
+    """The failure detector's half of an Overlay (SWIM probes over three paths, Lifeguard
+    suspicion, evictions with their evidence): the same object's state (members, suspects,
+    probe, local health), kept apart by concern. Overlay is the only class built on it."""
+
+    # -- queries ----------------------------------------------------------------------------
+    def is_suspected(self, sid: str) -> bool:
+        return sid in self.suspects
+
+    # -- message handlers -------------------------------------------------------------------
+    def _on_p(self, msg, src, now, tcp):
+        if self.leaving:
+            return []
+        if msg["to"] != self.sid[:SHORT_ID]:
+            # An old session at this address (we restarted here): the prober does not know us
+            # yet. Start an anti-entropy exchange with it (once per push-pull period), so it
+            # learns our session, and that ours supersedes the one it is probing, at once.
+            if now - self.hinted.get(src, -math.inf) < self.cfg.push_pull_interval:
+                return []
+            self.hinted[src] = now
+            return [self._digest_to(src)]
+        out = [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
+        if "sv" in msg:                             # the prober suspects us: refute at once
+            out += self._suspect(self.sid, int(msg["sv"]), "", now, None)
+        return out
+
+    def _on_a(self, msg, src, now, tcp):
+        n = msg["n"]
+        p = self.probe
+        if p is not None and n == p["seq"]:
+            if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
+                self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
+            self._acked(p["sid"], now - p["start"], now)
+            self._end_probe()
+            return []
+        relay = self.relays.pop(n, None)
+        if relay is not None:
+            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
+        late = self.late.get(n)
+        if late is not None:                        # after its round gave up: still evidence
+            sid = late[0]
+            self._acked(sid, now - late[1], now)
+            if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
+                self._degrade()                     # we alone accused a live member: our clock
+                                                    # or socket lags, so we judge more slowly
+            sus = self.suspects.get(sid)
+            if sus is not None and sid in self.members:   # tell it, so that it refutes
+                return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
+        return []
+
+    def _acked(self, sid: str, rtt: float, now: float) -> None:
+        """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
+        ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
+        self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
+        self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
+        sus = self.suspects.get(sid)
+        if sus is not None:
+            record = self.map.get(sid)
+            if record is not None and record["version"] <= sus.version:
+                del self.suspects[sid]              # fresh evidence beats a rumour
+                self._notify(sid, record)
+
+    def _on_i(self, msg, src, now, tcp):
+        self.seq += 1
+        cfg = self.cfg
+        nack_at = now + cfg.nack_after * cfg.indirect_timeout
+        expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
+        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
+        split_addr(msg["a"])
+        return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
+
+    def _on_n(self, msg, src, now, tcp):
+        p = self.probe
+        if p is not None and msg["n"] == p["seq"]:
+            p["nacks"] += 1
+        return []
+
+    def _nacks(self, now: float) -> List[Out]:
+        """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
+        out = []
+        for seq, relay in list(self.relays.items()):
+            if relay[3] <= now:
+                relay[3] = math.inf
+                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
+            if relay[2] <= now:
+                del self.relays[seq]
+        return out
+
+    # -- failure detection ------------------------------------------------------------------
+    def _start_probe(self, now: float) -> List[Out]:
+        """Probe the member `offset` places after us on the ring of sorted session ids, with one
+        offset per round for everyone (a hash of the round number): with one view of the
+        membership each round is a permutation, so every member is probed by exactly one other
+        in every round, and a dead one is suspected within one round plus the timeouts (a
+        random choice leaves it unprobed for a round with p = 1/e, and the p99 at ~5 rounds).
+        The prober of a member changes every round, so one sick prober judges nobody twice."""
+        if not self.members:
+            self.next_probe = now + self.cfg.probe_interval
+            return []
+        if self.ring is None:
+            self.ring = sorted([self.sid, *self.members])
+        ring = self.ring
+        rnd = int(now / self.cfg.probe_interval)
+        offset = 1 + ((rnd * 2654435761) >> 7) % (len(ring) - 1)   # Knuth's multiplicative hash
+        sid = ring[(ring.index(self.sid) + offset) % len(ring)]
+        self.seq += 1
+        addr = self.members[sid]
+        self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
+                      "extended": False, "nacks": 0, "helpers": 0}
+        self.late[self.seq] = (sid, now)
+        self._set_deadline()
+        ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
+        sus = self.suspects.get(sid)
+        if sus is not None:
+            ping["sv"] = sus.version                # Lifeguard's buddy: tell it, so it refutes
+        self.probe["ping"] = ping
+        return [Out(addr, ping, False)]
+
+    def _timeout(self, name: str, sid: str) -> float:
+        """A probe phase's timeout: the direct one stretches for a member known to ack late."""
+        if name == "probe_timeout":
+            cfg = self.cfg
+            record = self.map.get(sid) or {}
+            lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
+            wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
+            return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
+        return getattr(self.cfg, name)
+
+    def _set_deadline(self) -> None:
+        p = self.probe
+        _, after, _ = PROBE_ROUND[p["phase"]]
+        p["deadline"] = p["start"] + sum(self._timeout(f, p["sid"]) for f in after) * (1 + self.lhm)
+
+    def _end_probe(self) -> None:
+        start = self.probe["start"]
+        self.probe = None
+        self.next_probe = start + self.cfg.probe_interval * (1 + self.lhm)
+
+    def _advance_probe(self, now: float) -> List[Out]:
+        p = self.probe
+        if p["sid"] not in self.members:            # left or evicted meanwhile
+            self._end_probe()
+            return []
+        if now - p["deadline"] > self.cfg.stall_threshold and not p["extended"]:
+            # We woke up late, so an ack may be sitting unread in our socket: give it a chance.
+            p["extended"] = True
+            p["deadline"] = now + self.cfg.probe_timeout
+            return []
+        _, _, action = PROBE_ROUND[p["phase"]]
+        if action == "indirect":
+            p["phase"] += 1
+            self._set_deadline()
+            ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
+            helpers = [a for s, a in self.members.items() if s != p["sid"]]
+            helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
+            p["helpers"] = len(helpers)
+            out = [Out(a, ping_req, False) for a in helpers]
+            out.append(Out(p["addr"], p["ping"], True))
+            return out
+        # action == "suspect": no path answered. Lifeguard: if the helpers' nacks did not reach
+        # us either, the fault is likely ours, so we trust our own timeouts less.
+        sid = p["sid"]
+        if p["nacks"] < p["helpers"] or not p["helpers"]:
+            self._degrade()
+        self._end_probe()
+        record = self.map.get(sid)
+        return self._suspect(sid, record["version"], self.sid, now, None)
+
+    def _degrade(self) -> None:
+        self.lhm = min(self.lhm + 1, self.cfg.max_local_health)
+
+    def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
+        if sid == self.sid:
+            if version < self.record["version"] or self.leaving:
+                return []
+            self._degrade()                         # others can't reach us: maybe we are the problem
+            # Refute: a newer version clears the suspicion. It carries our local health, so
+            # that every prober gives a member that knows it is slow longer to answer.
+            return self.update(now, lhm=self.lhm)
+        record = self.map.get(sid)
+        if record is None or record["state"] == crdt.LEFT or version < record["version"]:
+            return []
+        sus = self.suspects.get(sid)
+        new = sus is None or version > sus.version
+        if new:
+            sus = self.suspects[sid] = Suspicion(version, now, by)
+        elif by in sus.confirmers:
+            return []
+        else:
+            sus.confirmers.add(by)
+        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
+        if self.sid != min(sus.confirmers):
+            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
+            # little later, so that N timers firing together do not make N different LEFT records.
+            sus.deadline += 2 * self.cfg.probe_interval
+        out: List[Out] = []
+        if len(sus.confirmers) <= self._expected_confirmations() + 1:
+            out = self._rumour([("s", sid, by)], now, src)
+        if new:
+            self._notify(sid, record)
+        return out
+
+    def _expected_confirmations(self) -> int:
+        return max(1, int(self.cfg.suspicion_mult) - 2)
+
+    def _grace(self, confirmations: int) -> float:
+        """Lifeguard: start at max, fall towards min (which grows with log N) as independent
+        confirmations arrive."""
+        n = len(self.members) + 1
+        low = self.cfg.suspicion_mult * max(1.0, math.log10(n)) * self.cfg.probe_interval
+        high = self.cfg.suspicion_max_mult * low
+        k = self._expected_confirmations()
+        frac = math.log(confirmations + 1) / math.log(k + 1)
+        return max(low, high - (high - low) * frac)
+
+    def _evict(self, sid: str, now: float) -> List[Out]:
+        sus = self.suspects[sid]
+        if self._partitioned(now) and now - sus.since < self.cfg.suspicion_hold_max:
+            # A quarter of the cluster unreachable at once (and at least 3 members) is far
+            # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
+            # nobody, so the halves merge again without losing the sessions alive on each.
+            sus.held = True
+            sus.deadline = now + self.cfg.probe_interval
+            return []
+        if sus.held:
+            # The split is over (or was never one): a held suspect gets a whole grace from now
+            # to hear of it and refute, as the rest of the cluster comes back into view.
+            sus.held = False
+            sus.since = now
+            sus.deadline = now + self._grace(len(sus.confirmers) - 1)
+            return []
+        del self.suspects[sid]
+        others = sorted(c for c in sus.confirmers if c != self.sid)[: crdt.MAX_CONFIRMERS - 1]
+        grace = min(self._grace(len(sus.confirmers) - 1), max(0.0, now - sus.since))
+        return self._retire(sid, now, "suspected and unrefuted",
+                            {"since": sus.since, "grace": grace, "by": [self.sid] + others})
+
+    PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
+    PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
+                                    # rest are suspected) must not shrink the cluster it is judged
+                                    # against; steady churn (a kill every 20 s) stays below it
+
+    def _partitioned(self, now: float) -> bool:
+        evictions = self.evictions
+        while evictions and evictions[0] < now - self.PARTITION_WINDOW:
+            evictions.popleft()
+        unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
+        return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
+
+    def _retire(self, sid: str, now: float, why: str, evidence: Dict[str, Any]) -> List[Out]:
+        """Write LEFT for another member's session, as its evictor, with the evidence (crdt: the
+        end of a session); the writer pushes it to all."""
+        self.suspects.pop(sid, None)
+        record = self.map.get(sid)
+        if record is None or record["state"] == crdt.LEFT:
+            return []
+        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=evidence)
+        self.map.put(sid, record, writer=self.sid)
+        log.info("session %s evicted: %s", sid, why)
+        return self._changed([sid], now, origin=True)
+
+
+class Overlay(FailureDetector):
     """Membership protocol state for one member. No I/O: every method takes `now` (unix time,
     the one clock) and returns the list of Out messages to send."""
 
@@ -854,88 +1116,7 @@ class Overlay:
         times.extend(s.deadline for s in self.suspects.values())
         return min(times)
 
-    # -- queries ----------------------------------------------------------------------------
-    def is_suspected(self, sid: str) -> bool:
-        return sid in self.suspects
-
     # -- message handlers -------------------------------------------------------------------
-    def _on_p(self, msg, src, now, tcp):
-        if self.leaving:
-            return []
-        if msg["to"] != self.sid[:SHORT_ID]:
-            # An old session at this address (we restarted here): the prober does not know us
-            # yet. Start an anti-entropy exchange with it (once per push-pull period), so it
-            # learns our session, and that ours supersedes the one it is probing, at once.
-            if now - self.hinted.get(src, -math.inf) < self.cfg.push_pull_interval:
-                return []
-            self.hinted[src] = now
-            return [self._digest_to(src)]
-        out = [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
-        if "sv" in msg:                             # the prober suspects us: refute at once
-            out += self._suspect(self.sid, int(msg["sv"]), "", now, None)
-        return out
-
-    def _on_a(self, msg, src, now, tcp):
-        n = msg["n"]
-        p = self.probe
-        if p is not None and n == p["seq"]:
-            if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
-                self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
-            self._acked(p["sid"], now - p["start"], now)
-            self._end_probe()
-            return []
-        relay = self.relays.pop(n, None)
-        if relay is not None:
-            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
-        late = self.late.get(n)
-        if late is not None:                        # after its round gave up: still evidence
-            sid = late[0]
-            self._acked(sid, now - late[1], now)
-            if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
-                self._degrade()                     # we alone accused a live member: our clock
-                                                    # or socket lags, so we judge more slowly
-            sus = self.suspects.get(sid)
-            if sus is not None and sid in self.members:   # tell it, so that it refutes
-                return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
-        return []
-
-    def _acked(self, sid: str, rtt: float, now: float) -> None:
-        """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
-        ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
-        self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
-        self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
-        sus = self.suspects.get(sid)
-        if sus is not None:
-            record = self.map.get(sid)
-            if record is not None and record["version"] <= sus.version:
-                del self.suspects[sid]              # fresh evidence beats a rumour
-                self._notify(sid, record)
-
-    def _on_i(self, msg, src, now, tcp):
-        self.seq += 1
-        cfg = self.cfg
-        nack_at = now + cfg.nack_after * cfg.indirect_timeout
-        expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
-        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
-        split_addr(msg["a"])
-        return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
-
-    def _on_n(self, msg, src, now, tcp):
-        p = self.probe
-        if p is not None and msg["n"] == p["seq"]:
-            p["nacks"] += 1
-        return []
-
-    def _nacks(self, now: float) -> List[Out]:
-        """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
-        out = []
-        for seq, relay in list(self.relays.items()):
-            if relay[3] <= now:
-                relay[3] = math.inf
-                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
-            if relay[2] <= now:
-                del self.relays[seq]
-        return out
 
     def _on_k(self, msg, src, now, tcp):
         push = self.pushes.get(msg["k"])
@@ -1060,7 +1241,7 @@ class Overlay:
             raise ValueError("records must be an object")
         fresh = {}
         for sid, record in records.items():
-            if isinstance(sid, str) and crdt.plane_of(sid) == crdt.INGRESS:
+            if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
                 # The ingress plane: held by ingresses, written only by the ingress tier. A worker
                 # drops it (an ingress of the release before planes still sends it); an ingress
                 # applies only what the tier signed (the cluster key alone writes nothing here).
@@ -1361,178 +1542,6 @@ class Overlay:
             return addrs
         return self.rng.sample(addrs, k)
 
-    # -- failure detection ------------------------------------------------------------------
-    def _start_probe(self, now: float) -> List[Out]:
-        """Probe the member `offset` places after us on the ring of sorted session ids, with one
-        offset per round for everyone (a hash of the round number): with one view of the
-        membership each round is a permutation, so every member is probed by exactly one other
-        in every round, and a dead one is suspected within one round plus the timeouts (a
-        random choice leaves it unprobed for a round with p = 1/e, and the p99 at ~5 rounds).
-        The prober of a member changes every round, so one sick prober judges nobody twice."""
-        if not self.members:
-            self.next_probe = now + self.cfg.probe_interval
-            return []
-        if self.ring is None:
-            self.ring = sorted([self.sid, *self.members])
-        ring = self.ring
-        rnd = int(now / self.cfg.probe_interval)
-        offset = 1 + ((rnd * 2654435761) >> 7) % (len(ring) - 1)   # Knuth's multiplicative hash
-        sid = ring[(ring.index(self.sid) + offset) % len(ring)]
-        self.seq += 1
-        addr = self.members[sid]
-        self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
-                      "extended": False, "nacks": 0, "helpers": 0}
-        self.late[self.seq] = (sid, now)
-        self._set_deadline()
-        ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
-        sus = self.suspects.get(sid)
-        if sus is not None:
-            ping["sv"] = sus.version                # Lifeguard's buddy: tell it, so it refutes
-        self.probe["ping"] = ping
-        return [Out(addr, ping, False)]
-
-    def _timeout(self, name: str, sid: str) -> float:
-        """A probe phase's timeout: the direct one stretches for a member known to ack late."""
-        if name == "probe_timeout":
-            cfg = self.cfg
-            record = self.map.get(sid) or {}
-            lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
-            wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
-            return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
-        return getattr(self.cfg, name)
-
-    def _set_deadline(self) -> None:
-        p = self.probe
-        _, after, _ = PROBE_ROUND[p["phase"]]
-        p["deadline"] = p["start"] + sum(self._timeout(f, p["sid"]) for f in after) * (1 + self.lhm)
-
-    def _end_probe(self) -> None:
-        start = self.probe["start"]
-        self.probe = None
-        self.next_probe = start + self.cfg.probe_interval * (1 + self.lhm)
-
-    def _advance_probe(self, now: float) -> List[Out]:
-        p = self.probe
-        if p["sid"] not in self.members:            # left or evicted meanwhile
-            self._end_probe()
-            return []
-        if now - p["deadline"] > self.cfg.stall_threshold and not p["extended"]:
-            # We woke up late, so an ack may be sitting unread in our socket: give it a chance.
-            p["extended"] = True
-            p["deadline"] = now + self.cfg.probe_timeout
-            return []
-        _, _, action = PROBE_ROUND[p["phase"]]
-        if action == "indirect":
-            p["phase"] += 1
-            self._set_deadline()
-            ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
-            helpers = [a for s, a in self.members.items() if s != p["sid"]]
-            helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
-            p["helpers"] = len(helpers)
-            out = [Out(a, ping_req, False) for a in helpers]
-            out.append(Out(p["addr"], p["ping"], True))
-            return out
-        # action == "suspect": no path answered. Lifeguard: if the helpers' nacks did not reach
-        # us either, the fault is likely ours, so we trust our own timeouts less.
-        sid = p["sid"]
-        if p["nacks"] < p["helpers"] or not p["helpers"]:
-            self._degrade()
-        self._end_probe()
-        record = self.map.get(sid)
-        return self._suspect(sid, record["version"], self.sid, now, None)
-
-    def _degrade(self) -> None:
-        self.lhm = min(self.lhm + 1, self.cfg.max_local_health)
-
-    def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
-        if sid == self.sid:
-            if version < self.record["version"] or self.leaving:
-                return []
-            self._degrade()                         # others can't reach us: maybe we are the problem
-            # Refute: a newer version clears the suspicion. It carries our local health, so
-            # that every prober gives a member that knows it is slow longer to answer.
-            return self.update(now, lhm=self.lhm)
-        record = self.map.get(sid)
-        if record is None or record["state"] == crdt.LEFT or version < record["version"]:
-            return []
-        sus = self.suspects.get(sid)
-        new = sus is None or version > sus.version
-        if new:
-            sus = self.suspects[sid] = Suspicion(version, now, by)
-        elif by in sus.confirmers:
-            return []
-        else:
-            sus.confirmers.add(by)
-        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
-        if self.sid != min(sus.confirmers):
-            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
-            # little later, so that N timers firing together do not make N different LEFT records.
-            sus.deadline += 2 * self.cfg.probe_interval
-        out: List[Out] = []
-        if len(sus.confirmers) <= self._expected_confirmations() + 1:
-            out = self._rumour([("s", sid, by)], now, src)
-        if new:
-            self._notify(sid, record)
-        return out
-
-    def _expected_confirmations(self) -> int:
-        return max(1, int(self.cfg.suspicion_mult) - 2)
-
-    def _grace(self, confirmations: int) -> float:
-        """Lifeguard: start at max, fall towards min (which grows with log N) as independent
-        confirmations arrive."""
-        n = len(self.members) + 1
-        low = self.cfg.suspicion_mult * max(1.0, math.log10(n)) * self.cfg.probe_interval
-        high = self.cfg.suspicion_max_mult * low
-        k = self._expected_confirmations()
-        frac = math.log(confirmations + 1) / math.log(k + 1)
-        return max(low, high - (high - low) * frac)
-
-    def _evict(self, sid: str, now: float) -> List[Out]:
-        sus = self.suspects[sid]
-        if self._partitioned(now) and now - sus.since < self.cfg.suspicion_hold_max:
-            # A quarter of the cluster unreachable at once (and at least 3 members) is far
-            # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
-            # nobody, so the halves merge again without losing the sessions alive on each.
-            sus.held = True
-            sus.deadline = now + self.cfg.probe_interval
-            return []
-        if sus.held:
-            # The split is over (or was never one): a held suspect gets a whole grace from now
-            # to hear of it and refute, as the rest of the cluster comes back into view.
-            sus.held = False
-            sus.since = now
-            sus.deadline = now + self._grace(len(sus.confirmers) - 1)
-            return []
-        del self.suspects[sid]
-        others = sorted(c for c in sus.confirmers if c != self.sid)[: crdt.MAX_CONFIRMERS - 1]
-        grace = min(self._grace(len(sus.confirmers) - 1), max(0.0, now - sus.since))
-        return self._retire(sid, now, "suspected and unrefuted",
-                            {"since": sus.since, "grace": grace, "by": [self.sid] + others})
-
-    PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
-    PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
-                                    # rest are suspected) must not shrink the cluster it is judged
-                                    # against; steady churn (a kill every 20 s) stays below it
-
-    def _partitioned(self, now: float) -> bool:
-        evictions = self.evictions
-        while evictions and evictions[0] < now - self.PARTITION_WINDOW:
-            evictions.popleft()
-        unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
-        return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
-
-    def _retire(self, sid: str, now: float, why: str, evidence: Dict[str, Any]) -> List[Out]:
-        """Write LEFT for another member's session, as its evictor, with the evidence (crdt: the
-        end of a session); the writer pushes it to all."""
-        self.suspects.pop(sid, None)
-        record = self.map.get(sid)
-        if record is None or record["state"] == crdt.LEFT:
-            return []
-        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=evidence)
-        self.map.put(sid, record, writer=self.sid)
-        log.info("session %s evicted: %s", sid, why)
-        return self._changed([sid], now, origin=True)
 
     def _count(self, out: List[Out]) -> List[Out]:
         for o in out:
@@ -1544,6 +1553,25 @@ class Overlay:
     # the same map. They travel as any change does: pushed by their writer to every member and
     # resent until acked, carried by digests and push-pull, and sent whole to a joiner, so an
     # ingress that was down catches up when it rejoins. They never touch membership.
+    def adopt(self, entries: List[Tuple[str, Dict[str, Any]]], now: float) -> List[Out]:
+        """Key records and usage slots an ingress kept on its own disk, taken back at its start:
+        its slots from before a restart (another session's now) and the other ingresses' it had
+        heard. Its own disk is as trusted as its secret, so a record whose signature does not
+        verify (a release before signing, a retired secret) is signed anew; none is pushed (the
+        other ingresses hold them, or pull them by digest). A malformed one is skipped."""
+        if crdt.INGRESS not in self.map.planes:
+            raise crdt.RecordError("only an ingress holds keys and usage")
+        changed = []
+        for entry_id, record in entries:
+            if self.authority is not None and not self.authority.verify(entry_id, record):
+                record = self.authority.sign(entry_id, record)
+            try:
+                if self.map.put(entry_id, record):
+                    changed.append(entry_id)
+            except crdt.RecordError as exc:
+                log.warning("not taken back from the database: %s", exc)
+        return self._count(self._changed(changed, now, push=False))
+
     def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
         """Write a key record or one of our usage slots; rumoured if it changed the map."""
         if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE):
@@ -4347,6 +4375,11 @@ class Node:
     def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
         """Write a replicated key record or usage slot (see Overlay.publish)."""
         self._send(self.overlay.publish(entry_id, record, time.time()))
+        self._schedule()
+
+    def adopt(self, entries: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Take back the ingress plane's entries kept in this ingress's --db (see Overlay.adopt)."""
+        self._send(self.overlay.adopt(entries, time.time()))
         self._schedule()
 
     def rejoin(self, **fields) -> None:

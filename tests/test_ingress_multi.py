@@ -468,6 +468,21 @@ def test_the_replicated_counters_are_per_key_day_and_month_and_a_peers_month_tot
     assert [(r["month"], r["requests"]) for r in view["months"]] == [(day[:7], 41)]
 
 
+def test_a_release_befores_per_model_day_slot_counts_in_its_day_and_its_month(stack):
+    import crdt
+    stack.engine("m1")
+    made = add_key(stack, budget_day=10**6, budget_month=1000)
+    digest = otela_ingress_hash(made["key"])
+    day = crdt.time_day(time.time())
+    peer = "d" * 32   # an ingress of the release before: one slot per key, model and day
+    record = crdt.usage_record(digest, "m1", day, peer, 1, 3, 600, 500)
+    stack.call(stack.ingress.cluster.publish, crdt.usage_entry(digest, "m1", day, peer), record)
+    usage = stack.ingress.cluster.usage(digest, time.time())
+    assert (usage["tokens_today"], usage["tokens_this_month"]) == (1100, 1100)
+    status, _, body = Client(stack.url, made["key"]).chat("m1")
+    assert status == 429 and "tokens a month" in json.loads(body)["error"]["message"]
+
+
 def otela_ingress_hash(token: str) -> str:
     import otela_ingress
     return otela_ingress.hash_key(token)
@@ -500,3 +515,41 @@ def test_a_database_from_before_replication_gets_the_new_columns_and_its_keys_re
     assert records["a" * 64] == {"state": 0, "version": 0, "id": "k1", "user": "ann", "created": 1000.0,
                                  "allow": ["site=a"], "admin": True, "rate": 2.5}
     assert records["b" * 64]["state"] == 1 and records["b" * 64]["revoked_at"] == 1500.0
+
+
+def test_a_restarted_ingress_counts_the_usage_its_database_kept_in_budgets(tmp_path):
+    """A restarted ingress is a new session: the slots its --db kept are another session's, taken
+    back as they were (before: refused as not its own to write, and the day's use forgotten)."""
+    import asyncio
+
+    import crdt
+    import otela_ingress
+    import otela_node
+    db = str(tmp_path / "u.sqlite")
+
+    async def life(spend):
+        config = otela_node.Config(key=b"k" * 32, gossip="127.0.0.1:0", listen="127.0.0.1:0",
+                                   ingress_keys=[b"i" * 32])
+        node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
+        ingress = otela_ingress.Ingress(node, db_path=db)
+        await node.start(serve_http=False)
+        await ingress.start("127.0.0.1", 0)
+        try:
+            if spend:
+                _, digest, record = otela_ingress.new_key("eve", [], False, 0.0, 1000, 0, None)
+                ingress.cluster.publish(crdt.key_entry(digest), record)
+                key = otela_ingress.Key.of_record(digest, ingress.cluster.records[digest])
+                for _ in range(3):
+                    ingress.cluster.count(key, "m1", 100, 50)
+                ingress.cluster.flush()
+                return digest, node.session_id
+            digest = spent[0]
+            return ingress.cluster.usage(digest, time.time()), node.session_id
+        finally:
+            await ingress.stop()
+            await node.stop(leave=True)
+
+    spent = asyncio.run(life(True))
+    usage, session = asyncio.run(life(False))
+    assert session != spent[1]
+    assert (usage["tokens_today"], usage["tokens_this_month"]) == (450, 450)
