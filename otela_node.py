@@ -2961,6 +2961,9 @@ class Tunnel:
 #      record names the --listen address it binds, which for a private worker no dialer can
 #      reach: an ingress that routed to it then would wait out a connect timeout per request,
 #      and count those failures against a session that is fine once its record says "relay/…".
+#      Nor does a member whose reach is checked offer to relay ("relaying") before a seed dialled
+#      it back: a private worker started beside it would be named that address (rule 7) and
+#      wait out tcp_timeout on a link that cannot open (5 s more before its own SERVING).
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
                                     # and the answer stays one small frame (under max_datagram)
@@ -4276,7 +4279,9 @@ class Node:
                   "relaying": bool(cfg.relay)}
         checks_reach = (cfg.reach == "private" and self.role != "relay") or \
             (self.role not in SEED_ROLES and cfg.reach == "auto" and bool(cfg.bootstrap))
-        if checks_reach and self.role == "worker" and state == crdt.SERVING:   # rule 8
+        if checks_reach:                            # rule 8: no relaying offered before we are dialable
+            record["relaying"] = False
+        if checks_reach and self.role == "worker" and state == crdt.SERVING:
             record["state"], self._held_state = crdt.JOIN, state
         self.reach_pending = checks_reach and self.role == "worker"
         self.overlay = Overlay(cfg, self._pending_id, record, now)
@@ -5046,7 +5051,7 @@ class Node:
                     self.observed = str(heard[0][1].get("seen", ""))
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
-                        self._reach_known()
+                        self._reach_known(relaying=bool(cfg.relay))
                         return
                     self._heard_seeds(heard)
                     break

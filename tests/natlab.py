@@ -483,12 +483,13 @@ def run_no_relay_seed(tmp: str, timings: Dict[str, str], relay: str = "before", 
 # node must be served within a few seconds of the ingress seeing it SERVING, and no request fail
 # (their first records name private addresses the ingress cannot dial).
 def run_started_together(mode: str, tmp: str, timings: Dict[str, str], seconds: float = 10.0,
-                         routed: bool = True) -> Dict[str, Any]:
+                         routed: bool = True, within: float = 5.0) -> Dict[str, Any]:
     """Build a lab with both NATs `mode`, start the ingress, then both nodes at once; send 5
     plain chat/s from the public host from the moment the ingress sees a worker SERVING, for
     `seconds`. Returns the outcomes, the failures (when, what) and, per node, seconds from the
     ingress first seeing it SERVING to its first answered request (None: never served).
-    `routed` (NatLab's): a dial of a private address times out, as on a cloud's network."""
+    `routed` (NatLab's): a dial of a private address times out, as on a cloud's network. The
+    load goes on until `within` s after the second node was seen SERVING (20 s more at most)."""
     import reliability as rel
     out: Dict[str, Any] = {"scenario": f"started together, {mode}"}
     with NatLab(nat_a=mode, nat_b=mode, routed=routed) as lab, rel.Fleet(tmp, timings) as fleet:
@@ -508,9 +509,11 @@ def run_started_together(mode: str, tmp: str, timings: Dict[str, str], seconds: 
         out["first_serving_after_s"] = round(time.monotonic() - started, 2)
         with rel.Load(pub, ingress.url, fleet.token, rate=5) as load:
             until_ = time.monotonic() + seconds
-            while time.monotonic() < until_:
+            while time.monotonic() < until_ or len(serving_at) < 2 and time.monotonic() < until_ + 20:
                 with contextlib.suppress(OSError, ValueError):
                     look()
+                if len(serving_at) == 2:            # the last one SERVING gets `within` s too
+                    until_ = max(until_, max(serving_at.values()) + within)
                 time.sleep(0.1)
         plain = load.select("plain")
         sessions = {m.name: fleet.registry(m)["self"] for m in nodes}
@@ -529,6 +532,10 @@ def run_started_together(mode: str, tmp: str, timings: Dict[str, str], seconds: 
             out["served_after_serving_s"][name] = (round(max(0.0, served - seen), 2)
                                                    if seen is not None and served is not None else None)
         out["sessions_seen"] = len(serving_at)
+        out["serving_seen_after_s"] = {name: round(serving_at[sid] - t0, 2) if sid in serving_at else None
+                                       for name, sid in sessions.items()}
+        out["served_by"] = {name: sum(1 for r in plain if r[3] == rel.OK and r[4] == sid)
+                            for name, sid in sessions.items()}
         view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
         out["reach_at_ingress"] = {n: view.get(sid, {}).get("reach") for n, sid in sessions.items()}
         fleet.stop(ingress)
@@ -549,6 +556,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--unrouted", action="store_true", help="no route to the private networks")
     parser.add_argument("--default-timings", action="store_true", help="the real defaults, not QUICK_TIMINGS")
     parser.add_argument("--out", help="write the runs as JSON here")
+    parser.add_argument("--keep", help="copy a failed run's logs into this folder")
     args = parser.parse_args(argv)
     why = unavailable()
     if why:
@@ -560,15 +568,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         for i in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="otela-natlab-") as tmp:
                 try:
-                    out = run_started_together(mode, tmp, timings, args.seconds, not args.unrouted)
+                    out = run_started_together(mode, tmp, timings, args.seconds, not args.unrouted, args.within)
                 except (RuntimeError, TimeoutError) as exc:
                     out = {"scenario": f"started together, {mode}", "error": str(exc)}
-            delays = out.get("served_after_serving_s", {})
-            ok = ("error" not in out and out["plain_errors"] == 0 and len(delays) == 2
-                  and all(d is not None and d <= args.within for d in delays.values()))
+                delays = out.get("served_after_serving_s", {})
+                ok = ("error" not in out and out["plain_errors"] == 0 and len(delays) == 2
+                      and all(d is not None and d <= args.within for d in delays.values()))
+                if not ok and args.keep:            # its members' logs, for a look
+                    kept = os.path.join(args.keep, f"{mode}-{i + 1}")
+                    shutil.copytree(tmp, kept, ignore=shutil.ignore_patterns("*.sqlite*", "keys"))
+                    out["logs"] = kept
             passed += ok
             runs.append(dict(out, mode=mode, run=i, ok=ok))
             print(f"{mode:9} run {i + 1:2}: {'ok  ' if ok else 'FAIL'} served after {delays} "
+                  f"(SERVING seen at {out.get('serving_seen_after_s')}, requests {out.get('served_by')}) "
                   f"errors {out.get('plain_errors')}/{out.get('plain_requests')} {out.get('failed', out.get('error'))}",
                   flush=True)
     print(f"{passed} of {len(runs)} runs: both private nodes served within {args.within:g} s of SERVING, "

@@ -143,7 +143,7 @@ def test_a_worker_is_not_serving_at_any_address_before_its_reach_is_known(tmp_pa
 
         def watch(sid, record):
             if record is not None and record.get("role") == "worker":
-                seen.append((record["state"], record["addr"]))
+                seen.append((record["state"], record["addr"], record.get("relaying")))
         bed.ingress_node.on_change(watch)
         worker = await bed.worker(reach=reach)
         assert worker.reach_pending and worker.overlay.record["state"] == crdt.JOIN
@@ -152,8 +152,10 @@ def test_a_worker_is_not_serving_at_any_address_before_its_reach_is_known(tmp_pa
         worker.update(state=crdt.SERVING)          # once known, SERVING is no longer held
         return worker, seen, await bed.chat()
     worker, seen, answer = run(with_bed(tmp_path, t))
-    serving = [addr for state, addr in seen if state == crdt.SERVING]
+    serving = [addr for state, addr, _ in seen if state == crdt.SERVING]
     assert serving and not worker.reach_pending and worker.overlay.record["state"] == crdt.SERVING
+    assert not any(relaying for state, _, relaying in seen if state != crdt.SERVING), seen   # not before
+    assert worker.overlay.record["relaying"] is (reach == "auto" and worker.config.relay)    # dialable: relays
     if reach == "private":
         assert all(on.is_relayed(addr) for addr in serving), seen
     assert answer.startswith(b"HTTP/1.1 200")

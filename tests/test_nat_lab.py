@@ -141,3 +141,4 @@ def test_two_private_nodes_started_together_are_served_from_their_first_seconds(
     delays = out["served_after_serving_s"]
     assert sorted(delays) == ["a", "b"] and all(d is not None and d <= 5.0 for d in delays.values()), out
     assert out["reach_at_ingress"] == {"a": "relayed", "b": "relayed"}
+    assert max(out["serving_seen_after_s"].values()) <= 2.0, out   # both SERVING from their first seconds
