@@ -1351,14 +1351,20 @@ class PassiveHealth:
     Two failures in a row put a session out of this ingress's rotation for SICK_BACKOFF_S; when
     that runs out it is probed back in by the next request (retried elsewhere if it fails, so
     the client never pays for the probe); each relapse doubles the time out, any success ends it.
+    Failures count against the path they happened on (the session's address then): once its
+    record names another (a private node's relayed address), they count no more (`moved`).
     """
 
     def __init__(self):
         self.failures: Dict[str, int] = {}
         self.backoff: Dict[str, float] = {}
         self.sick_until: Dict[str, float] = {}
+        self.paths: Dict[str, str] = {}   # session -> the address its failures were on
 
-    def failed(self, session: str, now: float) -> None:
+    def failed(self, session: str, now: float, path: str = "") -> None:
+        if self.paths.get(session, path) != path:   # the first failure on a new path
+            self.succeeded(session)
+        self.paths[session] = path
         count = self.failures.get(session, 0) + 1
         self.failures[session] = count
         if count >= SICK_AFTER_FAILURES:
@@ -1372,6 +1378,12 @@ class PassiveHealth:
             del self.failures[session]
             self.backoff.pop(session, None)
             self.sick_until.pop(session, None)
+            self.paths.pop(session, None)
+
+    def moved(self, session: str, path: str) -> None:
+        """The session's record names `path` now: failures on another path are forgotten."""
+        if self.paths.get(session, path) != path:
+            self.succeeded(session)
 
     def is_sick(self, session: str, now: float) -> bool:
         until = self.sick_until.get(session)
@@ -2700,6 +2712,7 @@ class _Exchange:
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
     refused: Sequence[Candidate] = ()   # sessions that answered this request with a 5xx
+    unanswered: Sequence[str] = ()      # sessions that failed to answer it (connect, reset…)
     left: Sequence[Candidate] = ()      # the sessions it may still try
     up: Optional[Upstream] = None       # the connection this attempt's answer comes on
     connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
@@ -2754,12 +2767,24 @@ class _Exchange:
         self.to(RETRIED)
         ingress = self.ingress
         if blame:
-            ingress.health.failed(candidate.session, time.monotonic())
+            ingress.health.failed(candidate.session, time.monotonic(), candidate.addr)
+            self.unanswered = (*self.unanswered, candidate.session)
         else:
             self.refused = [*self.refused, candidate]
         ingress.policy.on_request_end(candidate, self.routed, False)
-        self.left = [c for c in self.left if c is not candidate]
+        self.left = [c for c in self.left if c is not candidate] or (self.spares() if blame else [])
         self.next_attempt(failure)
+
+    def spares(self) -> List[Candidate]:
+        """Every session the request could try failed to answer: the others that serve it now
+        (out of rotation for failing, or new since it was routed), so that a connect failure
+        is retried on another session when one exists."""
+        try:
+            candidates = self.ingress.candidates(self.routed.model, self.key)
+        except HTTPError:
+            return []
+        tried = {*self.unanswered, *(c.session for c in self.refused)}
+        return [c for c in candidates if c.session not in tried]
 
     def finish(self, outcome: str, last: bytes = b"") -> bool:
         """Book the end of the request (OUTCOMES) around `last`, the client's last bytes: the
@@ -2794,10 +2819,10 @@ class _Exchange:
         if attempt_open and health == "succeeded":
             ingress.health.succeeded(candidate.session)
         elif attempt_open and health == "failed":
-            ingress.health.failed(candidate.session, now)
+            ingress.health.failed(candidate.session, now, candidate.addr)
         if blame_refused:   # it refused what another session served, or all failed
             for other in self.refused:
-                ingress.health.failed(other.session, now)
+                ingress.health.failed(other.session, now, other.addr)
         if attempt_open:    # last: a user's policy that raises here costs nothing booked
             ingress.policy.on_request_end(candidate, self.routed, ok)
         return True
@@ -3130,6 +3155,8 @@ class Ingress:
             return
         if sid != self.node.session_id:   # a peer's record: the registry is a peer's view now
             self._warm_until = 0.0
+        if record is not None and sid in self.health.paths:   # a new path: its failures are past
+            self.health.moved(sid, record.get("addr", ""))
         self._candidates = {}
 
     async def _sweep(self) -> None:

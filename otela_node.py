@@ -6,26 +6,48 @@ it starts the engine as a child, waits until it is ready, joins the overlay as a
 loopback, and on SIGTERM drains, stops the engine and leaves. The ingress imports this module
 and runs the same overlay with role "ingress".
 
-Data flow:
-    UDP datagram ─▶ Wire.open (HMAC, replay window, size) ─▶ Overlay.receive(msg, src, now)
-    timer         ─▶ Overlay.tick(now)                    ─┘          │
-                                                                      ▼
-                     Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send
-    The Overlay (dissemination + failure detection) is sans-IO: messages and a clock in,
-    messages out. `Node` is the asyncio layer that only moves bytes (UDP, TCP frames, HTTP).
-    The registry itself is crdt.GMap; liveness and suspicion stay here, never in the map.
+Theory of operation. The file is in sections, each a room with one job:
 
-    Members behind a NAT are reached through relays (gossip in envelopes, tunnel streams spliced),
-    or by a punched UDP path between two of them; the tunnel is mutual TLS end to end.
+    config             Config: every setting, and where it is read from
+    wire format        Wire: seal/open a message (HMAC, replay window, size)
+    Overlay            the membership and the registry, sans-IO: messages and a clock in,
+                       messages out (dissemination, SWIM failure detection); tests/simnet.py
+                       runs many of them on a simulated network
+    HTTP               the codec (parse_request/parse_response, BodyReader; request_head,
+                       response_head, whole_response write every head), EngineClient
+    tunnel security    Tunnel: the tunnel port's admission (caps on strangers, TLS, credential)
+                       and its HTTP: the node's pages, the engine forward
+    NAT traversal      Reach: the rules of reaching a private peer, pure (per peer: relays,
+      and relay        punches, how its tunnel went; the tunnel's path as a table); then the
+                       transports those rules drive: relay links and envelopes, mux streams
+                       (_MuxCredit, _MuxStream at a relay, _MuxTunnel at a member), punch
+                       sockets, TCP simultaneous open
+    asyncio node       Node: the sockets, the timer and the lifecycle; it wires the others
+    engine supervisor  the engine as a child process, its health
+    CLI                keygen, start, relay
+
+A gossip message:
+    UDP datagram / TCP frame / relay link frame / punched socket
+        ─▶ Wire.open (HMAC, replay window, size) ─▶ Node._deliver ─▶ Overlay.receive(msg, src, now)
+    timer ─▶ Overlay.tick(now)                                    ─┘          │
+                                                                              ▼
+        Node._send: Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send; to a relayed
+        address ("relay/<link>") in an envelope through one of its relays (Reach.relays), or
+        over the punched UDP path when there is one.
+    The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
+
+A request (the ingress dials the node's "addr" from its record):
+    direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ the codec reads the
+                 head ─▶ Tunnel._forward: request_head to the engine (EngineClient) ─▶ the answer's
+                 head re-written (response_head), its body relayed as it comes
+    private      the dialer asks Node.open_relayed, which asks Reach.tunnel_path: a punched TCP
+                 connection, the member's dial-back, or a relay's splice / mux stream; at the
+                 member each is given to Tunnel.admit like an accepted socket, then as above.
 
 This file must never: trust a datagram that fails its HMAC or replay check, let a malformed
 message crash the node, put secrets in argv or logs, daemonize, or let the engine outlive it;
 do work for a connection beyond bounded frame and head limits before it authenticates, or
 relay a message whose tag it has not checked.
-
-Sections: config · wire format · dissemination and failure detection (Overlay) · simulated
-network · HTTP/tunnel forwarding · tunnel security · NAT traversal and relay · asyncio node ·
-engine supervisor · CLI.
 """
 
 from __future__ import annotations
@@ -38,7 +60,6 @@ import errno
 import functools
 import getpass
 import hashlib
-import heapq
 import hmac
 import ipaddress
 import itertools
@@ -59,7 +80,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Container, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 try:
     import h11
@@ -1645,102 +1666,6 @@ class Overlay(FailureDetector):
 
 
 # =============================================================================================
-# Simulated network (tests and benchmarks): many Overlays, a fake clock, loss, delay, partitions
-# =============================================================================================
-class SimulatedNetwork:
-    """Runs Overlay members in one process. Messages are not sealed (the Wire is tested on its
-    own); their size is counted as the JSON body plus the envelope."""
-
-    def __init__(self, seed: int = 0, loss: float = 0.0, delay: Tuple[float, float] = (0.0002, 0.002),
-                 config: Optional[Config] = None, start: float = 1_700_000_000.0):
-        self.rng = random.Random(seed)
-        self.loss = loss
-        self.delay = delay
-        self.config = config or Config(key=b"k" * 32)
-        self.now = start
-        self.members: Dict[str, Overlay] = {}      # gossip address -> member
-        self.slow: Dict[str, Tuple[float, float]] = {}   # address -> extra delay of what it receives
-        self.dead: set = set()
-        self.partitions: List[Tuple[set, set]] = []
-        self.queue: list = []                      # (time, n, dst, msg, src, tcp)
-        self.wakeups: list = []                    # (time, address) of member timers
-        self._n = 0
-        self.bytes_sent = collections.Counter()    # address -> bytes
-        self.changes: List[Tuple[float, str, str, Optional[dict]]] = []  # (time, at, sid, record)
-
-    def add(self, bootstrap: Optional[List[str]] = None, addr: Optional[str] = None,
-            config: Optional[Config] = None, **fields) -> Overlay:
-        """A new member (at `addr`: a restart of the process that was there); `config`: its own
-        (an ingress with the ingress tier's secret), else the network's."""
-        if addr is None:
-            addr = f"10.0.{len(self.members) // 250}.{len(self.members) % 250 + 1}:7946"
-        self.dead.discard(addr)
-        record = {"owner": "sim@" + addr, "state": crdt.SERVING, "version": 0, "started": self.now,
-                  "role": "worker", "gossip": addr, "addr": addr.replace("7946", "7700")}
-        record.update(fields)
-        member = Overlay(config or self.config, f"{self.rng.getrandbits(128):032x}", record, self.now,
-                         rng=random.Random(self.rng.random()))
-        member.listeners.append(lambda sid, rec, at=addr: self.changes.append((self.now, at, sid, rec)))
-        self.members[addr] = member
-        self.send(addr, member.join(bootstrap or [], self.now))
-        return member
-
-    def kill(self, addr: str) -> None:
-        self.dead.add(addr)
-
-    def partition(self, side_a, side_b) -> None:
-        self.partitions.append((set(side_a), set(side_b)))
-
-    def heal(self) -> None:
-        self.partitions = []
-
-    def _blocked(self, src: str, dst: str) -> bool:
-        return any((src in a and dst in b) or (src in b and dst in a) for a, b in self.partitions)
-
-    def send(self, src: str, outs: List[Out]) -> None:
-        for o in outs:
-            size = len(crdt.dumps(o.msg)) + ENVELOPE
-            self.bytes_sent[src] += size
-            if o.addr in self.dead or o.addr not in self.members or self._blocked(src, o.addr):
-                continue
-            if not o.tcp and self.rng.random() < self.loss:
-                continue                            # TCP retransmits; only datagrams get lost
-            self._n += 1
-            at = self.now + self.rng.uniform(*self.delay)
-            if o.addr in self.slow:                 # a lagging member reads its socket late
-                at += self.rng.uniform(*self.slow[o.addr])
-            heapq.heappush(self.queue, (at, self._n, o.addr, o.msg, src, o.tcp))
-        member = self.members.get(src)
-        if member is not None:
-            heapq.heappush(self.wakeups, (member.next_wakeup(), src))
-
-    def run(self, duration: float) -> None:
-        """Advance the fake clock by `duration`, delivering messages and firing timers in order."""
-        end = self.now + duration
-        while True:
-            while self.wakeups and (self.wakeups[0][1] in self.dead or
-                                    self.wakeups[0][0] != self.members[self.wakeups[0][1]].next_wakeup()):
-                heapq.heappop(self.wakeups)         # stale entry: that member's timer moved
-            wake = self.wakeups[0] if self.wakeups else (math.inf, "")
-            msg_at = self.queue[0][0] if self.queue else math.inf
-            t = min(wake[0], msg_at)
-            if t > end:
-                self.now = end
-                return
-            self.now = max(self.now, t)
-            if msg_at <= wake[0]:
-                _, _, dst, msg, src, tcp = heapq.heappop(self.queue)
-                if dst not in self.dead:
-                    self.send(dst, self.members[dst].receive(msg, src, self.now, tcp))
-            else:
-                heapq.heappop(self.wakeups)
-                self.send(wake[1], self.members[wake[1]].tick(self.now))
-
-    def live(self) -> List[Overlay]:
-        return [m for a, m in self.members.items() if a not in self.dead]
-
-
-# =============================================================================================
 # HTTP (the codec below; h11 for what it leaves to h11): GET /v1/registry, GET /healthz, the tunnel
 # =============================================================================================
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -2178,6 +2103,53 @@ class BodyReader:
             raise HTTPViolation("the connection closed mid-body")
 
 
+# The codec's writers: every head this file sends is written here, as pieces for one b"".join
+# with what follows (no copy of a body). Names and values are bytes, as the parsers give them.
+_REASON = {200: b"OK", 400: b"Bad Request", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
+           503: b"Service Unavailable"}
+
+
+def _fields_out(out: List[bytes], headers: Iterable[Tuple[bytes, bytes]], drop: Container[bytes]) -> List[bytes]:
+    for name, value in headers:
+        if name not in drop:
+            out += (name, b": ", value, b"\r\n")
+    return out
+
+
+def request_head(method: bytes, target: bytes, host: bytes, length: int,
+                 headers: Iterable[Tuple[bytes, bytes]] = (), drop: Container[bytes] = ()) -> List[bytes]:
+    """An HTTP/1.1 request head: host and content-length ours, then `headers` but those in `drop`."""
+    out = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\ncontent-length: %d\r\n" % length]
+    _fields_out(out, headers, drop).append(b"\r\n")
+    return out
+
+
+def response_head(status: int, reason: bytes, headers: Iterable[Tuple[bytes, bytes]] = (),
+                  drop: Container[bytes] = (), framing: str = LENGTH, length: int = 0,
+                  close: bool = False) -> List[bytes]:
+    """An HTTP/1.1 response head: `headers` but those in `drop`, then the framing (`length`
+    bytes, none, or chunked for anything else) and, if `close`, connection: close."""
+    out = _fields_out([b"HTTP/1.1 %d %s\r\n" % (status, reason)], headers, drop)
+    if framing is NO_BODY:
+        out.append(b"content-length: 0\r\n")
+    elif framing is LENGTH:
+        out.append(b"content-length: %d\r\n" % length)
+    else:                                           # chunked as the engine sent it, or an until-close
+        out.append(b"transfer-encoding: chunked\r\n")   # body we frame as chunked
+    if close:
+        out.append(b"connection: close\r\n")
+    out.append(b"\r\n")
+    return out
+
+
+def whole_response(status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False) -> bytes:
+    """A whole answer with its body, in one piece of bytes."""
+    head = response_head(status, _REASON.get(status, b"Status"), ((b"content-type", ctype),), length=len(body),
+                         close=close)
+    head.append(body)
+    return b"".join(head)
+
+
 # The tunnel's response path relays bytes: the engine's response head is parsed by the codec,
 # then the body goes to the client verbatim (Content-Length or chunked framing kept as the engine
 # wrote it, only read by a BodyReader for its end) instead of being re-framed chunk by chunk
@@ -2185,8 +2157,6 @@ class BodyReader:
 RELAY_READ = 262144
 RELAY_HIGH_WATER = 262144
 MAX_REQUEST_HEAD = 65536
-_REASON = {200: b"OK", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
-           503: b"Service Unavailable"}
 
 
 async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray, head_request: bool = False) -> MessageHead:
@@ -2350,11 +2320,9 @@ class EngineClient:
                        timeout: Optional[float] = None):
         """Send one request; return (its response's MessageHead, connection). Read the body with
         `body()`. A pooled connection the engine closed while idle is retried once on a fresh one."""
-        request = [_text(method), b" ", _text(target), b" HTTP/1.1\r\nhost: ", self.host_header,
-                   b"\r\ncontent-length: %d\r\n" % len(body)]
-        for name, value in headers:
-            request += (_text(name), b": ", _text(value), b"\r\n")
-        request += (b"\r\n", body)
+        request = request_head(_text(method), _text(target), self.host_header, len(body),
+                               [(_text(name), _text(value)) for name, value in headers])
+        request.append(body)
         conn, buf, head = await self.send_raw(b"".join(request), method == "HEAD", timeout)
         conn.body, conn.keep_alive = BodyReader(head.framing, head.length), head.keep_alive
         return head, conn
@@ -2484,8 +2452,7 @@ def find_tunnel_tls(key_file: str) -> Tuple[str, str]:
 
 def _busy_answer() -> bytes:
     body = error_body("node at its connection limit; retry on another session", "server_error", "busy")
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return whole_response(503, body, close=True)
 
 
 BUSY_ANSWER = _busy_answer()        # the connection over max_tunnel_connections: one send, no read
@@ -2493,7 +2460,7 @@ LISTEN_BACKLOG = 1024               # a burst of reconnects after an ingress res
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The tunnel port's listening socket (accepted by Node._accept_tunnel, which admits)."""
+    """The tunnel port's listening socket (accepted by Tunnel.accept, which admits)."""
     family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
@@ -2557,6 +2524,393 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
     kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
     transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **kwargs)
     return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
+class Tunnel:
+    """The tunnel port's side of a worker: admission (caps, TLS, credential: "Tunnel security"),
+    then HTTP: the codec reads each request, the node's pages answer GET /v1/registry and
+    /healthz, anything else goes to the engine and its answer comes back as it is read. Its
+    connections are accepted sockets, punched or dialled-back ones, and streams on relay links
+    (_MuxTunnel): `admit` takes any of them. The node it serves gives the engine, the TLS
+    contexts and the pages; `spawn` runs a connection's task."""
+
+    def __init__(self, node: Node, spawn: Callable[[Any], asyncio.Task], refused: collections.Counter):
+        config = self.config = node.config
+        self.node, self.spawn, self.refused = node, spawn, refused
+        self.credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
+                            for k in [config.key] + config.accept_keys]   # rotation: any key's
+        self.not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode()}   # the engine never sees these
+        self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
+        self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
+        self.admitted = collections.Counter({"tls": 0, "plain": 0})   # connections opened
+
+    def cut_all(self) -> None:
+        for connection in list(self.connections):
+            connection.cut()
+
+    async def accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    await asyncio.sleep(0.1)        # out of descriptors: the caps below free some
+                    continue
+                return                              # the listening socket was closed (stop)
+            self.admit(conn)
+
+    def admit(self, conn: Union[socket.socket, _MuxTunnel]) -> None:
+        """Rule 1: the cap on all connections, then on strangers (the oldest is cut). `conn`:
+        an accepted (or punched, or dialled-back) socket, or a tunnel stream on a relay link."""
+        cfg = self.config
+        stream = isinstance(conn, _MuxTunnel)
+        if not stream:
+            conn.setblocking(False)
+        if len(self.connections) >= cfg.max_tunnel_connections:
+            self.refused["busy"] += 1
+            try:
+                (conn.write if stream else conn.send)(BUSY_ANSWER)
+            except OSError:
+                pass
+            conn.close()
+            return
+        if not stream:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        connection = _TunnelConnection(None)
+        self.connections[connection] = None
+        self.unauthenticated[connection] = None
+        if len(self.unauthenticated) > cfg.max_unauthenticated:
+            self.refused["cut"] += 1
+            oldest = next(iter(self.unauthenticated))
+            del self.unauthenticated[oldest]       # counted out now; its task closes it next
+            oldest.cut()
+        connection.task = self.spawn(self._tunnel_connection(conn, connection))
+        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
+
+    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
+                           task: asyncio.Task) -> None:
+        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
+        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
+        if task.cancelled():
+            self.connections.pop(connection, None)
+            self.unauthenticated.pop(connection, None)
+            conn.close()
+
+    def _authenticated(self, connection: _TunnelConnection) -> None:
+        connection.authenticated = True
+        self.unauthenticated.pop(connection, None)
+
+    async def _tunnel_connection(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
+        cfg = self.config
+        connection.arm(cfg.head_timeout)
+        writer = None
+        try:
+            ctx = self.node.tunnel_server_ssl
+            if isinstance(conn, _MuxTunnel):        # its first byte decides, its handshake in memory
+                mode = await conn.ready
+                if mode is None:
+                    self.refused["handshake"] += 1
+                    return
+                if mode == "plain":
+                    ctx = None
+                reader, writer = conn.reader, conn.writer()
+            else:
+                if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
+                    await _wait_readable(conn)
+                    first = conn.recv(1, socket.MSG_PEEK)
+                    if first and first[0] != TLS_RECORD_HANDSHAKE:
+                        ctx = None
+                try:
+                    reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
+                except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
+                    self.refused["handshake"] += 1  # no certificate, the wrong one, a replay
+                    return
+            connection.writer = writer
+            self.admitted["tls" if ctx is not None else "plain"] += 1
+            if ctx is not None:
+                connection.tls = True
+                self._authenticated(connection)
+            await self._on_http(reader, writer, connection)
+        except (asyncio.CancelledError, OSError):
+            pass
+        finally:
+            connection.disarm()
+            self.connections.pop(connection, None)
+            self.unauthenticated.pop(connection, None)
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+
+    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
+        """Rule 2, on the head: None when this request may be served (its body read), else the
+        (status, error body) to answer before closing."""
+        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
+            return None
+        if connection is not None and connection.tls:
+            return None                             # the handshake showed the cluster certificate
+        if self.node.tunnel_server_ssl is not None:
+            self.refused["credential"] += 1
+            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
+                                   "are not forwarded", "permission_error", "tls_required")
+        name, value = self.node.tunnel_header
+        wanted, given = name.encode(), b""
+        for hname, hvalue in headers:
+            if hname == wanted:
+                given = hvalue
+        if not any(hmac.compare_digest(given, v) for v in self.credentials):
+            self.refused["credential"] += 1
+            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
+        if connection is not None:
+            self._authenticated(connection)
+        return None
+
+    # -- HTTP: registry, health, tunnel -----------------------------------------------------
+    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       connection: Optional[_TunnelConnection] = None) -> None:
+        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
+        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
+        goes to h11 from the first byte of that request, which keeps the connection from then on.
+        `connection` (the admission) holds the deadlines and whether the client authenticated."""
+        buf = bytearray()
+        cfg = self.config
+        try:
+            while True:
+                if connection is not None:          # a member may idle; a stranger gets head_timeout
+                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
+                                   else cfg.head_timeout)
+                head = await _read_request_head(reader, buf)
+                if head is None:
+                    return
+                if head is H11_JUDGES:
+                    await self._serve_h11(reader, writer, bytes(buf), connection)
+                    return
+                refusal = self._refusal(head.method, head.target, head.headers, connection)
+                if refusal is not None:             # judged on the head: the body is never read
+                    self._respond(None, writer, refusal[0], refusal[1], close=True)
+                    await writer.drain()
+                    return
+                limit = cfg.max_request_body
+                if head.length > limit:
+                    self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
+                    await writer.drain()
+                    return
+                del buf[:head.size]
+                if connection is not None:
+                    connection.arm(cfg.body_timeout)
+                reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
+                while True:
+                    piece = reader_of_body.take(buf)
+                    if piece is None:
+                        break
+                    if piece:
+                        parts.append(piece)
+                        size += len(piece)
+                        if size > limit:
+                            self._respond(None, writer, 413, error_body("request body too large",
+                                                                        "invalid_request_error"))
+                            await writer.drain()
+                            return
+                        continue
+                    data = await reader.read(RELAY_READ)
+                    if not data:
+                        return
+                    buf += data
+                if connection is not None:
+                    connection.disarm()             # the engine may take minutes to answer
+                await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
+                if not head.keep_alive:
+                    return
+        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
+            body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
+            writer.write(whole_response(400, body, close=True))
+        except (h11.ProtocolError, OSError, EngineError):
+            pass
+        finally:
+            writer.close()
+
+    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
+                         connection: Optional[_TunnelConnection] = None) -> None:
+        conn = h11.Connection(h11.SERVER)
+        if initial:
+            conn.receive_data(initial)
+        while True:
+            if connection is not None:
+                connection.arm(self.config.head_timeout + self.config.body_timeout)
+            event = await h11_next(conn, reader)
+            if not isinstance(event, h11.Request):
+                break
+            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
+            if refusal is not None:
+                self._respond(conn, writer, refusal[0], refusal[1], close=True)
+                await writer.drain()
+                return
+            body = bytearray()
+            too_big = False
+            while True:
+                part = await h11_next(conn, reader)
+                if isinstance(part, h11.Data):
+                    body += part.data
+                    if len(body) > self.config.max_request_body:
+                        too_big = True
+                        break
+                elif isinstance(part, h11.EndOfMessage):
+                    break
+                else:
+                    return
+            if too_big:
+                self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
+                await writer.drain()
+                return
+            headers = header_items(event.headers)
+            if connection is not None:
+                connection.disarm()
+            if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
+                # The answer bypassed h11: carry on with a fresh parser fed what was read
+                # past this request (pipelined bytes), unless either side asked to close.
+                if conn.their_state is not h11.DONE or _wants_close(headers):
+                    break
+                trailing, closed = conn.trailing_data
+                conn = h11.Connection(h11.SERVER)
+                if trailing:
+                    conn.receive_data(bytes(trailing))
+                if closed:
+                    conn.receive_data(b"")
+                continue
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                break
+            conn.start_next_cycle()
+
+    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
+                 close: bool = False) -> None:
+        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
+        if conn is None:
+            writer.write(whole_response(status, body, ctype, close))
+            return
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+        writer.write(conn.send(h11.Data(data=body)))
+        writer.write(conn.send(h11.EndOfMessage()))
+
+    async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
+                        conn, writer) -> bool:
+        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
+        when the answer went out raw, past h11's `conn`."""
+        path = target.split(b"?", 1)[0]
+        if self.node.overlay is None:                    # between binding the port and joining
+            self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
+        elif method == b"GET" and path == b"/v1/registry":
+            self._respond(conn, writer, 200, crdt.dumps(self.node.registry_view()))
+        elif method == b"GET" and path == b"/healthz":
+            warnings = self.node.health_warnings()
+            status = "draining" if self.node.draining else "isolated" if not self.node.overlay.members and warnings else "ok"
+            self._respond(conn, writer, 503 if self.node.draining else 200,
+                          crdt.dumps({"status": status, "session": self.node.session_id,
+                                      "state": crdt.STATE_NAMES[self.node.overlay.record["state"]],
+                                      "members": len(self.node.overlay.members), "warnings": warnings,
+                                      "gossip": self.node.stats()}))
+        else:                                       # the credential was judged on the head (_refusal)
+            if self.node.draining or self.node.engine is None:
+                self._respond(conn, writer, 503, error_body("this session is draining" if self.node.draining
+                                                            else "no engine behind this node",
+                                                            "server_error", "unavailable"))
+            else:
+                return await self._forward(method, target, headers, body, conn, writer)
+        await writer.drain()
+        return False
+
+    async def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
+                       conn, writer) -> bool:
+        """Send the request to the engine verbatim and stream the answer back as it comes.
+        If the engine cuts the answer, we cut the client connection too: never a silent 200.
+        Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
+        if conn is not None and conn.their_http_version != b"1.1":
+            await self._forward_h11(method, target, headers, body, conn, writer)
+            return False
+        engine = self.node.engine
+        head = request_head(method, target, engine.host_header, len(body), headers, self.not_forwarded)
+        head.append(body)
+        head_only = method == b"HEAD"
+        self.node.inflight += 1
+        try:
+            try:
+                engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
+            except EngineError as exc:
+                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                return False
+            framing, keep_alive = answer.framing, answer.keep_alive
+            out = response_head(answer.status, answer.reason, answer.headers, HOP_BY_HOP, framing, answer.length,
+                                _wants_close(headers))
+            reader = engine_conn.reader
+            transport = writer.transport
+            data = bytes(buf)
+            ok = False
+            try:
+                if framing is UNTIL_CLOSE:
+                    while True:
+                        if data:
+                            out += (b"%x\r\n" % len(data), data, b"\r\n")
+                        transport.write(b"".join(out))
+                        out = []
+                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
+                            await writer.drain()
+                        data = await reader.read(RELAY_READ)
+                        if not data:
+                            out.append(b"0\r\n\r\n")
+                            break
+                else:
+                    body = BodyReader(framing, answer.length)
+                    used = body.feed(data)
+                    if body.error is not None:      # nothing went out yet: a clear 502
+                        self._respond(conn, writer, 502, error_body(f"engine failed: bad response from the "
+                                                                    f"engine: {body.error}", "server_error",
+                                                                    "bad_gateway"))
+                        return False
+                    out.append(data[:used])
+                    if body.done:
+                        ok = used == len(data)
+                    else:
+                        transport.write(b"".join(out))
+                        out = []
+                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
+                transport.write(b"".join(out))
+            except OSError as exc:
+                raise EngineError(str(exc) or type(exc).__name__) from None
+            finally:
+                engine.release(engine_conn, ok and keep_alive)
+            if transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await writer.drain()
+            return True
+        finally:
+            self.node.inflight -= 1
+
+    async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
+        """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
+        tunnel = self.node.tunnel_header[0].encode()
+        headers = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != tunnel]
+        self.node.inflight += 1
+        try:
+            try:
+                response, engine_conn = await self.node.engine.exchange(method.decode(), target.decode(), headers, body)
+            except EngineError as exc:
+                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                return
+            out_headers = [(n, v) for n, v in response.headers
+                           if n not in HOP_BY_HOP or n == b"content-length"]
+            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
+                                                reason=response.reason)))
+            async for chunk in self.node.engine.body(engine_conn):
+                writer.write(conn.send(h11.Data(data=chunk)))
+                await writer.drain()
+            writer.write(conn.send(h11.EndOfMessage()))
+        finally:
+            self.node.inflight -= 1
 
 
 # =============================================================================================
@@ -2682,6 +3036,14 @@ async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], h
 #      carry a refutation, and an evicted session never comes back. (One that loses every link
 #      later keeps its session: rule 3.) The old session goes LEFT with its first record: a
 #      LEFT record naming our relayed address would make every member forget how to reach it.
+#   8. A worker is not SERVING before its reach is known: until a seed dialled it back, or its
+#      relayed address is in its record, its SERVING waits (Node.update holds it). Its first
+#      record names the --listen address it binds, which for a private worker no dialer can
+#      reach: an ingress that routed to it then would wait out a connect timeout per request,
+#      and count those failures against a session that is fine once its record says "relay/…".
+#      Nor does a member whose reach is checked offer to relay ("relaying") before a seed dialled
+#      it back: a private worker started beside it would be named that address (rule 7) and
+#      wait out tcp_timeout on a link that cannot open (5 s more before its own SERVING).
 RELAYED_PREFIX = "relay/"           # the gossip/tunnel address of a member reached through relays
 NAMED_RELAYS = 8                    # relays a seed names in its "rs": a few spares beyond relay_links,
                                     # and the answer stays one small frame (under max_datagram)
@@ -2837,6 +3199,166 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+# -- Reach: the rules above as a pure object (no I/O; times passed in), like Overlay ----------
+class PeerReach:
+    """What this member knows of reaching one relayed address (one private process): its
+    relays (from its record), when it became a member, and how its tunnel connections went."""
+
+    __slots__ = ("relays", "since", "punch_tried", "tunnel", "attempts", "order", "failures", "given_up",
+                 "probing")
+
+    def __init__(self):
+        self.relays: List[str] = []                 # its record's relays, best first
+        self.since: Optional[float] = None          # first seen as a member (monotonic)
+        self.punch_tried = -math.inf                # our last UDP punch towards it (wall clock)
+        self.tunnel: Optional[str] = None           # how our last tunnel connection went: "punched"/"relayed"
+        self.attempts = 0                           # tunnel punches tried (the orders alternate)
+        self.order: Optional[bool] = None           # the order that worked (True: the member first), kept
+                                                    # until it fails
+        self.failures = 0                           # tunnel punches failed in a row
+        self.given_up = -math.inf                   # the last failure (wall clock)
+        self.probing = False                        # a re-punch probe is on (rule 6)
+
+
+class Reach:
+    """Per peer, one PeerReach; the rules of "NAT traversal and relay" that decide a path, as
+    functions of that record, our own state and the time (`now`: wall clock, unless named
+    monotonic). Node does the I/O they ask for.
+
+    How a tunnel connection to a relayed address goes (open_relayed), first rule that holds:
+
+        rule  when                                                         path
+        6     a probe's punched connection is waiting, younger than       "spare"
+              half the member's head_timeout
+        5     both private, their UDP path punched, and under 2 tunnel    "punch" (then the
+              punch failures in a row (or punch_retry since the last)     next rule if it fails)
+        2     we hold the member's link ourselves                          "dial-back"
+        2     otherwise                                                    "splice"
+
+    How gossip reaches it (reach_of): "punched" while a punched UDP path is on record (rule 4),
+    else "relayed"; a dialable member's address is "direct"."""
+
+    TUNNEL_RULES = (("spare", "spare_fresh"), ("punch", "may_punch"), ("dial-back", "holds_link"),
+                    ("splice", None))
+
+    def __init__(self, config: Config):
+        self.config = config                        # punch_retry, max_punched
+        self.peers: Dict[str, PeerReach] = {}
+
+    def peer(self, addr: str) -> PeerReach:
+        """Its record, made on first use."""
+        peer = self.peers.get(addr)
+        if peer is None:
+            peer = self.peers[addr] = PeerReach()
+        return peer
+
+    def relays(self, addr: str) -> List[str]:
+        peer = self.peers.get(addr)
+        return peer.relays if peer is not None else []
+
+    def learned(self, addr: str, relays: List[str], since: float) -> bool:
+        """A live record of `addr` names `relays`; True the first time it does (then it is a
+        member since `since`, monotonic, unless it was one before)."""
+        peer = self.peer(addr)
+        new = not peer.relays
+        peer.relays = relays
+        if new:
+            self.member(addr, since)
+        return new
+
+    def member(self, addr: str, since: float) -> None:
+        peer = self.peer(addr)
+        if peer.since is None:
+            peer.since = since
+
+    def member_since(self, addr: str, default: float) -> float:
+        peer = self.peers.get(addr)
+        return peer.since if peer is not None and peer.since is not None else default
+
+    def forget(self, addr: str) -> None:
+        """Its record went LEFT (or away): a relayed address names one process, gone for good."""
+        self.peers.pop(addr, None)
+
+    def tunnel_reach(self, addr: str) -> str:
+        peer = self.peers.get(addr)
+        return (peer.tunnel if peer is not None else None) or "relayed"
+
+    # -- rule 4: UDP hole punching ---------------------------------------------------------
+    def punches_due(self, mine: str, punched: Any, now: float) -> List[str]:
+        """The peers to punch towards now (marked tried): relayed, not punched, ours the smaller
+        link id (that side asks), not tried within punch_retry, under max_punched paths."""
+        due = []
+        for addr, peer in self.peers.items():
+            if not peer.relays or addr == mine or addr in punched or len(punched) >= self.config.max_punched:
+                continue
+            if mine[len(RELAYED_PREFIX):] > addr[len(RELAYED_PREFIX):] or now - peer.punch_tried < self.config.punch_retry:
+                continue
+            peer.punch_tried = now
+            due.append(addr)
+        return due
+
+    # -- rules 5 and 6: the tunnel ---------------------------------------------------------
+    def tunnel_path(self, addr: str, private: bool, punched: bool, holds_link: bool, spare_age: Optional[float],
+                    head_timeout: float, now: float) -> str:
+        """The path of a new tunnel connection to `addr` (the table above)."""
+        facts = {"spare_fresh": lambda: spare_age is not None and spare_age < head_timeout / 2,
+                 "may_punch": lambda: self.may_punch(addr, private, punched, now), "holds_link": lambda: holds_link}
+        return next(path for path, fact in self.TUNNEL_RULES if fact is None or facts[fact]())
+
+    def may_punch(self, addr: str, private: bool, punched: bool, now: float) -> bool:
+        """Rule 5: both private, their UDP punch worked (cone NATs), and not given up on lately
+        (after punch_retry the failed tries' conntrack entries are gone: the count starts over)."""
+        if not (private and punched):
+            return False
+        peer = self.peers.get(addr)
+        if peer is None or peer.failures < 2:
+            return True
+        if now - peer.given_up >= self.config.punch_retry:
+            peer.failures = 0
+            return True
+        return False
+
+    def punch_plan(self, addr: str, now: float) -> Tuple[bool, Optional[bool]]:
+        """A tunnel punch starts: (the member first?, the kept order or None)."""
+        peer = self.peer(addr)
+        peer.attempts += 1
+        kept = peer.order
+        return (kept if kept is not None else peer.attempts % 2 == 1), kept   # odd attempts the member first
+
+    def punch_failed(self, addr: str, kept: Optional[bool], now: float) -> None:
+        peer = self.peer(addr)
+        if kept is not None and peer.order is kept:
+            peer.order = None                       # the kept order failed: alternate again
+        peer.failures += 1
+        peer.given_up = now
+
+    def punch_worked(self, addr: str, peer_first: bool, now: float) -> None:
+        peer = self.peer(addr)
+        peer.order, peer.failures, peer.tunnel = peer_first, 0, "punched"
+
+    def went(self, addr: str, path: str, now: float) -> None:
+        """A tunnel connection to `addr` went `path` ("punched" or "relayed")."""
+        self.peer(addr).tunnel = path
+
+    def probes_due(self, punched: Any, spares: Any, private: bool, now: float) -> List[str]:
+        """Rule 6: the peers whose tunnel went relayed after two failed punches while their UDP
+        path is punched: a punch is probed in the background (marked probing)."""
+        due = []
+        for addr in list(punched):
+            peer = self.peers.get(addr)
+            if peer is not None and peer.tunnel == "relayed" and not peer.probing and addr not in spares \
+                    and peer.failures >= 2 and self.may_punch(addr, private, True, now):
+                peer.probing = True
+                due.append(addr)
+        return due
+
+    def probe_done(self, addr: str, worked: bool, now: float) -> None:
+        peer = self.peer(addr)
+        peer.probing = False
+        if not worked:
+            peer.failures = max(2, peer.failures)   # still broken
+
+
 # -- tunnel streams multiplexed on a relay link (rule 2) ----------------------------------
 MUX = b"oS"                         # a mux frame on a link: MUX | kind (1) | stream id (4) | payload
 MUX_OPEN, MUX_DATA, MUX_CREDIT, MUX_CLOSE = 1, 2, 3, 4
@@ -2865,6 +3387,7 @@ class _MuxCredit:
         self.owed = 0                               # bytes the local side took, not credited back yet
         self.held = bytearray()                     # local bytes waiting for credit
         self.closed = False                         # CLOSE sent or received: no more frames
+        self.stalled = False                        # the local side takes nothing now: no credit back
 
     def _within_window(self, data: bytes) -> bool:
         if len(data) > self.window:                 # beyond its credit: a broken or hostile peer
@@ -2883,6 +3406,29 @@ class _MuxCredit:
             self.link.send_data(self.sid, bytes(held[:n]))
             del held[:n]
             self.credit -= n
+
+    def _send_or_hold(self, data: bytes) -> None:
+        """Local bytes for the peer: one DATA frame when credit allows (the usual case, no
+        copy), else held until credit comes."""
+        if not self.held and len(data) <= self.credit and len(data) <= MUX_CHUNK:
+            self.link.send_data(self.sid, data)
+            self.credit -= len(data)
+            return
+        self.held += data
+        self._send_held()
+
+    def _taken(self, amount: int) -> None:
+        """The local side took `amount` of the peer's bytes: credited back unless it stalls."""
+        self.owed += amount
+        if not (self.stalled or self.closed) and self.owed >= MUX_WINDOW // 2:
+            self._credit_back()
+
+    def _stall(self) -> None:
+        self.stalled = True
+
+    def _unstall(self) -> None:
+        self.stalled = False
+        self._taken(0)
 
     def _credit_back(self) -> None:
         if self.owed >= MUX_WINDOW // 2:            # half a window at a time: no frame per request,
@@ -2907,7 +3453,6 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.peer_closed = False
         self._paused = False                        # local reading stopped for want of credit
-        self._blocked = False                       # the local side's write buffer is not empty
         self.done = asyncio.get_running_loop().create_future()
 
     # -- the link's side --------------------------------------------------------------------
@@ -2964,14 +3509,8 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
             transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return
-        if not self.held and len(data) <= min(self.credit, MUX_CHUNK):   # the usual case: one frame,
-            self.link.send_data(self.sid, data)                            # no copy
-            self.credit -= len(data)
-            return
-        self.held += data
-        self._send_held()
+        if not self.closed:
+            self._send_or_hold(data)
 
     def eof_received(self) -> bool:
         self.close()
@@ -2981,19 +3520,10 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
         self.close()
         self._finish()
 
-    def pause_writing(self) -> None:
-        self._blocked = True
-
-    def resume_writing(self) -> None:
-        self._blocked = False
-        self._taken(0)
+    pause_writing = _MuxCredit._stall               # the local side's write buffer is not empty:
+    resume_writing = _MuxCredit._unstall            # no credit back until it drained
 
     # -- both ----------------------------------------------------------------------------------
-    def _taken(self, amount: int) -> None:
-        self.owed += amount
-        if not (self._blocked or self.closed):
-            self._credit_back()
-
     def _send_held(self) -> None:
         super()._send_held()
         held = self.held
@@ -3186,7 +3716,6 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         self.protocol: asyncio.BaseProtocol = asyncio.StreamReaderProtocol(self.reader)
         self._closing = False                       # close(): CLOSE once what is held went out
         self._lost = False                          # the tunnel code was told (connection_lost)
-        self._reading = True                        # the tunnel code has not paused our reading
         self._write_paused = False
         self._plain: List[bytes] = []               # written, not yet encrypted (see write)
         self._plain_size = 0                        # ... their bytes
@@ -3305,12 +3834,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         self._send(self._out.read())
 
     def _send(self, data: bytes) -> None:
-        if not self.held and len(data) <= self.credit and len(data) <= MUX_CHUNK:
-            self.link.send_data(self.sid, data)     # the usual case: one frame
-            self.credit -= len(data)
-            return
-        self.held += data
-        self._send_held()
+        self._send_or_hold(data)
         if len(self.held) > RELAY_HIGH_WATER and not self._write_paused and not self._lost:
             self._write_paused = True
             self.protocol.pause_writing()
@@ -3324,20 +3848,11 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         if self._closing and not held:
             self._end()
 
-    def _taken(self, amount: int) -> None:
-        self.owed += amount
-        if self._reading and not self.closed:
-            self._credit_back()
-
-    def pause_reading(self) -> None:
-        self._reading = False
-
-    def resume_reading(self) -> None:
-        self._reading = True
-        self._taken(0)
+    pause_reading = _MuxCredit._stall               # the tunnel code paused our reading: nothing
+    resume_reading = _MuxCredit._unstall            # is credited back until it resumes
 
     def is_reading(self) -> bool:
-        return self._reading and not self._lost
+        return not (self.stalled or self._lost)
 
     def get_write_buffer_size(self) -> int:
         return len(self.held) + self._plain_size
@@ -3416,10 +3931,12 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
 class _PunchSocket(asyncio.DatagramProtocol):
     """A fresh UDP socket for one hole punch with one peer, and then its punched path: gossip
     with that peer goes in and out here. Its own socket, so a failed attempt's NAT and
-    conntrack state never touches the gossip port or the next attempt."""
+    conntrack state never touches the gossip port or the next attempt. `deliver(msg, peer)`
+    takes the peer's gossip, `lost(path)` hears that the socket is gone."""
 
-    def __init__(self, node: Node, peer: str):
-        self.node, self.peer = node, peer
+    def __init__(self, node: Node, peer: str, deliver: Callable[[Dict[str, Any], str], None],
+                 lost: Callable[[_PunchSocket], None]):
+        self.node, self.peer, self.deliver, self.lost = node, peer, deliver, lost
         self.transport: Optional[asyncio.DatagramTransport] = None
         self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
         self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
@@ -3456,7 +3973,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
                 self.hit.set_result(addr)
         else:
             msg.pop("ra", None)
-            node._deliver(msg, self.peer, False, self.peer)
+            self.deliver(msg, self.peer)
 
     def send(self, data: bytes, addr) -> bool:
         """False once the socket is closing: asyncio's unconnected datagram transport, its socket
@@ -3471,22 +3988,138 @@ class _PunchSocket(asyncio.DatagramProtocol):
         return True
 
     def connection_lost(self, exc) -> None:         # the socket vanished: back to the relays now
-        self.node._punch_lost(self)
+        self.lost(self)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
 
+# -- TCP simultaneous open (rule 5): sockets sharing one port, SYNs both ways -------------
+def _bound_tcp(local: tuple) -> socket.socket:
+    """A TCP socket on `local`, sharing the port with the other sockets of one punch."""
+    family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setblocking(False)
+        sock.bind(local[:2])
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _watch_punched(sock: socket.socket, timeout: float) -> None:
+    """Rule 6: a punched connection whose path breaks errors within punched_tcp_timeout:
+    unacked data (TCP_USER_TIMEOUT), or keepalive probes when idle (which also keep the
+    NATs' mappings of an idle pooled connection alive)."""
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_USER_TIMEOUT", int(timeout * 1000)), ("TCP_KEEPIDLE", max(1, int(timeout / 2))),
+                        ("TCP_KEEPINTVL", max(1, int(timeout / 4))), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):               # Linux; elsewhere keepalive at the system's pace
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:
+            pass
+
+
+def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
+    """The accepted connection if it came from the peer's address (anyone else: closed)."""
+    try:
+        conn, addr = accepting.result()
+    except OSError:
+        return None
+    if addr[0] != remote[0]:
+        conn.close()
+        return None
+    return conn
+
+
+async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local: tuple, target: str, first: bool,
+                            deadline: float, extra: Optional[Callable[[socket.socket], None]] = None,
+                            head_start: Optional[float] = None) -> Optional[socket.socket]:
+    """connect() from `local` to the peer's mapping while it connects to ours: a connected
+    socket, or None by the deadline. A SYN the peer's NAT dropped or reset is replaced by a
+    fresh socket's every tunnel_syn_interval; a listener on the same port takes the peer's
+    SYN that arrives between two of ours (a reset of ours came back at once). Connections
+    beyond the first (both SYNs got through) go to `extra`, or are closed. Going second, we
+    give the first side `head_start` (punch_delay unless told)."""
+    loop = asyncio.get_running_loop()
+    try:
+        remote = resolve(target)
+        listener = _bound_tcp(local)
+        listener.listen(8)
+    except (OSError, ValueError):
+        return None
+
+    def spare(conn: socket.socket) -> None:
+        if extra is None:
+            conn.close()
+            return
+        _watch_punched(conn, cfg.punched_tcp_timeout)
+        extra(conn)
+    accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
+    won: Optional[socket.socket] = None
+    try:
+        if not first:                           # the first side's NAT gets its mapping first
+            wait = cfg.punch_delay if head_start is None else head_start
+            await asyncio.wait([accepting], timeout=min(wait, max(deadline - time.monotonic(), 0)))
+        while won is None and time.monotonic() < deadline:
+            if accepting.done():
+                won = _from_peer(accepting, remote)
+                accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
+                continue
+            sock = _bound_tcp(local)
+            connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
+            await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
+                                                                    max(deadline - time.monotonic(), 0.01)))
+            if connecting.done() and connecting.exception() is None:
+                won = sock
+            else:
+                connecting.cancel()
+                sock.close()
+                if not accepting.done():
+                    await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
+    except OSError:
+        pass
+    finally:
+        if accepting is not None and accepting.done() and not accepting.cancelled():
+            conn = _from_peer(accepting, remote)
+            if conn is not None and won is None:
+                won = conn
+            elif conn is not None:
+                spare(conn)
+        elif accepting is not None:
+            accepting.cancel()
+        while True:                             # both SYNs got through: the rest are extras
+            try:
+                conn, addr = listener.accept()
+            except OSError:
+                break
+            if addr[0] == remote[0]:
+                conn.setblocking(False)
+                spare(conn)
+            else:
+                conn.close()
+        listener.close()
+    if won is not None:
+        won.setblocking(False)
+        won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _watch_punched(won, cfg.punched_tcp_timeout)
+    return won
+
+
 # =============================================================================================
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
 class _GossipProtocol(asyncio.DatagramProtocol):
-    def __init__(self, node: Node):
-        self.node = node
-
-    def datagram_received(self, data: bytes, addr) -> None:
-        self.node._on_datagram(data, addr)
+    def __init__(self, on_datagram: Callable[[bytes, Any], None]):
+        self.datagram_received = on_datagram        # (data, addr): the node's, called directly
 
     def error_received(self, exc) -> None:          # ICMP unreachable from a dead peer: expected
         pass
@@ -3567,12 +4200,8 @@ class Node:
         self._joined_said = False                   # "joined" is logged once a member has answered
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
-        self._tunnel_credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
-                                    for k in [config.key] + config.accept_keys]   # rotation: any key's
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
         self._tunnel_sock: Optional[socket.socket] = None
-        self._tunnel_conns: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
-        self._unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self._gossip_strangers: Dict[asyncio.StreamWriter, str] = {}  # no authentic frame yet, oldest
                                                     # first -> the address group (the ones cut first)
         self._gossip_members: Dict[asyncio.StreamWriter, bool] = {}  # authenticated (links apart), oldest
@@ -3580,10 +4209,12 @@ class Node:
         self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
         self._join_budget: Dict[str, Tuple[float, float]] = {}   # join source -> (answers left, when)
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
-        self.admitted = collections.Counter({"tls": 0, "plain": 0})   # tunnel connections opened
+        self.tunnel = Tunnel(self, self._spawn, self.refused)   # the tunnel port: admission, HTTP, engine
         # NAT traversal and relay (see that section)
         self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
         self.private = False                        # no seed could dial us: reached through relays
+        self.reach_pending = False                  # a worker's reach check is not done: SERVING waits
+        self._held_state: Optional[int] = None      # ... the SERVING it holds meanwhile (rule 8)
         self.observed = ""                          # our address as a seed saw it
         self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
         self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
@@ -3591,7 +4222,8 @@ class Node:
         self._link_muxes: Dict[str, _MuxLink] = {}           # as a member: relay -> our link's streams
         self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
         self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
-        self._relays_of: Dict[str, List[str]] = {}           # relayed address -> its relays
+        self.reach = Reach(config)   # per relayed address: its relays,
+                                                             # punches and tunnels (the rules)
         self._seeds: List[str] = []                          # seeds that answered our "rq" (they tell
                                                              # a punch socket's mapping)
         self._seed_relays: List[str] = []                    # ... those of them that relay
@@ -3607,22 +4239,13 @@ class Node:
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
         self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
-        self._punch_tried: Dict[str, float] = {}            # relayed address -> last attempt
         self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
         self.punch_ms: List[float] = []                     # how long each successful punch took
         self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
-        self._member_since: Dict[str, float] = {}           # relayed address (ours too) -> first seen
         self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
         self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
-        self._tunnel_reach: Dict[str, str] = {}             # relayed address -> how its last tunnel went
-        self._tunnel_attempts: Dict[str, int] = {}          # relayed address -> attempts (orders alternate)
-        self._tunnel_order: Dict[str, bool] = {}            # relayed address -> the order that worked (True:
-                                                            # the member first), kept until it fails
-        self._tunnel_failures: Dict[str, int] = {}          # relayed address -> failures in a row
-        self._tunnel_given_up: Dict[str, float] = {}        # relayed address -> its last failure
         self._tunnel_answering = 0                          # simultaneous opens we answer right now
-        self._tunnel_probing: set = set()                   # relayed addresses a re-punch probe is on
         self._spare_tunnel: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection
         self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
                                                             # ingress's pool retires its relayed connections
@@ -3673,15 +4296,15 @@ class Node:
         addr = record.get("addr", "")
         if not is_relayed(addr):
             return "direct"
-        return self._tunnel_reach.get(addr, "relayed")
+        return self.reach.tunnel_reach(addr)
 
     def stats(self) -> Dict[str, Any]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
                 "flooded_by": dict(self.wire.flooders.most_common(8)),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
-                "refused": dict(self.refused), "admitted": dict(self.admitted), "tunnel_connections": len(self._tunnel_conns),
-                "unauthenticated": len(self._unauthenticated), "gossip_connections": self._gossip_connections,
+                "refused": dict(self.refused), "admitted": dict(self.tunnel.admitted), "tunnel_connections": len(self.tunnel.connections),
+                "unauthenticated": len(self.tunnel.unauthenticated), "gossip_connections": self._gossip_connections,
                 "gossip_strangers": len(self._gossip_strangers),
                 "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
                 "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
@@ -3696,7 +4319,7 @@ class Node:
         host, wanted = split_addr(cfg.gossip)
         for attempt in range(20):                   # port 0: find one free for UDP *and* TCP
             try:
-                self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self),
+                self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
                                                                    local_addr=(host, wanted))
             except OSError as exc:
                 raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
@@ -3721,7 +4344,7 @@ class Node:
                 self._tcp_server = self._udp = None
                 raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
             lport = self._tunnel_sock.getsockname()[1]
-            self._spawn(self._accept_tunnel(self._tunnel_sock))
+            self._spawn(self.tunnel.accept(self._tunnel_sock))
             if self.tunnel_server_ssl is None:
                 self._start_warnings.append(
                     "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
@@ -3734,6 +4357,13 @@ class Node:
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
                   "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(self.role),
                   "relaying": bool(cfg.relay)}
+        checks_reach = (cfg.reach == "private" and self.role != "relay") or \
+            (self.role not in SEED_ROLES and cfg.reach == "auto" and bool(cfg.bootstrap))
+        if checks_reach:                            # rule 8: no relaying offered before we are dialable
+            record["relaying"] = False
+        if checks_reach and self.role == "worker" and state == crdt.SERVING:
+            record["state"], self._held_state = crdt.JOIN, state
+        self.reach_pending = checks_reach and self.role == "worker"
         self.overlay = Overlay(cfg, self._pending_id, record, now)
         self.overlay.listeners.append(self._changed)
         self.overlay.rejoin_listeners.append(
@@ -3751,8 +4381,7 @@ class Node:
         self._schedule()
         # An ingress is a seed and dialable, unless told it is not (OTELA_REACH=private: an ingress
         # inside a cluster's private network, whose tunnels to private nodes punch, rule 5).
-        if (cfg.reach == "private" and self.role != "relay") or \
-                (self.role not in SEED_ROLES and cfg.reach == "auto" and bootstrap):
+        if checks_reach:
             self._spawn(self._keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         # "joined" only once a member has answered (_changed): before that we are alone.
@@ -3800,9 +4429,30 @@ class Node:
         self._schedule()
 
     def update(self, **fields) -> None:
-        """Owner write to our own record (state, models, labels, capacity…)."""
+        """Owner write to our own record (state, models, labels, capacity…). A worker's SERVING
+        waits for its reach check (rule 8 of "NAT traversal and relay")."""
+        if "state" in fields:
+            self._held_state = None
+            if fields["state"] == crdt.SERVING and self.reach_pending:
+                self._held_state = fields.pop("state")
+                log.info("session %s SERVING once its reach is known", self.session_id)
+                if not fields:
+                    return
         self._send(self.overlay.update(time.time(), **fields))
         self._schedule()
+
+    def _reach_known(self, **fields) -> None:
+        """Our reach is known (dialable, or our relayed address is ready in `fields`): the record
+        says so, with the SERVING held meanwhile."""
+        self.reach_pending = False
+        held, self._held_state = self._held_state, None
+        if held is not None:
+            fields["state"] = held
+        if fields:
+            self.update(**fields)
+        if held is not None:
+            log.info("session %s SERVING: its reach is known (%s)", self.session_id,
+                     "relayed" if self.private else "direct")
 
     def set_state(self, state: int) -> None:
         self.update(state=state)
@@ -3838,8 +4488,7 @@ class Node:
             self._udp.close()
         for task in list(self._tasks):
             task.cancel()
-        for connection in list(self._tunnel_conns):
-            connection.cut()
+        self.tunnel.cut_all()
         for link in list(self._links.values()) + list(self._linked.values()):
             link.close()
         paths = list(self._punched.values())
@@ -3864,17 +4513,11 @@ class Node:
         gossip = (record or {}).get("gossip", "")
         if is_relayed(gossip):
             if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
-                new = gossip not in self._relays_of
-                self._relays_of[gossip] = record["relay"].split(",")
-                if new:
-                    self._member_since.setdefault(gossip, time.monotonic())
-                    if self.private and is_relayed(self.overlay.addr):
-                        self._tend_punches()        # punch now, not at the next relay check
+                if self.reach.learned(gossip, record["relay"].split(","), time.monotonic()) \
+                        and self.private and is_relayed(self.overlay.addr):
+                    self._tend_punches()            # punch now, not at the next relay check
             else:
-                self._relays_of.pop(gossip, None)
-                for per_peer in (self._member_since, self._tunnel_reach, self._tunnel_attempts,
-                                 self._tunnel_order, self._tunnel_failures, self._tunnel_given_up):
-                    per_peer.pop(gossip, None)      # a relayed address names one process: gone for good
+                self.reach.forget(gossip)           # a relayed address names one process: gone for good
                 spare = self._spare_tunnel.pop(gossip, None)
                 if spare is not None:
                     spare[0].close()
@@ -4290,7 +4933,7 @@ class Node:
             self.bytes_sent += len(data) + 4
             return
         by_addr = self.overlay.by_addr
-        for relay in self._relays_of.get(dest, ()):
+        for relay in self.reach.relays(dest):
             if relay == self.overlay.addr:
                 continue
             sid = by_addr.get(relay)
@@ -4367,7 +5010,7 @@ class Node:
             if link is not None:
                 link.write(frame(inner))
             elif from_link:                         # one hop on to its relay, never more (no loops)
-                for relay in self._relays_of.get(dest, ()):
+                for relay in self.reach.relays(dest):
                     if relay != self.overlay.addr:
                         self._spawn(self._send_frames(self._resolve(relay), frame(data)))
                         break
@@ -4397,7 +5040,7 @@ class Node:
         if abs(now - sent) > self.wire.window + 1:
             return "stale"
         if is_relayed(dest):
-            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and dest in self._relays_of):
+            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and self.reach.relays(dest)):
                 return "not_member"
         elif not from_link or (dest not in self.overlay.by_addr and dest not in self.overlay.remembered):
             return "not_member"
@@ -4504,6 +5147,7 @@ class Node:
                     self.observed = str(heard[0][1].get("seen", ""))
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+                        self._reach_known(relaying=bool(cfg.relay))
                         return
                     self._heard_seeds(heard)
                     break
@@ -4542,14 +5186,16 @@ class Node:
             record = self.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.overlay.addr = relayed
-                self._member_since.setdefault(relayed, time.monotonic())
+                self.reach.member(relayed, time.monotonic())
                 if waited:                          # our first record (dialable, it said) was suspected
                     waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.rejoin(state=record["state"], gossip=relayed, addr=relayed, relay=relays,
+                    state = record["state"] if self._held_state is None else self._held_state
+                    self.reach_pending, self._held_state = False, None
+                    self.rejoin(state=state, gossip=relayed, addr=relayed, relay=relays,
                                 relaying=False)     # the old session never named our relayed address
                 else:
-                    self.update(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+                    self._reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
             self._tend_punches()
             await asyncio.sleep(cfg.relay_check_interval)
 
@@ -4647,7 +5293,7 @@ class Node:
             stream.abort()
             return
         self.relayed["streams"] += 1
-        self._admit(stream)
+        self.tunnel.admit(stream)
 
     async def _dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -4671,7 +5317,7 @@ class Node:
             sock.close()
             return
         self.relayed["dialed_back"] += 1
-        self._admit(sock)
+        self.tunnel.admit(sock)
 
     async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
@@ -4692,17 +5338,11 @@ class Node:
                 pass
             await stream.bridge(reader, writer)
             return
-        token = os.urandom(8).hex()
-        waiter = asyncio.get_running_loop().create_future()
-        self._splices[token] = waiter
-        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
         try:
-            other_reader, other_writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
+            other_reader, other_writer = await self._ask_dial_back(link)
         except asyncio.TimeoutError:
             self.relayed["refused"] += 1
             return
-        finally:
-            self._splices.pop(token, None)
         self.relayed["spliced"] += 1
         for w in (writer, other_writer):
             try:
@@ -4725,7 +5365,7 @@ class Node:
         loop = asyncio.get_running_loop()
         host = split_addr(self.config.gossip)[0]
         try:
-            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer), local_addr=(host, 0))
+            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer, self._punched_gossip, self._punch_lost), local_addr=(host, 0))
         except OSError:
             return None, ""
         seeds = [a for a in self._seeds if not is_relayed(a)]
@@ -4773,21 +5413,11 @@ class Node:
                 self._punch_lost(path, "went silent")
             elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
                 path.send(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
-        mine = self.overlay.addr
-        for peer in list(self._relays_of):
-            if peer == mine or peer in self._punched or len(self._punched) >= cfg.max_punched:
-                continue
-            if mine[len(RELAYED_PREFIX):] > peer[len(RELAYED_PREFIX):] or \
-                    now - self._punch_tried.get(peer, -math.inf) < cfg.punch_retry:
-                continue
-            self._punch_tried[peer] = now
+        for peer in self.reach.punches_due(self.overlay.addr, self._punched, now):
             self._spawn(self._punch(peer))
         if self.private and self.punch_listeners:   # rule 6: a dialer back to punched when it works
-            for peer in list(self._punched):
-                if self._tunnel_reach.get(peer) == "relayed" and peer not in self._tunnel_probing \
-                        and peer not in self._spare_tunnel and self._tunnel_failures.get(peer, 0) >= 2 \
-                        and self._may_punch_tunnel(peer):
-                    self._spawn(self._probe_tunnel(peer))
+            for peer in self.reach.probes_due(self._punched, self._spare_tunnel, self.private, now):
+                self._spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
@@ -4834,6 +5464,9 @@ class Node:
         if waiter is not None and not waiter.done():
             waiter.set_result(str(msg.get("seen") or ""))
 
+    def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
+        self._deliver(msg, peer, False, peer)
+
     def _punch_lost(self, path: _PunchSocket, why: str = "closed") -> None:
         """A punched path that went silent or whose socket is gone: its peer goes back to its
         relays (rule 4). Only the path on record counts; a replaced or failed attempt's socket
@@ -4855,23 +5488,29 @@ class Node:
             for listener in self.punch_listeners:
                 listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        both = max(self._member_since.get(peer, started), self._member_since.get(self.overlay.addr, started))
+        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.overlay.addr, started))
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
-    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
-        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
-        dial-back connection is handed over as it is, no splice, no second hop."""
+    async def _ask_dial_back(self, link: asyncio.StreamWriter) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Ask the member on `link` to dial us back (rule 2) and wait for its connection;
+        asyncio.TimeoutError after splice_timeout."""
         token = os.urandom(8).hex()
         waiter = asyncio.get_running_loop().create_future()
         self._splices[token] = waiter
         link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
         try:
-            reader, writer = await asyncio.wait_for(waiter, self.config.splice_timeout)
-        except asyncio.TimeoutError:
-            raise OSError("the private member did not dial back") from None
+            return await asyncio.wait_for(waiter, self.config.splice_timeout)
         finally:
             self._splices.pop(token, None)
+
+    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
+        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
+        dial-back connection is handed over as it is, no splice, no second hop."""
+        try:
+            reader, writer = await self._ask_dial_back(link)
+        except asyncio.TimeoutError:
+            raise OSError("the private member did not dial back") from None
         if getattr(reader, "_buffer", None):        # it sends nothing before our ClientHello
             writer.close()
             raise OSError("unexpected bytes on a dial-back")
@@ -4887,22 +5526,28 @@ class Node:
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
         loop = asyncio.get_running_loop()
-        spare = self._spare_tunnel.pop(addr, None)
-        if spare is not None:                       # a probe's (rule 6), if the member still waits on it
-            if time.monotonic() - spare[1] < self.config.head_timeout / 2:
-                self._tunnel_reach[addr] = "punched"
-                return spare[0]
+        now = time.time()
+        spare = self._spare_tunnel.pop(addr, None)  # a probe's (rule 6), if the member still waits on it
+        link_id = addr[len(RELAYED_PREFIX):]
+        link = self._linked.get(link_id)
+        path = self.reach.tunnel_path(addr, self.private, addr in self._punched,
+                                      link is not None and not link.transport.is_closing(),
+                                      None if spare is None else time.monotonic() - spare[1],
+                                      self.config.head_timeout, now)
+        if path == "spare":
+            self.reach.went(addr, "punched", now)
+            return spare[0]
+        if spare is not None:
             spare[0].close()
-        if self._may_punch_tunnel(addr):
+        if path == "punch":
             sock = await self._punch_tunnel(addr)
             if sock is not None:
                 return sock
-        self._tunnel_reach[addr] = "relayed"
-        link_id = addr[len(RELAYED_PREFIX):]
-        link = self._linked.get(link_id)
+            link = self._linked.get(link_id)        # (the punch took a while)
+        self.reach.went(addr, "relayed", time.time())
         if link is not None and not link.transport.is_closing():
             return await self._take_dial_back(link)   # no relay hop to save: see rule 2
-        for relay in self._relays_of.get(addr, ()):
+        for relay in self.reach.relays(addr):
             try:
                 host, port = self._resolve(relay)
                 family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
@@ -4920,32 +5565,6 @@ class Node:
         raise OSError(f"no relay of {addr} answers")
 
     # -- tunnel punching: TCP simultaneous open (rule 5) ------------------------------------
-    def _may_punch_tunnel(self, peer: str) -> bool:
-        """Both private, their UDP punch worked (cone NATs), and not given up on lately."""
-        if not (self.private and peer in self._punched):
-            return False
-        if self._tunnel_failures.get(peer, 0) < 2:
-            return True
-        if time.time() - self._tunnel_given_up.get(peer, -math.inf) >= self.config.punch_retry:
-            self._tunnel_failures[peer] = 0         # conntrack entries of the failed tries are gone
-            return True
-        return False
-
-    def _bound_tcp(self, local: tuple) -> socket.socket:
-        """A TCP socket on `local`, sharing the port with the other sockets of one punch."""
-        family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if hasattr(socket, "SO_REUSEPORT"):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.setblocking(False)
-            sock.bind(local[:2])
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
     async def _tcp_mapping(self, deadline: float) -> Tuple[Optional[tuple], str]:
         """A fresh local port and its TCP mapping as a seed saw it ((None, "") when none answers).
         The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
@@ -4956,7 +5575,7 @@ class Node:
         local: Optional[tuple] = None
         for seed in seeds[:2]:
             try:
-                sock = self._bound_tcp(local or (host, 0))
+                sock = _bound_tcp(local or (host, 0))
             except OSError:
                 return None, ""
             local = sock.getsockname()
@@ -4979,116 +5598,12 @@ class Node:
                 sock.close()
         return None, ""
 
-    async def _simultaneous_open(self, local: tuple, target: str, first: bool, deadline: float,
-                                 extra: Optional[Callable[[socket.socket], None]] = None,
-                                 head_start: Optional[float] = None):
-        """connect() from `local` to the peer's mapping while it connects to ours: a connected
-        socket, or None by the deadline. A SYN the peer's NAT dropped or reset is replaced by a
-        fresh socket's every tunnel_syn_interval; a listener on the same port takes the peer's
-        SYN that arrives between two of ours (a reset of ours came back at once). Connections
-        beyond the first (both SYNs got through) go to `extra`, or are closed. Going second, we
-        give the first side `head_start` (punch_delay unless told)."""
-        loop = asyncio.get_running_loop()
-        cfg = self.config
-        try:
-            remote = self._resolve(target)
-            listener = self._bound_tcp(local)
-            listener.listen(8)
-        except (OSError, ValueError):
-            return None
-
-        def spare(conn: socket.socket) -> None:
-            if extra is None:
-                conn.close()
-                return
-            self._watch_punched(conn)
-            extra(conn)
-        accepting: Optional[asyncio.Future] = asyncio.ensure_future(loop.sock_accept(listener))
-        won: Optional[socket.socket] = None
-        try:
-            if not first:                           # the first side's NAT gets its mapping first
-                wait = cfg.punch_delay if head_start is None else head_start
-                await asyncio.wait([accepting], timeout=min(wait, max(deadline - time.monotonic(), 0)))
-            while won is None and time.monotonic() < deadline:
-                if accepting.done():
-                    won = self._from_peer(accepting, remote)
-                    accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
-                    continue
-                sock = self._bound_tcp(local)
-                connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
-                await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
-                                                                        max(deadline - time.monotonic(), 0.01)))
-                if connecting.done() and connecting.exception() is None:
-                    won = sock
-                else:
-                    connecting.cancel()
-                    sock.close()
-                    if not accepting.done():
-                        await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
-        except OSError:
-            pass
-        finally:
-            if accepting is not None and accepting.done() and not accepting.cancelled():
-                conn = self._from_peer(accepting, remote)
-                if conn is not None and won is None:
-                    won = conn
-                elif conn is not None:
-                    spare(conn)
-            elif accepting is not None:
-                accepting.cancel()
-            while True:                             # both SYNs got through: the rest are extras
-                try:
-                    conn, addr = listener.accept()
-                except OSError:
-                    break
-                if addr[0] == remote[0]:
-                    conn.setblocking(False)
-                    spare(conn)
-                else:
-                    conn.close()
-            listener.close()
-        if won is not None:
-            won.setblocking(False)
-            won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._watch_punched(won)
-        return won
-
-    def _watch_punched(self, sock: socket.socket) -> None:
-        """Rule 6: a punched connection whose path breaks errors within punched_tcp_timeout:
-        unacked data (TCP_USER_TIMEOUT), or keepalive probes when idle (which also keep the
-        NATs' mappings of an idle pooled connection alive)."""
-        timeout = self.config.punched_tcp_timeout
-        options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-        for name, value in (("TCP_USER_TIMEOUT", int(timeout * 1000)), ("TCP_KEEPIDLE", max(1, int(timeout / 2))),
-                            ("TCP_KEEPINTVL", max(1, int(timeout / 4))), ("TCP_KEEPCNT", 3)):
-            if hasattr(socket, name):               # Linux; elsewhere keepalive at the system's pace
-                options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-        for level, option, value in options:
-            try:
-                sock.setsockopt(level, option, value)
-            except OSError:
-                pass
-
-    @staticmethod
-    def _from_peer(accepting: asyncio.Future, remote: tuple) -> Optional[socket.socket]:
-        """The accepted connection if it came from the peer's address (anyone else: closed)."""
-        try:
-            conn, addr = accepting.result()
-        except OSError:
-            return None
-        if addr[0] != remote[0]:
-            conn.close()
-            return None
-        return conn
-
     async def _punch_tunnel(self, peer: str) -> Optional[socket.socket]:
         """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         deadline = started + self.config.tunnel_punch_timeout
-        attempt = self._tunnel_attempts[peer] = self._tunnel_attempts.get(peer, 0) + 1
-        kept = self._tunnel_order.get(peer)         # the order that worked, or None: alternate
-        peer_first = kept if kept is not None else attempt % 2 == 1   # odd attempts the member first
+        peer_first, kept = self.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
         sock = None
         local, seen = await self._tcp_mapping(deadline)
         if local is not None:
@@ -5103,31 +5618,26 @@ class Node:
                 self._punch_wait.pop((peer, token), None)
             if theirs:
                 margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
-                sock = await self._simultaneous_open(local, theirs, not peer_first, deadline, head_start=margin)
+                sock = await simultaneous_open(self.config, self._resolve, local, theirs, not peer_first, deadline,
+                                               head_start=margin)
         if sock is None:
-            if kept is not None and self._tunnel_order.get(peer) is kept:
-                del self._tunnel_order[peer]        # the kept order failed: alternate again
             self.tunnel_punches["failed"] += 1
-            self._tunnel_failures[peer] = self._tunnel_failures.get(peer, 0) + 1
-            self._tunnel_given_up[peer] = time.time()
+            self.reach.punch_failed(peer, kept, time.time())
             return None
         self.tunnel_punches["ok"] += 1
-        self._tunnel_order[peer] = peer_first
-        self._tunnel_failures[peer] = 0
-        self._tunnel_reach[peer] = "punched"
+        self.reach.punch_worked(peer, peer_first, time.time())
         self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         return sock
 
     async def _probe_tunnel(self, peer: str) -> None:
         """Rule 6: one punch in the background while the tunnel to `peer` is relayed; the
         connection it makes is the next dial's, and the relayed ones are retired."""
-        self._tunnel_probing.add(peer)
+        sock = None
         try:
             sock = await self._punch_tunnel(peer)
         finally:
-            self._tunnel_probing.discard(peer)
+            self.reach.probe_done(peer, sock is not None, time.time())
         if sock is None:
-            self._tunnel_failures[peer] = max(2, self._tunnel_failures.get(peer, 0))   # still broken
             return
         old = self._spare_tunnel.pop(peer, None)
         if old is not None:
@@ -5152,8 +5662,8 @@ class Node:
             self._send_relayed(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
             if local is None or not msg.get("seen"):
                 return
-            sock = await self._simultaneous_open(local, str(msg["seen"]), bool(msg.get("first")), deadline,
-                                                 extra=self._admit)
+            sock = await simultaneous_open(self.config, self._resolve, local, str(msg["seen"]), bool(msg.get("first")),
+                                           deadline, extra=self.tunnel.admit)
         finally:
             self._tunnel_answering -= 1
         self.tunnel_punches["ok" if sock is not None else "failed"] += 1
@@ -5161,7 +5671,7 @@ class Node:
             if self._tunnel_sock is None:
                 sock.close()
                 return
-            self._admit(sock)
+            self.tunnel.admit(sock)
 
     def _on_tunnel_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
         waiter = self._punch_wait.get((src, msg.get("n")))
@@ -5174,390 +5684,6 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _accept_tunnel(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    await asyncio.sleep(0.1)        # out of descriptors: the caps below free some
-                    continue
-                return                              # the listening socket was closed (stop)
-            self._admit(conn)
-
-    def _admit(self, conn: Union[socket.socket, _MuxTunnel]) -> None:
-        """Rule 1: the cap on all connections, then on strangers (the oldest is cut). `conn`:
-        an accepted (or punched, or dialled-back) socket, or a tunnel stream on a relay link."""
-        cfg = self.config
-        stream = isinstance(conn, _MuxTunnel)
-        if not stream:
-            conn.setblocking(False)
-        if len(self._tunnel_conns) >= cfg.max_tunnel_connections:
-            self.refused["busy"] += 1
-            try:
-                (conn.write if stream else conn.send)(BUSY_ANSWER)
-            except OSError:
-                pass
-            conn.close()
-            return
-        if not stream:
-            try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        connection = _TunnelConnection(None)
-        self._tunnel_conns[connection] = None
-        self._unauthenticated[connection] = None
-        if len(self._unauthenticated) > cfg.max_unauthenticated:
-            self.refused["cut"] += 1
-            oldest = next(iter(self._unauthenticated))
-            del self._unauthenticated[oldest]       # counted out now; its task closes it next
-            oldest.cut()
-        connection.task = self._spawn(self._tunnel_connection(conn, connection))
-        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
-
-    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
-                           task: asyncio.Task) -> None:
-        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
-        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
-        if task.cancelled():
-            self._tunnel_conns.pop(connection, None)
-            self._unauthenticated.pop(connection, None)
-            conn.close()
-
-    def _authenticated(self, connection: _TunnelConnection) -> None:
-        connection.authenticated = True
-        self._unauthenticated.pop(connection, None)
-
-    async def _tunnel_connection(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
-        cfg = self.config
-        connection.arm(cfg.head_timeout)
-        writer = None
-        try:
-            ctx = self.tunnel_server_ssl
-            if isinstance(conn, _MuxTunnel):        # its first byte decides, its handshake in memory
-                mode = await conn.ready
-                if mode is None:
-                    self.refused["handshake"] += 1
-                    return
-                if mode == "plain":
-                    ctx = None
-                reader, writer = conn.reader, conn.writer()
-            else:
-                if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
-                    await _wait_readable(conn)
-                    first = conn.recv(1, socket.MSG_PEEK)
-                    if first and first[0] != TLS_RECORD_HANDSHAKE:
-                        ctx = None
-                try:
-                    reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
-                except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
-                    self.refused["handshake"] += 1  # no certificate, the wrong one, a replay
-                    return
-            connection.writer = writer
-            self.admitted["tls" if ctx is not None else "plain"] += 1
-            if ctx is not None:
-                connection.tls = True
-                self._authenticated(connection)
-            await self._on_http(reader, writer, connection)
-        except (asyncio.CancelledError, OSError):
-            pass
-        finally:
-            connection.disarm()
-            self._tunnel_conns.pop(connection, None)
-            self._unauthenticated.pop(connection, None)
-            if writer is not None:
-                writer.close()
-            else:
-                conn.close()
-
-    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
-        """Rule 2, on the head: None when this request may be served (its body read), else the
-        (status, error body) to answer before closing."""
-        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
-            return None
-        if connection is not None and connection.tls:
-            return None                             # the handshake showed the cluster certificate
-        if self.tunnel_server_ssl is not None:
-            self.refused["credential"] += 1
-            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
-                                   "are not forwarded", "permission_error", "tls_required")
-        name, value = self.tunnel_header
-        wanted, given = name.encode(), b""
-        for hname, hvalue in headers:
-            if hname == wanted:
-                given = hvalue
-        if not any(hmac.compare_digest(given, v) for v in self._tunnel_credentials):
-            self.refused["credential"] += 1
-            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
-        if connection is not None:
-            self._authenticated(connection)
-        return None
-
-    # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       connection: Optional[_TunnelConnection] = None) -> None:
-        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
-        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
-        goes to h11 from the first byte of that request, which keeps the connection from then on.
-        `connection` (the admission) holds the deadlines and whether the client authenticated."""
-        buf = bytearray()
-        cfg = self.config
-        try:
-            while True:
-                if connection is not None:          # a member may idle; a stranger gets head_timeout
-                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
-                                   else cfg.head_timeout)
-                head = await _read_request_head(reader, buf)
-                if head is None:
-                    return
-                if head is H11_JUDGES:
-                    await self._serve_h11(reader, writer, bytes(buf), connection)
-                    return
-                refusal = self._refusal(head.method, head.target, head.headers, connection)
-                if refusal is not None:             # judged on the head: the body is never read
-                    self._respond(None, writer, refusal[0], refusal[1], close=True)
-                    await writer.drain()
-                    return
-                limit = cfg.max_request_body
-                if head.length > limit:
-                    self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
-                    await writer.drain()
-                    return
-                del buf[:head.size]
-                if connection is not None:
-                    connection.arm(cfg.body_timeout)
-                reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
-                while True:
-                    piece = reader_of_body.take(buf)
-                    if piece is None:
-                        break
-                    if piece:
-                        parts.append(piece)
-                        size += len(piece)
-                        if size > limit:
-                            self._respond(None, writer, 413, error_body("request body too large",
-                                                                        "invalid_request_error"))
-                            await writer.drain()
-                            return
-                        continue
-                    data = await reader.read(RELAY_READ)
-                    if not data:
-                        return
-                    buf += data
-                if connection is not None:
-                    connection.disarm()             # the engine may take minutes to answer
-                await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
-                if not head.keep_alive:
-                    return
-        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
-            body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
-            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                         b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        except (h11.ProtocolError, OSError, EngineError):
-            pass
-        finally:
-            writer.close()
-
-    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
-                         connection: Optional[_TunnelConnection] = None) -> None:
-        conn = h11.Connection(h11.SERVER)
-        if initial:
-            conn.receive_data(initial)
-        while True:
-            if connection is not None:
-                connection.arm(self.config.head_timeout + self.config.body_timeout)
-            event = await h11_next(conn, reader)
-            if not isinstance(event, h11.Request):
-                break
-            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
-            if refusal is not None:
-                self._respond(conn, writer, refusal[0], refusal[1], close=True)
-                await writer.drain()
-                return
-            body = bytearray()
-            too_big = False
-            while True:
-                part = await h11_next(conn, reader)
-                if isinstance(part, h11.Data):
-                    body += part.data
-                    if len(body) > self.config.max_request_body:
-                        too_big = True
-                        break
-                elif isinstance(part, h11.EndOfMessage):
-                    break
-                else:
-                    return
-            if too_big:
-                self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
-                await writer.drain()
-                return
-            headers = header_items(event.headers)
-            if connection is not None:
-                connection.disarm()
-            if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
-                # The answer bypassed h11: carry on with a fresh parser fed what was read
-                # past this request (pipelined bytes), unless either side asked to close.
-                if conn.their_state is not h11.DONE or _wants_close(headers):
-                    break
-                trailing, closed = conn.trailing_data
-                conn = h11.Connection(h11.SERVER)
-                if trailing:
-                    conn.receive_data(bytes(trailing))
-                if closed:
-                    conn.receive_data(b"")
-                continue
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                break
-            conn.start_next_cycle()
-
-    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
-                 close: bool = False) -> None:
-        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
-        if conn is None:
-            writer.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n%scontent-length: %d\r\n\r\n%s"
-                         % (status, _REASON.get(status, b"Status"), ctype,
-                            b"connection: close\r\n" if close else b"", len(body), body))
-            return
-        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
-        if close:
-            headers.append((b"connection", b"close"))
-        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
-        writer.write(conn.send(h11.Data(data=body)))
-        writer.write(conn.send(h11.EndOfMessage()))
-
-    async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                        conn, writer) -> bool:
-        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
-        when the answer went out raw, past h11's `conn`."""
-        path = target.split(b"?", 1)[0]
-        if self.overlay is None:                    # between binding the port and joining
-            self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
-        elif method == b"GET" and path == b"/v1/registry":
-            self._respond(conn, writer, 200, crdt.dumps(self.registry_view()))
-        elif method == b"GET" and path == b"/healthz":
-            warnings = self.health_warnings()
-            status = "draining" if self.draining else "isolated" if not self.overlay.members and warnings else "ok"
-            self._respond(conn, writer, 503 if self.draining else 200,
-                          crdt.dumps({"status": status, "session": self.session_id,
-                                      "state": crdt.STATE_NAMES[self.overlay.record["state"]],
-                                      "members": len(self.overlay.members), "warnings": warnings,
-                                      "gossip": self.stats()}))
-        else:                                       # the credential was judged on the head (_refusal)
-            if self.draining or self.engine is None:
-                self._respond(conn, writer, 503, error_body("this session is draining" if self.draining
-                                                            else "no engine behind this node",
-                                                            "server_error", "unavailable"))
-            else:
-                return await self._forward(method, target, headers, body, conn, writer)
-        await writer.drain()
-        return False
-
-    async def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                       conn, writer) -> bool:
-        """Send the request to the engine verbatim and stream the answer back as it comes.
-        If the engine cuts the answer, we cut the client connection too: never a silent 200.
-        Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
-        if conn is not None and conn.their_http_version != b"1.1":
-            await self._forward_h11(method, target, headers, body, conn, writer)
-            return False
-        engine = self.engine
-        tunnel = self.tunnel_header[0].encode()
-        head = [method, b" ", target, b" HTTP/1.1\r\nhost: ", engine.host_header,
-                b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]
-        for name, value in headers:
-            if name not in HOP_BY_HOP and name != tunnel:
-                head += (name, b": ", value, b"\r\n")
-        head.append(b"\r\n")
-        head.append(body)
-        head_only = method == b"HEAD"
-        self.inflight += 1
-        try:
-            try:
-                engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
-            except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
-                return False
-            framing, keep_alive = answer.framing, answer.keep_alive
-            out = [b"HTTP/1.1 %d %s\r\n" % (answer.status, answer.reason)]
-            for name, value in answer.headers:
-                if name not in HOP_BY_HOP:
-                    out += (name, b": ", value, b"\r\n")
-            if framing is NO_BODY:
-                out.append(b"content-length: 0\r\n")
-            elif framing is LENGTH:
-                out.append(b"content-length: %d\r\n" % answer.length)
-            else:                                   # chunked as the engine sent it, or an until-close
-                out.append(b"transfer-encoding: chunked\r\n")   # body we frame as chunked
-            if _wants_close(headers):
-                out.append(b"connection: close\r\n")
-            out.append(b"\r\n")
-            reader = engine_conn.reader
-            transport = writer.transport
-            data = bytes(buf)
-            ok = False
-            try:
-                if framing is UNTIL_CLOSE:
-                    while True:
-                        if data:
-                            out += (b"%x\r\n" % len(data), data, b"\r\n")
-                        transport.write(b"".join(out))
-                        out = []
-                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
-                            await writer.drain()
-                        data = await reader.read(RELAY_READ)
-                        if not data:
-                            out.append(b"0\r\n\r\n")
-                            break
-                else:
-                    body = BodyReader(framing, answer.length)
-                    used = body.feed(data)
-                    if body.error is not None:      # nothing went out yet: a clear 502
-                        self._respond(conn, writer, 502, error_body(f"engine failed: bad response from the "
-                                                                    f"engine: {body.error}", "server_error",
-                                                                    "bad_gateway"))
-                        return False
-                    out.append(data[:used])
-                    if body.done:
-                        ok = used == len(data)
-                    else:
-                        transport.write(b"".join(out))
-                        out = []
-                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
-                transport.write(b"".join(out))
-            except OSError as exc:
-                raise EngineError(str(exc) or type(exc).__name__) from None
-            finally:
-                engine.release(engine_conn, ok and keep_alive)
-            if transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                await writer.drain()
-            return True
-        finally:
-            self.inflight -= 1
-
-    async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
-        """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
-        tunnel = self.tunnel_header[0].encode()
-        headers = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != tunnel]
-        self.inflight += 1
-        try:
-            try:
-                response, engine_conn = await self.engine.exchange(method.decode(), target.decode(), headers, body)
-            except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
-                return
-            out_headers = [(n, v) for n, v in response.headers
-                           if n not in HOP_BY_HOP or n == b"content-length"]
-            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
-                                                reason=response.reason)))
-            async for chunk in self.engine.body(engine_conn):
-                writer.write(conn.send(h11.Data(data=chunk)))
-                await writer.drain()
-            writer.write(conn.send(h11.EndOfMessage()))
-        finally:
-            self.inflight -= 1
 
 
 async def resolve_bootstrap(specs: List[str]) -> List[str]:
@@ -6037,7 +6163,8 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
                 if not stopped:
                     models = await supervisor.models()
                     node.update(state=crdt.SERVING, models=models)
-                    log.info("session %s SERVING %s", node.session_id, ", ".join(models))
+                    if not node.reach_pending:
+                        log.info("session %s SERVING %s", node.session_id, ", ".join(models))
                     reason, stopped = await _until(supervisor.watch(), stop)
             except (EngineExited, EngineError) as exc:
                 reason, stopped = str(exc), False

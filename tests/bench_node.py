@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+import simnet  # noqa: E402
+
 import crdt  # noqa: E402
 import otela_node as on  # noqa: E402
 
@@ -353,7 +355,7 @@ def false_eviction_phase(key_file, quick, results, seconds=None):
 def simulator_phase(quick, results):
     n = 300 if quick else 1000
     cfg = on.Config(key=b"k" * 32)
-    net = on.SimulatedNetwork(seed=5, config=cfg, loss=0.01)
+    net = simnet.SimulatedNetwork(seed=5, config=cfg, loss=0.01)
     t0 = time.monotonic()
     members = [net.add() for _ in range(n)]
     records = {m.sid: m.record for m in members}

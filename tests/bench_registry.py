@@ -29,6 +29,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import simnet  # noqa: E402
+
 import crdt  # noqa: E402
 import otela_node as on  # noqa: E402
 
@@ -36,7 +38,7 @@ T0 = 1_700_000_000.0
 TIER = b"t" * 32
 
 
-class MeteredNetwork(on.SimulatedNetwork):
+class MeteredNetwork(simnet.SimulatedNetwork):
     """The simulator, counting bytes each member receives and the largest message sent."""
 
     def __init__(self, *args, **kw):

@@ -16,7 +16,9 @@ NAT modes per router (iptables inside the router's namespace):
   symmetric  MASQUERADE --random-fully: a fresh port per 5-tuple: punching fails, relay.
 Routers drop unsolicited inbound (FORWARD: only ESTABLISHED,RELATED from wan); `block_udp`
 drops all forwarded UDP; `leaky` leaves the router's INPUT chain open (a bare Linux gateway:
-an unsolicited packet gets a conntrack entry and may make the NAT remap a flow).
+an unsolicited packet gets a conntrack entry and may make the NAT remap a flow). `routed`: the
+public host routes each private network to its NAT (as a cloud's VPC router would), so a dial of
+a private address is dropped at the NAT and times out instead of failing at once (no route).
 
 Names are "otn-<pid>-<n>-…": unique per lab, so labs of parallel runs never meet; `close()`
 (also on failure, as a context manager) kills every process inside and deletes the namespaces;
@@ -25,12 +27,15 @@ network, so no packet leaves the lab.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import types
 from typing import Any, Dict, List, Optional
@@ -76,14 +81,15 @@ def _run(ns: str, *argv: str) -> None:
 class NatLab:
     """One public host and two private hosts behind NATs A and B. A context manager."""
 
-    def __init__(self, nat_a: str = "cone", nat_b: str = "cone", block_udp: str = "", leaky: str = ""):
+    def __init__(self, nat_a: str = "cone", nat_b: str = "cone", block_udp: str = "", leaky: str = "",
+                 routed: bool = False):
         for mode in (nat_a, nat_b):
             if mode not in MODES:
                 raise ValueError(f"NAT mode {mode!r}: use one of {MODES}")
         self.tag = f"{PREFIX}{os.getpid()}-{next(_count)}-"
         self.names: Dict[str, str] = {n: self.tag + n for n in ("wan", "pub", "ra", "rb", "ha", "hb")}
         self.nat = {"a": nat_a, "b": nat_b}
-        self.block_udp, self.leaky = block_udp, leaky
+        self.block_udp, self.leaky, self.routed = block_udp, leaky, routed
         self.places: Dict[str, netns.Place] = {}
         _sweep()
         try:
@@ -120,6 +126,8 @@ class NatLab:
             ip("-n", host, "route", "add", "default", "via", GATEWAY[side])
             _run(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self._firewall(side)
+            if self.routed:
+                ip("-n", n["pub"], "route", "add", PRIVATE[side].rsplit(".", 1)[0] + ".0/24", "via", ROUTER_WAN[side])
         self.places = {"pub": netns.Place(PUBLIC, n["pub"]), "a": netns.Place(PRIVATE["a"], n["ha"]),
                        "b": netns.Place(PRIVATE["b"], n["hb"])}
 
@@ -467,3 +475,122 @@ def run_no_relay_seed(tmp: str, timings: Dict[str, str], relay: str = "before", 
         fleet.stop(node)
         fleet.stop(ingress)
     return out
+
+
+# Two private nodes started together (issue 26): the ingress on the public host, a node behind
+# each NAT, both started at once with --listen on their private address and --bootstrap to the
+# ingress, as a new user would. The load starts as soon as the ingress routes to any worker; each
+# node must be served within a few seconds of the ingress seeing it SERVING, and no request fail
+# (their first records name private addresses the ingress cannot dial).
+def run_started_together(mode: str, tmp: str, timings: Dict[str, str], seconds: float = 10.0,
+                         routed: bool = True, within: float = 5.0) -> Dict[str, Any]:
+    """Build a lab with both NATs `mode`, start the ingress, then both nodes at once; send 5
+    plain chat/s from the public host from the moment the ingress sees a worker SERVING, for
+    `seconds`. Returns the outcomes, the failures (when, what) and, per node, seconds from the
+    ingress first seeing it SERVING to its first answered request (None: never served).
+    `routed` (NatLab's): a dial of a private address times out, as on a cloud's network. The
+    load goes on until `within` s after the second node was seen SERVING (20 s more at most)."""
+    import reliability as rel
+    out: Dict[str, Any] = {"scenario": f"started together, {mode}"}
+    with NatLab(nat_a=mode, nat_b=mode, routed=routed) as lab, rel.Fleet(tmp, timings) as fleet:
+        pub = lab.place("pub")
+        ingress = fleet.ingress(pub)
+        nodes = [fleet.node(side, lab.place(side), bootstrap=(ingress.gossip,)) for side in "ab"]
+        started = time.monotonic()
+        serving_at: Dict[str, float] = {}           # session -> when the ingress first saw it SERVING
+
+        def look() -> bool:
+            now = time.monotonic()
+            for s in fleet.registry(ingress)["sessions"]:
+                if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected"):
+                    serving_at.setdefault(s["session"], now)
+            return bool(serving_at)
+        rel.wait(lambda: fleet.up() and look(), 60, "a private node SERVING at the ingress")
+        out["first_serving_after_s"] = round(time.monotonic() - started, 2)
+        with rel.Load(pub, ingress.url, fleet.token, rate=5) as load:
+            until_ = time.monotonic() + seconds
+            while time.monotonic() < until_ or len(serving_at) < 2 and time.monotonic() < until_ + 20:
+                with contextlib.suppress(OSError, ValueError):
+                    look()
+                if len(serving_at) == 2:            # the last one SERVING gets `within` s too
+                    until_ = max(until_, max(serving_at.values()) + within)
+                time.sleep(0.1)
+        plain = load.select("plain")
+        sessions = {m.name: fleet.registry(m)["self"] for m in nodes}
+        out["outcomes"] = load.outcomes()
+        out["plain_requests"], out["plain_errors"] = len(plain), rel.errors(plain, True)
+        t0 = min(serving_at.values())
+        out["failed"] = [(round(r[0] - t0, 2), r[3]) for r in plain if r[3] != rel.OK]
+        first_ok: Dict[str, float] = {}
+        for r in sorted(plain):
+            if r[3] == rel.OK:
+                first_ok.setdefault(r[4], r[1])
+        out["served_after_serving_s"] = {}
+        for name, sid in sessions.items():   # its session now: a node that rejoined counts from its last one
+            seen = serving_at.get(sid)
+            served = first_ok.get(sid)
+            out["served_after_serving_s"][name] = (round(max(0.0, served - seen), 2)
+                                                   if seen is not None and served is not None else None)
+        out["sessions_seen"] = len(serving_at)
+        out["serving_seen_after_s"] = {name: round(serving_at[sid] - t0, 2) if sid in serving_at else None
+                                       for name, sid in sessions.items()}
+        out["served_by"] = {name: sum(1 for r in plain if r[3] == rel.OK and r[4] == sid)
+                            for name, sid in sessions.items()}
+        view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
+        out["reach_at_ingress"] = {n: view.get(sid, {}).get("reach") for n, sid in sessions.items()}
+        fleet.stop(ingress)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`tests/natlab.py together --runs 20 --nat cone --nat symmetric` (as root): the
+    started-together scenario N times per NAT mode; one line per run, a count at the end, and
+    the runs as JSON with --out."""
+    import reliability as rel
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("scenario", choices=["together"])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--nat", action="append", choices=MODES, help="NAT mode (repeat; default both)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="load after the first SERVING")
+    parser.add_argument("--within", type=float, default=5.0, help="a node must be served this soon after SERVING")
+    parser.add_argument("--unrouted", action="store_true", help="no route to the private networks")
+    parser.add_argument("--default-timings", action="store_true", help="the real defaults, not QUICK_TIMINGS")
+    parser.add_argument("--out", help="write the runs as JSON here")
+    parser.add_argument("--keep", help="copy a failed run's logs into this folder")
+    args = parser.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"natlab: {why}")
+        return 2
+    timings = {} if args.default_timings else dict(rel.QUICK_TIMINGS)
+    runs, passed = [], 0
+    for mode in args.nat or list(MODES):
+        for i in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="otela-natlab-") as tmp:
+                try:
+                    out = run_started_together(mode, tmp, timings, args.seconds, not args.unrouted, args.within)
+                except (RuntimeError, TimeoutError) as exc:
+                    out = {"scenario": f"started together, {mode}", "error": str(exc)}
+                delays = out.get("served_after_serving_s", {})
+                ok = ("error" not in out and out["plain_errors"] == 0 and len(delays) == 2
+                      and all(d is not None and d <= args.within for d in delays.values()))
+                if not ok and args.keep:            # its members' logs, for a look
+                    kept = os.path.join(args.keep, f"{mode}-{i + 1}")
+                    shutil.copytree(tmp, kept, ignore=shutil.ignore_patterns("*.sqlite*", "keys"))
+                    out["logs"] = kept
+            passed += ok
+            runs.append(dict(out, mode=mode, run=i, ok=ok))
+            print(f"{mode:9} run {i + 1:2}: {'ok  ' if ok else 'FAIL'} served after {delays} "
+                  f"(SERVING seen at {out.get('serving_seen_after_s')}, requests {out.get('served_by')}) "
+                  f"errors {out.get('plain_errors')}/{out.get('plain_requests')} {out.get('failed', out.get('error'))}",
+                  flush=True)
+    print(f"{passed} of {len(runs)} runs: both private nodes served within {args.within:g} s of SERVING, "
+          f"0 requests failed")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(runs, fh, indent=1)
+    return 0 if passed == len(runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

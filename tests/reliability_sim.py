@@ -1,4 +1,4 @@
-"""The overlay's reliability scenarios in the simulator (otela_node.SimulatedNetwork): 128
+"""The overlay's reliability scenarios in the simulator (tests/simnet.py): 128
 members in one process on a fake clock, with loss, partitions, restarts and a lagging member.
 
     python tests/reliability_sim.py [--quick]     # prints the rows; `make reliability` shows them
@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import simnet  # noqa: E402
+
 import crdt  # noqa: E402
 import otela_node as on  # noqa: E402
 
@@ -29,9 +31,9 @@ N = 128
 
 
 def network(n: int = N, seed: int = 1, loss: float = 0.0, settle: float = 15.0,
-            roles: Optional[Dict[int, str]] = None) -> on.SimulatedNetwork:
+            roles: Optional[Dict[int, str]] = None) -> simnet.SimulatedNetwork:
     """n members bootstrapping to the first (the ingress when roles say so), settled."""
-    net = on.SimulatedNetwork(seed=seed, loss=loss)
+    net = simnet.SimulatedNetwork(seed=seed, loss=loss)
     roles = roles or {}
     first = net.add(role=roles.get(0, "worker"))
     for i in range(1, n):
@@ -46,7 +48,7 @@ def routable(member: on.Overlay) -> Dict[str, str]:
             if r["state"] < crdt.LEFT and not member.is_suspected(sid)}
 
 
-def converged(net: on.SimulatedNetwork) -> bool:
+def converged(net: simnet.SimulatedNetwork) -> bool:
     """One registry everywhere, in which every live process has exactly its current session
     live and unsuspected, and no dead one is routable."""
     live = net.live()
@@ -56,7 +58,7 @@ def converged(net: on.SimulatedNetwork) -> bool:
     return all(routable(m) == want for m in live)
 
 
-def stale_routes(net: on.SimulatedNetwork) -> int:
+def stale_routes(net: simnet.SimulatedNetwork) -> int:
     want = {m.sid: m.addr for m in net.live()}
     stale = 0
     for m in net.live():
@@ -65,7 +67,7 @@ def stale_routes(net: on.SimulatedNetwork) -> int:
     return stale
 
 
-def time_to(net: on.SimulatedNetwork, predicate, limit: float, step: float = 0.05) -> float:
+def time_to(net: simnet.SimulatedNetwork, predicate, limit: float, step: float = 0.05) -> float:
     start = net.now
     while not predicate():
         if net.now - start >= limit:
@@ -74,7 +76,7 @@ def time_to(net: on.SimulatedNetwork, predicate, limit: float, step: float = 0.0
     return net.now - start
 
 
-def healthy_evicted(net: on.SimulatedNetwork, sids: List[str]) -> int:
+def healthy_evicted(net: simnet.SimulatedNetwork, sids: List[str]) -> int:
     """How many of these sessions (of processes alive throughout) some live member holds LEFT."""
     left = set()
     for m in net.live():

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import simnet
 
 import crdt
 import otela_node as on
@@ -32,7 +33,7 @@ def config(**kw):
 
 def fleet(workers=3, ingresses=2):
     """Ingresses holding the tier's secret and workers without it, joined through ingress 0."""
-    net = on.SimulatedNetwork(seed=7, config=config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=7, config=config(), start=T0)
     first = net.add(config=config(ingress_keys=[TIER]), role="ingress")
     ins = [first] + [net.add([first.addr], config=config(ingress_keys=[TIER]), role="ingress")
                      for _ in range(ingresses - 1)]
@@ -137,7 +138,7 @@ def test_a_join_answer_goes_in_pieces_no_bigger_than_the_state_chunk():
 
 
 def _two(seed):
-    net = on.SimulatedNetwork(seed=seed, config=config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=seed, config=config(), start=T0)
     a = net.add()
     b = net.add([a.addr])
     net.run(3.0)
@@ -178,7 +179,7 @@ def test_an_eviction_needs_the_failure_detectors_evidence():
 
 
 def test_a_dead_member_is_evicted_with_the_evidence_of_its_suspicion():
-    net = on.SimulatedNetwork(seed=6, config=config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=6, config=config(), start=T0)
     members = [net.add()]
     members += [net.add([members[0].addr]) for _ in range(4)]
     net.run(5.0)
@@ -193,7 +194,7 @@ def test_a_dead_member_is_evicted_with_the_evidence_of_its_suspicion():
 
 
 def test_entries_of_a_kind_this_release_does_not_know_are_carried_and_bounded():
-    net = on.SimulatedNetwork(seed=5, config=config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=5, config=config(), start=T0)
     a = net.add()
     b = net.add([a.addr])
     net.run(3.0)

@@ -433,3 +433,41 @@ def test_the_table_of_field_lines_seen_before_stays_bounded_under_lines_never_se
     assert all(len(line) <= on._FIELD_LINE_CACHED for line in on._FIELD_LINES)
     again = on.parse_request(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-N-1:  v1 \r\n\r\n")
     assert again.headers == [(b"host", b"x"), (b"x-n-1", b"v1")]
+
+
+# -- the writers: what the node writes, its own parsers (and h11) read back ---------------------
+_names = st.sampled_from([b"x-a", b"accept", b"x-request-id", b"connection", b"x-otela-tunnel"])
+_values = st.binary(min_size=0, max_size=20).map(lambda v: bytes(c for c in v if 0x21 <= c <= 0x7e))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_names, _values), max_size=5), st.binary(max_size=50))
+def test_a_written_request_head_parses_back_with_its_body_and_without_the_dropped_fields(headers, body):
+    drop = {b"connection", b"x-otela-tunnel"}
+    data = b"".join(on.request_head(b"POST", b"/v1/x?q=1", b"127.0.0.1:9", len(body), headers, drop)) + body
+    head = on.parse_request(bytearray(data))
+    assert (head.method, head.target, head.framing, head.length) == (b"POST", b"/v1/x?q=1", LENGTH, len(body))
+    assert head.headers == [(b"host", b"127.0.0.1:9"), (b"content-length", b"%d" % len(body))] + \
+        [(n, v) for n, v in headers if n not in drop]
+    assert data[head.size:] == body
+
+
+@pytest.mark.parametrize("framing", [NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE])
+def test_a_written_response_head_says_its_framing_and_h11_reads_it(framing):
+    data = b"".join(on.response_head(200, b"OK", [(b"x-a", b"1"), (b"keep-alive", b"5")], on.HOP_BY_HOP,
+                                     framing, 7, close=True))
+    head = on.parse_response(bytearray(data))
+    assert head.status == 200 and (b"keep-alive", b"5") not in head.headers and not head.keep_alive
+    assert head.framing == {NO_BODY: LENGTH, UNTIL_CLOSE: CHUNKED}.get(framing, framing)
+    assert head.length == {NO_BODY: 0, LENGTH: 7}.get(framing, head.length)
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    conn.receive_data(data)
+    assert conn.next_event().status_code == 200
+
+
+def test_a_whole_answer_is_one_piece_with_its_length_and_type():
+    data = on.whole_response(503, b'{"e":1}', close=True)
+    assert data.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and data.endswith(b'\r\n\r\n{"e":1}')
+    head = on.parse_response(bytearray(data))
+    assert head.fields[b"content-type"] == b"application/json" and head.length == 7 and not head.keep_alive

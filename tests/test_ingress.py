@@ -348,6 +348,45 @@ def test_passive_health_backoff_grows_per_relapse_and_ends_on_success():
     assert not health.is_sick("s", 3.1) and health.sick(3.1) == []
 
 
+
+def test_failures_on_an_old_path_do_not_keep_a_session_out_of_rotation():
+    health = PassiveHealth()
+    health.failed("s", 0.0, "10.0.1.2:7700")
+    health.failed("s", 0.0, "10.0.1.2:7700")
+    assert health.is_sick("s", 0.5)
+    health.moved("s", "10.0.1.2:7700")                  # the same path: still out
+    assert health.is_sick("s", 0.5)
+    health.moved("s", "relay/ab12")                     # its record names a relayed address now
+    assert not health.is_sick("s", 0.5) and health.failures == {} and health.paths == {}
+    health.failed("s", 1.0, "relay/ab12")
+    health.failed("s", 1.0, "10.0.1.2:7700")            # a late failure on the old path starts over
+    assert health.failures == {"s": 1} and not health.is_sick("s", 1.0)
+
+
+def test_a_session_whose_record_names_another_address_than_its_failures_is_back_in_rotation(stack):
+    sid, _ = stack.engine("m1")                         # its record: the engine's address
+    for _ in range(2):                                  # failures on an address it had before
+        stack.call(stack.ingress.health.failed, sid, time.monotonic(), "10.0.1.2:7700")
+    assert stack.call(lambda: stack.ingress.health.is_sick(sid, time.monotonic()))
+
+    def rewritten():                                    # a new version of its record arrives
+        stack.node.registry.put(sid, dict(stack.node.registry.get(sid), version=9))
+        stack.node._changed(sid)
+    stack.call(rewritten)
+    assert not stack.call(lambda: stack.ingress.health.is_sick(sid, time.monotonic()))
+
+
+def test_a_connect_failure_is_retried_on_a_session_out_of_rotation_when_no_other_is_left(stack, client):
+    from fake_engine import free_port
+    good, _ = stack.engine("m1")
+    dead = stack.call(stack.node.add_worker, f"127.0.0.1:{free_port()}", ["m1"])   # nothing listens
+    addr = stack.call(lambda: stack.node.registry.get(good)["addr"])
+    for _ in range(2):                                  # out of rotation: the dead one is picked first
+        stack.call(stack.ingress.health.failed, good, time.monotonic(), addr)
+    status, headers, _ = client.chat()
+    assert status == 200 and headers["x-otela-session"] == good
+    assert stack.call(lambda: stack.ingress.health.failures.get(dead)) == 1
+
 # -- policies --------------------------------------------------------------------------------------
 def candidates(n, **record):
     return [Candidate(f"s{i}", dict({"addr": f"h:{i}"}, **record)) for i in range(n)]

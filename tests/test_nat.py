@@ -133,6 +133,33 @@ def test_a_public_worker_is_dialled_back_and_stays_direct(tmp_path):
     assert answer.startswith(b"HTTP/1.1 200")
 
 
+
+@pytest.mark.parametrize("reach", ["private", "auto"])
+def test_a_worker_is_not_serving_at_any_address_before_its_reach_is_known(tmp_path, reach):
+    """Rule 8: the ingress never sees a worker SERVING at its --listen address when that
+    worker is private, nor SERVING at all before the worker's reach check is done."""
+    async def t(bed):
+        seen = []                                   # (state, addr) of every record the ingress saw
+
+        def watch(sid, record):
+            if record is not None and record.get("role") == "worker":
+                seen.append((record["state"], record["addr"], record.get("relaying")))
+        bed.ingress_node.on_change(watch)
+        worker = await bed.worker(reach=reach)
+        assert worker.reach_pending and worker.overlay.record["state"] == crdt.JOIN
+        await until(lambda: (bed.ingress_node.registry.get(worker.session_id) or {}).get("state") == crdt.SERVING,
+                    what="SERVING at the ingress")
+        worker.update(state=crdt.SERVING)          # once known, SERVING is no longer held
+        return worker, seen, await bed.chat()
+    worker, seen, answer = run(with_bed(tmp_path, t))
+    serving = [addr for state, addr, _ in seen if state == crdt.SERVING]
+    assert serving and not worker.reach_pending and worker.overlay.record["state"] == crdt.SERVING
+    assert not any(relaying for state, _, relaying in seen if state != crdt.SERVING), seen   # not before
+    assert worker.overlay.record["relaying"] is (reach == "auto" and worker.config.relay)    # dialable: relays
+    if reach == "private":
+        assert all(on.is_relayed(addr) for addr in serving), seen
+    assert answer.startswith(b"HTTP/1.1 200")
+
 @pytest.mark.parametrize("mux", [1, 0], ids=["multiplexed", "dial-back"])
 def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection(tmp_path, mux):
     async def t(bed):
@@ -151,7 +178,7 @@ def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection
     assert relayed["spliced"] == relayed["muxed"] == 0 and relayed["handed_over"] >= 1
     assert worker.relayed["dialed_back"] >= 1 and worker.relayed["streams"] == 0
     if worker.tunnel_server_ssl is not None:
-        assert worker.admitted["tls"] >= 1 and worker.admitted["plain"] == 0
+        assert worker.tunnel.admitted["tls"] >= 1 and worker.tunnel.admitted["plain"] == 0
 
 
 def test_a_private_worker_keeps_two_relays_and_survives_the_death_of_one(tmp_path):
@@ -228,23 +255,18 @@ def test_a_punched_socket_that_vanishes_reports_itself_lost_and_never_raises_on_
     """asyncio's unconnected datagram transport, once its socket is gone, raises from sendto
     (AttributeError out of _fatal_error); a node timer sending over such a path stopped ticking
     (CI saw it). The path reports itself lost at once, and sends over it are refused."""
-    class Node:
-        def __init__(self):
-            self.lost = []
-
-        def _punch_lost(self, path):
-            self.lost.append(path)
+    lost = []
 
     async def t():
-        node = Node()
         _, path = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: on._PunchSocket(node, "relayed:x"), local_addr=("127.0.0.1", 0))
+            lambda: on._PunchSocket(None, "relayed:x", lambda msg, peer: None, lost.append),
+            local_addr=("127.0.0.1", 0))
         addr = path.transport.get_extra_info("sockname")
         sent = path.send(b"x", addr)
         path.transport.close()
         for _ in range(3):
             await asyncio.sleep(0)
-        return sent, path.send(b"y", addr), node.lost == [path]
+        return sent, path.send(b"y", addr), lost == [path]
     assert run(t()) == (True, False, True)
 
 
@@ -279,7 +301,7 @@ def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tm
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
         return (answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
                 sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed")) - spliced,
-                dict(b.admitted), b.tunnel_server_ssl is not None)
+                dict(b.tunnel.admitted), b.tunnel_server_ssl is not None)
     answers, punches, tunnel, via_relay, admitted, tls = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") and b'"fm"' in a for a in answers)
     assert punches == {"ok": 3, "failed": 0} and tunnel == "punched" and via_relay == 0
@@ -562,11 +584,11 @@ def test_a_relay_opening_10000_streams_on_a_members_link_leaves_it_bounded_and_s
         mux.writer.write(b"".join(on.mux_frame(on.MUX_OPEN, 1_000_000 + i) for i in range(10_000)))
         own = worker._link_muxes[bed.ingress_node.overlay.addr]
         await until(lambda: own.refused >= 10_000 - worker.config.max_link_streams, what="OPENs over the cap refused")
-        peak = max(len(own.streams), len(worker._tunnel_conns))
+        peak = max(len(own.streams), len(worker.tunnel.connections))
         await until(lambda: len(own.streams) <= worker.config.max_unauthenticated,
                     what="the strangers' streams cut to the cap on strangers")   # the oldest first
         answer = await bed.chat()
-        return peak, answer, own.refused, len(worker._tunnel_conns)
+        return peak, answer, own.refused, len(worker.tunnel.connections)
     peak, answer, refused, conns = run(with_bed(tmp_path, t))
     assert peak <= 256 and refused >= 10_000 - 256
     assert answer.startswith(b"HTTP/1.1 200")
@@ -650,7 +672,7 @@ def test_a_stream_with_a_garbage_handshake_or_a_foreign_certificate_is_refused_a
         await until(lambda: not worker._link_muxes[relay.overlay.addr].streams, what="the refused streams gone")
         served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
         return (answers, plain, dict(worker.refused), worker._links.get(relay.overlay.addr) is link, served,
-                dict(worker.admitted), len(worker._unauthenticated))
+                dict(worker.tunnel.admitted), len(worker.tunnel.unauthenticated))
     answers, plain, refused, same_link, served, admitted, strangers = run(with_bed(tmp_path, t, relay=False))
     assert all(b"HTTP/" not in a for a in answers)    # no answer to any of them, an alert at most
     assert refused["handshake"] == 4
@@ -669,8 +691,8 @@ def test_a_client_that_closes_mid_handshake_frees_its_stream_and_its_place_among
         await raw_stream(bed, worker, hello, close=True)                     # a whole one, gone before its Finished
         await raw_stream(bed, worker, b"", close=True)                       # nothing at all
         own = worker._link_muxes[relay.overlay.addr]
-        await until(lambda: worker.relayed["streams"] == 3 and not own.streams and not worker._unauthenticated
-                    and not worker._tunnel_conns, what="the three streams and their admissions gone")
+        await until(lambda: worker.relayed["streams"] == 3 and not own.streams and not worker.tunnel.unauthenticated
+                    and not worker.tunnel.connections, what="the three streams and their admissions gone")
         served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
         return served, dict(worker.refused), relay.relayed["muxed"]
     served, refused, muxed = run(with_bed(tmp_path, t, relay=False))
@@ -753,7 +775,7 @@ def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_
             sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
             held.append(await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME))
         own = worker._link_muxes[relay.overlay.addr]
-        await until(lambda: len(own.streams) == 3 and len(worker._tunnel_conns) == 3, what="three streams served")
+        await until(lambda: len(own.streams) == 3 and len(worker.tunnel.connections) == 3, what="three streams served")
         streams = list(own.streams.values())
         relay._linked[worker.link_id].transport.abort()   # the link dies (at the relay's end)
         ends = []
@@ -763,7 +785,7 @@ def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_
             except (OSError, on.ssl.SSLError):
                 ends.append(b"")
             writer.close()
-        await until(lambda: not worker._tunnel_conns, what="the member's tunnel connections ended")
+        await until(lambda: not worker.tunnel.connections, what="the member's tunnel connections ended")
         return ends, [s.closed for s in streams], not own.streams
     ends, closed, dropped = run(with_bed(tmp_path, t, relay=False))
     assert ends == [b""] * 3 and closed == [True] * 3 and dropped

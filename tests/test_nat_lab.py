@@ -125,3 +125,20 @@ def test_a_node_with_no_relay_anywhere_says_so_once_and_joins_when_a_relay_start
     assert out["said_no_relay"] == 1, out
     assert out["joined"] and out["relay"].split(",") == [f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"], out
     assert out["plain_requests"] >= 15 and out["plain_errors"] == 0, out["outcomes"]
+
+
+# Issue 26: two private nodes started together behind NATs that drop a dial of their private
+# address (NatLab's `routed`): each is served within 5 s of the ingress seeing it SERVING and no
+# request fails. NATLAB_RUNS=N repeats it N times per NAT mode (`tests/natlab.py together --runs
+# 20` does the same from the command line, with one line per run).
+@pytest.mark.parametrize("run", range(int(os.environ.get("NATLAB_RUNS", "1"))))
+@pytest.mark.parametrize("mode", natlab.MODES)
+def test_two_private_nodes_started_together_are_served_from_their_first_seconds(tmp_path, mode, run):
+    out = natlab.run_started_together(mode, str(tmp_path), {}, seconds=6.0)
+    assert not [n for n in netns.existing() if n.startswith(f"{natlab.PREFIX}{os.getpid()}-")]
+    assert out["plain_errors"] == 0, out
+    assert out["plain_requests"] >= 25, out["outcomes"]
+    delays = out["served_after_serving_s"]
+    assert sorted(delays) == ["a", "b"] and all(d is not None and d <= 5.0 for d in delays.values()), out
+    assert out["reach_at_ingress"] == {"a": "relayed", "b": "relayed"}
+    assert max(out["serving_seen_after_s"].values()) <= 2.0, out   # both SERVING from their first seconds

@@ -6,6 +6,7 @@ import stat
 import struct
 
 import pytest
+import simnet
 
 import crdt
 import otela_node as on
@@ -124,7 +125,7 @@ def fast_config(**kw):
 
 
 def cluster(n, seed=1, loss=0.0, config=None, settle=5.0):
-    net = on.SimulatedNetwork(seed=seed, loss=loss, config=config or fast_config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=seed, loss=loss, config=config or fast_config(), start=T0)
     first = net.add()
     for _ in range(n - 1):
         net.add(bootstrap=[first.addr])
@@ -235,7 +236,7 @@ def test_own_down_state_reaches_everyone_and_down_member_is_still_probed():
 
 
 def test_a_member_that_lost_every_peer_keeps_knocking_at_bootstrap():
-    net = on.SimulatedNetwork(seed=3, config=fast_config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=3, config=fast_config(), start=T0)
     seed = net.add()
     net.kill(seed.addr)
     orphan = net.add(bootstrap=[seed.addr])
@@ -442,7 +443,7 @@ def test_evicted_members_are_redialled_so_a_lopsided_split_merges_when_it_heals(
 
 @pytest.mark.parametrize("kill9, down", [(False, 9.0), (True, 9.0), (True, 0.3)])
 def test_a_restarted_seed_without_bootstrap_is_found_again_within_seconds(kill9, down):
-    net = on.SimulatedNetwork(seed=3, config=fast_config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=3, config=fast_config(), start=T0)
     ingress = net.add(role="ingress")
     for _ in range(10):
         net.add(bootstrap=[ingress.addr])
@@ -542,7 +543,7 @@ def test_a_join_answer_carries_live_and_recent_records_only_and_compaction_prune
 
 
 def test_an_alone_member_names_the_bootstrap_that_never_answered():
-    net = on.SimulatedNetwork(seed=1, config=fast_config(), start=T0)
+    net = simnet.SimulatedNetwork(seed=1, config=fast_config(), start=T0)
     lonely = net.add(bootstrap=["10.99.0.1:7946"])
     net.run(1.0)
     assert lonely.health(net.now) == []

@@ -329,7 +329,7 @@ def test_idle_strangers_are_capped_and_cut_oldest_first_while_a_member_is_served
         target = addr_of(node, "addr")
         idle = [await asyncio.open_connection(*target) for _ in range(200)]
         await until(lambda: node.refused["cut"] >= 200 - 64, what="strangers cut")
-        held = len(node._unauthenticated)
+        held = len(node.tunnel.unauthenticated)
         answer = await plain_request(node)
         first_closed = await read_all(idle[0][0], 2)
         for _, w in idle:
@@ -343,13 +343,13 @@ def test_the_connection_over_the_cap_gets_a_503_error_body_and_a_close():
     async def t(node, engine):
         target = addr_of(node, "addr")
         idle = [await asyncio.open_connection(*target) for _ in range(8)]
-        await until(lambda: len(node._tunnel_conns) == 8, what="8 held")
+        await until(lambda: len(node.tunnel.connections) == 8, what="8 held")
         reader, writer = await asyncio.open_connection(*target)
         answer = await read_all(reader)
         writer.close()
         for _, w in idle:
             w.close()
-        await until(lambda: not node._tunnel_conns, what="all closed")
+        await until(lambda: not node.tunnel.connections, what="all closed")
         return answer, await plain_request(node)
     busy, after = run(with_node(t, max_tunnel_connections=8, max_unauthenticated=8))
     head, _, body = busy.partition(b"\r\n\r\n")
@@ -367,7 +367,7 @@ def test_a_silent_connection_and_a_slow_head_are_closed_at_the_head_deadline():
         results = [await read_all(silent[0]), await read_all(slow[0])]
         for _, w in (silent, slow):
             w.close()
-        await until(lambda: not node._tunnel_conns, what="both gone")
+        await until(lambda: not node.tunnel.connections, what="both gone")
         return results, time.monotonic() - started
     results, _ = run(with_node(t, head_timeout=0.3))
     assert results == [b"", b""]

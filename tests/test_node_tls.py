@@ -118,7 +118,7 @@ def test_a_member_with_the_cluster_certificate_is_served_over_tls_without_any_he
     async def t(node, engine):
         _, client = on.tunnel_tls(cluster_config)
         answer = await exchange(*addr_of(node), request(CHAT), client)
-        return answer, engine.requests, dict(node.admitted)
+        return answer, engine.requests, dict(node.tunnel.admitted)
     answer, reached, admitted = run(with_node(cluster_config, t, chunks=3))
     assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"data: {") == 3 and b"data: [DONE]" in answer
     assert reached == 1 and admitted == {"tls": 1, "plain": 0}
@@ -188,7 +188,7 @@ def test_the_ingress_reaches_a_node_over_mutual_tls_and_sends_no_static_credenti
                     break
                 await asyncio.sleep(0.05)
             answers = [await exchange("127.0.0.1", port, request(CHAT)) for _ in range(3)]
-            return answers, dict(node.admitted), node.refused["credential"], ingress.pool.tunnel_line
+            return answers, dict(node.tunnel.admitted), node.refused["credential"], ingress.pool.tunnel_line
         finally:
             await ingress.stop()
             await member.stop()
