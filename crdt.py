@@ -500,19 +500,24 @@ def day_start(day: str) -> float:
     return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
 
 
+def budget_periods(record: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """The day and the month whose budgets a usage slot counts in (None: neither): a day counter
+    its day, a month counter its month, a release before's per-model day slot both."""
+    period = record["day"]
+    if len(period) == 7:
+        return None, period
+    return period, (period[:7] if record["model"] != ALL_MODELS else None)
+
+
 def usage_spent(records: Iterable[Dict[str, Any]], key_hash: str, day: str) -> Tuple[int, int]:
-    """Tokens `key_hash` used on `day` and in its month, over every slot: day counters count in
-    their day, month counters in their month, a release before's per-model day slots in both."""
+    """Tokens `key_hash` used on `day` and in its month, over every slot (budget_periods)."""
     today = month = 0
     for record in records:
-        if record["key"] != key_hash:
-            continue
-        tokens = record["prompt_tokens"] + record["completion_tokens"]
-        period = record["day"]
-        if period == day:
-            today += tokens
-        if period == day[:7] or (len(period) == 10 and record["model"] != ALL_MODELS and period[:7] == day[:7]):
-            month += tokens
+        if record["key"] == key_hash:
+            tokens = record["prompt_tokens"] + record["completion_tokens"]
+            in_day, in_month = budget_periods(record)
+            today += tokens if in_day == day else 0
+            month += tokens if in_month == day[:7] else 0
     return today, month
 
 
@@ -522,7 +527,9 @@ def usage_kept(period: str, day_horizon: str, month_horizon: str) -> bool:
 
 
 def usage_horizons(now: float, days: int, months: int) -> Tuple[str, str]:
-    """The oldest day and month kept: `days` days back (today is day 1), `months` months back."""
+    """The oldest day and month kept: `days` days back (today is day 1), `months` months back
+    (a century at most: beyond it, all is kept)."""
+    days, months = min(days, 36525), min(months, 1200)
     year, month = time.gmtime(now)[:2]
     back = year * 12 + month - 1 - (months - 1)
     return time_day(now - (days - 1) * 86400.0), f"{back // 12:04d}-{back % 12 + 1:02d}"

@@ -1035,18 +1035,15 @@ class ClusterKeys:
         if old is not None:
             tokens -= old["prompt_tokens"] + old["completion_tokens"]
             requests -= old["requests"]
-        digest, period = record["key"], record["day"]
-        if len(period) == 7:                      # a month counter: the month budget only
-            if tokens > 0:
-                self.month_used[(digest, period)] += tokens
-            return
-        if tokens > 0:
-            self.day_used[(digest, period)] += tokens
-            if record["model"] != crdt.ALL_MODELS:   # a release before's per-model day slot
-                self.month_used[(digest, period[:7])] += tokens
+        digest = record["key"]
+        day, month = crdt.budget_periods(record)
+        if tokens > 0 and day is not None:
+            self.day_used[(digest, day)] += tokens
+        if tokens > 0 and month is not None:
+            self.month_used[(digest, month)] += tokens
         key = self.ingress.keys.get(digest)
-        if key is not None and old is not None:   # a slot we knew grew: requests served elsewhere
-            key.charge(requests)
+        if key is not None and old is not None and day is not None:   # a day slot we knew grew:
+            key.charge(requests)                                        # requests served elsewhere
 
     # -- the keys the request path reads ------------------------------------------------------
     def _rebuild_one(self, digest: str, record: Dict[str, Any], now: float) -> None:
@@ -3890,16 +3887,6 @@ def _code_hash_arg(value: str) -> str:
     return value
 
 
-def _retention_arg(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if not 1 <= number <= 100_000:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
-    return number
-
-
 # The variables of flags whose names or separators are not parse_settings' own (see main)
 SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";")}
 
@@ -3927,11 +3914,11 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "compute nodes): only it creates, changes or revokes API keys and writes usage "
                             "that other ingresses accept (env OTELA_INGRESS_KEY_FILE; default: ingress.key "
                             "beside --key-file, when there)")
-    serve.add_argument("--usage-days", type=_retention_arg, metavar="N", default=crdt.USAGE_RETENTION_DAYS,
+    serve.add_argument("--usage-days", type=_limit_arg(int), metavar="N", default=crdt.USAGE_RETENTION_DAYS,
                        help="days of per-key usage counters the ingresses replicate (today's budget, "
                             "/v1/admin/usage's days; env OTELA_USAGE_DAYS; default "
                             f"{crdt.USAGE_RETENTION_DAYS}). Older days stay in --db")
-    serve.add_argument("--usage-months", type=_retention_arg, metavar="N", default=crdt.USAGE_RETENTION_MONTHS,
+    serve.add_argument("--usage-months", type=_limit_arg(int), metavar="N", default=crdt.USAGE_RETENTION_MONTHS,
                        help="months of per-key usage totals the ingresses replicate (this month's budget, "
                             f"a year of totals; env OTELA_USAGE_MONTHS; default {crdt.USAGE_RETENTION_MONTHS})")
     serve.add_argument("--policy", default="least_loaded",

@@ -4618,11 +4618,6 @@ class Node:
         for target, msgs in by_target.items():
             self._spawn(self._send_tcp(target, msgs))
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _send_tcp(self, target: tuple, msgs: List[Dict[str, Any]], addr: str = "") -> None:
         """Messages on one new TCP connection, in order (a state transfer's pieces: many
         connections at once would take the receiver's slots for strangers, and the pieces over
