@@ -1209,14 +1209,21 @@ class Candidate:
 
 
 class RoutedRequest:
-    """What a policy may look at: the model, the user, whether it streams, the attempt."""
+    """What a policy may look at: the model, the user, whether it streams, the attempt; the
+    parsed request (`body`) for a policy whose `wants_body` is true; and, by on_request_end, what
+    the answer said: its first streamed byte's time (`first_at`, None for a whole answer), its
+    usage (`prompt_tokens`, `cached_tokens` as the engine reported them, `completion_tokens`; None
+    when not reported). `memo` is the policy's own, kept across the request's attempts."""
 
-    __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started")
+    __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started", "body", "memo",
+                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens")
 
     def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str,
-                 started: Optional[float] = None):
+                 started: Optional[float] = None, body: Optional[Dict[str, Any]] = None):
         self.model, self.user, self.key_id, self.stream, self.path = model, user, key_id, stream, path
         self.attempt, self.started = 0, time.monotonic() if started is None else started
+        self.body, self.memo = body, None
+        self.first_at = self.prompt_tokens = self.cached_tokens = self.completion_tokens = None
 
 
 class Policy:
@@ -1226,6 +1233,9 @@ class Policy:
         (SERVING, unsuspected, serving the model, allowed by the key, not sick, not tried).
     on_request_start(candidate, request) / on_request_end(candidate, request, ok): bookkeeping;
         ok is False when the attempt failed and the request moved on to another session.
+    Optional: `wants_body = True` (the request's parsed JSON in request.body); attach(ingress),
+        called once with the ingress that uses it; stats() -> {session: {name: number}}, shown
+        in /metrics and on the dashboard.
     """
 
     def pick(self, candidates: List[Candidate], request: RoutedRequest) -> Candidate:
@@ -1310,8 +1320,280 @@ class LeastLoadedPolicy(Policy):
             self.outstanding.pop(candidate.session, None)
 
 
+# The fields of a worker's record that change with its traffic (otela_node.publish_engine_view)
+# and the record's version: a change in these alone leaves the candidates as they were.
+VIEW_FIELDS = frozenset(("version", "load", "prefixes"))
+MAX_SIGNATURES = 65536
+
+
+class PrefixIndex:
+    """What this ingress sent where, lately: block hash (otela_node.prompt_chain) -> the sessions
+    it went to. Bounded: `limit` hashes, the least recently sent dropped first (an engine's
+    prefix cache drops its least recently used blocks too)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.where: collections.OrderedDict[bytes, Dict[str, None]] = collections.OrderedDict()
+
+    def match(self, chain: List[bytes], sessions: List[str]) -> Dict[str, int]:
+        """session -> how many of the chain's first blocks went to it (absent: none)."""
+        found: Dict[str, int] = {}
+        where = self.where
+        for depth, h in enumerate(chain, 1):
+            holders = where.get(h)
+            if holders is None:
+                break
+            sessions = [s for s in sessions if s in holders]
+            if not sessions:
+                break
+            for s in sessions:
+                found[s] = depth
+        return found
+
+    def add(self, chain: List[bytes], session: str) -> None:
+        where = self.where
+        for h in chain:
+            holders = where.get(h)
+            if holders is None:
+                where[h] = {session: None}
+            else:
+                holders[session] = None
+                where.move_to_end(h)
+        while len(where) > self.limit:
+            where.popitem(last=False)
+
+
+def summary_match(chain: List[bytes], published: Dict[bytes, None]) -> int:
+    """How many of the chain's first blocks a session's published anchors show it was sent:
+    the deepest anchor depth (1, 2, 4, …, or the whole chain) whose hash it published."""
+    best, depth = 0, 1
+    while depth <= len(chain):
+        if chain[depth - 1] in published:
+            best = depth
+        depth *= 2
+    if chain and chain[-1] in published:
+        best = len(chain)
+    return best
+
+
+class EngineEstimate:
+    """One session's time to first token, as this ingress learns it from the session's answers:
+    ttft = base + per_token x work, fitted by least squares with exponential forgetting (each
+    answer weighs FIT_DECAY of the one after it), where work is the prompt tokens it had to
+    compute (the uncached part of this prompt and of those sent ahead of it, not yet answered)
+    plus RUNNING_TOKENS for each stream it was decoding. Until answers come, a prior from the
+    session's hardware (the ingress's GPU weights)."""
+
+    FIT_DECAY = 0.97
+    RUNNING_TOKENS = 16.0   # a decoding stream slows a step about as much as this many prompt tokens
+
+    __slots__ = ("n", "sx", "sy", "sxx", "sxy", "base", "per_token", "queued", "outstanding",
+                 "decoding", "prompt", "cached", "predicted", "trust", "itl", "share", "work")
+
+    def __init__(self, weight: float):
+        weight = max(weight, 0.01)
+        self.base, self.per_token = 0.03 / weight, 1.0 / (6000.0 * weight)   # an H100: ~20k prompt tokens/s
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.queued = 0.0        # prompt tokens sent to it and not yet answered with a first byte
+        self.outstanding = 0     # requests sent to it and not ended
+        self.decoding = 0        # ... of which streams past their first byte
+        self.prompt = self.cached = 0          # prompt and cached tokens its answers reported
+        self.predicted = 0.0                   # ... and the cached tokens this policy expected of them
+        self.trust = 1.0         # how much of a predicted cache hit its answers confirm (EWMA)
+        self.itl = 0.0           # seconds per output token of its streams (EWMA)
+        self.share = 0.1         # the part of a request's time spent before its first byte (EWMA)
+        self.work = 512.0        # uncached prompt tokens per request (EWMA)
+
+    def ttft(self, work: float) -> float:
+        return self.base + self.per_token * work
+
+    def learn(self, work: float, ttft: float) -> None:
+        d = self.FIT_DECAY
+        self.n = self.n * d + 1.0
+        self.sx = self.sx * d + work
+        self.sy = self.sy * d + ttft
+        self.sxx = self.sxx * d + work * work
+        self.sxy = self.sxy * d + work * ttft
+        spread = self.n * self.sxx - self.sx * self.sx
+        if self.n >= 3.0 and spread > 1e-9 * self.n * self.n * max(self.sxx / self.n, 1.0):
+            slope = (self.n * self.sxy - self.sx * self.sy) / spread
+            if slope > 0:
+                self.per_token = min(slope, 1.0)
+        self.base = max(0.0, (self.sy - self.per_token * self.sx) / self.n)
+
+
+class _Pick:
+    """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
+
+    __slots__ = ("chain", "size", "session", "work", "uncached", "held", "answering", "started")
+
+    def __init__(self, chain: List[bytes], size: int):
+        self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
+        self.session = ""                     # the session of the attempt scored last
+        self.work = self.uncached = 0.0       # ... the work it counted there, of which this prompt's
+        self.held = 0                         # ... the prompt bytes it thought cached there
+        self.answering = False                # the attempt's first byte came
+        self.started = 0.0                    # when the attempt started
+
+
+class TTFTPolicy(Policy):
+    """The session with the lowest estimated time to first token: the part of this prompt its
+    engine has not cached (what this ingress sent it lately, PrefixIndex, and what its node
+    publishes it was sent by anyone, `prefixes`), the work queued ahead of it (this ingress's
+    requests not yet answered, other ingresses' from the node's published `load`) and its own
+    measured speed (EngineEstimate). A hot prefix spreads to a second engine once the queue at
+    the first costs more than computing the prefix again. Among estimates within TIE of the
+    best, the one the prompt's first block hashes highest with (rendezvous hashing), so that
+    ingresses that see none of each other's traffic still send a new prefix to the same engine."""
+
+    wants_body = True
+    TIE = 0.02
+    INDEX_BLOCKS = 100_000   # ~25 MB at most
+
+    def __init__(self):
+        self.key = b""
+        self.index = PrefixIndex(self.INDEX_BLOCKS)
+        self.engines: Dict[str, EngineEstimate] = {}
+        self.tokens_per_byte = 0.25   # prompt tokens per byte of rendered prompt (EWMA over answers)
+        self.registry: Any = None
+        self.published: Dict[str, Dict[bytes, None]] = {}   # a record's `prefixes` -> its hashes
+
+    def attach(self, ingress: Any) -> None:
+        self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
+        key = getattr(getattr(ingress.node, "config", None), "key", None)
+        self.key = otela_node.prefix_key(key if isinstance(key, bytes) else secrets.token_bytes(32))
+
+    def _engine(self, candidate: Candidate) -> EngineEstimate:
+        est = self.engines.get(candidate.session)
+        if est is None:
+            est = self.engines[candidate.session] = EngineEstimate(candidate.weight)
+        return est
+
+    def _prompt(self, request: RoutedRequest) -> _Pick:
+        memo = request.memo
+        if memo is None:
+            text = otela_node.prompt_text(request.body) if isinstance(request.body, dict) else ""
+            chain = otela_node.prompt_chain(text, self.key) if text else []
+            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
+        return memo
+
+    def estimates(self, candidates: List[Candidate], request: RoutedRequest) -> List[Tuple[float, float, float, int]]:
+        """Per candidate: (estimated TTFT in seconds, the work it counts in prompt tokens, of which
+        this prompt's uncached part, blocks of the prompt it is thought to hold)."""
+        memo = self._prompt(request)
+        chain = memo.chain
+        matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
+        tpb, block = self.tokens_per_byte, otela_node.PREFIX_BLOCK_CHARS
+        out = []
+        registry = self.registry
+        for c in candidates:
+            est = self._engine(c)
+            blocks = matched.get(c.session, 0)
+            record = (registry.get(c.session) if registry is not None else None) or c.record
+            published = record.get("prefixes")
+            if published and chain:
+                hashes = self.published.get(published)
+                if hashes is None:
+                    if len(self.published) >= 4096:
+                        self.published.clear()
+                    hashes = self.published[published] = otela_node.decode_prefixes(published)
+                blocks = max(blocks, summary_match(chain, hashes))
+            uncached = max(0.0, memo.size - blocks * block * est.trust) * tpb
+            load = record.get("load")
+            others = max(0, load - est.outstanding) if isinstance(load, int) and not isinstance(load, bool) else 0
+            work = est.queued + others * est.work * est.share + uncached + \
+                (est.decoding + others) * est.RUNNING_TOKENS
+            out.append((est.ttft(work), work, uncached, blocks))
+        return out
+
+    def pick(self, candidates, request):
+        scored = self.estimates(candidates, request)
+        i = 0
+        if len(candidates) > 1:
+            best = min(s[0] for s in scored)
+            near = [i for i, s in enumerate(scored) if s[0] <= best * (1 + self.TIE) + 1e-6]
+            i = near[0]
+            if len(near) > 1:
+                chain = request.memo.chain
+                if chain:
+                    first = chain[0]
+                    i = max(near, key=lambda i: hashlib.blake2b(first + candidates[i].session_bytes,
+                                                                digest_size=8).digest())
+                else:
+                    i = near[random.randrange(len(near))]
+        choice, memo = candidates[i], request.memo
+        _, memo.work, memo.uncached, blocks = scored[i]
+        memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
+        return choice
+
+    def on_request_start(self, candidate, request):
+        memo = request.memo
+        if memo is None or memo.session != candidate.session:   # not our pick: scored now
+            self.pick([candidate], request)
+            memo = request.memo
+        est = self._engine(candidate)
+        est.outstanding += 1
+        est.queued += memo.uncached
+        memo.answering, memo.started = False, time.monotonic()
+        if memo.chain:
+            self.index.add(memo.chain, candidate.session)
+
+    def on_first_byte(self, candidate, request):
+        memo, est = request.memo, self.engines.get(candidate.session)
+        if memo is None or est is None or memo.answering or memo.session != candidate.session:
+            return
+        memo.answering = True
+        est.queued = max(0.0, est.queued - memo.uncached)
+        est.decoding += 1
+
+    def on_request_end(self, candidate, request, ok):
+        memo, est = request.memo, self.engines.get(candidate.session)
+        if memo is None or est is None or memo.session != candidate.session or not memo.started:
+            return
+        now = time.monotonic()
+        est.outstanding = max(0, est.outstanding - 1)
+        if memo.answering:
+            est.decoding = max(0, est.decoding - 1)
+        else:
+            est.queued = max(0.0, est.queued - memo.uncached)
+        if not ok:
+            return
+        prompt, cached = request.prompt_tokens, request.cached_tokens
+        if prompt and memo.size:
+            self.tokens_per_byte += (min(prompt / memo.size, 4.0) - self.tokens_per_byte) * 0.05
+        uncached = memo.uncached
+        if prompt and cached is not None:
+            uncached = max(prompt - cached, 0)
+            est.prompt += prompt
+            est.cached += cached
+            expected = memo.held * self.tokens_per_byte
+            if expected > 0:
+                est.predicted += expected
+                est.trust += (min(cached / expected, 1.0) - est.trust) * 0.1
+            est.work += (uncached - est.work) * 0.1
+        first, started = request.first_at, memo.started
+        if first is not None and first >= started:
+            ttft = first - started
+            done = request.completion_tokens
+            if done and done > 1 and now > first:
+                est.itl += ((now - first) / (done - 1) - est.itl) * 0.1
+            est.share += (ttft / max(now - started, 1e-6) - est.share) * 0.1
+            est.learn(memo.work - memo.uncached + uncached, ttft)
+
+    def stats(self) -> Dict[str, Dict[str, float]]:
+        out = {}
+        for session, est in self.engines.items():
+            out[session] = {
+                "cache_hit_rate": est.cached / est.prompt if est.prompt else 0.0,
+                "queued_prompt_tokens": est.queued, "outstanding": est.outstanding,
+                "ttft_estimate_seconds": est.ttft(est.queued + est.decoding * est.RUNNING_TOKENS),
+                "prefill_tokens_per_second": 1.0 / est.per_token if est.per_token > 0 else 0.0,
+                "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0}
+        return out
+
+
 POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware": HardwarePolicy,
-            "least_loaded": LeastLoadedPolicy}
+            "least_loaded": LeastLoadedPolicy, "ttft": TTFTPolicy}
 
 
 def serving_worker(record: Dict[str, Any]) -> bool:
@@ -1537,6 +1819,8 @@ def overlay_metrics(node: Any) -> bytes:
 # ---------------------------------------------------------------------------------------------
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
@@ -1552,6 +1836,20 @@ def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
         return 0, 0
     return _count_after(body, b'"prompt_tokens"', _PROMPT_TOKENS, at), \
         _count_after(body, b'"completion_tokens"', _COMPLETION_TOKENS, at)
+
+
+def cached_of(body: bytes) -> Optional[int]:
+    """The cached prompt tokens the engine reported in its last usage (vLLM, SGLang:
+    usage.prompt_tokens_details.cached_tokens) or timings (llama.cpp: cache_n); None when it
+    reported neither."""
+    at = body.rfind(b'"cached_tokens"')
+    key, pattern = b'"cached_tokens"', _CACHED_TOKENS
+    if at < 0:
+        at = body.rfind(b'"cache_n"')
+        key, pattern = b'"cache_n"', _CACHE_N
+        if at < 0:
+            return None
+    return _count_after(body, key, pattern, at)
 
 
 def _count_after(body: bytes, key: bytes, pattern: re.Pattern, at: int) -> int:
@@ -1580,12 +1878,13 @@ class StreamWatch:
     chunk it did not ask for.
     """
 
-    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens", "events", "saw_usage")
+    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens", "cached_tokens", "events", "saw_usage")
 
     def __init__(self, strip: bool):
         self.strip = strip
         self.carry = b""
         self.prompt_tokens = self.completion_tokens = 0
+        self.cached_tokens: Optional[int] = None
         self.events = 0          # chunks with text: the token estimate when no usage comes
         self.saw_usage = False
 
@@ -1643,6 +1942,7 @@ class StreamWatch:
             start = max(lf + 2 if lf >= 0 else at, crlf + 4 if crlf >= 0 else at)
             event = piece[start:end]
             self.prompt_tokens, self.completion_tokens = usage_of(event)
+            self.cached_tokens = cached_of(event)
             self.saw_usage = True
             kept.append(piece[at:start])
             if not (self.strip and _EMPTY_CHOICES.search(event)):
@@ -1988,6 +2288,7 @@ class _Relay:
         if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
         ex.prompt_tokens, ex.completion_tokens = watch.tokens()
+        ex.cached_tokens = watch.cached_tokens
         conn = ex.client.conn
         start = b"" if ex.sent else ex.stream_head(self.head)
         ex.finish("ok", start + conn.data(tail) + conn.end())
@@ -2705,6 +3006,7 @@ class _Exchange:
     status = 0
     prompt_tokens: Optional[int] = 0
     completion_tokens = 0
+    cached_tokens: Optional[int] = None   # the engine's cached prompt tokens, when it said
     sent = False            # the stream's head went out: no other session may answer now
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
@@ -2821,7 +3123,10 @@ class _Exchange:
             for other in self.refused:
                 ingress.health.failed(other.session, now, other.addr)
         if attempt_open:    # last: a user's policy that raises here costs nothing booked
-            ingress.policy.on_request_end(candidate, self.routed, ok)
+            routed = self.routed
+            routed.prompt_tokens, routed.completion_tokens = self.prompt_tokens, self.completion_tokens
+            routed.cached_tokens = self.cached_tokens
+            ingress.policy.on_request_end(candidate, routed, ok)
         return True
 
     # -- sending: an attempt on a kept-alive connection to its session, or on a new one -----------
@@ -2963,6 +3268,7 @@ class _Exchange:
         client (its status is the exchange's already)."""
         if head.status == 200:
             self.prompt_tokens, self.completion_tokens = usage_of(payload)
+            self.cached_tokens = cached_of(payload)
         client = self.client
         out = client.conn.whole_answer(head.status, head.fields.get(b"content-type", b"application/json"),
                                        self.candidate.session_bytes, payload)
@@ -2972,8 +3278,11 @@ class _Exchange:
         """The head of a relayed stream's answer (see _Relay); from here no other session may
         answer."""
         self.sent = True
-        metrics = self.ingress.metrics
-        metrics.observe(metrics.ttfb, self.routed.model, time.monotonic() - self.t0)
+        ingress, routed = self.ingress, self.routed
+        routed.first_at = now = time.monotonic()
+        ingress.metrics.observe(ingress.metrics.ttfb, routed.model, now - self.t0)
+        if ingress.on_first_byte is not None:
+            ingress.on_first_byte(self.candidate, routed)
         return self.client.conn.head(200, [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
                                            (b"cache-control", b"no-cache"),
                                            (SESSION_HEADER, self.candidate.session_bytes)])
@@ -3052,6 +3361,10 @@ class Ingress:
             else require_code_hash
         self.db_path = db_path
         self.policy = policy if policy is not None else LeastLoadedPolicy()
+        self.policy_body = getattr(self.policy, "wants_body", False) is True   # RoutedRequest.body
+        self.on_first_byte = getattr(self.policy, "on_first_byte", None)
+        if callable(getattr(self.policy, "attach", None)):
+            self.policy.attach(self)
         self.no_auth = no_auth
         self.max_connections = max_connections
         self.max_per_address = max_per_address if max_per_address is not None else \
@@ -3072,6 +3385,7 @@ class Ingress:
                                  getattr(node, "tunnel_header", None))
         getattr(node, "punch_listeners", []).append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
+        self._signatures: Dict[str, bytes] = {}   # session -> its record less VIEW_FIELDS, as last seen
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -3154,6 +3468,17 @@ class Ingress:
             self._warm_until = 0.0
         if record is not None and sid in self.health.paths:   # a new path: its failures are past
             self.health.moved(sid, record.get("addr", ""))
+        # a worker's published view (load, prefixes) changes every few seconds and routes nothing
+        # by itself (a policy reads it from the registry): the candidates stay
+        signature = None if record is None else crdt.dumps({k: v for k, v in record.items() if k not in VIEW_FIELDS})
+        if signature is not None and self._signatures.get(sid) == signature:
+            return
+        if signature is None:
+            self._signatures.pop(sid, None)
+        else:
+            if len(self._signatures) >= MAX_SIGNATURES:
+                self._signatures.clear()
+            self._signatures[sid] = signature
         self._candidates = {}
 
     async def _sweep(self) -> None:
@@ -3347,7 +3672,9 @@ class Ingress:
             model, body, candidates = self._alias(model, key, body)
         if candidates is None:   # (an alias found them already)
             candidates = self.candidates(model, key)
-        return RoutedRequest(model, key.user, key.id, stream, path.decode(), t0), key, body, strip_usage, candidates
+        routed = RoutedRequest(model, key.user, key.id, stream, path.decode(), t0,
+                               request if self.policy_body else None)
+        return routed, key, body, strip_usage, candidates
 
     def proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
               tag: bool = True) -> None:

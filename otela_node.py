@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import dataclasses
 import errno
@@ -2834,6 +2835,8 @@ class Tunnel:
             await self._forward_h11(method, target, headers, body, conn, writer)
             return False
         engine = self.node.engine
+        if self.node.prefixes is not None and method == b"POST":
+            self.node.prefixes.add(body)
         head = request_head(method, target, engine.host_header, len(body), headers, self.not_forwarded)
         head.append(body)
         head_only = method == b"HEAD"
@@ -4183,6 +4186,8 @@ class Node:
         self.overlay: Optional[Overlay] = None
         self.draining = False
         self.inflight = 0
+        # what the engine was sent, published as `prefixes` (the ingresses' routing; a worker's)
+        self.prefixes = PrefixSummary(prefix_key(config.key)) if self.engine is not None else None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.dropped_malformed = 0
@@ -5753,6 +5758,130 @@ def _fetch_text(url: str) -> str:
 
 
 # =============================================================================================
+# Prompt prefixes: what an engine's prefix cache may hold, as a chain of keyed hashes
+# =============================================================================================
+# A request's prompt is rendered in order (every message: role, then content; or the completion
+# prompt) and cut into blocks of PREFIX_BLOCK_CHARS bytes; block i's hash covers blocks 0..i
+# (hash of the previous hash and the block), so two prompts share hash i exactly when they share
+# their first i+1 blocks: the part an engine's prefix cache can reuse. The ingress's `ttft`
+# policy matches a request's chain against what it sent where; a node publishes the hashes of
+# what its engine was sent (PrefixSummary), so every ingress sees traffic it did not route. The
+# hashes are keyed by the cluster key: a reader of the registry without it cannot test a guessed
+# prompt against them.
+PREFIX_BLOCK_CHARS = 256      # about 50-64 tokens: a few of vLLM's 16-token blocks
+PREFIX_MAX_BLOCKS = 1024      # 256 KiB of prompt: deeper than that, no more hashes
+PREFIX_HASH_BYTES = 8
+PREFIX_PUBLISHED = 40         # hashes a node publishes in its record (each 11 characters)
+PREFIX_REMEMBERED = 4096      # ... chosen among this many it remembers
+PUBLISH_VIEW_S = 2.0          # a worker publishes its prefixes and load at most this often
+LOAD_STEP = 2                 # ... its load when it moved by this many requests (or a quarter)
+
+
+def prefix_key(key: bytes) -> bytes:
+    """The key of the prefix hashes, from the cluster key (any holder derives the same)."""
+    return hmac.new(key, b"prompt prefix", hashlib.sha256).digest()[:32]
+
+
+def prompt_text(request: Dict[str, Any]) -> str:
+    """The prompt as an engine's chat template would see it, in order: each message's role and
+    content (the text of content parts; other parts as their JSON), or a completion's prompt.
+    "" when there is none to match (a batch of prompts, token ids)."""
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(p["text"] if isinstance(p, dict) and isinstance(p.get("text"), str)
+                                  else crdt.dumps(p).decode() for p in content)
+            elif not isinstance(content, str):
+                content = "" if content is None else crdt.dumps(content).decode()
+            parts += (str(message.get("role", "")), "\x1f", content, "\x1e")
+        return "".join(parts)
+    prompt = request.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+def prompt_chain(text: str, key: bytes) -> List[bytes]:
+    """The chain of block hashes of `text` (full blocks only, at most PREFIX_MAX_BLOCKS)."""
+    data = text.encode("utf-8", "surrogatepass")
+    end = min(len(data) // PREFIX_BLOCK_CHARS, PREFIX_MAX_BLOCKS) * PREFIX_BLOCK_CHARS
+    chain, h, blake = [], b"", hashlib.blake2b
+    for at in range(0, end, PREFIX_BLOCK_CHARS):
+        h = blake(h + data[at:at + PREFIX_BLOCK_CHARS], digest_size=PREFIX_HASH_BYTES, key=key).digest()
+        chain.append(h)
+    return chain
+
+
+def prefix_anchors(chain: List[bytes]) -> List[bytes]:
+    """The hashes a summary keeps of a chain: at depths 1, 2, 4, 8, … blocks and the last, so a
+    match is known to within a factor of two of its length from a handful of hashes."""
+    anchors, depth = [], 1
+    while depth <= len(chain):
+        anchors.append(chain[depth - 1])
+        depth *= 2
+    if chain and depth // 2 != len(chain):
+        anchors.append(chain[-1])
+    return anchors
+
+
+def encode_prefixes(hashes: List[bytes]) -> str:
+    return base64.b64encode(b"".join(hashes)).decode()
+
+
+def decode_prefixes(text: Any) -> Dict[bytes, None]:
+    """A record's published prefixes as a set of hashes; {} for anything malformed."""
+    if not isinstance(text, str) or len(text) > 4 * PREFIX_PUBLISHED * PREFIX_HASH_BYTES:
+        return {}
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError:
+        return {}
+    n = PREFIX_HASH_BYTES
+    return dict.fromkeys(data[at:at + n] for at in range(0, len(data) - n + 1, n))
+
+
+class PrefixSummary:
+    """What a node's engine was sent lately, as prefix anchors (prefix_anchors): the ones seen
+    most often and most lately go in the session's record (`prefixes`), so that every ingress
+    knows which prefixes this engine holds, whoever routed them. Bounded: PREFIX_REMEMBERED
+    anchors, least recently seen dropped first."""
+
+    def __init__(self, key: bytes):
+        self.key = key
+        self.seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()   # anchor -> count
+        self.changed = False
+
+    def add(self, body: bytes) -> None:
+        """A request forwarded to the engine (its JSON body; anything else is ignored)."""
+        if not body.startswith(b"{"):
+            return
+        try:
+            request = crdt.loads(body)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(request, dict):
+            return
+        seen = self.seen
+        for anchor in prefix_anchors(prompt_chain(prompt_text(request), self.key)):
+            seen[anchor] = seen.pop(anchor, 0) + 1
+            self.changed = True
+        while len(seen) > PREFIX_REMEMBERED:
+            seen.popitem(last=False)
+
+    def published(self) -> str:
+        """The anchors to publish: seen more than once first (shared prefixes), latest first."""
+        self.changed = False
+        latest = list(reversed(self.seen.items()))
+        shared = [a for a, n in latest if n > 1][:PREFIX_PUBLISHED]
+        if len(shared) < PREFIX_PUBLISHED:
+            shared += [a for a, n in latest if n == 1][:PREFIX_PUBLISHED - len(shared)]
+        return encode_prefixes(shared)
+
+
+# =============================================================================================
 # Engine supervisor: start the engine, wait for it, watch it, stop it
 # =============================================================================================
 class EngineExited(Exception):
@@ -6147,6 +6276,7 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    publisher: Optional[asyncio.Future] = None
     try:
         # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
         # weights) is started for nothing.
@@ -6158,6 +6288,8 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
                 if not stopped:
                     models = await supervisor.models()
                     node.update(state=crdt.SERVING, models=models)
+                    if publisher is None:
+                        publisher = asyncio.ensure_future(publish_engine_view(node))
                     if not node.reach_pending:
                         log.info("session %s SERVING %s", node.session_id, ", ".join(models))
                     reason, stopped = await _until(supervisor.watch(), stop)
@@ -6176,8 +6308,38 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
             node.rejoin(state=crdt.JOIN, models=[])
             log.info("engine restarted; new session %s", node.session_id)
     finally:
+        if publisher is not None:
+            publisher.cancel()
         await supervisor.stop()
         await node.stop(leave=False)
+
+
+async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None:
+    """While SERVING, what the ingresses route by goes in our record, at most every `every`
+    seconds and only when it changed: `prefixes` (PrefixSummary) and `load` (requests in flight
+    through this node from every ingress; a change of at least LOAD_STEP or a quarter). A record
+    over the registry's size bound (many labels) publishes fewer prefixes, or none."""
+    published_load = 0
+    while True:
+        await asyncio.sleep(every)
+        overlay, prefixes = node.overlay, node.prefixes
+        if overlay is None or overlay.record.get("state") != crdt.SERVING or node.draining:
+            continue
+        load = node.inflight
+        fields: Dict[str, Any] = {}
+        if abs(load - published_load) >= max(LOAD_STEP, published_load // 4) or (load == 0 < published_load):
+            fields["load"] = published_load = load
+        if prefixes is not None and prefixes.changed:
+            fields["prefixes"] = prefixes.published()
+        while fields:
+            try:
+                node.update(**fields)
+                break
+            except crdt.RecordError:
+                text = fields.get("prefixes", "")
+                if not text:
+                    break
+                fields["prefixes"] = encode_prefixes(list(decode_prefixes(text))[:len(text) // 24])
 
 
 async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) -> int:

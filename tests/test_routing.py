@@ -1,0 +1,234 @@
+"""The `ttft` policy's parts: prompt chains, the prefix index, a node's published summary, the
+per-session estimate, and the policy's choices (no processes; the end-to-end path is in
+tests/test_routing_fleet.py)."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import crdt
+import otela_ingress
+import otela_node
+from otela_ingress import (Candidate, EngineEstimate, PrefixIndex, RoutedRequest, TTFTPolicy, cached_of,
+                           summary_match)
+from otela_node import (PREFIX_BLOCK_CHARS, PREFIX_PUBLISHED, PrefixSummary, decode_prefixes, encode_prefixes,
+                        prefix_anchors, prefix_key, prompt_chain, prompt_text)
+
+KEY = prefix_key(b"k" * 32)
+
+
+def chat(system, question):
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def words(n, seed):
+    rng = random.Random(seed)
+    return "".join(" " + "".join(rng.choices("abcdefgh", k=4)) for _ in range(n))
+
+
+def test_prompt_text_renders_every_message_in_order():
+    a = prompt_text({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]})
+    b = prompt_text({"messages": [{"role": "user", "content": "S"}, {"role": "user", "content": "Q"}]})
+    assert a != b and a.index("S") < a.index("Q")
+    parts = prompt_text({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                   {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert "hi" in parts and "image_url" in parts
+    assert prompt_text({"prompt": "abc"}) == "abc"
+    assert prompt_text({"prompt": [1, 2, 3]}) == "" and prompt_text({"messages": "no"}) == ""
+    assert prompt_text({"messages": [None, {"role": "user", "content": None}]}) == "user\x1f\x1e"
+
+
+def test_chains_share_exactly_their_common_blocks_and_are_keyed():
+    system = words(300, 1)
+    a = prompt_chain(prompt_text(chat(system, words(200, 2))), KEY)
+    b = prompt_chain(prompt_text(chat(system, words(200, 3))), KEY)
+    common = len(prompt_text(chat(system, ""))) // PREFIX_BLOCK_CHARS
+    assert a[:common] == b[:common] and a[common + 1:] != b[common + 1:]
+    assert prompt_chain(prompt_text(chat(system, "")), prefix_key(b"other" * 8))[0] != a[0]
+    assert prompt_chain("short", KEY) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=2000), st.text(max_size=2000))
+def test_chain_match_is_the_common_prefix_in_whole_blocks(x, y):
+    a, b = prompt_chain(x, KEY), prompt_chain(y, KEY)
+    bx, by = x.encode("utf-8", "surrogatepass"), y.encode("utf-8", "surrogatepass")
+    same = 0
+    while same < min(len(bx), len(by)) and bx[same] == by[same]:
+        same += 1
+    shared = sum(1 for i in range(min(len(a), len(b))) if a[i] == b[i])
+    assert shared == min(same // PREFIX_BLOCK_CHARS, len(a), len(b))
+
+
+def test_prefix_index_matches_per_session_and_stays_bounded():
+    index = PrefixIndex(limit=50)
+    chain = prompt_chain(words(2000, 4), KEY)
+    index.add(chain[:10], "s1")
+    index.add(chain[:4], "s2")
+    assert index.match(chain, ["s1", "s2", "s3"]) == {"s1": 10, "s2": 4}
+    for i in range(20):
+        index.add(prompt_chain(words(200, 100 + i), KEY), "s3")
+    assert len(index.where) <= 50
+    assert index.match(chain, ["s1", "s2"]) == {}   # the oldest went first
+
+
+def test_anchors_and_summary_match():
+    chain = prompt_chain(words(1100, 5), KEY)   # 5.5 k bytes: 21 blocks
+    anchors = prefix_anchors(chain)
+    assert anchors == [chain[0], chain[1], chain[3], chain[7], chain[15], chain[-1]]
+    published = decode_prefixes(encode_prefixes(anchors[:4]))
+    assert summary_match(chain, published) == 8
+    assert summary_match(chain, decode_prefixes(encode_prefixes(anchors))) == len(chain)
+    assert summary_match(chain[:3], published) == 2
+
+
+def test_decode_prefixes_refuses_what_is_not_a_summary():
+    assert decode_prefixes(None) == {} and decode_prefixes(7) == {} and decode_prefixes("%%%") == {}
+    assert decode_prefixes("A" * 10_000) == {}
+
+
+def test_summary_publishes_shared_prefixes_first_and_fits_a_record():
+    summary = PrefixSummary(KEY)
+    systems = [words(400, 10 + g) for g in range(3)]
+    for g, system in enumerate(systems):
+        for i in range(4):
+            summary.add(crdt.dumps(chat(system, words(60, 1000 * g + i))))
+    for i in range(200):   # one-off prompts after: they do not push the shared ones out
+        summary.add(crdt.dumps(chat(words(300, 5000 + i), "q")))
+    summary.add(b"not json")
+    summary.add(b"[1, 2]")
+    text = summary.published()
+    hashes = decode_prefixes(text)
+    assert len(hashes) == PREFIX_PUBLISHED and not summary.changed
+    for system in systems:
+        chain = prompt_chain(prompt_text(chat(system, words(60, 99))), KEY)
+        assert summary_match(chain, hashes) >= 4
+    # the summary leaves room in a record: crdt.MAX_RECORD_BYTES with a worker's usual fields
+    record = {"state": crdt.SERVING, "addr": "10.0.0.1:8000", "gossip": "10.0.0.1:7946", "models": ["m"] * 4,
+              "labels": {"node": "nid001234", "gpu": "H100"}, "hardware": {"gpu": "NVIDIA H100", "count": 4},
+              "owner": "alice@login1", "version": 12345, "load": 17, "prefixes": text, "seal": "x" * 64}
+    assert len(crdt.encode(record)) < crdt.MAX_RECORD_BYTES - 500
+    assert len(summary.seen) <= otela_node.PREFIX_REMEMBERED
+
+
+def test_cached_of_reads_vllm_and_llama_cpp():
+    assert cached_of(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":7}}}') == 7
+    assert cached_of(b'{"timings":{"cache_n": 12,"prompt_n":3}}') == 12
+    assert cached_of(b'{"usage":{"prompt_tokens":9}}') is None
+
+
+def test_estimate_learns_base_and_rate_from_answers():
+    est = EngineEstimate(weight=3.35)
+    for work in (100, 2000, 500, 4000, 50, 3000) * 4:
+        est.learn(work, 0.01 + work / 20000)
+    assert abs(est.base - 0.01) < 1e-6 and abs(1 / est.per_token - 20000) < 1
+    flat = EngineEstimate(weight=1.0)
+    for _ in range(10):   # one size only: the rate stays the prior, the base fits
+        flat.learn(1000, 0.5)
+    assert flat.per_token == 1 / 6000 and abs(flat.ttft(1000) - 0.5) < 1e-9
+
+
+class Registry(dict):
+    pass
+
+
+def policy_with(sessions, weight_gpu="H100"):
+    policy = TTFTPolicy()
+    policy.key = KEY
+    registry = Registry()
+    policy.registry = registry
+    candidates = []
+    for sid in sessions:
+        record = {"state": crdt.SERVING, "addr": f"127.0.0.1:{len(candidates) + 1}", "models": ["m"],
+                  "hardware": {"gpu": weight_gpu}}
+        registry[sid] = record
+        candidates.append(Candidate(sid, record))
+    return policy, registry, candidates
+
+
+def routed(body):
+    return RoutedRequest("m", "u", "k", True, "/v1/chat/completions", body=body)
+
+
+def serve(policy, candidates, body, ttft=0.05, cached=None, prompt=None):
+    request = routed(body)
+    choice = policy.pick(candidates, request)
+    policy.on_request_start(choice, request)
+    request.first_at = request.memo.started + ttft
+    policy.on_first_byte(choice, request)
+    request.prompt_tokens, request.completion_tokens = prompt or 600, 20
+    request.cached_tokens = cached
+    policy.on_request_end(choice, request, True)
+    return choice
+
+
+def test_a_group_stays_on_one_engine_and_new_groups_spread():
+    policy, _, candidates = policy_with([f"s{i}" for i in range(4)])
+    systems = [words(500, 20 + g) for g in range(8)]
+    homes = {}
+    for round_ in range(3):
+        for g, system in enumerate(systems):
+            choice = serve(policy, candidates, chat(system, words(30, 100 * g + round_)))
+            homes.setdefault(g, set()).add(choice.session)
+    assert all(len(h) == 1 for h in homes.values())
+    assert len({next(iter(h)) for h in homes.values()}) >= 3   # not all on one
+
+
+def test_two_policies_that_share_nothing_send_a_new_prefix_to_the_same_engine():
+    sessions = [f"s{i}" for i in range(8)]
+    a, _, ca = policy_with(sessions)
+    b, _, cb = policy_with(sessions)
+    for g in range(16):
+        body = chat(words(500, 300 + g), "q")
+        assert a.pick(ca, routed(body)).session == b.pick(cb, routed(body)).session
+
+
+def test_a_hot_prefix_spreads_when_its_queue_grows():
+    policy, _, candidates = policy_with(["s0", "s1", "s2"])
+    system = words(2000, 7)
+    used = []
+    for i in range(30):   # all outstanding: nobody answers
+        request = routed(chat(system, words(30, i)))
+        choice = policy.pick(candidates, request)
+        policy.on_request_start(choice, request)
+        used.append(choice.session)
+    assert len(set(used)) >= 2 and used[0] == used[1]
+
+
+def test_published_prefixes_and_load_of_other_ingresses_count():
+    policy, registry, candidates = policy_with(["s0", "s1"])
+    body = chat(words(1000, 8), "question")
+    chain = prompt_chain(prompt_text(body), KEY)
+    home = "s1" if policy.pick(candidates, routed(body)).session == "s0" else "s0"
+    registry[home] = dict(registry[home], prefixes=encode_prefixes(prefix_anchors(chain)))
+    assert policy.pick(candidates, routed(body)).session == home
+    registry[home] = dict(registry[home], load=400)   # another ingress keeps it busy
+    assert policy.pick(candidates, routed(body)).session != home
+
+
+def test_trust_falls_when_answers_show_the_cache_was_evicted():
+    policy, _, candidates = policy_with(["s0"])
+    system = words(1000, 9)
+    serve(policy, candidates, chat(system, "a"))
+    for i in range(20):
+        serve(policy, candidates, chat(system, words(5, i)), cached=0, prompt=1100)
+    assert policy.engines["s0"].trust < 0.3
+    stats = policy.stats()["s0"]
+    assert stats["cache_hit_rate"] == 0.0 and stats["outstanding"] == 0
+
+
+def test_a_failed_attempt_releases_its_queue():
+    policy, _, candidates = policy_with(["s0", "s1"])
+    request = routed(chat(words(800, 11), "x"))
+    choice = policy.pick(candidates, request)
+    policy.on_request_start(choice, request)
+    assert policy.engines[choice.session].queued > 0
+    policy.on_request_end(choice, request, False)
+    assert policy.engines[choice.session].queued == 0 and policy.engines[choice.session].outstanding == 0
+
+
+def test_ttft_is_a_built_in_policy_and_ingests_bodies_without_one():
+    assert isinstance(otela_ingress.load_policy("ttft"), TTFTPolicy)
+    policy, _, candidates = policy_with(["s0", "s1"])
+    request = RoutedRequest("m", "u", "k", False, "/v1/completions")   # no body: no chain
+    assert policy.pick(candidates, request) in candidates
