@@ -1448,7 +1448,12 @@ class TTFTPolicy(Policy):
 
     wants_body = True
     TIE = 0.02
+    # A prefix computed again costs more than its time now: the engine's cache holds it twice,
+    # and later requests split between two homes. A session that holds the prompt keeps it until
+    # the queue there costs MISS_WEIGHT times the prompt's uncached time elsewhere.
+    MISS_WEIGHT = 1.0
     INDEX_BLOCKS = 100_000   # ~25 MB at most
+    MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
     def __init__(self):
         self.key = b""
@@ -1466,6 +1471,8 @@ class TTFTPolicy(Policy):
     def _engine(self, candidate: Candidate) -> EngineEstimate:
         est = self.engines.get(candidate.session)
         if est is None:
+            if len(self.engines) >= self.MAX_ENGINES:
+                self.stats()   # forgets the sessions gone
             est = self.engines[candidate.session] = EngineEstimate(candidate.weight)
         return est
 
@@ -1478,8 +1485,9 @@ class TTFTPolicy(Policy):
         return memo
 
     def estimates(self, candidates: List[Candidate], request: RoutedRequest) -> List[Tuple[float, float, float, int]]:
-        """Per candidate: (estimated TTFT in seconds, the work it counts in prompt tokens, of which
-        this prompt's uncached part, blocks of the prompt it is thought to hold)."""
+        """Per candidate: (its score: the estimated TTFT in seconds plus MISS_WEIGHT x the time
+        of the prompt's uncached part, the work counted in prompt tokens, of which this prompt's
+        uncached part, blocks of the prompt it is thought to hold)."""
         memo = self._prompt(request)
         chain = memo.chain
         matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
@@ -1503,7 +1511,7 @@ class TTFTPolicy(Policy):
             others = max(0, load - est.outstanding) if isinstance(load, int) and not isinstance(load, bool) else 0
             work = est.queued + others * est.work * est.share + uncached + \
                 (est.decoding + others) * est.RUNNING_TOKENS
-            out.append((est.ttft(work), work, uncached, blocks))
+            out.append((est.ttft(work) + self.MISS_WEIGHT * est.per_token * uncached, work, uncached, blocks))
         return out
 
     def pick(self, candidates, request):
@@ -1581,9 +1589,17 @@ class TTFTPolicy(Policy):
             est.learn(memo.work - memo.uncached + uncached, ttft)
 
     def stats(self) -> Dict[str, Dict[str, float]]:
+        """Per session this ingress routed to and still in the registry: its answers' prompt and
+        cached tokens, the cache hit rate they make, the queue and the estimates."""
+        registry = self.registry
+        if registry is not None:   # sessions gone from the registry (or LEFT) are forgotten
+            for session in [s for s, est in self.engines.items()
+                            if not est.outstanding and (registry.get(s) or {}).get("state") in (None, crdt.LEFT)]:
+                del self.engines[session]
         out = {}
         for session, est in self.engines.items():
             out[session] = {
+                "prompt_tokens": est.prompt, "cached_tokens": est.cached,
                 "cache_hit_rate": est.cached / est.prompt if est.prompt else 0.0,
                 "queued_prompt_tokens": est.queued, "outstanding": est.outstanding,
                 "ttft_estimate_seconds": est.ttft(est.queued + est.decoding * est.RUNNING_TOKENS),
@@ -1779,6 +1795,36 @@ REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full", "seal",
 
 
 FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
+
+
+# The policy's view per session (Policy.stats) on /metrics: name in stats -> (family, kind, help)
+ROUTING_FAMILIES = (
+    ("prompt_tokens", "otela_session_prompt_tokens_total", "counter",
+     "Prompt tokens of the session's answers to this ingress."),
+    ("cached_tokens", "otela_session_cached_tokens_total", "counter",
+     "Of those, the tokens its engine reported cached (its prefix cache's hits)."),
+    ("queued_prompt_tokens", "otela_session_queued_prompt_tokens", "gauge",
+     "Uncached prompt tokens this ingress sent and the session has not answered yet."),
+    ("outstanding", "otela_session_outstanding_requests", "gauge", "Requests this ingress has in flight there."),
+    ("ttft_estimate_seconds", "otela_session_ttft_estimate_seconds", "gauge",
+     "The policy's estimate of a fully cached request's time to first token there now."),
+    ("prefill_tokens_per_second", "otela_session_prefill_tokens_per_second", "gauge",
+     "Prompt tokens per second, fitted from its answers."),
+    ("decode_tokens_per_second", "otela_session_decode_tokens_per_second", "gauge",
+     "Output tokens per second of one stream, from its answers."))
+
+
+def routing_metrics(stats: Dict[str, Dict[str, float]]) -> bytes:
+    if not stats:
+        return b""
+    out = []
+    for field, name, kind, help_text in ROUTING_FAMILIES:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for session, view in sorted(stats.items()):
+            value = view.get(field) if isinstance(view, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out.append(f'{name}{{session="{_label(str(session))}"}} {value:g}')
+    return ("\n".join(out) + "\n").encode()
 
 
 def overlay_metrics(node: Any) -> bytes:
@@ -3924,7 +3970,7 @@ class Ingress:
         if isinstance(view, dict):
             now = time.monotonic()
             view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
-                                       "auth": not self.no_auth})
+                                       "auth": not self.no_auth, "routing": self.routing_stats()})
         return 200, b"application/json", crdt.dumps(view)
 
     def _get_models(self, fields, query):
@@ -3974,8 +4020,16 @@ class Ingress:
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
                                    ledger.failed_commits if ledger is not None else 0,
                                    ledger.pending() if ledger is not None else 0)
-        body += overlay_metrics(self.node)
+        body += overlay_metrics(self.node) + routing_metrics(self.routing_stats())
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
+
+    def routing_stats(self) -> Dict[str, Dict[str, float]]:
+        """The policy's view per session (Policy.stats), {} for a policy without one."""
+        stats = getattr(self.policy, "stats", None)
+        if not callable(stats):
+            return {}
+        view = stats()
+        return view if isinstance(view, dict) else {}
 
     def _get_dashboard(self, fields, query):
         return 200, b"text/html; charset=utf-8", DASHBOARD_HTML
@@ -4028,7 +4082,8 @@ accepts requests without a key</p>
 <div id="counts"></div><div class="muted" id="status">loading&hellip;</div>
 <h2>Sessions</h2>
 <table><thead><tr><th>session</th><th>state</th><th>role</th><th>owner</th><th>models</th>
-<th>hardware</th><th>labels</th><th>addr</th><th>health</th></tr></thead><tbody id="sessions"></tbody></table>
+<th>hardware</th><th>labels</th><th>addr</th><th>health</th><th>cache hits</th><th>queue</th>
+<th>est. TTFT</th></tr></thead><tbody id="sessions"></tbody></table>
 <h2>Recent usage (last 5 minutes)</h2>
 <table><thead><tr><th>model</th><th>requests</th><th>arrivals/s</th><th>input tokens (mean &plusmn; std)</th>
 <th>output tokens (mean &plusmn; std)</th></tr></thead><tbody id="stats"></tbody></table>
@@ -4079,6 +4134,11 @@ async function refresh() {
       cell(tr, Object.entries(r.labels || {}).map(([k, v]) => k + "=" + v).join(" "));
       cell(tr, r.addr);
       cell(tr, suspected ? "suspected" : (sick.has(sid) ? "sick (out of rotation)" : "ok"));
+      const rt = (ingress.routing || {})[sid];
+      cell(tr, rt && rt.prompt_tokens ? Math.round(100 * rt.cache_hit_rate) + " %" : "");
+      cell(tr, rt ? rt.outstanding + " req, " + Math.round(rt.queued_prompt_tokens) + " tok" +
+           (typeof r.load === "number" ? " (node: " + r.load + ")" : "") : "");
+      cell(tr, rt ? Math.round(1000 * rt.ttft_estimate_seconds) + " ms" : "");
       return tr;
     });
     fill("sessions", rows);

@@ -6319,7 +6319,7 @@ async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None
     seconds and only when it changed: `prefixes` (PrefixSummary) and `load` (requests in flight
     through this node from every ingress; a change of at least LOAD_STEP or a quarter). A record
     over the registry's size bound (many labels) publishes fewer prefixes, or none."""
-    published_load = 0
+    published_load = -LOAD_STEP   # the first round publishes it
     while True:
         await asyncio.sleep(every)
         overlay, prefixes = node.overlay, node.prefixes
@@ -6327,7 +6327,7 @@ async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None
             continue
         load = node.inflight
         fields: Dict[str, Any] = {}
-        if abs(load - published_load) >= max(LOAD_STEP, published_load // 4) or (load == 0 < published_load):
+        if abs(load - published_load) >= max(LOAD_STEP, published_load // 4) or load == 0 < published_load:
             fields["load"] = published_load = load
         if prefixes is not None and prefixes.changed:
             fields["prefixes"] = prefixes.published()

@@ -187,8 +187,8 @@ def test_a_hot_prefix_spreads_when_its_queue_grows():
     policy, _, candidates = policy_with(["s0", "s1", "s2"])
     system = words(2000, 7)
     used = []
-    for i in range(30):   # all outstanding: nobody answers
-        request = routed(chat(system, words(30, i)))
+    for i in range(30):   # all outstanding, none answered yet: each question's prefill queues
+        request = routed(chat(system, words(400, i)))
         choice = policy.pick(candidates, request)
         policy.on_request_start(choice, request)
         used.append(choice.session)

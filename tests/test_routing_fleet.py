@@ -1,0 +1,175 @@
+"""The `ttft` policy end to end: a real ingress and real nodes wrapping emulated engines
+(`otela_sim.py serve`, which reports cached tokens as vLLM does). What a user sees: a prompt
+prefix stays on the engine that holds it, the nodes publish what their engines were sent and
+their load, /metrics and /v1/registry show the hit rates, and a node killed under load moves
+its prefixes elsewhere with no failed request. Figures (hit rates, TTFT against the peers) are
+the benchmark's (tests/bench_routing.py), never asserted here."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from test_ingress_support import Client, Cluster, free_port
+
+import otela_ingress
+import otela_node
+
+pytestmark = pytest.mark.slow
+MODEL = "sm"
+SIM = (f"{sys.executable} otela_sim.py serve --model meta-llama/Llama-3.1-8B-Instruct --served-model-name {MODEL} "
+       "--gpu H100 --engine vllm-v1 --port")
+
+
+def words(n, seed):
+    rng = random.Random(seed)
+    return "".join(" " + "".join(rng.choices("abcdefgh", k=4)) for _ in range(n))
+
+
+def ask(client, system, question, stream=False):
+    body = {"model": MODEL, "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    status, headers, answer = client.request("POST", "/v1/chat/completions", body)
+    return status, headers.get(otela_ingress.SESSION_HEADER.decode()), answer
+
+
+def poll(check, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    cluster = Cluster(str(tmp_path), policy="ttft")
+    try:
+        for i in range(3):
+            port = free_port()
+            cluster.node(f"n{i}", f"{SIM} {port}", port, MODEL)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def registry(cluster):
+    client = Client(cluster.url)
+    try:
+        return json.loads(client.request("GET", "/v1/registry")[2])
+    finally:
+        client.close()
+
+
+def test_prefixes_stay_home_and_the_nodes_publish_them(fleet):
+    client = Client(fleet.url, fleet.token)
+    systems = [words(600, g) for g in range(4)]
+    homes, cached = {}, 0
+    for round_ in range(3):
+        for g, system in enumerate(systems):
+            status, session, answer = ask(client, system, words(20, 100 * g + round_), stream=bool(round_ % 2))
+            assert status == 200, answer
+            homes.setdefault(g, set()).add(session)
+            if not round_ % 2:
+                cached += json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert cached > 0   # the third round hit the cache its first round filled
+
+    # each home node publishes the prefixes it was sent (keyed by the cluster key) and its load
+    key = otela_node.prefix_key(otela_node.load_key(fleet.key_file))
+    for g, system in enumerate(systems):
+        chain = otela_node.prompt_chain(otela_node.prompt_text(
+            {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}), key)
+        home = next(iter(homes[g]))
+
+        def published(home=home, chain=chain):
+            record = next(s for s in registry(fleet)["sessions"] if s["session"] == home)
+            hashes = otela_node.decode_prefixes(record.get("prefixes"))
+            return "load" in record and otela_ingress.summary_match(chain, hashes) >= 8
+        try:
+            poll(published, f"group {g}'s prefix published by its node")
+        except AssertionError:
+            record = next(s for s in registry(fleet)["sessions"] if s["session"] == home)
+            raise AssertionError(f"{sorted(record)} {record.get('load')} {len(otela_node.decode_prefixes(record.get('prefixes')))}")
+
+    view = registry(fleet)["ingress"]["routing"]
+    assert {next(iter(h)) for h in homes.values()} <= set(view)
+    assert all(v["cache_hit_rate"] > 0 for s, v in view.items() if v["prompt_tokens"])
+    status, _, metrics = client.request("GET", "/metrics")
+    text = metrics.decode()
+    assert status == 200 and "otela_session_cached_tokens_total{session=" in text
+    assert "otela_session_ttft_estimate_seconds{session=" in text
+    client.close()
+
+
+def test_a_node_killed_under_load_moves_its_prefixes_with_no_failed_request(fleet):
+    systems = [words(600, 50 + g) for g in range(6)]
+    results, lock, stop = [], threading.Lock(), threading.Event()
+
+    def user(i):
+        client = Client(fleet.url, fleet.token, timeout=60)
+        n = 0
+        while not stop.is_set():
+            g = (i + n) % len(systems)
+            status, session, answer = ask(client, systems[g], words(10, 1000 * i + n))
+            with lock:
+                results.append((time.monotonic(), g, status, session, answer[:200]))
+            n += 1
+        client.close()
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        poll(lambda: len(results) >= 24, "24 answers before the kill", 60)
+        with lock:
+            victim = max({r[3] for r in results}, key=lambda s: sum(r[3] == s for r in results))
+        addr = next(s["addr"] for s in registry(fleet)["sessions"] if s["session"] == victim)
+        name = next(n for n, proc in fleet.nodes.items() if addr in _cmdline(proc.pid))   # its --listen
+        engine = _engine_pid(fleet.nodes[name].pid)
+        killed_at = time.monotonic()
+        os.kill(fleet.nodes[name].pid, signal.SIGKILL)
+        if engine:
+            fleet.orphans.append(engine)
+            os.kill(engine, signal.SIGKILL)
+        poll(lambda: sum(r[0] > killed_at + 1 for r in results) >= 24, "24 answers after the kill", 90)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(90)
+    failed = [r for r in results if r[2] != 200]
+    assert not failed, failed[:3]
+    after = [r for r in results if r[0] > killed_at + 1]
+    assert victim not in {r[3] for r in after}
+    moved = {r[1] for r in after}
+    assert len(moved) == len(systems)   # every prefix is served elsewhere
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
+    except OSError:
+        return []
+
+
+def _engine_pid(node_pid):
+    """The emulated engine the node started (its child)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == node_pid and "otela_sim.py" in " ".join(_cmdline(int(entry))):
+            return int(entry)
+    return None
