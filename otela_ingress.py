@@ -1376,24 +1376,73 @@ def summary_match(chain: List[bytes], published: Dict[bytes, None]) -> int:
     return best
 
 
-class EngineEstimate:
-    """One session's time to first token, as this ingress learns it from the session's answers:
-    ttft = base + per_token x work, fitted by least squares with exponential forgetting (each
-    answer weighs FIT_DECAY of the one after it), where work is the prompt tokens it had to
-    compute (the uncached part of this prompt and of those sent ahead of it, not yet answered)
-    plus RUNNING_TOKENS for each stream it was decoding. Until answers come, a prior from the
-    session's hardware (the ingress's GPU weights)."""
+class SpeedFit:
+    """How fast one kind of engine (a model on a hardware weight) gets to a first token, as this
+    ingress learns it from the answers of every session of that kind:
+    ttft = base + per_token x prefill + per_stream x streams, where prefill is the prompt tokens
+    it had to compute first (the uncached part of this prompt and of those sent ahead of it, not
+    yet answered) and streams the requests it was decoding meanwhile. Least squares with
+    exponential forgetting (each answer weighs DECAY of the next one), pulled towards a prior
+    from the hardware (the ingress's GPU weights) as much as PRIOR_ANSWERS answers would pull it,
+    so a few answers of one size do not tilt it. One fit per kind, not per session: sessions
+    of one kind are the same hardware, and their differences now are their queues."""
 
-    FIT_DECAY = 0.97
-    RUNNING_TOKENS = 16.0   # a decoding stream slows a step about as much as this many prompt tokens
+    DECAY = 0.98
+    PRIOR_ANSWERS = 0.5
+    SCALE = (1.0, 1000.0, 10.0)   # a feature's usual size, where answers have not shown it yet
 
-    __slots__ = ("n", "sx", "sy", "sxx", "sxy", "base", "per_token", "queued", "outstanding",
-                 "decoding", "prompt", "cached", "predicted", "trust", "itl", "share", "work")
+    __slots__ = ("prior", "theta", "sums", "targets", "answers")
 
     def __init__(self, weight: float):
         weight = max(weight, 0.01)
-        self.base, self.per_token = 0.03 / weight, 1.0 / (6000.0 * weight)   # an H100: ~20k prompt tokens/s
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        # an H100 (weight 3.35): ~30 ms floor, ~20k prompt tokens/s, ~0.2 ms more per stream
+        self.prior = (0.1 / weight, 1.0 / (6000.0 * weight), 0.0007 / weight)
+        self.theta = list(self.prior)
+        self.sums = [[0.0] * 3 for _ in range(3)]
+        self.targets = [0.0] * 3
+        self.answers = 0.0
+
+    def predict(self, prefill: float, streams: float) -> float:
+        base, per_token, per_stream = self.theta
+        return base + per_token * prefill + per_stream * streams
+
+    def learn(self, prefill: float, streams: float, ttft: float) -> None:
+        d, x = self.DECAY, (1.0, prefill, streams)
+        sums, targets = self.sums, self.targets
+        for i in range(3):
+            targets[i] = targets[i] * d + x[i] * ttft
+            row = sums[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
+        self.answers = answers = self.answers * d + 1.0
+        # (sums + ridge) theta = targets + ridge x prior, by Gaussian elimination
+        m = []
+        for i in range(3):
+            ridge = self.PRIOR_ANSWERS * max(sums[i][i] / answers, self.SCALE[i] ** 2)
+            m.append([sums[i][j] + (ridge if i == j else 0.0) for j in range(3)] +
+                     [targets[i] + ridge * self.prior[i]])
+        for col in range(3):
+            pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            m[col], m[pivot] = m[pivot], m[col]
+            if abs(m[col][col]) < 1e-300:
+                return
+            for r in range(3):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+        base, per_token, per_stream = (m[i][3] / m[i][i] for i in range(3))
+        self.theta = [max(base, 0.0), max(per_token, self.prior[1] * 0.01), max(per_stream, 0.0)]
+
+
+class EngineEstimate:
+    """One session as this policy sees it: what it has queued from this ingress, what its answers
+    reported, and the speed of its kind (SpeedFit)."""
+
+    __slots__ = ("fit", "queued", "outstanding", "decoding", "prompt", "cached", "predicted", "trust",
+                 "itl", "share", "work")
+
+    def __init__(self, fit: SpeedFit):
+        self.fit = fit
         self.queued = 0.0        # prompt tokens sent to it and not yet answered with a first byte
         self.outstanding = 0     # requests sent to it and not ended
         self.decoding = 0        # ... of which streams past their first byte
@@ -1404,33 +1453,20 @@ class EngineEstimate:
         self.share = 0.1         # the part of a request's time spent before its first byte (EWMA)
         self.work = 512.0        # uncached prompt tokens per request (EWMA)
 
-    def ttft(self, work: float) -> float:
-        return self.base + self.per_token * work
-
-    def learn(self, work: float, ttft: float) -> None:
-        d = self.FIT_DECAY
-        self.n = self.n * d + 1.0
-        self.sx = self.sx * d + work
-        self.sy = self.sy * d + ttft
-        self.sxx = self.sxx * d + work * work
-        self.sxy = self.sxy * d + work * ttft
-        spread = self.n * self.sxx - self.sx * self.sx
-        if self.n >= 3.0 and spread > 1e-9 * self.n * self.n * max(self.sxx / self.n, 1.0):
-            slope = (self.n * self.sxy - self.sx * self.sy) / spread
-            if slope > 0:
-                self.per_token = min(slope, 1.0)
-        self.base = max(0.0, (self.sy - self.per_token * self.sx) / self.n)
+    def ttft(self, prefill: float, streams: float) -> float:
+        return self.fit.predict(prefill, streams)
 
 
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "session", "work", "uncached", "held", "answering", "started")
+    __slots__ = ("chain", "size", "session", "work", "streams", "uncached", "held", "answering", "started")
 
     def __init__(self, chain: List[bytes], size: int):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
         self.session = ""                     # the session of the attempt scored last
-        self.work = self.uncached = 0.0       # ... the work it counted there, of which this prompt's
+        self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
+        self.streams = 0.0                    # ... and the streams it counted there
         self.held = 0                         # ... the prompt bytes it thought cached there
         self.answering = False                # the attempt's first byte came
         self.started = 0.0                    # when the attempt started
@@ -1459,6 +1495,7 @@ class TTFTPolicy(Policy):
         self.key = b""
         self.index = PrefixIndex(self.INDEX_BLOCKS)
         self.engines: Dict[str, EngineEstimate] = {}
+        self.fits: Dict[Tuple[str, float], SpeedFit] = {}   # (model, hardware weight) -> its speed
         self.tokens_per_byte = 0.25   # prompt tokens per byte of rendered prompt (EWMA over answers)
         self.registry: Any = None
         self.published: Dict[str, Dict[bytes, None]] = {}   # a record's `prefixes` -> its hashes
@@ -1468,12 +1505,18 @@ class TTFTPolicy(Policy):
         key = getattr(getattr(ingress.node, "config", None), "key", None)
         self.key = otela_node.prefix_key(key if isinstance(key, bytes) else secrets.token_bytes(32))
 
-    def _engine(self, candidate: Candidate) -> EngineEstimate:
+    def _engine(self, candidate: Candidate, model: str) -> EngineEstimate:
         est = self.engines.get(candidate.session)
         if est is None:
             if len(self.engines) >= self.MAX_ENGINES:
                 self.stats()   # forgets the sessions gone
-            est = self.engines[candidate.session] = EngineEstimate(candidate.weight)
+            kind = (model, candidate.weight)
+            fit = self.fits.get(kind)
+            if fit is None:
+                if len(self.fits) >= self.MAX_ENGINES:
+                    self.fits.clear()
+                fit = self.fits[kind] = SpeedFit(candidate.weight)
+            est = self.engines[candidate.session] = EngineEstimate(fit)
         return est
 
     def _prompt(self, request: RoutedRequest) -> _Pick:
@@ -1484,18 +1527,20 @@ class TTFTPolicy(Policy):
             memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
         return memo
 
-    def estimates(self, candidates: List[Candidate], request: RoutedRequest) -> List[Tuple[float, float, float, int]]:
+    def estimates(self, candidates: List[Candidate],
+                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int]]:
         """Per candidate: (its score: the estimated TTFT in seconds plus MISS_WEIGHT x the time
-        of the prompt's uncached part, the work counted in prompt tokens, of which this prompt's
-        uncached part, blocks of the prompt it is thought to hold)."""
+        of the prompt's uncached part, the prefill counted in prompt tokens, the streams counted,
+        this prompt's uncached tokens there, blocks of the prompt it is thought to hold)."""
         memo = self._prompt(request)
         chain = memo.chain
         matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
         tpb, block = self.tokens_per_byte, otela_node.PREFIX_BLOCK_CHARS
         out = []
         registry = self.registry
+        model = request.model
         for c in candidates:
-            est = self._engine(c)
+            est = self._engine(c, model)
             blocks = matched.get(c.session, 0)
             record = (registry.get(c.session) if registry is not None else None) or c.record
             published = record.get("prefixes")
@@ -1509,9 +1554,10 @@ class TTFTPolicy(Policy):
             uncached = max(0.0, memo.size - blocks * block * est.trust) * tpb
             load = record.get("load")
             others = max(0, load - est.outstanding) if isinstance(load, int) and not isinstance(load, bool) else 0
-            work = est.queued + others * est.work * est.share + uncached + \
-                (est.decoding + others) * est.RUNNING_TOKENS
-            out.append((est.ttft(work) + self.MISS_WEIGHT * est.per_token * uncached, work, uncached, blocks))
+            work = est.queued + others * est.work * est.share + uncached
+            streams = est.decoding + others
+            out.append((est.ttft(work, streams) + self.MISS_WEIGHT * est.fit.theta[1] * uncached,
+                        work, streams, uncached, blocks))
         return out
 
     def pick(self, candidates, request):
@@ -1530,7 +1576,7 @@ class TTFTPolicy(Policy):
                 else:
                     i = near[random.randrange(len(near))]
         choice, memo = candidates[i], request.memo
-        _, memo.work, memo.uncached, blocks = scored[i]
+        _, memo.work, memo.streams, memo.uncached, blocks = scored[i]
         memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
         return choice
 
@@ -1539,7 +1585,7 @@ class TTFTPolicy(Policy):
         if memo is None or memo.session != candidate.session:   # not our pick: scored now
             self.pick([candidate], request)
             memo = request.memo
-        est = self._engine(candidate)
+        est = self._engine(candidate, request.model)
         est.outstanding += 1
         est.queued += memo.uncached
         memo.answering, memo.started = False, time.monotonic()
@@ -1586,7 +1632,7 @@ class TTFTPolicy(Policy):
             if done and done > 1 and now > first:
                 est.itl += ((now - first) / (done - 1) - est.itl) * 0.1
             est.share += (ttft / max(now - started, 1e-6) - est.share) * 0.1
-            est.learn(memo.work - memo.uncached + uncached, ttft)
+            est.fit.learn(memo.work - memo.uncached + uncached, memo.streams, ttft)
 
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per session this ingress routed to and still in the registry: its answers' prompt and
@@ -1602,8 +1648,8 @@ class TTFTPolicy(Policy):
                 "prompt_tokens": est.prompt, "cached_tokens": est.cached,
                 "cache_hit_rate": est.cached / est.prompt if est.prompt else 0.0,
                 "queued_prompt_tokens": est.queued, "outstanding": est.outstanding,
-                "ttft_estimate_seconds": est.ttft(est.queued + est.decoding * est.RUNNING_TOKENS),
-                "prefill_tokens_per_second": 1.0 / est.per_token if est.per_token > 0 else 0.0,
+                "ttft_estimate_seconds": est.ttft(est.queued, est.decoding),
+                "prefill_tokens_per_second": 1.0 / est.fit.theta[1],
                 "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0}
         return out
 

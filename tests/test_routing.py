@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import crdt
 import otela_ingress
 import otela_node
-from otela_ingress import (Candidate, EngineEstimate, PrefixIndex, RoutedRequest, TTFTPolicy, cached_of,
+from otela_ingress import (Candidate, PrefixIndex, RoutedRequest, SpeedFit, TTFTPolicy, cached_of,
                            summary_match)
 from otela_node import (PREFIX_BLOCK_CHARS, PREFIX_PUBLISHED, PrefixSummary, decode_prefixes, encode_prefixes,
                         prefix_anchors, prefix_key, prompt_chain, prompt_text)
@@ -117,15 +117,22 @@ def test_cached_of_reads_vllm_and_llama_cpp():
     assert cached_of(b'{"usage":{"prompt_tokens":9}}') is None
 
 
-def test_estimate_learns_base_and_rate_from_answers():
-    est = EngineEstimate(weight=3.35)
-    for work in (100, 2000, 500, 4000, 50, 3000) * 4:
-        est.learn(work, 0.01 + work / 20000)
-    assert abs(est.base - 0.01) < 1e-6 and abs(1 / est.per_token - 20000) < 1
-    flat = EngineEstimate(weight=1.0)
-    for _ in range(10):   # one size only: the rate stays the prior, the base fits
-        flat.learn(1000, 0.5)
-    assert flat.per_token == 1 / 6000 and abs(flat.ttft(1000) - 0.5) < 1e-9
+def test_speed_fit_learns_base_rate_and_stream_cost_from_answers():
+    fit = SpeedFit(weight=3.35)
+    rng = random.Random(1)
+    for _ in range(300):
+        prefill, streams = rng.choice((50, 500, 2000, 4000)), rng.randrange(0, 60)
+        fit.learn(prefill, streams, 0.01 + prefill / 20000 + 0.002 * streams)
+    base, per_token, per_stream = fit.theta
+    assert abs(base - 0.01) < 0.004 and abs(1 / per_token - 20000) < 1000 and abs(per_stream - 0.002) < 2e-4
+
+
+def test_speed_fit_of_one_size_keeps_the_prior_rate_and_fits_the_level():
+    fit = SpeedFit(weight=1.0)
+    for _ in range(200):
+        fit.learn(1000, 0, 0.5)
+    assert abs(fit.predict(1000, 0) - 0.5) < 0.02
+    assert 0.2 < fit.theta[1] * 6000 < 5   # the rate stays near the prior's
 
 
 class Registry(dict):
