@@ -3068,9 +3068,11 @@ class Ingress:
         self.health = PassiveHealth()
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
         # the credential, and no static one is sent (otela_node, "Tunnel security").
-        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None),
+        relay_client, punch = getattr(node, "relay_client", None), getattr(node, "punch", None)
+        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(relay_client, "open", None),
                                  getattr(node, "tunnel_header", None))
-        getattr(node, "punch_listeners", []).append(self.pool.retire)   # a private ingress's punched paths
+        if punch is not None:
+            punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
