@@ -2163,7 +2163,168 @@ RELAY_HIGH_WATER = 262144
 MAX_REQUEST_HEAD = 65536
 
 
-async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray, head_request: bool = False) -> MessageHead:
+class _Stream(asyncio.Protocol):
+    """A TCP connection (or a relay stream's plaintext) as a reader and a writer in one, whose
+    bytes are ours: what it read and no one took yet is `buffer`, so a hand-over (a relay link
+    then read in callbacks, a splice, a dial-back handed over as a socket, an engine body piped
+    in callbacks) takes it from here and never from inside an asyncio StreamReader. Reads as a
+    StreamReader does (read, readexactly, at_eof, exception), writes as a StreamWriter does
+    (write, drain, close, get_extra_info); reading pauses while more than 2 * `limit` bytes
+    wait that no read asked for, and EOF keeps the transport open for what we still write.
+    `on_connection(stream)` when the transport is made (an accepting server's handler)."""
+
+    def __init__(self, on_connection: Optional[Callable[[_Stream], Any]] = None, limit: int = 65536):
+        self.on_connection, self.limit = on_connection, limit
+        self.transport: Optional[asyncio.Transport] = None
+        self.buffer = bytearray()
+        self.eof = False                            # EOF or the connection lost: no more bytes come
+        self.error: Optional[BaseException] = None  # how the connection was lost, raised by reads
+        self._wanted = 0                            # bytes the waiting read needs in `buffer`
+        self._reading: Optional[asyncio.Future] = None   # a read waiting for bytes
+        self._drains: List[asyncio.Future] = []     # drains waiting for resume_writing
+        self._paused = self._write_paused = self._lost = self._tls = False
+
+    # -- the transport's side (asyncio.Protocol) ---------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._tls = transport.get_extra_info("sslcontext") is not None
+        if self.on_connection is not None:
+            self.on_connection(self)
+
+    def data_received(self, data) -> None:
+        buffer = self.buffer
+        buffer += data
+        if len(buffer) >= self._wanted:
+            self._wake()
+        if not self._paused and len(buffer) > 2 * self.limit and len(buffer) >= self._wanted:
+            try:
+                self.transport.pause_reading()
+                self._paused = True
+            except (AttributeError, NotImplementedError, RuntimeError):
+                pass
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return not self._tls                        # half-closed: our answers still go out (TLS
+                                                    # cannot: asyncio's SSL transport closes)
+
+    def connection_lost(self, exc) -> None:
+        self.eof = self._lost = True
+        if exc is not None:
+            self.error = exc
+        self._wake()
+        for waiter in self._drains:
+            if not waiter.done():
+                waiter.set_exception(exc or ConnectionResetError("Connection lost"))
+        self._drains = []
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for waiter in self._drains:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drains = []
+
+    def _wake(self) -> None:
+        if self._reading is not None and not self._reading.done():
+            self._reading.set_result(None)
+
+    # -- the reader's side -------------------------------------------------------------------
+    async def _wait(self, n: int) -> None:
+        """Until `buffer` holds `n` bytes or no more come."""
+        while len(self.buffer) < n and not self.eof:
+            if self._paused:
+                self._paused = False
+                self.transport.resume_reading()
+            self._wanted, self._reading = n, asyncio.get_running_loop().create_future()
+            try:
+                await self._reading
+            finally:
+                self._wanted, self._reading = 0, None
+
+    def _take(self, n: int) -> bytes:
+        buffer = self.buffer
+        data = bytes(buffer[:n])
+        del buffer[:n]
+        if self._paused and len(buffer) <= self.limit:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        if self.error is not None:
+            raise self.error
+        if not self.buffer:
+            await self._wait(1)
+            if self.error is not None and not self.buffer:
+                raise self.error
+        return self._take(len(self.buffer) if n < 0 else n)
+
+    async def readexactly(self, n: int) -> bytes:
+        if self.error is not None:
+            raise self.error
+        await self._wait(n)
+        if len(self.buffer) < n:
+            if self.error is not None:
+                raise self.error
+            raise asyncio.IncompleteReadError(self._take(len(self.buffer)), n)
+        return self._take(n)
+
+    def hand_over(self) -> bytes:
+        """What was read and not taken: the next protocol of the transport's (nothing is left here)."""
+        data, self.buffer = bytes(self.buffer), bytearray()
+        return data
+
+    def at_eof(self) -> bool:
+        return self.eof and not self.buffer
+
+    def exception(self) -> Optional[BaseException]:
+        return self.error
+
+    # -- the writer's side -------------------------------------------------------------------
+    def write(self, data) -> None:
+        self.transport.write(data)
+
+    def writelines(self, data) -> None:
+        self.transport.writelines(data)
+
+    def write_eof(self) -> None:
+        self.transport.write_eof()
+
+    async def drain(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.transport.is_closing():
+            await asyncio.sleep(0)                  # let connection_lost come first, as asyncio's does
+        if self._lost:
+            raise ConnectionResetError("Connection lost")
+        if self._write_paused:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drains.append(waiter)
+            await waiter
+
+    def get_extra_info(self, name: str, default=None):
+        return self.transport.get_extra_info(name, default)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+async def open_stream(host: str, port: int, limit: int = 65536) -> _Stream:
+    """A TCP connection to host:port as a _Stream (OSError when it cannot be made)."""
+    stream = _Stream(limit=limit)
+    await asyncio.get_running_loop().create_connection(lambda: stream, host, port)
+    return stream
+
+
+async def _read_engine_head(reader: _Stream, buf: bytearray, head_request: bool = False) -> MessageHead:
     """The engine's next final response head, consumed from `buf` (what follows it stays)."""
     try:
         while True:
@@ -2186,7 +2347,7 @@ def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
+async def _read_request_head(reader: _Stream, buf: bytearray):
     """Read up to the end of the next request head in `buf` (nothing consumed): its MessageHead,
     None at the end of the stream, or H11_JUDGES. Raises HTTPViolation (400 and close)."""
     while True:
@@ -2247,13 +2408,13 @@ class _BodyPipe(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-async def _pipe_body(reader: asyncio.StreamReader, engine_writer: asyncio.StreamWriter,
-                     writer: asyncio.StreamWriter, body: BodyReader) -> bool:
+async def _pipe_body(reader: _Stream, engine_writer: _Stream,
+                     writer: _Stream, body: BodyReader) -> bool:
     """Relay the rest of a body from the engine connection to the client as it was framed;
     True when it ended exactly at the body's end (the connection is reusable)."""
     engine = engine_writer.transport
     pipe = _BodyPipe(writer.transport, engine, body)
-    while getattr(reader, "_buffer", None):         # bytes the stream reader still holds first
+    while reader.buffer:                            # bytes the engine's stream read already go first
         pipe.data_received(await reader.read(RELAY_READ))
         if pipe.error is not None:
             raise pipe.error
@@ -2291,7 +2452,7 @@ class _EngineConn:
 
     __slots__ = ("reader", "writer", "buf", "body", "keep_alive")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: _Stream, writer: _Stream):
         self.reader, self.writer, self.buf = reader, writer, bytearray()
         self.body: Optional[BodyReader] = None
         self.keep_alive = True
@@ -2315,10 +2476,10 @@ class EngineClient:
 
     async def _connect(self) -> _EngineConn:
         try:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+            stream = await open_stream(self.host, self.port)
         except OSError as exc:
             raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
-        return _EngineConn(reader, writer)
+        return _EngineConn(stream, stream)
 
     async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
                        timeout: Optional[float] = None):
@@ -2487,7 +2648,7 @@ class _TunnelConnection:
 
     def __init__(self, task: Optional[asyncio.Task]):
         self.task = task
-        self.writer: Optional[asyncio.StreamWriter] = None
+        self.writer: Optional[_Stream] = None
         self.tls = False
         self.authenticated = False
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -2522,12 +2683,10 @@ async def _wait_readable(sock: socket.socket) -> None:
 
 async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], handshake_timeout: float):
     """(reader, writer) over an accepted socket, through a server-side TLS handshake when ctx."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=RELAY_READ)
-    protocol = asyncio.StreamReaderProtocol(reader)
     kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
-    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **kwargs)
-    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+    stream = _Stream(limit=RELAY_READ)              # (uvloop returns its SSL protocol, not ours)
+    await asyncio.get_running_loop().connect_accepted_socket(lambda: stream, sock, **kwargs)
+    return stream, stream
 
 
 class Tunnel:
@@ -2621,7 +2780,7 @@ class Tunnel:
                     return
                 if mode == "plain":
                     ctx = None
-                reader, writer = conn.reader, conn.writer()
+                reader = writer = conn.stream
             else:
                 if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
                     await _wait_readable(conn)
@@ -2674,7 +2833,7 @@ class Tunnel:
         return None
 
     # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    async def _on_http(self, reader: _Stream, writer: _Stream,
                        connection: Optional[_TunnelConnection] = None) -> None:
         """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
         ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
@@ -2737,7 +2896,7 @@ class Tunnel:
         finally:
             writer.close()
 
-    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
+    async def _serve_h11(self, reader: _Stream, writer: _Stream, initial: bytes,
                          connection: Optional[_TunnelConnection] = None) -> None:
         conn = h11.Connection(h11.SERVER)
         if initial:
@@ -2947,48 +3106,22 @@ class Tunnel:
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
 #      member serves a stream as an admitted tunnel connection with no socket (_MuxTunnel):
 #      TLS runs end to end, its server side in memory (SSLContext.wrap_bio, the tunnel port's
-#      context), fed by the link's DATA frames, its plaintext handed to the tunnel code as a
-#      transport's; the relay forwards only ciphertext, and no connection, descriptor or
-#      system call is added per stream. (Before it, a socketpair per stream bridged to the
-#      link cost two more sends and receives and a loop wake per chunk; asyncio's SSLProtocol
-#      over an in-memory transport, since uvloop's start_tls takes only its own transports,
-#      cost more still: CPU per request 1.44x the direct path's node, the socketpair's 1.27x.)
-#      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
-#      asks the member over its link to dial back, and splices the two connections byte for
-#      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
-#      the dial-back and takes that connection as it is, in either mode:
-#      it is a direct TCP connection from the member, so there is no relay hop to save, and
-#      carrying the stream on the link instead costs the dialer's loop (the busy one) a bridge
-#      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
-#      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
-#      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
-#      -0.24-0.61 ms. Through a standalone relay (bench_node --only nat --nat-runs 10: one
-#      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; a loaded
-#      2-core box, medians of the rounds; 5 runs, alternating with 4 of main's socketpair):
-#      with the member's TLS in memory and links read in callbacks, mux added 0.31-0.54 ms
-#      p50 over direct (median 0.40; socketpair 0.55-0.80), splice 0.42-0.52; req/s lost
-#      5-21 % (median 12; socketpair 1-15 %, median 15); CPU per plain request, the member's
-#      node +20-51 us over direct (socketpair +47-90), the relay 117-128 us (socketpair
-#      131-158, splice 142-155), the whole mux path 2-66 us under the splice's (socketpair:
-#      28-78 over it). Wall-clock req/s swung 0.7-1.0x between runs on that box, all three
-#      paths alike, so the loss figures are the least sure. Most of a forwarded request's
-#      cost at the relay is its writes (each carries the receiver's TCP path, and in the lab
-#      the NAT gateways', on the sender's CPU), so a link's reads are parsed in place (a mux
-#      frame is a view of the bytes read, its DATA written on as it is), what the streams send
-#      on a link goes out once per read of it or per loop turn (DATA, credit, CLOSE of every
-#      stream in one write), and a stream's DATA of one read in one write to its local side
-#      (_MuxLink.flush). Measured, the relay's CPU per request: bench_node --only relay (in
-#      process, loopback, no TLS, 16 dialers) 44-59 us -> 24-39; in the lab (--only nat
-#      --nat-runs 10, 5 runs alternating with 4 of the code before) 107-130 us (before
-#      124-130; against the unchanged splice's, 0.74-0.84x of it, before 0.84-0.85x), the
-#      member's node 272-318 (before 308-342); added p50 0.48-0.75 ms (before 0.53-0.58),
-#      req/s lost 12-22 % (before -3-15 %): within that box's swing. The writes left are one
-#      per request each way per hop; fewer needs the dialer's connections on one link too
-#      (each read's frames for it in one write), which is the dialer's code. The mux stays the
-#      default for what the splice lacks, and now costs less: no connection per stream,
-#      nothing for a NAT or firewall to refuse per stream. (Earlier figures here, with the
-#      ingress relaying too, measured its handed-over dial-back in both modes: it held a
-#      link of the member's.)
+#      context), fed by the link's DATA frames; the relay forwards only ciphertext, and no
+#      connection, descriptor or system call is added per stream (a socketpair per stream, or
+#      asyncio's SSLProtocol over an in-memory transport, cost the member's node 1.27x and
+#      1.44x the direct path's CPU per request). relay_mux 0 (at the relay, or at the member:
+#      its link hello says "mux": 0): the relay asks the member over its link to dial back, and
+#      splices the two connections byte for byte. A dialer that holds the member's link itself
+#      (the ingress as its relay) asks for the dial-back and takes that connection as it is, in
+#      either mode: there is no relay hop to save, and streams on its link would cost the busy
+#      dialer's loop a bridge per chunk (measured: +0.49-1.2 ms p50, the dial-back -0.24-0.61).
+#      A forwarded request's cost at a relay is mostly its writes, so a link's reads are parsed
+#      in place (a mux frame is a view of the bytes read, its DATA written on as it is), and
+#      what the streams send goes out once per read of the link or per loop turn (_MuxLink.flush).
+#      Measured (tests/bench_node.py --only nat --nat-runs 10, NAT lab, TLS, a loaded 2-core
+#      box, medians of alternating rounds): mux adds 0.48-0.75 ms p50 over direct, the relay
+#      spends 107-130 us of CPU per request (0.74-0.84x the splice's), the member's node
+#      272-318 us; wall-clock req/s swung 0.7-1.0x between runs on that box, all paths alike.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -3102,8 +3235,8 @@ class _LinkFrames(asyncio.Protocol):
     as a view of it), any other frame as bytes. `mux`, the link's streams: what the read's
     frames send to the link and to each stream's local side goes out at the end of the read,
     one write each (_MuxLink.flush). `on_frame(data) -> bool`: False when the peer broke the
-    protocol (the link goes). Flow control and the end go on to the link StreamWriter's own
-    protocol, so its writer works as before."""
+    protocol (the link goes). Flow control and the end go on to the link's _Stream
+    (its writer, drained as before)."""
 
     def __init__(self, inner: asyncio.BaseProtocol, on_frame: Callable[[Any], bool], limit: int,
                  mux: Optional[_MuxLink] = None):
@@ -3161,15 +3294,15 @@ class _LinkFrames(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-async def _link_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       on_frame: Callable[[Any], bool], limit: int, mux: Optional[_MuxLink] = None) -> None:
-    """Read the rest of a link through _LinkFrames (what the stream reader already holds
-    first) until it ends."""
-    transport = writer.transport
-    frames = _LinkFrames(transport.get_protocol(), on_frame, limit, mux)
+async def _link_frames(stream: _Stream, on_frame: Callable[[Any], bool], limit: int,
+                       mux: Optional[_MuxLink] = None) -> None:
+    """Read the rest of a link through _LinkFrames (what the stream read already first) until
+    it ends."""
+    transport = stream.transport
+    frames = _LinkFrames(stream, on_frame, limit, mux)
     frames.transport = transport
-    early = bytes(getattr(reader, "_buffer", b""))
-    if getattr(reader, "_eof", False) or transport.is_closing():
+    early = stream.hand_over()
+    if stream.eof or transport.is_closing():
         return
     transport.set_protocol(frames)
     if early:
@@ -3179,28 +3312,36 @@ async def _link_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     await frames.done
 
 
-def _keepalive(writer: asyncio.StreamWriter) -> None:
+def _keepalive(conn: _Stream) -> None:
     """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
-    sock = writer.get_extra_info("socket")
+    sock = conn.get_extra_info("socket")
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     except (OSError, AttributeError):
         pass
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _no_delay(conn: _Stream) -> None:
+    try:
+        conn.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _pump(source: _Stream, sink: _Stream) -> None:
+    """One way of a splice, byte for byte, until the source ends."""
     try:
         while True:
-            data = await reader.read(RELAY_READ)
+            data = await source.read(RELAY_READ)
             if not data:
                 break
-            writer.write(data)
-            if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                await writer.drain()
+            sink.write(data)
+            if sink.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await sink.drain()
     except (OSError, asyncio.IncompleteReadError):
         pass
     finally:
-        writer.close()
+        sink.close()
 
 
 # -- Reach: the rules above as a pure object (no I/O; times passed in), like Overlay ----------
@@ -3559,12 +3700,12 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
         if not self.done.done():
             self.done.set_result(None)
 
-    async def bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def bridge(self, local: _Stream) -> None:
         """Take over the local stream's transport (bytes it already read come first) and wait
         for the end of the stream."""
-        transport = writer.transport
-        early = bytes(getattr(reader, "_buffer", b""))   # what arrived before the hand-over
-        at_eof = bool(getattr(reader, "_eof", False))
+        transport = local.transport
+        early = local.hand_over()                   # what arrived before the hand-over
+        at_eof = local.eof
         transport.set_protocol(self)
         self.connection_made(transport)
         if not at_eof and hasattr(transport, "is_reading") and not transport.is_reading():
@@ -3586,7 +3727,7 @@ class _MuxLink:
     for a peer's OPEN: a _MuxTunnel at the member). Frames other than mux frames on the link
     (gossip, dial requests) are not ours."""
 
-    def __init__(self, writer: asyncio.StreamWriter, max_streams: int,
+    def __init__(self, writer: _Stream, max_streams: int,
                  answer: Optional[Callable[[_MuxLink, int], Any]] = None):
         self.writer, self.max_streams = writer, max_streams
         self.answer = answer or _MuxStream
@@ -3717,17 +3858,14 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         loop = asyncio.get_running_loop()
         self.ready = loop.create_future()           # "tls" or "plain" once the tunnel code may read,
                                                     # None when refused or ended before that
-        self.reader = asyncio.StreamReader(limit=RELAY_READ)
-        self.protocol: asyncio.BaseProtocol = asyncio.StreamReaderProtocol(self.reader)
+        self.stream = _Stream(limit=RELAY_READ)     # the tunnel code's reader and writer
+        self.protocol: asyncio.BaseProtocol = self.stream
         self._closing = False                       # close(): CLOSE once what is held went out
         self._lost = False                          # the tunnel code was told (connection_lost)
         self._write_paused = False
         self._plain: List[bytes] = []               # written, not yet encrypted (see write)
         self._plain_size = 0                        # ... their bytes
         self.protocol.connection_made(self)
-
-    def writer(self) -> asyncio.StreamWriter:
-        return asyncio.StreamWriter(self, self.protocol, self.reader, asyncio.get_running_loop())
 
     # -- the link's side ----------------------------------------------------------------------
     def on_data(self, data: bytes) -> bool:
@@ -3763,7 +3901,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
 
     def buffered(self) -> int:
         """Bytes of the peer's this side holds (read, not yet taken by the tunnel code)."""
-        return len(getattr(self.reader, "_buffer", b"")) + (self._in.pending if self._in is not None else 0)
+        return len(self.stream.buffer) + (self._in.pending if self._in is not None else 0)
 
     # -- TLS in memory ------------------------------------------------------------------------
     def _handshake(self) -> bool:
@@ -4130,6 +4268,7 @@ class HolePunch:
 
     def __init__(self, node: Node):
         self.node, self.config, self.wire = node, node.config, node.wire
+        self.client = node.relay_client             # our relays carry the asking and answering
         self.paths: Dict[str, _PunchSocket] = {}            # relayed address -> its punched path
         self.waiting: Dict[tuple, asyncio.Future] = {}      # (peer, attempt or token) -> its "pr"/"tr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
@@ -4140,8 +4279,8 @@ class HolePunch:
         self.answering = 0                                  # simultaneous opens we answer right now
         self.spares: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection (rule 6)
         self.listeners: List[Callable[[str], None]] = []
-        self.handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply,
-                         "tq": self._on_tunnel_punch, "tr": self._on_tunnel_punch_reply}
+        self.handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_reply,
+                         "tq": self._on_tunnel_punch, "tr": self._on_reply}
 
     def stats(self) -> Dict[str, Any]:
         return {"punches": dict(self.punches), "punch_ms": self.punch_ms[-8:],
@@ -4184,7 +4323,7 @@ class HolePunch:
                 lambda: _PunchSocket(self.node, peer, self._punched_gossip, self.lost), local_addr=(host, 0))
         except OSError:
             return None, ""
-        seeds = [a for a in self.node.relay_client.seeds if not is_relayed(a)]
+        seeds = [a for a in self.client.seeds if not is_relayed(a)]
         sock.seen = loop.create_future()
         nonce = os.urandom(4).hex()
         deadline = time.monotonic() + 1.0
@@ -4231,27 +4370,19 @@ class HolePunch:
                 path.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, now), path.peer_addr)
         for peer in self.node.reach.punches_due(self.node.overlay.addr, self.paths, now):
             self.node.spawn(self._punch(peer))
-        if self.node.relay_client.private and self.listeners:   # rule 6: a dialer back to punched when it works
-            for peer in self.node.reach.probes_due(self.paths, self.spares, self.node.relay_client.private, now):
+        if self.client.private and self.listeners:   # rule 6: a dialer back to punched when it works
+            for peer in self.node.reach.probes_due(self.paths, self.spares, self.client.private, now):
                 self.node.spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
         of the orders works behind a leaky gateway on either side)."""
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         for attempt, peer_first in ((1, True), (2, False)):
             sock, seen = await self._punch_socket(peer)
             if sock is None:
                 break
-            waiter = self.waiting[(peer, attempt)] = loop.create_future()
-            self.node.relay_client.send(peer, {"t": "pq", "a": attempt, "seen": seen, "first": peer_first}, time.time())
-            try:
-                theirs = await asyncio.wait_for(waiter, 3.0)
-            except asyncio.TimeoutError:
-                theirs = ""
-            finally:
-                self.waiting.pop((peer, attempt), None)
+            theirs = await self._ask(peer, attempt, {"t": "pq", "a": attempt, "seen": seen, "first": peer_first}, 3.0)
             if theirs and await self._spray(sock, theirs, first=not peer_first):
                 self._punched_path(peer, sock, started)
                 return
@@ -4260,13 +4391,13 @@ class HolePunch:
         log.info("hole punch to %s failed: it stays relayed", peer)
 
     def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
-        if is_relayed(src) and self.node.relay_client.private and src not in self.paths:
+        if is_relayed(src) and self.client.private and src not in self.paths:
             self.node.spawn(self._answer_punch(src, msg))
 
     async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
         started = time.monotonic()
         sock, seen = await self._punch_socket(peer)
-        self.node.relay_client.send(peer, {"t": "pr", "a": msg.get("a"), "seen": seen}, time.time())
+        self.client.send(peer, {"t": "pr", "a": msg.get("a"), "seen": seen}, time.time())
         if sock is None:
             return
         if seen and msg.get("seen") and await self._spray(sock, str(msg["seen"]), first=bool(msg.get("first"))):
@@ -4275,8 +4406,20 @@ class HolePunch:
             sock.close()
         self.punches["answered"] += 1
 
-    def _on_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
-        waiter = self.waiting.get((src, msg.get("a")))
+    async def _ask(self, peer: str, key: Any, msg: Dict[str, Any], timeout: float) -> str:
+        """`msg` to `peer` through its relays; the mapping its answer ("pr"/"tr", `key` its
+        attempt or token) names, or "" by the timeout."""
+        waiter = self.waiting[(peer, key)] = asyncio.get_running_loop().create_future()
+        self.client.send(peer, msg, time.time())
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            return ""
+        finally:
+            self.waiting.pop((peer, key), None)
+
+    def _on_reply(self, msg: Dict[str, Any], src: str) -> None:
+        waiter = self.waiting.get((src, msg.get("a" if msg["t"] == "pr" else "n")))
         if waiter is not None and not waiter.done():
             waiter.set_result(str(msg.get("seen") or ""))
 
@@ -4300,7 +4443,7 @@ class HolePunch:
             old.close()
         self.paths[peer] = sock
         self.punches["ok"] += 1
-        if self.node.relay_client.private:                            # our next tunnel connections to it may punch
+        if self.client.private:                     # our next tunnel connections to it may punch
             for listener in self.listeners:
                 listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
@@ -4314,8 +4457,8 @@ class HolePunch:
         The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
         loop = asyncio.get_running_loop()
         host = split_addr(self.config.gossip)[0] or "0.0.0.0"
-        seeds = [a for a in self.node.relay_client.seeds if not is_relayed(a)]
-        seeds += [a for a in self.node.relay_client.links if a not in seeds]
+        seeds = [a for a in self.client.seeds if not is_relayed(a)]
+        seeds += [a for a in self.client.links if a not in seeds]
         local: Optional[tuple] = None
         for seed in seeds[:2]:
             try:
@@ -4344,7 +4487,6 @@ class HolePunch:
 
     async def punch_tunnel(self, peer: str) -> Optional[socket.socket]:
         """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         deadline = started + self.config.tunnel_punch_timeout
         peer_first, kept = self.node.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
@@ -4352,14 +4494,8 @@ class HolePunch:
         local, seen = await self._tcp_mapping(deadline)
         if local is not None:
             token = os.urandom(8).hex()
-            waiter = self.waiting[(peer, token)] = loop.create_future()
-            self.node.relay_client.send(peer, {"t": "tq", "n": token, "seen": seen, "first": peer_first}, time.time())
-            try:
-                theirs = await asyncio.wait_for(waiter, max(deadline - time.monotonic(), 0.01))
-            except asyncio.TimeoutError:
-                theirs = ""
-            finally:
-                self.waiting.pop((peer, token), None)
+            theirs = await self._ask(peer, token, {"t": "tq", "n": token, "seen": seen, "first": peer_first},
+                                     max(deadline - time.monotonic(), 0.01))
             if theirs:
                 margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
                 sock = await simultaneous_open(self.config, self.node.resolve, local, theirs, not peer_first, deadline,
@@ -4392,7 +4528,7 @@ class HolePunch:
             listener(peer)
 
     def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
-        if is_relayed(src) and self.node.relay_client.private and self.node.tunnel_sock is not None \
+        if is_relayed(src) and self.client.private and self.node.tunnel_sock is not None \
                 and self.answering < self.config.max_punched:
             self.node.spawn(self._answer_tunnel_punch(src, msg))
 
@@ -4403,7 +4539,7 @@ class HolePunch:
         try:
             deadline = time.monotonic() + self.config.tunnel_punch_timeout
             local, seen = await self._tcp_mapping(deadline)
-            self.node.relay_client.send(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
+            self.client.send(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
             if local is None or not msg.get("seen"):
                 return
             sock = await simultaneous_open(self.config, self.node.resolve, local, str(msg["seen"]), bool(msg.get("first")),
@@ -4417,10 +4553,6 @@ class HolePunch:
                 return
             self.node.tunnel.admit(sock)
 
-    def _on_tunnel_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
-        waiter = self.waiting.get((src, msg.get("n")))
-        if waiter is not None and not waiter.done():
-            waiter.set_result(str(msg.get("seen") or ""))
 
 
 class RelayServer:
@@ -4437,8 +4569,7 @@ class RelayServer:
         self.forwarded: Dict[bytes, float] = {}     # envelopes passed on (nonce and destination) ->
                                                     # until when a copy is refused
 
-    async def on_link(self, msg: Dict[str, Any], reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
+    async def on_link(self, msg: Dict[str, Any], conn: _Stream) -> None:
         """A member's link hello on our gossip port: held (replacing its older link) and served
         until it ends; refused when we do not relay or hold max_relay_links."""
         cfg = self.config
@@ -4450,29 +4581,29 @@ class RelayServer:
         if old is not None:
             old.writer.close()
             old.cut()
-        mux = self.linked[link] = _MuxLink(writer, cfg.max_link_streams)
+        mux = self.linked[link] = _MuxLink(conn, cfg.max_link_streams)
         mux.dial_back = not msg.get("mux", 1)
-        _keepalive(writer)
+        _keepalive(conn)
         try:
-            await self._serve_link(link, reader, writer)
+            await self._serve_link(link, conn)
         finally:
             if self.linked.get(link) is mux:
                 del self.linked[link]
             mux.cut()
 
-    def on_accept(self, token: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    def on_accept(self, token: str, conn: _Stream) -> bool:
         """A member's dial-back for a splice we asked for: True when a dialer takes it."""
         waiter = self.splices.pop(token, None)
         if waiter is None or waiter.done():
             return False
-        waiter.set_result((reader, writer))
+        waiter.set_result(conn)
         return True
 
     def close(self) -> None:
         for mux in self.linked.values():
             mux.writer.close()
 
-    async def _serve_link(self, link: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_link(self, link: str, conn: _Stream) -> None:
         """A relay's side of a member's link, read in the transport's callbacks (_LinkFrames):
         its tunnel streams' frames, envelopes to pass on (rule 1), and its own gossip."""
         mux = self.linked.get(link)
@@ -4487,7 +4618,7 @@ class RelayServer:
             if msg is None:
                 return False
             if msg["t"] == "rq":
-                self.node.spawn(self.answer_reach(msg, writer))
+                self.node.spawn(self.answer_reach(msg, conn))
             elif msg["t"] != "h" and self.node.overlay is not None:
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
@@ -4495,8 +4626,8 @@ class RelayServer:
                 else:
                     self.node.deliver(msg, src, True, RELAYED_PREFIX + link)
             return True
-        if mux is not None and mux.writer is writer:
-            await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
+        if mux is not None and mux.writer is conn:
+            await _link_frames(conn, on_frame, self.config.max_frame, mux)
 
     def forward_envelope(self, data: bytes, from_link: bool, sender: str = "") -> bool:
         """A relay passes an envelope on (after checking the inner tag); for us, it is delivered
@@ -4591,13 +4722,13 @@ class RelayServer:
         finally:
             writer.close()
 
-    async def answer_reach(self, msg: Dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def answer_reach(self, msg: Dict[str, Any], writer: _Stream) -> None:
         """A seed's side of the reachability check: dial the asker back, say what we saw."""
         peer = writer.get_extra_info("peername") or ("", 0)
         back = False
         try:                                        # the asker's nonce proves we reached *it*
             target = self.node.resolve(str(msg["a"]))
-            _, dialled = await asyncio.wait_for(asyncio.open_connection(*target), self.config.dialback_timeout)
+            dialled = await asyncio.wait_for(open_stream(*target), self.config.dialback_timeout)
             try:
                 dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
                 await asyncio.wait_for(dialled.drain(), self.config.dialback_timeout)
@@ -4625,7 +4756,7 @@ class RelayServer:
             ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
         return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
 
-    async def splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def splice(self, link_id: str, conn: _Stream) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
         link = self.linked.get(link_id)
         if link is None or not self.config.relay:
@@ -4637,26 +4768,20 @@ class RelayServer:
                 self.relayed["refused"] += 1
                 return
             self.relayed["muxed"] += 1
-            try:
-                writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
-            await stream.bridge(reader, writer)
+            _no_delay(conn)
+            await stream.bridge(conn)
             return
         try:
-            other_reader, other_writer = await self._ask_dial_back(link)
+            other = await self._ask_dial_back(link)
         except asyncio.TimeoutError:
             self.relayed["refused"] += 1
             return
         self.relayed["spliced"] += 1
-        for w in (writer, other_writer):
-            try:
-                w.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
-        await asyncio.gather(_pump(reader, other_writer), _pump(other_reader, writer))
+        _no_delay(conn)
+        _no_delay(other)
+        await asyncio.gather(_pump(conn, other), _pump(other, conn))
 
-    async def _ask_dial_back(self, link: _MuxLink) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _ask_dial_back(self, link: _MuxLink) -> _Stream:
         """Ask the member on `link` to dial us back (rule 2) and wait for its connection;
         asyncio.TimeoutError after splice_timeout."""
         token = os.urandom(8).hex()
@@ -4672,15 +4797,15 @@ class RelayServer:
         """We are the dialer and hold the member's link ourselves (the ingress relaying): its
         dial-back connection is handed over as it is, no splice, no second hop."""
         try:
-            reader, writer = await self._ask_dial_back(link)
+            conn = await self._ask_dial_back(link)
         except asyncio.TimeoutError:
             raise OSError("the private member did not dial back") from None
-        if getattr(reader, "_buffer", None):        # it sends nothing before our ClientHello
-            writer.close()
+        if conn.buffer:                             # it sends nothing before our ClientHello
+            conn.close()
             raise OSError("unexpected bytes on a dial-back")
-        writer.transport.pause_reading()
-        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
-        writer.transport.abort()                    # closes its descriptor only: ours stays open
+        conn.transport.pause_reading()
+        sock = socket.socket(fileno=os.dup(conn.get_extra_info("socket").fileno()))
+        conn.transport.abort()                    # closes its descriptor only: ours stays open
         sock.setblocking(False)
         self.relayed["handed_over"] += 1
         return sock
@@ -4894,18 +5019,17 @@ class RelayClient:
 
     async def _open_link(self, relay: str) -> None:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.node.resolve(relay)),
-                                                    self.config.tcp_timeout)
+            conn = await asyncio.wait_for(open_stream(*self.node.resolve(relay)), self.config.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return
-        _keepalive(writer)
-        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
+        _keepalive(conn)
+        conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
-        self.links[relay] = _MuxLink(writer, self.config.max_link_streams, self._answer_stream)
-        self.node.spawn(self._read_link(relay, reader, writer))
+        self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
+        self.node.spawn(self._read_link(relay, conn))
         log.info("relay link to %s", relay)
 
-    async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _read_link(self, relay: str, conn: _Stream) -> None:
         """What a relay sends down our link, read in the transport's callbacks (_LinkFrames):
         gossip for us, tunnel streams and dial-back requests (rule 2)."""
         mux = self.links.get(relay)
@@ -4924,12 +5048,12 @@ class RelayClient:
                 self.node.deliver(msg, src, True, relay)
             return True
         try:
-            if mux is not None and mux.writer is writer:
-                await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
+            if mux is not None and mux.writer is conn:
+                await _link_frames(conn, on_frame, self.config.max_frame, mux)
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
-            writer.close()
+            conn.close()
             if mux is not None and self.links.get(relay) is mux:
                 del self.links[relay]
             if mux is not None:
@@ -4951,20 +5075,9 @@ class RelayClient:
     async def dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
         connection of ours (the dialer's TLS handshake arrives through the splice)."""
-        loop = asyncio.get_running_loop()
         try:
-            host, port = self.node.resolve(relay)
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            family, kind, proto, _, addr = infos[0]
-            sock = socket.socket(family, kind, proto)
-        except (OSError, ValueError):
-            return
-        try:
-            sock.setblocking(False)
-            await asyncio.wait_for(loop.sock_connect(sock, addr), self.config.tcp_timeout)
-            await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "accept": token}, time.time())))
-        except (OSError, asyncio.TimeoutError):
-            sock.close()
+            sock = await self._connect(relay, {"t": "h", "accept": token})
+        except (OSError, ValueError, asyncio.TimeoutError):
             return
         if self.node.tunnel_sock is None:
             sock.close()
@@ -4976,7 +5089,6 @@ class RelayClient:
         """A connected socket to the private member at `addr`: punched (rule 5) when both of us
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
-        loop = asyncio.get_running_loop()
         now = time.time()
         spare = self.node.punch.take_spare(addr)    # a probe's (rule 6), if the member still waits on it
         link_id = addr[len(RELAYED_PREFIX):]
@@ -5000,20 +5112,27 @@ class RelayClient:
             return await self.node.relay_server.take_dial_back(link)   # no relay hop to save: see rule 2
         for relay in self.node.reach.relays(addr):
             try:
-                host, port = self.node.resolve(relay)
-                family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-            except (OSError, ValueError):
+                return await self._connect(relay, {"t": "h", "splice": link_id})
+            except (OSError, ValueError, asyncio.TimeoutError):
                 continue
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            try:
-                await asyncio.wait_for(loop.sock_connect(sock, target), self.config.tcp_timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "splice": link_id}, time.time())))
-                return sock
-            except (OSError, asyncio.TimeoutError):
-                sock.close()
         raise OSError(f"no relay of {addr} answers")
+
+    async def _connect(self, addr: str, hello: Dict[str, Any]) -> socket.socket:
+        """A socket connected to `addr` within tcp_timeout that has sent `hello`; OSError,
+        ValueError (a bad address) or asyncio.TimeoutError when not."""
+        loop = asyncio.get_running_loop()
+        host, port = self.node.resolve(addr)
+        family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, target), self.config.tcp_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_sendall(sock, frame(self.wire.seal(hello, time.time())))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
 
 # =============================================================================================
@@ -5077,9 +5196,9 @@ class GossipTCP:
 
     def __init__(self, node: Node, refused: collections.Counter):
         self.node, self.config, self.wire, self.refused = node, node.config, node.wire, refused
-        self.strangers: Dict[asyncio.StreamWriter, str] = {}   # no authentic frame yet, oldest first ->
+        self.strangers: Dict[_Stream, str] = {}     # no authentic frame yet, oldest first ->
                                                     # the address group (the ones cut first)
-        self.members: Dict[asyncio.StreamWriter, bool] = {}    # authenticated (links apart), oldest
+        self.members: Dict[_Stream, bool] = {}      # authenticated (links apart), oldest
                                                     # first -> waiting for its next frame (idle)
         self.frame_bytes = 0                        # big gossip frames being read (max_frame_bytes)
         self.join_budget: Dict[str, Tuple[float, float]] = {}  # join source -> (answers left, when)
@@ -5140,7 +5259,7 @@ class GossipTCP:
             self.node.deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
 
     def answer_join(self, msg: Dict[str, Any], src: str, peer: str,
-                     writer: Optional[asyncio.StreamWriter] = None) -> None:
+                     writer: Optional[_Stream] = None) -> None:
         """A join: the joiner's record is merged, and our state goes back only where the join
         came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
         that is where it came from (the address of `peer`, or a relayed member, answered through
@@ -5203,7 +5322,7 @@ class GossipTCP:
         budget[source] = (left - 1.0, now)
         return True
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, conn: _Stream) -> None:
         """TCP gossip frames. No work before authentication: at most max_gossip_connections at
         once, of which strangers (no authentic frame yet) hold at most max_gossip_strangers per
         address and are cut oldest first for a newcomer (_admit_gossip), and must send an
@@ -5214,22 +5333,22 @@ class GossipTCP:
         connection. A hello may turn the connection into a relay link, a spliced tunnel
         stream, or a private member's dial-back (see "NAT traversal and relay")."""
         cfg = self.config
-        if not self._admit(writer):
+        if not self._admit(conn):
             return
-        keep, peer, relay = False, writer.get_extra_info("peername") or ("", 0), self.node.relay_server
+        keep, peer, relay = False, conn.get_extra_info("peername") or ("", 0), self.node.relay_server
         loop = asyncio.get_running_loop()
         due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
         limit = cfg.max_datagram                    # but for the frame after a hello
         reserved = 0
         try:
             while True:
-                stranger = writer in self.strangers
+                stranger = conn in self.strangers
                 timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
-                if writer in self.members:
-                    self.members[writer] = True     # idle until a frame begins
-                head = await asyncio.wait_for(reader.readexactly(4), timeout)
-                if writer in self.members:
-                    self.members[writer] = False
+                if conn in self.members:
+                    self.members[conn] = True       # idle until a frame begins
+                head = await asyncio.wait_for(conn.readexactly(4), timeout)
+                if conn in self.members:
+                    self.members[conn] = False
                 (length,) = struct.unpack(">I", head)
                 if length > limit:
                     self.wire.dropped["oversized"] += 1
@@ -5242,39 +5361,39 @@ class GossipTCP:
                     reserved = length
                 limit = cfg.max_datagram
                 timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
-                data = await asyncio.wait_for(reader.readexactly(length), timeout)
+                data = await asyncio.wait_for(conn.readexactly(length), timeout)
                 self.frame_bytes -= reserved
                 reserved = 0
                 self.node.bytes_received += length + 4
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
                     if not relay.forward_envelope(data, from_link=False, sender=peer[0]):
                         return
-                    self._authenticated(writer)
+                    self._authenticated(conn)
                     continue
                 msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
                 if msg is None:
                     return
-                self._authenticated(writer)
+                self._authenticated(conn)
                 kind = msg["t"]
                 if kind == "h":
                     if "link" in msg:
-                        self.members.pop(writer, None)   # open as long as its member lives
-                        await relay.on_link(msg, reader, writer)
+                        self.members.pop(conn, None)    # open as long as its member lives
+                        await relay.on_link(msg, conn)
                         return
                     elif "splice" in msg:
-                        self.members.pop(writer, None)
-                        await relay.splice(str(msg["splice"]), reader, writer)
+                        self.members.pop(conn, None)
+                        await relay.splice(str(msg["splice"]), conn)
                         return
                     elif "back" in msg:             # a seed's dial-back (see RelayServer.answer_reach)
                         self.node.relay_client.dialled_back.add(str(msg["back"]))
                         return
                     elif "accept" in msg:
-                        keep = relay.on_accept(str(msg["accept"]), reader, writer)   # the splice owns it now
+                        keep = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
                         return
                     limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
                     continue
                 if kind == "rq":
-                    await relay.answer_reach(msg, writer)
+                    await relay.answer_reach(msg, conn)
                     continue
                 if self.node.overlay is None:
                     continue
@@ -5283,25 +5402,25 @@ class GossipTCP:
                     self.node.dropped_malformed += 1
                     continue
                 if kind == "j":
-                    self.answer_join(msg, src, peer[0], writer)
+                    self.answer_join(msg, src, peer[0], conn)
                     continue
                 self.node.deliver(msg, src, True)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.wire.dropped["truncated"] += 1
         except asyncio.TimeoutError:
-            if writer in self.strangers:
+            if conn in self.strangers:
                 self.refused["gossip_slow"] += 1
         except OSError:
             pass
         finally:
             self.frame_bytes -= reserved
-            self.strangers.pop(writer, None)
-            self.members.pop(writer, None)
+            self.strangers.pop(conn, None)
+            self.members.pop(conn, None)
             if not keep:
-                writer.close()
+                conn.close()
 
-    def _admit(self, writer: asyncio.StreamWriter) -> bool:
+    def _admit(self, writer: _Stream) -> bool:
         """Room for a new gossip TCP connection: a stranger from an address holding its share
         cuts that address's oldest; at the cap, the oldest stranger anywhere is cut, or else the
         oldest member's connection idle between frames; only when every slot is a member's
@@ -5328,12 +5447,12 @@ class GossipTCP:
         strangers[writer] = group
         return True
 
-    def _cut_stranger(self, writer: asyncio.StreamWriter) -> None:
+    def _cut_stranger(self, writer: _Stream) -> None:
         del self.strangers[writer]
         self.refused["gossip_evicted"] += 1
         writer.transport.abort()
 
-    def _authenticated(self, writer: asyncio.StreamWriter) -> None:
+    def _authenticated(self, writer: _Stream) -> None:
         """The connection sent an authentic frame: a member's, never cut for a stranger."""
         if self.strangers.pop(writer, None) is not None:
             self.members[writer] = False
@@ -5458,7 +5577,8 @@ class Node:
                 raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
             port = self.udp.get_extra_info("sockname")[1]
             try:
-                self._tcp_server = await asyncio.start_server(self.gossip_tcp.serve, host, port, reuse_address=True)
+                self._tcp_server = await loop.create_server(lambda: _Stream(self._on_gossip_connection), host, port,
+                                                            reuse_address=True)
                 break
             except OSError as exc:
                 self.udp.close()
@@ -5635,6 +5755,9 @@ class Node:
         self._tcp_server = self.udp = self.tunnel_sock = None
 
     # -- overlay plumbing -------------------------------------------------------------------
+    def _on_gossip_connection(self, stream: _Stream) -> None:
+        self.spawn(self.gossip_tcp.serve(stream))
+
     def _changed(self, sid: str, record: Optional[dict]) -> None:
         if not self._joined_said and sid != self.session_id and self.overlay.members:
             self._joined_said = True

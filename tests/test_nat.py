@@ -370,8 +370,8 @@ async def socketpair_stream():
     mine, theirs = socket.socketpair()
     mine.setblocking(False)
     theirs.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=mine, limit=on.MUX_WINDOW)
-    return theirs, reader, writer
+    _, local = await asyncio.get_running_loop().create_connection(lambda: on._Stream(limit=on.MUX_WINDOW), sock=mine)
+    return theirs, local
 
 
 async def mux_pair(max_streams=512):
@@ -390,9 +390,9 @@ async def mux_pair(max_streams=512):
 
     def accept(stream):
         async def serve():
-            theirs, reader, writer = await socketpair_stream()
+            theirs, local = await socketpair_stream()
             accepted.append(theirs)
-            await stream.bridge(reader, writer)
+            await stream.bridge(local)
         readers.append(asyncio.ensure_future(serve()))
 
     async def read(link, reader, accept_fn):
@@ -419,8 +419,8 @@ async def mux_pair(max_streams=512):
 async def open_local(link):
     """Open a stream on `link` bridged to a socketpair: the test's end as (reader, writer)."""
     stream = link.open()
-    theirs, reader, writer = await socketpair_stream()
-    task = asyncio.ensure_future(stream.bridge(reader, writer))
+    theirs, local = await socketpair_stream()
+    task = asyncio.ensure_future(stream.bridge(local))
     r, w = await asyncio.open_connection(sock=theirs)
     return stream, r, w, task
 
