@@ -351,6 +351,10 @@ class Key:
         return cls(record["id"], record["user"], record.get("allow", ()), record.get("admin", False),
                    record.get("rate", 0.0), key_hash, record)
 
+    def carry_bucket(self, old: Key) -> None:
+        """This key replaces `old` (an edit of it): the requests `old` admitted still count."""
+        self._tokens, self._stamp = old._tokens, old._stamp
+
     def charge(self, requests: int) -> None:
         """Requests another ingress admitted for this key take tokens from this bucket too, so
         the rate holds for the cluster (down to a debt of one burst: a flood elsewhere cannot
@@ -1053,7 +1057,7 @@ class ClusterKeys:
         if crdt.key_accepts(record, now):
             key = Key.of_record(digest, record)
             if old is not None:   # a rate bucket carries over an edit of its key
-                key._tokens, key._stamp = old._tokens, old._stamp
+                key.carry_bucket(old)
             keys[digest] = key
             if key.expires is not None:
                 self.next_expiry = min(self.next_expiry, key.expires)

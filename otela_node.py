@@ -4267,16 +4267,16 @@ class HolePunch:
     its relayed connections to it."""
 
     def __init__(self, node: Node):
-        self.node, self.config, self.wire = node, node.config, node.wire
+        self.node, self.config, self.wire, self.reach = node, node.config, node.wire, node.reach
         self.client = node.relay_client             # our relays carry the asking and answering
-        self.paths: Dict[str, _PunchSocket] = {}            # relayed address -> its punched path
-        self.waiting: Dict[tuple, asyncio.Future] = {}      # (peer, attempt or token) -> its "pr"/"tr"
+        self.paths: Dict[str, _PunchSocket] = {}    # relayed address -> its punched path
+        self.waiting: Dict[tuple, asyncio.Future] = {}   # (peer, attempt or token) -> its "pr"/"tr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
-        self.punch_ms: List[float] = []                     # how long each successful punch took
-        self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
+        self.punch_ms: List[float] = []             # how long each successful punch took
+        self.punch_after_join_ms: List[float] = []  # ... counted from when both were members
         self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
-        self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
-        self.answering = 0                                  # simultaneous opens we answer right now
+        self.tunnel_punch_ms: List[float] = []      # how long each punched tunnel connect took
+        self.answering = 0                          # simultaneous opens we answer right now
         self.spares: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection (rule 6)
         self.listeners: List[Callable[[str], None]] = []
         self.handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_reply,
@@ -4368,10 +4368,10 @@ class HolePunch:
                 self.lost(path, "went silent")
             elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
                 path.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, now), path.peer_addr)
-        for peer in self.node.reach.punches_due(self.node.overlay.addr, self.paths, now):
+        for peer in self.reach.punches_due(self.node.overlay.addr, self.paths, now):
             self.node.spawn(self._punch(peer))
         if self.client.private and self.listeners:   # rule 6: a dialer back to punched when it works
-            for peer in self.node.reach.probes_due(self.paths, self.spares, self.client.private, now):
+            for peer in self.reach.probes_due(self.paths, self.spares, self.client.private, now):
                 self.node.spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
@@ -4447,7 +4447,7 @@ class HolePunch:
             for listener in self.listeners:
                 listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        both = max(self.node.reach.member_since(peer, started), self.node.reach.member_since(self.node.overlay.addr, started))
+        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.node.overlay.addr, started))
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
@@ -4489,7 +4489,7 @@ class HolePunch:
         """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
         started = time.monotonic()
         deadline = started + self.config.tunnel_punch_timeout
-        peer_first, kept = self.node.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
+        peer_first, kept = self.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
         sock = None
         local, seen = await self._tcp_mapping(deadline)
         if local is not None:
@@ -4502,10 +4502,10 @@ class HolePunch:
                                                head_start=margin)
         if sock is None:
             self.tunnel_punches["failed"] += 1
-            self.node.reach.punch_failed(peer, kept, time.time())
+            self.reach.punch_failed(peer, kept, time.time())
             return None
         self.tunnel_punches["ok"] += 1
-        self.node.reach.punch_worked(peer, peer_first, time.time())
+        self.reach.punch_worked(peer, peer_first, time.time())
         self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
         return sock
 
@@ -4516,7 +4516,7 @@ class HolePunch:
         try:
             sock = await self.punch_tunnel(peer)
         finally:
-            self.node.reach.probe_done(peer, sock is not None, time.time())
+            self.reach.probe_done(peer, sock is not None, time.time())
         if sock is None:
             return
         old = self.spares.pop(peer, None)
@@ -4542,8 +4542,8 @@ class HolePunch:
             self.client.send(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
             if local is None or not msg.get("seen"):
                 return
-            sock = await simultaneous_open(self.config, self.node.resolve, local, str(msg["seen"]), bool(msg.get("first")),
-                                           deadline, extra=self.node.tunnel.admit)
+            sock = await simultaneous_open(self.config, self.node.resolve, local, str(msg["seen"]),
+                                           bool(msg.get("first")), deadline, extra=self.node.tunnel.admit)
         finally:
             self.answering -= 1
         self.tunnel_punches["ok" if sock is not None else "failed"] += 1
@@ -4564,6 +4564,7 @@ class RelayServer:
 
     def __init__(self, node: Node, relayed: collections.Counter):
         self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
+        self.reach = node.reach
         self.linked: Dict[str, _MuxLink] = {}       # link id -> the member's link and its streams
         self.splices: Dict[str, asyncio.Future] = {}   # token -> the dialer waiting for a dial-back
         self.forwarded: Dict[bytes, float] = {}     # envelopes passed on (nonce and destination) ->
@@ -4659,7 +4660,7 @@ class RelayServer:
             if link is not None:
                 link.writer.write(frame(inner))
             elif from_link:                         # one hop on to its relay, never more (no loops)
-                for relay in self.node.reach.relays(dest):
+                for relay in self.reach.relays(dest):
                     if relay != self.node.overlay.addr:
                         self.node.spawn(self.send_frames(self.node.resolve(relay), frame(data)))
                         break
@@ -4689,7 +4690,7 @@ class RelayServer:
         if abs(now - sent) > self.wire.window + 1:
             return "stale"
         if is_relayed(dest):
-            if dest[len(RELAYED_PREFIX):] not in self.linked and not (from_link and self.node.reach.relays(dest)):
+            if dest[len(RELAYED_PREFIX):] not in self.linked and not (from_link and self.reach.relays(dest)):
                 return "not_member"
         elif not from_link or (dest not in self.node.overlay.by_addr and dest not in self.node.overlay.remembered):
             return "not_member"
@@ -4805,7 +4806,7 @@ class RelayServer:
             raise OSError("unexpected bytes on a dial-back")
         conn.transport.pause_reading()
         sock = socket.socket(fileno=os.dup(conn.get_extra_info("socket").fileno()))
-        conn.transport.abort()                    # closes its descriptor only: ours stays open
+        conn.transport.abort()                      # closes its descriptor only: ours stays open
         sock.setblocking(False)
         self.relayed["handed_over"] += 1
         return sock
@@ -4821,6 +4822,7 @@ class RelayClient:
 
     def __init__(self, node: Node, relayed: collections.Counter):
         self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
+        self.reach = node.reach
         self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
         self.private = False                        # no seed could dial us: reached through relays
         self.observed = ""                          # our address as a seed saw it
@@ -4869,7 +4871,7 @@ class RelayClient:
             self.node.bytes_sent += len(data) + 4
             return
         by_addr = self.node.overlay.by_addr
-        for relay in self.node.reach.relays(dest):
+        for relay in self.reach.relays(dest):
             if relay == self.node.overlay.addr:
                 continue
             sid = by_addr.get(relay)
@@ -4969,7 +4971,7 @@ class RelayClient:
             record = self.node.overlay.record
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
                 self.node.overlay.addr = relayed
-                self.node.reach.member(relayed, time.monotonic())
+                self.reach.member(relayed, time.monotonic())
                 if waited:                          # our first record (dialable, it said) was suspected
                     waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
@@ -5093,12 +5095,12 @@ class RelayClient:
         spare = self.node.punch.take_spare(addr)    # a probe's (rule 6), if the member still waits on it
         link_id = addr[len(RELAYED_PREFIX):]
         link = self.node.relay_server.linked.get(link_id)
-        path = self.node.reach.tunnel_path(addr, self.private, addr in self.node.punch.paths,
-                                           link is not None and not link.writer.transport.is_closing(),
-                                           None if spare is None else time.monotonic() - spare[1],
-                                           self.config.head_timeout, now)
+        path = self.reach.tunnel_path(addr, self.private, addr in self.node.punch.paths,
+                                      link is not None and not link.writer.transport.is_closing(),
+                                      None if spare is None else time.monotonic() - spare[1],
+                                      self.config.head_timeout, now)
         if path == "spare":
-            self.node.reach.went(addr, "punched", now)
+            self.reach.went(addr, "punched", now)
             return spare[0]
         if spare is not None:
             spare[0].close()
@@ -5107,10 +5109,10 @@ class RelayClient:
             if sock is not None:
                 return sock
             link = self.node.relay_server.linked.get(link_id)   # (the punch took a while)
-        self.node.reach.went(addr, "relayed", time.time())
+        self.reach.went(addr, "relayed", time.time())
         if link is not None and not link.writer.transport.is_closing():
             return await self.node.relay_server.take_dial_back(link)   # no relay hop to save: see rule 2
-        for relay in self.node.reach.relays(addr):
+        for relay in self.reach.relays(addr):
             try:
                 return await self._connect(relay, {"t": "h", "splice": link_id})
             except (OSError, ValueError, asyncio.TimeoutError):
@@ -5377,7 +5379,7 @@ class GossipTCP:
                 kind = msg["t"]
                 if kind == "h":
                     if "link" in msg:
-                        self.members.pop(conn, None)    # open as long as its member lives
+                        self.members.pop(conn, None)   # open as long as its member lives
                         await relay.on_link(msg, conn)
                         return
                     elif "splice" in msg:
