@@ -2255,14 +2255,15 @@ class _Stream(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    async def read(self, n: int = -1) -> bytes:
+    async def read(self, n: int) -> bytes:
+        """Up to `n` bytes, as soon as there are any (b"" at the end)."""
         if self.error is not None:
             raise self.error
         if not self.buffer:
             await self._wait(1)
             if self.error is not None and not self.buffer:
                 raise self.error
-        return self._take(len(self.buffer) if n < 0 else n)
+        return self._take(n)
 
     async def readexactly(self, n: int) -> bytes:
         if self.error is not None:
