@@ -5328,7 +5328,7 @@ class GossipTCP:
     async def serve(self, conn: _Stream) -> None:
         """TCP gossip frames. No work before authentication: at most max_gossip_connections at
         once, of which strangers (no authentic frame yet) hold at most max_gossip_strangers per
-        address and are cut oldest first for a newcomer (_admit_gossip), and must send an
+        address and are cut oldest first for a newcomer (_admit), and must send an
         authentic frame within gossip_auth_timeout. A frame may be no bigger than a datagram,
         so a stranger's length field never makes us read more than 8 KiB, and neither does a
         member's, but for the one frame after a hello (a state transfer: up to max_frame,
@@ -5463,7 +5463,11 @@ class GossipTCP:
 
 class Node:
     """One overlay member with its sockets: UDP gossip, TCP gossip frames on the same port, and
-    (workers) the HTTP/tunnel port that forwards to the engine."""
+    (workers) the HTTP/tunnel port that forwards to the engine; its timer ticks the Overlay, and
+    its lifecycle holds SERVING until the reach is known (rule 8). It wires the parts: Tunnel
+    (the tunnel port), GossipTCP (the gossip port's TCP side), RelayServer and RelayClient (a
+    relay's side, a private member's and a dialer's), HolePunch, and Reach (their rules). The
+    parts call back through `send`, `deliver`, `resolve`, `spawn` and `schedule`."""
 
     def __init__(self, config: Config, role: str = "worker", models=None, hardware=None, labels=None,
                  engine_url: Optional[str] = None):
