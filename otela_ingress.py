@@ -351,6 +351,10 @@ class Key:
         return cls(record["id"], record["user"], record.get("allow", ()), record.get("admin", False),
                    record.get("rate", 0.0), key_hash, record)
 
+    def carry_bucket(self, old: Key) -> None:
+        """This key replaces `old` (an edit of it): the requests `old` admitted still count."""
+        self._tokens, self._stamp = old._tokens, old._stamp
+
     def charge(self, requests: int) -> None:
         """Requests another ingress admitted for this key take tokens from this bucket too, so
         the rate holds for the cluster (down to a debt of one burst: a flood elsewhere cannot
@@ -1053,7 +1057,7 @@ class ClusterKeys:
         if crdt.key_accepts(record, now):
             key = Key.of_record(digest, record)
             if old is not None:   # a rate bucket carries over an edit of its key
-                key._tokens, key._stamp = old._tokens, old._stamp
+                key.carry_bucket(old)
             keys[digest] = key
             if key.expires is not None:
                 self.next_expiry = min(self.next_expiry, key.expires)
@@ -3473,9 +3477,11 @@ class Ingress:
         self.health = PassiveHealth()
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
         # the credential, and no static one is sent (otela_node, "Tunnel security").
-        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(node, "open_relayed", None),
+        relay_client, punch = getattr(node, "relay_client", None), getattr(node, "punch", None)
+        self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(relay_client, "open", None),
                                  getattr(node, "tunnel_header", None))
-        getattr(node, "punch_listeners", []).append(self.pool.retire)   # a private ingress's punched paths
+        if punch is not None:
+            punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, bytes] = {}   # session -> its record less VIEW_FIELDS, as last seen
         self.clients: set = set()

@@ -21,17 +21,21 @@ Theory of operation. The file is in sections, each a room with one job:
       and relay        punches, how its tunnel went; the tunnel's path as a table); then the
                        transports those rules drive: relay links and envelopes, mux streams
                        (_MuxCredit, _MuxStream at a relay, _MuxTunnel at a member), punch
-                       sockets, TCP simultaneous open
-    asyncio node       Node: the sockets, the timer and the lifecycle; it wires the others
+                       sockets, TCP simultaneous open; and the parts of a node that act on
+                       them: HolePunch (rules 4-6), RelayServer (a relay's side), RelayClient
+                       (a private member's links, the reach check, a dialer's RelayClient.open)
+    asyncio node       GossipTCP: the gossip port's TCP side (admission, joins, state transfers,
+                       the hellos that make a link, a splice, a dial-back). Node: the sockets,
+                       the timer and the lifecycle; it wires the others
     engine supervisor  the engine as a child process, its health
     CLI                keygen, start, relay
 
 A gossip message:
     UDP datagram / TCP frame / relay link frame / punched socket
-        ─▶ Wire.open (HMAC, replay window, size) ─▶ Node._deliver ─▶ Overlay.receive(msg, src, now)
+        ─▶ Wire.open (HMAC, replay window, size) ─▶ Node.deliver ─▶ Overlay.receive(msg, src, now)
     timer ─▶ Overlay.tick(now)                                    ─┘          │
                                                                               ▼
-        Node._send: Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send; to a relayed
+        Node.send: Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send; to a relayed
         address ("relay/<link>") in an envelope through one of its relays (Reach.relays), or
         over the punched UDP path when there is one.
     The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
@@ -40,7 +44,7 @@ A request (the ingress dials the node's "addr" from its record):
     direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ the codec reads the
                  head ─▶ Tunnel._forward: request_head to the engine (EngineClient) ─▶ the answer's
                  head re-written (response_head), its body relayed as it comes
-    private      the dialer asks Node.open_relayed, which asks Reach.tunnel_path: a punched TCP
+    private      the dialer asks RelayClient.open, which asks Reach.tunnel_path: a punched TCP
                  connection, the member's dial-back, or a relay's splice / mux stream; at the
                  member each is given to Tunnel.admit like an accepted socket, then as above.
 
@@ -608,7 +612,7 @@ MESSAGE_TYPES = {
     "dr": "r {sid: record}, d, pl?",  # push-pull 3: what you lack, and my buckets (the rest
                                      # of what you lack follows in "st" pieces)
     "h":  "link?, splice?, accept?, dial?",  # TCP hello: the one frame after it may be up to
-                                     # max_frame (any other, max_datagram: Node._on_tcp_gossip);
+                                     # max_frame (any other, max_datagram: GossipTCP.serve);
                                      # link: a private member's relay link; splice: open a tunnel
                                      # stream to that link; dial (relay->member)/accept: its dial-back
     "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
@@ -711,7 +715,7 @@ class FailureDetector:
             if now - self.hinted.get(src, -math.inf) < self.cfg.push_pull_interval:
                 return []
             self.hinted[src] = now
-            return [self._digest_to(src)]
+            return [self.digest_to(src)]
         out = [Out(src, {"t": "a", "n": int(msg["n"])}, tcp)]
         if "sv" in msg:                             # the prober suspects us: refute at once
             out += self._suspect(self.sid, int(msg["sv"]), "", now, None)
@@ -1153,14 +1157,14 @@ class Overlay(FailureDetector):
             self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * cfg.push_pull_interval
             peer = self._peers(1)
             if peer:
-                out.append(self._digest_to(peer[0]))
+                out.append(self.digest_to(peer[0]))
             # ... and with a seed (an ingress, or a relay): whatever the members' number, or how
             # many of them are forged sessions nobody answers for, the seeds hear from everyone
             # and everyone from the seeds every round. An ingress picks an ingress (the ingress
             # plane is compared with ingresses only).
             seeds = [a for a in (self.ingresses or self.seeds).values() if a not in peer]
             if seeds:
-                out.append(self._digest_to(self.rng.choice(seeds)))
+                out.append(self.digest_to(self.rng.choice(seeds)))
         if now >= self.next_join:
             if self.members:
                 self.join_backoff = cfg.join_retry_min
@@ -1304,7 +1308,7 @@ class Overlay(FailureDetector):
                         for sid, sus in list(self.suspects.items())[: self.MAX_SUSPICIONS]]
         return msg
 
-    def _digest_to(self, addr: str) -> Out:
+    def digest_to(self, addr: str) -> Out:
         msg = {"t": "d", "d": self.map.digest(plane=crdt.ROUTING)}
         if addr in self.ingresses.values():
             msg["di"] = self.map.digest(plane=crdt.INGRESS)
@@ -1383,7 +1387,7 @@ class Overlay(FailureDetector):
             log.info("session %s superseded: this process now serves its address", sid)
             out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]})
         while self.met_ingresses:                   # the ingress plane's anti-entropy, now
-            out.append(self._digest_to(self.met_ingresses.pop()))
+            out.append(self.digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
             # Members met through anti-entropy (a healed split, a restart) may not know us:
             # introduce ourselves to them the way a write is pushed, acked and resent (to more
@@ -1551,7 +1555,7 @@ class Overlay(FailureDetector):
                     del self.remembered[addr]
                     continue
                 else:
-                    out.append(self._digest_to(addr))
+                    out.append(self.digest_to(addr))
                     if not seed:
                         entry[1] = backoff = min(backoff * 2, cfg.lost_redial_max)
                 entry[0] = when = now + (cfg.seed_redial_interval if seed else backoff) * self.rng.uniform(0.8, 1.2)
@@ -2160,7 +2164,169 @@ RELAY_HIGH_WATER = 262144
 MAX_REQUEST_HEAD = 65536
 
 
-async def _read_engine_head(reader: asyncio.StreamReader, buf: bytearray, head_request: bool = False) -> MessageHead:
+class _Stream(asyncio.Protocol):
+    """A TCP connection (or a relay stream's plaintext) as a reader and a writer in one, whose
+    bytes are ours: what it read and no one took yet is `buffer`, so a hand-over (a relay link
+    then read in callbacks, a splice, a dial-back handed over as a socket, an engine body piped
+    in callbacks) takes it from here and never from inside an asyncio StreamReader. Reads as a
+    StreamReader does (read, readexactly, at_eof, exception), writes as a StreamWriter does
+    (write, drain, close, get_extra_info); reading pauses while more than 2 * `limit` bytes
+    wait that no read asked for, and EOF keeps the transport open for what we still write.
+    `on_connection(stream)` when the transport is made (an accepting server's handler)."""
+
+    def __init__(self, on_connection: Optional[Callable[[_Stream], Any]] = None, limit: int = 65536):
+        self.on_connection, self.limit = on_connection, limit
+        self.transport: Optional[asyncio.Transport] = None
+        self.buffer = bytearray()
+        self.eof = False                            # EOF or the connection lost: no more bytes come
+        self.error: Optional[BaseException] = None  # how the connection was lost, raised by reads
+        self._wanted = 0                            # bytes the waiting read needs in `buffer`
+        self._reading: Optional[asyncio.Future] = None   # a read waiting for bytes
+        self._drains: List[asyncio.Future] = []     # drains waiting for resume_writing
+        self._paused = self._write_paused = self._lost = self._tls = False
+
+    # -- the transport's side (asyncio.Protocol) ---------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._tls = transport.get_extra_info("sslcontext") is not None
+        if self.on_connection is not None:
+            self.on_connection(self)
+
+    def data_received(self, data) -> None:
+        buffer = self.buffer
+        buffer += data
+        if len(buffer) >= self._wanted:
+            self._wake()
+        if not self._paused and len(buffer) > 2 * self.limit and len(buffer) >= self._wanted:
+            try:
+                self.transport.pause_reading()
+                self._paused = True
+            except (AttributeError, NotImplementedError, RuntimeError):
+                pass
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return not self._tls                        # half-closed: our answers still go out (TLS
+                                                    # cannot: asyncio's SSL transport closes)
+
+    def connection_lost(self, exc) -> None:
+        self.eof = self._lost = True
+        if exc is not None:
+            self.error = exc
+        self._wake()
+        for waiter in self._drains:
+            if not waiter.done():
+                waiter.set_exception(exc or ConnectionResetError("Connection lost"))
+        self._drains = []
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for waiter in self._drains:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drains = []
+
+    def _wake(self) -> None:
+        if self._reading is not None and not self._reading.done():
+            self._reading.set_result(None)
+
+    # -- the reader's side -------------------------------------------------------------------
+    async def _wait(self, n: int) -> None:
+        """Until `buffer` holds `n` bytes or no more come."""
+        while len(self.buffer) < n and not self.eof:
+            if self._paused:
+                self._paused = False
+                self.transport.resume_reading()
+            self._wanted, self._reading = n, asyncio.get_running_loop().create_future()
+            try:
+                await self._reading
+            finally:
+                self._wanted, self._reading = 0, None
+
+    def _take(self, n: int) -> bytes:
+        buffer = self.buffer
+        data = bytes(buffer[:n])
+        del buffer[:n]
+        if self._paused and len(buffer) <= self.limit:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def read(self, n: int) -> bytes:
+        """Up to `n` bytes, as soon as there are any (b"" at the end)."""
+        if self.error is not None:
+            raise self.error
+        if not self.buffer:
+            await self._wait(1)
+            if self.error is not None and not self.buffer:
+                raise self.error
+        return self._take(n)
+
+    async def readexactly(self, n: int) -> bytes:
+        if self.error is not None:
+            raise self.error
+        await self._wait(n)
+        if len(self.buffer) < n:
+            if self.error is not None:
+                raise self.error
+            raise asyncio.IncompleteReadError(self._take(len(self.buffer)), n)
+        return self._take(n)
+
+    def hand_over(self) -> bytes:
+        """What was read and not taken: the next protocol of the transport's (nothing is left here)."""
+        data, self.buffer = bytes(self.buffer), bytearray()
+        return data
+
+    def at_eof(self) -> bool:
+        return self.eof and not self.buffer
+
+    def exception(self) -> Optional[BaseException]:
+        return self.error
+
+    # -- the writer's side -------------------------------------------------------------------
+    def write(self, data) -> None:
+        self.transport.write(data)
+
+    def writelines(self, data) -> None:
+        self.transport.writelines(data)
+
+    def write_eof(self) -> None:
+        self.transport.write_eof()
+
+    async def drain(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.transport.is_closing():
+            await asyncio.sleep(0)                  # let connection_lost come first, as asyncio's does
+        if self._lost:
+            raise ConnectionResetError("Connection lost")
+        if self._write_paused:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drains.append(waiter)
+            await waiter
+
+    def get_extra_info(self, name: str, default=None):
+        return self.transport.get_extra_info(name, default)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+async def open_stream(host: str, port: int, limit: int = 65536) -> _Stream:
+    """A TCP connection to host:port as a _Stream (OSError when it cannot be made)."""
+    stream = _Stream(limit=limit)
+    await asyncio.get_running_loop().create_connection(lambda: stream, host, port)
+    return stream
+
+
+async def _read_engine_head(reader: _Stream, buf: bytearray, head_request: bool = False) -> MessageHead:
     """The engine's next final response head, consumed from `buf` (what follows it stays)."""
     try:
         while True:
@@ -2183,7 +2349,7 @@ def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _read_request_head(reader: asyncio.StreamReader, buf: bytearray):
+async def _read_request_head(reader: _Stream, buf: bytearray):
     """Read up to the end of the next request head in `buf` (nothing consumed): its MessageHead,
     None at the end of the stream, or H11_JUDGES. Raises HTTPViolation (400 and close)."""
     while True:
@@ -2244,13 +2410,13 @@ class _BodyPipe(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-async def _pipe_body(reader: asyncio.StreamReader, engine_writer: asyncio.StreamWriter,
-                     writer: asyncio.StreamWriter, body: BodyReader) -> bool:
+async def _pipe_body(reader: _Stream, engine_writer: _Stream,
+                     writer: _Stream, body: BodyReader) -> bool:
     """Relay the rest of a body from the engine connection to the client as it was framed;
     True when it ended exactly at the body's end (the connection is reusable)."""
     engine = engine_writer.transport
     pipe = _BodyPipe(writer.transport, engine, body)
-    while getattr(reader, "_buffer", None):         # bytes the stream reader still holds first
+    while reader.buffer:                            # bytes the engine's stream read already go first
         pipe.data_received(await reader.read(RELAY_READ))
         if pipe.error is not None:
             raise pipe.error
@@ -2288,7 +2454,7 @@ class _EngineConn:
 
     __slots__ = ("reader", "writer", "buf", "body", "keep_alive")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: _Stream, writer: _Stream):
         self.reader, self.writer, self.buf = reader, writer, bytearray()
         self.body: Optional[BodyReader] = None
         self.keep_alive = True
@@ -2312,10 +2478,10 @@ class EngineClient:
 
     async def _connect(self) -> _EngineConn:
         try:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+            stream = await open_stream(self.host, self.port)
         except OSError as exc:
             raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
-        return _EngineConn(reader, writer)
+        return _EngineConn(stream, stream)
 
     async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
                        timeout: Optional[float] = None):
@@ -2484,7 +2650,7 @@ class _TunnelConnection:
 
     def __init__(self, task: Optional[asyncio.Task]):
         self.task = task
-        self.writer: Optional[asyncio.StreamWriter] = None
+        self.writer: Optional[_Stream] = None
         self.tls = False
         self.authenticated = False
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -2519,12 +2685,10 @@ async def _wait_readable(sock: socket.socket) -> None:
 
 async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], handshake_timeout: float):
     """(reader, writer) over an accepted socket, through a server-side TLS handshake when ctx."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=RELAY_READ)
-    protocol = asyncio.StreamReaderProtocol(reader)
     kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
-    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock, **kwargs)
-    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+    stream = _Stream(limit=RELAY_READ)              # (uvloop returns its SSL protocol, not ours)
+    await asyncio.get_running_loop().connect_accepted_socket(lambda: stream, sock, **kwargs)
+    return stream, stream
 
 
 class Tunnel:
@@ -2618,7 +2782,7 @@ class Tunnel:
                     return
                 if mode == "plain":
                     ctx = None
-                reader, writer = conn.reader, conn.writer()
+                reader = writer = conn.stream
             else:
                 if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
                     await _wait_readable(conn)
@@ -2671,7 +2835,7 @@ class Tunnel:
         return None
 
     # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    async def _on_http(self, reader: _Stream, writer: _Stream,
                        connection: Optional[_TunnelConnection] = None) -> None:
         """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
         ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
@@ -2734,7 +2898,7 @@ class Tunnel:
         finally:
             writer.close()
 
-    async def _serve_h11(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, initial: bytes,
+    async def _serve_h11(self, reader: _Stream, writer: _Stream, initial: bytes,
                          connection: Optional[_TunnelConnection] = None) -> None:
         conn = h11.Connection(h11.SERVER)
         if initial:
@@ -2933,7 +3097,7 @@ class Tunnel:
 #      fresh (sealed within the replay window), new (no copy passed on before) and for a member
 #      goes on: from outside, only down our own links; from a link, only to members (or one hop
 #      on to a relayed member's relay). A captured datagram, replayed by anyone, reaches no
-#      address of the replayer's choice (Node._relay_refusal).
+#      address of the replayer's choice (RelayServer._refusal).
 #   2. Tunnel: the dialer (the ingress) opens TCP to a relay and asks for a splice with an
 #      authentic hello (a fresh nonce: not replayable); the relay opens a stream on the private
 #      member's link (relay_mux, the default) and bridges the dialer's connection to it. The
@@ -2946,48 +3110,22 @@ class Tunnel:
 #      cuts every stream at once, and the dialer retries an unanswered request elsewhere. The
 #      member serves a stream as an admitted tunnel connection with no socket (_MuxTunnel):
 #      TLS runs end to end, its server side in memory (SSLContext.wrap_bio, the tunnel port's
-#      context), fed by the link's DATA frames, its plaintext handed to the tunnel code as a
-#      transport's; the relay forwards only ciphertext, and no connection, descriptor or
-#      system call is added per stream. (Before it, a socketpair per stream bridged to the
-#      link cost two more sends and receives and a loop wake per chunk; asyncio's SSLProtocol
-#      over an in-memory transport, since uvloop's start_tls takes only its own transports,
-#      cost more still: CPU per request 1.44x the direct path's node, the socketpair's 1.27x.)
-#      relay_mux 0 (at the relay, or at the member: its link hello says "mux": 0): the relay
-#      asks the member over its link to dial back, and splices the two connections byte for
-#      byte. A dialer that holds the member's link itself (the ingress as its relay) asks for
-#      the dial-back and takes that connection as it is, in either mode:
-#      it is a direct TCP connection from the member, so there is no relay hop to save, and
-#      carrying the stream on the link instead costs the dialer's loop (the busy one) a bridge
-#      and a socketpair per chunk. Measured (tests/bench_node.py --only nat, NAT lab, TLS, a
-#      shared 2-core box), with the first, task-per-stream bridge: the ingress opening streams
-#      on its link added 0.49-1.2 ms p50 (3 runs) where the handed-over dial-back added
-#      -0.24-0.61 ms. Through a standalone relay (bench_node --only nat --nat-runs 10: one
-#      lab, direct / mux / splice in alternating rounds, the ingress --no-relay; a loaded
-#      2-core box, medians of the rounds; 5 runs, alternating with 4 of main's socketpair):
-#      with the member's TLS in memory and links read in callbacks, mux added 0.31-0.54 ms
-#      p50 over direct (median 0.40; socketpair 0.55-0.80), splice 0.42-0.52; req/s lost
-#      5-21 % (median 12; socketpair 1-15 %, median 15); CPU per plain request, the member's
-#      node +20-51 us over direct (socketpair +47-90), the relay 117-128 us (socketpair
-#      131-158, splice 142-155), the whole mux path 2-66 us under the splice's (socketpair:
-#      28-78 over it). Wall-clock req/s swung 0.7-1.0x between runs on that box, all three
-#      paths alike, so the loss figures are the least sure. Most of a forwarded request's
-#      cost at the relay is its writes (each carries the receiver's TCP path, and in the lab
-#      the NAT gateways', on the sender's CPU), so a link's reads are parsed in place (a mux
-#      frame is a view of the bytes read, its DATA written on as it is), what the streams send
-#      on a link goes out once per read of it or per loop turn (DATA, credit, CLOSE of every
-#      stream in one write), and a stream's DATA of one read in one write to its local side
-#      (_MuxLink.flush). Measured, the relay's CPU per request: bench_node --only relay (in
-#      process, loopback, no TLS, 16 dialers) 44-59 us -> 24-39; in the lab (--only nat
-#      --nat-runs 10, 5 runs alternating with 4 of the code before) 107-130 us (before
-#      124-130; against the unchanged splice's, 0.74-0.84x of it, before 0.84-0.85x), the
-#      member's node 272-318 (before 308-342); added p50 0.48-0.75 ms (before 0.53-0.58),
-#      req/s lost 12-22 % (before -3-15 %): within that box's swing. The writes left are one
-#      per request each way per hop; fewer needs the dialer's connections on one link too
-#      (each read's frames for it in one write), which is the dialer's code. The mux stays the
-#      default for what the splice lacks, and now costs less: no connection per stream,
-#      nothing for a NAT or firewall to refuse per stream. (Earlier figures here, with the
-#      ingress relaying too, measured its handed-over dial-back in both modes: it held a
-#      link of the member's.)
+#      context), fed by the link's DATA frames; the relay forwards only ciphertext, and no
+#      connection, descriptor or system call is added per stream (a socketpair per stream, or
+#      asyncio's SSLProtocol over an in-memory transport, cost the member's node 1.27x and
+#      1.44x the direct path's CPU per request). relay_mux 0 (at the relay, or at the member:
+#      its link hello says "mux": 0): the relay asks the member over its link to dial back, and
+#      splices the two connections byte for byte. A dialer that holds the member's link itself
+#      (the ingress as its relay) asks for the dial-back and takes that connection as it is, in
+#      either mode: there is no relay hop to save, and streams on its link would cost the busy
+#      dialer's loop a bridge per chunk (measured: +0.49-1.2 ms p50, the dial-back -0.24-0.61).
+#      A forwarded request's cost at a relay is mostly its writes, so a link's reads are parsed
+#      in place (a mux frame is a view of the bytes read, its DATA written on as it is), and
+#      what the streams send goes out once per read of the link or per loop turn (_MuxLink.flush).
+#      Measured (tests/bench_node.py --only nat --nat-runs 10, NAT lab, TLS, a loaded 2-core
+#      box, medians of alternating rounds): mux adds 0.48-0.75 ms p50 over direct, the relay
+#      spends 107-130 us of CPU per request (0.74-0.84x the splice's), the member's node
+#      272-318 us; wall-clock req/s swung 0.7-1.0x between runs on that box, all paths alike.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -3101,8 +3239,8 @@ class _LinkFrames(asyncio.Protocol):
     as a view of it), any other frame as bytes. `mux`, the link's streams: what the read's
     frames send to the link and to each stream's local side goes out at the end of the read,
     one write each (_MuxLink.flush). `on_frame(data) -> bool`: False when the peer broke the
-    protocol (the link goes). Flow control and the end go on to the link StreamWriter's own
-    protocol, so its writer works as before."""
+    protocol (the link goes). Flow control and the end go on to the link's _Stream
+    (its writer, drained as before)."""
 
     def __init__(self, inner: asyncio.BaseProtocol, on_frame: Callable[[Any], bool], limit: int,
                  mux: Optional[_MuxLink] = None):
@@ -3160,15 +3298,15 @@ class _LinkFrames(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-async def _link_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       on_frame: Callable[[Any], bool], limit: int, mux: Optional[_MuxLink] = None) -> None:
-    """Read the rest of a link through _LinkFrames (what the stream reader already holds
-    first) until it ends."""
-    transport = writer.transport
-    frames = _LinkFrames(transport.get_protocol(), on_frame, limit, mux)
+async def _link_frames(stream: _Stream, on_frame: Callable[[Any], bool], limit: int,
+                       mux: Optional[_MuxLink] = None) -> None:
+    """Read the rest of a link through _LinkFrames (what the stream read already first) until
+    it ends."""
+    transport = stream.transport
+    frames = _LinkFrames(stream, on_frame, limit, mux)
     frames.transport = transport
-    early = bytes(getattr(reader, "_buffer", b""))
-    if getattr(reader, "_eof", False) or transport.is_closing():
+    early = stream.hand_over()
+    if stream.eof or transport.is_closing():
         return
     transport.set_protocol(frames)
     if early:
@@ -3178,28 +3316,36 @@ async def _link_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     await frames.done
 
 
-def _keepalive(writer: asyncio.StreamWriter) -> None:
+def _keepalive(conn: _Stream) -> None:
     """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
-    sock = writer.get_extra_info("socket")
+    sock = conn.get_extra_info("socket")
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     except (OSError, AttributeError):
         pass
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _no_delay(conn: _Stream) -> None:
+    try:
+        conn.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _pump(source: _Stream, sink: _Stream) -> None:
+    """One way of a splice, byte for byte, until the source ends."""
     try:
         while True:
-            data = await reader.read(RELAY_READ)
+            data = await source.read(RELAY_READ)
             if not data:
                 break
-            writer.write(data)
-            if writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                await writer.drain()
+            sink.write(data)
+            if sink.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
+                await sink.drain()
     except (OSError, asyncio.IncompleteReadError):
         pass
     finally:
-        writer.close()
+        sink.close()
 
 
 # -- Reach: the rules above as a pure object (no I/O; times passed in), like Overlay ----------
@@ -3228,7 +3374,7 @@ class Reach:
     functions of that record, our own state and the time (`now`: wall clock, unless named
     monotonic). Node does the I/O they ask for.
 
-    How a tunnel connection to a relayed address goes (open_relayed), first rule that holds:
+    How a tunnel connection to a relayed address goes (RelayClient.open), first rule that holds:
 
         rule  when                                                         path
         6     a probe's punched connection is waiting, younger than       "spare"
@@ -3558,12 +3704,12 @@ class _MuxStream(_MuxCredit, asyncio.Protocol):
         if not self.done.done():
             self.done.set_result(None)
 
-    async def bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def bridge(self, local: _Stream) -> None:
         """Take over the local stream's transport (bytes it already read come first) and wait
         for the end of the stream."""
-        transport = writer.transport
-        early = bytes(getattr(reader, "_buffer", b""))   # what arrived before the hand-over
-        at_eof = bool(getattr(reader, "_eof", False))
+        transport = local.transport
+        early = local.hand_over()                   # what arrived before the hand-over
+        at_eof = local.eof
         transport.set_protocol(self)
         self.connection_made(transport)
         if not at_eof and hasattr(transport, "is_reading") and not transport.is_reading():
@@ -3585,7 +3731,7 @@ class _MuxLink:
     for a peer's OPEN: a _MuxTunnel at the member). Frames other than mux frames on the link
     (gossip, dial requests) are not ours."""
 
-    def __init__(self, writer: asyncio.StreamWriter, max_streams: int,
+    def __init__(self, writer: _Stream, max_streams: int,
                  answer: Optional[Callable[[_MuxLink, int], Any]] = None):
         self.writer, self.max_streams = writer, max_streams
         self.answer = answer or _MuxStream
@@ -3593,6 +3739,7 @@ class _MuxLink:
         self._next = 1
         self._drain_lock = asyncio.Lock()           # one drain at a time on the shared writer
         self.refused = 0                            # OPENs over max_streams, answered CLOSE
+        self.dial_back = False                      # at a relay: the member said "mux": 0 (rule 2)
         # What the streams send goes out once per read of the link (_LinkFrames), or else once
         # per turn of the loop: one write for every frame of a turn (the streams' DATA, their
         # credit, CLOSEs), and one per stream to its local side, not one per frame. Measured at
@@ -3715,17 +3862,14 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         loop = asyncio.get_running_loop()
         self.ready = loop.create_future()           # "tls" or "plain" once the tunnel code may read,
                                                     # None when refused or ended before that
-        self.reader = asyncio.StreamReader(limit=RELAY_READ)
-        self.protocol: asyncio.BaseProtocol = asyncio.StreamReaderProtocol(self.reader)
+        self.stream = _Stream(limit=RELAY_READ)     # the tunnel code's reader and writer
+        self.protocol: asyncio.BaseProtocol = self.stream
         self._closing = False                       # close(): CLOSE once what is held went out
         self._lost = False                          # the tunnel code was told (connection_lost)
         self._write_paused = False
         self._plain: List[bytes] = []               # written, not yet encrypted (see write)
         self._plain_size = 0                        # ... their bytes
         self.protocol.connection_made(self)
-
-    def writer(self) -> asyncio.StreamWriter:
-        return asyncio.StreamWriter(self, self.protocol, self.reader, asyncio.get_running_loop())
 
     # -- the link's side ----------------------------------------------------------------------
     def on_data(self, data: bytes) -> bool:
@@ -3761,7 +3905,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
 
     def buffered(self) -> int:
         """Bytes of the peer's this side holds (read, not yet taken by the tunnel code)."""
-        return len(getattr(self.reader, "_buffer", b"")) + (self._in.pending if self._in is not None else 0)
+        return len(self.stream.buffer) + (self._in.pending if self._in is not None else 0)
 
     # -- TLS in memory ------------------------------------------------------------------------
     def _handshake(self) -> bool:
@@ -4117,6 +4261,886 @@ async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local:
     return won
 
 
+class HolePunch:
+    """Rules 4 to 6 of "NAT traversal and relay" for one node: the UDP punches towards private
+    peers and the punched paths their gossip takes (one _PunchSocket per peer), and the TCP
+    simultaneous opens that punch a tunnel connection. It asks and answers through the relays
+    (the node's RelayClient sends its "pq"/"pr"/"tq"/"tr"), learns mappings from the seeds that
+    answered the node's reach check, and keeps per peer what Reach decides from (the node's
+    Reach). `listeners(addr)` hear that a path to `addr` is punched: the ingress's pool retires
+    its relayed connections to it."""
+
+    def __init__(self, node: Node):
+        self.node, self.config, self.wire, self.reach = node, node.config, node.wire, node.reach
+        self.client = node.relay_client             # our relays carry the asking and answering
+        self.paths: Dict[str, _PunchSocket] = {}    # relayed address -> its punched path
+        self.waiting: Dict[tuple, asyncio.Future] = {}   # (peer, attempt or token) -> its "pr"/"tr"
+        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
+        self.punch_ms: List[float] = []             # how long each successful punch took
+        self.punch_after_join_ms: List[float] = []  # ... counted from when both were members
+        self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
+        self.tunnel_punch_ms: List[float] = []      # how long each punched tunnel connect took
+        self.answering = 0                          # simultaneous opens we answer right now
+        self.spares: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection (rule 6)
+        self.listeners: List[Callable[[str], None]] = []
+        self.handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_reply,
+                         "tq": self._on_tunnel_punch, "tr": self._on_reply}
+
+    def stats(self) -> Dict[str, Any]:
+        return {"punches": dict(self.punches), "punch_ms": self.punch_ms[-8:],
+                "punch_after_join_ms": self.punch_after_join_ms[-8:], "punched": sorted(self.paths),
+                "tunnel_punches": dict(self.tunnel_punches), "tunnel_punch_ms": self.tunnel_punch_ms[-8:]}
+
+    def take_spare(self, addr: str) -> Optional[Tuple[socket.socket, float]]:
+        """A probe's punched connection to `addr` and when it was made, handed to the caller."""
+        return self.spares.pop(addr, None)
+
+    def forget(self, addr: str) -> None:
+        """`addr` went LEFT: a connection punched for it has no one to serve."""
+        spare = self.spares.pop(addr, None)
+        if spare is not None:
+            spare[0].close()
+
+    def close(self) -> None:
+        paths = list(self.paths.values())
+        self.paths.clear()                          # closing: no path "falls back"
+        for path in paths:
+            path.close()
+        for sock, _ in self.spares.values():
+            sock.close()
+        self.spares.clear()
+
+    def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
+        """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
+        try:
+            self.node.udp.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
+                             self.node.resolve(src))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    async def _punch_socket(self, peer: str) -> Tuple[Optional[_PunchSocket], str]:
+        """A fresh UDP socket and its mapping as a seed sees it; ("" when UDP does not pass)."""
+        loop = asyncio.get_running_loop()
+        host = split_addr(self.config.gossip)[0]
+        try:
+            _, sock = await loop.create_datagram_endpoint(
+                lambda: _PunchSocket(self.node, peer, self._punched_gossip, self.lost), local_addr=(host, 0))
+        except OSError:
+            return None, ""
+        seeds = [a for a in self.client.seeds if not is_relayed(a)]
+        sock.seen = loop.create_future()
+        nonce = os.urandom(4).hex()
+        deadline = time.monotonic() + 1.0
+        while seeds and not sock.seen.done() and time.monotonic() < deadline:
+            for seed in seeds[:2]:
+                try:
+                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self.node.resolve(seed))
+                except ValueError:
+                    pass
+            await asyncio.wait([sock.seen], timeout=0.2)
+        if not sock.seen.done():
+            sock.close()
+            return None, ""                         # UDP blocked on our side: the relay it is
+        return sock, sock.seen.result()
+
+    async def _spray(self, sock: _PunchSocket, seen: str, first: bool) -> bool:
+        """Probe the peer's mapping every 50 ms (after punch_delay unless we go first) until an
+        ack arrives or punch_timeout passes."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        sock.hit = loop.create_future()
+        try:
+            target = self.node.resolve(seen)
+        except ValueError:
+            return False
+        if not first:
+            await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
+        deadline = time.monotonic() + cfg.punch_timeout
+        while not sock.hit.done() and time.monotonic() < deadline:
+            sock.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, time.time()), sock.peer_addr or target)
+            await asyncio.wait([sock.hit], timeout=0.05)
+        return sock.hit.done()
+
+    def tend(self) -> None:
+        """Each relay check: start a punch towards private peers we only reach relayed (the
+        smaller link id asks, through the relay); drop punched paths gone silent (back to the
+        relay, rule 4); keep live ones' NAT mappings open."""
+        cfg = self.config
+        now = time.time()
+        for path in list(self.paths.values()):
+            if now - path.last_rx > cfg.punch_idle:
+                self.lost(path, "went silent")
+            elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
+                path.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, now), path.peer_addr)
+        for peer in self.reach.punches_due(self.node.overlay.addr, self.paths, now):
+            self.node.spawn(self._punch(peer))
+        if self.client.private and self.listeners:   # rule 6: a dialer back to punched when it works
+            for peer in self.reach.probes_due(self.paths, self.spares, self.client.private, now):
+                self.node.spawn(self._probe_tunnel(peer))
+
+    async def _punch(self, peer: str) -> None:
+        """The asking side: two attempts on fresh sockets, the peer first, then us first (one
+        of the orders works behind a leaky gateway on either side)."""
+        started = time.monotonic()
+        for attempt, peer_first in ((1, True), (2, False)):
+            sock, seen = await self._punch_socket(peer)
+            if sock is None:
+                break
+            theirs = await self._ask(peer, attempt, {"t": "pq", "a": attempt, "seen": seen, "first": peer_first}, 3.0)
+            if theirs and await self._spray(sock, theirs, first=not peer_first):
+                self._punched_path(peer, sock, started)
+                return
+            sock.close()
+        self.punches["failed"] += 1
+        log.info("hole punch to %s failed: it stays relayed", peer)
+
+    def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
+        if is_relayed(src) and self.client.private and src not in self.paths:
+            self.node.spawn(self._answer_punch(src, msg))
+
+    async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
+        started = time.monotonic()
+        sock, seen = await self._punch_socket(peer)
+        self.client.send(peer, {"t": "pr", "a": msg.get("a"), "seen": seen}, time.time())
+        if sock is None:
+            return
+        if seen and msg.get("seen") and await self._spray(sock, str(msg["seen"]), first=bool(msg.get("first"))):
+            self._punched_path(peer, sock, started)
+        else:
+            sock.close()
+        self.punches["answered"] += 1
+
+    async def _ask(self, peer: str, key: Any, msg: Dict[str, Any], timeout: float) -> str:
+        """`msg` to `peer` through its relays; the mapping its answer ("pr"/"tr", `key` its
+        attempt or token) names, or "" by the timeout."""
+        waiter = self.waiting[(peer, key)] = asyncio.get_running_loop().create_future()
+        self.client.send(peer, msg, time.time())
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            return ""
+        finally:
+            self.waiting.pop((peer, key), None)
+
+    def _on_reply(self, msg: Dict[str, Any], src: str) -> None:
+        waiter = self.waiting.get((src, msg.get("a" if msg["t"] == "pr" else "n")))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(str(msg.get("seen") or ""))
+
+    def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
+        self.node.deliver(msg, peer, False, peer)
+
+    def lost(self, path: _PunchSocket, why: str = "closed") -> None:
+        """A punched path that went silent or whose socket is gone: its peer goes back to its
+        relays (rule 4). Only the path on record counts; a replaced or failed attempt's socket
+        closing is nothing."""
+        if self.paths.get(path.peer) is not path:
+            return
+        del self.paths[path.peer]
+        path.close()
+        self.punches["fell_back"] += 1
+        log.info("punched path to %s %s: back to its relays", path.peer, why)
+
+    def _punched_path(self, peer: str, sock: _PunchSocket, started: float) -> None:
+        old = self.paths.pop(peer, None)
+        if old is not None and old is not sock:
+            old.close()
+        self.paths[peer] = sock
+        self.punches["ok"] += 1
+        if self.client.private:                     # our next tunnel connections to it may punch
+            for listener in self.listeners:
+                listener(peer)
+        self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.node.overlay.addr, started))
+        self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
+        log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
+
+    # -- tunnel punching: TCP simultaneous open (rule 5) --------------------------------------
+    async def _tcp_mapping(self, deadline: float) -> Tuple[Optional[tuple], str]:
+        """A fresh local port and its TCP mapping as a seed saw it ((None, "") when none answers).
+        The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
+        loop = asyncio.get_running_loop()
+        host = split_addr(self.config.gossip)[0] or "0.0.0.0"
+        seeds = [a for a in self.client.seeds if not is_relayed(a)]
+        seeds += [a for a in self.client.links if a not in seeds]
+        local: Optional[tuple] = None
+        for seed in seeds[:2]:
+            try:
+                sock = _bound_tcp(local or (host, 0))
+            except OSError:
+                return None, ""
+            local = sock.getsockname()
+            try:
+                remaining = deadline - time.monotonic()
+                await asyncio.wait_for(loop.sock_connect(sock, self.node.resolve(seed)), max(remaining, 0.01))
+                nonce = os.urandom(4).hex()
+                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "rq", "n": nonce}, time.time())))
+                reader, writer = await asyncio.open_connection(sock=sock)
+                try:
+                    data = await _read_frame(reader, self.config.max_datagram, max(deadline - time.monotonic(), 0.01))
+                    answer = self.wire.open(data, time.time(), tcp=True) if data else None
+                finally:
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                               struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce and answer.get("seen"):
+                    return local, str(answer["seen"])
+            except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+                sock.close()
+        return None, ""
+
+    async def punch_tunnel(self, peer: str) -> Optional[socket.socket]:
+        """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
+        started = time.monotonic()
+        deadline = started + self.config.tunnel_punch_timeout
+        peer_first, kept = self.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
+        sock = None
+        local, seen = await self._tcp_mapping(deadline)
+        if local is not None:
+            token = os.urandom(8).hex()
+            theirs = await self._ask(peer, token, {"t": "tq", "n": token, "seen": seen, "first": peer_first},
+                                     max(deadline - time.monotonic(), 0.01))
+            if theirs:
+                margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
+                sock = await simultaneous_open(self.config, self.node.resolve, local, theirs, not peer_first, deadline,
+                                               head_start=margin)
+        if sock is None:
+            self.tunnel_punches["failed"] += 1
+            self.reach.punch_failed(peer, kept, time.time())
+            return None
+        self.tunnel_punches["ok"] += 1
+        self.reach.punch_worked(peer, peer_first, time.time())
+        self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
+        return sock
+
+    async def _probe_tunnel(self, peer: str) -> None:
+        """Rule 6: one punch in the background while the tunnel to `peer` is relayed; the
+        connection it makes is the next dial's, and the relayed ones are retired."""
+        sock = None
+        try:
+            sock = await self.punch_tunnel(peer)
+        finally:
+            self.reach.probe_done(peer, sock is not None, time.time())
+        if sock is None:
+            return
+        old = self.spares.pop(peer, None)
+        if old is not None:
+            old[0].close()
+        self.spares[peer] = (sock, time.monotonic())
+        log.info("tunnel to %s punches again: its relayed connections are retired", peer)
+        for listener in self.listeners:
+            listener(peer)
+
+    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
+        if is_relayed(src) and self.client.private and self.node.tunnel_sock is not None \
+                and self.answering < self.config.max_punched:
+            self.node.spawn(self._answer_tunnel_punch(src, msg))
+
+    async def _answer_tunnel_punch(self, peer: str, msg: Dict[str, Any]) -> None:
+        """The member's side of rule 5: our mapping back, then connect; the socket is admitted
+        as a tunnel connection (the dialer's TLS handshake comes next)."""
+        self.answering += 1
+        try:
+            deadline = time.monotonic() + self.config.tunnel_punch_timeout
+            local, seen = await self._tcp_mapping(deadline)
+            self.client.send(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
+            if local is None or not msg.get("seen"):
+                return
+            sock = await simultaneous_open(self.config, self.node.resolve, local, str(msg["seen"]),
+                                           bool(msg.get("first")), deadline, extra=self.node.tunnel.admit)
+        finally:
+            self.answering -= 1
+        self.tunnel_punches["ok" if sock is not None else "failed"] += 1
+        if sock is not None:
+            if self.node.tunnel_sock is None:
+                sock.close()
+                return
+            self.node.tunnel.admit(sock)
+
+
+
+class RelayServer:
+    """A node's side as a relay (rules 1, 2 and 7 of "NAT traversal and relay"): the links
+    private members hold to us, one _MuxLink each (its tunnel streams, and whether its member
+    wants dial-backs instead), the envelopes passed on for them and to them, the splices of a
+    dialer's connection onto a member's stream or dial-back, and a seed's answer to a reach
+    check. `relayed` counts what it did (the node's, shared with its RelayClient)."""
+
+    def __init__(self, node: Node, relayed: collections.Counter):
+        self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
+        self.reach = node.reach
+        self.linked: Dict[str, _MuxLink] = {}       # link id -> the member's link and its streams
+        self.splices: Dict[str, asyncio.Future] = {}   # token -> the dialer waiting for a dial-back
+        self.forwarded: Dict[bytes, float] = {}     # envelopes passed on (nonce and destination) ->
+                                                    # until when a copy is refused
+
+    async def on_link(self, msg: Dict[str, Any], conn: _Stream) -> None:
+        """A member's link hello on our gossip port: held (replacing its older link) and served
+        until it ends; refused when we do not relay or hold max_relay_links."""
+        cfg = self.config
+        if not (cfg.relay and not self.node.relay_client.private) or len(self.linked) >= cfg.max_relay_links:
+            self.relayed["refused"] += 1
+            return
+        link = str(msg["link"])
+        old = self.linked.pop(link, None)
+        if old is not None:
+            old.writer.close()
+            old.cut()
+        mux = self.linked[link] = _MuxLink(conn, cfg.max_link_streams)
+        mux.dial_back = not msg.get("mux", 1)
+        _keepalive(conn)
+        try:
+            await self._serve_link(link, conn)
+        finally:
+            if self.linked.get(link) is mux:
+                del self.linked[link]
+            mux.cut()
+
+    def on_accept(self, token: str, conn: _Stream) -> bool:
+        """A member's dial-back for a splice we asked for: True when a dialer takes it."""
+        waiter = self.splices.pop(token, None)
+        if waiter is None or waiter.done():
+            return False
+        waiter.set_result(conn)
+        return True
+
+    def close(self) -> None:
+        for mux in self.linked.values():
+            mux.writer.close()
+
+    async def _serve_link(self, link: str, conn: _Stream) -> None:
+        """A relay's side of a member's link, read in the transport's callbacks (_LinkFrames):
+        its tunnel streams' frames, envelopes to pass on (rule 1), and its own gossip."""
+        mux = self.linked.get(link)
+
+        def on_frame(data: bytes) -> bool:
+            self.node.bytes_received += len(data) + 4
+            if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
+                return self.linked.get(link) is mux and mux.on_frame(data)
+            if data[:2] == FORWARD:
+                return self.forward_envelope(data, from_link=True, sender=RELAYED_PREFIX + link)
+            msg = self.wire.open(data, time.time(), tcp=True, sender=RELAYED_PREFIX + link)
+            if msg is None:
+                return False
+            if msg["t"] == "rq":
+                self.node.spawn(self.answer_reach(msg, conn))
+            elif msg["t"] != "h" and self.node.overlay is not None:
+                src = msg.pop("ra", None)
+                if not isinstance(src, str):
+                    self.node.dropped_malformed += 1
+                else:
+                    self.node.deliver(msg, src, True, RELAYED_PREFIX + link)
+            return True
+        if mux is not None and mux.writer is conn:
+            await _link_frames(conn, on_frame, self.config.max_frame, mux)
+
+    def forward_envelope(self, data: bytes, from_link: bool, sender: str = "") -> bool:
+        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered
+        (`sender`: where it came from, for the replay cache). False when it was forged or is
+        not ours to pass on."""
+        opened = open_envelope(data)
+        if opened is None or self.node.overlay is None:
+            self.wire.dropped["malformed"] += 1
+            return False
+        dest, inner = opened
+        if not self.wire.authentic(inner, self.config.max_frame):
+            return False
+        if dest == self.node.overlay.addr:
+            msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
+            src = msg.pop("ra", None) if msg is not None else None
+            if isinstance(src, str):
+                self.node.deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
+            return msg is not None
+        if not self.config.relay or self.node.relay_client.private:
+            self.relayed["refused"] += 1
+            return False
+        refusal = self._refusal(dest, inner, from_link)
+        if refusal:
+            self.relayed[refusal] += 1
+            return from_link                        # a member's link stays; a stranger's connection goes
+        self.relayed["forwarded"] += 1
+        if is_relayed(dest):
+            link = self.linked.get(dest[len(RELAYED_PREFIX):])
+            if link is not None:
+                link.writer.write(frame(inner))
+            elif from_link:                         # one hop on to its relay, never more (no loops)
+                for relay in self.reach.relays(dest):
+                    if relay != self.node.overlay.addr:
+                        self.node.spawn(self.send_frames(self.node.resolve(relay), frame(data)))
+                        break
+            return True
+        try:
+            target = self.node.resolve(dest)
+        except ValueError:
+            return False
+        if len(inner) <= self.config.max_datagram:
+            try:
+                self.node.udp.sendto(inner, target)
+            except OSError:
+                pass
+        else:
+            self.node.spawn(self.send_frames(target, frame(inner)))
+        return True
+
+    def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
+        """Why an authentic envelope is not passed on ("" when it is): sealed outside the replay
+        window ("stale"), a copy of one passed on already ("replayed"), or not for a member
+        ("not_member"): what comes from outside goes only down our own links, and what our
+        linked members send only to members (or one hop on to a relayed member's relay). A
+        captured datagram is worth nothing to a stranger: it reaches no address it chooses, and
+        each copy at most once."""
+        now = time.time()
+        _, sent, nonce = _HEAD.unpack_from(inner)
+        if abs(now - sent) > self.wire.window + 1:
+            return "stale"
+        if is_relayed(dest):
+            if dest[len(RELAYED_PREFIX):] not in self.linked and not (from_link and self.reach.relays(dest)):
+                return "not_member"
+        elif not from_link or (dest not in self.node.overlay.by_addr and dest not in self.node.overlay.remembered):
+            return "not_member"
+        seen = self.forwarded
+        key = nonce + dest.encode()
+        if key in seen:
+            return "replayed"
+        if len(seen) >= self.config.nonce_cache:     # oldest first: expiry is insertion order
+            for old in list(itertools.islice(seen, len(seen) // 2)):
+                del seen[old]
+        seen[key] = now + 2 * self.wire.window + 2
+        while seen:
+            oldest = next(iter(seen))
+            if seen[oldest] > now:
+                break
+            del seen[oldest]
+        return ""
+
+    async def send_frames(self, target: tuple, frames: bytes) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            hello = self.wire.seal({"t": "h"}, time.time())
+            writer.write(frame(hello) + frames)
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def answer_reach(self, msg: Dict[str, Any], writer: _Stream) -> None:
+        """A seed's side of the reachability check: dial the asker back, say what we saw."""
+        peer = writer.get_extra_info("peername") or ("", 0)
+        back = False
+        try:                                        # the asker's nonce proves we reached *it*
+            target = self.node.resolve(str(msg["a"]))
+            dialled = await asyncio.wait_for(open_stream(*target), self.config.dialback_timeout)
+            try:
+                dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
+                await asyncio.wait_for(dialled.drain(), self.config.dialback_timeout)
+                back = True
+            finally:
+                dialled.close()
+        except (OSError, ValueError, KeyError, asyncio.TimeoutError):
+            pass
+        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back,
+                                 "relaying": bool(self.config.relay and not self.node.relay_client.private),
+                                 "relays": self.known_relays(str(msg.get("a", "")))}, time.time())
+        writer.write(frame(answer))
+        await writer.drain()
+
+    def known_relays(self, asker: str = "") -> List[str]:
+        """The relays a seed names in its "rs" (rule 7), best first: members that relay, are
+        dialable and not suspected; ourselves left out (our own "relaying" says that), and the
+        asker (its first record says it relays: it did not know yet that it is private)."""
+        ranked = []
+        for sid, record in self.node.registry.items() if self.node.overlay is not None else ():
+            gossip = record.get("gossip", "")
+            if sid == self.node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.node.is_suspected(sid) or gossip == asker:
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
+
+    async def splice(self, link_id: str, conn: _Stream) -> None:
+        """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
+        link = self.linked.get(link_id)
+        if link is None or not self.config.relay:
+            self.relayed["refused"] += 1
+            return
+        if self.config.relay_mux and not link.dial_back:   # a stream on the member's link
+            stream = link.open()
+            if stream is None:
+                self.relayed["refused"] += 1
+                return
+            self.relayed["muxed"] += 1
+            _no_delay(conn)
+            await stream.bridge(conn)
+            return
+        try:
+            other = await self._ask_dial_back(link)
+        except asyncio.TimeoutError:
+            self.relayed["refused"] += 1
+            return
+        self.relayed["spliced"] += 1
+        _no_delay(conn)
+        _no_delay(other)
+        await asyncio.gather(_pump(conn, other), _pump(other, conn))
+
+    async def _ask_dial_back(self, link: _MuxLink) -> _Stream:
+        """Ask the member on `link` to dial us back (rule 2) and wait for its connection;
+        asyncio.TimeoutError after splice_timeout."""
+        token = os.urandom(8).hex()
+        waiter = asyncio.get_running_loop().create_future()
+        self.splices[token] = waiter
+        link.writer.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
+        try:
+            return await asyncio.wait_for(waiter, self.config.splice_timeout)
+        finally:
+            self.splices.pop(token, None)
+
+    async def take_dial_back(self, link: _MuxLink) -> socket.socket:
+        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
+        dial-back connection is handed over as it is, no splice, no second hop."""
+        try:
+            conn = await self._ask_dial_back(link)
+        except asyncio.TimeoutError:
+            raise OSError("the private member did not dial back") from None
+        if conn.buffer:                             # it sends nothing before our ClientHello
+            conn.close()
+            raise OSError("unexpected bytes on a dial-back")
+        conn.transport.pause_reading()
+        sock = socket.socket(fileno=os.dup(conn.get_extra_info("socket").fileno()))
+        conn.transport.abort()                      # closes its descriptor only: ours stays open
+        sock.setblocking(False)
+        self.relayed["handed_over"] += 1
+        return sock
+
+
+class RelayClient:
+    """A node's side as a private member, and as a dialer of private members (rules 1, 2, 3, 7
+    and 8 of "NAT traversal and relay"): the reach check with the seeds, the links we hold to
+    relays (one _MuxLink each, relay gossip address -> link: the relay opens tunnel streams on
+    it), gossip sent to and from relayed addresses, the dial-backs a relay asks for, and a
+    tunnel connection to a relayed member (`open`: punched, a spare, a dial-back or a splice,
+    as Reach decides)."""
+
+    def __init__(self, node: Node, relayed: collections.Counter):
+        self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
+        self.reach = node.reach
+        self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
+        self.private = False                        # no seed could dial us: reached through relays
+        self.observed = ""                          # our address as a seed saw it
+        self.links: Dict[str, _MuxLink] = {}        # relay gossip address -> our link to it
+        self.seeds: List[str] = []                  # seeds that answered our "rq" (they tell a punch
+                                                    # socket's mapping)
+        self.seed_relays: List[str] = []            # ... those of them that relay
+        self.named_relays: List[str] = []           # relays those seeds named (rule 7)
+        self.no_relay_said = False                  # NO_RELAY_TEXT logged, no link since
+        self.dialable_gossip = ""                   # our gossip address before we went private
+        self.dialled_back: Set[str] = set()         # nonces of seeds' dial-backs that reached us
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.writer.close()
+
+    def send(self, dest: str, msg: Dict[str, Any], now: float, tcp: bool = False) -> None:
+        """Rule 1: a private member sends everything over a link; anyone sends to a relayed
+        address through its first relay that is not suspected (or down its link, if ours).
+        A punched path, when there is one, goes first for datagrams; what the Overlay sends
+        over TCP stays on the links, a probe path apart from the punched one (rule 4)."""
+        data = self.wire.seal(dict(msg, ra=self.node.overlay.addr), now)
+        path = None if tcp else self.node.punch.paths.get(dest)
+        if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
+            if path.send(data, path.peer_addr):
+                self.node.bytes_sent += len(data)
+                return
+            self.node.punch.lost(path)              # closed under us: this one goes relayed
+        if self.private:
+            for link in self.links.values():
+                if not link.writer.transport.is_closing():
+                    link.writer.write(frame(envelope(dest, data)))
+                    self.node.bytes_sent += len(data) + 4
+                    return
+            if is_relayed(dest):
+                return
+            try:                                    # no link yet: straight out (a cone NAT passes it)
+                self.node.udp.sendto(data, self.node.resolve(dest))
+                self.node.bytes_sent += len(data)
+            except (OSError, ValueError):
+                pass
+            return
+        mine = self.node.relay_server.linked.get(dest[len(RELAYED_PREFIX):])
+        if mine is not None:                        # we are its relay
+            mine.writer.write(frame(data))
+            self.node.bytes_sent += len(data) + 4
+            return
+        by_addr = self.node.overlay.by_addr
+        for relay in self.reach.relays(dest):
+            if relay == self.node.overlay.addr:
+                continue
+            sid = by_addr.get(relay)
+            if sid is not None and self.node.overlay.is_suspected(sid):
+                continue
+            wrapped = envelope(dest, data)
+            try:
+                target = self.node.resolve(relay)
+            except ValueError:
+                continue
+            if len(wrapped) <= self.config.max_datagram:
+                try:
+                    self.node.udp.sendto(wrapped, target)
+                    self.node.bytes_sent += len(wrapped)
+                except OSError:
+                    pass
+            else:
+                self.node.spawn(self.node.relay_server.send_frames(target, frame(wrapped)))
+            return
+
+    async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
+        """Our side: ask one seed to dial us back (or, without `dial_back`, only for what it
+        sees and the relays it knows); its answer, or None."""
+        cfg = self.config
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.node.resolve(seed)), cfg.tcp_timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return None
+        try:
+            nonce = os.urandom(4).hex()
+            ask = {"t": "rq", "n": nonce, "a": self.node.overlay.record["gossip"]} if dial_back else {"t": "rq", "n": nonce}
+            writer.write(frame(self.wire.seal(ask, time.time())))
+            data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
+            answer = self.wire.open(data, time.time(), tcp=True) if data else None
+            if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
+                deadline = time.monotonic() + cfg.dialback_timeout
+                while answer.get("back") and nonce not in self.dialled_back and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)       # its dial-back frame may still be on its way
+                answer["back"] = nonce in self.dialled_back
+                self.dialled_back.discard(nonce)
+                return answer
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+        return None
+
+    async def keep_reach(self, bootstrap: List[str]) -> None:
+        """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
+        cfg = self.config
+        self.dialable_gossip = self.node.overlay.record["gossip"]
+        if cfg.reach == "auto":
+            delay = cfg.join_retry_min
+            while not self.private:
+                answers = [(seed, await self.ask_reach(seed)) for seed in bootstrap]
+                heard = [(seed, a) for seed, a in answers if a is not None]
+                if heard:
+                    self.observed = str(heard[0][1].get("seen", ""))
+                    if any(a.get("back") for _, a in heard):
+                        log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+                        self.node.reach_known(relaying=bool(cfg.relay))
+                        return
+                    self._heard_seeds(heard)
+                    break
+                await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
+                delay = min(delay * 2, cfg.join_retry_max)
+        else:                                       # told we are private: the seeds that relay, and
+            self.seeds = self.seed_relays = list(bootstrap)   # those they name (until they answer: every seed)
+            await self._ask_seeds_for_relays(bootstrap)
+        log.info("private (seen as %s): reached through relays", self.observed or "?")
+        self.private = True
+        relayed = RELAYED_PREFIX + self.link_id
+        waited = False                              # a check passed before our first link (rule 7)
+        while True:
+            for relay, link in list(self.links.items()):
+                sid = self.node.overlay.by_addr.get(relay)
+                if link.writer.transport.is_closing() or (sid is not None and self.node.overlay.is_suspected(sid)):
+                    link.writer.close()
+                    del self.links[relay]
+            candidates = self._relay_candidates()
+            for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
+                if relay not in self.links and (i < cfg.relay_links or len(self.links) < cfg.relay_links):
+                    await self._open_link(relay)
+            if self.links:
+                self.no_relay_said = False
+            else:                                   # rule 7: say it once, ask the seeds again
+                waited = waited or not is_relayed(self.node.overlay.record.get("gossip", ""))
+                if not self.no_relay_said:
+                    self.no_relay_said = True
+                    log.warning("%s", NO_RELAY_TEXT)
+                await self._ask_seeds_for_relays(bootstrap)
+            rank = {relay: i for i, relay in enumerate(candidates)}
+            while len(self.links) > cfg.relay_links:   # a better relay came: the worst link goes
+                worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
+                self.links.pop(worst).writer.close()
+            relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
+            record = self.node.overlay.record
+            if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
+                self.node.overlay.addr = relayed
+                self.reach.member(relayed, time.monotonic())
+                if waited:                          # our first record (dialable, it said) was suspected
+                    waited = False                  # and evicted with no way to refute it: start over,
+                    log.info("first relay link after a wait: rejoining as a reachable session")
+                    self.node.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
+                                          relaying=False)   # the old session never named our relayed address
+                else:
+                    self.node.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            self.node.punch.tend()
+            await asyncio.sleep(cfg.relay_check_interval)
+
+    def _relay_candidates(self) -> List[str]:
+        """Members offering to relay, best first: standalone relays (they exist for it), then
+        ingresses, then dialable workers, never a suspected or relayed one; then the seeds that
+        answered us and are not in the registry yet."""
+        ranked = []
+        for sid, record in self.node.registry.items():
+            gossip = record.get("gossip", "")
+            if sid == self.node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.node.is_suspected(sid):
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        out = [gossip for _, gossip in sorted(ranked)]
+        out += [seed for seed in self.seed_relays if seed not in out and seed not in self.node.overlay.by_addr]
+        return out + [relay for relay in self.named_relays if relay not in out and relay not in self.node.overlay.by_addr]
+
+    def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
+        version says nothing: it relays), and the relays they named."""
+        self.seeds = [seed for seed, _ in heard]
+        self.seed_relays = [seed for seed, a in heard if a.get("relaying", True)]
+        named: List[str] = []
+        for _, answer in heard:
+            relays = answer.get("relays")
+            for relay in relays if isinstance(relays, list) else ():
+                if isinstance(relay, str) and not is_relayed(relay) and relay not in named \
+                        and relay != self.dialable_gossip:     # our own first record, at an old seed
+                    named.append(relay)
+        self.named_relays = named[:NAMED_RELAYS]
+
+    async def _ask_seeds_for_relays(self, bootstrap: List[str]) -> None:
+        """With no link: the seeds' relays again, without a dial-back (a relay may have started
+        since, or the one they named died)."""
+        answers = [(seed, await self.ask_reach(seed, dial_back=False)) for seed in bootstrap]
+        heard = [(seed, a) for seed, a in answers if a is not None]
+        if heard:
+            self._heard_seeds(heard)
+
+    async def _open_link(self, relay: str) -> None:
+        try:
+            conn = await asyncio.wait_for(open_stream(*self.node.resolve(relay)), self.config.tcp_timeout)
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return
+        _keepalive(conn)
+        conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
+                                          time.time())))
+        self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
+        self.node.spawn(self._read_link(relay, conn))
+        log.info("relay link to %s", relay)
+
+    async def _read_link(self, relay: str, conn: _Stream) -> None:
+        """What a relay sends down our link, read in the transport's callbacks (_LinkFrames):
+        gossip for us, tunnel streams and dial-back requests (rule 2)."""
+        mux = self.links.get(relay)
+
+        def on_frame(data: bytes) -> bool:
+            if data[:2] == MUX:                     # a tunnel stream the relay opened for a dialer
+                return self.links.get(relay) is mux and mux.on_frame(data, self._accept_stream)
+            msg = self.wire.open(data, time.time(), tcp=True, sender=relay)
+            if msg is None:
+                return True
+            if msg["t"] == "h" and "dial" in msg:
+                self.node.spawn(self.dial_back(relay, str(msg["dial"])))
+                return True
+            src = msg.pop("ra", None)
+            if isinstance(src, str):
+                self.node.deliver(msg, src, True, relay)
+            return True
+        try:
+            if mux is not None and mux.writer is conn:
+                await _link_frames(conn, on_frame, self.config.max_frame, mux)
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            conn.close()
+            if mux is not None and self.links.get(relay) is mux:
+                del self.links[relay]
+            if mux is not None:
+                mux.cut()
+            log.info("relay link to %s ended", relay)
+
+    def _answer_stream(self, link: _MuxLink, sid: int) -> _MuxTunnel:
+        return _MuxTunnel(link, sid, self.node.tunnel_server_ssl)
+
+    def _accept_stream(self, stream: _MuxTunnel) -> None:
+        """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
+        connection of ours, its TLS in memory (the dialer's handshake arrives on the link)."""
+        if self.node.tunnel_sock is None:
+            stream.abort()
+            return
+        self.relayed["streams"] += 1
+        self.node.tunnel.admit(stream)
+
+    async def dial_back(self, relay: str, token: str) -> None:
+        """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
+        connection of ours (the dialer's TLS handshake arrives through the splice)."""
+        try:
+            sock = await self._connect(relay, {"t": "h", "accept": token})
+        except (OSError, ValueError, asyncio.TimeoutError):
+            return
+        if self.node.tunnel_sock is None:
+            sock.close()
+            return
+        self.relayed["dialed_back"] += 1
+        self.node.tunnel.admit(sock)
+
+    async def open(self, addr: str) -> socket.socket:
+        """A connected socket to the private member at `addr`: punched (rule 5) when both of us
+        are private and it may work, else through one of its relays, its splice asked for (rule
+        2). The caller starts TLS on it. Raises OSError when no relay answers."""
+        now = time.time()
+        spare = self.node.punch.take_spare(addr)    # a probe's (rule 6), if the member still waits on it
+        link_id = addr[len(RELAYED_PREFIX):]
+        link = self.node.relay_server.linked.get(link_id)
+        path = self.reach.tunnel_path(addr, self.private, addr in self.node.punch.paths,
+                                      link is not None and not link.writer.transport.is_closing(),
+                                      None if spare is None else time.monotonic() - spare[1],
+                                      self.config.head_timeout, now)
+        if path == "spare":
+            self.reach.went(addr, "punched", now)
+            return spare[0]
+        if spare is not None:
+            spare[0].close()
+        if path == "punch":
+            sock = await self.node.punch.punch_tunnel(addr)
+            if sock is not None:
+                return sock
+            link = self.node.relay_server.linked.get(link_id)   # (the punch took a while)
+        self.reach.went(addr, "relayed", time.time())
+        if link is not None and not link.writer.transport.is_closing():
+            return await self.node.relay_server.take_dial_back(link)   # no relay hop to save: see rule 2
+        for relay in self.reach.relays(addr):
+            try:
+                return await self._connect(relay, {"t": "h", "splice": link_id})
+            except (OSError, ValueError, asyncio.TimeoutError):
+                continue
+        raise OSError(f"no relay of {addr} answers")
+
+    async def _connect(self, addr: str, hello: Dict[str, Any]) -> socket.socket:
+        """A socket connected to `addr` within tcp_timeout that has sent `hello`; OSError,
+        ValueError (a bad address) or asyncio.TimeoutError when not."""
+        loop = asyncio.get_running_loop()
+        host, port = self.node.resolve(addr)
+        family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, target), self.config.tcp_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_sendall(sock, frame(self.wire.seal(hello, time.time())))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
 # =============================================================================================
 # The asyncio node: moves bytes between sockets and the Overlay
 # =============================================================================================
@@ -4169,9 +5193,284 @@ REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy",   # Node.re
             "join_misdirected")  # ... or it named an address it did not come from
 
 
+class GossipTCP:
+    """The gossip port's TCP side: what does not fit a datagram (a join and its answer, the
+    pieces of a state transfer) and the hellos that make a connection a relay link, a splice
+    or a dial-back (handed to the node's RelayServer and RelayClient). Admission before any
+    work (max_gossip_connections, strangers per address, gossip_auth_timeout), a byte budget
+    for big frames, and a token bucket per source on join answers (join_answer_rate)."""
+
+    def __init__(self, node: Node, refused: collections.Counter):
+        self.node, self.config, self.wire, self.refused = node, node.config, node.wire, refused
+        self.strangers: Dict[_Stream, str] = {}     # no authentic frame yet, oldest first ->
+                                                    # the address group (the ones cut first)
+        self.members: Dict[_Stream, bool] = {}      # authenticated (links apart), oldest
+                                                    # first -> waiting for its next frame (idle)
+        self.frame_bytes = 0                        # big gossip frames being read (max_frame_bytes)
+        self.join_budget: Dict[str, Tuple[float, float]] = {}  # join source -> (answers left, when)
+
+    @property
+    def connections(self) -> int:
+        return len(self.strangers) + len(self.members)
+
+    async def send(self, target: tuple, msgs: List[Dict[str, Any]], addr: str = "") -> None:
+        """Messages on one new TCP connection, in order (a state transfer's pieces: many
+        connections at once would take the receiver's slots for strangers, and the pieces over
+        them would be lost until the next exchange); each big frame after an authentic hello. A
+        join ("rc") then reads its answer there, from `addr` (an older member answers by a
+        connection of its own instead)."""
+        now = time.time()
+        parts = []
+        for msg in msgs:
+            data = self.wire.seal(msg, now)
+            if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
+                hello = self.wire.seal({"t": "h"}, now)
+                parts.append(struct.pack(">I", len(hello)) + hello)
+            parts.append(struct.pack(">I", len(data)) + data)
+        frames = b"".join(parts)
+        msg = msgs[0]
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
+        except (OSError, asyncio.TimeoutError):
+            return
+        try:
+            writer.write(frames)
+            # the receiver merges each piece before it reads the next: a timeout per piece
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * len(msgs))
+            self.node.bytes_sent += len(frames)
+            if msg.get("rc") and addr:
+                writer.write_eof()                  # an older member closes at once: no wait
+                await self._read_join_answer(reader, target, addr)
+        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _read_join_answer(self, reader: asyncio.StreamReader, target: tuple, addr: str) -> None:
+        cfg = self.config
+        limit = cfg.max_datagram
+        while True:
+            data = await _read_frame(reader, limit, cfg.tcp_timeout * 4)
+            if data is None:
+                return
+            self.node.bytes_received += len(data) + 4
+            answer = self.wire.open(data, time.time(), tcp=True, sender=target[0])
+            if answer is None:
+                return
+            if answer["t"] == "h":
+                limit = cfg.max_frame               # the state follows
+                continue
+            limit = cfg.max_datagram
+            answer.pop("ra", None)
+            self.node.deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
+
+    def answer_join(self, msg: Dict[str, Any], src: str, peer: str,
+                     writer: Optional[_Stream] = None) -> None:
+        """A join: the joiner's record is merged, and our state goes back only where the join
+        came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
+        that is where it came from (the address of `peer`, or a relayed member, answered through
+        its relays; on one of our links, that link's member), and at most join_answer_rate per
+        source (a flood of joins is answered by no more). What is not sent is counted."""
+        now = time.time()
+        here = writer is not None and msg.pop("rc", None) == 1
+        try:
+            outs = self.node.overlay.receive(msg, src, now, True)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            self.node.dropped_malformed += 1
+            return
+        answers = [o for o in outs if o.addr == src]   # the state, in whatever messages it takes
+        self.node.send([o for o in outs if o.addr != src])
+        self.node.schedule()
+        if not answers:
+            return
+        if here:
+            source = address_group(peer)
+        elif is_relayed(peer):                      # down one of our links: its member only
+            source = src if src == peer else ""
+        elif is_relayed(src):
+            source = src
+        else:
+            try:
+                source = address_group(peer) if split_addr(src)[0] == peer else ""
+            except ValueError:
+                source = ""
+        if not source:
+            self.refused["join_misdirected"] += 1
+            return
+        if not self._join_allowed(source, now):
+            self.refused["join_limited"] += 1
+            return
+        if not here:
+            self.node.send(answers)
+            return
+        for o in answers:
+            data = self.wire.seal(dict(o.msg, ra=self.node.overlay.addr), now)
+            frames = frame(data)
+            if len(data) > self.config.max_datagram:   # a big frame: an authentic hello goes first
+                frames = frame(self.wire.seal({"t": "h"}, now)) + frames
+            writer.write(frames)
+            self.node.bytes_sent += len(frames)
+
+    def _join_allowed(self, source: str, now: float) -> bool:
+        """A token bucket per join source: join_answer_burst, refilled at join_answer_rate."""
+        cfg = self.config
+        budget = self.join_budget
+        left, since = budget.get(source, (float(cfg.join_answer_burst), now))
+        left = min(float(cfg.join_answer_burst), left + (now - since) * cfg.join_answer_rate)
+        if source not in budget and len(budget) >= cfg.max_remembered:   # forget the full buckets
+            self.join_budget = budget = {k: v for k, v in budget.items()
+                                          if v[0] + (now - v[1]) * cfg.join_answer_rate < cfg.join_answer_burst}
+            if len(budget) >= cfg.max_remembered:
+                return False
+        if left < 1.0:
+            budget[source] = (left, now)
+            return False
+        budget[source] = (left - 1.0, now)
+        return True
+
+    async def serve(self, conn: _Stream) -> None:
+        """TCP gossip frames. No work before authentication: at most max_gossip_connections at
+        once, of which strangers (no authentic frame yet) hold at most max_gossip_strangers per
+        address and are cut oldest first for a newcomer (_admit), and must send an
+        authentic frame within gossip_auth_timeout. A frame may be no bigger than a datagram,
+        so a stranger's length field never makes us read more than 8 KiB, and neither does a
+        member's, but for the one frame after a hello (a state transfer: up to max_frame,
+        within max_frame_bytes for all connections together). The first bad frame closes the
+        connection. A hello may turn the connection into a relay link, a spliced tunnel
+        stream, or a private member's dial-back (see "NAT traversal and relay")."""
+        cfg = self.config
+        if not self._admit(conn):
+            return
+        keep, peer, relay = False, conn.get_extra_info("peername") or ("", 0), self.node.relay_server
+        loop = asyncio.get_running_loop()
+        due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
+        limit = cfg.max_datagram                    # but for the frame after a hello
+        reserved = 0
+        try:
+            while True:
+                stranger = conn in self.strangers
+                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
+                if conn in self.members:
+                    self.members[conn] = True       # idle until a frame begins
+                head = await asyncio.wait_for(conn.readexactly(4), timeout)
+                if conn in self.members:
+                    self.members[conn] = False
+                (length,) = struct.unpack(">I", head)
+                if length > limit:
+                    self.wire.dropped["oversized"] += 1
+                    return
+                if length > cfg.max_datagram:       # a state transfer after its hello
+                    if self.frame_bytes + length > cfg.max_frame_bytes:
+                        self.refused["frame_budget"] += 1
+                        return
+                    self.frame_bytes += length
+                    reserved = length
+                limit = cfg.max_datagram
+                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
+                data = await asyncio.wait_for(conn.readexactly(length), timeout)
+                self.frame_bytes -= reserved
+                reserved = 0
+                self.node.bytes_received += length + 4
+                if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
+                    if not relay.forward_envelope(data, from_link=False, sender=peer[0]):
+                        return
+                    self._authenticated(conn)
+                    continue
+                msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
+                if msg is None:
+                    return
+                self._authenticated(conn)
+                kind = msg["t"]
+                if kind == "h":
+                    if "link" in msg:
+                        self.members.pop(conn, None)   # open as long as its member lives
+                        await relay.on_link(msg, conn)
+                        return
+                    elif "splice" in msg:
+                        self.members.pop(conn, None)
+                        await relay.splice(str(msg["splice"]), conn)
+                        return
+                    elif "back" in msg:             # a seed's dial-back (see RelayServer.answer_reach)
+                        self.node.relay_client.dialled_back.add(str(msg["back"]))
+                        return
+                    elif "accept" in msg:
+                        keep = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
+                        return
+                    limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
+                    continue
+                if kind == "rq":
+                    await relay.answer_reach(msg, conn)
+                    continue
+                if self.node.overlay is None:
+                    continue
+                src = msg.pop("ra", None)
+                if not isinstance(src, str):
+                    self.node.dropped_malformed += 1
+                    continue
+                if kind == "j":
+                    self.answer_join(msg, src, peer[0], conn)
+                    continue
+                self.node.deliver(msg, src, True)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                self.wire.dropped["truncated"] += 1
+        except asyncio.TimeoutError:
+            if conn in self.strangers:
+                self.refused["gossip_slow"] += 1
+        except OSError:
+            pass
+        finally:
+            self.frame_bytes -= reserved
+            self.strangers.pop(conn, None)
+            self.members.pop(conn, None)
+            if not keep:
+                conn.close()
+
+    def _admit(self, writer: _Stream) -> bool:
+        """Room for a new gossip TCP connection: a stranger from an address holding its share
+        cuts that address's oldest; at the cap, the oldest stranger anywhere is cut, or else the
+        oldest member's connection idle between frames; only when every slot is a member's
+        connection busy with a frame is the newcomer refused."""
+        cfg = self.config
+        peer = writer.get_extra_info("peername")
+        group = address_group(peer[0]) if peer else ""
+        strangers = self.strangers
+        mine = [w for w, g in strangers.items() if g == group]    # bounded: max_gossip_connections
+        if len(mine) >= cfg.max_gossip_strangers:
+            self._cut_stranger(mine[0])
+        elif self.connections >= cfg.max_gossip_connections:
+            idle = next((w for w, waiting in self.members.items() if waiting), None)
+            if strangers:
+                self._cut_stranger(next(iter(strangers)))
+            elif idle is not None:                  # a member's connection between frames: it
+                del self.members[idle]      # sends again on a new one when it needs to
+                self.refused["gossip_evicted"] += 1
+                idle.transport.abort()
+            else:
+                self.refused["gossip_busy"] += 1
+                writer.transport.abort()
+                return False
+        strangers[writer] = group
+        return True
+
+    def _cut_stranger(self, writer: _Stream) -> None:
+        del self.strangers[writer]
+        self.refused["gossip_evicted"] += 1
+        writer.transport.abort()
+
+    def _authenticated(self, writer: _Stream) -> None:
+        """The connection sent an authentic frame: a member's, never cut for a stranger."""
+        if self.strangers.pop(writer, None) is not None:
+            self.members[writer] = False
+
+
 class Node:
     """One overlay member with its sockets: UDP gossip, TCP gossip frames on the same port, and
-    (workers) the HTTP/tunnel port that forwards to the engine."""
+    (workers) the HTTP/tunnel port that forwards to the engine; its timer ticks the Overlay, and
+    its lifecycle holds SERVING until the reach is known (rule 8). It wires the parts: Tunnel
+    (the tunnel port), GossipTCP (the gossip port's TCP side), RelayServer and RelayClient (a
+    relay's side, a private member's and a dialer's), HolePunch, and Reach (their rules). The
+    parts call back through `send`, `deliver`, `resolve`, `spawn` and `schedule`."""
 
     def __init__(self, config: Config, role: str = "worker", models=None, hardware=None, labels=None,
                  engine_url: Optional[str] = None):
@@ -4192,7 +5491,7 @@ class Node:
         self.bytes_received = 0
         self.dropped_malformed = 0
         self._callbacks: List[Callable[[str, Optional[dict]], None]] = []
-        self._udp = None
+        self.udp = None
         self._tcp_server = None
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = math.inf
@@ -4206,65 +5505,27 @@ class Node:
         self._health_timer: Optional[asyncio.TimerHandle] = None
         self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
-        self._tunnel_sock: Optional[socket.socket] = None
-        self._gossip_strangers: Dict[asyncio.StreamWriter, str] = {}  # no authentic frame yet, oldest
-                                                    # first -> the address group (the ones cut first)
-        self._gossip_members: Dict[asyncio.StreamWriter, bool] = {}  # authenticated (links apart), oldest
-                                                    # first -> waiting for its next frame (idle)
-        self._frame_bytes = 0                       # big gossip frames being read (max_frame_bytes)
-        self._join_budget: Dict[str, Tuple[float, float]] = {}   # join source -> (answers left, when)
+        self.tunnel_sock: Optional[socket.socket] = None   # the tunnel port's listening socket
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
-        self.tunnel = Tunnel(self, self._spawn, self.refused)   # the tunnel port: admission, HTTP, engine
-        # NAT traversal and relay (see that section)
-        self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
-        self.private = False                        # no seed could dial us: reached through relays
+        self.tunnel = Tunnel(self, self.spawn, self.refused)   # the tunnel port: admission, HTTP, engine
+        self.gossip_tcp = GossipTCP(self, self.refused)        # the gossip port's TCP side
+        # NAT traversal and relay (see that section): the rules, and the parts that act on them
+        self.reach = Reach(config)                  # per relayed address: its relays, punches, tunnels
         self.reach_pending = False                  # a worker's reach check is not done: SERVING waits
         self._held_state: Optional[int] = None      # ... the SERVING it holds meanwhile (rule 8)
-        self.observed = ""                          # our address as a seed saw it
-        self._links: Dict[str, asyncio.StreamWriter] = {}    # relay gossip address -> our link to it
-        self._linked: Dict[str, asyncio.StreamWriter] = {}   # as a relay: link id -> the member's link
-        self._muxes: Dict[str, _MuxLink] = {}                # as a relay: link id -> its tunnel streams
-        self._link_muxes: Dict[str, _MuxLink] = {}           # as a member: relay -> our link's streams
-        self._dialback_links: Set[str] = set()               # as a relay: links whose member said mux 0
-        self._splices: Dict[str, asyncio.Future] = {}        # as a relay: token -> the dialer waiting
-        self.reach = Reach(config)   # per relayed address: its relays,
-                                                             # punches and tunnels (the rules)
-        self._seeds: List[str] = []                          # seeds that answered our "rq" (they tell
-                                                             # a punch socket's mapping)
-        self._seed_relays: List[str] = []                    # ... those of them that relay
-        self._named_relays: List[str] = []                   # relays those seeds named (rule 7)
-        self._no_relay_said = False                          # NO_RELAY_TEXT logged, no link since
-        self._dialable_gossip = ""                           # our gossip address before we went private
-        self._dialled_back: set = set()                      # nonces of seeds' dial-backs that reached us
-        self._forwarded: Dict[bytes, float] = {}             # as a relay: envelopes passed on (nonce and
-                                                             # destination) -> until when a copy is refused
         self.relayed = collections.Counter({"forwarded": 0, "spliced": 0, "handed_over": 0, "refused": 0,
                                             "stale": 0, "not_member": 0, "replayed": 0,   # envelopes
-                                            # not passed on (_relay_refusal)
+                                            # not passed on (RelayServer._refusal)
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
-        self._punched: Dict[str, _PunchSocket] = {}         # relayed address -> its punched path
-        self._punch_wait: Dict[tuple, asyncio.Future] = {}  # (peer, attempt) -> its "pr"
-        self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
-        self.punch_ms: List[float] = []                     # how long each successful punch took
-        self.punch_after_join_ms: List[float] = []          # ... counted from when both were members
-        self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
-        self.tunnel_punch_ms: List[float] = []              # how long each punched tunnel connect took
-        self._tunnel_answering = 0                          # simultaneous opens we answer right now
-        self._spare_tunnel: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection
-        self.punch_listeners: List[Callable[[str], None]] = []   # listener(addr) when a path is punched: the
-                                                            # ingress's pool retires its relayed connections
-        self._punch_handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_punch_reply,
-                                "tq": self._on_tunnel_punch, "tr": self._on_tunnel_punch_reply}
+        self.relay_server = RelayServer(self, self.relayed)
+        self.relay_client = RelayClient(self, self.relayed)
+        self.punch = HolePunch(self)
 
     # -- public API -------------------------------------------------------------------------
     @property
     def session_id(self) -> str:
         return self.overlay.sid if self.overlay else self._pending_id
-
-    @property
-    def _gossip_connections(self) -> int:
-        return len(self._gossip_strangers) + len(self._gossip_members)
 
     @property
     def registry(self) -> crdt.GMap:
@@ -4291,7 +5552,7 @@ class Node:
     def reach_of(self, record: Dict[str, Any]) -> str:
         """How this member reaches a session: "direct", "punched" or "relayed"."""
         gossip = record.get("gossip", "")
-        if gossip in self._punched:
+        if gossip in self.punch.paths:
             return "punched"
         return "relayed" if is_relayed(gossip) else "direct"
 
@@ -4309,13 +5570,11 @@ class Node:
                 "flooded_by": dict(self.wire.flooders.most_common(8)),
                 "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.tunnel.admitted), "tunnel_connections": len(self.tunnel.connections),
-                "unauthenticated": len(self.tunnel.unauthenticated), "gossip_connections": self._gossip_connections,
-                "gossip_strangers": len(self._gossip_strangers),
-                "private": self.private, "observed": self.observed, "relay_links": sorted(self._links),
-                "linked": len(self._linked), "relayed": dict(self.relayed), "punches": dict(self.punches),
-                "punch_ms": self.punch_ms[-8:], "punch_after_join_ms": self.punch_after_join_ms[-8:],
-                "punched": sorted(self._punched),
-                "tunnel_punches": dict(self.tunnel_punches), "tunnel_punch_ms": self.tunnel_punch_ms[-8:]}
+                "unauthenticated": len(self.tunnel.unauthenticated),
+                "gossip_connections": self.gossip_tcp.connections, "gossip_strangers": len(self.gossip_tcp.strangers),
+                "private": self.relay_client.private, "observed": self.relay_client.observed,
+                "relay_links": sorted(self.relay_client.links), "linked": len(self.relay_server.linked),
+                "relayed": dict(self.relayed), **self.punch.stats()}
 
     async def start(self, serve_http: bool = True, state: int = crdt.SERVING) -> None:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
@@ -4324,17 +5583,18 @@ class Node:
         host, wanted = split_addr(cfg.gossip)
         for attempt in range(20):                   # port 0: find one free for UDP *and* TCP
             try:
-                self._udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
+                self.udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
                                                                    local_addr=(host, wanted))
             except OSError as exc:
                 raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
-            port = self._udp.get_extra_info("sockname")[1]
+            port = self.udp.get_extra_info("sockname")[1]
             try:
-                self._tcp_server = await asyncio.start_server(self._on_tcp_gossip, host, port, reuse_address=True)
+                self._tcp_server = await loop.create_server(lambda: _Stream(self._on_gossip_connection), host, port,
+                                                            reuse_address=True)
                 break
             except OSError as exc:
-                self._udp.close()
-                self._udp = None
+                self.udp.close()
+                self.udp = None
                 if wanted or attempt == 19:
                     raise OSError(f"cannot bind the gossip address {host}:{port} (TCP): "
                                   f"{exc.strerror or exc}") from None
@@ -4342,14 +5602,14 @@ class Node:
         if serve_http:
             lhost, lport = split_addr(cfg.listen)
             try:
-                self._tunnel_sock = _listen(lhost, lport)
+                self.tunnel_sock = _listen(lhost, lport)
             except OSError as exc:
                 self._tcp_server.close()
-                self._udp.close()
-                self._tcp_server = self._udp = None
+                self.udp.close()
+                self._tcp_server = self.udp = None
                 raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
-            lport = self._tunnel_sock.getsockname()[1]
-            self._spawn(self.tunnel.accept(self._tunnel_sock))
+            lport = self.tunnel_sock.getsockname()[1]
+            self.spawn(self.tunnel.accept(self.tunnel_sock))
             if self.tunnel_server_ssl is None:
                 self._start_warnings.append(
                     "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
@@ -4382,12 +5642,12 @@ class Node:
         elif not _is_loopback(host) and _is_loopback(split_addr(gossip_addr)[0]):
             self._start_warnings.append(f"gossip binds {cfg.gossip} but advertises {gossip_addr}, where peers on other "
                                         "hosts cannot reach it (this host name resolves to loopback): pass --advertise HOST")
-        self._send(self.overlay.join(bootstrap, now))
-        self._schedule()
+        self.send(self.overlay.join(bootstrap, now))
+        self.schedule()
         # An ingress is a seed and dialable, unless told it is not (OTELA_REACH=private: an ingress
         # inside a cluster's private network, whose tunnels to private nodes punch, rule 5).
         if checks_reach:
-            self._spawn(self._keep_reach(bootstrap))
+            self.spawn(self.relay_client.keep_reach(bootstrap))
         self._health_timer = loop.call_later(cfg.join_warn_after, self._check_health)
         # "joined" only once a member has answered (_changed): before that we are alone.
         log.info("session %s started (gossip %s, listen %s); %s", self.session_id, gossip_addr, listen_addr,
@@ -4430,8 +5690,8 @@ class Node:
             if addr not in self.overlay.bootstrap:
                 self.overlay.bootstrap.append(addr)
             self.overlay.remember(addr, now, seed=True)
-            self._send([self.overlay._digest_to(addr)])
-        self._schedule()
+            self.send([self.overlay.digest_to(addr)])
+        self.schedule()
 
     def update(self, **fields) -> None:
         """Owner write to our own record (state, models, labels, capacity…). A worker's SERVING
@@ -4443,45 +5703,48 @@ class Node:
                 log.info("session %s SERVING once its reach is known", self.session_id)
                 if not fields:
                     return
-        self._send(self.overlay.update(time.time(), **fields))
-        self._schedule()
+        self.send(self.overlay.update(time.time(), **fields))
+        self.schedule()
 
-    def _reach_known(self, **fields) -> None:
+    def reach_known(self, rejoin: bool = False, **fields) -> None:
         """Our reach is known (dialable, or our relayed address is ready in `fields`): the record
-        says so, with the SERVING held meanwhile."""
+        says so, with the SERVING held meanwhile; with `rejoin`, as a new session (rule 7)."""
         self.reach_pending = False
         held, self._held_state = self._held_state, None
+        if rejoin:
+            self.rejoin(state=self.overlay.record["state"] if held is None else held, **fields)
+            return
         if held is not None:
             fields["state"] = held
         if fields:
             self.update(**fields)
         if held is not None:
             log.info("session %s SERVING: its reach is known (%s)", self.session_id,
-                     "relayed" if self.private else "direct")
+                     "relayed" if self.relay_client.private else "direct")
 
     def set_state(self, state: int) -> None:
         self.update(state=state)
 
     def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
         """Write a replicated key record or usage slot (see Overlay.publish)."""
-        self._send(self.overlay.publish(entry_id, record, time.time()))
-        self._schedule()
+        self.send(self.overlay.publish(entry_id, record, time.time()))
+        self.schedule()
 
     def adopt(self, entries: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Take back the ingress plane's entries kept in this ingress's --db (see Overlay.adopt)."""
-        self._send(self.overlay.adopt(entries, time.time()))
-        self._schedule()
+        self.send(self.overlay.adopt(entries, time.time()))
+        self.schedule()
 
     def rejoin(self, **fields) -> None:
         """Leave this session and join again as a new one (engine restart)."""
-        self._send(self.overlay.rejoin(time.time(), **fields))
-        self._schedule()
+        self.send(self.overlay.rejoin(time.time(), **fields))
+        self.schedule()
 
     async def stop(self, leave: bool = True) -> None:
         """LEFT (gossiped for `leave_linger` seconds), then close every socket."""
         if self.overlay is not None and leave and not self.overlay.leaving:
-            self._send(self.overlay.leave(time.time()))
-            self._schedule()
+            self.send(self.overlay.leave(time.time()))
+            self.schedule()
             await asyncio.sleep(self.config.leave_linger)
         for timer in (self._timer, self._health_timer):
             if timer is not None:
@@ -4489,27 +5752,24 @@ class Node:
         self._timer = self._health_timer = None
         if self._tcp_server is not None:
             self._tcp_server.close()
-        if self._udp is not None:
-            self._udp.close()
+        if self.udp is not None:
+            self.udp.close()
         for task in list(self._tasks):
             task.cancel()
         self.tunnel.cut_all()
-        for link in list(self._links.values()) + list(self._linked.values()):
-            link.close()
-        paths = list(self._punched.values())
-        self._punched.clear()                       # closing: no path "falls back"
-        for path in paths:
-            path.close()
-        for sock, _ in self._spare_tunnel.values():
-            sock.close()
-        self._spare_tunnel.clear()
-        if self._tunnel_sock is not None:
-            self._tunnel_sock.close()
+        self.relay_client.close()
+        self.relay_server.close()
+        self.punch.close()
+        if self.tunnel_sock is not None:
+            self.tunnel_sock.close()
         if self.engine is not None:
             self.engine.close()
-        self._tcp_server = self._udp = self._tunnel_sock = None
+        self._tcp_server = self.udp = self.tunnel_sock = None
 
     # -- overlay plumbing -------------------------------------------------------------------
+    def _on_gossip_connection(self, stream: _Stream) -> None:
+        self.spawn(self.gossip_tcp.serve(stream))
+
     def _changed(self, sid: str, record: Optional[dict]) -> None:
         if not self._joined_said and sid != self.session_id and self.overlay.members:
             self._joined_said = True
@@ -4519,21 +5779,19 @@ class Node:
         if is_relayed(gossip):
             if record.get("state", crdt.LEFT) < crdt.LEFT and record.get("relay"):
                 if self.reach.learned(gossip, record["relay"].split(","), time.monotonic()) \
-                        and self.private and is_relayed(self.overlay.addr):
-                    self._tend_punches()            # punch now, not at the next relay check
+                        and self.relay_client.private and is_relayed(self.overlay.addr):
+                    self.punch.tend()            # punch now, not at the next relay check
             else:
                 self.reach.forget(gossip)           # a relayed address names one process: gone for good
-                spare = self._spare_tunnel.pop(gossip, None)
-                if spare is not None:
-                    spare[0].close()
+                self.punch.forget(gossip)
         for cb in self._callbacks:
             try:
                 cb(sid, record)
             except Exception:
                 log.exception("on_change callback failed")
 
-    def _schedule(self) -> None:
-        if self.overlay is None or self._udp is None:
+    def schedule(self) -> None:
+        if self.overlay is None or self.udp is None:
             return
         when = self.overlay.next_wakeup()
         if self._timer is not None:
@@ -4547,59 +5805,59 @@ class Node:
         self._timer = None
         self._timer_at = math.inf
         try:
-            self._send(self.overlay.tick(time.time()))
+            self.send(self.overlay.tick(time.time()))
         finally:                                    # whatever a send raised, the overlay ticks on
-            self._schedule()
+            self.schedule()
 
-    def _deliver(self, msg: Dict[str, Any], src: str, tcp: bool, peer: Optional[str] = None) -> None:
+    def deliver(self, msg: Dict[str, Any], src: str, tcp: bool, peer: Optional[str] = None) -> None:
         """Hand an authentic message to the Overlay (or NAT traversal) and send what it answers.
         `peer`: where it came from (an IP address, or "relay/<link>" for one of our links), for
-        a join: its answer goes only there (_answer_join)."""
-        handler = self._punch_handlers.get(msg["t"])
+        a join: its answer goes only there (GossipTCP.answer_join)."""
+        handler = self.punch.handlers.get(msg["t"])
         if handler is not None:                     # NAT traversal's own messages, not the Overlay's
             handler(msg, src)
             return
         if msg["t"] == "j" and peer is not None:
-            self._answer_join(msg, src, peer)
+            self.gossip_tcp.answer_join(msg, src, peer)
             return
         try:
             outs = self.overlay.receive(msg, src, time.time(), tcp)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             self.dropped_malformed += 1              # authentic but nonsensical: drop, count
             return
-        self._send(outs)
-        self._schedule()
+        self.send(outs)
+        self.schedule()
 
     def _on_datagram(self, data: bytes, addr) -> None:
         self.bytes_received += len(data)
         if self.overlay is None:
             return
         if data[:2] == FORWARD:
-            self._forward_envelope(data, from_link=False, sender=f"{addr[0]}:{addr[1]}")
+            self.relay_server.forward_envelope(data, from_link=False, sender=f"{addr[0]}:{addr[1]}")
             return
         msg = self.wire.open(data, time.time(), sender=f"{addr[0]}:{addr[1]}")
         if msg is not None:
             src = msg.pop("ra", None)               # relayed: the sender's own gossip address
-            self._deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False, addr[0])
+            self.deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False, addr[0])
 
-    def _resolve(self, addr: str) -> tuple:
+    def resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
         if cached is None:
             cached = self._addr_cache[addr] = split_addr(addr)
         return cached
 
-    def _send(self, outs: List[Out]) -> None:
-        if self._udp is None:
+    def send(self, outs: List[Out]) -> None:
+        if self.udp is None:
             return
         now = time.time()
         sealed: Dict[int, bytes] = {}
         by_target: Dict[tuple, List[Dict[str, Any]]] = {}
         for o in outs:
-            if self.private or is_relayed(o.addr):
-                self._send_relayed(o.addr, o.msg, now, o.tcp)
+            if self.relay_client.private or is_relayed(o.addr):
+                self.relay_client.send(o.addr, o.msg, now, o.tcp)
                 continue
             try:
-                target = self._resolve(o.addr)
+                target = self.resolve(o.addr)
             except ValueError:
                 continue
             # One rumour goes to several peers as the same bytes: a nonce must be unique per
@@ -4610,1076 +5868,21 @@ class Node:
             if o.tcp or len(data) > self.config.max_datagram:
                 msg = dict(o.msg, ra=self.overlay.addr)
                 if msg["t"] == "j":
-                    msg["rc"] = 1                   # answer on this connection (_answer_join)
-                    self._spawn(self._send_tcp(target, [msg], o.addr))
+                    msg["rc"] = 1                   # answer on this connection (GossipTCP.answer_join)
+                    self.spawn(self.gossip_tcp.send(target, [msg], o.addr))
                 else:                               # the pieces of one state transfer: one connection
                     by_target.setdefault(target, []).append(msg)
                 continue
             try:
-                self._udp.sendto(data, target)
+                self.udp.sendto(data, target)
                 self.bytes_sent += len(data)
             except OSError:
                 pass
         for target, msgs in by_target.items():
-            self._spawn(self._send_tcp(target, msgs))
+            self.spawn(self.gossip_tcp.send(target, msgs))
 
-    async def _send_tcp(self, target: tuple, msgs: List[Dict[str, Any]], addr: str = "") -> None:
-        """Messages on one new TCP connection, in order (a state transfer's pieces: many
-        connections at once would take the receiver's slots for strangers, and the pieces over
-        them would be lost until the next exchange); each big frame after an authentic hello. A
-        join ("rc") then reads its answer there, from `addr` (an older member answers by a
-        connection of its own instead)."""
-        now = time.time()
-        parts = []
-        for msg in msgs:
-            data = self.wire.seal(msg, now)
-            if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
-                hello = self.wire.seal({"t": "h"}, now)
-                parts.append(struct.pack(">I", len(hello)) + hello)
-            parts.append(struct.pack(">I", len(data)) + data)
-        frames = b"".join(parts)
-        msg = msgs[0]
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            return
-        try:
-            writer.write(frames)
-            # the receiver merges each piece before it reads the next: a timeout per piece
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * len(msgs))
-            self.bytes_sent += len(frames)
-            if msg.get("rc") and addr:
-                writer.write_eof()                  # an older member closes at once: no wait
-                await self._read_join_answer(reader, target, addr)
-        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
 
-    async def _read_join_answer(self, reader: asyncio.StreamReader, target: tuple, addr: str) -> None:
-        cfg = self.config
-        limit = cfg.max_datagram
-        while True:
-            data = await _read_frame(reader, limit, cfg.tcp_timeout * 4)
-            if data is None:
-                return
-            self.bytes_received += len(data) + 4
-            answer = self.wire.open(data, time.time(), tcp=True, sender=target[0])
-            if answer is None:
-                return
-            if answer["t"] == "h":
-                limit = cfg.max_frame               # the state follows
-                continue
-            limit = cfg.max_datagram
-            answer.pop("ra", None)
-            self._deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
-
-    def _answer_join(self, msg: Dict[str, Any], src: str, peer: str,
-                     writer: Optional[asyncio.StreamWriter] = None) -> None:
-        """A join: the joiner's record is merged, and our state goes back only where the join
-        came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
-        that is where it came from (the address of `peer`, or a relayed member, answered through
-        its relays; on one of our links, that link's member), and at most join_answer_rate per
-        source (a flood of joins is answered by no more). What is not sent is counted."""
-        now = time.time()
-        here = writer is not None and msg.pop("rc", None) == 1
-        try:
-            outs = self.overlay.receive(msg, src, now, True)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            self.dropped_malformed += 1
-            return
-        answers = [o for o in outs if o.addr == src]   # the state, in whatever messages it takes
-        self._send([o for o in outs if o.addr != src])
-        self._schedule()
-        if not answers:
-            return
-        if here:
-            source = address_group(peer)
-        elif is_relayed(peer):                      # down one of our links: its member only
-            source = src if src == peer else ""
-        elif is_relayed(src):
-            source = src
-        else:
-            try:
-                source = address_group(peer) if split_addr(src)[0] == peer else ""
-            except ValueError:
-                source = ""
-        if not source:
-            self.refused["join_misdirected"] += 1
-            return
-        if not self._join_allowed(source, now):
-            self.refused["join_limited"] += 1
-            return
-        if not here:
-            self._send(answers)
-            return
-        for o in answers:
-            data = self.wire.seal(dict(o.msg, ra=self.overlay.addr), now)
-            frames = frame(data)
-            if len(data) > self.config.max_datagram:   # a big frame: an authentic hello goes first
-                frames = frame(self.wire.seal({"t": "h"}, now)) + frames
-            writer.write(frames)
-            self.bytes_sent += len(frames)
-
-    def _join_allowed(self, source: str, now: float) -> bool:
-        """A token bucket per join source: join_answer_burst, refilled at join_answer_rate."""
-        cfg = self.config
-        budget = self._join_budget
-        left, since = budget.get(source, (float(cfg.join_answer_burst), now))
-        left = min(float(cfg.join_answer_burst), left + (now - since) * cfg.join_answer_rate)
-        if source not in budget and len(budget) >= cfg.max_remembered:   # forget the full buckets
-            self._join_budget = budget = {k: v for k, v in budget.items()
-                                          if v[0] + (now - v[1]) * cfg.join_answer_rate < cfg.join_answer_burst}
-            if len(budget) >= cfg.max_remembered:
-                return False
-        if left < 1.0:
-            budget[source] = (left, now)
-            return False
-        budget[source] = (left - 1.0, now)
-        return True
-
-    async def _on_tcp_gossip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """TCP gossip frames. No work before authentication: at most max_gossip_connections at
-        once, of which strangers (no authentic frame yet) hold at most max_gossip_strangers per
-        address and are cut oldest first for a newcomer (_admit_gossip), and must send an
-        authentic frame within gossip_auth_timeout. A frame may be no bigger than a datagram,
-        so a stranger's length field never makes us read more than 8 KiB, and neither does a
-        member's, but for the one frame after a hello (a state transfer: up to max_frame,
-        within max_frame_bytes for all connections together). The first bad frame closes the
-        connection. A hello may turn the connection into a relay link, a spliced tunnel
-        stream, or a private member's dial-back (see "NAT traversal and relay")."""
-        cfg = self.config
-        if not self._admit_gossip(writer):
-            return
-        keep, link, peer = False, "", writer.get_extra_info("peername") or ("", 0)
-        loop = asyncio.get_running_loop()
-        due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
-        limit = cfg.max_datagram                    # but for the frame after a hello
-        reserved = 0
-        try:
-            while True:
-                stranger = writer in self._gossip_strangers
-                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
-                if writer in self._gossip_members:
-                    self._gossip_members[writer] = True     # idle until a frame begins
-                head = await asyncio.wait_for(reader.readexactly(4), timeout)
-                if writer in self._gossip_members:
-                    self._gossip_members[writer] = False
-                (length,) = struct.unpack(">I", head)
-                if length > limit:
-                    self.wire.dropped["oversized"] += 1
-                    return
-                if length > cfg.max_datagram:       # a state transfer after its hello
-                    if self._frame_bytes + length > cfg.max_frame_bytes:
-                        self.refused["frame_budget"] += 1
-                        return
-                    self._frame_bytes += length
-                    reserved = length
-                limit = cfg.max_datagram
-                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
-                data = await asyncio.wait_for(reader.readexactly(length), timeout)
-                self._frame_bytes -= reserved
-                reserved = 0
-                self.bytes_received += length + 4
-                if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
-                    if not self._forward_envelope(data, from_link=False, sender=peer[0]):
-                        return
-                    self._authenticated_gossip(writer)
-                    continue
-                msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
-                if msg is None:
-                    return
-                self._authenticated_gossip(writer)
-                kind = msg["t"]
-                if kind == "h":
-                    if "link" in msg:
-                        if not (cfg.relay and not self.private) or len(self._linked) >= cfg.max_relay_links:
-                            self.relayed["refused"] += 1
-                            return
-                        link = str(msg["link"])
-                        old = self._linked.get(link)
-                        if old is not None:
-                            old.close()
-                        self._linked[link] = writer
-                        old_mux = self._muxes.pop(link, None)
-                        if old_mux is not None:
-                            old_mux.cut()
-                        self._muxes[link] = _MuxLink(writer, cfg.max_link_streams)
-                        if msg.get("mux", 1):
-                            self._dialback_links.discard(link)
-                        else:
-                            self._dialback_links.add(link)
-                        _keepalive(writer)
-                        self._gossip_members.pop(writer, None)   # open as long as its member lives
-                        await self._serve_link(link, reader, writer)
-                        return
-                    elif "splice" in msg:
-                        self._gossip_members.pop(writer, None)
-                        await self._splice(str(msg["splice"]), reader, writer)
-                        return
-                    elif "back" in msg:             # a seed's dial-back (see _answer_reach)
-                        self._dialled_back.add(str(msg["back"]))
-                        return
-                    elif "accept" in msg:
-                        waiter = self._splices.pop(str(msg["accept"]), None)
-                        if waiter is not None and not waiter.done():
-                            keep = True             # the splice owns it now
-                            waiter.set_result((reader, writer))
-                        return
-                    limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
-                    continue
-                if kind == "rq":
-                    await self._answer_reach(msg, writer)
-                    continue
-                if self.overlay is None:
-                    continue
-                src = msg.pop("ra", None)
-                if not isinstance(src, str):
-                    self.dropped_malformed += 1
-                    continue
-                if kind == "j":
-                    self._answer_join(msg, src, peer[0], writer)
-                    continue
-                self._deliver(msg, src, True)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                self.wire.dropped["truncated"] += 1
-        except asyncio.TimeoutError:
-            if writer in self._gossip_strangers:
-                self.refused["gossip_slow"] += 1
-        except OSError:
-            pass
-        finally:
-            self._frame_bytes -= reserved
-            self._gossip_strangers.pop(writer, None)
-            self._gossip_members.pop(writer, None)
-            if link and self._linked.get(link) is writer:
-                del self._linked[link]
-                self._dialback_links.discard(link)
-            mux = self._muxes.get(link) if link else None
-            if mux is not None and mux.writer is writer:
-                del self._muxes[link]
-                mux.cut()
-            if not keep:
-                writer.close()
-
-    def _admit_gossip(self, writer: asyncio.StreamWriter) -> bool:
-        """Room for a new gossip TCP connection: a stranger from an address holding its share
-        cuts that address's oldest; at the cap, the oldest stranger anywhere is cut, or else the
-        oldest member's connection idle between frames; only when every slot is a member's
-        connection busy with a frame is the newcomer refused."""
-        cfg = self.config
-        peer = writer.get_extra_info("peername")
-        group = address_group(peer[0]) if peer else ""
-        strangers = self._gossip_strangers
-        mine = [w for w, g in strangers.items() if g == group]    # bounded: max_gossip_connections
-        if len(mine) >= cfg.max_gossip_strangers:
-            self._cut_stranger(mine[0])
-        elif self._gossip_connections >= cfg.max_gossip_connections:
-            idle = next((w for w, waiting in self._gossip_members.items() if waiting), None)
-            if strangers:
-                self._cut_stranger(next(iter(strangers)))
-            elif idle is not None:                  # a member's connection between frames: it
-                del self._gossip_members[idle]      # sends again on a new one when it needs to
-                self.refused["gossip_evicted"] += 1
-                idle.transport.abort()
-            else:
-                self.refused["gossip_busy"] += 1
-                writer.transport.abort()
-                return False
-        strangers[writer] = group
-        return True
-
-    def _cut_stranger(self, writer: asyncio.StreamWriter) -> None:
-        del self._gossip_strangers[writer]
-        self.refused["gossip_evicted"] += 1
-        writer.transport.abort()
-
-    def _authenticated_gossip(self, writer: asyncio.StreamWriter) -> None:
-        """The connection sent an authentic frame: a member's, never cut for a stranger."""
-        if self._gossip_strangers.pop(writer, None) is not None:
-            self._gossip_members[writer] = False
-
-    # -- NAT traversal and relay (see that section) -----------------------------------------
-    def _send_relayed(self, dest: str, msg: Dict[str, Any], now: float, tcp: bool = False) -> None:
-        """Rule 1: a private member sends everything over a link; anyone sends to a relayed
-        address through its first relay that is not suspected (or down its link, if ours).
-        A punched path, when there is one, goes first for datagrams; what the Overlay sends
-        over TCP stays on the links, a probe path apart from the punched one (rule 4)."""
-        data = self.wire.seal(dict(msg, ra=self.overlay.addr), now)
-        path = None if tcp else self._punched.get(dest)
-        if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
-            if path.send(data, path.peer_addr):
-                self.bytes_sent += len(data)
-                return
-            self._punch_lost(path)                  # closed under us: this one goes relayed
-        if self.private:
-            for writer in self._links.values():
-                if not writer.transport.is_closing():
-                    writer.write(frame(envelope(dest, data)))
-                    self.bytes_sent += len(data) + 4
-                    return
-            if is_relayed(dest):
-                return
-            try:                                    # no link yet: straight out (a cone NAT passes it)
-                self._udp.sendto(data, self._resolve(dest))
-                self.bytes_sent += len(data)
-            except (OSError, ValueError):
-                pass
-            return
-        mine = self._linked.get(dest[len(RELAYED_PREFIX):])
-        if mine is not None:                        # we are its relay
-            mine.write(frame(data))
-            self.bytes_sent += len(data) + 4
-            return
-        by_addr = self.overlay.by_addr
-        for relay in self.reach.relays(dest):
-            if relay == self.overlay.addr:
-                continue
-            sid = by_addr.get(relay)
-            if sid is not None and self.overlay.is_suspected(sid):
-                continue
-            wrapped = envelope(dest, data)
-            try:
-                target = self._resolve(relay)
-            except ValueError:
-                continue
-            if len(wrapped) <= self.config.max_datagram:
-                try:
-                    self._udp.sendto(wrapped, target)
-                    self.bytes_sent += len(wrapped)
-                except OSError:
-                    pass
-            else:
-                self._spawn(self._send_frames(target, frame(wrapped)))
-            return
-
-    async def _serve_link(self, link: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A relay's side of a member's link, read in the transport's callbacks (_LinkFrames):
-        its tunnel streams' frames, envelopes to pass on (rule 1), and its own gossip."""
-        mux = self._muxes.get(link)
-
-        def on_frame(data: bytes) -> bool:
-            self.bytes_received += len(data) + 4
-            if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
-                return self._muxes.get(link) is mux and mux.on_frame(data)
-            if data[:2] == FORWARD:
-                return self._forward_envelope(data, from_link=True, sender=RELAYED_PREFIX + link)
-            msg = self.wire.open(data, time.time(), tcp=True, sender=RELAYED_PREFIX + link)
-            if msg is None:
-                return False
-            if msg["t"] == "rq":
-                self._spawn(self._answer_reach(msg, writer))
-            elif msg["t"] != "h" and self.overlay is not None:
-                src = msg.pop("ra", None)
-                if not isinstance(src, str):
-                    self.dropped_malformed += 1
-                else:
-                    self._deliver(msg, src, True, RELAYED_PREFIX + link)
-            return True
-        if mux is not None and mux.writer is writer:
-            await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
-
-    def _forward_envelope(self, data: bytes, from_link: bool, sender: str = "") -> bool:
-        """A relay passes an envelope on (after checking the inner tag); for us, it is delivered
-        (`sender`: where it came from, for the replay cache). False when it was forged or is
-        not ours to pass on."""
-        opened = open_envelope(data)
-        if opened is None or self.overlay is None:
-            self.wire.dropped["malformed"] += 1
-            return False
-        dest, inner = opened
-        if not self.wire.authentic(inner, self.config.max_frame):
-            return False
-        if dest == self.overlay.addr:
-            msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
-            src = msg.pop("ra", None) if msg is not None else None
-            if isinstance(src, str):
-                self._deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
-            return msg is not None
-        if not self.config.relay or self.private:
-            self.relayed["refused"] += 1
-            return False
-        refusal = self._relay_refusal(dest, inner, from_link)
-        if refusal:
-            self.relayed[refusal] += 1
-            return from_link                        # a member's link stays; a stranger's connection goes
-        self.relayed["forwarded"] += 1
-        if is_relayed(dest):
-            link = self._linked.get(dest[len(RELAYED_PREFIX):])
-            if link is not None:
-                link.write(frame(inner))
-            elif from_link:                         # one hop on to its relay, never more (no loops)
-                for relay in self.reach.relays(dest):
-                    if relay != self.overlay.addr:
-                        self._spawn(self._send_frames(self._resolve(relay), frame(data)))
-                        break
-            return True
-        try:
-            target = self._resolve(dest)
-        except ValueError:
-            return False
-        if len(inner) <= self.config.max_datagram:
-            try:
-                self._udp.sendto(inner, target)
-            except OSError:
-                pass
-        else:
-            self._spawn(self._send_frames(target, frame(inner)))
-        return True
-
-    def _relay_refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
-        """Why an authentic envelope is not passed on ("" when it is): sealed outside the replay
-        window ("stale"), a copy of one passed on already ("replayed"), or not for a member
-        ("not_member"): what comes from outside goes only down our own links, and what our
-        linked members send only to members (or one hop on to a relayed member's relay). A
-        captured datagram is worth nothing to a stranger: it reaches no address it chooses, and
-        each copy at most once."""
-        now = time.time()
-        _, sent, nonce = _HEAD.unpack_from(inner)
-        if abs(now - sent) > self.wire.window + 1:
-            return "stale"
-        if is_relayed(dest):
-            if dest[len(RELAYED_PREFIX):] not in self._linked and not (from_link and self.reach.relays(dest)):
-                return "not_member"
-        elif not from_link or (dest not in self.overlay.by_addr and dest not in self.overlay.remembered):
-            return "not_member"
-        seen = self._forwarded
-        key = nonce + dest.encode()
-        if key in seen:
-            return "replayed"
-        if len(seen) >= self.config.nonce_cache:     # oldest first: expiry is insertion order
-            for old in list(itertools.islice(seen, len(seen) // 2)):
-                del seen[old]
-        seen[key] = now + 2 * self.wire.window + 2
-        while seen:
-            oldest = next(iter(seen))
-            if seen[oldest] > now:
-                break
-            del seen[oldest]
-        return ""
-
-    async def _send_frames(self, target: tuple, frames: bytes) -> None:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            return
-        try:
-            hello = self.wire.seal({"t": "h"}, time.time())
-            writer.write(frame(hello) + frames)
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
-
-    async def _answer_reach(self, msg: Dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        """A seed's side of the reachability check: dial the asker back, say what we saw."""
-        peer = writer.get_extra_info("peername") or ("", 0)
-        back = False
-        try:                                        # the asker's nonce proves we reached *it*
-            target = self._resolve(str(msg["a"]))
-            _, dialled = await asyncio.wait_for(asyncio.open_connection(*target), self.config.dialback_timeout)
-            try:
-                dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
-                await asyncio.wait_for(dialled.drain(), self.config.dialback_timeout)
-                back = True
-            finally:
-                dialled.close()
-        except (OSError, ValueError, KeyError, asyncio.TimeoutError):
-            pass
-        answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back,
-                                 "relaying": bool(self.config.relay and not self.private),
-                                 "relays": self._known_relays(str(msg.get("a", "")))}, time.time())
-        writer.write(frame(answer))
-        await writer.drain()
-
-    def _known_relays(self, asker: str = "") -> List[str]:
-        """The relays a seed names in its "rs" (rule 7), best first: members that relay, are
-        dialable and not suspected; ourselves left out (our own "relaying" says that), and the
-        asker (its first record says it relays: it did not know yet that it is private)."""
-        ranked = []
-        for sid, record in self.registry.items() if self.overlay is not None else ():
-            gossip = record.get("gossip", "")
-            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                    or is_relayed(gossip) or self.is_suspected(sid) or gossip == asker:
-                continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
-
-    async def _ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
-        """Our side: ask one seed to dial us back (or, without `dial_back`, only for what it
-        sees and the relays it knows); its answer, or None."""
-        cfg = self.config
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(seed)), cfg.tcp_timeout)
-        except (OSError, ValueError, asyncio.TimeoutError):
-            return None
-        try:
-            nonce = os.urandom(4).hex()
-            ask = {"t": "rq", "n": nonce, "a": self.overlay.record["gossip"]} if dial_back else {"t": "rq", "n": nonce}
-            writer.write(frame(self.wire.seal(ask, time.time())))
-            data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
-            answer = self.wire.open(data, time.time(), tcp=True) if data else None
-            if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce:
-                deadline = time.monotonic() + cfg.dialback_timeout
-                while answer.get("back") and nonce not in self._dialled_back and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)       # its dial-back frame may still be on its way
-                answer["back"] = nonce in self._dialled_back
-                self._dialled_back.discard(nonce)
-                return answer
-        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-        return None
-
-    async def _keep_reach(self, bootstrap: List[str]) -> None:
-        """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
-        cfg = self.config
-        self._dialable_gossip = self.overlay.record["gossip"]
-        if cfg.reach == "auto":
-            delay = cfg.join_retry_min
-            while not self.private:
-                answers = [(seed, await self._ask_reach(seed)) for seed in bootstrap]
-                heard = [(seed, a) for seed, a in answers if a is not None]
-                if heard:
-                    self.observed = str(heard[0][1].get("seen", ""))
-                    if any(a.get("back") for _, a in heard):
-                        log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
-                        self._reach_known(relaying=bool(cfg.relay))
-                        return
-                    self._heard_seeds(heard)
-                    break
-                await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
-                delay = min(delay * 2, cfg.join_retry_max)
-        else:                                       # told we are private: the seeds that relay, and
-            self._seeds = self._seed_relays = list(bootstrap)   # those they name (until they answer: every seed)
-            await self._ask_seeds_for_relays(bootstrap)
-        log.info("private (seen as %s): reached through relays", self.observed or "?")
-        self.private = True
-        relayed = RELAYED_PREFIX + self.link_id
-        waited = False                              # a check passed before our first link (rule 7)
-        while True:
-            for relay, writer in list(self._links.items()):
-                sid = self.overlay.by_addr.get(relay)
-                if writer.transport.is_closing() or (sid is not None and self.overlay.is_suspected(sid)):
-                    writer.close()
-                    del self._links[relay]
-            candidates = self._relay_candidates()
-            for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
-                if relay not in self._links and (i < cfg.relay_links or len(self._links) < cfg.relay_links):
-                    await self._open_link(relay)
-            if self._links:
-                self._no_relay_said = False
-            else:                                   # rule 7: say it once, ask the seeds again
-                waited = waited or not is_relayed(self.overlay.record.get("gossip", ""))
-                if not self._no_relay_said:
-                    self._no_relay_said = True
-                    log.warning("%s", NO_RELAY_TEXT)
-                await self._ask_seeds_for_relays(bootstrap)
-            rank = {relay: i for i, relay in enumerate(candidates)}
-            while len(self._links) > cfg.relay_links:   # a better relay came: the worst link goes
-                worst = max(self._links, key=lambda r: (rank.get(r, len(rank)), r))
-                self._links.pop(worst).close()
-            relays = ",".join(sorted(self._links, key=lambda r: (rank.get(r, len(rank)), r)))
-            record = self.overlay.record
-            if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
-                self.overlay.addr = relayed
-                self.reach.member(relayed, time.monotonic())
-                if waited:                          # our first record (dialable, it said) was suspected
-                    waited = False                  # and evicted with no way to refute it: start over,
-                    log.info("first relay link after a wait: rejoining as a reachable session")
-                    state = record["state"] if self._held_state is None else self._held_state
-                    self.reach_pending, self._held_state = False, None
-                    self.rejoin(state=state, gossip=relayed, addr=relayed, relay=relays,
-                                relaying=False)     # the old session never named our relayed address
-                else:
-                    self._reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
-            self._tend_punches()
-            await asyncio.sleep(cfg.relay_check_interval)
-
-    def _relay_candidates(self) -> List[str]:
-        """Members offering to relay, best first: standalone relays (they exist for it), then
-        ingresses, then dialable workers, never a suspected or relayed one; then the seeds that
-        answered us and are not in the registry yet."""
-        ranked = []
-        for sid, record in self.registry.items():
-            gossip = record.get("gossip", "")
-            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                    or is_relayed(gossip) or self.is_suspected(sid):
-                continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        out = [gossip for _, gossip in sorted(ranked)]
-        out += [seed for seed in self._seed_relays if seed not in out and seed not in self.overlay.by_addr]
-        return out + [relay for relay in self._named_relays if relay not in out and relay not in self.overlay.by_addr]
-
-    def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
-        """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
-        version says nothing: it relays), and the relays they named."""
-        self._seeds = [seed for seed, _ in heard]
-        self._seed_relays = [seed for seed, a in heard if a.get("relaying", True)]
-        named: List[str] = []
-        for _, answer in heard:
-            relays = answer.get("relays")
-            for relay in relays if isinstance(relays, list) else ():
-                if isinstance(relay, str) and not is_relayed(relay) and relay not in named \
-                        and relay != self._dialable_gossip:     # our own first record, at an old seed
-                    named.append(relay)
-        self._named_relays = named[:NAMED_RELAYS]
-
-    async def _ask_seeds_for_relays(self, bootstrap: List[str]) -> None:
-        """With no link: the seeds' relays again, without a dial-back (a relay may have started
-        since, or the one they named died)."""
-        answers = [(seed, await self._ask_reach(seed, dial_back=False)) for seed in bootstrap]
-        heard = [(seed, a) for seed, a in answers if a is not None]
-        if heard:
-            self._heard_seeds(heard)
-
-    async def _open_link(self, relay: str) -> None:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._resolve(relay)),
-                                                    self.config.tcp_timeout)
-        except (OSError, ValueError, asyncio.TimeoutError):
-            return
-        _keepalive(writer)
-        writer.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
-                                          time.time())))
-        self._links[relay] = writer
-        self._link_muxes[relay] = _MuxLink(writer, self.config.max_link_streams, self._answer_stream)
-        self._spawn(self._read_link(relay, reader, writer))
-        log.info("relay link to %s", relay)
-
-    async def _read_link(self, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """What a relay sends down our link, read in the transport's callbacks (_LinkFrames):
-        gossip for us, tunnel streams and dial-back requests (rule 2)."""
-        mux = self._link_muxes.get(relay)
-
-        def on_frame(data: bytes) -> bool:
-            if data[:2] == MUX:                     # a tunnel stream the relay opened for a dialer
-                return self._link_muxes.get(relay) is mux and mux.on_frame(data, self._accept_stream)
-            msg = self.wire.open(data, time.time(), tcp=True, sender=relay)
-            if msg is None:
-                return True
-            if msg["t"] == "h" and "dial" in msg:
-                self._spawn(self._dial_back(relay, str(msg["dial"])))
-                return True
-            src = msg.pop("ra", None)
-            if isinstance(src, str):
-                self._deliver(msg, src, True, relay)
-            return True
-        try:
-            if mux is not None and mux.writer is writer:
-                await _link_frames(reader, writer, on_frame, self.config.max_frame, mux)
-        except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-            if self._links.get(relay) is writer:
-                del self._links[relay]
-            mux = self._link_muxes.get(relay)
-            if mux is not None and mux.writer is writer:
-                del self._link_muxes[relay]
-                mux.cut()
-            log.info("relay link to %s ended", relay)
-
-    def _answer_stream(self, link: _MuxLink, sid: int) -> _MuxTunnel:
-        return _MuxTunnel(link, sid, self.tunnel_server_ssl)
-
-    def _accept_stream(self, stream: _MuxTunnel) -> None:
-        """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
-        connection of ours, its TLS in memory (the dialer's handshake arrives on the link)."""
-        if self._tunnel_sock is None:
-            stream.abort()
-            return
-        self.relayed["streams"] += 1
-        self.tunnel.admit(stream)
-
-    async def _dial_back(self, relay: str, token: str) -> None:
-        """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
-        connection of ours (the dialer's TLS handshake arrives through the splice)."""
-        loop = asyncio.get_running_loop()
-        try:
-            host, port = self._resolve(relay)
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            family, kind, proto, _, addr = infos[0]
-            sock = socket.socket(family, kind, proto)
-        except (OSError, ValueError):
-            return
-        try:
-            sock.setblocking(False)
-            await asyncio.wait_for(loop.sock_connect(sock, addr), self.config.tcp_timeout)
-            await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "accept": token}, time.time())))
-        except (OSError, asyncio.TimeoutError):
-            sock.close()
-            return
-        if self._tunnel_sock is None:
-            sock.close()
-            return
-        self.relayed["dialed_back"] += 1
-        self.tunnel.admit(sock)
-
-    async def _splice(self, link_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
-        link = self._linked.get(link_id)
-        if link is None or not self.config.relay:
-            self.relayed["refused"] += 1
-            return
-        if self.config.relay_mux and link_id not in self._dialback_links:   # a stream on the member's link
-            mux = self._muxes.get(link_id)
-            stream = mux.open() if mux is not None else None
-            if stream is None:
-                self.relayed["refused"] += 1
-                return
-            self.relayed["muxed"] += 1
-            try:
-                writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
-            await stream.bridge(reader, writer)
-            return
-        try:
-            other_reader, other_writer = await self._ask_dial_back(link)
-        except asyncio.TimeoutError:
-            self.relayed["refused"] += 1
-            return
-        self.relayed["spliced"] += 1
-        for w in (writer, other_writer):
-            try:
-                w.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
-        await asyncio.gather(_pump(reader, other_writer), _pump(other_reader, writer))
-
-    # -- hole punching (rule 4) -------------------------------------------------------------
-    def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
-        """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
-        try:
-            self._udp.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
-                             self._resolve(src))
-        except (OSError, ValueError, AttributeError):
-            pass
-
-    async def _punch_socket(self, peer: str) -> Tuple[Optional[_PunchSocket], str]:
-        """A fresh UDP socket and its mapping as a seed sees it; ("" when UDP does not pass)."""
-        loop = asyncio.get_running_loop()
-        host = split_addr(self.config.gossip)[0]
-        try:
-            _, sock = await loop.create_datagram_endpoint(lambda: _PunchSocket(self, peer, self._punched_gossip, self._punch_lost), local_addr=(host, 0))
-        except OSError:
-            return None, ""
-        seeds = [a for a in self._seeds if not is_relayed(a)]
-        sock.seen = loop.create_future()
-        nonce = os.urandom(4).hex()
-        deadline = time.monotonic() + 1.0
-        while seeds and not sock.seen.done() and time.monotonic() < deadline:
-            for seed in seeds[:2]:
-                try:
-                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self._resolve(seed))
-                except ValueError:
-                    pass
-            await asyncio.wait([sock.seen], timeout=0.2)
-        if not sock.seen.done():
-            sock.close()
-            return None, ""                         # UDP blocked on our side: the relay it is
-        return sock, sock.seen.result()
-
-    async def _spray(self, sock: _PunchSocket, seen: str, first: bool) -> bool:
-        """Probe the peer's mapping every 50 ms (after punch_delay unless we go first) until an
-        ack arrives or punch_timeout passes."""
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        sock.hit = loop.create_future()
-        try:
-            target = self._resolve(seen)
-        except ValueError:
-            return False
-        if not first:
-            await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
-        deadline = time.monotonic() + cfg.punch_timeout
-        while not sock.hit.done() and time.monotonic() < deadline:
-            sock.send(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, time.time()), sock.peer_addr or target)
-            await asyncio.wait([sock.hit], timeout=0.05)
-        return sock.hit.done()
-
-    def _tend_punches(self) -> None:
-        """Each relay check: start a punch towards private peers we only reach relayed (the
-        smaller link id asks, through the relay); drop punched paths gone silent (back to the
-        relay, rule 4); keep live ones' NAT mappings open."""
-        cfg = self.config
-        now = time.time()
-        for path in list(self._punched.values()):
-            if now - path.last_rx > cfg.punch_idle:
-                self._punch_lost(path, "went silent")
-            elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
-                path.send(self.wire.seal({"t": "pp", "ra": self.overlay.addr}, now), path.peer_addr)
-        for peer in self.reach.punches_due(self.overlay.addr, self._punched, now):
-            self._spawn(self._punch(peer))
-        if self.private and self.punch_listeners:   # rule 6: a dialer back to punched when it works
-            for peer in self.reach.probes_due(self._punched, self._spare_tunnel, self.private, now):
-                self._spawn(self._probe_tunnel(peer))
-
-    async def _punch(self, peer: str) -> None:
-        """The asking side: two attempts on fresh sockets, the peer first, then us first (one
-        of the orders works behind a leaky gateway on either side)."""
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        for attempt, peer_first in ((1, True), (2, False)):
-            sock, seen = await self._punch_socket(peer)
-            if sock is None:
-                break
-            waiter = self._punch_wait[(peer, attempt)] = loop.create_future()
-            self._send_relayed(peer, {"t": "pq", "a": attempt, "seen": seen, "first": peer_first}, time.time())
-            try:
-                theirs = await asyncio.wait_for(waiter, 3.0)
-            except asyncio.TimeoutError:
-                theirs = ""
-            finally:
-                self._punch_wait.pop((peer, attempt), None)
-            if theirs and await self._spray(sock, theirs, first=not peer_first):
-                self._punched_path(peer, sock, started)
-                return
-            sock.close()
-        self.punches["failed"] += 1
-        log.info("hole punch to %s failed: it stays relayed", peer)
-
-    def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
-        if is_relayed(src) and self.private and src not in self._punched:
-            self._spawn(self._answer_punch(src, msg))
-
-    async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
-        started = time.monotonic()
-        sock, seen = await self._punch_socket(peer)
-        self._send_relayed(peer, {"t": "pr", "a": msg.get("a"), "seen": seen}, time.time())
-        if sock is None:
-            return
-        if seen and msg.get("seen") and await self._spray(sock, str(msg["seen"]), first=bool(msg.get("first"))):
-            self._punched_path(peer, sock, started)
-        else:
-            sock.close()
-        self.punches["answered"] += 1
-
-    def _on_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
-        waiter = self._punch_wait.get((src, msg.get("a")))
-        if waiter is not None and not waiter.done():
-            waiter.set_result(str(msg.get("seen") or ""))
-
-    def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
-        self._deliver(msg, peer, False, peer)
-
-    def _punch_lost(self, path: _PunchSocket, why: str = "closed") -> None:
-        """A punched path that went silent or whose socket is gone: its peer goes back to its
-        relays (rule 4). Only the path on record counts; a replaced or failed attempt's socket
-        closing is nothing."""
-        if self._punched.get(path.peer) is not path:
-            return
-        del self._punched[path.peer]
-        path.close()
-        self.punches["fell_back"] += 1
-        log.info("punched path to %s %s: back to its relays", path.peer, why)
-
-    def _punched_path(self, peer: str, sock: _PunchSocket, started: float) -> None:
-        old = self._punched.pop(peer, None)
-        if old is not None and old is not sock:
-            old.close()
-        self._punched[peer] = sock
-        self.punches["ok"] += 1
-        if self.private:                            # our next tunnel connections to it may punch
-            for listener in self.punch_listeners:
-                listener(peer)
-        self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.overlay.addr, started))
-        self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
-        log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
-
-    async def _ask_dial_back(self, link: asyncio.StreamWriter) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Ask the member on `link` to dial us back (rule 2) and wait for its connection;
-        asyncio.TimeoutError after splice_timeout."""
-        token = os.urandom(8).hex()
-        waiter = asyncio.get_running_loop().create_future()
-        self._splices[token] = waiter
-        link.write(frame(self.wire.seal({"t": "h", "dial": token}, time.time())))
-        try:
-            return await asyncio.wait_for(waiter, self.config.splice_timeout)
-        finally:
-            self._splices.pop(token, None)
-
-    async def _take_dial_back(self, link: asyncio.StreamWriter) -> socket.socket:
-        """We are the dialer and hold the member's link ourselves (the ingress relaying): its
-        dial-back connection is handed over as it is, no splice, no second hop."""
-        try:
-            reader, writer = await self._ask_dial_back(link)
-        except asyncio.TimeoutError:
-            raise OSError("the private member did not dial back") from None
-        if getattr(reader, "_buffer", None):        # it sends nothing before our ClientHello
-            writer.close()
-            raise OSError("unexpected bytes on a dial-back")
-        writer.transport.pause_reading()
-        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
-        writer.transport.abort()                    # closes its descriptor only: ours stays open
-        sock.setblocking(False)
-        self.relayed["handed_over"] += 1
-        return sock
-
-    async def open_relayed(self, addr: str) -> socket.socket:
-        """A connected socket to the private member at `addr`: punched (rule 5) when both of us
-        are private and it may work, else through one of its relays, its splice asked for (rule
-        2). The caller starts TLS on it. Raises OSError when no relay answers."""
-        loop = asyncio.get_running_loop()
-        now = time.time()
-        spare = self._spare_tunnel.pop(addr, None)  # a probe's (rule 6), if the member still waits on it
-        link_id = addr[len(RELAYED_PREFIX):]
-        link = self._linked.get(link_id)
-        path = self.reach.tunnel_path(addr, self.private, addr in self._punched,
-                                      link is not None and not link.transport.is_closing(),
-                                      None if spare is None else time.monotonic() - spare[1],
-                                      self.config.head_timeout, now)
-        if path == "spare":
-            self.reach.went(addr, "punched", now)
-            return spare[0]
-        if spare is not None:
-            spare[0].close()
-        if path == "punch":
-            sock = await self._punch_tunnel(addr)
-            if sock is not None:
-                return sock
-            link = self._linked.get(link_id)        # (the punch took a while)
-        self.reach.went(addr, "relayed", time.time())
-        if link is not None and not link.transport.is_closing():
-            return await self._take_dial_back(link)   # no relay hop to save: see rule 2
-        for relay in self.reach.relays(addr):
-            try:
-                host, port = self._resolve(relay)
-                family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-            except (OSError, ValueError):
-                continue
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            try:
-                await asyncio.wait_for(loop.sock_connect(sock, target), self.config.tcp_timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "h", "splice": link_id}, time.time())))
-                return sock
-            except (OSError, asyncio.TimeoutError):
-                sock.close()
-        raise OSError(f"no relay of {addr} answers")
-
-    # -- tunnel punching: TCP simultaneous open (rule 5) ------------------------------------
-    async def _tcp_mapping(self, deadline: float) -> Tuple[Optional[tuple], str]:
-        """A fresh local port and its TCP mapping as a seed saw it ((None, "") when none answers).
-        The seed's connection is reset, not closed: no TIME_WAIT holds the 4-tuple."""
-        loop = asyncio.get_running_loop()
-        host = split_addr(self.config.gossip)[0] or "0.0.0.0"
-        seeds = [a for a in self._seeds if not is_relayed(a)]
-        seeds += [a for a in self._links if a not in seeds]
-        local: Optional[tuple] = None
-        for seed in seeds[:2]:
-            try:
-                sock = _bound_tcp(local or (host, 0))
-            except OSError:
-                return None, ""
-            local = sock.getsockname()
-            try:
-                remaining = deadline - time.monotonic()
-                await asyncio.wait_for(loop.sock_connect(sock, self._resolve(seed)), max(remaining, 0.01))
-                nonce = os.urandom(4).hex()
-                await loop.sock_sendall(sock, frame(self.wire.seal({"t": "rq", "n": nonce}, time.time())))
-                reader, writer = await asyncio.open_connection(sock=sock)
-                try:
-                    data = await _read_frame(reader, self.config.max_datagram, max(deadline - time.monotonic(), 0.01))
-                    answer = self.wire.open(data, time.time(), tcp=True) if data else None
-                finally:
-                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                                               struct.pack("ii", 1, 0))
-                    writer.transport.abort()
-                if answer is not None and answer.get("t") == "rs" and answer.get("n") == nonce and answer.get("seen"):
-                    return local, str(answer["seen"])
-            except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-                sock.close()
-        return None, ""
-
-    async def _punch_tunnel(self, peer: str) -> Optional[socket.socket]:
-        """The dialer's side of rule 5: a punched connection to `peer`, or None (then the relay)."""
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        deadline = started + self.config.tunnel_punch_timeout
-        peer_first, kept = self.reach.punch_plan(peer, time.time())   # the order that worked, or alternate
-        sock = None
-        local, seen = await self._tcp_mapping(deadline)
-        if local is not None:
-            token = os.urandom(8).hex()
-            waiter = self._punch_wait[(peer, token)] = loop.create_future()
-            self._send_relayed(peer, {"t": "tq", "n": token, "seen": seen, "first": peer_first}, time.time())
-            try:
-                theirs = await asyncio.wait_for(waiter, max(deadline - time.monotonic(), 0.01))
-            except asyncio.TimeoutError:
-                theirs = ""
-            finally:
-                self._punch_wait.pop((peer, token), None)
-            if theirs:
-                margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
-                sock = await simultaneous_open(self.config, self._resolve, local, theirs, not peer_first, deadline,
-                                               head_start=margin)
-        if sock is None:
-            self.tunnel_punches["failed"] += 1
-            self.reach.punch_failed(peer, kept, time.time())
-            return None
-        self.tunnel_punches["ok"] += 1
-        self.reach.punch_worked(peer, peer_first, time.time())
-        self.tunnel_punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        return sock
-
-    async def _probe_tunnel(self, peer: str) -> None:
-        """Rule 6: one punch in the background while the tunnel to `peer` is relayed; the
-        connection it makes is the next dial's, and the relayed ones are retired."""
-        sock = None
-        try:
-            sock = await self._punch_tunnel(peer)
-        finally:
-            self.reach.probe_done(peer, sock is not None, time.time())
-        if sock is None:
-            return
-        old = self._spare_tunnel.pop(peer, None)
-        if old is not None:
-            old[0].close()
-        self._spare_tunnel[peer] = (sock, time.monotonic())
-        log.info("tunnel to %s punches again: its relayed connections are retired", peer)
-        for listener in self.punch_listeners:
-            listener(peer)
-
-    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
-        if is_relayed(src) and self.private and self._tunnel_sock is not None \
-                and self._tunnel_answering < self.config.max_punched:
-            self._spawn(self._answer_tunnel_punch(src, msg))
-
-    async def _answer_tunnel_punch(self, peer: str, msg: Dict[str, Any]) -> None:
-        """The member's side of rule 5: our mapping back, then connect; the socket is admitted
-        as a tunnel connection (the dialer's TLS handshake comes next)."""
-        self._tunnel_answering += 1
-        try:
-            deadline = time.monotonic() + self.config.tunnel_punch_timeout
-            local, seen = await self._tcp_mapping(deadline)
-            self._send_relayed(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
-            if local is None or not msg.get("seen"):
-                return
-            sock = await simultaneous_open(self.config, self._resolve, local, str(msg["seen"]), bool(msg.get("first")),
-                                           deadline, extra=self.tunnel.admit)
-        finally:
-            self._tunnel_answering -= 1
-        self.tunnel_punches["ok" if sock is not None else "failed"] += 1
-        if sock is not None:
-            if self._tunnel_sock is None:
-                sock.close()
-                return
-            self.tunnel.admit(sock)
-
-    def _on_tunnel_punch_reply(self, msg: Dict[str, Any], src: str) -> None:
-        waiter = self._punch_wait.get((src, msg.get("n")))
-        if waiter is not None and not waiter.done():
-            waiter.set_result(str(msg.get("seen") or ""))
-
-    # -- the tunnel port: admission (see "Tunnel security") ---------------------------------
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

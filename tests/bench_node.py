@@ -853,6 +853,30 @@ def _batched(mux):
     return {"mux": mux} if "mux" in inspect.signature(on._link_frames).parameters else {}
 
 
+def _link_frames(reader, writer, on_frame, mux):
+    """on._link_frames as the code measured has it: on the link's _Stream, or (older code) its
+    StreamReader and StreamWriter."""
+    if hasattr(on, "_Stream"):
+        return on._link_frames(reader, on_frame, 1 << 20, mux)
+    return on._link_frames(reader, writer, on_frame, 1 << 20, **_batched(mux))
+
+
+async def _serve(handler, port):
+    """A server calling handler(reader, writer) per connection: the code's own _Stream (then
+    reader is writer) where it has one."""
+    if not hasattr(on, "_Stream"):
+        return await asyncio.start_server(handler, "127.0.0.1", port)
+    return await asyncio.get_running_loop().create_server(
+        lambda: on._Stream(lambda stream: asyncio.ensure_future(handler(stream, stream))), "127.0.0.1", port)
+
+
+async def _connect(port):
+    if not hasattr(on, "open_stream"):
+        return await asyncio.open_connection("127.0.0.1", port)
+    stream = await on.open_stream("127.0.0.1", port)
+    return stream, stream
+
+
 def _relay_process(link_port, dial_port, ready):
     """The relay's side alone in this process: one member link read as the node reads one
     (_link_frames, its _MuxLink), each dialer's connection a stream on it (_MuxStream.bridge)."""
@@ -864,14 +888,13 @@ def _relay_process(link_port, dial_port, ready):
         async def on_link(reader, writer):
             mux = on._MuxLink(writer, 4096)
             muxes.append(mux)
-            await on._link_frames(reader, writer, lambda data: mux.on_frame(data), 1 << 20, **_batched(mux))
+            await _link_frames(reader, writer, lambda data: mux.on_frame(data), mux)
 
         async def on_dialer(reader, writer):
             writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             stream = muxes[0].open()
-            await stream.bridge(reader, writer)
-        servers = [await asyncio.start_server(on_link, "127.0.0.1", link_port),
-                   await asyncio.start_server(on_dialer, "127.0.0.1", dial_port)]
+            await (stream.bridge(reader) if hasattr(on, "_Stream") else stream.bridge(reader, writer))
+        servers = [await _serve(on_link, link_port), await _serve(on_dialer, dial_port)]
         ready.set()
         await asyncio.sleep(3600)
         for s in servers:
@@ -923,10 +946,10 @@ def relay_phase(quick, results):
         answer = sum(RELAY_ANSWER)
 
         async def run():
-            reader, writer = await asyncio.open_connection("127.0.0.1", link_port)
+            reader, writer = await _connect(link_port)
             mux = on._MuxLink(writer, 4096, _AnswerStream)
-            reading = asyncio.ensure_future(on._link_frames(
-                reader, writer, lambda data: mux.on_frame(data, lambda stream: None), 1 << 20, **_batched(mux)))
+            reading = asyncio.ensure_future(_link_frames(reader, writer, lambda data: mux.on_frame(data, lambda s: None),
+                                                         mux))
 
             async def dialer(count, lat=None):
                 r, w = await asyncio.open_connection("127.0.0.1", dial_port)

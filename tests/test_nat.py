@@ -124,10 +124,10 @@ def serving_relayed(bed, worker):
 def test_a_public_worker_is_dialled_back_and_stays_direct(tmp_path):
     async def t(bed):
         worker = await bed.worker(reach="auto")
-        await until(lambda: worker.observed, what="the seed's answer")
+        await until(lambda: worker.relay_client.observed, what="the seed's answer")
         await until(lambda: (bed.ingress_node.registry.get(worker.session_id) or {}).get("state") == crdt.SERVING)
         answer = await bed.chat()
-        return worker.private, worker.observed, bed.view_of(bed.ingress_node, worker.session_id)["reach"], answer
+        return worker.relay_client.private, worker.relay_client.observed, bed.view_of(bed.ingress_node, worker.session_id)["reach"], answer
     private, observed, reach, answer = run(with_bed(tmp_path, t))
     assert private is False and observed.startswith("127.0.0.1:") and reach == "direct"
     assert answer.startswith(b"HTTP/1.1 200")
@@ -170,7 +170,7 @@ def test_a_private_worker_is_served_through_its_relay_with_no_inbound_connection
         view = bed.view_of(bed.ingress_node, worker.session_id)
         return worker, record, plain, stream, view, dict(bed.ingress_node.relayed)
     worker, record, plain, stream, view, relayed = run(with_bed(tmp_path, t, relay_mux=mux))
-    assert record["gossip"] == record["addr"] == "relay/" + worker.link_id
+    assert record["gossip"] == record["addr"] == "relay/" + worker.relay_client.link_id
     assert record["relay"] == worker.config.bootstrap[0] and view["reach"] == "relayed"
     assert all(a.startswith(b"HTTP/1.1 200") for a in plain)
     assert stream.count(b"data: {") == 3 and b"data: [DONE]" in stream
@@ -185,7 +185,7 @@ def test_a_private_worker_keeps_two_relays_and_survives_the_death_of_one(tmp_pat
     async def t(bed):
         relay = await bed.relay()
         worker = await bed.worker()
-        await until(lambda: len(worker._links) == 2 and (serving_relayed(bed, worker) or {}).get("relay", "").count(",") == 1,
+        await until(lambda: len(worker.relay_client.links) == 2 and (serving_relayed(bed, worker) or {}).get("relay", "").count(",") == 1,
                     what="two relay links")
         first = bed.ingress_node.registry.get(worker.session_id)
         statuses = []
@@ -194,7 +194,7 @@ def test_a_private_worker_keeps_two_relays_and_survives_the_death_of_one(tmp_pat
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline:
             statuses.append((await bed.chat())[:12])
-        await until(lambda: relay.overlay.addr not in worker._links, what="the dead link dropped")
+        await until(lambda: relay.overlay.addr not in worker.relay_client.links, what="the dead link dropped")
         after = bed.ingress_node.registry.get(worker.session_id)
         return first, after, statuses, worker
     first, after, statuses, worker = run(with_bed(tmp_path, t))
@@ -210,15 +210,15 @@ def test_two_private_workers_punch_a_direct_path_and_fall_back_to_the_relay_when
             await until(lambda w=w: serving_relayed(bed, w), what="relayed")
         await until(lambda: bed.view_of(a, b.session_id)["reach"] == "punched"
                     and bed.view_of(b, a.session_id)["reach"] == "punched", what="punched both ways")
-        received = a._punched[b.overlay.addr].last_rx
-        await until(lambda: a._punched[b.overlay.addr].last_rx > received, what="gossip over the punched path")
+        received = a.punch.paths[b.overlay.addr].last_rx
+        await until(lambda: a.punch.paths[b.overlay.addr].last_rx > received, what="gossip over the punched path")
         for w in (a, b):                               # the path breaks (its sockets vanish) ...
-            for path in w._punched.values():
+            for path in w.punch.paths.values():
                 path.transport.close()
-        await until(lambda: not a._punched and not b._punched, what="fallen back")
+        await until(lambda: not a.punch.paths and not b.punch.paths, what="fallen back")
         await asyncio.sleep(1.5)                        # ... and nobody is suspected meanwhile
         return ([a.is_suspected(b.session_id), b.is_suspected(a.session_id)], bed.view_of(a, b.session_id)["reach"],
-                a.punches["ok"] + b.punches["ok"], a.punches["fell_back"] + b.punches["fell_back"], a.punch_ms)
+                a.punch.punches["ok"] + b.punch.punches["ok"], a.punch.punches["fell_back"] + b.punch.punches["fell_back"], a.punch.punch_ms)
     suspected, reach, ok, fell_back, took = run(with_bed(tmp_path, t, punch_idle=1.0))
     assert suspected == [False, False] and reach == "relayed" and ok >= 2 and fell_back == 2
 
@@ -241,9 +241,9 @@ def test_a_punched_path_cut_by_a_partition_falls_back_on_silence_and_is_punched_
                               and bed.view_of(b, a.session_id)["reach"] == reach)
         await until(lambda: both("punched"), what="punched both ways")
         cut[0] = True
-        await until(lambda: not a._punched and not b._punched, what="fallen back")
+        await until(lambda: not a.punch.paths and not b.punch.paths, what="fallen back")
         during = [a.is_suspected(b.session_id), b.is_suspected(a.session_id), both("relayed")]
-        fell_back = a.punches["fell_back"] + b.punches["fell_back"]
+        fell_back = a.punch.punches["fell_back"] + b.punch.punches["fell_back"]
         cut[0] = False
         await until(lambda: both("punched"), timeout=20.0, what="punched again")
         return during, fell_back, [a.is_suspected(b.session_id), b.is_suspected(a.session_id)]
@@ -271,9 +271,9 @@ def test_a_punched_socket_that_vanishes_reports_itself_lost_and_never_raises_on_
 
 
 async def tunnel_get(node, addr) -> bytes:
-    """GET /v1/models from the member at `addr` over node.open_relayed's socket (TLS when the
+    """GET /v1/models from the member at `addr` over node.relay_client.open's socket (TLS when the
     cluster certificate is there, as the ingress's pool does)."""
-    sock = await node.open_relayed(addr)
+    sock = await node.relay_client.open(addr)
     tls = node.tunnel_client_ssl
     reader, writer = await asyncio.open_connection(sock=sock, ssl=tls,
                                                    server_hostname=on.TLS_SERVER_NAME if tls else None)
@@ -290,7 +290,7 @@ async def punched_pair(bed):
     a, b = await bed.worker(), await bed.worker()
     for w in (a, b):
         await until(lambda w=w: serving_relayed(bed, w), what="relayed")
-    await until(lambda: b.overlay.addr in a._punched and a.overlay.addr in b._punched, what="UDP punched both ways")
+    await until(lambda: b.overlay.addr in a.punch.paths and a.overlay.addr in b.punch.paths, what="UDP punched both ways")
     return a, b
 
 
@@ -299,7 +299,7 @@ def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tm
         a, b = await punched_pair(bed)
         spliced = sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed"))
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
-        return (answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
+        return (answers, dict(a.punch.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"],
                 sum(bed.ingress_node.relayed[k] for k in ("spliced", "handed_over", "muxed")) - spliced,
                 dict(b.tunnel.admitted), b.tunnel_server_ssl is not None)
     # the punch's own budget (1 s by default) is the mechanism's, not under test: a 2-core box busy
@@ -314,9 +314,9 @@ def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tm
 def test_a_tunnel_punch_that_gets_no_answer_falls_back_to_the_relay_and_serves(tmp_path):
     async def t(bed):
         a, b = await punched_pair(bed)
-        b._punch_handlers.pop("tq")                # b's side never answers: a symmetric NAT's effect
+        b.punch.handlers.pop("tq")                # b's side never answers: a symmetric NAT's effect
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
-        return answers, dict(a.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"], dict(bed.ingress_node.relayed)
+        return answers, dict(a.punch.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"], dict(bed.ingress_node.relayed)
     answers, punches, tunnel, relayed = run(with_bed(tmp_path, t))
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
     assert punches == {"ok": 0, "failed": 2}       # two orders tried, then straight to the relay
@@ -331,7 +331,7 @@ def test_a_relay_refuses_links_when_relaying_is_off_and_forged_envelopes(tmp_pat
         await asyncio.sleep(1.0)
         refused = ingress.relayed["refused"]
         ingress._on_datagram(on.envelope("127.0.0.1:9", b"o1" + os.urandom(80)), ("127.0.0.1", 9))
-        return worker._links, refused, ingress.wire.dropped["forged"], ingress.relayed["forwarded"]
+        return worker.relay_client.links, refused, ingress.wire.dropped["forged"], ingress.relayed["forwarded"]
     links, refused, forged, forwarded = run(with_bed(tmp_path, t))
     assert links == {} and refused >= 1 and forged >= 1 and forwarded == 0
 
@@ -344,7 +344,7 @@ def test_a_private_worker_whose_only_seed_does_not_relay_links_to_the_relay_the_
         relay = await bed.relay()
         await until(lambda: (ingress.registry.get(relay.session_id) or {}).get("state") == crdt.SERVING,
                     what="the relay SERVING at the ingress")
-        named = ingress._known_relays()
+        named = ingress.relay_server.known_relays()
         worker = await bed.worker(relay_check_interval=0.1)
         record = await until(lambda: (serving_relayed(bed, worker) or {}).get("relay") == relay.overlay.addr and
                              serving_relayed(bed, worker), what="relayed by the standalone relay")
@@ -352,7 +352,7 @@ def test_a_private_worker_whose_only_seed_does_not_relay_links_to_the_relay_the_
         return named, relay.overlay.addr, record, answers, worker
     named, relay_addr, record, answers, worker = run(with_bed(tmp_path, t))
     assert named == [relay_addr]
-    assert record["relay"] == relay_addr and worker._named_relays == [relay_addr] and worker._seed_relays == []
+    assert record["relay"] == relay_addr and worker.relay_client.named_relays == [relay_addr] and worker.relay_client.seed_relays == []
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
 
 
@@ -370,8 +370,8 @@ async def socketpair_stream():
     mine, theirs = socket.socketpair()
     mine.setblocking(False)
     theirs.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=mine, limit=on.MUX_WINDOW)
-    return theirs, reader, writer
+    _, local = await asyncio.get_running_loop().create_connection(lambda: on._Stream(limit=on.MUX_WINDOW), sock=mine)
+    return theirs, local
 
 
 async def mux_pair(max_streams=512):
@@ -390,9 +390,9 @@ async def mux_pair(max_streams=512):
 
     def accept(stream):
         async def serve():
-            theirs, reader, writer = await socketpair_stream()
+            theirs, local = await socketpair_stream()
             accepted.append(theirs)
-            await stream.bridge(reader, writer)
+            await stream.bridge(local)
         readers.append(asyncio.ensure_future(serve()))
 
     async def read(link, reader, accept_fn):
@@ -419,8 +419,8 @@ async def mux_pair(max_streams=512):
 async def open_local(link):
     """Open a stream on `link` bridged to a socketpair: the test's end as (reader, writer)."""
     stream = link.open()
-    theirs, reader, writer = await socketpair_stream()
-    task = asyncio.ensure_future(stream.bridge(reader, writer))
+    theirs, local = await socketpair_stream()
+    task = asyncio.ensure_future(stream.bridge(local))
     r, w = await asyncio.open_connection(sock=theirs)
     return stream, r, w, task
 
@@ -524,14 +524,14 @@ def test_tunnel_streams_through_a_standalone_relay_make_no_connection_from_the_m
     async def t(bed):
         relay = await bed.relay(relay=True, relay_mux=mux)
         worker = await bed.worker()
-        await until(lambda: list(worker._links) == [relay.overlay.addr] and serving_relayed(bed, worker),
+        await until(lambda: list(worker.relay_client.links) == [relay.overlay.addr] and serving_relayed(bed, worker),
                     what="linked to the standalone relay only")
         relay_port = int(relay.overlay.addr.rsplit(":", 1)[1])
         before = established_to(relay_port)           # the member's link (and gossip of the moment)
         tls = bed.ingress_node.tunnel_client_ssl
         held = []
         for _ in range(10):                            # ten tunnel connections open at once, TLS done
-            sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+            sock = await bed.ingress_node.relay_client.open(worker.overlay.addr)
             held.append(await asyncio.open_connection(sock=sock, ssl=tls,
                                                       server_hostname=on.TLS_SERVER_NAME if tls else None))
         during = established_to(relay_port)
@@ -554,14 +554,14 @@ def test_a_relay_forwards_no_plaintext_of_a_multiplexed_tunnel_stream(tmp_path):
     async def t(bed):
         relay = await bed.relay(relay=True)
         worker = await bed.worker()
-        await until(lambda: list(worker._links) == [relay.overlay.addr] and serving_relayed(bed, worker),
+        await until(lambda: list(worker.relay_client.links) == [relay.overlay.addr] and serving_relayed(bed, worker),
                     what="linked to the standalone relay only")
-        mux = relay._muxes[worker.link_id]
+        mux = relay.relay_server.linked[worker.relay_client.link_id]
         seen = []
         send, on_frame = mux.send, mux.on_frame
         mux.send = lambda data: (seen.append(bytes(data)), send(data))[1]
         mux.on_frame = lambda data, accept=None: (seen.append(bytes(data)), on_frame(data, accept))[1]
-        sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+        sock = await bed.ingress_node.relay_client.open(worker.overlay.addr)
         tls = bed.ingress_node.tunnel_client_ssl
         reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME)
         name, value = bed.ingress_node.tunnel_header
@@ -582,9 +582,9 @@ def test_a_relay_opening_10000_streams_on_a_members_link_leaves_it_bounded_and_s
     async def t(bed):
         worker = await bed.worker()
         await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING")
-        mux = bed.ingress_node._muxes[worker.link_id]
+        mux = bed.ingress_node.relay_server.linked[worker.relay_client.link_id]
         mux.writer.write(b"".join(on.mux_frame(on.MUX_OPEN, 1_000_000 + i) for i in range(10_000)))
-        own = worker._link_muxes[bed.ingress_node.overlay.addr]
+        own = worker.relay_client.links[bed.ingress_node.overlay.addr]
         await until(lambda: own.refused >= 10_000 - worker.config.max_link_streams, what="OPENs over the cap refused")
         peak = max(len(own.streams), len(worker.tunnel.connections))
         await until(lambda: len(own.streams) <= worker.config.max_unauthenticated,
@@ -606,14 +606,14 @@ async def linked_to_standalone_relay(bed, worker=None):
     tunnel connection the ingress opens to the worker is a stream on that link."""
     relay = await bed.relay(relay=True)
     worker = worker or await bed.worker()
-    await until(lambda: list(worker._links) == [relay.overlay.addr] and serving_relayed(bed, worker),
+    await until(lambda: list(worker.relay_client.links) == [relay.overlay.addr] and serving_relayed(bed, worker),
                 what="linked to the standalone relay only")
     return relay, worker
 
 
 async def raw_stream(bed, worker, data: bytes = b"", close=False) -> bytes:
     """Bytes sent on a fresh stream to `worker` (no TLS of ours), and all that came back."""
-    reader, writer = await asyncio.open_connection(sock=await bed.ingress_node.open_relayed(worker.overlay.addr))
+    reader, writer = await asyncio.open_connection(sock=await bed.ingress_node.relay_client.open(worker.overlay.addr))
     try:
         writer.write(data)
         if close:
@@ -638,7 +638,7 @@ def client_hello() -> bytes:
 
 async def tls_exchange(bed, worker, ctx) -> bytes:
     """A tunnelled GET over TLS with `ctx` on a fresh stream: the answer, or b"" when refused."""
-    sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+    sock = await bed.ingress_node.relay_client.open(worker.overlay.addr)
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(sock=sock, ssl=ctx, server_hostname=on.TLS_SERVER_NAME), 10)
@@ -664,16 +664,16 @@ def test_a_stream_with_a_garbage_handshake_or_a_foreign_certificate_is_refused_a
         anonymous.check_hostname = False
         anonymous.load_verify_locations(cafile=bed.cfg.tls_cert)
         relay, worker = await linked_to_standalone_relay(bed)
-        link = worker._links[relay.overlay.addr]
+        link = worker.relay_client.links[relay.overlay.addr]
         answers = [await raw_stream(bed, worker, bytes([on.TLS_RECORD_HANDSHAKE]) + b"\x03\x01\x00\x20" + b"x" * 300),
                    await raw_stream(bed, worker, client_hello()[:5] + os.urandom(4000)),
                    await tls_exchange(bed, worker, foreign),
                    await tls_exchange(bed, worker, anonymous)]
         plain = [await raw_stream(bed, worker, b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
                  await raw_stream(bed, worker, b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")]
-        await until(lambda: not worker._link_muxes[relay.overlay.addr].streams, what="the refused streams gone")
+        await until(lambda: not worker.relay_client.links[relay.overlay.addr].streams, what="the refused streams gone")
         served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
-        return (answers, plain, dict(worker.refused), worker._links.get(relay.overlay.addr) is link, served,
+        return (answers, plain, dict(worker.refused), worker.relay_client.links.get(relay.overlay.addr) is link, served,
                 dict(worker.tunnel.admitted), len(worker.tunnel.unauthenticated))
     answers, plain, refused, same_link, served, admitted, strangers = run(with_bed(tmp_path, t, relay=False))
     assert all(b"HTTP/" not in a for a in answers)    # no answer to any of them, an alert at most
@@ -692,7 +692,7 @@ def test_a_client_that_closes_mid_handshake_frees_its_stream_and_its_place_among
         await raw_stream(bed, worker, hello[:len(hello) // 2], close=True)   # half a ClientHello, then gone
         await raw_stream(bed, worker, hello, close=True)                     # a whole one, gone before its Finished
         await raw_stream(bed, worker, b"", close=True)                       # nothing at all
-        own = worker._link_muxes[relay.overlay.addr]
+        own = worker.relay_client.links[relay.overlay.addr]
         await until(lambda: worker.relayed["streams"] == 3 and not own.streams and not worker.tunnel.unauthenticated
                     and not worker.tunnel.connections, what="the three streams and their admissions gone")
         served = await tunnel_get(bed.ingress_node, worker.overlay.addr)
@@ -733,18 +733,18 @@ def test_a_big_answer_to_a_slow_reader_on_a_stream_holds_about_a_window_each_sid
             bed.members.append(worker)
             relay, _ = await linked_to_standalone_relay(bed, worker)
             tls = bed.ingress_node.tunnel_client_ssl
-            sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+            sock = await bed.ingress_node.relay_client.open(worker.overlay.addr)
             reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME,
                                                            limit=1 << 16)
             writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
-            own = worker._link_muxes[relay.overlay.addr]
+            own = worker.relay_client.links[relay.overlay.addr]
             stalled = await until(lambda: next((s for s in own.streams.values() if s.credit == 0 and s.held), None),
                                   what="the member's side stopped at its credit")   # nobody reads yet
             held, at_relay = [], []
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline:        # the bounds hold all along while nobody reads
                 held.append(len(stalled.held))
-                at_relay.append(max(s.buffered() for s in relay._muxes[worker.link_id].streams.values()))
+                at_relay.append(max(s.buffered() for s in relay.relay_server.linked[worker.relay_client.link_id].streams.values()))
                 await asyncio.sleep(0.02)
             other = await tunnel_get(bed.ingress_node, worker.overlay.addr)   # the link is not held up
             got = bytearray()
@@ -774,12 +774,12 @@ def test_a_link_that_dies_cuts_every_stream_at_the_member_and_at_the_dialer(tmp_
         tls = bed.ingress_node.tunnel_client_ssl
         held = []
         for _ in range(3):                            # three streams, TLS done, idle
-            sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+            sock = await bed.ingress_node.relay_client.open(worker.overlay.addr)
             held.append(await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=on.TLS_SERVER_NAME))
-        own = worker._link_muxes[relay.overlay.addr]
+        own = worker.relay_client.links[relay.overlay.addr]
         await until(lambda: len(own.streams) == 3 and len(worker.tunnel.connections) == 3, what="three streams served")
         streams = list(own.streams.values())
-        relay._linked[worker.link_id].transport.abort()   # the link dies (at the relay's end)
+        relay.relay_server.linked[worker.relay_client.link_id].writer.transport.abort()   # the link dies (at the relay's end)
         ends = []
         for reader, writer in held:
             try:
@@ -799,10 +799,10 @@ def test_the_members_writes_of_one_loop_turn_on_a_stream_go_out_as_one_data_fram
     one TLS record and one DATA frame for the relay to forward and the dialer to decrypt."""
     async def t(bed):
         relay, worker = await linked_to_standalone_relay(bed)
-        sock = await bed.ingress_node.open_relayed(worker.overlay.addr)
+        sock = await bed.ingress_node.relay_client.open(worker.overlay.addr)
         reader, writer = await asyncio.open_connection(sock=sock, ssl=bed.ingress_node.tunnel_client_ssl,
                                                        server_hostname=on.TLS_SERVER_NAME)
-        own = worker._link_muxes[relay.overlay.addr]
+        own = worker.relay_client.links[relay.overlay.addr]
         await until(lambda: len(own.streams) == 1 and next(iter(own.streams.values())).ready.done(),
                     what="the stream's TLS done at the member")
         stream = next(iter(own.streams.values()))
@@ -889,15 +889,15 @@ def test_a_private_worker_started_during_a_keyless_gossip_slot_flood_is_served_w
         ingress = bed.ingress_node
         host, port = on.split_addr(ingress.overlay.addr)
         with SlotFlood((host, port)) as flood:
-            await until(lambda: ingress._gossip_connections >= ingress.config.max_gossip_connections,
+            await until(lambda: ingress.gossip_tcp.connections >= ingress.config.max_gossip_connections,
                         what="the flood holding every slot")
-            held = len(ingress._gossip_strangers)
+            held = len(ingress.gossip_tcp.strangers)
             started = time.monotonic()
             worker = await bed.worker()
             await until(lambda: serving_relayed(bed, worker), what="relayed and SERVING", timeout=10)
             answer = await bed.chat()
             served = time.monotonic() - started
-            per_address = max(collections.Counter(ingress._gossip_strangers.values()).values())
+            per_address = max(collections.Counter(ingress.gossip_tcp.strangers.values()).values())
             evicted = ingress.refused["gossip_evicted"]
         return held, served, answer, per_address, evicted, flood.cut
     held, served, answer, per_address, evicted, cut = run(with_bed(tmp_path, t))
@@ -927,7 +927,7 @@ def test_a_relay_passes_on_no_captured_datagram_to_a_non_member_nor_a_stale_or_r
         for i in range(300):
             attacker.sendto(on.envelope(victim, old), relay)
             attacker.sendto(on.envelope(victim, fresh), relay)
-            attacker.sendto(on.envelope("relay/" + worker.link_id, to_worker), relay)
+            attacker.sendto(on.envelope("relay/" + worker.relay_client.link_id, to_worker), relay)
             if i % 20 == 19:
                 await asyncio.sleep(0.005)                 # within the socket's receive buffer
         await until(lambda: sum(ingress.relayed[k] - before[k] for k in ("stale", "not_member", "replayed",

@@ -92,7 +92,7 @@ def test_a_big_authentic_frame_after_a_hello_is_accepted_and_a_forged_small_one_
         target = addr_of(node, "gossip")
         before = node.wire.accepted
         big = {"t": "a", "n": 1, "pad": "x" * 50000}    # > max_datagram: sent after a hello
-        await node._send_tcp(target, [dict(big, ra="127.0.0.1:1")])
+        await node.gossip_tcp.send(target, [dict(big, ra="127.0.0.1:1")])
         await until(lambda: node.wire.accepted >= before + 2, what="hello and big frame")
         reader, writer = await asyncio.open_connection(*target)
         forged = b"o1" + os.urandom(100)
@@ -109,7 +109,7 @@ def test_the_pieces_of_a_state_transfer_go_on_one_connection_each_big_frame_afte
         target = addr_of(node, "gossip")
         before, connections = node.wire.accepted, node.refused["gossip_evicted"]
         pieces = [{"t": "a", "n": i, "pad": "x" * 50000, "ra": "127.0.0.1:1"} for i in range(40)]
-        await node._send_tcp(target, pieces)     # 40 connections at once would take 16 slots
+        await node.gossip_tcp.send(target, pieces)     # 40 connections at once would take 16 slots
         await until(lambda: node.wire.accepted >= before + 80, what="40 hellos and 40 big frames")
         return node.wire.accepted - before, node.refused["gossip_evicted"] - connections, node.wire.dropped["oversized"]
     accepted, evicted, oversized = run(with_node(t))
@@ -122,22 +122,22 @@ def test_gossip_tcp_strangers_are_cut_oldest_first_per_address_and_at_the_cap_ne
         member = await asyncio.open_connection(*target)     # authenticated by its first frame, then idle
         hello = node.wire.seal({"t": "h"}, time.time())
         member[1].write(struct.pack(">I", len(hello)) + hello)
-        await until(lambda: len(node._gossip_members) == 1, what="the member authenticated")
+        await until(lambda: len(node.gossip_tcp.members) == 1, what="the member authenticated")
         idle = [await asyncio.open_connection(*target) for _ in range(100)]        # one address
         await until(lambda: node.refused["gossip_evicted"] >= 100 - 16, what="its share cut")
-        one_address = len(node._gossip_strangers)
+        one_address = len(node.gossip_tcp.strangers)
         first_closed = await read_all(idle[0][0], 2)
         others = [await asyncio.open_connection(*target, local_addr=(f"127.0.0.{2 + i // 16}", 0))
                   for i in range(80)]                                                # five more
         await until(lambda: node.refused["gossip_evicted"] >= 84 + 17, what="the oldest cut at the cap")
-        held = node._gossip_connections, len(node._gossip_members)
+        held = node.gossip_tcp.connections, len(node.gossip_tcp.members)
         member_open = not member[1].transport.is_closing() and not member[0].at_eof()
         for _, w in idle + others:
             w.close()
         member[1].close()
-        await until(lambda: node._gossip_connections == 0, what="idle closed")
+        await until(lambda: node.gossip_tcp.connections == 0, what="idle closed")
         before = node.wire.accepted
-        await node._send_tcp(target, [{"t": "a", "n": 1, "ra": "127.0.0.1:1"}])
+        await node.gossip_tcp.send(target, [{"t": "a", "n": 1, "ra": "127.0.0.1:1"}])
         await until(lambda: node.wire.accepted == before + 1, what="a member's frame")
         return one_address, first_closed, held, member_open, node.refused["gossip_busy"]
     one_address, first_closed, held, member_open, busy = run(with_node(t, max_gossip_connections=64))
@@ -155,19 +155,19 @@ def test_with_every_slot_a_members_a_newcomer_cuts_the_oldest_idle_one_never_one
             w.write(struct.pack(">I", len(hello)) + hello + (struct.pack(">I", 100000) + b"\0" * 10 if mid_frame else b""))
             return r, w
         idle = [await member(False) for _ in range(4)]
-        await until(lambda: len(node._gossip_members) == 4 and all(node._gossip_members.values()), what="4 idle")
+        await until(lambda: len(node.gossip_tcp.members) == 4 and all(node.gossip_tcp.members.values()), what="4 idle")
         newcomer = await asyncio.open_connection(*target)
         first_cut = await read_all(idle[0][0], 5)
         await until(lambda: node.refused["gossip_evicted"] == 1, what="the oldest idle cut")
         for _, w in idle + [newcomer]:
             w.close()
-        await until(lambda: node._gossip_connections == 0, what="all closed")
+        await until(lambda: node.gossip_tcp.connections == 0, what="all closed")
         busy = [await member(True) for _ in range(4)]
-        await until(lambda: len(node._gossip_members) == 4 and not any(node._gossip_members.values()),
+        await until(lambda: len(node.gossip_tcp.members) == 4 and not any(node.gossip_tcp.members.values()),
                     what="4 mid-frame")
         refused = await asyncio.open_connection(*target)
         await until(lambda: node.refused["gossip_busy"] == 1, what="the newcomer refused")
-        still = node._gossip_connections
+        still = node.gossip_tcp.connections
         for _, w in busy + [refused]:
             w.close()
         return first_cut, still, node.refused["gossip_evicted"]
@@ -215,10 +215,10 @@ def test_frames_after_an_authentic_frame_stay_datagram_sized_but_for_one_after_a
             w.write(framed(node, {"t": "h"}) + struct.pack(">I", 80000) + b"\0" * 1000)
             held.append((r, w))
         await until(lambda: node.refused["frame_budget"] == 1, what="the second big frame refused")
-        budget = node._frame_bytes
+        budget = node.gossip_tcp.frame_bytes
         for _, w in held:
             w.close()
-        await until(lambda: node._frame_bytes == 0, what="the budget given back")
+        await until(lambda: node.gossip_tcp.frame_bytes == 0, what="the budget given back")
         return after_small, oversized, after_two, accepted, node.wire.dropped["oversized"], budget
     after_small, oversized, after_two, accepted, oversized_then, budget = run(
         with_node(t, max_frame_bytes=100000))
@@ -239,7 +239,7 @@ def test_16_connections_each_announcing_a_30_mib_frame_after_a_hello_get_the_bud
             w.write(struct.pack(">I", len(hello)) + hello + struct.pack(">I", 30 * 1024 * 1024) + b"\0" * 4096)
             held.append((r, w))
         await until(lambda: node.refused["frame_budget"] == 14, what="14 big frames refused")
-        reading = node._frame_bytes
+        reading = node.gossip_tcp.frame_bytes
         for _, w in held:
             w.close()
         return reading
@@ -293,13 +293,13 @@ def test_a_new_member_joins_by_the_answer_on_its_own_connection():
         cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05,
                         bootstrap=[node.overlay.addr], push_pull_interval=600.0)
         joiner = on.Node(cfg, role="relay")
-        read = joiner._read_join_answer
+        read = joiner.gossip_tcp._read_join_answer
         learned = []
 
         async def reading(*args):                   # what the joiner knew once its answer was read
             await read(*args)
             learned.append(joiner.registry.get(node.session_id) is not None)
-        joiner._read_join_answer = reading
+        joiner.gossip_tcp._read_join_answer = reading
         await joiner.start(serve_http=False)
         try:
             await until(lambda: learned, 5, "the answer read on the join's connection")
