@@ -9,10 +9,26 @@ from hypothesis import strategies as st
 import crdt
 import otela_ingress
 import otela_node
-from otela_ingress import (Candidate, PrefixIndex, RoutedRequest, SpeedFit, TTFTPolicy, cached_of,
-                           summary_match)
-from otela_node import (PREFIX_BLOCK_CHARS, PREFIX_PUBLISHED, PrefixSummary, decode_prefixes, encode_prefixes,
-                        prefix_anchors, prefix_key, prompt_chain, prompt_text)
+from otela_ingress import (
+    Candidate,
+    PrefixIndex,
+    RoutedRequest,
+    SpeedFit,
+    TTFTPolicy,
+    cached_of,
+    summary_match,
+)
+from otela_node import (
+    PREFIX_BLOCK_CHARS,
+    PREFIX_PUBLISHED,
+    PrefixSummary,
+    decode_prefixes,
+    encode_prefixes,
+    prefix_anchors,
+    prefix_key,
+    prompt_chain,
+    prompt_text,
+)
 
 KEY = prefix_key(b"k" * 32)
 
