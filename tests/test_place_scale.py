@@ -60,7 +60,9 @@ def test_scale_path_bound_is_never_below_the_exact_optimum_and_its_answer_never_
     place.LARGE_INSTANCE_VARS = 0
     scaled = place.solve(demand, pool, cands, slack=0)
     b = scaled.bounds
-    assert b["ratio"] <= exact.ratio + 1e-9
+    # CBC's "exact" optimum is exact to its own tolerances: seed 3176 (5 models, 10 GPUs, load
+    # 30) found 0.3762265 on the scale path against 0.3762247 on the exact one
+    assert b["ratio"] <= exact.ratio + 1e-5
     assert b["ratio_bound"] >= exact.ratio - 1e-6
     assert b["ratio_gap"] == pytest.approx((b["ratio_bound"] - b["ratio"]) / b["ratio_bound"])
     assert scaled.ratio == pytest.approx(b["ratio"], abs=1e-9)  # slack 0: stages 2-3 keep stage 1's ratio
