@@ -1380,62 +1380,11 @@ def summary_match(chain: List[bytes], published: Dict[bytes, None]) -> int:
     return best
 
 
-class SpeedFit:
-    """How fast one kind of engine (a model on a hardware weight) gets to a first token, as this
-    ingress learns it from the answers of every session of that kind:
-    ttft = base + per_token x prefill + per_stream x streams, where prefill is the prompt tokens
-    it had to compute first (the uncached part of this prompt and of those sent ahead of it, not
-    yet answered) and streams the requests it was decoding meanwhile. Least squares with
-    exponential forgetting (each answer weighs DECAY of the next one), pulled towards a prior
-    from the hardware (the ingress's GPU weights) as much as PRIOR_ANSWERS answers would pull it,
-    so a few answers of one size do not tilt it. One fit per kind, not per session: sessions
-    of one kind are the same hardware, and their differences now are their queues."""
+SpeedFit = otela_node.SpeedFit   # (a node fits its own engine's speed the same way: EngineSpeed)
 
-    DECAY = 0.98
-    PRIOR_ANSWERS = 0.5
-    SCALE = (1.0, 1000.0, 10.0)   # a feature's usual size, where answers have not shown it yet
 
-    __slots__ = ("prior", "theta", "sums", "targets", "answers")
-
-    def __init__(self, weight: float):
-        weight = max(weight, 0.01)
-        # an H100 (weight 3.35): ~30 ms floor, ~20k prompt tokens/s, ~0.2 ms more per stream
-        self.prior = (0.1 / weight, 1.0 / (6000.0 * weight), 0.0007 / weight)
-        self.theta = list(self.prior)
-        self.sums = [[0.0] * 3 for _ in range(3)]
-        self.targets = [0.0] * 3
-        self.answers = 0.0
-
-    def predict(self, prefill: float, streams: float) -> float:
-        base, per_token, per_stream = self.theta
-        return base + per_token * prefill + per_stream * streams
-
-    def learn(self, prefill: float, streams: float, ttft: float) -> None:
-        d, x = self.DECAY, (1.0, prefill, streams)
-        sums, targets = self.sums, self.targets
-        for i in range(3):
-            targets[i] = targets[i] * d + x[i] * ttft
-            row = sums[i]
-            for j in range(3):
-                row[j] = row[j] * d + x[i] * x[j]
-        self.answers = answers = self.answers * d + 1.0
-        # (sums + ridge) theta = targets + ridge x prior, by Gaussian elimination
-        m = []
-        for i in range(3):
-            ridge = self.PRIOR_ANSWERS * max(sums[i][i] / answers, self.SCALE[i] ** 2)
-            m.append([sums[i][j] + (ridge if i == j else 0.0) for j in range(3)] +
-                     [targets[i] + ridge * self.prior[i]])
-        for col in range(3):
-            pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
-            m[col], m[pivot] = m[pivot], m[col]
-            if abs(m[col][col]) < 1e-300:
-                return
-            for r in range(3):
-                if r != col:
-                    f = m[r][col] / m[col][col]
-                    m[r] = [a - f * b for a, b in zip(m[r], m[col])]
-        base, per_token, per_stream = (m[i][3] / m[i][i] for i in range(3))
-        self.theta = [max(base, 0.0), max(per_token, self.prior[1] * 0.01), max(per_stream, 0.0)]
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
 class EngineEstimate:
@@ -1519,7 +1468,9 @@ class TTFTPolicy(Policy):
             if fit is None:
                 if len(self.fits) >= self.MAX_ENGINES:
                     self.fits.clear()
-                fit = self.fits[kind] = SpeedFit(candidate.weight)
+                speed = candidate.record.get("speed")   # what its node measured, when it says
+                prefill = speed.get("prefill") if isinstance(speed, dict) else None
+                fit = self.fits[kind] = SpeedFit(candidate.weight, prefill if _positive(prefill) else None)
             est = self.engines[candidate.session] = EngineEstimate(fit)
         return est
 
@@ -1914,10 +1865,6 @@ def overlay_metrics(node: Any) -> bytes:
 # Streams: watch SSE bytes for token usage without re-serialising them
 # ---------------------------------------------------------------------------------------------
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
 # A chunk that carries generated text (a non-empty "content" or "text" string): engines send one
@@ -1925,44 +1872,8 @@ _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
 _TOKEN_CHUNK = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 
 
-def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
-    """(prompt, completion) tokens of the last usage object in a response body or SSE event."""
-    at = body.rfind(b'"usage"', start)
-    if at < 0:
-        return 0, 0
-    return _count_after(body, b'"prompt_tokens"', _PROMPT_TOKENS, at), \
-        _count_after(body, b'"completion_tokens"', _COMPLETION_TOKENS, at)
-
-
-def cached_of(body: bytes) -> Optional[int]:
-    """The cached prompt tokens the engine reported in its last usage (vLLM, SGLang:
-    usage.prompt_tokens_details.cached_tokens) or timings (llama.cpp: cache_n); None when it
-    reported neither."""
-    at = body.rfind(b'"cached_tokens"')
-    key, pattern = b'"cached_tokens"', _CACHED_TOKENS
-    if at < 0:
-        at = body.rfind(b'"cache_n"')
-        key, pattern = b'"cache_n"', _CACHE_N
-        if at < 0:
-            return None
-    return _count_after(body, key, pattern, at)
-
-
-def _count_after(body: bytes, key: bytes, pattern: re.Pattern, at: int) -> int:
-    """The count `pattern` finds after `at`: the common `"key":123` read with no regex (at 16
-    requests/s the CPU is cold, and the regex engine is code a request would run only for this),
-    anything else (spaces, no digits) by the pattern."""
-    i = body.find(key, at)
-    if i < 0:
-        return 0
-    i += len(key)
-    if body[i:i + 1] == b":":
-        digits = body[i + 1:i + 20]
-        n = len(digits) - len(digits.lstrip(b"0123456789"))
-        if 0 < n < len(digits):
-            return int(digits[:n])
-    match = pattern.search(body, i - len(key))
-    return int(match.group(1)) if match else 0
+# the usage an answer reports, read by the codec's side (otela_node: a node reads it too)
+usage_of, cached_of = otela_node.usage_of, otela_node.cached_of
 
 
 class StreamWatch:

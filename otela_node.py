@@ -2367,8 +2367,9 @@ class _BodyPipe(asyncio.Protocol):
     read goes to the client's transport from data_received, with no task wake-up per chunk.
     Reading pauses while the client's buffer is above the high-water mark."""
 
-    def __init__(self, client: asyncio.Transport, engine: asyncio.Transport, body: BodyReader):
-        self.client, self.engine, self.body = client, engine, body
+    def __init__(self, client: asyncio.Transport, engine: asyncio.Transport, body: BodyReader,
+                 watch: Optional[_AnswerWatch] = None):
+        self.client, self.engine, self.body, self.watch = client, engine, body, watch
         self.waiter: Optional[asyncio.Future] = None
         self.finished = self.extra = self.paused = False
         self.error: Optional[EngineError] = None
@@ -2386,6 +2387,8 @@ class _BodyPipe(asyncio.Protocol):
         client = self.client
         if data:
             client.write(data)
+            if self.watch is not None:
+                self.watch.seen(data)
         if body.error is not None:                  # what came before it went out: now the cut
             self.error = EngineError(f"bad response from the engine: {body.error}")
             self._wake()
@@ -2410,12 +2413,13 @@ class _BodyPipe(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-async def _pipe_body(reader: _Stream, engine_writer: _Stream,
-                     writer: _Stream, body: BodyReader) -> bool:
+async def _pipe_body(reader: _Stream, engine_writer: _Stream, writer: _Stream, body: BodyReader,
+                     watch: Optional[_AnswerWatch] = None) -> bool:
     """Relay the rest of a body from the engine connection to the client as it was framed;
-    True when it ended exactly at the body's end (the connection is reusable)."""
+    True when it ended exactly at the body's end (the connection is reusable). `watch` sees
+    the bytes too (EngineSpeed)."""
     engine = engine_writer.transport
-    pipe = _BodyPipe(writer.transport, engine, body)
+    pipe = _BodyPipe(writer.transport, engine, body, watch)
     while reader.buffer:                            # bytes the engine's stream read already go first
         pipe.data_received(await reader.read(RELAY_READ))
         if pipe.error is not None:
@@ -2998,14 +3002,18 @@ class Tunnel:
         if conn is not None and conn.their_http_version != b"1.1":
             await self._forward_h11(method, target, headers, body, conn, writer)
             return False
-        engine = self.node.engine
-        if self.node.prefixes is not None and method == b"POST":
-            self.node.prefixes.add(body)
+        node = self.node
+        engine, watch = node.engine, None
+        if method == b"POST" and node.prefixes is not None:
+            node.prefixes.add(body)
+            watch = _AnswerWatch()
         head = request_head(method, target, engine.host_header, len(body), headers, self.not_forwarded)
         head.append(body)
         head_only = method == b"HEAD"
-        self.node.inflight += 1
+        others = node.inflight
+        node.inflight += 1
         try:
+            sent = time.monotonic()
             try:
                 engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
             except EngineError as exc:
@@ -3032,6 +3040,9 @@ class Tunnel:
                             out.append(b"0\r\n\r\n")
                             break
                 else:
+                    if watch is not None and (answer.status != 200 or not answer.fields.get(
+                            b"content-type", b"").startswith(b"text/event-stream")):
+                        watch = None                # only a stream's first byte is its first token
                     body = BodyReader(framing, answer.length)
                     used = body.feed(data)
                     if body.error is not None:      # nothing went out yet: a clear 502
@@ -3040,12 +3051,16 @@ class Tunnel:
                                                                     "bad_gateway"))
                         return False
                     out.append(data[:used])
+                    if watch is not None and used:
+                        watch.seen(data[:used])
                     if body.done:
                         ok = used == len(data)
                     else:
                         transport.write(b"".join(out))
                         out = []
-                        ok = await _pipe_body(reader, engine_conn.writer, writer, body)
+                        ok = await _pipe_body(reader, engine_conn.writer, writer, body, watch)
+                    if watch is not None and body.done and node.speed is not None:
+                        node.speed.answered(watch, sent, others)
                 transport.write(b"".join(out))
             except OSError as exc:
                 raise EngineError(str(exc) or type(exc).__name__) from None
@@ -3055,7 +3070,7 @@ class Tunnel:
                 await writer.drain()
             return True
         finally:
-            self.node.inflight -= 1
+            node.inflight -= 1
 
     async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
         """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
@@ -5487,6 +5502,7 @@ class Node:
         self.inflight = 0
         # what the engine was sent, published as `prefixes` (the ingresses' routing; a worker's)
         self.prefixes = PrefixSummary(prefix_key(config.key)) if self.engine is not None else None
+        self.speed = EngineSpeed() if self.engine is not None else None   # published as `speed`
         self.bytes_sent = 0
         self.bytes_received = 0
         self.dropped_malformed = 0
@@ -5977,8 +5993,57 @@ PREFIX_MAX_BLOCKS = 1024      # 256 KiB of prompt: deeper than that, no more has
 PREFIX_HASH_BYTES = 8
 PREFIX_PUBLISHED = 40         # hashes a node publishes in its record (each 11 characters)
 PREFIX_REMEMBERED = 4096      # ... chosen among this many it remembers
+ANSWER_TAIL = 1024            # the bytes of an answer's end a node keeps (its usage is there)
 PUBLISH_VIEW_S = 2.0          # a worker publishes its prefixes and load at most this often
 LOAD_STEP = 2                 # ... its load when it moved by this many requests (or a quarter)
+
+
+# The usage an answer reports (a whole body, or the SSE event that carries it): the ingress's
+# ledger and policy read it, and a node its engine's speed (EngineSpeed).
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
+    """(prompt, completion) tokens of the last usage object in a response body or SSE event."""
+    at = body.rfind(b'"usage"', start)
+    if at < 0:
+        return 0, 0
+    return _count_after(body, b'"prompt_tokens"', _PROMPT_TOKENS, at), \
+        _count_after(body, b'"completion_tokens"', _COMPLETION_TOKENS, at)
+
+
+def cached_of(body: bytes) -> Optional[int]:
+    """The cached prompt tokens the engine reported in its last usage (vLLM, SGLang:
+    usage.prompt_tokens_details.cached_tokens) or timings (llama.cpp: cache_n); None when it
+    reported neither."""
+    at = body.rfind(b'"cached_tokens"')
+    key, pattern = b'"cached_tokens"', _CACHED_TOKENS
+    if at < 0:
+        at = body.rfind(b'"cache_n"')
+        key, pattern = b'"cache_n"', _CACHE_N
+        if at < 0:
+            return None
+    return _count_after(body, key, pattern, at)
+
+
+def _count_after(body: bytes, key: bytes, pattern: re.Pattern, at: int) -> int:
+    """The count `pattern` finds after `at`: the common `"key":123` read with no regex (at 16
+    requests/s the CPU is cold, and the regex engine is code a request would run only for this),
+    anything else (spaces, no digits) by the pattern."""
+    i = body.find(key, at)
+    if i < 0:
+        return 0
+    i += len(key)
+    if body[i:i + 1] == b":":
+        digits = body[i + 1:i + 20]
+        n = len(digits) - len(digits.lstrip(b"0123456789"))
+        if 0 < n < len(digits):
+            return int(digits[:n])
+    match = pattern.search(body, i - len(key))
+    return int(match.group(1)) if match else 0
 
 
 def prefix_key(key: bytes) -> bytes:
@@ -6047,6 +6112,131 @@ def decode_prefixes(text: Any) -> Dict[bytes, None]:
         return {}
     n = PREFIX_HASH_BYTES
     return dict.fromkeys(data[at:at + n] for at in range(0, len(data) - n + 1, n))
+
+
+class SpeedFit:
+    """How fast one kind of engine (a model on a hardware weight) gets to a first token, as this
+    ingress learns it from the answers of every session of that kind:
+    ttft = base + per_token x prefill + per_stream x streams, where prefill is the prompt tokens
+    it had to compute first (the uncached part of this prompt and of those sent ahead of it, not
+    yet answered) and streams the requests it was decoding meanwhile. Least squares with
+    exponential forgetting (each answer weighs DECAY of the next one), pulled towards a prior
+    from the hardware (the ingress's GPU weights) as much as PRIOR_ANSWERS answers would pull it,
+    so a few answers of one size do not tilt it. One fit per kind, not per session: sessions
+    of one kind are the same hardware, and their differences now are their queues."""
+
+    DECAY = 0.98
+    PRIOR_ANSWERS = 0.5
+    SCALE = (1.0, 1000.0, 10.0)   # a feature's usual size, where answers have not shown it yet
+
+    __slots__ = ("prior", "theta", "sums", "targets", "answers")
+
+    def __init__(self, weight: float, prefill: Optional[float] = None):
+        """`prefill`: prompt tokens/s measured elsewhere (the engine's node publishes its own)."""
+        weight = max(weight, 0.01)
+        # an H100 (weight 3.35): ~30 ms floor, ~20k prompt tokens/s, ~0.2 ms more per stream
+        per_token = 1.0 / prefill if prefill and prefill > 0 else 1.0 / (6000.0 * weight)
+        self.prior = (0.1 / weight, per_token, 0.0007 / weight)
+        self.theta = list(self.prior)
+        self.sums = [[0.0] * 3 for _ in range(3)]
+        self.targets = [0.0] * 3
+        self.answers = 0.0
+
+    def predict(self, prefill: float, streams: float) -> float:
+        base, per_token, per_stream = self.theta
+        return base + per_token * prefill + per_stream * streams
+
+    def learn(self, prefill: float, streams: float, ttft: float) -> None:
+        d, x = self.DECAY, (1.0, prefill, streams)
+        sums, targets = self.sums, self.targets
+        for i in range(3):
+            targets[i] = targets[i] * d + x[i] * ttft
+            row = sums[i]
+            for j in range(3):
+                row[j] = row[j] * d + x[i] * x[j]
+        self.answers = answers = self.answers * d + 1.0
+        # (sums + ridge) theta = targets + ridge x prior, by Gaussian elimination
+        m = []
+        for i in range(3):
+            ridge = self.PRIOR_ANSWERS * max(sums[i][i] / answers, self.SCALE[i] ** 2)
+            m.append([sums[i][j] + (ridge if i == j else 0.0) for j in range(3)] +
+                     [targets[i] + ridge * self.prior[i]])
+        for col in range(3):
+            pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            m[col], m[pivot] = m[pivot], m[col]
+            if abs(m[col][col]) < 1e-300:
+                return
+            for r in range(3):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+        base, per_token, per_stream = (m[i][3] / m[i][i] for i in range(3))
+        self.theta = [max(base, 0.0), max(per_token, self.prior[1] * 0.01), max(per_stream, 0.0)]
+
+
+class _AnswerWatch:
+    """One answer through the tunnel as EngineSpeed reads it: when its first body byte came, and
+    its last bytes (where the usage is)."""
+
+    __slots__ = ("first_at", "tail")
+
+    def __init__(self):
+        self.first_at: Optional[float] = None
+        self.tail = b""
+
+    def seen(self, data: bytes) -> None:
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        self.tail = (self.tail + data)[-ANSWER_TAIL:]
+
+
+class EngineSpeed:
+    """The engine's speed as its streamed answers through this node show it, from every ingress:
+    its time to first token fitted on the prompt tokens it computed (usage less cached) and the
+    requests it held meanwhile (SpeedFit), and its seconds per output token. Published in the
+    session's record as `speed` ({"prefill", "decode"}: tokens/s, two significant digits), so
+    every ingress, and anyone reading the registry (the placer), sees what each engine does."""
+
+    MIN_ANSWERS = 8      # answers before a speed is published
+    CHANGE = 0.15        # ... and a change smaller than this share is not published again
+
+    def __init__(self):
+        self.fit = SpeedFit(1.0)
+        self.itl = 0.0
+        self.answers = 0
+        self.published: Optional[Dict[str, float]] = None
+
+    @staticmethod
+    def watch() -> _AnswerWatch:
+        return _AnswerWatch()
+
+    def answered(self, watch: _AnswerWatch, sent: float, others: int) -> None:
+        """A streamed answer ended well: learn from it (one that reports no usage teaches nothing)."""
+        prompt, completion = usage_of(watch.tail)
+        if not prompt or watch.first_at is None:
+            return
+        cached = cached_of(watch.tail) or 0
+        now = time.monotonic()
+        self.fit.learn(max(prompt - cached, 0), others, max(watch.first_at - sent, 0.0))
+        if completion > 1 and now > watch.first_at:
+            itl = (now - watch.first_at) / (completion - 1)
+            self.itl = itl if not self.itl else self.itl + (itl - self.itl) * 0.1
+        self.answers += 1
+
+    def changed(self) -> Optional[Dict[str, float]]:
+        """The speed to publish, when there is one and it moved by CHANGE since the last."""
+        if self.answers < self.MIN_ANSWERS or not self.itl:
+            return None
+        view = {"prefill": _two_digits(1.0 / self.fit.theta[1]), "decode": _two_digits(1.0 / self.itl)}
+        last = self.published
+        if last is not None and all(abs(view[k] - last[k]) <= self.CHANGE * last[k] for k in view):
+            return None
+        self.published = view
+        return view
+
+
+def _two_digits(x: float) -> float:
+    return float(f"{x:.2g}")
 
 
 class PrefixSummary:
@@ -6522,8 +6712,9 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
 
 async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None:
     """While SERVING, what the ingresses route by goes in our record, at most every `every`
-    seconds and only when it changed: `prefixes` (PrefixSummary) and `load` (requests in flight
-    through this node from every ingress; a change of at least LOAD_STEP or a quarter). A record
+    seconds and only when it changed: `prefixes` (PrefixSummary), `load` (requests in flight
+    through this node from every ingress; a change of at least LOAD_STEP or a quarter) and
+    `speed` (EngineSpeed). A record
     over the registry's size bound (many labels) publishes fewer prefixes, or none."""
     published_load = 0   # (an idle worker's record never changes for this)
     while True:
@@ -6537,6 +6728,9 @@ async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None
             fields["load"] = published_load = load
         if prefixes is not None and prefixes.changed:
             fields["prefixes"] = prefixes.published()
+        speed = node.speed.changed() if node.speed is not None else None
+        if speed is not None:
+            fields["speed"] = speed
         while fields:
             try:
                 node.update(**fields)

@@ -15,6 +15,7 @@ from test_ingress_support import Client, Stack, sse_events
 
 import crdt
 import otela_ingress
+import otela_node
 from otela_ingress import (
     Candidate,
     HardwarePolicy,
@@ -461,8 +462,8 @@ def test_usage_is_read_as_the_patterns_read_it_whatever_the_spacing_and_junk(pie
     at = body.rfind(b'"usage"', start)
     expect = (0, 0)
     if at >= 0:
-        prompt = otela_ingress._PROMPT_TOKENS.search(body, at)
-        completion = otela_ingress._COMPLETION_TOKENS.search(body, at)
+        prompt = otela_node._PROMPT_TOKENS.search(body, at)
+        completion = otela_node._COMPLETION_TOKENS.search(body, at)
         expect = (int(prompt.group(1)) if prompt else 0, int(completion.group(1)) if completion else 0)
     assert otela_ingress.usage_of(body, start) == expect
 

@@ -2,6 +2,7 @@
 per-session estimate, and the policy's choices (no processes; the end-to-end path is in
 tests/test_routing_fleet.py)."""
 import random
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -255,3 +256,26 @@ def test_ttft_is_a_built_in_policy_and_ingests_bodies_without_one():
     policy, _, candidates = policy_with(["s0", "s1"])
     request = RoutedRequest("m", "u", "k", False, "/v1/completions")   # no body: no chain
     assert policy.pick(candidates, request) in candidates
+
+
+def test_engine_speed_reads_streamed_answers_and_publishes_only_real_changes():
+    speed = otela_node.EngineSpeed()
+    assert speed.changed() is None
+    tail = (b'data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,'
+            b'"prompt_tokens_details":{"cached_tokens":%d}}}\n\ndata: [DONE]\n\n')
+    rng = random.Random(2)
+    for _ in range(40):
+        prompt, cached = rng.choice((200, 2000, 4000)), rng.choice((0, 100))
+        watch = otela_node.EngineSpeed.watch()
+        sent = time.monotonic() - 0.5
+        watch.seen(b"data: {}\n\n")
+        watch.first_at = sent + 0.01 + (prompt - cached) / 10000
+        watch.seen(tail % (prompt, 21, cached))
+        speed.answered(watch, sent, others=0)
+    view = speed.changed()
+    assert view is not None and 5000 < view["prefill"] < 20000 and view["decode"] > 0
+    assert speed.changed() is None   # nothing moved since
+    empty = otela_node.EngineSpeed.watch()
+    empty.seen(b"no usage here")
+    speed.answered(empty, time.monotonic(), 0)   # teaches nothing, breaks nothing
+    assert speed.answers == 40

@@ -95,6 +95,17 @@ def test_prefixes_stay_home_and_the_nodes_publish_them(fleet):
             return otela_ingress.summary_match(chain, hashes) >= 8
         poll(published, f"group {g}'s prefix published by its node")
 
+    # and, once it has streamed a few answers, its engine's speed as its node measured it
+    home = next(iter(homes[0]))
+    for i in range(otela_node.EngineSpeed.MIN_ANSWERS + 2):
+        assert ask(client, systems[0], words(20, 7000 + i), stream=True)[0] == 200
+
+    def speed():
+        record = next(s for s in registry(fleet)["sessions"] if s["session"] == home)
+        found = record.get("speed") or {}
+        return found.get("prefill", 0) > 0 and found.get("decode", 0) > 0 and found
+    poll(speed, "the home node's speed published")
+
     view = registry(fleet)["ingress"]["routing"]
     assert {next(iter(h)) for h in homes.values()} <= set(view)
     assert all(v["cache_hit_rate"] > 0 for s, v in view.items() if v["prompt_tokens"])
