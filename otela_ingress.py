@@ -1429,8 +1429,9 @@ class TTFTPolicy(Policy):
     """The session with the lowest estimated time to first token: the part of this prompt its
     engine has not cached (what this ingress sent it lately, PrefixIndex, and what its node
     publishes it was sent by anyone, `prefixes`), the work queued ahead of it (this ingress's
-    requests not yet answered, other ingresses' from the node's published `load`) and its own
-    measured speed (EngineEstimate). A hot prefix spreads to a second engine once the queue at
+    requests not yet answered, other ingresses' from the node's published `load`) and the
+    measured speed of its kind of engine (SpeedFit, from the answers, seeded by the node's
+    published `speed`). A hot prefix spreads to a second engine once the queue at
     the first costs more than computing the prefix again. Among estimates within TIE of the
     best, the one the prompt's first block hashes highest with (rendezvous hashing), so that
     ingresses that see none of each other's traffic still send a new prefix to the same engine."""
