@@ -1606,6 +1606,7 @@ class TTFTPolicy(Policy):
                 "queued_prompt_tokens": est.queued, "outstanding": est.outstanding,
                 "ttft_estimate_seconds": est.ttft(est.queued, est.decoding),
                 "prefill_tokens_per_second": 1.0 / est.fit.theta[1],
+                "ttft_base_seconds": est.fit.theta[0], "ttft_per_stream_seconds": est.fit.theta[2],
                 "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0}
         return out
 
