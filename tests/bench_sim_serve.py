@@ -22,6 +22,12 @@
     server, the box's speed while it ran) and the real server's CPU time over the seconds it
     had a request (1.0: a core of its own; less: other processes took its core). Skipped with a
     reason when the venv is missing.
+hits (not run by default): where a prefix hit's time goes on llama.cpp's server: at growing
+    cached lengths (a system message of N words), a miss, a hit (the same system message, a new
+    16-word question: ~22 new tokens) and the same prompt again (1 token recomputed), each with
+    its decode ITL beside it (the box's speed at the time); the slope of TTFT over cached tokens
+    with 22 new tokens and with 1 bounds a per-request cost of the whole prompt (tokenizing,
+    the chat template, the slot scan): it is at most the 1-token slope, attention included.
 (c) cost: first one engine in this process, streamed and not, its CPU per generated token,
     beside the floor (BARE_ENGINE below: the same chunks, one wake per step, no engine); then
     16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the CPU
@@ -174,6 +180,8 @@ def main():
         result["static"] = bench_static(1 if a.quick else 3)
     if "llamacpp" in only:
         result["llamacpp"] = bench_llamacpp(a.llama_python, quick=a.quick, out_dir=a.out)
+    if "hits" in only:
+        result["llamacpp_hits"] = bench_llamacpp_hits(a.llama_python)
     if "cost" in only:
         result["cost_in_process"] = bench_token_cpu()
         result["cost"] = bench_cost(duration=5.0 if a.quick else 10.0)
@@ -370,6 +378,42 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
         if emu is not None:
             stop_process(emu, 5)
         stop_process(real, 10)
+
+
+def bench_llamacpp_hits(python, lengths=(32, 128, 512, 1024)):
+    """`--only hits`: llama.cpp's TTFT on a miss, a hit and a repeat at growing cached lengths."""
+    if not os.path.exists(python):
+        return {"skipped": f"no {python}"}
+    port = free_port()
+    real = subprocess.Popen([python, "-c", LLAMA_LAUNCHER, str(port), str(LLAMA_CTX), str(LLAMA_SLOTS)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", timeout=120, proc=real)
+        rng = random.Random(3)
+        _stream_once(url, [{"role": "user", "content": "hello"}], 2)          # warm-up, not timed
+        for n in lengths:
+            system = {"role": "system", "content": workload.text(n, rng, workload.WORDS)}
+            hit = [system, {"role": "user", "content": workload.text(16, rng, workload.WORDS)}]
+            for kind, messages in (("miss", [system, {"role": "user", "content": workload.text(16, rng, workload.WORDS)}]),
+                                   ("hit", hit), ("repeat", hit)):
+                rec = _stream_once(url, messages, 8)
+                rows.append({"words": n, "kind": kind, "ttft_ms": rec["ttft"] * 1e3, "prompt_n": rec.get("prompt_n"),
+                             "cache_n": rec.get("cache_n"),
+                             "itl_ms": (rec["last"] - rec["ttft"]) / (rec["tokens"] - 1) * 1e3})
+                r = rows[-1]
+                print(f"hits: system {n:4d} words, {kind:6s}: TTFT {r['ttft_ms']:7.1f} ms, prompt_n {r['prompt_n']:4d}, "
+                      f"cache_n {r['cache_n']:4d}; ITL {r['itl_ms']:5.1f} ms")
+    finally:
+        stop_process(real, 10)
+    slopes = {}
+    for kind in ("hit", "repeat"):
+        pts = [(r["cache_n"], r["ttft_ms"]) for r in rows if r["kind"] == kind]
+        slopes[kind] = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]) * 1e3
+    print(f"hits: TTFT over cached tokens: {slopes['hit']:.1f} us per cached token with ~22 new tokens, "
+          f"{slopes['repeat']:.1f} with 1 (a cost of the whole prompt per request is at most the latter)")
+    return {"rows": rows, "us_per_cached_token": slopes}
 
 
 def _hit_figures(records):
