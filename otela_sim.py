@@ -2662,7 +2662,11 @@ def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, m
 class LinearStepCost:
     """A step cost fitted on a real engine where the roofline has no device row (llama.cpp on a
     CPU): seconds = overhead + per_token x tokens + per_seq x rows sampled + per_ctx x decode
-    context + per_pair x prefill query-key pairs. The same step() signature as StepCost."""
+    context + per_pair x prefill query-key pairs. The same step() signature as StepCost.
+    It has no term for the whole prompt of each request (tokenizing, the chat template, the
+    slot scan): on llama.cpp's server a prompt resent with 1 token to compute costs ~10 us
+    per cached token, attention included (`tests/bench_sim_serve.py --only hits`), ~1.6 ms at
+    a 158-token prompt whose hit takes ~140 ms."""
 
     def __init__(self, overhead, per_token, per_seq=0.0, per_ctx=0.0, per_pair=0.0, prefill_overhead=0.0):
         self.overhead, self.per_token, self.per_seq = overhead, per_token, per_seq

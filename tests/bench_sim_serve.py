@@ -320,14 +320,20 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
         # by median: the box's speed the workload met is the speed the profile is fitted at
         _stream_once(real_url, [{"role": "user", "content": "hello"}], 2)          # warm-up, not timed
         rng = random.Random(11)
-        rounds = [_measure_profile(real_url, rng)]
-        cpu_share = {}
+        rounds, probe_share, cpu_share = [], [], {}
+
+        def probe_round():
+            """One round of the probe, and the real server's CPU over it (busy throughout)."""
+            cpu, start = _cpu_seconds(real.pid), time.monotonic()
+            rounds.append(_measure_profile(real_url, rng))
+            probe_share.append((_cpu_seconds(real.pid) - cpu) / (time.monotonic() - start))
+        probe_round()
         for seed in (5, 6):
             cpu = _cpu_seconds(real.pid)
             result[f"llamacpp_{seed}"] = workload.run(real_url, LLAMA_MODEL, *draw(seed), timeout=300)
             cpu_share[seed] = (_cpu_seconds(real.pid) - cpu) / _busy_seconds(result[f"llamacpp_{seed}"],
                                                                              draw(seed)[1])
-            rounds.append(_measure_profile(real_url, rng))
+            probe_round()
         prefill, decode, spread = _pooled_profile(rounds)
         profile = sim.LinearStepCost.fit(prefill, decode)
         profile_path = os.path.join(out_dir, "llamacpp_cpu_profile.json")
@@ -339,9 +345,10 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
               f"{ {b: round(d * 1e3, 1) for b, d in decode.items()} } ms (medians of {len(rounds)} rounds)")
         print("llamacpp: the real server's own spread over the probe's rounds (max / min - 1, identical requests): "
               f"prefill {', '.join(f'{x * 100:.0f}%' for x in spread['prefill'])}; ITL "
-              f"{', '.join(f'batch {b} {x * 100:.0f}%' for b, x in spread['decode'].items())}")
+              f"{', '.join(f'batch {b} {x * 100:.0f}%' for b, x in spread['decode'].items())}; its CPU over each "
+              f"round {', '.join(f'{x:.2f}' for x in probe_share)} of a core")
         result.update(profile=profile, prefill_measured=prefill, decode_measured=decode, probe_rounds=rounds,
-                      probe_spread=spread)
+                      probe_spread=spread, probe_cpu_share=probe_share)
         emu, emu_url = spawn_serve("--model", LLAMA_MODEL, "--step-profile", profile_path, "--prefix-cache", "slots",
                                    "--kv-tokens",
                                    str(LLAMA_CTX), "--max-num-seqs", str(LLAMA_SLOTS),
