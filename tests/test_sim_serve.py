@@ -148,6 +148,57 @@ def test_in_llama_cpp_mode_a_prompt_reuses_only_the_prefix_cached_in_the_slot_it
     assert core.cache.usage() == 0.0
 
 
+def _slot_core(slots=3):
+    return sim.EngineCore(FlatCost(), num_blocks=1000, block_size=16, max_batched_tokens=4096, max_num_seqs=slots,
+                          slots=True)
+
+
+def _served(core, rid, tokens):
+    req = sim.EmulatedRequest(rid, tokens, max_tokens=1)
+    core.add(req)
+    run_until_idle(core)
+    return req
+
+
+def test_in_llama_cpp_mode_a_slot_is_chosen_as_llama_server_chooses_it():
+    core = _slot_core()
+    # never used, all alike: llama-server's LRU scan (t_last_used <= the best so far) takes the last
+    first = _served(core, "x", words(40, "x"))
+    assert first.cached_tokens == 0 and core.slots[2][0][:40] == words(40, "x")
+    # the slots released longest ago next: the two still empty, the last of them first
+    _served(core, "y", words(40, "y"))
+    _served(core, "z", words(40, "z"))
+    assert [s[0][:1] for s in core.slots] == [words(1, "z"), words(1, "y"), words(1, "x")]
+    # a prompt whose common prefix with a slot is above 10 % of the prompt takes that slot,
+    # however long the slot's own tokens (the share is of the prompt: 30 of 35)
+    short = _served(core, "y2", words(30, "y") + words(5, "q"))
+    assert short.cached_tokens == 30 and core.slots[1][0][:35] == short.tokens[:35]
+
+
+def test_in_llama_cpp_mode_a_prefix_of_at_most_a_tenth_of_the_prompt_is_not_a_reason_to_take_a_slot():
+    core = _slot_core(2)
+    _served(core, "a", words(10, "a") + words(90, "a1"))      # slot 1 (the last never used)
+    _served(core, "b", words(60, "b"))                        # slot 0
+    # 10 of 100 tokens shared with slot 1: not above 0.1, so the slot released longest ago (1)
+    # is taken by age, and its prefix still counts
+    edge = _served(core, "e", words(10, "a") + words(90, "e"))
+    assert core.slots[1][0][:1] == words(1, "a") and edge.cached_tokens == 10
+    # 11 of 100 with slot 1 beats slot 0 (released longest ago now) by similarity
+    core.slots[1][0] = words(11, "a") + words(5, "z")
+    above = _served(core, "f", words(11, "a") + words(89, "f"))
+    assert above.cached_tokens == 11 and core.slots[0][0][:1] == words(1, "b")
+
+
+def test_in_llama_cpp_mode_equal_prefixes_go_to_the_first_slot():
+    core = _slot_core(2)
+    _served(core, "a1", words(50, "a") + words(5, "x"))       # slot 1
+    _served(core, "b", words(50, "b"))                        # slot 0
+    _served(core, "a2", words(50, "a") + words(5, "y"))       # slot 1 again, by similarity
+    core.slots[0][0] = words(50, "a") + words(5, "z")         # both now share 50 with group a
+    last = _served(core, "a3", words(50, "a") + words(5, "w"))
+    assert last.cached_tokens == 50 and core.slots[0][0][50:55] == words(5, "w")
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 80), st.integers(1, 12), st.integers(0, 20)),
                 min_size=1, max_size=12),
