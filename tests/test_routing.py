@@ -82,7 +82,10 @@ def test_prefix_index_matches_per_session_and_stays_bounded():
     chain = prompt_chain(words(2000, 4), KEY)
     index.add(chain[:10], "s1")
     index.add(chain[:4], "s2")
-    assert index.match(chain, ["s1", "s2", "s3"]) == {"s1": 10, "s2": 4}
+    assert index.match(chain, ["s1", "s2", "s3"]) == {"s1": (10, True), "s2": (4, True)}
+    index.add(chain[:6], "s1")   # a prompt that ended inside s1's longer one
+    assert index.match(chain[:6], ["s1"]) == {"s1": (6, True)}
+    assert index.match(chain[:5], ["s1"]) == {"s1": (5, False)}
     for i in range(20):
         index.add(prompt_chain(words(200, 100 + i), KEY), "s3")
     assert len(index.where) <= 50
@@ -279,3 +282,25 @@ def test_engine_speed_reads_streamed_answers_and_publishes_only_real_changes():
     empty.seen(b"no usage here")
     speed.answered(empty, time.monotonic(), 0)   # teaches nothing, breaks nothing
     assert speed.answers == 40
+
+
+def test_a_conversation_stays_on_its_engine_while_others_are_as_busy():
+    policy, _, candidates = policy_with([f"s{i}" for i in range(4)])
+    chats = [[{"role": "user", "content": words(120, 900 + c)}] for c in range(12)]
+    homes = {}
+    for turn in range(4):
+        for c, messages in enumerate(chats):
+            body = {"model": "m", "messages": list(messages)}
+            request = routed(body)
+            choice = policy.pick(candidates, request)
+            policy.on_request_start(choice, request)   # left in flight: the engines stay busy
+            homes.setdefault(c, []).append(choice.session)
+            messages += [{"role": "assistant", "content": words(120, 5000 + 100 * c + turn)},
+                         {"role": "user", "content": words(120, 7000 + 100 * c + turn)}]
+    assert sum(len(set(h)) == 1 for h in homes.values()) >= 10
+    # a long conversation's bonus makes its home's score negative: still one near the best
+    long_chat = [{"role": "user", "content": words(3000, 77)}]
+    serve(policy, candidates, {"model": "m", "messages": long_chat})
+    long_chat.append({"role": "user", "content": "more"})
+    assert policy.pick(candidates, routed({"model": "m", "messages": long_chat})) in candidates
+    assert len({h[0] for h in homes.values()}) == 4   # new chats spread
