@@ -1436,8 +1436,9 @@ class TTFTPolicy(Policy):
     measured speed of its kind of engine (SpeedFit, from the answers, seeded by the node's
     published `speed`). A hot prefix spreads to a second engine once the queue at
     the first costs more than computing the prefix again. Among estimates within TIE of the
-    best, the one the prompt's first block hashes highest with (rendezvous hashing), so that
-    ingresses that see none of each other's traffic still send a new prefix to the same engine."""
+    best, the one holding the fewest requests (decode balance), and among those the one the
+    prompt's first block hashes highest with (rendezvous hashing), so that ingresses that see
+    none of each other's traffic tend to send a new prefix to the same engine."""
 
     wants_body = True
     TIE = 0.02
@@ -1492,10 +1493,11 @@ class TTFTPolicy(Policy):
         return memo
 
     def estimates(self, candidates: List[Candidate],
-                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int]]:
+                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int, int]]:
         """Per candidate: (its score: the estimated TTFT in seconds plus MISS_WEIGHT x the time
         of the prompt's uncached part, the prefill counted in prompt tokens, the streams counted,
-        this prompt's uncached tokens there, blocks of the prompt it is thought to hold)."""
+        this prompt's uncached tokens there, blocks of the prompt it is thought to hold, the
+        requests it holds from every ingress)."""
         memo = self._prompt(request)
         chain = memo.chain
         matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
@@ -1523,7 +1525,7 @@ class TTFTPolicy(Policy):
             held = (memo.size * tpb - uncached) if whole else 0.0   # a conversation continued here
             out.append((est.ttft(work, streams) + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
                                                                        self.CONTINUED_WEIGHT * held),
-                        work, streams, uncached, blocks))
+                        work, streams, uncached, blocks, est.outstanding + others))
         return out
 
     def pick(self, candidates, request):
@@ -1533,6 +1535,10 @@ class TTFTPolicy(Policy):
             best = min(s[0] for s in scored)
             near = [i for i, s in enumerate(scored) if s[0] <= best + abs(best) * self.TIE + 1e-6]
             i = near[0]
+            if len(near) > 1:   # the fewest requests held (their decoding slows every token there)
+                fewest = min(scored[i][5] for i in near)
+                near = [i for i in near if scored[i][5] == fewest]
+                i = near[0]
             if len(near) > 1:
                 chain = request.memo.chain
                 if chain:
@@ -1542,7 +1548,7 @@ class TTFTPolicy(Policy):
                 else:
                     i = near[random.randrange(len(near))]
         choice, memo = candidates[i], request.memo
-        _, memo.work, memo.streams, memo.uncached, blocks = scored[i]
+        _, memo.work, memo.streams, memo.uncached, blocks, _ = scored[i]
         memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
         return choice
 
