@@ -220,20 +220,25 @@ def loopback(url):
 
 
 async def run_async(url, model, requests, times, timeout=120.0, extra=None, headers=None):
-    u = urllib.parse.urlsplit(url)
-    loopback(url)
-    path = (u.path.rstrip("/") or "") + "/v1/chat/completions"
+    """Each request sent at its time (s from the start), streamed; `url` one base URL or a list
+    (request i to url[i % len], as a client alternating between ingresses). Each record holds
+    "at", its send time."""
+    targets = []
+    for one in [url] if isinstance(url, str) else url:
+        host, port, prefix = loopback(one)
+        targets.append((host, port, prefix + "/v1/chat/completions"))
     start = time.monotonic()
     tasks = []
-    for req, at in zip(requests, times):
+    for i, (req, at) in enumerate(zip(requests, times)):
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True, **(extra or {})}
-        tasks.append(asyncio.ensure_future(one_request(u.hostname, u.port, path, body, timeout, headers)))
+        host, port, path = targets[i % len(targets)]
+        tasks.append(asyncio.ensure_future(one_request(host, port, path, body, timeout, headers)))
     out = await asyncio.gather(*tasks, return_exceptions=True)
-    return [r if isinstance(r, dict) else {"error": repr(r)} for r in out]
+    return [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at) for r, at in zip(out, times)]
 
 
 def run(url, model, requests, times, timeout=120.0, extra=None, headers=None):
