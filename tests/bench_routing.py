@@ -15,7 +15,7 @@ measured. Every policy run gets a fresh fleet (cold caches, empty queues):
           .cache/routers with pip when missing, else "skipped: <reason>") given the engines'
           own URLs (two router processes, each given every engine, for the two-ingress case:
           they share nothing)
-Workloads (tests/workload.py, streamed with usage): shared-prefix (64 groups x 16 prompts,
+Workloads (tests/workload.py, streamed with usage, a session key per group or chat): shared-prefix (64 groups x 16 prompts,
 2,048-token system prompt, 128-token question, 256-token output), multi-turn chat, and the
 "reasoning" (~90 % reusable prefix) and "instruct" (~15 %) presets; Poisson arrivals at a share
 of the fleet's capacity for that workload, MEASURED first in the same run: a fresh fleet at
@@ -384,10 +384,18 @@ async def _run(urls, model, requests, times, timeout, during=None):
     return await task
 
 
+def with_session(requests, name):
+    """Each request with a session key (workload.run_async sends it as `user` and X-Session-Id):
+    its group (one app's system prompt) or its chat. vllm-router's consistent_hash hashes the
+    header (without one it sends every request to the same engine); a cache-aware router reads
+    the text, not this."""
+    return [dict(r, session=f"{name}-{r['group']}") for r in requests]
+
+
 def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir=None):
     """A fresh fleet, the workload at `load` x capacity (requests/s at time scale K), its figures."""
     procs = Processes(f"{kind}-{policy}")
-    requests = WORKLOADS[name](0)[:a.count]
+    requests = with_session(WORKLOADS[name](0)[:a.count], name)
     rate = load * capacity / a.time_scale
     times = workload.arrivals(len(requests), rate, "poisson", seed=0, duration=a.duration)
     requests = requests[:len(times)]
@@ -427,8 +435,8 @@ def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir
 def llama_run(kind, policy, a, rdir=None):
     """The confirmation: 2 real llama.cpp servers behind one policy; TTFT and cache_n / prompt_n."""
     procs = Processes(f"llama-{kind}-{policy}")
-    requests = workload.shared_prefix(6, 3 if not a.quick else 2, system_len=256, question_len=24, output_len=8,
-                                      seed=3, words=workload.WORDS)
+    requests = with_session(workload.shared_prefix(6, 3 if not a.quick else 2, system_len=256, question_len=24,
+                                                output_len=8, seed=3, words=workload.WORDS), "llama")
     times = workload.arrivals(len(requests), LLAMA_RATE, "poisson", seed=3)
     try:
         if kind == "otela":

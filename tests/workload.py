@@ -221,8 +221,9 @@ def loopback(url):
 
 async def run_async(url, model, requests, times, timeout=120.0, extra=None, headers=None):
     """Each request sent at its time (s from the start), streamed; `url` one base URL or a list
-    (request i to url[i % len], as a client alternating between ingresses). Each record holds
-    "at", its send time."""
+    (request i to url[i % len], as a client alternating between ingresses); a request's
+    "session", when it has one, goes in the body's `user` and an X-Session-Id header. Each
+    record holds "at", its send time."""
     targets = []
     for one in [url] if isinstance(url, str) else url:
         host, port, prefix = loopback(one)
@@ -235,8 +236,12 @@ async def run_async(url, model, requests, times, timeout=120.0, extra=None, head
             await asyncio.sleep(delay)
         body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True, **(extra or {})}
+        sent_headers = headers
+        if "session" in req:                 # a session key, as routers read one: OpenAI's end-user
+            body["user"] = req["session"]    # id and the X-Session-Id header
+            sent_headers = {**(headers or {}), "x-session-id": req["session"]}
         host, port, path = targets[i % len(targets)]
-        tasks.append(asyncio.ensure_future(one_request(host, port, path, body, timeout, headers)))
+        tasks.append(asyncio.ensure_future(one_request(host, port, path, body, timeout, sent_headers)))
     out = await asyncio.gather(*tasks, return_exceptions=True)
     return [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at) for r, at in zip(out, times)]
 
