@@ -15,13 +15,14 @@ measured. Every policy run gets a fresh fleet (cold caches, empty queues):
           .cache/routers with pip when missing, else "skipped: <reason>") given the engines'
           own URLs (two router processes, each given every engine, for the two-ingress case:
           they share nothing)
-Workloads (tests/workload.py, streamed with usage, a session key per group or chat): shared-prefix (64 groups x 16 prompts,
-2,048-token system prompt, 128-token question, 256-token output), multi-turn chat, and the
-"reasoning" (~90 % reusable prefix) and "instruct" (~15 %) presets; Poisson arrivals at a share
-of the fleet's capacity for that workload, MEASURED first in the same run: a fresh fleet at
-time scale 1, requests not streamed (the engines sleep through their steps), the client
-round-robin over the engines with CAPACITY_INFLIGHT requests in flight per engine for
-CAPACITY_S; completed requests per second in its last two thirds, divided by K.
+Workloads (tests/workload.py, streamed with usage, a session key per group or chat):
+shared-prefix (64 groups x 16 prompts, 2,048-token system prompt, 128-token question, 256-token
+output), multi-turn chat, and the "reasoning" (~90 % reusable prefix) and "instruct" (~15 %)
+presets; Poisson arrivals at a share of the fleet's capacity for that workload, MEASURED first in
+the same run: a fresh fleet at time scale 1, requests not streamed (the engines sleep through
+their steps), the client round-robin over the engines with CAPACITY_INFLIGHT requests in flight
+per engine for CAPACITY_S; the tokens the engines generated (their /metrics) in its last two
+thirds per second, over the workload's output per request; divided by K for the runs.
 Cases: default 80 % load, every workload, one ingress, plus two ingresses for shared-prefix;
 --full adds 50 % and 100 % and two ingresses everywhere; --quick is a smoke run (few requests,
 two policies). A kill case: shared-prefix through otela's `ttft` (least_loaded until it
@@ -76,12 +77,15 @@ PEERS = [("sglang cache_aware", "sglang-router", "cache_aware"), ("sglang round_
          ("vllm cache_aware", "vllm-router", "cache_aware"), ("vllm consistent_hash", "vllm-router", "consistent_hash")]
 ROUTER_SPECS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
 ROUTERS_DIR = ROOT / ".cache" / "routers"
-# the workloads: name -> (requests, seeded); every one streamed with usage
+# the workloads: name -> its requests for a seed (the runs use seed 0, capacity fresh seeds)
 WORKLOADS = {
     "shared_prefix": lambda seed: workload.shared_prefix(64, 16, system_len=2048, question_len=128, output_len=256,
                                                          seed=seed),
-    # 128 chats of 6 turns (messages of 120 tokens, answers of 120): turn k's prompt holds turn k-1's
-    "multi_turn": lambda seed: workload.multi_turn(128, 6, message_len=120, output_len=120, seed=seed),
+    # 125 chats of 6 turns (messages of 120 tokens, answers of 120): turn k's prompt holds turn
+    # k-1's. Turns go out chat by chat, so with a number of chats divisible by the engines round
+    # robin would send every turn of a chat to the same engine (128 chats: its hit rate was
+    # cache_aware's); 125 moves each chat 5 engines on per turn
+    "multi_turn": lambda seed: workload.multi_turn(125, 6, message_len=120, output_len=120, seed=seed),
     "reasoning": lambda seed: workload.preset("reasoning", seed, prompts=128),
     "instruct": lambda seed: workload.preset("instruct", seed, prompts=128),
 }
@@ -346,7 +350,7 @@ async def _closed_loop(urls, model, requests, inflight, seconds):
             try:
                 rec = await asyncio.wait_for(workload.one_request(host, port, "/v1/chat/completions", body,
                                                                   seconds + 30), end - time.monotonic())
-            except (asyncio.TimeoutError, OSError):
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError, ValueError):
                 return
             done[0] += rec.get("status") == 200
 
@@ -570,7 +574,7 @@ def main():
                     for label, kind, policy in plan:
                         try:
                             cases[label] = one_run(kind, policy, name, load, cap, a, ingresses, rdir=rdir)
-                        except (RuntimeError, TimeoutError, OSError) as exc:
+                        except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                             cases[label] = {"skipped": f"failed: {exc}"}
                         f = cases[label]
                         print(f"  {case:22s} {label:22s} " + (f"skipped: {f['skipped']}" if "skipped" in f else
@@ -597,7 +601,7 @@ def main():
                 for label, kind, policy in plan:
                     try:
                         cases[label] = llama_run(kind, policy, a, rdir)
-                    except (RuntimeError, TimeoutError, OSError) as exc:
+                    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                         cases[label] = {"skipped": f"failed: {exc}"}
                 print_table(f"llamacpp: {LLAMA_SERVERS} x llama.cpp (SmolLM2-135M, -c {LLAMA_CTX} -np {LLAMA_SLOTS}), "
                             f"shared prefix 6 groups x 256-token system prompts, {LLAMA_RATE:g} req/s; hit = "
