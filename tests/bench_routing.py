@@ -302,11 +302,25 @@ def percentile(values, p):
     return values[min(len(values) - 1, max(0, int(p * len(values) + 0.5) - 1))]
 
 
+def complete(r):
+    """Answered 200 with every token asked for (each engine here generates max_tokens: the
+    emulator always, llama.cpp with ignore_eos); a stream cut short ends like a whole one on
+    the wire (a proxy closes it cleanly), so its tokens are what tell."""
+    done = max(r.get("tokens") or 0, ((r.get("usage") or {}).get("completion_tokens") or 0))
+    return r.get("status") == 200 and r.get("tokens", 0) > 0 and done >= (r.get("asked") or 1)
+
+
+def why(r):
+    if r.get("status") == 200:
+        return f"cut short: {r.get('tokens')} of {r.get('asked')} tokens"
+    return str(r.get("error") or f"{r.get('status')} {r.get('body', '')}")[:160]
+
+
 def figures(records):
     """TTFT p50/p99, e2e p99 (ms), output tokens/s (from the first send to the last token),
-    hit rate and errors (a request not answered 200 with tokens) of one run's records."""
-    ok = [r for r in records if r.get("status") == 200 and r.get("tokens")]
-    failed = [r for r in records if not (r.get("status") == 200 and r.get("tokens"))]
+    hit rate and errors (a request not complete()) of one run's records."""
+    ok = [r for r in records if complete(r)]
+    failed = [r for r in records if not complete(r)]
     ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
     e2e = [r["e2e"] for r in ok]
     cached = sum((r.get("cache_n") if r.get("cache_n") is not None else r.get("cached_tokens")) or 0 for r in ok)
@@ -321,7 +335,7 @@ def figures(records):
             "e2e_p99_ms": ms(percentile(e2e, 0.99)),
             "output_tok_s": sum(r["tokens"] for r in ok) / span if span > 0 else None,
             "hit_rate": cached / prompt if prompt else None, "prompt_tokens": prompt, "cached_tokens": cached,
-            "error_kinds": sorted({str(r.get("error") or r.get("status"))[:120] for r in failed})[:5]}
+            "error_kinds": sorted({why(r) for r in failed})[:5]}
 
 
 def generated_tokens(urls):
@@ -581,8 +595,12 @@ def main():
                               f"ok {f['ok']}/{f['requests']} TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms hit "
                               f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}"), flush=True)
                     print_table(case, cases)
-        if not a.quick and "shared_prefix" in result["capacity"]:
+        if not a.quick:
             policy = "ttft" if "ttft" in otela_ingress.POLICIES else "least_loaded"
+            if "shared_prefix" not in result["capacity"]:
+                cap, done = measure_capacity("shared_prefix", CAPACITY_S)
+                result["capacity"]["shared_prefix"] = {"req_s_at_scale_1": cap, "req_s_at_scale_k": cap / a.time_scale,
+                                                       "completed": done}
             cap = result["capacity"]["shared_prefix"]["req_s_at_scale_1"]
             kill = one_run("otela", policy, "shared_prefix", 0.8, cap, a, kill=True)
             kill["policy"] = policy

@@ -199,6 +199,8 @@ async def one_request(host, port, path, body, timeout, headers=None):
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0
                 _account(rec, ev)
+        if rec["status"] != 200:              # what the server said, for the error's reason
+            rec["body"] = buf[:300].decode(errors="replace")
         if buf.strip().startswith(b"{"):      # not streamed: one JSON body
             _account(rec, json.loads(buf))
             choice = (rec.pop("_choices", None) or [{}])[0]
@@ -223,7 +225,7 @@ async def run_async(url, model, requests, times, timeout=120.0, extra=None, head
     """Each request sent at its time (s from the start), streamed; `url` one base URL or a list
     (request i to url[i % len], as a client alternating between ingresses); a request's
     "session", when it has one, goes in the body's `user` and an X-Session-Id header. Each
-    record holds "at", its send time."""
+    record holds "at", its send time, and "asked", its max_tokens."""
     targets = []
     for one in [url] if isinstance(url, str) else url:
         host, port, prefix = loopback(one)
@@ -243,7 +245,8 @@ async def run_async(url, model, requests, times, timeout=120.0, extra=None, head
         host, port, path = targets[i % len(targets)]
         tasks.append(asyncio.ensure_future(one_request(host, port, path, body, timeout, sent_headers)))
     out = await asyncio.gather(*tasks, return_exceptions=True)
-    return [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at) for r, at in zip(out, times)]
+    return [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
+            for r, at, req in zip(out, times, requests)]
 
 
 def run(url, model, requests, times, timeout=120.0, extra=None, headers=None):
