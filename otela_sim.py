@@ -2181,6 +2181,10 @@ def use_calibration(cal):
 # an end-of-sequence (every answer is max_tokens long, or SERVE_DEFAULT_OUTPUT), n > 1,
 # sampling parameters (accepted, ignored), swapping KV to the host, speculative decoding; while
 # steps run ahead of the core (RUN_AHEAD_STEPS) /metrics lags by up to those steps.
+# --time-scale K stretches every emulated duration K times (the step timer waits K x each
+# step's time; the core, its token counts and its cache are untouched): a fleet slowed K times
+# keeps the same queueing and cache behaviour at 1/K of the request rate, so 8 emulated H100s
+# at 80 % load fit on a 2-core box beside the proxies a benchmark measures (tests/bench_routing.py).
 
 # vLLM's default --block-size on CUDA (vllm/config: block_size 16).
 BLOCK_SIZE = 16
@@ -2721,12 +2725,14 @@ class LinearStepCost:
 
 class EmulatedServer:
     """The asyncio edge of `serve`: HTTP/1.1 on loopback (keep-alive, Content-Length bodies),
-    the OpenAI routes, and the step timer that waits out each step's roofline time."""
+    the OpenAI routes, and the step timer that waits out each step's roofline time, times
+    `time_scale` (a fleet slowed K times: the same queues and cache hits at 1/K of the rate)."""
 
-    def __init__(self, core, served_model, max_model_len=None):
+    def __init__(self, core, served_model, max_model_len=None, time_scale=1.0):
         import asyncio
         self.asyncio = asyncio
         self.core, self.model = core, served_model
+        self.time_scale = time_scale           # wall seconds per emulated second (--time-scale)
         self.max_model_len = max_model_len or core.max_model_len
         self.inbox = []                        # arrived, not yet seen by the core
         self.step, self.ends = None, []        # the step in flight and the planned ends of its run
@@ -2845,8 +2851,10 @@ class EmulatedServer:
     def _run_ahead(self, step, start):
         """Planned ends of `step` and of the decode steps after it that change nothing but the
         tokens: every prompt done in `step`, all running requests in it, nobody waiting or
-        arriving, no block short; the run ends with the first step that finishes a request."""
-        ends = [start + step.seconds]
+        arriving, no block short; the run ends with the first step that finishes a request.
+        Every step's time is stretched by time_scale here, the one place emulated time passes."""
+        scale = self.time_scale
+        ends = [start + step.seconds * scale]
         items, core = step.items, self.core
         if core.waiting or self.inbox or len(items) != len(core.running) or \
                 any(r.computed + n != len(r.tokens) for r, n in items):
@@ -2858,13 +2866,13 @@ class EmulatedServer:
         ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
         t = ends[0]
         if core.decode_alpha is not None:      # decode_seconds, its two terms looked up once
-            alpha, beta = core.decode_alpha(n), core.cost.beta
+            alpha, beta = core.decode_alpha(n) * scale, core.cost.beta * scale
             for i in range(1, ahead):
                 t += alpha + beta * (ctx + i * n)
                 ends.append(t)
             return ends
         for i in range(1, ahead):
-            t += core.decode_seconds(n, ctx + i * n)
+            t += core.decode_seconds(n, ctx + i * n) * scale
             ends.append(t)
         return ends
 
@@ -3177,10 +3185,12 @@ def _cmd_serve(a):
     served = a.served_model_name or a.model
 
     async def run():
-        server = EmulatedServer(core, served)
+        server = EmulatedServer(core, served, time_scale=a.time_scale)
         port = await server.start(a.host, a.port)
         timing = f"timed by the profile {a.step_profile}" if a.step_profile else \
             f"on {a.tp} x {a.gpu} ({engine.key})"
+        if a.time_scale != 1:
+            timing += f", slowed {a.time_scale:g} times"
         print(f"otela_sim.py serve: {served} as {model.name} {timing}; "
               f"{core.cache.num_blocks} KV blocks of {core.block_size} tokens, "
               f"{core.max_batched_tokens} tokens per step; http://{a.host}:{port}", file=sys.stderr, flush=True)
@@ -3213,6 +3223,11 @@ def add_serve_command(sub):
                         "slot (--max-num-seqs slots)")
     s.add_argument("--step-profile", default=None, metavar="FILE",
                    help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
+    s.add_argument("--time-scale", type=_AT_LEAST_1_FLOAT, default=1.0, metavar="K",
+                   help="every emulated duration K times longer (step times, so TTFT and inter-token latency; "
+                        "token counts, cache and metrics unchanged): a fleet slowed K times keeps the same queueing "
+                        "and cache behaviour at 1/K of the request rate, so a fleet at load fits on a small box "
+                        "beside the proxies being measured (default 1)")
     _engine_flags(s)
     s.set_defaults(func=_cmd_serve)
     return s
@@ -3544,6 +3559,7 @@ def number_type(kind, low=None, high=None, low_open=False, high_open=True):
 
 _AT_LEAST_1 = number_type(int, 1)              # GPUs, requests, tokens, iterations
 _POSITIVE = number_type(float, 0, low_open=True)
+_AT_LEAST_1_FLOAT = number_type(float, 1)      # serve --time-scale: slower, never faster than the GPU
 _SHARE = number_type(float, 0, 1)              # a fraction in [0, 1)
 # -- Settings: one way every otela file reads them -----------------------------------------------
 # A setting is its flag, else its OTELA_<NAME> variable, else the default. The same two functions

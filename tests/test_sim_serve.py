@@ -609,6 +609,59 @@ def test_tokens_planned_ahead_reach_each_stream_at_the_end_of_their_own_step():
     assert len(planned) < len(set(want.values())) / 4     # steps were planned ahead, in runs
 
 
+def test_a_fleet_slowed_k_times_makes_the_same_tokens_and_hits_each_k_times_later():
+    """--time-scale K: every step's end K times later than the core's own plan (so TTFT and
+    inter-token latency K times longer), an arrival K times later joining at the same step;
+    tokens, cache hits and counters as at full speed."""
+    k = 3.0
+
+    def requests():                            # the third shares the first's prompt: a cache hit
+        return [sim.EmulatedRequest(1, words(100, "a"), 40), sim.EmulatedRequest(2, words(300, "b"), 70),
+                sim.EmulatedRequest(3, words(100, "a"), 10)]
+    full = requests()
+    plan = sim.serve_core(MODEL, "H100", engine="vllm-v1")
+    want = _timed_tokens(plan, full[:2], {0.15: full[2]})
+
+    server = sim.EmulatedServer(sim.serve_core(MODEL, "H100", engine="vllm-v1"), "m", time_scale=k)
+    server.loop = LateLoop()
+    got, reqs = {}, requests()
+    for req in reqs:
+        def sink(upto=None, req=req):
+            upto = req.generated if upto is None else upto
+            for i in range(1 + max([i for r, i in got if r == req.id], default=0), upto + 1):
+                got[req.id, i] = server.loop.now
+            return True
+        req.sink = sink
+    server._submit(reqs[0])
+    server._submit(reqs[1])
+    server.loop.fire(0.0)                      # the admission window (wall time: not scaled)
+    while server.loop.due[0] + server.early < 0.15 * k:
+        server.loop.fire(server.early)
+    server.loop.now = 0.15 * k                 # the same arrival, K times later
+    server._submit(reqs[2])
+    while server.loop.due:
+        server.loop.fire(server.early)
+    assert got.keys() == want.keys()
+    assert [key for key in want if got[key] != pytest.approx(want[key] * k, abs=1e-9)] == []
+    assert [r.tokens for r in reqs] == [r.tokens for r in full]
+    assert [r.cached_tokens for r in reqs] == [r.cached_tokens for r in full] and reqs[2].cached_tokens > 0
+    assert [r.first_token_at for r in reqs] == pytest.approx([r.first_token_at * k for r in full], abs=1e-9)
+    core = server.core
+    assert (core.cache.hits, core.cache.queries, core.prompt_tokens, core.generation_tokens) == \
+        (plan.cache.hits, plan.cache.queries, plan.prompt_tokens, plan.generation_tokens)
+
+
+def test_the_time_scale_flag_reads_its_setting_and_refuses_a_faster_than_gpu_fleet(capsys):
+    parse = sim.build_parser()
+    argv = ["serve", "--model", MODEL, "--port", "0"]
+    assert sim.parse_settings(parse, argv, env={}).time_scale == 1.0
+    assert sim.parse_settings(parse, argv + ["--time-scale", "4"], env={}).time_scale == 4.0
+    assert sim.parse_settings(sim.build_parser(), argv, env={"OTELA_TIME_SCALE": "2.5"}).time_scale == 2.5
+    with pytest.raises(SystemExit):
+        sim.parse_settings(sim.build_parser(), argv + ["--time-scale", "0.5"], env={})
+    assert "must be >= 1" in capsys.readouterr().err
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(2, 60)), min_size=1, max_size=5),
        st.integers(100, 400), st.sampled_from([2, 4, 16]), st.booleans())

@@ -199,6 +199,8 @@ async def one_request(host, port, path, body, timeout, headers=None):
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0
                 _account(rec, ev)
+        if rec["status"] != 200:              # what the server said, for the error's reason
+            rec["body"] = buf[:300].decode(errors="replace")
         if buf.strip().startswith(b"{"):      # not streamed: one JSON body
             _account(rec, json.loads(buf))
             choice = (rec.pop("_choices", None) or [{}])[0]
@@ -220,20 +222,31 @@ def loopback(url):
 
 
 async def run_async(url, model, requests, times, timeout=120.0, extra=None, headers=None):
-    u = urllib.parse.urlsplit(url)
-    loopback(url)
-    path = (u.path.rstrip("/") or "") + "/v1/chat/completions"
+    """Each request sent at its time (s from the start), streamed; `url` one base URL or a list
+    (request i to url[i % len], as a client alternating between ingresses); a request's
+    "session", when it has one, goes in the body's `user` and an X-Session-Id header. Each
+    record holds "at", its send time, and "asked", its max_tokens."""
+    targets = []
+    for one in [url] if isinstance(url, str) else url:
+        host, port, prefix = loopback(one)
+        targets.append((host, port, prefix + "/v1/chat/completions"))
     start = time.monotonic()
     tasks = []
-    for req, at in zip(requests, times):
+    for i, (req, at) in enumerate(zip(requests, times)):
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True, **(extra or {})}
-        tasks.append(asyncio.ensure_future(one_request(u.hostname, u.port, path, body, timeout, headers)))
+        sent_headers = headers
+        if "session" in req:                 # a session key, as routers read one: OpenAI's end-user
+            body["user"] = req["session"]    # id and the X-Session-Id header
+            sent_headers = {**(headers or {}), "x-session-id": req["session"]}
+        host, port, path = targets[i % len(targets)]
+        tasks.append(asyncio.ensure_future(one_request(host, port, path, body, timeout, sent_headers)))
     out = await asyncio.gather(*tasks, return_exceptions=True)
-    return [r if isinstance(r, dict) else {"error": repr(r)} for r in out]
+    return [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
+            for r, at, req in zip(out, times, requests)]
 
 
 def run(url, model, requests, times, timeout=120.0, extra=None, headers=None):

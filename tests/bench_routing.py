@@ -1,0 +1,643 @@
+"""Benchmark of routing (issue 28): otela's ingress policies against sglang-router and
+vllm-router, side by side in one run, in front of identically configured engines.
+
+    .venv/bin/python tests/bench_routing.py [--out bench-results] [--full | --quick] [--llamacpp]
+        [--time-scale K] [--count N] [--duration S] [--routers DIR]
+
+Engines: ENGINES x `otela_sim.py serve --model Llama-3.1-8B-Instruct --gpu H100 --engine vllm-v1
+--time-scale K`: emulated H100s slowed K times, so that the fleet at load runs at 1/K of the
+request rate with the same queues and cache hits, and the box's CPUs stay with the proxies
+measured. Every policy run gets a fresh fleet (cold caches, empty queues):
+  otela   each engine wrapped by `otela_node.py start --process "... --port {port}"`, joined to
+          `otela_ingress.py serve --policy P` (two ingresses on the same overlay for the
+          two-ingress case, the client alternating between them)
+  peers   the router binary (sglang-router 0.3.2, vllm-router; installed by this bench into
+          .cache/routers with pip when missing, else "skipped: <reason>") given the engines'
+          own URLs (two router processes, each given every engine, for the two-ingress case:
+          they share nothing)
+Workloads (tests/workload.py, streamed with usage, a session key per group or chat):
+shared-prefix (64 groups x 16 prompts, 2,048-token system prompt, 128-token question, 256-token
+output), multi-turn chat, and the "reasoning" (~90 % reusable prefix) and "instruct" (~15 %)
+presets; Poisson arrivals at a share of the fleet's capacity for that workload, MEASURED first in
+the same run: a fresh fleet at time scale 1, requests not streamed (the engines sleep through
+their steps), the client round-robin over the engines with CAPACITY_INFLIGHT requests in flight
+per engine for CAPACITY_S; the tokens the engines generated (their /metrics) in its last two
+thirds per second, over the workload's output per request; divided by K for the runs.
+Cases: default 80 % load, every workload, one ingress, plus two ingresses for shared-prefix;
+--full adds 50 % and 100 % and two ingresses everywhere; --quick is a smoke run (few requests,
+two policies). A kill case: shared-prefix through otela's `ttft` (least_loaded until it
+exists), one node and its engine SIGKILLed at 40 % of the arrivals: client errors and the
+hit rate of the requests sent after the kill. A confirmation case (--llamacpp; in the default
+run when the real engine is installed, `make engine`): 2 real llama.cpp servers (SmolLM2-135M,
+a context that holds fewer prefixes than the workload has) behind the same policies, the summed
+timings.cache_n / (cache_n + prompt_n) and TTFT.
+
+Per policy and case: TTFT p50/p99, end-to-end p99 (wall ms at time scale K: divide by K for
+the GPU's), output tokens/s (wall), cache hit rate (sum of usage cached_tokens / sum of prompt
+tokens), errors; and the ratios issue 28's targets name. Prints a table, writes
+<out>/routing.json; never asserts. Loopback only; every process started is stopped (its
+process group) and every temporary folder removed, on Ctrl-C and failure too.
+"""
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import workload  # noqa: E402
+from conftest import ENGINE_DIR, ENGINE_MODEL, ENGINE_PYTHON, ENGINE_SERVE, free_port  # noqa: E402
+
+import otela_ingress  # noqa: E402
+
+MODEL, GPU, ENGINE = "meta-llama/Llama-3.1-8B-Instruct", "H100", "vllm-v1"
+ENGINES = 8
+# K: 8 emulated H100s at 80 % load stream ~19k tokens/s (shared prefix); each token is a write
+# and a read in the engine, the node, the ingress and the client, so the fleet is slowed until
+# that fits in part of this box's two shared cores: at K = 5, 400 requests through otela's
+# ingress and nodes took ~0.6 cores (0.4 through a peer router), at K = 10 ~0.3.
+TIME_SCALE = 5.0
+# otela's own policies, then those that exist in otela_ingress.POLICIES when the bench runs
+# (`ttft`: the cache- and queue-aware estimate of issue 28, the default-to-be)
+OTELA_BASE = ["least_loaded", "round_robin"]
+OTELA_POLICIES = ["ttft"]
+# the peers: (name, console script, its --policy); installed from PyPI into ROUTERS_DIR
+PEERS = [("sglang cache_aware", "sglang-router", "cache_aware"), ("sglang round_robin", "sglang-router", "round_robin"),
+         ("vllm cache_aware", "vllm-router", "cache_aware"), ("vllm consistent_hash", "vllm-router", "consistent_hash")]
+ROUTER_SPECS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
+ROUTERS_DIR = ROOT / ".cache" / "routers"
+# the workloads: name -> its requests for a seed (the runs use seed 0, capacity fresh seeds)
+WORKLOADS = {
+    "shared_prefix": lambda seed: workload.shared_prefix(64, 16, system_len=2048, question_len=128, output_len=256,
+                                                         seed=seed),
+    # 125 chats of 6 turns (messages of 120 tokens, answers of 120): turn k's prompt holds turn
+    # k-1's. Turns go out chat by chat, so with a number of chats divisible by the engines round
+    # robin would send every turn of a chat to the same engine (128 chats: its hit rate was
+    # cache_aware's); 125 moves each chat 5 engines on per turn
+    "multi_turn": lambda seed: workload.multi_turn(125, 6, message_len=120, output_len=120, seed=seed),
+    "reasoning": lambda seed: workload.preset("reasoning", seed, prompts=128),
+    "instruct": lambda seed: workload.preset("instruct", seed, prompts=128),
+}
+LOADS_DEFAULT, LOADS_FULL = (0.8,), (0.5, 0.8, 1.0)
+# capacity: requests in flight per engine (above the ~128 that an H100's KV holds at 2-4k
+# tokens, so each engine's queue never runs dry) and the seconds it runs (three waves of the
+# slowest workload at time scale 1)
+CAPACITY_INFLIGHT, CAPACITY_S = 160, 24.0
+# a run: at most this many requests, sent within this many seconds, each answered within
+# REQUEST_TIMEOUT_S (wall; a 256-token answer at time scale 5 under load takes ~15-25 s); 400
+# shared-prefix requests are ~6 of each group's 16 (at most ~80 % of prompt tokens reusable)
+RUN_COUNT, RUN_DURATION_S, REQUEST_TIMEOUT_S = 400, 30.0, 240.0
+KILL_AT = 0.4                # the kill case: the node dies at this share of the arrivals
+READY_S = 180.0              # a fleet's processes up and routable within this (a loaded box)
+# the llama.cpp confirmation: 2 servers of 2 slots, 512 tokens each (-c 1024): 4 cached
+# prefixes at most, against 6 groups of ~300-token prompts; one thread each
+LLAMA_SERVERS, LLAMA_CTX, LLAMA_SLOTS, LLAMA_MODEL = 2, 1024, 2, "smollm2-135m"
+LLAMA_RATE = 0.4             # req/s: a miss is ~1-3 s of one CPU thread, a hit a fraction
+
+
+# --- processes: everything started is in one list, stopped by process group ----------------
+
+class Processes:
+    """Processes started in their own process groups, logs in a temporary folder; stop()
+    ends them all (SIGTERM to each group, SIGKILL after a grace), and the folder with them."""
+
+    def __init__(self, label):
+        self.tmp = tempfile.mkdtemp(prefix=f"otela-bench-routing-{label}-")
+        self.procs = []
+        self.orphans = []            # engines whose node was SIGKILLed (their own group)
+
+    def spawn(self, name, argv, env=None):
+        log = open(os.path.join(self.tmp, f"{name}.log"), "wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=str(ROOT), start_new_session=True, env=env)
+        log.close()
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def check(self):
+        for proc in self.procs:
+            if proc.poll() is not None and not getattr(proc, "killed", False):
+                raise RuntimeError(f"{proc.name} exited with {proc.returncode}: {self.tail(proc.name)}")
+
+    def tail(self, name, n=600):
+        try:
+            with open(os.path.join(self.tmp, f"{name}.log"), "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, grace=10.0):
+        for proc in reversed(self.procs):
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for pid in self.orphans:
+            _signal_group(pid, signal.SIGKILL)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _signal_group(pid, sig):
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children(pid, marker):
+    """Pids whose parent is `pid` and whose command line holds `marker` (a node's engine)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+        except (OSError, ValueError):
+            continue
+        if ppid == pid and marker in argv:
+            found.append(int(entry))
+    return found
+
+
+def http_get(url, timeout=3.0):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status, resp.read()
+
+
+def wait_until(ready, what, procs, timeout=READY_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check()
+        try:
+            if ready():
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready within {timeout:g} s")
+
+
+# --- fleets -------------------------------------------------------------------------------------
+
+def sim_command(scale, port="{port}"):
+    return [sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--gpu", GPU, "--engine", ENGINE,
+            "--time-scale", f"{scale:g}", "--port", str(port)]
+
+
+def llama_command(port="{port}"):
+    return [str(ENGINE_PYTHON), str(ENGINE_SERVE), "-m", str(ENGINE_MODEL), "--alias", LLAMA_MODEL, "--host",
+            "127.0.0.1", "-c", str(LLAMA_CTX), "-np", str(LLAMA_SLOTS), "-t", "1", "--port", str(port)]
+
+
+def start_engines(procs, command, n):
+    """n engines straight on loopback (the peers' fleet); their URLs once each answers /health."""
+    urls = []
+    for i in range(n):
+        port = free_port()
+        procs.spawn(f"engine{i}", command(port))
+        urls.append(f"http://127.0.0.1:{port}")
+    for url in urls:
+        wait_until(lambda url=url: http_get(url + "/health")[0] == 200, f"engine {url}", procs)
+    return urls
+
+
+def start_otela(procs, command, n, model, policy, ingresses=1):
+    """otela's fleet: `ingresses` ingresses on one overlay (--policy), n nodes wrapping the
+    engine command; their URLs once each ingress routes `model` to all n. Returns (urls, nodes)."""
+    node_py, ingress_py = str(ROOT / "otela_node.py"), str(ROOT / "otela_ingress.py")
+    subprocess.run([sys.executable, node_py, "keygen", "--out", procs.tmp], check=True, capture_output=True,
+                   timeout=60)
+    key = os.path.join(procs.tmp, "cluster.key")
+    urls, gossip = [], []
+    for i in range(ingresses):
+        port, g = free_port(), free_port()
+        argv = [sys.executable, ingress_py, "serve", "--key-file", key, "--listen", f"127.0.0.1:{port}",
+                "--gossip", f"127.0.0.1:{g}", "--db", os.path.join(procs.tmp, f"ingress{i}.sqlite"),
+                "--policy", policy, "--no-auth", "--max-connections", "16384"]
+        if gossip:
+            argv += ["--bootstrap", gossip[0]]
+        procs.spawn(f"ingress{i}", argv)
+        urls.append(f"http://127.0.0.1:{port}")
+        gossip.append(f"127.0.0.1:{g}")
+    engine = " ".join(shlex.quote(a) for a in command())
+    nodes = []
+    for i in range(n):
+        nodes.append(procs.spawn(f"node{i}", [sys.executable, node_py, "start", "--key-file", key,
+                                              "--bootstrap", gossip[0], "--listen", f"127.0.0.1:{free_port()}",
+                                              "--gossip", f"127.0.0.1:{free_port()}", "--process", engine]))
+
+    def serving(url):
+        view = json.loads(http_get(url + "/v1/registry")[1])
+        return sum(1 for s in view["sessions"] if s["state"] == "SERVING" and not s.get("suspected")
+                   and model in s.get("models", []))
+    for url in urls:
+        wait_until(lambda url=url: serving(url) == n, f"{n} nodes serving at {url}", procs)
+    return urls, nodes
+
+
+def routers_dir(wanted):
+    """The folder holding the routers' console scripts: installed there with pip when missing.
+    Returns (dir, {script: reason it is missing})."""
+    missing = {}
+    env_dir = os.environ.get("OTELA_ROUTERS")
+    d = Path(wanted or env_dir or ROUTERS_DIR)
+    need = [s for s in ROUTER_SPECS if not (d / "bin" / s).exists()]
+    if need and not wanted and not env_dir:
+        print(f"routers: installing {', '.join(ROUTER_SPECS[s] for s in need)} into {d} (pip, once)")
+        try:
+            if not (d / "bin" / "pip").exists():
+                subprocess.run([sys.executable, "-m", "venv", str(d)], check=True, capture_output=True, timeout=300)
+            for script in need:
+                done = subprocess.run([str(d / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                                       ROUTER_SPECS[script]], capture_output=True, text=True, timeout=900)
+                if done.returncode:
+                    missing[script] = f"pip install {ROUTER_SPECS[script]} failed: " + \
+                        (done.stderr.strip().splitlines() or ["?"])[-1]
+        except (OSError, subprocess.SubprocessError) as exc:
+            for script in need:
+                missing.setdefault(script, f"cannot make a venv at {d}: {exc}")
+    for script in ROUTER_SPECS:
+        if script not in missing and not (d / "bin" / script).exists():
+            missing[script] = f"no {d / 'bin' / script}"
+    return d, missing
+
+
+def start_router(procs, rdir, script, policy, workers, name):
+    port = free_port()
+    argv = [str(rdir / "bin" / script)] + (["launch"] if script == "sglang-router" else []) + [
+        "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--prometheus-port", str(free_port()),
+        "--log-level", "error", "--worker-urls", *workers]
+    procs.spawn(name, argv)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_get(url + "/health")[0] == 200, f"{script} --policy {policy}", procs)
+    return url
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+def percentile(values, p):
+    """Nearest-rank percentile, None for no values."""
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, int(p * len(values) + 0.5) - 1))]
+
+
+def complete(r):
+    """Answered 200 with every token asked for (each engine here generates max_tokens: the
+    emulator always, llama.cpp with ignore_eos); a stream cut short ends like a whole one on
+    the wire (a proxy closes it cleanly), so its tokens are what tell."""
+    done = max(r.get("tokens") or 0, ((r.get("usage") or {}).get("completion_tokens") or 0))
+    return r.get("status") == 200 and r.get("tokens", 0) > 0 and done >= (r.get("asked") or 1)
+
+
+def why(r):
+    if r.get("status") == 200:
+        return f"cut short: {r.get('tokens')} of {r.get('asked')} tokens"
+    return str(r.get("error") or f"{r.get('status')} {r.get('body', '')}")[:160]
+
+
+def figures(records):
+    """TTFT p50/p99, e2e p99 (ms), output tokens/s (from the first send to the last token),
+    hit rate and errors (a request not complete()) of one run's records."""
+    ok = [r for r in records if complete(r)]
+    failed = [r for r in records if not complete(r)]
+    ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+    e2e = [r["e2e"] for r in ok]
+    cached = sum((r.get("cache_n") if r.get("cache_n") is not None else r.get("cached_tokens")) or 0 for r in ok)
+    prompt = sum(((r["cache_n"] + r["prompt_n"]) if r.get("cache_n") is not None else r.get("prompt_tokens")) or 0
+                 for r in ok)
+    span = max((r["at"] + r["e2e"] for r in ok), default=0.0) - min((r["at"] for r in ok), default=0.0)
+
+    def ms(x):
+        return None if x is None else x * 1e3
+    return {"requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+            "ttft_p50_ms": ms(percentile(ttft, 0.5)), "ttft_p99_ms": ms(percentile(ttft, 0.99)),
+            "e2e_p99_ms": ms(percentile(e2e, 0.99)),
+            "output_tok_s": sum(r["tokens"] for r in ok) / span if span > 0 else None,
+            "hit_rate": cached / prompt if prompt else None, "prompt_tokens": prompt, "cached_tokens": cached,
+            "error_kinds": sorted({why(r) for r in failed})[:5]}
+
+
+def generated_tokens(urls):
+    """The engines' vllm:generation_tokens counters, summed."""
+    total = 0.0
+    for url in urls:
+        for line in http_get(url + "/metrics")[1].decode().splitlines():
+            if line.startswith("vllm:generation_tokens"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _closed_loop(urls, model, requests, inflight, seconds):
+    """`inflight` requests per URL always outstanding (not streamed), for `seconds`: the tokens
+    the engines generated in its last two thirds (their /metrics), and the requests completed."""
+    done, it = [0], iter(requests)
+    end = time.monotonic() + seconds
+
+    async def lane(url):
+        host, port, _ = workload.loopback(url)
+        for req in it:
+            if time.monotonic() >= end:
+                return
+            body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": False,
+                    "temperature": 0, "ignore_eos": True}
+            try:
+                rec = await asyncio.wait_for(workload.one_request(host, port, "/v1/chat/completions", body,
+                                                                  seconds + 30), end - time.monotonic())
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError, ValueError):
+                return
+            done[0] += rec.get("status") == 200
+
+    async def window():
+        await asyncio.sleep(seconds / 3)
+        first = await asyncio.get_running_loop().run_in_executor(None, generated_tokens, urls)
+        await asyncio.sleep(max(0.0, end - time.monotonic() - 0.1))
+        return await asyncio.get_running_loop().run_in_executor(None, generated_tokens, urls) - first
+    tokens, *_ = await asyncio.gather(window(), *(lane(url) for url in urls for _ in range(inflight)))
+    return tokens, done[0]
+
+
+def measure_capacity(name, seconds, inflight=CAPACITY_INFLIGHT):
+    """The fleet's saturating throughput on `name` (requests/s at time scale 1, client round
+    robin straight to the engines, CAPACITY_INFLIGHT outstanding per engine): the tokens the
+    engines generated in the run's last two thirds, over that time, over the workload's mean
+    output per request. Returns (requests/s, requests completed)."""
+    procs = Processes("capacity")
+    try:
+        urls = start_engines(procs, lambda port: sim_command(1.0, port), ENGINES)
+        shape = WORKLOADS[name](0)
+        per_request = sum(r["max_tokens"] for r in shape) / len(shape)
+        requests = (r for seed in range(1000, 1100) for r in WORKLOADS[name](seed))
+        tokens, done = asyncio.run(_closed_loop(urls, MODEL, requests, inflight, seconds))
+        return tokens / (seconds * 2 / 3 - 0.1) / per_request, done
+    finally:
+        procs.stop()
+
+
+async def _run(urls, model, requests, times, timeout, during=None):
+    """The workload, request i to urls[i % len(urls)]; `during` (a coroutine) alongside."""
+    task = asyncio.ensure_future(workload.run_async(urls, model, requests, times, timeout))
+    if during is not None:
+        await during
+    return await task
+
+
+def with_session(requests, name):
+    """Each request with a session key (workload.run_async sends it as `user` and X-Session-Id):
+    its group (one app's system prompt) or its chat. vllm-router's consistent_hash hashes the
+    header (without one it sends every request to the same engine); a cache-aware router reads
+    the text, not this."""
+    return [dict(r, session=f"{name}-{r['group']}") for r in requests]
+
+
+def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir=None):
+    """A fresh fleet, the workload at `load` x capacity (requests/s at time scale K), its figures."""
+    procs = Processes(f"{kind}-{policy}")
+    requests = with_session(WORKLOADS[name](0)[:a.count], name)
+    rate = load * capacity / a.time_scale
+    times = workload.arrivals(len(requests), rate, "poisson", seed=0, duration=a.duration)
+    requests = requests[:len(times)]
+    try:
+        command = lambda port="{port}": sim_command(a.time_scale, port)  # noqa: E731
+        nodes = []
+        if kind == "otela":
+            urls, nodes = start_otela(procs, command, ENGINES, MODEL, policy, ingresses)
+        else:
+            workers = start_engines(procs, command, ENGINES)
+            urls = [start_router(procs, rdir, kind, policy, workers, f"router{i}") for i in range(ingresses)]
+        during, killed = None, {}
+        if kill:
+            async def killer():
+                await asyncio.sleep(times[int(len(times) * KILL_AT)])
+                victim = nodes[0]
+                engines = _children(victim.pid, b"otela_sim.py")
+                victim.killed = True
+                _signal_group(victim.pid, signal.SIGKILL)
+                for pid in engines:
+                    procs.orphans.append(pid)
+                    _signal_group(pid, signal.SIGKILL)
+                killed["at"] = times[int(len(times) * KILL_AT)]
+            during = killer()
+        records = asyncio.run(_run(urls, MODEL, requests, times, REQUEST_TIMEOUT_S, during))
+        out = figures(records)
+        out.update(rate=rate, sent=len(requests), sent_over_s=times[-1] if times else 0.0)
+        if kill:
+            after = [r for r in records if r.get("at", 0) >= killed["at"]]
+            out["killed_at_s"] = killed["at"]
+            out["after_kill"] = figures(after)
+        return out
+    finally:
+        procs.stop()
+
+
+def llama_run(kind, policy, a, rdir=None):
+    """The confirmation: 2 real llama.cpp servers behind one policy; TTFT and cache_n / prompt_n."""
+    procs = Processes(f"llama-{kind}-{policy}")
+    requests = with_session(workload.shared_prefix(6, 3 if not a.quick else 2, system_len=256, question_len=24,
+                                                output_len=8, seed=3, words=workload.WORDS), "llama")
+    times = workload.arrivals(len(requests), LLAMA_RATE, "poisson", seed=3)
+    try:
+        if kind == "otela":
+            urls, _ = start_otela(procs, llama_command, LLAMA_SERVERS, LLAMA_MODEL, policy)
+        else:
+            workers = start_engines(procs, llama_command, LLAMA_SERVERS)
+            urls = [start_router(procs, rdir, kind, policy, workers, "router0")]
+        records = asyncio.run(_run(urls, LLAMA_MODEL, requests, times, 300.0))
+        return figures(records)
+    finally:
+        procs.stop()
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def policies(quick, missing):
+    """(label, kind, policy): kind "otela" or a router's console script."""
+    otela = OTELA_BASE + [p for p in OTELA_POLICIES if p in otela_ingress.POLICIES]
+    out = [(f"otela {p}", "otela", p) for p in otela]
+    out += [(label, script, p) for label, script, p in PEERS if script not in missing]
+    if quick:   # the smoke: otela's best and the first peer there is
+        best = "ttft" if "ttft" in otela else "least_loaded"
+        out = [o for o in out if o[0] == f"otela {best}"] + [o for o in out if o[1] != "otela"][:1]
+    return out
+
+
+def best_peer(cases, key, higher):
+    peers = {k: v for k, v in cases.items() if not k.startswith("otela") and v.get(key) is not None}
+    if not peers:
+        return None, None
+    label = (max if higher else min)(peers, key=lambda k: peers[k][key])
+    return label, peers[label][key]
+
+
+def ratios(result):
+    """The ratios issue 28's targets name, from the cases measured."""
+    out = {}
+    ours = "otela ttft" if any("otela ttft" in c for c in result["cases"].values()) else "otela least_loaded"
+    for case, cases in result["cases"].items():
+        if ours not in cases or not cases[ours].get("ok"):
+            continue
+        me = cases[ours]
+        r = {"policy": ours}
+        for key, higher, what in (("ttft_p99_ms", False, "ttft_p99_vs_best_peer"),
+                                  ("hit_rate", True, "hit_rate_vs_best_peer"),
+                                  ("output_tok_s", True, "throughput_vs_best_peer")):
+            label, value = best_peer(cases, key, higher)
+            if label and me.get(key) is not None:
+                r[what] = me[key] / value if value else None
+                r["best_peer_" + key] = label
+        if case.startswith("instruct") and "otela least_loaded" in cases and me.get("ttft_p99_ms"):
+            r["instruct_ttft_p99_vs_least_loaded"] = me["ttft_p99_ms"] / cases["otela least_loaded"]["ttft_p99_ms"]
+        if "x2" in case:
+            one = result["cases"].get(case.replace(" x2", ""), {}).get(ours, {})
+            if one.get("hit_rate") and me.get("hit_rate") is not None:
+                r["two_ingress_hit_rate_vs_one"] = me["hit_rate"] / one["hit_rate"]
+        out[case] = r
+    return out
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(title, cases):
+    print(f"\n{title}")
+    print(f"  {'policy':24s} {'ok':>5s} {'err':>4s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'e2e p99':>9s} "
+          f"{'tok/s':>7s} {'hit':>6s}")
+    for label, f in cases.items():
+        if "skipped" in f:
+            print(f"  {label:24s} skipped: {f['skipped']}")
+            continue
+        hit = None if f.get("hit_rate") is None else f["hit_rate"] * 100
+        print(f"  {label:24s} {f['ok']:5d} {f['errors']:4d} {fmt(f['ttft_p50_ms'], '9.0f')} "
+              f"{fmt(f['ttft_p99_ms'], '9.0f')} {fmt(f['e2e_p99_ms'], '9.0f')} {fmt(f['output_tok_s'], '7.0f')} "
+              f"{fmt(hit, '5.1f')}%")
+
+
+def _interrupt(signum, frame):
+    """SIGTERM (make, a CI runner) ends the run as Ctrl-C does: through every finally."""
+    raise KeyboardInterrupt
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--full", action="store_true", help="50, 80 and 100 %% load, two ingresses on every workload")
+    p.add_argument("--quick", action="store_true", help="a smoke run: few requests, two policies, one workload")
+    p.add_argument("--llamacpp", action="store_true", help="the llama.cpp confirmation (default: when installed)")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp confirmation")
+    p.add_argument("--time-scale", type=float, default=TIME_SCALE, help=f"engines slowed K times (default {TIME_SCALE:g})")
+    p.add_argument("--count", type=int, default=None, help=f"requests per run at most (default {RUN_COUNT})")
+    p.add_argument("--duration", type=float, default=None, help=f"seconds of arrivals per run (default {RUN_DURATION_S:g})")
+    p.add_argument("--workloads", default=None, help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--routers", default=None, help="a venv holding sglang-router and vllm-router "
+                                                   f"(default {ROUTERS_DIR}, installed there when missing)")
+    a = p.parse_args()
+    a.count = a.count or (24 if a.quick else RUN_COUNT)
+    a.duration = a.duration or (8.0 if a.quick else RUN_DURATION_S)
+    names = a.workloads.split(",") if a.workloads else (["shared_prefix"] if a.quick else list(WORKLOADS))
+    loads = LOADS_FULL if a.full else LOADS_DEFAULT
+    result = {"time_scale": a.time_scale, "engines": f"{ENGINES} x otela_sim.py serve --model {MODEL} --gpu {GPU} "
+              f"--engine {ENGINE} --time-scale {a.time_scale:g}", "count": a.count, "duration_s": a.duration,
+              "capacity": {}, "cases": {}, "skipped": {}, "command": "tests/bench_routing.py " + " ".join(sys.argv[1:])}
+    signal.signal(signal.SIGTERM, _interrupt)
+    rdir, missing = routers_dir(a.routers)
+    for script, why in missing.items():
+        print(f"{script}: skipped: {why}")
+        result["skipped"][script] = why
+    plan = policies(a.quick, missing)
+    print(f"routing bench: {ENGINES} emulated {GPU}s slowed {a.time_scale:g} times; policies: "
+          f"{', '.join(label for label, _, _ in plan)}; workloads {', '.join(names)} at "
+          f"{', '.join(f'{x * 100:.0f}%' for x in loads)} of measured capacity; the box is shared: figures are "
+          f"ratios in this run")
+    t0 = time.monotonic()
+    try:
+        for name in names:
+            # the smoke: fewer in flight, so that its short window sees decodes, not the first prefills
+            cap, done = measure_capacity(name, *((8.0, 16) if a.quick else (CAPACITY_S, CAPACITY_INFLIGHT)))
+            result["capacity"][name] = {"req_s_at_scale_1": cap, "req_s_at_scale_k": cap / a.time_scale,
+                                        "completed": done}
+            if cap <= 0:
+                print(f"capacity {name}: nothing generated in the window; its runs skipped")
+                continue
+            print(f"capacity {name}: {cap:.1f} req/s at full speed ({cap / a.time_scale:.2f} req/s slowed "
+                  f"{a.time_scale:g} times; {done} completed)")
+            for load in loads:
+                for ingresses in (1, 2) if (a.full or (name == "shared_prefix" and not a.quick)) else (1,):
+                    case = f"{name} {load * 100:.0f}%" + (" x2" if ingresses == 2 else "")
+                    cases = result["cases"][case] = {}
+                    for label, kind, policy in plan:
+                        try:
+                            cases[label] = one_run(kind, policy, name, load, cap, a, ingresses, rdir=rdir)
+                        except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                            cases[label] = {"skipped": f"failed: {exc}"}
+                        f = cases[label]
+                        print(f"  {case:22s} {label:22s} " + (f"skipped: {f['skipped']}" if "skipped" in f else
+                              f"ok {f['ok']}/{f['requests']} TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms hit "
+                              f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}"), flush=True)
+                    print_table(case, cases)
+        if not a.quick:
+            policy = "ttft" if "ttft" in otela_ingress.POLICIES else "least_loaded"
+            if "shared_prefix" not in result["capacity"]:
+                cap, done = measure_capacity("shared_prefix", CAPACITY_S)
+                result["capacity"]["shared_prefix"] = {"req_s_at_scale_1": cap, "req_s_at_scale_k": cap / a.time_scale,
+                                                       "completed": done}
+            cap = result["capacity"]["shared_prefix"]["req_s_at_scale_1"]
+            kill = one_run("otela", policy, "shared_prefix", 0.8, cap, a, kill=True)
+            kill["policy"] = policy
+            result["kill"] = kill
+            print(f"kill: otela {policy}, shared prefix at 80 %, a node and its engine SIGKILLed at "
+                  f"{kill['killed_at_s']:.1f} s: {kill['errors']} client errors of {kill['requests']} "
+                  f"({kill['error_kinds']}); hit rate after the kill {fmt(kill['after_kill']['hit_rate'], '.3f')} "
+                  f"(the whole run {fmt(kill['hit_rate'], '.3f')})")
+        llama_ready = (ENGINE_DIR / ".ready").exists() and ENGINE_PYTHON.exists()
+        if a.llamacpp or (not a.quick and not a.no_llamacpp):
+            if not llama_ready:
+                result["llamacpp"] = {"skipped": f"no real engine in {ENGINE_DIR} (make engine)"}
+                print(f"llamacpp: skipped: {result['llamacpp']['skipped']}")
+            else:
+                cases = result["llamacpp"] = {}
+                for label, kind, policy in plan:
+                    try:
+                        cases[label] = llama_run(kind, policy, a, rdir)
+                    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                        cases[label] = {"skipped": f"failed: {exc}"}
+                print_table(f"llamacpp: {LLAMA_SERVERS} x llama.cpp (SmolLM2-135M, -c {LLAMA_CTX} -np {LLAMA_SLOTS}), "
+                            f"shared prefix 6 groups x 256-token system prompts, {LLAMA_RATE:g} req/s; hit = "
+                            "cache_n / (cache_n + prompt_n)", cases)
+    except KeyboardInterrupt:
+        print("routing bench: interrupted; what was measured is written", file=sys.stderr)
+        result["interrupted"] = True
+    result["ratios"] = ratios(result)
+    result["wall_s"] = time.monotonic() - t0
+    for case, r in result["ratios"].items():
+        print(f"ratios {case}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in r.items()))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "routing.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"figures written to {os.path.join(a.out, 'routing.json')} ({result['wall_s']:.0f} s)")
+    return 130 if result.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
