@@ -2502,8 +2502,15 @@ class EngineClient:
         """Write a ready-made request (head and body bytes); return (connection, bytes read past
         the response head, its MessageHead). The tunnel's fast path."""
         for attempt in range(2):
-            fresh = not self.idle
-            conn = self.idle.pop() if self.idle else await self._connect()
+            conn = None
+            while self.idle and attempt == 0:      # the engine may have closed one while it idled
+                conn = self.idle.pop()
+                if not (conn.reader.at_eof() or conn.writer.transport.is_closing()):
+                    break
+                conn.writer.close()
+                conn = None
+            fresh = conn is None                   # the retry is always on a new connection
+            conn = conn if conn is not None else await self._connect()
             buf = conn.buf
             try:
                 conn.writer.write(request)
