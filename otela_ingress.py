@@ -3385,7 +3385,7 @@ class Ingress:
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
         self.db_path = db_path
-        self.policy = policy if policy is not None else LeastLoadedPolicy()
+        self.policy = policy if policy is not None else TTFTPolicy()
         self.policy_body = getattr(self.policy, "wants_body", False) is True   # RoutedRequest.body
         self.on_first_byte = getattr(self.policy, "on_first_byte", None)
         if callable(getattr(self.policy, "attach", None)):
@@ -4289,9 +4289,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--usage-months", type=_limit_arg(int), metavar="N", default=crdt.USAGE_RETENTION_MONTHS,
                        help="months of per-key usage totals the ingresses replicate (this month's budget, "
                             f"a year of totals; env OTELA_USAGE_MONTHS; default {crdt.USAGE_RETENTION_MONTHS})")
-    serve.add_argument("--policy", default="least_loaded",
-                       help="routing policy: random, round_robin, hardware, least_loaded (default), "
-                            "or module:Class for your own (env OTELA_POLICY)")
+    serve.add_argument("--policy", default="ttft",
+                       help="routing policy: ttft (default: the lowest estimated time to first token, from "
+                            "each engine's cached prefixes, queue and measured speed), least_loaded, "
+                            "round_robin, random, hardware, or module:Class for your own (env OTELA_POLICY)")
     serve.add_argument("--require-code-hash", default=None, metavar="HASH|self",
                        type=_code_hash_arg,
                        help="route only to worker sessions advertising this code hash (the 16 hex digits "

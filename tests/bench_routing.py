@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import workload  # noqa: E402
 from conftest import ENGINE_DIR, ENGINE_MODEL, ENGINE_PYTHON, ENGINE_SERVE, free_port  # noqa: E402
+from test_ingress_support import child_pids  # noqa: E402
 
 import otela_ingress  # noqa: E402
 
@@ -158,24 +159,6 @@ def _signal_group(pid, sig):
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _children(pid, marker):
-    """Pids whose parent is `pid` and whose command line holds `marker` (a node's engine)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read()
-        except (OSError, ValueError):
-            continue
-        if ppid == pid and marker in argv:
-            found.append(int(entry))
-    return found
 
 
 def http_get(url, timeout=3.0):
@@ -430,7 +413,7 @@ def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir
             async def killer():
                 await asyncio.sleep(times[int(len(times) * KILL_AT)])
                 victim = nodes[0]
-                engines = _children(victim.pid, b"otela_sim.py")
+                engines = child_pids({victim.pid}, b"otela_sim.py")
                 victim.killed = True
                 _signal_group(victim.pid, signal.SIGKILL)
                 for pid in engines:

@@ -455,24 +455,6 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _engine_pids(parents, marker=b"otela_sim.py\0serve"):
-    """The children of these node processes whose command line holds `marker` (the engines)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read()
-        except (OSError, ValueError):
-            continue
-        if ppid in parents and marker in argv:
-            found.append(int(entry))
-    return found
-
-
 # The clients of bench_token_cpu, in a process of their own so that the bench process's CPU
 # time is the engine's alone.
 TOKEN_CLIENTS = """
@@ -600,7 +582,7 @@ def bench_cost(engines=16, rate=100.0, duration=10.0, floor=False):
     `floor`, the same fleet of BARE_ENGINE instead (the floor under the emulator's figure)."""
     import tempfile
 
-    from test_ingress_support import Cluster
+    from test_ingress_support import Cluster, child_pids
     tmp = tempfile.mkdtemp(prefix="otela-bench-fleet-")
     cluster = Cluster(tmp)
     try:
@@ -618,7 +600,7 @@ def bench_cost(engines=16, rate=100.0, duration=10.0, floor=False):
                     "--gossip", f"127.0.0.1:{free_port()}", "--process", process]
             cluster.nodes[f"sim{i}"] = cluster._spawn(f"sim{i}", argv)
         cluster._wait(lambda: cluster.serving(MODEL) == engines, f"{engines} engines serving", 180)
-        pids = _engine_pids({p.pid for p in cluster.nodes.values()}, marker)
+        pids = child_pids({p.pid for p in cluster.nodes.values()}, marker)
         out = {"engines": len(pids)}
         label = "cost floor (bare engines)" if floor else "cost"
         for mode in ("not streamed", "streamed"):

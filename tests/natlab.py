@@ -211,11 +211,17 @@ def run(name: str, tmp: str, timings: Dict[str, str], seconds: float = 6.0) -> D
         nodes = [fleet.node(side, place, bootstrap=(ingress.gossip,)) for side, place in (("a", a), ("b", b))]
         want = 2 if kill_relay else 1
 
+        first = f"{PUBLIC}:{RELAY_GOSSIP_PORT}" if kill_relay else None
+
         def ready() -> bool:
+            # with a standalone relay, the scenario starts once it is the relay in use: a node whose
+            # state transfer came after its reach check linked the ingress first, and re-ranks its
+            # links at its next relay check (a loaded box)
             view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
             workers = [s for s in view.values() if s.get("role") == "worker" and s["state"] == "SERVING"
                        and not s.get("suspected")]
-            return len(workers) == 2 and all(len(s.get("relay", "").split(",")) >= want for s in workers)
+            return len(workers) == 2 and all(len(s.get("relay", "").split(",")) >= want and
+                                             (first is None or s["relay"].split(",")[0] == first) for s in workers)
         started = time.monotonic()
         rel.wait(lambda: fleet.up() and ready(), 60, "both private nodes SERVING at the ingress, relayed")
         out["serving_after_s"] = round(time.monotonic() - started, 2)

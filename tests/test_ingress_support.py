@@ -315,6 +315,26 @@ class Cluster:
                 proc.wait()
 
 
+def child_pids(parents, marker: bytes) -> List[int]:
+    """Processes whose parent is one of `parents` and whose command line holds `marker` (the
+    engines that nodes started)."""
+    import os
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid in parents and marker in argv:
+            found.append(int(entry))
+    return found
+
+
 def pids_listening_on(port: int) -> List[int]:
     """Processes (of ours) whose command line carries `--port PORT`: the fake engines we started."""
     import os

@@ -61,7 +61,7 @@ def test_behind_a_leaky_gateway_the_punch_still_succeeds(scenario):
 def test_killing_the_relay_in_use_while_a_second_exists_fails_no_plain_request(scenario):
     out = scenario("relay in use killed")
     relay = f"{natlab.PUBLIC}:{natlab.RELAY_GOSSIP_PORT}"
-    assert all(r.split(",")[0] == relay and len(r.split(",")) == 2 for r in out["relays_before"].values())
+    assert all(r.split(",")[0] == relay and len(r.split(",")) == 2 for r in out["relays_before"].values()), out
     assert_served_through_relays(out)
     assert all(relay not in r for r in out["relays"].values())   # replaced, same sessions served
 

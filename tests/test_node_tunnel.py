@@ -378,13 +378,13 @@ def test_engine_connections_the_engine_closed_while_idle_are_not_a_failure():
             opened = []
             for _ in range(3):                    # three connections in the pool, all idle
                 opened.append(await client.send_raw(request))
-            for conn, buf, head in opened:
+            for conn, _buf, head in opened:
                 assert head.status == 200
                 conn.body = on.BodyReader(head.framing, head.length)
                 assert [p async for p in client.body(conn)] == [b"ok"]
             await asyncio.sleep(0.3)              # the engine closed all three meanwhile
             for _ in range(4):
-                conn, buf, head = await client.send_raw(request)
+                conn, _buf, head = await client.send_raw(request)
                 assert head.status == 200
                 client.release(conn, False)
             assert len(answers) == 7

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from test_ingress_support import Client, Cluster, free_port
+from test_ingress_support import Client, Cluster, child_pids, free_port
 
 import otela_ingress
 import otela_node
@@ -143,10 +143,10 @@ def test_a_node_killed_under_load_moves_its_prefixes_with_no_failed_request(flee
             victim = max({r[3] for r in results}, key=lambda s: sum(r[3] == s for r in results))
         addr = next(s["addr"] for s in registry(fleet)["sessions"] if s["session"] == victim)
         name = next(n for n, proc in fleet.nodes.items() if addr in _cmdline(proc.pid))   # its --listen
-        engine = _engine_pid(fleet.nodes[name].pid)
+        engines = child_pids({fleet.nodes[name].pid}, b"otela_sim.py")
         killed_at = time.monotonic()
         os.kill(fleet.nodes[name].pid, signal.SIGKILL)
-        if engine:
+        for engine in engines:
             fleet.orphans.append(engine)
             os.kill(engine, signal.SIGKILL)
         poll(lambda: sum(r[0] > killed_at + 1 for r in results) >= 24, "24 answers after the kill", 90)
@@ -168,18 +168,3 @@ def _cmdline(pid):
             return [a.decode(errors="replace") for a in f.read().split(b"\0")]
     except OSError:
         return []
-
-
-def _engine_pid(node_pid):
-    """The emulated engine the node started (its child)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == node_pid and "otela_sim.py" in " ".join(_cmdline(int(entry))):
-            return int(entry)
-    return None

@@ -53,7 +53,7 @@ TABLE = {
         lambda argv, env: otela_node.parse_settings(otela_ingress.build_parser(), argv, otela_ingress.SETTING_NAMES,
                                                     env),
         ["serve"],
-        [("--policy", "POLICY", "least_loaded", "random", "round_robin", "policy"),
+        [("--policy", "POLICY", "ttft", "random", "round_robin", "policy"),
          ("--max-connections", "MAX_CONNECTIONS", otela_ingress.MAX_CONNECTIONS, "100", "7", "max_connections"),
          ("--head-timeout-s", "HEAD_TIMEOUT_S", otela_ingress.HEAD_TIMEOUT_S, "2.5", "1", "head_timeout_s"),
          ("--usage-days", "USAGE_DAYS", crdt.USAGE_RETENTION_DAYS, "20", "9", "usage_days"),

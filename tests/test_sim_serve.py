@@ -584,15 +584,8 @@ def test_tokens_planned_ahead_reach_each_stream_at_the_end_of_their_own_step():
     planned = []
     schedule = server.core.schedule
     server.core.schedule = lambda: planned.append(1) or schedule()
-    got = {}
     reqs = requests()
-    for req in reqs:
-        def sink(upto=None, req=req):
-            upto = req.generated if upto is None else upto
-            for i in range(1 + max([i for r, i in got if r == req.id], default=0), upto + 1):
-                got[req.id, i] = server.loop.now
-            return True
-        req.sink = sink
+    got = _stamp_tokens(server, reqs)
     server._submit(reqs[0])
     server._submit(reqs[1])
     server.loop.fire(0.0)                      # the admission window
@@ -607,6 +600,19 @@ def test_tokens_planned_ahead_reach_each_stream_at_the_end_of_their_own_step():
     assert [k for k in want if got[k] != pytest.approx(want[k], abs=1e-9)] == []
     assert [r.tokens for r in reqs] == [r.tokens for r in late]
     assert len(planned) < len(set(want.values())) / 4     # steps were planned ahead, in runs
+
+
+def _stamp_tokens(server, reqs):
+    """{(request id, token number): the loop time it was written}, filled as streams write."""
+    got = {}
+    for req in reqs:
+        def sink(upto=None, req=req):
+            upto = req.generated if upto is None else upto
+            for i in range(1 + max([i for r, i in got if r == req.id], default=0), upto + 1):
+                got[req.id, i] = server.loop.now
+            return True
+        req.sink = sink
+    return got
 
 
 def test_a_fleet_slowed_k_times_makes_the_same_tokens_and_hits_each_k_times_later():
@@ -624,14 +630,8 @@ def test_a_fleet_slowed_k_times_makes_the_same_tokens_and_hits_each_k_times_late
 
     server = sim.EmulatedServer(sim.serve_core(MODEL, "H100", engine="vllm-v1"), "m", time_scale=k)
     server.loop = LateLoop()
-    got, reqs = {}, requests()
-    for req in reqs:
-        def sink(upto=None, req=req):
-            upto = req.generated if upto is None else upto
-            for i in range(1 + max([i for r, i in got if r == req.id], default=0), upto + 1):
-                got[req.id, i] = server.loop.now
-            return True
-        req.sink = sink
+    reqs = requests()
+    got = _stamp_tokens(server, reqs)
     server._submit(reqs[0])
     server._submit(reqs[1])
     server.loop.fire(0.0)                      # the admission window (wall time: not scaled)
