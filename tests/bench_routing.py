@@ -266,7 +266,10 @@ def routers_dir(wanted):
 
 def start_router(procs, rdir, script, policy, workers, name):
     port = free_port()
-    argv = [str(rdir / "bin" / script)] + (["launch"] if script == "sglang-router" else []) + [
+    # through the venv's python: a console script's first line names the folder the venv was
+    # made in, and a venv moved (or reached through another path) keeps that stale name
+    argv = [str(rdir / "bin" / "python"), str(rdir / "bin" / script)] + \
+        (["launch"] if script == "sglang-router" else []) + [
         "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--prometheus-port", str(free_port()),
         "--log-level", "error", "--worker-urls", *workers]
     procs.spawn(name, argv)
