@@ -17,7 +17,9 @@ The sections, in file order, and what each holds:
     keys, usage ledger   Key (hashed, with its rate bucket), Ledger (a journal file, then SQLite)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
-    routing              Candidate, the policies, PassiveHealth (sessions out of rotation)
+    routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex, the
+                         nodes' published prefixes, SpeedFit), PassiveHealth (sessions out of
+                         rotation)
     metrics              Metrics: /metrics in Prometheus' text format
     streams              StreamWatch: SSE events passed through, their usage read (and stripped)
     upstream             UpstreamPool (kept-alive connections per session; writes requests),
@@ -1326,7 +1328,7 @@ class LeastLoadedPolicy(Policy):
 
 # The fields of a worker's record that change with its traffic (otela_node.publish_engine_view)
 # and the record's version: a change in these alone leaves the candidates as they were.
-VIEW_FIELDS = frozenset(("version", "load", "prefixes"))
+VIEW_FIELDS = frozenset(("version", "load", "prefixes", "speed"))
 MAX_SIGNATURES = 65536
 
 
@@ -3412,7 +3414,7 @@ class Ingress:
         if punch is not None:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
-        self._signatures: Dict[str, bytes] = {}   # session -> its record less VIEW_FIELDS, as last seen
+        self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -3495,9 +3497,11 @@ class Ingress:
             self._warm_until = 0.0
         if record is not None and sid in self.health.paths:   # a new path: its failures are past
             self.health.moved(sid, record.get("addr", ""))
-        # a worker's published view (load, prefixes) changes every few seconds and routes nothing
+        # a worker's published view (load, prefixes, speed) changes every few seconds and routes nothing
         # by itself (a policy reads it from the registry): the candidates stay
-        signature = None if record is None else crdt.dumps({k: v for k, v in record.items() if k not in VIEW_FIELDS})
+        # (kept as the hash of its bytes: 30,000 sessions' records would be ~15 MB as bytes)
+        signature = None if record is None else \
+            hash(crdt.dumps({k: v for k, v in record.items() if k not in VIEW_FIELDS}))
         if signature is not None and self._signatures.get(sid) == signature:
             return
         if signature is None:

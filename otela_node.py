@@ -27,6 +27,9 @@ Theory of operation. The file is in sections, each a room with one job:
     asyncio node       GossipTCP: the gossip port's TCP side (admission, joins, state transfers,
                        the hellos that make a link, a splice, a dial-back). Node: the sockets,
                        the timer and the lifecycle; it wires the others
+    prompt prefixes    what a worker publishes for the ingresses' routing: the hashes of the
+                       prompts its engine was sent (PrefixSummary), its engine's speed from the
+                       answers it relays (EngineSpeed, SpeedFit), publish_engine_view
     engine supervisor  the engine as a child process, its health
     CLI                keygen, start, relay
 

@@ -304,3 +304,23 @@ def test_a_conversation_stays_on_its_engine_while_others_are_as_busy():
     long_chat.append({"role": "user", "content": "more"})
     assert policy.pick(candidates, routed({"model": "m", "messages": long_chat})) in candidates
     assert len({h[0] for h in homes.values()}) == 4   # new chats spread
+
+
+def test_a_workers_published_view_alone_keeps_the_ingress_candidates():
+    """load, prefixes and speed change every few seconds: the candidate cache stays (the policy
+    reads them from the registry); any other change (its models) rebuilds it."""
+    from test_ingress_support import StandInNode
+    node = StandInNode()
+    ingress = otela_ingress.Ingress(node, db_path=":memory:", no_auth=True)
+    sid = node.add_worker("127.0.0.1:9", ["m"])
+    key = otela_ingress.ANONYMOUS
+    first = ingress.candidates("m", key)
+    record = dict(node.registry.get(sid))
+    for field, value in (("load", 3), ("prefixes", encode_prefixes([b"x" * 8])), ("speed", {"prefill": 9e3, "decode": 40.0})):
+        record = dict(record, version=record["version"] + 1, **{field: value})
+        node.registry.put(sid, record)
+        node._changed(sid)
+        assert ingress.candidates("m", key) is first
+    node.registry.put(sid, dict(record, version=record["version"] + 1, models=["m", "n"]))
+    node._changed(sid)
+    assert ingress.candidates("m", key) is not first
