@@ -48,7 +48,8 @@ How a proxied request flows through them:
        answer's head, then its plain body whole (_Exchange._read_answer), or, for a stream, a
        _Relay that writes each read to the client as it comes. A session that fails to answer,
        or refuses with a 5xx, hands the request to the next one (_Exchange.retry, up to
-       MAX_ATTEMPTS).
+       MAX_ATTEMPTS); a stream whose session fails after its first bytes is continued on
+       another from the text that went out (_Exchange.resume), or ends with an error event.
     4. _Exchange.finish(outcome): the ledger row is journalled before the client's last bytes
        go out, the in-flight count, the policy, passive health and metrics right after them.
     5. _Client.serve_next: on to the next request the client sent meanwhile.
@@ -1746,6 +1747,7 @@ class Metrics:
         self.errors: Dict[str, int] = collections.defaultdict(int)
         self.retries = 0
         self.stream_cuts = 0
+        self.stream_resumes = 0
         self.tokens: Dict[Tuple[str, str], int] = collections.defaultdict(int)
         self.latency: Dict[str, Histogram] = {}
         self.ttfb: Dict[str, Histogram] = {}
@@ -1797,6 +1799,8 @@ class Metrics:
                 ("otela_retries_total", "counter", "Attempts moved to another session.", self.retries),
                 ("otela_stream_cuts_total", "counter", "Streams ended by an error event mid-way.",
                  self.stream_cuts),
+                ("otela_stream_resumes_total", "counter",
+                 "Streams whose provider failed mid-way, continued on another session.", self.stream_resumes),
                 ("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.", suspected),
                 ("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.", sick),
                 ("otela_ledger_commit_failures_total", "counter",
@@ -1887,9 +1891,16 @@ def overlay_metrics(node: Any) -> bytes:
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _DONE = b"data: [DONE]"
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
-# A chunk that carries generated text (a non-empty "content" or "text" string): engines send one
-# per token, so counting them measures a stream whose engine ignores include_usage.
-_TOKEN_CHUNK = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
+# The generated text of a chunk (a "content" or "text" string, still JSON-escaped: joined, the
+# pieces are one JSON string's inside). Engines send one per token, so counting the non-empty ones
+# measures a stream whose engine ignores include_usage; kept, they are what a cut stream's
+# continuation starts from (see _Exchange.resume).
+_TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# A chunk whose output is not plain text (a reasoning part, a tool call): such a stream is not
+# continued elsewhere, as its text alone does not say where the answer stood.
+_NOT_PLAIN = re.compile(rb'"(?:reasoning_content|reasoning|tool_calls|function_call)"\s*:\s*(?!null|\[\])')
+_CHUNK_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
+RESUME_TEXT_MAX = 256 * 1024   # bytes of a stream's text kept to continue it; a longer one is cut
 
 
 # the usage an answer reports, read by the codec's side (otela_node: a node reads it too)
@@ -1905,7 +1916,8 @@ class StreamWatch:
     chunk it did not ask for.
     """
 
-    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens", "cached_tokens", "events", "saw_usage")
+    __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens", "cached_tokens", "events", "saw_usage",
+                 "text", "kept", "first_id", "swap", "before")
 
     def __init__(self, strip: bool):
         self.strip = strip
@@ -1914,16 +1926,25 @@ class StreamWatch:
         self.cached_tokens: Optional[int] = None
         self.events = 0          # chunks with text: the token estimate when no usage comes
         self.saw_usage = False
+        self.text: Optional[List[bytes]] = []   # the text that went out (None: not to be continued)
+        self.kept = 0            # ... its bytes
+        self.first_id: Optional[bytes] = None   # the stream's chunk id, as its client saw it
+        self.swap: Any = None    # a continuation: True, then (its chunk id, first_id)
+        self.before = 0          # chunks with text before the continuation
 
     def tokens(self) -> Tuple[int, int]:
         """(prompt, completion): the engine's usage, or for an engine that ignores
         stream_options (llama-cpp-python), one completion token per chunk with text and an
-        unknown prompt (None: NULL in the ledger, left out of the token statistics)."""
+        unknown prompt (None: NULL in the ledger, left out of the token statistics). A continued
+        stream's engine counted the text before it as prompt: it is the completion's."""
         if self.saw_usage:
-            return self.prompt_tokens, self.completion_tokens
+            before = self.before
+            return max(0, self.prompt_tokens - before), self.completion_tokens + before
         return None, self.events
 
     def feed(self, piece: bytes) -> bytes:
+        if self.swap is not None:
+            piece = self._swap_id(piece)
         if self.carry:
             piece = self.carry + piece
             self.carry = b""
@@ -1934,23 +1955,65 @@ class StreamWatch:
             end = cut + 4
         if cut < 0:
             if len(piece) > SSE_CARRY_MAX:
+                self.text = None   # its text is not read: the stream is not continued
                 return piece
             self.carry = piece
             return b""
         if end < len(piece):
             self.carry = piece[end:]
             piece = piece[:end]
-        self.events += len(_TOKEN_CHUNK.findall(piece))
+        self._read_text(piece)
         if _USAGE.search(piece) is None:
             return piece
         return self._take_usage(piece)
 
     def flush(self) -> bytes:
         piece, self.carry = self.carry, b""
-        self.events += len(_TOKEN_CHUNK.findall(piece))
+        self._read_text(piece)
         if piece and _USAGE.search(piece) is not None:
             return self._take_usage(piece)
         return piece
+
+    def _read_text(self, piece: bytes) -> None:
+        found = _TEXT.findall(piece)
+        self.events += len(found) - found.count(b"")
+        text = self.text
+        if text is None:
+            return
+        if self.first_id is None:
+            match = _CHUNK_ID.search(piece)
+            self.first_id = match.group(1) if match else b""
+        self.kept += sum(map(len, found))
+        if self.kept > RESUME_TEXT_MAX or _NOT_PLAIN.search(piece) is not None:
+            self.text = None
+        else:
+            text += found
+
+    def generated(self) -> Optional[str]:
+        """The text that went out, if the stream may be continued from it."""
+        if self.text is None or not self.first_id:
+            return None
+        try:
+            return crdt.loads(b'"' + b"".join(self.text) + b'"')
+        except ValueError:
+            return None
+
+    def continued(self) -> None:
+        """The stream goes on from another engine's continuation: what was cut is dropped, its
+        chunks take the id the client saw (_swap_id), its usage counts the text before."""
+        self.carry = b""
+        self.before = self.events
+        self.swap = True
+
+    def _swap_id(self, piece: bytes) -> bytes:
+        swap = self.swap
+        if swap is True:
+            match = _CHUNK_ID.search(piece)
+            if match is None:
+                return piece
+            whole, at = match.group(0), match.start(1) - match.start(0)
+            swap = self.swap = (whole, whole[:at] + self.first_id + b'"')
+        return piece.replace(*swap)
 
     def _take_usage(self, piece: bytes) -> bytes:
         """Read the usage of each event of `piece` that carries one, and drop a usage-only one
@@ -1985,6 +2048,10 @@ class StreamWatch:
 # ---------------------------------------------------------------------------------------------
 class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
+
+
+class Continuation(UpstreamFailure):
+    """The provider failed mid-stream, and the stream is to be continued on another session."""
 
 
 # The upstream side reads with otela_node's codec rather than h11: the peer is our own node (or
@@ -2228,7 +2295,8 @@ class _Relay:
     """Relays one SSE answer to the client from the upstream protocol's data_received: the
     chunk framing off, the watch's filter, the client's framing on, one write per read; no task
     wakes up per chunk. Ends by calling on_end once with True (the whole stream went out),
-    False (cut after bytes went out: the client got an error event), an UpstreamFailure (failed
+    False (cut after bytes went out: the client got an error event), a Continuation (failed after
+    bytes went out: the caller continues it elsewhere), an UpstreamFailure (failed
     before any byte went out: the caller may retry elsewhere) or another exception (the client
     went away, or a bug)."""
 
@@ -2236,7 +2304,7 @@ class _Relay:
 
     def __init__(self, ex: _Exchange, up: Upstream, head: UpstreamHead, on_end: Callable[[Any], None]):
         self.ex, self.up, self.head, self.on_end = ex, up, head, on_end
-        self.watch = StreamWatch(ex.strip_usage)
+        self.watch = ex.watch or StreamWatch(ex.strip_usage)   # (a continuation's: the stream's)
         self.held = b""        # "data: [DONE]" waits until the ledger row is journalled
         self.ended = False
         up.proto.on_data = self.pump
@@ -2326,6 +2394,9 @@ class _Relay:
         if not ex.sent:
             self.up.reused = False   # not a stale pooled connection: no second try on this session
             self._end(UpstreamFailure(reason), discard=True)
+            return
+        if ex.resume(self.watch):   # another session continues it from the text that went out
+            self._end(Continuation(reason), discard=True)
             return
         ex.cut_stream(reason, self.watch)
         self._end(False, discard=True)
@@ -3044,6 +3115,7 @@ class _Exchange:
     connecting: Optional[asyncio.Future] = None   # a new connection being opened for it
     head: Optional[UpstreamHead] = None   # this attempt's answer head
     parts: Sequence[bytes] = ()           # ... and its plain body so far
+    watch: Optional[StreamWatch] = None   # a stream being continued on another session (resume)
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -3211,6 +3283,9 @@ class _Exchange:
         every one there is) failed to answer."""
         left = self.left
         if not left or self.attempts >= MAX_ATTEMPTS:
+            if self.sent:   # a stream that no other session could continue
+                self.cut_stream(failure, self.watch)
+                return self.client.serve_next()
             exc = HTTPError(502, f"Every provider attempt failed ({self.attempts} tried; last: {failure})",
                             "upstream_failed")
             self.finish("exhausted")
@@ -3247,6 +3322,13 @@ class _Exchange:
                 self.up = self.client.exchange = None   # the relay has both from here
                 _Relay(self, up, head, self._stream_end).pump()
                 return
+            if self.sent:   # a continuation refused: nothing but a stream can follow what went out
+                self.up = None
+                up.proto.on_data = None
+                self.ingress.pool.discard(up)
+                self.cut_stream(f"{self.candidate.addr} answered {head.status} to the stream's continuation",
+                                self.watch)
+                return self.client.serve_next()
             self.parts = []
         parts = self.parts
         try:
@@ -3314,6 +3396,45 @@ class _Exchange:
                                            (b"cache-control", b"no-cache"),
                                            (SESSION_HEADER, self.candidate.session_bytes)])
 
+    def resume(self, watch: StreamWatch) -> bool:
+        """The stream broke after bytes went out: ask another session to continue it. The
+        request goes again with the text sent so far as the answer's start: a chat's messages
+        end with that assistant message and `continue_final_message` (vLLM's and SGLang's
+        parameter; llama.cpp's server continues a final assistant message by itself), a
+        completion's prompt ends with it; max_tokens is what is left. False (the stream is cut)
+        for a stream of several choices, of reasoning or tool calls, or longer than
+        RESUME_TEXT_MAX, or when nothing is left to generate."""
+        text = watch.generated()
+        if text is None or self.attempts >= MAX_ATTEMPTS:
+            return False
+        try:
+            request = crdt.loads(self.body)
+        except ValueError:
+            return False
+        if request.get("n", 1) not in (None, 1):
+            return False
+        if self.path.endswith(b"/chat/completions"):
+            messages = request.get("messages")
+            if not isinstance(messages, list):
+                return False
+            request["messages"] = [*messages, {"role": "assistant", "content": text}]
+            request["continue_final_message"], request["add_generation_prompt"] = True, False
+        elif isinstance(request.get("prompt"), str):
+            request["prompt"] += text
+        else:
+            return False
+        for name in ("max_tokens", "max_completion_tokens"):
+            stated = request.get(name)
+            if isinstance(stated, int) and not isinstance(stated, bool):
+                if stated - watch.events < 1:
+                    return False
+                request[name] = stated - watch.events
+        self.body = crdt.dumps(request)
+        self.watch = watch
+        watch.continued()
+        self.ingress.metrics.stream_resumes += 1
+        return True
+
     def cut_stream(self, reason: str, watch: StreamWatch) -> None:
         """The stream broke after bytes went out: the client gets an error event and the end."""
         self.ingress.metrics.stream_cuts += 1
@@ -3328,7 +3449,7 @@ class _Exchange:
         """The end of a relayed stream (see _Relay)."""
         client = self.client
         try:
-            if isinstance(result, UpstreamFailure):   # nothing went out yet: the next session
+            if isinstance(result, UpstreamFailure):   # nothing went out yet, or a continuation: the next session
                 client.exchange = self
                 return self.retry(blame=True, failure=str(result))
             if isinstance(result, BaseException):   # the client went away, or a bug

@@ -2252,13 +2252,24 @@ def tokenize(text):
 
 def chat_prompt(messages):
     """The prompt text of a chat request (the emulator's chat template)."""
-    parts = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):       # OpenAI content parts: the text ones count
-            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        parts.append(f"<|{m.get('role', 'user')}|> {content or ''} ")
-    return "".join(parts) + "<|assistant|>"
+    return "".join(f"<|{m.get('role', 'user')}|> {_content(m)} " for m in messages) + "<|assistant|>"
+
+
+def _content(message):
+    content = message.get("content")
+    if isinstance(content, list):       # OpenAI content parts: the text ones count
+        content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def continued_prompt(messages):
+    """(prompt text, answer key text, tokens already answered) of a chat request whose last
+    message is the start of the answer to continue (vLLM's `continue_final_message`): the
+    prompt ends with that start, no new assistant turn; the answer goes on from where it
+    stood, so a continued answer is the same text as one never cut."""
+    head = chat_prompt(messages[:-1])
+    done = _content(messages[-1])
+    return head + done, head, count_tokens(done)
 
 
 def output_token(prompt_key, i):
@@ -3006,7 +3017,9 @@ class EmulatedServer:
         return "\n".join(out) + "\n"
 
     def _parse(self, chat, body):
-        """(prompt text, tokens, max_tokens, stream, include_usage, stated max) or an error tuple."""
+        """(prompt text, tokens, max_tokens, stream, include_usage, stated max, the text its answer
+        is keyed on (None: the prompt), tokens of the answer already given) or an error tuple."""
+        key_text, skip = None, 0
         try:
             req = json.loads(body)
         except ValueError as e:
@@ -3021,7 +3034,10 @@ class EmulatedServer:
             if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
                 return (400, _openai_error("'messages' must be a non-empty list of objects", "invalid_request_error",
                                            param="messages"))
-            text = chat_prompt(msgs)
+            if req.get("continue_final_message") and msgs[-1].get("role") == "assistant":
+                text, key_text, skip = continued_prompt(msgs)
+            else:
+                text = chat_prompt(msgs)
             tokens = tokenize(text)
         else:
             prompt = req.get("prompt")
@@ -3047,7 +3063,7 @@ class EmulatedServer:
         stream = bool(req.get("stream", False))
         opts = req.get("stream_options") or {}
         return (text, tokens, stated or SERVE_DEFAULT_OUTPUT, stream,
-                bool(isinstance(opts, dict) and opts.get("include_usage")), stated is not None)
+                bool(isinstance(opts, dict) and opts.get("include_usage")), stated is not None, key_text, skip)
 
     async def _completion(self, chat, body, writer, received):
         import zlib
@@ -3055,10 +3071,12 @@ class EmulatedServer:
         if len(parsed) == 2:
             await self._send_json(writer, *parsed)
             return True
-        text, tokens, max_tokens, stream, include_usage, stated = parsed
+        text, tokens, max_tokens, stream, include_usage, stated, key_text, skip = parsed
         self.counter += 1
         loop = self.asyncio.get_running_loop()
-        req = EmulatedRequest(self.counter, tokens, max_tokens, received, zlib.crc32(text.encode()))
+        # the answer's i-th token is output_token(key, i); a continuation's starts at `skip`
+        key = (zlib.crc32((key_text or text).encode()) + skip * 7) % len(OUTPUT_WORDS)
+        req = EmulatedRequest(self.counter, tokens, max_tokens, received, key)
         req.stream = stream
         req.waiter = loop.create_future()
         try:

@@ -335,6 +335,48 @@ def test_a_stream_cut_midway_ends_with_an_error_event_and_done(stack, client):
     assert stack.ingress.metrics.stream_cuts == 1
 
 
+def test_a_stream_cut_midway_is_continued_on_another_session_from_the_text_that_went_out(stack, client):
+    cut, _ = stack.engine("m1", mode="cut", chunks=8)
+    good, good_engine = stack.engine("m1", chunks=8)
+    resumed = 0
+    for i in range(12):   # different prompts: the policy spreads them over both sessions
+        status, headers, body = client.chat(content=f"question {i} " * 40, stream=True, max_tokens=100)
+        events = sse_events(body)
+        assert status == 200 and events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["choices"] and "error" not in c for c in chunks)
+        assert {c["id"] for c in chunks} == {chunks[0]["id"]}   # one id, the one the client saw first
+        if headers["x-otela-session"] != cut:
+            assert len(chunks) == 8
+            continue
+        resumed += 1
+        assert len(chunks) == 4 + 8   # 4 from the cut engine, then the continuation's
+        sent = json.loads(good_engine.last_body)
+        assert sent["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 tok2 tok3 "}
+        assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+        assert sent["max_tokens"] == 100 - 4
+    assert resumed and stack.ingress.metrics.stream_resumes == resumed
+    assert stack.ingress.metrics.stream_cuts == 0
+    # metered as one answer: the continuation's engine counted the 4 tokens before it as prompt
+    rows = stack.sql("SELECT status, prompt_tokens, completion_tokens, attempts FROM requests")
+    assert sorted(rows) == sorted([(200, 80, 12, 2)] * resumed + [(200, 80, 8, 1)] * (12 - resumed))
+
+
+def test_a_stream_of_reasoning_or_several_choices_is_cut_not_continued():
+    watch = StreamWatch(strip=True)
+    watch.feed(b'data: {"id":"a","choices":[{"delta":{"content":"x"}}]}\n\n')
+    assert watch.generated() == "x"
+    watch.feed(b'data: {"id":"a","choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n')
+    assert watch.generated() is None
+    watch = StreamWatch(strip=True)
+    watch.feed(b'data: {"id":"a","choices":[{"delta":{"content":"\\"q\\" \\u00e9"}}]}\n\n')
+    assert watch.generated() == '"q" \u00e9'
+    watch.continued()   # a continuation's chunks take the id the client saw
+    out = watch.feed(b'data: {"id": "b", "choices":[{"delta":{"content":"y"}}]}\n\n')
+    assert out == b'data: {"id": "a", "choices":[{"delta":{"content":"y"}}]}\n\n'
+    assert watch.generated() == '"q" \u00e9y'
+
+
 def test_passive_health_backoff_grows_per_relapse_and_ends_on_success():
     health = PassiveHealth()
     health.failed("s", 0.0)

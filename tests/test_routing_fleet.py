@@ -2,10 +2,12 @@
 (`otela_sim.py serve`, which reports cached tokens as vLLM does). What a user sees: a prompt
 prefix stays on the engine that holds it, the nodes publish what their engines were sent and
 their load, /metrics and /v1/registry show the hit rates, and a node killed under load moves
-its prefixes elsewhere with no failed request. Figures (hit rates, TTFT against the peers) are
+its prefixes elsewhere with no failed request, and a stream cut by it goes on from another
+engine with the text it would have had. Figures (hit rates, TTFT against the peers) are
 the benchmark's (tests/bench_routing.py), never asserted here."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -141,14 +143,8 @@ def test_a_node_killed_under_load_moves_its_prefixes_with_no_failed_request(flee
              "a node's load published", 30)
         with lock:
             victim = max({r[3] for r in results}, key=lambda s: sum(r[3] == s for r in results))
-        addr = next(s["addr"] for s in registry(fleet)["sessions"] if s["session"] == victim)
-        name = next(n for n, proc in fleet.nodes.items() if addr in _cmdline(proc.pid))   # its --listen
-        engines = child_pids({fleet.nodes[name].pid}, b"otela_sim.py")
         killed_at = time.monotonic()
-        os.kill(fleet.nodes[name].pid, signal.SIGKILL)
-        for engine in engines:
-            fleet.orphans.append(engine)
-            os.kill(engine, signal.SIGKILL)
+        kill_node_of(fleet, victim)
         poll(lambda: sum(r[0] > killed_at + 1 for r in results) >= 24, "24 answers after the kill", 90)
     finally:
         stop.set()
@@ -160,6 +156,52 @@ def test_a_node_killed_under_load_moves_its_prefixes_with_no_failed_request(flee
     assert victim not in {r[3] for r in after}
     moved = {r[1] for r in after}
     assert len(moved) == len(systems)   # every prefix is served elsewhere
+
+
+def test_a_stream_whose_node_is_killed_goes_on_elsewhere_with_the_text_it_would_have_had(fleet):
+    body = {"model": MODEL, "max_tokens": 300, "stream": True,
+            "messages": [{"role": "system", "content": words(300, 9)}, {"role": "user", "content": words(20, 10)}]}
+    host, port = fleet.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"content-type": "application/json", "authorization": f"Bearer {fleet.token}"})
+        response = conn.getresponse()
+        assert response.status == 200
+        events = []
+        while len(events) < 10:   # 10 tokens of 300 (~8 ms each): the stream is well under way
+            line = response.readline()
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+        kill_node_of(fleet, response.getheader(otela_ingress.SESSION_HEADER.decode()))
+        events += [line[6:].strip() for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+    finally:
+        conn.close()
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    # the emulator's answer is a function of the prompt: asked again, whole, elsewhere
+    client = Client(fleet.url, fleet.token, timeout=60)
+    try:
+        status, _, whole = client.request("POST", "/v1/chat/completions", {**body, "stream": False})
+        metrics = client.request("GET", "/metrics")[2].decode()
+    finally:
+        client.close()
+    assert status == 200
+    assert text == json.loads(whole)["choices"][0]["message"]["content"]
+    assert "otela_stream_resumes_total 1" in metrics and "otela_stream_cuts_total 0" in metrics
+
+
+def kill_node_of(cluster, session):
+    """SIGKILL the node serving `session`, and its engine (a node killed so leaves it behind)."""
+    addr = next(s["addr"] for s in registry(cluster)["sessions"] if s["session"] == session)
+    name = next(n for n, proc in cluster.nodes.items() if addr in _cmdline(proc.pid))   # its --listen
+    engines = child_pids({cluster.nodes[name].pid}, b"otela_sim.py")
+    os.kill(cluster.nodes[name].pid, signal.SIGKILL)
+    for engine in engines:
+        cluster.orphans.append(engine)
+        os.kill(engine, signal.SIGKILL)
 
 
 def _cmdline(pid):

@@ -384,6 +384,17 @@ def test_a_second_identical_chat_reports_its_cached_prompt_tokens_in_usage(serve
     assert second["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_continued_answer_goes_on_with_the_text_of_the_answer_never_cut(server):
+    whole = json.loads(http(server, "POST", "/v1/chat/completions", chat("go on", max_tokens=12))[1])
+    text = whole["choices"][0]["message"]["content"]
+    start = "".join(sim.tokenize(text)[:5])
+    body = {"model": MODEL, "max_tokens": 7, "continue_final_message": True, "add_generation_prompt": False,
+            "messages": [{"role": "user", "content": "go on"}, {"role": "assistant", "content": start}]}
+    rest = json.loads(http(server, "POST", "/v1/chat/completions", body)[1])
+    assert start + rest["choices"][0]["message"]["content"] == text
+    assert rest["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] + 5   # the start is prompt
+
+
 def test_a_stream_sends_one_event_per_token_then_usage_then_done(server):
     status, body = http(server, "POST", "/v1/chat/completions",
                         chat("tell me", max_tokens=6, stream=True, stream_options={"include_usage": True}))
