@@ -1895,12 +1895,12 @@ _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
 # pieces are one JSON string's inside). Engines send one per token, so counting the non-empty ones
 # measures a stream whose engine ignores include_usage; kept, they are what a cut stream's
 # continuation starts from (see _Exchange.resume).
-_TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
 # A chunk whose output is not plain text (a reasoning part, a tool call): such a stream is not
 # continued elsewhere, as its text alone does not say where the answer stood.
 _NOT_PLAIN = re.compile(rb'"(?:reasoning_content|reasoning|tool_calls|function_call)"\s*:\s*(?!null|\[\])')
 _CHUNK_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
-RESUME_TEXT_MAX = 256 * 1024   # bytes of a stream's text kept to continue it; a longer one is cut
+RESUME_TEXT_MAX = 1024 * 1024   # bytes of a stream read for its text, to continue it; a longer one is cut
 
 
 # the usage an answer reports, read by the codec's side (otela_node: a node reads it too)
@@ -1962,7 +1962,19 @@ class StreamWatch:
         if end < len(piece):
             self.carry = piece[end:]
             piece = piece[:end]
-        self._read_text(piece)
+        found = _TEXT.findall(piece)   # (_read_text, inline: this runs per chunk of every stream)
+        said = len(found) - found.count(b"")
+        self.events += said
+        text = self.text
+        if text is not None:
+            if self.first_id is None:
+                match = _CHUNK_ID.search(piece)
+                self.first_id = match.group(1) if match else b""
+            text += found
+            self.kept += len(piece)
+            # (only an event without text may be a reasoning part or a tool call)
+            if self.kept > RESUME_TEXT_MAX or (said < piece.count(b"data:") and _NOT_PLAIN.search(piece)):
+                self.text = None
         if _USAGE.search(piece) is None:
             return piece
         return self._take_usage(piece)
@@ -1975,19 +1987,21 @@ class StreamWatch:
         return piece
 
     def _read_text(self, piece: bytes) -> None:
+        """The text of `piece`, the events that hold some and whether the stream is still plain
+        (feed does the same inline)."""
         found = _TEXT.findall(piece)
-        self.events += len(found) - found.count(b"")
+        said = len(found) - found.count(b"")
+        self.events += said
         text = self.text
         if text is None:
             return
         if self.first_id is None:
             match = _CHUNK_ID.search(piece)
             self.first_id = match.group(1) if match else b""
-        self.kept += sum(map(len, found))
-        if self.kept > RESUME_TEXT_MAX or _NOT_PLAIN.search(piece) is not None:
+        text += found
+        self.kept += len(piece)
+        if self.kept > RESUME_TEXT_MAX or (said < piece.count(b"data:") and _NOT_PLAIN.search(piece)):
             self.text = None
-        else:
-            text += found
 
     def generated(self) -> Optional[str]:
         """The text that went out, if the stream may be continued from it."""

@@ -368,6 +368,10 @@ def test_a_stream_of_reasoning_or_several_choices_is_cut_not_continued():
     assert watch.generated() == "x"
     watch.feed(b'data: {"id":"a","choices":[{"delta":{"reasoning_content":"hm"}}]}\n\n')
     assert watch.generated() is None
+    watch = StreamWatch(strip=True)   # a tool call's arguments, in one read with text before it
+    watch.feed(b'data: {"id":"a","choices":[{"delta":{"content":"x"}}]}\n\n'
+               b'data: {"id":"a","choices":[{"delta":{"content":null,"tool_calls":[{"index":0}]}}]}\n\n')
+    assert watch.generated() is None
     watch = StreamWatch(strip=True)
     watch.feed(b'data: {"id":"a","choices":[{"delta":{"content":"\\"q\\" \\u00e9"}}]}\n\n')
     assert watch.generated() == '"q" \u00e9'
