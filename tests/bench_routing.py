@@ -34,7 +34,11 @@ timings.cache_n / (cache_n + prompt_n) and TTFT.
 
 Per policy and case: TTFT p50/p99, end-to-end p99 (wall ms at time scale K: divide by K for
 the GPU's), output tokens/s (wall), cache hit rate (sum of usage cached_tokens / sum of prompt
-tokens), errors; and the ratios issue 28's targets name. Prints a table, writes
+tokens), errors; and the ratios issue 28's targets name, beside the workload's reusable share
+(the hit rate of a cache that never evicts: what no placement can beat), and, where otela's
+`ttft` and sglang's `cache_aware` hit the same, their TTFT p50 apart (the same engine work: what
+the path adds). The kill case adds the ingress's retries, streams continued elsewhere and
+streams cut. Prints a table, writes
 <out>/routing.json; never asserts. Loopback only; every process started is stopped (its
 process group) and every temporary folder removed, on Ctrl-C and failure too.
 """
@@ -324,6 +328,23 @@ def figures(records):
             "error_kinds": sorted({why(r) for r in failed})[:5]}
 
 
+def ingress_counters(urls):
+    """The ingresses' retries, streams continued elsewhere and streams cut, summed (/metrics)."""
+    names = {"otela_retries_total": "retries", "otela_stream_resumes_total": "stream_resumes",
+             "otela_stream_cuts_total": "stream_cuts"}
+    out = dict.fromkeys(names.values(), 0)
+    for url in urls:
+        try:
+            text = http_get(url + "/metrics")[1].decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in names:
+                out[names[name]] += int(float(value))
+    return out
+
+
 def generated_tokens(urls):
     """The engines' vllm:generation_tokens counters, summed."""
     total = 0.0
@@ -427,6 +448,8 @@ def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir
         records = asyncio.run(_run(urls, MODEL, requests, times, REQUEST_TIMEOUT_S, during))
         out = figures(records)
         out.update(rate=rate, sent=len(requests), sent_over_s=times[-1] if times else 0.0)
+        if kind == "otela":   # what the ingresses did about failures: retried, continued, cut
+            out["ingress"] = ingress_counters(urls)
         if kill:
             after = [r for r in records if r.get("at", 0) >= killed["at"]]
             out["killed_at_s"] = killed["at"]
@@ -491,6 +514,14 @@ def ratios(result):
             if label and me.get(key) is not None:
                 r[what] = me[key] / value if value else None
                 r["best_peer_" + key] = label
+        reusable = result.get("reusable", {}).get(case.split(" ")[0])
+        if reusable and me.get("hit_rate") is not None:   # 1.0: no placement could hit more
+            r["hit_rate_vs_reusable"] = me["hit_rate"] / reusable
+        peer = cases.get("sglang cache_aware", {})
+        if peer.get("hit_rate") is not None and me.get("hit_rate") == peer["hit_rate"] and peer.get("ttft_p50_ms"):
+            # the same hits, so the same engine work: the TTFT p50 apart is what the path adds (the
+            # node hop, two Python processes, against the router's one Rust process)
+            r["path_ms_at_equal_hits"] = me["ttft_p50_ms"] - peer["ttft_p50_ms"]
         if case.startswith("instruct") and "otela least_loaded" in cases and me.get("ttft_p99_ms"):
             r["instruct_ttft_p99_vs_least_loaded"] = me["ttft_p99_ms"] / cases["otela least_loaded"]["ttft_p99_ms"]
         if "x2" in case:
@@ -562,6 +593,9 @@ def main():
             cap, done = measure_capacity(name, *((8.0, 16) if a.quick else (CAPACITY_S, CAPACITY_INFLIGHT)))
             result["capacity"][name] = {"req_s_at_scale_1": cap, "req_s_at_scale_k": cap / a.time_scale,
                                         "completed": done}
+            # the hit rate of a cache that never evicts, each request against those before it:
+            # no placement can do better (the oracle a policy is measured against)
+            result.setdefault("reusable", {})[name] = workload.reusable_share(WORKLOADS[name](0)[:a.count])
             if cap <= 0:
                 print(f"capacity {name}: nothing generated in the window; its runs skipped")
                 continue
@@ -594,7 +628,7 @@ def main():
             print(f"kill: otela {policy}, shared prefix at 80 %, a node and its engine SIGKILLed at "
                   f"{kill['killed_at_s']:.1f} s: {kill['errors']} client errors of {kill['requests']} "
                   f"({kill['error_kinds']}); hit rate after the kill {fmt(kill['after_kill']['hit_rate'], '.3f')} "
-                  f"(the whole run {fmt(kill['hit_rate'], '.3f')})")
+                  f"(the whole run {fmt(kill['hit_rate'], '.3f')}); the ingress {kill.get('ingress')}")
         llama_ready = (ENGINE_DIR / ".ready").exists() and ENGINE_PYTHON.exists()
         if a.llamacpp or (not a.quick and not a.no_llamacpp):
             if not llama_ready:
