@@ -103,6 +103,16 @@ class NodeProc:
             self.proc.stderr.close()
 
 
+def _state(node):
+    """A node's exit code and last words, or what its registry says of every session."""
+    if node.proc.poll() is not None:
+        return {"exited": node.proc.returncode, "stderr": node.proc.stderr.read()[-600:].decode(errors="replace")}
+    try:
+        return {s["session"][:8]: (s["state"], s.get("suspected")) for s in node.view()["sessions"]}
+    except (OSError, ValueError, KeyError) as exc:
+        return {"view": repr(exc)}
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """start(n, engine_flags) -> [NodeProc]; every process is killed at the end."""
@@ -115,8 +125,11 @@ def cluster(tmp_path):
             boot = nodes[0].gossip if nodes else None
             nodes.append(NodeProc(key_file, boot, flags.get(i, ""), node_flags.get(i, ())))
         for node in nodes:
-            wait_for(lambda node=node: len([s for s in node.view()["sessions"] if s["state"] == "SERVING"]) == n,
-                     20, f"{n} SERVING sessions at {node.listen}")
+            try:
+                wait_for(lambda node=node: len([s for s in node.view()["sessions"] if s["state"] == "SERVING"]) == n,
+                         20, f"{n} SERVING sessions at {node.listen}")
+            except AssertionError as exc:   # say what each node was doing (a rare failure under load)
+                raise AssertionError(f"{exc}; the nodes: {[_state(other) for other in nodes]}") from None
         return nodes
 
     start.key = on.load_key(key_file)
