@@ -317,10 +317,10 @@ TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("
 
 def config_from_env(config: Config, env=None) -> Config:
     """Every timing default can be overridden as OTELA_<NAME> (tests make detection quick), read
-    as every setting is (env_value; these have no flags but --probe-interval). Raises ConfigError."""
+    as every setting is (crdt.env_value; these have no flags but --probe-interval). Raises ConfigError."""
     for name in TIMING_FIELDS:
         try:
-            value = env_value(name.upper(), float, env)
+            value = crdt.env_value(name.upper(), float, os.environ if env is None else env)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if value is not None:
@@ -361,84 +361,6 @@ def advertise(addr: str) -> str:
 
 class ConfigError(ValueError):
     """A bad setting given by the user; the CLI prints it on one line and exits 2."""
-
-
-# -- Settings: one way every otela file reads them -----------------------------------------------
-# A setting is its flag, else its OTELA_<NAME> variable, else the default. The same two functions
-# stand, letter for letter, in otela_node.py (for the node and the ingress) and otela_sim.py (for
-# the simulator and the placer, which run on hosts without otela_node.py): a role file is copied
-# alone onto a cluster, so neither imports the other; tests/test_settings.py checks that the two
-# copies are the same and behave the same in every file.
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off", "")
-
-
-def env_value(name, kind=str, env=None):
-    """OTELA_<NAME> read as `kind` (a type or an argparse type function), or None when it is not
-    set. A boolean is 1/true/yes/on or 0/false/no/off (any case; empty is false): anything else,
-    like a value `kind` refuses, is a ValueError that names the variable, on one line. A setting
-    that might mean the opposite is never guessed."""
-    raw = (os.environ if env is None else env).get("OTELA_" + name)
-    if raw is None:
-        return None
-    if kind is bool:
-        if raw.strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
-            raise ValueError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
-        return raw.strip().lower() in _TRUE_WORDS
-    try:
-        return kind(raw)
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"OTELA_{name}={raw!r}: {exc or 'not a valid value'}") from None
-
-
-def parse_settings(parser, argv=None, names=None, env=None):
-    """parser.parse_args(argv), every flag (of every subcommand) defaulting to its variable:
-    --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
-    switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
-    by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
-    they differ (separator None: one value), or to None: no variable (a destructive one-shot
-    switch such as keygen's --force). ValueError for a variable the flag would refuse."""
-    names, repeated = names or {}, []
-
-    def read(parser):
-        for action in parser._actions:
-            if isinstance(action.choices, dict):   # the subcommands
-                for sub in action.choices.values():
-                    read(sub)
-                continue
-            if not action.option_strings or action.dest in ("help", "version"):
-                continue
-            flag = action.option_strings[-1]
-            if flag in names and names[flag] is None:
-                continue
-            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
-            convert = action.type or str
-            if action.nargs == 0:   # a switch: true is as if it were given
-                value = env_value(name, bool, env)
-                if value is not None:
-                    action.default = action.const if value else not action.const
-            elif isinstance(action, argparse._AppendAction):
-                def items(raw, convert=convert, sep=sep):
-                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
-                value = env_value(name, items, env)
-                if value is not None:
-                    repeated.append((action, value))
-            else:
-                value = env_value(name, convert, env)
-                if value is not None and action.choices is not None and value not in action.choices:
-                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
-                                     f"{', '.join(map(str, action.choices))}")
-                if value is not None:
-                    action.default = value
-            if value is not None:
-                action.required = False
-
-    read(parser)
-    args = parser.parse_args(argv)
-    for action, values in repeated:
-        if getattr(args, action.dest, None) is action.default:   # the flag was not given
-            setattr(args, action.dest, values)
-    return args
 
 
 def load_key(path: str) -> bytes:
@@ -6505,7 +6427,7 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                      listen_default: str = DEFAULT_LISTEN,
                      listen_help: str = "TCP address for the tunnel, /v1/registry and /healthz") -> None:
     """The flags every overlay member takes; each also reads an OTELA_* environment variable
-    (parse_settings). The ingress binds its gossip port on every interface by default
+    (crdt.parse_settings). The ingress binds its gossip port on every interface by default
     (INGRESS_GOSSIP): it is what nodes on other hosts bootstrap to."""
     g = parser.add_argument_group("overlay")
     g.add_argument("--key-file", default=None,
@@ -6549,7 +6471,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     ring = load_secrets(args.key_file)
     config.key, config.accept_keys = ring[0], ring[1:]
     config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
-    config.reach = env_value("REACH") or "auto"   # (no flag: a lab's knob)
+    config.reach = crdt.env_value("REACH", str, os.environ) or "auto"   # (no flag: a lab's knob)
     if config.reach not in ("auto", "private", "public"):
         raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
     config.bootstrap = [b for b in args.bootstrap or () if b]
@@ -6768,7 +6690,7 @@ async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) ->
     return 0
 
 
-# The variables of flags whose names or separators are not parse_settings' own: --bootstrap's
+# The variables of flags whose names or separators are not crdt.parse_settings' own: --bootstrap's
 # OTELA_BOOTSTRAP is one value (its commas are read with it, as the flag's are)
 SETTING_NAMES = {"--bootstrap": ("BOOTSTRAP", None), "--force": None}   # keygen --force: the flag only
 
@@ -6832,7 +6754,7 @@ async def run_relay(config: Config) -> int:
 
 def main(argv=None) -> int:
     try:   # every flag also reads its OTELA_<FLAG> (the label's OTELA_LABEL, comma-separated)
-        args = parse_settings(build_parser(), argv, SETTING_NAMES)
+        args = crdt.parse_settings(build_parser(), argv, SETTING_NAMES, os.environ)
     except ValueError as exc:
         print(f"otela_node.py: error: {exc}", file=sys.stderr)
         return 2
