@@ -4506,6 +4506,20 @@ class HolePunch:
 
 
 
+def offered_relays(node: Node, leave_out: Tuple[str, ...] = ()) -> List[str]:
+    """The gossip addresses of the members offering to relay, best first: standalone relays (they
+    exist for it), then ingresses, then dialable workers; never ourselves, a suspected or
+    relayed member, or one at an address in `leave_out`."""
+    ranked = []
+    for sid, record in node.registry.items() if node.overlay is not None else ():
+        gossip = record.get("gossip", "")
+        if sid == node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                or is_relayed(gossip) or node.is_suspected(sid) or gossip in leave_out:
+            continue
+        ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+    return [gossip for _, gossip in sorted(ranked)]
+
+
 class RelayServer:
     """A node's side as a relay (rules 1, 2 and 7 of "NAT traversal and relay"): the links
     private members hold to us, one _MuxLink each (its tunnel streams, and whether its member
@@ -4696,17 +4710,10 @@ class RelayServer:
         await writer.drain()
 
     def known_relays(self, asker: str = "") -> List[str]:
-        """The relays a seed names in its "rs" (rule 7), best first: members that relay, are
-        dialable and not suspected; ourselves left out (our own "relaying" says that), and the
-        asker (its first record says it relays: it did not know yet that it is private)."""
-        ranked = []
-        for sid, record in self.node.registry.items() if self.node.overlay is not None else ():
-            gossip = record.get("gossip", "")
-            if sid == self.node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                    or is_relayed(gossip) or self.node.is_suspected(sid) or gossip == asker:
-                continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
+        """The relays a seed names in its "rs" (rule 7), best first (offered_relays), and not the
+        asker (its first record says it relays: it did not know yet that it is private); our
+        own "relaying" speaks for us."""
+        return offered_relays(self.node, (asker,))[:NAMED_RELAYS]
 
     async def splice(self, link_id: str, conn: _Stream) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
@@ -4811,9 +4818,8 @@ class RelayClient:
             if is_relayed(dest):
                 return
             try:                                    # no link yet: straight out (a cone NAT passes it)
-                self.node.udp.sendto(data, self.node.resolve(dest))
-                self.node.bytes_sent += len(data)
-            except (OSError, ValueError):
+                self.node.send_datagram(data, self.node.resolve(dest))
+            except ValueError:
                 pass
             return
         mine = self.node.relay_server.linked.get(dest[len(RELAYED_PREFIX):])
@@ -4834,11 +4840,7 @@ class RelayClient:
             except ValueError:
                 continue
             if len(wrapped) <= self.config.max_datagram:
-                try:
-                    self.node.udp.sendto(wrapped, target)
-                    self.node.bytes_sent += len(wrapped)
-                except OSError:
-                    pass
+                self.node.send_datagram(wrapped, target)
             else:
                 self.node.spawn(self.node.relay_server.send_frames(target, frame(wrapped)))
             return
@@ -4934,17 +4936,9 @@ class RelayClient:
             await asyncio.sleep(cfg.relay_check_interval)
 
     def _relay_candidates(self) -> List[str]:
-        """Members offering to relay, best first: standalone relays (they exist for it), then
-        ingresses, then dialable workers, never a suspected or relayed one; then the seeds that
-        answered us and are not in the registry yet."""
-        ranked = []
-        for sid, record in self.node.registry.items():
-            gossip = record.get("gossip", "")
-            if sid == self.node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                    or is_relayed(gossip) or self.node.is_suspected(sid):
-                continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        out = [gossip for _, gossip in sorted(ranked)]
+        """Members offering to relay, best first (offered_relays); then the seeds that answered
+        us and are not in the registry yet."""
+        out = offered_relays(self.node)
         out += [seed for seed in self.seed_relays if seed not in out and seed not in self.node.overlay.by_addr]
         return out + [relay for relay in self.named_relays if relay not in out and relay not in self.node.overlay.by_addr]
 
@@ -5167,14 +5161,7 @@ class GossipTCP:
         join ("rc") then reads its answer there, from `addr` (an older member answers by a
         connection of its own instead)."""
         now = time.time()
-        parts = []
-        for msg in msgs:
-            data = self.wire.seal(msg, now)
-            if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
-                hello = self.wire.seal({"t": "h"}, now)
-                parts.append(struct.pack(">I", len(hello)) + hello)
-            parts.append(struct.pack(">I", len(data)) + data)
-        frames = b"".join(parts)
+        frames = b"".join(self._framed(msg, now) for msg in msgs)
         msg = msgs[0]
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
@@ -5251,12 +5238,16 @@ class GossipTCP:
             self.node.send(answers)
             return
         for o in answers:
-            data = self.wire.seal(dict(o.msg, ra=self.node.overlay.addr), now)
-            frames = frame(data)
-            if len(data) > self.config.max_datagram:   # a big frame: an authentic hello goes first
-                frames = frame(self.wire.seal({"t": "h"}, now)) + frames
+            frames = self._framed(dict(o.msg, ra=self.node.overlay.addr), now)
             writer.write(frames)
             self.node.bytes_sent += len(frames)
+
+    def _framed(self, msg: Dict[str, Any], now: float) -> bytes:
+        """`msg` sealed as a frame; a big one (over a datagram) after an authentic hello."""
+        data = self.wire.seal(msg, now)
+        if len(data) > self.config.max_datagram:
+            return frame(self.wire.seal({"t": "h"}, now)) + frame(data)
+        return frame(data)
 
     def _join_allowed(self, source: str, now: float) -> bool:
         """A token bucket per join source: join_answer_burst, refilled at join_answer_rate."""
@@ -5821,13 +5812,17 @@ class Node:
                 else:                               # the pieces of one state transfer: one connection
                     by_target.setdefault(target, []).append(msg)
                 continue
-            try:
-                self.udp.sendto(data, target)
-                self.bytes_sent += len(data)
-            except OSError:
-                pass
+            self.send_datagram(data, target)
         for target, msgs in by_target.items():
             self.spawn(self.gossip_tcp.send(target, msgs))
+
+    def send_datagram(self, data: bytes, target: tuple) -> None:
+        """One datagram out of the gossip port, counted; an error sending it is a datagram lost."""
+        try:
+            self.udp.sendto(data, target)
+            self.bytes_sent += len(data)
+        except OSError:
+            pass
 
 
     def spawn(self, coro) -> asyncio.Task:
@@ -6484,7 +6479,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"bad label {item!r}: expected k=v")
         config.labels[key.strip()] = value.strip()
     try:
-        config.gossip, config.listen = advertise_check(args.gossip), advertise_check(args.listen)
+        split_addr(args.gossip), split_addr(args.listen)
+        config.gossip, config.listen = args.gossip, args.listen
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if args.advertise:
@@ -6499,16 +6495,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
-def advertise_check(addr: str) -> str:
-    split_addr(addr)
-    return addr
-
-
 KEY_FILES = {"cluster": "cluster.key", "ingress": "ingress.key"}   # keygen's secrets, by tier
 
 
-def _write_secret(path: str, force: bool) -> None:
-    """A new secret (64 hex chars) in `path`, mode 0600."""
+def _write_secret(path: str, force: bool, lines: Optional[List[str]] = None) -> None:
+    """`lines` (default: a new secret, 64 hex chars) in `path`, mode 0600; an existing file is
+    replaced only when `force`."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
@@ -6516,7 +6508,7 @@ def _write_secret(path: str, force: bool) -> None:
         raise ConfigError(f"{path} exists; pass --force to replace it (every holder needs the new key), "
                           "or rotate it without an outage (--rotate, --promote, --retire)") from None
     with os.fdopen(fd, "w") as fh:
-        fh.write(os.urandom(32).hex() + "\n")
+        fh.write("\n".join(lines or [os.urandom(32).hex()]) + "\n")
     os.chmod(path, 0o600)
 
 
@@ -6538,15 +6530,8 @@ def rotate(out_dir: str, tier: str, step: str = "rotate") -> str:
         lines = lines[-1:] + lines[:-1]
     else:
         lines = lines[:1]
-    _write_secret_lines(path, lines)
+    _write_secret(path, True, lines)
     return path
-
-
-def _write_secret_lines(path: str, lines: List[str]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    os.chmod(path, 0o600)
 
 
 def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> List[str]:
@@ -6577,6 +6562,14 @@ def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> Lis
     return written
 
 
+def _stop_on_signals() -> asyncio.Event:
+    """Set by SIGTERM or SIGINT: a long-running command's cue to stop cleanly."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    return stop
+
+
 async def _until(coro, stop: asyncio.Event):
     """Run coro until it finishes or `stop` is set: (result, stopped)."""
     task = asyncio.ensure_future(coro)
@@ -6600,10 +6593,7 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     """`start`: supervise the engine and serve it as a session until SIGTERM or engine failure."""
     supervisor = EngineSupervisor(args.process, args.engine_url, config)
     node = Node(config, role="worker", hardware=detect_hardware(), engine_url=supervisor.url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     publisher: Optional[asyncio.Future] = None
     try:
         # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
@@ -6739,10 +6729,7 @@ async def run_relay(config: Config) -> int:
     """`relay`: a dialable member that only relays (and seeds), until SIGTERM."""
     config.relay, config.reach = True, "public"
     node = Node(config, role="relay")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     await node.start(serve_http=True, state=crdt.SERVING)
     log.info("relay %s on gossip %s", node.session_id, node.overlay.addr)
     try:
