@@ -4627,7 +4627,7 @@ class RelayServer:
             elif from_link:                         # one hop on to its relay, never more (no loops)
                 for relay in self.reach.relays(dest):
                     if relay != self.node.overlay.addr:
-                        self.node.spawn(self.send_frames(self.node.resolve(relay), frame(data)))
+                        self.node.spawn(self.node.gossip_tcp.send_frame(self.node.resolve(relay), data))
                         break
             return True
         try:
@@ -4640,7 +4640,7 @@ class RelayServer:
             except OSError:
                 pass
         else:
-            self.node.spawn(self.send_frames(target, frame(inner)))
+            self.node.spawn(self.node.gossip_tcp.send_frame(target, inner))
         return True
 
     def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
@@ -4673,20 +4673,6 @@ class RelayServer:
                 break
             del seen[oldest]
         return ""
-
-    async def send_frames(self, target: tuple, frames: bytes) -> None:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            return
-        try:
-            hello = self.wire.seal({"t": "h"}, time.time())
-            writer.write(frame(hello) + frames)
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
 
     async def answer_reach(self, msg: Dict[str, Any], writer: _Stream) -> None:
         """A seed's side of the reachability check: dial the asker back, say what we saw."""
@@ -4842,7 +4828,7 @@ class RelayClient:
             if len(wrapped) <= self.config.max_datagram:
                 self.node.send_datagram(wrapped, target)
             else:
-                self.node.spawn(self.node.relay_server.send_frames(target, frame(wrapped)))
+                self.node.spawn(self.node.gossip_tcp.send_frame(target, wrapped))
             return
 
     async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
@@ -5162,7 +5148,14 @@ class GossipTCP:
         connection of its own instead)."""
         now = time.time()
         frames = b"".join(self._framed(msg, now) for msg in msgs)
-        msg = msgs[0]
+        await self._send(target, frames, len(msgs), addr if msgs[0].get("rc") else "")
+
+    async def send_frame(self, target: tuple, sealed: bytes) -> None:
+        """A sealed message (or an envelope of one) too big for a datagram, after a hello."""
+        await self._send(target, frame(self.wire.seal({"t": "h"}, time.time())) + frame(sealed), 1)
+
+    async def _send(self, target: tuple, frames: bytes, pieces: int, join_from: str = "") -> None:
+        """`frames` on a new connection to `target`; then, for a join, its answer from `join_from`."""
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
         except (OSError, asyncio.TimeoutError):
@@ -5170,11 +5163,11 @@ class GossipTCP:
         try:
             writer.write(frames)
             # the receiver merges each piece before it reads the next: a timeout per piece
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * len(msgs))
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * pieces)
             self.node.bytes_sent += len(frames)
-            if msg.get("rc") and addr:
+            if join_from:
                 writer.write_eof()                  # an older member closes at once: no wait
-                await self._read_join_answer(reader, target, addr)
+                await self._read_join_answer(reader, target, join_from)
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
