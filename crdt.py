@@ -33,11 +33,16 @@ with the ingress tier's secret (`Authority`, a secret that only ingress hosts ha
 cluster key every Slurm job holds) is ever applied. The map keeps a digest per plane, so a worker
 and an ingress compare only what both hold.
 
+Settings. The one reader of every role's settings (flag, then OTELA_<NAME>, then default:
+`parse_settings`, `env_value`) lives at the end of this file, because every role carries it;
+it takes the environment as an argument, as merge takes time.
+
 Liveness (heartbeats, suspicion) is deliberately NOT stored here: it changes every second and
 would bloat the map; the failure detector in otela_node.py keeps it locally.
 """
 from __future__ import annotations
 
+import argparse
 import calendar
 import collections
 import hashlib
@@ -47,7 +52,7 @@ import math
 import re
 import secrets
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 # ---------------------------------------------------------------------------------------------
 # The one JSON pair (orjson when importable; the stdlib otherwise). Used for wire messages.
@@ -968,3 +973,84 @@ class GMap:
             differing = set(self.differing_buckets(remote_digest, plane))
             return {sid: e.record for sid, e in self._plane_entries(plane) if e.bucket in differing}
         return {sid: e.record for sid, e in self._plane_entries(plane)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings: one way every otela file reads them
+# ---------------------------------------------------------------------------------------------
+# A setting is its flag, else its OTELA_<NAME> variable, else the default. The reader lives here
+# because this is the one file every role carries (the node and the ingress with otela_node.py,
+# the simulator and the placer without it), and it is pure like the rest of this file: the
+# environment comes in as an argument (`env`, os.environ at the call sites), so a test hands it
+# a dict and nothing reads the process's variables behind its back.
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+def env_value(name: str, kind: Any, env: Mapping[str, str]) -> Any:
+    """OTELA_<NAME> read as `kind` (a type or an argparse type function), or None when it is not
+    set. A boolean is 1/true/yes/on or 0/false/no/off (any case; empty is false): anything else,
+    like a value `kind` refuses, is a ValueError that names the variable, on one line. A setting
+    that might mean the opposite is never guessed. `env`: the variables (os.environ)."""
+    raw = env.get("OTELA_" + name)
+    if raw is None:
+        return None
+    if kind is bool:
+        if raw.strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
+            raise ValueError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
+        return raw.strip().lower() in _TRUE_WORDS
+    try:
+        return kind(raw)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"OTELA_{name}={raw!r}: {exc or 'not a valid value'}") from None
+
+
+def parse_settings(parser: argparse.ArgumentParser, argv: Optional[List[str]], names: Optional[Dict[str, Any]],
+                   env: Mapping[str, str]) -> argparse.Namespace:
+    """parser.parse_args(argv), every flag (of every subcommand) defaulting to its variable:
+    --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
+    switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
+    by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
+    they differ (separator None: one value), or to None: no variable (a destructive one-shot
+    switch such as keygen's --force). ValueError for a variable the flag would refuse."""
+    names, repeated = names or {}, []
+
+    def read(parser):
+        for action in parser._actions:
+            if isinstance(action.choices, dict):   # the subcommands
+                for sub in action.choices.values():
+                    read(sub)
+                continue
+            if not action.option_strings or action.dest in ("help", "version"):
+                continue
+            flag = action.option_strings[-1]
+            if flag in names and names[flag] is None:
+                continue
+            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
+            convert = action.type or str
+            if action.nargs == 0:   # a switch: true is as if it were given
+                value = env_value(name, bool, env)
+                if value is not None:
+                    action.default = action.const if value else not action.const
+            elif isinstance(action, argparse._AppendAction):
+                def items(raw, convert=convert, sep=sep):
+                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
+                value = env_value(name, items, env)
+                if value is not None:
+                    repeated.append((action, value))
+            else:
+                value = env_value(name, convert, env)
+                if value is not None and action.choices is not None and value not in action.choices:
+                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
+                                     f"{', '.join(map(str, action.choices))}")
+                if value is not None:
+                    action.default = value
+            if value is not None:
+                action.required = False
+
+    read(parser)
+    args = parser.parse_args(argv)
+    for action, values in repeated:
+        if getattr(args, action.dest, None) is action.default:   # the flag was not given
+            setattr(args, action.dest, values)
+    return args

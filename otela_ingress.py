@@ -79,7 +79,7 @@ and rate limits and token budgets count the whole cluster's use (see ClusterKeys
 ingress keeps its own SQLite copy of them, and its own request rows.
 
 Settings: a setting is its flag, else the OTELA_* variable named after it, else its default
-(otela_node.parse_settings); the limits below are flags too (LIMITS: --max-connections,
+(crdt.parse_settings); the limits below are flags too (LIMITS: --max-connections,
 OTELA_MAX_CONNECTIONS, ...).
 
 Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
@@ -131,7 +131,7 @@ except ModuleNotFoundError:
     raise
 
 import crdt
-import otela_node  # the overlay (joins the cluster, holds the registry) and the OTELA_* readers
+import otela_node  # the overlay (joins the cluster, holds the registry)
 
 # ---------------------------------------------------------------------------------------------
 # Config: every limit and timing default, with the reason for the number
@@ -211,7 +211,7 @@ _request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 # The limits above a deployment may have to change: each is also a flag of `serve` and an OTELA_*
 # variable named after it (MAX_CONNECTIONS: --max-connections, OTELA_MAX_CONNECTIONS), read as
-# every setting is (otela_node.parse_settings), set before the ingress starts.
+# every setting is (crdt.parse_settings), set before the ingress starts.
 LIMITS = {name: globals()[name] for name in (   # name -> its default
     "MAX_HEADER_BYTES", "MAX_BODY_BYTES", "MAX_CONNECTIONS", "ADDRESS_SHARE", "ADDRESS_FLOOR", "MAX_HEADLESS",
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
@@ -1962,19 +1962,7 @@ class StreamWatch:
         if end < len(piece):
             self.carry = piece[end:]
             piece = piece[:end]
-        found = _TEXT.findall(piece)   # (_read_text, inline: this runs per chunk of every stream)
-        said = len(found) - found.count(b"")
-        self.events += said
-        text = self.text
-        if text is not None:
-            if self.first_id is None:
-                match = _CHUNK_ID.search(piece)
-                self.first_id = match.group(1) if match else b""
-            text += found
-            self.kept += len(piece)
-            # (only an event without text may be a reasoning part or a tool call)
-            if self.kept > RESUME_TEXT_MAX or (said < piece.count(b"data:") and _NOT_PLAIN.search(piece)):
-                self.text = None
+        self._read_text(piece)
         if _USAGE.search(piece) is None:
             return piece
         return self._take_usage(piece)
@@ -1988,7 +1976,7 @@ class StreamWatch:
 
     def _read_text(self, piece: bytes) -> None:
         """The text of `piece`, the events that hold some and whether the stream is still plain
-        (feed does the same inline)."""
+        (only an event without text may be a reasoning part or a tool call)."""
         found = _TEXT.findall(piece)
         said = len(found) - found.count(b"")
         self.events += said
@@ -4394,7 +4382,7 @@ def _code_hash_arg(value: str) -> str:
     return value
 
 
-# The variables of flags whose names or separators are not parse_settings' own (see main)
+# The variables of flags whose names or separators are not crdt.parse_settings' own (see main)
 SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";")}
 
 
@@ -4558,7 +4546,7 @@ def _keys_command(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:   # every flag also reads its OTELA_* variable: OTELA_ALIASES="fast=a,b;big=c", OTELA_NO_AUTH=0
-        args = otela_node.parse_settings(build_parser(overlay=argv[:1] == ["serve"]), argv, SETTING_NAMES)
+        args = crdt.parse_settings(build_parser(overlay=argv[:1] == ["serve"]), argv, SETTING_NAMES, os.environ)
     except ValueError as exc:
         print(f"otela-ingress: {exc}", file=sys.stderr)
         return 2

@@ -317,10 +317,10 @@ TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("
 
 def config_from_env(config: Config, env=None) -> Config:
     """Every timing default can be overridden as OTELA_<NAME> (tests make detection quick), read
-    as every setting is (env_value; these have no flags but --probe-interval). Raises ConfigError."""
+    as every setting is (crdt.env_value; these have no flags but --probe-interval). Raises ConfigError."""
     for name in TIMING_FIELDS:
         try:
-            value = env_value(name.upper(), float, env)
+            value = crdt.env_value(name.upper(), float, os.environ if env is None else env)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if value is not None:
@@ -361,84 +361,6 @@ def advertise(addr: str) -> str:
 
 class ConfigError(ValueError):
     """A bad setting given by the user; the CLI prints it on one line and exits 2."""
-
-
-# -- Settings: one way every otela file reads them -----------------------------------------------
-# A setting is its flag, else its OTELA_<NAME> variable, else the default. The same two functions
-# stand, letter for letter, in otela_node.py (for the node and the ingress) and otela_sim.py (for
-# the simulator and the placer, which run on hosts without otela_node.py): a role file is copied
-# alone onto a cluster, so neither imports the other; tests/test_settings.py checks that the two
-# copies are the same and behave the same in every file.
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off", "")
-
-
-def env_value(name, kind=str, env=None):
-    """OTELA_<NAME> read as `kind` (a type or an argparse type function), or None when it is not
-    set. A boolean is 1/true/yes/on or 0/false/no/off (any case; empty is false): anything else,
-    like a value `kind` refuses, is a ValueError that names the variable, on one line. A setting
-    that might mean the opposite is never guessed."""
-    raw = (os.environ if env is None else env).get("OTELA_" + name)
-    if raw is None:
-        return None
-    if kind is bool:
-        if raw.strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
-            raise ValueError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
-        return raw.strip().lower() in _TRUE_WORDS
-    try:
-        return kind(raw)
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"OTELA_{name}={raw!r}: {exc or 'not a valid value'}") from None
-
-
-def parse_settings(parser, argv=None, names=None, env=None):
-    """parser.parse_args(argv), every flag (of every subcommand) defaulting to its variable:
-    --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
-    switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
-    by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
-    they differ (separator None: one value), or to None: no variable (a destructive one-shot
-    switch such as keygen's --force). ValueError for a variable the flag would refuse."""
-    names, repeated = names or {}, []
-
-    def read(parser):
-        for action in parser._actions:
-            if isinstance(action.choices, dict):   # the subcommands
-                for sub in action.choices.values():
-                    read(sub)
-                continue
-            if not action.option_strings or action.dest in ("help", "version"):
-                continue
-            flag = action.option_strings[-1]
-            if flag in names and names[flag] is None:
-                continue
-            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
-            convert = action.type or str
-            if action.nargs == 0:   # a switch: true is as if it were given
-                value = env_value(name, bool, env)
-                if value is not None:
-                    action.default = action.const if value else not action.const
-            elif isinstance(action, argparse._AppendAction):
-                def items(raw, convert=convert, sep=sep):
-                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
-                value = env_value(name, items, env)
-                if value is not None:
-                    repeated.append((action, value))
-            else:
-                value = env_value(name, convert, env)
-                if value is not None and action.choices is not None and value not in action.choices:
-                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
-                                     f"{', '.join(map(str, action.choices))}")
-                if value is not None:
-                    action.default = value
-            if value is not None:
-                action.required = False
-
-    read(parser)
-    args = parser.parse_args(argv)
-    for action, values in repeated:
-        if getattr(args, action.dest, None) is action.default:   # the flag was not given
-            setattr(args, action.dest, values)
-    return args
 
 
 def load_key(path: str) -> bytes:
@@ -4584,6 +4506,20 @@ class HolePunch:
 
 
 
+def offered_relays(node: Node, leave_out: Tuple[str, ...] = ()) -> List[str]:
+    """The gossip addresses of the members offering to relay, best first: standalone relays (they
+    exist for it), then ingresses, then dialable workers; never ourselves, a suspected or
+    relayed member, or one at an address in `leave_out`."""
+    ranked = []
+    for sid, record in node.registry.items() if node.overlay is not None else ():
+        gossip = record.get("gossip", "")
+        if sid == node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                or is_relayed(gossip) or node.is_suspected(sid) or gossip in leave_out:
+            continue
+        ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+    return [gossip for _, gossip in sorted(ranked)]
+
+
 class RelayServer:
     """A node's side as a relay (rules 1, 2 and 7 of "NAT traversal and relay"): the links
     private members hold to us, one _MuxLink each (its tunnel streams, and whether its member
@@ -4691,7 +4627,7 @@ class RelayServer:
             elif from_link:                         # one hop on to its relay, never more (no loops)
                 for relay in self.reach.relays(dest):
                     if relay != self.node.overlay.addr:
-                        self.node.spawn(self.send_frames(self.node.resolve(relay), frame(data)))
+                        self.node.spawn(self.node.gossip_tcp.send_frame(self.node.resolve(relay), data))
                         break
             return True
         try:
@@ -4704,7 +4640,7 @@ class RelayServer:
             except OSError:
                 pass
         else:
-            self.node.spawn(self.send_frames(target, frame(inner)))
+            self.node.spawn(self.node.gossip_tcp.send_frame(target, inner))
         return True
 
     def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
@@ -4738,20 +4674,6 @@ class RelayServer:
             del seen[oldest]
         return ""
 
-    async def send_frames(self, target: tuple, frames: bytes) -> None:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            return
-        try:
-            hello = self.wire.seal({"t": "h"}, time.time())
-            writer.write(frame(hello) + frames)
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout)
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
-
     async def answer_reach(self, msg: Dict[str, Any], writer: _Stream) -> None:
         """A seed's side of the reachability check: dial the asker back, say what we saw."""
         peer = writer.get_extra_info("peername") or ("", 0)
@@ -4774,17 +4696,10 @@ class RelayServer:
         await writer.drain()
 
     def known_relays(self, asker: str = "") -> List[str]:
-        """The relays a seed names in its "rs" (rule 7), best first: members that relay, are
-        dialable and not suspected; ourselves left out (our own "relaying" says that), and the
-        asker (its first record says it relays: it did not know yet that it is private)."""
-        ranked = []
-        for sid, record in self.node.registry.items() if self.node.overlay is not None else ():
-            gossip = record.get("gossip", "")
-            if sid == self.node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                    or is_relayed(gossip) or self.node.is_suspected(sid) or gossip == asker:
-                continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        return [gossip for _, gossip in sorted(ranked)][:NAMED_RELAYS]
+        """The relays a seed names in its "rs" (rule 7), best first (offered_relays), and not the
+        asker (its first record says it relays: it did not know yet that it is private); our
+        own "relaying" speaks for us."""
+        return offered_relays(self.node, (asker,))[:NAMED_RELAYS]
 
     async def splice(self, link_id: str, conn: _Stream) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
@@ -4889,9 +4804,8 @@ class RelayClient:
             if is_relayed(dest):
                 return
             try:                                    # no link yet: straight out (a cone NAT passes it)
-                self.node.udp.sendto(data, self.node.resolve(dest))
-                self.node.bytes_sent += len(data)
-            except (OSError, ValueError):
+                self.node.send_datagram(data, self.node.resolve(dest))
+            except ValueError:
                 pass
             return
         mine = self.node.relay_server.linked.get(dest[len(RELAYED_PREFIX):])
@@ -4912,13 +4826,9 @@ class RelayClient:
             except ValueError:
                 continue
             if len(wrapped) <= self.config.max_datagram:
-                try:
-                    self.node.udp.sendto(wrapped, target)
-                    self.node.bytes_sent += len(wrapped)
-                except OSError:
-                    pass
+                self.node.send_datagram(wrapped, target)
             else:
-                self.node.spawn(self.node.relay_server.send_frames(target, frame(wrapped)))
+                self.node.spawn(self.node.gossip_tcp.send_frame(target, wrapped))
             return
 
     async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
@@ -5012,17 +4922,9 @@ class RelayClient:
             await asyncio.sleep(cfg.relay_check_interval)
 
     def _relay_candidates(self) -> List[str]:
-        """Members offering to relay, best first: standalone relays (they exist for it), then
-        ingresses, then dialable workers, never a suspected or relayed one; then the seeds that
-        answered us and are not in the registry yet."""
-        ranked = []
-        for sid, record in self.node.registry.items():
-            gossip = record.get("gossip", "")
-            if sid == self.node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                    or is_relayed(gossip) or self.node.is_suspected(sid):
-                continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        out = [gossip for _, gossip in sorted(ranked)]
+        """Members offering to relay, best first (offered_relays); then the seeds that answered
+        us and are not in the registry yet."""
+        out = offered_relays(self.node)
         out += [seed for seed in self.seed_relays if seed not in out and seed not in self.node.overlay.by_addr]
         return out + [relay for relay in self.named_relays if relay not in out and relay not in self.node.overlay.by_addr]
 
@@ -5245,15 +5147,15 @@ class GossipTCP:
         join ("rc") then reads its answer there, from `addr` (an older member answers by a
         connection of its own instead)."""
         now = time.time()
-        parts = []
-        for msg in msgs:
-            data = self.wire.seal(msg, now)
-            if len(data) > self.config.max_datagram:    # a big frame: an authentic hello goes first
-                hello = self.wire.seal({"t": "h"}, now)
-                parts.append(struct.pack(">I", len(hello)) + hello)
-            parts.append(struct.pack(">I", len(data)) + data)
-        frames = b"".join(parts)
-        msg = msgs[0]
+        frames = b"".join(self._framed(msg, now) for msg in msgs)
+        await self._send(target, frames, len(msgs), addr if msgs[0].get("rc") else "")
+
+    async def send_frame(self, target: tuple, sealed: bytes) -> None:
+        """A sealed message (or an envelope of one) too big for a datagram, after a hello."""
+        await self._send(target, frame(self.wire.seal({"t": "h"}, time.time())) + frame(sealed), 1)
+
+    async def _send(self, target: tuple, frames: bytes, pieces: int, join_from: str = "") -> None:
+        """`frames` on a new connection to `target`; then, for a join, its answer from `join_from`."""
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), self.config.tcp_timeout)
         except (OSError, asyncio.TimeoutError):
@@ -5261,11 +5163,11 @@ class GossipTCP:
         try:
             writer.write(frames)
             # the receiver merges each piece before it reads the next: a timeout per piece
-            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * len(msgs))
+            await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * pieces)
             self.node.bytes_sent += len(frames)
-            if msg.get("rc") and addr:
+            if join_from:
                 writer.write_eof()                  # an older member closes at once: no wait
-                await self._read_join_answer(reader, target, addr)
+                await self._read_join_answer(reader, target, join_from)
         except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -5329,12 +5231,16 @@ class GossipTCP:
             self.node.send(answers)
             return
         for o in answers:
-            data = self.wire.seal(dict(o.msg, ra=self.node.overlay.addr), now)
-            frames = frame(data)
-            if len(data) > self.config.max_datagram:   # a big frame: an authentic hello goes first
-                frames = frame(self.wire.seal({"t": "h"}, now)) + frames
+            frames = self._framed(dict(o.msg, ra=self.node.overlay.addr), now)
             writer.write(frames)
             self.node.bytes_sent += len(frames)
+
+    def _framed(self, msg: Dict[str, Any], now: float) -> bytes:
+        """`msg` sealed as a frame; a big one (over a datagram) after an authentic hello."""
+        data = self.wire.seal(msg, now)
+        if len(data) > self.config.max_datagram:
+            return frame(self.wire.seal({"t": "h"}, now)) + frame(data)
+        return frame(data)
 
     def _join_allowed(self, source: str, now: float) -> bool:
         """A token bucket per join source: join_answer_burst, refilled at join_answer_rate."""
@@ -5899,13 +5805,17 @@ class Node:
                 else:                               # the pieces of one state transfer: one connection
                     by_target.setdefault(target, []).append(msg)
                 continue
-            try:
-                self.udp.sendto(data, target)
-                self.bytes_sent += len(data)
-            except OSError:
-                pass
+            self.send_datagram(data, target)
         for target, msgs in by_target.items():
             self.spawn(self.gossip_tcp.send(target, msgs))
+
+    def send_datagram(self, data: bytes, target: tuple) -> None:
+        """One datagram out of the gossip port, counted; an error sending it is a datagram lost."""
+        try:
+            self.udp.sendto(data, target)
+            self.bytes_sent += len(data)
+        except OSError:
+            pass
 
 
     def spawn(self, coro) -> asyncio.Task:
@@ -6505,7 +6415,7 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                      listen_default: str = DEFAULT_LISTEN,
                      listen_help: str = "TCP address for the tunnel, /v1/registry and /healthz") -> None:
     """The flags every overlay member takes; each also reads an OTELA_* environment variable
-    (parse_settings). The ingress binds its gossip port on every interface by default
+    (crdt.parse_settings). The ingress binds its gossip port on every interface by default
     (INGRESS_GOSSIP): it is what nodes on other hosts bootstrap to."""
     g = parser.add_argument_group("overlay")
     g.add_argument("--key-file", default=None,
@@ -6549,7 +6459,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     ring = load_secrets(args.key_file)
     config.key, config.accept_keys = ring[0], ring[1:]
     config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
-    config.reach = env_value("REACH") or "auto"   # (no flag: a lab's knob)
+    config.reach = crdt.env_value("REACH", str, os.environ) or "auto"   # (no flag: a lab's knob)
     if config.reach not in ("auto", "private", "public"):
         raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
     config.bootstrap = [b for b in args.bootstrap or () if b]
@@ -6562,7 +6472,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"bad label {item!r}: expected k=v")
         config.labels[key.strip()] = value.strip()
     try:
-        config.gossip, config.listen = advertise_check(args.gossip), advertise_check(args.listen)
+        split_addr(args.gossip), split_addr(args.listen)
+        config.gossip, config.listen = args.gossip, args.listen
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if args.advertise:
@@ -6577,16 +6488,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
-def advertise_check(addr: str) -> str:
-    split_addr(addr)
-    return addr
-
-
 KEY_FILES = {"cluster": "cluster.key", "ingress": "ingress.key"}   # keygen's secrets, by tier
 
 
-def _write_secret(path: str, force: bool) -> None:
-    """A new secret (64 hex chars) in `path`, mode 0600."""
+def _write_secret(path: str, force: bool, lines: Optional[List[str]] = None) -> None:
+    """`lines` (default: a new secret, 64 hex chars) in `path`, mode 0600; an existing file is
+    replaced only when `force`."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)
@@ -6594,7 +6501,7 @@ def _write_secret(path: str, force: bool) -> None:
         raise ConfigError(f"{path} exists; pass --force to replace it (every holder needs the new key), "
                           "or rotate it without an outage (--rotate, --promote, --retire)") from None
     with os.fdopen(fd, "w") as fh:
-        fh.write(os.urandom(32).hex() + "\n")
+        fh.write("\n".join(lines or [os.urandom(32).hex()]) + "\n")
     os.chmod(path, 0o600)
 
 
@@ -6616,15 +6523,8 @@ def rotate(out_dir: str, tier: str, step: str = "rotate") -> str:
         lines = lines[-1:] + lines[:-1]
     else:
         lines = lines[:1]
-    _write_secret_lines(path, lines)
+    _write_secret(path, True, lines)
     return path
-
-
-def _write_secret_lines(path: str, lines: List[str]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    os.chmod(path, 0o600)
 
 
 def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> List[str]:
@@ -6655,6 +6555,14 @@ def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> Lis
     return written
 
 
+def _stop_on_signals() -> asyncio.Event:
+    """Set by SIGTERM or SIGINT: a long-running command's cue to stop cleanly."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    return stop
+
+
 async def _until(coro, stop: asyncio.Event):
     """Run coro until it finishes or `stop` is set: (result, stopped)."""
     task = asyncio.ensure_future(coro)
@@ -6678,10 +6586,7 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     """`start`: supervise the engine and serve it as a session until SIGTERM or engine failure."""
     supervisor = EngineSupervisor(args.process, args.engine_url, config)
     node = Node(config, role="worker", hardware=detect_hardware(), engine_url=supervisor.url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     publisher: Optional[asyncio.Future] = None
     try:
         # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
@@ -6768,7 +6673,7 @@ async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) ->
     return 0
 
 
-# The variables of flags whose names or separators are not parse_settings' own: --bootstrap's
+# The variables of flags whose names or separators are not crdt.parse_settings' own: --bootstrap's
 # OTELA_BOOTSTRAP is one value (its commas are read with it, as the flag's are)
 SETTING_NAMES = {"--bootstrap": ("BOOTSTRAP", None), "--force": None}   # keygen --force: the flag only
 
@@ -6817,10 +6722,7 @@ async def run_relay(config: Config) -> int:
     """`relay`: a dialable member that only relays (and seeds), until SIGTERM."""
     config.relay, config.reach = True, "public"
     node = Node(config, role="relay")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     await node.start(serve_http=True, state=crdt.SERVING)
     log.info("relay %s on gossip %s", node.session_id, node.overlay.addr)
     try:
@@ -6832,7 +6734,7 @@ async def run_relay(config: Config) -> int:
 
 def main(argv=None) -> int:
     try:   # every flag also reads its OTELA_<FLAG> (the label's OTELA_LABEL, comma-separated)
-        args = parse_settings(build_parser(), argv, SETTING_NAMES)
+        args = crdt.parse_settings(build_parser(), argv, SETTING_NAMES, os.environ)
     except ValueError as exc:
         print(f"otela_node.py: error: {exc}", file=sys.stderr)
         return 2

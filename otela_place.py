@@ -56,6 +56,7 @@ import urllib.error
 import urllib.request
 import warnings
 
+import crdt
 import otela_sim
 
 # ============================================================================ config
@@ -1720,7 +1721,7 @@ def slot_of(job):
 
 
 def http_json(url):
-    key = otela_sim.env_value("API_KEY")   # an ingress run with --require-key-for-views wants one
+    key = crdt.env_value("API_KEY", str, os.environ)   # an ingress run with --require-key-for-views wants one
     try:
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     except ValueError:
@@ -2592,7 +2593,7 @@ def cmd_replay(args):
 def main(argv=None):
     parser = build_parser()
     try:   # every flag also reads its OTELA_<FLAG> (--from-ingress: OTELA_FROM_INGRESS), as otela_sim's do
-        args = otela_sim.parse_settings(parser, argv)
+        args = crdt.parse_settings(parser, argv, None, os.environ)
     except ValueError as e:
         parser.error(str(e))
     try:

@@ -44,7 +44,8 @@ Rules of this file.
    sees is a documented feature, never a knob fitted to the one row that shows it.
 
 Sections: config · GPU table · model table · roofline · workload · serving replay ·
-calibration · probe · emulated engine (`serve`) · command line.
+calibration · probe · emulated engine (`serve`) · command line (settings read by crdt.parse_settings,
+as every role file reads them; crdt.py travels with this file).
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from functools import lru_cache
+
+import crdt  # the settings reader (flag, then OTELA_*, then default), shared by every role file
 
 
 class SimError(ValueError):
@@ -363,7 +366,7 @@ def read_calibration_file(path):
 def active_calibration():
     """The calibration in use: CALIBRATION_FILE (or $OTELA_CALIBRATION) over the priors; read
     once, at first use (nothing is read at import)."""
-    path = env_value("CALIBRATION") or CALIBRATION_FILE
+    path = crdt.env_value("CALIBRATION", str, os.environ) or CALIBRATION_FILE
     if path not in _ACTIVE:
         if path.lower() == "none" or (path == CALIBRATION_FILE and not os.path.exists(path)):
             _ACTIVE[path] = DEFAULT_CALIBRATION
@@ -2149,7 +2152,7 @@ def calibration_with_probes(probes, cal=None):
 
 def use_calibration(cal):
     """Make `cal` the active calibration of this process (the placer's --probes)."""
-    _ACTIVE[env_value("CALIBRATION") or CALIBRATION_FILE] = cal
+    _ACTIVE[crdt.env_value("CALIBRATION", str, os.environ) or CALIBRATION_FILE] = cal
 
 
 # =============================================================================================
@@ -3579,84 +3582,6 @@ _AT_LEAST_1 = number_type(int, 1)              # GPUs, requests, tokens, iterati
 _POSITIVE = number_type(float, 0, low_open=True)
 _AT_LEAST_1_FLOAT = number_type(float, 1)      # serve --time-scale: slower, never faster than the GPU
 _SHARE = number_type(float, 0, 1)              # a fraction in [0, 1)
-# -- Settings: one way every otela file reads them -----------------------------------------------
-# A setting is its flag, else its OTELA_<NAME> variable, else the default. The same two functions
-# stand, letter for letter, in otela_node.py (for the node and the ingress) and otela_sim.py (for
-# the simulator and the placer, which run on hosts without otela_node.py): a role file is copied
-# alone onto a cluster, so neither imports the other; tests/test_settings.py checks that the two
-# copies are the same and behave the same in every file.
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off", "")
-
-
-def env_value(name, kind=str, env=None):
-    """OTELA_<NAME> read as `kind` (a type or an argparse type function), or None when it is not
-    set. A boolean is 1/true/yes/on or 0/false/no/off (any case; empty is false): anything else,
-    like a value `kind` refuses, is a ValueError that names the variable, on one line. A setting
-    that might mean the opposite is never guessed."""
-    raw = (os.environ if env is None else env).get("OTELA_" + name)
-    if raw is None:
-        return None
-    if kind is bool:
-        if raw.strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
-            raise ValueError(f"OTELA_{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
-        return raw.strip().lower() in _TRUE_WORDS
-    try:
-        return kind(raw)
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"OTELA_{name}={raw!r}: {exc or 'not a valid value'}") from None
-
-
-def parse_settings(parser, argv=None, names=None, env=None):
-    """parser.parse_args(argv), every flag (of every subcommand) defaulting to its variable:
-    --from-ingress reads OTELA_FROM_INGRESS, as the flag reads its value (type and choices); a
-    switch's variable is a boolean (env_value), and a repeatable flag's holds its values separated
-    by "," (a flag given replaces them). `names` maps a flag to (variable name, separator) where
-    they differ (separator None: one value), or to None: no variable (a destructive one-shot
-    switch such as keygen's --force). ValueError for a variable the flag would refuse."""
-    names, repeated = names or {}, []
-
-    def read(parser):
-        for action in parser._actions:
-            if isinstance(action.choices, dict):   # the subcommands
-                for sub in action.choices.values():
-                    read(sub)
-                continue
-            if not action.option_strings or action.dest in ("help", "version"):
-                continue
-            flag = action.option_strings[-1]
-            if flag in names and names[flag] is None:
-                continue
-            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
-            convert = action.type or str
-            if action.nargs == 0:   # a switch: true is as if it were given
-                value = env_value(name, bool, env)
-                if value is not None:
-                    action.default = action.const if value else not action.const
-            elif isinstance(action, argparse._AppendAction):
-                def items(raw, convert=convert, sep=sep):
-                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
-                value = env_value(name, items, env)
-                if value is not None:
-                    repeated.append((action, value))
-            else:
-                value = env_value(name, convert, env)
-                if value is not None and action.choices is not None and value not in action.choices:
-                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
-                                     f"{', '.join(map(str, action.choices))}")
-                if value is not None:
-                    action.default = value
-            if value is not None:
-                action.required = False
-
-    read(parser)
-    args = parser.parse_args(argv)
-    for action, values in repeated:
-        if getattr(args, action.dest, None) is action.default:   # the flag was not given
-            setattr(args, action.dest, values)
-    return args
-
-
 def _engine_flags(parser):
     parser.add_argument("--engine", default=None, help=f"engine version ({', '.join(ENGINES)}) or engine name "
                         f"(vllm, trtllm, ...); default {DEFAULT_ENGINE}, said on stderr")
@@ -3739,7 +3664,7 @@ def build_parser():
 def main(argv=None):
     p = build_parser()
     try:   # every flag also reads its OTELA_<FLAG> (--gpu: OTELA_GPU)
-        a = parse_settings(p, argv)
+        a = crdt.parse_settings(p, argv, None, os.environ)
     except ValueError as err:
         p.error(str(err))
     if a.cmd == "estimate" and not (a.model or a.config):

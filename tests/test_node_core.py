@@ -340,12 +340,12 @@ def test_overlay_args_read_flags_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("OTELA_LABEL", "site=a,tier=gold")
     parser = argparse.ArgumentParser()
     on.add_overlay_args(parser)
-    cfg = on.config_from_args(on.parse_settings(parser, ["--gossip", "127.0.0.1:9000"], on.SETTING_NAMES))
+    cfg = on.config_from_args(crdt.parse_settings(parser, ["--gossip", "127.0.0.1:9000"], on.SETTING_NAMES, os.environ))
     assert cfg.bootstrap == ["10.0.0.1:7946,10.0.0.2:7946"]
     assert cfg.labels == {"site": "a", "tier": "gold"}
     assert (cfg.gossip, cfg.listen) == ("127.0.0.1:9000", on.DEFAULT_LISTEN)
     with pytest.raises(on.ConfigError, match="label"):
-        on.config_from_args(on.parse_settings(parser, ["--label", "novalue"], on.SETTING_NAMES))
+        on.config_from_args(crdt.parse_settings(parser, ["--label", "novalue"], on.SETTING_NAMES, os.environ))
 
 
 def test_bootstrap_resolves_lists_files_and_skips_bad_entries(tmp_path):

@@ -22,11 +22,18 @@ ROLE_FILES = {"otela_node.py": otela_node, "otela_ingress.py": otela_ingress, "o
               "otela_sim.py": otela_sim, "crdt.py": crdt}
 
 
-def test_the_node_and_the_simulator_hold_the_same_reader_letter_for_letter():
-    # otela_sim.py (and the placer with it) runs where otela_node.py is not copied: its own copy
-    for name in ("env_value", "parse_settings"):
-        assert inspect.getsource(getattr(otela_node, name)) == inspect.getsource(getattr(otela_sim, name)), name
-    assert (otela_node._TRUE_WORDS, otela_node._FALSE_WORDS) == (otela_sim._TRUE_WORDS, otela_sim._FALSE_WORDS)
+def test_the_reader_is_one_and_lives_in_the_file_every_role_carries():
+    # otela_sim.py (and the placer with it) runs where otela_node.py is not copied, so the reader
+    # is in crdt.py, which every role carries; no role file holds a reader of its own
+    for module in (otela_node, otela_ingress, otela_place, otela_sim):
+        for name in ("env_value", "parse_settings"):
+            assert not hasattr(module, name), (module.__name__, name)
+
+
+def test_the_reader_reads_only_the_environment_it_is_given(monkeypatch):
+    monkeypatch.setenv("OTELA_TP", "8")
+    assert crdt.env_value("TP", int, {}) is None
+    assert crdt.env_value("TP", int, {"OTELA_TP": "2"}) == 2
 
 
 @pytest.mark.parametrize("path", sorted(ROLE_FILES))
@@ -35,7 +42,7 @@ def test_no_role_file_reads_an_otela_variable_but_through_the_reader(path):
     direct = re.findall(r".*(?:environ\.get|getenv|environ\[)\(?\s*[\"']OTELA_.*", source)
     assert direct == [], direct
     readers = re.findall(r'.*\.get\("OTELA_" \+ name\)', source)
-    assert len(readers) == (1 if ROLE_FILES[path] in (otela_node, otela_sim) else 0), readers
+    assert len(readers) == (1 if ROLE_FILES[path] is crdt else 0), readers
 
 
 # file -> how its command line is parsed (its own parser, names and reader, as its main does),
@@ -43,15 +50,14 @@ def test_no_role_file_reads_an_otela_variable_but_through_the_reader(path):
 # as the variable, another given as the flag, what the parsed field is called)
 TABLE = {
     "otela_node.py": (
-        lambda argv, env: otela_node.parse_settings(otela_node.build_parser(), argv, otela_node.SETTING_NAMES, env),
+        lambda argv, env: crdt.parse_settings(otela_node.build_parser(), argv, otela_node.SETTING_NAMES, env),
         ["start", "--process", "engine"],
         [("--log-level", "LOG_LEVEL", "INFO", "DEBUG", "WARNING", "log_level"),
          ("--drain-timeout", "DRAIN_TIMEOUT", None, "12", "3", "drain_timeout"),
          ("--restart", "RESTART", False, "yes", None, "restart"),
          ("--label", "LABEL", None, "gpu=a100,site=x", "rack=7", "label")]),
     "otela_ingress.py": (
-        lambda argv, env: otela_node.parse_settings(otela_ingress.build_parser(), argv, otela_ingress.SETTING_NAMES,
-                                                    env),
+        lambda argv, env: crdt.parse_settings(otela_ingress.build_parser(), argv, otela_ingress.SETTING_NAMES, env),
         ["serve"],
         [("--policy", "POLICY", "ttft", "random", "round_robin", "policy"),
          ("--max-connections", "MAX_CONNECTIONS", otela_ingress.MAX_CONNECTIONS, "100", "7", "max_connections"),
@@ -60,13 +66,13 @@ TABLE = {
          ("--no-auth", "NO_AUTH", False, "on", None, "no_auth"),
          ("--alias", "ALIASES", [], "fast=a,b;big=c", "small=d", "alias")]),
     "otela_place.py": (
-        lambda argv, env: otela_sim.parse_settings(otela_place.build_parser(), argv, None, env),
+        lambda argv, env: crdt.parse_settings(otela_place.build_parser(), argv, None, env),
         ["plan"],
         [("--capacity", "CAPACITY", "auto", "sim", "measured", "capacity"),
          ("--cooldown", "COOLDOWN", otela_place.RECLAIM_COOLDOWN_S, "60", "5", "cooldown"),
          ("--submit", "SUBMIT", False, "1", None, "submit")]),
     "otela_sim.py": (
-        lambda argv, env: otela_sim.parse_settings(otela_sim.build_parser(), argv, None, env),
+        lambda argv, env: crdt.parse_settings(otela_sim.build_parser(), argv, None, env),
         ["estimate", "--model", "llama-2-7b", "--gpu", "H100"],
         [("--tp", "TP", 1, "2", "4", "tp"),
          ("--dtype", "DTYPE", None, "fp8", "bf16", "dtype"),

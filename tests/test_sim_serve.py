@@ -13,6 +13,7 @@ from conftest import ROOT, free_port, stop_process, wait_http
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import crdt
 import otela_sim as sim
 
 # --- pure objects: a fake clock, a fixed step cost ----------------------------------------------
@@ -665,11 +666,11 @@ def test_a_fleet_slowed_k_times_makes_the_same_tokens_and_hits_each_k_times_late
 def test_the_time_scale_flag_reads_its_setting_and_refuses_a_faster_than_gpu_fleet(capsys):
     parse = sim.build_parser()
     argv = ["serve", "--model", MODEL, "--port", "0"]
-    assert sim.parse_settings(parse, argv, env={}).time_scale == 1.0
-    assert sim.parse_settings(parse, argv + ["--time-scale", "4"], env={}).time_scale == 4.0
-    assert sim.parse_settings(sim.build_parser(), argv, env={"OTELA_TIME_SCALE": "2.5"}).time_scale == 2.5
+    assert crdt.parse_settings(parse, argv, None, {}).time_scale == 1.0
+    assert crdt.parse_settings(parse, argv + ["--time-scale", "4"], None, {}).time_scale == 4.0
+    assert crdt.parse_settings(sim.build_parser(), argv, None, {"OTELA_TIME_SCALE": "2.5"}).time_scale == 2.5
     with pytest.raises(SystemExit):
-        sim.parse_settings(sim.build_parser(), argv + ["--time-scale", "0.5"], env={})
+        crdt.parse_settings(sim.build_parser(), argv + ["--time-scale", "0.5"], None, {})
     assert "must be >= 1" in capsys.readouterr().err
 
 
