@@ -2201,8 +2201,14 @@ SERVE_DEFAULT_OUTPUT = 128
 # vocabularies average ~4 characters of English per token). It is prefix-stable: text that
 # starts with the same characters starts with the same tokens, up to the last piece.
 TOKEN_RULE = re.compile(r"\s*\S{1,4}")
-# Chat messages become one prompt text: "<|role|> content " per message, then "<|assistant|>"
-# (the role markers cost 2-4 tokens each, as real chat templates' special tokens do).
+# Chat messages become one prompt text in ChatML's shape, marker for marker in tokens (SmolLM2's
+# and Qwen's template, as llama.cpp's server applies it): "<|im role|> content <|end|> " per
+# message, then "<|im assistant|>". Under TOKEN_RULE a message's head costs 3 tokens for a role
+# of up to 8 letters ("<|im", " user", "|>": ChatML's "<|im_start|>", "user", "\n"), its end 2
+# (" <|en", "d|>": "<|im_end|>", "\n") and the answer's head 4 ("<|im", " assi", "stan", "t|>":
+# "<|im_start|>", "ass", "istant", "\n"): a system prompt of 128 words and a question of 16 are
+# 158 tokens for both, a hit behind the system prompt computes 22 (the markers cost 2-4 tokens
+# each, as real chat templates' special tokens do).
 # The generated text: " " + one of these words per token (each one token under TOKEN_RULE),
 # picked from the prompt's CRC-32, so one prompt always gets the same answer.
 OUTPUT_WORDS = ("the", "a", "sea", "of", "and", "lamp", "to", "wave", "in", "is", "it", "red", "we",
@@ -2252,7 +2258,7 @@ def tokenize(text):
 
 def chat_prompt(messages):
     """The prompt text of a chat request (the emulator's chat template)."""
-    return "".join(f"<|{m.get('role', 'user')}|> {_content(m)} " for m in messages) + "<|assistant|>"
+    return "".join(f"<|im {m.get('role', 'user')}|> {_content(m)} <|end|> " for m in messages) + "<|im assistant|>"
 
 
 def _content(message):
