@@ -347,6 +347,17 @@ def test_a_step_profile_fitted_on_measurements_recovers_the_terms_that_made_them
         assert fitted[name] == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
 
 
+def test_a_step_profile_whose_batch_2_decode_costs_over_twice_batch_1_keeps_a_lone_decode_exact():
+    # llama.cpp's server: 13.0 ms at batch 1, 29.6 at batch 2 (each slot a forward pass of its
+    # own, plus the box's noise): no negative overhead, and batch 1 as measured
+    prefill = [(n, n * (n + 1) / 2, 0.02 + 0.005 * n) for n in (32, 128, 384)]
+    fitted = sim.LinearStepCost.fit(prefill, {1: 0.013, 2: 0.0296})
+    cost = sim.LinearStepCost.from_profile(fitted)
+    assert fitted["overhead"] == 0.0
+    assert cost.decode_alpha(1) == pytest.approx(0.013, rel=1e-9)
+    assert cost.decode_alpha(2) == pytest.approx(0.026, rel=1e-9)
+
+
 def test_the_workload_presets_have_the_reuse_the_trace_reports():
     import workload
     assert workload.reusable_share(workload.preset("reasoning")) == pytest.approx(0.90, abs=0.02)
