@@ -15,7 +15,13 @@
     and after two draws of one shared-prefix workload against it, pooled by median (the box's
     speed moves by up to 2x, in under a second, with other tenants' load: the rounds sample
     the speed the draws met, and their spread is printed, the real server's own variance);
-    the emulator then serves the same two draws with that profile: median TTFT over both draws
+    the emulator then serves the same two draws with that profile as fitted and at each draw's
+    own speed: the box's speed moves within a run, so the speed a draw met is measured by the
+    real server's own clock during it (llama.cpp's timings: its decode step, over the requests
+    that decoded alone, against its decode step in the probe's rounds) and the profile's every
+    term is multiplied by it (a CPU k times slower runs every part of a step k times slower; a
+    request's hit and its decode steps slow together: 24 identical hits, 136 cached + 22 new, on
+    one server took ~150 ms with ~14 ms decode steps, ~205 ms with ~18, by its timings). The target is on the comparison at the draw's speed: median TTFT over both draws
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points); per draw also the hits' median TTFT and the median ITL (for the real
@@ -447,7 +453,8 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
               f"{emulated['hit_rate'] * 100:.1f}% "
               f"(cached_tokens / prompt_tokens): {result['hit_rate_points']:+.1f} points (target within 10)")
         result["command"] = ("tests/bench_sim_serve.py --only llamacpp --llama-python /tmp/xl-venv/bin/python; "
-                             f"otela_sim.py serve --model {LLAMA_MODEL} --step-profile {profile_path} --prefix-cache slots --kv-tokens "
+                             f"otela_sim.py serve --model {LLAMA_MODEL} --step-profile {profile_path} (and "
+                             f"llamacpp_cpu_profile_draw5.json, _draw6.json) --prefix-cache slots --kv-tokens "
                              f"{LLAMA_CTX} --max-num-seqs {LLAMA_SLOTS} --max-num-batched-tokens {LLAMA_BATCH}")
         return result
     finally:
