@@ -21,7 +21,10 @@
     that decoded alone, against its decode step in the probe's rounds) and the profile's every
     term is multiplied by it (a CPU k times slower runs every part of a step k times slower; a
     request's hit and its decode steps slow together: 24 identical hits, 136 cached + 22 new, on
-    one server took ~150 ms with ~14 ms decode steps, ~205 ms with ~18, by its timings). The target is on the comparison at the draw's speed: median TTFT over both draws
+    one server took ~150 ms with ~14 ms decode steps, ~205 ms with ~18, by its timings). Run it at
+    the box's normal priority, never under `nice`: the real server inherits it, and at nice 10 it
+    gets ~1/10 of its core whenever a normal process shares the core (a 22-token hit took
+    160-680 ms, a draw lost 2 of 12 hits to slots still busy); it says its nice value. The target is on the comparison at the draw's speed: median TTFT over both draws
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points); per draw also the hits' median TTFT and the median ITL (for the real
@@ -345,6 +348,11 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
     try:
         real_url = f"http://127.0.0.1:{port}"
         wait_http(real_url + "/health", timeout=120, proc=real)
+        with open(f"/proc/{real.pid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        print(f"llamacpp: the real server runs at nice {nice}" + (" (under nice: other processes take its core "
+                                                                 "first, the comparison is of the box, not the model)"
+                                                                 if nice > 0 else ""))
         groups, prompts = (2, 4) if quick else (2, 8)
 
         def draw(seed):
@@ -355,7 +363,7 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
             reqs = workload.shared_prefix(groups, prompts, system_len=128, question_len=16, output_len=8, seed=seed,
                                           words=workload.WORDS)
             return reqs, workload.arrivals(len(reqs), 0.25, "poisson", seed=seed)
-        result = {"workload": f"shared prefix, {groups} groups x {prompts} prompts, system 128 + question 16 tokens, "
+        result = {"nice": nice, "workload": f"shared prefix, {groups} groups x {prompts} prompts, system 128 + question 16 tokens, "
                               f"8 out, Poisson 0.25 req/s; two draws (seeds 5 and 6)"}
         # the probe in three rounds, before, between and after the real server's two draws, pooled
         # by median: the box's speed the workload met is the speed the profile is fitted at
