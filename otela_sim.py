@@ -2204,8 +2204,14 @@ SERVE_DEFAULT_OUTPUT = 128
 # vocabularies average ~4 characters of English per token). It is prefix-stable: text that
 # starts with the same characters starts with the same tokens, up to the last piece.
 TOKEN_RULE = re.compile(r"\s*\S{1,4}")
-# Chat messages become one prompt text: "<|role|> content " per message, then "<|assistant|>"
-# (the role markers cost 2-4 tokens each, as real chat templates' special tokens do).
+# Chat messages become one prompt text in ChatML's shape, marker for marker in tokens (SmolLM2's
+# and Qwen's template, as llama.cpp's server applies it): "<|im role|> content <|end|> " per
+# message, then "<|im assistant|>". Under TOKEN_RULE a message's head costs 3 tokens for a role
+# of up to 8 letters ("<|im", " user", "|>": ChatML's "<|im_start|>", "user", "\n"), its end 2
+# (" <|en", "d|>": "<|im_end|>", "\n") and the answer's head 4 ("<|im", " assi", "stan", "t|>":
+# "<|im_start|>", "ass", "istant", "\n"): a system prompt of 128 words and a question of 16 are
+# 158 tokens for both, a hit behind the system prompt computes 22 (the markers cost 2-4 tokens
+# each, as real chat templates' special tokens do).
 # The generated text: " " + one of these words per token (each one token under TOKEN_RULE),
 # picked from the prompt's CRC-32, so one prompt always gets the same answer.
 OUTPUT_WORDS = ("the", "a", "sea", "of", "and", "lamp", "to", "wave", "in", "is", "it", "red", "we",
@@ -2255,7 +2261,7 @@ def tokenize(text):
 
 def chat_prompt(messages):
     """The prompt text of a chat request (the emulator's chat template)."""
-    return "".join(f"<|{m.get('role', 'user')}|> {_content(m)} " for m in messages) + "<|assistant|>"
+    return "".join(f"<|im {m.get('role', 'user')}|> {_content(m)} <|end|> " for m in messages) + "<|im assistant|>"
 
 
 def _content(message):
@@ -2681,6 +2687,11 @@ class LinearStepCost:
     """A step cost fitted on a real engine where the roofline has no device row (llama.cpp on a
     CPU): seconds = overhead + per_token x tokens + per_seq x rows sampled + per_ctx x decode
     context + per_pair x prefill query-key pairs. The same step() signature as StepCost.
+    On llama.cpp's server (a KV stream per slot) each sequence of a step is a forward pass of
+    its own: a decode step of 2 slots costs ~2 x one slot's (25-27 ms against 12.5-14 by the
+    server's timings, SmolLM2-135M, one thread), a hit's prefill beside another slot's decode
+    ~1 x a decode more; per_seq (a row sampled: every sequence of a step, no prompt there being
+    chunked at llama.cpp's 2048-token batch) is that pass's cost beyond its tokens, ~8 ms.
     It has no term for the whole prompt of each request (tokenizing, the chat template, the
     slot scan): on llama.cpp's server a prompt resent with 1 token to compute costs ~10 us
     per cached token, attention included (`tests/bench_sim_serve.py --only hits`), ~1.6 ms at
@@ -2710,8 +2721,8 @@ class LinearStepCost:
         three that differ; `decode` {batch: seconds between tokens} at batch 1 and one larger
         batch. Prefill is fitted as a + per_token n + per_pair pairs (least squares of relative
         errors, weights 1 / t^2: a short prompt's TTFT counts as much as a long one's), decode as
-        overhead + (per_token + per_seq) x batch; a negative term is clipped to 0. Returns the
-        profile (a dict of seconds)."""
+        overhead + (per_token + per_seq) x batch; a negative term is clipped to 0 (a negative
+        overhead keeps decode at the smaller batch exact). Returns the profile (a dict of seconds)."""
         xs = [(1.0, float(n), float(pairs)) for n, pairs, _ in prefill]
         ys = [float(t) for _, _, t in prefill]
         ws = [1.0 / (y * y) for y in ys]
@@ -2724,7 +2735,13 @@ class LinearStepCost:
         per_token, per_pair = max(0.0, per_token), max(0.0, per_pair)
         (b1, d1), (bb, db) = sorted(decode.items())[:2]
         per_seq = max(0.0, (db - d1) / (bb - b1) - per_token)
-        overhead = max(0.0, d1 - b1 * (per_token + per_seq))
+        overhead = d1 - b1 * (per_token + per_seq)
+        if overhead < 0:
+            # a batch of bb costing more than bb batches of b1 (llama.cpp's server with a KV
+            # stream per slot runs each sequence of a step as a forward pass of its own: batch 2
+            # ~2.0-2.3 x batch 1, the excess the box's noise): no step overhead, and the per-
+            # sequence term from batch b1, so that the common step, a lone decode, is exact
+            overhead, per_seq = 0.0, max(0.0, d1 / b1 - per_token)
         return {"overhead": overhead, "per_token": per_token, "per_seq": per_seq, "per_ctx": 0.0,
                 "per_pair": per_pair, "prefill_overhead": max(0.0, a - overhead - per_seq)}
 

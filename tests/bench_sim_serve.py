@@ -15,7 +15,16 @@
     and after two draws of one shared-prefix workload against it, pooled by median (the box's
     speed moves by up to 2x, in under a second, with other tenants' load: the rounds sample
     the speed the draws met, and their spread is printed, the real server's own variance);
-    the emulator then serves the same two draws with that profile: median TTFT over both draws
+    the emulator then serves the same two draws with that profile as fitted and at each draw's
+    own speed: the box's speed moves within a run, so the speed a draw met is measured by the
+    real server's own clock during it (llama.cpp's timings: its decode step, over the requests
+    that decoded alone, against its decode step in the probe's rounds) and the profile's every
+    term is multiplied by it (a CPU k times slower runs every part of a step k times slower; a
+    request's hit and its decode steps slow together: 24 identical hits, 136 cached + 22 new, on
+    one server took ~150 ms with ~14 ms decode steps, ~205 ms with ~18, by its timings). Run it at
+    the box's normal priority, never under `nice`: the real server inherits it, and at nice 10 it
+    gets ~1/10 of its core whenever a normal process shares the core (a 22-token hit took
+    160-680 ms, a draw lost 2 of 12 hits to slots still busy); it says its nice value. The target is on the comparison at the draw's speed: median TTFT over both draws
     (target within 25 %) and prefix-cache hit rate
     (llama.cpp's timings.cache_n / (cache_n + prompt_n) against usage.cached_tokens; target
     within 10 points); per draw also the hits' median TTFT and the median ITL (for the real
@@ -220,14 +229,17 @@ def _stream_once(url, messages, max_tokens):
     return asyncio.run(workload.one_request(host, port, "/v1/chat/completions", body, 300))
 
 
-def _prefill_point(url, messages, before=None):
+def _prefill_point(url, messages, before=None, timings=None):
     """(new tokens, query-key pairs, TTFT) of one request at batch 1. The tokens are the
     server's own when it reports them (llama.cpp's timings: prompt_n computed after cache_n
     cached; its chat template adds a default system message to a prompt without one, 24
     tokens the emulator's template does not have); else as the emulator counts them: tokens
     after the cached prefix (whole blocks of what `before`, the request sent just before, shares
-    with it). The new tokens attend over the cached prefix and over each other."""
+    with it). The new tokens attend over the cached prefix and over each other. The server's
+    timings of the request are appended to `timings` when given."""
     rec = _stream_once(url, messages, 2)
+    if timings is not None:
+        timings.append(rec.get("timings"))
     if rec.get("prompt_n") is not None and rec.get("cache_n") is not None:
         new, cached = rec["prompt_n"], rec["cache_n"]
     else:
@@ -245,17 +257,20 @@ def _prefill_point(url, messages, before=None):
 def _measure_profile(url, rng):
     """One round of the probe: prefill (TTFT at batch 1) of unique prompts at three lengths and
     of two prompts behind a cached prefix; ITL at batch 1 and 2, from prompts already cached (a
-    decode step alone: the second stream's prefill would otherwise stall the first's tokens)."""
+    decode step alone: the second stream's prefill would otherwise stall the first's tokens).
+    Returns (prefill points, {batch: ITL}, {"decode_step_s": the server's own decode step at
+    batch 1 (its timings: the speed the round met), "timings": each prefill probe's})."""
     def words(n):
         return workload.text(n, rng, workload.WORDS)
     _stream_once(url, [{"role": "user", "content": words(8)}], 2)            # warm-up, not timed
-    prefill = [_prefill_point(url, [{"role": "user", "content": words(n)}]) for n in (32, 128, 384)]
+    timings = []
+    prefill = [_prefill_point(url, [{"role": "user", "content": words(n)}], timings=timings) for n in (32, 128, 384)]
     for shared, new in ((384, 32), (128, 96)):
         system = {"role": "system", "content": words(shared)}
         first = [system, {"role": "user", "content": words(new)}]
-        prefill.append(_prefill_point(url, first))
+        prefill.append(_prefill_point(url, first, timings=timings))
         second = [system, {"role": "user", "content": words(new)}]
-        prefill.append(_prefill_point(url, second, before=first))
+        prefill.append(_prefill_point(url, second, before=first, timings=timings))
     decode = {}
     for batch in (1, 2):
         prompts = [[{"role": "user", "content": words(16)}] for _ in range(batch)]
@@ -270,7 +285,36 @@ def _measure_profile(url, rng):
                                           for b in bodies))
         recs = asyncio.run(both())
         decode[batch] = sum((r["last"] - r["ttft"]) / (r["tokens"] - 1) for r in recs) / len(recs)
-    return prefill, decode
+        if batch == 1:
+            step = _server_decode_step(recs[0])
+    return prefill, decode, {"decode_step_s": step, "timings": timings}
+
+
+def _server_decode_step(rec):
+    """Seconds per decode step of a request by the server's own clock (llama.cpp's timings:
+    predicted_ms runs from the first token, which ends the prompt's step, to the last: the
+    predicted_n - 1 decode steps between); None without them."""
+    t = rec.get("timings") or {}
+    if (t.get("predicted_n") or 0) < 2 or t.get("predicted_ms") is None:
+        return None
+    return t["predicted_ms"] / 1e3 / (t["predicted_n"] - 1)
+
+
+def _draw_speed(records, times):
+    """The server's decode step in a draw, by its own clock: the median over the requests that
+    decoded alone (no other request in the server from their first token to their last: a
+    step shared with another's prefill is no measure of speed)."""
+    spans = [(at + r["sent"], at + r["e2e"]) for r, at in zip(records, times) if r.get("e2e") is not None]
+    steps = []
+    for r, at in zip(records, times):
+        step = _server_decode_step(r)
+        if step is None or r.get("last") is None:
+            continue
+        first, last = at + r["ttft"], at + r["last"]
+        others = [(a, b) for a, b in spans if (a, b) != (at + r["sent"], at + r["e2e"])]
+        if not any(a < last and b > first for a, b in others):
+            steps.append(step)
+    return _median(steps) if steps else None
 
 
 def _median(xs):
@@ -300,10 +344,15 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
     port = free_port()
     real = subprocess.Popen([python, "-c", LLAMA_LAUNCHER, str(port), str(LLAMA_CTX), str(LLAMA_SLOTS)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    emu = None
+    emu = []
     try:
         real_url = f"http://127.0.0.1:{port}"
         wait_http(real_url + "/health", timeout=120, proc=real)
+        with open(f"/proc/{real.pid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        print(f"llamacpp: the real server runs at nice {nice}" + (" (under nice: other processes take its core "
+                                                                 "first, the comparison is of the box, not the model)"
+                                                                 if nice > 0 else ""))
         groups, prompts = (2, 4) if quick else (2, 8)
 
         def draw(seed):
@@ -314,7 +363,7 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
             reqs = workload.shared_prefix(groups, prompts, system_len=128, question_len=16, output_len=8, seed=seed,
                                           words=workload.WORDS)
             return reqs, workload.arrivals(len(reqs), 0.25, "poisson", seed=seed)
-        result = {"workload": f"shared prefix, {groups} groups x {prompts} prompts, system 128 + question 16 tokens, "
+        result = {"nice": nice, "workload": f"shared prefix, {groups} groups x {prompts} prompts, system 128 + question 16 tokens, "
                               f"8 out, Poisson 0.25 req/s; two draws (seeds 5 and 6)"}
         # the probe in three rounds, before, between and after the real server's two draws, pooled
         # by median: the box's speed the workload met is the speed the profile is fitted at
@@ -349,41 +398,76 @@ def bench_llamacpp(python, quick=False, out_dir="bench-results"):
               f"round {', '.join(f'{x:.2f}' for x in probe_share)} of a core")
         result.update(profile=profile, prefill_measured=prefill, decode_measured=decode, probe_rounds=rounds,
                       probe_spread=spread, probe_cpu_share=probe_share)
-        emu, emu_url = spawn_serve("--model", LLAMA_MODEL, "--step-profile", profile_path, "--prefix-cache", "slots",
-                                   "--kv-tokens",
-                                   str(LLAMA_CTX), "--max-num-seqs", str(LLAMA_SLOTS),
-                                   "--max-num-batched-tokens", str(LLAMA_BATCH))
+        # the box's speed during each draw, by the real server's own clock: its decode step in the
+        # draw (requests decoding alone) over its decode step in the probe's rounds. The emulator
+        # serves each draw twice: with the profile as fitted, and with every term of it times
+        # that draw's speed (a CPU k times slower runs every part of a step k times slower), the
+        # like-with-like comparison
+        probe_step = _median([r[2]["decode_step_s"] for r in rounds if r[2]["decode_step_s"]])
+        speed = {seed: (_draw_speed(result[f"llamacpp_{seed}"], draw(seed)[1]) or probe_step) / probe_step
+                 for seed in (5, 6)}
+        emulators = {}
+        flags = ("--model", LLAMA_MODEL, "--prefix-cache", "slots", "--kv-tokens", str(LLAMA_CTX), "--max-num-seqs",
+                 str(LLAMA_SLOTS), "--max-num-batched-tokens", str(LLAMA_BATCH))
         for seed in (5, 6):
-            result[f"emulator_{seed}"] = workload.run(emu_url, LLAMA_MODEL, *draw(seed), timeout=300)
-        measured = workload.summary(result["llamacpp_5"] + result["llamacpp_6"])
-        emulated = workload.summary(result["emulator_5"] + result["emulator_6"])
-        by_draw = {f"{kind}_{seed}": workload.summary(result[f"{kind}_{seed}"]) for kind in ("llamacpp", "emulator")
-                   for seed in (5, 6)}
-        result.update(real=measured, emulated=emulated, by_draw=by_draw,
+            path = os.path.join(out_dir, f"llamacpp_cpu_profile_draw{seed}.json")
+            with open(path, "w") as f:
+                json.dump({k: v * speed[seed] for k, v in profile.items()}, f, indent=1)
+            for kind, step_profile in (("emulator", profile_path), ("matched", path)):
+                emulators[f"{kind}_{seed}"] = spawn_serve("--step-profile", step_profile, *flags)
+                emu.append(emulators[f"{kind}_{seed}"][0])
+
+        async def all_draws():
+            # the four emulated draws at once, one emulator each (they sleep out their steps)
+            runs = [workload.run_async(emulators[key][1], LLAMA_MODEL, *draw(int(key.rsplit("_", 1)[1])),
+                                       timeout=300) for key in emulators]
+            return dict(zip(emulators, await asyncio.gather(*runs)))
+        result.update(asyncio.run(all_draws()))
+        pair = {kind: (workload.summary(result["llamacpp_5"] + result["llamacpp_6"]),
+                       workload.summary(result[f"{kind}_5"] + result[f"{kind}_6"])) for kind in ("emulator", "matched")}
+        measured, emulated = pair["matched"]
+        by_draw = {f"{kind}_{seed}": workload.summary(result[f"{kind}_{seed}"])
+                   for kind in ("llamacpp", "emulator", "matched") for seed in (5, 6)}
+        result.update(real=measured, emulated=emulated, by_draw=by_draw, speed=speed, probe_decode_step_s=probe_step,
                       ttft_p50_error=emulated["ttft_p50_ms"] / measured["ttft_p50_ms"] - 1,
-                      hit_rate_points=(emulated["hit_rate"] - measured["hit_rate"]) * 100)
+                      hit_rate_points=(emulated["hit_rate"] - measured["hit_rate"]) * 100,
+                      ttft_p50_error_as_fitted=pair["emulator"][1]["ttft_p50_ms"] / measured["ttft_p50_ms"] - 1,
+                      hit_rate_points_as_fitted=(pair["emulator"][1]["hit_rate"] - measured["hit_rate"]) * 100)
+        probe_hits = [t for r in rounds for t in r[2]["timings"] if t and t["cache_n"] > t["prompt_n"]]
         for seed in (5, 6):
-            r, e = by_draw[f"llamacpp_{seed}"], by_draw[f"emulator_{seed}"]
-            rh, eh = _hit_figures(result[f"llamacpp_{seed}"]), _hit_figures(result[f"emulator_{seed}"])
+            r, e, m = (by_draw[f"{kind}_{seed}"] for kind in ("llamacpp", "emulator", "matched"))
+            rh, eh, mh = (_hit_figures(result[f"{kind}_{seed}"]) for kind in ("llamacpp", "emulator", "matched"))
             by_draw[f"llamacpp_{seed}"].update(rh, cpu_share=cpu_share[seed])
             by_draw[f"emulator_{seed}"].update(eh)
-            print(f"llamacpp: draw {seed}: TTFT p50 real {r['ttft_p50_ms']:.0f} ms, emulator {e['ttft_p50_ms']:.0f} ms; "
-                  f"hit rate real {r['hit_rate'] * 100:.1f}%, emulator {e['hit_rate'] * 100:.1f}%; hits' TTFT p50 real "
-                  f"{rh['hit_ttft_p50_ms']:.0f} ms ({rh['hits']}), emulator {eh['hit_ttft_p50_ms']:.0f} ms ({eh['hits']}); "
-                  f"ITL p50 real {rh['itl_p50_ms']:.1f} ms, emulator {eh['itl_p50_ms']:.1f} ms; the real server's "
-                  f"CPU while busy {cpu_share[seed]:.2f} of a core")
+            by_draw[f"matched_{seed}"].update(mh)
+            hit_ms = [x["timings"]["prompt_ms"] for x in result[f"llamacpp_{seed}"] if x.get("timings")
+                      and x["timings"]["cache_n"] > x["timings"]["prompt_n"]]
+            print(f"llamacpp: draw {seed}: the box's speed {speed[seed]:.2f} x the probe's (the server's decode step "
+                  f"{speed[seed] * probe_step * 1e3:.1f} ms against {probe_step * 1e3:.1f}); hits' prompt_ms (the "
+                  f"server's clock) {_median(hit_ms) if hit_ms else float('nan'):.0f} ms ({len(hit_ms)}); TTFT p50 "
+                  f"real {r['ttft_p50_ms']:.0f} ms, emulator {e['ttft_p50_ms']:.0f} ms as fitted, {m['ttft_p50_ms']:.0f} "
+                  f"ms at the draw's speed; hit rate real {r['hit_rate'] * 100:.1f}%, emulator "
+                  f"{m['hit_rate'] * 100:.1f}%; hits' TTFT p50 real {rh['hit_ttft_p50_ms']:.0f} ms ({rh['hits']}), "
+                  f"emulator {eh['hit_ttft_p50_ms']:.0f} / {mh['hit_ttft_p50_ms']:.0f} ms ({mh['hits']}); ITL p50 real "
+                  f"{rh['itl_p50_ms']:.1f} ms, emulator {mh['itl_p50_ms']:.1f} ms; the real server's CPU while busy "
+                  f"{cpu_share[seed]:.2f} of a core")
+        print("llamacpp: the probe's hits' prompt_ms (the server's clock; cache_n + prompt_n): " + ", ".join(
+            f"{t['prompt_ms']:.0f} ({t['cache_n']} + {t['prompt_n']})" for t in probe_hits))
         print(f"llamacpp: both draws: TTFT p50 real {measured['ttft_p50_ms']:.0f} ms, emulator "
-              f"{emulated['ttft_p50_ms']:.0f} ms ({result['ttft_p50_error'] * 100:+.1f}%, target within 25%); prefix hit "
+              f"{emulated['ttft_p50_ms']:.0f} ms at each draw's speed ({result['ttft_p50_error'] * 100:+.1f}%, target "
+              f"within 25%; as fitted {pair['emulator'][1]['ttft_p50_ms']:.0f} ms, "
+              f"{result['ttft_p50_error_as_fitted'] * 100:+.1f}%); prefix hit "
               f"rate real {measured['hit_rate'] * 100:.1f}% (cache_n / (cache_n + prompt_n)), emulator "
               f"{emulated['hit_rate'] * 100:.1f}% "
               f"(cached_tokens / prompt_tokens): {result['hit_rate_points']:+.1f} points (target within 10)")
         result["command"] = ("tests/bench_sim_serve.py --only llamacpp --llama-python /tmp/xl-venv/bin/python; "
-                             f"otela_sim.py serve --model {LLAMA_MODEL} --step-profile {profile_path} --prefix-cache slots --kv-tokens "
+                             f"otela_sim.py serve --model {LLAMA_MODEL} --step-profile {profile_path} (and "
+                             f"llamacpp_cpu_profile_draw5.json, _draw6.json) --prefix-cache slots --kv-tokens "
                              f"{LLAMA_CTX} --max-num-seqs {LLAMA_SLOTS} --max-num-batched-tokens {LLAMA_BATCH}")
         return result
     finally:
-        if emu is not None:
-            stop_process(emu, 5)
+        for proc in emu:
+            stop_process(proc, 5)
         stop_process(real, 10)
 
 

@@ -297,6 +297,37 @@ def test_a_decode_step_is_timed_by_the_per_batch_constant_and_beta_as_the_full_s
     assert step.seconds == pytest.approx(cost.step(3, 3, 3 * 101 + 7 + 14, 0.0, 0), rel=1e-12)
 
 
+def test_in_llama_cpp_mode_a_step_holding_a_prefix_hit_and_a_decode_costs_both_as_one_batch():
+    # llama-server decodes every slot's tokens in one batch: a hit's 22 new tokens after 136 cached
+    # and another slot's decode token are one step, each term of the profile counted once
+    cost = sim.LinearStepCost(overhead=0.002, per_token=0.006, per_seq=0.0004, per_ctx=2e-6, per_pair=4e-6,
+                              prefill_overhead=0.01)
+    core = sim.EngineCore(cost, 1000, max_batched_tokens=2048, max_num_seqs=2, slots=True)
+    core.add(sim.EmulatedRequest("a", words(136, "s") + words(10, "a"), max_tokens=1))
+    run_until_idle(core)                           # slot 1 now holds the 136 shared tokens
+    decoding = sim.EmulatedRequest("d", words(50, "d"), max_tokens=8)
+    core.add(decoding)
+    core.complete(core.schedule(), 0.0)            # its prefill; it decodes from now on
+    core.add(sim.EmulatedRequest("hit", words(136, "s") + words(22, "h"), max_tokens=8))
+    step = core.schedule()
+    assert [(r.id, n) for r, n in step.items] == [("d", 1), ("hit", 22)]
+    pairs = 22 * (136 + 23 / 2)
+    assert step.seconds == pytest.approx(cost.overhead + cost.per_token * 23 + cost.per_seq * 2 + cost.per_ctx * 51
+                                         + cost.per_pair * pairs + cost.prefill_overhead, rel=1e-12)
+
+
+def test_the_chat_template_costs_what_llama_servers_chatml_costs_in_tokens():
+    # measured on llama.cpp's server with SmolLM2 (/apply-template, /tokenize): "<|im_start|>",
+    # role, "\n" per message; "<|im_end|>", "\n" after it; "<|im_start|>", "ass", "istant", "\n"
+    system = {"role": "system", "content": " was down come or so"}
+    user = {"role": "user", "content": " one back long it"}
+    assert sim.count_tokens(sim.chat_prompt([system, user])) == 23
+    first = sim.tokenize(sim.chat_prompt([system, user]))
+    second = sim.tokenize(sim.chat_prompt([system, {"role": "user", "content": " the time day year"}]))
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert (shared, len(second) - shared) == (13, 10)      # llama.cpp's cache_n and prompt_n of the hit
+
+
 def test_the_kv_pool_is_what_the_gpu_leaves_after_weights_and_activations():
     core = sim.serve_core("llama-3.1-8b", "H100")
     c = sim._cost_for(sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu("H100"), 1, None, "vllm-v1")
@@ -315,6 +346,17 @@ def test_a_step_profile_fitted_on_measurements_recovers_the_terms_that_made_them
     fitted = sim.LinearStepCost.fit(prefill, decode)
     for name in ("overhead", "per_token", "per_seq", "per_pair", "prefill_overhead"):
         assert fitted[name] == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_a_step_profile_whose_batch_2_decode_costs_over_twice_batch_1_keeps_a_lone_decode_exact():
+    # llama.cpp's server: 13.0 ms at batch 1, 29.6 at batch 2 (each slot a forward pass of its
+    # own, plus the box's noise): no negative overhead, and batch 1 as measured
+    prefill = [(n, n * (n + 1) / 2, 0.02 + 0.005 * n) for n in (32, 128, 384)]
+    fitted = sim.LinearStepCost.fit(prefill, {1: 0.013, 2: 0.0296})
+    cost = sim.LinearStepCost.from_profile(fitted)
+    assert fitted["overhead"] == 0.0
+    assert cost.decode_alpha(1) == pytest.approx(0.013, rel=1e-9)
+    assert cost.decode_alpha(2) == pytest.approx(0.026, rel=1e-9)
 
 
 def test_the_workload_presets_have_the_reuse_the_trace_reports():

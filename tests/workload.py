@@ -145,6 +145,7 @@ def _account(rec, obj):
     timings = obj.get("timings")
     if timings:                              # llama.cpp's server: its own cache accounting
         rec["cache_n"], rec["prompt_n"] = timings.get("cache_n"), timings.get("prompt_n")
+        rec["timings"] = timings             # prompt_ms, predicted_ms...: the server's own clock
     if "choices" in obj:
         rec["_choices"] = obj["choices"]
 
