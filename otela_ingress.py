@@ -3205,7 +3205,7 @@ class _Exchange:
             self.status = status
         ingress = self.ingress
         now = time.monotonic()
-        row = ingress.journal_row(self, now) if booked else None   # journalled; queued for SQLite below
+        row = self.journal_row(now) if booked else None   # journalled; queued for SQLite below
         try:
             if last and not client.closed:   # uvloop raises on a closed transport
                 client.transport.write(last)
@@ -3214,7 +3214,7 @@ class _Exchange:
             if row is not None:
                 ingress.ledger.queue(row)
         if booked:
-            ingress.account(self, now)
+            self.account(now)
         candidate = self.candidate
         if attempt_open and health == "succeeded":
             ingress.health.succeeded(candidate.session)
@@ -3229,6 +3229,63 @@ class _Exchange:
             routed.cached_tokens = self.cached_tokens
             ingress.policy.on_request_end(candidate, routed, ok)
         return True
+
+    # -- booking: the ledger row (its head made while the engine works), the counters --------------
+    def prepare_row(self, candidate: Candidate) -> None:
+        """Serialise the fields of the ledger row known before the answer, so that what is left
+        between the engine's answer and the client's last byte is a little formatting."""
+        if self.ingress.ledger is None:
+            return
+        head = (time.time(), self.key.id, self.key.user, self.routed.model, candidate.session,
+                candidate.record.get("owner", ""))
+        self.row_head = (candidate, head, crdt.dumps(head)[:-1])
+
+    def journal_row(self, now: float) -> Optional[tuple]:
+        """Journal the ledger row (called before the client gets the last byte). Returns the row,
+        for Ledger.queue right after that byte went out, when it is not queued already."""
+        ledger = self.ingress.ledger
+        if ledger is None:
+            return None
+        candidate = self.candidate
+        row_head = self.row_head
+        if row_head is not None and candidate is row_head[0] and self.prompt_tokens is not None:
+            # the latency in whole microseconds, written as milliseconds with three decimals from
+            # the integer (a float's repr costs more than the rest of the line): the same number
+            # in the journal and in SQLite
+            micros = round((now - self.t0) * 1e6)
+            status, prompt, completion = self.status, self.prompt_tokens, self.completion_tokens
+            stream, attempts, tracked = int(self.routed.stream), self.attempts, int(self.tracked)
+            # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
+            ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s"]\n' % (
+                row_head[2], status, prompt, completion, micros // 1000, micros % 1000, stream, attempts, tracked,
+                self.request_id))
+            return row_head[1] + (status, prompt, completion, micros / 1000, stream, attempts, tracked,
+                                  self.request_id.decode())
+        ledger.record((
+            time.time(), self.key.id, self.key.user, self.routed.model,
+            candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
+            self.status, self.prompt_tokens, self.completion_tokens, round((now - self.t0) * 1000.0, 3),
+            int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode()))
+        return None
+
+    def account(self, now: float) -> None:
+        """The request in the metrics, the cluster's usage counters and the usage statistics."""
+        model, status = self.routed.model, self.status
+        prompt, completion = self.prompt_tokens, self.completion_tokens
+        ingress = self.ingress
+        metrics = ingress.metrics
+        metrics.requests[(model, status)] += 1
+        if status >= 400:
+            metrics.errors["upstream_" + str(status)] += 1
+        metrics.observe(metrics.latency, model, now - self.t0)
+        ingress.cluster.count(self.key, model, prompt, completion)   # the G-Counter slot
+        if prompt:
+            metrics.tokens[(model, "input")] += prompt
+        if completion:
+            metrics.tokens[(model, "output")] += completion
+        if status == 200:
+            ingress.stats.add(model, now, prompt, completion)
+
 
     # -- sending: an attempt on a kept-alive connection to its session, or on a new one -----------
     def send(self, candidate: Candidate, fresh: bool) -> None:
@@ -3276,7 +3333,7 @@ class _Exchange:
         proto = up.proto
         proto.on_data = functools.partial(self._on_answer, up)
         if self.row_head is None or self.row_head[0] is not candidate:
-            self.ingress.prepare_row(self, candidate)   # while the engine works on the request
+            self.prepare_row(candidate)   # while the engine works on the request
         if up.buf or proto.eof:   # it spoke (or closed) before we listened
             self._on_answer(up)
 
@@ -3870,58 +3927,6 @@ class Ingress:
         ex.sent_on(candidate, up)
 
     # -- accounting --------------------------------------------------------------------------
-    def account(self, ex: _Exchange, now: float) -> None:
-        model, status = ex.routed.model, ex.status
-        prompt, completion = ex.prompt_tokens, ex.completion_tokens
-        metrics = self.metrics
-        metrics.requests[(model, status)] += 1
-        if status >= 400:
-            metrics.errors["upstream_" + str(status)] += 1
-        metrics.observe(metrics.latency, model, now - ex.t0)
-        self.cluster.count(ex.key, model, prompt, completion)   # the G-Counter slot
-        if prompt:
-            metrics.tokens[(model, "input")] += prompt
-        if completion:
-            metrics.tokens[(model, "output")] += completion
-        if status == 200:
-            self.stats.add(model, now, prompt, completion)
-
-    def prepare_row(self, ex: _Exchange, candidate: Candidate) -> None:
-        """Serialise the fields of the ledger row known before the answer, so that what is left
-        between the engine's answer and the client's last byte is a little formatting."""
-        if self.ledger is None:
-            return
-        head = (time.time(), ex.key.id, ex.key.user, ex.routed.model, candidate.session,
-                candidate.record.get("owner", ""))
-        ex.row_head = (candidate, head, crdt.dumps(head)[:-1])
-
-    def journal_row(self, ex: _Exchange, now: float) -> Optional[tuple]:
-        """Journal the ledger row (called before the client gets the last byte). Returns the row,
-        for Ledger.queue right after that byte went out, when it is not queued already."""
-        if self.ledger is None:
-            return None
-        candidate = ex.candidate
-        row_head = ex.row_head
-        if row_head is not None and candidate is row_head[0] and ex.prompt_tokens is not None:
-            # the latency in whole microseconds, written as milliseconds with three decimals from
-            # the integer (a float's repr costs more than the rest of the line): the same number
-            # in the journal and in SQLite
-            micros = round((now - ex.t0) * 1e6)
-            status, prompt, completion = ex.status, ex.prompt_tokens, ex.completion_tokens
-            stream, attempts, tracked = int(ex.routed.stream), ex.attempts, int(ex.tracked)
-            # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
-            self.ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s"]\n' % (
-                row_head[2], status, prompt, completion, micros // 1000, micros % 1000, stream, attempts, tracked,
-                ex.request_id))
-            return row_head[1] + (status, prompt, completion, micros / 1000, stream, attempts, tracked,
-                                  ex.request_id.decode())
-        self.ledger.record((
-            time.time(), ex.key.id, ex.key.user, ex.routed.model,
-            candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
-            ex.status, ex.prompt_tokens, ex.completion_tokens, round((now - ex.t0) * 1000.0, 3),
-            int(ex.routed.stream), ex.attempts, int(ex.tracked), ex.request_id.decode()))
-        return None
-
     # -- connections with no complete head yet; CORS ------------------------------------------
     def headed(self, client: _Client) -> None:
         """The client is no longer among the headless connections (its head came, or it went)."""
