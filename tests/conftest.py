@@ -60,6 +60,17 @@ def wait_http(url, timeout=60.0, proc=None):
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+def poll(check, what, timeout=30.0, interval=0.2):
+    """Call `check` until it returns a true value, and return that value; fail saying `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
 def stop_process(proc, grace):
     """SIGTERM, then SIGKILL after `grace` seconds: what every test does with what it started."""
     proc.terminate()

@@ -9,11 +9,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
-from conftest import ENGINE_ALIAS, engine_command, engine_installed, free_port, stop_process, wait_http
+from conftest import ENGINE_ALIAS, engine_command, engine_installed, free_port, poll, stop_process, wait_http
 from test_place_slurm import _cancel_ours, slurm  # noqa: F401  (the module-scoped Slurm fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,16 +73,6 @@ def sessions_of_job(ingress, job):
     return [s for s in view.get("sessions", []) if str((s.get("labels") or {}).get("slurm_job")) == str(job)]
 
 
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout} s")
-
-
 def test_plan_submit_serve_then_scale_to_zero_leaves_the_overlay(slurm, ingress, tmp_path):  # noqa: F811
     _cancel_ours()
     try:
@@ -97,7 +86,7 @@ def test_plan_submit_serve_then_scale_to_zero_leaves_the_overlay(slurm, ingress,
             if any(s["state"] in ("DOWN", "LEFT") for s in mine):  # the engine failed: stop waiting
                 return ["failed"]
             return [s for s in mine if s["state"] == "SERVING"]
-        session = wait_for(serving, 180, f"job {job}'s node did not register SERVING")[0]
+        session = poll(serving, f"job {job}'s node did not register SERVING", 180, interval=0.5)[0]
         if session == "failed":
             logs = "".join(p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*"))
             raise AssertionError(f"job {job}'s session went DOWN; job log tail:\n{logs}")
@@ -113,8 +102,8 @@ def test_plan_submit_serve_then_scale_to_zero_leaves_the_overlay(slurm, ingress,
 
         gone = plan(tmp_path, ingress, 0.0)  # demand gone: the plan wants nothing
         assert gone["cancelled"] == [job] and gone["submitted"] == []
-        wait_for(lambda: [s for s in sessions_of_job(ingress, job) if s["state"] == "LEFT"], 90,
-                 f"job {job}'s session did not become LEFT after scancel")
-        wait_for(lambda: not place.slurm_jobs(), 60, f"job {job} did not leave squeue")
+        poll(lambda: [s for s in sessions_of_job(ingress, job) if s["state"] == "LEFT"],
+             f"job {job}'s session did not become LEFT after scancel", 90, interval=0.5)
+        poll(lambda: not place.slurm_jobs(), f"job {job} did not leave squeue", 60, interval=0.5)
     finally:
         _cancel_ours()

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from conftest import poll
 from test_ingress_support import Client, Cluster, child_pids, free_port
 
 import otela_ingress
@@ -38,16 +39,6 @@ def ask(client, system, question, stream=False):
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
     status, headers, answer = client.request("POST", "/v1/chat/completions", body)
     return status, headers.get(otela_ingress.SESSION_HEADER.decode()), answer
-
-
-def poll(check, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 @pytest.fixture

@@ -718,8 +718,10 @@ def test_the_time_scale_flag_reads_its_setting_and_refuses_a_faster_than_gpu_fle
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(2, 60)), min_size=1, max_size=5),
-       st.integers(100, 400), st.sampled_from([2, 4, 16]), st.booleans())
+       st.integers(112, 400), st.sampled_from([2, 4, 16]), st.booleans())
 def test_a_run_completed_at_once_leaves_the_core_as_its_steps_one_by_one_would(shapes, pool, block_size, slots):
+    # (a pool of at least 112 tokens in whole blocks of 16 holds the longest request, 100 tokens:
+    # from 100, 100 // 16 blocks held 96, and hypothesis found a 97-token one refused)
     reqs = {}
 
     def core():                                # pools from one request's worth of KV: preemptions too
