@@ -2759,9 +2759,11 @@ class EmulatedServer:
     the OpenAI routes, and the step timer that waits out each step's roofline time, times
     `time_scale` (a fleet slowed K times: the same queues and cache hits at 1/K of the rate)."""
 
-    def __init__(self, core, served_model, max_model_len=None, time_scale=1.0):
+    def __init__(self, core, served_model, max_model_len=None, time_scale=1.0, request_log=None):
         import asyncio
         self.asyncio = asyncio
+        self.request_log = request_log         # a file: a JSON line per request ended (--request-log)
+        self.tag = os.urandom(4).hex()         # ids unique across emulators, as vLLM's are
         self.core, self.model = core, served_model
         self.time_scale = time_scale           # wall seconds per emulated second (--time-scale)
         self.max_model_len = max_model_len or core.max_model_len
@@ -3104,7 +3106,7 @@ class EmulatedServer:
         except SimError as e:
             await self._send_json(writer, 400, _openai_error(str(e), "invalid_request_error", param="max_tokens"))
             return True
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.counter}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.tag}-{self.counter}"
         obj = "chat.completion" if chat else "text_completion"
         finish = "length" if stated else "stop"
         try:
@@ -3190,6 +3192,23 @@ class EmulatedServer:
                 req.state = "aborted"
             elif req.state not in ("finished", "aborted"):
                 self.core.abort(req)
+            if self.request_log is not None:
+                self._log(rid, req)
+
+    def _log(self, rid, req):
+        """The request's line in --request-log: its times at the engine (from its last byte read
+        to its first and last token, wall ms: time-scaled) and its tokens. One write of one line
+        in append mode: emulators may share the file."""
+        def ms(t):
+            return None if t is None else round((t - req.arrival) * 1e3, 3)
+        line = json.dumps({"id": rid, "state": req.state, "ttft_ms": ms(req.first_token_at),
+                           "e2e_ms": ms(req.finished_at), "prompt_tokens": req.prompt_len,
+                           "cached_tokens": req.cached_tokens or 0, "completion_tokens": req.generated})
+        try:
+            self.request_log.write(line + "\n")
+        except OSError as e:                    # a full disk: the log stops, serving goes on
+            print(f"otela_sim.py serve: --request-log: {e}; no more lines", file=sys.stderr, flush=True)
+            self.request_log = None
 
 
 def _openai_error(message, kind, param=None, code=None):
@@ -3222,8 +3241,15 @@ def _cmd_serve(a):
         core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
     served = a.served_model_name or a.model
 
+    log = None
+    if a.request_log:
+        try:
+            log = open(a.request_log, "a", buffering=1)
+        except OSError as e:
+            raise SimError(f"--request-log {a.request_log}: {e.strerror}") from None
+
     async def run():
-        server = EmulatedServer(core, served, time_scale=a.time_scale)
+        server = EmulatedServer(core, served, time_scale=a.time_scale, request_log=log)
         port = await server.start(a.host, a.port)
         timing = f"timed by the profile {a.step_profile}" if a.step_profile else \
             f"on {a.tp} x {a.gpu} ({engine.key})"
@@ -3237,7 +3263,11 @@ def _cmd_serve(a):
             asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
         await stop
         await server.close()
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        if log is not None:
+            log.close()
 
 
 def add_serve_command(sub):
@@ -3261,6 +3291,10 @@ def add_serve_command(sub):
                         "slot (--max-num-seqs slots)")
     s.add_argument("--step-profile", default=None, metavar="FILE",
                    help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
+    s.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append a JSON line per request ended: its id, state, TTFT and end-to-end ms at the engine "
+                        "(from its last byte read), prompt, cached and completion tokens (for benchmarks: the "
+                        "engine's share of a client's latency); emulators may share the file")
     s.add_argument("--time-scale", type=_AT_LEAST_1_FLOAT, default=1.0, metavar="K",
                    help="every emulated duration K times longer (step times, so TTFT and inter-token latency; "
                         "token counts, cache and metrics unchanged): a fleet slowed K times keeps the same queueing "

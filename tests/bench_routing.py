@@ -37,7 +37,9 @@ the GPU's), output tokens/s (wall), cache hit rate (sum of usage cached_tokens /
 tokens), errors; and the ratios issue 28's targets name, beside the workload's reusable share
 (the hit rate of a cache that never evicts: what no placement can beat), and, where otela's
 `ttft` and sglang's `cache_aware` hit the same (within half a point), their TTFT p50 apart (the
-same engine work: what the path adds). The kill case adds the ingress's retries, streams
+same engine work: what the path adds). Each TTFT is also split where it was spent (the emulators'
+--request-log, matched by response id): at the engine (queue and prefill: what placement
+decides) and on the path (the rest: connecting, the proxies). The kill case adds the ingress's retries, streams
 continued elsewhere and streams cut. Prints a table, writes <out>/routing.json; never asserts. Loopback only; every process started is stopped (its
 process group) and every temporary folder removed, on Ctrl-C and failure too.
 """
@@ -64,6 +66,7 @@ from conftest import ENGINE_DIR, ENGINE_MODEL, ENGINE_PYTHON, ENGINE_SERVE, free
 from test_ingress_support import child_pids  # noqa: E402
 
 import otela_ingress  # noqa: E402
+import otela_sim as sim  # noqa: E402
 
 MODEL, GPU, ENGINE = "meta-llama/Llama-3.1-8B-Instruct", "H100", "vllm-v1"
 ENGINES = 8
@@ -184,9 +187,10 @@ def wait_until(ready, what, procs, timeout=READY_S):
 
 # --- fleets -------------------------------------------------------------------------------------
 
-def sim_command(scale, port="{port}"):
+def sim_command(scale, port="{port}", log=None):
+    """An emulated engine; `log`: the file its requests' engine-side times are appended to."""
     return [sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--gpu", GPU, "--engine", ENGINE,
-            "--time-scale", f"{scale:g}", "--port", str(port)]
+            "--time-scale", f"{scale:g}", "--port", str(port)] + (["--request-log", log] if log else [])
 
 
 def llama_command(port="{port}"):
@@ -327,6 +331,59 @@ def figures(records):
             "error_kinds": sorted({why(r) for r in failed})[:5]}
 
 
+def engine_side(records, log, scale):
+    """A client's TTFT split where it was spent: at the engine (the emulator's --request-log: from
+    the request's last byte read to its first token, queue and prefill) and on the path (the
+    client's TTFT less that: connecting, the proxies both ways). Requests found by their id
+    (the engine's; a stream continued elsewhere keeps the first engine's, whose line a killed
+    engine never wrote); p50 and p99 of each, ms."""
+    try:
+        with open(log) as f:
+            engine = {e["id"]: e for e in map(json.loads, f) if e.get("ttft_ms") is not None}
+    except (OSError, ValueError):
+        return {}
+    ok = [r for r in records if complete(r) and r.get("ttft") is not None and r.get("id") in engine]
+    if not ok:
+        return {}
+    lines = [engine[r["id"]] for r in ok]
+    at_engine, path = [e["ttft_ms"] for e in lines], [r["ttft"] * 1e3 - e["ttft_ms"] for r, e in zip(ok, lines)]
+    span = max(r["at"] + r["e2e"] for r in ok) - min(r["at"] for r in ok)
+    streams = sum(e["e2e_ms"] for e in lines) / 1e3 / span / ENGINES if span > 0 else 0.0
+    return {"engine_ttft_p50_ms": percentile(at_engine, 0.5), "engine_ttft_p99_ms": percentile(at_engine, 0.99),
+            "path_p50_ms": percentile(path, 0.5), "path_p99_ms": percentile(path, 0.99), "engine_matched": len(ok),
+            "running_per_engine": streams,
+            "engine_floor_p99_ms": engine_floor_ms(streams, [(e["prompt_tokens"] - e["cached_tokens"],
+                                                              e["cached_tokens"]) for e in lines], scale)}
+
+
+def engine_floor_ms(streams, prompts, scale):
+    """A floor under any router's TTFT p99 at the engines, from what they ran: `streams` per
+    engine on average (Little: the requests' seconds at the engines over the run's span) and
+    each request's (new, cached) prompt tokens, timed by the engines' own step cost. At load
+    every engine is always mid-step (a decode step of its streams), and a request arriving at a
+    random time waits out the rest of it, uniform over the step; then comes its own step, its
+    new tokens beside those decodes (vLLM schedules running decodes first). If a share p of the
+    requests (the p largest by new tokens) each take an own step of at least S, and a share
+    0.01 / p of arrivals wait (1 - 0.01 / p) of a decode step D or more, the two being
+    independent, 1 % of requests take (1 - 0.01 / p) D + S or more: the p99 is at least the
+    largest such sum over p, however the requests are placed. Wall ms at time scale `scale`."""
+    if streams < 1 or not prompts:
+        return None
+    cost = sim.serve_core(MODEL, GPU, engine=ENGINE).cost
+    n = int(streams)                                          # whole streams: rounded down
+    ctx = n * sum(new + cached for new, cached in prompts) / len(prompts)
+    decode = cost.step(n, n, decode_ctx=ctx)
+    best = 0.0
+    for k, (new, cached) in enumerate(sorted(prompts, reverse=True), 1):
+        p = k / len(prompts)
+        if p <= 0.01:
+            continue
+        own = cost.step(n + new, n + 1, decode_ctx=ctx, prefill_pairs=new * (cached + (new + 1) / 2),
+                        prefill_tokens=new)
+        best = max(best, (1 - 0.01 / p) * decode + own)
+    return best * scale * 1e3 if best else None
+
+
 def ingress_counters(urls):
     """The ingresses' retries, streams continued elsewhere and streams cut, summed (/metrics)."""
     names = {"otela_retries_total": "retries", "otela_stream_resumes_total": "stream_resumes",
@@ -424,7 +481,8 @@ def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir
     times = workload.arrivals(len(requests), rate, "poisson", seed=0, duration=a.duration)
     requests = requests[:len(times)]
     try:
-        command = lambda port="{port}": sim_command(a.time_scale, port)  # noqa: E731
+        log = os.path.join(procs.tmp, "engines.jsonl")      # every engine's requests, one line each
+        command = lambda port="{port}": sim_command(a.time_scale, port, log)  # noqa: E731
         nodes = []
         if kind == "otela":
             urls, nodes = start_otela(procs, command, ENGINES, MODEL, policy, ingresses)
@@ -446,7 +504,7 @@ def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir
             during = killer()
         records = asyncio.run(_run(urls, MODEL, requests, times, REQUEST_TIMEOUT_S, during))
         out = figures(records)
-        out.update(rate=rate, sent=len(requests), sent_over_s=times[-1] if times else 0.0)
+        out.update(engine_side(records, log, a.time_scale), rate=rate, sent=len(requests), sent_over_s=times[-1] if times else 0.0)
         if kind == "otela":   # what the ingresses did about failures: retried, continued, cut
             out["ingress"] = ingress_counters(urls)
         if kill:
@@ -513,6 +571,13 @@ def ratios(result):
             if label and me.get(key) is not None:
                 r[what] = me[key] / value if value else None
                 r["best_peer_" + key] = label
+        peer = cases.get(r.get("best_peer_ttft_p99_ms"), {})
+        if me.get("engine_ttft_p99_ms") and peer.get("engine_ttft_p99_ms"):
+            # the TTFT split: the engines' share (placement: queue and prefill) and the path's
+            r["engine_ttft_p99_vs_best_peer"] = me["engine_ttft_p99_ms"] / peer["engine_ttft_p99_ms"]
+            r["path_p99_ms"], r["best_peer_path_p99_ms"] = me["path_p99_ms"], peer["path_p99_ms"]
+            if me.get("engine_floor_p99_ms"):   # 0.8x the best peer below it: no placement meets it
+                r["engine_floor_p99_ms"], r["target_p99_ms"] = me["engine_floor_p99_ms"], 0.8 * peer["ttft_p99_ms"]
         reusable = result.get("reusable", {}).get(case.split(" ")[0])
         if reusable and me.get("hit_rate") is not None:   # 1.0: no placement could hit more
             r["hit_rate_vs_reusable"] = me["hit_rate"] / reusable
@@ -539,7 +604,7 @@ def fmt(x, spec):
 def print_table(title, cases):
     print(f"\n{title}")
     print(f"  {'policy':24s} {'ok':>5s} {'err':>4s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'e2e p99':>9s} "
-          f"{'tok/s':>7s} {'hit':>6s}")
+          f"{'tok/s':>7s} {'hit':>6s} {'engine p50/p99':>15s} {'path p50/p99':>13s}")
     for label, f in cases.items():
         if "skipped" in f:
             print(f"  {label:24s} skipped: {f['skipped']}")
@@ -547,7 +612,8 @@ def print_table(title, cases):
         hit = None if f.get("hit_rate") is None else f["hit_rate"] * 100
         print(f"  {label:24s} {f['ok']:5d} {f['errors']:4d} {fmt(f['ttft_p50_ms'], '9.0f')} "
               f"{fmt(f['ttft_p99_ms'], '9.0f')} {fmt(f['e2e_p99_ms'], '9.0f')} {fmt(f['output_tok_s'], '7.0f')} "
-              f"{fmt(hit, '5.1f')}%")
+              f"{fmt(hit, '5.1f')}% {fmt(f.get('engine_ttft_p50_ms'), '7.0f')}/{fmt(f.get('engine_ttft_p99_ms'), '<7.0f')} "
+              f"{fmt(f.get('path_p50_ms'), '6.1f')}/{fmt(f.get('path_p99_ms'), '<6.1f')}")
 
 
 def _interrupt(signum, frame):

@@ -375,10 +375,16 @@ MODEL = "llama-3.1-8b"
 
 
 @pytest.fixture(scope="module")
-def server():
+def request_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(request_log):
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--gpu", "H100",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--port", str(port), "--request-log", str(request_log)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=30, proc=proc)
         yield f"http://127.0.0.1:{port}"
@@ -449,6 +455,29 @@ def test_a_stream_sends_one_event_per_token_then_usage_then_done(server):
     assert len(content) == 6
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_the_request_log_has_a_line_per_request_with_its_engine_side_times_and_tokens(server, request_log):
+    prompt = " ".join(f"r{i:03d}" for i in range(60))
+    whole = json.loads(http(server, "POST", "/v1/chat/completions", chat(prompt, max_tokens=5))[1])
+    status, body = http(server, "POST", "/v1/chat/completions",
+                        chat(prompt, max_tokens=9, stream=True, stream_options={"include_usage": True}))
+    chunks = [json.loads(line[6:]) for line in body.decode().split("\n")
+              if line.startswith("data: ") and line[6:] != "[DONE]"]
+    assert status == 200 and whole["id"] != chunks[0]["id"]
+    lines = {e["id"]: e for e in map(json.loads, request_log.read_text().splitlines())}
+    for answer, usage in ((whole, whole["usage"]), (chunks[0], chunks[-1]["usage"])):
+        e = lines[answer["id"]]             # ids are unique, as vLLM's are: a client can find its line
+        assert e["state"] == "finished" and 0 < e["ttft_ms"] <= e["e2e_ms"]
+        assert (e["prompt_tokens"], e["cached_tokens"], e["completion_tokens"]) == \
+            (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"])
+
+
+def test_a_request_log_that_cannot_be_opened_is_a_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--port", "0",
+                           "--request-log", str(tmp_path / "no" / "such" / "dir.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--request-log" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_text_completion_counts_its_prompt_by_the_token_rule(server):

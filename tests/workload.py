@@ -136,7 +136,10 @@ def arrivals(n, rate, kind="poisson", cv=2.0, seed=0, duration=None):
 # --- the runner -------------------------------------------------------------------------------------
 
 def _account(rec, obj):
-    """Usage (prompt and cached tokens) and llama.cpp's timings from a response or chunk."""
+    """Usage (prompt and cached tokens), llama.cpp's timings and the response's id (its first
+    chunk's) from a response or chunk."""
+    if "id" not in rec and isinstance(obj.get("id"), str):
+        rec["id"] = obj["id"]
     usage = obj.get("usage")
     if usage:
         rec["usage"] = usage
