@@ -3196,12 +3196,14 @@ class EmulatedServer:
                 self._log(rid, req)
 
     def _log(self, rid, req):
-        """The request's line in --request-log: its times at the engine (from its last byte read
-        to its first and last token, wall ms: time-scaled) and its tokens. One write of one line
+        """The request's line in --request-log: when its last byte was read (epoch seconds), its
+        times at the engine from then to its first and last token (wall ms: time-scaled) and its
+        tokens. One write of one line
         in append mode: emulators may share the file."""
         def ms(t):
             return None if t is None else round((t - req.arrival) * 1e3, 3)
-        line = json.dumps({"id": rid, "state": req.state, "ttft_ms": ms(req.first_token_at),
+        arrived = time.time() - (self.loop.time() - req.arrival)      # the loop's clock to the epoch's
+        line = json.dumps({"id": rid, "state": req.state, "arrived": round(arrived, 6), "ttft_ms": ms(req.first_token_at),
                            "e2e_ms": ms(req.finished_at), "prompt_tokens": req.prompt_len,
                            "cached_tokens": req.cached_tokens or 0, "completion_tokens": req.generated})
         try:
@@ -3292,8 +3294,8 @@ def add_serve_command(sub):
     s.add_argument("--step-profile", default=None, metavar="FILE",
                    help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
     s.add_argument("--request-log", default=None, metavar="FILE",
-                   help="append a JSON line per request ended: its id, state, TTFT and end-to-end ms at the engine "
-                        "(from its last byte read), prompt, cached and completion tokens (for benchmarks: the "
+                   help="append a JSON line per request ended: its id, state, arrival (epoch s), TTFT and end-to-end "
+                        "ms at the engine (from its last byte read), prompt, cached and completion tokens (for benchmarks: the "
                         "engine's share of a client's latency); emulators may share the file")
     s.add_argument("--time-scale", type=_AT_LEAST_1_FLOAT, default=1.0, metavar="K",
                    help="every emulated duration K times longer (step times, so TTFT and inter-token latency; "

@@ -39,7 +39,9 @@ tokens), errors; and the ratios issue 28's targets name, beside the workload's r
 `ttft` and sglang's `cache_aware` hit the same (within half a point), their TTFT p50 apart (the
 same engine work: what the path adds). Each TTFT is also split where it was spent (the emulators'
 --request-log, matched by response id): at the engine (queue and prefill: what placement
-decides) and on the path (the rest: connecting, the proxies). The kill case adds the ingress's retries, streams
+decides) and on the path (the rest: connecting, the proxies); and beside it a floor under the
+TTFT p99 at the engines for the placement as it ran (engine_floor_ms: each request's own step
+beside the streams its engine held, after the rest of the step in progress). The kill case adds the ingress's retries, streams
 continued elsewhere and streams cut. Prints a table, writes <out>/routing.json; never asserts. Loopback only; every process started is stopped (its
 process group) and every temporary folder removed, on Ctrl-C and failure too.
 """
@@ -347,41 +349,49 @@ def engine_side(records, log, scale):
         return {}
     lines = [engine[r["id"]] for r in ok]
     at_engine, path = [e["ttft_ms"] for e in lines], [r["ttft"] * 1e3 - e["ttft_ms"] for r, e in zip(ok, lines)]
-    span = max(r["at"] + r["e2e"] for r in ok) - min(r["at"] for r in ok)
-    streams = sum(e["e2e_ms"] for e in lines) / 1e3 / span / ENGINES if span > 0 else 0.0
     return {"engine_ttft_p50_ms": percentile(at_engine, 0.5), "engine_ttft_p99_ms": percentile(at_engine, 0.99),
             "path_p50_ms": percentile(path, 0.5), "path_p99_ms": percentile(path, 0.99), "engine_matched": len(ok),
-            "running_per_engine": streams,
-            "engine_floor_p99_ms": engine_floor_ms(streams, [(e["prompt_tokens"] - e["cached_tokens"],
-                                                              e["cached_tokens"]) for e in lines], scale)}
+            "engine_floor_p99_ms": engine_floor_ms(list(engine.values()), scale)}
 
 
-def engine_floor_ms(streams, prompts, scale):
-    """A floor under any router's TTFT p99 at the engines, from what they ran: `streams` per
-    engine on average (Little: the requests' seconds at the engines over the run's span) and
-    each request's (new, cached) prompt tokens, timed by the engines' own step cost. At load
-    every engine is always mid-step (a decode step of its streams), and a request arriving at a
-    random time waits out the rest of it, uniform over the step; then comes its own step, its
-    new tokens beside those decodes (vLLM schedules running decodes first). If a share p of the
-    requests (the p largest by new tokens) each take an own step of at least S, and a share
-    0.01 / p of arrivals wait (1 - 0.01 / p) of a decode step D or more, the two being
-    independent, 1 % of requests take (1 - 0.01 / p) D + S or more: the p99 is at least the
-    largest such sum over p, however the requests are placed. Wall ms at time scale `scale`."""
-    if streams < 1 or not prompts:
+def engine_floor_ms(lines, scale):
+    """A floor under the TTFT p99 at the engines of the placement as it ran (every request on
+    the engine it got, beside the streams that engine held when it arrived), from the engines'
+    --request-log lines (the engine is the emulator's tag in the id) and their own step cost.
+    A request arriving while its engine runs n >= 1 streams waits out the rest of the step in
+    progress, a decode step D(n) at least, the wait uniform over it (Poisson arrivals at a
+    random point of the step), then its own step S: its new tokens beside those n decodes (vLLM
+    schedules running decodes first). So it takes x or more with probability at least
+    min(1, max(0, (S + D - x) / D)); the p99 is at least the largest x whose probabilities,
+    averaged over the requests, reach 1 %. It bounds what a faster path, or a smarter choice
+    among engines in the same state, could give this placement; not another placement. Wall
+    ms at time scale `scale`; None without lines."""
+    if not lines:
         return None
     cost = sim.serve_core(MODEL, GPU, engine=ENGINE).cost
-    n = int(streams)                                          # whole streams: rounded down
-    ctx = n * sum(new + cached for new, cached in prompts) / len(prompts)
-    decode = cost.step(n, n, decode_ctx=ctx)
-    best = 0.0
-    for k, (new, cached) in enumerate(sorted(prompts, reverse=True), 1):
-        p = k / len(prompts)
-        if p <= 0.01:
-            continue
+    spans = {}
+    for e in lines:
+        spans.setdefault(e["id"].rsplit("-", 1)[0], []).append(
+            (e["arrived"], e["arrived"] + (e["e2e_ms"] or 0) / 1e3, e["prompt_tokens"]))
+    bounds = []                                # (S, D) per request, seconds at full speed
+    for e in lines:
+        start = e["arrived"]
+        beside = [tokens for a, b, tokens in spans[e["id"].rsplit("-", 1)[0]] if a < start < b]
+        n, ctx = len(beside), sum(beside)      # the streams its engine held, their prompts' context
+        new, cached = e["prompt_tokens"] - e["cached_tokens"], e["cached_tokens"]
+        decode = cost.step(n, n, decode_ctx=ctx) if n else 0.0
         own = cost.step(n + new, n + 1, decode_ctx=ctx, prefill_pairs=new * (cached + (new + 1) / 2),
                         prefill_tokens=new)
-        best = max(best, (1 - 0.01 / p) * decode + own)
-    return best * scale * 1e3 if best else None
+        bounds.append((own, decode))
+
+    def share(x):                              # the share of requests taking x or more, at least
+        return sum((1.0 if s >= x else 0.0) if d == 0 else min(1.0, max(0.0, (s + d - x) / d))
+                   for s, d in bounds) / len(bounds)
+    lo, hi = 0.0, max(s + d for s, d in bounds)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if share(mid) >= 0.01 else (lo, mid)
+    return lo * scale * 1e3
 
 
 def ingress_counters(urls):
@@ -576,7 +586,7 @@ def ratios(result):
             # the TTFT split: the engines' share (placement: queue and prefill) and the path's
             r["engine_ttft_p99_vs_best_peer"] = me["engine_ttft_p99_ms"] / peer["engine_ttft_p99_ms"]
             r["path_p99_ms"], r["best_peer_path_p99_ms"] = me["path_p99_ms"], peer["path_p99_ms"]
-            if me.get("engine_floor_p99_ms"):   # 0.8x the best peer below it: no placement meets it
+            if me.get("engine_floor_p99_ms"):   # 0.8x the best peer below it: this placement cannot meet it
                 r["engine_floor_p99_ms"], r["target_p99_ms"] = me["engine_floor_p99_ms"], 0.8 * peer["ttft_p99_ms"]
         reusable = result.get("reusable", {}).get(case.split(" ")[0])
         if reusable and me.get("hit_rate") is not None:   # 1.0: no placement could hit more

@@ -31,6 +31,31 @@ def test_the_quick_routing_bench_writes_each_policys_figures_and_the_ratios(tmp_
         assert f["ok"] == f["requests"] > 0 and f["errors"] == 0, (label, f)
         assert 0 < f["ttft_p50_ms"] <= f["ttft_p99_ms"] <= f["e2e_p99_ms"], (label, f)
         assert f["output_tok_s"] > 0 and 0 <= f["hit_rate"] <= 1, (label, f)
+        # every answer found in the engines' request log by its id: the TTFT split in two
+        assert f["engine_matched"] == f["ok"], (label, f)
+        assert 0 < f["engine_ttft_p50_ms"] <= f["engine_ttft_p99_ms"] and f["path_p50_ms"] > 0, (label, f)
+        assert 0 < f["engine_floor_p99_ms"], (label, f)
     ratios = result["ratios"]["shared_prefix 80%"]
     assert set(ratios) >= {"policy", "ttft_p99_vs_best_peer", "hit_rate_vs_best_peer", "throughput_vs_best_peer"}
     assert "otela ttft" in cases if "ttft" in bench_routing.otela_ingress.POLICIES else "otela least_loaded" in cases
+
+
+def _line(i, arrived, e2e_ms, prompt, cached=0, engine="aa"):
+    return {"id": f"chatcmpl-{engine}-{i}", "arrived": arrived, "e2e_ms": e2e_ms, "prompt_tokens": prompt,
+            "cached_tokens": cached, "ttft_ms": 1.0}
+
+
+def test_the_engine_floor_of_lone_requests_is_their_own_step_and_grows_with_the_streams_beside_them():
+    cost = bench_routing.sim.serve_core(bench_routing.MODEL, bench_routing.GPU, engine=bench_routing.ENGINE).cost
+    lone = [_line(i, i * 10.0, 100.0, 100) for i in range(100)]          # never two at once
+    step = cost.step(100, 1, prefill_pairs=100 * 101 / 2, prefill_tokens=100)
+    assert bench_routing.engine_floor_ms(lone, 1.0) == pytest.approx(step * 1e3, rel=1e-6)
+    assert bench_routing.engine_floor_ms(lone, 5.0) == pytest.approx(step * 5e3, rel=1e-6)   # time-scaled
+    crowded = [_line(i, i * 0.001, 10000.0, 100) for i in range(100)]   # each beside those before it
+    assert bench_routing.engine_floor_ms(crowded, 1.0) > step * 1e3
+    # the same requests spread over 100 engines are alone again; a cached prefix costs less
+    spread = [_line(i, i * 0.001, 10000.0, 100, engine=f"e{i}") for i in range(100)]
+    assert bench_routing.engine_floor_ms(spread, 1.0) == pytest.approx(step * 1e3, rel=1e-6)
+    assert bench_routing.engine_floor_ms([_line(i, i * 10.0, 100.0, 100, cached=96) for i in range(100)], 1.0) < \
+        step * 1e3
+    assert bench_routing.engine_floor_ms([], 1.0) is None
