@@ -3198,13 +3198,12 @@ class EmulatedServer:
     def _log(self, rid, req):
         """The request's line in --request-log: when its last byte was read (epoch seconds), its
         times at the engine from then to its first and last token (wall ms: time-scaled) and its
-        tokens. One write of one line
-        in append mode: emulators may share the file."""
+        tokens. One write of one line in append mode: emulators may share the file."""
         def ms(t):
             return None if t is None else round((t - req.arrival) * 1e3, 3)
         arrived = time.time() - (self.loop.time() - req.arrival)      # the loop's clock to the epoch's
-        line = json.dumps({"id": rid, "state": req.state, "arrived": round(arrived, 6), "ttft_ms": ms(req.first_token_at),
-                           "e2e_ms": ms(req.finished_at), "prompt_tokens": req.prompt_len,
+        line = json.dumps({"id": rid, "state": req.state, "arrived": round(arrived, 6),
+                           "ttft_ms": ms(req.first_token_at), "e2e_ms": ms(req.finished_at), "prompt_tokens": req.prompt_len,
                            "cached_tokens": req.cached_tokens or 0, "completion_tokens": req.generated})
         try:
             self.request_log.write(line + "\n")
