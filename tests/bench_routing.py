@@ -23,7 +23,8 @@ the same run: a fresh fleet at time scale 1, requests not streamed (the engines 
 their steps), the client round-robin over the engines with CAPACITY_INFLIGHT requests in flight
 per engine for CAPACITY_S; the tokens the engines generated (their /metrics) in its last two
 thirds per second, over the workload's output per request; divided by K for the runs.
-Cases: default 80 % load, every workload, one ingress, plus two ingresses for shared-prefix;
+Cases: default 80 % load, every workload, one ingress, plus two ingresses for shared-prefix and
+multi-turn;
 --full adds 50 % and 100 % and two ingresses everywhere; --quick is a smoke run (few requests,
 two policies). A kill case: shared-prefix through otela's `ttft` (least_loaded until it
 exists), one node and its engine SIGKILLed at 40 % of the arrivals: client errors and the
@@ -678,7 +679,8 @@ def main():
             print(f"capacity {name}: {cap:.1f} req/s at full speed ({cap / a.time_scale:.2f} req/s slowed "
                   f"{a.time_scale:g} times; {done} completed)")
             for load in loads:
-                for ingresses in (1, 2) if (a.full or (name == "shared_prefix" and not a.quick)) else (1,):
+                two = name in ("shared_prefix", "multi_turn") and not a.quick   # the target's two workloads
+                for ingresses in (1, 2) if (a.full or two) else (1,):
                     case = f"{name} {load * 100:.0f}%" + (" x2" if ingresses == 2 else "")
                     cases = result["cases"][case] = {}
                     for label, kind, policy in plan:
