@@ -1329,7 +1329,7 @@ class LeastLoadedPolicy(Policy):
 
 # The fields of a worker's record that change with its traffic (otela_node.publish_engine_view)
 # and the record's version: a change in these alone leaves the candidates as they were.
-VIEW_FIELDS = frozenset(("version", "load", "prefixes", "speed"))
+VIEW_FIELDS = frozenset(("version", "load", "prefixes", "prefix_ends", "speed"))
 MAX_SIGNATURES = 65536
 
 
@@ -1373,17 +1373,61 @@ class PrefixIndex:
             where.popitem(last=False)
 
 
-def summary_match(chain: List[bytes], published: Dict[bytes, None]) -> int:
-    """How many of the chain's first blocks a session's published anchors show it was sent:
-    the deepest anchor depth (1, 2, 4, …, or the whole chain) whose hash it published."""
-    best, depth = 0, 1
-    while depth <= len(chain):
-        if chain[depth - 1] in published:
-            best = depth
-        depth *= 2
-    if chain and chain[-1] in published:
-        best = len(chain)
-    return best
+class PublishedPrefixes:
+    """What the sessions' nodes publish their engines were sent, from every ingress (their
+    records' `prefixes`, the first `prefix_ends` of them ends of whole prompts:
+    otela_node.PrefixSummary), as one map: anchor hash -> {session: whether a prompt ended
+    there}. Kept as records change, a session's old anchors replaced by its new ones; bounded by
+    the sessions (`limit`) and what each may publish."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.sessions: Dict[str, Tuple[Any, List[bytes]]] = {}   # session -> (its fields, anchors)
+        self.where: Dict[bytes, Dict[str, bool]] = {}
+
+    def update(self, session: str, record: Dict[str, Any]) -> None:
+        text, ends = record.get("prefixes"), record.get("prefix_ends")
+        old = self.sessions.get(session)
+        if old is not None and old[0] == (text, ends):
+            return
+        self.forget(session)
+        if not text:
+            return
+        if len(self.sessions) >= self.limit:
+            self.sessions.clear()
+            self.where.clear()
+        anchors = list(otela_node.decode_prefixes(text))
+        ends = ends if isinstance(ends, int) and not isinstance(ends, bool) else 0
+        for i, h in enumerate(anchors):
+            self.where.setdefault(h, {})[session] = i < ends
+        self.sessions[session] = ((text, record.get("prefix_ends")), anchors)
+
+    def forget(self, session: str) -> None:
+        old = self.sessions.pop(session, None)
+        if old is None:
+            return
+        where = self.where
+        for h in old[1]:
+            holders = where.get(h)
+            if holders is not None:
+                holders.pop(session, None)
+                if not holders:
+                    del where[h]
+
+    def match(self, chain: List[bytes]) -> Dict[str, Tuple[int, bool]]:
+        """session -> (the deepest of the chain's blocks whose anchor it published, whether a
+        prompt ended there). The whole chain is read, one lookup a block (anchors are sparse:
+        depths 1, 2, 4, …, and each prompt's end)."""
+        found: Dict[str, Tuple[int, bool]] = {}
+        where = self.where
+        if not where:
+            return found
+        for depth, h in enumerate(chain, 1):
+            holders = where.get(h)
+            if holders:
+                for s, whole in holders.items():
+                    found[s] = (depth, whole)
+        return found
 
 
 SpeedFit = otela_node.SpeedFit   # (a node fits its own engine's speed the same way: EngineSpeed)
@@ -1393,15 +1437,37 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
 
 
-class EngineEstimate:
-    """One session as this policy sees it: what it has queued from this ingress, what its answers
-    reported, and the speed of its kind (SpeedFit)."""
+class EngineKind:
+    """What the sessions of one kind (a model on a hardware weight) share: the speed learned from
+    all their answers (SpeedFit), and this ingress's requests in flight to them, of which the
+    prompt tokens not yet answered with a first byte. The other ingresses' requests at an engine
+    (its node's `load`) are counted as this ingress's are now, on average: a request in flight
+    that much prefill still queued (measured this instant; while this ingress has none in flight,
+    as it was lately). Not a prior learned from ended requests: one that moved only as answers
+    ended (seconds of decoding after they began) made the engines that had answered first look
+    cheaper than the rest, and two ingresses piled onto them."""
 
-    __slots__ = ("fit", "queued", "outstanding", "decoding", "prompt", "cached", "predicted", "trust",
-                 "itl", "share", "work")
+    __slots__ = ("fit", "queued", "outstanding", "lately")
 
     def __init__(self, fit: SpeedFit):
         self.fit = fit
+        self.queued = 0.0
+        self.outstanding = 0
+        self.lately = 50.0   # queued tokens per request in flight (EWMA; a tenth of a 500-token prompt)
+
+    def queued_per_request(self) -> float:
+        return self.queued / self.outstanding if self.outstanding > 0 else self.lately
+
+
+class EngineEstimate:
+    """One session as this policy sees it: what it has queued from this ingress, what its answers
+    reported, and what its kind shares (EngineKind)."""
+
+    __slots__ = ("kind", "fit", "queued", "outstanding", "decoding", "prompt", "cached", "predicted", "trust",
+                 "itl")
+
+    def __init__(self, kind: EngineKind):
+        self.kind, self.fit = kind, kind.fit
         self.queued = 0.0        # prompt tokens sent to it and not yet answered with a first byte
         self.outstanding = 0     # requests sent to it and not ended
         self.decoding = 0        # ... of which streams past their first byte
@@ -1409,11 +1475,21 @@ class EngineEstimate:
         self.predicted = 0.0                   # ... and the cached tokens this policy expected of them
         self.trust = 1.0         # how much of a predicted cache hit its answers confirm (EWMA)
         self.itl = 0.0           # seconds per output token of its streams (EWMA)
-        self.share = 0.1         # the part of a request's time spent before its first byte (EWMA)
-        self.work = 512.0        # uncached prompt tokens per request (EWMA)
 
     def ttft(self, prefill: float, streams: float) -> float:
         return self.fit.predict(prefill, streams)
+
+    def change(self, queued: float, outstanding: int) -> None:
+        """Add to its prompt tokens queued and requests outstanding (never below 0), and its kind's."""
+        queued = max(queued, -self.queued)
+        outstanding = max(outstanding, -self.outstanding)
+        self.queued += queued
+        self.outstanding += outstanding
+        kind = self.kind
+        kind.queued = max(0.0, kind.queued + queued)
+        kind.outstanding = max(0, kind.outstanding + outstanding)
+        if kind.outstanding:
+            kind.lately += (kind.queued / kind.outstanding - kind.lately) * 0.05
 
 
 class _Pick:
@@ -1461,10 +1537,10 @@ class TTFTPolicy(Policy):
         self.key = b""
         self.index = PrefixIndex(self.INDEX_BLOCKS)
         self.engines: Dict[str, EngineEstimate] = {}
-        self.fits: Dict[Tuple[str, float], SpeedFit] = {}   # (model, hardware weight) -> its speed
+        self.kinds: Dict[Tuple[str, float], EngineKind] = {}   # (model, hardware weight) -> its speed
         self.tokens_per_byte = 0.25   # prompt tokens per byte of rendered prompt (EWMA over answers)
         self.registry: Any = None
-        self.published: Dict[str, Dict[bytes, None]] = {}   # a record's `prefixes` -> its hashes
+        self.published = PublishedPrefixes(self.MAX_ENGINES)   # what the nodes say their engines hold
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
@@ -1476,15 +1552,16 @@ class TTFTPolicy(Policy):
         if est is None:
             if len(self.engines) >= self.MAX_ENGINES:
                 self.stats()   # forgets the sessions gone
-            kind = (model, candidate.weight)
-            fit = self.fits.get(kind)
-            if fit is None:
-                if len(self.fits) >= self.MAX_ENGINES:
-                    self.fits.clear()
+            name = (model, candidate.weight)
+            kind = self.kinds.get(name)
+            if kind is None:
+                if len(self.kinds) >= self.MAX_ENGINES:
+                    self.kinds.clear()
                 speed = candidate.record.get("speed")   # what its node measured, when it says
                 prefill = speed.get("prefill") if isinstance(speed, dict) else None
-                fit = self.fits[kind] = SpeedFit(candidate.weight, prefill if _positive(prefill) else None)
-            est = self.engines[candidate.session] = EngineEstimate(fit)
+                kind = self.kinds[name] = EngineKind(SpeedFit(candidate.weight,
+                                                              prefill if _positive(prefill) else None))
+            est = self.engines[candidate.session] = EngineEstimate(kind)
         return est
 
     def _prompt(self, request: RoutedRequest) -> _Pick:
@@ -1506,24 +1583,26 @@ class TTFTPolicy(Policy):
         matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
         tpb, block = self.tokens_per_byte, otela_node.PREFIX_BLOCK_CHARS
         out = []
-        registry = self.registry
+        registry, published = self.registry, self.published
         model = request.model
+        records = []
+        if len(published.sessions) >= published.limit:
+            self.stats()   # forgets the sessions gone
         for c in candidates:
+            record = (registry.get(c.session) if registry is not None else None) or c.record
+            published.update(c.session, record)
+            records.append(record)
+        summary = published.match(chain) if chain else {}
+        for c, record in zip(candidates, records):
             est = self._engine(c, model)
             blocks, whole = matched.get(c.session, (0, False))
-            record = (registry.get(c.session) if registry is not None else None) or c.record
-            published = record.get("prefixes")
-            if published and chain:
-                hashes = self.published.get(published)
-                if hashes is None:
-                    if len(self.published) >= 4096:
-                        self.published.clear()
-                    hashes = self.published[published] = otela_node.decode_prefixes(published)
-                blocks = max(blocks, summary_match(chain, hashes))
+            seen = summary.get(c.session)
+            if seen is not None and seen[0] >= blocks:   # the deeper of what it was sent by anyone
+                blocks, whole = seen[0], seen[1] or (whole and seen[0] == blocks)
             uncached = max(0.0, memo.size - blocks * block * est.trust) * tpb
             load = record.get("load")
             others = max(0, load - est.outstanding) if isinstance(load, int) and not isinstance(load, bool) else 0
-            work = est.queued + others * est.work * est.share + uncached
+            work = est.queued + others * est.kind.queued_per_request() + uncached
             streams = est.decoding + others
             held = (memo.size * tpb - uncached) if whole else 0.0   # a conversation continued here
             out.append((est.ttft(work, streams) + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
@@ -1538,6 +1617,10 @@ class TTFTPolicy(Policy):
             best = min(s[0] for s in scored)
             near = [i for i, s in enumerate(scored) if s[0] <= best + abs(best) * self.TIE + 1e-6]
             i = near[0]
+            if len(near) > 1:   # the most of this prompt held (a tie is no reason to move a chat)
+                most = max(scored[i][4] for i in near)
+                near = [i for i in near if scored[i][4] == most]
+                i = near[0]
             if len(near) > 1:   # the fewest requests held (their decoding slows every token there)
                 fewest = min(scored[i][5] for i in near)
                 near = [i for i in near if scored[i][5] == fewest]
@@ -1561,8 +1644,7 @@ class TTFTPolicy(Policy):
             self.pick([candidate], request)
             memo = request.memo
         est = self._engine(candidate, request.model)
-        est.outstanding += 1
-        est.queued += memo.uncached
+        est.change(memo.uncached, 1)
         memo.answering, memo.started = False, time.monotonic()
         if memo.chain:
             self.index.add(memo.chain, candidate.session)
@@ -1572,7 +1654,7 @@ class TTFTPolicy(Policy):
         if memo is None or est is None or memo.answering or memo.session != candidate.session:
             return
         memo.answering = True
-        est.queued = max(0.0, est.queued - memo.uncached)
+        est.change(-memo.uncached, 0)
         est.decoding += 1
 
     def on_request_end(self, candidate, request, ok):
@@ -1580,11 +1662,11 @@ class TTFTPolicy(Policy):
         if memo is None or est is None or memo.session != candidate.session or not memo.started:
             return
         now = time.monotonic()
-        est.outstanding = max(0, est.outstanding - 1)
         if memo.answering:
+            est.change(0.0, -1)
             est.decoding = max(0, est.decoding - 1)
         else:
-            est.queued = max(0.0, est.queued - memo.uncached)
+            est.change(-memo.uncached, -1)
         if not ok:
             return
         prompt, cached = request.prompt_tokens, request.cached_tokens
@@ -1599,14 +1681,12 @@ class TTFTPolicy(Policy):
             if expected > 0:
                 est.predicted += expected
                 est.trust += (min(cached / expected, 1.0) - est.trust) * 0.1
-            est.work += (uncached - est.work) * 0.1
         first, started = request.first_at, memo.started
         if first is not None and first >= started:
             ttft = first - started
             done = request.completion_tokens
             if done and done > 1 and now > first:
                 est.itl += ((now - first) / (done - 1) - est.itl) * 0.1
-            est.share += (ttft / max(now - started, 1e-6) - est.share) * 0.1
             est.fit.learn(memo.work - memo.uncached + uncached, memo.streams, ttft)
 
     def stats(self) -> Dict[str, Dict[str, float]]:
@@ -1617,6 +1697,9 @@ class TTFTPolicy(Policy):
             for session in [s for s, est in self.engines.items()
                             if not est.outstanding and (registry.get(s) or {}).get("state") in (None, crdt.LEFT)]:
                 del self.engines[session]
+            for session in [s for s in self.published.sessions
+                            if (registry.get(s) or {}).get("state") in (None, crdt.LEFT)]:
+                self.published.forget(session)
         out = {}
         for session, est in self.engines.items():
             out[session] = {

@@ -5911,7 +5911,7 @@ def _fetch_text(url: str) -> str:
 PREFIX_BLOCK_CHARS = 256      # about 50-64 tokens: a few of vLLM's 16-token blocks
 PREFIX_MAX_BLOCKS = 1024      # 256 KiB of prompt: deeper than that, no more hashes
 PREFIX_HASH_BYTES = 8
-PREFIX_PUBLISHED = 40         # hashes a node publishes in its record (each 11 characters)
+PREFIX_PUBLISHED = 64         # hashes a node publishes in its record (each 11 characters)
 PREFIX_REMEMBERED = 4096      # ... chosen among this many it remembers
 ANSWER_TAIL = 1024            # the bytes of an answer's end a node keeps (its usage is there)
 PUBLISH_VIEW_S = 2.0          # a worker publishes its prefixes and load at most this often
@@ -6162,12 +6162,16 @@ def _two_digits(x: float) -> float:
 class PrefixSummary:
     """What a node's engine was sent lately, as prefix anchors (prefix_anchors): the ones seen
     most often and most lately go in the session's record (`prefixes`), so that every ingress
-    knows which prefixes this engine holds, whoever routed them. Bounded: PREFIX_REMEMBERED
-    anchors, least recently seen dropped first."""
+    knows which prefixes this engine holds, whoever routed them. The last anchor of each prompt
+    is its end: a conversation that comes back continues from there, so the latest ends go
+    first, counted in `prefix_ends` (an ingress credits a conversation continued where its last
+    turn ended, as it does for its own traffic). Bounded: PREFIX_REMEMBERED anchors and ends,
+    least recently seen dropped first."""
 
     def __init__(self, key: bytes):
         self.key = key
         self.seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()   # anchor -> count
+        self.ends: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # prompts' last
         self.changed = False
 
     def add(self, body: bytes) -> None:
@@ -6180,21 +6184,35 @@ class PrefixSummary:
             return
         if not isinstance(request, dict):
             return
-        seen = self.seen
-        for anchor in prefix_anchors(prompt_chain(prompt_text(request), self.key)):
+        chain = prompt_chain(prompt_text(request), self.key)
+        if not chain:
+            return
+        seen, ends = self.seen, self.ends
+        for anchor in prefix_anchors(chain):
             seen[anchor] = seen.pop(anchor, 0) + 1
-            self.changed = True
+        ends.pop(chain[-1], None)
+        ends[chain[-1]] = None
+        self.changed = True
         while len(seen) > PREFIX_REMEMBERED:
             seen.popitem(last=False)
+        while len(ends) > PREFIX_REMEMBERED:
+            ends.popitem(last=False)
 
-    def published(self) -> str:
-        """The anchors to publish: seen more than once first (shared prefixes), latest first."""
+    def published(self) -> Tuple[str, int]:
+        """The anchors to publish and how many of them, first, are ends: the latest ends (half
+        the room, or what the others leave), then the anchors seen more than once (shared
+        prefixes), then the rest, latest first."""
         self.changed = False
         latest = list(reversed(self.seen.items()))
-        shared = [a for a, n in latest if n > 1][:PREFIX_PUBLISHED]
-        if len(shared) < PREFIX_PUBLISHED:
-            shared += [a for a, n in latest if n == 1][:PREFIX_PUBLISHED - len(shared)]
-        return encode_prefixes(shared)
+        shared = [a for a, n in latest if n > 1]
+        room = PREFIX_PUBLISHED - min(len(shared), PREFIX_PUBLISHED // 2)
+        ends = list(itertools.islice(reversed(self.ends), room))
+        chosen = dict.fromkeys(ends)
+        for a in itertools.chain(shared, (a for a, n in latest if n == 1)):
+            if len(chosen) >= PREFIX_PUBLISHED:
+                break
+            chosen.setdefault(a)
+        return encode_prefixes(list(chosen)), len(ends)
 
 
 # =============================================================================================
@@ -6642,7 +6660,7 @@ async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None
         if abs(load - published_load) >= max(LOAD_STEP, published_load // 4) or load == 0 < published_load:
             fields["load"] = published_load = load
         if prefixes is not None and prefixes.changed:
-            fields["prefixes"] = prefixes.published()
+            fields["prefixes"], fields["prefix_ends"] = prefixes.published()
         speed = node.speed.changed() if node.speed is not None else None
         if speed is not None:
             fields["speed"] = speed
@@ -6654,7 +6672,9 @@ async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None
                 text = fields.get("prefixes", "")
                 if not text:
                     break
-                fields["prefixes"] = encode_prefixes(list(decode_prefixes(text))[:len(text) // 24])
+                kept = list(decode_prefixes(text))[:len(text) // 24]
+                fields["prefixes"] = encode_prefixes(kept)
+                fields["prefix_ends"] = min(fields["prefix_ends"], len(kept))
 
 
 async def _shutdown(node: Node, supervisor: EngineSupervisor, config: Config) -> int:

@@ -13,11 +13,11 @@ import otela_node
 from otela_ingress import (
     Candidate,
     PrefixIndex,
+    PublishedPrefixes,
     RoutedRequest,
     SpeedFit,
     TTFTPolicy,
     cached_of,
-    summary_match,
 )
 from otela_node import (
     PREFIX_BLOCK_CHARS,
@@ -92,14 +92,25 @@ def test_prefix_index_matches_per_session_and_stays_bounded():
     assert index.match(chain, ["s1", "s2"]) == {}   # the oldest went first
 
 
-def test_anchors_and_summary_match():
+def test_anchors_and_published_prefixes_match_the_deepest_anchor_and_whether_a_prompt_ended_there():
     chain = prompt_chain(words(1100, 5), KEY)   # 5.5 k bytes: 21 blocks
     anchors = prefix_anchors(chain)
     assert anchors == [chain[0], chain[1], chain[3], chain[7], chain[15], chain[-1]]
-    published = decode_prefixes(encode_prefixes(anchors[:4]))
-    assert summary_match(chain, published) == 8
-    assert summary_match(chain, decode_prefixes(encode_prefixes(anchors))) == len(chain)
-    assert summary_match(chain[:3], published) == 2
+    published = PublishedPrefixes(limit=3)
+    published.update("s1", {"prefixes": encode_prefixes(anchors[:4])})   # a node of the last release
+    published.update("s2", {"prefixes": encode_prefixes([chain[12]] + anchors[:2]), "prefix_ends": 1})
+    assert published.match(chain) == {"s1": (8, False), "s2": (13, True)}
+    assert published.match(chain[:3]) == {"s1": (2, False), "s2": (2, False)}
+    # a record that changed replaces its anchors; one gone is forgotten; odd fields count nothing
+    other = prompt_chain(words(300, 6), KEY)
+    published.update("s1", {"prefixes": encode_prefixes(other), "prefix_ends": True})
+    assert published.match(chain) == {"s2": (13, True)} and published.match(other)["s1"][1] is False
+    published.forget("s2")
+    published.update("s3", {"prefixes": "%%%"})
+    assert published.match(chain) == {}
+    for i in range(10):   # bounded by the sessions it holds
+        published.update(f"x{i}", {"prefixes": encode_prefixes(prompt_chain(words(100, 40 + i), KEY))})
+    assert len(published.sessions) <= 3 and len(published.where) <= 3 * PREFIX_PUBLISHED
 
 
 def test_decode_prefixes_refuses_what_is_not_a_summary():
@@ -107,7 +118,7 @@ def test_decode_prefixes_refuses_what_is_not_a_summary():
     assert decode_prefixes("A" * 10_000) == {}
 
 
-def test_summary_publishes_shared_prefixes_first_and_fits_a_record():
+def test_summary_publishes_shared_prefixes_and_the_latest_ends_and_fits_a_record():
     summary = PrefixSummary(KEY)
     systems = [words(400, 10 + g) for g in range(3)]
     for g, system in enumerate(systems):
@@ -117,18 +128,40 @@ def test_summary_publishes_shared_prefixes_first_and_fits_a_record():
         summary.add(crdt.dumps(chat(words(300, 5000 + i), "q")))
     summary.add(b"not json")
     summary.add(b"[1, 2]")
-    text = summary.published()
-    hashes = decode_prefixes(text)
-    assert len(hashes) == PREFIX_PUBLISHED and not summary.changed
+    text, ends = summary.published()
+    published = PublishedPrefixes(limit=8)
+    published.update("s", {"prefixes": text, "prefix_ends": ends})
+    assert len(published.sessions["s"][1]) == PREFIX_PUBLISHED and not summary.changed
+    assert PREFIX_PUBLISHED // 2 <= ends < PREFIX_PUBLISHED
     for system in systems:
         chain = prompt_chain(prompt_text(chat(system, words(60, 99))), KEY)
-        assert summary_match(chain, hashes) >= 4
+        assert published.match(chain)["s"][0] >= 4
+    last = prompt_chain(prompt_text(chat(words(300, 5199), "q")), KEY)   # the latest prompt ended here
+    assert published.match(last) == {"s": (len(last), True)}
     # the summary leaves room in a record: crdt.MAX_RECORD_BYTES with a worker's usual fields
     record = {"state": crdt.SERVING, "addr": "10.0.0.1:8000", "gossip": "10.0.0.1:7946", "models": ["m"] * 4,
               "labels": {"node": "nid001234", "gpu": "H100"}, "hardware": {"gpu": "NVIDIA H100", "count": 4},
-              "owner": "alice@login1", "version": 12345, "load": 17, "prefixes": text, "seal": "x" * 64}
+              "owner": "alice@login1", "version": 12345, "load": 17, "prefixes": text, "prefix_ends": ends,
+              "seal": "x" * 64, "speed": {"prefill": 12000.0, "decode": 95.0}}
     assert len(crdt.encode(record)) < crdt.MAX_RECORD_BYTES - 500
-    assert len(summary.seen) <= otela_node.PREFIX_REMEMBERED
+
+
+def test_summary_publishes_where_each_conversation_ended_last():
+    """Chats: every turn's end goes first, so another ingress continues each chat where its last
+    turn went, not where the chat began."""
+    summary = PrefixSummary(KEY)
+    chats = [[{"role": "user", "content": words(120, 900 + c)}] for c in range(20)]
+    for turn in range(3):
+        for c, messages in enumerate(chats):
+            summary.add(crdt.dumps({"model": "m", "messages": messages}))
+            messages += [{"role": "assistant", "content": words(120, 5000 + 100 * c + turn)},
+                         {"role": "user", "content": words(120, 7000 + 100 * c + turn)}]
+    text, ends = summary.published()
+    published = PublishedPrefixes(limit=8)
+    published.update("s", {"prefixes": text, "prefix_ends": ends})
+    for messages in chats:   # the next turn holds the last one whole
+        last = prompt_chain(prompt_text({"messages": messages[:-2]}), KEY)
+        assert published.match(prompt_chain(prompt_text({"messages": messages}), KEY)) == {"s": (len(last), True)}
 
 
 def test_cached_of_reads_vllm_and_llama_cpp():
@@ -324,3 +357,61 @@ def test_a_workers_published_view_alone_keeps_the_ingress_candidates():
     node.registry.put(sid, dict(record, version=record["version"] + 1, models=["m", "n"]))
     node._changed(sid)
     assert ingress.candidates("m", key) is not first
+
+
+def test_a_conversation_continues_where_another_ingress_sent_its_last_turn():
+    """Two ingresses alternate a chat's turns: this one sent turn 1 to one engine, the other sent
+    turn 2 to another, whose node publishes that turn's end: turn 3 goes there, not back."""
+    policy, registry, candidates = policy_with([f"s{i}" for i in range(4)])
+    messages = [{"role": "user", "content": words(120, 31)}]
+    first = serve(policy, candidates, {"model": "m", "messages": list(messages)})
+    messages += [{"role": "assistant", "content": words(120, 32)}, {"role": "user", "content": words(120, 33)}]
+    there = next(c.session for c in candidates if c.session != first.session)
+    summary = PrefixSummary(KEY)
+    summary.add(crdt.dumps({"model": "m", "messages": list(messages)}))   # turn 2, by the other ingress
+    text, ends = summary.published()
+    registry[there] = dict(registry[there], prefixes=text, prefix_ends=ends, load=1)
+    messages += [{"role": "assistant", "content": words(120, 34)}, {"role": "user", "content": words(120, 35)}]
+    assert policy.pick(candidates, routed({"model": "m", "messages": messages})).session == there
+
+
+def test_other_ingresses_requests_weigh_as_this_ingresss_do():
+    """An engine busy with another ingress's requests (its node's load) and one as busy with this
+    ingress's are the same work: neither looks cheaper (two ingresses piled onto the engines that
+    looked cheaper to each)."""
+    policy, registry, candidates = policy_with(["s0", "s1"])
+    for i in range(10):   # 10 of ours in flight at s1, 4 of them still waiting for a first byte
+        request = routed(chat(words(200, 50 + i), "q"))
+        policy.on_request_start(candidates[1], request)
+        if i >= 4:
+            policy.on_first_byte(candidates[1], request)
+    registry["s0"] = dict(registry["s0"], load=10)   # and 10 of another ingress's at s0
+    s0, s1 = policy.estimates(candidates, routed(chat(words(200, 99), "q")))
+    assert abs(s0[1] - s1[1]) < 1e-6 * s1[1] and s0[5] == s1[5] == 10
+
+
+def test_a_worker_over_the_record_bound_publishes_fewer_prefixes_and_ends_among_them():
+    import asyncio
+
+    summary = PrefixSummary(KEY)
+    for i in range(100):
+        summary.add(crdt.dumps(chat(words(300, 700 + i), "q")))
+
+    class Worker:   # what publish_engine_view reads of a Node; its record takes 20 hashes at most
+        overlay = type("Overlay", (), {"record": {"state": crdt.SERVING}})()
+        prefixes, speed, inflight, draining = summary, None, 0, False
+        written = []
+
+        def update(self, **fields):
+            if len(decode_prefixes(fields.get("prefixes", ""))) > 20:
+                raise crdt.RecordError("over")
+            self.written.append(fields)
+
+    async def run():
+        task = asyncio.ensure_future(otela_node.publish_engine_view(Worker(), every=0.01))
+        await asyncio.sleep(0.1)
+        task.cancel()
+    asyncio.run(run())
+    fields = Worker.written[0]
+    assert 0 < len(decode_prefixes(fields["prefixes"])) <= 20
+    assert 0 < fields["prefix_ends"] <= len(decode_prefixes(fields["prefixes"]))

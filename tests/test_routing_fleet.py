@@ -84,8 +84,9 @@ def test_prefixes_stay_home_and_the_nodes_publish_them(fleet):
 
         def published(home=home, chain=chain):
             record = next(s for s in registry(fleet)["sessions"] if s["session"] == home)
-            hashes = otela_node.decode_prefixes(record.get("prefixes"))
-            return otela_ingress.summary_match(chain, hashes) >= 8
+            published = otela_ingress.PublishedPrefixes(limit=1)
+            published.update(home, record)
+            return published.match(chain).get(home, (0, False))[0] >= 8
         poll(published, f"group {g}'s prefix published by its node")
 
     # and, once it has streamed a few answers, its engine's speed as its node measured it
