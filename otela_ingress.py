@@ -17,8 +17,8 @@ The sections, in file order, and what each holds:
     keys, usage ledger   Key (hashed, with its rate bucket), Ledger (a journal file, then SQLite)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
-    routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex, the
-                         nodes' published prefixes, SpeedFit), PassiveHealth (sessions out of
+    routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
+                         PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
                          rotation)
     metrics              Metrics: /metrics in Prometheus' text format
     streams              StreamWatch: SSE events passed through, their usage read (and stripped)
@@ -1386,10 +1386,11 @@ class PublishedPrefixes:
         self.where: Dict[bytes, Dict[str, bool]] = {}
 
     def update(self, session: str, record: Dict[str, Any]) -> None:
-        text, ends = record.get("prefixes"), record.get("prefix_ends")
+        fields = (record.get("prefixes"), record.get("prefix_ends"))
         old = self.sessions.get(session)
-        if old is not None and old[0] == (text, ends):
+        if old is not None and old[0] == fields:
             return
+        text, ends = fields
         self.forget(session)
         if not text:
             return
@@ -1400,7 +1401,7 @@ class PublishedPrefixes:
         ends = ends if isinstance(ends, int) and not isinstance(ends, bool) else 0
         for i, h in enumerate(anchors):
             self.where.setdefault(h, {})[session] = i < ends
-        self.sessions[session] = ((text, record.get("prefix_ends")), anchors)
+        self.sessions[session] = (fields, anchors)
 
     def forget(self, session: str) -> None:
         old = self.sessions.pop(session, None)
