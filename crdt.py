@@ -52,7 +52,7 @@ import math
 import re
 import secrets
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 # ---------------------------------------------------------------------------------------------
 # The one JSON pair (orjson when importable; the stdlib otherwise). Used for wire messages.
@@ -149,15 +149,16 @@ _UNKNOWN_ID = re.compile(r"^[a-z]{1,16}:[0-9A-Za-z_.-]{1,128}$")
 _ROLES = ("worker", "ingress", "relay")
 
 # Entry kinds, by id prefix. A session id is [0-9A-Za-z_-], so the colon keeps kinds apart.
-SESSION, KEY, USAGE, UNKNOWN = "session", "key", "usage", "unknown"
+SESSION, KEY, USAGE, REVOCATION, UNKNOWN = "session", "key", "usage", "revocation", "unknown"
 KEY_ENTRY = "key:"
 USAGE_ENTRY = "use:"
+REVOCATION_ENTRY = "rev:"
 
 # Planes: who holds an entry. Routing: every member (what routing needs: sessions, their reach
 # and load). Ingress: ingresses only (keys, usage), and only as written by the ingress tier.
 ROUTING, INGRESS = "routing", "ingress"
 PLANES = (ROUTING, INGRESS)
-PLANE_OF = {SESSION: ROUTING, UNKNOWN: ROUTING, KEY: INGRESS, USAGE: INGRESS}
+PLANE_OF = {SESSION: ROUTING, UNKNOWN: ROUTING, KEY: INGRESS, USAGE: INGRESS, REVOCATION: INGRESS}
 
 
 class RecordError(ValueError):
@@ -190,6 +191,8 @@ def kind_of(entry_id: str) -> str:
         return KEY
     if entry_id.startswith(USAGE_ENTRY):
         return USAGE
+    if entry_id.startswith(REVOCATION_ENTRY):
+        return REVOCATION
     return UNKNOWN if ":" in entry_id else SESSION
 
 
@@ -206,6 +209,8 @@ def validate(session_id: Any, record: Any) -> bytes:
             return validate_key(session_id, record)
         if kind == USAGE:
             return validate_usage(session_id, record)
+        if kind == REVOCATION:
+            return validate_revocation(session_id, record)
         return validate_unknown(session_id, record)
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
         raise RecordError(f"bad session id {session_id!r}: 1-64 characters of [0-9A-Za-z_-]")
@@ -259,6 +264,7 @@ def validate(session_id: Any, record: Any) -> bytes:
         raise RecordError(f"session {session_id}: only the owner writes "
                           f"{STATE_NAMES[state]}; it cannot carry evicted_by")
     _check_ending(session_id, record)
+    _check_binding(session_id, record)
     try:
         encoded = encode(record)
     except (TypeError, ValueError) as exc:
@@ -622,6 +628,52 @@ class Authority:
             return False
         return any(hmac.compare_digest(self._tag(s, entry_id, record), sig) for s in self.secrets)
 
+    # -- grants and record bindings (see "Records bound to their writers") --------------------
+    def _grant_mac(self, secret: bytes, grant: Dict[str, Any]) -> str:
+        body = {k: v for k, v in grant.items() if k != "mac"}
+        return hmac.new(secret, b"otela-grant\0" + encode(body), hashlib.sha256).hexdigest()
+
+    @staticmethod
+    def _grant_secret(secret: bytes, grant_id: str) -> bytes:
+        return hmac.new(secret, b"otela-grant-key\0" + grant_id.encode(), hashlib.sha256).digest()
+
+    def issue(self, models: Iterable[str], labels: Mapping[str, str], job: str, until: float,
+              now: float) -> Tuple[Dict[str, Any], bytes]:
+        """A new grant and its key (the key goes to the job alone). Raises RecordError."""
+        grant: Dict[str, Any] = {"id": secrets.token_hex(GRANT_ID_HEX // 2), "models": sorted(set(models)),
+                                 "labels": dict(labels), "job": str(job), "issued": now, "until": until}
+        check_grant(grant)
+        grant["mac"] = self._grant_mac(self.secrets[0], grant)
+        if len(encode(grant)) > MAX_RECORD_BYTES // 2:
+            raise RecordError(f"grant is {len(encode(grant))} bytes: at most {MAX_RECORD_BYTES // 2} "
+                              "(half a record), fewer models or labels")
+        return grant, self._grant_secret(self.secrets[0], grant["id"])
+
+    def grant_key(self, grant: Dict[str, Any]) -> Optional[bytes]:
+        """The key of a grant this tier issued (under any of its secrets), or None."""
+        mac = grant.get("mac")
+        if not isinstance(mac, str):
+            return None
+        for secret in self.secrets:
+            if hmac.compare_digest(self._grant_mac(secret, grant), mac):
+                return self._grant_secret(secret, grant["id"])
+        return None
+
+    def binding_keys(self, session_id: str, record: Dict[str, Any]) -> Optional[List[bytes]]:
+        """The keys `record` may be bound under: its grant's, or the ingresses'; [] when nothing
+        here can check it (no grant, not a binding ingress); None for a grant not ours."""
+        grant = record.get("grant")
+        if grant is not None:
+            key = self.grant_key(grant)
+            return None if key is None else [key]
+        if record.get("role") == "ingress" and "bind" in record:
+            return [self.ingress_binding(s) for s in self.secrets]
+        return []
+
+    @staticmethod
+    def ingress_binding(secret: bytes) -> bytes:
+        return hmac.new(secret, b"otela-ingress-bind", hashlib.sha256).digest()
+
     def _proof(self, secret: bytes, session_id: str, gossip: str) -> str:
         data = b"otela-tier\0" + session_id.encode() + b"\0" + gossip.encode()
         return hmac.new(secret, data, hashlib.sha256).hexdigest()
@@ -637,6 +689,151 @@ class Authority:
             return False
         gossip = str(record.get("gossip", ""))
         return any(hmac.compare_digest(self._proof(s, session_id, gossip), tier) for s in self.secrets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records bound to their writers, and grants
+# ---------------------------------------------------------------------------------------------
+# The cluster key admits a member; it must not let one member speak for another. Every record a
+# session writes itself (JOIN, SERVING, its own DOWN or LEFT) carries "bind", an HMAC of its
+# session id and the rest of the record, under a key its writer holds and a compute job cannot
+# derive from the cluster key:
+#   - a worker started with a grant: the grant's key. The login node, which holds the ingress
+#     secret, issues each job a grant (a statement of the models and labels it may serve, its
+#     Slurm job id and its end, signed by that secret: "mac") and gives the job alone the grant's
+#     key, HMAC(ingress secret, grant id). Every ingress derives the key from the grant in the
+#     record; no other job can, and no job can widen its grant (the mac covers it).
+#   - an ingress: a key every ingress derives from the ingress secret (and nobody else can).
+#   - a worker without a grant: a random key of its own process, which only it can check; an
+#     ingress routes nothing to such a session (otela_ingress.py, "grants").
+# Who checks (`Binder`, handed to the map): the owner (a record of its own session that it did not
+# write is refused, "forged_own": an owner never adopts a field it did not write), and every
+# ingress (a record whose grant or binding fails, or that drops the binding its session's record
+# had: "grant", "bind", "unbound"). A worker holds no secret to check with and carries what it
+# gets: workers act on records only for gossip, and the map that routes, an ingress's, holds only
+# records that verified. An eviction (evicted_by) is another member's write and carries its
+# evidence instead (see "The end of a session").
+GRANT_ID_HEX = 32
+MAX_JOB_ID = 64
+_GRANT_ID = re.compile(r"^[0-9a-f]{32}$")
+_REVOCATION = re.compile(r"^rev:([0-9a-f]{32}|job-[0-9A-Za-z_.-]{1,64})$")
+MAX_REVOCATIONS = 20_000      # revoked grants and jobs held at once: years of a site's revocations
+                              # at a few a day, ~3 MB at worst
+
+
+def _check_binding(session_id: str, record: Dict[str, Any]) -> None:
+    if "bind" in record and not (isinstance(record["bind"], str) and _SIG.match(record["bind"])):
+        raise RecordError(f"session {session_id}: bind must be {SIG_LEN} hex digits")
+    if "grant" in record:
+        check_grant(record["grant"], f"session {session_id}: grant")
+
+
+def check_grant(grant: Any, where: str = "grant") -> None:
+    """The shape of a grant (its mac is checked by `Authority.grant_key`). Raises RecordError."""
+    if not isinstance(grant, dict):
+        raise RecordError(f"{where} must be an object")
+    if not isinstance(grant.get("id"), str) or not _GRANT_ID.match(grant["id"]):
+        raise RecordError(f"{where}: id must be {GRANT_ID_HEX} hex digits")
+    models = grant.get("models")
+    if not isinstance(models, list) or not 0 < len(models) <= MAX_LIST:
+        raise RecordError(f"{where}: models must be a list of 1 to {MAX_LIST} names")
+    for model in models:
+        _check_string(f"{where}: model name", model)
+    labels = grant.get("labels", {})
+    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
+        raise RecordError(f"{where}: labels must be an object of at most {MAX_LABELS}")
+    for key, value in labels.items():
+        _check_string(f"{where}: label key", key)
+        _check_string(f"{where}: label value", value)
+    job = grant.get("job", "")
+    if not isinstance(job, str) or len(job) > MAX_JOB_ID:
+        raise RecordError(f"{where}: job must be a string of at most {MAX_JOB_ID} characters")
+    for field in ("issued", "until"):
+        if not _is_number(grant.get(field)):
+            raise RecordError(f"{where}: {field} must be a finite number (unix time)")
+    if "mac" in grant and not (isinstance(grant["mac"], str) and _SIG.match(grant["mac"])):
+        raise RecordError(f"{where}: mac must be {SIG_LEN} hex digits")
+
+
+def _bind_tag(key: bytes, session_id: str, record: Dict[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != "bind"}
+    return hmac.new(key, b"otela-bind\0" + session_id.encode() + b"\0" + encode(body),
+                    hashlib.sha256).hexdigest()
+
+
+def bound(key: bytes, session_id: str, record: Dict[str, Any]) -> Dict[str, Any]:
+    """The record with its binding under `key` (the owner's write)."""
+    out = {k: v for k, v in record.items() if k != "bind"}
+    out["bind"] = _bind_tag(key, session_id, out)
+    return out
+
+
+def is_bound(key: bytes, session_id: str, record: Dict[str, Any]) -> bool:
+    bind = record.get("bind")
+    return isinstance(bind, str) and hmac.compare_digest(_bind_tag(key, session_id, record), bind)
+
+
+class Binder:
+    """Checks session records against their writers as they arrive (GMap.binder). `own`: the
+    binding key of each session this process owns; `authority`: the ingress tier's secrets, on
+    an ingress (None on a worker, which checks only its own session)."""
+
+    def __init__(self, authority: Optional[Authority] = None):
+        self.authority = authority
+        self.own: Dict[str, bytes] = {}
+
+    def refusal(self, session_id: str, record: Dict[str, Any], held: Optional[Dict[str, Any]]) -> Optional[str]:
+        """Why `record` must not replace `held` here, or None."""
+        if record["state"] not in OWNER_ONLY and "unseal" not in record:
+            return None                             # an eviction: its evidence speaks for it
+        key = self.own.get(session_id)
+        if key is not None:
+            return None if is_bound(key, session_id, record) else "forged_own"
+        if self.authority is None:
+            return None
+        keys = self.authority.binding_keys(session_id, record)
+        if keys is None:
+            return "grant"
+        if keys:
+            return None if any(is_bound(k, session_id, record) for k in keys) else "bind"
+        if held is not None and self.authority.binding_keys(session_id, held):
+            return "unbound"                        # a bound session stays bound
+        return None                                 # ungranted (or a release before bindings)
+
+
+def revocation_entry(target: str) -> str:
+    """The map id revoking a grant (its id) or every grant of a Slurm job ("job-<id>")."""
+    entry_id = REVOCATION_ENTRY + target
+    if not _REVOCATION.match(entry_id):
+        raise RecordError(f"cannot revoke {target!r}: a grant id ({GRANT_ID_HEX} hex digits) "
+                          "or job-<Slurm job id>")
+    return entry_id
+
+
+def validate_revocation(entry_id: str, record: Any) -> bytes:
+    if not _REVOCATION.match(entry_id):
+        raise RecordError(f"bad revocation {entry_id!r}: 'rev:' and a grant id or job-<id>")
+    if not isinstance(record, dict):
+        raise RecordError(f"{entry_id}: record must be an object")
+    unknown = sorted(set(record) - {"state", "version", "at", "sig"})
+    if unknown:
+        raise RecordError(f"{entry_id}: unknown field {unknown[0]!r}")
+    for field in ("state", "version"):
+        if type(record.get(field)) is not int or not 0 <= record[field] < 2**53:
+            raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+    if not _is_number(record.get("at")):
+        raise RecordError(f"{entry_id}: at must be a finite number (unix time)")
+    _check_sig(entry_id, record)
+    return _encode_checked(entry_id, record)
+
+
+def grant_refusal(grant: Any, revoked_ids: Container[str], now: float) -> Optional[str]:
+    """Why a verified grant serves nothing now ("expired", "revoked"), or None."""
+    if now >= grant["until"]:
+        return "expired"
+    if grant["id"] in revoked_ids or ("job-" + grant.get("job", "")) in revoked_ids:
+        return "revoked"
+    return None
 
 
 def _encode_checked(entry_id: str, record: Dict[str, Any]) -> bytes:
@@ -727,7 +924,7 @@ class GMap:
         self.usage_months = int(usage_months)
         self.planes = frozenset(planes)          # what this replica holds (workers: ROUTING)
         self._entries: Dict[str, _Entry] = {}
-        self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, UNKNOWN: {}}
+        self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, REVOCATION: {}, UNKNOWN: {}}
         self._usage_by_day: Dict[str, set] = {}  # period -> its usage entry ids: retention pops them
         self._session_bytes = 0                  # encoded bytes of the session records held
         self._all = _Hashes()
@@ -739,6 +936,7 @@ class GMap:
                                                  # and month kept) are refused
         self._key_horizon = -math.inf            # keys revoked or expired before this are refused
         self.refused: collections.Counter = collections.Counter()   # entries not applied, by why
+        self.binder: Optional[Binder] = None     # checks session records against their writers
 
     # -- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -778,7 +976,7 @@ class GMap:
     def plane_size(self, plane: str) -> int:
         if plane == ROUTING:
             return len(self._by_kind[SESSION]) + len(self._by_kind[UNKNOWN])
-        return len(self._by_kind[KEY]) + len(self._by_kind[USAGE])
+        return len(self._by_kind[KEY]) + len(self._by_kind[USAGE]) + len(self._by_kind[REVOCATION])
 
     def live(self) -> Dict[str, Dict[str, Any]]:
         """Sessions in JOIN or SERVING."""
@@ -852,8 +1050,16 @@ class GMap:
             if why is not None:
                 self.refused[why] += 1
                 return False
+        if kind == SESSION and self.binder is not None:
+            why = self.binder.refusal(session_id, record, old.record if old is not None else None)
+            if why is not None:
+                self.refused[why] += 1
+                return False
         if old is None and kind == UNKNOWN and len(self._by_kind[UNKNOWN]) >= MAX_UNKNOWN:
             self.refused["unknown_full"] += 1
+            return False
+        if old is None and kind == REVOCATION and len(self._by_kind[REVOCATION]) >= MAX_REVOCATIONS:
+            self.refused["revocations_full"] += 1
             return False
         bucket = old.bucket if old is not None else _bucket(session_id)
         new = _Entry(record, encoded, session_id, bucket, plane)

@@ -525,12 +525,11 @@ def load_keys(db: sqlite3.Connection) -> Dict[str, Key]:
             if record["state"] in crdt.ACCEPTED_KEY_STATES}
 
 
-def allowed(allow: Sequence[str], session_id: str, record: Dict[str, Any]) -> bool:
-    """An allowlist entry names a provider: its owner, a label "k=v", a label value, or a session."""
+def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels: Dict[str, str]) -> bool:
+    """An allowlist entry names a provider: its owner, a label "k=v", a label value, or a session.
+    `owner` and `labels`: what routing believes of the session (its grant's labels, see Grants)."""
     if not allow:
         return True
-    owner = record.get("owner")
-    labels = record.get("labels") or {}
     for entry in allow:
         if entry == owner or entry == session_id:
             return True
@@ -1196,6 +1195,129 @@ def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,
         if isinstance(record, dict) and crdt.usage_kept(str(record.get("day", "")), *horizons):
             slots.append((entry_id, record))   # older periods stay in SQLite, out of the map
     return slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Grants: what a compute job may serve, as the login node said
+# ---------------------------------------------------------------------------------------------
+# Theory of operation. A compute job holds the cluster key, so whatever its record says (models,
+# labels, address) is its own word. The login node, which holds the ingress secret, issues each
+# job a grant (`otela_ingress.py grant`, or the placer for the jobs it renders): the models it may
+# serve, its labels, its Slurm job id and its end, signed; the job's records carry it and are
+# bound under its key (crdt, "Records bound to their writers"), so an ingress's map holds only
+# records their writers wrote. This section decides what routing believes of them:
+#   - a session serves the models of its record that its grant names, and matches allowlists by
+#     its grant's labels (and its session id) only;
+#   - a session with no grant, an expired or revoked one, or a grant another live session holds
+#     (one grant, one live session: the newest) gets nothing, and /v1/registry, /metrics and the
+#     dashboard say why;
+#   - without an ingress secret nothing can be checked: every session is believed, as before
+#     grants (the ingress says so at start). `--allow-ungranted` believes sessions without a grant
+#     too: the upgrade's middle step, while jobs started before it still serve.
+# Revocations (`otela_ingress.py grant revoke`) are entries of the ingress plane ("rev:<grant id>"
+# or "rev:job-<id>"), signed like keys: the CLI writes them to the --db, the ingress that reads them
+# publishes them, and every ingress applies them within a gossip round.
+GRANT_POLL_S = 0.25          # the --db's revocations read this often: seen at every ingress within a
+                             # second (a poll is one PRAGMA; a change, one small SELECT)
+RECENTLY_SERVED_S = 600.0    # a model served this recently is absent, not unknown: 503 and
+                             # Retry-After while no session of it is reachable, never 404
+UNGRANTED_REASONS = ("ungranted", "expired", "revoked", "grant_reused", "not_granted")
+
+
+class Grants:
+    """What this ingress believes of each session, from its grant (see above)."""
+
+    def __init__(self, authority: Optional[crdt.Authority], allow_ungranted: bool = False):
+        self.authority = authority
+        self.believe_all = authority is None
+        self.allow_ungranted = allow_ungranted
+        self.revoked: set = set()            # grant ids and "job-<id>" revoked
+        self.live: Dict[str, Dict[str, float]] = {}   # grant id -> {live session: its start}
+        self.holder: Dict[str, str] = {}     # grant id -> the one live session it serves
+        self.served: Dict[str, float] = {}   # model -> when a session last could serve it (monotonic)
+
+    def seen(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
+        """A session's record changed: keep each grant's live sessions and its holder."""
+        grant = record.get("grant") if record is not None else None
+        gid = grant.get("id") if isinstance(grant, dict) else None
+        for other, sessions in list(self.live.items()):
+            if sid in sessions and other != gid:
+                self._leave(other, sid)
+        if gid is None:
+            return
+        if record["state"] in crdt.ROUTABLE or record["state"] == crdt.JOIN:
+            sessions = self.live.setdefault(gid, {})
+            sessions[sid] = record.get("started", 0.0)
+            self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
+        else:
+            self._leave(gid, sid)
+
+    def _leave(self, gid: str, sid: str) -> None:
+        sessions = self.live.get(gid, {})
+        sessions.pop(sid, None)
+        if sessions:
+            self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
+        else:
+            self.live.pop(gid, None)
+            self.holder.pop(gid, None)
+
+    def refusal(self, sid: str, record: Dict[str, Any], now: float) -> Optional[str]:
+        """Why no request goes to this session (one of UNGRANTED_REASONS), or None."""
+        if self.believe_all:
+            return None
+        grant = record.get("grant")
+        if not isinstance(grant, dict):
+            return None if self.allow_ungranted else "ungranted"
+        why = crdt.grant_refusal(grant, self.revoked, now)
+        if why is not None:
+            return why
+        if self.holder.get(grant["id"], sid) != sid:
+            return "grant_reused"
+        return None
+
+    def models(self, record: Dict[str, Any]) -> List[str]:
+        """The models a session serves as far as routing believes: its record's, within its grant."""
+        models = record.get("models") or ()
+        grant = record.get("grant")
+        if self.believe_all or not isinstance(grant, dict):
+            return list(models)
+        return [m for m in models if m in grant["models"]]
+
+    def admits(self, allow: Sequence[str], sid: str, record: Dict[str, Any]) -> bool:
+        """Whether a key's allowlist admits the session: by its grant's labels and its id (its
+        record's owner and labels only where its word is all there is)."""
+        if not allow:
+            return True
+        grant = record.get("grant")
+        if self.believe_all or not isinstance(grant, dict):
+            return allowed(allow, sid, record.get("owner"), record.get("labels") or {})
+        return allowed(allow, sid, None, grant.get("labels") or {})
+
+    def on_revocation(self, entry_id: str) -> None:
+        self.revoked.add(entry_id[len(crdt.REVOCATION_ENTRY):])
+
+    def was_served(self, model: str, now: float) -> bool:
+        return now - self.served.get(model, -math.inf) < RECENTLY_SERVED_S
+
+
+def grant_file(authority: crdt.Authority, models: Sequence[str], labels: Dict[str, str], job: str,
+               until: float, now: float) -> bytes:
+    """The file a job reads with `otela_node.py start --grant-file`: its grant and the grant's key."""
+    grant, key = authority.issue(models, labels, job, until, now)
+    return crdt.dumps({"grant": grant, "key": key.hex()}) + b"\n"
+
+
+def store_revocation(db: sqlite3.Connection, target: str, now: float) -> str:
+    """Record a revocation in the --db (the ingress publishes it); returns its entry id."""
+    entry_id = crdt.revocation_entry(target)
+    db.execute("CREATE TABLE IF NOT EXISTS revocations (entry TEXT PRIMARY KEY, at REAL NOT NULL)")
+    db.execute("INSERT OR IGNORE INTO revocations VALUES (?, ?)", (entry_id, now))
+    return entry_id
+
+
+def load_revocations(db: sqlite3.Connection) -> List[Tuple[str, float]]:
+    db.execute("CREATE TABLE IF NOT EXISTS revocations (entry TEXT PRIMARY KEY, at REAL NOT NULL)")
+    return [(row[0], row[1]) for row in db.execute("SELECT entry, at FROM revocations")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3637,12 +3759,14 @@ class Ingress:
                  max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
                  require_code_hash: Optional[str] = None,
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
-                 warmup: Optional[float] = None):
+                 warmup: Optional[float] = None, allow_ungranted: bool = False):
         """`require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. `warmup`: seconds
         after start during which, until a peer's record arrives, an unknown model is a 503
-        (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole)."""
+        (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole).
+        `allow_ungranted`: route to sessions without a grant too (see "Grants")."""
         self.node = node
+        self.grants = Grants(getattr(getattr(node, "overlay", None), "authority", None), allow_ungranted)
         self.usage_days, self.usage_months = crdt.USAGE_RETENTION_DAYS, crdt.USAGE_RETENTION_MONTHS
         self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
@@ -3682,6 +3806,7 @@ class Ingress:
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
+        self._revocations: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         self._stopped = False
@@ -3709,6 +3834,7 @@ class Ingress:
             self.ledger = None
             raise OSError(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}") from None
         self._sweeper = asyncio.ensure_future(self._sweep())
+        self._revocations = asyncio.ensure_future(self._read_revocations())
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self, drain: float = 0.0) -> None:
@@ -3723,6 +3849,8 @@ class Ingress:
             await asyncio.sleep(0.05)
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._revocations is not None:
+            self._revocations.cancel()
         for client in list(self.clients):
             client.transport.abort()
         self.pool.close()
@@ -3755,8 +3883,13 @@ class Ingress:
 
     def _registry_changed(self, sid: str = "", record: Optional[Dict[str, Any]] = None) -> None:
         if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
+            if record is not None and crdt.kind_of(sid) == crdt.REVOCATION:
+                self.grants.on_revocation(sid)
+                self._candidates = {}
+                return
             self.cluster.on_entry(sid, record)
             return
+        self.grants.seen(sid, record)
         if sid != self.node.session_id:   # a peer's record: the registry is a peer's view now
             self._warm_until = 0.0
         if record is not None and sid in self.health.paths:   # a new path: its failures are past
@@ -3775,6 +3908,30 @@ class Ingress:
                 self._signatures.clear()
             self._signatures[sid] = signature
         self._candidates = {}
+
+    async def _read_revocations(self) -> None:
+        """Revocations `grant revoke` wrote to the --db: published, as the CLI's keys are (one
+        PRAGMA a poll; a small SELECT after a change)."""
+        db, version, seen = None, None, set()
+        try:
+            while True:
+                try:
+                    db = db or open_db(self.db_path)
+                    now_version = db.execute("PRAGMA data_version").fetchone()[0]
+                    if now_version != version:
+                        version = now_version
+                        for entry_id, at in load_revocations(db):
+                            if entry_id not in seen:
+                                seen.add(entry_id)
+                                self.grants.on_revocation(entry_id)
+                                self.cluster.publish(entry_id, {"state": 0, "version": 0, "at": at})
+                        self._candidates = {}
+                except sqlite3.Error as exc:
+                    print(f"otela-ingress: reading grant revocations failed (retried): {exc}", file=sys.stderr)
+                await asyncio.sleep(GRANT_POLL_S)
+        finally:
+            if db is not None:
+                db.close()
 
     async def _sweep(self) -> None:
         while True:
@@ -3803,23 +3960,30 @@ class Ingress:
         if hit is not None and now - hit[0] < CANDIDATE_TTL_S:
             return hit[1]
         node = self.node
+        grants = self.grants
         found = known = False
         result = []
         for sid, record in node.registry.items():
-            if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()):
+            if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()) \
+                    or model not in grants.models(record):
                 continue
             if record.get("state") in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
                 known = True
             if not self._routable(sid, record):
                 continue
             found = True
-            if allowed(key.allow, sid, record):
+            grants.served[model] = now
+            if grants.admits(key.allow, sid, record):
                 result.append(Candidate(sid, record))
         if not result:
             if not known and self._warm_until and now < self._warm_until:   # not heard from a peer yet
                 raise HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
                                      f"'{model}' may be served; retry", "no_healthy_provider",
                                 headers=[(b"retry-after", b"1")])
+            if not found and grants.was_served(model, now):   # absent, not unknown: it comes back
+                raise HTTPError(503, f"No session of '{model}' is reachable right now; it was served "
+                                     f"{now - grants.served[model]:.0f} s ago: retry", "no_healthy_provider",
+                                headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
             if not known:
                 raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
                                 "model_not_found", "model")
@@ -3840,16 +4004,18 @@ class Ingress:
 
     def _served_models(self, key: Key) -> set:
         names = set()
+        grants = self.grants
         for sid, record in self.node.registry.items():
-            if self._routable(sid, record) and allowed(key.allow, sid, record):
-                names.update(record.get("models") or ())
+            if self._routable(sid, record) and grants.admits(key.allow, sid, record):
+                names.update(grants.models(record))
         return names
 
     def _routable(self, sid: str, record: Dict[str, Any]) -> bool:
         """A session requests go to: a worker whose lifecycle state takes them (serving_worker),
         not suspected, of the code --require-code-hash names (if it names one)."""
         return serving_worker(record) and not self.node.is_suspected(sid) \
-            and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash)
+            and (not self.require_code_hash or record.get("code_hash") == self.require_code_hash) \
+            and self.grants.refusal(sid, record, time.time()) is None
 
     # -- routes: what a request head asks for ------------------------------------------------
     def route(self, client: _Client, request: otela_node.MessageHead, t0: float) -> None:
@@ -4162,9 +4328,21 @@ class Ingress:
                        "failed_commits": ledger.failed_commits if ledger is not None else 0,
                        "pending_rows": ledger.pending() if ledger is not None else 0}})
 
+    def unrouted(self) -> Dict[str, str]:
+        """Live worker sessions this ingress routes nothing to because of their grant -> why."""
+        now = time.time()
+        return {sid: why for sid, record in self.node.registry.items() if serving_worker(record)
+                for why in (self.grants.refusal(sid, record, now),) if why is not None}
+
     def _get_registry(self, fields, query):
         view = self.node.registry_view()
         if isinstance(view, dict):
+            unrouted = self.unrouted()
+            sessions = view.get("sessions", ())   # a list; a stand-in node's, a dict by session
+            for sid, session in sessions.items() if isinstance(sessions, dict) else \
+                    ((s.get("session"), s) for s in sessions):
+                if sid in unrouted:   # shown apart: with why no request goes there
+                    session["unrouted"] = unrouted[sid]
             now = time.monotonic()
             view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
                                        "auth": not self.no_auth, "routing": self.routing_stats()})
@@ -4218,6 +4396,11 @@ class Ingress:
                                    ledger.failed_commits if ledger is not None else 0,
                                    ledger.pending() if ledger is not None else 0)
         body += overlay_metrics(self.node) + routing_metrics(self.routing_stats())
+        unrouted = collections.Counter(self.unrouted().values())
+        body += ("# HELP otela_sessions_unrouted Live sessions routed nothing because of their grant, by reason.\n"
+                 "# TYPE otela_sessions_unrouted gauge\n" + "".join(
+                     f'otela_sessions_unrouted{{reason="{why}"}} {unrouted.get(why, 0)}\n'
+                     for why in UNGRANTED_REASONS)).encode()
         return 200, b"text/plain; version=0.0.4; charset=utf-8", body
 
     def routing_stats(self) -> Dict[str, Dict[str, float]]:
@@ -4415,7 +4598,15 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
-                      cors_origins=args.cors_origin, max_connections=MAX_CONNECTIONS, max_body=MAX_BODY_BYTES)
+                      cors_origins=args.cors_origin, max_connections=MAX_CONNECTIONS, max_body=MAX_BODY_BYTES,
+                      allow_ungranted=args.allow_ungranted)
+    if not config.ingress_keys:
+        print("otela-ingress: WARNING: without the ingress secret no grant can be checked: every session "
+              "is routed on its own word (a compute job holding the cluster key can claim any model)",
+              file=sys.stderr)
+    elif args.allow_ungranted:
+        print("otela-ingress: --allow-ungranted: sessions without a grant are routed too (the upgrade's "
+              "middle step; drop it once every job has a grant)", file=sys.stderr)
     ingress.require_key_for_views = args.require_key_for_views
     ingress.usage_days, ingress.usage_months = args.usage_days, args.usage_months
     if ingress.require_code_hash:
@@ -4537,6 +4728,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "valid key (Bearer, or the password of HTTP Basic: a browser asks for it on "
                             "/dashboard); by default they need none (env OTELA_REQUIRE_KEY_FOR_VIEWS: "
                             "1/true/yes/on or 0/false/no/off)")
+    serve.add_argument("--allow-ungranted", action="store_true",
+                       help="route to worker sessions without a grant too (env OTELA_ALLOW_UNGRANTED; default: "
+                            "only sessions whose grant, from `grant` or the placer, names the model). For the "
+                            "upgrade from a release without grants: see the README")
     serve.add_argument("--no-relay", action="store_true",
                        help="do not relay for members behind NATs (env OTELA_NO_RELAY; by default the "
                             "ingress relays their gossip and tunnel streams)")
@@ -4575,6 +4770,30 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (at every ingress within 2 s)")
     revoke.add_argument("key_id")
     revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
+
+    grant = sub.add_parser("grant", help="issue a compute job its grant (what it may serve), or revoke one",
+                           description="On the login node (it needs the ingress secret): `grant --model M "
+                                       "[--label k=v] [--until WHEN] [--job ID] --out FILE` writes the file a "
+                                       "job passes to `otela_node.py start --grant-file` (mode 600: the job "
+                                       "alone should read it). `grant revoke GRANT_ID` or `grant revoke --job "
+                                       "ID` stops every ingress routing to it within a second.")
+    grant.add_argument("action", nargs="?", choices=["revoke"], help="revoke a grant (default: issue one)")
+    grant.add_argument("grant_id", nargs="?", help="the grant to revoke (its id, in the grant file and "
+                                                   "/v1/registry)")
+    grant.add_argument("--model", action="append", default=[],
+                       help="a model (or adapter) name the job may serve; repeatable")
+    grant.add_argument("--label", action="append", default=[], metavar="K=V",
+                       help="a label key allowlists may match the job by; repeatable")
+    grant.add_argument("--until", default="24h", metavar="WHEN",
+                       help="when the grant ends: the job's end (a duration such as 12h, or a UTC date/time; "
+                            "default 24h)")
+    grant.add_argument("--job", default="", help="the Slurm job id (revoke: every grant of that job)")
+    grant.add_argument("--out", default=None, help="write the grant file here, mode 600 (default: stdout)")
+    grant.add_argument("--key-file", default=None,
+                       help="the cluster key file: ingress.key beside it is the secret (env OTELA_KEY_FILE)")
+    grant.add_argument("--ingress-key-file", default=None,
+                       help="the ingress secret (env OTELA_INGRESS_KEY_FILE; default: beside --key-file)")
+    grant.add_argument("--db", default=DEFAULT_DB, help=db_help + " (revoke)")
     return parser
 
 
@@ -4632,6 +4851,52 @@ def _keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grant_command(args: argparse.Namespace) -> int:
+    now = time.time()
+    if args.action == "revoke":
+        if bool(args.grant_id) == bool(args.job):
+            raise ValueError("grant revoke: name a grant id or --job ID (one of them)")
+        target = args.grant_id or "job-" + args.job
+        crdt.revocation_entry(target)   # a bad id is refused before the database is touched
+        if not os.path.exists(args.db):
+            raise ValueError(f"--db {args.db}: no such database (the serving ingress's --db)")
+        db = open_db(args.db)
+        try:
+            store_revocation(db, target, now)
+        finally:
+            db.close()
+        print(f"revoked {target}: every ingress stops routing to it within a second", file=sys.stderr)
+        return 0
+    if not args.model:
+        raise ValueError("grant: name at least one --model the job may serve")
+    if not (args.key_file or args.ingress_key_file):
+        raise ValueError("grant: needs the ingress secret: --ingress-key-file, or --key-file with ingress.key beside it")
+    ring = ingress_secrets(args.ingress_key_file, args.key_file or "")
+    if not ring:
+        raise ValueError("grant: no ingress secret found: grants are signed by it (keygen --ingress-only)")
+    labels = {}
+    for item in args.label:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"grant: bad --label {item!r}: expected K=V")
+        labels[key] = value
+    until = parse_expiry(args.until, now)
+    try:
+        data = grant_file(crdt.Authority(ring), args.model, labels, args.job, until, now)
+    except crdt.RecordError as exc:
+        raise ValueError(f"grant: {exc}") from None
+    if args.out is None:
+        sys.stdout.write(data.decode())
+        return 0
+    fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        os.fchmod(fh.fileno(), 0o600)   # an older file's mode too
+        fh.write(data)
+    print(f"grant {crdt.loads(data)['grant']['id']} for {', '.join(args.model)} until "
+          f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(until))} UTC -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:   # every flag also reads its OTELA_* variable: OTELA_ALIASES="fast=a,b;big=c", OTELA_NO_AUTH=0
@@ -4642,6 +4907,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "keys":
             return _keys_command(args)
+        if args.command == "grant":
+            return _grant_command(args)
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "

@@ -208,6 +208,8 @@ class Config:
                                     # accepted while a new one rolls out (cluster.key's later lines)
     ingress_keys: List[bytes] = dataclasses.field(default_factory=list)  # the ingress tier's
                                     # secrets (ingress hosts only; the first signs): see crdt.Authority
+    grant: Optional[Dict[str, Any]] = None   # this job's grant from the login node (--grant-file):
+    grant_key: bytes = b""          # ... and its key, which binds our records (crdt, "Records bound")
 
     # -- wire --
     replay_window: float = 30.0     # accepted clock skew; NTP keeps cluster nodes within ms
@@ -367,6 +369,34 @@ def load_key(path: str) -> bytes:
     """Read the cluster secret written by `keygen` (64 hex chars); refuse group/world access.
     A file of several lines is a rotation: the first line is the key, see load_secrets."""
     return load_secrets(path)[0]
+
+
+def load_grant(path: str) -> Tuple[Dict[str, Any], bytes]:
+    """This job's grant and its key, from the file `otela_ingress.py grant` wrote (a JSON object
+    {"grant": {...}, "key": "<64 hex>"}); refuses a file others can read, as a key file."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            data = crdt.loads(fh.read(64 * 1024))
+    except OSError as exc:
+        raise ConfigError(f"cannot read grant {path}: {exc.strerror}") from None
+    except ValueError:
+        raise ConfigError(f"grant {path} is not JSON: write it with `otela_ingress.py grant`") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"grant {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
+                          f" run chmod 600 {path}")
+    if not isinstance(data, dict) or not isinstance(data.get("key"), str):
+        raise ConfigError(f"grant {path} has no key: write it with `otela_ingress.py grant`")
+    try:
+        crdt.check_grant(data.get("grant"), f"grant {path}")
+        key = bytes.fromhex(data["key"])
+    except crdt.RecordError as exc:
+        raise ConfigError(str(exc)) from None
+    except ValueError:
+        raise ConfigError(f"grant {path}: key must be hex") from None
+    if len(key) != 32 or "mac" not in data["grant"]:
+        raise ConfigError(f"grant {path}: key must be 64 hex digits and the grant signed (mac)")
+    return data["grant"], key
 
 
 def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
@@ -897,9 +927,20 @@ class Overlay(FailureDetector):
         holds_ingress = self.authority is not None or record.get("role") == "ingress"
         self.map = crdt.GMap(retention=config.retention,
                              planes=crdt.PLANES if holds_ingress else (crdt.ROUTING,))
+        # Our records are bound to us (crdt, "Records bound to their writers"): under our grant's
+        # key, the ingress tier's (an ingress), or a key of this process alone; the map refuses a
+        # record of our session that we did not write, and, on an ingress, any that fails its check.
+        self.binder = crdt.Binder(self.authority)
+        self.map.binder = self.binder
+        if config.grant_key:
+            self.bind_key = config.grant_key
+        elif self.authority is not None and record.get("role") == "ingress":
+            self.bind_key = crdt.Authority.ingress_binding(self.authority.secrets[0])
+        else:
+            self.bind_key = secrets.token_bytes(32) if self._secure else b"replay-" + session_id.encode()
         self.sid = session_id
         self.addr = record.get("gossip", config.gossip_addr)
-        self.record = self._with_tier(session_id, self._sealed(dict(record)))
+        self.record = self._signed(session_id, self._sealed(dict(record)))
         self.map.put(session_id, self.record)
         self.ingresses: Dict[str, str] = {}         # proven ingress sid -> gossip address: the
                                                     # only members the ingress plane goes to
@@ -953,12 +994,16 @@ class Overlay(FailureDetector):
         out += self._rumour([("r", self.sid)], now)
         return self._count(out)
 
-    def _with_tier(self, sid: str, record: Dict[str, Any]) -> Dict[str, Any]:
-        """An ingress's record carries its proof of the ingress tier (crdt.Authority.proof)."""
+    def _signed(self, sid: str, record: Dict[str, Any]) -> Dict[str, Any]:
+        """Our own write as it goes out: an ingress's proof of the ingress tier
+        (crdt.Authority.proof), our grant, and last the binding of the whole record to us."""
         record.pop("tier", None)
         if self.authority is not None and record.get("role") == "ingress":
             record["tier"] = self.authority.proof(sid, record.get("gossip", self.addr))
-        return record
+        if self.cfg.grant is not None:
+            record["grant"] = self.cfg.grant
+        self.binder.own[sid] = self.bind_key
+        return crdt.bound(self.bind_key, sid, record)
 
     def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool = False) -> List[Out]:
         """Handle one authenticated message. Raises ValueError/KeyError/TypeError/RecordError on a
@@ -1013,9 +1058,11 @@ class Overlay(FailureDetector):
         return record
 
     def update(self, now: float, **fields) -> List[Out]:
-        """Owner write: change fields of our own record (state, models, labels…), bump version."""
+        """Owner write: change fields of our own record (state, models, labels…), bump version.
+        It starts from what we wrote last, never from the map's copy: a field we did not write
+        is never ours (the map may hold an eviction, whose version we pass)."""
         current = self.map.get(self.sid) or self.record
-        record = dict(current)
+        record = dict(self.record)
         record.update(fields)
         record.pop("evicted_by", None)
         record.pop("evidence", None)
@@ -1024,6 +1071,7 @@ class Overlay(FailureDetector):
             record.setdefault("left_at", now)
         if record["state"] >= crdt.DOWN and "seal" in record:
             record["unseal"] = self._unseal         # our own end: proven by the secret
+        record = self._signed(self.sid, record)
         self.record = record
         if not self.map.put(self.sid, record):
             return []
@@ -1050,7 +1098,7 @@ class Overlay(FailureDetector):
             record["state"] = crdt.SERVING
         self.sid = f"{self.rng.getrandbits(128):032x}"   # from our rng: the simulator replays a run
         self.ring = None
-        self.record = self._with_tier(self.sid, self._sealed(record))
+        self.record = record = self._signed(self.sid, self._sealed(record))
         self.leaving = False
         self.map.put(self.sid, record)
         for cb in self.rejoin_listeners:
@@ -1583,8 +1631,9 @@ class Overlay(FailureDetector):
         return self._count(self._changed(changed, now, push=False))
 
     def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
-        """Write a key record or one of our usage slots; rumoured if it changed the map."""
-        if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE):
+        """Write a key record, a grant's revocation or one of our usage slots; rumoured if it
+        changed the map."""
+        if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE, crdt.REVOCATION):
             raise crdt.RecordError(f"{entry_id}: sessions are written by update and eviction")
         if crdt.INGRESS not in self.map.planes:
             raise crdt.RecordError(f"{entry_id}: only an ingress writes keys and usage")
@@ -6721,6 +6770,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--process", required=True,
                    help='engine command line, e.g. "vllm serve M --port 8000" ({port}: a free port) '
                         "(env OTELA_PROCESS)")
+    s.add_argument("--grant-file", default=None,
+                   help="this job's grant (`otela_ingress.py grant`, or the placer, writes it; mode 600): the "
+                        "models and labels ingresses route to it for (env OTELA_GRANT_FILE; without one, "
+                        "ingresses holding the ingress secret route nothing here)")
     s.add_argument("--engine-url", default=None,
                    help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
     s.add_argument("--restart", action="store_true",
@@ -6775,6 +6828,11 @@ def main(argv=None) -> int:
         if args.command == "relay":
             install_event_loop()
             return asyncio.run(run_relay(config))
+        if args.grant_file:
+            config.grant, config.grant_key = load_grant(args.grant_file)
+            if time.time() >= config.grant["until"]:
+                raise ConfigError(f"grant {args.grant_file} ended at {time.ctime(config.grant['until'])}: "
+                                  "ask for a new one")
         if args.drain_timeout is not None:
             config.drain_timeout = args.drain_timeout
         if args.engine_ready_timeout is not None:

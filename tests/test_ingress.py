@@ -201,13 +201,13 @@ def test_allowlist_is_enforced_over_many_requests(stack):
 
 
 def test_allowlist_matches_owner_label_pair_label_value_or_session():
-    record = {"owner": "ann@h1", "labels": {"site": "lrz", "tier": "gold"}}
-    assert allowed([], "s1", record)
-    assert allowed(["ann@h1"], "s1", record)
-    assert allowed(["site=lrz"], "s1", record)
-    assert allowed(["gold"], "s1", record)
-    assert allowed(["s1"], "s1", record)
-    assert not allowed(["site=gold", "bob@h1", "s2"], "s1", record)
+    owner, labels = "ann@h1", {"site": "lrz", "tier": "gold"}
+    assert allowed([], "s1", owner, labels)
+    assert allowed(["ann@h1"], "s1", owner, labels)
+    assert allowed(["site=lrz"], "s1", owner, labels)
+    assert allowed(["gold"], "s1", owner, labels)
+    assert allowed(["s1"], "s1", owner, labels)
+    assert not allowed(["site=gold", "bob@h1", "s2"], "s1", owner, labels)
 
 
 def test_models_lists_the_union_of_serving_unsuspected_models_the_key_may_use(stack, client):
