@@ -235,8 +235,11 @@ def start_otela(procs, command, n, model, policy, ingresses=1):
     engine = " ".join(shlex.quote(a) for a in command())
     nodes = []
     for i in range(n):
+        grant = os.path.join(procs.tmp, f"node{i}.grant")   # the login node's grant for each job
+        subprocess.run([sys.executable, ingress_py, "grant", "--key-file", key, "--model", model, "--job", f"node{i}",
+                        "--out", grant], check=True, capture_output=True, timeout=60)
         nodes.append(procs.spawn(f"node{i}", [sys.executable, node_py, "start", "--key-file", key,
-                                              "--bootstrap", gossip[0], "--listen", f"127.0.0.1:{free_port()}",
+                                              "--grant-file", grant, "--bootstrap", gossip[0], "--listen", f"127.0.0.1:{free_port()}",
                                               "--gossip", f"127.0.0.1:{free_port()}", "--process", engine]))
 
     def serving(url):

@@ -154,15 +154,27 @@ class Fleet:
         wait(lambda: self.up() and self.get(member, "/healthz")[0] == 200, 60, f"{name} /healthz")
         return member
 
+    def grant(self, name: str, models: Tuple[str, ...] = (MODEL,), *flags: str) -> str:
+        """A grant for the job `name` (the login node's `otela_ingress.py grant`): its file's path."""
+        path = os.path.join(self.tmp, f"{name}.grant")
+        subprocess.run([PY, os.path.join(ROOT, "otela_ingress.py"), "grant", "--key-file", self.key_file,
+                        "--out", path, "--job", name, *[f"--model={m}" for m in models], *flags],
+                       env=self.env, check=True, capture_output=True, timeout=60)
+        return path
+
     def node(self, name: str, place: Place = LOOPBACK, bootstrap: Tuple[str, ...] = (),
-             engine_flags: str = "", flags: Tuple[str, ...] = (), engine: Optional[str] = None) -> Member:
+             engine_flags: str = "", flags: Tuple[str, ...] = (), engine: Optional[str] = None,
+             grant: Optional[str] = "") -> Member:
         """`otela_node.py start` wrapping the fake engine serving MODEL (or the `engine` command,
-        with {port}); does not wait."""
+        with {port}), with a grant for MODEL (`grant`: another grant file, or None for none);
+        does not wait."""
         listen = f"{place.host}:{place.port(7700)}"
         gossip = f"{place.host}:{place.port(7946)}"
         engine = engine or f"{PY} {os.path.join(ROOT, 'tests', 'fake_engine.py')} --model {MODEL} --port {{port}} {engine_flags}"
         argv = [PY, os.path.join(ROOT, "otela_node.py"), "start", "--key-file", self.key_file,
                 "--listen", listen, "--gossip", gossip, "--process", engine.strip()]
+        if grant is not None:
+            argv += ["--grant-file", grant or self.grant(name)]
         for addr in bootstrap:
             argv += ["--bootstrap", addr]
         member = Member(name, "worker", place, argv + list(flags), listen, gossip)

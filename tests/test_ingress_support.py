@@ -218,7 +218,8 @@ class Cluster:
     """A real local overlay from the command lines: `otela_ingress.py serve` and
     `otela_node.py start` processes on loopback, with a fresh cluster key and key database."""
 
-    def __init__(self, tmp_dir: str, policy: str = "least_loaded", ingress_root: Optional[str] = None):
+    def __init__(self, tmp_dir: str, policy: str = "least_loaded", ingress_root: Optional[str] = None,
+                 ingress_flags: Tuple[str, ...] = ()):
         """`ingress_root`: a folder holding another release's files to run the ingress from."""
         import os
         import subprocess
@@ -243,7 +244,7 @@ class Cluster:
         self.ingress = self._spawn("ingress", [os.path.join(ingress_root, "otela_ingress.py"), "serve",
                                                "--key-file", self.key_file, "--listen", f"127.0.0.1:{self.port}",
                                                "--gossip", f"127.0.0.1:{self.gossip}", "--db", self.db,
-                                               "--policy", policy])
+                                               "--policy", policy, *ingress_flags])
         self._started(lambda: self._wait(lambda: Client(self.url).request("GET", "/healthz")[0] == 200,
                                          "ingress /healthz"))
 
@@ -286,6 +287,13 @@ class Cluster:
                 "--engine-url", f"http://127.0.0.1:{engine_port}"]
         for label in labels:
             argv += ["--label", label]
+        grant = os.path.join(self.tmp, f"{name}.grant")   # what the login node gives each job
+        secrets_ = otela_ingress.ingress_secrets(None, self.key_file)
+        if secrets_ and root is None:   # (a node of a release before grants takes none)
+            with open(os.open(grant, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
+                fh.write(otela_ingress.grant_file(crdt.Authority(secrets_), [model], dict(
+                    label.split("=", 1) for label in labels), name, time.time() + 3600, time.time()))
+            argv += ["--grant-file", grant]
         before = self.serving(model)
         self.nodes[name] = self._spawn(name, argv)
         self._wait(lambda: self.serving(model) > before, f"node {name} serving {model}", timeout)

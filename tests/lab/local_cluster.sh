@@ -39,7 +39,9 @@ export OTELA_KEY_FILE=$D/cluster.key OTELA_DB=$D/usage.sqlite
 pids+=($!)
 engine="$ENGINE_PY tests/lab/engine_serve.py -m $MODEL --alias smollm2-135m --host 127.0.0.1 --port {port}"
 for i in 1 2; do
-  "$PY" otela_node.py start --bootstrap "127.0.0.1:$GOSSIP" --listen "127.0.0.1:$((PORT + i))" \
+  # each job's grant, as the login node gives it: the model it may serve and its labels
+  "$PY" otela_ingress.py grant --model smollm2-135m --label "node=demo$i" --job "node$i" --until 24h --out "$D/node$i.grant" 2>>"$D/grants.log"
+  "$PY" otela_node.py start --grant-file "$D/node$i.grant" --bootstrap "127.0.0.1:$GOSSIP" --listen "127.0.0.1:$((PORT + i))" \
     --gossip "127.0.0.1:$((GOSSIP + i))" --label "node=demo$i" --process "$engine" \
     > "$D/node$i.log" 2>&1 &
   pids+=($!)

@@ -39,7 +39,9 @@ export OTELA_KEY_FILE=$D/cluster.key OTELA_DB=$D/usage.sqlite
 pids+=($!)
 engine="$PY otela_sim.py serve --model $MODEL --gpu $GPU --tp $TP --engine vllm-v1 --port {port}"
 for i in $(seq "$N"); do
-  "$PY" otela_node.py start --bootstrap "127.0.0.1:$GOSSIP" --listen "127.0.0.1:$((PORT + i))" \
+  # each job's grant, as the login node gives it: the model it may serve and its labels
+  "$PY" otela_ingress.py grant --model "$MODEL" --label "node=sim$i" --label "gpu=$GPU" --job "node$i" --until 24h --out "$D/node$i.grant" 2>>"$D/grants.log"
+  "$PY" otela_node.py start --grant-file "$D/node$i.grant" --bootstrap "127.0.0.1:$GOSSIP" --listen "127.0.0.1:$((PORT + i))" \
     --gossip "127.0.0.1:$((GOSSIP + i))" --label "node=sim$i" --label "gpu=$GPU" --process "$engine" \
     > "$D/node$i.log" 2>&1 &
   pids+=($!)
