@@ -1236,6 +1236,10 @@ class Grants:
         self.holder: Dict[str, str] = {}     # grant id -> the one live session it serves
         self.served: Dict[str, float] = {}   # model -> when a session last could serve it (monotonic)
 
+    def use(self, authority: Optional[crdt.Authority]) -> None:
+        """The ingress secret to check grants with (None: nothing can be checked)."""
+        self.authority, self.believe_all = authority, authority is None
+
     def seen(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
         """A session's record changed: keep each grant's live sessions and its holder."""
         grant = record.get("grant") if record is not None else None
@@ -1276,11 +1280,14 @@ class Grants:
         return None
 
     def models(self, record: Dict[str, Any]) -> List[str]:
-        """The models a session serves as far as routing believes: its record's, within its grant."""
+        """The models a session serves as far as routing believes: its record's, within its grant
+        (none without a grant, unless such sessions are believed)."""
         models = record.get("models") or ()
         grant = record.get("grant")
-        if self.believe_all or not isinstance(grant, dict):
+        if self.believe_all or (self.allow_ungranted and not isinstance(grant, dict)):
             return list(models)
+        if not isinstance(grant, dict):
+            return []
         return [m for m in models if m in grant["models"]]
 
     def admits(self, allow: Sequence[str], sid: str, record: Dict[str, Any]) -> bool:
@@ -2022,7 +2029,8 @@ class Metrics:
         return ("\n".join(out) + "\n").encode()
 
 
-REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full", "seal", "eviction_without_evidence")
+REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full", "seal", "eviction_without_evidence",
+                   "bind", "grant", "unbound", "forged_own", "revocations_full")   # (crdt.Binder's)
 
 
 FLOODERS_SHOWN = 8   # senders named on /metrics for replay-cache refusals (the most refused first)
@@ -3766,7 +3774,7 @@ class Ingress:
         (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole).
         `allow_ungranted`: route to sessions without a grant too (see "Grants")."""
         self.node = node
-        self.grants = Grants(getattr(getattr(node, "overlay", None), "authority", None), allow_ungranted)
+        self.grants = Grants(None, allow_ungranted)   # the node's authority, once it has started (start)
         self.usage_days, self.usage_months = crdt.USAGE_RETENTION_DAYS, crdt.USAGE_RETENTION_MONTHS
         self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
@@ -3818,6 +3826,7 @@ class Ingress:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve HTTP on host:port (0 picks a free port); returns the port."""
         self._loop = asyncio.get_running_loop()
+        self.grants.use(getattr(getattr(self.node, "overlay", None), "authority", None))
         if self.warmup > 0 and not any(sid != self.node.session_id and ":" not in sid
                                        for sid, _ in self.node.registry.items()):
             self._warm_until = time.monotonic() + self.warmup
@@ -3966,7 +3975,7 @@ class Ingress:
         for sid, record in node.registry.items():
             if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()) \
                     or model not in grants.models(record):
-                continue
+                continue                    # (an ungranted session's models: as if never said)
             if record.get("state") in (crdt.JOIN, crdt.SERVING, crdt.DOWN):
                 known = True
             if not self._routable(sid, record):

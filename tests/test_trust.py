@@ -1,0 +1,240 @@
+"""A compute job is not believed: records bound to their writers, grants, and what an ingress
+routes to, attacked as a job holding only `cluster.key` would (issue 38).
+
+The registry's checks are pure (crdt.Binder, crdt.Authority's grants) and tested as such; the
+attacks on whole processes send forged gossip, sealed with the cluster key, to a real ingress
+on loopback, and count what reached an address the attacker listens on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import crdt
+from fake_engine import free_port
+from test_ingress_support import Client, Cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+TIER = crdt.Authority([b"i" * 32])
+NOW = 1_800_000_000.0
+
+
+def granted_record(sid: str = "a" * 32, models=("m1",), addr: str = "10.0.0.1:7700"):
+    grant, key = TIER.issue(models, {"site": "lrz"}, "4242", NOW + 3600, NOW)
+    record = {"owner": "job@node1", "state": crdt.SERVING, "version": 3, "started": NOW, "role": "worker",
+              "models": list(models), "addr": addr, "gossip": "10.0.0.1:7946", "grant": grant,
+              "seal": crdt.seal_of("b" * 32)}
+    return crdt.bound(key, sid, record), key
+
+
+def ingress_map() -> crdt.GMap:
+    registry = crdt.GMap()
+    registry.binder = crdt.Binder(TIER)
+    return registry
+
+
+# -- the registry's checks ----------------------------------------------------------------------
+def test_an_ingress_refuses_a_live_record_republished_with_another_address():
+    sid = "a" * 32
+    honest, _ = granted_record(sid)
+    registry = ingress_map()
+    registry.merge({sid: honest})
+    forged = dict(honest, version=honest["version"] + 100, addr="10.6.6.6:7700")   # same seal, same grant
+    for bind_key in (b"k" * 32, crdt.Authority.ingress_binding(b"c" * 32)):       # keys a job can make
+        registry.merge({sid: crdt.bound(bind_key, sid, forged)})
+    registry.merge({sid: {k: v for k, v in forged.items() if k not in ("bind", "grant")}})   # unbound
+    assert registry.get(sid)["addr"] == "10.0.0.1:7700"
+    assert registry.refused["bind"] == 2 and registry.refused["unbound"] == 1
+
+
+def test_the_owner_refuses_a_record_of_its_own_session_it_did_not_write():
+    sid = "a" * 32
+    honest, key = granted_record(sid)
+    owner = crdt.GMap()
+    owner.binder = crdt.Binder()                     # a worker: no ingress secret
+    owner.binder.own[sid] = key
+    owner.put(sid, honest)
+    owner.merge({sid: crdt.bound(b"x" * 32, sid, dict(honest, version=99, addr="10.6.6.6:1"))})
+    assert owner.get(sid) == honest and owner.refused["forged_own"] == 1
+
+
+def test_a_grant_cannot_be_widened_nor_moved_to_another_session():
+    sid = "a" * 32
+    honest, key = granted_record(sid)
+    widened = dict(honest["grant"], models=["m1", "secret-model"])
+    registry = ingress_map()
+    assert registry.merge({sid: crdt.bound(key, sid, dict(honest, grant=widened))}) == []
+    assert registry.refused["grant"] == 1
+    other = "c" * 32          # the grant and its binding copied onto another session id
+    assert registry.merge({other: dict(honest)}) == [] and registry.refused["bind"] == 1
+
+
+def test_an_ingress_record_keeps_its_tier_and_binding():
+    sid = "d" * 32
+    ingress = {"owner": "ingress@login1", "state": crdt.SERVING, "version": 1, "started": NOW,
+               "role": "ingress", "gossip": "10.0.0.9:7946", "tier": TIER.proof(sid, "10.0.0.9:7946")}
+    ingress = crdt.bound(crdt.Authority.ingress_binding(TIER.secrets[0]), sid, ingress)
+    registry = ingress_map()
+    registry.merge({sid: ingress})
+    tierless = {k: v for k, v in ingress.items() if k not in ("tier", "bind")}
+    registry.merge({sid: dict(tierless, version=5)})
+    assert TIER.proven(sid, registry.get(sid)) and registry.refused["unbound"] == 1
+
+
+def test_an_eviction_is_another_members_write_and_needs_no_binding():
+    sid = "a" * 32
+    honest, _ = granted_record(sid)
+    registry = ingress_map()
+    registry.merge({sid: honest})
+    evicted = dict({k: v for k, v in honest.items() if k != "bind"}, state=crdt.LEFT, left_at=NOW + 9,
+                   evicted_by="e" * 32, evidence={"since": NOW, "grace": 5.0, "by": ["e" * 32]})
+    assert registry.merge({sid: evicted}) == [sid]
+
+
+def test_grant_refusal_names_expiry_and_revocation_of_the_grant_or_its_job():
+    grant, _ = TIER.issue(["m1"], {}, "4242", NOW + 60, NOW)
+    assert crdt.grant_refusal(grant, set(), NOW) is None
+    assert crdt.grant_refusal(grant, set(), NOW + 60) == "expired"
+    assert crdt.grant_refusal(grant, {grant["id"]}, NOW) == "revoked"
+    assert crdt.grant_refusal(grant, {"job-4242"}, NOW) == "revoked"
+
+
+def test_an_overlay_member_binds_every_write_of_its_own_and_a_forged_copy_does_not_survive_them():
+    import otela_node as on
+    config = on.Config(key=b"k" * 32, grant=granted_record()[0]["grant"])
+    config.grant_key = TIER.grant_key(config.grant)
+    overlay = on.Overlay(config, "f" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0, "started": NOW,
+                                          "models": ["m1"], "addr": "10.0.0.1:7700", "gossip": "10.0.0.1:7946"}, NOW)
+    forged = dict(overlay.record, version=50, addr="10.6.6.6:7700")
+    overlay.receive({"t": "r", "r": {"f" * 32: forged}}, "10.0.0.5:7946", NOW)
+    overlay.update(NOW + 1, models=["m1"])
+    mine = overlay.map.get("f" * 32)
+    assert mine["addr"] == "10.0.0.1:7700" and crdt.is_bound(config.grant_key, "f" * 32, mine)
+    registry = ingress_map()
+    assert registry.merge({"f" * 32: mine}) == ["f" * 32]
+
+
+# -- whole processes: an ingress, honest nodes, and an attacker with cluster.key alone -------------
+class Listener:
+    """An address the attacker owns: counts the connections that reach it."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+def send_forged(cluster: Cluster, records) -> None:
+    import attack_registry
+    attack_registry.send(cluster.key_file, f"127.0.0.1:{cluster.gossip}", [{sid: r} for sid, r in records.items()])
+
+
+def registry(cluster: Cluster):
+    return {s["session"]: s for s in json.loads(Client(cluster.url).request("GET", "/v1/registry")[2])["sessions"]}
+
+
+def metric(cluster: Cluster, name: str) -> float:
+    text = Client(cluster.url).request("GET", "/metrics")[2].decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(str(tmp_path))
+    yield c
+    c.close()
+
+
+def start_node(cluster: Cluster, name: str, granted: bool = True):
+    port = free_port()
+    cluster.node(name, f"{sys.executable} tests/fake_engine.py --model fm --port {port}", port, "fm",
+                 granted=granted)
+    return port
+
+
+def test_hijack_and_sybil_sessions_draw_no_request_and_are_counted(cluster):
+    start_node(cluster, "honest")
+    attacker = Listener()
+    try:
+        (sid, honest), = [(s, r) for s, r in registry(cluster).items() if r.get("role") == "worker"]
+        record = {k: v for k, v in honest.items()
+                  if k not in ("session", "suspected", "reach", "tunnel", "unrouted")}
+        record["state"] = crdt.SERVING
+        hijack = dict(record, version=record["version"] + 1000, addr=attacker.addr)
+        sybils = {crdt.new_session_id(): dict({k: v for k, v in record.items() if k not in ("grant", "bind", "seal")},
+                                              addr=attacker.addr, gossip=f"127.0.0.1:{free_port()}", started=time.time())
+                  for _ in range(20)}
+        send_forged(cluster, {sid: hijack, **sybils})
+        time.sleep(1.0)
+        client = Client(cluster.url, cluster.token)
+        statuses = [client.chat("fm")[0] for _ in range(40)]
+        client.close()
+        view = registry(cluster)
+        assert statuses == [200] * 40 and attacker.connections == 0
+        assert view[sid]["addr"] != attacker.addr
+        assert all(view[s].get("unrouted") == "ungranted" for s in sybils if s in view)
+        assert metric(cluster, 'otela_registry_refused_total{why="bind"}') >= 1
+    finally:
+        attacker.close()
+
+
+def test_an_ungranted_session_is_shown_apart_and_a_revoked_grant_stops_routing_within_a_second(cluster):
+    start_node(cluster, "ungranted", granted=False)
+    client = Client(cluster.url, cluster.token)
+    assert client.chat("fm")[0] == 404          # nothing granted serves it, nor ever did
+    start_node(cluster, "granted")
+    assert client.chat("fm")[0] == 200
+    reasons = sorted(s.get("unrouted", "") for s in registry(cluster).values() if s.get("role") == "worker")
+    assert reasons == ["", "ungranted"]
+    assert metric(cluster, 'otela_sessions_unrouted{reason="ungranted"}') == 1
+    revoked = subprocess.run([sys.executable, os.path.join(ROOT, "otela_ingress.py"), "grant", "revoke", "--job",
+                              "granted", "--db", cluster.db], capture_output=True, text=True, timeout=60)
+    assert revoked.returncode == 0, revoked.stderr
+    start, status = time.monotonic(), 200
+    while status == 200 and time.monotonic() - start < 5.0:
+        status, _, body = client.chat("fm")
+    took = time.monotonic() - start
+    assert status == 503 and json.loads(body)["error"]["code"] == "no_healthy_provider", body
+    assert took < 2.0       # (a bound, not a measure: the poll is 0.25 s, the sweep 1 s)
+    client.close()
+
+
+def test_grant_cli_refuses_bad_input_in_one_line(tmp_path):
+    subprocess.run([sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=60)
+    cli = [sys.executable, os.path.join(ROOT, "otela_ingress.py"), "grant"]
+    for argv, words in ((["--key-file", str(tmp_path / "cluster.key")], "--model"),
+                        (["--model", "m"], "ingress secret"),
+                        (["revoke", "nothex"], "grant id"),
+                        (["revoke", "--job", "1", "--db", str(tmp_path / "none.sqlite")], "no such database")):
+        done = subprocess.run(cli + argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    out = tmp_path / "job.grant"
+    done = subprocess.run(cli + ["--key-file", str(tmp_path / "cluster.key"), "--model", "m", "--label", "a=b",
+                                 "--until", "2h", "--job", "77", "--out", str(out)], capture_output=True, timeout=60)
+    assert done.returncode == 0 and oct(out.stat().st_mode & 0o777) == "0o600"
+    grant = json.loads(out.read_text())["grant"]
+    assert grant["models"] == ["m"] and grant["labels"] == {"a": "b"} and grant["job"] == "77"
