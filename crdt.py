@@ -255,7 +255,7 @@ def validate(session_id: Any, record: Any) -> bytes:
     for field in ("count", "memory_gb"):
         if field in hardware and (not _is_number(hardware[field]) or hardware[field] < 0):
             raise RecordError(f"session {session_id}: hardware.{field} must be a number >= 0")
-    for field in ("capacity", "left_at"):
+    for field in ("capacity", "left_at", "ends_at"):
         if field in record and not _is_number(record[field]):
             raise RecordError(f"session {session_id}: {field} must be a finite number")
     if state == LEFT and "left_at" not in record:

@@ -1221,6 +1221,9 @@ GRANT_POLL_S = 0.25          # the --db's revocations read this often: seen at e
                              # second (a poll is one PRAGMA; a change, one small SELECT)
 RECENTLY_SERVED_S = 600.0    # a model served this recently is absent, not unknown: 503 and
                              # Retry-After while no session of it is reachable, never 404
+ENDING_S = 120.0             # no new request to a session this close to its job's end (ends_at) while
+                             # another serves: a stream started then (~3,600 tokens at 30/s) ends
+                             # before Slurm's SIGTERM and the node's drain
 UNGRANTED_REASONS = ("ungranted", "expired", "revoked", "grant_reused", "not_granted")
 
 
@@ -4001,6 +4004,12 @@ class Ingress:
                                 "model_not_found", "model")
             raise HTTPError(503, f"No healthy provider serves '{model}' right now",
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        # A session inside its job's last minutes (its record's ends_at) gets nothing new while
+        # another can serve: its successor, started ahead by the placer, takes over without a gap.
+        ending = time.time() + ENDING_S
+        if any(c.record.get("ends_at", math.inf) < ending for c in result) and \
+                not all(c.record.get("ends_at", math.inf) < ending for c in result):
+            result = [c for c in result if c.record.get("ends_at", math.inf) >= ending]
         if len(self._candidates) > 4096:   # bounded: models x allowlists in use
             self._candidates = {}
         self._candidates[cache_key] = (now, result)

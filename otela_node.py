@@ -371,6 +371,19 @@ def load_key(path: str) -> bytes:
     return load_secrets(path)[0]
 
 
+def job_end(env: Dict[str, str], grant: Optional[Dict[str, Any]]) -> Optional[float]:
+    """When this job ends (unix time): Slurm's SLURM_JOB_END_TIME (set in jobs by Slurm 23.02 and
+    later), or its grant's end, whichever comes first; None when neither says."""
+    ends = []
+    try:
+        ends.append(float(env["SLURM_JOB_END_TIME"]))
+    except (KeyError, ValueError):
+        pass
+    if grant is not None:
+        ends.append(float(grant["until"]))
+    return min(ends) if ends else None
+
+
 def load_grant(path: str) -> Tuple[Dict[str, Any], bytes]:
     """This job's grant and its key, from the file `otela_ingress.py grant` wrote (a JSON object
     {"grant": {...}, "key": "<64 hex>"}); refuses a file others can read, as a key file."""
@@ -5603,6 +5616,9 @@ class Node:
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
                   "hardware": self.hardware, "labels": self.labels, "code_hash": code_hash(self.role),
                   "relaying": bool(cfg.relay)}
+        ends = job_end(os.environ, cfg.grant)
+        if ends is not None:                        # the ingress sends nothing new in its last minutes
+            record["ends_at"] = ends
         checks_reach = (cfg.reach == "private" and self.role != "relay") or \
             (self.role not in SEED_ROLES and cfg.reach == "auto" and bool(cfg.bootstrap))
         if checks_reach:                            # rule 8: no relaying offered before we are dialable

@@ -16,10 +16,10 @@ import threading
 import time
 
 import pytest
-
-import crdt
 from fake_engine import free_port
 from test_ingress_support import Client, Cluster
+
+import crdt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -238,3 +238,30 @@ def test_grant_cli_refuses_bad_input_in_one_line(tmp_path):
     assert done.returncode == 0 and oct(out.stat().st_mode & 0o777) == "0o600"
     grant = json.loads(out.read_text())["grant"]
     assert grant["models"] == ["m"] and grant["labels"] == {"a": "b"} and grant["job"] == "77"
+
+
+# -- absences and job ends, on a stand-in registry (conftest's stack) ------------------------------
+def test_a_session_in_its_jobs_last_minutes_gets_nothing_new_while_another_serves(stack):
+    ending, old = stack.engine("m1")
+    _, fresh = stack.engine("m1")
+
+    def end_soon():
+        record = stack.node.registry.get(ending)
+        stack.node._versions[ending] += 1
+        record.update(version=stack.node._versions[ending], ends_at=time.time() + 30)
+        stack.node.registry.put(ending, record)
+        stack.node._changed(ending)
+    stack.call(end_soon)
+    client = Client(stack.url, stack.key())
+    assert [client.chat("m1")[0] for _ in range(10)] == [200] * 10
+    assert old.requests == 0 and fresh.requests == 10
+
+
+def test_a_model_served_minutes_ago_is_absent_not_unknown(stack):
+    sid, _ = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    assert client.chat("m1")[0] == 200
+    stack.call(stack.node.set_state, sid, crdt.LEFT)
+    status, headers, body = client.chat("m1")
+    assert status == 503 and headers.get("retry-after") and json.loads(body)["error"]["code"] == "no_healthy_provider"
+    assert client.chat("never-served")[0] == 404
