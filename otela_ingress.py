@@ -1677,7 +1677,9 @@ class TTFTPolicy(Policy):
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
-        key = getattr(getattr(ingress.node, "config", None), "key", None)
+        config = getattr(ingress.node, "config", None)   # the ingress tier's secret: nodes cannot hash
+        tier = getattr(config, "ingress_keys", None)      # prompts as the ingresses do (see prefix_line)
+        key = tier[0] if tier else getattr(config, "key", None)
         self.key = otela_node.prefix_key(key if isinstance(key, bytes) else secrets.token_bytes(32))
 
     def _engine(self, candidate: Candidate, model: str) -> EngineEstimate:
@@ -2399,6 +2401,18 @@ class Upstream:
             transport.abort()
 
 
+def prefix_line(routed: Optional[RoutedRequest]) -> bytes:
+    """The header telling a node which prompt prefixes its engine is sent (otela_node.PREFIX_HEADER):
+    the anchors of the prompt's chain as the ingresses hash it (a key of the ingress tier: a compute
+    job cannot compute another application's anchors, it only hears of the prompts it is sent)."""
+    memo = getattr(routed, "memo", None)
+    chain = getattr(memo, "chain", None)
+    if not chain:
+        return b""
+    return b"%s: %s\r\n" % (otela_node.PREFIX_HEADER, otela_node.encode_prefixes(
+        otela_node.prefix_anchors(chain)).encode())
+
+
 class UpstreamPool:
     """Kept-alive connections per provider address, and the writer of the requests sent on them."""
 
@@ -2449,16 +2463,18 @@ class UpstreamPool:
         self.active.add(up)
         return up
 
-    def send_request(self, up: Upstream, path: bytes, stream: bool, body: bytes) -> Optional[UpstreamFailure]:
-        """Send a request on `up`; the failure (the connection discarded) when it could not go."""
+    def send_request(self, up: Upstream, path: bytes, stream: bool, body: bytes,
+                     routed: Optional[RoutedRequest] = None) -> Optional[UpstreamFailure]:
+        """Send a request on `up`; the failure (the connection discarded) when it could not go.
+        `routed`: its prompt's prefix anchors, when the policy hashed it, go with it (PREFIX_HEADER)."""
         try:
-            up.send(self._request_head(path, up.addr, stream, body) + body)
+            up.send(self._request_head(path, up.addr, stream, body, prefix_line(routed)) + body)
         except UpstreamFailure as exc:
             self.discard(up)
             return exc
         return None
 
-    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes) -> bytes:
+    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes, extra: bytes = b"") -> bytes:
         """The head of a request upstream: the same but for its length per (path, session,
         streaming), so it is formatted once (bounded: routes x sessions in use)."""
         frame = self._request_heads.get((path, addr, stream))
@@ -2468,8 +2484,8 @@ class UpstreamPool:
             frame = self._request_heads[(path, addr, stream)] = (
                 b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
                 % (path, addr.encode()),
-                b"\r\n" + self.tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
-        return b"%s%d%s" % (frame[0], len(body), frame[1])
+                self.tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
+        return b"%s%d\r\n%s%s" % (frame[0], len(body), extra, frame[1])
 
     def retire(self, addr: str) -> None:
         """A better path to addr appeared (a punched tunnel, otela_node's relay rule 5): its idle
@@ -3536,7 +3552,7 @@ class _Exchange:
             self.client.internal_error(exc)
 
     def _send_on(self, candidate: Candidate, up: Upstream) -> None:
-        failure = self.ingress.pool.send_request(up, self.path, self.routed.stream, self.body)
+        failure = self.ingress.pool.send_request(up, self.path, self.routed.stream, self.body, self.routed)
         if failure is None:
             return self.sent_on(candidate, up)
         if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
@@ -4181,7 +4197,7 @@ class Ingress:
                 client.tag(fields)
             raise
         up = self.pool.take_idle(candidate.addr)
-        if up is not None and self.pool.send_request(up, path, routed.stream, body) is not None:
+        if up is not None and self.pool.send_request(up, path, routed.stream, body, routed) is not None:
             up = None   # a pooled connection closed under us: a fresh one, no failure
         if tag:
             client.tag(fields)

@@ -123,6 +123,7 @@ DEFAULT_GOSSIP = "127.0.0.1:7946"   # UDP gossip (and TCP on the same port for b
 INGRESS_GOSSIP = "0.0.0.0:7946"     # the ingress is what nodes on other hosts bootstrap to: it
                                     # gossips on every interface unless told otherwise
 TUNNEL_HEADER = "x-otela-tunnel"
+PREFIX_HEADER = b"x-otela-prefix"   # the prompt's prefix anchors as the ingress hashed them (PrefixSummary)
 
 
 @dataclasses.dataclass
@@ -2702,7 +2703,7 @@ class Tunnel:
         self.node, self.spawn, self.refused = node, spawn, refused
         self.credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
                             for k in [config.key] + config.accept_keys]   # rotation: any key's
-        self.not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode()}   # the engine never sees these
+        self.not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode(), PREFIX_HEADER}   # the engine never sees these
         self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
         self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # connections opened
@@ -2999,7 +3000,10 @@ class Tunnel:
         node = self.node
         engine, watch = node.engine, None
         if method == b"POST" and node.prefixes is not None:
-            node.prefixes.add(body)
+            for name, value in headers:
+                if name == PREFIX_HEADER:
+                    node.prefixes.add(list(decode_prefixes(value.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
+                    break
             watch = _AnswerWatch()
         head = request_head(method, target, engine.host_header, len(body), headers, self.not_forwarded)
         head.append(body)
@@ -5479,7 +5483,7 @@ class Node:
         self.draining = False
         self.inflight = 0
         # what the engine was sent, published as `prefixes` (the ingresses' routing; a worker's)
-        self.prefixes = PrefixSummary(prefix_key(config.key)) if self.engine is not None else None
+        self.prefixes = PrefixSummary() if self.engine is not None else None
         self.speed = EngineSpeed() if self.engine is not None else None   # published as `speed`
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -5971,11 +5975,14 @@ def _fetch_text(url: str) -> str:
 # their first i+1 blocks: the part an engine's prefix cache can reuse. The ingress's `ttft`
 # policy matches a request's chain against what it sent where; a node publishes the hashes of
 # what its engine was sent (PrefixSummary), so every ingress sees traffic it did not route. The
-# hashes are keyed by the cluster key: a reader of the registry without it cannot test a guessed
-# prompt against them.
+# hashes are keyed by the ingress tier's secret (the cluster key where there is none), and the
+# ingress sends a node each prompt's anchors with it (PREFIX_HEADER): a compute job learns the
+# anchors of the prompts it is sent, and cannot compute those of a prompt it never saw (an
+# application's system prompt) to claim it; a reader of the registry cannot test a guessed prompt.
 PREFIX_BLOCK_CHARS = 256      # about 50-64 tokens: a few of vLLM's 16-token blocks
 PREFIX_MAX_BLOCKS = 1024      # 256 KiB of prompt: deeper than that, no more hashes
 PREFIX_HASH_BYTES = 8
+PREFIX_MAX_ANCHORS = 12       # a chain's anchors: depths 1, 2, 4, ..., 1024 and its end
 PREFIX_PUBLISHED = 64         # hashes a node publishes in its record (each 11 characters)
 PREFIX_REMEMBERED = 4096      # ... chosen among this many it remembers
 ANSWER_TAIL = 1024            # the bytes of an answer's end a node keeps (its usage is there)
@@ -6032,7 +6039,7 @@ def _count_after(body: bytes, key: bytes, pattern: re.Pattern, at: int) -> int:
 
 
 def prefix_key(key: bytes) -> bytes:
-    """The key of the prefix hashes, from the cluster key (any holder derives the same)."""
+    """The key of the prefix hashes, from the ingress tier's secret (every ingress derives the same)."""
     return hmac.new(key, b"prompt prefix", hashlib.sha256).digest()[:32]
 
 
@@ -6233,30 +6240,21 @@ class PrefixSummary:
     turn ended, as it does for its own traffic). Bounded: PREFIX_REMEMBERED anchors and ends,
     least recently seen dropped first."""
 
-    def __init__(self, key: bytes):
-        self.key = key
+    def __init__(self):
         self.seen: collections.OrderedDict[bytes, int] = collections.OrderedDict()   # anchor -> count
         self.ends: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # prompts' last
         self.changed = False
 
-    def add(self, body: bytes) -> None:
-        """A request forwarded to the engine (its JSON body; anything else is ignored)."""
-        if not body.startswith(b"{"):
-            return
-        try:
-            request = crdt.loads(body)
-        except (ValueError, RecursionError):
-            return
-        if not isinstance(request, dict):
-            return
-        chain = prompt_chain(prompt_text(request), self.key)
-        if not chain:
+    def add(self, anchors: List[bytes]) -> None:
+        """A request forwarded to the engine: its prompt's anchors (prefix_anchors, the last one
+        where it ends), as the ingress that sent it hashed them (PREFIX_HEADER)."""
+        if not anchors:
             return
         seen, ends = self.seen, self.ends
-        for anchor in prefix_anchors(chain):
+        for anchor in anchors:
             seen[anchor] = seen.pop(anchor, 0) + 1
-        ends.pop(chain[-1], None)
-        ends[chain[-1]] = None
+        ends.pop(anchors[-1], None)
+        ends[anchors[-1]] = None
         self.changed = True
         while len(seen) > PREFIX_REMEMBERED:
             seen.popitem(last=False)

@@ -113,21 +113,24 @@ def test_anchors_and_published_prefixes_match_the_deepest_anchor_and_whether_a_p
     assert len(published.sessions) <= 3 and len(published.where) <= 3 * PREFIX_PUBLISHED
 
 
+def sent(summary: PrefixSummary, request) -> None:
+    """A request forwarded to the node's engine, with the anchors its ingress hashed (PREFIX_HEADER)."""
+    summary.add(prefix_anchors(prompt_chain(prompt_text(request), KEY)))
+
+
 def test_decode_prefixes_refuses_what_is_not_a_summary():
     assert decode_prefixes(None) == {} and decode_prefixes(7) == {} and decode_prefixes("%%%") == {}
     assert decode_prefixes("A" * 10_000) == {}
 
 
 def test_summary_publishes_shared_prefixes_and_the_latest_ends_and_fits_a_record():
-    summary = PrefixSummary(KEY)
+    summary = PrefixSummary()
     systems = [words(400, 10 + g) for g in range(3)]
     for g, system in enumerate(systems):
         for i in range(4):
-            summary.add(crdt.dumps(chat(system, words(60, 1000 * g + i))))
+            sent(summary, chat(system, words(60, 1000 * g + i)))
     for i in range(200):   # one-off prompts after: they do not push the shared ones out
-        summary.add(crdt.dumps(chat(words(300, 5000 + i), "q")))
-    summary.add(b"not json")
-    summary.add(b"[1, 2]")
+        sent(summary, chat(words(300, 5000 + i), "q"))
     text, ends = summary.published()
     published = PublishedPrefixes(limit=8)
     published.update("s", {"prefixes": text, "prefix_ends": ends})
@@ -149,11 +152,11 @@ def test_summary_publishes_shared_prefixes_and_the_latest_ends_and_fits_a_record
 def test_summary_publishes_where_each_conversation_ended_last():
     """Chats: every turn's end goes first, so another ingress continues each chat where its last
     turn went, not where the chat began."""
-    summary = PrefixSummary(KEY)
+    summary = PrefixSummary()
     chats = [[{"role": "user", "content": words(120, 900 + c)}] for c in range(20)]
     for turn in range(3):
         for c, messages in enumerate(chats):
-            summary.add(crdt.dumps({"model": "m", "messages": messages}))
+            sent(summary, {"model": "m", "messages": messages})
             messages += [{"role": "assistant", "content": words(120, 5000 + 100 * c + turn)},
                          {"role": "user", "content": words(120, 7000 + 100 * c + turn)}]
     text, ends = summary.published()
@@ -367,8 +370,8 @@ def test_a_conversation_continues_where_another_ingress_sent_its_last_turn():
     first = serve(policy, candidates, {"model": "m", "messages": list(messages)})
     messages += [{"role": "assistant", "content": words(120, 32)}, {"role": "user", "content": words(120, 33)}]
     there = next(c.session for c in candidates if c.session != first.session)
-    summary = PrefixSummary(KEY)
-    summary.add(crdt.dumps({"model": "m", "messages": list(messages)}))   # turn 2, by the other ingress
+    summary = PrefixSummary()
+    sent(summary, {"model": "m", "messages": list(messages)})   # turn 2, by the other ingress
     text, ends = summary.published()
     registry[there] = dict(registry[there], prefixes=text, prefix_ends=ends, load=1)
     messages += [{"role": "assistant", "content": words(120, 34)}, {"role": "user", "content": words(120, 35)}]
@@ -393,9 +396,9 @@ def test_other_ingresses_requests_weigh_as_this_ingresss_do():
 def test_a_worker_over_the_record_bound_publishes_fewer_prefixes_and_ends_among_them():
     import asyncio
 
-    summary = PrefixSummary(KEY)
+    summary = PrefixSummary()
     for i in range(100):
-        summary.add(crdt.dumps(chat(words(300, 700 + i), "q")))
+        sent(summary, chat(words(300, 700 + i), "q"))
 
     class Worker:   # what publish_engine_view reads of a Node; its record takes 20 hashes at most
         overlay = type("Overlay", (), {"record": {"state": crdt.SERVING}})()

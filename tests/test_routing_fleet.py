@@ -75,8 +75,9 @@ def test_prefixes_stay_home_and_the_nodes_publish_them(fleet):
     assert all(len(h) == 1 for h in homes.values()), homes
     assert cached > 0   # the third round hit the cache its first round filled
 
-    # each home node publishes the prefixes it was sent (keyed by the cluster key)
-    key = otela_node.prefix_key(otela_node.load_key(fleet.key_file))
+    # each home node publishes the prefixes it was sent (keyed by the ingress tier's secret)
+    tier = os.path.join(os.path.dirname(fleet.key_file), otela_node.KEY_FILES["ingress"])
+    key = otela_node.prefix_key(otela_node.load_secrets(tier, "ingress key")[0])
     for g, system in enumerate(systems):
         chain = otela_node.prompt_chain(otela_node.prompt_text(
             {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}]}), key)
