@@ -1221,6 +1221,8 @@ GRANT_POLL_S = 0.25          # the --db's revocations read this often: seen at e
                              # second (a poll is one PRAGMA; a change, one small SELECT)
 RECENTLY_SERVED_S = 600.0    # a model served this recently is absent, not unknown: 503 and
                              # Retry-After while no session of it is reachable, never 404
+DOUBT_S = 15.0               # an eviction of a session that answered here within this is doubted for
+                             # as long: an evicted live node rejoins as a new session within a second
 ENDING_S = 120.0             # no new request to a session this close to its job's end (ends_at) while
                              # another serves: a stream started then (~3,600 tokens at 30/s) ends
                              # before Slurm's SIGTERM and the node's drain
@@ -1895,6 +1897,7 @@ class PassiveHealth:
         self.backoff: Dict[str, float] = {}
         self.sick_until: Dict[str, float] = {}
         self.paths: Dict[str, str] = {}   # session -> the address its failures were on
+        self.answered: Dict[str, float] = {}   # session -> when it last answered here (monotonic)
 
     def failed(self, session: str, now: float, path: str = "") -> None:
         if self.paths.get(session, path) != path:   # the first failure on a new path
@@ -1908,7 +1911,11 @@ class PassiveHealth:
             self.backoff[session] = backoff
             self.sick_until[session] = now + backoff
 
-    def succeeded(self, session: str) -> None:
+    def succeeded(self, session: str, now: Optional[float] = None) -> None:
+        if now is not None:
+            if len(self.answered) >= 65536:   # bounded: sessions that answered lately
+                self.answered.clear()
+            self.answered[session] = now
         if session in self.failures:
             del self.failures[session]
             self.backoff.pop(session, None)
@@ -3450,7 +3457,7 @@ class _Exchange:
             self.account(now)
         candidate = self.candidate
         if attempt_open and health == "succeeded":
-            ingress.health.succeeded(candidate.session)
+            ingress.health.succeeded(candidate.session, now)
         elif attempt_open and health == "failed":
             ingress.health.failed(candidate.session, now, candidate.addr)
         if blame_refused:   # it refused what another session served, or all failed
@@ -3830,6 +3837,9 @@ class Ingress:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
+        self._owned: Dict[str, Dict[str, Any]] = {}   # worker session -> its owner's last routable record
+        self._doubted: Dict[str, Tuple[Dict[str, Any], float]] = {}   # evicted, still routed: see _doubt
+        self.doubted_total = 0
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -3918,6 +3928,7 @@ class Ingress:
             self.cluster.on_entry(sid, record)
             return
         self.grants.seen(sid, record)
+        self._doubt(sid, record)
         if sid != self.node.session_id:   # a peer's record: the registry is a peer's view now
             self._warm_until = 0.0
         if record is not None and sid in self.health.paths:   # a new path: its failures are past
@@ -3961,6 +3972,35 @@ class Ingress:
             if db is not None:
                 db.close()
 
+    def _doubt(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
+        """An eviction of a session that answered here moments ago is doubted: the session keeps
+        its requests at this ingress (as its owner last wrote it) for DOUBT_S, or until its owner
+        serves again as a new session. Anyone holding the cluster key can evict with made-up
+        evidence; a session that really died fails its next requests, which are retried, and sits
+        out (PassiveHealth)."""
+        if record is None or record.get("role", "worker") != "worker":
+            self._owned.pop(sid, None)
+            return
+        if record["state"] in crdt.ROUTABLE:
+            if len(self._owned) >= MAX_SIGNATURES:
+                self._owned.clear()
+            self._owned[sid] = record
+            return
+        owned = self._owned.pop(sid, None)
+        now = time.monotonic()
+        if owned is not None and record.get("evicted_by") and "unseal" not in record \
+                and now - self.health.answered.get(sid, -math.inf) < DOUBT_S:
+            self._doubted[sid] = (owned, now + DOUBT_S)
+            self.doubted_total += 1
+            print(f"otela-ingress: eviction of {sid} by {record['evicted_by']} doubted: it answered here "
+                  f"{now - self.health.answered[sid]:.1f} s ago", file=sys.stderr)
+
+    def doubted(self, now: float) -> Dict[str, Dict[str, Any]]:
+        """Evicted sessions still routed here (see _doubt): session -> its owner's last record."""
+        for sid in [s for s, (_, until) in self._doubted.items() if now >= until]:
+            del self._doubted[sid]
+        return {sid: owned for sid, (owned, _) in self._doubted.items()}
+
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
@@ -3991,7 +4031,9 @@ class Ingress:
         grants = self.grants
         found = known = False
         result = []
+        doubted = self.doubted(now) if self._doubted else {}
         for sid, record in node.registry.items():
+            record = doubted.get(sid, record)
             if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()) \
                     or model not in grants.models(record):
                 continue                    # (an ungranted session's models: as if never said)
@@ -4430,6 +4472,9 @@ class Ingress:
                                    ledger.failed_commits if ledger is not None else 0,
                                    ledger.pending() if ledger is not None else 0)
         body += overlay_metrics(self.node) + routing_metrics(self.routing_stats())
+        body += (f"# HELP otela_evictions_doubted_total Evictions of sessions that had answered here moments "
+                 f"before, not believed for {DOUBT_S:g} s.\n# TYPE otela_evictions_doubted_total counter\n"
+                 f"otela_evictions_doubted_total {self.doubted_total}\n").encode()
         unrouted = collections.Counter(self.unrouted().values())
         body += ("# HELP otela_sessions_unrouted Live sessions routed nothing because of their grant, by reason.\n"
                  "# TYPE otela_sessions_unrouted gauge\n" + "".join(

@@ -265,3 +265,19 @@ def test_a_model_served_minutes_ago_is_absent_not_unknown(stack):
     status, headers, body = client.chat("m1")
     assert status == 503 and headers.get("retry-after") and json.loads(body)["error"]["code"] == "no_healthy_provider"
     assert client.chat("never-served")[0] == 404
+
+
+def test_an_eviction_of_a_session_that_just_answered_is_doubted_and_it_keeps_serving(stack):
+    sid, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    assert client.chat("m1")[0] == 200
+
+    def evict():     # made-up evidence, as any holder of cluster.key can write
+        record = stack.node.registry.get(sid)
+        record.update(state=crdt.LEFT, version=record["version"] + 1, left_at=time.time(), evicted_by="e" * 32,
+                      evidence={"since": time.time() - 5, "grace": 3.0, "by": ["e" * 32]})
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(evict)
+    assert [client.chat("m1")[0] for _ in range(5)] == [200] * 5 and engine.requests == 6
+    assert stack.call(lambda: stack.ingress.doubted_total) == 1
