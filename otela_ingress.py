@@ -395,10 +395,10 @@ def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: flo
 
 
 def parse_expiry(text: str, now: float) -> float:
-    """An expiry: a duration from now ("30d", "12h", "90m") or a UTC date or time
+    """An expiry: a duration from now ("30d", "12h", "90m", "45s") or a UTC date or time
     ("2027-01-31", "2027-01-31T12:00"); a unix time for the record."""
     text = text.strip()
-    units = {"d": 86400.0, "h": 3600.0, "m": 60.0}
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
     if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
         return now + float(text[:-1]) * units[text[-1]]
     for fmt in ("%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M:%S"):

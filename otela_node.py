@@ -158,6 +158,8 @@ class Config:
     suspicion_hold_max: float = 600.0  # a member that sees most of the cluster suspected is likely
                                     # on the small side of a partition (or sick): it evicts nobody
                                     # until it sees a majority again or this long has passed
+    suspicion_hold_unreached: float = 60.0  # ... but one that never answered us (forged, or met only
+                                    # across the split) at most a minute: a live one evicted rejoins
 
     # -- dissemination --
     gossip_fanout: int = 4          # peers per push: with push-on-first-receipt, a fraction
@@ -881,10 +883,14 @@ class FailureDetector:
 
     def _evict(self, sid: str, now: float) -> List[Out]:
         sus = self.suspects[sid]
-        if self._partitioned(now) and now - sus.since < self.cfg.suspicion_hold_max:
+        hold = self.cfg.suspicion_hold_max if sid in self.slow else self.cfg.suspicion_hold_unreached
+        if self._partitioned(now) and now - sus.since < hold:
             # A quarter of the cluster unreachable at once (and at least 3 members) is far
             # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
             # nobody, so the halves merge again without losing the sessions alive on each.
+            # A member that never answered a probe of ours is held for less (forged sessions
+            # gossiped by a holder of the cluster key at addresses that never answer would
+            # otherwise hold themselves, and each other, in the map for the whole hold).
             sus.held = True
             sus.deadline = now + self.cfg.probe_interval
             return []

@@ -142,12 +142,16 @@ class Fleet:
         self.close(grace=15.0 if failed is None else 2.0)   # interrupted: no waiting on drains
 
     # -- starting ----------------------------------------------------------------------------
-    def ingress(self, place: Place = LOOPBACK, policy: str = "least_loaded", name: str = "ingress") -> Member:
-        """`otela_ingress.py serve` without --bootstrap (the README's set-up); waits for /healthz."""
+    def ingress(self, place: Place = LOOPBACK, policy: str = "least_loaded", name: str = "ingress",
+                bootstrap: Tuple[str, ...] = (), db: Optional[str] = None) -> Member:
+        """`otela_ingress.py serve` (without --bootstrap: the README's set-up; a second ingress
+        bootstraps to the first and keeps its own `db`); waits for /healthz."""
         listen = f"{place.host}:{place.port(8080)}"
         gossip = f"{place.host}:{place.port(7946)}"
         argv = [PY, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", self.key_file,
-                "--listen", listen, "--gossip", gossip, "--db", self.db, "--policy", policy]
+                "--listen", listen, "--gossip", gossip, "--db", db or self.db, "--policy", policy]
+        for addr in bootstrap:
+            argv += ["--bootstrap", addr]
         member = Member(name, "ingress", place, argv, listen, gossip)
         self.members.append(member)
         self.start(member)
