@@ -656,11 +656,11 @@ LATER = "later"                     # _changed(push=LATER): queue for one retran
 
 
 class Suspicion:
-    __slots__ = ("version", "since", "confirmers", "deadline", "held")
+    __slots__ = ("version", "since", "began", "confirmers", "deadline", "held")
 
     def __init__(self, version: int, since: float, by: str):
         self.version = version
-        self.since = since
+        self.since = self.began = since             # (since restarts after a hold; began never)
         self.confirmers = {by}
         self.deadline = math.inf
         self.held = False                           # eviction held back (see FailureDetector._evict)
@@ -884,7 +884,7 @@ class FailureDetector:
     def _evict(self, sid: str, now: float) -> List[Out]:
         sus = self.suspects[sid]
         hold = self.cfg.suspicion_hold_max if sid in self.slow else self.cfg.suspicion_hold_unreached
-        if self._partitioned(now) and now - sus.since < hold:
+        if self._partitioned(now) and now - sus.began < hold:
             # A quarter of the cluster unreachable at once (and at least 3 members) is far
             # likelier a partition than independent failures. Hold the suspicion (a suspected session is not routed) and evict
             # nobody, so the halves merge again without losing the sessions alive on each.
