@@ -90,6 +90,30 @@ def test_records_from_a_member_holding_only_the_cluster_key_are_never_applied_at
         assert ingress.refused["unsigned"] >= 8
 
 
+def test_a_peer_ingress_usage_slot_claiming_more_than_a_context_window_a_request_is_refused():
+    # signed by the tier (an ingress of an older release booked an engine's 10^15 as given): still
+    # no slot may say a request used more than crdt.MAX_REQUEST_TOKENS tokens either way
+    net, ins, _ = fleet(workers=0, ingresses=2)
+    authority = crdt.Authority([TIER])
+    day = crdt.time_day(net.now)
+
+    def slot(name, requests, prompt, completion):
+        entry = crdt.usage_entry("ab" * 32, crdt.ALL_MODELS, day, name)
+        return entry, authority.sign(entry, crdt.usage_record("ab" * 32, crdt.ALL_MODELS, day, name, 1, requests,
+                                                              prompt, completion))
+
+    absurd = [slot("s1", 1, 10**15, 0), slot("s2", 1, 0, 10**15),
+              slot("s3", 2, 2 * crdt.MAX_REQUEST_TOKENS + 1, 0)]
+    for entry, record in absurd:   # the node counts the message malformed and drops it
+        with pytest.raises(crdt.RecordError, match="a request"):
+            ins[1].receive({"t": "r", "r": {entry: record}}, ins[0].addr, net.now)
+    honest = slot("s4", 2, 2 * crdt.MAX_REQUEST_TOKENS, 5)    # two requests at the bound: believed
+    net.send(ins[0].addr, [on.Out(ins[1].addr, {"t": "r", "r": {honest[0]: honest[1]}}, False)])
+    net.run(1.0)
+    assert [entry in ins[1].map for entry, _ in absurd] == [False, False, False]
+    assert ins[1].map.get(honest[0])["prompt_tokens"] == 2 * crdt.MAX_REQUEST_TOKENS
+
+
 def test_a_worker_claiming_to_be_an_ingress_gets_no_keys_or_usage():
     net, ins, ws = fleet(workers=1, ingresses=1)
     key_write(ins[0], net)
