@@ -14,7 +14,10 @@ The sections, in file order, and what each holds:
 
     config               every limit and timing default, with the reason for the number
     error bodies         OpenAI's error JSON; HTTPError, the one way a request is refused
+    request validation   paths in normal form (normal_path), and the types of what the ingress reads
     keys, usage ledger   Key (hashed, with its rate bucket), Ledger (a journal file, then SQLite)
+    engine numbers       an answer's token counts bounded by what the ingress saw (prompt_bound,
+                         completion_cap; _Exchange.bound_usage books them)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
@@ -122,7 +125,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, unquote_to_bytes
 
 try:
     import h11
@@ -254,6 +257,24 @@ class HTTPError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = list(headers)
         self.etype = etype
+
+
+# ---------------------------------------------------------------------------------------------
+# Request validation: what is refused before anything is routed (beyond the JSON and the model)
+# ---------------------------------------------------------------------------------------------
+_JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array"}
+# A path that names another route once decoded and resolved ("/v1/../x", "/v1/%2e%2e/x",
+# "//v1/x", "/v1/./models", "\\"): an engine (or a proxy in front of it) that resolves it
+# would serve a route other than the one the ingress checked, such as an engine's admin routes
+# beside /v1. Refused with 400 before anything is routed.
+_ODD_PATH = re.compile(rb"//|\\|/\.\.?(?:/|$)|[\x00-\x20\x7f]")
+
+
+def normal_path(path: bytes) -> bool:
+    """Whether a request path is in normal form, as sent and percent-decoded."""
+    if _ODD_PATH.search(path):
+        return False
+    return b"%" not in path or _ODD_PATH.search(unquote_to_bytes(path)) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4028,6 +4049,9 @@ class Ingress:
         GET endpoint. Raises HTTPError for the client."""
         path, _, query = request.target.partition(b"?")
         method, fields = request.method, request.fields
+        if not normal_path(path):
+            raise HTTPError(400, f"The path {path.decode('utf-8', 'replace')!r} is not in normal form (no '.' or "
+                                 "'..' segment, no '//', no '\\', encoded or not)", "invalid_path")
         if method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
             client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
@@ -4121,11 +4145,14 @@ class Ingress:
         model = request.get("model")
         if not isinstance(model, str) or not model:
             raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        options = request.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise HTTPError(400, f"Invalid type for 'stream_options': expected an object, but got "
+                                 f"{_JSON_TYPES.get(type(options), 'a value')} instead.", "invalid_type", "stream_options")
         stream = request.get("stream") is True and path in STREAMABLE_PATHS
         strip_usage = False
         candidates = None
         if stream:
-            options = request.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 strip_usage = True
                 if options is None and "stream_options" not in request:

@@ -510,10 +510,12 @@ def broken_engine(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def odd_requests(args: argparse.Namespace) -> Dict[str, Any]:
-    """HEAD on every path, a query that is not UTF-8, a deeply nested JSON body: each its 4xx
-    (or the GET answer without a body), never a 500 or a dropped connection."""
-    name = "HEAD, %ff, nested JSON"
+    """HEAD on every path, a query that is not UTF-8, a deeply nested JSON body, paths that resolve
+    elsewhere, a stream_options that is not an object: each its 4xx (or the GET answer without a
+    body), never a 500, a dropped connection or a request at an engine."""
+    name = "HEAD, %ff, nested JSON, /v1/../x, stream_options"
     nested = b"[" * 100000 + b"]" * 100000
+    odd_options = json.dumps({"model": rel.MODEL, "messages": [], "stream": True, "stream_options": "yes"}).encode()
     cases = {
         "HEAD /healthz": (head("HEAD", "/healthz", None), 200),
         "HEAD /v1/models": (head("HEAD", "/v1/models", "TOKEN"), 200),
@@ -521,6 +523,11 @@ def odd_requests(args: argparse.Namespace) -> Dict[str, Any]:
         "GET /v1/usage?user=%ff": (head("GET", "/v1/usage?user=%ff", "TOKEN"), 400),
         "nested JSON body": (head("POST", "/v1/chat/completions", "TOKEN", f"content-length: {len(nested)}")
                              + nested, 400),
+        "POST /v1/%2e%2e/x": (head("POST", "/v1/%2e%2e/x", "TOKEN", f"content-length: {len(CHAT)}") + CHAT, 400),
+        "POST //v1/chat/completions": (head("POST", "//v1/chat/completions", "TOKEN",
+                                            f"content-length: {len(CHAT)}") + CHAT, 400),
+        "stream_options: \"yes\"": (head("POST", "/v1/chat/completions", "TOKEN",
+                                         f"content-length: {len(odd_options)}") + odd_options, 400),
     }
     results = {}
     with cluster(args, name) as (fleet, ingress):

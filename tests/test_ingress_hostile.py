@@ -522,6 +522,46 @@ def test_a_query_that_is_not_utf8_gets_400(stack, query):
         client.close()
 
 
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/../x"), ("POST", "/v1/%2e%2e/reset_prefix_cache"), ("POST", "/v1/%2E./sleep"),
+    ("POST", "//v1/chat/completions"), ("POST", "/v1//chat/completions"), ("POST", "/v1/./chat/completions"),
+    ("POST", "/v1/chat/completions/.."), ("POST", "/v1/..%2fsleep"), ("POST", "/v1/%2e/chat/completions"),
+    ("POST", "/v1/chat%5c..%5c..%5csleep"), ("GET", "/v1/./models"), ("GET", "/v1/models/%2e%2e"),
+])
+def test_a_path_not_in_normal_form_gets_400_and_reaches_no_engine(stack, method, path):
+    # an engine (or a proxy before it) that resolves it serves another route than the one checked
+    _, engine = stack.engine("m1")
+    raw = (f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {stack.key()}\r\n"
+           f"content-length: {len(CHAT)}\r\nconnection: close\r\n\r\n").encode() + CHAT
+    got, closed = attack(stack.port, raw)
+    assert [status for status, _, _ in got] == [400] and closed
+    assert openai_error(got[0][2])["code"] == "invalid_path"
+    assert engine.requests == 0 and set(engine.hits) <= {"/health", "/v1/models"}
+
+
+def test_the_normal_form_of_a_path_keeps_dots_inside_names_and_encoded_slashes_in_model_ids():
+    for path in (b"/v1/chat/completions", b"/v1/models/org%2FLlama-3.1-8B", b"/v1/models/a..b", b"/v1/x.y"):
+        assert otela_ingress.normal_path(path), path
+
+
+@pytest.mark.parametrize("options", ["yes", [], 1, True])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stream_options_that_is_not_an_object_gets_400_naming_it(stack, options, stream):
+    _, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        ask = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        status, _, answer = client.request("POST", "/v1/chat/completions", dict(ask, stream_options=options))
+        assert status == 400
+        error = openai_error(answer)
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_type",
+                                                                  "stream_options")
+        assert client.request("POST", "/v1/chat/completions", dict(ask, stream_options=None))[0] == 200
+    finally:
+        client.close()
+    assert engine.requests == 1
+
+
 @pytest.mark.parametrize("decoder", ["as installed", "stdlib json"])
 def test_a_deeply_nested_body_gets_400_with_or_without_orjson(stack, monkeypatch, decoder):
     if decoder == "stdlib json":   # what a bare interpreter (OTELA_BLOCK_ACCEL=1) decodes with
