@@ -4641,16 +4641,20 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
 def ingress_secrets(path: Optional[str], cluster_key_file: str) -> List[bytes]:
     """The ingress tier's secrets (crdt.Authority): --ingress-key-file, or ingress.key beside the
     cluster key. Without one, this ingress's keys and usage stay on it (not shared with other
-    ingresses, and nothing any other member sends on that plane is taken)."""
-    if path:
-        return otela_node.load_secrets(path, "ingress key")
+    ingresses, and nothing any other member sends on that plane is taken). One that is also a
+    secret of the cluster key (the same file, or a copy) is refused: every compute job holds
+    that one, and it would make each of them an authority over keys and usage."""
     beside = os.path.join(os.path.dirname(os.path.abspath(cluster_key_file)), otela_node.KEY_FILES["ingress"])
-    if os.path.exists(beside):
-        return otela_node.load_secrets(beside, "ingress key")
-    print(f"otela-ingress: no ingress secret ({beside} or --ingress-key-file): API keys and usage stay on "
-          "this ingress; `otela_node.py keygen --ingress-only --out DIR` makes one for every ingress host",
-          file=sys.stderr)
-    return []
+    if not path and not os.path.exists(beside):
+        print(f"otela-ingress: no ingress secret ({beside} or --ingress-key-file): API keys and usage stay on "
+              "this ingress; `otela_node.py keygen --ingress-only --out DIR` makes one for every ingress host",
+              file=sys.stderr)
+        return []
+    found = otela_node.load_secrets(path or beside, "ingress key")
+    if set(found) & set(otela_node.load_secrets(cluster_key_file)):
+        raise otela_node.ConfigError(f"the ingress key {path or beside} is the cluster key {cluster_key_file}, which "
+                                     "every compute job holds: give --ingress-key-file keygen's ingress.key")
+    return found
 
 
 def _alias_arg(value: str) -> Tuple[str, List[str]]:
