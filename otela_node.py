@@ -5964,7 +5964,12 @@ def _count_after(body: bytes, key: bytes, pattern: re.Pattern, at: int) -> int:
         if 0 < n < len(digits):
             return int(digits[:n])
     match = pattern.search(body, i - len(key))
-    return int(match.group(1)) if match else 0
+    if match is None:
+        return 0
+    digits = match.group(1)
+    # more digits than 2^63 has is no honest count: read as 10^19 (the ingress books it at its
+    # bound), never parsed (Python refuses past 4,300 digits, and the work grows as their square)
+    return int(digits) if len(digits) <= 19 else 10 ** 19
 
 
 def prefix_key(key: bytes) -> bytes:

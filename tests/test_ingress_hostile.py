@@ -986,6 +986,23 @@ def test_an_engines_token_counts_are_booked_at_most_at_what_the_ingress_saw_and_
         stack.close()
 
 
+def test_a_count_of_5000_digits_is_booked_at_the_bound_and_the_client_gets_its_200(stack):
+    # before: Python's int() refused it (over 4,300 digits), and the client got a 500
+    huge = b"9" * 5000
+    answer = b'{"object":"chat.completion","choices":[],"usage":{"prompt_tokens": %s,"completion_tokens": %s}}' % (
+        huge, huge)
+    engine = ScriptedEngine(stack, lambda n: plain_answer(b"content-length: %d" % len(answer), answer))
+    stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key(), timeout=10)
+    try:
+        status, _, body = client.request("POST", "/v1/chat/completions", CHAT)
+    finally:
+        client.close()
+    assert status == 200 and body == answer
+    assert stack.sql("SELECT prompt_tokens, completion_tokens FROM requests") == \
+        [(len(CHAT) + otela_ingress.PROMPT_TEMPLATE_TOKENS, len(answer))]
+
+
 def test_an_honest_engines_counts_are_booked_as_it_said_them(stack):
     sid, _ = stack.engine("m1")
     client = Client(stack.url, stack.key())
