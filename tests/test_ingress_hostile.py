@@ -1093,3 +1093,19 @@ def test_the_writer_commits_the_rows_around_any_row_and_keeps_the_13_field_ones(
         assert ledger.health()["ok"] is (written == 3)
     finally:
         ledger.close()
+
+
+def test_a_journal_holding_an_unholdable_row_is_recovered_around_it_at_start(tmp_path):
+    db_path = str(tmp_path / "o.sqlite")
+    otela_ingress.Ledger(db_path, lambda keys: None).close()
+    good = [time.time(), "k", "u", "m", "s", "", 200, 3, 4, 1.0, 0, 1, 1, "ok"]
+    with open(f"{db_path}.usage.1", "w") as fh:   # what a crash left of an older release's rows
+        for row in (good, dict(enumerate(good)), good[:7] + [10**23] + good[8:], good):
+            fh.write(json.dumps(row) + "\n")
+    ledger = otela_ingress.Ledger(db_path, lambda keys: None)
+    try:
+        assert ledger._thread.is_alive() and ledger.health()["dropped_rows"] == 2   # the object (its keys) and 10^23
+    finally:
+        ledger.close()
+    assert count_rows(db_path) == (2, 2)
+    assert not os.path.exists(f"{db_path}.usage.1")
