@@ -3488,12 +3488,14 @@ class _Exchange:
         bound is booked at the bound, and counted against the session that said it."""
         prompt, completion, cached = self.prompt_tokens, self.completion_tokens, self.cached_tokens
         body = self.body
-        if (prompt is not None and prompt > len(body)) or (cached is not None and cached > len(body)):
-            limit = prompt_bound(body)   # (an honest prompt is rarely more tokens than bytes)
-            if prompt is not None and prompt > limit:
+        if prompt is not None and prompt > len(body):   # (an honest prompt is rarely more tokens than bytes)
+            limit = prompt_bound(body)
+            if prompt > limit:
                 self.prompt_tokens = prompt = self._bounded("prompt", limit)
-            if cached is not None and cached > (limit if prompt is None else prompt):
-                self.cached_tokens = self._bounded("cached", limit if prompt is None else prompt)
+        if cached is not None and cached > (len(body) if prompt is None else prompt):
+            most = prompt_bound(body) if prompt is None else prompt
+            if cached > most:
+                self.cached_tokens = self._bounded("cached", most)
         if completion:
             cap = self.completion_cap
             limit = min(self.answer_bytes, crdt.MAX_REQUEST_TOKENS, crdt.MAX_REQUEST_TOKENS if cap is None else cap)
@@ -4125,7 +4127,7 @@ class Ingress:
 
     # -- the proxy ---------------------------------------------------------------------------
     def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
-                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate]]:
+                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate], Optional[int]]:
         """Check a proxied request (key, rate, JSON, model) and find its candidates: what the
         policy sees, the key, the body to send (include_usage or an alias spliced in), whether
         the stream's usage is ours to strip, the candidates, and the completion tokens it asks for

@@ -955,7 +955,14 @@ LIES = (10**15, 10**23)   # a budget's ruin; more than SQLite's 2^63
 
 
 def bounded_metric(stack: Stack, sid: str, reason: str) -> float:
-    return metric(stack, f'otela_engine_usage_bounded_total{{session="{sid}",reason="{reason}"}}')
+    """The session's answers booked at a bound for `reason` (0: none, the line is left out)."""
+    client = Client(stack.url)
+    try:
+        text = client.request("GET", "/metrics")[2].decode()
+    finally:
+        client.close()
+    name = f'otela_engine_usage_bounded_total{{session="{sid}",reason="{reason}"}} '
+    return next((float(line[len(name):]) for line in text.splitlines() if line.startswith(name)), 0.0)
 
 
 @pytest.mark.parametrize("lie", LIES)
@@ -1001,6 +1008,21 @@ def test_a_count_of_5000_digits_is_booked_at_the_bound_and_the_client_gets_its_2
     assert status == 200 and body == answer
     assert stack.sql("SELECT prompt_tokens, completion_tokens FROM requests") == \
         [(len(CHAT) + otela_ingress.PROMPT_TEMPLATE_TOKENS, len(answer))]
+
+
+def test_cached_tokens_over_the_prompt_tokens_are_held_to_them(stack):
+    answer = b'{"object":"chat.completion","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,' \
+             b'"prompt_tokens_details":{"cached_tokens":50}}}'
+    engine = ScriptedEngine(stack, lambda n: plain_answer(b"content-length: %d" % len(answer), answer))
+    sid = stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key(), timeout=10)
+    try:
+        assert client.request("POST", "/v1/chat/completions", CHAT)[0] == 200
+    finally:
+        client.close()
+    assert stack.sql("SELECT prompt_tokens, completion_tokens FROM requests") == [(3, 2)]
+    assert [bounded_metric(stack, sid, r) for r in ("prompt", "completion", "cached")] == [0, 0, 1]
+    assert metric(stack, f'otela_session_cached_tokens_total{{session="{sid}"}}') == 3   # what the policy learnt
 
 
 def test_an_honest_engines_counts_are_booked_as_it_said_them(stack):
