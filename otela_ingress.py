@@ -4653,7 +4653,7 @@ def ingress_secrets(path: Optional[str], cluster_key_file: str) -> List[bytes]:
               file=sys.stderr)
         return []
     found = otela_node.load_secrets(path or beside, "ingress key")
-    if set(found) & set(otela_node.load_secrets(cluster_key_file)):
+    if cluster_key_file and set(found) & set(otela_node.load_secrets(cluster_key_file)):
         raise otela_node.ConfigError(f"the ingress key {path or beside} is the cluster key {cluster_key_file}, which "
                                      "every compute job holds: give --ingress-key-file keygen's ingress.key")
     return found

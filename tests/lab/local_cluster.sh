@@ -40,9 +40,10 @@ mkdir -p -m 700 "$D/ingress"
 if [ -e "$D/cluster/ingress.key" ]; then   # keygen writes it beside the cluster key: not its place
   mv "$D/cluster/ingress.key" "$D/ingress/ingress.key"
 fi
-export OTELA_KEY_FILE=$D/cluster/cluster.key OTELA_DB=$D/ingress/usage.sqlite
+export OTELA_KEY_FILE=$D/cluster/cluster.key OTELA_INGRESS_KEY_FILE=$D/ingress/ingress.key \
+  OTELA_DB=$D/ingress/usage.sqlite
 "$PY" otela_ingress.py serve --listen "127.0.0.1:$PORT" --gossip "127.0.0.1:$GOSSIP" \
-  --ingress-key-file "$D/ingress/ingress.key" > "$D/ingress.log" 2>&1 &
+  > "$D/ingress.log" 2>&1 &
 pids+=($!)
 engine="$ENGINE_PY tests/lab/engine_serve.py -m $MODEL --alias smollm2-135m --host 127.0.0.1 --port {port}"
 for i in 1 2; do
