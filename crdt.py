@@ -462,6 +462,10 @@ USAGE_RETENTION_MONTHS = 13   # month counters: this month's budget, a year of t
                               # the operator's (ingress --usage-days, --usage-months); older
                               # periods stay in each ingress's SQLite
 ALL_MODELS = ""               # a counter's "model": every model of its key
+MAX_REQUEST_TOKENS = 1 << 24  # prompt or completion tokens one request may add to a slot: above
+                              # every model's context window (Llama 4 Scout's 10M is the longest),
+                              # so no honest count reaches it; an ingress books no more (otela_ingress,
+                              # "engine numbers"), and a slot claiming more per request is refused
 KEY_RETENTION_S = 30 * 86400.0   # a revoked or expired key's record is compacted this long after it
                                  # stopped working; its id is remembered, so no copy comes back
 
@@ -495,6 +499,9 @@ def validate_usage(entry_id: str, record: Any) -> bytes:
     for field in ("version",) + USAGE_COUNTS:
         if type(record[field]) is not int or not 0 <= record[field] < 2**53:
             raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+    for field in USAGE_COUNTS[1:]:
+        if record[field] > record["requests"] * MAX_REQUEST_TOKENS:
+            raise RecordError(f"{entry_id}: {field} over {MAX_REQUEST_TOKENS} a request")
     for field in ("key", "model", "day", "slot"):
         _check_string(field, record[field])
     if not re.match(r"^[0-9a-f]{64}$", record["key"]) or not _PERIOD.match(record["day"]) \

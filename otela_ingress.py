@@ -14,7 +14,10 @@ The sections, in file order, and what each holds:
 
     config               every limit and timing default, with the reason for the number
     error bodies         OpenAI's error JSON; HTTPError, the one way a request is refused
+    request validation   paths in normal form (normal_path), and the types of what the ingress reads
     keys, usage ledger   Key (hashed, with its rate bucket), Ledger (a journal file, then SQLite)
+    engine numbers       an answer's token counts bounded by what the ingress saw (prompt_bound,
+                         completion_cap; _Exchange.bound_usage books them)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
@@ -122,7 +125,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, unquote_to_bytes
 
 try:
     import h11
@@ -254,6 +257,24 @@ class HTTPError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = list(headers)
         self.etype = etype
+
+
+# ---------------------------------------------------------------------------------------------
+# Request validation: what is refused before anything is routed (beyond the JSON and the model)
+# ---------------------------------------------------------------------------------------------
+_JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array"}
+# A path that names another route once decoded and resolved ("/v1/../x", "/v1/%2e%2e/x",
+# "//v1/x", "/v1/./models", "\\"): an engine (or a proxy in front of it) that resolves it
+# would serve a route other than the one the ingress checked, such as an engine's admin routes
+# beside /v1. Refused with 400 before anything is routed.
+_ODD_PATH = re.compile(rb"//|\\|/\.\.?(?:/|$)|[\x00-\x20\x7f]")
+
+
+def normal_path(path: bytes) -> bool:
+    """Whether a request path is in normal form, as sent and percent-decoded."""
+    if _ODD_PATH.search(path):
+        return False
+    return b"%" not in path or _ODD_PATH.search(unquote_to_bytes(path)) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,6 +574,26 @@ def _day(ts: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(ts))
 
 
+_LAST_TS = 253402300799.0   # 9999-12-31 23:59:59 UTC: the last second gmtime and SQLite's date() take
+
+
+def ledger_row_ok(row: Any) -> bool:
+    """Whether `row` is a usage row (USAGE_FIELDS) this ingress could have written: of its shape
+    and types, a time gmtime takes, token counts no engine's answer is booked above
+    (crdt.MAX_REQUEST_TOKENS), other integers within SQLite's. Only asked of a batch SQLite
+    could not take, to find the rows to blame."""
+    if not isinstance(row, tuple) or len(row) not in (13, 14):
+        return False
+    ts, key_id, user, model, session, provider, status, prompt, completion, latency, stream, attempts, \
+        tracked = row[:13]
+    numbers = (ts, latency)
+    return all(type(v) in (int, float) and math.isfinite(v) for v in numbers) and 0 <= ts <= _LAST_TS \
+        and all(type(v) is str for v in (key_id, user, model, session, provider)) \
+        and all(v is None or type(v) is int and 0 <= v <= crdt.MAX_REQUEST_TOKENS for v in (prompt, completion)) \
+        and all(type(v) is int and 0 <= v < 1 << 63 for v in (status, stream, attempts, tracked)) \
+        and (len(row) == 13 or row[13] is None or type(row[13]) is str)
+
+
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
@@ -606,6 +647,8 @@ class Ledger:
         self._reload_keys()
         self.rows_written = 0
         self.failed_commits = 0             # batches SQLite refused (each retried with the next)
+        self.rows_dropped = 0               # rows (and replicated records) SQLite could never
+                                            # take (see _commit): lost, and shown
         self.error: Optional[str] = None    # why the last commit failed; None once one succeeds
         self._pending: List[tuple] = []    # journalled rows not yet in SQLite (appended by the loop)
         self._position = (0, 0)            # (journal file, offset) after the last pending line
@@ -773,12 +816,17 @@ class Ledger:
                                (entry_id, crdt.encode(record).decode()))
             db.execute("COMMIT")
             # our own writes leave PRAGMA data_version alone: no reload, no echo
-        except sqlite3.Error as exc:   # kept for the next round, like ledger rows
+        except Exception as exc:
             try:
                 db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            with self._rows_lock:
+            if not isinstance(exc, sqlite3.Error):   # a record no retry would keep: the overlay holds it
+                self.rows_dropped += len(replicas)
+                print(f"otela-ingress: {len(replicas)} replicated keys/usage not kept in SQLite "
+                      f"({exc.__class__.__name__}: {exc})", file=sys.stderr)
+                return
+            with self._rows_lock:   # kept for the next round, like ledger rows
                 self._replicas = dict(replicas, **self._replicas)
             print(f"otela-ingress: keeping replicated keys/usage failed (retried): {exc}", file=sys.stderr)
             if "readonly" in str(exc):
@@ -790,20 +838,12 @@ class Ledger:
             self._wake.wait(LEDGER_FLUSH_S)   # set only by flush() and close()
             self._wake.clear()
             closing = self._closing   # read after clear(): close() sets it before waking us
-            with self._rows_lock:   # the rows and the journal position that ends them, together
-                rows, self._pending = self._pending, []
-                position = self._position
-            if rows:
-                old_seq = self._state_seq
-                if not self._commit(rows, position):
-                    with self._rows_lock:   # first in the next batch; the position stays theirs
-                        self._pending = rows + self._pending
-                for seq in range(old_seq, self._state_seq):   # files now wholly in SQLite
-                    try:
-                        os.unlink(self._journal(seq))
-                    except OSError:
-                        pass
-            self._store_replicas()   # keys and usage slots from the overlay (ClusterKeys)
+            try:
+                self._write_pending()
+                self._store_replicas()   # keys and usage slots from the overlay (ClusterKeys)
+            except Exception as exc:   # nothing above raises by design; if it did, the writer goes on
+                self.error = f"ledger writer: {exc.__class__.__name__}: {exc}"
+                print(f"otela-ingress: {self.error}", file=sys.stderr)
             with self._flushed:
                 self._generation += 1
                 self._flushed.notify_all()
@@ -815,12 +855,75 @@ class Ledger:
                 next_reload = time.monotonic() + KEYS_RELOAD_S
                 try:
                     self._reload_keys()
-                except sqlite3.Error as exc:
-                    print(f"otela-ingress: key reload failed: {exc}", file=sys.stderr)
+                except Exception as exc:   # (a locked database, a bad row): tried again in a second
+                    print(f"otela-ingress: key reload failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+
+    def _write_pending(self) -> None:
+        """The rows queued so far into SQLite, or back in front of the queue when it refuses."""
+        with self._rows_lock:   # the rows and the journal position that ends them, together
+            rows, self._pending = self._pending, []
+            position = self._position
+        if not rows:
+            return
+        old_seq = self._state_seq
+        if not self._commit(rows, position):
+            with self._rows_lock:   # first in the next batch; the position stays theirs
+                self._pending = rows + self._pending
+        for seq in range(old_seq, self._state_seq):   # files now wholly in SQLite
+            try:
+                os.unlink(self._journal(seq))
+            except OSError:
+                pass
 
     def _commit(self, rows: List[tuple], position: Tuple[int, int]) -> bool:
         """Rows and the journal position after them, in one transaction; False when SQLite
-        refused them (nothing of them is in)."""
+        refused them (nothing of them is in). A row that is not one this ingress could have
+        written (a count over 2^63 is an OverflowError, not a sqlite3.Error; a journal line of
+        another shape) would fail every retry and hold back every row after it: it is taken out
+        of `rows` instead, printed and counted (rows_dropped: /healthz says degraded from then
+        on), and the others are written."""
+        try:
+            written = self._write(rows, position)
+        except sqlite3.Error as exc:   # the rows stay in the journal and in the queue
+            return self._refused(exc)
+        except Exception as exc:
+            why = f"{exc.__class__.__name__}: {exc}"
+            bad = [row for row in rows if not ledger_row_ok(row)] or list(rows)   # none to blame: all go
+            for row in bad:
+                print(f"otela-ingress: usage row dropped ({why}): {repr(row)[:300]}", file=sys.stderr)
+            dropped = {id(row) for row in bad}
+            rows[:] = [row for row in rows if id(row) not in dropped]
+            self.rows_dropped += len(bad)
+            try:
+                written = self._write(rows, position)
+            except sqlite3.Error as again:
+                return self._refused(again)
+            except Exception as again:   # a bug: the batch goes (a restart's recovery meets it again),
+                self.rows_dropped += len(rows)   # the writer stays
+                print(f"otela-ingress: {len(rows)} usage rows dropped ({again.__class__.__name__}: {again})",
+                      file=sys.stderr)
+                rows[:] = []
+                return True
+        self.rows_written += written
+        self._state_seq = position[0]
+        if self.error is not None:
+            print("otela-ingress: ledger writes work again", file=sys.stderr)
+            self.error = None
+        return True
+
+    def _refused(self, exc: sqlite3.Error) -> bool:
+        """SQLite refused a batch: it is kept for the next commit (False)."""
+        self.failed_commits += 1
+        if self.error is None:   # said once per outage, not four times a second
+            print(f"otela-ingress: ledger write failed (rows kept, retried): {exc}", file=sys.stderr)
+        self.error = str(exc)
+        if "readonly" in str(exc):
+            self._reopen()
+        return False
+
+    def _write(self, rows: List[tuple], position: Tuple[int, int]) -> int:
+        """One transaction: the rows, their daily sums and the journal position (rolled back
+        whole on any error). Returns the request rows written."""
         daily: Dict[Tuple[str, str, str], List[int]] = {}
         days: Dict[int, str] = {}
         for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *_ in rows:
@@ -837,32 +940,21 @@ class Ledger:
             agg[4] += completion or 0
         db = self._db
         written = 0
+        db.execute("BEGIN")
         try:
-            db.execute("BEGIN")
             if rows:
                 written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 14 else r + (None,)
                                                             for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
-        except sqlite3.Error as exc:   # the rows stay in the journal and in the queue
-            self.failed_commits += 1
-            if self.error is None:   # said once per outage, not four times a second
-                print(f"otela-ingress: ledger write failed (rows kept, retried): {exc}", file=sys.stderr)
-            self.error = str(exc)
+        except BaseException:
             try:
                 db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            if "readonly" in str(exc):
-                self._reopen()
-            return False
-        self.rows_written += written
-        self._state_seq = position[0]
-        if self.error is not None:
-            print("otela-ingress: ledger writes work again", file=sys.stderr)
-            self.error = None
-        return True
+            raise
+        return written
 
     def _reopen(self) -> None:
         """SQLite opens a file it may not write read-only, and that connection stays read-only
@@ -877,6 +969,17 @@ class Ledger:
     def pending(self) -> int:
         """Rows journalled but not yet in SQLite."""
         return len(self._pending)
+
+    def health(self) -> Dict[str, Any]:
+        """/healthz's view: not ok while SQLite refuses rows, once any row could not be written
+        at all (until a restart), and if the writer thread is gone."""
+        error = self.error
+        if error is None and self.rows_dropped:
+            error = f"{self.rows_dropped} usage rows could not be written (see the log)"
+        if not self._thread.is_alive() and not self._closing:
+            error = "the ledger's writer thread stopped: rows and keys changed by the CLI are not taken"
+        return {"ok": error is None, "error": error, "failed_commits": self.failed_commits,
+                "pending_rows": self.pending(), "dropped_rows": self.rows_dropped}
 
 
 def query_usage(path: str, days: int = 31, user: Optional[str] = None,
@@ -938,6 +1041,52 @@ class UsageStats:
 def _mean_std(values: List[int]) -> Dict[str, float]:
     mean = sum(values) / len(values)
     return {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine numbers: an answer's token counts believed only as far as what this ingress saw
+# ---------------------------------------------------------------------------------------------
+# A compute job runs the engine, so the usage it reports is a claim (DESIGN, "Trust"): a count of
+# 10^15 tokens would spend every budget of its users, and 10^23 does not fit SQLite. Each count is
+# booked at most at a bound that an honest engine never passes, from what went through here:
+#   prompt      the request body's bytes + PROMPT_TEMPLATE_TOKENS (+ MEDIA_PART_TOKENS for each
+#               image, audio or video named by URL): a token of text is at least one byte of it,
+#               and a message's JSON ({"role":"user","content":""}, 29 bytes) outweighs the tokens
+#               a chat template wraps it in (ChatML, Llama 3, Gemma: 5); the allowance is the
+#               template's own text (a default system prompt, a date, tool-use instructions)
+#   completion  the answer's bytes (streamed or whole: each token is at least a byte of its text,
+#               and its JSON around it is more than the end-of-sequence token an engine counts
+#               without printing), and max_tokens (max_completion_tokens, max_output_tokens)
+#               times the choices (n, best_of) when the request states it; 0 for embeddings
+#   cached      the prompt tokens
+# and none over crdt.MAX_REQUEST_TOKENS, which no context window reaches. A count over its bound
+# is booked at the bound and counted on /metrics by reason and session
+# (otela_engine_usage_bounded_total): the session that said it is marked there.
+PROMPT_TEMPLATE_TOKENS = 256   # the largest template preamble seen: Llama 3.1's date and tool-use
+                               # instructions ~90 tokens, gpt-oss's channels and tools ~120
+MEDIA_PART_TOKENS = 32768      # an image named by URL: Qwen2.5-VL's largest is 16,384 tokens (its
+                               # default max_pixels); twice that for a short video or an audio clip
+_MEDIA_URL = b'_url"'          # "image_url", "video_url", "audio_url" (key and type: counted twice)
+_CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def prompt_bound(body: bytes) -> int:
+    """The most prompt tokens a request with this body can be (see above)."""
+    bound = len(body) + PROMPT_TEMPLATE_TOKENS
+    if bound < crdt.MAX_REQUEST_TOKENS and _MEDIA_URL in body:
+        bound += body.count(_MEDIA_URL) * MEDIA_PART_TOKENS
+    return min(bound, crdt.MAX_REQUEST_TOKENS)
+
+
+def completion_cap(request: Dict[str, Any], path: bytes) -> Optional[int]:
+    """The most completion tokens the request asks for (None: it does not say)."""
+    if path == b"/v1/embeddings":
+        return 0
+    stated = [v for v in map(request.get, _CAP_FIELDS) if type(v) is int and v >= 0]
+    if not stated:
+        return None
+    choices = [v for v in (request.get("n"), request.get("best_of")) if type(v) is int and v > 0]
+    return max(stated) * max(choices, default=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1979,6 +2128,7 @@ class Metrics:
         self.connections = 0
         self.inflight = 0
         self.headless_evicted = 0   # connections with no complete head cut for a newcomer
+        self.usage_bounded: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (session, reason)
 
     def observe(self, table: Dict[str, Histogram], model: str, value: float) -> None:
         hist = table.get(model)
@@ -1987,7 +2137,7 @@ class Metrics:
         hist.observe(value)
 
     def render(self, sessions: Dict[str, int], suspected: int, sick: int, ledger_failures: int = 0,
-               ledger_pending: int = 0) -> bytes:
+               ledger_pending: int = 0, ledger_dropped: int = 0) -> bytes:
         out = []
         add = out.append
 
@@ -2004,6 +2154,11 @@ class Metrics:
         family("otela_tokens_total", "counter", "Tokens reported by engines, by direction.")
         for (model, direction), n in sorted(self.tokens.items()):
             add(f'otela_tokens_total{{model="{_label(model)}",direction="{direction}"}} {n}')
+        family("otela_engine_usage_bounded_total", "counter", "Answers whose token count was over what this "
+               "ingress saw (prompt: its bytes; completion: the answer's bytes, max_tokens; cached: the prompt), "
+               "booked at the bound, by the session that said it and the count.")
+        for (session, reason), n in sorted(self.usage_bounded.items()):
+            add(f'otela_engine_usage_bounded_total{{session="{_label(session)}",reason="{reason}"}} {n}')
         for name, table, help_text in (
                 ("otela_request_duration_seconds", self.latency, "Time from request to last byte."),
                 ("otela_time_to_first_byte_seconds", self.ttfb, "Time to the first streamed byte.")):
@@ -2032,6 +2187,8 @@ class Metrics:
                  "Usage ledger batches SQLite refused (kept in the journal and retried).", ledger_failures),
                 ("otela_ledger_pending_rows", "gauge", "Usage rows journalled but not yet in SQLite.",
                  ledger_pending),
+                ("otela_ledger_dropped_rows_total", "counter", "Usage rows (and replicated records) SQLite could "
+                 "never take, dropped so that the ones after them are written.", ledger_dropped),
                 ("otela_connections", "gauge", "Open client connections.", self.connections),
                 ("otela_headless_evicted_total", "counter", "Connections cut with no complete request head, "
                  "the oldest of MAX_HEADLESS for a newcomer (slowloris).", self.headless_evicted),
@@ -2143,7 +2300,7 @@ class StreamWatch:
     """
 
     __slots__ = ("strip", "carry", "prompt_tokens", "completion_tokens", "cached_tokens", "events", "saw_usage",
-                 "text", "kept", "first_id", "swap", "before")
+                 "text", "kept", "first_id", "swap", "before", "seen")
 
     def __init__(self, strip: bool):
         self.strip = strip
@@ -2157,6 +2314,7 @@ class StreamWatch:
         self.first_id: Optional[bytes] = None   # the stream's chunk id, as its client saw it
         self.swap: Any = None    # a continuation: True, then (its chunk id, first_id)
         self.before = 0          # chunks with text before the continuation
+        self.seen = 0            # bytes the engines sent (what bounds their completion count)
 
     def tokens(self) -> Tuple[int, int]:
         """(prompt, completion): the engine's usage, or for an engine that ignores
@@ -2169,6 +2327,7 @@ class StreamWatch:
         return None, self.events
 
     def feed(self, piece: bytes) -> bytes:
+        self.seen += len(piece)
         if self.swap is not None:
             piece = self._swap_id(piece)
         if self.carry:
@@ -2624,8 +2783,7 @@ class _Relay:
         tail = watch.flush() + self.held
         if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
             tail += b"data: [DONE]\n\n"
-        ex.prompt_tokens, ex.completion_tokens = watch.tokens()
-        ex.cached_tokens = watch.cached_tokens
+        ex.took(watch)
         conn = ex.client.conn
         start = b"" if ex.sent else ex.stream_head(self.head)
         ex.finish("ok", start + conn.data(tail) + conn.end())
@@ -2645,7 +2803,7 @@ class _Relay:
 
     def _client_gone(self) -> None:
         ex = self.ex
-        ex.prompt_tokens, ex.completion_tokens = self.watch.tokens()   # what was generated is metered
+        ex.took(self.watch)   # what was generated is metered
         ex.finish("gone")
         self._end(ConnectionResetError("the client closed the connection"), discard=True)
 
@@ -3347,6 +3505,8 @@ class _Exchange:
     prompt_tokens: Optional[int] = 0
     completion_tokens = 0
     cached_tokens: Optional[int] = None   # the engine's cached prompt tokens, when it said
+    answer_bytes = 0                      # the bytes its answer came in (bound_usage)
+    completion_cap: Optional[int] = None  # the completion tokens the request asked for at most
     sent = False            # the stream's head went out: no other session may answer now
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
@@ -3440,6 +3600,7 @@ class _Exchange:
             return False
         state, status, ok, health, blame_refused, booked = OUTCOMES[outcome]
         attempt_open = self.state is not RECEIVED and self.state is not RETRIED
+        self.bound_usage()
         self.to(state)
         if status is not None:
             self.status = status
@@ -3470,7 +3631,38 @@ class _Exchange:
             ingress.policy.on_request_end(candidate, routed, ok)
         return True
 
-    # -- booking: the ledger row (its head made while the engine works), the counters --------------
+    # -- booking: the engine's counts bounded, the ledger row (its head made while the engine works),
+    #    the counters --------------------------------------------------------------------------
+    def took(self, watch: StreamWatch) -> None:
+        """A stream's usage, and the bytes it came in, for finish to book."""
+        self.prompt_tokens, self.completion_tokens = watch.tokens()
+        self.cached_tokens = watch.cached_tokens
+        self.answer_bytes = watch.seen
+
+    def bound_usage(self) -> None:
+        """The engine's counts held to what this ingress saw ("Engine numbers"): one over its
+        bound is booked at the bound, and counted against the session that said it."""
+        prompt, completion, cached = self.prompt_tokens, self.completion_tokens, self.cached_tokens
+        body = self.body
+        if prompt is not None and prompt > len(body):   # (an honest prompt is rarely more tokens than bytes)
+            limit = prompt_bound(body)
+            if prompt > limit:
+                self.prompt_tokens = prompt = self._bounded("prompt", limit)
+        if cached is not None and cached > (len(body) if prompt is None else prompt):
+            most = prompt_bound(body) if prompt is None else prompt
+            if cached > most:
+                self.cached_tokens = self._bounded("cached", most)
+        if completion:
+            cap = self.completion_cap
+            limit = min(self.answer_bytes, crdt.MAX_REQUEST_TOKENS, crdt.MAX_REQUEST_TOKENS if cap is None else cap)
+            if completion > limit:
+                self.completion_tokens = self._bounded("completion", limit)
+
+    def _bounded(self, reason: str, limit: int) -> int:
+        session = self.candidate.session if self.candidate is not None else ""
+        self.ingress.metrics.usage_bounded[(session, reason)] += 1
+        return limit
+
     def prepare_row(self, candidate: Candidate) -> None:
         """Serialise the fields of the ledger row known before the answer, so that what is left
         between the engine's answer and the client's last byte is a little formatting."""
@@ -3677,6 +3869,7 @@ class _Exchange:
         if head.status == 200:
             self.prompt_tokens, self.completion_tokens = usage_of(payload)
             self.cached_tokens = cached_of(payload)
+            self.answer_bytes = len(payload)
         client = self.client
         out = client.conn.whole_answer(head.status, head.fields.get(b"content-type", b"application/json"),
                                        self.candidate.session_bytes, payload)
@@ -3737,7 +3930,7 @@ class _Exchange:
     def cut_stream(self, reason: str, watch: StreamWatch) -> None:
         """The stream broke after bytes went out: the client gets an error event and the end."""
         self.ingress.metrics.stream_cuts += 1
-        self.prompt_tokens, self.completion_tokens = watch.tokens()
+        self.took(watch)
         self.finish("cut")
         error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
                                       "type": "server_error", "param": None, "code": "stream_cut"}})
@@ -4100,6 +4293,9 @@ class Ingress:
         GET endpoint. Raises HTTPError for the client."""
         path, _, query = request.target.partition(b"?")
         method, fields = request.method, request.fields
+        if not normal_path(path):
+            raise HTTPError(400, f"The path {path.decode('utf-8', 'replace')!r} is not in normal form (no '.' or "
+                                 "'..' segment, no '//', no '\\', encoded or not)", "invalid_path")
         if method == b"OPTIONS" and self.cors_origins:   # a browser's CORS preflight
             client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
@@ -4173,10 +4369,11 @@ class Ingress:
 
     # -- the proxy ---------------------------------------------------------------------------
     def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
-                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate]]:
+                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate], Optional[int]]:
         """Check a proxied request (key, rate, JSON, model) and find its candidates: what the
         policy sees, the key, the body to send (include_usage or an alias spliced in), whether
-        the stream's usage is ours to strip, and the candidates. Raises HTTPError for the client."""
+        the stream's usage is ours to strip, the candidates, and the completion tokens it asks for
+        at most (completion_cap). Raises HTTPError for the client."""
         key = self.authenticate(fields)
         if key.rate > 0 and not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
@@ -4192,11 +4389,14 @@ class Ingress:
         model = request.get("model")
         if not isinstance(model, str) or not model:
             raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        options = request.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise HTTPError(400, f"Invalid type for 'stream_options': expected an object, but got "
+                                 f"{_JSON_TYPES.get(type(options), 'a value')} instead.", "invalid_type", "stream_options")
         stream = request.get("stream") is True and path in STREAMABLE_PATHS
         strip_usage = False
         candidates = None
         if stream:
-            options = request.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 strip_usage = True
                 if options is None and "stream_options" not in request:
@@ -4211,7 +4411,7 @@ class Ingress:
             candidates = self.candidates(model, key)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode(), t0,
                                request if self.policy_body else None)
-        return routed, key, body, strip_usage, candidates
+        return routed, key, body, strip_usage, candidates, completion_cap(request, path)
 
     def proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
               tag: bool = True) -> None:
@@ -4225,7 +4425,7 @@ class Ingress:
         paid on a cold CPU, and none of these is needed to send it."""
         client.busy = True
         try:
-            routed, key, body, strip_usage, candidates = self._prepare(client, path, fields, body, t0)
+            routed, key, body, strip_usage, candidates, cap = self._prepare(client, path, fields, body, t0)
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
@@ -4246,7 +4446,7 @@ class Ingress:
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
-        ex.left = left
+        ex.left, ex.completion_cap = left, cap
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             return ex.send(candidate, fresh=True)
@@ -4396,13 +4596,11 @@ class Ingress:
     def _get_healthz(self, fields, query):
         serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
         ledger = self.ledger
-        error = ledger.error if ledger is not None else None
+        health = ledger.health() if ledger is not None else {"ok": True, "error": None, "failed_commits": 0,
+                                                             "pending_rows": 0, "dropped_rows": 0}
         return 200, b"application/json", crdt.dumps({
-            "status": "ok" if error is None else "degraded", "session": self.node.session_id,
-            "serving_sessions": serving, "auth": not self.no_auth,
-            "ledger": {"ok": error is None, "error": error,
-                       "failed_commits": ledger.failed_commits if ledger is not None else 0,
-                       "pending_rows": ledger.pending() if ledger is not None else 0}})
+            "status": "ok" if health["ok"] else "degraded", "session": self.node.session_id,
+            "serving_sessions": serving, "auth": not self.no_auth, "ledger": health})
 
     def unrouted(self) -> Dict[str, str]:
         """Live worker sessions this ingress routes nothing to because of their grant -> why."""
@@ -4470,7 +4668,8 @@ class Ingress:
         ledger = self.ledger
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
                                    ledger.failed_commits if ledger is not None else 0,
-                                   ledger.pending() if ledger is not None else 0)
+                                   ledger.pending() if ledger is not None else 0,
+                                   ledger.rows_dropped if ledger is not None else 0)
         body += overlay_metrics(self.node) + routing_metrics(self.routing_stats())
         body += (f"# HELP otela_evictions_doubted_total Evictions of sessions that had answered here moments "
                  f"before, not believed for {DOUBT_S:g} s.\n# TYPE otela_evictions_doubted_total counter\n"
@@ -4714,16 +4913,20 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
 def ingress_secrets(path: Optional[str], cluster_key_file: str) -> List[bytes]:
     """The ingress tier's secrets (crdt.Authority): --ingress-key-file, or ingress.key beside the
     cluster key. Without one, this ingress's keys and usage stay on it (not shared with other
-    ingresses, and nothing any other member sends on that plane is taken)."""
-    if path:
-        return otela_node.load_secrets(path, "ingress key")
+    ingresses, and nothing any other member sends on that plane is taken). One that is also a
+    secret of the cluster key (the same file, or a copy) is refused: every compute job holds
+    that one, and it would make each of them an authority over keys and usage."""
     beside = os.path.join(os.path.dirname(os.path.abspath(cluster_key_file)), otela_node.KEY_FILES["ingress"])
-    if os.path.exists(beside):
-        return otela_node.load_secrets(beside, "ingress key")
-    print(f"otela-ingress: no ingress secret ({beside} or --ingress-key-file): API keys and usage stay on "
-          "this ingress; `otela_node.py keygen --ingress-only --out DIR` makes one for every ingress host",
-          file=sys.stderr)
-    return []
+    if not path and not os.path.exists(beside):
+        print(f"otela-ingress: no ingress secret ({beside} or --ingress-key-file): API keys and usage stay on "
+              "this ingress; `otela_node.py keygen --ingress-only --out DIR` makes one for every ingress host",
+              file=sys.stderr)
+        return []
+    found = otela_node.load_secrets(path or beside, "ingress key")
+    if cluster_key_file and set(found) & set(otela_node.load_secrets(cluster_key_file)):
+        raise otela_node.ConfigError(f"the ingress key {path or beside} is the cluster key {cluster_key_file}, which "
+                                     "every compute job holds: give --ingress-key-file keygen's ingress.key")
+    return found
 
 
 def _alias_arg(value: str) -> Tuple[str, List[str]]:

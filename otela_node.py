@@ -85,6 +85,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -6041,7 +6042,12 @@ def _count_after(body: bytes, key: bytes, pattern: re.Pattern, at: int) -> int:
         if 0 < n < len(digits):
             return int(digits[:n])
     match = pattern.search(body, i - len(key))
-    return int(match.group(1)) if match else 0
+    if match is None:
+        return 0
+    digits = match.group(1)
+    # more digits than 2^63 has is no honest count: read as 10^19 (the ingress books it at its
+    # bound), never parsed (Python refuses past 4,300 digits, and the work grows as their square)
+    return int(digits) if len(digits) <= 19 else 10 ** 19
 
 
 def prefix_key(key: bytes) -> bytes:
@@ -6595,13 +6601,15 @@ def _write_secret(path: str, force: bool, lines: Optional[List[str]] = None) -> 
 ROTATION_STEPS = ("rotate", "promote", "retire")
 
 
-def rotate(out_dir: str, tier: str, step: str = "rotate") -> str:
+def rotate(out_dir: str, tier: str, step: str = "rotate") -> List[str]:
     """Rotation without an outage, in three steps, each copied to every holder and followed by a
     rolling restart (a holder seals or signs with the first secret and accepts all):
       rotate   add a new secret last: accepted everywhere, used by nobody yet;
       promote  move the last secret first: used, while the old one is still accepted;
       retire   keep the first secret only.
-    Sealing with a secret before every holder accepts it would cut the cluster in two."""
+    Sealing with a secret before every holder accepts it would cut the cluster in two. The
+    cluster tier's steps renew the tunnel's TLS pair the same way (rotate_tunnel_tls). Returns
+    the files written."""
     path = os.path.join(out_dir, KEY_FILES[tier])
     lines = [line.hex() for line in load_secrets(path, f"{tier} key")]
     if step == "rotate":
@@ -6610,8 +6618,70 @@ def rotate(out_dir: str, tier: str, step: str = "rotate") -> str:
         lines = lines[-1:] + lines[:-1]
     else:
         lines = lines[:1]
+    tls = rotate_tunnel_tls(out_dir, step) if tier == "cluster" else []
     _write_secret(path, True, lines)
-    return path
+    return [path] + tls
+
+
+# The tunnel's TLS pair rotates in the same steps as the secrets. cluster.crt may hold several
+# certificates and cluster-tls.key their keys, in the same order: a member shows the first
+# certificate (with its key: OpenSSL takes a file's first certificate and first key) and trusts
+# every one (each is its own pinned anchor), so a member one step ahead or behind still
+# completes the handshake both ways, and after `retire` a stolen old pair is refused everywhere.
+_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z ]+)-----\r?\n.*?-----END \1-----\r?\n?", re.S)
+
+
+def _pem_blocks(path: str, label: bytes) -> List[bytes]:
+    """The PEM blocks of `path` whose label ends with `label` (CERTIFICATE, PRIVATE KEY), in order."""
+    with open(path, "rb") as fh:
+        return [m.group(0).rstrip(b"\r\n") + b"\n" for m in _PEM_BLOCK.finditer(fh.read())
+                if m.group(1).endswith(label)]
+
+
+def rotate_tunnel_tls(out_dir: str, step: str) -> List[str]:
+    """One rotation step of cluster.crt and cluster-tls.key (see above); [] when there is no
+    such pair (keygen found no openssl). Raises ConfigError when they do not pair up."""
+    crt, tls_key = os.path.join(out_dir, "cluster.crt"), os.path.join(out_dir, "cluster-tls.key")
+    if not (os.path.isfile(crt) and os.path.isfile(tls_key)):
+        return []
+    certs, keys = _pem_blocks(crt, b"CERTIFICATE"), _pem_blocks(tls_key, b"PRIVATE KEY")
+    if not certs or len(certs) != len(keys):
+        raise ConfigError(f"{crt} and {tls_key} do not pair up ({len(certs)} certificates, {len(keys)} keys): "
+                          "run keygen --force to start again")
+    if step == "rotate":
+        with tempfile.TemporaryDirectory() as tmp:
+            new_crt, new_key = os.path.join(tmp, "new.crt"), os.path.join(tmp, "new.key")
+            _new_tunnel_pair(new_crt, new_key)
+            certs, keys = certs + _pem_blocks(new_crt, b"CERTIFICATE"), keys + _pem_blocks(new_key, b"PRIVATE KEY")
+    elif step == "promote":
+        certs, keys = certs[-1:] + certs[:-1], keys[-1:] + keys[:-1]
+    else:
+        certs, keys = certs[:1], keys[:1]
+    _write_private(tls_key, b"".join(keys))
+    with open(crt, "wb") as fh:
+        fh.write(b"".join(certs))
+    return [crt, tls_key]
+
+
+def _new_tunnel_pair(crt: str, tls_key: str) -> None:
+    """A self-signed certificate for the tunnel and its key (openssl; raises OSError or
+    SubprocessError without it)."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", tls_key, "-out", crt, "-days", "3650", "-subj", "/CN=otela-cluster"],
+                   check=True, capture_output=True, timeout=60)
+    os.chmod(tls_key, 0o600)
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """`data` into `path`, mode 0600 from its first byte (written beside it, then renamed over it)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".otela-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> List[str]:
@@ -6632,10 +6702,7 @@ def keygen(out_dir: str, force: bool = False, ingress_only: bool = False) -> Lis
         written.append(ingress)
     crt, tls_key = os.path.join(out_dir, "cluster.crt"), os.path.join(out_dir, "cluster-tls.key")
     try:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-keyout", tls_key, "-out", crt, "-days", "3650", "-subj", "/CN=otela-cluster"],
-                       check=True, capture_output=True, timeout=60)
-        os.chmod(tls_key, 0o600)
+        _new_tunnel_pair(crt, tls_key)
         written += [crt, tls_key]
     except (OSError, subprocess.SubprocessError):
         log.warning("openssl not available: no cluster certificate written (only needed for the TLS tunnel)")
@@ -6839,7 +6906,11 @@ def main(argv=None) -> int:
             if len(steps) > 1:
                 raise ConfigError("keygen: one of --rotate, --promote, --retire at a time")
             if steps:
-                print(rotate(args.out, steps[0][1], steps[0][0]))
+                try:
+                    for path in rotate(args.out, steps[0][1], steps[0][0]):
+                        print(path)
+                except (OSError, subprocess.SubprocessError) as exc:   # openssl missing or failing
+                    raise ConfigError(f"keygen --{steps[0][0]}: cannot make a tunnel certificate: {exc}") from None
                 return 0
             for path in keygen(args.out, args.force, args.ingress_only):
                 print(path)

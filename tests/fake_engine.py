@@ -12,7 +12,8 @@ tested without a model. It serves:
   GET  /fake/stats           {"requests": n, "last_body": "<raw request body>", "port": p}: lets a
                              test check that a body was forwarded verbatim
 
-Token accounting: prompt_tokens = words in the prompt, completion_tokens = --chunks. Streams
+Token accounting: prompt_tokens = words in the prompt, completion_tokens = --chunks (or, with
+--usage-tokens N, a lying engine's: N prompt, N completion and N cached tokens). Streams
 send --chunks SSE chunks `data: {...}\\n\\n` then `data: [DONE]\\n\\n`, plus a usage chunk
 before [DONE] when `stream_options.include_usage` is true. Every response carries the header
 `x-fake-engine: PORT` so a test can see which engine served a request.
@@ -24,6 +25,7 @@ before the first byte of a completion or embedding, then behave as ok).
 
 Usage: python tests/fake_engine.py --port P [--model NAME] [--mode ok|error500|reset|cut|slow]
        [--chunks N] [--chunk-delay S] [--startup-delay S] [--slow-delay S] [--no-health]
+       [--usage-tokens N]
 Flags are stable and only ever added to. In-process: `await start_fake_engine(port, **opts)`
 returns the FakeEngine (`.server`, `await .close()`); `spawn_fake_engine(port, *flags)` starts a subprocess and waits until
 it listens.
@@ -40,6 +42,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Optional
 
 MODES = ("ok", "error500", "reset", "cut", "slow")
 MAX_BODY = 16 * 1024 * 1024  # a fake engine needs no more; protects the test box
@@ -48,7 +51,7 @@ MAX_BODY = 16 * 1024 * 1024  # a fake engine needs no more; protects the test bo
 class FakeEngine:
     def __init__(self, port: int, model: str = "fake-model", mode: str = "ok", chunks: int = 8,
                  chunk_delay: float = 0.0, startup_delay: float = 0.0, slow_delay: float = 2.0,
-                 health: bool = True):
+                 health: bool = True, usage_tokens: Optional[int] = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self.port = port
@@ -59,6 +62,7 @@ class FakeEngine:
         self.ready_at = time.monotonic() + startup_delay
         self.slow_delay = slow_delay
         self.health = health
+        self.usage_tokens = usage_tokens   # the count every answer claims (None: the true one)
         self.requests = 0
         self.hits = {}                 # path -> number of requests, every route
         self.last_body = b""
@@ -176,6 +180,10 @@ class FakeEngine:
         prompt_tokens = count_words(req.get("messages") if chat else req.get("prompt"))
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": self.chunks,
                  "total_tokens": prompt_tokens + self.chunks}
+        if self.usage_tokens is not None:
+            n = self.usage_tokens
+            usage = {"prompt_tokens": n, "completion_tokens": n, "total_tokens": 2 * n,
+                     "prompt_tokens_details": {"cached_tokens": n}}
         rid = f"fake-{self.port}-{self.requests}"
         model = req.get("model") or self.model
         created = int(time.time())
@@ -248,7 +256,7 @@ class FakeEngine:
             seed = sum(str(item).encode()) or 1
             data.append({"object": "embedding", "index": i,
                          "embedding": [((seed * (k + 7)) % 97) / 97.0 for k in range(8)]})
-        tokens = count_words(items)
+        tokens = count_words(items) if self.usage_tokens is None else self.usage_tokens
         payload = {"object": "list", "data": data, "model": req.get("model") or self.model,
                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         if self.mode == "cut":
@@ -383,6 +391,8 @@ def main(argv=None) -> int:
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds /health and /v1/models answer 503")
     p.add_argument("--slow-delay", type=float, default=2.0, help="mode slow: seconds before the first byte")
     p.add_argument("--no-health", action="store_true", help="no /health route (readiness via /v1/models)")
+    p.add_argument("--usage-tokens", type=int, default=None,
+                   help="claim this many prompt, completion and cached tokens in every answer's usage")
     a = p.parse_args(argv)
     try:
         import uvloop  # optional accelerator
@@ -393,7 +403,8 @@ def main(argv=None) -> int:
     async def serve():
         engine = await start_fake_engine(a.port, host=a.host, model=a.model, mode=a.mode, chunks=a.chunks,
                                          chunk_delay=a.chunk_delay, startup_delay=a.startup_delay,
-                                         slow_delay=a.slow_delay, health=not a.no_health)
+                                         slow_delay=a.slow_delay, health=not a.no_health,
+                                         usage_tokens=a.usage_tokens)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

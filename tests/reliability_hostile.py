@@ -510,10 +510,12 @@ def broken_engine(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def odd_requests(args: argparse.Namespace) -> Dict[str, Any]:
-    """HEAD on every path, a query that is not UTF-8, a deeply nested JSON body: each its 4xx
-    (or the GET answer without a body), never a 500 or a dropped connection."""
-    name = "HEAD, %ff, nested JSON"
+    """HEAD on every path, a query that is not UTF-8, a deeply nested JSON body, paths that resolve
+    elsewhere, a stream_options that is not an object: each its 4xx (or the GET answer without a
+    body), never a 500, a dropped connection or a request at an engine."""
+    name = "HEAD, %ff, nested JSON, /v1/../x, stream_options"
     nested = b"[" * 100000 + b"]" * 100000
+    odd_options = json.dumps({"model": rel.MODEL, "messages": [], "stream": True, "stream_options": "yes"}).encode()
     cases = {
         "HEAD /healthz": (head("HEAD", "/healthz", None), 200),
         "HEAD /v1/models": (head("HEAD", "/v1/models", "TOKEN"), 200),
@@ -521,6 +523,11 @@ def odd_requests(args: argparse.Namespace) -> Dict[str, Any]:
         "GET /v1/usage?user=%ff": (head("GET", "/v1/usage?user=%ff", "TOKEN"), 400),
         "nested JSON body": (head("POST", "/v1/chat/completions", "TOKEN", f"content-length: {len(nested)}")
                              + nested, 400),
+        "POST /v1/%2e%2e/x": (head("POST", "/v1/%2e%2e/x", "TOKEN", f"content-length: {len(CHAT)}") + CHAT, 400),
+        "POST //v1/chat/completions": (head("POST", "//v1/chat/completions", "TOKEN",
+                                            f"content-length: {len(CHAT)}") + CHAT, 400),
+        "stream_options: \"yes\"": (head("POST", "/v1/chat/completions", "TOKEN",
+                                         f"content-length: {len(odd_options)}") + odd_options, 400),
     }
     results = {}
     with cluster(args, name) as (fleet, ingress):
@@ -972,15 +979,97 @@ def grant_abuse(args: argparse.Namespace) -> Dict[str, Any]:
                late_or_missing=len(late), **seen)
 
 
-ATTACKS = [record_hijack, sybil_sessions, forged_evictions, grant_abuse, registry_forgery, insider_flood, slowloris, slowloris_4_addresses, gossip_slot_flood, relay_replay, keyless_bodies,
+PROMPT_ALLOWANCE = 256   # otela_ingress.PROMPT_TEMPLATE_TOKENS, stated here so that this row runs
+                         # against a release without it (the figure before)
+
+
+def lying_engine(args: argparse.Namespace, exponent: int) -> Dict[str, Any]:
+    """An engine that claims 10^exponent prompt, completion and cached tokens in every answer, to a
+    user with a 100,000-token daily budget: 10 chats (5 whole, 5 streamed with max_tokens 16),
+    then the CLI revokes the user's key. Five checks: the tokens booked are no more than the
+    ingress saw (each request's bytes + the template allowance + its answer's bytes), the user
+    is still within budget, every answer has its row in SQLite while the ingress runs, the
+    revoked key gets 401 within 5 s, and /healthz says ok exactly when the ledger writes."""
+    name = f"engine claims 10^{exponent} tokens"
+    engine = (f"{PY} {os.path.join(ROOT, 'tests', 'fake_engine.py')} --model {rel.MODEL} --port {{port}} "
+              f"--usage-tokens {10 ** exponent}")
+    with cluster(args, name, engines=(engine,)) as (fleet, ingress):
+        made = subprocess.run([PY, os.path.join(ROOT, "otela_ingress.py"), "keys", "create", "--user", "victim",
+                               "--budget-day", "100000", "--json", "--db", fleet.db],
+                              env=fleet.env, capture_output=True, text=True, timeout=60, check=True)
+        victim = json.loads(made.stdout)
+        def call(method: str, path: str, token: str, body: Optional[bytes] = None) -> Tuple[int, bytes]:
+            """One request on its own connection: (status, body), or (0, b"") if it was cut."""
+            conn = http.client.HTTPConnection("127.0.0.1", port_of(ingress), timeout=10)
+            try:
+                conn.request(method, path, body=body, headers={"authorization": f"Bearer {token}",
+                                                               "content-type": "application/json"})
+                resp = conn.getresponse()
+                return resp.status, resp.read()
+            except (OSError, http.client.HTTPException):
+                return 0, b""
+            finally:
+                conn.close()
+
+        wait(lambda: call("GET", "/v1/models", victim["key"])[0] == 200, 20, "the victim's key at the ingress")
+        statuses, seen = [], 0
+        for i in range(10):
+            ask = {"model": rel.MODEL, "messages": [{"role": "user", "content": f"hello {i}"}]}
+            if i % 2:
+                ask.update(stream=True, max_tokens=16, stream_options={"include_usage": True})
+            body = json.dumps(ask).encode()
+            status, answer = call("POST", "/v1/chat/completions", victim["key"], body)
+            statuses.append(status)
+            seen += len(body) + PROMPT_ALLOWANCE + len(answer)
+        status, listed = call("GET", "/v1/admin/keys", fleet.token)
+        booked: Any = next(k["usage"]["tokens_today"] for k in json.loads(listed)["data"] if k["id"] == victim["id"]) \
+            if status == 200 else f"unknown: the admin view answered {status}"
+        after = call("POST", "/v1/chat/completions", victim["key"], CHAT)[0]
+        statuses.append(after)
+        usage = call("GET", "/v1/usage?user=victim", fleet.token)   # flushes the ledger, reads SQLite
+        rows = json.loads(usage[1])["totals"]["requests"] if usage[0] == 200 else 0
+        health = json.loads(call("GET", "/healthz", fleet.token)[1] or b"{}")
+        subprocess.run([PY, os.path.join(ROOT, "otela_ingress.py"), "keys", "revoke", victim["id"], "--db",
+                        fleet.db], env=fleet.env, capture_output=True, text=True, timeout=60, check=True)
+        revoked_at = time.monotonic()
+        refused_at = until(lambda: call("POST", "/v1/chat/completions", victim["key"], CHAT)[0] == 401, 5.0)
+        refused = None if refused_at is None else refused_at - revoked_at
+        bounded = sum(metric(fleet, ingress, f'otela_engine_usage_bounded_total{{session="{sid}",reason="{r}"}}')
+                      for sid in fleet.serving(ingress) for r in ("prompt", "completion", "cached"))
+    answered = sum(1 for s in statuses if s == 200)
+    writing = rows >= answered   # (a request refused before it reached the engine has no row)
+    checks = {"booked within what the ingress saw": isinstance(booked, int) and booked <= seen,
+              "within budget": after == 200, "every answer has its row": writing, "revoked key refused within 5 s": refused is not None,
+              "/healthz honest": (health.get("status") == "ok") == writing}
+    wrong = [what for what, ok in checks.items() if not ok]
+    return row(name, "10 chats, 1 after, 1 revoked", f"fake engine --usage-tokens 10^{exponent}",
+               f"{len(wrong)}/5 off" + (f" ({'; '.join(wrong)})" if wrong else ""), "-",
+               f"revoked key 401 after {refused:.1f} s" if refused is not None else "revoked key still served",
+               max(0, answered - rows), tokens_booked=booked, tokens_seen_bound=seen, statuses=statuses,
+               ledger_rows=rows, healthz=health.get("status"), healthz_ledger=health.get("ledger"),
+               bounded_on_metrics=bounded)
+
+
+def lying_engine_15(args: argparse.Namespace) -> Dict[str, Any]:
+    return lying_engine(args, 15)
+
+
+def lying_engine_23(args: argparse.Namespace) -> Dict[str, Any]:
+    return lying_engine(args, 23)
+
+
+ATTACKS = [record_hijack, sybil_sessions, forged_evictions, grant_abuse, lying_engine_15, lying_engine_23,
+           registry_forgery, insider_flood, slowloris, slowloris_4_addresses, gossip_slot_flood, relay_replay, keyless_bodies,
            smuggling, broken_engine, odd_requests, resetting_engine, poison_request, boolean_config, ledger_failure,
            file_modes]
 
 
 def rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Every attack's row; one that breaks is a row saying so (and the run still fails)."""
+    """Every attack's row (or, when an --only names some, theirs: `--only hostile --only
+    lying_engine`); one that breaks is a row saying so (and the run still fails)."""
     found = []
-    for attack in ATTACKS:
+    named = [a for a in ATTACKS if any(o in a.__name__ for o in getattr(args, "only", None) or ())]
+    for attack in named or ATTACKS:
         print(f"   hostile: {attack.__name__}", file=sys.stderr, flush=True)
         try:
             found.append(attack(args))

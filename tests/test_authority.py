@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -88,6 +92,30 @@ def test_records_from_a_member_holding_only_the_cluster_key_are_never_applied_at
         assert crdt.key_entry("ab" * 32) not in ingress.map
         assert ingress.map.plane_size(crdt.INGRESS) == 1
         assert ingress.refused["unsigned"] >= 8
+
+
+def test_a_peer_ingress_usage_slot_claiming_more_than_a_context_window_a_request_is_refused():
+    # signed by the tier (an ingress of an older release booked an engine's 10^15 as given): still
+    # no slot may say a request used more than crdt.MAX_REQUEST_TOKENS tokens either way
+    net, ins, _ = fleet(workers=0, ingresses=2)
+    authority = crdt.Authority([TIER])
+    day = crdt.time_day(net.now)
+
+    def slot(name, requests, prompt, completion):
+        entry = crdt.usage_entry("ab" * 32, crdt.ALL_MODELS, day, name)
+        return entry, authority.sign(entry, crdt.usage_record("ab" * 32, crdt.ALL_MODELS, day, name, 1, requests,
+                                                              prompt, completion))
+
+    absurd = [slot("s1", 1, 10**15, 0), slot("s2", 1, 0, 10**15),
+              slot("s3", 2, 2 * crdt.MAX_REQUEST_TOKENS + 1, 0)]
+    for entry, record in absurd:   # the node counts the message malformed and drops it
+        with pytest.raises(crdt.RecordError, match="a request"):
+            ins[1].receive({"t": "r", "r": {entry: record}}, ins[0].addr, net.now)
+    honest = slot("s4", 2, 2 * crdt.MAX_REQUEST_TOKENS, 5)    # two requests at the bound: believed
+    net.send(ins[0].addr, [on.Out(ins[1].addr, {"t": "r", "r": {honest[0]: honest[1]}}, False)])
+    net.run(1.0)
+    assert [entry in ins[1].map for entry, _ in absurd] == [False, False, False]
+    assert ins[1].map.get(honest[0])["prompt_tokens"] == 2 * crdt.MAX_REQUEST_TOKENS
 
 
 def test_a_worker_claiming_to_be_an_ingress_gets_no_keys_or_usage():
@@ -239,6 +267,73 @@ def test_keygen_rotates_in_three_steps_each_of_which_every_holder_of_the_step_be
         hearer = on.Config(key=before[0], accept_keys=before[1:])
         assert on.Wire(hearer.key, hearer).open(sealer.seal({"t": "a", "n": 1}, T0), T0) == {"t": "a", "n": 1}
     assert (tmp_path / "cluster.key").stat().st_mode & 0o077 == 0
+
+
+def handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> bool:
+    """Whether a tunnel server and client with these contexts complete mutual TLS (socketpair)."""
+    a, b = socket.socketpair()
+    served = []
+
+    def serve():
+        try:
+            with server.wrap_socket(a, server_side=True) as tls:
+                served.append(tls.recv(1))
+        except (ssl.SSLError, OSError):
+            pass
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with client.wrap_socket(b, server_hostname=on.TLS_SERVER_NAME) as tls:
+            tls.sendall(b"x")
+    except (ssl.SSLError, OSError):
+        b.close()
+    thread.join(10)
+    a.close()
+    return served == [b"x"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="keygen needs openssl for the certificate")
+def test_keygen_rotation_renews_the_tunnel_certificate_and_each_step_handshakes_with_the_one_before(tmp_path):
+    # before: the steps left cluster.crt and cluster-tls.key as they were, so a stolen pair stayed valid
+    on.keygen(str(tmp_path / "keys"))
+    snapshots = []
+
+    def snapshot():
+        folder = tmp_path / f"step{len(snapshots)}"
+        folder.mkdir()
+        for name in ("cluster.crt", "cluster-tls.key"):
+            shutil.copy(tmp_path / "keys" / name, folder / name)
+        cfg = on.Config()
+        cfg.tls_cert, cfg.tls_key = str(folder / "cluster.crt"), str(folder / "cluster-tls.key")
+        snapshots.append(on.tunnel_tls(cfg))   # (server, client) contexts, as a member makes them
+
+    snapshot()
+    for step in on.ROTATION_STEPS:
+        written = on.rotate(str(tmp_path / "keys"), "cluster", step)
+        assert [os.path.basename(p) for p in written] == ["cluster.key", "cluster.crt", "cluster-tls.key"]
+        assert os.stat(tmp_path / "keys" / "cluster-tls.key").st_mode & 0o077 == 0
+        snapshot()
+    # a member restarted at step n meets members still at step n - 1, both ways
+    for before, after in zip(snapshots, snapshots[1:]):
+        assert handshake(before[0], after[1]) and handshake(after[0], before[1])
+    # once retired everywhere, the first pair (stolen, say) is refused both ways
+    assert not handshake(snapshots[3][0], snapshots[0][1]) and not handshake(snapshots[0][0], snapshots[3][1])
+    first, last = (open(tmp_path / f"step{n}" / "cluster.crt").read() for n in (0, 3))
+    assert first.count("BEGIN CERTIFICATE") == last.count("BEGIN CERTIFICATE") == 1 and first != last
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="keygen needs openssl for the certificate")
+def test_a_tunnel_pair_that_does_not_pair_up_stops_the_rotation_in_one_line_before_the_key_changes(tmp_path):
+    on.keygen(str(tmp_path))
+    before = (tmp_path / "cluster.key").read_text()
+    with open(tmp_path / "cluster.crt", "a") as fh:   # a certificate without its key
+        fh.write((tmp_path / "cluster.crt").read_text())
+    done = subprocess.run([sys.executable, "otela_node.py", "keygen", "--out", str(tmp_path), "--rotate", "cluster"],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "do not pair up" in done.stderr
+    assert (tmp_path / "cluster.key").read_text() == before
 
 
 def test_keygen_takes_one_rotation_step_at_a_time(tmp_path):

@@ -164,3 +164,23 @@ def test_replicas_below_one_is_refused_not_reported_as_negative_gpus():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_sim.py")] + EST + ["--replicas", "-3", "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--replicas: -3 must be >= 1" in out.stderr
+
+
+@pytest.mark.parametrize("ingress_key", ["the cluster key itself", "a copy of it"])
+def test_an_ingress_key_that_is_the_cluster_key_is_refused_in_one_line(tmp_path, ingress_key):
+    import shutil
+
+    import otela_node
+    cluster_key = otela_node.keygen(str(tmp_path / "keys"))[0]
+    given = cluster_key
+    if ingress_key == "a copy of it":
+        given = str(tmp_path / "private" / "ingress.key")
+        os.makedirs(os.path.dirname(given), mode=0o700)
+        shutil.copy(cluster_key, given)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", cluster_key,
+                          "--ingress-key-file", given, "--listen", "127.0.0.1:0", "--gossip", "127.0.0.1:0",
+                          "--db", str(tmp_path / "o.sqlite")], capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "is the cluster key" in lines[0] and given in lines[0]
+    assert not os.path.exists(tmp_path / "o.sqlite")   # refused before anything started

@@ -522,6 +522,46 @@ def test_a_query_that_is_not_utf8_gets_400(stack, query):
         client.close()
 
 
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/../x"), ("POST", "/v1/%2e%2e/reset_prefix_cache"), ("POST", "/v1/%2E./sleep"),
+    ("POST", "//v1/chat/completions"), ("POST", "/v1//chat/completions"), ("POST", "/v1/./chat/completions"),
+    ("POST", "/v1/chat/completions/.."), ("POST", "/v1/..%2fsleep"), ("POST", "/v1/%2e/chat/completions"),
+    ("POST", "/v1/chat%5c..%5c..%5csleep"), ("GET", "/v1/./models"), ("GET", "/v1/models/%2e%2e"),
+])
+def test_a_path_not_in_normal_form_gets_400_and_reaches_no_engine(stack, method, path):
+    # an engine (or a proxy before it) that resolves it serves another route than the one checked
+    _, engine = stack.engine("m1")
+    raw = (f"{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {stack.key()}\r\n"
+           f"content-length: {len(CHAT)}\r\nconnection: close\r\n\r\n").encode() + CHAT
+    got, closed = attack(stack.port, raw)
+    assert [status for status, _, _ in got] == [400] and closed
+    assert openai_error(got[0][2])["code"] == "invalid_path"
+    assert engine.requests == 0 and set(engine.hits) <= {"/health", "/v1/models"}
+
+
+def test_the_normal_form_of_a_path_keeps_dots_inside_names_and_encoded_slashes_in_model_ids():
+    for path in (b"/v1/chat/completions", b"/v1/models/org%2FLlama-3.1-8B", b"/v1/models/a..b", b"/v1/x.y"):
+        assert otela_ingress.normal_path(path), path
+
+
+@pytest.mark.parametrize("options", ["yes", [], 1, True])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stream_options_that_is_not_an_object_gets_400_naming_it(stack, options, stream):
+    _, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        ask = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        status, _, answer = client.request("POST", "/v1/chat/completions", dict(ask, stream_options=options))
+        assert status == 400
+        error = openai_error(answer)
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_type",
+                                                                  "stream_options")
+        assert client.request("POST", "/v1/chat/completions", dict(ask, stream_options=None))[0] == 200
+    finally:
+        client.close()
+    assert engine.requests == 1
+
+
 @pytest.mark.parametrize("decoder", ["as installed", "stdlib json"])
 def test_a_deeply_nested_body_gets_400_with_or_without_orjson(stack, monkeypatch, decoder):
     if decoder == "stdlib json":   # what a bare interpreter (OTELA_BLOCK_ACCEL=1) decodes with
@@ -908,3 +948,186 @@ def test_a_boolean_variable_that_is_not_one_is_a_one_line_error(tmp_path, value)
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "OTELA_NO_AUTH" in lines[0] and repr(value) in lines[0]
     assert not os.path.exists(tmp_path / "o.sqlite")   # refused before anything started
+
+
+# -- 10. an engine's numbers: bounded by what the ingress saw; the ledger survives any row --------------
+LIES = (10**15, 10**23)   # a budget's ruin; more than SQLite's 2^63
+
+
+def bounded_metric(stack: Stack, sid: str, reason: str) -> float:
+    """The session's answers booked at a bound for `reason` (0: none, the line is left out)."""
+    client = Client(stack.url)
+    try:
+        text = client.request("GET", "/metrics")[2].decode()
+    finally:
+        client.close()
+    name = f'otela_engine_usage_bounded_total{{session="{sid}",reason="{reason}"}} '
+    return next((float(line[len(name):]) for line in text.splitlines() if line.startswith(name)), 0.0)
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_an_engines_token_counts_are_booked_at_most_at_what_the_ingress_saw_and_its_session_marked(tmp_path, lie):
+    stack = Stack(str(tmp_path / "o.sqlite"))
+    try:
+        sid, _ = stack.engine("m1", usage_tokens=lie)
+        client = Client(stack.url, stack.key())
+        try:
+            plain = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+            status, _, answer = client.request("POST", "/v1/chat/completions", plain)
+            capped = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7,
+                                 "stream": True, "stream_options": {"include_usage": True}})
+            streamed = client.request("POST", "/v1/chat/completions", capped)
+        finally:
+            client.close()
+        assert status == 200 and streamed[0] == 200
+        assert json.loads(answer)["usage"]["prompt_tokens"] == lie   # the client sees the engine's answer as sent
+        booked = stack.sql("SELECT prompt_tokens, completion_tokens FROM requests ORDER BY ts")
+        bound = len(plain) + otela_ingress.PROMPT_TEMPLATE_TOKENS
+        # prompt: its bytes and the template's allowance; completion: the answer's bytes, or max_tokens
+        assert booked == [(bound, len(answer)), (len(capped) + otela_ingress.PROMPT_TEMPLATE_TOKENS, 7)]
+        assert stack.call(lambda: dict(stack.ingress.cluster.day_used)) == \
+            {(otela_ingress.hash_key(client.key), crdt.time_day(time.time())): sum(map(sum, booked))}
+        assert [bounded_metric(stack, sid, r) for r in ("prompt", "completion", "cached")] == [2, 2, 2]
+        assert ledger_health(stack)["ok"] is True   # booked at the bound: nothing failed to be written
+    finally:
+        stack.close()
+
+
+def test_a_count_of_5000_digits_is_booked_at_the_bound_and_the_client_gets_its_200(stack):
+    # before: Python's int() refused it (over 4,300 digits), and the client got a 500
+    huge = b"9" * 5000
+    answer = b'{"object":"chat.completion","choices":[],"usage":{"prompt_tokens": %s,"completion_tokens": %s}}' % (
+        huge, huge)
+    engine = ScriptedEngine(stack, lambda n: plain_answer(b"content-length: %d" % len(answer), answer))
+    stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key(), timeout=10)
+    try:
+        status, _, body = client.request("POST", "/v1/chat/completions", CHAT)
+    finally:
+        client.close()
+    assert status == 200 and body == answer
+    assert stack.sql("SELECT prompt_tokens, completion_tokens FROM requests") == \
+        [(len(CHAT) + otela_ingress.PROMPT_TEMPLATE_TOKENS, len(answer))]
+
+
+def test_cached_tokens_over_the_prompt_tokens_are_held_to_them(stack):
+    answer = b'{"object":"chat.completion","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,' \
+             b'"prompt_tokens_details":{"cached_tokens":50}}}'
+    engine = ScriptedEngine(stack, lambda n: plain_answer(b"content-length: %d" % len(answer), answer))
+    sid = stack.call(stack.node.add_worker, f"127.0.0.1:{engine.port}", ["m1"])
+    client = Client(stack.url, stack.key(), timeout=10)
+    try:
+        assert client.request("POST", "/v1/chat/completions", CHAT)[0] == 200
+    finally:
+        client.close()
+    assert stack.sql("SELECT prompt_tokens, completion_tokens FROM requests") == [(3, 2)]
+    assert [bounded_metric(stack, sid, r) for r in ("prompt", "completion", "cached")] == [0, 0, 1]
+    assert metric(stack, f'otela_session_cached_tokens_total{{session="{sid}"}}') == 3   # what the policy learnt
+
+
+def test_an_honest_engines_counts_are_booked_as_it_said_them(stack):
+    sid, _ = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        assert client.chat(content="four words of prompt", max_tokens=8)[0] == 200
+    finally:
+        client.close()
+    assert stack.sql("SELECT prompt_tokens, completion_tokens FROM requests") == [(4, 8)]   # the fake's words, chunks
+    assert "otela_engine_usage_bounded_total{" not in Client(stack.url).request("GET", "/metrics")[2].decode()
+
+
+TEXT = b'{"messages":[{"role":"user","content":"hi"}]}'
+IMAGE = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/a.png"}}]}]}'
+
+
+@pytest.mark.parametrize("body, prompt", [
+    (TEXT, len(TEXT) + 256),
+    # an image named by URL may be thousands of tokens: counted twice ("image_url" as type and key)
+    (IMAGE, len(IMAGE) + 256 + 2 * 32768),
+    (b"x" * (crdt.MAX_REQUEST_TOKENS + 1), crdt.MAX_REQUEST_TOKENS),   # (a --max-body-bytes over 16 MiB)
+])
+def test_a_prompts_bound_is_its_bytes_a_template_allowance_and_its_media(body, prompt):
+    assert otela_ingress.prompt_bound(body) == prompt
+
+
+@pytest.mark.parametrize("request_, path, cap", [
+    ({"max_tokens": 10}, b"/v1/chat/completions", 10),
+    ({"max_completion_tokens": 10, "n": 3}, b"/v1/chat/completions", 30),
+    ({"max_tokens": 10, "best_of": 4, "n": 2}, b"/v1/completions", 40),
+    ({"max_output_tokens": 5}, b"/v1/responses", 5),
+    ({"max_tokens": -1}, b"/v1/chat/completions", None),   # not a number of tokens: the bytes bound it
+    ({"max_tokens": True}, b"/v1/chat/completions", None),
+    ({}, b"/v1/chat/completions", None),
+    ({"input": "x"}, b"/v1/embeddings", 0),
+])
+def test_the_completion_tokens_a_request_asks_for_are_max_tokens_times_its_choices(request_, path, cap):
+    assert otela_ingress.completion_cap(request_, path) == cap
+
+
+def test_a_row_sqlite_cannot_hold_is_dropped_shown_and_the_ledger_and_the_cli_keys_go_on(tmp_path):
+    # before: an OverflowError (not a sqlite3.Error) killed the writer thread, and with it every row
+    # after, the CLI's keys and revocations, while /healthz said ok
+    db_path = str(tmp_path / "o.sqlite")
+    stack = Stack(db_path)
+    try:
+        stack.engine("m1")
+        client = Client(stack.url, stack.key())
+        try:
+            assert client.chat()[0] == 200
+            unholdable = (time.time(), "k", "u", "m1", "s", "", 200, 10**23, 1, 1.0, 0, 1, 1, "r1")
+            stack.call(stack.ingress.ledger.queue, unholdable)   # (as from an older release's journal)
+            assert [client.chat()[0] for _ in range(3)] == [200] * 3
+            assert stack.sql("SELECT count(*) FROM requests") == [(4,)]
+            health = ledger_health(stack)
+            assert (health["ok"], health["dropped_rows"]) == (False, 1) and "could not be written" in health["error"]
+            assert metric(stack, "otela_ledger_dropped_rows_total") == 1
+            assert json.loads(client.request("GET", "/healthz")[2])["status"] == "degraded"
+            db = otela_ingress.open_db(db_path)   # `keys revoke` on the --db
+            try:
+                assert otela_ingress.revoke_key(db, otela_ingress.list_keys(db)[0]["id"])
+                db.commit()
+            finally:
+                db.close()
+            assert wait_for(lambda: client.chat()[0] == 401, 5.0)
+        finally:
+            client.close()
+        assert stack.call(lambda: stack.ingress.ledger._thread.is_alive())
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("row", [
+    (time.time(), "k", "u", "m", "s", "", 200, 1, 10**23, 1.0, 0, 1, 1, "r"),
+    (time.time(), "k", "u", "m", "s", "", "200", 1, 1, 1.0, 0, 1, 1, "r"),     # a journal line of another shape
+    (float("inf"), "k", "u", "m", "s", "", 200, 1, 1, 1.0, 0, 1, 1, "r"),
+    (1e300, "k", "u", "m", "s", "", 200, 1, 1, 1.0, 0, 1, 1, "r"),
+    (time.time(), "k", "u", "m", "s", "", 200, 1, 1, 1.0, 0, 1, 1),            # 13 fields: before request ids
+])
+def test_the_writer_commits_the_rows_around_any_row_and_keeps_the_13_field_ones(tmp_path, row):
+    ledger = otela_ingress.Ledger(str(tmp_path / "o.sqlite"), lambda keys: None)
+    try:
+        good = (time.time(), "k", "u", "m", "s", "", 200, 3, 4, 1.0, 0, 1, 1, "ok")
+        for values in (good, row, good):   # queued as a recovered journal's rows are
+            ledger.queue(values)
+        assert ledger.flush() and ledger._thread.is_alive()
+        written = 3 if len(row) == 13 else 2
+        assert (ledger.rows_written, ledger.rows_dropped) == (written, 3 - written)
+        assert ledger.health()["ok"] is (written == 3)
+    finally:
+        ledger.close()
+
+
+def test_a_journal_holding_an_unholdable_row_is_recovered_around_it_at_start(tmp_path):
+    db_path = str(tmp_path / "o.sqlite")
+    otela_ingress.Ledger(db_path, lambda keys: None).close()
+    good = [time.time(), "k", "u", "m", "s", "", 200, 3, 4, 1.0, 0, 1, 1, "ok"]
+    with open(f"{db_path}.usage.1", "w") as fh:   # what a crash left of an older release's rows
+        for row in (good, dict(enumerate(good)), good[:7] + [10**23] + good[8:], good):
+            fh.write(json.dumps(row) + "\n")
+    ledger = otela_ingress.Ledger(db_path, lambda keys: None)
+    try:
+        assert ledger._thread.is_alive() and ledger.health()["dropped_rows"] == 2   # the object (its keys) and 10^23
+    finally:
+        ledger.close()
+    assert count_rows(db_path) == (2, 2)
+    assert not os.path.exists(f"{db_path}.usage.1")

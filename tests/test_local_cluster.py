@@ -49,6 +49,11 @@ def test_make_run_serves_the_printed_curl_and_stops_cleanly_on_ctrl_c(tmp_path):
                 break
         text = "".join(lines)
         assert "otela is up" in text, text
+        # what jobs read (the cluster key) and what only the ingress reads are apart
+        run = tmp_path / "run"
+        assert (run / "cluster" / "cluster.key").is_file() and not (run / "cluster" / "ingress.key").exists()
+        assert [oct(os.stat(p).st_mode & 0o777) for p in (run / "ingress", run / "ingress" / "ingress.key")] == \
+            [oct(0o700), oct(0o600)]
         curl = re.search(r"^curl -s .*?-d '.*?'$", text, re.S | re.M).group(0)
         answer = subprocess.run(["bash", "-c", curl.replace("\\\n", " ")], capture_output=True,
                                 text=True, timeout=120)

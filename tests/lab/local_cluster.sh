@@ -4,8 +4,11 @@
 #   real tiny engine (llama.cpp's server from the xllamacpp wheel + SmolLM2-135M), a demo key, then a curl to try.
 # Ctrl-C stops everything: nodes drain and leave, engines stop, the ingress leaves; the script
 # then exits 0 (a clean stop is no error for make).
-# State (cluster key, usage ledger, the demo key, logs) lives in ${OTELA_RUN_DIR:-.cache/run};
-# the demo key is made once and reused while it is active in that ledger.
+# State lives in ${OTELA_RUN_DIR:-.cache/run}, in two folders as on a cluster: cluster/ (the
+# cluster key and the tunnel's certificate: what every job reads) and ingress/ (mode 0700:
+# ingress.key and the usage ledger, which hold the authority over keys and usage and which no
+# job may read); the demo key and the logs beside them. The demo key is made once and reused
+# while it is active in that ledger.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -32,8 +35,13 @@ stop() {
 trap 'stop; exit 0' INT TERM
 trap stop EXIT
 
-[ -s "$D/cluster.key" ] || "$PY" otela_node.py keygen --out "$D" >/dev/null
-export OTELA_KEY_FILE=$D/cluster.key OTELA_DB=$D/usage.sqlite
+mkdir -p -m 700 "$D/ingress"
+[ -s "$D/cluster/cluster.key" ] || "$PY" otela_node.py keygen --out "$D/cluster" >/dev/null
+if [ -e "$D/cluster/ingress.key" ]; then   # keygen writes it beside the cluster key: not its place
+  mv "$D/cluster/ingress.key" "$D/ingress/ingress.key"
+fi
+export OTELA_KEY_FILE=$D/cluster/cluster.key OTELA_INGRESS_KEY_FILE=$D/ingress/ingress.key \
+  OTELA_DB=$D/ingress/usage.sqlite
 "$PY" otela_ingress.py serve --listen "127.0.0.1:$PORT" --gossip "127.0.0.1:$GOSSIP" \
   > "$D/ingress.log" 2>&1 &
 pids+=($!)
