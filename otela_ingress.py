@@ -4784,14 +4784,15 @@ async function refresh() {
       counts[state] = (counts[state] || 0) + 1;
       if (suspected) counts.suspected = (counts.suspected || 0) + 1;
       const tr = document.createElement("tr");
-      if (suspected) tr.className = "suspected"; else if (sick.has(sid)) tr.className = "sick";
+      if (suspected) tr.className = "suspected"; else if (sick.has(sid) || r.unrouted) tr.className = "sick";
       cell(tr, sid.slice(0, 12)); cell(tr, state, state); cell(tr, r.role); cell(tr, r.owner);
       cell(tr, (r.models || []).join(", "));
       const hw = r.hardware || {};
       cell(tr, hw.gpu ? `${hw.count || 1} x ${hw.gpu}${hw.memory_gb ? " (" + hw.memory_gb + " GB)" : ""}` : "");
       cell(tr, Object.entries(r.labels || {}).map(([k, v]) => k + "=" + v).join(" "));
       cell(tr, r.addr);
-      cell(tr, suspected ? "suspected" : (sick.has(sid) ? "sick (out of rotation)" : "ok"));
+      cell(tr, suspected ? "suspected" : (sick.has(sid) ? "sick (out of rotation)"
+                                          : (r.unrouted ? "unrouted: " + r.unrouted : "ok")));
       const rt = (ingress.routing || {})[sid];
       cell(tr, rt && rt.prompt_tokens ? Math.round(100 * rt.cache_hit_rate) + " %" : "");
       cell(tr, rt ? rt.outstanding + " req, " + Math.round(rt.queued_prompt_tokens) + " tok" +

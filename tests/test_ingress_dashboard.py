@@ -4,9 +4,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 from test_ingress_support import Client, Stack
+
+import crdt
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -18,6 +21,18 @@ def test_dashboard_renders_sessions_and_usage_without_console_errors(tmp_path):
         serving, _ = stack.engine("m-dash", labels={"site": "lrz"}, hardware={"gpu": "H100", "count": 4})
         suspected, _ = stack.engine("m-dash")
         stack.call(stack.node.suspect, suspected)
+        ungranted, _ = stack.engine("m-dash")   # the others' grants from the login node; none for it
+        tier = crdt.Authority([b"i" * 32])
+
+        def grant(sid):
+            record = stack.node.registry.get(sid)
+            record.update(version=record["version"] + 1, grant=tier.issue(["m-dash"], {}, "1", time.time() + 600,
+                                                                           time.time())[0])
+            stack.node.registry.put(sid, record)
+            stack.node._changed(sid)
+        stack.call(stack.ingress.grants.use, tier)
+        for sid in (serving, suspected):
+            stack.call(grant, sid)
         client = Client(stack.url, stack.key())
         assert client.chat("m-dash")[0] == 200
         profile = tmp_path / "chromium-profile"
@@ -36,5 +51,6 @@ def test_dashboard_renders_sessions_and_usage_without_console_errors(tmp_path):
     assert done.returncode == 0, log[-2000:]
     assert serving[:12] in dom and suspected[:12] in dom
     assert "4 x H100" in dom and "site=lrz" in dom and "suspected" in dom
+    assert ungranted[:12] in dom and "unrouted: ungranted" in dom
     assert re.search(r"<td>m-dash</td><td>1</td>", dom), "the usage stats row is missing"
     assert re.search(r'id="status">updated ', dom), "the page did not finish a refresh"
