@@ -1013,6 +1013,15 @@ class UsageStats:
     def __init__(self, window: float = STATS_WINDOW_S):
         self.window = window
         self._samples: Dict[str, collections.deque] = {}
+        self._unserved: Dict[str, collections.deque] = {}   # catalogued model -> when nothing served it
+
+    def unserved(self, model: str, now: float) -> None:
+        """A request for a catalogued model that nothing serves (answered 503): demand all the same,
+        from which the placer starts its first instance."""
+        times = self._unserved.get(model)
+        if times is None:
+            times = self._unserved[model] = collections.deque(maxlen=STATS_MAX_SAMPLES)
+        times.append(now)
 
     def add(self, model: str, now: float, prompt_tokens: Optional[int], completion_tokens: int) -> None:
         samples = self._samples.get(model)
@@ -1035,6 +1044,12 @@ class UsageStats:
             models[model] = {"requests": n, "arrival_rate": n / span,
                              "input_tokens": _mean_std(known_inputs) if known_inputs else None,
                              "output_tokens": _mean_std([s[2] for s in samples])}
+        for model, times in self._unserved.items():
+            while times and times[0] < now - self.window:
+                times.popleft()
+            if times:
+                models.setdefault(model, {"requests": 0, "arrival_rate": 0.0, "input_tokens": None,
+                                          "output_tokens": None})["unserved"] = len(times)
         return {"window_s": self.window, "models": models}
 
 
@@ -1370,6 +1385,8 @@ GRANT_POLL_S = 0.25          # the --db's revocations read this often: seen at e
                              # second (a poll is one PRAGMA; a change, one small SELECT)
 RECENTLY_SERVED_S = 600.0    # a model served this recently is absent, not unknown: 503 and
                              # Retry-After while no session of it is reachable, never 404
+STARTING_RETRY_S = 30         # Retry-After for a catalogued model nothing serves yet: a cron pass, a
+                              # queue wait and a model load are minutes; a client polls gently
 DOUBT_S = 15.0               # an eviction of a session that answered here within this is doubted for
                              # as long: an evicted live node rejoins as a new session within a second
 ENDING_S = 120.0             # no new request to a session this close to its job's end (ends_at) while
@@ -3986,14 +4003,16 @@ class Ingress:
                  max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
                  require_code_hash: Optional[str] = None,
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
-                 warmup: Optional[float] = None, allow_ungranted: bool = False):
+                 warmup: Optional[float] = None, allow_ungranted: bool = False, catalogue: Sequence[str] = ()):
         """`require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. `warmup`: seconds
         after start during which, until a peer's record arrives, an unknown model is a 503
         (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole).
-        `allow_ungranted`: route to sessions without a grant too (see "Grants")."""
+        `allow_ungranted`: route to sessions without a grant too (see "Grants"). `catalogue`: the
+        models the site offers (its site file's): one that nothing serves yet is starting (503)."""
         self.node = node
         self.grants = Grants(None, allow_ungranted)   # the node's authority, once it has started (start)
+        self.catalogue = frozenset(catalogue)
         self.usage_days, self.usage_months = crdt.USAGE_RETENTION_DAYS, crdt.USAGE_RETENTION_MONTHS
         self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
@@ -4243,6 +4262,11 @@ class Ingress:
                 raise HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
                                      f"'{model}' may be served; retry", "no_healthy_provider",
                                 headers=[(b"retry-after", b"1")])
+            if not known and model in self.catalogue:   # offered, not yet served: the placer starts it
+                self.stats.unserved(model, time.time())
+                raise HTTPError(503, f"The model '{model}' is starting: the site offers it and no instance "
+                                     "serves it yet (the placer's next pass submits one); retry later",
+                                "model_starting", headers=[(b"retry-after", str(STARTING_RETRY_S).encode())])
             if not found and grants.was_served(model, now):   # absent, not unknown: it comes back
                 raise HTTPError(503, f"No session of '{model}' is reachable right now; it was served "
                                      f"{now - grants.served[model]:.0f} s ago: retry", "no_healthy_provider",
@@ -4878,7 +4902,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       cors_origins=args.cors_origin, max_connections=MAX_CONNECTIONS, max_body=MAX_BODY_BYTES,
-                      allow_ungranted=args.allow_ungranted)
+                      allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
     if not config.ingress_keys:
         print("otela-ingress: WARNING: without the ingress secret no grant can be checked: every session "
               "is routed on its own word (a compute job holding the cluster key can claim any model)",
@@ -4909,6 +4933,29 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     await ingress.stop(drain=DRAIN_S)
     await node.stop(leave=True)
     return 0
+
+
+def site_catalogue(path: Optional[str]) -> List[str]:
+    """The model and adapter names of a site file's catalogue (the rest is the placer's). Raises
+    ValueError naming the file and field."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as fh:
+            doc = crdt.loads(fh.read())
+    except OSError as exc:
+        raise ValueError(f"--site {path}: {exc.strerror}") from None
+    except ValueError:
+        raise ValueError(f"--site {path}: not JSON") from None
+    entries = doc.get("catalogue", []) if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"--site {path}: catalogue must be a list")
+    names = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise ValueError(f"--site {path}: catalogue[{i}].name must be a model name")
+        names.append(entry["name"])
+    return names
 
 
 def ingress_secrets(path: Optional[str], cluster_key_file: str) -> List[bytes]:
@@ -5011,6 +5058,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "valid key (Bearer, or the password of HTTP Basic: a browser asks for it on "
                             "/dashboard); by default they need none (env OTELA_REQUIRE_KEY_FOR_VIEWS: "
                             "1/true/yes/on or 0/false/no/off)")
+    serve.add_argument("--site", default=None, metavar="FILE",
+                       help="the site file the placer reads (otela_place.py --site): a request for a model "
+                            "of its catalogue that nothing serves yet gets 503 'starting' with Retry-After "
+                            "(not 404) and counts as demand in /v1/usage/stats (env OTELA_SITE)")
     serve.add_argument("--allow-ungranted", action="store_true",
                        help="route to worker sessions without a grant too (env OTELA_ALLOW_UNGRANTED; default: "
                             "only sessions whose grant, from `grant` or the placer, names the model). For the "

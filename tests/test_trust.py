@@ -281,3 +281,15 @@ def test_an_eviction_of_a_session_that_just_answered_is_doubted_and_it_keeps_ser
     stack.call(evict)
     assert [client.chat("m1")[0] for _ in range(5)] == [200] * 5 and engine.requests == 6
     assert stack.call(lambda: stack.ingress.doubted_total) == 1
+
+
+def test_a_catalogued_model_nothing_serves_is_starting_and_counts_as_demand(stack):
+    stack.ingress.catalogue = frozenset({"offered"})
+    client = Client(stack.url, stack.key())
+    for _ in range(3):
+        status, headers, body = client.chat("offered")
+        assert status == 503 and headers.get("retry-after") == "30"
+        assert json.loads(body)["error"]["code"] == "model_starting"
+    assert client.chat("not-offered")[0] == 404
+    stats = json.loads(client.request("GET", "/v1/usage/stats")[2])
+    assert stats["models"]["offered"]["unserved"] == 3 and "not-offered" not in stats["models"]
