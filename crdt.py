@@ -618,6 +618,7 @@ class Authority:
         self.secrets = [bytes(s) for s in secrets_]
         if not self.secrets or any(len(s) < 16 for s in self.secrets):
             raise ValueError("the ingress tier needs at least one secret of 16 bytes or more")
+        self._granted: Dict[bytes, bytes] = {}   # a verified grant's encoding -> its key
 
     def _tag(self, secret: bytes, entry_id: str, record: Dict[str, Any]) -> str:
         data = b"otela-entry\0" + entry_id.encode() + b"\0" + encode(unsigned(record))
@@ -657,13 +658,22 @@ class Authority:
         return grant, self._grant_secret(self.secrets[0], grant["id"])
 
     def grant_key(self, grant: Dict[str, Any]) -> Optional[bytes]:
-        """The key of a grant this tier issued (under any of its secrets), or None."""
+        """The key of a grant this tier issued (under any of its secrets), or None. Grants that
+        verified are remembered by their whole encoding (a session's records carry the same grant
+        at every write): one lookup instead of two HMACs."""
         mac = grant.get("mac")
         if not isinstance(mac, str):
             return None
+        encoded = encode(grant)
+        key = self._granted.get(encoded)
+        if key is not None:
+            return key
         for secret in self.secrets:
             if hmac.compare_digest(self._grant_mac(secret, grant), mac):
-                return self._grant_secret(secret, grant["id"])
+                if len(self._granted) >= MAX_SESSIONS:   # bounded: a grant per live session
+                    self._granted.clear()
+                key = self._granted[encoded] = self._grant_secret(secret, grant["id"])
+                return key
         return None
 
     def binding_keys(self, session_id: str, record: Dict[str, Any]) -> Optional[List[bytes]]:
