@@ -418,3 +418,26 @@ def test_a_worker_over_the_record_bound_publishes_fewer_prefixes_and_ends_among_
     fields = Worker.written[0]
     assert 0 < len(decode_prefixes(fields["prefixes"])) <= 20
     assert 0 < fields["prefix_ends"] <= len(decode_prefixes(fields["prefixes"]))
+
+
+def test_a_job_that_knows_a_system_prompt_cannot_claim_it_with_the_cluster_key():
+    """A compute job publishes the anchors of an application's system prompt, hashed as it can
+    (under the cluster key): the ingress hashes under the ingress tier's secret, so the claim
+    matches nothing and the application's requests go where they would without it. (Hashed under
+    the ingress's own key, as before this release, the same claim draws every one of them.)"""
+    system = words(400, 77)
+    requests = [chat(system, words(20, 100 + i)) for i in range(30)]
+
+    def run(claim_key):
+        policy, registry, candidates = policy_with([f"s{i}" for i in range(3)])
+        if claim_key is not None:
+            forged = PrefixSummary()
+            for i in range(20):
+                forged.add(prefix_anchors(prompt_chain(prompt_text(chat(system, words(20, i))), claim_key)))
+            text, ends = forged.published()
+            registry["s0"] = dict(registry["s0"], prefixes=text, prefix_ends=ends)
+        return [serve(policy, candidates, body).session for body in requests]
+    baseline = run(None)
+    assert baseline.count("s0") == 0
+    assert run(prefix_key(b"c" * 32)) == baseline       # what any holder of cluster.key derives
+    assert run(KEY).count("s0") == 30                   # the ingress's own key: the claim would win
