@@ -646,10 +646,13 @@ class Authority:
         return hmac.new(secret, b"otela-grant-key\0" + grant_id.encode(), hashlib.sha256).digest()
 
     def issue(self, models: Iterable[str], labels: Mapping[str, str], job: str, until: float,
-              now: float) -> Tuple[Dict[str, Any], bytes]:
-        """A new grant and its key (the key goes to the job alone). Raises RecordError."""
+              now: float, tls: Optional[str] = None) -> Tuple[Dict[str, Any], bytes]:
+        """A new grant and its key (the key goes to the job alone); `tls`: the fingerprint of the
+        job's own tunnel certificate, which ingresses then pin. Raises RecordError."""
         grant: Dict[str, Any] = {"id": secrets.token_hex(GRANT_ID_HEX // 2), "models": sorted(set(models)),
                                  "labels": dict(labels), "job": str(job), "issued": now, "until": until}
+        if tls is not None:
+            grant["tls"] = tls
         check_grant(grant)
         grant["mac"] = self._grant_mac(self.secrets[0], grant)
         if len(encode(grant)) > MAX_RECORD_BYTES // 2:
@@ -768,8 +771,9 @@ def check_grant(grant: Any, where: str = "grant") -> None:
     for field in ("issued", "until"):
         if not _is_number(grant.get(field)):
             raise RecordError(f"{where}: {field} must be a finite number (unix time)")
-    if "mac" in grant and not (isinstance(grant["mac"], str) and _SIG.match(grant["mac"])):
-        raise RecordError(f"{where}: mac must be {SIG_LEN} hex digits")
+    for field in ("mac", "tls"):   # tls: the sha256 of the job's own tunnel certificate
+        if field in grant and not (isinstance(grant[field], str) and _SIG.match(grant[field])):
+            raise RecordError(f"{where}: {field} must be {SIG_LEN} hex digits")
 
 
 def _bind_tag(key: bytes, session_id: str, record: Dict[str, Any]) -> str:

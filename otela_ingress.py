@@ -1479,10 +1479,18 @@ class Grants:
 
 
 def grant_file(authority: crdt.Authority, models: Sequence[str], labels: Dict[str, str], job: str,
-               until: float, now: float) -> bytes:
-    """The file a job reads with `otela_node.py start --grant-file`: its grant and the grant's key."""
-    grant, key = authority.issue(models, labels, job, until, now)
-    return crdt.dumps({"grant": grant, "key": key.hex()}) + b"\n"
+               until: float, now: float, key_file: str = "") -> bytes:
+    """The file a job reads with `otela_node.py start --grant-file`: its grant, the grant's key
+    and, where the cluster's TLS pair is beside `key_file`, a tunnel certificate of the job's own
+    that the grant pins (an ingress then talks to that job alone, whoever else holds the pair)."""
+    tls = otela_node.job_certificate(key_file, until, now) \
+        if key_file and otela_node.find_tunnel_tls(key_file)[0] else None
+    grant, key = authority.issue(models, labels, job, until, now,
+                                 otela_node.certificate_fingerprint(tls[0]) if tls else None)
+    data = {"grant": grant, "key": key.hex()}
+    if tls:
+        data.update(cert=tls[0].decode(), tls_key=tls[1].decode())
+    return crdt.dumps(data) + b"\n"
 
 
 def store_revocation(db: sqlite3.Connection, target: str, now: float) -> str:
@@ -1504,12 +1512,14 @@ def load_revocations(db: sqlite3.Connection) -> List[Tuple[str, float]]:
 class Candidate:
     """A session that may serve a request: its id, its record and a hardware weight."""
 
-    __slots__ = ("session", "session_bytes", "record", "addr", "weight")
+    __slots__ = ("session", "session_bytes", "record", "addr", "weight", "pin")
 
     def __init__(self, session: str, record: Dict[str, Any]):
         self.session, self.session_bytes, self.record = session, session.encode(), record
         self.addr = record.get("addr", "")
         self.weight = hardware_weight(record)
+        grant = record.get("grant")   # the tunnel certificate its grant names (UpstreamPool.acquire)
+        self.pin = grant.get("tls") if isinstance(grant, dict) else None
 
     def __repr__(self) -> str:
         return f"Candidate({self.session[:8]}, {self.addr}, w={self.weight:g})"
@@ -2508,10 +2518,10 @@ class _UpstreamProtocol(asyncio.Protocol):
 class Upstream:
     """One kept-alive connection to a provider, and the reader of its responses."""
 
-    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "body", "keep_alive")
+    __slots__ = ("addr", "transport", "proto", "reused", "last", "buf", "body", "keep_alive", "pin")
 
-    def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol):
-        self.addr, self.transport, self.proto = addr, transport, proto
+    def __init__(self, addr: str, transport: Any, proto: _UpstreamProtocol, pin: Optional[str] = None):
+        self.addr, self.transport, self.proto, self.pin = addr, transport, proto, pin
         self.reused = False
         self.last = time.monotonic()
         self.buf = proto.buf      # the protocol appends what arrives
@@ -2610,15 +2620,16 @@ class UpstreamPool:
         self._tls_options = {"ssl": tls, "server_hostname": otela_node.TLS_SERVER_NAME,
                              "ssl_handshake_timeout": UPSTREAM_CONNECT_TIMEOUT_S} if tls is not None else {}
         self._idle: Dict[str, List[Upstream]] = {}
+        self.impostors = 0   # connections cut: the certificate was not the one the session's grant pins
         self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
         self._retiring: set = set()   # in use on a path a better one replaced: closed when released
 
-    def take_idle(self, addr: str) -> Optional[Upstream]:
-        """A kept-alive connection to addr, or None."""
+    def take_idle(self, addr: str, pin: Optional[str] = None) -> Optional[Upstream]:
+        """A kept-alive connection to addr (that showed the certificate `pin` names), or None."""
         idle = self._idle.get(addr)
         while idle:
             up = idle.pop()
-            if not up.transport.is_closing() and not up.proto.eof:
+            if not up.transport.is_closing() and not up.proto.eof and up.pin == pin:
                 up.reused = True
                 up.last = time.monotonic()
                 self.active.add(up)
@@ -2626,8 +2637,10 @@ class UpstreamPool:
             up.close()
         return None
 
-    async def acquire(self, addr: str, fresh: bool = False) -> Upstream:
-        up = None if fresh else self.take_idle(addr)
+    async def acquire(self, addr: str, fresh: bool = False, pin: Optional[str] = None) -> Upstream:
+        """A connection to addr; `pin`: the sha256 of the certificate its session's grant names,
+        which the node must show (anything else, though the cluster's pair signed it, is cut)."""
+        up = None if fresh else self.take_idle(addr, pin)
         if up is not None:
             return up
         host, _, port = addr.rpartition(":")
@@ -2642,7 +2655,14 @@ class UpstreamPool:
             transport, proto = await asyncio.wait_for(connect, UPSTREAM_CONNECT_TIMEOUT_S)
         except (OSError, ValueError, RuntimeError, asyncio.TimeoutError) as exc:   # RuntimeError: uvloop's
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
-        up = Upstream(addr, transport, proto)   # asyncio and uvloop set TCP_NODELAY themselves
+        if pin is not None and self.ssl is not None:
+            tls = transport.get_extra_info("ssl_object")
+            shown = tls.getpeercert(binary_form=True) if tls is not None else None
+            if shown is None or otela_node.certificate_fingerprint(shown) != pin:
+                transport.abort()
+                self.impostors += 1
+                raise UpstreamFailure(f"{addr}: the node showed another tunnel certificate than its grant names")
+        up = Upstream(addr, transport, proto, pin)   # asyncio and uvloop set TCP_NODELAY themselves
         self.active.add(up)
         return up
 
@@ -3741,9 +3761,9 @@ class _Exchange:
         """Send this attempt on a kept-alive connection to its session, or on a new one once it
         is open (_connected)."""
         pool = self.ingress.pool
-        up = None if fresh else pool.take_idle(candidate.addr)
+        up = None if fresh else pool.take_idle(candidate.addr, candidate.pin)
         if up is None:
-            connecting = self.connecting = asyncio.ensure_future(pool.acquire(candidate.addr, True))
+            connecting = self.connecting = asyncio.ensure_future(pool.acquire(candidate.addr, True, candidate.pin))
             connecting.add_done_callback(functools.partial(self._connected, candidate))
             return
         self._send_on(candidate, up)
@@ -4462,7 +4482,7 @@ class Ingress:
             if tag:
                 client.tag(fields)
             raise
-        up = self.pool.take_idle(candidate.addr)
+        up = self.pool.take_idle(candidate.addr, candidate.pin)
         if up is not None and self.pool.send_request(up, path, routed.stream, body, routed) is not None:
             up = None   # a pooled connection closed under us: a fresh one, no failure
         if tag:
@@ -4695,6 +4715,9 @@ class Ingress:
                                    ledger.pending() if ledger is not None else 0,
                                    ledger.rows_dropped if ledger is not None else 0)
         body += overlay_metrics(self.node) + routing_metrics(self.routing_stats())
+        body += (f"# HELP otela_tunnel_impostors_total Connections cut because the node showed another tunnel "
+                 f"certificate than its session's grant pins.\n# TYPE otela_tunnel_impostors_total counter\n"
+                 f"otela_tunnel_impostors_total {self.pool.impostors}\n").encode()
         body += (f"# HELP otela_evictions_doubted_total Evictions of sessions that had answered here moments "
                  f"before, not believed for {DOUBT_S:g} s.\n# TYPE otela_evictions_doubted_total counter\n"
                  f"otela_evictions_doubted_total {self.doubted_total}\n").encode()
@@ -5216,8 +5239,8 @@ def _grant_command(args: argparse.Namespace) -> int:
         labels[key] = value
     until = parse_expiry(args.until, now)
     try:
-        data = grant_file(crdt.Authority(ring), args.model, labels, args.job, until, now)
-    except crdt.RecordError as exc:
+        data = grant_file(crdt.Authority(ring), args.model, labels, args.job, until, now, args.key_file or "")
+    except (crdt.RecordError, otela_node.ConfigError) as exc:
         raise ValueError(f"grant: {exc}") from None
     if args.out is None:
         sys.stdout.write(data.decode())

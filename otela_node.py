@@ -214,6 +214,7 @@ class Config:
                                     # secrets (ingress hosts only; the first signs): see crdt.Authority
     grant: Optional[Dict[str, Any]] = None   # this job's grant from the login node (--grant-file):
     grant_key: bytes = b""          # ... and its key, which binds our records (crdt, "Records bound")
+    job_tls: Optional[Tuple[bytes, bytes]] = None   # ... and the tunnel certificate and key it pins
 
     # -- wire --
     replay_window: float = 30.0     # accepted clock skew; NTP keeps cluster nodes within ms
@@ -388,9 +389,10 @@ def job_end(env: Dict[str, str], grant: Optional[Dict[str, Any]]) -> Optional[fl
     return min(ends) if ends else None
 
 
-def load_grant(path: str) -> Tuple[Dict[str, Any], bytes]:
-    """This job's grant and its key, from the file `otela_ingress.py grant` wrote (a JSON object
-    {"grant": {...}, "key": "<64 hex>"}); refuses a file others can read, as a key file."""
+def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, bytes]]]:
+    """This job's grant, its key and its tunnel certificate and key (None for a grant that pins
+    none), from the file `otela_ingress.py grant` wrote (a JSON object {"grant": {...}, "key":
+    "<64 hex>", "cert": PEM, "tls_key": PEM}); refuses a file others can read, as a key file."""
     try:
         st = os.stat(path)
         with open(path, "rb") as fh:
@@ -413,7 +415,18 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes]:
         raise ConfigError(f"grant {path}: key must be hex") from None
     if len(key) != 32 or "mac" not in data["grant"]:
         raise ConfigError(f"grant {path}: key must be 64 hex digits and the grant signed (mac)")
-    return data["grant"], key
+    pin = data["grant"].get("tls")
+    if pin is None:
+        return data["grant"], key, None
+    cert, tls_key = data.get("cert"), data.get("tls_key")
+    if not isinstance(cert, str) or not isinstance(tls_key, str):
+        raise ConfigError(f"grant {path} pins a tunnel certificate but holds none (cert, tls_key)")
+    try:
+        if certificate_fingerprint(cert) != pin:
+            raise ConfigError(f"grant {path}: its certificate is not the one the grant pins")
+    except ValueError:
+        raise ConfigError(f"grant {path}: cert is not a PEM certificate") from None
+    return data["grant"], key, (cert.encode(), tls_key.encode())
 
 
 def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
@@ -2599,7 +2612,10 @@ def tunnel_tls(config: Config) -> Tuple[Optional[ssl.SSLContext], Optional[ssl.S
         ctx = ssl.SSLContext(purpose)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         try:
-            ctx.load_cert_chain(config.tls_cert, config.tls_key)
+            if purpose == ssl.PROTOCOL_TLS_SERVER and config.job_tls is not None:
+                _load_job_pair(ctx, *config.job_tls)   # our grant's own: what an ingress pins
+            else:
+                ctx.load_cert_chain(config.tls_cert, config.tls_key)
             ctx.load_verify_locations(cafile=config.tls_cert)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"cannot load the cluster certificate {config.tls_cert}: {exc}") from None
@@ -2607,6 +2623,16 @@ def tunnel_tls(config: Config) -> Tuple[Optional[ssl.SSLContext], Optional[ssl.S
         ctx.verify_mode = ssl.CERT_REQUIRED         # mutual: the ingress shows it too
         contexts.append(ctx)
     return contexts[0], contexts[1]
+
+
+def _load_job_pair(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """The job's certificate and key (from its grant file) into `ctx`: ssl reads only files, so
+    they pass through a folder of our own, gone once read."""
+    with tempfile.TemporaryDirectory() as tmp:
+        crt, tls_key = os.path.join(tmp, "job.crt"), os.path.join(tmp, "job.key")
+        _write_private(crt, cert)
+        _write_private(tls_key, key)
+        ctx.load_cert_chain(crt, tls_key)
 
 
 def find_tunnel_tls(key_file: str) -> Tuple[str, str]:
@@ -6663,6 +6689,41 @@ def rotate_tunnel_tls(out_dir: str, step: str) -> List[str]:
     return [crt, tls_key]
 
 
+def job_certificate(key_file: str, until: float, now: float) -> Tuple[bytes, bytes]:
+    """A tunnel certificate of one job's own and its key (PEM), signed by the cluster's TLS pair
+    beside `key_file` (the one in use): every member's trust in the cluster's certificate takes
+    it, and its fingerprint in the job's grant (`certificate_fingerprint`) tells it from anything
+    another holder of the cluster's pair could show. Raises ConfigError without the pair or openssl."""
+    crt, tls_key = find_tunnel_tls(key_file)
+    if not crt:
+        raise ConfigError(f"no cluster certificate beside {key_file} (keygen where openssl is installed)")
+    days = str(max(1, math.ceil((until - now) / 86400.0) + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        ca_crt, ca_key = os.path.join(tmp, "ca.crt"), os.path.join(tmp, "ca.key")
+        _write_private(ca_crt, _pem_blocks(crt, b"CERTIFICATE")[0])
+        _write_private(ca_key, _pem_blocks(tls_key, b"PRIVATE KEY")[0])
+        job_key, csr, job_crt = (os.path.join(tmp, n) for n in ("job.key", "job.csr", "job.crt"))
+        try:
+            subprocess.run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                            "-nodes", "-keyout", job_key, "-out", csr, "-subj", "/CN=otela-job"],   # (not the
+                                                                # issuer's name: it would read as self-signed)
+                           check=True, capture_output=True, timeout=60)
+            subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca_crt, "-CAkey", ca_key, "-set_serial",
+                            str(secrets.randbits(63)), "-days", days, "-out", job_crt],
+                           check=True, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ConfigError(f"cannot make the job's tunnel certificate with openssl: {exc}") from None
+        with open(job_crt, "rb") as fh, open(job_key, "rb") as kh:
+            return fh.read(), kh.read()
+
+
+def certificate_fingerprint(cert: Union[bytes, str]) -> str:
+    """The sha256 of a certificate (PEM, or DER bytes), in hex: what a grant pins."""
+    der = ssl.PEM_cert_to_DER_cert(cert if isinstance(cert, str) else cert.decode()) \
+        if (cert if isinstance(cert, str) else cert[:5].decode("latin-1")).startswith("-----") else cert
+    return hashlib.sha256(der).hexdigest()
+
+
 def _new_tunnel_pair(crt: str, tls_key: str) -> None:
     """A self-signed certificate for the tunnel and its key (openssl; raises OSError or
     SubprocessError without it)."""
@@ -6920,7 +6981,7 @@ def main(argv=None) -> int:
             install_event_loop()
             return asyncio.run(run_relay(config))
         if args.grant_file:
-            config.grant, config.grant_key = load_grant(args.grant_file)
+            config.grant, config.grant_key, config.job_tls = load_grant(args.grant_file)
             if time.time() >= config.grant["until"]:
                 raise ConfigError(f"grant {args.grant_file} ended at {time.ctime(config.grant['until'])}: "
                                   "ask for a new one")

@@ -292,7 +292,7 @@ class Cluster:
         if secrets_ and root is None and granted:   # (a node of a release before grants takes none)
             with open(os.open(grant, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
                 fh.write(otela_ingress.grant_file(crdt.Authority(secrets_), [model], dict(
-                    label.split("=", 1) for label in labels), name, time.time() + 3600, time.time()))
+                    label.split("=", 1) for label in labels), name, time.time() + 3600, time.time(), self.key_file))
             argv += ["--grant-file", grant]
         before = self.serving(model)
         self.nodes[name] = self._spawn(name, argv)

@@ -293,3 +293,44 @@ def test_a_catalogued_model_nothing_serves_is_starting_and_counts_as_demand(stac
     assert client.chat("not-offered")[0] == 404
     stats = json.loads(client.request("GET", "/v1/usage/stats")[2])
     assert stats["models"]["offered"]["unserved"] == 3 and "not-offered" not in stats["models"]
+
+
+def test_an_ingress_talks_only_to_the_job_whose_grant_pins_the_certificate(tmp_path):
+    """Every member holds the cluster's TLS pair, so anything listening at a granted session's
+    address (a job squatting the port of one that died) would pass the cluster's pinned
+    handshake; the job's own certificate, pinned by its grant, does not let it."""
+    import asyncio
+    import ssl
+
+    import otela_ingress
+    import otela_node as on
+    key_file = on.keygen(str(tmp_path / "keys"))[0]
+    config = on.Config(key=b"k" * 32)
+    config.tls_cert, config.tls_key = on.find_tunnel_tls(key_file)
+    cert, key = on.job_certificate(key_file, time.time() + 3600, time.time())
+    pin = on.certificate_fingerprint(cert)
+    impostor_ctx, client_ctx = on.tunnel_tls(config)          # what any job can show
+    config.job_tls = (cert, key)
+    genuine_ctx, _ = on.tunnel_tls(config)                     # what the granted job shows
+
+    async def run():
+        async def answer(reader, writer):
+            writer.close()
+        results = []
+        for ctx in (genuine_ctx, impostor_ctx):
+            server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=ctx)
+            addr = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            pool = otela_ingress.UpstreamPool(client_ctx)
+            try:
+                up = await pool.acquire(addr, True, pin)
+                results.append(("connected", up.pin))
+                up.close()
+            except otela_ingress.UpstreamFailure as exc:
+                results.append(("refused", str(exc)))
+            results.append(pool.impostors)
+            server.close()
+        return results
+    genuine, genuine_cut, impostor, impostor_cut = asyncio.run(run())
+    assert genuine == ("connected", pin) and genuine_cut == 0
+    assert impostor[0] == "refused" and "certificate" in impostor[1] and impostor_cut == 1
+    assert isinstance(client_ctx, ssl.SSLContext)
