@@ -84,7 +84,8 @@ def test_rendered_script_hands_the_node_exactly_the_planned_values(tmp_path):
     assert argv[0] == "start"
     assert argv[argv.index("--bootstrap") + 1] == "a b'c:1"
     assert argv[argv.index("--process") + 1] == \
-        "vllm serve meta-llama/Llama-2-13b-hf --tensor-parallel-size 4 --host 127.0.0.1 --port {port}"
+        ("vllm serve meta-llama/Llama-2-13b-hf --served-model-name meta-llama/Llama-2-13b-hf "
+         "--tensor-parallel-size 4 --host 127.0.0.1 --port {port}")
     labels = [argv[i + 1] for i, a in enumerate(argv) if a == "--label"]
     assert labels == ["slurm_job=4242", "otela.model=meta-llama/Llama-2-13b-hf",
                       "otela.gpu=A100-80GB-SXM4", "otela.tp=4"]
@@ -249,6 +250,7 @@ def test_reconcile_cancels_every_job_of_a_model_no_longer_planned():
     jobs = [{"id": "7", "state": "RUNNING", "key": ("old", "A", 2)}]
     assert place.reconcile_actions(row(0), jobs) == {"submit": {}, "cancel": ["7"], "hard_cancel": [],
                                                      "have": {("old", "A", 2): 1}, "want": {}, "duplicates": [],
+                                                     "ending": [], "successors": {},
                                                      "slots": {("old", "A", 2): set()}}
 
 
