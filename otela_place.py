@@ -1951,7 +1951,7 @@ def catalogue_bounds(rows, site, scenario, kept=()):
             continue
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: -r["tp"])
         have = sum(r["instances"] for r in mine)
-        over = have - entry.get("max", have)
+        over = max(0, have - entry.get("max", have))
         if over > 0 or have < entry.get("min", 0):
             changed.add(name)
         for r in mine:
@@ -2044,7 +2044,9 @@ def job_scripts(rows, site, template, sbatch_vars):
     texts, scripts = {}, []
     types = {g["type"]: g for g in site["gpus"] if "type" in g}
     catalogue, adapters = catalogue_of(site), adapters_of(site)
-    setup = site["setup"] + [f"export {k}={shlex.quote(_home(v))}" for k, v in site["engine_env"].items()]
+    # `module load` and activate scripts read unset variables: the template's `set -u` is off for them
+    setup = (["set +u"] + site["setup"] + ["set -u"] if site["setup"] else []) + \
+        [f"export {k}={shlex.quote(_home(v))}" for k, v in site["engine_env"].items()]
     for r in rows:
         key = (r["model"], r["gpu"], r["tp"])
         gpu, entry = types.get(r["gpu"], {}), catalogue.get(r["model"], {})
