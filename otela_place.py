@@ -1935,6 +1935,16 @@ def fold_adapters(workload, adapters):
     return list(by_model.values())
 
 
+def _may_fit(config, gpu, tp):
+    """memory_fits on a GPU the simulator knows; on one it does not (a site's own name), the
+    smallest tp the heads allow is the operator's to size."""
+    try:
+        otela_sim.resolve_gpu(gpu)
+    except otela_sim.SimError:
+        return True
+    return memory_fits(config, gpu, tp)
+
+
 def catalogue_bounds(rows, site, scenario, kept=()):
     """Plan rows within each catalogue model's min and max instances: a model over its max
     loses instances (the rows of the most GPUs each first), one under its min (demand or not:
@@ -1963,7 +1973,7 @@ def catalogue_bounds(rows, site, scenario, kept=()):
         config = scenario["models"].get(name)
         while short > 0 and config is not None:
             fits = [(tp, g) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
-                    if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and memory_fits(config, g, tp)]
+                    if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
             if not fits:
                 notes.append(f"model {name}: min {entry['min']} instances, but no free GPUs fit one more")
                 break
@@ -2673,7 +2683,8 @@ class CronReclaim:
                                  "why": f"no other model needs its {g} GPUs"})
         if submit:
             changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
-            for m in changed:
+            for m in changed:   # a model with no demand (a catalogue's min) has no entry yet
+                self.state["models"].setdefault(m, {"below_since": None, "last_change": None, "history": []})
                 self.state["models"][m]["last_change"] = self.now
         gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
         return gated, {"held": held, "reclaimed": reclaimed}
