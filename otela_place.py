@@ -1602,19 +1602,21 @@ def _parse_comment(comment):
 
 
 def parse_squeue(text):
-    """Our jobs from `squeue --me -h -o '%i %T %j %e %k'` (or without %e, or '%i %T %k'):
-    [{id, state, key, draining_since, name, ends_at}] (others skipped). A job being drained
-    carries "otela-drain|EPOCH|MODEL|GPU|TP"; name is the job name (its slot, see reconcile)
-    or None; ends_at the end of a running job's time limit (unix seconds) or None."""
+    """Our jobs from `squeue --me -h -o '%i %T %j %S %e %k'` (or '%i %T %j %k', '%i %T %k'):
+    [{id, state, key, draining_since, name, starts_at, ends_at}] (others skipped). A job being
+    drained carries "otela-drain|EPOCH|MODEL|GPU|TP"; name is the job name (its slot, see
+    reconcile) or None; starts_at and ends_at the start and the end of its time limit (unix
+    seconds) or None (a pending job's are estimates)."""
     jobs = []
     for line in text.splitlines():
         parts = line.split()   # our comments and job names hold no blanks
         parsed = _parse_comment(parts[-1]) if len(parts) >= 3 else None
         if parsed is None:
             continue
-        ends_at = _slurm_time(parts[3]) if len(parts) >= 5 else None
+        times = [_slurm_time(t) for t in parts[3:-1]][-2:]
         jobs.append({"id": parts[0], "state": parts[1], "key": parsed[0], "draining_since": parsed[1],
-                     "name": parts[2] if len(parts) >= 4 else None, "ends_at": ends_at})
+                     "name": parts[2] if len(parts) >= 4 else None,
+                     "starts_at": times[0] if len(times) == 2 else None, "ends_at": times[-1] if times else None})
     return jobs
 
 
@@ -1631,7 +1633,7 @@ LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED", 
 
 
 def slurm_jobs():
-    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %j %e %k"])
+    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %j %S %e %k"])
     return [j for j in parse_squeue(out) if j["state"] in LIVE_JOB_STATES]
 
 
@@ -1704,7 +1706,7 @@ ADAPTER_ARGS = {
 
 
 def _site_error(path, field, why):
-    return PlacementError(f"{path}: {field}: {why}")
+    return PlacementError(f"{path}: {field if field.isprintable() else json.dumps(field)}: {why}")
 
 
 KIND_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
@@ -2210,8 +2212,13 @@ def session_key(session):
 
 
 def ending(job_or_session, now, lead_s):
-    """Whether a running job (or a live session) ends within lead_s: its successor is due."""
+    """Whether a running job (or a live session) ends within lead_s: its successor is due. A
+    job is never ending in the first half of its time limit, so a lead longer than the limit
+    cannot make every successor due at once, one after another."""
     ends_at = _number_or_none(job_or_session.get("ends_at"))
+    starts_at = _number_or_none(job_or_session.get("starts_at"))
+    if starts_at is not None and ends_at is not None:
+        lead_s = min(lead_s, (ends_at - starts_at) / 2)
     return ends_at is not None and ends_at - now <= lead_s and job_or_session.get("state") != "PENDING"
 
 

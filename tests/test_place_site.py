@@ -452,10 +452,16 @@ def test_a_session_near_its_end_is_no_instance_either():
 
 
 def test_squeue_end_times_are_read_for_running_jobs():
-    jobs = place.parse_squeue("7 RUNNING otela-m-a-tp1-0 2026-12-07T04:40:00 otela|m|A|1\n"
-                              "8 PENDING otela-m-a-tp1-1 N/A otela|m|A|1\n")
+    jobs = place.parse_squeue("7 RUNNING otela-m-a-tp1-0 2026-12-07T00:40:00 2026-12-07T04:40:00 otela|m|A|1\n"
+                              "8 PENDING otela-m-a-tp1-1 N/A N/A otela|m|A|1\n")
     assert jobs[0]["ends_at"] == place.time.mktime((2026, 12, 7, 4, 40, 0, 0, 0, -1))
+    assert jobs[0]["ends_at"] - jobs[0]["starts_at"] == 4 * 3600
     assert jobs[1]["ends_at"] is None and jobs[1]["name"] == "otela-m-a-tp1-1"
+
+
+def test_a_lead_longer_than_half_a_jobs_time_limit_waits_for_its_second_half():
+    job = {"state": "RUNNING", "starts_at": 0.0, "ends_at": 600.0}
+    assert not place.ending(job, now=299, lead_s=3600) and place.ending(job, now=301, lead_s=3600)
 
 
 def test_sinfo_partitions_come_with_the_gpus_and_the_site_adds_its_settings():

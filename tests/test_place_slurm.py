@@ -382,12 +382,13 @@ def test_a_job_whose_python_is_too_old_says_so_in_its_log_with_its_job_id(partit
 
 def test_a_successor_starts_beside_a_job_near_its_time_limit_and_the_slot_stays_once(partition, tmp_path):
     _cancel_ours()
-    # a 3-minute job is within 175 s of its end 5 s after it started: the next run's successor
-    # must run beside it (its singleton may not wait for the predecessor)
-    site = fresh_site(tmp_path, partition, successor_lead_s=175)
+    # a 1-minute job is ending in its second half (the lead of 175 s is capped at half its time
+    # limit): the next run's successor must run beside it (its singleton may not wait for it)
+    site = fresh_site(tmp_path, partition, successor_lead_s=175, gpu={"time_limit": "1"})
     first = json.loads(site_plan(tmp_path, site).stdout)["reconcile"]
     _wait(lambda: [j["state"] for j in our_jobs()] == ["RUNNING"], "the first job did not start")
-    time.sleep(6)
+    assert json.loads(site_plan(tmp_path, site).stdout)["reconcile"]["ending"] == []
+    time.sleep(max(0.0, our_jobs()[0]["starts_at"] + 31 - time.time()))
     second = site_plan(tmp_path, site)
     assert second.returncode == 0, second.stderr
     report = json.loads(second.stdout)["reconcile"]
