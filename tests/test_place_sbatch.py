@@ -161,6 +161,32 @@ def test_login_node_place_runs_the_cron_plan_with_lock_and_state_next_to_it(tmp_
     assert argv[argv.index("--emit-sbatch") + 1] == state + "/jobs" and argv[-2:] == ["--cooldown", "300"]
 
 
+def test_login_node_place_reads_the_site_file_in_its_state_folder_and_leaves_the_logs_to_it(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "site.json").write_text("{}")
+    argv = json.loads(login_node(tmp_path, "place").stdout.strip().splitlines()[-1])
+    assert argv[argv.index("--site") + 1] == str(tmp_path / "state" / "site.json")
+    assert not any(a.startswith("LOG_DIR=") for a in argv) and not any(a.startswith("PYTHON=") for a in argv)
+
+
+def test_login_node_scrontab_prints_a_line_that_runs_the_placer_against_this_login_node(tmp_path):
+    out = login_node(tmp_path, "scrontab")
+    assert out.returncode == 0, out.stderr
+    options, line = out.stdout.splitlines()
+    assert options == "#SCRON --job-name=otela-place --time=00:10:00"
+    fields = line.split(None, 5)
+    assert fields[:5] == ["*/5", "*", "*", "*", "*"]
+    # scrontab runs the line's command in a job on another node: run it as that job would
+    ran = subprocess.run(["bash", "-c", fields[5]], capture_output=True, text=True, timeout=30,
+                         env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    assert ran.returncode == 0, ran.stderr
+    argv = json.loads(ran.stdout.strip().splitlines()[-1])
+    host = subprocess.run(["hostname", "-f"], capture_output=True, text=True).stdout.strip()
+    assert argv[argv.index("--from-ingress") + 1] == f"http://{host}:8089"
+    assert f"BOOTSTRAP={host}:7946" in argv and argv[argv.index("--lock") + 1] == f"{tmp_path}/state/place.lock"
+    assert argv[0].endswith("otela_place.py") and "--submit" in argv
+
+
 def test_kubernetes_manifest_runs_the_same_node_with_a_grace_period():
     with open(os.path.join(SBATCH, "k8s-node.yaml")) as f:
         text = f.read()
