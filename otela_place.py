@@ -2232,7 +2232,8 @@ def reconcile_actions(rows, jobs, sessions=(), now=None, lead_s=SUCCESSOR_LEAD_S
     ours = {j["id"] for j in jobs}
     now = time.time() if now is None else now
     jobs = [j for j in jobs if j["key"][0] not in kept]
-    ends = [j for j in jobs if j.get("draining_since") is None and ending(j, now, lead_s)]
+    # (a job of a model the plan no longer wants is no successor's predecessor: it is cancelled)
+    ends = [j for j in jobs if j.get("draining_since") is None and ending(j, now, lead_s) and want.get(j["key"])]
     jobs = [j for j in jobs if j not in ends]
     duplicates = duplicate_jobs(jobs)
     jobs = [j for j in jobs if j["id"] not in duplicates]

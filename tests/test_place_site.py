@@ -444,6 +444,12 @@ def test_a_job_near_its_end_gets_a_successor_and_counts_for_nothing():
     assert due["cancel"] == [] and due["duplicates"] == []
 
 
+def test_a_job_near_its_end_of_a_model_no_longer_wanted_is_cancelled_not_succeeded():
+    jobs = [{"id": "7", "state": "RUNNING", "key": ("m", "A", 1), "name": "otela-m-a-tp1-0", "ends_at": 1000.0}]
+    actions = place.reconcile_actions([], jobs, now=900.0, lead_s=600)
+    assert actions["cancel"] == ["7"] and actions["ending"] == [] and actions["submit"] == {}
+
+
 def test_a_session_near_its_end_is_no_instance_either():
     rows = [{"model": "m", "gpu": "A", "tp": 1, "instances": 1}]
     session = {"state": "SERVING", "ends_at": 1000.0, "labels": {"otela.model": "m", "otela.gpu": "A", "otela.tp": "1"}}

@@ -144,3 +144,24 @@ def test_readme_placer_and_simulator_examples_run(tmp_path):
     assert len(list(jobs.glob("*.sbatch"))) > 0
     assert re.search(r"^fits\s+True$", done.stdout, re.M)
     assert "A100-80GB-SXM4" in done.stdout
+
+
+def test_readme_site_file_is_valid_and_renders_a_script_for_every_model_and_gpu(tmp_path):
+    import otela_place
+    section = README[README.index("## A site from zero"):]
+    doc = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+    site = otela_place.check_site(doc, "site.json")
+    assert [m["name"] for m in site["catalogue"]] == ["meta-llama/Llama-3.1-8B-Instruct", "qwen3-32b", "sql-lora"]
+    values = {"KEY_FILE": "/k", "BOOTSTRAP": "login1:7946"}
+    otela_place.check_site_templates(site, "vllm", values, site["gpus"])
+    rows = [{"model": m, "gpu": "A100-80GB-SXM4", "tp": 1, "instances": 1} for m in otela_place.catalogue_of(site)]
+    for _, name, text in otela_place.job_scripts(rows, site, "vllm", values):
+        (tmp_path / name).write_text(text)
+        assert subprocess.run(["bash", "-n", str(tmp_path / name)]).returncode == 0
+        assert "#SBATCH --partition=gpu\n#SBATCH --account=proj42\n#SBATCH --qos=normal\n" in text
+    # the table names every field the placer reads, and the commands parse with the flags they name
+    for field in list(otela_place.SITE_FIELDS) + list(otela_place.GPU_FIELDS) + list(otela_place.MODEL_FIELDS):
+        assert f"`{field}`" in section, field
+    plan = next(line for line in block("## A site from zero") if "otela_place.py plan" in line)
+    args = otela_place.build_parser().parse_args(shlex.split(plan)[2:])
+    assert args.site == "~/.otela/site.json" and args.from_slurm and args.emit_sbatch
