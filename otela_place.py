@@ -4,14 +4,20 @@
 Operators run it from cron on a login node. One run:
 
     demand (scenario file or the ingress's /v1/usage/stats)
-    free GPUs (scenario, --inventory FILE or sinfo GRES)      ──▶ candidates (model, GPU, tp)
+    free GPUs (scenario, the site file or sinfo GRES)         ──▶ candidates (model, GPU, tp)
     per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC); at scale
                                                                    │  LP bound, column generation,
                                                                    │  rounding and repair
                                                                    ▼
     placement: [{model, gpu, tp, instances, weight}]  ──▶ replay (otela_sim) / reconcile
+    catalogue: the site's min and max instances per model (a min starts a model from zero)
     reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
                held back by dynamic reclamation (cooldown, hysteresis; state file next to the lock)
+
+A site is described once, in the site file (the section "site"): how its jobs run (partition,
+account, interpreter, setup, engine wrapper and environment) and the catalogue it offers. No
+model stops a run: one the simulator does not know is planned from its config.json, or left
+as it is with a warning; an adapter rides its base.
 
 The placement objective, in order (lexicographic, three solves):
   1. the highest worst-case ratio of capacity to demand across models (capped at HEADROOM:
@@ -30,7 +36,8 @@ group of instances finishes its share at the same time.
 Two placers never collide (two login nodes' cron, or a run that overlaps the last): each
 instance is a slot with its own job name, submitted with --dependency=singleton, and every
 run cancels duplicates of a slot; a run killed at any point leaves what the next finishes
-(see the section "reconcile").
+(see the section "reconcile"). A job near its time limit gets its successor ahead of its end
+(renamed so the singleton does not hold the successor back): no gap at a time limit.
 
 What this file must never do: import the node or the ingress (it talks to a running ingress
 over HTTP only), submit or cancel jobs without --submit, or touch jobs it did not create
@@ -1570,13 +1577,7 @@ def parse_sinfo(text, aliases=None):
 
 
 def parse_aliases(pairs):
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise PlacementError(f"--gpu-alias {pair!r}: expected GRES=TYPE")
-        k, v = pair.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
+    return parse_pairs("--gpu-alias", pairs, "GRES=TYPE")
 
 
 def slurm_inventory(aliases=None):
@@ -2894,13 +2895,14 @@ def model_config(name):
     return {k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}
 
 
-def parse_pairs(flag, pairs):
+def parse_pairs(flag, pairs, shape="NAME=VALUE"):
+    """{name: value} of a repeatable NAME=VALUE flag, or one line naming the bad one."""
     out = {}
     for pair in pairs or []:
-        if "=" not in pair or not pair.split("=", 1)[0]:
-            raise PlacementError(f"{flag} {pair!r}: expected NAME=VALUE")
-        k, v = pair.split("=", 1)
-        out[k] = v
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip():
+            raise PlacementError(f"{flag} {pair!r}: expected {shape}")
+        out[name.strip()] = value
     return out
 
 
