@@ -2335,7 +2335,10 @@ def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), 
         names = {j["id"]: j.get("name") for j in jobs}
         for j in actions["ending"]:   # free the slot's name: the successor's singleton must not wait
             if names.get(j) and slot_of({"name": names[j]}) is not None:
-                slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
+                try:
+                    slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
+                except SlurmError as e:   # it ended meanwhile: its successor has the name to itself
+                    _warn(f"job {j} near its end was not renamed: {e}")
     by_key = {}
     for key, name, text in scripts:
         by_key.setdefault(key, []).append((name, text))
