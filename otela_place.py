@@ -2948,9 +2948,16 @@ def build_scenario(args):
         sessions = ingress_sessions(args.from_ingress)
         adapters = dict(ingress_adapters(args.from_ingress), **adapters_of(site))
         scenario["workload"] = fold_adapters(demand, adapters)
-    names = [w["model"] for w in scenario.get("workload", [])] + list(catalogue_of(site))
-    kept = model_configs(scenario, site, list(dict.fromkeys(names)), flags)
-    scenario["workload"] = [w for w in scenario.get("workload", []) if w["model"] not in kept]
+    workload = scenario.get("workload")
+    if not (isinstance(workload, list) and all(isinstance(w, dict) for w in workload)):
+        workload = None   # check_scenario says what is wrong with it
+    # served models (a scenario file describes its own), the catalogue's and --model-config's
+    names = [w.get("model") for w in workload or [] if args.from_ingress] + list(catalogue_of(site)) + list(flags)
+    kept = set()
+    if isinstance(scenario["models"], dict):   # else check_scenario says what is wrong with it
+        kept = model_configs(scenario, site, [n for n in dict.fromkeys(names) if isinstance(n, str)], flags)
+    if workload is not None:
+        scenario["workload"] = [w for w in workload if w.get("model") not in kept]
     if args.from_slurm:
         found = slurm_inventory(parse_aliases(args.gpu_alias))
         # GPUs our own running jobs hold are ours to re-plan, not taken (a kept model's stay its own).
