@@ -1869,18 +1869,21 @@ def check_interpreter(site, sbatch_vars):
 
 
 def check_site_templates(site, template, sbatch_vars, gpus):
-    """Render every (catalogue model, GPU type) the site allows once: a template that cannot
-    render is the site file's error, named there, before any plan."""
-    models = list(catalogue_of(site)) or [None]
-    for i, name in enumerate(models):
-        entry = catalogue_of(site).get(name, {})
+    """Render every (catalogue model, GPU type) the site allows once, before any plan: a
+    template the site names that cannot render, or a setup no template line takes, is the site
+    file's error, named there; a value missing for --template is --sbatch-var's."""
+    models = [(i, m) for i, m in enumerate(site["catalogue"]) if "base" not in m] or [(None, {"name": "model"})]
+    for i, entry in models:
         for g in gpus or [{"type": "gpu"}]:
-            row = {"model": name or "model", "gpu": g["type"], "tp": 1, "instances": 1}
+            row = {"model": entry["name"], "gpu": g["type"], "tp": 1, "instances": 1}
             try:
                 job_scripts([row], dict(site, gpus=gpus), template, sbatch_vars)
-            except PlacementError as e:
-                field = f"catalogue[{i}].template" if name else "template"
-                raise _site_error(site["path"], field, f"{entry.get('template', template)}: {e}") from None
+            except PlacementError as e:   # the site's when its own template or setup is what fails
+                if "template" in entry:
+                    raise _site_error(site["path"], f"catalogue[{i}].template", f"{entry['template']}: {e}") from None
+                if SETUP_LINE.strip() in str(e):
+                    raise _site_error(site["path"], "setup", f"{template}: {e}") from None
+                raise
 
 
 # ---- the catalogue in a plan

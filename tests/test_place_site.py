@@ -199,6 +199,13 @@ def test_a_template_that_does_not_render_is_the_site_files_error(tmp_path):
     assert str(err.value).endswith("template has no '# {{SITE_SETUP}}' line for the site's setup and engine_env")
 
 
+def test_a_value_missing_for_the_default_template_is_the_flags_error_not_the_site_files(tmp_path):
+    site = place.check_site({"gpus": [{"type": "A", "count": 1}], "catalogue": [{"name": "m"}]}, "site.json")
+    with pytest.raises(place.PlacementError) as err:
+        place.check_site_templates(site, "vllm", {"KEY_FILE": "/k"}, site["gpus"])
+    assert str(err.value) == "template needs a value for BOOTSTRAP (--sbatch-var BOOTSTRAP=...)"
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=12), st.none() | st.integers() | st.text(max_size=8), max_size=4))
 def test_any_json_object_is_a_site_file_or_one_line_naming_the_file(doc):
