@@ -1689,6 +1689,9 @@ GPU_FIELDS = {"type": str, "count": int, "per_node": int, "gres": str, "partitio
 # the fields that become #SBATCH lines, in the order they are written
 SBATCH_FIELDS = ("partition", "account", "qos", "constraint", "reservation")
 MODEL_FIELDS = {"name": str, "weights": str, "template": str, "min": int, "max": int, "base": str}
+# What a site's #SBATCH value may hold: the job-name-safe characters and a constraint's
+# operators (a100&ib, [rack1|rack2], gpu*2); no blank, quote or newline.
+SAFE_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.:/|%@+=,&*\[\]()-]+$")
 # Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 TIME_LIMIT = re.compile(r"^(\d+-\d+(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2})$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -1755,8 +1758,7 @@ def check_site(doc, path="site file"):
             if key in g and g[key] < (0 if key == "count" else 1):
                 raise _site_error(path, f"{where}.{key}", f"must be >= {0 if key == 'count' else 1}")
         for key in SBATCH_FIELDS + ("gres",):
-            if key in g and g[key] and not SAFE_DIRECTIVE.match(g[key].replace("&", ",").replace("[", "")
-                                                                   .replace("]", "").replace("*", "")):
+            if key in g and g[key] and not SAFE_SBATCH_VALUE.match(g[key]):
                 raise _site_error(path, f"{where}.{key}", f"{g[key]!r} has characters unsafe in an #SBATCH line")
         if "time_limit" in g and not TIME_LIMIT.match(g["time_limit"]):
             raise _site_error(path, f"{where}.time_limit", f"{g['time_limit']!r} is not a Slurm time "
@@ -1774,11 +1776,11 @@ def check_site(doc, path="site file"):
     for name, value in doc.get("engine_env", {}).items():
         if not ENV_NAME.match(name):
             raise _site_error(path, f"engine_env.{name}", "is not a variable name")
-        _one_line(path, f"engine_env.{name}", _typed(path, f"engine_env.{name}", value, (str, int, float)) and str(value))
-        site["engine_env"][name] = str(value)
+        _typed(path, f"engine_env.{name}", value, (str, int, float))
+        site["engine_env"][name] = _one_line(path, f"engine_env.{name}", str(value))
     if site["python"] is not None:
         _one_line(path, "python", site["python"])
-    names = {}
+    names = set()
     for i, m in enumerate(doc.get("catalogue", [])):
         where = f"catalogue[{i}]"
         _fields(path, where, m, MODEL_FIELDS)
@@ -1790,7 +1792,7 @@ def check_site(doc, path="site file"):
             raise _site_error(path, f"{where}.min", "must be >= 0")
         if "max" in m and m["max"] < m.get("min", 0):
             raise _site_error(path, f"{where}.max", f"{m['max']} is below min {m.get('min', 0)}")
-        names[m["name"]] = i
+        names.add(m["name"])
         site["catalogue"].append(dict(m))
     for i, m in enumerate(site["catalogue"]):
         if "base" not in m:
@@ -3123,8 +3125,9 @@ def main(argv=None):
             code = cmd_replay(args)
             sys.stdout.flush()
             return code
-        if args.command == "inventory":
-            print(json.dumps(slurm_inventory(parse_aliases(args.gpu_alias)), indent=1))
+        if args.command == "inventory":   # as a site file's "gpus": it can start one
+            found = slurm_inventory(parse_aliases(args.gpu_alias))
+            print(json.dumps({"gpus": site_gpus(check_site({}), found)}, indent=1))
             return 0
     except (PlacementError, SlurmError, LockHeld) as e:
         print(f"otela_place: {e}", file=sys.stderr)

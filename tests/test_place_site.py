@@ -155,6 +155,7 @@ BAD = [
     ({"gpus": [{"type": "A", "sbatch": ["--x\n#SBATCH --y"]}]}, "gpus[0].sbatch[0]: must be one line"),
     ({"setup": ["module load a\nrm -rf ~"]}, "setup[0]: must be one line"),
     ({"engine_env": {"HF HOME": "/h"}}, "engine_env.HF HOME: is not a variable name"),
+    ({"engine_env": {"N": 0, "M": "a\nb"}}, "engine_env.M: must be one line"),
     ({"engine_wrapper": "apptainer exec 'x"}, "engine_wrapper: cannot be split as a command (No closing quotation)"),
     ({"successor_lead_s": -1}, "successor_lead_s: must be seconds >= 0"),
     ({"catalogue": [{"name": "m", "min": 3, "max": 2}]}, "catalogue[0].max: 2 is below min 3"),
