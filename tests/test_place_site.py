@@ -490,6 +490,8 @@ def test_sinfo_partitions_come_with_the_gpus_and_the_site_adds_its_settings():
                             "account": "p"}
     assert pool["h100"] == {"type": "h100", "count": 3, "per_node": 3, "gres": "gpu:h100", "partition": "h100",
                             "qos": "high", "time_limit": "30"}
+    printed = {"gpus": place.site_gpus(place.check_site({}), found)}   # what `plan inventory` prints
+    assert place.check_site(printed)["gpus"][0]["partition"] == "gpu"      # is a site file
     with pytest.raises(place.PlacementError) as err:
         place.check_site_partitions(dict(site, path="site.json"), {"gpu", "debug"})
     assert str(err.value) == "site.json: gpus[1].partition: 'h100' is not a partition sinfo lists (debug, gpu)"
