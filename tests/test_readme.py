@@ -115,7 +115,9 @@ def test_readme_copy_list_holds_what_every_role_needs_and_each_runs_from_it(tmp_
     assert on_cluster[1] == "export PYTHONPATH=$(ls ~/otela/h11-*.whl)"
     bare = f"{sys.executable} -S"   # no site-packages: a bare cluster Python without h11
     scenario = {"gpus": [{"type": "A100-80GB-SXM4", "count": 2, "per_node": 2}],
-                "models": {}, "workload": [{"model": "llama-2-7b", "rate_rps": 1.0, "input": {"mean": 200},
+                "models": {"tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "intermediate_size": 128, "vocab_size": 1000}},
+                "workload": [{"model": "tiny", "rate_rps": 1.0, "input": {"mean": 200},
                                             "output": {"mean": 50}}]}
     (tmp_path / "scenario.json").write_text(json.dumps(scenario))
     run = [line.replace("python3", bare) for line in on_cluster[:3]] + [
