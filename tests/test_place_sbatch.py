@@ -24,6 +24,14 @@ INVENTORY = {"gpus": [{"type": "A100-80GB-SXM4", "count": 8, "per_node": 4, "gre
 VARS = {"KEY_FILE": "/keys/cluster.key", "BOOTSTRAP": "login1:7946"}
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A test writes only under its own temporary folder: the scripts' default log folder
+    (~/.otela/logs, which emitting them creates) is then there too."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 def bash_n(path):
     return subprocess.run(["bash", "-n", path], capture_output=True, text=True)
 
@@ -302,10 +310,11 @@ def test_a_second_run_while_the_lock_is_held_refuses(tmp_path):
 
 def test_dry_run_writes_scripts_and_says_what_it_would_submit(tmp_path):
     report = place.reconcile(row(2), {"gpus": [{"type": "A", "count": 2, "gres": ""}]}, "vllm", VARS,
-                             str(tmp_path), submit=False, jobs=[])
+                             str(tmp_path / "jobs"), submit=False, jobs=[])
     assert report["dry_run"] and len(report["submit"]) == 2 and report["submitted"] == []
-    assert sorted(os.listdir(tmp_path)) == ["otela-m-a-tp1-0.sbatch", "otela-m-a-tp1-1.sbatch"]
-    assert "--gres" not in (tmp_path / "otela-m-a-tp1-0.sbatch").read_text()
+    assert sorted(os.listdir(tmp_path / "jobs")) == ["otela-m-a-tp1-0.sbatch", "otela-m-a-tp1-1.sbatch"]
+    assert "--gres" not in (tmp_path / "jobs" / "otela-m-a-tp1-0.sbatch").read_text()
+    assert (tmp_path / "home" / ".otela" / "logs").is_dir()   # the scripts' log folder, made with them
 
 
 # ---------------------------------------------------------------- --from-ingress

@@ -30,6 +30,14 @@ GPU = {"type": "H100", "count": 8, "per_node": 4, "gres": "gpu:h100", "partition
        "sbatch": ["--mem=0"]}
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A test writes only under its own temporary folder: the scripts' default log folder
+    (~/.otela/logs, which emitting them creates) is then there too."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 def site_doc(**over):
     doc = {"gpus": [dict(GPU)], "python": "/apps/python3.11/bin/python3",
            "setup": ["module load cuda/12.4", "source /apps/vllm/bin/activate"],
