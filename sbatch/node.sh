@@ -19,7 +19,8 @@ PYTHON=${PYTHON:-python3}
 
 # The job's interpreter first, in the shell: a compute node's python3 is often older than the
 # login node's (RHEL/Rocky 8: 3.6, on which otela's first line is a SyntaxError) or lacks h11.
-# `-V` answers on any Python, so each case is one line in the job's log, with the job id.
+# `-V` answers on any Python, so each case is one line in the job's log, with the job id; exit
+# 3 sets these apart from the node's own exits in `sacct`.
 why_not() { echo "otela job $JOB: $PYTHON $1; set \"python\" in the site file (or --sbatch-var PYTHON=...)" >&2; exit 3; }
 command -v "$PYTHON" >/dev/null || why_not "is not found on $(hostname)"
 version=$("$PYTHON" -V 2>&1) || why_not "does not run (${version:-no answer to -V})"
