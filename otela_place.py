@@ -4,14 +4,20 @@
 Operators run it from cron on a login node. One run:
 
     demand (scenario file or the ingress's /v1/usage/stats)
-    free GPUs (scenario, --inventory FILE or sinfo GRES)      ──▶ candidates (model, GPU, tp)
+    free GPUs (scenario, the site file or sinfo GRES)         ──▶ candidates (model, GPU, tp)
     per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC); at scale
                                                                    │  LP bound, column generation,
                                                                    │  rounding and repair
                                                                    ▼
     placement: [{model, gpu, tp, instances, weight}]  ──▶ replay (otela_sim) / reconcile
+    catalogue: the site's min and max instances per model (a min starts a model from zero)
     reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
                held back by dynamic reclamation (cooldown, hysteresis; state file next to the lock)
+
+A site is described once, in the site file (the section "site"): how its jobs run (partition,
+account, interpreter, setup, engine wrapper and environment) and the catalogue it offers. No
+model stops a run: one the simulator does not know is planned from its config.json, or left
+as it is with a warning; an adapter rides its base.
 
 The placement objective, in order (lexicographic, three solves):
   1. the highest worst-case ratio of capacity to demand across models (capped at HEADROOM:
@@ -30,7 +36,8 @@ group of instances finishes its share at the same time.
 Two placers never collide (two login nodes' cron, or a run that overlaps the last): each
 instance is a slot with its own job name, submitted with --dependency=singleton, and every
 run cancels duplicates of a slot; a run killed at any point leaves what the next finishes
-(see the section "reconcile").
+(see the section "reconcile"). A job near its time limit gets its successor ahead of its end
+(renamed so the singleton does not hold the successor back): no gap at a time limit.
 
 What this file must never do: import the node or the ingress (it talks to a running ingress
 over HTTP only), submit or cancel jobs without --submit, or touch jobs it did not create
@@ -1362,14 +1369,20 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
 
 
 def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, replay_method="auto",
-             headroom=HEADROOM, seed=0, time_limit=SOLVE_TIME_LIMIT_S, slack=FAIRNESS_SLACK):
+             headroom=HEADROOM, seed=0, time_limit=SOLVE_TIME_LIMIT_S, slack=FAIRNESS_SLACK, keep_unplaceable=False):
+    """Ours (and the baselines). A model that cannot run anywhere is an error, or with
+    keep_unplaceable (a cron run: no model stops it) left out of the plan with a warning,
+    listed in result["kept"], its instances left as they are."""
     check_scenario(scenario)
-    demand = demand_of(scenario)
     pool = gpu_pool(scenario)
     cands, why_not = candidates(scenario, capacity)
-    if why_not:
+    if why_not and not keep_unplaceable:
         m, why = next(iter(why_not.items()))
         raise PlacementError(f"model {m} cannot run anywhere: {why}")
+    for m, why in why_not.items():
+        _warn(f"model {m} cannot run on these GPUs ({why}): its instances are kept as they are")
+    scenario = dict(scenario, workload=[w for w in scenario["workload"] if w["model"] not in why_not])
+    demand = demand_of(scenario)
     ours = solve(demand, pool, cands, objective, headroom, time_limit, slack=slack)
     capacity_of = {c.key(): c.capacity_rps for c in cands}
     latency_of = {c.key(): c.latency_ms for c in cands if c.latency_ms is not None}
@@ -1404,6 +1417,7 @@ def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, r
         if replay_method != "none":
             entry["replay"] = replay(scenario, entry["placement"], replay_method, capacity_of, latency_of, seed)
             entry["energy"] = placement_energy(scenario, entry["placement"], capacity_of)
+    result["kept"] = sorted(why_not)
     result["ours"]["solve_s"] = round(ours.solve_s, 3)
     result["ours"]["status"] = ours.status
     result["ours"]["bounds"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in (ours.bounds or {}).items()}
@@ -1529,9 +1543,14 @@ USABLE_STATES = ("idle", "mix")
 
 def parse_sinfo(text, aliases=None):
     """Inventory from `sinfo -h -N -O NodeHost:|,StateCompact:|,Gres:|,GresUsed:|,Partition:|`:
-    free GPUs per type over idle/mixed nodes; per_node is the most free on one node."""
+    free GPUs per type over idle/mixed nodes; per_node is the most free on one node;
+    "partitions" the partitions of the nodes that have them, in sinfo's order."""
     aliases = aliases or {}
-    seen, pool = set(), {}
+    seen, pool, partitions = set(), {}, {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) >= 5 and fields[0] and fields[4]:
+            partitions.setdefault(fields[0], []).append(fields[4].rstrip("*"))   # '*': the default one
     for line in text.splitlines():
         fields = [f.strip() for f in line.split("|")]
         if len(fields) < 4 or not fields[0] or fields[0] in seen:
@@ -1551,22 +1570,19 @@ def parse_sinfo(text, aliases=None):
                                            "gres": "gpu" if gtype == "gpu" else f"gpu:{gtype}"})
             entry["count"] += free
             entry["per_node"] = max(entry["per_node"], free)
+            for p in partitions.get(fields[0], []):
+                if p not in entry.setdefault("partitions", []):
+                    entry["partitions"].append(p)
     return {"gpus": list(pool.values())}
 
 
 def parse_aliases(pairs):
-    out = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise PlacementError(f"--gpu-alias {pair!r}: expected GRES=TYPE")
-        k, v = pair.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
+    return parse_pairs("--gpu-alias", pairs, "GRES=TYPE")
 
 
 def slurm_inventory(aliases=None):
     return parse_sinfo(slurm_command(["sinfo", "-h", "-N", "-O",
-                                      "NodeHost:|,StateCompact:|,Gres:|,GresUsed:|"]), aliases)
+                                      "NodeHost:|,StateCompact:|,Gres:|,GresUsed:|,Partition:|"]), aliases)
 
 
 def job_comment(key):
@@ -1587,24 +1603,30 @@ def _parse_comment(comment):
 
 
 def parse_squeue(text):
-    """Our jobs from `squeue --me -h -o '%i %T %j %k'` (or '%i %T %k', no names):
-    [{id, state, key, draining_since, name}] (others skipped). A job being drained carries
-    "otela-drain|EPOCH|MODEL|GPU|TP"; name is the job name (its slot, see reconcile) or None."""
+    """Our jobs from `squeue --me -h -o '%i %T %j %S %e %k'` (or '%i %T %j %k', '%i %T %k'):
+    [{id, state, key, draining_since, name, starts_at, ends_at}] (others skipped). A job being
+    drained carries "otela-drain|EPOCH|MODEL|GPU|TP"; name is the job name (its slot, see
+    reconcile) or None; starts_at and ends_at the start and the end of its time limit (unix
+    seconds) or None (a pending job's are estimates)."""
     jobs = []
     for line in text.splitlines():
-        parts = line.strip().split(None, 3)
-        if len(parts) < 3:
-            continue
-        name, parsed = None, None
-        if len(parts) == 4:
-            parsed = _parse_comment(parts[3])
-            name = parts[2] if parsed else None
-        if parsed is None:
-            parsed = _parse_comment(line.strip().split(None, 2)[2])
+        parts = line.split()   # our comments and job names hold no blanks
+        parsed = _parse_comment(parts[-1]) if len(parts) >= 3 else None
         if parsed is None:
             continue
-        jobs.append({"id": parts[0], "state": parts[1], "key": parsed[0], "draining_since": parsed[1], "name": name})
+        times = [_slurm_time(t) for t in parts[3:-1]][-2:]
+        jobs.append({"id": parts[0], "state": parts[1], "key": parsed[0], "draining_since": parsed[1],
+                     "name": parts[2] if len(parts) >= 4 else None,
+                     "starts_at": times[0] if len(times) == 2 else None, "ends_at": times[-1] if times else None})
     return jobs
+
+
+def _slurm_time(text):
+    """Unix seconds of a Slurm time (local, 2026-12-07T04:40:00), or None (N/A, Unknown)."""
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
 
 
 # States in which a job holds or will hold an instance (squeue shows nothing else for long).
@@ -1612,7 +1634,7 @@ LIVE_JOB_STATES = ("PENDING", "CONFIGURING", "RUNNING", "RESIZING", "REQUEUED", 
 
 
 def slurm_jobs():
-    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %j %k"])
+    out = slurm_command(["squeue", "--me", "-h", "-o", "%i %T %j %S %e %k"])
     return [j for j in parse_squeue(out) if j["state"] in LIVE_JOB_STATES]
 
 
@@ -1637,14 +1659,362 @@ def run_lock(path=LOCK_PATH):
         f.close()
 
 
+# ============================================================================ site
+# The site file (`plan --site FILE`; `--inventory FILE` is the same flag, and an inventory of
+# old, {"gpus": [...]}, is a site file that says nothing else) describes a site once:
+#
+#   {"gpus": [{"type": "A100-80GB-SXM4", "count": 8, "per_node": 4, "gres": "gpu:a100",
+#              "partition": "gpu", "account": "proj42", "qos": "normal", "constraint": "a100",
+#              "reservation": "llm", "time_limit": "04:00:00", "sbatch": ["--mem=0"]}],
+#    "python": "/apps/python/3.11/bin/python3",      the jobs' interpreter (default: the placer's)
+#    "setup": ["module load cuda/12.4"],              shell lines a job runs before the node
+#    "engine_wrapper": "apptainer exec --nv /images/vllm.sif",   before the engine command
+#    "engine_env": {"HF_HOME": "/scratch/hf", "HF_HUB_OFFLINE": "1"},
+#    "log_dir": "~/.otela/logs", "successor_lead_s": 600,
+#    "catalogue": [{"name": "meta-llama/Llama-3.1-8B-Instruct", "weights": "/models/llama-8b",
+#                   "template": "vllm", "min": 1, "max": 4},
+#                  {"name": "sql-lora", "base": "meta-llama/Llama-3.1-8B-Instruct",
+#                   "weights": "/adapters/sql"}]}
+#
+# With --from-slurm the counts come from sinfo, and a "gpus" entry adds its settings to the
+# GPUs sinfo finds of its type (or, without a type, in its partition). A catalogue entry with a
+# "base" is an adapter: it rides every instance of its base and its demand is the base's. Every
+# error names the file and the field in one line, before anything touches Slurm.
+
+# field: the JSON types it takes (bool is never an int here)
+SITE_FIELDS = {"gpus": list, "python": str, "setup": list, "engine_wrapper": str, "engine_env": dict,
+               "log_dir": str, "successor_lead_s": (int, float), "catalogue": list}
+GPU_FIELDS = {"type": str, "count": int, "per_node": int, "gres": str, "partition": str, "account": str,
+              "qos": str, "constraint": str, "reservation": str, "time_limit": str, "sbatch": list}
+# the fields that become #SBATCH lines, in the order they are written
+SBATCH_FIELDS = ("partition", "account", "qos", "constraint", "reservation")
+MODEL_FIELDS = {"name": str, "weights": str, "template": str, "min": int, "max": int, "base": str}
+# What a site's #SBATCH value may hold: the job-name-safe characters and a constraint's
+# operators (a100&ib, [rack1|rack2], gpu*2); no blank, quote or newline.
+SAFE_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.:/|%@+=,&*\[\]()-]+$")
+# Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+TIME_LIMIT = re.compile(r"^(\d+-\d+(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2})$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A successor is submitted this long before its predecessor's end: a few minutes in a busy
+# partition's queue plus the load (LOAD_FIXED_S + 140 GB of a 70B model / LOAD_BYTES_PER_S
+# = 100 s), so both serve together for a while and the model is never unserved.
+SUCCESSOR_LEAD_S = 600
+DEFAULT_LOG_DIR = os.path.join("~", ".otela", "logs")
+# Engine arguments that serve adapters [(name, path)] beside the base, per template (a
+# template file gets vLLM's). llama.cpp serves an adapter under its base's name only, so it
+# is refused as a base of named adapters.
+ADAPTER_ARGS = {
+    "vllm": lambda adapters: ["--enable-lora", "--lora-modules"] + [f"{n}={p}" for n, p in adapters],
+    "sglang": lambda adapters: ["--enable-lora", "--lora-paths"] + [f"{n}={p}" for n, p in adapters],
+}
+
+
+def _site_error(path, field, why):
+    return PlacementError(f"{path}: {field if field.isprintable() else json.dumps(field)}: {why}")
+
+
+KIND_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
+
+
+def _typed(path, field, value, kinds):
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise _site_error(path, field, f"expected {' or '.join(KIND_NAMES[k] for k in kinds)}, "
+                                       f"got {json.dumps(value)[:60]}")
+    return value
+
+
+def _fields(path, where, doc, table):
+    if not isinstance(doc, dict):
+        raise _site_error(path, where or "(top)", "expected an object")
+    for key, value in doc.items():
+        field = f"{where}.{key}" if where else key
+        if key not in table:
+            raise _site_error(path, field, f"unknown key (known: {', '.join(table)})")
+        _typed(path, field, value, table[key])
+
+
+def _one_line(path, field, value):
+    if "\n" in value or "\r" in value:
+        raise _site_error(path, field, "must be one line")
+    return value
+
+
+def check_site(doc, path="site file"):
+    """The site file as the placer uses it (defaults filled in), or PlacementError naming the
+    file and the field. An inventory of old ({"gpus": [...]}) passes as it is."""
+    _fields(path, "", doc, SITE_FIELDS)
+    site = {"gpus": [], "python": doc.get("python"), "setup": [], "engine_wrapper": doc.get("engine_wrapper", ""),
+            "engine_env": {}, "log_dir": doc.get("log_dir", DEFAULT_LOG_DIR),
+            "successor_lead_s": float(doc.get("successor_lead_s", SUCCESSOR_LEAD_S)), "catalogue": [], "path": path}
+    if site["successor_lead_s"] < 0 or not math.isfinite(site["successor_lead_s"]):
+        raise _site_error(path, "successor_lead_s", "must be seconds >= 0")
+    for i, g in enumerate(doc.get("gpus", [])):
+        where = f"gpus[{i}]"
+        _fields(path, where, g, GPU_FIELDS)
+        if "type" not in g and "partition" not in g:
+            raise _site_error(path, where, "needs a 'type' or a 'partition'")
+        for key in ("count", "per_node"):
+            if key in g and g[key] < (0 if key == "count" else 1):
+                raise _site_error(path, f"{where}.{key}", f"must be >= {0 if key == 'count' else 1}")
+        for key in SBATCH_FIELDS + ("gres",):
+            if key in g and g[key] and not SAFE_SBATCH_VALUE.match(g[key]):
+                raise _site_error(path, f"{where}.{key}", f"{g[key]!r} has characters unsafe in an #SBATCH line")
+        if "time_limit" in g and not TIME_LIMIT.match(g["time_limit"]):
+            raise _site_error(path, f"{where}.time_limit", f"{g['time_limit']!r} is not a Slurm time "
+                                                          "(M, H:M:S, D-H:M:S...)")
+        for k, line in enumerate(g.get("sbatch", [])):
+            _one_line(path, f"{where}.sbatch[{k}]", _typed(path, f"{where}.sbatch[{k}]", line, str))
+        site["gpus"].append(dict(g))
+    for k, line in enumerate(doc.get("setup", [])):
+        site["setup"].append(_one_line(path, f"setup[{k}]", _typed(path, f"setup[{k}]", line, str)))
+    _one_line(path, "engine_wrapper", site["engine_wrapper"])
+    try:
+        shlex.split(site["engine_wrapper"])
+    except ValueError as e:
+        raise _site_error(path, "engine_wrapper", f"cannot be split as a command ({e})") from None
+    for name, value in doc.get("engine_env", {}).items():
+        if not ENV_NAME.match(name):
+            raise _site_error(path, f"engine_env.{name}", "is not a variable name")
+        _typed(path, f"engine_env.{name}", value, (str, int, float))
+        site["engine_env"][name] = _one_line(path, f"engine_env.{name}", str(value))
+    if site["python"] is not None:
+        _one_line(path, "python", site["python"])
+    names = set()
+    for i, m in enumerate(doc.get("catalogue", [])):
+        where = f"catalogue[{i}]"
+        _fields(path, where, m, MODEL_FIELDS)
+        if not m.get("name"):
+            raise _site_error(path, f"{where}.name", "missing")
+        if m["name"] in names:
+            raise _site_error(path, f"{where}.name", f"{m['name']!r} is listed twice")
+        if m.get("min", 0) < 0:
+            raise _site_error(path, f"{where}.min", "must be >= 0")
+        if "max" in m and m["max"] < m.get("min", 0):
+            raise _site_error(path, f"{where}.max", f"{m['max']} is below min {m.get('min', 0)}")
+        names.add(m["name"])
+        site["catalogue"].append(dict(m))
+    for i, m in enumerate(site["catalogue"]):
+        if "base" not in m:
+            continue
+        where = f"catalogue[{i}]"
+        base = next((b for b in site["catalogue"] if b["name"] == m["base"]), None)
+        if base is None or "base" in base:
+            raise _site_error(path, f"{where}.base", f"{m['base']!r} is not a model of the catalogue")
+        if not m.get("weights"):
+            raise _site_error(path, f"{where}.weights", "an adapter needs the path of its weights")
+        extra = set(m) - {"name", "base", "weights"}
+        if extra:
+            raise _site_error(path, f"{where}.{sorted(extra)[0]}", "an adapter rides its base: only name, base "
+                                                                    "and weights")
+        if base.get("template", "vllm") == "llamacpp":
+            raise _site_error(path, f"{where}.base", "llama.cpp serves no adapter under its own name")
+    return site
+
+
+def load_site(path):
+    return check_site(load_json(path), path)
+
+
+def catalogue_of(site):
+    """{name: catalogue entry} of the models (adapters left out)."""
+    return {m["name"]: m for m in (site or {}).get("catalogue", []) if "base" not in m}
+
+
+def adapters_of(site):
+    """{adapter name: (base, weights)}."""
+    return {m["name"]: (m["base"], m["weights"]) for m in (site or {}).get("catalogue", []) if "base" in m}
+
+
+def check_site_partitions(site, partitions):
+    """Every partition the site names is one sinfo lists."""
+    for i, g in enumerate(site["gpus"]):
+        if g.get("partition") and g["partition"] not in partitions:
+            raise _site_error(site["path"], f"gpus[{i}].partition",
+                              f"{g['partition']!r} is not a partition sinfo lists ({', '.join(sorted(partitions))})")
+
+
+def slurm_partitions():
+    """The partitions sinfo lists (%R: the name without the default's '*')."""
+    return {p.strip() for p in slurm_command(["sinfo", "-h", "-o", "%R"]).split() if p.strip()}
+
+
+def site_gpus(site, found=None):
+    """The GPU pool of a plan: the site's entries as they are, or, with `found` (sinfo's
+    {"gpus": [...]}, each with its "partitions"), sinfo's counts with the settings of the site
+    entry of the same type, else of the same partition."""
+    if found is None:
+        return [g for g in site["gpus"] if "type" in g]
+    pool = []
+    for g in found["gpus"]:
+        mine = next((s for s in site["gpus"] if s.get("type") == g["type"]), None) or \
+            next((s for s in site["gpus"] if "type" not in s and s.get("partition") in g.get("partitions", ())), None)
+        entry = dict(mine or {}, type=g["type"], count=g["count"], per_node=g["per_node"])
+        entry.setdefault("gres", g.get("gres", "gpu"))
+        if not entry.get("partition") and g.get("partitions"):
+            entry["partition"] = g["partitions"][0]
+        pool.append(entry)
+    return pool
+
+
+def check_interpreter(site, sbatch_vars):
+    """The jobs' interpreter: the site's, or --sbatch-var PYTHON, else the placer's own, which
+    must import h11 here (a job's node would die on it otherwise)."""
+    python = sbatch_vars.get("PYTHON") or (site or {}).get("python")
+    if python:
+        return python
+    import importlib.util
+    if importlib.util.find_spec("h11") is None:
+        raise PlacementError(f"the jobs' interpreter, the placer's own {sys.executable}, cannot import h11: name "
+                             "one that can in the site file's \"python\" (or --sbatch-var PYTHON=...)")
+    return sys.executable
+
+
+def check_site_templates(site, template, sbatch_vars, gpus):
+    """Render every (catalogue model, GPU type) the site allows once, before any plan: a
+    template the site names that cannot render, or a setup no template line takes, is the site
+    file's error, named there; a value missing for --template is --sbatch-var's."""
+    models = [(i, m) for i, m in enumerate(site["catalogue"]) if "base" not in m] or [(None, {"name": "model"})]
+    for i, entry in models:
+        for g in gpus or [{"type": "gpu"}]:
+            row = {"model": entry["name"], "gpu": g["type"], "tp": 1, "instances": 1}
+            try:
+                job_scripts([row], dict(site, gpus=gpus), template, sbatch_vars)
+            except PlacementError as e:   # the site's when its own template or setup is what fails
+                if "template" in entry:
+                    raise _site_error(site["path"], f"catalogue[{i}].template", f"{entry['template']}: {e}") from None
+                if SETUP_LINE.strip() in str(e):
+                    raise _site_error(site["path"], "setup", f"{template}: {e}") from None
+                raise
+
+
+# ---- the catalogue in a plan
+
+
+def find_model_config(name, weights=None, model_configs=None, hf_home=None):
+    """The HF config dict of a model, or None: --model-config NAME=FILE, then config.json in
+    its weights folder, then in the HF cache (HF_HOME/hub/models--ORG--NAME/snapshots/*, the
+    newest), then the simulator's own table."""
+    if name in (model_configs or {}):
+        path = model_configs[name]
+    elif weights and os.path.isfile(os.path.join(os.path.expanduser(weights), "config.json")):
+        path = os.path.join(os.path.expanduser(weights), "config.json")
+    else:
+        path = None
+        hub = os.path.join(os.path.expanduser(hf_home or os.environ.get("HF_HOME") or "~/.cache/huggingface"), "hub")
+        for repo in dict.fromkeys(r for r in (weights, name) if r and "/" in r and not r.startswith(("/", "~", "."))):
+            snapshots = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots")
+            found = [os.path.join(snapshots, s, "config.json") for s in os.listdir(snapshots)] \
+                if os.path.isdir(snapshots) else []
+            found = [f for f in found if os.path.isfile(f)]
+            if found:
+                path = max(found, key=os.path.getmtime)
+                break
+    if path is None:
+        try:
+            return model_config(name)
+        except PlacementError:
+            return None
+    config = load_json(path)
+    try:
+        otela_sim.resolve_model(config, name=name)
+    except otela_sim.SimError as e:
+        raise PlacementError(f"{path}: {e}") from None
+    return config
+
+
+def fold_adapters(workload, adapters):
+    """Workload rows with each adapter's demand added to its base's (means weighted by rate)."""
+    by_model = {}
+    for w in workload:
+        model = adapters.get(w["model"], (w["model"],))[0]
+        have = by_model.get(model)
+        if have is None:
+            by_model[model] = dict(w, model=model)
+            continue
+        total = have["rate_rps"] + w["rate_rps"]
+        for part in ("input", "output"):
+            a, b = have.get(part) or {}, w.get(part) or {}
+            if total > 0 and "mean" in a and "mean" in b:
+                have[part] = {"mean": (a["mean"] * have["rate_rps"] + b["mean"] * w["rate_rps"]) / total,
+                              "std": max(a.get("std", 0), b.get("std", 0))}
+        have["rate_rps"] = total
+        have["unserved"] = have.get("unserved", 0) + w.get("unserved", 0)
+    return list(by_model.values())
+
+
+def _may_fit(config, gpu, tp):
+    """memory_fits on a GPU the simulator knows; on one it does not (a site's own name), the
+    smallest tp the heads allow is the operator's to size."""
+    try:
+        otela_sim.resolve_gpu(gpu)
+    except otela_sim.SimError:
+        return True
+    return memory_fits(config, gpu, tp)
+
+
+def catalogue_bounds(rows, site, scenario, kept=()):
+    """Plan rows within each catalogue model's min and max instances: a model over its max
+    loses instances (the rows of the most GPUs each first), one under its min (demand or not:
+    the first instance comes without any) gets instances of the fewest GPUs that fit the GPUs
+    the plan left free. Returns (rows, warnings)."""
+    rows = [dict(r) for r in rows]
+    notes, changed = [], set()
+    pool = gpu_pool(scenario)
+    free = {g: count for g, (count, _) in pool.items()}
+    for r in rows:
+        free[r["gpu"]] = free.get(r["gpu"], 0) - r["tp"] * r["instances"]
+    for name, entry in catalogue_of(site).items():
+        if name in kept:
+            continue
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: -r["tp"])
+        have = sum(r["instances"] for r in mine)
+        over = max(0, have - entry.get("max", have))
+        if over > 0 or have < entry.get("min", 0):
+            changed.add(name)
+        for r in mine:
+            cut = min(over, r["instances"])
+            r["instances"] -= cut
+            free[r["gpu"]] += cut * r["tp"]
+            over -= cut
+        short = entry.get("min", 0) - min(have, entry.get("max", have))
+        config = scenario["models"].get(name)
+        while short > 0 and config is not None:
+            fits = [(tp, g) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
+                    if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
+            if not fits:
+                notes.append(f"model {name}: min {entry['min']} instances, but no free GPUs fit one more")
+                break
+            tp, g = min(fits, key=lambda f: (f[0], -free[f[1]]))
+            row = next((r for r in rows if (r["model"], r["gpu"], r["tp"]) == (name, g, tp)), None)
+            if row is None:
+                row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
+                rows.append(row)
+            row["instances"] += 1
+            free[g] -= tp
+            short -= 1
+        if short > 0 and config is None:
+            notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
+    rows = [r for r in rows if r["instances"] > 0]
+    for name in changed:
+        mine = [r for r in rows if r["model"] == name]
+        if mine:
+            total = sum(r["instances"] * r["tp"] for r in mine)
+            for r in mine:  # rows the bounds changed: traffic in proportion to GPUs
+                r["weight"] = round(r["instances"] * r["tp"] / total, 4)
+    return rows, notes
+
+
 # ============================================================================ sbatch
 # Templates live in sbatch/: {{NAME}} placeholders, filled with shell-quoted values, except
-# directive values (job name, comment, time, log dir) which must be safe as they are, and the
-# line "# {{SBATCH_EXTRA}}", replaced by extra #SBATCH lines (gres, partition, ...).
+# directive values (job name, comment, time, log dir) which must be safe as they are, the
+# line "# {{SBATCH_EXTRA}}", replaced by extra #SBATCH lines (gres, partition, account...),
+# and the line "# {{SITE_SETUP}}", replaced by the site's setup lines and engine_env exports.
 
 TEMPLATES = {"vllm": "vllm.sbatch", "sglang": "sglang.sbatch", "llamacpp": "llamacpp.sbatch"}
 DIRECTIVE_VARS = ("JOB_NAME", "COMMENT", "TIME_LIMIT", "LOG_DIR")
 SAFE_DIRECTIVE = re.compile(r"^[A-Za-z0-9_.:/|%@+=,-]+$")
+SETUP_LINE = "# {{SITE_SETUP}}\n"
 
 
 def template_path(name):
@@ -1655,9 +2025,13 @@ def template_path(name):
     raise PlacementError(f"unknown template {name!r}: one of {', '.join(TEMPLATES)} or a file")
 
 
-def render(template_text, values, extra_directives=()):
-    """Fill a template. Unknown placeholders left in the text are an error."""
+def render(template_text, values, extra_directives=(), setup=()):
+    """Fill a template. Unknown placeholders left in the text are an error, and so is a
+    setup (shell lines) for a template without the line that takes it."""
     text = template_text.replace("# {{SBATCH_EXTRA}}\n", "".join(f"#SBATCH {d}\n" for d in extra_directives))
+    if setup and SETUP_LINE not in text:
+        raise PlacementError("template has no '# {{SITE_SETUP}}' line for the site's setup and engine_env")
+    text = text.replace(SETUP_LINE, "".join(f"{line}\n" for line in setup))
     for name, value in values.items():
         value = str(value)
         if name in DIRECTIVE_VARS:
@@ -1676,33 +2050,52 @@ def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40]
 
 
-def job_scripts(rows, inventory, template, sbatch_vars):
-    """One rendered script per instance: [(key, file name, text)]."""
-    with open(template_path(template)) as f:
-        text = f.read()
-    types = {g["type"]: g for g in inventory.get("gpus", [])}
-    scripts = []
+def _home(value):
+    return os.path.expanduser(value) if str(value).startswith("~/") else value
+
+
+def job_scripts(rows, site, template, sbatch_vars):
+    """One rendered script per instance: [(key, file name, text)]. `site` is check_site's (an
+    inventory of old is one); a catalogue entry's template, weights and adapters win over
+    `template` and the model's name; --sbatch-var values win over everything."""
+    site = site if "path" in site else check_site(site)
+    texts, scripts = {}, []
+    types = {g["type"]: g for g in site["gpus"] if "type" in g}
+    catalogue, adapters = catalogue_of(site), adapters_of(site)
+    # `module load` and activate scripts read unset variables: the template's `set -u` is off for them
+    setup = (["set +u"] + site["setup"] + ["set -u"] if site["setup"] else []) + \
+        [f"export {k}={shlex.quote(_home(v))}" for k, v in site["engine_env"].items()]
     for r in rows:
         key = (r["model"], r["gpu"], r["tp"])
-        gpu = types.get(r["gpu"], {})
-        extra = []
-        gres = gpu.get("gres", "gpu")
-        if gres:
-            extra.append(f"--gres={gres}:{r['tp']}")
-        if gpu.get("partition"):
-            extra.append(f"--partition={gpu['partition']}")
-        extra.extend(gpu.get("sbatch", []))
+        gpu, entry = types.get(r["gpu"], {}), catalogue.get(r["model"], {})
+        engine = entry.get("template", template)
+        if engine not in texts:
+            with open(template_path(engine)) as f:
+                texts[engine] = f.read()
+        extra = [f"--gres={gpu.get('gres', 'gpu')}:{r['tp']}"] if gpu.get("gres", "gpu") else []
+        extra += [f"--{k}={gpu[k]}" for k in SBATCH_FIELDS if gpu.get(k)] + list(gpu.get("sbatch", []))
+        riders = sorted((n, p) for n, (base, p) in adapters.items() if base == r["model"])
         name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}"
         for i in range(r["instances"]):
-            values = {"JOB_NAME": slot_name(name, i), "COMMENT": job_comment(key), "TIME_LIMIT": JOB_TIME_LIMIT,
-                      "LOG_DIR": os.path.join(os.path.expanduser("~"), ".otela", "logs"),
+            values = {"JOB_NAME": slot_name(name, i), "COMMENT": job_comment(key),
+                      "TIME_LIMIT": gpu.get("time_limit", JOB_TIME_LIMIT), "LOG_DIR": _home(site["log_dir"]),
                       "MODEL": r["model"], "GPU": r["gpu"], "TP": r["tp"], "ENGINE_CMD": "",
-                      "OTELA_DIR": os.path.dirname(os.path.abspath(__file__)), "PYTHON": "python3",
-                      "LISTEN_HOST": "0.0.0.0"}
-            values.update({k: os.path.expanduser(v) if str(v).startswith("~/") else v
-                           for k, v in sbatch_vars.items()})
-            scripts.append((key, f"{slot_name(name, i)}.sbatch", render(text, values, extra)))
+                      "WEIGHTS": entry.get("weights", r["model"]), "ENGINE_WRAPPER": site["engine_wrapper"],
+                      "ENGINE_ARGS": shlex.join(ADAPTER_ARGS.get(engine, ADAPTER_ARGS["vllm"])(riders)) if riders else "",
+                      "OTELA_DIR": os.path.dirname(os.path.abspath(__file__)),
+                      "PYTHON": site.get("python") or sys.executable, "LISTEN_HOST": "0.0.0.0"}
+            if "weights" in entry:
+                values["MODEL_FILE"] = entry["weights"]   # llama.cpp's GGUF file
+            values.update({k: _home(v) for k, v in sbatch_vars.items()})
+            scripts.append((key, f"{slot_name(name, i)}.sbatch", render(texts[engine], values, extra, setup)))
     return scripts
+
+
+def log_dir_of(script):
+    """The folder of a script's --output, which Slurm does not create (a job without it fails
+    with no log at all)."""
+    found = re.search(r"^#SBATCH --output=(\S+)/", script, re.M)
+    return found.group(1) if found else None
 
 
 def slot_name(name, i):
@@ -1738,21 +2131,43 @@ def http_json(url):
         raise PlacementError(f"{url}: the answer is not JSON") from None
 
 
+# The window /v1/usage/stats counts over when it does not say (the ingress's STATS_WINDOW_S).
+STATS_WINDOW_S = 300.0
+
+
 def ingress_demand(base_url):
-    """Workload rows from GET /v1/usage/stats: {"models": {model: {rate_rps, input, output}}}."""
+    """Workload rows from GET /v1/usage/stats: {"window_s", "models": {model: {arrival_rate,
+    input_tokens, output_tokens, unserved}}}. `unserved`: the requests the ingress answered 503
+    "starting" (a catalogued model nothing serves); they are demand, so the first instance
+    comes from them (scale from zero)."""
     doc = http_json(base_url.rstrip("/") + "/v1/usage/stats")
     models = doc.get("models", doc) if isinstance(doc, dict) else None
     if not isinstance(models, dict):
         raise PlacementError(f"{base_url}/v1/usage/stats: expected an object of models")
+    window = _number_or_none(doc.get("window_s")) or STATS_WINDOW_S
     rows = []
     for m, st in models.items():
         if not isinstance(st, dict):
             continue
         # the ingress says arrival_rate / input_tokens / output_tokens; scenarios rate_rps / input / output
-        rows.append({"model": m, "rate_rps": float(st.get("rate_rps", st.get("arrival_rate", 0.0)) or 0.0),
+        rate = _number_or_none(st.get("rate_rps", st.get("arrival_rate", 0.0))) or 0.0
+        unserved = int(_number_or_none(st.get("unserved")) or 0)
+        rows.append({"model": m, "rate_rps": rate if rate > 0 else unserved / window, "unserved": unserved,
                      "input": st.get("input") or st.get("input_tokens") or {"mean": 512, "std": 0},
                      "output": st.get("output") or st.get("output_tokens") or {"mean": 128, "std": 0}})
     return rows
+
+
+def ingress_adapters(base_url):
+    """{adapter: (base, None)} from GET /v1/models entries with a "parent" (vLLM lists its LoRA
+    modules so); {} when the ingress does not answer it (the API wants OTELA_API_KEY)."""
+    try:
+        doc = http_json(base_url.rstrip("/") + "/v1/models")
+    except PlacementError:
+        return {}
+    data = doc.get("data") if isinstance(doc, dict) else None
+    return {m["id"]: (m["parent"], None) for m in data or [] if isinstance(m, dict)
+            and isinstance(m.get("id"), str) and isinstance(m.get("parent"), str) and m["parent"] != m["id"]}
 
 
 def ingress_sessions(base_url):
@@ -1793,18 +2208,39 @@ def session_key(session):
 #     another run is half-way through writing;
 #   - a draining job keeps its name: a slot submitted again while it drains waits for it
 #     (singleton) and so never holds GPUs twice, at most DRAIN_GRACE_S.
+# No gap at a time limit: a running job whose end (squeue %e, or a session's "ends_at") is
+# within the site's successor_lead_s is *ending*: it counts for nothing, so its slot is
+# submitted again, and it is renamed NAME-ending first (scontrol), which frees the name: the
+# successor's singleton does not wait for it, and both serve until the predecessor's end.
 # A run killed at any point leaves jobs that are each a whole slot (or a duplicate the next
 # pass cancels), scripts that are whole, and a state file that is whole: the next run submits
 # the slots still missing and nothing twice.
 
 
-def reconcile_actions(rows, jobs, sessions=(), now=None):
+def ending(job_or_session, now, lead_s):
+    """Whether a running job (or a live session) ends within lead_s: its successor is due. A
+    job is never ending in the first half of its time limit, so a lead longer than the limit
+    cannot make every successor due at once, one after another."""
+    ends_at = _number_or_none(job_or_session.get("ends_at"))
+    starts_at = _number_or_none(job_or_session.get("starts_at"))
+    if starts_at is not None and ends_at is not None:
+        lead_s = min(lead_s, (ends_at - starts_at) / 2)
+    return ends_at is not None and ends_at - now <= lead_s and job_or_session.get("state") != "PENDING"
+
+
+def reconcile_actions(rows, jobs, sessions=(), now=None, lead_s=SUCCESSOR_LEAD_S, kept=()):
     """{"submit": {key: n}, "cancel": [job ids], "hard_cancel": [job ids], "have": {key: n},
-    "want": {key: n}}. cancel: jobs to stop (gracefully if running); hard_cancel: drains that
-    outlived DRAIN_GRACE_S."""
+    "want": {key: n}, "ending": [job ids], "successors": {key: n}}. cancel: jobs to stop
+    (gracefully if running); hard_cancel: drains that outlived DRAIN_GRACE_S; ending: jobs
+    within lead_s of their end, whose successors are due. Jobs and sessions of a model in
+    `kept` (one the plan could not place) are left as they are."""
     want = {(r["model"], r["gpu"], r["tp"]): r["instances"] for r in rows if r["instances"] > 0}
     ours = {j["id"] for j in jobs}
     now = time.time() if now is None else now
+    jobs = [j for j in jobs if j["key"][0] not in kept]
+    # (a job of a model the plan no longer wants is no successor's predecessor: it is cancelled)
+    ends = [j for j in jobs if j.get("draining_since") is None and ending(j, now, lead_s) and want.get(j["key"])]
+    jobs = [j for j in jobs if j not in ends]
     duplicates = duplicate_jobs(jobs)
     jobs = [j for j in jobs if j["id"] not in duplicates]
     # draining jobs are leaving: they count for nothing; past the grace they are killed
@@ -1818,7 +2254,8 @@ def reconcile_actions(rows, jobs, sessions=(), now=None):
     for s in sessions:
         key = session_key(s)
         job = str((s.get("labels") or {}).get("slurm_job", "")) if isinstance(s.get("labels"), dict) else ""
-        if key and s.get("state") in ("JOIN", "SERVING") and job not in ours:
+        if key and s.get("state") in ("JOIN", "SERVING") and job not in ours and key[0] not in kept \
+                and not ending(s, now, lead_s):
             have[key] = have.get(key, 0) + 1  # started elsewhere (by hand, Kubernetes): count it
     submit, cancel = {}, []
     for key in set(want) | set(have):
@@ -1829,9 +2266,13 @@ def reconcile_actions(rows, jobs, sessions=(), now=None):
             # pending jobs first (they cost no load time), newest first
             order = sorted(by_key.get(key, []), key=lambda j: (j["state"] != "PENDING", -_job_number(j["id"])))
             cancel.extend(j["id"] for j in order[:-diff])
+    successors = {}
+    for j in ends:
+        if j["key"] in submit:
+            successors[j["key"]] = min(submit[j["key"]], successors.get(j["key"], 0) + 1)
     return {"submit": submit, "cancel": sorted(cancel, key=_job_number), "hard_cancel": hard, "have": have,
-            "want": want, "duplicates": duplicates, "slots": {k: {slot_of(j) for j in js} - {None}
-                                                              for k, js in by_key.items()}}
+            "want": want, "duplicates": duplicates, "ending": sorted((j["id"] for j in ends), key=_job_number),
+            "successors": successors, "slots": {k: {slot_of(j) for j in js} - {None} for k, js in by_key.items()}}
 
 
 def duplicate_jobs(jobs):
@@ -1862,40 +2303,59 @@ def _job_number(job_id):
     return int(digits.group()) if digits else 0
 
 
-def reconcile(rows, inventory, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None, reclaim=None):
-    """Write scripts, compare with squeue (+ sessions), and submit/cancel the difference when
-    `submit`, else report what would be done. Returns the report. `reclaim` (a CronReclaim)
-    holds back what the reclamation rules forbid; its state is saved before anything runs."""
-    scripts = job_scripts(rows, inventory, template, sbatch_vars)
+def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None, reclaim=None,
+              kept=(), floor=None):
+    """Write scripts (and their log folder), compare with squeue (+ sessions), and submit/cancel
+    the difference when `submit`, else report what would be done. Returns the report. `reclaim`
+    (a CronReclaim) holds back what the reclamation rules forbid, except successors of ending
+    jobs and instances up to `floor` {key: n} (the catalogue's min); its state is saved before
+    anything runs. Jobs of models in `kept` are left alone."""
+    site = site if "path" in site else check_site(site)
+    scripts = job_scripts(rows, site, template, sbatch_vars)
     if emit_dir:
         os.makedirs(emit_dir, exist_ok=True)
         for _, name, text in scripts:
             write_atomically(os.path.join(emit_dir, name), text)
+        for folder in {log_dir_of(text) for _, _, text in scripts} - {None}:
+            os.makedirs(folder, exist_ok=True)   # Slurm does not create it; a job without it fails
     if jobs is None:
         jobs = slurm_jobs() if (submit or emit_dir is None) else []
-    actions = reconcile_actions(rows, jobs, sessions)
+    actions = reconcile_actions(rows, jobs, sessions, lead_s=site["successor_lead_s"], kept=kept)
     report = {"scripts": [os.path.join(emit_dir, n) if emit_dir else n for _, n, _ in scripts],
               "submit": [], "cancel": actions["cancel"], "submitted": [], "cancelled": [],
-              "dry_run": not submit}
+              "ending": actions["ending"], "dry_run": not submit}
     if reclaim is not None:
+        due = dict(actions["successors"])
+        for key, n in (floor or {}).items():   # the catalogue's min is no scale-up to hold back
+            short = min(n - actions["have"].get(key, 0), actions["submit"].get(key, 0))
+            if short > 0:
+                due[key] = max(due.get(key, 0), short)
         actions, notes = reclaim.gate(actions, jobs, submit)
+        for key, n in due.items():
+            actions["submit"][key] = max(actions["submit"].get(key, 0), n)
+        notes["held"] = [h for h in notes["held"] if h["action"] != "submit" or tuple(h["key"]) not in due]
         report.update(notes, cancel=actions["cancel"])
         reclaim.save()  # before acting: a run that fails half-way still counts as a change
+    if submit:
+        names = {j["id"]: j.get("name") for j in jobs}
+        for j in actions["ending"]:   # free the slot's name: the successor's singleton must not wait
+            if names.get(j) and slot_of({"name": names[j]}) is not None:
+                try:
+                    slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
+                except SlurmError as e:   # it ended meanwhile: its successor has the name to itself
+                    _warn(f"job {j} near its end was not renamed: {e}")
     by_key = {}
     for key, name, text in scripts:
         by_key.setdefault(key, []).append((name, text))
     for key, n in sorted(actions["submit"].items()):
         held = actions.get("slots", {}).get(key, set())
         free = [i for i in range(len(by_key.get(key, []))) if i not in held][:n]  # the lowest slots no job holds
-        for name, text in (by_key[key][i] for i in free):
+        for name, _ in (by_key[key][i] for i in free):
             report["submit"].append(name)
             if submit:
                 path = os.path.join(emit_dir, name) if emit_dir else None
                 if path is None:
                     raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
-                log = re.search(r"^#SBATCH --output=(\S+)/", text, re.M)
-                if log:  # Slurm does not create the log directory; a job without it fails
-                    os.makedirs(log.group(1), exist_ok=True)
                 job = slurm_command(["sbatch", "--parsable", "--dependency=singleton", path]).strip().split(";")[0]
                 report["submitted"].append(job)
     report["hard_cancel"] = actions["hard_cancel"]
@@ -2240,7 +2700,8 @@ class CronReclaim:
                                  "why": f"no other model needs its {g} GPUs"})
         if submit:
             changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
-            for m in changed:
+            for m in changed:   # a model with no demand (a catalogue's min) has no entry yet
+                self.state["models"].setdefault(m, {"below_since": None, "last_change": None, "history": []})
                 self.state["models"][m]["last_change"] = self.now
         gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
         return gated, {"held": held, "reclaimed": reclaimed}
@@ -2355,10 +2816,17 @@ def build_parser():
     src.add_argument("--from-ingress", default=None, metavar="URL",
                      help="read demand (/v1/usage/stats) and live sessions (/v1/registry) from an ingress "
                           "(with the key in OTELA_API_KEY when the ingress runs --require-key-for-views)")
-    src.add_argument("--inventory", default=None, metavar="FILE",
-                     help='the GPUs this placer manages (its jobs included), JSON {"gpus": [{"type", "count", '
-                          '"per_node", optional "gres", "partition", "sbatch": [extra #SBATCH args]}]}')
-    src.add_argument("--from-slurm", action="store_true", help="free GPUs from sinfo GRES")
+    src.add_argument("--inventory", "--site", dest="site", default=None, metavar="FILE",
+                     help='the site file: the GPUs this placer manages and how jobs run there, JSON {"gpus": '
+                          '[{"type", "count", "per_node", "gres", "partition", "account", "qos", "constraint", '
+                          '"reservation", "time_limit", "sbatch": [...]}], "python", "setup": [...], '
+                          '"engine_wrapper", "engine_env": {...}, "log_dir", "successor_lead_s", "catalogue": '
+                          '[{"name", "weights", "template", "min", "max"} or {"name", "base", "weights"}]} '
+                          '(README: a site from zero)')
+    src.add_argument("--from-slurm", action="store_true",
+                     help="free GPUs and their partitions from sinfo (the site file's entries add their settings)")
+    src.add_argument("--model-config", action="append", default=[], metavar="NAME=FILE",
+                     help="the config.json of a model the simulator does not know (repeatable)")
     src.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE",
                      help="map a Slurm GRES type to a GPU name, e.g. a100=A100-80GB-SXM4 (repeatable)")
     opt = plan.add_argument_group("placement")
@@ -2435,43 +2903,83 @@ def model_config(name):
     return {k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}
 
 
+def parse_pairs(flag, pairs, shape="NAME=VALUE"):
+    """{name: value} of a repeatable NAME=VALUE flag, or one line naming the bad one."""
+    out = {}
+    for pair in pairs or []:
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip():
+            raise PlacementError(f"{flag} {pair!r}: expected {shape}")
+        out[name.strip()] = value
+    return out
+
+
+def model_configs(scenario, site, names, flags):
+    """Fill scenario["models"] for every name (demand and catalogue) that it lacks, from
+    find_model_config; the names it finds no config for: kept as they are, one warning each."""
+    catalogue, kept = catalogue_of(site), set()
+    hf_home = site["engine_env"].get("HF_HOME")
+    for name in names:
+        if name in scenario["models"] and name not in flags:
+            continue
+        config = find_model_config(name, catalogue.get(name, {}).get("weights"), flags, hf_home)
+        if config is None:
+            _warn(f"model {name}: the simulator does not know it and no config.json was found (catalogue "
+                  f"weights, the HF cache, --model-config {name}=FILE): its instances are kept as they are")
+            kept.add(name)
+        else:
+            scenario["models"][name] = config
+    return kept
+
+
 def build_scenario(args):
-    """The scenario a plan run works on, and the inventory its job scripts use."""
+    """(scenario, site, sessions, kept): what a plan run works on, the site its job scripts
+    follow, the ingress's live sessions, and the models it leaves as they are. Everything
+    that can be wrong with the site file is found here, before Slurm is touched."""
     scenario = load_json(args.scenario) if args.scenario else {"gpus": [], "models": {}, "workload": []}
     if not isinstance(scenario, dict):
         raise PlacementError(f"{args.scenario}: scenario must be a JSON object with gpus, models and workload, "
                              f"not a {type(scenario).__name__}")
     scenario.setdefault("models", {})
-    if args.inventory:
-        inventory = load_json(args.inventory)
-        if not isinstance(inventory, dict):
-            raise PlacementError(f"{args.inventory}: an inventory is a JSON object {{\"gpus\": [...]}}")
-        scenario["gpus"] = inventory.get("gpus", [])
-    elif args.from_slurm:
-        inventory = slurm_inventory(parse_aliases(args.gpu_alias))
-        # GPUs our own running jobs hold are ours to re-plan, not taken.
-        held = {}
-        for j in slurm_jobs():
-            if j["state"] == "RUNNING" and j["draining_since"] is None:
-                held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
-        for g in inventory["gpus"]:
-            g["count"] += held.pop(g["type"], 0)
-        inventory["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
-        scenario["gpus"] = inventory["gpus"]
-    else:
-        inventory = {"gpus": scenario.get("gpus", [])}
-    sessions = []
-    if args.from_ingress:
-        scenario["workload"] = ingress_demand(args.from_ingress)
-        sessions = ingress_sessions(args.from_ingress)
-        for w in scenario["workload"]:
-            if w["model"] not in scenario["models"]:
-                scenario["models"][w["model"]] = model_config(w["model"])
     if not args.scenario and not args.from_ingress:
         raise PlacementError("give --scenario FILE or --from-ingress URL")
+    site = load_site(args.site) if args.site else dict(check_site({}), gpus=list(scenario.get("gpus", [])))
+    if args.site and (args.from_slurm or args.submit):
+        check_site_partitions(site, slurm_partitions())
+    flags = parse_pairs("--model-config", args.model_config)
+    sessions = []
+    if args.from_ingress:
+        demand = ingress_demand(args.from_ingress)
+        sessions = ingress_sessions(args.from_ingress)
+        adapters = dict(ingress_adapters(args.from_ingress), **adapters_of(site))
+        scenario["workload"] = fold_adapters(demand, adapters)
+    workload = scenario.get("workload")
+    if not (isinstance(workload, list) and all(isinstance(w, dict) for w in workload)):
+        workload = None   # check_scenario says what is wrong with it
+    # served models (a scenario file describes its own), the catalogue's and --model-config's
+    names = [w.get("model") for w in workload or [] if args.from_ingress] + list(catalogue_of(site)) + list(flags)
+    kept = set()
+    if isinstance(scenario["models"], dict):   # else check_scenario says what is wrong with it
+        kept = model_configs(scenario, site, [n for n in dict.fromkeys(names) if isinstance(n, str)], flags)
+    if workload is not None:
+        scenario["workload"] = [w for w in workload if w.get("model") not in kept]
+    if args.from_slurm:
+        found = slurm_inventory(parse_aliases(args.gpu_alias))
+        # GPUs our own running jobs hold are ours to re-plan, not taken (a kept model's stay its own).
+        held = {}
+        for j in slurm_jobs():
+            if j["state"] == "RUNNING" and j["draining_since"] is None and j["key"][0] not in kept:
+                held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
+        for g in found["gpus"]:
+            g["count"] += held.pop(g["type"], 0)
+        found["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
+        site["gpus"] = site_gpus(site, found)
+    elif args.site:
+        site["gpus"] = site_gpus(site)
+    scenario["gpus"] = [{k: g[k] for k in ("type", "count", "per_node") if k in g} for g in site["gpus"]]
     if not scenario["gpus"]:
-        raise PlacementError("no GPUs: give them in the scenario, --inventory FILE or --from-slurm")
-    return scenario, inventory, sessions
+        raise PlacementError("no GPUs: give them in the scenario, the site file (--site FILE) or --from-slurm")
+    return scenario, site, sessions, kept
 
 
 def use_engine(name):
@@ -2500,19 +3008,31 @@ def cmd_plan(args):
         use_engine(args.engine)
     if args.probes:
         use_probes(args.probes)
-    scenario, inventory, sessions = build_scenario(args)
     cron = bool(args.emit_sbatch or args.submit or args.from_slurm)
+    if args.submit and not args.emit_sbatch:
+        raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
+    sbatch_vars = parse_pairs("--sbatch-var", args.sbatch_var)
+    scenario, site, sessions, kept = build_scenario(args)
+    if cron:
+        sbatch_vars.setdefault("PYTHON", check_interpreter(site, sbatch_vars))
+        check_site_templates(site, args.template, sbatch_vars, site["gpus"])
     result = plan_all(scenario, args.capacity, args.objective, baseline=args.baseline == "memp" and not cron,
                       replay_method="none" if cron else args.replay, headroom=args.headroom,
-                      seed=args.seed, time_limit=args.time_limit, slack=args.slack)
+                      seed=args.seed, time_limit=args.time_limit, slack=args.slack, keep_unplaceable=cron)
+    kept = set(kept) | set(result["kept"])
+    result["kept"] = sorted(kept)
+    if catalogue_of(site):
+        rows, notes = catalogue_bounds(result["ours"]["placement"], site, scenario, kept)
+        for note in notes:
+            _warn(note)
+        result["ours"]["placement"] = rows
     if cron:
-        if args.submit and not args.emit_sbatch:
-            raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
-        bad = [v for v in args.sbatch_var if "=" not in v or not v.split("=", 1)[0]]
-        if bad:
-            raise PlacementError(f"--sbatch-var {bad[0]!r}: expected NAME=VALUE")
-        sbatch_vars = dict(v.split("=", 1) for v in args.sbatch_var)
-        job_scripts(result["ours"]["placement"], inventory, args.template, sbatch_vars)  # a bad template fails first
+        floor = {}
+        for r in result["ours"]["placement"]:
+            need = catalogue_of(site).get(r["model"], {}).get("min", 0)
+            if need:
+                floor[(r["model"], r["gpu"], r["tp"])] = min(need, r["instances"])
+        job_scripts(result["ours"]["placement"], site, args.template, sbatch_vars)  # a bad template fails first
         with run_lock(args.lock):
             try:
                 jobs = slurm_jobs()
@@ -2521,8 +3041,8 @@ def cmd_plan(args):
                     raise
                 jobs = []  # a dry run on a machine without Slurm: compare with nothing
             reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
-            result["reconcile"] = reconcile(result["ours"]["placement"], inventory, args.template, sbatch_vars,
-                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim)
+            result["reconcile"] = reconcile(result["ours"]["placement"], site, args.template, sbatch_vars,
+                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim, kept, floor)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -2605,8 +3125,9 @@ def main(argv=None):
             code = cmd_replay(args)
             sys.stdout.flush()
             return code
-        if args.command == "inventory":
-            print(json.dumps(slurm_inventory(parse_aliases(args.gpu_alias)), indent=1))
+        if args.command == "inventory":   # as a site file's "gpus": it can start one
+            found = slurm_inventory(parse_aliases(args.gpu_alias))
+            print(json.dumps({"gpus": site_gpus(check_site({}), found)}, indent=1))
             return 0
     except (PlacementError, SlurmError, LockHeld) as e:
         print(f"otela_place: {e}", file=sys.stderr)

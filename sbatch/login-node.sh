@@ -7,12 +7,21 @@
 #   */5 * * * *  $HOME/otela/sbatch/login-node.sh place          # plan + reconcile Slurm jobs
 #   */5 * * * *  $HOME/otela/sbatch/login-node.sh relay start    # a relay for nodes behind NATs
 #
+# Where user crontabs are forbidden, Slurm's scrontab runs the placer instead, as a small job
+# every 5 minutes: `login-node.sh scrontab > otela.scron` prints its lines (they name this login
+# node's ingress and gossip port, since the job runs elsewhere), `scrontab otela.scron` installs
+# them (it replaces your scrontab: add what `scrontab -l` shows first). The ingress stays a
+# login-node process (the crontab line above, or however the site allows one).
+#
 # `place` keeps its reclamation state (demand history, cooldowns) in $OTELA_STATE/place-state.json,
-# next to its lock; add --no-reclaim to reconcile to each plan at once.
+# next to its lock; add --no-reclaim to reconcile to each plan at once. It reads the site file
+# $OTELA_STATE/site.json when there (or OTELA_SITE), and the jobs run this script's PYTHON
+# unless the site file names theirs.
 #
 # Usage: login-node.sh ingress start|stop|status
 #        login-node.sh relay start|stop|status
 #        login-node.sh place [extra otela_place.py plan flags]
+#        login-node.sh scrontab
 # Environment (defaults in brackets):
 #   OTELA_DIR    the otela checkout [this script's parent]
 #   OTELA_STATE  cluster key, pid files and logs [~/.otela]
@@ -24,6 +33,9 @@
 #   OTELA_RELAY_LISTEN the relay's /healthz address [127.0.0.1:7701]
 #   PYTHON       interpreter [the checkout's .venv/bin/python when there (make venv), else python3,
 #                which then needs h11 installed or on PYTHONPATH: see the README, without pip]
+#   OTELA_FROM_INGRESS the ingress `place` reads [http://127.0.0.1:<OTELA_LISTEN's port>]
+#   OTELA_NODE_BOOTSTRAP where the jobs' nodes join [this host's name:<OTELA_GOSSIP's port>]
+#   OTELA_SCRON_ARGS #SCRON options of the placer's job (e.g. --partition=service --account=proj)
 set -euo pipefail
 
 OTELA_DIR=${OTELA_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -36,8 +48,11 @@ LISTEN=${OTELA_LISTEN:-0.0.0.0:8080}
 GOSSIP=${OTELA_GOSSIP:-0.0.0.0:7946}
 role=${1:-}
 action=${2:-start}
+usage="usage: $0 ingress|relay start|stop|status | place [plan flags] | scrontab"
+case $role in ingress|relay|place|scrontab) ;; *) echo "$usage" >&2; exit 2 ;; esac
 mkdir -p "$STATE/logs"
-[[ -f $STATE/cluster.key ]] || "$PYTHON" "$OTELA_DIR/otela_node.py" keygen --out "$STATE"
+# (to stderr: `scrontab` prints a file on stdout)
+[[ -f $STATE/cluster.key ]] || "$PYTHON" "$OTELA_DIR/otela_node.py" keygen --out "$STATE" >&2
 
 alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -70,13 +85,26 @@ case $role in
     ;;
   place)
     shift || true
-    # --lock keeps two cron runs apart; the ingress gives demand and live sessions
-    exec "$PYTHON" "$OTELA_DIR/otela_place.py" plan --from-ingress "http://127.0.0.1:${LISTEN##*:}" \
+    # --lock keeps two cron runs apart; the ingress gives demand and live sessions; the jobs'
+    # logs go where the site file says, else beside this script's
+    site=()
+    if [[ -z ${OTELA_SITE:-} && -f $STATE/site.json ]]; then site=(--site "$STATE/site.json")
+    elif [[ -z ${OTELA_SITE:-} ]]; then site=(--sbatch-var "LOG_DIR=$STATE/logs"); fi
+    exec "$PYTHON" "$OTELA_DIR/otela_place.py" plan \
+      --from-ingress "${OTELA_FROM_INGRESS:-http://127.0.0.1:${LISTEN##*:}}" ${site[@]+"${site[@]}"} \
       --from-slurm --emit-sbatch "$STATE/jobs" --submit --lock "$STATE/place.lock" \
-      --sbatch-var "KEY_FILE=$STATE/cluster.key" --sbatch-var "BOOTSTRAP=$(hostname -f):${GOSSIP##*:}" \
-      --sbatch-var "LOG_DIR=$STATE/logs" "$@"
+      --sbatch-var "KEY_FILE=$STATE/cluster.key" \
+      --sbatch-var "BOOTSTRAP=${OTELA_NODE_BOOTSTRAP:-$(hostname -f):${GOSSIP##*:}}" "$@"
     ;;
-  *) echo "usage: $0 ingress|relay start|stop|status | place [plan flags]" >&2; exit 2 ;;
+  scrontab)
+    host=$(hostname -f)
+    echo "#SCRON --job-name=otela-place --time=00:10:00${OTELA_SCRON_ARGS:+ $OTELA_SCRON_ARGS}"
+    printf '*/5 * * * * env'
+    printf ' %q' "OTELA_STATE=$STATE" "PYTHON=$PYTHON" "OTELA_FROM_INGRESS=http://$host:${LISTEN##*:}" \
+      "OTELA_NODE_BOOTSTRAP=$host:${GOSSIP##*:}" "$OTELA_DIR/sbatch/login-node.sh" place
+    echo
+    exit 0
+    ;;
 esac
 [[ -n ${OTELA_BOOTSTRAP:-} ]] && cmd+=(--bootstrap "$OTELA_BOOTSTRAP")
 

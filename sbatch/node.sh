@@ -15,8 +15,22 @@ JOB=${SLURM_JOB_ID:-$$}
 NODE_LISTEN=${NODE_LISTEN:-${LISTEN_HOST:-0.0.0.0}:0}
 NODE_GOSSIP=${NODE_GOSSIP:-${LISTEN_HOST:-0.0.0.0}:0}
 
-echo "otela job $JOB: $MODEL on ${GPU:-?} tp=${TP:-1} on $(hostname)"
-exec "${PYTHON:-python3}" "$OTELA_DIR/otela_node.py" start \
+PYTHON=${PYTHON:-python3}
+
+# The job's interpreter first, in the shell: a compute node's python3 is often older than the
+# login node's (RHEL/Rocky 8: 3.6, on which otela's first line is a SyntaxError) or lacks h11.
+# `-V` answers on any Python, so each case is one line in the job's log, with the job id; exit
+# 3 sets these apart from the node's own exits in `sacct`.
+why_not() { echo "otela job $JOB: $PYTHON $1; set \"python\" in the site file (or --sbatch-var PYTHON=...)" >&2; exit 3; }
+command -v "$PYTHON" >/dev/null || why_not "is not found on $(hostname)"
+version=$("$PYTHON" -V 2>&1) || why_not "does not run (${version:-no answer to -V})"
+if [[ ! $version =~ ^Python\ 3\.([0-9]+) ]] || (( BASH_REMATCH[1] < 9 )); then
+  why_not "is ${version:-no Python}; otela needs Python 3.9 or newer"
+fi
+"$PYTHON" -c 'import h11' 2>/dev/null || why_not "($version) cannot import h11: put its wheel on PYTHONPATH"
+
+echo "otela job $JOB: $MODEL on ${GPU:-?} tp=${TP:-1} on $(hostname), $version"
+exec "$PYTHON" "$OTELA_DIR/otela_node.py" start \
   --key-file "$KEY_FILE" \
   --bootstrap "$BOOTSTRAP" \
   --process "$ENGINE_CMD" \

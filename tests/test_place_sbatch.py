@@ -24,6 +24,14 @@ INVENTORY = {"gpus": [{"type": "A100-80GB-SXM4", "count": 8, "per_node": 4, "gre
 VARS = {"KEY_FILE": "/keys/cluster.key", "BOOTSTRAP": "login1:7946"}
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A test writes only under its own temporary folder: the scripts' default log folder
+    (~/.otela/logs, which emitting them creates) is then there too."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 def bash_n(path):
     return subprocess.run(["bash", "-n", path], capture_output=True, text=True)
 
@@ -84,7 +92,8 @@ def test_rendered_script_hands_the_node_exactly_the_planned_values(tmp_path):
     assert argv[0] == "start"
     assert argv[argv.index("--bootstrap") + 1] == "a b'c:1"
     assert argv[argv.index("--process") + 1] == \
-        "vllm serve meta-llama/Llama-2-13b-hf --tensor-parallel-size 4 --host 127.0.0.1 --port {port}"
+        ("vllm serve meta-llama/Llama-2-13b-hf --served-model-name meta-llama/Llama-2-13b-hf "
+         "--tensor-parallel-size 4 --host 127.0.0.1 --port {port}")
     labels = [argv[i + 1] for i, a in enumerate(argv) if a == "--label"]
     assert labels == ["slurm_job=4242", "otela.model=meta-llama/Llama-2-13b-hf",
                       "otela.gpu=A100-80GB-SXM4", "otela.tp=4"]
@@ -158,6 +167,32 @@ def test_login_node_place_runs_the_cron_plan_with_lock_and_state_next_to_it(tmp_
     assert argv[1:4] == ["plan", "--from-ingress", "http://127.0.0.1:8089"]
     assert "--submit" in argv and argv[argv.index("--lock") + 1] == state + "/place.lock"
     assert argv[argv.index("--emit-sbatch") + 1] == state + "/jobs" and argv[-2:] == ["--cooldown", "300"]
+
+
+def test_login_node_place_reads_the_site_file_in_its_state_folder_and_leaves_the_logs_to_it(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "site.json").write_text("{}")
+    argv = json.loads(login_node(tmp_path, "place").stdout.strip().splitlines()[-1])
+    assert argv[argv.index("--site") + 1] == str(tmp_path / "state" / "site.json")
+    assert not any(a.startswith("LOG_DIR=") for a in argv) and not any(a.startswith("PYTHON=") for a in argv)
+
+
+def test_login_node_scrontab_prints_a_line_that_runs_the_placer_against_this_login_node(tmp_path):
+    out = login_node(tmp_path, "scrontab")
+    assert out.returncode == 0, out.stderr
+    options, line = out.stdout.splitlines()
+    assert options == "#SCRON --job-name=otela-place --time=00:10:00"
+    fields = line.split(None, 5)
+    assert fields[:5] == ["*/5", "*", "*", "*", "*"]
+    # scrontab runs the line's command in a job on another node: run it as that job would
+    ran = subprocess.run(["bash", "-c", fields[5]], capture_output=True, text=True, timeout=30,
+                         env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    assert ran.returncode == 0, ran.stderr
+    argv = json.loads(ran.stdout.strip().splitlines()[-1])
+    host = subprocess.run(["hostname", "-f"], capture_output=True, text=True).stdout.strip()
+    assert argv[argv.index("--from-ingress") + 1] == f"http://{host}:8089"
+    assert f"BOOTSTRAP={host}:7946" in argv and argv[argv.index("--lock") + 1] == f"{tmp_path}/state/place.lock"
+    assert argv[0].endswith("otela_place.py") and "--submit" in argv
 
 
 def test_kubernetes_manifest_runs_the_same_node_with_a_grace_period():
@@ -249,6 +284,7 @@ def test_reconcile_cancels_every_job_of_a_model_no_longer_planned():
     jobs = [{"id": "7", "state": "RUNNING", "key": ("old", "A", 2)}]
     assert place.reconcile_actions(row(0), jobs) == {"submit": {}, "cancel": ["7"], "hard_cancel": [],
                                                      "have": {("old", "A", 2): 1}, "want": {}, "duplicates": [],
+                                                     "ending": [], "successors": {},
                                                      "slots": {("old", "A", 2): set()}}
 
 
@@ -274,10 +310,11 @@ def test_a_second_run_while_the_lock_is_held_refuses(tmp_path):
 
 def test_dry_run_writes_scripts_and_says_what_it_would_submit(tmp_path):
     report = place.reconcile(row(2), {"gpus": [{"type": "A", "count": 2, "gres": ""}]}, "vllm", VARS,
-                             str(tmp_path), submit=False, jobs=[])
+                             str(tmp_path / "jobs"), submit=False, jobs=[])
     assert report["dry_run"] and len(report["submit"]) == 2 and report["submitted"] == []
-    assert sorted(os.listdir(tmp_path)) == ["otela-m-a-tp1-0.sbatch", "otela-m-a-tp1-1.sbatch"]
-    assert "--gres" not in (tmp_path / "otela-m-a-tp1-0.sbatch").read_text()
+    assert sorted(os.listdir(tmp_path / "jobs")) == ["otela-m-a-tp1-0.sbatch", "otela-m-a-tp1-1.sbatch"]
+    assert "--gres" not in (tmp_path / "jobs" / "otela-m-a-tp1-0.sbatch").read_text()
+    assert (tmp_path / "home" / ".otela" / "logs").is_dir()   # the scripts' log folder, made with them
 
 
 # ---------------------------------------------------------------- --from-ingress

@@ -275,3 +275,127 @@ def test_a_placer_killed_mid_run_is_finished_by_the_next_run_with_every_job_once
     assert sorted(slots) == ["otela-kill-slot-tp1-0", "otela-kill-slot-tp1-1", "otela-kill-slot-tp1-2"]
     assert all(len(ids) == 1 for ids in slots.values())
     assert before <= {j["id"] for j in our_jobs()}  # what the killed run submitted stays, once
+
+
+# ---------------------------------------------------------------- a site file on real Slurm
+# A partition that is not the default one, which jobs must name (created at run time by
+# scontrol, deleted after: slurm.conf is left as slurm_up.sh wrote it), and time limits of
+# minutes.
+
+SITE_TEMPLATE = """#!/bin/bash
+#SBATCH --job-name={{JOB_NAME}}
+#SBATCH --comment={{COMMENT}}
+#SBATCH --ntasks=1
+#SBATCH --time={{TIME_LIMIT}}
+#SBATCH --output={{LOG_DIR}}/%x-%j.out
+# {{SBATCH_EXTRA}}
+MODEL={{MODEL}}
+# {{SITE_SETUP}}
+echo "serving $MODEL with HF_HOME=$HF_HOME"
+exec sleep 600
+"""
+
+
+@pytest.fixture
+def partition(slurm):
+    name = "otela-site"
+    node = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    made = subprocess.run(["scontrol", "create", f"PartitionName={name}", f"Nodes={node}", "Default=NO",
+                           "MaxTime=10", "State=UP"], capture_output=True, text=True)
+    if made.returncode != 0 and "already exists" not in made.stderr.lower():
+        pytest.skip(f"scontrol cannot create a partition here: {made.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        _cancel_ours()
+        subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True, timeout=60)
+
+
+def site_plan(tmp_path, site, submit=True, template=SITE_TEMPLATE):
+    """A cron run on a fresh site: no demand, a catalogue, the site file."""
+    (tmp_path / "config").mkdir(exist_ok=True)
+    (tmp_path / "config" / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "site.json").write_text(json.dumps(site))
+    (tmp_path / "scenario.json").write_text(json.dumps({"gpus": [], "models": {}, "workload": []}))
+    tpl = tmp_path / "site.sbatch"
+    tpl.write_text(template)
+    argv = [sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario", str(tmp_path / "scenario.json"),
+            "--site", str(tmp_path / "site.json"), "--template", str(tpl), "--emit-sbatch", str(tmp_path / "jobs"),
+            "--lock", str(tmp_path / "lock"), "--json", "--sbatch-var", "KEY_FILE=/k", "--sbatch-var", "BOOTSTRAP=b:1"]
+    return subprocess.run(argv + (["--submit"] if submit else []), capture_output=True, text=True, timeout=120)
+
+
+def fresh_site(tmp_path, partition, **over):
+    gpu = {"type": "slot", "count": 2, "per_node": 2, "gres": "", "partition": partition, "account": "proj42",
+           "time_limit": "3"}
+    gpu.update(over.pop("gpu", {}))
+    site = {"gpus": [gpu], "engine_env": {"HF_HOME": str(tmp_path / "hf")}, "log_dir": str(tmp_path / "logs"),
+            "catalogue": [{"name": "tiny", "weights": str(tmp_path / "config"), "min": 1, "max": 2}]}
+    site.update(over)
+    return site
+
+
+def _squeue(fields):
+    out = place.slurm_command(["squeue", "--me", "-h", "-o", f"%i|{fields}|%k"])
+    return [line.split("|")[:-4] for line in out.splitlines() if "|otela|" in line]
+
+
+def test_a_fresh_site_gets_its_catalogues_first_instance_in_the_partition_it_names(partition, tmp_path):
+    _cancel_ours()
+    out = site_plan(tmp_path, fresh_site(tmp_path, partition))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)["reconcile"]
+    assert len(report["submitted"]) == 1                       # min 1, no demand: the first instance
+    (job, part, account, limit), = _squeue("%P|%a|%l")
+    assert (job, part, account, limit) == (report["submitted"][0], partition, "proj42", "3:00")
+    _wait(lambda: os.path.exists(tmp_path / "logs" / f"otela-tiny-slot-tp1-0-{job}.out")
+          and "serving" in open(tmp_path / "logs" / f"otela-tiny-slot-tp1-0-{job}.out").read(), "no log")
+    assert open(tmp_path / "logs" / f"otela-tiny-slot-tp1-0-{job}.out").read() == \
+        f"serving tiny with HF_HOME={tmp_path}/hf\n"
+
+
+def test_a_site_file_naming_a_partition_sinfo_does_not_list_changes_nothing_in_slurm(partition, tmp_path):
+    _cancel_ours()
+    out = site_plan(tmp_path, fresh_site(tmp_path, partition, gpu={"partition": "gpus-typo"}))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"otela_place: {tmp_path}/site.json: gpus[0].partition: 'gpus-typo' is not a "
+                                 "partition sinfo lists (") and out.stderr.count("\n") == 1
+    assert our_jobs() == [] and not (tmp_path / "jobs").exists()
+
+
+def test_a_job_whose_python_is_too_old_says_so_in_its_log_with_its_job_id(partition, tmp_path):
+    _cancel_ours()
+    py36 = tmp_path / "python3"
+    py36.write_text("#!/bin/sh\n[ \"$1\" = -V ] && { echo 'Python 3.6.8'; exit 0; }\n"
+                    "echo 'SyntaxError: future feature annotations is not defined' >&2; exit 1\n")
+    py36.chmod(0o755)
+    with open(os.path.join(ROOT, "sbatch", "vllm.sbatch")) as f:
+        vllm = f.read()
+    out = site_plan(tmp_path, fresh_site(tmp_path, partition, python=str(py36)), template=vllm)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)["reconcile"]["submitted"][0]
+    log = tmp_path / "logs" / f"otela-tiny-slot-tp1-0-{job}.out"
+    _wait(lambda: log.exists() and log.read_text(), "the job wrote no log")
+    assert log.read_text() == (f"otela job {job}: {py36} is Python 3.6.8; otela needs Python 3.9 or newer; "
+                               "set \"python\" in the site file (or --sbatch-var PYTHON=...)\n")
+
+
+def test_a_successor_starts_beside_a_job_near_its_time_limit_and_the_slot_stays_once(partition, tmp_path):
+    _cancel_ours()
+    # a 1-minute job is ending in its second half (the lead of 175 s is capped at half its time
+    # limit): the next run's successor must run beside it (its singleton may not wait for it)
+    site = fresh_site(tmp_path, partition, successor_lead_s=175, gpu={"time_limit": "1"})
+    first = json.loads(site_plan(tmp_path, site).stdout)["reconcile"]
+    _wait(lambda: [j["state"] for j in our_jobs()] == ["RUNNING"], "the first job did not start")
+    assert json.loads(site_plan(tmp_path, site).stdout)["reconcile"]["ending"] == []
+    time.sleep(max(0.0, our_jobs()[0]["starts_at"] + 31 - time.time()))
+    second = site_plan(tmp_path, site)
+    assert second.returncode == 0, second.stderr
+    report = json.loads(second.stdout)["reconcile"]
+    assert report["ending"] == first["submitted"] and len(report["submitted"]) == 1
+    _wait(lambda: [j["state"] for j in our_jobs()] == ["RUNNING", "RUNNING"], "the successor did not start beside")
+    names = {j["id"]: j["name"] for j in our_jobs()}
+    assert names == {first["submitted"][0]: "otela-tiny-slot-tp1-0-ending",
+                     report["submitted"][0]: "otela-tiny-slot-tp1-0"}
+    third = json.loads(site_plan(tmp_path, site).stdout)["reconcile"]
+    assert third["submitted"] == [] and third["cancelled"] == [] and len(our_jobs()) == 2
