@@ -1483,8 +1483,13 @@ def grant_file(authority: crdt.Authority, models: Sequence[str], labels: Dict[st
     """The file a job reads with `otela_node.py start --grant-file`: its grant, the grant's key
     and, where the cluster's TLS pair is beside `key_file`, a tunnel certificate of the job's own
     that the grant pins (an ingress then talks to that job alone, whoever else holds the pair)."""
-    tls = otela_node.job_certificate(key_file, until, now) \
-        if key_file and otela_node.find_tunnel_tls(key_file)[0] else None
+    tls = None
+    if key_file and otela_node.find_tunnel_tls(key_file)[0]:
+        try:
+            tls = otela_node.job_certificate(key_file, until, now)
+        except otela_node.ConfigError as exc:   # the grant still binds the job's records
+            print(f"otela-ingress: grant: no tunnel certificate of the job's own ({exc}): ingresses will "
+                  "take any holder of the cluster's TLS pair at its address", file=sys.stderr)
     grant, key = authority.issue(models, labels, job, until, now,
                                  otela_node.certificate_fingerprint(tls[0]) if tls else None)
     data = {"grant": grant, "key": key.hex()}

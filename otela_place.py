@@ -2054,10 +2054,11 @@ def _home(value):
     return os.path.expanduser(value) if str(value).startswith("~/") else value
 
 
-def job_scripts(rows, site, template, sbatch_vars):
+def job_scripts(rows, site, template, sbatch_vars, grant=None):
     """One rendered script per instance: [(key, file name, text)]. `site` is check_site's (an
     inventory of old is one); a catalogue entry's template, weights and adapters win over
-    `template` and the model's name; --sbatch-var values win over everything."""
+    `template` and the model's name; --sbatch-var values win over everything. `grant(job name,
+    models, labels, time limit)`: the path of the job's grant file ("" for none)."""
     site = site if "path" in site else check_site(site)
     texts, scripts = {}, []
     types = {g["type"]: g for g in site["gpus"] if "type" in g}
@@ -2086,9 +2087,74 @@ def job_scripts(rows, site, template, sbatch_vars):
                       "PYTHON": site.get("python") or sys.executable, "LISTEN_HOST": "0.0.0.0"}
             if "weights" in entry:
                 values["MODEL_FILE"] = entry["weights"]   # llama.cpp's GGUF file
+            labels = {"otela.model": r["model"], "otela.gpu": r["gpu"], "otela.tp": str(r["tp"])}
+            values["GRANT_FILE"] = grant(values["JOB_NAME"], [r["model"]] + [n for n, _ in riders], labels,
+                                         values["TIME_LIMIT"]) if grant else ""
             values.update({k: _home(v) for k, v in sbatch_vars.items()})
             scripts.append((key, f"{slot_name(name, i)}.sbatch", render(texts[engine], values, extra, setup)))
     return scripts
+
+
+# ---- grants: what each job may serve, from this login node (otela_ingress.py, "Grants")
+# Every script the placer renders names a grant file of its job's own (GRANT_FILE), mode 600 in a
+# folder of mode 700: the models (with the adapters riding them) and labels ingresses route to
+# it for, signed by the ingress secret on this host, with the key that binds its records and its
+# own tunnel certificate. A grant is issued once and again only when it would not cover a job
+# submitted now; without the ingress secret the scripts name none (warned once): ingresses that
+# check grants then route nothing to these jobs.
+GRANTS_DIR = "~/.otela/grants"
+GRANT_QUEUE_S = 86400.0      # a grant covers a day in the queue besides the time limit: a job that
+                             # starts later than that serves nothing, and the next pass renders anew
+
+
+def limit_seconds(text):
+    """Seconds of a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        parts += [0] * (3 - len(parts))
+        return int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    scale = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]
+    return sum(p * k for p, k in zip(parts, scale))
+
+
+class GrantIssuer:
+    """Issues each job's grant through `otela_ingress.py grant` (its CLI: the placer imports no
+    other role) into `folder`, once per job name while it still covers a start now."""
+
+    def __init__(self, folder, key_file, python):
+        self.folder, self.key_file, self.python = _home(folder), _home(key_file), python
+        self.failed = False
+
+    def grant(self, job_name, models, labels, time_limit):
+        if self.failed or not self.key_file:
+            return ""
+        path = os.path.join(self.folder, job_name + ".grant")
+        now = time.time()
+        try:
+            with open(path) as f:
+                held = json.load(f)["grant"]
+            if held["until"] >= now + limit_seconds(time_limit) and sorted(held["models"]) == sorted(models):
+                return path
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if not os.path.isfile(self.key_file):
+            self.failed = True
+            _warn(f"no grants for the jobs: their KEY_FILE {self.key_file} is not on this host (the ingress "
+                  "secret beside it signs them; ingresses that check grants route nothing to these jobs)")
+            return ""
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        argv = [self.python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "otela_ingress.py"), "grant",
+                "--key-file", self.key_file, "--job", job_name, "--out", path,
+                "--until", f"{int(limit_seconds(time_limit) + GRANT_QUEUE_S)}s"]
+        argv += [f"--model={m}" for m in models] + [f"--label={k}={v}" for k, v in sorted(labels.items())]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            self.failed = True
+            _warn(f"no grants for the jobs: {done.stderr.strip() or 'otela_ingress.py grant failed'} "
+                  "(ingresses that check grants route nothing to them)")
+            return ""
+        return path
 
 
 def log_dir_of(script):
@@ -2304,14 +2370,14 @@ def _job_number(job_id):
 
 
 def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None, reclaim=None,
-              kept=(), floor=None):
+              kept=(), floor=None, grants=None):
     """Write scripts (and their log folder), compare with squeue (+ sessions), and submit/cancel
     the difference when `submit`, else report what would be done. Returns the report. `reclaim`
     (a CronReclaim) holds back what the reclamation rules forbid, except successors of ending
     jobs and instances up to `floor` {key: n} (the catalogue's min); its state is saved before
     anything runs. Jobs of models in `kept` are left alone."""
     site = site if "path" in site else check_site(site)
-    scripts = job_scripts(rows, site, template, sbatch_vars)
+    scripts = job_scripts(rows, site, template, sbatch_vars, grants if emit_dir else None)
     if emit_dir:
         os.makedirs(emit_dir, exist_ok=True)
         for _, name, text in scripts:
@@ -2880,6 +2946,9 @@ def plan_slurm_args(plan):
     sl.add_argument("--sbatch-var", action="append", default=[], metavar="NAME=VALUE",
                     help="template value, e.g. KEY_FILE=~/.otela/cluster.key BOOTSTRAP=login1:7946 (repeatable)")
     sl.add_argument("--lock", default=LOCK_PATH, help="lock file: one run at a time")
+    sl.add_argument("--grants-dir", default=GRANTS_DIR, metavar="DIR",
+                    help="where each job's grant goes (mode 700; `otela_ingress.py grant` with the ingress "
+                         f"secret, which must be on this host; env OTELA_GRANTS_DIR; default {GRANTS_DIR})")
     rc = plan.add_argument_group("dynamic reclamation (cron runs; see the section in this file)")
     rc.add_argument("--state-file", default=None, metavar="FILE",
                     help=f"demand history and last changes kept between runs (default {STATE_NAME} next to --lock)")
@@ -3041,8 +3110,10 @@ def cmd_plan(args):
                     raise
                 jobs = []  # a dry run on a machine without Slurm: compare with nothing
             reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
+            issuer = GrantIssuer(args.grants_dir, sbatch_vars.get("KEY_FILE", ""), sbatch_vars["PYTHON"])
             result["reconcile"] = reconcile(result["ours"]["placement"], site, args.template, sbatch_vars,
-                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim, kept, floor)
+                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim, kept, floor,
+                                            issuer.grant)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

@@ -1,7 +1,7 @@
 # sbatch/node.sh — the common tail of every engine job template (sourced, not run).
 #
-# The template sets MODEL, GPU, TP, OTELA_DIR, KEY_FILE, BOOTSTRAP, PYTHON, LISTEN_HOST and
-# ENGINE_CMD (with "{port}" where the engine's port goes). This picks the ports, labels the
+# The template sets MODEL, GPU, TP, OTELA_DIR, KEY_FILE, GRANT_FILE (may be empty), BOOTSTRAP, PYTHON,
+# LISTEN_HOST and ENGINE_CMD (with "{port}" where the engine's port goes). This picks the ports, labels the
 # session so the placer can count it, and execs otela_node.py: the batch shell becomes the
 # node, so Slurm's `--signal=B:TERM@120` (and scancel's SIGTERM) reach it directly and it
 # drains in-flight requests, marks its session LEFT and stops the engine before SIGKILL.
@@ -32,6 +32,7 @@ fi
 echo "otela job $JOB: $MODEL on ${GPU:-?} tp=${TP:-1} on $(hostname), $version"
 exec "$PYTHON" "$OTELA_DIR/otela_node.py" start \
   --key-file "$KEY_FILE" \
+  ${GRANT_FILE:+--grant-file "$GRANT_FILE"} \
   --bootstrap "$BOOTSTRAP" \
   --process "$ENGINE_CMD" \
   --listen "$NODE_LISTEN" \

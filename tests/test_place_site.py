@@ -503,3 +503,29 @@ def test_sinfo_partitions_come_with_the_gpus_and_the_site_adds_its_settings():
     with pytest.raises(place.PlacementError) as err:
         place.check_site_partitions(dict(site, path="site.json"), {"gpu", "debug"})
     assert str(err.value) == "site.json: gpus[1].partition: 'h100' is not a partition sinfo lists (debug, gpu)"
+
+
+# ---------------------------------------------------------------- grants: what each job may serve
+def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(tmp_path, ingress, home):
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", str(keys)],
+                   check=True, capture_output=True, timeout=60)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    site = dict(SLOTS, catalogue=[{"name": "org/tiny", "weights": str(tmp_path), "min": 1},
+                                  {"name": "sql-lora", "base": "org/tiny", "weights": "/adapters/sql"}])
+    key_var = ("--sbatch-var", f"KEY_FILE={keys / 'cluster.key'}")
+    cron_plan(tmp_path, ingress, site, *key_var)
+    text = (tmp_path / "jobs" / "otela-tiny-a100-80gb-sxm4-tp1-0.sbatch").read_text()
+    path = home / ".otela" / "grants" / "otela-tiny-a100-80gb-sxm4-tp1-0.grant"
+    assert f"GRANT_FILE={path}" in text
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    grant = json.loads(path.read_text())["grant"]
+    assert grant["models"] == ["org/tiny", "sql-lora"] and grant["labels"]["otela.model"] == "org/tiny"
+    assert grant["job"] == "otela-tiny-a100-80gb-sxm4-tp1-0"
+    cron_plan(tmp_path, ingress, site, *key_var)          # the next pass: the same grant, not a new one
+    assert json.loads(path.read_text())["grant"]["id"] == grant["id"]
+    (keys / "ingress.key").unlink()                       # no ingress secret on this host
+    path.unlink()
+    _, warned = cron_plan(tmp_path, ingress, site, *key_var)
+    assert "GRANT_FILE=''" in (tmp_path / "jobs" / "otela-tiny-a100-80gb-sxm4-tp1-0.sbatch").read_text()
+    assert len([line for line in warned.splitlines() if "no grants for the jobs" in line]) == 1
