@@ -70,6 +70,8 @@ case $role in
     [[ -f $STATE/usage.sqlite && ! -f $DB ]] && DB=$STATE/usage.sqlite   # an existing deployment's
     cmd=("$PYTHON" "$OTELA_DIR/otela_ingress.py" serve --key-file "$STATE/cluster.key"
          --listen "$LISTEN" --gossip "$GOSSIP" --db "$DB" --ingress-key-file "$LOCAL/ingress.key")
+    # the site's catalogue: a model it offers that nothing serves yet is 503 "starting", and demand
+    [[ -z ${OTELA_SITE:-} && -f $STATE/site.json ]] && cmd+=(--site "$STATE/site.json")
     ;;
   relay)
     # the ingress relays too; a relay of its own on another port keeps private nodes reachable
@@ -90,6 +92,8 @@ case $role in
     site=()
     if [[ -z ${OTELA_SITE:-} && -f $STATE/site.json ]]; then site=(--site "$STATE/site.json")
     elif [[ -z ${OTELA_SITE:-} ]]; then site=(--sbatch-var "LOG_DIR=$STATE/logs"); fi
+    # each job's grant is signed by the ingress secret, on this host's own disk (see ingress)
+    export OTELA_INGRESS_KEY_FILE=${OTELA_INGRESS_KEY_FILE:-${OTELA_INGRESS_STATE:-/var/tmp/otela-${USER:-$(id -un)}}/ingress.key}
     exec "$PYTHON" "$OTELA_DIR/otela_place.py" plan \
       --from-ingress "${OTELA_FROM_INGRESS:-http://127.0.0.1:${LISTEN##*:}}" ${site[@]+"${site[@]}"} \
       --from-slurm --emit-sbatch "$STATE/jobs" --submit --lock "$STATE/place.lock" \
