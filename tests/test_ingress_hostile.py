@@ -758,9 +758,9 @@ def test_an_engine_resetting_each_new_connection_costs_clients_nothing(tmp_path,
     monkeypatch.setattr(otela_ingress, "SICK_AFTER_FAILURES", 10**6)   # keep sending it requests
     real_acquire = otela_ingress.UpstreamPool.acquire
 
-    async def slow_acquire(self, addr, fresh=False):
+    async def slow_acquire(self, addr, fresh=False, pin=None):
         # the reset lands between the connection's opening and the request's write, every time
-        up = await real_acquire(self, addr, fresh)
+        up = await real_acquire(self, addr, fresh, pin)
         await asyncio.sleep(0.02)
         return up
 

@@ -191,7 +191,14 @@ def test_a_node_running_modified_code_gets_nothing_from_an_ingress_pinned_to_its
             dst.write(src.read() + ("\n# tampered\n" if name == "otela_node.py" else ""))
     port = free_port()
     before = two.serving("fm")
+    grant = tmp_path / "tampered.grant"   # a job the login node granted, running changed code
+    import crdt
+    import otela_ingress
+    grant.write_bytes(otela_ingress.grant_file(crdt.Authority(otela_ingress.ingress_secrets(None, two.key_file)),
+                                               ["fm"], {}, "tampered", time.time() + 600, time.time(), two.key_file))
+    grant.chmod(0o600)
     two._spawn("tampered", [str(tmp_path / "otela_node.py"), "start", "--key-file", two.key_file,
+                            "--grant-file", str(grant),
                             "--bootstrap", f"127.0.0.1:{two.gossip}", "--listen", f"127.0.0.1:{free_port()}",
                             "--gossip", f"127.0.0.1:{free_port()}", "--process", f"{ENGINE} {port}",
                             "--engine-url", f"http://127.0.0.1:{port}"])
