@@ -4283,15 +4283,16 @@ class Ingress:
             if grants.admits(key.allow, sid, record):
                 result.append(Candidate(sid, record))
         if not result:
+            if not known and model in self.catalogue:   # offered, not yet served: the placer starts it
+                if not (self._warm_until and now < self._warm_until):   # (demand once we know nothing serves it)
+                    self.stats.unserved(model, time.time())
+                raise HTTPError(503, f"The model '{model}' is starting: the site offers it and no instance "
+                                     "serves it yet (the placer's next pass submits one); retry later",
+                                "model_starting", headers=[(b"retry-after", str(STARTING_RETRY_S).encode())])
             if not known and self._warm_until and now < self._warm_until:   # not heard from a peer yet
                 raise HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
                                      f"'{model}' may be served; retry", "no_healthy_provider",
                                 headers=[(b"retry-after", b"1")])
-            if not known and model in self.catalogue:   # offered, not yet served: the placer starts it
-                self.stats.unserved(model, time.time())
-                raise HTTPError(503, f"The model '{model}' is starting: the site offers it and no instance "
-                                     "serves it yet (the placer's next pass submits one); retry later",
-                                "model_starting", headers=[(b"retry-after", str(STARTING_RETRY_S).encode())])
             if not found and grants.was_served(model, now):   # absent, not unknown: it comes back
                 raise HTTPError(503, f"No session of '{model}' is reachable right now; it was served "
                                      f"{now - grants.served[model]:.0f} s ago: retry", "no_healthy_provider",

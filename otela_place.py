@@ -2099,10 +2099,9 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
 # Every script the placer renders names a grant file of its job's own (GRANT_FILE), mode 600 in a
 # folder of mode 700: the models (with the adapters riding them) and labels ingresses route to
 # it for, signed by the ingress secret on this host, with the key that binds its records and its
-# own tunnel certificate. A grant is issued once and again only when it would not cover a job
-# submitted now; without the ingress secret the scripts name none (warned once): ingresses that
-# check grants then route nothing to these jobs.
-GRANTS_DIR = "~/.otela/grants"
+# own tunnel certificate. A grant is issued once, and again when it would not cover a job
+# submitted now or the ingress secret changed since (a rotation step); without the ingress secret
+# the scripts name none (warned once): ingresses that check grants then route nothing to them.
 GRANT_QUEUE_S = 86400.0      # a grant covers a day in the queue besides the time limit: a job that
                              # starts later than that serves nothing, and the next pass renders anew
 
@@ -2123,7 +2122,10 @@ class GrantIssuer:
     other role) into `folder`, once per job name while it still covers a start now."""
 
     def __init__(self, folder, key_file, python):
-        self.folder, self.key_file, self.python = _home(folder), _home(key_file), python
+        self.key_file, self.python = _home(key_file), python
+        self.folder = _home(folder) if folder else os.path.join(os.path.dirname(os.path.abspath(self.key_file)), "grants")
+        self.secret = os.environ.get("OTELA_INGRESS_KEY_FILE") or \
+            os.path.join(os.path.dirname(os.path.abspath(self.key_file)), "ingress.key")
         self.failed = False
 
     def grant(self, job_name, models, labels, time_limit):
@@ -2134,7 +2136,8 @@ class GrantIssuer:
         try:
             with open(path) as f:
                 held = json.load(f)["grant"]
-            if held["until"] >= now + limit_seconds(time_limit) and sorted(held["models"]) == sorted(models):
+            if held["until"] >= now + limit_seconds(time_limit) and sorted(held["models"]) == sorted(models) \
+                    and os.stat(path).st_mtime >= os.stat(self.secret).st_mtime:
                 return path
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -2946,9 +2949,10 @@ def plan_slurm_args(plan):
     sl.add_argument("--sbatch-var", action="append", default=[], metavar="NAME=VALUE",
                     help="template value, e.g. KEY_FILE=~/.otela/cluster.key BOOTSTRAP=login1:7946 (repeatable)")
     sl.add_argument("--lock", default=LOCK_PATH, help="lock file: one run at a time")
-    sl.add_argument("--grants-dir", default=GRANTS_DIR, metavar="DIR",
+    sl.add_argument("--grants-dir", default=None, metavar="DIR",
                     help="where each job's grant goes (mode 700; `otela_ingress.py grant` with the ingress "
-                         f"secret, which must be on this host; env OTELA_GRANTS_DIR; default {GRANTS_DIR})")
+                         "secret, which must be on this host; env OTELA_GRANTS_DIR; default: grants/ beside "
+                         "the jobs' KEY_FILE)")
     rc = plan.add_argument_group("dynamic reclamation (cron runs; see the section in this file)")
     rc.add_argument("--state-file", default=None, metavar="FILE",
                     help=f"demand history and last changes kept between runs (default {STATE_NAME} next to --lock)")

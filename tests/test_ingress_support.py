@@ -287,17 +287,25 @@ class Cluster:
                 "--engine-url", f"http://127.0.0.1:{engine_port}"]
         for label in labels:
             argv += ["--label", label]
-        grant = os.path.join(self.tmp, f"{name}.grant")   # what the login node gives each job
-        secrets_ = otela_ingress.ingress_secrets(None, self.key_file)
-        if secrets_ and root is None and granted:   # (a node of a release before grants takes none)
-            with open(os.open(grant, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
-                fh.write(otela_ingress.grant_file(crdt.Authority(secrets_), [model], dict(
-                    label.split("=", 1) for label in labels), name, time.time() + 3600, time.time(), self.key_file))
-            argv += ["--grant-file", grant]
+        if root is None and granted:   # (a node of a release before grants takes none)
+            argv += self.grant(name, [model], labels)
         before = self.serving(model)
         self.nodes[name] = self._spawn(name, argv)
         self._wait(lambda: self.serving(model) > before, f"node {name} serving {model}", timeout)
         return self.nodes[name]
+
+    def grant(self, name: str, models: List[str], labels=()) -> List[str]:
+        """The flags that give the job `name` its grant from the login node (`otela_ingress.py
+        grant`'s file): [] where the cluster has no ingress secret."""
+        import os
+        secrets_ = otela_ingress.ingress_secrets(None, self.key_file)
+        if not secrets_:
+            return []
+        grant = os.path.join(self.tmp, f"{name}.grant")
+        with open(os.open(grant, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
+            fh.write(otela_ingress.grant_file(crdt.Authority(secrets_), models, dict(
+                label.split("=", 1) for label in labels), name, time.time() + 3600, time.time(), self.key_file))
+        return ["--grant-file", grant]
 
     def serving(self, model: str) -> int:
         client = Client(self.url)

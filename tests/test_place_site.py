@@ -506,7 +506,7 @@ def test_sinfo_partitions_come_with_the_gpus_and_the_site_adds_its_settings():
 
 
 # ---------------------------------------------------------------- grants: what each job may serve
-def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(tmp_path, ingress, home):
+def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(tmp_path, ingress):
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", str(keys)],
                    check=True, capture_output=True, timeout=60)
@@ -516,7 +516,7 @@ def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(t
     key_var = ("--sbatch-var", f"KEY_FILE={keys / 'cluster.key'}")
     cron_plan(tmp_path, ingress, site, *key_var)
     text = (tmp_path / "jobs" / "otela-tiny-a100-80gb-sxm4-tp1-0.sbatch").read_text()
-    path = home / ".otela" / "grants" / "otela-tiny-a100-80gb-sxm4-tp1-0.grant"
+    path = keys / "grants" / "otela-tiny-a100-80gb-sxm4-tp1-0.grant"   # beside the cluster key
     assert f"GRANT_FILE={path}" in text
     assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
     grant = json.loads(path.read_text())["grant"]
@@ -524,6 +524,9 @@ def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(t
     assert grant["job"] == "otela-tiny-a100-80gb-sxm4-tp1-0"
     cron_plan(tmp_path, ingress, site, *key_var)          # the next pass: the same grant, not a new one
     assert json.loads(path.read_text())["grant"]["id"] == grant["id"]
+    os.utime(keys / "ingress.key")                        # a rotation step since: issued anew
+    cron_plan(tmp_path, ingress, site, *key_var)
+    assert json.loads(path.read_text())["grant"]["id"] != grant["id"]
     (keys / "ingress.key").unlink()                       # no ingress secret on this host
     path.unlink()
     _, warned = cron_plan(tmp_path, ingress, site, *key_var)

@@ -874,7 +874,7 @@ def test_a_node_wraps_serve_as_its_engine_and_the_ingress_routes_to_it(tmp_path)
         process = f"{sys.executable} otela_sim.py serve --model {MODEL} --gpu H100 --port {{port}}"
         argv = [os.path.join(cluster.root, "otela_node.py"), "start", "--key-file", cluster.key_file,
                 "--bootstrap", f"127.0.0.1:{cluster.gossip}", "--listen", f"127.0.0.1:{free_port()}",
-                "--gossip", f"127.0.0.1:{free_port()}", "--process", process]
+                "--gossip", f"127.0.0.1:{free_port()}", "--process", process, *cluster.grant("sim", [MODEL])]
         cluster.nodes["sim"] = cluster._spawn("sim", argv)
         cluster._wait(lambda: cluster.serving(MODEL) == 1, f"node serving {MODEL}", 60)
         client = Client(cluster.url, cluster.token)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 from fake_engine import free_port
+from reliability_hostile import Listener
 from test_ingress_support import Client, Cluster
 
 import crdt
@@ -123,30 +122,6 @@ def test_an_overlay_member_binds_every_write_of_its_own_and_a_forged_copy_does_n
 
 
 # -- whole processes: an ingress, honest nodes, and an attacker with cluster.key alone -------------
-class Listener:
-    """An address the attacker owns: counts the connections that reach it."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            conn.close()
-
-    def close(self):
-        self.sock.close()
-
-
 def send_forged(cluster: Cluster, records) -> None:
     import attack_registry
     attack_registry.send(cluster.key_file, f"127.0.0.1:{cluster.gossip}", [{sid: r} for sid, r in records.items()])
