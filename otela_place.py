@@ -2124,7 +2124,7 @@ class GrantIssuer:
     def __init__(self, folder, key_file, python):
         self.key_file, self.python = _home(key_file), python
         self.folder = _home(folder) if folder else os.path.join(os.path.dirname(os.path.abspath(self.key_file)), "grants")
-        self.secret = os.environ.get("OTELA_INGRESS_KEY_FILE") or \
+        self.secret = crdt.env_value("INGRESS_KEY_FILE", str, os.environ) or \
             os.path.join(os.path.dirname(os.path.abspath(self.key_file)), "ingress.key")
         self.failed = False
 
