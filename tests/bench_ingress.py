@@ -424,7 +424,11 @@ def start_overlay(tmp: str, models: dict, flags: dict, procs: list) -> tuple:
     pin(ingress.pid, 0)
     side = []
     for model, engine_port in models.items():
+        grant = os.path.join(tmp, f"{engine_port}.grant")   # the login node's grant for each job
+        subprocess.run([py, os.path.join(ROOT, "otela_ingress.py"), "grant", "--key-file", key_file, "--model", model,
+                        "--out", grant], check=True, capture_output=True, timeout=60)
         node = subprocess.Popen([py, os.path.join(ROOT, "otela_node.py"), "start", "--key-file", key_file,
+                                 "--grant-file", grant,
                                  "--bootstrap", f"127.0.0.1:{gossip}", "--listen", f"127.0.0.1:{free_port()}",
                                  "--gossip", f"127.0.0.1:{free_port()}", "--log-level", "WARNING",
                                  "--process", f"{py} {os.path.join(HERE, 'fake_engine.py')} --port {engine_port} "

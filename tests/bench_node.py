@@ -642,7 +642,7 @@ def _nat_lab_run(quick, rounds, out):
             argv = ["env", f"OTELA_RELAY_MUX={mux}", sys.executable, str(ROOT / "otela_node.py"), "start",
                     "--key-file", fleet.key_file, "--listen", f"{place.host}:{listen}",
                     "--gossip", f"{place.host}:{gossip}", "--bootstrap", f"{relay_gossip},{ingress.gossip}",
-                    "--process", f"{engine} --model fm-{path}"]
+                    "--process", f"{engine} --model fm-{path}", "--grant-file", fleet.grant(f"fm-{path}", (f"fm-{path}",))]
             members[path] = rel.Member(f"fm-{path}", "worker", place, argv, f"{place.host}:{listen}",
                                        f"{place.host}:{gossip}")
             fleet.members.append(members[path])

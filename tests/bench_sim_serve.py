@@ -687,7 +687,7 @@ def bench_cost(engines=16, rate=100.0, duration=10.0, floor=False):
         for i in range(engines):
             argv = [str(ROOT / "otela_node.py"), "start", "--key-file", cluster.key_file,
                     "--bootstrap", f"127.0.0.1:{cluster.gossip}", "--listen", f"127.0.0.1:{free_port()}",
-                    "--gossip", f"127.0.0.1:{free_port()}", "--process", process]
+                    "--gossip", f"127.0.0.1:{free_port()}", "--process", process, *cluster.grant(f"sim{i}", [MODEL])]
             cluster.nodes[f"sim{i}"] = cluster._spawn(f"sim{i}", argv)
         cluster._wait(lambda: cluster.serving(MODEL) == engines, f"{engines} engines serving", 180)
         pids = child_pids({p.pid for p in cluster.nodes.values()}, marker)
