@@ -1404,6 +1404,7 @@ class Grants:
         self.allow_ungranted = allow_ungranted
         self.revoked: set = set()            # grant ids and "job-<id>" revoked
         self.live: Dict[str, Dict[str, float]] = {}   # grant id -> {live session: its start}
+        self.grant_of: Dict[str, str] = {}   # live session -> its grant id
         self.holder: Dict[str, str] = {}     # grant id -> the one live session it serves
         self.served: Dict[str, float] = {}   # model -> when a session last could serve it (monotonic)
 
@@ -1415,14 +1416,15 @@ class Grants:
         """A session's record changed: keep each grant's live sessions and its holder."""
         grant = record.get("grant") if record is not None else None
         gid = grant.get("id") if isinstance(grant, dict) else None
-        for other, sessions in list(self.live.items()):
-            if sid in sessions and other != gid:
-                self._leave(other, sid)
+        before = self.grant_of.pop(sid, None)
+        if before is not None and before != gid:
+            self._leave(before, sid)
         if gid is None:
             return
         if record["state"] in crdt.ROUTABLE or record["state"] == crdt.JOIN:
             sessions = self.live.setdefault(gid, {})
             sessions[sid] = record.get("started", 0.0)
+            self.grant_of[sid] = gid
             self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
         else:
             self._leave(gid, sid)
@@ -1642,9 +1644,10 @@ class LeastLoadedPolicy(Policy):
             self.outstanding.pop(candidate.session, None)
 
 
-# The fields of a worker's record that change with its traffic (otela_node.publish_engine_view)
-# and the record's version: a change in these alone leaves the candidates as they were.
-VIEW_FIELDS = frozenset(("version", "load", "prefixes", "prefix_ends", "speed"))
+# The fields of a worker's record that change with its traffic (otela_node.publish_engine_view),
+# the record's version and its binding (new at every write): a change in these alone leaves the
+# candidates, and what the grants and evictions are, as they were.
+VIEW_FIELDS = frozenset(("version", "load", "prefixes", "prefix_ends", "speed", "bind"))
 MAX_SIGNATURES = 65536
 
 
@@ -4164,8 +4167,6 @@ class Ingress:
                 return
             self.cluster.on_entry(sid, record)
             return
-        self.grants.seen(sid, record)
-        self._doubt(sid, record)
         if sid != self.node.session_id:   # a peer's record: the registry is a peer's view now
             self._warm_until = 0.0
         if record is not None and sid in self.health.paths:   # a new path: its failures are past
@@ -4183,6 +4184,8 @@ class Ingress:
             if len(self._signatures) >= MAX_SIGNATURES:
                 self._signatures.clear()
             self._signatures[sid] = signature
+        self.grants.seen(sid, record)   # (its state or grant may have changed: not on a view's change)
+        self._doubt(sid, record)
         self._candidates = {}
 
     async def _read_revocations(self) -> None:

@@ -353,7 +353,8 @@ def test_a_workers_published_view_alone_keeps_the_ingress_candidates():
     first = ingress.candidates("m", key)
     record = dict(node.registry.get(sid))
     for field, value in (("load", 3), ("prefixes", encode_prefixes([b"x" * 8])), ("speed", {"prefill": 9e3, "decode": 40.0})):
-        record = dict(record, version=record["version"] + 1, **{field: value})
+        # (each of its writes is bound anew: the binding changes with them)
+        record = crdt.bound(b"k" * 32, sid, dict(record, version=record["version"] + 1, **{field: value}))
         node.registry.put(sid, record)
         node._changed(sid)
         assert ingress.candidates("m", key) is first
