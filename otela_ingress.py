@@ -1097,11 +1097,17 @@ def completion_cap(request: Dict[str, Any], path: bytes) -> Optional[int]:
     """The most completion tokens the request asks for (None: it does not say)."""
     if path == b"/v1/embeddings":
         return 0
-    stated = [v for v in map(request.get, _CAP_FIELDS) if type(v) is int and v >= 0]
-    if not stated:
+    get, cap = request.get, None
+    for name in _CAP_FIELDS:
+        v = get(name)
+        if type(v) is int and v >= 0 and (cap is None or v > cap):
+            cap = v
+    if cap is None:
         return None
-    choices = [v for v in (request.get("n"), request.get("best_of")) if type(v) is int and v > 0]
-    return max(stated) * max(choices, default=1)
+    n, best_of = get("n"), get("best_of")   # (mostly neither: a request's cost, not a list's)
+    if n is None and best_of is None:
+        return cap
+    return cap * max([v for v in (n, best_of) if type(v) is int and v > 0], default=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2695,8 +2701,10 @@ class UpstreamPool:
             frame = self._request_heads[(path, addr, stream)] = (
                 b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
                 % (path, addr.encode()),
-                self.tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
-        return b"%s%d\r\n%s%s" % (frame[0], len(body), extra, frame[1])
+                b"\r\n" + self.tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
+        if extra:
+            return b"%s%d\r\n%s%s" % (frame[0], len(body), extra, frame[1][2:])
+        return b"%s%d%s" % (frame[0], len(body), frame[1])
 
     def retire(self, addr: str) -> None:
         """A better path to addr appeared (a punched tunnel, otela_node's relay rule 5): its idle
@@ -3689,11 +3697,12 @@ class _Exchange:
         bound is booked at the bound, and counted against the session that said it."""
         prompt, completion, cached = self.prompt_tokens, self.completion_tokens, self.cached_tokens
         body = self.body
-        if prompt is not None and prompt > len(body):   # (an honest prompt is rarely more tokens than bytes)
+        size = len(body)
+        if prompt is not None and prompt > size:   # (an honest prompt is rarely more tokens than bytes)
             limit = prompt_bound(body)
             if prompt > limit:
                 self.prompt_tokens = prompt = self._bounded("prompt", limit)
-        if cached is not None and cached > (len(body) if prompt is None else prompt):
+        if cached is not None and cached > (size if prompt is None else prompt):
             most = prompt_bound(body) if prompt is None else prompt
             if cached > most:
                 self.cached_tokens = self._bounded("cached", most)
