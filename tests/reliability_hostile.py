@@ -901,21 +901,33 @@ def sybil_sessions(args: argparse.Namespace) -> Dict[str, Any]:
 def forged_evictions(args: argparse.Namespace) -> Dict[str, Any]:
     """Before: made-up eviction evidence against both nodes of a model gave 136 of 1,424 requests a 404;
     re-evicting every 1.4 s, 42 % over 15 s. Now: evicted live sessions are doubted by the ingress
-    that just reached them, and a model served minutes ago is 503, never 404."""
+    that just reached them, and a model served minutes ago is 503, never 404. Then both nodes sit
+    idle for longer than the ingress's doubt (DOUBT_S) and are evicted once more, by evidence naming
+    honest members (the ingress, the other node) with made-up vouchers: what the requests right
+    after it get (idle_*)."""
     import crdt
-    name = "forged evictions: once, then every 1.4 s"
+    import otela_ingress
+    name = "forged evictions: once, then every 1.4 s, then of idle sessions"
     loop_s = 8.0 if args.quick else 15.0
+    idle_s = otela_ingress.DOUBT_S + 3.0
     with cluster(args, name, nodes=2) as (fleet, ingress):
         evictor = crdt.new_session_id()
 
-        def evict_all() -> int:
+        def evict_all(honest: bool = False) -> int:
             now = time.time()
             records = {}
-            for view in workers(fleet, ingress):
-                record = {k: v for k, v in as_record(view).items() if k != "bind"}
-                record.update(state=crdt.LEFT, version=view["version"] + 1, left_at=now, evicted_by=evictor,
-                              evidence={"since": now - 5.0, "grace": 3.0, "by": [evictor]})
-                records[view["session"]] = record
+            view = fleet.registry(ingress)
+            serving = [s for s in view["sessions"] if s.get("role") == "worker" and s["state"] == "SERVING"]
+            for victim in serving:
+                record = {k: v for k, v in as_record(victim).items() if k != "bind"}
+                by = [evictor]
+                if honest:   # members that never suspected it, each with a voucher made up
+                    by = [view["self"]] + [s["session"] for s in serving if s["session"] != victim["session"]]
+                record.update(state=crdt.LEFT, version=victim["version"] + 1, left_at=now, evicted_by=by[0],
+                              evidence={"since": now - 5.0, "grace": 3.0, "by": by})
+                if honest:
+                    record["vouch"] = {sid: os.urandom(16).hex() for sid in by}
+                records[victim["session"]] = record
             return forge(fleet, ingress.gossip, records)
         sent = 0
         with Load(LOOPBACK, ingress.url, fleet.token, rate=20, streams=2) as load:
@@ -928,12 +940,23 @@ def forged_evictions(args: argparse.Namespace) -> Dict[str, Any]:
                 time.sleep(1.4)
             time.sleep(2.0)
         doubted = metric(fleet, ingress, "otela_evictions_doubted_total")
+        wait(lambda: len(fleet.serving(ingress)) == 2, 30, "2 nodes serving after the loop")
+        time.sleep(idle_s)                       # no request reaches either node meanwhile
+        idle_sent = evict_all(honest=True)
+        with Load(LOOPBACK, ingress.url, fleet.token, rate=20) as idle_load:
+            time.sleep(5.0)
+        idle_doubted = metric(fleet, ingress, "otela_evictions_doubted_total") - doubted
     total = len(load.records)
     not_found = sum(1 for r in load.records if r[3] == "http 404")
     failed = errors(load.records)
-    return row(name, f"20 chat/s + 2 streams, {loop_s + 9:g} s", f"{sent} forged evictions", failed, "-", "-", "-",
+    idle_failed = [r[3] for r in idle_load.records if r[3] != OK]
+    return row(name, f"20 chat/s + 2 streams, {loop_s + 9:g} s; idle {idle_s:g} s, then 20 chat/s, 5 s",
+               f"{sent + idle_sent} forged evictions", failed + len(idle_failed), "-", "-", "-",
                requests=total, not_found_404=not_found, error_share=round(failed / max(total, 1), 4),
-               evictions_doubted=doubted, before="136 of 1,424 got 404; 42 % in a loop (issue 38)")
+               evictions_doubted=doubted, idle_requests=len(idle_load.records),
+               idle_404=idle_failed.count("http 404"), idle_503=idle_failed.count("http 503"),
+               idle_failed=len(idle_failed), idle_evictions_doubted=idle_doubted,
+               before="136 of 1,424 got 404; 42 % in a loop (issue 38)")
 
 
 def grant_abuse(args: argparse.Namespace) -> Dict[str, Any]:
