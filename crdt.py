@@ -52,7 +52,7 @@ import math
 import re
 import secrets
 import time
-from typing import Any, Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 # ---------------------------------------------------------------------------------------------
 # The one JSON pair (orjson when importable; the stdlib otherwise). Used for wire messages.
@@ -291,14 +291,37 @@ def validate(session_id: Any, record: Any) -> bytes:
 #     evidence can be made up by a key holder; it stops evictions without any (a release before
 #     this one's, a bug) and it tells the operator who evicted whom and on whose word. A live
 #     member evicted anyway rejoins as a new session within a second.
+#   - Beside the evidence, "vouch": {confirmer: voucher} for the confirmers whose vouchers reached
+#     the evictor. A member that suspects a session from its own failed probe (not from a rumour)
+#     makes a voucher, an HMAC under its own binding key (the one its records are bound under, see
+#     "Records bound to their writers") of the suspect, the suspected version and itself; the
+#     vouchers travel with the suspicion rumours (otela_node.py, "vo"). Nobody can make another
+#     member's voucher, so an ingress, which can derive a granted job's and an ingress's binding
+#     key, believes an eviction only on one that checks (Authority.vouched): evidence naming members
+#     that never suspected the session does not take it out of routing there (otela_ingress.py,
+#     Ingress._doubt). A separate field, not a key of "evidence": a release before this one refuses
+#     evidence with another key, and carries a field it does not know.
 SEAL_BYTES = 16
 MAX_CONFIRMERS = 8
+VOUCHER_HEX = 32              # a voucher is 128 bits of HMAC-SHA256: no forger can check a guess
+                              # offline, and 8 of them add ~560 bytes to an eviction's record
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
 def seal_of(secret: str) -> str:
     """The commitment a session's records carry for `secret` (32 hex digits)."""
     return hashlib.blake2b(bytes.fromhex(secret), digest_size=SEAL_BYTES).hexdigest()
+
+
+def voucher(key: bytes, suspect: str, version: int, confirmer: str) -> str:
+    """`confirmer`'s word, under its binding key, that its own probe of `suspect` (its record at
+    `version`) failed."""
+    data = b"otela-vouch\0" + suspect.encode() + b"\0" + str(version).encode() + b"\0" + confirmer.encode()
+    return hmac.new(key, data, hashlib.sha256).hexdigest()[:VOUCHER_HEX]
+
+
+def is_voucher(value: Any) -> bool:
+    return isinstance(value, str) and bool(_HEX32.match(value))
 
 
 def _check_ending(session_id: str, record: Dict[str, Any]) -> None:
@@ -311,6 +334,8 @@ def _check_ending(session_id: str, record: Dict[str, Any]) -> None:
                               "in its owner's DOWN or LEFT only")
     evidence = record.get("evidence")
     if evidence is None:
+        if "vouch" in record:
+            raise RecordError(f"session {session_id}: vouch comes with an eviction's evidence")
         return
     if "evicted_by" not in record or not isinstance(evidence, dict) \
             or set(evidence) != {"since", "grace", "by"}:
@@ -323,6 +348,11 @@ def _check_ending(session_id: str, record: Dict[str, Any]) -> None:
                           f"{MAX_CONFIRMERS} session ids with the evictor")
     if record["state"] == LEFT and record["left_at"] < evidence["since"] + evidence["grace"]:
         raise RecordError(f"session {session_id}: evicted before its grace was over")
+    vouch = record.get("vouch", {})
+    if not isinstance(vouch, dict) or len(vouch) > MAX_CONFIRMERS \
+            or not all(c in by and is_voucher(m) for c, m in vouch.items()):
+        raise RecordError(f"session {session_id}: vouch maps confirmers in the evidence to "
+                          f"{VOUCHER_HEX} hex digits each")
 
 
 def ending_refused(held: Optional[Dict[str, Any]], record: Dict[str, Any]) -> Optional[str]:
@@ -689,6 +719,33 @@ class Authority:
         if record.get("role") == "ingress" and "bind" in record:
             return [self.ingress_binding(s) for s in self.secrets]
         return []
+
+    def vouched(self, session_id: str, record: Dict[str, Any],
+                confirmer: Callable[[str], Optional[Dict[str, Any]]], revoked: Container[str] = ()) -> Optional[bool]:
+        """Whether an eviction is vouched for (see "The end of a session"): True when a confirmer's
+        voucher checks under its binding key (`confirmer`: its record here, or None); False when
+        some confirmer can be checked here and none vouched (a grant not ours, or revoked, counts as
+        checked, and failed); None when no confirmer can be checked (ungranted, or unknown here)."""
+        vouch = record.get("vouch") or {}
+        checkable = False
+        for by in (record.get("evidence") or {}).get("by", ()):
+            held = confirmer(by)
+            if held is None:
+                continue
+            keys = self.binding_keys(by, held)
+            grant = held.get("grant")
+            if keys is None or (keys and isinstance(grant, dict) and
+                                (grant["id"] in revoked or "job-" + grant.get("job", "") in revoked)):
+                checkable = True
+                continue
+            if not keys:
+                continue
+            checkable = True
+            mac = vouch.get(by)
+            if isinstance(mac, str) and any(hmac.compare_digest(voucher(k, session_id, record["version"], by), mac)
+                                            for k in keys):
+                return True
+        return False if checkable else None
 
     @staticmethod
     def ingress_binding(secret: bytes) -> bytes:

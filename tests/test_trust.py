@@ -121,6 +121,59 @@ def test_an_overlay_member_binds_every_write_of_its_own_and_a_forged_copy_does_n
     assert registry.merge({"f" * 32: mine}) == ["f" * 32]
 
 
+# -- evictions vouched for by their confirmers (crdt, "The end of a session") ----------------------
+def ingress_record(sid: str = "d" * 32):
+    record = {"owner": "ingress@login1", "state": crdt.SERVING, "version": 1, "started": NOW, "role": "ingress",
+              "gossip": "10.0.0.9:7946", "tier": TIER.proof(sid, "10.0.0.9:7946")}
+    return crdt.bound(crdt.Authority.ingress_binding(TIER.secrets[0]), sid, record)
+
+
+def eviction(victim, by, vouch=None, version=None):
+    """`victim` evicted by by[0] on the word of `by`, as any holder of cluster.key can write it."""
+    record = dict({k: v for k, v in victim.items() if k != "bind"}, state=crdt.LEFT, left_at=NOW + 9,
+                  evicted_by=by[0], evidence={"since": NOW, "grace": 5.0, "by": list(by)})
+    if version is not None:
+        record["version"] = version
+    if vouch is not None:
+        record["vouch"] = vouch
+    return record
+
+
+def test_a_voucher_checks_only_under_its_confirmers_binding_key_for_that_suspect_and_version():
+    victim, _ = granted_record("a" * 32)
+    worker, worker_key = granted_record("c" * 32, addr="10.0.0.2:7700")
+    ungranted = {"owner": "job@node3", "state": crdt.SERVING, "version": 1, "started": NOW, "role": "worker"}
+    held = {"c" * 32: worker, "d" * 32: ingress_record("d" * 32), "e" * 32: ungranted}.get
+    version = victim["version"]
+    mac = crdt.voucher(worker_key, "a" * 32, version, "c" * 32)
+    ingress_mac = crdt.voucher(crdt.Authority.ingress_binding(TIER.secrets[0]), "a" * 32, version, "d" * 32)
+
+    def vouched(by, vouch, revoked=(), **kw):
+        return TIER.vouched("a" * 32, eviction(victim, by, vouch, **kw), held, revoked)
+    assert len(mac) == crdt.VOUCHER_HEX and crdt.is_voucher(mac)
+    assert vouched(["c" * 32], {"c" * 32: mac}) is True
+    assert vouched(["e" * 32, "d" * 32], {"d" * 32: ingress_mac}) is True          # an ingress's word
+    assert vouched(["c" * 32], {"c" * 32: crdt.voucher(b"k" * 32, "a" * 32, version, "c" * 32)}) is False
+    assert vouched(["c" * 32], {"c" * 32: mac}, version=version + 1) is False     # another version's
+    assert vouched(["d" * 32], {"d" * 32: mac}) is False                          # another confirmer's
+    assert vouched(["c" * 32, "d" * 32], None) is False                           # honest names, no word
+    assert vouched(["c" * 32], {"c" * 32: mac}, revoked={worker["grant"]["id"]}) is False
+    assert vouched(["e" * 32, "f" * 32], {"e" * 32: mac}) is None                  # ungranted, unknown here
+
+
+def test_vouchers_ride_beside_the_evidence_only_for_its_confirmers_and_of_one_size():
+    victim, _ = granted_record("a" * 32)
+    mac = "0" * crdt.VOUCHER_HEX
+    crdt.validate("a" * 32, eviction(victim, ["c" * 32], {"c" * 32: mac}))
+    for bad in ({"e" * 32: mac}, {"c" * 32: mac[:16]}, {"c" * 32: "A" * 32}, ["c" * 32], {"c" * 32: 7}):
+        with pytest.raises(crdt.RecordError, match="vouch"):
+            crdt.validate("a" * 32, eviction(victim, ["c" * 32], bad))
+    with pytest.raises(crdt.RecordError, match="vouch"):
+        crdt.validate("a" * 32, dict(victim, vouch={"c" * 32: mac}))           # only beside evidence
+    by = [f"{i:032x}" for i in range(crdt.MAX_CONFIRMERS)]                     # the most there can be
+    crdt.validate("a" * 32, eviction(victim, by, {c: mac for c in by}))
+
+
 # -- whole processes: an ingress, honest nodes, and an attacker with cluster.key alone -------------
 def send_forged(cluster: Cluster, records) -> None:
     import attack_registry
@@ -309,3 +362,4 @@ def test_an_ingress_talks_only_to_the_job_whose_grant_pins_the_certificate(tmp_p
     assert genuine == ("connected", pin) and genuine_cut == 0
     assert impostor[0] == "refused" and "certificate" in impostor[1] and impostor_cut == 1
     assert isinstance(client_ctx, ssl.SSLContext)
+
