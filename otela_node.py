@@ -585,8 +585,10 @@ MESSAGE_TYPES = {
     "a":  "n seq",                   # ack of ping n
     "i":  "n seq, to sid[:8], a",    # ping-req: please probe address a for me (indirect path)
     "n":  "n seq",                   # nack of ping-req n: I asked, the target did not answer
-    "r":  "r {sid: record}, s [[sid, version, by]], k?",  # rumours: records and suspicions;
-                                     # k: the writer's push id, to be acked
+    "r":  "r {sid: record}, s [[sid, version, by]], vo?, k?",  # rumours: records and suspicions;
+                                     # vo [[sid, version, by, voucher]]: the vouchers of confirmers
+                                     # in s (crdt, "The end of a session"); k: the writer's push id,
+                                     # to be acked
     "k":  "k push id",               # ack of a writer's push: stop resending it to me
     "j":  "r {sid: record}",         # join: my record; answer with your full state
     "st": "r {sid: record}",         # state: records to merge (join answer, push-pull end)
@@ -623,6 +625,17 @@ def _suspicions(msg: Dict[str, Any]) -> List[list]:
                 and type(item[1]) is int and isinstance(item[2], str)):
             raise ValueError("bad suspicion")
     return items
+
+
+def _vouchers(msg: Dict[str, Any]) -> List[list]:
+    """The [sid, version, by, voucher] a message carries beside its suspicions ("vo"), at most
+    one per suspicion; a malformed one is skipped (a later release may say more), not fatal."""
+    items = msg.get("vo")
+    if not isinstance(items, list):
+        return []
+    return [item for item in items[: Overlay.MAX_SUSPICIONS]
+            if isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and type(item[1]) is int
+            and isinstance(item[2], str) and crdt.is_voucher(item[3])]
 
 
 SHORT_ID = 8                        # hex chars of a session id in pings: 32 bits tell apart
@@ -670,7 +683,7 @@ LATER = "later"                     # _changed(push=LATER): queue for one retran
 
 
 class Suspicion:
-    __slots__ = ("version", "since", "began", "confirmers", "deadline", "held")
+    __slots__ = ("version", "since", "began", "confirmers", "deadline", "held", "vouchers")
 
     def __init__(self, version: int, since: float, by: str):
         self.version = version
@@ -678,6 +691,8 @@ class Suspicion:
         self.confirmers = {by}
         self.deadline = math.inf
         self.held = False                           # eviction held back (see FailureDetector._evict)
+        self.vouchers: Dict[str, tuple] = {}        # confirmer -> (version, its voucher): crdt,
+                                                    # "The end of a session"
 
 
 class FailureDetector:
@@ -866,9 +881,11 @@ class FailureDetector:
         new = sus is None or version > sus.version
         if new:
             sus = self.suspects[sid] = Suspicion(version, now, by)
-        elif by in sus.confirmers:
-            return []
-        else:
+        if by == self.sid and src is None:          # our own probe failed: our word on it, which
+            sus.vouchers[by] = (version, crdt.voucher(self.bind_key, sid, version, by))   # nobody else can give
+        if not new:
+            if by in sus.confirmers:
+                return []
             sus.confirmers.add(by)
         sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
         if self.sid != min(sus.confirmers):
@@ -916,10 +933,16 @@ class FailureDetector:
             sus.deadline = now + self._grace(len(sus.confirmers) - 1)
             return []
         del self.suspects[sid]
-        others = sorted(c for c in sus.confirmers if c != self.sid)[: crdt.MAX_CONFIRMERS - 1]
+        version = (self.map.get(sid) or {}).get("version")
+        vouchers = {c: mac for c, (v, mac) in sus.vouchers.items() if v == version}
+        # the confirmers with a voucher first: made-up confirmers do not push them out of the evidence
+        others = sorted((c for c in sus.confirmers if c != self.sid),
+                        key=lambda c: (c not in vouchers, c))[: crdt.MAX_CONFIRMERS - 1]
         grace = min(self._grace(len(sus.confirmers) - 1), max(0.0, now - sus.since))
+        by = [self.sid] + others
         return self._retire(sid, now, "suspected and unrefuted",
-                            {"since": sus.since, "grace": grace, "by": [self.sid] + others})
+                            {"since": sus.since, "grace": grace, "by": by},
+                            {c: vouchers[c] for c in by if c in vouchers})
 
     PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
     PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
@@ -933,14 +956,29 @@ class FailureDetector:
         unreachable = len(evictions) + sum(1 for sid in self.suspects if sid in self.members)
         return unreachable >= max(3, self.PARTITION_SHARE * (len(self.members) + len(evictions) + 1))
 
-    def _retire(self, sid: str, now: float, why: str, evidence: Dict[str, Any]) -> List[Out]:
-        """Write LEFT for another member's session, as its evictor, with the evidence (crdt: the
-        end of a session); the writer pushes it to all."""
+    MAX_RETIRED = 1024              # sessions this member evicted, remembered (Node.evicted_here):
+                                    # more than a partition's worth of evictions in a minute
+
+    def _retire(self, sid: str, now: float, why: str, evidence: Dict[str, Any],
+                vouch: Optional[Dict[str, str]] = None) -> List[Out]:
+        """Write LEFT for another member's session, as its evictor, with the evidence and the
+        confirmers' vouchers (crdt: the end of a session); the writer pushes it to all."""
         self.suspects.pop(sid, None)
         record = self.map.get(sid)
         if record is None or record["state"] == crdt.LEFT:
             return []
         record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=evidence)
+        record.pop("vouch", None)
+        vouch = dict(vouch or {})
+        while vouch:                                # a record of the most a datagram takes: the
+            record["vouch"] = vouch                 # vouchers of others go first, ours last
+            if len(crdt.encode(record)) <= crdt.MAX_RECORD_BYTES:
+                break
+            del vouch[max(vouch, key=lambda c: (c != self.sid, c))]
+            record.pop("vouch")
+        if len(self.retired) >= self.MAX_RETIRED:
+            self.retired.pop(next(iter(self.retired)))
+        self.retired[sid] = now
         self.map.put(sid, record, writer=self.sid)
         log.info("session %s evicted: %s", sid, why)
         return self._changed([sid], now, origin=True)
@@ -987,6 +1025,7 @@ class Overlay(FailureDetector):
         self.suspects: Dict[str, Suspicion] = {}
         self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
         self.evictions: collections.deque = collections.deque()   # when members were evicted
+        self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
         self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
@@ -1086,7 +1125,7 @@ class Overlay(FailureDetector):
         only this process can write its DOWN or LEFT."""
         self._unseal = secrets.token_hex(16) if self._secure else \
             hashlib.blake2b(b"unseal" + self.sid.encode(), digest_size=16).hexdigest()   # a replay: no secret
-        for stale in ("unseal", "evidence"):
+        for stale in ("unseal", "evidence", "vouch"):
             record.pop(stale, None)
         record["seal"] = crdt.seal_of(self._unseal)
         return record
@@ -1100,6 +1139,7 @@ class Overlay(FailureDetector):
         record.update(fields)
         record.pop("evicted_by", None)
         record.pop("evidence", None)
+        record.pop("vouch", None)
         record["version"] = max(self.record["version"], current["version"]) + 1
         if record["state"] == crdt.LEFT:
             record.setdefault("left_at", now)
@@ -1228,6 +1268,7 @@ class Overlay(FailureDetector):
         out = self._merge(records, src, now, push=push)
         for sid, version, by in suspicions:
             out += self._suspect(sid, version, by, now, src)
+        self._take_vouchers(_vouchers(msg))
         if "k" in msg:
             out.append(Out(src, {"t": "k", "k": int(msg["k"])}, False))
         return out
@@ -1321,6 +1362,19 @@ class Overlay(FailureDetector):
             msg["di"] = self.map.digest(plane=crdt.INGRESS)
         return Out(addr, self._with_suspicions(msg), False)
 
+    MAX_VOUCHERS = 4 * crdt.MAX_CONFIRMERS          # held per suspicion: a rumour's worth of made-up
+                                                    # confirmers leaves room for the real ones'
+
+    def _take_vouchers(self, vouchers: List[list]) -> None:
+        """Keep the vouchers of confirmers of suspicions we hold, to write into the eviction (the
+        first for each confirmer: a worker cannot check them; our own is never replaced)."""
+        for sid, version, by, mac in vouchers:
+            sus = self.suspects.get(sid)
+            if sus is None or by == self.sid or by not in sus.confirmers or by in sus.vouchers \
+                    or len(sus.vouchers) >= self.MAX_VOUCHERS:
+                continue
+            sus.vouchers[by] = (version, mac)
+
     def _take(self, suspicions: List[list], src: str, now: float) -> List[Out]:
         out: List[Out] = []
         for sid, version, by in suspicions:
@@ -1392,7 +1446,9 @@ class Overlay(FailureDetector):
             self._notify(sid, record)
         for sid in gone:                            # once every member is known: pushed to all
             log.info("session %s superseded: this process now serves its address", sid)
-            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]})
+            version = self.map.get(sid)["version"]  # (our own word: we see its successor)
+            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]},
+                                {self.sid: crdt.voucher(self.bind_key, sid, version, self.sid)})
         while self.met_ingresses:                   # the ingress plane's anti-entropy, now
             out.append(self.digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
@@ -1581,7 +1637,7 @@ class Overlay(FailureDetector):
                 record = self.map.get(key[1])
                 cost = len(crdt.dumps(record)) + 40 if record else 0
             else:
-                cost = 64
+                cost = 160                          # a suspicion and its voucher
             if batch and size + cost > budget:
                 yield self._payload(batch)
                 batch, size = [], 0
@@ -1591,7 +1647,7 @@ class Overlay(FailureDetector):
             yield self._payload(batch)
 
     def _payload(self, keys) -> Dict[str, Any]:
-        records, suspicions = {}, []
+        records, suspicions, vouchers = {}, [], []
         for key in keys:
             if key[0] == "r":
                 record = self.map.get(key[1])
@@ -1601,11 +1657,16 @@ class Overlay(FailureDetector):
                 sus = self.suspects.get(key[1])
                 if sus is not None:
                     suspicions.append([key[1], sus.version, key[2]])
+                    if key[2] in sus.vouchers:
+                        version, mac = sus.vouchers[key[2]]
+                        vouchers.append([key[1], version, key[2], mac])
         msg: Dict[str, Any] = {"t": "r"}
         if records:
             msg["r"] = records
         if suspicions:
             msg["s"] = suspicions
+        if vouchers:                                # beside "s": a release before this one takes
+            msg["vo"] = vouchers                    # three items per suspicion, and ignores "vo"
         return msg
 
     def _gossip(self, now: float) -> List[Out]:
@@ -5564,6 +5625,10 @@ class Node:
 
     def is_suspected(self, sid: str) -> bool:
         return self.overlay is not None and self.overlay.is_suspected(sid)
+
+    def evicted_here(self, sid: str) -> bool:
+        """Whether this member wrote the eviction of `sid` itself (its own failure detector's)."""
+        return self.overlay is not None and sid in self.overlay.retired
 
     def on_change(self, callback: Callable[[str, Optional[dict]], None]) -> None:
         """callback(sid, record) after each registry change or change of suspicion."""

@@ -77,3 +77,46 @@ def test_an_ingress_of_the_previous_release_serves_through_nodes_of_this_one(tmp
         assert all(n > 0 for n in served)
     finally:
         cluster.close()
+
+
+BEFORE_VOUCHERS = "ae5ad5f"   # main before evictions carried their confirmers' vouchers
+OLD_MEMBER = """
+import sys
+import crdt, otela_node as on
+new = __import__("json").loads(sys.stdin.read())
+member = on.Overlay(on.Config(key=b"k" * 32), "b" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
+                    "started": 1.0, "gossip": "10.0.0.2:7946"}, 1.0)
+member.receive({"t": "r", "r": {"a" * 32: new["victim"]}}, "10.0.0.3:7946", 2.0)
+member.receive(new["rumour"], "10.0.0.3:7946", 2.0)          # a suspicion and its voucher
+print(sorted(member.suspects["a" * 32].confirmers))
+crdt.validate("a" * 32, new["eviction"])
+member.receive({"t": "r", "r": {"a" * 32: new["eviction"]}}, "10.0.0.3:7946", 3.0)
+print(crdt.STATE_NAMES[member.map.get("a" * 32)["state"]], sorted(member.map.get("a" * 32)["vouch"]))
+"""
+
+
+def test_a_member_of_the_release_before_vouchers_takes_their_rumours_and_evictions(tmp_path):
+    import crdt
+    import otela_node as on
+    folder = tmp_path / "before"
+    folder.mkdir()
+    for name in ("otela_node.py", "crdt.py"):
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_VOUCHERS}:{name}"], capture_output=True,
+                               timeout=60)
+        if shown.returncode != 0:
+            pytest.skip(f"{BEFORE_VOUCHERS} is not in this clone's history (a shallow clone?)")
+        (folder / name).write_bytes(shown.stdout)
+    victim = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946"}
+    prober = on.Overlay(on.Config(key=b"k" * 32), "c" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
+                                                             "started": 1.0, "gossip": "10.0.0.3:7946"}, 1.0)
+    prober.map.merge({"a" * 32: victim})
+    prober._suspect("a" * 32, 1, prober.sid, 2.0, None)
+    rumour = prober._payload([("s", "a" * 32, prober.sid)])
+    prober._evict("a" * 32, 60.0)
+    eviction = prober.map.get("a" * 32)
+    assert "vo" in rumour and eviction["vouch"] == {prober.sid: rumour["vo"][0][3]}
+    done = subprocess.run([sys.executable, "-c", OLD_MEMBER], input=json.dumps(
+        {"victim": victim, "rumour": rumour, "eviction": eviction}), capture_output=True, text=True,
+        cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == [str(["c" * 32]), f"LEFT {['c' * 32]}"]

@@ -174,6 +174,58 @@ def test_vouchers_ride_beside_the_evidence_only_for_its_confirmers_and_of_one_si
     crdt.validate("a" * 32, eviction(victim, by, {c: mac for c in by}))
 
 
+def overlay_of(sid: str, grant=None, key=None):
+    import otela_node as on
+    config = on.Config(key=b"k" * 32, grant=grant)
+    config.grant_key = key or b""
+    return on.Overlay(config, sid, {"owner": "me", "state": crdt.SERVING, "version": 0, "started": NOW,
+                                    "addr": "10.0.0.1:7700", "gossip": f"10.0.0.{sid[0]}:7946"}, NOW)
+
+
+def test_a_member_vouches_for_its_own_failed_probe_alone_and_the_voucher_rides_beside_the_suspicion():
+    import otela_node as on
+    victim, _ = granted_record("a" * 32)
+    record, key = granted_record("c" * 32, addr="10.0.0.2:7700")
+    prober = overlay_of("c" * 32, record["grant"], key)
+    evictor = overlay_of("b" * 32)
+    for member in (prober, evictor):
+        member.map.merge({"a" * 32: victim})
+    prober._suspect("a" * 32, victim["version"], prober.sid, NOW, None)      # its own probe failed
+    msg = prober._payload([("s", "a" * 32, prober.sid)])
+    mac = crdt.voucher(key, "a" * 32, victim["version"], prober.sid)
+    assert msg["s"] == [["a" * 32, victim["version"], prober.sid]]            # as a release before reads it
+    assert on._suspicions(msg) == msg["s"] and msg["vo"] == [["a" * 32, victim["version"], prober.sid, mac]]
+    evictor.receive(msg, prober.addr, NOW)
+    evictor.receive({"t": "r", "s": [["a" * 32, victim["version"], evictor.sid]],   # its name, said by another
+                     "vo": [["a" * 32, victim["version"], evictor.sid, "0" * 32], ["a" * 32, 1, "x"]]},
+                    prober.addr, NOW)
+    assert evictor.suspects["a" * 32].vouchers == {prober.sid: (victim["version"], mac)}
+    evictor._evict("a" * 32, NOW + 60)
+    left = evictor.map.get("a" * 32)
+    assert left["evidence"]["by"] == [evictor.sid, prober.sid] and left["vouch"] == {prober.sid: mac}
+    assert TIER.vouched("a" * 32, left, {prober.sid: record}.get) is True and "a" * 32 in evictor.retired
+
+
+def test_a_dead_granted_member_is_evicted_with_a_voucher_the_ingress_checks():
+    import simnet
+
+    import otela_node as on
+    base = dict(key=b"c" * 32, probe_interval=0.5, probe_timeout=0.2, indirect_timeout=0.2, push_pull_interval=2.0)
+    net = simnet.SimulatedNetwork(seed=6, config=on.Config(**base), start=NOW)
+    ingress = net.add(config=on.Config(**base, ingress_keys=[b"i" * 32]), role="ingress")
+    workers = []
+    for i in range(4):
+        grant, key = TIER.issue(["m1"], {}, f"job{i}", NOW + 3600, NOW)
+        workers.append(net.add([ingress.addr], config=on.Config(**base, grant=grant, grant_key=key)))
+    net.run(5.0)
+    victim = workers[-1]
+    net.kill(victim.addr)
+    net.run(30.0)
+    record = ingress.map.get(victim.sid)
+    assert record["state"] == crdt.LEFT and set(record["vouch"]) <= set(record["evidence"]["by"])
+    assert TIER.vouched(victim.sid, record, ingress.map.get) is True
+
+
 # -- whole processes: an ingress, honest nodes, and an attacker with cluster.key alone -------------
 def send_forged(cluster: Cluster, records) -> None:
     import attack_registry
