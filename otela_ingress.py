@@ -1395,6 +1395,12 @@ STARTING_RETRY_S = 30         # Retry-After for a catalogued model nothing serve
                               # queue wait and a model load are minutes; a client polls gently
 DOUBT_S = 15.0               # an eviction of a session that answered here within this is doubted for
                              # as long: an evicted live node rejoins as a new session within a second
+DOUBT_REASONS = {            # why an eviction is not believed here (Ingress._doubt), as /metrics says
+    "answered": "the session answered here moments before",
+    "unvouched": "no confirmer whose binding key this ingress derives vouched for it",
+    "unverifiable": "only members whose word nothing here can check confirmed it (ungranted or "
+                    "unknown here; believed with --allow-ungranted)",
+}
 ENDING_S = 120.0             # no new request to a session this close to its job's end (ends_at) while
                              # another serves: a stream started then (~3,600 tokens at 30/s) ends
                              # before Slurm's SIGTERM and the node's drain
@@ -4088,7 +4094,7 @@ class Ingress:
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
         self._owned: Dict[str, Dict[str, Any]] = {}   # worker session -> its owner's last routable record
         self._doubted: Dict[str, Tuple[Dict[str, Any], float]] = {}   # evicted, still routed: see _doubt
-        self.doubted_total = 0
+        self.doubted_by: collections.Counter = collections.Counter()   # evictions doubted, by reason
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -4222,11 +4228,11 @@ class Ingress:
                 db.close()
 
     def _doubt(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
-        """An eviction of a session that answered here moments ago is doubted: the session keeps
-        its requests at this ingress (as its owner last wrote it) for DOUBT_S, or until its owner
-        serves again as a new session. Anyone holding the cluster key can evict with made-up
-        evidence; a session that really died fails its next requests, which are retried, and sits
-        out (PassiveHealth)."""
+        """An eviction of a session that answered here moments ago, or that no confirmer this
+        ingress can check vouched for (_unvouched), is doubted: the session keeps its requests at
+        this ingress (as its owner last wrote it) for DOUBT_S, or until its owner serves again as a
+        new session. Anyone holding the cluster key can evict with made-up evidence; a session that
+        really died fails its next requests, which are retried, and sits out (PassiveHealth)."""
         if record is None or record.get("role", "worker") != "worker":
             self._owned.pop(sid, None)
             return
@@ -4236,13 +4242,37 @@ class Ingress:
             self._owned[sid] = record
             return
         owned = self._owned.pop(sid, None)
+        if owned is None or not record.get("evicted_by") or "unseal" in record:
+            return
         now = time.monotonic()
-        if owned is not None and record.get("evicted_by") and "unseal" not in record \
-                and now - self.health.answered.get(sid, -math.inf) < DOUBT_S:
-            self._doubted[sid] = (owned, now + DOUBT_S)
-            self.doubted_total += 1
-            print(f"otela-ingress: eviction of {sid} by {record['evicted_by']} doubted: it answered here "
-                  f"{now - self.health.answered[sid]:.1f} s ago", file=sys.stderr)
+        ago = now - self.health.answered.get(sid, -math.inf)
+        why = "answered" if ago < DOUBT_S else self._unvouched(sid, record, owned)
+        if why is None:
+            return
+        self._doubted[sid] = (owned, now + DOUBT_S)
+        self.doubted_by[why] += 1
+        said = f"it answered here {ago:.1f} s ago" if why == "answered" else DOUBT_REASONS[why]
+        print(f"otela-ingress: eviction of {sid} by {record['evicted_by']} doubted: {said}", file=sys.stderr)
+
+    @property
+    def doubted_total(self) -> int:
+        return sum(self.doubted_by.values())
+
+    def _unvouched(self, sid: str, record: Dict[str, Any], owned: Dict[str, Any]) -> Optional[str]:
+        """Why an eviction is not believed on its confirmers' vouchers (one of DOUBT_REASONS), or
+        None. Believed: with nothing to check them with (no ingress secret), when this member's own
+        failure detector wrote it, or on a voucher that checks under its confirmer's binding key.
+        An ungranted confirmer's word counts only where ungranted sessions are believed."""
+        authority = self.grants.authority
+        evicted_here = getattr(self.node, "evicted_here", None)   # (a stand-in node: never)
+        if authority is None or (evicted_here is not None and evicted_here(sid)):
+            return None
+        if record["version"] < owned["version"]:
+            return "unvouched"      # vouchers of a version before the one routed here: a replay
+        vouched = authority.vouched(sid, record, self.node.registry.get, self.grants.revoked)
+        if vouched is None:
+            return None if self.grants.allow_ungranted else "unverifiable"
+        return None if vouched else "unvouched"
 
     def doubted(self, now: float) -> Dict[str, Dict[str, Any]]:
         """Evicted sessions still routed here (see _doubt): session -> its owner's last record."""
@@ -4736,9 +4766,11 @@ class Ingress:
         body += (f"# HELP otela_tunnel_impostors_total Connections cut because the node showed another tunnel "
                  f"certificate than its session's grant pins.\n# TYPE otela_tunnel_impostors_total counter\n"
                  f"otela_tunnel_impostors_total {self.pool.impostors}\n").encode()
-        body += (f"# HELP otela_evictions_doubted_total Evictions of sessions that had answered here moments "
-                 f"before, not believed for {DOUBT_S:g} s.\n# TYPE otela_evictions_doubted_total counter\n"
-                 f"otela_evictions_doubted_total {self.doubted_total}\n").encode()
+        body += (f"# HELP otela_evictions_doubted_total Evictions not believed here for {DOUBT_S:g} s, by reason: "
+                 + "; ".join(f"{why}: {what}" for why, what in DOUBT_REASONS.items())
+                 + ".\n# TYPE otela_evictions_doubted_total counter\n" + "".join(
+                     f'otela_evictions_doubted_total{{reason="{why}"}} {self.doubted_by[why]}\n'
+                     for why in DOUBT_REASONS)).encode()
         unrouted = collections.Counter(self.unrouted().values())
         body += ("# HELP otela_sessions_unrouted Live sessions routed nothing because of their grant, by reason.\n"
                  "# TYPE otela_sessions_unrouted gauge\n" + "".join(

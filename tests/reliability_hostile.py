@@ -898,6 +898,14 @@ def sybil_sessions(args: argparse.Namespace) -> Dict[str, Any]:
                seconds_to_gone=None if gone is None else round(gone - start, 1), unrouted_ungranted_seen=unrouted)
 
 
+def doubted_evictions(fleet: Fleet, ingress: rel.Member) -> float:
+    """otela_evictions_doubted_total, every reason (a release before reasons: the one value)."""
+    import otela_ingress
+    return metric(fleet, ingress, "otela_evictions_doubted_total") + sum(
+        metric(fleet, ingress, f'otela_evictions_doubted_total{{reason="{why}"}}')
+        for why in getattr(otela_ingress, "DOUBT_REASONS", ()))
+
+
 def forged_evictions(args: argparse.Namespace) -> Dict[str, Any]:
     """Before: made-up eviction evidence against both nodes of a model gave 136 of 1,424 requests a 404;
     re-evicting every 1.4 s, 42 % over 15 s. Now: evicted live sessions are doubted by the ingress
@@ -939,13 +947,13 @@ def forged_evictions(args: argparse.Namespace) -> Dict[str, Any]:
                 sent += evict_all()
                 time.sleep(1.4)
             time.sleep(2.0)
-        doubted = metric(fleet, ingress, "otela_evictions_doubted_total")
+        doubted = doubted_evictions(fleet, ingress)
         wait(lambda: len(fleet.serving(ingress)) == 2, 30, "2 nodes serving after the loop")
         time.sleep(idle_s)                       # no request reaches either node meanwhile
         idle_sent = evict_all(honest=True)
         with Load(LOOPBACK, ingress.url, fleet.token, rate=20) as idle_load:
             time.sleep(5.0)
-        idle_doubted = metric(fleet, ingress, "otela_evictions_doubted_total") - doubted
+        idle_doubted = doubted_evictions(fleet, ingress) - doubted
     total = len(load.records)
     not_found = sum(1 for r in load.records if r[3] == "http 404")
     failed = errors(load.records)

@@ -14,9 +14,9 @@ import sys
 import time
 
 import pytest
-from fake_engine import free_port
+from fake_engine import free_port, start_fake_engine
 from reliability_hostile import Listener
-from test_ingress_support import Client, Cluster
+from test_ingress_support import Client, Cluster, child_pids
 
 import crdt
 
@@ -226,6 +226,68 @@ def test_a_dead_granted_member_is_evicted_with_a_voucher_the_ingress_checks():
     assert TIER.vouched(victim.sid, record, ingress.map.get) is True
 
 
+# -- what an ingress believes of an eviction, on a stand-in registry (conftest's stack) -------------
+def granted_worker(stack, model: str, version: int = 1):
+    """A granted session serving `model` on a fake engine, as its own node would write it."""
+    port = free_port()
+    engine = stack.run(start_fake_engine(port, model=model))
+    stack.engines[str(port)] = engine
+    sid = crdt.new_session_id()
+    grant, key = TIER.issue([model], {}, sid[:8], time.time() + 3600, time.time())
+    record = crdt.bound(key, sid, {"owner": "job@gpu1", "state": crdt.SERVING, "version": version,
+                                   "started": time.time(), "role": "worker", "addr": f"127.0.0.1:{port}",
+                                   "models": [model], "grant": grant})
+    stack.call(put_record, stack, sid, record)
+    return sid, key, engine
+
+
+def put_record(stack, sid: str, record) -> None:
+    stack.node.registry.put(sid, record)
+    stack.node._changed(sid)
+
+
+def forge_eviction(stack, sid: str, by, vouch=None, version=None) -> None:
+    stack.call(lambda: put_record(stack, sid, eviction(stack.node.registry.get(sid), by, vouch, version)))
+
+
+def test_an_ingress_believes_an_eviction_of_an_idle_session_only_on_a_voucher_it_can_check(stack):
+    stack.call(stack.ingress.grants.use, TIER)
+    confirmer, confirmer_key, _ = granted_worker(stack, "c")
+    stack.call(put_record, stack, "d" * 32, ingress_record("d" * 32))          # an honest ingress
+    victims = {model: granted_worker(stack, model, version=2) for model in ("v1", "v2", "v3", "v4")}
+    client = Client(stack.url, stack.key())
+
+    def word(model, version=2):
+        return crdt.voucher(confirmer_key, victims[model][0], version, confirmer)
+    # none of them has answered here: only vouchers speak for or against them
+    forge_eviction(stack, victims["v1"][0], [confirmer, "d" * 32])                   # honest names, no word
+    forge_eviction(stack, victims["v2"][0], [confirmer], {confirmer: "0" * 32})      # a made-up word
+    forge_eviction(stack, victims["v3"][0], [confirmer], {confirmer: word("v3", 1)}, version=1)   # an old one
+    for model in ("v1", "v2", "v3"):
+        assert [client.chat(model)[0] for _ in range(3)] == [200] * 3 and victims[model][2].requests == 3
+    assert stack.call(lambda: dict(stack.ingress.doubted_by)) == {"unvouched": 3}
+    forge_eviction(stack, victims["v4"][0], ["d" * 32, confirmer], {confirmer: word("v4")})   # its real word
+    assert client.chat("v4")[0] in (404, 503) and victims["v4"][2].requests == 0
+    assert stack.call(lambda: stack.ingress.doubted_total) == 3
+    text = client.request("GET", "/metrics")[2].decode()
+    assert 'otela_evictions_doubted_total{reason="unvouched"} 3' in text
+    assert 'otela_evictions_doubted_total{reason="unverifiable"} 0' in text
+
+
+def test_an_ungranted_members_word_counts_only_where_ungranted_sessions_are_believed(stack):
+    stack.call(stack.ingress.grants.use, TIER)
+    first, _, engine = granted_worker(stack, "v1")
+    second, _, _ = granted_worker(stack, "v2")
+    client = Client(stack.url, stack.key())
+    forge_eviction(stack, first, ["e" * 32])                    # a member nothing here can check
+    assert client.chat("v1")[0] == 200 and engine.requests == 1
+    assert stack.call(lambda: dict(stack.ingress.doubted_by)) == {"unverifiable": 1}
+    stack.ingress.grants.allow_ungranted = True
+    forge_eviction(stack, second, ["e" * 32])
+    assert client.chat("v2")[0] in (404, 503)
+    assert stack.call(lambda: stack.ingress.doubted_total) == 1
+
+
 # -- whole processes: an ingress, honest nodes, and an attacker with cluster.key alone -------------
 def send_forged(cluster: Cluster, records) -> None:
     import attack_registry
@@ -415,3 +477,40 @@ def test_an_ingress_talks_only_to_the_job_whose_grant_pins_the_certificate(tmp_p
     assert impostor[0] == "refused" and "certificate" in impostor[1] and impostor_cut == 1
     assert isinstance(client_ctx, ssl.SSLContext)
 
+
+def test_a_killed_granted_node_is_evicted_on_a_voucher_and_the_ingress_believes_it(cluster):
+    start_node(cluster, "kept")
+    start_node(cluster, "killed")
+    (victim,) = [s for s, r in registry(cluster).items() if r.get("grant", {}).get("job") == "killed"]
+    node = cluster.nodes["killed"]
+    cluster.orphans += child_pids([node.pid], b"fake_engine")     # (its engine outlives it)
+    node.kill()
+    deadline = time.monotonic() + 90
+    while registry(cluster)[victim]["state"] != "LEFT" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    record = registry(cluster)[victim]
+    assert record["state"] == "LEFT" and record["evicted_by"] in record["evidence"]["by"]
+    assert record["vouch"] and set(record["vouch"]) <= set(record["evidence"]["by"])
+    assert metric(cluster, "otela_evictions_doubted_total") == 0
+    client = Client(cluster.url, cluster.token)
+    assert [client.chat("fm")[0] for _ in range(10)] == [200] * 10
+    client.close()
+
+
+def test_a_forged_eviction_of_an_idle_session_naming_the_ingress_is_doubted_and_it_keeps_serving(cluster):
+    start_node(cluster, "honest")
+    view = json.loads(Client(cluster.url).request("GET", "/v1/registry")[2])
+    (sid, honest), = [(s, r) for s, r in registry(cluster).items() if r.get("role") == "worker"]
+    record = {k: v for k, v in honest.items()
+              if k not in ("session", "suspected", "reach", "tunnel", "unrouted", "bind")}
+    now = time.time()
+    record.update(state=crdt.LEFT, left_at=now, evicted_by=view["self"], vouch={view["self"]: "0" * 32},
+                  evidence={"since": now - 5.0, "grace": 3.0, "by": [view["self"]]})   # the ingress's name
+    send_forged(cluster, {sid: record})
+    deadline = time.monotonic() + 30
+    while metric(cluster, "otela_evictions_doubted_total") == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client = Client(cluster.url, cluster.token)
+    assert [client.chat("fm")[0] for _ in range(10)] == [200] * 10           # (it never answered before)
+    client.close()
+    assert metric(cluster, 'otela_evictions_doubted_total{reason="unvouched"}') == 1
