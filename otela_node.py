@@ -967,15 +967,15 @@ class FailureDetector:
         record = self.map.get(sid)
         if record is None or record["state"] == crdt.LEFT:
             return []
-        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=evidence)
-        record.pop("vouch", None)
-        vouch = dict(vouch or {})
-        while vouch:                                # a record of the most a datagram takes: the
-            record["vouch"] = vouch                 # vouchers of others go first, ours last
-            if len(crdt.encode(record)) <= crdt.MAX_RECORD_BYTES:
-                break
-            del vouch[max(vouch, key=lambda c: (c != self.sid, c))]
-            record.pop("vouch")
+        by = list(evidence["by"])                   # (ours first, then the vouched confirmers)
+        record = dict(record, state=crdt.LEFT, left_at=now, evicted_by=self.sid, evidence=dict(evidence, by=by))
+        record["vouch"] = vouch = dict(vouch or {})
+        # At most what one record may be (a record near it, with a grant and many models, is rare):
+        # the last confirmers named go first, the unvouched ones among them before the rest, ours last.
+        while len(crdt.encode(record)) > crdt.MAX_RECORD_BYTES and (len(by) > 1 or vouch):
+            vouch.pop(by.pop() if len(by) > 1 else self.sid, None)
+        if not vouch:
+            del record["vouch"]
         if len(self.retired) >= self.MAX_RETIRED:
             self.retired.pop(next(iter(self.retired)))
         self.retired[sid] = now

@@ -206,6 +206,22 @@ def test_a_member_vouches_for_its_own_failed_probe_alone_and_the_voucher_rides_b
     assert TIER.vouched("a" * 32, left, {prober.sid: record}.get) is True and "a" * 32 in evictor.retired
 
 
+def test_an_eviction_of_a_record_near_the_cap_names_fewer_confirmers_and_keeps_the_vouched_ones():
+    victim, _ = granted_record("a" * 32, models=tuple(f"org/model-{i:03d}-instruct-long-name" for i in range(12)))
+    victim = dict(victim, labels={f"label{i}": "x" * 20 for i in range(10)})     # ~1,650 bytes
+    evictor = overlay_of("b" * 32)
+    evictor.map.merge({"a" * 32: victim})
+    heard = [f"{i:032x}" for i in range(1, 12)]                                  # eleven more confirmers,
+    for by in heard:                                                             # the last one vouching
+        evictor._suspect("a" * 32, victim["version"], by, NOW, "10.0.0.5:7946")
+    evictor._take_vouchers([["a" * 32, victim["version"], heard[-1], "1" * 32]])
+    evictor._suspect("a" * 32, victim["version"], evictor.sid, NOW, None)         # and its own probe
+    evictor._evict("a" * 32, NOW + 100)
+    left = evictor.map.get("a" * 32)
+    assert len(crdt.encode(left)) <= crdt.MAX_RECORD_BYTES < len(crdt.encode(victim)) + 8 * 35 + 8 * 70
+    assert left["evidence"]["by"][:2] == [evictor.sid, heard[-1]] and set(left["vouch"]) == {evictor.sid, heard[-1]}
+
+
 def test_a_dead_granted_member_is_evicted_with_a_voucher_the_ingress_checks():
     import simnet
 
