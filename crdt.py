@@ -292,15 +292,17 @@ def validate(session_id: Any, record: Any) -> bytes:
 #     this one's, a bug) and it tells the operator who evicted whom and on whose word. A live
 #     member evicted anyway rejoins as a new session within a second.
 #   - Beside the evidence, "vouch": {confirmer: voucher} for the confirmers whose vouchers reached
-#     the evictor. A member that suspects a session from its own failed probe (not from a rumour)
-#     makes a voucher, an HMAC under its own binding key (the one its records are bound under, see
-#     "Records bound to their writers") of the suspect, the suspected version and itself; the
-#     vouchers travel with the suspicion rumours (otela_node.py, "vo"). Nobody can make another
-#     member's voucher, so an ingress, which can derive a granted job's and an ingress's binding
-#     key, believes an eviction only on one that checks (Authority.vouched): evidence naming members
-#     that never suspected the session does not take it out of routing there (otela_ingress.py,
-#     Ingress._doubt). A separate field, not a key of "evidence": a release before this one refuses
-#     evidence with another key, and carries a field it does not know.
+#     the evictor. A member that suspects a session from its own failed probe (not from a rumour),
+#     or sees its address taken by its successor, makes a voucher: an HMAC under its own binding
+#     key (the one its records are bound under, see "Records bound to their writers") of the
+#     suspect, the suspected version and itself. Vouchers travel with the suspicion rumours
+#     (otela_node.py, "vo"). Nobody can make another member's voucher, and an ingress can derive a
+#     granted job's binding key and the ingress tier's, so it believes an eviction only on a voucher
+#     that checks (Authority.vouched) at a version no older than the one it routes: evidence naming
+#     members that never suspected the session does not take it out of routing there
+#     (otela_ingress.py, Ingress._doubt). A job holding its own grant can still vouch in its own
+#     name. A separate field, not a key of "evidence": a release before this one refuses evidence
+#     with another key, and carries a field it does not know.
 SEAL_BYTES = 16
 MAX_CONFIRMERS = 8
 VOUCHER_HEX = 32              # a voucher is 128 bits of HMAC-SHA256: no forger can check a guess
