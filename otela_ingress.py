@@ -3584,10 +3584,6 @@ class _Exchange:
         self.request_id: bytes = client.request_id   # X-Request-Id (see Ingress._tag)
         ingress.metrics.inflight += 1
 
-    @property
-    def finished(self) -> bool:
-        return self.state is DONE or self.state is FAILED
-
     def to(self, state: str) -> None:
         if state not in EXCHANGE_LIFECYCLE[self.state]:
             raise RuntimeError(f"a request cannot go from {self.state} to {state}")
@@ -4544,7 +4540,6 @@ class Ingress:
             return ex.send(candidate, fresh=True)
         ex.sent_on(candidate, up)
 
-    # -- accounting --------------------------------------------------------------------------
     # -- connections with no complete head yet; CORS ------------------------------------------
     def headed(self, client: _Client) -> None:
         """The client is no longer among the headless connections (its head came, or it went)."""

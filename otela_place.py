@@ -420,11 +420,6 @@ class Placement:
         # gpus_bound, gpus_gap}; None where CBC proved optimality itself (gap 0, or LARGE_GAP)
         self.bounds = bounds
 
-    def to_json(self):
-        return {"rows": self.rows, "ratio": self.ratio, "served_rps": self.served_rps,
-                "gpus_used": self.gpus_used, "solve_s": round(self.solve_s, 4), "status": self.status,
-                "bounds": self.bounds}
-
 
 def score(rows, demand, capacity_of, headroom=HEADROOM):
     """(worst ratio capped at headroom, useful capacity, GPUs used) of any placement, scored
