@@ -214,12 +214,36 @@ _request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 # The limits above a deployment may have to change: each is also a flag of `serve` and an OTELA_*
 # variable named after it (MAX_CONNECTIONS: --max-connections, OTELA_MAX_CONNECTIONS), read as
-# every setting is (crdt.parse_settings), set before the ingress starts.
+# every setting is (crdt.parse_settings), into the one Limits an ingress is built with.
 LIMITS = {name: globals()[name] for name in (   # name -> its default
     "MAX_HEADER_BYTES", "MAX_BODY_BYTES", "MAX_CONNECTIONS", "ADDRESS_SHARE", "ADDRESS_FLOOR", "MAX_HEADLESS",
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
     "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
     "DRAIN_S", "LINGER_S", "WARMUP_MAX_S")}
+
+
+class Limits:
+    """The LIMITS one ingress runs with, built once (from `serve`'s flags and their variables, or
+    by a caller) and passed in: a field is the limit's name in lower case, its default the
+    module constant of that name (the reason for each number is beside it). Nothing rewrites
+    the constants, so a default argument frozen at import cannot miss a setting."""
+
+    __slots__ = tuple(name.lower() for name in LIMITS)
+
+    def __init__(self, **given: Any):
+        unknown = set(given) - set(self.__slots__)
+        if unknown:
+            raise TypeError(f"unknown limits: {', '.join(sorted(unknown))}")
+        for name, default in LIMITS.items():
+            setattr(self, name.lower(), given.get(name.lower(), default))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Limits:
+        return cls(**{name.lower(): getattr(args, name.lower()) for name in LIMITS})
+
+    def per_address(self) -> int:
+        """The connections one client address may hold (ADDRESS_SHARE, ADDRESS_FLOOR)."""
+        return min(self.max_connections, max(self.address_floor, int(self.max_connections * self.address_share)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2088,7 +2112,8 @@ class PassiveHealth:
     record names another (a private node's relayed address), they count no more (`moved`).
     """
 
-    def __init__(self):
+    def __init__(self, limits: Optional[Limits] = None):
+        self.limits = limits or Limits()   # (sick_after_failures, sick_backoff_s, sick_backoff_max_s)
         self.failures: Dict[str, int] = {}
         self.backoff: Dict[str, float] = {}
         self.sick_until: Dict[str, float] = {}
@@ -2101,9 +2126,10 @@ class PassiveHealth:
         self.paths[session] = path
         count = self.failures.get(session, 0) + 1
         self.failures[session] = count
-        if count >= SICK_AFTER_FAILURES:
-            backoff = self.backoff.get(session, SICK_BACKOFF_S / 2) * 2
-            backoff = min(backoff, SICK_BACKOFF_MAX_S)
+        limits = self.limits
+        if count >= limits.sick_after_failures:
+            backoff = self.backoff.get(session, limits.sick_backoff_s / 2) * 2
+            backoff = min(backoff, limits.sick_backoff_max_s)
             self.backoff[session] = backoff
             self.sick_until[session] = now + backoff
 
@@ -2629,8 +2655,10 @@ def prefix_line(routed: Optional[RoutedRequest]) -> bytes:
 class UpstreamPool:
     """Kept-alive connections per provider address, and the writer of the requests sent on them."""
 
-    def __init__(self, tls: Any = None, open_relayed: Any = None, tunnel_header: Any = None):
+    def __init__(self, tls: Any = None, open_relayed: Any = None, tunnel_header: Any = None,
+                 limits: Optional[Limits] = None):
         self.ssl = tls         # an ssl.SSLContext: connections to nodes are TLS (with a deadline)
+        self.limits = limits = limits or Limits()
         self.open_relayed = open_relayed   # a private node ("relay/…"): a socket spliced through its relay
         # without TLS, the cluster's static credential is a header line on every request
         self.tunnel_line = b"".join((v.encode() if isinstance(v, str) else v)
@@ -2638,7 +2666,7 @@ class UpstreamPool:
             if tunnel_header and tls is None else b""
         self._request_heads: Dict[Tuple[bytes, str, bool], Tuple[bytes, bytes]] = {}   # _request_head
         self._tls_options = {"ssl": tls, "server_hostname": otela_node.TLS_SERVER_NAME,
-                             "ssl_handshake_timeout": UPSTREAM_CONNECT_TIMEOUT_S} if tls is not None else {}
+                             "ssl_handshake_timeout": limits.upstream_connect_timeout_s} if tls is not None else {}
         self._idle: Dict[str, List[Upstream]] = {}
         self.impostors = 0   # connections cut: the certificate was not the one the session's grant pins
         self.active: set = set()   # exchanges in progress, for the idle-timeout sweep
@@ -2667,12 +2695,12 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             if self.open_relayed is not None and otela_node.is_relayed(addr):
-                sock = await asyncio.wait_for(self.open_relayed(addr), UPSTREAM_CONNECT_TIMEOUT_S)
+                sock = await asyncio.wait_for(self.open_relayed(addr), self.limits.upstream_connect_timeout_s)
                 connect = loop.create_connection(lambda: _UpstreamProtocol(loop), sock=sock, **self._tls_options)
             else:
                 connect = loop.create_connection(lambda: _UpstreamProtocol(loop), host.strip("[]"), int(port),
                                                  **self._tls_options)
-            transport, proto = await asyncio.wait_for(connect, UPSTREAM_CONNECT_TIMEOUT_S)
+            transport, proto = await asyncio.wait_for(connect, self.limits.upstream_connect_timeout_s)
         except (OSError, ValueError, RuntimeError, asyncio.TimeoutError) as exc:   # RuntimeError: uvloop's
             raise UpstreamFailure(f"{addr}: connect failed: {exc.__class__.__name__}: {exc}") from None
         if pin is not None and self.ssl is not None:
@@ -2728,7 +2756,7 @@ class UpstreamPool:
             return
         if up.done and up.keep_alive and not up.buf:
             idle = self._idle.setdefault(up.addr, [])
-            if len(idle) < POOL_IDLE_PER_PROVIDER:
+            if len(idle) < self.limits.pool_idle_per_provider:
                 idle.append(up)
                 return
         up.close()
@@ -2739,7 +2767,8 @@ class UpstreamPool:
         up.close()
 
     def sweep(self, now: float) -> None:
-        for up in [u for u in self.active if now - u.last > UPSTREAM_IDLE_TIMEOUT_S]:
+        timeout = self.limits.upstream_idle_timeout_s
+        for up in [u for u in self.active if now - u.last > timeout]:
             self.discard(up)
 
     def close(self) -> None:
@@ -2897,10 +2926,11 @@ class _ClientConn:
     their_state are h11's state objects; head, data and end frame the answer.
     """
 
-    __slots__ = ("buf", "our_state", "their_state", "waiting_for_continue", "extra",
+    __slots__ = ("buf", "our_state", "their_state", "waiting_for_continue", "extra", "max_header",
                  "_head", "_body", "_chunked", "_close", "_eof", "_h11")
 
-    def __init__(self):
+    def __init__(self, max_header: int = MAX_HEADER_BYTES):
+        self.max_header = max_header   # a request head's bytes at most (Limits.max_header_bytes)
         self.buf = bytearray()
         self.our_state = self.their_state = h11.IDLE
         self.waiting_for_continue = False   # the request said Expect: 100-continue (h11 reads it)
@@ -2954,7 +2984,7 @@ class _ClientConn:
                 return h11.NEED_DATA
             if state is not h11.IDLE:
                 return h11.PAUSED
-            head = otela_node.parse_request(buf, MAX_HEADER_BYTES)
+            head = otela_node.parse_request(buf, self.max_header)
         except otela_node.HTTPViolation as exc:
             raise h11.RemoteProtocolError(str(exc), error_status_hint=400) from None
         if head is None:
@@ -2978,7 +3008,7 @@ class _ClientConn:
         if self._h11 is not None or self.buf or self.their_state is not h11.IDLE:
             return None
         try:
-            head = otela_node.parse_request(data, MAX_HEADER_BYTES)
+            head = otela_node.parse_request(data, self.max_header)
         except otela_node.HTTPViolation:   # refused by next_event, with its answer
             return None
         if head is None or head is otela_node.H11_JUDGES or not head.keep_alive \
@@ -2989,7 +3019,7 @@ class _ClientConn:
         self.their_state, self.our_state = h11.DONE, h11.SEND_RESPONSE
         return head
 
-    def whole_body(self, limit: int = MAX_BODY_BYTES) -> Optional[bytes]:
+    def whole_body(self, limit: int) -> Optional[bytes]:
         """The body of the request just parsed when it has a Content-Length of at most `limit`
         and all of it is buffered (the request is then complete), else None (nothing consumed)."""
         head, buf = self._head, self.buf
@@ -3065,7 +3095,7 @@ class _ClientConn:
 
     # -- h11, for the request the codec left to it -------------------------------------------------
     def _hand_to_h11(self) -> Any:
-        conn = self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        conn = self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header)
         conn.receive_data(bytes(self.buf))
         self.buf.clear()
         if self._eof:
@@ -3084,7 +3114,7 @@ class _ClientConn:
         headers = otela_node.header_items(event.headers)
         # h11 bounds only a head that arrives in pieces; one that came whole in a single read is
         # measured here. Its framing is checked as the codec's is (a head after blank lines, say).
-        if len(event.target) + sum(len(name) + len(value) + 4 for name, value in headers) > MAX_HEADER_BYTES:
+        if len(event.target) + sum(len(name) + len(value) + 4 for name, value in headers) > self.max_header:
             raise h11.RemoteProtocolError("Request headers too large", error_status_hint=431)
         error = otela_node.framing_error(headers)
         if error is not None:
@@ -3130,16 +3160,17 @@ class _Client(asyncio.Protocol):
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "closed", "ending",
                  "serving", "relay", "exchange", "reading", "waiting", "lingering", "head_only",
-                 "write_paused", "read_paused", "request_id", "headless")
+                 "write_paused", "read_paused", "request_id", "headless", "limits")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
-        self.conn = _ClientConn()
+        self.limits = limits = ingress.limits
+        self.conn = _ClientConn(limits.max_header_bytes)
         self.transport: Any = None
         self.address = ""                # the client's IP address (its share of the connections)
         # when the sweep closes the connection unless a request is being answered: the head is
-        # due (HEAD_TIMEOUT_S), its body (REQUEST_TIMEOUT_S), or it idles between requests
-        self.deadline = time.monotonic() + HEAD_TIMEOUT_S
+        # due (head_timeout_s), its body (request_timeout_s), or it idles between requests
+        self.deadline = time.monotonic() + limits.head_timeout_s
         self.idle = False                # between requests with nothing of the next one yet
         self.busy = False                # a request is being answered (its body is read)
         self.closed = False              # connection_lost was called
@@ -3161,7 +3192,7 @@ class _Client(asyncio.Protocol):
         ingress = self.ingress
         peer = transport.get_extra_info("peername")
         address = self.address = otela_node.address_group(peer[0]) if peer else ""
-        if len(ingress.clients) >= ingress.max_connections:
+        if len(ingress.clients) >= ingress.limits.max_connections:
             return self._refuse(503, "Too many connections to the ingress", "too_many_connections")
         held = ingress.per_address.get(address, 0)
         if held >= ingress.max_per_address:
@@ -3179,7 +3210,7 @@ class _Client(asyncio.Protocol):
         an attacker's many). A request's head takes it out (tag)."""
         ingress = self.ingress
         headless, per = ingress.headless, ingress.headless_per
-        if len(headless) >= MAX_HEADLESS:
+        if len(headless) >= self.limits.max_headless:
             share = len(headless) / len(per)
             victim = next(iter(headless))
             for other in itertools.islice(headless, HEADLESS_SCAN):
@@ -3208,7 +3239,7 @@ class _Client(asyncio.Protocol):
             return
         if self.idle:   # the first byte of the next request: its head is due
             self.idle = False
-            self.deadline = time.monotonic() + HEAD_TIMEOUT_S
+            self.deadline = time.monotonic() + self.limits.head_timeout_s
         if self.busy:
             self.conn.receive_data(data)
         else:
@@ -3288,7 +3319,7 @@ class _Client(asyncio.Protocol):
     def _serve_whole(self, data: bytes) -> bool:
         if self.ending or self.write_paused:
             return False
-        head = self.conn.whole_request(data, self.ingress.max_body)
+        head = self.conn.whole_request(data, self.limits.max_body_bytes)
         if head is None:
             return False
         self.ingress.proxy(self, head.target, head.fields, data[head.size:], time.monotonic())   # (and tag)
@@ -3317,12 +3348,12 @@ class _Client(asyncio.Protocol):
                 self.close()
                 return
             if head.method == b"POST" and head.target in PROXIED_PATHS:
-                body = conn.whole_body(ingress.max_body)
+                body = conn.whole_body(self.limits.max_body_bytes)
                 if body is not None:   # the common case: the whole request is here
                     ingress.proxy(self, head.target, head.fields, body, time.monotonic())
                     continue
             t0 = time.monotonic()
-            self.deadline = t0 + REQUEST_TIMEOUT_S   # for its body
+            self.deadline = t0 + self.limits.request_timeout_s   # for its body
             self.tag(head.fields)   # X-Request-Id and CORS (see tag)
             try:
                 ingress.route(self, head, t0)
@@ -3333,7 +3364,7 @@ class _Client(asyncio.Protocol):
     def read_body(self, fields: Dict[bytes, bytes], then: Callable[[bytes], None]) -> None:
         """Read the request's body as it arrives (see _read_step), then `then(body)`."""
         length = fields.get(b"content-length")
-        limit = self.ingress.max_body
+        limit = self.limits.max_body_bytes
         if length is not None and int(length) > limit:
             raise HTTPError(413, f"Request body over the limit of {limit} bytes", "request_too_large")
         go_on = self.conn.continue_()   # b"" unless the client waits for a 100 Continue
@@ -3344,7 +3375,7 @@ class _Client(asyncio.Protocol):
     def _read_step(self) -> bool:
         """Take what arrived of the body being read; once it is whole, go on with its request.
         False while more of it is due (or the connection ended)."""
-        reading, conn, limit = self.reading, self.conn, self.ingress.max_body
+        reading, conn, limit = self.reading, self.conn, self.limits.max_body_bytes
         try:
             while True:
                 try:
@@ -3479,7 +3510,8 @@ class _Client(asyncio.Protocol):
         """An answer went out: the next head is due (bytes of it are here), or the client idles."""
         self.busy = self.head_only = False
         self.idle = not self.conn.buffered()
-        self.deadline = time.monotonic() + (IDLE_TIMEOUT_S if self.idle else HEAD_TIMEOUT_S)
+        limits = self.limits
+        self.deadline = time.monotonic() + (limits.idle_timeout_s if self.idle else limits.head_timeout_s)
 
     def finish(self) -> bool:
         """After an answer: ready for the next request (True), or the connection is closed."""
@@ -3513,7 +3545,7 @@ class _Client(asyncio.Protocol):
         self.lingering = True
         transport.write_eof()   # after what is buffered: the answer goes out first
         self.resume_reading()
-        asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+        asyncio.get_running_loop().call_later(self.limits.linger_s, transport.abort)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3829,7 +3861,7 @@ class _Exchange:
         """Try the session the policy picks next, or answer 502 once MAX_ATTEMPTS sessions (or
         every one there is) failed to answer."""
         left = self.left
-        if not left or self.attempts >= MAX_ATTEMPTS:
+        if not left or self.attempts >= self.ingress.limits.max_attempts:
             if self.sent:   # a stream that no other session could continue
                 self.cut_stream(failure, self.watch)
                 return self.client.serve_next()
@@ -3953,7 +3985,7 @@ class _Exchange:
         for a stream of several choices, of reasoning or tool calls, or longer than
         RESUME_TEXT_MAX, or when nothing is left to generate."""
         text = watch.generated()
-        if text is None or self.attempts >= MAX_ATTEMPTS:
+        if text is None or self.attempts >= self.ingress.limits.max_attempts:
             return False
         try:
             request = crdt.loads(self.body)
@@ -4038,22 +4070,23 @@ class Ingress:
     registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
-                 no_auth: bool = False, max_connections: int = MAX_CONNECTIONS,
-                 max_body: int = MAX_BODY_BYTES, max_per_address: Optional[int] = None,
+                 no_auth: bool = False, limits: Optional[Limits] = None,
                  require_code_hash: Optional[str] = None,
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
-                 warmup: Optional[float] = None, allow_ungranted: bool = False, catalogue: Sequence[str] = ()):
-        """`require_code_hash`: route only to sessions advertising this code hash ("self": what
-        a worker from this checkout advertises); see --require-code-hash. `warmup`: seconds
-        after start during which, until a peer's record arrives, an unknown model is a 503
-        (default WARMUP_MAX_S on an overlay node, 0 on a stand-in whose registry is whole).
+                 allow_ungranted: bool = False, catalogue: Sequence[str] = ()):
+        """`limits`: the connection, size and time limits (Limits; default: every default).
+        `require_code_hash`: route only to sessions advertising this code hash ("self": what
+        a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
+        start, until a peer's record arrives, an unknown model is a 503.
         `allow_ungranted`: route to sessions without a grant too (see "Grants"). `catalogue`: the
         models the site offers (its site file's): one that nothing serves yet is starting (503)."""
         self.node = node
+        self.limits = limits = limits or Limits()
         self.grants = Grants(None, allow_ungranted)   # the node's authority, once it has started (start)
         self.catalogue = frozenset(catalogue)
         self.usage_days, self.usage_months = crdt.USAGE_RETENTION_DAYS, crdt.USAGE_RETENTION_MONTHS
-        self.warmup = warmup if warmup is not None else WARMUP_MAX_S if isinstance(node, otela_node.Node) else 0.0
+        # (a stand-in node whose registry is whole from the start needs no warm-up)
+        self.warmup = 0.0 if getattr(node, "whole_registry", False) else limits.warmup_max_s
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
         self.aliases = dict(aliases or {})   # public name -> served models, tried in order
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
@@ -4066,24 +4099,21 @@ class Ingress:
         if callable(getattr(self.policy, "attach", None)):
             self.policy.attach(self)
         self.no_auth = no_auth
-        self.max_connections = max_connections
-        self.max_per_address = max_per_address if max_per_address is not None else \
-            min(max_connections, max(ADDRESS_FLOOR, int(max_connections * ADDRESS_SHARE)))
+        self.max_per_address = limits.per_address()
         self.per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
         self.headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
         self.headless_per: Dict[str, int] = {}    # ... how many of them per address
-        self.max_body = max_body
         self.keys: Dict[str, Key] = {}
         self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self.metrics = Metrics()
         self.stats = UsageStats()
-        self.health = PassiveHealth()
+        self.health = PassiveHealth(limits)
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
         # the credential, and no static one is sent (otela_node, "Tunnel security").
         relay_client, punch = getattr(node, "relay_client", None), getattr(node, "punch", None)
         self.pool = UpstreamPool(getattr(node, "tunnel_client_ssl", None), getattr(relay_client, "open", None),
-                                 getattr(node, "tunnel_header", None))
+                                 getattr(node, "tunnel_header", None), limits)
         if punch is not None:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
@@ -4395,7 +4425,7 @@ class Ingress:
         # one is never read: the answer closes the connection
         length = fields.get(b"content-length") or b"0"
         small = client.conn.their_state is h11.SEND_BODY and b"transfer-encoding" not in fields \
-            and int(length) <= MAX_HEADER_BYTES
+            and int(length) <= self.limits.max_header_bytes
         if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
             self.authenticate(fields, admin=True)   # on the head, like the proxy
             if method == b"POST" or small:
@@ -4945,11 +4975,6 @@ def _split_listen(listen: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def set_limits(args: argparse.Namespace) -> None:
-    """The LIMITS as `serve`'s flags (or their variables) set them, for this process."""
-    globals().update((name, getattr(args, name.lower())) for name in LIMITS)
-
-
 def _limit_arg(kind: type) -> Callable[[str], Any]:
     def positive(value: str) -> Any:
         number = kind(value)
@@ -4961,7 +4986,7 @@ def _limit_arg(kind: type) -> Callable[[str], Any]:
 
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
-    set_limits(args)
+    limits = Limits.from_args(args)
     config = otela_node.config_from_args(args)
     config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
     config.ingress_keys = ingress_secrets(args.ingress_key_file, args.key_file)
@@ -4969,7 +4994,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
-                      cors_origins=args.cors_origin, max_connections=MAX_CONNECTIONS, max_body=MAX_BODY_BYTES,
+                      cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
     if not config.ingress_keys:
         print("otela-ingress: WARNING: without the ingress secret no grant can be checked: every session "
@@ -4997,8 +5022,8 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print(f"otela-ingress: stopping (up to {DRAIN_S:g} s for requests in flight)", file=sys.stderr)
-    await ingress.stop(drain=DRAIN_S)
+    print(f"otela-ingress: stopping (up to {limits.drain_s:g} s for requests in flight)", file=sys.stderr)
+    await ingress.stop(drain=limits.drain_s)
     await node.stop(leave=True)
     return 0
 

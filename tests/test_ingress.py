@@ -118,7 +118,7 @@ def test_errors_have_openai_bodies_and_statuses(stack, client):
 
 
 def test_a_body_over_the_limit_is_refused_with_413(tmp_path):
-    stack = Stack(str(tmp_path / "o.sqlite"), max_body=1000)
+    stack = Stack(str(tmp_path / "o.sqlite"), limits=otela_ingress.Limits(max_body_bytes=1000))
     try:
         client = Client(stack.url, stack.key())
         stack.engine("m1")
@@ -171,7 +171,7 @@ def test_oversized_headers_get_431(stack):
 
 
 def test_connections_over_the_limit_get_503(tmp_path):
-    stack = Stack(str(tmp_path / "o.sqlite"), max_connections=2)
+    stack = Stack(str(tmp_path / "o.sqlite"), limits=otela_ingress.Limits(max_connections=2))
     socks = []
     try:
         socks = [socket.create_connection(("127.0.0.1", stack.port)) for _ in range(2)]
@@ -736,7 +736,7 @@ def test_expect_100_continue_is_answered_before_the_body_is_sent(stack, client):
 
 
 def test_a_client_that_stops_mid_body_is_closed_after_the_request_timeout(stack, monkeypatch):
-    monkeypatch.setattr(otela_ingress, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(stack.ingress.limits, "request_timeout_s", 0.5)
     with socket.create_connection(("127.0.0.1", stack.port)) as sock:
         sock.settimeout(10)
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"

@@ -235,9 +235,9 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
 
 def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_others_are_served(
         tmp_path, monkeypatch):
-    monkeypatch.setattr(otela_ingress, "HEAD_TIMEOUT_S", 1.0)
     monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
-    stack = Stack(str(tmp_path / "o.sqlite"), max_connections=400)   # 100 per address
+    stack = Stack(str(tmp_path / "o.sqlite"),   # 100 connections per address
+                  limits=otela_ingress.Limits(max_connections=400, head_timeout_s=1.0))
     dribblers: List[socket.socket] = []
     try:
         stack.engine("m1")
@@ -301,7 +301,7 @@ def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_o
         # cut by the deadline (1 s), not by a pause in its bytes: dribblers whose bytes never
         # paused as long as the deadline (any loop pace) were cut all the same
         steady = [sock for sock in cut if len(sends[sock]) > 2 and
-                  max(b - a for a, b in zip(sends[sock], sends[sock][1:])) < otela_ingress.HEAD_TIMEOUT_S]
+                  max(b - a for a, b in zip(sends[sock], sends[sock][1:])) < stack.ingress.limits.head_timeout_s]
         assert steady
         for first in refused:   # over its address's share: an answer, not a reset
             (status, _, body), = responses(first)
@@ -314,7 +314,7 @@ def test_heads_dribbled_a_byte_at_a_time_are_cut_at_an_absolute_deadline_while_o
 
 
 def test_the_connection_over_the_cap_gets_503_with_an_error_body_and_a_share_is_per_address(tmp_path):
-    stack = Stack(str(tmp_path / "o.sqlite"), max_connections=8, max_per_address=2)
+    stack = Stack(str(tmp_path / "o.sqlite"), limits=otela_ingress.Limits(max_connections=8, address_floor=2))   # 2 each
     held: List[socket.socket] = []
     try:
         first = connect_from("127.0.0.20", stack.port)
@@ -349,7 +349,7 @@ def test_the_connection_over_the_cap_gets_503_with_an_error_body_and_a_share_is_
 
 
 def test_a_connection_that_never_sends_a_head_is_closed_after_the_head_deadline(stack, monkeypatch):
-    monkeypatch.setattr(otela_ingress, "HEAD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(stack.ingress.limits, "head_timeout_s", 0.3)
     monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
     with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as sock:
         assert read_to_close(sock) == (b"", True)
@@ -426,9 +426,8 @@ def test_slowloris_from_4_addresses_of_1100_connections_leaves_99_percent_of_new
 
 
 def test_a_kept_alive_connection_dribbling_its_next_head_is_headless_again_and_cut_first(tmp_path, monkeypatch):
-    monkeypatch.setattr(otela_ingress, "MAX_HEADLESS", 4)
     monkeypatch.setattr(otela_ingress, "SWEEP_INTERVAL_S", 0.1)
-    stack = Stack(str(tmp_path / "o.sqlite"))
+    stack = Stack(str(tmp_path / "o.sqlite"), limits=otela_ingress.Limits(max_headless=4))
     held: List[socket.socket] = []
     try:
         first = connect_from("127.0.0.30", stack.port)
@@ -755,7 +754,6 @@ class ResettingEngine:
 def test_an_engine_resetting_each_new_connection_costs_clients_nothing(tmp_path, monkeypatch, loop):
     if loop == "uvloop":
         pytest.importorskip("uvloop")
-    monkeypatch.setattr(otela_ingress, "SICK_AFTER_FAILURES", 10**6)   # keep sending it requests
     real_acquire = otela_ingress.UpstreamPool.acquire
 
     async def slow_acquire(self, addr, fresh=False, pin=None):
@@ -765,7 +763,8 @@ def test_an_engine_resetting_each_new_connection_costs_clients_nothing(tmp_path,
         return up
 
     monkeypatch.setattr(otela_ingress.UpstreamPool, "acquire", slow_acquire)
-    stack = Stack(str(tmp_path / "o.sqlite"), uvloop=loop == "uvloop")
+    stack = Stack(str(tmp_path / "o.sqlite"), uvloop=loop == "uvloop",   # keep sending it requests
+                  limits=otela_ingress.Limits(sick_after_failures=10**6))
     resetting = ResettingEngine()
     try:
         stack.engine("m1")

@@ -26,6 +26,7 @@ class StandInNode:
     """What the ingress needs of otela_node.Node: a registry, suspicion, a tunnel header."""
 
     tunnel_header = ("x-otela-tunnel", "stand-in")
+    whole_registry = True   # every record is here from the start: the ingress needs no warm-up
 
     def __init__(self):
         self.session_id = crdt.new_session_id()
@@ -80,8 +81,9 @@ class StandInNode:
 class Stack:
     """An ingress on a free loopback port, with fake engines, in a background loop."""
 
-    def __init__(self, db_path: str, uvloop: bool = False, **ingress_opts):
-        """`uvloop`: run on uvloop's event loop (as `serve` does where it is installed)."""
+    def __init__(self, db_path: str, uvloop: bool = False, node: Optional[StandInNode] = None, **ingress_opts):
+        """`uvloop`: run on uvloop's event loop (as `serve` does where it is installed); `node`:
+        the stand-in node (a new one by default); `ingress_opts`: otela_ingress.Ingress's."""
         if uvloop:
             import uvloop as _uvloop
             self.loop = _uvloop.new_event_loop()
@@ -89,7 +91,7 @@ class Stack:
             self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.node = StandInNode()
+        self.node = node or StandInNode()
         self.db_path = db_path
         self.engines: Dict[str, Any] = {}
         self.ingress = otela_ingress.Ingress(self.node, db_path=db_path, **ingress_opts)

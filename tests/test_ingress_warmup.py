@@ -11,9 +11,17 @@ import otela_ingress
 import otela_node
 
 
+def warming_stack(path: str) -> Stack:
+    """An ingress on a stand-in node that, like an overlay node's, hears of the cluster after it
+    starts, with a warm-up longer than any test here."""
+    node = StandInNode()
+    node.whole_registry = False
+    return Stack(path, node=node, limits=otela_ingress.Limits(warmup_max_s=60.0))
+
+
 @pytest.fixture
 def warming(tmp_path):
-    stack = Stack(str(tmp_path / "w.sqlite"), warmup=60.0)   # longer than any test here
+    stack = warming_stack(str(tmp_path / "w.sqlite"))
     yield stack
     stack.close()
 
@@ -37,11 +45,11 @@ def test_the_first_peer_record_ends_the_warm_up_and_unknown_models_are_404_again
 
 
 def test_the_warm_up_ends_by_itself_for_a_lone_ingress(tmp_path):
-    stack = Stack(str(tmp_path / "lone.sqlite"), warmup=60.0)
+    stack = warming_stack(str(tmp_path / "lone.sqlite"))
     try:
         client = Client(stack.url, stack.key())
         assert client.chat("m1")[0] == 503
-        stack.call(setattr, stack.ingress, "_warm_until", 1.0)   # as if WARMUP_MAX_S had passed
+        stack.call(setattr, stack.ingress, "_warm_until", 1.0)   # as if warmup_max_s had passed
         status, _, body = client.chat("m1")
         assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
         client.close()

@@ -163,3 +163,15 @@ def test_keygens_force_is_the_flag_only_a_variable_never_replaces_a_key(tmp_path
     again = subprocess.run(run, capture_output=True, text=True, env=dict(os.environ, OTELA_FORCE="1"))
     assert again.returncode != 0 and "--force" in again.stderr
     assert open(os.path.join(out, "cluster.key"), "rb").read() == before
+
+
+def test_the_ingress_limits_are_one_object_built_from_the_flags_and_no_module_constant_changes():
+    args = crdt.parse_settings(otela_ingress.build_parser(), ["serve", "--max-connections", "7"],
+                               otela_ingress.SETTING_NAMES, {"OTELA_HEAD_TIMEOUT_S": "2.5"})
+    limits = otela_ingress.Limits.from_args(args)
+    assert (limits.max_connections, limits.head_timeout_s) == (7, 2.5)
+    assert limits.max_body_bytes == otela_ingress.MAX_BODY_BYTES   # the rest: their defaults
+    assert (otela_ingress.MAX_CONNECTIONS, otela_ingress.HEAD_TIMEOUT_S) == (4096, 10.0)   # untouched
+    assert limits.per_address() == 7   # the floor (64) above the cap: the cap
+    with pytest.raises(TypeError, match="unknown limits: max_conections"):
+        otela_ingress.Limits(max_conections=7)
