@@ -12,8 +12,9 @@ Theory of operation
 -------------------
 The sections, in file order, and what each holds:
 
-    config               every limit and timing default, with the reason for the number
-    error bodies         OpenAI's error JSON; HTTPError, the one way a request is refused
+    config               every limit and timing default, with the reason for the number; Limits
+    errors               HTTPError, the one way a request is refused (its body and reason
+                         phrase: otela_node's error_body and REASONS, one table for both roles)
     request validation   paths in normal form (normal_path), and the types of what the ingress reads
     keys, usage ledger   Key (hashed, with its rate bucket), Ledger (a journal file, then SQLite)
     engine numbers       an answer's token counts bounded by what the ingress saw (prompt_bound,
@@ -247,32 +248,10 @@ class Limits:
 
 
 # ---------------------------------------------------------------------------------------------
-# OpenAI error bodies
+# Errors for the client (their body, status and reason phrase: otela_node.error_body, REASONS)
 # ---------------------------------------------------------------------------------------------
-_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-    429: "rate_limit_error", 431: "invalid_request_error", 499: "client_closed_request",
-    500: "server_error", 502: "server_error", 503: "server_error", 504: "server_error",
-}
-_REASONS = {
-    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
-    404: b"Not Found", 405: b"Method Not Allowed", 413: b"Payload Too Large",
-    429: b"Too Many Requests", 431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
-    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
-}
-
-
-def error_body(status: int, message: str, code: Optional[str] = None,
-               param: Optional[str] = None, etype: Optional[str] = None) -> bytes:
-    """The body OpenAI's API (and so every OpenAI client) expects for an error. `etype` names
-    a type other than the status's (OpenAI's 429 insufficient_quota, say)."""
-    return crdt.dumps({"error": {"message": message, "type": etype or _ERROR_TYPES.get(status, "api_error"),
-                                 "param": param, "code": code}})
-
-
 class HTTPError(Exception):
-    """An error answered to the client in OpenAI's shape."""
+    """An error answered to the client in OpenAI's shape (otela_node.error_body)."""
 
     def __init__(self, status: int, message: str, code: Optional[str] = None,
                  param: Optional[str] = None, headers: Sequence[Tuple[bytes, bytes]] = (),
@@ -3043,9 +3022,9 @@ class _ClientConn:
             extra = self.extra
             if extra:
                 headers = headers + [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]
-            return self._h11_send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
+            return self._h11_send(h11.Response(status_code=status, headers=headers, reason=otela_node.REASONS.get(status, b"")))
         framed = close = False
-        out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
+        out = [b"HTTP/1.1 %d %s\r\n" % (status, otela_node.REASONS.get(status, b""))]
         for name, value in headers:
             if name == b"content-length":
                 framed = True
@@ -3066,7 +3045,7 @@ class _ClientConn:
                                       (SESSION_HEADER, session)]) + self.data(payload) + self.end()
         self._chunked = self._close = False
         self.our_state = h11.DONE
-        return _WHOLE_ANSWER % (status, _REASONS.get(status, b""), content_type, len(payload), session,
+        return _WHOLE_ANSWER % (status, otela_node.REASONS.get(status, b""), content_type, len(payload), session,
                                 self.extra, payload)
 
     def data(self, data: bytes) -> bytes:
@@ -3227,10 +3206,8 @@ class _Client(asyncio.Protocol):
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer a connection over a cap with an error, and close it without a reset (its request
         may be on the way already: see linger)."""
-        body = error_body(status, message, code)
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-                             % (status, _REASONS[status], len(body), body))
+        self.transport.write(otela_node.whole_response(status, otela_node.error_body(status, message, code),
+                                                       close=True, headers=((b"retry-after", b"1"),)))
         self.ingress.metrics.errors[code] += 1
         self.linger()
 
@@ -3336,7 +3313,7 @@ class _Client(asyncio.Protocol):
             try:
                 head = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
+                status = exc.error_status_hint if exc.error_status_hint in otela_node.REASONS else 400
                 self.error(HTTPError(431, "Request headers too large", "headers_too_large") if status == 431 else
                            HTTPError(status, f"Bad HTTP request: {exc}", "bad_request"))
                 self.close()
@@ -3458,7 +3435,7 @@ class _Client(asyncio.Protocol):
             metrics.errors[exc.code or str(exc.status)] += 1
             metrics.requests[(model, exc.status)] += 1
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self.answer(exc.status, error_body(exc.status, exc.message, exc.code, exc.param, exc.etype),
+            self.answer(exc.status, otela_node.error_body(exc.status, exc.message, exc.code, exc.param, exc.etype),
                         extra=exc.headers)
 
     def internal_error(self, exc: BaseException) -> None:

@@ -2179,8 +2179,28 @@ class BodyReader:
 
 # The codec's writers: every head this file sends is written here, as pieces for one b"".join
 # with what follows (no copy of a body). Names and values are bytes, as the parsers give them.
-_REASON = {200: b"OK", 400: b"Bad Request", 403: b"Forbidden", 413: b"Payload Too Large", 502: b"Bad Gateway",
-           503: b"Service Unavailable"}
+# The one table of reason phrases, and of the OpenAI error type of each status, for every head and
+# error body the node and the ingress write.
+REASONS = {
+    200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
+    404: b"Not Found", 405: b"Method Not Allowed", 413: b"Payload Too Large",
+    429: b"Too Many Requests", 431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
+    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+}
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+    429: "rate_limit_error", 431: "invalid_request_error", 499: "client_closed_request",
+    500: "server_error", 502: "server_error", 503: "server_error", 504: "server_error",
+}
+
+
+def error_body(status: int, message: str, code: Optional[str] = None,
+               param: Optional[str] = None, etype: Optional[str] = None) -> bytes:
+    """The body OpenAI's API (and so every OpenAI client) expects for an error. `etype` names
+    a type other than the status's (OpenAI's 429 insufficient_quota, say)."""
+    return crdt.dumps({"error": {"message": message, "type": etype or ERROR_TYPES.get(status, "api_error"),
+                                 "param": param, "code": code}})
 
 
 def _fields_out(out: List[bytes], headers: Iterable[Tuple[bytes, bytes]], drop: Container[bytes]) -> List[bytes]:
@@ -2216,10 +2236,11 @@ def response_head(status: int, reason: bytes, headers: Iterable[Tuple[bytes, byt
     return out
 
 
-def whole_response(status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False) -> bytes:
-    """A whole answer with its body, in one piece of bytes."""
-    head = response_head(status, _REASON.get(status, b"Status"), ((b"content-type", ctype),), length=len(body),
-                         close=close)
+def whole_response(status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False,
+                   headers: Iterable[Tuple[bytes, bytes]] = ()) -> bytes:
+    """A whole answer with its body (and `headers` after its content-type), in one piece of bytes."""
+    head = response_head(status, REASONS.get(status, b"Status"), ((b"content-type", ctype), *headers),
+                         length=len(body), close=close)
     head.append(body)
     return b"".join(head)
 
@@ -2635,10 +2656,6 @@ class EngineClient:
         self.idle = []
 
 
-def error_body(message: str, etype: str, code: Optional[str] = None) -> bytes:
-    return crdt.dumps({"error": {"message": message, "type": etype, "param": None, "code": code}})
-
-
 # =============================================================================================
 # Tunnel security: mutual TLS from the cluster's key material, and no work before authentication
 # =============================================================================================
@@ -2661,6 +2678,11 @@ def error_body(message: str, etype: str, code: Optional[str] = None) -> bytes:
 TLS_RECORD_HANDSHAKE = 0x16         # the first byte of every TLS ClientHello
 TLS_SERVER_NAME = "otela-cluster"   # the certificate's CN; hosts are not named in it (rule: pin)
 OPEN_PATHS = (b"/healthz", b"/v1/registry")   # GET without a credential, on plain HTTP too
+
+
+def tunnel_credential(key: bytes) -> str:
+    """The static credential of the plain tunnel (TUNNEL_HEADER's value) under a cluster key."""
+    return hmac.new(key, b"tunnel", hashlib.sha256).hexdigest()
 
 
 def tunnel_tls(config: Config) -> Tuple[Optional[ssl.SSLContext], Optional[ssl.SSLContext]]:
@@ -2711,7 +2733,7 @@ def find_tunnel_tls(key_file: str) -> Tuple[str, str]:
 
 
 def _busy_answer() -> bytes:
-    body = error_body("node at its connection limit; retry on another session", "server_error", "busy")
+    body = error_body(503, "node at its connection limit; retry on another session", "busy")
     return whole_response(503, body, close=True)
 
 
@@ -2795,8 +2817,7 @@ class Tunnel:
     def __init__(self, node: Node, spawn: Callable[[Any], asyncio.Task], refused: collections.Counter):
         config = self.config = node.config
         self.node, self.spawn, self.refused = node, spawn, refused
-        self.credentials = [hmac.new(k, b"tunnel", hashlib.sha256).hexdigest().encode()
-                            for k in [config.key] + config.accept_keys]   # rotation: any key's
+        self.credentials = [tunnel_credential(k).encode() for k in [config.key] + config.accept_keys]   # rotation
         self.not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode(), PREFIX_HEADER}   # the engine never sees these
         self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
         self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
@@ -2913,8 +2934,8 @@ class Tunnel:
             return None                             # the handshake showed the cluster certificate
         if self.node.tunnel_server_ssl is not None:
             self.refused["credential"] += 1
-            return 403, error_body("this node's tunnel is TLS with the cluster certificate; plain requests "
-                                   "are not forwarded", "permission_error", "tls_required")
+            return 403, error_body(403, "this node's tunnel is TLS with the cluster certificate; plain requests "
+                                        "are not forwarded", "tls_required")
         name, value = self.node.tunnel_header
         wanted, given = name.encode(), b""
         for hname, hvalue in headers:
@@ -2922,7 +2943,7 @@ class Tunnel:
                 given = hvalue
         if not any(hmac.compare_digest(given, v) for v in self.credentials):
             self.refused["credential"] += 1
-            return 403, error_body("missing or bad tunnel credential", "permission_error", "forbidden")
+            return 403, error_body(403, "missing or bad tunnel credential", "forbidden")
         if connection is not None:
             self._authenticated(connection)
         return None
@@ -2954,7 +2975,7 @@ class Tunnel:
                     return
                 limit = cfg.max_request_body
                 if head.length > limit:
-                    self._respond(None, writer, 413, error_body("request body too large", "invalid_request_error"))
+                    self._respond(None, writer, 413, error_body(413, "request body too large"))
                     await writer.drain()
                     return
                 del buf[:head.size]
@@ -2969,8 +2990,7 @@ class Tunnel:
                         parts.append(piece)
                         size += len(piece)
                         if size > limit:
-                            self._respond(None, writer, 413, error_body("request body too large",
-                                                                        "invalid_request_error"))
+                            self._respond(None, writer, 413, error_body(413, "request body too large"))
                             await writer.drain()
                             return
                         continue
@@ -2984,7 +3004,7 @@ class Tunnel:
                 if not head.keep_alive:
                     return
         except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
-            body = error_body(f"bad request: {exc}", "invalid_request_error", "bad_request")
+            body = error_body(400, f"bad request: {exc}", "bad_request")
             writer.write(whole_response(400, body, close=True))
         except (h11.ProtocolError, OSError, EngineError):
             pass
@@ -3021,7 +3041,7 @@ class Tunnel:
                 else:
                     return
             if too_big:
-                self._respond(conn, writer, 413, error_body("request body too large", "invalid_request_error"))
+                self._respond(conn, writer, 413, error_body(413, "request body too large"))
                 await writer.drain()
                 return
             headers = header_items(event.headers)
@@ -3062,7 +3082,7 @@ class Tunnel:
         when the answer went out raw, past h11's `conn`."""
         path = target.split(b"?", 1)[0]
         if self.node.overlay is None:                    # between binding the port and joining
-            self._respond(conn, writer, 503, error_body("node starting", "server_error", "unavailable"))
+            self._respond(conn, writer, 503, error_body(503, "node starting", "unavailable"))
         elif method == b"GET" and path == b"/v1/registry":
             self._respond(conn, writer, 200, crdt.dumps(self.node.registry_view()))
         elif method == b"GET" and path == b"/healthz":
@@ -3075,9 +3095,8 @@ class Tunnel:
                                       "gossip": self.node.stats()}))
         else:                                       # the credential was judged on the head (_refusal)
             if self.node.draining or self.node.engine is None:
-                self._respond(conn, writer, 503, error_body("this session is draining" if self.node.draining
-                                                            else "no engine behind this node",
-                                                            "server_error", "unavailable"))
+                self._respond(conn, writer, 503, error_body(503, "this session is draining" if self.node.draining
+                                                            else "no engine behind this node", "unavailable"))
             else:
                 return await self._forward(method, target, headers, body, conn, writer)
         await writer.drain()
@@ -3109,7 +3128,7 @@ class Tunnel:
             try:
                 engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
             except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                self._respond(conn, writer, 502, error_body(502, f"engine failed: {exc}", "bad_gateway"))
                 return False
             framing, keep_alive = answer.framing, answer.keep_alive
             out = response_head(answer.status, answer.reason, answer.headers, HOP_BY_HOP, framing, answer.length,
@@ -3138,9 +3157,8 @@ class Tunnel:
                     body = BodyReader(framing, answer.length)
                     used = body.feed(data)
                     if body.error is not None:      # nothing went out yet: a clear 502
-                        self._respond(conn, writer, 502, error_body(f"engine failed: bad response from the "
-                                                                    f"engine: {body.error}", "server_error",
-                                                                    "bad_gateway"))
+                        self._respond(conn, writer, 502, error_body(502, f"engine failed: bad response from "
+                                                                         f"the engine: {body.error}", "bad_gateway"))
                         return False
                     out.append(data[:used])
                     if watch is not None and used:
@@ -3173,7 +3191,7 @@ class Tunnel:
             try:
                 response, engine_conn = await self.node.engine.exchange(method.decode(), target.decode(), headers, body)
             except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(f"engine failed: {exc}", "server_error", "bad_gateway"))
+                self._respond(conn, writer, 502, error_body(502, f"engine failed: {exc}", "bad_gateway"))
                 return
             out_headers = [(n, v) for n, v in response.headers
                            if n not in HOP_BY_HOP or n == b"content-length"]
@@ -5595,7 +5613,7 @@ class Node:
         self._start_warnings: List[str] = []        # a gossip address others cannot reach, a plain tunnel
         self._joined_said = False                   # "joined" is logged once a member has answered
         self._health_timer: Optional[asyncio.TimerHandle] = None
-        self.tunnel_header = (TUNNEL_HEADER, hmac.new(config.key, b"tunnel", hashlib.sha256).hexdigest())
+        self.tunnel_header = (TUNNEL_HEADER, tunnel_credential(config.key))
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
         self.tunnel_sock: Optional[socket.socket] = None   # the tunnel port's listening socket
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
