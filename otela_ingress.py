@@ -223,6 +223,29 @@ LIMITS = {name: globals()[name] for name in (   # name -> its default
     "DRAIN_S", "LINGER_S", "WARMUP_MAX_S")}
 
 
+LIMIT_HELP = {   # each limit's unit and the short reason for its default (the long one is beside it)
+    "MAX_HEADER_BYTES": "bytes of a request line and headers at most (real clients send < 2 KiB)",
+    "MAX_BODY_BYTES": "bytes of a request body at most (a 128k-token prompt is ~0.5 MB; embedding batches more)",
+    "MAX_CONNECTIONS": "client connections at most; the one over gets 503 (below the usual 8192 descriptors)",
+    "ADDRESS_SHARE": "share (0-1) of the connections one client address may hold (filling it takes 4 hosts)",
+    "ADDRESS_FLOOR": "connections one address may always hold (an app server's pool behind one address)",
+    "MAX_HEADLESS": "connections with no complete head yet, all addresses together (slowloris from many hosts)",
+    "IDLE_TIMEOUT_S": "seconds a kept-alive client may stay silent between requests",
+    "HEAD_TIMEOUT_S": "seconds for a whole request head, from its first byte (absolute: slowloris)",
+    "REQUEST_TIMEOUT_S": "seconds for a whole request body after its head (16 MiB needs 4.5 Mbit/s)",
+    "UPSTREAM_CONNECT_TIMEOUT_S": "seconds to connect to a session (a LAN connect takes < 1 ms)",
+    "UPSTREAM_IDLE_TIMEOUT_S": "seconds an engine may be silent mid-answer (a long prompt's prefill on a busy engine)",
+    "MAX_ATTEMPTS": "sessions tried per request before the client gets the error",
+    "POOL_IDLE_PER_PROVIDER": "kept-alive connections per session (more than the benchmark's 64 clients)",
+    "SICK_AFTER_FAILURES": "failures in a row before a session leaves rotation (one may be bad luck)",
+    "SICK_BACKOFF_S": "seconds a session first sits out, doubled per relapse",
+    "SICK_BACKOFF_MAX_S": "seconds a session sits out at most before one request probes it back",
+    "DRAIN_S": "seconds requests in flight get on SIGTERM",
+    "LINGER_S": "seconds what a client still sends after a last answer is read and dropped (no TCP reset)",
+    "WARMUP_MAX_S": "seconds a (re)started ingress says 503, not 404, until a peer's record arrives",
+}
+
+
 class Limits:
     """The LIMITS one ingress runs with, built once (from `serve`'s flags and their variables, or
     by a caller) and passed in: a field is the limit's name in lower case, its default the
@@ -5143,7 +5166,7 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                                 "default is beside it at the top of otela_ingress.py)")
     for name, default in LIMITS.items():
         limits.add_argument("--" + name.lower().replace("_", "-"), type=_limit_arg(type(default)), default=default,
-                            metavar="N", help=f"env OTELA_{name}; default {default}")
+                            metavar="N", help=f"{LIMIT_HELP[name]} (env OTELA_{name}; default {default})")
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

@@ -2907,7 +2907,8 @@ def build_parser():
                      help="also compute the memory-proportional baseline (default memp)")
     opt.add_argument("--replay", choices=("auto", "sim", "fluid"), default="auto",
                      help="replay with otela_sim (auto when importable) or the fluid capacity model")
-    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--seed", type=int, default=0,
+                     help="random seed of the replay's arrivals (default 0: runs compare)")
     opt.add_argument("--time-limit", type=otela_sim.number_type(float, 0, low_open=True), default=SOLVE_TIME_LIMIT_S,
                      help="CBC seconds per stage (at scale: for the whole solve)")
     opt.add_argument("--engine", default=None,
@@ -2920,16 +2921,19 @@ def build_parser():
     plan_slurm_args(plan)
 
     rp = sub.add_parser("replay", help="replay placements; --trace compares static and reclamation")
-    rp.add_argument("--scenario", default=None)
+    rp.add_argument("--scenario", default=None,
+                    help="JSON with gpus, models, workload (required)")
     rp.add_argument("--trace", action="store_true", help="bursty synthetic trace: static vs dynamic reclamation")
     rp.add_argument("--hours", type=otela_sim.number_type(float, 0, low_open=True), default=6.0, help="trace length (default 6 h)")
     rp.add_argument("--load", type=otela_sim.number_type(float, 0, low_open=True), default=0.5, help="mean demand as a fraction of the pool's capacity")
-    rp.add_argument("--capacity", choices=("auto", "measured", "sim"), default="auto")
-    rp.add_argument("--seed", type=int, default=0)
-    rp.add_argument("--json", action="store_true")
+    rp.add_argument("--capacity", choices=("auto", "measured", "sim"), default="auto",
+                    help="per-instance capacity: the scenario's measured figures, otela_sim, or measured where given")
+    rp.add_argument("--seed", type=int, default=0, help="random seed of the trace (default 0: runs compare)")
+    rp.add_argument("--json", action="store_true", help="print one JSON object")
 
     inv = sub.add_parser("inventory", help="print free GPUs parsed from sinfo as an inventory JSON")
-    inv.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE")
+    inv.add_argument("--gpu-alias", action="append", default=[], metavar="GRES=TYPE",
+                     help="map a Slurm GRES type to a GPU name, e.g. a100=A100-80GB-SXM4 (repeatable)")
     return p
 
 

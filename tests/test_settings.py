@@ -3,6 +3,7 @@ default; a boolean variable is 1/true/yes/on or 0/false/no/off and anything else
 error and a non-zero exit, never a silent False."""
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import re
@@ -175,3 +176,32 @@ def test_the_ingress_limits_are_one_object_built_from_the_flags_and_no_module_co
     assert limits.per_address() == 7   # the floor (64) above the cap: the cap
     with pytest.raises(TypeError, match="unknown limits: max_conections"):
         otela_ingress.Limits(max_conections=7)
+
+
+UNITS = ("second", "byte", "token", "connection", "request", "share", "GPU", "day", "month", " h)",
+         "iteration", "batch", "seed", "session", "failure", "GB/s", "instance", "fraction", "times",
+         "ratio", "block", "coefficient", "stage", "capacity/demand")
+
+
+def _flags(parser, path):
+    for action in parser._actions:
+        if isinstance(action.choices, dict):   # the subcommands
+            for name, sub in action.choices.items():
+                yield from _flags(sub, path + [name])
+        elif action.option_strings and action.dest not in ("help", "version"):
+            yield " ".join(path + [action.option_strings[-1]]), action
+
+
+@pytest.mark.parametrize("module", [otela_node, otela_ingress, otela_place, otela_sim], ids=lambda m: m.__name__)
+def test_every_flag_says_what_it_is_and_a_number_its_unit(module):
+    """A user reads --help on a cluster with no other documentation: every flag has a help line,
+    and one whose value is a number says in what (seconds, bytes, tokens, a share...)."""
+    silent, unitless = [], []
+    for flag, action in _flags(module.build_parser(), [module.__name__]):
+        text = action.help or ""
+        if not text.strip() or text == argparse.SUPPRESS:
+            silent.append(flag)
+        elif isinstance(action.default, (int, float)) and not isinstance(action.default, bool) \
+                and not any(unit in text for unit in UNITS):
+            unitless.append(f"{flag}: {text}")
+    assert not silent and not unitless, (silent, unitless)
