@@ -169,7 +169,8 @@ UPSTREAM_CONNECT_TIMEOUT_S = 3.0     # loopback/LAN connects take < 1 ms; 3 s me
 UPSTREAM_IDLE_TIMEOUT_S = 600.0      # prefill of a long prompt on a busy engine can take
                                      # minutes before the first byte; longer means hung
 SWEEP_INTERVAL_S = 1.0               # granularity of the timeouts and deadlines above
-MAX_ATTEMPTS = 3                     # sessions tried per request (the issue's "up to 3")
+MAX_ATTEMPTS = 3                     # sessions tried per request: a second session rules out a
+                                     # poison request (two 5xx), a third survives one dying meanwhile
 RETRY_STATUSES = frozenset((500, 502, 503))  # engine-side failures worth another session
 POOL_IDLE_PER_PROVIDER = 128         # kept-alive upstream connections per session (> the 64
                                      # concurrent clients of the benchmark)
@@ -360,7 +361,7 @@ def open_db(path: str) -> sqlite3.Connection:
     return db
 
 
-# Columns added by issue 14 (budgets, expiry, the replicated record): a database made before
+# Columns a release added later (budgets, expiry, the replicated record): a database made before
 # them gets them on open, with the defaults of a key that has none.
 _KEY_COLUMNS = (("budget_day", "INTEGER NOT NULL DEFAULT 0"), ("budget_month", "INTEGER NOT NULL DEFAULT 0"),
                 ("expires", "REAL"), ("replica", "TEXT"))

@@ -1408,7 +1408,7 @@ INCONSISTENT = "inconsistent"
 
 
 # Optional column: a usable row kept out of every fit as a check of rows the simulator has not
-# seen (issue 15: "others you have not seen"); the text says why it was picked. validate
+# seen (a fit judged on its own rows says nothing of others); the text says why it was picked. validate
 # predicts it with the fit and reports it apart; it is never summarised with the fitted rows.
 HELD_OUT = "held_out"
 
@@ -1567,7 +1567,7 @@ def _fill_request_counts(rows):
     return rows
 
 
-# The H100-class / A100 ratio target (issue 5: within 6%) is met on five of the six pairs; the
+# The H100-class / A100 ratio target (within 6 %) is met on five of the six pairs; the
 # sixth, otela_34b_gh200 / otela_34b_a100 (measured 4.7865 / 1.4947 = 3.202), is inconsistent
 # with the same calculator's 13B and 70B pairs under any model whose efficiencies do not depend
 # on the model: otela_34b_a100 is marked so in the data (its 'inconsistent' column), left out of
@@ -1693,7 +1693,7 @@ def validate(rows=None, cal=None, quick=False, logo=False, iters=12):
     result = {"rows": out, "summary": summary, "groups": in_sample, "ratios": ratios,
               "inconsistent": [o for o in out if o["inconsistent"]],
               "held_out": held, "held_out_summary": _summary([o["error"] for o in held]),
-              # issue 15 judges each engine's unseen rows apart (its vLLM target is on vLLM rows)
+              # each engine's unseen rows apart: a target for one engine is judged on its rows
               "held_out_by_engine": {e: _summary([o["error"] for o in held if o["engine"] == e])
                                      for e in sorted({o["engine"] for o in held})}}
     if logo:
