@@ -17,6 +17,8 @@ Peers measured in the same run, for scale on this machine: "tcp-relay", a uvloop
 copies bytes between connections without reading them (the floor of any user-space proxy hop
 here), and "nginx" (a reverse proxy with upstream keep-alive, one worker pinned like the
 ingress) when an nginx binary is installed (`apt-get install nginx-light`; skipped otherwise).
+With the whole path, "bare-asyncio x2": two bare asyncio proxies in a row, pinned as the ingress
+and the node are, the floor of a path of two Python hops on this machine (without TLS).
 
 Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on time.
 With --rounds N every config is measured N times in rotating order (a noisy machine's bursts
@@ -683,6 +685,16 @@ def main() -> int:
             proc.stdout.readline()
             pin(proc.pid, 0)
             targets[name] = (proc.pid, relay_ports, "none")
+        if not args.no_node:   # the floor of the whole path's two Python hops: two bare proxies in a row
+            front, back = {model: free_port() for model in ports}, {model: free_port() for model in ports}
+            for routes, cpu in (({back[m]: ports[m] for m in ports}, 1), ({front[m]: back[m] for m in ports}, 0)):
+                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
+                    {"relay": {str(k): v for k, v in routes.items()}, "parse": True})], stdout=subprocess.PIPE,
+                    text=True)
+                procs.append(proc)
+                proc.stdout.readline()
+                pin(proc.pid, cpu)   # as the whole path's ingress (CPU 0) and node (CPU 1)
+            targets["bare-asyncio x2"] = (proc.pid, front, "none")
         nginx_ports = {model: free_port() for model in ports}
         worker = start_nginx(tmp, {nginx_ports[model]: ports[model] for model in ports}, procs)
         if worker is not None:
@@ -765,6 +777,12 @@ def main() -> int:
               + (f"{added:.2f}x" if added is not None else "-") + f" (target <= 1.2), "
               f"req/s {ratios['rps_64conn']:.2f}x, SSE chunks/s {ratios['sse_chunks_per_s_16streams']:.2f}x "
               "(targets >= 1)")
+    whole, floor = results["configs"].get("ingress+node"), results["configs"].get("bare-asyncio x2")
+    if whole and floor:
+        print(f"whole path (ingress, TLS, node): added p50 {whole['added_p50_ms']:.3f} ms, p99 "
+              f"{whole['added_p99_ms']:.3f} ms; two bare asyncio proxies in a row (the floor of two Python hops "
+              f"here, without TLS) {floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms: "
+              f"{whole['added_p50_ms'] / max(floor['added_p50_ms'], 1e-9):.2f}x at p50 (target <= 0.6 / 1.5 ms)")
     m = results["machine"]
     print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start']:.2f} -> {m['loadavg_end']:.2f}; h11's own "
           f"work per proxied request {m['h11_proxied_request_us']:.0f} us (reference machine: 110 us), so CPU "
