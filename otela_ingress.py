@@ -2735,10 +2735,9 @@ class UpstreamPool:
         if frame is None:
             if len(self._request_heads) >= 4096:
                 self._request_heads = {}
-            frame = self._request_heads[(path, addr, stream)] = (
-                b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
-                % (path, addr.encode()),
-                b"\r\n" + self.tunnel_line + (b"accept: text/event-stream\r\n\r\n" if stream else b"\r\n"))
+            before, after = otela_node.request_format(b"POST", path, addr.encode(), self.tunnel_line + (
+                b"accept: text/event-stream\r\n" if stream else b""))
+            frame = self._request_heads[(path, addr, stream)] = (before, b"\r\n" + after)   # (one % less)
         if extra:
             return b"%s%d\r\n%s%s" % (frame[0], len(body), extra, frame[1][2:])
         return b"%s%d%s" % (frame[0], len(body), frame[1])
@@ -2908,8 +2907,7 @@ class _Relay:
 _Request = otela_node.MessageHead
 
 
-_WHOLE_ANSWER = (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
-                 + SESSION_HEADER + b": %s\r\n%s\r\n%s")
+_WHOLE_ANSWER = otela_node.whole_answer_format(SESSION_HEADER)
 _EOM = h11.EndOfMessage()
 
 
@@ -3047,20 +3045,9 @@ class _ClientConn:
             if extra:
                 headers = headers + [tuple(line.split(b": ", 1)) for line in extra.split(b"\r\n") if line]
             return self._h11_send(h11.Response(status_code=status, headers=headers, reason=otela_node.REASONS.get(status, b"")))
-        framed = close = False
-        out = [b"HTTP/1.1 %d %s\r\n" % (status, otela_node.REASONS.get(status, b""))]
-        for name, value in headers:
-            if name == b"content-length":
-                framed = True
-            elif name == b"connection" and b"close" in value.lower():
-                close = True
-            out.append(b"%s: %s\r\n" % (name, value))
-        if not framed:
-            out.append(b"transfer-encoding: chunked\r\n")
-        out.append(self.extra + b"\r\n")
-        self._chunked, self._close = not framed, close
+        head, self._chunked, self._close = otela_node.answer_head(status, headers, self.extra)
         self.our_state = h11.SEND_BODY
-        return b"".join(out)
+        return head
 
     def whole_answer(self, status: int, content_type: bytes, session: bytes, payload: bytes) -> bytes:
         """A complete Content-Length answer with the ingress's headers, in one format."""

@@ -2236,6 +2236,39 @@ def response_head(status: int, reason: bytes, headers: Iterable[Tuple[bytes, byt
     return out
 
 
+def answer_head(status: int, headers: Iterable[Tuple[bytes, bytes]], extra: bytes = b"") -> Tuple[bytes, bool, bool]:
+    """(head, chunked, close): a response head of `headers` as given and `extra` (whole header
+    lines) last; a content-length among them frames the body, else it is chunked (the ingress's
+    answers, which pass an engine's framing on or choose it)."""
+    framed = close = False
+    out = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
+    for name, value in headers:
+        if name == b"content-length":
+            framed = True
+        elif name == b"connection" and b"close" in value.lower():
+            close = True
+        out.append(b"%s: %s\r\n" % (name, value))
+    if not framed:
+        out.append(b"transfer-encoding: chunked\r\n")
+    out.append(extra + b"\r\n")
+    return b"".join(out), not framed, close
+
+
+def whole_answer_format(field: bytes) -> bytes:
+    """The %-format of a whole answer with one more header `field`, for a writer that answers all
+    day: % (status, reason, content type, length, the field's value, extra lines, body)."""
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" + field.replace(b"%", b"%%")
+            + b": %s\r\n%s\r\n%s")
+
+
+def request_format(method: bytes, target: bytes, host: bytes, lines: bytes = b"") -> Tuple[bytes, bytes]:
+    """A request head with a JSON body as a (before, after) pair around its length, for a writer
+    that sends many on one route (the ingress caches one per route and session): before + b"%d"
+    % length + b"\r\n" + its own lines + after. `lines`: whole header lines every one carries."""
+    return (b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: "
+            % (method, target, host), lines + b"\r\n")
+
+
 def whole_response(status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False,
                    headers: Iterable[Tuple[bytes, bytes]] = ()) -> bytes:
     """A whole answer with its body (and `headers` after its content-type), in one piece of bytes."""
