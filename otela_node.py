@@ -700,6 +700,21 @@ class FailureDetector:
     suspicion, evictions with their evidence): the same object's state (members, suspects,
     probe, local health), kept apart by concern. Overlay is the only class built on it."""
 
+    def __init__(self, config: Config, now: float):
+        """Its own state; `members`, `map`, `record` and the sending helpers are the Overlay's."""
+        self.suspects: Dict[str, Suspicion] = {}
+        self.evictions: collections.deque = collections.deque()   # when members were evicted
+        self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
+        self.lhm = 0                                # Lifeguard local health multiplier
+        self.seq = 0
+        self.probe: Optional[dict] = None
+        self.relays: Dict[int, list] = {}           # our seq -> [requester addr, its seq, expiry,
+                                                    #             nack time (inf once sent)]
+        self.late: Dict[int, tuple] = {}            # recent probe seq -> (sid, start): late acks
+        self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
+        self.rtt = 0.0                              # moving average of every ack's delay
+        self.next_probe = now + self.rng.uniform(0, config.probe_interval)
+
     # -- queries ----------------------------------------------------------------------------
     def is_suspected(self, sid: str) -> bool:
         return sid in self.suspects
@@ -1022,23 +1037,13 @@ class Overlay(FailureDetector):
         self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
         self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
-        self.suspects: Dict[str, Suspicion] = {}
         self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
-        self.evictions: collections.deque = collections.deque()   # when members were evicted
-        self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
         self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
         self.bootstrap: List[str] = []
         self.leaving = False
-        self.lhm = 0                                # Lifeguard local health multiplier
-        self.seq = 0
-        self.probe: Optional[dict] = None
-        self.relays: Dict[int, list] = {}           # our seq -> [requester addr, its seq, expiry,
-                                                    #             nack time (inf once sent)]
-        self.late: Dict[int, tuple] = {}            # recent probe seq -> (sid, start): late acks
-        self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
-        self.rtt = 0.0                              # moving average of every ack's delay
+        FailureDetector.__init__(self, config, now)
         self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
         self.next_resend = math.inf                 # the earliest push's next resend (or later):
                                                     # no scan of every push at every wakeup
@@ -1046,7 +1051,6 @@ class Overlay(FailureDetector):
         self.heard: set = set()                     # bootstrap addresses that have answered
         self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.sent = collections.Counter()           # messages sent by type
-        self.next_probe = now + self.rng.uniform(0, config.probe_interval)
         self.next_gossip = math.inf
         self.next_push_pull = now + self.rng.uniform(0.5, 1.0) * config.push_pull_interval
         self.next_join = math.inf
