@@ -1403,7 +1403,7 @@ class Grants:
         self.believe_all = authority is None
         self.allow_ungranted = allow_ungranted
         self.revoked: set = set()            # grant ids and "job-<id>" revoked
-        self.live: Dict[str, Dict[str, float]] = {}   # grant id -> {live session: its start}
+        self.live: Dict[str, Dict[str, Tuple[bool, float]]] = {}   # grant id -> {live session: (serving, start)}
         self.grant_of: Dict[str, str] = {}   # live session -> its grant id
         self.holder: Dict[str, str] = {}     # grant id -> the one live session it serves
         self.served: Dict[str, float] = {}   # model -> when a session last could serve it (monotonic)
@@ -1423,17 +1423,23 @@ class Grants:
             return
         if record["state"] in crdt.ROUTABLE or record["state"] == crdt.JOIN:
             sessions = self.live.setdefault(gid, {})
-            sessions[sid] = record.get("started", 0.0)
+            sessions[sid] = (record["state"] in crdt.ROUTABLE, record.get("started", 0.0))
             self.grant_of[sid] = gid
-            self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
+            self._hold(gid, sessions)
         else:
             self._leave(gid, sid)
+
+    def _hold(self, gid: str, sessions: Dict[str, Tuple[bool, float]]) -> None:
+        """The grant's one live session: the newest that serves (else the newest): a job's
+        successor, started under its slot's grant, takes over once its model is loaded, not
+        while it loads (the slot's requests would have nowhere to go)."""
+        self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
 
     def _leave(self, gid: str, sid: str) -> None:
         sessions = self.live.get(gid, {})
         sessions.pop(sid, None)
         if sessions:
-            self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
+            self._hold(gid, sessions)
         else:
             self.live.pop(gid, None)
             self.holder.pop(gid, None)

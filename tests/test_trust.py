@@ -106,6 +106,21 @@ def test_grant_refusal_names_expiry_and_revocation_of_the_grant_or_its_job():
     assert crdt.grant_refusal(grant, {"job-4242"}, NOW) == "revoked"
 
 
+def test_a_grants_newer_session_takes_over_once_it_serves_not_while_it_loads():
+    import otela_ingress
+    grants = otela_ingress.Grants(TIER)
+    old, _ = granted_record("a" * 32)
+    successor = dict(old, state=crdt.JOIN, started=NOW + 120)   # a job's successor, under its slot's grant
+    grants.seen("a" * 32, old)
+    grants.seen("c" * 32, successor)
+    assert grants.refusal("a" * 32, old, NOW) is None
+    grants.seen("c" * 32, dict(successor, state=crdt.SERVING))
+    assert grants.refusal("a" * 32, old, NOW) == "grant_reused"
+    assert grants.refusal("c" * 32, dict(successor, state=crdt.SERVING), NOW) is None
+    grants.seen("c" * 32, dict(successor, state=crdt.LEFT))
+    assert grants.refusal("a" * 32, old, NOW) is None
+
+
 def test_an_overlay_member_binds_every_write_of_its_own_and_a_forged_copy_does_not_survive_them():
     import otela_node as on
     config = on.Config(key=b"k" * 32, grant=granted_record()[0]["grant"])
