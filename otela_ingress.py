@@ -1391,7 +1391,9 @@ DOUBT_S = 15.0               # an eviction of a session that answered here withi
                              # as long: an evicted live node rejoins as a new session within a second
 ENDING_S = 120.0             # no new request to a session this close to its job's end (ends_at) while
                              # another serves: a stream started then (~3,600 tokens at 30/s) ends
-                             # before Slurm's SIGTERM and the node's drain
+                             # before Slurm's SIGTERM and the node's drain; at most the second half of
+                             # its life (as the placer's successor lead): a successor of a short job is
+                             # not ending beside its predecessor
 UNGRANTED_REASONS = ("ungranted", "expired", "revoked", "grant_reused", "not_granted")
 
 
@@ -2042,6 +2044,17 @@ class TTFTPolicy(Policy):
 
 POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware": HardwarePolicy,
             "least_loaded": LeastLoadedPolicy, "ttft": TTFTPolicy}
+
+
+def job_ending(record: Dict[str, Any], now: float) -> bool:
+    """Whether a session is inside its job's last ENDING_S (its record's ends_at, unix time), or
+    in the second half of its life where that is shorter."""
+    ends = record.get("ends_at")
+    if not isinstance(ends, (int, float)):
+        return False
+    started = record.get("started")
+    window = min(ENDING_S, (ends - started) / 2) if isinstance(started, (int, float)) else ENDING_S
+    return ends - now < window
 
 
 def serving_worker(record: Dict[str, Any]) -> bool:
@@ -4316,10 +4329,10 @@ class Ingress:
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
         # A session inside its job's last minutes (its record's ends_at) gets nothing new while
         # another can serve: its successor, started ahead by the placer, takes over without a gap.
-        ending = time.time() + ENDING_S
-        if any(c.record.get("ends_at", math.inf) < ending for c in result) and \
-                not all(c.record.get("ends_at", math.inf) < ending for c in result):
-            result = [c for c in result if c.record.get("ends_at", math.inf) >= ending]
+        wall = time.time()
+        lasting = [c for c in result if not job_ending(c.record, wall)]
+        if lasting:
+            result = lasting
         if len(self._candidates) > 4096:   # bounded: models x allowlists in use
             self._candidates = {}
         self._candidates[cache_key] = (now, result)

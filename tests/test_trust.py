@@ -234,17 +234,29 @@ def test_grant_cli_refuses_bad_input_in_one_line(tmp_path):
 def test_a_session_in_its_jobs_last_minutes_gets_nothing_new_while_another_serves(stack):
     ending, old = stack.engine("m1")
     _, fresh = stack.engine("m1")
+    alone, last = stack.engine("m2")
 
-    def end_soon():
-        record = stack.node.registry.get(ending)
-        stack.node._versions[ending] += 1
-        record.update(version=stack.node._versions[ending], ends_at=time.time() + 30)
-        stack.node.registry.put(ending, record)
-        stack.node._changed(ending)
-    stack.call(end_soon)
+    def end_soon(sid):
+        record = stack.node.registry.get(sid)
+        stack.node._versions[sid] += 1
+        record.update(version=stack.node._versions[sid], started=time.time() - 3600, ends_at=time.time() + 30)
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(end_soon, ending)
+    stack.call(end_soon, alone)
     client = Client(stack.url, stack.key())
     assert [client.chat("m1")[0] for _ in range(10)] == [200] * 10
     assert old.requests == 0 and fresh.requests == 10
+    assert [client.chat("m2")[0] for _ in range(3)] == [200] * 3 and last.requests == 3   # the only one serves
+
+
+def test_a_session_is_ending_in_its_jobs_last_two_minutes_or_second_half_whichever_is_shorter():
+    from otela_ingress import job_ending
+    long_job = {"started": 0.0, "ends_at": 4 * 3600.0}
+    assert not job_ending(long_job, 4 * 3600.0 - 121) and job_ending(long_job, 4 * 3600.0 - 119)
+    three_minutes = {"started": 0.0, "ends_at": 180.0}   # its successor, due at 90 s, is not ending beside it
+    assert not job_ending(three_minutes, 89) and job_ending(three_minutes, 91)
+    assert not job_ending({"started": 0.0}, 1e12) and job_ending({"ends_at": 100.0}, 0)
 
 
 def test_a_model_served_minutes_ago_is_absent_not_unknown(stack):
