@@ -11,7 +11,10 @@ CRON_S seconds (as cron would, faster) and a client sends one chat completion ev
     after    successor_lead_s LEAD_S: it is submitted ahead of the end and serves beside it
 
 Reported per arm: requests, client errors (anything but 200), and seconds unserved (from a
-failed request to the next answered one, summed). Needs root (Slurm: tests/lab/slurm_up.sh);
+failed request to the next answered one, summed); in the JSON also the errors by cause (status
+and error code) and each burst of them, with the jobs (squeue) and the ingress's sessions
+(/v1/registry: state, ends_at, unrouted) around it, polled each second and printed as a
+timeline. `--arms after` runs one arm. Needs root (Slurm: tests/lab/slurm_up.sh);
 without it, it says so and writes nothing. Never asserts on time; leaves no job, partition,
 process or file behind (a cluster it started is stopped again).
 """
