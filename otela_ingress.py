@@ -1430,7 +1430,9 @@ DOUBT_REASONS = {            # why an eviction is not believed here (Ingress._do
 }
 ENDING_S = 120.0             # no new request to a session this close to its job's end (ends_at) while
                              # another serves: a stream started then (~3,600 tokens at 30/s) ends
-                             # before Slurm's SIGTERM and the node's drain
+                             # before Slurm's SIGTERM and the node's drain; at most the second half of
+                             # its life (as the placer's successor lead): a successor of a short job is
+                             # not ending beside its predecessor
 UNGRANTED_REASONS = ("ungranted", "expired", "revoked", "grant_reused", "not_granted")
 
 
@@ -1442,7 +1444,7 @@ class Grants:
         self.believe_all = authority is None
         self.allow_ungranted = allow_ungranted
         self.revoked: set = set()            # grant ids and "job-<id>" revoked
-        self.live: Dict[str, Dict[str, float]] = {}   # grant id -> {live session: its start}
+        self.live: Dict[str, Dict[str, Tuple[bool, float]]] = {}   # grant id -> {live session: (serving, start)}
         self.grant_of: Dict[str, str] = {}   # live session -> its grant id
         self.holder: Dict[str, str] = {}     # grant id -> the one live session it serves
         self.served: Dict[str, float] = {}   # model -> when a session last could serve it (monotonic)
@@ -1462,17 +1464,23 @@ class Grants:
             return
         if record["state"] in crdt.ROUTABLE or record["state"] == crdt.JOIN:
             sessions = self.live.setdefault(gid, {})
-            sessions[sid] = record.get("started", 0.0)
+            sessions[sid] = (record["state"] in crdt.ROUTABLE, record.get("started", 0.0))
             self.grant_of[sid] = gid
-            self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
+            self._hold(gid, sessions)
         else:
             self._leave(gid, sid)
+
+    def _hold(self, gid: str, sessions: Dict[str, Tuple[bool, float]]) -> None:
+        """The grant's one live session: the newest that serves (else the newest): a job's
+        successor, started under its slot's grant, takes over once its model is loaded, not
+        while it loads (the slot's requests would have nowhere to go)."""
+        self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
 
     def _leave(self, gid: str, sid: str) -> None:
         sessions = self.live.get(gid, {})
         sessions.pop(sid, None)
         if sessions:
-            self.holder[gid] = max(sessions, key=lambda s: (sessions[s], s))
+            self._hold(gid, sessions)
         else:
             self.live.pop(gid, None)
             self.holder.pop(gid, None)
@@ -2075,6 +2083,17 @@ class TTFTPolicy(Policy):
 
 POLICIES = {"random": RandomPolicy, "round_robin": RoundRobinPolicy, "hardware": HardwarePolicy,
             "least_loaded": LeastLoadedPolicy, "ttft": TTFTPolicy}
+
+
+def job_ending(record: Dict[str, Any], now: float) -> bool:
+    """Whether a session is inside its job's last ENDING_S (its record's ends_at, unix time), or
+    in the second half of its life where that is shorter."""
+    ends = record.get("ends_at")
+    if not isinstance(ends, (int, float)):
+        return False
+    started = record.get("started")
+    window = min(ENDING_S, (ends - started) / 2) if isinstance(started, (int, float)) else ENDING_S
+    return ends - now < window
 
 
 def serving_worker(record: Dict[str, Any]) -> bool:
@@ -4363,10 +4382,10 @@ class Ingress:
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
         # A session inside its job's last minutes (its record's ends_at) gets nothing new while
         # another can serve: its successor, started ahead by the placer, takes over without a gap.
-        ending = time.time() + ENDING_S
-        if any(c.record.get("ends_at", math.inf) < ending for c in result) and \
-                not all(c.record.get("ends_at", math.inf) < ending for c in result):
-            result = [c for c in result if c.record.get("ends_at", math.inf) >= ending]
+        wall = time.time()
+        lasting = [c for c in result if not job_ending(c.record, wall)]
+        if lasting:
+            result = lasting
         if len(self._candidates) > 4096:   # bounded: models x allowlists in use
             self._candidates = {}
         self._candidates[cache_key] = (now, result)

@@ -378,7 +378,8 @@ def load_key(path: str) -> bytes:
 
 def job_end(env: Dict[str, str], grant: Optional[Dict[str, Any]]) -> Optional[float]:
     """When this job ends (unix time): Slurm's SLURM_JOB_END_TIME (set in jobs by Slurm 23.02 and
-    later), or its grant's end, whichever comes first; None when neither says."""
+    later, by sbatch/node.sh from squeue before), or its grant's end, whichever comes first; None
+    when neither says."""
     ends = []
     try:
         ends.append(float(env["SLURM_JOB_END_TIME"]))

@@ -29,6 +29,15 @@ if [[ ! $version =~ ^Python\ 3\.([0-9]+) ]] || (( BASH_REMATCH[1] < 9 )); then
 fi
 "$PYTHON" -c 'import h11' 2>/dev/null || why_not "($version) cannot import h11: put its wheel on PYTHONPATH"
 
+# The job's end, which the node publishes (ends_at: the ingress sends nothing new in the job's last
+# minutes, the placer starts its successor ahead): Slurm 23.02 and later say it; before, squeue does.
+if [[ -z ${SLURM_JOB_END_TIME:-} && -n ${SLURM_JOB_ID:-} ]]; then
+  end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null || true)
+  if [[ $end == [0-9]*T* ]] && end=$(date -d "$end" +%s 2>/dev/null); then
+    export SLURM_JOB_END_TIME=$end
+  fi
+fi
+
 echo "otela job $JOB: $MODEL on ${GPU:-?} tp=${TP:-1} on $(hostname), $version"
 exec "$PYTHON" "$OTELA_DIR/otela_node.py" start \
   --key-file "$KEY_FILE" \

@@ -11,7 +11,10 @@ CRON_S seconds (as cron would, faster) and a client sends one chat completion ev
     after    successor_lead_s LEAD_S: it is submitted ahead of the end and serves beside it
 
 Reported per arm: requests, client errors (anything but 200), and seconds unserved (from a
-failed request to the next answered one, summed). Needs root (Slurm: tests/lab/slurm_up.sh);
+failed request to the next answered one, summed); in the JSON also the errors by cause (status
+and error code) and each burst of them, with the jobs (squeue) and the ingress's sessions
+(/v1/registry: state, ends_at, unrouted) around it, polled each second and printed as a
+timeline. `--arms after` runs one arm. Needs root (Slurm: tests/lab/slurm_up.sh);
 without it, it says so and writes nothing. Never asserts on time; leaves no job, partition,
 process or file behind (a cluster it started is stopped again).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,8 @@ LOAD_S = 10.0     # the emulated model load (a small model from a parallel file 
 CRON_S = 10.0     # placer passes: cron's finest period is 60 s; faster here to keep the run short
 RATE = 5.0        # client requests per second, one at a time
 MEASURE_S = 300   # from the first answer: past the first job's end (at 240 s) and its drain
+ARMS = {"before": 0, "after": LEAD_S}   # successor_lead_s of each arm
+WATCH_S = 1.0     # the jobs and sessions polled this often for the errors' timeline
 
 # `vllm serve WEIGHTS --served-model-name NAME --tensor-parallel-size TP ...` as the vLLM
 # template writes it, run by the emulated engine after the load
@@ -67,17 +73,23 @@ def alive(pidfile):
 
 
 def chat(url):
+    """(status, why): 200 and "", an HTTP error and its body's error code and message, or None
+    and the client's own error (a refused or dropped connection, a timeout)."""
     body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
     request = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:
             resp.read()
-            return resp.status
+            return resp.status, ""
     except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
+        try:
+            error = json.loads(e.read())["error"]
+            return e.code, f"{error.get('code') or error.get('type')}: {error.get('message')}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return e.code, ""
+    except OSError as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
 def our_jobs():
@@ -95,10 +107,73 @@ def cancel_ours():
         time.sleep(0.2)
 
 
+class Watch:
+    """The jobs (squeue) and the ingress's sessions (/v1/registry), polled every WATCH_S from
+    its own thread: each change is an event (seconds since `start`, what is now), for the
+    timeline printed around each burst of errors."""
+
+    def __init__(self, url, start):
+        self.url, self.start, self.events, self.stop = url, start, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _jobs(self):
+        out = place.slurm_command(["squeue", "-h", "-p", PARTITION, "-o", "%i %T %j %e"])
+        return " ".join(sorted(f"job {i} {st} {name} ends {self._at(place._slurm_time(e))}"
+                               for i, st, name, e in (line.split() for line in out.splitlines())))
+
+    def _sessions(self):
+        with urllib.request.urlopen(self.url + "/v1/registry", timeout=5) as resp:
+            view = json.loads(resp.read())
+        sessions = view.get("sessions", ())
+        sessions = sessions.values() if isinstance(sessions, dict) else sessions
+        return " ".join(sorted(f"session of job {(s.get('labels') or {}).get('slurm_job', '?')} {s.get('state')}"
+                               f" ends {self._at(s.get('ends_at'))}{' unrouted' if s.get('unrouted') else ''}"
+                               for s in sessions if s.get("role", "worker") == "worker"))
+
+    def _at(self, unix):
+        return "?" if unix is None else f"{unix - time.time() + time.monotonic() - self.start:.0f}"
+
+    def _run(self):
+        last = {}
+        while not self.stop.wait(WATCH_S):
+            for what, poll in (("jobs", self._jobs), ("sessions", self._sessions)):
+                try:
+                    now = poll()
+                except (OSError, ValueError, place.PlacementError) as e:
+                    now = f"unread ({e})"
+                if now != last.get(what):
+                    self.events.append((time.monotonic() - self.start, f"{what}: {now or 'none'}"))
+                    last[what] = now
+
+
+def bursts(samples, events, apart_s=5.0):
+    """Failed requests grouped into bursts (no two more than apart_s apart), each with its
+    errors by cause and the events from 30 s before it to 5 s after."""
+    out = []
+    for t, status, why in samples:
+        if status == 200:
+            continue
+        if not out or t - out[-1]["until_s"] > apart_s:
+            out.append({"at_s": round(t, 1), "until_s": t, "errors": 0, "causes": {}, "first": f"{status} {why}"})
+        burst = out[-1]
+        burst["until_s"], burst["errors"] = t, burst["errors"] + 1
+        cause = cause_of(status, why)
+        burst["causes"][cause] = burst["causes"].get(cause, 0) + 1
+    for burst in out:
+        burst["events"] = [f"{t:7.1f} {e}" for t, e in events if burst["at_s"] - 30 <= t <= burst["until_s"] + 5]
+        burst["until_s"] = round(burst["until_s"], 1)
+    return out
+
+
+def cause_of(status, why):
+    """An error's cause as the breakdown counts it: its status and code (or the client's error)."""
+    return f"{status} {why.split(':')[0]}".strip()
+
+
 def unserved(samples):
     """Seconds from each failed request to the next answered one, summed; and the longest."""
     total, longest, since = 0.0, 0.0, None
-    for t, status in samples:
+    for t, status, *_ in samples:
         if status != 200 and since is None:
             since = t
         elif status == 200 and since is not None:
@@ -121,7 +196,7 @@ def run_arm(work, ingress, lead_s, measure_s):
             "--lock", f"{work}/lock-{lead_s}", "--no-reclaim", "--json",
             "--sbatch-var", f"KEY_FILE={ingress['key']}", "--sbatch-var", f"BOOTSTRAP={ingress['gossip']}",
             "--sbatch-var", "LISTEN_HOST=127.0.0.1"]
-    stop, passes, submitted = threading.Event(), [], []
+    stop, passes, submitted, watch = threading.Event(), [], [], None
 
     def cron():
         while not stop.is_set():
@@ -135,25 +210,36 @@ def run_arm(work, ingress, lead_s, measure_s):
     placer.start()
     try:
         t0 = time.monotonic()
-        while chat(ingress["url"]) != 200:       # the first instance: from an empty cluster
+        while chat(ingress["url"])[0] != 200:       # the first instance: from an empty cluster
             if time.monotonic() - t0 > 180:
                 raise RuntimeError("the first instance never served")
             time.sleep(0.5)
         first = time.monotonic() - t0
         samples, start = [], time.monotonic()
+        watch = Watch(ingress["url"], start)
+        watch.thread.start()
         while time.monotonic() - start < measure_s:
             sent = time.monotonic()
-            samples.append((sent - start, chat(ingress["url"])))
+            samples.append((sent - start, *chat(ingress["url"])))
             time.sleep(max(0.0, 1 / RATE - (time.monotonic() - sent)))
     finally:
         stop.set()
+        if watch is not None:
+            watch.stop.set()
+            watch.thread.join(timeout=10)
         placer.join(timeout=150)
         cancel_ours()
     gap, longest = unserved(samples)
+    found = bursts(samples, watch.events)
+    causes = {}
+    for burst in found:
+        for cause, n in burst["causes"].items():
+            causes[cause] = causes.get(cause, 0) + n
     return {"arm": "after" if lead_s else "before", "successor_lead_s": lead_s, "requests": len(samples),
-            "client_errors": sum(1 for _, s in samples if s != 200), "unserved_s": round(gap, 1),
+            "client_errors": sum(1 for _, s, _ in samples if s != 200), "unserved_s": round(gap, 1),
             "longest_gap_s": round(longest, 1), "first_200_s": round(first, 1), "jobs": len(submitted),
-            "placer_passes": len(passes), "failed_passes": sum(1 for c in passes if c != 0)}
+            "placer_passes": len(passes), "failed_passes": sum(1 for c in passes if c != 0),
+            "causes": causes, "bursts": found}
 
 
 def main():
@@ -161,7 +247,10 @@ def main():
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--quick", action="store_true", help="the same run (one job end per arm is the least)")
     ap.add_argument("--measure-s", type=float, default=MEASURE_S)
+    ap.add_argument("--arms", default="before,after", help="the arms to run, of before,after (default both)")
     args = ap.parse_args()
+    if not set(args.arms.split(",")) <= set(ARMS):
+        ap.error(f"--arms: of {','.join(ARMS)}")
     if os.geteuid() != 0:
         print("bench_place_gap: skipped: needs root for a real Slurm (tests/lab/slurm_up.sh)")
         return 0
@@ -193,11 +282,20 @@ def main():
                        "key": f"{work}/key/cluster.key"}
             time.sleep(2)
             cancel_ours()
-            for lead in (0, LEAD_S):
-                rows.append(run_arm(work, ingress, lead, args.measure_s))
-                print(json.dumps(rows[-1]), flush=True)
+            for arm in args.arms.split(","):
+                rows.append(run_arm(work, ingress, ARMS[arm], args.measure_s))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "bursts"}), flush=True)
+                for burst in rows[-1]["bursts"]:
+                    print(f"  {burst['errors']} errors {burst['at_s']}-{burst['until_s']} s: {burst['causes']}"
+                          f"\n    first: {burst['first'][:200]}", flush=True)
+                    for event in burst["events"]:
+                        print(f"    {event}", flush=True)
         finally:
             cancel_ours()
+            if ingress_proc is not None:   # the logs, for what the timeline does not say
+                shutil.rmtree(os.path.join(args.out, "place_gap-logs"), ignore_errors=True)
+                shutil.copytree(work, os.path.join(args.out, "place_gap-logs"),
+                                ignore=shutil.ignore_patterns("key", "bin", "*.sqlite*", "lock-*"))
             subprocess.run(["scontrol", "delete", f"PartitionName={PARTITION}"], capture_output=True)
             if ingress_proc is not None:
                 ingress_proc.terminate()

@@ -64,6 +64,30 @@ def test_node_is_execed_so_the_batch_shell_signal_reaches_it():
     assert lines and "otela_node.py" in lines[0] and "start" in lines[0]
 
 
+def test_a_job_on_a_slurm_that_does_not_say_its_end_hands_the_node_squeues(tmp_path):
+    """Slurm before 23.02 sets no SLURM_JOB_END_TIME: the script asks squeue for the job's end."""
+    otela, bin_dir = tmp_path / "otela", tmp_path / "bin"
+    (otela / "sbatch").mkdir(parents=True)
+    bin_dir.mkdir()
+    shutil.copy(os.path.join(SBATCH, "node.sh"), otela / "sbatch" / "node.sh")
+    (otela / "otela_node.py").write_text("import os\nprint(os.environ.get('SLURM_JOB_END_TIME', 'none'))\n")
+    _, name, text = place.job_scripts(ROWS, INVENTORY, "vllm", dict(VARS, OTELA_DIR=str(otela),
+                                                                     PYTHON=sys.executable))[0]
+    (tmp_path / name).write_text(text)
+    ends = {}
+    for said in ("2026-12-07T04:40:00", "N/A"):
+        (bin_dir / "squeue").write_text(f"#!/bin/sh\necho {said}\n")
+        (bin_dir / "squeue").chmod(0o755)
+        for env in ({}, {"SLURM_JOB_END_TIME": "1796000000"}):
+            out = subprocess.run(["bash", str(tmp_path / name)], capture_output=True, text=True, timeout=30,
+                                 env=dict(os.environ, SLURM_JOB_ID="4242", PATH=f"{bin_dir}:{os.environ['PATH']}",
+                                          **env))
+            assert out.returncode == 0, out.stderr
+            ends[said, bool(env)] = out.stdout.strip().splitlines()[-1]
+    assert ends == {("2026-12-07T04:40:00", False): str(int(place.time.mktime((2026, 12, 7, 4, 40, 0, 0, 0, -1)))),
+                    ("2026-12-07T04:40:00", True): "1796000000", ("N/A", False): "none", ("N/A", True): "1796000000"}
+
+
 def test_a_template_value_missing_is_a_one_line_error():
     with pytest.raises(place.PlacementError) as err:
         place.job_scripts(ROWS, INVENTORY, "llamacpp", VARS)

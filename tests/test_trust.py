@@ -106,6 +106,21 @@ def test_grant_refusal_names_expiry_and_revocation_of_the_grant_or_its_job():
     assert crdt.grant_refusal(grant, {"job-4242"}, NOW) == "revoked"
 
 
+def test_a_grants_newer_session_takes_over_once_it_serves_not_while_it_loads():
+    import otela_ingress
+    grants = otela_ingress.Grants(TIER)
+    old, _ = granted_record("a" * 32)
+    successor = dict(old, state=crdt.JOIN, started=NOW + 120)   # a job's successor, under its slot's grant
+    grants.seen("a" * 32, old)
+    grants.seen("c" * 32, successor)
+    assert grants.refusal("a" * 32, old, NOW) is None
+    grants.seen("c" * 32, dict(successor, state=crdt.SERVING))
+    assert grants.refusal("a" * 32, old, NOW) == "grant_reused"
+    assert grants.refusal("c" * 32, dict(successor, state=crdt.SERVING), NOW) is None
+    grants.seen("c" * 32, dict(successor, state=crdt.LEFT))
+    assert grants.refusal("a" * 32, old, NOW) is None
+
+
 def test_an_overlay_member_binds_every_write_of_its_own_and_a_forged_copy_does_not_survive_them():
     import otela_node as on
     config = on.Config(key=b"k" * 32, grant=granted_record()[0]["grant"])
@@ -402,17 +417,29 @@ def test_grant_cli_refuses_bad_input_in_one_line(tmp_path):
 def test_a_session_in_its_jobs_last_minutes_gets_nothing_new_while_another_serves(stack):
     ending, old = stack.engine("m1")
     _, fresh = stack.engine("m1")
+    alone, last = stack.engine("m2")
 
-    def end_soon():
-        record = stack.node.registry.get(ending)
-        stack.node._versions[ending] += 1
-        record.update(version=stack.node._versions[ending], ends_at=time.time() + 30)
-        stack.node.registry.put(ending, record)
-        stack.node._changed(ending)
-    stack.call(end_soon)
+    def end_soon(sid):
+        record = stack.node.registry.get(sid)
+        stack.node._versions[sid] += 1
+        record.update(version=stack.node._versions[sid], started=time.time() - 3600, ends_at=time.time() + 30)
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(end_soon, ending)
+    stack.call(end_soon, alone)
     client = Client(stack.url, stack.key())
     assert [client.chat("m1")[0] for _ in range(10)] == [200] * 10
     assert old.requests == 0 and fresh.requests == 10
+    assert [client.chat("m2")[0] for _ in range(3)] == [200] * 3 and last.requests == 3   # the only one serves
+
+
+def test_a_session_is_ending_in_its_jobs_last_two_minutes_or_second_half_whichever_is_shorter():
+    from otela_ingress import job_ending
+    long_job = {"started": 0.0, "ends_at": 4 * 3600.0}
+    assert not job_ending(long_job, 4 * 3600.0 - 121) and job_ending(long_job, 4 * 3600.0 - 119)
+    three_minutes = {"started": 0.0, "ends_at": 180.0}   # its successor, due at 90 s, is not ending beside it
+    assert not job_ending(three_minutes, 89) and job_ending(three_minutes, 91)
+    assert not job_ending({"started": 0.0}, 1e12) and job_ending({"ends_at": 100.0}, 0)
 
 
 def test_a_model_served_minutes_ago_is_absent_not_unknown(stack):
