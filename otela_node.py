@@ -683,6 +683,16 @@ SEED_ROLES = ("ingress", "relay")   # members others bootstrap to: their address
 LATER = "later"                     # _changed(push=LATER): queue for one retransmit, no push now
 
 
+class Redial:
+    """An address dialled again while no live member is there (Overlay.remember): when next, the
+    backoff, since when, and whether it is a seed (dialled for good)."""
+
+    __slots__ = ("due", "backoff", "since", "seed")
+
+    def __init__(self, due: float, backoff: float, since: float, seed: bool):
+        self.due, self.backoff, self.since, self.seed = due, backoff, since, seed
+
+
 class Suspicion:
     __slots__ = ("version", "since", "began", "confirmers", "deadline", "held", "vouchers")
 
@@ -1048,7 +1058,7 @@ class Overlay(FailureDetector):
         self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
         self.next_resend = math.inf                 # the earliest push's next resend (or later):
                                                     # no scan of every push at every wakeup
-        self.remembered: Dict[str, list] = {}       # addr -> [next dial, backoff, since, seed?]
+        self.remembered: Dict[str, Redial] = {}     # addr -> when and how to dial it again
         self.heard: set = set()                     # bootstrap addresses that have answered
         self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.sent = collections.Counter()           # messages sent by type
@@ -1100,17 +1110,17 @@ class Overlay(FailureDetector):
             return
         entry = self.remembered.get(addr)
         if entry is not None:
-            entry[3] = entry[3] or seed
+            entry.seed = entry.seed or seed
             return
         if len(self.remembered) >= self.cfg.max_remembered:
-            oldest = min((a for a, e in self.remembered.items() if not e[3]),
-                         key=lambda a: self.remembered[a][2], default=None)
+            oldest = min((a for a, e in self.remembered.items() if not e.seed),
+                         key=lambda a: self.remembered[a].since, default=None)
             if oldest is None:
                 return
             del self.remembered[oldest]
         first = self.cfg.seed_redial_interval if seed else self.cfg.join_retry_min
-        self.remembered[addr] = [now + first * self.rng.uniform(0.5, 1.0), first, now, seed]
-        self.next_redial = min(self.next_redial, self.remembered[addr][0])
+        entry = self.remembered[addr] = Redial(now + first * self.rng.uniform(0.5, 1.0), first, now, seed)
+        self.next_redial = min(self.next_redial, entry.due)
 
     def health(self, now: float) -> List[str]:
         """Warnings for /healthz and the log: bootstrap peers that never answered, being alone."""
@@ -1613,21 +1623,21 @@ class Overlay(FailureDetector):
         self.next_redial = math.inf
         out: List[Out] = []
         for addr, entry in list(self.remembered.items()):
-            when, backoff, since, seed = entry
-            if when <= now:
+            seed = entry.seed
+            if entry.due <= now:
                 if addr in self.by_addr:            # a live member is there: probing covers it
                     if not seed:
                         del self.remembered[addr]
                         continue
-                elif not seed and now - since > cfg.lost_forget:
+                elif not seed and now - entry.since > cfg.lost_forget:
                     del self.remembered[addr]
                     continue
                 else:
                     out.append(self.digest_to(addr))
                     if not seed:
-                        entry[1] = backoff = min(backoff * 2, cfg.lost_redial_max)
-                entry[0] = when = now + (cfg.seed_redial_interval if seed else backoff) * self.rng.uniform(0.8, 1.2)
-            self.next_redial = min(self.next_redial, when)
+                        entry.backoff = min(entry.backoff * 2, cfg.lost_redial_max)
+                entry.due = now + (cfg.seed_redial_interval if seed else entry.backoff) * self.rng.uniform(0.8, 1.2)
+            self.next_redial = min(self.next_redial, entry.due)
         return out
 
     def _packs(self, keys: List[tuple]):
