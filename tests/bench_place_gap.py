@@ -139,7 +139,7 @@ class Watch:
             for what, poll in (("jobs", self._jobs), ("sessions", self._sessions)):
                 try:
                     now = poll()
-                except (OSError, ValueError, place.PlacementError) as e:
+                except (OSError, ValueError, place.PlacementError, place.SlurmError) as e:
                     now = f"unread ({e})"
                 if now != last.get(what):
                     self.events.append((time.monotonic() - self.start, f"{what}: {now or 'none'}"))
