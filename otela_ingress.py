@@ -4994,9 +4994,8 @@ def _limit_arg(kind: type) -> Callable[[str], Any]:
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     limits = Limits.from_args(args)
-    config = otela_node.config_from_args(args)
-    config.relay = not args.no_relay   # the ingress relays for members behind NATs unless told not to
-    config.ingress_keys = ingress_secrets(args.ingress_key_file, args.key_file)
+    # the ingress relays for members behind NATs unless told not to (--no-relay)
+    config = otela_node.config_from_args(args, ingress_keys=ingress_secrets(args.ingress_key_file, args.key_file))
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
@@ -5113,6 +5112,8 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
         otela_node.add_overlay_args(serve, gossip_default=otela_node.INGRESS_GOSSIP, listen_default=DEFAULT_LISTEN,
                                     listen_help="HOST:PORT of the OpenAI API, /v1/registry, /metrics "
                                                 "and /dashboard (0.0.0.0:PORT for other hosts)")
+        # an ingress wraps no engine and serves no tunnel port: those knobs are `start`'s
+        otela_node.add_knob_args(serve, skip=("probe_interval",) + otela_node.ENGINE_KNOBS + otela_node.TUNNEL_KNOBS)
     serve.add_argument("--db", default=DEFAULT_DB, help=db_help)
     serve.add_argument("--ingress-key-file", default=None,
                        help="the ingress tier's secret (keygen's ingress.key; on ingress hosts only, never on "

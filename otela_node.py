@@ -89,7 +89,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Container, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Container, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 try:
     import h11
@@ -127,6 +127,12 @@ TUNNEL_HEADER = "x-otela-tunnel"
 PREFIX_HEADER = b"x-otela-prefix"   # the prompt's prefix anchors as the ingress hashed them (PrefixSummary)
 
 
+def knob(default: Any, unit: str, why: str) -> Any:
+    """A numeric Config field that is also a flag of its own (`--probe-timeout`) and so a variable
+    (OTELA_PROBE_TIMEOUT): its default, its unit and why the default is what it is (its help)."""
+    return dataclasses.field(default=default, metadata={"unit": unit, "why": why})
+
+
 @dataclasses.dataclass
 class Config:
     key: bytes = b""
@@ -138,76 +144,96 @@ class Config:
     advertise_gossip: str = ""
 
     # -- failure detection (memberlist's LAN profile, then Lifeguard) --
-    probe_interval: float = 0.7     # one probe per member per 0.7 s: ~0.23 KB/s sent, flat in N;
-                                    # some member probes a dead one within ~1 round (P(no probe in
-                                    # a round) = e^-1), so "suspected" lands ~1.3 s after death
-    probe_timeout: float = 0.3      # loopback/LAN RTT is < 1 ms; 300 ms absorbs a GC pause or a
-                                    # saturated CPU before we bother k other members
-    indirect_timeout: float = 0.3   # then k members and the TCP path get as long again (4 hops)
-    indirect_checks: int = 3        # k members asked to probe for us (SWIM/memberlist default)
-    suspicion_mult: float = 4.0     # min grace = mult * log10(N) * probe_interval (memberlist)
-    suspicion_max_mult: float = 6.0  # a lone suspector waits 6x longer (Lifeguard): one sick
-                                     # prober cannot evict a healthy member quickly
-    max_local_health: int = 8       # Lifeguard LHM cap: a stalled node stretches its timeouts 9x
-    stall_threshold: float = 0.25   # a timer this late means *we* were stalled: don't judge others
-    probe_timeout_max: float = 1.5  # a member whose acks come late gets up to this long (twice
-                                    # the slowest recent ack): a lagging member is not flapped,
-                                    # and a dead one is still suspected within ~2 s
-    nack_after: float = 0.8         # Lifeguard nack: a ping-req helper that got no ack within this
-                                    # share of indirect_timeout says so; a prober missing nacks
-                                    # knows *it* is the slow one and stretches its own timeouts
-    suspicion_hold_max: float = 600.0  # a member that sees most of the cluster suspected is likely
-                                    # on the small side of a partition (or sick): it evicts nobody
-                                    # until it sees a majority again or this long has passed
-    suspicion_hold_unreached: float = 60.0  # ... but one that never answered us (forged, or met only
-                                    # across the split) at most a minute: a live one evicted rejoins
+    probe_interval: float = knob(0.7, "seconds",
+        "one probe per member per 0.7 s: ~0.23 KB/s sent, flat in N; some member probes a dead one within "
+        "~1 round (P(no probe in a round) = e^-1), so 'suspected' lands ~1.3 s after death")
+    probe_timeout: float = knob(0.3, "seconds",
+        "loopback/LAN RTT is < 1 ms; 300 ms absorbs a GC pause or a saturated CPU before we bother k other "
+        "members")
+    indirect_timeout: float = knob(0.3, "seconds",
+        "then k members and the TCP path get as long again (4 hops)")
+    indirect_checks: int = knob(3, "members",
+        "k members asked to probe for us (SWIM/memberlist default)")
+    suspicion_mult: float = knob(4.0, "multiple",
+        "min grace = mult * log10(N) * probe_interval (memberlist)")
+    suspicion_max_mult: float = knob(6.0, "multiple",
+        "a lone suspector waits 6x longer (Lifeguard): one sick prober cannot evict a healthy member "
+        "quickly")
+    max_local_health: int = knob(8, "steps",
+        "Lifeguard LHM cap: a stalled node stretches its timeouts 9x")
+    stall_threshold: float = knob(0.25, "seconds",
+        "a timer this late means *we* were stalled: don't judge others")
+    probe_timeout_max: float = knob(1.5, "seconds",
+        "a member whose acks come late gets up to this long (twice the slowest recent ack): a lagging "
+        "member is not flapped, and a dead one is still suspected within ~2 s")
+    nack_after: float = knob(0.8, "share of indirect_timeout",
+        "Lifeguard nack: a ping-req helper that got no ack within this share of indirect_timeout says so; "
+        "a prober missing nacks knows *it* is the slow one and stretches its own timeouts")
+    suspicion_hold_max: float = knob(600.0, "seconds",
+        "a member that sees most of the cluster suspected is likely on the small side of a partition (or "
+        "sick): it evicts nobody until it sees a majority again or this long has passed")
+    suspicion_hold_unreached: float = knob(60.0, "seconds",
+        "a suspect that never answered us (forged, or met only across the split) is held at most this long: a "
+        "live one evicted rejoins")
 
     # -- dissemination --
-    gossip_fanout: int = 4          # peers per push: with push-on-first-receipt, a fraction
-                                    # ~e^-4 (2%) of members misses the first wave (e^-3 at 3: 5%)
-    gossip_interval: float = 0.05   # retransmit tick, only while a rumour is pending: the 2%
-                                    # the first wave missed get it within ~50 ms
-    origin_fanout: int = 4096       # the writer of a change sends it straight to every member up
-                                    # to this many (sealed once): it alone knows the change for
-                                    # sure, and one hop means no duplicate first-wave copies to
-                                    # open (the cost on busy hosts). Receivers then send it once
-                                    # more, a tick later, to `gossip_fanout` peers (for loss).
-                                    # Bigger clusters: a push to `gossip_fanout`, forwarded on.
-                                    # At 400 members a write cost each 2,558 bytes as a rumour
-                                    # (the old limit, 256) and 326 pushed (tests/bench_registry.py
-                                    # --only fanout); 4,096 datagrams is a ~3 MB burst for the writer
-    retransmit_mult: int = 2        # rounds per rumour = mult * ceil(log10(N+1)); with push on
-                                    # first receipt, 2 is enough and halves churn traffic
-    push_resend_interval: float = 0.15  # the writer resends its change to members that have not
-                                    # acked it, every 150 ms (LAN RTTs are < 1 ms; a busy host's
-                                    # loop may lag 100 ms) ...
-    push_resend_rounds: int = 12    # ... up to 12 times: at 20% loss a member still lacks it after
-                                    # k rounds with p = 0.2^k, so 128 members are all reached in
-                                    # ~1 s, and anti-entropy is the fallback, not the tail
-    push_pull_interval: float = 5.0  # anti-entropy: idle cost is one 100-byte digest per 5 s
-    seed_redial_interval: float = 3.0  # a bootstrap, ingress or relay address with no live member:
-                                    # one digest every ~3 s, so a restarted ingress is found again
-                                    # within seconds of its start (~50 bytes/s while it is away)
-    lost_redial_max: float = 30.0   # an evicted member's address is re-dialled from 1 s, doubling
-                                    # to this: two halves of a healed partition find each other
-    lost_forget: float = 3600.0     # ... for an hour, then forgotten (a job that ended stays gone)
-    max_remembered: int = 1024      # addresses re-dialled at most: bounded memory and traffic
-    join_warn_after: float = 3.0    # a bootstrap that has not answered in this long is named in
-                                    # the log and on /healthz
-    join_left_age: float = 600.0    # a join answer carries LEFT records only this recent: enough
-                                    # to stop a stale copy resurrecting them; older ones follow by
-                                    # anti-entropy, bucket by bucket
-    join_answer_rate: float = 0.5   # full-state join answers per second to one source (an address,
-                                    # an IPv6 /64, or a relayed member): a joiner asks once, then at
-                                    # join_retry_min..max; a flood of joins gets no more state than this
-    join_answer_burst: int = 8      # ... after this many at once (eight jobs starting on one host)
-    join_retry_min: float = 1.0     # bootstrap retry backoff: fast first retry ...
-    join_retry_max: float = 30.0    # ... but a whole cluster restarting must not hammer one seed
-    compact_interval: float = 60.0  # LEFT compaction check; retention is 15 minutes, so a minute is fine
-    retention: float = crdt.RETENTION_S
-    state_chunk: int = 256 * 1024   # a full state or anti-entropy answer goes in frames of at most
-                                    # this much (records, ~500 bytes each): no answer needs a big
-                                    # frame, and a receiver merges a piece at a time
+    gossip_fanout: int = knob(4, "peers",
+        "peers per push: with push-on-first-receipt, a fraction ~e^-4 (2%) of members misses the first "
+        "wave (e^-3 at 3: 5%)")
+    gossip_interval: float = knob(0.05, "seconds",
+        "retransmit tick, only while a rumour is pending: the 2% the first wave missed get it within ~50 "
+        "ms")
+    origin_fanout: int = knob(4096, "members",
+        "the writer of a change sends it straight to every member up to this many (sealed once): it alone "
+        "knows the change for sure, and one hop means no duplicate first-wave copies to open (the cost on "
+        "busy hosts). Receivers then send it once more, a tick later, to `gossip_fanout` peers (for loss). "
+        "Bigger clusters: a push to `gossip_fanout`, forwarded on. At 400 members a write cost each 2,558 "
+        "bytes as a rumour (the old limit, 256) and 326 pushed (tests/bench_registry.py --only fanout); "
+        "4,096 datagrams is a ~3 MB burst for the writer")
+    retransmit_mult: int = knob(2, "multiple",
+        "rounds per rumour = mult * ceil(log10(N+1)); with push on first receipt, 2 is enough and halves "
+        "churn traffic")
+    push_resend_interval: float = knob(0.15, "seconds",
+        "the writer resends its change to members that have not acked it, every 150 ms (LAN RTTs are < 1 "
+        "ms; a busy host's loop may lag 100 ms)")
+    push_resend_rounds: int = knob(12, "rounds",
+        "the writer resends up to this many times: at 20% loss a member still lacks it after k rounds with p = 0.2^k, so 128 "
+        "members are all reached in ~1 s, and anti-entropy is the fallback, not the tail")
+    push_pull_interval: float = knob(5.0, "seconds",
+        "anti-entropy: idle cost is one 100-byte digest per 5 s")
+    seed_redial_interval: float = knob(3.0, "seconds",
+        "a bootstrap, ingress or relay address with no live member: one digest every ~3 s, so a restarted "
+        "ingress is found again within seconds of its start (~50 bytes/s while it is away)")
+    lost_redial_max: float = knob(30.0, "seconds",
+        "an evicted member's address is re-dialled from 1 s, doubling to this: two halves of a healed "
+        "partition find each other")
+    lost_forget: float = knob(3600.0, "seconds",
+        "an evicted member's address is re-dialled for this long, then forgotten (a job that ended "
+        "stays gone)")
+    max_remembered: int = knob(1024, "addresses",
+        "addresses re-dialled at most: bounded memory and traffic")
+    join_warn_after: float = knob(3.0, "seconds",
+        "a bootstrap that has not answered in this long is named in the log and on /healthz")
+    join_left_age: float = knob(600.0, "seconds",
+        "a join answer carries LEFT records only this recent: enough to stop a stale copy resurrecting "
+        "them; older ones follow by anti-entropy, bucket by bucket")
+    join_answer_rate: float = knob(0.5, "answers per second",
+        "full-state join answers per second to one source (an address, an IPv6 /64, or a relayed member): "
+        "a joiner asks once, then at join_retry_min..max; a flood of joins gets no more state than this")
+    join_answer_burst: int = knob(8, "answers",
+        "full-state join answers to one source at once before join_answer_rate applies (eight jobs "
+        "starting on one host)")
+    join_retry_min: float = knob(1.0, "seconds",
+        "the bootstrap retry backoff starts here: a fast first retry")
+    join_retry_max: float = knob(30.0, "seconds",
+        "the bootstrap retry backoff grows to this: a whole cluster restarting must not hammer one seed")
+    compact_interval: float = knob(60.0, "seconds",
+        "LEFT compaction check; retention is 15 minutes, so a minute is fine")
+    retention: float = knob(crdt.RETENTION_S, "seconds",
+        "LEFT records are kept this long, then compacted (crdt.RETENTION_S)")
+    state_chunk: int = knob(256 * 1024, "bytes",
+        "a full state or anti-entropy answer goes in frames of at most this much (records, ~500 bytes "
+        "each): no answer needs a big frame, and a receiver merges a piece at a time")
     accept_keys: List[bytes] = dataclasses.field(default_factory=list)  # older cluster keys still
                                     # accepted while a new one rolls out (cluster.key's later lines)
     ingress_keys: List[bytes] = dataclasses.field(default_factory=list)  # the ingress tier's
@@ -217,96 +243,121 @@ class Config:
     job_tls: Optional[Tuple[bytes, bytes]] = None   # ... and the tunnel certificate and key it pins
 
     # -- wire --
-    replay_window: float = 30.0     # accepted clock skew; NTP keeps cluster nodes within ms
-    max_datagram: int = 8192        # any single record (<= 2 KB) fits; bigger goes over TCP
-    max_frame: int = 32 * 1024 * 1024  # TCP full state: 10,000 sessions * ~1 KB, with margin
-    tcp_timeout: float = 5.0        # connect + write of one TCP gossip frame
-    nonce_cache: int = 200000       # replay cache entries: ~6,000 msgs/s for a whole window (an
-                                    # entry lives until its datagram would be stale: ~31 s)
-    nonce_cache_per_sender: int = 50000  # ... of which one sender address holds at most this many
-                                    # (~1,600 msgs/s, far above a member's or a relay's honest rate):
-                                    # a flooding holder of the key fills its own share, and others'
-                                    # datagrams still get in (Wire.open)
+    replay_window: float = knob(30.0, "seconds",
+        "accepted clock skew; NTP keeps cluster nodes within ms")
+    max_datagram: int = knob(8192, "bytes",
+        "any single record (<= 2 KB) fits; bigger goes over TCP")
+    max_frame: int = knob(32 * 1024 * 1024, "bytes",
+        "TCP full state: 10,000 sessions * ~1 KB, with margin")
+    tcp_timeout: float = knob(5.0, "seconds",
+        "connect + write of one TCP gossip frame")
+    nonce_cache: int = knob(200000, "entries",
+        "replay cache entries: ~6,000 msgs/s for a whole window (an entry lives until its datagram would "
+        "be stale: ~31 s)")
+    nonce_cache_per_sender: int = knob(50000, "entries",
+        "replay cache entries one sender address holds at most this many (~1,600 msgs/s, far above a member's or a "
+        "relay's honest rate): a flooding holder of the key fills its own share, and others' datagrams "
+        "still get in (Wire.open)")
 
     # -- engine supervisor --
-    engine_ready_timeout: float = 7200.0  # big models take many minutes to load; 2 h is generous
-    engine_check_interval: float = 2.0    # health checks cost the engine nothing at this rate
-    engine_check_timeout: float = 5.0     # a busy engine still answers /health within seconds
-    engine_check_failures: int = 3        # consecutive failures before DOWN: one slow answer
-                                          # under full load is not a dead engine
-    drain_timeout: float = 30.0           # Slurm's default KillWait between SIGTERM and SIGKILL
-    engine_stop_timeout: float = 10.0     # SIGTERM -> SIGKILL grace for the engine
-    leave_linger: float = 0.5             # after LEFT/DOWN, keep gossiping this long so it spreads
-    max_request_body: int = 64 * 1024 * 1024  # tunnelled request bodies (long prompts, images)
+    engine_ready_timeout: float = knob(7200.0, "seconds",
+        "big models take many minutes to load; 2 h is generous")
+    engine_check_interval: float = knob(2.0, "seconds",
+        "health checks cost the engine nothing at this rate")
+    engine_check_timeout: float = knob(5.0, "seconds",
+        "a busy engine still answers /health within seconds")
+    engine_check_failures: int = knob(3, "checks",
+        "consecutive failures before DOWN: one slow answer under full load is not a dead engine")
+    drain_timeout: float = knob(30.0, "seconds",
+        "Slurm's default KillWait between SIGTERM and SIGKILL")
+    engine_stop_timeout: float = knob(10.0, "seconds",
+        "SIGTERM -> SIGKILL grace for the engine")
+    leave_linger: float = knob(0.5, "seconds",
+        "after LEFT/DOWN, keep gossiping this long so it spreads")
+    max_request_body: int = knob(64 * 1024 * 1024, "bytes",
+        "tunnelled request bodies (long prompts, images)")
 
     # -- ports before authentication: a stranger gets no memory, no descriptors, no time --
-    max_gossip_connections: int = 64      # gossip TCP carries full-state transfers and the third
-                                          # probe path, a handful at a time; strangers can hold at
-                                          # most 64 * max_datagram (0.5 MiB) before a frame is authentic
-    gossip_auth_timeout: float = 2.0      # a gossip TCP connection's first authentic frame is due this
-                                          # long after it opens: members send it in their first packet
-                                          # (a lost one is resent within ~1 s); a stranger's 4 bytes are
-                                          # not a reason to hold a slot for tcp_timeout
-    max_gossip_strangers: int = 16        # gossip TCP connections one address (an IPv6 /64) holds
-                                          # before their first authentic frame: a quarter of the slots,
-                                          # so filling them takes four hosts; a newcomer over it cuts that
-                                          # address's oldest, and when every slot is taken, a newcomer
-                                          # cuts the oldest stranger: authenticated links and transfers
-                                          # are never cut for it (a keyless flood cannot shut members out)
-    max_frame_bytes: int = 64 * 1024 * 1024  # frames over max_datagram being read at once, all gossip
-                                          # connections together: two full states in flight; a big frame
-                                          # over it is refused (its sender retries), so a holder of the key
-                                          # opening connections does not grow us by max_frame each
-    max_tunnel_connections: int = 512     # the ingress keeps <= 128 idle per session plus its streams;
-                                          # 512 stays inside the usual 1,024-descriptor limit, and
-                                          # the one over it gets a 503 error body, not a reset
-    max_unauthenticated: int = 64         # tunnel connections not yet past TLS or their credential;
-                                          # a newcomer over this cuts the oldest: members authenticate
-                                          # within a millisecond, idle strangers never starve them
-    head_timeout: float = 10.0            # TLS handshake and first request head after connecting, a
-                                          # stranger's every head (the ingress's HEAD_TIMEOUT_S)
-    body_timeout: float = 60.0            # a request body whole after its head: 64 MiB at >= 1 MiB/s
-    tunnel_idle_timeout: float = 300.0    # an authenticated kept-alive connection with no request this
-                                          # long is closed (the ingress reconnects on demand)
+    max_gossip_connections: int = knob(64, "connections",
+        "gossip TCP carries full-state transfers and the third probe path, a handful at a time; strangers "
+        "can hold at most 64 * max_datagram (0.5 MiB) before a frame is authentic")
+    gossip_auth_timeout: float = knob(2.0, "seconds",
+        "a gossip TCP connection's first authentic frame is due this long after it opens: members send it "
+        "in their first packet (a lost one is resent within ~1 s); a stranger's 4 bytes are not a reason "
+        "to hold a slot for tcp_timeout")
+    max_gossip_strangers: int = knob(16, "connections",
+        "gossip TCP connections one address (an IPv6 /64) holds before their first authentic frame: a "
+        "quarter of the slots, so filling them takes four hosts; a newcomer over it cuts that address's "
+        "oldest, and when every slot is taken, a newcomer cuts the oldest stranger: authenticated links "
+        "and transfers are never cut for it (a keyless flood cannot shut members out)")
+    max_frame_bytes: int = knob(64 * 1024 * 1024, "bytes",
+        "frames over max_datagram being read at once, all gossip connections together: two full states in "
+        "flight; a big frame over it is refused (its sender retries), so a holder of the key opening "
+        "connections does not grow us by max_frame each")
+    max_tunnel_connections: int = knob(512, "connections",
+        "the ingress keeps <= 128 idle per session plus its streams; 512 stays inside the usual "
+        "1,024-descriptor limit, and the one over it gets a 503 error body, not a reset")
+    max_unauthenticated: int = knob(64, "connections",
+        "tunnel connections not yet past TLS or their credential; a newcomer over this cuts the oldest: "
+        "members authenticate within a millisecond, idle strangers never starve them")
+    head_timeout: float = knob(10.0, "seconds",
+        "TLS handshake and first request head after connecting, a stranger's every head (the ingress's "
+        "HEAD_TIMEOUT_S)")
+    body_timeout: float = knob(60.0, "seconds",
+        "a request body whole after its head: 64 MiB at >= 1 MiB/s")
+    tunnel_idle_timeout: float = knob(300.0, "seconds",
+        "an authenticated kept-alive connection with no request this long is closed (the ingress "
+        "reconnects on demand)")
     # -- NAT traversal and relay --
     reach: str = "auto"                   # auto: a seed's dial-back decides; private: act as if behind
                                           # a NAT (links to relays at once); public: never ask
     relay: bool = True                    # a dialable member relays for private ones (--no-relay: off)
-    relay_links: int = 2                  # links a private member keeps: one relay dying is survived
-    relay_check_interval: float = 1.0     # links re-checked each second: a dead relay is replaced in ~1 s
-    dialback_timeout: float = 1.0         # a seed's dial-back connect: LAN/WAN connects take < 100 ms
-    splice_timeout: float = 5.0           # a private member's dial-back for a relayed tunnel stream
-    max_relay_links: int = 1024           # private members one relay serves (one descriptor each)
-    relay_mux: int = 1                    # 1: tunnel streams multiplexed on the member's link; 0: a
-                                          # dial-back connection per stream, spliced (rule 2); at a
-                                          # relay: whether it offers streams; at a member: whether its
-                                          # links take them (both 1: streams), so one lab runs both
-    max_link_streams: int = 256           # tunnel streams on one link at once (an OPEN over it gets
-                                          # a CLOSE): each a tunnel connection at the member, so two
-                                          # links fill its max_tunnel_connections (512); the ingress
-                                          # keeps <= 128 idle per session plus its streams in flight
-    punch_timeout: float = 1.5            # probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs
-    punch_delay: float = 0.3              # the side that sends second waits this long, so the first
-                                          # side's NAT has its mapping before any packet reaches it
-                                          # (a leaky gateway remaps a port an early packet touched)
-    punch_retry: float = 30.0             # a pair that failed is tried again after this: the UDP
-                                          # conntrack timeout, so stale entries are gone
-    punch_idle: float = 10.0              # a punched path silent this long falls back to the relay
-    punch_keepalive: float = 3.0          # a probe on each punched path: NAT mappings live >= 30 s
-    max_punched: int = 32                 # punched paths (one UDP socket each): bounded descriptors
-    tunnel_punch_timeout: float = 1.0     # a TCP simultaneous open, mapping to connection: a cone NAT
-                                          # connects in ~1 relay RTT + punch_delay; under 1 s leaves 2 s
-                                          # of the ingress's 3 s connect deadline for the relay's splice
-    tunnel_syn_interval: float = 0.2      # a fresh SYN this often (Linux resends one only after 1 s):
-                                          # a SYN dropped or reset by the peer's NAT is soon replaced
-    tunnel_reply_margin: float = 0.05     # the dialer sending second in a kept order waits this, not
-                                          # punch_delay: the member connects as it sends its mapping,
-                                          # which came through the relay, so its SYN has left. NAT lab,
-                                          # a leaky gateway at the dialer: 20 ms failed 4 of 7, 50 ms 0 of 8
-    punched_tcp_timeout: float = 5.0      # a punched tunnel connection that gets nothing acked this
-                                          # long is dead (TCP_USER_TIMEOUT, keepalive when idle): TCP
-                                          # alone waits ~15 min (tcp_retries2); 5 s rides out ~4 RTO
-                                          # doublings of a lossy WAN path before the request moves on
+    relay_links: int = knob(2, "links",
+        "links a private member keeps: one relay dying is survived")
+    relay_check_interval: float = knob(1.0, "seconds",
+        "links re-checked each second: a dead relay is replaced in ~1 s")
+    dialback_timeout: float = knob(1.0, "seconds",
+        "a seed's dial-back connect: LAN/WAN connects take < 100 ms")
+    splice_timeout: float = knob(5.0, "seconds",
+        "a private member's dial-back for a relayed tunnel stream")
+    max_relay_links: int = knob(1024, "links",
+        "private members one relay serves (one descriptor each)")
+    relay_mux: int = knob(1, "0 or 1",
+        "1: tunnel streams multiplexed on the member's link; 0: a dial-back connection per stream, spliced "
+        "(rule 2); at a relay: whether it offers streams; at a member: whether its links take them (both "
+        "1: streams), so one lab runs both")
+    max_link_streams: int = knob(256, "streams",
+        "tunnel streams on one link at once (an OPEN over it gets a CLOSE): each a tunnel connection at "
+        "the member, so two links fill its max_tunnel_connections (512); the ingress keeps <= 128 idle per "
+        "session plus its streams in flight")
+    punch_timeout: float = knob(1.5, "seconds",
+        "probes every 50 ms for 1.5 s: a cone NAT opens in 2 RTTs")
+    punch_delay: float = knob(0.3, "seconds",
+        "the side that sends second waits this long, so the first side's NAT has its mapping before any "
+        "packet reaches it (a leaky gateway remaps a port an early packet touched)")
+    punch_retry: float = knob(30.0, "seconds",
+        "a pair that failed is tried again after this: the UDP conntrack timeout, so stale entries are "
+        "gone")
+    punch_idle: float = knob(10.0, "seconds",
+        "a punched path silent this long falls back to the relay")
+    punch_keepalive: float = knob(3.0, "seconds",
+        "a probe on each punched path: NAT mappings live >= 30 s")
+    max_punched: int = knob(32, "paths",
+        "punched paths (one UDP socket each): bounded descriptors")
+    tunnel_punch_timeout: float = knob(1.0, "seconds",
+        "a TCP simultaneous open, mapping to connection: a cone NAT connects in ~1 relay RTT + "
+        "punch_delay; under 1 s leaves 2 s of the ingress's 3 s connect deadline for the relay's splice")
+    tunnel_syn_interval: float = knob(0.2, "seconds",
+        "a fresh SYN this often (Linux resends one only after 1 s): a SYN dropped or reset by the peer's "
+        "NAT is soon replaced")
+    tunnel_reply_margin: float = knob(0.05, "seconds",
+        "the dialer sending second in a kept order waits this, not punch_delay: the member connects as it "
+        "sends its mapping, which came through the relay, so its SYN has left. NAT lab, a leaky gateway at "
+        "the dialer: 20 ms failed 4 of 7, 50 ms 0 of 8")
+    punched_tcp_timeout: float = knob(5.0, "seconds",
+        "a punched tunnel connection that gets nothing acked this long is dead (TCP_USER_TIMEOUT, "
+        "keepalive when idle): TCP alone waits ~15 min (tcp_retries2); 5 s rides out ~4 RTO doublings of a "
+        "lossy WAN path before the request moves on")
     tls_cert: str = ""                    # the cluster certificate (keygen's cluster.crt): with it the
     tls_key: str = ""                     # tunnel is mutual TLS; without, plain HTTP (said loudly)
 
@@ -319,20 +370,55 @@ class Config:
         return self.advertise_listen or advertise(self.listen)
 
 
-TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(Config) if f.type in ("float", "int"))
+KNOBS = tuple(f for f in dataclasses.fields(Config) if "unit" in f.metadata)   # the numeric settings
+# knobs that act only where an engine is wrapped (`start`) or a tunnel port is served (`start`, `relay`)
+ENGINE_KNOBS = ("engine_ready_timeout", "engine_check_interval", "engine_check_timeout",
+                "engine_check_failures", "drain_timeout", "engine_stop_timeout")
+TUNNEL_KNOBS = ("max_request_body", "max_tunnel_connections", "max_unauthenticated", "head_timeout",
+                "body_timeout", "tunnel_idle_timeout")
 
 
-def config_from_env(config: Config, env=None) -> Config:
-    """Every timing default can be overridden as OTELA_<NAME> (tests make detection quick), read
-    as every setting is (crdt.env_value; these have no flags but --probe-interval). Raises ConfigError."""
-    for name in TIMING_FIELDS:
-        try:
-            value = crdt.env_value(name.upper(), float, os.environ if env is None else env)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+def _non_negative(kind: type) -> Callable[[str], Any]:
+    def number(value: str) -> Any:
+        parsed = kind(value)
+        if not parsed >= 0:
+            raise argparse.ArgumentTypeError(f"{value} is negative")
+        return parsed
+    number.__name__ = kind.__name__   # argparse names the type in its messages
+    return number
+
+
+def add_knob_args(parser: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -> None:
+    """Every knob but those in `skip` as a flag (each also its OTELA_<NAME>, crdt.parse_settings):
+    the group "tuning" of `start`, `relay` and the ingress's `serve`."""
+    g = parser.add_argument_group("tuning", "the overlay's numbers, each with its reason: change them "
+                                  "for a WAN, a lab or a test")
+    for f in KNOBS:
+        if f.name not in skip:
+            g.add_argument("--" + f.name.replace("_", "-"), type=_non_negative(int if f.type == "int" else float),
+                           default=None, metavar=f.metadata["unit"].split()[0].upper(),
+                           help=f"{f.metadata['why']} ({f.metadata['unit']}; default "
+                                f"{f.default:,})".replace("%", "%%"))
+
+
+def tuned(config: Config, args: argparse.Namespace) -> Config:
+    """`config` with the knobs `args` holds (add_knob_args' flags, or their variables)."""
+    for f in KNOBS:
+        value = getattr(args, f.name, None)
         if value is not None:
-            setattr(config, name, int(value) if type(getattr(config, name)) is int else value)
+            setattr(config, f.name, value)
     return config
+
+
+def config_from_env(config: Config, env: Optional[Mapping[str, str]] = None) -> Config:
+    """`config` with the knobs set as OTELA_<NAME> in `env` (os.environ): what a test or a bench
+    that builds its Config in-process reads, by the same reader as the flags. Raises ConfigError."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_knob_args(parser)
+    try:
+        return tuned(config, crdt.parse_settings(parser, [], None, os.environ if env is None else env))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def split_addr(addr: str) -> Tuple[str, int]:
@@ -6685,8 +6771,12 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                    help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE; "
                         "default: the host bound, or the address this machine's name resolves to when that is 0.0.0.0)")
     g.add_argument("--probe-interval", type=float, default=None,
-                   help="failure-detector probe period in seconds (env OTELA_PROBE_INTERVAL; default 0.7); "
-                        "every timing default is also settable as OTELA_<NAME>")
+                   help="failure-detector probe period in seconds (env OTELA_PROBE_INTERVAL; default 0.7): a "
+                        "shorter one also shortens the probe timeouts to 40%% of it")
+    g.add_argument("--reach", default="auto", choices=("auto", "private", "public"),
+                   help="auto: a seed's dial-back tells whether peers can dial this node; private: act as if "
+                        "behind a NAT (link to relays at once: a lab's or a firewalled site's); public: never "
+                        "ask (env OTELA_REACH; default auto)")
 
 
 def check_bootstrap(specs: List[str]) -> None:
@@ -6704,15 +6794,21 @@ def check_bootstrap(specs: List[str]) -> None:
                                   "an http(s) URL or a file listing them") from None
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """A Config from add_overlay_args' flags (and OTELA_* env). Raises ConfigError."""
-    config = config_from_env(Config())
+def config_from_args(args: argparse.Namespace, **fixed: Any) -> Config:
+    """The Config of one process, built once from its flags (add_overlay_args, add_knob_args, and
+    `start`'s --grant-file; each flag else its OTELA_* variable) and what its role fixes (`fixed`:
+    a relay's `relay` and `reach`, an ingress's `ingress_keys`). Raises ConfigError."""
+    config = tuned(Config(), args)
     ring = load_secrets(args.key_file)
     config.key, config.accept_keys = ring[0], ring[1:]
     config.tls_cert, config.tls_key = find_tunnel_tls(args.key_file)
-    config.reach = crdt.env_value("REACH", str, os.environ) or "auto"   # (no flag: a lab's knob)
-    if config.reach not in ("auto", "private", "public"):
-        raise ConfigError(f"OTELA_REACH={config.reach!r}: use auto, private or public")
+    config.reach = args.reach
+    config.relay = not getattr(args, "no_relay", False)
+    if getattr(args, "grant_file", None):
+        config.grant, config.grant_key, config.job_tls = load_grant(args.grant_file)
+        if time.time() >= config.grant["until"]:
+            raise ConfigError(f"grant {args.grant_file} ended at {time.ctime(config.grant['until'])}: "
+                              "ask for a new one")
     config.bootstrap = [b for b in args.bootstrap or () if b]
     check_bootstrap(config.bootstrap)
     for item in args.label or ():
@@ -6736,6 +6832,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         config.probe_interval = args.probe_interval
         config.probe_timeout = min(config.probe_timeout, args.probe_interval * 0.4)
         config.indirect_timeout = min(config.indirect_timeout, args.probe_interval * 0.4)
+    for name, value in fixed.items():
+        setattr(config, name, value)
     return config
 
 
@@ -7058,14 +7156,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
     s.add_argument("--restart", action="store_true",
                    help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
-    s.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds to finish in-flight requests after SIGTERM (env OTELA_DRAIN_TIMEOUT; default 30)")
-    s.add_argument("--engine-ready-timeout", type=float, default=None,
-                   help="seconds to wait for the engine to load (env OTELA_ENGINE_READY_TIMEOUT; default 7200)")
     s.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
+    add_knob_args(s, skip=("probe_interval",))
     r = sub.add_parser("relay", help="a standalone relay (and seed) for members behind NATs, e.g. on a login node")
     add_overlay_args(r, gossip_default=INGRESS_GOSSIP)
+    add_knob_args(r, skip=("probe_interval",) + ENGINE_KNOBS)
     r.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     return p
@@ -7073,7 +7169,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run_relay(config: Config) -> int:
     """`relay`: a dialable member that only relays (and seeds), until SIGTERM."""
-    config.relay, config.reach = True, "public"
     node = Node(config, role="relay")
     stop = _stop_on_signals()
     await node.start(serve_http=True, state=crdt.SERVING)
@@ -7108,19 +7203,11 @@ def main(argv=None) -> int:
             for path in keygen(args.out, args.force, args.ingress_only):
                 print(path)
             return 0
-        config = config_from_args(args)
-        if args.command == "relay":
+        if args.command == "relay":   # a relay is dialable and relays, whatever it is told
+            config = config_from_args(args, relay=True, reach="public")
             install_event_loop()
             return asyncio.run(run_relay(config))
-        if args.grant_file:
-            config.grant, config.grant_key, config.job_tls = load_grant(args.grant_file)
-            if time.time() >= config.grant["until"]:
-                raise ConfigError(f"grant {args.grant_file} ended at {time.ctime(config.grant['until'])}: "
-                                  "ask for a new one")
-        if args.drain_timeout is not None:
-            config.drain_timeout = args.drain_timeout
-        if args.engine_ready_timeout is not None:
-            config.engine_ready_timeout = args.engine_ready_timeout
+        config = config_from_args(args)
         install_event_loop()
         return asyncio.run(run_worker(args, config))
     except ConfigError as exc:

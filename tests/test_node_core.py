@@ -305,7 +305,25 @@ def test_probe_round_follows_the_table_direct_then_indirect_and_tcp_then_suspect
 def test_timing_defaults_can_be_overridden_from_the_environment():
     cfg = on.config_from_env(on.Config(), {"OTELA_PROBE_INTERVAL": "0.2", "OTELA_INDIRECT_CHECKS": "5"})
     assert (cfg.probe_interval, cfg.indirect_checks) == (0.2, 5)
-    assert "probe_timeout" in on.TIMING_FIELDS and "key" not in on.TIMING_FIELDS
+    names = [f.name for f in on.KNOBS]
+    assert "probe_timeout" in names and "key" not in names
+
+
+def test_every_knob_is_a_flag_and_a_variable_with_its_unit_and_reason(capsys):
+    import crdt
+    parser = on.build_parser()
+    env = {"OTELA_PUNCH_IDLE": "7", "OTELA_MAX_LINK_STREAMS": "9"}
+    args = crdt.parse_settings(parser, ["start", "--process", "e", "--join-retry-max", "12"], on.SETTING_NAMES, env)
+    cfg = on.tuned(on.Config(), args)
+    assert (cfg.punch_idle, cfg.max_link_streams, cfg.join_retry_max) == (7.0, 9, 12.0)
+    assert type(cfg.max_link_streams) is int
+    for f in on.KNOBS:
+        assert f.metadata["unit"] and len(f.metadata["why"]) > 20, f.name
+    with pytest.raises(SystemExit):
+        crdt.parse_settings(parser, ["start", "--process", "e", "--punch-idle", "-1"], on.SETTING_NAMES, {})
+    assert "is negative" in capsys.readouterr().err
+    with pytest.raises(on.ConfigError, match="OTELA_PUNCH_IDLE"):
+        on.config_from_env(on.Config(), {"OTELA_PUNCH_IDLE": "soon"})
 
 
 def test_keygen_writes_a_private_key_that_load_key_reads(tmp_path):
