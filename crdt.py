@@ -54,11 +54,11 @@ import secrets
 import time
 from typing import Any, Callable, Container, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The one JSON pair (orjson when importable; the stdlib otherwise). Used for wire messages.
 # The canonical encoding below always uses the stdlib, so replicas with and without orjson
 # break ties identically.
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 try:  # optional accelerator
     import orjson as _orjson
 
@@ -100,9 +100,9 @@ def encode(record: Dict[str, Any]) -> bytes:
     return _canonical.encode(record).encode("utf-8")
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Lifecycle
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 JOIN, SERVING, DOWN, LEFT = 0, 1, 2, 3
 STATE_NAMES = {JOIN: "JOIN", SERVING: "SERVING", DOWN: "DOWN", LEFT: "LEFT"}
 STATES_BY_NAME = {name: state for state, name in STATE_NAMES.items()}
@@ -120,9 +120,9 @@ LIFECYCLE = {
 OWNER_ONLY = frozenset(s for s, (writer, _, _) in LIFECYCLE.items() if writer == "owner")
 ROUTABLE = frozenset(s for s, (_, routable, _) in LIFECYCLE.items() if routable)
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Limits and defaults (the reason beside each number)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 RETENTION_S = 900.0           # LEFT records are kept 15 minutes (a join answer carries the last
                               # 10 of them), then compacted: at 100 leaves a minute in a 1,000-node
                               # cluster that is 1,500 records, where a day of them was 62.8 MB
@@ -170,9 +170,9 @@ def new_session_id() -> str:
     return secrets.token_hex(16)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Validation
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
@@ -275,9 +275,9 @@ def validate(session_id: Any, record: Any) -> bytes:
     return encoded
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The end of a session, bound to who wrote it (as far as a shared cluster key allows)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Every holder of the cluster key can write any record, so the map binds the two ways a session
 # ends to their writers by what the record carries, not by who sent it:
 #   - The owner's own DOWN or LEFT reveals a secret: the session's records carry "seal", a
@@ -370,9 +370,9 @@ def ending_refused(held: Optional[Dict[str, Any]], record: Dict[str, Any]) -> Op
     return None
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Key records: an API key's rights, replicated; revocation wins every merge
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # A key's entry id is "key:" + sha256(token) in hex: the hash is all an ingress needs to check a
 # bearer token, and the token itself is never in a record (the field set below is closed, so
 # a record carrying anything else, a secret included, is refused). Any ingress may write a key
@@ -472,9 +472,9 @@ def key_accepts(record: Dict[str, Any], now: float) -> bool:
         "expires" in record and now >= record["expires"])
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Usage: per (key, period) G-Counters, one slot per ingress session
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Each ingress session counts what it served in its own slot, which only it writes: the slot's
 # counts only grow, and each write bumps its version, so "the higher version wins" is the
 # G-Counter's slot-wise max. The counter's value is the sum over its slots (`usage_totals`).
@@ -615,9 +615,9 @@ def validate_unknown(entry_id: str, record: Any) -> bytes:
     return _encode_checked(entry_id, record)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The ingress tier: who may write keys and usage
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Two secrets, two tiers. The cluster key (every Slurm job and pod has it) admits a member: it
 # may serve, gossip and relay. The ingress secret (only on the hosts that run ingresses) is the
 # authority over keys and usage: a key record or usage slot carries "sig", an HMAC of its id and
@@ -770,9 +770,9 @@ class Authority:
         return any(hmac.compare_digest(self._proof(s, session_id, gossip), tier) for s in self.secrets)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Records bound to their writers, and grants
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The cluster key admits a member; it must not let one member speak for another. Every record a
 # session writes itself (JOIN, SERVING, its own DOWN or LEFT) carries "bind", an HMAC of its
 # session id and the rest of the record, under a key its writer holds and a compute job cannot
@@ -926,9 +926,9 @@ def _encode_checked(entry_id: str, record: Dict[str, Any]) -> bytes:
     return encoded
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The map
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 def time_day(ts: float) -> str:
     """The UTC day (YYYY-MM-DD) of a unix time: the G-Counters' day."""
     return time.strftime("%Y-%m-%d", time.gmtime(ts))   # pure: a conversion, not a clock read
@@ -1261,9 +1261,9 @@ class GMap:
         return {sid: e.record for sid, e in self._plane_entries(plane)}
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Settings: one way every otela file reads them
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # A setting is its flag, else its OTELA_<NAME> variable, else the default. The reader lives here
 # because this is the one file every role carries (the node and the ingress with otela_node.py,
 # the simulator and the placer without it), and it is pure like the rest of this file: the

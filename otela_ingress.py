@@ -137,9 +137,9 @@ except ModuleNotFoundError:
 import crdt
 import otela_node  # the overlay (joins the cluster, holds the registry)
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Config: every limit and timing default, with the reason for the number
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 MAX_HEADER_BYTES = 16 * 1024         # request line + headers; real clients send < 2 KiB, and
                                      # a bigger budget only helps slowloris-style abuse
 MAX_BODY_BYTES = 16 * 1024 * 1024    # a 128k-token prompt is ~0.5 MB of text; embedding
@@ -271,9 +271,9 @@ class Limits:
         return min(self.max_connections, max(self.address_floor, int(self.max_connections * self.address_share)))
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Errors for the client (their body, status and reason phrase: otela_node.error_body, REASONS)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 class HTTPError(Exception):
     """An error answered to the client in OpenAI's shape (otela_node.error_body)."""
 
@@ -286,9 +286,9 @@ class HTTPError(Exception):
         self.etype = etype
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Request validation: what is refused before anything is routed (beyond the JSON and the model)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 _JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array"}
 # A path that names another route once decoded and resolved ("/v1/../x", "/v1/%2e%2e/x",
 # "//v1/x", "/v1/./models", "\\"): an engine (or a proxy in front of it) that resolves it
@@ -304,9 +304,9 @@ def normal_path(path: bytes) -> bool:
     return b"%" not in path or _ODD_PATH.search(unquote_to_bytes(path)) is None
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Keys and allowlists (SQLite, hashed)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Keys are 256 random bits, so a plain sha256 is enough to store them: there is no password
 # to brute-force, and the lookup must cost a microsecond, not a KDF's milliseconds.
 _SCHEMA = """
@@ -589,9 +589,9 @@ def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels:
     return False
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Usage ledger (journal + SQLite WAL, one writer thread) and live usage statistics
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
                 "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id")
@@ -1085,9 +1085,9 @@ def _mean_std(values: List[int]) -> Dict[str, float]:
     return {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))}
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Engine numbers: an answer's token counts believed only as far as what this ingress saw
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # A compute job runs the engine, so the usage it reports is a claim (DESIGN, "Trust"): a count of
 # 10^15 tokens would spend every budget of its users, and 10^23 does not fit SQLite. Each count is
 # booked at most at a bound that an honest engine never passes, from what went through here:
@@ -1137,9 +1137,9 @@ def completion_cap(request: Dict[str, Any], path: bytes) -> Optional[int]:
     return cap * max([v for v in (n, best_of) if type(v) is int and v > 0], default=1)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Theory of operation. A key's record (crdt KEY entry, keyed by the token's sha256) and the
 # per-(key, day) and per-(key, month) usage G-Counters (crdt USAGE entries, one slot per ingress session)
 # live in the overlay's map, so every ingress holds all of them and they spread the way
@@ -1394,9 +1394,9 @@ def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,
     return slots
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Grants: what a compute job may serve, as the login node said
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Theory of operation. A compute job holds the cluster key, so whatever its record says (models,
 # labels, address) is its own word. The login node, which holds the ingress secret, issues each
 # job a grant (`otela_ingress.py grant`, or the placer for the jobs it renders): the models it may
@@ -1560,9 +1560,9 @@ def load_revocations(db: sqlite3.Connection) -> List[Tuple[str, float]]:
     return [(row[0], row[1]) for row in db.execute("SELECT entry, at FROM revocations")]
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Routing: the policy interface, the built-in policies, passive health
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 class Candidate:
     """A session that may serve a request: its id, its record and a hardware weight."""
 
@@ -2186,9 +2186,9 @@ class PassiveHealth:
         return [c for c in candidates if not self.is_sick(c.session, now)] or candidates
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Metrics (Prometheus text exposition, no dependency)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0, 300.0)
 
@@ -2363,9 +2363,9 @@ def overlay_metrics(node: Any) -> bytes:
     return ("\n".join(out) + "\n").encode()
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Streams: watch SSE bytes for token usage without re-serialising them
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _DONE = b"data: [DONE]"
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')   # a usage-only chunk
@@ -2524,10 +2524,10 @@ class StreamWatch:
         return b"".join(kept)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Upstream: one keep-alive pool per provider address, a lean HTTP/1.1 response reader, and the
 # relay of a stream from it to a client
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 class UpstreamFailure(Exception):
     """The provider failed before answering (connect, reset, EOF, protocol error, timeout)."""
 
@@ -2917,10 +2917,10 @@ class _Relay:
         self._end(ConnectionResetError("the client closed the connection"), discard=True)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Client connections: one parser per connection (the codec, h11 inside it for odd requests),
 # the connection protocol, and the loop that serves its requests
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # A request head is the codec's own MessageHead (method, target, headers with lower-case names,
 # fields as a dict), whichever parser read it: h11's Request is turned into one.
 _Request = otela_node.MessageHead
@@ -3555,9 +3555,9 @@ class _Client(asyncio.Protocol):
         asyncio.get_running_loop().call_later(self.limits.linger_s, transport.abort)
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The exchange: one proxied request, its lifecycle as a table, and the one place it is booked
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 RECEIVED, ROUTED, SENT, HEAD, BODY, STREAM, RETRIED, DONE, FAILED = (
     "received", "routed", "sent", "head", "body", "stream", "retried", "done", "failed")
 # state -> the states it may go to. Every proxied request runs down this table, moved by the
@@ -4069,9 +4069,9 @@ class _Exchange:
         self.client.busy = False
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # The ingress: dispatch, auth, routing, proxy, accounting, GET endpoints
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 class Ingress:
     """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
     registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
@@ -4847,9 +4847,9 @@ class Ingress:
             raise
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # Dashboard: one page, no build step, refreshes itself
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 DASHBOARD_HTML = b"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>otela</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -4972,9 +4972,9 @@ setInterval(refresh, 2000);
 """
 
 
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 # CLI: serve, keys
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
 def _split_listen(listen: str) -> Tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
