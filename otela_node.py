@@ -4254,9 +4254,11 @@ class _PunchSocket(asyncio.DatagramProtocol):
     conntrack state never touches the gossip port or the next attempt. `deliver(msg, peer)`
     takes the peer's gossip, `lost(path)` hears that the socket is gone."""
 
-    def __init__(self, node: Node, peer: str, deliver: Callable[[Dict[str, Any], str], None],
-                 lost: Callable[[_PunchSocket], None]):
-        self.node, self.peer, self.deliver, self.lost = node, peer, deliver, lost
+    def __init__(self, peer: str, deliver: Callable[[Dict[str, Any], str], None],
+                 lost: Callable[[_PunchSocket], None], wire: Wire, traffic: collections.Counter,
+                 address: Callable[[], str]):
+        self.peer, self.deliver, self.lost = peer, deliver, lost
+        self.wire, self.traffic, self.address = wire, traffic, address   # ours: `address()` is where we gossip
         self.transport: Optional[asyncio.DatagramTransport] = None
         self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
         self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
@@ -4270,10 +4272,9 @@ class _PunchSocket(asyncio.DatagramProtocol):
         pass
 
     def datagram_received(self, data: bytes, addr) -> None:
-        node = self.node
-        node.bytes_received += len(data)
+        self.traffic["received"] += len(data)
         now = time.time()
-        msg = node.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
+        msg = self.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
         if msg is None:
             return
         kind = msg["t"]
@@ -4286,7 +4287,7 @@ class _PunchSocket(asyncio.DatagramProtocol):
         self.last_rx = now
         if kind == "pp":
             self.peer_addr = addr                   # peer-reflexive: answer where it came from
-            self.send(node.wire.seal({"t": "pa", "ra": node.overlay.addr}, now), addr)
+            self.send(self.wire.seal({"t": "pa", "ra": self.address()}, now), addr)
         elif kind == "pa":
             self.peer_addr = addr
             if self.hit is not None and not self.hit.done():
@@ -4443,9 +4444,18 @@ class HolePunch:
     Reach). `listeners(addr)` hear that a path to `addr` is punched: the ingress's pool retires
     its relayed connections to it."""
 
-    def __init__(self, node: Node):
-        self.node, self.config, self.wire, self.reach = node, node.config, node.wire, node.reach
-        self.client = node.relay_client             # our relays carry the asking and answering
+    def __init__(self, config: Config, wire: Wire, reach: Reach, client: RelayClient, traffic: collections.Counter,
+                 *, spawn: Callable[[Any], asyncio.Task], resolve: Callable[[str], tuple],
+                 address: Callable[[], str], deliver: Callable[..., None],
+                 sendto: Callable[[bytes, tuple], None], admit: Callable[[socket.socket], None],
+                 serving: Callable[[], bool]):
+        """`address()`: our gossip address; `deliver(msg, src, tcp, peer)`: a punched path's
+        gossip in; `sendto`: a datagram out of the gossip port; `admit`: a punched tunnel
+        connection in, while `serving()` says the tunnel port is open."""
+        self.config, self.wire, self.reach, self.traffic = config, wire, reach, traffic
+        self.client = client                        # our relays carry the asking and answering
+        self.spawn, self.resolve, self.address, self.deliver = spawn, resolve, address, deliver
+        self.sendto, self.admit, self.serving = sendto, admit, serving
         self.paths: Dict[str, _PunchSocket] = {}    # relayed address -> its punched path
         self.waiting: Dict[tuple, asyncio.Future] = {}   # (peer, attempt or token) -> its "pr"/"tr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
@@ -4486,8 +4496,8 @@ class HolePunch:
     def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
         """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
         try:
-            self.node.udp.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
-                             self.node.resolve(src))
+            self.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
+                        self.resolve(src))
         except (OSError, ValueError, AttributeError):
             pass
 
@@ -4497,7 +4507,7 @@ class HolePunch:
         host = split_addr(self.config.gossip)[0]
         try:
             _, sock = await loop.create_datagram_endpoint(
-                lambda: _PunchSocket(self.node, peer, self._punched_gossip, self.lost), local_addr=(host, 0))
+                lambda: _PunchSocket(peer, self._punched_gossip, self.lost, self.wire, self.traffic, self.address), local_addr=(host, 0))
         except OSError:
             return None, ""
         seeds = [a for a in self.client.seeds if not is_relayed(a)]
@@ -4507,7 +4517,7 @@ class HolePunch:
         while seeds and not sock.seen.done() and time.monotonic() < deadline:
             for seed in seeds[:2]:
                 try:
-                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self.node.resolve(seed))
+                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self.resolve(seed))
                 except ValueError:
                     pass
             await asyncio.wait([sock.seen], timeout=0.2)
@@ -4523,14 +4533,14 @@ class HolePunch:
         loop = asyncio.get_running_loop()
         sock.hit = loop.create_future()
         try:
-            target = self.node.resolve(seen)
+            target = self.resolve(seen)
         except ValueError:
             return False
         if not first:
             await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
         deadline = time.monotonic() + cfg.punch_timeout
         while not sock.hit.done() and time.monotonic() < deadline:
-            sock.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, time.time()), sock.peer_addr or target)
+            sock.send(self.wire.seal({"t": "pp", "ra": self.address()}, time.time()), sock.peer_addr or target)
             await asyncio.wait([sock.hit], timeout=0.05)
         return sock.hit.done()
 
@@ -4544,12 +4554,12 @@ class HolePunch:
             if now - path.last_rx > cfg.punch_idle:
                 self.lost(path, "went silent")
             elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
-                path.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, now), path.peer_addr)
-        for peer in self.reach.punches_due(self.node.overlay.addr, self.paths, now):
-            self.node.spawn(self._punch(peer))
+                path.send(self.wire.seal({"t": "pp", "ra": self.address()}, now), path.peer_addr)
+        for peer in self.reach.punches_due(self.address(), self.paths, now):
+            self.spawn(self._punch(peer))
         if self.client.private and self.listeners:   # rule 6: a dialer back to punched when it works
             for peer in self.reach.probes_due(self.paths, self.spares, self.client.private, now):
-                self.node.spawn(self._probe_tunnel(peer))
+                self.spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
@@ -4569,7 +4579,7 @@ class HolePunch:
 
     def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
         if is_relayed(src) and self.client.private and src not in self.paths:
-            self.node.spawn(self._answer_punch(src, msg))
+            self.spawn(self._answer_punch(src, msg))
 
     async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
         started = time.monotonic()
@@ -4601,7 +4611,7 @@ class HolePunch:
             waiter.set_result(str(msg.get("seen") or ""))
 
     def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
-        self.node.deliver(msg, peer, False, peer)
+        self.deliver(msg, peer, False, peer)
 
     def lost(self, path: _PunchSocket, why: str = "closed") -> None:
         """A punched path that went silent or whose socket is gone: its peer goes back to its
@@ -4624,7 +4634,7 @@ class HolePunch:
             for listener in self.listeners:
                 listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.node.overlay.addr, started))
+        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.address(), started))
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
@@ -4645,7 +4655,7 @@ class HolePunch:
             local = sock.getsockname()
             try:
                 remaining = deadline - time.monotonic()
-                await asyncio.wait_for(loop.sock_connect(sock, self.node.resolve(seed)), max(remaining, 0.01))
+                await asyncio.wait_for(loop.sock_connect(sock, self.resolve(seed)), max(remaining, 0.01))
                 nonce = os.urandom(4).hex()
                 await loop.sock_sendall(sock, frame(self.wire.seal({"t": "rq", "n": nonce}, time.time())))
                 reader, writer = await asyncio.open_connection(sock=sock)
@@ -4675,7 +4685,7 @@ class HolePunch:
                                      max(deadline - time.monotonic(), 0.01))
             if theirs:
                 margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
-                sock = await simultaneous_open(self.config, self.node.resolve, local, theirs, not peer_first, deadline,
+                sock = await simultaneous_open(self.config, self.resolve, local, theirs, not peer_first, deadline,
                                                head_start=margin)
         if sock is None:
             self.tunnel_punches["failed"] += 1
@@ -4705,9 +4715,9 @@ class HolePunch:
             listener(peer)
 
     def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
-        if is_relayed(src) and self.client.private and self.node.tunnel_sock is not None \
+        if is_relayed(src) and self.client.private and self.serving() \
                 and self.answering < self.config.max_punched:
-            self.node.spawn(self._answer_tunnel_punch(src, msg))
+            self.spawn(self._answer_tunnel_punch(src, msg))
 
     async def _answer_tunnel_punch(self, peer: str, msg: Dict[str, Any]) -> None:
         """The member's side of rule 5: our mapping back, then connect; the socket is admitted
@@ -4719,31 +4729,17 @@ class HolePunch:
             self.client.send(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
             if local is None or not msg.get("seen"):
                 return
-            sock = await simultaneous_open(self.config, self.node.resolve, local, str(msg["seen"]),
-                                           bool(msg.get("first")), deadline, extra=self.node.tunnel.admit)
+            sock = await simultaneous_open(self.config, self.resolve, local, str(msg["seen"]),
+                                           bool(msg.get("first")), deadline, extra=self.admit)
         finally:
             self.answering -= 1
         self.tunnel_punches["ok" if sock is not None else "failed"] += 1
         if sock is not None:
-            if self.node.tunnel_sock is None:
+            if not self.serving():
                 sock.close()
                 return
-            self.node.tunnel.admit(sock)
+            self.admit(sock)
 
-
-
-def offered_relays(node: Node, leave_out: Tuple[str, ...] = ()) -> List[str]:
-    """The gossip addresses of the members offering to relay, best first: standalone relays (they
-    exist for it), then ingresses, then dialable workers; never ourselves, a suspected or
-    relayed member, or one at an address in `leave_out`."""
-    ranked = []
-    for sid, record in node.registry.items() if node.overlay is not None else ():
-        gossip = record.get("gossip", "")
-        if sid == node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                or is_relayed(gossip) or node.is_suspected(sid) or gossip in leave_out:
-            continue
-        ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-    return [gossip for _, gossip in sorted(ranked)]
 
 
 class RelayServer:
@@ -4753,9 +4749,21 @@ class RelayServer:
     dialer's connection onto a member's stream or dial-back, and a seed's answer to a reach
     check. `relayed` counts what it did (the node's, shared with its RelayClient)."""
 
-    def __init__(self, node: Node, relayed: collections.Counter):
-        self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
-        self.reach = node.reach
+    def __init__(self, config: Config, wire: Wire, reach: Reach, relayed: collections.Counter,
+                 traffic: collections.Counter, *, spawn: Callable[[Any], asyncio.Task],
+                 resolve: Callable[[str], tuple], address: Callable[[], str], deliver: Callable[..., None],
+                 sendto: Callable[[bytes, tuple], None], send_frame: Callable[[tuple, bytes], None],
+                 relaying: Callable[[], bool], knows: Callable[[str], bool],
+                 relays_offered: Callable[..., List[str]]):
+        """`address()`: our gossip address ("" before the overlay starts); `deliver(msg, src,
+        tcp, peer)`: gossip for us in; `sendto` a datagram and `send_frame` a frame too big
+        for one out of the gossip port; `relaying()`: whether we relay now (not private);
+        `knows(addr)`: a member or a remembered address; `relays_offered(leave_out)`: the
+        members offering to relay, best first."""
+        self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
+        self.spawn, self.resolve, self.address, self.deliver = spawn, resolve, address, deliver
+        self.sendto, self.send_frame, self.relaying, self.knows = sendto, send_frame, relaying, knows
+        self.relays_offered = relays_offered
         self.linked: Dict[str, _MuxLink] = {}       # link id -> the member's link and its streams
         self.splices: Dict[str, asyncio.Future] = {}   # token -> the dialer waiting for a dial-back
         self.forwarded: Dict[bytes, float] = {}     # envelopes passed on (nonce and destination) ->
@@ -4765,7 +4773,7 @@ class RelayServer:
         """A member's link hello on our gossip port: held (replacing its older link) and served
         until it ends; refused when we do not relay or hold max_relay_links."""
         cfg = self.config
-        if not (cfg.relay and not self.node.relay_client.private) or len(self.linked) >= cfg.max_relay_links:
+        if not self.relaying() or len(self.linked) >= cfg.max_relay_links:
             self.relayed["refused"] += 1
             return
         link = str(msg["link"])
@@ -4801,7 +4809,7 @@ class RelayServer:
         mux = self.linked.get(link)
 
         def on_frame(data: bytes) -> bool:
-            self.node.bytes_received += len(data) + 4
+            self.traffic["received"] += len(data) + 4
             if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
                 return self.linked.get(link) is mux and mux.on_frame(data)
             if data[:2] == FORWARD:
@@ -4810,13 +4818,13 @@ class RelayServer:
             if msg is None:
                 return False
             if msg["t"] == "rq":
-                self.node.spawn(self.answer_reach(msg, conn))
-            elif msg["t"] != "h" and self.node.overlay is not None:
+                self.spawn(self.answer_reach(msg, conn))
+            elif msg["t"] != "h" and self.address():
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
-                    self.node.dropped_malformed += 1
+                    self.traffic["malformed"] += 1
                 else:
-                    self.node.deliver(msg, src, True, RELAYED_PREFIX + link)
+                    self.deliver(msg, src, True, RELAYED_PREFIX + link)
             return True
         if mux is not None and mux.writer is conn:
             await _link_frames(conn, on_frame, self.config.max_frame, mux)
@@ -4826,19 +4834,19 @@ class RelayServer:
         (`sender`: where it came from, for the replay cache). False when it was forged or is
         not ours to pass on."""
         opened = open_envelope(data)
-        if opened is None or self.node.overlay is None:
+        if opened is None or not self.address():
             self.wire.dropped["malformed"] += 1
             return False
         dest, inner = opened
         if not self.wire.authentic(inner, self.config.max_frame):
             return False
-        if dest == self.node.overlay.addr:
+        if dest == self.address():
             msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
             src = msg.pop("ra", None) if msg is not None else None
             if isinstance(src, str):
-                self.node.deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
+                self.deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
             return msg is not None
-        if not self.config.relay or self.node.relay_client.private:
+        if not self.relaying():
             self.relayed["refused"] += 1
             return False
         refusal = self._refusal(dest, inner, from_link)
@@ -4852,21 +4860,21 @@ class RelayServer:
                 link.writer.write(frame(inner))
             elif from_link:                         # one hop on to its relay, never more (no loops)
                 for relay in self.reach.relays(dest):
-                    if relay != self.node.overlay.addr:
-                        self.node.spawn(self.node.gossip_tcp.send_frame(self.node.resolve(relay), data))
+                    if relay != self.address():
+                        self.send_frame(self.resolve(relay), data)
                         break
             return True
         try:
-            target = self.node.resolve(dest)
+            target = self.resolve(dest)
         except ValueError:
             return False
         if len(inner) <= self.config.max_datagram:
             try:
-                self.node.udp.sendto(inner, target)
+                self.sendto(inner, target)
             except OSError:
                 pass
         else:
-            self.node.spawn(self.node.gossip_tcp.send_frame(target, inner))
+            self.send_frame(target, inner)
         return True
 
     def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
@@ -4883,7 +4891,7 @@ class RelayServer:
         if is_relayed(dest):
             if dest[len(RELAYED_PREFIX):] not in self.linked and not (from_link and self.reach.relays(dest)):
                 return "not_member"
-        elif not from_link or (dest not in self.node.overlay.by_addr and dest not in self.node.overlay.remembered):
+        elif not from_link or not self.knows(dest):
             return "not_member"
         seen = self.forwarded
         key = nonce + dest.encode()
@@ -4905,7 +4913,7 @@ class RelayServer:
         peer = writer.get_extra_info("peername") or ("", 0)
         back = False
         try:                                        # the asker's nonce proves we reached *it*
-            target = self.node.resolve(str(msg["a"]))
+            target = self.resolve(str(msg["a"]))
             dialled = await asyncio.wait_for(open_stream(*target), self.config.dialback_timeout)
             try:
                 dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
@@ -4916,16 +4924,16 @@ class RelayServer:
         except (OSError, ValueError, KeyError, asyncio.TimeoutError):
             pass
         answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back,
-                                 "relaying": bool(self.config.relay and not self.node.relay_client.private),
+                                 "relaying": self.relaying(),
                                  "relays": self.known_relays(str(msg.get("a", "")))}, time.time())
         writer.write(frame(answer))
         await writer.drain()
 
     def known_relays(self, asker: str = "") -> List[str]:
-        """The relays a seed names in its "rs" (rule 7), best first (offered_relays), and not the
+        """The relays a seed names in its "rs" (rule 7), best first (Node.relays_offered), and not the
         asker (its first record says it relays: it did not know yet that it is private); our
         own "relaying" speaks for us."""
-        return offered_relays(self.node, (asker,))[:NAMED_RELAYS]
+        return self.relays_offered((asker,))[:NAMED_RELAYS]
 
     async def splice(self, link_id: str, conn: _Stream) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
@@ -4990,9 +4998,31 @@ class RelayClient:
     tunnel connection to a relayed member (`open`: punched, a spare, a dial-back or a splice,
     as Reach decides)."""
 
-    def __init__(self, node: Node, relayed: collections.Counter):
-        self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
-        self.reach = node.reach
+    def __init__(self, config: Config, wire: Wire, reach: Reach, relayed: collections.Counter,
+                 traffic: collections.Counter, server: RelayServer, *, spawn: Callable[[Any], asyncio.Task],
+                 resolve: Callable[[str], tuple], address: Callable[[], str],
+                 set_address: Callable[[str], None], record: Callable[[], Dict[str, Any]],
+                 suspected_at: Callable[[str], bool], is_member: Callable[[str], bool],
+                 relays_offered: Callable[..., List[str]], reach_known: Callable[..., None],
+                 deliver: Callable[..., None], send_datagram: Callable[[bytes, tuple], None],
+                 send_frame: Callable[[tuple, bytes], None], admit: Callable[[Any], None],
+                 serving: Callable[[], bool], server_ssl: Optional[ssl.SSLContext]):
+        """`server`: our RelayServer (a link a member holds to us carries its dial-backs);
+        `address()`/`set_address(addr)`: our gossip address, relayed once we are private;
+        `record()`: our own record; `suspected_at(addr)`, `is_member(addr)`: whether the member at a
+        gossip address is suspected, or live; `relays_offered()`: the members offering to relay,
+        best first; `reach_known(rejoin, **fields)`: our reach is known; `deliver(msg, src, tcp,
+        peer)`: a link's gossip in; `send_datagram`, `send_frame`: out of the gossip port;
+        `admit`: a tunnel connection in (a stream, a dial-back) while `serving()`; `server_ssl`:
+        the tunnel's TLS, for the streams a relay opens. `punch` (HolePunch) is set once both exist."""
+        self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
+        self.linked, self.take_dial_back = server.linked.get, server.take_dial_back
+        self.spawn, self.resolve, self.address, self.set_address = spawn, resolve, address, set_address
+        self.record, self.suspected_at, self.is_member = record, suspected_at, is_member
+        self.relays_offered, self.reach_known, self.deliver = relays_offered, reach_known, deliver
+        self.send_datagram, self.send_frame, self.admit, self.serving = send_datagram, send_frame, admit, serving
+        self.server_ssl = server_ssl
+        self.punch: Optional[HolePunch] = None
         self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
         self.private = False                        # no seed could dial us: reached through relays
         self.observed = ""                          # our address as a seed saw it
@@ -5014,47 +5044,43 @@ class RelayClient:
         address through its first relay that is not suspected (or down its link, if ours).
         A punched path, when there is one, goes first for datagrams; what the Overlay sends
         over TCP stays on the links, a probe path apart from the punched one (rule 4)."""
-        data = self.wire.seal(dict(msg, ra=self.node.overlay.addr), now)
-        path = None if tcp else self.node.punch.paths.get(dest)
+        data = self.wire.seal(dict(msg, ra=self.address()), now)
+        path = None if tcp else self.punch.paths.get(dest)
         if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
             if path.send(data, path.peer_addr):
-                self.node.bytes_sent += len(data)
+                self.traffic["sent"] += len(data)
                 return
-            self.node.punch.lost(path)              # closed under us: this one goes relayed
+            self.punch.lost(path)              # closed under us: this one goes relayed
         if self.private:
             for link in self.links.values():
                 if not link.writer.transport.is_closing():
                     link.writer.write(frame(envelope(dest, data)))
-                    self.node.bytes_sent += len(data) + 4
+                    self.traffic["sent"] += len(data) + 4
                     return
             if is_relayed(dest):
                 return
             try:                                    # no link yet: straight out (a cone NAT passes it)
-                self.node.send_datagram(data, self.node.resolve(dest))
+                self.send_datagram(data, self.resolve(dest))
             except ValueError:
                 pass
             return
-        mine = self.node.relay_server.linked.get(dest[len(RELAYED_PREFIX):])
+        mine = self.linked(dest[len(RELAYED_PREFIX):])
         if mine is not None:                        # we are its relay
             mine.writer.write(frame(data))
-            self.node.bytes_sent += len(data) + 4
+            self.traffic["sent"] += len(data) + 4
             return
-        by_addr = self.node.overlay.by_addr
         for relay in self.reach.relays(dest):
-            if relay == self.node.overlay.addr:
-                continue
-            sid = by_addr.get(relay)
-            if sid is not None and self.node.overlay.is_suspected(sid):
+            if relay == self.address() or self.suspected_at(relay):
                 continue
             wrapped = envelope(dest, data)
             try:
-                target = self.node.resolve(relay)
+                target = self.resolve(relay)
             except ValueError:
                 continue
             if len(wrapped) <= self.config.max_datagram:
-                self.node.send_datagram(wrapped, target)
+                self.send_datagram(wrapped, target)
             else:
-                self.node.spawn(self.node.gossip_tcp.send_frame(target, wrapped))
+                self.send_frame(target, wrapped)
             return
 
     async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
@@ -5062,12 +5088,12 @@ class RelayClient:
         sees and the relays it knows); its answer, or None."""
         cfg = self.config
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.node.resolve(seed)), cfg.tcp_timeout)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.resolve(seed)), cfg.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return None
         try:
             nonce = os.urandom(4).hex()
-            ask = {"t": "rq", "n": nonce, "a": self.node.overlay.record["gossip"]} if dial_back else {"t": "rq", "n": nonce}
+            ask = {"t": "rq", "n": nonce, "a": self.record()["gossip"]} if dial_back else {"t": "rq", "n": nonce}
             writer.write(frame(self.wire.seal(ask, time.time())))
             data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
             answer = self.wire.open(data, time.time(), tcp=True) if data else None
@@ -5087,7 +5113,7 @@ class RelayClient:
     async def keep_reach(self, bootstrap: List[str]) -> None:
         """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
         cfg = self.config
-        self.dialable_gossip = self.node.overlay.record["gossip"]
+        self.dialable_gossip = self.record()["gossip"]
         if cfg.reach == "auto":
             delay = cfg.join_retry_min
             while not self.private:
@@ -5097,7 +5123,7 @@ class RelayClient:
                     self.observed = str(heard[0][1].get("seen", ""))
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
-                        self.node.reach_known(relaying=bool(cfg.relay))
+                        self.reach_known(relaying=bool(cfg.relay))
                         return
                     self._heard_seeds(heard)
                     break
@@ -5112,8 +5138,7 @@ class RelayClient:
         waited = False                              # a check passed before our first link (rule 7)
         while True:
             for relay, link in list(self.links.items()):
-                sid = self.node.overlay.by_addr.get(relay)
-                if link.writer.transport.is_closing() or (sid is not None and self.node.overlay.is_suspected(sid)):
+                if link.writer.transport.is_closing() or self.suspected_at(relay):
                     link.writer.close()
                     del self.links[relay]
             candidates = self._relay_candidates()
@@ -5123,7 +5148,7 @@ class RelayClient:
             if self.links:
                 self.no_relay_said = False
             else:                                   # rule 7: say it once, ask the seeds again
-                waited = waited or not is_relayed(self.node.overlay.record.get("gossip", ""))
+                waited = waited or not is_relayed(self.record().get("gossip", ""))
                 if not self.no_relay_said:
                     self.no_relay_said = True
                     log.warning("%s", NO_RELAY_TEXT)
@@ -5133,26 +5158,26 @@ class RelayClient:
                 worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
                 self.links.pop(worst).writer.close()
             relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
-            record = self.node.overlay.record
+            record = self.record()
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
-                self.node.overlay.addr = relayed
+                self.set_address(relayed)
                 self.reach.member(relayed, time.monotonic())
                 if waited:                          # our first record (dialable, it said) was suspected
                     waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.node.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
+                    self.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
                                           relaying=False)   # the old session never named our relayed address
                 else:
-                    self.node.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
-            self.node.punch.tend()
+                    self.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            self.punch.tend()
             await asyncio.sleep(cfg.relay_check_interval)
 
     def _relay_candidates(self) -> List[str]:
-        """Members offering to relay, best first (offered_relays); then the seeds that answered
+        """Members offering to relay, best first (Node.relays_offered); then the seeds that answered
         us and are not in the registry yet."""
-        out = offered_relays(self.node)
-        out += [seed for seed in self.seed_relays if seed not in out and seed not in self.node.overlay.by_addr]
-        return out + [relay for relay in self.named_relays if relay not in out and relay not in self.node.overlay.by_addr]
+        out = self.relays_offered()
+        out += [seed for seed in self.seed_relays if seed not in out and not self.is_member(seed)]
+        return out + [relay for relay in self.named_relays if relay not in out and not self.is_member(relay)]
 
     def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
@@ -5178,14 +5203,14 @@ class RelayClient:
 
     async def _open_link(self, relay: str) -> None:
         try:
-            conn = await asyncio.wait_for(open_stream(*self.node.resolve(relay)), self.config.tcp_timeout)
+            conn = await asyncio.wait_for(open_stream(*self.resolve(relay)), self.config.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return
         _keepalive(conn)
         conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
         self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
-        self.node.spawn(self._read_link(relay, conn))
+        self.spawn(self._read_link(relay, conn))
         log.info("relay link to %s", relay)
 
     async def _read_link(self, relay: str, conn: _Stream) -> None:
@@ -5200,11 +5225,11 @@ class RelayClient:
             if msg is None:
                 return True
             if msg["t"] == "h" and "dial" in msg:
-                self.node.spawn(self.dial_back(relay, str(msg["dial"])))
+                self.spawn(self.dial_back(relay, str(msg["dial"])))
                 return True
             src = msg.pop("ra", None)
             if isinstance(src, str):
-                self.node.deliver(msg, src, True, relay)
+                self.deliver(msg, src, True, relay)
             return True
         try:
             if mux is not None and mux.writer is conn:
@@ -5220,16 +5245,16 @@ class RelayClient:
             log.info("relay link to %s ended", relay)
 
     def _answer_stream(self, link: _MuxLink, sid: int) -> _MuxTunnel:
-        return _MuxTunnel(link, sid, self.node.tunnel_server_ssl)
+        return _MuxTunnel(link, sid, self.server_ssl)
 
     def _accept_stream(self, stream: _MuxTunnel) -> None:
         """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
         connection of ours, its TLS in memory (the dialer's handshake arrives on the link)."""
-        if self.node.tunnel_sock is None:
+        if not self.serving():
             stream.abort()
             return
         self.relayed["streams"] += 1
-        self.node.tunnel.admit(stream)
+        self.admit(stream)
 
     async def dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -5238,49 +5263,55 @@ class RelayClient:
             sock = await self._connect(relay, {"t": "h", "accept": token})
         except (OSError, ValueError, asyncio.TimeoutError):
             return
-        if self.node.tunnel_sock is None:
+        if not self.serving():
             sock.close()
             return
         self.relayed["dialed_back"] += 1
-        self.node.tunnel.admit(sock)
+        self.admit(sock)
 
     async def open(self, addr: str) -> socket.socket:
         """A connected socket to the private member at `addr`: punched (rule 5) when both of us
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
         now = time.time()
-        spare = self.node.punch.take_spare(addr)    # a probe's (rule 6), if the member still waits on it
-        link_id = addr[len(RELAYED_PREFIX):]
-        link = self.node.relay_server.linked.get(link_id)
-        path = self.reach.tunnel_path(addr, self.private, addr in self.node.punch.paths,
-                                      link is not None and not link.writer.transport.is_closing(),
-                                      None if spare is None else time.monotonic() - spare[1],
-                                      self.config.head_timeout, now)
+        spare = self.punch.take_spare(addr)         # a probe's (rule 6), if the member still waits on it
+        path = self._tunnel_path(addr, spare, addr in self.punch.paths, now)
         if path == "spare":
             self.reach.went(addr, "punched", now)
             return spare[0]
         if spare is not None:
             spare[0].close()
         if path == "punch":
-            sock = await self.node.punch.punch_tunnel(addr)
+            sock = await self.punch.punch_tunnel(addr)
             if sock is not None:
                 return sock
-            link = self.node.relay_server.linked.get(link_id)   # (the punch took a while)
+            path = self._tunnel_path(addr, None, False, time.time())   # the next rule, as it is now:
+                                                                    # the punch took a while
         self.reach.went(addr, "relayed", time.time())
-        if link is not None and not link.writer.transport.is_closing():
-            return await self.node.relay_server.take_dial_back(link)   # no relay hop to save: see rule 2
-        for relay in self.reach.relays(addr):
+        link_id = addr[len(RELAYED_PREFIX):]
+        if path == "dial-back":                     # no relay hop to save: see rule 2
+            return await self.take_dial_back(self.linked(link_id))
+        for relay in self.reach.relays(addr):       # "splice"
             try:
                 return await self._connect(relay, {"t": "h", "splice": link_id})
             except (OSError, ValueError, asyncio.TimeoutError):
                 continue
         raise OSError(f"no relay of {addr} answers")
 
+    def _tunnel_path(self, addr: str, spare: Optional[Tuple[socket.socket, float]], punched: bool,
+                     now: float) -> str:
+        """Reach.tunnel_path for a new tunnel connection to `addr`, from what we hold now."""
+        link = self.linked(addr[len(RELAYED_PREFIX):])
+        return self.reach.tunnel_path(addr, self.private, punched,
+                                      link is not None and not link.writer.transport.is_closing(),
+                                      None if spare is None else time.monotonic() - spare[1],
+                                      self.config.head_timeout, now)
+
     async def _connect(self, addr: str, hello: Dict[str, Any]) -> socket.socket:
         """A socket connected to `addr` within tcp_timeout that has sent `hello`; OSError,
         ValueError (a bad address) or asyncio.TimeoutError when not."""
         loop = asyncio.get_running_loop()
-        host, port = self.node.resolve(addr)
+        host, port = self.resolve(addr)
         family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
         sock = socket.socket(family, kind, proto)
         try:
@@ -5353,8 +5384,18 @@ class GossipTCP:
     work (max_gossip_connections, strangers per address, gossip_auth_timeout), a byte budget
     for big frames, and a token bucket per source on join answers (join_answer_rate)."""
 
-    def __init__(self, node: Node, refused: collections.Counter):
-        self.node, self.config, self.wire, self.refused = node, node.config, node.wire, refused
+    def __init__(self, config: Config, wire: Wire, refused: collections.Counter, traffic: collections.Counter,
+                 relay: RelayServer, *, dialled_back: Callable[[str], None], address: Callable[[], str],
+                 receive: Callable[..., List[Out]], send: Callable[[List[Out]], None],
+                 schedule: Callable[[], None], deliver: Callable[..., None]):
+        """`relay`: our RelayServer (links, splices, dial-backs and envelopes arrive here);
+        `dialled_back(nonce)`: a seed's dial-back reached us; `address()`: our gossip address
+        ("" before the overlay starts); `receive(msg, src, now, tcp)`: the Overlay's answer to
+        a join; `send(outs)`, `schedule()`: out and the timer; `deliver(msg, src, tcp, peer)`:
+        any other message in."""
+        self.config, self.wire, self.refused, self.traffic, self.relay = config, wire, refused, traffic, relay
+        self.dialled_back, self.address, self.receive, self.send_outs = dialled_back, address, receive, send
+        self.schedule, self.deliver = schedule, deliver
         self.strangers: Dict[_Stream, str] = {}     # no authentic frame yet, oldest first ->
                                                     # the address group (the ones cut first)
         self.members: Dict[_Stream, bool] = {}      # authenticated (links apart), oldest
@@ -5390,7 +5431,7 @@ class GossipTCP:
             writer.write(frames)
             # the receiver merges each piece before it reads the next: a timeout per piece
             await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * pieces)
-            self.node.bytes_sent += len(frames)
+            self.traffic["sent"] += len(frames)
             if join_from:
                 writer.write_eof()                  # an older member closes at once: no wait
                 await self._read_join_answer(reader, target, join_from)
@@ -5406,7 +5447,7 @@ class GossipTCP:
             data = await _read_frame(reader, limit, cfg.tcp_timeout * 4)
             if data is None:
                 return
-            self.node.bytes_received += len(data) + 4
+            self.traffic["received"] += len(data) + 4
             answer = self.wire.open(data, time.time(), tcp=True, sender=target[0])
             if answer is None:
                 return
@@ -5415,7 +5456,7 @@ class GossipTCP:
                 continue
             limit = cfg.max_datagram
             answer.pop("ra", None)
-            self.node.deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
+            self.deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
 
     def answer_join(self, msg: Dict[str, Any], src: str, peer: str,
                      writer: Optional[_Stream] = None) -> None:
@@ -5427,13 +5468,13 @@ class GossipTCP:
         now = time.time()
         here = writer is not None and msg.pop("rc", None) == 1
         try:
-            outs = self.node.overlay.receive(msg, src, now, True)
+            outs = self.receive(msg, src, now, True)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            self.node.dropped_malformed += 1
+            self.traffic["malformed"] += 1
             return
         answers = [o for o in outs if o.addr == src]   # the state, in whatever messages it takes
-        self.node.send([o for o in outs if o.addr != src])
-        self.node.schedule()
+        self.send_outs([o for o in outs if o.addr != src])
+        self.schedule()
         if not answers:
             return
         if here:
@@ -5454,12 +5495,12 @@ class GossipTCP:
             self.refused["join_limited"] += 1
             return
         if not here:
-            self.node.send(answers)
+            self.send_outs(answers)
             return
         for o in answers:
-            frames = self._framed(dict(o.msg, ra=self.node.overlay.addr), now)
+            frames = self._framed(dict(o.msg, ra=self.address()), now)
             writer.write(frames)
-            self.node.bytes_sent += len(frames)
+            self.traffic["sent"] += len(frames)
 
     def _framed(self, msg: Dict[str, Any], now: float) -> bytes:
         """`msg` sealed as a frame; a big one (over a datagram) after an authentic hello."""
@@ -5498,7 +5539,7 @@ class GossipTCP:
         cfg = self.config
         if not self._admit(conn):
             return
-        keep, peer, relay = False, conn.get_extra_info("peername") or ("", 0), self.node.relay_server
+        keep, peer, relay = False, conn.get_extra_info("peername") or ("", 0), self.relay
         loop = asyncio.get_running_loop()
         due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
         limit = cfg.max_datagram                    # but for the frame after a hello
@@ -5527,7 +5568,7 @@ class GossipTCP:
                 data = await asyncio.wait_for(conn.readexactly(length), timeout)
                 self.frame_bytes -= reserved
                 reserved = 0
-                self.node.bytes_received += length + 4
+                self.traffic["received"] += length + 4
                 if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
                     if not relay.forward_envelope(data, from_link=False, sender=peer[0]):
                         return
@@ -5548,7 +5589,7 @@ class GossipTCP:
                         await relay.splice(str(msg["splice"]), conn)
                         return
                     elif "back" in msg:             # a seed's dial-back (see RelayServer.answer_reach)
-                        self.node.relay_client.dialled_back.add(str(msg["back"]))
+                        self.dialled_back(str(msg["back"]))
                         return
                     elif "accept" in msg:
                         keep = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
@@ -5558,16 +5599,16 @@ class GossipTCP:
                 if kind == "rq":
                     await relay.answer_reach(msg, conn)
                     continue
-                if self.node.overlay is None:
+                if not self.address():
                     continue
                 src = msg.pop("ra", None)
                 if not isinstance(src, str):
-                    self.node.dropped_malformed += 1
+                    self.traffic["malformed"] += 1
                     continue
                 if kind == "j":
                     self.answer_join(msg, src, peer[0], conn)
                     continue
-                self.node.deliver(msg, src, True)
+                self.deliver(msg, src, True)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.wire.dropped["truncated"] += 1
@@ -5645,9 +5686,8 @@ class Node:
         # what the engine was sent, published as `prefixes` (the ingresses' routing; a worker's)
         self.prefixes = PrefixSummary() if self.engine is not None else None
         self.speed = EngineSpeed() if self.engine is not None else None   # published as `speed`
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.dropped_malformed = 0
+        self.traffic = collections.Counter({"sent": 0, "received": 0,   # bytes, every part's
+                                            "malformed": 0})   # authentic messages that made no sense
         self._callbacks: List[Callable[[str, Optional[dict]], None]] = []
         self.udp = None
         self._tcp_server = None
@@ -5666,7 +5706,6 @@ class Node:
         self.tunnel_sock: Optional[socket.socket] = None   # the tunnel port's listening socket
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
         self.tunnel = Tunnel(self, self.spawn, self.refused)   # the tunnel port: admission, HTTP, engine
-        self.gossip_tcp = GossipTCP(self, self.refused)        # the gossip port's TCP side
         # NAT traversal and relay (see that section): the rules, and the parts that act on them
         self.reach = Reach(config)                  # per relayed address: its relays, punches, tunnels
         self.reach_pending = False                  # a worker's reach check is not done: SERVING waits
@@ -5676,9 +5715,24 @@ class Node:
                                             # not passed on (RelayServer._refusal)
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
-        self.relay_server = RelayServer(self, self.relayed)
-        self.relay_client = RelayClient(self, self.relayed)
-        self.punch = HolePunch(self)
+        out = dict(spawn=self.spawn, resolve=self.resolve, address=self.address, deliver=self.deliver)
+        self.relay_server = RelayServer(config, self.wire, self.reach, self.relayed, self.traffic, **out,
+                                        sendto=self._sendto, send_frame=self.send_frame, relaying=self.relaying,
+                                        knows=self.knows, relays_offered=self.relays_offered)
+        self.relay_client = RelayClient(config, self.wire, self.reach, self.relayed, self.traffic, self.relay_server,
+                                        **out, set_address=self.set_address, record=self.own_record,
+                                        suspected_at=self.suspected_at, is_member=self.is_member,
+                                        relays_offered=self.relays_offered, reach_known=self.reach_known,
+                                        send_datagram=self.send_datagram, send_frame=self.send_frame,
+                                        admit=self.tunnel.admit, serving=self.serving_tunnel,
+                                        server_ssl=self.tunnel_server_ssl)
+        self.punch = HolePunch(config, self.wire, self.reach, self.relay_client, self.traffic, **out,
+                               sendto=self._sendto, admit=self.tunnel.admit, serving=self.serving_tunnel)
+        self.relay_client.punch = self.punch        # each asks the other: wired once both exist
+        self.gossip_tcp = GossipTCP(config, self.wire, self.refused, self.traffic, self.relay_server,   # the gossip
+                                    dialled_back=self.relay_client.dialled_back.add, address=self.address,   # port's TCP
+                                    receive=self.receive, send=self.send, schedule=self.schedule,   # side
+                                    deliver=self.deliver)
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -5691,6 +5745,18 @@ class Node:
 
     def is_suspected(self, sid: str) -> bool:
         return self.overlay is not None and self.overlay.is_suspected(sid)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.traffic["sent"]
+
+    @property
+    def bytes_received(self) -> int:
+        return self.traffic["received"]
+
+    @property
+    def dropped_malformed(self) -> int:
+        return self.traffic["malformed"]
 
     def evicted_here(self, sid: str) -> bool:
         """Whether this member wrote the eviction of `sid` itself (its own failure detector's)."""
@@ -5730,7 +5796,7 @@ class Node:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
                 "flooded_by": dict(self.wire.flooders.most_common(8)),
-                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
+                "malformed": self.traffic["malformed"], "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.tunnel.admitted), "tunnel_connections": len(self.tunnel.connections),
                 "unauthenticated": len(self.tunnel.unauthenticated),
                 "gossip_connections": self.gossip_tcp.connections, "gossip_strangers": len(self.gossip_tcp.strangers),
@@ -5988,13 +6054,13 @@ class Node:
         try:
             outs = self.overlay.receive(msg, src, time.time(), tcp)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            self.dropped_malformed += 1              # authentic but nonsensical: drop, count
+            self.traffic["malformed"] += 1           # authentic but nonsensical: drop, count
             return
         self.send(outs)
         self.schedule()
 
     def _on_datagram(self, data: bytes, addr) -> None:
-        self.bytes_received += len(data)
+        self.traffic["received"] += len(data)
         if self.overlay is None:
             return
         if data[:2] == FORWARD:
@@ -6046,10 +6112,68 @@ class Node:
         """One datagram out of the gossip port, counted; an error sending it is a datagram lost."""
         try:
             self.udp.sendto(data, target)
-            self.bytes_sent += len(data)
+            self.traffic["sent"] += len(data)
         except OSError:
             pass
 
+
+    def send_frame(self, target: tuple, sealed: bytes) -> None:
+        """A sealed message (or an envelope) too big for a datagram, on a TCP connection of its own."""
+        self.spawn(self.gossip_tcp.send_frame(target, sealed))
+
+    def _sendto(self, data: bytes, target: tuple) -> None:
+        """A datagram out of the gossip port as it is (what a relay passes on, a mapping it tells)."""
+        self.udp.sendto(data, target)
+
+    def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool) -> List[Out]:
+        return self.overlay.receive(msg, src, now, tcp)
+
+    # -- what the parts ask of the Overlay ---------------------------------------------------
+    def address(self) -> str:
+        """Our gossip address ("" before the overlay starts)."""
+        return self.overlay.addr if self.overlay is not None else ""
+
+    def set_address(self, addr: str) -> None:
+        """Our gossip address is now `addr` (a private member's relayed address)."""
+        self.overlay.addr = addr
+
+    def own_record(self) -> Dict[str, Any]:
+        return self.overlay.record
+
+    def suspected_at(self, addr: str) -> bool:
+        """Whether the live member at gossip address `addr` is suspected."""
+        sid = self.overlay.by_addr.get(addr)
+        return sid is not None and self.overlay.is_suspected(sid)
+
+    def is_member(self, addr: str) -> bool:
+        """Whether a live member is at gossip address `addr`."""
+        return addr in self.overlay.by_addr
+
+    def knows(self, addr: str) -> bool:
+        """A live member's address, or one we dial again (Overlay.remember)."""
+        return addr in self.overlay.by_addr or addr in self.overlay.remembered
+
+    def relaying(self) -> bool:
+        """Whether we relay for private members now (configured, and dialable ourselves)."""
+        return bool(self.config.relay) and not self.relay_client.private
+
+    def serving_tunnel(self) -> bool:
+        """Whether the tunnel port is open (a tunnel connection punched or dialled back to us has
+        somewhere to go)."""
+        return self.tunnel_sock is not None
+
+    def relays_offered(self, leave_out: Tuple[str, ...] = ()) -> List[str]:
+        """The gossip addresses of the members offering to relay, best first: standalone relays
+        (they exist for it), then ingresses, then dialable workers; never ourselves, a suspected
+        or relayed member, or one at an address in `leave_out`."""
+        ranked = []
+        for sid, record in self.registry.items() if self.overlay is not None else ():
+            gossip = record.get("gossip", "")
+            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.is_suspected(sid) or gossip in leave_out:
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        return [gossip for _, gossip in sorted(ranked)]
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

@@ -259,7 +259,7 @@ def test_a_punched_socket_that_vanishes_reports_itself_lost_and_never_raises_on_
 
     async def t():
         _, path = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: on._PunchSocket(None, "relayed:x", lambda msg, peer: None, lost.append),
+            lambda: on._PunchSocket("relayed:x", lambda msg, peer: None, lost.append, None, None, None),
             local_addr=("127.0.0.1", 0))
         addr = path.transport.get_extra_info("sockname")
         sent = path.send(b"x", addr)
