@@ -89,7 +89,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Container, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Container, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 try:
     import h11
@@ -578,46 +578,103 @@ class Wire:
         return None
 
 
-# Message types ("t"): short names, because idle traffic is mostly pings and acks.
-#   t     fields                      meaning
+# Message types ("t"): short names, because idle traffic is mostly pings and acks. Each row names
+# the part of a node that handles the type and that part's method (its handler):
+#   overlay       the Overlay's, called by Overlay.receive (msg, src, now, tcp): sans-IO
+#   gossip_tcp, relay_server, punch
+#                 the node's parts, called by Node.deliver (msg, src, via: where it came in)
+#   path          read by the punched socket it arrives on (_PunchSocket), never routed: an
+#                 answer to what that socket asked, or its probes
+#   reader        read on the connection that asked for it or by the transport reader it names,
+#                 never routed: a TCP hello, a reach check's answer
+# Node wires the routed rows into one table (Node.routes: type -> bound handler) and
+# Node.deliver is the one place a message is dispatched; a join is the Overlay's, with its
+# answer sent only where it came from (GossipTCP.answer_join).
+
+
+class MessageType:
+    """One row of MESSAGE_TYPES: the fields the message carries, the part that handles it, the
+    name of that part's handler, and whether anyone may send it (no "ra" sender, no membership
+    needed: a reach check comes before its asker joins)."""
+
+    __slots__ = ("fields", "part", "handler", "anyone")
+
+    def __init__(self, fields: str, part: str, handler: str, anyone: bool = False):
+        self.fields, self.part, self.handler, self.anyone = fields, part, handler, anyone
+
+
+#   t                 fields                       part            handler
 MESSAGE_TYPES = {
-    "p":  "n seq, to sid[:8], sv?",  # ping (direct probe; over TCP it is the third probe path);
-                                     # sv: "you are suspected at this version" (Lifeguard buddy)
-    "a":  "n seq",                   # ack of ping n
-    "i":  "n seq, to sid[:8], a",    # ping-req: please probe address a for me (indirect path)
-    "n":  "n seq",                   # nack of ping-req n: I asked, the target did not answer
-    "r":  "r {sid: record}, s [[sid, version, by]], vo?, k?",  # rumours: records and suspicions;
-                                     # vo [[sid, version, by, voucher]]: the vouchers of confirmers
-                                     # in s (crdt, "The end of a session"); k: the writer's push id,
-                                     # to be acked
-    "k":  "k push id",               # ack of a writer's push: stop resending it to me
-    "j":  "r {sid: record}",         # join: my record; answer with your full state
-    "st": "r {sid: record}",         # state: records to merge (join answer, push-pull end)
-    "d":  "d {n, root}, di?, s?",    # push-pull 1: my digest root (and my suspicions, below);
-                                     # di: the ingress plane's root (between proven ingresses)
-    "db": "d {n, root, b}, pl?",     # push-pull 2: roots differ, here are my bucket hashes
-                                     # (pl "i": the ingress plane's; none: the routing plane's)
-    "dr": "r {sid: record}, d, pl?",  # push-pull 3: what you lack, and my buckets (the rest
-                                     # of what you lack follows in "st" pieces)
-    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the one frame after it may be up to
-                                     # max_frame (any other, max_datagram: GossipTCP.serve);
-                                     # link: a private member's relay link; splice: open a tunnel
-                                     # stream to that link; dial (relay->member)/accept: its dial-back
-    "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
-                                     # without a: only say where you see me (a TCP punch's mapping)
-    "rs": "n, seen, back, relaying?, relays?",  # answer: the address the seed saw, whether its dial
-                                     # worked, whether it relays, and the relays it knows (gossip addresses)
-    "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
-    "os": "n, seen",                 # answer to ob
-    "pq": "a, seen, first",          # punch request (through a relay): my socket is seen at `seen`;
-                                     # first: you send first (attempt a)
-    "pr": "a, seen",                 # punch reply (through a relay): and mine at `seen`
-    "pp": "",                        # punch probe, straight at the peer's mapping
-    "pa": "",                        # punch ack: your probe arrived (the path works both ways)
-    "tq": "n, seen, first",          # tunnel punch request (relayed): connect to my TCP mapping
-                                     # `seen` now (first: you send the first SYN); token n
-    "tr": "n, seen",                 # tunnel punch reply: and connect to mine at `seen`
+    "p":  MessageType("n seq, to sid[:8], sv?", "overlay", "_on_p"),   # ping (direct probe; over TCP
+                                     # it is the third probe path); sv: "you are suspected at this
+                                     # version" (Lifeguard buddy)
+    "a":  MessageType("n seq", "overlay", "_on_a"),                    # ack of ping n
+    "i":  MessageType("n seq, to sid[:8], a", "overlay", "_on_i"),     # ping-req: please probe address
+                                     # a for me (indirect path)
+    "n":  MessageType("n seq", "overlay", "_on_n"),                    # nack of ping-req n: I asked,
+                                     # the target did not answer
+    "r":  MessageType("r {sid: record}, s [[sid, version, by]], vo?, k?", "overlay", "_on_r"),   # rumours:
+                                     # records and suspicions; vo [[sid, version, by, voucher]]: the
+                                     # vouchers of confirmers in s (crdt, "The end of a session"); k:
+                                     # the writer's push id, to be acked
+    "k":  MessageType("k push id", "overlay", "_on_k"),                # ack of a writer's push: stop
+                                     # resending it to me
+    "j":  MessageType("r {sid: record}", "overlay", "_on_j"),          # join: my record; answer with
+                                     # your full state
+    "st": MessageType("r {sid: record}", "overlay", "_on_st"),         # state: records to merge (join
+                                     # answer, push-pull end)
+    "d":  MessageType("d {n, root}, di?, s?", "overlay", "_on_d"),     # push-pull 1: my digest root
+                                     # (and my suspicions, below); di: the ingress plane's root
+                                     # (between proven ingresses)
+    "db": MessageType("d {n, root, b}, pl?", "overlay", "_on_db"),     # push-pull 2: roots differ,
+                                     # here are my bucket hashes (pl "i": the ingress plane's; none:
+                                     # the routing plane's)
+    "dr": MessageType("r {sid: record}, d, pl?", "overlay", "_on_dr"),   # push-pull 3: what you lack,
+                                     # and my buckets (the rest of what you lack follows in "st" pieces)
+    "h":  MessageType("link?, splice?, accept?, dial?", "reader", "GossipTCP._hello"),   # TCP hello:
+                                     # the one frame after it may be up to max_frame (any other,
+                                     # max_datagram: GossipTCP.serve); link: a private member's relay
+                                     # link; splice: open a tunnel stream to that link; dial
+                                     # (relay->member, read by RelayClient._read_link)/accept: its dial-back
+    "rq": MessageType("n, a?", "relay_server", "_on_reach", anyone=True),   # reachability: dial me
+                                     # back at gossip address a (over TCP); without a: only say where
+                                     # you see me (a TCP punch's mapping)
+    "rs": MessageType("n, seen, back, relaying?, relays?", "reader", "RelayClient.ask_reach"),   # answer:
+                                     # the address the seed saw, whether its dial worked, whether it
+                                     # relays, and the relays it knows (gossip addresses); read on
+                                     # the asking connection (and by HolePunch._tcp_mapping)
+    "ob": MessageType("n", "punch", "_on_observe"),                    # UDP: which address do you see
+                                     # me at? (a punch socket's mapping)
+    "os": MessageType("n, seen", "path", "_on_seen"),                  # answer to ob
+    "pq": MessageType("a, seen, first", "punch", "_on_punch_request"),   # punch request (through a
+                                     # relay): my socket is seen at `seen`; first: you send first
+                                     # (attempt a)
+    "pr": MessageType("a, seen", "punch", "_on_reply"),                # punch reply (through a relay):
+                                     # and mine at `seen`
+    "pp": MessageType("", "path", "_on_probe"),                        # punch probe, straight at the
+                                     # peer's mapping
+    "pa": MessageType("", "path", "_on_probe_ack"),                    # punch ack: your probe arrived
+                                     # (the path works both ways)
+    "tq": MessageType("n, seen, first", "punch", "_on_tunnel_punch"),   # tunnel punch request
+                                     # (relayed): connect to my TCP mapping `seen` now (first: you
+                                     # send the first SYN); token n
+    "tr": MessageType("n, seen", "punch", "_on_reply"),                # tunnel punch reply: and
+                                     # connect to mine at `seen`
 }
+
+
+class Via:
+    """Where a routed message came in (Node.deliver): over TCP (a connection, a link, an
+    envelope) or a datagram; `peer`: the IP address or "relay/<link>" it came from (a join's
+    answer goes only there; None: read on a join's own connection); `conn`: the TCP connection
+    it came on, where a reach check or a join ("rc") is answered."""
+
+    __slots__ = ("tcp", "peer", "conn")
+
+    def __init__(self, tcp: bool, peer: Optional[str] = None, conn: Optional[_Stream] = None):
+        self.tcp, self.peer, self.conn = tcp, peer, conn
+
+
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
     items = msg.get("s") or []
@@ -1014,6 +1071,8 @@ class Overlay(FailureDetector):
     """Membership protocol state for one member. No I/O: every method takes `now` (unix time,
     the one clock) and returns the list of Out messages to send."""
 
+    HANDLERS = {t: row.handler for t, row in MESSAGE_TYPES.items() if row.part == "overlay"}   # receive's
+
     def __init__(self, config: Config, session_id: str, record: Dict[str, Any], now: float,
                  rng: Optional[random.Random] = None):
         self.cfg = config
@@ -1096,7 +1155,7 @@ class Overlay(FailureDetector):
     def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool = False) -> List[Out]:
         """Handle one authenticated message. Raises ValueError/KeyError/TypeError/RecordError on a
         malformed one (the caller counts and drops it); the state is unchanged in that case."""
-        out = getattr(self, "_on_" + msg["t"])(msg, src, now, tcp)
+        out = getattr(self, self.HANDLERS[msg["t"]])(msg, src, now, tcp)
         if src not in self.heard and src in self.bootstrap:
             self.heard.add(src)
         return self._count(out)
@@ -4265,6 +4324,8 @@ class _PunchSocket(asyncio.DatagramProtocol):
         self.peer_addr: Optional[tuple] = None       # where the peer's packets really come from
         self.last_rx = 0.0
 
+    OWN = {t: row.handler for t, row in MESSAGE_TYPES.items() if row.part == "path"}   # read here, not routed
+
     def connection_made(self, transport) -> None:
         self.transport = transport
 
@@ -4277,24 +4338,30 @@ class _PunchSocket(asyncio.DatagramProtocol):
         msg = self.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
         if msg is None:
             return
-        kind = msg["t"]
-        if kind == "os":
-            if self.seen is not None and not self.seen.done():
-                self.seen.set_result(str(msg.get("seen", "")))
-            return
-        if msg.get("ra") != self.peer:              # only the peer we punched for talks here
-            return
-        self.last_rx = now
-        if kind == "pp":
+        own = self.OWN.get(msg["t"])
+        if own is not None:
+            getattr(self, own)(msg, addr, now)
+        elif msg.pop("ra", None) == self.peer:      # only the peer we punched for talks here
+            self.last_rx = now
+            self.deliver(msg, self.peer)
+
+    def _on_seen(self, msg: Dict[str, Any], addr: tuple, now: float) -> None:
+        """A seed's answer to our "ob": where it sees this socket."""
+        if self.seen is not None and not self.seen.done():
+            self.seen.set_result(str(msg.get("seen", "")))
+
+    def _on_probe(self, msg: Dict[str, Any], addr: tuple, now: float) -> None:
+        if msg.get("ra") == self.peer:
+            self.last_rx = now
             self.peer_addr = addr                   # peer-reflexive: answer where it came from
             self.send(self.wire.seal({"t": "pa", "ra": self.address()}, now), addr)
-        elif kind == "pa":
+
+    def _on_probe_ack(self, msg: Dict[str, Any], addr: tuple, now: float) -> None:
+        if msg.get("ra") == self.peer:
+            self.last_rx = now
             self.peer_addr = addr
             if self.hit is not None and not self.hit.done():
                 self.hit.set_result(addr)
-        else:
-            msg.pop("ra", None)
-            self.deliver(msg, self.peer)
 
     def send(self, data: bytes, addr) -> bool:
         """False once the socket is closing: asyncio's unconnected datagram transport, its socket
@@ -4449,8 +4516,8 @@ class HolePunch:
                  address: Callable[[], str], deliver: Callable[..., None],
                  sendto: Callable[[bytes, tuple], None], admit: Callable[[socket.socket], None],
                  serving: Callable[[], bool]):
-        """`address()`: our gossip address; `deliver(msg, src, tcp, peer)`: a punched path's
-        gossip in; `sendto`: a datagram out of the gossip port; `admit`: a punched tunnel
+        """`address()`: our gossip address; `deliver(msg, src, via)`: a punched path's
+        gossip in (Node.deliver); `sendto`: a datagram out of the gossip port; `admit`: a punched tunnel
         connection in, while `serving()` says the tunnel port is open."""
         self.config, self.wire, self.reach, self.traffic = config, wire, reach, traffic
         self.client = client                        # our relays carry the asking and answering
@@ -4466,8 +4533,6 @@ class HolePunch:
         self.answering = 0                          # simultaneous opens we answer right now
         self.spares: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection (rule 6)
         self.listeners: List[Callable[[str], None]] = []
-        self.handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_reply,
-                         "tq": self._on_tunnel_punch, "tr": self._on_reply}
 
     def stats(self) -> Dict[str, Any]:
         return {"punches": dict(self.punches), "punch_ms": self.punch_ms[-8:],
@@ -4493,7 +4558,7 @@ class HolePunch:
             sock.close()
         self.spares.clear()
 
-    def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_observe(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
         try:
             self.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
@@ -4577,7 +4642,7 @@ class HolePunch:
         self.punches["failed"] += 1
         log.info("hole punch to %s failed: it stays relayed", peer)
 
-    def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_punch_request(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         if is_relayed(src) and self.client.private and src not in self.paths:
             self.spawn(self._answer_punch(src, msg))
 
@@ -4605,13 +4670,13 @@ class HolePunch:
         finally:
             self.waiting.pop((peer, key), None)
 
-    def _on_reply(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_reply(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         waiter = self.waiting.get((src, msg.get("a" if msg["t"] == "pr" else "n")))
         if waiter is not None and not waiter.done():
             waiter.set_result(str(msg.get("seen") or ""))
 
     def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
-        self.deliver(msg, peer, False, peer)
+        self.deliver(msg, peer, Via(False, peer))
 
     def lost(self, path: _PunchSocket, why: str = "closed") -> None:
         """A punched path that went silent or whose socket is gone: its peer goes back to its
@@ -4714,7 +4779,7 @@ class HolePunch:
         for listener in self.listeners:
             listener(peer)
 
-    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         if is_relayed(src) and self.client.private and self.serving() \
                 and self.answering < self.config.max_punched:
             self.spawn(self._answer_tunnel_punch(src, msg))
@@ -4756,7 +4821,7 @@ class RelayServer:
                  relaying: Callable[[], bool], knows: Callable[[str], bool],
                  relays_offered: Callable[..., List[str]]):
         """`address()`: our gossip address ("" before the overlay starts); `deliver(msg, src,
-        tcp, peer)`: gossip for us in; `sendto` a datagram and `send_frame` a frame too big
+        via)`: gossip for us in (Node.deliver); `sendto` a datagram and `send_frame` a frame too big
         for one out of the gossip port; `relaying()`: whether we relay now (not private);
         `knows(addr)`: a member or a remembered address; `relays_offered(leave_out)`: the
         members offering to relay, best first."""
@@ -4817,14 +4882,12 @@ class RelayServer:
             msg = self.wire.open(data, time.time(), tcp=True, sender=RELAYED_PREFIX + link)
             if msg is None:
                 return False
-            if msg["t"] == "rq":
-                self.spawn(self.answer_reach(msg, conn))
-            elif msg["t"] != "h" and self.address():
+            if msg["t"] != "h":                     # its hello came first (GossipTCP.serve)
                 src = msg.pop("ra", None)
-                if not isinstance(src, str):
-                    self.traffic["malformed"] += 1
-                else:
-                    self.deliver(msg, src, True, RELAYED_PREFIX + link)
+                answer = self.deliver(msg, src if isinstance(src, str) else None,
+                                      Via(True, RELAYED_PREFIX + link, conn))
+                if answer is not None:              # a reach check, answered down the link
+                    self.spawn(answer)
             return True
         if mux is not None and mux.writer is conn:
             await _link_frames(conn, on_frame, self.config.max_frame, mux)
@@ -4844,7 +4907,7 @@ class RelayServer:
             msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
             src = msg.pop("ra", None) if msg is not None else None
             if isinstance(src, str):
-                self.deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
+                self.deliver(msg, src, Via(True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender))
             return msg is not None
         if not self.relaying():
             self.relayed["refused"] += 1
@@ -4907,6 +4970,14 @@ class RelayServer:
                 break
             del seen[oldest]
         return ""
+
+    def _on_reach(self, msg: Dict[str, Any], src: Optional[str], via: Via) -> Optional[Awaitable[None]]:
+        """A reach check ("rq"): its answer, to be awaited on the connection it came on; a
+        datagram has none to answer on."""
+        if via.conn is None:
+            self.traffic["malformed"] += 1
+            return None
+        return self.answer_reach(msg, via.conn)
 
     async def answer_reach(self, msg: Dict[str, Any], writer: _Stream) -> None:
         """A seed's side of the reachability check: dial the asker back, say what we saw."""
@@ -5011,8 +5082,8 @@ class RelayClient:
         `address()`/`set_address(addr)`: our gossip address, relayed once we are private;
         `record()`: our own record; `suspected_at(addr)`, `is_member(addr)`: whether the member at a
         gossip address is suspected, or live; `relays_offered()`: the members offering to relay,
-        best first; `reach_known(rejoin, **fields)`: our reach is known; `deliver(msg, src, tcp,
-        peer)`: a link's gossip in; `send_datagram`, `send_frame`: out of the gossip port;
+        best first; `reach_known(rejoin, **fields)`: our reach is known; `deliver(msg, src, via)`:
+        a link's gossip in (Node.deliver); `send_datagram`, `send_frame`: out of the gossip port;
         `admit`: a tunnel connection in (a stream, a dial-back) while `serving()`; `server_ssl`:
         the tunnel's TLS, for the streams a relay opens. `punch` (HolePunch) is set once both exist."""
         self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
@@ -5229,7 +5300,7 @@ class RelayClient:
                 return True
             src = msg.pop("ra", None)
             if isinstance(src, str):
-                self.deliver(msg, src, True, relay)
+                self.deliver(msg, src, Via(True, relay))
             return True
         try:
             if mux is not None and mux.writer is conn:
@@ -5377,6 +5448,18 @@ REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy",   # Node.re
             "join_misdirected")  # ... or it named an address it did not come from
 
 
+class _GossipConnection:
+    """One gossip TCP connection being read (GossipTCP.serve): its peer's IP address, by when it
+    must send an authentic frame, how big its next frame may be, the bytes of max_frame_bytes
+    its frame holds, and whether a splice kept it."""
+
+    __slots__ = ("conn", "peer", "due", "limit", "reserved", "kept")
+
+    def __init__(self, conn: _Stream, peer: str, due: float, limit: int):
+        self.conn, self.peer, self.due, self.limit = conn, peer, due, limit
+        self.reserved, self.kept = 0, False
+
+
 class GossipTCP:
     """The gossip port's TCP side: what does not fit a datagram (a join and its answer, the
     pieces of a state transfer) and the hellos that make a connection a relay link, a splice
@@ -5387,15 +5470,15 @@ class GossipTCP:
     def __init__(self, config: Config, wire: Wire, refused: collections.Counter, traffic: collections.Counter,
                  relay: RelayServer, *, dialled_back: Callable[[str], None], address: Callable[[], str],
                  receive: Callable[..., List[Out]], send: Callable[[List[Out]], None],
-                 schedule: Callable[[], None], deliver: Callable[..., None]):
+                 schedule: Callable[[], None], deliver: Callable[..., Any], to_overlay: Callable[..., None]):
         """`relay`: our RelayServer (links, splices, dial-backs and envelopes arrive here);
         `dialled_back(nonce)`: a seed's dial-back reached us; `address()`: our gossip address
         ("" before the overlay starts); `receive(msg, src, now, tcp)`: the Overlay's answer to
-        a join; `send(outs)`, `schedule()`: out and the timer; `deliver(msg, src, tcp, peer)`:
-        any other message in."""
+        a join; `send(outs)`, `schedule()`: out and the timer; `deliver(msg, src, via)`: any
+        other message in (Node.deliver; `to_overlay`: straight to the Overlay)."""
         self.config, self.wire, self.refused, self.traffic, self.relay = config, wire, refused, traffic, relay
         self.dialled_back, self.address, self.receive, self.send_outs = dialled_back, address, receive, send
-        self.schedule, self.deliver = schedule, deliver
+        self.schedule, self.deliver, self.to_overlay = schedule, deliver, to_overlay
         self.strangers: Dict[_Stream, str] = {}     # no authentic frame yet, oldest first ->
                                                     # the address group (the ones cut first)
         self.members: Dict[_Stream, bool] = {}      # authenticated (links apart), oldest
@@ -5456,16 +5539,19 @@ class GossipTCP:
                 continue
             limit = cfg.max_datagram
             answer.pop("ra", None)
-            self.deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
+            self.deliver(answer, addr, Via(True))   # until the seed closes (or tcp_timeout * 4 of silence)
 
-    def answer_join(self, msg: Dict[str, Any], src: str, peer: str,
-                     writer: Optional[_Stream] = None) -> None:
+    def answer_join(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         """A join: the joiner's record is merged, and our state goes back only where the join
         came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
         that is where it came from (the address of `peer`, or a relayed member, answered through
         its relays; on one of our links, that link's member), and at most join_answer_rate per
-        source (a flood of joins is answered by no more). What is not sent is counted."""
-        now = time.time()
+        source (a flood of joins is answered by no more). What is not sent is counted. One read
+        on a join's own connection (`via.peer` None) is the Overlay's like any other message."""
+        if via.peer is None:
+            self.to_overlay(msg, src, via)
+            return
+        now, peer, writer = time.time(), via.peer, via.conn
         here = writer is not None and msg.pop("rc", None) == 1
         try:
             outs = self.receive(msg, src, now, True)
@@ -5536,79 +5622,14 @@ class GossipTCP:
         within max_frame_bytes for all connections together). The first bad frame closes the
         connection. A hello may turn the connection into a relay link, a spliced tunnel
         stream, or a private member's dial-back (see "NAT traversal and relay")."""
-        cfg = self.config
         if not self._admit(conn):
             return
-        keep, peer, relay = False, conn.get_extra_info("peername") or ("", 0), self.relay
-        loop = asyncio.get_running_loop()
-        due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
-        limit = cfg.max_datagram                    # but for the frame after a hello
-        reserved = 0
+        reading = _GossipConnection(conn, (conn.get_extra_info("peername") or ("", 0))[0],
+                                    asyncio.get_running_loop().time() + self.config.gossip_auth_timeout,
+                                    self.config.max_datagram)   # the first authentic frame by `due`, or it goes
         try:
-            while True:
-                stranger = conn in self.strangers
-                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
-                if conn in self.members:
-                    self.members[conn] = True       # idle until a frame begins
-                head = await asyncio.wait_for(conn.readexactly(4), timeout)
-                if conn in self.members:
-                    self.members[conn] = False
-                (length,) = struct.unpack(">I", head)
-                if length > limit:
-                    self.wire.dropped["oversized"] += 1
-                    return
-                if length > cfg.max_datagram:       # a state transfer after its hello
-                    if self.frame_bytes + length > cfg.max_frame_bytes:
-                        self.refused["frame_budget"] += 1
-                        return
-                    self.frame_bytes += length
-                    reserved = length
-                limit = cfg.max_datagram
-                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
-                data = await asyncio.wait_for(conn.readexactly(length), timeout)
-                self.frame_bytes -= reserved
-                reserved = 0
-                self.traffic["received"] += length + 4
-                if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
-                    if not relay.forward_envelope(data, from_link=False, sender=peer[0]):
-                        return
-                    self._authenticated(conn)
-                    continue
-                msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
-                if msg is None:
-                    return
-                self._authenticated(conn)
-                kind = msg["t"]
-                if kind == "h":
-                    if "link" in msg:
-                        self.members.pop(conn, None)   # open as long as its member lives
-                        await relay.on_link(msg, conn)
-                        return
-                    elif "splice" in msg:
-                        self.members.pop(conn, None)
-                        await relay.splice(str(msg["splice"]), conn)
-                        return
-                    elif "back" in msg:             # a seed's dial-back (see RelayServer.answer_reach)
-                        self.dialled_back(str(msg["back"]))
-                        return
-                    elif "accept" in msg:
-                        keep = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
-                        return
-                    limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
-                    continue
-                if kind == "rq":
-                    await relay.answer_reach(msg, conn)
-                    continue
-                if not self.address():
-                    continue
-                src = msg.pop("ra", None)
-                if not isinstance(src, str):
-                    self.traffic["malformed"] += 1
-                    continue
-                if kind == "j":
-                    self.answer_join(msg, src, peer[0], conn)
-                    continue
-                self.deliver(msg, src, True)
+            while await self._take_frame(reading, await self._read(reading)):
+                pass
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.wire.dropped["truncated"] += 1
@@ -5618,11 +5639,85 @@ class GossipTCP:
         except OSError:
             pass
         finally:
-            self.frame_bytes -= reserved
+            self.frame_bytes -= reading.reserved
             self.strangers.pop(conn, None)
             self.members.pop(conn, None)
-            if not keep:
+            if not reading.kept:
                 conn.close()
+
+    async def _read(self, reading: _GossipConnection) -> Optional[bytes]:
+        """The connection's next frame, within its size limit, the frame budget and the time it
+        has (a stranger: until `due`); None when it may not be read."""
+        cfg, conn = self.config, reading.conn
+        loop = asyncio.get_running_loop()
+        stranger = conn in self.strangers
+        timeout = max(0.0, reading.due - loop.time()) if stranger else cfg.tcp_timeout
+        if conn in self.members:
+            self.members[conn] = True               # idle until a frame begins
+        head = await asyncio.wait_for(conn.readexactly(4), timeout)
+        if conn in self.members:
+            self.members[conn] = False
+        (length,) = struct.unpack(">I", head)
+        if length > reading.limit:
+            self.wire.dropped["oversized"] += 1
+            return None
+        if length > cfg.max_datagram:               # a state transfer after its hello
+            if self.frame_bytes + length > cfg.max_frame_bytes:
+                self.refused["frame_budget"] += 1
+                return None
+            self.frame_bytes += length
+            reading.reserved = length
+        reading.limit = cfg.max_datagram
+        timeout = max(0.0, reading.due - loop.time()) if stranger else cfg.tcp_timeout * 4
+        data = await asyncio.wait_for(conn.readexactly(length), timeout)
+        self.frame_bytes -= reading.reserved
+        reading.reserved = 0
+        self.traffic["received"] += length + 4
+        return data
+
+    async def _take_frame(self, reading: _GossipConnection, data: Optional[bytes]) -> bool:
+        """One frame: an envelope to pass on (relay rule 1), a hello, or a message for
+        Node.deliver; whether the connection reads on. The first bad frame closes it."""
+        if data is None:
+            return False
+        if data[:2] == FORWARD:
+            if not self.relay.forward_envelope(data, from_link=False, sender=reading.peer):
+                return False
+            self._authenticated(reading.conn)
+            return True
+        msg = self.wire.open(data, time.time(), tcp=True, sender=reading.peer)
+        if msg is None:
+            return False
+        self._authenticated(reading.conn)
+        if msg["t"] == "h":
+            return await self._hello(msg, reading)
+        src = msg.pop("ra", None)
+        answer = self.deliver(msg, src if isinstance(src, str) else None, Via(True, reading.peer, reading.conn))
+        if answer is not None:                      # a reach check: answered before the next frame
+            await answer
+        return True
+
+    async def _hello(self, msg: Dict[str, Any], reading: _GossipConnection) -> bool:
+        """A hello may turn the connection into a relay link, a spliced tunnel stream, a private
+        member's dial-back or a seed's (see "NAT traversal and relay"); a bare one says a state
+        transfer follows. Whether the connection reads on."""
+        conn, relay = reading.conn, self.relay
+        if "link" in msg:
+            self.members.pop(conn, None)            # open as long as its member lives
+            await relay.on_link(msg, conn)
+            return False
+        if "splice" in msg:
+            self.members.pop(conn, None)
+            await relay.splice(str(msg["splice"]), conn)
+            return False
+        if "back" in msg:                           # a seed's dial-back (see RelayServer.answer_reach)
+            self.dialled_back(str(msg["back"]))
+            return False
+        if "accept" in msg:
+            reading.kept = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
+            return False
+        reading.limit = self.config.max_frame       # a bare hello: the next frame is a state transfer
+        return True
 
     def _admit(self, writer: _Stream) -> bool:
         """Room for a new gossip TCP connection: a stranger from an address holding its share
@@ -5732,7 +5827,8 @@ class Node:
         self.gossip_tcp = GossipTCP(config, self.wire, self.refused, self.traffic, self.relay_server,   # the gossip
                                     dialled_back=self.relay_client.dialled_back.add, address=self.address,   # port's TCP
                                     receive=self.receive, send=self.send, schedule=self.schedule,   # side
-                                    deliver=self.deliver)
+                                    deliver=self.deliver, to_overlay=self._to_overlay)
+        self.routes = self._routes()                # the one dispatch of a message: Node.deliver
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -6040,19 +6136,42 @@ class Node:
         finally:                                    # whatever a send raised, the overlay ticks on
             self.schedule()
 
-    def deliver(self, msg: Dict[str, Any], src: str, tcp: bool, peer: Optional[str] = None) -> None:
-        """Hand an authentic message to the Overlay (or NAT traversal) and send what it answers.
-        `peer`: where it came from (an IP address, or "relay/<link>" for one of our links), for
-        a join: its answer goes only there (GossipTCP.answer_join)."""
-        handler = self.punch.handlers.get(msg["t"])
-        if handler is not None:                     # NAT traversal's own messages, not the Overlay's
-            handler(msg, src)
-            return
-        if msg["t"] == "j" and peer is not None:
-            self.gossip_tcp.answer_join(msg, src, peer)
-            return
+    def _routes(self) -> Dict[str, Tuple[Callable[[Dict[str, Any], Optional[str], Via], Any], bool]]:
+        """MESSAGE_TYPES as one table: type -> (its part's bound handler, whether anyone may
+        send it). The Overlay's types go in through Overlay.receive, a join after the check of
+        where its answer may go (GossipTCP.answer_join); a reader's type is not routed."""
+        parts = {"gossip_tcp": self.gossip_tcp, "relay_server": self.relay_server, "punch": self.punch}
+        routes = {}
+        for t, row in MESSAGE_TYPES.items():
+            if row.part == "overlay":
+                routes[t] = (self._to_overlay, row.anyone)
+            elif row.part in parts:
+                routes[t] = (getattr(parts[row.part], row.handler), row.anyone)
+        routes["j"] = (self.gossip_tcp.answer_join, False)
+        return routes
+
+    def deliver(self, msg: Dict[str, Any], src: Optional[str], via: Via) -> Optional[Awaitable[None]]:
+        """The one dispatch of an authentic message, by its type (Node.routes). `src`: the
+        sender's gossip address (None when it named none: only a reach check may come from
+        anyone); `via`: where it came in. What the handler has still to do on `via.conn` (a
+        reach check's answer) is returned, for the reader to await or spawn."""
+        route = self.routes.get(msg["t"])
+        if route is None:                           # a reader's type, out of place
+            self.traffic["malformed"] += 1
+            return None
+        handler, anyone = route
+        if not anyone:
+            if self.overlay is None:                # not started: nothing to say yet
+                return None
+            if src is None:
+                self.traffic["malformed"] += 1
+                return None
+        return handler(msg, src, via)
+
+    def _to_overlay(self, msg: Dict[str, Any], src: str, via: Via) -> None:
+        """The Overlay's message: its answers sent, the timer set for what it started."""
         try:
-            outs = self.overlay.receive(msg, src, time.time(), tcp)
+            outs = self.overlay.receive(msg, src, time.time(), via.tcp)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             self.traffic["malformed"] += 1           # authentic but nonsensical: drop, count
             return
@@ -6069,7 +6188,7 @@ class Node:
         msg = self.wire.open(data, time.time(), sender=f"{addr[0]}:{addr[1]}")
         if msg is not None:
             src = msg.pop("ra", None)               # relayed: the sender's own gossip address
-            self.deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False, addr[0])
+            self.deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", Via(False, addr[0]))
 
     def resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
