@@ -26,7 +26,7 @@ Theory of operation. The file is in sections, each a room with one job:
                        (a private member's links, the reach check, a dialer's RelayClient.open)
     asyncio node       GossipTCP: the gossip port's TCP side (admission, joins, state transfers,
                        the hellos that make a link, a splice, a dial-back). Node: the sockets,
-                       the timer and the lifecycle; it wires the others
+                       the timer and the lifecycle; it wires the others, and routes messages
     prompt prefixes    what a worker publishes for the ingresses' routing: the hashes of the
                        prompts its engine was sent (PrefixSummary), its engine's speed from the
                        answers it relays (EngineSpeed, SpeedFit), publish_engine_view
@@ -41,6 +41,9 @@ A gossip message:
         Node.send: Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send; to a relayed
         address ("relay/<link>") in an envelope through one of its relays (Reach.relays), or
         over the punched UDP path when there is one.
+    Node.deliver is the one dispatch, by the table MESSAGE_TYPES: the Overlay's types go to
+    Overlay.receive, NAT traversal's to HolePunch and RelayServer; a TCP hello, and an answer
+    read on the socket that asked for it, stay with their reader.
     The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
 
 A request (the ingress dials the node's "addr" from its record):
@@ -5762,8 +5765,14 @@ class Node:
     (workers) the HTTP/tunnel port that forwards to the engine; its timer ticks the Overlay, and
     its lifecycle holds SERVING until the reach is known (rule 8). It wires the parts: Tunnel
     (the tunnel port), GossipTCP (the gossip port's TCP side), RelayServer and RelayClient (a
-    relay's side, a private member's and a dialer's), HolePunch, and Reach (their rules). The
-    parts call back through `send`, `deliver`, `resolve`, `spawn` and `schedule`."""
+    relay's side, a private member's and a dialer's), HolePunch, and Reach (their rules), and
+    routes every message (`deliver`, by `routes`, from MESSAGE_TYPES). No part holds the node
+    (Tunnel apart): each is given at construction the siblings and call-backs it uses. Those
+    are `deliver`, `spawn`, `resolve`; out: `send` (the Overlay's Outs), `schedule`,
+    `send_datagram`, `send_frame`, `_sendto`; the Overlay's side: `receive`, `_to_overlay`,
+    `address`/`set_address`, `own_record`, `suspected_at`, `is_member`, `knows`,
+    `relays_offered`; our reach: `relaying`, `reach_known`; the tunnel port: `serving_tunnel`,
+    Tunnel.admit. They share the counters `traffic`, `relayed` and `refused`."""
 
     def __init__(self, config: Config, role: str = "worker", models=None, hardware=None, labels=None,
                  engine_url: Optional[str] = None):
