@@ -753,6 +753,36 @@ class Redial:
         self.due, self.backoff, self.since, self.seed = due, backoff, since, seed
 
 
+class Known:
+    """What we hold of a session, to tell a copy (or an older record) from news before it is
+    validated: its state and version, and the record itself."""
+
+    __slots__ = ("state", "version", "record")
+
+    def __init__(self, record: Dict[str, Any]):
+        self.state, self.version, self.record = record["state"], record["version"], record
+
+
+class PingReq:
+    """A ping-req we are carrying out for another member (FailureDetector._on_i): who asked and
+    its probe's seq, when we forget it (a late ack still counts until then), and when we nack
+    it (inf once sent)."""
+
+    __slots__ = ("requester", "seq", "expiry", "nack_at")
+
+    def __init__(self, requester: str, seq: int, expiry: float, nack_at: float):
+        self.requester, self.seq, self.expiry, self.nack_at = requester, seq, expiry, nack_at
+
+
+class LateProbe:
+    """A recent probe of ours, kept after its round so that its late ack is still evidence."""
+
+    __slots__ = ("sid", "start")
+
+    def __init__(self, sid: str, start: float):
+        self.sid, self.start = sid, start
+
+
 class Suspicion:
     __slots__ = ("version", "since", "began", "confirmers", "deadline", "held", "vouchers")
 
@@ -779,9 +809,8 @@ class FailureDetector:
         self.lhm = 0                                # Lifeguard local health multiplier
         self.seq = 0
         self.probe: Optional[dict] = None
-        self.relays: Dict[int, list] = {}           # our seq -> [requester addr, its seq, expiry,
-                                                    #             nack time (inf once sent)]
-        self.late: Dict[int, tuple] = {}            # recent probe seq -> (sid, start): late acks
+        self.relays: Dict[int, PingReq] = {}        # our seq -> the ping-req we carry out
+        self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
         self.rtt = 0.0                              # moving average of every ack's delay
         self.next_probe = now + self.rng.uniform(0, config.probe_interval)
@@ -818,11 +847,11 @@ class FailureDetector:
             return []
         relay = self.relays.pop(n, None)
         if relay is not None:
-            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
+            return [Out(relay.requester, {"t": "a", "n": relay.seq}, False)]
         late = self.late.get(n)
         if late is not None:                        # after its round gave up: still evidence
-            sid = late[0]
-            self._acked(sid, now - late[1], now)
+            sid = late.sid
+            self._acked(sid, now - late.start, now)
             if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
                 self._degrade()                     # we alone accused a live member: our clock
                                                     # or socket lags, so we judge more slowly
@@ -848,7 +877,7 @@ class FailureDetector:
         cfg = self.cfg
         nack_at = now + cfg.nack_after * cfg.indirect_timeout
         expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
-        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
+        self.relays[self.seq] = PingReq(src, int(msg["n"]), expiry, nack_at)
         split_addr(msg["a"])
         return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
 
@@ -862,10 +891,10 @@ class FailureDetector:
         """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
         out = []
         for seq, relay in list(self.relays.items()):
-            if relay[3] <= now:
-                relay[3] = math.inf
-                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
-            if relay[2] <= now:
+            if relay.nack_at <= now:
+                relay.nack_at = math.inf
+                out.append(Out(relay.requester, {"t": "n", "n": relay.seq}, False))
+            if relay.expiry <= now:
                 del self.relays[seq]
         return out
 
@@ -890,7 +919,7 @@ class FailureDetector:
         addr = self.members[sid]
         self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
                       "extended": False, "nacks": 0, "helpers": 0}
-        self.late[self.seq] = (sid, now)
+        self.late[self.seq] = LateProbe(sid, now)
         self._set_deadline()
         ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
         sus = self.suspects.get(sid)
@@ -1107,9 +1136,9 @@ class Overlay(FailureDetector):
         self.met_ingresses: List[str] = []          # newly proven ones, sent a digest at once
         self.seeds: Dict[str, str] = {}             # live ingress and relay sid -> gossip address
         self.refused = collections.Counter()        # entries refused: unsigned, plane
-        self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
+        self.known: Dict[str, Known] = {session_id: Known(self.record)}
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
-        self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
+        self.rumours: Dict[tuple, int] = {}         # key ("r", sid) or ("s", sid, by) -> transmits left
         self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
         self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
@@ -1303,7 +1332,7 @@ class Overlay(FailureDetector):
             if self.map.compact(now):
                 self.known = {sid: k for sid, k in self.known.items() if sid in self.map}
             horizon = now - 10 * cfg.probe_timeout_max
-            self.late = {n: p for n, p in self.late.items() if p[1] > horizon}
+            self.late = {n: p for n, p in self.late.items() if p.start > horizon}
             self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
             self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
         self.expected_wakeup = self.next_wakeup()
@@ -1320,7 +1349,7 @@ class Overlay(FailureDetector):
         if self.pushes:
             times.append(self.next_resend)
         if self.relays:
-            times.append(min(r[3] for r in self.relays.values()))
+            times.append(min(r.nack_at for r in self.relays.values()))
         times.append(self.next_redial)
         times.extend(s.deadline for s in self.suspects.values())
         return min(times)
@@ -1476,18 +1505,18 @@ class Overlay(FailureDetector):
                     continue
             mine = self.known.get(sid)
             if mine is not None and isinstance(record, dict):
-                theirs = (record.get("state"), record.get("version"))
+                theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
                 if type(theirs[0]) is int and type(theirs[1]) is int and \
-                        (theirs < mine[:2] or (theirs == mine[:2] and record == mine[2])):
+                        (theirs < ours or (theirs == ours and record == mine.record)):
                     if ("r", sid) in self.rumours:
-                        self.rumours[("r", sid)][0] -= 1    # others know it: lose interest sooner
+                        self.rumours[("r", sid)] -= 1       # others know it: lose interest sooner
                     continue                        # a copy we have, or older: no need to validate
             fresh[sid] = record
         changed = self.map.merge(fresh, joining)
         done = set(changed)                         # a set: a joiner's merge of 100k records is linear
         for sid in fresh:
             if sid not in done and ("r", sid) in self.rumours:
-                self.rumours[("r", sid)][0] -= 1
+                self.rumours[("r", sid)] -= 1
         return self._changed(changed, now, exclude=src, push=push)
 
     def _changed(self, sids: List[str], now: float, exclude: Optional[str] = None,
@@ -1505,7 +1534,7 @@ class Overlay(FailureDetector):
             record = self.map.get(sid)
             if record is None:
                 continue
-            self.known[sid] = (record["state"], record["version"], record)
+            self.known[sid] = Known(record)
             if self._track(sid, record, now) and not push and self.members[sid] != exclude:
                 met.append(self.members[sid])       # (the sender knows us: it sent us state, or
                                                     # pushed to us as a member it knows)
@@ -1539,7 +1568,7 @@ class Overlay(FailureDetector):
         if push is LATER:
             for key in keys:
                 if crdt.plane_of(key[1]) == crdt.ROUTING:
-                    self.rumours[key] = [1]
+                    self.rumours[key] = 1
             if keys:
                 self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
             return out
@@ -1633,10 +1662,10 @@ class Overlay(FailureDetector):
             if origin:                              # the seeds always get it from its writer
                 out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
         for key in keys:
-            self.rumours[key] = [limit]
-        for key in keys:
-            self.rumours[key][0] -= 1
-            if self.rumours[key][0] <= 0:
+            self.rumours[key] = limit
+        for key in keys:                            # the push above was the first transmit
+            self.rumours[key] -= 1
+            if self.rumours[key] <= 0:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
@@ -1750,10 +1779,10 @@ class Overlay(FailureDetector):
         """Retransmit tick: pending rumours, packed into a few datagrams, to `gossip_fanout`
         random peers; each rumour loses one transmit."""
         self.next_gossip = math.inf
-        keys = sorted(self.rumours, key=lambda k: -self.rumours[k][0])[: self.MAX_PER_TICK]
+        keys = sorted(self.rumours, key=lambda k: -self.rumours[k])[: self.MAX_PER_TICK]
         for key in keys:
-            self.rumours[key][0] -= 1
-            if self.rumours[key][0] <= 0:
+            self.rumours[key] -= 1
+            if self.rumours[key] <= 0:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = now + self.cfg.gossip_interval
@@ -4505,6 +4534,16 @@ async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local:
     return won
 
 
+class Spare:
+    """A tunnel connection a probe punched (rule 6), waiting for the next dial, and when it was made
+    (time.monotonic)."""
+
+    __slots__ = ("sock", "made")
+
+    def __init__(self, sock: socket.socket, made: float):
+        self.sock, self.made = sock, made
+
+
 class HolePunch:
     """Rules 4 to 6 of "NAT traversal and relay" for one node: the UDP punches towards private
     peers and the punched paths their gossip takes (one _PunchSocket per peer), and the TCP
@@ -4534,7 +4573,7 @@ class HolePunch:
         self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
         self.tunnel_punch_ms: List[float] = []      # how long each punched tunnel connect took
         self.answering = 0                          # simultaneous opens we answer right now
-        self.spares: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection (rule 6)
+        self.spares: Dict[str, Spare] = {}          # a probe's punched connection (rule 6)
         self.listeners: List[Callable[[str], None]] = []
 
     def stats(self) -> Dict[str, Any]:
@@ -4542,7 +4581,7 @@ class HolePunch:
                 "punch_after_join_ms": self.punch_after_join_ms[-8:], "punched": sorted(self.paths),
                 "tunnel_punches": dict(self.tunnel_punches), "tunnel_punch_ms": self.tunnel_punch_ms[-8:]}
 
-    def take_spare(self, addr: str) -> Optional[Tuple[socket.socket, float]]:
+    def take_spare(self, addr: str) -> Optional[Spare]:
         """A probe's punched connection to `addr` and when it was made, handed to the caller."""
         return self.spares.pop(addr, None)
 
@@ -4550,15 +4589,15 @@ class HolePunch:
         """`addr` went LEFT: a connection punched for it has no one to serve."""
         spare = self.spares.pop(addr, None)
         if spare is not None:
-            spare[0].close()
+            spare.sock.close()
 
     def close(self) -> None:
         paths = list(self.paths.values())
         self.paths.clear()                          # closing: no path "falls back"
         for path in paths:
             path.close()
-        for sock, _ in self.spares.values():
-            sock.close()
+        for spare in self.spares.values():
+            spare.sock.close()
         self.spares.clear()
 
     def _on_observe(self, msg: Dict[str, Any], src: str, via: Via) -> None:
@@ -4776,8 +4815,8 @@ class HolePunch:
             return
         old = self.spares.pop(peer, None)
         if old is not None:
-            old[0].close()
-        self.spares[peer] = (sock, time.monotonic())
+            old.sock.close()
+        self.spares[peer] = Spare(sock, time.monotonic())
         log.info("tunnel to %s punches again: its relayed connections are retired", peer)
         for listener in self.listeners:
             listener(peer)
@@ -5352,9 +5391,9 @@ class RelayClient:
         path = self._tunnel_path(addr, spare, addr in self.punch.paths, now)
         if path == "spare":
             self.reach.went(addr, "punched", now)
-            return spare[0]
+            return spare.sock
         if spare is not None:
-            spare[0].close()
+            spare.sock.close()
         if path == "punch":
             sock = await self.punch.punch_tunnel(addr)
             if sock is not None:
@@ -5372,13 +5411,13 @@ class RelayClient:
                 continue
         raise OSError(f"no relay of {addr} answers")
 
-    def _tunnel_path(self, addr: str, spare: Optional[Tuple[socket.socket, float]], punched: bool,
+    def _tunnel_path(self, addr: str, spare: Optional[Spare], punched: bool,
                      now: float) -> str:
         """Reach.tunnel_path for a new tunnel connection to `addr`, from what we hold now."""
         link = self.linked(addr[len(RELAYED_PREFIX):])
         return self.reach.tunnel_path(addr, self.private, punched,
                                       link is not None and not link.writer.transport.is_closing(),
-                                      None if spare is None else time.monotonic() - spare[1],
+                                      None if spare is None else time.monotonic() - spare.made,
                                       self.config.head_timeout, now)
 
     async def _connect(self, addr: str, hello: Dict[str, Any]) -> socket.socket:
@@ -5605,8 +5644,8 @@ class GossipTCP:
         left, since = budget.get(source, (float(cfg.join_answer_burst), now))
         left = min(float(cfg.join_answer_burst), left + (now - since) * cfg.join_answer_rate)
         if source not in budget and len(budget) >= cfg.max_remembered:   # forget the full buckets
-            self.join_budget = budget = {k: v for k, v in budget.items()
-                                          if v[0] + (now - v[1]) * cfg.join_answer_rate < cfg.join_answer_burst}
+            self.join_budget = budget = {k: (answers, when) for k, (answers, when) in budget.items()
+                                          if answers + (now - when) * cfg.join_answer_rate < cfg.join_answer_burst}
             if len(budget) >= cfg.max_remembered:
                 return False
         if left < 1.0:

@@ -556,7 +556,7 @@ def test_a_join_answer_carries_live_and_recent_records_only_and_compaction_prune
             "left_at": net.now - 7200, "gossip": "10.9.9.9:1"}
     recent = dict(gone, left_at=net.now - 60)
     seed.map.merge({"a" * 32: gone, "b" * 32: recent})
-    seed.known["a" * 32] = (crdt.LEFT, 3, gone)
+    seed.known["a" * 32] = on.Known(gone)
     answer = seed.receive({"t": "j", "r": {}}, "10.0.0.99:7946", net.now)
     state = [o.msg for o in answer if o.msg["t"] == "st"][0]["r"]
     assert "a" * 32 not in state and "b" * 32 in state and len(state) == 5
