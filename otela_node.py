@@ -798,26 +798,98 @@ class Suspicion:
 
 class FailureDetector:
     """The failure detector's half of an Overlay (SWIM probes over three paths, Lifeguard
-    suspicion, evictions with their evidence): the same object's state (members, suspects,
-    probe, local health), kept apart by concern. Overlay is the only class built on it."""
+    suspicion, evictions with their evidence). It owns the liveness state: `members` (the
+    Overlay keeps it in step with the map through `_track_member` and `_untrack_member`),
+    `suspects`, `probe`, `lhm` (local health), `late`. Overlay is the only class built on it,
+    and provides it this narrow interface:
+        sid, cfg, rng, leaving     our session id, the settings, the random source, leaving
+        record_of(sid)             a session's record in the map (None if unknown)
+        own_version()              the version of our own record
+        update(now, **fields)      an owner write of our record (a refutation, with our lhm)
+        digest_to(addr)            an anti-entropy opening to `addr`
+        _rumour(keys, now, src)    gossip suspicions
+        _notify(sid, record)       a change of suspicion, to the listeners
+        _write_eviction(sid, record, now)  our LEFT for another session, merged and pushed
+        _voucher(sid, version)     our word that we suspected `sid` at `version`"""
 
-    def __init__(self, config: Config, now: float):
-        """Its own state; `members`, `map`, `record` and the sending helpers are the Overlay's."""
+    def __init__(self, config: Config, rng: random.Random, now: float):
+        self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
+        self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
+        self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.suspects: Dict[str, Suspicion] = {}
         self.evictions: collections.deque = collections.deque()   # when members were evicted
         self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
         self.lhm = 0                                # Lifeguard local health multiplier
-        self.seq = 0
+        self.seq = 0                                # probe and ping-req numbers (the Overlay numbers its pushes by it too)
         self.probe: Optional[dict] = None
         self.relays: Dict[int, PingReq] = {}        # our seq -> the ping-req we carry out
         self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
         self.rtt = 0.0                              # moving average of every ack's delay
-        self.next_probe = now + self.rng.uniform(0, config.probe_interval)
+        self.next_probe = now + rng.uniform(0, config.probe_interval)
 
     # -- queries ----------------------------------------------------------------------------
     def is_suspected(self, sid: str) -> bool:
         return sid in self.suspects
+
+    # -- the timer (Overlay.tick, Overlay.next_wakeup) -----------------------------------------
+    def _detect(self, now: float) -> List[Out]:
+        """The probe round, the ping-reqs we carry out, and the suspicions, as far as they are due."""
+        out: List[Out] = []
+        if self.probe is not None and now >= self.probe["deadline"]:
+            out += self._advance_probe(now)
+        if self.probe is None and now >= self.next_probe and not self.leaving:
+            out += self._start_probe(now)
+        if self.relays:
+            out += self._nacks(now)
+        for sid in [s for s, sus in self.suspects.items() if now >= sus.deadline]:
+            out += self._evict(sid, now)
+        return out
+
+    def _detector_wakeups(self) -> List[float]:
+        times = [s.deadline for s in self.suspects.values()]
+        if self.probe is not None:
+            times.append(self.probe["deadline"])
+        elif self.members and not self.leaving:
+            times.append(self.next_probe)
+        if self.relays:
+            times.append(min(r.nack_at for r in self.relays.values()))
+        return times
+
+    def _compact_detector(self, now: float) -> None:
+        """Forget late probes, stray pings answered and slow acks of members gone."""
+        cfg = self.cfg
+        horizon = now - 10 * cfg.probe_timeout_max
+        self.late = {n: p for n, p in self.late.items() if p.start > horizon}
+        self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
+        self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
+
+    def _stop_probing(self) -> None:
+        """We leave: no probe round is finished or started."""
+        self.probe = None
+
+    def _new_session(self) -> None:
+        """Our session id changed: the probe ring is rebuilt around it."""
+        self.ring = None
+
+    # -- membership, as the Overlay's map says ----------------------------------------------
+    def _track_member(self, sid: str, addr: str) -> bool:
+        """`sid` is live at `addr`: True when it was not a member there before."""
+        if self.members.get(sid) == addr:
+            return False
+        self.members[sid] = addr
+        self.ring = None
+        return True
+
+    def _untrack_member(self, sid: str, evicted: bool, now: float) -> Optional[str]:
+        """`sid` is no longer live (`evicted`: by a failure detector); its address, None if it
+        was not a member."""
+        addr = self.members.pop(sid, None)
+        if addr is not None:
+            self.ring = None
+            if evicted:
+                self.evictions.append(now)
+        return addr
 
     # -- message handlers -------------------------------------------------------------------
     def _on_p(self, msg, src, now, tcp):
@@ -867,7 +939,7 @@ class FailureDetector:
         self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
         sus = self.suspects.get(sid)
         if sus is not None:
-            record = self.map.get(sid)
+            record = self.record_of(sid)
             if record is not None and record["version"] <= sus.version:
                 del self.suspects[sid]              # fresh evidence beats a rumour
                 self._notify(sid, record)
@@ -932,7 +1004,7 @@ class FailureDetector:
         """A probe phase's timeout: the direct one stretches for a member known to ack late."""
         if name == "probe_timeout":
             cfg = self.cfg
-            record = self.map.get(sid) or {}
+            record = self.record_of(sid) or {}
             lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
             wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
             return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
@@ -975,7 +1047,7 @@ class FailureDetector:
         if p["nacks"] < p["helpers"] or not p["helpers"]:
             self._degrade()
         self._end_probe()
-        record = self.map.get(sid)
+        record = self.record_of(sid)
         return self._suspect(sid, record["version"], self.sid, now, None)
 
     def _degrade(self) -> None:
@@ -983,13 +1055,13 @@ class FailureDetector:
 
     def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
         if sid == self.sid:
-            if version < self.record["version"] or self.leaving:
+            if version < self.own_version() or self.leaving:
                 return []
             self._degrade()                         # others can't reach us: maybe we are the problem
             # Refute: a newer version clears the suspicion. It carries our local health, so
             # that every prober gives a member that knows it is slow longer to answer.
             return self.update(now, lhm=self.lhm)
-        record = self.map.get(sid)
+        record = self.record_of(sid)
         if record is None or record["state"] == crdt.LEFT or version < record["version"]:
             return []
         sus = self.suspects.get(sid)
@@ -997,7 +1069,7 @@ class FailureDetector:
         if new:
             sus = self.suspects[sid] = Suspicion(version, now, by)
         if by == self.sid and src is None:          # our own probe failed: our word on it, which
-            sus.vouchers[by] = (version, crdt.voucher(self.bind_key, sid, version, by))   # nobody else can give
+            sus.vouchers[by] = (version, self._voucher(sid, version))   # nobody else can give
         if not new:
             if by in sus.confirmers:
                 return []
@@ -1048,7 +1120,7 @@ class FailureDetector:
             sus.deadline = now + self._grace(len(sus.confirmers) - 1)
             return []
         del self.suspects[sid]
-        version = (self.map.get(sid) or {}).get("version")
+        version = (self.record_of(sid) or {}).get("version")
         vouchers = {c: mac for c, (v, mac) in sus.vouchers.items() if v == version}
         # the confirmers with a voucher first: made-up confirmers do not push them out of the evidence
         others = sorted((c for c in sus.confirmers if c != self.sid),
@@ -1079,7 +1151,7 @@ class FailureDetector:
         """Write LEFT for another member's session, as its evictor, with the evidence and the
         confirmers' vouchers (crdt: the end of a session); the writer pushes it to all."""
         self.suspects.pop(sid, None)
-        record = self.map.get(sid)
+        record = self.record_of(sid)
         if record is None or record["state"] == crdt.LEFT:
             return []
         by = list(evidence["by"])                   # (ours first, then the vouched confirmers)
@@ -1094,9 +1166,8 @@ class FailureDetector:
         if len(self.retired) >= self.MAX_RETIRED:
             self.retired.pop(next(iter(self.retired)))
         self.retired[sid] = now
-        self.map.put(sid, record, writer=self.sid)
         log.info("session %s evicted: %s", sid, why)
-        return self._changed([sid], now, origin=True)
+        return self._write_eviction(sid, record, now)
 
 
 class Overlay(FailureDetector):
@@ -1110,6 +1181,7 @@ class Overlay(FailureDetector):
         self.cfg = config
         self.rng = rng or random.Random()
         self._secure = rng is None                  # the simulator passes rng: runs replay
+        FailureDetector.__init__(self, config, self.rng, now)   # members, suspects, probes
         # The ingress tier (crdt.Authority): only a member holding its secret writes, verifies and
         # sends on the ingress plane. An ingress without it keeps keys and usage to itself.
         self.authority = crdt.Authority(config.ingress_keys) if config.ingress_keys else None
@@ -1137,21 +1209,17 @@ class Overlay(FailureDetector):
         self.seeds: Dict[str, str] = {}             # live ingress and relay sid -> gossip address
         self.refused = collections.Counter()        # entries refused: unsigned, plane
         self.known: Dict[str, Known] = {session_id: Known(self.record)}
-        self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
         self.rumours: Dict[tuple, int] = {}         # key ("r", sid) or ("s", sid, by) -> transmits left
         self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
-        self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
         self.bootstrap: List[str] = []
         self.leaving = False
-        FailureDetector.__init__(self, config, now)
         self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
         self.next_resend = math.inf                 # the earliest push's next resend (or later):
                                                     # no scan of every push at every wakeup
         self.remembered: Dict[str, Redial] = {}     # addr -> when and how to dial it again
         self.heard: set = set()                     # bootstrap addresses that have answered
-        self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.sent = collections.Counter()           # messages sent by type
         self.next_gossip = math.inf
         self.next_push_pull = now + self.rng.uniform(0.5, 1.0) * config.push_pull_interval
@@ -1161,6 +1229,21 @@ class Overlay(FailureDetector):
         self.started = now
         self.next_compact = now + config.compact_interval
         self.expected_wakeup = now
+
+    # -- what the failure detector asks of us (FailureDetector's interface) -----------------
+    def record_of(self, sid: str) -> Optional[Dict[str, Any]]:
+        return self.map.get(sid)
+
+    def own_version(self) -> int:
+        return self.record["version"]
+
+    def _voucher(self, sid: str, version: int) -> str:
+        return crdt.voucher(self.bind_key, sid, version, self.sid)
+
+    def _write_eviction(self, sid: str, record: Dict[str, Any], now: float) -> List[Out]:
+        """Our LEFT for another member's session, as its evictor: merged, and pushed to all."""
+        self.map.put(sid, record, writer=self.sid)
+        return self._changed([sid], now, origin=True)
 
     # -- inputs -----------------------------------------------------------------------------
     def join(self, bootstrap: List[str], now: float) -> List[Out]:
@@ -1259,7 +1342,7 @@ class Overlay(FailureDetector):
 
     def leave(self, now: float) -> List[Out]:
         self.leaving = True
-        self.probe = None
+        self._stop_probing()
         return self.update(now, state=crdt.LEFT, left_at=now)
 
     def rejoin(self, now: float, **fields) -> List[Out]:
@@ -1277,7 +1360,7 @@ class Overlay(FailureDetector):
         if record["state"] >= crdt.DOWN:
             record["state"] = crdt.SERVING
         self.sid = f"{self.rng.getrandbits(128):032x}"   # from our rng: the simulator replays a run
-        self.ring = None
+        self._new_session()
         self.record = record = self._signed(self.sid, self._sealed(record))
         self.leaving = False
         self.map.put(self.sid, record)
@@ -1292,14 +1375,7 @@ class Overlay(FailureDetector):
         cfg = self.cfg
         if now - self.expected_wakeup > cfg.stall_threshold:
             self._degrade()                         # we ran late: trust our own judgement less
-        if self.probe is not None and now >= self.probe["deadline"]:
-            out += self._advance_probe(now)
-        if self.probe is None and now >= self.next_probe and not self.leaving:
-            out += self._start_probe(now)
-        if self.relays:
-            out += self._nacks(now)
-        for sid in [s for s, sus in self.suspects.items() if now >= sus.deadline]:
-            out += self._evict(sid, now)
+        out += self._detect(now)
         if now >= self.next_gossip:
             out += self._gossip(now)
         if self.pushes and now >= self.next_resend:
@@ -1331,28 +1407,17 @@ class Overlay(FailureDetector):
             self.next_compact = now + cfg.compact_interval
             if self.map.compact(now):
                 self.known = {sid: k for sid, k in self.known.items() if sid in self.map}
-            horizon = now - 10 * cfg.probe_timeout_max
-            self.late = {n: p for n, p in self.late.items() if p.start > horizon}
-            self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
-            self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
+            self._compact_detector(now)
         self.expected_wakeup = self.next_wakeup()
         return self._count(out)
 
     def next_wakeup(self) -> float:
-        times = [self.next_push_pull, self.next_join, self.next_compact]
-        if self.probe is not None:
-            times.append(self.probe["deadline"])
-        elif self.members and not self.leaving:
-            times.append(self.next_probe)
+        times = [self.next_push_pull, self.next_join, self.next_compact, self.next_redial]
         if self.rumours:
             times.append(self.next_gossip)
         if self.pushes:
             times.append(self.next_resend)
-        if self.relays:
-            times.append(min(r.nack_at for r in self.relays.values()))
-        times.append(self.next_redial)
-        times.extend(s.deadline for s in self.suspects.values())
-        return min(times)
+        return min(times + self._detector_wakeups())
 
     # -- message handlers -------------------------------------------------------------------
 
@@ -1591,23 +1656,18 @@ class Overlay(FailureDetector):
             self.seeds.pop(sid, None)
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
             addr = record["gossip"]
-            new = self.members.get(sid) != addr
+            new = self._track_member(sid, addr)
             if new:
-                self.members[sid] = addr
                 self.by_addr[addr] = sid
-                self.ring = None
             if seed:
                 self.remember(addr, now, seed=True)   # dialled again if it ever goes away
             return new
         else:
-            addr = self.members.pop(sid, None)
+            addr = self._untrack_member(sid, bool(record.get("evicted_by")), now)
             if addr is None:
                 return False
-            self.ring = None
             if self.by_addr.get(addr) == sid:
                 del self.by_addr[addr]
-            if record.get("evicted_by"):
-                self.evictions.append(now)
             if seed or record.get("evicted_by"):    # it may come back, or be alive beyond a split
                 self.remember(addr, now, seed=seed)
         return False
