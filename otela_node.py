@@ -582,23 +582,18 @@ class Wire:
 
 
 # Message types ("t"): short names, because idle traffic is mostly pings and acks. Each row names
-# the part of a node that handles the type and that part's method (its handler):
-#   overlay       the Overlay's, called by Overlay.receive (msg, src, now, tcp): sans-IO
-#   gossip_tcp, relay_server, punch
-#                 the node's parts, called by Node.deliver (msg, src, via: where it came in)
-#   path          read by the punched socket it arrives on (_PunchSocket), never routed: an
-#                 answer to what that socket asked, or its probes
-#   reader        read on the connection that asked for it or by the transport reader it names,
-#                 never routed: a TCP hello, a reach check's answer
-# Node wires the routed rows into one table (Node.routes: type -> bound handler) and
-# Node.deliver is the one place a message is dispatched; a join is the Overlay's, with its
-# answer sent only where it came from (GossipTCP.answer_join).
+# the part of a node that handles the type, and that part's method:
+#   overlay       Overlay.receive calls it (msg, src, now, tcp): sans-IO
+#   gossip_tcp, relay_server, punch   Node.deliver calls it (msg, src, via: where it came in)
+#   path, reader  never routed: read by the punched socket it arrives on (_PunchSocket: answers to
+#                 what it asked, its probes), or on the connection that asked / by the reader named
+# Node wires the routed rows into one table (Node.routes) and Node.deliver dispatches there alone;
+# a join is the Overlay's, its answer sent only where it came from (GossipTCP.answer_join).
 
 
 class MessageType:
-    """One row of MESSAGE_TYPES: the fields the message carries, the part that handles it, the
-    name of that part's handler, and whether anyone may send it (no "ra" sender, no membership
-    needed: a reach check comes before its asker joins)."""
+    """A row of MESSAGE_TYPES: the fields, the part that handles it, that part's handler, and
+    whether anyone may send it (no "ra" sender, no membership: a reach check precedes a join)."""
 
     __slots__ = ("fields", "part", "handler", "anyone")
 
@@ -606,63 +601,44 @@ class MessageType:
         self.fields, self.part, self.handler, self.anyone = fields, part, handler, anyone
 
 
-#   t                 fields                       part            handler
 MESSAGE_TYPES = {
-    "p":  MessageType("n seq, to sid[:8], sv?", "overlay", "_on_p"),   # ping (direct probe; over TCP
-                                     # it is the third probe path); sv: "you are suspected at this
-                                     # version" (Lifeguard buddy)
-    "a":  MessageType("n seq", "overlay", "_on_a"),                    # ack of ping n
-    "i":  MessageType("n seq, to sid[:8], a", "overlay", "_on_i"),     # ping-req: please probe address
-                                     # a for me (indirect path)
-    "n":  MessageType("n seq", "overlay", "_on_n"),                    # nack of ping-req n: I asked,
-                                     # the target did not answer
-    "r":  MessageType("r {sid: record}, s [[sid, version, by]], vo?, k?", "overlay", "_on_r"),   # rumours:
-                                     # records and suspicions; vo [[sid, version, by, voucher]]: the
-                                     # vouchers of confirmers in s (crdt, "The end of a session"); k:
-                                     # the writer's push id, to be acked
-    "k":  MessageType("k push id", "overlay", "_on_k"),                # ack of a writer's push: stop
-                                     # resending it to me
-    "j":  MessageType("r {sid: record}", "overlay", "_on_j"),          # join: my record; answer with
-                                     # your full state
-    "st": MessageType("r {sid: record}", "overlay", "_on_st"),         # state: records to merge (join
-                                     # answer, push-pull end)
-    "d":  MessageType("d {n, root}, di?, s?", "overlay", "_on_d"),     # push-pull 1: my digest root
-                                     # (and my suspicions, below); di: the ingress plane's root
-                                     # (between proven ingresses)
-    "db": MessageType("d {n, root, b}, pl?", "overlay", "_on_db"),     # push-pull 2: roots differ,
-                                     # here are my bucket hashes (pl "i": the ingress plane's; none:
-                                     # the routing plane's)
-    "dr": MessageType("r {sid: record}, d, pl?", "overlay", "_on_dr"),   # push-pull 3: what you lack,
-                                     # and my buckets (the rest of what you lack follows in "st" pieces)
-    "h":  MessageType("link?, splice?, accept?, dial?", "reader", "GossipTCP._hello"),   # TCP hello:
-                                     # the one frame after it may be up to max_frame (any other,
-                                     # max_datagram: GossipTCP.serve); link: a private member's relay
-                                     # link; splice: open a tunnel stream to that link; dial
-                                     # (relay->member, read by RelayClient._read_link)/accept: its dial-back
-    "rq": MessageType("n, a?", "relay_server", "_on_reach", anyone=True),   # reachability: dial me
-                                     # back at gossip address a (over TCP); without a: only say where
-                                     # you see me (a TCP punch's mapping)
-    "rs": MessageType("n, seen, back, relaying?, relays?", "reader", "RelayClient.ask_reach"),   # answer:
-                                     # the address the seed saw, whether its dial worked, whether it
-                                     # relays, and the relays it knows (gossip addresses); read on
-                                     # the asking connection (and by HolePunch._tcp_mapping)
-    "ob": MessageType("n", "punch", "_on_observe"),                    # UDP: which address do you see
-                                     # me at? (a punch socket's mapping)
-    "os": MessageType("n, seen", "path", "_on_seen"),                  # answer to ob
-    "pq": MessageType("a, seen, first", "punch", "_on_punch_request"),   # punch request (through a
-                                     # relay): my socket is seen at `seen`; first: you send first
-                                     # (attempt a)
-    "pr": MessageType("a, seen", "punch", "_on_reply"),                # punch reply (through a relay):
-                                     # and mine at `seen`
-    "pp": MessageType("", "path", "_on_probe"),                        # punch probe, straight at the
-                                     # peer's mapping
-    "pa": MessageType("", "path", "_on_probe_ack"),                    # punch ack: your probe arrived
-                                     # (the path works both ways)
-    "tq": MessageType("n, seen, first", "punch", "_on_tunnel_punch"),   # tunnel punch request
-                                     # (relayed): connect to my TCP mapping `seen` now (first: you
-                                     # send the first SYN); token n
-    "tr": MessageType("n, seen", "punch", "_on_reply"),                # tunnel punch reply: and
-                                     # connect to mine at `seen`
+    "p":  MessageType("n seq, to sid[:8], sv?", "overlay", "_on_p"),
+    #     ping (direct probe; over TCP the third probe path); sv: "you are suspected at this version"
+    "a":  MessageType("n seq", "overlay", "_on_a"),                  # ack of ping n
+    "i":  MessageType("n seq, to sid[:8], a", "overlay", "_on_i"),   # ping-req: probe address a for me
+    "n":  MessageType("n seq", "overlay", "_on_n"),                  # nack of ping-req n: no answer
+    "r":  MessageType("r {sid: record}, s [[sid, version, by]], vo?, k?", "overlay", "_on_r"),
+    #     rumours: records and suspicions; vo [[sid, version, by, voucher]]: the vouchers of confirmers
+    #     in s (crdt, "The end of a session"); k: the writer's push id, to be acked
+    "k":  MessageType("k push id", "overlay", "_on_k"),              # ack of a push: stop resending it
+    "j":  MessageType("r {sid: record}", "overlay", "_on_j"),        # join: my record; answer: all state
+    "st": MessageType("r {sid: record}", "overlay", "_on_st"),       # state to merge (join answer, push-pull)
+    "d":  MessageType("d {n, root}, di?, s?", "overlay", "_on_d"),
+    #     push-pull 1: my digest root (and my suspicions); di: the ingress plane's (between ingresses)
+    "db": MessageType("d {n, root, b}, pl?", "overlay", "_on_db"),
+    #     push-pull 2: roots differ, my bucket hashes (pl "i": the ingress plane's; none: routing's)
+    "dr": MessageType("r {sid: record}, d, pl?", "overlay", "_on_dr"),
+    #     push-pull 3: what you lack, and my buckets (the rest of what you lack follows in "st" pieces)
+    "h":  MessageType("link?, splice?, accept?, dial?", "reader", "GossipTCP._hello"),
+    #     TCP hello: the one frame after it may be up to max_frame (others max_datagram); link: a private
+    #     member's relay link; splice: a tunnel stream to that link; dial (relay->member, read by
+    #     RelayClient._read_link)/accept: its dial-back
+    "rq": MessageType("n, a?", "relay_server", "_on_reach", anyone=True),
+    #     reachability: dial me back at gossip address a (TCP); no a: only say where you see me
+    "rs": MessageType("n, seen, back, relaying?, relays?", "reader", "RelayClient.ask_reach"),
+    #     its answer on the asking connection (also HolePunch._tcp_mapping): the address seen, whether
+    #     the dial worked, whether it relays, the relays it knows (gossip addresses)
+    "ob": MessageType("n", "punch", "_on_observe"),                 # UDP: where do you see me? (a punch
+    "os": MessageType("n, seen", "path", "_on_seen"),               # socket's mapping); the answer
+    "pq": MessageType("a, seen, first", "punch", "_on_punch_request"),
+    #     punch request (relayed): my socket is seen at `seen`; first: you send first (attempt a)
+    "pr": MessageType("a, seen", "punch", "_on_reply"),             # punch reply (relayed): mine at `seen`
+    "pp": MessageType("", "path", "_on_probe"),                     # punch probe, at the peer's mapping
+    "pa": MessageType("", "path", "_on_probe_ack"),                 # your probe arrived: both ways work
+    "tq": MessageType("n, seen, first", "punch", "_on_tunnel_punch"),
+    #     tunnel punch request (relayed): connect to my TCP mapping `seen` now (first: you send the
+    #     first SYN); token n
+    "tr": MessageType("n, seen", "punch", "_on_reply"),             # tunnel punch reply: connect to mine
 }
 
 
@@ -820,7 +796,7 @@ class FailureDetector:
         self.evictions: collections.deque = collections.deque()   # when members were evicted
         self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
         self.lhm = 0                                # Lifeguard local health multiplier
-        self.seq = 0                                # probe and ping-req numbers (the Overlay numbers its pushes by it too)
+        self.seq = 0                                # probe and ping-req numbers (and the Overlay's push ids)
         self.probe: Optional[dict] = None
         self.relays: Dict[int, PingReq] = {}        # our seq -> the ping-req we carry out
         self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
@@ -5562,6 +5538,21 @@ class _GossipConnection:
         self.reserved, self.kept = 0, False
 
 
+def _join_source(src: str, peer: str, here: bool) -> str:
+    """Whom a join's answer is counted against (join_answer_rate), or "" when it may not be sent:
+    its own connection's address, a link's member, or `src` where the join came from there."""
+    if here:
+        return address_group(peer)
+    if is_relayed(peer):                            # down one of our links: its member only
+        return src if src == peer else ""
+    if is_relayed(src):
+        return src
+    try:
+        return address_group(peer) if split_addr(src)[0] == peer else ""
+    except ValueError:
+        return ""
+
+
 class GossipTCP:
     """The gossip port's TCP side: what does not fit a datagram (a join and its answer, the
     pieces of a state transfer) and the hellos that make a connection a relay link, a splice
@@ -5665,17 +5656,7 @@ class GossipTCP:
         self.schedule()
         if not answers:
             return
-        if here:
-            source = address_group(peer)
-        elif is_relayed(peer):                      # down one of our links: its member only
-            source = src if src == peer else ""
-        elif is_relayed(src):
-            source = src
-        else:
-            try:
-                source = address_group(peer) if split_addr(src)[0] == peer else ""
-            except ValueError:
-                source = ""
+        source = _join_source(src, peer, here)
         if not source:
             self.refused["join_misdirected"] += 1
             return
@@ -5957,10 +5938,6 @@ class Node:
     @property
     def bytes_received(self) -> int:
         return self.traffic["received"]
-
-    @property
-    def dropped_malformed(self) -> int:
-        return self.traffic["malformed"]
 
     def evicted_here(self, sid: str) -> bool:
         """Whether this member wrote the eviction of `sid` itself (its own failure detector's)."""
