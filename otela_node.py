@@ -4381,18 +4381,18 @@ class _PunchSocket(asyncio.DatagramProtocol):
     conntrack state never touches the gossip port or the next attempt. `deliver(msg, peer)`
     takes the peer's gossip, `lost(path)` hears that the socket is gone."""
 
+    OWN = {t: row.handler for t, row in MESSAGE_TYPES.items() if row.part == "path"}   # read here, not routed
+
     def __init__(self, peer: str, deliver: Callable[[Dict[str, Any], str], None],
                  lost: Callable[[_PunchSocket], None], wire: Wire, traffic: collections.Counter,
                  address: Callable[[], str]):
         self.peer, self.deliver, self.lost = peer, deliver, lost
-        self.wire, self.traffic, self.address = wire, traffic, address   # ours: `address()` is where we gossip
+        self.wire, self.traffic, self.address = wire, traffic, address   # `address()`: where we gossip
         self.transport: Optional[asyncio.DatagramTransport] = None
         self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
         self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
         self.peer_addr: Optional[tuple] = None       # where the peer's packets really come from
         self.last_rx = 0.0
-
-    OWN = {t: row.handler for t, row in MESSAGE_TYPES.items() if row.part == "path"}   # read here, not routed
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -4584,8 +4584,8 @@ class HolePunch:
     """Rules 4 to 6 of "NAT traversal and relay" for one node: the UDP punches towards private
     peers and the punched paths their gossip takes (one _PunchSocket per peer), and the TCP
     simultaneous opens that punch a tunnel connection. It asks and answers through the relays
-    (the node's RelayClient sends its "pq"/"pr"/"tq"/"tr"), learns mappings from the seeds that
-    answered the node's reach check, and keeps per peer what Reach decides from (the node's
+    (its RelayClient sends its "pq"/"pr"/"tq"/"tr"), learns mappings from the seeds that
+    answered our reach check, and keeps per peer what Reach decides from (our
     Reach). `listeners(addr)` hear that a path to `addr` is punched: the ingress's pool retires
     its relayed connections to it."""
 
@@ -4594,8 +4594,8 @@ class HolePunch:
                  address: Callable[[], str], deliver: Callable[..., None],
                  sendto: Callable[[bytes, tuple], None], admit: Callable[[socket.socket], None],
                  serving: Callable[[], bool]):
-        """`address()`: our gossip address; `deliver(msg, src, via)`: a punched path's
-        gossip in (Node.deliver); `sendto`: a datagram out of the gossip port; `admit`: a punched tunnel
+        """`address()`: our gossip address; `deliver(msg, src, via)`: a punched path's gossip in
+        (Node.deliver); `sendto`: a datagram out of the gossip port; `admit`: a punched tunnel
         connection in, while `serving()` says the tunnel port is open."""
         self.config, self.wire, self.reach, self.traffic = config, wire, reach, traffic
         self.client = client                        # our relays carry the asking and answering
@@ -4650,7 +4650,8 @@ class HolePunch:
         host = split_addr(self.config.gossip)[0]
         try:
             _, sock = await loop.create_datagram_endpoint(
-                lambda: _PunchSocket(peer, self._punched_gossip, self.lost, self.wire, self.traffic, self.address), local_addr=(host, 0))
+                lambda: _PunchSocket(peer, self._punched_gossip, self.lost, self.wire, self.traffic, self.address),
+                local_addr=(host, 0))
         except OSError:
             return None, ""
         seeds = [a for a in self.client.seeds if not is_relayed(a)]
@@ -4894,13 +4895,13 @@ class RelayServer:
 
     def __init__(self, config: Config, wire: Wire, reach: Reach, relayed: collections.Counter,
                  traffic: collections.Counter, *, spawn: Callable[[Any], asyncio.Task],
-                 resolve: Callable[[str], tuple], address: Callable[[], str], deliver: Callable[..., None],
+                 resolve: Callable[[str], tuple], address: Callable[[], str], deliver: Callable[..., Any],
                  sendto: Callable[[bytes, tuple], None], send_frame: Callable[[tuple, bytes], None],
                  relaying: Callable[[], bool], knows: Callable[[str], bool],
                  relays_offered: Callable[..., List[str]]):
-        """`address()`: our gossip address ("" before the overlay starts); `deliver(msg, src,
-        via)`: gossip for us in (Node.deliver); `sendto` a datagram and `send_frame` a frame too big
-        for one out of the gossip port; `relaying()`: whether we relay now (not private);
+        """`address()`: our gossip address ("" before the overlay starts); `deliver(msg, src, via)`:
+        gossip for us in (Node.deliver); `sendto` a datagram and `send_frame` a frame too big for
+        one out of the gossip port; `relaying()`: whether we relay now (not private);
         `knows(addr)`: a member or a remembered address; `relays_offered(leave_out)`: the
         members offering to relay, best first."""
         self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
