@@ -713,6 +713,9 @@ PROBE_ROUND = (
 )
 
 Out = collections.namedtuple("Out", "addr msg tcp")
+# A rumour queued for gossip (Overlay.rumours): a record ("r", sid) or a suspicion of sid by a
+# confirmer ("s", sid, by); a tuple, as it keys the queue.
+Rumour = collections.namedtuple("Rumour", "kind sid by", defaults=("",))
 
 
 SEED_ROLES = ("ingress", "relay")   # members others bootstrap to: their addresses are kept for good
@@ -1057,7 +1060,7 @@ class FailureDetector:
             sus.deadline += 2 * self.cfg.probe_interval
         out: List[Out] = []
         if len(sus.confirmers) <= self._expected_confirmations() + 1:
-            out = self._rumour([("s", sid, by)], now, src)
+            out = self._rumour([Rumour("s", sid, by)], now, src)
         if new:
             self._notify(sid, record)
         return out
@@ -1185,7 +1188,7 @@ class Overlay(FailureDetector):
         self.seeds: Dict[str, str] = {}             # live ingress and relay sid -> gossip address
         self.refused = collections.Counter()        # entries refused: unsigned, plane
         self.known: Dict[str, Known] = {session_id: Known(self.record)}
-        self.rumours: Dict[tuple, int] = {}         # key ("r", sid) or ("s", sid, by) -> transmits left
+        self.rumours: Dict[Rumour, int] = {}        # rumour -> transmits left
         self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
@@ -1229,7 +1232,7 @@ class Overlay(FailureDetector):
             self.remember(addr, now, seed=True)
         # Join over TCP: it is reliable, and the answer (our full state) rarely fits a datagram.
         out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, True) for a in self.bootstrap]
-        out += self._rumour([("r", self.sid)], now)
+        out += self._rumour([Rumour("r", self.sid)], now)
         return self._count(out)
 
     def _signed(self, sid: str, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -1549,16 +1552,22 @@ class Overlay(FailureDetector):
                 theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
                 if type(theirs[0]) is int and type(theirs[1]) is int and \
                         (theirs < ours or (theirs == ours and record == mine.record)):
-                    if ("r", sid) in self.rumours:
-                        self.rumours[("r", sid)] -= 1       # others know it: lose interest sooner
+                    if self.rumours:
+                        self._known_elsewhere(sid)
                     continue                        # a copy we have, or older: no need to validate
             fresh[sid] = record
         changed = self.map.merge(fresh, joining)
         done = set(changed)                         # a set: a joiner's merge of 100k records is linear
-        for sid in fresh:
-            if sid not in done and ("r", sid) in self.rumours:
-                self.rumours[("r", sid)] -= 1
+        for sid in fresh if self.rumours else ():
+            if sid not in done:
+                self._known_elsewhere(sid)
         return self._changed(changed, now, exclude=src, push=push)
+
+    def _known_elsewhere(self, sid: str) -> None:
+        """Others sent us the record we rumour: lose interest in it sooner."""
+        key = Rumour("r", sid)
+        if key in self.rumours:
+            self.rumours[key] -= 1
 
     def _changed(self, sids: List[str], now: float, exclude: Optional[str] = None,
                  push=True, origin: bool = False) -> List[Out]:
@@ -1589,7 +1598,7 @@ class Overlay(FailureDetector):
                                                             # else, evicted_by or not): a new session
                 out += self.rejoin(now, state=self.record["state"])
                 continue
-            keys.append(("r", sid))
+            keys.append(Rumour("r", sid))
             self._notify(sid, record)
         for sid in gone:                            # once every member is known: pushed to all
             log.info("session %s superseded: this process now serves its address", sid)
@@ -1603,12 +1612,12 @@ class Overlay(FailureDetector):
             # introduce ourselves to them the way a write is pushed, acked and resent (to more
             # than origin_fanout: as a rumour, which reaches them all in a few hops).
             if len(met) <= self.cfg.origin_fanout:
-                out += self._push([("r", self.sid)], met, now)
+                out += self._push([Rumour("r", self.sid)], met, now)
             else:
-                out += self._rumour([("r", self.sid)], now, origin=True)
+                out += self._rumour([Rumour("r", self.sid)], now, origin=True)
         if push is LATER:
             for key in keys:
-                if crdt.plane_of(key[1]) == crdt.ROUTING:
+                if crdt.plane_of(key.sid) == crdt.ROUTING:
                     self.rumours[key] = 1
             if keys:
                 self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
@@ -1668,14 +1677,14 @@ class Overlay(FailureDetector):
     def _retransmits(self) -> int:
         return max(1, int(self.cfg.retransmit_mult * math.ceil(math.log10(len(self.members) + 2))))
 
-    def _rumour(self, keys: List[tuple], now: float, exclude: Optional[str] = None,
+    def _rumour(self, keys: List[Rumour], now: float, exclude: Optional[str] = None,
                 origin: bool = False) -> List[Out]:
         """Queue rumours and push them at once to a few random peers (their first transmit);
         the origin of a change, to every member (flagged "a": each sends it on once, later)."""
         if not keys:
             return []
         out: List[Out] = []
-        ingress_plane = [k for k in keys if k[0] == "r" and crdt.plane_of(k[1]) == crdt.INGRESS]
+        ingress_plane = [k for k in keys if k.kind == "r" and crdt.plane_of(k.sid) == crdt.INGRESS]
         if ingress_plane:
             # Pushed by its writer to every proven ingress, resent until acked; never rumoured on
             # (receivers do not forward it, and workers never see it); anti-entropy repairs.
@@ -1707,7 +1716,7 @@ class Overlay(FailureDetector):
             self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
         return out
 
-    def _push(self, keys: List[tuple], peers: List[str], now: float) -> List[Out]:
+    def _push(self, keys: List[Rumour], peers: List[str], now: float) -> List[Out]:
         out: List[Out] = []
         for payload in self._packs(keys):
             self.seq += 1
@@ -1767,7 +1776,7 @@ class Overlay(FailureDetector):
             self.next_redial = min(self.next_redial, entry.due)
         return out
 
-    def _packs(self, keys: List[tuple]):
+    def _packs(self, keys: List[Rumour]):
         """Rumour payloads, each small enough for one datagram."""
         if len(keys) == 1:
             yield self._payload(keys)
@@ -1775,8 +1784,8 @@ class Overlay(FailureDetector):
         budget = self.cfg.max_datagram - ENVELOPE - 256
         batch, size = [], 0
         for key in keys:
-            if key[0] == "r":
-                record = self.map.get(key[1])
+            if key.kind == "r":
+                record = self.map.get(key.sid)
                 cost = len(crdt.dumps(record)) + 40 if record else 0
             else:
                 cost = 160                          # a suspicion and its voucher
@@ -1791,17 +1800,17 @@ class Overlay(FailureDetector):
     def _payload(self, keys) -> Dict[str, Any]:
         records, suspicions, vouchers = {}, [], []
         for key in keys:
-            if key[0] == "r":
-                record = self.map.get(key[1])
+            if key.kind == "r":
+                record = self.map.get(key.sid)
                 if record is not None:
-                    records[key[1]] = record
+                    records[key.sid] = record
             else:
-                sus = self.suspects.get(key[1])
+                sus = self.suspects.get(key.sid)
                 if sus is not None:
-                    suspicions.append([key[1], sus.version, key[2]])
-                    if key[2] in sus.vouchers:
-                        version, mac = sus.vouchers[key[2]]
-                        vouchers.append([key[1], version, key[2], mac])
+                    suspicions.append([key.sid, sus.version, key.by])
+                    if key.by in sus.vouchers:
+                        version, mac = sus.vouchers[key.by]
+                        vouchers.append([key.sid, version, key.by, mac])
         msg: Dict[str, Any] = {"t": "r"}
         if records:
             msg["r"] = records
