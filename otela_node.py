@@ -5909,23 +5909,24 @@ class Node:
                                             # not passed on (RelayServer._refusal)
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
-        out = dict(spawn=self.spawn, resolve=self.resolve, address=self.address, deliver=self.deliver)
-        self.relay_server = RelayServer(config, self.wire, self.reach, self.relayed, self.traffic, **out,
+        common = dict(spawn=self.spawn, resolve=self.resolve, address=self.address, deliver=self.deliver)
+        self.relay_server = RelayServer(config, self.wire, self.reach, self.relayed, self.traffic, **common,
                                         sendto=self._sendto, send_frame=self.send_frame, relaying=self.relaying,
                                         knows=self.knows, relays_offered=self.relays_offered)
         self.relay_client = RelayClient(config, self.wire, self.reach, self.relayed, self.traffic, self.relay_server,
-                                        **out, set_address=self.set_address, record=self.own_record,
+                                        **common, set_address=self.set_address, record=self.own_record,
                                         suspected_at=self.suspected_at, is_member=self.is_member,
                                         relays_offered=self.relays_offered, reach_known=self.reach_known,
                                         send_datagram=self.send_datagram, send_frame=self.send_frame,
                                         admit=self.tunnel.admit, serving=self.serving_tunnel,
                                         server_ssl=self.tunnel_server_ssl)
-        self.punch = HolePunch(config, self.wire, self.reach, self.relay_client, self.traffic, **out,
+        self.punch = HolePunch(config, self.wire, self.reach, self.relay_client, self.traffic, **common,
                                sendto=self._sendto, admit=self.tunnel.admit, serving=self.serving_tunnel)
         self.relay_client.punch = self.punch        # each asks the other: wired once both exist
-        self.gossip_tcp = GossipTCP(config, self.wire, self.refused, self.traffic, self.relay_server,   # the gossip
-                                    dialled_back=self.relay_client.dialled_back.add, address=self.address,   # port's TCP
-                                    receive=self.receive, send=self.send, schedule=self.schedule,   # side
+        # the gossip port's TCP side: joins, state transfers, and the hellos of links and splices
+        self.gossip_tcp = GossipTCP(config, self.wire, self.refused, self.traffic, self.relay_server,
+                                    dialled_back=self.relay_client.dialled_back.add, address=self.address,
+                                    receive=self.receive, send=self.send, schedule=self.schedule,
                                     deliver=self.deliver, to_overlay=self._to_overlay)
         self.routes = self._routes()                # the one dispatch of a message: Node.deliver
 
