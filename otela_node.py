@@ -628,8 +628,8 @@ MESSAGE_TYPES = {
     "rs": MessageType("n, seen, back, relaying?, relays?", "reader", "RelayClient.ask_reach"),
     #     its answer on the asking connection (also HolePunch._tcp_mapping): the address seen, whether
     #     the dial worked, whether it relays, the relays it knows (gossip addresses)
-    "ob": MessageType("n", "punch", "_on_observe"),                 # UDP: where do you see me? (a punch
-    "os": MessageType("n, seen", "path", "_on_seen"),               # socket's mapping); the answer
+    "ob": MessageType("n", "punch", "_on_observe"),                 # UDP: where do you see my socket?
+    "os": MessageType("n, seen", "path", "_on_seen"),               # its answer (a punch socket's mapping)
     "pq": MessageType("a, seen, first", "punch", "_on_punch_request"),
     #     punch request (relayed): my socket is seen at `seen`; first: you send first (attempt a)
     "pr": MessageType("a, seen", "punch", "_on_reply"),             # punch reply (relayed): mine at `seen`
