@@ -26,7 +26,7 @@ Theory of operation. The file is in sections, each a room with one job:
                        (a private member's links, the reach check, a dialer's RelayClient.open)
     asyncio node       GossipTCP: the gossip port's TCP side (admission, joins, state transfers,
                        the hellos that make a link, a splice, a dial-back). Node: the sockets,
-                       the timer and the lifecycle; it wires the others
+                       the timer and the lifecycle; it wires the others, and routes messages
     prompt prefixes    what a worker publishes for the ingresses' routing: the hashes of the
                        prompts its engine was sent (PrefixSummary), its engine's speed from the
                        answers it relays (EngineSpeed, SpeedFit), publish_engine_view
@@ -41,6 +41,9 @@ A gossip message:
         Node.send: Wire.seal ◀── [Out(addr, msg, tcp)] ◀── messages to send; to a relayed
         address ("relay/<link>") in an envelope through one of its relays (Reach.relays), or
         over the punched UDP path when there is one.
+    Node.deliver is the one dispatch, by the table MESSAGE_TYPES: the Overlay's types go to
+    Overlay.receive, NAT traversal's to HolePunch and RelayServer; a TCP hello, and an answer
+    read on the socket that asked for it, stay with their reader.
     The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
 
 A request (the ingress dials the node's "addr" from its record):
@@ -89,7 +92,20 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Container, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Container,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 try:
     import h11
@@ -664,46 +680,79 @@ class Wire:
         return None
 
 
-# Message types ("t"): short names, because idle traffic is mostly pings and acks.
-#   t     fields                      meaning
+# Message types ("t"): short names, because idle traffic is mostly pings and acks. Each row names
+# the part of a node that handles the type, and that part's method:
+#   overlay       Overlay.receive calls it (msg, src, now, tcp): sans-IO
+#   gossip_tcp, relay_server, punch   Node.deliver calls it (msg, src, via: where it came in)
+#   path, reader  never routed: read by the punched socket it arrives on (_PunchSocket: answers to
+#                 what it asked, its probes), or on the connection that asked / by the reader named
+# Node wires the routed rows into one table (Node.routes) and Node.deliver dispatches there alone;
+# a join is the Overlay's, its answer sent only where it came from (GossipTCP.answer_join).
+
+
+class MessageType:
+    """A row of MESSAGE_TYPES: the fields, the part that handles it, that part's handler, and
+    whether anyone may send it (no "ra" sender, no membership: a reach check precedes a join)."""
+
+    __slots__ = ("fields", "part", "handler", "anyone")
+
+    def __init__(self, fields: str, part: str, handler: str, anyone: bool = False):
+        self.fields, self.part, self.handler, self.anyone = fields, part, handler, anyone
+
+
 MESSAGE_TYPES = {
-    "p":  "n seq, to sid[:8], sv?",  # ping (direct probe; over TCP it is the third probe path);
-                                     # sv: "you are suspected at this version" (Lifeguard buddy)
-    "a":  "n seq",                   # ack of ping n
-    "i":  "n seq, to sid[:8], a",    # ping-req: please probe address a for me (indirect path)
-    "n":  "n seq",                   # nack of ping-req n: I asked, the target did not answer
-    "r":  "r {sid: record}, s [[sid, version, by]], vo?, k?",  # rumours: records and suspicions;
-                                     # vo [[sid, version, by, voucher]]: the vouchers of confirmers
-                                     # in s (crdt, "The end of a session"); k: the writer's push id,
-                                     # to be acked
-    "k":  "k push id",               # ack of a writer's push: stop resending it to me
-    "j":  "r {sid: record}",         # join: my record; answer with your full state
-    "st": "r {sid: record}",         # state: records to merge (join answer, push-pull end)
-    "d":  "d {n, root}, di?, s?",    # push-pull 1: my digest root (and my suspicions, below);
-                                     # di: the ingress plane's root (between proven ingresses)
-    "db": "d {n, root, b}, pl?",     # push-pull 2: roots differ, here are my bucket hashes
-                                     # (pl "i": the ingress plane's; none: the routing plane's)
-    "dr": "r {sid: record}, d, pl?",  # push-pull 3: what you lack, and my buckets (the rest
-                                     # of what you lack follows in "st" pieces)
-    "h":  "link?, splice?, accept?, dial?",  # TCP hello: the one frame after it may be up to
-                                     # max_frame (any other, max_datagram: GossipTCP.serve);
-                                     # link: a private member's relay link; splice: open a tunnel
-                                     # stream to that link; dial (relay->member)/accept: its dial-back
-    "rq": "n, a?",                   # reachability: dial me back at gossip address a (over TCP);
-                                     # without a: only say where you see me (a TCP punch's mapping)
-    "rs": "n, seen, back, relaying?, relays?",  # answer: the address the seed saw, whether its dial
-                                     # worked, whether it relays, and the relays it knows (gossip addresses)
-    "ob": "n",                       # UDP: which address do you see me at? (a punch socket's mapping)
-    "os": "n, seen",                 # answer to ob
-    "pq": "a, seen, first",          # punch request (through a relay): my socket is seen at `seen`;
-                                     # first: you send first (attempt a)
-    "pr": "a, seen",                 # punch reply (through a relay): and mine at `seen`
-    "pp": "",                        # punch probe, straight at the peer's mapping
-    "pa": "",                        # punch ack: your probe arrived (the path works both ways)
-    "tq": "n, seen, first",          # tunnel punch request (relayed): connect to my TCP mapping
-                                     # `seen` now (first: you send the first SYN); token n
-    "tr": "n, seen",                 # tunnel punch reply: and connect to mine at `seen`
+    "p":  MessageType("n seq, to sid[:8], sv?", "overlay", "_on_p"),
+    #     ping (direct probe; over TCP the third probe path); sv: "you are suspected at this version"
+    "a":  MessageType("n seq", "overlay", "_on_a"),                  # ack of ping n
+    "i":  MessageType("n seq, to sid[:8], a", "overlay", "_on_i"),   # ping-req: probe address a for me
+    "n":  MessageType("n seq", "overlay", "_on_n"),                  # nack of ping-req n: no answer
+    "r":  MessageType("r {sid: record}, s [[sid, version, by]], vo?, k?", "overlay", "_on_r"),
+    #     rumours: records and suspicions; vo [[sid, version, by, voucher]]: the vouchers of confirmers
+    #     in s (crdt, "The end of a session"); k: the writer's push id, to be acked
+    "k":  MessageType("k push id", "overlay", "_on_k"),              # ack of a push: stop resending it
+    "j":  MessageType("r {sid: record}", "overlay", "_on_j"),        # join: my record; answer: all state
+    "st": MessageType("r {sid: record}", "overlay", "_on_st"),       # state to merge (join answer, push-pull)
+    "d":  MessageType("d {n, root}, di?, s?", "overlay", "_on_d"),
+    #     push-pull 1: my digest root (and my suspicions); di: the ingress plane's (between ingresses)
+    "db": MessageType("d {n, root, b}, pl?", "overlay", "_on_db"),
+    #     push-pull 2: roots differ, my bucket hashes (pl "i": the ingress plane's; none: routing's)
+    "dr": MessageType("r {sid: record}, d, pl?", "overlay", "_on_dr"),
+    #     push-pull 3: what you lack, and my buckets (the rest of what you lack follows in "st" pieces)
+    "h":  MessageType("link?, splice?, accept?, dial?", "reader", "GossipTCP._hello"),
+    #     TCP hello: the one frame after it may be up to max_frame (others max_datagram); link: a private
+    #     member's relay link; splice: a tunnel stream to that link; dial (relay->member, read by
+    #     RelayClient._read_link)/accept: its dial-back
+    "rq": MessageType("n, a?", "relay_server", "_on_reach", anyone=True),
+    #     reachability: dial me back at gossip address a (TCP); no a: only say where you see me
+    "rs": MessageType("n, seen, back, relaying?, relays?", "reader", "RelayClient.ask_reach"),
+    #     its answer on the asking connection (also HolePunch._tcp_mapping): the address seen, whether
+    #     the dial worked, whether it relays, the relays it knows (gossip addresses)
+    "ob": MessageType("n", "punch", "_on_observe"),                 # UDP: where do you see my socket?
+    "os": MessageType("n, seen", "path", "_on_seen"),               # its answer (a punch socket's mapping)
+    "pq": MessageType("a, seen, first", "punch", "_on_punch_request"),
+    #     punch request (relayed): my socket is seen at `seen`; first: you send first (attempt a)
+    "pr": MessageType("a, seen", "punch", "_on_reply"),             # punch reply (relayed): mine at `seen`
+    "pp": MessageType("", "path", "_on_probe"),                     # punch probe, at the peer's mapping
+    "pa": MessageType("", "path", "_on_probe_ack"),                 # your probe arrived: both ways work
+    "tq": MessageType("n, seen, first", "punch", "_on_tunnel_punch"),
+    #     tunnel punch request (relayed): connect to my TCP mapping `seen` now (first: you send the
+    #     first SYN); token n
+    "tr": MessageType("n, seen", "punch", "_on_reply"),             # tunnel punch reply: connect to mine
 }
+
+
+class Via:
+    """Where a routed message came in (Node.deliver): over TCP (a connection, a link, an
+    envelope) or a datagram; `peer`: the IP address or "relay/<link>" it came from (a join's
+    answer goes only there; None: read on a join's own connection); `conn`: the TCP connection
+    it came on, where a reach check or a join ("rc") is answered."""
+
+    __slots__ = ("tcp", "peer", "conn")
+
+    def __init__(self, tcp: bool, peer: Optional[str] = None, conn: Optional[_Stream] = None):
+        self.tcp, self.peer, self.conn = tcp, peer, conn
+
+
 def _suspicions(msg: Dict[str, Any]) -> List[list]:
     """The [sid, version, by] suspicions a message carries, checked; ValueError if malformed."""
     items = msg.get("s") or []
@@ -763,6 +812,9 @@ PROBE_ROUND = (
 )
 
 Out = collections.namedtuple("Out", "addr msg tcp")
+# A rumour queued for gossip (Overlay.rumours): a record ("r", sid) or a suspicion of sid by a
+# confirmer ("s", sid, by); a tuple, as it keys the queue.
+Rumour = collections.namedtuple("Rumour", "kind sid by", defaults=("",))
 
 
 SEED_ROLES = ("ingress", "relay")   # members others bootstrap to: their addresses are kept for good
@@ -777,6 +829,36 @@ class Redial:
 
     def __init__(self, due: float, backoff: float, since: float, seed: bool):
         self.due, self.backoff, self.since, self.seed = due, backoff, since, seed
+
+
+class Known:
+    """What we hold of a session, to tell a copy (or an older record) from news before it is
+    validated: its state and version, and the record itself."""
+
+    __slots__ = ("state", "version", "record")
+
+    def __init__(self, record: Dict[str, Any]):
+        self.state, self.version, self.record = record["state"], record["version"], record
+
+
+class PingReq:
+    """A ping-req we are carrying out for another member (FailureDetector._on_i): who asked and
+    its probe's seq, when we forget it (a late ack still counts until then), and when we nack
+    it (inf once sent)."""
+
+    __slots__ = ("requester", "seq", "expiry", "nack_at")
+
+    def __init__(self, requester: str, seq: int, expiry: float, nack_at: float):
+        self.requester, self.seq, self.expiry, self.nack_at = requester, seq, expiry, nack_at
+
+
+class LateProbe:
+    """A recent probe of ours, kept after its round so that its late ack is still evidence."""
+
+    __slots__ = ("sid", "start")
+
+    def __init__(self, sid: str, start: float):
+        self.sid, self.start = sid, start
 
 
 class Suspicion:
@@ -794,27 +876,98 @@ class Suspicion:
 
 class FailureDetector:
     """The failure detector's half of an Overlay (SWIM probes over three paths, Lifeguard
-    suspicion, evictions with their evidence): the same object's state (members, suspects,
-    probe, local health), kept apart by concern. Overlay is the only class built on it."""
+    suspicion, evictions with their evidence). It owns the liveness state: `members` (the
+    Overlay keeps it in step with the map through `_track_member` and `_untrack_member`),
+    `suspects`, `probe`, `lhm` (local health), `late`. Overlay is the only class built on it,
+    and provides it this narrow interface:
+        sid, cfg, rng, leaving     our session id, the settings, the random source, leaving
+        record_of(sid)             a session's record in the map (None if unknown)
+        own_version()              the version of our own record
+        update(now, **fields)      an owner write of our record (a refutation, with our lhm)
+        digest_to(addr)            an anti-entropy opening to `addr`
+        _rumour(keys, now, src)    gossip suspicions
+        _notify(sid, record)       a change of suspicion, to the listeners
+        _write_eviction(sid, record, now)  our LEFT for another session, merged and pushed
+        _voucher(sid, version)     our word that we suspected `sid` at `version`"""
 
-    def __init__(self, config: Config, now: float):
-        """Its own state; `members`, `map`, `record` and the sending helpers are the Overlay's."""
+    def __init__(self, config: Config, rng: random.Random, now: float):
+        self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
+        self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
+        self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.suspects: Dict[str, Suspicion] = {}
         self.evictions: collections.deque = collections.deque()   # when members were evicted
         self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
         self.lhm = 0                                # Lifeguard local health multiplier
-        self.seq = 0
+        self.seq = 0                                # probe and ping-req numbers (and the Overlay's push ids)
         self.probe: Optional[dict] = None
-        self.relays: Dict[int, list] = {}           # our seq -> [requester addr, its seq, expiry,
-                                                    #             nack time (inf once sent)]
-        self.late: Dict[int, tuple] = {}            # recent probe seq -> (sid, start): late acks
+        self.relays: Dict[int, PingReq] = {}        # our seq -> the ping-req we carry out
+        self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
         self.rtt = 0.0                              # moving average of every ack's delay
-        self.next_probe = now + self.rng.uniform(0, config.probe_interval)
+        self.next_probe = now + rng.uniform(0, config.probe_interval)
 
     # -- queries ----------------------------------------------------------------------------
     def is_suspected(self, sid: str) -> bool:
         return sid in self.suspects
+
+    # -- the timer (Overlay.tick, Overlay.next_wakeup) -----------------------------------------
+    def _detect(self, now: float) -> List[Out]:
+        """The probe round, the ping-reqs we carry out, and the suspicions, as far as they are due."""
+        out: List[Out] = []
+        if self.probe is not None and now >= self.probe["deadline"]:
+            out += self._advance_probe(now)
+        if self.probe is None and now >= self.next_probe and not self.leaving:
+            out += self._start_probe(now)
+        if self.relays:
+            out += self._nacks(now)
+        for sid in [s for s, sus in self.suspects.items() if now >= sus.deadline]:
+            out += self._evict(sid, now)
+        return out
+
+    def _detector_wakeups(self) -> List[float]:
+        times = [s.deadline for s in self.suspects.values()]
+        if self.probe is not None:
+            times.append(self.probe["deadline"])
+        elif self.members and not self.leaving:
+            times.append(self.next_probe)
+        if self.relays:
+            times.append(min(r.nack_at for r in self.relays.values()))
+        return times
+
+    def _compact_detector(self, now: float) -> None:
+        """Forget late probes, stray pings answered and slow acks of members gone."""
+        cfg = self.cfg
+        horizon = now - 10 * cfg.probe_timeout_max
+        self.late = {n: p for n, p in self.late.items() if p.start > horizon}
+        self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
+        self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
+
+    def _stop_probing(self) -> None:
+        """We leave: no probe round is finished or started."""
+        self.probe = None
+
+    def _new_session(self) -> None:
+        """Our session id changed: the probe ring is rebuilt around it."""
+        self.ring = None
+
+    # -- membership, as the Overlay's map says ----------------------------------------------
+    def _track_member(self, sid: str, addr: str) -> bool:
+        """`sid` is live at `addr`: True when it was not a member there before."""
+        if self.members.get(sid) == addr:
+            return False
+        self.members[sid] = addr
+        self.ring = None
+        return True
+
+    def _untrack_member(self, sid: str, evicted: bool, now: float) -> Optional[str]:
+        """`sid` is no longer live (`evicted`: by a failure detector); its address, None if it
+        was not a member."""
+        addr = self.members.pop(sid, None)
+        if addr is not None:
+            self.ring = None
+            if evicted:
+                self.evictions.append(now)
+        return addr
 
     # -- message handlers -------------------------------------------------------------------
     def _on_p(self, msg, src, now, tcp):
@@ -844,11 +997,11 @@ class FailureDetector:
             return []
         relay = self.relays.pop(n, None)
         if relay is not None:
-            return [Out(relay[0], {"t": "a", "n": relay[1]}, False)]
+            return [Out(relay.requester, {"t": "a", "n": relay.seq}, False)]
         late = self.late.get(n)
         if late is not None:                        # after its round gave up: still evidence
-            sid = late[0]
-            self._acked(sid, now - late[1], now)
+            sid = late.sid
+            self._acked(sid, now - late.start, now)
             if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
                 self._degrade()                     # we alone accused a live member: our clock
                                                     # or socket lags, so we judge more slowly
@@ -864,7 +1017,7 @@ class FailureDetector:
         self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
         sus = self.suspects.get(sid)
         if sus is not None:
-            record = self.map.get(sid)
+            record = self.record_of(sid)
             if record is not None and record["version"] <= sus.version:
                 del self.suspects[sid]              # fresh evidence beats a rumour
                 self._notify(sid, record)
@@ -874,7 +1027,7 @@ class FailureDetector:
         cfg = self.cfg
         nack_at = now + cfg.nack_after * cfg.indirect_timeout
         expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
-        self.relays[self.seq] = [src, int(msg["n"]), expiry, nack_at]
+        self.relays[self.seq] = PingReq(src, int(msg["n"]), expiry, nack_at)
         split_addr(msg["a"])
         return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
 
@@ -888,10 +1041,10 @@ class FailureDetector:
         """Ping-reqs whose target has not answered in time get a nack; expired ones are dropped."""
         out = []
         for seq, relay in list(self.relays.items()):
-            if relay[3] <= now:
-                relay[3] = math.inf
-                out.append(Out(relay[0], {"t": "n", "n": relay[1]}, False))
-            if relay[2] <= now:
+            if relay.nack_at <= now:
+                relay.nack_at = math.inf
+                out.append(Out(relay.requester, {"t": "n", "n": relay.seq}, False))
+            if relay.expiry <= now:
                 del self.relays[seq]
         return out
 
@@ -916,7 +1069,7 @@ class FailureDetector:
         addr = self.members[sid]
         self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
                       "extended": False, "nacks": 0, "helpers": 0}
-        self.late[self.seq] = (sid, now)
+        self.late[self.seq] = LateProbe(sid, now)
         self._set_deadline()
         ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
         sus = self.suspects.get(sid)
@@ -929,7 +1082,7 @@ class FailureDetector:
         """A probe phase's timeout: the direct one stretches for a member known to ack late."""
         if name == "probe_timeout":
             cfg = self.cfg
-            record = self.map.get(sid) or {}
+            record = self.record_of(sid) or {}
             lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
             wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
             return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
@@ -972,7 +1125,7 @@ class FailureDetector:
         if p["nacks"] < p["helpers"] or not p["helpers"]:
             self._degrade()
         self._end_probe()
-        record = self.map.get(sid)
+        record = self.record_of(sid)
         return self._suspect(sid, record["version"], self.sid, now, None)
 
     def _degrade(self) -> None:
@@ -980,13 +1133,13 @@ class FailureDetector:
 
     def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
         if sid == self.sid:
-            if version < self.record["version"] or self.leaving:
+            if version < self.own_version() or self.leaving:
                 return []
             self._degrade()                         # others can't reach us: maybe we are the problem
             # Refute: a newer version clears the suspicion. It carries our local health, so
             # that every prober gives a member that knows it is slow longer to answer.
             return self.update(now, lhm=self.lhm)
-        record = self.map.get(sid)
+        record = self.record_of(sid)
         if record is None or record["state"] == crdt.LEFT or version < record["version"]:
             return []
         sus = self.suspects.get(sid)
@@ -994,7 +1147,7 @@ class FailureDetector:
         if new:
             sus = self.suspects[sid] = Suspicion(version, now, by)
         if by == self.sid and src is None:          # our own probe failed: our word on it, which
-            sus.vouchers[by] = (version, crdt.voucher(self.bind_key, sid, version, by))   # nobody else can give
+            sus.vouchers[by] = (version, self._voucher(sid, version))   # nobody else can give
         if not new:
             if by in sus.confirmers:
                 return []
@@ -1006,7 +1159,7 @@ class FailureDetector:
             sus.deadline += 2 * self.cfg.probe_interval
         out: List[Out] = []
         if len(sus.confirmers) <= self._expected_confirmations() + 1:
-            out = self._rumour([("s", sid, by)], now, src)
+            out = self._rumour([Rumour("s", sid, by)], now, src)
         if new:
             self._notify(sid, record)
         return out
@@ -1045,7 +1198,7 @@ class FailureDetector:
             sus.deadline = now + self._grace(len(sus.confirmers) - 1)
             return []
         del self.suspects[sid]
-        version = (self.map.get(sid) or {}).get("version")
+        version = (self.record_of(sid) or {}).get("version")
         vouchers = {c: mac for c, (v, mac) in sus.vouchers.items() if v == version}
         # the confirmers with a voucher first: made-up confirmers do not push them out of the evidence
         others = sorted((c for c in sus.confirmers if c != self.sid),
@@ -1076,7 +1229,7 @@ class FailureDetector:
         """Write LEFT for another member's session, as its evictor, with the evidence and the
         confirmers' vouchers (crdt: the end of a session); the writer pushes it to all."""
         self.suspects.pop(sid, None)
-        record = self.map.get(sid)
+        record = self.record_of(sid)
         if record is None or record["state"] == crdt.LEFT:
             return []
         by = list(evidence["by"])                   # (ours first, then the vouched confirmers)
@@ -1091,20 +1244,22 @@ class FailureDetector:
         if len(self.retired) >= self.MAX_RETIRED:
             self.retired.pop(next(iter(self.retired)))
         self.retired[sid] = now
-        self.map.put(sid, record, writer=self.sid)
         log.info("session %s evicted: %s", sid, why)
-        return self._changed([sid], now, origin=True)
+        return self._write_eviction(sid, record, now)
 
 
 class Overlay(FailureDetector):
     """Membership protocol state for one member. No I/O: every method takes `now` (unix time,
     the one clock) and returns the list of Out messages to send."""
 
+    HANDLERS = {t: row.handler for t, row in MESSAGE_TYPES.items() if row.part == "overlay"}   # receive's
+
     def __init__(self, config: Config, session_id: str, record: Dict[str, Any], now: float,
                  rng: Optional[random.Random] = None):
         self.cfg = config
         self.rng = rng or random.Random()
         self._secure = rng is None                  # the simulator passes rng: runs replay
+        FailureDetector.__init__(self, config, self.rng, now)   # members, suspects, probes
         # The ingress tier (crdt.Authority): only a member holding its secret writes, verifies and
         # sends on the ingress plane. An ingress without it keeps keys and usage to itself.
         self.authority = crdt.Authority(config.ingress_keys) if config.ingress_keys else None
@@ -1131,22 +1286,18 @@ class Overlay(FailureDetector):
         self.met_ingresses: List[str] = []          # newly proven ones, sent a digest at once
         self.seeds: Dict[str, str] = {}             # live ingress and relay sid -> gossip address
         self.refused = collections.Counter()        # entries refused: unsigned, plane
-        self.known: Dict[str, tuple] = {session_id: (record["state"], record["version"], self.record)}
-        self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
-        self.rumours: Dict[tuple, list] = {}        # key -> [remaining transmits]
+        self.known: Dict[str, Known] = {session_id: Known(self.record)}
+        self.rumours: Dict[Rumour, int] = {}        # rumour -> transmits left
         self.by_addr: Dict[str, str] = {}           # gossip address -> live sid there
-        self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.listeners: List[Callable[[str, Optional[dict]], None]] = []
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
         self.bootstrap: List[str] = []
         self.leaving = False
-        FailureDetector.__init__(self, config, now)
         self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
         self.next_resend = math.inf                 # the earliest push's next resend (or later):
                                                     # no scan of every push at every wakeup
         self.remembered: Dict[str, Redial] = {}     # addr -> when and how to dial it again
         self.heard: set = set()                     # bootstrap addresses that have answered
-        self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
         self.sent = collections.Counter()           # messages sent by type
         self.next_gossip = math.inf
         self.next_push_pull = now + self.rng.uniform(0.5, 1.0) * config.push_pull_interval
@@ -1157,6 +1308,21 @@ class Overlay(FailureDetector):
         self.next_compact = now + config.compact_interval
         self.expected_wakeup = now
 
+    # -- what the failure detector asks of us (FailureDetector's interface) -----------------
+    def record_of(self, sid: str) -> Optional[Dict[str, Any]]:
+        return self.map.get(sid)
+
+    def own_version(self) -> int:
+        return self.record["version"]
+
+    def _voucher(self, sid: str, version: int) -> str:
+        return crdt.voucher(self.bind_key, sid, version, self.sid)
+
+    def _write_eviction(self, sid: str, record: Dict[str, Any], now: float) -> List[Out]:
+        """Our LEFT for another member's session, as its evictor: merged, and pushed to all."""
+        self.map.put(sid, record, writer=self.sid)
+        return self._changed([sid], now, origin=True)
+
     # -- inputs -----------------------------------------------------------------------------
     def join(self, bootstrap: List[str], now: float) -> List[Out]:
         self.bootstrap = [a for a in bootstrap if a != self.addr]
@@ -1165,7 +1331,7 @@ class Overlay(FailureDetector):
             self.remember(addr, now, seed=True)
         # Join over TCP: it is reliable, and the answer (our full state) rarely fits a datagram.
         out = [Out(a, {"t": "j", "r": {self.sid: self.record}}, True) for a in self.bootstrap]
-        out += self._rumour([("r", self.sid)], now)
+        out += self._rumour([Rumour("r", self.sid)], now)
         return self._count(out)
 
     def _signed(self, sid: str, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -1182,7 +1348,7 @@ class Overlay(FailureDetector):
     def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool = False) -> List[Out]:
         """Handle one authenticated message. Raises ValueError/KeyError/TypeError/RecordError on a
         malformed one (the caller counts and drops it); the state is unchanged in that case."""
-        out = getattr(self, "_on_" + msg["t"])(msg, src, now, tcp)
+        out = getattr(self, self.HANDLERS[msg["t"]])(msg, src, now, tcp)
         if src not in self.heard and src in self.bootstrap:
             self.heard.add(src)
         return self._count(out)
@@ -1254,7 +1420,7 @@ class Overlay(FailureDetector):
 
     def leave(self, now: float) -> List[Out]:
         self.leaving = True
-        self.probe = None
+        self._stop_probing()
         return self.update(now, state=crdt.LEFT, left_at=now)
 
     def rejoin(self, now: float, **fields) -> List[Out]:
@@ -1272,7 +1438,7 @@ class Overlay(FailureDetector):
         if record["state"] >= crdt.DOWN:
             record["state"] = crdt.SERVING
         self.sid = f"{self.rng.getrandbits(128):032x}"   # from our rng: the simulator replays a run
-        self.ring = None
+        self._new_session()
         self.record = record = self._signed(self.sid, self._sealed(record))
         self.leaving = False
         self.map.put(self.sid, record)
@@ -1287,14 +1453,7 @@ class Overlay(FailureDetector):
         cfg = self.cfg
         if now - self.expected_wakeup > cfg.stall_threshold:
             self._degrade()                         # we ran late: trust our own judgement less
-        if self.probe is not None and now >= self.probe["deadline"]:
-            out += self._advance_probe(now)
-        if self.probe is None and now >= self.next_probe and not self.leaving:
-            out += self._start_probe(now)
-        if self.relays:
-            out += self._nacks(now)
-        for sid in [s for s, sus in self.suspects.items() if now >= sus.deadline]:
-            out += self._evict(sid, now)
+        out += self._detect(now)
         if now >= self.next_gossip:
             out += self._gossip(now)
         if self.pushes and now >= self.next_resend:
@@ -1326,28 +1485,17 @@ class Overlay(FailureDetector):
             self.next_compact = now + cfg.compact_interval
             if self.map.compact(now):
                 self.known = {sid: k for sid, k in self.known.items() if sid in self.map}
-            horizon = now - 10 * cfg.probe_timeout_max
-            self.late = {n: p for n, p in self.late.items() if p[1] > horizon}
-            self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
-            self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
+            self._compact_detector(now)
         self.expected_wakeup = self.next_wakeup()
         return self._count(out)
 
     def next_wakeup(self) -> float:
-        times = [self.next_push_pull, self.next_join, self.next_compact]
-        if self.probe is not None:
-            times.append(self.probe["deadline"])
-        elif self.members and not self.leaving:
-            times.append(self.next_probe)
+        times = [self.next_push_pull, self.next_join, self.next_compact, self.next_redial]
         if self.rumours:
             times.append(self.next_gossip)
         if self.pushes:
             times.append(self.next_resend)
-        if self.relays:
-            times.append(min(r[3] for r in self.relays.values()))
-        times.append(self.next_redial)
-        times.extend(s.deadline for s in self.suspects.values())
-        return min(times)
+        return min(times + self._detector_wakeups())
 
     # -- message handlers -------------------------------------------------------------------
 
@@ -1500,19 +1648,25 @@ class Overlay(FailureDetector):
                     continue
             mine = self.known.get(sid)
             if mine is not None and isinstance(record, dict):
-                theirs = (record.get("state"), record.get("version"))
+                theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
                 if type(theirs[0]) is int and type(theirs[1]) is int and \
-                        (theirs < mine[:2] or (theirs == mine[:2] and record == mine[2])):
-                    if ("r", sid) in self.rumours:
-                        self.rumours[("r", sid)][0] -= 1    # others know it: lose interest sooner
+                        (theirs < ours or (theirs == ours and record == mine.record)):
+                    if self.rumours:
+                        self._known_elsewhere(sid)
                     continue                        # a copy we have, or older: no need to validate
             fresh[sid] = record
         changed = self.map.merge(fresh, joining)
         done = set(changed)                         # a set: a joiner's merge of 100k records is linear
-        for sid in fresh:
-            if sid not in done and ("r", sid) in self.rumours:
-                self.rumours[("r", sid)][0] -= 1
+        for sid in fresh if self.rumours else ():
+            if sid not in done:
+                self._known_elsewhere(sid)
         return self._changed(changed, now, exclude=src, push=push)
+
+    def _known_elsewhere(self, sid: str) -> None:
+        """Others sent us the record we rumour: lose interest in it sooner."""
+        key = Rumour("r", sid)
+        if key in self.rumours:
+            self.rumours[key] -= 1
 
     def _changed(self, sids: List[str], now: float, exclude: Optional[str] = None,
                  push=True, origin: bool = False) -> List[Out]:
@@ -1529,7 +1683,7 @@ class Overlay(FailureDetector):
             record = self.map.get(sid)
             if record is None:
                 continue
-            self.known[sid] = (record["state"], record["version"], record)
+            self.known[sid] = Known(record)
             if self._track(sid, record, now) and not push and self.members[sid] != exclude:
                 met.append(self.members[sid])       # (the sender knows us: it sent us state, or
                                                     # pushed to us as a member it knows)
@@ -1543,7 +1697,7 @@ class Overlay(FailureDetector):
                                                             # else, evicted_by or not): a new session
                 out += self.rejoin(now, state=self.record["state"])
                 continue
-            keys.append(("r", sid))
+            keys.append(Rumour("r", sid))
             self._notify(sid, record)
         for sid in gone:                            # once every member is known: pushed to all
             log.info("session %s superseded: this process now serves its address", sid)
@@ -1557,13 +1711,13 @@ class Overlay(FailureDetector):
             # introduce ourselves to them the way a write is pushed, acked and resent (to more
             # than origin_fanout: as a rumour, which reaches them all in a few hops).
             if len(met) <= self.cfg.origin_fanout:
-                out += self._push([("r", self.sid)], met, now)
+                out += self._push([Rumour("r", self.sid)], met, now)
             else:
-                out += self._rumour([("r", self.sid)], now, origin=True)
+                out += self._rumour([Rumour("r", self.sid)], now, origin=True)
         if push is LATER:
             for key in keys:
-                if crdt.plane_of(key[1]) == crdt.ROUTING:
-                    self.rumours[key] = [1]
+                if crdt.plane_of(key.sid) == crdt.ROUTING:
+                    self.rumours[key] = 1
             if keys:
                 self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
             return out
@@ -1586,23 +1740,18 @@ class Overlay(FailureDetector):
             self.seeds.pop(sid, None)
         if sid != self.sid and record["state"] < crdt.LEFT and record.get("gossip"):
             addr = record["gossip"]
-            new = self.members.get(sid) != addr
+            new = self._track_member(sid, addr)
             if new:
-                self.members[sid] = addr
                 self.by_addr[addr] = sid
-                self.ring = None
             if seed:
                 self.remember(addr, now, seed=True)   # dialled again if it ever goes away
             return new
         else:
-            addr = self.members.pop(sid, None)
+            addr = self._untrack_member(sid, bool(record.get("evicted_by")), now)
             if addr is None:
                 return False
-            self.ring = None
             if self.by_addr.get(addr) == sid:
                 del self.by_addr[addr]
-            if record.get("evicted_by"):
-                self.evictions.append(now)
             if seed or record.get("evicted_by"):    # it may come back, or be alive beyond a split
                 self.remember(addr, now, seed=seed)
         return False
@@ -1627,14 +1776,14 @@ class Overlay(FailureDetector):
     def _retransmits(self) -> int:
         return max(1, int(self.cfg.retransmit_mult * math.ceil(math.log10(len(self.members) + 2))))
 
-    def _rumour(self, keys: List[tuple], now: float, exclude: Optional[str] = None,
+    def _rumour(self, keys: List[Rumour], now: float, exclude: Optional[str] = None,
                 origin: bool = False) -> List[Out]:
         """Queue rumours and push them at once to a few random peers (their first transmit);
         the origin of a change, to every member (flagged "a": each sends it on once, later)."""
         if not keys:
             return []
         out: List[Out] = []
-        ingress_plane = [k for k in keys if k[0] == "r" and crdt.plane_of(k[1]) == crdt.INGRESS]
+        ingress_plane = [k for k in keys if k.kind == "r" and crdt.plane_of(k.sid) == crdt.INGRESS]
         if ingress_plane:
             # Pushed by its writer to every proven ingress, resent until acked; never rumoured on
             # (receivers do not forward it, and workers never see it); anti-entropy repairs.
@@ -1657,16 +1806,16 @@ class Overlay(FailureDetector):
             if origin:                              # the seeds always get it from its writer
                 out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
         for key in keys:
-            self.rumours[key] = [limit]
-        for key in keys:
-            self.rumours[key][0] -= 1
-            if self.rumours[key][0] <= 0:
+            self.rumours[key] = limit
+        for key in keys:                            # the push above was the first transmit
+            self.rumours[key] -= 1
+            if self.rumours[key] <= 0:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
         return out
 
-    def _push(self, keys: List[tuple], peers: List[str], now: float) -> List[Out]:
+    def _push(self, keys: List[Rumour], peers: List[str], now: float) -> List[Out]:
         out: List[Out] = []
         for payload in self._packs(keys):
             self.seq += 1
@@ -1726,7 +1875,7 @@ class Overlay(FailureDetector):
             self.next_redial = min(self.next_redial, entry.due)
         return out
 
-    def _packs(self, keys: List[tuple]):
+    def _packs(self, keys: List[Rumour]):
         """Rumour payloads, each small enough for one datagram."""
         if len(keys) == 1:
             yield self._payload(keys)
@@ -1734,8 +1883,8 @@ class Overlay(FailureDetector):
         budget = self.cfg.max_datagram - ENVELOPE - 256
         batch, size = [], 0
         for key in keys:
-            if key[0] == "r":
-                record = self.map.get(key[1])
+            if key.kind == "r":
+                record = self.map.get(key.sid)
                 cost = len(crdt.dumps(record)) + 40 if record else 0
             else:
                 cost = 160                          # a suspicion and its voucher
@@ -1750,17 +1899,17 @@ class Overlay(FailureDetector):
     def _payload(self, keys) -> Dict[str, Any]:
         records, suspicions, vouchers = {}, [], []
         for key in keys:
-            if key[0] == "r":
-                record = self.map.get(key[1])
+            if key.kind == "r":
+                record = self.map.get(key.sid)
                 if record is not None:
-                    records[key[1]] = record
+                    records[key.sid] = record
             else:
-                sus = self.suspects.get(key[1])
+                sus = self.suspects.get(key.sid)
                 if sus is not None:
-                    suspicions.append([key[1], sus.version, key[2]])
-                    if key[2] in sus.vouchers:
-                        version, mac = sus.vouchers[key[2]]
-                        vouchers.append([key[1], version, key[2], mac])
+                    suspicions.append([key.sid, sus.version, key.by])
+                    if key.by in sus.vouchers:
+                        version, mac = sus.vouchers[key.by]
+                        vouchers.append([key.sid, version, key.by, mac])
         msg: Dict[str, Any] = {"t": "r"}
         if records:
             msg["r"] = records
@@ -1774,10 +1923,10 @@ class Overlay(FailureDetector):
         """Retransmit tick: pending rumours, packed into a few datagrams, to `gossip_fanout`
         random peers; each rumour loses one transmit."""
         self.next_gossip = math.inf
-        keys = sorted(self.rumours, key=lambda k: -self.rumours[k][0])[: self.MAX_PER_TICK]
+        keys = sorted(self.rumours, key=lambda k: -self.rumours[k])[: self.MAX_PER_TICK]
         for key in keys:
-            self.rumours[key][0] -= 1
-            if self.rumours[key][0] <= 0:
+            self.rumours[key] -= 1
+            if self.rumours[key] <= 0:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = now + self.cfg.gossip_interval
@@ -4340,9 +4489,13 @@ class _PunchSocket(asyncio.DatagramProtocol):
     conntrack state never touches the gossip port or the next attempt. `deliver(msg, peer)`
     takes the peer's gossip, `lost(path)` hears that the socket is gone."""
 
-    def __init__(self, node: Node, peer: str, deliver: Callable[[Dict[str, Any], str], None],
-                 lost: Callable[[_PunchSocket], None]):
-        self.node, self.peer, self.deliver, self.lost = node, peer, deliver, lost
+    OWN = {t: row.handler for t, row in MESSAGE_TYPES.items() if row.part == "path"}   # read here, not routed
+
+    def __init__(self, peer: str, deliver: Callable[[Dict[str, Any], str], None],
+                 lost: Callable[[_PunchSocket], None], wire: Wire, traffic: collections.Counter,
+                 address: Callable[[], str]):
+        self.peer, self.deliver, self.lost = peer, deliver, lost
+        self.wire, self.traffic, self.address = wire, traffic, address   # `address()`: where we gossip
         self.transport: Optional[asyncio.DatagramTransport] = None
         self.seen: Optional[asyncio.Future] = None   # the answer to our "ob"
         self.hit: Optional[asyncio.Future] = None    # an ack of our probe arrived
@@ -4356,30 +4509,35 @@ class _PunchSocket(asyncio.DatagramProtocol):
         pass
 
     def datagram_received(self, data: bytes, addr) -> None:
-        node = self.node
-        node.bytes_received += len(data)
+        self.traffic["received"] += len(data)
         now = time.time()
-        msg = node.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
+        msg = self.wire.open(data, now, sender=f"{addr[0]}:{addr[1]}")
         if msg is None:
             return
-        kind = msg["t"]
-        if kind == "os":
-            if self.seen is not None and not self.seen.done():
-                self.seen.set_result(str(msg.get("seen", "")))
-            return
-        if msg.get("ra") != self.peer:              # only the peer we punched for talks here
-            return
-        self.last_rx = now
-        if kind == "pp":
+        own = self.OWN.get(msg["t"])
+        if own is not None:
+            getattr(self, own)(msg, addr, now)
+        elif msg.pop("ra", None) == self.peer:      # only the peer we punched for talks here
+            self.last_rx = now
+            self.deliver(msg, self.peer)
+
+    def _on_seen(self, msg: Dict[str, Any], addr: tuple, now: float) -> None:
+        """A seed's answer to our "ob": where it sees this socket."""
+        if self.seen is not None and not self.seen.done():
+            self.seen.set_result(str(msg.get("seen", "")))
+
+    def _on_probe(self, msg: Dict[str, Any], addr: tuple, now: float) -> None:
+        if msg.get("ra") == self.peer:
+            self.last_rx = now
             self.peer_addr = addr                   # peer-reflexive: answer where it came from
-            self.send(node.wire.seal({"t": "pa", "ra": node.overlay.addr}, now), addr)
-        elif kind == "pa":
+            self.send(self.wire.seal({"t": "pa", "ra": self.address()}, now), addr)
+
+    def _on_probe_ack(self, msg: Dict[str, Any], addr: tuple, now: float) -> None:
+        if msg.get("ra") == self.peer:
+            self.last_rx = now
             self.peer_addr = addr
             if self.hit is not None and not self.hit.done():
                 self.hit.set_result(addr)
-        else:
-            msg.pop("ra", None)
-            self.deliver(msg, self.peer)
 
     def send(self, data: bytes, addr) -> bool:
         """False once the socket is closing: asyncio's unconnected datagram transport, its socket
@@ -4520,18 +4678,37 @@ async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local:
     return won
 
 
+class Spare:
+    """A tunnel connection a probe punched (rule 6), waiting for the next dial, and when it was made
+    (time.monotonic)."""
+
+    __slots__ = ("sock", "made")
+
+    def __init__(self, sock: socket.socket, made: float):
+        self.sock, self.made = sock, made
+
+
 class HolePunch:
     """Rules 4 to 6 of "NAT traversal and relay" for one node: the UDP punches towards private
     peers and the punched paths their gossip takes (one _PunchSocket per peer), and the TCP
     simultaneous opens that punch a tunnel connection. It asks and answers through the relays
-    (the node's RelayClient sends its "pq"/"pr"/"tq"/"tr"), learns mappings from the seeds that
-    answered the node's reach check, and keeps per peer what Reach decides from (the node's
+    (its RelayClient sends its "pq"/"pr"/"tq"/"tr"), learns mappings from the seeds that
+    answered our reach check, and keeps per peer what Reach decides from (our
     Reach). `listeners(addr)` hear that a path to `addr` is punched: the ingress's pool retires
     its relayed connections to it."""
 
-    def __init__(self, node: Node):
-        self.node, self.config, self.wire, self.reach = node, node.config, node.wire, node.reach
-        self.client = node.relay_client             # our relays carry the asking and answering
+    def __init__(self, config: Config, wire: Wire, reach: Reach, client: RelayClient, traffic: collections.Counter,
+                 *, spawn: Callable[[Any], asyncio.Task], resolve: Callable[[str], tuple],
+                 address: Callable[[], str], deliver: Callable[..., None],
+                 sendto: Callable[[bytes, tuple], None], admit: Callable[[socket.socket], None],
+                 serving: Callable[[], bool]):
+        """`address()`: our gossip address; `deliver(msg, src, via)`: a punched path's gossip in
+        (Node.deliver); `sendto`: a datagram out of the gossip port; `admit`: a punched tunnel
+        connection in, while `serving()` says the tunnel port is open."""
+        self.config, self.wire, self.reach, self.traffic = config, wire, reach, traffic
+        self.client = client                        # our relays carry the asking and answering
+        self.spawn, self.resolve, self.address, self.deliver = spawn, resolve, address, deliver
+        self.sendto, self.admit, self.serving = sendto, admit, serving
         self.paths: Dict[str, _PunchSocket] = {}    # relayed address -> its punched path
         self.waiting: Dict[tuple, asyncio.Future] = {}   # (peer, attempt or token) -> its "pr"/"tr"
         self.punches = collections.Counter({"ok": 0, "failed": 0, "fell_back": 0, "answered": 0})
@@ -4540,17 +4717,15 @@ class HolePunch:
         self.tunnel_punches = collections.Counter({"ok": 0, "failed": 0})   # TCP simultaneous opens, both sides
         self.tunnel_punch_ms: List[float] = []      # how long each punched tunnel connect took
         self.answering = 0                          # simultaneous opens we answer right now
-        self.spares: Dict[str, Tuple[socket.socket, float]] = {}   # a probe's punched connection (rule 6)
+        self.spares: Dict[str, Spare] = {}          # a probe's punched connection (rule 6)
         self.listeners: List[Callable[[str], None]] = []
-        self.handlers = {"ob": self._on_observe, "pq": self._on_punch_request, "pr": self._on_reply,
-                         "tq": self._on_tunnel_punch, "tr": self._on_reply}
 
     def stats(self) -> Dict[str, Any]:
         return {"punches": dict(self.punches), "punch_ms": self.punch_ms[-8:],
                 "punch_after_join_ms": self.punch_after_join_ms[-8:], "punched": sorted(self.paths),
                 "tunnel_punches": dict(self.tunnel_punches), "tunnel_punch_ms": self.tunnel_punch_ms[-8:]}
 
-    def take_spare(self, addr: str) -> Optional[Tuple[socket.socket, float]]:
+    def take_spare(self, addr: str) -> Optional[Spare]:
         """A probe's punched connection to `addr` and when it was made, handed to the caller."""
         return self.spares.pop(addr, None)
 
@@ -4558,22 +4733,22 @@ class HolePunch:
         """`addr` went LEFT: a connection punched for it has no one to serve."""
         spare = self.spares.pop(addr, None)
         if spare is not None:
-            spare[0].close()
+            spare.sock.close()
 
     def close(self) -> None:
         paths = list(self.paths.values())
         self.paths.clear()                          # closing: no path "falls back"
         for path in paths:
             path.close()
-        for sock, _ in self.spares.values():
-            sock.close()
+        for spare in self.spares.values():
+            spare.sock.close()
         self.spares.clear()
 
-    def _on_observe(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_observe(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         """A seed's side of "ob": say where the datagram came from (its NAT mapping)."""
         try:
-            self.node.udp.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
-                             self.node.resolve(src))
+            self.sendto(self.wire.seal({"t": "os", "n": msg.get("n"), "seen": src}, time.time()),
+                        self.resolve(src))
         except (OSError, ValueError, AttributeError):
             pass
 
@@ -4583,7 +4758,8 @@ class HolePunch:
         host = split_addr(self.config.gossip)[0]
         try:
             _, sock = await loop.create_datagram_endpoint(
-                lambda: _PunchSocket(self.node, peer, self._punched_gossip, self.lost), local_addr=(host, 0))
+                lambda: _PunchSocket(peer, self._punched_gossip, self.lost, self.wire, self.traffic, self.address),
+                local_addr=(host, 0))
         except OSError:
             return None, ""
         seeds = [a for a in self.client.seeds if not is_relayed(a)]
@@ -4593,7 +4769,7 @@ class HolePunch:
         while seeds and not sock.seen.done() and time.monotonic() < deadline:
             for seed in seeds[:2]:
                 try:
-                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self.node.resolve(seed))
+                    sock.send(self.wire.seal({"t": "ob", "n": nonce}, time.time()), self.resolve(seed))
                 except ValueError:
                     pass
             await asyncio.wait([sock.seen], timeout=0.2)
@@ -4609,14 +4785,14 @@ class HolePunch:
         loop = asyncio.get_running_loop()
         sock.hit = loop.create_future()
         try:
-            target = self.node.resolve(seen)
+            target = self.resolve(seen)
         except ValueError:
             return False
         if not first:
             await asyncio.wait([sock.hit], timeout=cfg.punch_delay)
         deadline = time.monotonic() + cfg.punch_timeout
         while not sock.hit.done() and time.monotonic() < deadline:
-            sock.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, time.time()), sock.peer_addr or target)
+            sock.send(self.wire.seal({"t": "pp", "ra": self.address()}, time.time()), sock.peer_addr or target)
             await asyncio.wait([sock.hit], timeout=0.05)
         return sock.hit.done()
 
@@ -4630,12 +4806,12 @@ class HolePunch:
             if now - path.last_rx > cfg.punch_idle:
                 self.lost(path, "went silent")
             elif path.peer_addr is not None and now - path.last_rx > cfg.punch_keepalive:
-                path.send(self.wire.seal({"t": "pp", "ra": self.node.overlay.addr}, now), path.peer_addr)
-        for peer in self.reach.punches_due(self.node.overlay.addr, self.paths, now):
-            self.node.spawn(self._punch(peer))
+                path.send(self.wire.seal({"t": "pp", "ra": self.address()}, now), path.peer_addr)
+        for peer in self.reach.punches_due(self.address(), self.paths, now):
+            self.spawn(self._punch(peer))
         if self.client.private and self.listeners:   # rule 6: a dialer back to punched when it works
             for peer in self.reach.probes_due(self.paths, self.spares, self.client.private, now):
-                self.node.spawn(self._probe_tunnel(peer))
+                self.spawn(self._probe_tunnel(peer))
 
     async def _punch(self, peer: str) -> None:
         """The asking side: two attempts on fresh sockets, the peer first, then us first (one
@@ -4653,9 +4829,9 @@ class HolePunch:
         self.punches["failed"] += 1
         log.info("hole punch to %s failed: it stays relayed", peer)
 
-    def _on_punch_request(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_punch_request(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         if is_relayed(src) and self.client.private and src not in self.paths:
-            self.node.spawn(self._answer_punch(src, msg))
+            self.spawn(self._answer_punch(src, msg))
 
     async def _answer_punch(self, peer: str, msg: Dict[str, Any]) -> None:
         started = time.monotonic()
@@ -4681,13 +4857,13 @@ class HolePunch:
         finally:
             self.waiting.pop((peer, key), None)
 
-    def _on_reply(self, msg: Dict[str, Any], src: str) -> None:
+    def _on_reply(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         waiter = self.waiting.get((src, msg.get("a" if msg["t"] == "pr" else "n")))
         if waiter is not None and not waiter.done():
             waiter.set_result(str(msg.get("seen") or ""))
 
     def _punched_gossip(self, msg: Dict[str, Any], peer: str) -> None:
-        self.node.deliver(msg, peer, False, peer)
+        self.deliver(msg, peer, Via(False, peer))
 
     def lost(self, path: _PunchSocket, why: str = "closed") -> None:
         """A punched path that went silent or whose socket is gone: its peer goes back to its
@@ -4710,7 +4886,7 @@ class HolePunch:
             for listener in self.listeners:
                 listener(peer)
         self.punch_ms.append(round((time.monotonic() - started) * 1000, 1))
-        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.node.overlay.addr, started))
+        both = max(self.reach.member_since(peer, started), self.reach.member_since(self.address(), started))
         self.punch_after_join_ms.append(round((time.monotonic() - both) * 1000, 1))
         log.info("punched a direct path to %s (%s) in %.0f ms", peer, sock.peer_addr, self.punch_ms[-1])
 
@@ -4731,7 +4907,7 @@ class HolePunch:
             local = sock.getsockname()
             try:
                 remaining = deadline - time.monotonic()
-                await asyncio.wait_for(loop.sock_connect(sock, self.node.resolve(seed)), max(remaining, 0.01))
+                await asyncio.wait_for(loop.sock_connect(sock, self.resolve(seed)), max(remaining, 0.01))
                 nonce = os.urandom(4).hex()
                 await loop.sock_sendall(sock, frame(self.wire.seal({"t": "rq", "n": nonce}, time.time())))
                 reader, writer = await asyncio.open_connection(sock=sock)
@@ -4761,7 +4937,7 @@ class HolePunch:
                                      max(deadline - time.monotonic(), 0.01))
             if theirs:
                 margin = None if kept is None else self.config.tunnel_reply_margin   # kept: its SYN has left
-                sock = await simultaneous_open(self.config, self.node.resolve, local, theirs, not peer_first, deadline,
+                sock = await simultaneous_open(self.config, self.resolve, local, theirs, not peer_first, deadline,
                                                head_start=margin)
         if sock is None:
             self.tunnel_punches["failed"] += 1
@@ -4784,16 +4960,16 @@ class HolePunch:
             return
         old = self.spares.pop(peer, None)
         if old is not None:
-            old[0].close()
-        self.spares[peer] = (sock, time.monotonic())
+            old.sock.close()
+        self.spares[peer] = Spare(sock, time.monotonic())
         log.info("tunnel to %s punches again: its relayed connections are retired", peer)
         for listener in self.listeners:
             listener(peer)
 
-    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str) -> None:
-        if is_relayed(src) and self.client.private and self.node.tunnel_sock is not None \
+    def _on_tunnel_punch(self, msg: Dict[str, Any], src: str, via: Via) -> None:
+        if is_relayed(src) and self.client.private and self.serving() \
                 and self.answering < self.config.max_punched:
-            self.node.spawn(self._answer_tunnel_punch(src, msg))
+            self.spawn(self._answer_tunnel_punch(src, msg))
 
     async def _answer_tunnel_punch(self, peer: str, msg: Dict[str, Any]) -> None:
         """The member's side of rule 5: our mapping back, then connect; the socket is admitted
@@ -4805,31 +4981,17 @@ class HolePunch:
             self.client.send(peer, {"t": "tr", "n": msg.get("n"), "seen": seen}, time.time())
             if local is None or not msg.get("seen"):
                 return
-            sock = await simultaneous_open(self.config, self.node.resolve, local, str(msg["seen"]),
-                                           bool(msg.get("first")), deadline, extra=self.node.tunnel.admit)
+            sock = await simultaneous_open(self.config, self.resolve, local, str(msg["seen"]),
+                                           bool(msg.get("first")), deadline, extra=self.admit)
         finally:
             self.answering -= 1
         self.tunnel_punches["ok" if sock is not None else "failed"] += 1
         if sock is not None:
-            if self.node.tunnel_sock is None:
+            if not self.serving():
                 sock.close()
                 return
-            self.node.tunnel.admit(sock)
+            self.admit(sock)
 
-
-
-def offered_relays(node: Node, leave_out: Tuple[str, ...] = ()) -> List[str]:
-    """The gossip addresses of the members offering to relay, best first: standalone relays (they
-    exist for it), then ingresses, then dialable workers; never ourselves, a suspected or
-    relayed member, or one at an address in `leave_out`."""
-    ranked = []
-    for sid, record in node.registry.items() if node.overlay is not None else ():
-        gossip = record.get("gossip", "")
-        if sid == node.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
-                or is_relayed(gossip) or node.is_suspected(sid) or gossip in leave_out:
-            continue
-        ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-    return [gossip for _, gossip in sorted(ranked)]
 
 
 class RelayServer:
@@ -4839,9 +5001,21 @@ class RelayServer:
     dialer's connection onto a member's stream or dial-back, and a seed's answer to a reach
     check. `relayed` counts what it did (the node's, shared with its RelayClient)."""
 
-    def __init__(self, node: Node, relayed: collections.Counter):
-        self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
-        self.reach = node.reach
+    def __init__(self, config: Config, wire: Wire, reach: Reach, relayed: collections.Counter,
+                 traffic: collections.Counter, *, spawn: Callable[[Any], asyncio.Task],
+                 resolve: Callable[[str], tuple], address: Callable[[], str], deliver: Callable[..., Any],
+                 sendto: Callable[[bytes, tuple], None], send_frame: Callable[[tuple, bytes], None],
+                 relaying: Callable[[], bool], knows: Callable[[str], bool],
+                 relays_offered: Callable[..., List[str]]):
+        """`address()`: our gossip address ("" before the overlay starts); `deliver(msg, src, via)`:
+        gossip for us in (Node.deliver); `sendto` a datagram and `send_frame` a frame too big for
+        one out of the gossip port; `relaying()`: whether we relay now (not private);
+        `knows(addr)`: a member or a remembered address; `relays_offered(leave_out)`: the
+        members offering to relay, best first."""
+        self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
+        self.spawn, self.resolve, self.address, self.deliver = spawn, resolve, address, deliver
+        self.sendto, self.send_frame, self.relaying, self.knows = sendto, send_frame, relaying, knows
+        self.relays_offered = relays_offered
         self.linked: Dict[str, _MuxLink] = {}       # link id -> the member's link and its streams
         self.splices: Dict[str, asyncio.Future] = {}   # token -> the dialer waiting for a dial-back
         self.forwarded: Dict[bytes, float] = {}     # envelopes passed on (nonce and destination) ->
@@ -4851,7 +5025,7 @@ class RelayServer:
         """A member's link hello on our gossip port: held (replacing its older link) and served
         until it ends; refused when we do not relay or hold max_relay_links."""
         cfg = self.config
-        if not (cfg.relay and not self.node.relay_client.private) or len(self.linked) >= cfg.max_relay_links:
+        if not self.relaying() or len(self.linked) >= cfg.max_relay_links:
             self.relayed["refused"] += 1
             return
         link = str(msg["link"])
@@ -4887,7 +5061,7 @@ class RelayServer:
         mux = self.linked.get(link)
 
         def on_frame(data: bytes) -> bool:
-            self.node.bytes_received += len(data) + 4
+            self.traffic["received"] += len(data) + 4
             if data[:2] == MUX:                     # a tunnel stream's frame from the member (rule 2)
                 return self.linked.get(link) is mux and mux.on_frame(data)
             if data[:2] == FORWARD:
@@ -4895,14 +5069,12 @@ class RelayServer:
             msg = self.wire.open(data, time.time(), tcp=True, sender=RELAYED_PREFIX + link)
             if msg is None:
                 return False
-            if msg["t"] == "rq":
-                self.node.spawn(self.answer_reach(msg, conn))
-            elif msg["t"] != "h" and self.node.overlay is not None:
+            if msg["t"] != "h":                     # its hello came first (GossipTCP.serve)
                 src = msg.pop("ra", None)
-                if not isinstance(src, str):
-                    self.node.dropped_malformed += 1
-                else:
-                    self.node.deliver(msg, src, True, RELAYED_PREFIX + link)
+                answer = self.deliver(msg, src if isinstance(src, str) else None,
+                                      Via(True, RELAYED_PREFIX + link, conn))
+                if answer is not None:              # a reach check, answered down the link
+                    self.spawn(answer)
             return True
         if mux is not None and mux.writer is conn:
             await _link_frames(conn, on_frame, self.config.max_frame, mux)
@@ -4912,19 +5084,19 @@ class RelayServer:
         (`sender`: where it came from, for the replay cache). False when it was forged or is
         not ours to pass on."""
         opened = open_envelope(data)
-        if opened is None or self.node.overlay is None:
+        if opened is None or not self.address():
             self.wire.dropped["malformed"] += 1
             return False
         dest, inner = opened
         if not self.wire.authentic(inner, self.config.max_frame):
             return False
-        if dest == self.node.overlay.addr:
+        if dest == self.address():
             msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
             src = msg.pop("ra", None) if msg is not None else None
             if isinstance(src, str):
-                self.node.deliver(msg, src, True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender)
+                self.deliver(msg, src, Via(True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender))
             return msg is not None
-        if not self.config.relay or self.node.relay_client.private:
+        if not self.relaying():
             self.relayed["refused"] += 1
             return False
         refusal = self._refusal(dest, inner, from_link)
@@ -4938,21 +5110,21 @@ class RelayServer:
                 link.writer.write(frame(inner))
             elif from_link:                         # one hop on to its relay, never more (no loops)
                 for relay in self.reach.relays(dest):
-                    if relay != self.node.overlay.addr:
-                        self.node.spawn(self.node.gossip_tcp.send_frame(self.node.resolve(relay), data))
+                    if relay != self.address():
+                        self.send_frame(self.resolve(relay), data)
                         break
             return True
         try:
-            target = self.node.resolve(dest)
+            target = self.resolve(dest)
         except ValueError:
             return False
         if len(inner) <= self.config.max_datagram:
             try:
-                self.node.udp.sendto(inner, target)
+                self.sendto(inner, target)
             except OSError:
                 pass
         else:
-            self.node.spawn(self.node.gossip_tcp.send_frame(target, inner))
+            self.send_frame(target, inner)
         return True
 
     def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
@@ -4969,7 +5141,7 @@ class RelayServer:
         if is_relayed(dest):
             if dest[len(RELAYED_PREFIX):] not in self.linked and not (from_link and self.reach.relays(dest)):
                 return "not_member"
-        elif not from_link or (dest not in self.node.overlay.by_addr and dest not in self.node.overlay.remembered):
+        elif not from_link or not self.knows(dest):
             return "not_member"
         seen = self.forwarded
         key = nonce + dest.encode()
@@ -4986,12 +5158,20 @@ class RelayServer:
             del seen[oldest]
         return ""
 
+    def _on_reach(self, msg: Dict[str, Any], src: Optional[str], via: Via) -> Optional[Awaitable[None]]:
+        """A reach check ("rq"): its answer, to be awaited on the connection it came on; a
+        datagram has none to answer on."""
+        if via.conn is None:
+            self.traffic["malformed"] += 1
+            return None
+        return self.answer_reach(msg, via.conn)
+
     async def answer_reach(self, msg: Dict[str, Any], writer: _Stream) -> None:
         """A seed's side of the reachability check: dial the asker back, say what we saw."""
         peer = writer.get_extra_info("peername") or ("", 0)
         back = False
         try:                                        # the asker's nonce proves we reached *it*
-            target = self.node.resolve(str(msg["a"]))
+            target = self.resolve(str(msg["a"]))
             dialled = await asyncio.wait_for(open_stream(*target), self.config.dialback_timeout)
             try:
                 dialled.write(frame(self.wire.seal({"t": "h", "back": str(msg.get("n"))}, time.time())))
@@ -5002,16 +5182,16 @@ class RelayServer:
         except (OSError, ValueError, KeyError, asyncio.TimeoutError):
             pass
         answer = self.wire.seal({"t": "rs", "n": msg.get("n"), "seen": f"{peer[0]}:{peer[1]}", "back": back,
-                                 "relaying": bool(self.config.relay and not self.node.relay_client.private),
+                                 "relaying": self.relaying(),
                                  "relays": self.known_relays(str(msg.get("a", "")))}, time.time())
         writer.write(frame(answer))
         await writer.drain()
 
     def known_relays(self, asker: str = "") -> List[str]:
-        """The relays a seed names in its "rs" (rule 7), best first (offered_relays), and not the
+        """The relays a seed names in its "rs" (rule 7), best first (Node.relays_offered), and not the
         asker (its first record says it relays: it did not know yet that it is private); our
         own "relaying" speaks for us."""
-        return offered_relays(self.node, (asker,))[:NAMED_RELAYS]
+        return self.relays_offered((asker,))[:NAMED_RELAYS]
 
     async def splice(self, link_id: str, conn: _Stream) -> None:
         """Rule 2, the relay's side: ask the member to dial back, then splice byte for byte."""
@@ -5076,9 +5256,31 @@ class RelayClient:
     tunnel connection to a relayed member (`open`: punched, a spare, a dial-back or a splice,
     as Reach decides)."""
 
-    def __init__(self, node: Node, relayed: collections.Counter):
-        self.node, self.config, self.wire, self.relayed = node, node.config, node.wire, relayed
-        self.reach = node.reach
+    def __init__(self, config: Config, wire: Wire, reach: Reach, relayed: collections.Counter,
+                 traffic: collections.Counter, server: RelayServer, *, spawn: Callable[[Any], asyncio.Task],
+                 resolve: Callable[[str], tuple], address: Callable[[], str],
+                 set_address: Callable[[str], None], record: Callable[[], Dict[str, Any]],
+                 suspected_at: Callable[[str], bool], is_member: Callable[[str], bool],
+                 relays_offered: Callable[..., List[str]], reach_known: Callable[..., None],
+                 deliver: Callable[..., None], send_datagram: Callable[[bytes, tuple], None],
+                 send_frame: Callable[[tuple, bytes], None], admit: Callable[[Any], None],
+                 serving: Callable[[], bool], server_ssl: Optional[ssl.SSLContext]):
+        """`server`: our RelayServer (a link a member holds to us carries its dial-backs);
+        `address()`/`set_address(addr)`: our gossip address, relayed once we are private;
+        `record()`: our own record; `suspected_at(addr)`, `is_member(addr)`: whether the member at a
+        gossip address is suspected, or live; `relays_offered()`: the members offering to relay,
+        best first; `reach_known(rejoin, **fields)`: our reach is known; `deliver(msg, src, via)`:
+        a link's gossip in (Node.deliver); `send_datagram`, `send_frame`: out of the gossip port;
+        `admit`: a tunnel connection in (a stream, a dial-back) while `serving()`; `server_ssl`:
+        the tunnel's TLS, for the streams a relay opens. `punch` (HolePunch) is set once both exist."""
+        self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
+        self.linked, self.take_dial_back = server.linked.get, server.take_dial_back
+        self.spawn, self.resolve, self.address, self.set_address = spawn, resolve, address, set_address
+        self.record, self.suspected_at, self.is_member = record, suspected_at, is_member
+        self.relays_offered, self.reach_known, self.deliver = relays_offered, reach_known, deliver
+        self.send_datagram, self.send_frame, self.admit, self.serving = send_datagram, send_frame, admit, serving
+        self.server_ssl = server_ssl
+        self.punch: Optional[HolePunch] = None
         self.link_id = os.urandom(8).hex()          # names our relayed address, for this process
         self.private = False                        # no seed could dial us: reached through relays
         self.observed = ""                          # our address as a seed saw it
@@ -5100,47 +5302,43 @@ class RelayClient:
         address through its first relay that is not suspected (or down its link, if ours).
         A punched path, when there is one, goes first for datagrams; what the Overlay sends
         over TCP stays on the links, a probe path apart from the punched one (rule 4)."""
-        data = self.wire.seal(dict(msg, ra=self.node.overlay.addr), now)
-        path = None if tcp else self.node.punch.paths.get(dest)
+        data = self.wire.seal(dict(msg, ra=self.address()), now)
+        path = None if tcp else self.punch.paths.get(dest)
         if path is not None and path.peer_addr is not None and len(data) <= self.config.max_datagram:
             if path.send(data, path.peer_addr):
-                self.node.bytes_sent += len(data)
+                self.traffic["sent"] += len(data)
                 return
-            self.node.punch.lost(path)              # closed under us: this one goes relayed
+            self.punch.lost(path)              # closed under us: this one goes relayed
         if self.private:
             for link in self.links.values():
                 if not link.writer.transport.is_closing():
                     link.writer.write(frame(envelope(dest, data)))
-                    self.node.bytes_sent += len(data) + 4
+                    self.traffic["sent"] += len(data) + 4
                     return
             if is_relayed(dest):
                 return
             try:                                    # no link yet: straight out (a cone NAT passes it)
-                self.node.send_datagram(data, self.node.resolve(dest))
+                self.send_datagram(data, self.resolve(dest))
             except ValueError:
                 pass
             return
-        mine = self.node.relay_server.linked.get(dest[len(RELAYED_PREFIX):])
+        mine = self.linked(dest[len(RELAYED_PREFIX):])
         if mine is not None:                        # we are its relay
             mine.writer.write(frame(data))
-            self.node.bytes_sent += len(data) + 4
+            self.traffic["sent"] += len(data) + 4
             return
-        by_addr = self.node.overlay.by_addr
         for relay in self.reach.relays(dest):
-            if relay == self.node.overlay.addr:
-                continue
-            sid = by_addr.get(relay)
-            if sid is not None and self.node.overlay.is_suspected(sid):
+            if relay == self.address() or self.suspected_at(relay):
                 continue
             wrapped = envelope(dest, data)
             try:
-                target = self.node.resolve(relay)
+                target = self.resolve(relay)
             except ValueError:
                 continue
             if len(wrapped) <= self.config.max_datagram:
-                self.node.send_datagram(wrapped, target)
+                self.send_datagram(wrapped, target)
             else:
-                self.node.spawn(self.node.gossip_tcp.send_frame(target, wrapped))
+                self.send_frame(target, wrapped)
             return
 
     async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
@@ -5148,12 +5346,12 @@ class RelayClient:
         sees and the relays it knows); its answer, or None."""
         cfg = self.config
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.node.resolve(seed)), cfg.tcp_timeout)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.resolve(seed)), cfg.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return None
         try:
             nonce = os.urandom(4).hex()
-            ask = {"t": "rq", "n": nonce, "a": self.node.overlay.record["gossip"]} if dial_back else {"t": "rq", "n": nonce}
+            ask = {"t": "rq", "n": nonce, "a": self.record()["gossip"]} if dial_back else {"t": "rq", "n": nonce}
             writer.write(frame(self.wire.seal(ask, time.time())))
             data = await _read_frame(reader, cfg.max_datagram, cfg.dialback_timeout + cfg.tcp_timeout)
             answer = self.wire.open(data, time.time(), tcp=True) if data else None
@@ -5173,7 +5371,7 @@ class RelayClient:
     async def keep_reach(self, bootstrap: List[str]) -> None:
         """Learn whether we can be dialled; if not, keep `relay_links` links to relays."""
         cfg = self.config
-        self.dialable_gossip = self.node.overlay.record["gossip"]
+        self.dialable_gossip = self.record()["gossip"]
         if cfg.reach == "auto":
             delay = cfg.join_retry_min
             while not self.private:
@@ -5183,7 +5381,7 @@ class RelayClient:
                     self.observed = str(heard[0][1].get("seen", ""))
                     if any(a.get("back") for _, a in heard):
                         log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
-                        self.node.reach_known(relaying=bool(cfg.relay))
+                        self.reach_known(relaying=bool(cfg.relay))
                         return
                     self._heard_seeds(heard)
                     break
@@ -5198,8 +5396,7 @@ class RelayClient:
         waited = False                              # a check passed before our first link (rule 7)
         while True:
             for relay, link in list(self.links.items()):
-                sid = self.node.overlay.by_addr.get(relay)
-                if link.writer.transport.is_closing() or (sid is not None and self.node.overlay.is_suspected(sid)):
+                if link.writer.transport.is_closing() or self.suspected_at(relay):
                     link.writer.close()
                     del self.links[relay]
             candidates = self._relay_candidates()
@@ -5209,7 +5406,7 @@ class RelayClient:
             if self.links:
                 self.no_relay_said = False
             else:                                   # rule 7: say it once, ask the seeds again
-                waited = waited or not is_relayed(self.node.overlay.record.get("gossip", ""))
+                waited = waited or not is_relayed(self.record().get("gossip", ""))
                 if not self.no_relay_said:
                     self.no_relay_said = True
                     log.warning("%s", NO_RELAY_TEXT)
@@ -5219,26 +5416,26 @@ class RelayClient:
                 worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
                 self.links.pop(worst).writer.close()
             relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
-            record = self.node.overlay.record
+            record = self.record()
             if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
-                self.node.overlay.addr = relayed
+                self.set_address(relayed)
                 self.reach.member(relayed, time.monotonic())
                 if waited:                          # our first record (dialable, it said) was suspected
                     waited = False                  # and evicted with no way to refute it: start over,
                     log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.node.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
+                    self.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
                                           relaying=False)   # the old session never named our relayed address
                 else:
-                    self.node.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
-            self.node.punch.tend()
+                    self.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            self.punch.tend()
             await asyncio.sleep(cfg.relay_check_interval)
 
     def _relay_candidates(self) -> List[str]:
-        """Members offering to relay, best first (offered_relays); then the seeds that answered
+        """Members offering to relay, best first (Node.relays_offered); then the seeds that answered
         us and are not in the registry yet."""
-        out = offered_relays(self.node)
-        out += [seed for seed in self.seed_relays if seed not in out and seed not in self.node.overlay.by_addr]
-        return out + [relay for relay in self.named_relays if relay not in out and relay not in self.node.overlay.by_addr]
+        out = self.relays_offered()
+        out += [seed for seed in self.seed_relays if seed not in out and not self.is_member(seed)]
+        return out + [relay for relay in self.named_relays if relay not in out and not self.is_member(relay)]
 
     def _heard_seeds(self, heard: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Rule 7: of the seeds that answered our "rq", those that relay (a seed of an older
@@ -5264,14 +5461,14 @@ class RelayClient:
 
     async def _open_link(self, relay: str) -> None:
         try:
-            conn = await asyncio.wait_for(open_stream(*self.node.resolve(relay)), self.config.tcp_timeout)
+            conn = await asyncio.wait_for(open_stream(*self.resolve(relay)), self.config.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return
         _keepalive(conn)
         conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
         self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
-        self.node.spawn(self._read_link(relay, conn))
+        self.spawn(self._read_link(relay, conn))
         log.info("relay link to %s", relay)
 
     async def _read_link(self, relay: str, conn: _Stream) -> None:
@@ -5286,11 +5483,11 @@ class RelayClient:
             if msg is None:
                 return True
             if msg["t"] == "h" and "dial" in msg:
-                self.node.spawn(self.dial_back(relay, str(msg["dial"])))
+                self.spawn(self.dial_back(relay, str(msg["dial"])))
                 return True
             src = msg.pop("ra", None)
             if isinstance(src, str):
-                self.node.deliver(msg, src, True, relay)
+                self.deliver(msg, src, Via(True, relay))
             return True
         try:
             if mux is not None and mux.writer is conn:
@@ -5306,16 +5503,16 @@ class RelayClient:
             log.info("relay link to %s ended", relay)
 
     def _answer_stream(self, link: _MuxLink, sid: int) -> _MuxTunnel:
-        return _MuxTunnel(link, sid, self.node.tunnel_server_ssl)
+        return _MuxTunnel(link, sid, self.server_ssl)
 
     def _accept_stream(self, stream: _MuxTunnel) -> None:
         """Rule 2 multiplexed, our side: a stream the relay opened is admitted as a tunnel
         connection of ours, its TLS in memory (the dialer's handshake arrives on the link)."""
-        if self.node.tunnel_sock is None:
+        if not self.serving():
             stream.abort()
             return
         self.relayed["streams"] += 1
-        self.node.tunnel.admit(stream)
+        self.admit(stream)
 
     async def dial_back(self, relay: str, token: str) -> None:
         """Rule 2, our side: a new outbound connection to the relay, admitted as a tunnel
@@ -5324,49 +5521,55 @@ class RelayClient:
             sock = await self._connect(relay, {"t": "h", "accept": token})
         except (OSError, ValueError, asyncio.TimeoutError):
             return
-        if self.node.tunnel_sock is None:
+        if not self.serving():
             sock.close()
             return
         self.relayed["dialed_back"] += 1
-        self.node.tunnel.admit(sock)
+        self.admit(sock)
 
     async def open(self, addr: str) -> socket.socket:
         """A connected socket to the private member at `addr`: punched (rule 5) when both of us
         are private and it may work, else through one of its relays, its splice asked for (rule
         2). The caller starts TLS on it. Raises OSError when no relay answers."""
         now = time.time()
-        spare = self.node.punch.take_spare(addr)    # a probe's (rule 6), if the member still waits on it
-        link_id = addr[len(RELAYED_PREFIX):]
-        link = self.node.relay_server.linked.get(link_id)
-        path = self.reach.tunnel_path(addr, self.private, addr in self.node.punch.paths,
-                                      link is not None and not link.writer.transport.is_closing(),
-                                      None if spare is None else time.monotonic() - spare[1],
-                                      self.config.head_timeout, now)
+        spare = self.punch.take_spare(addr)         # a probe's (rule 6), if the member still waits on it
+        path = self._tunnel_path(addr, spare, addr in self.punch.paths, now)
         if path == "spare":
             self.reach.went(addr, "punched", now)
-            return spare[0]
+            return spare.sock
         if spare is not None:
-            spare[0].close()
+            spare.sock.close()
         if path == "punch":
-            sock = await self.node.punch.punch_tunnel(addr)
+            sock = await self.punch.punch_tunnel(addr)
             if sock is not None:
                 return sock
-            link = self.node.relay_server.linked.get(link_id)   # (the punch took a while)
+            path = self._tunnel_path(addr, None, False, time.time())   # the next rule, as it is now:
+                                                                    # the punch took a while
         self.reach.went(addr, "relayed", time.time())
-        if link is not None and not link.writer.transport.is_closing():
-            return await self.node.relay_server.take_dial_back(link)   # no relay hop to save: see rule 2
-        for relay in self.reach.relays(addr):
+        link_id = addr[len(RELAYED_PREFIX):]
+        if path == "dial-back":                     # no relay hop to save: see rule 2
+            return await self.take_dial_back(self.linked(link_id))
+        for relay in self.reach.relays(addr):       # "splice"
             try:
                 return await self._connect(relay, {"t": "h", "splice": link_id})
             except (OSError, ValueError, asyncio.TimeoutError):
                 continue
         raise OSError(f"no relay of {addr} answers")
 
+    def _tunnel_path(self, addr: str, spare: Optional[Spare], punched: bool,
+                     now: float) -> str:
+        """Reach.tunnel_path for a new tunnel connection to `addr`, from what we hold now."""
+        link = self.linked(addr[len(RELAYED_PREFIX):])
+        return self.reach.tunnel_path(addr, self.private, punched,
+                                      link is not None and not link.writer.transport.is_closing(),
+                                      None if spare is None else time.monotonic() - spare.made,
+                                      self.config.head_timeout, now)
+
     async def _connect(self, addr: str, hello: Dict[str, Any]) -> socket.socket:
         """A socket connected to `addr` within tcp_timeout that has sent `hello`; OSError,
         ValueError (a bad address) or asyncio.TimeoutError when not."""
         loop = asyncio.get_running_loop()
-        host, port = self.node.resolve(addr)
+        host, port = self.resolve(addr)
         family, kind, proto, _, target = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
         sock = socket.socket(family, kind, proto)
         try:
@@ -5432,6 +5635,33 @@ REFUSALS = ("busy", "cut", "handshake", "credential", "gossip_busy",   # Node.re
             "join_misdirected")  # ... or it named an address it did not come from
 
 
+class _GossipConnection:
+    """One gossip TCP connection being read (GossipTCP.serve): its peer's IP address, by when it
+    must send an authentic frame, how big its next frame may be, the bytes of max_frame_bytes
+    its frame holds, and whether a splice kept it."""
+
+    __slots__ = ("conn", "peer", "due", "limit", "reserved", "kept")
+
+    def __init__(self, conn: _Stream, peer: str, due: float, limit: int):
+        self.conn, self.peer, self.due, self.limit = conn, peer, due, limit
+        self.reserved, self.kept = 0, False
+
+
+def _join_source(src: str, peer: str, here: bool) -> str:
+    """Whom a join's answer is counted against (join_answer_rate), or "" when it may not be sent:
+    its own connection's address, a link's member, or `src` where the join came from there."""
+    if here:
+        return address_group(peer)
+    if is_relayed(peer):                            # down one of our links: its member only
+        return src if src == peer else ""
+    if is_relayed(src):
+        return src
+    try:
+        return address_group(peer) if split_addr(src)[0] == peer else ""
+    except ValueError:
+        return ""
+
+
 class GossipTCP:
     """The gossip port's TCP side: what does not fit a datagram (a join and its answer, the
     pieces of a state transfer) and the hellos that make a connection a relay link, a splice
@@ -5439,8 +5669,18 @@ class GossipTCP:
     work (max_gossip_connections, strangers per address, gossip_auth_timeout), a byte budget
     for big frames, and a token bucket per source on join answers (join_answer_rate)."""
 
-    def __init__(self, node: Node, refused: collections.Counter):
-        self.node, self.config, self.wire, self.refused = node, node.config, node.wire, refused
+    def __init__(self, config: Config, wire: Wire, refused: collections.Counter, traffic: collections.Counter,
+                 relay: RelayServer, *, dialled_back: Callable[[str], None], address: Callable[[], str],
+                 receive: Callable[..., List[Out]], send: Callable[[List[Out]], None],
+                 schedule: Callable[[], None], deliver: Callable[..., Any], to_overlay: Callable[..., None]):
+        """`relay`: our RelayServer (links, splices, dial-backs and envelopes arrive here);
+        `dialled_back(nonce)`: a seed's dial-back reached us; `address()`: our gossip address
+        ("" before the overlay starts); `receive(msg, src, now, tcp)`: the Overlay's answer to
+        a join; `send(outs)`, `schedule()`: out and the timer; `deliver(msg, src, via)`: any
+        other message in (Node.deliver; `to_overlay`: straight to the Overlay)."""
+        self.config, self.wire, self.refused, self.traffic, self.relay = config, wire, refused, traffic, relay
+        self.dialled_back, self.address, self.receive, self.send_outs = dialled_back, address, receive, send
+        self.schedule, self.deliver, self.to_overlay = schedule, deliver, to_overlay
         self.strangers: Dict[_Stream, str] = {}     # no authentic frame yet, oldest first ->
                                                     # the address group (the ones cut first)
         self.members: Dict[_Stream, bool] = {}      # authenticated (links apart), oldest
@@ -5476,7 +5716,7 @@ class GossipTCP:
             writer.write(frames)
             # the receiver merges each piece before it reads the next: a timeout per piece
             await asyncio.wait_for(writer.drain(), self.config.tcp_timeout * pieces)
-            self.node.bytes_sent += len(frames)
+            self.traffic["sent"] += len(frames)
             if join_from:
                 writer.write_eof()                  # an older member closes at once: no wait
                 await self._read_join_answer(reader, target, join_from)
@@ -5492,7 +5732,7 @@ class GossipTCP:
             data = await _read_frame(reader, limit, cfg.tcp_timeout * 4)
             if data is None:
                 return
-            self.node.bytes_received += len(data) + 4
+            self.traffic["received"] += len(data) + 4
             answer = self.wire.open(data, time.time(), tcp=True, sender=target[0])
             if answer is None:
                 return
@@ -5501,38 +5741,31 @@ class GossipTCP:
                 continue
             limit = cfg.max_datagram
             answer.pop("ra", None)
-            self.node.deliver(answer, addr, True)   # until the seed closes (or tcp_timeout * 4 of silence)
+            self.deliver(answer, addr, Via(True))   # until the seed closes (or tcp_timeout * 4 of silence)
 
-    def answer_join(self, msg: Dict[str, Any], src: str, peer: str,
-                     writer: Optional[_Stream] = None) -> None:
+    def answer_join(self, msg: Dict[str, Any], src: str, via: Via) -> None:
         """A join: the joiner's record is merged, and our state goes back only where the join
         came from: on its own connection when it asks ("rc", over TCP), else to `src` only when
         that is where it came from (the address of `peer`, or a relayed member, answered through
         its relays; on one of our links, that link's member), and at most join_answer_rate per
-        source (a flood of joins is answered by no more). What is not sent is counted."""
-        now = time.time()
+        source (a flood of joins is answered by no more). What is not sent is counted. One read
+        on a join's own connection (`via.peer` None) is the Overlay's like any other message."""
+        if via.peer is None:
+            self.to_overlay(msg, src, via)
+            return
+        now, peer, writer = time.time(), via.peer, via.conn
         here = writer is not None and msg.pop("rc", None) == 1
         try:
-            outs = self.node.overlay.receive(msg, src, now, True)
+            outs = self.receive(msg, src, now, True)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            self.node.dropped_malformed += 1
+            self.traffic["malformed"] += 1
             return
         answers = [o for o in outs if o.addr == src]   # the state, in whatever messages it takes
-        self.node.send([o for o in outs if o.addr != src])
-        self.node.schedule()
+        self.send_outs([o for o in outs if o.addr != src])
+        self.schedule()
         if not answers:
             return
-        if here:
-            source = address_group(peer)
-        elif is_relayed(peer):                      # down one of our links: its member only
-            source = src if src == peer else ""
-        elif is_relayed(src):
-            source = src
-        else:
-            try:
-                source = address_group(peer) if split_addr(src)[0] == peer else ""
-            except ValueError:
-                source = ""
+        source = _join_source(src, peer, here)
         if not source:
             self.refused["join_misdirected"] += 1
             return
@@ -5540,12 +5773,12 @@ class GossipTCP:
             self.refused["join_limited"] += 1
             return
         if not here:
-            self.node.send(answers)
+            self.send_outs(answers)
             return
         for o in answers:
-            frames = self._framed(dict(o.msg, ra=self.node.overlay.addr), now)
+            frames = self._framed(dict(o.msg, ra=self.address()), now)
             writer.write(frames)
-            self.node.bytes_sent += len(frames)
+            self.traffic["sent"] += len(frames)
 
     def _framed(self, msg: Dict[str, Any], now: float) -> bytes:
         """`msg` sealed as a frame; a big one (over a datagram) after an authentic hello."""
@@ -5561,8 +5794,8 @@ class GossipTCP:
         left, since = budget.get(source, (float(cfg.join_answer_burst), now))
         left = min(float(cfg.join_answer_burst), left + (now - since) * cfg.join_answer_rate)
         if source not in budget and len(budget) >= cfg.max_remembered:   # forget the full buckets
-            self.join_budget = budget = {k: v for k, v in budget.items()
-                                          if v[0] + (now - v[1]) * cfg.join_answer_rate < cfg.join_answer_burst}
+            self.join_budget = budget = {k: (answers, when) for k, (answers, when) in budget.items()
+                                          if answers + (now - when) * cfg.join_answer_rate < cfg.join_answer_burst}
             if len(budget) >= cfg.max_remembered:
                 return False
         if left < 1.0:
@@ -5581,79 +5814,14 @@ class GossipTCP:
         within max_frame_bytes for all connections together). The first bad frame closes the
         connection. A hello may turn the connection into a relay link, a spliced tunnel
         stream, or a private member's dial-back (see "NAT traversal and relay")."""
-        cfg = self.config
         if not self._admit(conn):
             return
-        keep, peer, relay = False, conn.get_extra_info("peername") or ("", 0), self.node.relay_server
-        loop = asyncio.get_running_loop()
-        due = loop.time() + cfg.gossip_auth_timeout  # the first authentic frame, or the connection goes
-        limit = cfg.max_datagram                    # but for the frame after a hello
-        reserved = 0
+        reading = _GossipConnection(conn, (conn.get_extra_info("peername") or ("", 0))[0],
+                                    asyncio.get_running_loop().time() + self.config.gossip_auth_timeout,
+                                    self.config.max_datagram)   # the first authentic frame by `due`, or it goes
         try:
-            while True:
-                stranger = conn in self.strangers
-                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout
-                if conn in self.members:
-                    self.members[conn] = True       # idle until a frame begins
-                head = await asyncio.wait_for(conn.readexactly(4), timeout)
-                if conn in self.members:
-                    self.members[conn] = False
-                (length,) = struct.unpack(">I", head)
-                if length > limit:
-                    self.wire.dropped["oversized"] += 1
-                    return
-                if length > cfg.max_datagram:       # a state transfer after its hello
-                    if self.frame_bytes + length > cfg.max_frame_bytes:
-                        self.refused["frame_budget"] += 1
-                        return
-                    self.frame_bytes += length
-                    reserved = length
-                limit = cfg.max_datagram
-                timeout = max(0.0, due - loop.time()) if stranger else cfg.tcp_timeout * 4
-                data = await asyncio.wait_for(conn.readexactly(length), timeout)
-                self.frame_bytes -= reserved
-                reserved = 0
-                self.node.bytes_received += length + 4
-                if data[:2] == FORWARD:             # an envelope to pass on (relay rule 1)
-                    if not relay.forward_envelope(data, from_link=False, sender=peer[0]):
-                        return
-                    self._authenticated(conn)
-                    continue
-                msg = self.wire.open(data, time.time(), tcp=True, sender=peer[0])
-                if msg is None:
-                    return
-                self._authenticated(conn)
-                kind = msg["t"]
-                if kind == "h":
-                    if "link" in msg:
-                        self.members.pop(conn, None)   # open as long as its member lives
-                        await relay.on_link(msg, conn)
-                        return
-                    elif "splice" in msg:
-                        self.members.pop(conn, None)
-                        await relay.splice(str(msg["splice"]), conn)
-                        return
-                    elif "back" in msg:             # a seed's dial-back (see RelayServer.answer_reach)
-                        self.node.relay_client.dialled_back.add(str(msg["back"]))
-                        return
-                    elif "accept" in msg:
-                        keep = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
-                        return
-                    limit = cfg.max_frame           # a bare hello: the next frame is a state transfer
-                    continue
-                if kind == "rq":
-                    await relay.answer_reach(msg, conn)
-                    continue
-                if self.node.overlay is None:
-                    continue
-                src = msg.pop("ra", None)
-                if not isinstance(src, str):
-                    self.node.dropped_malformed += 1
-                    continue
-                if kind == "j":
-                    self.answer_join(msg, src, peer[0], conn)
-                    continue
-                self.node.deliver(msg, src, True)
+            while await self._take_frame(reading, await self._read(reading)):
+                pass
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 self.wire.dropped["truncated"] += 1
@@ -5663,11 +5831,85 @@ class GossipTCP:
         except OSError:
             pass
         finally:
-            self.frame_bytes -= reserved
+            self.frame_bytes -= reading.reserved
             self.strangers.pop(conn, None)
             self.members.pop(conn, None)
-            if not keep:
+            if not reading.kept:
                 conn.close()
+
+    async def _read(self, reading: _GossipConnection) -> Optional[bytes]:
+        """The connection's next frame, within its size limit, the frame budget and the time it
+        has (a stranger: until `due`); None when it may not be read."""
+        cfg, conn = self.config, reading.conn
+        loop = asyncio.get_running_loop()
+        stranger = conn in self.strangers
+        timeout = max(0.0, reading.due - loop.time()) if stranger else cfg.tcp_timeout
+        if conn in self.members:
+            self.members[conn] = True               # idle until a frame begins
+        head = await asyncio.wait_for(conn.readexactly(4), timeout)
+        if conn in self.members:
+            self.members[conn] = False
+        (length,) = struct.unpack(">I", head)
+        if length > reading.limit:
+            self.wire.dropped["oversized"] += 1
+            return None
+        if length > cfg.max_datagram:               # a state transfer after its hello
+            if self.frame_bytes + length > cfg.max_frame_bytes:
+                self.refused["frame_budget"] += 1
+                return None
+            self.frame_bytes += length
+            reading.reserved = length
+        reading.limit = cfg.max_datagram
+        timeout = max(0.0, reading.due - loop.time()) if stranger else cfg.tcp_timeout * 4
+        data = await asyncio.wait_for(conn.readexactly(length), timeout)
+        self.frame_bytes -= reading.reserved
+        reading.reserved = 0
+        self.traffic["received"] += length + 4
+        return data
+
+    async def _take_frame(self, reading: _GossipConnection, data: Optional[bytes]) -> bool:
+        """One frame: an envelope to pass on (relay rule 1), a hello, or a message for
+        Node.deliver; whether the connection reads on. The first bad frame closes it."""
+        if data is None:
+            return False
+        if data[:2] == FORWARD:
+            if not self.relay.forward_envelope(data, from_link=False, sender=reading.peer):
+                return False
+            self._authenticated(reading.conn)
+            return True
+        msg = self.wire.open(data, time.time(), tcp=True, sender=reading.peer)
+        if msg is None:
+            return False
+        self._authenticated(reading.conn)
+        if msg["t"] == "h":
+            return await self._hello(msg, reading)
+        src = msg.pop("ra", None)
+        answer = self.deliver(msg, src if isinstance(src, str) else None, Via(True, reading.peer, reading.conn))
+        if answer is not None:                      # a reach check: answered before the next frame
+            await answer
+        return True
+
+    async def _hello(self, msg: Dict[str, Any], reading: _GossipConnection) -> bool:
+        """A hello may turn the connection into a relay link, a spliced tunnel stream, a private
+        member's dial-back or a seed's (see "NAT traversal and relay"); a bare one says a state
+        transfer follows. Whether the connection reads on."""
+        conn, relay = reading.conn, self.relay
+        if "link" in msg:
+            self.members.pop(conn, None)            # open as long as its member lives
+            await relay.on_link(msg, conn)
+            return False
+        if "splice" in msg:
+            self.members.pop(conn, None)
+            await relay.splice(str(msg["splice"]), conn)
+            return False
+        if "back" in msg:                           # a seed's dial-back (see RelayServer.answer_reach)
+            self.dialled_back(str(msg["back"]))
+            return False
+        if "accept" in msg:
+            reading.kept = relay.on_accept(str(msg["accept"]), conn)   # the splice owns it now
+            return False
+        reading.limit = self.config.max_frame       # a bare hello: the next frame is a state transfer
+        return True
 
     def _admit(self, writer: _Stream) -> bool:
         """Room for a new gossip TCP connection: a stranger from an address holding its share
@@ -5712,8 +5954,14 @@ class Node:
     (workers) the HTTP/tunnel port that forwards to the engine; its timer ticks the Overlay, and
     its lifecycle holds SERVING until the reach is known (rule 8). It wires the parts: Tunnel
     (the tunnel port), GossipTCP (the gossip port's TCP side), RelayServer and RelayClient (a
-    relay's side, a private member's and a dialer's), HolePunch, and Reach (their rules). The
-    parts call back through `send`, `deliver`, `resolve`, `spawn` and `schedule`."""
+    relay's side, a private member's and a dialer's), HolePunch, and Reach (their rules), and
+    routes every message (`deliver`, by `routes`, from MESSAGE_TYPES). No part holds the node
+    (Tunnel apart): each is given at construction the siblings and call-backs it uses. Those
+    are `deliver`, `spawn`, `resolve`; out: `send` (the Overlay's Outs), `schedule`,
+    `send_datagram`, `send_frame`, `_sendto`; the Overlay's side: `receive`, `_to_overlay`,
+    `address`/`set_address`, `own_record`, `suspected_at`, `is_member`, `knows`,
+    `relays_offered`; our reach: `relaying`, `reach_known`; the tunnel port: `serving_tunnel`,
+    Tunnel.admit. They share the counters `traffic`, `relayed` and `refused`."""
 
     def __init__(self, config: Config, role: str = "worker", models=None, hardware=None, labels=None,
                  engine_url: Optional[str] = None):
@@ -5731,9 +5979,8 @@ class Node:
         # what the engine was sent, published as `prefixes` (the ingresses' routing; a worker's)
         self.prefixes = PrefixSummary() if self.engine is not None else None
         self.speed = EngineSpeed() if self.engine is not None else None   # published as `speed`
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.dropped_malformed = 0
+        self.traffic = collections.Counter({"sent": 0, "received": 0,   # bytes, every part's
+                                            "malformed": 0})   # authentic messages that made no sense
         self._callbacks: List[Callable[[str, Optional[dict]], None]] = []
         self.udp = None
         self._tcp_server = None
@@ -5752,7 +5999,6 @@ class Node:
         self.tunnel_sock: Optional[socket.socket] = None   # the tunnel port's listening socket
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
         self.tunnel = Tunnel(self, self.spawn, self.refused)   # the tunnel port: admission, HTTP, engine
-        self.gossip_tcp = GossipTCP(self, self.refused)        # the gossip port's TCP side
         # NAT traversal and relay (see that section): the rules, and the parts that act on them
         self.reach = Reach(config)                  # per relayed address: its relays, punches, tunnels
         self.reach_pending = False                  # a worker's reach check is not done: SERVING waits
@@ -5762,9 +6008,26 @@ class Node:
                                             # not passed on (RelayServer._refusal)
                                             "muxed": 0,          # streams opened on links, as relay/dialer
                                             "dialed_back": 0, "streams": 0})   # as a private member
-        self.relay_server = RelayServer(self, self.relayed)
-        self.relay_client = RelayClient(self, self.relayed)
-        self.punch = HolePunch(self)
+        common = dict(spawn=self.spawn, resolve=self.resolve, address=self.address, deliver=self.deliver)
+        self.relay_server = RelayServer(config, self.wire, self.reach, self.relayed, self.traffic, **common,
+                                        sendto=self._sendto, send_frame=self.send_frame, relaying=self.relaying,
+                                        knows=self.knows, relays_offered=self.relays_offered)
+        self.relay_client = RelayClient(config, self.wire, self.reach, self.relayed, self.traffic, self.relay_server,
+                                        **common, set_address=self.set_address, record=self.own_record,
+                                        suspected_at=self.suspected_at, is_member=self.is_member,
+                                        relays_offered=self.relays_offered, reach_known=self.reach_known,
+                                        send_datagram=self.send_datagram, send_frame=self.send_frame,
+                                        admit=self.tunnel.admit, serving=self.serving_tunnel,
+                                        server_ssl=self.tunnel_server_ssl)
+        self.punch = HolePunch(config, self.wire, self.reach, self.relay_client, self.traffic, **common,
+                               sendto=self._sendto, admit=self.tunnel.admit, serving=self.serving_tunnel)
+        self.relay_client.punch = self.punch        # each asks the other: wired once both exist
+        # the gossip port's TCP side: joins, state transfers, and the hellos of links and splices
+        self.gossip_tcp = GossipTCP(config, self.wire, self.refused, self.traffic, self.relay_server,
+                                    dialled_back=self.relay_client.dialled_back.add, address=self.address,
+                                    receive=self.receive, send=self.send, schedule=self.schedule,
+                                    deliver=self.deliver, to_overlay=self._to_overlay)
+        self.routes = self._routes()                # the one dispatch of a message: Node.deliver
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -5777,6 +6040,14 @@ class Node:
 
     def is_suspected(self, sid: str) -> bool:
         return self.overlay is not None and self.overlay.is_suspected(sid)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.traffic["sent"]
+
+    @property
+    def bytes_received(self) -> int:
+        return self.traffic["received"]
 
     def evicted_here(self, sid: str) -> bool:
         """Whether this member wrote the eviction of `sid` itself (its own failure detector's)."""
@@ -5816,7 +6087,7 @@ class Node:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "accepted": self.wire.accepted, "dropped": dict(self.wire.dropped),
                 "flooded_by": dict(self.wire.flooders.most_common(8)),
-                "malformed": self.dropped_malformed, "sent": dict(self.overlay.sent if self.overlay else {}),
+                "malformed": self.traffic["malformed"], "sent": dict(self.overlay.sent if self.overlay else {}),
                 "refused": dict(self.refused), "admitted": dict(self.tunnel.admitted), "tunnel_connections": len(self.tunnel.connections),
                 "unauthenticated": len(self.tunnel.unauthenticated),
                 "gossip_connections": self.gossip_tcp.connections, "gossip_strangers": len(self.gossip_tcp.strangers),
@@ -6060,27 +6331,50 @@ class Node:
         finally:                                    # whatever a send raised, the overlay ticks on
             self.schedule()
 
-    def deliver(self, msg: Dict[str, Any], src: str, tcp: bool, peer: Optional[str] = None) -> None:
-        """Hand an authentic message to the Overlay (or NAT traversal) and send what it answers.
-        `peer`: where it came from (an IP address, or "relay/<link>" for one of our links), for
-        a join: its answer goes only there (GossipTCP.answer_join)."""
-        handler = self.punch.handlers.get(msg["t"])
-        if handler is not None:                     # NAT traversal's own messages, not the Overlay's
-            handler(msg, src)
-            return
-        if msg["t"] == "j" and peer is not None:
-            self.gossip_tcp.answer_join(msg, src, peer)
-            return
+    def _routes(self) -> Dict[str, Tuple[Callable[[Dict[str, Any], Optional[str], Via], Any], bool]]:
+        """MESSAGE_TYPES as one table: type -> (its part's bound handler, whether anyone may
+        send it). The Overlay's types go in through Overlay.receive, a join after the check of
+        where its answer may go (GossipTCP.answer_join); a reader's type is not routed."""
+        parts = {"gossip_tcp": self.gossip_tcp, "relay_server": self.relay_server, "punch": self.punch}
+        routes = {}
+        for t, row in MESSAGE_TYPES.items():
+            if row.part == "overlay":
+                routes[t] = (self._to_overlay, row.anyone)
+            elif row.part in parts:
+                routes[t] = (getattr(parts[row.part], row.handler), row.anyone)
+        routes["j"] = (self.gossip_tcp.answer_join, False)
+        return routes
+
+    def deliver(self, msg: Dict[str, Any], src: Optional[str], via: Via) -> Optional[Awaitable[None]]:
+        """The one dispatch of an authentic message, by its type (Node.routes). `src`: the
+        sender's gossip address (None when it named none: only a reach check may come from
+        anyone); `via`: where it came in. What the handler has still to do on `via.conn` (a
+        reach check's answer) is returned, for the reader to await or spawn."""
+        route = self.routes.get(msg["t"])
+        if route is None:                           # a reader's type, out of place
+            self.traffic["malformed"] += 1
+            return None
+        handler, anyone = route
+        if not anyone:
+            if self.overlay is None:                # not started: nothing to say yet
+                return None
+            if src is None:
+                self.traffic["malformed"] += 1
+                return None
+        return handler(msg, src, via)
+
+    def _to_overlay(self, msg: Dict[str, Any], src: str, via: Via) -> None:
+        """The Overlay's message: its answers sent, the timer set for what it started."""
         try:
-            outs = self.overlay.receive(msg, src, time.time(), tcp)
+            outs = self.overlay.receive(msg, src, time.time(), via.tcp)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-            self.dropped_malformed += 1              # authentic but nonsensical: drop, count
+            self.traffic["malformed"] += 1           # authentic but nonsensical: drop, count
             return
         self.send(outs)
         self.schedule()
 
     def _on_datagram(self, data: bytes, addr) -> None:
-        self.bytes_received += len(data)
+        self.traffic["received"] += len(data)
         if self.overlay is None:
             return
         if data[:2] == FORWARD:
@@ -6089,7 +6383,7 @@ class Node:
         msg = self.wire.open(data, time.time(), sender=f"{addr[0]}:{addr[1]}")
         if msg is not None:
             src = msg.pop("ra", None)               # relayed: the sender's own gossip address
-            self.deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", False, addr[0])
+            self.deliver(msg, src if isinstance(src, str) else f"{addr[0]}:{addr[1]}", Via(False, addr[0]))
 
     def resolve(self, addr: str) -> tuple:
         cached = self._addr_cache.get(addr)
@@ -6132,10 +6426,68 @@ class Node:
         """One datagram out of the gossip port, counted; an error sending it is a datagram lost."""
         try:
             self.udp.sendto(data, target)
-            self.bytes_sent += len(data)
+            self.traffic["sent"] += len(data)
         except OSError:
             pass
 
+
+    def send_frame(self, target: tuple, sealed: bytes) -> None:
+        """A sealed message (or an envelope) too big for a datagram, on a TCP connection of its own."""
+        self.spawn(self.gossip_tcp.send_frame(target, sealed))
+
+    def _sendto(self, data: bytes, target: tuple) -> None:
+        """A datagram out of the gossip port as it is (what a relay passes on, a mapping it tells)."""
+        self.udp.sendto(data, target)
+
+    def receive(self, msg: Dict[str, Any], src: str, now: float, tcp: bool) -> List[Out]:
+        return self.overlay.receive(msg, src, now, tcp)
+
+    # -- what the parts ask of the Overlay ---------------------------------------------------
+    def address(self) -> str:
+        """Our gossip address ("" before the overlay starts)."""
+        return self.overlay.addr if self.overlay is not None else ""
+
+    def set_address(self, addr: str) -> None:
+        """Our gossip address is now `addr` (a private member's relayed address)."""
+        self.overlay.addr = addr
+
+    def own_record(self) -> Dict[str, Any]:
+        return self.overlay.record
+
+    def suspected_at(self, addr: str) -> bool:
+        """Whether the live member at gossip address `addr` is suspected."""
+        sid = self.overlay.by_addr.get(addr)
+        return sid is not None and self.overlay.is_suspected(sid)
+
+    def is_member(self, addr: str) -> bool:
+        """Whether a live member is at gossip address `addr`."""
+        return addr in self.overlay.by_addr
+
+    def knows(self, addr: str) -> bool:
+        """A live member's address, or one we dial again (Overlay.remember)."""
+        return addr in self.overlay.by_addr or addr in self.overlay.remembered
+
+    def relaying(self) -> bool:
+        """Whether we relay for private members now (configured, and dialable ourselves)."""
+        return bool(self.config.relay) and not self.relay_client.private
+
+    def serving_tunnel(self) -> bool:
+        """Whether the tunnel port is open (a tunnel connection punched or dialled back to us has
+        somewhere to go)."""
+        return self.tunnel_sock is not None
+
+    def relays_offered(self, leave_out: Tuple[str, ...] = ()) -> List[str]:
+        """The gossip addresses of the members offering to relay, best first: standalone relays
+        (they exist for it), then ingresses, then dialable workers; never ourselves, a suspected
+        or relayed member, or one at an address in `leave_out`."""
+        ranked = []
+        for sid, record in self.registry.items() if self.overlay is not None else ():
+            gossip = record.get("gossip", "")
+            if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
+                    or is_relayed(gossip) or self.is_suspected(sid) or gossip in leave_out:
+                continue
+            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
+        return [gossip for _, gossip in sorted(ranked)]
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

@@ -111,7 +111,7 @@ def test_a_member_of_the_release_before_vouchers_takes_their_rumours_and_evictio
                                                              "started": 1.0, "gossip": "10.0.0.3:7946"}, 1.0)
     prober.map.merge({"a" * 32: victim})
     prober._suspect("a" * 32, 1, prober.sid, 2.0, None)
-    rumour = prober._payload([("s", "a" * 32, prober.sid)])
+    rumour = prober._payload([on.Rumour("s", "a" * 32, prober.sid)])
     prober._evict("a" * 32, 60.0)
     eviction = prober.map.get("a" * 32)
     assert "vo" in rumour and eviction["vouch"] == {prober.sid: rumour["vo"][0][3]}

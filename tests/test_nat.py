@@ -259,7 +259,7 @@ def test_a_punched_socket_that_vanishes_reports_itself_lost_and_never_raises_on_
 
     async def t():
         _, path = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: on._PunchSocket(None, "relayed:x", lambda msg, peer: None, lost.append),
+            lambda: on._PunchSocket("relayed:x", lambda msg, peer: None, lost.append, None, None, None),
             local_addr=("127.0.0.1", 0))
         addr = path.transport.get_extra_info("sockname")
         sent = path.send(b"x", addr)
@@ -314,7 +314,7 @@ def test_two_private_workers_open_tunnel_connections_by_tcp_simultaneous_open(tm
 def test_a_tunnel_punch_that_gets_no_answer_falls_back_to_the_relay_and_serves(tmp_path):
     async def t(bed):
         a, b = await punched_pair(bed)
-        b.punch.handlers.pop("tq")                # b's side never answers: a symmetric NAT's effect
+        b.routes.pop("tq")                        # b's side never answers: a symmetric NAT's effect
         answers = [await tunnel_get(a, b.overlay.addr) for _ in range(3)]
         return answers, dict(a.punch.tunnel_punches), bed.view_of(a, b.session_id)["tunnel"], dict(bed.ingress_node.relayed)
     answers, punches, tunnel, relayed = run(with_bed(tmp_path, t))

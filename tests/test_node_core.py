@@ -114,6 +114,28 @@ def test_every_message_type_round_trips_through_the_wire():
         assert w.open(w.seal({"t": t, "x": [1, "y"]}, T0), T0)["t"] == t
 
 
+def test_every_message_type_names_its_handler_and_every_handler_has_a_row():
+    """MESSAGE_TYPES is the one table of who handles what: each row's handler exists on the part
+    it names, the node routes exactly the routed rows (to those handlers; a join through
+    GossipTCP.answer_join, which polices its answer), and no part has a handler that no row names."""
+    parts = {"overlay": on.Overlay, "gossip_tcp": on.GossipTCP, "relay_server": on.RelayServer,
+             "punch": on.HolePunch, "path": on._PunchSocket}
+    for t, row in on.MESSAGE_TYPES.items():
+        owner, name = row.handler.split(".") if row.part == "reader" else (parts[row.part].__name__, row.handler)
+        assert callable(getattr(getattr(on, owner), name)), (t, row.handler)
+    node = on.Node(on.Config(key=KEY))
+    routed = {t: row for t, row in on.MESSAGE_TYPES.items() if row.part not in ("path", "reader")}
+    assert set(node.routes) == set(routed)
+    bound = {"gossip_tcp": node.gossip_tcp, "relay_server": node.relay_server, "punch": node.punch}
+    for t, row in routed.items():
+        handler, anyone = node.routes[t]
+        expected = node._to_overlay if row.part == "overlay" else getattr(bound[row.part], row.handler)
+        assert handler == (node.gossip_tcp.answer_join if t == "j" else expected) and anyone == row.anyone, t
+    named = {(row.part, row.handler) for row in on.MESSAGE_TYPES.values()}
+    handlers = {(part, name) for part, cls in parts.items() for name in dir(cls) if name.startswith("_on_")}
+    assert handlers == {(part, name) for part, name in named if part in parts}
+
+
 # ---------------------------------------------------------------------------------------------
 # The overlay on the simulated network
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +574,7 @@ def test_a_join_answer_carries_live_and_recent_records_only_and_compaction_prune
             "left_at": net.now - 7200, "gossip": "10.9.9.9:1"}
     recent = dict(gone, left_at=net.now - 60)
     seed.map.merge({"a" * 32: gone, "b" * 32: recent})
-    seed.known["a" * 32] = (crdt.LEFT, 3, gone)
+    seed.known["a" * 32] = on.Known(gone)
     answer = seed.receive({"t": "j", "r": {}}, "10.0.0.99:7946", net.now)
     state = [o.msg for o in answer if o.msg["t"] == "st"][0]["r"]
     assert "a" * 32 not in state and "b" * 32 in state and len(state) == 5

@@ -206,7 +206,7 @@ def test_a_member_vouches_for_its_own_failed_probe_alone_and_the_voucher_rides_b
     for member in (prober, evictor):
         member.map.merge({"a" * 32: victim})
     prober._suspect("a" * 32, victim["version"], prober.sid, NOW, None)      # its own probe failed
-    msg = prober._payload([("s", "a" * 32, prober.sid)])
+    msg = prober._payload([on.Rumour("s", "a" * 32, prober.sid)])
     mac = crdt.voucher(key, "a" * 32, victim["version"], prober.sid)
     assert msg["s"] == [["a" * 32, victim["version"], prober.sid]]            # as a release before reads it
     assert on._suspicions(msg) == msg["s"] and msg["vo"] == [["a" * 32, victim["version"], prober.sid, mac]]
