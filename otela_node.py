@@ -2746,7 +2746,7 @@ class _TunnelConnection(asyncio.Protocol):
     engine cuts an answer, the client's connection is cut too: never a silent 200; a client gone
     mid-answer drops the engine's connection (its work is wasted)."""
 
-    __slots__ = ("tunnel", "task", "transport", "tls", "authenticated", "_timer", "buf", "eof", "closed",
+    __slots__ = ("tunnel", "task", "transport", "tls", "authenticated", "deadline", "_timer", "buf", "eof", "closed",
                  "h11", "head", "body", "parts", "size", "busy", "close_after", "write_paused", "read_paused",
                  "request", "head_only", "retry", "serving", "engine_conn", "answer", "rechunk", "reframe", "extra", "watch", "sent",
                  "others")
@@ -2756,6 +2756,7 @@ class _TunnelConnection(asyncio.Protocol):
         self.task: Optional[asyncio.Task] = None    # its admission (a handshake) until connection_made
         self.transport: Any = None
         self.tls = self.authenticated = False
+        self.deadline = math.inf
         self._timer: Optional[asyncio.TimerHandle] = None
         self.buf = bytearray()                      # read, not parsed yet (while the codec reads)
         self.eof = self.closed = False              # the client closed its side; the connection is gone
@@ -2782,17 +2783,32 @@ class _TunnelConnection(asyncio.Protocol):
 
     # -- admission: the watchdog ---------------------------------------------------------------
     def arm(self, seconds: float) -> None:
-        self.disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self.cut)
+        """Cut the connection `seconds` from now unless armed again or disarmed first. One timer,
+        moved lazily: a later deadline waits for the one set (which then sets another), so a
+        kept-alive connection's requests make no timer each."""
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.time() + seconds
+        if self._timer is None or self._timer.when() > self.deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(self.deadline, self._due)
 
     def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadline = math.inf
+
+    def _due(self) -> None:
+        self._timer = None
+        if self.deadline <= asyncio.get_running_loop().time():
+            self.cut()
+        elif self.deadline < math.inf:
+            self.arm(self.deadline - asyncio.get_running_loop().time())
 
     def cut(self) -> None:
         """Close at once (before the connection is made, its admission task is cancelled)."""
         self.disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
         elif self.task is not None:
@@ -2849,7 +2865,7 @@ class _TunnelConnection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = self.eof = True
-        self.disarm()
+        self.cut()
         self.tunnel.forget(self)
         if self.busy:                               # gone mid-answer: the engine's work is wasted
             self._answered(False)
@@ -2901,6 +2917,8 @@ class _TunnelConnection(asyncio.Protocol):
         """One step of a request the codec reads; False while more bytes are needed."""
         buf, head = self.buf, self.head
         if head is None:
+            if not buf and not self.eof:
+                return False
             head = parse_request(buf, MAX_REQUEST_HEAD)
             if head is None:
                 if self.eof:                        # the end, or an unfinished head for h11 to judge
@@ -2914,6 +2932,11 @@ class _TunnelConnection(asyncio.Protocol):
                 return True
             if not self._admit(head.method, head.target, head.headers, head.length):
                 return False
+            if head.framing is LENGTH and len(buf) == head.size + head.length:   # the common case:
+                body = bytes(buf[head.size:])       # one read, one whole request
+                buf.clear()
+                self._dispatch(head.method, head.target, head.headers, body, not head.keep_alive)
+                return True
             del buf[:head.size]
             self.head, self.body, self.parts, self.size = head, BodyReader(head.framing, head.length), [], 0
             self.arm(self.tunnel.config.body_timeout)
@@ -3077,15 +3100,19 @@ class _TunnelConnection(asyncio.Protocol):
             self._relay(data, [], False)
             return
         buf = self.engine_conn.buf
-        buf += data
+        if buf:                                     # (a head in pieces: rare)
+            buf += data
+            data = bytes(buf)
         try:
-            head = parse_response(buf, self.head_only)
+            head = parse_response(data, self.head_only)
         except HTTPViolation as exc:
             self._engine_failed(f"bad response from the engine: {exc}")
             return
         if head is None:
+            if not buf:
+                buf += data
             return
-        data = bytes(buf[head.size:]) if len(buf) > head.size else b""
+        data = data[head.size:]
         buf.clear()
         self.retry, self.rechunk = False, head.framing is UNTIL_CLOSE
         self.engine_conn.keep_alive = head.keep_alive
@@ -3324,7 +3351,7 @@ class Tunnel:
         forgotten and closed here, whether its task ran or was cancelled before it could."""
         connection.task = None
         if connection.transport is None:
-            connection.disarm()
+            connection.cut()
             self.forget(connection)
             conn.close()
 
