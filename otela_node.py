@@ -2280,12 +2280,8 @@ def whole_response(status: int, body: bytes, ctype: bytes = b"application/json",
     return b"".join(head)
 
 
-# The tunnel's response path relays bytes: the engine's response head is parsed by the codec,
-# then the body goes to the client verbatim (Content-Length or chunked framing kept as the engine
-# wrote it, only read by a BodyReader for its end) instead of being re-framed chunk by chunk
-# through h11. Drain is awaited only above the transport's high-water mark.
-RELAY_READ = 262144
-RELAY_HIGH_WATER = 262144
+RELAY_READ = 262144                 # a read of a relayed stream, and twice it buffered pauses reading
+RELAY_HIGH_WATER = 262144           # our writes to a slow reader above this pause the engine's answer
 MAX_REQUEST_HEAD = 65536
 
 
@@ -2452,21 +2448,19 @@ async def open_stream(host: str, port: int, limit: int = 65536) -> _Stream:
 
 
 class _EngineConn(asyncio.Protocol):
-    """A kept-alive connection to the engine, read in its callbacks: the bytes not read yet
-    (`buf`) and who reads them. While a tunnel connection relays an answer it is `answer`, called
-    from data_received with no task or future between (engine_data, engine_lost); otherwise the
-    bytes wait in `buf` for EngineClient's awaiting readers (health checks, model discovery)."""
+    """A kept-alive connection to the engine, read in its callbacks: while a tunnel connection
+    relays an answer it is `answer`, called from data_received (engine_data, engine_lost) with no
+    task or future between; otherwise the bytes wait in `buf` for EngineClient's awaiting readers."""
 
-    __slots__ = ("transport", "buf", "body", "keep_alive", "answer", "waiter", "lost")
+    transport: Any = None
+    body: Optional[BodyReader] = None              # the answer's body, for EngineClient.body
+    keep_alive = True
+    answer: Optional[_TunnelConnection] = None
+    waiter: Optional[asyncio.Future] = None
+    lost = False                                    # EOF or the connection lost: no more bytes come
 
     def __init__(self):
-        self.transport: Any = None
         self.buf = bytearray()
-        self.body: Optional[BodyReader] = None      # the answer's body, for EngineClient.body
-        self.keep_alive = True
-        self.answer: Optional[_TunnelConnection] = None
-        self.waiter: Optional[asyncio.Future] = None
-        self.lost = False                           # EOF or the connection lost: no more bytes come
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -2476,23 +2470,20 @@ class _EngineConn(asyncio.Protocol):
             self.answer.engine_data(data)
             return
         self.buf += data
-        self._wake()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def eof_received(self) -> bool:
         self.connection_lost(None)
         return False
 
     def connection_lost(self, exc) -> None:
-        if self.lost:
-            return
-        self.lost = True
-        if self.answer is not None:
-            self.answer.engine_lost()
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if not self.lost:
+            self.lost = True
+            if self.answer is not None:
+                self.answer.engine_lost()
+            elif self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(None)
 
     async def readable(self, timeout: Optional[float]) -> None:
         """Until more bytes came or the connection ended (asyncio.TimeoutError after `timeout`)."""
@@ -2501,10 +2492,6 @@ class _EngineConn(asyncio.Protocol):
             await (self.waiter if timeout is None else asyncio.wait_for(self.waiter, timeout))
         finally:
             self.waiter = None
-
-    def usable(self) -> bool:
-        """Open, with nothing unasked-for read: the engine did not close it while it idled."""
-        return not self.lost and not self.buf and not self.transport.is_closing()
 
 
 def _text(value) -> bytes:
@@ -2525,12 +2512,11 @@ class EngineClient:
         self.idle: List[_EngineConn] = []
 
     def pooled(self) -> Optional[_EngineConn]:
-        """A kept-alive connection from the pool, or None (the engine may have closed some while
-        they idled: those are dropped here)."""
-        idle = self.idle
-        while idle:
-            conn = idle.pop()
-            if conn.usable():
+        """A kept-alive connection from the pool, or None (those the engine closed while they
+        idled, or that read what no one asked for, are dropped)."""
+        while self.idle:
+            conn = self.idle.pop()
+            if not (conn.lost or conn.buf or conn.transport.is_closing()):
                 return conn
             conn.transport.close()
         return None
@@ -2569,32 +2555,24 @@ class EngineClient:
             conn = self.pooled() if attempt == 0 else None
             fresh = conn is None                    # the retry is always on a new connection
             conn = conn if conn is not None else await self.connect()
+            conn.transport.write(request)
             try:
-                conn.transport.write(request)
-                reading = self._head(conn, head_only)
-                head = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
-                return conn, conn.buf, head
+                while True:
+                    head = parse_response(conn.buf, head_only)
+                    if head is not None:
+                        del conn.buf[:head.size]
+                        return conn, conn.buf, head
+                    if conn.lost:
+                        raise EngineError("engine closed the connection without an answer")
+                    await conn.readable(timeout)
+            except HTTPViolation as exc:
+                conn.transport.close()
+                raise EngineError(f"bad response from the engine: {exc}") from None
             except (OSError, EngineError, asyncio.TimeoutError) as exc:
                 conn.transport.close()
                 if fresh or attempt or conn.buf:
                     raise EngineError(str(exc) or type(exc).__name__) from None
         raise EngineError("unreachable")            # pragma: no cover
-
-    @staticmethod
-    async def _head(conn: _EngineConn, head_only: bool) -> MessageHead:
-        """The engine's next final response head, consumed from conn.buf (what follows it stays)."""
-        buf = conn.buf
-        while True:
-            try:
-                head = parse_response(buf, head_only)
-            except HTTPViolation as exc:
-                raise EngineError(f"bad response from the engine: {exc}") from None
-            if head is not None:
-                del buf[:head.size]
-                return head
-            if conn.lost:
-                raise EngineError("engine closed the connection without an answer")
-            await conn.readable(None)
 
     async def body(self, conn: _EngineConn, timeout: Optional[float] = None):
         """Yield the response body piece by piece; return the connection to the pool after."""
@@ -2731,7 +2709,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 class _TunnelConnection(asyncio.Protocol):
     """One tunnel connection, served from its protocol callbacks alone, as the ingress serves a
-    client: its admission (authenticated yet; the one watchdog timer that cuts it at its current
+    client: its admission (authenticated yet; one watchdog timer that cuts it at its current
     deadline: head, body or idle), its one parser, and the request being answered.
 
     data_received feeds `buf` and `serve` moves the requests on, one at a time: the codec reads
@@ -2739,47 +2717,41 @@ class _TunnelConnection(asyncio.Protocol):
     credential is judged on the head (rule 2), the body is read as it arrives, and the whole
     request goes to the engine on a kept-alive connection whose data_received calls engine_data
     here: the answer's head is parsed and re-written, then its body goes to the client as each
-    read comes, read by a BodyReader only for its end. No task or future on that path; a new
-    engine connection is a future whose completion calls `_engine_ready` back. Backpressure: the
-    engine's reading pauses while our writes to the client are over RELAY_HIGH_WATER
-    (pause_writing, resume_writing), the client's while it is far ahead of us (pipelining). If the
-    engine cuts an answer, the client's connection is cut too: never a silent 200; a client gone
-    mid-answer drops the engine's connection (its work is wasted)."""
+    read comes, read by a BodyReader only for its end. No task or future on that path (a new
+    engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
+    reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
+    client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
+    client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
 
-    __slots__ = ("tunnel", "task", "transport", "tls", "authenticated", "deadline", "_timer", "buf", "eof", "closed",
-                 "h11", "head", "body", "parts", "size", "busy", "close_after", "write_paused", "read_paused",
-                 "request", "head_only", "retry", "serving", "engine_conn", "answer", "rechunk", "reframe", "extra", "watch", "sent",
-                 "others")
+    # per connection; the rest starts as these class defaults
+    task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
+    transport: Any = None
+    tls = authenticated = False
+    deadline = math.inf
+    _timer: Optional[asyncio.TimerHandle] = None
+    eof = closed = False                            # the client closed its side; the connection is gone
+    serving = False                                 # serve is on the stack (a page answered from it)
+    write_paused = read_paused = False
+    h11: Optional[h11.Connection] = None            # reading a request the codec left to it
+    head: Optional[MessageHead] = None              # the request whose body is being read
+    body: Optional[BodyReader] = None
+    size = 0
+    # the request being answered: at the engine from _forward until _answered
+    busy = close_after = False                      # ... and the connection closes after its answer
+    request = b""                                   # what the engine is sent, kept for one retry
+    head_only = retry = False                       # a HEAD; a pooled engine connection (may be stale)
+    engine_conn: Optional[_EngineConn] = None
+    answer: Optional[BodyReader] = None             # the engine's answer body, once its head came
+    rechunk = extra = False                         # an until-close body; bytes past the answer
+    reframe: Optional[h11.Connection] = None        # an HTTP/1.0 client's answer, framed by h11
+    watch: Optional[_AnswerWatch] = None
+    sent = 0.0
+    others = 0
 
     def __init__(self, tunnel: Tunnel):
         self.tunnel = tunnel
-        self.task: Optional[asyncio.Task] = None    # its admission (a handshake) until connection_made
-        self.transport: Any = None
-        self.tls = self.authenticated = False
-        self.deadline = math.inf
-        self._timer: Optional[asyncio.TimerHandle] = None
         self.buf = bytearray()                      # read, not parsed yet (while the codec reads)
-        self.eof = self.closed = False              # the client closed its side; the connection is gone
-        self.h11: Optional[h11.Connection] = None   # reading a request the codec left to it
-        self.head: Optional[MessageHead] = None     # the request whose body is being read
-        self.body: Optional[BodyReader] = None
         self.parts: List[bytes] = []
-        self.size = 0
-        self.busy = False                           # a request is at the engine (or its answer on its way)
-        self.close_after = False                    # ... and the connection closes after its answer
-        self.write_paused = self.read_paused = False
-        self.request = b""                          # the engine's request, kept for one retry
-        self.head_only = False                      # it is a HEAD request (the answer has no body)
-        self.retry = False                          # a pooled engine connection: a fresh one if it died idle
-        self.serving = False                        # serve is on the stack (a page answered from it)
-        self.engine_conn: Optional[_EngineConn] = None
-        self.answer: Optional[BodyReader] = None    # the engine's answer body, once its head came
-        self.rechunk = False                        # an until-close body, chunked for the client
-        self.reframe: Optional[h11.Connection] = None   # an HTTP/1.0 client's answer, framed by h11
-        self.extra = False                          # the engine sent bytes past its answer
-        self.watch: Optional[_AnswerWatch] = None
-        self.sent = 0.0
-        self.others = 0
 
     # -- admission: the watchdog ---------------------------------------------------------------
     def arm(self, seconds: float) -> None:
@@ -2797,11 +2769,11 @@ class _TunnelConnection(asyncio.Protocol):
         self.deadline = math.inf
 
     def _due(self) -> None:
-        self._timer = None
-        if self.deadline <= asyncio.get_running_loop().time():
+        self._timer, now = None, asyncio.get_running_loop().time()
+        if self.deadline <= now:
             self.cut()
         elif self.deadline < math.inf:
-            self.arm(self.deadline - asyncio.get_running_loop().time())
+            self.arm(self.deadline - now)
 
     def cut(self) -> None:
         """Close at once (before the connection is made, its admission task is cancelled)."""
@@ -2817,14 +2789,10 @@ class _TunnelConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        tunnel = self.tunnel
-        tunnel.admitted["tls" if self.tls else "plain"] += 1
+        self.tunnel.admitted["tls" if self.tls else "plain"] += 1
         if self.tls:                                # the handshake showed the cluster certificate
-            tunnel.authenticated(self)
-        try:
-            transport.set_write_buffer_limits(high=RELAY_HIGH_WATER)
-        except (AttributeError, NotImplementedError):
-            pass
+            self.tunnel.authenticated(self)
+        transport.set_write_buffer_limits(high=RELAY_HIGH_WATER)
         self._await_head()
 
     def take_over(self, stream: _MuxTunnel) -> None:
@@ -2862,13 +2830,11 @@ class _TunnelConnection(asyncio.Protocol):
                                                     # cannot: asyncio's SSL transport closes)
 
     def connection_lost(self, exc) -> None:
-        if self.closed:
-            return
-        self.closed = self.eof = True
-        self.cut()
-        self.tunnel.forget(self)
-        if self.busy:                               # gone mid-answer: the engine's work is wasted
-            self._answered(False)
+        if not self.closed:
+            self.closed = self.eof = True
+            self.cut()
+            self.tunnel.forget(self)
+            self._answered(False)                   # gone mid-answer: the engine's work is wasted
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -2881,9 +2847,6 @@ class _TunnelConnection(asyncio.Protocol):
             self.engine_conn.transport.resume_reading()
         elif not self.busy and not self.closed:
             self.serve()
-
-    def close(self) -> None:
-        self.transport.close()
 
     # -- requests, one after the other -----------------------------------------------------------
     def _await_head(self) -> None:
@@ -2905,11 +2868,11 @@ class _TunnelConnection(asyncio.Protocol):
                 if not (self._h11_step() if self.h11 is not None else self._codec_step()):
                     return
         except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client
-            body = error_body(400, f"bad request: {exc}", "bad_request")
-            self.transport.write(whole_response(400, body, close=True))
-            self.close()
+            self.transport.write(whole_response(400, error_body(400, f"bad request: {exc}", "bad_request"),
+                                                close=True))
+            self.transport.close()
         except h11.ProtocolError:
-            self.close()
+            self.transport.close()
         finally:
             self.serving = False
 
@@ -2917,28 +2880,20 @@ class _TunnelConnection(asyncio.Protocol):
         """One step of a request the codec reads; False while more bytes are needed."""
         buf, head = self.buf, self.head
         if head is None:
-            if not buf and not self.eof:
-                return False
-            head = parse_request(buf, MAX_REQUEST_HEAD)
-            if head is None:
-                if self.eof:                        # the end, or an unfinished head for h11 to judge
-                    if buf:
-                        self._to_h11()
-                        return True
-                    self.close()
-                return False
-            if head is H11_JUDGES:
-                self._to_h11()
-                return True
-            if not self._admit(head.method, head.target, head.headers, head.length):
+            head = parse_request(buf, MAX_REQUEST_HEAD) if buf else None
+            if head is None and self.eof and buf or head is H11_JUDGES:   # (an unfinished head at
+                return self._to_h11()                                      # the end: h11's to judge)
+            if head is None or not self._admit(head, head.length):
+                if head is None and self.eof:
+                    self.transport.close()
                 return False
             if head.framing is LENGTH and len(buf) == head.size + head.length:   # the common case:
                 body = bytes(buf[head.size:])       # one read, one whole request
                 buf.clear()
-                self._dispatch(head.method, head.target, head.headers, body, not head.keep_alive)
+                self._dispatch(head, body, not head.keep_alive)
                 return True
             del buf[:head.size]
-            self.head, self.body, self.parts, self.size = head, BodyReader(head.framing, head.length), [], 0
+            self.head, self.body = head, BodyReader(head.framing, head.length)
             self.arm(self.tunnel.config.body_timeout)
         while True:
             piece = self.body.take(buf)
@@ -2946,22 +2901,21 @@ class _TunnelConnection(asyncio.Protocol):
                 break
             if not piece:
                 if self.eof:
-                    self.close()
+                    self.transport.close()
                 return False
-            if not self._take_body(piece):
+            if not self._body_piece(piece):
                 return False
-        parts, self.head = self.parts, None
-        self._dispatch(head.method, head.target, head.headers, parts[0] if len(parts) == 1 else b"".join(parts),
-                       not head.keep_alive)
+        self._dispatch(head, b"".join(self.parts), not head.keep_alive)
         return True
 
-    def _to_h11(self) -> None:
+    def _to_h11(self) -> bool:
         conn = self.h11 = h11.Connection(h11.SERVER)
         conn.receive_data(bytes(self.buf))
         self.buf.clear()
         if self.eof:
             conn.receive_data(b"")
         self.arm(self.tunnel.config.head_timeout + self.tunnel.config.body_timeout)
+        return True
 
     def _h11_step(self) -> bool:
         """One event of a request h11 reads (HTTP/1.0, Expect, odd bytes); False while more bytes
@@ -2973,40 +2927,38 @@ class _TunnelConnection(asyncio.Protocol):
         kind = type(event)
         if kind is h11.Request:
             headers = header_items(event.headers)
-            self.head = MessageHead(headers, {}, 0)
-            self.head.method, self.head.target = event.method, event.target
-            self.parts, self.size = [], 0
-            return self._admit(event.method, event.target, headers, 0)
+            head = self.head = MessageHead(headers, dict(headers), 0)
+            head.method, head.target = event.method, event.target
+            head.keep_alive = event.http_version == b"1.1" and b"close" not in head.fields.get(b"connection", b"").lower()
+            return self._admit(head, 0)
         if kind is h11.Data:
-            return self._take_body(event.data)
+            return self._body_piece(event.data)
         if kind is h11.EndOfMessage and self.head is not None:
-            head, parts, self.head = self.head, self.parts, None
-            if conn.their_http_version != b"1.1":
-                self.reframe = conn
-            self._dispatch(head.method, head.target, head.headers, b"".join(parts),
-                           conn.their_http_version != b"1.1" or _wants_close(head.headers))
+            self.reframe = conn if conn.their_http_version != b"1.1" else None
+            self._dispatch(self.head, b"".join(self.parts), not self.head.keep_alive)
             return True
-        self.close()                                # ConnectionClosed, or a switch we never accept
+        self.transport.close()                      # ConnectionClosed, or a switch we never accept
         return False
 
-    def _admit(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], length: int) -> bool:
+    def _admit(self, head: MessageHead, length: int) -> bool:
         """Rule 2, on the head: whether its body may be read (else answered with an error, closed)."""
-        refusal = self.tunnel.refusal(method, target, headers, self)
+        refusal = self.tunnel.refusal(head.method, head.target, head.headers, self)
         if refusal is None and length > self.tunnel.config.max_request_body:
             refusal = 413, error_body(413, "request body too large")
         if refusal is None:
+            self.parts, self.size = [], 0
             return True
         self._respond(refusal[0], refusal[1], close=refusal[0] != 413)
-        self.close()
+        self.transport.close()
         return False
 
-    def _take_body(self, piece: bytes) -> bool:
+    def _body_piece(self, piece: bytes) -> bool:
         self.parts.append(piece)
         self.size += len(piece)
         if self.size <= self.tunnel.config.max_request_body:
             return True
         self._respond(413, error_body(413, "request body too large"))
-        self.close()
+        self.transport.close()
         return False
 
     def _respond(self, status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False) -> None:
@@ -3021,14 +2973,12 @@ class _TunnelConnection(asyncio.Protocol):
         self.transport.write(conn.send(h11.Response(status_code=status, headers=headers))
                              + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
 
-    def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                  close_after: bool) -> None:
+    def _dispatch(self, head: MessageHead, body: bytes, close_after: bool) -> None:
         """Answer one whole request: a page of the node's, a refusal, or the engine's answer."""
         self.disarm()                               # the engine may take minutes to answer
-        self.busy, self.close_after = True, close_after
+        self.head, self.busy, self.close_after = None, True, close_after
         tunnel = self.tunnel
-        path = target.split(b"?", 1)[0]
-        page = tunnel.pages.get(path) if method == b"GET" else None
+        page = tunnel.pages.get(head.target.split(b"?", 1)[0]) if head.method == b"GET" else None
         if not tunnel.started():                    # between binding the port and joining
             self._respond(503, error_body(503, "node starting", "unavailable"))
         elif page is not None:
@@ -3037,7 +2987,7 @@ class _TunnelConnection(asyncio.Protocol):
             self._respond(503, error_body(503, "this session is draining" if tunnel.draining()
                                           else "no engine behind this node", "unavailable"))
         else:
-            self._forward(method, target, headers, body)
+            self._forward(head, body)
             return
         self._done()
 
@@ -3045,49 +2995,45 @@ class _TunnelConnection(asyncio.Protocol):
         """The answer went out: on to the next request, or the end of the connection."""
         self.busy = False
         if self.h11 is not None:                    # the codec again, with what h11 buffered
-            if not self.close_after:
-                self.buf += self.h11.trailing_data[0]
+            self.buf += self.h11.trailing_data[0]
             self.h11 = self.reframe = None
         if self.close_after:
-            self.close()
+            self.transport.close()
             return
         self._await_head()
         self.serve()
 
     # -- the engine's answer ---------------------------------------------------------------------
-    def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes) -> None:
+    def _forward(self, head: MessageHead, body: bytes) -> None:
         """Send the request to the engine as it came (but hop-by-hop fields and ours)."""
         tunnel = self.tunnel
-        engine, watch = tunnel.engine, None
-        if method == b"POST" and tunnel.prefixes is not None:
-            for name, value in headers:
-                if name == PREFIX_HEADER:
-                    tunnel.prefixes.add(list(decode_prefixes(value.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
-                    break
-            watch = _AnswerWatch()
-        request = request_head(method, target, engine.host_header, len(body), headers, tunnel.not_forwarded)
+        self.watch = self.answer = None
+        self.extra, self.head_only = False, head.method == b"HEAD"
+        if head.method == b"POST" and tunnel.prefixes is not None:
+            prefixes = head.fields.get(PREFIX_HEADER)
+            if prefixes is not None:
+                tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
+            self.watch = _AnswerWatch()
+        request = request_head(head.method, head.target, tunnel.engine.host_header, len(body), head.headers,
+                               tunnel.not_forwarded)
         request.append(body)
-        self.request, self.watch, self.answer, self.extra = b"".join(request), watch, None, False
-        self.head_only = method == b"HEAD"
-        self.others = tunnel.inflight(1)
-        self.sent = time.monotonic()
-        self._to_engine(engine.pooled())
+        self.request = b"".join(request)
+        self.others, self.sent = tunnel.inflight(1), time.monotonic()
+        self._to_engine(tunnel.engine.pooled())
 
     def _to_engine(self, conn: Optional[_EngineConn]) -> None:
+        self.retry = conn is not None
         if conn is None:                            # a new connection: its future calls back
-            self.retry = False
             self.tunnel.spawn(self.tunnel.engine.connect()).add_done_callback(self._engine_ready)
             return
-        self.retry = True
         self.engine_conn, conn.answer = conn, self
         conn.transport.write(self.request)
 
     def _engine_ready(self, future: asyncio.Future) -> None:
-        if future.cancelled():
-            return
-        exc = future.exception()
-        if exc is None and not self.request:        # the client went while it connected
-            future.result().transport.close()
+        exc = None if future.cancelled() else future.exception()
+        if future.cancelled() or (exc is None and not self.request):   # the client went meanwhile
+            if not future.cancelled():
+                future.result().transport.close()
         elif exc is None:
             self.engine_conn, future.result().answer = future.result(), self
             self.engine_conn.transport.write(self.request)
@@ -3112,7 +3058,6 @@ class _TunnelConnection(asyncio.Protocol):
             if not buf:
                 buf += data
             return
-        data = data[head.size:]
         buf.clear()
         self.retry, self.rechunk = False, head.framing is UNTIL_CLOSE
         self.engine_conn.keep_alive = head.keep_alive
@@ -3127,7 +3072,7 @@ class _TunnelConnection(asyncio.Protocol):
         else:
             out = response_head(head.status, head.reason, head.headers, HOP_BY_HOP, head.framing, head.length,
                                 self.close_after)
-        self._relay(data, out, True)
+        self._relay(data[head.size:], out, True)
 
     def _relay(self, data: bytes, out: List[bytes], first: bool) -> None:
         """Body bytes to the client as the engine framed them (an until-close body chunked, an
@@ -3140,28 +3085,23 @@ class _TunnelConnection(asyncio.Protocol):
             out += [self.reframe.send(h11.Data(data=piece)) for piece in pieces]
         else:
             used = body.feed(data)
-            if self.rechunk:
-                if used:
-                    out += (b"%x\r\n" % used, data, b"\r\n")
+            if self.rechunk and used:
+                out += (b"%x\r\n" % used, data, b"\r\n")
             elif used:
                 out.append(data if used == len(data) else data[:used])
         if body.error is not None and first:       # nothing went out yet: a clear 502
             self._engine_failed(f"bad response from the engine: {body.error}")
             return
-        if used < len(data):
-            self.extra = True                       # bytes past the body: not reusable
+        self.extra = self.extra or used < len(data)   # bytes past the body: not reusable
         if self.watch is not None and used:
             self.watch.seen(data[:used])
-        if body.done:
-            if self.reframe is not None:
-                out.append(self.reframe.send(h11.EndOfMessage()))
-            elif self.rechunk:
-                out.append(b"0\r\n\r\n")
+        if body.done and (self.reframe is not None or self.rechunk):
+            out.append(self.reframe.send(h11.EndOfMessage()) if self.reframe is not None else b"0\r\n\r\n")
         if out:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
         if body.error is not None:                  # what came before it went out: now the cut
             self._answered(False)
-            self.close()
+            self.transport.close()
         elif body.done:
             self._answered(not self.extra)
             self._done()
@@ -3169,19 +3109,17 @@ class _TunnelConnection(asyncio.Protocol):
     def engine_lost(self) -> None:
         """The engine's connection ended: the end of an until-close body, a pooled connection the
         engine closed while it idled (the request goes again, on a new one), or a failure."""
-        if self.answer is None:
-            if self.retry and not self.engine_conn.buf:
-                self.engine_conn.answer, self.engine_conn = None, None
-                self._to_engine(None)
-            else:
-                self._engine_failed("engine closed the connection without an answer")
-            return
-        if self.answer.framing is UNTIL_CLOSE:
+        if self.answer is None and self.retry and not self.engine_conn.buf:
+            self.engine_conn.answer = self.engine_conn = None
+            self._to_engine(None)
+        elif self.answer is None:
+            self._engine_failed("engine closed the connection without an answer")
+        elif self.answer.framing is UNTIL_CLOSE:
             self.answer.end_of_stream()
             self._relay(b"", [], False)
-            return
-        self._answered(False)                       # cut mid-body: cut for the client too
-        self.close()
+        else:
+            self._answered(False)                   # cut mid-body: cut for the client too
+            self.transport.close()
 
     def _engine_failed(self, why: str) -> None:
         """No answer from the engine (nothing went out yet): a 502, and on to the next request."""
@@ -3194,24 +3132,15 @@ class _TunnelConnection(asyncio.Protocol):
         (or closed), the node's count, the engine's speed."""
         if not self.request:
             return
-        tunnel, conn = self.tunnel, self.engine_conn
-        self.request, self.engine_conn = b"", None
+        tunnel, conn, watch, body = self.tunnel, self.engine_conn, self.watch, self.answer
+        self.request, self.engine_conn, self.watch, self.answer = b"", None, None, None
         if conn is not None:
             if self.write_paused:
                 conn.transport.resume_reading()
             tunnel.engine.release(conn, reusable and conn.keep_alive)
         tunnel.inflight(-1)
-        watch, body = self.watch, self.answer
         if watch is not None and body is not None and body.done and tunnel.speed is not None:
             tunnel.speed.answered(watch, self.sent, self.others)
-        self.watch = self.answer = None
-
-
-def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
-    for name, value in headers:
-        if name == b"connection" and b"close" in value.lower():
-            return True
-    return False
 
 
 async def _wait_readable(sock: socket.socket) -> None:
