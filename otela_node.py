@@ -2879,34 +2879,38 @@ class _TunnelConnection(asyncio.Protocol):
     def _codec_step(self) -> bool:
         """One step of a request the codec reads; False while more bytes are needed."""
         buf, head = self.buf, self.head
-        if head is None:
-            head = parse_request(buf, MAX_REQUEST_HEAD) if buf else None
-            if head is None and self.eof and buf or head is H11_JUDGES:   # (an unfinished head at
-                return self._to_h11()                                      # the end: h11's to judge)
-            if head is None or not self._admit(head, head.length):
-                if head is None and self.eof:
-                    self.transport.close()
-                return False
-            if head.framing is LENGTH and len(buf) == head.size + head.length:   # the common case:
-                body = bytes(buf[head.size:])       # one read, one whole request
-                buf.clear()
-                self._dispatch(head, body, not head.keep_alive)
-                return True
-            del buf[:head.size]
-            self.head, self.body = head, BodyReader(head.framing, head.length)
-            self.arm(self.tunnel.config.body_timeout)
+        if head is not None:
+            return self._body_step(head)
+        head = parse_request(buf, MAX_REQUEST_HEAD) if buf else None
+        if head is None and self.eof and buf or head is H11_JUDGES:   # (an unfinished head at the
+            return self._to_h11()                                      # end: h11's to judge)
+        if head is None or not self._admit(head, head.length):
+            if head is None and self.eof:
+                self.transport.close()
+            return False
+        if head.framing is LENGTH and len(buf) == head.size + head.length:   # the common case: one
+            body = bytes(buf[head.size:])                                    # read, one whole request
+            buf.clear()
+            self._dispatch(head, body, not head.keep_alive)
+            return True
+        del buf[:head.size]
+        self.head, self.body = head, BodyReader(head.framing, head.length)
+        self.arm(self.tunnel.config.body_timeout)
+        return self._body_step(head)
+
+    def _body_step(self, head: MessageHead) -> bool:
+        """Take the body's pieces buffered; once it is whole, the request is dispatched."""
         while True:
-            piece = self.body.take(buf)
+            piece = self.body.take(self.buf)
             if piece is None:
-                break
+                self._dispatch(head, b"".join(self.parts), not head.keep_alive)
+                return True
             if not piece:
                 if self.eof:
                     self.transport.close()
                 return False
             if not self._body_piece(piece):
                 return False
-        self._dispatch(head, b"".join(self.parts), not head.keep_alive)
-        return True
 
     def _to_h11(self) -> bool:
         conn = self.h11 = h11.Connection(h11.SERVER)
