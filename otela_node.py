@@ -44,9 +44,9 @@ A gossip message:
     The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
 
 A request (the ingress dials the node's "addr" from its record):
-    direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ the codec reads the
-                 head ─▶ Tunnel._forward: request_head to the engine (EngineClient) ─▶ the answer's
-                 head re-written (response_head), its body relayed as it comes
+    direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ its _TunnelConnection's
+                 codec reads the head ─▶ request_head to the engine (EngineClient) ─▶ the answer's
+                 head re-written (response_head), its body relayed as it comes, in callbacks
     private      the dialer asks RelayClient.open, which asks Reach.tunnel_path: a punched TCP
                  connection, the member's dial-back, or a relay's splice / mux stream; at the
                  member each is given to Tunnel.admit like an accepted socket, then as above.
@@ -2288,8 +2288,8 @@ MAX_REQUEST_HEAD = 65536
 class _Stream(asyncio.Protocol):
     """A TCP connection (or a relay stream's plaintext) as a reader and a writer in one, whose
     bytes are ours: what it read and no one took yet is `buffer`, so a hand-over (a relay link
-    then read in callbacks, a splice, a dial-back handed over as a socket, an engine body piped
-    in callbacks) takes it from here and never from inside an asyncio StreamReader. Reads as a
+    then read in callbacks, a splice, a dial-back handed over as a socket, a tunnel stream's
+    _TunnelConnection) takes it from here and never from inside an asyncio StreamReader. Reads as a
     StreamReader does (read, readexactly, at_eof, exception), writes as a StreamWriter does
     (write, drain, close, get_extra_info); reading pauses while more than 2 * `limit` bytes
     wait that no read asked for, and EOF keeps the transport open for what we still write.
@@ -2723,30 +2723,25 @@ class _TunnelConnection(asyncio.Protocol):
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
     client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
 
-    # per connection; the rest starts as these class defaults
+    # per connection (`buf`, `parts` and the tunnel are set in __init__; the rest starts as these)
     task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
-    transport: Any = None
-    tls = authenticated = False
-    deadline = math.inf
-    _timer: Optional[asyncio.TimerHandle] = None
-    eof = closed = False                            # the client closed its side; the connection is gone
-    serving = False                                 # serve is on the stack (a page answered from it)
+    transport = _timer = None                       # (_timer: the watchdog's, due at `deadline`)
+    deadline, tls, authenticated = math.inf, False, False
+    eof = closed = serving = False                  # the client's side closed; all gone; serve runs
     write_paused = read_paused = False
     h11: Optional[h11.Connection] = None            # reading a request the codec left to it
-    head: Optional[MessageHead] = None              # the request whose body is being read
-    body: Optional[BodyReader] = None
+    head: Optional[MessageHead] = None              # the request whose body is being read ...
+    body: Optional[BodyReader] = None               # ... its reader, and its size so far
     size = 0
-    # the request being answered: at the engine from _forward until _answered
-    busy = close_after = False                      # ... and the connection closes after its answer
-    request = b""                                   # what the engine is sent, kept for one retry
-    head_only = retry = False                       # a HEAD; a pooled engine connection (may be stale)
-    engine_conn: Optional[_EngineConn] = None
+    # the request being answered (busy): at the engine from _forward until _answered
+    busy = close_after = head_only = False          # ... the connection closes after it; a HEAD
+    request, retry = b"", False                     # the engine's request, kept for a retry when it
+    engine_conn: Optional[_EngineConn] = None       # went on a pooled connection (maybe stale)
     answer: Optional[BodyReader] = None             # the engine's answer body, once its head came
     rechunk = extra = False                         # an until-close body; bytes past the answer
     reframe: Optional[h11.Connection] = None        # an HTTP/1.0 client's answer, framed by h11
-    watch: Optional[_AnswerWatch] = None
-    sent = 0.0
-    others = 0
+    watch: Optional[_AnswerWatch] = None            # what EngineSpeed reads of it, with `sent`
+    sent, others = 0.0, 0                           # and the requests the engine held then
 
     def __init__(self, tunnel: Tunnel):
         self.tunnel = tunnel
@@ -2946,7 +2941,7 @@ class _TunnelConnection(asyncio.Protocol):
 
     def _admit(self, head: MessageHead, length: int) -> bool:
         """Rule 2, on the head: whether its body may be read (else answered with an error, closed)."""
-        refusal = self.tunnel.refusal(head.method, head.target, head.headers, self)
+        refusal = self.tunnel.refusal(head, self)
         if refusal is None and length > self.tunnel.config.max_request_body:
             refusal = 413, error_body(413, "request body too large")
         if refusal is None:
@@ -2966,16 +2961,9 @@ class _TunnelConnection(asyncio.Protocol):
         return False
 
     def _respond(self, status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False) -> None:
-        """A whole answer: as bytes when the codec read the request, through h11 when h11 did."""
-        conn = self.h11
-        if conn is None or conn.our_state is not h11.SEND_RESPONSE:
-            self.transport.write(whole_response(status, body, ctype, close))
-            return
-        headers = [(b"content-type", ctype), (b"content-length", b"%d" % len(body))]
-        if close:
-            headers.append((b"connection", b"close"))
-        self.transport.write(conn.send(h11.Response(status_code=status, headers=headers))
-                             + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        """A whole answer (an HTTP/1.0 client is told the connection closes after it)."""
+        old = self.h11 is not None and self.h11.their_http_version not in (None, b"1.1")
+        self.transport.write(whole_response(status, body, ctype, close or old))
 
     def _dispatch(self, head: MessageHead, body: bytes, close_after: bool) -> None:
         """Answer one whole request: a page of the node's, a refusal, or the engine's answer."""
@@ -3296,10 +3284,10 @@ class Tunnel:
         connection.authenticated = True
         self.unauthenticated.pop(connection, None)
 
-    def refusal(self, method: bytes, target: bytes, headers, connection: _TunnelConnection):
+    def refusal(self, head: MessageHead, connection: _TunnelConnection):
         """Rule 2, on the head: None when this request may be served (its body read), else the
         (status, error body) to answer before closing."""
-        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
+        if head.method in (b"GET", b"HEAD") and head.target.split(b"?", 1)[0] in OPEN_PATHS:
             return None
         if connection.tls:
             return None                             # the handshake showed the cluster certificate
@@ -3307,10 +3295,7 @@ class Tunnel:
             self.refused["credential"] += 1
             return 403, error_body(403, "this node's tunnel is TLS with the cluster certificate; plain requests "
                                         "are not forwarded", "tls_required")
-        wanted, given = TUNNEL_HEADER.encode(), b""
-        for hname, hvalue in headers:
-            if hname == wanted:
-                given = hvalue
+        given = head.fields.get(TUNNEL_HEADER.encode(), b"")
         if not any(hmac.compare_digest(given, v) for v in self.credentials):
             self.refused["credential"] += 1
             return 403, error_body(403, "missing or bad tunnel credential", "forbidden")
@@ -4246,7 +4231,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         return RELAY_HIGH_WATER // 4, RELAY_HIGH_WATER
 
     def set_write_buffer_limits(self, high=None, low=None) -> None:
-        pass                                        # the marks are the ones _BodyPipe checks
+        pass                                        # the marks are RELAY_HIGH_WATER's (see _send)
 
     def can_write_eof(self) -> bool:
         return False
