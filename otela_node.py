@@ -2304,12 +2304,11 @@ class _Stream(asyncio.Protocol):
         self._wanted = 0                            # bytes the waiting read needs in `buffer`
         self._reading: Optional[asyncio.Future] = None   # a read waiting for bytes
         self._drains: List[asyncio.Future] = []     # drains waiting for resume_writing
-        self._paused = self._write_paused = self._lost = self._tls = False
+        self._paused = self._write_paused = self._lost = False
 
     # -- the transport's side (asyncio.Protocol) ---------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self._tls = transport.get_extra_info("sslcontext") is not None
         if self.on_connection is not None:
             self.on_connection(self)
 
@@ -2328,8 +2327,7 @@ class _Stream(asyncio.Protocol):
     def eof_received(self) -> bool:
         self.eof = True
         self._wake()
-        return not self._tls                        # half-closed: our answers still go out (TLS
-                                                    # cannot: asyncio's SSL transport closes)
+        return True                                 # half-closed: our answers still go out
 
     def connection_lost(self, exc) -> None:
         self.eof = self._lost = True
