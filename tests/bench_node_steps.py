@@ -12,8 +12,10 @@ COLD_GAP_S as the bench's 16 req/s leaves the CPU, and back to back):
     node added  to engine + back, less the same two stages of the client talking to the
                 engine stand-in directly (loopback and the stand-ins' own work)
 With this checkout's node (a _TunnelConnection), the node's own callbacks are timed too: read
-(client write -> the node's data_received), parse+admit+engine write (inside it), engine (the
-node's engine write -> its engine_data), write back (inside engine_data), deliver (-> client).
+(the client's write -> the node's data_received: TLS both ways, loopback, the loop's wake-up),
+parse (parse_request), admission (the credential, the size limit), dispatch and the engine's
+request head, engine write (the write to the pooled engine connection), engine (-> the node's
+engine_data), write back (the answer parsed, re-headed and written), deliver (-> the client).
 Steps: interpreter instructions per request (sys.settrace opcode events), by file: the same
 count every run whatever the machine's load; asyncio's share shows what tasks and futures cost.
 
@@ -27,6 +29,7 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -95,20 +98,30 @@ def hook(on, stamps: Stamps) -> bool:
     conn = getattr(on, "_TunnelConnection", None)
     if conn is None or not hasattr(conn, "engine_data"):
         return False
-    received, answered = conn.data_received, conn.engine_data
 
-    def data_received(self, data):
-        stamps("node read")
-        received(self, data)
-        stamps("node wrote engine")
+    def stamped(owner, name: str, before: str, after: str = "") -> None:
+        inner = getattr(owner, name)
 
-    def engine_data(self, data):
-        stamps("node engine in")
-        answered(self, data)
-        stamps("node wrote client")
+        def call(*args):
+            stamps(before)
+            result = inner(*args)
+            if after:
+                stamps(after)
+            return result
+        setattr(owner, name, call)
 
-    conn.data_received, conn.engine_data = data_received, engine_data
+    stamped(conn, "data_received", "node read", "node wrote engine")
+    stamped(on, "parse_request", "node parse", "node parsed")
+    stamped(conn, "_admit", "node admit", "node admitted")
+    stamped(conn, "_to_engine", "node engine write")
+    stamped(conn, "engine_data", "node engine in", "node wrote client")
     return True
+
+
+STAGES = (("read", "client out", "node read"), ("parse", "node parse", "node parsed"),
+          ("admission", "node admit", "node admitted"), ("dispatch, request head", "node admitted", "node engine write"),
+          ("engine write", "node engine write", "node wrote engine"), ("engine", "node wrote engine", "node engine in"),
+          ("write back", "node engine in", "node wrote client"), ("deliver", "node wrote client", "client in"))
 
 
 async def measure(on, tls: bool, n: int) -> dict:
@@ -139,8 +152,8 @@ async def measure(on, tls: bool, n: int) -> dict:
             await via_node.one(request)
             stamps.at.clear()
         for label, gap in (("cold", COLD_GAP_S), ("warm", 0.0)):
-            rows = {"to engine": [], "back": [], "direct to engine": [], "direct back": [],
-                    "read": [], "parse+admit+engine write": [], "engine": [], "write back": [], "deliver": []}
+            rows = {name: [] for name in ("to engine", "back", "direct to engine", "direct back")}
+            rows.update({name: [] for name, _, _ in STAGES})
             for _ in range(n):
                 for client, prefix, data in ((direct, "direct ", direct_request), (via_node, "", request)):
                     if gap:
@@ -151,11 +164,8 @@ async def measure(on, tls: bool, n: int) -> dict:
                     rows[prefix + "to engine"].append(at["engine in"] - at["client out"])
                     rows[prefix + "back"].append(at["client in"] - at["engine out"])
                     if hooked and not prefix:
-                        rows["read"].append(at["node read"] - at["client out"])
-                        rows["parse+admit+engine write"].append(at["node wrote engine"] - at["node read"])
-                        rows["engine"].append(at["node engine in"] - at["node wrote engine"])
-                        rows["write back"].append(at["node wrote client"] - at["node engine in"])
-                        rows["deliver"].append(at["client in"] - at["node wrote client"])
+                        for name, start, end in STAGES:
+                            rows[name].append(at[end] - at[start])
             figures = {name: statistics.median(v) * 1e6 for name, v in rows.items() if v}
             figures["node added"] = (figures["to engine"] + figures["back"] - figures["direct to engine"]
                                      - figures["direct back"])
@@ -187,6 +197,7 @@ async def measure(on, tls: bool, n: int) -> dict:
         direct.transport.close()
         await node.stop()
         server.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
