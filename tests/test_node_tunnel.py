@@ -1,5 +1,6 @@
 """The node's TCP port in one process: /v1/registry, /healthz and the tunnel to the engine."""
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -355,22 +356,23 @@ def test_a_client_with_broken_framing_gets_a_400_and_the_connection_closed(head)
     assert data.startswith(b"HTTP/1.1 400") and b"invalid_request_error" in data and reached == 0
 
 
+async def one_answer_per_connection(answers: list, reader, writer) -> None:
+    """An engine that answers one request on a connection, then closes it while it idles."""
+    await reader.readuntil(b"\r\n\r\n")
+    answers.append(1)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()                                  # keep-alive said, then closed while idle
+
+
 def test_engine_connections_the_engine_closed_while_idle_are_not_a_failure():
     """An engine that closes kept-alive connections between requests (llama.cpp's server did, in
     1-2 of 18 requests of the routing bench): the node's next request on a stale one goes out on
     a new connection, however many stale ones the pool holds."""
     async def main():
         answers = []
-
-        async def one_answer_per_connection(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
-            answers.append(1)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.close()                        # keep-alive said, then closed while idle
-
-        server = await asyncio.start_server(one_answer_per_connection, "127.0.0.1", 0)
+        server = await asyncio.start_server(functools.partial(one_answer_per_connection, answers), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = on.EngineClient(f"http://127.0.0.1:{port}")
         request = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -465,17 +467,7 @@ def test_a_client_gone_mid_stream_drops_the_engine_connection_and_the_tunnel_ser
 def test_a_pooled_engine_connection_closed_while_idle_is_retried_for_the_tunnel_on_a_new_one():
     async def t():
         answered = []
-
-        async def closes_when_idle(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(2)
-            answered.append(1)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.close()                          # keep-alive said, then closed while idle
-
-        server = await asyncio.start_server(closes_when_idle, "127.0.0.1", 0)
+        server = await asyncio.start_server(functools.partial(one_answer_per_connection, answered), "127.0.0.1", 0)
         cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05)
         node = on.Node(cfg, models=["m"], engine_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
         await node.start(serve_http=True)
