@@ -47,9 +47,9 @@ A gossip message:
     The registry itself is crdt.GMap; liveness and suspicion stay in the Overlay, never in the map.
 
 A request (the ingress dials the node's "addr" from its record):
-    direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ the codec reads the
-                 head ─▶ Tunnel._forward: request_head to the engine (EngineClient) ─▶ the answer's
-                 head re-written (response_head), its body relayed as it comes
+    direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ its _TunnelConnection's
+                 codec reads the head ─▶ request_head to the engine (EngineClient) ─▶ the answer's
+                 head re-written (response_head), its body relayed as it comes, in callbacks
     private      the dialer asks RelayClient.open, which asks Reach.tunnel_path: a punched TCP
                  connection, the member's dial-back, or a relay's splice / mux stream; at the
                  member each is given to Tunnel.admit like an accepted socket, then as above.
@@ -2000,19 +2000,6 @@ class EngineError(Exception):
     """The engine refused, reset or never answered."""
 
 
-async def h11_next(conn: h11.Connection, reader: asyncio.StreamReader, timeout: Optional[float] = None):
-    """The next h11 event, reading from the socket as needed."""
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        if timeout is None:
-            data = await reader.read(65536)
-        else:
-            data = await asyncio.wait_for(reader.read(65536), timeout)
-        conn.receive_data(data)
-
-
 def header_items(headers) -> List[Tuple[bytes, bytes]]:
     """(lower-case name, value) pairs of h11 headers. h11's Headers is a Sequence whose
     iteration goes through __getitem__ per item (2 us each); its backing list is read once."""
@@ -2528,20 +2515,16 @@ def whole_response(status: int, body: bytes, ctype: bytes = b"application/json",
     return b"".join(head)
 
 
-# The tunnel's response path relays bytes: the engine's response head is parsed by the codec,
-# then the body goes to the client verbatim (Content-Length or chunked framing kept as the engine
-# wrote it, only read by a BodyReader for its end) instead of being re-framed chunk by chunk
-# through h11. Drain is awaited only above the transport's high-water mark.
-RELAY_READ = 262144
-RELAY_HIGH_WATER = 262144
+RELAY_READ = 262144                 # a read of a relayed stream, and twice it buffered pauses reading
+RELAY_HIGH_WATER = 262144           # our writes to a slow reader above this pause the engine's answer
 MAX_REQUEST_HEAD = 65536
 
 
 class _Stream(asyncio.Protocol):
     """A TCP connection (or a relay stream's plaintext) as a reader and a writer in one, whose
     bytes are ours: what it read and no one took yet is `buffer`, so a hand-over (a relay link
-    then read in callbacks, a splice, a dial-back handed over as a socket, an engine body piped
-    in callbacks) takes it from here and never from inside an asyncio StreamReader. Reads as a
+    then read in callbacks, a splice, a dial-back handed over as a socket, a tunnel stream's
+    _TunnelConnection) takes it from here and never from inside an asyncio StreamReader. Reads as a
     StreamReader does (read, readexactly, at_eof, exception), writes as a StreamWriter does
     (write, drain, close, get_extra_info); reading pauses while more than 2 * `limit` bytes
     wait that no read asked for, and EOF keeps the transport open for what we still write.
@@ -2556,12 +2539,11 @@ class _Stream(asyncio.Protocol):
         self._wanted = 0                            # bytes the waiting read needs in `buffer`
         self._reading: Optional[asyncio.Future] = None   # a read waiting for bytes
         self._drains: List[asyncio.Future] = []     # drains waiting for resume_writing
-        self._paused = self._write_paused = self._lost = self._tls = False
+        self._paused = self._write_paused = self._lost = False
 
     # -- the transport's side (asyncio.Protocol) ---------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self._tls = transport.get_extra_info("sslcontext") is not None
         if self.on_connection is not None:
             self.on_connection(self)
 
@@ -2580,8 +2562,7 @@ class _Stream(asyncio.Protocol):
     def eof_received(self) -> bool:
         self.eof = True
         self._wake()
-        return not self._tls                        # half-closed: our answers still go out (TLS
-                                                    # cannot: asyncio's SSL transport closes)
+        return True                                 # half-closed: our answers still go out
 
     def connection_lost(self, exc) -> None:
         self.eof = self._lost = True
@@ -2699,142 +2680,51 @@ async def open_stream(host: str, port: int, limit: int = 65536) -> _Stream:
     return stream
 
 
-async def _read_engine_head(reader: _Stream, buf: bytearray, head_request: bool = False) -> MessageHead:
-    """The engine's next final response head, consumed from `buf` (what follows it stays)."""
-    try:
-        while True:
-            head = parse_response(buf, head_request)
-            if head is not None:
-                del buf[:head.size]
-                return head
-            data = await reader.read(RELAY_READ)
-            if not data:
-                raise EngineError("engine closed the connection without an answer")
-            buf += data
-    except HTTPViolation as exc:
-        raise EngineError(f"bad response from the engine: {exc}") from None
+class _EngineConn(asyncio.Protocol):
+    """A kept-alive connection to the engine, read in its callbacks: while a tunnel connection
+    relays an answer it is `answer`, called from data_received (engine_data, engine_lost) with no
+    task or future between; otherwise the bytes wait in `buf` for EngineClient's awaiting readers."""
 
+    transport: Any = None
+    body: Optional[BodyReader] = None              # the answer's body, for EngineClient.body
+    keep_alive = True
+    answer: Optional[_TunnelConnection] = None
+    waiter: Optional[asyncio.Future] = None
+    lost = False                                    # EOF or the connection lost: no more bytes come
 
-def _wants_close(headers: List[Tuple[bytes, bytes]]) -> bool:
-    for name, value in headers:
-        if name == b"connection" and b"close" in value.lower():
-            return True
-    return False
+    def __init__(self):
+        self.buf = bytearray()
 
-
-async def _read_request_head(reader: _Stream, buf: bytearray):
-    """Read up to the end of the next request head in `buf` (nothing consumed): its MessageHead,
-    None at the end of the stream, or H11_JUDGES. Raises HTTPViolation (400 and close)."""
-    while True:
-        head = parse_request(buf, MAX_REQUEST_HEAD)
-        if head is not None:
-            return head
-        data = await reader.read(RELAY_READ)
-        if not data:
-            return None if not buf else H11_JUDGES
-        buf += data
-
-
-class _BodyPipe(asyncio.Protocol):
-    """Stands in for an engine connection's protocol while a response body streams: each
-    read goes to the client's transport from data_received, with no task wake-up per chunk.
-    Reading pauses while the client's buffer is above the high-water mark."""
-
-    def __init__(self, client: asyncio.Transport, engine: asyncio.Transport, body: BodyReader,
-                 watch: Optional[_AnswerWatch] = None):
-        self.client, self.engine, self.body, self.watch = client, engine, body, watch
-        self.waiter: Optional[asyncio.Future] = None
-        self.finished = self.extra = self.paused = False
-        self.error: Optional[EngineError] = None
+    def connection_made(self, transport) -> None:
+        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if self.finished or self.error is not None:   # bytes past the body: not reusable
-            self.extra = True
+        if self.answer is not None:
+            self.answer.engine_data(data)
             return
-        body = self.body
-        used = body.feed(data)
-        self.finished = body.done
-        if used < len(data):
-            self.extra = True
-            data = data[:used]
-        client = self.client
-        if data:
-            client.write(data)
-            if self.watch is not None:
-                self.watch.seen(data)
-        if body.error is not None:                  # what came before it went out: now the cut
-            self.error = EngineError(f"bad response from the engine: {body.error}")
-            self._wake()
-        elif self.finished:
-            self._wake()
-        elif client.get_write_buffer_size() > RELAY_HIGH_WATER or client.is_closing():
-            self.engine.pause_reading()
-            self.paused = True
-            self._wake()
+        self.buf += data
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def eof_received(self) -> bool:
         self.connection_lost(None)
         return False
 
     def connection_lost(self, exc) -> None:
-        if not self.finished and self.error is None:
-            self.error = EngineError("engine closed the connection mid-response")
-            self._wake()
+        if not self.lost:
+            self.lost = True
+            if self.answer is not None:
+                self.answer.engine_lost()
+            elif self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(None)
 
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-
-async def _pipe_body(reader: _Stream, engine_writer: _Stream, writer: _Stream, body: BodyReader,
-                     watch: Optional[_AnswerWatch] = None) -> bool:
-    """Relay the rest of a body from the engine connection to the client as it was framed;
-    True when it ended exactly at the body's end (the connection is reusable). `watch` sees
-    the bytes too (EngineSpeed)."""
-    engine = engine_writer.transport
-    pipe = _BodyPipe(writer.transport, engine, body, watch)
-    while reader.buffer:                            # bytes the engine's stream read already go first
-        pipe.data_received(await reader.read(RELAY_READ))
-        if pipe.error is not None:
-            raise pipe.error
-        if pipe.finished:
-            return not pipe.extra
-        if pipe.paused:
-            await writer.drain()
-            pipe.paused = False
-            engine.resume_reading()
-    if reader.at_eof() or reader.exception() is not None:
-        raise EngineError("engine closed the connection mid-response")
-    original = engine.get_protocol()
-    loop = asyncio.get_running_loop()
-    engine.set_protocol(pipe)
-    try:
-        while True:
-            pipe.waiter = loop.create_future()
-            await pipe.waiter
-            if pipe.error is not None:
-                raise pipe.error
-            if pipe.finished:
-                return not pipe.extra
-            if pipe.paused:
-                await writer.drain()                # raises when the client went away
-                pipe.paused = False
-                engine.resume_reading()
-    finally:
-        pipe.waiter = None
-        engine.set_protocol(original)
-
-
-class _EngineConn:
-    """A kept-alive connection to the engine: its streams, the bytes read past the last
-    response head, and the reader of the body being read."""
-
-    __slots__ = ("reader", "writer", "buf", "body", "keep_alive")
-
-    def __init__(self, reader: _Stream, writer: _Stream):
-        self.reader, self.writer, self.buf = reader, writer, bytearray()
-        self.body: Optional[BodyReader] = None
-        self.keep_alive = True
+    async def readable(self, timeout: Optional[float]) -> None:
+        """Until more bytes came or the connection ended (asyncio.TimeoutError after `timeout`)."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await (self.waiter if timeout is None else asyncio.wait_for(self.waiter, timeout))
+        finally:
+            self.waiter = None
 
 
 def _text(value) -> bytes:
@@ -2842,8 +2732,9 @@ def _text(value) -> bytes:
 
 
 class EngineClient:
-    """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback,
-    used for health checks, model discovery and tunnelled requests alike, read by the codec."""
+    """The one HTTP client path: keep-alive HTTP/1.1 connections to an engine on loopback, read
+    by the codec. The tunnel relays its answers from the connections' callbacks (pooled, connect);
+    health checks, model discovery and tests await them (exchange, send_raw, body, get)."""
 
     def __init__(self, url: str):
         parts = urllib.parse.urlsplit(url)
@@ -2853,12 +2744,31 @@ class EngineClient:
         self.host_header = f"{self.host}:{self.port}".encode()
         self.idle: List[_EngineConn] = []
 
-    async def _connect(self) -> _EngineConn:
+    def pooled(self) -> Optional[_EngineConn]:
+        """A kept-alive connection from the pool, or None (those the engine closed while they
+        idled, or that read what no one asked for, are dropped)."""
+        while self.idle:
+            conn = self.idle.pop()
+            if not (conn.lost or conn.buf or conn.transport.is_closing()):
+                return conn
+            conn.transport.close()
+        return None
+
+    async def connect(self) -> _EngineConn:
+        conn = _EngineConn()
         try:
-            stream = await open_stream(self.host, self.port)
+            await asyncio.get_running_loop().create_connection(lambda: conn, self.host, self.port)
         except OSError as exc:
             raise EngineError(f"engine unreachable at {self.host}:{self.port}: {exc}") from None
-        return _EngineConn(stream, stream)
+        return conn
+
+    def release(self, conn: _EngineConn, reusable: bool) -> None:
+        conn.answer = None
+        if reusable and not conn.lost:
+            conn.buf.clear()
+            self.idle.append(conn)
+        else:
+            conn.transport.close()
 
     async def exchange(self, method: str, target: str, headers=(), body: bytes = b"",
                        timeout: Optional[float] = None):
@@ -2873,37 +2783,29 @@ class EngineClient:
 
     async def send_raw(self, request: bytes, head_only: bool = False, timeout: Optional[float] = None):
         """Write a ready-made request (head and body bytes); return (connection, bytes read past
-        the response head, its MessageHead). The tunnel's fast path."""
+        the response head, its MessageHead)."""
         for attempt in range(2):
-            conn = None
-            while self.idle and attempt == 0:      # the engine may have closed one while it idled
-                conn = self.idle.pop()
-                if not (conn.reader.at_eof() or conn.writer.transport.is_closing()):
-                    break
-                conn.writer.close()
-                conn = None
-            fresh = conn is None                   # the retry is always on a new connection
-            conn = conn if conn is not None else await self._connect()
-            buf = conn.buf
+            conn = self.pooled() if attempt == 0 else None
+            fresh = conn is None                    # the retry is always on a new connection
+            conn = conn if conn is not None else await self.connect()
+            conn.transport.write(request)
             try:
-                conn.writer.write(request)
-                if conn.writer.transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                    await conn.writer.drain()
-                reading = _read_engine_head(conn.reader, buf, head_only)
-                head = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
-                return conn, buf, head
+                while True:
+                    head = parse_response(conn.buf, head_only)
+                    if head is not None:
+                        del conn.buf[:head.size]
+                        return conn, conn.buf, head
+                    if conn.lost:
+                        raise EngineError("engine closed the connection without an answer")
+                    await conn.readable(timeout)
+            except HTTPViolation as exc:
+                conn.transport.close()
+                raise EngineError(f"bad response from the engine: {exc}") from None
             except (OSError, EngineError, asyncio.TimeoutError) as exc:
-                conn.writer.close()
-                if fresh or attempt or buf:
+                conn.transport.close()
+                if fresh or attempt or conn.buf:
                     raise EngineError(str(exc) or type(exc).__name__) from None
         raise EngineError("unreachable")            # pragma: no cover
-
-    def release(self, conn: _EngineConn, reusable: bool) -> None:
-        if reusable:
-            conn.buf.clear()
-            self.idle.append(conn)
-        else:
-            conn.writer.close()
 
     async def body(self, conn: _EngineConn, timeout: Optional[float] = None):
         """Yield the response body piece by piece; return the connection to the pool after."""
@@ -2916,13 +2818,11 @@ class EngineClient:
                     return
                 if piece:
                     yield piece
-                    continue
-                reading = conn.reader.read(RELAY_READ)
-                data = await (reading if timeout is None else asyncio.wait_for(reading, timeout))
-                if not data:
+                elif conn.lost:
                     conn.body.end_of_stream()       # the end of an until-close body, or an error
                     conn.keep_alive = False
-                conn.buf += data
+                else:
+                    await conn.readable(timeout)
         except (OSError, HTTPViolation, asyncio.TimeoutError) as exc:
             raise EngineError(str(exc) or type(exc).__name__) from None
         finally:
@@ -2935,7 +2835,7 @@ class EngineClient:
 
     def close(self) -> None:
         for conn in self.idle:
-            conn.writer.close()
+            conn.transport.close()
         self.idle = []
 
 
@@ -3040,35 +2940,432 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _TunnelConnection:
-    """One accepted tunnel connection's admission: whether it has authenticated, and the one
-    watchdog timer that cuts it at its current deadline (head, body or idle)."""
+class _TunnelConnection(asyncio.Protocol):
+    """One tunnel connection, served from its protocol callbacks alone, as the ingress serves a
+    client: its admission (authenticated yet; one watchdog timer that cuts it at its current
+    deadline: head, body or idle), its one parser, and the request being answered.
 
-    __slots__ = ("task", "writer", "tls", "authenticated", "_timer")
+    data_received feeds `buf` and `serve` moves the requests on, one at a time: the codec reads
+    each head (h11 reads a request the codec leaves to it, then hands the connection back), the
+    credential is judged on the head (rule 2), the body is read as it arrives, and the whole
+    request goes to the engine on a kept-alive connection whose data_received calls engine_data
+    here: the answer's head is parsed and re-written, then its body goes to the client as each
+    read comes, read by a BodyReader only for its end. No task or future on that path (a new
+    engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
+    reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
+    client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
+    client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
 
-    def __init__(self, task: Optional[asyncio.Task]):
-        self.task = task
-        self.writer: Optional[_Stream] = None
-        self.tls = False
-        self.authenticated = False
-        self._timer: Optional[asyncio.TimerHandle] = None
+    # per connection (`buf`, `parts` and the tunnel are set in __init__; the rest starts as these)
+    task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
+    transport = _timer = None                       # (_timer: the watchdog's, due at `deadline`)
+    deadline, tls, authenticated = math.inf, False, False
+    eof = closed = serving = False                  # the client's side closed; all gone; serve runs
+    write_paused = read_paused = False
+    h11: Optional[h11.Connection] = None            # reading a request the codec left to it
+    head: Optional[MessageHead] = None              # the request whose body is being read ...
+    body: Optional[BodyReader] = None               # ... its reader, and its size so far
+    size = 0
+    # the request being answered (busy): at the engine from _forward until _answered
+    busy = close_after = head_only = False          # ... the connection closes after it; a HEAD
+    request, retry = b"", False                     # the engine's request, kept for a retry when it
+    engine_conn: Optional[_EngineConn] = None       # went on a pooled connection (maybe stale)
+    answer: Optional[BodyReader] = None             # the engine's answer body, once its head came
+    rechunk = extra = False                         # an until-close body; bytes past the answer
+    reframe: Optional[h11.Connection] = None        # an HTTP/1.0 client's answer, framed by h11
+    watch: Optional[_AnswerWatch] = None            # what EngineSpeed reads of it, with `sent`
+    sent, others = 0.0, 0                           # and the requests the engine held then
 
+    def __init__(self, tunnel: Tunnel):
+        self.tunnel = tunnel
+        self.buf = bytearray()                      # read, not parsed yet (while the codec reads)
+        self.parts: List[bytes] = []
+
+    # -- admission: the watchdog ---------------------------------------------------------------
     def arm(self, seconds: float) -> None:
-        self.disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self.cut)
+        """Cut the connection `seconds` from now unless armed again or disarmed first. One timer,
+        moved lazily: a later deadline waits for the one set (which then sets another), so a
+        kept-alive connection's requests make no timer each."""
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.time() + seconds
+        if self._timer is None or self._timer.when() > self.deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(self.deadline, self._due)
 
     def disarm(self) -> None:
+        self.deadline = math.inf
+
+    def _due(self) -> None:
+        self._timer, now = None, asyncio.get_running_loop().time()
+        if self.deadline <= now:
+            self.cut()
+        elif self.deadline < math.inf:
+            self.arm(self.deadline - now)
+
+    def cut(self) -> None:
+        """Close at once (before the connection is made, its admission task is cancelled)."""
+        self.disarm()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-
-    def cut(self) -> None:
-        """Close at once: the handler sees its stream end (or, before it has one, is cancelled)."""
-        self.disarm()
-        if self.writer is not None:
-            self.writer.transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
         elif self.task is not None:
             self.task.cancel()
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.tunnel.admitted["tls" if self.tls else "plain"] += 1
+        if self.tls:                                # the handshake showed the cluster certificate
+            self.tunnel.authenticated(self)
+        transport.set_write_buffer_limits(high=RELAY_HIGH_WATER)
+        self._await_head()
+
+    def take_over(self, stream: _MuxTunnel) -> None:
+        """Become the protocol of a relay link's stream, with what it read before (its _Stream's)."""
+        held = stream.stream
+        stream.set_protocol(self)
+        self.connection_made(stream)
+        if held.buffer:
+            self.data_received(held.hand_over())
+        if stream.is_closing():                     # ended before this: its end went to the _Stream
+            self.connection_lost(held.error)
+        elif held.eof:
+            self.eof_received()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.h11 is not None:
+            self.h11.receive_data(data)
+        else:
+            self.buf += data
+        if not self.busy:
+            self.serve()
+        elif not self.read_paused and len(self.buf) > 2 * RELAY_READ:
+            self.read_paused = True                 # a client far ahead of us waits in its socket
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if self.h11 is not None:
+            self.h11.receive_data(b"")
+        if not self.busy:
+            self.serve()
+        return not self.tls                         # half-closed: the answer still goes out (TLS
+                                                    # cannot: asyncio's SSL transport closes)
+
+    def connection_lost(self, exc) -> None:
+        if not self.closed:
+            self.closed = self.eof = True
+            self.cut()
+            self.tunnel.forget(self)
+            self._answered(False)                   # gone mid-answer: the engine's work is wasted
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.engine_conn is not None:
+            self.engine_conn.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.engine_conn is not None:
+            self.engine_conn.transport.resume_reading()
+        elif not self.busy and not self.closed:
+            self.serve()
+
+    # -- requests, one after the other -----------------------------------------------------------
+    def _await_head(self) -> None:
+        """Between requests: a member may idle; a stranger, or a head begun, gets head_timeout."""
+        cfg = self.tunnel.config
+        self.arm(cfg.tunnel_idle_timeout if self.authenticated and not self.buf else cfg.head_timeout)
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def serve(self) -> None:
+        """Read what is buffered, request by request, until more bytes are needed, a request is at
+        the engine, our writes wait for the client, or the connection ends."""
+        if self.serving:                            # called back from inside itself: its loop goes on
+            return
+        self.serving = True
+        try:
+            while not self.busy and not self.write_paused and not self.transport.is_closing():
+                if not (self._h11_step() if self.h11 is not None else self._codec_step()):
+                    return
+        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client
+            self.transport.write(whole_response(400, error_body(400, f"bad request: {exc}", "bad_request"),
+                                                close=True))
+            self.transport.close()
+        except h11.ProtocolError:
+            self.transport.close()
+        finally:
+            self.serving = False
+
+    def _codec_step(self) -> bool:
+        """One step of a request the codec reads; False while more bytes are needed."""
+        buf, head = self.buf, self.head
+        if head is not None:
+            return self._body_step(head)
+        head = parse_request(buf, MAX_REQUEST_HEAD) if buf else None
+        if head is None and self.eof and buf or head is H11_JUDGES:   # (an unfinished head at the
+            return self._to_h11()                                      # end: h11's to judge)
+        if head is None or not self._admit(head, head.length):
+            if head is None and self.eof:
+                self.transport.close()
+            return False
+        if head.framing is LENGTH and len(buf) == head.size + head.length:   # the common case: one
+            body = bytes(buf[head.size:])                                    # read, one whole request
+            buf.clear()
+            self._dispatch(head, body, not head.keep_alive)
+            return True
+        del buf[:head.size]
+        self.head, self.body = head, BodyReader(head.framing, head.length)
+        self.arm(self.tunnel.config.body_timeout)
+        return self._body_step(head)
+
+    def _body_step(self, head: MessageHead) -> bool:
+        """Take the body's pieces buffered; once it is whole, the request is dispatched."""
+        while True:
+            piece = self.body.take(self.buf)
+            if piece is None:
+                self._dispatch(head, b"".join(self.parts), not head.keep_alive)
+                return True
+            if not piece:
+                if self.eof:
+                    self.transport.close()
+                return False
+            if not self._body_piece(piece):
+                return False
+
+    def _to_h11(self) -> bool:
+        conn = self.h11 = h11.Connection(h11.SERVER)
+        conn.receive_data(bytes(self.buf))
+        self.buf.clear()
+        if self.eof:
+            conn.receive_data(b"")
+        self.arm(self.tunnel.config.head_timeout + self.tunnel.config.body_timeout)
+        return True
+
+    def _h11_step(self) -> bool:
+        """One event of a request h11 reads (HTTP/1.0, Expect, odd bytes); False while more bytes
+        are needed. Its answer is framed by h11 for an HTTP/1.0 client."""
+        conn = self.h11
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            return False
+        kind = type(event)
+        if kind is h11.Request:
+            headers = header_items(event.headers)
+            head = self.head = MessageHead(headers, dict(headers), 0)
+            head.method, head.target = event.method, event.target
+            head.keep_alive = event.http_version == b"1.1" and b"close" not in head.fields.get(b"connection", b"").lower()
+            return self._admit(head, 0)
+        if kind is h11.Data:
+            return self._body_piece(event.data)
+        if kind is h11.EndOfMessage and self.head is not None:
+            self.reframe = conn if conn.their_http_version != b"1.1" else None
+            self._dispatch(self.head, b"".join(self.parts), not self.head.keep_alive)
+            return True
+        self.transport.close()                      # ConnectionClosed, or a switch we never accept
+        return False
+
+    def _admit(self, head: MessageHead, length: int) -> bool:
+        """Rule 2, on the head: whether its body may be read (else answered with an error, closed)."""
+        refusal = self.tunnel.refusal(head, self)
+        if refusal is None and length > self.tunnel.config.max_request_body:
+            refusal = 413, error_body(413, "request body too large")
+        if refusal is None:
+            self.parts, self.size = [], 0
+            return True
+        self._respond(refusal[0], refusal[1], close=refusal[0] != 413)
+        self.transport.close()
+        return False
+
+    def _body_piece(self, piece: bytes) -> bool:
+        self.parts.append(piece)
+        self.size += len(piece)
+        if self.size <= self.tunnel.config.max_request_body:
+            return True
+        self._respond(413, error_body(413, "request body too large"))
+        self.transport.close()
+        return False
+
+    def _respond(self, status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False) -> None:
+        """A whole answer (an HTTP/1.0 client is told the connection closes after it)."""
+        old = self.h11 is not None and self.h11.their_http_version not in (None, b"1.1")
+        self.transport.write(whole_response(status, body, ctype, close or old))
+
+    def _dispatch(self, head: MessageHead, body: bytes, close_after: bool) -> None:
+        """Answer one whole request: a page of the node's, a refusal, or the engine's answer."""
+        self.disarm()                               # the engine may take minutes to answer
+        self.head, self.busy, self.close_after = None, True, close_after
+        tunnel = self.tunnel
+        page = tunnel.pages.get(head.target.split(b"?", 1)[0]) if head.method == b"GET" else None
+        if not tunnel.started():                    # between binding the port and joining
+            self._respond(503, error_body(503, "node starting", "unavailable"))
+        elif page is not None:
+            self._respond(*page())
+        elif tunnel.draining() or tunnel.engine is None:
+            self._respond(503, error_body(503, "this session is draining" if tunnel.draining()
+                                          else "no engine behind this node", "unavailable"))
+        else:
+            self._forward(head, body)
+            return
+        self._done()
+
+    def _done(self) -> None:
+        """The answer went out: on to the next request, or the end of the connection."""
+        self.busy = False
+        if self.h11 is not None:                    # the codec again, with what h11 buffered
+            self.buf += self.h11.trailing_data[0]
+            self.h11 = self.reframe = None
+        if self.close_after:
+            self.transport.close()
+            return
+        self._await_head()
+        self.serve()
+
+    # -- the engine's answer ---------------------------------------------------------------------
+    def _forward(self, head: MessageHead, body: bytes) -> None:
+        """Send the request to the engine as it came (but hop-by-hop fields and ours)."""
+        tunnel = self.tunnel
+        self.watch = self.answer = None
+        self.extra, self.head_only = False, head.method == b"HEAD"
+        if head.method == b"POST" and tunnel.prefixes is not None:
+            prefixes = head.fields.get(PREFIX_HEADER)
+            if prefixes is not None:
+                tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
+            self.watch = _AnswerWatch()
+        request = request_head(head.method, head.target, tunnel.engine.host_header, len(body), head.headers,
+                               tunnel.not_forwarded)
+        request.append(body)
+        self.request = b"".join(request)
+        self.others, self.sent = tunnel.inflight(1), time.monotonic()
+        self._to_engine(tunnel.engine.pooled())
+
+    def _to_engine(self, conn: Optional[_EngineConn]) -> None:
+        self.retry = conn is not None
+        if conn is None:                            # a new connection: its future calls back
+            self.tunnel.spawn(self.tunnel.engine.connect()).add_done_callback(self._engine_ready)
+            return
+        self.engine_conn, conn.answer = conn, self
+        conn.transport.write(self.request)
+
+    def _engine_ready(self, future: asyncio.Future) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if future.cancelled() or (exc is None and not self.request):   # the client went meanwhile
+            if not future.cancelled():
+                future.result().transport.close()
+        elif exc is None:
+            self.engine_conn, future.result().answer = future.result(), self
+            self.engine_conn.transport.write(self.request)
+        elif self.request:
+            self._engine_failed(str(exc) or type(exc).__name__)
+
+    def engine_data(self, data: bytes) -> None:
+        """The engine's bytes (its connection's data_received): the answer's head, then its body."""
+        if self.answer is not None:
+            self._relay(data, [], False)
+            return
+        buf = self.engine_conn.buf
+        if buf:                                     # (a head in pieces: rare)
+            buf += data
+            data = bytes(buf)
+        try:
+            head = parse_response(data, self.head_only)
+        except HTTPViolation as exc:
+            self._engine_failed(f"bad response from the engine: {exc}")
+            return
+        if head is None:
+            if not buf:
+                buf += data
+            return
+        buf.clear()
+        self.retry, self.rechunk = False, head.framing is UNTIL_CLOSE
+        self.engine_conn.keep_alive = head.keep_alive
+        if self.watch is not None and (head.status != 200 or not head.fields.get(
+                b"content-type", b"").startswith(b"text/event-stream")):
+            self.watch = None                       # only a stream's first byte is its first token
+        self.answer = BodyReader(head.framing, head.length)
+        if self.reframe is not None:
+            out = [self.reframe.send(h11.Response(
+                status_code=head.status, reason=head.reason,
+                headers=[(n, v) for n, v in head.headers if n not in HOP_BY_HOP or n == b"content-length"]))]
+        else:
+            out = response_head(head.status, head.reason, head.headers, HOP_BY_HOP, head.framing, head.length,
+                                self.close_after)
+        self._relay(data[head.size:], out, True)
+
+    def _relay(self, data: bytes, out: List[bytes], first: bool) -> None:
+        """Body bytes to the client as the engine framed them (an until-close body chunked, an
+        HTTP/1.0 client's unframed by h11), after `out` (`first`: the head, not sent yet); at
+        the body's end, the answer is done."""
+        body = self.answer
+        if self.reframe is not None:
+            pieces: List[bytes] = []
+            used = body.feed(data, pieces)
+            out += [self.reframe.send(h11.Data(data=piece)) for piece in pieces]
+        else:
+            used = body.feed(data)
+            if self.rechunk and used:
+                out += (b"%x\r\n" % used, data, b"\r\n")
+            elif used:
+                out.append(data if used == len(data) else data[:used])
+        if body.error is not None and first:       # nothing went out yet: a clear 502
+            self._engine_failed(f"bad response from the engine: {body.error}")
+            return
+        self.extra = self.extra or used < len(data)   # bytes past the body: not reusable
+        if self.watch is not None and used:
+            self.watch.seen(data[:used])
+        if body.done and (self.reframe is not None or self.rechunk):
+            out.append(self.reframe.send(h11.EndOfMessage()) if self.reframe is not None else b"0\r\n\r\n")
+        if out:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if body.error is not None:                  # what came before it went out: now the cut
+            self._answered(False)
+            self.transport.close()
+        elif body.done:
+            self._answered(not self.extra)
+            self._done()
+
+    def engine_lost(self) -> None:
+        """The engine's connection ended: the end of an until-close body, a pooled connection the
+        engine closed while it idled (the request goes again, on a new one), or a failure."""
+        if self.answer is None and self.retry and not self.engine_conn.buf:
+            self.engine_conn.answer = self.engine_conn = None
+            self._to_engine(None)
+        elif self.answer is None:
+            self._engine_failed("engine closed the connection without an answer")
+        elif self.answer.framing is UNTIL_CLOSE:
+            self.answer.end_of_stream()
+            self._relay(b"", [], False)
+        else:
+            self._answered(False)                   # cut mid-body: cut for the client too
+            self.transport.close()
+
+    def _engine_failed(self, why: str) -> None:
+        """No answer from the engine (nothing went out yet): a 502, and on to the next request."""
+        self._answered(False)
+        self._respond(502, error_body(502, f"engine failed: {why}", "bad_gateway"))
+        self._done()
+
+    def _answered(self, reusable: bool) -> None:
+        """The engine's part of a request is over (booked once): its connection back to the pool
+        (or closed), the node's count, the engine's speed."""
+        if not self.request:
+            return
+        tunnel, conn, watch, body = self.tunnel, self.engine_conn, self.watch, self.answer
+        self.request, self.engine_conn, self.watch, self.answer = b"", None, None, None
+        if conn is not None:
+            if self.write_paused:
+                conn.transport.resume_reading()
+            tunnel.engine.release(conn, reusable and conn.keep_alive)
+        tunnel.inflight(-1)
+        if watch is not None and body is not None and body.done and tunnel.speed is not None:
+            tunnel.speed.answered(watch, self.sent, self.others)
 
 
 async def _wait_readable(sock: socket.socket) -> None:
@@ -3081,25 +3378,28 @@ async def _wait_readable(sock: socket.socket) -> None:
         loop.remove_reader(sock.fileno())
 
 
-async def _accepted_stream(sock: socket.socket, ctx: Optional[ssl.SSLContext], handshake_timeout: float):
-    """(reader, writer) over an accepted socket, through a server-side TLS handshake when ctx."""
-    kwargs = {"ssl": ctx, "ssl_handshake_timeout": handshake_timeout} if ctx is not None else {}
-    stream = _Stream(limit=RELAY_READ)              # (uvloop returns its SSL protocol, not ours)
-    await asyncio.get_running_loop().connect_accepted_socket(lambda: stream, sock, **kwargs)
-    return stream, stream
-
-
 class Tunnel:
     """The tunnel port's side of a worker: admission (caps, TLS, credential: "Tunnel security"),
-    then HTTP: the codec reads each request, the node's pages answer GET /v1/registry and
+    then HTTP (a _TunnelConnection per connection): the node's pages answer GET /v1/registry and
     /healthz, anything else goes to the engine and its answer comes back as it is read. Its
     connections are accepted sockets, punched or dialled-back ones, and streams on relay links
-    (_MuxTunnel): `admit` takes any of them. The node it serves gives the engine, the TLS
-    contexts and the pages; `spawn` runs a connection's task."""
+    (_MuxTunnel): `admit` takes any of them.
 
-    def __init__(self, node: Node, spawn: Callable[[Any], asyncio.Task], refused: collections.Counter):
-        config = self.config = node.config
-        self.node, self.spawn, self.refused = node, spawn, refused
+    What it is given, and nothing of the node's else: the config, the TLS server context (None:
+    the plain tunnel with its header credential), the engine (None: refused with a 503), `spawn`
+    (runs a task the node stops), the `refused` counters, the node's `pages` (path -> a function
+    giving (status, body)), `started` and `draining` (whether the node has joined, is draining),
+    `inflight(step)` (adds to the node's count of requests at the engine, returns the count
+    before) and the recorders of what the engine was sent and how fast it answered."""
+
+    def __init__(self, config: Config, tls: Optional[ssl.SSLContext], engine: Optional[EngineClient],
+                 spawn: Callable[[Any], asyncio.Task], refused: collections.Counter,
+                 pages: Dict[bytes, Callable[[], Tuple[int, bytes]]], started: Callable[[], bool],
+                 draining: Callable[[], bool], inflight: Callable[[int], int],
+                 prefixes: Optional[PrefixSummary] = None, speed: Optional[EngineSpeed] = None):
+        self.config, self.tls, self.engine, self.spawn, self.refused = config, tls, engine, spawn, refused
+        self.pages, self.started, self.draining, self.inflight = pages, started, draining, inflight
+        self.prefixes, self.speed = prefixes, speed
         self.credentials = [tunnel_credential(k).encode() for k in [config.key] + config.accept_keys]   # rotation
         self.not_forwarded = HOP_BY_HOP | {TUNNEL_HEADER.encode(), PREFIX_HEADER}   # the engine never sees these
         self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
@@ -3142,7 +3442,7 @@ class Tunnel:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        connection = _TunnelConnection(None)
+        connection = _TunnelConnection(self)
         self.connections[connection] = None
         self.unauthenticated[connection] = None
         if len(self.unauthenticated) > cfg.max_unauthenticated:
@@ -3150,342 +3450,74 @@ class Tunnel:
             oldest = next(iter(self.unauthenticated))
             del self.unauthenticated[oldest]       # counted out now; its task closes it next
             oldest.cut()
-        connection.task = self.spawn(self._tunnel_connection(conn, connection))
-        connection.task.add_done_callback(functools.partial(self._forget_connection, connection, conn))
+        connection.arm(cfg.head_timeout)
+        connection.task = self.spawn(self._open(conn, connection))
+        connection.task.add_done_callback(functools.partial(self._opened, connection, conn))
 
-    def _forget_connection(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
-                           task: asyncio.Task) -> None:
-        """A connection cut before its task ever ran (a burst of admissions in one loop turn:
-        the OPENs of a flood on a relay link) never reaches its handler's cleanup: done here."""
-        if task.cancelled():
-            self.connections.pop(connection, None)
-            self.unauthenticated.pop(connection, None)
+    async def _open(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
+        """Rule 3 and the handshake: the connection's protocol takes it over from there."""
+        try:
+            await self._handshake(conn, connection)
+        except OSError:
+            pass
+
+    async def _handshake(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
+        if isinstance(conn, _MuxTunnel):            # its first byte decides, its handshake in memory
+            mode = await conn.ready
+            if mode is None:
+                self.refused["handshake"] += 1
+                return
+            connection.tls = mode == "tls"
+            connection.take_over(conn)
+            return
+        ctx = self.tls
+        if ctx is not None:                         # rule 3: a ClientHello, or plain HTTP?
+            await _wait_readable(conn)
+            first = conn.recv(1, socket.MSG_PEEK)
+            if first and first[0] != TLS_RECORD_HANDSHAKE:
+                ctx = None
+        connection.tls = ctx is not None
+        kwargs = {"ssl": ctx, "ssl_handshake_timeout": self.config.head_timeout} if ctx is not None else {}
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: connection, conn, **kwargs)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
+            self.refused["handshake"] += 1          # no certificate, the wrong one, a replay
+
+    def _opened(self, connection: _TunnelConnection, conn: Union[socket.socket, _MuxTunnel],
+                task: asyncio.Task) -> None:
+        """A connection whose protocol was never made (refused, cut, or failed before it) is
+        forgotten and closed here, whether its task ran or was cancelled before it could."""
+        connection.task = None
+        if connection.transport is None:
+            connection.cut()
+            self.forget(connection)
             conn.close()
 
-    def _authenticated(self, connection: _TunnelConnection) -> None:
+    def forget(self, connection: _TunnelConnection) -> None:
+        self.connections.pop(connection, None)
+        self.unauthenticated.pop(connection, None)
+
+    def authenticated(self, connection: _TunnelConnection) -> None:
         connection.authenticated = True
         self.unauthenticated.pop(connection, None)
 
-    async def _tunnel_connection(self, conn: Union[socket.socket, _MuxTunnel], connection: _TunnelConnection) -> None:
-        cfg = self.config
-        connection.arm(cfg.head_timeout)
-        writer = None
-        try:
-            ctx = self.node.tunnel_server_ssl
-            if isinstance(conn, _MuxTunnel):        # its first byte decides, its handshake in memory
-                mode = await conn.ready
-                if mode is None:
-                    self.refused["handshake"] += 1
-                    return
-                if mode == "plain":
-                    ctx = None
-                reader = writer = conn.stream
-            else:
-                if ctx is not None:                 # rule 3: a ClientHello, or plain HTTP?
-                    await _wait_readable(conn)
-                    first = conn.recv(1, socket.MSG_PEEK)
-                    if first and first[0] != TLS_RECORD_HANDSHAKE:
-                        ctx = None
-                try:
-                    reader, writer = await _accepted_stream(conn, ctx, cfg.head_timeout)
-                except (OSError, ssl.SSLError, asyncio.TimeoutError, ValueError):
-                    self.refused["handshake"] += 1  # no certificate, the wrong one, a replay
-                    return
-            connection.writer = writer
-            self.admitted["tls" if ctx is not None else "plain"] += 1
-            if ctx is not None:
-                connection.tls = True
-                self._authenticated(connection)
-            await self._on_http(reader, writer, connection)
-        except (asyncio.CancelledError, OSError):
-            pass
-        finally:
-            connection.disarm()
-            self.connections.pop(connection, None)
-            self.unauthenticated.pop(connection, None)
-            if writer is not None:
-                writer.close()
-            else:
-                conn.close()
-
-    def _refusal(self, method: bytes, target: bytes, headers, connection: Optional[_TunnelConnection]):
+    def refusal(self, head: MessageHead, connection: _TunnelConnection):
         """Rule 2, on the head: None when this request may be served (its body read), else the
         (status, error body) to answer before closing."""
-        if method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] in OPEN_PATHS:
+        if head.method in (b"GET", b"HEAD") and head.target.split(b"?", 1)[0] in OPEN_PATHS:
             return None
-        if connection is not None and connection.tls:
+        if connection.tls:
             return None                             # the handshake showed the cluster certificate
-        if self.node.tunnel_server_ssl is not None:
+        if self.tls is not None:
             self.refused["credential"] += 1
             return 403, error_body(403, "this node's tunnel is TLS with the cluster certificate; plain requests "
                                         "are not forwarded", "tls_required")
-        name, value = self.node.tunnel_header
-        wanted, given = name.encode(), b""
-        for hname, hvalue in headers:
-            if hname == wanted:
-                given = hvalue
+        given = head.fields.get(TUNNEL_HEADER.encode(), b"")
         if not any(hmac.compare_digest(given, v) for v in self.credentials):
             self.refused["credential"] += 1
             return 403, error_body(403, "missing or bad tunnel credential", "forbidden")
-        if connection is not None:
-            self._authenticated(connection)
+        self.authenticated(connection)
         return None
-
-    # -- HTTP: registry, health, tunnel -----------------------------------------------------
-    async def _on_http(self, reader: _Stream, writer: _Stream,
-                       connection: Optional[_TunnelConnection] = None) -> None:
-        """HTTP/1.1 requests the codec reads (a Content-Length or chunked body, or none: what the
-        ingress sends) are served from its MessageHead; anything else (HTTP/1.0, Expect, odd bytes)
-        goes to h11 from the first byte of that request, which keeps the connection from then on.
-        `connection` (the admission) holds the deadlines and whether the client authenticated."""
-        buf = bytearray()
-        cfg = self.config
-        try:
-            while True:
-                if connection is not None:          # a member may idle; a stranger gets head_timeout
-                    connection.arm(cfg.tunnel_idle_timeout if connection.authenticated and not buf
-                                   else cfg.head_timeout)
-                head = await _read_request_head(reader, buf)
-                if head is None:
-                    return
-                if head is H11_JUDGES:
-                    await self._serve_h11(reader, writer, bytes(buf), connection)
-                    return
-                refusal = self._refusal(head.method, head.target, head.headers, connection)
-                if refusal is not None:             # judged on the head: the body is never read
-                    self._respond(None, writer, refusal[0], refusal[1], close=True)
-                    await writer.drain()
-                    return
-                limit = cfg.max_request_body
-                if head.length > limit:
-                    self._respond(None, writer, 413, error_body(413, "request body too large"))
-                    await writer.drain()
-                    return
-                del buf[:head.size]
-                if connection is not None:
-                    connection.arm(cfg.body_timeout)
-                reader_of_body, parts, size = BodyReader(head.framing, head.length), [], 0
-                while True:
-                    piece = reader_of_body.take(buf)
-                    if piece is None:
-                        break
-                    if piece:
-                        parts.append(piece)
-                        size += len(piece)
-                        if size > limit:
-                            self._respond(None, writer, 413, error_body(413, "request body too large"))
-                            await writer.drain()
-                            return
-                        continue
-                    data = await reader.read(RELAY_READ)
-                    if not data:
-                        return
-                    buf += data
-                if connection is not None:
-                    connection.disarm()             # the engine may take minutes to answer
-                await self._dispatch(head.method, head.target, head.headers, b"".join(parts), None, writer)
-                if not head.keep_alive:
-                    return
-        except (h11.RemoteProtocolError, HTTPViolation) as exc:   # bad framing from the client: say so, close
-            body = error_body(400, f"bad request: {exc}", "bad_request")
-            writer.write(whole_response(400, body, close=True))
-        except (h11.ProtocolError, OSError, EngineError):
-            pass
-        finally:
-            writer.close()
-
-    async def _serve_h11(self, reader: _Stream, writer: _Stream, initial: bytes,
-                         connection: Optional[_TunnelConnection] = None) -> None:
-        conn = h11.Connection(h11.SERVER)
-        if initial:
-            conn.receive_data(initial)
-        while True:
-            if connection is not None:
-                connection.arm(self.config.head_timeout + self.config.body_timeout)
-            event = await h11_next(conn, reader)
-            if not isinstance(event, h11.Request):
-                break
-            refusal = self._refusal(event.method, event.target, header_items(event.headers), connection)
-            if refusal is not None:
-                self._respond(conn, writer, refusal[0], refusal[1], close=True)
-                await writer.drain()
-                return
-            body = bytearray()
-            too_big = False
-            while True:
-                part = await h11_next(conn, reader)
-                if isinstance(part, h11.Data):
-                    body += part.data
-                    if len(body) > self.config.max_request_body:
-                        too_big = True
-                        break
-                elif isinstance(part, h11.EndOfMessage):
-                    break
-                else:
-                    return
-            if too_big:
-                self._respond(conn, writer, 413, error_body(413, "request body too large"))
-                await writer.drain()
-                return
-            headers = header_items(event.headers)
-            if connection is not None:
-                connection.disarm()
-            if await self._dispatch(event.method, event.target, headers, bytes(body), conn, writer):
-                # The answer bypassed h11: carry on with a fresh parser fed what was read
-                # past this request (pipelined bytes), unless either side asked to close.
-                if conn.their_state is not h11.DONE or _wants_close(headers):
-                    break
-                trailing, closed = conn.trailing_data
-                conn = h11.Connection(h11.SERVER)
-                if trailing:
-                    conn.receive_data(bytes(trailing))
-                if closed:
-                    conn.receive_data(b"")
-                continue
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                break
-            conn.start_next_cycle()
-
-    def _respond(self, conn, writer, status: int, body: bytes, ctype: bytes = b"application/json",
-                 close: bool = False) -> None:
-        """A whole answer: through h11's `conn`, or as bytes when the codec read the request."""
-        if conn is None:
-            writer.write(whole_response(status, body, ctype, close))
-            return
-        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
-        if close:
-            headers.append((b"connection", b"close"))
-        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
-        writer.write(conn.send(h11.Data(data=body)))
-        writer.write(conn.send(h11.EndOfMessage()))
-
-    async def _dispatch(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                        conn, writer) -> bool:
-        """Answer one request (`conn`: its h11 connection, or None when the codec read it); True
-        when the answer went out raw, past h11's `conn`."""
-        path = target.split(b"?", 1)[0]
-        if self.node.overlay is None:                    # between binding the port and joining
-            self._respond(conn, writer, 503, error_body(503, "node starting", "unavailable"))
-        elif method == b"GET" and path == b"/v1/registry":
-            self._respond(conn, writer, 200, crdt.dumps(self.node.registry_view()))
-        elif method == b"GET" and path == b"/healthz":
-            warnings = self.node.health_warnings()
-            status = "draining" if self.node.draining else "isolated" if not self.node.overlay.members and warnings else "ok"
-            self._respond(conn, writer, 503 if self.node.draining else 200,
-                          crdt.dumps({"status": status, "session": self.node.session_id,
-                                      "state": crdt.STATE_NAMES[self.node.overlay.record["state"]],
-                                      "members": len(self.node.overlay.members), "warnings": warnings,
-                                      "gossip": self.node.stats()}))
-        else:                                       # the credential was judged on the head (_refusal)
-            if self.node.draining or self.node.engine is None:
-                self._respond(conn, writer, 503, error_body(503, "this session is draining" if self.node.draining
-                                                            else "no engine behind this node", "unavailable"))
-            else:
-                return await self._forward(method, target, headers, body, conn, writer)
-        await writer.drain()
-        return False
-
-    async def _forward(self, method: bytes, target: bytes, headers: List[Tuple[bytes, bytes]], body: bytes,
-                       conn, writer) -> bool:
-        """Send the request to the engine verbatim and stream the answer back as it comes.
-        If the engine cuts the answer, we cut the client connection too: never a silent 200.
-        Returns True when the answer went out as raw bytes (h11's `conn` did not see it)."""
-        if conn is not None and conn.their_http_version != b"1.1":
-            await self._forward_h11(method, target, headers, body, conn, writer)
-            return False
-        node = self.node
-        engine, watch = node.engine, None
-        if method == b"POST" and node.prefixes is not None:
-            for name, value in headers:
-                if name == PREFIX_HEADER:
-                    node.prefixes.add(list(decode_prefixes(value.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
-                    break
-            watch = _AnswerWatch()
-        head = request_head(method, target, engine.host_header, len(body), headers, self.not_forwarded)
-        head.append(body)
-        head_only = method == b"HEAD"
-        others = node.inflight
-        node.inflight += 1
-        try:
-            sent = time.monotonic()
-            try:
-                engine_conn, buf, answer = await engine.send_raw(b"".join(head), head_only)
-            except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(502, f"engine failed: {exc}", "bad_gateway"))
-                return False
-            framing, keep_alive = answer.framing, answer.keep_alive
-            out = response_head(answer.status, answer.reason, answer.headers, HOP_BY_HOP, framing, answer.length,
-                                _wants_close(headers))
-            reader = engine_conn.reader
-            transport = writer.transport
-            data = bytes(buf)
-            ok = False
-            try:
-                if framing is UNTIL_CLOSE:
-                    while True:
-                        if data:
-                            out += (b"%x\r\n" % len(data), data, b"\r\n")
-                        transport.write(b"".join(out))
-                        out = []
-                        if transport.get_write_buffer_size() > RELAY_HIGH_WATER or transport.is_closing():
-                            await writer.drain()
-                        data = await reader.read(RELAY_READ)
-                        if not data:
-                            out.append(b"0\r\n\r\n")
-                            break
-                else:
-                    if watch is not None and (answer.status != 200 or not answer.fields.get(
-                            b"content-type", b"").startswith(b"text/event-stream")):
-                        watch = None                # only a stream's first byte is its first token
-                    body = BodyReader(framing, answer.length)
-                    used = body.feed(data)
-                    if body.error is not None:      # nothing went out yet: a clear 502
-                        self._respond(conn, writer, 502, error_body(502, f"engine failed: bad response from "
-                                                                         f"the engine: {body.error}", "bad_gateway"))
-                        return False
-                    out.append(data[:used])
-                    if watch is not None and used:
-                        watch.seen(data[:used])
-                    if body.done:
-                        ok = used == len(data)
-                    else:
-                        transport.write(b"".join(out))
-                        out = []
-                        ok = await _pipe_body(reader, engine_conn.writer, writer, body, watch)
-                    if watch is not None and body.done and node.speed is not None:
-                        node.speed.answered(watch, sent, others)
-                transport.write(b"".join(out))
-            except OSError as exc:
-                raise EngineError(str(exc) or type(exc).__name__) from None
-            finally:
-                engine.release(engine_conn, ok and keep_alive)
-            if transport.get_write_buffer_size() > RELAY_HIGH_WATER:
-                await writer.drain()
-            return True
-        finally:
-            node.inflight -= 1
-
-    async def _forward_h11(self, method: bytes, target: bytes, headers, body: bytes, conn, writer) -> None:
-        """HTTP/1.0 clients: re-framed through h11 (it picks the framing they understand)."""
-        tunnel = self.node.tunnel_header[0].encode()
-        headers = [(n, v) for n, v in headers if n not in HOP_BY_HOP and n != tunnel]
-        self.node.inflight += 1
-        try:
-            try:
-                response, engine_conn = await self.node.engine.exchange(method.decode(), target.decode(), headers, body)
-            except EngineError as exc:
-                self._respond(conn, writer, 502, error_body(502, f"engine failed: {exc}", "bad_gateway"))
-                return
-            out_headers = [(n, v) for n, v in response.headers
-                           if n not in HOP_BY_HOP or n == b"content-length"]
-            writer.write(conn.send(h11.Response(status_code=response.status, headers=out_headers,
-                                                reason=response.reason)))
-            async for chunk in self.node.engine.body(engine_conn):
-                writer.write(conn.send(h11.Data(data=chunk)))
-                await writer.drain()
-            writer.write(conn.send(h11.EndOfMessage()))
-        finally:
-            self.node.inflight -= 1
 
 
 # =============================================================================================
@@ -4416,7 +4448,7 @@ class _MuxTunnel(_MuxCredit, asyncio.Transport):
         return RELAY_HIGH_WATER // 4, RELAY_HIGH_WATER
 
     def set_write_buffer_limits(self, high=None, low=None) -> None:
-        pass                                        # the marks are the ones _BodyPipe checks
+        pass                                        # the marks are RELAY_HIGH_WATER's (see _send)
 
     def can_write_eof(self) -> bool:
         return False
@@ -5998,7 +6030,11 @@ class Node:
         self.tunnel_server_ssl, self.tunnel_client_ssl = tunnel_tls(config)
         self.tunnel_sock: Optional[socket.socket] = None   # the tunnel port's listening socket
         self.refused = collections.Counter({r: 0 for r in REFUSALS})
-        self.tunnel = Tunnel(self, self.spawn, self.refused)   # the tunnel port: admission, HTTP, engine
+        self.tunnel = Tunnel(config, self.tunnel_server_ssl, self.engine, self.spawn, self.refused,   # the tunnel
+                             pages={b"/v1/registry": lambda: (200, crdt.dumps(self.registry_view())),   # port
+                                    b"/healthz": self.health_page},
+                             started=lambda: self.overlay is not None, draining=lambda: self.draining,
+                             inflight=self.count_inflight, prefixes=self.prefixes, speed=self.speed)
         # NAT traversal and relay (see that section): the rules, and the parts that act on them
         self.reach = Reach(config)                  # per relayed address: its relays, punches, tunnels
         self.reach_pending = False                  # a worker's reach check is not done: SERVING waits
@@ -6037,6 +6073,20 @@ class Node:
     @property
     def registry(self) -> crdt.GMap:
         return self.overlay.map
+
+    def count_inflight(self, step: int) -> int:
+        """Add `step` to the count of requests at the engine (the tunnel's); return the count before."""
+        before = self.inflight
+        self.inflight = before + step
+        return before
+
+    def health_page(self) -> Tuple[int, bytes]:
+        """GET /healthz: 200 while this node serves, 503 while it drains."""
+        warnings = self.health_warnings()
+        status = "draining" if self.draining else "isolated" if not self.overlay.members and warnings else "ok"
+        return 503 if self.draining else 200, crdt.dumps({
+            "status": status, "session": self.session_id, "state": crdt.STATE_NAMES[self.overlay.record["state"]],
+            "members": len(self.overlay.members), "warnings": warnings, "gossip": self.stats()})
 
     def is_suspected(self, sid: str) -> bool:
         return self.overlay is not None and self.overlay.is_suspected(sid)

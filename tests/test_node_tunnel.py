@@ -1,5 +1,6 @@
 """The node's TCP port in one process: /v1/registry, /healthz and the tunnel to the engine."""
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -355,22 +356,23 @@ def test_a_client_with_broken_framing_gets_a_400_and_the_connection_closed(head)
     assert data.startswith(b"HTTP/1.1 400") and b"invalid_request_error" in data and reached == 0
 
 
+async def one_answer_per_connection(answers: list, reader, writer) -> None:
+    """An engine that answers one request on a connection, then closes it while it idles."""
+    await reader.readuntil(b"\r\n\r\n")
+    answers.append(1)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()                                  # keep-alive said, then closed while idle
+
+
 def test_engine_connections_the_engine_closed_while_idle_are_not_a_failure():
     """An engine that closes kept-alive connections between requests (llama.cpp's server did, in
     1-2 of 18 requests of the routing bench): the node's next request on a stale one goes out on
     a new connection, however many stale ones the pool holds."""
     async def main():
         answers = []
-
-        async def one_answer_per_connection(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
-            answers.append(1)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.close()                        # keep-alive said, then closed while idle
-
-        server = await asyncio.start_server(one_answer_per_connection, "127.0.0.1", 0)
+        server = await asyncio.start_server(functools.partial(one_answer_per_connection, answers), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = on.EngineClient(f"http://127.0.0.1:{port}")
         request = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -393,3 +395,92 @@ def test_engine_connections_the_engine_closed_while_idle_are_not_a_failure():
             server.close()
             await server.wait_closed()
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# One parser per connection, in callbacks: what a read boundary or a client's going must not break
+# ---------------------------------------------------------------------------------------------
+def test_a_request_split_across_reads_anywhere_reaches_the_engine_whole_and_the_next_one_follows():
+    raw = b'{"model":"fake-model","messages":[{"role":"user","content":"split me"}]}'
+
+    async def t(node, client, engine):
+        one = b"POST /v1/chat/completions HTTP/1.1\r\nhost: n\r\n%scontent-length: %d\r\n\r\n%s" % (
+            tunnel_line(node), len(raw), raw)
+        last = b"GET /healthz HTTP/1.1\r\nhost: n\r\nconnection: close\r\n\r\n"
+        data = one + one + last
+        host, port = node.registry.get(node.session_id)["addr"].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        seen = []
+        try:   # cuts inside the head, inside the body, and across the end of one request and the next
+            for start, end in zip((0, 20, len(one) - 7, len(one) + 3, 2 * len(one) - 1),
+                                  (20, len(one) - 7, len(one) + 3, 2 * len(one) - 1, len(data))):
+                writer.write(data[start:end])
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                seen.append(engine.last_body)
+            answer = await asyncio.wait_for(reader.read(-1), 10)
+        finally:
+            writer.close()
+        return answer, seen, engine.requests
+    answer, seen, reached = run(with_node(t))
+    assert reached == 2 and seen[-1] == raw and all(body in (b"", raw) for body in seen)
+    assert answer.count(b"HTTP/1.1 200 ") == 3 and answer.count(b'"chat.completion"') == 2
+    assert answer.index(b'"chat.completion"') < answer.rindex(b'"chat.completion"') < answer.index(b'"status":"ok"')
+
+
+def test_a_request_h11_reads_hands_the_connection_back_to_the_codec_for_the_next_one():
+    async def t(node, client, engine):
+        body = b'{"prompt":"a b"}'
+        odd = b"POST /v1/completions HTTP/1.1\r\nhost: n\r\n%sexpect: 100-continue\r\ncontent-length: %d\r\n\r\n%s" % (
+            tunnel_line(node), len(body), body)   # Expect: h11's to read
+        plain = b"POST /v1/completions HTTP/1.1\r\nhost: n\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+            tunnel_line(node), len(body), body)
+        return await raw_exchange(node, odd + plain), engine.requests
+    data, reached = run(with_node(t))
+    assert reached == 2 and data.count(b"HTTP/1.1 200 ") == 2 and data.count(b'"text_completion"') == 2
+
+
+def test_a_client_gone_mid_stream_drops_the_engine_connection_and_the_tunnel_serves_on():
+    async def t(node, client, engine):
+        host, port = node.registry.get(node.session_id)["addr"].rsplit(":", 1)
+        body = b'{"stream":true,"messages":[{"role":"user","content":"a long answer"}]}'
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: n\r\n%scontent-length: %d\r\n\r\n%s" % (
+            tunnel_line(node), len(body), body))
+        first = await asyncio.wait_for(reader.read(65536), 10)
+        during = node.inflight
+        writer.transport.abort()                    # the client goes after the first chunk
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not engine.handlers:
+                break
+        after = node.inflight, len(node.engine.idle), len(engine.handlers), len(node.tunnel.connections)
+        response, chunks = await call(client, "POST", "/v1/completions", b'{"prompt":"x"}', [node.tunnel_header])
+        return first, during, after, response.status
+    first, during, after, status = run(with_node(t, chunks=200, chunk_delay=0.02))
+    assert first.startswith(b"HTTP/1.1 200 ") and during == 1
+    assert after == (0, 0, 0, 0)   # no request counted, no engine connection kept or open, the tunnel
+                                   # connection forgotten
+    assert status == 200
+
+
+def test_a_pooled_engine_connection_closed_while_idle_is_retried_for_the_tunnel_on_a_new_one():
+    async def t():
+        answered = []
+        server = await asyncio.start_server(functools.partial(one_answer_per_connection, answered), "127.0.0.1", 0)
+        cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05)
+        node = on.Node(cfg, models=["m"], engine_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        await node.start(serve_http=True)
+        client = on.EngineClient("http://" + node.registry.get(node.session_id)["addr"])
+        try:
+            statuses = []
+            for _ in range(3):
+                response, chunks = await call(client, "POST", "/v1/completions", b"{}", [node.tunnel_header])
+                statuses.append((response.status, b"".join(chunks)))
+                await asyncio.sleep(0.2)            # the engine closes the pooled connection meanwhile
+            return statuses, len(answered)
+        finally:
+            client.close()
+            await node.stop()
+            server.close()
+    assert run(t()) == ([(200, b"ok")] * 3, 3)
