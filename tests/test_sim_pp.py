@@ -77,3 +77,24 @@ def test_every_gpu_row_has_a_fabric_with_a_source():
     for gpu in sim.GPUS.values():
         fab = sim.resolve_fabric(None, gpu)
         assert fab.nic_GBps > 0 and fab.source
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run([sys.executable, os.path.join(here, "..", "otela_sim.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_estimate_prints_the_layout_and_refuses_a_pp_that_does_not_divide():
+    p = _cli("estimate", "--model", "qwen3-235b-a22b", "--gpu", "H100", "--tp", "8", "--pp", "2", "--batch", "16")
+    assert p.returncode == 0, p.stderr
+    layout = next(line for line in p.stdout.splitlines() if line.startswith("layout"))
+    assert "2 node(s)" in layout and "16 GPUs" in layout and "ib-ndr-x8" in layout and "GB per GPU" in layout
+    bad = _cli("estimate", "--model", "deepseek-v3", "--gpu", "H100", "--tp", "8", "--pp", "2")
+    assert bad.returncode != 0 and "pp=2 does not divide the 61 layers" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    odd = _cli("estimate", "--model", "llama-3.1-70b", "--gpu", "H100", "--tp", "12")
+    assert odd.returncode != 0 and "whole number of nodes" in odd.stderr
