@@ -96,5 +96,7 @@ def test_cli_estimate_prints_the_layout_and_refuses_a_pp_that_does_not_divide():
     bad = _cli("estimate", "--model", "deepseek-v3", "--gpu", "H100", "--tp", "8", "--pp", "2")
     assert bad.returncode != 0 and "pp=2 does not divide the 61 layers" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-    odd = _cli("estimate", "--model", "llama-3.1-70b", "--gpu", "H100", "--tp", "12")
-    assert odd.returncode != 0 and "whole number of nodes" in odd.stderr
+    odd = _cli("estimate", "--model", "llama-3.1-70b", "--gpu", "GH200", "--tp", "8", "--pp", "1", "--fabric", "x")
+    assert odd.returncode != 0 and "unknown fabric" in odd.stderr
+    odd = _cli("estimate", "--model", "qwen2.5-72b", "--gpu", "GH200", "--tp", "16")
+    assert odd.returncode == 0 and "4 node(s)" in odd.stdout, odd.stderr
