@@ -2161,7 +2161,9 @@ def _check_row(row, where, check_roofline):
     try:
         value, tp = float(row["value"]), int(row["tp"])
         if row["metric"] != SUSTAINED:
-            int(row["batch"])
+            if row["batch"].strip() != "max":
+                int(row["batch"])
+            int(row.get("pp") or 1)
             int(row["input_len"])
             if row["metric"] != "decode_throughput" or row["output_len"].strip().isdigit():
                 int(row["output_len"])
@@ -2203,6 +2205,7 @@ def predict_row(row, cal=None, quick=False):
     engine = row_engine(row).key
     dtype = "fp8" if "fp8" in row["dtype"].lower() else None
     tp, metric = int(row["tp"]), row["metric"]
+    pp = int(row.get("pp") or 1)          # an optional column: pipeline stages (large-model rows)
     if metric == SUSTAINED:
         n = _sustained_requests(row)
         scenario = {"duration_s": SUSTAINED_DURATION_S, "workload": [{
@@ -2215,12 +2218,18 @@ def predict_row(row, cal=None, quick=False):
                      duration_s=until)
         # a quick replay serves a prefix of the requests: take its steady rate, not its drain
         return res["per_model"][model.name]["sustained_req_s" if quick else "req_s"]
-    batch, inp = int(row["batch"]), int(row["input_len"])
+    inp = int(row["input_len"])
+    out = int(row["output_len"]) if row["output_len"].strip().isdigit() else GPTFAST_NEW_TOKENS
+    if row["batch"].strip() == "max":
+        # a "maximum throughput" figure that does not state its batch: the largest batch whose
+        # KV cache fits (max_batch), at most the engine's MAX_NUM_SEQS
+        batch = max(1, min(MAX_NUM_SEQS, max_batch(model, gpu, tp, inp + out, dtype, pp=pp)))
+    else:
+        batch = int(row["batch"])
     if metric == "decode_throughput":
-        out = int(row["output_len"]) if row["output_len"].strip().isdigit() else GPTFAST_NEW_TOKENS
-        e = estimate(model, gpu, tp, batch, inp, out, dtype, engine, cal)
+        e = estimate(model, gpu, tp, batch, inp, out, dtype, engine, cal, pp=pp)
         return batch * 1e3 / e["decode_ms_per_token"]
-    e = estimate(model, gpu, tp, batch, inp, int(row["output_len"]), dtype, engine, cal)
+    e = estimate(model, gpu, tp, batch, inp, out, dtype, engine, cal, pp=pp)
     if metric == "ttft":
         return e["ttft_ms"]
     if metric == "e2e_latency":
@@ -2228,7 +2237,7 @@ def predict_row(row, cal=None, quick=False):
     if metric == "decode_ms_per_token":
         return e["decode_ms_per_token"]
     if metric == "output_throughput_per_gpu":
-        return e["throughput_tok_s"] / tp
+        return e["throughput_tok_s"] / (tp * pp)
     if metric == "output_throughput":
         # TensorRT-LLM's A100 tables do not say total or per GPU; a roofline check (and the
         # v0.9 tables, which say per GPU) shows the tp > 1 rows are per GPU.
