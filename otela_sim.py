@@ -3458,6 +3458,219 @@ class LinearStepCost:
             raise SimError(f"a step profile is a JSON object of numbers: {', '.join(keys)}") from None
 
 
+# --- multi-node: the ranks of one engine and their links --------------------------------------
+# Theory of operation. A multi-node engine (SGLang --nnodes N --node-rank R --dist-init-addr
+# HOST:PORT) is N processes that live and die together: NCCL hangs or aborts the whole group
+# when one rank goes. `serve` emulates that contract, not the tensors: rank 0 listens at the
+# dist-init address and serves HTTP; every other rank connects to it (retrying until
+# --dist-start-timeout), says hello with the layout it was started with, and then both ends
+# send a heartbeat every DIST_HEARTBEAT_S. Rank 0's /health answers 503 until every rank has
+# joined, 200 after. A link that closes (a rank killed: its kernel closes the socket at once)
+# or stays silent past --dist-timeout ends rank 0 with a one-line error and a non-zero status;
+# a rank whose link to rank 0 closes or goes silent ends the same way. Wire format: one JSON
+# object a line ({"rank", "nnodes", "layout"} hello, {"ok"} or {"error"} reply, {"beat"}).
+# DistGroup is rank 0's bookkeeping, sans-IO (hellos, beats and closes with a clock in, a
+# verdict out); the sockets are _dist_rank0's and _dist_member's.
+
+# A heartbeat every 0.5 s: ~40 bytes a second a link; a killed rank is seen at once by its
+# closed socket, a hung one after --dist-timeout.
+DIST_HEARTBEAT_S = 0.5
+# --dist-timeout default: 10 missed heartbeats, far past a loaded box's scheduling hiccups
+# (a 2-core CI box stalls a process for ~100 ms), far short of NCCL's 10-minute watchdog.
+DIST_STALL_S = 5.0
+# --dist-start-timeout default: how long ranks may take to find each other (Slurm starts the
+# nodes of a job within seconds; a container pull or a cold file system can take minutes).
+DIST_START_S = 300.0
+# a rank retries its connection to rank 0 this often until the start timeout
+DIST_RETRY_S = 0.2
+
+
+def dist_layout(model, gpu, tp, pp, nnodes):
+    """The layout string every rank must agree on, after checking that it is one: tp x pp
+    GPUs split evenly over nnodes nodes, tp wider than a node spanning whole nodes."""
+    if nnodes < 1:
+        raise SimError(f"--nnodes must be at least 1, got {nnodes}")
+    if (tp * pp) % nnodes:
+        raise SimError(f"tp={tp} x pp={pp} = {tp * pp} GPUs do not split evenly over {nnodes} nodes")
+    per_node = tp * pp // nnodes
+    if per_node > gpu.per_node:
+        raise SimError(f"tp={tp} x pp={pp} over {nnodes} nodes puts {per_node} GPUs on a node; a {gpu.name} node "
+                       f"has {gpu.per_node}")
+    check_config(model, gpu, tp, per_node=per_node, pp=pp, nnodes=nnodes if nnodes > 1 else None)
+    return f"{model.name} on {gpu.name} tp={tp} pp={pp} nnodes={nnodes}"
+
+
+class DistGroup:
+    """Rank 0's view of the other ranks: who joined, when each last spoke, and whether the
+    group is whole, still starting, or failed (and why: one line)."""
+
+    def __init__(self, nnodes, layout, now, stall_s=DIST_STALL_S, start_s=DIST_START_S):
+        self.nnodes, self.layout = nnodes, layout
+        self.stall_s, self.start_s, self.started = stall_s, start_s, now
+        self.heard_at = {}            # rank -> when it last spoke (joined ranks only)
+        self.failed = None            # one line, once the group has failed
+
+    @property
+    def ready(self):
+        return self.failed is None and len(self.heard_at) == self.nnodes - 1
+
+    def hello(self, msg, now):
+        """A new link's first line: the reply to send (and its rank when it joined)."""
+        try:
+            rank, nnodes, layout = int(msg["rank"]), int(msg["nnodes"]), str(msg["layout"])
+        except (KeyError, TypeError, ValueError):
+            return {"error": "a hello is {\"rank\", \"nnodes\", \"layout\"}"}, None
+        if nnodes != self.nnodes or layout != self.layout:
+            return {"error": f"rank {rank} was started as {layout!r}, rank 0 as {self.layout!r}"}, None
+        if not 1 <= rank < self.nnodes:
+            return {"error": f"node rank {rank} is outside 1..{self.nnodes - 1}"}, None
+        if rank in self.heard_at:
+            return {"error": f"node rank {rank} has already joined"}, None
+        self.heard_at[rank] = now
+        return {"ok": True}, rank
+
+    def heard(self, rank, now):
+        if rank in self.heard_at:
+            self.heard_at[rank] = now
+
+    def closed(self, rank, now):
+        if rank in self.heard_at and self.failed is None:
+            self.failed = f"node rank {rank} closed its link (the rank is gone; a multi-node engine cannot go on)"
+
+    def tick(self, now):
+        """The failure, if any, as of `now` (a silent rank, or ranks that never came)."""
+        if self.failed is None:
+            for rank, at in sorted(self.heard_at.items()):
+                if now - at > self.stall_s:
+                    self.failed = f"node rank {rank} silent for {now - at:.1f} s (--dist-timeout {self.stall_s:g} s)"
+                    break
+        if self.failed is None and not self.ready and now - self.started > self.start_s:
+            missing = sorted(set(range(1, self.nnodes)) - set(self.heard_at))
+            self.failed = f"node rank(s) {', '.join(map(str, missing))} did not join within --dist-start-timeout " \
+                          f"{self.start_s:g} s"
+        return self.failed
+
+
+def _split_addr(text):
+    host, _, port = str(text).rpartition(":")
+    try:
+        port = int(port)
+    except ValueError:
+        port = -1
+    if not host or not 0 < port < 65536:
+        raise SimError(f"--dist-init-addr {text!r} is not HOST:PORT")
+    return host.strip("[]"), port
+
+
+async def _dist_lines(reader, on_line, on_close):
+    """Read one JSON object a line until the link closes; then on_close()."""
+    try:
+        while True:
+            line = await reader.readline()
+            if not line:
+                break
+            try:
+                on_line(json.loads(line))
+            except ValueError:
+                pass
+    except (ConnectionError, OSError):
+        pass
+    on_close()
+
+
+async def _dist_rank0(group, addr, stop):
+    """Rank 0's side: listen at the dist-init address, admit ranks into `group`, beat, and set
+    `stop` to the group's failure (one line) when it fails. Returns the listening server."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    links = {}
+
+    async def link(reader, writer):
+        try:
+            first = await asyncio.wait_for(reader.readline(), group.stall_s)
+            reply, rank = group.hello(json.loads(first), loop.time())
+        except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+            writer.close()
+            return
+        writer.write(json.dumps(reply).encode() + b"\n")
+        if rank is None:
+            writer.close()
+            return
+        links[rank] = writer
+
+        def closed():
+            links.pop(rank, None)
+            group.closed(rank, loop.time())
+            watch()
+        await _dist_lines(reader, lambda msg: group.heard(rank, loop.time()), closed)
+
+    def watch():
+        failed = group.tick(loop.time())
+        if failed and not stop.done():
+            stop.set_result(failed)
+
+    async def beat():
+        while not stop.done():
+            for writer in list(links.values()):
+                try:
+                    writer.write(b'{"beat":1}\n')
+                except (ConnectionError, OSError, RuntimeError):
+                    pass
+            watch()
+            await asyncio.sleep(min(DIST_HEARTBEAT_S, group.stall_s / 4))
+    host, port = _split_addr(addr)
+    try:
+        server = await asyncio.start_server(link, host, port)
+    except OSError as e:
+        raise SimError(f"--dist-init-addr {addr}: cannot listen ({e.strerror})") from None
+    task = loop.create_task(beat())
+    server.beat_task = task
+    return server
+
+
+async def _dist_member(rank, nnodes, layout, addr, stall_s, start_s, stop):
+    """A rank other than 0: connect to rank 0 (retrying until start_s), join, beat; set `stop`
+    to a one-line reason when rank 0 goes away or falls silent."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    host, port = _split_addr(addr)
+    deadline = loop.time() + start_s
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            break
+        except OSError:
+            if loop.time() > deadline:
+                raise SimError(f"rank 0 at {addr} did not answer within --dist-start-timeout {start_s:g} s") from None
+            await asyncio.sleep(DIST_RETRY_S)
+    writer.write(json.dumps({"rank": rank, "nnodes": nnodes, "layout": layout}).encode() + b"\n")
+    try:
+        reply = json.loads(await asyncio.wait_for(reader.readline(), stall_s) or b"{}")
+    except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+        reply = {}
+    if not reply.get("ok"):
+        raise SimError(f"rank 0 at {addr} refused node rank {rank}: {reply.get('error', 'no answer')}")
+    heard = [loop.time()]
+
+    def gone():
+        if not stop.done():
+            stop.set_result(f"rank 0 at {addr} went away (its link closed); node rank {rank} ends with it")
+
+    def on_line(msg):
+        heard[0] = loop.time()
+    reading = loop.create_task(_dist_lines(reader, on_line, gone))
+    while not stop.done():
+        try:
+            writer.write(b'{"beat":1}\n')
+        except (ConnectionError, OSError, RuntimeError):
+            gone()
+        if loop.time() - heard[0] > stall_s and not stop.done():
+            stop.set_result(f"rank 0 at {addr} silent for {loop.time() - heard[0]:.1f} s (--dist-timeout {stall_s:g} s)")
+        await asyncio.wait([stop], timeout=min(DIST_HEARTBEAT_S, stall_s / 4))
+    reading.cancel()
+    writer.close()
+
+
 class EmulatedServer:
     """The asyncio edge of `serve`: HTTP/1.1 on loopback (keep-alive, Content-Length bodies),
     the OpenAI routes, and the step timer that waits out each step's roofline time, times
@@ -3483,6 +3696,7 @@ class EmulatedServer:
         self.counter = 0
         self.created = int(time.time())
         self.server = self.loop = None
+        self.ready = lambda: True              # a multi-node rank 0: False until every rank joined
 
     async def start(self, host, port):
         asyncio = self.asyncio
@@ -3699,6 +3913,10 @@ class EmulatedServer:
 
     async def _route(self, method, path, body, writer, received):
         """Answer one request; False when the connection must close."""
+        if not self.ready() and path != "/metrics":
+            await self._send_json(writer, 503, _openai_error("the engine's node ranks have not all joined yet",
+                                                             "service_unavailable", code=503))
+            return True
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
                 await self._send_json(writer, 405, _openai_error(f"{method} not allowed on {path}", "invalid_request_error"))
@@ -3931,6 +4149,19 @@ def _cmd_serve(a):
     import asyncio
     import signal
     engine = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
+    layout = None
+    if a.nnodes > 1 or a.pp > 1 or a.dist_init_addr:
+        if a.step_profile:
+            raise SimError("--step-profile times one process; it does not take --pp or --nnodes")
+        layout = dist_layout(resolve_model(a.model), resolve_gpu(a.gpu), a.tp, a.pp, a.nnodes)
+        if not 0 <= a.node_rank < a.nnodes:
+            raise SimError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
+        if a.nnodes > 1 and not a.dist_init_addr:
+            raise SimError("--nnodes above 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
+        if a.nnodes > 1:
+            _split_addr(a.dist_init_addr)
+    if layout and a.node_rank > 0:
+        return _serve_member(a, layout)
     if a.step_profile:
         model = resolve_model(a.model)
         if a.kv_tokens is None:
@@ -3942,7 +4173,7 @@ def _cmd_serve(a):
     else:
         model = resolve_model(a.model)
         core = serve_core(model, a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
-                          a.max_model_len, a.kv_tokens, a.block_size)
+                          a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
         core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
     served = a.served_model_name or a.model
 
@@ -3954,25 +4185,58 @@ def _cmd_serve(a):
             raise SimError(f"--request-log {a.request_log}: {e.strerror}") from None
 
     async def run():
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
         server = EmulatedServer(core, served, time_scale=a.time_scale, request_log=log)
+        dist = None
+        if a.nnodes > 1:
+            group = DistGroup(a.nnodes, layout, loop.time(), a.dist_timeout, a.dist_start_timeout)
+            server.ready = lambda: group.ready
+            dist = await _dist_rank0(group, a.dist_init_addr, stop)
         port = await server.start(a.host, a.port)
         timing = f"timed by the profile {a.step_profile}" if a.step_profile else \
-            f"on {a.tp} x {a.gpu} ({engine.key})"
+            f"on {a.tp} x {a.gpu} ({engine.key})" if a.pp == 1 and a.nnodes == 1 else \
+            f"on tp={a.tp} x pp={a.pp} x {a.gpu} over {a.nnodes} node(s) ({engine.key}); node rank 0 at " \
+            f"{a.dist_init_addr or '-'}"
         if a.time_scale != 1:
             timing += f", slowed {a.time_scale:g} times"
         print(f"otela_sim.py serve: {served} as {model.name} {timing}; "
               f"{core.cache.num_blocks} KV blocks of {core.block_size} tokens, "
               f"{core.max_batched_tokens} tokens per step; http://{a.host}:{port}", file=sys.stderr, flush=True)
-        stop = asyncio.get_running_loop().create_future()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-        await stop
+            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        failed = await stop
+        if dist is not None:
+            dist.beat_task.cancel()
+            dist.close()
         await server.close()
+        return failed
     try:
-        asyncio.run(run())
+        failed = asyncio.run(run())
     finally:
         if log is not None:
             log.close()
+    if failed:
+        raise SimError(failed)
+
+
+def _serve_member(a, layout):
+    """`serve` as a node rank other than 0: no HTTP; join rank 0 and live as long as it does."""
+    import asyncio
+    import signal
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        print(f"otela_sim.py serve: node rank {a.node_rank} of {layout}; joining rank 0 at {a.dist_init_addr}",
+              file=sys.stderr, flush=True)
+        await _dist_member(a.node_rank, a.nnodes, layout, a.dist_init_addr, a.dist_timeout, a.dist_start_timeout, stop)
+        return stop.result()
+    failed = asyncio.run(run())
+    if failed:
+        raise SimError(failed)
 
 
 def add_serve_command(sub):
@@ -3982,6 +4246,26 @@ def add_serve_command(sub):
     s.add_argument("--served-model-name", default=None, help="the name in /v1/models (default --model)")
     s.add_argument("--gpu", default="H100", help="the GPU emulated (default H100)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    s.add_argument("--pp", type=_AT_LEAST_1, default=1,
+                   help="pipeline stages of --tp GPUs each; step times are the roofline's for tp x pp (default 1: none)")
+    s.add_argument("--fabric", default=None,
+                   help="inter-node network timing the layout: a name (" + ", ".join(FABRICS) + ") or "
+                        "GBPS:LATENCY_US[:NICS] (default the GPU's usual node's)")
+    s.add_argument("--nnodes", type=_AT_LEAST_1, default=1,
+                   help="nodes of one multi-node engine, each with tp x pp / nnodes GPUs, SGLang's flag (default 1: a "
+                        "single-node engine)")
+    s.add_argument("--node-rank", type=int, default=0,
+                   help="this process's node rank, 0..nnodes-1 (an index, no unit); rank 0 serves the HTTP requests, the "
+                        "others only join it (default 0)")
+    s.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="rank 0's address for the ranks' links, SGLang's flag (required with --nnodes above 1; no "
+                        "default: the ranks must agree on it)")
+    s.add_argument("--dist-timeout", type=_POSITIVE, default=DIST_STALL_S, metavar="SECONDS",
+                   help=f"seconds a rank's link may stay silent before the engine ends (default {DIST_STALL_S:g}: "
+                        f"{DIST_STALL_S / DIST_HEARTBEAT_S:.0f} missed heartbeats; a closed link ends it at once)")
+    s.add_argument("--dist-start-timeout", type=_POSITIVE, default=DIST_START_S, metavar="SECONDS",
+                   help=f"seconds for all ranks to join (rank 0 answers /health 503 meanwhile; default "
+                        f"{DIST_START_S:g}: a slow container start on a cold file system)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
