@@ -8,14 +8,22 @@ at import) and fast (`estimate` is microseconds, a 300 s cluster workload replay
 seconds). Energy per token follows a stated model of GPU, host and idle power (energy()).
 
 Data flow.
-    GPU table + model table (or a Hugging Face config)        -> GPU, Model
+    GPU table (+ its node's Fabric between nodes)             -> GPU, Fabric
+    model table, or any Hugging Face config.json read strictly
+    (CONFIG_READ / CONFIG_IGNORED / CONFIG_REFUSED: a key this
+    file cannot model is an error naming it, never a guess)   -> Model (dense or MoE layers,
+                                                                shared experts, MLA, windowed
+                                                                layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
     support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
     lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message)
                                                              -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
     smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
-    StepCost + memory (weights/tp + KV cache)                -> estimate(), max_batch()
+    layout tp x pp (nodes_for: stages fill a node first; tp wider than a node spans whole
+    nodes): a stage's layers per GPU, activations handed over NCCL send/recv between stages
+    (NVLink within a node, the Fabric between), microbatches = min(requests, pp) (the bubble)
+    StepCost + memory (a stage's weights/tp + KV cache)      -> estimate(), max_batch()
     StepCost + a workload (arrivals, lengths) + a placement  -> replay(): continuous batching
                                                                 under a KV-cache limit
     measured_calibration.csv (+ engine version per row)     -> calibrate / validate (in-sample
@@ -23,6 +31,9 @@ Data flow.
                                                                 marked held_out never fitted,
                                                                 reported apart)
     a running engine (probe --url)                           -> that engine's overhead terms
+    serve --nnodes N --node-rank R --dist-init-addr H:P      -> an emulated multi-node engine:
+                                                                rank 0 serves once all ranks
+                                                                joined, and dies with any of them
 
 Theory of operation for the replay. An instance is simulated event by event, not token by
 token: between two events (an arrival that can be admitted, a request finishing, the KV
@@ -4575,14 +4586,22 @@ def _cmd_tables(a):
     if a.what == "gpus":
         for g in GPUS.values():
             print(f"{g.name:16s} {g.memory_gb:5g} GB {g.mem_bw_TBps:6.3f} TB/s {g.fp16_tflops:7.1f} TF16 "
-                  f"{g.fp8_tflops:7.1f} TF8 {g.interconnect_GBps:6.1f} GB/s {g.tdp_w:5g} W  {g.source}")
+                  f"{g.fp8_tflops:7.1f} TF8 {g.interconnect_GBps:6.1f} GB/s {g.tdp_w:5g} W {g.per_node} a node, "
+                  f"{g.fabric or DEFAULT_FABRIC} between  {g.source}")
+        for f in FABRICS.values():
+            print(f"fabric {f.name:14s} {f.nic_GBps:5g} GB/s x {f.nics_per_node} NICs a node, {f.latency_us:g} us  {f.source}")
     elif a.what == "engines":
         for e in ENGINE_VERSIONS.values():
             print(f"{e.key:12s} {e.engine:8s} {e.version:8s} gqa_kv_once={str(e.gqa_kv_once):5s}  {e.source}")
     else:
         for k, m in MODELS.items():
-            print(f"{k:16s} {m.name:36s} {m.params / 1e9:7.2f} B params  {m.num_hidden_layers:3d} layers  "
-                  f"{m.num_attention_heads}/{m.num_key_value_heads} heads")
+            kind = f"  MoE {m.experts} experts top-{m.top_k} in {m.n_moe_layers} layers" if m.experts else ""
+            kind += "  MLA" if m.mla else ""
+            kind += f"  {m.sliding_layers} layers windowed at {m.sliding_window}" if m.sliding_layers else ""
+            kind += f"  {m.quantization}" if m.quantization else ""
+            print(f"{k:21s} {m.name:36s} {m.params / 1e9:7.2f} B params ({m.active_params / 1e9:.1f} B active, "
+                  f"{m.weights_gb():.0f} GB)  {m.num_hidden_layers:3d} layers  "
+                  f"{m.num_attention_heads}/{m.num_key_value_heads} heads{kind}")
 
 
 def _cmd_probe(a):
