@@ -941,7 +941,9 @@ def _model_from_config(cfg, name=None):
         raise SimError(f"{where}: missing {', '.join(missing)}")
 
     def num(key, default=None):
-        value = cfg.get(key, default)
+        value = cfg.get(key)
+        if value is None:                      # absent, or null as DeepSeek-V2-Lite's q_lora_rank
+            value = default
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -1376,6 +1378,9 @@ class StepCost:
             self.weights_bytes = stage * (attn_w + mlp_w) * self.wb + embed * self.eb
         self.kv_bytes_per_token = (L - self.window_layers) / pp * 2 * kv * kvb
         self.window_kv_bytes = self.window_layers / pp * self.window * 2 * kv * kvb   # a sequence's windows
+        # the instance's own KV of a token, all stages and ranks (what a disaggregated prefill
+        # sends): MLA's latent is replicated on every tp rank, counted once
+        self.kv_bytes_per_instance_token = self.kv_bytes_per_token * pp * (1 if m.mla else tp)
         self.act_per_token = (4 * h + q + 2 * kv + 2 * inter * max(1, m.top_k)) * ACT_BYTES
         self._alpha = {}
         # compute and memory traffic of one kernel overlap imperfectly: a smooth roofline
@@ -1948,7 +1953,9 @@ def scenario_model(scenario, name):
 def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
            chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
            max_requests=None, engine=DEFAULT_ENGINE, dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
-    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]).
+    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]; an
+    entry may add pp (pipeline stages, default 1), fabric (FABRICS name or GBPS:LATENCY_US, default
+    the GPU's) and nnodes (the nodes of one instance: needed for tp wider than a node)).
 
     A model's requests go to its placement entries in proportion to `weight` (default: the
     entry's instance count) and uniformly to the instances of an entry. Throughput of a model
@@ -2001,7 +2008,8 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
         for e in es:
             gpu = resolve_gpu(e["gpu"])
             tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
-            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp)
+            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp,
+                         nnodes=e.get("nnodes"))
             c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
             mt = _batched_tokens(model)
             cap = c.kv_capacity_tokens(mt)
@@ -2046,7 +2054,7 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
             _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
         dec = [[] for _ in range(d)]
         for _, r in all_arr:
-            ready = first[r] + inp[r] * c.kv_bytes_per_token * c.tp / kv_link
+            ready = first[r] + inp[r] * c.kv_bytes_per_instance_token / kv_link
             dec[rng.randrange(d)].append((ready, r))
         for lst in dec:
             lst.sort()
