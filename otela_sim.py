@@ -99,8 +99,15 @@ ACT_BYTES = 2
 # for a prefill's megabytes. Per protocol: (extra base latency over LL's, extra per step over LL's,
 # share of the bandwidth); the fitted allreduce_latency_us and allreduce_hop_us are LL's own.
 NCCL_PROTOCOLS = ((0.0, 0.0, 0.25), (14.0 - 6.6, 1.9 - 0.6, 0.92), (8.4 - 6.6, 3.4 - 0.6, 1.0))
-# Tensor parallelism beyond one node goes over the cluster network: 200 Gb/s InfiniBand.
+# Tensor parallelism beyond one node and pipeline stages on other nodes go over the cluster
+# network: the GPU pool's Fabric (FABRICS, GPU_FABRIC). 200 Gb/s InfiniBand for what has none.
 INTER_NODE_GBps = 25.0
+# A pipeline stage hands the next one its activations by NCCL send/recv: vLLM's
+# IntermediateTensors carry the hidden state and the residual (two h-vectors per token), each
+# tensor-parallel rank sending its 1/tp share (vLLM's all_gather_group). Within a node the
+# send goes over NVLink (or PCIe) at this small-message latency (NCCL's LL protocol, ~5 us).
+PP_TENSORS_PER_TOKEN = 2
+NVLINK_P2P_US = 5.0
 # Prefill/decode disaggregation: KV moves over the same network by default.
 KV_TRANSFER_GBps = 25.0
 
@@ -392,6 +399,7 @@ class GPU:
     vendor: str
     source: str
     tdp_w: float = 0.0           # board power limit (_TDP_W below): the energy model's ceiling
+    fabric: str = ""             # its usual node's network between nodes (GPU_FABRIC; "" = DEFAULT_FABRIC)
 
 
 _NV_A100 = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)"
@@ -435,7 +443,7 @@ _TDP_W = {"A100-40GB-SXM4": 400, "A100-80GB-SXM4": 400, "A100-80GB-PCIe": 300, "
           "H100-PCIe-80GB": 350, "H100-NVL-94GB": 400, "GH200-96GB": 700, "GH200-144GB": 700,
           "H200-SXM-141GB": 700, "H200-NVL-141GB": 600, "L40S": 350, "RTX-3090": 350, "RTX-4090": 450,
           "MI250X": 250, "MI300X": 750}
-GPUS = {r[0]: GPU(*r, tdp_w=_TDP_W[r[0]]) for r in _GPU_ROWS}
+GPUS = {}      # filled below the fabric table (each row's fabric)
 
 
 def _gpu_key(text):
@@ -483,6 +491,92 @@ def resolve_gpu(name) -> GPU:
     if row is None:
         raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
     return GPUS[row]
+
+
+# --- the inter-node fabric: a property of the GPU pool ------------------------------------
+# Pipeline stages on different nodes pass activations over the cluster network, and tensor
+# parallelism wider than a node all-reduces over it. A Fabric is what one GPU of a node sees
+# of that network: the NICs of a node (one per GPU on the rail-optimised nodes below), each
+# NIC's bandwidth in one direction, and the latency of a small NCCL send/recv between nodes
+# (verbs/libfabric, a switch hop or three, NCCL's proxy thread: ~5-15 us measured by
+# nccl-tests at 8 bytes; the figures below are round numbers in that range, not fits).
+
+@dataclass(frozen=True)
+class Fabric:
+    name: str
+    nic_GBps: float              # one NIC, one direction, GB/s (line rate / 8)
+    nics_per_node: int           # NICs of a node the GPUs share (rail-optimised: one per GPU)
+    latency_us: float            # one small send/recv between nodes
+    source: str
+
+    def GBps_for(self, gpus):
+        """Bandwidth (GB/s, one direction) that `gpus` GPUs of one node have off the node."""
+        return self.nic_GBps * max(1, min(gpus, self.nics_per_node))
+
+
+FABRICS = {f.name: f for f in (
+    Fabric("ib-ndr-x8", 50.0, 8, 8.0,
+           "NVIDIA DGX H100/H200 user guide: 8 x ConnectX-7 400 Gb/s InfiniBand NDR (compute fabric), one "
+           "per GPU"),
+    Fabric("ib-hdr-x8", 25.0, 8, 8.0,
+           "NVIDIA DGX A100 user guide: 8 x ConnectX-6 200 Gb/s InfiniBand HDR (compute fabric), one per GPU"),
+    Fabric("ib-ndr-x1", 50.0, 1, 8.0, "one ConnectX-7 400 Gb/s NDR port per node (PCIe servers)"),
+    Fabric("ib-hdr-x1", 25.0, 1, 8.0, "one ConnectX-6 200 Gb/s HDR port per node (PCIe / workstation nodes)"),
+    Fabric("slingshot-x4", 25.0, 4, 10.0,
+           "HPE Cray EX blades: GH200 (CSCS Alps) 4 x Slingshot-11 200 Gb/s Cassini NICs per node, one "
+           "per GH200; MI250X (Frontier, LUMI) the same 4 NICs for 8 GCDs; libfabric CXI + aws-ofi-nccl/rccl"),
+    Fabric("roce-400-x8", 50.0, 8, 10.0,
+           "AMD MI300X platform (OCP UBB) reference: 8 x 400 GbE RoCE NICs (Pollara / ConnectX-7), one per GPU"),
+    Fabric("ethernet-100", 12.5, 1, 30.0, "one 100 GbE port per node, TCP sockets (NCCL_SOCKET): workstations"),
+)}
+# Each GPU row's usual node and its usual fabric (the pool's own, override per call or with
+# --fabric): HGX/DGX boards with a NIC per GPU, Cray EX for GH200 and MI250X, one NIC for the
+# PCIe and workstation cards.
+GPU_FABRIC = {"A100-40GB-SXM4": "ib-hdr-x8", "A100-80GB-SXM4": "ib-hdr-x8", "A100-80GB-PCIe": "ib-hdr-x1",
+              "H100-SXM5-80GB": "ib-ndr-x8", "H100-PCIe-80GB": "ib-ndr-x1", "H100-NVL-94GB": "ib-ndr-x1",
+              "GH200-96GB": "slingshot-x4", "GH200-144GB": "slingshot-x4", "H200-SXM-141GB": "ib-ndr-x8",
+              "H200-NVL-141GB": "ib-ndr-x1", "L40S": "ib-hdr-x1", "RTX-3090": "ethernet-100",
+              "RTX-4090": "ethernet-100", "MI250X": "slingshot-x4", "MI300X": "roce-400-x8"}
+# A GPU row made elsewhere (a test's, a user's) without a fabric: 25 GB/s per GPU, the 200 Gb/s
+# InfiniBand rail this file assumed before fabrics were a pool property (INTER_NODE_GBps).
+DEFAULT_FABRIC = "ib-hdr-x8"
+GPUS.update({r[0]: GPU(*r, tdp_w=_TDP_W[r[0]], fabric=GPU_FABRIC[r[0]]) for r in _GPU_ROWS})
+
+
+def resolve_fabric(fabric, gpu=None) -> Fabric:
+    """A Fabric: None (the GPU row's usual one, GPU_FABRIC), a FABRICS name, or a custom link
+    written "GBPS:LATENCY_US[:NICS]" (one NIC's GB/s in one direction, the small-message latency
+    in microseconds, NICs per node, default one per GPU of the node)."""
+    if isinstance(fabric, Fabric):
+        return fabric
+    if fabric is None or fabric == "":
+        if gpu is None:
+            raise SimError("a fabric needs a GPU (its node's default) or a name")
+        return FABRICS[resolve_gpu(gpu).fabric or DEFAULT_FABRIC]
+    text = str(fabric).strip()
+    if text in FABRICS:
+        return FABRICS[text]
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        bw, lat = float(parts[0]), float(parts[1])
+        nics = int(parts[2]) if len(parts) == 3 else (resolve_gpu(gpu).per_node if gpu is not None else 8)
+        if bw <= 0 or lat < 0 or nics < 1:
+            raise ValueError
+    except ValueError:
+        raise SimError(f"unknown fabric {fabric!r}; known: {', '.join(FABRICS)} or GBPS:LATENCY_US[:NICS]") from None
+    return Fabric(text, bw, nics, lat, "given on the command line")
+
+
+def nodes_for(gpu, tp, pp=1, per_node=None) -> int:
+    """Nodes a layout of tp x pp GPUs takes: stages fill a node before the next one starts
+    (per_node // tp stages a node when tp fits a node); tp wider than a node takes
+    ceil(tp / per_node) whole nodes per stage."""
+    per_node = int(per_node or resolve_gpu(gpu).per_node)
+    if tp >= per_node:
+        return -(-tp // per_node) * pp
+    return -(-pp // (per_node // tp))
 
 
 # =============================================================================================
@@ -624,13 +718,24 @@ def _model_from_config(cfg, name=None):
 # Roofline: per-operator cost of one forward pass
 # =============================================================================================
 
-def check_config(model, gpu, tp, per_node=None):
+def check_config(model, gpu, tp, per_node=None, pp=1, nnodes=None):
     """Raise SimError when tensor parallelism `tp` cannot shard `model` (vLLM's rules: tp
-    divides the attention heads; kv heads divide by tp or tp by kv heads) or when tp exceeds
-    the GPUs of a node (`per_node`, default the GPU's usual node size)."""
+    divides the attention heads; kv heads divide by tp or tp by kv heads), when pipeline
+    parallelism `pp` does not divide its layers, or when tp exceeds the GPUs of a node
+    (`per_node`, default the GPU's usual node size).
+
+    Tensor parallelism wider than a node is allowed only where the caller says the layout spans
+    nodes: `nnodes` given and at least 2 (a multi-node engine: SGLang --nnodes, vLLM on Ray), tp
+    a whole number of nodes (every node holds tp / nnodes-per-stage ranks of each stage, as
+    SGLang's --tp 16 --nnodes 2 does), and nnodes == nodes_for(gpu, tp, pp, per_node). Without
+    nnodes, tp stays within a node (the single-node engine every placement assumed so far)."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise SimError(f"tp must be a positive integer, got {tp!r}")
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise SimError(f"pp must be a positive integer, got {pp!r}")
+    if model.num_hidden_layers % pp:
+        raise SimError(f"pp={pp} does not divide the {model.num_hidden_layers} layers of {model.name}")
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     if heads % tp:
         raise SimError(f"tp={tp} does not divide the {heads} attention heads of {model.name}")
@@ -638,7 +743,14 @@ def check_config(model, gpu, tp, per_node=None):
         raise SimError(f"tp={tp} and the {kv} KV heads of {model.name} do not divide each other")
     limit = per_node or gpu.per_node
     if tp > limit:
-        raise SimError(f"tp={tp} exceeds the {limit} GPUs of a {gpu.name} node")
+        if nnodes is None or nnodes < 2:
+            raise SimError(f"tp={tp} exceeds the {limit} GPUs of a {gpu.name} node (a layout across nodes "
+                           "needs nnodes)")
+        if tp % limit:
+            raise SimError(f"tp={tp} across nodes of {limit} GPUs is not a whole number of nodes")
+        if nnodes != nodes_for(gpu, tp, pp, limit):
+            raise SimError(f"tp={tp} x pp={pp} on nodes of {limit} GPUs takes {nodes_for(gpu, tp, pp, limit)} "
+                           f"nodes, not {nnodes}")
 
 
 def _dtype_bytes(model, dtype):
@@ -662,10 +774,12 @@ class StepCost:
     the sum is per layer, times layers.
     """
 
-    def __init__(self, model, gpu, tp=1, dtype=None, engine=DEFAULT_ENGINE, cal=None):
+    def __init__(self, model, gpu, tp=1, dtype=None, engine=DEFAULT_ENGINE, cal=None, pp=1, fabric=None):
         cal = cal or active_calibration()
         ev = resolve_engine(engine)
-        self.model, self.gpu, self.tp, self.engine = model, gpu, tp, ev.key
+        self.model, self.gpu, self.tp, self.engine, self.pp = model, gpu, tp, ev.key, pp
+        self.nodes = nodes_for(gpu, tp, pp)
+        self.fabric = resolve_fabric(fabric, gpu)
         hw = cal["hardware"][gpu_arch(gpu)]
         eng = cal["engines"][ev.key]
         m = model
@@ -717,12 +831,16 @@ class StepCost:
         # all-reduce of the hidden state twice per layer (Megatron), ring algorithm
         if tp > 1:
             link = gpu.interconnect_GBps or gpu.pcie_GBps
+            cross = 0.0
             if tp > gpu.per_node:
-                link = INTER_NODE_GBps * 2
+                # across nodes the ring runs at what a GPU has of its node's NICs; NCCL's tree
+                # between nodes adds an inter-node latency per level, up and down
+                link = self.fabric.GBps_for(gpu.per_node) / gpu.per_node * 2
+                cross = 2 * math.ceil(math.log2(-(-tp // gpu.per_node))) * self.fabric.latency_us
             bw = link / 2 * 1e9 * hw["eff_comm"]
             # NCCL's ring within a node: a fixed part and 2 (tp - 1) hops (HARDWARE_PRIORS)
             hops = 2 * (tp - 1)
-            self.ar_lat = (hw["allreduce_latency_us"] + hops * hw.get("allreduce_hop_us", 0.0)) * 1e-6
+            self.ar_lat = (hw["allreduce_latency_us"] + hops * hw.get("allreduce_hop_us", 0.0) + cross) * 1e-6
             self.ar_byte = 2 * (tp - 1) / tp * h * ACT_BYTES / bw
             # NCCL picks a protocol per message (NCCL_PROTOCOLS): the fitted latency is LL's (the
             # small messages of decode); a larger message pays LL128's or Simple's extra latency
@@ -736,11 +854,24 @@ class StepCost:
         self.overhead = eng["overhead_ms"] * 1e-3
         self.per_seq = (eng["per_seq_overhead_ms"] + (eng.get("tp_per_seq_overhead_ms", 0.0) if tp > 1 else 0.0)) * 1e-3
         self.prefill_overhead = eng.get("prefill_overhead_ms", 0.0) * 1e-3
-        # memory per GPU
-        embed = m.vocab_size * h / tp * (1 if m.tie_word_embeddings else 2)
-        self.weights_bytes = (L * (sum(w for w, _ in self.linears[:2]) + mlp_w
-                                   + (h * m.experts if m.experts else 0)) + embed) * wb
-        self.kv_bytes_per_token = L * 2 * kv * wb
+        # pipeline: pp - 1 stage boundaries, nodes - 1 of them between nodes (stages fill a
+        # node first, nodes_for); each passes PP_TENSORS_PER_TOKEN h-vectors a token, the tp
+        # ranks of a stage each sending their share over their own link
+        self.p2p_lat = self.p2p_byte = 0.0
+        if pp > 1:
+            between = self.nodes - 1
+            within = pp - 1 - between
+            fab = self.fabric.GBps_for(min(tp, gpu.per_node)) * 1e9 * hw["eff_comm"]
+            nvl = (gpu.interconnect_GBps or gpu.pcie_GBps) / 2 * 1e9 * hw["eff_comm"] * tp
+            per_token = PP_TENSORS_PER_TOKEN * h * ACT_BYTES
+            self.p2p_lat = (between * self.fabric.latency_us + within * NVLINK_P2P_US) * 1e-6
+            self.p2p_byte = per_token * (between / fab + within / nvl)
+        # memory per GPU: a stage's layers; with pp > 1 the first stage holds the embedding and
+        # the last the lm_head (vLLM's PPMissingLayer elsewhere), so a GPU holds one of them
+        embed = m.vocab_size * h / tp * (1 if m.tie_word_embeddings or pp > 1 else 2)
+        self.weights_bytes = (L // pp * (sum(w for w, _ in self.linears[:2]) + mlp_w
+                                         + (h * m.experts if m.experts else 0)) + embed) * wb
+        self.kv_bytes_per_token = L // pp * 2 * kv * wb
         self.act_per_token = (4 * h + q + 2 * kv + 2 * inter * max(1, m.top_k)) * ACT_BYTES
         self._alpha = {}
         # compute and memory traffic of one kernel overlap imperfectly: a smooth roofline
@@ -786,10 +917,30 @@ class StepCost:
         return self.roof(2 * self.lm_w * n / self.pc, (self.lm_w * self.wb + self.lm_act * n) / self.bm) + \
             (self.ar_lat if self.tp > 1 else 0.0)
 
+    def microbatches(self, seqs):
+        """Microbatches a step of `seqs` requests is cut into: one per stage (vLLM's virtual
+        engines), fewer when there are fewer requests (the pipeline bubble)."""
+        return min(max(1, seqs), self.pp)
+
     def step(self, tokens, seqs, decode_ctx=0.0, prefill_pairs=0.0, prefill_tokens=0):
         """Seconds for one step: `tokens` through the linear layers, `seqs` rows producing a
         token, decode attention over `decode_ctx` KV tokens and prefill attention over
-        `prefill_pairs` query-key pairs of `prefill_tokens` prompt tokens."""
+        `prefill_pairs` query-key pairs of `prefill_tokens` prompt tokens.
+
+        Pipeline parallelism (pp > 1): the step's requests go through the stages as m =
+        microbatches(seqs) microbatches; every request waits for its microbatch to pass all pp
+        stages (pp x a stage's time on 1/m of the work, plus the hand-overs), while the other
+        microbatches fill the stages behind it. With m = pp every stage is always busy; with
+        m < pp stages idle pp - m of the time (the bubble): a lone request runs no faster than
+        on one stage's GPUs, its weights read stage after stage."""
+        if self.pp > 1:
+            m = self.microbatches(seqs)
+            t = self.layers * (self._layer_tokens(tokens / m) + decode_ctx / m * (self.beta / self.layers))
+            if prefill_tokens:
+                t += self.layers * self.roof(self.attn_flops * prefill_pairs / m / self.pa,
+                                             self.attn_io * prefill_tokens / m / self.bm)
+            return t + self._lm_head(seqs / m) + self.p2p_lat + self.p2p_byte * tokens / m + self.overhead + \
+                self.per_seq * seqs + (self.prefill_overhead if prefill_tokens else 0.0)
         per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
         if prefill_tokens:
             per_layer += self.roof(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
@@ -797,12 +948,22 @@ class StepCost:
             (self.prefill_overhead if prefill_tokens else 0.0)
 
     def decode_alpha(self, n):
-        """Decode step of n requests costs decode_alpha(n) + beta * (their total context)."""
+        """Decode step of n requests costs decode_alpha(n) + decode_beta(n) * (their total context)."""
         a = self._alpha.get(n)
         if a is None:
-            a = self.layers * self._layer_tokens(n) + self._lm_head(n) + self.overhead + self.per_seq * n
+            if self.pp > 1:
+                m = self.microbatches(n)
+                a = self.layers * self._layer_tokens(n / m) + self._lm_head(n / m) + self.p2p_lat + \
+                    self.p2p_byte * n / m + self.overhead + self.per_seq * n
+            else:
+                a = self.layers * self._layer_tokens(n) + self._lm_head(n) + self.overhead + self.per_seq * n
             self._alpha[n] = a
         return a
+
+    def decode_beta(self, n):
+        """Seconds per KV token of context in a decode step of n requests (beta; a pipeline's
+        request waits for its microbatch's share only, step())."""
+        return self.beta if self.pp == 1 else self.beta / self.microbatches(n)
 
     def prefill(self, prompt_lens, cached=0.0):
         """Seconds for a prefill-only step over prompts of these lengths; `cached` is the prefix
@@ -828,8 +989,8 @@ class StepCost:
 
 
 @lru_cache(maxsize=4096)
-def _cost(model, gpu, tp, dtype, engine, cal_key):
-    return StepCost(model, gpu, tp, dtype, engine, dict(_CAL_BY_KEY[cal_key]))
+def _cost(model, gpu, tp, dtype, engine, cal_key, pp=1, fabric=None):
+    return StepCost(model, gpu, tp, dtype, engine, dict(_CAL_BY_KEY[cal_key]), pp, fabric)
 
 
 _CAL_BY_KEY = {}
@@ -840,8 +1001,9 @@ _CAL_BY_KEY = {}
 _KEY_BY_ID = {}
 
 
-def _cost_for(model, gpu, tp, dtype=None, engine=DEFAULT_ENGINE, cal=None):
+def _cost_for(model, gpu, tp, dtype=None, engine=DEFAULT_ENGINE, cal=None, pp=1, fabric=None):
     cal = cal or active_calibration()
+    fabric = resolve_fabric(fabric, gpu)
     engine = resolve_engine(engine).key
     known = _KEY_BY_ID.get(id(cal))
     if known is not None and known[0] is cal:
@@ -856,7 +1018,7 @@ def _cost_for(model, gpu, tp, dtype=None, engine=DEFAULT_ENGINE, cal=None):
             _CAL_BY_KEY.clear()
             _cost.cache_clear()
         _CAL_BY_KEY[key] = cal
-    return _cost(model, gpu, tp, dtype, engine, key)
+    return _cost(model, gpu, tp, dtype, engine, key, pp, fabric)
 
 
 def _batched_tokens(model):
@@ -873,7 +1035,7 @@ def _static_times(c, batch, input_len, output_len):
     T = batch * input_len
     ttft = c.step(T, batch, 0.0, batch * input_len * (input_len + 1) / 2, T)
     steps = output_len - 1
-    step = c.decode_alpha(batch) + c.beta * batch * (input_len + output_len / 2)
+    step = c.decode_alpha(batch) + c.decode_beta(batch) * batch * (input_len + output_len / 2)
     return ttft, step, ttft + steps * step
 
 
@@ -919,20 +1081,29 @@ def energy(gpu, tp, seconds, ideal_seconds, output_tokens):
             "node_j_per_output_token": node_joules, "node_kwh_per_million_tokens": node_joules * 1e6 / KWH_J}
 
 
+def _check_layout(model, gpu, tp, pp):
+    """The library calls' check: tp wider than a node spans whole nodes of the GPU's usual size
+    (nodes_for), as it always could here; pp must divide the layers."""
+    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node), pp=pp)
+
+
 def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=None,
-             engine=DEFAULT_ENGINE, cal=None, replicas=1) -> dict:
+             engine=DEFAULT_ENGINE, cal=None, replicas=1, pp=1, fabric=None) -> dict:
     """A static batch of `batch` requests of `input_len` prompt and `output_len` generated
-    tokens on one instance. Times in ms; throughput counts all GPUs of the instance;
-    `replicas` data-parallel copies (each with its own batch) multiply the total throughput.
-    Energy per output token follows the stated model above (energy())."""
+    tokens on one instance of tp x pp GPUs (pp pipeline stages of tp GPUs each, nodes_for()
+    nodes, joined by `fabric`: a FABRICS name, a Fabric, or None for the GPU's usual one).
+    Times in ms; throughput counts all GPUs of the instance; `replicas` data-parallel copies
+    (each with its own batch) multiply the total throughput. Energy per output token follows
+    the stated model above (energy())."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
     ev = resolve_engine(engine)
-    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
+    _check_layout(model, gpu, tp, pp)
     if batch < 1 or input_len < 1 or output_len < 1:
         raise SimError("batch, input and output must be at least 1")
-    c = _cost_for(model, gpu, tp, dtype, ev.key, cal)
+    c = _cost_for(model, gpu, tp, dtype, ev.key, cal, pp, fabric)
     ttft, step, e2e = _static_times(c, batch, input_len, output_len)
-    ideal_e2e = _static_times(_cost_for(model, gpu, tp, dtype, ev.key, _IDEAL), batch, input_len, output_len)[2]
+    ideal_e2e = _static_times(_cost_for(model, gpu, tp, dtype, ev.key, _IDEAL, pp, fabric),
+                              batch, input_len, output_len)[2]
     ctx = batch * (input_len + output_len / 2)
     # one memory rule everywhere (estimate, max_batch, replay): weights, KV, and the reserve
     # for the largest step the engine plans for; so fits <=> batch <= max_batch
@@ -941,16 +1112,17 @@ def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=Non
     mem = weights + kv + c.reserve_bytes(_batched_tokens(model))
     ctx_len = input_len + output_len
     cap = c.kv_capacity_tokens(_batched_tokens(model))
-    mem_bound = c.beta * ctx + c.layers * sum(w * c.wb for w, _ in c.linears) / c.bm > \
+    mem_bound = c.decode_beta(batch) * ctx + c.layers * sum(w * c.wb for w, _ in c.linears) / c.bm > \
         c.layers * sum(2 * w * batch for w, _ in c.linears) / c.pc
     return {
-        "model": model.name, "gpu": gpu.name, "tp": tp, "batch": batch,
+        "model": model.name, "gpu": gpu.name, "tp": tp, "pp": pp, "nodes": c.nodes,
+        "fabric": c.fabric.name if c.nodes > 1 else "", "batch": batch,
         "input_len": input_len, "output_len": output_len, "engine": ev.engine, "engine_version": ev.key,
         "ttft_ms": ttft * 1e3,
         "decode_ms_per_token": step * 1e3,
         "e2e_ms": e2e * 1e3,
         "throughput_tok_s": batch * output_len / e2e,
-        "replicas": replicas, "gpus": tp * replicas,
+        "replicas": replicas, "gpus": tp * pp * replicas,
         "total_throughput_tok_s": replicas * batch * output_len / e2e,
         "memory_gb_per_gpu": mem / 1e9,
         "weights_gb_per_gpu": weights / 1e9,
@@ -959,25 +1131,28 @@ def estimate(model, gpu, tp=1, batch=1, input_len=512, output_len=128, dtype=Non
         "fits": mem <= c.usable_bytes(),
         "max_batch": cap // ctx_len,
         "decode_bound": "memory" if mem_bound else "compute",
-        **energy(gpu, tp, e2e, ideal_e2e, batch * output_len),
+        **energy(gpu, tp * pp, e2e, ideal_e2e, batch * output_len),
         "energy_model": f"GPU P = TDP {gpu.tdp_w:g} W x ({IDLE_POWER_SHARE} + {1 - IDLE_POWER_SHARE:.1f} x roofline "
                         f"utilisation); node adds host {HOST_POWER_SHARE} x TDP per GPU (see energy())",
     }
 
 
-def max_batch(model, gpu, tp=1, context_len=2048, dtype=None) -> int:
+def max_batch(model, gpu, tp=1, context_len=2048, dtype=None, pp=1) -> int:
     """The most requests of `context_len` tokens whose KV cache fits beside the weights and
-    the engine's reserve (0 when the weights alone do not fit)."""
+    the engine's reserve (0 when the weights alone do not fit); with pp > 1 every stage holds
+    its layers' KV of every request, so the fullest stage decides."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
-    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
-    c = _cost_for(model, gpu, tp, dtype)
+    _check_layout(model, gpu, tp, pp)
+    c = _cost_for(model, gpu, tp, dtype, pp=pp)
     return c.kv_capacity_tokens(_batched_tokens(model)) // max(1, int(context_len))
 
 
-def memory_gb_per_gpu(model, gpu, tp=1, dtype=None) -> float:
-    """Weights per GPU plus the runtime reserve, in GB (the floor before any KV cache)."""
+def memory_gb_per_gpu(model, gpu, tp=1, dtype=None, pp=1) -> float:
+    """Weights per GPU plus the runtime reserve, in GB (the floor before any KV cache), on the
+    fullest GPU of a tp x pp layout (a stage's layers and the embedding or the lm_head)."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
-    c = _cost_for(model, gpu, tp, dtype)
+    _check_layout(model, gpu, tp, pp)
+    c = _cost_for(model, gpu, tp, dtype, pp=pp)
     return (c.weights_bytes + c.reserve_bytes(_batched_tokens(model))) / 1e9
 
 
@@ -1066,7 +1241,7 @@ def _run_instance(c, arrivals, inp, out, first, done, *, kv_cap, max_seqs, max_t
     waiting, prefilling = deque(), deque()       # prefilling: [rid, tokens done] (chunked mode)
     now, step, n, base, reserved, busy = 0.0, 0, 0, 0, 0, 0.0
     ai, na = 0, len(arrivals)
-    alpha_of, beta = c.decode_alpha, c.beta
+    alpha_of, beta_of = c.decode_alpha, c.decode_beta
 
     def admit(r):
         nonlocal n, base
@@ -1165,7 +1340,7 @@ def _run_instance(c, arrivals, inp, out, first, done, *, kv_cap, max_seqs, max_t
                 left[r] = dec.pop(r) - d
                 waiting.appendleft(r)
                 continue
-            alpha = alpha_of(n)
+            alpha, beta = alpha_of(n), beta_of(n)
             k = min(heap[0][0] - step, int(room // n))
             if not waiting and ai < na:
                 k = min(k, _steps_until(alpha, beta, n, usage, arrivals[ai][0] - now))
@@ -1298,9 +1473,9 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
         slots = []
         for e in es:
             gpu = resolve_gpu(e["gpu"])
-            tp = int(e.get("tp", 1))
-            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node))
-            c = _cost_for(model, gpu, tp, dtype, engine, cal)
+            tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
+            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp)
+            c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
             mt = _batched_tokens(model)
             cap = c.kv_capacity_tokens(mt)
             if cap <= 0:
@@ -2097,8 +2272,8 @@ def probe_fit(model, gpu, tp, engine, measured, cal=None, context=None):
     bare = merge_calibration(cal, {"engines": {ev.key: {"overhead_ms": 0.0, per_request: 0.0}}})
     c = _cost_for(resolve_model(model), resolve_gpu(gpu), tp, None, ev.key, bare)
     ctx = context if context is not None else len(PROBE_PROMPT.split()) * 2 + PROBE_TOKENS / 2
-    r1 = c.decode_alpha(b1) + c.beta * b1 * ctx
-    rb = c.decode_alpha(bb) + c.beta * bb * ctx
+    r1 = c.decode_alpha(b1) + c.decode_beta(b1) * b1 * ctx
+    rb = c.decode_alpha(bb) + c.decode_beta(bb) * bb * ctx
     per_seq = ((mb - rb) - (m1 - r1)) / (bb - b1)
     overhead = (m1 - r1) - per_seq * b1
     at_bound = []
@@ -2603,7 +2778,7 @@ class EngineCore:
     def decode_seconds(self, n, ctx):
         """A step of n decodes attending over ctx tokens in all."""
         if self.decode_alpha is not None:
-            return self.decode_alpha(n) + self.cost.beta * ctx
+            return self.decode_alpha(n) + self.cost.decode_beta(n) * ctx
         return self.cost.step(n, n, ctx, 0.0, 0)
 
     def complete(self, step, now):
@@ -2668,13 +2843,14 @@ class EngineCore:
 
 
 def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, max_num_seqs=MAX_NUM_SEQS,
-               max_model_len=None, kv_tokens=None, block_size=BLOCK_SIZE, cal=None):
-    """An EngineCore for `model` on `tp` GPUs of type `gpu`: the step cost is the roofline's,
-    the KV pool what the GPU's memory leaves after the weights and the activations of the
-    largest step (StepCost.kv_capacity_tokens), unless `kv_tokens` says otherwise."""
+               max_model_len=None, kv_tokens=None, block_size=BLOCK_SIZE, cal=None, pp=1, fabric=None):
+    """An EngineCore for `model` on tp x pp GPUs of type `gpu`: the step cost is the roofline's
+    for that layout (joined by `fabric`, default the GPU's usual one), the KV pool what the
+    fullest GPU's memory leaves after the weights and the activations of the largest step
+    (StepCost.kv_capacity_tokens), unless `kv_tokens` says otherwise."""
     model, gpu = resolve_model(model), resolve_gpu(gpu)
-    check_config(model, gpu, tp, per_node=max(tp, gpu.per_node))
-    c = _cost_for(model, gpu, tp, None, resolve_engine(engine).key, cal)
+    _check_layout(model, gpu, tp, pp)
+    c = _cost_for(model, gpu, tp, None, resolve_engine(engine).key, cal, pp, fabric)
     if max_batched_tokens is None:
         max_batched_tokens = SERVE_BATCHED_TOKENS_LARGE if gpu.memory_gb >= SERVE_LARGE_GPU_GB \
             else SERVE_BATCHED_TOKENS_SMALL
@@ -2712,6 +2888,9 @@ class LinearStepCost:
     def decode_alpha(self, n):
         """A decode step of n requests costs decode_alpha(n) + beta x their context (StepCost's form)."""
         return self.overhead + (self.per_token + self.per_seq) * n
+
+    def decode_beta(self, n):
+        return self.per_ctx
 
     @classmethod
     def fit(cls, prefill, decode):
@@ -2899,7 +3078,7 @@ class EmulatedServer:
         ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
         t = ends[0]
         if core.decode_alpha is not None:      # decode_seconds, its two terms looked up once
-            alpha, beta = core.decode_alpha(n) * scale, core.cost.beta * scale
+            alpha, beta = core.decode_alpha(n) * scale, core.cost.decode_beta(n) * scale
             for i in range(1, ahead):
                 t += alpha + beta * (ctx + i * n)
                 ends.append(t)
@@ -3438,13 +3617,23 @@ def _cli_coverage(a, ev):
 def _cmd_estimate(a):
     model = resolve_model(read_json(a.config), name=a.model) if a.config else resolve_model(a.model)
     gpu = resolve_gpu(a.gpu)
-    check_config(model, gpu, a.tp)
+    # tp wider than a node is a multi-node engine's layout (SGLang --tp 16 --nnodes 2): whole nodes
+    check_config(model, gpu, a.tp, pp=a.pp, nnodes=nodes_for(gpu, a.tp, a.pp))
+    fabric = resolve_fabric(a.fabric, gpu)
     ev = _cli_engine(a)
-    e = estimate(model, gpu, a.tp, a.batch, a.input, a.output, a.dtype, ev.key, replicas=a.replicas)
+    e = estimate(model, gpu, a.tp, a.batch, a.input, a.output, a.dtype, ev.key, replicas=a.replicas,
+                 pp=a.pp, fabric=fabric)
+    layout = f"tp={a.tp} x pp={a.pp}: {e['nodes']} node(s) of {gpu.per_node} x {gpu.name}, {a.tp * a.pp} GPUs"
+    if e["nodes"] > 1:
+        layout += f", joined by {fabric.name} ({fabric.nic_GBps:g} GB/s x {fabric.nics_per_node} NICs a node, " \
+                  f"{fabric.latency_us:g} us)"
+    layout += f"; {e['memory_gb_per_gpu']:.1f} GB per GPU of {e['usable_gb_per_gpu']:.1f} usable"
     if not e["fits"]:
-        raise SimError(f"{model.name} with tp={a.tp} and batch {a.batch} x {a.input + a.output} tokens needs "
-                       f"{e['memory_gb_per_gpu']:.1f} GB per GPU; {gpu.name} offers {e['usable_gb_per_gpu']:.1f} GB")
+        raise SimError(f"{model.name} with tp={a.tp}, pp={a.pp} and batch {a.batch} x {a.input + a.output} tokens "
+                       f"needs {e['memory_gb_per_gpu']:.1f} GB per GPU; {gpu.name} offers "
+                       f"{e['usable_gb_per_gpu']:.1f} GB")
     _say_engine(a, ev)
+    e["layout"] = layout
     e["calibration"] = _cli_coverage(a, ev)
     if a.json:
         print(json.dumps(e))
@@ -3655,7 +3844,14 @@ def build_parser():
     e.add_argument("--model", help="Hugging Face id or alias (llama-2-7b); with --config, a label")
     e.add_argument("--config", help="a Hugging Face config.json instead of a built-in model")
     e.add_argument("--gpu", required=True, help="a GPU of the table (`otela_sim.py gpus` lists them: A100-80GB-SXM4…), a short name (A100, H100) or an nvidia-smi name")
-    e.add_argument("--tp", type=_AT_LEAST_1, default=1, help="tensor-parallel GPUs (default 1)")
+    e.add_argument("--tp", type=_AT_LEAST_1, default=1,
+                   help="tensor-parallel GPUs per stage (default 1); wider than a node: whole nodes, a "
+                        "multi-node engine's layout")
+    e.add_argument("--pp", type=_AT_LEAST_1, default=1,
+                   help="pipeline stages, each of --tp GPUs; must divide the layers (default 1: no pipeline)")
+    e.add_argument("--fabric", default=None,
+                   help="inter-node network: " + ", ".join(FABRICS) + " or GBPS:LATENCY_US[:NICS] (GB/s one NIC one "
+                        "way, microseconds; default the GPU's usual node's, GPU_FABRIC)")
     e.add_argument("--batch", type=_AT_LEAST_1, default=1, help="requests in the batch (default 1)")
     e.add_argument("--input", type=_AT_LEAST_1, default=512, help="prompt tokens per request (default 512)")
     e.add_argument("--output", type=_AT_LEAST_1, default=128, help="generated tokens per request (default 128)")
