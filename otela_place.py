@@ -2088,6 +2088,19 @@ def _may_fit(config, gpu, tp):
     return memory_fits(config, gpu, tp)
 
 
+def _stages_needed(config, gpu, per_node, nodes):
+    """The fewest pipeline stages (at least 2, dividing the layers, at most `nodes`) over whole
+    nodes of `gpu` that hold the model, or None."""
+    if tp_allowed(config, per_node, per_node) or nodes < 2:
+        return None
+    try:
+        otela_sim.resolve_gpu(gpu)
+    except otela_sim.SimError:
+        return None   # a site's own GPU name: the operator sizes a layout over nodes (measured figures)
+    return next((pp for pp in range(2, nodes + 1) if int(config["num_hidden_layers"]) % pp == 0
+                 and memory_fits(config, gpu, per_node, pp)), None)
+
+
 def catalogue_bounds(rows, site, scenario, kept=()):
     """Plan rows within each catalogue model's min and max instances: a model over its max
     loses instances (the rows of the most GPUs each first), one under its min (demand or not:
@@ -2115,18 +2128,26 @@ def catalogue_bounds(rows, site, scenario, kept=()):
         short = entry.get("min", 0) - min(have, entry.get("max", have))
         config = scenario["models"].get(name)
         while short > 0 and config is not None:
-            fits = [(tp, g) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
+            fits = [(tp, g, 1) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
                     if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
+            # no node holds it: whole nodes, as candidates() plans it (tp = a node's GPUs, the fewest stages)
+            fits = fits or [(per_node, g, pp) for g, (count, per_node) in pool.items()
+                            for pp in [_stages_needed(config, g, per_node, free.get(g, 0) // per_node)]
+                            if pp and not any(tp_allowed(config, t, per_node) is None and _may_fit(config, g, t)
+                                              for t in TP_CHOICES)]
             if not fits:
                 notes.append(f"model {name}: min {entry['min']} instances, but no free GPUs fit one more")
                 break
-            tp, g = min(fits, key=lambda f: (f[0], -free[f[1]]))
-            row = next((r for r in rows if (r["model"], r["gpu"], r["tp"]) == (name, g, tp)), None)
+            tp, g, pp = min(fits, key=lambda f: (f[0] * f[2], -free[f[1]]))
+            key = (name, g, tp) + ((pp,) if pp > 1 else ())
+            row = next((r for r in rows if row_key(r) == key), None)
             if row is None:
                 row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
+                if pp > 1:
+                    row.update(pp=pp, nodes=nodes_of(tp, pp, pool[g][1]))
                 rows.append(row)
             row["instances"] += 1
-            free[g] -= tp
+            free[g] -= tp * pp
             short -= 1
         if short > 0 and config is None:
             notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
