@@ -30,6 +30,7 @@ fi
 start_ranks() {
   local node_pid=$$
   (
+    set +e   # (the template's set -e would end this shell with a failed step, before it stops the node)
     srun --nodes=$((NODES - 1)) --ntasks=$((NODES - 1)) --ntasks-per-node=1 --exclude="${SLURMD_NODENAME:-$(hostname)}" \
       --kill-on-bad-exit=1 bash -c "RANK=\$((SLURM_PROCID + 1)); export RANK; exec $1"
     echo "otela job ${SLURM_JOB_ID:-}: the other ranks ended (code $?); stopping the node" >&2
