@@ -2640,7 +2640,7 @@ class Reclaimer:
         for c in cands:  # best capacity per GPU first: what a scale-up tries
             self.cands.setdefault(c.model, []).append(c)
         for m in self.cands:
-            self.cands[m].sort(key=lambda c: -c.capacity_rps / c.tp)
+            self.cands[m].sort(key=lambda c: -c.capacity_rps / c.gpus)
         self.pool = {g: count for g, (count, _) in pool.items()}
         self.load_s, self.headroom, self.low, self.high = load_s, headroom, low, high
         self.cooldown_s, self.min_instances, self.release_idle = cooldown_s, min_instances, release_idle
@@ -2658,18 +2658,18 @@ class Reclaimer:
         used = {g: 0 for g in self.pool}
         for insts in self.instances.values():
             for c, _ in insts:
-                used[c.gpu] += c.tp
+                used[c.gpu] += c.gpus
         return {g: self.pool[g] - used[g] for g in self.pool}
 
     def capacity(self, m, now, ready_only=True):
         return sum(c.capacity_rps for c, t in self.instances[m] if not ready_only or t <= now)
 
     def gpus_held(self):
-        return sum(c.tp for insts in self.instances.values() for c, _ in insts)
+        return sum(c.gpus for insts in self.instances.values() for c, _ in insts)
 
     def _surplus(self, m, demand):
         """Instances model m can give up (worst capacity per GPU first)."""
-        insts = sorted(self.instances[m], key=lambda x: x[0].capacity_rps / x[0].tp)
+        insts = sorted(self.instances[m], key=lambda x: x[0].capacity_rps / x[0].gpus)
         cap, out = self.capacity(m, 0, ready_only=False), []
         for inst in insts:
             if len(self.instances[m]) - len(out) <= self.min_instances:
@@ -2723,13 +2723,13 @@ class Reclaimer:
     def _take_gpus(self, m, now, donors, demand, moves):
         free = self.free()
         for c in self.cands[m]:
-            if free[c.gpu] >= c.tp:
+            if free[c.gpu] >= c.gpus:
                 return c
         # Reclaim: donors whose reload is cheapest (load time x their demand) give first.
         for donor in sorted((d for d in donors if d != m), key=lambda d: self.load_s[d] * demand.get(d, 0.0)):
             for inst in self._surplus(donor, demand.get(donor, 0.0)):
                 for c in self.cands[m]:
-                    if c.gpu == inst[0].gpu and free[c.gpu] + inst[0].tp >= c.tp:
+                    if c.gpu == inst[0].gpu and free[c.gpu] + inst[0].gpus >= c.gpus:
                         self.instances[donor].remove(inst)
                         moves.append((donor, -1, inst[0].gpu))
                         self.last_change[donor] = now
@@ -2915,7 +2915,7 @@ class CronReclaim:
             elif self.demand.get(m, 0.0) <= 0 or self.release_idle:
                 cancels.extend(ids)
                 for jid in ids:
-                    _, g, tp = by_id[jid]["key"]
+                    g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
                     if g in free:
                         free[g] += tp
             else:
@@ -2923,7 +2923,7 @@ class CronReclaim:
         for _, m, ids in sorted(donors):  # cheapest reload first
             # running jobs first: a pending one frees no GPU anybody waits for now
             for jid in sorted(ids, key=lambda i: by_id[i]["state"] == "PENDING"):
-                _, g, tp = by_id[jid]["key"]
+                g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
                 takers = sorted(wanting.get(g, set()) - {m})
                 if free.get(g, 0) < 0 and takers:
                     cancels.append(jid)

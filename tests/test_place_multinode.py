@@ -131,3 +131,12 @@ def test_a_template_of_one_node_refuses_a_model_bigger_than_a_node():
     site = place.check_site(SITE, "site.json")
     with pytest.raises(place.PlacementError, match="runs one node; Qwen/Qwen3-32B needs 2"):
         place.job_scripts([ROW], site, "llamacpp", dict(VARS, MODEL_FILE="-"))
+
+
+def test_a_session_of_several_nodes_publishes_its_nodes_gpus_and_layout():
+    import otela_node
+    hw = {"gpu": "H100", "count": 1, "memory_gb": 80.0}
+    env = {"OTELA_INSTANCE_NODES": "otm1,otm2", "OTELA_INSTANCE_TP": "1", "OTELA_INSTANCE_PP": "2"}
+    assert otela_node.instance_layout(hw, env) == dict(hw, nodes=["otm1", "otm2"], tp=1, pp=2, count=2)
+    assert otela_node.instance_layout(hw, {}) == hw            # one node: as detected
+    assert otela_node.instance_layout(hw, dict(env, OTELA_INSTANCE_PP="x")) == hw

@@ -65,6 +65,7 @@ down() {
     rm -rf "/etc/netns/$ns"
   done
   ip link del "$BRIDGE" 2>/dev/null
+  rmdir /etc/netns 2>/dev/null   # (only when this lab made it and nothing else is there)
   rm -rf "$RUN_DIR"
   log "down"
 }
