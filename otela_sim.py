@@ -8,14 +8,22 @@ at import) and fast (`estimate` is microseconds, a 300 s cluster workload replay
 seconds). Energy per token follows a stated model of GPU, host and idle power (energy()).
 
 Data flow.
-    GPU table + model table (or a Hugging Face config)        -> GPU, Model
+    GPU table (+ its node's Fabric between nodes)             -> GPU, Fabric
+    model table, or any Hugging Face config.json read strictly
+    (CONFIG_READ / CONFIG_IGNORED / CONFIG_REFUSED: a key this
+    file cannot model is an error naming it, never a guess)   -> Model (dense or MoE layers,
+                                                                shared experts, MLA, windowed
+                                                                layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
     support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
     lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message)
                                                              -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
     smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
-    StepCost + memory (weights/tp + KV cache)                -> estimate(), max_batch()
+    layout tp x pp (nodes_for: stages fill a node first; tp wider than a node spans whole
+    nodes): a stage's layers per GPU, activations handed over NCCL send/recv between stages
+    (NVLink within a node, the Fabric between), microbatches = min(requests, pp) (the bubble)
+    StepCost + memory (a stage's weights/tp + KV cache)      -> estimate(), max_batch()
     StepCost + a workload (arrivals, lengths) + a placement  -> replay(): continuous batching
                                                                 under a KV-cache limit
     measured_calibration.csv (+ engine version per row)     -> calibrate / validate (in-sample
@@ -23,6 +31,9 @@ Data flow.
                                                                 marked held_out never fitted,
                                                                 reported apart)
     a running engine (probe --url)                           -> that engine's overhead terms
+    serve --nnodes N --node-rank R --dist-init-addr H:P      -> an emulated multi-node engine:
+                                                                rank 0 serves once all ranks
+                                                                joined, and dies with any of them
 
 Theory of operation for the replay. An instance is simulated event by event, not token by
 token: between two events (an arrival that can be admitted, a request finishing, the KV
@@ -61,7 +72,7 @@ import re
 import sys
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import crdt  # the settings reader (flag, then OTELA_*, then default), shared by every role file
@@ -83,11 +94,20 @@ RUNTIME_RESERVE_GB = 1.5
 # when chunked prefill is off; block-manager watermark 1% of the KV blocks.
 MAX_NUM_SEQS = 256
 MIN_BATCHED_TOKENS = 2048
+# The longest max_model_len the memory plan assumes when a model allows more: Llama-4-Scout's
+# config says 10,485,760 positions, and a step's activations for that many tokens (~700 GB) is
+# not what anyone starts it with; 131,072 is the longest context of every other row here (an
+# operator passes --max-model-len, or a config with a smaller max_position_embeddings, for less).
+MAX_PLANNED_MODEL_LEN = 131072
 KV_WATERMARK = 0.01
 # Smooth-roofline exponents at or above this are the ideal roofline max(compute, memory).
 ROOFLINE_MAX_P = 50.0
 # Sarathi / vLLM chunked-prefill token budget per step when chunked prefill is turned on.
 CHUNK_TOKENS = 2048
+# A sliding window (or attention chunk) this long or longer is counted as full attention in
+# the closed-form decode step (StepCost): few contexts pass 4k tokens, so that is an upper bound;
+# shorter windows (gpt-oss: 128) are counted as the window, which nearly every context passes.
+SLIDING_AS_FULL = 4096
 # Activations are kept in 16-bit even for FP8 weights (FP8 GEMMs take 16-bit inputs scaled).
 ACT_BYTES = 2
 # NCCL's protocols for a ring all-reduce within a node, from its own cost model (src/graph/
@@ -585,31 +605,114 @@ def nodes_for(gpu, tp, pp=1, per_node=None) -> int:
 
 @dataclass(frozen=True)
 class Model:
+    """A decoder-only transformer as the roofline sees it. The first fields are the dense
+    Llama shape every row has; the rest default to "absent" (a dense model of one attention
+    kind in the checkpoint's 16-bit dtype), so a table row of the first fields means what it
+    always meant. Layer kinds: `moe_layers` of the layers are mixture-of-experts layers (routed
+    experts of width moe_intermediate_size, `top_k` a token, plus always-on shared experts of
+    width shared_intermediate_size in all), the others dense (intermediate_size);
+    `sliding_layers` of the layers attend over the last `sliding_window` tokens only."""
     name: str
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    intermediate_size: int
+    intermediate_size: int              # dense MLP width; an old MoE row's expert width
     vocab_size: int
     head_dim: int = 0                   # 0: hidden_size / num_attention_heads
     dtype_bytes: int = 2
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    experts: int = 0                    # mixture of experts: experts per layer (0 = dense)
-    top_k: int = 0                      # experts per token
+    experts: int = 0                    # mixture of experts: routed experts per MoE layer (0 = dense)
+    top_k: int = 0                      # routed experts per token
+    moe_intermediate_size: int = 0      # a routed expert's width (0: intermediate_size)
+    shared_intermediate_size: int = 0   # shared experts' width together (DeepSeek: n_shared x moe width)
+    moe_layers: int = -1                # layers that are MoE (-1: all of them when experts > 0)
+    mlp_gated: bool = True              # gate, up, down (SwiGLU); False: up, down (Apertus' xIELU)
+    # multi-head latent attention (DeepSeek-V2/V3): the KV cache is the compressed latent
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0             # window (or chunk) of the windowed layers, tokens
+    sliding_layers: int = 0             # how many layers are windowed
+    # quantized checkpoints: bytes per weight (scales included) where not dtype_bytes
+    linear_bytes: float = 0.0           # attention, dense and shared MLP (0: dtype_bytes / --dtype)
+    expert_bytes: float = 0.0           # routed experts (0: as linear_bytes)
+    kv_bytes: int = 0                   # KV cache element (0: as the weights: this file's --dtype rule)
+    embed_bytes: int = 0                # embedding and lm_head (0: as the weights)
+    quantization: str = ""              # the checkpoint's quant_method, for the record
+    source: str = field(default="", compare=False)   # where the numbers come from
 
     def __post_init__(self):
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return 0 if not self.experts else self.num_hidden_layers if self.moe_layers < 0 else self.moe_layers
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def attention_weights(self) -> int:
+        """One layer's attention projections (all heads)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if self.mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else h * heads * qk
+            return q + h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
+                self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim) + heads * self.v_head_dim * h
+        return h * self.head_dim * (2 * heads + 2 * self.num_key_value_heads)
+
+    def kv_elements_per_token(self) -> int:
+        """One layer's KV cache elements per token: K and V of each KV head, or MLA's latent
+        and its rope key (one vector for all heads)."""
+        if self.mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    def _mlp(self, width):
+        return (3 if self.mlp_gated else 2) * self.hidden_size * width
+
+    def _layer_counts(self):
+        return self.num_hidden_layers - self.n_moe_layers, self.n_moe_layers
+
+    @property
     def params(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        attn = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-        mlp = 3 * h * self.intermediate_size * max(1, self.experts) + h * self.experts
+        """Every parameter of the checkpoint's language model (all experts)."""
+        h, L = self.hidden_size, self.num_hidden_layers
+        dense, moe = self._layer_counts()
+        expert = self._mlp(self.expert_width) * self.experts + self._mlp(self.shared_intermediate_size) + h * self.experts
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + mlp + 2 * h) + embed + h
+        return L * (self.attention_weights() + 2 * h) + dense * self._mlp(self.intermediate_size) + \
+            moe * expert + embed + h
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs through: the top_k routed experts and the shared ones, the
+        lm_head (the input embedding is a row look-up, read for no flops)."""
+        h, L = self.hidden_size, self.num_hidden_layers
+        dense, moe = self._layer_counts()
+        expert = self._mlp(self.expert_width) * self.top_k + self._mlp(self.shared_intermediate_size) + h * self.experts
+        return L * (self.attention_weights() + 2 * h) + dense * self._mlp(self.intermediate_size) + \
+            moe * expert + self.vocab_size * h + h
+
+    def weights_gb(self) -> float:
+        """The checkpoint's weights in GB at its own bytes per weight (scales included)."""
+        h, wb = self.hidden_size, self.linear_bytes or self.dtype_bytes
+        dense, moe = self._layer_counts()
+        eb = self.embed_bytes or wb
+        routed = moe * self._mlp(self.expert_width) * self.experts
+        rest = self.params - routed - self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (rest * wb + routed * (self.expert_bytes or wb) +
+                self.vocab_size * h * (1 if self.tie_word_embeddings else 2) * eb) / 1e9
 
 
 # key, Hugging Face id, hidden, layers, heads, kv heads, intermediate, vocab, max positions,
@@ -682,36 +785,373 @@ def resolve_model(name_or_config, name=None) -> Model:
     return MODELS[key]
 
 
+# --- models from a Hugging Face config.json ---------------------------------------------------
+# A config is read strictly: every key is either understood (CONFIG_READ: the roofline uses
+# it), ignorable (CONFIG_IGNORED: with the reason it changes neither the weights nor the cost
+# the roofline computes), or refused. A key of CONFIG_REFUSED, or one in none of the lists, is
+# a SimError naming it: a config this file cannot model is never estimated as something else
+# (DeepSeek-V3's config read as a dense 77 GB model was that bug). Missing keys the roofline
+# needs are a SimError naming them, too.
+CONFIG_READ = frozenset((
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "head_dim", "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype",
+    "dtype_bytes", "name", "_name_or_path", "model_type", "text_config", "hidden_act",
+    # mixture of experts: how many, how wide, which layers, how many a token
+    "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+    "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size", "intermediate_size_mlp",
+    "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "mlp_only_layers",
+    "interleave_moe_layer_step", "moe_layers",
+    # multi-head latent attention
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    # windowed attention and its layers
+    "sliding_window", "layer_types", "max_window_layers", "use_sliding_window", "attention_chunk_size",
+    "no_rope_layers", "quantization_config",
+))
+CONFIG_IGNORED = {
+    # bookkeeping: no weight, no flop
+    "architectures": "class names", "auto_map": "code location", "transformers_version": "writer",
+    "bos_token_id": "token ids", "eos_token_id": "token ids", "pad_token_id": "token ids",
+    "initializer_range": "training only", "use_cache": "runtime flag", "_attn_implementation_autoset": "runtime",
+    "pretraining_tp": "Llama-2 training slices (same weights)", "use_bfloat16": "serialisation flag",
+    "return_dict": "HF output flag", "output_attentions": "HF output flag", "output_hidden_states": "HF output flag",
+    "torchscript": "export flag", "id2label": "classifier labels", "label2id": "classifier labels",
+    "tokenizer_class": "tokenizer", "finetuning_task": "note", "problem_type": "classifier",
+    "chunk_size_feed_forward": "HF memory knob", "tf_legacy_loss": "training", "pruned_heads": "empty when unpruned",
+    "task_specific_params": "generation defaults", "prefix": "generation", "sep_token_id": "token ids",
+    "decoder_start_token_id": "token ids", "image_token_index": "token ids", "boi_token_index": "token ids",
+    "eoi_token_index": "token ids", "unk_token_id": "token ids",
+    # numerics that change values, not shapes or flops the roofline counts
+    "rms_norm_eps": "norm epsilon", "layer_norm_eps": "norm epsilon", "layer_norm_epsilon": "norm epsilon",
+    "rope_theta": "RoPE base", "rope_scaling": "RoPE frequencies (YaRN, llama3): elementwise, same cost",
+    "rope_interleave": "RoPE layout", "partial_rotary_factor": "RoPE on part of a head: same cost",
+    "attention_dropout": "training", "hidden_dropout": "training", "embedding_dropout": "training",
+    "resid_pdrop": "training", "attn_pdrop": "training", "mlp_dropout": "training",
+    "attention_bias": "bias vectors: < 0.01 % of the weights", "mlp_bias": "bias vectors: < 0.01 %",
+    "use_qk_norm": "a norm vector per head: elementwise", "qk_norm": "a norm vector per head: elementwise",
+    "qk_layernorm": "a norm vector per head", "post_norm": "norm placement", "swiglu_limit": "activation clamp",
+    "initial_context_length": "YaRN's original length", "attn_temperature_tuning": "Llama-4 query scaling",
+    "floor_scale": "Llama-4 query scaling", "attn_scale": "Llama-4 query scaling",
+    # routing rules that choose which experts, not how many a token reads
+    "norm_topk_prob": "renormalises the top-k weights", "routed_scaling_factor": "scales the routed sum",
+    "scoring_func": "softmax or sigmoid gate", "topk_method": "how the k are chosen (still k)",
+    "n_group": "DeepSeek group-limited routing: which k experts, still k",
+    "topk_group": "DeepSeek group-limited routing: which k experts, still k",
+    "output_router_logits": "training", "router_aux_loss_coef": "training", "router_z_loss_coef": "training",
+    "router_jitter_noise": "training", "aux_loss_alpha": "training", "seq_aux": "training",
+    "ep_size": "DeepSeek's training expert parallelism", "moe_layer_freq_note": "note",
+    # weights an engine does not load for plain serving
+    "num_nextn_predict_layers": "DeepSeek-V3's multi-token-prediction module: loaded only for speculative "
+                                "decoding (--speculative-algorithm), not modelled and not counted",
+    "vision_config": "the vision tower (Llama-4: ~0.9e9 of 109e9 parameters): text requests do not run it; "
+                     "its weights are not counted",
+    "xielu_alpha_p_init": "Apertus activation constants", "xielu_alpha_n_init": "Apertus activation constants",
+    "xielu_beta": "Apertus activation constants", "xielu_eps": "Apertus activation constants",
+}
+# Ignorable only when false/empty (a true value changes the model's shape).
+CONFIG_IGNORED_IF_FALSE = frozenset(("is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder"))
+# Known keys that change the weights or the cost in ways the roofline does not model: refused.
+CONFIG_REFUSED = {
+    "cross_attention_layers": "cross-attention layers (Llama-3.2-Vision) add weights and attention",
+    "num_kv_shared_layers": "KV shared between layers", "index_topk": "DeepSeek-V3.2 sparse attention",
+    "index_n_heads": "DeepSeek-V3.2 sparse attention", "index_head_dim": "DeepSeek-V3.2 sparse attention",
+    "linear_num_value_heads": "linear attention (Qwen3-Next)", "linear_key_head_dim": "linear attention",
+    "linear_num_key_heads": "linear attention", "linear_value_head_dim": "linear attention",
+    "full_attention_interval": "hybrid linear attention", "mamba_d_state": "Mamba layers",
+    "ssm_cfg": "state-space layers", "layers_block_type": "hybrid Mamba layers",
+    "hybrid_override_pattern": "hybrid Mamba layers", "attn_layer_period": "Jamba hybrid layers",
+    "expert_layer_period": "Jamba MoE layout", "num_experts_per_layer": "per-layer expert counts",
+    "attn_logit_softcapping": "logit soft-capping (Gemma-2): not in the attention kernels modelled",
+    "final_logit_softcapping": "soft-capped logits (Gemma-2)", "parallel_attn": "parallel attention blocks",
+    "new_decoder_architecture": "Falcon's fused blocks", "multi_query": "Falcon multi-query layout",
+    "alibi": "ALiBi attention", "encoder_layers": "encoder-decoder", "decoder_layers": "encoder-decoder",
+    "dense_intermediate_size": "unmodelled dense widths", "residual_in_fp32": "hybrid models",
+}
+# model_type -> MLP with a gate (SwiGLU: 3 matrices) or without (2). Absent: a Llama-shaped
+# dict (the scenarios' own model entries). Another model_type is refused.
+GATED_MLP = {"llama": True, "mistral": True, "mixtral": True, "qwen2": True, "qwen2_moe": True, "qwen3": True,
+             "qwen3_moe": True, "deepseek_v2": True, "deepseek_v3": True, "gpt_oss": True, "llama4": True,
+             "llama4_text": True, "olmo2": True, "granite": True, "phi3": True, "apertus": False}
 _DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}  # fp32 is served in 16-bit
+_WINDOWED = ("sliding_attention", "chunked_attention")
+
+
+def _quantization(q, where):
+    """(linear bytes, expert bytes, label) of a quantization_config; SimError when unmodelled.
+    Bytes per weight include the scales: FP8 block-wise (128 x 128 blocks, one fp32 scale:
+    +0.0002) ~ 1; MXFP4 4-bit values + an 8-bit scale per 32: 4.25 bits; AWQ / GPTQ 4-bit with
+    a 16-bit scale (and a zero point) per group; bitsandbytes NF4 a fp32 absmax per 64."""
+    if not isinstance(q, dict):
+        raise SimError(f"{where}: quantization_config is not an object")
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fbgemm_fp8":                # per-channel FP8 (Llama-3.1-405B-Instruct-FP8)
+        return 1.0, 0.0, "fp8"
+    if method == "fp8":
+        block = q.get("weight_block_size") or [128, 128]
+        return 1.0 + 4.0 / (block[0] * block[1]), 0.0, "fp8"
+    if method == "mxfp4":
+        return 0.0, 4.25 / 8, "mxfp4"         # the experts; attention, router, embeddings stay 16-bit
+    if method in ("awq", "gptq"):
+        bits, group = int(q.get("bits", q.get("w_bit", 0)) or 0), int(q.get("group_size", q.get("q_group_size", 128)))
+        if bits not in (4, 8):
+            raise SimError(f"{where}: {method} with {bits}-bit weights is not modelled (4 or 8 bits are)")
+        group = group if group > 0 else 4096            # -1: one scale per column
+        return bits / 8 + (2 + bits / 8) / group, 0.0, f"{method}-{bits}bit"
+    if method == "bitsandbytes":
+        if q.get("load_in_4bit"):
+            return 0.5 + (0.127 / 8 if q.get("bnb_4bit_use_double_quant") else 4.0 / 64), 0.0, "bnb-4bit"
+        raise SimError(f"{where}: bitsandbytes 8-bit (LLM.int8, outlier decomposition) is not modelled")
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values()] if isinstance(groups, dict) else []
+        kinds = {(int(w.get("num_bits", 0)), str(w.get("type", ""))) for w in weights}
+        if kinds == {(8, "float")}:
+            return 1.0, 0.0, "compressed-tensors-fp8"
+        if kinds == {(4, "int")}:
+            group = int(weights[0].get("group_size") or 128)
+            return 0.5 + 2.0 / group, 0.0, "compressed-tensors-w4a16"
+        raise SimError(f"{where}: compressed-tensors weights {sorted(kinds)} are not modelled (fp8, int4 are)")
+    raise SimError(f"{where}: quantization method {method or '(none named)'!r} is not modelled "
+                   "(fp8, mxfp4, awq, gptq, bitsandbytes 4-bit, compressed-tensors fp8/int4 are)")
 
 
 def _model_from_config(cfg, name=None):
-    cfg = dict(cfg)
-    cfg.update(cfg.get("text_config") or {})   # multimodal wrappers keep the LM config inside
+    if not isinstance(cfg, dict):
+        raise SimError("bad model config: not a JSON object")
+    outer = dict(cfg)
+    inner = outer.pop("text_config", None) or {}
+    cfg = dict(outer)
+    cfg.update(inner)   # multimodal wrappers keep the LM config inside (Llama-4)
+    label = str(name or cfg.get("name") or cfg.get("_name_or_path") or "custom")
+    where = f"bad model config {label}"
+    refused = sorted(k for k in cfg if k in CONFIG_REFUSED)
+    unknown = sorted(k for k in cfg if k not in CONFIG_READ and k not in CONFIG_IGNORED and k not in CONFIG_REFUSED
+                     and k not in CONFIG_IGNORED_IF_FALSE)
+    shaped = sorted(k for k in CONFIG_IGNORED_IF_FALSE if cfg.get(k))
+    if refused or shaped:
+        why = "; ".join(f"{k} ({CONFIG_REFUSED.get(k, 'true: another architecture')})" for k in refused + shaped)
+        raise SimError(f"{where}: fields that change its size or cost, not modelled: {why}")
+    if unknown:
+        raise SimError(f"{where}: fields this simulator does not know: {', '.join(unknown)} (if one changes neither "
+                       "the weights nor the cost, add it to CONFIG_IGNORED with the reason)")
+    mtype = cfg.get("model_type")
+    if mtype is not None and mtype not in GATED_MLP:
+        raise SimError(f"{where}: model_type {mtype!r} is not one this simulator knows ({', '.join(sorted(GATED_MLP))})")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
+    if missing:
+        raise SimError(f"{where}: missing {', '.join(missing)}")
+
+    def num(key, default=None):
+        value = cfg.get(key)
+        if value is None:                      # absent, or null as DeepSeek-V2-Lite's q_lora_rank
+            value = default
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SimError(f"{where}: {key} is {value!r}, not a number") from None
+    L, h = num("num_hidden_layers"), num("hidden_size")
+    experts = num("n_routed_experts", 0) or num("num_local_experts", 0) or num("num_experts", 0)
+    top_k = num("num_experts_per_tok", 0) or num("experts_per_token", 0)
+    if experts and not top_k:
+        raise SimError(f"{where}: missing num_experts_per_tok (or experts_per_token): {experts} experts, how many a token")
+    # which layers are MoE, per family
+    moe = list(range(L)) if experts else []
+    if experts and ("first_k_dense_replace" in cfg or "moe_layer_freq" in cfg):     # DeepSeek
+        first, freq = num("first_k_dense_replace", 0), max(1, num("moe_layer_freq", 1))
+        moe = [i for i in moe if i >= first and i % freq == 0]
+    if "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:                     # Qwen-MoE
+        step, only = max(1, num("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+        moe = [i for i in moe if i not in only and (i + 1) % step == 0]
+    if "moe_layers" in cfg and cfg["moe_layers"] is not None:                        # Llama-4, explicit
+        moe = [i for i in moe if i in set(cfg["moe_layers"])]
+    elif "interleave_moe_layer_step" in cfg:
+        step = max(1, num("interleave_moe_layer_step", 1))
+        moe = [i for i in moe if (i + 1) % step == 0]
+    family = mtype or "llama"
+    expert_width = num("moe_intermediate_size", 0)
+    dense_width = num("intermediate_size_mlp", 0) or num("intermediate_size", 0)
+    shared = num("n_shared_experts", 0) * expert_width or num("shared_expert_intermediate_size", 0)
+    if family.startswith("llama4") and experts:
+        # Llama-4: intermediate_size is an expert's width (and the one shared expert's),
+        # intermediate_size_mlp the dense layers'
+        expert_width, shared = num("intermediate_size"), num("intermediate_size")
+        dense_width = num("intermediate_size_mlp", 0) or dense_width
+    if experts and not expert_width:
+        expert_width = num("intermediate_size", 0)
+    if not dense_width and len(moe) < L:
+        raise SimError(f"{where}: missing intermediate_size")
+    if not experts and not dense_width:
+        raise SimError(f"{where}: missing intermediate_size")
+    # attention kinds per layer
+    window, windowed = 0, 0
+    types = cfg.get("layer_types")
+    if types:
+        bad = sorted({t for t in types if t not in _WINDOWED + ("full_attention",)})
+        if bad:
+            raise SimError(f"{where}: layer_types {', '.join(bad)} are not modelled (full, sliding, chunked attention are)")
+        if len(types) != L:
+            raise SimError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {L}")
+        windowed = sum(t in _WINDOWED for t in types)
+        window = num("sliding_window", 0) if "sliding_attention" in types else num("attention_chunk_size", 0)
+        if windowed and not window:
+            raise SimError(f"{where}: missing sliding_window (or attention_chunk_size) for its windowed layers")
+    elif cfg.get("attention_chunk_size"):                 # Llama-4: chunked except the NoPE layers
+        rope = cfg.get("no_rope_layers")
+        windowed = sum(1 for x in rope if x) if isinstance(rope, list) and len(rope) == L else L - L // 4
+        window = num("attention_chunk_size")
+    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", family not in ("qwen2", "qwen3", "qwen2_moe",
+                                                                                        "qwen3_moe")):
+        # Qwen2/3 write a sliding_window they do not use unless use_sliding_window (then for the
+        # layers from max_window_layers on); Mistral-style configs use it in every layer
+        window = num("sliding_window")
+        windowed = L - num("max_window_layers", 0) if family.startswith("qwen") else L
+    if window and window >= num("max_position_embeddings", 4096):
+        window = windowed = 0                             # a window as long as the context: full attention
+    mla = num("kv_lora_rank", 0)
+    if mla:
+        absent = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not cfg.get(k)]
+        if absent:
+            raise SimError(f"{where}: missing {', '.join(absent)} for its latent attention (kv_lora_rank)")
+    linear_b, expert_b, quant = 0.0, 0.0, ""
+    if cfg.get("quantization_config"):
+        linear_b, expert_b, quant = _quantization(cfg["quantization_config"], where)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    if dtype not in _DTYPE_BYTES:
+        raise SimError(f"{where}: torch_dtype {dtype!r} is not modelled ({', '.join(_DTYPE_BYTES)})")
+    dtype_bytes = num("dtype_bytes", 0) or _DTYPE_BYTES[dtype]
+    if linear_b and linear_b < 1.5:
+        # FP8 checkpoints compute in FP8 (dtype_bytes 1: the FP8 tensor-core peak); 4-bit ones
+        # dequantise into 16-bit GEMMs (Marlin): 16-bit compute at their own bytes
+        dtype_bytes = 1 if 0.99 < linear_b < 1.1 else 2
+    gated = GATED_MLP.get(family, True)
+    if family == "apertus" and cfg.get("hidden_act", "xielu") != "xielu":
+        raise SimError(f"{where}: Apertus with hidden_act {cfg.get('hidden_act')!r} is not modelled")
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-        inter = int(cfg.get("moe_intermediate_size") if experts and cfg.get("moe_intermediate_size")
-                    else cfg["intermediate_size"])
-        dtype_bytes = int(cfg.get("dtype_bytes") or _DTYPE_BYTES.get(str(cfg.get("torch_dtype")), 2))
         return Model(
-            name=str(name or cfg.get("name") or cfg.get("_name_or_path") or "custom"),
-            hidden_size=hidden,
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            intermediate_size=inter,
-            vocab_size=int(cfg["vocab_size"]),
-            head_dim=int(cfg.get("head_dim") or 0),
-            dtype_bytes=dtype_bytes,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            experts=experts,
-            top_k=int(cfg.get("num_experts_per_tok") or (2 if experts else 0)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise SimError(f"bad model config {name or ''}: missing or invalid {e}") from None
+            name=label, hidden_size=h, num_hidden_layers=L, num_attention_heads=num("num_attention_heads"),
+            num_key_value_heads=num("num_key_value_heads", 0) or num("num_attention_heads"),
+            intermediate_size=dense_width or expert_width, vocab_size=num("vocab_size"), head_dim=num("head_dim", 0),
+            dtype_bytes=dtype_bytes, max_position_embeddings=num("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), experts=experts,
+            top_k=top_k if experts else 0,
+            moe_intermediate_size=expert_width if experts and expert_width != (dense_width or expert_width) else 0,
+            shared_intermediate_size=shared if experts else 0,
+            moe_layers=-1 if len(moe) == L or not experts else len(moe), mlp_gated=gated,
+            kv_lora_rank=mla, q_lora_rank=num("q_lora_rank", 0) if mla else 0,
+            qk_nope_head_dim=num("qk_nope_head_dim", 0) if mla else 0,
+            qk_rope_head_dim=num("qk_rope_head_dim", 0) if mla else 0, v_head_dim=num("v_head_dim", 0) if mla else 0,
+            sliding_window=window if windowed else 0, sliding_layers=windowed if window else 0,
+            linear_bytes=linear_b if linear_b and not (0.99 < linear_b < 1.1) else 0.0, expert_bytes=expert_b,
+            kv_bytes=2 if quant else 0, embed_bytes=2 if quant else 0, quantization=quant,
+            source=str(cfg.get("_name_or_path") or label))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise SimError(f"{where}: invalid {e}") from None
+
+
+# --- large and sparse models, from their published config.json -------------------------------
+# Each is the config.json of the named Hugging Face repository, as published (the keys the
+# roofline reads and the routing / numerics keys beside them, which CONFIG_IGNORED lists); built
+# with the same reader as a user's --config, so the built-in rows and a downloaded config agree.
+def _deepseek_v3(name):
+    return {"_name_or_path": name, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "n_group": 8, "topk_group": 4,
+            "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "norm_topk_prob": True, "num_nextn_predict_layers": 1, "rope_theta": 10000, "hidden_act": "silu",
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                    "weight_block_size": [128, 128]},
+            "rms_norm_eps": 1e-6, "attention_bias": False, "aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1}
+
+
+def _qwen3_moe(name, hidden, inter, moe_inter, layers, heads):
+    return {"_name_or_path": name, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": hidden, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": None,
+            "use_sliding_window": False, "max_window_layers": layers, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "attention_bias": False, "hidden_act": "silu", "output_router_logits": False,
+            "router_aux_loss_coef": 0.001}
+
+
+def _gpt_oss(name, layers, experts):
+    return {"_name_or_path": name, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+            "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": experts,
+            "num_experts_per_tok": 4, "experts_per_token": 4, "vocab_size": 201088,
+            "max_position_embeddings": 131072, "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "tie_word_embeddings": False,
+            "attention_bias": True, "rope_theta": 150000, "swiglu_limit": 7.0, "initial_context_length": 4096,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 4096},
+            "hidden_act": "silu", "torch_dtype": "bfloat16", "router_aux_loss_coef": 0.9,
+            "output_router_logits": False, "rms_norm_eps": 1e-5,
+            "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+
+
+def _apertus(name, hidden, inter, layers, heads):
+    return {"_name_or_path": name, "architectures": ["ApertusForCausalLM"], "model_type": "apertus",
+            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "vocab_size": 131072,
+            "max_position_embeddings": 65536, "hidden_act": "xielu", "qk_norm": True, "post_norm": False,
+            "rope_theta": 12000000, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False}
+
+
+BUILTIN_CONFIGS = {
+    "llama-3.1-405b": {
+        "_name_or_path": "meta-llama/Llama-3.1-405B", "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "deepseek-v3": _deepseek_v3("deepseek-ai/DeepSeek-V3"),
+    "deepseek-r1": _deepseek_v3("deepseek-ai/DeepSeek-R1"),           # the same architecture
+    "qwen3-235b-a22b": _qwen3_moe("Qwen/Qwen3-235B-A22B", 4096, 12288, 1536, 94, 64),
+    "qwen3-30b-a3b": _qwen3_moe("Qwen/Qwen3-30B-A3B", 2048, 6144, 768, 48, 32),
+    "gpt-oss-120b": _gpt_oss("openai/gpt-oss-120b", 36, 128),
+    "gpt-oss-20b": _gpt_oss("openai/gpt-oss-20b", 24, 32),
+    "mixtral-8x22b": {
+        "_name_or_path": "mistralai/Mixtral-8x22B-v0.1", "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "max_position_embeddings": 65536, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    "llama-4-scout-17b-16e": {
+        "_name_or_path": "meta-llama/Llama-4-Scout-17B-16E", "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4", "boi_token_index": 200080, "eoi_token_index": 200081, "image_token_index": 200092,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 1408, "num_hidden_layers": 34},
+        "text_config": {
+            "model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+            "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1, "vocab_size": 202048, "max_position_embeddings": 10485760,
+            "attention_chunk_size": 8192, "use_qk_norm": True,
+            "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)], "rope_theta": 500000.0,
+            "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+            "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "output_router_logits": False,
+            "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}},
+    "apertus-8b": _apertus("swiss-ai/Apertus-8B-2509", 4096, 21504, 32, 32),
+    "apertus-70b": _apertus("swiss-ai/Apertus-70B-2509", 8192, 43008, 80, 64),
+}
+MODELS.update({key: _model_from_config(cfg, name=cfg["_name_or_path"]) for key, cfg in BUILTIN_CONFIGS.items()})
+for _k, _m in MODELS.items():
+    _MODEL_KEYS[_k] = _k
+    _MODEL_KEYS[_model_key(_m.name)] = _k
 
 
 # =============================================================================================
@@ -756,6 +1196,8 @@ def check_config(model, gpu, tp, per_node=None, pp=1, nnodes=None):
 def _dtype_bytes(model, dtype):
     if dtype is None:
         return model.dtype_bytes
+    if model.quantization:
+        raise SimError(f"{model.name} is a {model.quantization} checkpoint: a dtype ({dtype}) does not apply")
     d = str(dtype).lower()
     if "fp8" in d or "float8" in d:
         return 1
@@ -785,11 +1227,17 @@ class StepCost:
         m = model
         h, hd, L = m.hidden_size, m.head_dim, m.num_hidden_layers
         wb = _dtype_bytes(m, dtype)
-        self.wb = wb
+        # bytes per weight: the linears (a 4-bit checkpoint's with its scales), the routed
+        # experts (MXFP4 on gpt-oss), the embedding and lm_head, one KV element; all `wb` for
+        # a checkpoint in one dtype (and --dtype fp8 makes the KV cache FP8 too: this file's rule)
+        self.wb = m.linear_bytes or wb
+        self.ewb = m.expert_bytes or self.wb
+        self.eb = m.embed_bytes or wb
+        kvb = m.kv_bytes or wb
         kvh = m.num_key_value_heads / tp if m.num_key_value_heads >= tp else 1  # replicated past tp
         heads = m.num_attention_heads / tp
         q, kv = heads * hd, kvh * hd
-        inter = m.intermediate_size / tp
+        inter = (m.expert_width if m.experts else m.intermediate_size) / tp
         fp8 = wb == 1 and gpu.fp8_tflops > 0
         kernels = eng["kernel_eff"]     # how close an engine's kernels get to the hardware's
         self.pc = (gpu.fp8_tflops if fp8 else gpu.fp16_tflops) * 1e12 * \
@@ -804,28 +1252,71 @@ class StepCost:
         self.peak_m = gpu.mem_bw_TBps * 1e12
         self.layers = L
         # linear layers per GPU: (weights, activation bytes per token)
-        self.linears = [(h * (q + 2 * kv), (h + q + 2 * kv) * ACT_BYTES), (q * h, (q + h) * ACT_BYTES)]
-        self.experts, self.top_k = m.experts, m.top_k
-        if m.experts:
-            self.expert_w = 3 * h * inter
-            self.expert_act = (h + 3 * inter) * ACT_BYTES * m.top_k
-            self.linears.append((h * m.experts, (h + m.experts) * ACT_BYTES))   # router
-            mlp_w = self.expert_w * m.experts
+        if m.mla:
+            # multi-head latent attention (DeepSeek-V2/V3, vLLM/SGLang MLA): the down-projections
+            # q_a and kv_a are replicated on every tp rank, the up-projections and o split by heads
+            qk, r, rope, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
+            ql = m.q_lora_rank
+            q, kv = heads * qk, (r + rope) / 2           # kv: half the latent, so 2 kv is one token's cache
+            down = h * (ql + r + rope)
+            self.linears = [(down, (h + ql + r + rope) * ACT_BYTES),
+                            ((ql or h) * q, ((ql or h) + q) * ACT_BYTES),
+                            (r * heads * (m.qk_nope_head_dim + v), (r + heads * (m.qk_nope_head_dim + v)) * ACT_BYTES),
+                            (heads * v * h, (heads * v + h) * ACT_BYTES)]
         else:
-            self.linears += [(2 * h * inter, (h + 2 * inter) * ACT_BYTES), (inter * h, (inter + h) * ACT_BYTES)]
-            mlp_w = 3 * h * inter
+            self.linears = [(h * (q + 2 * kv), (h + q + 2 * kv) * ACT_BYTES), (q * h, (q + h) * ACT_BYTES)]
+        self.n_attn = len(self.linears)
+        gate = 3 if m.mlp_gated else 2
+        dense_inter = m.intermediate_size / tp
+        dense = [((gate - 1) * h * dense_inter, (h + (gate - 1) * dense_inter) * ACT_BYTES),
+                 (dense_inter * h, (dense_inter + h) * ACT_BYTES)]
+        self.experts, self.top_k = m.experts, m.top_k
+        self.n_moe = m.n_moe_layers
+        self.dense_linears = []               # a mixed model's dense layers (DeepSeek's first 3)
+        if m.experts:
+            self.expert_w = gate * h * inter
+            self.expert_act = (h + gate * inter) * ACT_BYTES * m.top_k
+            self.linears.append((h * m.experts, (h + m.experts) * ACT_BYTES))   # router
+            shared = m.shared_intermediate_size / tp
+            if shared:                        # always-on shared experts: a dense MLP in each MoE layer
+                self.linears += [(2 * h * shared, (h + 2 * shared) * ACT_BYTES), (shared * h, (shared + h) * ACT_BYTES)]
+            mlp_w = self.expert_w * m.experts
+            if self.n_moe < L:
+                self.dense_linears = dense
+        else:
+            self.linears += dense
+            mlp_w = gate * h * inter
         # norms, residual adds, activation function: memory-bound elementwise traffic per token
         self.elem_bytes = (10 * h + 3 * inter * max(1, m.top_k)) * ACT_BYTES
         # attention: flops per query-key pair; decode reads K and V of each context token
         self.attn_flops = 4 * hd * heads
+        self.attn_flops_decode = self.attn_flops
         group = heads / kvh
         # a decode kernel without GQA support reads the KV of a group once per query head
         # (ENGINE_VERSIONS: gqa_kv_once); the ideal calibration reads it once
         once = eng.get("gqa_kv_once", ev.gqa_kv_once)
         # ... once from HBM and `group` times from L2 (HARDWARE_PRIORS: l2_over_hbm)
         reread = 1 if once else max(1.0, group / hw.get("l2_over_hbm", 1.0))
-        self.kv_read = 2 * kv * wb * reread
-        self.attn_io = (2 * q + 2 * kv) * ACT_BYTES + 2 * kv * wb   # Q,K,V in, O out, KV written
+        self.kv_read = 2 * kv * kvb * reread
+        self.attn_io = (2 * q + 2 * kv) * ACT_BYTES + 2 * kv * kvb   # Q,K,V in, O out, KV written
+        if m.mla:
+            # prefill attends with the decompressed heads (qk and v wide); decode with the
+            # weights absorbed, every head over the latent (r + rope) and back (r): the latent
+            # cache read once for all heads (FlashMLA), as MQA
+            self.attn_flops = 2 * heads * (qk + v)
+            self.attn_flops_decode = 2 * heads * (2 * r + rope)
+            self.kv_read = (r + rope) * kvb
+            self.attn_io = heads * (2 * qk + 2 * v) * ACT_BYTES + (r + rope) * kvb
+        # windowed layers (sliding window, Llama-4's chunks): a decode reads at most `window`
+        # tokens of each request there. A window of SLIDING_AS_FULL tokens or more is counted as
+        # full attention (contexts rarely pass it: an upper bound); a smaller one (gpt-oss: 128)
+        # as exactly `window` tokens a request (contexts nearly always pass it), its KV a fixed
+        # window a sequence (reserve_bytes), not a per-token share
+        small = 0 < m.sliding_window < SLIDING_AS_FULL
+        self.window = m.sliding_window if small else 0
+        self.window_layers = m.sliding_layers if small else 0
+        self.kv_elems = 2 * kv
+        self.kvb = kvb
         self.lm_w = h * m.vocab_size / tp
         self.lm_act = (h + m.vocab_size / tp) * 4   # fp32 logits
         # all-reduce of the hidden state twice per layer (Megatron), ring algorithm
@@ -833,9 +1324,12 @@ class StepCost:
             link = gpu.interconnect_GBps or gpu.pcie_GBps
             cross = 0.0
             if tp > gpu.per_node:
-                # across nodes the ring runs at what a GPU has of its node's NICs; NCCL's tree
-                # between nodes adds an inter-node latency per level, up and down
-                link = self.fabric.GBps_for(gpu.per_node) / gpu.per_node * 2
+                # across nodes NCCL runs a ring per NIC (channels): each ring crosses between
+                # nodes on its own rail, so the bus bandwidth is the node's NICs together, or the
+                # scale-up link where that is slower (nccl-tests' busBw of a rail-optimised
+                # DGX pair is of this order); NCCL's tree between nodes adds an inter-node
+                # latency per level, up and down
+                link = min(link / 2, self.fabric.GBps_for(gpu.per_node)) * 2
                 cross = 2 * math.ceil(math.log2(-(-tp // gpu.per_node))) * self.fabric.latency_us
             bw = link / 2 * 1e9 * hw["eff_comm"]
             # NCCL's ring within a node: a fixed part and 2 (tp - 1) hops (HARDWARE_PRIORS)
@@ -866,12 +1360,27 @@ class StepCost:
             per_token = PP_TENSORS_PER_TOKEN * h * ACT_BYTES
             self.p2p_lat = (between * self.fabric.latency_us + within * NVLINK_P2P_US) * 1e-6
             self.p2p_byte = per_token * (between / fab + within / nvl)
-        # memory per GPU: a stage's layers; with pp > 1 the first stage holds the embedding and
-        # the last the lm_head (vLLM's PPMissingLayer elsewhere), so a GPU holds one of them
+        # memory per GPU: a stage's layers (the heaviest stage: as many MoE layers as there
+        # are); with pp > 1 the first stage holds the embedding and the last the lm_head (vLLM's
+        # PPMissingLayer elsewhere), so a GPU holds one of them
         embed = m.vocab_size * h / tp * (1 if m.tie_word_embeddings or pp > 1 else 2)
-        self.weights_bytes = (L // pp * (sum(w for w, _ in self.linears[:2]) + mlp_w
-                                         + (h * m.experts if m.experts else 0)) + embed) * wb
-        self.kv_bytes_per_token = L // pp * 2 * kv * wb
+        stage = L // pp
+        moe_s = min(self.n_moe, stage)
+        attn_w = sum(w for w, _ in self.linears[:self.n_attn])
+        if m.experts:
+            moe_layer = (sum(w for w, _ in self.linears[self.n_attn:])) * self.wb + mlp_w * self.ewb
+            dense_layer = sum(w for w, _ in dense) * self.wb
+            self.weights_bytes = stage * attn_w * self.wb + moe_s * moe_layer + (stage - moe_s) * dense_layer + \
+                embed * self.eb
+        elif self.eb == self.wb:
+            self.weights_bytes = (stage * (attn_w + mlp_w) + embed) * self.wb
+        else:
+            self.weights_bytes = stage * (attn_w + mlp_w) * self.wb + embed * self.eb
+        self.kv_bytes_per_token = (L - self.window_layers) / pp * 2 * kv * kvb
+        self.window_kv_bytes = self.window_layers / pp * self.window * 2 * kv * kvb   # a sequence's windows
+        # the instance's own KV of a token, all stages and ranks (what a disaggregated prefill
+        # sends): MLA's latent is replicated on every tp rank, counted once
+        self.kv_bytes_per_instance_token = self.kv_bytes_per_token * pp * (1 if m.mla else tp)
         self.act_per_token = (4 * h + q + 2 * kv + 2 * inter * max(1, m.top_k)) * ACT_BYTES
         self._alpha = {}
         # compute and memory traffic of one kernel overlap imperfectly: a smooth roofline
@@ -889,10 +1398,15 @@ class StepCost:
             def roof(c, m, p=p, inv=inv):
                 return (c ** p + m ** p) ** inv if c > 0 and m > 0 else c + m
             self.roof = roof
-        self.beta = L * self.roof(self.attn_flops / self.pa, self.kv_read / self.bm)
+        self.beta_layer = self.roof(self.attn_flops_decode / self.pa, self.kv_read / self.bm)
+        self.beta = (L - self.window_layers) * self.beta_layer
 
     # --- the operators -----------------------------------------------------------------------
     def _linear(self, T):
+        """A layer's linears for T tokens. MoE: the router, the shared experts and the routed
+        experts the batch touches: with top_k of E experts a token, uniform routing, a batch of
+        T tokens reads E (1 - (1 - k/E)^T) experts' weights (all of them held in memory); a
+        mixed model's dense layers (DeepSeek's first_k_dense_replace) are averaged in."""
         pc, bm, bw, wb, roof = self.pc, self.bm, self.bw_weights, self.wb, self.roof
         t = 0.0
         for w, act in self.linears:
@@ -900,7 +1414,24 @@ class StepCost:
         if self.experts:
             touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
             t += roof(2 * self.expert_w * self.top_k * T / pc,
-                     touched * self.expert_w * wb / bw + self.expert_act * T / bm)
+                     touched * self.expert_w * self.ewb / bw + self.expert_act * T / bm)
+            if self.dense_linears:
+                attn = sum(roof(2 * w * T / pc, w * wb / bw + act * T / bm) for w, act in self.linears[:self.n_attn])
+                dense = attn + sum(roof(2 * w * T / pc, w * wb / bw + act * T / bm) for w, act in self.dense_linears)
+                t = (self.n_moe * t + (self.layers - self.n_moe) * dense) / self.layers
+        return t
+
+    def _window_decode(self, seqs, decode_ctx):
+        """Seconds of the windowed layers' decode attention: each request reads at most the window."""
+        if not self.window_layers:
+            return 0.0
+        return self.window_layers * self.beta_layer * min(decode_ctx, seqs * self.window)
+
+    def _prefill_attention(self, pairs, tokens):
+        t = (self.layers - self.window_layers) * self.roof(self.attn_flops * pairs / self.pa, self.attn_io * tokens / self.bm)
+        if self.window_layers:
+            t += self.window_layers * self.roof(self.attn_flops * min(pairs, tokens * self.window) / self.pa,
+                                                self.attn_io * tokens / self.bm)
         return t
 
     def _layer_tokens(self, T):
@@ -914,7 +1445,7 @@ class StepCost:
     def _lm_head(self, n):
         if n <= 0:
             return 0.0
-        return self.roof(2 * self.lm_w * n / self.pc, (self.lm_w * self.wb + self.lm_act * n) / self.bm) + \
+        return self.roof(2 * self.lm_w * n / self.pc, (self.lm_w * self.eb + self.lm_act * n) / self.bm) + \
             (self.ar_lat if self.tp > 1 else 0.0)
 
     def microbatches(self, seqs):
@@ -933,12 +1464,12 @@ class StepCost:
         microbatches fill the stages behind it. With m = pp every stage is always busy; with
         m < pp stages idle pp - m of the time (the bubble): a lone request runs no faster than
         on one stage's GPUs, its weights read stage after stage."""
-        if self.pp > 1:
+        if self.pp > 1 or self.window_layers:
             m = self.microbatches(seqs)
-            t = self.layers * (self._layer_tokens(tokens / m) + decode_ctx / m * (self.beta / self.layers))
+            t = self.layers * (self._layer_tokens(tokens / m) + decode_ctx / m * (self.beta / self.layers)) + \
+                self._window_decode(seqs / m, decode_ctx / m)
             if prefill_tokens:
-                t += self.layers * self.roof(self.attn_flops * prefill_pairs / m / self.pa,
-                                             self.attn_io * prefill_tokens / m / self.bm)
+                t += self._prefill_attention(prefill_pairs / m, prefill_tokens / m)
             return t + self._lm_head(seqs / m) + self.p2p_lat + self.p2p_byte * tokens / m + self.overhead + \
                 self.per_seq * seqs + (self.prefill_overhead if prefill_tokens else 0.0)
         per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
@@ -951,10 +1482,11 @@ class StepCost:
         """Decode step of n requests costs decode_alpha(n) + decode_beta(n) * (their total context)."""
         a = self._alpha.get(n)
         if a is None:
-            if self.pp > 1:
+            if self.pp > 1 or self.window_layers:
                 m = self.microbatches(n)
                 a = self.layers * self._layer_tokens(n / m) + self._lm_head(n / m) + self.p2p_lat + \
-                    self.p2p_byte * n / m + self.overhead + self.per_seq * n
+                    self.p2p_byte * n / m + self.overhead + self.per_seq * n + \
+                    self.window_layers * self.beta_layer * self.window * n / m
             else:
                 a = self.layers * self._layer_tokens(n) + self._lm_head(n) + self.overhead + self.per_seq * n
             self._alpha[n] = a
@@ -978,7 +1510,7 @@ class StepCost:
 
     # --- memory ------------------------------------------------------------------------------
     def reserve_bytes(self, tokens):
-        return RUNTIME_RESERVE_GB * 1e9 + self.act_per_token * tokens
+        return RUNTIME_RESERVE_GB * 1e9 + self.act_per_token * tokens + self.window_kv_bytes * MAX_NUM_SEQS
 
     def usable_bytes(self):
         return self.gpu.memory_gb * 1e9 * MEMORY_UTILIZATION
@@ -1025,7 +1557,7 @@ def _batched_tokens(model):
     """vLLM v0's largest step without chunked prefill: max(max_model_len, 2048) tokens. Its
     activations are reserved at start-up: long-context configs leave less room for KV (pass a
     config with a smaller max_position_embeddings, as --max-model-len would)."""
-    return max(model.max_position_embeddings, MIN_BATCHED_TOKENS)
+    return max(min(model.max_position_embeddings, MAX_PLANNED_MODEL_LEN), MIN_BATCHED_TOKENS)
 
 
 def _static_times(c, batch, input_len, output_len):
@@ -1421,7 +1953,9 @@ def scenario_model(scenario, name):
 def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
            chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
            max_requests=None, engine=DEFAULT_ENGINE, dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
-    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]).
+    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]; an
+    entry may add pp (pipeline stages, default 1), fabric (FABRICS name or GBPS:LATENCY_US, default
+    the GPU's) and nnodes (the nodes of one instance: needed for tp wider than a node)).
 
     A model's requests go to its placement entries in proportion to `weight` (default: the
     entry's instance count) and uniformly to the instances of an entry. Throughput of a model
@@ -1474,7 +2008,8 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
         for e in es:
             gpu = resolve_gpu(e["gpu"])
             tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
-            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp)
+            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp,
+                         nnodes=e.get("nnodes"))
             c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
             mt = _batched_tokens(model)
             cap = c.kv_capacity_tokens(mt)
@@ -1519,7 +2054,7 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
             _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
         dec = [[] for _ in range(d)]
         for _, r in all_arr:
-            ready = first[r] + inp[r] * c.kv_bytes_per_token * c.tp / kv_link
+            ready = first[r] + inp[r] * c.kv_bytes_per_instance_token / kv_link
             dec[rng.randrange(d)].append((ready, r))
         for lst in dec:
             lst.sort()
@@ -1645,7 +2180,9 @@ def _check_row(row, where, check_roofline):
     try:
         value, tp = float(row["value"]), int(row["tp"])
         if row["metric"] != SUSTAINED:
-            int(row["batch"])
+            if row["batch"].strip() != "max":
+                int(row["batch"])
+            int(row.get("pp") or 1)
             int(row["input_len"])
             if row["metric"] != "decode_throughput" or row["output_len"].strip().isdigit():
                 int(row["output_len"])
@@ -1687,6 +2224,7 @@ def predict_row(row, cal=None, quick=False):
     engine = row_engine(row).key
     dtype = "fp8" if "fp8" in row["dtype"].lower() else None
     tp, metric = int(row["tp"]), row["metric"]
+    pp = int(row.get("pp") or 1)          # an optional column: pipeline stages (large-model rows)
     if metric == SUSTAINED:
         n = _sustained_requests(row)
         scenario = {"duration_s": SUSTAINED_DURATION_S, "workload": [{
@@ -1699,12 +2237,18 @@ def predict_row(row, cal=None, quick=False):
                      duration_s=until)
         # a quick replay serves a prefix of the requests: take its steady rate, not its drain
         return res["per_model"][model.name]["sustained_req_s" if quick else "req_s"]
-    batch, inp = int(row["batch"]), int(row["input_len"])
+    inp = int(row["input_len"])
+    out = int(row["output_len"]) if row["output_len"].strip().isdigit() else GPTFAST_NEW_TOKENS
+    if row["batch"].strip() == "max":
+        # a "maximum throughput" figure that does not state its batch: the largest batch whose
+        # KV cache fits (max_batch), at most the engine's MAX_NUM_SEQS
+        batch = max(1, min(MAX_NUM_SEQS, max_batch(model, gpu, tp, inp + out, dtype, pp=pp)))
+    else:
+        batch = int(row["batch"])
     if metric == "decode_throughput":
-        out = int(row["output_len"]) if row["output_len"].strip().isdigit() else GPTFAST_NEW_TOKENS
-        e = estimate(model, gpu, tp, batch, inp, out, dtype, engine, cal)
+        e = estimate(model, gpu, tp, batch, inp, out, dtype, engine, cal, pp=pp)
         return batch * 1e3 / e["decode_ms_per_token"]
-    e = estimate(model, gpu, tp, batch, inp, int(row["output_len"]), dtype, engine, cal)
+    e = estimate(model, gpu, tp, batch, inp, out, dtype, engine, cal, pp=pp)
     if metric == "ttft":
         return e["ttft_ms"]
     if metric == "e2e_latency":
@@ -1712,7 +2256,7 @@ def predict_row(row, cal=None, quick=False):
     if metric == "decode_ms_per_token":
         return e["decode_ms_per_token"]
     if metric == "output_throughput_per_gpu":
-        return e["throughput_tok_s"] / tp
+        return e["throughput_tok_s"] / (tp * pp)
     if metric == "output_throughput":
         # TensorRT-LLM's A100 tables do not say total or per GPU; a roofline check (and the
         # v0.9 tables, which say per GPU) shows the tp > 1 rows are per GPU.
@@ -2933,6 +3477,219 @@ class LinearStepCost:
             raise SimError(f"a step profile is a JSON object of numbers: {', '.join(keys)}") from None
 
 
+# --- multi-node: the ranks of one engine and their links --------------------------------------
+# Theory of operation. A multi-node engine (SGLang --nnodes N --node-rank R --dist-init-addr
+# HOST:PORT) is N processes that live and die together: NCCL hangs or aborts the whole group
+# when one rank goes. `serve` emulates that contract, not the tensors: rank 0 listens at the
+# dist-init address and serves HTTP; every other rank connects to it (retrying until
+# --dist-start-timeout), says hello with the layout it was started with, and then both ends
+# send a heartbeat every DIST_HEARTBEAT_S. Rank 0's /health answers 503 until every rank has
+# joined, 200 after. A link that closes (a rank killed: its kernel closes the socket at once)
+# or stays silent past --dist-timeout ends rank 0 with a one-line error and a non-zero status;
+# a rank whose link to rank 0 closes or goes silent ends the same way. Wire format: one JSON
+# object a line ({"rank", "nnodes", "layout"} hello, {"ok"} or {"error"} reply, {"beat"}).
+# DistGroup is rank 0's bookkeeping, sans-IO (hellos, beats and closes with a clock in, a
+# verdict out); the sockets are _dist_rank0's and _dist_member's.
+
+# A heartbeat every 0.5 s: ~40 bytes a second a link; a killed rank is seen at once by its
+# closed socket, a hung one after --dist-timeout.
+DIST_HEARTBEAT_S = 0.5
+# --dist-timeout default: 10 missed heartbeats, far past a loaded box's scheduling hiccups
+# (a 2-core CI box stalls a process for ~100 ms), far short of NCCL's 10-minute watchdog.
+DIST_STALL_S = 5.0
+# --dist-start-timeout default: how long ranks may take to find each other (Slurm starts the
+# nodes of a job within seconds; a container pull or a cold file system can take minutes).
+DIST_START_S = 300.0
+# a rank retries its connection to rank 0 this often until the start timeout
+DIST_RETRY_S = 0.2
+
+
+def dist_layout(model, gpu, tp, pp, nnodes):
+    """The layout string every rank must agree on, after checking that it is one: tp x pp
+    GPUs split evenly over nnodes nodes, tp wider than a node spanning whole nodes."""
+    if nnodes < 1:
+        raise SimError(f"--nnodes must be at least 1, got {nnodes}")
+    if (tp * pp) % nnodes:
+        raise SimError(f"tp={tp} x pp={pp} = {tp * pp} GPUs do not split evenly over {nnodes} nodes")
+    per_node = tp * pp // nnodes
+    if per_node > gpu.per_node:
+        raise SimError(f"tp={tp} x pp={pp} over {nnodes} nodes puts {per_node} GPUs on a node; a {gpu.name} node "
+                       f"has {gpu.per_node}")
+    check_config(model, gpu, tp, per_node=per_node, pp=pp, nnodes=nnodes if nnodes > 1 else None)
+    return f"{model.name} on {gpu.name} tp={tp} pp={pp} nnodes={nnodes}"
+
+
+class DistGroup:
+    """Rank 0's view of the other ranks: who joined, when each last spoke, and whether the
+    group is whole, still starting, or failed (and why: one line)."""
+
+    def __init__(self, nnodes, layout, now, stall_s=DIST_STALL_S, start_s=DIST_START_S):
+        self.nnodes, self.layout = nnodes, layout
+        self.stall_s, self.start_s, self.started = stall_s, start_s, now
+        self.heard_at = {}            # rank -> when it last spoke (joined ranks only)
+        self.failed = None            # one line, once the group has failed
+
+    @property
+    def ready(self):
+        return self.failed is None and len(self.heard_at) == self.nnodes - 1
+
+    def hello(self, msg, now):
+        """A new link's first line: the reply to send (and its rank when it joined)."""
+        try:
+            rank, nnodes, layout = int(msg["rank"]), int(msg["nnodes"]), str(msg["layout"])
+        except (KeyError, TypeError, ValueError):
+            return {"error": "a hello is {\"rank\", \"nnodes\", \"layout\"}"}, None
+        if nnodes != self.nnodes or layout != self.layout:
+            return {"error": f"rank {rank} was started as {layout!r}, rank 0 as {self.layout!r}"}, None
+        if not 1 <= rank < self.nnodes:
+            return {"error": f"node rank {rank} is outside 1..{self.nnodes - 1}"}, None
+        if rank in self.heard_at:
+            return {"error": f"node rank {rank} has already joined"}, None
+        self.heard_at[rank] = now
+        return {"ok": True}, rank
+
+    def heard(self, rank, now):
+        if rank in self.heard_at:
+            self.heard_at[rank] = now
+
+    def closed(self, rank, now):
+        if rank in self.heard_at and self.failed is None:
+            self.failed = f"node rank {rank} closed its link (the rank is gone; a multi-node engine cannot go on)"
+
+    def tick(self, now):
+        """The failure, if any, as of `now` (a silent rank, or ranks that never came)."""
+        if self.failed is None:
+            for rank, at in sorted(self.heard_at.items()):
+                if now - at > self.stall_s:
+                    self.failed = f"node rank {rank} silent for {now - at:.1f} s (--dist-timeout {self.stall_s:g} s)"
+                    break
+        if self.failed is None and not self.ready and now - self.started > self.start_s:
+            missing = sorted(set(range(1, self.nnodes)) - set(self.heard_at))
+            self.failed = f"node rank(s) {', '.join(map(str, missing))} did not join within --dist-start-timeout " \
+                          f"{self.start_s:g} s"
+        return self.failed
+
+
+def _split_addr(text):
+    host, _, port = str(text).rpartition(":")
+    try:
+        port = int(port)
+    except ValueError:
+        port = -1
+    if not host or not 0 < port < 65536:
+        raise SimError(f"--dist-init-addr {text!r} is not HOST:PORT")
+    return host.strip("[]"), port
+
+
+async def _dist_lines(reader, on_line, on_close):
+    """Read one JSON object a line until the link closes; then on_close()."""
+    try:
+        while True:
+            line = await reader.readline()
+            if not line:
+                break
+            try:
+                on_line(json.loads(line))
+            except ValueError:
+                pass
+    except (ConnectionError, OSError):
+        pass
+    on_close()
+
+
+async def _dist_rank0(group, addr, stop):
+    """Rank 0's side: listen at the dist-init address, admit ranks into `group`, beat, and set
+    `stop` to the group's failure (one line) when it fails. Returns the listening server."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    links = {}
+
+    async def link(reader, writer):
+        try:
+            first = await asyncio.wait_for(reader.readline(), group.stall_s)
+            reply, rank = group.hello(json.loads(first), loop.time())
+        except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+            writer.close()
+            return
+        writer.write(json.dumps(reply).encode() + b"\n")
+        if rank is None:
+            writer.close()
+            return
+        links[rank] = writer
+
+        def closed():
+            links.pop(rank, None)
+            group.closed(rank, loop.time())
+            watch()
+        await _dist_lines(reader, lambda msg: group.heard(rank, loop.time()), closed)
+
+    def watch():
+        failed = group.tick(loop.time())
+        if failed and not stop.done():
+            stop.set_result(failed)
+
+    async def beat():
+        while not stop.done():
+            for writer in list(links.values()):
+                try:
+                    writer.write(b'{"beat":1}\n')
+                except (ConnectionError, OSError, RuntimeError):
+                    pass
+            watch()
+            await asyncio.sleep(min(DIST_HEARTBEAT_S, group.stall_s / 4))
+    host, port = _split_addr(addr)
+    try:
+        server = await asyncio.start_server(link, host, port)
+    except OSError as e:
+        raise SimError(f"--dist-init-addr {addr}: cannot listen ({e.strerror})") from None
+    task = loop.create_task(beat())
+    server.beat_task = task
+    return server
+
+
+async def _dist_member(rank, nnodes, layout, addr, stall_s, start_s, stop):
+    """A rank other than 0: connect to rank 0 (retrying until start_s), join, beat; set `stop`
+    to a one-line reason when rank 0 goes away or falls silent."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    host, port = _split_addr(addr)
+    deadline = loop.time() + start_s
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            break
+        except OSError:
+            if loop.time() > deadline:
+                raise SimError(f"rank 0 at {addr} did not answer within --dist-start-timeout {start_s:g} s") from None
+            await asyncio.sleep(DIST_RETRY_S)
+    writer.write(json.dumps({"rank": rank, "nnodes": nnodes, "layout": layout}).encode() + b"\n")
+    try:
+        reply = json.loads(await asyncio.wait_for(reader.readline(), stall_s) or b"{}")
+    except (asyncio.TimeoutError, ValueError, ConnectionError, OSError):
+        reply = {}
+    if not reply.get("ok"):
+        raise SimError(f"rank 0 at {addr} refused node rank {rank}: {reply.get('error', 'no answer')}")
+    heard = [loop.time()]
+
+    def gone():
+        if not stop.done():
+            stop.set_result(f"rank 0 at {addr} went away (its link closed); node rank {rank} ends with it")
+
+    def on_line(msg):
+        heard[0] = loop.time()
+    reading = loop.create_task(_dist_lines(reader, on_line, gone))
+    while not stop.done():
+        try:
+            writer.write(b'{"beat":1}\n')
+        except (ConnectionError, OSError, RuntimeError):
+            gone()
+        if loop.time() - heard[0] > stall_s and not stop.done():
+            stop.set_result(f"rank 0 at {addr} silent for {loop.time() - heard[0]:.1f} s (--dist-timeout {stall_s:g} s)")
+        await asyncio.wait([stop], timeout=min(DIST_HEARTBEAT_S, stall_s / 4))
+    reading.cancel()
+    writer.close()
+
+
 class EmulatedServer:
     """The asyncio edge of `serve`: HTTP/1.1 on loopback (keep-alive, Content-Length bodies),
     the OpenAI routes, and the step timer that waits out each step's roofline time, times
@@ -2958,6 +3715,7 @@ class EmulatedServer:
         self.counter = 0
         self.created = int(time.time())
         self.server = self.loop = None
+        self.ready = lambda: True              # a multi-node rank 0: False until every rank joined
 
     async def start(self, host, port):
         asyncio = self.asyncio
@@ -3174,6 +3932,10 @@ class EmulatedServer:
 
     async def _route(self, method, path, body, writer, received):
         """Answer one request; False when the connection must close."""
+        if not self.ready() and path != "/metrics":
+            await self._send_json(writer, 503, _openai_error("the engine's node ranks have not all joined yet",
+                                                             "service_unavailable", code=503))
+            return True
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
                 await self._send_json(writer, 405, _openai_error(f"{method} not allowed on {path}", "invalid_request_error"))
@@ -3406,6 +4168,19 @@ def _cmd_serve(a):
     import asyncio
     import signal
     engine = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
+    layout = None
+    if a.nnodes > 1 or a.pp > 1 or a.dist_init_addr:
+        if a.step_profile:
+            raise SimError("--step-profile times one process; it does not take --pp or --nnodes")
+        layout = dist_layout(resolve_model(a.model), resolve_gpu(a.gpu), a.tp, a.pp, a.nnodes)
+        if not 0 <= a.node_rank < a.nnodes:
+            raise SimError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
+        if a.nnodes > 1 and not a.dist_init_addr:
+            raise SimError("--nnodes above 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
+        if a.nnodes > 1:
+            _split_addr(a.dist_init_addr)
+    if layout and a.node_rank > 0:
+        return _serve_member(a, layout)
     if a.step_profile:
         model = resolve_model(a.model)
         if a.kv_tokens is None:
@@ -3417,7 +4192,7 @@ def _cmd_serve(a):
     else:
         model = resolve_model(a.model)
         core = serve_core(model, a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
-                          a.max_model_len, a.kv_tokens, a.block_size)
+                          a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
         core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
     served = a.served_model_name or a.model
 
@@ -3429,25 +4204,58 @@ def _cmd_serve(a):
             raise SimError(f"--request-log {a.request_log}: {e.strerror}") from None
 
     async def run():
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
         server = EmulatedServer(core, served, time_scale=a.time_scale, request_log=log)
+        dist = None
+        if a.nnodes > 1:
+            group = DistGroup(a.nnodes, layout, loop.time(), a.dist_timeout, a.dist_start_timeout)
+            server.ready = lambda: group.ready
+            dist = await _dist_rank0(group, a.dist_init_addr, stop)
         port = await server.start(a.host, a.port)
         timing = f"timed by the profile {a.step_profile}" if a.step_profile else \
-            f"on {a.tp} x {a.gpu} ({engine.key})"
+            f"on {a.tp} x {a.gpu} ({engine.key})" if a.pp == 1 and a.nnodes == 1 else \
+            f"on tp={a.tp} x pp={a.pp} x {a.gpu} over {a.nnodes} node(s) ({engine.key}); node rank 0 at " \
+            f"{a.dist_init_addr or '-'}"
         if a.time_scale != 1:
             timing += f", slowed {a.time_scale:g} times"
         print(f"otela_sim.py serve: {served} as {model.name} {timing}; "
               f"{core.cache.num_blocks} KV blocks of {core.block_size} tokens, "
               f"{core.max_batched_tokens} tokens per step; http://{a.host}:{port}", file=sys.stderr, flush=True)
-        stop = asyncio.get_running_loop().create_future()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-        await stop
+            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        failed = await stop
+        if dist is not None:
+            dist.beat_task.cancel()
+            dist.close()
         await server.close()
+        return failed
     try:
-        asyncio.run(run())
+        failed = asyncio.run(run())
     finally:
         if log is not None:
             log.close()
+    if failed:
+        raise SimError(failed)
+
+
+def _serve_member(a, layout):
+    """`serve` as a node rank other than 0: no HTTP; join rank 0 and live as long as it does."""
+    import asyncio
+    import signal
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        print(f"otela_sim.py serve: node rank {a.node_rank} of {layout}; joining rank 0 at {a.dist_init_addr}",
+              file=sys.stderr, flush=True)
+        await _dist_member(a.node_rank, a.nnodes, layout, a.dist_init_addr, a.dist_timeout, a.dist_start_timeout, stop)
+        return stop.result()
+    failed = asyncio.run(run())
+    if failed:
+        raise SimError(failed)
 
 
 def add_serve_command(sub):
@@ -3457,6 +4265,26 @@ def add_serve_command(sub):
     s.add_argument("--served-model-name", default=None, help="the name in /v1/models (default --model)")
     s.add_argument("--gpu", default="H100", help="the GPU emulated (default H100)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    s.add_argument("--pp", type=_AT_LEAST_1, default=1,
+                   help="pipeline stages of --tp GPUs each; step times are the roofline's for tp x pp (default 1: none)")
+    s.add_argument("--fabric", default=None,
+                   help="inter-node network timing the layout: a name (" + ", ".join(FABRICS) + ") or "
+                        "GBPS:LATENCY_US[:NICS] (default the GPU's usual node's)")
+    s.add_argument("--nnodes", type=_AT_LEAST_1, default=1,
+                   help="nodes of one multi-node engine, each with tp x pp / nnodes GPUs, SGLang's flag (default 1: a "
+                        "single-node engine)")
+    s.add_argument("--node-rank", type=int, default=0,
+                   help="this process's node rank, 0..nnodes-1 (an index, no unit); rank 0 serves the HTTP requests, the "
+                        "others only join it (default 0)")
+    s.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="rank 0's address for the ranks' links, SGLang's flag (required with --nnodes above 1; no "
+                        "default: the ranks must agree on it)")
+    s.add_argument("--dist-timeout", type=_POSITIVE, default=DIST_STALL_S, metavar="SECONDS",
+                   help=f"seconds a rank's link may stay silent before the engine ends (default {DIST_STALL_S:g}: "
+                        f"{DIST_STALL_S / DIST_HEARTBEAT_S:.0f} missed heartbeats; a closed link ends it at once)")
+    s.add_argument("--dist-start-timeout", type=_POSITIVE, default=DIST_START_S, metavar="SECONDS",
+                   help=f"seconds for all ranks to join (rank 0 answers /health 503 meanwhile; default "
+                        f"{DIST_START_S:g}: a slow container start on a cold file system)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -3766,14 +4594,22 @@ def _cmd_tables(a):
     if a.what == "gpus":
         for g in GPUS.values():
             print(f"{g.name:16s} {g.memory_gb:5g} GB {g.mem_bw_TBps:6.3f} TB/s {g.fp16_tflops:7.1f} TF16 "
-                  f"{g.fp8_tflops:7.1f} TF8 {g.interconnect_GBps:6.1f} GB/s {g.tdp_w:5g} W  {g.source}")
+                  f"{g.fp8_tflops:7.1f} TF8 {g.interconnect_GBps:6.1f} GB/s {g.tdp_w:5g} W {g.per_node} a node, "
+                  f"{g.fabric or DEFAULT_FABRIC} between  {g.source}")
+        for f in FABRICS.values():
+            print(f"fabric {f.name:14s} {f.nic_GBps:5g} GB/s x {f.nics_per_node} NICs a node, {f.latency_us:g} us  {f.source}")
     elif a.what == "engines":
         for e in ENGINE_VERSIONS.values():
             print(f"{e.key:12s} {e.engine:8s} {e.version:8s} gqa_kv_once={str(e.gqa_kv_once):5s}  {e.source}")
     else:
         for k, m in MODELS.items():
-            print(f"{k:16s} {m.name:36s} {m.params / 1e9:7.2f} B params  {m.num_hidden_layers:3d} layers  "
-                  f"{m.num_attention_heads}/{m.num_key_value_heads} heads")
+            kind = f"  MoE {m.experts} experts top-{m.top_k} in {m.n_moe_layers} layers" if m.experts else ""
+            kind += "  MLA" if m.mla else ""
+            kind += f"  {m.sliding_layers} layers windowed at {m.sliding_window}" if m.sliding_layers else ""
+            kind += f"  {m.quantization}" if m.quantization else ""
+            print(f"{k:21s} {m.name:36s} {m.params / 1e9:7.2f} B params ({m.active_params / 1e9:.1f} B active, "
+                  f"{m.weights_gb():.0f} GB)  {m.num_hidden_layers:3d} layers  "
+                  f"{m.num_attention_heads}/{m.num_key_value_heads} heads{kind}")
 
 
 def _cmd_probe(a):

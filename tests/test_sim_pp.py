@@ -77,3 +77,41 @@ def test_every_gpu_row_has_a_fabric_with_a_source():
     for gpu in sim.GPUS.values():
         fab = sim.resolve_fabric(None, gpu)
         assert fab.nic_GBps > 0 and fab.source
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run([sys.executable, os.path.join(here, "..", "otela_sim.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_estimate_prints_the_layout_and_refuses_a_pp_that_does_not_divide():
+    p = _cli("estimate", "--model", "qwen3-235b-a22b", "--gpu", "H100", "--tp", "8", "--pp", "2", "--batch", "16")
+    assert p.returncode == 0, p.stderr
+    layout = next(line for line in p.stdout.splitlines() if line.startswith("layout"))
+    assert "2 node(s)" in layout and "16 GPUs" in layout and "ib-ndr-x8" in layout and "GB per GPU" in layout
+    bad = _cli("estimate", "--model", "deepseek-v3", "--gpu", "H100", "--tp", "8", "--pp", "2")
+    assert bad.returncode != 0 and "pp=2 does not divide the 61 layers" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    odd = _cli("estimate", "--model", "llama-3.1-70b", "--gpu", "GH200", "--tp", "8", "--pp", "1", "--fabric", "x")
+    assert odd.returncode != 0 and "unknown fabric" in odd.stderr
+    odd = _cli("estimate", "--model", "qwen2.5-72b", "--gpu", "GH200", "--tp", "16")
+    assert odd.returncode == 0 and "4 node(s)" in odd.stdout, odd.stderr
+
+
+def test_a_replay_placement_may_name_stages_a_fabric_and_the_nodes_of_tp_across_them():
+    scenario = {"duration_s": 20, "gpus": [{"type": "H100", "count": 16, "per_node": 8}],
+                "workload": [{"model": "llama-3.1-70b", "rate_rps": 2.0, "input": {"mean": 512, "std": 0},
+                              "output": {"mean": 64, "std": 0}}]}
+    pp = sim.replay(scenario, [{"model": "llama-3.1-70b", "gpu": "H100", "tp": 8, "pp": 2, "instances": 1}])
+    wide = sim.replay(scenario, [{"model": "llama-3.1-70b", "gpu": "H100", "tp": 16, "nnodes": 2, "instances": 1,
+                                  "fabric": "ib-hdr-x8"}])
+    assert pp["completed"] == wide["completed"] == pp["requests"] and pp["unserved"] == 0
+    # the pipeline's lone microbatches walk 80 layers on 8 GPUs; tp=16 reads half the weights
+    # a GPU but all-reduces across nodes: both answer, neither is free
+    assert pp["p50_ms"] > 0 and wide["p50_ms"] > 0 and pp["p50_ms"] != wide["p50_ms"]
+    with pytest.raises(sim.SimError, match="GPUs of a"):
+        sim.replay(scenario, [{"model": "llama-3.1-70b", "gpu": "H100", "tp": 16, "instances": 1}])

@@ -889,3 +889,147 @@ def test_a_node_wraps_serve_as_its_engine_and_the_ingress_routes_to_it(tmp_path)
             client.close()
     finally:
         cluster.close()
+
+
+# --- a multi-node engine: node ranks and their links ------------------------------------------------
+
+LAYOUT = "m on g tp=8 pp=2 nnodes=3"
+
+
+def test_a_group_is_ready_only_when_every_rank_has_joined_with_the_same_layout():
+    g = sim.DistGroup(3, LAYOUT, now=0.0)
+    assert not g.ready
+    assert g.hello({"rank": 1, "nnodes": 3, "layout": LAYOUT}, 0.1) == ({"ok": True}, 1)
+    assert not g.ready
+    reply, rank = g.hello({"rank": 2, "nnodes": 3, "layout": "m on g tp=8 pp=1 nnodes=3"}, 0.2)
+    assert rank is None and "started as" in reply["error"]
+    assert g.hello({"rank": 1, "nnodes": 3, "layout": LAYOUT}, 0.2)[0] == {"error": "node rank 1 has already joined"}
+    assert "outside 1..2" in g.hello({"rank": 3, "nnodes": 3, "layout": LAYOUT}, 0.2)[0]["error"]
+    assert g.hello({"rank": 2, "nnodes": 3, "layout": LAYOUT}, 0.3)[1] == 2
+    assert g.ready and g.tick(1.0) is None
+
+
+def test_a_closed_link_fails_the_group_at_once_and_a_silent_one_after_the_timeout():
+    g = sim.DistGroup(3, LAYOUT, now=0.0, stall_s=2.0)
+    for r in (1, 2):
+        g.hello({"rank": r, "nnodes": 3, "layout": LAYOUT}, 0.0)
+    g.heard(1, 1.5)
+    assert g.tick(2.4) and "node rank 2 silent for 2.4 s" in g.failed
+    h = sim.DistGroup(2, LAYOUT.replace("3", "2"), now=0.0)
+    h.hello({"rank": 1, "nnodes": 2, "layout": LAYOUT.replace("3", "2")}, 0.0)
+    h.closed(1, 0.5)
+    assert not h.ready and "node rank 1 closed its link" in h.tick(0.5)
+
+
+def test_ranks_that_never_come_fail_the_group_after_the_start_timeout():
+    g = sim.DistGroup(3, LAYOUT, now=0.0, start_s=10.0)
+    g.hello({"rank": 2, "nnodes": 3, "layout": LAYOUT}, 1.0)
+    g.heard(2, 9.0)
+    assert g.tick(9.5) is None
+    g.heard(2, 10.5)
+    assert "node rank(s) 1 did not join within --dist-start-timeout 10 s" in g.tick(10.6)
+
+
+def _rank(rank, dist, port, *extra):
+    return subprocess.Popen([sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", "llama-3.1-70b",
+                             "--gpu", "H100", "--tp", "8", "--pp", "2", "--nnodes", "2", "--node-rank", str(rank),
+                             "--dist-init-addr", f"127.0.0.1:{dist}", "--port", str(port), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _health(port):
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _exits_within(proc, seconds):
+    t = time.monotonic()
+    proc.wait(seconds + 5)
+    return time.monotonic() - t, proc.returncode, proc.stderr.read().strip().splitlines()
+
+
+@pytest.fixture
+def two_ranks():
+    port, dist = free_port(), free_port()
+    r0 = _rank(0, dist, port)
+    procs = [r0]
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if _health(port) == 503:
+                    break
+            except OSError:
+                time.sleep(0.05)
+        assert _health(port) == 503                        # up, but rank 1 has not joined
+        r1 = _rank(1, dist, 0)
+        procs.append(r1)
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=30, proc=r0)
+        yield port, r0, r1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop_process(p, 5)
+
+
+def test_two_ranks_up_answer_health_and_a_chat_and_rank_0_ends_within_2_s_when_rank_1_dies(two_ranks):
+    port, r0, r1 = two_ranks
+    status, body = http(f"http://127.0.0.1:{port}", "POST", "/v1/chat/completions",
+                        {"model": "llama-3.1-70b", "messages": [{"role": "user", "content": "hello there"}],
+                         "max_tokens": 4})
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4
+    r1.kill()
+    took, code, err = _exits_within(r0, 2)
+    assert took < 2 and code != 0
+    assert err[-1] == "otela_sim.py: error: node rank 1 closed its link (the rank is gone; a multi-node engine " \
+                      "cannot go on)"
+
+
+def test_a_rank_ends_when_rank_0_goes_away(two_ranks):
+    port, r0, r1 = two_ranks
+    r0.kill()
+    took, code, err = _exits_within(r1, 2)
+    assert took < 2 and code != 0 and "rank 0 at 127.0.0.1:" in err[-1] and "went away" in err[-1]
+
+
+def test_a_silent_rank_ends_the_engine_after_the_dist_timeout():
+    import signal
+    port, dist = free_port(), free_port()
+    r0, r1 = _rank(0, dist, port, "--dist-timeout", "1"), _rank(1, dist, 0, "--dist-timeout", "1")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=30, proc=r0)
+        r1.send_signal(signal.SIGSTOP)                     # hung, its socket still open
+        took, code, err = _exits_within(r0, 3)
+        assert 0.9 < took < 3 and code != 0 and "node rank 1 silent for" in err[-1] and "--dist-timeout 1 s" in err[-1]
+    finally:
+        r1.send_signal(signal.SIGCONT)
+        for p in (r0, r1):
+            if p.poll() is None:
+                stop_process(p, 5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nnodes", "2"], "needs --dist-init-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:1"], "outside 0..1"),
+    (["--pp", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "puts 12 GPUs on a node"),
+    (["--tp", "1", "--pp", "5", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "do not split evenly"),
+    (["--pp", "3", "--tp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "pp=3 does not divide the 80"),
+    (["--nnodes", "2", "--dist-init-addr", "nowhere"], "not HOST:PORT"),
+])
+def test_a_bad_multi_node_layout_is_a_one_line_error(args, message):
+    p = subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", "llama-3.1-70b", "--gpu",
+                        "H100", "--tp", "8", "--port", "0", *args], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_the_emulated_step_of_a_pipeline_is_the_roofline_of_that_layout():
+    one = sim.serve_core("llama-3.1-70b", "H100", 8)
+    two = sim.serve_core("llama-3.1-70b", "H100", 8, pp=2)
+    assert two.cost is sim._cost_for(sim.MODELS["llama-3.1-70b"], sim.GPUS["H100-SXM5-80GB"], 8, None,
+                                     sim.SERVE_ENGINE, None, 2, None)
+    assert two.cost.p2p_lat > 0 and two.cache.num_blocks > 2 * one.cache.num_blocks
