@@ -7,7 +7,8 @@ job's node wraps rank 0 and joins a real ingress on the lab's bridge; the regist
 session's nodes, tp and pp. Then the rank-1 process of one job is killed under load: its session
 is DOWN within 2 s, no non-streamed request fails (the ingress retries on the other instance),
 every stream finishes or ends with an error event, the job ends, and the placer's next pass
-replaces it. Prints the seconds from the kill to DOWN. Needs root."""
+replaces it. Last, the other job gets its time limit's signal: its node drains and leaves, and
+the job ends with every rank. Prints the seconds from the kill to DOWN. Needs root."""
 from __future__ import annotations
 
 import json
@@ -193,6 +194,16 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
         poll(lambda: victim not in {j["id"] for j in place.slurm_jobs()}, f"job {victim} did not end", 60, interval=0.5)
         again = placer_pass()["submitted"]   # the next pass replaces it
         assert len(again) == 1 and victim not in again
+
+        # The time limit's --signal (B:TERM to the batch shell, as `scancel --batch` sends it): rank 0's
+        # node drains and leaves, the job ends, and its other rank with it.
+        other = jobs[1]
+        assert rank_pid(other, 1)
+        subprocess.run(["scancel", "--batch", "--signal=TERM", other], check=True, timeout=30)
+        poll(lambda: [s for s in of_job(registry(ingress), other) if s["state"] == "LEFT"],
+             f"job {other}'s session LEFT after its --signal", 60, interval=0.2)
+        poll(lambda: other not in {j["id"] for j in place.slurm_jobs()}, f"job {other} did not end", 60, interval=0.5)
+        assert rank_pid(other, 1) is None
     finally:
         stop.set()
         from test_place_slurm import _cancel_ours
