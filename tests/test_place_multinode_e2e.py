@@ -208,3 +208,91 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
         stop.set()
         from test_place_slurm import _cancel_ours
         _cancel_ours()
+
+
+# Stand-ins for Ray and vLLM (neither is installed here): `ray start --head --port P --block`
+# listens on P; `ray start --address HOST:P --block` checks it reaches the head, then waits;
+# `vllm serve W ... --pipeline-parallel-size P ...` is the emulated engine as one process.
+RAY = f"""#!{PY}
+import socket, sys, time
+args = sys.argv[1:]
+if "--head" in args:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((args[args.index("--node-ip-address") + 1], int(args[args.index("--port") + 1])))
+    s.listen(8)
+else:
+    host, port = args[args.index("--address") + 1].rsplit(":", 1)
+    socket.create_connection((host, int(port)), 10).close()
+print("ray", *args, flush=True)
+time.sleep(1e6)
+"""
+VLLM = f"""#!{PY}
+import os, sys
+args, out, skip = sys.argv[3:], [], 0
+for a in args:
+    if skip:
+        skip -= 1
+    elif a in ("--pipeline-parallel-size", "--distributed-executor-backend"):
+        skip = 1
+    else:
+        out.append("--tp" if a == "--tensor-parallel-size" else a)
+os.execv({PY!r}, [{PY!r}, {os.path.join(ROOT, "otela_sim.py")!r}, "serve", "--model", sys.argv[2]] + out)
+"""
+
+
+def ray_pids(job):
+    """{'head' or 'worker': pid} of the Ray stand-ins of Slurm job `job`."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[1].endswith(b"/ray") and f"SLURM_JOB_ID={job}".encode() in env:
+            found["head" if b"--head" in argv else "worker"] = int(pid)
+    return found
+
+
+def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab, ingress, tmp_path):  # noqa: F811
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("ray", RAY), ("vllm", VLLM)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    site = place.check_site({"gpus": [{"type": "H100", "count": 4, "per_node": 1, "gres": "gpu",
+                                       "partition": mlab["partition"], "time_limit": "10"}],
+                             "engine_wrapper": f"env PATH={bin_dir}:/usr/bin:/bin", "log_dir": str(tmp_path / "logs")})
+    os.makedirs(tmp_path / "logs")
+    row = {"model": MODEL, "gpu": "H100", "tp": 1, "pp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
+    grants = place.GrantIssuer(str(tmp_path / "grants"), ingress["key"], PY)   # as plan does
+    (_, name, text), = place.job_scripts([row], site, "vllm", {"KEY_FILE": ingress["key"],
+                                                               "BOOTSTRAP": ingress["gossip"], "PYTHON": PY},
+                                         grant=grants.grant)
+    (tmp_path / name).write_text(text)
+    from test_place_slurm import _cancel_ours
+    try:
+        job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
+                             check=True, timeout=30).stdout.strip().split(";")[0]
+
+        def serving():
+            mine = of_job(registry(ingress), job)
+            if any(s["state"] in ("DOWN", "LEFT") for s in mine):
+                raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
+            return [s for s in mine if s["state"] == "SERVING"]
+        session = poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+        assert len(session["hardware"]["nodes"]) == 2 and (session["hardware"]["tp"], session["hardware"]["pp"]) == (1, 2)
+        assert set(ray_pids(job)) == {"head", "worker"}
+        log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
+        assert "--pipeline-parallel-size 2 --distributed-executor-backend ray" in log
+        assert chat(ingress["url"]) == (200, None)
+        os.kill(ray_pids(job)["worker"], signal.SIGKILL)   # a Ray worker gone: the node stops, the job ends
+        poll(lambda: [s for s in of_job(registry(ingress), job) if s["state"] in ("DOWN", "LEFT")],
+             f"job {job}'s session DOWN after its Ray worker died", 10, interval=0.05)
+        poll(lambda: job not in {j["id"] for j in place.slurm_jobs()} and not ray_pids(job),
+             f"job {job} and its Ray processes did not end", 60, interval=0.5)
+    finally:
+        _cancel_ours()
