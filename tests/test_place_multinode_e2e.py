@@ -22,8 +22,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import free_port, poll, stop_process, wait_http
+from conftest import poll
 from multilab import BRIDGE_ADDR, mlab  # noqa: F401  (the multi-node Slurm lab)
+from test_place_e2e import real_ingress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,21 +53,8 @@ def sim_is_multi_node():
 @pytest.fixture
 def ingress(mlab, tmp_path):  # noqa: F811
     """A real ingress on the lab's bridge address, where the nodes in their namespaces reach it."""
-    subprocess.run([PY, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", str(tmp_path / "key")],
-                   check=True, capture_output=True, timeout=60)
-    port, gossip = free_port(), free_port()
-    log = open(tmp_path / "ingress.log", "w")
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file",
-                             str(tmp_path / "key" / "cluster.key"), "--listen", f"{BRIDGE_ADDR}:{port}",
-                             "--gossip", f"{BRIDGE_ADDR}:{gossip}", "--db", str(tmp_path / "usage.sqlite"),
-                             "--no-auth"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://{BRIDGE_ADDR}:{port}/healthz", timeout=60, proc=proc)
-        yield {"url": f"http://{BRIDGE_ADDR}:{port}", "gossip": f"{BRIDGE_ADDR}:{gossip}",
-               "key": str(tmp_path / "key" / "cluster.key")}
-    finally:
-        stop_process(proc, 20)
-        log.close()
+    with real_ingress(tmp_path, BRIDGE_ADDR) as found:
+        yield found
 
 
 def registry(ingress):
@@ -100,21 +88,26 @@ def chat(url, stream=False):
         return None, str(e)
 
 
-def rank_pid(job, rank):
-    """The pid of the emulated engine's rank `rank` in Slurm job `job` (its environment says the job)."""
+def job_processes(job):
+    """[argv] of every process of Slurm job `job` on this machine (its environment says the job)."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
             with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
+                if f"SLURM_JOB_ID={job}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found.append((int(pid), f.read().split(b"\0")))
         except OSError:
             continue
-        if b"serve" in argv and any(a.endswith(b"otela_sim.py") for a in argv) \
-                and b"--node-rank" in argv and argv[argv.index(b"--node-rank") + 1] == str(rank).encode() \
-                and f"SLURM_JOB_ID={job}".encode() in env:
-            return int(pid)
-    return None
+    return found
+
+
+def rank_pid(job, rank):
+    """The pid of the emulated engine's rank `rank` in Slurm job `job`."""
+    return next((pid for pid, argv in job_processes(job) if b"serve" in argv and b"--node-rank" in argv
+                 and any(a.endswith(b"otela_sim.py") for a in argv)
+                 and argv[argv.index(b"--node-rank") + 1] == str(rank).encode()), None)
 
 
 def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_replaced(mlab, ingress, tmp_path):  # noqa: F811
@@ -243,18 +236,8 @@ os.execv({PY!r}, [{PY!r}, {os.path.join(ROOT, "otela_sim.py")!r}, "serve", "--mo
 
 def ray_pids(job):
     """{'head' or 'worker': pid} of the Ray stand-ins of Slurm job `job`."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 2 and argv[1].endswith(b"/ray") and f"SLURM_JOB_ID={job}".encode() in env:
-            found["head" if b"--head" in argv else "worker"] = int(pid)
-    return found
+    return {"head" if b"--head" in argv else "worker": pid for pid, argv in job_processes(job)
+            if len(argv) > 2 and argv[1].endswith(b"/ray")}
 
 
 def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab, ingress, tmp_path):  # noqa: F811
