@@ -66,10 +66,10 @@ def of_job(sessions, job):
     return [s for s in sessions if str((s.get("labels") or {}).get("slurm_job")) == str(job)]
 
 
-def chat(url, stream=False):
+def chat(url, stream=False, tokens=8):
     """(status, error) of one chat completion; a stream is read to its end: error is None when it
     ended with [DONE], "event" when it ended with an SSE error event, "cut" when it just stopped."""
-    body = json.dumps({"model": MODEL, "max_tokens": 8, "stream": stream,
+    body = json.dumps({"model": MODEL, "max_tokens": tokens, "stream": stream,
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
     request = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -161,7 +161,8 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
 
         def load(kind):
             while not stop.is_set():
-                results[kind].append(chat(ingress["url"], stream=kind == "stream"))
+                # long enough that some are in flight on the rank killed
+                results[kind].append(chat(ingress["url"], stream=kind == "stream", tokens=64))
         threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in ("plain", "plain", "stream")]
         for t in threads:
             t.start()
