@@ -4,7 +4,7 @@
 Operators run it from cron on a login node. One run:
 
     demand (scenario file or the ingress's /v1/usage/stats)
-    free GPUs (scenario, the site file or sinfo GRES)         ──▶ candidates (model, GPU, tp)
+    free GPUs (scenario, the site file or sinfo GRES)         ──▶ candidates (model, GPU, tp[, pp])
     per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC); at scale
                                                                    │  LP bound, column generation,
                                                                    │  rounding and repair
@@ -13,6 +13,10 @@ Operators run it from cron on a login node. One run:
     catalogue: the site's min and max instances per model (a min starts a model from zero)
     reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
                held back by dynamic reclamation (cooldown, hysteresis; state file next to the lock)
+
+A model no node holds gets candidates over whole nodes (tp = a node's GPUs, pp = the fewest
+nodes that hold it, dividing its layers); such an instance costs tp x pp GPUs and pp whole
+nodes, and its job asks Slurm for the nodes (sbatch/ranks.sh starts the other ranks).
 
 A site is described once, in the site file (the section "site"): how its jobs run (partition,
 account, interpreter, setup, engine wrapper and environment) and the catalogue it offers. No
