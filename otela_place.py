@@ -146,6 +146,25 @@ class PlacementError(ValueError):
 # optional "measured_instance_capacity_rps", "paper_placements", "duration_s"}.
 
 
+class ModelConfig(dict):
+    """A scenario's model config resolved once, at the border (check_scenario, model_config): the
+    config's keys, which every check reads as before, and `model`, the simulator's Model, which
+    every estimate uses (model_of). A built-in model's config flattened into a dict lost its
+    experts, latent attention and quantization (DeepSeek-V3 read as a dense 77 GB model); its
+    Model keeps them."""
+
+    def __init__(self, config, model):
+        super().__init__(config)
+        self.model = model
+
+
+def model_of(config, name=None):
+    """The simulator's Model of a config (resolved once where it is a ModelConfig)."""
+    if isinstance(config, ModelConfig):
+        return config.model
+    return otela_sim.resolve_model(config, name=name)
+
+
 def load_json(path):
     try:
         return otela_sim.read_json(path)
@@ -184,7 +203,9 @@ def _check_entries(scenario):
         if not float(w.get("rate_rps", -1)) >= 0 or not math.isfinite(float(w["rate_rps"])):
             raise PlacementError(f"model {w['model']!r} has no rate_rps >= 0")
         try:  # a config the simulator cannot read (missing heads, layers...) is the user's to fix
-            otela_sim.resolve_model(scenario["models"][w["model"]], name=w["model"])
+            config = scenario["models"][w["model"]]
+            if not isinstance(config, ModelConfig):   # resolved here, once
+                scenario["models"][w["model"]] = ModelConfig(config, otela_sim.resolve_model(config, name=w["model"]))
         except otela_sim.SimError as e:
             raise PlacementError(f"model {w['model']!r}: {e}") from None
     return scenario
@@ -228,7 +249,7 @@ def param_count(config):
     """Parameters of a model from its HF config (the simulator's count: embeddings, attention
     with grouped KV heads, MLP or experts, lm_head unless tied)."""
     try:
-        return float(otela_sim.resolve_model(config).params)
+        return float(model_of(config).params)
     except otela_sim.SimError as e:
         raise PlacementError(str(e)) from None
 
@@ -301,7 +322,7 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
     time (otela_sim.estimate with pp, the pool's fabric between nodes)."""
     sim = otela_sim
     try:
-        model = sim.resolve_model(config, name=model_name)
+        model = model_of(config, name=model_name)
         gpu = sim.resolve_gpu(gpu_name)
         if pp > 1:
             sim.check_config(model, gpu, tp, per_node=max(tp, per_node or tp), pp=pp)
@@ -320,7 +341,7 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
         return Candidate(model_name, gpu_name, tp, full["batch"] * 1e3 / full["e2e_ms"], latency_ms=full["e2e_ms"],
                          pp=pp, nodes=nodes), None
     burst = dict(workload, model=model_name, rate_rps=SIM_CAPACITY_REQUESTS)  # all within 1 s
-    scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: config},
+    scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: model},
                 "workload": [burst], "duration_s": 1.0}
     out = sim.replay(scenario, [{"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}],
                      seed=0, duration_s=1.0, engine=SIM_ENGINE)
@@ -377,7 +398,7 @@ def placement_energy(scenario, rows, capacity_of=None):
     for r in rows:
         w = workload_of(scenario, r["model"])
         config = scenario.get("models", {}).get(r["model"], r["model"])
-        e = sim_energy(otela_sim.resolve_model(config, name=r["model"]) if isinstance(config, dict) else config,
+        e = sim_energy(model_of(config, name=r["model"]) if isinstance(config, dict) else config,
                        r["gpu"], r["tp"], w, int(r.get("pp", 1)))
         if e is None:
             continue
@@ -407,7 +428,7 @@ def memory_fits(config, gpu_name, tp, pp=1):
     vLLM checks at start-up (it refuses to start otherwise) and as otela_sim's replay needs."""
     layout = {"pp": pp} if pp > 1 else {}
     try:
-        model = otela_sim.resolve_model(config)
+        model = model_of(config)
         return otela_sim.max_batch(model, otela_sim.resolve_gpu(gpu_name), tp, model.max_position_embeddings,
                                    **layout) >= 1
     except otela_sim.SimError:
@@ -431,12 +452,13 @@ def multi_node_candidate(model, config, gpu, count, per_node, workload):
     if bad:
         return None, f"across nodes: {bad}"
     have = count // per_node
-    for pp in range(2, have + 1):
-        if layers % pp:
-            continue
+    stages = [pp for pp in range(2, have + 1) if layers % pp == 0]
+    if not stages:   # (DeepSeek-V3's 61 layers: only tp across nodes would hold it, which is not planned)
+        return None, f"across nodes: no pp from 2 to {have} divides its {layers} layers"
+    for pp in stages:
         if memory_fits(config, gpu, tp, pp):
             return sim_candidate(model, config, gpu, tp, workload, pp=pp, per_node=per_node)
-    return None, f"does not fit the {have} whole nodes of {per_node} the pool has (tp={tp} x pp up to {have})"
+    return None, f"does not fit the {have} whole nodes of {per_node} the pool has (tp={tp} x pp up to {stages[-1]})"
 
 
 def tp_allowed(config, tp, per_node):
@@ -483,7 +505,7 @@ def candidates(scenario, capacity="auto", tps=TP_CHOICES):
                 else:
                     nodes = measured_layout(model, config, gpu, tp, pp, count, per_node)
                     found.append(Candidate(model, gpu, tp, float(m[gpu]), latency_ms=sim_latency_ms(
-                        otela_sim.resolve_model(config, name=model), gpu, tp, workload_of(scenario, model), pp),
+                        model_of(config, name=model), gpu, tp, workload_of(scenario, model), pp),
                         pp=pp, nodes=nodes))
                 continue
             if capacity == "measured":
@@ -1485,7 +1507,8 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
         if not hasattr(sim, "replay"):
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
-        out = sim.replay(scenario, placement, seed=seed, engine=SIM_ENGINE)
+        models = {n: model_of(c, name=n) if isinstance(c, ModelConfig) else c for n, c in scenario["models"].items()}
+        out = sim.replay(dict(scenario, models=models), placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
                 "per_model_req_s": {m: round(float(v), 2) for m, v in out["per_model_req_s"].items()},
                 "p50_ms": round(float(out["p50_ms"]), 1), "p99_ms": round(float(out["p99_ms"]), 1)}
@@ -1562,7 +1585,7 @@ def _capacity_for(scenario, key, capacity):
     if capacity != "sim" and measured and int(measured["tp"]) == tp and int(measured.get("pp", 1)) == pp \
             and gpu in measured:
         return Candidate(model, gpu, tp, float(measured[gpu]), latency_ms=sim_latency_ms(
-            otela_sim.resolve_model(scenario["models"][model], name=model), gpu, tp, workload_of(scenario, model), pp),
+            model_of(scenario["models"][model], name=model), gpu, tp, workload_of(scenario, model), pp),
             pp=pp)
     if capacity == "measured":
         return None
@@ -2056,10 +2079,9 @@ def find_model_config(name, weights=None, model_configs=None, hf_home=None):
             return None
     config = load_json(path)
     try:
-        otela_sim.resolve_model(config, name=name)
+        return ModelConfig(config, otela_sim.resolve_model(config, name=name))
     except otela_sim.SimError as e:
         raise PlacementError(f"{path}: {e}") from None
-    return config
 
 
 def fold_adapters(workload, adapters):
@@ -3146,7 +3168,7 @@ def model_config(name):
         raise PlacementError(f"model {name}: {e}") from None
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "max_position_embeddings", "dtype_bytes", "head_dim")
-    return {k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}
+    return ModelConfig({k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}, model)
 
 
 def parse_pairs(flag, pairs, shape="NAME=VALUE"):

@@ -140,3 +140,15 @@ def test_a_session_of_several_nodes_publishes_its_nodes_gpus_and_layout():
     assert otela_node.instance_layout(hw, env) == dict(hw, nodes=["otm1", "otm2"], tp=1, pp=2, count=2)
     assert otela_node.instance_layout(hw, {}) == hw            # one node: as detected
     assert otela_node.instance_layout(hw, dict(env, OTELA_INSTANCE_PP="x")) == hw
+
+
+def test_a_built_in_model_keeps_its_experts_and_quantization_through_the_placer():
+    # resolved once at the border: Qwen3-235B-A22B is 470 GB of weights, not a dense 22B
+    config = place.model_config("Qwen/Qwen3-235B-A22B")
+    scenario = {"gpus": [{"type": "H100-SXM5-80GB", "count": 16, "per_node": 4}], "models": {"qwen": config},
+                "workload": [dict(WORK, model="qwen", rate_rps=1.0)]}
+    cands, why_not = place.candidates(scenario)
+    assert [(c.tp, c.pp, c.nodes) for c in cands] == [(4, 2, 2)] and why_not == {}
+    # DeepSeek-V3's 61 layers admit no pipeline split: one line says so
+    scenario["models"] = {"qwen": place.model_config("deepseek-ai/DeepSeek-V3")}
+    assert "no pp from 2 to 4 divides its 61 layers" in place.candidates(scenario)[1]["qwen"]
