@@ -317,9 +317,8 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
     distributions) sustains on one saturated instance: SIM_CAPACITY_REQUESTS arriving at
     once, over the time the last finishes. So the placer's figures and the replay that judges
     the placement are the same model. Latency is one request's end-to-end time in a full batch.
-    An instance over several nodes (pp > 1 stages of tp GPUs, nodes of per_node GPUs) has no
-    replay in otela_sim yet: its capacity is the fullest batch that fits over its end-to-end
-    time (otela_sim.estimate with pp, the pool's fabric between nodes)."""
+    An instance over several nodes is pp > 1 stages of tp GPUs on nodes of per_node GPUs, joined
+    by the GPU's usual fabric."""
     sim = otela_sim
     try:
         model = model_of(config, name=model_name)
@@ -333,20 +332,17 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
     if not memory_fits(model, gpu, tp, pp):
         layout = f"tp={tp}" + (f" x pp={pp}" if pp > 1 else "")
         return None, f"weights + KV cache of one max-length sequence exceed {gpu_name} memory at {layout}"
-    if pp > 1:
-        full = full_batch_estimate(model, gpu, tp, workload, pp)
-        if full is None or not full["fits"]:
-            return None, f"no batch fits {gpu_name} at tp={tp} x pp={pp}"
-        nodes = nodes_of(tp, pp, per_node or tp)
-        return Candidate(model_name, gpu_name, tp, full["batch"] * 1e3 / full["e2e_ms"], latency_ms=full["e2e_ms"],
-                         pp=pp, nodes=nodes), None
     burst = dict(workload, model=model_name, rate_rps=SIM_CAPACITY_REQUESTS)  # all within 1 s
-    scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: model},
+    scenario = {"gpus": [{"type": gpu_name, "count": tp * pp, "per_node": tp}], "models": {model_name: model},
                 "workload": [burst], "duration_s": 1.0}
-    out = sim.replay(scenario, [{"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}],
-                     seed=0, duration_s=1.0, engine=SIM_ENGINE)
+    entry = {"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}
+    nodes = nodes_of(tp, pp, per_node or tp) if pp > 1 else 1
+    if pp > 1:
+        entry.update(pp=pp, nnodes=nodes)
+    out = sim.replay(scenario, [entry], seed=0, duration_s=1.0, engine=SIM_ENGINE)
     cap = float(out["per_model_req_s"][model_name])
-    return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload)), None
+    return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload, pp),
+                     pp=pp, nodes=nodes), None
 
 
 def full_batch_estimate(model, gpu, tp, workload, pp=1):
@@ -1501,12 +1497,13 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
     """{total_req_s, per_model_req_s, p50_ms, p99_ms} of a placement. method 'sim' uses
     otela_sim.replay; 'fluid' the capacity arithmetic; 'auto' the simulator when present."""
     sim = otela_sim
-    if method == "auto" and capacity_of and any(r.get("pp", 1) > 1 for r in rows):
-        method = "fluid"   # otela_sim's replay has no instance over several nodes yet
     if method == "sim" or (method == "auto" and hasattr(sim, "replay")):
         if not hasattr(sim, "replay"):
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
+        for p, r in zip(placement, rows):
+            if r.get("pp", 1) > 1:   # an instance over several nodes
+                p.update(pp=r["pp"], **({"nnodes": r["nodes"]} if r.get("nodes") else {}))
         models = {n: model_of(c, name=n) if isinstance(c, ModelConfig) else c for n, c in scenario["models"].items()}
         out = sim.replay(dict(scenario, models=models), placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
