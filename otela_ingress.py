@@ -4917,7 +4917,8 @@ async function refresh() {
       cell(tr, sid.slice(0, 12)); cell(tr, state, state); cell(tr, r.role); cell(tr, r.owner);
       cell(tr, (r.models || []).join(", "));
       const hw = r.hardware || {};
-      cell(tr, hw.gpu ? `${hw.count || 1} x ${hw.gpu}${hw.memory_gb ? " (" + hw.memory_gb + " GB)" : ""}` : "");
+      cell(tr, (hw.gpu ? `${hw.count || 1} x ${hw.gpu}${hw.memory_gb ? " (" + hw.memory_gb + " GB)" : ""}` : "") +
+               (Array.isArray(hw.nodes) ? ` on ${hw.nodes.length} nodes (${hw.nodes.join(", ")}), tp ${hw.tp} x pp ${hw.pp}` : ""));
       cell(tr, Object.entries(r.labels || {}).map(([k, v]) => k + "=" + v).join(" "));
       cell(tr, r.addr);
       cell(tr, suspected ? "suspected" : (sick.has(sid) ? "sick (out of rotation)"

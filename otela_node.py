@@ -7085,14 +7085,18 @@ class EngineSupervisor:
     async def watch(self) -> str:
         """Return (a reason) when the engine exits or fails `engine_check_failures` checks in a row."""
         failures = 0
-        while True:
-            await asyncio.sleep(self.config.engine_check_interval)
-            if not self.alive():
-                return f"engine exited with code {self.proc.returncode}"
-            status, detail = await self._liveness()
-            failures = 0 if status == 200 else failures + 1
-            if failures >= self.config.engine_check_failures:
-                return f"engine failed {failures} health checks ({detail})"
+        exited = asyncio.ensure_future(self.proc.wait())   # an exit ends the wait at once, not a check later
+        try:
+            while True:
+                await asyncio.wait({exited}, timeout=self.config.engine_check_interval)
+                if not self.alive():
+                    return f"engine exited with code {self.proc.returncode}"
+                status, detail = await self._liveness()
+                failures = 0 if status == 200 else failures + 1
+                if failures >= self.config.engine_check_failures:
+                    return f"engine failed {failures} health checks ({detail})"
+        finally:
+            exited.cancel()
 
     async def stop(self) -> None:
         self.client.close()
@@ -7145,6 +7149,20 @@ def detect_hardware() -> Dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return {"gpu": "cpu", "count": os.cpu_count() or 1, "memory_gb": round(mem_gb, 1)}
+
+
+def instance_layout(hardware: Dict[str, Any], env=None) -> Dict[str, Any]:
+    """hardware plus the layout of an engine instance over several nodes, which the job template
+    says (sbatch/ranks.sh): its nodes' host names, tp and pp; count becomes the instance's GPUs."""
+    env = os.environ if env is None else env
+    nodes = [n for n in env.get("OTELA_INSTANCE_NODES", "").split(",") if n][:crdt.MAX_LIST]
+    try:
+        tp, pp = int(env.get("OTELA_INSTANCE_TP", "1")), int(env.get("OTELA_INSTANCE_PP", "1"))
+    except ValueError:
+        return hardware
+    if len(nodes) < 2 or tp < 1 or pp < 1:
+        return hardware
+    return dict(hardware, nodes=nodes, tp=tp, pp=pp, count=tp * pp)
 
 
 # =============================================================================================
@@ -7432,7 +7450,7 @@ EXIT_ENGINE_FAILED = 3
 async def run_worker(args: argparse.Namespace, config: Config) -> int:
     """`start`: supervise the engine and serve it as a session until SIGTERM or engine failure."""
     supervisor = EngineSupervisor(args.process, args.engine_url, config)
-    node = Node(config, role="worker", hardware=detect_hardware(), engine_url=supervisor.url)
+    node = Node(config, role="worker", hardware=instance_layout(detect_hardware()), engine_url=supervisor.url)
     stop = _stop_on_signals()
     publisher: Optional[asyncio.Future] = None
     try:

@@ -4,7 +4,7 @@
 Operators run it from cron on a login node. One run:
 
     demand (scenario file or the ingress's /v1/usage/stats)
-    free GPUs (scenario, the site file or sinfo GRES)         ──▶ candidates (model, GPU, tp)
+    free GPUs (scenario, the site file or sinfo GRES)         ──▶ candidates (model, GPU, tp[, pp])
     per-instance capacity (measured figures or otela_sim)          │  PuLP MILP (CBC); at scale
                                                                    │  LP bound, column generation,
                                                                    │  rounding and repair
@@ -13,6 +13,10 @@ Operators run it from cron on a login node. One run:
     catalogue: the site's min and max instances per model (a min starts a model from zero)
     reconcile: plan − (live sessions + squeue --me jobs) ──▶ sbatch / scancel of the difference,
                held back by dynamic reclamation (cooldown, hysteresis; state file next to the lock)
+
+A model no node holds gets candidates over whole nodes (tp = a node's GPUs, pp = the fewest
+nodes that hold it, dividing its layers); such an instance costs tp x pp GPUs and pp whole
+nodes, and its job asks Slurm for the nodes (sbatch/ranks.sh starts the other ranks).
 
 A site is described once, in the site file (the section "site"): how its jobs run (partition,
 account, interpreter, setup, engine wrapper and environment) and the catalogue it offers. No
@@ -142,6 +146,25 @@ class PlacementError(ValueError):
 # optional "measured_instance_capacity_rps", "paper_placements", "duration_s"}.
 
 
+class ModelConfig(dict):
+    """A scenario's model config resolved once, at the border (check_scenario, model_config): the
+    config's keys, which every check reads as before, and `model`, the simulator's Model, which
+    every estimate uses (model_of). A built-in model's config flattened into a dict lost its
+    experts, latent attention and quantization (DeepSeek-V3 read as a dense 77 GB model); its
+    Model keeps them."""
+
+    def __init__(self, config, model):
+        super().__init__(config)
+        self.model = model
+
+
+def model_of(config, name=None):
+    """The simulator's Model of a config (resolved once where it is a ModelConfig)."""
+    if isinstance(config, ModelConfig):
+        return config.model
+    return otela_sim.resolve_model(config, name=name)
+
+
 def load_json(path):
     try:
         return otela_sim.read_json(path)
@@ -180,7 +203,9 @@ def _check_entries(scenario):
         if not float(w.get("rate_rps", -1)) >= 0 or not math.isfinite(float(w["rate_rps"])):
             raise PlacementError(f"model {w['model']!r} has no rate_rps >= 0")
         try:  # a config the simulator cannot read (missing heads, layers...) is the user's to fix
-            otela_sim.resolve_model(scenario["models"][w["model"]], name=w["model"])
+            config = scenario["models"][w["model"]]
+            if not isinstance(config, ModelConfig):   # resolved here, once
+                scenario["models"][w["model"]] = ModelConfig(config, otela_sim.resolve_model(config, name=w["model"]))
         except otela_sim.SimError as e:
             raise PlacementError(f"model {w['model']!r}: {e}") from None
     return scenario
@@ -195,6 +220,17 @@ def gpu_pool(scenario):
         old = pool.get(g["type"], (0, 0))
         pool[g["type"]] = (old[0] + count, max(old[1], per_node))
     return pool
+
+
+def whole_nodes(pool):
+    """{gpu type: whole nodes}: the nodes an instance over several nodes may take, count //
+    per_node. Beside the pool's GPU count this is the only other limit the placement needs: tps
+    are powers of two dividing per_node, so single-node instances pack the GPUs the multi-node
+    ones leave without fragments (first-fit decreasing) whenever count is a whole number of
+    nodes; where it is not (free GPUs on partly used nodes), this row keeps multi-node instances
+    off the fragments. The solver at scale, which leaves this row out of its LPs (its bounds stay
+    upper bounds), trims what breaks it (_fit_nodes)."""
+    return {g: count // max(1, per_node) for g, (count, per_node) in pool.items()}
 
 
 def demand_of(scenario):
@@ -213,7 +249,7 @@ def param_count(config):
     """Parameters of a model from its HF config (the simulator's count: embeddings, attention
     with grouped KV heads, MLP or experts, lm_head unless tied)."""
     try:
-        return float(otela_sim.resolve_model(config).params)
+        return float(model_of(config).params)
     except otela_sim.SimError as e:
         raise PlacementError(str(e)) from None
 
@@ -234,75 +270,113 @@ def load_time_s(config):
 
 
 class Candidate:
-    __slots__ = ("model", "gpu", "tp", "capacity_rps", "latency_ms")
+    """One deployable instance shape. tp GPUs per stage on one node; a model bigger than a node
+    runs pp > 1 pipeline stages over `nodes` whole nodes (tp = the GPUs of a node), so it costs
+    gpus = tp x pp GPUs and `nodes` nodes. Its key is (model, gpu, tp), with pp after them when
+    pp > 1: every single-node key, label and job comment stays what it was."""
+    __slots__ = ("model", "gpu", "tp", "capacity_rps", "latency_ms", "pp", "nodes")
 
-    def __init__(self, model, gpu, tp, capacity_rps, latency_ms=None):
+    def __init__(self, model, gpu, tp, capacity_rps, latency_ms=None, pp=1, nodes=1):
         self.model, self.gpu, self.tp = model, gpu, int(tp)
         self.capacity_rps = float(capacity_rps)
         self.latency_ms = latency_ms
+        self.pp, self.nodes = int(pp), int(nodes)
+
+    @property
+    def gpus(self):
+        return self.tp * self.pp
 
     def key(self):
-        return (self.model, self.gpu, self.tp)
+        return (self.model, self.gpu, self.tp) + ((self.pp,) if self.pp > 1 else ())
 
     def __repr__(self):
-        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}, {self.capacity_rps:.3g} req/s)"
+        pp = f" pp={self.pp} on {self.nodes} nodes" if self.pp > 1 else ""
+        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}{pp}, {self.capacity_rps:.3g} req/s)"
 
 
-def sim_candidate(model_name, config, gpu_name, tp, workload):
+def row_key(r):
+    """A placement row's candidate key (Candidate.key)."""
+    pp = int(r.get("pp", 1))
+    return (r["model"], r["gpu"], r["tp"]) + ((pp,) if pp > 1 else ())
+
+
+def row_gpus(r):
+    """GPUs one instance of a placement row takes (tp x pp)."""
+    return r["tp"] * int(r.get("pp", 1))
+
+
+def key_layout(key):
+    """(tp, pp) of a candidate key."""
+    return key[2], (key[3] if len(key) > 3 else 1)
+
+
+def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=None):
     """Capacity of one instance from the simulator, or (None, reason) if it cannot run.
 
     Capacity is what otela_sim's replay (continuous batching, the scenario's length
     distributions) sustains on one saturated instance: SIM_CAPACITY_REQUESTS arriving at
     once, over the time the last finishes. So the placer's figures and the replay that judges
-    the placement are the same model. Latency is one request's end-to-end time in a full batch."""
+    the placement are the same model. Latency is one request's end-to-end time in a full batch.
+    An instance over several nodes is pp > 1 stages of tp GPUs on nodes of per_node GPUs, joined
+    by the GPU's usual fabric."""
     sim = otela_sim
     try:
-        model = sim.resolve_model(config, name=model_name)
+        model = model_of(config, name=model_name)
         gpu = sim.resolve_gpu(gpu_name)
-        sim.check_config(model, gpu, tp, per_node=tp)  # the node limit is checked by tp_allowed
+        if pp > 1:
+            sim.check_config(model, gpu, tp, per_node=max(tp, per_node or tp), pp=pp)
+        else:
+            sim.check_config(model, gpu, tp, per_node=tp)  # the node limit is checked by tp_allowed
     except (ValueError, KeyError) as e:
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
-    if not memory_fits(model, gpu, tp):
-        return None, f"weights + KV cache of one max-length sequence exceed {gpu_name} memory at tp={tp}"
+    if not memory_fits(model, gpu, tp, pp):
+        layout = f"tp={tp}" + (f" x pp={pp}" if pp > 1 else "")
+        return None, f"weights + KV cache of one max-length sequence exceed {gpu_name} memory at {layout}"
     burst = dict(workload, model=model_name, rate_rps=SIM_CAPACITY_REQUESTS)  # all within 1 s
-    scenario = {"gpus": [{"type": gpu_name, "count": tp, "per_node": tp}], "models": {model_name: config},
+    scenario = {"gpus": [{"type": gpu_name, "count": tp * pp, "per_node": tp}], "models": {model_name: model},
                 "workload": [burst], "duration_s": 1.0}
-    out = sim.replay(scenario, [{"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}],
-                     seed=0, duration_s=1.0, engine=SIM_ENGINE)
+    entry = {"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}
+    nodes = nodes_of(tp, pp, per_node or tp) if pp > 1 else 1
+    if pp > 1:
+        entry.update(pp=pp, nnodes=nodes)
+    out = sim.replay(scenario, [entry], seed=0, duration_s=1.0, engine=SIM_ENGINE)
     cap = float(out["per_model_req_s"][model_name])
-    return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload)), None
+    return Candidate(model_name, gpu_name, tp, cap, latency_ms=sim_latency_ms(model, gpu, tp, workload, pp),
+                     pp=pp, nodes=nodes), None
 
 
-def full_batch_estimate(model, gpu, tp, workload):
+def full_batch_estimate(model, gpu, tp, workload, pp=1):
     """otela_sim's estimate of a mean request of the workload in the fullest batch that fits
     (at most MAX_NUM_SEQS), or None when the model cannot run there."""
+    layout = {"pp": pp} if pp > 1 else {}   # (the single-node call is the one it always was)
     try:
         model, gpu = otela_sim.resolve_model(model), otela_sim.resolve_gpu(gpu)
         inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
         out_len = max(1, int(round(workload.get("output", {}).get("mean", 128))))
-        batch = max(1, min(MAX_NUM_SEQS, int(otela_sim.max_batch(model, gpu, tp, inp + out_len))))
-        full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len, engine=SIM_ENGINE)
+        batch = max(1, min(MAX_NUM_SEQS, int(otela_sim.max_batch(model, gpu, tp, inp + out_len, **layout))))
+        full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len, engine=SIM_ENGINE,
+                                  **layout)
         while not full["fits"] and batch > 1:
             # max_batch leaves out the prefill activations estimate counts: back off until it fits
             batch = max(1, int(batch * 0.95))
             full = otela_sim.estimate(model, gpu, tp=tp, batch=batch, input_len=inp, output_len=out_len,
-                                      engine=SIM_ENGINE)
+                                      engine=SIM_ENGINE, **layout)
         return full
     except otela_sim.SimError:
         return None
 
 
-def sim_latency_ms(model, gpu, tp, workload):
+def sim_latency_ms(model, gpu, tp, workload, pp=1):
     """End-to-end time of a mean request in the fullest batch that fits (otela_sim), or None."""
-    full = full_batch_estimate(model, gpu, tp, workload)
+    full = full_batch_estimate(model, gpu, tp, workload, pp)
     return full["e2e_ms"] if full else None
 
 
-def sim_energy(model, gpu, tp, workload):
+def sim_energy(model, gpu, tp, workload, pp=1):
     """Energy of one instance serving the model's mean request in the fullest batch that fits
     (otela_sim's stated model, energy(): GPUs by roofline utilisation, plus a host share per
     GPU for the node figures), or None."""
-    e = full_batch_estimate(model, gpu, tp, workload)
+    e = full_batch_estimate(model, gpu, tp, workload, pp)
     if e is None:
         return None
     return {"j_per_output_token": e["j_per_output_token"], "kwh_per_million_tokens": e["kwh_per_million_tokens"],
@@ -320,18 +394,18 @@ def placement_energy(scenario, rows, capacity_of=None):
     for r in rows:
         w = workload_of(scenario, r["model"])
         config = scenario.get("models", {}).get(r["model"], r["model"])
-        e = sim_energy(otela_sim.resolve_model(config, name=r["model"]) if isinstance(config, dict) else config,
-                       r["gpu"], r["tp"], w)
+        e = sim_energy(model_of(config, name=r["model"]) if isinstance(config, dict) else config,
+                       r["gpu"], r["tp"], w, int(r.get("pp", 1)))
         if e is None:
             continue
         out_len = float(w.get("output", {}).get("mean", 128))
         rate = float(w.get("rate_rps", 0)) * float(r.get("weight", 1))
         tokens = rate * out_len
         node_j = e["node_j_per_output_token"]
-        cap = (capacity_of or {}).get((r["model"], r["gpu"], r["tp"]), 0.0) * r["instances"]
+        cap = (capacity_of or {}).get(row_key(r), 0.0) * r["instances"]
         load = min(1.0, rate / cap) if cap > 0 else 1.0
         if 0 < load < 1:  # idle instances wait at idle power: charged to the tokens they serve
-            node_j += (1 - load) * r["instances"] * otela_sim.idle_power_w(r["gpu"], r["tp"]) / (load * cap * out_len)
+            node_j += (1 - load) * r["instances"] * otela_sim.idle_power_w(r["gpu"], row_gpus(r)) / (load * cap * out_len)
         per_row.append(dict(model=r["model"], gpu=r["gpu"], tp=r["tp"], load=round(load, 3), **e,
                             node_j_with_idle=node_j))
         total_j += e["j_per_output_token"] * tokens
@@ -345,14 +419,42 @@ def placement_energy(scenario, rows, capacity_of=None):
                      "that fits; node adds host 0.4 x TDP per GPU and idle time at (0.15 + 0.4) x TDP"}
 
 
-def memory_fits(config, gpu_name, tp):
-    """Weights / tp plus the KV cache of one sequence of the model's full context fit, as
+def memory_fits(config, gpu_name, tp, pp=1):
+    """Weights / (tp x pp) plus the KV cache of one sequence of the model's full context fit, as
     vLLM checks at start-up (it refuses to start otherwise) and as otela_sim's replay needs."""
+    layout = {"pp": pp} if pp > 1 else {}
     try:
-        model = otela_sim.resolve_model(config)
-        return otela_sim.max_batch(model, otela_sim.resolve_gpu(gpu_name), tp, model.max_position_embeddings) >= 1
+        model = model_of(config)
+        return otela_sim.max_batch(model, otela_sim.resolve_gpu(gpu_name), tp, model.max_position_embeddings,
+                                   **layout) >= 1
     except otela_sim.SimError:
         return False
+
+
+def nodes_of(tp, pp, per_node):
+    """Nodes of per_node GPUs that pp stages of tp GPUs take (otela_sim.nodes_for, for GPU
+    names the simulator may not know): stages fill a node before the next one starts."""
+    per_node = max(1, int(per_node))
+    if tp >= per_node:
+        return -(-tp // per_node) * pp
+    return -(-pp // (per_node // tp))
+
+
+def multi_node_candidate(model, config, gpu, count, per_node, workload):
+    """(Candidate, None) of a model no node of `gpu` holds: tp = the GPUs of a node, pp = the
+    fewest nodes whose memory holds it, pp dividing its layers; or (None, the reason)."""
+    tp, layers = per_node, int(config["num_hidden_layers"])
+    bad = tp_allowed(config, tp, per_node)
+    if bad:
+        return None, f"across nodes: {bad}"
+    have = count // per_node
+    stages = [pp for pp in range(2, have + 1) if layers % pp == 0]
+    if not stages:   # (DeepSeek-V3's 61 layers: only tp across nodes would hold it, which is not planned)
+        return None, f"across nodes: no pp from 2 to {have} divides its {layers} layers"
+    for pp in stages:
+        if memory_fits(config, gpu, tp, pp):
+            return sim_candidate(model, config, gpu, tp, workload, pp=pp, per_node=per_node)
+    return None, f"does not fit the {have} whole nodes of {per_node} the pool has (tp={tp} x pp up to {stages[-1]})"
 
 
 def tp_allowed(config, tp, per_node):
@@ -363,6 +465,18 @@ def tp_allowed(config, tp, per_node):
     if heads % tp or kv % tp:
         return f"tp={tp} does not divide {heads} attention / {kv} KV heads"
     return None
+
+
+def measured_layout(model, config, gpu, tp, pp, count, per_node):
+    """Nodes a measured figure's tp x pp takes; PlacementError (one line) when pp does not
+    divide the model's layers or the pool has fewer whole nodes."""
+    if pp < 1 or int(config["num_hidden_layers"]) % pp:
+        raise PlacementError(f"model {model}: pp={pp} does not divide its {config['num_hidden_layers']} layers")
+    nodes = nodes_of(tp, pp, per_node)
+    if nodes > 1 and nodes > count // per_node:
+        raise PlacementError(f"model {model}: tp={tp} x pp={pp} takes {nodes} nodes of {per_node} {gpu}; "
+                             f"the pool has {count // per_node}")
+    return nodes
 
 
 def candidates(scenario, capacity="auto", tps=TP_CHOICES):
@@ -380,23 +494,32 @@ def candidates(scenario, capacity="auto", tps=TP_CHOICES):
             if count <= 0:
                 continue
             if m and gpu in m:
-                tp = int(m["tp"])
-                bad = tp_allowed(config, tp, per_node)
+                tp, pp = int(m["tp"]), int(m.get("pp", 1))
+                bad = tp_allowed(config, tp, max(per_node, tp) if pp > 1 else per_node)
                 if bad:
                     reasons.append(f"{gpu}: {bad}")
                 else:
+                    nodes = measured_layout(model, config, gpu, tp, pp, count, per_node)
                     found.append(Candidate(model, gpu, tp, float(m[gpu]), latency_ms=sim_latency_ms(
-                        otela_sim.resolve_model(config, name=model), gpu, tp, workload_of(scenario, model))))
+                        model_of(config, name=model), gpu, tp, workload_of(scenario, model), pp),
+                        pp=pp, nodes=nodes))
                 continue
             if capacity == "measured":
                 reasons.append(f"{gpu}: no measured figure")
                 continue
+            here = len(found)
             for tp in tps:
                 bad = tp_allowed(config, tp, per_node)
                 if bad:
                     reasons.append(f"{gpu}: {bad}")
                     continue
                 cand, bad = sim_candidate(model, config, gpu, tp, workload_of(scenario, model))
+                if cand is None:
+                    reasons.append(f"{gpu}: {bad}")
+                elif cand.capacity_rps > 0:
+                    found.append(cand)
+            if len(found) == here and count >= 2 * per_node:   # no node holds it: several nodes may
+                cand, bad = multi_node_candidate(model, config, gpu, count, per_node, workload_of(scenario, model))
                 if cand is None:
                     reasons.append(f"{gpu}: {bad}")
                 elif cand.capacity_rps > 0:
@@ -427,10 +550,10 @@ def score(rows, demand, capacity_of, headroom=HEADROOM):
     cap = {m: 0.0 for m in demand}
     gpus = 0
     for r in rows:
-        c = capacity_of.get((r["model"], r["gpu"], r["tp"]), 0.0)
+        c = capacity_of.get(row_key(r), 0.0)
         if r["model"] in cap:
             cap[r["model"]] += c * r["instances"]
-        gpus += r["tp"] * r["instances"]
+        gpus += row_gpus(r) * r["instances"]
     ratio = min((min(cap[m] / d, headroom) for m, d in demand.items()), default=headroom)
     served = sum(min(cap[m], headroom * d) for m, d in demand.items())
     return ratio, served, gpus
@@ -445,13 +568,15 @@ def rows_with_weights(counts, cands, demand, latency_traffic=None):
         if n > 0:
             rows.append({"model": c.model, "gpu": c.gpu, "tp": c.tp, "instances": int(n),
                          "weight": (latency_traffic or {}).get(c.key(), c.capacity_rps * n)})
+            if c.pp > 1:   # (single-node rows keep their four fields)
+                rows[-1].update(pp=c.pp, nodes=c.nodes)
     for m in demand:
         mine = [r for r in rows if r["model"] == m]
         total = sum(r["weight"] for r in mine)
         for r in mine:
             r["weight"] = round(r["weight"] / total, 4) if total > 0 else round(1 / len(mine), 4)
     rows.sort(key=lambda r: (list(demand).index(r["model"]) if r["model"] in demand else 1 << 30,
-                             r["gpu"], r["tp"]))
+                             r["gpu"], r["tp"], r.get("pp", 1)))
     return rows
 
 
@@ -460,17 +585,21 @@ def water_fill(demand, pool, cands, headroom=HEADROOM):
     of its best capacity per GPU that still fits, until no model can grow or all reach
     headroom. A feasible start for the MILP (which then only has to improve it)."""
     free = {g: count for g, (count, _) in pool.items()}
-    by_model = {m: sorted((c for c in cands if c.model == m), key=lambda c: (-c.capacity_rps / c.tp, -c.capacity_rps))
+    nodes = whole_nodes(pool)
+    by_model = {m: sorted((c for c in cands if c.model == m), key=lambda c: (-c.capacity_rps / c.gpus, -c.capacity_rps))
                 for m in demand}
     counts, ratio = {}, {m: 0.0 for m in demand}
     heap = [(0.0, m) for m in demand]
     heapq.heapify(heap)
     while heap:
         r, m = heapq.heappop(heap)
-        pick = next((c for c in by_model[m] if free[c.gpu] >= c.tp), None)
+        pick = next((c for c in by_model[m] if free[c.gpu] >= c.gpus and (c.pp == 1 or nodes[c.gpu] >= c.nodes)),
+                    None)
         if pick is None:
             continue  # this model cannot grow any more
-        free[pick.gpu] -= pick.tp
+        free[pick.gpu] -= pick.gpus
+        if pick.pp > 1:
+            nodes[pick.gpu] -= pick.nodes
         counts[pick.key()] = counts.get(pick.key(), 0) + 1
         ratio[m] = r + pick.capacity_rps / demand[m]
         if ratio[m] < headroom:
@@ -482,10 +611,12 @@ def prune_dominated(cands):
     """Drop (model, gpu, tp) whose capacity per GPU does not beat a smaller tp of the same
     model and GPU type: tp/t instances of the smaller t use the same GPUs, serve at least as
     much and pack nodes at least as well (tps are powers of two). Exact for the throughput
-    and GPU-count objectives, not for latency (a larger tp answers faster)."""
+    and GPU-count objectives, not for latency (a larger tp answers faster). A model gets
+    instances over several nodes only where no single node holds it (candidates), so those
+    are compared with each other alone: more stages on more nodes must serve more per GPU."""
     best, kept = {}, []
-    for c in sorted(cands, key=lambda c: (c.model, c.gpu, c.tp)):
-        per_gpu = c.capacity_rps / c.tp
+    for c in sorted(cands, key=lambda c: (c.model, c.gpu, c.gpus)):
+        per_gpu = c.capacity_rps / c.gpus
         if per_gpu > best.get((c.model, c.gpu), 0.0):
             best[(c.model, c.gpu)] = per_gpu
             kept.append(c)
@@ -555,17 +686,21 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
     prob = pulp.LpProblem("otela_place", pulp.LpMinimize)
     n = {}
     for i, c in enumerate(cands):
-        n[c.key()] = pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.tp, cat="Integer")
+        n[c.key()] = pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.gpus, cat="Integer")
     z = pulp.LpVariable("z", 0, headroom)
     ratio_of = {m: pulp.lpSum(c.capacity_rps / demand[m] * n[c.key()] for c in cands if c.model == m)
                 for m in demand}
     for m in demand:
         prob += ratio_of[m] >= z
     for g, (count, _) in pool.items():
-        mine = [c.tp * n[c.key()] for c in cands if c.gpu == g]
+        mine = [c.gpus * n[c.key()] for c in cands if c.gpu == g]
         if mine:
             prob += pulp.lpSum(mine) <= count
-    gpus = pulp.lpSum(c.tp * n[c.key()] for c in cands)
+    for g, free_nodes in whole_nodes(pool).items():
+        mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.pp > 1]
+        if mine:   # instances over several nodes take whole nodes (see whole_nodes)
+            prob += pulp.lpSum(mine) <= free_nodes
+    gpus = pulp.lpSum(c.gpus * n[c.key()] for c in cands)
 
     # Stage 1: the highest worst-case ratio, warm-started from water-filling.
     prob.setObjective(-z)
@@ -584,7 +719,7 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
             v.setInitialValue(value)
     z_best = pulp.value(z) or 0.0
     if status not in ("Optimal", "Not Solved", "Time limit") or z_best <= 1e-9:
-        need = {m: min(c.tp for c in cands if c.model == m) for m in demand}
+        need = {m: min(c.gpus for c in cands if c.model == m) for m in demand}
         raise PlacementError(
             f"cannot give every model one instance: {len(demand)} models need at least "
             f"{sum(need.values())} GPUs in fitting types, the pool has {sum(v[0] for v in pool.values())}")
@@ -706,13 +841,13 @@ def _scale_model(demand, pool, groups, integer):
 
     cands = groups.cands
     prob = pulp.LpProblem("otela_place_scale", pulp.LpMinimize)
-    n = [pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.tp, cat="Integer" if integer else "Continuous")
+    n = [pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.gpus, cat="Integer" if integer else "Continuous")
          for i, c in enumerate(cands)]
     for idx in groups.by_model.values():
         prob += pulp.lpSum(n[i] for i in idx) >= 1
     for g, idx in groups.by_gpu.items():
         if idx:
-            prob += pulp.lpSum(cands[i].tp * n[i] for i in idx) <= pool[g][0]
+            prob += pulp.lpSum(cands[i].gpus * n[i] for i in idx) <= pool[g][0]
     return prob, n
 
 
@@ -790,7 +925,7 @@ def _column_generation(demand, pool, groups, z, patterns):
     import pulp
 
     cands = groups.cands
-    items = {m: [(cands[i].capacity_rps, cands[i].tp) for i in idx] for m, idx in groups.by_model.items()}
+    items = {m: [(cands[i].capacity_rps, cands[i].gpus) for i in idx] for m, idx in groups.by_model.items()}
 
     def price(m, costs):
         cost, counts, low = _cheapest_cover([(cap, c) for (cap, _), c in zip(items[m], costs)],
@@ -810,8 +945,8 @@ def _column_generation(demand, pool, groups, z, patterns):
             prob += pulp.lpSum(mix) == 1, f"one{j}"
             for x, pattern in zip(mix, cols[m]):
                 for i, k in pattern:
-                    use[cands[i].gpu].append(cands[i].tp * k * x)
-                    gpus.append(cands[i].tp * k * x)
+                    use[cands[i].gpu].append(cands[i].gpus * k * x)
+                    gpus.append(cands[i].gpus * k * x)
         for k, (g, (count, _)) in enumerate(pool.items()):
             prob += pulp.lpSum(use[g]) - over[g] <= count, f"pool{k}"
         # the fewest GPUs, and none beyond the pool if the relaxation allows: its prices
@@ -825,7 +960,7 @@ def _column_generation(demand, pool, groups, z, patterns):
         worth = sum(gpu_price[g] * count for g, (count, _) in pool.items())
         total, added = 0.0, 0
         for j, (m, idx) in enumerate(groups.by_model.items()):
-            cost, pattern, low = price(m, [gpu_price[cands[i].gpu] * cands[i].tp for i in idx])
+            cost, pattern, low = price(m, [gpu_price[cands[i].gpu] * cands[i].gpus for i in idx])
             total += low
             if cost < (prob.constraints[f"one{j}"].pi or 0.0) - 1e-9 and pattern not in patterns[m]:
                 patterns[m].add(pattern)
@@ -857,7 +992,7 @@ def _pattern_choice(demand, pool, groups, z, patterns, time_limit):
         for y, pattern in zip(pick, cols[m]):
             chosen.append((y, pattern))
             for i, k in pattern:
-                use[cands[i].gpu].append(cands[i].tp * k * y)
+                use[cands[i].gpu].append(cands[i].gpus * k * y)
     for g, (count, _) in pool.items():
         if use[g]:
             prob += pulp.lpSum(use[g]) <= count
@@ -870,7 +1005,7 @@ def _pattern_choice(demand, pool, groups, z, patterns, time_limit):
         if y.value() > 0.5:
             for i, k in pattern:
                 counts[i] += k
-    fits = all(sum(cands[i].tp * counts[i] for i in idx) <= pool[g][0] for g, idx in groups.by_gpu.items())
+    fits = all(sum(cands[i].gpus * counts[i] for i in idx) <= pool[g][0] for g, idx in groups.by_gpu.items())
     return counts if fits else None
 
 
@@ -885,9 +1020,9 @@ def _lp_cover(demand, pool, groups, need):
         # whole instances give whole GPUs: a model needs at least need / (its best capacity
         # per GPU) GPUs, rounded up (valid for every integer placement; it steers the LP's
         # answer towards one that rounds)
-        best = max(cands[i].capacity_rps / cands[i].tp for i in idx)
-        prob += pulp.lpSum(cands[i].tp * n[i] for i in idx) >= math.ceil(need[m] / best - 1e-9)
-    prob.setObjective(pulp.lpSum(cands[i].tp * n[i] for i in range(len(n))))
+        best = max(cands[i].capacity_rps / cands[i].gpus for i in idx)
+        prob += pulp.lpSum(cands[i].gpus * n[i] for i in idx) >= math.ceil(need[m] / best - 1e-9)
+    prob.setObjective(pulp.lpSum(cands[i].gpus * n[i] for i in range(len(n))))
     return [v.value() or 0.0 for v in n] if _lp_solve(prob) == "Optimal" else None
 
 
@@ -902,29 +1037,29 @@ def _cover_shortfall(short, free, groups, time_limit):
         for i in groups.by_model[m]:
             c = cands[i]
             k = math.ceil(short[m] / c.capacity_rps - 1e-9)
-            if k * c.tp <= free_left[c.gpu]:
-                rank = (k * c.tp, -free_left[c.gpu])
+            if k * c.gpus <= free_left[c.gpu]:
+                rank = (k * c.gpus, -free_left[c.gpu])
                 if best is None or rank < best[0]:
                     best = (rank, i, k)
         if best is None:
             break
         _, i, k = best
-        free_left[cands[i].gpu] -= k * cands[i].tp
+        free_left[cands[i].gpu] -= k * cands[i].gpus
         extra[i] = extra.get(i, 0) + k
     else:
         return extra
     import pulp
 
     prob = pulp.LpProblem("otela_place_shortfall", pulp.LpMinimize)
-    y = {i: pulp.LpVariable(f"y{i}", 0, free[cands[i].gpu] // cands[i].tp, cat="Integer")
+    y = {i: pulp.LpVariable(f"y{i}", 0, free[cands[i].gpu] // cands[i].gpus, cat="Integer")
          for m in short for i in groups.by_model[m]}
     for m in short:
         prob += pulp.lpSum(cands[i].capacity_rps * y[i] for i in groups.by_model[m]) >= short[m]
     for g, count in free.items():
-        mine = [cands[i].tp * y[i] for i in y if cands[i].gpu == g]
+        mine = [cands[i].gpus * y[i] for i in y if cands[i].gpu == g]
         if mine:
             prob += pulp.lpSum(mine) <= count
-    prob.setObjective(pulp.lpSum(cands[i].tp * y[i] for i in y))
+    prob.setObjective(pulp.lpSum(cands[i].gpus * y[i] for i in y))
     prob.solve(pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=time_limit, gapRel=1.0))
     if pulp.LpStatus[prob.status] != "Optimal" or any(v.value() is None for v in y.values()):
         return None
@@ -942,7 +1077,7 @@ def _round_cover(demand, pool, groups, need, time_limit):
         return None
     cands = groups.cands
     counts = [int(math.floor(v + 1e-6)) for v in values]
-    free = {g: count - sum(cands[i].tp * counts[i] for i in groups.by_gpu[g]) for g, (count, _) in pool.items()}
+    free = {g: count - sum(cands[i].gpus * counts[i] for i in groups.by_gpu[g]) for g, (count, _) in pool.items()}
     short = {}
     for m, idx in groups.by_model.items():
         have = sum(cands[i].capacity_rps * counts[i] for i in idx)
@@ -968,12 +1103,12 @@ def _near_lp(demand, pool, groups, need, values, time_limit):
     for i, v in enumerate(values):
         f = int(math.floor(v + 1e-6))
         lo, hi = (max(0, f - 1), f + 2) if v > 1e-6 else (0, 1)
-        n.append(pulp.LpVariable(f"n{i}", lo, min(hi, pool[cands[i].gpu][0] // cands[i].tp), cat="Integer"))
+        n.append(pulp.LpVariable(f"n{i}", lo, min(hi, pool[cands[i].gpu][0] // cands[i].gpus), cat="Integer"))
     _capacity_rows(prob, n, demand, groups, need)
     for g, idx in groups.by_gpu.items():
         if idx:
-            prob += pulp.lpSum(cands[i].tp * n[i] for i in idx) <= pool[g][0]
-    prob.setObjective(pulp.lpSum(cands[i].tp * n[i] for i in range(len(n))))
+            prob += pulp.lpSum(cands[i].gpus * n[i] for i in idx) <= pool[g][0]
+    prob.setObjective(pulp.lpSum(cands[i].gpus * n[i] for i in range(len(n))))
     prob.solve(pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=time_limit, gapRel=1.0))
     if pulp.LpStatus[prob.status] != "Optimal" or any(v.value() is None for v in n):
         return None
@@ -1037,13 +1172,13 @@ def _fill(counts, demand, pool, groups, headroom):
     most useful capacity (up to demand x headroom) per GPU. A lazy heap per model: a model's
     best gain only falls as it fills and as GPUs run out."""
     cands, counts = groups.cands, list(counts)
-    free = {g: count - sum(cands[i].tp * counts[i] for i in groups.by_gpu[g]) for g, (count, _) in pool.items()}
+    free = {g: count - sum(cands[i].gpus * counts[i] for i in groups.by_gpu[g]) for g, (count, _) in pool.items()}
     cap = _capacity_by_model(counts, groups)
 
     def best_of(m):
         room = headroom * demand[m] - cap[m]
-        options = [(min(cands[i].capacity_rps, room) / cands[i].tp, i) for i in groups.by_model[m]
-                   if cands[i].tp <= free[cands[i].gpu]]
+        options = [(min(cands[i].capacity_rps, room) / cands[i].gpus, i) for i in groups.by_model[m]
+                   if cands[i].gpus <= free[cands[i].gpu]]
         return max(options) if options and room > 1e-9 else (0.0, None)
 
     heap = []
@@ -1061,7 +1196,7 @@ def _fill(counts, demand, pool, groups, headroom):
             heapq.heappush(heap, (-gain, m))
             continue
         counts[i] += 1
-        free[cands[i].gpu] -= cands[i].tp
+        free[cands[i].gpu] -= cands[i].gpus
         cap[m] += cands[i].capacity_rps
         heapq.heappush(heap, (-gain, m))
     return counts
@@ -1074,7 +1209,7 @@ def _trim(counts, demand, groups, headroom, floor_ratio):
     cap = _capacity_by_model(counts, groups)
     for m, idx in groups.by_model.items():
         keep = max(min(cap[m], headroom * demand[m]), floor_ratio * demand[m])
-        for i in sorted(idx, key=lambda i: (-cands[i].tp, cands[i].capacity_rps / cands[i].tp)):
+        for i in sorted(idx, key=lambda i: (-cands[i].gpus, cands[i].capacity_rps / cands[i].gpus)):
             while counts[i] > 0 and cap[m] - cands[i].capacity_rps >= keep * (1 - 1e-12) \
                     and sum(counts[j] for j in idx) > 1:
                 counts[i] -= 1
@@ -1096,7 +1231,7 @@ def _polish_gpus(counts, demand, pool, groups, headroom, floor_ratio, time_limit
     for m, idx in groups.by_model.items():
         prob += s[m] <= pulp.lpSum(cands[i].capacity_rps * n[i] for i in idx)
     prob += pulp.lpSum(s.values()) >= useful * (1 - 1e-9)
-    prob.setObjective(pulp.lpSum(cands[i].tp * n[i] for i in range(len(n))))
+    prob.setObjective(pulp.lpSum(cands[i].gpus * n[i] for i in range(len(n))))
     cap = _capacity_by_model(counts, groups)
     for v, k in zip(n, counts):
         v.setInitialValue(k)
@@ -1106,11 +1241,11 @@ def _polish_gpus(counts, demand, pool, groups, headroom, floor_ratio, time_limit
     if any(v.value() is None for v in n):
         return counts
     got = [int(round(v.value())) for v in n]
-    better = sum(cands[i].tp * k for i, k in enumerate(got)) < sum(cands[i].tp * k for i, k in enumerate(counts))
+    better = sum(cands[i].gpus * k for i, k in enumerate(got)) < sum(cands[i].gpus * k for i, k in enumerate(counts))
     cap = _capacity_by_model(got, groups)
     valid = (all(cap[m] >= floor_ratio * d * (1 - 1e-9) and cap[m] > 0 for m, d in demand.items())
              and _useful(got, demand, groups, headroom) >= useful * (1 - 1e-6)
-             and all(sum(cands[i].tp * got[i] for i in idx) <= pool[g][0] for g, idx in groups.by_gpu.items()))
+             and all(sum(cands[i].gpus * got[i] for i in idx) <= pool[g][0] for g, idx in groups.by_gpu.items()))
     return got if better and valid else counts
 
 
@@ -1137,8 +1272,24 @@ def _lp_gpu_bound(demand, pool, groups, headroom, floor_ratio, useful):
     for m, idx in groups.by_model.items():
         prob += s[m] <= pulp.lpSum(groups.cands[i].capacity_rps * n[i] for i in idx)
     prob += pulp.lpSum(s.values()) >= useful * (1 - 1e-9)
-    prob.setObjective(pulp.lpSum(groups.cands[i].tp * n[i] for i in range(len(n))))
+    prob.setObjective(pulp.lpSum(groups.cands[i].gpus * n[i] for i in range(len(n))))
     return (pulp.value(prob.objective) or 0.0) if _lp_solve(prob) == "Optimal" else 0.0
+
+
+def _fit_nodes(counts, pool, cands):
+    """counts with instances over several nodes cut, the least capacity per GPU first, until
+    they fit the pool's whole nodes (whole_nodes: a limit only where count is not a whole
+    number of nodes, which the LPs above leave out)."""
+    counts = list(counts)
+    for g, free_nodes in whole_nodes(pool).items():
+        mine = sorted((i for i, c in enumerate(cands) if c.gpu == g and c.pp > 1 and counts[i]),
+                      key=lambda i: cands[i].capacity_rps / cands[i].gpus)
+        used = sum(cands[i].nodes * counts[i] for i in mine)
+        for i in mine:
+            while used > free_nodes and counts[i]:
+                counts[i] -= 1
+                used -= cands[i].nodes
+    return counts
 
 
 def _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
@@ -1174,11 +1325,12 @@ def _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
     if cover is not None:
         options.append(cover)
     final = min(options, key=lambda c: (-round(_useful(c, demand, groups, headroom), 6),
-                                        sum(cands[i].tp * k for i, k in enumerate(c))))
+                                        sum(cands[i].gpus * k for i, k in enumerate(c))))
     left = t0 + time_limit / 2 - time.perf_counter()  # the polish ends by half the budget
     if left > 0.5:
         final = _polish_gpus(final, demand, pool, groups, headroom, keep, min(SCALE_POLISH_S, left))
-    gpus = sum(cands[i].tp * k for i, k in enumerate(final))
+    final = _fit_nodes(final, pool, cands)
+    gpus = sum(cands[i].gpus * k for i, k in enumerate(final))
     ratio = max(ratio, _ratio_of_counts(final, demand, groups, headroom))  # stages 2-3 may find a better one
     gpu_bound = min(gpus, _lp_gpu_bound(demand, pool, groups, headroom, keep, _useful(final, demand, groups, headroom)))
     bounds = {"ratio": ratio, "ratio_bound": ratio_bound,
@@ -1328,7 +1480,7 @@ def replay_fluid(scenario, rows, capacity_of, latency_of=None, dt=1.0):
             continue
         finish = 0.0
         for r in mine:
-            key = (r["model"], r["gpu"], r["tp"])
+            key = row_key(r)
             cap = capacity_of.get(key, 0.0) * r["instances"]
             service = ((latency_of or {}).get(key) or 0.0) / 1e3
             s, f = fluid_queue([rate * r["weight"] * dt] * steps, [cap] * steps, dt, service)
@@ -1349,7 +1501,11 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
         if not hasattr(sim, "replay"):
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
-        out = sim.replay(scenario, placement, seed=seed, engine=SIM_ENGINE)
+        for p, r in zip(placement, rows):
+            if r.get("pp", 1) > 1:   # an instance over several nodes
+                p.update(pp=r["pp"], **({"nnodes": r["nodes"]} if r.get("nodes") else {}))
+        models = {n: model_of(c, name=n) if isinstance(c, ModelConfig) else c for n, c in scenario["models"].items()}
+        out = sim.replay(dict(scenario, models=models), placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
                 "per_model_req_s": {m: round(float(v), 2) for m, v in out["per_model_req_s"].items()},
                 "p50_ms": round(float(out["p50_ms"]), 1), "p99_ms": round(float(out["p99_ms"]), 1)}
@@ -1401,7 +1557,7 @@ def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, r
         result["paper"] = {"placement": paper_placement(scenario)}
     for entry in result.values():
         for r in entry["placement"]:
-            key = (r["model"], r["gpu"], r["tp"])
+            key = row_key(r)
             if key not in capacity_of:
                 cand = _capacity_for(scenario, key, capacity)
                 capacity_of[key] = cand.capacity_rps if cand else 0.0
@@ -1420,14 +1576,18 @@ def plan_all(scenario, capacity="auto", objective="throughput", baseline=True, r
 
 
 def _capacity_for(scenario, key, capacity):
-    model, gpu, tp = key
+    model, gpu = key[:2]
+    tp, pp = key_layout(key)
     measured = (scenario.get("measured_instance_capacity_rps") or {}).get(model)
-    if capacity != "sim" and measured and int(measured["tp"]) == tp and gpu in measured:
+    if capacity != "sim" and measured and int(measured["tp"]) == tp and int(measured.get("pp", 1)) == pp \
+            and gpu in measured:
         return Candidate(model, gpu, tp, float(measured[gpu]), latency_ms=sim_latency_ms(
-            otela_sim.resolve_model(scenario["models"][model], name=model), gpu, tp, workload_of(scenario, model)))
+            model_of(scenario["models"][model], name=model), gpu, tp, workload_of(scenario, model), pp),
+            pp=pp)
     if capacity == "measured":
         return None
-    cand, _ = sim_candidate(model, scenario["models"][model], gpu, tp, workload_of(scenario, model))
+    per_node = gpu_pool(scenario).get(gpu, (0, tp))[1]
+    cand, _ = sim_candidate(model, scenario["models"][model], gpu, tp, workload_of(scenario, model), pp, per_node)
     return cand
 
 
@@ -1435,7 +1595,7 @@ def explain_vs_paper(result):
     """One line: does ours reproduce the paper's placement, and if not, what differs and why."""
     if "paper" not in result:
         return ""
-    key = lambda r: (r["model"], r["gpu"], r["tp"])  # noqa: E731
+    key = row_key
     ours = {key(r): r["instances"] for r in result["ours"]["placement"]}
     paper = {key(r): r["instances"] for r in result["paper"]["placement"]}
     if ours == paper:
@@ -1485,7 +1645,8 @@ def format_plan(scenario, result):
     for name, entry in result.items():
         if isinstance(entry, dict) and "placement" in entry:
             lines.append(f"{name}: " + ", ".join(
-                f"{short_name(r['model'])} {r['instances']}x{r['gpu']} tp{r['tp']} w={r['weight']:.3f}"
+                f"{short_name(r['model'])} {r['instances']}x{r['gpu']} tp{r['tp']}"
+                + (f" pp{r['pp']} ({r['nodes']} nodes)" if r.get("pp", 1) > 1 else "") + f" w={r['weight']:.3f}"
                 for r in entry["placement"]))
     return "\n".join(lines)
 
@@ -1581,20 +1742,23 @@ def slurm_inventory(aliases=None):
 
 
 def job_comment(key):
-    model, gpu, tp = key
-    return f"{OTELA_TAG}|{model}|{gpu}|{tp}"
+    """"otela|MODEL|GPU|TP", and "|PP" after them for an instance over several nodes."""
+    return "|".join([OTELA_TAG] + [str(k) for k in key])
 
 
 def _parse_comment(comment):
     """(key, draining_since) of one of our comments, or None."""
     fields = comment.split("|")
     since = None
-    if len(fields) == 5 and fields[0] == OTELA_DRAIN_TAG and fields[1].isdigit():
+    if len(fields) in (5, 6) and fields[0] == OTELA_DRAIN_TAG and fields[1].isdigit():
         since = int(fields[1])
         fields = [OTELA_TAG] + fields[2:]
-    if len(fields) != 4 or fields[0] != OTELA_TAG or not fields[3].isdigit():
+    if len(fields) not in (4, 5) or fields[0] != OTELA_TAG or not all(f.isdigit() for f in fields[3:]):
         return None
-    return (fields[1], fields[2], int(fields[3])), since
+    key = (fields[1], fields[2], int(fields[3]))
+    if len(fields) == 5 and int(fields[4]) > 1:
+        key += (int(fields[4]),)
+    return key, since
 
 
 def parse_squeue(text):
@@ -1912,10 +2076,9 @@ def find_model_config(name, weights=None, model_configs=None, hf_home=None):
             return None
     config = load_json(path)
     try:
-        otela_sim.resolve_model(config, name=name)
+        return ModelConfig(config, otela_sim.resolve_model(config, name=name))
     except otela_sim.SimError as e:
         raise PlacementError(f"{path}: {e}") from None
-    return config
 
 
 def fold_adapters(workload, adapters):
@@ -1948,6 +2111,19 @@ def _may_fit(config, gpu, tp):
     return memory_fits(config, gpu, tp)
 
 
+def _stages_needed(config, gpu, per_node, nodes):
+    """The fewest pipeline stages (at least 2, dividing the layers, at most `nodes`) over whole
+    nodes of `gpu` that hold the model, or None."""
+    if tp_allowed(config, per_node, per_node) or nodes < 2:
+        return None
+    try:
+        otela_sim.resolve_gpu(gpu)
+    except otela_sim.SimError:
+        return None   # a site's own GPU name: the operator sizes a layout over nodes (measured figures)
+    return next((pp for pp in range(2, nodes + 1) if int(config["num_hidden_layers"]) % pp == 0
+                 and memory_fits(config, gpu, per_node, pp)), None)
+
+
 def catalogue_bounds(rows, site, scenario, kept=()):
     """Plan rows within each catalogue model's min and max instances: a model over its max
     loses instances (the rows of the most GPUs each first), one under its min (demand or not:
@@ -1958,11 +2134,11 @@ def catalogue_bounds(rows, site, scenario, kept=()):
     pool = gpu_pool(scenario)
     free = {g: count for g, (count, _) in pool.items()}
     for r in rows:
-        free[r["gpu"]] = free.get(r["gpu"], 0) - r["tp"] * r["instances"]
+        free[r["gpu"]] = free.get(r["gpu"], 0) - row_gpus(r) * r["instances"]
     for name, entry in catalogue_of(site).items():
         if name in kept:
             continue
-        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: -r["tp"])
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: -row_gpus(r))
         have = sum(r["instances"] for r in mine)
         over = max(0, have - entry.get("max", have))
         if over > 0 or have < entry.get("min", 0):
@@ -1970,23 +2146,31 @@ def catalogue_bounds(rows, site, scenario, kept=()):
         for r in mine:
             cut = min(over, r["instances"])
             r["instances"] -= cut
-            free[r["gpu"]] += cut * r["tp"]
+            free[r["gpu"]] += cut * row_gpus(r)
             over -= cut
         short = entry.get("min", 0) - min(have, entry.get("max", have))
         config = scenario["models"].get(name)
         while short > 0 and config is not None:
-            fits = [(tp, g) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
+            fits = [(tp, g, 1) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
                     if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
+            # no node holds it: whole nodes, as candidates() plans it (tp = a node's GPUs, the fewest stages)
+            fits = fits or [(per_node, g, pp) for g, (count, per_node) in pool.items()
+                            for pp in [_stages_needed(config, g, per_node, free.get(g, 0) // per_node)]
+                            if pp and not any(tp_allowed(config, t, per_node) is None and _may_fit(config, g, t)
+                                              for t in TP_CHOICES)]
             if not fits:
                 notes.append(f"model {name}: min {entry['min']} instances, but no free GPUs fit one more")
                 break
-            tp, g = min(fits, key=lambda f: (f[0], -free[f[1]]))
-            row = next((r for r in rows if (r["model"], r["gpu"], r["tp"]) == (name, g, tp)), None)
+            tp, g, pp = min(fits, key=lambda f: (f[0] * f[2], -free[f[1]]))
+            key = (name, g, tp) + ((pp,) if pp > 1 else ())
+            row = next((r for r in rows if row_key(r) == key), None)
             if row is None:
                 row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
+                if pp > 1:
+                    row.update(pp=pp, nodes=nodes_of(tp, pp, pool[g][1]))
                 rows.append(row)
             row["instances"] += 1
-            free[g] -= tp
+            free[g] -= tp * pp
             short -= 1
         if short > 0 and config is None:
             notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
@@ -1994,9 +2178,9 @@ def catalogue_bounds(rows, site, scenario, kept=()):
     for name in changed:
         mine = [r for r in rows if r["model"] == name]
         if mine:
-            total = sum(r["instances"] * r["tp"] for r in mine)
+            total = sum(r["instances"] * row_gpus(r) for r in mine)
             for r in mine:  # rows the bounds changed: traffic in proportion to GPUs
-                r["weight"] = round(r["instances"] * r["tp"] / total, 4)
+                r["weight"] = round(r["instances"] * row_gpus(r) / total, 4)
     return rows, notes
 
 
@@ -2007,7 +2191,7 @@ def catalogue_bounds(rows, site, scenario, kept=()):
 # and the line "# {{SITE_SETUP}}", replaced by the site's setup lines and engine_env exports.
 
 TEMPLATES = {"vllm": "vllm.sbatch", "sglang": "sglang.sbatch", "llamacpp": "llamacpp.sbatch"}
-DIRECTIVE_VARS = ("JOB_NAME", "COMMENT", "TIME_LIMIT", "LOG_DIR")
+DIRECTIVE_VARS = ("JOB_NAME", "COMMENT", "TIME_LIMIT", "LOG_DIR", "NODES")
 SAFE_DIRECTIVE = re.compile(r"^[A-Za-z0-9_.:/|%@+=,-]+$")
 SETUP_LINE = "# {{SITE_SETUP}}\n"
 
@@ -2062,20 +2246,26 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
     setup = (["set +u"] + site["setup"] + ["set -u"] if site["setup"] else []) + \
         [f"export {k}={shlex.quote(_home(v))}" for k, v in site["engine_env"].items()]
     for r in rows:
-        key = (r["model"], r["gpu"], r["tp"])
+        key = row_key(r)
         gpu, entry = types.get(r["gpu"], {}), catalogue.get(r["model"], {})
         engine = entry.get("template", template)
         if engine not in texts:
             with open(template_path(engine)) as f:
                 texts[engine] = f.read()
+        nodes = int(r.get("nodes", 1))
+        if nodes > 1 and "{{NODES}}" not in texts[engine]:
+            raise PlacementError(f"template {engine!r} runs one node; {r['model']} needs {nodes} "
+                                 "(tp x pp over nodes: the vllm or sglang template, or {{NODES}} in your own)")
         extra = [f"--gres={gpu.get('gres', 'gpu')}:{r['tp']}"] if gpu.get("gres", "gpu") else []
         extra += [f"--{k}={gpu[k]}" for k in SBATCH_FIELDS if gpu.get(k)] + list(gpu.get("sbatch", []))
         riders = sorted((n, p) for n, (base, p) in adapters.items() if base == r["model"])
-        name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}"
+        name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}" + \
+            (f"-pp{r['pp']}" if r.get("pp", 1) > 1 else "")
         for i in range(r["instances"]):
             values = {"JOB_NAME": slot_name(name, i), "COMMENT": job_comment(key),
                       "TIME_LIMIT": gpu.get("time_limit", JOB_TIME_LIMIT), "LOG_DIR": _home(site["log_dir"]),
                       "MODEL": r["model"], "GPU": r["gpu"], "TP": r["tp"], "ENGINE_CMD": "",
+                      "NODES": nodes, "PP": r.get("pp", 1),
                       "WEIGHTS": entry.get("weights", r["model"]), "ENGINE_WRAPPER": site["engine_wrapper"],
                       "ENGINE_ARGS": shlex.join(ADAPTER_ARGS.get(engine, ADAPTER_ARGS["vllm"])(riders)) if riders else "",
                       "OTELA_DIR": os.path.dirname(os.path.abspath(__file__)),
@@ -2083,6 +2273,8 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
             if "weights" in entry:
                 values["MODEL_FILE"] = entry["weights"]   # llama.cpp's GGUF file
             labels = {"otela.model": r["model"], "otela.gpu": r["gpu"], "otela.tp": str(r["tp"])}
+            if r.get("pp", 1) > 1:
+                labels["otela.pp"] = str(r["pp"])
             values["GRANT_FILE"] = grant(values["JOB_NAME"], [r["model"]] + [n for n, _ in riders], labels,
                                          values["TIME_LIMIT"]) if grant else ""
             values.update({k: _home(v) for k, v in sbatch_vars.items()})
@@ -2243,12 +2435,14 @@ def ingress_sessions(base_url):
 
 
 def session_key(session):
-    """(model, gpu, tp) of a live session from the labels our job templates set, or None."""
+    """(model, gpu, tp) of a live session from the labels our job templates set (and pp after
+    them for an instance over several nodes: otela.pp), or None."""
     labels = session.get("labels") or {}
     if isinstance(labels, list):
         labels = dict(x.split("=", 1) for x in labels if "=" in x)
     try:
-        return (labels["otela.model"], labels["otela.gpu"], int(labels["otela.tp"]))
+        pp = int(labels.get("otela.pp", 1))
+        return (labels["otela.model"], labels["otela.gpu"], int(labels["otela.tp"])) + ((pp,) if pp > 1 else ())
     except (KeyError, ValueError):
         return None
 
@@ -2298,7 +2492,7 @@ def reconcile_actions(rows, jobs, sessions=(), now=None, lead_s=SUCCESSOR_LEAD_S
     (gracefully if running); hard_cancel: drains that outlived DRAIN_GRACE_S; ending: jobs
     within lead_s of their end, whose successors are due. Jobs and sessions of a model in
     `kept` (one the plan could not place) are left as they are."""
-    want = {(r["model"], r["gpu"], r["tp"]): r["instances"] for r in rows if r["instances"] > 0}
+    want = {row_key(r): r["instances"] for r in rows if r["instances"] > 0}
     ours = {j["id"] for j in jobs}
     now = time.time() if now is None else now
     jobs = [j for j in jobs if j["key"][0] not in kept]
@@ -2439,9 +2633,8 @@ def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), 
         if pending or actions["hard_cancel"]:
             slurm_command(["scancel"] + pending + actions["hard_cancel"])
         for j in running:
-            model, gpu, tp = state[j]["key"]
-            slurm_command(["scontrol", "update", f"JobId={j}",
-                           f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|{model}|{gpu}|{tp}"])
+            slurm_command(["scontrol", "update", f"JobId={j}", f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|"
+                           + job_comment(state[j]["key"])[len(OTELA_TAG) + 1:]])
             slurm_command(["scancel", "--batch", "--signal=TERM", j])
         report["cancelled"] = list(actions["cancel"]) + actions["hard_cancel"]
     return report
@@ -2470,7 +2663,7 @@ class Reclaimer:
         for c in cands:  # best capacity per GPU first: what a scale-up tries
             self.cands.setdefault(c.model, []).append(c)
         for m in self.cands:
-            self.cands[m].sort(key=lambda c: -c.capacity_rps / c.tp)
+            self.cands[m].sort(key=lambda c: -c.capacity_rps / c.gpus)
         self.pool = {g: count for g, (count, _) in pool.items()}
         self.load_s, self.headroom, self.low, self.high = load_s, headroom, low, high
         self.cooldown_s, self.min_instances, self.release_idle = cooldown_s, min_instances, release_idle
@@ -2482,24 +2675,24 @@ class Reclaimer:
         by_key = {c.key(): c for cs in self.cands.values() for c in cs}
         for r in rows:
             for _ in range(r["instances"]):
-                self.instances[r["model"]].append([by_key[(r["model"], r["gpu"], r["tp"])], now])
+                self.instances[r["model"]].append([by_key[row_key(r)], now])
 
     def free(self):
         used = {g: 0 for g in self.pool}
         for insts in self.instances.values():
             for c, _ in insts:
-                used[c.gpu] += c.tp
+                used[c.gpu] += c.gpus
         return {g: self.pool[g] - used[g] for g in self.pool}
 
     def capacity(self, m, now, ready_only=True):
         return sum(c.capacity_rps for c, t in self.instances[m] if not ready_only or t <= now)
 
     def gpus_held(self):
-        return sum(c.tp for insts in self.instances.values() for c, _ in insts)
+        return sum(c.gpus for insts in self.instances.values() for c, _ in insts)
 
     def _surplus(self, m, demand):
         """Instances model m can give up (worst capacity per GPU first)."""
-        insts = sorted(self.instances[m], key=lambda x: x[0].capacity_rps / x[0].tp)
+        insts = sorted(self.instances[m], key=lambda x: x[0].capacity_rps / x[0].gpus)
         cap, out = self.capacity(m, 0, ready_only=False), []
         for inst in insts:
             if len(self.instances[m]) - len(out) <= self.min_instances:
@@ -2553,13 +2746,13 @@ class Reclaimer:
     def _take_gpus(self, m, now, donors, demand, moves):
         free = self.free()
         for c in self.cands[m]:
-            if free[c.gpu] >= c.tp:
+            if free[c.gpu] >= c.gpus:
                 return c
         # Reclaim: donors whose reload is cheapest (load time x their demand) give first.
         for donor in sorted((d for d in donors if d != m), key=lambda d: self.load_s[d] * demand.get(d, 0.0)):
             for inst in self._surplus(donor, demand.get(donor, 0.0)):
                 for c in self.cands[m]:
-                    if c.gpu == inst[0].gpu and free[c.gpu] + inst[0].tp >= c.tp:
+                    if c.gpu == inst[0].gpu and free[c.gpu] + inst[0].gpus >= c.gpus:
                         self.instances[donor].remove(inst)
                         moves.append((donor, -1, inst[0].gpu))
                         self.last_change[donor] = now
@@ -2725,12 +2918,12 @@ class CronReclaim:
         wanting = {}
         for j in jobs:
             if j.get("draining_since") is None and j["key"][1] in free:
-                free[j["key"][1]] -= j["key"][2]
+                free[j["key"][1]] -= key_layout(j["key"])[0] * key_layout(j["key"])[1]
                 if j["state"] == "PENDING":
                     wanting.setdefault(j["key"][1], set()).add(j["key"][0])
         for key, n in submits.items():
             if key[1] in free:
-                free[key[1]] -= key[2] * n
+                free[key[1]] -= key_layout(key)[0] * key_layout(key)[1] * n
                 wanting.setdefault(key[1], set()).add(key[0])
 
         by_id = {j["id"]: j for j in jobs}
@@ -2745,7 +2938,7 @@ class CronReclaim:
             elif self.demand.get(m, 0.0) <= 0 or self.release_idle:
                 cancels.extend(ids)
                 for jid in ids:
-                    _, g, tp = by_id[jid]["key"]
+                    g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
                     if g in free:
                         free[g] += tp
             else:
@@ -2753,7 +2946,7 @@ class CronReclaim:
         for _, m, ids in sorted(donors):  # cheapest reload first
             # running jobs first: a pending one frees no GPU anybody waits for now
             for jid in sorted(ids, key=lambda i: by_id[i]["state"] == "PENDING"):
-                _, g, tp = by_id[jid]["key"]
+                g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
                 takers = sorted(wanting.get(g, set()) - {m})
                 if free.get(g, 0) < 0 and takers:
                     cancels.append(jid)
@@ -2972,7 +3165,7 @@ def model_config(name):
         raise PlacementError(f"model {name}: {e}") from None
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "max_position_embeddings", "dtype_bytes", "head_dim")
-    return {k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}
+    return ModelConfig({k: getattr(model, k) for k in keys if getattr(model, k, None) is not None}, model)
 
 
 def parse_pairs(flag, pairs, shape="NAME=VALUE"):
@@ -3103,7 +3296,7 @@ def cmd_plan(args):
         for r in result["ours"]["placement"]:
             need = catalogue_of(site).get(r["model"], {}).get("min", 0)
             if need:
-                floor[(r["model"], r["gpu"], r["tp"])] = min(need, r["instances"])
+                floor[row_key(r)] = min(need, r["instances"])
         job_scripts(result["ours"]["placement"], site, args.template, sbatch_vars)  # a bad template fails first
         with run_lock(args.lock):
             try:

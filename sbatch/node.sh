@@ -38,7 +38,10 @@ if [[ -z ${SLURM_JOB_END_TIME:-} && -n ${SLURM_JOB_ID:-} ]]; then
   fi
 fi
 
-echo "otela job $JOB: $MODEL on ${GPU:-?} tp=${TP:-1} on $(hostname), $version"
+# A model bigger than a node (sbatch/ranks.sh) is counted by the placer as (model, gpu, tp, pp).
+layout=()
+if (( ${PP:-1} > 1 )); then layout=(--label "otela.pp=$PP"); fi
+echo "otela job $JOB: $MODEL on ${GPU:-?} tp=${TP:-1}${OTELA_INSTANCE_NODES:+ pp=$PP on $OTELA_INSTANCE_NODES, rank 0} on $(hostname), $version"
 exec "$PYTHON" "$OTELA_DIR/otela_node.py" start \
   --key-file "$KEY_FILE" \
   ${GRANT_FILE:+--grant-file "$GRANT_FILE"} \
@@ -49,4 +52,5 @@ exec "$PYTHON" "$OTELA_DIR/otela_node.py" start \
   --label "slurm_job=$JOB" \
   --label "otela.model=$MODEL" \
   --label "otela.gpu=${GPU:-}" \
-  --label "otela.tp=${TP:-1}"
+  --label "otela.tp=${TP:-1}" \
+  ${layout[@]+"${layout[@]}"}

@@ -27,12 +27,18 @@ GPU_TYPES = [("A100-40GB", 40, 1.0, 8), ("A100-80GB", 80, 1.1, 4), ("H100-80GB",
              ("GH200-96GB", 96, 2.6, 4), ("L40S-48GB", 48, 0.6, 8), ("MI250X-64GB", 64, 0.9, 8)]
 GPU_COUNTS = [160, 200, 240, 192, 120, 88]  # 1,000 GPUs
 SIZES_B = [0.5, 1.5, 3, 7, 8, 13, 14, 32, 34, 70, 72]  # parameter counts of common open models
+# Models bigger than a node of some types (parameters in billions, layers): Qwen3-235B-A22B,
+# Llama-3.1-405B, DeepSeek-V3 (671B). --big N adds N of them (their own random stream: the
+# instance of the 142 or 500 others is the same with and without them).
+BIG_B = [(235, 94), (405, 126), (671, 61)]
 
 
-def production_instance(seed=0, models=142, load=1.0, gpu_scale=1):
+def production_instance(seed=0, models=142, load=1.0, gpu_scale=1, big=0):
     """Demand, pool and candidates with fixed synthetic capacities (decode is memory-bound:
     capacity ~ speed x tp^0.85 / size), memory fit as weights x 1.2 <= memory x tp.
-    gpu_scale multiplies every GPU count (10: 10,000 GPUs)."""
+    gpu_scale multiplies every GPU count (10: 10,000 GPUs). `big` more models from BIG_B: on a
+    GPU type whose node does not hold one, a candidate over several nodes (tp = the node's GPUs,
+    pp = the fewest nodes that hold it, dividing its layers; 10% pipeline bubble)."""
     rng = random.Random(seed)
     pool = {g: (n * gpu_scale, per_node) for (g, _, _, per_node), n in zip(GPU_TYPES, GPU_COUNTS)}
     demand, cands = {}, []
@@ -45,6 +51,22 @@ def production_instance(seed=0, models=142, load=1.0, gpu_scale=1):
                 if tp > per_node or size * 2 * 1.2 > mem * tp:
                     continue
                 cands.append(place.Candidate(m, g, tp, round(40 * speed * tp ** 0.85 / (size + 1), 4)))
+    rng = random.Random(seed + 1)
+    for i in range(big):
+        size, layers = rng.choice(BIG_B)
+        m = f"big-{i:03d}-{size:g}b"
+        demand[m] = round(load * rng.lognormvariate(0.5, 1.2), 3)
+        for g, mem, speed, per_node in GPU_TYPES:
+            if size * 2 * 1.2 <= mem * per_node:
+                tps = [tp for tp in place.TP_CHOICES if tp <= per_node and size * 2 * 1.2 <= mem * tp]
+                cands.extend(place.Candidate(m, g, tp, round(40 * speed * tp ** 0.85 / (size + 1), 4)) for tp in tps)
+                continue
+            pp = next((p for p in range(2, pool[g][0] // per_node + 1)
+                       if layers % p == 0 and size * 2 * 1.2 <= mem * per_node * p), None)
+            if pp:
+                gpus = per_node * pp
+                cands.append(place.Candidate(m, g, per_node, round(0.9 * 40 * speed * gpus ** 0.85 / (size + 1), 4),
+                                             pp=pp, nodes=pp))
     return demand, pool, cands
 
 
@@ -58,7 +80,7 @@ def lp_bound(demand, pool, cands, headroom=place.HEADROOM):
     for m, d in demand.items():
         prob += pulp.lpSum(c.capacity_rps / d * n[c.key()] for c in cands if c.model == m) >= z
     for g, (count, _) in pool.items():
-        prob += pulp.lpSum(c.tp * n[c.key()] for c in cands if c.gpu == g) <= count
+        prob += pulp.lpSum(c.gpus * n[c.key()] for c in cands if c.gpu == g) <= count
     prob.setObjective(-z)
     prob.solve(pulp.PULP_CBC_CMD(msg=False))
     return z.value()
@@ -78,6 +100,8 @@ def main():
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--quick", action="store_true", help="one repetition, 3 h trace, no x1 run on 10,000 GPUs")
     ap.add_argument("--only", metavar="GPUSxLOAD", help="only this production case, e.g. 1000x10 (no Table 1, no trace)")
+    ap.add_argument("--big", type=int, default=0, metavar="N",
+                    help="models bigger than a node added per 1,000 GPUs (candidates over several nodes; default 0)")
     args = ap.parse_args()
     repeat = 1 if args.quick else 3
     result = {}
@@ -138,7 +162,7 @@ def production(args, result):
         if not cases:
             sys.exit(f"--only {args.only}: no such case (GPUSxLOAD, e.g. 1000x10)")
     for models, scale, load, target_s, target_gap, limit in cases:
-        demand, pool, cands = production_instance(models=models, load=load, gpu_scale=scale)
+        demand, pool, cands = production_instance(models=models, load=load, gpu_scale=scale, big=args.big * scale)
         plan, times = timed(lambda d=demand, p=pool, c=cands, t=limit: place.solve(d, p, c, time_limit=t), 1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -157,7 +181,9 @@ def production(args, result):
                         "rows": len(plan.rows), "target_s": target_s, "target_gap": target_gap,
                         "time_limit_s": limit}
         r = result[name]
-        print(f"{models} models x 6 GPU types x {1000 * scale:,} GPUs, demand x{load}: {len(cands)} candidates, "
+        multi = sum(1 for c in cands if c.pp > 1)
+        r["multi_node_candidates"] = multi
+        print(f"{models + args.big * scale} models ({multi} candidates over several nodes) x 6 GPU types x {1000 * scale:,} GPUs, demand x{load}: {len(cands)} candidates, "
               f"solve {times[0]:.2f} s (--time-limit {limit:g}; target <= {target_s:g} s); worst ratio: stage 1 {r['stage1_ratio']:.4f}, "
               f"proved bound {r['proved_ratio_bound']:.4f}, gap {r['proved_gap']:.2%} (target <= {target_gap:.0%}; "
               f"plain LP bound {bound:.4f}, gap {r['gap_vs_lp']:.2%}); placed ratio {plan.ratio:.4f} "

@@ -20,6 +20,7 @@ def test_dashboard_renders_sessions_and_usage_without_console_errors(tmp_path):
     try:
         serving, _ = stack.engine("m-dash", labels={"site": "lrz"}, hardware={"gpu": "H100", "count": 4})
         suspected, _ = stack.engine("m-dash")
+        stack.engine("m-dash", hardware={"gpu": "H100", "count": 8, "nodes": ["gpu1", "gpu2"], "tp": 4, "pp": 2})
         stack.call(stack.node.suspect, suspected)
         ungranted, _ = stack.engine("m-dash")   # the others' grants from the login node; none for it
         tier = crdt.Authority([b"i" * 32])
@@ -51,6 +52,7 @@ def test_dashboard_renders_sessions_and_usage_without_console_errors(tmp_path):
     assert done.returncode == 0, log[-2000:]
     assert serving[:12] in dom and suspected[:12] in dom
     assert "4 x H100" in dom and "site=lrz" in dom and "suspected" in dom
+    assert "8 x H100 on 2 nodes (gpu1, gpu2), tp 4 x pp 2" in dom   # a model bigger than a node
     assert ungranted[:12] in dom and "unrouted: ungranted" in dom
     assert re.search(r"<td>m-dash</td><td>1</td>", dom), "the usage stats row is missing"
     assert re.search(r'id="status">updated ', dom), "the page did not finish a refresh"

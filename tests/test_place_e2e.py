@@ -5,6 +5,7 @@ nothing -> demand gone -> scancel -> the node drains and its session is LEFT.
 Needs root (Slurm), otela_node.py, otela_ingress.py and the engine (`make engine`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,23 +28,30 @@ pytestmark = [pytest.mark.root, pytest.mark.engine, pytest.mark.slow,
               pytest.mark.skipif(not engine_installed(), reason="real engine not installed: run `make engine`")]
 
 
-@pytest.fixture
-def ingress(tmp_path):
+@contextlib.contextmanager
+def real_ingress(tmp_path, host="127.0.0.1"):
+    """A real ingress (its own cluster key, no client auth) listening on `host`."""
     subprocess.run([PY, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", str(tmp_path / "key")],
                    check=True, capture_output=True, timeout=60)
     port, gossip = free_port(), free_port()
     log = open(tmp_path / "ingress.log", "w")
     proc = subprocess.Popen([PY, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file",
-                             str(tmp_path / "key" / "cluster.key"), "--listen", f"127.0.0.1:{port}",
-                             "--gossip", f"127.0.0.1:{gossip}", "--db", str(tmp_path / "usage.sqlite"),
+                             str(tmp_path / "key" / "cluster.key"), "--listen", f"{host}:{port}",
+                             "--gossip", f"{host}:{gossip}", "--db", str(tmp_path / "usage.sqlite"),
                              "--no-auth"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", timeout=60, proc=proc)
-        yield {"url": f"http://127.0.0.1:{port}", "gossip": f"127.0.0.1:{gossip}",
+        wait_http(f"http://{host}:{port}/healthz", timeout=60, proc=proc)
+        yield {"url": f"http://{host}:{port}", "gossip": f"{host}:{gossip}",
                "key": str(tmp_path / "key" / "cluster.key")}
     finally:
         stop_process(proc, 20)
         log.close()
+
+
+@pytest.fixture
+def ingress(tmp_path):
+    with real_ingress(tmp_path) as found:
+        yield found
 
 
 def plan(tmp_path, ingress, rate):

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# slurm_multi.sh up|down|status — a multi-node Slurm cluster on this one machine, as root: one
+# slurmctld on a bridge, and NODES compute nodes, each a network namespace (and UTS namespace:
+# its own host name) with its own address and its own slurmd (-N name), munge shared. A job with
+# --nodes=2 spans two hosts that reach each other only over their addresses:
+#
+#   this host (root namespace)     bridge otmbr0 10.79.0.1/24: slurmctld (port 6827), the tests'
+#        |   veth per node                  ingress and placer
+#   otm1  eth0 10.79.0.11, host name otm1: slurmd, the jobs' processes
+#   otm2  eth0 10.79.0.12, host name otm2
+#   …
+#
+# Separate from slurm_up.sh's single-node cluster (its own config, SLURM_CONF, ports and state
+# under $RUN_DIR), so both run at once: client commands pick this one with
+#   export SLURM_CONF=/run/otela-mlab/slurm.conf
+# Each node advertises GPUS_PER_NODE fake GPUs as GRES gpu (device files that are /dev/null) and
+# CPUS_PER_NODE CPUs (config_overrides), so the placer sees e.g. 4 nodes x 1 GPU.
+#
+# `down` cancels the lab's jobs, stops its daemons by pid file (never by name), kills what is
+# left in the namespaces, deletes them, the bridge, /etc/netns/otm* and $RUN_DIR. Idempotent.
+# Env knobs: NODES (default 4), GPUS_PER_NODE (1), CPUS_PER_NODE (4), MLAB_KILLWAIT (5 s).
+set -uo pipefail
+
+RUN_DIR=/run/otela-mlab
+CONF=$RUN_DIR/slurm.conf
+BRIDGE=otmbr0
+SUBNET=10.79.0
+PREFIX=otm
+CTLD_PORT=6827     # beside slurm_up.sh's 6817: both clusters at once
+NODES=${NODES:-4}
+GPUS=${GPUS_PER_NODE:-1}
+CPUS=${CPUS_PER_NODE:-4}
+KILLWAIT=${MLAB_KILLWAIT:-5}
+log() { echo "[slurm_multi $(date +%T)] $*"; }
+export SLURM_CONF=$CONF
+
+alive_pid() { [[ -n ${1:-} && -r /proc/$1/stat ]] && [[ $(awk '{print $3}' /proc/$1/stat) != Z ]]; }
+stop_pidfile() {  # stop_pidfile NAME PIDFILE
+  local pf=$2 pid
+  [[ -f $pf ]] || return 0
+  pid=$(cat "$pf" 2>/dev/null)
+  if alive_pid "$pid"; then
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 50); do alive_pid "$pid" || break; sleep 0.1; done
+    alive_pid "$pid" && { log "$1: SIGKILL $pid"; kill -KILL "$pid" 2>/dev/null; }
+  fi
+  rm -f "$pf"
+}
+lab_nodes() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${PREFIX}[0-9]+$" || true; }
+
+down() {
+  if [[ -f $CONF ]] && alive_pid "$(cat $RUN_DIR/slurmctld.pid 2>/dev/null)"; then
+    jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
+    if [[ -n ${jobs// /} ]]; then
+      log "cancelling jobs: $jobs"
+      scancel $jobs 2>/dev/null
+      for _ in $(seq 200); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.1; done
+    fi
+  fi
+  for f in "$RUN_DIR"/slurmd-*.pid; do [[ -e $f ]] && stop_pidfile slurmd "$f"; done
+  stop_pidfile slurmctld "$RUN_DIR/slurmctld.pid"
+  for ns in $(lab_nodes); do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+    rm -rf "/etc/netns/$ns"
+  done
+  ip link del "$BRIDGE" 2>/dev/null
+  rmdir /etc/netns 2>/dev/null   # (only when this lab made it and nothing else is there)
+  rm -rf "$RUN_DIR"
+  log "down"
+}
+
+up() {
+  local t0; t0=$(date +%s)
+  for b in slurmctld slurmd munged sbatch ip unshare; do
+    command -v $b >/dev/null || { log "$b is not installed (run tests/lab/slurm_up.sh once)"; exit 2; }
+  done
+  [[ $(id -u) == 0 ]] || { log "needs root"; exit 2; }
+  down >/dev/null
+  install -d -m 0755 "$RUN_DIR" "$RUN_DIR/state" "$RUN_DIR/spool"
+  # munge: shared by every namespace through its socket file (slurm_up.sh's, or started here)
+  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    install -d -o munge -g munge -m 0755 /run/munge
+    install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge /etc/munge
+    [[ -s /etc/munge/munge.key ]] || mungekey --create --keyfile=/etc/munge/munge.key
+    chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
+    rm -f /run/munge/munged.pid
+    runuser -u munge -- /usr/sbin/munged
+    for _ in $(seq 50); do munge -n | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+  fi
+
+  ip link add "$BRIDGE" type bridge
+  ip addr add "$SUBNET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  local hosts="" names=() i ns
+  for i in $(seq "$NODES"); do hosts+="$SUBNET.$((10 + i)) ${PREFIX}$i"$'\n'; done
+  for i in $(seq "$NODES"); do
+    ns=${PREFIX}$i; names+=("$ns")
+    ip netns add "$ns"
+    ip link add "${ns}h" type veth peer name eth0 netns "$ns"
+    ip link set "${ns}h" master "$BRIDGE" up
+    ip -n "$ns" addr add "$SUBNET.$((10 + i))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+    # mounted over /etc/hosts in the node's namespace (below): every node's name resolves inside
+    mkdir -p "/etc/netns/$ns"
+    { cat /etc/hosts; echo "# otela multi-node lab"; printf '%s' "$hosts"; } > "/etc/netns/$ns/hosts"
+  done
+  local ctl; ctl=$(hostname -s)
+  {
+    echo "# generated by tests/lab/slurm_multi.sh — $NODES nodes in network namespaces"
+    echo "ClusterName=otela-mlab"
+    echo "SlurmctldHost=$ctl($SUBNET.1)"
+    cat <<EOF
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+MailProg=/bin/true
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+GresTypes=gpu
+ReturnToService=2
+StateSaveLocation=$RUN_DIR/state
+SlurmdSpoolDir=$RUN_DIR/spool/%n
+SlurmctldPidFile=$RUN_DIR/slurmctld.pid
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
+SlurmctldLogFile=$RUN_DIR/slurmctld.log
+SlurmdLogFile=$RUN_DIR/slurmd-%n.log
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=6818
+KillWait=$KILLWAIT
+InactiveLimit=0
+MinJobAge=300
+Waittime=0
+SlurmctldTimeout=30
+SlurmdTimeout=60
+EOF
+    for i in $(seq "$NODES"); do
+      echo "NodeName=${PREFIX}$i NodeAddr=$SUBNET.$((10 + i)) CPUs=$CPUS RealMemory=4000 Gres=gpu:$GPUS State=UNKNOWN"
+    done
+    echo "PartitionName=mlab Nodes=${PREFIX}[1-$NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
+  } > "$CONF"
+  # Slurm 22.05 registers no gpu GRES without device files: GPUS_PER_NODE character devices
+  # that are /dev/null (1,3) under other names, shared by every node (nothing opens them)
+  install -d -m 0755 "$RUN_DIR/dev"
+  for i in $(seq 0 $((GPUS - 1))); do mknod -m 0666 "$RUN_DIR/dev/gpu$i" c 1 3; done
+  echo "Name=gpu File=$RUN_DIR/dev/gpu[0-$((GPUS - 1))]" > "$RUN_DIR/gres.conf"
+
+  /usr/sbin/slurmctld -i -f "$CONF"
+  for ns in "${names[@]}"; do
+    install -d -m 0755 "$RUN_DIR/spool/$ns"
+    # its own host name (UTS namespace): what `hostname` and the node's session say in a job, and
+    # its own /etc/hosts (a mount namespace). nsenter, not `ip netns exec`: that remounts /sys,
+    # without the cgroup mounts slurmd 22.05 needs even with proctrack/pgid.
+    nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c \
+      "mount --bind /etc/netns/$ns/hosts /etc/hosts && hostname $ns && exec /usr/sbin/slurmd -f $CONF -N $ns"
+  done
+  local state
+  for _ in $(seq 300); do
+    state=$(sinfo -h -N -o '%t' 2>/dev/null | sort -u | tr '\n' ' ')
+    [[ $state =~ ^((idle|mix|alloc)\ )+$ ]] && break
+    sleep 0.2
+  done
+  sinfo -N -o '%N %t %c %G %o'
+  if [[ ! $state =~ ^((idle|mix|alloc)\ )+$ ]]; then
+    log "nodes not idle: '$state'"; tail -n 5 "$RUN_DIR"/slurmd-*.log "$RUN_DIR/slurmctld.log"; exit 1
+  fi
+  log "$NODES nodes up in $(( $(date +%s) - t0 ))s (SLURM_CONF=$CONF)"
+}
+
+case ${1:-} in
+  up) up ;;
+  down) down ;;
+  status) sinfo -N -o '%N %t %c %G %o'; squeue ;;
+  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+esac
