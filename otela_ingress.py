@@ -8,6 +8,14 @@ node's tunnel: mutual TLS, or the cluster's tunnel header). The answer goes back
 as it arrives: whole for plain requests, byte for byte for server-sent event streams. Every
 finished request becomes a row of the usage ledger.
 
+Every route is relayed the same way: any method on any path under /v1/ that is not the ingress's
+own (and the engine routes outside /v1/ a site enables, --native-route), with any body (JSON, a
+multipart upload, a file, none). Its model is the JSON's `model`, a form's field `model`, the
+x-otela-model header, the query's or a path segment; a request naming none goes to any session
+serving one of the key's models. An answer of type text/event-stream is relayed event by event
+whatever the route (the Responses API's, SGLang's). A model whose every attempt fails before the
+first byte hands the request to the next of its fallbacks (an alias's models, --fallback).
+
 Theory of operation
 -------------------
 The sections, in file order, and what each holds:
@@ -89,7 +97,8 @@ OTELA_MAX_CONNECTIONS, ...).
 Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
 made) and, to opt out of the per-request usage row (the request is still counted per day),
 `X-Otela-No-Track: 1`; responses carry `X-Otela-Session: <session id>` naming the session that
-served them and `X-Request-Id`.
+served them, `X-Request-Id`, and `X-Otela-Model` when another model than the one named answered
+(an alias's, a fallback).
 
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path but the one
@@ -214,6 +223,14 @@ _REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, 
 _REQUEST_ID_PREFIX = secrets.token_hex(8).encode()   # 64 random bits per process
 _request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+_HEADER_SAFE = re.compile(r"[0-9A-Za-z._:/+=@-]{1,256}")   # a model name that may go in a header as it is
+_MODEL_LINE = re.compile(rb"x-otela-model: [^\r]*\r\n")
+MODEL_HEADER = b"x-otela-model"      # request: the model of a body that names none (a binary upload);
+                                     # response: the model that answered, when a fallback did
+ANY_MODEL = "*"                      # the model a request that names none is booked under
+# A path whose %-encoding hides a separator ("/v1/files%2F..%2Fx"): the engine (or a proxy in front of
+# it) may decode it into another route than the one the ingress checked; refused on relayed routes
+_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
 # The limits above a deployment may have to change: each is also a flag of `serve` and an OTELA_*
 # variable named after it (MAX_CONNECTIONS: --max-connections, OTELA_MAX_CONNECTIONS), read as
 # every setting is (crdt.parse_settings), into the one Limits an ingress is built with.
@@ -302,6 +319,48 @@ def normal_path(path: bytes) -> bool:
     if _ODD_PATH.search(path):
         return False
     return b"%" not in path or _ODD_PATH.search(unquote_to_bytes(path)) is None
+
+
+_JSON_START = re.compile(rb"\s*\{")   # a body that may be a JSON object, whatever its type says
+_BOUNDARY = re.compile(rb'boundary="?([^";\s]{1,200})"?', re.IGNORECASE)
+_FORM_MODEL = re.compile(rb'(?im)^content-disposition:[ \t]*form-data;(?:[^\r\n]*;)?[ \t]*name="?model"?[ \t]*(?:;|\r?$)')
+FORM_MODEL_MAX = 512   # bytes of a form's model field at most (a model name, never a file)
+
+
+def form_model(body: bytes, ctype: bytes) -> Optional[Tuple[int, int]]:
+    """Where the value of the field `model` of a multipart/form-data body lies (start, end), or
+    None. One pass forward: each part's head is looked at, no value is copied (a file part of
+    megabytes costs one find); the body is already within the size limit."""
+    found = _BOUNDARY.search(ctype)
+    if found is None:
+        return None
+    delimiter = b"\r\n--" + found.group(1)
+    at = body.find(delimiter[2:])
+    while at >= 0:
+        head_start = at + len(delimiter)   # (the first delimiter has no CRLF before it)
+        head_end = body.find(b"\r\n\r\n", head_start)
+        if head_end < 0:
+            return None
+        end = body.find(delimiter, head_end + 4)
+        if end < 0:
+            return None
+        if _FORM_MODEL.search(body, head_start, head_end + 2) is not None and end - head_end - 4 <= FORM_MODEL_MAX:
+            return head_end + 4, end
+        at = end + 2
+    return None
+
+
+def with_model(body: bytes, ctype: Optional[bytes], model: str) -> bytes:
+    """The body naming `model` instead (an alias's target, a fallback): a JSON body's `model`, or a
+    form's field; any other body names none, and goes as it is."""
+    if ctype is None and body:   # JSON (the one rewrite of a body besides include_usage)
+        request = crdt.loads(body)
+        request["model"] = model
+        return crdt.dumps(request)
+    span = form_model(body, ctype) if ctype else None
+    if span is None:
+        return body
+    return body[:span[0]] + model.encode() + body[span[1]:]
 
 
 # =============================================================================================
@@ -1587,7 +1646,7 @@ class RoutedRequest:
     when not reported). `memo` is the policy's own, kept across the request's attempts."""
 
     __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started", "body", "memo",
-                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens")
+                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens", "named")
 
     def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str,
                  started: Optional[float] = None, body: Optional[Dict[str, Any]] = None):
@@ -1595,6 +1654,7 @@ class RoutedRequest:
         self.attempt, self.started = 0, time.monotonic() if started is None else started
         self.body, self.memo = body, None
         self.first_at = self.prompt_tokens = self.cached_tokens = self.completion_tokens = None
+        self.named = model   # the model the client named (an alias, or one the request fell back from)
 
 
 class Policy:
@@ -2224,6 +2284,7 @@ class Metrics:
         self.inflight = 0
         self.headless_evicted = 0   # connections with no complete head cut for a newcomer
         self.usage_bounded: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (session, reason)
+        self.fallbacks: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (model, the next one)
 
     def observe(self, table: Dict[str, Histogram], model: str, value: float) -> None:
         hist = table.get(model)
@@ -2254,6 +2315,10 @@ class Metrics:
                "booked at the bound, by the session that said it and the count.")
         for (session, reason), n in sorted(self.usage_bounded.items()):
             add(f'otela_engine_usage_bounded_total{{session="{_label(session)}",reason="{reason}"}} {n}')
+        family("otela_fallbacks_total", "counter", "Requests moved to the next model of their fallback list "
+               "(an alias's, or --fallback) after every attempt at a model failed before the first byte.")
+        for (model, to), n in sorted(self.fallbacks.items()):
+            add(f'otela_fallbacks_total{{model="{_label(model)}",to="{_label(to)}"}} {n}')
         for name, table, help_text in (
                 ("otela_request_duration_seconds", self.latency, "Time from request to last byte."),
                 ("otela_time_to_first_byte_seconds", self.ttfb, "Time to the first streamed byte.")):
@@ -2382,7 +2447,24 @@ RESUME_TEXT_MAX = 1024 * 1024   # bytes of a stream read for its text, to contin
 
 
 # the usage an answer reports, read by the codec's side (otela_node: a node reads it too)
-usage_of, cached_of = otela_node.usage_of, otela_node.cached_of
+cached_of = otela_node.cached_of
+# The Responses API names its counts input_tokens and output_tokens (in `usage`, and in the stream's
+# response.completed event); the chat and completion routes, prompt_tokens and completion_tokens.
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d{1,18})')
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d{1,18})')
+
+
+def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
+    """(prompt, completion) tokens of the last usage object in an answer or SSE event, under either
+    API's names."""
+    counts = otela_node.usage_of(body, start)
+    if counts != (0, 0) or b'"input_tokens"' not in body:
+        return counts
+    at = body.rfind(b'"usage"', start)
+    if at < 0:
+        return counts
+    found_in, found_out = _INPUT_TOKENS.search(body, at), _OUTPUT_TOKENS.search(body, at)
+    return int(found_in.group(1)) if found_in else 0, int(found_out.group(1)) if found_out else 0
 
 
 class StreamWatch:
@@ -2522,6 +2604,20 @@ class StreamWatch:
             at = end
         kept.append(piece[at:])
         return b"".join(kept)
+
+
+def cut_events(path: bytes, message: str) -> bytes:
+    """The events that end a stream cut after bytes went out, in its route's own shape: for the
+    Responses API (which has no [DONE]) its `error` event and `response.failed`; elsewhere an
+    `error` object in a data event, then [DONE] (chat, completions, SGLang's native stream)."""
+    if path.endswith(b"/responses"):
+        failed = {"type": "response.failed", "response": {"object": "response", "status": "failed", "output": [],
+                                                          "error": {"code": "server_error", "message": message}}}
+        return (b"event: error\ndata: " + crdt.dumps({"type": "error", "code": "stream_cut", "message": message,
+                                                      "param": None})
+                + b"\n\nevent: response.failed\ndata: " + crdt.dumps(failed) + b"\n\n")
+    error = crdt.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": "stream_cut"}})
+    return b"data: " + error + b"\n\ndata: [DONE]\n\n"
 
 
 # =============================================================================================
@@ -2737,26 +2833,34 @@ class UpstreamPool:
         return up
 
     def send_request(self, up: Upstream, path: bytes, stream: bool, body: bytes,
-                     routed: Optional[RoutedRequest] = None) -> Optional[UpstreamFailure]:
+                     routed: Optional[RoutedRequest] = None, method: bytes = b"POST", lines: bytes = b"",
+                     ctype: Optional[bytes] = None) -> Optional[UpstreamFailure]:
         """Send a request on `up`; the failure (the connection discarded) when it could not go.
-        `routed`: its prompt's prefix anchors, when the policy hashed it, go with it (PREFIX_HEADER)."""
+        `path`: the target (with its query); `routed`: its prompt's prefix anchors, when the policy
+        hashed it, go with it (PREFIX_HEADER); `lines`: whole header lines of this request (trace
+        context); `ctype`: the client's content type when it is not JSON (b"": none)."""
         try:
-            up.send(self._request_head(path, up.addr, stream, body, prefix_line(routed)) + body)
+            up.send(self._request_head(path, up.addr, stream, body, prefix_line(routed) + lines, method, ctype)
+                    + body)
         except UpstreamFailure as exc:
             self.discard(up)
             return exc
         return None
 
-    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes, extra: bytes = b"") -> bytes:
-        """The head of a request upstream: the same but for its length per (path, session,
-        streaming), so it is formatted once (bounded: routes x sessions in use)."""
-        frame = self._request_heads.get((path, addr, stream))
+    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes, extra: bytes = b"",
+                      method: bytes = b"POST", ctype: Optional[bytes] = None) -> bytes:
+        """The head of a request upstream: the same but for its length per (method, target,
+        session, streaming), so it is formatted once (bounded: routes x sessions in use)."""
+        frame = self._request_heads.get((path, addr, stream, method))
         if frame is None:
             if len(self._request_heads) >= 4096:
                 self._request_heads = {}
-            before, after = otela_node.request_format(b"POST", path, addr.encode(), self.tunnel_line + (
+            before, after = otela_node.request_format(method, path, addr.encode(), self.tunnel_line + (
                 b"accept: text/event-stream\r\n" if stream else b""))
-            frame = self._request_heads[(path, addr, stream)] = (before, b"\r\n" + after)   # (one % less)
+            frame = self._request_heads[(path, addr, stream, method)] = (before, b"\r\n" + after)   # (one % less)
+        if ctype is not None:   # a form, a file, or no body: the client's own type, not JSON's
+            frame = (frame[0].replace(b"content-type: application/json\r\n",
+                                      b"content-type: %s\r\n" % ctype if ctype else b"", 1), frame[1])
         if extra:
             return b"%s%d\r\n%s%s" % (frame[0], len(body), extra, frame[1][2:])
         return b"%s%d%s" % (frame[0], len(body), frame[1])
@@ -2890,8 +2994,8 @@ class _Relay:
     def _finish(self) -> None:
         ex, watch = self.ex, self.watch
         tail = watch.flush() + self.held
-        if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
-            tail += b"data: [DONE]\n\n"
+        if not self.held and _DONE not in tail and ex.path in STREAMABLE_PATHS:   # the engine ended
+            tail += b"data: [DONE]\n\n"                                         # without [DONE]: say so
         ex.took(watch)
         conn = ex.client.conn
         start = b"" if ex.sent else ex.stream_head(self.head)
@@ -3616,6 +3720,12 @@ class _Exchange:
     head: Optional[UpstreamHead] = None   # this attempt's answer head
     parts: Sequence[bytes] = ()           # ... and its plain body so far
     watch: Optional[StreamWatch] = None   # a stream being continued on another session (resume)
+    method = b"POST"                      # the request's method, ...
+    target = b""                          # ... its target upstream (the path and its query) ...
+    lines = b""                           # ... its header lines of its own (trace context) ...
+    ctype: Optional[bytes] = None         # ... and its content type when not JSON (b"": none)
+    chain: Sequence[str] = ()             # the models to fall back to, in order (fall_back)
+    first_try = 0                         # attempts made before the current model's first
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -3846,7 +3956,8 @@ class _Exchange:
             self.client.internal_error(exc)
 
     def _send_on(self, candidate: Candidate, up: Upstream) -> None:
-        failure = self.ingress.pool.send_request(up, self.path, self.routed.stream, self.body, self.routed)
+        failure = self.ingress.pool.send_request(up, self.target or self.path, self.routed.stream, self.body,
+                                                 self.routed, self.method, self.lines, self.ctype)
         if failure is None:
             return self.sent_on(candidate, up)
         if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
@@ -3868,16 +3979,42 @@ class _Exchange:
         """Try the session the policy picks next, or answer 502 once MAX_ATTEMPTS sessions (or
         every one there is) failed to answer."""
         left = self.left
-        if not left or self.attempts >= self.ingress.limits.max_attempts:
+        if not left or self.attempts - self.first_try >= self.ingress.limits.max_attempts:
             if self.sent:   # a stream that no other session could continue
                 self.cut_stream(failure, self.watch)
                 return self.client.serve_next()
+            if self.chain and self.fall_back(failure):
+                return
             exc = HTTPError(502, f"Every provider attempt failed ({self.attempts} tried; last: {failure})",
                             "upstream_failed")
             self.finish("exhausted")
             self.client.error(exc, self.routed.model, counted=True)
             return self.client.serve_next()
         self.send(self.pick(left), fresh=False)
+
+    def fall_back(self, failure: str) -> bool:
+        """Every attempt at this model failed before the first byte (5xx, no answer, no session
+        left): the request goes to the next model of its chain that has sessions, its body naming
+        it; the answer names it (x-otela-model), the ledger books it. False when none is left."""
+        ingress, before = self.ingress, self.routed.model
+        while self.chain:
+            model, self.chain = self.chain[0], self.chain[1:]
+            try:
+                candidates = ingress.health.healthy(ingress.candidates(model, self.key))
+            except HTTPError:
+                continue
+            self.body = with_model(self.body, self.ctype, model)
+            self.routed.model = model
+            self.refused, self.unanswered, self.left, self.first_try = (), (), candidates, self.attempts
+            ingress.metrics.fallbacks[(before, model)] += 1
+            if _HEADER_SAFE.fullmatch(model):   # (in place of the one naming the model before)
+                conn = self.client.conn
+                conn.extra = _MODEL_LINE.sub(b"", conn.extra) + b"%s: %s\r\n" % (MODEL_HEADER, model.encode())
+            print(f"otela-ingress: request {self.request_id.decode()} falls back from {before} to {model} "
+                  f"({failure})", file=sys.stderr)
+            self.send(self.pick(candidates), fresh=False)
+            return True
+        return False
 
     # -- the answer: its head, then its plain body whole, or a stream relayed ----------------------
     def _on_answer(self, up: Upstream) -> None:
@@ -3903,7 +4040,8 @@ class _Exchange:
             self.head = head
             self.to(HEAD)
             self.status = head.status
-            if self.routed.stream and head.status == 200:
+            if head.status == 200 and (self.routed.stream and self.path in STREAMABLE_PATHS
+                                       or head.fields.get(b"content-type", b"").startswith(b"text/event-stream")):
                 self.to(STREAM)
                 self.up = self.client.exchange = None   # the relay has both from here
                 _Relay(self, up, head, self._stream_end).pump()
@@ -3940,10 +4078,13 @@ class _Exchange:
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
         self.up = None
         pool = self.ingress.pool
-        if head.status in RETRY_STATUSES and not self.refused:
-            # held against nobody until another session judges the same request
+        if head.status in RETRY_STATUSES and (not self.refused or self.chain):
+            # held against nobody until another session judges the same request; a second 5xx
+            # of a model with fallbacks is its last: the next model is tried (fall_back)
             pool.release(up)
             self.refusal = (head, payload)
+            if self.refused:
+                self.left = []
             return self.retry(blame=False, failure=f"{self.candidate.addr} answered {head.status}")
         # a 5xx from a second session is the request's fault ("poison"): its client gets it
         self._send_plain(head, payload, "ok" if head.status not in RETRY_STATUSES else "poison")
@@ -3992,7 +4133,7 @@ class _Exchange:
         for a stream of several choices, of reasoning or tool calls, or longer than
         RESUME_TEXT_MAX, or when nothing is left to generate."""
         text = watch.generated()
-        if text is None or self.attempts >= self.ingress.limits.max_attempts:
+        if text is None or self.attempts >= self.ingress.limits.max_attempts or self.path not in STREAMABLE_PATHS:
             return False
         try:
             request = crdt.loads(self.body)
@@ -4023,14 +4164,13 @@ class _Exchange:
         return True
 
     def cut_stream(self, reason: str, watch: StreamWatch) -> None:
-        """The stream broke after bytes went out: the client gets an error event and the end."""
+        """The stream broke after bytes went out: the client gets the route's error event and the end."""
         self.ingress.metrics.stream_cuts += 1
         self.took(watch)
         self.finish("cut")
-        error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
-                                      "type": "server_error", "param": None, "code": "stream_cut"}})
         client = self.client
-        client.transport.write(client.conn.data(b"data: " + error + b"\n\ndata: [DONE]\n\n") + client.conn.end())
+        client.transport.write(client.conn.data(cut_events(self.path, f"The provider failed mid-stream: {reason}"))
+                               + client.conn.end())
 
     def _stream_end(self, result: Any) -> None:
         """The end of a relayed stream (see _Relay)."""
@@ -4080,7 +4220,8 @@ class Ingress:
                  no_auth: bool = False, limits: Optional[Limits] = None,
                  require_code_hash: Optional[str] = None,
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
-                 allow_ungranted: bool = False, catalogue: Sequence[str] = ()):
+                 allow_ungranted: bool = False, catalogue: Sequence[str] = (),
+                 fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = ()):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4096,6 +4237,11 @@ class Ingress:
         self.warmup = 0.0 if getattr(node, "whole_registry", False) else limits.warmup_max_s
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
         self.aliases = dict(aliases or {})   # public name -> served models, tried in order
+        self.fallbacks = dict(fallbacks or {})   # model or alias -> the models tried after it fails, in order
+        # an engine's own routes outside /v1/ relayed like /v1/ (--native-route): "/tokenize" is
+        # that path, "/get_" (a trailing "/" or "_") every path under it
+        self.native_routes = frozenset(r.encode() for r in native_routes if not r.endswith(("/", "_")))
+        self.native_prefixes = tuple(r.encode() for r in native_routes if r.endswith(("/", "_")))
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
@@ -4425,9 +4571,13 @@ class Ingress:
             client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
             return
-        if method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
+        if method == b"POST" and path in PROXIED_PATHS or method != b"HEAD" and self._passes_through(path):
+            if _ENCODED_SEPARATOR.search(path):
+                raise HTTPError(400, f"The path {path.decode('utf-8', 'replace')!r} hides a separator ('%2F', "
+                                     "'%5C'): the engine would decode it into another route", "invalid_path")
             self.authenticate(fields)   # on the head: a stranger's body is never read
-            return client.read_body(fields, lambda body: self.proxy(client, path, fields, body, t0, tag=False))
+            return client.read_body(fields, lambda body: self.proxy(client, path, fields, body, t0, tag=False,
+                                                                    method=method, query=query))
         # a GET's stray small body (or its empty one) is read, to keep the connection; a bigger
         # one is never read: the answer closes the connection
         length = fields.get(b"content-length") or b"0"
@@ -4493,35 +4643,53 @@ class Ingress:
         return key
 
     # -- the proxy ---------------------------------------------------------------------------
-    def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
-                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate], Optional[int]]:
-        """Check a proxied request (key, rate, JSON, model) and find its candidates: what the
-        policy sees, the key, the body to send (include_usage or an alias spliced in), whether
-        the stream's usage is ours to strip, the candidates, and the completion tokens it asks for
-        at most (completion_cap). Raises HTTPError for the client."""
+    def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
+                 query: bytes = b"") -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate], Optional[int],
+                                              Sequence[str], Optional[bytes]]:
+        """Check a proxied request (key, rate, body, model) and find its candidates: what the
+        policy sees, the key, the body to send (include_usage or a model's name spliced in), whether
+        the stream's usage is ours to strip, the candidates, the completion tokens it asks for at
+        most (completion_cap), the models to fall back to, and the content type to send when the
+        body is not JSON (None: JSON; b"": none). Raises HTTPError for the client.
+
+        The model is the JSON body's `model`, else a multipart form's field `model` (an audio
+        upload), else the x-otela-model header, the query's `model`, or a path segment naming one;
+        a request that names none (GET /v1/files, /tokenize) goes to any session serving one of
+        the key's models."""
         key = self.authenticate(fields)
         if key.rate > 0 and not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
         if key.budget_day or key.budget_month:
             self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
-        try:
-            request = crdt.loads(body)
-        except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
-            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
-        if not isinstance(request, dict):
-            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
-        model = request.get("model")
-        if not isinstance(model, str) or not model:
-            raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        request: Dict[str, Any] = {}
+        model: Any = None
+        ctype: Optional[bytes] = None   # JSON: the common case
+        proxied = path in PROXIED_PATHS
+        if proxied or body and _JSON_START.match(body):
+            request, said_json = self._json_body(body, fields, proxied)
+            if not said_json:   # a body that is not JSON, of a type that did not say it would be
+                ctype = fields.get(b"content-type", b"")
+            model = request.get("model")
+            if model is not None and (not isinstance(model, str) or not model):
+                raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        else:
+            ctype = fields.get(b"content-type", b"")
+            if body and ctype[:19].lower() == b"multipart/form-data":
+                span = form_model(body, ctype)
+                if span is not None:
+                    model = body[span[0]:span[1]].decode("utf-8", "replace").strip() or None
+        if model is None:
+            model = self._model_elsewhere(path, query, fields, key)
+            if model is None and proxied:
+                raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
         options = request.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise HTTPError(400, f"Invalid type for 'stream_options': expected an object, but got "
                                  f"{_JSON_TYPES.get(type(options), 'a value')} instead.", "invalid_type", "stream_options")
-        stream = request.get("stream") is True and path in STREAMABLE_PATHS
+        stream = request.get("stream") is True
         strip_usage = False
-        candidates = None
-        if stream:
+        if stream and path in STREAMABLE_PATHS:
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 strip_usage = True
                 if options is None and "stream_options" not in request:
@@ -4530,16 +4698,80 @@ class Ingress:
                 else:
                     request["stream_options"] = dict(options or {}, include_usage=True)
                     body = crdt.dumps(request)
-        if model in self.aliases:   # a public name: the first of its models that is served
-            model, body, candidates = self._alias(model, key, body)
-        if candidates is None:   # (an alias found them already)
+        chain: Sequence[str] = ()
+        named = None
+        if model is None:
+            model, candidates = ANY_MODEL, self._any_candidates(key)
+        elif model in self.aliases or model in self.fallbacks:   # a public name, or one with fallbacks
+            named = model
+            model, body, candidates, chain = self._first_served(model, key, body, ctype)
+        else:
             candidates = self.candidates(model, key)
-        routed = RoutedRequest(model, key.user, key.id, stream, path.decode(), t0,
+        routed = RoutedRequest(model, key.user, key.id, stream, path.decode("utf-8", "replace"), t0,
                                request if self.policy_body else None)
-        return routed, key, body, strip_usage, candidates, completion_cap(request, path)
+        if named is not None:
+            routed.named = named
+        return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
+
+    @staticmethod
+    def _json_body(body: bytes, fields: Dict[bytes, bytes], proxied: bool) -> Tuple[Dict[str, Any], bool]:
+        """The JSON object of a body (and True), or ({}, False) for a body of another type that
+        only looks like JSON. 400 when a body that must be JSON (a completion route's, or one
+        whose type says so) is not an object."""
+        def said_json() -> bool:
+            media = fields.get(b"content-type", b"").partition(b";")[0].strip().lower()
+            return proxied or not media or media == b"application/json" or media.endswith(b"+json")
+        try:
+            request = crdt.loads(body)
+        except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
+            if not said_json():
+                return {}, False
+            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+        if not isinstance(request, dict):
+            if not said_json():
+                return {}, False
+            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        return request, True
+
+    def _model_elsewhere(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], key: Key) -> Optional[str]:
+        """The model of a request whose body names none: the x-otela-model header, the query's
+        `model`, or a segment of the path naming a model (or alias) the key may use."""
+        named = fields.get(MODEL_HEADER)
+        if named is not None and named.strip():
+            return named.strip().decode("utf-8", "replace")
+        if query and b"model=" in query:
+            try:
+                named_in = parse_qs(query.decode("ascii"), errors="strict").get("model")
+            except UnicodeDecodeError:
+                raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
+            if named_in and named_in[0]:
+                return named_in[0]
+        text = unquote(path.decode("utf-8", "replace")) + "/"
+        for name in sorted(self._served_models(key) | set(self.aliases), key=len, reverse=True):
+            if f"/{name}/" in text:
+                return name
+        return None
+
+    def _any_candidates(self, key: Key) -> List[Candidate]:
+        """The sessions serving any model the key may use: for a request that names none."""
+        seen, found = set(), []
+        for model in sorted(self._served_models(key)):
+            try:
+                candidates = self.candidates(model, key)
+            except HTTPError:
+                continue
+            for candidate in candidates:
+                if candidate.session not in seen:
+                    seen.add(candidate.session)
+                    found.append(candidate)
+        if not found:
+            raise HTTPError(404, "The request names no model (in its JSON, a form field 'model', an x-otela-model "
+                                 "header, the query or the path), and no session serves a model this key may use",
+                            "model_not_found", "model")
+        return found
 
     def proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
-              tag: bool = True) -> None:
+              tag: bool = True, method: bytes = b"POST", query: bytes = b"") -> None:
         """A proxied request with its whole body: checked, routed and sent upstream from here;
         its answer comes back in the upstream connection's callbacks (see _Exchange). `tag`: its
         request id is still to be given (see _Client.tag; route's caller gave it already).
@@ -4550,7 +4782,8 @@ class Ingress:
         paid on a cold CPU, and none of these is needed to send it."""
         client.busy = True
         try:
-            routed, key, body, strip_usage, candidates, cap = self._prepare(client, path, fields, body, t0)
+            routed, key, body, strip_usage, candidates, cap, chain, ctype = self._prepare(
+                client, path, fields, body, t0, query)
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
@@ -4563,15 +4796,21 @@ class Ingress:
             if tag:
                 client.tag(fields)
             raise
+        target = path + b"?" + query if query else path
         up = self.pool.take_idle(candidate.addr, candidate.pin)
-        if up is not None and self.pool.send_request(up, path, routed.stream, body, routed) is not None:
+        if up is not None and self.pool.send_request(up, target, routed.stream, body, routed, method, b"",
+                                                      ctype) is not None:
             up = None   # a pooled connection closed under us: a fresh one, no failure
         if tag:
             client.tag(fields)
+        if routed.named is not routed.model and routed.named != routed.model and _HEADER_SAFE.fullmatch(routed.model):
+            client.conn.extra += b"%s: %s\r\n" % (MODEL_HEADER, routed.model.encode())   # the model that answers
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
-        ex.left, ex.completion_cap = left, cap
+        ex.left, ex.completion_cap, ex.method, ex.target, ex.ctype = left, cap, method, target, ctype
+        if chain:
+            ex.chain = chain
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             return ex.send(candidate, fresh=True)
@@ -4594,32 +4833,60 @@ class Ingress:
                 (b"access-control-max-age", b"600")]
 
     # -- model aliases and fallbacks; pass-through of other engine routes ----------------------
-    def _alias(self, alias: str, key: Key, body: bytes) -> Tuple[str, bytes, List[Candidate]]:
-        """The first of an alias's models that has candidates for this key, and the body naming
-        it (the engine knows only the models it serves: the one rewrite of a body besides
-        include_usage, and only for an alias). The last model's error when none serves."""
+    def fallback_chain(self, name: str) -> List[str]:
+        """The models a request for `name` may be served by, in order: an alias's models (or the
+        model itself), each followed by its fallbacks (--fallback), then the alias's own."""
+        models: List[str] = []
+        for model in [*self.aliases.get(name, [name]), *(self.fallbacks.get(name, ()) if name in self.aliases else ())]:
+            for one in (model, *self.fallbacks.get(model, ())):
+                if one not in models:
+                    models.append(one)
+        return models
+
+    def _first_served(self, name: str, key: Key, body: bytes,
+                      ctype: Optional[bytes]) -> Tuple[str, bytes, List[Candidate], List[str]]:
+        """The first model of fallback_chain(name) with a session in rotation for this key (when
+        every one's sessions sit out, the first with sessions), the body naming it (the engine
+        knows only the models it serves), its candidates and the models left to fall back to.
+        The first model's error when none serves."""
         error: Optional[HTTPError] = None
-        for model in self.aliases[alias]:
+        models = self.fallback_chain(name)
+        served: Optional[Tuple[int, List[Candidate]]] = None
+        for at, model in enumerate(models):
             try:
                 candidates = self.candidates(model, key)
             except HTTPError as exc:
-                error = exc
+                error = error or exc
                 continue
-            request = crdt.loads(body)
-            request["model"] = model
-            return model, crdt.dumps(request), candidates
-        assert error is not None
-        if error.status == 404:   # say the name the client used
-            error = HTTPError(404, f"The model '{alias}' does not exist or no session serves it",
-                              "model_not_found", "model")
-        raise error
+            if served is None:
+                served = (at, candidates)
+            if not self.health.sick_until or any(not self.health.is_sick(c.session, time.monotonic())
+                                                 for c in candidates):
+                served = (at, candidates)
+                break
+        if served is None:
+            assert error is not None
+            if error.status == 404 and name in self.aliases:   # say the name the client used
+                error = HTTPError(404, f"The model '{name}' does not exist or no session serves it",
+                                  "model_not_found", "model")
+            raise error
+        at, candidates = served
+        model = models[at]
+        if model != name:
+            body = with_model(body, ctype, model)
+        return model, body, candidates, models[at + 1:]
 
     def _passes_through(self, path: bytes) -> bool:
-        """Any POST under /v1/ that is no route of ours goes to an engine like the completions
-        (same auth, routing and metering; its body must name a model): /v1/responses,
-        /v1/rerank, /v1/audio/..., whatever the engine serves."""
-        return path.startswith(b"/v1/") and not path.startswith(ADMIN_PREFIX) and path not in self._GET \
-            and not path.startswith(MODEL_PREFIX)
+        """Any request under /v1/ that is no route of ours goes to an engine like the completions
+        (same auth, routing, retries and metering), whatever its method and body: /v1/responses,
+        /v1/rerank, /v1/audio/..., GET /v1/files, whatever the engine serves; and the engine's
+        own routes outside /v1/ that the site enables by name (--native-route: vLLM's /tokenize,
+        SGLang's /generate). The three completion routes take POST alone (see route)."""
+        if path.startswith(b"/v1/"):
+            return not path.startswith(ADMIN_PREFIX) and path not in self._GET \
+                and not path.startswith(MODEL_PREFIX) and path not in PROXIED_PATHS
+        return path not in self._GET and (path in self.native_routes
+                                          or any(path.startswith(p) for p in self.native_prefixes))
 
     # -- admin API: keys (create, list, revoke) and cluster-wide usage, behind an admin key ----
     # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
@@ -5000,6 +5267,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
+                      fallbacks=dict(args.fallback), native_routes=[_native_route(r) for r in args.native_route],
                       cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
     if not config.ingress_keys:
@@ -5084,6 +5352,14 @@ def _alias_arg(value: str) -> Tuple[str, List[str]]:
     return name.strip(), models
 
 
+def _native_route(value: str) -> str:
+    route = value.strip()
+    if not route.startswith("/") or route.startswith("/v1/") or not normal_path(route.encode()):
+        raise SystemExit(f"otela-ingress: --native-route {value!r}: a path outside /v1/ in normal form, "
+                         "such as /tokenize")
+    return route
+
+
 def _code_hash_arg(value: str) -> str:
     value = value.strip()
     if value != "self" and not re.fullmatch(r"[0-9a-f]{16}", value):
@@ -5092,7 +5368,7 @@ def _code_hash_arg(value: str) -> str:
 
 
 # The variables of flags whose names or separators are not crdt.parse_settings' own (see main)
-SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";")}
+SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";"), "--fallback": ("FALLBACKS", ";")}
 
 
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
@@ -5147,6 +5423,17 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                        help="a public model name for served ones, tried in order: the first that a "
                             "healthy session serves gets the request (its body then names that model). "
                             "Repeatable; env OTELA_ALIASES, aliases separated by ';' (default: none)")
+    serve.add_argument("--fallback", action="append", default=[], metavar="MODEL=MODEL[,MODEL...]",
+                       type=_alias_arg,
+                       help="the models a model (or alias) falls back to, in order, when every attempt at it "
+                            "fails before the first byte (5xx, no answer, no session): the answer and the "
+                            "ledger name the model that answered. Repeatable; env OTELA_FALLBACKS, lists "
+                            "separated by ';' (default: none)")
+    serve.add_argument("--native-route", action="append", default=[], metavar="PATH",
+                       help="an engine route outside /v1/ to relay like /v1/ (keys, routing, metering): "
+                            "/tokenize, /detokenize (vLLM), /generate (SGLang); a path ending in '/' or '_' "
+                            "relays every path under it. Repeatable; env OTELA_NATIVE_ROUTE, comma-separated "
+                            "(default: none: only /v1/ is relayed)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="let browser pages from ORIGIN (https://app.example.org, or * for any) call "
                             "the API: CORS headers on answers and OPTIONS preflights answered. "

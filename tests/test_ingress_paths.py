@@ -148,10 +148,10 @@ def test_a_bug_in_the_callbacks_costs_one_request_a_500(stack, monkeypatch, caps
     key = stack.key()
     real = otela_ingress.Ingress._prepare
 
-    def broken(self, client, path, fields, body, t0):
+    def broken(self, client, path, fields, body, t0, *rest):
         if b"boom" in body:
             raise RuntimeError("a bug")
-        return real(self, client, path, fields, body, t0)
+        return real(self, client, path, fields, body, t0, *rest)
 
     monkeypatch.setattr(otela_ingress.Ingress, "_prepare", broken)
     client = Client(stack.url, key)

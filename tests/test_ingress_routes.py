@@ -1,0 +1,262 @@
+"""Every client, every route (issue 42): any method, any path under /v1/ and the engine routes a
+site enables, any body (JSON, multipart, none), relayed as the engine answers it: a stream of any
+route event by event, the model found wherever the request names it (or any session of the key's
+models when it names none), with the keys, the ledger and the retries of the completion routes;
+and fallbacks that fall back, to the next model of an alias or of --fallback."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import openai
+import pytest
+from test_ingress_support import Client, Stack, read_to_close
+
+import otela_ingress
+
+
+def sdk(stack: Stack, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def error_code(body: bytes):
+    return json.loads(body)["error"]["code"]
+
+
+@pytest.fixture
+def native(tmp_path):
+    s = Stack(str(tmp_path / "native.sqlite"), native_routes=["/tokenize", "/detokenize", "/generate"])
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# -- 1. one relay for any route ----------------------------------------------------------------
+def test_a_responses_stream_reaches_the_client_event_by_event_as_the_engine_sends_it(stack):
+    stack.engine("m1", chunks=5, chunk_delay=0.3)
+    key = stack.key()
+    arrivals, kinds = [], []
+    start = time.monotonic()
+    with sdk(stack, key).responses.create(model="m1", input="hello there", stream=True) as events:
+        for event in events:
+            arrivals.append(time.monotonic() - start)
+            kinds.append(event.type)
+    assert kinds == ["response.created"] + ["response.output_text.delta"] * 5 + ["response.completed"]
+    # the engine spaces its 7 events 0.3 s apart (1.8 s in all): the first is not held until the last
+    assert arrivals[-1] - arrivals[0] > 1.0
+    assert stack.sql("SELECT model, status, prompt_tokens, completion_tokens, stream FROM requests") == [
+        ("m1", 200, 2, 5, 1)]   # usage from response.completed's input_tokens and output_tokens
+
+
+def test_a_whole_responses_answer_is_booked_from_its_input_and_output_tokens(stack):
+    stack.engine("m1", chunks=3)
+    response = sdk(stack, stack.key()).responses.create(model="m1", input="one two three four")
+    assert response.output_text == "tok0 tok1 tok2 "
+    assert stack.sql("SELECT model, prompt_tokens, completion_tokens, stream FROM requests") == [("m1", 4, 3, 0)]
+
+
+def test_a_responses_request_is_retried_on_another_session_before_its_first_byte(stack):
+    stack.engine("m1", mode="error500")
+    stack.engine("m1", chunks=2)
+    client = sdk(stack, stack.key())
+    answers = [client.responses.create(model="m1", input="hi").output_text for _ in range(6)]
+    assert answers == ["tok0 tok1 "] * 6
+    assert {status for status, in stack.sql("SELECT status FROM requests")} == {200}
+
+
+def test_a_responses_stream_cut_mid_way_ends_with_its_own_error_events_and_no_done(stack):
+    stack.engine("m1", mode="cut", chunks=6)
+    key = stack.key()
+    client = Client(stack.url, key)
+    try:
+        status, _, body = client.request("POST", "/v1/responses", {"model": "m1", "input": "hi", "stream": True})
+    finally:
+        client.close()
+    assert status == 200
+    text = body.decode()
+    assert "event: response.output_text.delta" in text and "[DONE]" not in text
+    assert text.rstrip().split("\n\n")[-2].startswith("event: error\ndata: ")
+    last = text.rstrip().split("\n\n")[-1]
+    assert last.startswith("event: response.failed\ndata: ")
+    assert json.loads(last.split("data: ", 1)[1])["response"]["status"] == "failed"
+    assert stack.sql("SELECT status FROM requests") == [(502,)]
+
+
+def test_a_multipart_audio_upload_is_routed_by_its_model_field_and_relayed_verbatim(stack):
+    stack.engine("m1")
+    _, m2 = stack.engine("m2")
+    audio = bytes(range(256)) * 40   # binary, 10 KiB
+    answer = sdk(stack, stack.key()).audio.transcriptions.create(model="m2", file=("a.wav", audio))
+    assert answer.text == f"fake transcription of {len(audio)} bytes"
+    assert m2.hits.get("/v1/audio/transcriptions") == 1
+    assert m2.last_headers["content-type"].startswith("multipart/form-data; boundary=")
+    assert stack.sql("SELECT model, status, prompt_tokens, completion_tokens FROM requests") == [
+        ("m2", 200, len(audio) // 100, 4)]
+
+
+def test_a_get_route_without_a_model_is_answered_by_a_session_of_the_keys_models(stack):
+    _, engine = stack.engine("m1")
+    key = stack.key()
+    assert list(sdk(stack, key).files.list()) == []
+    assert engine.last_method == "GET" and engine.last_target == "/v1/files"
+    client = Client(stack.url, key)
+    try:
+        status, _, _ = client.request("GET", "/v1/files?purpose=batch&limit=2")
+        assert status == 200 and engine.last_target == "/v1/files?purpose=batch&limit=2"   # the query goes too
+        status, _, body = client.request("DELETE", "/v1/files/file-123")
+        assert (status, engine.last_method) == (404, "DELETE")   # the engine's own answer, passed on
+    finally:
+        client.close()
+    assert stack.sql("SELECT model, status FROM requests") == [("*", 200), ("*", 200), ("*", 404)]
+
+
+def test_a_request_naming_no_model_with_a_key_that_may_use_none_is_refused_with_the_reason(stack):
+    stack.engine("m1", labels={"site": "a"})
+    client = Client(stack.url, stack.key("bob", allow=["site=b"]))
+    try:
+        status, _, body = client.request("GET", "/v1/files")
+    finally:
+        client.close()
+    assert status == 404 and "names no model" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("how", ["header", "query", "path"])
+def test_the_model_is_found_in_a_header_the_query_or_the_path(stack, how):
+    _, m1 = stack.engine("m1")
+    _, m2 = stack.engine("m2")
+    target, headers = {"header": ("/v1/files", {"x-otela-model": "m2"}),
+                       "query": ("/v1/files?model=m2", {}),
+                       "path": ("/v1/fine_tuning/m2/files", {})}[how]
+    client = Client(stack.url, stack.key())
+    try:
+        for _ in range(4):
+            client.request("GET", target, headers=headers)
+    finally:
+        client.close()
+    assert (m1.hits, sum(m2.hits.values())) == ({}, 4)
+    assert {model for model, in stack.sql("SELECT model FROM requests")} == {"m2"}
+
+
+def test_native_routes_a_site_enables_are_relayed_and_others_are_not(native):
+    _, engine = native.engine("m1", chunks=3)
+    client = Client(native.url, native.key())
+    try:
+        status, _, body = client.request("POST", "/tokenize", {"prompt": "a few words here"})   # no model: vLLM's
+        assert (status, json.loads(body)["count"]) == (200, 4)
+        status, _, body = client.request("POST", "/detokenize", {"tokens": [1, 2]})
+        assert (status, json.loads(body)["prompt"]) == (200, "w ww")
+        status, _, body = client.request("POST", "/generate", {"text": "hi", "stream": True})
+        assert status == 200
+        events = [line for line in body.decode().split("\n") if line.startswith("data: ")]
+        assert [json.loads(e[6:])["text"] for e in events[:-1]] == ["tok0 ", "tok0 tok1 ", "tok0 tok1 tok2 "]
+        assert events[-1] == "data: [DONE]" and body.count(b"[DONE]") == 1
+        status, _, body = client.request("POST", "/flush_cache", {})   # not enabled: never reaches the engine
+        assert (status, error_code(body)) == (404, "unknown_url")
+        assert Client(native.url, "sk-otela-nope").request("POST", "/tokenize", {"prompt": "x"})[0] == 401
+    finally:
+        client.close()
+    assert "/flush_cache" not in engine.hits
+
+
+def test_a_v1_tokenize_without_a_model_is_answered(stack):
+    _, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        status, _, _ = client.request("POST", "/v1/tokenize", {"prompt": "x"})
+    finally:
+        client.close()
+    assert status == 404 and engine.hits == {"/v1/tokenize": 1}   # the fake engine has no such route: its answer
+
+
+# -- 1. hostile inputs, held by the existing limits -----------------------------------------------
+def test_a_multipart_body_over_the_size_limit_is_refused_413_before_any_engine(tmp_path):
+    stack = Stack(str(tmp_path / "small.sqlite"), limits=otela_ingress.Limits(max_body_bytes=64 * 1024))
+    try:
+        _, engine = stack.engine("m1")
+        with pytest.raises(openai.APIStatusError) as refused:
+            sdk(stack, stack.key()).audio.transcriptions.create(model="m1", file=("bomb.wav", b"\0" * 200_000))
+        assert refused.value.status_code == 413
+        assert engine.requests == 0
+    finally:
+        stack.close()
+
+
+def test_an_upload_whose_body_never_ends_is_cut_at_the_body_timeout(tmp_path):
+    stack = Stack(str(tmp_path / "slow.sqlite"), limits=otela_ingress.Limits(request_timeout_s=1.0))
+    try:
+        _, engine = stack.engine("m1")
+        head = (b"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                b"content-type: multipart/form-data; boundary=b\r\ncontent-length: 100000\r\n\r\n--b\r\n"
+                % stack.key().encode())
+        with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+            sock.sendall(head)
+            _, closed = read_to_close(sock, deadline_s=5.0)
+        assert closed and engine.requests == 0
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("target", ["/v1/files%2F..%2Fadmin", "/v1/files%5cx", "/v1/files/../admin",
+                                    "/v1/files/%2e%2e/admin"])
+def test_a_relayed_path_with_dot_segments_or_encoded_separators_is_refused(stack, target):
+    _, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        status, _, body = client.request("GET", target)
+    finally:
+        client.close()
+    assert (status, error_code(body)) == (400, "invalid_path")
+    assert engine.hits == {}
+
+
+# -- 2. fallbacks that fall back -------------------------------------------------------------------
+def test_an_alias_falls_back_to_its_next_model_when_the_first_fails_before_the_first_byte(tmp_path):
+    stack = Stack(str(tmp_path / "alias.sqlite"), aliases={"fast": ["m2", "m1"]})
+    try:
+        stack.engine("m2", mode="error500")
+        _, m1 = stack.engine("m1")
+        client = Client(stack.url, stack.key())
+        try:
+            answers = [client.chat("fast") for _ in range(6)]
+        finally:
+            client.close()
+        assert [status for status, _, _ in answers] == [200] * 6
+        assert {json.loads(body)["model"] for _, _, body in answers} == {"m1"}   # the model that answered
+        assert {headers["x-otela-model"] for _, headers, _ in answers} == {"m1"}
+        assert m1.requests == 6
+        assert {model for model, in stack.sql("SELECT model FROM requests")} == {"m1"}
+    finally:
+        stack.close()
+
+
+def test_a_fallback_list_moves_a_failing_models_requests_on_in_order_on_every_route(tmp_path):
+    stack = Stack(str(tmp_path / "fallback.sqlite"), fallbacks={"m2": ["m3", "m1"]})
+    try:
+        stack.engine("m2", mode="error500")
+        stack.engine("m3", mode="reset")
+        _, m1 = stack.engine("m1", chunks=2)
+        key = stack.key()
+        client = sdk(stack, key)
+        assert client.responses.create(model="m2", input="hi").output_text == "tok0 tok1 "
+        text = client.audio.transcriptions.create(model="m2", file=("a.wav", b"\1" * 300))
+        assert text.model_extra.get("model") == "m1"   # the form's field names the model it went to
+        with client.responses.create(model="m2", input="hi", stream=True) as events:
+            assert [e.type for e in events][-1] == "response.completed"
+        assert m1.requests == 3
+        assert stack.sql("SELECT model, status FROM requests") == [("m1", 200)] * 3
+        metrics = Client(stack.url).request("GET", "/metrics")[2].decode()
+        assert 'otela_fallbacks_total{model="m3",to="m1"}' in metrics
+    finally:
+        stack.close()
+
+
+def test_a_model_with_no_session_at_all_goes_straight_to_its_fallback(tmp_path):
+    stack = Stack(str(tmp_path / "none.sqlite"), fallbacks={"gone": ["m1"]})
+    try:
+        stack.engine("m1")
+        status, headers, body = Client(stack.url, stack.key()).chat("gone")
+        assert (status, headers["x-otela-model"], json.loads(body)["model"]) == (200, "m1", "m1")
+    finally:
+        stack.close()
