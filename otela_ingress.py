@@ -122,6 +122,7 @@ import collections
 import fcntl
 import functools
 import hashlib
+import http.client
 import importlib
 import itertools
 import math
@@ -135,7 +136,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, unquote, unquote_to_bytes
+from urllib.parse import parse_qs, unquote, unquote_to_bytes, urlsplit
 
 try:
     import h11
@@ -379,7 +380,8 @@ CREATE TABLE IF NOT EXISTS usage_slots (id TEXT PRIMARY KEY, record TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
-    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT);
+    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT,
+    trace_id TEXT);
 CREATE TABLE IF NOT EXISTS daily (
     day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
@@ -431,8 +433,10 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
     for name, decl in _KEY_COLUMNS:
         if name not in have:
             db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
-    if "request_id" not in {row[1] for row in db.execute("PRAGMA table_info(requests)")}:
-        db.execute("ALTER TABLE requests ADD COLUMN request_id TEXT")
+    have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+    for name in ("request_id", "trace_id"):   # (in this order: the rows are inserted by position)
+        if name not in have:
+            db.execute(f"ALTER TABLE requests ADD COLUMN {name} TEXT")
 
 
 def hash_key(token: str) -> str:
@@ -653,7 +657,7 @@ def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels:
 # =============================================================================================
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id")
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id", "trace_id")
 
 
 def _day(ts: float) -> str:
@@ -668,7 +672,7 @@ def ledger_row_ok(row: Any) -> bool:
     and types, a time gmtime takes, token counts no engine's answer is booked above
     (crdt.MAX_REQUEST_TOKENS), other integers within SQLite's. Only asked of a batch SQLite
     could not take, to find the rows to blame."""
-    if not isinstance(row, tuple) or len(row) not in (13, 14):
+    if not isinstance(row, tuple) or len(row) not in (13, 14, 15):
         return False
     ts, key_id, user, model, session, provider, status, prompt, completion, latency, stream, attempts, \
         tracked = row[:13]
@@ -677,13 +681,13 @@ def ledger_row_ok(row: Any) -> bool:
         and all(type(v) is str for v in (key_id, user, model, session, provider)) \
         and all(v is None or type(v) is int and 0 <= v <= crdt.MAX_REQUEST_TOKENS for v in (prompt, completion)) \
         and all(type(v) is int and 0 <= v < 1 << 63 for v in (status, stream, attempts, tracked)) \
-        and (len(row) == 13 or row[13] is None or type(row[13]) is str)
+        and all(v is None or type(v) is str for v in row[13:])
 
 
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11, ?12, ?14 WHERE ?13")
+                    "?10, ?11, ?12, ?14, ?15 WHERE ?13")
 _INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                  "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                  "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
@@ -855,7 +859,7 @@ class Ledger:
                         values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
                         continue
-                    if len(values) in (13, 14):   # 13: a journal from before request ids
+                    if len(values) in (13, 14, 15):   # 13, 14: a journal from before request ids, trace ids
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
         if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
@@ -1029,7 +1033,7 @@ class Ledger:
         db.execute("BEGIN")
         try:
             if rows:
-                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 14 else r + (None,)
+                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 15 else r + (None,) * (15 - len(r))
                                                             for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
@@ -2429,6 +2433,151 @@ def overlay_metrics(node: Any) -> bytes:
 
 
 # =============================================================================================
+# Trace context: W3C traceparent in and out, Server-Timing, spans to an OTLP collector
+# =============================================================================================
+# Each proxied request is a span of this ingress: it continues the client's trace (traceparent),
+# or starts one, and the engine gets a traceparent naming our span as its parent, with the
+# client's tracestate, X-Request-Id and User-Agent. The trace id is in the request's ledger row
+# and its log lines; with --otlp-endpoint its spans go to a collector (SpanExporter).
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_HEADER_VALUE = re.compile(rb"[\x20-\x7e]{1,512}")   # a header value passed on as it is: printable, bounded
+_NO_TRACE, _NO_SPAN = b"0" * 32, b"0" * 16   # (all zeros: invalid, as W3C says)
+OTLP_QUEUE_MAX = 8192        # spans waiting for the exporter at most (~3 spans a request: ~2,700
+                             # requests, a few seconds at full load); the next is dropped and counted
+OTLP_BATCH = 512             # spans per POST (~200 KB of JSON): one collector request a second
+                             # at ~170 requests/s
+OTLP_INTERVAL_S = 1.0        # a span reaches the collector within about a second
+OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is dropped and counted
+
+
+def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes, bytes, bytes, bytes]:
+    """(trace id, the client's span it continues (b"": none), this ingress's span, the header
+    lines for the engine): the client's traceparent when valid, else a trace started here."""
+    span = b"%016x" % (random.getrandbits(64) | 1)
+    given = fields.get(b"traceparent")
+    found = _TRACEPARENT.fullmatch(given) if given is not None else None
+    if found is not None and found.group(1) != b"ff" and found.group(2) != _NO_TRACE and found.group(3) != _NO_SPAN:
+        trace, parent = found.group(2), found.group(3)
+        lines = b"traceparent: 00-%s-%s-%s\r\n" % (trace, span, found.group(4))
+        state = fields.get(b"tracestate")
+        if state is not None and _HEADER_VALUE.fullmatch(state):
+            lines += b"tracestate: %s\r\n" % state
+    else:
+        trace, parent = b"%032x" % (random.getrandbits(128) | 1), b""
+        lines = b"traceparent: 00-%s-%s-01\r\n" % (trace, span)
+    lines += b"x-request-id: %s\r\n" % request_id
+    agent = fields.get(b"user-agent")
+    if agent is not None and _HEADER_VALUE.fullmatch(agent):
+        lines += b"user-agent: %s\r\n" % agent
+    return trace, parent, span, lines
+
+
+def server_timing(ex: _Exchange) -> bytes:
+    """The Server-Timing line of an answer: the ingress's time before the request went upstream
+    (reading, checks, routing), and the engine's to its answer's head, in milliseconds."""
+    return b"server-timing: ingress;dur=%.3f, upstream;dur=%.3f\r\n" % (
+        (ex.sent_at - ex.t0) * 1000.0, (ex.head_at - ex.sent_at) * 1000.0)
+
+
+class SpanExporter:
+    """Spans to an OTLP/HTTP JSON collector (POST {endpoint}/v1/traces) from a thread of its own,
+    in batches. The request path only appends a tuple to a bounded queue (add): a collector that
+    is down, slow or never answers costs requests nothing; its spans are dropped and counted
+    (otela_otlp_spans_dropped_total)."""
+
+    def __init__(self, endpoint: str, service: str = "otela-ingress", queue_max: int = OTLP_QUEUE_MAX,
+                 batch: int = OTLP_BATCH, interval: float = OTLP_INTERVAL_S, timeout: float = OTLP_TIMEOUT_S):
+        url = urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--otlp-endpoint {endpoint!r}: expected http(s)://HOST:PORT[/path]")
+        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
+        path = url.path.rstrip("/")
+        self.path = path if path.endswith("/v1/traces") else path + "/v1/traces"
+        self.service, self.queue_max, self.batch, self.interval, self.timeout = service, queue_max, batch, interval, timeout
+        self.queue: collections.deque = collections.deque()   # (append and popleft are atomic)
+        self.exported = 0
+        self.dropped_full = 0     # counted by the event loop: the queue was full
+        self.dropped_failed = 0   # counted by the thread: the collector failed or timed out
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="otela-otlp", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_full + self.dropped_failed
+
+    def add(self, span: tuple) -> None:
+        """One request's span (see _Exchange.finish): queued, or dropped when the queue is full."""
+        if len(self.queue) >= self.queue_max:
+            self.dropped_full += 1
+            return
+        self.queue.append(span)
+
+    def stop(self, wait: float = 1.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(wait)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            while self.queue and not self._stopped:
+                batch = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
+                try:
+                    self._post(batch)
+                    self.exported += len(batch)
+                except (OSError, http.client.HTTPException, ValueError):
+                    self.dropped_failed += len(batch)
+
+    def _post(self, batch: List[tuple]) -> None:
+        body = crdt.dumps(self.document(batch, time.time() - time.monotonic()))
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", self.path, body, {"content-type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status >= 300:
+                raise ValueError(f"the collector answered {answer.status}")
+        finally:
+            conn.close()
+
+    def document(self, batch: List[tuple], offset: float) -> Dict[str, Any]:
+        """The OTLP/JSON ExportTraceServiceRequest of a batch; `offset` turns the loop's monotonic
+        clock into Unix time. Each request is three spans: the ingress's (the server span the
+        engine's traceparent names), its route choice and the upstream's time to the first byte."""
+        spans = []
+        for trace, parent, span, name, t0, routed_at, sent_at, head_at, end, model, status, session, attempts in batch:
+            trace, span = trace.decode(), span.decode()
+            def nanos(t: float) -> str:
+                return str(int((t + offset) * 1e9))
+            attributes = [{"key": "otela.model", "value": {"stringValue": model}},
+                          {"key": "http.response.status_code", "value": {"intValue": str(status)}},
+                          {"key": "otela.session", "value": {"stringValue": session}},
+                          {"key": "otela.attempts", "value": {"intValue": str(attempts)}}]
+            root = {"traceId": trace, "spanId": span, "name": name, "kind": 2, "startTimeUnixNano": nanos(t0),
+                    "endTimeUnixNano": nanos(end), "attributes": attributes,
+                    "status": {"code": 2 if status >= 500 else 1}}
+            if parent:
+                root["parentSpanId"] = parent.decode()
+            spans.append(root)
+            if routed_at:
+                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
+                              "name": "otela.route", "kind": 1, "startTimeUnixNano": nanos(t0),
+                              "endTimeUnixNano": nanos(routed_at)})
+            if sent_at and head_at >= sent_at:
+                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
+                              "name": "otela.upstream.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent_at),
+                              "endTimeUnixNano": nanos(head_at),
+                              "attributes": [{"key": "otela.session", "value": {"stringValue": session}}]})
+        return {"resourceSpans": [{"resource": {"attributes": [
+                    {"key": "service.name", "value": {"stringValue": self.service}}]},
+                "scopeSpans": [{"scope": {"name": "otela_ingress"}, "spans": spans}]}]}
+
+
+# =============================================================================================
 # Streams: watch SSE bytes for token usage without re-serialising them
 # =============================================================================================
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
@@ -3575,9 +3724,10 @@ class _Client(asyncio.Protocol):
     def internal_error(self, exc: BaseException) -> None:
         """A bug met while serving a request: say so on stderr and to the client (500), book its
         exchange as an error, and close the connection, whose state is unknown."""
-        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
-              f"(request {self.request_id.decode() or '-'})", file=sys.stderr)
         ex = self.exchange
+        trace = f", trace {ex.trace_id.decode()}" if ex is not None and ex.trace_id else ""
+        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
+              f"(request {self.request_id.decode() or '-'}{trace})", file=sys.stderr)
         if ex is not None:
             ex.drop()
             ex.finish("error")
@@ -3726,6 +3876,10 @@ class _Exchange:
     ctype: Optional[bytes] = None         # ... and its content type when not JSON (b"": none)
     chain: Sequence[str] = ()             # the models to fall back to, in order (fall_back)
     first_try = 0                         # attempts made before the current model's first
+    trace_id = b""                        # its W3C trace id (hex), the client's or one made (trace_context)
+    parent_span = b""                     # ... the client's span it continues (b"": it started the trace)
+    span_id = b""                         # ... this ingress's span, the engine's parent
+    routed_at = sent_at = head_at = 0.0   # when the policy picked, the last attempt went out, its head came
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -3755,6 +3909,7 @@ class _Exchange:
             self.refusal = None
             ingress.metrics.retries += 1
         ingress.policy.on_request_start(candidate, self.routed)
+        self.routed_at = time.monotonic()
         return candidate
 
     # Who is to blame decides what happens next: a session that fails to answer (connect, reset,
@@ -3821,6 +3976,11 @@ class _Exchange:
         if booked:
             self.account(now)
         candidate = self.candidate
+        tracer = ingress.tracer
+        if tracer is not None and self.trace_id:
+            tracer.add((self.trace_id, self.parent_span, self.span_id, self.routed.path, self.t0, self.routed_at,
+                        self.sent_at, self.head_at, now, self.routed.model, self.status,
+                        candidate.session if candidate is not None else "", self.attempts))
         if attempt_open and health == "succeeded":
             ingress.health.succeeded(candidate.session, now)
         elif attempt_open and health == "failed":
@@ -3892,17 +4052,18 @@ class _Exchange:
             micros = round((now - self.t0) * 1e6)
             status, prompt, completion = self.status, self.prompt_tokens, self.completion_tokens
             stream, attempts, tracked = int(self.routed.stream), self.attempts, int(self.tracked)
-            # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
-            ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s"]\n' % (
+            # the request id is of JSON-safe characters (_REQUEST_ID), the trace id hex: no escaping needed
+            ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s","%s"]\n' % (
                 row_head[2], status, prompt, completion, micros // 1000, micros % 1000, stream, attempts, tracked,
-                self.request_id))
+                self.request_id, self.trace_id))
             return row_head[1] + (status, prompt, completion, micros / 1000, stream, attempts, tracked,
-                                  self.request_id.decode())
+                                  self.request_id.decode(), self.trace_id.decode())
         ledger.record((
             time.time(), self.key.id, self.key.user, self.routed.model,
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             self.status, self.prompt_tokens, self.completion_tokens, round((now - self.t0) * 1000.0, 3),
-            int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode()))
+            int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode(),
+            self.trace_id.decode() or None))
         return None
 
     def account(self, now: float) -> None:
@@ -3968,6 +4129,7 @@ class _Exchange:
         """The attempt's request went out on `up`: its answer is read from there."""
         self.to(SENT)
         self.up, self.head = up, None
+        self.sent_at = time.monotonic()
         proto = up.proto
         proto.on_data = functools.partial(self._on_answer, up)
         if self.row_head is None or self.row_head[0] is not candidate:
@@ -4010,8 +4172,8 @@ class _Exchange:
             if _HEADER_SAFE.fullmatch(model):   # (in place of the one naming the model before)
                 conn = self.client.conn
                 conn.extra = _MODEL_LINE.sub(b"", conn.extra) + b"%s: %s\r\n" % (MODEL_HEADER, model.encode())
-            print(f"otela-ingress: request {self.request_id.decode()} falls back from {before} to {model} "
-                  f"({failure})", file=sys.stderr)
+            print(f"otela-ingress: request {self.request_id.decode()} (trace {self.trace_id.decode()}) falls back "
+                  f"from {before} to {model} ({failure})", file=sys.stderr)
             self.send(self.pick(candidates), fresh=False)
             return True
         return False
@@ -4040,6 +4202,7 @@ class _Exchange:
             self.head = head
             self.to(HEAD)
             self.status = head.status
+            self.head_at = time.monotonic()
             if head.status == 200 and (self.routed.stream and self.path in STREAMABLE_PATHS
                                        or head.fields.get(b"content-type", b"").startswith(b"text/event-stream")):
                 self.to(STREAM)
@@ -4107,6 +4270,7 @@ class _Exchange:
             self.cached_tokens = cached_of(payload)
             self.answer_bytes = len(payload)
         client = self.client
+        client.conn.extra += server_timing(self)
         out = client.conn.whole_answer(head.status, head.fields.get(b"content-type", b"application/json"),
                                        self.candidate.session_bytes, payload)
         self.finish("gone" if client.closed else outcome, out)   # "gone": answered, but nobody left to hear it
@@ -4122,7 +4286,8 @@ class _Exchange:
             ingress.on_first_byte(self.candidate, routed)
         return self.client.conn.head(200, [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
                                            (b"cache-control", b"no-cache"),
-                                           (SESSION_HEADER, self.candidate.session_bytes)])
+                                           (SESSION_HEADER, self.candidate.session_bytes),
+                                           (b"server-timing", server_timing(self)[15:-2])])
 
     def resume(self, watch: StreamWatch) -> bool:
         """The stream broke after bytes went out: ask another session to continue it. The
@@ -4221,7 +4386,8 @@ class Ingress:
                  require_code_hash: Optional[str] = None,
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
                  allow_ungranted: bool = False, catalogue: Sequence[str] = (),
-                 fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = ()):
+                 fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = (),
+                 otlp_endpoint: Optional[str] = None):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4242,6 +4408,8 @@ class Ingress:
         # that path, "/get_" (a trailing "/" or "_") every path under it
         self.native_routes = frozenset(r.encode() for r in native_routes if not r.endswith(("/", "_")))
         self.native_prefixes = tuple(r.encode() for r in native_routes if r.endswith(("/", "_")))
+        self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
+        self.tracer: Optional[SpanExporter] = None
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
@@ -4299,6 +4467,8 @@ class Ingress:
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         self.cluster.start(self._loop)
+        if self.otlp_endpoint:
+            self.tracer = SpanExporter(self.otlp_endpoint)
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         except OSError as exc:
@@ -4332,6 +4502,8 @@ class Ingress:
             except asyncio.TimeoutError:
                 pass
         self.cluster.stop()   # our last usage goes out, and into SQLite below
+        if self.tracer is not None:
+            self.tracer.stop()
         if self.ledger is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
 
@@ -4781,34 +4953,30 @@ class Ingress:
         its request id, the policy's count. At 16 requests/s every step before that write is
         paid on a cold CPU, and none of these is needed to send it."""
         client.busy = True
+        if tag:   # (its id goes upstream with it)
+            client.tag(fields)
         try:
             routed, key, body, strip_usage, candidates, cap, chain, ctype = self._prepare(
                 client, path, fields, body, t0, query)
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
-            if tag:
-                client.tag(fields)
             client.error(exc)
             client.finish()
             return
-        except Exception:   # a bug, or a user's policy that raises: its 500 (see _Client.serve) names it
-            if tag:
-                client.tag(fields)
-            raise
+        trace, parent, span, lines = trace_context(fields, client.request_id)
         target = path + b"?" + query if query else path
         up = self.pool.take_idle(candidate.addr, candidate.pin)
-        if up is not None and self.pool.send_request(up, target, routed.stream, body, routed, method, b"",
+        if up is not None and self.pool.send_request(up, target, routed.stream, body, routed, method, lines,
                                                       ctype) is not None:
             up = None   # a pooled connection closed under us: a fresh one, no failure
-        if tag:
-            client.tag(fields)
         if routed.named is not routed.model and routed.named != routed.model and _HEADER_SAFE.fullmatch(routed.model):
             client.conn.extra += b"%s: %s\r\n" % (MODEL_HEADER, routed.model.encode())   # the model that answers
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
         ex.left, ex.completion_cap, ex.method, ex.target, ex.ctype = left, cap, method, target, ctype
+        ex.trace_id, ex.parent_span, ex.span_id, ex.lines = trace, parent, span, lines
         if chain:
             ex.chain = chain
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
@@ -5070,6 +5238,14 @@ class Ingress:
                  + ".\n# TYPE otela_evictions_doubted_total counter\n" + "".join(
                      f'otela_evictions_doubted_total{{reason="{why}"}} {self.doubted_by[why]}\n'
                      for why in DOUBT_REASONS)).encode()
+        tracer = self.tracer
+        if tracer is not None:
+            body += ("# HELP otela_otlp_spans_exported_total Spans the OTLP collector took.\n"
+                     "# TYPE otela_otlp_spans_exported_total counter\n"
+                     f"otela_otlp_spans_exported_total {tracer.exported}\n"
+                     "# HELP otela_otlp_spans_dropped_total Spans dropped: the exporter's queue was full, or the "
+                     "collector failed or was slower than its timeout.\n# TYPE otela_otlp_spans_dropped_total counter\n"
+                     f"otela_otlp_spans_dropped_total {tracer.dropped}\n").encode()
         unrouted = collections.Counter(self.unrouted().values())
         body += ("# HELP otela_sessions_unrouted Live sessions routed nothing because of their grant, by reason.\n"
                  "# TYPE otela_sessions_unrouted gauge\n" + "".join(
@@ -5268,6 +5444,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       fallbacks=dict(args.fallback), native_routes=[_native_route(r) for r in args.native_route],
+                      otlp_endpoint=args.otlp_endpoint,
                       cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
     if not config.ingress_keys:
@@ -5429,6 +5606,11 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "fails before the first byte (5xx, no answer, no session): the answer and the "
                             "ledger name the model that answered. Repeatable; env OTELA_FALLBACKS, lists "
                             "separated by ';' (default: none)")
+    serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                       help="send each request's spans (the ingress's, its route choice, the upstream's time "
+                            "to first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched "
+                            "from a thread; a collector down or slow drops spans, counted on /metrics, never "
+                            "delays a request (env OTELA_OTLP_ENDPOINT; default: none)")
     serve.add_argument("--native-route", action="append", default=[], metavar="PATH",
                        help="an engine route outside /v1/ to relay like /v1/ (keys, routing, metering): "
                             "/tokenize, /detokenize (vLLM), /generate (SGLang); a path ending in '/' or '_' "

@@ -260,3 +260,172 @@ def test_a_model_with_no_session_at_all_goes_straight_to_its_fallback(tmp_path):
         assert (status, headers["x-otela-model"], json.loads(body)["model"]) == (200, "m1", "m1")
     finally:
         stack.close()
+
+
+def test_a_daily_budget_counts_the_responses_apis_input_and_output_tokens(stack):
+    stack.engine("m1", chunks=5)
+    db = otela_ingress.open_db(stack.db_path)
+    try:
+        _, token = otela_ingress.create_key(db, "carol", budget_day=10)
+        keys = otela_ingress.load_keys(db)
+    finally:
+        db.close()
+    stack.call(stack.ingress._set_keys, keys)
+    client = sdk(stack, token)
+    client.responses.create(model="m1", input="two words")   # 2 + 5 tokens: within 10
+    client.responses.create(model="m1", input="two words")   # 14: the budget is spent after this one
+    with pytest.raises(openai.RateLimitError):
+        client.responses.create(model="m1", input="two words")
+
+
+# -- 3. trace context end to end -------------------------------------------------------------------
+TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+def test_the_clients_trace_context_request_id_and_user_agent_reach_the_engine_and_the_ledger(stack):
+    _, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        status, headers, _ = client.chat(headers={"traceparent": f"00-{TRACE}-{SPAN}-01", "tracestate": "vendor=x1",
+                                                  "x-request-id": "req-abc", "user-agent": "app/1.2"})
+    finally:
+        client.close()
+    assert status == 200
+    sent = engine.last_headers
+    version, trace, parent, flags = sent["traceparent"].split("-")
+    assert (version, trace, flags) == ("00", TRACE, "01") and parent not in (SPAN, "0" * 16)   # our span, theirs above
+    assert (sent["tracestate"], sent["x-request-id"], sent["user-agent"]) == ("vendor=x1", "req-abc", "app/1.2")
+    assert stack.sql("SELECT request_id, trace_id FROM requests") == [("req-abc", TRACE)]
+    ingress_ms, upstream_ms = (float(part.split("dur=")[1]) for part in headers["server-timing"].split(", "))
+    assert ingress_ms >= 0 and upstream_ms >= 0
+
+
+@pytest.mark.parametrize("given", [None, "00-00000000000000000000000000000000-00f067aa0ba902b7-01", "garbage",
+                                   f"ff-{TRACE}-{SPAN}-01"])
+def test_a_request_without_a_valid_traceparent_starts_a_trace_the_engine_and_the_ledger_share(stack, given):
+    _, engine = stack.engine("m1")
+    client = Client(stack.url, stack.key())
+    try:
+        status, _, _ = client.chat(headers={"traceparent": given} if given else None)
+    finally:
+        client.close()
+    version, trace, parent, flags = engine.last_headers["traceparent"].split("-")
+    assert (version, len(trace), len(parent), flags) == ("00", 32, 16, "01") and trace != "0" * 32
+    assert stack.sql("SELECT trace_id FROM requests") == [(trace,)]
+
+
+def test_a_stream_answer_carries_server_timing_and_its_trace_reaches_the_engine(stack):
+    _, engine = stack.engine("m1", chunks=3)
+    client = Client(stack.url, stack.key())
+    try:
+        status, headers, _ = client.request("POST", "/v1/responses", {"model": "m1", "input": "x", "stream": True},
+                                            headers={"traceparent": f"00-{TRACE}-{SPAN}-00"})
+    finally:
+        client.close()
+    assert status == 200 and headers["server-timing"].startswith("ingress;dur=")
+    assert engine.last_headers["traceparent"].startswith(f"00-{TRACE}-") and engine.last_headers[
+        "traceparent"].endswith("-00")
+
+
+def test_a_ledger_from_before_trace_ids_gets_the_column_and_keeps_its_rows(tmp_path):
+    import sqlite3
+    path = str(tmp_path / "old.sqlite")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE requests (ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT, "
+               "session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER, completion_tokens INTEGER, "
+               "latency_ms REAL, stream INTEGER, attempts INTEGER)")
+    db.execute("INSERT INTO requests VALUES (1.0, '1970-01-01', 'k', 'u', 'm0', 's', 'p', 200, 1, 2, 3.0, 0, 1)")
+    db.commit()
+    db.close()
+    stack = Stack(path)
+    try:
+        stack.engine("m1")
+        assert Client(stack.url, stack.key()).chat(headers={"traceparent": f"00-{TRACE}-{SPAN}-01"})[0] == 200
+        rows = stack.sql("SELECT model, request_id, trace_id FROM requests ORDER BY ts")
+    finally:
+        stack.close()
+    assert rows[0] == ("m0", None, None) and rows[1][0] == "m1" and rows[1][2] == TRACE
+
+
+class Collector:
+    """An OTLP/HTTP collector on loopback: `hang` accepts and never answers."""
+
+    def __init__(self, hang: bool = False):
+        import http.server
+        import threading
+        self.documents: list = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                owner.documents.append((self.path, json.loads(self.rfile.read(int(self.headers["content-length"])))))
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        if hang:
+            self.sock = socket.socket()
+            self.sock.bind(("127.0.0.1", 0))
+            self.sock.listen(64)   # connections wait in the backlog: never read, never answered
+            self.port = self.sock.getsockname()[1]
+            self.server = None
+        else:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.port = self.server.server_address[1]
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        else:
+            self.sock.close()
+
+
+def test_spans_reach_an_otlp_collector_with_the_requests_trace(tmp_path):
+    collector = Collector()
+    stack = Stack(str(tmp_path / "otlp.sqlite"), otlp_endpoint=f"http://127.0.0.1:{collector.port}")
+    try:
+        stack.engine("m1")
+        assert Client(stack.url, stack.key()).chat(headers={"traceparent": f"00-{TRACE}-{SPAN}-01"})[0] == 200
+        deadline = time.monotonic() + 10
+        while not collector.documents and time.monotonic() < deadline:
+            time.sleep(0.05)
+        path, document = collector.documents[0]
+        spans = document["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        assert path == "/v1/traces"
+        assert {s["name"] for s in spans} == {"/v1/chat/completions", "otela.route", "otela.upstream.first_byte"}
+        assert {s["traceId"] for s in spans} == {TRACE}
+        root = next(s for s in spans if s["name"] == "/v1/chat/completions")
+        assert root["parentSpanId"] == SPAN and int(root["endTimeUnixNano"]) >= int(root["startTimeUnixNano"])
+        assert all(s["parentSpanId"] == root["spanId"] for s in spans if s is not root)
+    finally:
+        stack.close()
+        collector.close()
+
+
+def test_a_collector_that_never_answers_costs_requests_nothing_and_its_spans_are_dropped_and_counted(tmp_path):
+    collector = Collector(hang=True)
+    stack = Stack(str(tmp_path / "hang.sqlite"), otlp_endpoint=f"127.0.0.1:{collector.port}")
+    try:
+        tracer = stack.ingress.tracer
+        tracer.timeout, tracer.interval, tracer.queue_max = 0.5, 0.05, 4
+        stack.engine("m1")
+        client = Client(stack.url, stack.key())
+        try:
+            assert [client.chat()[0] for _ in range(20)] == [200] * 20
+            deadline = time.monotonic() + 10
+            while tracer.dropped < 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            metrics = client.request("GET", "/metrics")[2].decode()
+        finally:
+            client.close()
+        assert tracer.exported == 0 and tracer.dropped == 20
+        assert "otela_otlp_spans_dropped_total 20" in metrics
+    finally:
+        stack.close()
+        collector.close()
