@@ -95,8 +95,11 @@ Settings: a setting is its flag, else the OTELA_* variable named after it, else 
 OTELA_MAX_CONNECTIONS, ...).
 
 Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
-made) and, to opt out of the per-request usage row (the request is still counted per day),
-`X-Otela-No-Track: 1`; responses carry `X-Otela-Session: <session id>` naming the session that
+made), `traceparent`/`tracestate` (W3C; continued, or a trace started: the engine gets them with
+X-Request-Id and User-Agent), `X-Otela-Model` (the model of a body that names none), from an
+admin key `X-Otela-Session: <session id>` (the request goes to that session alone) and, to opt
+out of the per-request usage row (the request is still counted per day), `X-Otela-No-Track: 1`;
+answers carry `Server-Timing` (the ingress's time, the engine's to its first byte); responses carry `X-Otela-Session: <session id>` naming the session that
 served them, `X-Request-Id`, and `X-Otela-Model` when another model than the one named answered
 (an alias's, a fallback).
 
@@ -119,6 +122,7 @@ import base64
 import bisect
 import calendar
 import collections
+import concurrent.futures
 import fcntl
 import functools
 import hashlib
@@ -197,7 +201,11 @@ LEDGER_FLUSH_S = 0.25                # rows reach SQLite within 250 ms, one comm
                                      # wakes on this clock, never per request, so a quiet
                                      # ingress is not woken twice per request
 LEDGER_JOURNAL_MAX = 8 * 1024 * 1024  # journal file size before starting the next one
-KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
+KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s;
+                                     # an unknown token makes its request wait for a read of SQLite at
+                                     # once (one per token a second at most), so a key the CLI just made
+                                     # works on its first request
+KEY_RELOAD_WAITERS = 1024            # requests waiting for such a read at most; more are refused at once
 STREAM_DRAIN_ABOVE = 64 * 1024      # bytes buffered for a stream's client before waiting for it
 SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
 DRAIN_S = 10.0                       # on SIGTERM, requests in flight get this long to finish
@@ -747,6 +755,8 @@ class Ledger:
         self._flushed = threading.Condition()
         self._generation = 0               # batches committed; flush() waits for the next one
         self._waiters = 0                  # threads in flush()
+        self._reloads: List[concurrent.futures.Future] = []   # reload_keys callers waiting (_reload_lock)
+        self._reload_lock = threading.Lock()
         self._closing = False
         self._state_seq = 0
         self.seq = self._recover()
@@ -880,6 +890,17 @@ class Ledger:
             else:
                 self._on_keys(load_keys(self._db))
 
+    def reload_keys(self) -> Optional[concurrent.futures.Future]:
+        """Read the keys from SQLite now, not at the next KEYS_RELOAD_S: a future done once they
+        were handed over (or None when too many wait already: the caller refuses at once)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._reload_lock:
+            if len(self._reloads) >= KEY_RELOAD_WAITERS:
+                return None
+            self._reloads.append(future)
+        self._wake.set()
+        return future
+
     def replicate(self, entry_id: str, record: Dict[str, Any]) -> None:
         """Keep a replicated key record or usage slot in SQLite (the event loop's side: a dict
         store; the writer thread commits the latest of each with the next batch)."""
@@ -940,13 +961,21 @@ class Ledger:
                 if self._waiters:
                     self._wake.set()   # a flush waits for one more batch
             if closing:
+                with self._reload_lock:
+                    waiting, self._reloads = self._reloads, []
+                for future in waiting:
+                    future.set_result(False)
                 return
-            if time.monotonic() >= next_reload:
+            if self._reloads or time.monotonic() >= next_reload:
                 next_reload = time.monotonic() + KEYS_RELOAD_S
+                with self._reload_lock:
+                    waiting, self._reloads = self._reloads, []
                 try:
                     self._reload_keys()
                 except Exception as exc:   # (a locked database, a bad row): tried again in a second
                     print(f"otela-ingress: key reload failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+                for future in waiting:   # (after the keys were handed to the loop: they come first)
+                    future.set_result(True)
 
     def _write_pending(self) -> None:
         """The rows queued so far into SQLite, or back in front of the queue when it refuses."""
@@ -2290,6 +2319,11 @@ class Metrics:
         self.usage_bounded: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (session, reason)
         self.fallbacks: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (model, the next one)
 
+    def forget(self, session: str) -> None:
+        """The series of a session that left (its sessions' count by state stays, as LEFT)."""
+        for key in [k for k in self.usage_bounded if k[0] == session]:
+            del self.usage_bounded[key]
+
     def observe(self, table: Dict[str, Histogram], model: str, value: float) -> None:
         hist = table.get(model)
         if hist is None:
@@ -3618,6 +3652,9 @@ class _Client(asyncio.Protocol):
             try:
                 ingress.route(self, head, t0)
             except HTTPError as exc:
+                if exc.code == "invalid_api_key" and ingress.await_key(
+                        self, functools.partial(ingress.route, self, head, t0)):
+                    return   # (it goes on when the keys were read)
                 self.error(exc)
                 self.finish()
 
@@ -3659,7 +3696,13 @@ class _Client(asyncio.Protocol):
                     self.reading = None
                     self.busy = True   # from here on the request is ours: no client timeout
                     parts = reading.parts
-                    reading.then(parts[0] if len(parts) == 1 else b"".join(parts))
+                    body = parts[0] if len(parts) == 1 else b"".join(parts)
+                    try:
+                        reading.then(body)
+                    except HTTPError as exc:   # (a key the CLI made a moment ago: see await_key)
+                        if exc.code != "invalid_api_key" or not self.ingress.await_key(
+                                self, functools.partial(reading.then, body)):
+                            raise
                     return True
                 else:   # the client closed mid-request
                     self.reading = None
@@ -3876,6 +3919,7 @@ class _Exchange:
     ctype: Optional[bytes] = None         # ... and its content type when not JSON (b"": none)
     chain: Sequence[str] = ()             # the models to fall back to, in order (fall_back)
     first_try = 0                         # attempts made before the current model's first
+    pinned = False                        # an admin sent it to one session (x-otela-session): no other
     trace_id = b""                        # its W3C trace id (hex), the client's or one made (trace_context)
     parent_span = b""                     # ... the client's span it continues (b"": it started the trace)
     span_id = b""                         # ... this ingress's span, the engine's parent
@@ -3938,6 +3982,8 @@ class _Exchange:
         """Every session the request could try failed to answer: the others that serve it now
         (out of rotation for failing, or new since it was routed), so that a connect failure
         is retried on another session when one exists."""
+        if self.pinned:
+            return []
         try:
             candidates = self.ingress.candidates(self.routed.model, self.key)
         except HTTPError:
@@ -4241,7 +4287,7 @@ class _Exchange:
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
         self.up = None
         pool = self.ingress.pool
-        if head.status in RETRY_STATUSES and (not self.refused or self.chain):
+        if head.status in RETRY_STATUSES and not self.pinned and (not self.refused or self.chain):
             # held against nobody until another session judges the same request; a second 5xx
             # of a model with fallbacks is its last: the next model is tried (fall_back)
             pool.release(up)
@@ -4427,6 +4473,8 @@ class Ingress:
         self.keys: Dict[str, Key] = {}
         self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
+        self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
+        self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
         self.metrics = Metrics()
         self.stats = UsageStats()
         self.health = PassiveHealth(limits)
@@ -4553,6 +4601,8 @@ class Ingress:
         self.grants.seen(sid, record)   # (its state or grant may have changed: not on a view's change)
         self._doubt(sid, record)
         self._candidates = {}
+        if record is None or record.get("state") == crdt.LEFT:
+            self.metrics.forget(sid)   # a session that left takes its series off /metrics
 
     async def _read_revocations(self) -> None:
         """Revocations `grant revoke` wrote to the --db: published, as the CLI's keys are (one
@@ -4805,6 +4855,8 @@ class Ingress:
             digest = hashlib.sha256(token.strip()).hexdigest()
         key = self.keys.get(digest)   # looked up each time: a revoked key stops working at once
         if key is None:
+            if digest not in self.cluster.records:   # unknown here: maybe made by the CLI a moment ago
+                self._last_miss = digest
             raise self.cluster.refusal(digest)   # revoked, expired or unknown
         if header not in self._digests:
             if len(self._digests) >= 4096:   # bounded: keys in use, not every token ever tried
@@ -4813,6 +4865,57 @@ class Ingress:
         if admin and not key.admin:
             raise HTTPError(403, "This needs an admin key", "admin_required")
         return key
+
+    # A key `keys create` wrote to SQLite a moment ago is unknown until the next read of it
+    # (KEYS_RELOAD_S): its first request waits for a read made at once, then runs again, instead of
+    # a 401. One read per token and second at most: a stream of made-up tokens costs a PRAGMA each.
+    def await_key(self, client: _Client, again: Callable[[], None]) -> bool:
+        """The request whose token authenticate just found unknown runs `again` once the keys
+        were read from SQLite (Ledger.reload_keys); False (refuse it now) when this token was
+        looked for within KEYS_RELOAD_S, or too many wait."""
+        digest, self._last_miss = self._last_miss, None
+        ledger, now = self.ledger, time.monotonic()
+        if digest is None or ledger is None or self._missed.get(digest, 0.0) > now:
+            return False
+        if len(self._missed) >= 4096:   # bounded: tokens tried within a second
+            self._missed = {}
+        self._missed[digest] = now + KEYS_RELOAD_S
+        future = ledger.reload_keys()
+        if future is None:
+            return False
+        client.busy = True
+        waiting = client.waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(functools.partial(self._key_read, client, again))
+        return True
+
+    def _key_read(self, client: _Client, again: Callable[[], None], waiting: asyncio.Future) -> None:
+        client.waiting = None
+        if client.closed or waiting.cancelled():
+            return
+        client.busy = False   # (again, as when its head came: a body to read is read by serve)
+        try:
+            again()
+        except HTTPError as exc:
+            client.error(exc)
+            client.finish()
+        except Exception as exc:   # a bug, from a future's callback: nobody else would see it
+            return client.internal_error(exc)
+        if not client.busy and not client.ending:
+            client.serve()   # what the client sent meanwhile
+
+    def _pinned(self, pin: bytes, model: str, key: Key) -> List[Candidate]:
+        """The one session an admin's x-otela-session names, if it is routable and serves the
+        model (any model, for a request that names none)."""
+        sid = pin.strip().decode("ascii", "replace")
+        record = self.node.registry.get(sid) if sid and ":" not in sid else None
+        if record is None or record.get("role", "worker") != "worker":
+            raise HTTPError(404, f"No session {sid!r} in the registry", "session_not_found")
+        if model != ANY_MODEL and model not in self.grants.models(record):
+            raise HTTPError(404, f"The session {sid!r} does not serve '{model}'", "model_not_found", "model")
+        if not self._routable(sid, record):
+            raise HTTPError(503, f"The session {sid!r} takes no requests now (state, suspicion, grant or code)",
+                            "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        return [Candidate(sid, record)]
 
     # -- the proxy ---------------------------------------------------------------------------
     def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
@@ -4872,7 +4975,20 @@ class Ingress:
                     body = crdt.dumps(request)
         chain: Sequence[str] = ()
         named = None
-        if model is None:
+        pin = fields.get(SESSION_HEADER)
+        if pin is not None:   # an operator's request for one chosen session: no other is tried
+            if not key.admin:
+                raise HTTPError(403, "Sending a request to a chosen session (x-otela-session) needs an admin key",
+                                "admin_required")
+            if model in self.aliases:   # the first of its models the session serves
+                record = self.node.registry.get(pin.strip().decode("ascii", "replace")) or {}
+                served = [m for m in self.aliases[model] if m in (record.get("models") or ())]
+                if served:
+                    named, model = model, served[0]
+                    body = with_model(body, ctype, model)
+            model = model or ANY_MODEL
+            candidates = self._pinned(pin, model, key)
+        elif model is None:
             model, candidates = ANY_MODEL, self._any_candidates(key)
         elif model in self.aliases or model in self.fallbacks:   # a public name, or one with fallbacks
             named = model
@@ -4961,6 +5077,9 @@ class Ingress:
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
+            if exc.code == "invalid_api_key" and self.await_key(
+                    client, lambda: self.proxy(client, path, fields, body, t0, False, method, query)):
+                return
             client.error(exc)
             client.finish()
             return
@@ -4977,6 +5096,8 @@ class Ingress:
         ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
         ex.left, ex.completion_cap, ex.method, ex.target, ex.ctype = left, cap, method, target, ctype
         ex.trace_id, ex.parent_span, ex.span_id, ex.lines = trace, parent, span, lines
+        if SESSION_HEADER in fields:
+            ex.pinned = True
         if chain:
             ex.chain = chain
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)

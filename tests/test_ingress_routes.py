@@ -429,3 +429,78 @@ def test_a_collector_that_never_answers_costs_requests_nothing_and_its_spans_are
     finally:
         stack.close()
         collector.close()
+
+
+# -- 4. smaller items ------------------------------------------------------------------------------
+def test_a_session_that_left_takes_its_series_off_metrics(stack):
+    import crdt
+    sid, _ = stack.engine("m1", usage_tokens=10 ** 9)   # a lying engine: counted per session
+    keep, _ = stack.engine("m2", usage_tokens=10 ** 9)
+    client = Client(stack.url, stack.key())
+    try:
+        for model in ("m1", "m2"):
+            assert client.chat(model)[0] == 200
+        assert sid in client.request("GET", "/metrics")[2].decode()
+        stack.call(stack.node.set_state, sid, crdt.LEFT)
+        metrics = client.request("GET", "/metrics")[2].decode()
+    finally:
+        client.close()
+    assert sid not in metrics and keep in metrics
+    assert 'otela_sessions{state="LEFT"} 1' in metrics
+
+
+def test_a_key_the_cli_just_wrote_works_on_its_first_request_and_a_made_up_one_is_refused(stack):
+    stack.engine("m1")
+    db = otela_ingress.open_db(stack.db_path)
+    try:
+        _, token = otela_ingress.create_key(db, "erin")   # as `keys create` does: SQLite only
+    finally:
+        db.close()
+    client = Client(stack.url, token)
+    try:
+        assert client.chat()[0] == 200                                    # the common path
+        assert client.request("GET", "/v1/models", key=token)[0] == 200
+        for _ in range(3):   # an unknown token: one read of SQLite, then refused at once for a second
+            status, _, body = client.request("POST", "/v1/chat/completions", {"model": "m1"}, key="sk-otela-nope")
+            assert (status, error_code(body)) == (401, "invalid_api_key")
+    finally:
+        client.close()
+
+
+def test_a_key_the_cli_just_wrote_works_on_a_body_read_in_pieces_too(stack):
+    stack.engine("m1")
+    db = otela_ingress.open_db(stack.db_path)
+    try:
+        _, token = otela_ingress.create_key(db, "erin")
+    finally:
+        db.close()
+    body = json.dumps({"model": "m1", "input": "hi"}).encode()
+    head = (b"POST /v1/responses HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n" % (token.encode(), len(body)))
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(head)
+        time.sleep(0.05)
+        sock.sendall(body)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+def test_an_admin_pins_a_request_to_one_session_and_others_may_not(stack):
+    sid, pinned = stack.engine("m1", mode="error500")
+    _, other = stack.engine("m1")
+    admin, user = Client(stack.url, stack.key("root", admin=True)), Client(stack.url, stack.key("bob"))
+    try:
+        answers = [admin.chat(headers={"x-otela-session": sid}) for _ in range(3)]
+        assert [status for status, _, _ in answers] == [500] * 3   # its own answer: never another session
+        assert {headers["x-otela-session"] for _, headers, _ in answers} == {sid}
+        assert (pinned.requests, other.requests) == (3, 0)
+        status, _, body = user.chat(headers={"x-otela-session": sid})
+        assert (status, error_code(body)) == (403, "admin_required")
+        status, _, body = admin.chat("m1", headers={"x-otela-session": "0" * 32})
+        assert (status, error_code(body)) == (404, "session_not_found")
+        assert admin.request("GET", "/v1/files", headers={"x-otela-session": sid})[0] == 200
+        assert pinned.hits.get("/v1/files") == 1
+    finally:
+        admin.close()
+        user.close()
