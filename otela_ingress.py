@@ -103,6 +103,9 @@ answers carry `Server-Timing` (the ingress's time, the engine's to its first byt
 served them, `X-Request-Id`, and `X-Otela-Model` when another model than the one named answered
 (an alias's, a fallback).
 
+TLS (--tls-cert, --tls-key): the listener accepts TCP as for plain HTTP, so a connection is counted
+and under the head's deadline from accept; start_tls then takes it over (_Client._secured).
+
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path but the one
      append to the usage journal (keys are read by the ledger thread and swapped in; usage
@@ -136,6 +139,7 @@ import random
 import re
 import secrets
 import sqlite3
+import ssl
 import sys
 import threading
 import time
@@ -3456,7 +3460,7 @@ class _Client(asyncio.Protocol):
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "closed", "ending",
                  "serving", "relay", "exchange", "reading", "waiting", "lingering", "head_only",
-                 "write_paused", "read_paused", "request_id", "headless", "limits")
+                 "write_paused", "read_paused", "request_id", "headless", "limits", "handshaking")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -3481,6 +3485,7 @@ class _Client(asyncio.Protocol):
         self.request_id = b""            # the X-Request-Id of the request being answered
         self.write_paused = self.read_paused = False
         self.headless = False            # among the ingress's connections with no complete head
+        self.handshaking: Any = None     # its TLS handshake under way (--tls-cert): nothing is served
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -3498,6 +3503,59 @@ class _Client(asyncio.Protocol):
         ingress.clients.add(self)
         ingress.metrics.connections += 1
         self.await_head()
+        if ingress.tls is not None:   # counted and under the head's deadline from its first byte on
+            # (not paused here: asyncio on 3.9 would then let start_tls's protocol read the
+            # ClientHello before its connection_made, and drop it; a read before start_tls takes
+            # over goes to _early)
+            loop = asyncio.get_running_loop()
+            handshake = self.handshaking = asyncio.ensure_future(loop.start_tls(
+                transport, self, ingress.tls, server_side=True, ssl_handshake_timeout=self.limits.head_timeout_s))
+            handshake.add_done_callback(functools.partial(self._secured, transport))
+
+    def _early(self, data: bytes, taken: bool = False, turns: int = 0) -> None:
+        """Handshake bytes the loop read before start_tls took the connection over (uvloop reads
+        right after connection_made, asyncio on 3.9 too): handed to its TLS protocol once that
+        has started: a turn of the loop after it took over (its connection_made runs first)."""
+        if self.closed or not self.handshaking:
+            return
+        if len(data) > SSE_CARRY_MAX or turns > 16:   # no ClientHello is this long; start_tls never came
+            self.transport.abort()
+            return
+        tls = self.transport.get_protocol()
+        if tls is self or not taken:
+            asyncio.get_running_loop().call_soon(self._early, data, tls is not self, turns + 1)
+            return
+        if hasattr(tls, "buffer_updated"):   # a BufferedProtocol (asyncio >= 3.11, uvloop)
+            view = memoryview(data)
+            while view:
+                buf = tls.get_buffer(len(view))
+                n = min(len(buf), len(view))
+                buf[:n] = view[:n]
+                tls.buffer_updated(n)
+                view = view[n:]
+        else:
+            tls.data_received(data)
+
+    def _secured(self, raw: Any, handshake: asyncio.Future) -> None:
+        """TLS on an accepted connection (--tls-cert) is up, or failed. It was inside the
+        connection's limits throughout: it held its place among the connections and the headless
+        ones, and a handshake slower than the head's deadline was cut (the sweep, and start_tls's
+        own timeout)."""
+        secure = None
+        if not handshake.cancelled() and handshake.exception() is None:
+            secure = handshake.result()
+        if secure is None:   # failed, or the connection ended first (aborted at the deadline: no error)
+            self.ingress.metrics.errors["tls_handshake_failed"] += 1
+            raw.abort()
+            self.connection_lost(None)
+            return
+        if self.closed:   # (the client went away meanwhile)
+            return
+        self.handshaking = None
+        self.transport = secure
+        secure.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)
+        if self.conn.buffered() or self.conn.eof:
+            self.serve()
 
     def await_head(self) -> None:
         """The connection has sent no complete head (yet; or, found by the sweep, not since its
@@ -3522,7 +3580,11 @@ class _Client(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer a connection over a cap with an error, and close it without a reset (its request
-        may be on the way already: see linger)."""
+        may be on the way already: see linger); a TLS one is closed (it speaks no HTTP yet)."""
+        if self.ingress.tls is not None:
+            self.ingress.metrics.errors[code] += 1
+            self.transport.abort()
+            return
         self.transport.write(otela_node.whole_response(status, otela_node.error_body(status, message, code),
                                                        close=True, headers=((b"retry-after", b"1"),)))
         self.ingress.metrics.errors[code] += 1
@@ -3531,6 +3593,11 @@ class _Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed or self.lingering:
             return
+        if self.handshaking:
+            if self.transport.get_protocol() is self:   # the ClientHello, read before start_tls took over
+                return self._early(data)
+            self.conn.receive_data(data)   # decrypted before start_tls handed us its transport: served
+            return                         # once it has (_secured)
         if self.idle:   # the first byte of the next request: its head is due
             self.idle = False
             self.deadline = time.monotonic() + self.limits.head_timeout_s
@@ -3548,7 +3615,7 @@ class _Client(asyncio.Protocol):
         if self.lingering:
             return False   # the client read our answer and closed: close too
         self.data_received(b"")
-        return True   # half-closed: the answer may still go out
+        return self.ingress.tls is None   # half-closed: the answer may still go out (TLS has no half-close)
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         if self.closed:
@@ -4433,7 +4500,7 @@ class Ingress:
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
                  allow_ungranted: bool = False, catalogue: Sequence[str] = (),
                  fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = (),
-                 otlp_endpoint: Optional[str] = None):
+                 otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4455,6 +4522,7 @@ class Ingress:
         self.native_routes = frozenset(r.encode() for r in native_routes if not r.endswith(("/", "_")))
         self.native_prefixes = tuple(r.encode() for r in native_routes if r.endswith(("/", "_")))
         self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
+        self.tls = tls   # the public listener's TLS (--tls-cert, --tls-key; public_tls), None: plain HTTP
         self.tracer: Optional[SpanExporter] = None
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
@@ -5558,6 +5626,8 @@ def _limit_arg(kind: type) -> Callable[[str], Any]:
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     limits = Limits.from_args(args)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together (a certificate and its key)")
     # the ingress relays for members behind NATs unless told not to (--no-relay)
     config = otela_node.config_from_args(args, ingress_keys=ingress_secrets(args.ingress_key_file, args.key_file))
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
@@ -5566,6 +5636,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       fallbacks=dict(args.fallback), native_routes=[_native_route(r) for r in args.native_route],
                       otlp_endpoint=args.otlp_endpoint,
+                      tls=public_tls(args.tls_cert, args.tls_key) if args.tls_cert else None,
                       cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
     if not config.ingress_keys:
@@ -5650,6 +5721,18 @@ def _alias_arg(value: str) -> Tuple[str, List[str]]:
     return name.strip(), models
 
 
+def public_tls(cert: str, key: str) -> ssl.SSLContext:
+    """The public listener's TLS context (--tls-cert, --tls-key): TLS 1.2 at least, the standard
+    library's defaults otherwise (its ciphers, no compression, no renegotiation)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
+    return context
+
+
 def _native_route(value: str) -> str:
     route = value.strip()
     if not route.startswith("/") or route.startswith("/v1/") or not normal_path(route.encode()):
@@ -5732,6 +5815,12 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "to first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched "
                             "from a thread; a collector down or slow drops spans, counted on /metrics, never "
                             "delays a request (env OTELA_OTLP_ENDPOINT; default: none)")
+    serve.add_argument("--tls-cert", default=None, metavar="FILE",
+                       help="serve the API over TLS with this certificate chain (PEM; with --tls-key): the "
+                            "same limits as plain HTTP, the handshake inside the head's deadline (env "
+                            "OTELA_TLS_CERT; default: plain HTTP)")
+    serve.add_argument("--tls-key", default=None, metavar="FILE",
+                       help="the private key of --tls-cert (PEM; env OTELA_TLS_KEY)")
     serve.add_argument("--native-route", action="append", default=[], metavar="PATH",
                        help="an engine route outside /v1/ to relay like /v1/ (keys, routing, metering): "
                             "/tokenize, /detokenize (vLLM), /generate (SGLang); a path ending in '/' or '_' "
