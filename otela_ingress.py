@@ -2491,7 +2491,8 @@ OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is
 def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes, bytes, bytes, bytes]:
     """(trace id, the client's span it continues (b"": none), this ingress's span, the header
     lines for the engine): the client's traceparent when valid, else a trace started here."""
-    span = b"%016x" % (random.getrandbits(64) | 1)
+    ids = b"%048x" % (random.getrandbits(192) | 1)   # a trace id (if one is started here) and our span's
+    span = ids[32:]
     given = fields.get(b"traceparent")
     found = _TRACEPARENT.fullmatch(given) if given is not None else None
     if found is not None and found.group(1) != b"ff" and found.group(2) != _NO_TRACE and found.group(3) != _NO_SPAN:
@@ -2501,7 +2502,7 @@ def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes,
         if state is not None and _HEADER_VALUE.fullmatch(state):
             lines += b"tracestate: %s\r\n" % state
     else:
-        trace, parent = b"%032x" % (random.getrandbits(128) | 1), b""
+        trace, parent = ids[:32], b""
         lines = b"traceparent: 00-%s-%s-01\r\n" % (trace, span)
     lines += b"x-request-id: %s\r\n" % request_id
     agent = fields.get(b"user-agent")
