@@ -27,7 +27,7 @@ from test_ingress_support import Stack  # noqa: E402
 def arrivals(port: int, path: str, body: dict, key: str = "") -> list:
     """Milliseconds from the request's last byte to the arrival of each complete SSE event."""
     data = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\nconnection: close\r\n"
             + (f"authorization: Bearer {key}\r\n" if key else "") + "\r\n").encode()
     times, seen, buf = [], 0, b""
     with socket.create_connection(("127.0.0.1", port)) as sock:
