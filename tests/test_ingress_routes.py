@@ -11,6 +11,8 @@ import time
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_ingress_support import Client, Stack, read_to_close
 
 import otela_ingress
@@ -504,3 +506,30 @@ def test_an_admin_pins_a_request_to_one_session_and_others_may_not(stack):
     finally:
         admin.close()
         user.close()
+
+
+# -- the form parser, property-tested --------------------------------------------------------------
+_NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12).filter(lambda n: n != "model")
+_VALUES = st.binary(max_size=300).filter(lambda v: b"--" not in v)   # (a value never holds the delimiter)
+
+
+def form(fields, boundary: bytes = b"XyZ123") -> bytes:
+    parts = [b"--%s\r\ncontent-disposition: form-data; name=\"%s\"%s\r\n\r\n%s\r\n" % (
+        boundary, name.encode(), b'; filename="f.bin"\r\ncontent-type: application/octet-stream' if file else b"",
+        value) for name, value, file in fields]
+    return b"".join(parts) + b"--%s--\r\n" % boundary
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.lists(st.tuples(_NAMES, _VALUES, st.booleans()), max_size=4),
+       after=st.lists(st.tuples(_NAMES, _VALUES, st.booleans()), max_size=4),
+       model=st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.-/", min_size=1, max_size=40),
+       target=st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789.-/", min_size=1, max_size=40))
+def test_a_forms_model_field_is_found_and_replaced_whatever_the_fields_around_it(before, after, model, target):
+    ctype = b"multipart/form-data; boundary=XyZ123"
+    body = form([*before, ("model", model.encode(), False), *after])
+    start, end = otela_ingress.form_model(body, ctype)
+    assert body[start:end] == model.encode()
+    moved = otela_ingress.with_model(body, ctype, target)
+    assert moved == form([*before, ("model", target.encode(), False), *after])
+    assert otela_ingress.form_model(form([*before, *after]), ctype) is None   # no field: none found
