@@ -706,6 +706,15 @@ _INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, us
                  "completion_tokens=completion_tokens+excluded.completion_tokens")
 
 
+def _answer(futures: List[concurrent.futures.Future], result: Any) -> None:
+    """Set the result of futures another thread may have cancelled meanwhile (its client left)."""
+    for future in futures:
+        try:
+            future.set_result(result)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+
 class Ledger:
     """The usage ledger: crash-safe without SQLite on the event loop.
 
@@ -967,8 +976,7 @@ class Ledger:
             if closing:
                 with self._reload_lock:
                     waiting, self._reloads = self._reloads, []
-                for future in waiting:
-                    future.set_result(False)
+                _answer(waiting, False)
                 return
             if self._reloads or time.monotonic() >= next_reload:
                 next_reload = time.monotonic() + KEYS_RELOAD_S
@@ -978,8 +986,7 @@ class Ledger:
                     self._reload_keys()
                 except Exception as exc:   # (a locked database, a bad row): tried again in a second
                     print(f"otela-ingress: key reload failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
-                for future in waiting:   # (after the keys were handed to the loop: they come first)
-                    future.set_result(True)
+                _answer(waiting, True)   # (after the keys were handed to the loop: they come first)
 
     def _write_pending(self) -> None:
         """The rows queued so far into SQLite, or back in front of the queue when it refuses."""

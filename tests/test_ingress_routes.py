@@ -533,3 +533,14 @@ def test_a_forms_model_field_is_found_and_replaced_whatever_the_fields_around_it
     moved = otela_ingress.with_model(body, ctype, target)
     assert moved == form([*before, ("model", target.encode(), False), *after])
     assert otela_ingress.form_model(form([*before, *after]), ctype) is None   # no field: none found
+
+
+def test_a_key_read_whose_waiter_left_leaves_the_ledger_writing(stack):
+    stack.engine("m1")
+    key = stack.key()
+    waiting = [stack.ingress.ledger.reload_keys() for _ in range(3)]
+    for future in waiting:
+        future.cancel()   # as wrap_future does when its client leaves
+    assert Client(stack.url, key).chat()[0] == 200
+    assert stack.sql("SELECT count(*) FROM requests") == [(1,)]   # the writer thread lives on
+    assert stack.ingress.ledger.health()["ok"]
