@@ -5665,7 +5665,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     except BaseException:
         await node.stop(leave=True)
         raise
-    print(f"otela-ingress: serving the OpenAI API on http://{host}:{port}/v1 "
+    print(f"otela-ingress: serving the OpenAI API on {'https' if ingress.tls is not None else 'http'}://{host}:{port}/v1 "
           f"(session {node.session_id}, policy {args.policy}, ledger {args.db})", file=sys.stderr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
