@@ -8,6 +8,14 @@ node's tunnel: mutual TLS, or the cluster's tunnel header). The answer goes back
 as it arrives: whole for plain requests, byte for byte for server-sent event streams. Every
 finished request becomes a row of the usage ledger.
 
+Every route is relayed the same way: any method on any path under /v1/ that is not the ingress's
+own (and the engine routes outside /v1/ a site enables, --native-route), with any body (JSON, a
+multipart upload, a file, none). Its model is the JSON's `model`, a form's field `model`, the
+x-otela-model header, the query's or a path segment; a request naming none goes to any session
+serving one of the key's models. An answer of type text/event-stream is relayed event by event
+whatever the route (the Responses API's, SGLang's). A model whose every attempt fails before the
+first byte hands the request to the next of its fallbacks (an alias's models, --fallback).
+
 Theory of operation
 -------------------
 The sections, in file order, and what each holds:
@@ -87,9 +95,16 @@ Settings: a setting is its flag, else the OTELA_* variable named after it, else 
 OTELA_MAX_CONNECTIONS, ...).
 
 Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
-made) and, to opt out of the per-request usage row (the request is still counted per day),
-`X-Otela-No-Track: 1`; responses carry `X-Otela-Session: <session id>` naming the session that
-served them and `X-Request-Id`.
+made), `traceparent`/`tracestate` (W3C; continued, or a trace started: the engine gets them with
+X-Request-Id and User-Agent), `X-Otela-Model` (the model of a body that names none), from an
+admin key `X-Otela-Session: <session id>` (the request goes to that session alone) and, to opt
+out of the per-request usage row (the request is still counted per day), `X-Otela-No-Track: 1`;
+answers carry `Server-Timing` (the ingress's time, the engine's to its first byte); responses carry `X-Otela-Session: <session id>` naming the session that
+served them, `X-Request-Id`, and `X-Otela-Model` when another model than the one named answered
+(an alias's, a fallback).
+
+TLS (--tls-cert, --tls-key): the listener accepts TCP as for plain HTTP, so a connection is counted
+and under the head's deadline from accept; start_tls then takes it over (_Client._secured).
 
 What this file must never do:
   1. Block the event loop: no SQLite, no DNS, no file I/O on the request path but the one
@@ -110,9 +125,11 @@ import base64
 import bisect
 import calendar
 import collections
+import concurrent.futures
 import fcntl
 import functools
 import hashlib
+import http.client
 import importlib
 import itertools
 import math
@@ -122,11 +139,12 @@ import random
 import re
 import secrets
 import sqlite3
+import ssl
 import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, unquote, unquote_to_bytes
+from urllib.parse import parse_qs, unquote, unquote_to_bytes, urlsplit
 
 try:
     import h11
@@ -187,7 +205,11 @@ LEDGER_FLUSH_S = 0.25                # rows reach SQLite within 250 ms, one comm
                                      # wakes on this clock, never per request, so a quiet
                                      # ingress is not woken twice per request
 LEDGER_JOURNAL_MAX = 8 * 1024 * 1024  # journal file size before starting the next one
-KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s
+KEYS_RELOAD_S = 1.0                  # a key created or revoked by the CLI takes effect within 1 s;
+                                     # an unknown token makes its request wait for a read of SQLite at
+                                     # once (one per token a second at most), so a key the CLI just made
+                                     # works on its first request
+KEY_RELOAD_WAITERS = 1024            # requests waiting for such a read at most; more are refused at once
 STREAM_DRAIN_ABOVE = 64 * 1024      # bytes buffered for a stream's client before waiting for it
 SSE_CARRY_MAX = 64 * 1024            # bytes of an unfinished SSE event held back at most
 DRAIN_S = 10.0                       # on SIGTERM, requests in flight get this long to finish
@@ -214,6 +236,14 @@ _REQUEST_ID = re.compile(rb"[0-9A-Za-z._:/+=-]{1,128}")   # JSON- and log-safe, 
 _REQUEST_ID_PREFIX = secrets.token_hex(8).encode()   # 64 random bits per process
 _request_numbers = itertools.count(1)
 STREAMABLE_PATHS = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+_HEADER_SAFE = re.compile(r"[0-9A-Za-z._:/+=@-]{1,256}")   # a model name that may go in a header as it is
+_MODEL_LINE = re.compile(rb"x-otela-model: [^\r]*\r\n")
+MODEL_HEADER = b"x-otela-model"      # request: the model of a body that names none (a binary upload);
+                                     # response: the model that answered, when a fallback did
+ANY_MODEL = "*"                      # the model a request that names none is booked under
+# A path whose %-encoding hides a separator ("/v1/files%2F..%2Fx"): the engine (or a proxy in front of
+# it) may decode it into another route than the one the ingress checked; refused on relayed routes
+_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
 # The limits above a deployment may have to change: each is also a flag of `serve` and an OTELA_*
 # variable named after it (MAX_CONNECTIONS: --max-connections, OTELA_MAX_CONNECTIONS), read as
 # every setting is (crdt.parse_settings), into the one Limits an ingress is built with.
@@ -304,6 +334,48 @@ def normal_path(path: bytes) -> bool:
     return b"%" not in path or _ODD_PATH.search(unquote_to_bytes(path)) is None
 
 
+_JSON_START = re.compile(rb"\s*\{")   # a body that may be a JSON object, whatever its type says
+_BOUNDARY = re.compile(rb'boundary="?([^";\s]{1,200})"?', re.IGNORECASE)
+_FORM_MODEL = re.compile(rb'(?im)^content-disposition:[ \t]*form-data;(?:[^\r\n]*;)?[ \t]*name="?model"?[ \t]*(?:;|\r?$)')
+FORM_MODEL_MAX = 512   # bytes of a form's model field at most (a model name, never a file)
+
+
+def form_model(body: bytes, ctype: bytes) -> Optional[Tuple[int, int]]:
+    """Where the value of the field `model` of a multipart/form-data body lies (start, end), or
+    None. One pass forward: each part's head is looked at, no value is copied (a file part of
+    megabytes costs one find); the body is already within the size limit."""
+    found = _BOUNDARY.search(ctype)
+    if found is None:
+        return None
+    delimiter = b"\r\n--" + found.group(1)
+    at = body.find(delimiter[2:])
+    while at >= 0:
+        head_start = at + len(delimiter)   # (the first delimiter has no CRLF before it)
+        head_end = body.find(b"\r\n\r\n", head_start)
+        if head_end < 0:
+            return None
+        end = body.find(delimiter, head_end + 4)
+        if end < 0:
+            return None
+        if _FORM_MODEL.search(body, head_start, head_end + 2) is not None and end - head_end - 4 <= FORM_MODEL_MAX:
+            return head_end + 4, end
+        at = end + 2
+    return None
+
+
+def with_model(body: bytes, ctype: Optional[bytes], model: str) -> bytes:
+    """The body naming `model` instead (an alias's target, a fallback): a JSON body's `model`, or a
+    form's field; any other body names none, and goes as it is."""
+    if ctype is None and body:   # JSON (the one rewrite of a body besides include_usage)
+        request = crdt.loads(body)
+        request["model"] = model
+        return crdt.dumps(request)
+    span = form_model(body, ctype) if ctype else None
+    if span is None:
+        return body
+    return body[:span[0]] + model.encode() + body[span[1]:]
+
+
 # =============================================================================================
 # Keys and allowlists (SQLite, hashed)
 # =============================================================================================
@@ -320,7 +392,8 @@ CREATE TABLE IF NOT EXISTS usage_slots (id TEXT PRIMARY KEY, record TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
-    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT);
+    completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT,
+    trace_id TEXT);
 CREATE TABLE IF NOT EXISTS daily (
     day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
@@ -372,8 +445,10 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
     for name, decl in _KEY_COLUMNS:
         if name not in have:
             db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
-    if "request_id" not in {row[1] for row in db.execute("PRAGMA table_info(requests)")}:
-        db.execute("ALTER TABLE requests ADD COLUMN request_id TEXT")
+    have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+    for name in ("request_id", "trace_id"):   # (in this order: the rows are inserted by position)
+        if name not in have:
+            db.execute(f"ALTER TABLE requests ADD COLUMN {name} TEXT")
 
 
 def hash_key(token: str) -> str:
@@ -594,7 +669,7 @@ def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels:
 # =============================================================================================
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id")
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id", "trace_id")
 
 
 def _day(ts: float) -> str:
@@ -609,7 +684,7 @@ def ledger_row_ok(row: Any) -> bool:
     and types, a time gmtime takes, token counts no engine's answer is booked above
     (crdt.MAX_REQUEST_TOKENS), other integers within SQLite's. Only asked of a batch SQLite
     could not take, to find the rows to blame."""
-    if not isinstance(row, tuple) or len(row) not in (13, 14):
+    if not isinstance(row, tuple) or len(row) not in (13, 14, 15):
         return False
     ts, key_id, user, model, session, provider, status, prompt, completion, latency, stream, attempts, \
         tracked = row[:13]
@@ -618,17 +693,26 @@ def ledger_row_ok(row: Any) -> bool:
         and all(type(v) is str for v in (key_id, user, model, session, provider)) \
         and all(v is None or type(v) is int and 0 <= v <= crdt.MAX_REQUEST_TOKENS for v in (prompt, completion)) \
         and all(type(v) is int and 0 <= v < 1 << 63 for v in (status, stream, attempts, tracked)) \
-        and (len(row) == 13 or row[13] is None or type(row[13]) is str)
+        and all(v is None or type(v) is str for v in row[13:])
 
 
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11, ?12, ?14 WHERE ?13")
+                    "?10, ?11, ?12, ?14, ?15 WHERE ?13")
 _INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                  "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                  "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
                  "completion_tokens=completion_tokens+excluded.completion_tokens")
+
+
+def _answer(futures: List[concurrent.futures.Future], result: Any) -> None:
+    """Set the result of futures another thread may have cancelled meanwhile (its client left)."""
+    for future in futures:
+        try:
+            future.set_result(result)
+        except concurrent.futures.InvalidStateError:
+            pass
 
 
 class Ledger:
@@ -684,6 +768,8 @@ class Ledger:
         self._flushed = threading.Condition()
         self._generation = 0               # batches committed; flush() waits for the next one
         self._waiters = 0                  # threads in flush()
+        self._reloads: List[concurrent.futures.Future] = []   # reload_keys callers waiting (_reload_lock)
+        self._reload_lock = threading.Lock()
         self._closing = False
         self._state_seq = 0
         self.seq = self._recover()
@@ -796,7 +882,7 @@ class Ledger:
                         values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
                         continue
-                    if len(values) in (13, 14):   # 13: a journal from before request ids
+                    if len(values) in (13, 14, 15):   # 13, 14: a journal from before request ids, trace ids
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
         if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
@@ -816,6 +902,17 @@ class Ledger:
                 self._on_key_records(load_key_records(self._db))
             else:
                 self._on_keys(load_keys(self._db))
+
+    def reload_keys(self) -> Optional[concurrent.futures.Future]:
+        """Read the keys from SQLite now, not at the next KEYS_RELOAD_S: a future done once they
+        were handed over (or None when too many wait already: the caller refuses at once)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._reload_lock:
+            if len(self._reloads) >= KEY_RELOAD_WAITERS:
+                return None
+            self._reloads.append(future)
+        self._wake.set()
+        return future
 
     def replicate(self, entry_id: str, record: Dict[str, Any]) -> None:
         """Keep a replicated key record or usage slot in SQLite (the event loop's side: a dict
@@ -877,13 +974,19 @@ class Ledger:
                 if self._waiters:
                     self._wake.set()   # a flush waits for one more batch
             if closing:
+                with self._reload_lock:
+                    waiting, self._reloads = self._reloads, []
+                _answer(waiting, False)
                 return
-            if time.monotonic() >= next_reload:
+            if self._reloads or time.monotonic() >= next_reload:
                 next_reload = time.monotonic() + KEYS_RELOAD_S
+                with self._reload_lock:
+                    waiting, self._reloads = self._reloads, []
                 try:
                     self._reload_keys()
                 except Exception as exc:   # (a locked database, a bad row): tried again in a second
                     print(f"otela-ingress: key reload failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+                _answer(waiting, True)   # (after the keys were handed to the loop: they come first)
 
     def _write_pending(self) -> None:
         """The rows queued so far into SQLite, or back in front of the queue when it refuses."""
@@ -970,7 +1073,7 @@ class Ledger:
         db.execute("BEGIN")
         try:
             if rows:
-                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 14 else r + (None,)
+                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 15 else r + (None,) * (15 - len(r))
                                                             for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
@@ -1587,7 +1690,7 @@ class RoutedRequest:
     when not reported). `memo` is the policy's own, kept across the request's attempts."""
 
     __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started", "body", "memo",
-                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens")
+                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens", "named")
 
     def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str,
                  started: Optional[float] = None, body: Optional[Dict[str, Any]] = None):
@@ -1595,6 +1698,7 @@ class RoutedRequest:
         self.attempt, self.started = 0, time.monotonic() if started is None else started
         self.body, self.memo = body, None
         self.first_at = self.prompt_tokens = self.cached_tokens = self.completion_tokens = None
+        self.named = model   # the model the client named (an alias, or one the request fell back from)
 
 
 class Policy:
@@ -2224,6 +2328,12 @@ class Metrics:
         self.inflight = 0
         self.headless_evicted = 0   # connections with no complete head cut for a newcomer
         self.usage_bounded: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (session, reason)
+        self.fallbacks: Dict[Tuple[str, str], int] = collections.defaultdict(int)   # (model, the next one)
+
+    def forget(self, session: str) -> None:
+        """The series of a session that left (its sessions' count by state stays, as LEFT)."""
+        for key in [k for k in self.usage_bounded if k[0] == session]:
+            del self.usage_bounded[key]
 
     def observe(self, table: Dict[str, Histogram], model: str, value: float) -> None:
         hist = table.get(model)
@@ -2254,6 +2364,10 @@ class Metrics:
                "booked at the bound, by the session that said it and the count.")
         for (session, reason), n in sorted(self.usage_bounded.items()):
             add(f'otela_engine_usage_bounded_total{{session="{_label(session)}",reason="{reason}"}} {n}')
+        family("otela_fallbacks_total", "counter", "Requests moved to the next model of their fallback list "
+               "(an alias's, or --fallback) after every attempt at a model failed before the first byte.")
+        for (model, to), n in sorted(self.fallbacks.items()):
+            add(f'otela_fallbacks_total{{model="{_label(model)}",to="{_label(to)}"}} {n}')
         for name, table, help_text in (
                 ("otela_request_duration_seconds", self.latency, "Time from request to last byte."),
                 ("otela_time_to_first_byte_seconds", self.ttfb, "Time to the first streamed byte.")):
@@ -2364,6 +2478,152 @@ def overlay_metrics(node: Any) -> bytes:
 
 
 # =============================================================================================
+# Trace context: W3C traceparent in and out, Server-Timing, spans to an OTLP collector
+# =============================================================================================
+# Each proxied request is a span of this ingress: it continues the client's trace (traceparent),
+# or starts one, and the engine gets a traceparent naming our span as its parent, with the
+# client's tracestate, X-Request-Id and User-Agent. The trace id is in the request's ledger row
+# and its log lines; with --otlp-endpoint its spans go to a collector (SpanExporter).
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_HEADER_VALUE = re.compile(rb"[\x20-\x7e]{1,512}")   # a header value passed on as it is: printable, bounded
+_NO_TRACE, _NO_SPAN = b"0" * 32, b"0" * 16   # (all zeros: invalid, as W3C says)
+OTLP_QUEUE_MAX = 8192        # spans waiting for the exporter at most (~3 spans a request: ~2,700
+                             # requests, a few seconds at full load); the next is dropped and counted
+OTLP_BATCH = 512             # spans per POST (~200 KB of JSON): one collector request a second
+                             # at ~170 requests/s
+OTLP_INTERVAL_S = 1.0        # a span reaches the collector within about a second
+OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is dropped and counted
+
+
+def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes, bytes, bytes, bytes]:
+    """(trace id, the client's span it continues (b"": none), this ingress's span, the header
+    lines for the engine): the client's traceparent when valid, else a trace started here."""
+    ids = b"%048x" % (random.getrandbits(192) | 1)   # a trace id (if one is started here) and our span's
+    span = ids[32:]
+    given = fields.get(b"traceparent")
+    found = _TRACEPARENT.fullmatch(given) if given is not None else None
+    if found is not None and found.group(1) != b"ff" and found.group(2) != _NO_TRACE and found.group(3) != _NO_SPAN:
+        trace, parent = found.group(2), found.group(3)
+        lines = b"traceparent: 00-%s-%s-%s\r\n" % (trace, span, found.group(4))
+        state = fields.get(b"tracestate")
+        if state is not None and _HEADER_VALUE.fullmatch(state):
+            lines += b"tracestate: %s\r\n" % state
+    else:
+        trace, parent = ids[:32], b""
+        lines = b"traceparent: 00-%s-%s-01\r\n" % (trace, span)
+    lines += b"x-request-id: %s\r\n" % request_id
+    agent = fields.get(b"user-agent")
+    if agent is not None and _HEADER_VALUE.fullmatch(agent):
+        lines += b"user-agent: %s\r\n" % agent
+    return trace, parent, span, lines
+
+
+def server_timing(ex: _Exchange) -> bytes:
+    """The Server-Timing line of an answer: the ingress's time before the request went upstream
+    (reading, checks, routing), and the engine's to its answer's head, in milliseconds."""
+    return b"server-timing: ingress;dur=%.3f, upstream;dur=%.3f\r\n" % (
+        (ex.sent_at - ex.t0) * 1000.0, (ex.head_at - ex.sent_at) * 1000.0)
+
+
+class SpanExporter:
+    """Spans to an OTLP/HTTP JSON collector (POST {endpoint}/v1/traces) from a thread of its own,
+    in batches. The request path only appends a tuple to a bounded queue (add): a collector that
+    is down, slow or never answers costs requests nothing; its spans are dropped and counted
+    (otela_otlp_spans_dropped_total)."""
+
+    def __init__(self, endpoint: str, service: str = "otela-ingress", queue_max: int = OTLP_QUEUE_MAX,
+                 batch: int = OTLP_BATCH, interval: float = OTLP_INTERVAL_S, timeout: float = OTLP_TIMEOUT_S):
+        url = urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--otlp-endpoint {endpoint!r}: expected http(s)://HOST:PORT[/path]")
+        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
+        path = url.path.rstrip("/")
+        self.path = path if path.endswith("/v1/traces") else path + "/v1/traces"
+        self.service, self.queue_max, self.batch, self.interval, self.timeout = service, queue_max, batch, interval, timeout
+        self.queue: collections.deque = collections.deque()   # (append and popleft are atomic)
+        self.exported = 0
+        self.dropped_full = 0     # counted by the event loop: the queue was full
+        self.dropped_failed = 0   # counted by the thread: the collector failed or timed out
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="otela-otlp", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_full + self.dropped_failed
+
+    def add(self, span: tuple) -> None:
+        """One request's span (see _Exchange.finish): queued, or dropped when the queue is full."""
+        if len(self.queue) >= self.queue_max:
+            self.dropped_full += 1
+            return
+        self.queue.append(span)
+
+    def stop(self, wait: float = 1.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(wait)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            while self.queue and not self._stopped:
+                batch = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
+                try:
+                    self._post(batch)
+                    self.exported += len(batch)
+                except (OSError, http.client.HTTPException, ValueError):
+                    self.dropped_failed += len(batch)
+
+    def _post(self, batch: List[tuple]) -> None:
+        body = crdt.dumps(self.document(batch, time.time() - time.monotonic()))
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", self.path, body, {"content-type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status >= 300:
+                raise ValueError(f"the collector answered {answer.status}")
+        finally:
+            conn.close()
+
+    def document(self, batch: List[tuple], offset: float) -> Dict[str, Any]:
+        """The OTLP/JSON ExportTraceServiceRequest of a batch; `offset` turns the loop's monotonic
+        clock into Unix time. Each request is three spans: the ingress's (the server span the
+        engine's traceparent names), its route choice and the upstream's time to the first byte."""
+        spans = []
+        for trace, parent, span, name, t0, routed_at, sent_at, head_at, end, model, status, session, attempts in batch:
+            trace, span = trace.decode(), span.decode()
+            def nanos(t: float) -> str:
+                return str(int((t + offset) * 1e9))
+            attributes = [{"key": "otela.model", "value": {"stringValue": model}},
+                          {"key": "http.response.status_code", "value": {"intValue": str(status)}},
+                          {"key": "otela.session", "value": {"stringValue": session}},
+                          {"key": "otela.attempts", "value": {"intValue": str(attempts)}}]
+            root = {"traceId": trace, "spanId": span, "name": name, "kind": 2, "startTimeUnixNano": nanos(t0),
+                    "endTimeUnixNano": nanos(end), "attributes": attributes,
+                    "status": {"code": 2 if status >= 500 else 1}}
+            if parent:
+                root["parentSpanId"] = parent.decode()
+            spans.append(root)
+            if routed_at:
+                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
+                              "name": "otela.route", "kind": 1, "startTimeUnixNano": nanos(t0),
+                              "endTimeUnixNano": nanos(routed_at)})
+            if sent_at and head_at >= sent_at:
+                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
+                              "name": "otela.upstream.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent_at),
+                              "endTimeUnixNano": nanos(head_at),
+                              "attributes": [{"key": "otela.session", "value": {"stringValue": session}}]})
+        return {"resourceSpans": [{"resource": {"attributes": [
+                    {"key": "service.name", "value": {"stringValue": self.service}}]},
+                "scopeSpans": [{"scope": {"name": "otela_ingress"}, "spans": spans}]}]}
+
+
+# =============================================================================================
 # Streams: watch SSE bytes for token usage without re-serialising them
 # =============================================================================================
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
@@ -2382,7 +2642,24 @@ RESUME_TEXT_MAX = 1024 * 1024   # bytes of a stream read for its text, to contin
 
 
 # the usage an answer reports, read by the codec's side (otela_node: a node reads it too)
-usage_of, cached_of = otela_node.usage_of, otela_node.cached_of
+cached_of = otela_node.cached_of
+# The Responses API names its counts input_tokens and output_tokens (in `usage`, and in the stream's
+# response.completed event); the chat and completion routes, prompt_tokens and completion_tokens.
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d{1,18})')
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d{1,18})')
+
+
+def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
+    """(prompt, completion) tokens of the last usage object in an answer or SSE event, under either
+    API's names."""
+    counts = otela_node.usage_of(body, start)
+    if counts != (0, 0) or b'"input_tokens"' not in body:
+        return counts
+    at = body.rfind(b'"usage"', start)
+    if at < 0:
+        return counts
+    found_in, found_out = _INPUT_TOKENS.search(body, at), _OUTPUT_TOKENS.search(body, at)
+    return int(found_in.group(1)) if found_in else 0, int(found_out.group(1)) if found_out else 0
 
 
 class StreamWatch:
@@ -2522,6 +2799,20 @@ class StreamWatch:
             at = end
         kept.append(piece[at:])
         return b"".join(kept)
+
+
+def cut_events(path: bytes, message: str) -> bytes:
+    """The events that end a stream cut after bytes went out, in its route's own shape: for the
+    Responses API (which has no [DONE]) its `error` event and `response.failed`; elsewhere an
+    `error` object in a data event, then [DONE] (chat, completions, SGLang's native stream)."""
+    if path.endswith(b"/responses"):
+        failed = {"type": "response.failed", "response": {"object": "response", "status": "failed", "output": [],
+                                                          "error": {"code": "server_error", "message": message}}}
+        return (b"event: error\ndata: " + crdt.dumps({"type": "error", "code": "stream_cut", "message": message,
+                                                      "param": None})
+                + b"\n\nevent: response.failed\ndata: " + crdt.dumps(failed) + b"\n\n")
+    error = crdt.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": "stream_cut"}})
+    return b"data: " + error + b"\n\ndata: [DONE]\n\n"
 
 
 # =============================================================================================
@@ -2737,26 +3028,34 @@ class UpstreamPool:
         return up
 
     def send_request(self, up: Upstream, path: bytes, stream: bool, body: bytes,
-                     routed: Optional[RoutedRequest] = None) -> Optional[UpstreamFailure]:
+                     routed: Optional[RoutedRequest] = None, method: bytes = b"POST", lines: bytes = b"",
+                     ctype: Optional[bytes] = None) -> Optional[UpstreamFailure]:
         """Send a request on `up`; the failure (the connection discarded) when it could not go.
-        `routed`: its prompt's prefix anchors, when the policy hashed it, go with it (PREFIX_HEADER)."""
+        `path`: the target (with its query); `routed`: its prompt's prefix anchors, when the policy
+        hashed it, go with it (PREFIX_HEADER); `lines`: whole header lines of this request (trace
+        context); `ctype`: the client's content type when it is not JSON (b"": none)."""
         try:
-            up.send(self._request_head(path, up.addr, stream, body, prefix_line(routed)) + body)
+            up.send(self._request_head(path, up.addr, stream, body, prefix_line(routed) + lines, method, ctype)
+                    + body)
         except UpstreamFailure as exc:
             self.discard(up)
             return exc
         return None
 
-    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes, extra: bytes = b"") -> bytes:
-        """The head of a request upstream: the same but for its length per (path, session,
-        streaming), so it is formatted once (bounded: routes x sessions in use)."""
-        frame = self._request_heads.get((path, addr, stream))
+    def _request_head(self, path: bytes, addr: str, stream: bool, body: bytes, extra: bytes = b"",
+                      method: bytes = b"POST", ctype: Optional[bytes] = None) -> bytes:
+        """The head of a request upstream: the same but for its length per (method, target,
+        session, streaming), so it is formatted once (bounded: routes x sessions in use)."""
+        frame = self._request_heads.get((path, addr, stream, method))
         if frame is None:
             if len(self._request_heads) >= 4096:
                 self._request_heads = {}
-            before, after = otela_node.request_format(b"POST", path, addr.encode(), self.tunnel_line + (
+            before, after = otela_node.request_format(method, path, addr.encode(), self.tunnel_line + (
                 b"accept: text/event-stream\r\n" if stream else b""))
-            frame = self._request_heads[(path, addr, stream)] = (before, b"\r\n" + after)   # (one % less)
+            frame = self._request_heads[(path, addr, stream, method)] = (before, b"\r\n" + after)   # (one % less)
+        if ctype is not None:   # a form, a file, or no body: the client's own type, not JSON's
+            frame = (frame[0].replace(b"content-type: application/json\r\n",
+                                      b"content-type: %s\r\n" % ctype if ctype else b"", 1), frame[1])
         if extra:
             return b"%s%d\r\n%s%s" % (frame[0], len(body), extra, frame[1][2:])
         return b"%s%d%s" % (frame[0], len(body), frame[1])
@@ -2890,8 +3189,8 @@ class _Relay:
     def _finish(self) -> None:
         ex, watch = self.ex, self.watch
         tail = watch.flush() + self.held
-        if not self.held and _DONE not in tail:   # the engine ended without [DONE]: say so
-            tail += b"data: [DONE]\n\n"
+        if not self.held and _DONE not in tail and ex.path in STREAMABLE_PATHS:   # the engine ended
+            tail += b"data: [DONE]\n\n"                                         # without [DONE]: say so
         ex.took(watch)
         conn = ex.client.conn
         start = b"" if ex.sent else ex.stream_head(self.head)
@@ -3169,7 +3468,7 @@ class _Client(asyncio.Protocol):
 
     __slots__ = ("ingress", "conn", "transport", "address", "deadline", "idle", "busy", "closed", "ending",
                  "serving", "relay", "exchange", "reading", "waiting", "lingering", "head_only",
-                 "write_paused", "read_paused", "request_id", "headless", "limits")
+                 "write_paused", "read_paused", "request_id", "headless", "limits", "handshaking")
 
     def __init__(self, ingress: Ingress):
         self.ingress = ingress
@@ -3194,6 +3493,7 @@ class _Client(asyncio.Protocol):
         self.request_id = b""            # the X-Request-Id of the request being answered
         self.write_paused = self.read_paused = False
         self.headless = False            # among the ingress's connections with no complete head
+        self.handshaking: Any = None     # its TLS handshake under way (--tls-cert): nothing is served
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -3211,6 +3511,59 @@ class _Client(asyncio.Protocol):
         ingress.clients.add(self)
         ingress.metrics.connections += 1
         self.await_head()
+        if ingress.tls is not None:   # counted and under the head's deadline from its first byte on
+            # (not paused here: asyncio on 3.9 would then let start_tls's protocol read the
+            # ClientHello before its connection_made, and drop it; a read before start_tls takes
+            # over goes to _early)
+            loop = asyncio.get_running_loop()
+            handshake = self.handshaking = asyncio.ensure_future(loop.start_tls(
+                transport, self, ingress.tls, server_side=True, ssl_handshake_timeout=self.limits.head_timeout_s))
+            handshake.add_done_callback(functools.partial(self._secured, transport))
+
+    def _early(self, data: bytes, taken: bool = False, turns: int = 0) -> None:
+        """Handshake bytes the loop read before start_tls took the connection over (uvloop reads
+        right after connection_made, asyncio on 3.9 too): handed to its TLS protocol once that
+        has started: a turn of the loop after it took over (its connection_made runs first)."""
+        if self.closed or not self.handshaking:
+            return
+        if len(data) > SSE_CARRY_MAX or turns > 16:   # no ClientHello is this long; start_tls never came
+            self.transport.abort()
+            return
+        tls = self.transport.get_protocol()
+        if tls is self or not taken:
+            asyncio.get_running_loop().call_soon(self._early, data, tls is not self, turns + 1)
+            return
+        if hasattr(tls, "buffer_updated"):   # a BufferedProtocol (asyncio >= 3.11, uvloop)
+            view = memoryview(data)
+            while view:
+                buf = tls.get_buffer(len(view))
+                n = min(len(buf), len(view))
+                buf[:n] = view[:n]
+                tls.buffer_updated(n)
+                view = view[n:]
+        else:
+            tls.data_received(data)
+
+    def _secured(self, raw: Any, handshake: asyncio.Future) -> None:
+        """TLS on an accepted connection (--tls-cert) is up, or failed. It was inside the
+        connection's limits throughout: it held its place among the connections and the headless
+        ones, and a handshake slower than the head's deadline was cut (the sweep, and start_tls's
+        own timeout)."""
+        secure = None
+        if not handshake.cancelled() and handshake.exception() is None:
+            secure = handshake.result()
+        if secure is None:   # failed, or the connection ended first (aborted at the deadline: no error)
+            self.ingress.metrics.errors["tls_handshake_failed"] += 1
+            raw.abort()
+            self.connection_lost(None)
+            return
+        if self.closed:   # (the client went away meanwhile)
+            return
+        self.handshaking = None
+        self.transport = secure
+        secure.set_write_buffer_limits(high=STREAM_DRAIN_ABOVE)
+        if self.conn.buffered() or self.conn.eof:
+            self.serve()
 
     def await_head(self) -> None:
         """The connection has sent no complete head (yet; or, found by the sweep, not since its
@@ -3235,7 +3588,11 @@ class _Client(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         """Answer a connection over a cap with an error, and close it without a reset (its request
-        may be on the way already: see linger)."""
+        may be on the way already: see linger); a TLS one is closed (it speaks no HTTP yet)."""
+        if self.ingress.tls is not None:
+            self.ingress.metrics.errors[code] += 1
+            self.transport.abort()
+            return
         self.transport.write(otela_node.whole_response(status, otela_node.error_body(status, message, code),
                                                        close=True, headers=((b"retry-after", b"1"),)))
         self.ingress.metrics.errors[code] += 1
@@ -3244,6 +3601,11 @@ class _Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed or self.lingering:
             return
+        if self.handshaking:
+            if self.transport.get_protocol() is self:   # the ClientHello, read before start_tls took over
+                return self._early(data)
+            self.conn.receive_data(data)   # decrypted before start_tls handed us its transport: served
+            return                         # once it has (_secured)
         if self.idle:   # the first byte of the next request: its head is due
             self.idle = False
             self.deadline = time.monotonic() + self.limits.head_timeout_s
@@ -3261,7 +3623,7 @@ class _Client(asyncio.Protocol):
         if self.lingering:
             return False   # the client read our answer and closed: close too
         self.data_received(b"")
-        return True   # half-closed: the answer may still go out
+        return self.ingress.tls is None   # half-closed: the answer may still go out (TLS has no half-close)
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         if self.closed:
@@ -3365,6 +3727,9 @@ class _Client(asyncio.Protocol):
             try:
                 ingress.route(self, head, t0)
             except HTTPError as exc:
+                if exc.code == "invalid_api_key" and ingress.await_key(
+                        self, functools.partial(ingress.route, self, head, t0)):
+                    return   # (it goes on when the keys were read)
                 self.error(exc)
                 self.finish()
 
@@ -3406,7 +3771,13 @@ class _Client(asyncio.Protocol):
                     self.reading = None
                     self.busy = True   # from here on the request is ours: no client timeout
                     parts = reading.parts
-                    reading.then(parts[0] if len(parts) == 1 else b"".join(parts))
+                    body = parts[0] if len(parts) == 1 else b"".join(parts)
+                    try:
+                        reading.then(body)
+                    except HTTPError as exc:   # (a key the CLI made a moment ago: see await_key)
+                        if exc.code != "invalid_api_key" or not self.ingress.await_key(
+                                self, functools.partial(reading.then, body)):
+                            raise
                     return True
                 else:   # the client closed mid-request
                     self.reading = None
@@ -3471,9 +3842,10 @@ class _Client(asyncio.Protocol):
     def internal_error(self, exc: BaseException) -> None:
         """A bug met while serving a request: say so on stderr and to the client (500), book its
         exchange as an error, and close the connection, whose state is unknown."""
-        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
-              f"(request {self.request_id.decode() or '-'})", file=sys.stderr)
         ex = self.exchange
+        trace = f", trace {ex.trace_id.decode()}" if ex is not None and ex.trace_id else ""
+        print(f"otela-ingress: internal error: {exc.__class__.__name__}: {exc} "
+              f"(request {self.request_id.decode() or '-'}{trace})", file=sys.stderr)
         if ex is not None:
             ex.drop()
             ex.finish("error")
@@ -3616,6 +3988,17 @@ class _Exchange:
     head: Optional[UpstreamHead] = None   # this attempt's answer head
     parts: Sequence[bytes] = ()           # ... and its plain body so far
     watch: Optional[StreamWatch] = None   # a stream being continued on another session (resume)
+    method = b"POST"                      # the request's method, ...
+    target = b""                          # ... its target upstream (the path and its query) ...
+    lines = b""                           # ... its header lines of its own (trace context) ...
+    ctype: Optional[bytes] = None         # ... and its content type when not JSON (b"": none)
+    chain: Sequence[str] = ()             # the models to fall back to, in order (fall_back)
+    first_try = 0                         # attempts made before the current model's first
+    pinned = False                        # an admin sent it to one session (x-otela-session): no other
+    trace_id = b""                        # its W3C trace id (hex), the client's or one made (trace_context)
+    parent_span = b""                     # ... the client's span it continues (b"": it started the trace)
+    span_id = b""                         # ... this ingress's span, the engine's parent
+    routed_at = sent_at = head_at = 0.0   # when the policy picked, the last attempt went out, its head came
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -3645,6 +4028,7 @@ class _Exchange:
             self.refusal = None
             ingress.metrics.retries += 1
         ingress.policy.on_request_start(candidate, self.routed)
+        self.routed_at = time.monotonic()
         return candidate
 
     # Who is to blame decides what happens next: a session that fails to answer (connect, reset,
@@ -3673,6 +4057,8 @@ class _Exchange:
         """Every session the request could try failed to answer: the others that serve it now
         (out of rotation for failing, or new since it was routed), so that a connect failure
         is retried on another session when one exists."""
+        if self.pinned:
+            return []
         try:
             candidates = self.ingress.candidates(self.routed.model, self.key)
         except HTTPError:
@@ -3711,6 +4097,11 @@ class _Exchange:
         if booked:
             self.account(now)
         candidate = self.candidate
+        tracer = ingress.tracer
+        if tracer is not None and self.trace_id:
+            tracer.add((self.trace_id, self.parent_span, self.span_id, self.routed.path, self.t0, self.routed_at,
+                        self.sent_at, self.head_at, now, self.routed.model, self.status,
+                        candidate.session if candidate is not None else "", self.attempts))
         if attempt_open and health == "succeeded":
             ingress.health.succeeded(candidate.session, now)
         elif attempt_open and health == "failed":
@@ -3782,17 +4173,18 @@ class _Exchange:
             micros = round((now - self.t0) * 1e6)
             status, prompt, completion = self.status, self.prompt_tokens, self.completion_tokens
             stream, attempts, tracked = int(self.routed.stream), self.attempts, int(self.tracked)
-            # the request id is of JSON-safe characters (_REQUEST_ID): no escaping needed
-            ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s"]\n' % (
+            # the request id is of JSON-safe characters (_REQUEST_ID), the trace id hex: no escaping needed
+            ledger.journal(b'%s,%d,%d,%d,%d.%03d,%d,%d,%d,"%s","%s"]\n' % (
                 row_head[2], status, prompt, completion, micros // 1000, micros % 1000, stream, attempts, tracked,
-                self.request_id))
+                self.request_id, self.trace_id))
             return row_head[1] + (status, prompt, completion, micros / 1000, stream, attempts, tracked,
-                                  self.request_id.decode())
+                                  self.request_id.decode(), self.trace_id.decode())
         ledger.record((
             time.time(), self.key.id, self.key.user, self.routed.model,
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             self.status, self.prompt_tokens, self.completion_tokens, round((now - self.t0) * 1000.0, 3),
-            int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode()))
+            int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode(),
+            self.trace_id.decode() or None))
         return None
 
     def account(self, now: float) -> None:
@@ -3846,7 +4238,8 @@ class _Exchange:
             self.client.internal_error(exc)
 
     def _send_on(self, candidate: Candidate, up: Upstream) -> None:
-        failure = self.ingress.pool.send_request(up, self.path, self.routed.stream, self.body, self.routed)
+        failure = self.ingress.pool.send_request(up, self.target or self.path, self.routed.stream, self.body,
+                                                 self.routed, self.method, self.lines, self.ctype)
         if failure is None:
             return self.sent_on(candidate, up)
         if up.reused:   # a pooled connection closed under us: again on a fresh one, no failure
@@ -3857,6 +4250,7 @@ class _Exchange:
         """The attempt's request went out on `up`: its answer is read from there."""
         self.to(SENT)
         self.up, self.head = up, None
+        self.sent_at = time.monotonic()
         proto = up.proto
         proto.on_data = functools.partial(self._on_answer, up)
         if self.row_head is None or self.row_head[0] is not candidate:
@@ -3868,16 +4262,42 @@ class _Exchange:
         """Try the session the policy picks next, or answer 502 once MAX_ATTEMPTS sessions (or
         every one there is) failed to answer."""
         left = self.left
-        if not left or self.attempts >= self.ingress.limits.max_attempts:
+        if not left or self.attempts - self.first_try >= self.ingress.limits.max_attempts:
             if self.sent:   # a stream that no other session could continue
                 self.cut_stream(failure, self.watch)
                 return self.client.serve_next()
+            if self.chain and self.fall_back(failure):
+                return
             exc = HTTPError(502, f"Every provider attempt failed ({self.attempts} tried; last: {failure})",
                             "upstream_failed")
             self.finish("exhausted")
             self.client.error(exc, self.routed.model, counted=True)
             return self.client.serve_next()
         self.send(self.pick(left), fresh=False)
+
+    def fall_back(self, failure: str) -> bool:
+        """Every attempt at this model failed before the first byte (5xx, no answer, no session
+        left): the request goes to the next model of its chain that has sessions, its body naming
+        it; the answer names it (x-otela-model), the ledger books it. False when none is left."""
+        ingress, before = self.ingress, self.routed.model
+        while self.chain:
+            model, self.chain = self.chain[0], self.chain[1:]
+            try:
+                candidates = ingress.health.healthy(ingress.candidates(model, self.key))
+            except HTTPError:
+                continue
+            self.body = with_model(self.body, self.ctype, model)
+            self.routed.model = model
+            self.refused, self.unanswered, self.left, self.first_try = (), (), candidates, self.attempts
+            ingress.metrics.fallbacks[(before, model)] += 1
+            if _HEADER_SAFE.fullmatch(model):   # (in place of the one naming the model before)
+                conn = self.client.conn
+                conn.extra = _MODEL_LINE.sub(b"", conn.extra) + b"%s: %s\r\n" % (MODEL_HEADER, model.encode())
+            print(f"otela-ingress: request {self.request_id.decode()} (trace {self.trace_id.decode()}) falls back "
+                  f"from {before} to {model} ({failure})", file=sys.stderr)
+            self.send(self.pick(candidates), fresh=False)
+            return True
+        return False
 
     # -- the answer: its head, then its plain body whole, or a stream relayed ----------------------
     def _on_answer(self, up: Upstream) -> None:
@@ -3903,7 +4323,9 @@ class _Exchange:
             self.head = head
             self.to(HEAD)
             self.status = head.status
-            if self.routed.stream and head.status == 200:
+            self.head_at = time.monotonic()
+            if head.status == 200 and (self.routed.stream and self.path in STREAMABLE_PATHS
+                                       or head.fields.get(b"content-type", b"").startswith(b"text/event-stream")):
                 self.to(STREAM)
                 self.up = self.client.exchange = None   # the relay has both from here
                 _Relay(self, up, head, self._stream_end).pump()
@@ -3940,10 +4362,13 @@ class _Exchange:
         payload = parts[0] if len(parts) == 1 else b"".join(parts)
         self.up = None
         pool = self.ingress.pool
-        if head.status in RETRY_STATUSES and not self.refused:
-            # held against nobody until another session judges the same request
+        if head.status in RETRY_STATUSES and not self.pinned and (not self.refused or self.chain):
+            # held against nobody until another session judges the same request; a second 5xx
+            # of a model with fallbacks is its last: the next model is tried (fall_back)
             pool.release(up)
             self.refusal = (head, payload)
+            if self.refused:
+                self.left = []
             return self.retry(blame=False, failure=f"{self.candidate.addr} answered {head.status}")
         # a 5xx from a second session is the request's fault ("poison"): its client gets it
         self._send_plain(head, payload, "ok" if head.status not in RETRY_STATUSES else "poison")
@@ -3966,6 +4391,7 @@ class _Exchange:
             self.cached_tokens = cached_of(payload)
             self.answer_bytes = len(payload)
         client = self.client
+        client.conn.extra += server_timing(self)
         out = client.conn.whole_answer(head.status, head.fields.get(b"content-type", b"application/json"),
                                        self.candidate.session_bytes, payload)
         self.finish("gone" if client.closed else outcome, out)   # "gone": answered, but nobody left to hear it
@@ -3981,7 +4407,8 @@ class _Exchange:
             ingress.on_first_byte(self.candidate, routed)
         return self.client.conn.head(200, [(b"content-type", head.fields.get(b"content-type", b"text/event-stream")),
                                            (b"cache-control", b"no-cache"),
-                                           (SESSION_HEADER, self.candidate.session_bytes)])
+                                           (SESSION_HEADER, self.candidate.session_bytes),
+                                           (b"server-timing", server_timing(self)[15:-2])])
 
     def resume(self, watch: StreamWatch) -> bool:
         """The stream broke after bytes went out: ask another session to continue it. The
@@ -3992,7 +4419,7 @@ class _Exchange:
         for a stream of several choices, of reasoning or tool calls, or longer than
         RESUME_TEXT_MAX, or when nothing is left to generate."""
         text = watch.generated()
-        if text is None or self.attempts >= self.ingress.limits.max_attempts:
+        if text is None or self.attempts >= self.ingress.limits.max_attempts or self.path not in STREAMABLE_PATHS:
             return False
         try:
             request = crdt.loads(self.body)
@@ -4023,14 +4450,13 @@ class _Exchange:
         return True
 
     def cut_stream(self, reason: str, watch: StreamWatch) -> None:
-        """The stream broke after bytes went out: the client gets an error event and the end."""
+        """The stream broke after bytes went out: the client gets the route's error event and the end."""
         self.ingress.metrics.stream_cuts += 1
         self.took(watch)
         self.finish("cut")
-        error = crdt.dumps({"error": {"message": f"The provider failed mid-stream: {reason}",
-                                      "type": "server_error", "param": None, "code": "stream_cut"}})
         client = self.client
-        client.transport.write(client.conn.data(b"data: " + error + b"\n\ndata: [DONE]\n\n") + client.conn.end())
+        client.transport.write(client.conn.data(cut_events(self.path, f"The provider failed mid-stream: {reason}"))
+                               + client.conn.end())
 
     def _stream_end(self, result: Any) -> None:
         """The end of a relayed stream (see _Relay)."""
@@ -4080,7 +4506,9 @@ class Ingress:
                  no_auth: bool = False, limits: Optional[Limits] = None,
                  require_code_hash: Optional[str] = None,
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
-                 allow_ungranted: bool = False, catalogue: Sequence[str] = ()):
+                 allow_ungranted: bool = False, catalogue: Sequence[str] = (),
+                 fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = (),
+                 otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4096,6 +4524,14 @@ class Ingress:
         self.warmup = 0.0 if getattr(node, "whole_registry", False) else limits.warmup_max_s
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
         self.aliases = dict(aliases or {})   # public name -> served models, tried in order
+        self.fallbacks = dict(fallbacks or {})   # model or alias -> the models tried after it fails, in order
+        # an engine's own routes outside /v1/ relayed like /v1/ (--native-route): "/tokenize" is
+        # that path, "/get_" (a trailing "/" or "_") every path under it
+        self.native_routes = frozenset(r.encode() for r in native_routes if not r.endswith(("/", "_")))
+        self.native_prefixes = tuple(r.encode() for r in native_routes if r.endswith(("/", "_")))
+        self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
+        self.tls = tls   # the public listener's TLS (--tls-cert, --tls-key; public_tls), None: plain HTTP
+        self.tracer: Optional[SpanExporter] = None
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
@@ -4113,6 +4549,8 @@ class Ingress:
         self.keys: Dict[str, Key] = {}
         self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
+        self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
+        self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
         self.metrics = Metrics()
         self.stats = UsageStats()
         self.health = PassiveHealth(limits)
@@ -4153,6 +4591,8 @@ class Ingress:
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         self.cluster.start(self._loop)
+        if self.otlp_endpoint:
+            self.tracer = SpanExporter(self.otlp_endpoint)
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         except OSError as exc:
@@ -4186,6 +4626,8 @@ class Ingress:
             except asyncio.TimeoutError:
                 pass
         self.cluster.stop()   # our last usage goes out, and into SQLite below
+        if self.tracer is not None:
+            self.tracer.stop()
         if self.ledger is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
 
@@ -4235,6 +4677,8 @@ class Ingress:
         self.grants.seen(sid, record)   # (its state or grant may have changed: not on a view's change)
         self._doubt(sid, record)
         self._candidates = {}
+        if record is None or record.get("state") == crdt.LEFT:
+            self.metrics.forget(sid)   # a session that left takes its series off /metrics
 
     async def _read_revocations(self) -> None:
         """Revocations `grant revoke` wrote to the --db: published, as the CLI's keys are (one
@@ -4425,9 +4869,13 @@ class Ingress:
             client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
             return
-        if method == b"POST" and (path in PROXIED_PATHS or self._passes_through(path)):
+        if method == b"POST" and path in PROXIED_PATHS or method != b"HEAD" and self._passes_through(path):
+            if _ENCODED_SEPARATOR.search(path):
+                raise HTTPError(400, f"The path {path.decode('utf-8', 'replace')!r} hides a separator ('%2F', "
+                                     "'%5C'): the engine would decode it into another route", "invalid_path")
             self.authenticate(fields)   # on the head: a stranger's body is never read
-            return client.read_body(fields, lambda body: self.proxy(client, path, fields, body, t0, tag=False))
+            return client.read_body(fields, lambda body: self.proxy(client, path, fields, body, t0, tag=False,
+                                                                    method=method, query=query))
         # a GET's stray small body (or its empty one) is read, to keep the connection; a bigger
         # one is never read: the answer closes the connection
         length = fields.get(b"content-length") or b"0"
@@ -4483,6 +4931,8 @@ class Ingress:
             digest = hashlib.sha256(token.strip()).hexdigest()
         key = self.keys.get(digest)   # looked up each time: a revoked key stops working at once
         if key is None:
+            if digest not in self.cluster.records:   # unknown here: maybe made by the CLI a moment ago
+                self._last_miss = digest
             raise self.cluster.refusal(digest)   # revoked, expired or unknown
         if header not in self._digests:
             if len(self._digests) >= 4096:   # bounded: keys in use, not every token ever tried
@@ -4492,36 +4942,105 @@ class Ingress:
             raise HTTPError(403, "This needs an admin key", "admin_required")
         return key
 
+    # A key `keys create` wrote to SQLite a moment ago is unknown until the next read of it
+    # (KEYS_RELOAD_S): its first request waits for a read made at once, then runs again, instead of
+    # a 401. One read per token and second at most: a stream of made-up tokens costs a PRAGMA each.
+    def await_key(self, client: _Client, again: Callable[[], None]) -> bool:
+        """The request whose token authenticate just found unknown runs `again` once the keys
+        were read from SQLite (Ledger.reload_keys); False (refuse it now) when this token was
+        looked for within KEYS_RELOAD_S, or too many wait."""
+        digest, self._last_miss = self._last_miss, None
+        ledger, now = self.ledger, time.monotonic()
+        if digest is None or ledger is None or self._missed.get(digest, 0.0) > now:
+            return False
+        if len(self._missed) >= 4096:   # bounded: tokens tried within a second
+            self._missed = {}
+        self._missed[digest] = now + KEYS_RELOAD_S
+        future = ledger.reload_keys()
+        if future is None:
+            return False
+        client.busy = True
+        waiting = client.waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(functools.partial(self._key_read, client, again))
+        return True
+
+    def _key_read(self, client: _Client, again: Callable[[], None], waiting: asyncio.Future) -> None:
+        client.waiting = None
+        if client.closed or waiting.cancelled():
+            return
+        client.busy = False   # (again, as when its head came: a body to read is read by serve)
+        try:
+            again()
+        except HTTPError as exc:
+            client.error(exc)
+            client.finish()
+        except Exception as exc:   # a bug, from a future's callback: nobody else would see it
+            return client.internal_error(exc)
+        if not client.busy and not client.ending:
+            client.serve()   # what the client sent meanwhile
+
+    def _pinned(self, pin: bytes, model: str, key: Key) -> List[Candidate]:
+        """The one session an admin's x-otela-session names, if it is routable and serves the
+        model (any model, for a request that names none)."""
+        sid = pin.strip().decode("ascii", "replace")
+        record = self.node.registry.get(sid) if sid and ":" not in sid else None
+        if record is None or record.get("role", "worker") != "worker":
+            raise HTTPError(404, f"No session {sid!r} in the registry", "session_not_found")
+        if model != ANY_MODEL and model not in self.grants.models(record):
+            raise HTTPError(404, f"The session {sid!r} does not serve '{model}'", "model_not_found", "model")
+        if not self._routable(sid, record):
+            raise HTTPError(503, f"The session {sid!r} takes no requests now (state, suspicion, grant or code)",
+                            "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        return [Candidate(sid, record)]
+
     # -- the proxy ---------------------------------------------------------------------------
-    def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes,
-                 t0: float) -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate], Optional[int]]:
-        """Check a proxied request (key, rate, JSON, model) and find its candidates: what the
-        policy sees, the key, the body to send (include_usage or an alias spliced in), whether
-        the stream's usage is ours to strip, the candidates, and the completion tokens it asks for
-        at most (completion_cap). Raises HTTPError for the client."""
+    def _prepare(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
+                 query: bytes = b"") -> Tuple[RoutedRequest, Key, bytes, bool, List[Candidate], Optional[int],
+                                              Sequence[str], Optional[bytes]]:
+        """Check a proxied request (key, rate, body, model) and find its candidates: what the
+        policy sees, the key, the body to send (include_usage or a model's name spliced in), whether
+        the stream's usage is ours to strip, the candidates, the completion tokens it asks for at
+        most (completion_cap), the models to fall back to, and the content type to send when the
+        body is not JSON (None: JSON; b"": none). Raises HTTPError for the client.
+
+        The model is the JSON body's `model`, else a multipart form's field `model` (an audio
+        upload), else the x-otela-model header, the query's `model`, or a path segment naming one;
+        a request that names none (GET /v1/files, /tokenize) goes to any session serving one of
+        the key's models."""
         key = self.authenticate(fields)
         if key.rate > 0 and not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
         if key.budget_day or key.budget_month:
             self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
-        try:
-            request = crdt.loads(body)
-        except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
-            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
-        if not isinstance(request, dict):
-            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
-        model = request.get("model")
-        if not isinstance(model, str) or not model:
-            raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        request: Dict[str, Any] = {}
+        model: Any = None
+        ctype: Optional[bytes] = None   # JSON: the common case
+        proxied = path in PROXIED_PATHS
+        if proxied or body and _JSON_START.match(body):
+            request, said_json = self._json_body(body, fields, proxied)
+            if not said_json:   # a body that is not JSON, of a type that did not say it would be
+                ctype = fields.get(b"content-type", b"")
+            model = request.get("model")
+            if model is not None and (not isinstance(model, str) or not model):
+                raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        else:
+            ctype = fields.get(b"content-type", b"")
+            if body and ctype[:19].lower() == b"multipart/form-data":
+                span = form_model(body, ctype)
+                if span is not None:
+                    model = body[span[0]:span[1]].decode("utf-8", "replace").strip() or None
+        if model is None:
+            model = self._model_elsewhere(path, query, fields, key)
+            if model is None and proxied:
+                raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
         options = request.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise HTTPError(400, f"Invalid type for 'stream_options': expected an object, but got "
                                  f"{_JSON_TYPES.get(type(options), 'a value')} instead.", "invalid_type", "stream_options")
-        stream = request.get("stream") is True and path in STREAMABLE_PATHS
+        stream = request.get("stream") is True
         strip_usage = False
-        candidates = None
-        if stream:
+        if stream and path in STREAMABLE_PATHS:
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 strip_usage = True
                 if options is None and "stream_options" not in request:
@@ -4530,16 +5049,93 @@ class Ingress:
                 else:
                     request["stream_options"] = dict(options or {}, include_usage=True)
                     body = crdt.dumps(request)
-        if model in self.aliases:   # a public name: the first of its models that is served
-            model, body, candidates = self._alias(model, key, body)
-        if candidates is None:   # (an alias found them already)
+        chain: Sequence[str] = ()
+        named = None
+        pin = fields.get(SESSION_HEADER)
+        if pin is not None:   # an operator's request for one chosen session: no other is tried
+            if not key.admin:
+                raise HTTPError(403, "Sending a request to a chosen session (x-otela-session) needs an admin key",
+                                "admin_required")
+            if model in self.aliases:   # the first of its models the session serves
+                record = self.node.registry.get(pin.strip().decode("ascii", "replace")) or {}
+                served = [m for m in self.aliases[model] if m in (record.get("models") or ())]
+                if served:
+                    named, model = model, served[0]
+                    body = with_model(body, ctype, model)
+            model = model or ANY_MODEL
+            candidates = self._pinned(pin, model, key)
+        elif model is None:
+            model, candidates = ANY_MODEL, self._any_candidates(key)
+        elif model in self.aliases or model in self.fallbacks:   # a public name, or one with fallbacks
+            named = model
+            model, body, candidates, chain = self._first_served(model, key, body, ctype)
+        else:
             candidates = self.candidates(model, key)
-        routed = RoutedRequest(model, key.user, key.id, stream, path.decode(), t0,
+        routed = RoutedRequest(model, key.user, key.id, stream, path.decode("utf-8", "replace"), t0,
                                request if self.policy_body else None)
-        return routed, key, body, strip_usage, candidates, completion_cap(request, path)
+        if named is not None:
+            routed.named = named
+        return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
+
+    @staticmethod
+    def _json_body(body: bytes, fields: Dict[bytes, bytes], proxied: bool) -> Tuple[Dict[str, Any], bool]:
+        """The JSON object of a body (and True), or ({}, False) for a body of another type that
+        only looks like JSON. 400 when a body that must be JSON (a completion route's, or one
+        whose type says so) is not an object."""
+        def said_json() -> bool:
+            media = fields.get(b"content-type", b"").partition(b";")[0].strip().lower()
+            return proxied or not media or media == b"application/json" or media.endswith(b"+json")
+        try:
+            request = crdt.loads(body)
+        except (ValueError, RecursionError):   # the stdlib's json recurses: 100,000 "[" overflow it
+            if not said_json():
+                return {}, False
+            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+        if not isinstance(request, dict):
+            if not said_json():
+                return {}, False
+            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        return request, True
+
+    def _model_elsewhere(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], key: Key) -> Optional[str]:
+        """The model of a request whose body names none: the x-otela-model header, the query's
+        `model`, or a segment of the path naming a model (or alias) the key may use."""
+        named = fields.get(MODEL_HEADER)
+        if named is not None and named.strip():
+            return named.strip().decode("utf-8", "replace")
+        if query and b"model=" in query:
+            try:
+                named_in = parse_qs(query.decode("ascii"), errors="strict").get("model")
+            except UnicodeDecodeError:
+                raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
+            if named_in and named_in[0]:
+                return named_in[0]
+        text = unquote(path.decode("utf-8", "replace")) + "/"
+        for name in sorted(self._served_models(key) | set(self.aliases), key=len, reverse=True):
+            if f"/{name}/" in text:
+                return name
+        return None
+
+    def _any_candidates(self, key: Key) -> List[Candidate]:
+        """The sessions serving any model the key may use: for a request that names none."""
+        seen, found = set(), []
+        for model in sorted(self._served_models(key)):
+            try:
+                candidates = self.candidates(model, key)
+            except HTTPError:
+                continue
+            for candidate in candidates:
+                if candidate.session not in seen:
+                    seen.add(candidate.session)
+                    found.append(candidate)
+        if not found:
+            raise HTTPError(404, "The request names no model (in its JSON, a form field 'model', an x-otela-model "
+                                 "header, the query or the path), and no session serves a model this key may use",
+                            "model_not_found", "model")
+        return found
 
     def proxy(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float,
-              tag: bool = True) -> None:
+              tag: bool = True, method: bytes = b"POST", query: bytes = b"") -> None:
         """A proxied request with its whole body: checked, routed and sent upstream from here;
         its answer comes back in the upstream connection's callbacks (see _Exchange). `tag`: its
         request id is still to be given (see _Client.tag; route's caller gave it already).
@@ -4549,29 +5145,37 @@ class Ingress:
         its request id, the policy's count. At 16 requests/s every step before that write is
         paid on a cold CPU, and none of these is needed to send it."""
         client.busy = True
+        if tag:   # (its id goes upstream with it)
+            client.tag(fields)
         try:
-            routed, key, body, strip_usage, candidates, cap = self._prepare(client, path, fields, body, t0)
+            routed, key, body, strip_usage, candidates, cap, chain, ctype = self._prepare(
+                client, path, fields, body, t0, query)
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
-            if tag:
-                client.tag(fields)
+            if exc.code == "invalid_api_key" and self.await_key(
+                    client, lambda: self.proxy(client, path, fields, body, t0, False, method, query)):
+                return
             client.error(exc)
             client.finish()
             return
-        except Exception:   # a bug, or a user's policy that raises: its 500 (see _Client.serve) names it
-            if tag:
-                client.tag(fields)
-            raise
+        trace, parent, span, lines = trace_context(fields, client.request_id)
+        target = path + b"?" + query if query else path
         up = self.pool.take_idle(candidate.addr, candidate.pin)
-        if up is not None and self.pool.send_request(up, path, routed.stream, body, routed) is not None:
+        if up is not None and self.pool.send_request(up, target, routed.stream, body, routed, method, lines,
+                                                      ctype) is not None:
             up = None   # a pooled connection closed under us: a fresh one, no failure
-        if tag:
-            client.tag(fields)
+        if routed.named is not routed.model and routed.named != routed.model and _HEADER_SAFE.fullmatch(routed.model):
+            client.conn.extra += b"%s: %s\r\n" % (MODEL_HEADER, routed.model.encode())   # the model that answers
         opt_out = fields.get(NO_TRACK_HEADER)
         tracked = opt_out is None or opt_out.strip().lower() in (b"", b"0", b"false", b"no")
         ex = client.exchange = _Exchange(self, client, path, body, key, routed, strip_usage, tracked, t0)
-        ex.left, ex.completion_cap = left, cap
+        ex.left, ex.completion_cap, ex.method, ex.target, ex.ctype = left, cap, method, target, ctype
+        ex.trace_id, ex.parent_span, ex.span_id, ex.lines = trace, parent, span, lines
+        if SESSION_HEADER in fields:
+            ex.pinned = True
+        if chain:
+            ex.chain = chain
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             return ex.send(candidate, fresh=True)
@@ -4594,32 +5198,60 @@ class Ingress:
                 (b"access-control-max-age", b"600")]
 
     # -- model aliases and fallbacks; pass-through of other engine routes ----------------------
-    def _alias(self, alias: str, key: Key, body: bytes) -> Tuple[str, bytes, List[Candidate]]:
-        """The first of an alias's models that has candidates for this key, and the body naming
-        it (the engine knows only the models it serves: the one rewrite of a body besides
-        include_usage, and only for an alias). The last model's error when none serves."""
+    def fallback_chain(self, name: str) -> List[str]:
+        """The models a request for `name` may be served by, in order: an alias's models (or the
+        model itself), each followed by its fallbacks (--fallback), then the alias's own."""
+        models: List[str] = []
+        for model in [*self.aliases.get(name, [name]), *(self.fallbacks.get(name, ()) if name in self.aliases else ())]:
+            for one in (model, *self.fallbacks.get(model, ())):
+                if one not in models:
+                    models.append(one)
+        return models
+
+    def _first_served(self, name: str, key: Key, body: bytes,
+                      ctype: Optional[bytes]) -> Tuple[str, bytes, List[Candidate], List[str]]:
+        """The first model of fallback_chain(name) with a session in rotation for this key (when
+        every one's sessions sit out, the first with sessions), the body naming it (the engine
+        knows only the models it serves), its candidates and the models left to fall back to.
+        The first model's error when none serves."""
         error: Optional[HTTPError] = None
-        for model in self.aliases[alias]:
+        models = self.fallback_chain(name)
+        served: Optional[Tuple[int, List[Candidate]]] = None
+        for at, model in enumerate(models):
             try:
                 candidates = self.candidates(model, key)
             except HTTPError as exc:
-                error = exc
+                error = error or exc
                 continue
-            request = crdt.loads(body)
-            request["model"] = model
-            return model, crdt.dumps(request), candidates
-        assert error is not None
-        if error.status == 404:   # say the name the client used
-            error = HTTPError(404, f"The model '{alias}' does not exist or no session serves it",
-                              "model_not_found", "model")
-        raise error
+            if served is None:
+                served = (at, candidates)
+            if not self.health.sick_until or any(not self.health.is_sick(c.session, time.monotonic())
+                                                 for c in candidates):
+                served = (at, candidates)
+                break
+        if served is None:
+            assert error is not None
+            if error.status == 404 and name in self.aliases:   # say the name the client used
+                error = HTTPError(404, f"The model '{name}' does not exist or no session serves it",
+                                  "model_not_found", "model")
+            raise error
+        at, candidates = served
+        model = models[at]
+        if model != name:
+            body = with_model(body, ctype, model)
+        return model, body, candidates, models[at + 1:]
 
     def _passes_through(self, path: bytes) -> bool:
-        """Any POST under /v1/ that is no route of ours goes to an engine like the completions
-        (same auth, routing and metering; its body must name a model): /v1/responses,
-        /v1/rerank, /v1/audio/..., whatever the engine serves."""
-        return path.startswith(b"/v1/") and not path.startswith(ADMIN_PREFIX) and path not in self._GET \
-            and not path.startswith(MODEL_PREFIX)
+        """Any request under /v1/ that is no route of ours goes to an engine like the completions
+        (same auth, routing, retries and metering), whatever its method and body: /v1/responses,
+        /v1/rerank, /v1/audio/..., GET /v1/files, whatever the engine serves; and the engine's
+        own routes outside /v1/ that the site enables by name (--native-route: vLLM's /tokenize,
+        SGLang's /generate). The three completion routes take POST alone (see route)."""
+        if path.startswith(b"/v1/"):
+            return not path.startswith(ADMIN_PREFIX) and path not in self._GET \
+                and not path.startswith(MODEL_PREFIX) and path not in PROXIED_PATHS
+        return path not in self._GET and (path in self.native_routes
+                                          or any(path.startswith(p) for p in self.native_prefixes))
 
     # -- admin API: keys (create, list, revoke) and cluster-wide usage, behind an admin key ----
     # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
@@ -4803,6 +5435,14 @@ class Ingress:
                  + ".\n# TYPE otela_evictions_doubted_total counter\n" + "".join(
                      f'otela_evictions_doubted_total{{reason="{why}"}} {self.doubted_by[why]}\n'
                      for why in DOUBT_REASONS)).encode()
+        tracer = self.tracer
+        if tracer is not None:
+            body += ("# HELP otela_otlp_spans_exported_total Spans the OTLP collector took.\n"
+                     "# TYPE otela_otlp_spans_exported_total counter\n"
+                     f"otela_otlp_spans_exported_total {tracer.exported}\n"
+                     "# HELP otela_otlp_spans_dropped_total Spans dropped: the exporter's queue was full, or the "
+                     "collector failed or was slower than its timeout.\n# TYPE otela_otlp_spans_dropped_total counter\n"
+                     f"otela_otlp_spans_dropped_total {tracer.dropped}\n").encode()
         unrouted = collections.Counter(self.unrouted().values())
         body += ("# HELP otela_sessions_unrouted Live sessions routed nothing because of their grant, by reason.\n"
                  "# TYPE otela_sessions_unrouted gauge\n" + "".join(
@@ -4995,12 +5635,17 @@ def _limit_arg(kind: type) -> Callable[[str], Any]:
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     limits = Limits.from_args(args)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together (a certificate and its key)")
     # the ingress relays for members behind NATs unless told not to (--no-relay)
     config = otela_node.config_from_args(args, ingress_keys=ingress_secrets(args.ingress_key_file, args.key_file))
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
+                      fallbacks=dict(args.fallback), native_routes=[_native_route(r) for r in args.native_route],
+                      otlp_endpoint=args.otlp_endpoint,
+                      tls=public_tls(args.tls_cert, args.tls_key) if args.tls_cert else None,
                       cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
     if not config.ingress_keys:
@@ -5021,7 +5666,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     except BaseException:
         await node.stop(leave=True)
         raise
-    print(f"otela-ingress: serving the OpenAI API on http://{host}:{port}/v1 "
+    print(f"otela-ingress: serving the OpenAI API on {'https' if ingress.tls is not None else 'http'}://{host}:{port}/v1 "
           f"(session {node.session_id}, policy {args.policy}, ledger {args.db})", file=sys.stderr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -5085,6 +5730,26 @@ def _alias_arg(value: str) -> Tuple[str, List[str]]:
     return name.strip(), models
 
 
+def public_tls(cert: str, key: str) -> ssl.SSLContext:
+    """The public listener's TLS context (--tls-cert, --tls-key): TLS 1.2 at least, the standard
+    library's defaults otherwise (its ciphers, no compression, no renegotiation)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
+    return context
+
+
+def _native_route(value: str) -> str:
+    route = value.strip()
+    if not route.startswith("/") or route.startswith("/v1/") or not normal_path(route.encode()):
+        raise SystemExit(f"otela-ingress: --native-route {value!r}: a path outside /v1/ in normal form, "
+                         "such as /tokenize")
+    return route
+
+
 def _code_hash_arg(value: str) -> str:
     value = value.strip()
     if value != "self" and not re.fullmatch(r"[0-9a-f]{16}", value):
@@ -5093,7 +5758,7 @@ def _code_hash_arg(value: str) -> str:
 
 
 # The variables of flags whose names or separators are not crdt.parse_settings' own (see main)
-SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";")}
+SETTING_NAMES = {**otela_node.SETTING_NAMES, "--alias": ("ALIASES", ";"), "--fallback": ("FALLBACKS", ";")}
 
 
 def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
@@ -5148,6 +5813,28 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                        help="a public model name for served ones, tried in order: the first that a "
                             "healthy session serves gets the request (its body then names that model). "
                             "Repeatable; env OTELA_ALIASES, aliases separated by ';' (default: none)")
+    serve.add_argument("--fallback", action="append", default=[], metavar="MODEL=MODEL[,MODEL...]",
+                       type=_alias_arg,
+                       help="the models a model (or alias) falls back to, in order, when every attempt at it "
+                            "fails before the first byte (5xx, no answer, no session): the answer and the "
+                            "ledger name the model that answered. Repeatable; env OTELA_FALLBACKS, lists "
+                            "separated by ';' (default: none)")
+    serve.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                       help="send each request's spans (the ingress's, its route choice, the upstream's time "
+                            "to first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched "
+                            "from a thread; a collector down or slow drops spans, counted on /metrics, never "
+                            "delays a request (env OTELA_OTLP_ENDPOINT; default: none)")
+    serve.add_argument("--tls-cert", default=None, metavar="FILE",
+                       help="serve the API over TLS with this certificate chain (PEM; with --tls-key): the "
+                            "same limits as plain HTTP, the handshake inside the head's deadline (env "
+                            "OTELA_TLS_CERT; default: plain HTTP)")
+    serve.add_argument("--tls-key", default=None, metavar="FILE",
+                       help="the private key of --tls-cert (PEM; env OTELA_TLS_KEY)")
+    serve.add_argument("--native-route", action="append", default=[], metavar="PATH",
+                       help="an engine route outside /v1/ to relay like /v1/ (keys, routing, metering): "
+                            "/tokenize, /detokenize (vLLM), /generate (SGLang); a path ending in '/' or '_' "
+                            "relays every path under it. Repeatable; env OTELA_NATIVE_ROUTE, comma-separated "
+                            "(default: none: only /v1/ is relayed)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="let browser pages from ORIGIN (https://app.example.org, or * for any) call "
                             "the API: CORS headers on answers and OPTIONS preflights answered. "

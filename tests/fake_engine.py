@@ -9,8 +9,19 @@ tested without a model. It serves:
   POST /v1/chat/completions  chat completion, non-stream or SSE (stream: true)
   POST /v1/completions       text completion, same
   POST /v1/embeddings        8-dimensional deterministic embeddings
-  GET  /fake/stats           {"requests": n, "last_body": "<raw request body>", "port": p}: lets a
-                             test check that a body was forwarded verbatim
+  POST /v1/responses         the Responses API, whole or streamed as its events (response.created,
+                             response.output_text.delta per chunk, response.completed with usage
+                             as input_tokens/output_tokens), each `event: NAME` + `data: {...}`
+  POST /v1/audio/transcriptions  a multipart/form-data upload: {"text": ..., "model": <its form
+                             field>, "bytes": <the file's size>, "usage": {input/output_tokens}}
+  GET  /v1/files             {"object": "list", "data": []}
+  POST /tokenize, /detokenize  vLLM's native routes (no model needed): {"tokens": [...], "count": n},
+                             {"prompt": "..."}
+  POST /generate             SGLang's native route: {"text": ..., "meta_info": {...}}, or with
+                             "stream": true its stream (`data: {"text": ...}` per chunk, then [DONE])
+  GET  /fake/stats           {"requests": n, "last_body": "<raw request body>", "port": p,
+                             "last_headers": {...}, "last_method": "GET", "last_target": "/v1/x?y"}:
+                             lets a test check that a request was forwarded verbatim
 
 Token accounting: prompt_tokens = words in the prompt, completion_tokens = --chunks (or, with
 --usage-tokens N, a lying engine's: N prompt, N completion and N cached tokens). Streams
@@ -18,7 +29,8 @@ send --chunks SSE chunks `data: {...}\\n\\n` then `data: [DONE]\\n\\n`, plus a u
 before [DONE] when `stream_options.include_usage` is true. Every response carries the header
 `x-fake-engine: PORT` so a test can see which engine served a request.
 
-Modes (--mode): ok; error500 (completions and embeddings answer 500 while /health passes);
+Modes (--mode): ok; error500 (completions and embeddings, and the routes above but the GET and
+vLLM's native ones, answer 500 while /health passes);
 reset (completions and embeddings close the connection without answering); cut (send half of
 the chunks, or half of the body, then drop the connection); slow (wait --slow-delay seconds
 before the first byte of a completion or embedding, then behave as ok).
@@ -66,6 +78,8 @@ class FakeEngine:
         self.requests = 0
         self.hits = {}                 # path -> number of requests, every route
         self.last_body = b""
+        self.last_headers: dict = {}   # the last request's headers (lower-case names), every route
+        self.last_method, self.last_target = "", ""
         self.server = None
         self.handlers: set = set()     # the tasks serving open connections
 
@@ -123,7 +137,10 @@ class FakeEngine:
 
     # -- endpoints --------------------------------------------------------------------------
     async def respond(self, method, path, headers, body, writer) -> bool:
+        self.last_method, self.last_target = method, path
         path = path.split("?", 1)[0]
+        if path != "/fake/stats" and path != "/health":
+            self.last_headers = dict(headers)
         self.hits[path] = self.hits.get(path, 0) + 1
         loading = time.monotonic() < self.ready_at
         if method == "GET" and path == "/health":
@@ -141,7 +158,24 @@ class FakeEngine:
                     {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]})
         elif method == "GET" and path == "/fake/stats":
             self.send_json(writer, 200, {"requests": self.requests, "port": self.port,
-                                         "last_body": self.last_body.decode("utf-8", "replace")})
+                                         "last_body": self.last_body.decode("utf-8", "replace"),
+                                         "last_headers": self.last_headers, "last_method": self.last_method,
+                                         "last_target": self.last_target})
+        elif method == "GET" and path == "/v1/files":
+            self.send_json(writer, 200, {"object": "list", "data": []})
+        elif method == "POST" and path in ("/tokenize", "/detokenize"):
+            self.requests += 1
+            self.last_body = body
+            req = json.loads(body or b"{}")
+            if path == "/tokenize":
+                tokens = [len(w) for w in str(req.get("prompt", "")).split()]
+                self.send_json(writer, 200, {"tokens": tokens, "count": len(tokens), "max_model_len": 4096})
+            else:
+                self.send_json(writer, 200, {"prompt": " ".join("w" * t for t in req.get("tokens", []))})
+        elif method == "POST" and path in ("/v1/responses", "/v1/audio/transcriptions", "/generate"):
+            self.requests += 1
+            self.last_body = body
+            return await self.other_inference(path, headers, body, writer)
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             self.requests += 1
             self.last_body = body
@@ -248,6 +282,74 @@ class FakeEngine:
         await writer.drain()
         return True
 
+    async def other_inference(self, path, headers, body, writer) -> bool:
+        """The Responses API, an audio transcription and SGLang's /generate, under the modes."""
+        if self.mode == "error500":
+            self.error(writer, 500, "fake engine failure (mode error500)", "server_error")
+            await writer.drain()
+            return True
+        if self.mode == "reset":
+            return False
+        if self.mode == "slow":
+            await asyncio.sleep(self.slow_delay)
+        if path == "/v1/audio/transcriptions":
+            fields = form_fields(body, headers.get("content-type", ""))
+            audio = fields.get("file", b"")
+            self.send_json(writer, 200, {"text": f"fake transcription of {len(audio)} bytes",
+                                         "model": fields.get("model", b"").decode(), "bytes": len(audio),
+                                         "usage": {"type": "tokens", "input_tokens": len(audio) // 100,
+                                                   "output_tokens": 4, "total_tokens": len(audio) // 100 + 4}})
+            await writer.drain()
+            return True
+        req = json.loads(body or b"{}")
+        model = req.get("model") or self.model
+        words = count_words(req.get("input") if path == "/v1/responses" else req.get("text"))
+        if path == "/generate":
+            events = [{"text": "".join(f"tok{j} " for j in range(i + 1)),
+                       "meta_info": {"prompt_tokens": words, "completion_tokens": i + 1}} for i in range(self.chunks)]
+            if not (req.get("stream") or False):
+                self.send_json(writer, 200, events[-1] if events else {"text": "", "meta_info": {}})
+                await writer.drain()
+                return True
+            return await self.event_stream([(None, e) for e in events] + [(None, "[DONE]")], writer)
+        rid = f"resp_fake{self.port}x{self.requests}"
+        text = "".join(f"tok{i} " for i in range(self.chunks))
+        usage = {"input_tokens": words, "output_tokens": self.chunks, "total_tokens": words + self.chunks}
+        done = {"id": rid, "object": "response", "created_at": int(time.time()), "model": model,
+                "status": "completed", "usage": usage,
+                "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
+        if not req.get("stream"):
+            self.send_json(writer, 200, done)
+            await writer.drain()
+            return True
+        started = dict(done, status="in_progress", usage=None, output=[])
+        events = [("response.created", {"type": "response.created", "sequence_number": 0, "response": started})]
+        events += [("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_1",
+                                                   "output_index": 0, "content_index": 0, "delta": f"tok{i} ",
+                                                   "sequence_number": i + 1}) for i in range(self.chunks)]
+        events.append(("response.completed", {"type": "response.completed", "sequence_number": self.chunks + 1,
+                                              "response": done}))
+        return await self.event_stream(events, writer)
+
+    async def event_stream(self, events, writer) -> bool:
+        """SSE events (name or None, data: an object or a string), --chunk-delay apart; mode cut
+        drops the connection half-way."""
+        writer.write((f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+                      f"transfer-encoding: chunked\r\nx-fake-engine: {self.port}\r\n\r\n").encode())
+        for i, (name, data) in enumerate(events):
+            if self.mode == "cut" and i >= len(events) // 2:
+                await writer.drain()
+                return False
+            line = b"data: " + (data.encode() if isinstance(data, str) else json.dumps(data).encode()) + b"\n\n"
+            write_chunk(writer, (b"event: %s\n" % name.encode() if name else b"") + line)
+            await writer.drain()
+            if self.chunk_delay and i < len(events) - 1:
+                await asyncio.sleep(self.chunk_delay)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
     async def embeddings(self, req, writer) -> bool:
         inputs = req.get("input")
         items = inputs if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else [inputs]
@@ -279,6 +381,21 @@ def sse(obj) -> bytes:
 
 def write_chunk(writer, data: bytes) -> None:
     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def form_fields(body: bytes, ctype: str) -> dict:
+    """The fields of a multipart/form-data body: name -> bytes."""
+    marker = "boundary="
+    if marker not in ctype:
+        return {}
+    boundary = b"--" + ctype.split(marker, 1)[1].split(";")[0].strip().strip('"').encode()
+    fields = {}
+    for part in body.split(boundary)[1:]:
+        head, _, value = part.partition(b"\r\n\r\n")
+        name = head.split(b'name="', 1)[1].split(b'"', 1)[0].decode() if b'name="' in head else ""
+        if name:
+            fields[name] = value[:-2] if value.endswith(b"\r\n") else value
+    return fields
 
 
 def count_words(prompt) -> int:
