@@ -70,7 +70,9 @@ import warnings
 import crdt
 import otela_sim
 
-# ============================================================================ config
+# =============================================================================================
+# Config: every default, with the reason for the number
+# =============================================================================================
 # Every default in one place, with the reason for the number.
 
 # Capacity at 1.25x demand keeps an instance near 80% utilisation: queues stay short under
@@ -140,7 +142,9 @@ class PlacementError(ValueError):
     """Bad input or an infeasible placement; the message is one line for the operator."""
 
 
-# ============================================================================ scenario
+# =============================================================================================
+# Scenario: the placer's input (GPUs, models, workload) read and checked
+# =============================================================================================
 # A scenario is the placer's whole input: {"gpus": [{"type","count","per_node"}],
 # "models": {name: HF config}, "workload": [{"model","rate_rps","input","output"}],
 # optional "measured_instance_capacity_rps", "paper_placements", "duration_s"}.
@@ -262,7 +266,9 @@ def load_time_s(config):
     return LOAD_FIXED_S + model_bytes(config) / LOAD_BYTES_PER_S
 
 
-# ============================================================================ capacity
+# =============================================================================================
+# Capacity: candidates (model, GPU type, tp, pp, nodes) and the rate one instance sustains
+# =============================================================================================
 # A candidate is one deployable (model, GPU type, tp) with the sustained request rate of one
 # instance under the model's workload and its service latency. Capacity is an input to the
 # solver, so tests give fixed figures; in production it comes from measured figures in the
@@ -530,7 +536,9 @@ def candidates(scenario, capacity="auto", tps=TP_CHOICES):
     return out, why_not
 
 
-# ============================================================================ solver
+# =============================================================================================
+# Solver: the exact placement (PuLP/CBC) and its bound
+# =============================================================================================
 
 
 class Placement:
@@ -780,7 +788,9 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
     return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
 
 
-# ============================================================================ solver at scale
+# =============================================================================================
+# Solver at scale: the relaxation, rounding and repair, and the gap they prove
+# =============================================================================================
 # Above LARGE_INSTANCE_VARS candidates CBC's branch and bound is slow to close the gap of a
 # max-min over whole instances (142 models on 1,000 scarce GPUs: 45 s for 80% of the LP bound).
 # There the placer works from the LP relaxation instead, and states the gap it proved:
@@ -1341,7 +1351,9 @@ def _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
     return {c.key(): k for c, k in zip(cands, final) if k}, bounds
 
 
-# ============================================================================ memP baseline
+# =============================================================================================
+# memP baseline: the seed paper's memory-proportional placement
+# =============================================================================================
 # The paper's baseline: GPUs shared in proportion to rate x model size, each model at one
 # fixed tp, instances packed onto GPU types in inventory order, traffic split evenly per
 # instance (it does not know the GPUs differ).
@@ -1408,7 +1420,9 @@ def paper_placement(scenario, name="opentela"):
     return rows
 
 
-# ============================================================================ replay
+# =============================================================================================
+# Replay: a placement under the scenario's workload
+# =============================================================================================
 # Two ways to replay a placement under the scenario's workload, both with the routing
 # weights: otela_sim's request-level replay (continuous batching), and a fluid queue per
 # routed group fed by the per-instance capacities — the arithmetic behind the paper's
@@ -1514,7 +1528,9 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
     return replay_fluid(scenario, rows, capacity_of, latency_of)
 
 
-# ============================================================================ plan
+# =============================================================================================
+# Plan: everything `plan` prints, computed in one place
+# =============================================================================================
 # One function computes everything `plan` prints: ours, memP and (when the scenario has it)
 # the paper's placement, each replayed the same way.
 
@@ -1651,7 +1667,9 @@ def format_plan(scenario, result):
     return "\n".join(lines)
 
 
-# ============================================================================ slurm
+# =============================================================================================
+# Slurm: sinfo, squeue, sbatch and scancel through one runner
+# =============================================================================================
 # sinfo / squeue / sbatch / scancel, all through slurm_command. Jobs we submit carry the
 # comment "otela|MODEL|GPU|TP" (squeue %k), which is how reconcile recognises them.
 
@@ -1818,7 +1836,9 @@ def run_lock(path=LOCK_PATH):
         f.close()
 
 
-# ============================================================================ site
+# =============================================================================================
+# Site file: the site's GPUs, partitions, models and engines
+# =============================================================================================
 # The site file (`plan --site FILE`; `--inventory FILE` is the same flag, and an inventory of
 # old, {"gpus": [...]}, is a site file that says nothing else) describes a site once:
 #
@@ -2047,7 +2067,9 @@ def check_site_templates(site, template, sbatch_vars, gpus):
                 raise
 
 
-# ---- the catalogue in a plan
+# =============================================================================================
+# The catalogue in a plan: each model's config, weights and engine
+# =============================================================================================
 
 
 def find_model_config(name, weights=None, model_configs=None, hf_home=None):
@@ -2184,7 +2206,9 @@ def catalogue_bounds(rows, site, scenario, kept=()):
     return rows, notes
 
 
-# ============================================================================ sbatch
+# =============================================================================================
+# sbatch scripts: templates filled, one grant per job
+# =============================================================================================
 # Templates live in sbatch/: {{NAME}} placeholders, filled with shell-quoted values, except
 # directive values (job name, comment, time, log dir) which must be safe as they are, the
 # line "# {{SBATCH_EXTRA}}", replaced by extra #SBATCH lines (gres, partition, account...),
@@ -2282,7 +2306,9 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
     return scripts
 
 
-# ---- grants: what each job may serve, from this login node (otela_ingress.py, "Grants")
+# =============================================================================================
+# Grants: what each job may serve, issued from this login node (otela_ingress.py, "Grants")
+# =============================================================================================
 # Every script the placer renders names a grant file of its job's own (GRANT_FILE), mode 600 in a
 # folder of mode 700: the models (with the adapters riding them) and labels ingresses route to
 # it for, signed by the ingress secret on this host, with the key that binds its records and its
@@ -2365,12 +2391,16 @@ def slot_of(job):
     return int(digits.group(1)) if digits and (job.get("name") or "").startswith("otela-") else None
 
 
-# ============================================================================ ingress
+# =============================================================================================
+# Ingress: demand and live sessions over HTTP
+# =============================================================================================
 # Demand and live sessions from a running ingress, over HTTP (stdlib urllib).
 
 
 def http_json(url):
-    key = crdt.env_value("API_KEY", str, os.environ)   # an ingress run with --require-key-for-views wants one
+    # an ingress run with --require-key-for-views wants a key: a secret, so a variable and no flag
+    # (a command line is anyone's to read in `ps`)
+    key = crdt.env_value("API_KEY", str, os.environ)
     try:
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     except ValueError:
@@ -2447,7 +2477,9 @@ def session_key(session):
         return None
 
 
-# ============================================================================ reconcile
+# =============================================================================================
+# Reconcile: the plan against the jobs and sessions there are
+# =============================================================================================
 # plan - (jobs in squeue + labelled live sessions not from those jobs) -> sbatch / scancel.
 # Idempotent: a second run sees the first run's jobs in squeue and finds no difference.
 #
@@ -2640,7 +2672,9 @@ def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), 
     return report
 
 
-# ============================================================================ dynamic reclamation
+# =============================================================================================
+# Dynamic reclamation: GPUs moved between models as demand moves
+# =============================================================================================
 # What the seed paper lacks. Each cron interval the reclaimer sees per-model demand and
 # decides scale-ups and scale-downs:
 #   - a model above RECLAIM_HIGH_UTIL of its capacity asks for instances up to
@@ -2760,7 +2794,9 @@ class Reclaimer:
         return None
 
 
-# ============================================================================ reclamation from cron
+# =============================================================================================
+# Reclamation from cron: the rules between runs and their state file
+# =============================================================================================
 # The Reclaimer's rules between cron runs, which share nothing but a small state file
 # (per model: when its demand fell below the threshold, when we last scaled it, and its
 # recent demand). reconcile_actions says what the fresh plan wants; CronReclaim.gate holds
@@ -3059,7 +3095,9 @@ def format_trace(result):
     return "\n".join(lines)
 
 
-# ============================================================================ CLI
+# =============================================================================================
+# CLI
+# =============================================================================================
 
 
 def build_parser():
@@ -3107,6 +3145,7 @@ def build_parser():
     opt.add_argument("--engine", default=None,
                      help=f"engine version the simulator's capacities assume ({', '.join(otela_sim.ENGINES)}, or "
                           f"an engine name; default {otela_sim.DEFAULT_ENGINE})")
+    otela_sim.calibration_flag(opt)
     opt.add_argument("--probes", default=None, metavar="FILE",
                      help="engine overheads measured by `otela_sim.py probe --write FILE` on live sessions: "
                           "the simulator's capacities use them")
@@ -3383,6 +3422,7 @@ def main(argv=None):
         args = crdt.parse_settings(parser, argv, None, os.environ)
     except ValueError as e:
         parser.error(str(e))
+    otela_sim.choose_calibration(getattr(args, "calibration", None))   # each run its own
     try:
         if args.command == "plan":
             code = cmd_plan(args)

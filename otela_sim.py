@@ -390,10 +390,25 @@ def read_calibration_file(path):
     return merge_calibration(DEFAULT_CALIBRATION, data["calibration"])
 
 
+_CHOSEN = {}   # "path": the --calibration of this process's command line (choose_calibration)
+
+
+def choose_calibration(path):
+    """The calibration file a command line named (--calibration, or its OTELA_CALIBRATION); 'none':
+    the priors alone."""
+    _CHOSEN["path"] = path
+
+
+def calibration_path():
+    """The calibration file in use: the command line's (choose_calibration), else $OTELA_CALIBRATION
+    (a program that imports this module), else CALIBRATION_FILE."""
+    return _CHOSEN.get("path") or crdt.env_value("CALIBRATION", str, os.environ) or CALIBRATION_FILE
+
+
 def active_calibration():
-    """The calibration in use: CALIBRATION_FILE (or $OTELA_CALIBRATION) over the priors; read
-    once, at first use (nothing is read at import)."""
-    path = crdt.env_value("CALIBRATION", str, os.environ) or CALIBRATION_FILE
+    """The calibration in use: calibration_path()'s over the priors; read once, at first use
+    (nothing is read at import)."""
+    path = calibration_path()
     if path not in _ACTIVE:
         if path.lower() == "none" or (path == CALIBRATION_FILE and not os.path.exists(path)):
             _ACTIVE[path] = DEFAULT_CALIBRATION
@@ -2872,7 +2887,7 @@ def calibration_with_probes(probes, cal=None):
 
 def use_calibration(cal):
     """Make `cal` the active calibration of this process (the placer's --probes)."""
-    _ACTIVE[crdt.env_value("CALIBRATION", str, os.environ) or CALIBRATION_FILE] = cal
+    _ACTIVE[calibration_path()] = cal
 
 
 # =============================================================================================
@@ -4664,6 +4679,14 @@ def _engine_flags(parser):
     parser.add_argument("--engine", default=None, help=f"engine version ({', '.join(ENGINES)}) or engine name "
                         f"(vllm, trtllm, ...); default {DEFAULT_ENGINE}, said on stderr")
     parser.add_argument("--engine-version", default=None, help="with an engine name: its release (0.6.3)")
+    calibration_flag(parser)
+
+
+def calibration_flag(parser):
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="the fitted calibration over the priors ('none': the priors alone; default "
+                             "tests/data/calibration.json beside otela_sim.py): `calibrate --write` makes one a "
+                             "site can diff and roll back")
 
 
 def output_closed(prefix):
@@ -4755,6 +4778,7 @@ def main(argv=None):
         p.error(str(err))
     if a.cmd == "estimate" and not (a.model or a.config):
         p.error("estimate needs --model or --config")
+    choose_calibration(getattr(a, "calibration", None))   # each run its own (tests call main again)
     try:
         a.func(a)
         sys.stdout.flush()
