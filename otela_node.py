@@ -7085,7 +7085,9 @@ class EngineSupervisor:
     async def watch(self) -> str:
         """Return (a reason) when the engine exits or fails `engine_check_failures` checks in a row."""
         failures = 0
-        exited = asyncio.ensure_future(self.proc.wait())   # an exit ends the wait at once, not a check later
+        # an exit ends the wait at once, not a check later (an engine this process did not start:
+        # the checks alone)
+        exited = asyncio.ensure_future(self.proc.wait() if self.proc is not None else asyncio.Event().wait())
         try:
             while True:
                 await asyncio.wait({exited}, timeout=self.config.engine_check_interval)
