@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -120,6 +121,23 @@ def test_patterns_fit_a_ratio_only_whole_instances_across_types_reach_and_refuse
     per_model = sorted(zip(counts[0:2], counts[2:4]))  # (instances on A, on B) of each model
     assert per_model == [(2, 2), (8, 0)]
     assert place._column_generation(demand, pool, groups, 1.03, {m: set() for m in demand})
+
+
+def test_stage1_bound_comes_down_to_the_relaxation_where_whole_instances_fall_short(monkeypatch):
+    # A relaxation that refuses every ratio above 0.8 and whole instances that reach 0.6 at
+    # most (instances of hundreds of GPUs: 671B models over 61 nodes): the bound proved is
+    # the relaxation's 0.8, not the last ratio refused above the first one nobody reached
+    monkeypatch.setattr(place, "water_fill", lambda *a: {})
+    monkeypatch.setattr(place, "lp_ratio_bound", lambda *a: 1.0)
+    monkeypatch.setattr(place, "_column_generation", lambda demand, pool, groups, z, patterns: z > 0.8)
+    monkeypatch.setattr(place, "_pattern_choice", lambda demand, pool, groups, z, patterns, t: [z] if z <= 0.6 else None)
+    monkeypatch.setattr(place, "_round_cover", lambda *a: None)
+    monkeypatch.setattr(place, "_ratio_of_counts", lambda counts, *a: counts[0])
+    demand, pool = {"m": 1.0}, {"A": (8, 8)}
+    groups = place._Groups(demand, pool, [place.Candidate("m", "A", 1, 1.0)])
+    _, lower, upper = place._max_min_at_scale(demand, pool, groups, place.HEADROOM, time.perf_counter() + 60)
+    assert 0.6 * (1 - place.SCALE_GAP) <= lower <= 0.6
+    assert 0.8 < upper <= 0.8 * (1 + place.SCALE_GAP)
 
 
 def test_cheapest_cover_is_exact_and_a_cut_short_search_still_bounds_it():
