@@ -2641,25 +2641,10 @@ _CHUNK_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
 RESUME_TEXT_MAX = 1024 * 1024   # bytes of a stream read for its text, to continue it; a longer one is cut
 
 
-# the usage an answer reports, read by the codec's side (otela_node: a node reads it too)
+# the usage an answer reports (either API's names), read by the codec's side (otela_node: a node
+# reads it too)
 cached_of = otela_node.cached_of
-# The Responses API names its counts input_tokens and output_tokens (in `usage`, and in the stream's
-# response.completed event); the chat and completion routes, prompt_tokens and completion_tokens.
-_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d{1,18})')
-_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d{1,18})')
-
-
-def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
-    """(prompt, completion) tokens of the last usage object in an answer or SSE event, under either
-    API's names."""
-    counts = otela_node.usage_of(body, start)
-    if counts != (0, 0) or b'"input_tokens"' not in body:
-        return counts
-    at = body.rfind(b'"usage"', start)
-    if at < 0:
-        return counts
-    found_in, found_out = _INPUT_TOKENS.search(body, at), _OUTPUT_TOKENS.search(body, at)
-    return int(found_in.group(1)) if found_in else 0, int(found_out.group(1)) if found_out else 0
+usage_of = otela_node.usage_of
 
 
 class StreamWatch:
@@ -5623,16 +5608,6 @@ def _split_listen(listen: str) -> Tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _limit_arg(kind: type) -> Callable[[str], Any]:
-    def positive(value: str) -> Any:
-        number = kind(value)
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"{value} is not > 0")
-        return number
-    positive.__name__ = kind.__name__   # argparse names the type in its messages
-    return positive
-
-
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     limits = Limits.from_args(args)
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -5786,11 +5761,11 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "compute nodes): only it creates, changes or revokes API keys and writes usage "
                             "that other ingresses accept (env OTELA_INGRESS_KEY_FILE; default: ingress.key "
                             "beside --key-file, when there)")
-    serve.add_argument("--usage-days", type=_limit_arg(int), metavar="N", default=crdt.USAGE_RETENTION_DAYS,
+    serve.add_argument("--usage-days", type=otela_node.number_arg(int, positive=True), metavar="N", default=crdt.USAGE_RETENTION_DAYS,
                        help="days of per-key usage counters the ingresses replicate (today's budget, "
                             "/v1/admin/usage's days; env OTELA_USAGE_DAYS; default "
                             f"{crdt.USAGE_RETENTION_DAYS}). Older days stay in --db")
-    serve.add_argument("--usage-months", type=_limit_arg(int), metavar="N", default=crdt.USAGE_RETENTION_MONTHS,
+    serve.add_argument("--usage-months", type=otela_node.number_arg(int, positive=True), metavar="N", default=crdt.USAGE_RETENTION_MONTHS,
                        help="months of per-key usage totals the ingresses replicate (this month's budget, "
                             f"a year of totals; env OTELA_USAGE_MONTHS; default {crdt.USAGE_RETENTION_MONTHS})")
     serve.add_argument("--policy", default="ttft",
@@ -5861,7 +5836,7 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     limits = serve.add_argument_group("limits", "the connection, size and time limits (the reason for each "
                                                 "default is beside it at the top of otela_ingress.py)")
     for name, default in LIMITS.items():
-        limits.add_argument("--" + name.lower().replace("_", "-"), type=_limit_arg(type(default)), default=default,
+        limits.add_argument("--" + name.lower().replace("_", "-"), type=otela_node.number_arg(type(default), positive=True), default=default,
                             metavar="N", help=f"{LIMIT_HELP[name]} (env OTELA_{name}; default {default})")
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")

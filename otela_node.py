@@ -394,11 +394,13 @@ TUNNEL_KNOBS = ("max_request_body", "max_tunnel_connections", "max_unauthenticat
                 "body_timeout", "tunnel_idle_timeout")
 
 
-def _non_negative(kind: type) -> Callable[[str], Any]:
+def number_arg(kind: type, positive: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a `kind` (int or float) that is >= 0, or > 0 when `positive` (every role's
+    numeric flags, the ingress's limits among them)."""
     def number(value: str) -> Any:
         parsed = kind(value)
-        if not parsed >= 0:
-            raise argparse.ArgumentTypeError(f"{value} is negative")
+        if not (parsed > 0 if positive else parsed >= 0):
+            raise argparse.ArgumentTypeError(f"{value} is not > 0" if positive else f"{value} is negative")
         return parsed
     number.__name__ = kind.__name__   # argparse names the type in its messages
     return number
@@ -411,7 +413,7 @@ def add_knob_args(parser: argparse.ArgumentParser, skip: Tuple[str, ...] = ()) -
                                   "for a WAN, a lab or a test")
     for f in KNOBS:
         if f.name not in skip:
-            g.add_argument("--" + f.name.replace("_", "-"), type=_non_negative(int if f.type == "int" else float),
+            g.add_argument("--" + f.name.replace("_", "-"), type=number_arg(int if f.type == "int" else float),
                            default=None, metavar=f.metadata["unit"].split()[0].upper(),
                            help=f"{f.metadata['why']} ({f.metadata['unit']}; default "
                                 f"{f.default:,})".replace("%", "%%"))
@@ -6648,15 +6650,23 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*(\d+)')     # the Responses API's names
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*(\d+)')
 
 
 def usage_of(body: bytes, start: int = 0) -> Tuple[int, int]:
-    """(prompt, completion) tokens of the last usage object in a response body or SSE event."""
+    """(prompt, completion) tokens of the last usage object in a response body or SSE event: the
+    chat and completion routes' prompt_tokens and completion_tokens, or the Responses API's
+    input_tokens and output_tokens (in `usage`, and in its stream's response.completed event)."""
     at = body.rfind(b'"usage"', start)
     if at < 0:
         return 0, 0
-    return _count_after(body, b'"prompt_tokens"', _PROMPT_TOKENS, at), \
-        _count_after(body, b'"completion_tokens"', _COMPLETION_TOKENS, at)
+    prompt = _count_after(body, b'"prompt_tokens"', _PROMPT_TOKENS, at)
+    completion = _count_after(body, b'"completion_tokens"', _COMPLETION_TOKENS, at)
+    if prompt or completion or body.find(b'"input_tokens"', at) < 0:
+        return prompt, completion
+    return _count_after(body, b'"input_tokens"', _INPUT_TOKENS, at), \
+        _count_after(body, b'"output_tokens"', _OUTPUT_TOKENS, at)
 
 
 def cached_of(body: bytes) -> Optional[int]:

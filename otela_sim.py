@@ -4066,13 +4066,16 @@ class EmulatedServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.tag}-{self.counter}"
         obj = "chat.completion" if chat else "text_completion"
         finish = "length" if stated else "stop"
-        try:
+        logged = False   # a finished request's line is written before its last bytes go out: a
+        try:             # client that has its answer finds its line
             if not stream:
                 await req.waiter
                 usage = _usage(req)
                 choice = {"index": 0, "finish_reason": finish, "logprobs": None}
                 choice.update({"message": {"role": "assistant", "content": req.output_text()}} if chat
                               else {"text": req.output_text()})
+                if self.request_log is not None:
+                    logged = self._log(rid, req)
                 await self._send_json(writer, 200, {"id": rid, "object": obj, "created": int(time.time()),
                                                     "model": self.model, "choices": [choice], "usage": usage})
                 return True
@@ -4138,6 +4141,8 @@ class EmulatedServer:
                 events.append({"id": rid, "object": chunk_obj, "created": self.created, "model": self.model,
                                "choices": [], "usage": _usage(req)})
             payload = ("".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n").encode()
+            if self.request_log is not None:
+                logged = self._log(rid, req)
             writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
             await writer.drain()
             return True
@@ -4149,13 +4154,13 @@ class EmulatedServer:
                 req.state = "aborted"
             elif req.state not in ("finished", "aborted"):
                 self.core.abort(req)
-            if self.request_log is not None:
+            if self.request_log is not None and not logged:
                 self._log(rid, req)
 
     def _log(self, rid, req):
         """The request's line in --request-log: when its last byte was read (epoch seconds), its
         times at the engine from then to its first and last token (wall ms: time-scaled) and its
-        tokens. One write of one line in append mode: emulators may share the file."""
+        tokens. One write of one line in append mode: emulators may share the file. True: written."""
         def ms(t):
             return None if t is None else round((t - req.arrival) * 1e3, 3)
         arrived = time.time() - (self.loop.time() - req.arrival)      # the loop's clock to the epoch's
@@ -4167,6 +4172,7 @@ class EmulatedServer:
         except OSError as e:                    # a full disk: the log stops, serving goes on
             print(f"otela_sim.py serve: --request-log: {e}; no more lines", file=sys.stderr, flush=True)
             self.request_log = None
+        return True
 
 
 def _openai_error(message, kind, param=None, code=None):

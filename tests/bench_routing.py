@@ -344,18 +344,12 @@ def engine_side(records, log, scale):
     client's TTFT less that: connecting, the proxies both ways). Requests found by their id
     (the engine's; a stream continued elsewhere keeps the first engine's, whose line a killed
     engine never wrote); p50 and p99 of each, ms."""
-    done = [r for r in records if complete(r) and r.get("ttft") is not None]
-    deadline = time.monotonic() + 2.0
-    while True:   # an engine writes a request's line after its last bytes went out: a busy one, late
-        try:
-            with open(log) as f:
-                engine = {e["id"]: e for e in map(json.loads, f) if e.get("ttft_ms") is not None}
-        except (OSError, ValueError):
-            return {}
-        ok = [r for r in done if r.get("id") in engine]
-        if len(ok) == len(done) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    try:
+        with open(log) as f:
+            engine = {e["id"]: e for e in map(json.loads, f) if e.get("ttft_ms") is not None}
+    except (OSError, ValueError):
+        return {}
+    ok = [r for r in records if complete(r) and r.get("ttft") is not None and r.get("id") in engine]
     if not ok:
         return {}
     lines = [engine[r["id"]] for r in ok]
