@@ -41,7 +41,8 @@ The sections, in file order, and what each holds:
     the exchange         _Exchange: one proxied request, its lifecycle as a table, its
                          attempts, its answer, and finish(), the one place its end is booked
     the ingress          Ingress: the shared state, candidates from the registry, auth, the
-                         routes, the admin API and the GET endpoints
+                         routes; beside it, given what they use: EvictionDoubts, AdminAPI,
+                         MetricsPage (/metrics) and Views (the GET endpoints)
     dashboard, CLI
 
 How a proxied request flows through them:
@@ -126,6 +127,7 @@ import bisect
 import calendar
 import collections
 import concurrent.futures
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -143,7 +145,7 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, unquote, unquote_to_bytes, urlsplit
 
 try:
@@ -542,14 +544,7 @@ def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0,
     with a one-line reason."""
     if not isinstance(user, str) or not user.strip() or not user.strip().isprintable():
         raise ValueError("user must name someone (printable, not empty)")
-    if isinstance(allow, str):
-        allow = [a.strip() for a in allow.split(",") if a.strip()]
-        if not allow:   # e.g. --allow "$EMPTY": never a key for any provider
-            raise ValueError("allow names no provider; leave it out for a key that may use any")
-    elif allow is None:
-        allow = []
-    elif not (isinstance(allow, list) and all(isinstance(a, str) and a for a in allow)):
-        raise ValueError("allow must be a list of provider names")
+    allow = _key_allow(allow)
     if type(rate) not in (int, float) or not (math.isfinite(rate) and rate >= 0):
         raise ValueError("rate must be a number >= 0 (requests/s; 0: none)")
     for name, value in (("budget_day", budget_day), ("budget_month", budget_month)):
@@ -557,21 +552,39 @@ def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0,
             raise ValueError(f"{name} must be a whole number of tokens >= 0 (0: none)")
         if value >= 2**53:   # what every ingress's registry accepts (exact in a JSON double)
             raise ValueError(f"{name} must be below 2^53 tokens (0: none)")
-    if expires is not None:
-        if isinstance(expires, str):
-            expires = parse_expiry(expires, time.time())
-        elif type(expires) not in (int, float) or not 0 <= expires < math.inf:
-            raise ValueError("expires must be a unix time, a duration (30d) or a UTC date")
-        if expires > MAX_EXPIRES:   # a time `keys list` (gmtime) and every ingress can still read
-            raise ValueError("expires must be before the year 10000")
-        expires = float(expires)
-    user, allow = user.strip(), list(allow)
+    expires = None if expires is None else _key_expiry(expires)
+    user = user.strip()
     try:   # whatever the registry would refuse is refused now, not after a key was handed out
         crdt.validate_key(crdt.key_entry("0" * 64), crdt.key_record(
             "check", user, time.time(), allow, False, float(rate), budget_day, budget_month, expires))
     except crdt.RecordError as exc:
         raise ValueError(str(exc).split(": ", 1)[-1]) from None
     return user, allow, float(rate), budget_day, budget_month, expires
+
+
+def _key_allow(allow: Any) -> List[str]:
+    """A key's allowlist: a comma-separated string (the CLI's), a list of names, or None (any)."""
+    if isinstance(allow, str):
+        allow = [a.strip() for a in allow.split(",") if a.strip()]
+        if not allow:   # e.g. --allow "$EMPTY": never a key for any provider
+            raise ValueError("allow names no provider; leave it out for a key that may use any")
+        return allow
+    if allow is None:
+        return []
+    if not (isinstance(allow, list) and all(isinstance(a, str) and a for a in allow)):
+        raise ValueError("allow must be a list of provider names")
+    return list(allow)
+
+
+def _key_expiry(expires: Any) -> float:
+    """A key's end as a unix time, from a unix time, a duration (30d) or a UTC date."""
+    if isinstance(expires, str):
+        expires = parse_expiry(expires, time.time())
+    elif type(expires) not in (int, float) or not 0 <= expires < math.inf:
+        raise ValueError("expires must be a unix time, a duration (30d) or a UTC date")
+    if expires > MAX_EXPIRES:   # a time `keys list` (gmtime) and every ingress can still read
+        raise ValueError("expires must be before the year 10000")
+    return float(expires)
 
 
 def key_answer(token: str, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -1249,7 +1262,7 @@ def completion_cap(request: Dict[str, Any], path: bytes) -> Optional[int]:
 # sessions do (pushed at once, repaired by anti-entropy, sent whole to a (re)joining ingress).
 #   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
 #      learned from the overlay is written to this ingress's SQLite, so `keys list` shows it
-#      and a restart starts from it. The request path reads only `Ingress.keys`, rebuilt here
+#      and a restart starts from it. The request path reads only `ClusterKeys.keys`, rebuilt
 #      on each change of a key record.
 #   2. Each request this ingress serves adds to its own slot at once; the slots that changed
 #      go out every USAGE_PUBLISH_S. A peer's slot that grew charges the key's rate bucket
@@ -1266,8 +1279,10 @@ QUOTA_MESSAGE = ("You exceeded your current quota ({what}); it renews at {renews
 class ClusterKeys:
     """The keys and usage of the whole cluster as this ingress sees them."""
 
-    def __init__(self, ingress: Ingress):
-        self.ingress = ingress
+    def __init__(self, node: Any, ledger: Callable[[], Optional[Ledger]]):
+        self.node = node
+        self.ledger = ledger   # this ingress's SQLite copy (made at Ingress.start)
+        self.keys: Dict[str, Key] = {}   # sha256 -> accepted key: what the request path reads
         self.records: Dict[str, Dict[str, Any]] = {}   # sha256 -> key record (revoked too)
         self.slots: Dict[str, Dict[str, Any]] = {}     # usage entry id -> slot record
         self.mine: Dict[str, Dict[str, Any]] = {}      # our own slots, live (entry id -> record)
@@ -1276,6 +1291,7 @@ class ClusterKeys:
         self.month_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # (hash, YYYY-MM)
         self.next_expiry = math.inf
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
         self._hot: Dict[str, tuple] = {}               # hash -> today's own slots, see count
 
@@ -1288,6 +1304,23 @@ class ClusterKeys:
         return self._today[1]
 
     # -- what comes in: SQLite at start and after the CLI, the overlay at any time ------------
+    def read_keys(self, keys: Dict[str, Key]) -> None:
+        """Accepted keys (read from SQLite): published, as read_records."""
+        self.read_records({digest: key.record for digest, key in keys.items() if key.record is not None})
+
+    def read_records(self, records: Dict[str, Dict[str, Any]]) -> None:
+        """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
+        and after the CLI changed them): adopted on the event loop."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here or loop is None:
+            self.adopt(records)
+        else:
+            loop.call_soon_threadsafe(self.adopt, records)
+
     def adopt(self, records: Dict[str, Dict[str, Any]]) -> None:
         """Key records read from this ingress's SQLite: publish them (the lattice keeps the
         newer of each, and a revocation always wins)."""
@@ -1297,7 +1330,7 @@ class ClusterKeys:
     def adopt_slots(self, slots: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Usage slots kept in SQLite (ours from before a restart, and other ingresses'): taken
         back as they were, not published (no slot but our session's own is ours to write)."""
-        node = self.ingress.node
+        node = self.node
         if hasattr(node, "adopt"):
             node.adopt(slots)   # the overlay tells on_entry, as for any change
             return
@@ -1305,7 +1338,7 @@ class ClusterKeys:
             self.publish(entry_id, record)
 
     def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
-        node = self.ingress.node
+        node = self.node
         try:
             if hasattr(node, "publish"):
                 node.publish(entry_id, record)   # the overlay tells on_entry, as for any change
@@ -1319,7 +1352,7 @@ class ClusterKeys:
         if record is None:
             return
         kind = crdt.kind_of(entry_id)
-        ledger = self.ingress.ledger
+        ledger = self.ledger()
         if kind == crdt.KEY:
             digest = entry_id[len(crdt.KEY_ENTRY):]
             self.records[digest] = record
@@ -1347,14 +1380,13 @@ class ClusterKeys:
             self.day_used[(digest, day)] += tokens
         if tokens > 0 and month is not None:
             self.month_used[(digest, month)] += tokens
-        key = self.ingress.keys.get(digest)
+        key = self.keys.get(digest)
         if key is not None and old is not None and day is not None:   # a day slot we knew grew:
             key.charge(requests)                                        # requests served elsewhere
 
     # -- the keys the request path reads ------------------------------------------------------
     def _rebuild_one(self, digest: str, record: Dict[str, Any], now: float) -> None:
-        ingress = self.ingress
-        keys = dict(ingress.keys)
+        keys = dict(self.keys)
         old = keys.pop(digest, None)
         if crdt.key_accepts(record, now):
             key = Key.of_record(digest, record)
@@ -1363,15 +1395,15 @@ class ClusterKeys:
             keys[digest] = key
             if key.expires is not None:
                 self.next_expiry = min(self.next_expiry, key.expires)
-        ingress.keys = keys   # one reference swap: the request path never sees half of it
+        self.keys = keys   # one reference swap: the request path never sees half of it
 
     def expire(self, now: float) -> None:
         """Drop keys whose expiry has come (checked every USAGE_PUBLISH_S)."""
         if now < self.next_expiry:
             return
-        keys = {d: k for d, k in self.ingress.keys.items() if k.expires is None or now < k.expires}
+        keys = {d: k for d, k in self.keys.items() if k.expires is None or now < k.expires}
         self.next_expiry = min((k.expires for k in keys.values() if k.expires is not None), default=math.inf)
-        self.ingress.keys = keys
+        self.keys = keys
 
     def refusal(self, digest: Optional[str]) -> HTTPError:
         """The 401 for a token that is not an accepted key: say why when we know the key."""
@@ -1398,7 +1430,7 @@ class ClusterKeys:
         if not digest:
             return   # --no-auth's anonymous key: nothing to budget
         now = time.time()
-        slot = self.ingress.node.session_id
+        slot = self.node.session_id
         hot = self._hot.get(digest)   # this key's slots today: the common case
         if hot is None or not hot[0] <= now < hot[1] or hot[2] != slot:
             day = self.today(now)
@@ -1445,6 +1477,7 @@ class ClusterKeys:
 
     # -- the timer ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self._timer = loop.call_later(USAGE_PUBLISH_S, self._tick, loop)
 
     def stop(self) -> None:
@@ -1464,7 +1497,7 @@ class ClusterKeys:
     def flush(self) -> None:
         """Publish our slots that changed (each write bumps its version)."""
         dirty, self._dirty = self._dirty, set()
-        slot = self.ingress.node.session_id
+        slot = self.node.session_id
         today = crdt.time_day(time.time())
         for entry_id in [e for e, r in self.mine.items()
                          if r["day"] < today[:len(r["day"])] and e not in dirty]:
@@ -1525,7 +1558,7 @@ STARTING_RETRY_S = 30         # Retry-After for a catalogued model nothing serve
                               # queue wait and a model load are minutes; a client polls gently
 DOUBT_S = 15.0               # an eviction of a session that answered here within this is doubted for
                              # as long: an evicted live node rejoins as a new session within a second
-DOUBT_REASONS = {            # why an eviction is not believed here (Ingress._doubt), as /metrics says
+DOUBT_REASONS = {            # why an eviction is not believed here (EvictionDoubts), as /metrics says
     "answered": "the session answered here moments before",
     "unvouched": "no confirmer whose binding key this ingress derives vouched for it",
     "unverifiable": "only members whose word nothing here can check confirmed it (ungranted or "
@@ -1625,6 +1658,12 @@ class Grants:
 
     def on_revocation(self, entry_id: str) -> None:
         self.revoked.add(entry_id[len(crdt.REVOCATION_ENTRY):])
+
+    def unrouted(self, sessions: Iterable[Tuple[str, Dict[str, Any]]]) -> Dict[str, str]:
+        """Live worker sessions this ingress routes nothing to because of their grant -> why."""
+        now = time.time()
+        return {sid: why for sid, record in sessions if serving_worker(record)
+                for why in (self.refusal(sid, record, now),) if why is not None}
 
     def was_served(self, model: str, now: float) -> bool:
         return now - self.served.get(model, -math.inf) < RECENTLY_SERVED_S
@@ -2309,6 +2348,15 @@ class Histogram:
         self.total += value
         self.n += 1
 
+    def samples(self, model: str) -> List[Tuple[str, Any]]:
+        """Its cumulative buckets, sum and count, for a model's (escaped) name."""
+        out, cumulative = [], 0
+        for bound, count in zip(LATENCY_BUCKETS, self.counts):
+            cumulative += count
+            out.append((f'_bucket{{model="{model}",le="{bound:g}"}}', cumulative))
+        return out + [(f'_bucket{{model="{model}",le="+Inf"}}', self.n), (f'_sum{{model="{model}"}}', repr(self.total)),
+                      (f'_count{{model="{model}"}}', self.n)]
+
 
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
@@ -2343,68 +2391,55 @@ class Metrics:
 
     def render(self, sessions: Dict[str, int], suspected: int, sick: int, ledger_failures: int = 0,
                ledger_pending: int = 0, ledger_dropped: int = 0) -> bytes:
-        out = []
-        add = out.append
+        families = [
+            ("otela_requests_total", "counter", "Requests answered, by model and HTTP status.",
+             [(f'{{model="{_label(model)}",code="{code}"}}', n) for (model, code), n in sorted(self.requests.items())]),
+            ("otela_errors_total", "counter", "Error responses, by OpenAI error code.",
+             [(f'{{code="{_label(code)}"}}', n) for code, n in sorted(self.errors.items())]),
+            ("otela_tokens_total", "counter", "Tokens reported by engines, by direction.",
+             [(f'{{model="{_label(model)}",direction="{direction}"}}', n)
+              for (model, direction), n in sorted(self.tokens.items())]),
+            ("otela_engine_usage_bounded_total", "counter", "Answers whose token count was over what this "
+             "ingress saw (prompt: its bytes; completion: the answer's bytes, max_tokens; cached: the prompt), "
+             "booked at the bound, by the session that said it and the count.",
+             [(f'{{session="{_label(session)}",reason="{reason}"}}', n)
+              for (session, reason), n in sorted(self.usage_bounded.items())]),
+            ("otela_fallbacks_total", "counter", "Requests moved to the next model of their fallback list "
+             "(an alias's, or --fallback) after every attempt at a model failed before the first byte.",
+             [(f'{{model="{_label(model)}",to="{_label(to)}"}}', n) for (model, to), n in sorted(self.fallbacks.items())]),
+            ("otela_request_duration_seconds", "histogram", "Time from request to last byte.",
+             [line for model, hist in sorted(self.latency.items()) for line in hist.samples(_label(model))]),
+            ("otela_time_to_first_byte_seconds", "histogram", "Time to the first streamed byte.",
+             [line for model, hist in sorted(self.ttfb.items()) for line in hist.samples(_label(model))]),
+            ("otela_sessions", "gauge", "Sessions in the registry, by lifecycle state.",
+             [(f'{{state="{state}"}}', n) for state, n in sorted(sessions.items())])]
+        families += [(name, kind, help_text, [("", value)]) for name, kind, help_text, value in (
+            ("otela_retries_total", "counter", "Attempts moved to another session.", self.retries),
+            ("otela_stream_cuts_total", "counter", "Streams ended by an error event mid-way.", self.stream_cuts),
+            ("otela_stream_resumes_total", "counter",
+             "Streams whose provider failed mid-way, continued on another session.", self.stream_resumes),
+            ("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.", suspected),
+            ("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.", sick),
+            ("otela_ledger_commit_failures_total", "counter",
+             "Usage ledger batches SQLite refused (kept in the journal and retried).", ledger_failures),
+            ("otela_ledger_pending_rows", "gauge", "Usage rows journalled but not yet in SQLite.", ledger_pending),
+            ("otela_ledger_dropped_rows_total", "counter", "Usage rows (and replicated records) SQLite could "
+             "never take, dropped so that the ones after them are written.", ledger_dropped),
+            ("otela_connections", "gauge", "Open client connections.", self.connections),
+            ("otela_headless_evicted_total", "counter", "Connections cut with no complete request head, "
+             "the oldest of MAX_HEADLESS for a newcomer (slowloris).", self.headless_evicted),
+            ("otela_inflight_requests", "gauge", "Requests being proxied now.", self.inflight))]
+        return exposition(families)
 
-        def family(name, kind, help_text):
-            add(f"# HELP {name} {help_text}")
-            add(f"# TYPE {name} {kind}")
 
-        family("otela_requests_total", "counter", "Requests answered, by model and HTTP status.")
-        for (model, code), n in sorted(self.requests.items()):
-            add(f'otela_requests_total{{model="{_label(model)}",code="{code}"}} {n}')
-        family("otela_errors_total", "counter", "Error responses, by OpenAI error code.")
-        for code, n in sorted(self.errors.items()):
-            add(f'otela_errors_total{{code="{_label(code)}"}} {n}')
-        family("otela_tokens_total", "counter", "Tokens reported by engines, by direction.")
-        for (model, direction), n in sorted(self.tokens.items()):
-            add(f'otela_tokens_total{{model="{_label(model)}",direction="{direction}"}} {n}')
-        family("otela_engine_usage_bounded_total", "counter", "Answers whose token count was over what this "
-               "ingress saw (prompt: its bytes; completion: the answer's bytes, max_tokens; cached: the prompt), "
-               "booked at the bound, by the session that said it and the count.")
-        for (session, reason), n in sorted(self.usage_bounded.items()):
-            add(f'otela_engine_usage_bounded_total{{session="{_label(session)}",reason="{reason}"}} {n}')
-        family("otela_fallbacks_total", "counter", "Requests moved to the next model of their fallback list "
-               "(an alias's, or --fallback) after every attempt at a model failed before the first byte.")
-        for (model, to), n in sorted(self.fallbacks.items()):
-            add(f'otela_fallbacks_total{{model="{_label(model)}",to="{_label(to)}"}} {n}')
-        for name, table, help_text in (
-                ("otela_request_duration_seconds", self.latency, "Time from request to last byte."),
-                ("otela_time_to_first_byte_seconds", self.ttfb, "Time to the first streamed byte.")):
-            family(name, "histogram", help_text)
-            for model, hist in sorted(table.items()):
-                m = _label(model)
-                cumulative = 0
-                for bound, count in zip(LATENCY_BUCKETS, hist.counts):
-                    cumulative += count
-                    add(f'{name}_bucket{{model="{m}",le="{bound:g}"}} {cumulative}')
-                add(f'{name}_bucket{{model="{m}",le="+Inf"}} {hist.n}')
-                add(f'{name}_sum{{model="{m}"}} {hist.total!r}')
-                add(f'{name}_count{{model="{m}"}} {hist.n}')
-        family("otela_sessions", "gauge", "Sessions in the registry, by lifecycle state.")
-        for state, n in sorted(sessions.items()):
-            add(f'otela_sessions{{state="{state}"}} {n}')
-        for name, kind, help_text, value in (
-                ("otela_retries_total", "counter", "Attempts moved to another session.", self.retries),
-                ("otela_stream_cuts_total", "counter", "Streams ended by an error event mid-way.",
-                 self.stream_cuts),
-                ("otela_stream_resumes_total", "counter",
-                 "Streams whose provider failed mid-way, continued on another session.", self.stream_resumes),
-                ("otela_suspected_sessions", "gauge", "Live sessions the failure detector suspects.", suspected),
-                ("otela_sick_sessions", "gauge", "Sessions out of this ingress's rotation for failing.", sick),
-                ("otela_ledger_commit_failures_total", "counter",
-                 "Usage ledger batches SQLite refused (kept in the journal and retried).", ledger_failures),
-                ("otela_ledger_pending_rows", "gauge", "Usage rows journalled but not yet in SQLite.",
-                 ledger_pending),
-                ("otela_ledger_dropped_rows_total", "counter", "Usage rows (and replicated records) SQLite could "
-                 "never take, dropped so that the ones after them are written.", ledger_dropped),
-                ("otela_connections", "gauge", "Open client connections.", self.connections),
-                ("otela_headless_evicted_total", "counter", "Connections cut with no complete request head, "
-                 "the oldest of MAX_HEADLESS for a newcomer (slowloris).", self.headless_evicted),
-                ("otela_inflight_requests", "gauge", "Requests being proxied now.", self.inflight)):
-            family(name, kind, help_text)
-            add(f"{name} {value}")
-        return ("\n".join(out) + "\n").encode()
+def exposition(families: Iterable[Tuple[str, str, str, Iterable[Tuple[str, Any]]]]) -> bytes:
+    """Prometheus text of (name, kind, help, samples) families; a sample is (what follows the
+    name: a suffix and labels, or "", its value)."""
+    out = []
+    for name, kind, help_text, samples in families:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out += [f"{name}{tail} {value}" for tail, value in samples]
+    return ("\n".join(out) + "\n").encode()
 
 
 REFUSAL_REASONS = ("unsigned", "plane", "unknown_full", "sessions_full", "seal", "eviction_without_evidence",
@@ -2434,14 +2469,11 @@ ROUTING_FAMILIES = (
 def routing_metrics(stats: Dict[str, Dict[str, float]]) -> bytes:
     if not stats:
         return b""
-    out = []
-    for field, name, kind, help_text in ROUTING_FAMILIES:
-        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for session, view in sorted(stats.items()):
-            value = view.get(field) if isinstance(view, dict) else None
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                out.append(f'{name}{{session="{_label(str(session))}"}} {value:g}')
-    return ("\n".join(out) + "\n").encode()
+    return exposition((name, kind, help_text, [
+        (f'{{session="{_label(str(session))}"}}', f"{value:g}") for session, view in sorted(stats.items())
+        for value in (view.get(field) if isinstance(view, dict) else None,)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)])
+        for field, name, kind, help_text in ROUTING_FAMILIES)
 
 
 def overlay_metrics(node: Any) -> bytes:
@@ -2457,8 +2489,9 @@ def overlay_metrics(node: Any) -> bytes:
     if wire is None or overlay is None:
         return b""
     registry = overlay.refused + overlay.map.refused
-    out = []
-    for name, help_text, counts, label in (
+    families = [(name, "counter", help_text,
+                 [(f'{{{label}="{_label(str(key))}"}}', n) for key, n in sorted(counts.items())])
+                for name, help_text, counts, label in (
             ("otela_gossip_dropped_total", "Gossip datagrams and frames dropped, by reason.", wire.dropped, "reason"),
             ("otela_gossip_refused_total", "Gossip and tunnel connections, frames and join answers refused, "
              "by reason.", node.refused, "reason"),
@@ -2467,14 +2500,11 @@ def overlay_metrics(node: Any) -> bytes:
             ("otela_gossip_flooded_total", "Authentic datagrams refused because their sender's share of the "
              "replay cache was full, by sender.", dict(wire.flooders.most_common(FLOODERS_SHOWN)), "sender"),
             ("otela_registry_refused_total", "Registry entries and exchanges refused, by reason.",
-             {why: registry.get(why, 0) for why in REFUSAL_REASONS}, "why")):
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} counter")
-        out += [f'{name}{{{label}="{_label(str(key))}"}} {n}' for key, n in sorted(counts.items())]
-    out += ["# HELP otela_registry_entries Registry entries held, by plane (routing: sessions; ingress: "
-            "API keys and usage counters).", "# TYPE otela_registry_entries gauge"]
-    out += [f'otela_registry_entries{{plane="{plane}"}} {overlay.map.plane_size(plane)}' for plane in crdt.PLANES]
-    return ("\n".join(out) + "\n").encode()
+             {why: registry.get(why, 0) for why in REFUSAL_REASONS}, "why"))]
+    families.append(("otela_registry_entries", "gauge", "Registry entries held, by plane (routing: sessions; "
+                     "ingress: API keys and usage counters).",
+                     [(f'{{plane="{plane}"}}', overlay.map.plane_size(plane)) for plane in crdt.PLANES]))
+    return exposition(families)
 
 
 # =============================================================================================
@@ -4481,8 +4511,334 @@ class _Exchange:
 
 
 # =============================================================================================
-# The ingress: dispatch, auth, routing, proxy, accounting, GET endpoints
+# The ingress: doubted evictions, admin API, GET endpoints; dispatch, auth, routing, proxy
 # =============================================================================================
+class EvictionDoubts:
+    """Evictions this ingress does not believe yet. An eviction of a session that answered here
+    moments ago, or that no confirmer this ingress can check vouched for (unvouched), is doubted:
+    the session keeps its requests at this ingress (as its owner last wrote it) for DOUBT_S, or
+    until its owner serves again as a new session. Anyone holding the cluster key can evict with
+    made-up evidence; a session that really died fails its next requests, which are retried, and
+    sits out (PassiveHealth)."""
+
+    def __init__(self, grants: Grants, health: PassiveHealth, lookup: Callable[[str], Optional[Dict[str, Any]]],
+                 evicted_here: Optional[Callable[[str], bool]] = None):
+        self.grants, self.health, self.lookup = grants, health, lookup   # lookup: the registry's get
+        self.evicted_here = evicted_here   # whether this member's own failure detector evicted a session
+        self.owned: Dict[str, Dict[str, Any]] = {}   # worker session -> its owner's last routable record
+        self.until: Dict[str, Tuple[Dict[str, Any], float]] = {}   # evicted, still routed here
+        self.by: collections.Counter = collections.Counter()   # evictions doubted, by reason
+
+    @property
+    def total(self) -> int:
+        return sum(self.by.values())
+
+    def seen(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
+        """A session's record changed: an eviction of one routed here is believed or doubted."""
+        if record is None or record.get("role", "worker") != "worker":
+            self.owned.pop(sid, None)
+            return
+        if record["state"] in crdt.ROUTABLE:
+            if len(self.owned) >= MAX_SIGNATURES:
+                self.owned.clear()
+            self.owned[sid] = record
+            return
+        owned = self.owned.pop(sid, None)
+        if owned is None or not record.get("evicted_by") or "unseal" in record:
+            return
+        now = time.monotonic()
+        ago = now - self.health.answered.get(sid, -math.inf)
+        why = "answered" if ago < DOUBT_S else self.unvouched(sid, record, owned)
+        if why is None:
+            return
+        self.until[sid] = (owned, now + DOUBT_S)
+        self.by[why] += 1
+        said = f"it answered here {ago:.1f} s ago" if why == "answered" else DOUBT_REASONS[why]
+        print(f"otela-ingress: eviction of {sid} by {record['evicted_by']} doubted: {said}", file=sys.stderr)
+
+    def unvouched(self, sid: str, record: Dict[str, Any], owned: Dict[str, Any]) -> Optional[str]:
+        """Why an eviction is not believed on its confirmers' vouchers (one of DOUBT_REASONS), or
+        None. Believed: with nothing to check them with (no ingress secret), when this member's own
+        failure detector wrote it, or on a voucher that checks under its confirmer's binding key.
+        An ungranted confirmer's word counts only where ungranted sessions are believed."""
+        authority = self.grants.authority
+        if authority is None or (self.evicted_here is not None and self.evicted_here(sid)):
+            return None
+        if record["version"] < owned["version"]:
+            return "unvouched"      # vouchers of a version before the one routed here: a replay
+        vouched = authority.vouched(sid, record, self.lookup, self.grants.revoked)
+        if vouched is None:
+            return None if self.grants.allow_ungranted else "unverifiable"
+        return None if vouched else "unvouched"
+
+    def routed(self, now: float) -> Dict[str, Dict[str, Any]]:
+        """Evicted sessions still routed here: session -> its owner's last record."""
+        for sid in [s for s, (_, until) in self.until.items() if now >= until]:
+            del self.until[sid]
+        return {sid: owned for sid, (owned, _) in self.until.items()}
+
+
+class AdminAPI:
+    """The admin API, behind an admin key (checked on the head, see Ingress.route): the cluster's
+    keys (create, list, revoke) and its usage.
+        POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
+        GET  /v1/admin/keys                    every key of the cluster, with use against budget
+        POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
+        GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month"""
+
+    def __init__(self, cluster: ClusterKeys, usage_days: int):
+        self.cluster = cluster
+        self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
+
+    def answer(self, method: bytes, path: bytes, query: bytes, body: bytes) -> Dict[str, Any]:
+        """The JSON answer to an admin request with its whole body; raises HTTPError."""
+        rest = path[len(ADMIN_PREFIX):].decode("utf-8", "replace").strip("/").split("/")
+        if rest == ["keys"] and method == b"GET":
+            return {"object": "list", "data": self.keys()}
+        if rest == ["keys"] and method == b"POST":
+            return self.create(body)
+        if len(rest) == 3 and rest[0] == "keys" and rest[2] == "revoke" and method == b"POST" or \
+                len(rest) == 2 and rest[0] == "keys" and method == b"DELETE":
+            return self.revoke(rest[1])
+        if rest == ["usage"] and method in (b"GET", b"HEAD"):
+            return self.usage(query)
+        raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
+                             f"{path.decode('utf-8', 'replace')}", "unknown_url")
+
+    def keys(self) -> List[Dict[str, Any]]:
+        now = time.time()
+        out = []
+        for digest, record in sorted(self.cluster.records.items(), key=lambda kv: kv[1]["created"]):
+            view = {f: record[f] for f in ("id", "user", "created") if f in record}
+            view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
+                        admin=record.get("admin", False), rate=record.get("rate", 0.0),
+                        expires=record.get("expires"), usage=self.cluster.usage(digest, now))
+            if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
+                view["state"] = "expired"
+            out.append(view)
+        return out
+
+    def create(self, body: bytes) -> Dict[str, Any]:
+        try:
+            spec = crdt.loads(body or b"{}")
+        except (ValueError, RecursionError):
+            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+        if not isinstance(spec, dict):
+            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        try:
+            user, allow, rate, budget_day, budget_month, expires = key_spec(
+                spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
+                spec.get("budget_month", 0), spec.get("expires"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter") from None
+        admin = spec.get("admin", False)
+        if type(admin) is not bool:
+            raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
+        return key_answer(token, record)
+
+    def revoke(self, key_id: str) -> Dict[str, Any]:
+        digest = self._digest(key_id)
+        self.cluster.publish(crdt.key_entry(digest), crdt.revoked(self.cluster.records[digest], time.time()))
+        return {"id": key_id, "object": "api_key", "state": "revoked"}
+
+    def _digest(self, key_id: str) -> str:
+        for digest, record in self.cluster.records.items():
+            if record["id"] == key_id:
+                return digest
+        raise HTTPError(404, f"No key with id {key_id!r}", "key_not_found")
+
+    def usage(self, query: bytes) -> Dict[str, Any]:
+        try:
+            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
+            days = max(1, min(self.usage_days, int(params.get("days", str(self.usage_days)))))
+        except (UnicodeDecodeError, ValueError):
+            raise HTTPError(400, "Bad query: key=ID and days=N (an integer)", "invalid_parameter") from None
+        wanted = params.get("key")
+        digest = None if wanted is None else self._digest(wanted)
+        since = crdt.time_day(time.time() - (days - 1) * 86400.0)
+        records = self.cluster.records
+        data, months = [], []
+        for (key_hash, model, day), sums in sorted(self.cluster.totals(digest).items(),
+                                                   key=lambda kv: (kv[0][2], kv[0][1])):
+            record = records.get(key_hash, {})
+            row = dict(sums, key=record.get("id", key_hash[:8]), user=record.get("user", ""),
+                       model=model or "*", day=day)
+            if len(day) == 7:                 # a month's totals (per model: each ingress's --db)
+                del row["day"]
+                months.append(dict(row, month=day))
+            elif day >= since:
+                data.append(row)
+        totals = {f: sum(r[f] for r in data) for f in crdt.USAGE_COUNTS}
+        return {"object": "list", "since": since, "data": data, "totals": totals, "months": months}
+
+
+def routing_stats(policy: Any) -> Dict[str, Dict[str, float]]:
+    """The policy's view per session (Policy.stats), {} for a policy without one."""
+    stats = getattr(policy, "stats", None)
+    view = stats() if callable(stats) else {}
+    return view if isinstance(view, dict) else {}
+
+
+class MetricsPage:
+    """GET /metrics: this ingress's counters, its node's and its policy's, as Prometheus text."""
+
+    def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
+                 doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
+                 tracer: Callable[[], Optional[SpanExporter]]):
+        self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
+        self.doubts, self.policy = doubts, policy
+        self.ledger, self.tracer = ledger, tracer   # (made at start)
+
+    def render(self) -> bytes:
+        states: Dict[str, int] = collections.defaultdict(int)
+        suspected = 0
+        for sid, record in self.node.registry.items():
+            state = record.get("state")
+            states[crdt.STATE_NAMES.get(state, str(state))] += 1
+            if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
+                suspected += 1
+        ledger = self.ledger()
+        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
+                                   ledger.failed_commits if ledger is not None else 0,
+                                   ledger.pending() if ledger is not None else 0,
+                                   ledger.rows_dropped if ledger is not None else 0)
+        body += overlay_metrics(self.node) + routing_metrics(routing_stats(self.policy))
+        unrouted = collections.Counter(self.grants.unrouted(self.node.registry.items()).values())
+        families = [
+            ("otela_tunnel_impostors_total", "counter", "Connections cut because the node showed another tunnel "
+             "certificate than its session's grant pins.", [("", self.pool.impostors)]),
+            ("otela_evictions_doubted_total", "counter", f"Evictions not believed here for {DOUBT_S:g} s, by "
+             "reason: " + "; ".join(f"{why}: {what}" for why, what in DOUBT_REASONS.items()) + ".",
+             [(f'{{reason="{why}"}}', self.doubts.by[why]) for why in DOUBT_REASONS])]
+        tracer = self.tracer()
+        if tracer is not None:
+            families += [
+                ("otela_otlp_spans_exported_total", "counter", "Spans the OTLP collector took.",
+                 [("", tracer.exported)]),
+                ("otela_otlp_spans_dropped_total", "counter", "Spans dropped: the exporter's queue was full, or "
+                 "the collector failed or was slower than its timeout.", [("", tracer.dropped)])]
+        families.append(("otela_sessions_unrouted", "gauge", "Live sessions routed nothing because of their "
+                         "grant, by reason.",
+                         [(f'{{reason="{why}"}}', unrouted.get(why, 0)) for why in UNGRANTED_REASONS]))
+        return body + exposition(families)
+
+
+class Views:
+    """The GET (and HEAD) endpoints: each answers (status, content type, payload), or a future of
+    it (a usage query, run in an executor); an HTTPError is its answer."""
+
+    # The views a cluster's operator may not want public (topology, addresses, traffic): without
+    # a key by default; with --require-key-for-views, any valid key, as Bearer, or as the
+    # password of HTTP Basic, which a browser asks for on /dashboard and then sends itself.
+    KEYED = frozenset((b"/v1/registry", b"/metrics", b"/dashboard", b"/", b"/v1/usage/stats"))
+
+    def __init__(self, node: Any, grants: Grants, health: PassiveHealth, stats: UsageStats, policy: Any,
+                 metrics: Callable[[], bytes], authenticate: Callable[..., Key],
+                 models: Callable[[Key], List[str]], ledger: Callable[[], Optional[Ledger]], db_path: str,
+                 no_auth: bool = False, require_key: bool = False):
+        self.node, self.grants, self.health, self.stats, self.policy = node, grants, health, stats, policy
+        self.metrics, self.authenticate, self.models, self.ledger = metrics, authenticate, models, ledger
+        self.db_path, self.no_auth = db_path, no_auth
+        self.require_key = require_key   # --require-key-for-views
+
+    def handler(self, path: bytes) -> Optional[Callable[[Dict[bytes, bytes], bytes], Any]]:
+        """The endpoint at `path`, None for no view of ours."""
+        view = self.ROUTES.get(path)
+        if view is not None:
+            return functools.partial(view, self)
+        if path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
+            # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
+            return functools.partial(self.model, unquote(path[len(MODEL_PREFIX):].decode("utf-8", "replace")))
+        return None
+
+    def check_key(self, path: bytes, fields: Dict[bytes, bytes]) -> None:
+        """With --require-key-for-views, a keyed view needs a valid key (Bearer, or Basic's password)."""
+        if not self.require_key or path not in self.KEYED:
+            return
+        scheme, _, credentials = fields.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"basic":
+            try:
+                token = base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+            except ValueError:
+                token = b""
+            fields = {**fields, b"authorization": b"Bearer " + token}
+        try:
+            self.authenticate(fields)
+        except HTTPError as exc:
+            if exc.status == 401 and path in (b"/dashboard", b"/"):   # the browser asks for the key
+                exc.headers.append((b"www-authenticate", b'Basic realm="otela", charset="UTF-8"'))
+            raise
+
+    def healthz(self, fields, query):
+        serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
+        ledger = self.ledger()
+        health = ledger.health() if ledger is not None else {"ok": True, "error": None, "failed_commits": 0,
+                                                             "pending_rows": 0, "dropped_rows": 0}
+        return 200, b"application/json", crdt.dumps({
+            "status": "ok" if health["ok"] else "degraded", "session": self.node.session_id,
+            "serving_sessions": serving, "auth": not self.no_auth, "ledger": health})
+
+    def registry(self, fields, query):
+        view = self.node.registry_view()
+        if isinstance(view, dict):
+            unrouted = self.grants.unrouted(self.node.registry.items())
+            sessions = view.get("sessions", ())   # a list; a stand-in node's, a dict by session
+            for sid, session in sessions.items() if isinstance(sessions, dict) else \
+                    ((s.get("session"), s) for s in sessions):
+                if sid in unrouted:   # shown apart: with why no request goes there
+                    session["unrouted"] = unrouted[sid]
+            now = time.monotonic()
+            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
+                                       "auth": not self.no_auth, "routing": routing_stats(self.policy)})
+        return 200, b"application/json", crdt.dumps(view)
+
+    def model_list(self, fields, query):
+        created = int(time.time())
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
+                for m in self.models(self.authenticate(fields))]
+        return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
+
+    def model(self, name: str, fields, query):
+        if name not in self.models(self.authenticate(fields)):
+            raise HTTPError(404, f"The model '{name}' does not exist or no session serves it",
+                            "model_not_found", "model")
+        return 200, b"application/json", crdt.dumps({"id": name, "object": "model",
+                                                     "created": int(time.time()), "owned_by": "otela"})
+
+    def usage(self, fields, query):
+        self.authenticate(fields, admin=True)
+        try:
+            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
+        except UnicodeDecodeError:
+            raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
+        try:
+            days = max(1, min(3660, int(params.get("days", "31"))))
+        except ValueError:
+            raise HTTPError(400, "days must be an integer", "invalid_parameter", "days") from None
+        ledger = self.ledger()
+
+        def flush_and_query():   # off the event loop: SQLite
+            if ledger is not None:
+                ledger.flush()   # every completed request is in the answer
+            result = query_usage(self.db_path, days, params.get("user"), params.get("model"))
+            return 200, b"application/json", crdt.dumps(result)
+        return asyncio.get_running_loop().run_in_executor(None, flush_and_query)
+
+    def usage_stats(self, fields, query):
+        return 200, b"application/json", crdt.dumps(self.stats.view(time.monotonic()))
+
+    def prometheus(self, fields, query):
+        return 200, b"text/plain; version=0.0.4; charset=utf-8", self.metrics()
+
+    def dashboard(self, fields, query):
+        return 200, b"text/html; charset=utf-8", DASHBOARD_HTML
+
+    ROUTES = {b"/healthz": healthz, b"/v1/registry": registry, b"/v1/models": model_list, b"/v1/usage": usage,
+              b"/v1/usage/stats": usage_stats, b"/metrics": prometheus, b"/dashboard": dashboard, b"/": dashboard}
+
+
 class Ingress:
     """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
     registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
@@ -4493,7 +4849,9 @@ class Ingress:
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
                  allow_ungranted: bool = False, catalogue: Sequence[str] = (),
                  fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = (),
-                 otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None):
+                 otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None,
+                 usage_days: int = crdt.USAGE_RETENTION_DAYS, usage_months: int = crdt.USAGE_RETENTION_MONTHS,
+                 require_key_for_views: bool = False):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4504,7 +4862,7 @@ class Ingress:
         self.limits = limits = limits or Limits()
         self.grants = Grants(None, allow_ungranted)   # the node's authority, once it has started (start)
         self.catalogue = frozenset(catalogue)
-        self.usage_days, self.usage_months = crdt.USAGE_RETENTION_DAYS, crdt.USAGE_RETENTION_MONTHS
+        self.usage_days, self.usage_months = usage_days, usage_months   # (--usage-days, --usage-months)
         # (a stand-in node whose registry is whole from the start needs no warm-up)
         self.warmup = 0.0 if getattr(node, "whole_registry", False) else limits.warmup_max_s
         self._warm_until = 0.0   # monotonic time the warm-up ends (cut short by a peer's record)
@@ -4531,8 +4889,7 @@ class Ingress:
         self.per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
         self.headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
         self.headless_per: Dict[str, int] = {}    # ... how many of them per address
-        self.keys: Dict[str, Key] = {}
-        self.cluster = ClusterKeys(self)   # keys and usage of every ingress, through the overlay
+        self.cluster = ClusterKeys(node, lambda: self.ledger)   # keys and usage of every ingress, through the overlay
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
@@ -4548,15 +4905,20 @@ class Ingress:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
-        self._owned: Dict[str, Dict[str, Any]] = {}   # worker session -> its owner's last routable record
-        self._doubted: Dict[str, Tuple[Dict[str, Any], float]] = {}   # evicted, still routed: see _doubt
-        self.doubted_by: collections.Counter = collections.Counter()   # evictions doubted, by reason
+        self.doubts = EvictionDoubts(self.grants, self.health, lambda sid: node.registry.get(sid),
+                                     getattr(node, "evicted_here", None))   # (the registry: made at start)
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
         self._revocations: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
+        self.admin = AdminAPI(self.cluster, usage_days)
+        self.views = Views(node, self.grants, self.health, self.stats, self.policy,
+                           MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
+                                       self.policy, lambda: self.ledger, lambda: self.tracer).render,
+                           self.authenticate, self.models, lambda: self.ledger, db_path, no_auth,
+                           require_key_for_views)
         self._stopped = False
         on_change = getattr(node, "on_change", None)
         if on_change is not None:
@@ -4570,12 +4932,12 @@ class Ingress:
         if self.warmup > 0 and not any(sid != self.node.session_id and ":" not in sid
                                        for sid, _ in self.node.registry.items()):
             self._warm_until = time.monotonic() + self.warmup
-        self.ledger = Ledger(self.db_path, self._set_keys, self._set_key_records)
+        self.cluster.start(self._loop)
+        self.ledger = Ledger(self.db_path, self.cluster.read_keys, self.cluster.read_records)
         registry = getattr(self.node, "registry", None)
         if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
-        self.cluster.start(self._loop)
         if self.otlp_endpoint:
             self.tracer = SpanExporter(self.otlp_endpoint)
         try:
@@ -4598,41 +4960,20 @@ class Ingress:
         deadline = time.monotonic() + drain
         while time.monotonic() < deadline and any(c.busy for c in self.clients):
             await asyncio.sleep(0.05)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self._revocations is not None:
-            self._revocations.cancel()
+        for task in (self._sweeper, self._revocations):
+            if task is not None:
+                task.cancel()
         for client in list(self.clients):
             client.transport.abort()
         self.pool.close()
         if self._server is not None:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            except asyncio.TimeoutError:
-                pass
         self.cluster.stop()   # our last usage goes out, and into SQLite below
         if self.tracer is not None:
             self.tracer.stop()
         if self.ledger is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.ledger.close)
-
-    def _set_keys(self, keys: Dict[str, Key]) -> None:
-        """Accepted keys (read from SQLite): published, as _set_key_records."""
-        self._set_key_records({digest: key.record for digest, key in keys.items() if key.record is not None})
-
-    def _set_key_records(self, records: Dict[str, Dict[str, Any]]) -> None:
-        """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
-        and after the CLI changed them): published to the cluster, whose view `self.keys`
-        follows (see ClusterKeys)."""
-        loop = self._loop
-        try:
-            here = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            here = False
-        if here or loop is None:
-            self.cluster.adopt(records)
-        else:
-            loop.call_soon_threadsafe(self.cluster.adopt, records)
 
     def _registry_changed(self, sid: str = "", record: Optional[Dict[str, Any]] = None) -> None:
         if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
@@ -4660,7 +5001,7 @@ class Ingress:
                 self._signatures.clear()
             self._signatures[sid] = signature
         self.grants.seen(sid, record)   # (its state or grant may have changed: not on a view's change)
-        self._doubt(sid, record)
+        self.doubts.seen(sid, record)
         self._candidates = {}
         if record is None or record.get("state") == crdt.LEFT:
             self.metrics.forget(sid)   # a session that left takes its series off /metrics
@@ -4688,59 +5029,6 @@ class Ingress:
         finally:
             if db is not None:
                 db.close()
-
-    def _doubt(self, sid: str, record: Optional[Dict[str, Any]]) -> None:
-        """An eviction of a session that answered here moments ago, or that no confirmer this
-        ingress can check vouched for (_unvouched), is doubted: the session keeps its requests at
-        this ingress (as its owner last wrote it) for DOUBT_S, or until its owner serves again as a
-        new session. Anyone holding the cluster key can evict with made-up evidence; a session that
-        really died fails its next requests, which are retried, and sits out (PassiveHealth)."""
-        if record is None or record.get("role", "worker") != "worker":
-            self._owned.pop(sid, None)
-            return
-        if record["state"] in crdt.ROUTABLE:
-            if len(self._owned) >= MAX_SIGNATURES:
-                self._owned.clear()
-            self._owned[sid] = record
-            return
-        owned = self._owned.pop(sid, None)
-        if owned is None or not record.get("evicted_by") or "unseal" in record:
-            return
-        now = time.monotonic()
-        ago = now - self.health.answered.get(sid, -math.inf)
-        why = "answered" if ago < DOUBT_S else self._unvouched(sid, record, owned)
-        if why is None:
-            return
-        self._doubted[sid] = (owned, now + DOUBT_S)
-        self.doubted_by[why] += 1
-        said = f"it answered here {ago:.1f} s ago" if why == "answered" else DOUBT_REASONS[why]
-        print(f"otela-ingress: eviction of {sid} by {record['evicted_by']} doubted: {said}", file=sys.stderr)
-
-    @property
-    def doubted_total(self) -> int:
-        return sum(self.doubted_by.values())
-
-    def _unvouched(self, sid: str, record: Dict[str, Any], owned: Dict[str, Any]) -> Optional[str]:
-        """Why an eviction is not believed on its confirmers' vouchers (one of DOUBT_REASONS), or
-        None. Believed: with nothing to check them with (no ingress secret), when this member's own
-        failure detector wrote it, or on a voucher that checks under its confirmer's binding key.
-        An ungranted confirmer's word counts only where ungranted sessions are believed."""
-        authority = self.grants.authority
-        evicted_here = getattr(self.node, "evicted_here", None)   # (a stand-in node: never)
-        if authority is None or (evicted_here is not None and evicted_here(sid)):
-            return None
-        if record["version"] < owned["version"]:
-            return "unvouched"      # vouchers of a version before the one routed here: a replay
-        vouched = authority.vouched(sid, record, self.node.registry.get, self.grants.revoked)
-        if vouched is None:
-            return None if self.grants.allow_ungranted else "unverifiable"
-        return None if vouched else "unvouched"
-
-    def doubted(self, now: float) -> Dict[str, Dict[str, Any]]:
-        """Evicted sessions still routed here (see _doubt): session -> its owner's last record."""
-        for sid in [s for s, (_, until) in self._doubted.items() if now >= until]:
-            del self._doubted[sid]
-        return {sid: owned for sid, (owned, _) in self._doubted.items()}
 
     async def _sweep(self) -> None:
         while True:
@@ -4772,7 +5060,7 @@ class Ingress:
         grants = self.grants
         found = known = False
         result = []
-        doubted = self.doubted(now) if self._doubted else {}
+        doubted = self.doubts.routed(now) if self.doubts.until else {}
         for sid, record in node.registry.items():
             record = doubted.get(sid, record)
             if record.get("role", "worker") != "worker" or model not in (record.get("models") or ()) \
@@ -4787,28 +5075,7 @@ class Ingress:
             if grants.admits(key.allow, sid, record):
                 result.append(Candidate(sid, record))
         if not result:
-            if not known and model in self.catalogue:   # offered, not yet served: the placer starts it
-                if not (self._warm_until and now < self._warm_until):   # (demand once we know nothing serves it)
-                    self.stats.unserved(model, time.time())
-                raise HTTPError(503, f"The model '{model}' is starting: the site offers it and no instance "
-                                     "serves it yet (the placer's next pass submits one); retry later",
-                                "model_starting", headers=[(b"retry-after", str(STARTING_RETRY_S).encode())])
-            if not known and self._warm_until and now < self._warm_until:   # not heard from a peer yet
-                raise HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
-                                     f"'{model}' may be served; retry", "no_healthy_provider",
-                                headers=[(b"retry-after", b"1")])
-            if not found and grants.was_served(model, now):   # absent, not unknown: it comes back
-                raise HTTPError(503, f"No session of '{model}' is reachable right now; it was served "
-                                     f"{now - grants.served[model]:.0f} s ago: retry", "no_healthy_provider",
-                                headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
-            if not known:
-                raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
-                                "model_not_found", "model")
-            if found:   # as if it did not exist: an allowlist must not show the catalogue
-                raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
-                                "model_not_found", "model")
-            raise HTTPError(503, f"No healthy provider serves '{model}' right now",
-                            "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+            raise self._no_candidate(model, known, found, now)
         # A session inside its job's last minutes (its record's ends_at) gets nothing new while
         # another can serve: its successor, started ahead by the placer, takes over without a gap.
         wall = time.time()
@@ -4819,6 +5086,30 @@ class Ingress:
             self._candidates = {}
         self._candidates[cache_key] = (now, result)
         return result
+
+    def _no_candidate(self, model: str, known: bool, found: bool, now: float) -> HTTPError:
+        """Why a request for `model` has no candidate: `known`, a live session says it serves it;
+        `found`, one takes requests (and the key's allowlist stands in the way)."""
+        warming = bool(self._warm_until) and now < self._warm_until   # not heard from a peer yet
+        if not known and model in self.catalogue:   # offered, not yet served: the placer starts it
+            if not warming:   # (demand once we know nothing serves it)
+                self.stats.unserved(model, time.time())
+            return HTTPError(503, f"The model '{model}' is starting: the site offers it and no instance "
+                                  "serves it yet (the placer's next pass submits one); retry later",
+                             "model_starting", headers=[(b"retry-after", str(STARTING_RETRY_S).encode())])
+        if not known and warming:
+            return HTTPError(503, f"The ingress is starting and has not heard from the cluster yet: "
+                                  f"'{model}' may be served; retry", "no_healthy_provider",
+                             headers=[(b"retry-after", b"1")])
+        if not found and self.grants.was_served(model, now):   # absent, not unknown: it comes back
+            return HTTPError(503, f"No session of '{model}' is reachable right now; it was served "
+                                  f"{now - self.grants.served[model]:.0f} s ago: retry", "no_healthy_provider",
+                             headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        if not known or found:   # found: as if it did not exist, an allowlist must not show the catalogue
+            return HTTPError(404, f"The model '{model}' does not exist or no session serves it",
+                             "model_not_found", "model")
+        return HTTPError(503, f"No healthy provider serves '{model}' right now",
+                         "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
 
     def models(self, key: Key) -> List[str]:
         names = self._served_models(key)
@@ -4880,11 +5171,7 @@ class Ingress:
         elsewhere (a usage query in an executor), when its future is done (_Client.got)."""
         client.busy = True
         client.head_only = method == b"HEAD"   # a GET whose answer has no body
-        handler = self._GET.get(path)
-        if handler is None and path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
-            # GET /v1/models/{id} (the SDK's models.retrieve); an id may hold slashes
-            model = unquote(path[len(MODEL_PREFIX):].decode("utf-8", "replace"))
-            handler = lambda ingress, fields, query: ingress.get_model(fields, query, model)  # noqa: E731
+        handler = self.views.handler(path)
         shown = path.decode("utf-8", "replace")
         if handler is None:
             if path in PROXIED_PATHS:
@@ -4892,9 +5179,8 @@ class Ingress:
             raise HTTPError(404, f"No route for {method.decode('latin-1')} {shown}", "unknown_url")
         if method != b"GET" and not client.head_only:
             raise HTTPError(405, f"Use GET for {shown}", "method_not_allowed", headers=[(b"allow", b"GET, HEAD")])
-        if self.require_key_for_views and path in self.KEYED_VIEWS:
-            self._view_key(path, fields)
-        answer = handler(self, fields, query)
+        self.views.check_key(path, fields)
+        answer = handler(fields, query)
         if isinstance(answer, asyncio.Future):
             client.waiting = answer
             answer.add_done_callback(client.got)
@@ -4914,7 +5200,7 @@ class Ingress:
             if scheme.lower() != b"bearer" or not token.strip():
                 raise HTTPError(401, "Missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
             digest = hashlib.sha256(token.strip()).hexdigest()
-        key = self.keys.get(digest)   # looked up each time: a revoked key stops working at once
+        key = self.cluster.keys.get(digest)   # looked up each time: a revoked key stops working at once
         if key is None:
             if digest not in self.cluster.records:   # unknown here: maybe made by the CLI a moment ago
                 self._last_miss = digest
@@ -4992,12 +5278,30 @@ class Ingress:
         upload), else the x-otela-model header, the query's `model`, or a path segment naming one;
         a request that names none (GET /v1/files, /tokenize) goes to any session serving one of
         the key's models."""
+        key = self._admit(fields, t0)
+        request, model, ctype = self._request_model(path, query, fields, body, key)
+        stream, strip_usage, body = self._with_usage(request, path, body)
+        model, named, body, candidates, chain = self._route_model(model, key, fields, body, ctype)
+        routed = RoutedRequest(model, key.user, key.id, stream, path.decode("utf-8", "replace"), t0,
+                               request if self.policy_body else None)
+        if named is not None:
+            routed.named = named
+        return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
+
+    def _admit(self, fields: Dict[bytes, bytes], t0: float) -> Key:
+        """The request's key, within its rate and its token budgets."""
         key = self.authenticate(fields)
         if key.rate > 0 and not key.take(t0):
             raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
                             "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
         if key.budget_day or key.budget_month:
             self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
+        return key
+
+    def _request_model(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], body: bytes,
+                       key: Key) -> Tuple[Dict[str, Any], Optional[str], Optional[bytes]]:
+        """The request's JSON object ({} for another body), the model it names (see _prepare) and
+        the content type to send (None: JSON)."""
         request: Dict[str, Any] = {}
         model: Any = None
         ctype: Optional[bytes] = None   # JSON: the common case
@@ -5019,28 +5323,36 @@ class Ingress:
             model = self._model_elsewhere(path, query, fields, key)
             if model is None and proxied:
                 raise HTTPError(400, "You must provide a model parameter", "missing_model", "model")
+        return request, model, ctype
+
+    @staticmethod
+    def _with_usage(request: Dict[str, Any], path: bytes, body: bytes) -> Tuple[bool, bool, bytes]:
+        """Whether it streams, whether the stream's usage is ours to strip, and the body: a stream
+        asks its engine for usage (include_usage), which the client gets only if it asked too."""
         options = request.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise HTTPError(400, f"Invalid type for 'stream_options': expected an object, but got "
                                  f"{_JSON_TYPES.get(type(options), 'a value')} instead.", "invalid_type", "stream_options")
         stream = request.get("stream") is True
-        strip_usage = False
-        if stream and path in STREAMABLE_PATHS:
-            if not (isinstance(options, dict) and options.get("include_usage") is True):
-                strip_usage = True
-                if options is None and "stream_options" not in request:
-                    start = body.index(b"{") + 1   # splice, so the rest stays byte for byte
-                    body = body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
-                else:
-                    request["stream_options"] = dict(options or {}, include_usage=True)
-                    body = crdt.dumps(request)
-        chain: Sequence[str] = ()
-        named = None
+        if not stream or path not in STREAMABLE_PATHS or isinstance(options, dict) \
+                and options.get("include_usage") is True:
+            return stream, False, body
+        if options is None and "stream_options" not in request:
+            start = body.index(b"{") + 1   # splice, so the rest stays byte for byte
+            return stream, True, body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
+        request["stream_options"] = dict(options or {}, include_usage=True)
+        return stream, True, crdt.dumps(request)
+
+    def _route_model(self, model: Optional[str], key: Key, fields: Dict[bytes, bytes], body: bytes,
+                     ctype: Optional[bytes]) -> Tuple[str, Optional[str], bytes, List[Candidate], Sequence[str]]:
+        """The model that is tried first, the public name the client used (None: that model), the
+        body naming it, its candidates and the models to fall back to."""
         pin = fields.get(SESSION_HEADER)
         if pin is not None:   # an operator's request for one chosen session: no other is tried
             if not key.admin:
                 raise HTTPError(403, "Sending a request to a chosen session (x-otela-session) needs an admin key",
                                 "admin_required")
+            named = None
             if model in self.aliases:   # the first of its models the session serves
                 record = self.node.registry.get(pin.strip().decode("ascii", "replace")) or {}
                 served = [m for m in self.aliases[model] if m in (record.get("models") or ())]
@@ -5048,19 +5360,13 @@ class Ingress:
                     named, model = model, served[0]
                     body = with_model(body, ctype, model)
             model = model or ANY_MODEL
-            candidates = self._pinned(pin, model, key)
-        elif model is None:
-            model, candidates = ANY_MODEL, self._any_candidates(key)
-        elif model in self.aliases or model in self.fallbacks:   # a public name, or one with fallbacks
-            named = model
-            model, body, candidates, chain = self._first_served(model, key, body, ctype)
-        else:
-            candidates = self.candidates(model, key)
-        routed = RoutedRequest(model, key.user, key.id, stream, path.decode("utf-8", "replace"), t0,
-                               request if self.policy_body else None)
-        if named is not None:
-            routed.named = named
-        return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
+            return model, named, body, self._pinned(pin, model, key), ()
+        if model is None:
+            return ANY_MODEL, None, body, self._any_candidates(key), ()
+        if model in self.aliases or model in self.fallbacks:   # a public name, or one with fallbacks
+            first, body, candidates, chain = self._first_served(model, key, body, ctype)
+            return first, model, body, candidates, chain
+        return model, None, body, self.candidates(model, key), ()
 
     @staticmethod
     def _json_body(body: bytes, fields: Dict[bytes, bytes], proxied: bool) -> Tuple[Dict[str, Any], bool]:
@@ -5233,243 +5539,17 @@ class Ingress:
         own routes outside /v1/ that the site enables by name (--native-route: vLLM's /tokenize,
         SGLang's /generate). The three completion routes take POST alone (see route)."""
         if path.startswith(b"/v1/"):
-            return not path.startswith(ADMIN_PREFIX) and path not in self._GET \
+            return not path.startswith(ADMIN_PREFIX) and path not in Views.ROUTES \
                 and not path.startswith(MODEL_PREFIX) and path not in PROXIED_PATHS
-        return path not in self._GET and (path in self.native_routes
+        return path not in Views.ROUTES and (path in self.native_routes
                                           or any(path.startswith(p) for p in self.native_prefixes))
 
-    # -- admin API: keys (create, list, revoke) and cluster-wide usage, behind an admin key ----
-    # POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
-    # GET  /v1/admin/keys                    every key of the cluster, with use against budget
-    # POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
-    # GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month
     def _admin(self, client: _Client, method: bytes, path: bytes, query: bytes, body: bytes) -> None:
         """An admin request (its key checked on the head, its body read whole); an HTTPError is
         its answer."""
         client.busy = True
-        rest = path[len(ADMIN_PREFIX):].decode("utf-8", "replace").strip("/").split("/")
-        if rest == ["keys"] and method == b"GET":
-            payload = {"object": "list", "data": self._admin_keys()}
-        elif rest == ["keys"] and method == b"POST":
-            payload = self._admin_create(body)
-        elif len(rest) == 3 and rest[0] == "keys" and rest[2] == "revoke" and method == b"POST" or \
-                len(rest) == 2 and rest[0] == "keys" and method == b"DELETE":
-            payload = self._admin_revoke(rest[1])
-        elif rest == ["usage"] and method in (b"GET", b"HEAD"):
-            payload = self._admin_usage(query)
-        else:
-            raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
-                                 f"{path.decode('utf-8', 'replace')}", "unknown_url")
-        client.answer(200, crdt.dumps(payload))
+        client.answer(200, crdt.dumps(self.admin.answer(method, path, query, body)))
         client.finish()
-
-    def _admin_keys(self) -> List[Dict[str, Any]]:
-        now = time.time()
-        out = []
-        for digest, record in sorted(self.cluster.records.items(), key=lambda kv: kv[1]["created"]):
-            view = {f: record[f] for f in ("id", "user", "created") if f in record}
-            view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
-                        admin=record.get("admin", False), rate=record.get("rate", 0.0),
-                        expires=record.get("expires"), usage=self.cluster.usage(digest, now))
-            if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
-                view["state"] = "expired"
-            out.append(view)
-        return out
-
-    def _admin_create(self, body: bytes) -> Dict[str, Any]:
-        try:
-            spec = crdt.loads(body or b"{}")
-        except (ValueError, RecursionError):
-            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
-        if not isinstance(spec, dict):
-            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
-        try:
-            user, allow, rate, budget_day, budget_month, expires = key_spec(
-                spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
-                spec.get("budget_month", 0), spec.get("expires"))
-        except ValueError as exc:
-            raise HTTPError(400, str(exc), "invalid_parameter") from None
-        admin = spec.get("admin", False)
-        if type(admin) is not bool:
-            raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
-        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
-        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
-        return key_answer(token, record)
-
-    def _admin_revoke(self, key_id: str) -> Dict[str, Any]:
-        for digest, record in self.cluster.records.items():
-            if record["id"] == key_id:
-                gone = crdt.revoked(record, time.time())
-                self.cluster.publish(crdt.key_entry(digest), gone)
-                return {"id": key_id, "object": "api_key", "state": "revoked"}
-        raise HTTPError(404, f"No key with id {key_id!r}", "key_not_found")
-
-    def _admin_usage(self, query: bytes) -> Dict[str, Any]:
-        try:
-            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
-            days = max(1, min(self.usage_days, int(params.get("days", str(self.usage_days)))))
-        except (UnicodeDecodeError, ValueError):
-            raise HTTPError(400, "Bad query: key=ID and days=N (an integer)", "invalid_parameter") from None
-        by_hash = {digest: r for digest, r in self.cluster.records.items()}
-        wanted = params.get("key")
-        digest = None
-        if wanted is not None:
-            digest = next((d for d, r in by_hash.items() if r["id"] == wanted), None)
-            if digest is None:
-                raise HTTPError(404, f"No key with id {wanted!r}", "key_not_found")
-        now = time.time()
-        since = crdt.time_day(now - (days - 1) * 86400.0)
-        data, months = [], []
-        for (key_hash, model, day), sums in sorted(self.cluster.totals(digest).items(),
-                                                   key=lambda kv: (kv[0][2], kv[0][1])):
-            record = by_hash.get(key_hash, {})
-            row = dict(sums, key=record.get("id", key_hash[:8]), user=record.get("user", ""),
-                       model=model or "*", day=day)
-            if len(day) == 7:                 # a month's totals (per model: each ingress's --db)
-                del row["day"]
-                months.append(dict(row, month=day))
-            elif day >= since:
-                data.append(row)
-        totals = {f: sum(r[f] for r in data) for f in crdt.USAGE_COUNTS}
-        return {"object": "list", "since": since, "data": data, "totals": totals, "months": months}
-
-    # -- GET endpoints: (status, content type, payload), or a future of it ----------------------
-    def _get_healthz(self, fields, query):
-        serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
-        ledger = self.ledger
-        health = ledger.health() if ledger is not None else {"ok": True, "error": None, "failed_commits": 0,
-                                                             "pending_rows": 0, "dropped_rows": 0}
-        return 200, b"application/json", crdt.dumps({
-            "status": "ok" if health["ok"] else "degraded", "session": self.node.session_id,
-            "serving_sessions": serving, "auth": not self.no_auth, "ledger": health})
-
-    def unrouted(self) -> Dict[str, str]:
-        """Live worker sessions this ingress routes nothing to because of their grant -> why."""
-        now = time.time()
-        return {sid: why for sid, record in self.node.registry.items() if serving_worker(record)
-                for why in (self.grants.refusal(sid, record, now),) if why is not None}
-
-    def _get_registry(self, fields, query):
-        view = self.node.registry_view()
-        if isinstance(view, dict):
-            unrouted = self.unrouted()
-            sessions = view.get("sessions", ())   # a list; a stand-in node's, a dict by session
-            for sid, session in sessions.items() if isinstance(sessions, dict) else \
-                    ((s.get("session"), s) for s in sessions):
-                if sid in unrouted:   # shown apart: with why no request goes there
-                    session["unrouted"] = unrouted[sid]
-            now = time.monotonic()
-            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
-                                       "auth": not self.no_auth, "routing": self.routing_stats()})
-        return 200, b"application/json", crdt.dumps(view)
-
-    def _get_models(self, fields, query):
-        key = self.authenticate(fields)
-        created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
-                for m in self.models(key)]
-        return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
-
-    def get_model(self, fields, query, model: str):
-        key = self.authenticate(fields)
-        if model not in self.models(key):
-            raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
-                            "model_not_found", "model")
-        return 200, b"application/json", crdt.dumps({"id": model, "object": "model",
-                                                     "created": int(time.time()), "owned_by": "otela"})
-
-    def _get_usage(self, fields, query):
-        self.authenticate(fields, admin=True)
-        try:
-            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
-        except UnicodeDecodeError:
-            raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
-        try:
-            days = max(1, min(3660, int(params.get("days", "31"))))
-        except ValueError:
-            raise HTTPError(400, "days must be an integer", "invalid_parameter", "days") from None
-        def flush_and_query():   # off the event loop: SQLite
-            if self.ledger is not None:
-                self.ledger.flush()   # every completed request is in the answer
-            result = query_usage(self.db_path, days, params.get("user"), params.get("model"))
-            return 200, b"application/json", crdt.dumps(result)
-        return asyncio.get_running_loop().run_in_executor(None, flush_and_query)
-
-    def _get_usage_stats(self, fields, query):
-        return 200, b"application/json", crdt.dumps(self.stats.view(time.monotonic()))
-
-    def _get_metrics(self, fields, query):
-        states: Dict[str, int] = collections.defaultdict(int)
-        suspected = 0
-        for sid, record in self.node.registry.items():
-            state = record.get("state")
-            states[crdt.STATE_NAMES.get(state, str(state))] += 1
-            if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
-                suspected += 1
-        ledger = self.ledger
-        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
-                                   ledger.failed_commits if ledger is not None else 0,
-                                   ledger.pending() if ledger is not None else 0,
-                                   ledger.rows_dropped if ledger is not None else 0)
-        body += overlay_metrics(self.node) + routing_metrics(self.routing_stats())
-        body += (f"# HELP otela_tunnel_impostors_total Connections cut because the node showed another tunnel "
-                 f"certificate than its session's grant pins.\n# TYPE otela_tunnel_impostors_total counter\n"
-                 f"otela_tunnel_impostors_total {self.pool.impostors}\n").encode()
-        body += (f"# HELP otela_evictions_doubted_total Evictions not believed here for {DOUBT_S:g} s, by reason: "
-                 + "; ".join(f"{why}: {what}" for why, what in DOUBT_REASONS.items())
-                 + ".\n# TYPE otela_evictions_doubted_total counter\n" + "".join(
-                     f'otela_evictions_doubted_total{{reason="{why}"}} {self.doubted_by[why]}\n'
-                     for why in DOUBT_REASONS)).encode()
-        tracer = self.tracer
-        if tracer is not None:
-            body += ("# HELP otela_otlp_spans_exported_total Spans the OTLP collector took.\n"
-                     "# TYPE otela_otlp_spans_exported_total counter\n"
-                     f"otela_otlp_spans_exported_total {tracer.exported}\n"
-                     "# HELP otela_otlp_spans_dropped_total Spans dropped: the exporter's queue was full, or the "
-                     "collector failed or was slower than its timeout.\n# TYPE otela_otlp_spans_dropped_total counter\n"
-                     f"otela_otlp_spans_dropped_total {tracer.dropped}\n").encode()
-        unrouted = collections.Counter(self.unrouted().values())
-        body += ("# HELP otela_sessions_unrouted Live sessions routed nothing because of their grant, by reason.\n"
-                 "# TYPE otela_sessions_unrouted gauge\n" + "".join(
-                     f'otela_sessions_unrouted{{reason="{why}"}} {unrouted.get(why, 0)}\n'
-                     for why in UNGRANTED_REASONS)).encode()
-        return 200, b"text/plain; version=0.0.4; charset=utf-8", body
-
-    def routing_stats(self) -> Dict[str, Dict[str, float]]:
-        """The policy's view per session (Policy.stats), {} for a policy without one."""
-        stats = getattr(self.policy, "stats", None)
-        if not callable(stats):
-            return {}
-        view = stats()
-        return view if isinstance(view, dict) else {}
-
-    def _get_dashboard(self, fields, query):
-        return 200, b"text/html; charset=utf-8", DASHBOARD_HTML
-
-    _GET = {b"/healthz": _get_healthz, b"/v1/registry": _get_registry, b"/v1/models": _get_models,
-            b"/v1/usage": _get_usage, b"/v1/usage/stats": _get_usage_stats,
-            b"/metrics": _get_metrics, b"/dashboard": _get_dashboard, b"/": _get_dashboard}
-
-    # The views a cluster's operator may not want public (topology, addresses, traffic): without
-    # a key by default; with --require-key-for-views, any valid key, as Bearer, or as the
-    # password of HTTP Basic, which a browser asks for on /dashboard and then sends itself.
-    KEYED_VIEWS = frozenset((b"/v1/registry", b"/metrics", b"/dashboard", b"/", b"/v1/usage/stats"))
-    require_key_for_views = False
-
-    def _view_key(self, path: bytes, fields: Dict[bytes, bytes]) -> None:
-        scheme, _, credentials = fields.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"basic":
-            try:
-                token = base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
-            except ValueError:
-                token = b""
-            fields = {**fields, b"authorization": b"Bearer " + token}
-        try:
-            self.authenticate(fields)
-        except HTTPError as exc:
-            if exc.status == 401 and path in (b"/dashboard", b"/"):   # the browser asks for the key
-                exc.headers.append((b"www-authenticate", b'Basic realm="otela", charset="UTF-8"'))
-            raise
 
 
 # =============================================================================================
@@ -5622,7 +5702,9 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
                       otlp_endpoint=args.otlp_endpoint,
                       tls=public_tls(args.tls_cert, args.tls_key) if args.tls_cert else None,
                       cors_origins=args.cors_origin, limits=limits,
-                      allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
+                      allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site),
+                      usage_days=args.usage_days, usage_months=args.usage_months,
+                      require_key_for_views=args.require_key_for_views)
     if not config.ingress_keys:
         print("otela-ingress: WARNING: without the ingress secret no grant can be checked: every session "
               "is routed on its own word (a compute job holding the cluster key can claim any model)",
@@ -5630,8 +5712,6 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     elif args.allow_ungranted:
         print("otela-ingress: --allow-ungranted: sessions without a grant are routed too (the upgrade's "
               "middle step; drop it once every job has a grant)", file=sys.stderr)
-    ingress.require_key_for_views = args.require_key_for_views
-    ingress.usage_days, ingress.usage_months = args.usage_days, args.usage_months
     if ingress.require_code_hash:
         print(f"otela-ingress: routing only to sessions advertising code hash {ingress.require_code_hash}",
               file=sys.stderr)
@@ -5896,10 +5976,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
 
 
 def _keys_command(args: argparse.Namespace) -> int:
+    spec = None
     if args.keys_command == "create":   # checked before the database is touched
         try:
-            user, allow, rate, budget_day, budget_month, expires = key_spec(
-                args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
+            spec = key_spec(args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
         except ValueError as exc:
             raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     elif not os.path.exists(args.db):   # a typo must not become a new, empty database
@@ -5907,64 +5987,76 @@ def _keys_command(args: argparse.Namespace) -> int:
                          "`keys create` makes one)")
     db = open_db(args.db)
     try:
-        if args.keys_command == "create":
-            token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires)
-            store_key_record(db, digest, record)
-            key_id = record["id"]
-            if args.json:
-                print(crdt.dumps(key_answer(token, record)).decode())
-            else:
-                print(token)
-                print(f"key id {key_id} for user {user}"
-                      f"{' (admin)' if args.admin else ''}; allow: {', '.join(allow) or 'any provider'}."
-                      " The key is shown only now.", file=sys.stderr)
+        if spec is not None:
+            _keys_create(args, db, *spec)
         elif args.keys_command == "list":
-            rows = list_keys(db)
-            now = time.time()
-            day = crdt.time_day(now)
-            slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
-            for r in rows:   # every ingress's use, as this --db last heard it
-                r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, r.pop("hash"), day)
-            if args.json:
-                print(crdt.dumps(rows).decode())
-            else:
-                for r in rows:
-                    state = "revoked" if r["revoked"] else \
-                        "expired" if r["expires"] is not None and now >= r["expires"] else "active"
-                    today = f"{r['tokens_today']}/{r['budget_day'] or '-'}"
-                    month = f"{r['tokens_this_month']}/{r['budget_month'] or '-'}"
-                    expires = time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['expires'])) \
-                        if r["expires"] is not None else "never"
-                    print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
-                          f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
-                          f"tokens today {today} month {month}  expires {expires}  "
-                          f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
-        elif args.keys_command == "revoke":
-            if not revoke_key(db, args.key_id):
-                print(f"otela-ingress: no active key with id {args.key_id!r}", file=sys.stderr)
-                return 1
+            _keys_list(args, db)
+        elif not revoke_key(db, args.key_id):
+            print(f"otela-ingress: no active key with id {args.key_id!r}", file=sys.stderr)
+            return 1
+        else:
             print(f"revoked {args.key_id}", file=sys.stderr)
     finally:
         db.close()
     return 0
 
 
+def _keys_create(args: argparse.Namespace, db: sqlite3.Connection, user: str, allow: List[str], rate: float,
+                 budget_day: int, budget_month: int, expires: Optional[float]) -> None:
+    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires)
+    store_key_record(db, digest, record)
+    if args.json:
+        print(crdt.dumps(key_answer(token, record)).decode())
+        return
+    print(token)
+    print(f"key id {record['id']} for user {user}"
+          f"{' (admin)' if args.admin else ''}; allow: {', '.join(allow) or 'any provider'}."
+          " The key is shown only now.", file=sys.stderr)
+
+
+def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
+    rows = list_keys(db)
+    now = time.time()
+    day = crdt.time_day(now)
+    slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
+    for r in rows:   # every ingress's use, as this --db last heard it
+        r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, r.pop("hash"), day)
+    if args.json:
+        print(crdt.dumps(rows).decode())
+        return
+    for r in rows:
+        state = "revoked" if r["revoked"] else \
+            "expired" if r["expires"] is not None and now >= r["expires"] else "active"
+        today = f"{r['tokens_today']}/{r['budget_day'] or '-'}"
+        month = f"{r['tokens_this_month']}/{r['budget_month'] or '-'}"
+        expires = time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['expires'])) \
+            if r["expires"] is not None else "never"
+        print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
+              f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
+              f"tokens today {today} month {month}  expires {expires}  "
+              f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
+
+
+def _grant_revoke(args: argparse.Namespace, now: float) -> int:
+    if bool(args.grant_id) == bool(args.job):
+        raise ValueError("grant revoke: name a grant id or --job ID (one of them)")
+    target = args.grant_id or "job-" + args.job
+    crdt.revocation_entry(target)   # a bad id is refused before the database is touched
+    if not os.path.exists(args.db):
+        raise ValueError(f"--db {args.db}: no such database (the serving ingress's --db)")
+    db = open_db(args.db)
+    try:
+        store_revocation(db, target, now)
+    finally:
+        db.close()
+    print(f"revoked {target}: every ingress stops routing to it within a second", file=sys.stderr)
+    return 0
+
+
 def _grant_command(args: argparse.Namespace) -> int:
     now = time.time()
     if args.action == "revoke":
-        if bool(args.grant_id) == bool(args.job):
-            raise ValueError("grant revoke: name a grant id or --job ID (one of them)")
-        target = args.grant_id or "job-" + args.job
-        crdt.revocation_entry(target)   # a bad id is refused before the database is touched
-        if not os.path.exists(args.db):
-            raise ValueError(f"--db {args.db}: no such database (the serving ingress's --db)")
-        db = open_db(args.db)
-        try:
-            store_revocation(db, target, now)
-        finally:
-            db.close()
-        print(f"revoked {target}: every ingress stops routing to it within a second", file=sys.stderr)
-        return 0
+        return _grant_revoke(args, now)
     if not args.model:
         raise ValueError("grant: name at least one --model the job may serve")
     if not (args.key_file or args.ingress_key_file):

@@ -264,7 +264,7 @@ def test_the_views_need_no_key_by_default(stack, path):
 
 @pytest.mark.parametrize("path", VIEWS)
 def test_require_key_for_views_answers_them_only_to_a_valid_key(stack, path):
-    stack.call(setattr, stack.ingress, "require_key_for_views", True)
+    stack.call(setattr, stack.ingress.views, "require_key", True)
     key = stack.key()
     status, headers, body = Client(stack.url).request("GET", path)
     assert status == 401 and json.loads(body)["error"]["code"] == "missing_api_key"

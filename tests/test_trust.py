@@ -296,10 +296,10 @@ def test_an_ingress_believes_an_eviction_of_an_idle_session_only_on_a_voucher_it
     forge_eviction(stack, victims["v3"][0], [confirmer], {confirmer: word("v3", 1)}, version=1)   # an old one
     for model in ("v1", "v2", "v3"):
         assert [client.chat(model)[0] for _ in range(3)] == [200] * 3 and victims[model][2].requests == 3
-    assert stack.call(lambda: dict(stack.ingress.doubted_by)) == {"unvouched": 3}
+    assert stack.call(lambda: dict(stack.ingress.doubts.by)) == {"unvouched": 3}
     forge_eviction(stack, victims["v4"][0], ["d" * 32, confirmer], {confirmer: word("v4")})   # its real word
     assert client.chat("v4")[0] in (404, 503) and victims["v4"][2].requests == 0
-    assert stack.call(lambda: stack.ingress.doubted_total) == 3
+    assert stack.call(lambda: stack.ingress.doubts.total) == 3
     text = client.request("GET", "/metrics")[2].decode()
     assert 'otela_evictions_doubted_total{reason="unvouched"} 3' in text
     assert 'otela_evictions_doubted_total{reason="unverifiable"} 0' in text
@@ -312,11 +312,11 @@ def test_an_ungranted_members_word_counts_only_where_ungranted_sessions_are_beli
     client = Client(stack.url, stack.key())
     forge_eviction(stack, first, ["e" * 32])                    # a member nothing here can check
     assert client.chat("v1")[0] == 200 and engine.requests == 1
-    assert stack.call(lambda: dict(stack.ingress.doubted_by)) == {"unverifiable": 1}
+    assert stack.call(lambda: dict(stack.ingress.doubts.by)) == {"unverifiable": 1}
     stack.ingress.grants.allow_ungranted = True
     forge_eviction(stack, second, ["e" * 32])
     assert client.chat("v2")[0] in (404, 503)
-    assert stack.call(lambda: stack.ingress.doubted_total) == 1
+    assert stack.call(lambda: stack.ingress.doubts.total) == 1
 
 
 # -- whole processes: an ingress, honest nodes, and an attacker with cluster.key alone -------------
@@ -465,7 +465,7 @@ def test_an_eviction_of_a_session_that_just_answered_is_doubted_and_it_keeps_ser
         stack.node._changed(sid)
     stack.call(evict)
     assert [client.chat("m1")[0] for _ in range(5)] == [200] * 5 and engine.requests == 6
-    assert stack.call(lambda: stack.ingress.doubted_total) == 1
+    assert stack.call(lambda: stack.ingress.doubts.total) == 1
 
 
 def test_a_catalogued_model_nothing_serves_is_starting_and_counts_as_demand(stack):
