@@ -272,7 +272,7 @@ def test_a_daily_budget_counts_the_responses_apis_input_and_output_tokens(stack)
         keys = otela_ingress.load_keys(db)
     finally:
         db.close()
-    stack.call(stack.ingress._set_keys, keys)
+    stack.call(stack.ingress.cluster.read_keys, keys)
     client = sdk(stack, token)
     client.responses.create(model="m1", input="two words")   # 2 + 5 tokens: within 10
     client.responses.create(model="m1", input="two words")   # 14: the budget is spent after this one

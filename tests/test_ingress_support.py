@@ -132,7 +132,7 @@ class Stack:
             keys = otela_ingress.load_keys(db)
         finally:
             db.close()
-        self.call(self.ingress._set_keys, keys)
+        self.call(self.ingress.cluster.read_keys, keys)
         return token
 
     def sql(self, query: str, *args) -> list:
