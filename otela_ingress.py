@@ -4839,6 +4839,32 @@ class Views:
               b"/v1/usage/stats": usage_stats, b"/metrics": prometheus, b"/dashboard": dashboard, b"/": dashboard}
 
 
+async def read_revocations(db_path: str, grants: Grants, publish: Callable[[str, Dict[str, Any]], None],
+                           changed: Callable[[], None]) -> None:
+    """Revocations `grant revoke` wrote to the --db: told to `grants` and published, as the CLI's
+    keys are (one PRAGMA a poll; a small SELECT after a change); `changed` after each read."""
+    db, version, seen = None, None, set()
+    try:
+        while True:
+            try:
+                db = db or open_db(db_path)
+                now_version = db.execute("PRAGMA data_version").fetchone()[0]
+                if now_version != version:
+                    version = now_version
+                    for entry_id, at in load_revocations(db):
+                        if entry_id not in seen:
+                            seen.add(entry_id)
+                            grants.on_revocation(entry_id)
+                            publish(entry_id, {"state": 0, "version": 0, "at": at})
+                    changed()
+            except sqlite3.Error as exc:
+                print(f"otela-ingress: reading grant revocations failed (retried): {exc}", file=sys.stderr)
+            await asyncio.sleep(GRANT_POLL_S)
+    finally:
+        if db is not None:
+            db.close()
+
+
 class Ingress:
     """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
     registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
@@ -4947,7 +4973,8 @@ class Ingress:
             self.ledger = None
             raise OSError(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}") from None
         self._sweeper = asyncio.ensure_future(self._sweep())
-        self._revocations = asyncio.ensure_future(self._read_revocations())
+        self._revocations = asyncio.ensure_future(read_revocations(self.db_path, self.grants, self.cluster.publish,
+                                                                   self._candidates.clear))
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self, drain: float = 0.0) -> None:
@@ -4979,7 +5006,7 @@ class Ingress:
         if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
             if record is not None and crdt.kind_of(sid) == crdt.REVOCATION:
                 self.grants.on_revocation(sid)
-                self._candidates = {}
+                self._candidates.clear()
                 return
             self.cluster.on_entry(sid, record)
             return
@@ -5002,33 +5029,9 @@ class Ingress:
             self._signatures[sid] = signature
         self.grants.seen(sid, record)   # (its state or grant may have changed: not on a view's change)
         self.doubts.seen(sid, record)
-        self._candidates = {}
+        self._candidates.clear()
         if record is None or record.get("state") == crdt.LEFT:
             self.metrics.forget(sid)   # a session that left takes its series off /metrics
-
-    async def _read_revocations(self) -> None:
-        """Revocations `grant revoke` wrote to the --db: published, as the CLI's keys are (one
-        PRAGMA a poll; a small SELECT after a change)."""
-        db, version, seen = None, None, set()
-        try:
-            while True:
-                try:
-                    db = db or open_db(self.db_path)
-                    now_version = db.execute("PRAGMA data_version").fetchone()[0]
-                    if now_version != version:
-                        version = now_version
-                        for entry_id, at in load_revocations(db):
-                            if entry_id not in seen:
-                                seen.add(entry_id)
-                                self.grants.on_revocation(entry_id)
-                                self.cluster.publish(entry_id, {"state": 0, "version": 0, "at": at})
-                        self._candidates = {}
-                except sqlite3.Error as exc:
-                    print(f"otela-ingress: reading grant revocations failed (retried): {exc}", file=sys.stderr)
-                await asyncio.sleep(GRANT_POLL_S)
-        finally:
-            if db is not None:
-                db.close()
 
     async def _sweep(self) -> None:
         while True:
@@ -5083,7 +5086,7 @@ class Ingress:
         if lasting:
             result = lasting
         if len(self._candidates) > 4096:   # bounded: models x allowlists in use
-            self._candidates = {}
+            self._candidates.clear()
         self._candidates[cache_key] = (now, result)
         return result
 
