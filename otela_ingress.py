@@ -378,6 +378,14 @@ def with_model(body: bytes, ctype: Optional[bytes], model: str) -> bytes:
     return body[:span[0]] + model.encode() + body[span[1]:]
 
 
+def query_params(query: bytes) -> Dict[str, str]:
+    """A query string's first value of each name; 400 for one not percent-encoded UTF-8."""
+    try:
+        return {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
+    except UnicodeDecodeError:
+        raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
+
+
 # =============================================================================================
 # Keys and allowlists (SQLite, hashed)
 # =============================================================================================
@@ -461,15 +469,14 @@ class Key:
     """An API key as routing sees it (the secret itself is never kept)."""
 
     __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
-                 "budget_month", "expires", "record")
+                 "budget_month", "expires")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
                  rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
         self.id, self.user, self.allow = key_id, user, tuple(sorted(set(allow)))
         self.admin, self.rate = bool(admin), float(rate)
         self._tokens, self._stamp = max(1.0, self.rate), 0.0
-        self.hash = key_hash
-        self.record = record   # its replicated record (crdt.key_record), None for ANONYMOUS
+        self.hash = key_hash   # (record: its replicated record, crdt.key_record; None for ANONYMOUS)
         self.budget_day = int(record.get("budget_day", 0)) if record else 0
         self.budget_month = int(record.get("budget_month", 0)) if record else 0
         self.expires: Optional[float] = record.get("expires") if record else None
@@ -655,12 +662,6 @@ def load_key_records(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
     return records
 
 
-def load_keys(db: sqlite3.Connection) -> Dict[str, Key]:
-    """hash -> Key for every key not revoked."""
-    return {digest: Key.of_record(digest, record) for digest, record in load_key_records(db).items()
-            if record["state"] in crdt.ACCEPTED_KEY_STATES}
-
-
 def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels: Dict[str, str]) -> bool:
     """An allowlist entry names a provider: its owner, a label "k=v", a label value, or a session.
     `owner` and `labels`: what routing believes of the session (its grant's labels, see Grants)."""
@@ -745,13 +746,10 @@ class Ledger:
     failing ledger shows on /healthz and /metrics while requests go on being served.
     """
 
-    def __init__(self, path: str, on_keys: Callable[[Dict[str, Key]], None],
-                 on_key_records: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None):
-        """`on_keys(keys)` gets the accepted keys at each reload; `on_key_records(records)`,
-        when given, gets every key's record instead (revoked ones too: ClusterKeys)."""
+    def __init__(self, path: str, on_keys: Callable[[Dict[str, Dict[str, Any]]], None]):
+        """`on_keys(records)` gets every key's record (revoked ones too: ClusterKeys) at each reload."""
         self.path = path
         self._on_keys = on_keys
-        self._on_key_records = on_key_records
         # One ingress per ledger: a second one would replay the first one's live journal.
         try:
             self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
@@ -911,10 +909,7 @@ class Ledger:
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         if version != self._data_version:
             self._data_version = version
-            if self._on_key_records is not None:
-                self._on_key_records(load_key_records(self._db))
-            else:
-                self._on_keys(load_keys(self._db))
+            self._on_keys(load_key_records(self._db))
 
     def reload_keys(self) -> Optional[concurrent.futures.Future]:
         """Read the keys from SQLite now, not at the next KEYS_RELOAD_S: a future done once they
@@ -1304,10 +1299,6 @@ class ClusterKeys:
         return self._today[1]
 
     # -- what comes in: SQLite at start and after the CLI, the overlay at any time ------------
-    def read_keys(self, keys: Dict[str, Key]) -> None:
-        """Accepted keys (read from SQLite): published, as read_records."""
-        self.read_records({digest: key.record for digest, key in keys.items() if key.record is not None})
-
     def read_records(self, records: Dict[str, Dict[str, Any]]) -> None:
         """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
         and after the CLI changed them): adopted on the event loop."""
@@ -4700,10 +4691,8 @@ class MetricsPage:
             if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
                 suspected += 1
         ledger = self.ledger()
-        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())),
-                                   ledger.failed_commits if ledger is not None else 0,
-                                   ledger.pending() if ledger is not None else 0,
-                                   ledger.rows_dropped if ledger is not None else 0)
+        rows = (ledger.failed_commits, ledger.pending(), ledger.rows_dropped) if ledger is not None else (0, 0, 0)
+        body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())), *rows)
         body += overlay_metrics(self.node) + routing_metrics(routing_stats(self.policy))
         unrouted = collections.Counter(self.grants.unrouted(self.node.registry.items()).values())
         families = [
@@ -4809,10 +4798,7 @@ class Views:
 
     def usage(self, fields, query):
         self.authenticate(fields, admin=True)
-        try:
-            params = {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
-        except UnicodeDecodeError:
-            raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
+        params = query_params(query)
         try:
             days = max(1, min(3660, int(params.get("days", "31"))))
         except ValueError:
@@ -4959,7 +4945,7 @@ class Ingress:
                                        for sid, _ in self.node.registry.items()):
             self._warm_until = time.monotonic() + self.warmup
         self.cluster.start(self._loop)
-        self.ledger = Ledger(self.db_path, self.cluster.read_keys, self.cluster.read_records)
+        self.ledger = Ledger(self.db_path, self.cluster.read_records)
         registry = getattr(self.node, "registry", None)
         if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
@@ -5398,12 +5384,9 @@ class Ingress:
         if named is not None and named.strip():
             return named.strip().decode("utf-8", "replace")
         if query and b"model=" in query:
-            try:
-                named_in = parse_qs(query.decode("ascii"), errors="strict").get("model")
-            except UnicodeDecodeError:
-                raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
-            if named_in and named_in[0]:
-                return named_in[0]
+            named_in = query_params(query).get("model")
+            if named_in:
+                return named_in
         text = unquote(path.decode("utf-8", "replace")) + "/"
         for name in sorted(self._served_models(key) | set(self.aliases), key=len, reverse=True):
             if f"/{name}/" in text:
@@ -5682,7 +5665,7 @@ setInterval(refresh, 2000);
 
 
 # =============================================================================================
-# CLI: serve, keys
+# CLI: serve, keys, grant
 # =============================================================================================
 def _split_listen(listen: str) -> Tuple[str, int]:
     host, _, port = listen.rpartition(":")

@@ -456,7 +456,7 @@ def _answers(sock: socket.socket, n: int, head_only: bool = False) -> list:
 def test_every_kind_of_request_is_served_with_no_task_owning_its_connection(tmp_path):
     # Structure: no coroutine in the request path, and nothing a connection could be handed to.
     coroutines = {name for name, fn in vars(otela_ingress.Ingress).items() if asyncio.iscoroutinefunction(fn)}
-    assert coroutines == {"start", "stop", "_sweep", "_read_revocations"}   # none in the request path
+    assert coroutines == {"start", "stop", "_sweep"}   # none in the request path (nor read_revocations)
     assert not any(asyncio.iscoroutinefunction(fn) for fn in vars(otela_ingress._Client).values())
     assert "task" not in otela_ingress._Client.__slots__
     # Behaviour: every task the ingress's code starts while serving, by the coroutine it runs.

@@ -269,10 +269,10 @@ def test_a_daily_budget_counts_the_responses_apis_input_and_output_tokens(stack)
     db = otela_ingress.open_db(stack.db_path)
     try:
         _, token = otela_ingress.create_key(db, "carol", budget_day=10)
-        keys = otela_ingress.load_keys(db)
+        records = otela_ingress.load_key_records(db)
     finally:
         db.close()
-    stack.call(stack.ingress.cluster.read_keys, keys)
+    stack.call(stack.ingress.cluster.read_records, records)
     client = sdk(stack, token)
     client.responses.create(model="m1", input="two words")   # 2 + 5 tokens: within 10
     client.responses.create(model="m1", input="two words")   # 14: the budget is spent after this one

@@ -129,10 +129,10 @@ class Stack:
         db = otela_ingress.open_db(self.db_path)
         try:
             _, token = otela_ingress.create_key(db, user, list(allow), admin, rate)
-            keys = otela_ingress.load_keys(db)
+            records = otela_ingress.load_key_records(db)
         finally:
             db.close()
-        self.call(self.ingress.cluster.read_keys, keys)
+        self.call(self.ingress.cluster.read_records, records)
         return token
 
     def sql(self, query: str, *args) -> list:
