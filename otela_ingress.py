@@ -4852,8 +4852,10 @@ async def read_revocations(db_path: str, grants: Grants, publish: Callable[[str,
 
 
 class Ingress:
-    """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
-    registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
+    """The HTTP side of the ingress: dispatch, auth, routing and answers (the GET endpoints,
+    the admin API and doubted evictions are its collaborators above). `node` is an
+    otela_node.Node (or anything with its registry, is_suspected, registry_view, tunnel_header,
+    on_change and session_id)."""
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, limits: Optional[Limits] = None,
@@ -5267,7 +5269,12 @@ class Ingress:
         upload), else the x-otela-model header, the query's `model`, or a path segment naming one;
         a request that names none (GET /v1/files, /tokenize) goes to any session serving one of
         the key's models."""
-        key = self._admit(fields, t0)
+        key = self.authenticate(fields)
+        if key.rate > 0 and not key.take(t0):
+            raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
+                            "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
+        if key.budget_day or key.budget_month:
+            self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
         request, model, ctype = self._request_model(path, query, fields, body, key)
         stream, strip_usage, body = self._with_usage(request, path, body)
         model, named, body, candidates, chain = self._route_model(model, key, fields, body, ctype)
@@ -5276,16 +5283,6 @@ class Ingress:
         if named is not None:
             routed.named = named
         return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
-
-    def _admit(self, fields: Dict[bytes, bytes], t0: float) -> Key:
-        """The request's key, within its rate and its token budgets."""
-        key = self.authenticate(fields)
-        if key.rate > 0 and not key.take(t0):
-            raise HTTPError(429, f"Rate limit of {key.rate:g} requests/s exceeded for this key",
-                            "rate_limit_exceeded", headers=[(b"retry-after", b"1")])
-        if key.budget_day or key.budget_month:
-            self.cluster.check_quota(key)   # token budgets, on the cluster's use (ClusterKeys)
-        return key
 
     def _request_model(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], body: bytes,
                        key: Key) -> Tuple[Dict[str, Any], Optional[str], Optional[bytes]]:
