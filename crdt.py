@@ -300,7 +300,7 @@ def validate(session_id: Any, record: Any) -> bytes:
 #     granted job's binding key and the ingress tier's, so it believes an eviction only on a voucher
 #     that checks (Authority.vouched) at a version no older than the one it routes: evidence naming
 #     members that never suspected the session does not take it out of routing there
-#     (otela_ingress.py, Ingress._doubt). A job holding its own grant can still vouch in its own
+#     (otela_ingress.py, EvictionDoubts). A job holding its own grant can still vouch in its own
 #     name. A separate field, not a key of "evidence": a release before this one refuses evidence
 #     with another key, and carries a field it does not know.
 SEAL_BYTES = 16

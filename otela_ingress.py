@@ -4946,7 +4946,7 @@ class Ingress:
         if self.warmup > 0 and not any(sid != self.node.session_id and ":" not in sid
                                        for sid, _ in self.node.registry.items()):
             self._warm_until = time.monotonic() + self.warmup
-        self.cluster.start(self._loop)
+        self.cluster.start(self._loop)   # (first: the ledger's thread hands it keys on this loop)
         self.ledger = Ledger(self.db_path, self.cluster.read_records)
         registry = getattr(self.node, "registry", None)
         if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
