@@ -416,10 +416,10 @@ def open_db(path: str) -> sqlite3.Connection:
     """One connection with the schema, WAL and a busy timeout (the CLI and serve share it).
     The database is private to its owner (mode 0600, like the journal and the cluster key):
     SQLite gives its -wal, -shm and journal files the database file's mode."""
-    try:   # created here, with its mode, before SQLite would create it 0644
+    # created here, with its mode, before SQLite would create it 0644 (there already, or not
+    # creatable: SQLite says which)
+    with contextlib.suppress(OSError):
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-    except OSError:   # there already, or not creatable: SQLite says which
-        pass
     try:
         db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
         try:
@@ -435,12 +435,10 @@ def open_db(path: str) -> sqlite3.Connection:
     except sqlite3.Error as exc:   # say which file: "unable to open database file" alone is no help
         raise sqlite3.Error(f"--db {path}: {exc}") from None
     for suffix in ("", "-wal", "-shm", "-journal"):   # one made before this rule: private from now on
-        try:
+        with contextlib.suppress(OSError):   # absent, or not ours to change
             mode = os.stat(path + suffix).st_mode
             if mode & 0o077:
                 os.chmod(path + suffix, mode & 0o700)
-        except OSError:   # absent, or not ours to change
-            pass
     return db
 
 
@@ -723,10 +721,8 @@ _INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, us
 def _answer(futures: List[concurrent.futures.Future], result: Any) -> None:
     """Set the result of futures another thread may have cancelled meanwhile (its client left)."""
     for future in futures:
-        try:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
             future.set_result(result)
-        except concurrent.futures.InvalidStateError:
-            pass
 
 
 class Ledger:
@@ -949,10 +945,8 @@ class Ledger:
             db.execute("COMMIT")
             # our own writes leave PRAGMA data_version alone: no reload, no echo
         except Exception as exc:
-            try:
+            with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
             if not isinstance(exc, sqlite3.Error):   # a record no retry would keep: the overlay holds it
                 self.rows_dropped += len(replicas)
                 print(f"otela-ingress: {len(replicas)} replicated keys/usage not kept in SQLite "
@@ -1008,10 +1002,8 @@ class Ledger:
             with self._rows_lock:   # first in the next batch; the position stays theirs
                 self._pending = rows + self._pending
         for seq in range(old_seq, self._state_seq):   # files now wholly in SQLite
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self._journal(seq))
-            except OSError:
-                pass
 
     def _commit(self, rows: List[tuple], position: Tuple[int, int]) -> bool:
         """Rows and the journal position after them, in one transaction; False when SQLite
@@ -1087,10 +1079,8 @@ class Ledger:
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
             db.execute("COMMIT")
         except BaseException:
-            try:
+            with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
             raise
         return written
 
