@@ -520,9 +520,14 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, 
         raise ConfigError(f"grant {path}: key must be hex") from None
     if len(key) != 32 or "mac" not in data["grant"]:
         raise ConfigError(f"grant {path}: key must be 64 hex digits and the grant signed (mac)")
+    return data["grant"], key, _pinned_tls(path, data)
+
+
+def _pinned_tls(path: str, data: Dict[str, Any]) -> Optional[Tuple[bytes, bytes]]:
+    """A grant file's tunnel certificate and key, checked against the grant's pin (None: no pin)."""
     pin = data["grant"].get("tls")
     if pin is None:
-        return data["grant"], key, None
+        return None
     cert, tls_key = data.get("cert"), data.get("tls_key")
     if not isinstance(cert, str) or not isinstance(tls_key, str):
         raise ConfigError(f"grant {path} pins a tunnel certificate but holds none (cert, tls_key)")
@@ -531,7 +536,7 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, 
             raise ConfigError(f"grant {path}: its certificate is not the one the grant pins")
     except ValueError:
         raise ConfigError(f"grant {path}: cert is not a PEM certificate") from None
-    return data["grant"], key, (cert.encode(), tls_key.encode())
+    return cert.encode(), tls_key.encode()
 
 
 def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
@@ -641,24 +646,9 @@ class Wire:
         body, tag = data[:-TAG_LEN], data[-TAG_LEN:]
         if not self._tag_ok(body, tag):
             return self._drop("forged")
-        _, sent, nonce = _HEAD.unpack_from(body)
-        if abs(now - sent) > self.window + 1:
-            return self._drop("stale")
-        if nonce in self._nonces:
-            return self._drop("replayed")
-        if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
-            self._prune(now)                # full: at most once a second, not once per datagram
-        sender = self._names.setdefault(sender, sender)   # one string per sender, not per entry
-        held = self._held.get(sender, 0)
-        if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
-                held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
-            if sender in self.flooders or len(self.flooders) < FLOODERS_NAMED:
-                self.flooders[sender] += 1
-            else:
-                self.flooders["other"] += 1
-            return self._drop("flooded")    # refuse, don't grow: its sender's share is full
-        self._nonces[nonce] = (sent + self.window + 2, sender)   # stale after that: no replay to fear
-        self._held[sender] = held + 1
+        why = self._first_sight(body, now, sender)
+        if why:
+            return self._drop(why)
         try:
             msg = crdt.loads(body[_HEAD.size:])
         except ValueError:
@@ -667,6 +657,27 @@ class Wire:
             return self._drop("malformed")
         self.accepted += 1
         return msg
+
+    def _first_sight(self, body: bytes, now: float, sender: str) -> str:
+        """Why an authentic envelope is refused by the replay cache ("stale", "replayed",
+        "flooded"), or "" when it is new (its nonce then held until it is stale anyway)."""
+        _, sent, nonce = _HEAD.unpack_from(body)
+        if abs(now - sent) > self.window + 1:
+            return "stale"
+        if nonce in self._nonces:
+            return "replayed"
+        if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
+            self._prune(now)                # full: at most once a second, not once per datagram
+        sender = self._names.setdefault(sender, sender)   # one string per sender, not per entry
+        held = self._held.get(sender, 0)
+        if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
+                held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
+            named = sender in self.flooders or len(self.flooders) < FLOODERS_NAMED
+            self.flooders[sender if named else "other"] += 1
+            return "flooded"                # refuse, don't grow: its sender's share is full
+        self._nonces[nonce] = (sent + self.window + 2, sender)   # stale after that: no replay to fear
+        self._held[sender] = held + 1
+        return ""
 
     def _prune(self, now: float) -> None:
         self._nonces = {n: kept for n, kept in self._nonces.items() if kept[0] > now}
@@ -1135,12 +1146,7 @@ class FailureDetector:
 
     def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
         if sid == self.sid:
-            if version < self.own_version() or self.leaving:
-                return []
-            self._degrade()                         # others can't reach us: maybe we are the problem
-            # Refute: a newer version clears the suspicion. It carries our local health, so
-            # that every prober gives a member that knows it is slow longer to answer.
-            return self.update(now, lhm=self.lhm)
+            return self._refute(version, now)
         record = self.record_of(sid)
         if record is None or record["state"] == crdt.LEFT or version < record["version"]:
             return []
@@ -1154,17 +1160,24 @@ class FailureDetector:
             if by in sus.confirmers:
                 return []
             sus.confirmers.add(by)
-        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
-        if self.sid != min(sus.confirmers):
-            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
-            # little later, so that N timers firing together do not make N different LEFT records.
-            sus.deadline += 2 * self.cfg.probe_interval
+        # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
+        # little later, so that N timers firing together do not make N different LEFT records.
+        backup = 2 * self.cfg.probe_interval if self.sid != min(sus.confirmers) else 0.0
+        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1) + backup
         out: List[Out] = []
         if len(sus.confirmers) <= self._expected_confirmations() + 1:
             out = self._rumour([Rumour("s", sid, by)], now, src)
         if new:
             self._notify(sid, record)
         return out
+
+    def _refute(self, version: int, now: float) -> List[Out]:
+        """We are suspected: a newer version clears the suspicion. It carries our local health,
+        so that every prober gives a member that knows it is slow longer to answer."""
+        if version < self.own_version() or self.leaving:
+            return []
+        self._degrade()                             # others can't reach us: maybe we are the problem
+        return self.update(now, lhm=self.lhm)
 
     def _expected_confirmations(self) -> int:
         return max(1, int(self.cfg.suspicion_mult) - 2)
@@ -1463,26 +1476,9 @@ class Overlay(FailureDetector):
         if now >= self.next_redial:
             out += self._redial(now)
         if now >= self.next_push_pull:
-            self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * cfg.push_pull_interval
-            peer = self._peers(1)
-            if peer:
-                out.append(self.digest_to(peer[0]))
-            # ... and with a seed (an ingress, or a relay): whatever the members' number, or how
-            # many of them are forged sessions nobody answers for, the seeds hear from everyone
-            # and everyone from the seeds every round. An ingress picks an ingress (the ingress
-            # plane is compared with ingresses only).
-            seeds = [a for a in (self.ingresses or self.seeds).values() if a not in peer]
-            if seeds:
-                out.append(self.digest_to(self.rng.choice(seeds)))
+            out += self._push_pull(now)
         if now >= self.next_join:
-            if self.members:
-                self.join_backoff = cfg.join_retry_min
-                self.next_join = now + cfg.join_retry_max   # only a watchdog while we have peers
-            else:                                   # lost every peer: knock again, backing off
-                self.join_backoff = min(self.join_backoff * 2, cfg.join_retry_max)
-                self.next_join = now + self.join_backoff
-                out += [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, True)
-                        for a in self.bootstrap]
+            out += self._knock(now)
         if now >= self.next_compact:
             self.next_compact = now + cfg.compact_interval
             if self.map.compact(now):
@@ -1490,6 +1486,30 @@ class Overlay(FailureDetector):
             self._compact_detector(now)
         self.expected_wakeup = self.next_wakeup()
         return self._count(out)
+
+    def _push_pull(self, now: float) -> List[Out]:
+        """Anti-entropy with a random member, and with a seed (an ingress, or a relay): whatever
+        the members' number, or how many of them are forged sessions nobody answers for, the
+        seeds hear from everyone and everyone from the seeds every round. An ingress picks an
+        ingress (the ingress plane is compared with ingresses only)."""
+        self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * self.cfg.push_pull_interval
+        peer = self._peers(1)
+        out = [self.digest_to(peer[0])] if peer else []
+        seeds = [a for a in (self.ingresses or self.seeds).values() if a not in peer]
+        if seeds:
+            out.append(self.digest_to(self.rng.choice(seeds)))
+        return out
+
+    def _knock(self, now: float) -> List[Out]:
+        """The join's watchdog: while we have peers, nothing; alone, join again, backing off."""
+        cfg = self.cfg
+        if self.members:
+            self.join_backoff = cfg.join_retry_min
+            self.next_join = now + cfg.join_retry_max
+            return []
+        self.join_backoff = min(self.join_backoff * 2, cfg.join_retry_max)
+        self.next_join = now + self.join_backoff
+        return [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, True) for a in self.bootstrap]
 
     def next_wakeup(self) -> float:
         times = [self.next_push_pull, self.next_join, self.next_compact, self.next_redial]
@@ -1636,33 +1656,34 @@ class Overlay(FailureDetector):
     def _merge(self, records, src: str, now: float, push: bool = True, joining: tuple = ()) -> List[Out]:
         if not isinstance(records, dict):
             raise ValueError("records must be an object")
-        fresh = {}
-        for sid, record in records.items():
-            if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
-                # The ingress plane: held by ingresses, written only by the ingress tier. A worker
-                # drops it (an ingress of the release before planes still sends it); an ingress
-                # applies only what the tier signed (the cluster key alone writes nothing here).
-                if self.authority is None:
-                    self.refused["plane"] += 1
-                    continue
-                if not isinstance(record, dict) or not self.authority.verify(sid, record):
-                    self.refused["unsigned"] += 1
-                    continue
-            mine = self.known.get(sid)
-            if mine is not None and isinstance(record, dict):
-                theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
-                if type(theirs[0]) is int and type(theirs[1]) is int and \
-                        (theirs < ours or (theirs == ours and record == mine.record)):
-                    if self.rumours:
-                        self._known_elsewhere(sid)
-                    continue                        # a copy we have, or older: no need to validate
-            fresh[sid] = record
+        fresh = {sid: record for sid, record in records.items() if self._news(sid, record)}
         changed = self.map.merge(fresh, joining)
         done = set(changed)                         # a set: a joiner's merge of 100k records is linear
         for sid in fresh if self.rumours else ():
             if sid not in done:
                 self._known_elsewhere(sid)
         return self._changed(changed, now, exclude=src, push=push)
+
+    def _news(self, sid: Any, record: Any) -> bool:
+        """Whether a record sent to us goes on to the map's merge: not a copy we have or older
+        (no need to validate those), and on the ingress plane only what the ingress tier signed."""
+        if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
+            # Held by ingresses, written only by the ingress tier. A worker drops it (an ingress
+            # of the release before planes still sends it); an ingress applies only what the
+            # tier signed (the cluster key alone writes nothing here).
+            if self.authority is None or not isinstance(record, dict) or not self.authority.verify(sid, record):
+                self.refused["plane" if self.authority is None else "unsigned"] += 1
+                return False
+        mine = self.known.get(sid)
+        if mine is None or not isinstance(record, dict):
+            return True
+        theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
+        if type(theirs[0]) is int and type(theirs[1]) is int and \
+                (theirs < ours or (theirs == ours and record == mine.record)):
+            if self.rumours:
+                self._known_elsewhere(sid)
+            return False
+        return True
 
     def _known_elsewhere(self, sid: str) -> None:
         """Others sent us the record we rumour: lose interest in it sooner."""
@@ -1678,9 +1699,7 @@ class Overlay(FailureDetector):
         it was just given would cost N datagrams per join across the cluster. Records the
         origin sent to every member (push=LATER) are sent on once, a tick later."""
         out: List[Out] = []
-        keys = []
-        met = []
-        gone = []
+        keys, met, gone = [], [], []
         for sid in sids:
             record = self.map.get(sid)
             if record is None:
@@ -1701,29 +1720,42 @@ class Overlay(FailureDetector):
                 continue
             keys.append(Rumour("r", sid))
             self._notify(sid, record)
-        for sid in gone:                            # once every member is known: pushed to all
-            log.info("session %s superseded: this process now serves its address", sid)
-            version = self.map.get(sid)["version"]  # (our own word: we see its successor)
-            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]},
-                                {self.sid: crdt.voucher(self.bind_key, sid, version, self.sid)})
+        out += self._retire_superseded(gone, now)
         while self.met_ingresses:                   # the ingress plane's anti-entropy, now
             out.append(self.digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
-            # Members met through anti-entropy (a healed split, a restart) may not know us:
-            # introduce ourselves to them the way a write is pushed, acked and resent (to more
-            # than origin_fanout: as a rumour, which reaches them all in a few hops).
-            if len(met) <= self.cfg.origin_fanout:
-                out += self._push([Rumour("r", self.sid)], met, now)
-            else:
-                out += self._rumour([Rumour("r", self.sid)], now, origin=True)
+            out += self._introduce(met, now)
         if push is LATER:
-            for key in keys:
-                if crdt.plane_of(key.sid) == crdt.ROUTING:
-                    self.rumours[key] = 1
-            if keys:
-                self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
+            self._rumour_later(keys, now)
             return out
         return out + (self._rumour(keys, now, exclude, origin) if push else [])
+
+    def _retire_superseded(self, sids: List[str], now: float) -> List[Out]:
+        """Our predecessors at our address LEFT, on our own word (we see their successor): once
+        every member is known, pushed to all."""
+        out: List[Out] = []
+        for sid in sids:
+            log.info("session %s superseded: this process now serves its address", sid)
+            version = self.map.get(sid)["version"]
+            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]},
+                                {self.sid: crdt.voucher(self.bind_key, sid, version, self.sid)})
+        return out
+
+    def _introduce(self, met: List[str], now: float) -> List[Out]:
+        """Members met through anti-entropy (a healed split, a restart) may not know us: we
+        introduce ourselves the way a write is pushed, acked and resent (to more than
+        origin_fanout: as a rumour, which reaches them all in a few hops)."""
+        if len(met) <= self.cfg.origin_fanout:
+            return self._push([Rumour("r", self.sid)], met, now)
+        return self._rumour([Rumour("r", self.sid)], now, origin=True)
+
+    def _rumour_later(self, keys: List[Rumour], now: float) -> None:
+        """What the origin sent to every member (push=LATER): sent on once, at the next gossip."""
+        for key in keys:
+            if crdt.plane_of(key.sid) == crdt.ROUTING:
+                self.rumours[key] = 1
+        if keys:
+            self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
 
     def _track(self, sid: str, record: Dict[str, Any], now: float) -> bool:
         """Keep `members` (and the address tables) in step with a changed record; True when
@@ -1782,8 +1814,6 @@ class Overlay(FailureDetector):
                 origin: bool = False) -> List[Out]:
         """Queue rumours and push them at once to a few random peers (their first transmit);
         the origin of a change, to every member (flagged "a": each sends it on once, later)."""
-        if not keys:
-            return []
         out: List[Out] = []
         ingress_plane = [k for k in keys if k.kind == "r" and crdt.plane_of(k.sid) == crdt.INGRESS]
         if ingress_plane:
@@ -1793,29 +1823,32 @@ class Overlay(FailureDetector):
             keys = [k for k in keys if k not in held]
             if origin:
                 out += self._push(ingress_plane, [a for a in self.ingresses.values() if a != exclude], now)
-            if not keys:
-                return out
+        if not keys:
+            return out
         if origin and len(self.members) <= self.cfg.origin_fanout:
             # The writer pushes to every member and resends to those that have not acked, in
             # rounds (see _resend): no retransmit by the receivers, and no straggler waits for
             # anti-entropy.
             return out + self._push(keys, [a for a in self.members.values() if a != exclude], now)
-        else:
-            limit = self._retransmits()
-            peers = self._peers(self.cfg.gossip_fanout, exclude)
-            for payload in self._packs(keys):
-                out += [Out(addr, payload, False) for addr in peers]
-            if origin:                              # the seeds always get it from its writer
-                out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
+        peers = self._peers(self.cfg.gossip_fanout, exclude)
+        for payload in self._packs(keys):
+            out += [Out(addr, payload, False) for addr in peers]
+        if origin:                                  # the seeds always get it from its writer
+            out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
+        self._queue(keys, now)
+        return out
+
+    def _queue(self, keys: List[Rumour], now: float) -> None:
+        """Rumours kept for their retransmits, less the first (sent as they were queued)."""
+        limit = self._retransmits()
         for key in keys:
             self.rumours[key] = limit
-        for key in keys:                            # the push above was the first transmit
+        for key in keys:
             self.rumours[key] -= 1
             if self.rumours[key] <= 0:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
-        return out
 
     def _push(self, keys: List[Rumour], peers: List[str], now: float) -> List[Out]:
         out: List[Out] = []
@@ -6554,27 +6587,8 @@ async def resolve_bootstrap(specs: List[str]) -> List[str]:
     out: List[str] = []
     for spec in specs:
         for item in (s.strip() for s in spec.split(",")):
-            if not item:
-                continue
-            if item.startswith(("http://", "https://")):
-                try:
-                    text = await asyncio.get_running_loop().run_in_executor(None, _fetch_text, item)
-                except OSError as exc:
-                    log.warning("bootstrap URL %s failed: %s", item, exc)
-                    continue
-            elif os.path.isfile(item):
-                with open(item) as fh:
-                    text = fh.read()
-            else:
-                out.append(item)
-                continue
-            try:
-                entries = crdt.loads(text)
-                if not isinstance(entries, list):
-                    raise ValueError
-            except ValueError:
-                entries = text.replace(",", " ").split()
-            out.extend(str(e) for e in entries)
+            if item:
+                out += await _bootstrap_entries(item)
     good = []
     for addr in out:
         try:
@@ -6583,6 +6597,28 @@ async def resolve_bootstrap(specs: List[str]) -> List[str]:
         except ValueError:
             log.warning("ignoring bad bootstrap address %r", addr)
     return good
+
+
+async def _bootstrap_entries(item: str) -> List[str]:
+    """One --bootstrap item read: itself (HOST:PORT), or what its URL or file lists."""
+    if item.startswith(("http://", "https://")):
+        try:
+            text = await asyncio.get_running_loop().run_in_executor(None, _fetch_text, item)
+        except OSError as exc:
+            log.warning("bootstrap URL %s failed: %s", item, exc)
+            return []
+    elif os.path.isfile(item):
+        with open(item) as fh:
+            text = fh.read()
+    else:
+        return [item]
+    try:
+        entries = crdt.loads(text)
+        if not isinstance(entries, list):
+            raise ValueError
+    except ValueError:
+        entries = text.replace(",", " ").split()
+    return [str(e) for e in entries]
 
 
 async def resolve_hosts(addrs: List[str]) -> Tuple[List[str], List[str]]:
@@ -7243,13 +7279,7 @@ def config_from_args(args: argparse.Namespace, **fixed: Any) -> Config:
                               "ask for a new one")
     config.bootstrap = [b for b in args.bootstrap or () if b]
     check_bootstrap(config.bootstrap)
-    for item in args.label or ():
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"bad label {item!r}: expected k=v")
-        config.labels[key.strip()] = value.strip()
+    config.labels.update(_parse_labels(args.label or ()))
     try:
         split_addr(args.gossip), split_addr(args.listen)
         config.gossip, config.listen = args.gossip, args.listen
@@ -7259,14 +7289,32 @@ def config_from_args(args: argparse.Namespace, **fixed: Any) -> Config:
         config.advertise_gossip = f"{args.advertise}:{split_addr(args.gossip)[1]}"
         config.advertise_listen = f"{args.advertise}:{split_addr(args.listen)[1]}"
     if args.probe_interval is not None:
-        if args.probe_interval <= 0:
-            raise ConfigError("--probe-interval must be > 0")
-        config.probe_interval = args.probe_interval
-        config.probe_timeout = min(config.probe_timeout, args.probe_interval * 0.4)
-        config.indirect_timeout = min(config.indirect_timeout, args.probe_interval * 0.4)
+        _set_probe_interval(config, args.probe_interval)
     for name, value in fixed.items():
         setattr(config, name, value)
     return config
+
+
+def _parse_labels(items: Iterable[str]) -> Dict[str, str]:
+    """--label k=v entries (empty ones skipped) as a dict. Raises ConfigError."""
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if item and (not sep or not key):
+            raise ConfigError(f"bad label {item!r}: expected k=v")
+        if item:
+            labels[key.strip()] = value.strip()
+    return labels
+
+
+def _set_probe_interval(config: Config, interval: float) -> None:
+    """--probe-interval, with the probe's timeouts kept inside it: 0.4 of it each, so the direct
+    and the indirect phase (PROBE_ROUND) both end within one round."""
+    if interval <= 0:
+        raise ConfigError("--probe-interval must be > 0")
+    config.probe_interval = interval
+    config.probe_timeout = min(config.probe_timeout, interval * 0.4)
+    config.indirect_timeout = min(config.indirect_timeout, interval * 0.4)
 
 
 KEY_FILES = {"cluster": "cluster.key", "ingress": "ingress.key"}   # keygen's secrets, by tier
@@ -7612,6 +7660,20 @@ async def run_relay(config: Config) -> int:
     return 0
 
 
+def _keygen_command(args: argparse.Namespace) -> List[str]:
+    """`keygen`: new secrets, or one rotation step (--rotate, --promote, --retire); the files
+    written."""
+    steps = [(step, getattr(args, step)) for step in ROTATION_STEPS if getattr(args, step)]
+    if len(steps) > 1:
+        raise ConfigError("keygen: one of --rotate, --promote, --retire at a time")
+    if not steps:
+        return keygen(args.out, args.force, args.ingress_only)
+    try:
+        return rotate(args.out, steps[0][1], steps[0][0])
+    except (OSError, subprocess.SubprocessError) as exc:   # openssl missing or failing
+        raise ConfigError(f"keygen --{steps[0][0]}: cannot make a tunnel certificate: {exc}") from None
+
+
 def main(argv=None) -> int:
     try:   # every flag also reads its OTELA_<FLAG> (the label's OTELA_LABEL, comma-separated)
         args = crdt.parse_settings(build_parser(), argv, SETTING_NAMES, os.environ)
@@ -7622,17 +7684,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s otela_node %(levelname)s %(message)s")
     try:
         if args.command == "keygen":
-            steps = [(step, getattr(args, step)) for step in ROTATION_STEPS if getattr(args, step)]
-            if len(steps) > 1:
-                raise ConfigError("keygen: one of --rotate, --promote, --retire at a time")
-            if steps:
-                try:
-                    for path in rotate(args.out, steps[0][1], steps[0][0]):
-                        print(path)
-                except (OSError, subprocess.SubprocessError) as exc:   # openssl missing or failing
-                    raise ConfigError(f"keygen --{steps[0][0]}: cannot make a tunnel certificate: {exc}") from None
-                return 0
-            for path in keygen(args.out, args.force, args.ingress_only):
+            for path in _keygen_command(args):
                 print(path)
             return 0
         if args.command == "relay":   # a relay is dialable and relays, whatever it is told
