@@ -4705,43 +4705,56 @@ async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local:
                 won = _from_peer(accepting, remote)
                 accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
                 continue
-            sock = _bound_tcp(local)
-            connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
-            await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
-                                                                    max(deadline - time.monotonic(), 0.01)))
-            if connecting.done() and connecting.exception() is None:
-                won = sock
-            else:
-                connecting.cancel()
-                sock.close()
-                if not accepting.done():
-                    await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
+            won = await _syn(local, remote, accepting, min(cfg.tunnel_syn_interval,
+                                                           max(deadline - time.monotonic(), 0.01)))
     except OSError:
         pass
     finally:
-        if accepting is not None and accepting.done() and not accepting.cancelled():
-            conn = _from_peer(accepting, remote)
-            if conn is not None and won is None:
-                won = conn
-            elif conn is not None:
-                spare(conn)
-        elif accepting is not None:
-            accepting.cancel()
-        while True:                             # both SYNs got through: the rest are extras
-            try:
-                conn, addr = listener.accept()
-            except OSError:
-                break
-            if addr[0] == remote[0]:
-                conn.setblocking(False)
-                spare(conn)
-            else:
-                conn.close()
-        listener.close()
+        won = _after_race(listener, remote, accepting, won, spare)
     if won is not None:
         won.setblocking(False)
         won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _watch_punched(won, cfg.punched_tcp_timeout)
+    return won
+
+
+async def _syn(local: tuple, remote: tuple, accepting: asyncio.Future, timeout: float) -> Optional[socket.socket]:
+    """One SYN of ours from a fresh socket: connected within `timeout`, or None (closed)."""
+    sock = _bound_tcp(local)
+    connecting = asyncio.ensure_future(asyncio.get_running_loop().sock_connect(sock, remote))
+    await asyncio.wait([connecting, accepting], timeout=timeout)
+    if connecting.done() and connecting.exception() is None:
+        return sock
+    connecting.cancel()
+    sock.close()
+    if not accepting.done():
+        await asyncio.sleep(0.02)               # a reset came at once: not a busy loop
+    return None
+
+
+def _after_race(listener: socket.socket, remote: tuple, accepting: Optional[asyncio.Future],
+                won: Optional[socket.socket], spare: Callable[[socket.socket], None]) -> Optional[socket.socket]:
+    """The end of a simultaneous open: the peer's accepted connection wins if ours did not; every
+    other one from the peer (both SYNs got through) goes to `spare`; the listener is closed."""
+    if accepting is not None and accepting.done() and not accepting.cancelled():
+        conn = _from_peer(accepting, remote)
+        if conn is not None and won is None:
+            won = conn
+        elif conn is not None:
+            spare(conn)
+    elif accepting is not None:
+        accepting.cancel()
+    while True:
+        try:
+            conn, addr = listener.accept()
+        except OSError:
+            break
+        if addr[0] == remote[0]:
+            conn.setblocking(False)
+            spare(conn)
+        else:
+            conn.close()
+    listener.close()
     return won
 
 
@@ -5158,11 +5171,7 @@ class RelayServer:
         if not self.wire.authentic(inner, self.config.max_frame):
             return False
         if dest == self.address():
-            msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
-            src = msg.pop("ra", None) if msg is not None else None
-            if isinstance(src, str):
-                self.deliver(msg, src, Via(True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender))
-            return msg is not None
+            return self._take_envelope(inner, sender)
         if not self.relaying():
             self.relayed["refused"] += 1
             return False
@@ -5172,27 +5181,42 @@ class RelayServer:
             return from_link                        # a member's link stays; a stranger's connection goes
         self.relayed["forwarded"] += 1
         if is_relayed(dest):
-            link = self.linked.get(dest[len(RELAYED_PREFIX):])
-            if link is not None:
-                link.writer.write(frame(inner))
-            elif from_link:                         # one hop on to its relay, never more (no loops)
-                for relay in self.reach.relays(dest):
-                    if relay != self.address():
-                        self.send_frame(self.resolve(relay), data)
-                        break
+            self._pass_relayed(dest, data, inner, from_link)
             return True
         try:
             target = self.resolve(dest)
         except ValueError:
             return False
-        if len(inner) <= self.config.max_datagram:
-            try:
-                self.sendto(inner, target)
-            except OSError:
-                pass
-        else:
+        if len(inner) > self.config.max_datagram:
             self.send_frame(target, inner)
+            return True
+        try:
+            self.sendto(inner, target)
+        except OSError:
+            pass
         return True
+
+    def _take_envelope(self, inner: bytes, sender: str) -> bool:
+        """An envelope for us: its message delivered as having come over TCP from `sender`."""
+        msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
+        src = msg.pop("ra", None) if msg is not None else None
+        if isinstance(src, str):
+            self.deliver(msg, src, Via(True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender))
+        return msg is not None
+
+    def _pass_relayed(self, dest: str, data: bytes, inner: bytes, from_link: bool) -> None:
+        """An envelope for a relayed member: down its link if it is ours, else one hop on to its
+        relay, never more (no loops)."""
+        link = self.linked.get(dest[len(RELAYED_PREFIX):])
+        if link is not None:
+            link.writer.write(frame(inner))
+            return
+        if not from_link:
+            return
+        for relay in self.reach.relays(dest):
+            if relay != self.address():
+                self.send_frame(self.resolve(relay), data)
+                return
 
     def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
         """Why an authentic envelope is not passed on ("" when it is): sealed outside the replay
@@ -5377,17 +5401,7 @@ class RelayClient:
                 return
             self.punch.lost(path)              # closed under us: this one goes relayed
         if self.private:
-            for link in self.links.values():
-                if not link.writer.transport.is_closing():
-                    link.writer.write(frame(envelope(dest, data)))
-                    self.traffic["sent"] += len(data) + 4
-                    return
-            if is_relayed(dest):
-                return
-            try:                                    # no link yet: straight out (a cone NAT passes it)
-                self.send_datagram(data, self.resolve(dest))
-            except ValueError:
-                pass
+            self._send_private(dest, data)
             return
         mine = self.linked(dest[len(RELAYED_PREFIX):])
         if mine is not None:                        # we are its relay
@@ -5407,6 +5421,21 @@ class RelayClient:
             else:
                 self.send_frame(target, wrapped)
             return
+
+    def _send_private(self, dest: str, data: bytes) -> None:
+        """A private member's send: over its first open link; with none yet, straight out (a
+        cone NAT passes it) unless `dest` is relayed."""
+        for link in self.links.values():
+            if not link.writer.transport.is_closing():
+                link.writer.write(frame(envelope(dest, data)))
+                self.traffic["sent"] += len(data) + 4
+                return
+        if is_relayed(dest):
+            return
+        try:
+            self.send_datagram(data, self.resolve(dest))
+        except ValueError:
+            pass
 
     async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
         """Our side: ask one seed to dial us back (or, without `dial_back`, only for what it
@@ -5440,62 +5469,77 @@ class RelayClient:
         cfg = self.config
         self.dialable_gossip = self.record()["gossip"]
         if cfg.reach == "auto":
-            delay = cfg.join_retry_min
-            while not self.private:
-                answers = [(seed, await self.ask_reach(seed)) for seed in bootstrap]
-                heard = [(seed, a) for seed, a in answers if a is not None]
-                if heard:
-                    self.observed = str(heard[0][1].get("seen", ""))
-                    if any(a.get("back") for _, a in heard):
-                        log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
-                        self.reach_known(relaying=bool(cfg.relay))
-                        return
-                    self._heard_seeds(heard)
-                    break
-                await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
-                delay = min(delay * 2, cfg.join_retry_max)
+            if await self._dialled_back(bootstrap):
+                return
         else:                                       # told we are private: the seeds that relay, and
             self.seeds = self.seed_relays = list(bootstrap)   # those they name (until they answer: every seed)
             await self._ask_seeds_for_relays(bootstrap)
         log.info("private (seen as %s): reached through relays", self.observed or "?")
         self.private = True
-        relayed = RELAYED_PREFIX + self.link_id
         waited = False                              # a check passed before our first link (rule 7)
         while True:
-            for relay, link in list(self.links.items()):
-                if link.writer.transport.is_closing() or self.suspected_at(relay):
-                    link.writer.close()
-                    del self.links[relay]
-            candidates = self._relay_candidates()
-            for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
-                if relay not in self.links and (i < cfg.relay_links or len(self.links) < cfg.relay_links):
-                    await self._open_link(relay)
-            if self.links:
-                self.no_relay_said = False
-            else:                                   # rule 7: say it once, ask the seeds again
-                waited = waited or not is_relayed(self.record().get("gossip", ""))
-                if not self.no_relay_said:
-                    self.no_relay_said = True
-                    log.warning("%s", NO_RELAY_TEXT)
-                await self._ask_seeds_for_relays(bootstrap)
-            rank = {relay: i for i, relay in enumerate(candidates)}
-            while len(self.links) > cfg.relay_links:   # a better relay came: the worst link goes
-                worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
-                self.links.pop(worst).writer.close()
-            relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
-            record = self.record()
-            if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
-                self.set_address(relayed)
-                self.reach.member(relayed, time.monotonic())
-                if waited:                          # our first record (dialable, it said) was suspected
-                    waited = False                  # and evicted with no way to refute it: start over,
-                    log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
-                                          relaying=False)   # the old session never named our relayed address
-                else:
-                    self.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            waited = await self._tend_links(bootstrap, waited)
             self.punch.tend()
             await asyncio.sleep(cfg.relay_check_interval)
+
+    async def _dialled_back(self, bootstrap: List[str]) -> bool:
+        """Ask the seeds until one answers: True when one dialled us back (we are reachable);
+        False when they answered but none could (the relays they named are kept)."""
+        cfg, delay = self.config, self.config.join_retry_min
+        while True:
+            answers = [(seed, await self.ask_reach(seed)) for seed in bootstrap]
+            heard = [(seed, a) for seed, a in answers if a is not None]
+            if heard:
+                break
+            await asyncio.sleep(delay)              # no seed answered yet: the join's backoff
+            delay = min(delay * 2, cfg.join_retry_max)
+        self.observed = str(heard[0][1].get("seen", ""))
+        if any(a.get("back") for _, a in heard):
+            log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+            self.reach_known(relaying=bool(cfg.relay))
+            return True
+        self._heard_seeds(heard)
+        return False
+
+    async def _tend_links(self, bootstrap: List[str], waited: bool) -> bool:
+        """One round of a private member's links: broken or suspected ones go, the best
+        relay_links are opened, our record names them. Returns `waited`: a check passed while
+        we had no link yet, so our first record must be replaced by a new session."""
+        cfg = self.config
+        relayed = RELAYED_PREFIX + self.link_id
+        for relay, link in list(self.links.items()):
+            if link.writer.transport.is_closing() or self.suspected_at(relay):
+                link.writer.close()
+                del self.links[relay]
+        candidates = self._relay_candidates()
+        for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
+            if relay not in self.links and (i < cfg.relay_links or len(self.links) < cfg.relay_links):
+                await self._open_link(relay)
+        if self.links:
+            self.no_relay_said = False
+        else:                                   # rule 7: say it once, ask the seeds again
+            waited = waited or not is_relayed(self.record().get("gossip", ""))
+            if not self.no_relay_said:
+                self.no_relay_said = True
+                log.warning("%s", NO_RELAY_TEXT)
+            await self._ask_seeds_for_relays(bootstrap)
+        rank = {relay: i for i, relay in enumerate(candidates)}
+        while len(self.links) > cfg.relay_links:   # a better relay came: the worst link goes
+            worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
+            self.links.pop(worst).writer.close()
+        relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
+        record = self.record()
+        if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
+            self.set_address(relayed)
+            self.reach.member(relayed, time.monotonic())
+            if waited:                          # our first record (dialable, it said) was suspected
+                waited = False                  # and evicted with no way to refute it: start over,
+                log.info("first relay link after a wait: rejoining as a reachable session")
+                self.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
+                                 relaying=False)   # the old session never named our relayed address
+            else:
+                self.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+        return waited
 
     def _relay_candidates(self) -> List[str]:
         """Members offering to relay, best first (Node.relays_offered); then the seeds that answered
