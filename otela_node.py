@@ -6228,43 +6228,9 @@ class Node:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
         loop = asyncio.get_running_loop()
         cfg = self.config
-        host, wanted = split_addr(cfg.gossip)
-        for attempt in range(20):                   # port 0: find one free for UDP *and* TCP
-            try:
-                self.udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
-                                                                   local_addr=(host, wanted))
-            except OSError as exc:
-                raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
-            port = self.udp.get_extra_info("sockname")[1]
-            try:
-                self._tcp_server = await loop.create_server(lambda: _Stream(self._on_gossip_connection), host, port,
-                                                            reuse_address=True)
-                break
-            except OSError as exc:
-                self.udp.close()
-                self.udp = None
-                if wanted or attempt == 19:
-                    raise OSError(f"cannot bind the gossip address {host}:{port} (TCP): "
-                                  f"{exc.strerror or exc}") from None
+        host, port = await self._bind_gossip()
         gossip_addr = cfg.advertise_gossip or advertise(f"{host}:{port}")
-        if serve_http:
-            lhost, lport = split_addr(cfg.listen)
-            try:
-                self.tunnel_sock = _listen(lhost, lport)
-            except OSError as exc:
-                self._tcp_server.close()
-                self.udp.close()
-                self._tcp_server = self.udp = None
-                raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
-            lport = self.tunnel_sock.getsockname()[1]
-            self.spawn(self.tunnel.accept(self.tunnel_sock))
-            if self.tunnel_server_ssl is None:
-                self._start_warnings.append(
-                    "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
-                    "the key: run keygen where openssl is installed)")
-            listen_addr = cfg.advertise_listen or advertise(f"{lhost}:{lport}")
-        else:
-            listen_addr = cfg.listen_addr
+        listen_addr = self._bind_tunnel() if serve_http else cfg.listen_addr
         now = time.time()
         record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
@@ -6305,6 +6271,49 @@ class Node:
                  f"joining through {len(bootstrap)} bootstrap peers" if bootstrap else "no bootstrap: the first member")
         for name in self._unresolved:
             log.warning("bootstrap %s does not resolve; trying again every %.0f s", name, cfg.join_warn_after)
+
+    async def _bind_gossip(self) -> Tuple[str, int]:
+        """The gossip sockets, UDP and TCP on one port (port 0: one free for both); the host and
+        port bound."""
+        loop = asyncio.get_running_loop()
+        host, wanted = split_addr(self.config.gossip)
+        for _attempt in range(20):                  # port 0: a port free for UDP *and* TCP
+            try:
+                self.udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
+                                                                   local_addr=(host, wanted))
+            except OSError as exc:
+                raise OSError(f"cannot bind the gossip address {self.config.gossip}: {exc.strerror or exc}") from None
+            port = self.udp.get_extra_info("sockname")[1]
+            try:
+                self._tcp_server = await loop.create_server(lambda: _Stream(self._on_gossip_connection), host, port,
+                                                            reuse_address=True)
+                return host, port
+            except OSError as exc:
+                self.udp.close()
+                self.udp = None
+                failure = exc
+                if wanted:
+                    break
+        raise OSError(f"cannot bind the gossip address {host}:{port} (TCP): {failure.strerror or failure}")
+
+    def _bind_tunnel(self) -> str:
+        """The tunnel's listening socket, accepting; the address the record advertises."""
+        cfg = self.config
+        lhost, lport = split_addr(cfg.listen)
+        try:
+            self.tunnel_sock = _listen(lhost, lport)
+        except OSError as exc:
+            self._tcp_server.close()
+            self.udp.close()
+            self._tcp_server = self.udp = None
+            raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
+        lport = self.tunnel_sock.getsockname()[1]
+        self.spawn(self.tunnel.accept(self.tunnel_sock))
+        if self.tunnel_server_ssl is None:
+            self._start_warnings.append(
+                "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
+                "the key: run keygen where openssl is installed)")
+        return cfg.advertise_listen or advertise(f"{lhost}:{lport}")
 
     def health_warnings(self) -> List[str]:
         """What /healthz and the log say is wrong with our place in the overlay."""
