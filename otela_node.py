@@ -3587,20 +3587,16 @@ class Tunnel:
 #      TLS runs end to end, its server side in memory (SSLContext.wrap_bio, the tunnel port's
 #      context), fed by the link's DATA frames; the relay forwards only ciphertext, and no
 #      connection, descriptor or system call is added per stream (a socketpair per stream, or
-#      asyncio's SSLProtocol over an in-memory transport, cost the member's node 1.27x and
-#      1.44x the direct path's CPU per request). relay_mux 0 (at the relay, or at the member:
+#      asyncio's SSLProtocol over an in-memory transport, cost the member's node more CPU per
+#      request than the direct path: tests/bench_node.py, nat_phase). relay_mux 0 (at the relay, or at the member:
 #      its link hello says "mux": 0): the relay asks the member over its link to dial back, and
 #      splices the two connections byte for byte. A dialer that holds the member's link itself
 #      (the ingress as its relay) asks for the dial-back and takes that connection as it is, in
 #      either mode: there is no relay hop to save, and streams on its link would cost the busy
-#      dialer's loop a bridge per chunk (measured: +0.49-1.2 ms p50, the dial-back -0.24-0.61).
+#      dialer's loop a bridge per chunk.
 #      A forwarded request's cost at a relay is mostly its writes, so a link's reads are parsed
 #      in place (a mux frame is a view of the bytes read, its DATA written on as it is), and
 #      what the streams send goes out once per read of the link or per loop turn (_MuxLink.flush).
-#      Measured (tests/bench_node.py --only nat --nat-runs 10, NAT lab, TLS, a loaded 2-core
-#      box, medians of alternating rounds): mux adds 0.48-0.75 ms p50 over direct, the relay
-#      spends 107-130 us of CPU per request (0.74-0.84x the splice's), the member's node
-#      272-318 us; wall-clock req/s swung 0.7-1.0x between runs on that box, all paths alike.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -3624,9 +3620,8 @@ class Tunnel:
 #      remaps a port an early SYN touched, so its side must send first) until one order works,
 #      which the pair keeps until it fails. The second side waits punch_delay for the first's
 #      SYN to leave, except the dialer in a kept member-first order: the member connected as it
-#      sent its mapping, so tunnel_reply_margin is enough (a new pooled connection then costs ~2 relay
-#      RTTs, not 0.3 s more: 16 new at once cost a private ingress 30-41 % of its req/s over
-#      ~1 s in tests/bench_node.py --only nat, 4 % once pooled). The dialer is the TLS
+#      sent its mapping, so tunnel_reply_margin is enough (a new pooled connection then costs ~2
+#      relay RTTs, not 0.3 s more). The dialer is the TLS
 #      client; the member admits the socket as if accepted (TLS server, rule 1 of "Tunnel
 #      security"). Within tunnel_punch_timeout or not at all: then the splice, and after two
 #      failures in a row the pair goes straight to the relay for punch_retry.
