@@ -223,22 +223,23 @@ def _check_count(where: str, field: str, value: Any) -> None:
         raise RecordError(f"{where}: {field} must be an integer in [0, 2^53)")
 
 
-def _check_names(where: str, field: str, names: Any, least: int = 0) -> None:
-    """A list of `least` to MAX_LIST strings (models, a key's allowed models)."""
+def _check_names(where: str, field: str, names: Any, entry: str, least: int = 0) -> None:
+    """A list of `least` to MAX_LIST strings (models, a key's allowed models), each an `entry`."""
     if not isinstance(names, list) or not least <= len(names) <= MAX_LIST:
-        raise RecordError(f"{where}: {field} must be a list of {least} to {MAX_LIST} names")
+        most = f"at most {MAX_LIST}" if least == 0 else f"{least} to {MAX_LIST} names"
+        raise RecordError(f"{where}: {field} must be a list of {most}")
     for name in names:
         if type(name) is not str or len(name) > MAX_STRING:   # the common case in one test
-            _check_string(f"{where}: {field} entry", name)
+            _check_string(entry, name)
 
 
-def _check_labels(where: str, labels: Any) -> None:
+def _check_labels(where: str, labels: Any, prefix: str = "") -> None:
     if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
         raise RecordError(f"{where}: labels must be an object of at most {MAX_LABELS}")
     for key, value in labels.items():
         if type(key) is not str or type(value) is not str or len(key) > MAX_STRING or len(value) > MAX_STRING:
-            _check_string(f"{where}: label key", key)
-            _check_string(f"{where}: label value", value)
+            _check_string(prefix + "label key", key)
+            _check_string(prefix + "label value", value)
 
 
 def validate(session_id: Any, record: Any) -> bytes:
@@ -275,7 +276,7 @@ def _check_session_fields(where: str, record: Dict[str, Any]) -> None:
             _check_string(field, record[field])
     if "role" in record and record["role"] not in _ROLES:
         raise RecordError(f"{where}: role must be one of {', '.join(_ROLES)}")
-    _check_names(where, "models", record.get("models", []))
+    _check_names(where, "models", record.get("models", []), "model name")
     _check_labels(where, record.get("labels", {}))
     hardware = record.get("hardware", {})
     if not isinstance(hardware, dict):
@@ -424,16 +425,10 @@ def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = ()
     """A new active key's record (its defaults left out, to keep records small)."""
     record: Dict[str, Any] = {"state": KEY_ACTIVE, "version": version, "id": key_id, "user": user,
                               "created": created}
-    if allow:
-        record["allow"] = sorted(set(allow))
-    if admin:
-        record["admin"] = True
-    if rate:
-        record["rate"] = rate
-    if budget_day:
-        record["budget_day"] = int(budget_day)
-    if budget_month:
-        record["budget_month"] = int(budget_month)
+    for field, value in (("allow", sorted(set(allow))), ("admin", bool(admin)), ("rate", rate),
+                         ("budget_day", int(budget_day)), ("budget_month", int(budget_month))):
+        if value:
+            record[field] = value
     if expires is not None:
         record["expires"] = expires
     return record
@@ -458,14 +453,16 @@ def validate_key(entry_id: str, record: Any) -> bytes:
     if not isinstance(record["id"], str) or not _KEY_ID.match(record["id"]):
         raise RecordError(f"{entry_id}: id must be 1-64 characters of [0-9A-Za-z_-]")
     _check_string("user", record["user"])
-    _check_names(entry_id, "allow", record.get("allow", []))
+    _check_names(entry_id, "allow", record.get("allow", []), "allow entry")
     if type(record.get("admin", False)) is not bool:
         raise RecordError(f"{entry_id}: admin must be true or false")
     for field in ("rate", "created", "expires", "revoked_at"):
         if field in record and (not _is_number(record[field]) or record[field] < 0):
             raise RecordError(f"{entry_id}: {field} must be a finite number >= 0")
-    for field in ("budget_day", "budget_month"):   # tokens; 0: no budget
-        _check_count(entry_id, field, record.get(field, 0))
+    for field in ("budget_day", "budget_month"):
+        value = record.get(field, 0)
+        if type(value) is not int or not 0 <= value < 2**53:
+            raise RecordError(f"{entry_id}: {field} must be an integer >= 0 (tokens; 0: none)")
     _check_sig(entry_id, record)
     return _encode_checked(entry_id, record)
 
@@ -809,8 +806,8 @@ def check_grant(grant: Any, where: str = "grant") -> None:
         raise RecordError(f"{where} must be an object")
     if not isinstance(grant.get("id"), str) or not _GRANT_ID.match(grant["id"]):
         raise RecordError(f"{where}: id must be {GRANT_ID_HEX} hex digits")
-    _check_names(where, "models", grant.get("models"), least=1)
-    _check_labels(where, grant.get("labels", {}))
+    _check_names(where, "models", grant.get("models"), f"{where}: model name", least=1)
+    _check_labels(where, grant.get("labels", {}), f"{where}: ")
     job = grant.get("job", "")
     if not isinstance(job, str) or len(job) > MAX_JOB_ID:
         raise RecordError(f"{where}: job must be a string of at most {MAX_JOB_ID} characters")

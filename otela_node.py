@@ -499,16 +499,9 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, 
     none), from the file `otela_ingress.py grant` wrote (a JSON object {"grant": {...}, "key":
     "<64 hex>", "cert": PEM, "tls_key": PEM}); refuses a file others can read, as a key file."""
     try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
-            data = crdt.loads(fh.read(64 * 1024))
-    except OSError as exc:
-        raise ConfigError(f"cannot read grant {path}: {exc.strerror}") from None
+        data = crdt.loads(_read_private(path, "grant", 64 * 1024))
     except ValueError:
         raise ConfigError(f"grant {path} is not JSON: write it with `otela_ingress.py grant`") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"grant {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
-                          f" run chmod 600 {path}")
     if not isinstance(data, dict) or not isinstance(data.get("key"), str):
         raise ConfigError(f"grant {path} has no key: write it with `otela_ingress.py grant`")
     try:
@@ -539,21 +532,27 @@ def _pinned_tls(path: str, data: Dict[str, Any]) -> Optional[Tuple[bytes, bytes]
     return cert.encode(), tls_key.encode()
 
 
+def _read_private(path: str, what: str, limit: int = -1) -> bytes:
+    """A secret file's bytes (at most `limit`); refuses a file others can read. Raises ConfigError."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            data = fh.read(limit)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{what} {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
+                          f" run chmod 600 {path}")
+    return data
+
+
 def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
     """Every secret in a key file written by `keygen`, one per line (64 hex chars): the first is
     the one this member seals (or signs) with, all of them are accepted (rotation). Refuses a
     file others can read."""
     if not path:
         raise ConfigError(f"no {what}: pass --key-file or set OTELA_KEY_FILE (make one with keygen)")
-    try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
-            raw = fh.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{what} {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
-                          f" run chmod 600 {path}")
+    raw = _read_private(path, what).strip()
     lines = [line.strip() for line in raw.splitlines() if line.strip()] or [b""]
     secrets_ = []
     for line in lines:
@@ -7742,12 +7741,9 @@ def main(argv=None) -> int:
         config = config_from_args(args)
         install_event_loop()
         return asyncio.run(run_worker(args, config))
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:          # OSError: e.g. address already in use
         print(f"otela_node.py: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:                          # e.g. address already in use
-        print(f"otela_node.py: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":
