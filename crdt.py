@@ -201,78 +201,94 @@ def plane_of(entry_id: str) -> str:
     return PLANE_OF[kind_of(entry_id)]
 
 
+def _check_object(where: str, record: Any) -> None:
+    if not isinstance(record, dict):
+        raise RecordError(f"{where}: record must be an object")
+
+
+def _check_fields(where: str, record: Dict[str, Any], required: Iterable[str],
+                  allowed: Optional[Iterable[str]] = None) -> None:
+    """Every `required` field present; with `allowed`, nothing else (a closed record)."""
+    for field in required:
+        if field not in record:
+            raise RecordError(f"{where}: missing field {field!r}")
+    unknown = sorted(set(record) - set(allowed)) if allowed is not None else ()
+    if unknown:
+        raise RecordError(f"{where}: unknown field {unknown[0]!r}")
+
+
+def _check_count(where: str, field: str, value: Any) -> None:
+    """Versions and counters: integers a JSON double holds exactly."""
+    if type(value) is not int or not 0 <= value < 2**53:
+        raise RecordError(f"{where}: {field} must be an integer in [0, 2^53)")
+
+
+def _check_names(where: str, field: str, names: Any, entry: str, least: int = 0) -> None:
+    """A list of `least` to MAX_LIST strings (models, a key's allowed models), each an `entry`."""
+    if not isinstance(names, list) or not least <= len(names) <= MAX_LIST:
+        most = f"at most {MAX_LIST}" if least == 0 else f"{least} to {MAX_LIST} names"
+        raise RecordError(f"{where}: {field} must be a list of {most}")
+    for name in names:
+        if type(name) is not str or len(name) > MAX_STRING:   # the common case in one test
+            _check_string(entry, name)
+
+
+def _check_labels(where: str, labels: Any, prefix: str = "") -> None:
+    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
+        raise RecordError(f"{where}: labels must be an object of at most {MAX_LABELS}")
+    for key, value in labels.items():
+        if type(key) is not str or type(value) is not str or len(key) > MAX_STRING or len(value) > MAX_STRING:
+            _check_string(prefix + "label key", key)
+            _check_string(prefix + "label value", value)
+
+
 def validate(session_id: Any, record: Any) -> bytes:
     """Check one record; return its canonical encoding. Raises RecordError."""
     if isinstance(session_id, str) and ":" in session_id:
-        kind = kind_of(session_id)
-        if kind == KEY:
-            return validate_key(session_id, record)
-        if kind == USAGE:
-            return validate_usage(session_id, record)
-        if kind == REVOCATION:
-            return validate_revocation(session_id, record)
-        return validate_unknown(session_id, record)
+        return _VALIDATORS[kind_of(session_id)](session_id, record)
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
         raise RecordError(f"bad session id {session_id!r}: 1-64 characters of [0-9A-Za-z_-]")
-    if not isinstance(record, dict):
-        raise RecordError(f"session {session_id}: record must be an object")
-    for field in ("owner", "state", "version", "started"):
-        if field not in record:
-            raise RecordError(f"session {session_id}: missing field {field!r}")
+    where = f"session {session_id}"
+    _check_object(where, record)
+    _check_fields(where, record, ("owner", "state", "version", "started"))
     _check_string("owner", record["owner"])
     state = record["state"]
-    if not isinstance(state, int) or isinstance(state, bool) or state not in STATE_NAMES:
-        raise RecordError(f"session {session_id}: unknown state {state!r}")
-    version = record["version"]
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**53:
-        raise RecordError(f"session {session_id}: version must be an integer in [0, 2^53)")
+    if type(state) is not int or state not in STATE_NAMES:
+        raise RecordError(f"{where}: unknown state {state!r}")
+    _check_count(where, "version", record["version"])
     if not _is_number(record["started"]):
-        raise RecordError(f"session {session_id}: started must be a finite number")
+        raise RecordError(f"{where}: started must be a finite number")
+    _check_session_fields(where, record)
+    if state == LEFT and "left_at" not in record:
+        raise RecordError(f"{where}: a LEFT record needs left_at")
+    if state in OWNER_ONLY and "evicted_by" in record:
+        raise RecordError(f"{where}: only the owner writes {STATE_NAMES[state]}; it cannot carry evicted_by")
+    _check_seal(where, record)
+    _check_evidence(where, record)
+    _check_binding(where, record)
+    return _encode_checked(where, record)
+
+
+def _check_session_fields(where: str, record: Dict[str, Any]) -> None:
+    """A session record's optional fields."""
     for field in ("addr", "gossip", "code_hash", "relay", "evicted_by"):
-        value = record.get(field)
-        if value is not None or field in record:
-            _check_string(field, value)
+        if field in record:
+            _check_string(field, record[field])
     if "role" in record and record["role"] not in _ROLES:
-        raise RecordError(f"session {session_id}: role must be one of {', '.join(_ROLES)}")
-    models = record.get("models", [])
-    if not isinstance(models, list) or len(models) > MAX_LIST:
-        raise RecordError(f"session {session_id}: models must be a list of at most {MAX_LIST}")
-    for model in models:
-        if type(model) is not str or len(model) > MAX_STRING:   # the common case in one test
-            _check_string("model name", model)
-    labels = record.get("labels", {})
-    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
-        raise RecordError(f"session {session_id}: labels must be an object of at most {MAX_LABELS}")
-    for key, value in labels.items():
-        if type(key) is not str or type(value) is not str or len(key) > MAX_STRING or len(value) > MAX_STRING:
-            _check_string("label key", key)
-            _check_string("label value", value)
+        raise RecordError(f"{where}: role must be one of {', '.join(_ROLES)}")
+    _check_names(where, "models", record.get("models", []), "model name")
+    _check_labels(where, record.get("labels", {}))
     hardware = record.get("hardware", {})
     if not isinstance(hardware, dict):
-        raise RecordError(f"session {session_id}: hardware must be an object")
+        raise RecordError(f"{where}: hardware must be an object")
     if "gpu" in hardware:
         _check_string("hardware.gpu", hardware["gpu"])
     for field in ("count", "memory_gb"):
         if field in hardware and (not _is_number(hardware[field]) or hardware[field] < 0):
-            raise RecordError(f"session {session_id}: hardware.{field} must be a number >= 0")
+            raise RecordError(f"{where}: hardware.{field} must be a number >= 0")
     for field in ("capacity", "left_at", "ends_at"):
         if field in record and not _is_number(record[field]):
-            raise RecordError(f"session {session_id}: {field} must be a finite number")
-    if state == LEFT and "left_at" not in record:
-        raise RecordError(f"session {session_id}: a LEFT record needs left_at")
-    if state in OWNER_ONLY and "evicted_by" in record:
-        raise RecordError(f"session {session_id}: only the owner writes "
-                          f"{STATE_NAMES[state]}; it cannot carry evicted_by")
-    _check_ending(session_id, record)
-    _check_binding(session_id, record)
-    try:
-        encoded = encode(record)
-    except (TypeError, ValueError) as exc:
-        raise RecordError(f"session {session_id}: not encodable: {exc}") from None
-    if len(encoded) > MAX_RECORD_BYTES:
-        raise RecordError(f"session {session_id}: record is {len(encoded)} bytes, "
-                          f"over {MAX_RECORD_BYTES}")
-    return encoded
+            raise RecordError(f"{where}: {field} must be a finite number")
 
 
 # =============================================================================================
@@ -326,35 +342,37 @@ def is_voucher(value: Any) -> bool:
     return isinstance(value, str) and bool(_HEX32.match(value))
 
 
-def _check_ending(session_id: str, record: Dict[str, Any]) -> None:
+def _check_seal(where: str, record: Dict[str, Any]) -> None:
     for field in ("seal", "unseal"):
         if field in record and not (isinstance(record[field], str) and _HEX32.match(record[field])):
-            raise RecordError(f"session {session_id}: {field} must be 32 hex digits")
+            raise RecordError(f"{where}: {field} must be 32 hex digits")
     if "unseal" in record:
         if record["state"] < DOWN or "seal" not in record or seal_of(record["unseal"]) != record["seal"]:
-            raise RecordError(f"session {session_id}: unseal is the secret of the record's seal, "
+            raise RecordError(f"{where}: unseal is the secret of the record's seal, "
                               "in its owner's DOWN or LEFT only")
+
+
+def _check_evidence(where: str, record: Dict[str, Any]) -> None:
     evidence = record.get("evidence")
     if evidence is None:
         if "vouch" in record:
-            raise RecordError(f"session {session_id}: vouch comes with an eviction's evidence")
+            raise RecordError(f"{where}: vouch comes with an eviction's evidence")
         return
     if "evicted_by" not in record or not isinstance(evidence, dict) \
             or set(evidence) != {"since", "grace", "by"}:
-        raise RecordError(f"session {session_id}: evidence is an eviction's since, grace and by")
+        raise RecordError(f"{where}: evidence is an eviction's since, grace and by")
     by = evidence["by"]
     if not _is_number(evidence["since"]) or not _is_number(evidence["grace"]) or evidence["grace"] < 0 \
             or not isinstance(by, list) or not 1 <= len(by) <= MAX_CONFIRMERS \
             or not all(isinstance(b, str) and _SESSION_ID.match(b) for b in by) or record["evicted_by"] not in by:
-        raise RecordError(f"session {session_id}: evidence: since and grace >= 0 numbers, by 1-"
+        raise RecordError(f"{where}: evidence: since and grace >= 0 numbers, by 1-"
                           f"{MAX_CONFIRMERS} session ids with the evictor")
     if record["state"] == LEFT and record["left_at"] < evidence["since"] + evidence["grace"]:
-        raise RecordError(f"session {session_id}: evicted before its grace was over")
+        raise RecordError(f"{where}: evicted before its grace was over")
     vouch = record.get("vouch", {})
     if not isinstance(vouch, dict) or len(vouch) > MAX_CONFIRMERS \
             or not all(c in by and is_voucher(m) for c, m in vouch.items()):
-        raise RecordError(f"session {session_id}: vouch maps confirmers in the evidence to "
-                          f"{VOUCHER_HEX} hex digits each")
+        raise RecordError(f"{where}: vouch maps confirmers in the evidence to {VOUCHER_HEX} hex digits each")
 
 
 def ending_refused(held: Optional[Dict[str, Any]], record: Dict[str, Any]) -> Optional[str]:
@@ -407,16 +425,10 @@ def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = ()
     """A new active key's record (its defaults left out, to keep records small)."""
     record: Dict[str, Any] = {"state": KEY_ACTIVE, "version": version, "id": key_id, "user": user,
                               "created": created}
-    if allow:
-        record["allow"] = sorted(set(allow))
-    if admin:
-        record["admin"] = True
-    if rate:
-        record["rate"] = rate
-    if budget_day:
-        record["budget_day"] = int(budget_day)
-    if budget_month:
-        record["budget_month"] = int(budget_month)
+    for field, value in (("allow", sorted(set(allow))), ("admin", bool(admin)), ("rate", rate),
+                         ("budget_day", int(budget_day)), ("budget_month", int(budget_month))):
+        if value:
+            record[field] = value
     if expires is not None:
         record["expires"] = expires
     return record
@@ -432,27 +444,16 @@ def revoked(record: Dict[str, Any], now: float) -> Dict[str, Any]:
 def validate_key(entry_id: str, record: Any) -> bytes:
     if not _KEY_ENTRY.match(entry_id):
         raise RecordError(f"bad key entry {entry_id!r}: 'key:' and 64 hex digits of sha256")
-    if not isinstance(record, dict):
-        raise RecordError(f"{entry_id}: record must be an object")
-    for field, required in _KEY_FIELDS.items():
-        if required and field not in record:
-            raise RecordError(f"{entry_id}: missing field {field!r}")
-    unknown = sorted(set(record) - set(_KEY_FIELDS))
-    if unknown:   # closed: nothing else (a secret, say) ever travels in a key record
-        raise RecordError(f"{entry_id}: unknown field {unknown[0]!r}")
-    state = record["state"]
-    if type(state) is not int or state not in KEY_LIFECYCLE:
-        raise RecordError(f"{entry_id}: unknown key state {state!r}")
-    if type(record["version"]) is not int or not 0 <= record["version"] < 2**53:
-        raise RecordError(f"{entry_id}: version must be an integer in [0, 2^53)")
+    _check_object(entry_id, record)
+    # closed: nothing else (a secret, say) ever travels in a key record
+    _check_fields(entry_id, record, [f for f, required in _KEY_FIELDS.items() if required], _KEY_FIELDS)
+    if type(record["state"]) is not int or record["state"] not in KEY_LIFECYCLE:
+        raise RecordError(f"{entry_id}: unknown key state {record['state']!r}")
+    _check_count(entry_id, "version", record["version"])
     if not isinstance(record["id"], str) or not _KEY_ID.match(record["id"]):
         raise RecordError(f"{entry_id}: id must be 1-64 characters of [0-9A-Za-z_-]")
     _check_string("user", record["user"])
-    allow = record.get("allow", [])
-    if not isinstance(allow, list) or len(allow) > MAX_LIST:
-        raise RecordError(f"{entry_id}: allow must be a list of at most {MAX_LIST}")
-    for entry in allow:
-        _check_string("allow entry", entry)
+    _check_names(entry_id, "allow", record.get("allow", []), "allow entry")
     if type(record.get("admin", False)) is not bool:
         raise RecordError(f"{entry_id}: admin must be true or false")
     for field in ("rate", "created", "expires", "revoked_at"):
@@ -517,20 +518,14 @@ def usage_record(key_hash: str, model: str, day: str, slot: str, version: int, r
 def validate_usage(entry_id: str, record: Any) -> bytes:
     if not _USAGE_ENTRY.match(entry_id):
         raise RecordError(f"bad usage entry {entry_id!r}: 'use:' and 32 hex digits")
-    if not isinstance(record, dict):
-        raise RecordError(f"{entry_id}: record must be an object")
+    _check_object(entry_id, record)
     fields = ("state", "version", "key", "model", "day", "slot") + USAGE_COUNTS
-    for field in fields:
-        if field not in record:
-            raise RecordError(f"{entry_id}: missing field {field!r}")
-    if set(record) - set(fields) - {"sig"}:
-        raise RecordError(f"{entry_id}: unknown field {sorted(set(record) - set(fields) - {'sig'})[0]!r}")
+    _check_fields(entry_id, record, fields, fields + ("sig",))
     _check_sig(entry_id, record)
     if record["state"] != 0 or type(record["state"]) is not int:
         raise RecordError(f"{entry_id}: a usage slot's state is 0")
     for field in ("version",) + USAGE_COUNTS:
-        if type(record[field]) is not int or not 0 <= record[field] < 2**53:
-            raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+        _check_count(entry_id, field, record[field])
     for field in USAGE_COUNTS[1:]:
         if record[field] > record["requests"] * MAX_REQUEST_TOKENS:
             raise RecordError(f"{entry_id}: {field} over {MAX_REQUEST_TOKENS} a request")
@@ -607,11 +602,9 @@ def validate_unknown(entry_id: str, record: Any) -> bytes:
     order and bound it (rule 2 still holds: anything else raises RecordError)."""
     if not _UNKNOWN_ID.match(entry_id):
         raise RecordError(f"bad entry id {entry_id!r}: a session id, or '<kind>:<name>'")
-    if not isinstance(record, dict):
-        raise RecordError(f"{entry_id}: record must be an object")
-    for field in ("state", "version"):
-        if type(record.get(field)) is not int or not 0 <= record[field] < 2**53:
-            raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+    _check_object(entry_id, record)
+    _check_count(entry_id, "state", record.get("state"))
+    _check_count(entry_id, "version", record.get("version"))
     return _encode_checked(entry_id, record)
 
 
@@ -800,11 +793,11 @@ MAX_REVOCATIONS = 20_000      # revoked grants and jobs held at once: years of a
                               # at a few a day, ~3 MB at worst
 
 
-def _check_binding(session_id: str, record: Dict[str, Any]) -> None:
+def _check_binding(where: str, record: Dict[str, Any]) -> None:
     if "bind" in record and not (isinstance(record["bind"], str) and _SIG.match(record["bind"])):
-        raise RecordError(f"session {session_id}: bind must be {SIG_LEN} hex digits")
+        raise RecordError(f"{where}: bind must be {SIG_LEN} hex digits")
     if "grant" in record:
-        check_grant(record["grant"], f"session {session_id}: grant")
+        check_grant(record["grant"], f"{where}: grant")
 
 
 def check_grant(grant: Any, where: str = "grant") -> None:
@@ -813,17 +806,8 @@ def check_grant(grant: Any, where: str = "grant") -> None:
         raise RecordError(f"{where} must be an object")
     if not isinstance(grant.get("id"), str) or not _GRANT_ID.match(grant["id"]):
         raise RecordError(f"{where}: id must be {GRANT_ID_HEX} hex digits")
-    models = grant.get("models")
-    if not isinstance(models, list) or not 0 < len(models) <= MAX_LIST:
-        raise RecordError(f"{where}: models must be a list of 1 to {MAX_LIST} names")
-    for model in models:
-        _check_string(f"{where}: model name", model)
-    labels = grant.get("labels", {})
-    if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
-        raise RecordError(f"{where}: labels must be an object of at most {MAX_LABELS}")
-    for key, value in labels.items():
-        _check_string(f"{where}: label key", key)
-        _check_string(f"{where}: label value", value)
+    _check_names(where, "models", grant.get("models"), f"{where}: model name", least=1)
+    _check_labels(where, grant.get("labels", {}), f"{where}: ")
     job = grant.get("job", "")
     if not isinstance(job, str) or len(job) > MAX_JOB_ID:
         raise RecordError(f"{where}: job must be a string of at most {MAX_JOB_ID} characters")
@@ -893,14 +877,10 @@ def revocation_entry(target: str) -> str:
 def validate_revocation(entry_id: str, record: Any) -> bytes:
     if not _REVOCATION.match(entry_id):
         raise RecordError(f"bad revocation {entry_id!r}: 'rev:' and a grant id or job-<id>")
-    if not isinstance(record, dict):
-        raise RecordError(f"{entry_id}: record must be an object")
-    unknown = sorted(set(record) - {"state", "version", "at", "sig"})
-    if unknown:
-        raise RecordError(f"{entry_id}: unknown field {unknown[0]!r}")
-    for field in ("state", "version"):
-        if type(record.get(field)) is not int or not 0 <= record[field] < 2**53:
-            raise RecordError(f"{entry_id}: {field} must be an integer in [0, 2^53)")
+    _check_object(entry_id, record)
+    _check_fields(entry_id, record, (), ("state", "version", "at", "sig"))
+    _check_count(entry_id, "state", record.get("state"))
+    _check_count(entry_id, "version", record.get("version"))
     if not _is_number(record.get("at")):
         raise RecordError(f"{entry_id}: at must be a finite number (unix time)")
     _check_sig(entry_id, record)
@@ -924,6 +904,10 @@ def _encode_checked(entry_id: str, record: Dict[str, Any]) -> bytes:
     if len(encoded) > MAX_RECORD_BYTES:
         raise RecordError(f"{entry_id}: record is {len(encoded)} bytes, over {MAX_RECORD_BYTES}")
     return encoded
+
+
+# The validator of each kind of entry but sessions (validate's own)
+_VALIDATORS = {KEY: validate_key, USAGE: validate_usage, REVOCATION: validate_revocation, UNKNOWN: validate_unknown}
 
 
 # =============================================================================================
@@ -989,6 +973,9 @@ def _wins(new: Dict[str, Any], new_encoded: bytes, old: _Entry) -> bool:
 def _same(session_id: str, encoded: bytes, old: _Entry) -> bool:
     return old.hash == _entry_hash(session_id, encoded)
 
+
+# The kinds held only up to a count (new ids past it refused, counted under that name)
+_FULL = {UNKNOWN: (MAX_UNKNOWN, "unknown_full"), REVOCATION: (MAX_REVOCATIONS, "revocations_full")}
 
 Entries = Union[Dict[str, Dict[str, Any]], Iterable[Tuple[str, Dict[str, Any]]]]
 
@@ -1109,40 +1096,15 @@ class GMap:
                 if self._apply(sid, dict(record), encoded)]
 
     def _apply(self, session_id: str, record: Dict[str, Any], encoded: bytes) -> bool:
-        if session_id in self._forgotten:
-            return False
         kind = kind_of(session_id)
-        plane = PLANE_OF[kind]
-        if plane not in self.planes:
-            self.refused["plane"] += 1           # not ours to hold (a worker: keys and usage)
-            return False
-        if kind == SESSION and record["state"] == LEFT and record["left_at"] < self._horizon:
-            return False
-        if kind == USAGE and not usage_kept(record["day"], *self._usage_horizon):
-            return False
-        if kind == KEY and _key_ended(record) < self._key_horizon:
-            return False
         old = self._entries.get(session_id)
-        if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
-            return False   # the common gossip case, a duplicate, costs one hash
-        if kind == SESSION and (record["state"] >= DOWN or old is not None):
-            why = ending_refused(old.record if old is not None else None, record)
-            if why is not None:
+        why = self._refusal(session_id, kind, record, encoded, old)
+        if why is not None:
+            if why:
                 self.refused[why] += 1
-                return False
-        if kind == SESSION and self.binder is not None:
-            why = self.binder.refusal(session_id, record, old.record if old is not None else None)
-            if why is not None:
-                self.refused[why] += 1
-                return False
-        if old is None and kind == UNKNOWN and len(self._by_kind[UNKNOWN]) >= MAX_UNKNOWN:
-            self.refused["unknown_full"] += 1
             return False
-        if old is None and kind == REVOCATION and len(self._by_kind[REVOCATION]) >= MAX_REVOCATIONS:
-            self.refused["revocations_full"] += 1
-            return False
-        bucket = old.bucket if old is not None else _bucket(session_id)
-        new = _Entry(record, encoded, session_id, bucket, plane)
+        plane = PLANE_OF[kind]
+        new = _Entry(record, encoded, session_id, old.bucket if old is not None else _bucket(session_id), plane)
         if old is not None:
             self._unhash(old)
         elif kind == USAGE:
@@ -1154,6 +1116,35 @@ class GMap:
         self._all.flip(new)
         self._hashes[plane].flip(new)
         return True
+
+    def _refusal(self, session_id: str, kind: str, record: Dict[str, Any], encoded: bytes,
+                 old: Optional[_Entry]) -> Optional[str]:
+        """Why `record` is not applied: a `refused` count's name, "" where nothing is counted
+        (forgotten, past a horizon, not newer than what is held), None when it is applied."""
+        if session_id in self._forgotten:
+            return ""
+        if PLANE_OF[kind] not in self.planes:
+            return "plane"                       # not ours to hold (a worker: keys and usage)
+        if self._past_horizon(kind, record):
+            return ""
+        if old is not None and (_same(session_id, encoded, old) or not _wins(record, encoded, old)):
+            return ""      # the common gossip case, a duplicate, costs one hash
+        if kind == SESSION:
+            held = old.record if old is not None else None
+            why = ending_refused(held, record) if record["state"] >= DOWN or old is not None else None
+            if why is None and self.binder is not None:
+                why = self.binder.refusal(session_id, record, held)
+            return why
+        cap, why = _FULL.get(kind, (math.inf, None))
+        return why if old is None and len(self._by_kind[kind]) >= cap else None
+
+    def _past_horizon(self, kind: str, record: Dict[str, Any]) -> bool:
+        """A LEFT session, usage period or ended key that compaction has already dropped."""
+        if kind == SESSION:
+            return record["state"] == LEFT and record["left_at"] < self._horizon
+        if kind == USAGE:
+            return not usage_kept(record["day"], *self._usage_horizon)
+        return kind == KEY and _key_ended(record) < self._key_horizon
 
     def _unhash(self, entry: _Entry) -> None:
         self._all.flip(entry)
@@ -1300,43 +1291,48 @@ def parse_settings(parser: argparse.ArgumentParser, argv: Optional[List[str]], n
     they differ (separator None: one value), or to None: no variable (a destructive one-shot
     switch such as keygen's --force). ValueError for a variable the flag would refuse."""
     names, repeated = names or {}, []
-
-    def read(parser):
-        for action in parser._actions:
-            if isinstance(action.choices, dict):   # the subcommands
-                for sub in action.choices.values():
-                    read(sub)
-                continue
-            if not action.option_strings or action.dest in ("help", "version"):
-                continue
-            flag = action.option_strings[-1]
-            if flag in names and names[flag] is None:
-                continue
-            name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
-            convert = action.type or str
-            if action.nargs == 0:   # a switch: true is as if it were given
-                value = env_value(name, bool, env)
-                if value is not None:
-                    action.default = action.const if value else not action.const
-            elif isinstance(action, argparse._AppendAction):
-                def items(raw, convert=convert, sep=sep):
-                    return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
-                value = env_value(name, items, env)
-                if value is not None:
-                    repeated.append((action, value))
-            else:
-                value = env_value(name, convert, env)
-                if value is not None and action.choices is not None and value not in action.choices:
-                    raise ValueError(f"OTELA_{name}={value!r}: expected one of "
-                                     f"{', '.join(map(str, action.choices))}")
-                if value is not None:
-                    action.default = value
-            if value is not None:
-                action.required = False
-
-    read(parser)
+    for action in _options(parser):
+        flag = action.option_strings[-1]
+        if flag in names and names[flag] is None:
+            continue
+        name, sep = names.get(flag, (flag.lstrip("-").replace("-", "_").upper(), ","))
+        value = _variable(action, name, sep, env)
+        if value is None:
+            continue
+        action.required = False
+        if action.nargs == 0:   # a switch: true is as if it were given
+            action.default = action.const if value else not action.const
+        elif isinstance(action, argparse._AppendAction):
+            repeated.append((action, value))
+        else:
+            action.default = value
     args = parser.parse_args(argv)
     for action, values in repeated:
         if getattr(args, action.dest, None) is action.default:   # the flag was not given
             setattr(args, action.dest, values)
     return args
+
+
+def _options(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    """Every option of `parser` and of its subcommands, but --help and --version."""
+    for action in parser._actions:
+        if isinstance(action.choices, dict):   # the subcommands
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif action.option_strings and action.dest not in ("help", "version"):
+            yield action
+
+
+def _variable(action: argparse.Action, name: str, sep: Optional[str], env: Mapping[str, str]) -> Any:
+    """OTELA_<name> read as `action` reads its flag's value (None: not set)."""
+    convert = action.type or str
+    if action.nargs == 0:
+        return env_value(name, bool, env)
+    if isinstance(action, argparse._AppendAction):
+        def items(raw):
+            return [convert(item.strip()) for item in ([raw] if sep is None else raw.split(sep)) if item.strip()]
+        return env_value(name, items, env)
+    value = env_value(name, convert, env)
+    if value is not None and action.choices is not None and value not in action.choices:
+        raise ValueError(f"OTELA_{name}={value!r}: expected one of {', '.join(map(str, action.choices))}")
+    return value

@@ -499,16 +499,9 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, 
     none), from the file `otela_ingress.py grant` wrote (a JSON object {"grant": {...}, "key":
     "<64 hex>", "cert": PEM, "tls_key": PEM}); refuses a file others can read, as a key file."""
     try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
-            data = crdt.loads(fh.read(64 * 1024))
-    except OSError as exc:
-        raise ConfigError(f"cannot read grant {path}: {exc.strerror}") from None
+        data = crdt.loads(_read_private(path, "grant", 64 * 1024))
     except ValueError:
         raise ConfigError(f"grant {path} is not JSON: write it with `otela_ingress.py grant`") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"grant {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
-                          f" run chmod 600 {path}")
     if not isinstance(data, dict) or not isinstance(data.get("key"), str):
         raise ConfigError(f"grant {path} has no key: write it with `otela_ingress.py grant`")
     try:
@@ -520,9 +513,14 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, 
         raise ConfigError(f"grant {path}: key must be hex") from None
     if len(key) != 32 or "mac" not in data["grant"]:
         raise ConfigError(f"grant {path}: key must be 64 hex digits and the grant signed (mac)")
+    return data["grant"], key, _pinned_tls(path, data)
+
+
+def _pinned_tls(path: str, data: Dict[str, Any]) -> Optional[Tuple[bytes, bytes]]:
+    """A grant file's tunnel certificate and key, checked against the grant's pin (None: no pin)."""
     pin = data["grant"].get("tls")
     if pin is None:
-        return data["grant"], key, None
+        return None
     cert, tls_key = data.get("cert"), data.get("tls_key")
     if not isinstance(cert, str) or not isinstance(tls_key, str):
         raise ConfigError(f"grant {path} pins a tunnel certificate but holds none (cert, tls_key)")
@@ -531,7 +529,21 @@ def load_grant(path: str) -> Tuple[Dict[str, Any], bytes, Optional[Tuple[bytes, 
             raise ConfigError(f"grant {path}: its certificate is not the one the grant pins")
     except ValueError:
         raise ConfigError(f"grant {path}: cert is not a PEM certificate") from None
-    return data["grant"], key, (cert.encode(), tls_key.encode())
+    return cert.encode(), tls_key.encode()
+
+
+def _read_private(path: str, what: str, limit: int = -1) -> bytes:
+    """A secret file's bytes (at most `limit`); refuses a file others can read. Raises ConfigError."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            data = fh.read(limit)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{what} {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
+                          f" run chmod 600 {path}")
+    return data
 
 
 def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
@@ -540,15 +552,7 @@ def load_secrets(path: str, what: str = "cluster key") -> List[bytes]:
     file others can read."""
     if not path:
         raise ConfigError(f"no {what}: pass --key-file or set OTELA_KEY_FILE (make one with keygen)")
-    try:
-        st = os.stat(path)
-        with open(path, "rb") as fh:
-            raw = fh.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{what} {path} is accessible by others (mode {stat.S_IMODE(st.st_mode):o});"
-                          f" run chmod 600 {path}")
+    raw = _read_private(path, what).strip()
     lines = [line.strip() for line in raw.splitlines() if line.strip()] or [b""]
     secrets_ = []
     for line in lines:
@@ -641,24 +645,9 @@ class Wire:
         body, tag = data[:-TAG_LEN], data[-TAG_LEN:]
         if not self._tag_ok(body, tag):
             return self._drop("forged")
-        _, sent, nonce = _HEAD.unpack_from(body)
-        if abs(now - sent) > self.window + 1:
-            return self._drop("stale")
-        if nonce in self._nonces:
-            return self._drop("replayed")
-        if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
-            self._prune(now)                # full: at most once a second, not once per datagram
-        sender = self._names.setdefault(sender, sender)   # one string per sender, not per entry
-        held = self._held.get(sender, 0)
-        if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
-                held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
-            if sender in self.flooders or len(self.flooders) < FLOODERS_NAMED:
-                self.flooders[sender] += 1
-            else:
-                self.flooders["other"] += 1
-            return self._drop("flooded")    # refuse, don't grow: its sender's share is full
-        self._nonces[nonce] = (sent + self.window + 2, sender)   # stale after that: no replay to fear
-        self._held[sender] = held + 1
+        why = self._first_sight(body, now, sender)
+        if why:
+            return self._drop(why)
         try:
             msg = crdt.loads(body[_HEAD.size:])
         except ValueError:
@@ -667,6 +656,27 @@ class Wire:
             return self._drop("malformed")
         self.accepted += 1
         return msg
+
+    def _first_sight(self, body: bytes, now: float, sender: str) -> str:
+        """Why an authentic envelope is refused by the replay cache ("stale", "replayed",
+        "flooded"), or "" when it is new (its nonce then held until it is stale anyway)."""
+        _, sent, nonce = _HEAD.unpack_from(body)
+        if abs(now - sent) > self.window + 1:
+            return "stale"
+        if nonce in self._nonces:
+            return "replayed"
+        if now >= self._next_prune or (len(self._nonces) >= self.cache_limit and now >= self._pruned + 1.0):
+            self._prune(now)                # full: at most once a second, not once per datagram
+        sender = self._names.setdefault(sender, sender)   # one string per sender, not per entry
+        held = self._held.get(sender, 0)
+        if held >= self.sender_limit or (len(self._nonces) >= self.cache_limit and (
+                held * len(self._held) >= len(self._nonces) or len(self._nonces) >= 2 * self.cache_limit)):
+            named = sender in self.flooders or len(self.flooders) < FLOODERS_NAMED
+            self.flooders[sender if named else "other"] += 1
+            return "flooded"                # refuse, don't grow: its sender's share is full
+        self._nonces[nonce] = (sent + self.window + 2, sender)   # stale after that: no replay to fear
+        self._held[sender] = held + 1
+        return ""
 
     def _prune(self, now: float) -> None:
         self._nonces = {n: kept for n, kept in self._nonces.items() if kept[0] > now}
@@ -1135,12 +1145,7 @@ class FailureDetector:
 
     def _suspect(self, sid: str, version: int, by: str, now: float, src: Optional[str]) -> List[Out]:
         if sid == self.sid:
-            if version < self.own_version() or self.leaving:
-                return []
-            self._degrade()                         # others can't reach us: maybe we are the problem
-            # Refute: a newer version clears the suspicion. It carries our local health, so
-            # that every prober gives a member that knows it is slow longer to answer.
-            return self.update(now, lhm=self.lhm)
+            return self._refute(version, now)
         record = self.record_of(sid)
         if record is None or record["state"] == crdt.LEFT or version < record["version"]:
             return []
@@ -1154,17 +1159,24 @@ class FailureDetector:
             if by in sus.confirmers:
                 return []
             sus.confirmers.add(by)
-        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1)
-        if self.sid != min(sus.confirmers):
-            # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
-            # little later, so that N timers firing together do not make N different LEFT records.
-            sus.deadline += 2 * self.cfg.probe_interval
+        # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
+        # little later, so that N timers firing together do not make N different LEFT records.
+        backup = 2 * self.cfg.probe_interval if self.sid != min(sus.confirmers) else 0.0
+        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1) + backup
         out: List[Out] = []
         if len(sus.confirmers) <= self._expected_confirmations() + 1:
             out = self._rumour([Rumour("s", sid, by)], now, src)
         if new:
             self._notify(sid, record)
         return out
+
+    def _refute(self, version: int, now: float) -> List[Out]:
+        """We are suspected: a newer version clears the suspicion. It carries our local health,
+        so that every prober gives a member that knows it is slow longer to answer."""
+        if version < self.own_version() or self.leaving:
+            return []
+        self._degrade()                             # others can't reach us: maybe we are the problem
+        return self.update(now, lhm=self.lhm)
 
     def _expected_confirmations(self) -> int:
         return max(1, int(self.cfg.suspicion_mult) - 2)
@@ -1463,26 +1475,9 @@ class Overlay(FailureDetector):
         if now >= self.next_redial:
             out += self._redial(now)
         if now >= self.next_push_pull:
-            self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * cfg.push_pull_interval
-            peer = self._peers(1)
-            if peer:
-                out.append(self.digest_to(peer[0]))
-            # ... and with a seed (an ingress, or a relay): whatever the members' number, or how
-            # many of them are forged sessions nobody answers for, the seeds hear from everyone
-            # and everyone from the seeds every round. An ingress picks an ingress (the ingress
-            # plane is compared with ingresses only).
-            seeds = [a for a in (self.ingresses or self.seeds).values() if a not in peer]
-            if seeds:
-                out.append(self.digest_to(self.rng.choice(seeds)))
+            out += self._push_pull(now)
         if now >= self.next_join:
-            if self.members:
-                self.join_backoff = cfg.join_retry_min
-                self.next_join = now + cfg.join_retry_max   # only a watchdog while we have peers
-            else:                                   # lost every peer: knock again, backing off
-                self.join_backoff = min(self.join_backoff * 2, cfg.join_retry_max)
-                self.next_join = now + self.join_backoff
-                out += [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, True)
-                        for a in self.bootstrap]
+            out += self._knock(now)
         if now >= self.next_compact:
             self.next_compact = now + cfg.compact_interval
             if self.map.compact(now):
@@ -1490,6 +1485,30 @@ class Overlay(FailureDetector):
             self._compact_detector(now)
         self.expected_wakeup = self.next_wakeup()
         return self._count(out)
+
+    def _push_pull(self, now: float) -> List[Out]:
+        """Anti-entropy with a random member, and with a seed (an ingress, or a relay): whatever
+        the members' number, or how many of them are forged sessions nobody answers for, the
+        seeds hear from everyone and everyone from the seeds every round. An ingress picks an
+        ingress (the ingress plane is compared with ingresses only)."""
+        self.next_push_pull = now + self.rng.uniform(0.8, 1.2) * self.cfg.push_pull_interval
+        peer = self._peers(1)
+        out = [self.digest_to(peer[0])] if peer else []
+        seeds = [a for a in (self.ingresses or self.seeds).values() if a not in peer]
+        if seeds:
+            out.append(self.digest_to(self.rng.choice(seeds)))
+        return out
+
+    def _knock(self, now: float) -> List[Out]:
+        """The join's watchdog: while we have peers, nothing; alone, join again, backing off."""
+        cfg = self.cfg
+        if self.members:
+            self.join_backoff = cfg.join_retry_min
+            self.next_join = now + cfg.join_retry_max
+            return []
+        self.join_backoff = min(self.join_backoff * 2, cfg.join_retry_max)
+        self.next_join = now + self.join_backoff
+        return [Out(a, {"t": "j", "r": {self.sid: self.map.get(self.sid)}}, True) for a in self.bootstrap]
 
     def next_wakeup(self) -> float:
         times = [self.next_push_pull, self.next_join, self.next_compact, self.next_redial]
@@ -1636,33 +1655,34 @@ class Overlay(FailureDetector):
     def _merge(self, records, src: str, now: float, push: bool = True, joining: tuple = ()) -> List[Out]:
         if not isinstance(records, dict):
             raise ValueError("records must be an object")
-        fresh = {}
-        for sid, record in records.items():
-            if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
-                # The ingress plane: held by ingresses, written only by the ingress tier. A worker
-                # drops it (an ingress of the release before planes still sends it); an ingress
-                # applies only what the tier signed (the cluster key alone writes nothing here).
-                if self.authority is None:
-                    self.refused["plane"] += 1
-                    continue
-                if not isinstance(record, dict) or not self.authority.verify(sid, record):
-                    self.refused["unsigned"] += 1
-                    continue
-            mine = self.known.get(sid)
-            if mine is not None and isinstance(record, dict):
-                theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
-                if type(theirs[0]) is int and type(theirs[1]) is int and \
-                        (theirs < ours or (theirs == ours and record == mine.record)):
-                    if self.rumours:
-                        self._known_elsewhere(sid)
-                    continue                        # a copy we have, or older: no need to validate
-            fresh[sid] = record
+        fresh = {sid: record for sid, record in records.items() if self._news(sid, record)}
         changed = self.map.merge(fresh, joining)
         done = set(changed)                         # a set: a joiner's merge of 100k records is linear
         for sid in fresh if self.rumours else ():
             if sid not in done:
                 self._known_elsewhere(sid)
         return self._changed(changed, now, exclude=src, push=push)
+
+    def _news(self, sid: Any, record: Any) -> bool:
+        """Whether a record sent to us goes on to the map's merge: not a copy we have or older
+        (no need to validate those), and on the ingress plane only what the ingress tier signed."""
+        if isinstance(sid, str) and ":" in sid and crdt.plane_of(sid) == crdt.INGRESS:
+            # Held by ingresses, written only by the ingress tier. A worker drops it (an ingress
+            # of the release before planes still sends it); an ingress applies only what the
+            # tier signed (the cluster key alone writes nothing here).
+            if self.authority is None or not isinstance(record, dict) or not self.authority.verify(sid, record):
+                self.refused["plane" if self.authority is None else "unsigned"] += 1
+                return False
+        mine = self.known.get(sid)
+        if mine is None or not isinstance(record, dict):
+            return True
+        theirs, ours = (record.get("state"), record.get("version")), (mine.state, mine.version)
+        if type(theirs[0]) is int and type(theirs[1]) is int and \
+                (theirs < ours or (theirs == ours and record == mine.record)):
+            if self.rumours:
+                self._known_elsewhere(sid)
+            return False
+        return True
 
     def _known_elsewhere(self, sid: str) -> None:
         """Others sent us the record we rumour: lose interest in it sooner."""
@@ -1678,9 +1698,7 @@ class Overlay(FailureDetector):
         it was just given would cost N datagrams per join across the cluster. Records the
         origin sent to every member (push=LATER) are sent on once, a tick later."""
         out: List[Out] = []
-        keys = []
-        met = []
-        gone = []
+        keys, met, gone = [], [], []
         for sid in sids:
             record = self.map.get(sid)
             if record is None:
@@ -1701,29 +1719,42 @@ class Overlay(FailureDetector):
                 continue
             keys.append(Rumour("r", sid))
             self._notify(sid, record)
-        for sid in gone:                            # once every member is known: pushed to all
-            log.info("session %s superseded: this process now serves its address", sid)
-            version = self.map.get(sid)["version"]  # (our own word: we see its successor)
-            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]},
-                                {self.sid: crdt.voucher(self.bind_key, sid, version, self.sid)})
+        out += self._retire_superseded(gone, now)
         while self.met_ingresses:                   # the ingress plane's anti-entropy, now
             out.append(self.digest_to(self.met_ingresses.pop()))
         if met and not self.leaving:
-            # Members met through anti-entropy (a healed split, a restart) may not know us:
-            # introduce ourselves to them the way a write is pushed, acked and resent (to more
-            # than origin_fanout: as a rumour, which reaches them all in a few hops).
-            if len(met) <= self.cfg.origin_fanout:
-                out += self._push([Rumour("r", self.sid)], met, now)
-            else:
-                out += self._rumour([Rumour("r", self.sid)], now, origin=True)
+            out += self._introduce(met, now)
         if push is LATER:
-            for key in keys:
-                if crdt.plane_of(key.sid) == crdt.ROUTING:
-                    self.rumours[key] = 1
-            if keys:
-                self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
+            self._rumour_later(keys, now)
             return out
         return out + (self._rumour(keys, now, exclude, origin) if push else [])
+
+    def _retire_superseded(self, sids: List[str], now: float) -> List[Out]:
+        """Our predecessors at our address LEFT, on our own word (we see their successor): once
+        every member is known, pushed to all."""
+        out: List[Out] = []
+        for sid in sids:
+            log.info("session %s superseded: this process now serves its address", sid)
+            version = self.map.get(sid)["version"]
+            out += self._retire(sid, now, "superseded", {"since": now, "grace": 0.0, "by": [self.sid]},
+                                {self.sid: crdt.voucher(self.bind_key, sid, version, self.sid)})
+        return out
+
+    def _introduce(self, met: List[str], now: float) -> List[Out]:
+        """Members met through anti-entropy (a healed split, a restart) may not know us: we
+        introduce ourselves the way a write is pushed, acked and resent (to more than
+        origin_fanout: as a rumour, which reaches them all in a few hops)."""
+        if len(met) <= self.cfg.origin_fanout:
+            return self._push([Rumour("r", self.sid)], met, now)
+        return self._rumour([Rumour("r", self.sid)], now, origin=True)
+
+    def _rumour_later(self, keys: List[Rumour], now: float) -> None:
+        """What the origin sent to every member (push=LATER): sent on once, at the next gossip."""
+        for key in keys:
+            if crdt.plane_of(key.sid) == crdt.ROUTING:
+                self.rumours[key] = 1
+        if keys:
+            self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
 
     def _track(self, sid: str, record: Dict[str, Any], now: float) -> bool:
         """Keep `members` (and the address tables) in step with a changed record; True when
@@ -1782,8 +1813,6 @@ class Overlay(FailureDetector):
                 origin: bool = False) -> List[Out]:
         """Queue rumours and push them at once to a few random peers (their first transmit);
         the origin of a change, to every member (flagged "a": each sends it on once, later)."""
-        if not keys:
-            return []
         out: List[Out] = []
         ingress_plane = [k for k in keys if k.kind == "r" and crdt.plane_of(k.sid) == crdt.INGRESS]
         if ingress_plane:
@@ -1793,29 +1822,32 @@ class Overlay(FailureDetector):
             keys = [k for k in keys if k not in held]
             if origin:
                 out += self._push(ingress_plane, [a for a in self.ingresses.values() if a != exclude], now)
-            if not keys:
-                return out
+        if not keys:
+            return out
         if origin and len(self.members) <= self.cfg.origin_fanout:
             # The writer pushes to every member and resends to those that have not acked, in
             # rounds (see _resend): no retransmit by the receivers, and no straggler waits for
             # anti-entropy.
             return out + self._push(keys, [a for a in self.members.values() if a != exclude], now)
-        else:
-            limit = self._retransmits()
-            peers = self._peers(self.cfg.gossip_fanout, exclude)
-            for payload in self._packs(keys):
-                out += [Out(addr, payload, False) for addr in peers]
-            if origin:                              # the seeds always get it from its writer
-                out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
+        peers = self._peers(self.cfg.gossip_fanout, exclude)
+        for payload in self._packs(keys):
+            out += [Out(addr, payload, False) for addr in peers]
+        if origin:                                  # the seeds always get it from its writer
+            out += self._push(keys, [a for a in self.seeds.values() if a != exclude and a not in peers], now)
+        self._queue(keys, now)
+        return out
+
+    def _queue(self, keys: List[Rumour], now: float) -> None:
+        """Rumours kept for their retransmits, less the first (sent as they were queued)."""
+        limit = self._retransmits()
         for key in keys:
             self.rumours[key] = limit
-        for key in keys:                            # the push above was the first transmit
+        for key in keys:
             self.rumours[key] -= 1
             if self.rumours[key] <= 0:
                 del self.rumours[key]
         if self.rumours:
             self.next_gossip = min(self.next_gossip, now + self.cfg.gossip_interval)
-        return out
 
     def _push(self, keys: List[Rumour], peers: List[str], now: float) -> List[Out]:
         out: List[Out] = []
@@ -3554,20 +3586,16 @@ class Tunnel:
 #      TLS runs end to end, its server side in memory (SSLContext.wrap_bio, the tunnel port's
 #      context), fed by the link's DATA frames; the relay forwards only ciphertext, and no
 #      connection, descriptor or system call is added per stream (a socketpair per stream, or
-#      asyncio's SSLProtocol over an in-memory transport, cost the member's node 1.27x and
-#      1.44x the direct path's CPU per request). relay_mux 0 (at the relay, or at the member:
+#      asyncio's SSLProtocol over an in-memory transport, cost the member's node more CPU per
+#      request than the direct path: tests/bench_node.py, nat_phase). relay_mux 0 (at the relay, or at the member:
 #      its link hello says "mux": 0): the relay asks the member over its link to dial back, and
 #      splices the two connections byte for byte. A dialer that holds the member's link itself
 #      (the ingress as its relay) asks for the dial-back and takes that connection as it is, in
 #      either mode: there is no relay hop to save, and streams on its link would cost the busy
-#      dialer's loop a bridge per chunk (measured: +0.49-1.2 ms p50, the dial-back -0.24-0.61).
+#      dialer's loop a bridge per chunk.
 #      A forwarded request's cost at a relay is mostly its writes, so a link's reads are parsed
 #      in place (a mux frame is a view of the bytes read, its DATA written on as it is), and
 #      what the streams send goes out once per read of the link or per loop turn (_MuxLink.flush).
-#      Measured (tests/bench_node.py --only nat --nat-runs 10, NAT lab, TLS, a loaded 2-core
-#      box, medians of alternating rounds): mux adds 0.48-0.75 ms p50 over direct, the relay
-#      spends 107-130 us of CPU per request (0.74-0.84x the splice's), the member's node
-#      272-318 us; wall-clock req/s swung 0.7-1.0x between runs on that box, all paths alike.
 #   3. A link that ends is replaced at the next check (relay_check_interval) and the record's
 #      relays rewritten: same session, a new version, so a dead relay costs no eviction.
 #   4. Hole punching, coordinated through a relay: of two private members, the one with the
@@ -3591,9 +3619,8 @@ class Tunnel:
 #      remaps a port an early SYN touched, so its side must send first) until one order works,
 #      which the pair keeps until it fails. The second side waits punch_delay for the first's
 #      SYN to leave, except the dialer in a kept member-first order: the member connected as it
-#      sent its mapping, so tunnel_reply_margin is enough (a new pooled connection then costs ~2 relay
-#      RTTs, not 0.3 s more: 16 new at once cost a private ingress 30-41 % of its req/s over
-#      ~1 s in tests/bench_node.py --only nat, 4 % once pooled). The dialer is the TLS
+#      sent its mapping, so tunnel_reply_margin is enough (a new pooled connection then costs ~2
+#      relay RTTs, not 0.3 s more). The dialer is the TLS
 #      client; the member admits the socket as if accepted (TLS server, rule 1 of "Tunnel
 #      security"). Within tunnel_punch_timeout or not at all: then the splice, and after two
 #      failures in a row the pair goes straight to the relay for punch_retry.
@@ -4672,43 +4699,56 @@ async def simultaneous_open(cfg: Config, resolve: Callable[[str], tuple], local:
                 won = _from_peer(accepting, remote)
                 accepting = asyncio.ensure_future(loop.sock_accept(listener)) if won is None else None
                 continue
-            sock = _bound_tcp(local)
-            connecting = asyncio.ensure_future(loop.sock_connect(sock, remote))
-            await asyncio.wait([connecting, accepting], timeout=min(cfg.tunnel_syn_interval,
-                                                                    max(deadline - time.monotonic(), 0.01)))
-            if connecting.done() and connecting.exception() is None:
-                won = sock
-            else:
-                connecting.cancel()
-                sock.close()
-                if not accepting.done():
-                    await asyncio.sleep(0.02)   # a reset came at once: not a busy loop
+            won = await _syn(local, remote, accepting, min(cfg.tunnel_syn_interval,
+                                                           max(deadline - time.monotonic(), 0.01)))
     except OSError:
         pass
     finally:
-        if accepting is not None and accepting.done() and not accepting.cancelled():
-            conn = _from_peer(accepting, remote)
-            if conn is not None and won is None:
-                won = conn
-            elif conn is not None:
-                spare(conn)
-        elif accepting is not None:
-            accepting.cancel()
-        while True:                             # both SYNs got through: the rest are extras
-            try:
-                conn, addr = listener.accept()
-            except OSError:
-                break
-            if addr[0] == remote[0]:
-                conn.setblocking(False)
-                spare(conn)
-            else:
-                conn.close()
-        listener.close()
+        won = _after_race(listener, remote, accepting, won, spare)
     if won is not None:
         won.setblocking(False)
         won.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _watch_punched(won, cfg.punched_tcp_timeout)
+    return won
+
+
+async def _syn(local: tuple, remote: tuple, accepting: asyncio.Future, timeout: float) -> Optional[socket.socket]:
+    """One SYN of ours from a fresh socket: connected within `timeout`, or None (closed)."""
+    sock = _bound_tcp(local)
+    connecting = asyncio.ensure_future(asyncio.get_running_loop().sock_connect(sock, remote))
+    await asyncio.wait([connecting, accepting], timeout=timeout)
+    if connecting.done() and connecting.exception() is None:
+        return sock
+    connecting.cancel()
+    sock.close()
+    if not accepting.done():
+        await asyncio.sleep(0.02)               # a reset came at once: not a busy loop
+    return None
+
+
+def _after_race(listener: socket.socket, remote: tuple, accepting: Optional[asyncio.Future],
+                won: Optional[socket.socket], spare: Callable[[socket.socket], None]) -> Optional[socket.socket]:
+    """The end of a simultaneous open: the peer's accepted connection wins if ours did not; every
+    other one from the peer (both SYNs got through) goes to `spare`; the listener is closed."""
+    if accepting is not None and accepting.done() and not accepting.cancelled():
+        conn = _from_peer(accepting, remote)
+        if conn is not None and won is None:
+            won = conn
+        elif conn is not None:
+            spare(conn)
+    elif accepting is not None:
+        accepting.cancel()
+    while True:
+        try:
+            conn, addr = listener.accept()
+        except OSError:
+            break
+        if addr[0] == remote[0]:
+            conn.setblocking(False)
+            spare(conn)
+        else:
+            conn.close()
+    listener.close()
     return won
 
 
@@ -5125,11 +5165,7 @@ class RelayServer:
         if not self.wire.authentic(inner, self.config.max_frame):
             return False
         if dest == self.address():
-            msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
-            src = msg.pop("ra", None) if msg is not None else None
-            if isinstance(src, str):
-                self.deliver(msg, src, Via(True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender))
-            return msg is not None
+            return self._take_envelope(inner, sender)
         if not self.relaying():
             self.relayed["refused"] += 1
             return False
@@ -5139,27 +5175,42 @@ class RelayServer:
             return from_link                        # a member's link stays; a stranger's connection goes
         self.relayed["forwarded"] += 1
         if is_relayed(dest):
-            link = self.linked.get(dest[len(RELAYED_PREFIX):])
-            if link is not None:
-                link.writer.write(frame(inner))
-            elif from_link:                         # one hop on to its relay, never more (no loops)
-                for relay in self.reach.relays(dest):
-                    if relay != self.address():
-                        self.send_frame(self.resolve(relay), data)
-                        break
+            self._pass_relayed(dest, data, inner, from_link)
             return True
         try:
             target = self.resolve(dest)
         except ValueError:
             return False
-        if len(inner) <= self.config.max_datagram:
-            try:
-                self.sendto(inner, target)
-            except OSError:
-                pass
-        else:
+        if len(inner) > self.config.max_datagram:
             self.send_frame(target, inner)
+            return True
+        try:
+            self.sendto(inner, target)
+        except OSError:
+            pass
         return True
+
+    def _take_envelope(self, inner: bytes, sender: str) -> bool:
+        """An envelope for us: its message delivered as having come over TCP from `sender`."""
+        msg = self.wire.open(inner, time.time(), tcp=True, sender=sender)
+        src = msg.pop("ra", None) if msg is not None else None
+        if isinstance(src, str):
+            self.deliver(msg, src, Via(True, sender.rsplit(":", 1)[0] if sender.count(":") == 1 else sender))
+        return msg is not None
+
+    def _pass_relayed(self, dest: str, data: bytes, inner: bytes, from_link: bool) -> None:
+        """An envelope for a relayed member: down its link if it is ours, else one hop on to its
+        relay, never more (no loops)."""
+        link = self.linked.get(dest[len(RELAYED_PREFIX):])
+        if link is not None:
+            link.writer.write(frame(inner))
+            return
+        if not from_link:
+            return
+        for relay in self.reach.relays(dest):
+            if relay != self.address():
+                self.send_frame(self.resolve(relay), data)
+                return
 
     def _refusal(self, dest: str, inner: bytes, from_link: bool) -> str:
         """Why an authentic envelope is not passed on ("" when it is): sealed outside the replay
@@ -5344,17 +5395,7 @@ class RelayClient:
                 return
             self.punch.lost(path)              # closed under us: this one goes relayed
         if self.private:
-            for link in self.links.values():
-                if not link.writer.transport.is_closing():
-                    link.writer.write(frame(envelope(dest, data)))
-                    self.traffic["sent"] += len(data) + 4
-                    return
-            if is_relayed(dest):
-                return
-            try:                                    # no link yet: straight out (a cone NAT passes it)
-                self.send_datagram(data, self.resolve(dest))
-            except ValueError:
-                pass
+            self._send_private(dest, data)
             return
         mine = self.linked(dest[len(RELAYED_PREFIX):])
         if mine is not None:                        # we are its relay
@@ -5374,6 +5415,21 @@ class RelayClient:
             else:
                 self.send_frame(target, wrapped)
             return
+
+    def _send_private(self, dest: str, data: bytes) -> None:
+        """A private member's send: over its first open link; with none yet, straight out (a
+        cone NAT passes it) unless `dest` is relayed."""
+        for link in self.links.values():
+            if not link.writer.transport.is_closing():
+                link.writer.write(frame(envelope(dest, data)))
+                self.traffic["sent"] += len(data) + 4
+                return
+        if is_relayed(dest):
+            return
+        try:
+            self.send_datagram(data, self.resolve(dest))
+        except ValueError:
+            pass
 
     async def ask_reach(self, seed: str, dial_back: bool = True) -> Optional[Dict[str, Any]]:
         """Our side: ask one seed to dial us back (or, without `dial_back`, only for what it
@@ -5407,62 +5463,77 @@ class RelayClient:
         cfg = self.config
         self.dialable_gossip = self.record()["gossip"]
         if cfg.reach == "auto":
-            delay = cfg.join_retry_min
-            while not self.private:
-                answers = [(seed, await self.ask_reach(seed)) for seed in bootstrap]
-                heard = [(seed, a) for seed, a in answers if a is not None]
-                if heard:
-                    self.observed = str(heard[0][1].get("seen", ""))
-                    if any(a.get("back") for _, a in heard):
-                        log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
-                        self.reach_known(relaying=bool(cfg.relay))
-                        return
-                    self._heard_seeds(heard)
-                    break
-                await asyncio.sleep(delay)          # no seed answered yet: the join's backoff
-                delay = min(delay * 2, cfg.join_retry_max)
+            if await self._dialled_back(bootstrap):
+                return
         else:                                       # told we are private: the seeds that relay, and
             self.seeds = self.seed_relays = list(bootstrap)   # those they name (until they answer: every seed)
             await self._ask_seeds_for_relays(bootstrap)
         log.info("private (seen as %s): reached through relays", self.observed or "?")
         self.private = True
-        relayed = RELAYED_PREFIX + self.link_id
         waited = False                              # a check passed before our first link (rule 7)
         while True:
-            for relay, link in list(self.links.items()):
-                if link.writer.transport.is_closing() or self.suspected_at(relay):
-                    link.writer.close()
-                    del self.links[relay]
-            candidates = self._relay_candidates()
-            for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
-                if relay not in self.links and (i < cfg.relay_links or len(self.links) < cfg.relay_links):
-                    await self._open_link(relay)
-            if self.links:
-                self.no_relay_said = False
-            else:                                   # rule 7: say it once, ask the seeds again
-                waited = waited or not is_relayed(self.record().get("gossip", ""))
-                if not self.no_relay_said:
-                    self.no_relay_said = True
-                    log.warning("%s", NO_RELAY_TEXT)
-                await self._ask_seeds_for_relays(bootstrap)
-            rank = {relay: i for i, relay in enumerate(candidates)}
-            while len(self.links) > cfg.relay_links:   # a better relay came: the worst link goes
-                worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
-                self.links.pop(worst).writer.close()
-            relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
-            record = self.record()
-            if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
-                self.set_address(relayed)
-                self.reach.member(relayed, time.monotonic())
-                if waited:                          # our first record (dialable, it said) was suspected
-                    waited = False                  # and evicted with no way to refute it: start over,
-                    log.info("first relay link after a wait: rejoining as a reachable session")
-                    self.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
-                                          relaying=False)   # the old session never named our relayed address
-                else:
-                    self.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+            waited = await self._tend_links(bootstrap, waited)
             self.punch.tend()
             await asyncio.sleep(cfg.relay_check_interval)
+
+    async def _dialled_back(self, bootstrap: List[str]) -> bool:
+        """Ask the seeds until one answers: True when one dialled us back (we are reachable);
+        False when they answered but none could (the relays they named are kept)."""
+        cfg, delay = self.config, self.config.join_retry_min
+        while True:
+            answers = [(seed, await self.ask_reach(seed)) for seed in bootstrap]
+            heard = [(seed, a) for seed, a in answers if a is not None]
+            if heard:
+                break
+            await asyncio.sleep(delay)              # no seed answered yet: the join's backoff
+            delay = min(delay * 2, cfg.join_retry_max)
+        self.observed = str(heard[0][1].get("seen", ""))
+        if any(a.get("back") for _, a in heard):
+            log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
+            self.reach_known(relaying=bool(cfg.relay))
+            return True
+        self._heard_seeds(heard)
+        return False
+
+    async def _tend_links(self, bootstrap: List[str], waited: bool) -> bool:
+        """One round of a private member's links: broken or suspected ones go, the best
+        relay_links are opened, our record names them. Returns `waited`: a check passed while
+        we had no link yet, so our first record must be replaced by a new session."""
+        cfg = self.config
+        relayed = RELAYED_PREFIX + self.link_id
+        for relay, link in list(self.links.items()):
+            if link.writer.transport.is_closing() or self.suspected_at(relay):
+                link.writer.close()
+                del self.links[relay]
+        candidates = self._relay_candidates()
+        for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
+            if relay not in self.links and (i < cfg.relay_links or len(self.links) < cfg.relay_links):
+                await self._open_link(relay)
+        if self.links:
+            self.no_relay_said = False
+        else:                                   # rule 7: say it once, ask the seeds again
+            waited = waited or not is_relayed(self.record().get("gossip", ""))
+            if not self.no_relay_said:
+                self.no_relay_said = True
+                log.warning("%s", NO_RELAY_TEXT)
+            await self._ask_seeds_for_relays(bootstrap)
+        rank = {relay: i for i, relay in enumerate(candidates)}
+        while len(self.links) > cfg.relay_links:   # a better relay came: the worst link goes
+            worst = max(self.links, key=lambda r: (rank.get(r, len(rank)), r))
+            self.links.pop(worst).writer.close()
+        relays = ",".join(sorted(self.links, key=lambda r: (rank.get(r, len(rank)), r)))
+        record = self.record()
+        if relays and (record.get("relay") != relays or record.get("gossip") != relayed):
+            self.set_address(relayed)
+            self.reach.member(relayed, time.monotonic())
+            if waited:                          # our first record (dialable, it said) was suspected
+                waited = False                  # and evicted with no way to refute it: start over,
+                log.info("first relay link after a wait: rejoining as a reachable session")
+                self.reach_known(rejoin=True, gossip=relayed, addr=relayed, relay=relays,
+                                 relaying=False)   # the old session never named our relayed address
+            else:
+                self.reach_known(gossip=relayed, addr=relayed, relay=relays, relaying=False)
+        return waited
 
     def _relay_candidates(self) -> List[str]:
         """Members offering to relay, best first (Node.relays_offered); then the seeds that answered
@@ -6151,43 +6222,9 @@ class Node:
         """Bind the sockets and join the overlay (a new one if there is no bootstrap)."""
         loop = asyncio.get_running_loop()
         cfg = self.config
-        host, wanted = split_addr(cfg.gossip)
-        for attempt in range(20):                   # port 0: find one free for UDP *and* TCP
-            try:
-                self.udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
-                                                                   local_addr=(host, wanted))
-            except OSError as exc:
-                raise OSError(f"cannot bind the gossip address {cfg.gossip}: {exc.strerror or exc}") from None
-            port = self.udp.get_extra_info("sockname")[1]
-            try:
-                self._tcp_server = await loop.create_server(lambda: _Stream(self._on_gossip_connection), host, port,
-                                                            reuse_address=True)
-                break
-            except OSError as exc:
-                self.udp.close()
-                self.udp = None
-                if wanted or attempt == 19:
-                    raise OSError(f"cannot bind the gossip address {host}:{port} (TCP): "
-                                  f"{exc.strerror or exc}") from None
+        host, port = await self._bind_gossip()
         gossip_addr = cfg.advertise_gossip or advertise(f"{host}:{port}")
-        if serve_http:
-            lhost, lport = split_addr(cfg.listen)
-            try:
-                self.tunnel_sock = _listen(lhost, lport)
-            except OSError as exc:
-                self._tcp_server.close()
-                self.udp.close()
-                self._tcp_server = self.udp = None
-                raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
-            lport = self.tunnel_sock.getsockname()[1]
-            self.spawn(self.tunnel.accept(self.tunnel_sock))
-            if self.tunnel_server_ssl is None:
-                self._start_warnings.append(
-                    "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
-                    "the key: run keygen where openssl is installed)")
-            listen_addr = cfg.advertise_listen or advertise(f"{lhost}:{lport}")
-        else:
-            listen_addr = cfg.listen_addr
+        listen_addr = self._bind_tunnel() if serve_http else cfg.listen_addr
         now = time.time()
         record = {"owner": owner_name(), "state": state, "version": 0, "started": now, "role": self.role,
                   "addr": listen_addr, "gossip": gossip_addr, "models": self.models,
@@ -6228,6 +6265,49 @@ class Node:
                  f"joining through {len(bootstrap)} bootstrap peers" if bootstrap else "no bootstrap: the first member")
         for name in self._unresolved:
             log.warning("bootstrap %s does not resolve; trying again every %.0f s", name, cfg.join_warn_after)
+
+    async def _bind_gossip(self) -> Tuple[str, int]:
+        """The gossip sockets, UDP and TCP on one port (port 0: one free for both); the host and
+        port bound."""
+        loop = asyncio.get_running_loop()
+        host, wanted = split_addr(self.config.gossip)
+        for _attempt in range(20):                  # port 0: a port free for UDP *and* TCP
+            try:
+                self.udp, _ = await loop.create_datagram_endpoint(lambda: _GossipProtocol(self._on_datagram),
+                                                                   local_addr=(host, wanted))
+            except OSError as exc:
+                raise OSError(f"cannot bind the gossip address {self.config.gossip}: {exc.strerror or exc}") from None
+            port = self.udp.get_extra_info("sockname")[1]
+            try:
+                self._tcp_server = await loop.create_server(lambda: _Stream(self._on_gossip_connection), host, port,
+                                                            reuse_address=True)
+                return host, port
+            except OSError as exc:
+                self.udp.close()
+                self.udp = None
+                failure = exc
+                if wanted:
+                    break
+        raise OSError(f"cannot bind the gossip address {host}:{port} (TCP): {failure.strerror or failure}")
+
+    def _bind_tunnel(self) -> str:
+        """The tunnel's listening socket, accepting; the address the record advertises."""
+        cfg = self.config
+        lhost, lport = split_addr(cfg.listen)
+        try:
+            self.tunnel_sock = _listen(lhost, lport)
+        except OSError as exc:
+            self._tcp_server.close()
+            self.udp.close()
+            self._tcp_server = self.udp = None
+            raise OSError(f"cannot bind the listen address {cfg.listen}: {exc.strerror or exc}") from None
+        lport = self.tunnel_sock.getsockname()[1]
+        self.spawn(self.tunnel.accept(self.tunnel_sock))
+        if self.tunnel_server_ssl is None:
+            self._start_warnings.append(
+                "the data tunnel is plain HTTP with a static credential (no cluster certificate beside "
+                "the key: run keygen where openssl is installed)")
+        return cfg.advertise_listen or advertise(f"{lhost}:{lport}")
 
     def health_warnings(self) -> List[str]:
         """What /healthz and the log say is wrong with our place in the overlay."""
@@ -6554,27 +6634,8 @@ async def resolve_bootstrap(specs: List[str]) -> List[str]:
     out: List[str] = []
     for spec in specs:
         for item in (s.strip() for s in spec.split(",")):
-            if not item:
-                continue
-            if item.startswith(("http://", "https://")):
-                try:
-                    text = await asyncio.get_running_loop().run_in_executor(None, _fetch_text, item)
-                except OSError as exc:
-                    log.warning("bootstrap URL %s failed: %s", item, exc)
-                    continue
-            elif os.path.isfile(item):
-                with open(item) as fh:
-                    text = fh.read()
-            else:
-                out.append(item)
-                continue
-            try:
-                entries = crdt.loads(text)
-                if not isinstance(entries, list):
-                    raise ValueError
-            except ValueError:
-                entries = text.replace(",", " ").split()
-            out.extend(str(e) for e in entries)
+            if item:
+                out += await _bootstrap_entries(item)
     good = []
     for addr in out:
         try:
@@ -6583,6 +6644,28 @@ async def resolve_bootstrap(specs: List[str]) -> List[str]:
         except ValueError:
             log.warning("ignoring bad bootstrap address %r", addr)
     return good
+
+
+async def _bootstrap_entries(item: str) -> List[str]:
+    """One --bootstrap item read: itself (HOST:PORT), or what its URL or file lists."""
+    if item.startswith(("http://", "https://")):
+        try:
+            text = await asyncio.get_running_loop().run_in_executor(None, _fetch_text, item)
+        except OSError as exc:
+            log.warning("bootstrap URL %s failed: %s", item, exc)
+            return []
+    elif os.path.isfile(item):
+        with open(item) as fh:
+            text = fh.read()
+    else:
+        return [item]
+    try:
+        entries = crdt.loads(text)
+        if not isinstance(entries, list):
+            raise ValueError
+    except ValueError:
+        entries = text.replace(",", " ").split()
+    return [str(e) for e in entries]
 
 
 async def resolve_hosts(addrs: List[str]) -> Tuple[List[str], List[str]]:
@@ -7243,13 +7326,7 @@ def config_from_args(args: argparse.Namespace, **fixed: Any) -> Config:
                               "ask for a new one")
     config.bootstrap = [b for b in args.bootstrap or () if b]
     check_bootstrap(config.bootstrap)
-    for item in args.label or ():
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"bad label {item!r}: expected k=v")
-        config.labels[key.strip()] = value.strip()
+    config.labels.update(_parse_labels(args.label or ()))
     try:
         split_addr(args.gossip), split_addr(args.listen)
         config.gossip, config.listen = args.gossip, args.listen
@@ -7259,14 +7336,32 @@ def config_from_args(args: argparse.Namespace, **fixed: Any) -> Config:
         config.advertise_gossip = f"{args.advertise}:{split_addr(args.gossip)[1]}"
         config.advertise_listen = f"{args.advertise}:{split_addr(args.listen)[1]}"
     if args.probe_interval is not None:
-        if args.probe_interval <= 0:
-            raise ConfigError("--probe-interval must be > 0")
-        config.probe_interval = args.probe_interval
-        config.probe_timeout = min(config.probe_timeout, args.probe_interval * 0.4)
-        config.indirect_timeout = min(config.indirect_timeout, args.probe_interval * 0.4)
+        _set_probe_interval(config, args.probe_interval)
     for name, value in fixed.items():
         setattr(config, name, value)
     return config
+
+
+def _parse_labels(items: Iterable[str]) -> Dict[str, str]:
+    """--label k=v entries (empty ones skipped) as a dict. Raises ConfigError."""
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if item and (not sep or not key):
+            raise ConfigError(f"bad label {item!r}: expected k=v")
+        if item:
+            labels[key.strip()] = value.strip()
+    return labels
+
+
+def _set_probe_interval(config: Config, interval: float) -> None:
+    """--probe-interval, with the probe's timeouts kept inside it: 0.4 of it each, so the direct
+    and the indirect phase (PROBE_ROUND) both end within one round."""
+    if interval <= 0:
+        raise ConfigError("--probe-interval must be > 0")
+    config.probe_interval = interval
+    config.probe_timeout = min(config.probe_timeout, interval * 0.4)
+    config.indirect_timeout = min(config.indirect_timeout, interval * 0.4)
 
 
 KEY_FILES = {"cluster": "cluster.key", "ingress": "ingress.key"}   # keygen's secrets, by tier
@@ -7612,6 +7707,20 @@ async def run_relay(config: Config) -> int:
     return 0
 
 
+def _keygen_command(args: argparse.Namespace) -> List[str]:
+    """`keygen`: new secrets, or one rotation step (--rotate, --promote, --retire); the files
+    written."""
+    steps = [(step, getattr(args, step)) for step in ROTATION_STEPS if getattr(args, step)]
+    if len(steps) > 1:
+        raise ConfigError("keygen: one of --rotate, --promote, --retire at a time")
+    if not steps:
+        return keygen(args.out, args.force, args.ingress_only)
+    try:
+        return rotate(args.out, steps[0][1], steps[0][0])
+    except (OSError, subprocess.SubprocessError) as exc:   # openssl missing or failing
+        raise ConfigError(f"keygen --{steps[0][0]}: cannot make a tunnel certificate: {exc}") from None
+
+
 def main(argv=None) -> int:
     try:   # every flag also reads its OTELA_<FLAG> (the label's OTELA_LABEL, comma-separated)
         args = crdt.parse_settings(build_parser(), argv, SETTING_NAMES, os.environ)
@@ -7622,17 +7731,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s otela_node %(levelname)s %(message)s")
     try:
         if args.command == "keygen":
-            steps = [(step, getattr(args, step)) for step in ROTATION_STEPS if getattr(args, step)]
-            if len(steps) > 1:
-                raise ConfigError("keygen: one of --rotate, --promote, --retire at a time")
-            if steps:
-                try:
-                    for path in rotate(args.out, steps[0][1], steps[0][0]):
-                        print(path)
-                except (OSError, subprocess.SubprocessError) as exc:   # openssl missing or failing
-                    raise ConfigError(f"keygen --{steps[0][0]}: cannot make a tunnel certificate: {exc}") from None
-                return 0
-            for path in keygen(args.out, args.force, args.ingress_only):
+            for path in _keygen_command(args):
                 print(path)
             return 0
         if args.command == "relay":   # a relay is dialable and relays, whatever it is told
@@ -7642,12 +7741,9 @@ def main(argv=None) -> int:
         config = config_from_args(args)
         install_event_loop()
         return asyncio.run(run_worker(args, config))
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:          # OSError: e.g. address already in use
         print(f"otela_node.py: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:                          # e.g. address already in use
-        print(f"otela_node.py: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":
