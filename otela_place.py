@@ -81,6 +81,10 @@ HEADROOM = 1.25
 # Tensor-parallel degrees tried: powers of two, because attention heads are, and a power of
 # two that divides the GPUs per node packs nodes without fragments (first-fit decreasing).
 TP_CHOICES = (1, 2, 4, 8)
+# Templates whose engine runs tensor parallelism across nodes (SGLang: --tp 16 --nnodes 2).
+# vLLM's template runs tp within a node and pipeline stages across nodes (Ray), so a model
+# planned for it gets only tp x pp layouts.
+TP_ACROSS_NODES_TEMPLATES = ("sglang",)
 # The engine version the simulator's capacities, latencies and energies assume
 # (otela_sim.ENGINE_VERSIONS; plan --engine sets it): vLLM V0 with chunked prefill off, what
 # the Table-1 experiment ran; its overheads are fitted to published vLLM rows.
@@ -187,6 +191,9 @@ def check_scenario(scenario):
         raise PlacementError("scenario 'gpus' and 'workload' must be lists")
     if not isinstance(scenario["models"], dict) or not all(isinstance(c, dict) for c in scenario["models"].values()):
         raise PlacementError("scenario 'models' must be an object of {name: Hugging Face config object}")
+    across = scenario.get("tp_across_nodes", False)
+    if not (isinstance(across, bool) or isinstance(across, list) and all(isinstance(n, str) for n in across)):
+        raise PlacementError("scenario 'tp_across_nodes' must be true, false or a list of model names")
     try:
         return _check_entries(scenario)
     except (TypeError, ValueError) as e:
@@ -276,10 +283,11 @@ def load_time_s(config):
 
 
 class Candidate:
-    """One deployable instance shape. tp GPUs per stage on one node; a model bigger than a node
-    runs pp > 1 pipeline stages over `nodes` whole nodes (tp = the GPUs of a node), so it costs
-    gpus = tp x pp GPUs and `nodes` nodes. Its key is (model, gpu, tp), with pp after them when
-    pp > 1: every single-node key, label and job comment stays what it was."""
+    """One deployable instance shape: pp pipeline stages of tp GPUs, tp x pp GPUs on `nodes`
+    nodes. A model bigger than a node takes whole nodes: pp > 1 stages of a node's GPUs each,
+    or (an engine that runs tp across nodes) tp over several whole nodes. Its key is (model,
+    gpu, tp), with pp after them when pp > 1: every single-node key, label and job comment
+    stays what it was, and tp wider than a node is a key of its own."""
     __slots__ = ("model", "gpu", "tp", "capacity_rps", "latency_ms", "pp", "nodes")
 
     def __init__(self, model, gpu, tp, capacity_rps, latency_ms=None, pp=1, nodes=1):
@@ -296,8 +304,9 @@ class Candidate:
         return (self.model, self.gpu, self.tp) + ((self.pp,) if self.pp > 1 else ())
 
     def __repr__(self):
-        pp = f" pp={self.pp} on {self.nodes} nodes" if self.pp > 1 else ""
-        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}{pp}, {self.capacity_rps:.3g} req/s)"
+        pp = f" pp={self.pp}" if self.pp > 1 else ""
+        nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}{pp}{nodes}, {self.capacity_rps:.3g} req/s)"
 
 
 def row_key(r):
@@ -323,14 +332,15 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
     distributions) sustains on one saturated instance: SIM_CAPACITY_REQUESTS arriving at
     once, over the time the last finishes. So the placer's figures and the replay that judges
     the placement are the same model. Latency is one request's end-to-end time in a full batch.
-    An instance over several nodes is pp > 1 stages of tp GPUs on nodes of per_node GPUs, joined
-    by the GPU's usual fabric."""
+    An instance over several nodes (pp > 1 stages, or tp wider than a node) takes whole nodes
+    of per_node GPUs, joined by the GPU's usual fabric."""
     sim = otela_sim
+    nodes = nodes_of(tp, pp, per_node or tp)
     try:
         model = model_of(config, name=model_name)
         gpu = sim.resolve_gpu(gpu_name)
-        if pp > 1:
-            sim.check_config(model, gpu, tp, per_node=max(tp, per_node or tp), pp=pp)
+        if nodes > 1:
+            sim.check_config(model, gpu, tp, per_node=per_node, pp=pp, nnodes=nodes)
         else:
             sim.check_config(model, gpu, tp, per_node=tp)  # the node limit is checked by tp_allowed
     except (ValueError, KeyError) as e:
@@ -339,11 +349,10 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
         layout = f"tp={tp}" + (f" x pp={pp}" if pp > 1 else "")
         return None, f"weights + KV cache of one max-length sequence exceed {gpu_name} memory at {layout}"
     burst = dict(workload, model=model_name, rate_rps=SIM_CAPACITY_REQUESTS)  # all within 1 s
-    scenario = {"gpus": [{"type": gpu_name, "count": tp * pp, "per_node": tp}], "models": {model_name: model},
-                "workload": [burst], "duration_s": 1.0}
+    scenario = {"gpus": [{"type": gpu_name, "count": tp * pp, "per_node": per_node if nodes > 1 else tp}],
+                "models": {model_name: model}, "workload": [burst], "duration_s": 1.0}
     entry = {"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}
-    nodes = nodes_of(tp, pp, per_node or tp) if pp > 1 else 1
-    if pp > 1:
+    if nodes > 1:
         entry.update(pp=pp, nnodes=nodes)
     out = sim.replay(scenario, [entry], seed=0, duration_s=1.0, engine=SIM_ENGINE)
     cap = float(out["per_model_req_s"][model_name])
@@ -446,28 +455,57 @@ def nodes_of(tp, pp, per_node):
     return -(-pp // (per_node // tp))
 
 
-def multi_node_candidate(model, config, gpu, count, per_node, workload):
-    """(Candidate, None) of a model no node of `gpu` holds: tp = the GPUs of a node, pp = the
-    fewest nodes whose memory holds it, pp dividing its layers; or (None, the reason)."""
-    tp, layers = per_node, int(config["num_hidden_layers"])
-    bad = tp_allowed(config, tp, per_node)
+def spans_tp(scenario, model):
+    """Whether the model's engine runs tp across nodes: the scenario's "tp_across_nodes", true
+    for every model or a list of names (plan sets it from the template, TP_ACROSS_NODES_TEMPLATES)."""
+    across = scenario.get("tp_across_nodes", False)
+    return across is True or (isinstance(across, list) and model in across)
+
+
+def multi_node_layouts(config, gpu, count, per_node, tp_across=False):
+    """([(tp, pp)], reasons) for a model no node of `gpu` holds: in each family the engine runs,
+    the layout of the fewest whole nodes whose memory holds it. Every engine: tp = a node's
+    GPUs, pp stages dividing the layers. With tp_across (SGLang): tp over k whole nodes, pp 1
+    (DeepSeek-V3's 61 layers take no pp > 1)."""
+    have, layers = count // per_node, int(config["num_hidden_layers"])
+    families, reasons = [], []
+    bad = tp_allowed(config, per_node, per_node)
+    stages = [] if bad else [pp for pp in range(2, have + 1) if layers % pp == 0]
     if bad:
-        return None, f"across nodes: {bad}"
-    have = count // per_node
-    stages = [pp for pp in range(2, have + 1) if layers % pp == 0]
-    if not stages:   # (DeepSeek-V3's 61 layers: only tp across nodes would hold it, which is not planned)
-        return None, f"across nodes: no pp from 2 to {have} divides its {layers} layers"
-    for pp in stages:
-        if memory_fits(config, gpu, tp, pp):
-            return sim_candidate(model, config, gpu, tp, workload, pp=pp, per_node=per_node)
-    return None, f"does not fit the {have} whole nodes of {per_node} the pool has (tp={tp} x pp up to {stages[-1]})"
+        reasons.append(f"across nodes: {bad}")
+    elif not stages:
+        reasons.append(f"across nodes: no pp from 2 to {have} divides its {layers} layers")
+    families.append(("pp", [(per_node, pp) for pp in stages]))
+    if tp_across:
+        families.append(("tp", [(per_node * k, 1) for k in range(2, have + 1)
+                                if not tp_allowed(config, per_node * k, per_node, across=True)]))
+    found = []
+    for name, layouts in families:
+        fit = next((lay for lay in layouts if memory_fits(config, gpu, *lay)), None)
+        if fit:
+            found.append(fit)
+        elif layouts:
+            widest = layouts[-1][0 if name == "tp" else 1]
+            reasons.append(f"does not fit the {have} whole nodes of {per_node} the pool has "
+                           + (f"(tp={per_node} x pp up to {widest})" if name == "pp" else f"(tp up to {widest})"))
+    return found, reasons
 
 
-def tp_allowed(config, tp, per_node):
+def tp_allowed(config, tp, per_node, across=False):
+    """None, or why tp cannot shard the model on nodes of per_node GPUs. Within a node tp
+    divides the attention and KV heads; across nodes (`across`: an engine that runs it) tp is
+    whole nodes, divides the attention heads, and it and the KV heads divide each other (the
+    KV heads replicated past tp, as the engines do)."""
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", heads)
-    if tp > per_node:
+    if tp > per_node and not across:
         return f"tp={tp} exceeds the {per_node} GPUs of one node"
+    if tp > per_node:
+        if tp % per_node:
+            return f"tp={tp} across nodes of {per_node} GPUs is not a whole number of nodes"
+        if heads % tp or (kv % tp and tp % kv):
+            return f"tp={tp} does not divide {heads} attention heads, or it and the {kv} KV heads do not divide each other"
+        return None
     if heads % tp or kv % tp:
         return f"tp={tp} does not divide {heads} attention / {kv} KV heads"
     return None
@@ -485,51 +523,63 @@ def measured_layout(model, config, gpu, tp, pp, count, per_node):
     return nodes
 
 
+def _measured_candidate(scenario, model, figures, gpu, count, per_node):
+    """([Candidate], [reason]) of a measured figure: its tp x pp, checked against the pool."""
+    config = scenario["models"][model]
+    tp, pp = int(figures["tp"]), int(figures.get("pp", 1))
+    bad = tp_allowed(config, tp, max(per_node, tp) if pp > 1 else per_node, across=spans_tp(scenario, model))
+    if bad:
+        return [], [f"{gpu}: {bad}"]
+    nodes = measured_layout(model, config, gpu, tp, pp, count, per_node)
+    latency = sim_latency_ms(model_of(config, name=model), gpu, tp, workload_of(scenario, model), pp)
+    return [Candidate(model, gpu, tp, float(figures[gpu]), latency_ms=latency, pp=pp, nodes=nodes)], []
+
+
+def _simulated_candidates(scenario, model, gpu, count, per_node, tps):
+    """([Candidate], [reason]) from the simulator: each tp within a node, and when no node
+    holds the model, the layouts over whole nodes (multi_node_layouts)."""
+    config, workload = scenario["models"][model], workload_of(scenario, model)
+    found, reasons = [], []
+
+    def keep(cand, bad):
+        if cand is None:
+            reasons.append(f"{gpu}: {bad}")
+        elif cand.capacity_rps > 0:
+            found.append(cand)
+
+    for tp in tps:
+        bad = tp_allowed(config, tp, per_node)
+        keep(*((None, bad) if bad else sim_candidate(model, config, gpu, tp, workload)))
+    if found or count < 2 * per_node:
+        return found, reasons
+    layouts, why = multi_node_layouts(config, gpu, count, per_node, spans_tp(scenario, model))
+    reasons += [f"{gpu}: {w}" for w in why]
+    for tp, pp in layouts:
+        keep(*sim_candidate(model, config, gpu, tp, workload, pp=pp, per_node=per_node))
+    return found, reasons
+
+
 def candidates(scenario, capacity="auto", tps=TP_CHOICES):
-    """All deployable (model, GPU type, tp) with their capacity, and for each model that has
-    none, the reason (one line). capacity: 'measured' (only the scenario's figures), 'sim'
-    (only otela_sim), or 'auto' (measured where the scenario gives them, else sim)."""
-    measured = scenario.get("measured_instance_capacity_rps") or {}
+    """All deployable (model, GPU type, tp, pp, nodes) with their capacity, and for each model
+    that has none, the reason (one line). capacity: 'measured' (only the scenario's figures),
+    'sim' (only otela_sim), or 'auto' (measured where the scenario gives them, else sim)."""
+    measured = (scenario.get("measured_instance_capacity_rps") or {}) if capacity != "sim" else {}
     pool = gpu_pool(scenario)
     out, why_not = [], {}
     for model in demand_of(scenario):
-        config = scenario["models"][model]
-        reasons, found = [], []
-        m = measured.get(model) if capacity in ("auto", "measured") else None
+        found, reasons = [], []
+        figures = measured.get(model) or {}
         for gpu, (count, per_node) in pool.items():
             if count <= 0:
                 continue
-            if m and gpu in m:
-                tp, pp = int(m["tp"]), int(m.get("pp", 1))
-                bad = tp_allowed(config, tp, max(per_node, tp) if pp > 1 else per_node)
-                if bad:
-                    reasons.append(f"{gpu}: {bad}")
-                else:
-                    nodes = measured_layout(model, config, gpu, tp, pp, count, per_node)
-                    found.append(Candidate(model, gpu, tp, float(m[gpu]), latency_ms=sim_latency_ms(
-                        model_of(config, name=model), gpu, tp, workload_of(scenario, model), pp),
-                        pp=pp, nodes=nodes))
-                continue
-            if capacity == "measured":
-                reasons.append(f"{gpu}: no measured figure")
-                continue
-            here = len(found)
-            for tp in tps:
-                bad = tp_allowed(config, tp, per_node)
-                if bad:
-                    reasons.append(f"{gpu}: {bad}")
-                    continue
-                cand, bad = sim_candidate(model, config, gpu, tp, workload_of(scenario, model))
-                if cand is None:
-                    reasons.append(f"{gpu}: {bad}")
-                elif cand.capacity_rps > 0:
-                    found.append(cand)
-            if len(found) == here and count >= 2 * per_node:   # no node holds it: several nodes may
-                cand, bad = multi_node_candidate(model, config, gpu, count, per_node, workload_of(scenario, model))
-                if cand is None:
-                    reasons.append(f"{gpu}: {bad}")
-                elif cand.capacity_rps > 0:
-                    found.append(cand)
+            if gpu in figures:
+                got, bad = _measured_candidate(scenario, model, figures, gpu, count, per_node)
+            elif capacity == "measured":
+                got, bad = [], [f"{gpu}: no measured figure"]
+            else:
+                got, bad = _simulated_candidates(scenario, model, gpu, count, per_node, tps)
+            found += got
+            reasons += bad
         if not found:
             why_not[model] = "; ".join(dict.fromkeys(reasons)) or "no GPU types"
         out.extend(found)
@@ -577,7 +627,9 @@ def rows_with_weights(counts, cands, demand, latency_traffic=None):
             rows.append({"model": c.model, "gpu": c.gpu, "tp": c.tp, "instances": int(n),
                          "weight": (latency_traffic or {}).get(c.key(), c.capacity_rps * n)})
             if c.pp > 1:   # (single-node rows keep their four fields)
-                rows[-1].update(pp=c.pp, nodes=c.nodes)
+                rows[-1]["pp"] = c.pp
+            if c.nodes > 1:
+                rows[-1]["nodes"] = c.nodes
     for m in demand:
         mine = [r for r in rows if r["model"] == m]
         total = sum(r["weight"] for r in mine)
@@ -601,12 +653,12 @@ def water_fill(demand, pool, cands, headroom=HEADROOM):
     heapq.heapify(heap)
     while heap:
         r, m = heapq.heappop(heap)
-        pick = next((c for c in by_model[m] if free[c.gpu] >= c.gpus and (c.pp == 1 or nodes[c.gpu] >= c.nodes)),
+        pick = next((c for c in by_model[m] if free[c.gpu] >= c.gpus and (c.nodes == 1 or nodes[c.gpu] >= c.nodes)),
                     None)
         if pick is None:
             continue  # this model cannot grow any more
         free[pick.gpu] -= pick.gpus
-        if pick.pp > 1:
+        if pick.nodes > 1:
             nodes[pick.gpu] -= pick.nodes
         counts[pick.key()] = counts.get(pick.key(), 0) + 1
         ratio[m] = r + pick.capacity_rps / demand[m]
@@ -705,7 +757,7 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
         if mine:
             prob += pulp.lpSum(mine) <= count
     for g, free_nodes in whole_nodes(pool).items():
-        mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.pp > 1]
+        mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.nodes > 1]
         if mine:   # instances over several nodes take whole nodes (see whole_nodes)
             prob += pulp.lpSum(mine) <= free_nodes
     gpus = pulp.lpSum(c.gpus * n[c.key()] for c in cands)
@@ -1312,7 +1364,7 @@ def _fit_nodes(counts, pool, cands):
     number of nodes, which the LPs above leave out)."""
     counts = list(counts)
     for g, free_nodes in whole_nodes(pool).items():
-        mine = sorted((i for i, c in enumerate(cands) if c.gpu == g and c.pp > 1 and counts[i]),
+        mine = sorted((i for i, c in enumerate(cands) if c.gpu == g and c.nodes > 1 and counts[i]),
                       key=lambda i: cands[i].capacity_rps / cands[i].gpus)
         used = sum(cands[i].nodes * counts[i] for i in mine)
         for i in mine:
@@ -1536,8 +1588,8 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
         for p, r in zip(placement, rows):
-            if r.get("pp", 1) > 1:   # an instance over several nodes
-                p.update(pp=r["pp"], **({"nnodes": r["nodes"]} if r.get("nodes") else {}))
+            if r.get("pp", 1) > 1 or r.get("nodes", 1) > 1:   # an instance over several nodes
+                p.update(pp=r.get("pp", 1), **({"nnodes": r["nodes"]} if r.get("nodes") else {}))
         models = {n: model_of(c, name=n) if isinstance(c, ModelConfig) else c for n, c in scenario["models"].items()}
         out = sim.replay(dict(scenario, models=models), placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
@@ -1682,7 +1734,8 @@ def format_plan(scenario, result):
         if isinstance(entry, dict) and "placement" in entry:
             lines.append(f"{name}: " + ", ".join(
                 f"{short_name(r['model'])} {r['instances']}x{r['gpu']} tp{r['tp']}"
-                + (f" pp{r['pp']} ({r['nodes']} nodes)" if r.get("pp", 1) > 1 else "") + f" w={r['weight']:.3f}"
+                + (f" pp{r['pp']}" if r.get("pp", 1) > 1 else "")
+                + (f" ({r['nodes']} nodes)" if r.get("nodes", 1) > 1 else "") + f" w={r['weight']:.3f}"
                 for r in entry["placement"]))
     return "\n".join(lines)
 
@@ -2146,24 +2199,58 @@ def fold_adapters(workload, adapters):
 def _may_fit(config, gpu, tp):
     """memory_fits on a GPU the simulator knows; on one it does not (a site's own name), the
     smallest tp the heads allow is the operator's to size."""
+    return memory_fits(config, gpu, tp) if _sim_knows(gpu) else True
+
+
+def _sim_knows(gpu):
     try:
         otela_sim.resolve_gpu(gpu)
     except otela_sim.SimError:
-        return True
-    return memory_fits(config, gpu, tp)
+        return False
+    return True
 
 
-def _stages_needed(config, gpu, per_node, nodes):
-    """The fewest pipeline stages (at least 2, dividing the layers, at most `nodes`) over whole
-    nodes of `gpu` that hold the model, or None."""
-    if tp_allowed(config, per_node, per_node) or nodes < 2:
-        return None
-    try:
-        otela_sim.resolve_gpu(gpu)
-    except otela_sim.SimError:
-        return None   # a site's own GPU name: the operator sizes a layout over nodes (measured figures)
-    return next((pp for pp in range(2, nodes + 1) if int(config["num_hidden_layers"]) % pp == 0
-                 and memory_fits(config, gpu, per_node, pp)), None)
+def _layouts_free(config, scenario, name, pool, free):
+    """[(tp, gpu, pp)] one more instance of the model may take in the GPUs `free` leaves: a tp
+    within a node where a node holds it, else whole nodes as candidates() plans them
+    (multi_node_layouts; a site's own GPU name is the operator's to size over nodes)."""
+    fits = [(tp, g, 1) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
+            if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
+    if fits:
+        return fits
+    for g, (_, per_node) in pool.items():
+        holds = any(tp_allowed(config, t, per_node) is None and _may_fit(config, g, t) for t in TP_CHOICES)
+        if holds or not _sim_knows(g):
+            continue
+        layouts, _ = multi_node_layouts(config, g, max(0, free.get(g, 0)), per_node, spans_tp(scenario, name))
+        fits += [(tp, g, pp) for tp, pp in layouts]
+    return fits
+
+
+def _cut_to_max(mine, entry, free):
+    """Take instances off a model over its catalogue max, the rows of the most GPUs first."""
+    have = sum(r["instances"] for r in mine)
+    over = max(0, have - entry.get("max", have))
+    for r in mine:
+        cut = min(over, r["instances"])
+        r["instances"] -= cut
+        free[r["gpu"]] += cut * row_gpus(r)
+        over -= cut
+
+
+def _add_instance(rows, name, layout, pool, free):
+    tp, g, pp = layout
+    key = (name, g, tp) + ((pp,) if pp > 1 else ())
+    row = next((r for r in rows if row_key(r) == key), None)
+    if row is None:
+        row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
+        if pp > 1:
+            row["pp"] = pp
+        if nodes_of(tp, pp, pool[g][1]) > 1:
+            row["nodes"] = nodes_of(tp, pp, pool[g][1])
+        rows.append(row)
+    row["instances"] += 1
+    free[g] -= tp * pp
 
 
 def catalogue_bounds(rows, site, scenario, kept=()):
@@ -2182,47 +2269,25 @@ def catalogue_bounds(rows, site, scenario, kept=()):
             continue
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: -row_gpus(r))
         have = sum(r["instances"] for r in mine)
-        over = max(0, have - entry.get("max", have))
-        if over > 0 or have < entry.get("min", 0):
+        if have > entry.get("max", have) or have < entry.get("min", 0):
             changed.add(name)
-        for r in mine:
-            cut = min(over, r["instances"])
-            r["instances"] -= cut
-            free[r["gpu"]] += cut * row_gpus(r)
-            over -= cut
+        _cut_to_max(mine, entry, free)
         short = entry.get("min", 0) - min(have, entry.get("max", have))
         config = scenario["models"].get(name)
-        while short > 0 and config is not None:
-            fits = [(tp, g, 1) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
-                    if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
-            # no node holds it: whole nodes, as candidates() plans it (tp = a node's GPUs, the fewest stages)
-            fits = fits or [(per_node, g, pp) for g, (count, per_node) in pool.items()
-                            for pp in [_stages_needed(config, g, per_node, free.get(g, 0) // per_node)]
-                            if pp and not any(tp_allowed(config, t, per_node) is None and _may_fit(config, g, t)
-                                              for t in TP_CHOICES)]
+        if short > 0 and config is None:
+            notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
+        for _ in range(short if config is not None else 0):
+            fits = _layouts_free(config, scenario, name, pool, free)
             if not fits:
                 notes.append(f"model {name}: min {entry['min']} instances, but no free GPUs fit one more")
                 break
-            tp, g, pp = min(fits, key=lambda f: (f[0] * f[2], -free[f[1]]))
-            key = (name, g, tp) + ((pp,) if pp > 1 else ())
-            row = next((r for r in rows if row_key(r) == key), None)
-            if row is None:
-                row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
-                if pp > 1:
-                    row.update(pp=pp, nodes=nodes_of(tp, pp, pool[g][1]))
-                rows.append(row)
-            row["instances"] += 1
-            free[g] -= tp * pp
-            short -= 1
-        if short > 0 and config is None:
-            notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
+            _add_instance(rows, name, min(fits, key=lambda f: (f[0] * f[2], -free[f[1]])), pool, free)
     rows = [r for r in rows if r["instances"] > 0]
     for name in changed:
         mine = [r for r in rows if r["model"] == name]
-        if mine:
-            total = sum(r["instances"] * row_gpus(r) for r in mine)
-            for r in mine:  # rows the bounds changed: traffic in proportion to GPUs
-                r["weight"] = round(r["instances"] * row_gpus(r) / total, 4)
+        total = sum(r["instances"] * row_gpus(r) for r in mine)
+        for r in mine:  # rows the bounds changed: traffic in proportion to GPUs
+            r["weight"] = round(r["instances"] * row_gpus(r) / total, 4)
     return rows, notes
 
 
@@ -2300,7 +2365,8 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
         if nodes > 1 and "{{NODES}}" not in texts[engine]:
             raise PlacementError(f"template {engine!r} runs one node; {r['model']} needs {nodes} "
                                  "(tp x pp over nodes: the vllm or sglang template, or {{NODES}} in your own)")
-        extra = [f"--gres={gpu.get('gres', 'gpu')}:{r['tp']}"] if gpu.get("gres", "gpu") else []
+        per_node = row_gpus(r) // nodes   # (tp across nodes: a node holds tp / nodes ranks)
+        extra = [f"--gres={gpu.get('gres', 'gpu')}:{per_node}"] if gpu.get("gres", "gpu") else []
         extra += [f"--{k}={gpu[k]}" for k in SBATCH_FIELDS if gpu.get(k)] + list(gpu.get("sbatch", []))
         riders = sorted((n, p) for n, (base, p) in adapters.items() if base == r["model"])
         name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}" + \
@@ -3301,6 +3367,10 @@ def build_scenario(args):
     elif args.site:
         site["gpus"] = site_gpus(site)
     scenario["gpus"] = [{k: g[k] for k in ("type", "count", "per_node") if k in g} for g in site["gpus"]]
+    # models whose template's engine runs tp across nodes (a scenario file may say so itself)
+    templates = {n: catalogue_of(site).get(n, {}).get("template", args.template)
+                 for n in (scenario["models"] if isinstance(scenario["models"], dict) else ())}
+    scenario.setdefault("tp_across_nodes", [n for n, t in templates.items() if t in TP_ACROSS_NODES_TEMPLATES])
     if not scenario["gpus"]:
         raise PlacementError("no GPUs: give them in the scenario, the site file (--site FILE) or --from-slurm")
     return scenario, site, sessions, kept

@@ -152,3 +152,75 @@ def test_a_built_in_model_keeps_its_experts_and_quantization_through_the_placer(
     # DeepSeek-V3's 61 layers admit no pipeline split: one line says so
     scenario["models"] = {"qwen": place.model_config("deepseek-ai/DeepSeek-V3")}
     assert "no pp from 2 to 4 divides its 61 layers" in place.candidates(scenario)[1]["qwen"]
+
+
+# --- tp across nodes: an engine that runs it (SGLang --tp 16 --nnodes 2) -----------------------
+
+def deepseek_site(gpu, count, per_node, across):
+    scenario = {"gpus": [{"type": gpu, "count": count, "per_node": per_node}],
+                "models": {"dsv3": place.model_config("deepseek-ai/DeepSeek-V3")},
+                "workload": [dict(WORK, model="dsv3", rate_rps=1.0)]}
+    if across is not None:
+        scenario["tp_across_nodes"] = across
+    return place.check_scenario(scenario)
+
+
+@pytest.mark.parametrize("gpu, per_node, tp, nodes", [("H100-SXM5-80GB", 8, 16, 2), ("GH200-96GB", 4, 16, 4)])
+def test_deepseek_v3_whose_61_layers_take_no_pp_is_planned_with_tp_across_whole_nodes(gpu, per_node, tp, nodes):
+    cands, why_not = place.candidates(deepseek_site(gpu, 4 * per_node, per_node, True))
+    assert why_not == {}
+    assert [(c.tp, c.pp, c.nodes, c.gpus) for c in cands] == [(tp, 1, nodes, tp)]
+    assert cands[0].key() == ("dsv3", gpu, tp) and cands[0].capacity_rps > 0
+    plan = place.solve(place.demand_of(deepseek_site(gpu, 4 * per_node, per_node, True)),
+                       {gpu: (4 * per_node, per_node)}, cands)
+    assert [(r["tp"], r.get("pp", 1), r["nodes"]) for r in plan.rows] == [(tp, 1, nodes)]
+
+
+@pytest.mark.parametrize("across", [None, False, ["another-model"]])
+def test_an_engine_without_tp_across_nodes_leaves_deepseek_v3_unplanned_and_says_why(across):
+    cands, why_not = place.candidates(deepseek_site("H100-SXM5-80GB", 32, 8, across))
+    assert cands == [] and "no pp from 2 to 4 divides its 61 layers" in why_not["dsv3"]
+
+
+def test_a_model_both_families_hold_gets_the_fewest_nodes_of_each():
+    # Llama-3.1-405B in BF16 (8k context) on 8-GPU H100 nodes: tp 8 x pp 2 and tp 16, 2 nodes each
+    scenario = {"gpus": [{"type": "H100-SXM5-80GB", "count": 48, "per_node": 8}], "models": {"big": LLAMA_405B},
+                "workload": [dict(WORK, model="big", rate_rps=1.0)], "tp_across_nodes": True}
+    cands, _ = place.candidates(scenario)
+    assert sorted((c.tp, c.pp, c.nodes) for c in cands) == [(8, 2, 2), (16, 1, 2)]
+
+
+def test_a_site_of_1_and_4_gpu_nodes_with_tp_across_nodes_places_a_70b_and_a_405b():
+    scenario = dict(mixed_site(), tp_across_nodes=True)
+    cands, why_not = place.candidates(scenario)
+    assert why_not == {}
+    plan = place.solve(place.demand_of(scenario), place.gpu_pool(scenario), cands)
+    assert {r["model"] for r in plan.rows} == {"llama-70b", "llama-405b"}
+    for gpu, (count, per_node) in place.gpu_pool(scenario).items():
+        mine = [r for r in plan.rows if r["gpu"] == gpu]
+        assert sum(r.get("nodes", 1) * r["instances"] for r in mine if r.get("nodes", 1) > 1) <= count // per_node
+
+
+def test_a_measured_tp_across_nodes_needs_an_engine_that_runs_it():
+    figures = {"dsv3": {"tp": 16, "H100-SXM5-80GB": 2.0}}
+    scenario = dict(deepseek_site("H100-SXM5-80GB", 32, 8, True), measured_instance_capacity_rps=figures)
+    cands, _ = place.candidates(scenario, "measured")
+    assert [(c.tp, c.pp, c.nodes, c.capacity_rps) for c in cands] == [(16, 1, 2, 2.0)]
+    scenario["tp_across_nodes"] = False
+    cands, why_not = place.candidates(scenario, "measured")
+    assert cands == [] and "tp=16 exceeds the 8 GPUs of one node" in why_not["dsv3"]
+
+
+def test_a_scenario_with_a_bad_tp_across_nodes_is_a_one_line_error():
+    with pytest.raises(place.PlacementError, match="'tp_across_nodes' must be true, false or a list of model names"):
+        deepseek_site("H100-SXM5-80GB", 16, 8, "yes")
+
+
+def test_a_job_of_tp_across_nodes_asks_each_node_for_its_share_of_the_gpus():
+    site = place.check_site({"gpus": [{"type": "H100", "count": 16, "per_node": 8, "gres": "gpu"}]}, "site.json")
+    row = {"model": "deepseek-ai/DeepSeek-V3", "gpu": "H100", "tp": 16, "nodes": 2, "instances": 1, "weight": 1.0}
+    (key, name, text), = place.job_scripts([row], site, "sglang", VARS)
+    assert key == ("deepseek-ai/DeepSeek-V3", "H100", 16) and name.endswith("-tp16-0.sbatch")
+    directives = re.findall(r"^#SBATCH (.*)$", text, re.M)
+    assert "--nodes=2" in directives and "--gres=gpu:8" in directives
+    assert re.search(r"^TP=16$", text, re.M) and re.search(r"^PP=1$", text, re.M)
