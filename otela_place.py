@@ -1992,32 +1992,26 @@ def _one_line(path, field, value):
     return value
 
 
-def check_site(doc, path="site file"):
-    """The site file as the placer uses it (defaults filled in), or PlacementError naming the
-    file and the field. An inventory of old ({"gpus": [...]}) passes as it is."""
-    _fields(path, "", doc, SITE_FIELDS)
-    site = {"gpus": [], "python": doc.get("python"), "setup": [], "engine_wrapper": doc.get("engine_wrapper", ""),
-            "engine_env": {}, "log_dir": doc.get("log_dir", DEFAULT_LOG_DIR),
-            "successor_lead_s": float(doc.get("successor_lead_s", SUCCESSOR_LEAD_S)), "catalogue": [], "path": path}
-    if site["successor_lead_s"] < 0 or not math.isfinite(site["successor_lead_s"]):
-        raise _site_error(path, "successor_lead_s", "must be seconds >= 0")
-    for i, g in enumerate(doc.get("gpus", [])):
-        where = f"gpus[{i}]"
-        _fields(path, where, g, GPU_FIELDS)
-        if "type" not in g and "partition" not in g:
-            raise _site_error(path, where, "needs a 'type' or a 'partition'")
-        for key in ("count", "per_node"):
-            if key in g and g[key] < (0 if key == "count" else 1):
-                raise _site_error(path, f"{where}.{key}", f"must be >= {0 if key == 'count' else 1}")
-        for key in SBATCH_FIELDS + ("gres",):
-            if key in g and g[key] and not SAFE_SBATCH_VALUE.match(g[key]):
-                raise _site_error(path, f"{where}.{key}", f"{g[key]!r} has characters unsafe in an #SBATCH line")
-        if "time_limit" in g and not TIME_LIMIT.match(g["time_limit"]):
-            raise _site_error(path, f"{where}.time_limit", f"{g['time_limit']!r} is not a Slurm time "
-                                                          "(M, H:M:S, D-H:M:S...)")
-        for k, line in enumerate(g.get("sbatch", [])):
-            _one_line(path, f"{where}.sbatch[{k}]", _typed(path, f"{where}.sbatch[{k}]", line, str))
-        site["gpus"].append(dict(g))
+def _check_site_gpu(path, where, g):
+    _fields(path, where, g, GPU_FIELDS)
+    if "type" not in g and "partition" not in g:
+        raise _site_error(path, where, "needs a 'type' or a 'partition'")
+    for key, least in (("count", 0), ("per_node", 1)):
+        if key in g and g[key] < least:
+            raise _site_error(path, f"{where}.{key}", f"must be >= {least}")
+    for key in SBATCH_FIELDS + ("gres",):
+        if key in g and g[key] and not SAFE_SBATCH_VALUE.match(g[key]):
+            raise _site_error(path, f"{where}.{key}", f"{g[key]!r} has characters unsafe in an #SBATCH line")
+    if "time_limit" in g and not TIME_LIMIT.match(g["time_limit"]):
+        raise _site_error(path, f"{where}.time_limit", f"{g['time_limit']!r} is not a Slurm time "
+                                                      "(M, H:M:S, D-H:M:S...)")
+    for k, line in enumerate(g.get("sbatch", [])):
+        _one_line(path, f"{where}.sbatch[{k}]", _typed(path, f"{where}.sbatch[{k}]", line, str))
+    return dict(g)
+
+
+def _check_site_engine(path, doc, site):
+    """setup, engine_wrapper, engine_env and python: shell lines, one each."""
     for k, line in enumerate(doc.get("setup", [])):
         site["setup"].append(_one_line(path, f"setup[{k}]", _typed(path, f"setup[{k}]", line, str)))
     _one_line(path, "engine_wrapper", site["engine_wrapper"])
@@ -2032,35 +2026,54 @@ def check_site(doc, path="site file"):
         site["engine_env"][name] = _one_line(path, f"engine_env.{name}", str(value))
     if site["python"] is not None:
         _one_line(path, "python", site["python"])
+
+
+def _check_catalogue_model(path, where, m, names):
+    _fields(path, where, m, MODEL_FIELDS)
+    if not m.get("name"):
+        raise _site_error(path, f"{where}.name", "missing")
+    if m["name"] in names:
+        raise _site_error(path, f"{where}.name", f"{m['name']!r} is listed twice")
+    if m.get("min", 0) < 0:
+        raise _site_error(path, f"{where}.min", "must be >= 0")
+    if "max" in m and m["max"] < m.get("min", 0):
+        raise _site_error(path, f"{where}.max", f"{m['max']} is below min {m.get('min', 0)}")
+    names.add(m["name"])
+    return dict(m)
+
+
+def _check_adapter(path, where, m, catalogue):
+    """An adapter entry ({name, base, weights}) rides a base model of the catalogue."""
+    base = next((b for b in catalogue if b["name"] == m["base"]), None)
+    if base is None or "base" in base:
+        raise _site_error(path, f"{where}.base", f"{m['base']!r} is not a model of the catalogue")
+    if not m.get("weights"):
+        raise _site_error(path, f"{where}.weights", "an adapter needs the path of its weights")
+    extra = set(m) - {"name", "base", "weights"}
+    if extra:
+        raise _site_error(path, f"{where}.{sorted(extra)[0]}", "an adapter rides its base: only name, base "
+                                                                "and weights")
+    if base.get("template", "vllm") == "llamacpp":
+        raise _site_error(path, f"{where}.base", "llama.cpp serves no adapter under its own name")
+
+
+def check_site(doc, path="site file"):
+    """The site file as the placer uses it (defaults filled in), or PlacementError naming the
+    file and the field. An inventory of old ({"gpus": [...]}) passes as it is."""
+    _fields(path, "", doc, SITE_FIELDS)
+    site = {"gpus": [], "python": doc.get("python"), "setup": [], "engine_wrapper": doc.get("engine_wrapper", ""),
+            "engine_env": {}, "log_dir": doc.get("log_dir", DEFAULT_LOG_DIR),
+            "successor_lead_s": float(doc.get("successor_lead_s", SUCCESSOR_LEAD_S)), "catalogue": [], "path": path}
+    if site["successor_lead_s"] < 0 or not math.isfinite(site["successor_lead_s"]):
+        raise _site_error(path, "successor_lead_s", "must be seconds >= 0")
+    site["gpus"] = [_check_site_gpu(path, f"gpus[{i}]", g) for i, g in enumerate(doc.get("gpus", []))]
+    _check_site_engine(path, doc, site)
     names = set()
-    for i, m in enumerate(doc.get("catalogue", [])):
-        where = f"catalogue[{i}]"
-        _fields(path, where, m, MODEL_FIELDS)
-        if not m.get("name"):
-            raise _site_error(path, f"{where}.name", "missing")
-        if m["name"] in names:
-            raise _site_error(path, f"{where}.name", f"{m['name']!r} is listed twice")
-        if m.get("min", 0) < 0:
-            raise _site_error(path, f"{where}.min", "must be >= 0")
-        if "max" in m and m["max"] < m.get("min", 0):
-            raise _site_error(path, f"{where}.max", f"{m['max']} is below min {m.get('min', 0)}")
-        names.add(m["name"])
-        site["catalogue"].append(dict(m))
+    site["catalogue"] = [_check_catalogue_model(path, f"catalogue[{i}]", m, names)
+                         for i, m in enumerate(doc.get("catalogue", []))]
     for i, m in enumerate(site["catalogue"]):
-        if "base" not in m:
-            continue
-        where = f"catalogue[{i}]"
-        base = next((b for b in site["catalogue"] if b["name"] == m["base"]), None)
-        if base is None or "base" in base:
-            raise _site_error(path, f"{where}.base", f"{m['base']!r} is not a model of the catalogue")
-        if not m.get("weights"):
-            raise _site_error(path, f"{where}.weights", "an adapter needs the path of its weights")
-        extra = set(m) - {"name", "base", "weights"}
-        if extra:
-            raise _site_error(path, f"{where}.{sorted(extra)[0]}", "an adapter rides its base: only name, base "
-                                                                    "and weights")
-        if base.get("template", "vllm") == "llamacpp":
-            raise _site_error(path, f"{where}.base", "llama.cpp serves no adapter under its own name")
+        if "base" in m:
+            _check_adapter(path, f"catalogue[{i}]", m, site["catalogue"])
     return site
 
 
@@ -3322,6 +3335,33 @@ def model_configs(scenario, site, names, flags):
     return kept
 
 
+def slurm_gpus(aliases, kept):
+    """sinfo's free GPUs plus those our own running jobs hold: ours to re-plan, not taken (a
+    kept model's stay its own)."""
+    found = slurm_inventory(aliases)
+    held = {}
+    for j in slurm_jobs():
+        if j["state"] == "RUNNING" and j["draining_since"] is None and j["key"][0] not in kept:
+            held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
+    for g in found["gpus"]:
+        g["count"] += held.pop(g["type"], 0)
+    found["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
+    return found
+
+
+def _workload_models(scenario, site, args, flags):
+    """The workload to plan and the models left as they are: served models (a scenario file
+    describes its own), the catalogue's and --model-config's get their config here."""
+    workload = scenario.get("workload")
+    if not (isinstance(workload, list) and all(isinstance(w, dict) for w in workload)):
+        return None, set()   # check_scenario says what is wrong with it
+    names = [w.get("model") for w in workload if args.from_ingress] + list(catalogue_of(site)) + list(flags)
+    kept = set()
+    if isinstance(scenario["models"], dict):   # else check_scenario says what is wrong with it
+        kept = model_configs(scenario, site, [n for n in dict.fromkeys(names) if isinstance(n, str)], flags)
+    return [w for w in workload if w.get("model") not in kept], kept
+
+
 def build_scenario(args):
     """(scenario, site, sessions, kept): what a plan run works on, the site its job scripts
     follow, the ingress's live sessions, and the models it leaves as they are. Everything
@@ -3343,27 +3383,11 @@ def build_scenario(args):
         sessions = ingress_sessions(args.from_ingress)
         adapters = dict(ingress_adapters(args.from_ingress), **adapters_of(site))
         scenario["workload"] = fold_adapters(demand, adapters)
-    workload = scenario.get("workload")
-    if not (isinstance(workload, list) and all(isinstance(w, dict) for w in workload)):
-        workload = None   # check_scenario says what is wrong with it
-    # served models (a scenario file describes its own), the catalogue's and --model-config's
-    names = [w.get("model") for w in workload or [] if args.from_ingress] + list(catalogue_of(site)) + list(flags)
-    kept = set()
-    if isinstance(scenario["models"], dict):   # else check_scenario says what is wrong with it
-        kept = model_configs(scenario, site, [n for n in dict.fromkeys(names) if isinstance(n, str)], flags)
+    workload, kept = _workload_models(scenario, site, args, flags)
     if workload is not None:
-        scenario["workload"] = [w for w in workload if w.get("model") not in kept]
+        scenario["workload"] = workload
     if args.from_slurm:
-        found = slurm_inventory(parse_aliases(args.gpu_alias))
-        # GPUs our own running jobs hold are ours to re-plan, not taken (a kept model's stay its own).
-        held = {}
-        for j in slurm_jobs():
-            if j["state"] == "RUNNING" and j["draining_since"] is None and j["key"][0] not in kept:
-                held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
-        for g in found["gpus"]:
-            g["count"] += held.pop(g["type"], 0)
-        found["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
-        site["gpus"] = site_gpus(site, found)
+        site["gpus"] = site_gpus(site, slurm_gpus(parse_aliases(args.gpu_alias), kept))
     elif args.site:
         site["gpus"] = site_gpus(site)
     scenario["gpus"] = [{k: g[k] for k in ("type", "count", "per_node") if k in g} for g in site["gpus"]]
@@ -3421,27 +3445,38 @@ def cmd_plan(args):
             _warn(note)
         result["ours"]["placement"] = rows
     if cron:
-        floor = {}
-        for r in result["ours"]["placement"]:
-            need = catalogue_of(site).get(r["model"], {}).get("min", 0)
-            if need:
-                floor[row_key(r)] = min(need, r["instances"])
-        job_scripts(result["ours"]["placement"], site, args.template, sbatch_vars)  # a bad template fails first
-        with run_lock(args.lock):
-            try:
-                jobs = slurm_jobs()
-            except SlurmError:
-                if args.submit:
-                    raise
-                jobs = []  # a dry run on a machine without Slurm: compare with nothing
-            reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
-            issuer = GrantIssuer(args.grants_dir, sbatch_vars.get("KEY_FILE", ""), sbatch_vars["PYTHON"])
-            result["reconcile"] = reconcile(result["ours"]["placement"], site, args.template, sbatch_vars,
-                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim, kept, floor,
-                                            issuer.grant)
+        result["reconcile"] = _cron_pass(result["ours"]["placement"], scenario, site, sessions, kept, sbatch_vars,
+                                         args)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
+    print_plan(scenario, result, args, cron)
+    return 0
+
+
+def _cron_pass(rows, scenario, site, sessions, kept, sbatch_vars, args):
+    """Reconcile the plan with Slurm under the run lock: catalogue minimums are the floor the
+    reclaimer keeps; a bad template fails before the lock is taken."""
+    floor = {}
+    for r in rows:
+        need = catalogue_of(site).get(r["model"], {}).get("min", 0)
+        if need:
+            floor[row_key(r)] = min(need, r["instances"])
+    job_scripts(rows, site, args.template, sbatch_vars)
+    with run_lock(args.lock):
+        try:
+            jobs = slurm_jobs()
+        except SlurmError:
+            if args.submit:
+                raise
+            jobs = []  # a dry run on a machine without Slurm: compare with nothing
+        reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
+        issuer = GrantIssuer(args.grants_dir, sbatch_vars.get("KEY_FILE", ""), sbatch_vars["PYTHON"])
+        return reconcile(rows, site, args.template, sbatch_vars, args.emit_sbatch, args.submit, sessions, jobs,
+                         reclaim, kept, floor, issuer.grant)
+
+
+def print_plan(scenario, result, args, cron):
     replayed = "none" if cron else ("otela_sim" if args.replay in ("auto", "sim") else "fluid queues")
     print(f"capacities: {args.capacity} (auto: measured where the scenario gives them); replay: {replayed}; "
           f"slack {args.slack:g}; solve {result['ours']['solve_s']} s ({result['ours']['status']})")
@@ -3462,7 +3497,6 @@ def cmd_plan(args):
         for h in rec.get("held", []):
             what = " ".join(h["jobs"]) if h["action"] == "cancel" else f"{h['count']} x {h['key'][1]} tp{h['key'][2]}"
             print(f"held {h['action']} of {short_name(h['model'])} ({what}): {h['why']}")
-    return 0
 
 
 def cron_reclaim(scenario, args):
