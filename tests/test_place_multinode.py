@@ -224,3 +224,21 @@ def test_a_job_of_tp_across_nodes_asks_each_node_for_its_share_of_the_gpus():
     directives = re.findall(r"^#SBATCH (.*)$", text, re.M)
     assert "--nodes=2" in directives and "--gres=gpu:8" in directives
     assert re.search(r"^TP=16$", text, re.M) and re.search(r"^PP=1$", text, re.M)
+
+
+SOURCED = os.path.join(ROOT, "tests", "data", "large_model_sourced.csv")
+
+
+def test_the_simulator_behind_large_model_candidates_is_within_a_stated_error_of_sourced_figures():
+    import otela_sim as sim
+    rows = sim.load_calibration(SOURCED)
+    assert all(r["source"] and "https://" in r["source_locator"] for r in rows)
+    held = [r for r in rows if sim.held_out(r)]
+    assert 0 < len(held) < len(rows)
+    v = sim.validate(rows)
+    # nothing is fitted on this file. As of this commit (TensorRT-LLM's 405B FP8 tp 8 on H200, batch
+    # capped at 256 here where the engine goes past it): in-sample 31 % median (38 % worst), held
+    # out 16 % (25 % worst), every prediction below the figure
+    assert v["summary"]["all"]["median_abs_error"] < 0.35 and v["summary"]["all"]["max_abs_error"] < 0.42
+    assert v["held_out_summary"]["median_abs_error"] < 0.20 and v["held_out_summary"]["max_abs_error"] < 0.30
+    assert all(r["error"] < 0 for r in v["rows"])
