@@ -474,7 +474,8 @@ def multi_node_layouts(config, gpu, count, per_node, tp_across=False):
     if bad:
         reasons.append(f"across nodes: {bad}")
     elif not stages:
-        reasons.append(f"across nodes: no pp from 2 to {have} divides its {layers} layers")
+        reasons.append(f"across nodes: no pp from 2 to {have} divides its {layers} layers"
+                       + ("" if tp_across else " (tp across nodes needs an engine that runs it: the sglang template)"))
     families.append(("pp", [(per_node, pp) for pp in stages]))
     if tp_across:
         families.append(("tp", [(per_node * k, 1) for k in range(2, have + 1)

@@ -3,8 +3,10 @@ holds, counts whole nodes, refuses bad layouts in one line, and renders a job ov
 nodes; single-node keys, comments and scripts stay what they were."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import otela_place as place  # noqa: E402
+import otela_sim as sim  # noqa: E402
 
 LLAMA_70B = {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
              "intermediate_size": 28672, "vocab_size": 128256, "max_position_embeddings": 8192}
@@ -230,7 +233,6 @@ SOURCED = os.path.join(ROOT, "tests", "data", "large_model_sourced.csv")
 
 
 def test_the_simulator_behind_large_model_candidates_is_within_a_stated_error_of_sourced_figures():
-    import otela_sim as sim
     rows = sim.load_calibration(SOURCED)
     assert all(r["source"] and "https://" in r["source_locator"] for r in rows)
     held = [r for r in rows if sim.held_out(r)]
@@ -242,3 +244,18 @@ def test_the_simulator_behind_large_model_candidates_is_within_a_stated_error_of
     assert v["summary"]["all"]["median_abs_error"] < 0.35 and v["summary"]["all"]["max_abs_error"] < 0.42
     assert v["held_out_summary"]["median_abs_error"] < 0.20 and v["held_out_summary"]["max_abs_error"] < 0.30
     assert all(r["error"] < 0 for r in v["rows"])
+
+
+@pytest.mark.parametrize("template, expect", [
+    ("sglang", "DeepSeek-V3 1xH100-SXM5-80GB tp16 (2 nodes)"),
+    ("vllm", "no pp from 2 to 2 divides its 61 layers (tp across nodes needs an engine that runs it: the sglang template)"),
+])
+def test_plan_with_the_sglang_template_places_deepseek_v3_over_two_8_gpu_nodes(tmp_path, template, expect):
+    scenario = {"gpus": [{"type": "H100-SXM5-80GB", "count": 16, "per_node": 8}],
+                "models": {"deepseek-ai/DeepSeek-V3": sim.BUILTIN_CONFIGS["deepseek-v3"]},
+                "workload": [dict(WORK, model="deepseek-ai/DeepSeek-V3", rate_rps=1.0)]}
+    (tmp_path / "s.json").write_text(json.dumps(scenario))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario",
+                          str(tmp_path / "s.json"), "--template", template, "--baseline", "none", "--replay", "fluid"],
+                         capture_output=True, text=True, timeout=300)
+    assert expect in out.stdout + out.stderr
