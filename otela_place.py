@@ -2693,21 +2693,95 @@ def _job_number(job_id):
     return int(digits.group()) if digits else 0
 
 
+def _emit(scripts, emit_dir):
+    os.makedirs(emit_dir, exist_ok=True)
+    for _, name, text in scripts:
+        write_atomically(os.path.join(emit_dir, name), text)
+    for folder in {log_dir_of(text) for _, _, text in scripts} - {None}:
+        os.makedirs(folder, exist_ok=True)   # Slurm does not create it; a job without it fails
+
+
+def _gated(actions, jobs, submit, reclaim, floor, report):
+    """The actions the reclaimer allows, successors of ending jobs and the catalogue's min
+    always among them; its state saved before anything runs (a run that fails half-way still
+    counts as a change)."""
+    due = dict(actions["successors"])
+    for key, n in (floor or {}).items():   # the catalogue's min is no scale-up to hold back
+        short = min(n - actions["have"].get(key, 0), actions["submit"].get(key, 0))
+        if short > 0:
+            due[key] = max(due.get(key, 0), short)
+    actions, notes = reclaim.gate(actions, jobs, submit)
+    for key, n in due.items():
+        actions["submit"][key] = max(actions["submit"].get(key, 0), n)
+    notes["held"] = [h for h in notes["held"] if h["action"] != "submit" or tuple(h["key"]) not in due]
+    report.update(notes, cancel=actions["cancel"])
+    reclaim.save()
+    return actions
+
+
+def _rename_ending(ending, jobs):
+    """Free the slot names of jobs near their end: their successors' singleton must not wait."""
+    names = {j["id"]: j.get("name") for j in jobs}
+    for j in ending:
+        if names.get(j) and slot_of({"name": names[j]}) is not None:
+            try:
+                slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
+            except SlurmError as e:   # it ended meanwhile: its successor has the name to itself
+                _warn(f"job {j} near its end was not renamed: {e}")
+
+
+def _submit_slots(scripts, actions, emit_dir, submit, report):
+    """Each key's missing instances in the lowest slots no job holds; sbatch them when `submit`."""
+    by_key = {}
+    for key, name, text in scripts:
+        by_key.setdefault(key, []).append((name, text))
+    for key, n in sorted(actions["submit"].items()):
+        held = actions.get("slots", {}).get(key, set())
+        free = [i for i in range(len(by_key.get(key, []))) if i not in held][:n]
+        for name, _ in (by_key[key][i] for i in free):
+            report["submit"].append(name)
+            if not submit:
+                continue
+            if emit_dir is None:
+                raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
+            job = slurm_command(["sbatch", "--parsable", "--dependency=singleton",
+                                 os.path.join(emit_dir, name)]).strip().split(";")[0]
+            report["submitted"].append(job)
+
+
+def _cancel(actions, jobs, report):
+    """Duplicates (seen before, a racing or killed run's, and after our submits) and pending
+    jobs go at once; running ones drain (comment tagged, SIGTERM to the batch shell)."""
+    dups = set(actions.get("duplicates", []))
+    if report["submitted"]:
+        dups |= set(duplicate_jobs(slurm_jobs()))
+    if dups:
+        slurm_command(["scancel"] + sorted(dups, key=_job_number))
+        report["duplicates"] = sorted(dups, key=_job_number)
+        report["submitted"] = [j for j in report["submitted"] if j not in dups]
+    state = {j["id"]: j for j in jobs}
+    pending = [j for j in actions["cancel"] if state[j]["state"] == "PENDING"]
+    running = [j for j in actions["cancel"] if j not in pending]
+    if pending or actions["hard_cancel"]:
+        slurm_command(["scancel"] + pending + actions["hard_cancel"])
+    for j in running:
+        slurm_command(["scontrol", "update", f"JobId={j}", f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|"
+                       + job_comment(state[j]["key"])[len(OTELA_TAG) + 1:]])
+        slurm_command(["scancel", "--batch", "--signal=TERM", j])
+    report["cancelled"] = list(actions["cancel"]) + actions["hard_cancel"]
+
+
 def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None, reclaim=None,
               kept=(), floor=None, grants=None):
     """Write scripts (and their log folder), compare with squeue (+ sessions), and submit/cancel
     the difference when `submit`, else report what would be done. Returns the report. `reclaim`
     (a CronReclaim) holds back what the reclamation rules forbid, except successors of ending
-    jobs and instances up to `floor` {key: n} (the catalogue's min); its state is saved before
-    anything runs. Jobs of models in `kept` are left alone."""
+    jobs and instances up to `floor` {key: n} (the catalogue's min). Jobs of models in `kept`
+    are left alone."""
     site = site if "path" in site else check_site(site)
     scripts = job_scripts(rows, site, template, sbatch_vars, grants if emit_dir else None)
     if emit_dir:
-        os.makedirs(emit_dir, exist_ok=True)
-        for _, name, text in scripts:
-            write_atomically(os.path.join(emit_dir, name), text)
-        for folder in {log_dir_of(text) for _, _, text in scripts} - {None}:
-            os.makedirs(folder, exist_ok=True)   # Slurm does not create it; a job without it fails
+        _emit(scripts, emit_dir)
     if jobs is None:
         jobs = slurm_jobs() if (submit or emit_dir is None) else []
     actions = reconcile_actions(rows, jobs, sessions, lead_s=site["successor_lead_s"], kept=kept)
@@ -2715,60 +2789,14 @@ def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), 
               "submit": [], "cancel": actions["cancel"], "submitted": [], "cancelled": [],
               "ending": actions["ending"], "dry_run": not submit}
     if reclaim is not None:
-        due = dict(actions["successors"])
-        for key, n in (floor or {}).items():   # the catalogue's min is no scale-up to hold back
-            short = min(n - actions["have"].get(key, 0), actions["submit"].get(key, 0))
-            if short > 0:
-                due[key] = max(due.get(key, 0), short)
-        actions, notes = reclaim.gate(actions, jobs, submit)
-        for key, n in due.items():
-            actions["submit"][key] = max(actions["submit"].get(key, 0), n)
-        notes["held"] = [h for h in notes["held"] if h["action"] != "submit" or tuple(h["key"]) not in due]
-        report.update(notes, cancel=actions["cancel"])
-        reclaim.save()  # before acting: a run that fails half-way still counts as a change
+        actions = _gated(actions, jobs, submit, reclaim, floor, report)
     if submit:
-        names = {j["id"]: j.get("name") for j in jobs}
-        for j in actions["ending"]:   # free the slot's name: the successor's singleton must not wait
-            if names.get(j) and slot_of({"name": names[j]}) is not None:
-                try:
-                    slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
-                except SlurmError as e:   # it ended meanwhile: its successor has the name to itself
-                    _warn(f"job {j} near its end was not renamed: {e}")
-    by_key = {}
-    for key, name, text in scripts:
-        by_key.setdefault(key, []).append((name, text))
-    for key, n in sorted(actions["submit"].items()):
-        held = actions.get("slots", {}).get(key, set())
-        free = [i for i in range(len(by_key.get(key, []))) if i not in held][:n]  # the lowest slots no job holds
-        for name, _ in (by_key[key][i] for i in free):
-            report["submit"].append(name)
-            if submit:
-                path = os.path.join(emit_dir, name) if emit_dir else None
-                if path is None:
-                    raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
-                job = slurm_command(["sbatch", "--parsable", "--dependency=singleton", path]).strip().split(";")[0]
-                report["submitted"].append(job)
+        _rename_ending(actions["ending"], jobs)
+    _submit_slots(scripts, actions, emit_dir, submit, report)
     report["hard_cancel"] = actions["hard_cancel"]
     report["duplicates"] = []
     if submit:
-        # duplicates seen before (a racing run's, or a killed run's) and after our submits
-        dups = set(actions.get("duplicates", []))
-        if report["submitted"]:
-            dups |= set(duplicate_jobs(slurm_jobs()))
-        if dups:
-            slurm_command(["scancel"] + sorted(dups, key=_job_number))
-            report["duplicates"] = sorted(dups, key=_job_number)
-            report["submitted"] = [j for j in report["submitted"] if j not in dups]
-        state = {j["id"]: j for j in jobs}
-        pending = [j for j in actions["cancel"] if state[j]["state"] == "PENDING"]
-        running = [j for j in actions["cancel"] if j not in pending]
-        if pending or actions["hard_cancel"]:
-            slurm_command(["scancel"] + pending + actions["hard_cancel"])
-        for j in running:
-            slurm_command(["scontrol", "update", f"JobId={j}", f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|"
-                           + job_comment(state[j]["key"])[len(OTELA_TAG) + 1:]])
-            slurm_command(["scancel", "--batch", "--signal=TERM", j])
-        report["cancelled"] = list(actions["cancel"]) + actions["hard_cancel"]
+        _cancel(actions, jobs, report)
     return report
 
 

@@ -88,6 +88,34 @@ def chat(url, stream=False, tokens=8):
         return None, str(e)
 
 
+def timed_stream(url, tokens):
+    """One streamed chat read to its end: {start, end, session (the X-Otela-Session that began
+    serving it), outcome (chat's error: None for [DONE], "event", "cut" or the failure)}."""
+    body = json.dumps({"model": MODEL, "max_tokens": tokens, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    out = {"start": time.monotonic(), "session": None}
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            out["session"] = resp.headers.get("X-Otela-Session")
+            events = [line for line in resp.read().decode().splitlines() if line.startswith("data:")]
+        if events and events[-1].strip() == "data: [DONE]":
+            out["outcome"] = None
+        else:
+            out["outcome"] = "event" if any('"error"' in e for e in events) else "cut"
+    except urllib.error.HTTPError as e:
+        out["outcome"] = f"HTTP {e.code}"
+    except OSError as e:
+        out["outcome"] = str(e)
+    out["end"] = time.monotonic()
+    return out
+
+
+def session_id(session):
+    return session.get("session") or session.get("id")
+
+
 def job_processes(job):
     """[argv] of every process of Slurm job `job` on this machine (its environment says the job)."""
     found = []
@@ -161,13 +189,15 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
 
         def load(kind):
             while not stop.is_set():
-                # long enough that some are in flight on the rank killed
-                results[kind].append(chat(ingress["url"], stream=kind == "stream", tokens=64))
-        threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in ("plain", "plain", "stream")]
+                # streams long enough (256 tokens, seconds) that several are in flight on the rank killed
+                results[kind].append(chat(ingress["url"], tokens=64) if kind == "plain"
+                                     else timed_stream(ingress["url"], tokens=256))
+        threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in ("plain", "plain") + ("stream",) * 4]
         for t in threads:
             t.start()
         time.sleep(2)
         victim = jobs[0]
+        victim_sessions = {session_id(s) for s in of_job(sessions, victim)}
         pid = poll(lambda: rank_pid(victim, 1), f"job {victim}'s rank-1 process", 10)
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
@@ -179,12 +209,17 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
         for t in threads:
             t.join(70)
         plain_errors = [r for r in results["plain"] if r != (200, None)]
-        cut = [r for r in results["stream"] if r[1] not in (None, "event")]
+        cut = [r for r in results["stream"] if r["outcome"] not in (None, "event")]
+        # streams the killed instance was serving when its rank died
+        hit = [r for r in results["stream"] if r["session"] in victim_sessions and r["start"] < t_kill < r["end"]]
         print(f"\nrank 1 killed: session DOWN after {down_s:.2f} s; {len(results['plain'])} non-streamed requests, "
-              f"{len(plain_errors)} failed; {len(results['stream'])} streams, "
-              f"{sum(1 for r in results['stream'] if r[1] == 'event')} ended by an error event, {len(cut)} cut")
+              f"{len(plain_errors)} failed; {len(results['stream'])} streams, {len(hit)} in flight on the killed "
+              f"instance: {sum(1 for r in hit if r['outcome'] is None)} continued elsewhere, "
+              f"{sum(1 for r in hit if r['outcome'] == 'event')} ended by an error event; {len(cut)} cut")
         assert down_s < 2.0
-        assert plain_errors == [] and cut == [] and len(results["plain"]) > 0
+        assert plain_errors == [] and len(results["plain"]) > 0
+        assert hit, "no stream was in flight on the killed instance"
+        assert cut == [] and all(r["outcome"] in (None, "event") for r in hit)
         poll(lambda: victim not in {j["id"] for j in place.slurm_jobs()}, f"job {victim} did not end", 60, interval=0.5)
         again = placer_pass()["submitted"]   # the next pass replaces it
         assert len(again) == 1 and victim not in again
