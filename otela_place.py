@@ -235,7 +235,8 @@ def gpu_pool(scenario):
 
 def whole_nodes(pool):
     """{gpu type: whole nodes}: the nodes an instance over several nodes may take, count //
-    per_node. Beside the pool's GPU count this is the only other limit the placement needs: tps
+    per_node. Beside the pool's GPU count this is the only other limit the placement needs: a
+    multi-node instance takes whole nodes (tp x pp stages, or tp over nodes) and single-node tps
     are powers of two dividing per_node, so single-node instances pack the GPUs the multi-node
     ones leave without fragments (first-fit decreasing) whenever count is a whole number of
     nodes; where it is not (free GPUs on partly used nodes), this row keeps multi-node instances
@@ -363,7 +364,7 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
 def full_batch_estimate(model, gpu, tp, workload, pp=1):
     """otela_sim's estimate of a mean request of the workload in the fullest batch that fits
     (at most MAX_NUM_SEQS), or None when the model cannot run there."""
-    layout = {"pp": pp} if pp > 1 else {}   # (the single-node call is the one it always was)
+    layout = {"pp": pp} if pp > 1 else {}
     try:
         model, gpu = otela_sim.resolve_model(model), otela_sim.resolve_gpu(gpu)
         inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
