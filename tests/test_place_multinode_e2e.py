@@ -315,3 +315,46 @@ def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab
              f"job {job} and its Ray processes did not end", 60, interval=0.5)
     finally:
         _cancel_ours()
+
+
+def test_the_sglang_template_runs_tp_across_two_nodes_with_a_rank_on_each(mlab, ingress, tmp_path):  # noqa: F811
+    # tp 2 over 2 nodes of 1 GPU (SGLang --tp 2 --nnodes 2), as the placer plans it where no pp
+    # divides a model's layers: each node asks Slurm for its share (1 GPU) and runs one rank
+    if not sim_is_multi_node():
+        pytest.skip("this otela_sim.py serve has no multi-node engine (--nnodes/--node-rank)")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(SGLANG)
+    (bin_dir / "python3").chmod(0o755)
+    site = place.check_site({"gpus": [{"type": "H100", "count": 4, "per_node": 1, "gres": "gpu",
+                                       "partition": mlab["partition"], "time_limit": "10"}],
+                             "engine_wrapper": f"env PATH={bin_dir}:/usr/bin:/bin", "log_dir": str(tmp_path / "logs")})
+    os.makedirs(tmp_path / "logs")
+    row = {"model": MODEL, "gpu": "H100", "tp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
+    grants = place.GrantIssuer(str(tmp_path / "grants"), ingress["key"], PY)
+    (_, name, text), = place.job_scripts([row], site, "sglang", {"KEY_FILE": ingress["key"], "BOOTSTRAP": ingress["gossip"],
+                                                                 "PYTHON": PY, "LISTEN_HOST": "0.0.0.0"},
+                                         grant=grants.grant)
+    assert "#SBATCH --gres=gpu:1\n" in text and "#SBATCH --nodes=2\n" in text
+    (tmp_path / name).write_text(text)
+    from test_place_slurm import _cancel_ours
+    try:
+        job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
+                             check=True, timeout=30).stdout.strip().split(";")[0]
+
+        def serving():
+            mine = of_job(registry(ingress), job)
+            if any(s["state"] in ("DOWN", "LEFT") for s in mine):
+                raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
+            return [s for s in mine if s["state"] == "SERVING"]
+        session = poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+        hw = session["hardware"]
+        assert len(hw["nodes"]) == 2 and (hw["tp"], hw["pp"]) == (2, 1)
+        assert place.session_key(session) == (MODEL, "H100", 2)
+        assert rank_pid(job, 1) and chat(ingress["url"]) == (200, None)
+        os.kill(rank_pid(job, 1), signal.SIGKILL)   # a tp rank gone: the engine is gone, the session DOWN
+        poll(lambda: [s for s in of_job(registry(ingress), job) if s["state"] in ("DOWN", "LEFT")],
+             f"job {job}'s session DOWN after its rank 1 died", 10, interval=0.05)
+        poll(lambda: job not in {j["id"] for j in place.slurm_jobs()}, f"job {job} did not end", 60, interval=0.5)
+    finally:
+        _cancel_ours()
