@@ -3372,7 +3372,8 @@ def slurm_gpus(aliases, kept):
     held = {}
     for j in slurm_jobs():
         if j["state"] == "RUNNING" and j["draining_since"] is None and j["key"][0] not in kept:
-            held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
+            tp, pp = key_layout(j["key"])
+            held[j["key"][1]] = held.get(j["key"][1], 0) + tp * pp
     for g in found["gpus"]:
         g["count"] += held.pop(g["type"], 0)
     found["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())

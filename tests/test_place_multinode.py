@@ -259,3 +259,12 @@ def test_plan_with_the_sglang_template_places_deepseek_v3_over_two_8_gpu_nodes(t
                           str(tmp_path / "s.json"), "--template", template, "--baseline", "none", "--replay", "fluid"],
                          capture_output=True, text=True, timeout=300)
     assert expect in out.stdout + out.stderr
+
+
+def test_the_gpus_our_running_multi_node_jobs_hold_are_all_their_ranks(monkeypatch):
+    monkeypatch.setattr(place, "slurm_inventory", lambda aliases: {"gpus": [{"type": "H100", "count": 0, "per_node": 8}]})
+    monkeypatch.setattr(place, "slurm_jobs", lambda: [
+        {"id": "1", "state": "RUNNING", "draining_since": None, "key": ("big", "H100", 8, 2)},
+        {"id": "2", "state": "RUNNING", "draining_since": None, "key": ("dsv3", "H100", 16)},
+        {"id": "3", "state": "RUNNING", "draining_since": None, "key": ("small", "H100", 2)}])
+    assert place.slurm_gpus({}, kept=set())["gpus"] == [{"type": "H100", "count": 34, "per_node": 8}]
