@@ -735,67 +735,104 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
     if objective == "throughput":
         cands = prune_dominated(cands)
         if len(cands) > LARGE_INSTANCE_VARS:
-            counts, bounds = _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
-            rows = rows_with_weights(counts, cands, demand)
-            ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
-            status = f"LP bound, column generation and repair: worst ratio within {bounds['ratio_gap']:.2%} of its bound"
-            bounds["proved_by"] = "LP relaxation and Lagrangian proofs at column generation's GPU prices"
-            return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
+            return _placement_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
     if gap is None:
         gap = LARGE_GAP if len(cands) > LARGE_INSTANCE_VARS else 0.0
-    # Every stage minimises: CBC's -max path mishandles MIP starts (it took a worse
-    # heuristic solution over the start's better one in testing).
-    prob = pulp.LpProblem("otela_place", pulp.LpMinimize)
-    n = {}
-    for i, c in enumerate(cands):
-        n[c.key()] = pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.gpus, cat="Integer")
-    z = pulp.LpVariable("z", 0, headroom)
-    ratio_of = {m: pulp.lpSum(c.capacity_rps / demand[m] * n[c.key()] for c in cands if c.model == m)
-                for m in demand}
-    for m in demand:
-        prob += ratio_of[m] >= z
-    for g, (count, _) in pool.items():
-        mine = [c.gpus * n[c.key()] for c in cands if c.gpu == g]
-        if mine:
-            prob += pulp.lpSum(mine) <= count
-    for g, free_nodes in whole_nodes(pool).items():
-        mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.nodes > 1]
-        if mine:   # instances over several nodes take whole nodes (see whole_nodes)
-            prob += pulp.lpSum(mine) <= free_nodes
-    gpus = pulp.lpSum(c.gpus * n[c.key()] for c in cands)
-
-    # Stage 1: the highest worst-case ratio, warm-started from water-filling.
-    prob.setObjective(-z)
-    start = water_fill(demand, pool, cands, headroom)
-    for c in cands:
-        n[c.key()].setInitialValue(start.get(c.key(), 0))
-    ratios = [sum(c.capacity_rps * start.get(c.key(), 0) for c in cands if c.model == m) / d for m, d in demand.items()]
-    z_start = min(min(ratios), headroom) * (1 - 1e-9)  # strictly feasible despite rounding
-    z.setInitialValue(z_start)
-    stage_vars = list(n.values()) + [z]
-    start_values = _values(stage_vars)
-    status = _cbc(prob, time_limit, gap, stage_vars, start_values)
-    statuses = [status]
-    if (pulp.value(z) or 0.0) < z_start:  # CBC stopped on time below its start: keep the start
-        for v, value in zip(stage_vars, start_values):
-            v.setInitialValue(value)
-    z_best = pulp.value(z) or 0.0
-    if status not in ("Optimal", "Not Solved", "Time limit") or z_best <= 1e-9:
-        need = {m: min(c.gpus for c in cands if c.model == m) for m in demand}
-        raise PlacementError(
-            f"cannot give every model one instance: {len(demand)} models need at least "
-            f"{sum(need.values())} GPUs in fitting types, the pool has {sum(v[0] for v in pool.values())}")
+    milp = _Milp(pulp, demand, pool, cands, headroom)
+    z_best, statuses = milp.max_worst_ratio(time_limit, gap)
     # Stages 2 and 3 keep the worst ratio within `slack` of its optimum (and within 1e-6
     # always, which keeps them feasible despite CBC's integrality tolerances).
-    prob += z >= z_best * (1 - max(slack, 1e-6)) - 1e-9
+    milp.prob += milp.z >= z_best * (1 - max(slack, 1e-6)) - 1e-9
+    stage2 = milp.least_latency if objective == "latency" else milp.most_useful
+    statuses.append(stage2(z_best, time_limit, gap))
+    milp.prob.setObjective(milp.gpus)   # stage 3: the fewest GPUs
+    statuses.append(_cbc(milp.prob, time_limit, gap, milp.stage_vars, _values(milp.stage_vars)))
+    counts = {k: int(round(v.value() or 0)) for k, v in milp.n.items()}
+    traffic = {k: (v.value() or 0.0) for k, v in milp.x.items()} if objective == "latency" else None
+    rows = rows_with_weights(counts, cands, demand, traffic)
+    ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
+    status, bounds = _milp_bounds(statuses, gap, z_best, demand, pool, cands, headroom)
+    return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
 
-    # Stage 2: useful capacity (or latency), without giving up the ratio.
-    traffic = None
-    if objective == "latency":
-        x = {c.key(): pulp.LpVariable(f"x{i}", 0) for i, c in enumerate(cands)}
+
+def _placement_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
+    counts, bounds = _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
+    rows = rows_with_weights(counts, cands, demand)
+    ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
+    status = f"LP bound, column generation and repair: worst ratio within {bounds['ratio_gap']:.2%} of its bound"
+    bounds["proved_by"] = "LP relaxation and Lagrangian proofs at column generation's GPU prices"
+    return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
+
+
+def _milp_bounds(statuses, gap, z_best, demand, pool, cands, headroom):
+    """(status, bounds) of the exact MILP's answer: CBC's proof, or the LP's bound where a
+    stage stopped early."""
+    if all(s == "Optimal" for s in statuses):
+        status = "optimal" if gap == 0 else f"optimal within {gap:g}"
+        return status, {"ratio": z_best, "ratio_bound": z_best, "ratio_gap": gap, "proved_by": "CBC"}
+    status = "time limit (best found)" if "Time limit" in statuses else "/".join(s.lower() for s in statuses)
+    upper = max(z_best, lp_ratio_bound(demand, pool, _Groups(demand, pool, cands), headroom))
+    return status, {"ratio": z_best, "ratio_bound": upper, "ratio_gap": (upper - z_best) / upper if upper else 0.0,
+                    "proved_by": "LP relaxation"}
+
+
+class _Milp:
+    """The exact placement as one PuLP model solved in three stages, each a minimisation
+    (CBC's -max path mishandles MIP starts: it took a worse heuristic solution over the
+    start's better one in testing): n instances per candidate, z the worst ratio."""
+
+    def __init__(self, pulp, demand, pool, cands, headroom):
+        self.pulp, self.demand, self.pool, self.cands, self.headroom = pulp, demand, pool, cands, headroom
+        self.prob = prob = pulp.LpProblem("otela_place", pulp.LpMinimize)
+        self.n = n = {c.key(): pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.gpus, cat="Integer")
+                      for i, c in enumerate(cands)}
+        self.z = pulp.LpVariable("z", 0, headroom)
+        self.x = {}
+        self.ratio_of = {m: pulp.lpSum(c.capacity_rps / demand[m] * n[c.key()] for c in cands if c.model == m)
+                         for m in demand}
+        for m in demand:
+            prob += self.ratio_of[m] >= self.z
+        for g, (count, _) in pool.items():
+            mine = [c.gpus * n[c.key()] for c in cands if c.gpu == g]
+            if mine:
+                prob += pulp.lpSum(mine) <= count
+        for g, free_nodes in whole_nodes(pool).items():
+            mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.nodes > 1]
+            if mine:   # instances over several nodes take whole nodes (see whole_nodes)
+                prob += pulp.lpSum(mine) <= free_nodes
+        self.gpus = pulp.lpSum(c.gpus * n[c.key()] for c in cands)
+        self.stage_vars = list(n.values()) + [self.z]
+
+    def max_worst_ratio(self, time_limit, gap):
+        """Stage 1: the highest worst-case ratio, warm-started from water-filling; (z, [status])."""
+        demand, cands, n, z = self.demand, self.cands, self.n, self.z
+        self.prob.setObjective(-z)
+        start = water_fill(demand, self.pool, cands, self.headroom)
         for c in cands:
-            prob += x[c.key()] <= c.capacity_rps * n[c.key()] / headroom if z_best >= 1 else \
-                x[c.key()] <= c.capacity_rps * n[c.key()]
+            n[c.key()].setInitialValue(start.get(c.key(), 0))
+        ratios = [sum(c.capacity_rps * start.get(c.key(), 0) for c in cands if c.model == m) / d
+                  for m, d in demand.items()]
+        z_start = min(min(ratios), self.headroom) * (1 - 1e-9)  # strictly feasible despite rounding
+        z.setInitialValue(z_start)
+        start_values = _values(self.stage_vars)
+        status = _cbc(self.prob, time_limit, gap, self.stage_vars, start_values)
+        if (self.pulp.value(z) or 0.0) < z_start:  # CBC stopped on time below its start: keep the start
+            for v, value in zip(self.stage_vars, start_values):
+                v.setInitialValue(value)
+        z_best = self.pulp.value(z) or 0.0
+        if status not in ("Optimal", "Not Solved", "Time limit") or z_best <= 1e-9:
+            need = {m: min(c.gpus for c in cands if c.model == m) for m in demand}
+            raise PlacementError(
+                f"cannot give every model one instance: {len(demand)} models need at least "
+                f"{sum(need.values())} GPUs in fitting types, the pool has {sum(v[0] for v in self.pool.values())}")
+        return z_best, [status]
+
+    def least_latency(self, z_best, time_limit, gap):
+        """Stage 2 (objective latency): the least mean latency of the traffic routed."""
+        pulp, prob, demand, cands, n = self.pulp, self.prob, self.demand, self.cands, self.n
+        self.x = x = {c.key(): pulp.LpVariable(f"x{i}", 0) for i, c in enumerate(cands)}
+        for c in cands:
+            prob += x[c.key()] <= c.capacity_rps * n[c.key()] / (self.headroom if z_best >= 1 else 1.0)
         for m in demand:
             prob += pulp.lpSum(x[c.key()] for c in cands if c.model == m) == demand[m] * min(1.0, z_best)
         lat = {c.key(): c.latency_ms if c.latency_ms is not None else 1e3 / c.capacity_rps for c in cands}
@@ -805,41 +842,27 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
             cap = sum(d.capacity_rps * (n[d.key()].value() or 0) for d in cands if d.model == c.model)
             x[c.key()].setInitialValue(demand[c.model] * min(1.0, z_best) * c.capacity_rps
                                        * (n[c.key()].value() or 0) / cap if cap else 0.0)
-        stage_vars = list(n.values()) + [z] + list(x.values())
-        statuses.append(_cbc(prob, time_limit, gap, stage_vars, _values(stage_vars)))
+        self.stage_vars = list(n.values()) + [self.z] + list(x.values())
+        status = _cbc(prob, time_limit, gap, self.stage_vars, _values(self.stage_vars))
         best = pulp.value(prob.objective)
         prob += pulp.lpSum(lat[k] * x[k] for k in x) / total <= best * (1 + 1e-6) + 1e-9
-    else:
-        s = {m: pulp.LpVariable(f"s{i}", 0, headroom * demand[m]) for i, m in enumerate(demand)}
+        return status
+
+    def most_useful(self, z_best, time_limit, gap):
+        """Stage 2 (objective throughput): the most useful capacity, each model's counted up to
+        demand x headroom."""
+        pulp, prob, demand = self.pulp, self.prob, self.demand
+        s = {m: pulp.LpVariable(f"s{i}", 0, self.headroom * demand[m]) for i, m in enumerate(demand)}
         for m in demand:
-            prob += s[m] <= ratio_of[m] * demand[m]
+            prob += s[m] <= self.ratio_of[m] * demand[m]
         prob.setObjective(-pulp.lpSum(s.values()))
         for m in demand:
-            s[m].setInitialValue(min(headroom * demand[m], pulp.value(ratio_of[m]) * demand[m]))
-        stage_vars = list(n.values()) + [z] + list(s.values())
-        statuses.append(_cbc(prob, time_limit, gap, stage_vars, _values(stage_vars)))
+            s[m].setInitialValue(min(self.headroom * demand[m], pulp.value(self.ratio_of[m]) * demand[m]))
+        self.stage_vars = list(self.n.values()) + [self.z] + list(s.values())
+        status = _cbc(prob, time_limit, gap, self.stage_vars, _values(self.stage_vars))
         best = -(pulp.value(prob.objective) or 0.0)
         prob += pulp.lpSum(s.values()) >= best * (1 - 1e-6) - 1e-9
-
-    # Stage 3: the fewest GPUs.
-    prob.setObjective(gpus)
-    statuses.append(_cbc(prob, time_limit, gap, stage_vars, _values(stage_vars)))
-    counts = {k: int(round(v.value() or 0)) for k, v in n.items()}
-    if objective == "latency":
-        traffic = {k: (v.value() or 0.0) for k, v in x.items()}
-    rows = rows_with_weights(counts, cands, demand, traffic)
-    capacity_of = {c.key(): c.capacity_rps for c in cands}
-    ratio, served, used = score(rows, demand, capacity_of, headroom)
-    if all(s == "Optimal" for s in statuses):
-        status = "optimal" if gap == 0 else f"optimal within {gap:g}"
-        bounds = {"ratio": z_best, "ratio_bound": z_best, "ratio_gap": gap, "proved_by": "CBC"}
-    else:
-        status = "time limit (best found)" if "Time limit" in statuses else "/".join(s.lower() for s in statuses)
-        # say how far from the LP's bound the stopped search is
-        upper = max(z_best, lp_ratio_bound(demand, pool, _Groups(demand, pool, cands), headroom))
-        bounds = {"ratio": z_best, "ratio_bound": upper, "ratio_gap": (upper - z_best) / upper if upper else 0.0,
-                  "proved_by": "LP relaxation"}
-    return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
+        return status
 
 
 # =============================================================================================
