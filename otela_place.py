@@ -3088,10 +3088,22 @@ class CronReclaim:
         for key, n in actions["have"].items():
             cap_have[key[0]] = cap_have.get(key[0], 0.0) + n * self.capacity_of(key)
         self._observe(cap_have)
-        held, reclaimed = [], []
+        submits, held = self._gate_submits(actions["submit"], cap_have)
+        free, wanting = self._free_gpus(jobs, submits)
+        cancels, held_back, reclaimed = self._gate_cancels(actions["cancel"], jobs, cap_have, free, wanting)
+        if submit:
+            by_id = {j["id"]: j for j in jobs}
+            changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
+            for m in changed:   # a model with no demand (a catalogue's min) has no entry yet
+                self.state["models"].setdefault(m, {"below_since": None, "last_change": None, "history": []})
+                self.state["models"][m]["last_change"] = self.now
+        gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
+        return gated, {"held": held + held_back, "reclaimed": reclaimed}
 
-        submits = {}
-        for key, n in sorted(actions["submit"].items()):
+    def _gate_submits(self, wanted, cap_have):
+        """(the submits that go ahead, the held ones): a scale-up waits for the high watermark."""
+        submits, held = {}, []
+        for key, n in sorted(wanted.items()):
             d, cap = self.demand.get(key[0], 0.0), cap_have.get(key[0], 0.0)
             if cap > 0 and d <= self.high * cap:
                 held.append({"model": key[0], "action": "submit", "key": list(key), "count": n,
@@ -3099,26 +3111,33 @@ class CronReclaim:
                                     f"scale-up waits for {self.high:.0%}"})
             else:
                 submits[key] = n
+        return submits, held
 
-        # GPUs of each type left after our live jobs and the submits that go ahead; negative
-        # = some model waits for GPUs (its jobs pend) and donors may give.
+    def _free_gpus(self, jobs, submits):
+        """({gpu: GPUs left after our live jobs and the submits that go ahead}, {gpu: models
+        waiting for it}); negative: some model waits for GPUs (its jobs pend) and donors may give."""
         free = {g: count for g, (count, _) in self.pool.items()}
         wanting = {}
         for j in jobs:
             if j.get("draining_since") is None and j["key"][1] in free:
-                free[j["key"][1]] -= key_layout(j["key"])[0] * key_layout(j["key"])[1]
+                free[j["key"][1]] -= math.prod(key_layout(j["key"]))
                 if j["state"] == "PENDING":
                     wanting.setdefault(j["key"][1], set()).add(j["key"][0])
         for key, n in submits.items():
             if key[1] in free:
-                free[key[1]] -= key_layout(key)[0] * key_layout(key)[1] * n
+                free[key[1]] -= math.prod(key_layout(key)) * n
                 wanting.setdefault(key[1], set()).add(key[0])
+        return free, wanting
 
+    def _gate_cancels(self, cancel, jobs, cap_have, free, wanting):
+        """(cancels, held, reclaimed): a model that may give goes at once when idle (or with
+        release_idle); else its jobs go only to a model waiting for their GPUs, cheapest
+        reload first, running jobs before pending ones (a pending one frees no GPU)."""
         by_id = {j["id"]: j for j in jobs}
         by_model = {}
-        for jid in actions["cancel"]:
+        for jid in cancel:
             by_model.setdefault(by_id[jid]["key"][0], []).append(jid)
-        cancels, donors = [], []
+        cancels, donors, held, reclaimed = [], [], [], []
         for m, ids in sorted(by_model.items()):
             why = self._why_not_donor(m, cap_have.get(m, 0.0))
             if why:
@@ -3126,30 +3145,23 @@ class CronReclaim:
             elif self.demand.get(m, 0.0) <= 0 or self.release_idle:
                 cancels.extend(ids)
                 for jid in ids:
-                    g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
+                    g = by_id[jid]["key"][1]
                     if g in free:
-                        free[g] += tp
+                        free[g] += math.prod(key_layout(by_id[jid]["key"]))
             else:
                 donors.append((self.load_s(m) * self.demand.get(m, 0.0), m, ids))
-        for _, m, ids in sorted(donors):  # cheapest reload first
-            # running jobs first: a pending one frees no GPU anybody waits for now
+        for _, m, ids in sorted(donors):
             for jid in sorted(ids, key=lambda i: by_id[i]["state"] == "PENDING"):
-                g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
+                g = by_id[jid]["key"][1]
                 takers = sorted(wanting.get(g, set()) - {m})
                 if free.get(g, 0) < 0 and takers:
                     cancels.append(jid)
-                    free[g] += tp
+                    free[g] += math.prod(key_layout(by_id[jid]["key"]))
                     reclaimed.append({"donor": m, "job": jid, "gpu": g, "for": takers})
                 else:
                     held.append({"model": m, "action": "cancel", "jobs": [jid],
                                  "why": f"no other model needs its {g} GPUs"})
-        if submit:
-            changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
-            for m in changed:   # a model with no demand (a catalogue's min) has no entry yet
-                self.state["models"].setdefault(m, {"below_since": None, "last_change": None, "history": []})
-                self.state["models"][m]["last_change"] = self.now
-        gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
-        return gated, {"held": held, "reclaimed": reclaimed}
+        return cancels, held, reclaimed
 
 
 def bursty_trace(mean_rps, hours, seed=0, ratios=TRACE_PEAK_OVER_MEAN, bin_s=60, burst_share=TRACE_BURST_SHARE):

@@ -276,33 +276,44 @@ def ray_pids(job):
             if len(argv) > 2 and argv[1].endswith(b"/ray")}
 
 
-def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab, ingress, tmp_path):  # noqa: F811
+def submit_by_hand(mlab, ingress, tmp_path, stand_ins, row, template):  # noqa: F811
+    """(job id, script) of one instance of `row` rendered from `template` as plan renders it
+    (a grant of its own) and submitted with sbatch, its engine the stand-ins {name: text}."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("ray", RAY), ("vllm", VLLM)):
+    for name, text in stand_ins.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     site = place.check_site({"gpus": [{"type": "H100", "count": 4, "per_node": 1, "gres": "gpu",
                                        "partition": mlab["partition"], "time_limit": "10"}],
                              "engine_wrapper": f"env PATH={bin_dir}:/usr/bin:/bin", "log_dir": str(tmp_path / "logs")})
     os.makedirs(tmp_path / "logs")
-    row = {"model": MODEL, "gpu": "H100", "tp": 1, "pp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
     grants = place.GrantIssuer(str(tmp_path / "grants"), ingress["key"], PY)   # as plan does
-    (_, name, text), = place.job_scripts([row], site, "vllm", {"KEY_FILE": ingress["key"],
-                                                               "BOOTSTRAP": ingress["gossip"], "PYTHON": PY},
+    (_, name, text), = place.job_scripts([row], site, template, {"KEY_FILE": ingress["key"], "PYTHON": PY,
+                                                                 "BOOTSTRAP": ingress["gossip"], "LISTEN_HOST": "0.0.0.0"},
                                          grant=grants.grant)
     (tmp_path / name).write_text(text)
-    from test_place_slurm import _cancel_ours
-    try:
-        job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
-                             check=True, timeout=30).stdout.strip().split(";")[0]
+    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.strip().split(";")[0]
+    return job, text
 
-        def serving():
-            mine = of_job(registry(ingress), job)
-            if any(s["state"] in ("DOWN", "LEFT") for s in mine):
-                raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
-            return [s for s in mine if s["state"] == "SERVING"]
-        session = poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+
+def serving_session(ingress, tmp_path, job):
+    """Job `job`'s session once SERVING; its job logs in the error if it went DOWN first."""
+    def serving():
+        mine = of_job(registry(ingress), job)
+        if any(s["state"] in ("DOWN", "LEFT") for s in mine):
+            raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
+        return [s for s in mine if s["state"] == "SERVING"]
+    return poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+
+
+def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab, ingress, tmp_path):  # noqa: F811
+    from test_place_slurm import _cancel_ours
+    row = {"model": MODEL, "gpu": "H100", "tp": 1, "pp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
+    try:
+        job, _ = submit_by_hand(mlab, ingress, tmp_path, {"ray": RAY, "vllm": VLLM}, row, "vllm")
+        session = serving_session(ingress, tmp_path, job)
         assert len(session["hardware"]["nodes"]) == 2 and (session["hardware"]["tp"], session["hardware"]["pp"]) == (1, 2)
         assert set(ray_pids(job)) == {"head", "worker"}
         log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
@@ -322,32 +333,12 @@ def test_the_sglang_template_runs_tp_across_two_nodes_with_a_rank_on_each(mlab, 
     # divides a model's layers: each node asks Slurm for its share (1 GPU) and runs one rank
     if not sim_is_multi_node():
         pytest.skip("this otela_sim.py serve has no multi-node engine (--nnodes/--node-rank)")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(SGLANG)
-    (bin_dir / "python3").chmod(0o755)
-    site = place.check_site({"gpus": [{"type": "H100", "count": 4, "per_node": 1, "gres": "gpu",
-                                       "partition": mlab["partition"], "time_limit": "10"}],
-                             "engine_wrapper": f"env PATH={bin_dir}:/usr/bin:/bin", "log_dir": str(tmp_path / "logs")})
-    os.makedirs(tmp_path / "logs")
-    row = {"model": MODEL, "gpu": "H100", "tp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
-    grants = place.GrantIssuer(str(tmp_path / "grants"), ingress["key"], PY)
-    (_, name, text), = place.job_scripts([row], site, "sglang", {"KEY_FILE": ingress["key"], "BOOTSTRAP": ingress["gossip"],
-                                                                 "PYTHON": PY, "LISTEN_HOST": "0.0.0.0"},
-                                         grant=grants.grant)
-    assert "#SBATCH --gres=gpu:1\n" in text and "#SBATCH --nodes=2\n" in text
-    (tmp_path / name).write_text(text)
     from test_place_slurm import _cancel_ours
+    row = {"model": MODEL, "gpu": "H100", "tp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
     try:
-        job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
-                             check=True, timeout=30).stdout.strip().split(";")[0]
-
-        def serving():
-            mine = of_job(registry(ingress), job)
-            if any(s["state"] in ("DOWN", "LEFT") for s in mine):
-                raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
-            return [s for s in mine if s["state"] == "SERVING"]
-        session = poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+        job, text = submit_by_hand(mlab, ingress, tmp_path, {"python3": SGLANG}, row, "sglang")
+        assert "#SBATCH --gres=gpu:1\n" in text and "#SBATCH --nodes=2\n" in text
+        session = serving_session(ingress, tmp_path, job)
         hw = session["hardware"]
         assert len(hw["nodes"]) == 2 and (hw["tp"], hw["pp"]) == (2, 1)
         assert place.session_key(session) == (MODEL, "H100", 2)
