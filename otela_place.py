@@ -81,6 +81,10 @@ HEADROOM = 1.25
 # Tensor-parallel degrees tried: powers of two, because attention heads are, and a power of
 # two that divides the GPUs per node packs nodes without fragments (first-fit decreasing).
 TP_CHOICES = (1, 2, 4, 8)
+# Templates whose engine runs tensor parallelism across nodes (SGLang: --tp 16 --nnodes 2).
+# vLLM's template runs tp within a node and pipeline stages across nodes (Ray), so a model
+# planned for it gets only tp x pp layouts.
+TP_ACROSS_NODES_TEMPLATES = ("sglang",)
 # The engine version the simulator's capacities, latencies and energies assume
 # (otela_sim.ENGINE_VERSIONS; plan --engine sets it): vLLM V0 with chunked prefill off, what
 # the Table-1 experiment ran; its overheads are fitted to published vLLM rows.
@@ -187,6 +191,9 @@ def check_scenario(scenario):
         raise PlacementError("scenario 'gpus' and 'workload' must be lists")
     if not isinstance(scenario["models"], dict) or not all(isinstance(c, dict) for c in scenario["models"].values()):
         raise PlacementError("scenario 'models' must be an object of {name: Hugging Face config object}")
+    across = scenario.get("tp_across_nodes", False)
+    if not (isinstance(across, bool) or isinstance(across, list) and all(isinstance(n, str) for n in across)):
+        raise PlacementError("scenario 'tp_across_nodes' must be true, false or a list of model names")
     try:
         return _check_entries(scenario)
     except (TypeError, ValueError) as e:
@@ -228,7 +235,8 @@ def gpu_pool(scenario):
 
 def whole_nodes(pool):
     """{gpu type: whole nodes}: the nodes an instance over several nodes may take, count //
-    per_node. Beside the pool's GPU count this is the only other limit the placement needs: tps
+    per_node. Beside the pool's GPU count this is the only other limit the placement needs: a
+    multi-node instance takes whole nodes (tp x pp stages, or tp over nodes) and single-node tps
     are powers of two dividing per_node, so single-node instances pack the GPUs the multi-node
     ones leave without fragments (first-fit decreasing) whenever count is a whole number of
     nodes; where it is not (free GPUs on partly used nodes), this row keeps multi-node instances
@@ -276,10 +284,11 @@ def load_time_s(config):
 
 
 class Candidate:
-    """One deployable instance shape. tp GPUs per stage on one node; a model bigger than a node
-    runs pp > 1 pipeline stages over `nodes` whole nodes (tp = the GPUs of a node), so it costs
-    gpus = tp x pp GPUs and `nodes` nodes. Its key is (model, gpu, tp), with pp after them when
-    pp > 1: every single-node key, label and job comment stays what it was."""
+    """One deployable instance shape: pp pipeline stages of tp GPUs, tp x pp GPUs on `nodes`
+    nodes. A model bigger than a node takes whole nodes: pp > 1 stages of a node's GPUs each,
+    or (an engine that runs tp across nodes) tp over several whole nodes. Its key is (model,
+    gpu, tp), with pp after them when pp > 1: every single-node key, label and job comment
+    stays what it was, and tp wider than a node is a key of its own."""
     __slots__ = ("model", "gpu", "tp", "capacity_rps", "latency_ms", "pp", "nodes")
 
     def __init__(self, model, gpu, tp, capacity_rps, latency_ms=None, pp=1, nodes=1):
@@ -296,8 +305,9 @@ class Candidate:
         return (self.model, self.gpu, self.tp) + ((self.pp,) if self.pp > 1 else ())
 
     def __repr__(self):
-        pp = f" pp={self.pp} on {self.nodes} nodes" if self.pp > 1 else ""
-        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}{pp}, {self.capacity_rps:.3g} req/s)"
+        pp = f" pp={self.pp}" if self.pp > 1 else ""
+        nodes = f" on {self.nodes} nodes" if self.nodes > 1 else ""
+        return f"Candidate({self.model!r}, {self.gpu!r}, tp={self.tp}{pp}{nodes}, {self.capacity_rps:.3g} req/s)"
 
 
 def row_key(r):
@@ -323,14 +333,15 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
     distributions) sustains on one saturated instance: SIM_CAPACITY_REQUESTS arriving at
     once, over the time the last finishes. So the placer's figures and the replay that judges
     the placement are the same model. Latency is one request's end-to-end time in a full batch.
-    An instance over several nodes is pp > 1 stages of tp GPUs on nodes of per_node GPUs, joined
-    by the GPU's usual fabric."""
+    An instance over several nodes (pp > 1 stages, or tp wider than a node) takes whole nodes
+    of per_node GPUs, joined by the GPU's usual fabric."""
     sim = otela_sim
+    nodes = nodes_of(tp, pp, per_node or tp)
     try:
         model = model_of(config, name=model_name)
         gpu = sim.resolve_gpu(gpu_name)
-        if pp > 1:
-            sim.check_config(model, gpu, tp, per_node=max(tp, per_node or tp), pp=pp)
+        if nodes > 1:
+            sim.check_config(model, gpu, tp, per_node=per_node, pp=pp, nnodes=nodes)
         else:
             sim.check_config(model, gpu, tp, per_node=tp)  # the node limit is checked by tp_allowed
     except (ValueError, KeyError) as e:
@@ -339,11 +350,10 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
         layout = f"tp={tp}" + (f" x pp={pp}" if pp > 1 else "")
         return None, f"weights + KV cache of one max-length sequence exceed {gpu_name} memory at {layout}"
     burst = dict(workload, model=model_name, rate_rps=SIM_CAPACITY_REQUESTS)  # all within 1 s
-    scenario = {"gpus": [{"type": gpu_name, "count": tp * pp, "per_node": tp}], "models": {model_name: model},
-                "workload": [burst], "duration_s": 1.0}
+    scenario = {"gpus": [{"type": gpu_name, "count": tp * pp, "per_node": per_node if nodes > 1 else tp}],
+                "models": {model_name: model}, "workload": [burst], "duration_s": 1.0}
     entry = {"model": model_name, "gpu": gpu_name, "tp": tp, "instances": 1, "weight": 1.0}
-    nodes = nodes_of(tp, pp, per_node or tp) if pp > 1 else 1
-    if pp > 1:
+    if nodes > 1:
         entry.update(pp=pp, nnodes=nodes)
     out = sim.replay(scenario, [entry], seed=0, duration_s=1.0, engine=SIM_ENGINE)
     cap = float(out["per_model_req_s"][model_name])
@@ -354,7 +364,7 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
 def full_batch_estimate(model, gpu, tp, workload, pp=1):
     """otela_sim's estimate of a mean request of the workload in the fullest batch that fits
     (at most MAX_NUM_SEQS), or None when the model cannot run there."""
-    layout = {"pp": pp} if pp > 1 else {}   # (the single-node call is the one it always was)
+    layout = {"pp": pp} if pp > 1 else {}
     try:
         model, gpu = otela_sim.resolve_model(model), otela_sim.resolve_gpu(gpu)
         inp = max(1, int(round(workload.get("input", {}).get("mean", 512))))
@@ -446,28 +456,58 @@ def nodes_of(tp, pp, per_node):
     return -(-pp // (per_node // tp))
 
 
-def multi_node_candidate(model, config, gpu, count, per_node, workload):
-    """(Candidate, None) of a model no node of `gpu` holds: tp = the GPUs of a node, pp = the
-    fewest nodes whose memory holds it, pp dividing its layers; or (None, the reason)."""
-    tp, layers = per_node, int(config["num_hidden_layers"])
-    bad = tp_allowed(config, tp, per_node)
+def spans_tp(scenario, model):
+    """Whether the model's engine runs tp across nodes: the scenario's "tp_across_nodes", true
+    for every model or a list of names (plan sets it from the template, TP_ACROSS_NODES_TEMPLATES)."""
+    across = scenario.get("tp_across_nodes", False)
+    return across is True or (isinstance(across, list) and model in across)
+
+
+def multi_node_layouts(config, gpu, count, per_node, tp_across=False):
+    """([(tp, pp)], reasons) for a model no node of `gpu` holds: in each family the engine runs,
+    the layout of the fewest whole nodes whose memory holds it. Every engine: tp = a node's
+    GPUs, pp stages dividing the layers. With tp_across (SGLang): tp over k whole nodes, pp 1
+    (DeepSeek-V3's 61 layers take no pp > 1)."""
+    have, layers = count // per_node, int(config["num_hidden_layers"])
+    families, reasons = [], []
+    bad = tp_allowed(config, per_node, per_node)
+    stages = [] if bad else [pp for pp in range(2, have + 1) if layers % pp == 0]
     if bad:
-        return None, f"across nodes: {bad}"
-    have = count // per_node
-    stages = [pp for pp in range(2, have + 1) if layers % pp == 0]
-    if not stages:   # (DeepSeek-V3's 61 layers: only tp across nodes would hold it, which is not planned)
-        return None, f"across nodes: no pp from 2 to {have} divides its {layers} layers"
-    for pp in stages:
-        if memory_fits(config, gpu, tp, pp):
-            return sim_candidate(model, config, gpu, tp, workload, pp=pp, per_node=per_node)
-    return None, f"does not fit the {have} whole nodes of {per_node} the pool has (tp={tp} x pp up to {stages[-1]})"
+        reasons.append(f"across nodes: {bad}")
+    elif not stages:
+        reasons.append(f"across nodes: no pp from 2 to {have} divides its {layers} layers"
+                       + ("" if tp_across else " (tp across nodes needs an engine that runs it: the sglang template)"))
+    families.append(("pp", [(per_node, pp) for pp in stages]))
+    if tp_across:
+        families.append(("tp", [(per_node * k, 1) for k in range(2, have + 1)
+                                if not tp_allowed(config, per_node * k, per_node, across=True)]))
+    found = []
+    for name, layouts in families:
+        fit = next((lay for lay in layouts if memory_fits(config, gpu, *lay)), None)
+        if fit:
+            found.append(fit)
+        elif layouts:
+            widest = layouts[-1][0 if name == "tp" else 1]
+            reasons.append(f"does not fit the {have} whole nodes of {per_node} the pool has "
+                           + (f"(tp={per_node} x pp up to {widest})" if name == "pp" else f"(tp up to {widest})"))
+    return found, reasons
 
 
-def tp_allowed(config, tp, per_node):
+def tp_allowed(config, tp, per_node, across=False):
+    """None, or why tp cannot shard the model on nodes of per_node GPUs. Within a node tp
+    divides the attention and KV heads; across nodes (`across`: an engine that runs it) tp is
+    whole nodes, divides the attention heads, and it and the KV heads divide each other (the
+    KV heads replicated past tp, as the engines do)."""
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads", heads)
-    if tp > per_node:
+    if tp > per_node and not across:
         return f"tp={tp} exceeds the {per_node} GPUs of one node"
+    if tp > per_node:
+        if tp % per_node:
+            return f"tp={tp} across nodes of {per_node} GPUs is not a whole number of nodes"
+        if heads % tp or (kv % tp and tp % kv):
+            return f"tp={tp} does not divide {heads} attention heads, or it and the {kv} KV heads do not divide each other"
+        return None
     if heads % tp or kv % tp:
         return f"tp={tp} does not divide {heads} attention / {kv} KV heads"
     return None
@@ -485,51 +525,63 @@ def measured_layout(model, config, gpu, tp, pp, count, per_node):
     return nodes
 
 
+def _measured_candidate(scenario, model, figures, gpu, count, per_node):
+    """([Candidate], [reason]) of a measured figure: its tp x pp, checked against the pool."""
+    config = scenario["models"][model]
+    tp, pp = int(figures["tp"]), int(figures.get("pp", 1))
+    bad = tp_allowed(config, tp, max(per_node, tp) if pp > 1 else per_node, across=spans_tp(scenario, model))
+    if bad:
+        return [], [f"{gpu}: {bad}"]
+    nodes = measured_layout(model, config, gpu, tp, pp, count, per_node)
+    latency = sim_latency_ms(model_of(config, name=model), gpu, tp, workload_of(scenario, model), pp)
+    return [Candidate(model, gpu, tp, float(figures[gpu]), latency_ms=latency, pp=pp, nodes=nodes)], []
+
+
+def _simulated_candidates(scenario, model, gpu, count, per_node, tps):
+    """([Candidate], [reason]) from the simulator: each tp within a node, and when no node
+    holds the model, the layouts over whole nodes (multi_node_layouts)."""
+    config, workload = scenario["models"][model], workload_of(scenario, model)
+    found, reasons = [], []
+
+    def keep(cand, bad):
+        if cand is None:
+            reasons.append(f"{gpu}: {bad}")
+        elif cand.capacity_rps > 0:
+            found.append(cand)
+
+    for tp in tps:
+        bad = tp_allowed(config, tp, per_node)
+        keep(*((None, bad) if bad else sim_candidate(model, config, gpu, tp, workload)))
+    if found or count < 2 * per_node:
+        return found, reasons
+    layouts, why = multi_node_layouts(config, gpu, count, per_node, spans_tp(scenario, model))
+    reasons += [f"{gpu}: {w}" for w in why]
+    for tp, pp in layouts:
+        keep(*sim_candidate(model, config, gpu, tp, workload, pp=pp, per_node=per_node))
+    return found, reasons
+
+
 def candidates(scenario, capacity="auto", tps=TP_CHOICES):
-    """All deployable (model, GPU type, tp) with their capacity, and for each model that has
-    none, the reason (one line). capacity: 'measured' (only the scenario's figures), 'sim'
-    (only otela_sim), or 'auto' (measured where the scenario gives them, else sim)."""
-    measured = scenario.get("measured_instance_capacity_rps") or {}
+    """All deployable (model, GPU type, tp, pp, nodes) with their capacity, and for each model
+    that has none, the reason (one line). capacity: 'measured' (only the scenario's figures),
+    'sim' (only otela_sim), or 'auto' (measured where the scenario gives them, else sim)."""
+    measured = (scenario.get("measured_instance_capacity_rps") or {}) if capacity != "sim" else {}
     pool = gpu_pool(scenario)
     out, why_not = [], {}
     for model in demand_of(scenario):
-        config = scenario["models"][model]
-        reasons, found = [], []
-        m = measured.get(model) if capacity in ("auto", "measured") else None
+        found, reasons = [], []
+        figures = measured.get(model) or {}
         for gpu, (count, per_node) in pool.items():
             if count <= 0:
                 continue
-            if m and gpu in m:
-                tp, pp = int(m["tp"]), int(m.get("pp", 1))
-                bad = tp_allowed(config, tp, max(per_node, tp) if pp > 1 else per_node)
-                if bad:
-                    reasons.append(f"{gpu}: {bad}")
-                else:
-                    nodes = measured_layout(model, config, gpu, tp, pp, count, per_node)
-                    found.append(Candidate(model, gpu, tp, float(m[gpu]), latency_ms=sim_latency_ms(
-                        model_of(config, name=model), gpu, tp, workload_of(scenario, model), pp),
-                        pp=pp, nodes=nodes))
-                continue
-            if capacity == "measured":
-                reasons.append(f"{gpu}: no measured figure")
-                continue
-            here = len(found)
-            for tp in tps:
-                bad = tp_allowed(config, tp, per_node)
-                if bad:
-                    reasons.append(f"{gpu}: {bad}")
-                    continue
-                cand, bad = sim_candidate(model, config, gpu, tp, workload_of(scenario, model))
-                if cand is None:
-                    reasons.append(f"{gpu}: {bad}")
-                elif cand.capacity_rps > 0:
-                    found.append(cand)
-            if len(found) == here and count >= 2 * per_node:   # no node holds it: several nodes may
-                cand, bad = multi_node_candidate(model, config, gpu, count, per_node, workload_of(scenario, model))
-                if cand is None:
-                    reasons.append(f"{gpu}: {bad}")
-                elif cand.capacity_rps > 0:
-                    found.append(cand)
+            if gpu in figures:
+                got, bad = _measured_candidate(scenario, model, figures, gpu, count, per_node)
+            elif capacity == "measured":
+                got, bad = [], [f"{gpu}: no measured figure"]
+            else:
+                got, bad = _simulated_candidates(scenario, model, gpu, count, per_node, tps)
+            found += got
+            reasons += bad
         if not found:
             why_not[model] = "; ".join(dict.fromkeys(reasons)) or "no GPU types"
         out.extend(found)
@@ -577,7 +629,9 @@ def rows_with_weights(counts, cands, demand, latency_traffic=None):
             rows.append({"model": c.model, "gpu": c.gpu, "tp": c.tp, "instances": int(n),
                          "weight": (latency_traffic or {}).get(c.key(), c.capacity_rps * n)})
             if c.pp > 1:   # (single-node rows keep their four fields)
-                rows[-1].update(pp=c.pp, nodes=c.nodes)
+                rows[-1]["pp"] = c.pp
+            if c.nodes > 1:
+                rows[-1]["nodes"] = c.nodes
     for m in demand:
         mine = [r for r in rows if r["model"] == m]
         total = sum(r["weight"] for r in mine)
@@ -601,12 +655,12 @@ def water_fill(demand, pool, cands, headroom=HEADROOM):
     heapq.heapify(heap)
     while heap:
         r, m = heapq.heappop(heap)
-        pick = next((c for c in by_model[m] if free[c.gpu] >= c.gpus and (c.pp == 1 or nodes[c.gpu] >= c.nodes)),
+        pick = next((c for c in by_model[m] if free[c.gpu] >= c.gpus and (c.nodes == 1 or nodes[c.gpu] >= c.nodes)),
                     None)
         if pick is None:
             continue  # this model cannot grow any more
         free[pick.gpu] -= pick.gpus
-        if pick.pp > 1:
+        if pick.nodes > 1:
             nodes[pick.gpu] -= pick.nodes
         counts[pick.key()] = counts.get(pick.key(), 0) + 1
         ratio[m] = r + pick.capacity_rps / demand[m]
@@ -681,67 +735,104 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
     if objective == "throughput":
         cands = prune_dominated(cands)
         if len(cands) > LARGE_INSTANCE_VARS:
-            counts, bounds = _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
-            rows = rows_with_weights(counts, cands, demand)
-            ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
-            status = f"LP bound, column generation and repair: worst ratio within {bounds['ratio_gap']:.2%} of its bound"
-            bounds["proved_by"] = "LP relaxation and Lagrangian proofs at column generation's GPU prices"
-            return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
+            return _placement_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
     if gap is None:
         gap = LARGE_GAP if len(cands) > LARGE_INSTANCE_VARS else 0.0
-    # Every stage minimises: CBC's -max path mishandles MIP starts (it took a worse
-    # heuristic solution over the start's better one in testing).
-    prob = pulp.LpProblem("otela_place", pulp.LpMinimize)
-    n = {}
-    for i, c in enumerate(cands):
-        n[c.key()] = pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.gpus, cat="Integer")
-    z = pulp.LpVariable("z", 0, headroom)
-    ratio_of = {m: pulp.lpSum(c.capacity_rps / demand[m] * n[c.key()] for c in cands if c.model == m)
-                for m in demand}
-    for m in demand:
-        prob += ratio_of[m] >= z
-    for g, (count, _) in pool.items():
-        mine = [c.gpus * n[c.key()] for c in cands if c.gpu == g]
-        if mine:
-            prob += pulp.lpSum(mine) <= count
-    for g, free_nodes in whole_nodes(pool).items():
-        mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.pp > 1]
-        if mine:   # instances over several nodes take whole nodes (see whole_nodes)
-            prob += pulp.lpSum(mine) <= free_nodes
-    gpus = pulp.lpSum(c.gpus * n[c.key()] for c in cands)
-
-    # Stage 1: the highest worst-case ratio, warm-started from water-filling.
-    prob.setObjective(-z)
-    start = water_fill(demand, pool, cands, headroom)
-    for c in cands:
-        n[c.key()].setInitialValue(start.get(c.key(), 0))
-    ratios = [sum(c.capacity_rps * start.get(c.key(), 0) for c in cands if c.model == m) / d for m, d in demand.items()]
-    z_start = min(min(ratios), headroom) * (1 - 1e-9)  # strictly feasible despite rounding
-    z.setInitialValue(z_start)
-    stage_vars = list(n.values()) + [z]
-    start_values = _values(stage_vars)
-    status = _cbc(prob, time_limit, gap, stage_vars, start_values)
-    statuses = [status]
-    if (pulp.value(z) or 0.0) < z_start:  # CBC stopped on time below its start: keep the start
-        for v, value in zip(stage_vars, start_values):
-            v.setInitialValue(value)
-    z_best = pulp.value(z) or 0.0
-    if status not in ("Optimal", "Not Solved", "Time limit") or z_best <= 1e-9:
-        need = {m: min(c.gpus for c in cands if c.model == m) for m in demand}
-        raise PlacementError(
-            f"cannot give every model one instance: {len(demand)} models need at least "
-            f"{sum(need.values())} GPUs in fitting types, the pool has {sum(v[0] for v in pool.values())}")
+    milp = _Milp(pulp, demand, pool, cands, headroom)
+    z_best, statuses = milp.max_worst_ratio(time_limit, gap)
     # Stages 2 and 3 keep the worst ratio within `slack` of its optimum (and within 1e-6
     # always, which keeps them feasible despite CBC's integrality tolerances).
-    prob += z >= z_best * (1 - max(slack, 1e-6)) - 1e-9
+    milp.prob += milp.z >= z_best * (1 - max(slack, 1e-6)) - 1e-9
+    stage2 = milp.least_latency if objective == "latency" else milp.most_useful
+    statuses.append(stage2(z_best, time_limit, gap))
+    milp.prob.setObjective(milp.gpus)   # stage 3: the fewest GPUs
+    statuses.append(_cbc(milp.prob, time_limit, gap, milp.stage_vars, _values(milp.stage_vars)))
+    counts = {k: int(round(v.value() or 0)) for k, v in milp.n.items()}
+    traffic = {k: (v.value() or 0.0) for k, v in milp.x.items()} if objective == "latency" else None
+    rows = rows_with_weights(counts, cands, demand, traffic)
+    ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
+    status, bounds = _milp_bounds(statuses, gap, z_best, demand, pool, cands, headroom)
+    return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
 
-    # Stage 2: useful capacity (or latency), without giving up the ratio.
-    traffic = None
-    if objective == "latency":
-        x = {c.key(): pulp.LpVariable(f"x{i}", 0) for i, c in enumerate(cands)}
+
+def _placement_at_scale(demand, pool, cands, headroom, time_limit, slack, t0):
+    counts, bounds = _solve_at_scale(demand, pool, cands, headroom, time_limit, slack, t0)
+    rows = rows_with_weights(counts, cands, demand)
+    ratio, served, used = score(rows, demand, {c.key(): c.capacity_rps for c in cands}, headroom)
+    status = f"LP bound, column generation and repair: worst ratio within {bounds['ratio_gap']:.2%} of its bound"
+    bounds["proved_by"] = "LP relaxation and Lagrangian proofs at column generation's GPU prices"
+    return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
+
+
+def _milp_bounds(statuses, gap, z_best, demand, pool, cands, headroom):
+    """(status, bounds) of the exact MILP's answer: CBC's proof, or the LP's bound where a
+    stage stopped early."""
+    if all(s == "Optimal" for s in statuses):
+        status = "optimal" if gap == 0 else f"optimal within {gap:g}"
+        return status, {"ratio": z_best, "ratio_bound": z_best, "ratio_gap": gap, "proved_by": "CBC"}
+    status = "time limit (best found)" if "Time limit" in statuses else "/".join(s.lower() for s in statuses)
+    upper = max(z_best, lp_ratio_bound(demand, pool, _Groups(demand, pool, cands), headroom))
+    return status, {"ratio": z_best, "ratio_bound": upper, "ratio_gap": (upper - z_best) / upper if upper else 0.0,
+                    "proved_by": "LP relaxation"}
+
+
+class _Milp:
+    """The exact placement as one PuLP model solved in three stages, each a minimisation
+    (CBC's -max path mishandles MIP starts: it took a worse heuristic solution over the
+    start's better one in testing): n instances per candidate, z the worst ratio."""
+
+    def __init__(self, pulp, demand, pool, cands, headroom):
+        self.pulp, self.demand, self.pool, self.cands, self.headroom = pulp, demand, pool, cands, headroom
+        self.prob = prob = pulp.LpProblem("otela_place", pulp.LpMinimize)
+        self.n = n = {c.key(): pulp.LpVariable(f"n{i}", 0, pool[c.gpu][0] // c.gpus, cat="Integer")
+                      for i, c in enumerate(cands)}
+        self.z = pulp.LpVariable("z", 0, headroom)
+        self.x = {}
+        self.ratio_of = {m: pulp.lpSum(c.capacity_rps / demand[m] * n[c.key()] for c in cands if c.model == m)
+                         for m in demand}
+        for m in demand:
+            prob += self.ratio_of[m] >= self.z
+        for g, (count, _) in pool.items():
+            mine = [c.gpus * n[c.key()] for c in cands if c.gpu == g]
+            if mine:
+                prob += pulp.lpSum(mine) <= count
+        for g, free_nodes in whole_nodes(pool).items():
+            mine = [c.nodes * n[c.key()] for c in cands if c.gpu == g and c.nodes > 1]
+            if mine:   # instances over several nodes take whole nodes (see whole_nodes)
+                prob += pulp.lpSum(mine) <= free_nodes
+        self.gpus = pulp.lpSum(c.gpus * n[c.key()] for c in cands)
+        self.stage_vars = list(n.values()) + [self.z]
+
+    def max_worst_ratio(self, time_limit, gap):
+        """Stage 1: the highest worst-case ratio, warm-started from water-filling; (z, [status])."""
+        demand, cands, n, z = self.demand, self.cands, self.n, self.z
+        self.prob.setObjective(-z)
+        start = water_fill(demand, self.pool, cands, self.headroom)
         for c in cands:
-            prob += x[c.key()] <= c.capacity_rps * n[c.key()] / headroom if z_best >= 1 else \
-                x[c.key()] <= c.capacity_rps * n[c.key()]
+            n[c.key()].setInitialValue(start.get(c.key(), 0))
+        ratios = [sum(c.capacity_rps * start.get(c.key(), 0) for c in cands if c.model == m) / d
+                  for m, d in demand.items()]
+        z_start = min(min(ratios), self.headroom) * (1 - 1e-9)  # strictly feasible despite rounding
+        z.setInitialValue(z_start)
+        start_values = _values(self.stage_vars)
+        status = _cbc(self.prob, time_limit, gap, self.stage_vars, start_values)
+        if (self.pulp.value(z) or 0.0) < z_start:  # CBC stopped on time below its start: keep the start
+            for v, value in zip(self.stage_vars, start_values):
+                v.setInitialValue(value)
+        z_best = self.pulp.value(z) or 0.0
+        if status not in ("Optimal", "Not Solved", "Time limit") or z_best <= 1e-9:
+            need = {m: min(c.gpus for c in cands if c.model == m) for m in demand}
+            raise PlacementError(
+                f"cannot give every model one instance: {len(demand)} models need at least "
+                f"{sum(need.values())} GPUs in fitting types, the pool has {sum(v[0] for v in self.pool.values())}")
+        return z_best, [status]
+
+    def least_latency(self, z_best, time_limit, gap):
+        """Stage 2 (objective latency): the least mean latency of the traffic routed."""
+        pulp, prob, demand, cands, n = self.pulp, self.prob, self.demand, self.cands, self.n
+        self.x = x = {c.key(): pulp.LpVariable(f"x{i}", 0) for i, c in enumerate(cands)}
+        for c in cands:
+            prob += x[c.key()] <= c.capacity_rps * n[c.key()] / (self.headroom if z_best >= 1 else 1.0)
         for m in demand:
             prob += pulp.lpSum(x[c.key()] for c in cands if c.model == m) == demand[m] * min(1.0, z_best)
         lat = {c.key(): c.latency_ms if c.latency_ms is not None else 1e3 / c.capacity_rps for c in cands}
@@ -751,41 +842,27 @@ def _solve(demand, pool, cands, objective, headroom, time_limit, gap, slack):
             cap = sum(d.capacity_rps * (n[d.key()].value() or 0) for d in cands if d.model == c.model)
             x[c.key()].setInitialValue(demand[c.model] * min(1.0, z_best) * c.capacity_rps
                                        * (n[c.key()].value() or 0) / cap if cap else 0.0)
-        stage_vars = list(n.values()) + [z] + list(x.values())
-        statuses.append(_cbc(prob, time_limit, gap, stage_vars, _values(stage_vars)))
+        self.stage_vars = list(n.values()) + [self.z] + list(x.values())
+        status = _cbc(prob, time_limit, gap, self.stage_vars, _values(self.stage_vars))
         best = pulp.value(prob.objective)
         prob += pulp.lpSum(lat[k] * x[k] for k in x) / total <= best * (1 + 1e-6) + 1e-9
-    else:
-        s = {m: pulp.LpVariable(f"s{i}", 0, headroom * demand[m]) for i, m in enumerate(demand)}
+        return status
+
+    def most_useful(self, z_best, time_limit, gap):
+        """Stage 2 (objective throughput): the most useful capacity, each model's counted up to
+        demand x headroom."""
+        pulp, prob, demand = self.pulp, self.prob, self.demand
+        s = {m: pulp.LpVariable(f"s{i}", 0, self.headroom * demand[m]) for i, m in enumerate(demand)}
         for m in demand:
-            prob += s[m] <= ratio_of[m] * demand[m]
+            prob += s[m] <= self.ratio_of[m] * demand[m]
         prob.setObjective(-pulp.lpSum(s.values()))
         for m in demand:
-            s[m].setInitialValue(min(headroom * demand[m], pulp.value(ratio_of[m]) * demand[m]))
-        stage_vars = list(n.values()) + [z] + list(s.values())
-        statuses.append(_cbc(prob, time_limit, gap, stage_vars, _values(stage_vars)))
+            s[m].setInitialValue(min(self.headroom * demand[m], pulp.value(self.ratio_of[m]) * demand[m]))
+        self.stage_vars = list(self.n.values()) + [self.z] + list(s.values())
+        status = _cbc(prob, time_limit, gap, self.stage_vars, _values(self.stage_vars))
         best = -(pulp.value(prob.objective) or 0.0)
         prob += pulp.lpSum(s.values()) >= best * (1 - 1e-6) - 1e-9
-
-    # Stage 3: the fewest GPUs.
-    prob.setObjective(gpus)
-    statuses.append(_cbc(prob, time_limit, gap, stage_vars, _values(stage_vars)))
-    counts = {k: int(round(v.value() or 0)) for k, v in n.items()}
-    if objective == "latency":
-        traffic = {k: (v.value() or 0.0) for k, v in x.items()}
-    rows = rows_with_weights(counts, cands, demand, traffic)
-    capacity_of = {c.key(): c.capacity_rps for c in cands}
-    ratio, served, used = score(rows, demand, capacity_of, headroom)
-    if all(s == "Optimal" for s in statuses):
-        status = "optimal" if gap == 0 else f"optimal within {gap:g}"
-        bounds = {"ratio": z_best, "ratio_bound": z_best, "ratio_gap": gap, "proved_by": "CBC"}
-    else:
-        status = "time limit (best found)" if "Time limit" in statuses else "/".join(s.lower() for s in statuses)
-        # say how far from the LP's bound the stopped search is
-        upper = max(z_best, lp_ratio_bound(demand, pool, _Groups(demand, pool, cands), headroom))
-        bounds = {"ratio": z_best, "ratio_bound": upper, "ratio_gap": (upper - z_best) / upper if upper else 0.0,
-                  "proved_by": "LP relaxation"}
-    return Placement(rows, ratio, served, used, time.perf_counter() - t0, status, bounds)
+        return status
 
 
 # =============================================================================================
@@ -1312,7 +1389,7 @@ def _fit_nodes(counts, pool, cands):
     number of nodes, which the LPs above leave out)."""
     counts = list(counts)
     for g, free_nodes in whole_nodes(pool).items():
-        mine = sorted((i for i, c in enumerate(cands) if c.gpu == g and c.pp > 1 and counts[i]),
+        mine = sorted((i for i, c in enumerate(cands) if c.gpu == g and c.nodes > 1 and counts[i]),
                       key=lambda i: cands[i].capacity_rps / cands[i].gpus)
         used = sum(cands[i].nodes * counts[i] for i in mine)
         for i in mine:
@@ -1536,8 +1613,8 @@ def replay(scenario, rows, method="auto", capacity_of=None, latency_of=None, see
             raise PlacementError("this otela_sim.py has no replay: use --replay fluid")
         placement = [{k: r[k] for k in ("model", "gpu", "tp", "instances", "weight")} for r in rows]
         for p, r in zip(placement, rows):
-            if r.get("pp", 1) > 1:   # an instance over several nodes
-                p.update(pp=r["pp"], **({"nnodes": r["nodes"]} if r.get("nodes") else {}))
+            if r.get("pp", 1) > 1 or r.get("nodes", 1) > 1:   # an instance over several nodes
+                p.update(pp=r.get("pp", 1), **({"nnodes": r["nodes"]} if r.get("nodes") else {}))
         models = {n: model_of(c, name=n) if isinstance(c, ModelConfig) else c for n, c in scenario["models"].items()}
         out = sim.replay(dict(scenario, models=models), placement, seed=seed, engine=SIM_ENGINE)
         return {"total_req_s": round(float(out["total_req_s"]), 2),
@@ -1682,7 +1759,8 @@ def format_plan(scenario, result):
         if isinstance(entry, dict) and "placement" in entry:
             lines.append(f"{name}: " + ", ".join(
                 f"{short_name(r['model'])} {r['instances']}x{r['gpu']} tp{r['tp']}"
-                + (f" pp{r['pp']} ({r['nodes']} nodes)" if r.get("pp", 1) > 1 else "") + f" w={r['weight']:.3f}"
+                + (f" pp{r['pp']}" if r.get("pp", 1) > 1 else "")
+                + (f" ({r['nodes']} nodes)" if r.get("nodes", 1) > 1 else "") + f" w={r['weight']:.3f}"
                 for r in entry["placement"]))
     return "\n".join(lines)
 
@@ -1939,32 +2017,26 @@ def _one_line(path, field, value):
     return value
 
 
-def check_site(doc, path="site file"):
-    """The site file as the placer uses it (defaults filled in), or PlacementError naming the
-    file and the field. An inventory of old ({"gpus": [...]}) passes as it is."""
-    _fields(path, "", doc, SITE_FIELDS)
-    site = {"gpus": [], "python": doc.get("python"), "setup": [], "engine_wrapper": doc.get("engine_wrapper", ""),
-            "engine_env": {}, "log_dir": doc.get("log_dir", DEFAULT_LOG_DIR),
-            "successor_lead_s": float(doc.get("successor_lead_s", SUCCESSOR_LEAD_S)), "catalogue": [], "path": path}
-    if site["successor_lead_s"] < 0 or not math.isfinite(site["successor_lead_s"]):
-        raise _site_error(path, "successor_lead_s", "must be seconds >= 0")
-    for i, g in enumerate(doc.get("gpus", [])):
-        where = f"gpus[{i}]"
-        _fields(path, where, g, GPU_FIELDS)
-        if "type" not in g and "partition" not in g:
-            raise _site_error(path, where, "needs a 'type' or a 'partition'")
-        for key in ("count", "per_node"):
-            if key in g and g[key] < (0 if key == "count" else 1):
-                raise _site_error(path, f"{where}.{key}", f"must be >= {0 if key == 'count' else 1}")
-        for key in SBATCH_FIELDS + ("gres",):
-            if key in g and g[key] and not SAFE_SBATCH_VALUE.match(g[key]):
-                raise _site_error(path, f"{where}.{key}", f"{g[key]!r} has characters unsafe in an #SBATCH line")
-        if "time_limit" in g and not TIME_LIMIT.match(g["time_limit"]):
-            raise _site_error(path, f"{where}.time_limit", f"{g['time_limit']!r} is not a Slurm time "
-                                                          "(M, H:M:S, D-H:M:S...)")
-        for k, line in enumerate(g.get("sbatch", [])):
-            _one_line(path, f"{where}.sbatch[{k}]", _typed(path, f"{where}.sbatch[{k}]", line, str))
-        site["gpus"].append(dict(g))
+def _check_site_gpu(path, where, g):
+    _fields(path, where, g, GPU_FIELDS)
+    if "type" not in g and "partition" not in g:
+        raise _site_error(path, where, "needs a 'type' or a 'partition'")
+    for key, least in (("count", 0), ("per_node", 1)):
+        if key in g and g[key] < least:
+            raise _site_error(path, f"{where}.{key}", f"must be >= {least}")
+    for key in SBATCH_FIELDS + ("gres",):
+        if key in g and g[key] and not SAFE_SBATCH_VALUE.match(g[key]):
+            raise _site_error(path, f"{where}.{key}", f"{g[key]!r} has characters unsafe in an #SBATCH line")
+    if "time_limit" in g and not TIME_LIMIT.match(g["time_limit"]):
+        raise _site_error(path, f"{where}.time_limit", f"{g['time_limit']!r} is not a Slurm time "
+                                                      "(M, H:M:S, D-H:M:S...)")
+    for k, line in enumerate(g.get("sbatch", [])):
+        _one_line(path, f"{where}.sbatch[{k}]", _typed(path, f"{where}.sbatch[{k}]", line, str))
+    return dict(g)
+
+
+def _check_site_engine(path, doc, site):
+    """setup, engine_wrapper, engine_env and python: shell lines, one each."""
     for k, line in enumerate(doc.get("setup", [])):
         site["setup"].append(_one_line(path, f"setup[{k}]", _typed(path, f"setup[{k}]", line, str)))
     _one_line(path, "engine_wrapper", site["engine_wrapper"])
@@ -1979,35 +2051,54 @@ def check_site(doc, path="site file"):
         site["engine_env"][name] = _one_line(path, f"engine_env.{name}", str(value))
     if site["python"] is not None:
         _one_line(path, "python", site["python"])
+
+
+def _check_catalogue_model(path, where, m, names):
+    _fields(path, where, m, MODEL_FIELDS)
+    if not m.get("name"):
+        raise _site_error(path, f"{where}.name", "missing")
+    if m["name"] in names:
+        raise _site_error(path, f"{where}.name", f"{m['name']!r} is listed twice")
+    if m.get("min", 0) < 0:
+        raise _site_error(path, f"{where}.min", "must be >= 0")
+    if "max" in m and m["max"] < m.get("min", 0):
+        raise _site_error(path, f"{where}.max", f"{m['max']} is below min {m.get('min', 0)}")
+    names.add(m["name"])
+    return dict(m)
+
+
+def _check_adapter(path, where, m, catalogue):
+    """An adapter entry ({name, base, weights}) rides a base model of the catalogue."""
+    base = next((b for b in catalogue if b["name"] == m["base"]), None)
+    if base is None or "base" in base:
+        raise _site_error(path, f"{where}.base", f"{m['base']!r} is not a model of the catalogue")
+    if not m.get("weights"):
+        raise _site_error(path, f"{where}.weights", "an adapter needs the path of its weights")
+    extra = set(m) - {"name", "base", "weights"}
+    if extra:
+        raise _site_error(path, f"{where}.{sorted(extra)[0]}", "an adapter rides its base: only name, base "
+                                                                "and weights")
+    if base.get("template", "vllm") == "llamacpp":
+        raise _site_error(path, f"{where}.base", "llama.cpp serves no adapter under its own name")
+
+
+def check_site(doc, path="site file"):
+    """The site file as the placer uses it (defaults filled in), or PlacementError naming the
+    file and the field. An inventory of old ({"gpus": [...]}) passes as it is."""
+    _fields(path, "", doc, SITE_FIELDS)
+    site = {"gpus": [], "python": doc.get("python"), "setup": [], "engine_wrapper": doc.get("engine_wrapper", ""),
+            "engine_env": {}, "log_dir": doc.get("log_dir", DEFAULT_LOG_DIR),
+            "successor_lead_s": float(doc.get("successor_lead_s", SUCCESSOR_LEAD_S)), "catalogue": [], "path": path}
+    if site["successor_lead_s"] < 0 or not math.isfinite(site["successor_lead_s"]):
+        raise _site_error(path, "successor_lead_s", "must be seconds >= 0")
+    site["gpus"] = [_check_site_gpu(path, f"gpus[{i}]", g) for i, g in enumerate(doc.get("gpus", []))]
+    _check_site_engine(path, doc, site)
     names = set()
-    for i, m in enumerate(doc.get("catalogue", [])):
-        where = f"catalogue[{i}]"
-        _fields(path, where, m, MODEL_FIELDS)
-        if not m.get("name"):
-            raise _site_error(path, f"{where}.name", "missing")
-        if m["name"] in names:
-            raise _site_error(path, f"{where}.name", f"{m['name']!r} is listed twice")
-        if m.get("min", 0) < 0:
-            raise _site_error(path, f"{where}.min", "must be >= 0")
-        if "max" in m and m["max"] < m.get("min", 0):
-            raise _site_error(path, f"{where}.max", f"{m['max']} is below min {m.get('min', 0)}")
-        names.add(m["name"])
-        site["catalogue"].append(dict(m))
+    site["catalogue"] = [_check_catalogue_model(path, f"catalogue[{i}]", m, names)
+                         for i, m in enumerate(doc.get("catalogue", []))]
     for i, m in enumerate(site["catalogue"]):
-        if "base" not in m:
-            continue
-        where = f"catalogue[{i}]"
-        base = next((b for b in site["catalogue"] if b["name"] == m["base"]), None)
-        if base is None or "base" in base:
-            raise _site_error(path, f"{where}.base", f"{m['base']!r} is not a model of the catalogue")
-        if not m.get("weights"):
-            raise _site_error(path, f"{where}.weights", "an adapter needs the path of its weights")
-        extra = set(m) - {"name", "base", "weights"}
-        if extra:
-            raise _site_error(path, f"{where}.{sorted(extra)[0]}", "an adapter rides its base: only name, base "
-                                                                    "and weights")
-        if base.get("template", "vllm") == "llamacpp":
-            raise _site_error(path, f"{where}.base", "llama.cpp serves no adapter under its own name")
+        if "base" in m:
+            _check_adapter(path, f"catalogue[{i}]", m, site["catalogue"])
     return site
 
 
@@ -2146,24 +2237,58 @@ def fold_adapters(workload, adapters):
 def _may_fit(config, gpu, tp):
     """memory_fits on a GPU the simulator knows; on one it does not (a site's own name), the
     smallest tp the heads allow is the operator's to size."""
+    return memory_fits(config, gpu, tp) if _sim_knows(gpu) else True
+
+
+def _sim_knows(gpu):
     try:
         otela_sim.resolve_gpu(gpu)
     except otela_sim.SimError:
-        return True
-    return memory_fits(config, gpu, tp)
+        return False
+    return True
 
 
-def _stages_needed(config, gpu, per_node, nodes):
-    """The fewest pipeline stages (at least 2, dividing the layers, at most `nodes`) over whole
-    nodes of `gpu` that hold the model, or None."""
-    if tp_allowed(config, per_node, per_node) or nodes < 2:
-        return None
-    try:
-        otela_sim.resolve_gpu(gpu)
-    except otela_sim.SimError:
-        return None   # a site's own GPU name: the operator sizes a layout over nodes (measured figures)
-    return next((pp for pp in range(2, nodes + 1) if int(config["num_hidden_layers"]) % pp == 0
-                 and memory_fits(config, gpu, per_node, pp)), None)
+def _layouts_free(config, scenario, name, pool, free):
+    """[(tp, gpu, pp)] one more instance of the model may take in the GPUs `free` leaves: a tp
+    within a node where a node holds it, else whole nodes as candidates() plans them
+    (multi_node_layouts; a site's own GPU name is the operator's to size over nodes)."""
+    fits = [(tp, g, 1) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
+            if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
+    if fits:
+        return fits
+    for g, (_, per_node) in pool.items():
+        holds = any(tp_allowed(config, t, per_node) is None and _may_fit(config, g, t) for t in TP_CHOICES)
+        if holds or not _sim_knows(g):
+            continue
+        layouts, _ = multi_node_layouts(config, g, max(0, free.get(g, 0)), per_node, spans_tp(scenario, name))
+        fits += [(tp, g, pp) for tp, pp in layouts]
+    return fits
+
+
+def _cut_to_max(mine, entry, free):
+    """Take instances off a model over its catalogue max, the rows of the most GPUs first."""
+    have = sum(r["instances"] for r in mine)
+    over = max(0, have - entry.get("max", have))
+    for r in mine:
+        cut = min(over, r["instances"])
+        r["instances"] -= cut
+        free[r["gpu"]] += cut * row_gpus(r)
+        over -= cut
+
+
+def _add_instance(rows, name, layout, pool, free):
+    tp, g, pp = layout
+    key = (name, g, tp) + ((pp,) if pp > 1 else ())
+    row = next((r for r in rows if row_key(r) == key), None)
+    if row is None:
+        row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
+        if pp > 1:
+            row["pp"] = pp
+        if nodes_of(tp, pp, pool[g][1]) > 1:
+            row["nodes"] = nodes_of(tp, pp, pool[g][1])
+        rows.append(row)
+    row["instances"] += 1
+    free[g] -= tp * pp
 
 
 def catalogue_bounds(rows, site, scenario, kept=()):
@@ -2182,47 +2307,25 @@ def catalogue_bounds(rows, site, scenario, kept=()):
             continue
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: -row_gpus(r))
         have = sum(r["instances"] for r in mine)
-        over = max(0, have - entry.get("max", have))
-        if over > 0 or have < entry.get("min", 0):
+        if have > entry.get("max", have) or have < entry.get("min", 0):
             changed.add(name)
-        for r in mine:
-            cut = min(over, r["instances"])
-            r["instances"] -= cut
-            free[r["gpu"]] += cut * row_gpus(r)
-            over -= cut
+        _cut_to_max(mine, entry, free)
         short = entry.get("min", 0) - min(have, entry.get("max", have))
         config = scenario["models"].get(name)
-        while short > 0 and config is not None:
-            fits = [(tp, g, 1) for g, (count, per_node) in pool.items() for tp in TP_CHOICES
-                    if free.get(g, 0) >= tp and not tp_allowed(config, tp, per_node) and _may_fit(config, g, tp)]
-            # no node holds it: whole nodes, as candidates() plans it (tp = a node's GPUs, the fewest stages)
-            fits = fits or [(per_node, g, pp) for g, (count, per_node) in pool.items()
-                            for pp in [_stages_needed(config, g, per_node, free.get(g, 0) // per_node)]
-                            if pp and not any(tp_allowed(config, t, per_node) is None and _may_fit(config, g, t)
-                                              for t in TP_CHOICES)]
+        if short > 0 and config is None:
+            notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
+        for _ in range(short if config is not None else 0):
+            fits = _layouts_free(config, scenario, name, pool, free)
             if not fits:
                 notes.append(f"model {name}: min {entry['min']} instances, but no free GPUs fit one more")
                 break
-            tp, g, pp = min(fits, key=lambda f: (f[0] * f[2], -free[f[1]]))
-            key = (name, g, tp) + ((pp,) if pp > 1 else ())
-            row = next((r for r in rows if row_key(r) == key), None)
-            if row is None:
-                row = {"model": name, "gpu": g, "tp": tp, "instances": 0, "weight": 0.0}
-                if pp > 1:
-                    row.update(pp=pp, nodes=nodes_of(tp, pp, pool[g][1]))
-                rows.append(row)
-            row["instances"] += 1
-            free[g] -= tp * pp
-            short -= 1
-        if short > 0 and config is None:
-            notes.append(f"model {name}: min {entry['min']} instances, but no config.json to plan it with")
+            _add_instance(rows, name, min(fits, key=lambda f: (f[0] * f[2], -free[f[1]])), pool, free)
     rows = [r for r in rows if r["instances"] > 0]
     for name in changed:
         mine = [r for r in rows if r["model"] == name]
-        if mine:
-            total = sum(r["instances"] * row_gpus(r) for r in mine)
-            for r in mine:  # rows the bounds changed: traffic in proportion to GPUs
-                r["weight"] = round(r["instances"] * row_gpus(r) / total, 4)
+        total = sum(r["instances"] * row_gpus(r) for r in mine)
+        for r in mine:  # rows the bounds changed: traffic in proportion to GPUs
+            r["weight"] = round(r["instances"] * row_gpus(r) / total, 4)
     return rows, notes
 
 
@@ -2300,7 +2403,8 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
         if nodes > 1 and "{{NODES}}" not in texts[engine]:
             raise PlacementError(f"template {engine!r} runs one node; {r['model']} needs {nodes} "
                                  "(tp x pp over nodes: the vllm or sglang template, or {{NODES}} in your own)")
-        extra = [f"--gres={gpu.get('gres', 'gpu')}:{r['tp']}"] if gpu.get("gres", "gpu") else []
+        per_node = row_gpus(r) // nodes   # (tp across nodes: a node holds tp / nodes ranks)
+        extra = [f"--gres={gpu.get('gres', 'gpu')}:{per_node}"] if gpu.get("gres", "gpu") else []
         extra += [f"--{k}={gpu[k]}" for k in SBATCH_FIELDS if gpu.get(k)] + list(gpu.get("sbatch", []))
         riders = sorted((n, p) for n, (base, p) in adapters.items() if base == r["model"])
         name = f"otela-{slug(short_name(r['model']))}-{slug(r['gpu'])}-tp{r['tp']}" + \
@@ -2613,21 +2717,95 @@ def _job_number(job_id):
     return int(digits.group()) if digits else 0
 
 
+def _emit(scripts, emit_dir):
+    os.makedirs(emit_dir, exist_ok=True)
+    for _, name, text in scripts:
+        write_atomically(os.path.join(emit_dir, name), text)
+    for folder in {log_dir_of(text) for _, _, text in scripts} - {None}:
+        os.makedirs(folder, exist_ok=True)   # Slurm does not create it; a job without it fails
+
+
+def _gated(actions, jobs, submit, reclaim, floor, report):
+    """The actions the reclaimer allows, successors of ending jobs and the catalogue's min
+    always among them; its state saved before anything runs (a run that fails half-way still
+    counts as a change)."""
+    due = dict(actions["successors"])
+    for key, n in (floor or {}).items():   # the catalogue's min is no scale-up to hold back
+        short = min(n - actions["have"].get(key, 0), actions["submit"].get(key, 0))
+        if short > 0:
+            due[key] = max(due.get(key, 0), short)
+    actions, notes = reclaim.gate(actions, jobs, submit)
+    for key, n in due.items():
+        actions["submit"][key] = max(actions["submit"].get(key, 0), n)
+    notes["held"] = [h for h in notes["held"] if h["action"] != "submit" or tuple(h["key"]) not in due]
+    report.update(notes, cancel=actions["cancel"])
+    reclaim.save()
+    return actions
+
+
+def _rename_ending(ending, jobs):
+    """Free the slot names of jobs near their end: their successors' singleton must not wait."""
+    names = {j["id"]: j.get("name") for j in jobs}
+    for j in ending:
+        if names.get(j) and slot_of({"name": names[j]}) is not None:
+            try:
+                slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
+            except SlurmError as e:   # it ended meanwhile: its successor has the name to itself
+                _warn(f"job {j} near its end was not renamed: {e}")
+
+
+def _submit_slots(scripts, actions, emit_dir, submit, report):
+    """Each key's missing instances in the lowest slots no job holds; sbatch them when `submit`."""
+    by_key = {}
+    for key, name, text in scripts:
+        by_key.setdefault(key, []).append((name, text))
+    for key, n in sorted(actions["submit"].items()):
+        held = actions.get("slots", {}).get(key, set())
+        free = [i for i in range(len(by_key.get(key, []))) if i not in held][:n]
+        for name, _ in (by_key[key][i] for i in free):
+            report["submit"].append(name)
+            if not submit:
+                continue
+            if emit_dir is None:
+                raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
+            job = slurm_command(["sbatch", "--parsable", "--dependency=singleton",
+                                 os.path.join(emit_dir, name)]).strip().split(";")[0]
+            report["submitted"].append(job)
+
+
+def _cancel(actions, jobs, report):
+    """Duplicates (seen before, a racing or killed run's, and after our submits) and pending
+    jobs go at once; running ones drain (comment tagged, SIGTERM to the batch shell)."""
+    dups = set(actions.get("duplicates", []))
+    if report["submitted"]:
+        dups |= set(duplicate_jobs(slurm_jobs()))
+    if dups:
+        slurm_command(["scancel"] + sorted(dups, key=_job_number))
+        report["duplicates"] = sorted(dups, key=_job_number)
+        report["submitted"] = [j for j in report["submitted"] if j not in dups]
+    state = {j["id"]: j for j in jobs}
+    pending = [j for j in actions["cancel"] if state[j]["state"] == "PENDING"]
+    running = [j for j in actions["cancel"] if j not in pending]
+    if pending or actions["hard_cancel"]:
+        slurm_command(["scancel"] + pending + actions["hard_cancel"])
+    for j in running:
+        slurm_command(["scontrol", "update", f"JobId={j}", f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|"
+                       + job_comment(state[j]["key"])[len(OTELA_TAG) + 1:]])
+        slurm_command(["scancel", "--batch", "--signal=TERM", j])
+    report["cancelled"] = list(actions["cancel"]) + actions["hard_cancel"]
+
+
 def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), jobs=None, reclaim=None,
               kept=(), floor=None, grants=None):
     """Write scripts (and their log folder), compare with squeue (+ sessions), and submit/cancel
     the difference when `submit`, else report what would be done. Returns the report. `reclaim`
     (a CronReclaim) holds back what the reclamation rules forbid, except successors of ending
-    jobs and instances up to `floor` {key: n} (the catalogue's min); its state is saved before
-    anything runs. Jobs of models in `kept` are left alone."""
+    jobs and instances up to `floor` {key: n} (the catalogue's min). Jobs of models in `kept`
+    are left alone."""
     site = site if "path" in site else check_site(site)
     scripts = job_scripts(rows, site, template, sbatch_vars, grants if emit_dir else None)
     if emit_dir:
-        os.makedirs(emit_dir, exist_ok=True)
-        for _, name, text in scripts:
-            write_atomically(os.path.join(emit_dir, name), text)
-        for folder in {log_dir_of(text) for _, _, text in scripts} - {None}:
-            os.makedirs(folder, exist_ok=True)   # Slurm does not create it; a job without it fails
+        _emit(scripts, emit_dir)
     if jobs is None:
         jobs = slurm_jobs() if (submit or emit_dir is None) else []
     actions = reconcile_actions(rows, jobs, sessions, lead_s=site["successor_lead_s"], kept=kept)
@@ -2635,60 +2813,14 @@ def reconcile(rows, site, template, sbatch_vars, emit_dir, submit, sessions=(), 
               "submit": [], "cancel": actions["cancel"], "submitted": [], "cancelled": [],
               "ending": actions["ending"], "dry_run": not submit}
     if reclaim is not None:
-        due = dict(actions["successors"])
-        for key, n in (floor or {}).items():   # the catalogue's min is no scale-up to hold back
-            short = min(n - actions["have"].get(key, 0), actions["submit"].get(key, 0))
-            if short > 0:
-                due[key] = max(due.get(key, 0), short)
-        actions, notes = reclaim.gate(actions, jobs, submit)
-        for key, n in due.items():
-            actions["submit"][key] = max(actions["submit"].get(key, 0), n)
-        notes["held"] = [h for h in notes["held"] if h["action"] != "submit" or tuple(h["key"]) not in due]
-        report.update(notes, cancel=actions["cancel"])
-        reclaim.save()  # before acting: a run that fails half-way still counts as a change
+        actions = _gated(actions, jobs, submit, reclaim, floor, report)
     if submit:
-        names = {j["id"]: j.get("name") for j in jobs}
-        for j in actions["ending"]:   # free the slot's name: the successor's singleton must not wait
-            if names.get(j) and slot_of({"name": names[j]}) is not None:
-                try:
-                    slurm_command(["scontrol", "update", f"JobId={j}", f"JobName={names[j]}-ending"])
-                except SlurmError as e:   # it ended meanwhile: its successor has the name to itself
-                    _warn(f"job {j} near its end was not renamed: {e}")
-    by_key = {}
-    for key, name, text in scripts:
-        by_key.setdefault(key, []).append((name, text))
-    for key, n in sorted(actions["submit"].items()):
-        held = actions.get("slots", {}).get(key, set())
-        free = [i for i in range(len(by_key.get(key, []))) if i not in held][:n]  # the lowest slots no job holds
-        for name, _ in (by_key[key][i] for i in free):
-            report["submit"].append(name)
-            if submit:
-                path = os.path.join(emit_dir, name) if emit_dir else None
-                if path is None:
-                    raise PlacementError("--submit needs --emit-sbatch DIR for the scripts it submits")
-                job = slurm_command(["sbatch", "--parsable", "--dependency=singleton", path]).strip().split(";")[0]
-                report["submitted"].append(job)
+        _rename_ending(actions["ending"], jobs)
+    _submit_slots(scripts, actions, emit_dir, submit, report)
     report["hard_cancel"] = actions["hard_cancel"]
     report["duplicates"] = []
     if submit:
-        # duplicates seen before (a racing run's, or a killed run's) and after our submits
-        dups = set(actions.get("duplicates", []))
-        if report["submitted"]:
-            dups |= set(duplicate_jobs(slurm_jobs()))
-        if dups:
-            slurm_command(["scancel"] + sorted(dups, key=_job_number))
-            report["duplicates"] = sorted(dups, key=_job_number)
-            report["submitted"] = [j for j in report["submitted"] if j not in dups]
-        state = {j["id"]: j for j in jobs}
-        pending = [j for j in actions["cancel"] if state[j]["state"] == "PENDING"]
-        running = [j for j in actions["cancel"] if j not in pending]
-        if pending or actions["hard_cancel"]:
-            slurm_command(["scancel"] + pending + actions["hard_cancel"])
-        for j in running:
-            slurm_command(["scontrol", "update", f"JobId={j}", f"Comment={OTELA_DRAIN_TAG}|{int(time.time())}|"
-                           + job_comment(state[j]["key"])[len(OTELA_TAG) + 1:]])
-            slurm_command(["scancel", "--batch", "--signal=TERM", j])
-        report["cancelled"] = list(actions["cancel"]) + actions["hard_cancel"]
+        _cancel(actions, jobs, report)
     return report
 
 
@@ -2956,10 +3088,22 @@ class CronReclaim:
         for key, n in actions["have"].items():
             cap_have[key[0]] = cap_have.get(key[0], 0.0) + n * self.capacity_of(key)
         self._observe(cap_have)
-        held, reclaimed = [], []
+        submits, held = self._gate_submits(actions["submit"], cap_have)
+        free, wanting = self._free_gpus(jobs, submits)
+        cancels, held_back, reclaimed = self._gate_cancels(actions["cancel"], jobs, cap_have, free, wanting)
+        if submit:
+            by_id = {j["id"]: j for j in jobs}
+            changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
+            for m in changed:   # a model with no demand (a catalogue's min) has no entry yet
+                self.state["models"].setdefault(m, {"below_since": None, "last_change": None, "history": []})
+                self.state["models"][m]["last_change"] = self.now
+        gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
+        return gated, {"held": held + held_back, "reclaimed": reclaimed}
 
-        submits = {}
-        for key, n in sorted(actions["submit"].items()):
+    def _gate_submits(self, wanted, cap_have):
+        """(the submits that go ahead, the held ones): a scale-up waits for the high watermark."""
+        submits, held = {}, []
+        for key, n in sorted(wanted.items()):
             d, cap = self.demand.get(key[0], 0.0), cap_have.get(key[0], 0.0)
             if cap > 0 and d <= self.high * cap:
                 held.append({"model": key[0], "action": "submit", "key": list(key), "count": n,
@@ -2967,26 +3111,33 @@ class CronReclaim:
                                     f"scale-up waits for {self.high:.0%}"})
             else:
                 submits[key] = n
+        return submits, held
 
-        # GPUs of each type left after our live jobs and the submits that go ahead; negative
-        # = some model waits for GPUs (its jobs pend) and donors may give.
+    def _free_gpus(self, jobs, submits):
+        """({gpu: GPUs left after our live jobs and the submits that go ahead}, {gpu: models
+        waiting for it}); negative: some model waits for GPUs (its jobs pend) and donors may give."""
         free = {g: count for g, (count, _) in self.pool.items()}
         wanting = {}
         for j in jobs:
             if j.get("draining_since") is None and j["key"][1] in free:
-                free[j["key"][1]] -= key_layout(j["key"])[0] * key_layout(j["key"])[1]
+                free[j["key"][1]] -= math.prod(key_layout(j["key"]))
                 if j["state"] == "PENDING":
                     wanting.setdefault(j["key"][1], set()).add(j["key"][0])
         for key, n in submits.items():
             if key[1] in free:
-                free[key[1]] -= key_layout(key)[0] * key_layout(key)[1] * n
+                free[key[1]] -= math.prod(key_layout(key)) * n
                 wanting.setdefault(key[1], set()).add(key[0])
+        return free, wanting
 
+    def _gate_cancels(self, cancel, jobs, cap_have, free, wanting):
+        """(cancels, held, reclaimed): a model that may give goes at once when idle (or with
+        release_idle); else its jobs go only to a model waiting for their GPUs, cheapest
+        reload first, running jobs before pending ones (a pending one frees no GPU)."""
         by_id = {j["id"]: j for j in jobs}
         by_model = {}
-        for jid in actions["cancel"]:
+        for jid in cancel:
             by_model.setdefault(by_id[jid]["key"][0], []).append(jid)
-        cancels, donors = [], []
+        cancels, donors, held, reclaimed = [], [], [], []
         for m, ids in sorted(by_model.items()):
             why = self._why_not_donor(m, cap_have.get(m, 0.0))
             if why:
@@ -2994,30 +3145,23 @@ class CronReclaim:
             elif self.demand.get(m, 0.0) <= 0 or self.release_idle:
                 cancels.extend(ids)
                 for jid in ids:
-                    g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
+                    g = by_id[jid]["key"][1]
                     if g in free:
-                        free[g] += tp
+                        free[g] += math.prod(key_layout(by_id[jid]["key"]))
             else:
                 donors.append((self.load_s(m) * self.demand.get(m, 0.0), m, ids))
-        for _, m, ids in sorted(donors):  # cheapest reload first
-            # running jobs first: a pending one frees no GPU anybody waits for now
+        for _, m, ids in sorted(donors):
             for jid in sorted(ids, key=lambda i: by_id[i]["state"] == "PENDING"):
-                g, tp = by_id[jid]["key"][1], math.prod(key_layout(by_id[jid]["key"]))
+                g = by_id[jid]["key"][1]
                 takers = sorted(wanting.get(g, set()) - {m})
                 if free.get(g, 0) < 0 and takers:
                     cancels.append(jid)
-                    free[g] += tp
+                    free[g] += math.prod(key_layout(by_id[jid]["key"]))
                     reclaimed.append({"donor": m, "job": jid, "gpu": g, "for": takers})
                 else:
                     held.append({"model": m, "action": "cancel", "jobs": [jid],
                                  "why": f"no other model needs its {g} GPUs"})
-        if submit:
-            changed = {k[0] for k in submits} | {by_id[j]["key"][0] for j in cancels}
-            for m in changed:   # a model with no demand (a catalogue's min) has no entry yet
-                self.state["models"].setdefault(m, {"below_since": None, "last_change": None, "history": []})
-                self.state["models"][m]["last_change"] = self.now
-        gated = dict(actions, submit=submits, cancel=sorted(cancels, key=_job_number))
-        return gated, {"held": held, "reclaimed": reclaimed}
+        return cancels, held, reclaimed
 
 
 def bursty_trace(mean_rps, hours, seed=0, ratios=TRACE_PEAK_OVER_MEAN, bin_s=60, burst_share=TRACE_BURST_SHARE):
@@ -3256,6 +3400,34 @@ def model_configs(scenario, site, names, flags):
     return kept
 
 
+def slurm_gpus(aliases, kept):
+    """sinfo's free GPUs plus those our own running jobs hold: ours to re-plan, not taken (a
+    kept model's stay its own)."""
+    found = slurm_inventory(aliases)
+    held = {}
+    for j in slurm_jobs():
+        if j["state"] == "RUNNING" and j["draining_since"] is None and j["key"][0] not in kept:
+            tp, pp = key_layout(j["key"])
+            held[j["key"][1]] = held.get(j["key"][1], 0) + tp * pp
+    for g in found["gpus"]:
+        g["count"] += held.pop(g["type"], 0)
+    found["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
+    return found
+
+
+def _workload_models(scenario, site, args, flags):
+    """The workload to plan and the models left as they are: served models (a scenario file
+    describes its own), the catalogue's and --model-config's get their config here."""
+    workload = scenario.get("workload")
+    if not (isinstance(workload, list) and all(isinstance(w, dict) for w in workload)):
+        return None, set()   # check_scenario says what is wrong with it
+    names = [w.get("model") for w in workload if args.from_ingress] + list(catalogue_of(site)) + list(flags)
+    kept = set()
+    if isinstance(scenario["models"], dict):   # else check_scenario says what is wrong with it
+        kept = model_configs(scenario, site, [n for n in dict.fromkeys(names) if isinstance(n, str)], flags)
+    return [w for w in workload if w.get("model") not in kept], kept
+
+
 def build_scenario(args):
     """(scenario, site, sessions, kept): what a plan run works on, the site its job scripts
     follow, the ingress's live sessions, and the models it leaves as they are. Everything
@@ -3277,30 +3449,18 @@ def build_scenario(args):
         sessions = ingress_sessions(args.from_ingress)
         adapters = dict(ingress_adapters(args.from_ingress), **adapters_of(site))
         scenario["workload"] = fold_adapters(demand, adapters)
-    workload = scenario.get("workload")
-    if not (isinstance(workload, list) and all(isinstance(w, dict) for w in workload)):
-        workload = None   # check_scenario says what is wrong with it
-    # served models (a scenario file describes its own), the catalogue's and --model-config's
-    names = [w.get("model") for w in workload or [] if args.from_ingress] + list(catalogue_of(site)) + list(flags)
-    kept = set()
-    if isinstance(scenario["models"], dict):   # else check_scenario says what is wrong with it
-        kept = model_configs(scenario, site, [n for n in dict.fromkeys(names) if isinstance(n, str)], flags)
+    workload, kept = _workload_models(scenario, site, args, flags)
     if workload is not None:
-        scenario["workload"] = [w for w in workload if w.get("model") not in kept]
+        scenario["workload"] = workload
     if args.from_slurm:
-        found = slurm_inventory(parse_aliases(args.gpu_alias))
-        # GPUs our own running jobs hold are ours to re-plan, not taken (a kept model's stay its own).
-        held = {}
-        for j in slurm_jobs():
-            if j["state"] == "RUNNING" and j["draining_since"] is None and j["key"][0] not in kept:
-                held[j["key"][1]] = held.get(j["key"][1], 0) + j["key"][2]
-        for g in found["gpus"]:
-            g["count"] += held.pop(g["type"], 0)
-        found["gpus"].extend({"type": g, "count": n, "per_node": n} for g, n in held.items())
-        site["gpus"] = site_gpus(site, found)
+        site["gpus"] = site_gpus(site, slurm_gpus(parse_aliases(args.gpu_alias), kept))
     elif args.site:
         site["gpus"] = site_gpus(site)
     scenario["gpus"] = [{k: g[k] for k in ("type", "count", "per_node") if k in g} for g in site["gpus"]]
+    # models whose template's engine runs tp across nodes (a scenario file may say so itself)
+    templates = {n: catalogue_of(site).get(n, {}).get("template", args.template)
+                 for n in (scenario["models"] if isinstance(scenario["models"], dict) else ())}
+    scenario.setdefault("tp_across_nodes", [n for n, t in templates.items() if t in TP_ACROSS_NODES_TEMPLATES])
     if not scenario["gpus"]:
         raise PlacementError("no GPUs: give them in the scenario, the site file (--site FILE) or --from-slurm")
     return scenario, site, sessions, kept
@@ -3351,27 +3511,38 @@ def cmd_plan(args):
             _warn(note)
         result["ours"]["placement"] = rows
     if cron:
-        floor = {}
-        for r in result["ours"]["placement"]:
-            need = catalogue_of(site).get(r["model"], {}).get("min", 0)
-            if need:
-                floor[row_key(r)] = min(need, r["instances"])
-        job_scripts(result["ours"]["placement"], site, args.template, sbatch_vars)  # a bad template fails first
-        with run_lock(args.lock):
-            try:
-                jobs = slurm_jobs()
-            except SlurmError:
-                if args.submit:
-                    raise
-                jobs = []  # a dry run on a machine without Slurm: compare with nothing
-            reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
-            issuer = GrantIssuer(args.grants_dir, sbatch_vars.get("KEY_FILE", ""), sbatch_vars["PYTHON"])
-            result["reconcile"] = reconcile(result["ours"]["placement"], site, args.template, sbatch_vars,
-                                            args.emit_sbatch, args.submit, sessions, jobs, reclaim, kept, floor,
-                                            issuer.grant)
+        result["reconcile"] = _cron_pass(result["ours"]["placement"], scenario, site, sessions, kept, sbatch_vars,
+                                         args)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
+    print_plan(scenario, result, args, cron)
+    return 0
+
+
+def _cron_pass(rows, scenario, site, sessions, kept, sbatch_vars, args):
+    """Reconcile the plan with Slurm under the run lock: catalogue minimums are the floor the
+    reclaimer keeps; a bad template fails before the lock is taken."""
+    floor = {}
+    for r in rows:
+        need = catalogue_of(site).get(r["model"], {}).get("min", 0)
+        if need:
+            floor[row_key(r)] = min(need, r["instances"])
+    job_scripts(rows, site, args.template, sbatch_vars)
+    with run_lock(args.lock):
+        try:
+            jobs = slurm_jobs()
+        except SlurmError:
+            if args.submit:
+                raise
+            jobs = []  # a dry run on a machine without Slurm: compare with nothing
+        reclaim = None if args.no_reclaim else cron_reclaim(scenario, args)
+        issuer = GrantIssuer(args.grants_dir, sbatch_vars.get("KEY_FILE", ""), sbatch_vars["PYTHON"])
+        return reconcile(rows, site, args.template, sbatch_vars, args.emit_sbatch, args.submit, sessions, jobs,
+                         reclaim, kept, floor, issuer.grant)
+
+
+def print_plan(scenario, result, args, cron):
     replayed = "none" if cron else ("otela_sim" if args.replay in ("auto", "sim") else "fluid queues")
     print(f"capacities: {args.capacity} (auto: measured where the scenario gives them); replay: {replayed}; "
           f"slack {args.slack:g}; solve {result['ours']['solve_s']} s ({result['ours']['status']})")
@@ -3392,7 +3563,6 @@ def cmd_plan(args):
         for h in rec.get("held", []):
             what = " ".join(h["jobs"]) if h["action"] == "cancel" else f"{h['count']} x {h['key'][1]} tp{h['key'][2]}"
             print(f"held {h['action']} of {short_name(h['model'])} ({what}): {h['why']}")
-    return 0
 
 
 def cron_reclaim(scenario, args):

@@ -33,12 +33,14 @@ SIZES_B = [0.5, 1.5, 3, 7, 8, 13, 14, 32, 34, 70, 72]  # parameter counts of com
 BIG_B = [(235, 94), (405, 126), (671, 61)]
 
 
-def production_instance(seed=0, models=142, load=1.0, gpu_scale=1, big=0):
+def production_instance(seed=0, models=142, load=1.0, gpu_scale=1, big=0, tp_across=False):
     """Demand, pool and candidates with fixed synthetic capacities (decode is memory-bound:
     capacity ~ speed x tp^0.85 / size), memory fit as weights x 1.2 <= memory x tp.
     gpu_scale multiplies every GPU count (10: 10,000 GPUs). `big` more models from BIG_B: on a
     GPU type whose node does not hold one, a candidate over several nodes (tp = the node's GPUs,
-    pp = the fewest nodes that hold it, dividing its layers; 10% pipeline bubble)."""
+    pp = the fewest nodes that hold it, dividing its layers; 10% pipeline bubble), and with
+    tp_across (an engine that runs tp across nodes, SGLang) also tp over the fewest whole nodes
+    that hold it (tp dividing its 128 heads; 20% for the all-reduce over the fabric)."""
     rng = random.Random(seed)
     pool = {g: (n * gpu_scale, per_node) for (g, _, _, per_node), n in zip(GPU_TYPES, GPU_COUNTS)}
     demand, cands = {}, []
@@ -67,6 +69,12 @@ def production_instance(seed=0, models=142, load=1.0, gpu_scale=1, big=0):
                 gpus = per_node * pp
                 cands.append(place.Candidate(m, g, per_node, round(0.9 * 40 * speed * gpus ** 0.85 / (size + 1), 4),
                                              pp=pp, nodes=pp))
+            k = next((k for k in range(2, pool[g][0] // per_node + 1)
+                      if 128 % (per_node * k) == 0 and size * 2 * 1.2 <= mem * per_node * k), None)
+            if tp_across and k:
+                gpus = per_node * k
+                cands.append(place.Candidate(m, g, gpus, round(0.8 * 40 * speed * gpus ** 0.85 / (size + 1), 4),
+                                             nodes=k))
     return demand, pool, cands
 
 
@@ -102,6 +110,8 @@ def main():
     ap.add_argument("--only", metavar="GPUSxLOAD", help="only this production case, e.g. 1000x10 (no Table 1, no trace)")
     ap.add_argument("--big", type=int, default=0, metavar="N",
                     help="models bigger than a node added per 1,000 GPUs (candidates over several nodes; default 0)")
+    ap.add_argument("--tp-across", action="store_true",
+                    help="the --big models also get candidates of tp across whole nodes (an SGLang site)")
     args = ap.parse_args()
     repeat = 1 if args.quick else 3
     result = {}
@@ -162,7 +172,8 @@ def production(args, result):
         if not cases:
             sys.exit(f"--only {args.only}: no such case (GPUSxLOAD, e.g. 1000x10)")
     for models, scale, load, target_s, target_gap, limit in cases:
-        demand, pool, cands = production_instance(models=models, load=load, gpu_scale=scale, big=args.big * scale)
+        demand, pool, cands = production_instance(models=models, load=load, gpu_scale=scale, big=args.big * scale,
+                                                  tp_across=args.tp_across)
         plan, times = timed(lambda d=demand, p=pool, c=cands, t=limit: place.solve(d, p, c, time_limit=t), 1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -181,8 +192,9 @@ def production(args, result):
                         "rows": len(plan.rows), "target_s": target_s, "target_gap": target_gap,
                         "time_limit_s": limit}
         r = result[name]
-        multi = sum(1 for c in cands if c.pp > 1)
+        multi = sum(1 for c in cands if c.nodes > 1)
         r["multi_node_candidates"] = multi
+        r["tp_across_nodes_candidates"] = sum(1 for c in cands if c.nodes > 1 and c.pp == 1)
         print(f"{models + args.big * scale} models ({multi} candidates over several nodes) x 6 GPU types x {1000 * scale:,} GPUs, demand x{load}: {len(cands)} candidates, "
               f"solve {times[0]:.2f} s (--time-limit {limit:g}; target <= {target_s:g} s); worst ratio: stage 1 {r['stage1_ratio']:.4f}, "
               f"proved bound {r['proved_ratio_bound']:.4f}, gap {r['proved_gap']:.2%} (target <= {target_gap:.0%}; "

@@ -3,8 +3,10 @@ holds, counts whole nodes, refuses bad layouts in one line, and renders a job ov
 nodes; single-node keys, comments and scripts stay what they were."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import otela_place as place  # noqa: E402
+import otela_sim as sim  # noqa: E402
 
 LLAMA_70B = {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
              "intermediate_size": 28672, "vocab_size": 128256, "max_position_embeddings": 8192}
@@ -152,3 +155,116 @@ def test_a_built_in_model_keeps_its_experts_and_quantization_through_the_placer(
     # DeepSeek-V3's 61 layers admit no pipeline split: one line says so
     scenario["models"] = {"qwen": place.model_config("deepseek-ai/DeepSeek-V3")}
     assert "no pp from 2 to 4 divides its 61 layers" in place.candidates(scenario)[1]["qwen"]
+
+
+# --- tp across nodes: an engine that runs it (SGLang --tp 16 --nnodes 2) -----------------------
+
+def deepseek_site(gpu, count, per_node, across):
+    scenario = {"gpus": [{"type": gpu, "count": count, "per_node": per_node}],
+                "models": {"dsv3": place.model_config("deepseek-ai/DeepSeek-V3")},
+                "workload": [dict(WORK, model="dsv3", rate_rps=1.0)]}
+    if across is not None:
+        scenario["tp_across_nodes"] = across
+    return place.check_scenario(scenario)
+
+
+@pytest.mark.parametrize("gpu, per_node, tp, nodes", [("H100-SXM5-80GB", 8, 16, 2), ("GH200-96GB", 4, 16, 4)])
+def test_deepseek_v3_whose_61_layers_take_no_pp_is_planned_with_tp_across_whole_nodes(gpu, per_node, tp, nodes):
+    cands, why_not = place.candidates(deepseek_site(gpu, 4 * per_node, per_node, True))
+    assert why_not == {}
+    assert [(c.tp, c.pp, c.nodes, c.gpus) for c in cands] == [(tp, 1, nodes, tp)]
+    assert cands[0].key() == ("dsv3", gpu, tp) and cands[0].capacity_rps > 0
+    plan = place.solve(place.demand_of(deepseek_site(gpu, 4 * per_node, per_node, True)),
+                       {gpu: (4 * per_node, per_node)}, cands)
+    assert [(r["tp"], r.get("pp", 1), r["nodes"]) for r in plan.rows] == [(tp, 1, nodes)]
+
+
+@pytest.mark.parametrize("across", [None, False, ["another-model"]])
+def test_an_engine_without_tp_across_nodes_leaves_deepseek_v3_unplanned_and_says_why(across):
+    cands, why_not = place.candidates(deepseek_site("H100-SXM5-80GB", 32, 8, across))
+    assert cands == [] and "no pp from 2 to 4 divides its 61 layers" in why_not["dsv3"]
+
+
+def test_a_model_both_families_hold_gets_the_fewest_nodes_of_each():
+    # Llama-3.1-405B in BF16 (8k context) on 8-GPU H100 nodes: tp 8 x pp 2 and tp 16, 2 nodes each
+    scenario = {"gpus": [{"type": "H100-SXM5-80GB", "count": 48, "per_node": 8}], "models": {"big": LLAMA_405B},
+                "workload": [dict(WORK, model="big", rate_rps=1.0)], "tp_across_nodes": True}
+    cands, _ = place.candidates(scenario)
+    assert sorted((c.tp, c.pp, c.nodes) for c in cands) == [(8, 2, 2), (16, 1, 2)]
+
+
+def test_a_site_of_1_and_4_gpu_nodes_with_tp_across_nodes_places_a_70b_and_a_405b():
+    scenario = dict(mixed_site(), tp_across_nodes=True)
+    cands, why_not = place.candidates(scenario)
+    assert why_not == {}
+    plan = place.solve(place.demand_of(scenario), place.gpu_pool(scenario), cands)
+    assert {r["model"] for r in plan.rows} == {"llama-70b", "llama-405b"}
+    for gpu, (count, per_node) in place.gpu_pool(scenario).items():
+        mine = [r for r in plan.rows if r["gpu"] == gpu]
+        assert sum(r.get("nodes", 1) * r["instances"] for r in mine if r.get("nodes", 1) > 1) <= count // per_node
+
+
+def test_a_measured_tp_across_nodes_needs_an_engine_that_runs_it():
+    figures = {"dsv3": {"tp": 16, "H100-SXM5-80GB": 2.0}}
+    scenario = dict(deepseek_site("H100-SXM5-80GB", 32, 8, True), measured_instance_capacity_rps=figures)
+    cands, _ = place.candidates(scenario, "measured")
+    assert [(c.tp, c.pp, c.nodes, c.capacity_rps) for c in cands] == [(16, 1, 2, 2.0)]
+    scenario["tp_across_nodes"] = False
+    cands, why_not = place.candidates(scenario, "measured")
+    assert cands == [] and "tp=16 exceeds the 8 GPUs of one node" in why_not["dsv3"]
+
+
+def test_a_scenario_with_a_bad_tp_across_nodes_is_a_one_line_error():
+    with pytest.raises(place.PlacementError, match="'tp_across_nodes' must be true, false or a list of model names"):
+        deepseek_site("H100-SXM5-80GB", 16, 8, "yes")
+
+
+def test_a_job_of_tp_across_nodes_asks_each_node_for_its_share_of_the_gpus():
+    site = place.check_site({"gpus": [{"type": "H100", "count": 16, "per_node": 8, "gres": "gpu"}]}, "site.json")
+    row = {"model": "deepseek-ai/DeepSeek-V3", "gpu": "H100", "tp": 16, "nodes": 2, "instances": 1, "weight": 1.0}
+    (key, name, text), = place.job_scripts([row], site, "sglang", VARS)
+    assert key == ("deepseek-ai/DeepSeek-V3", "H100", 16) and name.endswith("-tp16-0.sbatch")
+    directives = re.findall(r"^#SBATCH (.*)$", text, re.M)
+    assert "--nodes=2" in directives and "--gres=gpu:8" in directives
+    assert re.search(r"^TP=16$", text, re.M) and re.search(r"^PP=1$", text, re.M)
+
+
+SOURCED = os.path.join(ROOT, "tests", "data", "large_model_sourced.csv")
+
+
+def test_the_simulator_behind_large_model_candidates_is_within_a_stated_error_of_sourced_figures():
+    rows = sim.load_calibration(SOURCED)
+    assert all(r["source"] and "https://" in r["source_locator"] for r in rows)
+    held = [r for r in rows if sim.held_out(r)]
+    assert 0 < len(held) < len(rows)
+    v = sim.validate(rows)
+    # nothing is fitted on this file. As of this commit (TensorRT-LLM's 405B FP8 tp 8 on H200, batch
+    # capped at 256 here where the engine goes past it): in-sample 31 % median (38 % worst), held
+    # out 16 % (25 % worst), every prediction below the figure
+    assert v["summary"]["all"]["median_abs_error"] < 0.35 and v["summary"]["all"]["max_abs_error"] < 0.42
+    assert v["held_out_summary"]["median_abs_error"] < 0.20 and v["held_out_summary"]["max_abs_error"] < 0.30
+    assert all(r["error"] < 0 for r in v["rows"])
+
+
+@pytest.mark.parametrize("template, expect", [
+    ("sglang", "DeepSeek-V3 1xH100-SXM5-80GB tp16 (2 nodes)"),
+    ("vllm", "no pp from 2 to 2 divides its 61 layers (tp across nodes needs an engine that runs it: the sglang template)"),
+])
+def test_plan_with_the_sglang_template_places_deepseek_v3_over_two_8_gpu_nodes(tmp_path, template, expect):
+    scenario = {"gpus": [{"type": "H100-SXM5-80GB", "count": 16, "per_node": 8}],
+                "models": {"deepseek-ai/DeepSeek-V3": sim.BUILTIN_CONFIGS["deepseek-v3"]},
+                "workload": [dict(WORK, model="deepseek-ai/DeepSeek-V3", rate_rps=1.0)]}
+    (tmp_path / "s.json").write_text(json.dumps(scenario))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "otela_place.py"), "plan", "--scenario",
+                          str(tmp_path / "s.json"), "--template", template, "--baseline", "none", "--replay", "fluid"],
+                         capture_output=True, text=True, timeout=300)
+    assert expect in out.stdout + out.stderr
+
+
+def test_the_gpus_our_running_multi_node_jobs_hold_are_all_their_ranks(monkeypatch):
+    monkeypatch.setattr(place, "slurm_inventory", lambda aliases: {"gpus": [{"type": "H100", "count": 0, "per_node": 8}]})
+    monkeypatch.setattr(place, "slurm_jobs", lambda: [
+        {"id": "1", "state": "RUNNING", "draining_since": None, "key": ("big", "H100", 8, 2)},
+        {"id": "2", "state": "RUNNING", "draining_since": None, "key": ("dsv3", "H100", 16)},
+        {"id": "3", "state": "RUNNING", "draining_since": None, "key": ("small", "H100", 2)}])
+    assert place.slurm_gpus({}, kept=set())["gpus"] == [{"type": "H100", "count": 34, "per_node": 8}]

@@ -88,6 +88,34 @@ def chat(url, stream=False, tokens=8):
         return None, str(e)
 
 
+def timed_stream(url, tokens):
+    """One streamed chat read to its end: {start, end, session (the X-Otela-Session that began
+    serving it), outcome (chat's error: None for [DONE], "event", "cut" or the failure)}."""
+    body = json.dumps({"model": MODEL, "max_tokens": tokens, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    out = {"start": time.monotonic(), "session": None}
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            out["session"] = resp.headers.get("X-Otela-Session")
+            events = [line for line in resp.read().decode().splitlines() if line.startswith("data:")]
+        if events and events[-1].strip() == "data: [DONE]":
+            out["outcome"] = None
+        else:
+            out["outcome"] = "event" if any('"error"' in e for e in events) else "cut"
+    except urllib.error.HTTPError as e:
+        out["outcome"] = f"HTTP {e.code}"
+    except OSError as e:
+        out["outcome"] = str(e)
+    out["end"] = time.monotonic()
+    return out
+
+
+def session_id(session):
+    return session.get("session") or session.get("id")
+
+
 def job_processes(job):
     """[argv] of every process of Slurm job `job` on this machine (its environment says the job)."""
     found = []
@@ -161,13 +189,15 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
 
         def load(kind):
             while not stop.is_set():
-                # long enough that some are in flight on the rank killed
-                results[kind].append(chat(ingress["url"], stream=kind == "stream", tokens=64))
-        threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in ("plain", "plain", "stream")]
+                # streams long enough (256 tokens, seconds) that several are in flight on the rank killed
+                results[kind].append(chat(ingress["url"], tokens=64) if kind == "plain"
+                                     else timed_stream(ingress["url"], tokens=256))
+        threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in ("plain", "plain") + ("stream",) * 4]
         for t in threads:
             t.start()
         time.sleep(2)
         victim = jobs[0]
+        victim_sessions = {session_id(s) for s in of_job(sessions, victim)}
         pid = poll(lambda: rank_pid(victim, 1), f"job {victim}'s rank-1 process", 10)
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
@@ -179,12 +209,17 @@ def test_a_model_bigger_than_a_node_serves_over_two_nodes_and_a_dead_rank_is_rep
         for t in threads:
             t.join(70)
         plain_errors = [r for r in results["plain"] if r != (200, None)]
-        cut = [r for r in results["stream"] if r[1] not in (None, "event")]
+        cut = [r for r in results["stream"] if r["outcome"] not in (None, "event")]
+        # streams the killed instance was serving when its rank died
+        hit = [r for r in results["stream"] if r["session"] in victim_sessions and r["start"] < t_kill < r["end"]]
         print(f"\nrank 1 killed: session DOWN after {down_s:.2f} s; {len(results['plain'])} non-streamed requests, "
-              f"{len(plain_errors)} failed; {len(results['stream'])} streams, "
-              f"{sum(1 for r in results['stream'] if r[1] == 'event')} ended by an error event, {len(cut)} cut")
+              f"{len(plain_errors)} failed; {len(results['stream'])} streams, {len(hit)} in flight on the killed "
+              f"instance: {sum(1 for r in hit if r['outcome'] is None)} continued elsewhere, "
+              f"{sum(1 for r in hit if r['outcome'] == 'event')} ended by an error event; {len(cut)} cut")
         assert down_s < 2.0
-        assert plain_errors == [] and cut == [] and len(results["plain"]) > 0
+        assert plain_errors == [] and len(results["plain"]) > 0
+        assert hit, "no stream was in flight on the killed instance"
+        assert cut == [] and all(r["outcome"] in (None, "event") for r in hit)
         poll(lambda: victim not in {j["id"] for j in place.slurm_jobs()}, f"job {victim} did not end", 60, interval=0.5)
         again = placer_pass()["submitted"]   # the next pass replaces it
         assert len(again) == 1 and victim not in again
@@ -241,33 +276,44 @@ def ray_pids(job):
             if len(argv) > 2 and argv[1].endswith(b"/ray")}
 
 
-def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab, ingress, tmp_path):  # noqa: F811
+def submit_by_hand(mlab, ingress, tmp_path, stand_ins, row, template):  # noqa: F811
+    """(job id, script) of one instance of `row` rendered from `template` as plan renders it
+    (a grant of its own) and submitted with sbatch, its engine the stand-ins {name: text}."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("ray", RAY), ("vllm", VLLM)):
+    for name, text in stand_ins.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     site = place.check_site({"gpus": [{"type": "H100", "count": 4, "per_node": 1, "gres": "gpu",
                                        "partition": mlab["partition"], "time_limit": "10"}],
                              "engine_wrapper": f"env PATH={bin_dir}:/usr/bin:/bin", "log_dir": str(tmp_path / "logs")})
     os.makedirs(tmp_path / "logs")
-    row = {"model": MODEL, "gpu": "H100", "tp": 1, "pp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
     grants = place.GrantIssuer(str(tmp_path / "grants"), ingress["key"], PY)   # as plan does
-    (_, name, text), = place.job_scripts([row], site, "vllm", {"KEY_FILE": ingress["key"],
-                                                               "BOOTSTRAP": ingress["gossip"], "PYTHON": PY},
+    (_, name, text), = place.job_scripts([row], site, template, {"KEY_FILE": ingress["key"], "PYTHON": PY,
+                                                                 "BOOTSTRAP": ingress["gossip"], "LISTEN_HOST": "0.0.0.0"},
                                          grant=grants.grant)
     (tmp_path / name).write_text(text)
-    from test_place_slurm import _cancel_ours
-    try:
-        job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
-                             check=True, timeout=30).stdout.strip().split(";")[0]
+    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / name)], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.strip().split(";")[0]
+    return job, text
 
-        def serving():
-            mine = of_job(registry(ingress), job)
-            if any(s["state"] in ("DOWN", "LEFT") for s in mine):
-                raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
-            return [s for s in mine if s["state"] == "SERVING"]
-        session = poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+
+def serving_session(ingress, tmp_path, job):
+    """Job `job`'s session once SERVING; its job logs in the error if it went DOWN first."""
+    def serving():
+        mine = of_job(registry(ingress), job)
+        if any(s["state"] in ("DOWN", "LEFT") for s in mine):
+            raise AssertionError("".join(p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*")))
+        return [s for s in mine if s["state"] == "SERVING"]
+    return poll(serving, f"job {job}'s session SERVING", 120, interval=0.5)[0]
+
+
+def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab, ingress, tmp_path):  # noqa: F811
+    from test_place_slurm import _cancel_ours
+    row = {"model": MODEL, "gpu": "H100", "tp": 1, "pp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
+    try:
+        job, _ = submit_by_hand(mlab, ingress, tmp_path, {"ray": RAY, "vllm": VLLM}, row, "vllm")
+        session = serving_session(ingress, tmp_path, job)
         assert len(session["hardware"]["nodes"]) == 2 and (session["hardware"]["tp"], session["hardware"]["pp"]) == (1, 2)
         assert set(ray_pids(job)) == {"head", "worker"}
         log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*"))
@@ -278,5 +324,28 @@ def test_the_vllm_template_runs_a_ray_head_and_a_worker_over_the_jobs_nodes(mlab
              f"job {job}'s session DOWN after its Ray worker died", 10, interval=0.05)
         poll(lambda: job not in {j["id"] for j in place.slurm_jobs()} and not ray_pids(job),
              f"job {job} and its Ray processes did not end", 60, interval=0.5)
+    finally:
+        _cancel_ours()
+
+
+def test_the_sglang_template_runs_tp_across_two_nodes_with_a_rank_on_each(mlab, ingress, tmp_path):  # noqa: F811
+    # tp 2 over 2 nodes of 1 GPU (SGLang --tp 2 --nnodes 2), as the placer plans it where no pp
+    # divides a model's layers: each node asks Slurm for its share (1 GPU) and runs one rank
+    if not sim_is_multi_node():
+        pytest.skip("this otela_sim.py serve has no multi-node engine (--nnodes/--node-rank)")
+    from test_place_slurm import _cancel_ours
+    row = {"model": MODEL, "gpu": "H100", "tp": 2, "nodes": 2, "instances": 1, "weight": 1.0}
+    try:
+        job, text = submit_by_hand(mlab, ingress, tmp_path, {"python3": SGLANG}, row, "sglang")
+        assert "#SBATCH --gres=gpu:1\n" in text and "#SBATCH --nodes=2\n" in text
+        session = serving_session(ingress, tmp_path, job)
+        hw = session["hardware"]
+        assert len(hw["nodes"]) == 2 and (hw["tp"], hw["pp"]) == (2, 1)
+        assert place.session_key(session) == (MODEL, "H100", 2)
+        assert rank_pid(job, 1) and chat(ingress["url"]) == (200, None)
+        os.kill(rank_pid(job, 1), signal.SIGKILL)   # a tp rank gone: the engine is gone, the session DOWN
+        poll(lambda: [s for s in of_job(registry(ingress), job) if s["state"] in ("DOWN", "LEFT")],
+             f"job {job}'s session DOWN after its rank 1 died", 10, interval=0.05)
+        poll(lambda: job not in {j["id"] for j in place.slurm_jobs()}, f"job {job} did not end", 60, interval=0.5)
     finally:
         _cancel_ours()
