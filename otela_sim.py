@@ -3016,9 +3016,12 @@ def continued_prompt(messages):
     return head + done, head, count_tokens(done)
 
 
+OUTPUT_TOKENS = tuple(" " + w for w in OUTPUT_WORDS)
+
+
 def output_token(prompt_key, i):
     """The i-th generated token of a prompt whose CRC-32 is `prompt_key`."""
-    return " " + OUTPUT_WORDS[(prompt_key + i * 7) % len(OUTPUT_WORDS)]
+    return OUTPUT_TOKENS[(prompt_key + i * 7) % len(OUTPUT_TOKENS)]
 
 
 class PrefixCache:
@@ -3294,6 +3297,10 @@ class EngineCore:
             if req.state != "running" or budget <= 0:
                 continue
             n = min(len(req.tokens) - req.computed, budget)
+            if req.computed + n <= len(req.blocks) * self.block_size:
+                items.append((req, n))         # its blocks hold the step's tokens already
+                budget -= n
+                continue
             while not self._grow(req, req.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -3341,6 +3348,33 @@ class EngineCore:
             return self.decode_alpha(n) + self.cost.decode_beta(n) * ctx
         return self.cost.step(n, n, ctx, 0.0, 0)
 
+    def run_ends(self, step, start, scale=1.0, single=False):
+        """Planned ends of `step` and of the decode steps after it that change nothing but the
+        tokens: every prompt done in `step`, all running requests in it, nobody waiting, no
+        block short; the run ends with the first step that finishes a request (complete_run
+        catches up on it). `scale` stretches each step; `single`: `step` alone."""
+        ends = [start + step.seconds * scale]
+        items = step.items
+        if single or self.waiting or len(items) != len(self.running) or \
+                any(r.computed + n != len(r.tokens) for r, n in items):
+            return ends
+        n = len(items)
+        ahead = min(min(r.max_tokens - r.generated for r, _ in items), RUN_AHEAD_STEPS)
+        if len(self.cache.free) < n * (ahead // self.block_size + 2):
+            return ends                        # a step ahead might need to preempt
+        ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
+        t = ends[0]
+        if self.decode_alpha is not None:      # decode_seconds, its two terms looked up once
+            alpha, beta = self.decode_alpha(n) * scale, self.cost.decode_beta(n) * scale
+            for i in range(1, ahead):
+                t += alpha + beta * (ctx + i * n)
+                ends.append(t)
+            return ends
+        for i in range(1, ahead):
+            t += self.decode_seconds(n, ctx + i * n) * scale
+            ends.append(t)
+        return ends
+
     def complete(self, step, now):
         """The step ran: KV is computed, full blocks are cached, rows sample a token. Returns
         the requests that got a token (finished ones have state "finished")."""
@@ -3352,12 +3386,11 @@ class EngineCore:
             req.computed += n
             if req.generated == 0 or n > 1:
                 self.prompt_tokens += n
-            while req.registered < min(req.computed // bs, len(req.blocks)):
-                self.cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
-                req.registered += 1
+            if req.registered < req.computed // bs:
+                self._register(req)
             if req.computed < len(req.tokens):
                 continue                       # a prompt chunk: no token yet
-            req.tokens.append(output_token(req.prompt_key, req.generated))
+            req.tokens.append(OUTPUT_TOKENS[(req.prompt_key + req.generated * 7) % len(OUTPUT_TOKENS)])
             req.generated += 1
             self.generation_tokens += 1
             if req.first_token_at is None:
@@ -3374,6 +3407,8 @@ class EngineCore:
         done in the first step, nobody waiting, nobody finishing before the last step, blocks
         free for every step). Returns the requests that got tokens."""
         out = self.complete(step, ends[0])
+        if len(ends) == 1:
+            return out
         reqs = [req for req, _ in step.items if req.state == "running"]    # not one aborted meanwhile
         bs, cache = self.block_size, self.cache
         for req in reqs:                       # the run's tokens, known in advance
@@ -3384,14 +3419,20 @@ class EngineCore:
                     req.blocks += cache.allocate(1)
             for req in reqs:                   # complete(): KV, full blocks cached, one token each
                 req.computed += 1
-                while req.registered < min(req.computed // bs, len(req.blocks)):
-                    cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
-                    req.registered += 1
+                if req.registered < req.computed // bs:
+                    self._register(req)
                 req.generated += 1
                 if req.generated >= req.max_tokens:
                     self._finish(req, now)
             self.generation_tokens += len(reqs)
         return out
+
+    def _register(self, req):
+        """The request's blocks that became full are cached under their content's hash."""
+        bs = self.block_size
+        while req.registered < min(req.computed // bs, len(req.blocks)):
+            self.cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
+            req.registered += 1
 
     def _finish(self, req, now):
         self.running.remove(req)
@@ -3491,6 +3532,130 @@ class LinearStepCost:
             return cls(*(float(profile.get(k, 0.0)) for k in keys))
         except (TypeError, ValueError, AttributeError):
             raise SimError(f"a step profile is a JSON object of numbers: {', '.join(keys)}") from None
+
+
+# --- the load test: a workload through the engine core in virtual time ------------------------
+# The same EngineCore the emulator serves with, driven by a virtual clock: a step ends when its
+# roofline time says, arrivals join at the step boundary after them (the emulator's rule,
+# EmulatedServer._submit), and decode runs are planned at once (EngineCore.run_ends), so minutes
+# of traffic take seconds of CPU. A workload's output lengths are generated in full, as a load
+# test's --ignore-eos makes a real engine do.
+
+# The engine has not kept up when the queue of requests waiting for admission grew, from the
+# second quarter of the arrivals to the last, by more than this share of the requests that
+# arrived in between (a stable engine's queue comes and goes; a saturated one's grows with time).
+SATURATED_GROWTH = 0.02
+# `load`'s exit status when the engine did not keep up (its report is printed all the same).
+LOAD_SATURATED_EXIT = 3
+
+
+def load_arrivals(rate, duration_s, input_len, output_len, seed=0, arrival="poisson", cv=1.0):
+    """[(arrival_s, input_len, output_len)] at `rate` req/s for `duration_s` seconds; the lengths
+    are length specs ({"dist": "normal", "mean":, "std":}, see _length) or plain numbers."""
+    def spec(x):
+        return x if isinstance(x, dict) else {"dist": "fixed", "mean": x}
+    scenario = {"duration_s": duration_s,
+                "workload": [{"model": "load", "rate_rps": rate, "input": spec(input_len), "output": spec(output_len)}]}
+    return workload_requests(scenario, seed, arrival, cv)["load"]
+
+
+def read_trace(path):
+    """An arrival trace: JSON lines (or one JSON list) of {arrival_s, input_len, output_len}."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise SimError(f"{path}: {e.strerror}") from None
+    try:
+        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        out = sorted((float(r["arrival_s"]), int(r["input_len"]), int(r["output_len"])) for r in rows)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SimError(f"{path}: a trace is JSON lines of {{arrival_s, input_len, output_len}} ({e})") from None
+    if not out or any(t < 0 or i < 1 or o < 1 for t, i, o in out):
+        raise SimError(f"{path}: a trace needs requests with arrival_s >= 0 and lengths >= 1")
+    return out
+
+
+def _load_request(i, arrival, inp, out, prefix):
+    """Request i: the shared prefix (the first `prefix` tokens of every prompt), then tokens of
+    its own, as distinct integers (the prefix cache hashes them, nothing reads them)."""
+    own = range((i + 1) << 32, ((i + 1) << 32) + max(1, inp - prefix))
+    return EmulatedRequest(i, [*range(min(prefix, inp - 1)), *own], out, arrival, prompt_key=i)
+
+
+def run_load(core, arrivals, shared_prefix=0):
+    """Run `arrivals` [(arrival_s, input_len, output_len)] through `core` in virtual time; the
+    finished requests, and the waiting queue each arrival found."""
+    reqs = [_load_request(i, t, inp, out, shared_prefix) for i, (t, inp, out) in enumerate(arrivals)]
+    for req in reqs:
+        core.check(req)
+    queue = []
+    now, i, n = 0.0, 0, len(reqs)
+    while True:
+        while i < n and reqs[i].arrival <= now:
+            queue.append(len(core.waiting))
+            core.add(reqs[i])
+            i += 1
+        step = core.schedule()
+        if step is None:
+            if i == n:
+                return reqs, queue
+            now = reqs[i].arrival
+            continue
+        # an arrival ends the run with the step it falls in
+        ends = core.run_ends(step, now, single=i < n and reqs[i].arrival < now + step.seconds)
+        if i < n and len(ends) > 1:
+            del ends[bisect.bisect_right(ends, reqs[i].arrival) + 1:]
+        core.complete_run(step, ends)
+        now = ends[-1]
+        for req, _ in step.items:
+            if req.state == "finished":
+                req.tokens = req.hashes = None  # a long run's memory: only the times are read
+
+
+def _stats_ms(xs):
+    xs = sorted(xs)
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    return {"mean": sum(xs) / len(xs) * 1e3, "p50": _percentile(xs, 0.5) * 1e3,
+            "p90": _percentile(xs, 0.9) * 1e3, "p99": _percentile(xs, 0.99) * 1e3}
+
+
+def saturated(queue):
+    """Whether the waiting queue grew over the run (SATURATED_GROWTH), from the queue lengths
+    the arrivals found, in order."""
+    n = len(queue)
+    if n < 8:
+        return False
+    second = queue[n // 4:n // 2]
+    last = queue[3 * n // 4:]
+    growth = sum(last) / len(last) - sum(second) / len(second)
+    return growth > max(1.0, SATURATED_GROWTH * n / 2)
+
+
+def load_report(reqs, queue, duration_s=None):
+    """TTFT, ITL (a request's mean gap between tokens), E2E, throughput and saturation."""
+    ttft = [r.first_token_at - r.arrival for r in reqs]
+    e2e = [r.finished_at - r.arrival for r in reqs]
+    itl = [(r.finished_at - r.first_token_at) / (r.generated - 1) for r in reqs if r.generated > 1]
+    span = max(r.finished_at for r in reqs) - min(r.arrival for r in reqs)
+    offered = duration_s or max(r.arrival for r in reqs) or 1.0
+    tokens = sum(r.generated for r in reqs)
+    hits = sum(r.cached_tokens or 0 for r in reqs) / max(1, sum(r.prompt_len for r in reqs))
+    return {"requests": len(reqs), "offered_req_s": len(reqs) / offered,
+            "throughput_req_s": len(reqs) / span if span > 0 else 0.0,
+            "output_tok_s": tokens / span if span > 0 else 0.0,
+            "ttft_ms": _stats_ms(ttft), "itl_ms": _stats_ms(itl), "e2e_ms": _stats_ms(e2e),
+            "prefix_hit_rate": hits, "max_waiting": max(queue, default=0), "saturated": saturated(queue)}
+
+
+def load_test(model, gpu, tp=1, arrivals=(), shared_prefix=0, engine=SERVE_ENGINE, duration_s=None, **core_args):
+    """A load test of `model` on `tp` x `gpu` (serve_core's engine; core_args go to serve_core):
+    load_report of `arrivals` run through it in virtual time."""
+    core = serve_core(model, gpu, tp, engine, **core_args)
+    if not arrivals:
+        raise SimError("the workload has no requests (raise --rate or --duration)")
+    return load_report(*run_load(core, arrivals, shared_prefix), duration_s)
 
 
 # --- multi-node: the ranks of one engine and their links --------------------------------------
@@ -3835,32 +4000,10 @@ class EmulatedServer:
         self._start_step()
 
     def _run_ahead(self, step, start):
-        """Planned ends of `step` and of the decode steps after it that change nothing but the
-        tokens: every prompt done in `step`, all running requests in it, nobody waiting or
-        arriving, no block short; the run ends with the first step that finishes a request.
-        Every step's time is stretched by time_scale here, the one place emulated time passes."""
-        scale = self.time_scale
-        ends = [start + step.seconds * scale]
-        items, core = step.items, self.core
-        if core.waiting or self.inbox or len(items) != len(core.running) or \
-                any(r.computed + n != len(r.tokens) for r, n in items):
-            return ends
-        n = len(items)
-        ahead = min(min(r.max_tokens - r.generated for r, _ in items), RUN_AHEAD_STEPS)
-        if len(core.cache.free) < n * (ahead // core.block_size + 2):
-            return ends                        # a step ahead might need to preempt
-        ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
-        t = ends[0]
-        if core.decode_alpha is not None:      # decode_seconds, its two terms looked up once
-            alpha, beta = core.decode_alpha(n) * scale, core.cost.decode_beta(n) * scale
-            for i in range(1, ahead):
-                t += alpha + beta * (ctx + i * n)
-                ends.append(t)
-            return ends
-        for i in range(1, ahead):
-            t += core.decode_seconds(n, ctx + i * n) * scale
-            ends.append(t)
-        return ends
+        """Planned ends of `step` and of the decode steps after it (EngineCore.run_ends), none
+        after it while an arrival waits to join. Every step's time is stretched by time_scale
+        here, the one place emulated time passes."""
+        return self.core.run_ends(step, start, self.time_scale, single=bool(self.inbox))
 
     def _submit(self, req):
         self.core.check(req)
@@ -4649,6 +4792,77 @@ def _cmd_probe(a):
                                                       if not isinstance(v, dict)))
 
 
+def _cli_length(text):
+    """A length flag: N tokens, or MEAN:STD (normal, clipped at 1)."""
+    parts = text.split(":")
+    try:
+        nums = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MEAN:STD (tokens)") from None
+    if len(nums) > 2 or nums[0] < 1 or (len(nums) == 2 and nums[1] < 0) or not all(map(math.isfinite, nums)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MEAN:STD with N, MEAN >= 1 and STD >= 0")
+    if len(nums) == 1:
+        return {"dist": "fixed", "mean": nums[0]}
+    return {"dist": "normal", "mean": nums[0], "std": nums[1]}
+
+
+def _cmd_load(a):
+    if (a.rate is None) == (a.trace is None):
+        raise SimError("load needs --rate R (with --input-len, --output-len) or --trace FILE, not both")
+    model = resolve_model(read_json(a.config), name=a.model) if a.config else resolve_model(a.model)
+    ev = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
+    if a.trace:
+        arrivals = read_trace(a.trace)
+        duration = arrivals[-1][0]
+    else:
+        arrivals = load_arrivals(a.rate, a.duration, a.input_len, a.output_len, a.seed)
+        duration = a.duration
+    r = load_test(model, a.gpu, a.tp, arrivals, a.shared_prefix, ev.key, duration, pp=a.pp,
+                  max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_num_batched_tokens)
+    r["calibration"] = _cli_coverage(a, ev)
+    if r["saturated"]:
+        print(f"otela_sim.py: {model.name} on {a.tp} x {a.gpu} cannot keep up with {r['offered_req_s']:.3g} req/s: "
+              f"saturated (the waiting queue grew to {r['max_waiting']}; it served {r['throughput_req_s']:.3g} "
+              "req/s)", file=sys.stderr)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        for k, v in r.items():
+            if isinstance(v, dict) and "p50" in v:
+                v = "  ".join(f"{q} {v[q]:.4g}" for q in ("mean", "p50", "p90", "p99"))
+            print(f"{k:18s} {v['note'] if k == 'calibration' else _fmt(v)}")
+    return LOAD_SATURATED_EXIT if r["saturated"] else 0
+
+
+def add_load_command(sub):
+    ld = sub.add_parser("load", help="a load test in virtual time: a rate or trace through vLLM V1's scheduler")
+    ld.add_argument("--model", help="Hugging Face id or alias; with --config, a label")
+    ld.add_argument("--config", help="a Hugging Face config.json instead of a built-in model")
+    ld.add_argument("--gpu", required=True, help="the GPU (`otela_sim.py gpus` lists them)")
+    ld.add_argument("--tp", type=_AT_LEAST_1, default=1, help="tensor-parallel GPUs (default 1)")
+    ld.add_argument("--pp", type=_AT_LEAST_1, default=1, help="pipeline stages (default 1)")
+    ld.add_argument("--rate", type=_POSITIVE, default=None, help="Poisson arrivals, requests per second")
+    ld.add_argument("--trace", default=None, metavar="FILE",
+                    help="arrivals instead: JSON lines of {arrival_s, input_len, output_len}")
+    ld.add_argument("--input-len", type=_cli_length, default={"dist": "fixed", "mean": 1024},
+                    help="prompt tokens: N or MEAN:STD (default 1024)")
+    ld.add_argument("--output-len", type=_cli_length, default={"dist": "fixed", "mean": 128},
+                    help="generated tokens, all of them (as --ignore-eos): N or MEAN:STD (default 128)")
+    ld.add_argument("--duration", type=_POSITIVE, default=60.0, help="seconds of arrivals (default 60)")
+    ld.add_argument("--shared-prefix", type=number_type(int, 0), default=0,
+                    help="tokens every prompt starts with (a shared system prompt; default 0)")
+    ld.add_argument("--max-num-seqs", type=_AT_LEAST_1, default=MAX_NUM_SEQS,
+                    help=f"running requests at most (vLLM's default, {MAX_NUM_SEQS})")
+    ld.add_argument("--max-num-batched-tokens", type=_AT_LEAST_1, default=None,
+                    help="token budget a step (default vLLM's: 8192 on a GPU of 70 GB or more, else 2048)")
+    ld.add_argument("--seed", type=int, default=0, help="random seed of arrivals and lengths (default 0)")
+    ld.add_argument("--engine", default=None, help=f"engine version (default {SERVE_ENGINE}, the scheduler modelled)")
+    ld.add_argument("--engine-version", default=None, help="with an engine name: its release (0.10.1)")
+    calibration_flag(ld)
+    ld.add_argument("--json", action="store_true", help="print one JSON object")
+    ld.set_defaults(func=_cmd_load)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors: a bad flag or value is one line on stderr and exit 2,
     not a usage block (--help has that). The placer's command line uses it too."""
@@ -4770,6 +4984,7 @@ def build_parser():
     pr.add_argument("--json", action="store_true", help="print one JSON object")
     pr.set_defaults(func=_cmd_probe)
     add_serve_command(sub)
+    add_load_command(sub)
     for what in ("gpus", "models", "engines"):
         t = sub.add_parser(what, help=f"list the built-in {what}")
         t.set_defaults(func=_cmd_tables, what=what)
@@ -4782,11 +4997,11 @@ def main(argv=None):
         a = crdt.parse_settings(p, argv, None, os.environ)
     except ValueError as err:
         p.error(str(err))
-    if a.cmd == "estimate" and not (a.model or a.config):
-        p.error("estimate needs --model or --config")
+    if a.cmd in ("estimate", "load") and not (a.model or a.config):
+        p.error(f"{a.cmd} needs --model or --config")
     choose_calibration(getattr(a, "calibration", None))   # each run its own (tests call main again)
     try:
-        a.func(a)
+        rc = a.func(a)
         sys.stdout.flush()
     except SimError as err:
         print(f"otela_sim.py: error: {err}", file=sys.stderr)
@@ -4796,7 +5011,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("otela_sim.py: error: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":
