@@ -119,6 +119,23 @@ ACT_BYTES = 2
 # for a prefill's megabytes. Per protocol: (extra base latency over LL's, extra per step over LL's,
 # share of the bandwidth); the fitted allreduce_latency_us and allreduce_hop_us are LL's own.
 NCCL_PROTOCOLS = ((0.0, 0.0, 0.25), (14.0 - 6.6, 1.9 - 0.6, 0.92), (8.4 - 6.6, 3.4 - 0.6, 1.0))
+# vLLM's and SGLang's own all-reduce within an NVLink node (vllm/distributed/device_communicators/
+# custom_all_reduce.py, max_size 8 MiB, tp 2..8 with full NVLink; SGLang imports the same kernels):
+# one or two shots over peer-mapped buffers, a barrier's latency and the bytes at the link's
+# bandwidth, none of NCCL's protocol costs; NCCL takes messages above the size. The engines
+# whose steps use it (ENGINE_CUSTOM_ALLREDUCE); V0's rows were fitted with NCCL's protocols.
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+ENGINE_CUSTOM_ALLREDUCE = ("vllm-v1", "sglang-0.4")
+# The smooth roofline's exponent for engines whose decode runs in CUDA graphs of fused kernels
+# (vLLM V1: piecewise graphs under torch.compile; SGLang: decode graphs): a small-batch GEMM's
+# weight stream and its math overlap within the kernel, so a decode batch of ~100 costs about
+# its bytes (the issue's measured 70B tp 4 decode: +~10 % from batch 1 to 84, where p = 1 gives
+# +68 %). A prior, not fitted: no load-test row of these engines is in the calibration.
+ENGINE_ROOFLINE_P = {"vllm-v1": 2.0, "sglang-0.4": 2.0}
+# The batch sizes vLLM V1 captures CUDA graphs for (compilation config's cudagraph_capture_sizes
+# default: 1, 2, 4, then every 8 up to 512): a decode step of n requests runs the graph of the
+# next size up, its linears padded to it. SGLang's capture list is the same shape (cuda_graph_bs).
+CUDA_GRAPH_SIZES = (1, 2, 4) + tuple(range(8, 513, 8))
 # Tensor parallelism beyond one node and pipeline stages on other nodes go over the cluster
 # network: the GPU pool's Fabric (FABRICS, GPU_FABRIC). 200 Gb/s InfiniBand for what has none.
 INTER_NODE_GBps = 25.0
@@ -1358,9 +1375,13 @@ class StepCost:
             ideal = hw["allreduce_latency_us"] <= 0 and hw.get("allreduce_hop_us", 0.0) <= 0
             self.ar_protocols = [(0.0, 1.0)] if ideal else \
                 [((base + hops * hop) * 1e-6, 1.0 / share) for base, hop, share in NCCL_PROTOCOLS]
+            custom = ev.key in ENGINE_CUSTOM_ALLREDUCE and tp <= gpu.per_node and gpu.interconnect_GBps
+            self.custom_ar_tokens = CUSTOM_ALLREDUCE_MAX_BYTES // (h * ACT_BYTES) if custom else 0
         else:
             self.ar_lat = self.ar_byte = 0.0
             self.ar_protocols = [(0.0, 1.0)]
+            self.custom_ar_tokens = 0
+        self.graph_sizes = CUDA_GRAPH_SIZES if ev.key in ENGINE_CUSTOM_ALLREDUCE else ()
         self.overhead = eng["overhead_ms"] * 1e-3
         self.per_seq = (eng["per_seq_overhead_ms"] + (eng.get("tp_per_seq_overhead_ms", 0.0) if tp > 1 else 0.0)) * 1e-3
         self.prefill_overhead = eng.get("prefill_overhead_ms", 0.0) * 1e-3
@@ -1405,7 +1426,8 @@ class StepCost:
         # neither bound; p is ROOFLINE_P (1: time = compute + memory, the model form the TTFT
         # rows need, see ROOFLINE_P), and max() at or above ROOFLINE_MAX_P (the ideal
         # calibration's datasheet roofline).
-        p = cal.get("roofline_p", ROOFLINE_P)
+        p = ENGINE_ROOFLINE_P.get(ev.key, cal.get("roofline_p", ROOFLINE_P)) \
+            if cal.get("roofline_p", ROOFLINE_P) < ROOFLINE_MAX_P else cal["roofline_p"]
         if p >= ROOFLINE_MAX_P:
             self.roof = max
         else:
@@ -1455,7 +1477,10 @@ class StepCost:
         return self._linear(T) + self.elem_bytes * T / self.bm + (2 * self.allreduce(T) if self.tp > 1 else 0.0)
 
     def allreduce(self, T):
-        """Seconds for one all-reduce of T tokens' hidden states: the cheapest NCCL protocol."""
+        """Seconds for one all-reduce of T tokens' hidden states: the engine's own all-reduce
+        below its size (CUSTOM_ALLREDUCE_MAX_BYTES), else the cheapest NCCL protocol."""
+        if T <= self.custom_ar_tokens:
+            return self.ar_lat + self.ar_byte * T
         return self.ar_lat + min(extra + self.ar_byte * T * slower for extra, slower in self.ar_protocols)
 
     def _lm_head(self, n):
@@ -1504,9 +1529,15 @@ class StepCost:
                     self.p2p_byte * n / m + self.overhead + self.per_seq * n + \
                     self.window_layers * self.beta_layer * self.window * n / m
             else:
-                a = self.layers * self._layer_tokens(n) + self._lm_head(n) + self.overhead + self.per_seq * n
+                a = self.layers * self._layer_tokens(self.graph_tokens(n)) + self._lm_head(n) + self.overhead + \
+                    self.per_seq * n
             self._alpha[n] = a
         return a
+
+    def graph_tokens(self, n):
+        """The tokens a decode step of n requests computes: its CUDA graph's batch (CUDA_GRAPH_SIZES)."""
+        sizes = self.graph_sizes
+        return sizes[bisect.bisect_left(sizes, n)] if sizes and n <= sizes[-1] else n
 
     def decode_beta(self, n):
         """Seconds per KV token of context in a decode step of n requests (beta; a pipeline's

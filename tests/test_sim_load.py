@@ -100,3 +100,29 @@ def test_bad_load_input_gets_one_line(args, says):
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and says in p.stderr
     assert p.stdout == ""
+
+
+def decode_step(engine, n, ctx=200):
+    c = sim._cost_for(sim.resolve_model("llama-3-70b"), sim.resolve_gpu("H100"), 4, None, engine)
+    return c.decode_alpha(n) + c.decode_beta(n) * n * ctx
+
+
+def test_70b_tp4_decode_under_v1_grows_with_its_bytes_not_with_nccl_protocols():
+    v1 = decode_step("vllm-v1", 84) / decode_step("vllm-v1", 1)
+    v0 = decode_step("vllm-0.6", 84) / decode_step("vllm-0.6", 1)
+    assert v1 < 1.3 < v0                         # V0 keeps its fitted NCCL rows: +57 %; V1 +24 %
+
+
+def test_v1_all_reduce_is_latency_bound_below_the_custom_all_reduce_size():
+    c = sim._cost_for(sim.resolve_model("llama-3-70b"), sim.resolve_gpu("H100"), 4, None, "vllm-v1")
+    assert c.allreduce(84) - c.allreduce(1) < 0.3 * c.allreduce(1)
+    big = sim.CUSTOM_ALLREDUCE_MAX_BYTES // (8192 * 2) + 1
+    assert c.allreduce(big) > c.ar_lat + c.ar_byte * big     # past it, NCCL's protocols
+
+
+def test_a_v1_decode_step_runs_the_cuda_graph_of_the_next_captured_size():
+    c = sim._cost_for(sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu("H100"), 1, None, "vllm-v1")
+    assert [c.graph_tokens(n) for n in (1, 3, 5, 9, 512, 600)] == [1, 4, 8, 16, 512, 600]
+    def body(n):                                  # the layers: what the graph runs
+        return c.decode_alpha(n) - c.per_seq * n - c._lm_head(n)
+    assert body(9) == pytest.approx(body(16)) and body(16) < body(17)
