@@ -3689,6 +3689,75 @@ def load_test(model, gpu, tp=1, arrivals=(), shared_prefix=0, engine=SERVE_ENGIN
     return load_report(*run_load(core, arrivals, shared_prefix), duration_s)
 
 
+# --- load tests against published ones (tests/data/load_tests.csv) ----------------------------
+# A row is one metric of one published load test: engine, model, GPU, tp, Poisson rate (or
+# "inf": every prompt at once), prompts, lengths (N, or U(lo;hi): uniform, as SGLang's random
+# dataset draws them with range ratio 0). Its split was chosen by GPU before anything was fitted
+# on load tests: the H100 rows are held out, the others are for fitting.
+LOAD_TESTS_CSV = os.path.join(_HERE, "tests", "data", "load_tests.csv")
+# SGLang admits requests while its KV pool has room (max_running_requests follows the pool);
+# vLLM stops at max_num_seqs. The load rows' engines' admission limits, where a row sets none.
+LOAD_MAX_SEQS = {"sglang": 4096, "vllm": MAX_NUM_SEQS}
+
+
+def _load_length(text):
+    m = re.fullmatch(r"\s*U\(\s*(\d+)\s*;\s*(\d+)\s*\)\s*", text)
+    if m:
+        return {"dist": "uniform", "min": int(m.group(1)), "max": int(m.group(2))}
+    return {"dist": "fixed", "mean": float(text)}
+
+
+def _load_row_core_args(row, model, gpu, engine):
+    """serve_core's arguments for a row: its admission limit, token budget and KV pool."""
+    args = {"max_num_seqs": int(row["max_num_seqs"] or LOAD_MAX_SEQS[resolve_engine(engine).engine])}
+    if row["max_num_batched_tokens"]:
+        args["max_batched_tokens"] = int(row["max_num_batched_tokens"])
+    if row["gpu_memory_utilization"]:
+        c = _cost_for(model, gpu, int(row["tp"]), None, engine)
+        budget = args.get("max_batched_tokens", SERVE_BATCHED_TOKENS_LARGE)
+        free = float(row["gpu_memory_utilization"]) * gpu.memory_gb * 1e9 - c.weights_bytes - c.reserve_bytes(budget)
+        args["kv_tokens"] = max(BLOCK_SIZE, int(free // c.kv_bytes_per_token))
+    return args
+
+
+def predict_load_test(row, seed=0):
+    """load_test's report for one published load test (a load_tests.csv row)."""
+    model, gpu, engine = resolve_model(row["model"]), resolve_gpu(row["gpu"]), row["engine"]
+    n, rate = int(row["num_prompts"]), row["rate_rps"].strip()
+    inp, out = _load_length(row["input_len"]), _load_length(row["output_len"])
+    if rate == "inf":
+        rng = random.Random(seed)
+        arrivals = [(0.0, _length(rng, inp, INPUT_FLOOR), _length(rng, out, 1)) for _ in range(n)]
+    else:
+        arrivals = load_arrivals(float(rate), n / float(rate), inp, out, seed)
+    return load_test(model, gpu, int(row["tp"]), arrivals, 0, engine,
+                     **_load_row_core_args(row, model, gpu, engine))
+
+
+def validate_load_tests(path=LOAD_TESTS_CSV):
+    """Predicted against measured for every load_tests.csv row: {"rows": [...], "splits":
+    {split: {metric: summary}}}; a row's test is run once for all its metrics."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    reports, out = {}, []
+    for row in rows:
+        if row["id"] not in reports:
+            reports[row["id"]] = predict_load_test(row)
+        r = reports[row["id"]]
+        kind, stat = row["metric"].rsplit("_", 1)[0].rsplit("_", 1)
+        predicted = r[f"{kind}_ms"][stat]
+        out.append({"id": row["id"], "metric": row["metric"], "split": row["split"], "measured": float(row["value"]),
+                    "predicted": predicted, "error": predicted / float(row["value"]) - 1,
+                    "saturated": r["saturated"], "engine": row["engine"], "source": row["source_locator"]})
+    splits = {}
+    for split in sorted({o["split"] for o in out}):
+        mine = [o for o in out if o["split"] == split]
+        by = {m: _summary([o["error"] for o in mine if o["metric"].split("_")[0] == m]) for m in ("ttft", "itl", "e2e")}
+        by["all"] = _summary([o["error"] for o in mine])
+        splits[split] = {k: v for k, v in by.items() if v["n"]}
+    return {"rows": out, "splits": splits}
+
+
 # --- multi-node: the ranks of one engine and their links --------------------------------------
 # Theory of operation. A multi-node engine (SGLang --nnodes N --node-rank R --dist-init-addr
 # HOST:PORT) is N processes that live and die together: NCCL hangs or aborts the whole group

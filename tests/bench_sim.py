@@ -135,6 +135,19 @@ def main():
           f"in {load['cpu_s']:.2f} s of CPU (target < 10 s); TTFT p50 {load['report']['ttft_ms']['p50']:.0f} ms, "
           f"ITL mean {load['report']['itl_ms']['mean']:.1f} ms, saturated {load['report']['saturated']}")
 
+    t0 = time.perf_counter()
+    lv = sim.validate_load_tests(str(DATA / "load_tests.csv"))
+    result["load_tests"] = lv
+    print(f"published load tests (tests/data/load_tests.csv, {len({r['id'] for r in lv['rows']})} tests, "
+          f"{time.perf_counter() - t0:.0f} s; nothing fitted on either split; target median <= 10%, each metric "
+          "<= 15%, worst <= 60%):")
+    for split, by in lv["splits"].items():
+        print(f"    {split:9s} " + "  ".join(f"{m} n={s['n']} median {s['median_abs_error'] * 100:.1f}% max "
+                                             f"{s['max_abs_error'] * 100:.1f}%" for m, s in by.items()))
+    for r in lv["rows"]:
+        print(f"    {r['id']:26s} {r['metric']:12s} measured {r['measured']:9.2f} predicted {r['predicted']:9.2f} "
+              f"{r['error'] * 100:+6.1f}%{'  (saturated)' if r['saturated'] else ''}")
+
     scenario = json.loads((DATA / "table1_scenario.json").read_text())
     rep = bench_replay(scenario)
     result["replay_table1"] = rep
