@@ -947,15 +947,21 @@ def _quantization(q, where):
                    "(fp8, mxfp4, awq, gptq, bitsandbytes 4-bit, compressed-tensors fp8/int4 are)")
 
 
-def _model_from_config(cfg, name=None):
+def _config_checked(cfg):
+    """The config with a multimodal wrapper's text_config merged in (Llama-4), its label, and
+    the SimError prefix; SimError for a field or model_type not modelled, or a size missing."""
     if not isinstance(cfg, dict):
         raise SimError("bad model config: not a JSON object")
     outer = dict(cfg)
     inner = outer.pop("text_config", None) or {}
     cfg = dict(outer)
-    cfg.update(inner)   # multimodal wrappers keep the LM config inside (Llama-4)
-    label = str(name or cfg.get("name") or cfg.get("_name_or_path") or "custom")
-    where = f"bad model config {label}"
+    cfg.update(inner)
+    label = str(cfg.get("name") or cfg.get("_name_or_path") or "custom")
+    return cfg, label
+
+
+def _config_refusals(cfg, where):
+    """SimError naming the fields not modelled, unknown, or missing, and an unknown model_type."""
     refused = sorted(k for k in cfg if k in CONFIG_REFUSED)
     unknown = sorted(k for k in cfg if k not in CONFIG_READ and k not in CONFIG_IGNORED and k not in CONFIG_REFUSED
                      and k not in CONFIG_IGNORED_IF_FALSE)
@@ -973,6 +979,9 @@ def _model_from_config(cfg, name=None):
     if missing:
         raise SimError(f"{where}: missing {', '.join(missing)}")
 
+
+def _config_reader(cfg, where):
+    """num(key, default): the config's integer at key (null as absent), SimError when not one."""
     def num(key, default=None):
         value = cfg.get(key)
         if value is None:                      # absent, or null as DeepSeek-V2-Lite's q_lora_rank
@@ -981,12 +990,11 @@ def _model_from_config(cfg, name=None):
             return int(value)
         except (TypeError, ValueError):
             raise SimError(f"{where}: {key} is {value!r}, not a number") from None
-    L, h = num("num_hidden_layers"), num("hidden_size")
-    experts = num("n_routed_experts", 0) or num("num_local_experts", 0) or num("num_experts", 0)
-    top_k = num("num_experts_per_tok", 0) or num("experts_per_token", 0)
-    if experts and not top_k:
-        raise SimError(f"{where}: missing num_experts_per_tok (or experts_per_token): {experts} experts, how many a token")
-    # which layers are MoE, per family
+    return num
+
+
+def _moe_layers(cfg, num, L, experts):
+    """The indices of the MoE layers, by each family's fields."""
     moe = list(range(L)) if experts else []
     if experts and ("first_k_dense_replace" in cfg or "moe_layer_freq" in cfg):     # DeepSeek
         first, freq = num("first_k_dense_replace", 0), max(1, num("moe_layer_freq", 1))
@@ -999,7 +1007,11 @@ def _model_from_config(cfg, name=None):
     elif "interleave_moe_layer_step" in cfg:
         step = max(1, num("interleave_moe_layer_step", 1))
         moe = [i for i in moe if (i + 1) % step == 0]
-    family = mtype or "llama"
+    return moe
+
+
+def _mlp_widths(num, family, experts, dense_layers, where):
+    """(an expert's width, the dense layers' width, the shared experts' width)."""
     expert_width = num("moe_intermediate_size", 0)
     dense_width = num("intermediate_size_mlp", 0) or num("intermediate_size", 0)
     shared = num("n_shared_experts", 0) * expert_width or num("shared_expert_intermediate_size", 0)
@@ -1007,43 +1019,49 @@ def _model_from_config(cfg, name=None):
         # Llama-4: intermediate_size is an expert's width (and the one shared expert's),
         # intermediate_size_mlp the dense layers'
         expert_width, shared = num("intermediate_size"), num("intermediate_size")
-        dense_width = num("intermediate_size_mlp", 0) or dense_width
     if experts and not expert_width:
         expert_width = num("intermediate_size", 0)
-    if not dense_width and len(moe) < L:
+    if not dense_width and (dense_layers or not experts):
         raise SimError(f"{where}: missing intermediate_size")
-    if not experts and not dense_width:
-        raise SimError(f"{where}: missing intermediate_size")
-    # attention kinds per layer
+    return expert_width, dense_width, shared
+
+
+def _typed_window(cfg, num, L, where):
+    """(window, windowed layers) from layer_types."""
+    types = cfg["layer_types"]
+    bad = sorted({t for t in types if t not in _WINDOWED + ("full_attention",)})
+    if bad:
+        raise SimError(f"{where}: layer_types {', '.join(bad)} are not modelled (full, sliding, chunked attention are)")
+    if len(types) != L:
+        raise SimError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {L}")
+    windowed = sum(t in _WINDOWED for t in types)
+    window = num("sliding_window", 0) if "sliding_attention" in types else num("attention_chunk_size", 0)
+    if windowed and not window:
+        raise SimError(f"{where}: missing sliding_window (or attention_chunk_size) for its windowed layers")
+    return window, windowed
+
+
+def _attention_window(cfg, num, L, family, where):
+    """(window, windowed layers): sliding or chunked attention; (0, 0) for full attention."""
     window, windowed = 0, 0
-    types = cfg.get("layer_types")
-    if types:
-        bad = sorted({t for t in types if t not in _WINDOWED + ("full_attention",)})
-        if bad:
-            raise SimError(f"{where}: layer_types {', '.join(bad)} are not modelled (full, sliding, chunked attention are)")
-        if len(types) != L:
-            raise SimError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {L}")
-        windowed = sum(t in _WINDOWED for t in types)
-        window = num("sliding_window", 0) if "sliding_attention" in types else num("attention_chunk_size", 0)
-        if windowed and not window:
-            raise SimError(f"{where}: missing sliding_window (or attention_chunk_size) for its windowed layers")
+    if cfg.get("layer_types"):
+        window, windowed = _typed_window(cfg, num, L, where)
     elif cfg.get("attention_chunk_size"):                 # Llama-4: chunked except the NoPE layers
         rope = cfg.get("no_rope_layers")
         windowed = sum(1 for x in rope if x) if isinstance(rope, list) and len(rope) == L else L - L // 4
         window = num("attention_chunk_size")
-    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", family not in ("qwen2", "qwen3", "qwen2_moe",
-                                                                                        "qwen3_moe")):
+    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", not family.startswith("qwen")):
         # Qwen2/3 write a sliding_window they do not use unless use_sliding_window (then for the
         # layers from max_window_layers on); Mistral-style configs use it in every layer
         window = num("sliding_window")
         windowed = L - num("max_window_layers", 0) if family.startswith("qwen") else L
     if window and window >= num("max_position_embeddings", 4096):
-        window = windowed = 0                             # a window as long as the context: full attention
-    mla = num("kv_lora_rank", 0)
-    if mla:
-        absent = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not cfg.get(k)]
-        if absent:
-            raise SimError(f"{where}: missing {', '.join(absent)} for its latent attention (kv_lora_rank)")
+        return 0, 0                                       # a window as long as the context: full attention
+    return window, windowed
+
+
+def _weight_bytes(cfg, num, where):
+    """(linear bytes, expert bytes, quantization label, dtype bytes) of the checkpoint."""
     linear_b, expert_b, quant = 0.0, 0.0, ""
     if cfg.get("quantization_config"):
         linear_b, expert_b, quant = _quantization(cfg["quantization_config"], where)
@@ -1055,9 +1073,32 @@ def _model_from_config(cfg, name=None):
         # FP8 checkpoints compute in FP8 (dtype_bytes 1: the FP8 tensor-core peak); 4-bit ones
         # dequantise into 16-bit GEMMs (Marlin): 16-bit compute at their own bytes
         dtype_bytes = 1 if 0.99 < linear_b < 1.1 else 2
-    gated = GATED_MLP.get(family, True)
+    return linear_b, expert_b, quant, dtype_bytes
+
+
+def _model_from_config(cfg, name=None):
+    cfg, label = _config_checked(cfg)
+    label = str(name or label)
+    where = f"bad model config {label}"
+    _config_refusals(cfg, where)
+    num = _config_reader(cfg, where)
+    L, h = num("num_hidden_layers"), num("hidden_size")
+    experts = num("n_routed_experts", 0) or num("num_local_experts", 0) or num("num_experts", 0)
+    top_k = num("num_experts_per_tok", 0) or num("experts_per_token", 0)
+    if experts and not top_k:
+        raise SimError(f"{where}: missing num_experts_per_tok (or experts_per_token): {experts} experts, how many a token")
+    moe = _moe_layers(cfg, num, L, experts)
+    family = cfg.get("model_type") or "llama"
+    expert_width, dense_width, shared = _mlp_widths(num, family, experts, len(moe) < L, where)
+    window, windowed = _attention_window(cfg, num, L, family, where)
+    mla = num("kv_lora_rank", 0)
+    absent = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not cfg.get(k)] if mla else []
+    if absent:
+        raise SimError(f"{where}: missing {', '.join(absent)} for its latent attention (kv_lora_rank)")
+    linear_b, expert_b, quant, dtype_bytes = _weight_bytes(cfg, num, where)
     if family == "apertus" and cfg.get("hidden_act", "xielu") != "xielu":
         raise SimError(f"{where}: Apertus with hidden_act {cfg.get('hidden_act')!r} is not modelled")
+    mla_dims = {k: num(k, 0) if mla else 0 for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     try:
         return Model(
             name=label, hidden_size=h, num_hidden_layers=L, num_attention_heads=num("num_attention_heads"),
@@ -1068,10 +1109,8 @@ def _model_from_config(cfg, name=None):
             top_k=top_k if experts else 0,
             moe_intermediate_size=expert_width if experts and expert_width != (dense_width or expert_width) else 0,
             shared_intermediate_size=shared if experts else 0,
-            moe_layers=-1 if len(moe) == L or not experts else len(moe), mlp_gated=gated,
-            kv_lora_rank=mla, q_lora_rank=num("q_lora_rank", 0) if mla else 0,
-            qk_nope_head_dim=num("qk_nope_head_dim", 0) if mla else 0,
-            qk_rope_head_dim=num("qk_rope_head_dim", 0) if mla else 0, v_head_dim=num("v_head_dim", 0) if mla else 0,
+            moe_layers=-1 if len(moe) == L or not experts else len(moe), mlp_gated=GATED_MLP.get(family, True),
+            kv_lora_rank=mla, **mla_dims,
             sliding_window=window if windowed else 0, sliding_layers=windowed if window else 0,
             linear_bytes=linear_b if linear_b and not (0.99 < linear_b < 1.1) else 0.0, expert_bytes=expert_b,
             kv_bytes=2 if quant else 0, embed_bytes=2 if quant else 0, quantization=quant,
