@@ -516,33 +516,25 @@ def resolve_gpu(name) -> GPU:
         return GPUS[name]
     text = _gpu_key(name)
     flat = re.sub(r"[^A-Z0-9]", "", text)
-    mem = [int(x) for x in re.findall(r"(\d+)\s*G", text)]
-    pcie, nvl = "PCIE" in flat, "NVL" in flat
-    row = None
-    if "GH200" in flat:
-        row = "GH200-144GB" if 144 in mem else "GH200-96GB"
-    elif "H200" in flat:
-        row = "H200-NVL-141GB" if nvl else "H200-SXM-141GB"
-    elif "H100" in flat:
-        row = "H100-NVL-94GB" if nvl or 94 in mem else "H100-PCIe-80GB" if pcie else "H100-SXM5-80GB"
-    elif "A100" in flat:
-        if 40 in mem:
-            row = "A100-40GB-SXM4"     # the 40 GB PCIe card has the same 1.555 TB/s
-        else:
-            row = "A100-80GB-PCIe" if pcie else "A100-80GB-SXM4"
-    elif "L40S" in flat:
-        row = "L40S"
-    elif "3090" in flat:
-        row = "RTX-3090"
-    elif "4090" in flat:
-        row = "RTX-4090"
-    elif "MI250X" in flat:
-        row = "MI250X"
-    elif "MI300X" in flat:
-        row = "MI300X"
-    if row is None:
-        raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
-    return GPUS[row]
+    mem = {int(x) for x in re.findall(r"(\d+)\s*G", text)}
+    for marker, pick in _GPU_NAME_RULES:      # the first marker in the name picks the row
+        if marker in flat:
+            return GPUS[pick(flat, mem)]
+    raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+
+
+# A product string's marker -> its row, from the name's other words and its memory in GB.
+_GPU_NAME_RULES = (
+    ("GH200", lambda flat, mem: "GH200-144GB" if 144 in mem else "GH200-96GB"),
+    ("H200", lambda flat, mem: "H200-NVL-141GB" if "NVL" in flat else "H200-SXM-141GB"),
+    ("H100", lambda flat, mem: "H100-NVL-94GB" if "NVL" in flat or 94 in mem else
+     "H100-PCIe-80GB" if "PCIE" in flat else "H100-SXM5-80GB"),
+    # the 40 GB PCIe A100 has the SXM4 card's 1.555 TB/s
+    ("A100", lambda flat, mem: "A100-40GB-SXM4" if 40 in mem else "A100-80GB-PCIe" if "PCIE" in flat else
+     "A100-80GB-SXM4"),
+    ("L40S", lambda flat, mem: "L40S"), ("3090", lambda flat, mem: "RTX-3090"), ("4090", lambda flat, mem: "RTX-4090"),
+    ("MI250X", lambda flat, mem: "MI250X"), ("MI300X", lambda flat, mem: "MI300X"),
+)
 
 
 # --- the inter-node fabric: a property of the GPU pool ------------------------------------
@@ -2258,13 +2250,9 @@ def load_calibration(path=None, check_roofline=True):
     return rows
 
 
-def _check_row(row, where, check_roofline):
-    if any(row.get(c) in (None, "") for c in REQUIRED_COLUMNS if c not in ("batch", "input_len", "output_len")):
-        raise SimError(f"{where}: empty {', '.join(c for c in REQUIRED_COLUMNS if not row.get(c))}")
-    if row["metric"] not in METRICS:
-        raise SimError(f"{where}: unknown metric {row['metric']!r}; known: {', '.join(METRICS)}")
+def _row_numbers(row, where):
+    """(value, tp) of a row; SimError when one of its numeric columns is not a number."""
     try:
-        value, tp = float(row["value"]), int(row["tp"])
         if row["metric"] != SUSTAINED:
             if row["batch"].strip() != "max":
                 int(row["batch"])
@@ -2272,8 +2260,17 @@ def _check_row(row, where, check_roofline):
             int(row["input_len"])
             if row["metric"] != "decode_throughput" or row["output_len"].strip().isdigit():
                 int(row["output_len"])
+        return float(row["value"]), int(row["tp"])
     except (TypeError, ValueError):
         raise SimError(f"{where}: value, tp, batch, input_len and output_len must be numbers") from None
+
+
+def _check_row(row, where, check_roofline):
+    if any(row.get(c) in (None, "") for c in REQUIRED_COLUMNS if c not in ("batch", "input_len", "output_len")):
+        raise SimError(f"{where}: empty {', '.join(c for c in REQUIRED_COLUMNS if not row.get(c))}")
+    if row["metric"] not in METRICS:
+        raise SimError(f"{where}: unknown metric {row['metric']!r}; known: {', '.join(METRICS)}")
+    value, tp = _row_numbers(row, where)
     if not value > 0 or tp < 1:
         raise SimError(f"{where}: value must be > 0 and tp >= 1")
     try:
@@ -4848,12 +4845,17 @@ def _print_validation(v):
         _print_summary_line("held out of every fit (never seen)", v["held_out_summary"])
         for engine, summary in v.get("held_out_by_engine", {}).items():
             _print_summary_line(f"  of them {engine}", summary)
-    logo = v.get("logo")
+    _print_groups(v["groups"], v.get("logo"))
+    _print_summary_line("in-sample, all rows", v["summary"]["all"])
+
+
+def _print_groups(groups, logo):
+    """The per-group table, in sample and left out, and the leave-one-group-out summary."""
     print()
     print("in-sample and leave-one-group-out (refit without the group, then predict it) |error|:")
     print(f"{'group':42s} {'n':>3s}  {'in-sample median/max':>22s}  {'left out median/max':>22s}")
-    for dim, groups in v["groups"].items():
-        for g, s in groups.items():
+    for dim, by in groups.items():
+        for g, s in by.items():
             out = (logo or {}).get("groups", {}).get(dim, {}).get(g)
             held = f"{out['median_abs_error'] * 100:9.1f}% {out['max_abs_error'] * 100:9.1f}%" if out else f"{'-':>22s}"
             print(f"{dim + ' ' + g:42.42s} {s['n']:3d}  {s['median_abs_error'] * 100:9.1f}% "
@@ -4865,7 +4867,6 @@ def _print_validation(v):
                         for g, s in gs.items() for rid, e in s["errors"].items()), reverse=True)[:5]
         print("worst left-out rows: " + "; ".join(f"{rid} {e * 100:+.1f}% (left out with {grp})"
                                                   for _a, e, rid, grp in worst))
-    _print_summary_line("in-sample, all rows", v["summary"]["all"])
 
 
 def _cmd_validate(a):
