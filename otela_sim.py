@@ -900,6 +900,46 @@ _DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1
 _WINDOWED = ("sliding_attention", "chunked_attention")
 
 
+def _quant_int(q, method, where):
+    bits, group = int(q.get("bits", q.get("w_bit", 0)) or 0), int(q.get("group_size", q.get("q_group_size", 128)))
+    if bits not in (4, 8):
+        raise SimError(f"{where}: {method} with {bits}-bit weights is not modelled (4 or 8 bits are)")
+    group = group if group > 0 else 4096            # -1: one scale per column
+    return bits / 8 + (2 + bits / 8) / group, 0.0, f"{method}-{bits}bit"
+
+
+def _quant_bnb(q, method, where):
+    if q.get("load_in_4bit"):
+        return 0.5 + (0.127 / 8 if q.get("bnb_4bit_use_double_quant") else 4.0 / 64), 0.0, "bnb-4bit"
+    raise SimError(f"{where}: bitsandbytes 8-bit (LLM.int8, outlier decomposition) is not modelled")
+
+
+def _quant_compressed(q, method, where):
+    groups = q.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values()] if isinstance(groups, dict) else []
+    kinds = {(int(w.get("num_bits", 0)), str(w.get("type", ""))) for w in weights}
+    if kinds == {(8, "float")}:
+        return 1.0, 0.0, "compressed-tensors-fp8"
+    if kinds == {(4, "int")}:
+        group = int(weights[0].get("group_size") or 128)
+        return 0.5 + 2.0 / group, 0.0, "compressed-tensors-w4a16"
+    raise SimError(f"{where}: compressed-tensors weights {sorted(kinds)} are not modelled (fp8, int4 are)")
+
+
+def _quant_fp8_blocks(q, method, where):
+    block = q.get("weight_block_size") or [128, 128]
+    return 1.0 + 4.0 / (block[0] * block[1]), 0.0, "fp8"
+
+
+# quant_method -> (linear bytes, expert bytes, label) of its config
+_QUANT_METHODS = {
+    "fbgemm_fp8": lambda q, method, where: (1.0, 0.0, "fp8"),     # per-channel (Llama-3.1-405B-Instruct-FP8)
+    "fp8": _quant_fp8_blocks,
+    "mxfp4": lambda q, method, where: (0.0, 4.25 / 8, "mxfp4"),  # the experts; the rest stays 16-bit
+    "awq": _quant_int, "gptq": _quant_int, "bitsandbytes": _quant_bnb, "compressed-tensors": _quant_compressed,
+}
+
+
 def _quantization(q, where):
     """(linear bytes, expert bytes, label) of a quantization_config; SimError when unmodelled.
     Bytes per weight include the scales: FP8 block-wise (128 x 128 blocks, one fp32 scale:
@@ -908,35 +948,10 @@ def _quantization(q, where):
     if not isinstance(q, dict):
         raise SimError(f"{where}: quantization_config is not an object")
     method = str(q.get("quant_method", "")).lower()
-    if method == "fbgemm_fp8":                # per-channel FP8 (Llama-3.1-405B-Instruct-FP8)
-        return 1.0, 0.0, "fp8"
-    if method == "fp8":
-        block = q.get("weight_block_size") or [128, 128]
-        return 1.0 + 4.0 / (block[0] * block[1]), 0.0, "fp8"
-    if method == "mxfp4":
-        return 0.0, 4.25 / 8, "mxfp4"         # the experts; attention, router, embeddings stay 16-bit
-    if method in ("awq", "gptq"):
-        bits, group = int(q.get("bits", q.get("w_bit", 0)) or 0), int(q.get("group_size", q.get("q_group_size", 128)))
-        if bits not in (4, 8):
-            raise SimError(f"{where}: {method} with {bits}-bit weights is not modelled (4 or 8 bits are)")
-        group = group if group > 0 else 4096            # -1: one scale per column
-        return bits / 8 + (2 + bits / 8) / group, 0.0, f"{method}-{bits}bit"
-    if method == "bitsandbytes":
-        if q.get("load_in_4bit"):
-            return 0.5 + (0.127 / 8 if q.get("bnb_4bit_use_double_quant") else 4.0 / 64), 0.0, "bnb-4bit"
-        raise SimError(f"{where}: bitsandbytes 8-bit (LLM.int8, outlier decomposition) is not modelled")
-    if method == "compressed-tensors":
-        groups = q.get("config_groups") or {}
-        weights = [g.get("weights") or {} for g in groups.values()] if isinstance(groups, dict) else []
-        kinds = {(int(w.get("num_bits", 0)), str(w.get("type", ""))) for w in weights}
-        if kinds == {(8, "float")}:
-            return 1.0, 0.0, "compressed-tensors-fp8"
-        if kinds == {(4, "int")}:
-            group = int(weights[0].get("group_size") or 128)
-            return 0.5 + 2.0 / group, 0.0, "compressed-tensors-w4a16"
-        raise SimError(f"{where}: compressed-tensors weights {sorted(kinds)} are not modelled (fp8, int4 are)")
-    raise SimError(f"{where}: quantization method {method or '(none named)'!r} is not modelled "
-                   "(fp8, mxfp4, awq, gptq, bitsandbytes 4-bit, compressed-tensors fp8/int4 are)")
+    if method not in _QUANT_METHODS:
+        raise SimError(f"{where}: quantization method {method or '(none named)'!r} is not modelled "
+                       "(fp8, mxfp4, awq, gptq, bitsandbytes 4-bit, compressed-tensors fp8/int4 are)")
+    return _QUANT_METHODS[method](q, method, where)
 
 
 def _config_checked(cfg):
@@ -1544,7 +1559,7 @@ class StepCost:
                 t += self._prefill_attention(prefill_pairs / m, prefill_tokens / m)
             return t + self._lm_head(seqs / m) + self.p2p_lat + self.p2p_byte * tokens / m + self.overhead + \
                 self.per_seq * seqs + (self.prefill_overhead if prefill_tokens else 0.0)
-        per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
+        per_layer = self._layer_tokens(self.graph_tokens(tokens)) + decode_ctx * (self.beta / self.layers)
         if prefill_tokens:
             per_layer += self.roof(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
         return self.layers * per_layer + self._lm_head(seqs) + self.overhead + self.per_seq * seqs + \
@@ -1566,7 +1581,8 @@ class StepCost:
         return a
 
     def graph_tokens(self, n):
-        """The tokens a decode step of n requests computes: its CUDA graph's batch (CUDA_GRAPH_SIZES)."""
+        """The tokens a step of n tokens computes: its CUDA graph's batch (CUDA_GRAPH_SIZES; V1's
+        piecewise graphs take mixed steps too)."""
         sizes = self.graph_sizes
         return sizes[bisect.bisect_left(sizes, n)] if sizes and n <= sizes[-1] else n
 
@@ -3296,11 +3312,9 @@ class EngineCore:
         self.waiting.appendleft(req)
         self.preemptions += 1
 
-    def _admit_to_slot(self, req, budget):
-        """llama.cpp's admission: an idle slot by prefix similarity, else by age (the rule at
-        SLOT_PROMPT_SIMILARITY); the slot's common prefix with the prompt is reused."""
-        tokens = req.tokens
-
+    def _pick_slot(self, tokens):
+        """llama.cpp's slot choice: an idle slot by prefix similarity, else by age (the rule at
+        SLOT_PROMPT_SIMILARITY). (slot, its common prefix with `tokens`), or (None, 0)."""
         def common(slot):
             n, cached = 0, slot[0]
             limit = min(len(cached), len(tokens))
@@ -3313,13 +3327,18 @@ class EngineCore:
                 n = common(s)
                 if n / len(tokens) > max(best, SLOT_PROMPT_SIMILARITY):
                     slot, best, shared = s, n / len(tokens), n
+        if slot is not None:
+            return slot, shared
+        for s in self.slots:
+            if s[1] is None and (slot is None or s[2] <= slot[2]):
+                slot = s
+        return slot, (common(slot) if slot is not None else 0)
+
+    def _admit_to_slot(self, req, budget):
+        """llama.cpp's admission: the slot _pick_slot chooses, its common prefix with the prompt reused."""
+        slot, shared = self._pick_slot(req.tokens)
         if slot is None:
-            for s in self.slots:
-                if s[1] is None and (slot is None or s[2] <= slot[2]):
-                    slot = s
-            if slot is None:
-                return None
-            shared = common(slot)
+            return None
         cached = min(shared, len(req.tokens) - 1)
         n = min(len(req.tokens) - cached, budget)
         fresh = self.cache.allocate(-(-(cached + n) // self.block_size))
