@@ -16,10 +16,12 @@ Data flow.
                                                                 layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
     support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
-    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message)
+    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message;
+    vLLM V1's and SGLang's own all-reduce below 8 MiB, their decode in CUDA graphs of set sizes)
                                                              -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
-    smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
+    smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum; 2 for the
+    graph-captured engines, ENGINE_ROOFLINE_P)
     layout tp x pp (nodes_for: stages fill a node first; tp wider than a node spans whole
     nodes): a stage's layers per GPU, activations handed over NCCL send/recv between stages
     (NVLink within a node, the Fabric between), microbatches = min(requests, pp) (the bubble)
@@ -31,6 +33,10 @@ Data flow.
                                                                 marked held_out never fitted,
                                                                 reported apart)
     a running engine (probe --url)                           -> that engine's overhead terms
+    StepCost + a rate or trace (load)                        -> the emulator's EngineCore in
+                                                                virtual time: TTFT / ITL / E2E
+                                                                percentiles, saturated or not;
+                                                                load_tests.csv's published runs
     serve --nnodes N --node-rank R --dist-init-addr H:P      -> an emulated multi-node engine:
                                                                 rank 0 serves once all ranks
                                                                 joined, and dies with any of them
@@ -55,7 +61,7 @@ Rules of this file.
    sees is a documented feature, never a knob fitted to the one row that shows it.
 
 Sections: config · GPU table · model table · roofline · workload · serving replay ·
-calibration · probe · emulated engine (`serve`) · command line (settings read by crdt.parse_settings,
+calibration · probe · emulated engine (`serve`) and its load test (`load`) · command line (settings read by crdt.parse_settings,
 as every role file reads them; crdt.py travels with this file).
 """
 from __future__ import annotations
