@@ -139,3 +139,21 @@ def test_a_v1_decode_step_runs_the_cuda_graph_of_the_next_captured_size():
     def body(n):                                  # the layers: what the graph runs
         return c.decode_alpha(n) - c.per_seq * n - c._lm_head(n)
     assert body(9) == pytest.approx(body(16)) and body(16) < body(17)
+
+
+def test_a_vllm_release_with_no_fit_of_its_own_is_flagged_in_the_load_report():
+    p = cli("--model", "llama-3.1-8b", "--gpu", "H100", "--rate", "2", "--duration", "5", "--engine", "vllm",
+            "--engine-version", "0.15.0", "--json")
+    assert p.returncode == 0, p.stderr
+    coverage = json.loads(p.stdout)["calibration"]
+    assert coverage["fitted"] is False and "vllm 0.15.0" in coverage["note"]
+    assert "warning: no fitted calibration row for vllm 0.15.0" in p.stderr
+
+
+def test_a_config_field_that_changes_the_cost_is_refused_by_name(tmp_path):
+    cfg = dict(sim.BUILTIN_CONFIGS["mixtral-8x22b"], sliding_window_pattern=4)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    p = cli("--config", str(path), "--gpu", "H100", "--tp", "8", "--rate", "1", "--duration", "5")
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "sliding_window_pattern" in p.stderr
