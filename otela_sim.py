@@ -4519,44 +4519,58 @@ def _usage(req):
             "prompt_tokens_details": {"cached_tokens": req.cached_tokens or 0}}
 
 
+def _serve_layout(a):
+    """The multi-node layout `serve` was asked for (None: one process); SimError when the
+    flags do not make one."""
+    if not (a.nnodes > 1 or a.pp > 1 or a.dist_init_addr):
+        return None
+    if a.step_profile:
+        raise SimError("--step-profile times one process; it does not take --pp or --nnodes")
+    layout = dist_layout(resolve_model(a.model), resolve_gpu(a.gpu), a.tp, a.pp, a.nnodes)
+    if not 0 <= a.node_rank < a.nnodes:
+        raise SimError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
+    if a.nnodes > 1 and not a.dist_init_addr:
+        raise SimError("--nnodes above 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
+    if a.nnodes > 1:
+        _split_addr(a.dist_init_addr)
+    return layout
+
+
+def _serve_engine_core(a, engine):
+    """The EngineCore `serve` runs: timed by a step profile, or by the roofline's StepCost."""
+    if a.step_profile:
+        if a.kv_tokens is None:
+            raise SimError("--step-profile needs --kv-tokens (the engine's context size)")
+        cost = LinearStepCost.from_profile(read_json(a.step_profile))
+        return EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
+                          a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
+                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
+    core = serve_core(resolve_model(a.model), a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
+                      a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
+    core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
+    return core
+
+
+def _open_request_log(path):
+    if not path:
+        return None
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:
+        raise SimError(f"--request-log {path}: {e.strerror}") from None
+
+
 def _cmd_serve(a):
     import asyncio
     import signal
     engine = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
-    layout = None
-    if a.nnodes > 1 or a.pp > 1 or a.dist_init_addr:
-        if a.step_profile:
-            raise SimError("--step-profile times one process; it does not take --pp or --nnodes")
-        layout = dist_layout(resolve_model(a.model), resolve_gpu(a.gpu), a.tp, a.pp, a.nnodes)
-        if not 0 <= a.node_rank < a.nnodes:
-            raise SimError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
-        if a.nnodes > 1 and not a.dist_init_addr:
-            raise SimError("--nnodes above 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
-        if a.nnodes > 1:
-            _split_addr(a.dist_init_addr)
+    layout = _serve_layout(a)
     if layout and a.node_rank > 0:
         return _serve_member(a, layout)
-    if a.step_profile:
-        model = resolve_model(a.model)
-        if a.kv_tokens is None:
-            raise SimError("--step-profile needs --kv-tokens (the engine's context size)")
-        cost = LinearStepCost.from_profile(read_json(a.step_profile))
-        core = EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
-                          a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
-                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
-    else:
-        model = resolve_model(a.model)
-        core = serve_core(model, a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
-                          a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
-        core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
+    model = resolve_model(a.model)
+    core = _serve_engine_core(a, engine)
     served = a.served_model_name or a.model
-
-    log = None
-    if a.request_log:
-        try:
-            log = open(a.request_log, "a", buffering=1)
-        except OSError as e:
-            raise SimError(f"--request-log {a.request_log}: {e.strerror}") from None
+    log = _open_request_log(a.request_log)
 
     async def run():
         loop = asyncio.get_running_loop()
