@@ -70,6 +70,7 @@ import argparse
 import bisect
 import csv
 import heapq
+import itertools
 import json
 import math
 import os
@@ -2050,118 +2051,101 @@ def scenario_model(scenario, name):
     return resolve_model(cfg, name=name) if cfg else resolve_model(name)
 
 
-def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
-           chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
-           max_requests=None, engine=DEFAULT_ENGINE, dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
-    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]; an
-    entry may add pp (pipeline stages, default 1), fabric (FABRICS name or GBPS:LATENCY_US, default
-    the GPU's) and nnodes (the nodes of one instance: needed for tp wider than a node)).
-
-    A model's requests go to its placement entries in proportion to `weight` (default: the
-    entry's instance count) and uniformly to the instances of an entry. Throughput of a model
-    is its requests over the time its last request finishes; total_req_s sums the models (as
-    the seed paper reports it). Options: arrival "gamma" with `cv` (bursty), chunked prefill,
-    a prefix-cache hit ratio, and disaggregation={"prefill_share": 0.5, "kv_GBps": 25}.
-    """
-    if not 0 <= prefix_hit < 1:
-        raise SimError("prefix_hit must be in [0, 1)")
-    per_node = {resolve_gpu(g["type"]).name: int(g.get("per_node") or 0) for g in scenario.get("gpus", [])}
+def _replay_workload(scenario, seed, arrival, cv, duration_s, max_requests):
+    """The scenario's requests: ({model: [rid]}, arrival times, input and output lengths by rid)."""
     reqs_by_model = workload_requests(scenario, seed, arrival, cv, duration_s)
     if max_requests:
         reqs_by_model = {m: r[:max_requests] for m, r in reqs_by_model.items()}
-    arrival_t, inp, out, owner = [], [], [], []
+    arrival_t, inp, out, by_model = [], [], [], {}
     for name, reqs in reqs_by_model.items():
         model = scenario_model(scenario, name)
+        by_model[name] = []
         for t, i, o in reqs:
-            i = max(1, min(i, model.max_position_embeddings - o))   # the engine's max_model_len
+            by_model[name].append(len(arrival_t))
             arrival_t.append(t)
-            inp.append(i)
+            inp.append(max(1, min(i, model.max_position_embeddings - o)))   # the engine's max_model_len
             out.append(o)
-            owner.append(name)
-    total = len(arrival_t)
-    first, done = [-1.0] * total, [-1.0] * total
+    return by_model, arrival_t, inp, out
+
+
+def _replay_entry(scenario, name, e, per_node, dtype, engine, cal, disaggregation):
+    """One placement entry of model `name`: (cost, KV capacity, token budget, instances,
+    (prefill, decode) instances when disaggregated, the entry)."""
+    model = scenario_model(scenario, name)
+    gpu = resolve_gpu(e["gpu"])
+    tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
+    check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp,
+                 nnodes=e.get("nnodes"))
+    c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
+    mt = _batched_tokens(model)
+    cap = c.kv_capacity_tokens(mt)
+    if cap <= 0:
+        raise SimError(f"{model.name} does not fit on {gpu.name} with tp={tp}")
+    k = int(e.get("instances", 1))
+    split = None
+    if disaggregation and k >= 2:
+        p = min(k - 1, max(1, round(k * float(disaggregation.get("prefill_share", 0.5)))))
+        split = (p, k - p)
+    return c, cap, mt, k, split, e
+
+
+def _replay_instances(scenario, placement, by_model, arrival_t, rng, per_node, dtype, engine, cal, disaggregation):
+    """Every instance with the arrivals routed to it: [(cost, [(time, rid)], KV capacity,
+    token budget, split, index in its entry, entry)], and {id(entry): its instances' indices}.
+    A model's requests go to its entries by weight, uniformly to an entry's instances."""
     entries = {}
     for e in placement:
-        if int(e.get("instances", 1)) <= 0:
-            continue
-        entries.setdefault(e["model"], []).append(e)
-    rng = random.Random(f"route:{seed}")
-    instances = []        # (cost, arrivals, role, kv_cap, max_tokens)
-    by_model = {}
-    for name in reqs_by_model:
-        by_model[name] = [r for r in range(total) if owner[r] == name]
-    index_of = {}
+        if int(e.get("instances", 1)) > 0:
+            entries.setdefault(e["model"], []).append(e)
+    instances, index_of = [], {}
     for name, rids in by_model.items():
         es = entries.get(name, [])
         if not es:
             continue
-        model = scenario_model(scenario, name)
         weights = [float(e.get("weight", e.get("instances", 1))) for e in es]
         if sum(weights) <= 0:
             raise SimError(f"placement weights of {name} sum to zero")
-        cum = []
-        acc = 0.0
-        for w in weights:
-            acc += w
-            cum.append(acc)
-        slots = []
-        for e in es:
-            gpu = resolve_gpu(e["gpu"])
-            tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
-            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp,
-                         nnodes=e.get("nnodes"))
-            c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
-            mt = _batched_tokens(model)
-            cap = c.kv_capacity_tokens(mt)
-            if cap <= 0:
-                raise SimError(f"{model.name} does not fit on {gpu.name} with tp={tp}")
-            k = int(e.get("instances", 1))
-            split = None
-            if disaggregation and k >= 2:
-                p = min(k - 1, max(1, round(k * float(disaggregation.get("prefill_share", 0.5)))))
-                split = (p, k - p)
-            slots.append((c, cap, mt, k, split, e))
+        cum = list(itertools.accumulate(weights))
+        slots = [_replay_entry(scenario, name, e, per_node, dtype, engine, cal, disaggregation) for e in es]
         lists = [[[] for _ in range(s[3])] for s in slots]
         for r in rids:
-            j = bisect.bisect_right(cum, rng.random() * acc)
-            j = min(j, len(slots) - 1)
+            j = min(bisect.bisect_right(cum, rng.random() * cum[-1]), len(slots) - 1)
             lists[j][rng.randrange(slots[j][3])].append(r)
         for (c, cap, mt, _k, split, e), per_inst in zip(slots, lists):
             for q, rl in enumerate(per_inst):
                 index_of.setdefault(id(e), []).append(len(instances))
                 instances.append((c, [(arrival_t[r], r) for r in rl], cap, mt, split, q, e))
-    sim_kw = dict(max_seqs=max_num_seqs, cached=prefix_hit)
-    chunk = chunk_tokens if chunked_prefill else 0
-    busy_by_instance = []
-    # disaggregated entries: the first `p` instances prefill, the rest decode
-    handled = set()
-    for c, arr, cap, mt, split, _q, e in instances:
-        if split is None:
-            busy = _run_instance(c, arr, inp, out, first, done, kv_cap=cap, max_tokens=mt, chunk=chunk, **sim_kw)
-            busy_by_instance.append(busy)
-            continue
-        if id(e) in handled:
-            continue
-        handled.add(id(e))
-        group = [instances[i] for i in index_of[id(e)]]
-        p, d = split
-        kv_link = float(disaggregation.get("kv_GBps", KV_TRANSFER_GBps)) * 1e9
-        all_arr = sorted(a for g in group for a in g[1])
-        pre = [[] for _ in range(p)]
-        for j, a in enumerate(all_arr):
-            pre[j % p].append(a)
-        for lst in pre:
-            _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
-        dec = [[] for _ in range(d)]
-        for _, r in all_arr:
-            ready = first[r] + inp[r] * c.kv_bytes_per_instance_token / kv_link
-            dec[rng.randrange(d)].append((ready, r))
-        for lst in dec:
-            lst.sort()
-            busy_by_instance.append(_run_instance(c, lst, inp, out, first, done, kv_cap=cap, max_tokens=mt,
-                                                  chunk=0, prefilled=True, **sim_kw))
-    # -- results ---------------------------------------------------------------------------------
-    result = {"requests": total, "per_model_req_s": {}, "per_model": {}}
+    return instances, index_of
+
+
+def _replay_disaggregated(group, split, inp, out, first, done, rng, disaggregation, prefix_hit, sim_kw):
+    """An entry's instances split into prefill and decode ones: prompts round-robin to the
+    prefill instances, then each request's KV over the link to a random decode instance.
+    Returns the decode instances' busy seconds."""
+    c, mt = group[0][0], group[0][3]
+    p, d = split
+    kv_link = float(disaggregation.get("kv_GBps", KV_TRANSFER_GBps)) * 1e9
+    all_arr = sorted(a for g in group for a in g[1])
+    pre = [[] for _ in range(p)]
+    for j, a in enumerate(all_arr):
+        pre[j % p].append(a)
+    for lst in pre:
+        _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
+    dec = [[] for _ in range(d)]
+    for _, r in all_arr:
+        ready = first[r] + inp[r] * c.kv_bytes_per_instance_token / kv_link
+        dec[rng.randrange(d)].append((ready, r))
+    busy = []
+    for lst in dec:
+        lst.sort()
+        busy.append(_run_instance(c, lst, inp, out, first, done, kv_cap=group[0][2], max_tokens=mt,
+                                  chunk=0, prefilled=True, **sim_kw))
+    return busy
+
+
+def _replay_results(by_model, arrival_t, first, done):
+    """Throughput and latency per model and in all (done -2: rejected, -1: never served)."""
+    result = {"requests": len(arrival_t), "per_model_req_s": {}, "per_model": {}}
     all_e2e, all_ttft, last = [], [], 0.0
     completed = rejected = unserved = 0
     for name, rids in by_model.items():
@@ -2185,8 +2169,45 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
     result["total_req_s"] = sum(result["per_model_req_s"].values())
     result["overall_req_s"] = completed / last if last > 0 else 0.0
     result.update(_latency_stats(all_e2e, all_ttft))
-    result.update(completed=completed, rejected=rejected, unserved=unserved, makespan_s=last,
-                  instances=len(instances), instance_busy_s=sum(busy_by_instance))
+    result.update(completed=completed, rejected=rejected, unserved=unserved, makespan_s=last)
+    return result
+
+
+def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
+           chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
+           max_requests=None, engine=DEFAULT_ENGINE, dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
+    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]; an
+    entry may add pp (pipeline stages, default 1), fabric (FABRICS name or GBPS:LATENCY_US, default
+    the GPU's) and nnodes (the nodes of one instance: needed for tp wider than a node)).
+
+    A model's requests go to its placement entries in proportion to `weight` (default: the
+    entry's instance count) and uniformly to the instances of an entry. Throughput of a model
+    is its requests over the time its last request finishes; total_req_s sums the models (as
+    the seed paper reports it). Options: arrival "gamma" with `cv` (bursty), chunked prefill,
+    a prefix-cache hit ratio, and disaggregation={"prefill_share": 0.5, "kv_GBps": 25}.
+    """
+    if not 0 <= prefix_hit < 1:
+        raise SimError("prefix_hit must be in [0, 1)")
+    per_node = {resolve_gpu(g["type"]).name: int(g.get("per_node") or 0) for g in scenario.get("gpus", [])}
+    by_model, arrival_t, inp, out = _replay_workload(scenario, seed, arrival, cv, duration_s, max_requests)
+    first, done = [-1.0] * len(arrival_t), [-1.0] * len(arrival_t)
+    rng = random.Random(f"route:{seed}")
+    instances, index_of = _replay_instances(scenario, placement, by_model, arrival_t, rng, per_node, dtype,
+                                            engine, cal, disaggregation)
+    sim_kw = dict(max_seqs=max_num_seqs, cached=prefix_hit)
+    chunk = chunk_tokens if chunked_prefill else 0
+    busy_by_instance = []
+    handled = set()                  # disaggregated entries: the first `p` instances prefill, the rest decode
+    for c, arr, cap, mt, split, _q, e in instances:
+        if split is None:
+            busy_by_instance.append(_run_instance(c, arr, inp, out, first, done, kv_cap=cap, max_tokens=mt,
+                                                  chunk=chunk, **sim_kw))
+        elif id(e) not in handled:
+            handled.add(id(e))
+            busy_by_instance += _replay_disaggregated([instances[i] for i in index_of[id(e)]], split, inp, out,
+                                                      first, done, rng, disaggregation, prefix_hit, sim_kw)
+    result = _replay_results(by_model, arrival_t, first, done)
+    result.update(instances=len(instances), instance_busy_s=sum(busy_by_instance))
     return result
 
 
