@@ -1861,139 +1861,181 @@ def _steps_until(alpha, beta, n, u0, delta):
     return max(1, math.ceil((-b + math.sqrt(b * b + 4 * a * delta)) / (2 * a)))
 
 
+class _ReplayInstance:
+    """One instance of the replay, event by event (vLLM V0's scheduler; chunked prefill as an
+    option): the state _run_instance steps through, and its steps."""
+
+    def __init__(self, c, arrivals, inp, out, first, done, kv_cap, max_seqs, max_tokens, chunk, cached, prefilled):
+        self.c, self.arrivals, self.first, self.done = c, arrivals, first, done
+        self.kv_cap, self.limit = kv_cap, kv_cap * (1 - KV_WATERMARK)
+        self.max_seqs, self.max_tokens, self.chunk, self.cached, self.prefilled = \
+            max_seqs, max_tokens, chunk, cached, prefilled
+        self.prompt = {r: inp[r] for _, r in arrivals}
+        self.left = {r: out[r] for _, r in arrivals}      # tokens still to generate at (re)admission
+        self.dec, self.start, self.fin = {}, {}, {}          # decode steps needed, admission step, finish step
+        self.heap, self.order = [], []
+        self.waiting, self.prefilling = deque(), deque()     # prefilling: [rid, tokens done] (chunked mode)
+        self.now, self.step, self.n, self.base, self.reserved, self.busy, self.ai = 0.0, 0, 0, 0, 0, 0.0, 0
+
+    def admit(self, r):
+        """Request r got its first token: it decodes from this step on (or is done)."""
+        if self.first[r] < 0:
+            self.first[r] = self.now
+        d = self.left[r] - 1                       # the prefill produced one token
+        if d <= 0:
+            self.done[r] = self.now
+            return
+        step = self.step
+        self.dec[r], self.start[r], self.fin[r] = d, step, step + d
+        heapq.heappush(self.heap, (step + d, r))
+        self.order.append(r)
+        self.n += 1
+        self.base += self.prompt[r] - step
+
+    def retire(self, r):
+        self.n -= 1
+        self.base -= self.prompt[r] - self.start.pop(r)
+
+    def _take_waiting(self, usage):
+        """Admission: waiting prompts that fit the KV cache and the step (whole prompts, vLLM v0),
+        in order; a prompt that can never fit is rejected (done -2)."""
+        batch, tok = [], 0
+        waiting, prompt, limit = self.waiting, self.prompt, self.limit
+        while waiting and self.n + len(batch) + len(self.prefilling) < self.max_seqs:
+            r = waiting[0]
+            L = prompt[r]
+            if L > limit:
+                waiting.popleft()
+                self.done[r] = -2.0
+                continue
+            if self.chunk == 0 and batch and tok + L > self.max_tokens:
+                break
+            if usage + self.reserved + tok + L > limit:
+                break
+            waiting.popleft()
+            batch.append(r)
+            tok += L
+        return batch
+
+    def _mixed_step(self, usage):
+        """One step of every decode and prompt chunks up to the budget; the prompts it finished."""
+        budget, T, pairs, finished = max(0, self.chunk - self.n), 0, 0.0, []
+        for item in self.prefilling:
+            if budget <= 0:
+                break
+            r, got = item
+            take = min(self.prompt[r] - got, budget)
+            pairs += take * (got + (take + 1) / 2)
+            T += take
+            budget -= take
+            item[1] = got + take
+            if item[1] >= self.prompt[r]:
+                finished.append(r)
+        self._spend(self.c.step(self.n + T, self.n + len(finished), usage, pairs, T))
+        self.step += 1
+        return finished
+
+    def _spend(self, dt):
+        self.now += dt
+        self.busy += dt
+
+    def _preempt_youngest(self):
+        """KV full: the youngest running request goes back to the queue, to be recomputed."""
+        order = self.order
+        while order[-1] not in self.start:
+            order.pop()
+        r = order.pop()
+        d = self.step - self.start[r]
+        self.retire(r)
+        del self.fin[r]
+        self.prompt[r] += 1 + d
+        self.left[r] = self.dec.pop(r) - d
+        self.waiting.appendleft(r)
+
+    def _decode_run(self, usage):
+        """Decode steps of the running batch up to the next event: False when none ran (a
+        preemption, or a wait for arrivals), None when nothing can ever run again."""
+        arrivals, heap = self.arrivals, self.heap
+        if self.n == 0:                            # blocked with nothing running: wait
+            if self.ai >= len(arrivals):
+                for r in self.waiting:             # cannot happen unless a prompt never fits
+                    self.done[r] = -2.0
+                return None
+            self.now = max(self.now, arrivals[self.ai][0])
+            return False
+        while heap and self.fin.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)                    # stale entries of preempted requests
+        n = self.n
+        room = self.kv_cap - self.reserved - usage     # admission stops at the watermark, growth at 100%
+        if room < n:
+            self._preempt_youngest()
+            return False
+        alpha, beta = self.c.decode_alpha(n), self.c.decode_beta(n)
+        k = min(heap[0][0] - self.step, int(room // n))
+        if not self.waiting and self.ai < len(arrivals):
+            k = min(k, _steps_until(alpha, beta, n, usage, arrivals[self.ai][0] - self.now))
+        self._spend(k * alpha + beta * (k * usage + n * k * (k - 1) / 2))
+        self.step += k
+        return True
+
+    def _finish(self, finished):
+        """Requests whose last decode step passed are done; prompts a chunked step finished start decoding."""
+        heap, fin = self.heap, self.fin
+        while heap and heap[0][0] <= self.step:
+            f, r = heapq.heappop(heap)
+            if fin.get(r) == f:
+                del fin[r]
+                self.dec.pop(r)
+                self.retire(r)
+                self.done[r] = self.now
+        for r in finished:
+            self.prefilling.popleft()
+            self.reserved -= self.prompt[r]
+            self.admit(r)
+
+    def _next(self):
+        """One event: True to go on, False when every request is through."""
+        arrivals, na = self.arrivals, len(self.arrivals)
+        while self.ai < na and arrivals[self.ai][0] <= self.now:
+            self.waiting.append(arrivals[self.ai][1])
+            self.ai += 1
+        if not self.waiting and not self.prefilling and self.n == 0:
+            if self.ai >= na:
+                return False
+            self.now = arrivals[self.ai][0]
+            return True
+        usage = self.base + self.n * self.step
+        batch = self._take_waiting(usage)
+        if self.chunk:
+            for r in batch:
+                self.prefilling.append([r, int(self.prompt[r] * self.cached)])
+                self.reserved += self.prompt[r]
+            batch = []
+        if batch:
+            self._spend(0.0 if self.prefilled else self.c.prefill([self.prompt[r] for r in batch], self.cached))
+            for r in batch:
+                self.admit(r)
+            return True
+        if self.prefilling:
+            finished = self._mixed_step(usage)
+        else:
+            ran = self._decode_run(usage)
+            if not ran:
+                return ran is not None
+            finished = []
+        self._finish(finished)
+        return True
+
+
 def _run_instance(c, arrivals, inp, out, first, done, *, kv_cap, max_seqs, max_tokens,
                   chunk=0, cached=0.0, prefilled=False):
     """Serve `arrivals` (sorted [(time, request id)]) on one instance with cost model `c`.
     Writes first-token and finish times into `first` / `done` (done = -2: rejected, the
     prompt can never fit the KV cache). Returns the busy time in seconds."""
-    limit = kv_cap * (1 - KV_WATERMARK)
-    prompt = {r: inp[r] for _, r in arrivals}
-    left = {r: out[r] for _, r in arrivals}      # tokens still to generate at (re)admission
-    dec, start, fin = {}, {}, {}                 # decode steps needed, admission step, finish step
-    heap, order = [], []
-    waiting, prefilling = deque(), deque()       # prefilling: [rid, tokens done] (chunked mode)
-    now, step, n, base, reserved, busy = 0.0, 0, 0, 0, 0, 0.0
-    ai, na = 0, len(arrivals)
-    alpha_of, beta_of = c.decode_alpha, c.decode_beta
-
-    def admit(r):
-        nonlocal n, base
-        if first[r] < 0:
-            first[r] = now
-        d = left[r] - 1                            # the prefill produced one token
-        if d <= 0:
-            done[r] = now
-            return
-        dec[r], start[r], fin[r] = d, step, step + d
-        heapq.heappush(heap, (step + d, r))
-        order.append(r)
-        n += 1
-        base += prompt[r] - step
-
-    def retire(r):
-        nonlocal n, base
-        n -= 1
-        base -= prompt[r] - start.pop(r)
-
-    while True:
-        while ai < na and arrivals[ai][0] <= now:
-            waiting.append(arrivals[ai][1])
-            ai += 1
-        if not waiting and not prefilling and n == 0:
-            if ai >= na:
-                break
-            now = arrivals[ai][0]
-            continue
-        usage = base + n * step
-        # -- admission: whole prompts (vLLM v0) or into the chunked-prefill queue ---------------
-        batch, tok = [], 0
-        while waiting and n + len(batch) + len(prefilling) < max_seqs:
-            r = waiting[0]
-            L = prompt[r]
-            if L > limit:
-                waiting.popleft()
-                done[r] = -2.0
-                continue
-            if chunk == 0 and batch and tok + L > max_tokens:
-                break
-            if usage + reserved + tok + L > limit:
-                break
-            waiting.popleft()
-            batch.append(r)
-            tok += L
-        if chunk:
-            for r in batch:
-                prefilling.append([r, int(prompt[r] * cached)])
-                reserved += prompt[r]
-            batch = []
-        if batch:
-            dt = 0.0 if prefilled else c.prefill([prompt[r] for r in batch], cached)
-            now += dt
-            busy += dt
-            for r in batch:
-                admit(r)
-            continue
-        if prefilling:                               # one mixed step: all decodes + prompt chunks
-            budget, T, pairs, finished = max(0, chunk - n), 0, 0.0, []
-            for item in prefilling:
-                if budget <= 0:
-                    break
-                r, got = item
-                take = min(prompt[r] - got, budget)
-                pairs += take * (got + (take + 1) / 2)
-                T += take
-                budget -= take
-                item[1] = got + take
-                if item[1] >= prompt[r]:
-                    finished.append(r)
-            dt = c.step(n + T, n + len(finished), usage, pairs, T)
-            now += dt
-            busy += dt
-            step += 1
-            k = 0
-        else:
-            if n == 0:                               # blocked with nothing running: wait
-                if ai >= na:
-                    for r in waiting:                # cannot happen unless a prompt never fits
-                        done[r] = -2.0
-                    break
-                now = max(now, arrivals[ai][0])
-                continue
-            while heap and fin.get(heap[0][1]) != heap[0][0]:
-                heapq.heappop(heap)                  # stale entries of preempted requests
-            room = kv_cap - reserved - usage             # admission stops at the watermark, growth at 100%
-            if room < n:                             # KV full: preempt the youngest, recompute later
-                while order[-1] not in start:
-                    order.pop()
-                r = order.pop()
-                d = step - start[r]
-                retire(r)
-                del fin[r]
-                prompt[r] += 1 + d
-                left[r] = dec.pop(r) - d
-                waiting.appendleft(r)
-                continue
-            alpha, beta = alpha_of(n), beta_of(n)
-            k = min(heap[0][0] - step, int(room // n))
-            if not waiting and ai < na:
-                k = min(k, _steps_until(alpha, beta, n, usage, arrivals[ai][0] - now))
-            dt = k * alpha + beta * (k * usage + n * k * (k - 1) / 2)
-            now += dt
-            busy += dt
-            step += k
-            finished = []
-        while heap and heap[0][0] <= step:
-            f, r = heapq.heappop(heap)
-            if fin.get(r) == f:
-                del fin[r]
-                dec.pop(r)
-                retire(r)
-                done[r] = now
-        for r in finished:
-            prefilling.popleft()
-            reserved -= prompt[r]
-            admit(r)
-    return busy
+    inst = _ReplayInstance(c, arrivals, inp, out, first, done, kv_cap, max_seqs, max_tokens, chunk, cached, prefilled)
+    while inst._next():
+        pass
+    return inst.busy
 
 
 def _run_prefill_only(c, arrivals, inp, first, max_tokens, cached=0.0):
