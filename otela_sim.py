@@ -16,10 +16,12 @@ Data flow.
                                                                 layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
     support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
-    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message)
+    lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message;
+    vLLM V1's and SGLang's own all-reduce below 8 MiB, their decode in CUDA graphs of set sizes)
                                                              -> StepCost: seconds for a
     forward pass of T tokens; each operator costs roof(ops / peak*eff, bytes / bw*eff), a
-    smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum)
+    smooth roofline between max() and the sum (exponent ROOFLINE_P = 1: the sum; 2 for the
+    graph-captured engines, ENGINE_ROOFLINE_P)
     layout tp x pp (nodes_for: stages fill a node first; tp wider than a node spans whole
     nodes): a stage's layers per GPU, activations handed over NCCL send/recv between stages
     (NVLink within a node, the Fabric between), microbatches = min(requests, pp) (the bubble)
@@ -31,6 +33,10 @@ Data flow.
                                                                 marked held_out never fitted,
                                                                 reported apart)
     a running engine (probe --url)                           -> that engine's overhead terms
+    StepCost + a rate or trace (load)                        -> the emulator's EngineCore in
+                                                                virtual time: TTFT / ITL / E2E
+                                                                percentiles, saturated or not;
+                                                                load_tests.csv's published runs
     serve --nnodes N --node-rank R --dist-init-addr H:P      -> an emulated multi-node engine:
                                                                 rank 0 serves once all ranks
                                                                 joined, and dies with any of them
@@ -55,7 +61,7 @@ Rules of this file.
    sees is a documented feature, never a knob fitted to the one row that shows it.
 
 Sections: config · GPU table · model table · roofline · workload · serving replay ·
-calibration · probe · emulated engine (`serve`) · command line (settings read by crdt.parse_settings,
+calibration · probe · emulated engine (`serve`) and its load test (`load`) · command line (settings read by crdt.parse_settings,
 as every role file reads them; crdt.py travels with this file).
 """
 from __future__ import annotations
@@ -64,6 +70,7 @@ import argparse
 import bisect
 import csv
 import heapq
+import itertools
 import json
 import math
 import os
@@ -119,6 +126,23 @@ ACT_BYTES = 2
 # for a prefill's megabytes. Per protocol: (extra base latency over LL's, extra per step over LL's,
 # share of the bandwidth); the fitted allreduce_latency_us and allreduce_hop_us are LL's own.
 NCCL_PROTOCOLS = ((0.0, 0.0, 0.25), (14.0 - 6.6, 1.9 - 0.6, 0.92), (8.4 - 6.6, 3.4 - 0.6, 1.0))
+# vLLM's and SGLang's own all-reduce within an NVLink node (vllm/distributed/device_communicators/
+# custom_all_reduce.py, max_size 8 MiB, tp 2..8 with full NVLink; SGLang imports the same kernels):
+# one or two shots over peer-mapped buffers, a barrier's latency and the bytes at the link's
+# bandwidth, none of NCCL's protocol costs; NCCL takes messages above the size. The engines
+# whose steps use it (ENGINE_CUSTOM_ALLREDUCE); V0's rows were fitted with NCCL's protocols.
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 1024 * 1024
+ENGINE_CUSTOM_ALLREDUCE = ("vllm-v1", "sglang-0.4")
+# The smooth roofline's exponent for engines whose decode runs in CUDA graphs of fused kernels
+# (vLLM V1: piecewise graphs under torch.compile; SGLang: decode graphs): a small-batch GEMM's
+# weight stream and its math overlap within the kernel, so a decode batch of ~100 costs about
+# its bytes (the issue's measured 70B tp 4 decode: +~10 % from batch 1 to 84, where p = 1 gives
+# +68 %). A prior, not fitted: no load-test row of these engines is in the calibration.
+ENGINE_ROOFLINE_P = {"vllm-v1": 2.0, "sglang-0.4": 2.0}
+# The batch sizes vLLM V1 captures CUDA graphs for (compilation config's cudagraph_capture_sizes
+# default: 1, 2, 4, then every 8 up to 512): a decode step of n requests runs the graph of the
+# next size up, its linears padded to it. SGLang's capture list is the same shape (cuda_graph_bs).
+CUDA_GRAPH_SIZES = (1, 2, 4) + tuple(range(8, 513, 8))
 # Tensor parallelism beyond one node and pipeline stages on other nodes go over the cluster
 # network: the GPU pool's Fabric (FABRICS, GPU_FABRIC). 200 Gb/s InfiniBand for what has none.
 INTER_NODE_GBps = 25.0
@@ -499,33 +523,25 @@ def resolve_gpu(name) -> GPU:
         return GPUS[name]
     text = _gpu_key(name)
     flat = re.sub(r"[^A-Z0-9]", "", text)
-    mem = [int(x) for x in re.findall(r"(\d+)\s*G", text)]
-    pcie, nvl = "PCIE" in flat, "NVL" in flat
-    row = None
-    if "GH200" in flat:
-        row = "GH200-144GB" if 144 in mem else "GH200-96GB"
-    elif "H200" in flat:
-        row = "H200-NVL-141GB" if nvl else "H200-SXM-141GB"
-    elif "H100" in flat:
-        row = "H100-NVL-94GB" if nvl or 94 in mem else "H100-PCIe-80GB" if pcie else "H100-SXM5-80GB"
-    elif "A100" in flat:
-        if 40 in mem:
-            row = "A100-40GB-SXM4"     # the 40 GB PCIe card has the same 1.555 TB/s
-        else:
-            row = "A100-80GB-PCIe" if pcie else "A100-80GB-SXM4"
-    elif "L40S" in flat:
-        row = "L40S"
-    elif "3090" in flat:
-        row = "RTX-3090"
-    elif "4090" in flat:
-        row = "RTX-4090"
-    elif "MI250X" in flat:
-        row = "MI250X"
-    elif "MI300X" in flat:
-        row = "MI300X"
-    if row is None:
-        raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
-    return GPUS[row]
+    mem = {int(x) for x in re.findall(r"(\d+)\s*G", text)}
+    for marker, pick in _GPU_NAME_RULES:      # the first marker in the name picks the row
+        if marker in flat:
+            return GPUS[pick(flat, mem)]
+    raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+
+
+# A product string's marker -> its row, from the name's other words and its memory in GB.
+_GPU_NAME_RULES = (
+    ("GH200", lambda flat, mem: "GH200-144GB" if 144 in mem else "GH200-96GB"),
+    ("H200", lambda flat, mem: "H200-NVL-141GB" if "NVL" in flat else "H200-SXM-141GB"),
+    ("H100", lambda flat, mem: "H100-NVL-94GB" if "NVL" in flat or 94 in mem else
+     "H100-PCIe-80GB" if "PCIE" in flat else "H100-SXM5-80GB"),
+    # the 40 GB PCIe A100 has the SXM4 card's 1.555 TB/s
+    ("A100", lambda flat, mem: "A100-40GB-SXM4" if 40 in mem else "A100-80GB-PCIe" if "PCIE" in flat else
+     "A100-80GB-SXM4"),
+    ("L40S", lambda flat, mem: "L40S"), ("3090", lambda flat, mem: "RTX-3090"), ("4090", lambda flat, mem: "RTX-4090"),
+    ("MI250X", lambda flat, mem: "MI250X"), ("MI300X", lambda flat, mem: "MI300X"),
+)
 
 
 # --- the inter-node fabric: a property of the GPU pool ------------------------------------
@@ -891,6 +907,46 @@ _DTYPE_BYTES = {"float32": 2, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1
 _WINDOWED = ("sliding_attention", "chunked_attention")
 
 
+def _quant_int(q, method, where):
+    bits, group = int(q.get("bits", q.get("w_bit", 0)) or 0), int(q.get("group_size", q.get("q_group_size", 128)))
+    if bits not in (4, 8):
+        raise SimError(f"{where}: {method} with {bits}-bit weights is not modelled (4 or 8 bits are)")
+    group = group if group > 0 else 4096            # -1: one scale per column
+    return bits / 8 + (2 + bits / 8) / group, 0.0, f"{method}-{bits}bit"
+
+
+def _quant_bnb(q, method, where):
+    if q.get("load_in_4bit"):
+        return 0.5 + (0.127 / 8 if q.get("bnb_4bit_use_double_quant") else 4.0 / 64), 0.0, "bnb-4bit"
+    raise SimError(f"{where}: bitsandbytes 8-bit (LLM.int8, outlier decomposition) is not modelled")
+
+
+def _quant_compressed(q, method, where):
+    groups = q.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values()] if isinstance(groups, dict) else []
+    kinds = {(int(w.get("num_bits", 0)), str(w.get("type", ""))) for w in weights}
+    if kinds == {(8, "float")}:
+        return 1.0, 0.0, "compressed-tensors-fp8"
+    if kinds == {(4, "int")}:
+        group = int(weights[0].get("group_size") or 128)
+        return 0.5 + 2.0 / group, 0.0, "compressed-tensors-w4a16"
+    raise SimError(f"{where}: compressed-tensors weights {sorted(kinds)} are not modelled (fp8, int4 are)")
+
+
+def _quant_fp8_blocks(q, method, where):
+    block = q.get("weight_block_size") or [128, 128]
+    return 1.0 + 4.0 / (block[0] * block[1]), 0.0, "fp8"
+
+
+# quant_method -> (linear bytes, expert bytes, label) of its config
+_QUANT_METHODS = {
+    "fbgemm_fp8": lambda q, method, where: (1.0, 0.0, "fp8"),     # per-channel (Llama-3.1-405B-Instruct-FP8)
+    "fp8": _quant_fp8_blocks,
+    "mxfp4": lambda q, method, where: (0.0, 4.25 / 8, "mxfp4"),  # the experts; the rest stays 16-bit
+    "awq": _quant_int, "gptq": _quant_int, "bitsandbytes": _quant_bnb, "compressed-tensors": _quant_compressed,
+}
+
+
 def _quantization(q, where):
     """(linear bytes, expert bytes, label) of a quantization_config; SimError when unmodelled.
     Bytes per weight include the scales: FP8 block-wise (128 x 128 blocks, one fp32 scale:
@@ -899,46 +955,27 @@ def _quantization(q, where):
     if not isinstance(q, dict):
         raise SimError(f"{where}: quantization_config is not an object")
     method = str(q.get("quant_method", "")).lower()
-    if method == "fbgemm_fp8":                # per-channel FP8 (Llama-3.1-405B-Instruct-FP8)
-        return 1.0, 0.0, "fp8"
-    if method == "fp8":
-        block = q.get("weight_block_size") or [128, 128]
-        return 1.0 + 4.0 / (block[0] * block[1]), 0.0, "fp8"
-    if method == "mxfp4":
-        return 0.0, 4.25 / 8, "mxfp4"         # the experts; attention, router, embeddings stay 16-bit
-    if method in ("awq", "gptq"):
-        bits, group = int(q.get("bits", q.get("w_bit", 0)) or 0), int(q.get("group_size", q.get("q_group_size", 128)))
-        if bits not in (4, 8):
-            raise SimError(f"{where}: {method} with {bits}-bit weights is not modelled (4 or 8 bits are)")
-        group = group if group > 0 else 4096            # -1: one scale per column
-        return bits / 8 + (2 + bits / 8) / group, 0.0, f"{method}-{bits}bit"
-    if method == "bitsandbytes":
-        if q.get("load_in_4bit"):
-            return 0.5 + (0.127 / 8 if q.get("bnb_4bit_use_double_quant") else 4.0 / 64), 0.0, "bnb-4bit"
-        raise SimError(f"{where}: bitsandbytes 8-bit (LLM.int8, outlier decomposition) is not modelled")
-    if method == "compressed-tensors":
-        groups = q.get("config_groups") or {}
-        weights = [g.get("weights") or {} for g in groups.values()] if isinstance(groups, dict) else []
-        kinds = {(int(w.get("num_bits", 0)), str(w.get("type", ""))) for w in weights}
-        if kinds == {(8, "float")}:
-            return 1.0, 0.0, "compressed-tensors-fp8"
-        if kinds == {(4, "int")}:
-            group = int(weights[0].get("group_size") or 128)
-            return 0.5 + 2.0 / group, 0.0, "compressed-tensors-w4a16"
-        raise SimError(f"{where}: compressed-tensors weights {sorted(kinds)} are not modelled (fp8, int4 are)")
-    raise SimError(f"{where}: quantization method {method or '(none named)'!r} is not modelled "
-                   "(fp8, mxfp4, awq, gptq, bitsandbytes 4-bit, compressed-tensors fp8/int4 are)")
+    if method not in _QUANT_METHODS:
+        raise SimError(f"{where}: quantization method {method or '(none named)'!r} is not modelled "
+                       "(fp8, mxfp4, awq, gptq, bitsandbytes 4-bit, compressed-tensors fp8/int4 are)")
+    return _QUANT_METHODS[method](q, method, where)
 
 
-def _model_from_config(cfg, name=None):
+def _config_checked(cfg):
+    """The config with a multimodal wrapper's text_config merged in (Llama-4), its label, and
+    the SimError prefix; SimError for a field or model_type not modelled, or a size missing."""
     if not isinstance(cfg, dict):
         raise SimError("bad model config: not a JSON object")
     outer = dict(cfg)
     inner = outer.pop("text_config", None) or {}
     cfg = dict(outer)
-    cfg.update(inner)   # multimodal wrappers keep the LM config inside (Llama-4)
-    label = str(name or cfg.get("name") or cfg.get("_name_or_path") or "custom")
-    where = f"bad model config {label}"
+    cfg.update(inner)
+    label = str(cfg.get("name") or cfg.get("_name_or_path") or "custom")
+    return cfg, label
+
+
+def _config_refusals(cfg, where):
+    """SimError naming the fields not modelled, unknown, or missing, and an unknown model_type."""
     refused = sorted(k for k in cfg if k in CONFIG_REFUSED)
     unknown = sorted(k for k in cfg if k not in CONFIG_READ and k not in CONFIG_IGNORED and k not in CONFIG_REFUSED
                      and k not in CONFIG_IGNORED_IF_FALSE)
@@ -956,6 +993,9 @@ def _model_from_config(cfg, name=None):
     if missing:
         raise SimError(f"{where}: missing {', '.join(missing)}")
 
+
+def _config_reader(cfg, where):
+    """num(key, default): the config's integer at key (null as absent), SimError when not one."""
     def num(key, default=None):
         value = cfg.get(key)
         if value is None:                      # absent, or null as DeepSeek-V2-Lite's q_lora_rank
@@ -964,12 +1004,11 @@ def _model_from_config(cfg, name=None):
             return int(value)
         except (TypeError, ValueError):
             raise SimError(f"{where}: {key} is {value!r}, not a number") from None
-    L, h = num("num_hidden_layers"), num("hidden_size")
-    experts = num("n_routed_experts", 0) or num("num_local_experts", 0) or num("num_experts", 0)
-    top_k = num("num_experts_per_tok", 0) or num("experts_per_token", 0)
-    if experts and not top_k:
-        raise SimError(f"{where}: missing num_experts_per_tok (or experts_per_token): {experts} experts, how many a token")
-    # which layers are MoE, per family
+    return num
+
+
+def _moe_layers(cfg, num, L, experts):
+    """The indices of the MoE layers, by each family's fields."""
     moe = list(range(L)) if experts else []
     if experts and ("first_k_dense_replace" in cfg or "moe_layer_freq" in cfg):     # DeepSeek
         first, freq = num("first_k_dense_replace", 0), max(1, num("moe_layer_freq", 1))
@@ -982,7 +1021,11 @@ def _model_from_config(cfg, name=None):
     elif "interleave_moe_layer_step" in cfg:
         step = max(1, num("interleave_moe_layer_step", 1))
         moe = [i for i in moe if (i + 1) % step == 0]
-    family = mtype or "llama"
+    return moe
+
+
+def _mlp_widths(num, family, experts, dense_layers, where):
+    """(an expert's width, the dense layers' width, the shared experts' width)."""
     expert_width = num("moe_intermediate_size", 0)
     dense_width = num("intermediate_size_mlp", 0) or num("intermediate_size", 0)
     shared = num("n_shared_experts", 0) * expert_width or num("shared_expert_intermediate_size", 0)
@@ -990,43 +1033,49 @@ def _model_from_config(cfg, name=None):
         # Llama-4: intermediate_size is an expert's width (and the one shared expert's),
         # intermediate_size_mlp the dense layers'
         expert_width, shared = num("intermediate_size"), num("intermediate_size")
-        dense_width = num("intermediate_size_mlp", 0) or dense_width
     if experts and not expert_width:
         expert_width = num("intermediate_size", 0)
-    if not dense_width and len(moe) < L:
+    if not dense_width and (dense_layers or not experts):
         raise SimError(f"{where}: missing intermediate_size")
-    if not experts and not dense_width:
-        raise SimError(f"{where}: missing intermediate_size")
-    # attention kinds per layer
+    return expert_width, dense_width, shared
+
+
+def _typed_window(cfg, num, L, where):
+    """(window, windowed layers) from layer_types."""
+    types = cfg["layer_types"]
+    bad = sorted({t for t in types if t not in _WINDOWED + ("full_attention",)})
+    if bad:
+        raise SimError(f"{where}: layer_types {', '.join(bad)} are not modelled (full, sliding, chunked attention are)")
+    if len(types) != L:
+        raise SimError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {L}")
+    windowed = sum(t in _WINDOWED for t in types)
+    window = num("sliding_window", 0) if "sliding_attention" in types else num("attention_chunk_size", 0)
+    if windowed and not window:
+        raise SimError(f"{where}: missing sliding_window (or attention_chunk_size) for its windowed layers")
+    return window, windowed
+
+
+def _attention_window(cfg, num, L, family, where):
+    """(window, windowed layers): sliding or chunked attention; (0, 0) for full attention."""
     window, windowed = 0, 0
-    types = cfg.get("layer_types")
-    if types:
-        bad = sorted({t for t in types if t not in _WINDOWED + ("full_attention",)})
-        if bad:
-            raise SimError(f"{where}: layer_types {', '.join(bad)} are not modelled (full, sliding, chunked attention are)")
-        if len(types) != L:
-            raise SimError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {L}")
-        windowed = sum(t in _WINDOWED for t in types)
-        window = num("sliding_window", 0) if "sliding_attention" in types else num("attention_chunk_size", 0)
-        if windowed and not window:
-            raise SimError(f"{where}: missing sliding_window (or attention_chunk_size) for its windowed layers")
+    if cfg.get("layer_types"):
+        window, windowed = _typed_window(cfg, num, L, where)
     elif cfg.get("attention_chunk_size"):                 # Llama-4: chunked except the NoPE layers
         rope = cfg.get("no_rope_layers")
         windowed = sum(1 for x in rope if x) if isinstance(rope, list) and len(rope) == L else L - L // 4
         window = num("attention_chunk_size")
-    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", family not in ("qwen2", "qwen3", "qwen2_moe",
-                                                                                        "qwen3_moe")):
+    elif cfg.get("sliding_window") and cfg.get("use_sliding_window", not family.startswith("qwen")):
         # Qwen2/3 write a sliding_window they do not use unless use_sliding_window (then for the
         # layers from max_window_layers on); Mistral-style configs use it in every layer
         window = num("sliding_window")
         windowed = L - num("max_window_layers", 0) if family.startswith("qwen") else L
     if window and window >= num("max_position_embeddings", 4096):
-        window = windowed = 0                             # a window as long as the context: full attention
-    mla = num("kv_lora_rank", 0)
-    if mla:
-        absent = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not cfg.get(k)]
-        if absent:
-            raise SimError(f"{where}: missing {', '.join(absent)} for its latent attention (kv_lora_rank)")
+        return 0, 0                                       # a window as long as the context: full attention
+    return window, windowed
+
+
+def _weight_bytes(cfg, num, where):
+    """(linear bytes, expert bytes, quantization label, dtype bytes) of the checkpoint."""
     linear_b, expert_b, quant = 0.0, 0.0, ""
     if cfg.get("quantization_config"):
         linear_b, expert_b, quant = _quantization(cfg["quantization_config"], where)
@@ -1038,9 +1087,32 @@ def _model_from_config(cfg, name=None):
         # FP8 checkpoints compute in FP8 (dtype_bytes 1: the FP8 tensor-core peak); 4-bit ones
         # dequantise into 16-bit GEMMs (Marlin): 16-bit compute at their own bytes
         dtype_bytes = 1 if 0.99 < linear_b < 1.1 else 2
-    gated = GATED_MLP.get(family, True)
+    return linear_b, expert_b, quant, dtype_bytes
+
+
+def _model_from_config(cfg, name=None):
+    cfg, label = _config_checked(cfg)
+    label = str(name or label)
+    where = f"bad model config {label}"
+    _config_refusals(cfg, where)
+    num = _config_reader(cfg, where)
+    L, h = num("num_hidden_layers"), num("hidden_size")
+    experts = num("n_routed_experts", 0) or num("num_local_experts", 0) or num("num_experts", 0)
+    top_k = num("num_experts_per_tok", 0) or num("experts_per_token", 0)
+    if experts and not top_k:
+        raise SimError(f"{where}: missing num_experts_per_tok (or experts_per_token): {experts} experts, how many a token")
+    moe = _moe_layers(cfg, num, L, experts)
+    family = cfg.get("model_type") or "llama"
+    expert_width, dense_width, shared = _mlp_widths(num, family, experts, len(moe) < L, where)
+    window, windowed = _attention_window(cfg, num, L, family, where)
+    mla = num("kv_lora_rank", 0)
+    absent = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not cfg.get(k)] if mla else []
+    if absent:
+        raise SimError(f"{where}: missing {', '.join(absent)} for its latent attention (kv_lora_rank)")
+    linear_b, expert_b, quant, dtype_bytes = _weight_bytes(cfg, num, where)
     if family == "apertus" and cfg.get("hidden_act", "xielu") != "xielu":
         raise SimError(f"{where}: Apertus with hidden_act {cfg.get('hidden_act')!r} is not modelled")
+    mla_dims = {k: num(k, 0) if mla else 0 for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     try:
         return Model(
             name=label, hidden_size=h, num_hidden_layers=L, num_attention_heads=num("num_attention_heads"),
@@ -1051,10 +1123,8 @@ def _model_from_config(cfg, name=None):
             top_k=top_k if experts else 0,
             moe_intermediate_size=expert_width if experts and expert_width != (dense_width or expert_width) else 0,
             shared_intermediate_size=shared if experts else 0,
-            moe_layers=-1 if len(moe) == L or not experts else len(moe), mlp_gated=gated,
-            kv_lora_rank=mla, q_lora_rank=num("q_lora_rank", 0) if mla else 0,
-            qk_nope_head_dim=num("qk_nope_head_dim", 0) if mla else 0,
-            qk_rope_head_dim=num("qk_rope_head_dim", 0) if mla else 0, v_head_dim=num("v_head_dim", 0) if mla else 0,
+            moe_layers=-1 if len(moe) == L or not experts else len(moe), mlp_gated=GATED_MLP.get(family, True),
+            kv_lora_rank=mla, **mla_dims,
             sliding_window=window if windowed else 0, sliding_layers=windowed if window else 0,
             linear_bytes=linear_b if linear_b and not (0.99 < linear_b < 1.1) else 0.0, expert_bytes=expert_b,
             kv_bytes=2 if quant else 0, embed_bytes=2 if quant else 0, quantization=quant,
@@ -1358,9 +1428,13 @@ class StepCost:
             ideal = hw["allreduce_latency_us"] <= 0 and hw.get("allreduce_hop_us", 0.0) <= 0
             self.ar_protocols = [(0.0, 1.0)] if ideal else \
                 [((base + hops * hop) * 1e-6, 1.0 / share) for base, hop, share in NCCL_PROTOCOLS]
+            custom = ev.key in ENGINE_CUSTOM_ALLREDUCE and tp <= gpu.per_node and gpu.interconnect_GBps
+            self.custom_ar_tokens = CUSTOM_ALLREDUCE_MAX_BYTES // (h * ACT_BYTES) if custom else 0
         else:
             self.ar_lat = self.ar_byte = 0.0
             self.ar_protocols = [(0.0, 1.0)]
+            self.custom_ar_tokens = 0
+        self.graph_sizes = CUDA_GRAPH_SIZES if ev.key in ENGINE_CUSTOM_ALLREDUCE else ()
         self.overhead = eng["overhead_ms"] * 1e-3
         self.per_seq = (eng["per_seq_overhead_ms"] + (eng.get("tp_per_seq_overhead_ms", 0.0) if tp > 1 else 0.0)) * 1e-3
         self.prefill_overhead = eng.get("prefill_overhead_ms", 0.0) * 1e-3
@@ -1405,7 +1479,8 @@ class StepCost:
         # neither bound; p is ROOFLINE_P (1: time = compute + memory, the model form the TTFT
         # rows need, see ROOFLINE_P), and max() at or above ROOFLINE_MAX_P (the ideal
         # calibration's datasheet roofline).
-        p = cal.get("roofline_p", ROOFLINE_P)
+        p = ENGINE_ROOFLINE_P.get(ev.key, cal.get("roofline_p", ROOFLINE_P)) \
+            if cal.get("roofline_p", ROOFLINE_P) < ROOFLINE_MAX_P else cal["roofline_p"]
         if p >= ROOFLINE_MAX_P:
             self.roof = max
         else:
@@ -1455,7 +1530,10 @@ class StepCost:
         return self._linear(T) + self.elem_bytes * T / self.bm + (2 * self.allreduce(T) if self.tp > 1 else 0.0)
 
     def allreduce(self, T):
-        """Seconds for one all-reduce of T tokens' hidden states: the cheapest NCCL protocol."""
+        """Seconds for one all-reduce of T tokens' hidden states: the engine's own all-reduce
+        below its size (CUSTOM_ALLREDUCE_MAX_BYTES), else the cheapest NCCL protocol."""
+        if T <= self.custom_ar_tokens:
+            return self.ar_lat + self.ar_byte * T
         return self.ar_lat + min(extra + self.ar_byte * T * slower for extra, slower in self.ar_protocols)
 
     def _lm_head(self, n):
@@ -1488,7 +1566,7 @@ class StepCost:
                 t += self._prefill_attention(prefill_pairs / m, prefill_tokens / m)
             return t + self._lm_head(seqs / m) + self.p2p_lat + self.p2p_byte * tokens / m + self.overhead + \
                 self.per_seq * seqs + (self.prefill_overhead if prefill_tokens else 0.0)
-        per_layer = self._layer_tokens(tokens) + decode_ctx * (self.beta / self.layers)
+        per_layer = self._layer_tokens(self.graph_tokens(tokens)) + decode_ctx * (self.beta / self.layers)
         if prefill_tokens:
             per_layer += self.roof(self.attn_flops * prefill_pairs / self.pa, self.attn_io * prefill_tokens / self.bm)
         return self.layers * per_layer + self._lm_head(seqs) + self.overhead + self.per_seq * seqs + \
@@ -1504,9 +1582,16 @@ class StepCost:
                     self.p2p_byte * n / m + self.overhead + self.per_seq * n + \
                     self.window_layers * self.beta_layer * self.window * n / m
             else:
-                a = self.layers * self._layer_tokens(n) + self._lm_head(n) + self.overhead + self.per_seq * n
+                a = self.layers * self._layer_tokens(self.graph_tokens(n)) + self._lm_head(n) + self.overhead + \
+                    self.per_seq * n
             self._alpha[n] = a
         return a
+
+    def graph_tokens(self, n):
+        """The tokens a step of n tokens computes: its CUDA graph's batch (CUDA_GRAPH_SIZES; V1's
+        piecewise graphs take mixed steps too)."""
+        sizes = self.graph_sizes
+        return sizes[bisect.bisect_left(sizes, n)] if sizes and n <= sizes[-1] else n
 
     def decode_beta(self, n):
         """Seconds per KV token of context in a decode step of n requests (beta; a pipeline's
@@ -1776,139 +1861,181 @@ def _steps_until(alpha, beta, n, u0, delta):
     return max(1, math.ceil((-b + math.sqrt(b * b + 4 * a * delta)) / (2 * a)))
 
 
+class _ReplayInstance:
+    """One instance of the replay, event by event (vLLM V0's scheduler; chunked prefill as an
+    option): the state _run_instance steps through, and its steps."""
+
+    def __init__(self, c, arrivals, inp, out, first, done, kv_cap, max_seqs, max_tokens, chunk, cached, prefilled):
+        self.c, self.arrivals, self.first, self.done = c, arrivals, first, done
+        self.kv_cap, self.limit = kv_cap, kv_cap * (1 - KV_WATERMARK)
+        self.max_seqs, self.max_tokens, self.chunk, self.cached, self.prefilled = \
+            max_seqs, max_tokens, chunk, cached, prefilled
+        self.prompt = {r: inp[r] for _, r in arrivals}
+        self.left = {r: out[r] for _, r in arrivals}      # tokens still to generate at (re)admission
+        self.dec, self.start, self.fin = {}, {}, {}          # decode steps needed, admission step, finish step
+        self.heap, self.order = [], []
+        self.waiting, self.prefilling = deque(), deque()     # prefilling: [rid, tokens done] (chunked mode)
+        self.now, self.step, self.n, self.base, self.reserved, self.busy, self.ai = 0.0, 0, 0, 0, 0, 0.0, 0
+
+    def admit(self, r):
+        """Request r got its first token: it decodes from this step on (or is done)."""
+        if self.first[r] < 0:
+            self.first[r] = self.now
+        d = self.left[r] - 1                       # the prefill produced one token
+        if d <= 0:
+            self.done[r] = self.now
+            return
+        step = self.step
+        self.dec[r], self.start[r], self.fin[r] = d, step, step + d
+        heapq.heappush(self.heap, (step + d, r))
+        self.order.append(r)
+        self.n += 1
+        self.base += self.prompt[r] - step
+
+    def retire(self, r):
+        self.n -= 1
+        self.base -= self.prompt[r] - self.start.pop(r)
+
+    def _take_waiting(self, usage):
+        """Admission: waiting prompts that fit the KV cache and the step (whole prompts, vLLM v0),
+        in order; a prompt that can never fit is rejected (done -2)."""
+        batch, tok = [], 0
+        waiting, prompt, limit = self.waiting, self.prompt, self.limit
+        while waiting and self.n + len(batch) + len(self.prefilling) < self.max_seqs:
+            r = waiting[0]
+            L = prompt[r]
+            if L > limit:
+                waiting.popleft()
+                self.done[r] = -2.0
+                continue
+            if self.chunk == 0 and batch and tok + L > self.max_tokens:
+                break
+            if usage + self.reserved + tok + L > limit:
+                break
+            waiting.popleft()
+            batch.append(r)
+            tok += L
+        return batch
+
+    def _mixed_step(self, usage):
+        """One step of every decode and prompt chunks up to the budget; the prompts it finished."""
+        budget, T, pairs, finished = max(0, self.chunk - self.n), 0, 0.0, []
+        for item in self.prefilling:
+            if budget <= 0:
+                break
+            r, got = item
+            take = min(self.prompt[r] - got, budget)
+            pairs += take * (got + (take + 1) / 2)
+            T += take
+            budget -= take
+            item[1] = got + take
+            if item[1] >= self.prompt[r]:
+                finished.append(r)
+        self._spend(self.c.step(self.n + T, self.n + len(finished), usage, pairs, T))
+        self.step += 1
+        return finished
+
+    def _spend(self, dt):
+        self.now += dt
+        self.busy += dt
+
+    def _preempt_youngest(self):
+        """KV full: the youngest running request goes back to the queue, to be recomputed."""
+        order = self.order
+        while order[-1] not in self.start:
+            order.pop()
+        r = order.pop()
+        d = self.step - self.start[r]
+        self.retire(r)
+        del self.fin[r]
+        self.prompt[r] += 1 + d
+        self.left[r] = self.dec.pop(r) - d
+        self.waiting.appendleft(r)
+
+    def _decode_run(self, usage):
+        """Decode steps of the running batch up to the next event: False when none ran (a
+        preemption, or a wait for arrivals), None when nothing can ever run again."""
+        arrivals, heap = self.arrivals, self.heap
+        if self.n == 0:                            # blocked with nothing running: wait
+            if self.ai >= len(arrivals):
+                for r in self.waiting:             # cannot happen unless a prompt never fits
+                    self.done[r] = -2.0
+                return None
+            self.now = max(self.now, arrivals[self.ai][0])
+            return False
+        while heap and self.fin.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)                    # stale entries of preempted requests
+        n = self.n
+        room = self.kv_cap - self.reserved - usage     # admission stops at the watermark, growth at 100%
+        if room < n:
+            self._preempt_youngest()
+            return False
+        alpha, beta = self.c.decode_alpha(n), self.c.decode_beta(n)
+        k = min(heap[0][0] - self.step, int(room // n))
+        if not self.waiting and self.ai < len(arrivals):
+            k = min(k, _steps_until(alpha, beta, n, usage, arrivals[self.ai][0] - self.now))
+        self._spend(k * alpha + beta * (k * usage + n * k * (k - 1) / 2))
+        self.step += k
+        return True
+
+    def _finish(self, finished):
+        """Requests whose last decode step passed are done; prompts a chunked step finished start decoding."""
+        heap, fin = self.heap, self.fin
+        while heap and heap[0][0] <= self.step:
+            f, r = heapq.heappop(heap)
+            if fin.get(r) == f:
+                del fin[r]
+                self.dec.pop(r)
+                self.retire(r)
+                self.done[r] = self.now
+        for r in finished:
+            self.prefilling.popleft()
+            self.reserved -= self.prompt[r]
+            self.admit(r)
+
+    def _next(self):
+        """One event: True to go on, False when every request is through."""
+        arrivals, na = self.arrivals, len(self.arrivals)
+        while self.ai < na and arrivals[self.ai][0] <= self.now:
+            self.waiting.append(arrivals[self.ai][1])
+            self.ai += 1
+        if not self.waiting and not self.prefilling and self.n == 0:
+            if self.ai >= na:
+                return False
+            self.now = arrivals[self.ai][0]
+            return True
+        usage = self.base + self.n * self.step
+        batch = self._take_waiting(usage)
+        if self.chunk:
+            for r in batch:
+                self.prefilling.append([r, int(self.prompt[r] * self.cached)])
+                self.reserved += self.prompt[r]
+            batch = []
+        if batch:
+            self._spend(0.0 if self.prefilled else self.c.prefill([self.prompt[r] for r in batch], self.cached))
+            for r in batch:
+                self.admit(r)
+            return True
+        if self.prefilling:
+            finished = self._mixed_step(usage)
+        else:
+            ran = self._decode_run(usage)
+            if not ran:
+                return ran is not None
+            finished = []
+        self._finish(finished)
+        return True
+
+
 def _run_instance(c, arrivals, inp, out, first, done, *, kv_cap, max_seqs, max_tokens,
                   chunk=0, cached=0.0, prefilled=False):
     """Serve `arrivals` (sorted [(time, request id)]) on one instance with cost model `c`.
     Writes first-token and finish times into `first` / `done` (done = -2: rejected, the
     prompt can never fit the KV cache). Returns the busy time in seconds."""
-    limit = kv_cap * (1 - KV_WATERMARK)
-    prompt = {r: inp[r] for _, r in arrivals}
-    left = {r: out[r] for _, r in arrivals}      # tokens still to generate at (re)admission
-    dec, start, fin = {}, {}, {}                 # decode steps needed, admission step, finish step
-    heap, order = [], []
-    waiting, prefilling = deque(), deque()       # prefilling: [rid, tokens done] (chunked mode)
-    now, step, n, base, reserved, busy = 0.0, 0, 0, 0, 0, 0.0
-    ai, na = 0, len(arrivals)
-    alpha_of, beta_of = c.decode_alpha, c.decode_beta
-
-    def admit(r):
-        nonlocal n, base
-        if first[r] < 0:
-            first[r] = now
-        d = left[r] - 1                            # the prefill produced one token
-        if d <= 0:
-            done[r] = now
-            return
-        dec[r], start[r], fin[r] = d, step, step + d
-        heapq.heappush(heap, (step + d, r))
-        order.append(r)
-        n += 1
-        base += prompt[r] - step
-
-    def retire(r):
-        nonlocal n, base
-        n -= 1
-        base -= prompt[r] - start.pop(r)
-
-    while True:
-        while ai < na and arrivals[ai][0] <= now:
-            waiting.append(arrivals[ai][1])
-            ai += 1
-        if not waiting and not prefilling and n == 0:
-            if ai >= na:
-                break
-            now = arrivals[ai][0]
-            continue
-        usage = base + n * step
-        # -- admission: whole prompts (vLLM v0) or into the chunked-prefill queue ---------------
-        batch, tok = [], 0
-        while waiting and n + len(batch) + len(prefilling) < max_seqs:
-            r = waiting[0]
-            L = prompt[r]
-            if L > limit:
-                waiting.popleft()
-                done[r] = -2.0
-                continue
-            if chunk == 0 and batch and tok + L > max_tokens:
-                break
-            if usage + reserved + tok + L > limit:
-                break
-            waiting.popleft()
-            batch.append(r)
-            tok += L
-        if chunk:
-            for r in batch:
-                prefilling.append([r, int(prompt[r] * cached)])
-                reserved += prompt[r]
-            batch = []
-        if batch:
-            dt = 0.0 if prefilled else c.prefill([prompt[r] for r in batch], cached)
-            now += dt
-            busy += dt
-            for r in batch:
-                admit(r)
-            continue
-        if prefilling:                               # one mixed step: all decodes + prompt chunks
-            budget, T, pairs, finished = max(0, chunk - n), 0, 0.0, []
-            for item in prefilling:
-                if budget <= 0:
-                    break
-                r, got = item
-                take = min(prompt[r] - got, budget)
-                pairs += take * (got + (take + 1) / 2)
-                T += take
-                budget -= take
-                item[1] = got + take
-                if item[1] >= prompt[r]:
-                    finished.append(r)
-            dt = c.step(n + T, n + len(finished), usage, pairs, T)
-            now += dt
-            busy += dt
-            step += 1
-            k = 0
-        else:
-            if n == 0:                               # blocked with nothing running: wait
-                if ai >= na:
-                    for r in waiting:                # cannot happen unless a prompt never fits
-                        done[r] = -2.0
-                    break
-                now = max(now, arrivals[ai][0])
-                continue
-            while heap and fin.get(heap[0][1]) != heap[0][0]:
-                heapq.heappop(heap)                  # stale entries of preempted requests
-            room = kv_cap - reserved - usage             # admission stops at the watermark, growth at 100%
-            if room < n:                             # KV full: preempt the youngest, recompute later
-                while order[-1] not in start:
-                    order.pop()
-                r = order.pop()
-                d = step - start[r]
-                retire(r)
-                del fin[r]
-                prompt[r] += 1 + d
-                left[r] = dec.pop(r) - d
-                waiting.appendleft(r)
-                continue
-            alpha, beta = alpha_of(n), beta_of(n)
-            k = min(heap[0][0] - step, int(room // n))
-            if not waiting and ai < na:
-                k = min(k, _steps_until(alpha, beta, n, usage, arrivals[ai][0] - now))
-            dt = k * alpha + beta * (k * usage + n * k * (k - 1) / 2)
-            now += dt
-            busy += dt
-            step += k
-            finished = []
-        while heap and heap[0][0] <= step:
-            f, r = heapq.heappop(heap)
-            if fin.get(r) == f:
-                del fin[r]
-                dec.pop(r)
-                retire(r)
-                done[r] = now
-        for r in finished:
-            prefilling.popleft()
-            reserved -= prompt[r]
-            admit(r)
-    return busy
+    inst = _ReplayInstance(c, arrivals, inp, out, first, done, kv_cap, max_seqs, max_tokens, chunk, cached, prefilled)
+    while inst._next():
+        pass
+    return inst.busy
 
 
 def _run_prefill_only(c, arrivals, inp, first, max_tokens, cached=0.0):
@@ -1966,118 +2093,101 @@ def scenario_model(scenario, name):
     return resolve_model(cfg, name=name) if cfg else resolve_model(name)
 
 
-def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
-           chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
-           max_requests=None, engine=DEFAULT_ENGINE, dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
-    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]; an
-    entry may add pp (pipeline stages, default 1), fabric (FABRICS name or GBPS:LATENCY_US, default
-    the GPU's) and nnodes (the nodes of one instance: needed for tp wider than a node)).
-
-    A model's requests go to its placement entries in proportion to `weight` (default: the
-    entry's instance count) and uniformly to the instances of an entry. Throughput of a model
-    is its requests over the time its last request finishes; total_req_s sums the models (as
-    the seed paper reports it). Options: arrival "gamma" with `cv` (bursty), chunked prefill,
-    a prefix-cache hit ratio, and disaggregation={"prefill_share": 0.5, "kv_GBps": 25}.
-    """
-    if not 0 <= prefix_hit < 1:
-        raise SimError("prefix_hit must be in [0, 1)")
-    per_node = {resolve_gpu(g["type"]).name: int(g.get("per_node") or 0) for g in scenario.get("gpus", [])}
+def _replay_workload(scenario, seed, arrival, cv, duration_s, max_requests):
+    """The scenario's requests: ({model: [rid]}, arrival times, input and output lengths by rid)."""
     reqs_by_model = workload_requests(scenario, seed, arrival, cv, duration_s)
     if max_requests:
         reqs_by_model = {m: r[:max_requests] for m, r in reqs_by_model.items()}
-    arrival_t, inp, out, owner = [], [], [], []
+    arrival_t, inp, out, by_model = [], [], [], {}
     for name, reqs in reqs_by_model.items():
         model = scenario_model(scenario, name)
+        by_model[name] = []
         for t, i, o in reqs:
-            i = max(1, min(i, model.max_position_embeddings - o))   # the engine's max_model_len
+            by_model[name].append(len(arrival_t))
             arrival_t.append(t)
-            inp.append(i)
+            inp.append(max(1, min(i, model.max_position_embeddings - o)))   # the engine's max_model_len
             out.append(o)
-            owner.append(name)
-    total = len(arrival_t)
-    first, done = [-1.0] * total, [-1.0] * total
+    return by_model, arrival_t, inp, out
+
+
+def _replay_entry(scenario, name, e, per_node, dtype, engine, cal, disaggregation):
+    """One placement entry of model `name`: (cost, KV capacity, token budget, instances,
+    (prefill, decode) instances when disaggregated, the entry)."""
+    model = scenario_model(scenario, name)
+    gpu = resolve_gpu(e["gpu"])
+    tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
+    check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp,
+                 nnodes=e.get("nnodes"))
+    c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
+    mt = _batched_tokens(model)
+    cap = c.kv_capacity_tokens(mt)
+    if cap <= 0:
+        raise SimError(f"{model.name} does not fit on {gpu.name} with tp={tp}")
+    k = int(e.get("instances", 1))
+    split = None
+    if disaggregation and k >= 2:
+        p = min(k - 1, max(1, round(k * float(disaggregation.get("prefill_share", 0.5)))))
+        split = (p, k - p)
+    return c, cap, mt, k, split, e
+
+
+def _replay_instances(scenario, placement, by_model, arrival_t, rng, per_node, dtype, engine, cal, disaggregation):
+    """Every instance with the arrivals routed to it: [(cost, [(time, rid)], KV capacity,
+    token budget, split, index in its entry, entry)], and {id(entry): its instances' indices}.
+    A model's requests go to its entries by weight, uniformly to an entry's instances."""
     entries = {}
     for e in placement:
-        if int(e.get("instances", 1)) <= 0:
-            continue
-        entries.setdefault(e["model"], []).append(e)
-    rng = random.Random(f"route:{seed}")
-    instances = []        # (cost, arrivals, role, kv_cap, max_tokens)
-    by_model = {}
-    for name in reqs_by_model:
-        by_model[name] = [r for r in range(total) if owner[r] == name]
-    index_of = {}
+        if int(e.get("instances", 1)) > 0:
+            entries.setdefault(e["model"], []).append(e)
+    instances, index_of = [], {}
     for name, rids in by_model.items():
         es = entries.get(name, [])
         if not es:
             continue
-        model = scenario_model(scenario, name)
         weights = [float(e.get("weight", e.get("instances", 1))) for e in es]
         if sum(weights) <= 0:
             raise SimError(f"placement weights of {name} sum to zero")
-        cum = []
-        acc = 0.0
-        for w in weights:
-            acc += w
-            cum.append(acc)
-        slots = []
-        for e in es:
-            gpu = resolve_gpu(e["gpu"])
-            tp, pp = int(e.get("tp", 1)), int(e.get("pp", 1))
-            check_config(model, gpu, tp, per_node=per_node.get(gpu.name) or max(tp, gpu.per_node), pp=pp,
-                         nnodes=e.get("nnodes"))
-            c = _cost_for(model, gpu, tp, dtype, engine, cal, pp, e.get("fabric"))
-            mt = _batched_tokens(model)
-            cap = c.kv_capacity_tokens(mt)
-            if cap <= 0:
-                raise SimError(f"{model.name} does not fit on {gpu.name} with tp={tp}")
-            k = int(e.get("instances", 1))
-            split = None
-            if disaggregation and k >= 2:
-                p = min(k - 1, max(1, round(k * float(disaggregation.get("prefill_share", 0.5)))))
-                split = (p, k - p)
-            slots.append((c, cap, mt, k, split, e))
+        cum = list(itertools.accumulate(weights))
+        slots = [_replay_entry(scenario, name, e, per_node, dtype, engine, cal, disaggregation) for e in es]
         lists = [[[] for _ in range(s[3])] for s in slots]
         for r in rids:
-            j = bisect.bisect_right(cum, rng.random() * acc)
-            j = min(j, len(slots) - 1)
+            j = min(bisect.bisect_right(cum, rng.random() * cum[-1]), len(slots) - 1)
             lists[j][rng.randrange(slots[j][3])].append(r)
         for (c, cap, mt, _k, split, e), per_inst in zip(slots, lists):
             for q, rl in enumerate(per_inst):
                 index_of.setdefault(id(e), []).append(len(instances))
                 instances.append((c, [(arrival_t[r], r) for r in rl], cap, mt, split, q, e))
-    sim_kw = dict(max_seqs=max_num_seqs, cached=prefix_hit)
-    chunk = chunk_tokens if chunked_prefill else 0
-    busy_by_instance = []
-    # disaggregated entries: the first `p` instances prefill, the rest decode
-    handled = set()
-    for c, arr, cap, mt, split, _q, e in instances:
-        if split is None:
-            busy = _run_instance(c, arr, inp, out, first, done, kv_cap=cap, max_tokens=mt, chunk=chunk, **sim_kw)
-            busy_by_instance.append(busy)
-            continue
-        if id(e) in handled:
-            continue
-        handled.add(id(e))
-        group = [instances[i] for i in index_of[id(e)]]
-        p, d = split
-        kv_link = float(disaggregation.get("kv_GBps", KV_TRANSFER_GBps)) * 1e9
-        all_arr = sorted(a for g in group for a in g[1])
-        pre = [[] for _ in range(p)]
-        for j, a in enumerate(all_arr):
-            pre[j % p].append(a)
-        for lst in pre:
-            _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
-        dec = [[] for _ in range(d)]
-        for _, r in all_arr:
-            ready = first[r] + inp[r] * c.kv_bytes_per_instance_token / kv_link
-            dec[rng.randrange(d)].append((ready, r))
-        for lst in dec:
-            lst.sort()
-            busy_by_instance.append(_run_instance(c, lst, inp, out, first, done, kv_cap=cap, max_tokens=mt,
-                                                  chunk=0, prefilled=True, **sim_kw))
-    # -- results ---------------------------------------------------------------------------------
-    result = {"requests": total, "per_model_req_s": {}, "per_model": {}}
+    return instances, index_of
+
+
+def _replay_disaggregated(group, split, inp, out, first, done, rng, disaggregation, prefix_hit, sim_kw):
+    """An entry's instances split into prefill and decode ones: prompts round-robin to the
+    prefill instances, then each request's KV over the link to a random decode instance.
+    Returns the decode instances' busy seconds."""
+    c, mt = group[0][0], group[0][3]
+    p, d = split
+    kv_link = float(disaggregation.get("kv_GBps", KV_TRANSFER_GBps)) * 1e9
+    all_arr = sorted(a for g in group for a in g[1])
+    pre = [[] for _ in range(p)]
+    for j, a in enumerate(all_arr):
+        pre[j % p].append(a)
+    for lst in pre:
+        _run_prefill_only(c, lst, inp, first, mt, prefix_hit)
+    dec = [[] for _ in range(d)]
+    for _, r in all_arr:
+        ready = first[r] + inp[r] * c.kv_bytes_per_instance_token / kv_link
+        dec[rng.randrange(d)].append((ready, r))
+    busy = []
+    for lst in dec:
+        lst.sort()
+        busy.append(_run_instance(c, lst, inp, out, first, done, kv_cap=group[0][2], max_tokens=mt,
+                                  chunk=0, prefilled=True, **sim_kw))
+    return busy
+
+
+def _replay_results(by_model, arrival_t, first, done):
+    """Throughput and latency per model and in all (done -2: rejected, -1: never served)."""
+    result = {"requests": len(arrival_t), "per_model_req_s": {}, "per_model": {}}
     all_e2e, all_ttft, last = [], [], 0.0
     completed = rejected = unserved = 0
     for name, rids in by_model.items():
@@ -2101,8 +2211,45 @@ def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_pr
     result["total_req_s"] = sum(result["per_model_req_s"].values())
     result["overall_req_s"] = completed / last if last > 0 else 0.0
     result.update(_latency_stats(all_e2e, all_ttft))
-    result.update(completed=completed, rejected=rejected, unserved=unserved, makespan_s=last,
-                  instances=len(instances), instance_busy_s=sum(busy_by_instance))
+    result.update(completed=completed, rejected=rejected, unserved=unserved, makespan_s=last)
+    return result
+
+
+def replay(scenario, placement, seed=0, *, arrival="poisson", cv=1.0, chunked_prefill=False,
+           chunk_tokens=CHUNK_TOKENS, prefix_hit=0.0, disaggregation=None, duration_s=None,
+           max_requests=None, engine=DEFAULT_ENGINE, dtype=None, max_num_seqs=MAX_NUM_SEQS, cal=None) -> dict:
+    """Replay the scenario's workload on `placement` ([{model, gpu, tp, instances, weight}]; an
+    entry may add pp (pipeline stages, default 1), fabric (FABRICS name or GBPS:LATENCY_US, default
+    the GPU's) and nnodes (the nodes of one instance: needed for tp wider than a node)).
+
+    A model's requests go to its placement entries in proportion to `weight` (default: the
+    entry's instance count) and uniformly to the instances of an entry. Throughput of a model
+    is its requests over the time its last request finishes; total_req_s sums the models (as
+    the seed paper reports it). Options: arrival "gamma" with `cv` (bursty), chunked prefill,
+    a prefix-cache hit ratio, and disaggregation={"prefill_share": 0.5, "kv_GBps": 25}.
+    """
+    if not 0 <= prefix_hit < 1:
+        raise SimError("prefix_hit must be in [0, 1)")
+    per_node = {resolve_gpu(g["type"]).name: int(g.get("per_node") or 0) for g in scenario.get("gpus", [])}
+    by_model, arrival_t, inp, out = _replay_workload(scenario, seed, arrival, cv, duration_s, max_requests)
+    first, done = [-1.0] * len(arrival_t), [-1.0] * len(arrival_t)
+    rng = random.Random(f"route:{seed}")
+    instances, index_of = _replay_instances(scenario, placement, by_model, arrival_t, rng, per_node, dtype,
+                                            engine, cal, disaggregation)
+    sim_kw = dict(max_seqs=max_num_seqs, cached=prefix_hit)
+    chunk = chunk_tokens if chunked_prefill else 0
+    busy_by_instance = []
+    handled = set()                  # disaggregated entries: the first `p` instances prefill, the rest decode
+    for c, arr, cap, mt, split, _q, e in instances:
+        if split is None:
+            busy_by_instance.append(_run_instance(c, arr, inp, out, first, done, kv_cap=cap, max_tokens=mt,
+                                                  chunk=chunk, **sim_kw))
+        elif id(e) not in handled:
+            handled.add(id(e))
+            busy_by_instance += _replay_disaggregated([instances[i] for i in index_of[id(e)]], split, inp, out,
+                                                      first, done, rng, disaggregation, prefix_hit, sim_kw)
+    result = _replay_results(by_model, arrival_t, first, done)
+    result.update(instances=len(instances), instance_busy_s=sum(busy_by_instance))
     return result
 
 
@@ -2188,13 +2335,9 @@ def load_calibration(path=None, check_roofline=True):
     return rows
 
 
-def _check_row(row, where, check_roofline):
-    if any(row.get(c) in (None, "") for c in REQUIRED_COLUMNS if c not in ("batch", "input_len", "output_len")):
-        raise SimError(f"{where}: empty {', '.join(c for c in REQUIRED_COLUMNS if not row.get(c))}")
-    if row["metric"] not in METRICS:
-        raise SimError(f"{where}: unknown metric {row['metric']!r}; known: {', '.join(METRICS)}")
+def _row_numbers(row, where):
+    """(value, tp) of a row; SimError when one of its numeric columns is not a number."""
     try:
-        value, tp = float(row["value"]), int(row["tp"])
         if row["metric"] != SUSTAINED:
             if row["batch"].strip() != "max":
                 int(row["batch"])
@@ -2202,8 +2345,17 @@ def _check_row(row, where, check_roofline):
             int(row["input_len"])
             if row["metric"] != "decode_throughput" or row["output_len"].strip().isdigit():
                 int(row["output_len"])
+        return float(row["value"]), int(row["tp"])
     except (TypeError, ValueError):
         raise SimError(f"{where}: value, tp, batch, input_len and output_len must be numbers") from None
+
+
+def _check_row(row, where, check_roofline):
+    if any(row.get(c) in (None, "") for c in REQUIRED_COLUMNS if c not in ("batch", "input_len", "output_len")):
+        raise SimError(f"{where}: empty {', '.join(c for c in REQUIRED_COLUMNS if not row.get(c))}")
+    if row["metric"] not in METRICS:
+        raise SimError(f"{where}: unknown metric {row['metric']!r}; known: {', '.join(METRICS)}")
+    value, tp = _row_numbers(row, where)
     if not value > 0 or tp < 1:
         raise SimError(f"{where}: value must be > 0 and tp >= 1")
     try:
@@ -3016,9 +3168,12 @@ def continued_prompt(messages):
     return head + done, head, count_tokens(done)
 
 
+OUTPUT_TOKENS = tuple(" " + w for w in OUTPUT_WORDS)
+
+
 def output_token(prompt_key, i):
     """The i-th generated token of a prompt whose CRC-32 is `prompt_key`."""
-    return " " + OUTPUT_WORDS[(prompt_key + i * 7) % len(OUTPUT_WORDS)]
+    return OUTPUT_TOKENS[(prompt_key + i * 7) % len(OUTPUT_TOKENS)]
 
 
 class PrefixCache:
@@ -3151,10 +3306,12 @@ class EngineCore:
     complete_run(step, ends) for a run of decode steps planned at once (EmulatedServer._run_ahead)."""
 
     def __init__(self, cost, num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=SERVE_BATCHED_TOKENS_SMALL,
-                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False):
+                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False, mix_prefill=True):
         """`slots`: llama.cpp's prefix cache (one per slot, max_num_seqs slots; the block pool
-        then only counts KV) instead of vLLM's shared block cache."""
+        then only counts KV) instead of vLLM's shared block cache. `mix_prefill`: prompt chunks
+        ride in decode steps (vLLM V1); off, prompts run in steps of their own first (SGLang)."""
         self.cost, self.block_size = cost, block_size
+        self.mix_prefill = mix_prefill
         # a decode-only step from the cost's per-batch-size constant, as estimate times it (StepCost
         # and LinearStepCost: decode_alpha(n) + beta x context; a dict look-up, not the roofline's
         # dozen operators every step: most of a streamed token's CPU is its step's, from cold caches)
@@ -3226,11 +3383,9 @@ class EngineCore:
         self.waiting.appendleft(req)
         self.preemptions += 1
 
-    def _admit_to_slot(self, req, budget):
-        """llama.cpp's admission: an idle slot by prefix similarity, else by age (the rule at
-        SLOT_PROMPT_SIMILARITY); the slot's common prefix with the prompt is reused."""
-        tokens = req.tokens
-
+    def _pick_slot(self, tokens):
+        """llama.cpp's slot choice: an idle slot by prefix similarity, else by age (the rule at
+        SLOT_PROMPT_SIMILARITY). (slot, its common prefix with `tokens`), or (None, 0)."""
         def common(slot):
             n, cached = 0, slot[0]
             limit = min(len(cached), len(tokens))
@@ -3243,13 +3398,18 @@ class EngineCore:
                 n = common(s)
                 if n / len(tokens) > max(best, SLOT_PROMPT_SIMILARITY):
                     slot, best, shared = s, n / len(tokens), n
+        if slot is not None:
+            return slot, shared
+        for s in self.slots:
+            if s[1] is None and (slot is None or s[2] <= slot[2]):
+                slot = s
+        return slot, (common(slot) if slot is not None else 0)
+
+    def _admit_to_slot(self, req, budget):
+        """llama.cpp's admission: the slot _pick_slot chooses, its common prefix with the prompt reused."""
+        slot, shared = self._pick_slot(req.tokens)
         if slot is None:
-            for s in self.slots:
-                if s[1] is None and (slot is None or s[2] <= slot[2]):
-                    slot = s
-            if slot is None:
-                return None
-            shared = common(slot)
+            return None
         cached = min(shared, len(req.tokens) - 1)
         n = min(len(req.tokens) - cached, budget)
         fresh = self.cache.allocate(-(-(cached + n) // self.block_size))
@@ -3286,14 +3446,27 @@ class EngineCore:
         return n
 
     def schedule(self):
-        """The next step, or None when there is nothing to run."""
-        budget = self.max_batched_tokens
+        """The next step, or None when there is nothing to run. Without mix_prefill (SGLang's
+        default scheduler) a step with prompt work in it runs no decodes."""
+        if not self.mix_prefill and (self.waiting or any(len(r.tokens) - r.computed > 1 for r in self.running)):
+            step = self._plan(prefill_only=True)
+            if step is not None:
+                return step
+        return self._plan()
+
+    def _plan_running(self, budget, prefill_only):
+        """The running requests' share of a step (preempting the youngest when blocks run out):
+        (items, budget left, whether one was preempted)."""
         items = []
         preempted = False
         for req in list(self.running):
-            if req.state != "running" or budget <= 0:
-                continue
             n = min(len(req.tokens) - req.computed, budget)
+            if req.state != "running" or budget <= 0 or (prefill_only and n <= 1):
+                continue
+            if req.computed + n <= len(req.blocks) * self.block_size:
+                items.append((req, n))         # its blocks hold the step's tokens already
+                budget -= n
+                continue
             while not self._grow(req, req.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -3303,6 +3476,10 @@ class EngineCore:
             if req.state == "running":
                 items.append((req, n))
                 budget -= n
+        return items, budget, preempted
+
+    def _plan(self, prefill_only=False):
+        items, budget, preempted = self._plan_running(self.max_batched_tokens, prefill_only)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = self._admit(req, budget)
@@ -3341,6 +3518,33 @@ class EngineCore:
             return self.decode_alpha(n) + self.cost.decode_beta(n) * ctx
         return self.cost.step(n, n, ctx, 0.0, 0)
 
+    def run_ends(self, step, start, scale=1.0, single=False):
+        """Planned ends of `step` and of the decode steps after it that change nothing but the
+        tokens: every prompt done in `step`, all running requests in it, nobody waiting, no
+        block short; the run ends with the first step that finishes a request (complete_run
+        catches up on it). `scale` stretches each step; `single`: `step` alone."""
+        ends = [start + step.seconds * scale]
+        items = step.items
+        if single or self.waiting or len(items) != len(self.running) or \
+                any(r.computed + n != len(r.tokens) for r, n in items):
+            return ends
+        n = len(items)
+        ahead = min(min(r.max_tokens - r.generated for r, _ in items), RUN_AHEAD_STEPS)
+        if len(self.cache.free) < n * (ahead // self.block_size + 2):
+            return ends                        # a step ahead might need to preempt
+        ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
+        t = ends[0]
+        if self.decode_alpha is not None:      # decode_seconds, its two terms looked up once
+            alpha, beta = self.decode_alpha(n) * scale, self.cost.decode_beta(n) * scale
+            for i in range(1, ahead):
+                t += alpha + beta * (ctx + i * n)
+                ends.append(t)
+            return ends
+        for i in range(1, ahead):
+            t += self.decode_seconds(n, ctx + i * n) * scale
+            ends.append(t)
+        return ends
+
     def complete(self, step, now):
         """The step ran: KV is computed, full blocks are cached, rows sample a token. Returns
         the requests that got a token (finished ones have state "finished")."""
@@ -3352,12 +3556,11 @@ class EngineCore:
             req.computed += n
             if req.generated == 0 or n > 1:
                 self.prompt_tokens += n
-            while req.registered < min(req.computed // bs, len(req.blocks)):
-                self.cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
-                req.registered += 1
+            if req.registered < req.computed // bs:
+                self._register(req)
             if req.computed < len(req.tokens):
                 continue                       # a prompt chunk: no token yet
-            req.tokens.append(output_token(req.prompt_key, req.generated))
+            req.tokens.append(OUTPUT_TOKENS[(req.prompt_key + req.generated * 7) % len(OUTPUT_TOKENS)])
             req.generated += 1
             self.generation_tokens += 1
             if req.first_token_at is None:
@@ -3374,6 +3577,8 @@ class EngineCore:
         done in the first step, nobody waiting, nobody finishing before the last step, blocks
         free for every step). Returns the requests that got tokens."""
         out = self.complete(step, ends[0])
+        if len(ends) == 1:
+            return out
         reqs = [req for req, _ in step.items if req.state == "running"]    # not one aborted meanwhile
         bs, cache = self.block_size, self.cache
         for req in reqs:                       # the run's tokens, known in advance
@@ -3384,14 +3589,20 @@ class EngineCore:
                     req.blocks += cache.allocate(1)
             for req in reqs:                   # complete(): KV, full blocks cached, one token each
                 req.computed += 1
-                while req.registered < min(req.computed // bs, len(req.blocks)):
-                    cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
-                    req.registered += 1
+                if req.registered < req.computed // bs:
+                    self._register(req)
                 req.generated += 1
                 if req.generated >= req.max_tokens:
                     self._finish(req, now)
             self.generation_tokens += len(reqs)
         return out
+
+    def _register(self, req):
+        """The request's blocks that became full are cached under their content's hash."""
+        bs = self.block_size
+        while req.registered < min(req.computed // bs, len(req.blocks)):
+            self.cache.register(req.blocks[req.registered], req.block_hash(req.registered, bs))
+            req.registered += 1
 
     def _finish(self, req, now):
         self.running.remove(req)
@@ -3416,7 +3627,8 @@ def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, m
             else SERVE_BATCHED_TOKENS_SMALL
     tokens = kv_tokens if kv_tokens is not None else c.kv_capacity_tokens(max_batched_tokens)
     return EngineCore(c, tokens // block_size, block_size, max_batched_tokens, max_num_seqs,
-                      min(max_model_len or model.max_position_embeddings, model.max_position_embeddings))
+                      min(max_model_len or model.max_position_embeddings, model.max_position_embeddings),
+                      mix_prefill=resolve_engine(engine).engine not in SEPARATE_PREFILL_ENGINES)
 
 
 class LinearStepCost:
@@ -3491,6 +3703,212 @@ class LinearStepCost:
             return cls(*(float(profile.get(k, 0.0)) for k in keys))
         except (TypeError, ValueError, AttributeError):
             raise SimError(f"a step profile is a JSON object of numbers: {', '.join(keys)}") from None
+
+
+# --- the load test: a workload through the engine core in virtual time ------------------------
+# The same EngineCore the emulator serves with, driven by a virtual clock: a step ends when its
+# roofline time says, arrivals join at the step boundary after them (the emulator's rule,
+# EmulatedServer._submit), and decode runs are planned at once (EngineCore.run_ends), so minutes
+# of traffic take seconds of CPU. A workload's output lengths are generated in full, as a load
+# test's --ignore-eos makes a real engine do.
+
+# The engine has not kept up when the queue of requests waiting for admission grew, from the
+# second quarter of the arrivals to the last, by more than this share of the requests that
+# arrived in between (a stable engine's queue comes and goes; a saturated one's grows with time).
+SATURATED_GROWTH = 0.02
+# Engines whose scheduler runs prompts in steps of their own, decodes paused meanwhile: SGLang
+# (server_args enable_mixed_chunk False by default: a prefill batch, when there is one, goes first).
+SEPARATE_PREFILL_ENGINES = ("sglang",)
+# What a request spends in the serving stack before its engine core sees it, and after its
+# first token (HTTP, tokenising, the API server's IPC to the engine, detokenising, streaming):
+# the load test adds it to every request's TTFT (and so E2E). Fitted on the fit split of
+# tests/data/load_tests.csv (SGLang on 4 x H200, rates 1, 2 and 4 req/s: measured minus
+# predicted median TTFT 31.7, 35.2 and 50.4 ms; their median), one value for the Python
+# serving stacks of vLLM V1 and SGLang alike; the held-out split tells whether it carries over.
+LOAD_REQUEST_OVERHEAD_S = 0.0352
+# `load`'s exit status when the engine did not keep up (its report is printed all the same).
+LOAD_SATURATED_EXIT = 3
+
+
+def load_arrivals(rate, duration_s, input_len, output_len, seed=0, arrival="poisson", cv=1.0):
+    """[(arrival_s, input_len, output_len)] at `rate` req/s for `duration_s` seconds; the lengths
+    are length specs ({"dist": "normal", "mean":, "std":}, see _length) or plain numbers."""
+    def spec(x):
+        return x if isinstance(x, dict) else {"dist": "fixed", "mean": x}
+    scenario = {"duration_s": duration_s,
+                "workload": [{"model": "load", "rate_rps": rate, "input": spec(input_len), "output": spec(output_len)}]}
+    return workload_requests(scenario, seed, arrival, cv)["load"]
+
+
+def read_trace(path):
+    """An arrival trace: JSON lines (or one JSON list) of {arrival_s, input_len, output_len}."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise SimError(f"{path}: {e.strerror}") from None
+    try:
+        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        out = sorted((float(r["arrival_s"]), int(r["input_len"]), int(r["output_len"])) for r in rows)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SimError(f"{path}: a trace is JSON lines of {{arrival_s, input_len, output_len}} ({e})") from None
+    if not out or any(t < 0 or i < 1 or o < 1 for t, i, o in out):
+        raise SimError(f"{path}: a trace needs requests with arrival_s >= 0 and lengths >= 1")
+    return out
+
+
+def _load_request(i, arrival, inp, out, prefix):
+    """Request i: the shared prefix (the first `prefix` tokens of every prompt), then tokens of
+    its own, as distinct integers (the prefix cache hashes them, nothing reads them)."""
+    own = range((i + 1) << 32, ((i + 1) << 32) + max(1, inp - prefix))
+    return EmulatedRequest(i, [*range(min(prefix, inp - 1)), *own], out, arrival, prompt_key=i)
+
+
+def run_load(core, arrivals, shared_prefix=0, delay=0.0):
+    """Run `arrivals` [(arrival_s, input_len, output_len)] through `core` in virtual time, each
+    reaching the core `delay` seconds after it was sent (its .sent); the finished requests, and
+    the waiting queue each arrival found."""
+    reqs = [_load_request(i, t + delay, inp, out, shared_prefix) for i, (t, inp, out) in enumerate(arrivals)]
+    for req, (t, _, _) in zip(reqs, arrivals):
+        req.sent = t
+    for req in reqs:
+        core.check(req)
+    queue = []
+    now, i, n = 0.0, 0, len(reqs)
+    while True:
+        while i < n and reqs[i].arrival <= now:
+            queue.append(len(core.waiting))
+            core.add(reqs[i])
+            i += 1
+        step = core.schedule()
+        if step is None:
+            if i == n:
+                return reqs, queue
+            now = reqs[i].arrival
+            continue
+        # an arrival ends the run with the step it falls in
+        ends = core.run_ends(step, now, single=i < n and reqs[i].arrival < now + step.seconds)
+        if i < n and len(ends) > 1:
+            del ends[bisect.bisect_right(ends, reqs[i].arrival) + 1:]
+        core.complete_run(step, ends)
+        now = ends[-1]
+        for req, _ in step.items:
+            if req.state == "finished":
+                req.tokens = req.hashes = None  # a long run's memory: only the times are read
+
+
+def _stats_ms(xs):
+    xs = sorted(xs)
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    return {"mean": sum(xs) / len(xs) * 1e3, "p50": _percentile(xs, 0.5) * 1e3,
+            "p90": _percentile(xs, 0.9) * 1e3, "p99": _percentile(xs, 0.99) * 1e3}
+
+
+def saturated(queue):
+    """Whether the waiting queue grew over the run (SATURATED_GROWTH), from the queue lengths
+    the arrivals found, in order."""
+    n = len(queue)
+    if n < 8:
+        return False
+    second = queue[n // 4:n // 2]
+    last = queue[3 * n // 4:]
+    growth = sum(last) / len(last) - sum(second) / len(second)
+    return growth > max(1.0, SATURATED_GROWTH * n / 2)
+
+
+def load_report(reqs, queue, duration_s=None):
+    """TTFT, ITL (a request's mean gap between tokens), E2E, throughput and saturation."""
+    ttft = [r.first_token_at - r.sent for r in reqs]
+    e2e = [r.finished_at - r.sent for r in reqs]
+    itl = [(r.finished_at - r.first_token_at) / (r.generated - 1) for r in reqs if r.generated > 1]
+    span = max(r.finished_at for r in reqs) - min(r.sent for r in reqs)
+    offered = duration_s or max(r.sent for r in reqs) or 1.0
+    tokens = sum(r.generated for r in reqs)
+    hits = sum(r.cached_tokens or 0 for r in reqs) / max(1, sum(r.prompt_len for r in reqs))
+    return {"requests": len(reqs), "offered_req_s": len(reqs) / offered,
+            "throughput_req_s": len(reqs) / span if span > 0 else 0.0,
+            "output_tok_s": tokens / span if span > 0 else 0.0,
+            "ttft_ms": _stats_ms(ttft), "itl_ms": _stats_ms(itl), "e2e_ms": _stats_ms(e2e),
+            "prefix_hit_rate": hits, "max_waiting": max(queue, default=0), "saturated": saturated(queue)}
+
+
+def load_test(model, gpu, tp=1, arrivals=(), shared_prefix=0, engine=SERVE_ENGINE, duration_s=None, **core_args):
+    """A load test of `model` on `tp` x `gpu` (serve_core's engine; core_args go to serve_core):
+    load_report of `arrivals` run through it in virtual time."""
+    core = serve_core(model, gpu, tp, engine, **core_args)
+    if not arrivals:
+        raise SimError("the workload has no requests (raise --rate or --duration)")
+    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S), duration_s)
+
+
+# --- load tests against published ones (tests/data/load_tests.csv) ----------------------------
+# A row is one metric of one published load test: engine, model, GPU, tp, Poisson rate (or
+# "inf": every prompt at once), prompts, lengths (N, or U(lo;hi): uniform, as SGLang's random
+# dataset draws them with range ratio 0). Its split was chosen by GPU before anything was fitted
+# on load tests: the H100 rows are held out, the others are for fitting.
+LOAD_TESTS_CSV = os.path.join(_HERE, "tests", "data", "load_tests.csv")
+# SGLang admits requests while its KV pool has room (max_running_requests follows the pool);
+# vLLM stops at max_num_seqs. The load rows' engines' admission limits, where a row sets none.
+LOAD_MAX_SEQS = {"sglang": 4096, "vllm": MAX_NUM_SEQS}
+
+
+def _load_length(text):
+    m = re.fullmatch(r"\s*U\(\s*(\d+)\s*;\s*(\d+)\s*\)\s*", text)
+    if m:
+        return {"dist": "uniform", "min": int(m.group(1)), "max": int(m.group(2))}
+    return {"dist": "fixed", "mean": float(text)}
+
+
+def _load_row_core_args(row, model, gpu, engine):
+    """serve_core's arguments for a row: its admission limit, token budget and KV pool."""
+    args = {"max_num_seqs": int(row["max_num_seqs"] or LOAD_MAX_SEQS[resolve_engine(engine).engine])}
+    if row["max_num_batched_tokens"]:
+        args["max_batched_tokens"] = int(row["max_num_batched_tokens"])
+    if row["gpu_memory_utilization"]:
+        c = _cost_for(model, gpu, int(row["tp"]), None, engine)
+        budget = args.get("max_batched_tokens", SERVE_BATCHED_TOKENS_LARGE)
+        free = float(row["gpu_memory_utilization"]) * gpu.memory_gb * 1e9 - c.weights_bytes - c.reserve_bytes(budget)
+        args["kv_tokens"] = max(BLOCK_SIZE, int(free // c.kv_bytes_per_token))
+    return args
+
+
+def predict_load_test(row, seed=0):
+    """load_test's report for one published load test (a load_tests.csv row)."""
+    model, gpu, engine = resolve_model(row["model"]), resolve_gpu(row["gpu"]), row["engine"]
+    n, rate = int(row["num_prompts"]), row["rate_rps"].strip()
+    inp, out = _load_length(row["input_len"]), _load_length(row["output_len"])
+    if rate == "inf":
+        rng = random.Random(seed)
+        arrivals = [(0.0, _length(rng, inp, INPUT_FLOOR), _length(rng, out, 1)) for _ in range(n)]
+    else:
+        arrivals = load_arrivals(float(rate), n / float(rate), inp, out, seed)
+    return load_test(model, gpu, int(row["tp"]), arrivals, 0, engine,
+                     **_load_row_core_args(row, model, gpu, engine))
+
+
+def validate_load_tests(path=LOAD_TESTS_CSV):
+    """Predicted against measured for every load_tests.csv row: {"rows": [...], "splits":
+    {split: {metric: summary}}}; a row's test is run once for all its metrics."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    reports, out = {}, []
+    for row in rows:
+        if row["id"] not in reports:
+            reports[row["id"]] = predict_load_test(row)
+        r = reports[row["id"]]
+        kind, stat = row["metric"].rsplit("_", 1)[0].rsplit("_", 1)
+        predicted = r[f"{kind}_ms"][stat]
+        out.append({"id": row["id"], "metric": row["metric"], "split": row["split"], "measured": float(row["value"]),
+                    "predicted": predicted, "error": predicted / float(row["value"]) - 1,
+                    "saturated": r["saturated"], "engine": row["engine"], "source": row["source_locator"]})
+    splits = {}
+    for split in sorted({o["split"] for o in out}):
+        mine = [o for o in out if o["split"] == split]
+        by = {m: _summary([o["error"] for o in mine if o["metric"].split("_")[0] == m]) for m in ("ttft", "itl", "e2e")}
+        by["all"] = _summary([o["error"] for o in mine])
+        splits[split] = {k: v for k, v in by.items() if v["n"]}
+    return {"rows": out, "splits": splits}
 
 
 # --- multi-node: the ranks of one engine and their links --------------------------------------
@@ -3835,32 +4253,10 @@ class EmulatedServer:
         self._start_step()
 
     def _run_ahead(self, step, start):
-        """Planned ends of `step` and of the decode steps after it that change nothing but the
-        tokens: every prompt done in `step`, all running requests in it, nobody waiting or
-        arriving, no block short; the run ends with the first step that finishes a request.
-        Every step's time is stretched by time_scale here, the one place emulated time passes."""
-        scale = self.time_scale
-        ends = [start + step.seconds * scale]
-        items, core = step.items, self.core
-        if core.waiting or self.inbox or len(items) != len(core.running) or \
-                any(r.computed + n != len(r.tokens) for r, n in items):
-            return ends
-        n = len(items)
-        ahead = min(min(r.max_tokens - r.generated for r, _ in items), RUN_AHEAD_STEPS)
-        if len(core.cache.free) < n * (ahead // core.block_size + 2):
-            return ends                        # a step ahead might need to preempt
-        ctx = sum(len(r.tokens) for r, _ in items)     # step i attends over each one's tokens + i
-        t = ends[0]
-        if core.decode_alpha is not None:      # decode_seconds, its two terms looked up once
-            alpha, beta = core.decode_alpha(n) * scale, core.cost.decode_beta(n) * scale
-            for i in range(1, ahead):
-                t += alpha + beta * (ctx + i * n)
-                ends.append(t)
-            return ends
-        for i in range(1, ahead):
-            t += core.decode_seconds(n, ctx + i * n) * scale
-            ends.append(t)
-        return ends
+        """Planned ends of `step` and of the decode steps after it (EngineCore.run_ends), none
+        after it while an arrival waits to join. Every step's time is stretched by time_scale
+        here, the one place emulated time passes."""
+        return self.core.run_ends(step, start, self.time_scale, single=bool(self.inbox))
 
     def _submit(self, req):
         self.core.check(req)
@@ -4186,44 +4582,58 @@ def _usage(req):
             "prompt_tokens_details": {"cached_tokens": req.cached_tokens or 0}}
 
 
+def _serve_layout(a):
+    """The multi-node layout `serve` was asked for (None: one process); SimError when the
+    flags do not make one."""
+    if not (a.nnodes > 1 or a.pp > 1 or a.dist_init_addr):
+        return None
+    if a.step_profile:
+        raise SimError("--step-profile times one process; it does not take --pp or --nnodes")
+    layout = dist_layout(resolve_model(a.model), resolve_gpu(a.gpu), a.tp, a.pp, a.nnodes)
+    if not 0 <= a.node_rank < a.nnodes:
+        raise SimError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
+    if a.nnodes > 1 and not a.dist_init_addr:
+        raise SimError("--nnodes above 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
+    if a.nnodes > 1:
+        _split_addr(a.dist_init_addr)
+    return layout
+
+
+def _serve_engine_core(a, engine):
+    """The EngineCore `serve` runs: timed by a step profile, or by the roofline's StepCost."""
+    if a.step_profile:
+        if a.kv_tokens is None:
+            raise SimError("--step-profile needs --kv-tokens (the engine's context size)")
+        cost = LinearStepCost.from_profile(read_json(a.step_profile))
+        return EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
+                          a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
+                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
+    core = serve_core(resolve_model(a.model), a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
+                      a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
+    core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
+    return core
+
+
+def _open_request_log(path):
+    if not path:
+        return None
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:
+        raise SimError(f"--request-log {path}: {e.strerror}") from None
+
+
 def _cmd_serve(a):
     import asyncio
     import signal
     engine = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
-    layout = None
-    if a.nnodes > 1 or a.pp > 1 or a.dist_init_addr:
-        if a.step_profile:
-            raise SimError("--step-profile times one process; it does not take --pp or --nnodes")
-        layout = dist_layout(resolve_model(a.model), resolve_gpu(a.gpu), a.tp, a.pp, a.nnodes)
-        if not 0 <= a.node_rank < a.nnodes:
-            raise SimError(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
-        if a.nnodes > 1 and not a.dist_init_addr:
-            raise SimError("--nnodes above 1 needs --dist-init-addr HOST:PORT (rank 0's address)")
-        if a.nnodes > 1:
-            _split_addr(a.dist_init_addr)
+    layout = _serve_layout(a)
     if layout and a.node_rank > 0:
         return _serve_member(a, layout)
-    if a.step_profile:
-        model = resolve_model(a.model)
-        if a.kv_tokens is None:
-            raise SimError("--step-profile needs --kv-tokens (the engine's context size)")
-        cost = LinearStepCost.from_profile(read_json(a.step_profile))
-        core = EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
-                          a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
-                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
-    else:
-        model = resolve_model(a.model)
-        core = serve_core(model, a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
-                          a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
-        core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
+    model = resolve_model(a.model)
+    core = _serve_engine_core(a, engine)
     served = a.served_model_name or a.model
-
-    log = None
-    if a.request_log:
-        try:
-            log = open(a.request_log, "a", buffering=1)
-        except OSError as e:
-            raise SimError(f"--request-log {a.request_log}: {e.strerror}") from None
+    log = _open_request_log(a.request_log)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -4566,12 +4976,17 @@ def _print_validation(v):
         _print_summary_line("held out of every fit (never seen)", v["held_out_summary"])
         for engine, summary in v.get("held_out_by_engine", {}).items():
             _print_summary_line(f"  of them {engine}", summary)
-    logo = v.get("logo")
+    _print_groups(v["groups"], v.get("logo"))
+    _print_summary_line("in-sample, all rows", v["summary"]["all"])
+
+
+def _print_groups(groups, logo):
+    """The per-group table, in sample and left out, and the leave-one-group-out summary."""
     print()
     print("in-sample and leave-one-group-out (refit without the group, then predict it) |error|:")
     print(f"{'group':42s} {'n':>3s}  {'in-sample median/max':>22s}  {'left out median/max':>22s}")
-    for dim, groups in v["groups"].items():
-        for g, s in groups.items():
+    for dim, by in groups.items():
+        for g, s in by.items():
             out = (logo or {}).get("groups", {}).get(dim, {}).get(g)
             held = f"{out['median_abs_error'] * 100:9.1f}% {out['max_abs_error'] * 100:9.1f}%" if out else f"{'-':>22s}"
             print(f"{dim + ' ' + g:42.42s} {s['n']:3d}  {s['median_abs_error'] * 100:9.1f}% "
@@ -4583,7 +4998,6 @@ def _print_validation(v):
                         for g, s in gs.items() for rid, e in s["errors"].items()), reverse=True)[:5]
         print("worst left-out rows: " + "; ".join(f"{rid} {e * 100:+.1f}% (left out with {grp})"
                                                   for _a, e, rid, grp in worst))
-    _print_summary_line("in-sample, all rows", v["summary"]["all"])
 
 
 def _cmd_validate(a):
@@ -4647,6 +5061,77 @@ def _cmd_probe(a):
         print(f"otela_sim.py: probe stored in {a.write}", file=sys.stderr)
     print(json.dumps(result) if a.json else "\n".join(f"{k:22s} {_fmt(v)}" for k, v in result.items()
                                                       if not isinstance(v, dict)))
+
+
+def _cli_length(text):
+    """A length flag: N tokens, or MEAN:STD (normal, clipped at 1)."""
+    parts = text.split(":")
+    try:
+        nums = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MEAN:STD (tokens)") from None
+    if len(nums) > 2 or nums[0] < 1 or (len(nums) == 2 and nums[1] < 0) or not all(map(math.isfinite, nums)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MEAN:STD with N, MEAN >= 1 and STD >= 0")
+    if len(nums) == 1:
+        return {"dist": "fixed", "mean": nums[0]}
+    return {"dist": "normal", "mean": nums[0], "std": nums[1]}
+
+
+def _cmd_load(a):
+    if (a.rate is None) == (a.trace is None):
+        raise SimError("load needs --rate R (with --input-len, --output-len) or --trace FILE, not both")
+    model = resolve_model(read_json(a.config), name=a.model) if a.config else resolve_model(a.model)
+    ev = resolve_engine(a.engine, a.engine_version) if a.engine else ENGINE_VERSIONS[SERVE_ENGINE]
+    if a.trace:
+        arrivals = read_trace(a.trace)
+        duration = arrivals[-1][0]
+    else:
+        arrivals = load_arrivals(a.rate, a.duration, a.input_len, a.output_len, a.seed)
+        duration = a.duration
+    r = load_test(model, a.gpu, a.tp, arrivals, a.shared_prefix, ev.key, duration, pp=a.pp,
+                  max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_num_batched_tokens)
+    r["calibration"] = _cli_coverage(a, ev)
+    if r["saturated"]:
+        print(f"otela_sim.py: {model.name} on {a.tp} x {a.gpu} cannot keep up with {r['offered_req_s']:.3g} req/s: "
+              f"saturated (the waiting queue grew to {r['max_waiting']}; it served {r['throughput_req_s']:.3g} "
+              "req/s)", file=sys.stderr)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        for k, v in r.items():
+            if isinstance(v, dict) and "p50" in v:
+                v = "  ".join(f"{q} {v[q]:.4g}" for q in ("mean", "p50", "p90", "p99"))
+            print(f"{k:18s} {v['note'] if k == 'calibration' else _fmt(v)}")
+    return LOAD_SATURATED_EXIT if r["saturated"] else 0
+
+
+def add_load_command(sub):
+    ld = sub.add_parser("load", help="a load test in virtual time: a rate or trace through vLLM V1's scheduler")
+    ld.add_argument("--model", help="Hugging Face id or alias; with --config, a label")
+    ld.add_argument("--config", help="a Hugging Face config.json instead of a built-in model")
+    ld.add_argument("--gpu", required=True, help="the GPU (`otela_sim.py gpus` lists them)")
+    ld.add_argument("--tp", type=_AT_LEAST_1, default=1, help="tensor-parallel GPUs (default 1)")
+    ld.add_argument("--pp", type=_AT_LEAST_1, default=1, help="pipeline stages (default 1)")
+    ld.add_argument("--rate", type=_POSITIVE, default=None, help="Poisson arrivals, requests per second")
+    ld.add_argument("--trace", default=None, metavar="FILE",
+                    help="arrivals instead: JSON lines of {arrival_s, input_len, output_len}")
+    ld.add_argument("--input-len", type=_cli_length, default={"dist": "fixed", "mean": 1024},
+                    help="prompt tokens: N or MEAN:STD (default 1024)")
+    ld.add_argument("--output-len", type=_cli_length, default={"dist": "fixed", "mean": 128},
+                    help="generated tokens, all of them (as --ignore-eos): N or MEAN:STD (default 128)")
+    ld.add_argument("--duration", type=_POSITIVE, default=60.0, help="seconds of arrivals (default 60)")
+    ld.add_argument("--shared-prefix", type=number_type(int, 0), default=0,
+                    help="tokens every prompt starts with (a shared system prompt; default 0)")
+    ld.add_argument("--max-num-seqs", type=_AT_LEAST_1, default=MAX_NUM_SEQS,
+                    help=f"running requests at most (vLLM's default, {MAX_NUM_SEQS})")
+    ld.add_argument("--max-num-batched-tokens", type=_AT_LEAST_1, default=None,
+                    help="token budget a step (default vLLM's: 8192 on a GPU of 70 GB or more, else 2048)")
+    ld.add_argument("--seed", type=int, default=0, help="random seed of arrivals and lengths (default 0)")
+    ld.add_argument("--engine", default=None, help=f"engine version (default {SERVE_ENGINE}, the scheduler modelled)")
+    ld.add_argument("--engine-version", default=None, help="with an engine name: its release (0.10.1)")
+    calibration_flag(ld)
+    ld.add_argument("--json", action="store_true", help="print one JSON object")
+    ld.set_defaults(func=_cmd_load)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -4770,6 +5255,7 @@ def build_parser():
     pr.add_argument("--json", action="store_true", help="print one JSON object")
     pr.set_defaults(func=_cmd_probe)
     add_serve_command(sub)
+    add_load_command(sub)
     for what in ("gpus", "models", "engines"):
         t = sub.add_parser(what, help=f"list the built-in {what}")
         t.set_defaults(func=_cmd_tables, what=what)
@@ -4782,11 +5268,11 @@ def main(argv=None):
         a = crdt.parse_settings(p, argv, None, os.environ)
     except ValueError as err:
         p.error(str(err))
-    if a.cmd == "estimate" and not (a.model or a.config):
-        p.error("estimate needs --model or --config")
+    if a.cmd in ("estimate", "load") and not (a.model or a.config):
+        p.error(f"{a.cmd} needs --model or --config")
     choose_calibration(getattr(a, "calibration", None))   # each run its own (tests call main again)
     try:
-        a.func(a)
+        rc = a.func(a)
         sys.stdout.flush()
     except SimError as err:
         print(f"otela_sim.py: error: {err}", file=sys.stderr)
@@ -4796,7 +5282,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("otela_sim.py: error: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Benchmark of otela_sim: estimate cost per call, Table-1 replay time and result, calibration error.
+"""Benchmark of otela_sim: estimate cost per call, the virtual-time load test's CPU, Table-1 replay time and
+result, calibration error.
 
     .venv/bin/python tests/bench_sim.py [--quick] [--out bench-results]
 
@@ -106,6 +107,16 @@ def bench_left_out_engine(rows, engine):
             "failed": probed["failed"]}
 
 
+def bench_load():
+    """Issue 45's load test: 10 minutes of 20 req/s (Llama-3.1-8B on one H100, prompts
+    Normal(1000, 200), outputs Normal(200, 50)) in virtual time; the target is < 10 s of CPU."""
+    arrivals = sim.load_arrivals(20, 600, {"dist": "normal", "mean": 1000, "std": 200},
+                                 {"dist": "normal", "mean": 200, "std": 50})
+    t0 = time.process_time()
+    r = sim.load_test("llama-3.1-8b", "H100", 1, arrivals, duration_s=600)
+    return {"cpu_s": time.process_time() - t0, "virtual_s": 600, "rate_rps": 20, "report": r}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench-results")
@@ -117,6 +128,25 @@ def main():
     result["estimate"] = est
     print(f"estimate: {est['us_per_call']:.1f} us/call ({est['calls_per_s']:.0f} calls/s); "
           f"cold (cost model rebuilt): {est['cold_us_per_call']:.1f} us/call")
+
+    load = bench_load()
+    result["load_test"] = load
+    print(f"load test: {load['virtual_s']} s of {load['rate_rps']} req/s ({load['report']['requests']} requests) "
+          f"in {load['cpu_s']:.2f} s of CPU (target < 10 s); TTFT p50 {load['report']['ttft_ms']['p50']:.0f} ms, "
+          f"ITL mean {load['report']['itl_ms']['mean']:.1f} ms, saturated {load['report']['saturated']}")
+
+    t0 = time.perf_counter()
+    lv = sim.validate_load_tests(str(DATA / "load_tests.csv"))
+    result["load_tests"] = lv
+    print(f"published load tests (tests/data/load_tests.csv, {len({r['id'] for r in lv['rows']})} tests, "
+          f"{time.perf_counter() - t0:.0f} s; fitted on the fit split: LOAD_REQUEST_OVERHEAD_S alone; target median "
+          "<= 10%, each metric <= 15%, worst <= 60%):")
+    for split, by in lv["splits"].items():
+        print(f"    {split:9s} " + "  ".join(f"{m} n={s['n']} median {s['median_abs_error'] * 100:.1f}% max "
+                                             f"{s['max_abs_error'] * 100:.1f}%" for m, s in by.items()))
+    for r in lv["rows"]:
+        print(f"    {r['id']:26s} {r['metric']:12s} measured {r['measured']:9.2f} predicted {r['predicted']:9.2f} "
+              f"{r['error'] * 100:+6.1f}%{'  (saturated)' if r['saturated'] else ''}")
 
     scenario = json.loads((DATA / "table1_scenario.json").read_text())
     rep = bench_replay(scenario)

@@ -1,0 +1,159 @@
+"""Specification of `otela_sim.py load`: a workload run through the emulator's engine core
+(vLLM V1's scheduler) in virtual time, its latency report, and its one-line answers."""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+import otela_sim as sim
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "otela_sim.py"), "load", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_lone_request_takes_the_estimate_of_a_batch_of_one_behind_the_serving_stack():
+    est = sim.estimate("llama-3.1-8b", "H100", 1, 1, 1024, 128, engine="vllm-v1")
+    r = sim.load_test("llama-3.1-8b", "H100", 1, [(0.0, 1024, 128)])
+    stack = sim.LOAD_REQUEST_OVERHEAD_S * 1e3
+    assert r["ttft_ms"]["mean"] == pytest.approx(est["ttft_ms"] + stack, rel=0.02)
+    assert r["itl_ms"]["mean"] == pytest.approx(est["decode_ms_per_token"], rel=0.02)
+    assert r["e2e_ms"]["mean"] == pytest.approx(est["e2e_ms"] + stack, rel=0.02)
+    assert r["requests"] == 1 and not r["saturated"]
+
+
+def test_sglang_runs_prompts_in_steps_of_their_own_and_vllm_v1_mixes_them_into_decodes():
+    def steps(engine):
+        core = sim.serve_core("llama-3.1-8b", "H100", engine=engine)
+        core.add(sim.EmulatedRequest(0, list(range(64)), 50))
+        core.complete(core.schedule(), 0.0)
+        core.add(sim.EmulatedRequest(1, list(range(100, 164)), 50))
+        return [(r.id, n) for r, n in core.schedule().items]
+    assert steps("vllm-v1") == [(0, 1), (1, 64)]
+    assert steps("sglang") == [(1, 64)]
+
+
+def test_the_load_test_times_every_request_as_the_core_stepped_one_step_at_a_time():
+    arrivals = sim.load_arrivals(8, 5, {"dist": "normal", "mean": 600, "std": 200}, {"dist": "normal", "mean": 60,
+                                                                                      "std": 20}, seed=3)
+    reqs, _ = sim.run_load(sim.serve_core("llama-3.1-8b", "H100"), arrivals)
+    core = sim.serve_core("llama-3.1-8b", "H100")
+    mine = [sim._load_request(i, t, inp, out, 0) for i, (t, inp, out) in enumerate(arrivals)]
+    now, i = 0.0, 0
+    while i < len(mine) or not core.idle():
+        while i < len(mine) and mine[i].arrival <= now:
+            core.add(mine[i])
+            i += 1
+        step = core.schedule()
+        if step is None:
+            now = mine[i].arrival
+            continue
+        now += step.seconds
+        core.complete(step, now)
+    for a, b in zip(reqs, mine):
+        assert a.first_token_at == pytest.approx(b.first_token_at, abs=1e-9)
+        assert a.finished_at == pytest.approx(b.finished_at, abs=1e-9)
+
+
+def test_a_rate_the_engine_holds_is_not_saturated_and_twice_its_capacity_is():
+    light = sim.load_test("llama-3.1-8b", "H100", 1, sim.load_arrivals(5, 60, 1024, 128), duration_s=60)
+    assert not light["saturated"]
+    assert light["throughput_req_s"] == pytest.approx(light["offered_req_s"], rel=0.1)
+    heavy = sim.load_test("llama-3.1-8b", "H100", 1, sim.load_arrivals(80, 60, 1024, 128), duration_s=60)
+    assert heavy["saturated"]
+    assert heavy["throughput_req_s"] < 0.7 * heavy["offered_req_s"]
+    assert heavy["ttft_ms"]["p90"] > 20 * light["ttft_ms"]["p90"]
+
+
+def test_a_shared_system_prompt_is_served_from_the_prefix_cache():
+    r = sim.load_test("llama-3.1-8b", "H100", 1, sim.load_arrivals(4, 30, 1024, 64), shared_prefix=768)
+    assert r["prefix_hit_rate"] == pytest.approx(768 / 1024, abs=0.03)    # all but the first request's
+    cold = sim.load_test("llama-3.1-8b", "H100", 1, sim.load_arrivals(4, 30, 1024, 64))
+    assert cold["prefix_hit_rate"] == 0
+    stack = sim.LOAD_REQUEST_OVERHEAD_S * 1e3                  # the same in both
+    assert r["ttft_ms"]["mean"] - stack < 0.6 * (cold["ttft_ms"]["mean"] - stack)
+
+
+def test_load_prints_percentiles_and_the_engine_calibration_it_used():
+    p = cli("--model", "llama-3.1-8b", "--gpu", "H100", "--rate", "2", "--duration", "20", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"}
+    assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
+    assert r["calibration"]["row"] == "vllm-v1"
+
+
+def test_load_from_a_trace_file(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": t, "input_len": 512, "output_len": 32}) + "\n"
+                             for t in (0.0, 0.5, 1.0)))
+    p = cli("--model", "llama-3.1-8b", "--gpu", "H100", "--trace", str(trace), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["requests"] == 3
+
+
+def test_a_rate_the_engine_cannot_hold_says_saturated_in_one_line_with_status_3():
+    p = cli("--model", "llama-3.1-8b", "--gpu", "H100", "--rate", "80", "--duration", "30")
+    assert p.returncode == sim.LOAD_SATURATED_EXIT
+    assert p.stderr.count("\n") == 1 and "cannot keep up" in p.stderr and "saturated" in p.stderr
+    assert "saturated          True" in p.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--input-len", "200000"], "maximum context length is 131072"),
+    (["--trace", "x.jsonl"], "not both"),
+    (["--input-len", "0"], "--input-len"),
+    (["--output-len", "a:b"], "MEAN:STD"),
+])
+def test_bad_load_input_gets_one_line(args, says):
+    p = cli("--model", "llama-3.1-8b", "--gpu", "H100", "--rate", "1", "--duration", "5", *args)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and says in p.stderr
+    assert p.stdout == ""
+
+
+def decode_step(engine, n, ctx=200):
+    c = sim._cost_for(sim.resolve_model("llama-3-70b"), sim.resolve_gpu("H100"), 4, None, engine)
+    return c.decode_alpha(n) + c.decode_beta(n) * n * ctx
+
+
+def test_70b_tp4_decode_under_v1_grows_with_its_bytes_not_with_nccl_protocols():
+    v1 = decode_step("vllm-v1", 84) / decode_step("vllm-v1", 1)
+    v0 = decode_step("vllm-0.6", 84) / decode_step("vllm-0.6", 1)
+    assert v1 < 1.3 < v0                         # V0 keeps its fitted NCCL rows: +57 %; V1 +24 %
+
+
+def test_v1_all_reduce_is_latency_bound_below_the_custom_all_reduce_size():
+    c = sim._cost_for(sim.resolve_model("llama-3-70b"), sim.resolve_gpu("H100"), 4, None, "vllm-v1")
+    assert c.allreduce(84) - c.allreduce(1) < 0.3 * c.allreduce(1)
+    big = sim.CUSTOM_ALLREDUCE_MAX_BYTES // (8192 * 2) + 1
+    assert c.allreduce(big) > c.ar_lat + c.ar_byte * big     # past it, NCCL's protocols
+
+
+def test_a_v1_decode_step_runs_the_cuda_graph_of_the_next_captured_size():
+    c = sim._cost_for(sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu("H100"), 1, None, "vllm-v1")
+    assert [c.graph_tokens(n) for n in (1, 3, 5, 9, 512, 600)] == [1, 4, 8, 16, 512, 600]
+    def body(n):                                  # the layers: what the graph runs
+        return c.decode_alpha(n) - c.per_seq * n - c._lm_head(n)
+    assert body(9) == pytest.approx(body(16)) and body(16) < body(17)
+
+
+def test_a_vllm_release_with_no_fit_of_its_own_is_flagged_in_the_load_report():
+    p = cli("--model", "llama-3.1-8b", "--gpu", "H100", "--rate", "2", "--duration", "5", "--engine", "vllm",
+            "--engine-version", "0.15.0", "--json")
+    assert p.returncode == 0, p.stderr
+    coverage = json.loads(p.stdout)["calibration"]
+    assert coverage["fitted"] is False and "vllm 0.15.0" in coverage["note"]
+    assert "warning: no fitted calibration row for vllm 0.15.0" in p.stderr
+
+
+def test_a_config_field_that_changes_the_cost_is_refused_by_name(tmp_path):
+    cfg = dict(sim.BUILTIN_CONFIGS["mixtral-8x22b"], sliding_window_pattern=4)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    p = cli("--config", str(path), "--gpu", "H100", "--tp", "8", "--rate", "1", "--duration", "5")
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "sliding_window_pattern" in p.stderr
