@@ -138,6 +138,7 @@ MAX_RECORD_BYTES = 2048       # a record must fit one UDP datagram with room for
 MAX_STRING = 256              # model names and addresses; HF ids are well below this
 MAX_LIST = 64                 # models per session; real engines serve a handful
 MAX_LABELS = 32
+MAX_ADAPTERS = MAX_LIST       # LoRA adapters per session ({name: [base, path]}): each is a model too
 BUCKETS = 256                 # digest buckets: 256 * ~20 bytes is still one datagram, and at
                               # 10,000 sessions one changed bucket holds ~40 records
 MAX_FORGOTTEN = 100_000       # compacted ids remembered: ~10 MB at worst, years of churn at
@@ -240,6 +241,7 @@ def validate(session_id: Any, record: Any) -> bytes:
     for model in models:
         if type(model) is not str or len(model) > MAX_STRING:   # the common case in one test
             _check_string("model name", model)
+    _check_adapters(session_id, record)
     labels = record.get("labels", {})
     if not isinstance(labels, dict) or len(labels) > MAX_LABELS:
         raise RecordError(f"session {session_id}: labels must be an object of at most {MAX_LABELS}")
@@ -255,6 +257,9 @@ def validate(session_id: Any, record: Any) -> bytes:
     for field in ("count", "memory_gb"):
         if field in hardware and (not _is_number(hardware[field]) or hardware[field] < 0):
             raise RecordError(f"session {session_id}: hardware.{field} must be a number >= 0")
+    window = record.get("max_model_len", 1)
+    if type(window) is not int or not 0 < window < 2**31:
+        raise RecordError(f"session {session_id}: max_model_len must be an integer in [1, 2^31)")
     for field in ("capacity", "left_at", "ends_at"):
         if field in record and not _is_number(record[field]):
             raise RecordError(f"session {session_id}: {field} must be a finite number")
@@ -273,6 +278,19 @@ def validate(session_id: Any, record: Any) -> bytes:
         raise RecordError(f"session {session_id}: record is {len(encoded)} bytes, "
                           f"over {MAX_RECORD_BYTES}")
     return encoded
+
+
+def _check_adapters(session_id: str, record: Dict[str, Any]) -> None:
+    """`adapters`: {name: [base, path]} of at most MAX_ADAPTERS, strings of at most MAX_STRING."""
+    adapters = record.get("adapters", {})
+    if not isinstance(adapters, dict) or len(adapters) > MAX_ADAPTERS:
+        raise RecordError(f"session {session_id}: adapters must be an object of at most {MAX_ADAPTERS}")
+    for name, value in adapters.items():
+        _check_string("adapter name", name)
+        if not isinstance(value, list) or len(value) != 2:
+            raise RecordError(f"session {session_id}: adapter {name[:64]!r} must be [base, path]")
+        _check_string("adapter base", value[0])
+        _check_string("adapter path", value[1])
 
 
 # =============================================================================================

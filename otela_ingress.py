@@ -143,7 +143,7 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, unquote, unquote_to_bytes, urlsplit
 
 try:
@@ -1611,7 +1611,8 @@ class Grants:
             return list(models)
         if not isinstance(grant, dict):
             return []
-        return [m for m in models if m in grant["models"]]
+        adapters = record.get("adapters") or {}   # an adapter of a granted base: that base's work
+        return [m for m in models if m in grant["models"] or m in adapters and adapters[m][0] in grant["models"]]
 
     def admits(self, allow: Sequence[str], sid: str, record: Dict[str, Any]) -> bool:
         """Whether a key's allowlist admits the session: by its grant's labels and its id (its
@@ -4483,6 +4484,170 @@ class _Exchange:
 # =============================================================================================
 # The ingress: dispatch, auth, routing, proxy, accounting, GET endpoints
 # =============================================================================================
+# =============================================================================================
+# LoRA adapters loaded and unloaded while serving (vLLM's routes, through the overlay)
+# =============================================================================================
+# POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}
+# take an admin key. They go to the sessions chosen: the one x-otela-session names, else every
+# session of the base model named (the body's `model`, x-otela-model or ?model=; taken out of the
+# body the engine gets), else (an unload) every session that has the adapter. Each node reads its
+# engine's /v1/models again once the answer passed its tunnel, and its record says the adapter
+# with its base; the answer here waits (ADAPTER_SEEN_S at most) until the registry says so, so a
+# request for the adapter right after it is routed.
+ADAPTER_ROUTES = {b"/v1/load_lora_adapter": "load", b"/v1/unload_lora_adapter": "unload"}
+ADAPTER_TIMEOUT_S = 300.0      # a load may fetch the adapter from a hub first
+ADAPTER_SEEN_S = 5.0           # a load's answer waits this long for the nodes' records to say it
+MAX_ADAPTER_PATH = 4096        # a path or hub id; the record keeps it only within crdt.MAX_STRING
+MAX_ADAPTER_ANSWER = 64 * 1024   # bytes of an engine's answer to a load kept for the client
+
+
+async def ask_session(pool: UpstreamPool, candidate: Candidate, target: bytes, body: bytes,
+                      timeout: float) -> Tuple[int, bytes]:
+    """One request of the ingress's own to a session through its tunnel (a new connection, closed
+    after): the answer's status and body (its first MAX_ADAPTER_ANSWER bytes). UpstreamFailure
+    when there is none within `timeout`."""
+    up = await pool.acquire(candidate.addr, True, candidate.pin)
+    arrived = asyncio.Event()
+    up.proto.on_data = arrived.set
+    try:
+        failure = pool.send_request(up, target, False, body)
+        if failure is not None:
+            raise failure
+        deadline = time.monotonic() + timeout
+        head, kept = None, bytearray()
+        while True:
+            head = head or up.parse_head()
+            piece = up.take() if head is not None else b""
+            while piece:
+                kept += piece[:MAX_ADAPTER_ANSWER - len(kept)]
+                piece = up.take()
+            up.resume_reading()
+            if piece is None:
+                return head.status, bytes(kept)
+            if up.proto.eof:
+                if head is None:
+                    raise UpstreamFailure(f"{up.addr}: closed without an answer")
+                up.end_of_stream()
+                return head.status, bytes(kept)
+            arrived.clear()
+            try:
+                await asyncio.wait_for(arrived.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise UpstreamFailure(f"{up.addr}: no answer within {timeout:g} s") from None
+    finally:
+        up.proto.on_data = None
+        up.close()
+        pool.active.discard(up)
+
+
+def model_facts(records: Iterable[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """What /v1/models says of a model beyond its id, from the records of the sessions serving
+    it: an adapter's `parent` and `root` (as vLLM answers them), the largest `max_model_len`."""
+    facts: Dict[str, Dict[str, Any]] = {}
+    for record in records:
+        window = record.get("max_model_len")
+        adapters = record.get("adapters") or {}
+        for model in record.get("models") or ():
+            fact = facts.setdefault(model, {})
+            if model in adapters:
+                fact["parent"], fact["root"] = adapters[model][0], adapters[model][1] or model
+            if window and window > fact.get("max_model_len", 0):
+                fact["max_model_len"] = window
+    return facts
+
+
+def adapter_request(body: bytes, action: str) -> Tuple[Dict[str, Any], str]:
+    """The checked body of a load or unload, and the adapter's name. HTTPError 400 when wrong."""
+    try:
+        request = crdt.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+    if not isinstance(request, dict):
+        raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+    name = request.get("lora_name")
+    if not isinstance(name, str) or not name or len(name) > crdt.MAX_STRING or not name.isprintable():
+        raise HTTPError(400, f"lora_name must be 1-{crdt.MAX_STRING} printable characters", "invalid_parameter",
+                        "lora_name")
+    path = request.get("lora_path")
+    if action == "load" and (not isinstance(path, str) or not path or len(path) > MAX_ADAPTER_PATH):
+        raise HTTPError(400, f"lora_path must be 1-{MAX_ADAPTER_PATH} characters", "invalid_parameter", "lora_path")
+    return request, name
+
+
+class AdapterRoutes:
+    """vLLM's load and unload of LoRA adapters through the ingress (see above), and the load asked
+    first of a base's session for a request naming an adapter no session has (--adapter-on-demand)."""
+
+    def __init__(self, ingress: Ingress, on_demand: bool = False):
+        self.ingress, self.on_demand = ingress, on_demand
+        self.known: Dict[str, Tuple[str, str]] = {}   # adapter -> (base, path): loads seen, records read
+        self.loading: Dict[Tuple[str, str], asyncio.Future] = {}   # (session, adapter) -> its load
+
+    def serve(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], query: bytes, body: bytes) -> None:
+        """A load or unload with its body (its key checked as admin on the head): answered once
+        every chosen session answered (_Client.got)."""
+        client.busy = True
+        action = ADAPTER_ROUTES[path]
+        try:
+            request, name = adapter_request(body, action)
+            base = request.pop("model", None) or self.ingress._model_elsewhere(b"", query, fields, ANONYMOUS)
+            sessions = self._chosen(fields, name, base, action)
+        except HTTPError as exc:
+            client.error(exc)
+            client.finish()
+            return
+        if action == "load" and isinstance(base, str):
+            self.remember(name, base, request["lora_path"])
+        answer = client.waiting = asyncio.ensure_future(self._fan_out(path, crdt.dumps(request), sessions, name,
+                                                                      action))
+        answer.add_done_callback(client.got)
+
+    def _chosen(self, fields: Dict[bytes, bytes], name: str, base: Any, action: str) -> List[Candidate]:
+        ingress, key = self.ingress, ANONYMOUS
+        pin = fields.get(SESSION_HEADER)
+        if pin is not None:
+            return ingress._pinned(pin, ANY_MODEL, key)
+        if isinstance(base, str) and base:
+            return ingress.candidates(base, key)
+        if action == "unload":
+            found = [Candidate(sid, record) for sid, record in ingress.node.registry.items()
+                     if name in (record.get("adapters") or {}) and ingress._routable(sid, record)]
+            if found:
+                return found
+            raise HTTPError(404, f"No session has the adapter '{name}' loaded", "model_not_found", "lora_name")
+        raise HTTPError(400, "Name the base model whose sessions load the adapter (the body's 'model', an "
+                             "x-otela-model header or ?model=), or one session (x-otela-session)",
+                        "missing_model", "model")
+
+    async def _fan_out(self, path: bytes, body: bytes, sessions: List[Candidate], name: str,
+                       action: str) -> Tuple[int, bytes, bytes]:
+        ingress = self.ingress
+        answers = await asyncio.gather(*(ask_session(ingress.pool, c, path, body, ADAPTER_TIMEOUT_S)
+                                         for c in sessions), return_exceptions=True)
+        data, worst = [], 200
+        for candidate, answer in zip(sessions, answers):
+            if isinstance(answer, BaseException):
+                status, text = 502, str(answer)
+            else:
+                status, text = answer[0], answer[1].decode("utf-8", "replace")
+            data.append({"session": candidate.session, "status": status, "message": text})
+            if status >= 300 and (worst < 300 or status > worst):
+                worst = status
+        done = [c.session for c, d in zip(sessions, data) if d["status"] < 300]
+        deadline = time.monotonic() + ADAPTER_SEEN_S
+        while done and time.monotonic() < deadline and not all(
+                (name in ((ingress.node.registry.get(sid) or {}).get("adapters") or {})) == (action == "load")
+                for sid in done):
+            await asyncio.sleep(0.02)
+        return worst, b"application/json", crdt.dumps({"object": "lora_adapter", "lora_name": name,
+                                                       "action": action, "sessions": data})
+
+    def remember(self, name: str, base: str, root: str) -> None:
+        if name not in self.known and len(self.known) >= 4096:   # bounded: adapters of a site
+            self.known.pop(next(iter(self.known)))
+        self.known[name] = (base, root)
+
+
 class Ingress:
     """The HTTP side of the ingress. `node` is an otela_node.Node (or anything with its
     registry, is_suspected, registry_view, tunnel_header, on_change and session_id)."""
@@ -4517,6 +4682,7 @@ class Ingress:
         self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
         self.tls = tls   # the public listener's TLS (--tls-cert, --tls-key; public_tls), None: plain HTTP
         self.tracer: Optional[SpanExporter] = None
+        self.adapters = AdapterRoutes(self)   # LoRA adapters loaded through the ingress
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
@@ -4854,6 +5020,9 @@ class Ingress:
             client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
             return
+        if method == b"POST" and path in ADAPTER_ROUTES:   # (admin keys only: AdapterRoutes)
+            self.authenticate(fields, admin=True)
+            return client.read_body(fields, lambda body: self.adapters.serve(client, path, fields, query, body))
         if method == b"POST" and path in PROXIED_PATHS or method != b"HEAD" and self._passes_through(path):
             if _ENCODED_SEPARATOR.search(path):
                 raise HTTPError(400, f"The path {path.decode('utf-8', 'replace')!r} hides a separator ('%2F', "
@@ -5366,7 +5535,8 @@ class Ingress:
     def _get_models(self, fields, query):
         key = self.authenticate(fields)
         created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
+        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r))
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela", **facts.get(m, {})}
                 for m in self.models(key)]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
 
@@ -5375,8 +5545,9 @@ class Ingress:
         if model not in self.models(key):
             raise HTTPError(404, f"The model '{model}' does not exist or no session serves it",
                             "model_not_found", "model")
-        return 200, b"application/json", crdt.dumps({"id": model, "object": "model",
-                                                     "created": int(time.time()), "owned_by": "otela"})
+        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r) and model in r.get("models", ()))
+        return 200, b"application/json", crdt.dumps({"id": model, "object": "model", "created": int(time.time()),
+                                                     "owned_by": "otela", **facts.get(model, {})})
 
     def _get_usage(self, fields, query):
         self.authenticate(fields, admin=True)

@@ -141,6 +141,7 @@ INGRESS_GOSSIP = "0.0.0.0:7946"     # the ingress is what nodes on other hosts b
                                     # gossips on every interface unless told otherwise
 TUNNEL_HEADER = "x-otela-tunnel"
 PREFIX_HEADER = b"x-otela-prefix"   # the prompt's prefix anchors as the ingress hashed them (PrefixSummary)
+ADAPTER_ROUTES = (b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter")   # vLLM's: the model list changes
 
 
 def knob(default: Any, unit: str, why: str) -> Any:
@@ -282,6 +283,11 @@ class Config:
         "health checks cost the engine nothing at this rate")
     engine_check_timeout: float = knob(5.0, "seconds",
         "a busy engine still answers /health within seconds")
+    engine_models_interval: float = knob(10.0, "seconds",
+        "the engine's /v1/models is read again this often, so models and LoRA adapters loaded after it "
+        "started are routed within seconds (and at once after a load or unload passed through the tunnel); "
+        "engines without /health (llama-cpp-python, whose /v1/models waits behind generations) are read "
+        "only after a load or unload")
     engine_check_failures: int = knob(3, "checks",
         "consecutive failures before DOWN: one slow answer under full load is not a dead engine")
     drain_timeout: float = knob(30.0, "seconds",
@@ -388,7 +394,7 @@ class Config:
 
 KNOBS = tuple(f for f in dataclasses.fields(Config) if "unit" in f.metadata)   # the numeric settings
 # knobs that act only where an engine is wrapped (`start`) or a tunnel port is served (`start`, `relay`)
-ENGINE_KNOBS = ("engine_ready_timeout", "engine_check_interval", "engine_check_timeout",
+ENGINE_KNOBS = ("engine_ready_timeout", "engine_check_interval", "engine_models_interval", "engine_check_timeout",
                 "engine_check_failures", "drain_timeout", "engine_stop_timeout")
 TUNNEL_KNOBS = ("max_request_body", "max_tunnel_connections", "max_unauthenticated", "head_timeout",
                 "body_timeout", "tunnel_idle_timeout")
@@ -3241,6 +3247,7 @@ class _TunnelConnection(asyncio.Protocol):
             if prefixes is not None:
                 tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
             self.watch = _AnswerWatch()
+        self.adapters = head.method == b"POST" and head.target.split(b"?", 1)[0] in ADAPTER_ROUTES
         request = request_head(head.method, head.target, tunnel.engine.host_header, len(body), head.headers,
                                tunnel.not_forwarded)
         request.append(body)
@@ -3366,6 +3373,8 @@ class _TunnelConnection(asyncio.Protocol):
                 conn.transport.resume_reading()
             tunnel.engine.release(conn, reusable and conn.keep_alive)
         tunnel.inflight(-1)
+        if self.adapters and tunnel.on_adapters is not None:
+            tunnel.on_adapters()
         if watch is not None and body is not None and body.done and tunnel.speed is not None:
             tunnel.speed.answered(watch, self.sent, self.others)
 
@@ -3407,6 +3416,7 @@ class Tunnel:
         self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
         self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # connections opened
+        self.on_adapters: Optional[Callable[[], None]] = None   # called when a load or unload was answered
 
     def cut_all(self) -> None:
         for connection in list(self.connections):
@@ -6996,6 +7006,75 @@ def free_port(kinds: Tuple[int, ...] = (socket.SOCK_STREAM,), avoid: Optional[Se
         return s.getsockname()[1]
 
 
+def engine_catalog(data: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The record's fields of an engine's /v1/models `data`: `models` (every id, its LoRA adapters
+    too, so an ingress of the release before adapters routes them as models), `adapters`
+    ({adapter: [parent, root]}, as vLLM answers an adapter: `parent` its base, `root` its path)
+    and `max_model_len` (vLLM's field; llama.cpp's server gives `meta.n_ctx`), the smallest
+    window where the ids differ. Names and counts past the registry's bounds are left out."""
+    models: List[str] = []
+    adapters: Dict[str, List[str]] = {}
+    windows = []
+    for entry in data:
+        name = str(entry["id"])
+        if len(name) > crdt.MAX_STRING or len(models) >= crdt.MAX_LIST:
+            continue
+        models.append(name)
+        parent = entry.get("parent")
+        if isinstance(parent, str) and parent and parent != name and len(adapters) < crdt.MAX_ADAPTERS:
+            root = entry.get("root") if isinstance(entry.get("root"), str) else ""
+            adapters[name] = [parent[:crdt.MAX_STRING], root if len(root) <= crdt.MAX_STRING else ""]
+        window = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx")
+        if isinstance(window, int) and not isinstance(window, bool) and 0 < window < 2**31:
+            windows.append(window)
+    found: Dict[str, Any] = {"models": models, "adapters": adapters}
+    if windows:
+        found["max_model_len"] = min(windows)
+    return found
+
+
+def publish_catalog(node: Node, catalog: Dict[str, Any], **fields) -> None:
+    """Our record's models from `catalog` (with `fields`): where the adapters' paths make it larger
+    than a record may be, without their paths; then without the adapters (their names stay models)."""
+    adapters = catalog.get("adapters") or {}
+    tries = [adapters, {a: [p, ""] for a, (p, _) in adapters.items()}, {}] if adapters else [{}]
+    for i, kept in enumerate(tries):
+        try:
+            node.update(**fields, **{**catalog, "adapters": kept})
+            return
+        except crdt.RecordError:
+            if i == len(tries) - 1:
+                raise
+            log.warning("the engine's adapters do not fit a record with their %s: published without them",
+                        "paths" if i == 0 else "bases")
+
+
+async def follow_engine_models(node: Node, supervisor: EngineSupervisor, published: Dict[str, Any],
+                               changed: asyncio.Event) -> None:
+    """While the engine serves, read its /v1/models again every engine_models_interval (engines
+    with /health) and at once when `changed` is set (a load or unload went through the tunnel),
+    and publish what changed: models loaded after the engine started get routed."""
+    while True:
+        period = supervisor.config.engine_models_interval if supervisor.health_route else None
+        try:
+            await asyncio.wait_for(changed.wait(), period)
+        except asyncio.TimeoutError:
+            pass
+        changed.clear()
+        if node.overlay is None or node.overlay.record.get("state") != crdt.SERVING or node.draining:
+            continue
+        try:
+            catalog = await supervisor.catalog()
+        except EngineError as exc:
+            log.info("re-reading the engine's models: %s", exc)   # its health checks judge it
+            continue
+        if catalog != published:
+            published.clear()
+            published.update(catalog)
+            publish_catalog(node, catalog)
+            log.info("session %s models now: %s", node.session_id, ", ".join(catalog["models"]))
+
+
 class EngineSupervisor:
     """The engine as a child process: its own process group (so its workers die with it), never
     daemonized, killed with the node even on SIGKILL (PR_SET_PDEATHSIG)."""
@@ -7084,12 +7163,16 @@ class EngineSupervisor:
             delay = min(delay * 2, 1.0)             # fast for small models, 1 s polls for big ones
 
     async def models(self) -> List[str]:
+        return (await self.catalog())["models"]
+
+    async def catalog(self) -> Dict[str, Any]:
+        """The record's fields of the engine's /v1/models (engine_catalog)."""
         status, body = await self.client.get("/v1/models", self.config.engine_check_timeout)
         if status != 200:
             raise EngineError(f"/v1/models answered {status}")
         try:
-            return [str(m["id"]) for m in crdt.loads(body)["data"]][: crdt.MAX_LIST]
-        except (ValueError, KeyError, TypeError):
+            return engine_catalog(crdt.loads(body)["data"])
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise EngineError("/v1/models returned no model list") from None
 
     async def watch(self) -> str:
@@ -7465,6 +7548,10 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     node = Node(config, role="worker", hardware=instance_layout(detect_hardware()), engine_url=supervisor.url)
     stop = _stop_on_signals()
     publisher: Optional[asyncio.Future] = None
+    follower: Optional[asyncio.Future] = None
+    published: Dict[str, Any] = {}                  # the engine's models as our record has them
+    changed = asyncio.Event()
+    node.tunnel.on_adapters = changed.set
     try:
         # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
         # weights) is started for nothing.
@@ -7474,10 +7561,13 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
             try:
                 _, stopped = await _until(supervisor.wait_ready(), stop)
                 if not stopped:
-                    models = await supervisor.models()
-                    node.update(state=crdt.SERVING, models=models)
+                    published.clear()
+                    published.update(await supervisor.catalog())
+                    models = published["models"]
+                    publish_catalog(node, published, state=crdt.SERVING)
                     if publisher is None:
                         publisher = asyncio.ensure_future(publish_engine_view(node))
+                        follower = asyncio.ensure_future(follow_engine_models(node, supervisor, published, changed))
                     if not node.reach_pending:
                         log.info("session %s SERVING %s", node.session_id, ", ".join(models))
                     reason, stopped = await _until(supervisor.watch(), stop)
@@ -7493,11 +7583,12 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
                 await node.stop(leave=False)
                 return EXIT_ENGINE_FAILED
             await supervisor.spawn()
-            node.rejoin(state=crdt.JOIN, models=[])
+            node.rejoin(state=crdt.JOIN, models=[], adapters={})
             log.info("engine restarted; new session %s", node.session_id)
     finally:
-        if publisher is not None:
-            publisher.cancel()
+        for task in (publisher, follower):
+            if task is not None:
+                task.cancel()
         await supervisor.stop()
         await node.stop(leave=False)
 
