@@ -4581,7 +4581,7 @@ class AdapterRoutes:
     def __init__(self, ingress: Ingress, on_demand: bool = False):
         self.ingress, self.on_demand = ingress, on_demand
         self.known: Dict[str, Tuple[str, str]] = {}   # adapter -> (base, path): loads seen, records read
-        self.loading: Dict[Tuple[str, str], asyncio.Future] = {}   # (session, adapter) -> its load
+        self.tried: Dict[str, float] = {}   # adapter -> when a load on demand was last asked (monotonic)
 
     def serve(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], query: bytes, body: bytes) -> None:
         """A load or unload with its body (its key checked as admin on the head): answered once
@@ -4642,6 +4642,49 @@ class AdapterRoutes:
         return worst, b"application/json", crdt.dumps({"object": "lora_adapter", "lora_name": name,
                                                        "action": action, "sessions": data})
 
+    def base_of(self, name: str) -> Optional[Tuple[str, str]]:
+        """(base, path) of an adapter: from a load passed here, else any record that had it."""
+        if name in self.known:
+            return self.known[name]
+        for _, record in self.ingress.node.registry.items():
+            found = (record.get("adapters") or {}).get(name)
+            if found and found[1]:
+                return found[0], found[1]
+        return None
+
+    def load_then(self, client: _Client, fields: Dict[bytes, bytes], body: bytes, key: Key,
+                  again: Callable[[], None]) -> bool:
+        """A request naming an adapter no session has (--adapter-on-demand): the load asked of one
+        of its base's sessions (the policy's pick), then `again` routes the request. False (its
+        404 stands) where the site does not allow it, the adapter's base and path are unknown, or a
+        load of it was just tried."""
+        if not self.on_demand:
+            return False
+        named = fields.get(MODEL_HEADER, b"").strip().decode("utf-8", "replace")
+        try:
+            named = named or crdt.loads(body).get("model")
+        except (ValueError, RecursionError, AttributeError):
+            return False
+        found = self.base_of(named) if isinstance(named, str) else None
+        now = time.monotonic()
+        if found is None or self.tried.get(named, -math.inf) > now - ADAPTER_SEEN_S:
+            return False
+        if len(self.tried) >= 4096:
+            self.tried = {}
+        self.tried[named] = now
+        ingress = self.ingress
+        try:
+            candidates = ingress.health.healthy(ingress.candidates(found[0], key))
+        except HTTPError:   # the base is not served (or not to this key): the adapter's 404 stands
+            return False
+        session = ingress.policy.pick(candidates, RoutedRequest(found[0], key.user, key.id, False, "", now))
+        client.busy = True
+        load = crdt.dumps({"lora_name": named, "lora_path": found[1]})
+        waiting = client.waiting = asyncio.ensure_future(self._fan_out(b"/v1/load_lora_adapter", load, [session],
+                                                                       named, "load"))
+        waiting.add_done_callback(functools.partial(ingress._key_read, client, again))
+        return True
+
     def remember(self, name: str, base: str, root: str) -> None:
         if name not in self.known and len(self.known) >= 4096:   # bounded: adapters of a site
             self.known.pop(next(iter(self.known)))
@@ -4658,7 +4701,8 @@ class Ingress:
                  aliases: Optional[Dict[str, List[str]]] = None, cors_origins: Sequence[str] = (),
                  allow_ungranted: bool = False, catalogue: Sequence[str] = (),
                  fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = (),
-                 otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None):
+                 otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None,
+                 adapter_on_demand: bool = False):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4682,7 +4726,7 @@ class Ingress:
         self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
         self.tls = tls   # the public listener's TLS (--tls-cert, --tls-key; public_tls), None: plain HTTP
         self.tracer: Optional[SpanExporter] = None
-        self.adapters = AdapterRoutes(self)   # LoRA adapters loaded through the ingress
+        self.adapters = AdapterRoutes(self, adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
@@ -5310,6 +5354,10 @@ class Ingress:
             if exc.code == "invalid_api_key" and self.await_key(
                     client, lambda: self.proxy(client, path, fields, body, t0, False, method, query)):
                 return
+            if exc.code == "model_not_found" and self.adapters.on_demand and self.adapters.load_then(
+                    client, fields, body, self.authenticate(fields),
+                    lambda: self.proxy(client, path, fields, body, t0, False, method, query)):
+                return
             client.error(exc)
             client.finish()
             return
@@ -5790,7 +5838,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       fallbacks=dict(args.fallback), native_routes=[_native_route(r) for r in args.native_route],
-                      otlp_endpoint=args.otlp_endpoint,
+                      otlp_endpoint=args.otlp_endpoint, adapter_on_demand=args.adapter_on_demand,
                       tls=public_tls(args.tls_cert, args.tls_key) if args.tls_cert else None,
                       cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site))
@@ -5970,6 +6018,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "to first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched "
                             "from a thread; a collector down or slow drops spans, counted on /metrics, never "
                             "delays a request (env OTELA_OTLP_ENDPOINT; default: none)")
+    serve.add_argument("--adapter-on-demand", action="store_true",
+                       help="a request naming a LoRA adapter no session has loaded goes to a session of its "
+                            "base, which is asked to load it first (its base and path known from a load passed "
+                            "through an ingress or a record that had it); default: such a request is a 404")
     serve.add_argument("--tls-cert", default=None, metavar="FILE",
                        help="serve the API over TLS with this certificate chain (PEM; with --tls-key): the "
                             "same limits as plain HTTP, the handshake inside the head's deadline (env "

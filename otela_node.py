@@ -7045,8 +7045,8 @@ def publish_catalog(node: Node, catalog: Dict[str, Any], **fields) -> None:
         except crdt.RecordError:
             if i == len(tries) - 1:
                 raise
-            log.warning("the engine's adapters do not fit a record with their %s: published without them",
-                        "paths" if i == 0 else "bases")
+            log.warning("the engine's adapters do not fit a record %s", "with their paths: published without them"
+                        if i == 0 else "at all: published as models without their bases")
 
 
 async def follow_engine_models(node: Node, supervisor: EngineSupervisor, published: Dict[str, Any],

@@ -66,3 +66,112 @@ def test_an_adapter_loaded_through_the_ingress_is_routed_with_its_base_and_unloa
         assert json.loads(Client(f"http://127.0.0.1:{port}").request("GET", "/fake/stats")[2])["requests"] == served
     finally:
         cluster.close()
+
+
+def publish_catalog(stack, sid, engine):
+    """What a node does once a load passed its tunnel: its record says its engine's models (on
+    the stack's loop)."""
+    node, record = stack.node, stack.node.registry.get(sid)
+    node._versions[sid] += 1
+    record.update(version=node._versions[sid], **otela_node.engine_catalog(engine.model_list()))
+    node.registry.put(sid, record)
+    node._changed(sid)
+
+
+@pytest.fixture
+def fast_seen(monkeypatch):
+    """A stand-in node's record never changes by itself: the load's answer waits a little for it."""
+    import otela_ingress
+    monkeypatch.setattr(otela_ingress, "ADAPTER_SEEN_S", 0.2)
+
+
+def test_a_load_is_sent_to_every_session_of_its_base_or_to_the_one_an_admin_names(stack, fast_seen):
+    a, engine_a = stack.engine("base")
+    b, engine_b = stack.engine("base")
+    stack.engine("other")
+    admin = Client(stack.url, stack.key(admin=True))
+    status, _, body = admin.request("POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"},
+                                    headers={"x-otela-model": "base"})
+    assert status == 200 and sorted(s["session"] for s in json.loads(body)["sessions"]) == sorted([a, b])
+    assert engine_a.adapters == engine_b.adapters == {"sql": "/a/sql"}
+    assert json.loads(engine_a.last_body) == {"lora_name": "sql", "lora_path": "/a/sql"}   # no `model` for vLLM
+    status, _, body = admin.request("POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"},
+                                    headers={"x-otela-session": a})
+    assert status == 400 and json.loads(body)["sessions"][0]["status"] == 400   # the engine's: loaded already
+    status, _, _ = admin.request("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"},
+                                 headers={"x-otela-session": b})
+    assert status == 200 and engine_a.adapters == {"sql": "/a/sql"} and engine_b.adapters == {}
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"lora_name": "x" * 100_000, "lora_path": "/a/x", "model": "base"}, "invalid_parameter"),   # a huge name
+    ({"lora_name": "bad\nname", "lora_path": "/a/x", "model": "base"}, "invalid_parameter"),
+    ({"lora_name": "sql", "lora_path": "p" * 5000, "model": "base"}, "invalid_parameter"),
+    ({"lora_name": "sql", "model": "base"}, "invalid_parameter"),                                  # no path
+    ({"lora_name": "sql", "lora_path": "/a/sql"}, "missing_model"),                               # no base named
+    ([1, 2], "invalid_json"),
+])
+def test_a_bad_load_request_is_refused_400_before_any_engine(stack, body, code):
+    _, engine = stack.engine("base")
+    status, _, answer = Client(stack.url, stack.key(admin=True)).request("POST", "/v1/load_lora_adapter", body)
+    assert (status, json.loads(answer)["error"]["code"]) == (400, code)
+    assert engine.requests == 0 and engine.adapters == {}
+
+
+def test_a_key_that_is_not_an_admins_may_not_load_or_unload_an_adapter(stack):
+    _, engine = stack.engine("base")
+    user = Client(stack.url, stack.key())
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        status, _, body = user.request("POST", route, {"lora_name": "sql", "lora_path": "/a/sql", "model": "base"})
+        assert (status, json.loads(body)["error"]["code"]) == (403, "admin_required")
+    assert engine.requests == 0
+
+
+def test_an_adapter_no_session_has_is_loaded_on_its_base_first_where_the_site_allows_it(tmp_path, fast_seen):
+    for on_demand in (False, True):
+        stack = Stack(str(tmp_path / f"demand{on_demand}.sqlite"), adapter_on_demand=on_demand)
+        try:
+            sid, engine = stack.engine("base")
+            admin = Client(stack.url, stack.key(admin=True))
+            admin.request("POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql", "model": "base"})
+            stack.call(publish_catalog, stack, sid, engine)
+            admin.request("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"})
+            stack.call(publish_catalog, stack, sid, engine)
+            user = Client(stack.url, stack.key())
+            stack.call(stack.ingress.grants.served.clear)   # (not a model served a moment ago: a 404)
+            if not on_demand:
+                assert user.chat("sql")[0] == 404 and engine.adapters == {}
+                continue
+            # the stand-in's record follows its engine's list once the load passed, as a node's does
+            stack.ingress.adapters._fan_out = watched(stack, sid, engine)
+            status, headers, body = user.chat("sql")
+            assert (status, json.loads(body)["model"]) == (200, "sql")
+            assert engine.adapters == {"sql": "/a/sql"}
+            assert user.chat("never-loaded")[0] == 404   # base and path unknown: nothing is loaded
+        finally:
+            stack.close()
+
+
+def watched(stack, sid, engine):
+    fan_out = stack.ingress.adapters._fan_out
+
+    async def fan_out_then_publish(*args):
+        answer = await fan_out(*args)
+        publish_catalog(stack, sid, engine)
+        return answer
+    return fan_out_then_publish
+
+
+def test_a_record_whose_adapters_overflow_it_is_published_without_their_paths_then_without_them():
+    node = otela_node.Node(otela_node.Config(key=b"k" * 32))
+    node.overlay = otela_node.Overlay(node.config, "a" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
+                                                              "started": 1.0, "gossip": "10.0.0.2:7946"}, 1.0)
+    node.send = lambda outs: None
+    node.schedule = lambda: None
+    long = {"id": "base"}, *({"id": f"a{i}", "parent": "base", "root": "/" + "p" * 200} for i in range(20))
+    otela_node.publish_catalog(node, otela_node.engine_catalog(list(long)))
+    record = node.overlay.record
+    assert len(record["adapters"]) == 20 and {path for _, path in record["adapters"].values()} == {""}
+    many = [{"id": "base"}] + [{"id": "a%02d-%s" % (i, "n" * 40), "parent": "base"} for i in range(30)]
+    otela_node.publish_catalog(node, otela_node.engine_catalog(many))
+    assert node.overlay.record["adapters"] == {}

@@ -120,3 +120,39 @@ def test_a_member_of_the_release_before_vouchers_takes_their_rumours_and_evictio
         cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == [str(["c" * 32]), f"LEFT {['c' * 32]}"]
+
+
+BEFORE_ADAPTERS = "9607e9c"   # main before records carried adapters and max_model_len
+OLD_READER = """
+import sys
+import crdt, otela_node as on
+new = __import__("json").loads(sys.stdin.read())
+crdt.validate("a" * 32, new)
+member = on.Overlay(on.Config(key=b"k" * 32), "b" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
+                    "started": 1.0, "gossip": "10.0.0.2:7946"}, 1.0)
+member.receive({"t": "r", "r": {"a" * 32: new}}, "10.0.0.3:7946", 2.0)
+print(member.map.get("a" * 32)["models"])
+"""
+
+
+def test_a_member_of_the_release_before_adapters_reads_a_record_with_adapters_and_a_window(tmp_path):
+    import crdt
+    import otela_node as on
+    folder = tmp_path / "before-adapters"
+    folder.mkdir()
+    for name in ("otela_node.py", "crdt.py"):
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ADAPTERS}:{name}"], capture_output=True,
+                               timeout=60)
+        if shown.returncode != 0:
+            pytest.skip(f"{BEFORE_ADAPTERS} is not in this clone's history (a shallow clone?)")
+        (folder / name).write_bytes(shown.stdout)
+    catalog = on.engine_catalog([{"id": "base", "max_model_len": 4096, "root": "base"},
+                                 {"id": "sql", "parent": "base", "root": "/adapters/sql", "max_model_len": 4096}])
+    record = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946",
+              "role": "worker", "addr": "10.0.0.4:7700", **catalog}
+    crdt.validate("a" * 32, record)
+    assert record["adapters"] == {"sql": ["base", "/adapters/sql"]} and record["max_model_len"] == 4096
+    done = subprocess.run([sys.executable, "-c", OLD_READER], input=json.dumps(record), capture_output=True,
+                          text=True, cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(["base", "sql"])   # the adapter, a model to it
