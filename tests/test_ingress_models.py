@@ -25,7 +25,7 @@ def wait_for(check, timeout=10.0):
         if found:
             return found
         time.sleep(0.05)
-    raise AssertionError("not within %g s" % timeout)
+    raise AssertionError(f"not within {timeout:g} s")
 
 
 def models(client):
@@ -172,6 +172,6 @@ def test_a_record_whose_adapters_overflow_it_is_published_without_their_paths_th
     otela_node.publish_catalog(node, otela_node.engine_catalog(list(long)))
     record = node.overlay.record
     assert len(record["adapters"]) == 20 and {path for _, path in record["adapters"].values()} == {""}
-    many = [{"id": "base"}] + [{"id": "a%02d-%s" % (i, "n" * 40), "parent": "base"} for i in range(30)]
+    many = [{"id": "base"}] + [{"id": f"a{i:02d}-{'n' * 40}", "parent": "base"} for i in range(30)]
     otela_node.publish_catalog(node, otela_node.engine_catalog(many))
     assert node.overlay.record["adapters"] == {}
