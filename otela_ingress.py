@@ -1240,6 +1240,52 @@ def completion_cap(request: Dict[str, Any], path: bytes) -> Optional[int]:
     return cap * max([v for v in (n, best_of) if type(v) is int and v > 0], default=1)
 
 
+# A model's context window (its engines' max_model_len, in their records): a prompt that cannot
+# fit goes to the next model of its fallbacks, or is answered 400 context_length_exceeded as OpenAI
+# answers it. Without a tokenizer the prompt's tokens are estimated from below, so that no prompt
+# that fits is turned away: its text's UTF-8 bytes / PROMPT_BYTES_PER_TOKEN (BPE tokenizers make
+# about 4 of English, 2-3 of code or other scripts; 8 leaves room for runs of spaces and repeats),
+# token ids as they are, images and audio not at all. A prompt between that bound and the window
+# goes on, and the engine answers it.
+PROMPT_BYTES_PER_TOKEN = 8
+_PROMPT_FIELDS = frozenset(("messages", "content", "text", "prompt", "input", "instructions"))
+
+
+def prompt_tokens_at_least(request: Dict[str, Any]) -> int:
+    """A lower bound of the tokens of a request's prompt (see above)."""
+    text, tokens = 0, 0
+    todo: List[Any] = [v for k, v in request.items() if k in _PROMPT_FIELDS]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            text += len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
+        elif isinstance(value, list):
+            todo.extend(value)
+        elif isinstance(value, dict):
+            todo.extend(v for k, v in value.items() if k in _PROMPT_FIELDS)
+        elif type(value) is int:   # a token id (a completion's prompt given as ids)
+            tokens += 1
+    return tokens + text // PROMPT_BYTES_PER_TOKEN
+
+
+def context_window(candidates: Sequence[Candidate]) -> Optional[int]:
+    """The largest window of a model's sessions (None where one does not say its own)."""
+    windows = [c.record.get("max_model_len") for c in candidates]
+    return None if not windows or None in windows else max(windows)
+
+
+def asked_completion(request: Dict[str, Any]) -> int:
+    """The completion tokens one answer may take (0: the request does not say)."""
+    return max([v for v in map(request.get, _CAP_FIELDS) if type(v) is int and v > 0], default=0)
+
+
+def too_long(window: int, prompt: int, completion: int) -> HTTPError:
+    return HTTPError(400, f"This model's maximum context length is {window} tokens. However, you requested at "
+                          f"least {prompt + completion} tokens ({prompt} in the prompt, an estimate from below; "
+                          f"{completion} for the completion). Please reduce the length of the messages or "
+                          "completion.", "context_length_exceeded", "messages")
+
+
 # =============================================================================================
 # Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
 # =============================================================================================
@@ -5269,6 +5315,9 @@ class Ingress:
             model, body, candidates, chain = self._first_served(model, key, body, ctype)
         else:
             candidates = self.candidates(model, key)
+        if request and pin is None:   # a prompt longer than the model's context window: a fallback, or 400
+            model, body, candidates, chain, named = self._within_window(model, named, request, key, body, ctype,
+                                                                        candidates, chain)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode("utf-8", "replace"), t0,
                                request if self.policy_body else None)
         if named is not None:
@@ -5442,6 +5491,30 @@ class Ingress:
         if model != name:
             body = with_model(body, ctype, model)
         return model, body, candidates, models[at + 1:]
+
+    def _within_window(self, model: str, named: Optional[str], request: Dict[str, Any], key: Key, body: bytes,
+                       ctype: Optional[bytes], candidates: List[Candidate], chain: Sequence[str]
+                       ) -> Tuple[str, bytes, List[Candidate], Sequence[str], Optional[str]]:
+        """The model (its body, candidates, fallbacks left and the name asked) whose context
+        window the prompt may fit: this one, else the first of its fallbacks that does; 400
+        context_length_exceeded when none. A model whose sessions do not say their window fits."""
+        window = context_window(candidates)
+        completion = asked_completion(request) if window is not None else 0
+        if window is None or len(body) // 2 + completion <= window:   # (n bytes hold at most n/2 tokens)
+            return model, body, candidates, chain, named
+        prompt = prompt_tokens_at_least(request)
+        if prompt + completion <= window:
+            return model, body, candidates, chain, named
+        chain = list(chain) or self.fallback_chain(model)[1:]
+        for at, other in enumerate(chain):
+            try:
+                found = self.candidates(other, key)
+            except HTTPError:
+                continue
+            if prompt + completion <= (context_window(found) or math.inf):
+                self.metrics.fallbacks[(model, other)] += 1
+                return other, with_model(body, ctype, other), found, chain[at + 1:], named or model
+        raise too_long(window, prompt, completion)
 
     def _passes_through(self, path: bytes) -> bool:
         """Any request under /v1/ that is no route of ours goes to an engine like the completions

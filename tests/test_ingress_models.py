@@ -175,3 +175,78 @@ def test_a_record_whose_adapters_overflow_it_is_published_without_their_paths_th
     many = [{"id": "base"}] + [{"id": f"a{i:02d}-{'n' * 40}", "parent": "base"} for i in range(30)]
     otela_node.publish_catalog(node, otela_node.engine_catalog(many))
     assert node.overlay.record["adapters"] == {}
+
+
+# -- context windows -----------------------------------------------------------------------------
+def windowed(stack, model, window, **opts):
+    """A fake engine for `model` whose record says its context window, as a node publishes it."""
+    sid, engine = stack.engine(model, **opts)
+
+    def say():
+        record = stack.node.registry.get(sid)
+        stack.node._versions[sid] += 1
+        record.update(version=stack.node._versions[sid], max_model_len=window)
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(say)
+    return engine
+
+
+def test_a_prompt_longer_than_a_models_window_goes_to_its_next_fallback_that_fits(tmp_path):
+    stack = Stack(str(tmp_path / "window.sqlite"), fallbacks={"small": ["tiny", "large"]})
+    try:
+        small, tiny = windowed(stack, "small", 100), windowed(stack, "tiny", 50)
+        large = windowed(stack, "large", 4096)
+        client = Client(stack.url, stack.key())
+        status, headers, body = client.chat("small", content="word " * 400)   # 2,000 bytes: 250 tokens at least
+        assert (status, headers["x-otela-model"], json.loads(body)["model"]) == (200, "large", "large")
+        assert (small.requests, tiny.requests, large.requests) == (0, 0, 1)
+        assert client.chat("small", content="word " * 100)[0] == 200 and small.requests == 1   # 500 bytes may fit
+        # the completion asked counts as OpenAI counts it: 60 + 50 > 100
+        assert client.chat("small", content="word " * 96, max_tokens=50)[0] == 200 and large.requests == 2
+        assert stack.sql("SELECT model FROM requests") == [("large",), ("small",), ("large",)]
+        metrics = Client(stack.url).request("GET", "/metrics")[2].decode()
+        assert 'otela_fallbacks_total{model="small",to="large"} 2' in metrics
+    finally:
+        stack.close()
+
+
+def test_a_prompt_longer_than_every_window_it_may_use_is_refused_as_openai_refuses_it(tmp_path):
+    import openai
+    stack = Stack(str(tmp_path / "window.sqlite"), fallbacks={"a": ["b"], "b": ["a"]})   # a loop: a -> b -> a
+    try:
+        a, b = windowed(stack, "a", 100), windowed(stack, "b", 200)
+        sdk = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key(), max_retries=0, timeout=30)
+        for model in ("a", "b"):
+            with pytest.raises(openai.BadRequestError) as caught:
+                sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "é" * 1000}])
+            assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+            assert "maximum context length is" in caught.value.message
+        with pytest.raises(openai.BadRequestError):   # token ids, one each
+            sdk.completions.create(model="a", prompt=list(range(250)))
+        assert a.requests == b.requests == 0
+    finally:
+        stack.close()
+
+
+def test_a_window_counts_text_and_token_ids_but_not_images():
+    from otela_ingress import prompt_tokens_at_least
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 80_000}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 800}, image]}],
+            "tools": [{"description": "y" * 10_000}]}
+    assert prompt_tokens_at_least(chat) == 100
+    assert prompt_tokens_at_least({"prompt": [[1, 2, 3], [4, 5]]}) == 5
+    assert prompt_tokens_at_least({"input": [{"role": "user", "content": [{"type": "input_text", "text": "z" * 80}]}],
+                                   "instructions": "i" * 16}) == 12
+
+
+def test_fallbacks_that_loop_end_after_each_model_once(tmp_path):
+    stack = Stack(str(tmp_path / "loop.sqlite"), fallbacks={"a": ["b"], "b": ["a"]})
+    try:
+        _, a = stack.engine("a", mode="error500")
+        _, b = stack.engine("b", mode="error500")
+        status, _, body = Client(stack.url, stack.key()).chat("a")
+        assert (status, json.loads(body)["error"]["code"]) == (502, "upstream_failed")
+        assert (a.requests, b.requests) == (1, 1)
+    finally:
+        stack.close()
