@@ -144,7 +144,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, unquote, unquote_to_bytes, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, unquote_to_bytes, urlencode, urlsplit
 
 try:
     import h11
@@ -374,6 +374,20 @@ def with_model(body: bytes, ctype: Optional[bytes], model: str) -> bytes:
     if span is None:
         return body
     return body[:span[0]] + model.encode() + body[span[1]:]
+
+
+def with_model_target(target: bytes, old: str, new: str) -> bytes:
+    """The target naming `new` where it named `old` (a fallback's, an alias's): the query's
+    `model`, or the path's segments that spell it (Ingress._model_elsewhere)."""
+    path, mark, query = target.partition(b"?")
+    if query and b"model=" in query:
+        pairs = parse_qsl(query.decode("ascii", "replace"), keep_blank_values=True)
+        if ("model", old) in pairs:
+            query = urlencode([(k, new if (k, v) == ("model", old) else v) for k, v in pairs]).encode()
+    text = unquote(path.decode("utf-8", "replace")) + "/"
+    if f"/{old}/" in text:
+        path = quote(text.replace(f"/{old}/", f"/{new}/", 1)[:-1], safe="/:@!$&'()*+,;=-._~").encode()
+    return path + mark + query
 
 
 # =============================================================================================
@@ -4319,6 +4333,8 @@ class _Exchange:
             except HTTPError:
                 continue
             self.body = with_model(self.body, self.ctype, model)
+            if self.target:
+                self.target = with_model_target(self.target, before, model)
             self.routed.model = model
             self.refused, self.unanswered, self.left, self.first_try = (), (), candidates, self.attempts
             ingress.metrics.fallbacks[(before, model)] += 1
@@ -4618,6 +4634,45 @@ def adapter_request(body: bytes, action: str) -> Tuple[Dict[str, Any], str]:
     if action == "load" and (not isinstance(path, str) or not path or len(path) > MAX_ADAPTER_PATH):
         raise HTTPError(400, f"lora_path must be 1-{MAX_ADAPTER_PATH} characters", "invalid_parameter", "lora_path")
     return request, name
+
+
+MAX_FALLBACKS = 16             # models one model falls back to (a chain, not a catalogue)
+MAX_FALLBACK_LISTS = 4096      # models with a list set at run time
+
+
+def admin_fallbacks(fallbacks: Dict[str, List[str]], method: bytes, model: str, body: bytes) -> Dict[str, Any]:
+    """The admin API's fallback lists of this ingress (as --fallback sets them; not replicated):
+    GET /v1/admin/fallbacks lists them, POST /v1/admin/fallbacks/MODEL {"fallbacks": [...]} sets
+    one, DELETE /v1/admin/fallbacks/MODEL takes it away. HTTPError when wrong."""
+    if not model:
+        if method not in (b"GET", b"HEAD"):
+            raise HTTPError(405, "Use GET for /v1/admin/fallbacks, or POST or DELETE for /v1/admin/fallbacks/MODEL",
+                            "method_not_allowed")
+        return {"object": "list", "data": [{"model": m, "fallbacks": f} for m, f in sorted(fallbacks.items())]}
+    if len(model) > crdt.MAX_STRING or not model.isprintable():
+        raise HTTPError(400, f"A model name is 1-{crdt.MAX_STRING} printable characters", "invalid_parameter")
+    if method == b"DELETE":
+        if fallbacks.pop(model, None) is None:
+            raise HTTPError(404, f"The model '{model}' has no fallbacks", "not_found")
+        return {"model": model, "fallbacks": [], "deleted": True}
+    if method != b"POST":
+        raise HTTPError(405, "Use POST or DELETE for /v1/admin/fallbacks/MODEL", "method_not_allowed")
+    try:
+        spec = crdt.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+    given = spec.get("fallbacks") if isinstance(spec, dict) else None
+    if not isinstance(given, list) or not 0 < len(given) <= MAX_FALLBACKS or not all(
+            isinstance(m, str) and 0 < len(m) <= crdt.MAX_STRING and m.isprintable() for m in given):
+        raise HTTPError(400, f'The body is {{"fallbacks": [MODEL, ...]}}: 1-{MAX_FALLBACKS} model names',
+                        "invalid_parameter", "fallbacks")
+    if model in given or len(set(given)) < len(given):
+        raise HTTPError(400, "A fallback list names each model once, and not the model itself", "invalid_parameter",
+                        "fallbacks")
+    if model not in fallbacks and len(fallbacks) >= MAX_FALLBACK_LISTS:
+        raise HTTPError(400, f"At most {MAX_FALLBACK_LISTS} models have fallbacks", "invalid_parameter")
+    fallbacks[model] = list(given)
+    return {"model": model, "fallbacks": fallbacks[model]}
 
 
 class AdapterRoutes:
@@ -5412,6 +5467,8 @@ class Ingress:
             return
         trace, parent, span, lines = trace_context(fields, client.request_id)
         target = path + b"?" + query if query else path
+        if routed.named is not None and routed.named != routed.model and (query or path not in PROXIED_PATHS):
+            target = with_model_target(target, routed.named, routed.model)   # (a model named there)
         up = self.pool.take_idle(candidate.addr, candidate.pin)
         if up is not None and self.pool.send_request(up, target, routed.stream, body, routed, method, lines,
                                                       ctype) is not None:
@@ -5547,6 +5604,8 @@ class Ingress:
             payload = self._admin_revoke(rest[1])
         elif rest == ["usage"] and method in (b"GET", b"HEAD"):
             payload = self._admin_usage(query)
+        elif rest[0] == "fallbacks":
+            payload = admin_fallbacks(self.fallbacks, method, unquote("/".join(rest[1:])), body)
         else:
             raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
                                  f"{path.decode('utf-8', 'replace')}", "unknown_url")

@@ -250,3 +250,77 @@ def test_fallbacks_that_loop_end_after_each_model_once(tmp_path):
         assert (a.requests, b.requests) == (1, 1)
     finally:
         stack.close()
+
+
+# -- fallbacks through the admin API ---------------------------------------------------------------
+def test_an_admin_sets_lists_and_deletes_a_models_fallbacks_while_serving(stack):
+    stack.engine("m2", mode="error500")
+    _, m1 = stack.engine("m1")
+    admin, user = Client(stack.url, stack.key(admin=True)), Client(stack.url, stack.key())
+    assert user.chat("m2")[0] == 502
+    status, _, body = admin.request("POST", "/v1/admin/fallbacks/m2", {"fallbacks": ["m1"]})
+    assert (status, json.loads(body)) == (200, {"model": "m2", "fallbacks": ["m1"]})
+    status, headers, _ = user.chat("m2")
+    assert (status, headers["x-otela-model"], m1.requests) == (200, "m1", 1)
+    assert json.loads(admin.request("GET", "/v1/admin/fallbacks")[2])["data"] == [{"model": "m2", "fallbacks": ["m1"]}]
+    assert admin.request("DELETE", "/v1/admin/fallbacks/m2")[0] == 200
+    assert user.chat("m2")[0] == 502 and m1.requests == 1
+    assert admin.request("DELETE", "/v1/admin/fallbacks/m2")[0] == 404
+    status, _, body = user.request("POST", "/v1/admin/fallbacks/m2", {"fallbacks": ["m1"]})
+    assert (status, json.loads(body)["error"]["code"]) == (403, "admin_required")
+
+
+@pytest.mark.parametrize("body", [
+    {"fallbacks": ["m2"]},                       # itself
+    {"fallbacks": ["m1", "m1"]},                 # twice
+    {"fallbacks": [f"m{i}" for i in range(3, 40)]},   # past MAX_FALLBACKS
+    {"fallbacks": ["x" * 300]}, {"fallbacks": []}, {"fallbacks": "m1"}, {"fallbacks": [7]}, [1],
+])
+def test_a_bad_fallback_list_is_refused_400_and_changes_nothing(stack, body):
+    admin = Client(stack.url, stack.key(admin=True))
+    status, _, answer = admin.request("POST", "/v1/admin/fallbacks/m2", body)
+    assert (status, json.loads(answer)["error"]["type"]) == (400, "invalid_request_error")
+    assert json.loads(admin.request("GET", "/v1/admin/fallbacks")[2])["data"] == []
+
+
+def test_a_fallback_list_set_as_a_loop_tries_each_model_once(stack):
+    _, a = stack.engine("a", mode="error500")
+    _, b = stack.engine("b", mode="error500")
+    admin = Client(stack.url, stack.key(admin=True))
+    for model, other in (("a", "b"), ("b", "a")):
+        assert admin.request("POST", f"/v1/admin/fallbacks/{model}", {"fallbacks": [other]})[0] == 200
+    assert admin.chat("a")[0] == 502 and (a.requests, b.requests) == (1, 1)
+
+
+@pytest.mark.parametrize("how", ["query", "header"])
+def test_a_fallback_renames_the_model_where_the_request_named_it(tmp_path, how):
+    stack = Stack(str(tmp_path / "rename.sqlite"), fallbacks={"m2": ["m1"]})
+    try:
+        stack.engine("m2", mode="error500")
+        _, m1 = stack.engine("m1")
+        client = Client(stack.url, stack.key())
+        target = "/v1/responses?model=m2" if how == "query" else "/v1/responses"
+        headers = {"x-otela-model": "m2"} if how == "header" else {}
+        status, answer_headers, _ = client.request("POST", target, {"input": "hi"}, headers=headers)
+        assert (status, answer_headers["x-otela-model"]) == (200, "m1")
+        assert m1.last_target == ("/v1/responses?model=m1" if how == "query" else "/v1/responses")
+    finally:
+        stack.close()
+
+
+def test_an_alias_named_in_the_path_reaches_the_engine_as_its_model(tmp_path):
+    stack = Stack(str(tmp_path / "alias.sqlite"), aliases={"fast": ["org/m1"]})
+    try:
+        _, m1 = stack.engine("org/m1")
+        Client(stack.url, stack.key()).request("GET", "/v1/adapters/fast/info")
+        assert m1.last_target == "/v1/adapters/org/m1/info"
+    finally:
+        stack.close()
+
+
+def test_a_target_names_the_new_model_in_its_query_or_path_and_nothing_else_changes():
+    from otela_ingress import with_model_target
+    assert with_model_target(b"/v1/x?a=1&model=m2&b=%20", "m2", "m1") == b"/v1/x?a=1&model=m1&b=+"
+    assert with_model_target(b"/v1/x?model=other", "m2", "m1") == b"/v1/x?model=other"
+    assert with_model_target(b"/v1/models/org%2Fm2/x", "org/m2", "m1") == b"/v1/models/m1/x"
+    assert with_model_target(b"/v1/m22/x", "m2", "m1") == b"/v1/m22/x"
