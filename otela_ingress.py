@@ -129,7 +129,6 @@ import concurrent.futures
 import fcntl
 import functools
 import hashlib
-import http.client
 import importlib
 import itertools
 import math
@@ -144,7 +143,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, parse_qsl, quote, unquote, unquote_to_bytes, urlencode, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, unquote_to_bytes, urlencode
 
 try:
     import h11
@@ -2544,16 +2543,10 @@ def overlay_metrics(node: Any) -> bytes:
 # Each proxied request is a span of this ingress: it continues the client's trace (traceparent),
 # or starts one, and the engine gets a traceparent naming our span as its parent, with the
 # client's tracestate, X-Request-Id and User-Agent. The trace id is in the request's ledger row
-# and its log lines; with --otlp-endpoint its spans go to a collector (SpanExporter).
-_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+# and its log lines; with --otlp-endpoint its spans go to a collector (otela_node.SpanExporter).
+_TRACEPARENT = otela_node.TRACEPARENT
 _HEADER_VALUE = re.compile(rb"[\x20-\x7e]{1,512}")   # a header value passed on as it is: printable, bounded
 _NO_TRACE, _NO_SPAN = b"0" * 32, b"0" * 16   # (all zeros: invalid, as W3C says)
-OTLP_QUEUE_MAX = 8192        # spans waiting for the exporter at most (~3 spans a request: ~2,700
-                             # requests, a few seconds at full load); the next is dropped and counted
-OTLP_BATCH = 512             # spans per POST (~200 KB of JSON): one collector request a second
-                             # at ~170 requests/s
-OTLP_INTERVAL_S = 1.0        # a span reaches the collector within about a second
-OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is dropped and counted
 
 
 def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes, bytes, bytes, bytes]:
@@ -2586,102 +2579,32 @@ def server_timing(ex: _Exchange) -> bytes:
         (ex.sent_at - ex.t0) * 1000.0, (ex.head_at - ex.sent_at) * 1000.0)
 
 
-class SpanExporter:
-    """Spans to an OTLP/HTTP JSON collector (POST {endpoint}/v1/traces) from a thread of its own,
-    in batches. The request path only appends a tuple to a bounded queue (add): a collector that
-    is down, slow or never answers costs requests nothing; its spans are dropped and counted
-    (otela_otlp_spans_dropped_total)."""
-
-    def __init__(self, endpoint: str, service: str = "otela-ingress", queue_max: int = OTLP_QUEUE_MAX,
-                 batch: int = OTLP_BATCH, interval: float = OTLP_INTERVAL_S, timeout: float = OTLP_TIMEOUT_S):
-        url = urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"--otlp-endpoint {endpoint!r}: expected http(s)://HOST:PORT[/path]")
-        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
-        path = url.path.rstrip("/")
-        self.path = path if path.endswith("/v1/traces") else path + "/v1/traces"
-        self.service, self.queue_max, self.batch, self.interval, self.timeout = service, queue_max, batch, interval, timeout
-        self.queue: collections.deque = collections.deque()   # (append and popleft are atomic)
-        self.exported = 0
-        self.dropped_full = 0     # counted by the event loop: the queue was full
-        self.dropped_failed = 0   # counted by the thread: the collector failed or timed out
-        self._wake = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="otela-otlp", daemon=True)
-        self._thread.start()
-
-    @property
-    def dropped(self) -> int:
-        return self.dropped_full + self.dropped_failed
-
-    def add(self, span: tuple) -> None:
-        """One request's span (see _Exchange.finish): queued, or dropped when the queue is full."""
-        if len(self.queue) >= self.queue_max:
-            self.dropped_full += 1
-            return
-        self.queue.append(span)
-
-    def stop(self, wait: float = 1.0) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(wait)
-
-    def _run(self) -> None:
-        while not self._stopped:
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            while self.queue and not self._stopped:
-                batch = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
-                try:
-                    self._post(batch)
-                    self.exported += len(batch)
-                except (OSError, http.client.HTTPException, ValueError):
-                    self.dropped_failed += len(batch)
-
-    def _post(self, batch: List[tuple]) -> None:
-        body = crdt.dumps(self.document(batch, time.time() - time.monotonic()))
-        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=self.timeout)
-        try:
-            conn.request("POST", self.path, body, {"content-type": "application/json"})
-            answer = conn.getresponse()
-            answer.read()
-            if answer.status >= 300:
-                raise ValueError(f"the collector answered {answer.status}")
-        finally:
-            conn.close()
-
-    def document(self, batch: List[tuple], offset: float) -> Dict[str, Any]:
-        """The OTLP/JSON ExportTraceServiceRequest of a batch; `offset` turns the loop's monotonic
-        clock into Unix time. Each request is three spans: the ingress's (the server span the
-        engine's traceparent names), its route choice and the upstream's time to the first byte."""
-        spans = []
-        for trace, parent, span, name, t0, routed_at, sent_at, head_at, end, model, status, session, attempts in batch:
-            trace, span = trace.decode(), span.decode()
-            def nanos(t: float) -> str:
-                return str(int((t + offset) * 1e9))
-            attributes = [{"key": "otela.model", "value": {"stringValue": model}},
-                          {"key": "http.response.status_code", "value": {"intValue": str(status)}},
-                          {"key": "otela.session", "value": {"stringValue": session}},
-                          {"key": "otela.attempts", "value": {"intValue": str(attempts)}}]
-            root = {"traceId": trace, "spanId": span, "name": name, "kind": 2, "startTimeUnixNano": nanos(t0),
-                    "endTimeUnixNano": nanos(end), "attributes": attributes,
-                    "status": {"code": 2 if status >= 500 else 1}}
-            if parent:
-                root["parentSpanId"] = parent.decode()
-            spans.append(root)
-            if routed_at:
-                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
-                              "name": "otela.route", "kind": 1, "startTimeUnixNano": nanos(t0),
-                              "endTimeUnixNano": nanos(routed_at)})
-            if sent_at and head_at >= sent_at:
-                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
-                              "name": "otela.upstream.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent_at),
-                              "endTimeUnixNano": nanos(head_at),
-                              "attributes": [{"key": "otela.session", "value": {"stringValue": session}}]})
-        return {"resourceSpans": [{"resource": {"attributes": [
-                    {"key": "service.name", "value": {"stringValue": self.service}}]},
-                "scopeSpans": [{"scope": {"name": "otela_ingress"}, "spans": spans}]}]}
+def ingress_spans(item: tuple, nanos: Callable[[float], str]) -> List[Dict[str, Any]]:
+    """One request's spans (OTLP/JSON; see _Exchange.finish for the tuple): the ingress's (the
+    server span the engine's traceparent names), its route choice and the upstream's time to the
+    first byte."""
+    trace, parent, span, name, t0, routed_at, sent_at, head_at, end, model, status, session, attempts = item
+    trace, span = trace.decode(), span.decode()
+    attributes = [{"key": "otela.model", "value": {"stringValue": model}},
+                  {"key": "http.response.status_code", "value": {"intValue": str(status)}},
+                  {"key": "otela.session", "value": {"stringValue": session}},
+                  {"key": "otela.attempts", "value": {"intValue": str(attempts)}}]
+    root = {"traceId": trace, "spanId": span, "name": name, "kind": 2, "startTimeUnixNano": nanos(t0),
+            "endTimeUnixNano": nanos(end), "attributes": attributes,
+            "status": {"code": 2 if status >= 500 else 1}}
+    if parent:
+        root["parentSpanId"] = parent.decode()
+    spans = [root]
+    if routed_at:
+        spans.append({"traceId": trace, "spanId": otela_node.new_span_id(), "parentSpanId": span,
+                      "name": "otela.route", "kind": 1, "startTimeUnixNano": nanos(t0),
+                      "endTimeUnixNano": nanos(routed_at)})
+    if sent_at and head_at >= sent_at:
+        spans.append({"traceId": trace, "spanId": otela_node.new_span_id(), "parentSpanId": span,
+                      "name": "otela.upstream.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent_at),
+                      "endTimeUnixNano": nanos(head_at),
+                      "attributes": [{"key": "otela.session", "value": {"stringValue": session}}]})
+    return spans
 
 
 # =============================================================================================
@@ -4826,7 +4749,7 @@ class Ingress:
         self.native_prefixes = tuple(r.encode() for r in native_routes if r.endswith(("/", "_")))
         self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
         self.tls = tls   # the public listener's TLS (--tls-cert, --tls-key; public_tls), None: plain HTTP
-        self.tracer: Optional[SpanExporter] = None
+        self.tracer: Optional[otela_node.SpanExporter] = None
         self.adapters = AdapterRoutes(self, adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
@@ -4888,7 +4811,7 @@ class Ingress:
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         self.cluster.start(self._loop)
         if self.otlp_endpoint:
-            self.tracer = SpanExporter(self.otlp_endpoint)
+            self.tracer = otela_node.SpanExporter(self.otlp_endpoint, ingress_spans, "otela-ingress")
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         except OSError as exc:

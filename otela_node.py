@@ -72,6 +72,7 @@ import functools
 import getpass
 import hashlib
 import hmac
+import http.client
 import ipaddress
 import itertools
 import logging
@@ -89,6 +90,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -3248,6 +3250,7 @@ class _TunnelConnection(asyncio.Protocol):
                 tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
             self.watch = _AnswerWatch()
         self.adapters = head.method == b"POST" and head.target.split(b"?", 1)[0] in ADAPTER_ROUTES
+        self.span = node_span(head.fields, head.target) if tunnel.tracer is not None else None
         request = request_head(head.method, head.target, tunnel.engine.host_header, len(body), head.headers,
                                tunnel.not_forwarded)
         request.append(body)
@@ -3293,6 +3296,8 @@ class _TunnelConnection(asyncio.Protocol):
                 buf += data
             return
         buf.clear()
+        if self.span is not None:
+            self.span += (time.monotonic(), head.status)
         self.retry, self.rechunk = False, head.framing is UNTIL_CLOSE
         self.engine_conn.keep_alive = head.keep_alive
         if self.watch is not None and (head.status != 200 or not head.fields.get(
@@ -3375,6 +3380,8 @@ class _TunnelConnection(asyncio.Protocol):
         tunnel.inflight(-1)
         if self.adapters and tunnel.on_adapters is not None:
             tunnel.on_adapters()
+        if self.span is not None:
+            tunnel.tracer.add((*self.span, time.monotonic()))
         if watch is not None and body is not None and body.done and tunnel.speed is not None:
             tunnel.speed.answered(watch, self.sent, self.others)
 
@@ -3417,6 +3424,7 @@ class Tunnel:
         self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # connections opened
         self.on_adapters: Optional[Callable[[], None]] = None   # called when a load or unload was answered
+        self.tracer: Optional[SpanExporter] = None   # --otlp-endpoint: each request's spans (node_spans)
 
     def cut_all(self) -> None:
         for connection in list(self.connections):
@@ -7006,6 +7014,132 @@ def free_port(kinds: Tuple[int, ...] = (socket.SOCK_STREAM,), avoid: Optional[Se
         return s.getsockname()[1]
 
 
+# =============================================================================================
+# Spans to an OTLP collector (--otlp-endpoint): the ingress's and the node's
+# =============================================================================================
+# A worker's tunnel makes a span of each request whose traceparent (the ingress's) it is given:
+# the tunnel's time with the request, and the engine's to its answer's head (node_spans), in the
+# ingress's trace, a child of its span.
+TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+OTLP_QUEUE_MAX = 8192        # spans waiting for the exporter at most (~3 spans a request: ~2,700
+                             # requests, a few seconds at full load); the next is dropped and counted
+OTLP_BATCH = 512             # spans per POST (~200 KB of JSON): one collector request a second
+                             # at ~170 requests/s
+OTLP_INTERVAL_S = 1.0        # a span reaches the collector within about a second
+OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is dropped and counted
+
+
+def new_span_id() -> str:
+    return "%016x" % (random.getrandbits(64) | 1)
+
+
+def node_span(fields: Dict[bytes, bytes], target: bytes) -> Optional[list]:
+    """The start of a request's node span: [trace, the ingress's span, path, now], None without
+    a valid traceparent."""
+    given = fields.get(b"traceparent")
+    found = TRACEPARENT.fullmatch(given) if given is not None else None
+    if found is None:
+        return None
+    return [found.group(2).decode(), found.group(3).decode(), target.split(b"?", 1)[0][:256].decode("latin-1"),
+            time.monotonic()]
+
+
+def node_spans(item: tuple, nanos: Callable[[float], str]) -> List[Dict[str, Any]]:
+    """A tunnelled request's spans (OTLP/JSON): the tunnel's, from the request to the answer's
+    end, and the engine's to its answer's head (when it answered)."""
+    trace, parent, path, sent, *answered, end = item
+    span = new_span_id()
+    spans = [{"traceId": trace, "spanId": span, "parentSpanId": parent, "name": "otela.node.tunnel", "kind": 2,
+              "startTimeUnixNano": nanos(sent), "endTimeUnixNano": nanos(end),
+              "attributes": [{"key": "url.path", "value": {"stringValue": path}}]}]
+    if answered:
+        head_at, status = answered
+        spans[0]["attributes"].append({"key": "http.response.status_code", "value": {"intValue": str(status)}})
+        spans[0]["status"] = {"code": 2 if status >= 500 else 1}
+        spans.append({"traceId": trace, "spanId": new_span_id(), "parentSpanId": span,
+                      "name": "otela.engine.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent),
+                      "endTimeUnixNano": nanos(head_at)})
+    return spans
+
+
+class SpanExporter:
+    """Spans to an OTLP/HTTP JSON collector (POST {endpoint}/v1/traces) from a thread of its own,
+    in batches. The request path only appends a tuple to a bounded queue (add): a collector that
+    is down, slow or never answers costs requests nothing; its spans are dropped and counted
+    (otela_otlp_spans_dropped_total)."""
+
+    def __init__(self, endpoint: str, render: Callable[[tuple, Callable[[float], str]], List[Dict[str, Any]]],
+                 service: str, queue_max: int = OTLP_QUEUE_MAX, batch: int = OTLP_BATCH,
+                 interval: float = OTLP_INTERVAL_S, timeout: float = OTLP_TIMEOUT_S):
+        url = urllib.parse.urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--otlp-endpoint {endpoint!r}: expected http(s)://HOST:PORT[/path]")
+        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
+        path = url.path.rstrip("/")
+        self.path = path if path.endswith("/v1/traces") else path + "/v1/traces"
+        self.render, self.service, self.queue_max = render, service, queue_max
+        self.batch, self.interval, self.timeout = batch, interval, timeout
+        self.queue: collections.deque = collections.deque()   # (append and popleft are atomic)
+        self.exported = 0
+        self.dropped_full = 0     # counted by the event loop: the queue was full
+        self.dropped_failed = 0   # counted by the thread: the collector failed or timed out
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="otela-otlp", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_full + self.dropped_failed
+
+    def add(self, span: tuple) -> None:
+        """One request's spans, as `render` takes them: queued, or dropped when the queue is full."""
+        if len(self.queue) >= self.queue_max:
+            self.dropped_full += 1
+            return
+        self.queue.append(span)
+
+    def stop(self, wait: float = 1.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(wait)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            while self.queue and not self._stopped:
+                batch = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
+                try:
+                    self._post(batch)
+                    self.exported += len(batch)
+                except (OSError, http.client.HTTPException, ValueError):
+                    self.dropped_failed += len(batch)
+
+    def _post(self, batch: List[tuple]) -> None:
+        body = crdt.dumps(self.document(batch, time.time() - time.monotonic()))
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", self.path, body, {"content-type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status >= 300:
+                raise ValueError(f"the collector answered {answer.status}")
+        finally:
+            conn.close()
+
+    def document(self, batch: List[tuple], offset: float) -> Dict[str, Any]:
+        """The OTLP/JSON ExportTraceServiceRequest of a batch; `offset` turns the loop's monotonic
+        clock into Unix time (`render` makes each item's spans with it)."""
+        def nanos(t: float) -> str:
+            return str(int((t + offset) * 1e9))
+        spans = [span for item in batch for span in self.render(item, nanos)]
+        return {"resourceSpans": [{"resource": {"attributes": [
+                    {"key": "service.name", "value": {"stringValue": self.service}}]},
+                "scopeSpans": [{"scope": {"name": self.service}, "spans": spans}]}]}
+
+
 def engine_catalog(data: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The record's fields of an engine's /v1/models `data`: `models` (every id, its LoRA adapters
     too, so an ingress of the release before adapters routes them as models), `adapters`
@@ -7552,6 +7686,11 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     published: Dict[str, Any] = {}                  # the engine's models as our record has them
     changed = asyncio.Event()
     node.tunnel.on_adapters = changed.set
+    if args.otlp_endpoint:
+        try:
+            node.tunnel.tracer = SpanExporter(args.otlp_endpoint, node_spans, "otela-node")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
         # weights) is started for nothing.
@@ -7589,6 +7728,8 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
         for task in (publisher, follower):
             if task is not None:
                 task.cancel()
+        if node.tunnel.tracer is not None:
+            node.tunnel.tracer.stop()
         await supervisor.stop()
         await node.stop(leave=False)
 
@@ -7679,6 +7820,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
     s.add_argument("--restart", action="store_true",
                    help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
+    s.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send the spans of each request the ingress traced (the tunnel's, the engine's time to "
+                        "first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched from a "
+                        "thread; a collector down or slow drops spans, never delays a request "
+                        "(env OTELA_OTLP_ENDPOINT; default: none)")
     s.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     add_knob_args(s, skip=("probe_interval",))

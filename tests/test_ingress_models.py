@@ -324,3 +324,48 @@ def test_a_target_names_the_new_model_in_its_query_or_path_and_nothing_else_chan
     assert with_model_target(b"/v1/x?model=other", "m2", "m1") == b"/v1/x?model=other"
     assert with_model_target(b"/v1/models/org%2Fm2/x", "org/m2", "m1") == b"/v1/models/m1/x"
     assert with_model_target(b"/v1/m22/x", "m2", "m1") == b"/v1/m22/x"
+
+
+# -- the node's spans ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_ingresss_and_the_nodes_spans_reach_one_collector_in_one_trace(tmp_path, monkeypatch):
+    from test_ingress_routes import Collector
+    collector = Collector()
+    monkeypatch.setenv("OTELA_OTLP_ENDPOINT", f"http://127.0.0.1:{collector.port}")   # the ingress and the node
+    cluster = Cluster(str(tmp_path))
+    try:
+        port = free_port()
+        cluster.node("n1", ENGINE.format(python=cluster.python, port=port), port, "base")
+        trace, span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        status, _, _ = Client(cluster.url, cluster.token).chat("base", headers={"traceparent": f"00-{trace}-{span}-01"})
+        assert status == 200
+
+        def spans():
+            found = {}
+            for _, document in list(collector.documents):
+                for resource in document["resourceSpans"]:
+                    service = resource["resource"]["attributes"][0]["value"]["stringValue"]
+                    for s in resource["scopeSpans"][0]["spans"]:
+                        found[s["name"]] = dict(s, service=service)
+            return found if {"otela.node.tunnel", "/v1/chat/completions"} <= set(found) else None
+        found = wait_for(spans)
+        assert {s["traceId"] for s in found.values()} == {trace}
+        ingress, tunnel, engine = found["/v1/chat/completions"], found["otela.node.tunnel"], found["otela.engine.first_byte"]
+        assert (ingress["service"], tunnel["service"], engine["service"]) == ("otela-ingress", "otela-node", "otela-node")
+        assert tunnel["parentSpanId"] == ingress["spanId"] and engine["parentSpanId"] == tunnel["spanId"]
+        assert int(tunnel["startTimeUnixNano"]) <= int(engine["endTimeUnixNano"]) <= int(tunnel["endTimeUnixNano"])
+    finally:
+        cluster.close()
+        collector.close()
+
+
+def test_a_node_given_a_bad_otlp_endpoint_says_so_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "otela_node.py", "keygen", "--out", str(tmp_path)], check=True, capture_output=True,
+                   timeout=60)
+    done = subprocess.run([sys.executable, "otela_node.py", "start", "--process", "true", "--otlp-endpoint", "ftp://x",
+                           "--key-file", str(tmp_path / "cluster.key"), "--listen", "127.0.0.1:0", "--gossip",
+                           "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "otela_node.py: error: --otlp-endpoint 'ftp://x': expected http(s)://HOST:PORT[/path]"]
