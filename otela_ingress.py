@@ -4541,14 +4541,20 @@ def model_facts(records: Iterable[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     return facts
 
 
-def adapter_request(body: bytes, action: str) -> Tuple[Dict[str, Any], str]:
-    """The checked body of a load or unload, and the adapter's name. HTTPError 400 when wrong."""
+def json_object(body: bytes) -> Dict[str, Any]:
+    """An admin request's JSON object (none: {}). HTTPError 400 when it is not one."""
     try:
         request = crdt.loads(body or b"{}")
     except (ValueError, RecursionError):
         raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
     if not isinstance(request, dict):
         raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+    return request
+
+
+def adapter_request(body: bytes, action: str) -> Tuple[Dict[str, Any], str]:
+    """The checked body of a load or unload, and the adapter's name. HTTPError 400 when wrong."""
+    request = json_object(body)
     name = request.get("lora_name")
     if not isinstance(name, str) or not name or len(name) > crdt.MAX_STRING or not name.isprintable():
         raise HTTPError(400, f"lora_name must be 1-{crdt.MAX_STRING} printable characters", "invalid_parameter",
@@ -4580,11 +4586,7 @@ def admin_fallbacks(fallbacks: Dict[str, List[str]], method: bytes, model: str, 
         return {"model": model, "fallbacks": [], "deleted": True}
     if method != b"POST":
         raise HTTPError(405, "Use POST or DELETE for /v1/admin/fallbacks/MODEL", "method_not_allowed")
-    try:
-        spec = crdt.loads(body or b"{}")
-    except (ValueError, RecursionError):
-        raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
-    given = spec.get("fallbacks") if isinstance(spec, dict) else None
+    given = json_object(body).get("fallbacks")
     if not isinstance(given, list) or not 0 < len(given) <= MAX_FALLBACKS or not all(
             isinstance(m, str) and 0 < len(m) <= crdt.MAX_STRING and m.isprintable() for m in given):
         raise HTTPError(400, f'The body is {{"fallbacks": [MODEL, ...]}}: 1-{MAX_FALLBACKS} model names',
@@ -5549,12 +5551,7 @@ class Ingress:
         return out
 
     def _admin_create(self, body: bytes) -> Dict[str, Any]:
-        try:
-            spec = crdt.loads(body or b"{}")
-        except (ValueError, RecursionError):
-            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
-        if not isinstance(spec, dict):
-            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        spec = json_object(body)
         try:
             user, allow, rate, budget_day, budget_month, expires = key_spec(
                 spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),

@@ -223,24 +223,10 @@ def start_nginx(tmp: str, routes: dict, procs: list):
 
 
 def collector_url() -> str:
-    """A local OTLP collector that takes every batch (a thread of this process): the endpoint of
+    """A local OTLP collector that takes every batch (threads of this process): the endpoint of
     the traced ingress."""
-    import http.server
-    import threading
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
-            self.send_response(200)
-            self.send_header("content-length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args):
-            pass
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}"
+    from test_ingress_support import Collector
+    return f"http://127.0.0.1:{Collector(keep=False).port}"
 
 
 def cpu_seconds(pid: int) -> float:

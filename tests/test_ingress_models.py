@@ -10,7 +10,7 @@ import json
 import time
 
 import pytest
-from test_ingress_support import Client, Cluster, Stack, free_port
+from test_ingress_support import Client, Cluster, Collector, Stack, free_port
 
 import crdt
 import otela_node
@@ -329,7 +329,6 @@ def test_a_target_names_the_new_model_in_its_query_or_path_and_nothing_else_chan
 # -- the node's spans ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_ingresss_and_the_nodes_spans_reach_one_collector_in_one_trace(tmp_path, monkeypatch):
-    from test_ingress_routes import Collector
     collector = Collector()
     monkeypatch.setenv("OTELA_OTLP_ENDPOINT", f"http://127.0.0.1:{collector.port}")   # the ingress and the node
     cluster = Cluster(str(tmp_path))

@@ -79,6 +79,17 @@ def test_an_ingress_of_the_previous_release_serves_through_nodes_of_this_one(tmp
         cluster.close()
 
 
+def member_of(release: str, folder):
+    """A folder with a member's files (otela_node.py, crdt.py) of `release`, or a skip."""
+    folder.mkdir()
+    for name in ("otela_node.py", "crdt.py"):
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{release}:{name}"], capture_output=True, timeout=60)
+        if shown.returncode != 0:
+            pytest.skip(f"{release} is not in this clone's history (a shallow clone?)")
+        (folder / name).write_bytes(shown.stdout)
+    return folder
+
+
 BEFORE_VOUCHERS = "ae5ad5f"   # main before evictions carried their confirmers' vouchers
 OLD_MEMBER = """
 import sys
@@ -98,14 +109,7 @@ print(crdt.STATE_NAMES[member.map.get("a" * 32)["state"]], sorted(member.map.get
 def test_a_member_of_the_release_before_vouchers_takes_their_rumours_and_evictions(tmp_path):
     import crdt
     import otela_node as on
-    folder = tmp_path / "before"
-    folder.mkdir()
-    for name in ("otela_node.py", "crdt.py"):
-        shown = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_VOUCHERS}:{name}"], capture_output=True,
-                               timeout=60)
-        if shown.returncode != 0:
-            pytest.skip(f"{BEFORE_VOUCHERS} is not in this clone's history (a shallow clone?)")
-        (folder / name).write_bytes(shown.stdout)
+    folder = member_of(BEFORE_VOUCHERS, tmp_path / "before")
     victim = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946"}
     prober = on.Overlay(on.Config(key=b"k" * 32), "c" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
                                                              "started": 1.0, "gossip": "10.0.0.3:7946"}, 1.0)
@@ -138,14 +142,7 @@ print(member.map.get("a" * 32)["models"])
 def test_a_member_of_the_release_before_adapters_reads_a_record_with_adapters_and_a_window(tmp_path):
     import crdt
     import otela_node as on
-    folder = tmp_path / "before-adapters"
-    folder.mkdir()
-    for name in ("otela_node.py", "crdt.py"):
-        shown = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_ADAPTERS}:{name}"], capture_output=True,
-                               timeout=60)
-        if shown.returncode != 0:
-            pytest.skip(f"{BEFORE_ADAPTERS} is not in this clone's history (a shallow clone?)")
-        (folder / name).write_bytes(shown.stdout)
+    folder = member_of(BEFORE_ADAPTERS, tmp_path / "before-adapters")
     catalog = on.engine_catalog([{"id": "base", "max_model_len": 4096, "root": "base"},
                                  {"id": "sql", "parent": "base", "root": "/adapters/sql", "max_model_len": 4096}])
     record = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946",
