@@ -5085,7 +5085,7 @@ async def read_revocations(db_path: str, grants: Grants, publish: Callable[[str,
 
 class Ingress:
     """The HTTP side of the ingress: dispatch, auth, routing and answers (the GET endpoints,
-    the admin API and doubted evictions are its collaborators above). `node` is an
+    the admin API, doubted evictions and LoRA adapters are its collaborators above). `node` is an
     otela_node.Node (or anything with its registry, is_suspected, registry_view, tunnel_header,
     on_change and session_id)."""
 
