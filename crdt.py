@@ -138,6 +138,7 @@ MAX_RECORD_BYTES = 2048       # a record must fit one UDP datagram with room for
 MAX_STRING = 256              # model names and addresses; HF ids are well below this
 MAX_LIST = 64                 # models per session; real engines serve a handful
 MAX_LABELS = 32
+MAX_ADAPTERS = MAX_LIST       # LoRA adapters per session ({name: [base, path]}): each is a model too
 BUCKETS = 256                 # digest buckets: 256 * ~20 bytes is still one datagram, and at
                               # 10,000 sessions one changed bucket holds ~40 records
 MAX_FORGOTTEN = 100_000       # compacted ids remembered: ~10 MB at worst, years of churn at
@@ -277,8 +278,19 @@ def _check_session_fields(where: str, record: Dict[str, Any]) -> None:
     if "role" in record and record["role"] not in _ROLES:
         raise RecordError(f"{where}: role must be one of {', '.join(_ROLES)}")
     _check_names(where, "models", record.get("models", []), "model name")
+    _check_adapters(where, record)
     _check_labels(where, record.get("labels", {}))
-    hardware = record.get("hardware", {})
+    _check_hardware(where, record.get("hardware", {}))
+    window = record.get("max_model_len", 1)
+    if type(window) is not int or not 0 < window < 2**31:
+        raise RecordError(f"{where}: max_model_len must be an integer in [1, 2^31)")
+    for field in ("capacity", "left_at", "ends_at"):
+        if field in record and not _is_number(record[field]):
+            raise RecordError(f"{where}: {field} must be a finite number")
+
+
+def _check_hardware(where: str, hardware: Any) -> None:
+    """`hardware`: {gpu: str, count: number >= 0, memory_gb: number >= 0}, each optional."""
     if not isinstance(hardware, dict):
         raise RecordError(f"{where}: hardware must be an object")
     if "gpu" in hardware:
@@ -286,9 +298,19 @@ def _check_session_fields(where: str, record: Dict[str, Any]) -> None:
     for field in ("count", "memory_gb"):
         if field in hardware and (not _is_number(hardware[field]) or hardware[field] < 0):
             raise RecordError(f"{where}: hardware.{field} must be a number >= 0")
-    for field in ("capacity", "left_at", "ends_at"):
-        if field in record and not _is_number(record[field]):
-            raise RecordError(f"{where}: {field} must be a finite number")
+
+
+def _check_adapters(where: str, record: Dict[str, Any]) -> None:
+    """`adapters`: {name: [base, path]} of at most MAX_ADAPTERS, strings of at most MAX_STRING."""
+    adapters = record.get("adapters", {})
+    if not isinstance(adapters, dict) or len(adapters) > MAX_ADAPTERS:
+        raise RecordError(f"{where}: adapters must be an object of at most {MAX_ADAPTERS}")
+    for name, value in adapters.items():
+        _check_string("adapter name", name)
+        if not isinstance(value, list) or len(value) != 2:
+            raise RecordError(f"{where}: adapter {name[:64]!r} must be [base, path]")
+        _check_string("adapter base", value[0])
+        _check_string("adapter path", value[1])
 
 
 # =============================================================================================

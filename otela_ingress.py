@@ -131,7 +131,6 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import http.client
 import importlib
 import itertools
 import math
@@ -146,7 +145,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
-from urllib.parse import parse_qs, unquote, unquote_to_bytes, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, unquote_to_bytes, urlencode
 
 try:
     import h11
@@ -384,6 +383,20 @@ def query_params(query: bytes) -> Dict[str, str]:
         return {k: v[0] for k, v in parse_qs(query.decode("ascii"), errors="strict").items()}
     except UnicodeDecodeError:
         raise HTTPError(400, "The query string is not percent-encoded UTF-8", "invalid_parameter") from None
+
+
+def with_model_target(target: bytes, old: str, new: str) -> bytes:
+    """The target naming `new` where it named `old` (a fallback's, an alias's): the query's
+    `model`, or the path's segments that spell it (Ingress._model_elsewhere)."""
+    path, mark, query = target.partition(b"?")
+    if query and b"model=" in query:
+        pairs = parse_qsl(query.decode("ascii", "replace"), keep_blank_values=True)
+        if ("model", old) in pairs:
+            query = urlencode([(k, new if (k, v) == ("model", old) else v) for k, v in pairs]).encode()
+    text = unquote(path.decode("utf-8", "replace")) + "/"
+    if f"/{old}/" in text:
+        path = quote(text.replace(f"/{old}/", f"/{new}/", 1)[:-1], safe="/:@!$&'()*+,;=-._~").encode()
+    return path + mark + query
 
 
 # =============================================================================================
@@ -1238,6 +1251,52 @@ def completion_cap(request: Dict[str, Any], path: bytes) -> Optional[int]:
     return cap * max([v for v in (n, best_of) if type(v) is int and v > 0], default=1)
 
 
+# A model's context window (its engines' max_model_len, in their records): a prompt that cannot
+# fit goes to the next model of its fallbacks, or is answered 400 context_length_exceeded as OpenAI
+# answers it. Without a tokenizer the prompt's tokens are estimated from below, so that no prompt
+# that fits is turned away: its text's UTF-8 bytes / PROMPT_BYTES_PER_TOKEN (BPE tokenizers make
+# about 4 of English, 2-3 of code or other scripts; 8 leaves room for runs of spaces and repeats),
+# token ids as they are, images and audio not at all. A prompt between that bound and the window
+# goes on, and the engine answers it.
+PROMPT_BYTES_PER_TOKEN = 8
+_PROMPT_FIELDS = frozenset(("messages", "content", "text", "prompt", "input", "instructions"))
+
+
+def prompt_tokens_at_least(request: Dict[str, Any]) -> int:
+    """A lower bound of the tokens of a request's prompt (see above)."""
+    text, tokens = 0, 0
+    todo: List[Any] = [v for k, v in request.items() if k in _PROMPT_FIELDS]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            text += len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
+        elif isinstance(value, list):
+            todo.extend(value)
+        elif isinstance(value, dict):
+            todo.extend(v for k, v in value.items() if k in _PROMPT_FIELDS)
+        elif type(value) is int:   # a token id (a completion's prompt given as ids)
+            tokens += 1
+    return tokens + text // PROMPT_BYTES_PER_TOKEN
+
+
+def context_window(candidates: Sequence[Candidate]) -> Optional[int]:
+    """The largest window of a model's sessions (None where one does not say its own)."""
+    windows = [c.record.get("max_model_len") for c in candidates]
+    return None if not windows or None in windows else max(windows)
+
+
+def asked_completion(request: Dict[str, Any]) -> int:
+    """The completion tokens one answer may take (0: the request does not say)."""
+    return max([v for v in map(request.get, _CAP_FIELDS) if type(v) is int and v > 0], default=0)
+
+
+def too_long(window: int, prompt: int, completion: int) -> HTTPError:
+    return HTTPError(400, f"This model's maximum context length is {window} tokens. However, you requested at "
+                          f"least {prompt + completion} tokens ({prompt} in the prompt, an estimate from below; "
+                          f"{completion} for the completion). Please reduce the length of the messages or "
+                          "completion.", "context_length_exceeded", "messages")
+
+
 # =============================================================================================
 # Cluster-wide keys and usage: replicated through the overlay, SQLite as each ingress's copy
 # =============================================================================================
@@ -1625,7 +1684,8 @@ class Grants:
             return list(models)
         if not isinstance(grant, dict):
             return []
-        return [m for m in models if m in grant["models"]]
+        adapters = record.get("adapters") or {}   # an adapter of a granted base: that base's work
+        return [m for m in models if m in grant["models"] or m in adapters and adapters[m][0] in grant["models"]]
 
     def admits(self, allow: Sequence[str], sid: str, record: Dict[str, Any]) -> bool:
         """Whether a key's allowlist admits the session: by its grant's labels and its id (its
@@ -2494,16 +2554,10 @@ def overlay_metrics(node: Any) -> bytes:
 # Each proxied request is a span of this ingress: it continues the client's trace (traceparent),
 # or starts one, and the engine gets a traceparent naming our span as its parent, with the
 # client's tracestate, X-Request-Id and User-Agent. The trace id is in the request's ledger row
-# and its log lines; with --otlp-endpoint its spans go to a collector (SpanExporter).
-_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+# and its log lines; with --otlp-endpoint its spans go to a collector (otela_node.SpanExporter).
+_TRACEPARENT = otela_node.TRACEPARENT
 _HEADER_VALUE = re.compile(rb"[\x20-\x7e]{1,512}")   # a header value passed on as it is: printable, bounded
 _NO_TRACE, _NO_SPAN = b"0" * 32, b"0" * 16   # (all zeros: invalid, as W3C says)
-OTLP_QUEUE_MAX = 8192        # spans waiting for the exporter at most (~3 spans a request: ~2,700
-                             # requests, a few seconds at full load); the next is dropped and counted
-OTLP_BATCH = 512             # spans per POST (~200 KB of JSON): one collector request a second
-                             # at ~170 requests/s
-OTLP_INTERVAL_S = 1.0        # a span reaches the collector within about a second
-OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is dropped and counted
 
 
 def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes, bytes, bytes, bytes]:
@@ -2536,102 +2590,32 @@ def server_timing(ex: _Exchange) -> bytes:
         (ex.sent_at - ex.t0) * 1000.0, (ex.head_at - ex.sent_at) * 1000.0)
 
 
-class SpanExporter:
-    """Spans to an OTLP/HTTP JSON collector (POST {endpoint}/v1/traces) from a thread of its own,
-    in batches. The request path only appends a tuple to a bounded queue (add): a collector that
-    is down, slow or never answers costs requests nothing; its spans are dropped and counted
-    (otela_otlp_spans_dropped_total)."""
-
-    def __init__(self, endpoint: str, service: str = "otela-ingress", queue_max: int = OTLP_QUEUE_MAX,
-                 batch: int = OTLP_BATCH, interval: float = OTLP_INTERVAL_S, timeout: float = OTLP_TIMEOUT_S):
-        url = urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"--otlp-endpoint {endpoint!r}: expected http(s)://HOST:PORT[/path]")
-        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
-        path = url.path.rstrip("/")
-        self.path = path if path.endswith("/v1/traces") else path + "/v1/traces"
-        self.service, self.queue_max, self.batch, self.interval, self.timeout = service, queue_max, batch, interval, timeout
-        self.queue: collections.deque = collections.deque()   # (append and popleft are atomic)
-        self.exported = 0
-        self.dropped_full = 0     # counted by the event loop: the queue was full
-        self.dropped_failed = 0   # counted by the thread: the collector failed or timed out
-        self._wake = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="otela-otlp", daemon=True)
-        self._thread.start()
-
-    @property
-    def dropped(self) -> int:
-        return self.dropped_full + self.dropped_failed
-
-    def add(self, span: tuple) -> None:
-        """One request's span (see _Exchange.finish): queued, or dropped when the queue is full."""
-        if len(self.queue) >= self.queue_max:
-            self.dropped_full += 1
-            return
-        self.queue.append(span)
-
-    def stop(self, wait: float = 1.0) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(wait)
-
-    def _run(self) -> None:
-        while not self._stopped:
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            while self.queue and not self._stopped:
-                batch = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
-                try:
-                    self._post(batch)
-                    self.exported += len(batch)
-                except (OSError, http.client.HTTPException, ValueError):
-                    self.dropped_failed += len(batch)
-
-    def _post(self, batch: List[tuple]) -> None:
-        body = crdt.dumps(self.document(batch, time.time() - time.monotonic()))
-        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=self.timeout)
-        try:
-            conn.request("POST", self.path, body, {"content-type": "application/json"})
-            answer = conn.getresponse()
-            answer.read()
-            if answer.status >= 300:
-                raise ValueError(f"the collector answered {answer.status}")
-        finally:
-            conn.close()
-
-    def document(self, batch: List[tuple], offset: float) -> Dict[str, Any]:
-        """The OTLP/JSON ExportTraceServiceRequest of a batch; `offset` turns the loop's monotonic
-        clock into Unix time. Each request is three spans: the ingress's (the server span the
-        engine's traceparent names), its route choice and the upstream's time to the first byte."""
-        spans = []
-        for trace, parent, span, name, t0, routed_at, sent_at, head_at, end, model, status, session, attempts in batch:
-            trace, span = trace.decode(), span.decode()
-            def nanos(t: float) -> str:
-                return str(int((t + offset) * 1e9))
-            attributes = [{"key": "otela.model", "value": {"stringValue": model}},
-                          {"key": "http.response.status_code", "value": {"intValue": str(status)}},
-                          {"key": "otela.session", "value": {"stringValue": session}},
-                          {"key": "otela.attempts", "value": {"intValue": str(attempts)}}]
-            root = {"traceId": trace, "spanId": span, "name": name, "kind": 2, "startTimeUnixNano": nanos(t0),
-                    "endTimeUnixNano": nanos(end), "attributes": attributes,
-                    "status": {"code": 2 if status >= 500 else 1}}
-            if parent:
-                root["parentSpanId"] = parent.decode()
-            spans.append(root)
-            if routed_at:
-                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
-                              "name": "otela.route", "kind": 1, "startTimeUnixNano": nanos(t0),
-                              "endTimeUnixNano": nanos(routed_at)})
-            if sent_at and head_at >= sent_at:
-                spans.append({"traceId": trace, "spanId": "%016x" % (random.getrandbits(64) | 1), "parentSpanId": span,
-                              "name": "otela.upstream.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent_at),
-                              "endTimeUnixNano": nanos(head_at),
-                              "attributes": [{"key": "otela.session", "value": {"stringValue": session}}]})
-        return {"resourceSpans": [{"resource": {"attributes": [
-                    {"key": "service.name", "value": {"stringValue": self.service}}]},
-                "scopeSpans": [{"scope": {"name": "otela_ingress"}, "spans": spans}]}]}
+def ingress_spans(item: tuple, nanos: Callable[[float], str]) -> List[Dict[str, Any]]:
+    """One request's spans (OTLP/JSON; see _Exchange.finish for the tuple): the ingress's (the
+    server span the engine's traceparent names), its route choice and the upstream's time to the
+    first byte."""
+    trace, parent, span, name, t0, routed_at, sent_at, head_at, end, model, status, session, attempts = item
+    trace, span = trace.decode(), span.decode()
+    attributes = [{"key": "otela.model", "value": {"stringValue": model}},
+                  {"key": "http.response.status_code", "value": {"intValue": str(status)}},
+                  {"key": "otela.session", "value": {"stringValue": session}},
+                  {"key": "otela.attempts", "value": {"intValue": str(attempts)}}]
+    root = {"traceId": trace, "spanId": span, "name": name, "kind": 2, "startTimeUnixNano": nanos(t0),
+            "endTimeUnixNano": nanos(end), "attributes": attributes,
+            "status": {"code": 2 if status >= 500 else 1}}
+    if parent:
+        root["parentSpanId"] = parent.decode()
+    spans = [root]
+    if routed_at:
+        spans.append({"traceId": trace, "spanId": otela_node.new_span_id(), "parentSpanId": span,
+                      "name": "otela.route", "kind": 1, "startTimeUnixNano": nanos(t0),
+                      "endTimeUnixNano": nanos(routed_at)})
+    if sent_at and head_at >= sent_at:
+        spans.append({"traceId": trace, "spanId": otela_node.new_span_id(), "parentSpanId": span,
+                      "name": "otela.upstream.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent_at),
+                      "endTimeUnixNano": nanos(head_at),
+                      "attributes": [{"key": "otela.session", "value": {"stringValue": session}}]})
+    return spans
 
 
 # =============================================================================================
@@ -4283,6 +4267,8 @@ class _Exchange:
             except HTTPError:
                 continue
             self.body = with_model(self.body, self.ctype, model)
+            if self.target:
+                self.target = with_model_target(self.target, before, model)
             self.routed.model = model
             self.refused, self.unanswered, self.left, self.first_try = (), (), candidates, self.attempts
             ingress.metrics.fallbacks[(before, model)] += 1
@@ -4492,6 +4478,260 @@ class _Exchange:
 
 
 # =============================================================================================
+# LoRA adapters loaded and unloaded while serving (vLLM's routes, through the overlay)
+# =============================================================================================
+# POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}
+# take an admin key. They go to the sessions chosen: the one x-otela-session names, else every
+# session of the base model named (the body's `model`, x-otela-model or ?model=; taken out of the
+# body the engine gets), else (an unload) every session that has the adapter. Each node reads its
+# engine's /v1/models again once the answer passed its tunnel, and its record says the adapter
+# with its base; the answer here waits (ADAPTER_SEEN_S at most) until the registry says so, so a
+# request for the adapter right after it is routed.
+ADAPTER_ROUTES = {b"/v1/load_lora_adapter": "load", b"/v1/unload_lora_adapter": "unload"}
+ADAPTER_TIMEOUT_S = 300.0      # a load may fetch the adapter from a hub first
+ADAPTER_SEEN_S = 5.0           # a load's answer waits this long for the nodes' records to say it
+MAX_ADAPTER_PATH = 4096        # a path or hub id; the record keeps it only within crdt.MAX_STRING
+MAX_ADAPTER_ANSWER = 64 * 1024   # bytes of an engine's answer to a load kept for the client
+
+
+async def ask_session(pool: UpstreamPool, candidate: Candidate, target: bytes, body: bytes,
+                      timeout: float) -> Tuple[int, bytes]:
+    """One request of the ingress's own to a session through its tunnel (a new connection, closed
+    after): the answer's status and body (its first MAX_ADAPTER_ANSWER bytes). UpstreamFailure
+    when there is none within `timeout`."""
+    up = await pool.acquire(candidate.addr, True, candidate.pin)
+    arrived = asyncio.Event()
+    up.proto.on_data = arrived.set
+    try:
+        failure = pool.send_request(up, target, False, body)
+        if failure is not None:
+            raise failure
+        deadline = time.monotonic() + timeout
+        head, kept = None, bytearray()
+        while True:
+            head = head or up.parse_head()
+            piece = up.take() if head is not None else b""
+            while piece:
+                kept += piece[:MAX_ADAPTER_ANSWER - len(kept)]
+                piece = up.take()
+            up.resume_reading()
+            if piece is None:
+                return head.status, bytes(kept)
+            if up.proto.eof:
+                if head is None:
+                    raise UpstreamFailure(f"{up.addr}: closed without an answer")
+                up.end_of_stream()
+                return head.status, bytes(kept)
+            arrived.clear()
+            try:
+                await asyncio.wait_for(arrived.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise UpstreamFailure(f"{up.addr}: no answer within {timeout:g} s") from None
+    finally:
+        up.proto.on_data = None
+        up.close()
+        pool.active.discard(up)
+
+
+def model_facts(records: Iterable[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """What /v1/models says of a model beyond its id, from the records of the sessions serving
+    it: an adapter's `parent` and `root` (as vLLM answers them), the largest `max_model_len`."""
+    facts: Dict[str, Dict[str, Any]] = {}
+    for record in records:
+        window = record.get("max_model_len")
+        adapters = record.get("adapters") or {}
+        for model in record.get("models") or ():
+            fact = facts.setdefault(model, {})
+            if model in adapters:
+                fact["parent"], fact["root"] = adapters[model][0], adapters[model][1] or model
+            if window and window > fact.get("max_model_len", 0):
+                fact["max_model_len"] = window
+    return facts
+
+
+def json_object(body: bytes) -> Dict[str, Any]:
+    """An admin request's JSON object (none: {}). HTTPError 400 when it is not one."""
+    try:
+        request = crdt.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
+    if not isinstance(request, dict):
+        raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+    return request
+
+
+def adapter_request(body: bytes, action: str) -> Tuple[Dict[str, Any], str]:
+    """The checked body of a load or unload, and the adapter's name. HTTPError 400 when wrong."""
+    request = json_object(body)
+    name = request.get("lora_name")
+    if not isinstance(name, str) or not name or len(name) > crdt.MAX_STRING or not name.isprintable():
+        raise HTTPError(400, f"lora_name must be 1-{crdt.MAX_STRING} printable characters", "invalid_parameter",
+                        "lora_name")
+    path = request.get("lora_path")
+    if action == "load" and (not isinstance(path, str) or not path or len(path) > MAX_ADAPTER_PATH):
+        raise HTTPError(400, f"lora_path must be 1-{MAX_ADAPTER_PATH} characters", "invalid_parameter", "lora_path")
+    return request, name
+
+
+MAX_FALLBACKS = 16             # models one model falls back to (a chain, not a catalogue)
+MAX_FALLBACK_LISTS = 4096      # models with a list set at run time
+
+
+def admin_fallbacks(fallbacks: Dict[str, List[str]], method: bytes, model: str, body: bytes) -> Dict[str, Any]:
+    """The admin API's fallback lists of this ingress (as --fallback sets them; not replicated):
+    GET /v1/admin/fallbacks lists them, POST /v1/admin/fallbacks/MODEL {"fallbacks": [...]} sets
+    one, DELETE /v1/admin/fallbacks/MODEL takes it away. HTTPError when wrong."""
+    if not model:
+        if method not in (b"GET", b"HEAD"):
+            raise HTTPError(405, "Use GET for /v1/admin/fallbacks, or POST or DELETE for /v1/admin/fallbacks/MODEL",
+                            "method_not_allowed")
+        return {"object": "list", "data": [{"model": m, "fallbacks": f} for m, f in sorted(fallbacks.items())]}
+    if len(model) > crdt.MAX_STRING or not model.isprintable():
+        raise HTTPError(400, f"A model name is 1-{crdt.MAX_STRING} printable characters", "invalid_parameter")
+    if method == b"DELETE":
+        if fallbacks.pop(model, None) is None:
+            raise HTTPError(404, f"The model '{model}' has no fallbacks", "not_found")
+        return {"model": model, "fallbacks": [], "deleted": True}
+    if method != b"POST":
+        raise HTTPError(405, "Use POST or DELETE for /v1/admin/fallbacks/MODEL", "method_not_allowed")
+    given = json_object(body).get("fallbacks")
+    if not isinstance(given, list) or not 0 < len(given) <= MAX_FALLBACKS or not all(
+            isinstance(m, str) and 0 < len(m) <= crdt.MAX_STRING and m.isprintable() for m in given):
+        raise HTTPError(400, f'The body is {{"fallbacks": [MODEL, ...]}}: 1-{MAX_FALLBACKS} model names',
+                        "invalid_parameter", "fallbacks")
+    if model in given or len(set(given)) < len(given):
+        raise HTTPError(400, "A fallback list names each model once, and not the model itself", "invalid_parameter",
+                        "fallbacks")
+    if model not in fallbacks and len(fallbacks) >= MAX_FALLBACK_LISTS:
+        raise HTTPError(400, f"At most {MAX_FALLBACK_LISTS} models have fallbacks", "invalid_parameter")
+    fallbacks[model] = list(given)
+    return {"model": model, "fallbacks": fallbacks[model]}
+
+
+class AdapterRoutes:
+    """vLLM's load and unload of LoRA adapters through the ingress (see above), and the load asked
+    first of a base's session for a request naming an adapter no session has (--adapter-on-demand)."""
+
+    def __init__(self, node: Any, pool: UpstreamPool, health: PassiveHealth, policy: Any,
+                 candidates: Callable[[str, Key], List[Candidate]],
+                 pinned: Callable[[bytes, str, Key], List[Candidate]],
+                 routable: Callable[[str, Dict[str, Any]], bool],
+                 model_elsewhere: Callable[[bytes, bytes, Dict[bytes, bytes], Key], Optional[str]],
+                 key_read: Callable[[_Client, Callable[[], None], asyncio.Future], None], on_demand: bool = False):
+        self.node, self.pool, self.health, self.policy = node, pool, health, policy
+        self.candidates, self.pinned, self.routable = candidates, pinned, routable   # the ingress's routing
+        self.model_elsewhere, self.key_read = model_elsewhere, key_read
+        self.on_demand = on_demand
+        self.known: Dict[str, Tuple[str, str]] = {}   # adapter -> (base, path): loads seen, records read
+        self.tried: Dict[str, float] = {}   # adapter -> when a load on demand was last asked (monotonic)
+
+    def serve(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], query: bytes, body: bytes) -> None:
+        """A load or unload with its body (its key checked as admin on the head): answered once
+        every chosen session answered (_Client.got)."""
+        client.busy = True
+        action = ADAPTER_ROUTES[path]
+        try:
+            request, name = adapter_request(body, action)
+            base = request.pop("model", None) or self.model_elsewhere(b"", query, fields, ANONYMOUS)
+            sessions = self._chosen(fields, name, base, action)
+        except HTTPError as exc:
+            client.error(exc)
+            client.finish()
+            return
+        if action == "load" and isinstance(base, str):
+            self.remember(name, base, request["lora_path"])
+        answer = client.waiting = asyncio.ensure_future(self._fan_out(path, crdt.dumps(request), sessions, name,
+                                                                      action))
+        answer.add_done_callback(client.got)
+
+    def _chosen(self, fields: Dict[bytes, bytes], name: str, base: Any, action: str) -> List[Candidate]:
+        key = ANONYMOUS
+        pin = fields.get(SESSION_HEADER)
+        if pin is not None:
+            return self.pinned(pin, ANY_MODEL, key)
+        if isinstance(base, str) and base:
+            return self.candidates(base, key)
+        if action == "unload":
+            found = [Candidate(sid, record) for sid, record in self.node.registry.items()
+                     if name in (record.get("adapters") or {}) and self.routable(sid, record)]
+            if found:
+                return found
+            raise HTTPError(404, f"No session has the adapter '{name}' loaded", "model_not_found", "lora_name")
+        raise HTTPError(400, "Name the base model whose sessions load the adapter (the body's 'model', an "
+                             "x-otela-model header or ?model=), or one session (x-otela-session)",
+                        "missing_model", "model")
+
+    async def _fan_out(self, path: bytes, body: bytes, sessions: List[Candidate], name: str,
+                       action: str) -> Tuple[int, bytes, bytes]:
+        answers = await asyncio.gather(*(ask_session(self.pool, c, path, body, ADAPTER_TIMEOUT_S)
+                                         for c in sessions), return_exceptions=True)
+        data, worst = [], 200
+        for candidate, answer in zip(sessions, answers):
+            if isinstance(answer, BaseException):
+                status, text = 502, str(answer)
+            else:
+                status, text = answer[0], answer[1].decode("utf-8", "replace")
+            data.append({"session": candidate.session, "status": status, "message": text})
+            if status >= 300 and (worst < 300 or status > worst):
+                worst = status
+        done = [c.session for c, d in zip(sessions, data) if d["status"] < 300]
+        deadline = time.monotonic() + ADAPTER_SEEN_S
+        while done and time.monotonic() < deadline and not all(
+                (name in ((self.node.registry.get(sid) or {}).get("adapters") or {})) == (action == "load")
+                for sid in done):
+            await asyncio.sleep(0.02)
+        return worst, b"application/json", crdt.dumps({"object": "lora_adapter", "lora_name": name,
+                                                       "action": action, "sessions": data})
+
+    def base_of(self, name: str) -> Optional[Tuple[str, str]]:
+        """(base, path) of an adapter: from a load passed here, else any record that had it."""
+        if name in self.known:
+            return self.known[name]
+        for _, record in self.node.registry.items():
+            found = (record.get("adapters") or {}).get(name)
+            if found and found[1]:
+                return found[0], found[1]
+        return None
+
+    def load_then(self, client: _Client, fields: Dict[bytes, bytes], body: bytes, key: Key,
+                  again: Callable[[], None]) -> bool:
+        """A request naming an adapter no session has (--adapter-on-demand): the load asked of one
+        of its base's sessions (the policy's pick), then `again` routes the request. False (its
+        404 stands) where the site does not allow it, the adapter's base and path are unknown, or a
+        load of it was just tried."""
+        if not self.on_demand:
+            return False
+        named = fields.get(MODEL_HEADER, b"").strip().decode("utf-8", "replace")
+        try:
+            named = named or crdt.loads(body).get("model")
+        except (ValueError, RecursionError, AttributeError):
+            return False
+        found = self.base_of(named) if isinstance(named, str) else None
+        now = time.monotonic()
+        if found is None or self.tried.get(named, -math.inf) > now - ADAPTER_SEEN_S:
+            return False
+        if len(self.tried) >= 4096:
+            self.tried = {}
+        self.tried[named] = now
+        try:
+            candidates = self.health.healthy(self.candidates(found[0], key))
+        except HTTPError:   # the base is not served (or not to this key): the adapter's 404 stands
+            return False
+        session = self.policy.pick(candidates, RoutedRequest(found[0], key.user, key.id, False, "", now))
+        client.busy = True
+        load = crdt.dumps({"lora_name": named, "lora_path": found[1]})
+        waiting = client.waiting = asyncio.ensure_future(self._fan_out(b"/v1/load_lora_adapter", load, [session],
+                                                                       named, "load"))
+        waiting.add_done_callback(functools.partial(self.key_read, client, again))
+        return True
+
+    def remember(self, name: str, base: str, root: str) -> None:
+        if name not in self.known and len(self.known) >= 4096:   # bounded: adapters of a site
+            self.known.pop(next(iter(self.known)))
+        self.known[name] = (base, root)
+
+
+# =============================================================================================
 # The ingress: doubted evictions, admin API, GET endpoints; dispatch, auth, routing, proxy
 # =============================================================================================
 class EvictionDoubts:
@@ -4565,11 +4805,14 @@ class AdminAPI:
         POST /v1/admin/keys {user, allow?, admin?, rate?, budget_day?, budget_month?, expires?}
         GET  /v1/admin/keys                    every key of the cluster, with use against budget
         POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
-        GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month"""
+        GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month
+        GET  /v1/admin/fallbacks               this ingress's fallback lists (admin_fallbacks)
+        POST /v1/admin/fallbacks/MODEL {fallbacks}   (or DELETE /v1/admin/fallbacks/MODEL)"""
 
-    def __init__(self, cluster: ClusterKeys, usage_days: int):
+    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]]):
         self.cluster = cluster
         self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
+        self.fallbacks = fallbacks     # the ingress's own table (--fallback), changed in place
 
     def answer(self, method: bytes, path: bytes, query: bytes, body: bytes) -> Dict[str, Any]:
         """The JSON answer to an admin request with its whole body; raises HTTPError."""
@@ -4583,6 +4826,8 @@ class AdminAPI:
             return self.revoke(rest[1])
         if rest == ["usage"] and method in (b"GET", b"HEAD"):
             return self.usage(query)
+        if rest[0] == "fallbacks":
+            return admin_fallbacks(self.fallbacks, method, unquote("/".join(rest[1:])), body)
         raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
                              f"{path.decode('utf-8', 'replace')}", "unknown_url")
 
@@ -4600,12 +4845,7 @@ class AdminAPI:
         return out
 
     def create(self, body: bytes) -> Dict[str, Any]:
-        try:
-            spec = crdt.loads(body or b"{}")
-        except (ValueError, RecursionError):
-            raise HTTPError(400, "The request body is not valid JSON", "invalid_json") from None
-        if not isinstance(spec, dict):
-            raise HTTPError(400, "The request body must be a JSON object", "invalid_json")
+        spec = json_object(body)
         try:
             user, allow, rate, budget_day, budget_month, expires = key_spec(
                 spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
@@ -4667,7 +4907,7 @@ class MetricsPage:
 
     def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
                  doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
-                 tracer: Callable[[], Optional[SpanExporter]]):
+                 tracer: Callable[[], Optional[otela_node.SpanExporter]]):
         self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
         self.doubts, self.policy = doubts, policy
         self.ledger, self.tracer = ledger, tracer   # (made at start)
@@ -4775,7 +5015,8 @@ class Views:
 
     def model_list(self, fields, query):
         created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela"}
+        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r))
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "otela", **facts.get(m, {})}
                 for m in self.models(self.authenticate(fields))]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
 
@@ -4783,8 +5024,9 @@ class Views:
         if name not in self.models(self.authenticate(fields)):
             raise HTTPError(404, f"The model '{name}' does not exist or no session serves it",
                             "model_not_found", "model")
-        return 200, b"application/json", crdt.dumps({"id": name, "object": "model",
-                                                     "created": int(time.time()), "owned_by": "otela"})
+        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r) and name in r.get("models", ()))
+        return 200, b"application/json", crdt.dumps({"id": name, "object": "model", "created": int(time.time()),
+                                                     "owned_by": "otela", **facts.get(name, {})})
 
     def usage(self, fields, query):
         self.authenticate(fields, admin=True)
@@ -4843,7 +5085,7 @@ async def read_revocations(db_path: str, grants: Grants, publish: Callable[[str,
 
 class Ingress:
     """The HTTP side of the ingress: dispatch, auth, routing and answers (the GET endpoints,
-    the admin API and doubted evictions are its collaborators above). `node` is an
+    the admin API, doubted evictions and LoRA adapters are its collaborators above). `node` is an
     otela_node.Node (or anything with its registry, is_suspected, registry_view, tunnel_header,
     on_change and session_id)."""
 
@@ -4855,7 +5097,7 @@ class Ingress:
                  fallbacks: Optional[Dict[str, List[str]]] = None, native_routes: Sequence[str] = (),
                  otlp_endpoint: Optional[str] = None, tls: Optional[ssl.SSLContext] = None,
                  usage_days: int = crdt.USAGE_RETENTION_DAYS, usage_months: int = crdt.USAGE_RETENTION_MONTHS,
-                 require_key_for_views: bool = False):
+                 require_key_for_views: bool = False, adapter_on_demand: bool = False):
         """`limits`: the connection, size and time limits (Limits; default: every default).
         `require_code_hash`: route only to sessions advertising this code hash ("self": what
         a worker from this checkout advertises); see --require-code-hash. For warmup_max_s after
@@ -4878,7 +5120,7 @@ class Ingress:
         self.native_prefixes = tuple(r.encode() for r in native_routes if r.endswith(("/", "_")))
         self.otlp_endpoint = otlp_endpoint   # spans go there (SpanExporter, made at start)
         self.tls = tls   # the public listener's TLS (--tls-cert, --tls-key; public_tls), None: plain HTTP
-        self.tracer: Optional[SpanExporter] = None
+        self.tracer: Optional[otela_node.SpanExporter] = None
         self.cors_origins = frozenset(o.encode() for o in cors_origins)   # b"*" for any
         self.require_code_hash = otela_node.code_hash("worker") if require_code_hash == "self" \
             else require_code_hash
@@ -4917,7 +5159,10 @@ class Ingress:
         self._revocations: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
-        self.admin = AdminAPI(self.cluster, usage_days)
+        self.admin = AdminAPI(self.cluster, usage_days, self.fallbacks)
+        self.adapters = AdapterRoutes(node, self.pool, self.health, self.policy, self.candidates, self._pinned,
+                                      self._routable, self._model_elsewhere, self._key_read,
+                                      adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.views = Views(node, self.grants, self.health, self.stats, self.policy,
                            MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
                                        self.policy, lambda: self.ledger, lambda: self.tracer).render,
@@ -4943,7 +5188,7 @@ class Ingress:
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         if self.otlp_endpoint:
-            self.tracer = SpanExporter(self.otlp_endpoint)
+            self.tracer = otela_node.SpanExporter(self.otlp_endpoint, ingress_spans, "otela-ingress")
         try:
             self._server = await self._loop.create_server(lambda: _Client(self), host, port, backlog=1024)
         except OSError as exc:
@@ -5126,6 +5371,9 @@ class Ingress:
             client.answer(204, b"", extra=self._preflight(fields))
             client.finish()
             return
+        if method == b"POST" and path in ADAPTER_ROUTES:   # (admin keys only: AdapterRoutes)
+            self.authenticate(fields, admin=True)
+            return client.read_body(fields, lambda body: self.adapters.serve(client, path, fields, query, body))
         if method == b"POST" and path in PROXIED_PATHS or method != b"HEAD" and self._passes_through(path):
             if _ENCODED_SEPARATOR.search(path):
                 raise HTTPError(400, f"The path {path.decode('utf-8', 'replace')!r} hides a separator ('%2F', "
@@ -5268,6 +5516,9 @@ class Ingress:
         request, model, ctype = self._request_model(path, query, fields, body, key)
         stream, strip_usage, body = self._with_usage(request, path, body)
         model, named, body, candidates, chain = self._route_model(model, key, fields, body, ctype)
+        if request and SESSION_HEADER not in fields:   # a prompt past the model's context window: a fallback, or 400
+            model, body, candidates, chain, named = self._within_window(model, named, request, key, body, ctype,
+                                                                        candidates, chain)
         routed = RoutedRequest(model, key.user, key.id, stream, path.decode("utf-8", "replace"), t0,
                                request if self.policy_body else None)
         if named is not None:
@@ -5417,14 +5668,12 @@ class Ingress:
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
         except HTTPError as exc:
-            if exc.code == "invalid_api_key" and self.await_key(
-                    client, lambda: self.proxy(client, path, fields, body, t0, False, method, query)):
-                return
-            client.error(exc)
-            client.finish()
-            return
+            return self._refused(client, fields, body, exc,
+                                 lambda: self.proxy(client, path, fields, body, t0, False, method, query))
         trace, parent, span, lines = trace_context(fields, client.request_id)
         target = path + b"?" + query if query else path
+        if routed.named is not None and routed.named != routed.model and (query or path not in PROXIED_PATHS):
+            target = with_model_target(target, routed.named, routed.model)   # (a model named there)
         up = self.pool.take_idle(candidate.addr, candidate.pin)
         if up is not None and self.pool.send_request(up, target, routed.stream, body, routed, method, lines,
                                                       ctype) is not None:
@@ -5444,6 +5693,19 @@ class Ingress:
         if up is None:
             return ex.send(candidate, fresh=True)
         ex.sent_on(candidate, up)
+
+    def _refused(self, client: _Client, fields: Dict[bytes, bytes], body: bytes, exc: HTTPError,
+                 again: Callable[[], None]) -> None:
+        """A proxied request refused before it was routed: a key not read here yet, or (with
+        --adapter-on-demand) an adapter a base's session loads first, is waited for and `again`
+        tries it once more; else the error is its answer."""
+        if exc.code == "invalid_api_key" and self.await_key(client, again):
+            return
+        if exc.code == "model_not_found" and self.adapters.on_demand and self.adapters.load_then(
+                client, fields, body, self.authenticate(fields), again):
+            return
+        client.error(exc)
+        client.finish()
 
     # -- connections with no complete head yet; CORS ------------------------------------------
     def headed(self, client: _Client) -> None:
@@ -5504,6 +5766,30 @@ class Ingress:
         if model != name:
             body = with_model(body, ctype, model)
         return model, body, candidates, models[at + 1:]
+
+    def _within_window(self, model: str, named: Optional[str], request: Dict[str, Any], key: Key, body: bytes,
+                       ctype: Optional[bytes], candidates: List[Candidate], chain: Sequence[str]
+                       ) -> Tuple[str, bytes, List[Candidate], Sequence[str], Optional[str]]:
+        """The model (its body, candidates, fallbacks left and the name asked) whose context
+        window the prompt may fit: this one, else the first of its fallbacks that does; 400
+        context_length_exceeded when none. A model whose sessions do not say their window fits."""
+        window = context_window(candidates)
+        completion = asked_completion(request) if window is not None else 0
+        if window is None or len(body) // 2 + completion <= window:   # (n bytes hold at most n/2 tokens)
+            return model, body, candidates, chain, named
+        prompt = prompt_tokens_at_least(request)
+        if prompt + completion <= window:
+            return model, body, candidates, chain, named
+        chain = list(chain) or self.fallback_chain(model)[1:]
+        for at, other in enumerate(chain):
+            try:
+                found = self.candidates(other, key)
+            except HTTPError:
+                continue
+            if prompt + completion <= (context_window(found) or math.inf):
+                self.metrics.fallbacks[(model, other)] += 1
+                return other, with_model(body, ctype, other), found, chain[at + 1:], named or model
+        raise too_long(window, prompt, completion)
 
     def _passes_through(self, path: bytes) -> bool:
         """Any request under /v1/ that is no route of ours goes to an engine like the completions
@@ -5672,7 +5958,7 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
                       require_code_hash=args.require_code_hash, aliases=dict(args.alias),
                       fallbacks=dict(args.fallback), native_routes=[_native_route(r) for r in args.native_route],
-                      otlp_endpoint=args.otlp_endpoint,
+                      otlp_endpoint=args.otlp_endpoint, adapter_on_demand=args.adapter_on_demand,
                       tls=public_tls(args.tls_cert, args.tls_key) if args.tls_cert else None,
                       cors_origins=args.cors_origin, limits=limits,
                       allow_ungranted=args.allow_ungranted, catalogue=site_catalogue(args.site),
@@ -5852,6 +6138,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                             "to first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched "
                             "from a thread; a collector down or slow drops spans, counted on /metrics, never "
                             "delays a request (env OTELA_OTLP_ENDPOINT; default: none)")
+    serve.add_argument("--adapter-on-demand", action="store_true",
+                       help="a request naming a LoRA adapter no session has loaded goes to a session of its "
+                            "base, which is asked to load it first (its base and path known from a load passed "
+                            "through an ingress or a record that had it); default: such a request is a 404")
     serve.add_argument("--tls-cert", default=None, metavar="FILE",
                        help="serve the API over TLS with this certificate chain (PEM; with --tls-key): the "
                             "same limits as plain HTTP, the handshake inside the head's deadline (env "

@@ -72,6 +72,7 @@ import functools
 import getpass
 import hashlib
 import hmac
+import http.client
 import ipaddress
 import itertools
 import logging
@@ -89,6 +90,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -141,6 +143,7 @@ INGRESS_GOSSIP = "0.0.0.0:7946"     # the ingress is what nodes on other hosts b
                                     # gossips on every interface unless told otherwise
 TUNNEL_HEADER = "x-otela-tunnel"
 PREFIX_HEADER = b"x-otela-prefix"   # the prompt's prefix anchors as the ingress hashed them (PrefixSummary)
+ADAPTER_ROUTES = (b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter")   # vLLM's: the model list changes
 
 
 def knob(default: Any, unit: str, why: str) -> Any:
@@ -282,6 +285,11 @@ class Config:
         "health checks cost the engine nothing at this rate")
     engine_check_timeout: float = knob(5.0, "seconds",
         "a busy engine still answers /health within seconds")
+    engine_models_interval: float = knob(10.0, "seconds",
+        "the engine's /v1/models is read again this often, so models and LoRA adapters loaded after it "
+        "started are routed within seconds (and at once after a load or unload passed through the tunnel); "
+        "engines without /health (llama-cpp-python, whose /v1/models waits behind generations) are read "
+        "only after a load or unload")
     engine_check_failures: int = knob(3, "checks",
         "consecutive failures before DOWN: one slow answer under full load is not a dead engine")
     drain_timeout: float = knob(30.0, "seconds",
@@ -388,7 +396,7 @@ class Config:
 
 KNOBS = tuple(f for f in dataclasses.fields(Config) if "unit" in f.metadata)   # the numeric settings
 # knobs that act only where an engine is wrapped (`start`) or a tunnel port is served (`start`, `relay`)
-ENGINE_KNOBS = ("engine_ready_timeout", "engine_check_interval", "engine_check_timeout",
+ENGINE_KNOBS = ("engine_ready_timeout", "engine_check_interval", "engine_models_interval", "engine_check_timeout",
                 "engine_check_failures", "drain_timeout", "engine_stop_timeout")
 TUNNEL_KNOBS = ("max_request_body", "max_tunnel_connections", "max_unauthenticated", "head_timeout",
                 "body_timeout", "tunnel_idle_timeout")
@@ -3273,6 +3281,8 @@ class _TunnelConnection(asyncio.Protocol):
             if prefixes is not None:
                 tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
             self.watch = _AnswerWatch()
+        self.adapters = head.method == b"POST" and head.target.split(b"?", 1)[0] in ADAPTER_ROUTES
+        self.span = node_span(head.fields, head.target) if tunnel.tracer is not None else None
         request = request_head(head.method, head.target, tunnel.engine.host_header, len(body), head.headers,
                                tunnel.not_forwarded)
         request.append(body)
@@ -3318,6 +3328,8 @@ class _TunnelConnection(asyncio.Protocol):
                 buf += data
             return
         buf.clear()
+        if self.span is not None:
+            self.span += (time.monotonic(), head.status)
         self.retry, self.rechunk = False, head.framing is UNTIL_CLOSE
         self.engine_conn.keep_alive = head.keep_alive
         if self.watch is not None and (head.status != 200 or not head.fields.get(
@@ -3398,6 +3410,10 @@ class _TunnelConnection(asyncio.Protocol):
                 conn.transport.resume_reading()
             tunnel.engine.release(conn, reusable and conn.keep_alive)
         tunnel.inflight(-1)
+        if self.adapters and tunnel.on_adapters is not None:
+            tunnel.on_adapters()
+        if self.span is not None:
+            tunnel.tracer.add((*self.span, time.monotonic()))
         if watch is not None and body is not None and body.done and tunnel.speed is not None:
             tunnel.speed.answered(watch, self.sent, self.others)
 
@@ -3439,6 +3455,8 @@ class Tunnel:
         self.connections: Dict[_TunnelConnection, None] = {}     # every open one, oldest first
         self.unauthenticated: Dict[_TunnelConnection, None] = {}  # not past TLS or credential yet
         self.admitted = collections.Counter({"tls": 0, "plain": 0})   # connections opened
+        self.on_adapters: Optional[Callable[[], None]] = None   # called when a load or unload was answered
+        self.tracer: Optional[SpanExporter] = None   # --otlp-endpoint: each request's spans (node_spans)
 
     def cut_all(self) -> None:
         for connection in list(self.connections):
@@ -7079,6 +7097,201 @@ def free_port(kinds: Tuple[int, ...] = (socket.SOCK_STREAM,), avoid: Optional[Se
         return s.getsockname()[1]
 
 
+# =============================================================================================
+# Spans to an OTLP collector (--otlp-endpoint): the ingress's and the node's
+# =============================================================================================
+# A worker's tunnel makes a span of each request whose traceparent (the ingress's) it is given:
+# the tunnel's time with the request, and the engine's to its answer's head (node_spans), in the
+# ingress's trace, a child of its span.
+TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+OTLP_QUEUE_MAX = 8192        # spans waiting for the exporter at most (~3 spans a request: ~2,700
+                             # requests, a few seconds at full load); the next is dropped and counted
+OTLP_BATCH = 512             # spans per POST (~200 KB of JSON): one collector request a second
+                             # at ~170 requests/s
+OTLP_INTERVAL_S = 1.0        # a span reaches the collector within about a second
+OTLP_TIMEOUT_S = 2.0         # a collector silent this long failed: its batch is dropped and counted
+
+
+def new_span_id() -> str:
+    return "%016x" % (random.getrandbits(64) | 1)
+
+
+def node_span(fields: Dict[bytes, bytes], target: bytes) -> Optional[list]:
+    """The start of a request's node span: [trace, the ingress's span, path, now], None without
+    a valid traceparent."""
+    given = fields.get(b"traceparent")
+    found = TRACEPARENT.fullmatch(given) if given is not None else None
+    if found is None:
+        return None
+    return [found.group(2).decode(), found.group(3).decode(), target.split(b"?", 1)[0][:256].decode("latin-1"),
+            time.monotonic()]
+
+
+def node_spans(item: tuple, nanos: Callable[[float], str]) -> List[Dict[str, Any]]:
+    """A tunnelled request's spans (OTLP/JSON): the tunnel's, from the request to the answer's
+    end, and the engine's to its answer's head (when it answered)."""
+    trace, parent, path, sent, *answered, end = item
+    span = new_span_id()
+    spans = [{"traceId": trace, "spanId": span, "parentSpanId": parent, "name": "otela.node.tunnel", "kind": 2,
+              "startTimeUnixNano": nanos(sent), "endTimeUnixNano": nanos(end),
+              "attributes": [{"key": "url.path", "value": {"stringValue": path}}]}]
+    if answered:
+        head_at, status = answered
+        spans[0]["attributes"].append({"key": "http.response.status_code", "value": {"intValue": str(status)}})
+        spans[0]["status"] = {"code": 2 if status >= 500 else 1}
+        spans.append({"traceId": trace, "spanId": new_span_id(), "parentSpanId": span,
+                      "name": "otela.engine.first_byte", "kind": 3, "startTimeUnixNano": nanos(sent),
+                      "endTimeUnixNano": nanos(head_at)})
+    return spans
+
+
+class SpanExporter:
+    """Spans to an OTLP/HTTP JSON collector (POST {endpoint}/v1/traces) from a thread of its own,
+    in batches. The request path only appends a tuple to a bounded queue (add): a collector that
+    is down, slow or never answers costs requests nothing; its spans are dropped and counted
+    (otela_otlp_spans_dropped_total)."""
+
+    def __init__(self, endpoint: str, render: Callable[[tuple, Callable[[float], str]], List[Dict[str, Any]]],
+                 service: str, queue_max: int = OTLP_QUEUE_MAX, batch: int = OTLP_BATCH,
+                 interval: float = OTLP_INTERVAL_S, timeout: float = OTLP_TIMEOUT_S):
+        url = urllib.parse.urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--otlp-endpoint {endpoint!r}: expected http(s)://HOST:PORT[/path]")
+        self.scheme, self.host, self.port = url.scheme, url.hostname, url.port
+        path = url.path.rstrip("/")
+        self.path = path if path.endswith("/v1/traces") else path + "/v1/traces"
+        self.render, self.service, self.queue_max = render, service, queue_max
+        self.batch, self.interval, self.timeout = batch, interval, timeout
+        self.queue: collections.deque = collections.deque()   # (append and popleft are atomic)
+        self.exported = 0
+        self.dropped_full = 0     # counted by the event loop: the queue was full
+        self.dropped_failed = 0   # counted by the thread: the collector failed or timed out
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="otela-otlp", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_full + self.dropped_failed
+
+    def add(self, span: tuple) -> None:
+        """One request's spans, as `render` takes them: queued, or dropped when the queue is full."""
+        if len(self.queue) >= self.queue_max:
+            self.dropped_full += 1
+            return
+        self.queue.append(span)
+
+    def stop(self, wait: float = 1.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(wait)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            while self.queue and not self._stopped:
+                batch = [self.queue.popleft() for _ in range(min(self.batch, len(self.queue)))]
+                try:
+                    self._post(batch)
+                    self.exported += len(batch)
+                except (OSError, http.client.HTTPException, ValueError):
+                    self.dropped_failed += len(batch)
+
+    def _post(self, batch: List[tuple]) -> None:
+        body = crdt.dumps(self.document(batch, time.time() - time.monotonic()))
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", self.path, body, {"content-type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status >= 300:
+                raise ValueError(f"the collector answered {answer.status}")
+        finally:
+            conn.close()
+
+    def document(self, batch: List[tuple], offset: float) -> Dict[str, Any]:
+        """The OTLP/JSON ExportTraceServiceRequest of a batch; `offset` turns the loop's monotonic
+        clock into Unix time (`render` makes each item's spans with it)."""
+        def nanos(t: float) -> str:
+            return str(int((t + offset) * 1e9))
+        spans = [span for item in batch for span in self.render(item, nanos)]
+        return {"resourceSpans": [{"resource": {"attributes": [
+                    {"key": "service.name", "value": {"stringValue": self.service}}]},
+                "scopeSpans": [{"scope": {"name": self.service}, "spans": spans}]}]}
+
+
+def engine_catalog(data: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The record's fields of an engine's /v1/models `data`: `models` (every id, its LoRA adapters
+    too, so an ingress of the release before adapters routes them as models), `adapters`
+    ({adapter: [parent, root]}, as vLLM answers an adapter: `parent` its base, `root` its path)
+    and `max_model_len` (vLLM's field; llama.cpp's server gives `meta.n_ctx`), the smallest
+    window where the ids differ. Names and counts past the registry's bounds are left out."""
+    models: List[str] = []
+    adapters: Dict[str, List[str]] = {}
+    windows = []
+    for entry in data:
+        name = str(entry["id"])
+        if len(name) > crdt.MAX_STRING or len(models) >= crdt.MAX_LIST:
+            continue
+        models.append(name)
+        parent = entry.get("parent")
+        if isinstance(parent, str) and parent and parent != name and len(adapters) < crdt.MAX_ADAPTERS:
+            root = entry.get("root") if isinstance(entry.get("root"), str) else ""
+            adapters[name] = [parent[:crdt.MAX_STRING], root if len(root) <= crdt.MAX_STRING else ""]
+        window = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx")
+        if isinstance(window, int) and not isinstance(window, bool) and 0 < window < 2**31:
+            windows.append(window)
+    found: Dict[str, Any] = {"models": models, "adapters": adapters}
+    if windows:
+        found["max_model_len"] = min(windows)
+    return found
+
+
+def publish_catalog(node: Node, catalog: Dict[str, Any], **fields) -> None:
+    """Our record's models from `catalog` (with `fields`): where the adapters' paths make it larger
+    than a record may be, without their paths; then without the adapters (their names stay models)."""
+    adapters = catalog.get("adapters") or {}
+    tries = [adapters, {a: [p, ""] for a, (p, _) in adapters.items()}, {}] if adapters else [{}]
+    for i, kept in enumerate(tries):
+        try:
+            node.update(**fields, **{**catalog, "adapters": kept})
+            return
+        except crdt.RecordError:
+            if i == len(tries) - 1:
+                raise
+            log.warning("the engine's adapters do not fit a record %s", "with their paths: published without them"
+                        if i == 0 else "at all: published as models without their bases")
+
+
+async def follow_engine_models(node: Node, supervisor: EngineSupervisor, published: Dict[str, Any],
+                               changed: asyncio.Event) -> None:
+    """While the engine serves, read its /v1/models again every engine_models_interval (engines
+    with /health) and at once when `changed` is set (a load or unload went through the tunnel),
+    and publish what changed: models loaded after the engine started get routed."""
+    while True:
+        period = supervisor.config.engine_models_interval if supervisor.health_route else None
+        try:
+            await asyncio.wait_for(changed.wait(), period)
+        except asyncio.TimeoutError:
+            pass
+        changed.clear()
+        if node.overlay is None or node.overlay.record.get("state") != crdt.SERVING or node.draining:
+            continue
+        try:
+            catalog = await supervisor.catalog()
+        except EngineError as exc:
+            log.info("re-reading the engine's models: %s", exc)   # its health checks judge it
+            continue
+        if catalog != published:
+            published.clear()
+            published.update(catalog)
+            publish_catalog(node, catalog)
+            log.info("session %s models now: %s", node.session_id, ", ".join(catalog["models"]))
+
+
 class EngineSupervisor:
     """The engine as a child process: its own process group (so its workers die with it), never
     daemonized, killed with the node even on SIGKILL (PR_SET_PDEATHSIG)."""
@@ -7167,12 +7380,16 @@ class EngineSupervisor:
             delay = min(delay * 2, 1.0)             # fast for small models, 1 s polls for big ones
 
     async def models(self) -> List[str]:
+        return (await self.catalog())["models"]
+
+    async def catalog(self) -> Dict[str, Any]:
+        """The record's fields of the engine's /v1/models (engine_catalog)."""
         status, body = await self.client.get("/v1/models", self.config.engine_check_timeout)
         if status != 200:
             raise EngineError(f"/v1/models answered {status}")
         try:
-            return [str(m["id"]) for m in crdt.loads(body)["data"]][: crdt.MAX_LIST]
-        except (ValueError, KeyError, TypeError):
+            return engine_catalog(crdt.loads(body)["data"])
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise EngineError("/v1/models returned no model list") from None
 
     async def watch(self) -> str:
@@ -7560,6 +7777,11 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
     node = Node(config, role="worker", hardware=instance_layout(detect_hardware()), engine_url=supervisor.url)
     stop = _stop_on_signals()
     publisher: Optional[asyncio.Future] = None
+    follower: Optional[asyncio.Future] = None
+    published: Dict[str, Any] = {}                  # the engine's models as our record has them
+    changed = asyncio.Event()
+    node.tunnel.on_adapters = changed.set
+    _trace_tunnel(node, args.otlp_endpoint)
     try:
         # Bind first: a port in use must fail before an engine (on a GPU node, a vLLM loading
         # weights) is started for nothing.
@@ -7569,10 +7791,13 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
             try:
                 _, stopped = await _until(supervisor.wait_ready(), stop)
                 if not stopped:
-                    models = await supervisor.models()
-                    node.update(state=crdt.SERVING, models=models)
+                    published.clear()
+                    published.update(await supervisor.catalog())
+                    models = published["models"]
+                    publish_catalog(node, published, state=crdt.SERVING)
                     if publisher is None:
                         publisher = asyncio.ensure_future(publish_engine_view(node))
+                        follower = asyncio.ensure_future(follow_engine_models(node, supervisor, published, changed))
                     if not node.reach_pending:
                         log.info("session %s SERVING %s", node.session_id, ", ".join(models))
                     reason, stopped = await _until(supervisor.watch(), stop)
@@ -7588,13 +7813,32 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
                 await node.stop(leave=False)
                 return EXIT_ENGINE_FAILED
             await supervisor.spawn()
-            node.rejoin(state=crdt.JOIN, models=[])
+            node.rejoin(state=crdt.JOIN, models=[], adapters={})
             log.info("engine restarted; new session %s", node.session_id)
     finally:
-        if publisher is not None:
-            publisher.cancel()
-        await supervisor.stop()
-        await node.stop(leave=False)
+        await _worker_stopped(node, supervisor, (publisher, follower))
+
+
+def _trace_tunnel(node: Node, endpoint: Optional[str]) -> None:
+    """With --otlp-endpoint, the tunnel exports each traced request's span (node_spans)."""
+    if not endpoint:
+        return
+    try:
+        node.tunnel.tracer = SpanExporter(endpoint, node_spans, "otela-node")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+async def _worker_stopped(node: Node, supervisor: EngineSupervisor,
+                          tasks: Tuple[Optional[asyncio.Future], ...]) -> None:
+    """A worker's end, however it came: its tasks cancelled, its spans sent, its engine and node stopped."""
+    for task in tasks:
+        if task is not None:
+            task.cancel()
+    if node.tunnel.tracer is not None:
+        node.tunnel.tracer.stop()
+    await supervisor.stop()
+    await node.stop(leave=False)
 
 
 async def publish_engine_view(node: Node, every: float = PUBLISH_VIEW_S) -> None:
@@ -7683,6 +7927,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the engine listens (env OTELA_ENGINE_URL; default from --port in the command)")
     s.add_argument("--restart", action="store_true",
                    help="restart a failed engine as a new session instead of exiting (env OTELA_RESTART)")
+    s.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send the spans of each request the ingress traced (the tunnel's, the engine's time to "
+                        "first byte) to this OTLP/HTTP collector (JSON, POST URL/v1/traces), batched from a "
+                        "thread; a collector down or slow drops spans, never delays a request "
+                        "(env OTELA_OTLP_ENDPOINT; default: none)")
     s.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING (env OTELA_LOG_LEVEL; default INFO)")
     add_knob_args(s, skip=("probe_interval",))

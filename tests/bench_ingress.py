@@ -13,6 +13,9 @@ ingress, with and without uvloop in the ingress:
   - failures (see failure_runs): client errors and the added cost of a retried request with one
     of two engines answering 500 or killed, and error events when an engine dies mid-stream.
 
+"ingress+uvloop+otlp" is the same ingress with --otlp-endpoint set to a local collector that
+answers: the cost of tracing on, as ratios to "ingress+uvloop" of the same run.
+
 Peers measured in the same run, for scale on this machine: "tcp-relay", a uvloop relay that
 copies bytes between connections without reading them (the floor of any user-space proxy hop
 here), and "nginx" (a reverse proxy with upstream keep-alive, one worker pinned like the
@@ -67,8 +70,9 @@ _CONTENT_LENGTH = re.compile(rb"content-length:\s*(\d+)", re.I)
 
 
 # -- the ingress under test, in its own process ----------------------------------------------------
-def child(engines: dict, use_uvloop: bool, db: str) -> None:
-    """Run an ingress with a stand-in node whose registry names the given engines."""
+def child(engines: dict, use_uvloop: bool, db: str, otlp: str = None) -> None:
+    """Run an ingress with a stand-in node whose registry names the given engines (`otlp`: its
+    spans go to that collector)."""
     if not use_uvloop:
         sys.modules["uvloop"] = None
     from test_ingress_support import StandInNode
@@ -86,7 +90,7 @@ def child(engines: dict, use_uvloop: bool, db: str) -> None:
         db_conn = otela_ingress.open_db(db)
         _, key = otela_ingress.create_key(db_conn, "bench")
         db_conn.close()
-        ingress = otela_ingress.Ingress(node, db_path=db)
+        ingress = otela_ingress.Ingress(node, db_path=db, otlp_endpoint=otlp)
         port = await ingress.start("127.0.0.1", 0)
         print(json.dumps({"port": port, "key": key}), flush=True)
         await asyncio.Event().wait()
@@ -216,6 +220,13 @@ def start_nginx(tmp: str, routes: dict, procs: list):
             pass
         time.sleep(0.1)
     return None
+
+
+def collector_url() -> str:
+    """A local OTLP collector that takes every batch (threads of this process): the endpoint of
+    the traced ingress."""
+    from test_ingress_support import Collector
+    return f"http://127.0.0.1:{Collector(keep=False).port}"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -631,7 +642,7 @@ def main() -> int:
         if spec.get("relay"):
             relay_child(spec["relay"], spec.get("parse", False))
         else:
-            child(spec["engines"], spec["uvloop"], spec["db"])
+            child(spec["engines"], spec["uvloop"], spec["db"], spec.get("otlp"))
         return 0
     quick = args.quick
     n_latency = 80 if quick else 400
@@ -658,12 +669,13 @@ def main() -> int:
         pin(0, 1)
         ingresses = {}
         runs = [("ingress+uvloop", os.path.abspath(__file__), True),
-                ("ingress+asyncio", os.path.abspath(__file__), False)]
+                ("ingress+asyncio", os.path.abspath(__file__), False),
+                ("ingress+uvloop+otlp", os.path.abspath(__file__), True)]   # tracing on: the cost of spans
         if before is not None:   # the earlier checkout's own child, with its own otela_ingress
             runs.append(("before+uvloop", os.path.abspath(before), True))
         for name, script, use_uvloop in runs:
-            spec = json.dumps({"engines": ports, "uvloop": use_uvloop,
-                               "db": os.path.join(tmp, f"ledger-{name}.sqlite")})
+            spec = json.dumps({"engines": ports, "uvloop": use_uvloop, "db": os.path.join(tmp, f"ledger-{name}.sqlite"),
+                               "otlp": collector_url() if name.endswith("+otlp") else None})
             proc = subprocess.Popen([sys.executable, script, "--child", spec],
                                     stdout=subprocess.PIPE, text=True)
             procs.append(proc)
@@ -742,6 +754,9 @@ def main() -> int:
                     "slowdown_vs_reference"]
         if "nginx" in per_round:
             results["ratios_to_nginx"] = nginx_ratios(per_round)
+        on, off = results["configs"]["ingress+uvloop+otlp"], results["configs"]["ingress+uvloop"]
+        results["tracing_cost"] = {col: on[col] / off[col] for col in ("added_p50_ms", "added_p99_ms", "rps_64conn",
+                                                                       "cpu_us_per_request") if off.get(col)}
         results["rounds"] = args.rounds
         results["failures"] = failure_runs(procs, tmp, quick)
         results["machine"]["loadavg_end"] = os.getloadavg()[0]
@@ -777,6 +792,8 @@ def main() -> int:
               + (f"{added:.2f}x" if added is not None else "-") + f" (target <= 1.2), "
               f"req/s {ratios['rps_64conn']:.2f}x, SSE chunks/s {ratios['sse_chunks_per_s_16streams']:.2f}x "
               "(targets >= 1)")
+    print("tracing on (--otlp-endpoint, a collector that answers) / off, same run: " + ", ".join(
+        f"{col} {ratio:.2f}x" for col, ratio in results["tracing_cost"].items()))
     whole, floor = results["configs"].get("ingress+node"), results["configs"].get("bare-asyncio x2")
     if whole and floor:
         print(f"whole path (ingress, TLS, node): added p50 {whole['added_p50_ms']:.3f} ms, p99 "

@@ -19,6 +19,8 @@ tested without a model. It serves:
                              {"prompt": "..."}
   POST /generate             SGLang's native route: {"text": ..., "meta_info": {...}}, or with
                              "stream": true its stream (`data: {"text": ...}` per chunk, then [DONE])
+  POST /v1/load_lora_adapter, /v1/unload_lora_adapter  vLLM's LoRA routes ({"lora_name", "lora_path"}):
+                             a loaded adapter is in /v1/models as {"id", "parent": --model, "root": path}
   GET  /fake/stats           {"requests": n, "last_body": "<raw request body>", "port": p,
                              "last_headers": {...}, "last_method": "GET", "last_target": "/v1/x?y"}:
                              lets a test check that a request was forwarded verbatim
@@ -63,7 +65,7 @@ MAX_BODY = 16 * 1024 * 1024  # a fake engine needs no more; protects the test bo
 class FakeEngine:
     def __init__(self, port: int, model: str = "fake-model", mode: str = "ok", chunks: int = 8,
                  chunk_delay: float = 0.0, startup_delay: float = 0.0, slow_delay: float = 2.0,
-                 health: bool = True, usage_tokens: Optional[int] = None):
+                 health: bool = True, usage_tokens: Optional[int] = None, max_model_len: Optional[int] = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
         self.port = port
@@ -75,6 +77,8 @@ class FakeEngine:
         self.slow_delay = slow_delay
         self.health = health
         self.usage_tokens = usage_tokens   # the count every answer claims (None: the true one)
+        self.max_model_len = max_model_len   # in /v1/models, as vLLM gives it (None: not said)
+        self.adapters: dict = {}       # LoRA adapters loaded: name -> path
         self.requests = 0
         self.hits = {}                 # path -> number of requests, every route
         self.last_body = b""
@@ -154,8 +158,11 @@ class FakeEngine:
             if loading:
                 self.error(writer, 503, "loading model", "server_error")
             else:
-                self.send_json(writer, 200, {"object": "list", "data": [
-                    {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}]})
+                self.send_json(writer, 200, {"object": "list", "data": self.model_list()})
+        elif method == "POST" and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            self.requests += 1
+            self.last_body = body
+            self.lora(path, body, writer)
         elif method == "GET" and path == "/fake/stats":
             self.send_json(writer, 200, {"requests": self.requests, "port": self.port,
                                          "last_body": self.last_body.decode("utf-8", "replace"),
@@ -184,6 +191,30 @@ class FakeEngine:
             self.error(writer, 404, f"no route {method} {path}")
         await writer.drain()
         return True
+
+    def model_list(self) -> list:
+        """/v1/models' data as vLLM answers it: the base model, then each adapter with its base and path."""
+        base = {"id": self.model, "object": "model", "created": 0, "owned_by": "fake", "root": self.model}
+        if self.max_model_len is not None:
+            base["max_model_len"] = self.max_model_len
+        return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "fake", "root": root,
+                          "parent": self.model, **({"max_model_len": self.max_model_len} if self.max_model_len else {})}
+                         for name, root in self.adapters.items()]
+
+    def lora(self, path, body, writer) -> None:
+        """vLLM's answers: plain text on success, 400 for a name loaded twice, 404 to unload one not loaded."""
+        req = json.loads(body or b"{}")
+        name = str(req.get("lora_name", ""))
+        if path.endswith("/load_lora_adapter"):
+            if name in self.adapters:
+                self.error(writer, 400, f"The lora adapter '{name}' has already been loaded.")
+                return
+            self.adapters[name] = str(req.get("lora_path", ""))
+            self.send(writer, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(), "text/plain")
+        elif self.adapters.pop(name, None) is None:
+            self.error(writer, 404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        else:
+            self.send(writer, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), "text/plain")
 
     async def inference(self, path, body, writer) -> bool:
         try:
@@ -508,6 +539,7 @@ def main(argv=None) -> int:
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds /health and /v1/models answer 503")
     p.add_argument("--slow-delay", type=float, default=2.0, help="mode slow: seconds before the first byte")
     p.add_argument("--no-health", action="store_true", help="no /health route (readiness via /v1/models)")
+    p.add_argument("--max-model-len", type=int, default=None, help="the context window /v1/models gives")
     p.add_argument("--usage-tokens", type=int, default=None,
                    help="claim this many prompt, completion and cached tokens in every answer's usage")
     a = p.parse_args(argv)
@@ -521,7 +553,7 @@ def main(argv=None) -> int:
         engine = await start_fake_engine(a.port, host=a.host, model=a.model, mode=a.mode, chunks=a.chunks,
                                          chunk_delay=a.chunk_delay, startup_delay=a.startup_delay,
                                          slow_delay=a.slow_delay, health=not a.no_health,
-                                         usage_tokens=a.usage_tokens)
+                                         usage_tokens=a.usage_tokens, max_model_len=a.max_model_len)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -517,3 +517,28 @@ def test_spent_counts_day_counters_month_counters_and_a_release_befores_per_mode
 def test_days_convert_both_ways_in_utc():
     assert crdt.time_day(crdt.day_start("2026-02-28") + 86399.0) == "2026-02-28"
     assert crdt.day_start("1970-01-02") == 86400.0
+
+
+def test_a_records_adapters_are_kept_with_their_base_and_path():
+    rec = record(models=["base", "sql"], adapters={"sql": ["base", "/adapters/sql"]}, max_model_len=4096)
+    crdt.validate("a" * 32, rec)
+    m = GMap()
+    m.put("a" * 32, rec)
+    assert m.get("a" * 32)["adapters"] == {"sql": ["base", "/adapters/sql"]}
+
+
+@pytest.mark.parametrize("adapters", [
+    {f"a{i}": ["base", ""] for i in range(crdt.MAX_ADAPTERS + 1)},   # more than the bound
+    {"x" * (crdt.MAX_STRING + 1): ["base", ""]},                      # a name past the bound
+    {"sql": ["base", "p" * (crdt.MAX_STRING + 1)]},                   # a path past the bound
+    {"sql": "base"}, {"sql": ["base"]}, {"sql": ["base", 7]}, ["sql"],   # not {name: [base, path]}
+])
+def test_a_forged_records_adapters_beyond_the_bounds_or_out_of_shape_are_refused(adapters):
+    with pytest.raises(RecordError, match="adapter"):
+        crdt.validate("a" * 32, record(adapters=adapters))
+
+
+@pytest.mark.parametrize("window", [0, -1, 2**31, 4096.0, True, "4096"])
+def test_a_records_context_window_is_a_positive_integer(window):
+    with pytest.raises(RecordError, match="max_model_len"):
+        crdt.validate("a" * 32, record(max_model_len=window))

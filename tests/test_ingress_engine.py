@@ -103,3 +103,16 @@ def test_curl_without_and_with_streaming(cluster):
     events = sse_events(streamed.stdout)
     assert streamed.returncode == 0 and events[-1] == "[DONE]" and len(events) >= 3
     assert all("usage" not in json.loads(e) or json.loads(e)["usage"] is None for e in events[:-1])
+
+
+def test_the_engines_context_window_is_listed_and_a_prompt_past_it_is_refused_as_openai_refuses_it(
+        cluster, openai_client):
+    import openai
+    from test_ingress_support import Client
+    listed = json.loads(Client(cluster.url, cluster.token).request("GET", "/v1/models")[2])["data"]
+    window = listed[0]["max_model_len"]   # llama.cpp's server says its n_ctx in /v1/models' meta
+    assert window > 0
+    with pytest.raises(openai.BadRequestError) as caught:   # 10 bytes a token of the window: 1.25 windows
+        openai_client.chat.completions.create(model=cluster.model, max_tokens=8, messages=[   # at 8 bytes a token
+            {"role": "user", "content": "word " * (window * 2)}])
+    assert caught.value.code == "context_length_exceeded"

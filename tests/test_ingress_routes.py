@@ -13,7 +13,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ingress_support import Client, Stack, read_to_close
+from test_ingress_support import Client, Collector, Stack, read_to_close
 
 import otela_ingress
 
@@ -347,45 +347,6 @@ def test_a_ledger_from_before_trace_ids_gets_the_column_and_keeps_its_rows(tmp_p
     finally:
         stack.close()
     assert rows[0] == ("m0", None, None) and rows[1][0] == "m1" and rows[1][2] == TRACE
-
-
-class Collector:
-    """An OTLP/HTTP collector on loopback: `hang` accepts and never answers."""
-
-    def __init__(self, hang: bool = False):
-        import http.server
-        import threading
-        self.documents: list = []
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                owner.documents.append((self.path, json.loads(self.rfile.read(int(self.headers["content-length"])))))
-                self.send_response(200)
-                self.send_header("content-length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *args):
-                pass
-
-        if hang:
-            self.sock = socket.socket()
-            self.sock.bind(("127.0.0.1", 0))
-            self.sock.listen(64)   # connections wait in the backlog: never read, never answered
-            self.port = self.sock.getsockname()[1]
-            self.server = None
-        else:
-            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-            self.port = self.server.server_address[1]
-            threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-        else:
-            self.sock.close()
 
 
 def test_spans_reach_an_otlp_collector_with_the_requests_trace(tmp_path):

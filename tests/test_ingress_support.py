@@ -381,6 +381,47 @@ def kill_pid(pid: int) -> None:
         pass
 
 
+class Collector:
+    """An OTLP/HTTP collector on loopback: `hang` accepts and never answers; `keep`: what it was
+    sent is in `documents` (else it is read and let go, as a benchmark's collector)."""
+
+    def __init__(self, hang: bool = False, keep: bool = True):
+        import http.server
+        self.documents: list = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["content-length"]))
+                if keep:
+                    owner.documents.append((self.path, json.loads(body)))
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        if hang:
+            self.sock = socket.socket()
+            self.sock.bind(("127.0.0.1", 0))
+            self.sock.listen(64)   # connections wait in the backlog: never read, never answered
+            self.port = self.sock.getsockname()[1]
+            self.server = None
+        else:
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.port = self.server.server_address[1]
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        else:
+            self.sock.close()
+
+
 class RecordingTransport:
     """A transport with no socket for driving the ingress's protocol callbacks in process: it
     keeps what is written to it (taken() returns and clears it)."""

@@ -79,6 +79,17 @@ def test_an_ingress_of_the_previous_release_serves_through_nodes_of_this_one(tmp
         cluster.close()
 
 
+def member_of(release: str, folder):
+    """A folder with a member's files (otela_node.py, crdt.py) of `release`, or a skip."""
+    folder.mkdir()
+    for name in ("otela_node.py", "crdt.py"):
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{release}:{name}"], capture_output=True, timeout=60)
+        if shown.returncode != 0:
+            pytest.skip(f"{release} is not in this clone's history (a shallow clone?)")
+        (folder / name).write_bytes(shown.stdout)
+    return folder
+
+
 BEFORE_VOUCHERS = "ae5ad5f"   # main before evictions carried their confirmers' vouchers
 OLD_MEMBER = """
 import sys
@@ -98,14 +109,7 @@ print(crdt.STATE_NAMES[member.map.get("a" * 32)["state"]], sorted(member.map.get
 def test_a_member_of_the_release_before_vouchers_takes_their_rumours_and_evictions(tmp_path):
     import crdt
     import otela_node as on
-    folder = tmp_path / "before"
-    folder.mkdir()
-    for name in ("otela_node.py", "crdt.py"):
-        shown = subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE_VOUCHERS}:{name}"], capture_output=True,
-                               timeout=60)
-        if shown.returncode != 0:
-            pytest.skip(f"{BEFORE_VOUCHERS} is not in this clone's history (a shallow clone?)")
-        (folder / name).write_bytes(shown.stdout)
+    folder = member_of(BEFORE_VOUCHERS, tmp_path / "before")
     victim = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946"}
     prober = on.Overlay(on.Config(key=b"k" * 32), "c" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
                                                              "started": 1.0, "gossip": "10.0.0.3:7946"}, 1.0)
@@ -120,3 +124,32 @@ def test_a_member_of_the_release_before_vouchers_takes_their_rumours_and_evictio
         cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == [str(["c" * 32]), f"LEFT {['c' * 32]}"]
+
+
+BEFORE_ADAPTERS = "9607e9c"   # main before records carried adapters and max_model_len
+OLD_READER = """
+import sys
+import crdt, otela_node as on
+new = __import__("json").loads(sys.stdin.read())
+crdt.validate("a" * 32, new)
+member = on.Overlay(on.Config(key=b"k" * 32), "b" * 32, {"owner": "me", "state": crdt.SERVING, "version": 0,
+                    "started": 1.0, "gossip": "10.0.0.2:7946"}, 1.0)
+member.receive({"t": "r", "r": {"a" * 32: new}}, "10.0.0.3:7946", 2.0)
+print(member.map.get("a" * 32)["models"])
+"""
+
+
+def test_a_member_of_the_release_before_adapters_reads_a_record_with_adapters_and_a_window(tmp_path):
+    import crdt
+    import otela_node as on
+    folder = member_of(BEFORE_ADAPTERS, tmp_path / "before-adapters")
+    catalog = on.engine_catalog([{"id": "base", "max_model_len": 4096, "root": "base"},
+                                 {"id": "sql", "parent": "base", "root": "/adapters/sql", "max_model_len": 4096}])
+    record = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946",
+              "role": "worker", "addr": "10.0.0.4:7700", **catalog}
+    crdt.validate("a" * 32, record)
+    assert record["adapters"] == {"sql": ["base", "/adapters/sql"]} and record["max_model_len"] == 4096
+    done = subprocess.run([sys.executable, "-c", OLD_READER], input=json.dumps(record), capture_output=True,
+                          text=True, cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(["base", "sql"])   # the adapter, a model to it

@@ -607,3 +607,22 @@ def test_the_port_a_node_picks_for_its_engine_is_below_the_ephemeral_range_and_f
     sup = on.EngineSupervisor("engine --port {port}", None, cfg)
     port = int(sup.argv[-1])
     assert sup.url == f"http://127.0.0.1:{port}"
+
+
+def test_an_engines_model_list_gives_its_adapters_with_their_base_and_its_context_window():
+    vllm = [{"id": "base", "root": "/models/base", "max_model_len": 8192},
+            {"id": "sql", "root": "/adapters/sql", "parent": "base", "max_model_len": 8192}]
+    assert on.engine_catalog(vllm) == {"models": ["base", "sql"], "adapters": {"sql": ["base", "/adapters/sql"]},
+                                       "max_model_len": 8192}
+    llama_cpp = [{"id": "smollm2-135m", "owned_by": "llamacpp", "meta": {"n_ctx": 2048, "n_ctx_train": 8192}}]
+    assert on.engine_catalog(llama_cpp) == {"models": ["smollm2-135m"], "adapters": {}, "max_model_len": 2048}
+
+
+def test_an_engines_model_list_past_the_registrys_bounds_is_cut_to_them():
+    data = [{"id": "base"}, {"id": "x" * 300, "parent": "base"},                 # a name past MAX_STRING
+            {"id": "far", "parent": "base", "root": "/" + "p" * 300}]           # a path past it: kept without
+    data += [{"id": f"a{i}", "parent": "base"} for i in range(100)]            # more than MAX_LIST
+    catalog = on.engine_catalog(data)
+    assert len(catalog["models"]) == crdt.MAX_LIST and "x" * 300 not in catalog["models"]
+    assert catalog["adapters"]["far"] == ["base", ""]
+    assert len(catalog["adapters"]) <= crdt.MAX_ADAPTERS
