@@ -18,7 +18,10 @@ copies bytes between connections without reading them (the floor of any user-spa
 here), and "nginx" (a reverse proxy with upstream keep-alive, one worker pinned like the
 ingress) when an nginx binary is installed (`apt-get install nginx-light`; skipped otherwise).
 With the whole path, "bare-asyncio x2": two bare asyncio proxies in a row, pinned as the ingress
-and the node are, the floor of a path of two Python hops on this machine (without TLS).
+and the node are, the floor of a path of two Python hops on this machine (without TLS), and
+"bare-asyncio x2 + TLS", the same with the second hop on TLS 1.3 with the tunnel's own contexts
+(mutual, the cluster certificate): the floor the whole path (ingress -> node tunnel over TLS ->
+engine) is to be read against.
 
 Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on time.
 With --rounds N every config is measured N times in rotating order (a noisy machine's bursts
@@ -94,15 +97,26 @@ def child(engines: dict, use_uvloop: bool, db: str) -> None:
     asyncio.run(main())
 
 
-def relay_child(routes: dict, parse: bool = False) -> None:
+def relay_child(routes: dict, parse: bool = False, tls: str = "", key_file: str = "") -> None:
     """A TCP relay: each accepted connection gets its own connection to the engine and bytes are
     copied both ways unread (listen port -> engine port). With `parse`, the bare asyncio proxy
-    the issue cites: requests are read by hand (head, Content-Length body) and sent on whole."""
+    the issue cites: requests are read by hand (head, Content-Length body) and sent on whole.
+    With `tls` ("listen" or "connect"), that side is the node tunnel's TLS (its contexts, from
+    the cluster's certificate beside `key_file`)."""
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
+    listen_tls = connect_tls = None
+    if tls:
+        import types
+
+        import otela_node
+        cert, tls_key = otela_node.find_tunnel_tls(key_file)
+        server, client = otela_node.tunnel_tls(types.SimpleNamespace(tls_cert=cert, tls_key=tls_key, job_tls=None))
+        listen_tls, connect_tls = (server, None) if tls == "listen" else (None, client)
+    tls_name = {"server_hostname": "otela-cluster"} if connect_tls is not None else {}
 
     class Pipe(asyncio.Protocol):
         def __init__(self, peer=None):
@@ -153,7 +167,8 @@ def relay_child(routes: dict, parse: bool = False) -> None:
 
         async def connect(self):
             loop = asyncio.get_running_loop()
-            _, back = await loop.create_connection(lambda: Pipe(self), "127.0.0.1", self.engine_port)
+            _, back = await loop.create_connection(lambda: Pipe(self), "127.0.0.1", self.engine_port,
+                                                   ssl=connect_tls, **tls_name)
             self.peer = back
             for data in self.pending:
                 back.transport.write(data)
@@ -162,11 +177,34 @@ def relay_child(routes: dict, parse: bool = False) -> None:
     async def main():
         loop = asyncio.get_running_loop()
         for listen, engine_port in routes.items():
-            await loop.create_server(lambda p=engine_port: Front(p), "127.0.0.1", int(listen))
+            await loop.create_server(lambda p=engine_port: Front(p), "127.0.0.1", int(listen), ssl=listen_tls)
         print(json.dumps({"ready": True}), flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def bare_tls_key(tmp: str) -> str:
+    """A cluster key with its tunnel certificate (keygen), for the bare pair's TLS hop."""
+    folder = os.path.join(tmp, "bare-tls")
+    subprocess.run([sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", folder], check=True,
+                   capture_output=True, timeout=60)
+    return os.path.join(folder, "cluster.key")
+
+
+def start_bare_pair(ports: dict, procs: list, key_file: str = "") -> tuple:
+    """Two bare asyncio proxies in a row (front on CPU 0 as the ingress, back on CPU 1 as the
+    node), the back one's port on TLS when `key_file` is given; the front's target."""
+    front, back = {model: free_port() for model in ports}, {model: free_port() for model in ports}
+    for routes, cpu, tls in (({back[m]: ports[m] for m in ports}, 1, "listen"),
+                             ({front[m]: back[m] for m in ports}, 0, "connect")):
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
+            {"relay": {str(k): v for k, v in routes.items()}, "parse": True, "tls": tls if key_file else "",
+             "key_file": key_file})], stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        proc.stdout.readline()
+        pin(proc.pid, cpu)
+    return proc.pid, front, "none"
 
 
 NGINX_CONF = """worker_processes 1;
@@ -629,7 +667,7 @@ def main() -> int:
     if args.child:
         spec = json.loads(args.child)
         if spec.get("relay"):
-            relay_child(spec["relay"], spec.get("parse", False))
+            relay_child(spec["relay"], spec.get("parse", False), spec.get("tls", ""), spec.get("key_file", ""))
         else:
             child(spec["engines"], spec["uvloop"], spec["db"])
         return 0
@@ -685,16 +723,11 @@ def main() -> int:
             proc.stdout.readline()
             pin(proc.pid, 0)
             targets[name] = (proc.pid, relay_ports, "none")
-        if not args.no_node:   # the floor of the whole path's two Python hops: two bare proxies in a row
-            front, back = {model: free_port() for model in ports}, {model: free_port() for model in ports}
-            for routes, cpu in (({back[m]: ports[m] for m in ports}, 1), ({front[m]: back[m] for m in ports}, 0)):
-                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
-                    {"relay": {str(k): v for k, v in routes.items()}, "parse": True})], stdout=subprocess.PIPE,
-                    text=True)
-                procs.append(proc)
-                proc.stdout.readline()
-                pin(proc.pid, cpu)   # as the whole path's ingress (CPU 0) and node (CPU 1)
-            targets["bare-asyncio x2"] = (proc.pid, front, "none")
+        if not args.no_node:   # the floor of the whole path's two Python hops: two bare proxies in a row,
+            # and the same with the second hop on TLS as the node's tunnel is (its certificate, its contexts)
+            key_file = bare_tls_key(tmp)
+            for name, tls in (("bare-asyncio x2", False), ("bare-asyncio x2 + TLS", True)):
+                targets[name] = start_bare_pair(ports, procs, key_file if tls else "")
         nginx_ports = {model: free_port() for model in ports}
         worker = start_nginx(tmp, {nginx_ports[model]: ports[model] for model in ports}, procs)
         if worker is not None:
@@ -778,11 +811,14 @@ def main() -> int:
               f"req/s {ratios['rps_64conn']:.2f}x, SSE chunks/s {ratios['sse_chunks_per_s_16streams']:.2f}x "
               "(targets >= 1)")
     whole, floor = results["configs"].get("ingress+node"), results["configs"].get("bare-asyncio x2")
-    if whole and floor:
+    tls_floor, nginx = results["configs"].get("bare-asyncio x2 + TLS"), results["configs"].get("nginx")
+    if whole and floor and tls_floor:
         print(f"whole path (ingress, TLS, node): added p50 {whole['added_p50_ms']:.3f} ms, p99 "
-              f"{whole['added_p99_ms']:.3f} ms; two bare asyncio proxies in a row (the floor of two Python hops "
-              f"here, without TLS) {floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms: "
-              f"{whole['added_p50_ms'] / max(floor['added_p50_ms'], 1e-9):.2f}x at p50 (target <= 0.6 / 1.5 ms)")
+              f"{whole['added_p99_ms']:.3f} ms (target <= 0.6 / 1.5 ms); floors of two Python hops here, two bare "
+              f"asyncio proxies in a row: {floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms, with the "
+              f"second hop on TLS as the tunnel {tls_floor['added_p50_ms']:.3f} / {tls_floor['added_p99_ms']:.3f} ms "
+              f"(whole path {whole['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x the TLS floor at "
+              "p50" + (f"; nginx's single hop {nginx['added_p50_ms']:.3f} ms" if nginx else "") + ")")
     m = results["machine"]
     print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start']:.2f} -> {m['loadavg_end']:.2f}; h11's own "
           f"work per proxied request {m['h11_proxied_request_us']:.0f} us (reference machine: 110 us), so CPU "
