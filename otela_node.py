@@ -2958,7 +2958,7 @@ class _TunnelConnection(asyncio.Protocol):
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
     client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
 
-    # per connection (`buf`, `parts` and the tunnel are set in __init__; the rest starts as these)
+    # per connection (`buf`, `parts`, the tunnel and its loop are set in __init__; the rest starts as these)
     task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
     transport = _timer = None                       # (_timer: the watchdog's, due at `deadline`)
     deadline, tls, authenticated = math.inf, False, False
@@ -2980,6 +2980,7 @@ class _TunnelConnection(asyncio.Protocol):
 
     def __init__(self, tunnel: Tunnel):
         self.tunnel = tunnel
+        self.loop = asyncio.get_running_loop()      # once: each asking is a getpid() system call
         self.buf = bytearray()                      # read, not parsed yet (while the codec reads)
         self.parts: List[bytes] = []
 
@@ -2988,7 +2989,7 @@ class _TunnelConnection(asyncio.Protocol):
         """Cut the connection `seconds` from now unless armed again or disarmed first. One timer,
         moved lazily: a later deadline waits for the one set (which then sets another), so a
         kept-alive connection's requests make no timer each."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.deadline = loop.time() + seconds
         if self._timer is None or self._timer.when() > self.deadline:
             if self._timer is not None:
@@ -2999,7 +3000,7 @@ class _TunnelConnection(asyncio.Protocol):
         self.deadline = math.inf
 
     def _due(self) -> None:
-        self._timer, now = None, asyncio.get_running_loop().time()
+        self._timer, now = None, self.loop.time()
         if self.deadline <= now:
             self.cut()
         elif self.deadline < math.inf:
@@ -3236,10 +3237,9 @@ class _TunnelConnection(asyncio.Protocol):
         tunnel = self.tunnel
         self.watch = self.answer = None
         self.extra, self.head_only = False, head.method == b"HEAD"
+        prefixes = None
         if head.method == b"POST" and tunnel.prefixes is not None:
             prefixes = head.fields.get(PREFIX_HEADER)
-            if prefixes is not None:
-                tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
             self.watch = _AnswerWatch()
         request = request_head(head.method, head.target, tunnel.engine.host_header, len(body), head.headers,
                                tunnel.not_forwarded)
@@ -3247,6 +3247,8 @@ class _TunnelConnection(asyncio.Protocol):
         self.request = b"".join(request)
         self.others, self.sent = tunnel.inflight(1), time.monotonic()
         self._to_engine(tunnel.engine.pooled())
+        if prefixes is not None:                    # booked while the engine works: nothing waits on it
+            tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
 
     def _to_engine(self, conn: Optional[_EngineConn]) -> None:
         self.retry = conn is not None

@@ -28,7 +28,8 @@ With --rounds N every config is measured N times in rotating order (a noisy mach
 then fall on different configs); figures are medians of the rounds, and the ratios to nginx
 (added p50, req/s, SSE chunks/s) are the medians of per-round ratios.
 With --before DIR (a checkout of an earlier commit, e.g. `git worktree add DIR REV`), that
-checkout's ingress is measured beside this one as "before+uvloop", in the same rounds.
+checkout's ingress is measured beside this one as "before+uvloop", and its whole path as
+"before: ingress+node", in the same rounds.
 Usage: python tests/bench_ingress.py [--out bench-results] [--quick] [--no-node] [--rounds N] [--before DIR]
 """
 from __future__ import annotations
@@ -446,18 +447,19 @@ def h11_reference_us(n: int = 3000) -> float:
     return (time.process_time() - t0) / n * 1e6
 
 
-def start_overlay(tmp: str, models: dict, flags: dict, procs: list) -> tuple:
+def start_overlay(tmp: str, models: dict, flags: dict, procs: list, root: str = ROOT) -> tuple:
     """`otela_ingress.py serve` plus one `otela_node.py start` per model, each wrapping a fake
-    engine: the real path. Returns (ingress pid, port, key, [node and engine pids])."""
+    engine: the real path (of the checkout in `root`). Returns (ingress pid, port, key, [node and
+    engine pids])."""
     from test_ingress_support import Client
     py = sys.executable
-    subprocess.run([py, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", tmp], check=True,
+    subprocess.run([py, os.path.join(root, "otela_node.py"), "keygen", "--out", tmp], check=True,
                    capture_output=True, timeout=60)
     key_file, db = os.path.join(tmp, "cluster.key"), os.path.join(tmp, "overlay.sqlite")
-    key = subprocess.run([py, os.path.join(ROOT, "otela_ingress.py"), "keys", "create", "--user", "bench",
+    key = subprocess.run([py, os.path.join(root, "otela_ingress.py"), "keys", "create", "--user", "bench",
                           "--db", db], check=True, capture_output=True, text=True, timeout=60).stdout.strip()
     port, gossip = free_port(), free_port()
-    ingress = subprocess.Popen([py, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", key_file,
+    ingress = subprocess.Popen([py, os.path.join(root, "otela_ingress.py"), "serve", "--key-file", key_file,
                                 "--listen", f"127.0.0.1:{port}", "--gossip", f"127.0.0.1:{gossip}",
                                 "--db", db], stderr=subprocess.DEVNULL)
     procs.append(ingress)
@@ -465,9 +467,9 @@ def start_overlay(tmp: str, models: dict, flags: dict, procs: list) -> tuple:
     side = []
     for model, engine_port in models.items():
         grant = os.path.join(tmp, f"{engine_port}.grant")   # the login node's grant for each job
-        subprocess.run([py, os.path.join(ROOT, "otela_ingress.py"), "grant", "--key-file", key_file, "--model", model,
+        subprocess.run([py, os.path.join(root, "otela_ingress.py"), "grant", "--key-file", key_file, "--model", model,
                         "--out", grant], check=True, capture_output=True, timeout=60)
-        node = subprocess.Popen([py, os.path.join(ROOT, "otela_node.py"), "start", "--key-file", key_file,
+        node = subprocess.Popen([py, os.path.join(root, "otela_node.py"), "start", "--key-file", key_file,
                                  "--grant-file", grant,
                                  "--bootstrap", f"127.0.0.1:{gossip}", "--listen", f"127.0.0.1:{free_port()}",
                                  "--gossip", f"127.0.0.1:{free_port()}", "--log-level", "WARNING",
@@ -736,12 +738,15 @@ def main() -> int:
         if not args.no_node:
             flags = {"fast": "--chunks 8", "paced": "--chunks 10 --chunk-delay 0.005",
                      "bulk": f"--chunks {bulk_chunks}"}
-            node_engines = {model: free_port() for model in flags}
-            pid, port, key, _ = start_overlay(os.path.join(tmp, "overlay"), node_engines, flags, procs)
-            targets["ingress+node"] = (pid, {model: port for model in ports}, key)
-            for engine_port in node_engines.values():
-                for engine_pid in _pids_of_port(engine_port):
-                    pin(engine_pid, 1)
+            overlays = [("ingress+node", ROOT)] + ([("before: ingress+node", args.before)] if before else [])
+            for name, root in overlays:   # with --before, that checkout's whole path too
+                node_engines = {model: free_port() for model in flags}
+                pid, port, key, _ = start_overlay(os.path.join(tmp, f"overlay-{len(targets)}"), node_engines, flags,
+                                                  procs, os.path.abspath(root))
+                targets[name] = (pid, {model: port for model in ports}, key)
+                for engine_port in node_engines.values():
+                    for engine_pid in _pids_of_port(engine_port):
+                        pin(engine_pid, 1)
 
         # --rounds N: every config is measured N times, in an order that rotates each round, so
         # a burst of load elsewhere on the machine falls on different configs in different rounds;
@@ -819,6 +824,11 @@ def main() -> int:
               f"second hop on TLS as the tunnel {tls_floor['added_p50_ms']:.3f} / {tls_floor['added_p99_ms']:.3f} ms "
               f"(whole path {whole['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x the TLS floor at "
               "p50" + (f"; nginx's single hop {nginx['added_p50_ms']:.3f} ms" if nginx else "") + ")")
+        earlier = results["configs"].get("before: ingress+node")
+        if earlier:
+            print(f"whole path of --before: added p50 {earlier['added_p50_ms']:.3f} ms, p99 "
+                  f"{earlier['added_p99_ms']:.3f} ms ({earlier['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x "
+                  "the TLS floor at p50)")
     m = results["machine"]
     print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start']:.2f} -> {m['loadavg_end']:.2f}; h11's own "
           f"work per proxied request {m['h11_proxied_request_us']:.0f} us (reference machine: 110 us), so CPU "
