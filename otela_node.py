@@ -2517,6 +2517,7 @@ def whole_response(status: int, body: bytes, ctype: bytes = b"application/json",
     return b"".join(head)
 
 
+_HOP_BY_HOP_FIELDS = HOP_BY_HOP - {b"content-length"}   # an answer head with none of these is relayed as it is
 RELAY_READ = 262144                 # a read of a relayed stream, and twice it buffered pauses reading
 RELAY_HIGH_WATER = 262144           # our writes to a slow reader above this pause the engine's answer
 MAX_REQUEST_HEAD = 65536
@@ -2951,8 +2952,9 @@ class _TunnelConnection(asyncio.Protocol):
     each head (h11 reads a request the codec leaves to it, then hands the connection back), the
     credential is judged on the head (rule 2), the body is read as it arrives, and the whole
     request goes to the engine on a kept-alive connection whose data_received calls engine_data
-    here: the answer's head is parsed and re-written, then its body goes to the client as each
-    read comes, read by a BodyReader only for its end. No task or future on that path (a new
+    here: the answer's head is parsed (and re-written when it holds a hop-by-hop field or its
+    framing is not the client's), then its body goes to the client as each read comes, read by
+    a BodyReader only for its end. No task or future on that path (a new
     engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
     reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
@@ -3298,6 +3300,9 @@ class _TunnelConnection(asyncio.Protocol):
             out = [self.reframe.send(h11.Response(
                 status_code=head.status, reason=head.reason,
                 headers=[(n, v) for n, v in head.headers if n not in HOP_BY_HOP or n == b"content-length"]))]
+        elif head.framing is LENGTH and not self.close_after and head.version == b"1.1" \
+                and _HOP_BY_HOP_FIELDS.isdisjoint(head.fields) and data.find(b"\r\n\r\n") + 4 == head.size:
+            out = [data[:head.size]]                # (the common answer) its head as it came: nothing to drop
         else:
             out = response_head(head.status, head.reason, head.headers, HOP_BY_HOP, head.framing, head.length,
                                 self.close_after)
