@@ -649,6 +649,20 @@ def nginx_ratios(per_round: dict) -> dict:
     return out
 
 
+def floor_ratios(per_round: dict, floor: str) -> dict:
+    """Each whole path's added p50 over the floor's of the same round, the median over rounds (a
+    noisy machine's load moves both alike)."""
+    out = {}
+    for name in ("ingress+node", "before: ingress+node"):
+        ratios = []
+        for r, d, f in zip(per_round.get(name, []), per_round["direct"], per_round[floor]):
+            if f["latency_p50_ms"] > d["latency_p50_ms"]:
+                ratios.append((r["latency_p50_ms"] - d["latency_p50_ms"]) / (f["latency_p50_ms"] - d["latency_p50_ms"]))
+        if ratios:
+            out[name] = statistics.median(ratios)
+    return out
+
+
 # -- the run ---------------------------------------------------------------------------------------
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -780,6 +794,8 @@ def main() -> int:
                     "slowdown_vs_reference"]
         if "nginx" in per_round:
             results["ratios_to_nginx"] = nginx_ratios(per_round)
+        if "bare-asyncio x2 + TLS" in per_round:
+            results["ratios_to_tls_floor"] = floor_ratios(per_round, "bare-asyncio x2 + TLS")
         results["rounds"] = args.rounds
         results["failures"] = failure_runs(procs, tmp, quick)
         results["machine"]["loadavg_end"] = os.getloadavg()[0]
@@ -824,6 +840,8 @@ def main() -> int:
               f"second hop on TLS as the tunnel {tls_floor['added_p50_ms']:.3f} / {tls_floor['added_p99_ms']:.3f} ms "
               f"(whole path {whole['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x the TLS floor at "
               "p50" + (f"; nginx's single hop {nginx['added_p50_ms']:.3f} ms" if nginx else "") + ")")
+        for name, ratio in results.get("ratios_to_tls_floor", {}).items():
+            print(f"{name}: added p50 over the TLS floor's, median of {args.rounds} per-round ratios: {ratio:.2f}x")
         earlier = results["configs"].get("before: ingress+node")
         if earlier:
             print(f"whole path of --before: added p50 {earlier['added_p50_ms']:.3f} ms, p99 "
