@@ -2557,6 +2557,7 @@ def whole_response(status: int, body: bytes, ctype: bytes = b"application/json",
     return b"".join(head)
 
 
+_HOP_BY_HOP_FIELDS = HOP_BY_HOP - {b"content-length"}   # an answer head with none of these is relayed as it is
 RELAY_READ = 262144                 # a read of a relayed stream, and twice it buffered pauses reading
 RELAY_HIGH_WATER = 262144           # our writes to a slow reader above this pause the engine's answer
 MAX_REQUEST_HEAD = 65536
@@ -2991,14 +2992,15 @@ class _TunnelConnection(asyncio.Protocol):
     each head (h11 reads a request the codec leaves to it, then hands the connection back), the
     credential is judged on the head (rule 2), the body is read as it arrives, and the whole
     request goes to the engine on a kept-alive connection whose data_received calls engine_data
-    here: the answer's head is parsed and re-written, then its body goes to the client as each
-    read comes, read by a BodyReader only for its end. No task or future on that path (a new
+    here: the answer's head is parsed (and re-written when it holds a hop-by-hop field or its
+    framing is not the client's), then its body goes to the client as each read comes, read by
+    a BodyReader only for its end. No task or future on that path (a new
     engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
     reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
     client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
 
-    # per connection (`buf`, `parts` and the tunnel are set in __init__; the rest starts as these)
+    # per connection (`buf`, `parts`, the tunnel and its loop are set in __init__; the rest starts as these)
     task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
     transport = _timer = None                       # (_timer: the watchdog's, due at `deadline`)
     deadline, tls, authenticated = math.inf, False, False
@@ -3020,6 +3022,7 @@ class _TunnelConnection(asyncio.Protocol):
 
     def __init__(self, tunnel: Tunnel):
         self.tunnel = tunnel
+        self.loop = asyncio.get_running_loop()      # once: each asking is a getpid() system call
         self.buf = bytearray()                      # read, not parsed yet (while the codec reads)
         self.parts: List[bytes] = []
 
@@ -3028,7 +3031,7 @@ class _TunnelConnection(asyncio.Protocol):
         """Cut the connection `seconds` from now unless armed again or disarmed first. One timer,
         moved lazily: a later deadline waits for the one set (which then sets another), so a
         kept-alive connection's requests make no timer each."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.deadline = loop.time() + seconds
         if self._timer is None or self._timer.when() > self.deadline:
             if self._timer is not None:
@@ -3039,7 +3042,7 @@ class _TunnelConnection(asyncio.Protocol):
         self.deadline = math.inf
 
     def _due(self) -> None:
-        self._timer, now = None, asyncio.get_running_loop().time()
+        self._timer, now = None, self.loop.time()
         if self.deadline <= now:
             self.cut()
         elif self.deadline < math.inf:
@@ -3276,10 +3279,9 @@ class _TunnelConnection(asyncio.Protocol):
         tunnel = self.tunnel
         self.watch = self.answer = None
         self.extra, self.head_only = False, head.method == b"HEAD"
+        prefixes = None
         if head.method == b"POST" and tunnel.prefixes is not None:
             prefixes = head.fields.get(PREFIX_HEADER)
-            if prefixes is not None:
-                tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
             self.watch = _AnswerWatch()
         self.adapters = head.method == b"POST" and head.target.split(b"?", 1)[0] in ADAPTER_ROUTES
         self.span = node_span(head.fields, head.target) if tunnel.tracer is not None else None
@@ -3289,6 +3291,8 @@ class _TunnelConnection(asyncio.Protocol):
         self.request = b"".join(request)
         self.others, self.sent = tunnel.inflight(1), time.monotonic()
         self._to_engine(tunnel.engine.pooled())
+        if prefixes is not None:                    # booked while the engine works: nothing waits on it
+            tunnel.prefixes.add(list(decode_prefixes(prefixes.decode("latin-1")))[:PREFIX_MAX_ANCHORS])
 
     def _to_engine(self, conn: Optional[_EngineConn]) -> None:
         self.retry = conn is not None
@@ -3340,6 +3344,9 @@ class _TunnelConnection(asyncio.Protocol):
             out = [self.reframe.send(h11.Response(
                 status_code=head.status, reason=head.reason,
                 headers=[(n, v) for n, v in head.headers if n not in HOP_BY_HOP or n == b"content-length"]))]
+        elif head.framing is LENGTH and not self.close_after and head.version == b"1.1" \
+                and _HOP_BY_HOP_FIELDS.isdisjoint(head.fields) and data.find(b"\r\n\r\n") + 4 == head.size:
+            out = [data[:head.size]]                # (the common answer) its head as it came: nothing to drop
         else:
             out = response_head(head.status, head.reason, head.headers, HOP_BY_HOP, head.framing, head.length,
                                 self.close_after)

@@ -21,14 +21,18 @@ copies bytes between connections without reading them (the floor of any user-spa
 here), and "nginx" (a reverse proxy with upstream keep-alive, one worker pinned like the
 ingress) when an nginx binary is installed (`apt-get install nginx-light`; skipped otherwise).
 With the whole path, "bare-asyncio x2": two bare asyncio proxies in a row, pinned as the ingress
-and the node are, the floor of a path of two Python hops on this machine (without TLS).
+and the node are, the floor of a path of two Python hops on this machine (without TLS), and
+"bare-asyncio x2 + TLS", the same with the second hop on TLS 1.3 with the tunnel's own contexts
+(mutual, the cluster certificate): the floor the whole path (ingress -> node tunnel over TLS ->
+engine) is to be read against.
 
 Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on time.
 With --rounds N every config is measured N times in rotating order (a noisy machine's bursts
 then fall on different configs); figures are medians of the rounds, and the ratios to nginx
 (added p50, req/s, SSE chunks/s) are the medians of per-round ratios.
 With --before DIR (a checkout of an earlier commit, e.g. `git worktree add DIR REV`), that
-checkout's ingress is measured beside this one as "before+uvloop", in the same rounds.
+checkout's ingress is measured beside this one as "before+uvloop", and its whole path as
+"before: ingress+node", in the same rounds.
 Usage: python tests/bench_ingress.py [--out bench-results] [--quick] [--no-node] [--rounds N] [--before DIR]
 """
 from __future__ import annotations
@@ -98,15 +102,26 @@ def child(engines: dict, use_uvloop: bool, db: str, otlp: str = None) -> None:
     asyncio.run(main())
 
 
-def relay_child(routes: dict, parse: bool = False) -> None:
+def relay_child(routes: dict, parse: bool = False, tls: str = "", key_file: str = "") -> None:
     """A TCP relay: each accepted connection gets its own connection to the engine and bytes are
     copied both ways unread (listen port -> engine port). With `parse`, the bare asyncio proxy
-    the issue cites: requests are read by hand (head, Content-Length body) and sent on whole."""
+    the issue cites: requests are read by hand (head, Content-Length body) and sent on whole.
+    With `tls` ("listen" or "connect"), that side is the node tunnel's TLS (its contexts, from
+    the cluster's certificate beside `key_file`)."""
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
+    listen_tls = connect_tls = None
+    if tls:
+        import types
+
+        import otela_node
+        cert, tls_key = otela_node.find_tunnel_tls(key_file)
+        server, client = otela_node.tunnel_tls(types.SimpleNamespace(tls_cert=cert, tls_key=tls_key, job_tls=None))
+        listen_tls, connect_tls = (server, None) if tls == "listen" else (None, client)
+    tls_name = {"server_hostname": "otela-cluster"} if connect_tls is not None else {}
 
     class Pipe(asyncio.Protocol):
         def __init__(self, peer=None):
@@ -157,7 +172,8 @@ def relay_child(routes: dict, parse: bool = False) -> None:
 
         async def connect(self):
             loop = asyncio.get_running_loop()
-            _, back = await loop.create_connection(lambda: Pipe(self), "127.0.0.1", self.engine_port)
+            _, back = await loop.create_connection(lambda: Pipe(self), "127.0.0.1", self.engine_port,
+                                                   ssl=connect_tls, **tls_name)
             self.peer = back
             for data in self.pending:
                 back.transport.write(data)
@@ -166,11 +182,34 @@ def relay_child(routes: dict, parse: bool = False) -> None:
     async def main():
         loop = asyncio.get_running_loop()
         for listen, engine_port in routes.items():
-            await loop.create_server(lambda p=engine_port: Front(p), "127.0.0.1", int(listen))
+            await loop.create_server(lambda p=engine_port: Front(p), "127.0.0.1", int(listen), ssl=listen_tls)
         print(json.dumps({"ready": True}), flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def bare_tls_key(tmp: str) -> str:
+    """A cluster key with its tunnel certificate (keygen), for the bare pair's TLS hop."""
+    folder = os.path.join(tmp, "bare-tls")
+    subprocess.run([sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", folder], check=True,
+                   capture_output=True, timeout=60)
+    return os.path.join(folder, "cluster.key")
+
+
+def start_bare_pair(ports: dict, procs: list, key_file: str = "") -> tuple:
+    """Two bare asyncio proxies in a row (front on CPU 0 as the ingress, back on CPU 1 as the
+    node), the back one's port on TLS when `key_file` is given; the front's target."""
+    front, back = {model: free_port() for model in ports}, {model: free_port() for model in ports}
+    for routes, cpu, tls in (({back[m]: ports[m] for m in ports}, 1, "listen"),
+                             ({front[m]: back[m] for m in ports}, 0, "connect")):
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
+            {"relay": {str(k): v for k, v in routes.items()}, "parse": True, "tls": tls if key_file else "",
+             "key_file": key_file})], stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        proc.stdout.readline()
+        pin(proc.pid, cpu)
+    return proc.pid, front, "none"
 
 
 NGINX_CONF = """worker_processes 1;
@@ -419,18 +458,19 @@ def h11_reference_us(n: int = 3000) -> float:
     return (time.process_time() - t0) / n * 1e6
 
 
-def start_overlay(tmp: str, models: dict, flags: dict, procs: list) -> tuple:
+def start_overlay(tmp: str, models: dict, flags: dict, procs: list, root: str = ROOT) -> tuple:
     """`otela_ingress.py serve` plus one `otela_node.py start` per model, each wrapping a fake
-    engine: the real path. Returns (ingress pid, port, key, [node and engine pids])."""
+    engine: the real path (of the checkout in `root`). Returns (ingress pid, port, key, [node and
+    engine pids])."""
     from test_ingress_support import Client
     py = sys.executable
-    subprocess.run([py, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", tmp], check=True,
+    subprocess.run([py, os.path.join(root, "otela_node.py"), "keygen", "--out", tmp], check=True,
                    capture_output=True, timeout=60)
     key_file, db = os.path.join(tmp, "cluster.key"), os.path.join(tmp, "overlay.sqlite")
-    key = subprocess.run([py, os.path.join(ROOT, "otela_ingress.py"), "keys", "create", "--user", "bench",
+    key = subprocess.run([py, os.path.join(root, "otela_ingress.py"), "keys", "create", "--user", "bench",
                           "--db", db], check=True, capture_output=True, text=True, timeout=60).stdout.strip()
     port, gossip = free_port(), free_port()
-    ingress = subprocess.Popen([py, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", key_file,
+    ingress = subprocess.Popen([py, os.path.join(root, "otela_ingress.py"), "serve", "--key-file", key_file,
                                 "--listen", f"127.0.0.1:{port}", "--gossip", f"127.0.0.1:{gossip}",
                                 "--db", db], stderr=subprocess.DEVNULL)
     procs.append(ingress)
@@ -438,9 +478,9 @@ def start_overlay(tmp: str, models: dict, flags: dict, procs: list) -> tuple:
     side = []
     for model, engine_port in models.items():
         grant = os.path.join(tmp, f"{engine_port}.grant")   # the login node's grant for each job
-        subprocess.run([py, os.path.join(ROOT, "otela_ingress.py"), "grant", "--key-file", key_file, "--model", model,
+        subprocess.run([py, os.path.join(root, "otela_ingress.py"), "grant", "--key-file", key_file, "--model", model,
                         "--out", grant], check=True, capture_output=True, timeout=60)
-        node = subprocess.Popen([py, os.path.join(ROOT, "otela_node.py"), "start", "--key-file", key_file,
+        node = subprocess.Popen([py, os.path.join(root, "otela_node.py"), "start", "--key-file", key_file,
                                  "--grant-file", grant,
                                  "--bootstrap", f"127.0.0.1:{gossip}", "--listen", f"127.0.0.1:{free_port()}",
                                  "--gossip", f"127.0.0.1:{free_port()}", "--log-level", "WARNING",
@@ -620,6 +660,20 @@ def nginx_ratios(per_round: dict) -> dict:
     return out
 
 
+def floor_ratios(per_round: dict, floor: str) -> dict:
+    """Each whole path's added p50 over the floor's of the same round, the median over rounds (a
+    noisy machine's load moves both alike)."""
+    out = {}
+    for name in ("ingress+node", "before: ingress+node"):
+        ratios = []
+        for r, d, f in zip(per_round.get(name, []), per_round["direct"], per_round[floor]):
+            if f["latency_p50_ms"] > d["latency_p50_ms"]:
+                ratios.append((r["latency_p50_ms"] - d["latency_p50_ms"]) / (f["latency_p50_ms"] - d["latency_p50_ms"]))
+        if ratios:
+            out[name] = statistics.median(ratios)
+    return out
+
+
 # -- the run ---------------------------------------------------------------------------------------
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -640,7 +694,7 @@ def main() -> int:
     if args.child:
         spec = json.loads(args.child)
         if spec.get("relay"):
-            relay_child(spec["relay"], spec.get("parse", False))
+            relay_child(spec["relay"], spec.get("parse", False), spec.get("tls", ""), spec.get("key_file", ""))
         else:
             child(spec["engines"], spec["uvloop"], spec["db"], spec.get("otlp"))
         return 0
@@ -697,16 +751,11 @@ def main() -> int:
             proc.stdout.readline()
             pin(proc.pid, 0)
             targets[name] = (proc.pid, relay_ports, "none")
-        if not args.no_node:   # the floor of the whole path's two Python hops: two bare proxies in a row
-            front, back = {model: free_port() for model in ports}, {model: free_port() for model in ports}
-            for routes, cpu in (({back[m]: ports[m] for m in ports}, 1), ({front[m]: back[m] for m in ports}, 0)):
-                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
-                    {"relay": {str(k): v for k, v in routes.items()}, "parse": True})], stdout=subprocess.PIPE,
-                    text=True)
-                procs.append(proc)
-                proc.stdout.readline()
-                pin(proc.pid, cpu)   # as the whole path's ingress (CPU 0) and node (CPU 1)
-            targets["bare-asyncio x2"] = (proc.pid, front, "none")
+        if not args.no_node:   # the floor of the whole path's two Python hops: two bare proxies in a row,
+            # and the same with the second hop on TLS as the node's tunnel is (its certificate, its contexts)
+            key_file = bare_tls_key(tmp)
+            for name, tls in (("bare-asyncio x2", False), ("bare-asyncio x2 + TLS", True)):
+                targets[name] = start_bare_pair(ports, procs, key_file if tls else "")
         nginx_ports = {model: free_port() for model in ports}
         worker = start_nginx(tmp, {nginx_ports[model]: ports[model] for model in ports}, procs)
         if worker is not None:
@@ -715,12 +764,15 @@ def main() -> int:
         if not args.no_node:
             flags = {"fast": "--chunks 8", "paced": "--chunks 10 --chunk-delay 0.005",
                      "bulk": f"--chunks {bulk_chunks}"}
-            node_engines = {model: free_port() for model in flags}
-            pid, port, key, _ = start_overlay(os.path.join(tmp, "overlay"), node_engines, flags, procs)
-            targets["ingress+node"] = (pid, {model: port for model in ports}, key)
-            for engine_port in node_engines.values():
-                for engine_pid in _pids_of_port(engine_port):
-                    pin(engine_pid, 1)
+            overlays = [("ingress+node", ROOT)] + ([("before: ingress+node", args.before)] if before else [])
+            for name, root in overlays:   # with --before, that checkout's whole path too
+                node_engines = {model: free_port() for model in flags}
+                pid, port, key, _ = start_overlay(os.path.join(tmp, f"overlay-{len(targets)}"), node_engines, flags,
+                                                  procs, os.path.abspath(root))
+                targets[name] = (pid, {model: port for model in ports}, key)
+                for engine_port in node_engines.values():
+                    for engine_pid in _pids_of_port(engine_port):
+                        pin(engine_pid, 1)
 
         # --rounds N: every config is measured N times, in an order that rotates each round, so
         # a burst of load elsewhere on the machine falls on different configs in different rounds;
@@ -757,6 +809,8 @@ def main() -> int:
         on, off = results["configs"]["ingress+uvloop+otlp"], results["configs"]["ingress+uvloop"]
         results["tracing_cost"] = {col: on[col] / off[col] for col in ("added_p50_ms", "added_p99_ms", "rps_64conn",
                                                                        "cpu_us_per_request") if off.get(col)}
+        if "bare-asyncio x2 + TLS" in per_round:
+            results["ratios_to_tls_floor"] = floor_ratios(per_round, "bare-asyncio x2 + TLS")
         results["rounds"] = args.rounds
         results["failures"] = failure_runs(procs, tmp, quick)
         results["machine"]["loadavg_end"] = os.getloadavg()[0]
@@ -795,11 +849,21 @@ def main() -> int:
     print("tracing on (--otlp-endpoint, a collector that answers) / off, same run: " + ", ".join(
         f"{col} {ratio:.2f}x" for col, ratio in results["tracing_cost"].items()))
     whole, floor = results["configs"].get("ingress+node"), results["configs"].get("bare-asyncio x2")
-    if whole and floor:
+    tls_floor, nginx = results["configs"].get("bare-asyncio x2 + TLS"), results["configs"].get("nginx")
+    if whole and floor and tls_floor:
         print(f"whole path (ingress, TLS, node): added p50 {whole['added_p50_ms']:.3f} ms, p99 "
-              f"{whole['added_p99_ms']:.3f} ms; two bare asyncio proxies in a row (the floor of two Python hops "
-              f"here, without TLS) {floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms: "
-              f"{whole['added_p50_ms'] / max(floor['added_p50_ms'], 1e-9):.2f}x at p50 (target <= 0.6 / 1.5 ms)")
+              f"{whole['added_p99_ms']:.3f} ms (target <= 0.6 / 1.5 ms); floors of two Python hops here, two bare "
+              f"asyncio proxies in a row: {floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms, with the "
+              f"second hop on TLS as the tunnel {tls_floor['added_p50_ms']:.3f} / {tls_floor['added_p99_ms']:.3f} ms "
+              f"(whole path {whole['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x the TLS floor at "
+              "p50" + (f"; nginx's single hop {nginx['added_p50_ms']:.3f} ms" if nginx else "") + ")")
+        for name, ratio in results.get("ratios_to_tls_floor", {}).items():
+            print(f"{name}: added p50 over the TLS floor's, median of {args.rounds} per-round ratios: {ratio:.2f}x")
+        earlier = results["configs"].get("before: ingress+node")
+        if earlier:
+            print(f"whole path of --before: added p50 {earlier['added_p50_ms']:.3f} ms, p99 "
+                  f"{earlier['added_p99_ms']:.3f} ms ({earlier['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x "
+                  "the TLS floor at p50)")
     m = results["machine"]
     print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start']:.2f} -> {m['loadavg_end']:.2f}; h11's own "
           f"work per proxied request {m['h11_proxied_request_us']:.0f} us (reference machine: 110 us), so CPU "
