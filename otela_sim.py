@@ -76,6 +76,7 @@ import math
 import os
 import random
 import re
+import selectors
 import sys
 import time
 from collections import OrderedDict, deque
@@ -3119,12 +3120,23 @@ ADMIT_WINDOW_S = 0.002
 RUN_AHEAD_STEPS = 256
 # asyncio's timers wake late: epoll takes whole milliseconds, and CPython's EpollSelector rounds
 # a timeout up to them as 18 * 1e-3 = 0.018000000000000002 s, which epoll.poll rounds up once
-# more (3.11: a timer 17.5 ms out wakes 1.7 ms late, median of 10 on our box). The step timer
-# is armed early by the lateness its own past wakes measured (a running mean over ~16 wakes,
+# more (3.11: a timer 17.5 ms out wakes 1.7 ms late, median of 10 on our box). How late depends
+# on the delay, not on the box: a timer due in (k - 1, k] ms sleeps k ms, or k + 1 for the k whose
+# k * 1e-3 s is a hair above k ms (9, 13, 18, 26, 36 ...: a timer 12.5 ms out wakes 1.66 ms late,
+# one 12.0 ms out 0.17 ms). A mean of past lateness cannot cover that for one wake (a 15.5 ms
+# prefill armed ~12.5 ms out was 1.2-1.7 ms late where the decode wakes averaged 0.5-1). So the
+# step timer is snapped (timer_due): the selector gets the whole milliseconds of sleep, of those
+# it can sleep (selector_sleep_ms), nearest the wake wanted, SELECTOR_TICK_S on a selector of
+# whole milliseconds (epoll, poll), 0 on one that is not (kqueue: no snapping). What is left
+# (the loop's own work before it sleeps, the kernel's timer slack, a busy box) is the lateness
+# its own past wakes measured: the timer is armed that early (a running mean over ~16 wakes,
 # TIMER_LATE_WEIGHT, each wake's lateness capped at TIMER_LATE_CAP_S so that a stalled box does
-# not drag it), from TIMER_EARLY_S before the first, so tokens go out centred on the modelled
-# end of their step, whatever the Python version's rounding.
-TIMER_EARLY_S, TIMER_LATE_WEIGHT, TIMER_LATE_CAP_S = 0.0005, 1 / 16, 0.003
+# not drag it), from TIMER_EARLY_S before the first (a snapped timer's lateness at whole
+# milliseconds, +0.2 ms on our box), so tokens go out centred on the modelled end of their step,
+# whatever the Python version's rounding.
+SELECTOR_TICK_S = 1e-3 if selectors.DefaultSelector.__name__ in ("EpollSelector", "PollSelector", "DevpollSelector") \
+    else 0.0
+TIMER_EARLY_S, TIMER_LATE_WEIGHT, TIMER_LATE_CAP_S = 0.0002, 1 / 16, 0.003
 # llama.cpp's server keeps a prefix cache per slot, not per block, and reuses the common prefix
 # of the slot a request takes (`serve --prefix-cache slots`). Its slot choice
 # (server_context::get_available_slot; EngineCore._admit_to_slot follows it): among the idle
@@ -3134,6 +3146,29 @@ TIMER_EARLY_S, TIMER_LATE_WEIGHT, TIMER_LATE_CAP_S = 0.0005, 1 / 16, 0.003
 SLOT_PROMPT_SIMILARITY = 0.1
 # The longest request head or body the emulator reads (a 128k-token prompt is ~0.5 MB).
 SERVE_MAX_HEAD, SERVE_MAX_BODY = 64 * 1024, 32 * 1024 * 1024
+
+
+def selector_sleep_ms(ms):
+    """Whole milliseconds asyncio's epoll sleeps for a timeout that its EpollSelector rounds up
+    to `ms`: CPython hands epoll ms * 1e-3 seconds, converted to nanoseconds rounding up and
+    then to milliseconds rounding up, one more where ms * 1e-3 is a hair above ms (9, 13, 18 ...).
+    Other selectors take the milliseconds as they are."""
+    if selectors.DefaultSelector.__name__ != "EpollSelector":
+        return ms
+    return ms + (math.ceil(ms * 1e-3 * 1e9) > ms * 1_000_000)
+
+
+def timer_due(now, wake, tick=SELECTOR_TICK_S):
+    """The loop time to arm a timer at so that it fires nearest `wake` (loop times, seconds),
+    on a selector that sleeps whole ticks rounded up (SELECTOR_TICK_S): a due time half a tick
+    under the sleep of whole ticks (selector_sleep_ms) nearest the wake, so that the rounding
+    gives that sleep and no other; `wake` itself when tick is 0."""
+    if tick <= 0:
+        return wake
+    want = (wake - now) / tick
+    k = max(0, round(want))
+    ticks = min((j for j in (k - 1, k, k + 1) if j >= 0), key=lambda j: abs(selector_sleep_ms(j) - want))
+    return now + (ticks - 0.5) * tick
 
 
 def count_tokens(text):
@@ -4142,8 +4177,9 @@ class EmulatedServer:
         self.at = 0                            # the step of the run the timer is armed for
         self.streams = ()                      # the streams of the run, when it wakes at every step
         self.timer = None                      # the loop's handle for the next callback
-        self.armed = 0.0                       # ... and the loop time it is due at
+        self.armed = 0.0                       # ... and the wake it is for (its due time: timer_due)
         self.early = TIMER_EARLY_S             # how early the step timer is armed (measured lateness)
+        self.tick = SELECTOR_TICK_S            # the selector's sleep granularity (timer_due)
         self.step_end = 0.0
         self.busy = False
         self.counter = 0
@@ -4226,9 +4262,9 @@ class EmulatedServer:
 
     def _arm(self):
         """The step timer at the next end a client sees (a run's next step with streams, else its
-        last), early by the lateness measured."""
+        last), early by the lateness measured, snapped to the selector's sleeps (timer_due)."""
         self.armed = (self.ends[self.at] if self.streams else self.ends[-1]) - self.early
-        self.timer = self.loop.call_at(self.armed, self._end_step)
+        self.timer = self.loop.call_at(timer_due(self.loop.time(), self.armed, self.tick), self._end_step)
 
     def _end_step(self):
         self.timer = None

@@ -3,6 +3,7 @@ eviction), the scheduler (token budget, chunked prefill, preemption) and its ste
 as pure objects with a fake clock; then the server on loopback (streaming, usage, metrics,
 errors), and the server wrapped as an engine by a real node behind a real ingress."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -606,7 +607,7 @@ class LateLoop:
 
 def test_the_step_timer_is_armed_early_by_the_lateness_its_wakes_measured_and_a_stall_barely_moves_it():
     server = sim.EmulatedServer(sim.EngineCore(FlatCost(), 4096), "m")
-    server.loop = LateLoop()
+    server.loop, server.tick = LateLoop(), 0.0     # a clock of its own: no whole-ms sleeps to snap to
     req = sim.EmulatedRequest(1, words(40), 200)
     written = []
     req.sink = lambda upto=None: written.append(req.generated if upto is None else upto) or True
@@ -623,9 +624,22 @@ def test_the_step_timer_is_armed_early_by_the_lateness_its_wakes_measured_and_a_
     assert written == list(range(1, 120 + 2))
 
 
+def test_the_step_timer_is_snapped_to_the_whole_milliseconds_the_selector_sleeps():
+    """The selector sleeps whole ms rounded up (13 for a timer 12.5 ms out), under EpollSelector one
+    more where k * 1e-3 s is a hair above k ms (14 for those 13): the timer is due half a ms under
+    the sleep nearest the wake wanted, of the sleeps the selector takes."""
+    def sleeps(now, wake):                     # what the selector sleeps for the due time
+        return sim.selector_sleep_ms(math.ceil(round((sim.timer_due(now, wake, 1e-3) - now) * 1e3, 9)))
+    for want in (0.0, 0.3, 6.77, 11.4, 11.6, 15.47):
+        assert abs(sleeps(10.0, 10.0 + want * 1e-3) - want) <= 0.5
+    epoll = sim.selector_sleep_ms(13) == 14
+    assert sleeps(10.0, 10.0 + 12.6e-3) == (12 if epoll else 13)     # 13 is no sleep epoll takes
+    assert sim.timer_due(10.0, 10.0123, 0.0) == 10.0123                 # no ticks: the wake itself
+
+
 def test_a_run_without_streams_wakes_once_at_its_end():
     server = sim.EmulatedServer(sim.EngineCore(FlatCost(), 4096), "m")
-    server.loop = LateLoop()
+    server.loop, server.tick = LateLoop(), 0.0     # a clock of its own: no whole-ms sleeps to snap to
     req = sim.EmulatedRequest(1, words(40), 200)
     server._submit(req)
     wakes = 0
@@ -663,7 +677,7 @@ def test_tokens_planned_ahead_reach_each_stream_at_the_end_of_their_own_step():
     want = _timed_tokens(sim.serve_core(MODEL, "H100", engine="vllm-v1"), late[:2], {0.15: late[2]})
 
     server = sim.EmulatedServer(sim.serve_core(MODEL, "H100", engine="vllm-v1"), "m")
-    server.loop = LateLoop()
+    server.loop, server.tick = LateLoop(), 0.0     # a clock of its own: no whole-ms sleeps to snap to
     planned = []
     schedule = server.core.schedule
     server.core.schedule = lambda: planned.append(1) or schedule()
@@ -712,7 +726,7 @@ def test_a_fleet_slowed_k_times_makes_the_same_tokens_and_hits_each_k_times_late
     want = _timed_tokens(plan, full[:2], {0.15: full[2]})
 
     server = sim.EmulatedServer(sim.serve_core(MODEL, "H100", engine="vllm-v1"), "m", time_scale=k)
-    server.loop = LateLoop()
+    server.loop, server.tick = LateLoop(), 0.0     # a clock of its own: no whole-ms sleeps to snap to
     reqs = requests()
     got = _stamp_tokens(server, reqs)
     server._submit(reqs[0])
