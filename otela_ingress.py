@@ -1686,6 +1686,55 @@ def load_revocations(db: sqlite3.Connection) -> List[Tuple[str, float]]:
 # =============================================================================================
 # Routing: the policy interface, the built-in policies, passive health
 # =============================================================================================
+# A client's conversation key, as a header: vllm-router's consistent_hash reads it first, and
+# gateways (LiteLLM-style proxies, OpenRouter-style ones) send or accept it; the body's
+# `prompt_cache_key` (OpenAI's) says the same and wins. Both reach the engine as sent.
+SESSION_HEADER = b"x-session-id"
+MAX_SESSION_KEY = 512   # bytes of a key hashed at most (a longer one is its first 512)
+
+
+def rendezvous(key: bytes, sessions: Sequence[bytes]) -> int:
+    """The index of the session `key` hashes highest with (rendezvous hashing): every ingress
+    that sees the same sessions picks the same one, with no word exchanged, and a session
+    joining or leaving moves only the keys it wins or held (1/N of them, N the sessions)."""
+    return max(range(len(sessions)), key=lambda i: hashlib.blake2b(key + sessions[i], digest_size=8).digest())
+
+
+def affinity_key(request: RoutedRequest) -> Optional[bytes]:
+    """What keeps a conversation's turns together: the body's `prompt_cache_key` (a string),
+    else the session header, else its opening (the messages up to its first user message, which
+    every later turn repeats); None for a request with none of them (a bare prompt). `user` is
+    not one: it names the end user, whose many conversations share no more than a system prompt,
+    and one busy user would pin them all to one engine (OpenAI moved caching to prompt_cache_key)."""
+    body = request.body if isinstance(request.body, dict) else {}
+    given = body.get("prompt_cache_key")
+    if isinstance(given, str) and given:
+        return b"k" + given.encode("utf-8", "surrogatepass")[:MAX_SESSION_KEY]
+    if request.session_key:
+        return b"h" + request.session_key[:MAX_SESSION_KEY]
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    opening = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+                   len(messages) - 1)
+    text = otela_node.prompt_text({"messages": messages[:opening + 1]})
+    return b"o" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def earlier_turns(body: Any) -> int:
+    """Bytes of the rendered prompt that its earlier turns sent and answered (the messages up to
+    the last assistant message): what the engine that served the last turn holds. 0 for a first
+    turn or a bare prompt."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return 0
+    last = next((i for i in range(len(messages) - 1, -1, -1)
+                 if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), -1)
+    if last < 0:
+        return 0
+    return len(otela_node.prompt_text({"messages": messages[:last + 1]}).encode("utf-8", "surrogatepass"))
+
+
 class Candidate:
     """A session that may serve a request: its id, its record and a hardware weight."""
 
@@ -1704,13 +1753,14 @@ class Candidate:
 
 class RoutedRequest:
     """What a policy may look at: the model, the user, whether it streams, the attempt; the
-    parsed request (`body`) for a policy whose `wants_body` is true; and, by on_request_end, what
+    parsed request (`body`) for a policy whose `wants_body` is true; the client's session header
+    (`session_key`: SESSION_HEADER's value, None without one); and, by on_request_end, what
     the answer said: its first streamed byte's time (`first_at`, None for a whole answer), its
     usage (`prompt_tokens`, `cached_tokens` as the engine reported them, `completion_tokens`; None
     when not reported). `memo` is the policy's own, kept across the request's attempts."""
 
     __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started", "body", "memo",
-                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens", "named")
+                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens", "named", "session_key")
 
     def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str,
                  started: Optional[float] = None, body: Optional[Dict[str, Any]] = None):
@@ -1719,6 +1769,7 @@ class RoutedRequest:
         self.body, self.memo = body, None
         self.first_at = self.prompt_tokens = self.cached_tokens = self.completion_tokens = None
         self.named = model   # the model the client named (an alias, or one the request fell back from)
+        self.session_key: Optional[bytes] = None   # the client's SESSION_HEADER, as sent
 
 
 class Policy:
@@ -1985,10 +2036,13 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "session", "work", "streams", "uncached", "held", "answering", "started")
+    __slots__ = ("chain", "size", "affinity", "earlier", "home", "session", "work", "streams", "uncached", "held",
+                 "answering", "started")
 
-    def __init__(self, chain: List[bytes], size: int):
+    def __init__(self, chain: List[bytes], size: int, affinity: Optional[bytes] = None, earlier: int = 0):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
+        self.affinity, self.earlier = affinity, earlier   # its affinity_key, and earlier_turns' bytes
+        self.home = -1                        # the candidate its affinity key names (-1: none)
         self.session = ""                     # the session of the attempt scored last
         self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
         self.streams = 0.0                    # ... and the streams it counted there
@@ -2020,6 +2074,10 @@ class TTFTPolicy(Policy):
     # so keeping each on its engine unbalances nothing (measured: multi-turn chat on 8 emulated
     # H100s, turn 2 of 125 chats stayed on its engine 78 times of 125 without it).
     CONTINUED_WEIGHT = 2.0
+    # A conversation's own engine (the rendezvous choice of its affinity_key, which every ingress
+    # makes alike) is kept while its score is within this share of the best: its turns meet their
+    # prefix there even when the ingress that sent the last one never said so.
+    AFFINITY_TIE = 0.25
     INDEX_BLOCKS = 100_000   # ~25 MB at most
     MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
@@ -2061,7 +2119,8 @@ class TTFTPolicy(Policy):
         if memo is None:
             text = otela_node.prompt_text(request.body) if isinstance(request.body, dict) else ""
             chain = otela_node.prompt_chain(text, self.key) if text else []
-            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
+            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")), affinity_key(request),
+                                        earlier_turns(request.body))
         return memo
 
     def estimates(self, candidates: List[Candidate],
@@ -2085,6 +2144,14 @@ class TTFTPolicy(Policy):
             published.update(c.session, record)
             records.append(record)
         summary = published.match(chain) if chain else {}
+        memo.home = -1
+        if memo.affinity is not None and len(candidates) > 1:
+            memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
+            # where another ingress sent its earlier turns, unless this one knows where one ended
+            earlier = min(memo.earlier // block, len(chain))
+            if earlier and not any(whole for _, whole in matched.values()) and \
+                    not any(whole for _, whole in summary.values()):
+                matched[candidates[home].session] = (earlier, True)
         for c, record in zip(candidates, records):
             est = self._engine(c, model)
             blocks, whole = matched.get(c.session, (0, False))
@@ -2105,10 +2172,14 @@ class TTFTPolicy(Policy):
     def pick(self, candidates, request):
         scored = self.estimates(candidates, request)
         i = 0
+        home = request.memo.home
         if len(candidates) > 1:
             best = min(s[0] for s in scored)
             near = [i for i, s in enumerate(scored) if s[0] <= best + abs(best) * self.TIE + 1e-6]
             i = near[0]
+            if home >= 0 and scored[home][0] <= best + abs(best) * self.AFFINITY_TIE + 1e-6:
+                near = [home]   # the conversation's own engine, while it is about as good as the best
+                i = home
             if len(near) > 1:   # the most of this prompt held (a tie is no reason to move a chat)
                 most = max(scored[i][4] for i in near)
                 near = [i for i in near if scored[i][4] == most]
@@ -2120,9 +2191,7 @@ class TTFTPolicy(Policy):
             if len(near) > 1:
                 chain = request.memo.chain
                 if chain:
-                    first = chain[0]
-                    i = max(near, key=lambda i: hashlib.blake2b(first + candidates[i].session_bytes,
-                                                                digest_size=8).digest())
+                    i = near[rendezvous(chain[0], [candidates[i].session_bytes for i in near])]
                 else:
                     i = near[random.randrange(len(near))]
         choice, memo = candidates[i], request.memo
@@ -2493,7 +2562,7 @@ def overlay_metrics(node: Any) -> bytes:
 # =============================================================================================
 # Each proxied request is a span of this ingress: it continues the client's trace (traceparent),
 # or starts one, and the engine gets a traceparent naming our span as its parent, with the
-# client's tracestate, X-Request-Id and User-Agent. The trace id is in the request's ledger row
+# client's tracestate, X-Request-Id, User-Agent and X-Session-Id. The trace id is in the request's ledger row
 # and its log lines; with --otlp-endpoint its spans go to a collector (SpanExporter).
 _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _HEADER_VALUE = re.compile(rb"[\x20-\x7e]{1,512}")   # a header value passed on as it is: printable, bounded
@@ -2523,9 +2592,10 @@ def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes,
         trace, parent = ids[:32], b""
         lines = b"traceparent: 00-%s-%s-01\r\n" % (trace, span)
     lines += b"x-request-id: %s\r\n" % request_id
-    agent = fields.get(b"user-agent")
-    if agent is not None and _HEADER_VALUE.fullmatch(agent):
-        lines += b"user-agent: %s\r\n" % agent
+    for name in (b"user-agent", SESSION_HEADER):   # the session key: an engine's router may read it too
+        value = fields.get(name)
+        if value is not None and _HEADER_VALUE.fullmatch(value):
+            lines += b"%s: %s\r\n" % (name, value)
     return trace, parent, span, lines
 
 
@@ -5272,6 +5342,7 @@ class Ingress:
                                request if self.policy_body else None)
         if named is not None:
             routed.named = named
+        routed.session_key = fields.get(SESSION_HEADER)
         return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
 
     def _request_model(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], body: bytes,
