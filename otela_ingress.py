@@ -1689,7 +1689,7 @@ def load_revocations(db: sqlite3.Connection) -> List[Tuple[str, float]]:
 # A client's conversation key, as a header: vllm-router's consistent_hash reads it first, and
 # gateways (LiteLLM-style proxies, OpenRouter-style ones) send or accept it; the body's
 # `prompt_cache_key` (OpenAI's) says the same and wins. Both reach the engine as sent.
-SESSION_HEADER = b"x-session-id"
+AFFINITY_HEADER = b"x-session-id"
 MAX_SESSION_KEY = 512   # bytes of a key hashed at most (a longer one is its first 512)
 
 
@@ -1721,18 +1721,20 @@ def affinity_key(request: RoutedRequest) -> Optional[bytes]:
     return b"o" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def earlier_turns(body: Any) -> int:
-    """Bytes of the rendered prompt that its earlier turns sent and answered (the messages up to
-    the last assistant message): what the engine that served the last turn holds. 0 for a first
-    turn or a bare prompt."""
+def earlier_turns(body: Any) -> Tuple[int, int]:
+    """(bytes of the rendered prompt that its earlier turns sent and answered: the messages up to
+    the last assistant message, what the engine that served the last turn holds; bytes of that
+    last turn's own prompt, the messages before it). (0, 0) for a first turn or a bare prompt."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
-        return 0
+        return 0, 0
     last = next((i for i in range(len(messages) - 1, -1, -1)
                  if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), -1)
     if last < 0:
-        return 0
-    return len(otela_node.prompt_text({"messages": messages[:last + 1]}).encode("utf-8", "surrogatepass"))
+        return 0, 0
+    size = [len(otela_node.prompt_text({"messages": messages[:n]}).encode("utf-8", "surrogatepass"))
+            for n in (last + 1, last)]
+    return size[0], size[1]
 
 
 class Candidate:
@@ -1754,7 +1756,7 @@ class Candidate:
 class RoutedRequest:
     """What a policy may look at: the model, the user, whether it streams, the attempt; the
     parsed request (`body`) for a policy whose `wants_body` is true; the client's session header
-    (`session_key`: SESSION_HEADER's value, None without one); and, by on_request_end, what
+    (`session_key`: AFFINITY_HEADER's value, None without one); and, by on_request_end, what
     the answer said: its first streamed byte's time (`first_at`, None for a whole answer), its
     usage (`prompt_tokens`, `cached_tokens` as the engine reported them, `completion_tokens`; None
     when not reported). `memo` is the policy's own, kept across the request's attempts."""
@@ -1769,7 +1771,7 @@ class RoutedRequest:
         self.body, self.memo = body, None
         self.first_at = self.prompt_tokens = self.cached_tokens = self.completion_tokens = None
         self.named = model   # the model the client named (an alias, or one the request fell back from)
-        self.session_key: Optional[bytes] = None   # the client's SESSION_HEADER, as sent
+        self.session_key: Optional[bytes] = None   # the client's AFFINITY_HEADER, as sent
 
 
 class Policy:
@@ -2036,12 +2038,14 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "affinity", "earlier", "home", "session", "work", "streams", "uncached", "held",
+    __slots__ = ("chain", "size", "affinity", "earlier", "previous", "home", "session", "work", "streams", "uncached", "held",
                  "answering", "started")
 
-    def __init__(self, chain: List[bytes], size: int, affinity: Optional[bytes] = None, earlier: int = 0):
+    def __init__(self, chain: List[bytes], size: int, affinity: Optional[bytes] = None,
+                 earlier: Tuple[int, int] = (0, 0)):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
-        self.affinity, self.earlier = affinity, earlier   # its affinity_key, and earlier_turns' bytes
+        self.affinity = affinity              # its affinity_key
+        self.earlier, self.previous = earlier # earlier_turns: answered, and the last turn's prompt
         self.home = -1                        # the candidate its affinity key names (-1: none)
         self.session = ""                     # the session of the attempt scored last
         self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
@@ -2147,10 +2151,11 @@ class TTFTPolicy(Policy):
         memo.home = -1
         if memo.affinity is not None and len(candidates) > 1:
             memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
-            # where another ingress sent its earlier turns, unless this one knows where one ended
-            earlier = min(memo.earlier // block, len(chain))
-            if earlier and not any(whole for _, whole in matched.values()) and \
-                    not any(whole for _, whole in summary.values()):
+            # where another ingress sent its earlier turns, unless this one knows where the last
+            # of them ended (a prompt that ended shallower is older news: the conversation moved on)
+            earlier, previous = min(memo.earlier // block, len(chain)), memo.previous // block
+            if earlier and not any(whole and depth >= previous for views in (matched, summary)
+                                   for depth, whole in views.values()):
                 matched[candidates[home].session] = (earlier, True)
         for c, record in zip(candidates, records):
             est = self._engine(c, model)
@@ -2177,7 +2182,7 @@ class TTFTPolicy(Policy):
             best = min(s[0] for s in scored)
             near = [i for i, s in enumerate(scored) if s[0] <= best + abs(best) * self.TIE + 1e-6]
             i = near[0]
-            if home >= 0 and scored[home][0] <= best + abs(best) * self.AFFINITY_TIE + 1e-6:
+            if home >= 0 and self._keeps_home(candidates, scored, home, request):
                 near = [home]   # the conversation's own engine, while it is about as good as the best
                 i = home
             if len(near) > 1:   # the most of this prompt held (a tie is no reason to move a chat)
@@ -2198,6 +2203,18 @@ class TTFTPolicy(Policy):
         _, memo.work, memo.streams, memo.uncached, blocks, _ = scored[i]
         memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
         return choice
+
+    def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
+                    home: int, request: RoutedRequest) -> bool:
+        """Whether the affinity key's engine is about as good as the best (AFFINITY_TIE): by the
+        score for a key found in the conversation's opening (what is cached where counts: a
+        bare opening is no promise of more turns), by the queue alone for one the client gave
+        (it says its requests belong together: their prefix is computed there once)."""
+        if request.memo.affinity[:1] == b"o":
+            best = min(s[0] for s in scored)
+            return scored[home][0] <= best + abs(best) * self.AFFINITY_TIE + 1e-6
+        queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
+        return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
 
     def on_request_start(self, candidate, request):
         memo = request.memo
@@ -2592,7 +2609,7 @@ def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes,
         trace, parent = ids[:32], b""
         lines = b"traceparent: 00-%s-%s-01\r\n" % (trace, span)
     lines += b"x-request-id: %s\r\n" % request_id
-    for name in (b"user-agent", SESSION_HEADER):   # the session key: an engine's router may read it too
+    for name in (b"user-agent", AFFINITY_HEADER):   # the session key: an engine's router may read it too
         value = fields.get(name)
         if value is not None and _HEADER_VALUE.fullmatch(value):
             lines += b"%s: %s\r\n" % (name, value)
@@ -5342,7 +5359,7 @@ class Ingress:
                                request if self.policy_body else None)
         if named is not None:
             routed.named = named
-        routed.session_key = fields.get(SESSION_HEADER)
+        routed.session_key = fields.get(AFFINITY_HEADER)
         return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
 
     def _request_model(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], body: bytes,
