@@ -1732,9 +1732,9 @@ def earlier_turns(body: Any) -> Tuple[int, int]:
                  if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), -1)
     if last < 0:
         return 0, 0
-    size = [len(otela_node.prompt_text({"messages": messages[:n]}).encode("utf-8", "surrogatepass"))
-            for n in (last + 1, last)]
-    return size[0], size[1]
+    size, answer = (len(otela_node.prompt_text({"messages": m}).encode("utf-8", "surrogatepass"))
+                    for m in (messages[:last + 1], messages[last:last + 1]))   # (rendered message by message)
+    return size, size - answer
 
 
 class Candidate:
@@ -2038,7 +2038,7 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "affinity", "earlier", "previous", "home", "session", "work", "streams", "uncached", "held",
+    __slots__ = ("chain", "size", "affinity", "earlier", "previous", "home", "moved", "session", "work", "streams", "uncached", "held",
                  "answering", "started")
 
     def __init__(self, chain: List[bytes], size: int, affinity: Optional[bytes] = None,
@@ -2047,6 +2047,7 @@ class _Pick:
         self.affinity = affinity              # its affinity_key
         self.earlier, self.previous = earlier # earlier_turns: answered, and the last turn's prompt
         self.home = -1                        # the candidate its affinity key names (-1: none)
+        self.moved = False                    # ... and another is known to hold more of it, whole
         self.session = ""                     # the session of the attempt scored last
         self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
         self.streams = 0.0                    # ... and the streams it counted there
@@ -2157,12 +2158,15 @@ class TTFTPolicy(Policy):
             if earlier and not any(whole and depth >= previous for views in (matched, summary)
                                    for depth, whole in views.values()):
                 matched[candidates[home].session] = (earlier, True)
-        for c, record in zip(candidates, records):
+        deepest = [0, 0]   # the deepest whole prompt held: at the home, elsewhere
+        for n, (c, record) in enumerate(zip(candidates, records)):
             est = self._engine(c, model)
             blocks, whole = matched.get(c.session, (0, False))
             seen = summary.get(c.session)
             if seen is not None and seen[0] >= blocks:   # the deeper of what it was sent by anyone
                 blocks, whole = seen[0], seen[1] or (whole and seen[0] == blocks)
+            if whole:
+                deepest[n != memo.home] = max(deepest[n != memo.home], blocks)
             uncached = max(0.0, memo.size - blocks * block * est.trust) * tpb
             load = record.get("load")
             others = max(0, load - est.outstanding) if isinstance(load, int) and not isinstance(load, bool) else 0
@@ -2172,6 +2176,7 @@ class TTFTPolicy(Policy):
             out.append((est.ttft(work, streams) + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
                                                                        self.CONTINUED_WEIGHT * held),
                         work, streams, uncached, blocks, est.outstanding + others))
+        memo.moved = deepest[1] > deepest[0]
         return out
 
     def pick(self, candidates, request):
@@ -2207,10 +2212,11 @@ class TTFTPolicy(Policy):
     def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
                     home: int, request: RoutedRequest) -> bool:
         """Whether the affinity key's engine is about as good as the best (AFFINITY_TIE): by the
-        score for a key found in the conversation's opening (what is cached where counts: a
-        bare opening is no promise of more turns), by the queue alone for one the client gave
-        (it says its requests belong together: their prefix is computed there once)."""
-        if request.memo.affinity[:1] == b"o":
+        queue alone for a key the client gave (it says its requests belong together: their
+        prefix is computed there once), unless the conversation is known to have moved to
+        another engine (which holds a whole turn of it deeper); by the score otherwise (what is
+        cached where counts: a conversation's opening is no promise of more turns)."""
+        if request.memo.affinity[:1] == b"o" or request.memo.moved:
             best = min(s[0] for s in scored)
             return scored[home][0] <= best + abs(best) * self.AFFINITY_TIE + 1e-6
         queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]

@@ -521,6 +521,19 @@ def test_a_conversations_engine_is_left_when_its_queue_is_far_above_the_best():
     assert policy.pick(candidates, routed(turns[1])).session == home
 
 
+def test_a_keyed_conversation_that_moved_off_a_full_engine_stays_where_it_went():
+    """Its key's engine was full for one turn: that turn went elsewhere, and this ingress knows
+    it; the next turn follows it there rather than back to an engine that never saw it."""
+    policy, registry, candidates = policy_with([f"s{i}" for i in range(4)])
+    turns = agent_turns(91, key="conv-9")
+    home = serve(policy, candidates, turns[0])
+    registry[home.session] = dict(registry[home.session], load=200)
+    moved = serve(policy, candidates, turns[1])
+    assert moved.session != home.session
+    registry[home.session] = dict(registry[home.session], load=0)
+    assert policy.pick(candidates, routed(turns[2])).session == moved.session
+
+
 def test_a_session_joining_or_leaving_moves_only_its_share_of_conversations():
     """Rendezvous hashing: with N sessions, one joining takes ~1/(N+1) of the keys (and only
     those move), one leaving gives up only its own ~1/N."""
