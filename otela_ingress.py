@@ -2211,16 +2211,19 @@ class TTFTPolicy(Policy):
 
     def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
                     home: int, request: RoutedRequest) -> bool:
-        """Whether the affinity key's engine is about as good as the best (AFFINITY_TIE): by the
-        queue alone for a key the client gave (it says its requests belong together: their
-        prefix is computed there once), unless the conversation is known to have moved to
-        another engine (which holds a whole turn of it deeper); by the score otherwise (what is
-        cached where counts: a conversation's opening is no promise of more turns)."""
-        if request.memo.affinity[:1] == b"o" or request.memo.moved:
-            best = min(s[0] for s in scored)
-            return scored[home][0] <= best + abs(best) * self.AFFINITY_TIE + 1e-6
-        queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
-        return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
+        """Whether the affinity key's engine is about as good as the best. A conversation's
+        later turn (it has earlier ones) keeps it within AFFINITY_TIE: by the queue alone for
+        a key the client gave (it says its turns belong together: their prefix is computed
+        there once), unless the conversation is known to have moved to another engine (which
+        holds a whole turn of it deeper); by the score otherwise (what is cached where counts).
+        A first turn or a lone request goes there on a tie only (TIE): nothing of it waits
+        anywhere, and where its prefix is held and the decode balance decide as before."""
+        memo = request.memo
+        if memo.earlier and memo.affinity[:1] != b"o" and not memo.moved:
+            queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
+            return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
+        best = min(s[0] for s in scored)
+        return scored[home][0] <= best + abs(best) * (self.AFFINITY_TIE if memo.earlier else self.TIE) + 1e-6
 
     def on_request_start(self, candidate, request):
         memo = request.memo

@@ -19,8 +19,9 @@ Workloads (tests/workload.py, streamed with usage, a session key per group or ch
 shared-prefix (64 groups x 16 prompts, 2,048-token system prompt, 128-token question, 256-token
 output), multi-turn chat, and the "reasoning" (~90 % reusable prefix) and "instruct" (~15 %)
 presets; agentic (issue 44): tool-calling loops (workload.agent_loops: contexts growing to 16-32k
-tokens, tool outputs of 50-4,000 tokens, each turn 0-2 s after the last answer, a session key per
-loop), alone and beside multi-turn chat, through one and two ingresses/routers, against
+tokens, tool outputs of 200-8,000 tokens, each turn 0-2 s after the last answer, a session key per
+loop), alone and beside multi-turn chat (one ingress beside it with --full only), through one and two
+ingresses/routers, against
 sglang's cache_aware and vllm's consistent_hash; alternating: 48 chats of 4 turns on 4 engines,
 turns 0 or 0.3 s apart alternating over 1, 2 and 4 ingresses, with and without prompt_cache_key
 (its hit rate and TTFT p99 of turns 2+ against one ingress's); Poisson arrivals at a share of the
@@ -111,7 +112,7 @@ LOADS_DEFAULT, LOADS_FULL = (0.8,), (0.5, 0.8, 1.0)
 # 16-32k tokens, turns 0-2 s after the answer), started within AGENT_START_S, alone and beside
 # multi-turn chat at AGENT_CHAT_LOAD of its capacity, through one and two ingresses/routers,
 # against the peers named here; each loop has a session key (vllm's consistent_hash reads it)
-AGENT_LOOPS, AGENT_START_S, AGENT_CHAT_LOAD = 24, 20.0, 0.4
+AGENT_LOOPS, AGENT_START_S, AGENT_CHAT_LOAD, AGENT_TOOL_LENS = 24, 20.0, 0.4, (200, 8000)
 AGENT_PEERS = ("sglang cache_aware", "vllm consistent_hash")
 # issue 44's alternating case: 48 chats of 4 turns on 4 engines, a 600-token system prompt each,
 # the next turn 0 or 0.3 s after the answer, turns alternating over 1, 2 and 4 ingresses, with
@@ -602,7 +603,7 @@ def agentic_cases(a, plan, rdir, result):
     ours = [p for p in plan if p[0] == "otela ttft"] or [p for p in plan if p[1] == "otela"][:1]
     peers = [p for p in plan if p[0] in AGENT_PEERS] or [p for p in plan if p[1] != "otela"][:1]
     shape = dict(loops=4, context=(2000, 4000), tool_lens=(50, 800), gaps=(0.0, 0.5)) if a.quick else \
-        dict(loops=AGENT_LOOPS)
+        dict(loops=AGENT_LOOPS, tool_lens=AGENT_TOOL_LENS)
     loops = workload.agent_loops(**shape, seed=0)
     for one in loops:
         for turn in one["turns"]:
@@ -622,7 +623,8 @@ def agentic_cases(a, plan, rdir, result):
         mixes.append(("agentic+chat", chat[:len(times)], times))
         result["reusable"]["agentic+chat"] = workload.reusable_share(flat + chat[:len(times)])
     for name, requests, times in mixes:
-        for ingresses in (1, 2) if not a.quick else (2,):
+        # (beside chat, one ingress only with --full: the two-ingress case is the target's)
+        for ingresses in (2,) if a.quick or (requests and not a.full) else (1, 2):
             case = name + (" x2" if ingresses == 2 else "")
             cases = result["cases"][case] = {}
             for label, kind, policy in ours + peers:
