@@ -1746,6 +1746,57 @@ def load_revocations(db: sqlite3.Connection) -> List[Tuple[str, float]]:
 # =============================================================================================
 # Routing: the policy interface, the built-in policies, passive health
 # =============================================================================================
+# A client's conversation key, as a header: vllm-router's consistent_hash reads it first, and
+# gateways (LiteLLM-style proxies, OpenRouter-style ones) send or accept it; the body's
+# `prompt_cache_key` (OpenAI's) says the same and wins. Both reach the engine as sent.
+AFFINITY_HEADER = b"x-session-id"
+MAX_SESSION_KEY = 512   # bytes of a key hashed at most (a longer one is its first 512)
+
+
+def rendezvous(key: bytes, sessions: Sequence[bytes]) -> int:
+    """The index of the session `key` hashes highest with (rendezvous hashing): every ingress
+    that sees the same sessions picks the same one, with no word exchanged, and a session
+    joining or leaving moves only the keys it wins or held (1/N of them, N the sessions)."""
+    return max(range(len(sessions)), key=lambda i: hashlib.blake2b(key + sessions[i], digest_size=8).digest())
+
+
+def affinity_key(request: RoutedRequest) -> Optional[bytes]:
+    """What keeps a conversation's turns together: the body's `prompt_cache_key` (a string),
+    else the session header, else its opening (the messages up to its first user message, which
+    every later turn repeats); None for a request with none of them (a bare prompt). `user` is
+    not one: it names the end user, whose many conversations share no more than a system prompt,
+    and one busy user would pin them all to one engine (OpenAI moved caching to prompt_cache_key)."""
+    body = request.body if isinstance(request.body, dict) else {}
+    given = body.get("prompt_cache_key")
+    if isinstance(given, str) and given:
+        return b"k" + given.encode("utf-8", "surrogatepass")[:MAX_SESSION_KEY]
+    if request.session_key:
+        return b"h" + request.session_key[:MAX_SESSION_KEY]
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    opening = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+                   len(messages) - 1)
+    text = otela_node.prompt_text({"messages": messages[:opening + 1]})
+    return b"o" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def earlier_turns(body: Any) -> Tuple[int, int]:
+    """(bytes of the rendered prompt that its earlier turns sent and answered: the messages up to
+    the last assistant message, what the engine that served the last turn holds; bytes of that
+    last turn's own prompt, the messages before it). (0, 0) for a first turn or a bare prompt."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return 0, 0
+    last = next((i for i in range(len(messages) - 1, -1, -1)
+                 if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), -1)
+    if last < 0:
+        return 0, 0
+    size, answer = (len(otela_node.prompt_text({"messages": m}).encode("utf-8", "surrogatepass"))
+                    for m in (messages[:last + 1], messages[last:last + 1]))   # (rendered message by message)
+    return size, size - answer
+
+
 class Candidate:
     """A session that may serve a request: its id, its record and a hardware weight."""
 
@@ -1764,13 +1815,14 @@ class Candidate:
 
 class RoutedRequest:
     """What a policy may look at: the model, the user, whether it streams, the attempt; the
-    parsed request (`body`) for a policy whose `wants_body` is true; and, by on_request_end, what
+    parsed request (`body`) for a policy whose `wants_body` is true; the client's session header
+    (`session_key`: AFFINITY_HEADER's value, None without one); and, by on_request_end, what
     the answer said: its first streamed byte's time (`first_at`, None for a whole answer), its
     usage (`prompt_tokens`, `cached_tokens` as the engine reported them, `completion_tokens`; None
     when not reported). `memo` is the policy's own, kept across the request's attempts."""
 
     __slots__ = ("model", "user", "key_id", "stream", "path", "attempt", "started", "body", "memo",
-                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens", "named")
+                 "first_at", "prompt_tokens", "cached_tokens", "completion_tokens", "named", "session_key")
 
     def __init__(self, model: str, user: str, key_id: str, stream: bool, path: str,
                  started: Optional[float] = None, body: Optional[Dict[str, Any]] = None):
@@ -1779,6 +1831,7 @@ class RoutedRequest:
         self.body, self.memo = body, None
         self.first_at = self.prompt_tokens = self.cached_tokens = self.completion_tokens = None
         self.named = model   # the model the client named (an alias, or one the request fell back from)
+        self.session_key: Optional[bytes] = None   # the client's AFFINITY_HEADER, as sent
 
 
 class Policy:
@@ -2045,10 +2098,16 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "session", "work", "streams", "uncached", "held", "answering", "started")
+    __slots__ = ("chain", "size", "affinity", "earlier", "previous", "home", "moved", "session", "work", "streams", "uncached", "held",
+                 "answering", "started")
 
-    def __init__(self, chain: List[bytes], size: int):
+    def __init__(self, chain: List[bytes], size: int, affinity: Optional[bytes] = None,
+                 earlier: Tuple[int, int] = (0, 0)):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
+        self.affinity = affinity              # its affinity_key
+        self.earlier, self.previous = earlier # earlier_turns: answered, and the last turn's prompt
+        self.home = -1                        # the candidate its affinity key names (-1: none)
+        self.moved = False                    # ... and another is known to hold more of it, whole
         self.session = ""                     # the session of the attempt scored last
         self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
         self.streams = 0.0                    # ... and the streams it counted there
@@ -2080,6 +2139,10 @@ class TTFTPolicy(Policy):
     # so keeping each on its engine unbalances nothing (measured: multi-turn chat on 8 emulated
     # H100s, turn 2 of 125 chats stayed on its engine 78 times of 125 without it).
     CONTINUED_WEIGHT = 2.0
+    # A conversation's own engine (the rendezvous choice of its affinity_key, which every ingress
+    # makes alike) is kept while its score is within this share of the best: its turns meet their
+    # prefix there even when the ingress that sent the last one never said so.
+    AFFINITY_TIE = 0.25
     INDEX_BLOCKS = 100_000   # ~25 MB at most
     MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
@@ -2121,7 +2184,8 @@ class TTFTPolicy(Policy):
         if memo is None:
             text = otela_node.prompt_text(request.body) if isinstance(request.body, dict) else ""
             chain = otela_node.prompt_chain(text, self.key) if text else []
-            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
+            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")), affinity_key(request),
+                                        earlier_turns(request.body))
         return memo
 
     def estimates(self, candidates: List[Candidate],
@@ -2145,12 +2209,24 @@ class TTFTPolicy(Policy):
             published.update(c.session, record)
             records.append(record)
         summary = published.match(chain) if chain else {}
-        for c, record in zip(candidates, records):
+        memo.home = -1
+        if memo.affinity is not None and len(candidates) > 1:
+            memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
+            # where another ingress sent its earlier turns, unless this one knows where the last
+            # of them ended (a prompt that ended shallower is older news: the conversation moved on)
+            earlier, previous = min(memo.earlier // block, len(chain)), memo.previous // block
+            if earlier and not any(whole and depth >= previous for views in (matched, summary)
+                                   for depth, whole in views.values()):
+                matched[candidates[home].session] = (earlier, True)
+        deepest = [0, 0]   # the deepest whole prompt held: at the home, elsewhere
+        for n, (c, record) in enumerate(zip(candidates, records)):
             est = self._engine(c, model)
             blocks, whole = matched.get(c.session, (0, False))
             seen = summary.get(c.session)
             if seen is not None and seen[0] >= blocks:   # the deeper of what it was sent by anyone
                 blocks, whole = seen[0], seen[1] or (whole and seen[0] == blocks)
+            if whole:
+                deepest[n != memo.home] = max(deepest[n != memo.home], blocks)
             uncached = max(0.0, memo.size - blocks * block * est.trust) * tpb
             load = record.get("load")
             others = max(0, load - est.outstanding) if isinstance(load, int) and not isinstance(load, bool) else 0
@@ -2160,15 +2236,20 @@ class TTFTPolicy(Policy):
             out.append((est.ttft(work, streams) + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
                                                                        self.CONTINUED_WEIGHT * held),
                         work, streams, uncached, blocks, est.outstanding + others))
+        memo.moved = deepest[1] > deepest[0]
         return out
 
     def pick(self, candidates, request):
         scored = self.estimates(candidates, request)
         i = 0
+        home = request.memo.home
         if len(candidates) > 1:
             best = min(s[0] for s in scored)
             near = [i for i, s in enumerate(scored) if s[0] <= best + abs(best) * self.TIE + 1e-6]
             i = near[0]
+            if home >= 0 and self._keeps_home(candidates, scored, home, request):
+                near = [home]   # the conversation's own engine, while it is about as good as the best
+                i = home
             if len(near) > 1:   # the most of this prompt held (a tie is no reason to move a chat)
                 most = max(scored[i][4] for i in near)
                 near = [i for i in near if scored[i][4] == most]
@@ -2180,15 +2261,29 @@ class TTFTPolicy(Policy):
             if len(near) > 1:
                 chain = request.memo.chain
                 if chain:
-                    first = chain[0]
-                    i = max(near, key=lambda i: hashlib.blake2b(first + candidates[i].session_bytes,
-                                                                digest_size=8).digest())
+                    i = near[rendezvous(chain[0], [candidates[i].session_bytes for i in near])]
                 else:
                     i = near[random.randrange(len(near))]
         choice, memo = candidates[i], request.memo
         _, memo.work, memo.streams, memo.uncached, blocks, _ = scored[i]
         memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
         return choice
+
+    def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
+                    home: int, request: RoutedRequest) -> bool:
+        """Whether the affinity key's engine is about as good as the best. A conversation's
+        later turn (it has earlier ones) keeps it within AFFINITY_TIE: by the queue alone for
+        a key the client gave (it says its turns belong together: their prefix is computed
+        there once), unless the conversation is known to have moved to another engine (which
+        holds a whole turn of it deeper); by the score otherwise (what is cached where counts).
+        A first turn or a lone request goes there on a tie only (TIE): nothing of it waits
+        anywhere, and where its prefix is held and the decode balance decide as before."""
+        memo = request.memo
+        if memo.earlier and memo.affinity[:1] != b"o" and not memo.moved:
+            queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
+            return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
+        best = min(s[0] for s in scored)
+        return scored[home][0] <= best + abs(best) * (self.AFFINITY_TIE if memo.earlier else self.TIE) + 1e-6
 
     def on_request_start(self, candidate, request):
         memo = request.memo
@@ -2553,8 +2648,9 @@ def overlay_metrics(node: Any) -> bytes:
 # =============================================================================================
 # Each proxied request is a span of this ingress: it continues the client's trace (traceparent),
 # or starts one, and the engine gets a traceparent naming our span as its parent, with the
-# client's tracestate, X-Request-Id and User-Agent. The trace id is in the request's ledger row
-# and its log lines; with --otlp-endpoint its spans go to a collector (otela_node.SpanExporter).
+# client's tracestate, X-Request-Id, User-Agent and X-Session-Id. The trace id is in the request's
+# ledger row and its log lines; with --otlp-endpoint its spans go to a collector
+# (otela_node.SpanExporter).
 _TRACEPARENT = otela_node.TRACEPARENT
 _HEADER_VALUE = re.compile(rb"[\x20-\x7e]{1,512}")   # a header value passed on as it is: printable, bounded
 _NO_TRACE, _NO_SPAN = b"0" * 32, b"0" * 16   # (all zeros: invalid, as W3C says)
@@ -2577,9 +2673,10 @@ def trace_context(fields: Dict[bytes, bytes], request_id: bytes) -> Tuple[bytes,
         trace, parent = ids[:32], b""
         lines = b"traceparent: 00-%s-%s-01\r\n" % (trace, span)
     lines += b"x-request-id: %s\r\n" % request_id
-    agent = fields.get(b"user-agent")
-    if agent is not None and _HEADER_VALUE.fullmatch(agent):
-        lines += b"user-agent: %s\r\n" % agent
+    for name in (b"user-agent", AFFINITY_HEADER):   # the session key: an engine's router may read it too
+        value = fields.get(name)
+        if value is not None and _HEADER_VALUE.fullmatch(value):
+            lines += b"%s: %s\r\n" % (name, value)
     return trace, parent, span, lines
 
 
@@ -5523,6 +5620,7 @@ class Ingress:
                                request if self.policy_body else None)
         if named is not None:
             routed.named = named
+        routed.session_key = fields.get(AFFINITY_HEADER)
         return routed, key, body, strip_usage, candidates, completion_cap(request, path), chain, ctype
 
     def _request_model(self, path: bytes, query: bytes, fields: Dict[bytes, bytes], body: bytes,

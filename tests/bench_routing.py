@@ -18,7 +18,14 @@ measured. Every policy run gets a fresh fleet (cold caches, empty queues):
 Workloads (tests/workload.py, streamed with usage, a session key per group or chat):
 shared-prefix (64 groups x 16 prompts, 2,048-token system prompt, 128-token question, 256-token
 output), multi-turn chat, and the "reasoning" (~90 % reusable prefix) and "instruct" (~15 %)
-presets; Poisson arrivals at a share of the fleet's capacity for that workload, MEASURED first in
+presets; agentic (issue 44): tool-calling loops (workload.agent_loops: contexts growing to 16-32k
+tokens, tool outputs of 200-8,000 tokens, each turn 0-2 s after the last answer, a session key per
+loop), alone and beside multi-turn chat (one ingress beside it with --full only), through one and two
+ingresses/routers, against
+sglang's cache_aware and vllm's consistent_hash; alternating: 48 chats of 4 turns on 4 engines,
+turns 0 or 0.3 s apart alternating over 1, 2 and 4 ingresses, with and without prompt_cache_key
+(its hit rate and TTFT p99 of turns 2+ against one ingress's); Poisson arrivals at a share of the
+fleet's capacity for that workload, MEASURED first in
 the same run: a fresh fleet at time scale 1, requests not streamed (the engines sleep through
 their steps), the client round-robin over the engines with CAPACITY_INFLIGHT requests in flight
 per engine for CAPACITY_S; the tokens the engines generated (their /metrics) in its last two
@@ -26,7 +33,7 @@ thirds per second, over the workload's output per request; divided by K for the 
 Cases: default 80 % load, every workload, one ingress, plus two ingresses for shared-prefix and
 multi-turn;
 --full adds 50 % and 100 % and two ingresses everywhere; --quick is a smoke run (few requests,
-two policies). A kill case: shared-prefix through otela's `ttft` (least_loaded until it
+two policies, small loops). A kill case: shared-prefix through otela's `ttft` (least_loaded until it
 exists), one node and its engine SIGKILLed at 40 % of the arrivals: client errors and the
 hit rate of the requests sent after the kill. A confirmation case (--llamacpp; in the default
 run when the real engine is installed, `make engine`): 2 real llama.cpp servers (SmolLM2-135M,
@@ -101,6 +108,18 @@ WORKLOADS = {
     "instruct": lambda seed: workload.preset("instruct", seed, prompts=128),
 }
 LOADS_DEFAULT, LOADS_FULL = (0.8,), (0.5, 0.8, 1.0)
+# the agentic workload (issue 44): tool-calling loops (workload.agent_loops: contexts growing to
+# 16-32k tokens, turns 0-2 s after the answer), started within AGENT_START_S, alone and beside
+# multi-turn chat at AGENT_CHAT_LOAD of its capacity, through one and two ingresses/routers,
+# against the peers named here; each loop has a session key (vllm's consistent_hash reads it)
+AGENT_LOOPS, AGENT_START_S, AGENT_CHAT_LOAD, AGENT_TOOL_LENS = 24, 20.0, 0.4, (200, 8000)
+AGENT_PEERS = ("sglang cache_aware", "vllm consistent_hash")
+# issue 44's alternating case: 48 chats of 4 turns on 4 engines, a 600-token system prompt each,
+# the next turn 0 or 0.3 s after the answer, turns alternating over 1, 2 and 4 ingresses, with
+# and without prompt_cache_key (sglang's cache_aware through one router beside them)
+ALTERNATING = {"conversations": 48, "turns": 4, "system_len": 600}
+ALTERNATING_ENGINES, ALTERNATING_GAPS, ALTERNATING_START_S = 4, (0.0, 0.3), 10.0
+EXTRA_WORKLOADS = ("agentic", "alternating")
 # capacity: requests in flight per engine (above the ~128 that an H100's KV holds at 2-4k
 # tokens, so each engine's queue never runs dry) and the seconds it runs (three waves of the
 # slowest workload at time scale 1)
@@ -489,6 +508,36 @@ def with_session(requests, name):
     return [dict(r, session=f"{name}-{r['group']}") for r in requests]
 
 
+def start_fleet(procs, kind, policy, command, ingresses, rdir, engines=ENGINES):
+    """otela's nodes and ingresses, or the engines and `ingresses` routers: (urls, otela's nodes)."""
+    if kind == "otela":
+        return start_otela(procs, command, engines, MODEL, policy, ingresses)
+    workers = start_engines(procs, command, engines)
+    return [start_router(procs, rdir, kind, policy, workers, f"router{i}") for i in range(ingresses)], []
+
+
+def loop_run(kind, policy, loops, starts, a, ingresses=1, rdir=None, engines=ENGINES, requests=(), times=()):
+    """A fresh fleet, closed loops (workload.agent_loops' shape; turns alternating between the
+    ingresses) and open-loop `requests` at `times` beside them: the figures of all, of the
+    loops' turns after their first ("turns_2plus"), and of each kind where both ran."""
+    procs = Processes(f"loops-{kind}-{policy}")
+    try:
+        log = os.path.join(procs.tmp, "engines.jsonl")
+        command = lambda port="{port}": sim_command(a.time_scale, port, log)  # noqa: E731
+        urls, _ = start_fleet(procs, kind, policy, command, ingresses, rdir, engines)
+        records = asyncio.run(workload.run_loops_async(urls, MODEL, loops, starts, REQUEST_TIMEOUT_S,
+                                                       requests=requests, times=times))
+        out = figures(records)
+        out.update(engine_side(records, log, a.time_scale), engines=engines, ingresses=ingresses)
+        turns = [r for r in records if r.get("loop") is not None]
+        out["turns_2plus"] = figures([r for r in turns if r["turn"] >= 1])
+        if requests:
+            out["loops"], out["chat"] = figures(turns), figures([r for r in records if r.get("loop") is None])
+        return out
+    finally:
+        procs.stop()
+
+
 def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir=None):
     """A fresh fleet, the workload at `load` x capacity (requests/s at time scale K), its figures."""
     procs = Processes(f"{kind}-{policy}")
@@ -499,12 +548,7 @@ def one_run(kind, policy, name, load, capacity, a, ingresses=1, kill=False, rdir
     try:
         log = os.path.join(procs.tmp, "engines.jsonl")      # every engine's requests, one line each
         command = lambda port="{port}": sim_command(a.time_scale, port, log)  # noqa: E731
-        nodes = []
-        if kind == "otela":
-            urls, nodes = start_otela(procs, command, ENGINES, MODEL, policy, ingresses)
-        else:
-            workers = start_engines(procs, command, ENGINES)
-            urls = [start_router(procs, rdir, kind, policy, workers, f"router{i}") for i in range(ingresses)]
+        urls, nodes = start_fleet(procs, kind, policy, command, ingresses, rdir)
         during, killed = None, {}
         if kill:
             async def killer():
@@ -549,6 +593,92 @@ def llama_run(kind, policy, a, rdir=None):
         return figures(records)
     finally:
         procs.stop()
+
+
+# --- the agentic cases (issue 44) --------------------------------------------------------------
+
+def agentic_cases(a, plan, rdir, result):
+    """Tool-calling loops alone and beside chat, one and two ingresses/routers: otela's `ttft`
+    and AGENT_PEERS, in result["cases"] (ratios() reads them as the other workloads')."""
+    ours = [p for p in plan if p[0] == "otela ttft"] or [p for p in plan if p[1] == "otela"][:1]
+    peers = [p for p in plan if p[0] in AGENT_PEERS] or [p for p in plan if p[1] != "otela"][:1]
+    shape = dict(loops=4, context=(2000, 4000), tool_lens=(50, 800), gaps=(0.0, 0.5)) if a.quick else \
+        dict(loops=AGENT_LOOPS, tool_lens=AGENT_TOOL_LENS)
+    loops = workload.agent_loops(**shape, seed=0)
+    for one in loops:
+        for turn in one["turns"]:
+            turn["session"] = f"agent-{one['loop']}"
+    start_s = 2.0 if a.quick else AGENT_START_S
+    starts = [start_s * i / len(loops) for i in range(len(loops))]
+    flat = [t for one in loops for t in one["turns"]]
+    result.setdefault("reusable", {})["agentic"] = workload.reusable_share(flat)
+    mixes = [("agentic", (), ())]
+    if not a.quick:
+        cap = result["capacity"].get("multi_turn", {}).get("req_s_at_scale_1")
+        if cap is None:
+            cap = measure_capacity("multi_turn", CAPACITY_S)[0]
+        chat = with_session(WORKLOADS["multi_turn"](0)[:a.count], "chat")
+        times = workload.arrivals(len(chat), AGENT_CHAT_LOAD * cap / a.time_scale, "poisson", seed=0,
+                                  duration=a.duration)
+        mixes.append(("agentic+chat", chat[:len(times)], times))
+        result["reusable"]["agentic+chat"] = workload.reusable_share(flat + chat[:len(times)])
+    for name, requests, times in mixes:
+        # (beside chat, one ingress only with --full: the two-ingress case is the target's)
+        for ingresses in (2,) if a.quick or (requests and not a.full) else (1, 2):
+            case = name + (" x2" if ingresses == 2 else "")
+            cases = result["cases"][case] = {}
+            for label, kind, policy in ours + peers:
+                try:
+                    cases[label] = loop_run(kind, policy, loops, starts, a, ingresses, rdir, requests=requests,
+                                            times=times)
+                except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                    cases[label] = {"skipped": f"failed: {exc}"}
+                report(case, label, cases[label])
+            print_table(case, cases)
+
+
+def alternating_cases(a, plan, rdir, result):
+    """Issue 44's table: turns alternating over 1, 2 and 4 ingresses at each gap, with and
+    without prompt_cache_key; hit rate and TTFT p99 of turns 2+ against one ingress's."""
+    shape = dict(ALTERNATING, conversations=12) if a.quick else ALTERNATING
+    gaps, keyed = ((0.3,), (False,)) if a.quick else (ALTERNATING_GAPS, (False, True))
+    peer = [p for p in plan if p[0] == "sglang cache_aware"][:0 if a.quick else 1]
+    out = result["alternating"] = {}
+    for gap in gaps:
+        for key in keyed:
+            loops = workload.turn_loops(**shape, gap=gap, seed=0)
+            if key:
+                for one in loops:
+                    for turn in one["turns"]:
+                        turn["cache_key"] = f"chat-{one['loop']}"
+            starts = [(2.0 if a.quick else ALTERNATING_START_S) * i / len(loops) for i in range(len(loops))]
+            case = f"gap {gap:g}s" + (" prompt_cache_key" if key else "")
+            runs = out[case] = {}
+            plan_here = [(f"otela ttft x{n}", "otela", "ttft", n) for n in ((1, 2) if a.quick else (1, 2, 4))]
+            plan_here += [(f"{label} x1", kind, policy, 1) for label, kind, policy in peer if not key]
+            for label, kind, policy, n in plan_here:
+                try:
+                    runs[label] = loop_run(kind, policy, loops, starts, a, n, rdir, ALTERNATING_ENGINES)
+                except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                    runs[label] = {"skipped": f"failed: {exc}"}
+                report(case, label, runs[label])
+            one = runs.get("otela ttft x1", {}).get("turns_2plus", {})
+            for n in (2, 4):
+                many = runs.get(f"otela ttft x{n}", {}).get("turns_2plus", {})
+                if one.get("hit_rate") and many.get("hit_rate") is not None:
+                    runs[f"x{n}_hit_rate_vs_x1"] = many["hit_rate"] / one["hit_rate"]
+                if one.get("ttft_p99_ms") and many.get("ttft_p99_ms") is not None:
+                    runs[f"x{n}_ttft_p99_vs_x1"] = many["ttft_p99_ms"] / one["ttft_p99_ms"]
+            print(f"\nalternating {case} (turns 2+): " + "; ".join(
+                f"{label} hit {fmt(f.get('turns_2plus', {}).get('hit_rate'), '.3f')} TTFT p99 "
+                f"{fmt(f.get('turns_2plus', {}).get('ttft_p99_ms'), '.0f')} ms" if isinstance(f, dict) else
+                f"{label} {f:.2f}" for label, f in runs.items()), flush=True)
+
+
+def report(case, label, f):
+    print(f"  {case:22s} {label:22s} " + (f"skipped: {f['skipped']}" if "skipped" in f else
+          f"ok {f['ok']}/{f['requests']} TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms hit "
+          f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}"), flush=True)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -655,7 +785,11 @@ def main():
     a = p.parse_args()
     a.count = a.count or (24 if a.quick else RUN_COUNT)
     a.duration = a.duration or (8.0 if a.quick else RUN_DURATION_S)
-    names = a.workloads.split(",") if a.workloads else (["shared_prefix"] if a.quick else list(WORKLOADS))
+    names = a.workloads.split(",") if a.workloads else \
+        (["shared_prefix", *EXTRA_WORKLOADS] if a.quick else [*WORKLOADS, *EXTRA_WORKLOADS])
+    unknown = [n for n in names if n not in WORKLOADS and n not in EXTRA_WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload {', '.join(unknown)}: use {','.join([*WORKLOADS, *EXTRA_WORKLOADS])}")
     loads = LOADS_FULL if a.full else LOADS_DEFAULT
     result = {"time_scale": a.time_scale, "engines": f"{ENGINES} x otela_sim.py serve --model {MODEL} --gpu {GPU} "
               f"--engine {ENGINE} --time-scale {a.time_scale:g}", "count": a.count, "duration_s": a.duration,
@@ -672,7 +806,7 @@ def main():
           f"ratios in this run")
     t0 = time.monotonic()
     try:
-        for name in names:
+        for name in [n for n in names if n in WORKLOADS]:
             # the smoke: fewer in flight, so that its short window sees decodes, not the first prefills
             cap, done = measure_capacity(name, *((8.0, 16) if a.quick else (CAPACITY_S, CAPACITY_INFLIGHT)))
             result["capacity"][name] = {"req_s_at_scale_1": cap, "req_s_at_scale_k": cap / a.time_scale,
@@ -695,11 +829,12 @@ def main():
                             cases[label] = one_run(kind, policy, name, load, cap, a, ingresses, rdir=rdir)
                         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                             cases[label] = {"skipped": f"failed: {exc}"}
-                        f = cases[label]
-                        print(f"  {case:22s} {label:22s} " + (f"skipped: {f['skipped']}" if "skipped" in f else
-                              f"ok {f['ok']}/{f['requests']} TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms hit "
-                              f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}"), flush=True)
+                        report(case, label, cases[label])
                     print_table(case, cases)
+        if "agentic" in names:
+            agentic_cases(a, plan, rdir, result)
+        if "alternating" in names:
+            alternating_cases(a, plan, rdir, result)
         if not a.quick:
             policy = "ttft" if "ttft" in otela_ingress.POLICIES else "least_loaded"
             if "shared_prefix" not in result["capacity"]:

@@ -1,5 +1,6 @@
 """The routing benchmark (tests/bench_routing.py) runs end to end: `--quick` starts a measured
-fleet of emulated engines, otela's ingress and nodes and a peer router, and writes its figures.
+fleet of emulated engines, otela's ingress and nodes and a peer router, and writes its figures
+(agent loops and the alternating case's too).
 What is checked is the JSON's shape and that every request was answered, never a speed."""
 import json
 import subprocess
@@ -38,6 +39,17 @@ def test_the_quick_routing_bench_writes_each_policys_figures_and_the_ratios(tmp_
     ratios = result["ratios"]["shared_prefix 80%"]
     assert set(ratios) >= {"policy", "ttft_p99_vs_best_peer", "hit_rate_vs_best_peer", "throughput_vs_best_peer"}
     assert "otela ttft" in cases if "ttft" in bench_routing.otela_ingress.POLICIES else "otela least_loaded" in cases
+    # the agentic loops (issue 44): every turn answered through two ingresses and two routers,
+    # their later turns apart; the alternating case's two ingresses against one
+    loops = result["cases"]["agentic x2"]
+    assert "otela ttft" in loops and any(not k.startswith("otela ") for k in loops)
+    for label, f in loops.items():
+        assert f["ok"] == f["requests"] > 4 and f["ingresses"] == 2, (label, f)
+        assert 0 < f["turns_2plus"]["requests"] < f["requests"], (label, f)
+    assert {"ttft_p99_vs_best_peer", "hit_rate_vs_best_peer"} <= set(result["ratios"]["agentic x2"])
+    alternating = result["alternating"]["gap 0.3s"]
+    assert alternating["otela ttft x1"]["ok"] == alternating["otela ttft x2"]["ok"] == 48
+    assert alternating["x2_hit_rate_vs_x1"] > 0 and alternating["x2_ttft_p99_vs_x1"] > 0
 
 
 def _line(i, arrived, e2e_ms, prompt, cached=0, engine="aa"):

@@ -1,6 +1,7 @@
 """The `ttft` policy's parts: prompt chains, the prefix index, a node's published summary, the
 per-session estimate, and the policy's choices (no processes; the end-to-end path is in
 tests/test_routing_fleet.py)."""
+import json
 import random
 import time
 
@@ -442,3 +443,126 @@ def test_a_job_that_knows_a_system_prompt_cannot_claim_it_with_the_cluster_key()
     assert baseline.count("s0") == 0
     assert run(prefix_key(b"c" * 32)) == baseline       # what any holder of cluster.key derives
     assert run(KEY).count("s0") == 30                   # the ingress's own key: the claim would win
+
+
+# -- affinity that needs no news (issue 44) ------------------------------------------------------
+def agent_turns(seed, turns=4, key=None, system=None):
+    """The bodies of one tool-calling loop's turns: each the conversation so far, the tool's
+    output appended (and `prompt_cache_key` when given); its own system prompt unless given."""
+    messages = [{"role": "system", "content": system or words(600, seed + 1)},
+                {"role": "user", "content": words(80, seed)}]
+    out = []
+    for turn in range(turns):
+        out.append(dict({"model": "m", "messages": list(messages)}, **({"prompt_cache_key": key} if key else {})))
+        messages += [{"role": "assistant", "content": words(40, seed * 100 + turn)},
+                     {"role": "tool", "content": words(200 + 150 * turn, seed * 1000 + turn)}]
+    return out
+
+
+def test_two_ingresses_that_never_spoke_send_each_turn_of_a_conversation_to_the_same_engine():
+    """Turns alternate between two policies that share nothing (no index, no published view):
+    every turn of every conversation meets the same engine at both, and the conversations spread."""
+    sessions = [f"s{i}" for i in range(4)]
+    a, _, ca = policy_with(sessions)
+    b, _, cb = policy_with(sessions)
+    homes = []
+    for c in range(16):
+        turns = agent_turns(10 + c)
+        chosen = [serve(*((a, ca) if t % 2 == 0 else (b, cb)), body).session for t, body in enumerate(turns)]
+        assert len(set(chosen)) == 1, (c, chosen)
+        homes.append(chosen[0])
+    assert len(set(homes)) >= 3
+
+
+def test_a_prompt_cache_key_holds_a_conversation_from_its_second_turn_even_where_its_system_prompt_is_not():
+    """A first turn goes where its shared system prompt is cached (a lone request may be all
+    there is); every later turn, at either ingress, goes to the key's engine."""
+    sessions = [f"s{i}" for i in range(4)]
+    a, _, ca = policy_with(sessions)
+    b, _, cb = policy_with(sessions)
+    system = words(600, 3)
+    for c in range(12):
+        turns = agent_turns(50 + c, turns=5, key=f"conv-{c}", system=system)
+        chosen = [serve(*((a, ca) if t % 2 == 0 else (b, cb)), body).session for t, body in enumerate(turns)]
+        assert len(set(chosen[1:])) == 1, (c, chosen)
+
+
+def test_the_affinity_key_is_prompt_cache_key_then_the_session_header_then_the_opening():
+    opening = agent_turns(5)
+    keyed = routed(dict(opening[2], prompt_cache_key="conv-1"))
+    keyed.session_key = b"other"
+    assert otela_ingress.affinity_key(keyed) == b"kconv-1"
+    header = routed(opening[2])
+    header.session_key = b"conv-1"
+    assert otela_ingress.affinity_key(header) == b"hconv-1"
+    # every turn of a conversation opens alike; another conversation does not; `user` is not a key
+    keys = {otela_ingress.affinity_key(routed(dict(body, user="alice"))) for body in opening}
+    assert len(keys) == 1 and keys != {otela_ingress.affinity_key(routed(agent_turns(6)[0]))}
+    assert otela_ingress.affinity_key(routed({"model": "m", "prompt": "bare"})) is None
+
+
+def test_a_prompt_cache_key_sends_unrelated_prompts_to_one_engine_at_two_ingresses():
+    sessions = [f"s{i}" for i in range(8)]
+    a, _, ca = policy_with(sessions)
+    b, _, cb = policy_with(sessions)
+    for k in range(8):
+        key = f"agent-{k}"
+        picks = {p.pick(c, routed(dict(chat(words(300, 40 + i), "q"), prompt_cache_key=key))).session
+                 for i, (p, c) in enumerate([(a, ca), (b, cb)] * 3)}
+        assert len(picks) == 1
+
+
+def test_a_conversations_engine_is_left_when_its_queue_is_far_above_the_best():
+    sessions = [f"s{i}" for i in range(4)]
+    policy, registry, candidates = policy_with(sessions)
+    turns = agent_turns(77)
+    home = policy.pick(candidates, routed(turns[1])).session
+    registry[home] = dict(registry[home], load=200)   # another ingress fills it
+    assert policy.pick(candidates, routed(turns[1])).session != home
+    registry[home] = dict(registry[home], load=1)     # one request more than the rest: still its engine
+    assert policy.pick(candidates, routed(turns[1])).session == home
+
+
+def test_a_keyed_conversation_that_moved_off_a_full_engine_stays_where_it_went():
+    """Its key's engine was full for one turn: that turn went elsewhere, and this ingress knows
+    it; the next turn follows it there rather than back to an engine that never saw it."""
+    policy, registry, candidates = policy_with([f"s{i}" for i in range(4)])
+    turns = agent_turns(91, key="conv-9")
+    home = serve(policy, candidates, turns[0])
+    registry[home.session] = dict(registry[home.session], load=200)
+    moved = serve(policy, candidates, turns[1])
+    assert moved.session != home.session
+    registry[home.session] = dict(registry[home.session], load=0)
+    assert policy.pick(candidates, routed(turns[2])).session == moved.session
+
+
+def test_a_session_joining_or_leaving_moves_only_its_share_of_conversations():
+    """Rendezvous hashing: with N sessions, one joining takes ~1/(N+1) of the keys (and only
+    those move), one leaving gives up only its own ~1/N."""
+    keys = [b"conv-%d" % i for i in range(4000)]
+    sessions = [b"s%d" % i for i in range(8)]
+    before = [sessions[otela_ingress.rendezvous(k, sessions)] for k in keys]
+    joined = sessions + [b"s8"]
+    after = [joined[otela_ingress.rendezvous(k, joined)] for k in keys]
+    moved = [(x, y) for x, y in zip(before, after) if x != y]
+    assert all(y == b"s8" for _, y in moved)
+    assert abs(len(moved) / len(keys) - 1 / 9) < 0.02        # measured share: 1/(N+1) = 0.111
+    left = sessions[1:]
+    after = [left[otela_ingress.rendezvous(k, left)] for k in keys]
+    moved = [x for x, y in zip(before, after) if x != y]
+    assert set(moved) == {b"s0"} and abs(len(moved) / len(keys) - 1 / 8) < 0.02   # 1/N = 0.125
+
+
+def test_prompt_cache_key_and_the_session_header_reach_the_engine_untouched(stack):
+    _, engine = stack.engine("m1")
+    from test_ingress_support import Client
+    client = Client(stack.url, stack.key())
+    try:
+        status, _, _ = client.chat(prompt_cache_key="agent-7 ü", user="alice",
+                                   headers={"x-session-id": "sess-42"})
+    finally:
+        client.close()
+    assert status == 200
+    sent = json.loads(engine.last_body)
+    assert (sent["prompt_cache_key"], sent["user"]) == ("agent-7 ü", "alice")
+    assert engine.last_headers["x-session-id"] == "sess-42"

@@ -8,6 +8,10 @@ Shapes:
   multi_turn      `conversations` chats of `turns` turns: turn k's prompt is the previous
                   turns (messages and answers of `output_len` tokens) plus a new message of
                   `message_len` tokens
+  agent_loops     tool-calling loops (issue 44): an app's system prompt and a task, then turns
+                  until the context reaches 16-32k tokens, each answer a tool call and the tool's
+                  output (of varied length) appended, the next turn 0-2 s after the answer
+                  (closed loops: run_loops); turn_loops the alternating case's chats
   PRESETS         reuse as the OpenTela trace reports it: "reasoning" (~90 % of prompt tokens
                   a reusable prefix) and "instruct" (~15 %); reusable_share() measures it
 Arrivals: poisson (exponential gaps at `rate`) or bursty (gamma gaps, coefficient of
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -86,6 +91,53 @@ def multi_turn(conversations, turns, message_len, output_len, seed=0):
             history[c].append({"role": "user", "content": text(message_len, rng)})
             out.append({"messages": list(history[c]), "max_tokens": output_len, "group": c})
             history[c].append({"role": "assistant", "content": text(output_len, rng)})
+    return out
+
+
+def agent_loops(loops, turns=None, system_len=1500, task_len=200, call_len=40, tool_lens=(50, 4000),
+                context=(16000, 32000), gaps=(0.0, 2.0), apps=4, seed=0):
+    """Tool-calling loops: each an app's system prompt (`apps` of them, shared by its loops) and
+    a task, then turns until its prompt reaches a context drawn from `context` tokens (or
+    exactly `turns` turns): turn k's prompt is the loop so far, its answer a tool call of
+    `call_len` tokens, the tool's output (log-uniform in `tool_lens`) appended before turn k + 1,
+    which is sent a gap (uniform in `gaps`, s) after turn k's answer ends. Each loop:
+    {"turns": [request...], "gaps": [s before each turn; the first 0], "group": app, "loop": i}."""
+    rng = random.Random(seed)
+    systems = [text(system_len, rng) for _ in range(apps)]
+    out = []
+    for i in range(loops):
+        app = i % apps
+        target = rng.uniform(*context)
+        messages = [{"role": "system", "content": systems[app]}, {"role": "user", "content": text(task_len, rng)}]
+        size, reqs, waits = system_len + task_len, [], []
+        while (len(reqs) < turns) if turns else (size < target or not reqs):
+            reqs.append({"messages": list(messages), "max_tokens": call_len, "group": app})
+            waits.append(rng.uniform(*gaps) if reqs[1:] else 0.0)
+            tool = int(math.exp(rng.uniform(math.log(tool_lens[0]), math.log(tool_lens[1]))))
+            call = f"call_{i}_{len(reqs)}"   # (a router's schema refuses a tool message without its call's id)
+            messages += [{"role": "assistant", "content": text(call_len, rng),
+                          "tool_calls": [{"id": call, "type": "function",
+                                          "function": {"name": "run", "arguments": "{}"}}]},
+                         {"role": "tool", "tool_call_id": call, "content": text(tool, rng)}]
+            size += call_len + tool
+        out.append({"turns": reqs, "gaps": waits, "group": app, "loop": i})
+    return out
+
+
+def turn_loops(conversations, turns, system_len=600, message_len=60, output_len=60, gap=0.3, seed=0):
+    """Issue 44's alternating case: `conversations` chats of `turns` turns, each its own system
+    prompt of `system_len` tokens, the next turn `gap` s after the last answer (agent_loops' shape)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(conversations):
+        messages = [{"role": "system", "content": text(system_len, rng)},
+                    {"role": "user", "content": text(message_len, rng)}]
+        reqs = []
+        for _ in range(turns):
+            reqs.append({"messages": list(messages), "max_tokens": output_len, "group": i})
+            messages += [{"role": "assistant", "content": text(output_len, rng)},
+                         {"role": "user", "content": text(message_len, rng)}]
+        out.append({"turns": reqs, "gaps": [0.0] + [gap] * (turns - 1), "group": i, "loop": i})
     return out
 
 
@@ -228,8 +280,8 @@ def loopback(url):
 async def run_async(url, model, requests, times, timeout=120.0, extra=None, headers=None):
     """Each request sent at its time (s from the start), streamed; `url` one base URL or a list
     (request i to url[i % len], as a client alternating between ingresses); a request's
-    "session", when it has one, goes in the body's `user` and an X-Session-Id header. Each
-    record holds "at", its send time, and "asked", its max_tokens."""
+    "session" and "cache_key" as _body says. Each record holds "at", its send time, and
+    "asked", its max_tokens."""
     targets = []
     for one in [url] if isinstance(url, str) else url:
         host, port, prefix = loopback(one)
@@ -240,17 +292,67 @@ async def run_async(url, model, requests, times, timeout=120.0, extra=None, head
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True, **(extra or {})}
-        sent_headers = headers
-        if "session" in req:                 # a session key, as routers read one: OpenAI's end-user
-            body["user"] = req["session"]    # id and the X-Session-Id header
-            sent_headers = {**(headers or {}), "x-session-id": req["session"]}
+        body, more = _body(model, req, extra)
+        sent_headers = {**(headers or {}), **more} if more else headers
         host, port, path = targets[i % len(targets)]
         tasks.append(asyncio.ensure_future(one_request(host, port, path, body, timeout, sent_headers)))
     out = await asyncio.gather(*tasks, return_exceptions=True)
     return [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
             for r, at, req in zip(out, times, requests)]
+
+
+def _body(model, req, extra):
+    """The JSON a request of this workload sends, and its headers beyond the base ones: a
+    request's "session" goes in `user` and the X-Session-Id header (as routers read one), its
+    "cache_key" in `prompt_cache_key` (OpenAI's)."""
+    body = {"model": model, "messages": req["messages"], "max_tokens": req["max_tokens"], "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True, **(extra or {})}
+    headers = {}
+    if "session" in req:
+        body["user"] = req["session"]
+        headers["x-session-id"] = req["session"]
+    if "cache_key" in req:
+        body["prompt_cache_key"] = req["cache_key"]
+    return body, headers
+
+
+async def run_loops_async(url, model, loops, starts, timeout=120.0, extra=None, headers=None, requests=(),
+                          times=()):
+    """Closed loops (agent_loops' shape), loop i from starts[i] (s from the start): each turn
+    sent its gap after the previous answer ended, to url[turn % len] (turns alternating between
+    ingresses); alongside, open-loop `requests` at `times` (run_async's), request j to url[j % len].
+    Records as run_async's, each with "loop" and "turn" (None for the open-loop ones)."""
+    targets = []
+    for one in [url] if isinstance(url, str) else url:
+        host, port, prefix = loopback(one)
+        targets.append((host, port, prefix + "/v1/chat/completions"))
+    start = time.monotonic()
+
+    async def send(req, i):
+        body, more = _body(model, req, extra)
+        host, port, path = targets[i % len(targets)]
+        at = time.monotonic() - start
+        try:
+            rec = await one_request(host, port, path, body, timeout, {**(headers or {}), **more})
+        except Exception as exc:             # a failed turn is a record; the loop goes on
+            rec = {"error": repr(exc)}
+        return dict(rec, at=at, asked=req["max_tokens"])
+
+    async def loop(one, at):
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        out = []
+        for turn, (req, gap) in enumerate(zip(one["turns"], one["gaps"])):
+            if gap:
+                await asyncio.sleep(gap)
+            out.append(dict(await send(req, turn), loop=one["loop"], turn=turn))
+        return out
+
+    async def single(req, i, at):
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        return dict(await send(req, i), loop=None, turn=None)
+    done = await asyncio.gather(*(loop(one, at) for one, at in zip(loops, starts)),
+                                *(single(req, i, at) for i, (req, at) in enumerate(zip(requests, times))))
+    return [r for d in done for r in (d if isinstance(d, list) else [d])]
 
 
 def run(url, model, requests, times, timeout=120.0, extra=None, headers=None):
