@@ -2247,7 +2247,8 @@ class TTFTPolicy(Policy):
             best = min(s[0] for s in scored)
             near = [i for i, s in enumerate(scored) if s[0] <= best + abs(best) * self.TIE + 1e-6]
             i = near[0]
-            if home >= 0 and self._keeps_home(candidates, scored, home, request):
+            memo = request.memo   # (a lone prompt under one block has nothing worth keeping together)
+            if home >= 0 and (memo.chain or memo.earlier) and self._keeps_home(candidates, scored, home, request):
                 near = [home]   # the conversation's own engine, while it is about as good as the best
                 i = home
             if len(near) > 1:   # the most of this prompt held (a tie is no reason to move a chat)
