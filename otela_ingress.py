@@ -2098,14 +2098,14 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "affinity", "earlier", "previous", "home", "moved", "session", "work", "streams", "uncached", "held",
-                 "answering", "started")
+    __slots__ = ("chain", "size", "keyed", "affinity", "earlier", "previous", "home", "moved", "session", "work",
+                 "streams", "uncached", "held", "answering", "started")
 
-    def __init__(self, chain: List[bytes], size: int, affinity: Optional[bytes] = None,
-                 earlier: Tuple[int, int] = (0, 0)):
+    def __init__(self, chain: List[bytes], size: int):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
-        self.affinity = affinity              # its affinity_key
-        self.earlier, self.previous = earlier # earlier_turns: answered, and the last turn's prompt
+        self.keyed = False                    # affinity and earlier read (only where there is a choice)
+        self.affinity: Optional[bytes] = None # its affinity_key
+        self.earlier = self.previous = 0     # earlier_turns: answered, and the last turn's prompt
         self.home = -1                        # the candidate its affinity key names (-1: none)
         self.moved = False                    # ... and another is known to hold more of it, whole
         self.session = ""                     # the session of the attempt scored last
@@ -2184,8 +2184,7 @@ class TTFTPolicy(Policy):
         if memo is None:
             text = otela_node.prompt_text(request.body) if isinstance(request.body, dict) else ""
             chain = otela_node.prompt_chain(text, self.key) if text else []
-            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")), affinity_key(request),
-                                        earlier_turns(request.body))
+            memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
         return memo
 
     def estimates(self, candidates: List[Candidate],
@@ -2210,6 +2209,9 @@ class TTFTPolicy(Policy):
             records.append(record)
         summary = published.match(chain) if chain else {}
         memo.home = -1
+        if len(candidates) > 1 and not memo.keyed:   # (one candidate: nothing to keep together)
+            memo.keyed, memo.affinity = True, affinity_key(request)
+            memo.earlier, memo.previous = earlier_turns(request.body)
         if memo.affinity is not None and len(candidates) > 1:
             memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
             # where another ingress sent its earlier turns, unless this one knows where the last
