@@ -1624,6 +1624,7 @@ class Grants:
         self.grant_of: Dict[str, str] = {}   # live session -> its grant id
         self.holder: Dict[str, str] = {}     # grant id -> the one live session it serves
         self.served: Dict[str, float] = {}   # model -> when a session last could serve it (monotonic)
+        self.loaded: Dict[str, str] = {}     # adapter -> its base, as an admin loaded it through here
 
     def use(self, authority: Optional[crdt.Authority]) -> None:
         """The ingress secret to check grants with (None: nothing can be checked)."""
@@ -1677,15 +1678,19 @@ class Grants:
 
     def models(self, record: Dict[str, Any]) -> List[str]:
         """The models a session serves as far as routing believes: its record's, within its grant
-        (none without a grant, unless such sessions are believed)."""
+        (none without a grant, unless such sessions are believed). An adapter counts where the grant
+        names it, or where an admin loaded it on that base through this ingress: its name is
+        otherwise the job's word, and a job granted a base could name its adapter after another
+        group's model and be sent that model's prompts."""
         models = record.get("models") or ()
         grant = record.get("grant")
         if self.believe_all or (self.allow_ungranted and not isinstance(grant, dict)):
             return list(models)
         if not isinstance(grant, dict):
             return []
-        adapters = record.get("adapters") or {}   # an adapter of a granted base: that base's work
-        return [m for m in models if m in grant["models"] or m in adapters and adapters[m][0] in grant["models"]]
+        granted, adapters = grant["models"], record.get("adapters") or {}
+        return [m for m in models if m in granted or
+                m in self.loaded and self.loaded[m] in granted and adapters.get(m, ("",))[0] == self.loaded[m]]
 
     def admits(self, allow: Sequence[str], sid: str, record: Dict[str, Any]) -> bool:
         """Whether a key's allowlist admits the session: by its grant's labels and its id (its
@@ -4717,11 +4722,13 @@ class AdapterRoutes:
                  pinned: Callable[[bytes, str, Key], List[Candidate]],
                  routable: Callable[[str, Dict[str, Any]], bool],
                  model_elsewhere: Callable[[bytes, bytes, Dict[bytes, bytes], Key], Optional[str]],
-                 key_read: Callable[[_Client, Callable[[], None], asyncio.Future], None], on_demand: bool = False):
+                 key_read: Callable[[_Client, Callable[[], None], asyncio.Future], None],
+                 loaded: Dict[str, str], on_demand: bool = False):
         self.node, self.pool, self.health, self.policy = node, pool, health, policy
         self.candidates, self.pinned, self.routable = candidates, pinned, routable   # the ingress's routing
         self.model_elsewhere, self.key_read = model_elsewhere, key_read
         self.on_demand = on_demand
+        self.loaded = loaded   # Grants.loaded: the adapters an admin loaded through here, by base
         self.known: Dict[str, Tuple[str, str]] = {}   # adapter -> (base, path): loads seen, records read
         self.tried: Dict[str, float] = {}   # adapter -> when a load on demand was last asked (monotonic)
 
@@ -4740,6 +4747,10 @@ class AdapterRoutes:
             return
         if action == "load" and isinstance(base, str):
             self.remember(name, base, request["lora_path"])
+            if len(self.loaded) < MAX_SIGNATURES or name in self.loaded:
+                self.loaded[name] = base
+        elif action == "unload":
+            self.loaded.pop(name, None)
         answer = client.waiting = asyncio.ensure_future(self._fan_out(path, crdt.dumps(request), sessions, name,
                                                                       action))
         answer.add_done_callback(client.got)
@@ -5262,7 +5273,7 @@ class Ingress:
         self.admin = AdminAPI(self.cluster, usage_days, self.fallbacks)
         self.adapters = AdapterRoutes(node, self.pool, self.health, self.policy, self.candidates, self._pinned,
                                       self._routable, self._model_elsewhere, self._key_read,
-                                      adapter_on_demand)   # LoRA adapters loaded through the ingress
+                                      self.grants.loaded, adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.views = Views(node, self.grants, self.health, self.stats, self.policy,
                            MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
                                        self.policy, lambda: self.ledger, lambda: self.tracer).render,

@@ -121,6 +121,17 @@ def test_a_grants_newer_session_takes_over_once_it_serves_not_while_it_loads():
     assert grants.refusal("a" * 32, old, NOW) is None
 
 
+def test_an_adapter_a_job_names_after_another_model_is_not_routed_under_its_bases_grant():
+    import otela_ingress
+    grants = otela_ingress.Grants(TIER)
+    record, _ = granted_record("a" * 32)   # granted m1
+    claim = dict(record, models=["m1", "secret-model"], adapters={"secret-model": ["m1", "/x"]})
+    assert grants.models(claim) == ["m1"]
+    grant, _ = TIER.issue(["m1", "sql-lora"], {}, "4242", NOW + 60, NOW)   # an adapter granted by name
+    named = dict(claim, grant=grant, models=["m1", "sql-lora"], adapters={"sql-lora": ["m1", "/y"]})
+    assert grants.models(named) == ["m1", "sql-lora"]
+
+
 def test_an_overlay_member_binds_every_write_of_its_own_and_a_forged_copy_does_not_survive_them():
     import otela_node as on
     config = on.Config(key=b"k" * 32, grant=granted_record()[0]["grant"])
