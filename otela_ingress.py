@@ -29,10 +29,12 @@ The sections, in file order, and what each holds:
                          completion_cap; _Exchange.bound_usage books them)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
+    grants               Grants: what each session may serve, as the login node signed it
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
                          PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
                          rotation)
     metrics              Metrics: /metrics in Prometheus' text format
+    trace context        traceparent in and out, Server-Timing (spans: otela_node.SpanExporter)
     streams              StreamWatch: SSE events passed through, their usage read (and stripped)
     upstream             UpstreamPool (kept-alive connections per session; writes requests),
                          Upstream (reads an answer with otela_node's codec), _Relay (a stream)
@@ -40,6 +42,7 @@ The sections, in file order, and what each holds:
                          _Client (its protocol, and the loop that serves its requests in turn)
     the exchange         _Exchange: one proxied request, its lifecycle as a table, its
                          attempts, its answer, and finish(), the one place its end is booked
+    LoRA adapters        AdapterRoutes: loads and unloads through the overlay, loads on demand
     the ingress          Ingress: the shared state, candidates from the registry, auth, the
                          routes; beside it, given what they use: EvictionDoubts, AdminAPI,
                          MetricsPage (/metrics) and Views (the GET endpoints)

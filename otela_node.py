@@ -30,7 +30,9 @@ Theory of operation. The file is in sections, each a room with one job:
     prompt prefixes    what a worker publishes for the ingresses' routing: the hashes of the
                        prompts its engine was sent (PrefixSummary), its engine's speed from the
                        answers it relays (EngineSpeed, SpeedFit), publish_engine_view
-    engine supervisor  the engine as a child process, its health
+    engine supervisor  the engine as a child process, its health, its model list read again
+                       (adapters loaded and unloaded while serving, its context window)
+    spans              SpanExporter: both roles' spans to an OTLP collector (--otlp-endpoint)
     CLI                keygen, start, relay
 
 A gossip message:
