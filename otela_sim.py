@@ -34,9 +34,11 @@ Data flow.
                                                                 reported apart)
     a running engine (probe --url)                           -> that engine's overhead terms
     StepCost + a rate or trace (load)                        -> the emulator's EngineCore in
-                                                                virtual time: TTFT / ITL / E2E
-                                                                percentiles, saturated or not;
-                                                                load_tests.csv's published runs
+                                                                virtual time, behind a front end
+                                                                that takes one request at a time:
+                                                                TTFT / ITL / E2E percentiles,
+                                                                saturated or not; load_tests.csv's
+                                                                published runs
     serve --nnodes N --node-rank R --dist-init-addr H:P      -> an emulated multi-node engine:
                                                                 rank 0 serves once all ranks
                                                                 joined, and dies with any of them
@@ -3082,6 +3084,22 @@ BLOCK_SIZE = 16
 # vLLM V1's --max-num-batched-tokens default for the OpenAI server (engine/arg_utils.py,
 # _set_default_args): 8192 on a GPU with at least 70 GiB, 2048 below.
 SERVE_BATCHED_TOKENS_LARGE, SERVE_BATCHED_TOKENS_SMALL, SERVE_LARGE_GPU_GB = 8192, 2048, 70
+# Its --max-num-seqs default from the same table (get_batch_defaults, OPENAI_API_SERVER): 1024
+# beside the large budget, 256 beside the small one, and never above the budget. An A100 takes
+# the small pair whatever its memory (the table's note: a large budget lowered the A100's
+# throughput, vLLM PR 17885).
+SERVE_MAX_SEQS_LARGE, SERVE_MAX_SEQS_SMALL = 1024, 256
+
+
+def v1_batch_defaults(gpu):
+    """vLLM V1's OpenAI-server defaults on `gpu`: (max_num_batched_tokens, max_num_seqs)."""
+    gpu = resolve_gpu(gpu)
+    large = gpu.memory_gb >= SERVE_LARGE_GPU_GB and "a100" not in gpu.name.lower()
+    budget, seqs = (SERVE_BATCHED_TOKENS_LARGE, SERVE_MAX_SEQS_LARGE) if large else \
+        (SERVE_BATCHED_TOKENS_SMALL, SERVE_MAX_SEQS_SMALL)
+    return budget, min(seqs, budget)
+
+
 # The engine row `serve` times with when none is named: the V1 engine (chunked prefill on), the
 # scheduler emulated here. Another row changes the fitted overheads, not the scheduler.
 SERVE_ENGINE = "vllm-v1"
@@ -3658,8 +3676,7 @@ def serve_core(model, gpu, tp=1, engine=SERVE_ENGINE, max_batched_tokens=None, m
     _check_layout(model, gpu, tp, pp)
     c = _cost_for(model, gpu, tp, None, resolve_engine(engine).key, cal, pp, fabric)
     if max_batched_tokens is None:
-        max_batched_tokens = SERVE_BATCHED_TOKENS_LARGE if gpu.memory_gb >= SERVE_LARGE_GPU_GB \
-            else SERVE_BATCHED_TOKENS_SMALL
+        max_batched_tokens = v1_batch_defaults(gpu)[0]
     tokens = kv_tokens if kv_tokens is not None else c.kv_capacity_tokens(max_batched_tokens)
     return EngineCore(c, tokens // block_size, block_size, max_batched_tokens, max_num_seqs,
                       min(max_model_len or model.max_position_embeddings, model.max_position_embeddings),
@@ -3745,7 +3762,10 @@ class LinearStepCost:
 # roofline time says, arrivals join at the step boundary after them (the emulator's rule,
 # EmulatedServer._submit), and decode runs are planned at once (EngineCore.run_ends), so minutes
 # of traffic take seconds of CPU. A workload's output lengths are generated in full, as a load
-# test's --ignore-eos makes a real engine do.
+# test's --ignore-eos makes a real engine do. Before the core, the serving stack's front end
+# (LOAD_FRONTEND_REQUEST_S) takes the requests one at a time: a burst beyond its rate waits
+# there, not in the core, and the engine sees a steady stream (kept apart from the core: the
+# emulator's own HTTP server is what stands in front of it in `serve`).
 
 # The engine has not kept up when the queue of requests waiting for admission grew, from the
 # second quarter of the arrivals to the last, by more than this share of the requests that
@@ -3757,10 +3777,20 @@ SEPARATE_PREFILL_ENGINES = ("sglang",)
 # What a request spends in the serving stack before its engine core sees it, and after its
 # first token (HTTP, tokenising, the API server's IPC to the engine, detokenising, streaming):
 # the load test adds it to every request's TTFT (and so E2E). Fitted on the fit split of
-# tests/data/load_tests.csv (SGLang on 4 x H200, rates 1, 2 and 4 req/s: measured minus
-# predicted median TTFT 31.7, 35.2 and 50.4 ms; their median), one value for the Python
-# serving stacks of vLLM V1 and SGLang alike; the held-out split tells whether it carries over.
-LOAD_REQUEST_OVERHEAD_S = 0.0352
+# tests/data/load_tests.csv, its runs well below saturation (SGLang on 4 x H200 at 1, 2 and 4
+# req/s, median TTFT; vLLM 0.19 on an A100 at 2 req/s, mean TTFT): measured minus the engine's
+# predicted TTFT 31.7, 35.8, 51.4 and 18.4 ms; their median, one value for the Python serving
+# stacks of vLLM V1 and SGLang alike; the held-out split tells whether it carries over.
+LOAD_REQUEST_OVERHEAD_S = 0.0337
+# The serving stack's front end is one process on one core (vLLM's API server unless started
+# with --api-server-count; its RFC, vllm issue 12705: 'the API server runs in a single process,
+# utilizing a single CPU'): it takes requests one at a time, so past its rate they queue before
+# the engine ever sees them, however idle the GPU. Its time per request, its share of the
+# streaming included: vLLM PR 17546 (the API server scale-out) measured, before the change, 10,000
+# ShareGPT requests offered at 120 req/s to one API server over two data-parallel engines (2 x
+# A100, Llama-3.2-1B: far from their own limit) finish in 130.74 s, 76.5 req/s. A request's own
+# turn is inside LOAD_REQUEST_OVERHEAD_S; what this adds is the wait for the ones before it.
+LOAD_FRONTEND_REQUEST_S = 130.74 / 10000
 # `load`'s exit status when the engine did not keep up (its report is printed all the same).
 LOAD_SATURATED_EXIT = 3
 
@@ -3799,12 +3829,29 @@ def _load_request(i, arrival, inp, out, prefix):
     return EmulatedRequest(i, [*range(min(prefix, inp - 1)), *own], out, arrival, prompt_key=i)
 
 
-def run_load(core, arrivals, shared_prefix=0, delay=0.0):
+def frontend_times(sent, per_request):
+    """When each request (sent at the sorted times `sent`) leaves a front end that serves one
+    request at a time, `per_request` seconds each, first come first served: its turn starts
+    when it was sent or when the one before it left, whichever is later."""
+    out, free = [], 0.0
+    for t in sent:
+        start = max(t, free)
+        free = start + per_request
+        out.append(start)
+    return out
+
+
+def run_load(core, arrivals, shared_prefix=0, delay=0.0, frontend_s=0.0):
     """Run `arrivals` [(arrival_s, input_len, output_len)] through `core` in virtual time, each
-    reaching the core `delay` seconds after it was sent (its .sent); the finished requests, and
-    the waiting queue each arrival found."""
-    reqs = [_load_request(i, t + delay, inp, out, shared_prefix) for i, (t, inp, out) in enumerate(arrivals)]
-    for req, (t, _, _) in zip(reqs, arrivals):
+    reaching the core `delay` seconds after its turn at the front end (frontend_times; its .sent:
+    when it was sent); the finished requests, and the queue each arrival found at the core (its
+    waiting requests and those still queued at the front end)."""
+    sent = [t for t, _, _ in arrivals]
+    turns = frontend_times(sent, frontend_s)
+    done = [turn + frontend_s for turn in turns]
+    reqs = [_load_request(i, turn + delay, inp, out, shared_prefix)
+            for i, (turn, (_, inp, out)) in enumerate(zip(turns, arrivals))]
+    for req, t in zip(reqs, sent):
         req.sent = t
     for req in reqs:
         core.check(req)
@@ -3812,7 +3859,9 @@ def run_load(core, arrivals, shared_prefix=0, delay=0.0):
     now, i, n = 0.0, 0, len(reqs)
     while True:
         while i < n and reqs[i].arrival <= now:
-            queue.append(len(core.waiting))
+            # the front end's queue when this request was sent: those before it not yet through
+            ahead = i - min(i, bisect.bisect_right(done, sent[i]))
+            queue.append(len(core.waiting) + ahead)
             core.add(reqs[i])
             i += 1
         step = core.schedule()
@@ -3871,21 +3920,26 @@ def load_report(reqs, queue, duration_s=None):
 def load_test(model, gpu, tp=1, arrivals=(), shared_prefix=0, engine=SERVE_ENGINE, duration_s=None, **core_args):
     """A load test of `model` on `tp` x `gpu` (serve_core's engine; core_args go to serve_core):
     load_report of `arrivals` run through it in virtual time."""
+    core_args = {k: v for k, v in core_args.items() if v is not None}
+    if resolve_engine(engine).engine == "vllm":
+        core_args.setdefault("max_num_seqs", v1_batch_defaults(gpu)[1])
     core = serve_core(model, gpu, tp, engine, **core_args)
     if not arrivals:
         raise SimError("the workload has no requests (raise --rate or --duration)")
-    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S), duration_s)
+    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S, LOAD_FRONTEND_REQUEST_S),
+                       duration_s)
 
 
 # --- load tests against published ones (tests/data/load_tests.csv) ----------------------------
 # A row is one metric of one published load test: engine, model, GPU, tp, Poisson rate (or
-# "inf": every prompt at once), prompts, lengths (N, or U(lo;hi): uniform, as SGLang's random
-# dataset draws them with range ratio 0). Its split was chosen by GPU before anything was fitted
+# "inf": every prompt at once; "fixed:R": request i sent at i / R seconds, as a client that paces
+# its sends does), prompts, lengths (N, or U(lo;hi): uniform, as SGLang's random dataset draws
+# them with range ratio 0). Its split was chosen by GPU before anything was fitted
 # on load tests: the H100 rows are held out, the others are for fitting.
 LOAD_TESTS_CSV = os.path.join(_HERE, "tests", "data", "load_tests.csv")
 # SGLang admits requests while its KV pool has room (max_running_requests follows the pool);
-# vLLM stops at max_num_seqs. The load rows' engines' admission limits, where a row sets none.
-LOAD_MAX_SEQS = {"sglang": 4096, "vllm": MAX_NUM_SEQS}
+# vLLM stops at max_num_seqs, its default by GPU. The rows' admission limits, where a row sets none.
+LOAD_MAX_SEQS = {"sglang": 4096}      # vLLM's: v1_batch_defaults
 
 
 def _load_length(text):
@@ -3897,12 +3951,13 @@ def _load_length(text):
 
 def _load_row_core_args(row, model, gpu, engine):
     """serve_core's arguments for a row: its admission limit, token budget and KV pool."""
-    args = {"max_num_seqs": int(row["max_num_seqs"] or LOAD_MAX_SEQS[resolve_engine(engine).engine])}
+    kind = resolve_engine(engine).engine
+    args = {"max_num_seqs": int(row["max_num_seqs"] or LOAD_MAX_SEQS.get(kind) or v1_batch_defaults(gpu)[1])}
     if row["max_num_batched_tokens"]:
         args["max_batched_tokens"] = int(row["max_num_batched_tokens"])
     if row["gpu_memory_utilization"]:
         c = _cost_for(model, gpu, int(row["tp"]), None, engine)
-        budget = args.get("max_batched_tokens", SERVE_BATCHED_TOKENS_LARGE)
+        budget = args.get("max_batched_tokens", v1_batch_defaults(gpu)[0])
         free = float(row["gpu_memory_utilization"]) * gpu.memory_gb * 1e9 - c.weights_bytes - c.reserve_bytes(budget)
         args["kv_tokens"] = max(BLOCK_SIZE, int(free // c.kv_bytes_per_token))
     return args
@@ -3913,9 +3968,10 @@ def predict_load_test(row, seed=0):
     model, gpu, engine = resolve_model(row["model"]), resolve_gpu(row["gpu"]), row["engine"]
     n, rate = int(row["num_prompts"]), row["rate_rps"].strip()
     inp, out = _load_length(row["input_len"]), _load_length(row["output_len"])
-    if rate == "inf":
+    if rate == "inf" or rate.startswith("fixed:"):
         rng = random.Random(seed)
-        arrivals = [(0.0, _length(rng, inp, INPUT_FLOOR), _length(rng, out, 1)) for _ in range(n)]
+        gap = 0.0 if rate == "inf" else 1.0 / float(rate.split(":", 1)[1])
+        arrivals = [(i * gap, _length(rng, inp, INPUT_FLOOR), _length(rng, out, 1)) for i in range(n)]
     else:
         arrivals = load_arrivals(float(rate), n / float(rate), inp, out, seed)
     return load_test(model, gpu, int(row["tp"]), arrivals, 0, engine,
@@ -5158,10 +5214,11 @@ def add_load_command(sub):
     ld.add_argument("--duration", type=_POSITIVE, default=60.0, help="seconds of arrivals (default 60)")
     ld.add_argument("--shared-prefix", type=number_type(int, 0), default=0,
                     help="tokens every prompt starts with (a shared system prompt; default 0)")
-    ld.add_argument("--max-num-seqs", type=_AT_LEAST_1, default=MAX_NUM_SEQS,
-                    help=f"running requests at most (vLLM's default, {MAX_NUM_SEQS})")
+    ld.add_argument("--max-num-seqs", type=_AT_LEAST_1, default=None,
+                    help="running requests at most (default vLLM V1's: 1024 on a GPU of 70 GB or more but an "
+                         f"A100, else {MAX_NUM_SEQS})")
     ld.add_argument("--max-num-batched-tokens", type=_AT_LEAST_1, default=None,
-                    help="token budget a step (default vLLM's: 8192 on a GPU of 70 GB or more, else 2048)")
+                    help="token budget a step (default vLLM V1's: 8192 on a GPU of 70 GB or more but an A100, else 2048)")
     ld.add_argument("--seed", type=int, default=0, help="random seed of arrivals and lengths (default 0)")
     ld.add_argument("--engine", default=None, help=f"engine version (default {SERVE_ENGINE}, the scheduler modelled)")
     ld.add_argument("--engine-version", default=None, help="with an engine name: its release (0.10.1)")

@@ -157,3 +157,28 @@ def test_a_config_field_that_changes_the_cost_is_refused_by_name(tmp_path):
     p = cli("--config", str(path), "--gpu", "H100", "--tp", "8", "--rate", "1", "--duration", "5")
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "sliding_window_pattern" in p.stderr
+
+
+@pytest.mark.parametrize("gpu, defaults", [("H100", (8192, 1024)), ("H200", (8192, 1024)),
+                                           ("A100-80GB", (2048, 256)), ("L40S", (2048, 256))])
+def test_vllm_v1_admits_by_its_defaults_for_the_gpu(gpu, defaults):
+    assert sim.v1_batch_defaults(gpu) == defaults
+    core = sim.serve_core("llama-3.1-8b", gpu, max_num_seqs=defaults[1])
+    assert core.max_batched_tokens == defaults[0]
+    row = {"tp": "1", "max_num_seqs": "", "max_num_batched_tokens": "", "gpu_memory_utilization": ""}
+    model, g = sim.resolve_model("llama-3.1-8b"), sim.resolve_gpu(gpu)
+    assert sim._load_row_core_args(row, model, g, "vllm-v1")["max_num_seqs"] == defaults[1]
+
+
+def test_the_front_end_takes_one_request_at_a_time():
+    assert sim.frontend_times([0.0, 0.0, 0.0, 1.0], 0.01) == pytest.approx([0.0, 0.01, 0.02, 1.0])
+    assert sim.frontend_times([0.0, 0.5, 1.0], 0.01) == [0.0, 0.5, 1.0]      # spaced: no wait
+
+
+def test_a_burst_queues_at_the_front_end_and_is_saturated():
+    n = 200
+    r = sim.load_test("qwen3-0.6b", "H100", 1, [(0.0, 256, 16)] * n)
+    turns = sim.LOAD_FRONTEND_REQUEST_S * (n - 1) / 2 * 1e3          # the mean wait for a turn
+    assert r["saturated"]
+    assert r["ttft_ms"]["mean"] == pytest.approx(turns + sim.LOAD_REQUEST_OVERHEAD_S * 1e3, rel=0.15)
+    assert r["throughput_req_s"] < 1.05 / sim.LOAD_FRONTEND_REQUEST_S
