@@ -21,16 +21,20 @@ Three kinds of entry share the map, told apart by their id (a session id has no 
   session  "<32 hex>"          a member's session record (the lifecycle below);
   key      "key:<sha256 hex>"  an API key's record: who may use it for what (never its secret);
   usage    "use:<32 hex>"      one slot of a per-(key, day) or per-(key, month) G-Counter: the
-                               requests and tokens one ingress session served for that key then.
-All three are ordered the same way (state, then version, then encoding), so they travel with
+                               requests and tokens one ingress session served for that key then;
+  revocation "rev:<grant>"     a grant (or a Slurm job's grants) revoked;
+  limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight;
+  flow     "flow:<session>"    what one ingress session admitted per limited subject in its last
+                               minute (see "Limits and flows").
+All are ordered the same way (state, then version, then encoding), so they travel with
 the same rumours, digests and anti-entropy, and a replica that was away catches up on all. An id
 of another "<kind>:<name>" shape is a kind a newer release knows and this one does not: it is
 carried (validated only for its order and size, at most MAX_UNKNOWN of them), never rejected.
 
 Planes and tiers. Sessions (and unknown kinds) are the routing plane: every member holds them.
-Keys and usage slots are the ingress plane: only ingresses hold them, and only a record signed
-with the ingress tier's secret (`Authority`, a secret that only ingress hosts have, apart from the
-cluster key every Slurm job holds) is ever applied. The map keeps a digest per plane, so a worker
+Keys, usage slots, revocations, limits and flows are the ingress plane: only ingresses hold them,
+and only a record signed with the ingress tier's secret (`Authority`, a secret that only ingress
+hosts have, apart from the cluster key every Slurm job holds) is ever applied. The map keeps a digest per plane, so a worker
 and an ingress compare only what both hold.
 
 Settings. The one reader of every role's settings (flag, then OTELA_<NAME>, then default:

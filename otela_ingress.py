@@ -29,6 +29,8 @@ The sections, in file order, and what each holds:
                          completion_cap; _Exchange.bound_usage books them)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
+    limits               ClusterFlow: requests and tokens per sliding minute and requests in flight,
+                         per key, user and model, summed over every ingress (lim: and flow: entries)
     grants               Grants: what each session may serve, as the login node signed it
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
                          PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
@@ -55,7 +57,8 @@ How a proxied request flows through them:
        Expect, odd bytes): one parser per connection, one kind of head (a MessageHead). A read
        holding exactly one plain proxied request is read from its own bytes (whole_request).
     2. Ingress.proxy: the key, its rate and budget, the JSON, the model, the candidates (cached
-       per model and allowlist); the policy picks a session and the request goes out on a
+       per model and allowlist), its limits' windows (ClusterFlow.admit, only for a request under
+       a limit); the policy picks a session and the request goes out on a
        kept-alive connection (UpstreamPool.send_request) before anything else is booked; an
        _Exchange is made. Any other head goes to Ingress.route: its body is read piece by piece
        by each data_received (_Client.read_body, under its deadline and size limit), then it is
@@ -5447,8 +5450,9 @@ class MetricsPage:
 
     def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
                  doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
-                 tracer: Callable[[], Optional[otela_node.SpanExporter]]):
+                 tracer: Callable[[], Optional[otela_node.SpanExporter]], flow: Optional[ClusterFlow] = None):
         self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
+        self.flow = flow
         self.doubts, self.policy = doubts, policy
         self.ledger, self.tracer = ledger, tracer   # (made at start)
 
@@ -5481,6 +5485,16 @@ class MetricsPage:
         families.append(("otela_sessions_unrouted", "gauge", "Live sessions routed nothing because of their "
                          "grant, by reason.",
                          [(f'{{reason="{why}"}}', unrouted.get(why, 0)) for why in UNGRANTED_REASONS]))
+        if self.flow is not None:
+            families += [
+                ("otela_rate_limited_total", "counter", "Requests refused 429 rate_limit_exceeded by a limit "
+                 "per minute or in flight (ClusterFlow), by whose limit (key, user, model) and type (requests, "
+                 "tokens).", [(f'{{subject="{what}",type="{kind}"}}', self.flow.refused[(what, kind)])
+                              for what in ("key", "user", "model") for kind in ("requests", "tokens")]),
+                ("otela_rate_limits", "gauge", "User and model limits held (lim: entries, not cleared).",
+                 [("", len(self.flow.limits))]),
+                ("otela_flow_peers", "gauge", "Other ingress sessions whose windows are added to this one's.",
+                 [("", len(self.flow.peers))])]
         return body + exposition(families)
 
 
@@ -5741,7 +5755,7 @@ class Ingress:
                                       self.grants.loaded, adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.views = Views(node, self.grants, self.health, self.stats, self.policy,
                            MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
-                                       self.policy, lambda: self.ledger, lambda: self.tracer).render,
+                                       self.policy, lambda: self.ledger, lambda: self.tracer, self.flow).render,
                            self.authenticate, self.models, lambda: self.ledger, db_path, no_auth,
                            require_key_for_views)
         self._stopped = False

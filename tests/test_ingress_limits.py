@@ -289,3 +289,104 @@ def test_a_compute_job_cannot_write_limits_or_flows(tmp_path):
     signed = {sid: authority.sign(sid, r) for sid, r in forged.items()}
     assert all(overlay._news(sid, r) for sid, r in signed.items())
     assert crdt.plane_of(crdt.flow_entry("ab" * 16)) == crdt.INGRESS   # never sent to workers
+
+
+@pytest.mark.slow
+def test_two_ingresses_on_one_overlay_admit_a_key_within_the_stated_bound(tmp_path):
+    """A key's rpm at two real ingresses (one overlay, one node): a flood paced at RATE requests/s
+    at each is admitted at most rpm + RATE * (FLOW_PUBLISH_S + d) over the minute (see "Limits"),
+    d the push's delay, taken here as 0.1 s for a loaded test box; measured, printed."""
+    import threading
+
+    from test_ingress_multi import ENGINE, TwoIngresses, poll
+    from test_ingress_support import free_port
+    rpm, rate, seconds = 30, 20.0, 4.0
+    two = TwoIngresses(str(tmp_path))
+    try:
+        port = free_port()
+        two.node("n1", f"{ENGINE} {port}", port, "fm")
+        admin = Client(two.url, two.token)
+        status, _, body = admin.request("POST", "/v1/admin/keys", {"user": "flood", "rpm": rpm})
+        assert status == 200, body
+        token = json.loads(body)["key"]
+        poll(lambda: Client(two.url_b, token).request("GET", "/v1/models")[0] == 200, "the key at B")
+        poll(lambda: Client(two.url_b, two.token).chat("fm")[0] == 200, "B routing to the node")
+        results = {two.url: [], two.url_b: []}
+
+        def flood(url):
+            client = Client(url, token)
+            start = next_at = time.monotonic()
+            while time.monotonic() - start < seconds:
+                time.sleep(max(0.0, next_at - time.monotonic()))
+                next_at = max(next_at + 1 / rate, time.monotonic())   # never faster than RATE, no bursts
+                results[url].append(client.chat("fm", max_tokens=4)[0])
+            client.close()
+
+        threads = [threading.Thread(target=flood, args=(url,)) for url in results]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        admitted = sum(r.count(200) for r in results.values())
+        others = sum(len(r) for r in results.values()) / 2 / seconds   # the measured rate at each
+        bound = rpm + others * (otela_ingress.FLOW_PUBLISH_S + 0.1)
+        print(f"rpm {rpm}: admitted {admitted} of {sum(map(len, results.values()))} at two ingresses "
+              f"({others:.1f} req/s at each; bound {bound:.1f}); at A {results[two.url].count(200)}, "
+              f"at B {results[two.url_b].count(200)}")
+        assert all(s in (200, 429) for r in results.values() for s in r)
+        assert rpm <= admitted <= bound
+    finally:
+        two.close()
+
+
+RELEASE_BEFORE_LIMITS = "fcec822"   # main before limit and flow entries
+
+
+def test_an_ingress_of_the_release_before_carries_limits_and_flows_and_learns_nothing_private_from_them():
+    """The release before takes "lim:" and "flow:" as kinds it does not know: it applies them (no
+    batch that holds one is refused, so keys and usage still sync with it), holds them on its
+    routing plane and hands them to workers. So they name no user and no key: only keyed hashes,
+    counts, limits and a model's name."""
+    import importlib.util
+    shown = subprocess.run(["git", "-C", ROOT, "show", f"{RELEASE_BEFORE_LIMITS}:crdt.py"],
+                           capture_output=True, timeout=60)
+    if shown.returncode != 0:
+        pytest.skip(f"{RELEASE_BEFORE_LIMITS} is not in this clone's history")
+    spec = importlib.util.spec_from_loader("crdt_before_limits", loader=None)
+    old = importlib.util.module_from_spec(spec)
+    exec(compile(shown.stdout, "crdt_before_limits.py", "exec"), old.__dict__)
+    authority = crdt.Authority([b"s" * 32])
+    user, key_hash = "alice@uni.example", "12" * 32
+    subjects = {kind: crdt.subject_of(authority.subject_key(), kind, name)
+                for kind, name in (("u", user), ("k", key_hash), ("m", "llama-70b"))}
+    entries = {crdt.limit_entry(subjects["u"]): crdt.limit_record(5, {"rpm": 3}),
+               crdt.limit_entry(subjects["m"]): crdt.limit_record(5, {"tpm": 9000}, "llama-70b"),
+               crdt.flow_entry("ab" * 16): crdt.flow_record(1, time.time(), {s: [1, 2, 0, 3] for s in subjects.values()}),
+               crdt.key_entry(key_hash): crdt.key_record("k1", user, 1.0)}
+    signed = {e: authority.sign(e, r) for e, r in entries.items()}
+    replica = old.GMap()
+    assert sorted(replica.merge(signed)) == sorted(signed) and not replica.refused
+    carried = dict(replica.plane_items(old.ROUTING))
+    assert sorted(carried) == sorted(e for e in signed if not e.startswith("key:"))
+    text = json.dumps(carried)
+    assert user not in text and key_hash not in text and "alice" not in text
+    worker = old.GMap(planes=(old.ROUTING,))   # a worker of that release carries them, at most MAX_UNKNOWN
+    assert len(worker.merge({e: r for e, r in signed.items() if not e.startswith("key:")})) == 3
+
+
+def test_streams_carry_the_headers_and_leave_the_in_flight_count_when_they_end(stack):
+    client = Client(stack.url, limited_key(stack, rpm=100, concurrency=1))
+    for _ in range(3):   # one in flight at a time: each must have left before the next comes
+        status, headers, body = client.chat("m1", stream=True)
+        assert status == 200 and b"[DONE]" in body
+        assert headers["x-ratelimit-limit-requests"] == "100"
+    assert client.chat("m1")[1]["x-ratelimit-remaining-requests"] == "96"
+    page = Client(stack.url).request("GET", "/metrics")[2].decode()
+    assert 'otela_rate_limited_total{subject="key",type="requests"} 0' in page
+
+
+def test_refusals_are_counted_on_metrics_by_subject_and_type(stack):
+    client = Client(stack.url, limited_key(stack, rpm=1))
+    assert [client.chat("m1")[0] for _ in range(3)] == [200, 429, 429]
+    page = Client(stack.url).request("GET", "/metrics")[2].decode()
+    assert 'otela_rate_limited_total{subject="key",type="requests"} 2' in page
