@@ -6950,8 +6950,11 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
     now = time.time()
     day = crdt.time_day(now)
     slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
+    records = load_key_records(db)
     for r in rows:   # every ingress's use, as this --db last heard it
-        r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, r.pop("hash"), day)
+        digest = r.pop("hash")
+        r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, digest, day)
+        r.update((f, records.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
     if args.json:
         print(crdt.dumps(rows).decode())
         return
@@ -6965,6 +6968,7 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
         print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
               f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
               f"tokens today {today} month {month}  expires {expires}  "
+              + "".join(f"{f}={r[f]} " for f in crdt.LIMIT_FIELDS if r[f]) +
               f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
 
 

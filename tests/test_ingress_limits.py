@@ -216,6 +216,11 @@ def test_the_admin_api_and_the_cli_refuse_bad_limits_with_a_clear_error(stack, t
                        (["keys", "create", "--user", "u", "--tpm", "-1"], "tpm")):
         done = subprocess.run(run + args + ["--db", db], capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and word in done.stderr.strip().splitlines()[-1], done   # (argparse: usage first)
+    made = subprocess.run(run + ["keys", "create", "--user", "h", "--rpm", "12", "--concurrency", "3", "--json",
+                                 "--db", db], capture_output=True, text=True, timeout=60)
+    assert (json.loads(made.stdout)["rpm"], json.loads(made.stdout)["concurrency"]) == (12, 3)
+    listed = subprocess.run(run + ["keys", "list", "--db", db], capture_output=True, text=True, timeout=60)
+    assert "rpm=12 concurrency=3" in listed.stdout
     ok = subprocess.run(run + ["limits", "set", "--model", "m/x", "--tpm", "5000", "--db", db],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
@@ -390,3 +395,21 @@ def test_refusals_are_counted_on_metrics_by_subject_and_type(stack):
     assert [client.chat("m1")[0] for _ in range(3)] == [200, 429, 429]
     page = Client(stack.url).request("GET", "/metrics")[2].decode()
     assert 'otela_rate_limited_total{subject="key",type="requests"} 2' in page
+
+
+def test_remote_service_sums_the_tokens_other_ingresses_served_a_tenant():
+    """The fair queue's cluster-wide counter: what the other sessions published for a tenant,
+    never this ingress's own."""
+    maps = [crdt.GMap(), crdt.GMap()]
+    nodes = [type("N", (), {"session_id": f"s{i}", "registry": maps[i]})() for i in range(2)]
+    a, b = otela_ingress.ClusterFlow(nodes[0]), otela_ingress.ClusterFlow(nodes[1])
+    a.note_service("team-x", 300)
+    a.note_service("team-x", 200)
+    b.note_service("team-x", 7)
+    now = time.time()
+    for flow, other in ((a, b), (b, a)):
+        flow.publish(now)
+        entry = crdt.flow_entry(flow.node.session_id)
+        other.on_entry(entry, flow.node.registry.get(entry))
+    assert (b.remote_service("team-x"), a.remote_service("team-x")) == (500, 7)
+    assert b.remote_service("team-y") == 0
