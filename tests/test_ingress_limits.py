@@ -148,10 +148,11 @@ def test_the_window_slides_a_request_counts_for_a_minute_and_no_more_than_a_seco
     assert admitted == [1000.2, 1000.7, 1061.0, 1061.1]
 
 
-def test_two_ingresses_share_a_window_within_the_stated_bound():
+@pytest.mark.parametrize("field", ["rpm", "tpm"])
+def test_two_ingresses_share_a_window_within_the_stated_bound(field):
     """Two flows exchanging their entries every FLOW_PUBLISH_S (as the overlay does, with no delay):
     a key flooding both at a known rate is admitted at most limit + R * FLOW_PUBLISH_S over the
-    minute, R the rate at the other ingress."""
+    minute, R the rate (of requests, or of tokens) at the other ingress."""
     clock = [2000.0]
     real = otela_ingress.time.time
     otela_ingress.time.time = lambda: clock[0]
@@ -163,14 +164,16 @@ def test_two_ingresses_share_a_window_within_the_stated_bound():
                 self.session_id, self.registry, self.i = f"s{i}", maps[i], i
 
         flows = [otela_ingress.ClusterFlow(Node(i)) for i in range(2)]
-        key = otela_ingress.Key.of_record("ef" * 32, crdt.key_record("k3", "u", 0.0, limits={"rpm": 100}))
+        # rpm 100, or tpm 1,000 with 10 tokens a request (a 2-byte body: 1, and max_tokens 9)
+        key = otela_ingress.Key.of_record("ef" * 32, crdt.key_record(
+            "k3", "u", 0.0, limits={field: 100 if field == "rpm" else 1000}))
         rate = 40.0                     # requests/s at each ingress: R = 40 for the other's view
         admitted, step, next_publish = 0, 1.0 / rate, clock[0]
         for i in range(int(rate * 30)):   # 30 s of flood at each ingress, alternating
             clock[0] = 2000.0 + i * step
             for flow in flows:
                 try:
-                    flow.release(flow.admit(key, "m", b"{}", 0, FakeClient()), 1)
+                    flow.release(flow.admit(key, "m", b"{}", 9, FakeClient()), 10)
                     admitted += 1
                 except otela_ingress.HTTPError:
                     pass
@@ -182,7 +185,7 @@ def test_two_ingresses_share_a_window_within_the_stated_bound():
                     if theirs.merge({entry: mine.get(entry)}):
                         (flows[1] if flow is flows[0] else flows[0]).on_entry(entry, theirs.get(entry))
         bound = 100 + rate * otela_ingress.FLOW_PUBLISH_S
-        print(f"admitted {admitted} in 30 s for rpm 100 over two ingresses at {rate:g}/s each "
+        print(f"{field}: admitted {admitted} requests in 30 s (100 a minute) over two ingresses at {rate:g}/s each "
               f"(bound {bound:g})")
         assert 100 <= admitted <= bound
     finally:
@@ -280,20 +283,34 @@ def test_limit_and_flow_records_are_closed_bounded_and_name_no_user():
     assert gmap.merge({crdt.flow_entry("s1"): crdt.flow_record(2, 100.0, {})}) == []   # too old now
 
 
-def test_a_compute_job_cannot_write_limits_or_flows(tmp_path):
+def test_limits_and_flows_reach_every_ingress_and_no_worker_and_a_job_cannot_forge_them():
     """The ingress plane takes only what the tier signed: a job holding the cluster key alone
-    (no ingress secret) writes no limit, and its flow cannot raise anyone's counts."""
+    writes no limit, and a flow of its making cannot raise anyone's counts."""
+    from test_authority import fleet
+
     import otela_node
-    authority = crdt.Authority([b"s" * 32])
-    overlay = otela_node.Overlay.__new__(otela_node.Overlay)
-    overlay.authority, overlay.refused, overlay.known, overlay.rumours = authority, __import__("collections").Counter(), {}, {}
-    forged = {crdt.limit_entry("u-" + "0" * 16): crdt.limit_record(9, {"rpm": 1}),
-              crdt.flow_entry("ab" * 16): crdt.flow_record(1, time.time(), {"k-" + "0" * 16: [10**6, 0, 0, 0]})}
-    assert [sid for sid, record in forged.items() if overlay._news(sid, record)] == []
-    assert overlay.refused["unsigned"] == 2
-    signed = {sid: authority.sign(sid, r) for sid, r in forged.items()}
-    assert all(overlay._news(sid, r) for sid, r in signed.items())
-    assert crdt.plane_of(crdt.flow_entry("ab" * 16)) == crdt.INGRESS   # never sent to workers
+    net, ins, ws = fleet()
+    authority = crdt.Authority([b"i" * 32])   # test_authority's tier secret
+    subject = crdt.subject_of(authority.subject_key(), "u", "alice")
+    limit, flow = crdt.limit_entry(subject), crdt.flow_entry(ins[0].sid)
+    net.send(ins[0].addr, ins[0].publish(limit, crdt.limit_record(5, {"rpm": 3}), net.now))
+    net.send(ins[0].addr, ins[0].publish(flow, crdt.flow_record(1, net.now, {subject: [2, 9, 1, 9]}), net.now))
+    net.run(2.0)
+    assert ins[1].map.get(limit)["rpm"] == 3 and ins[1].map.get(flow)["n"] == {subject: [2, 9, 1, 9]}
+    assert all(limit not in w.map and flow not in w.map for w in ws)
+    attacker = ws[0]
+    forged = {limit: crdt.limit_record(99, {"rpm": 1}),
+              crdt.limit_entry("m-" + "0" * 16): crdt.limit_record(1, {"rpm": 1}, "m"),
+              crdt.flow_entry(attacker.sid): crdt.flow_record(1, net.now, {subject: [10**6, 0, 0, 0]}),
+              flow: dict(crdt.flow_record(2, net.now, {subject: [10**6, 0, 0, 0]}), sig="f" * 64)}
+    for target in ins:
+        net.send(attacker.addr, [otela_node.Out(target.addr, {"t": "r", "r": forged}, False)])
+        net.send(attacker.addr, [otela_node.Out(target.addr, {"t": "st", "r": forged}, True)])
+    net.run(3.0)
+    for ingress in ins:
+        assert ingress.map.get(limit)["rpm"] == 3 and ingress.map.get(flow)["version"] == 1
+        assert crdt.flow_entry(attacker.sid) not in ingress.map
+        assert ingress.refused["unsigned"] >= 8
 
 
 @pytest.mark.slow
