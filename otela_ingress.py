@@ -1776,9 +1776,14 @@ class ClusterFlow:
                 self._refuse(what, "requests", f"{rpm} requests per minute", window.until_free(now, 1),
                              (rpm, rpm - requests, window, tpm, tokens))
             if tpm and tokens + reserved > tpm:
-                wait = window.until_free(now, 0, tokens + reserved - tpm) if reserved <= tpm else WINDOW_S
-                self._refuse(what, "tokens", f"{tpm} tokens per minute ({reserved} asked)", wait,
-                             (rpm, rpm - requests, window, tpm, tokens))
+                if reserved > tpm:   # never fits: say so (OpenAI's "Request too large")
+                    self.refused[(what, "tokens")] += 1
+                    raise HTTPError(429, f"Request too large for this {what}: it reserves {reserved} tokens (its "
+                                         f"length / {PROMPT_CHARS_PER_TOKEN} and max_tokens), over the limit of {tpm} "
+                                         "tokens per minute. Ask for fewer max_tokens or send a shorter prompt.",
+                                    "rate_limit_exceeded", etype="tokens")
+                self._refuse(what, "tokens", f"{tpm} tokens per minute ({reserved} asked)",
+                             window.until_free(now, 0, tokens + reserved - tpm), (rpm, rpm - requests, window, tpm, tokens))
             if concurrency and window.inflight + remote[2] + 1 > concurrency:
                 self._refuse(what, "requests", f"{concurrency} requests in flight", 1.0,
                              (rpm, rpm - requests, window, tpm, tokens))

@@ -81,6 +81,8 @@ def test_a_keys_tpm_reserves_prompt_and_max_tokens_then_books_what_was_served(st
     error = json.loads(answers[3][2])["error"]
     assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
     assert answers[3][1]["x-ratelimit-remaining-tokens"] == str(tpm - 3 * served)
+    status, _, body = client.chat("m1", max_tokens=tpm)   # could never fit: no Retry-After to wait for
+    assert status == 429 and "Request too large" in json.loads(body)["error"]["message"]
 
 
 def test_a_users_limit_counts_all_of_its_keys_together(stack):
