@@ -432,3 +432,50 @@ def test_remote_service_sums_the_tokens_other_ingresses_served_a_tenant():
         other.on_entry(entry, flow.node.registry.get(entry))
     assert (b.remote_service("team-x"), a.remote_service("team-x")) == (500, 7)
     assert b.remote_service("team-y") == 0
+
+
+@pytest.mark.slow
+def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(tmp_path):
+    """A (the release before limits) and B (this one) on one overlay: B enforces a user's limit
+    and publishes its flow; A takes those entries as kinds it does not know and keeps serving,
+    and the keys made at A still work at B."""
+    from test_ingress_multi import ENGINE, poll
+    from test_ingress_support import Cluster, free_port
+    folder = tmp_path / "before"
+    folder.mkdir()
+    for name in ("otela_node.py", "crdt.py", "otela_ingress.py"):
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{RELEASE_BEFORE_LIMITS}:{name}"],
+                               capture_output=True, timeout=60)
+        if shown.returncode != 0:
+            pytest.skip(f"{RELEASE_BEFORE_LIMITS} is not in this clone's history")
+        (folder / name).write_bytes(shown.stdout)
+    cluster = Cluster(str(tmp_path), ingress_root=str(folder))
+    try:
+        port_b = free_port()
+        url_b = f"http://127.0.0.1:{port_b}"
+        cluster._spawn("ingress-b", [os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", cluster.key_file,
+                                     "--listen", f"127.0.0.1:{port_b}", "--gossip", f"127.0.0.1:{free_port()}",
+                                     "--db", str(tmp_path / "b.sqlite"), "--bootstrap", f"127.0.0.1:{cluster.gossip}"])
+        cluster._wait(lambda: Client(url_b).request("GET", "/healthz")[0] == 200, "ingress B")
+        port = free_port()
+        cluster.node("n1", f"{ENGINE} {port}", port, "fm")
+        poll(lambda: Client(url_b, cluster.token).chat("fm")[0] == 200, "A's admin key and the node at B")
+        admin_b = Client(url_b, cluster.token)
+        assert admin_b.request("PUT", "/v1/admin/limits/users/tester", {"rpm": 5})[0] == 200
+        answers = [Client(url_b, cluster.token).chat("fm") for _ in range(8)]
+        assert [a[0] for a in answers] == [200] * 5 + [429] * 3
+        def carried_at_a():   # A's routing plane holds the sessions and, as unknown kinds, B's lim: and flow:
+            page = Client(cluster.url).request("GET", "/metrics")[2].decode()
+            held = [line for line in page.splitlines() if line.startswith('otela_registry_entries{plane="routing"}')]
+            sessions = json.loads(Client(cluster.url).request("GET", "/v1/registry")[2])["sessions"]
+            return held and int(float(held[0].split()[-1])) - len(sessions) >= 2
+        poll(carried_at_a, "B's limit and flow carried at A")
+        made = subprocess.run([sys.executable, str(folder / "otela_ingress.py"), "keys", "create", "--user", "zed",
+                               "--db", cluster.db], capture_output=True, text=True, timeout=60, check=True)
+        token = made.stdout.strip()
+        poll(lambda: Client(url_b, token).chat("fm")[0] == 200, "a key made at A, used at B")
+        assert [Client(cluster.url, token).chat("fm")[0] for _ in range(5)] == [200] * 5   # A serves on
+        with open(tmp_path / "ingress.log", "rb") as log:
+            assert b"Traceback" not in log.read()
+    finally:
+        cluster.close()
