@@ -21,16 +21,20 @@ Three kinds of entry share the map, told apart by their id (a session id has no 
   session  "<32 hex>"          a member's session record (the lifecycle below);
   key      "key:<sha256 hex>"  an API key's record: who may use it for what (never its secret);
   usage    "use:<32 hex>"      one slot of a per-(key, day) or per-(key, month) G-Counter: the
-                               requests and tokens one ingress session served for that key then.
-All three are ordered the same way (state, then version, then encoding), so they travel with
+                               requests and tokens one ingress session served for that key then;
+  revocation "rev:<grant>"     a grant (or a Slurm job's grants) revoked;
+  limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight;
+  flow     "flow:<session>"    what one ingress session admitted per limited subject in its last
+                               minute (see "Limits and flows").
+All are ordered the same way (state, then version, then encoding), so they travel with
 the same rumours, digests and anti-entropy, and a replica that was away catches up on all. An id
 of another "<kind>:<name>" shape is a kind a newer release knows and this one does not: it is
 carried (validated only for its order and size, at most MAX_UNKNOWN of them), never rejected.
 
 Planes and tiers. Sessions (and unknown kinds) are the routing plane: every member holds them.
-Keys and usage slots are the ingress plane: only ingresses hold them, and only a record signed
-with the ingress tier's secret (`Authority`, a secret that only ingress hosts have, apart from the
-cluster key every Slurm job holds) is ever applied. The map keeps a digest per plane, so a worker
+Keys, usage slots, revocations, limits and flows are the ingress plane: only ingresses hold them,
+and only a record signed with the ingress tier's secret (`Authority`, a secret that only ingress
+hosts have, apart from the cluster key every Slurm job holds) is ever applied. The map keeps a digest per plane, so a worker
 and an ingress compare only what both hold.
 
 Settings. The one reader of every role's settings (flag, then OTELA_<NAME>, then default:
@@ -151,15 +155,19 @@ _ROLES = ("worker", "ingress", "relay")
 
 # Entry kinds, by id prefix. A session id is [0-9A-Za-z_-], so the colon keeps kinds apart.
 SESSION, KEY, USAGE, REVOCATION, UNKNOWN = "session", "key", "usage", "revocation", "unknown"
+LIMIT, FLOW = "limit", "flow"
 KEY_ENTRY = "key:"
 USAGE_ENTRY = "use:"
 REVOCATION_ENTRY = "rev:"
+LIMIT_ENTRY = "lim:"
+FLOW_ENTRY = "flow:"
 
 # Planes: who holds an entry. Routing: every member (what routing needs: sessions, their reach
 # and load). Ingress: ingresses only (keys, usage), and only as written by the ingress tier.
 ROUTING, INGRESS = "routing", "ingress"
 PLANES = (ROUTING, INGRESS)
-PLANE_OF = {SESSION: ROUTING, UNKNOWN: ROUTING, KEY: INGRESS, USAGE: INGRESS, REVOCATION: INGRESS}
+PLANE_OF = {SESSION: ROUTING, UNKNOWN: ROUTING, KEY: INGRESS, USAGE: INGRESS, REVOCATION: INGRESS,
+            LIMIT: INGRESS, FLOW: INGRESS}
 
 
 class RecordError(ValueError):
@@ -187,13 +195,17 @@ def _check_string(field: str, value: Any) -> None:
 
 
 def kind_of(entry_id: str) -> str:
-    """SESSION, KEY, USAGE or UNKNOWN (another release's kind), from the entry id's prefix."""
+    """SESSION, KEY, USAGE, REVOCATION, LIMIT, FLOW or UNKNOWN (another release's kind), from the entry id's prefix."""
     if entry_id.startswith(KEY_ENTRY):
         return KEY
     if entry_id.startswith(USAGE_ENTRY):
         return USAGE
     if entry_id.startswith(REVOCATION_ENTRY):
         return REVOCATION
+    if entry_id.startswith(LIMIT_ENTRY):
+        return LIMIT
+    if entry_id.startswith(FLOW_ENTRY):
+        return FLOW
     return UNKNOWN if ":" in entry_id else SESSION
 
 
@@ -433,6 +445,7 @@ _KEY_FIELDS = {
     "state": True, "version": True, "id": True, "user": True, "created": True,
     "allow": False, "admin": False, "rate": False, "budget_day": False, "budget_month": False,
     "expires": False, "revoked_at": False, "sig": False,
+    "rpm": False, "tpm": False, "concurrency": False,   # the key's window limits (LIMIT_FIELDS)
 }
 
 
@@ -443,12 +456,16 @@ def key_entry(key_hash: str) -> str:
 
 def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = (), admin: bool = False,
                rate: float = 0.0, budget_day: int = 0, budget_month: int = 0,
-               expires: Optional[float] = None, version: int = 0) -> Dict[str, Any]:
-    """A new active key's record (its defaults left out, to keep records small)."""
+               expires: Optional[float] = None, version: int = 0,
+               limits: Optional[Mapping[str, int]] = None) -> Dict[str, Any]:
+    """A new active key's record (its defaults left out, to keep records small); `limits`:
+    {rpm, tpm, concurrency} (LIMIT_FIELDS, 0 or absent: none)."""
     record: Dict[str, Any] = {"state": KEY_ACTIVE, "version": version, "id": key_id, "user": user,
                               "created": created}
+    limits = limits or {}
     for field, value in (("allow", sorted(set(allow))), ("admin", bool(admin)), ("rate", rate),
-                         ("budget_day", int(budget_day)), ("budget_month", int(budget_month))):
+                         ("budget_day", int(budget_day)), ("budget_month", int(budget_month)),
+                         *((f, int(limits.get(f, 0))) for f in LIMIT_FIELDS)):
         if value:
             record[field] = value
     if expires is not None:
@@ -485,6 +502,7 @@ def validate_key(entry_id: str, record: Any) -> bytes:
         value = record.get(field, 0)
         if type(value) is not int or not 0 <= value < 2**53:
             raise RecordError(f"{entry_id}: {field} must be an integer >= 0 (tokens; 0: none)")
+    _check_limits(entry_id, record)
     _check_sig(entry_id, record)
     return _encode_checked(entry_id, record)
 
@@ -619,6 +637,121 @@ def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = No
     return totals
 
 
+# =============================================================================================
+# Limits and flows: per-minute windows that the ingresses share
+# =============================================================================================
+# A limit caps a subject's requests and tokens per sliding minute and its requests in flight
+# (LIMIT_FIELDS, 0 meaning none). A key's limits are fields of its record; a user's (all of its
+# keys together) and a model's (every key's requests to it) are entries of their own,
+# "lim:<u|m>-<subject>", set by an admin at any ingress and signed by the ingress tier like keys.
+# Each ingress session publishes what it admitted per limited subject in its last minute, one
+# entry "flow:<session id>" of at most MAX_FLOW_SUBJECTS subjects; every ingress adds the others'
+# to its own window (otela_ingress.py, "Limits").
+#
+# A subject is a keyed hash of what it names ("u", a user; "m", a model; "k", a key's sha256;
+# "t", a tenant of the fair queue), under a key only ingresses derive (Authority.subject_key): an
+# ingress of the release before these kinds takes "lim:" and "flow:" for kinds it does not know,
+# holds them on its routing plane and hands them to workers (MAX_UNKNOWN of them at most), so they
+# say nothing a compute job may not read: no user name, no key, only counts, limits and a model's
+# name (which the workers serving it know). This release holds them on the ingress plane.
+LIMIT_FIELDS = ("rpm", "tpm", "concurrency")   # requests and tokens a minute, requests in flight
+LIMIT_SUBJECTS = {"u": "user", "m": "model"}   # who an entry of its own limits
+MAX_LIMITS = 4096             # user and model limits held: a site's users and models, many times
+                              # over; ~150 bytes each, 0.6 MB at most
+MAX_FLOWS = 256               # flow entries held (one per ingress session seen within
+FLOW_RETENTION_S = 600.0      # ... this long: an ingress restarted every 3 s for 10 minutes)
+MAX_FLOW_SUBJECTS = 32        # subjects one flow entry carries: 40-80 bytes each, as many as
+                              # MAX_RECORD_BYTES holds (the publisher keeps the busiest that fit)
+SUBJECT_HEX = 16              # 64 bits: no two of a site's subjects collide
+_LIMIT_ENTRY = re.compile(r"^lim:[um]-[0-9a-f]{16}$")
+_FLOW_ENTRY = re.compile(r"^flow:[0-9A-Za-z_-]{1,64}$")
+_SUBJECT = re.compile(r"^[kumt]-[0-9a-f]{16}$")
+
+
+def subject_of(key: bytes, kind: str, name: str) -> str:
+    """The subject naming `name` of `kind` (k, u, m, t) under the ingresses' subject key."""
+    mac = hmac.new(key, b"otela-subject\0" + kind.encode() + b"\0" + name.encode("utf-8", "surrogateescape"),
+                   hashlib.sha256)
+    return kind + "-" + mac.hexdigest()[:SUBJECT_HEX]
+
+
+def limit_entry(subject: str) -> str:
+    """The map id of a user's or a model's limits."""
+    entry_id = LIMIT_ENTRY + subject
+    if not _LIMIT_ENTRY.match(entry_id):
+        raise RecordError(f"bad limit subject {subject!r}: u- or m- and {SUBJECT_HEX} hex digits")
+    return entry_id
+
+
+def limit_record(version: int, limits: Mapping[str, int], model: Optional[str] = None) -> Dict[str, Any]:
+    """A subject's limits (zeros left out: a record with none is a limit cleared)."""
+    record: Dict[str, Any] = {"state": 0, "version": version}
+    record.update((f, int(limits[f])) for f in LIMIT_FIELDS if limits.get(f))
+    if model is not None:
+        record["model"] = model
+    return record
+
+
+def _check_limits(where: str, record: Dict[str, Any]) -> None:
+    for field in LIMIT_FIELDS:
+        value = record.get(field, 0)
+        if type(value) is not int or not 0 <= value < 2**53:
+            raise RecordError(f"{where}: {field} must be an integer >= 0 (0: none)")
+
+
+def validate_limit(entry_id: str, record: Any) -> bytes:
+    if not _LIMIT_ENTRY.match(entry_id):
+        raise RecordError(f"bad limit entry {entry_id!r}: 'lim:', u- or m- and {SUBJECT_HEX} hex digits")
+    _check_object(entry_id, record)
+    _check_fields(entry_id, record, ("state", "version"), ("state", "version", "model", "sig") + LIMIT_FIELDS)
+    if record["state"] != 0 or type(record["state"]) is not int:
+        raise RecordError(f"{entry_id}: a limit's state is 0")
+    _check_count(entry_id, "version", record["version"])
+    _check_limits(entry_id, record)
+    if entry_id[len(LIMIT_ENTRY)] == "m":
+        if "model" not in record:
+            raise RecordError(f"{entry_id}: a model's limit names its model")
+        _check_string("model", record["model"])
+    elif "model" in record:
+        raise RecordError(f"{entry_id}: only a model's limit names a model")
+    _check_sig(entry_id, record)
+    return _encode_checked(entry_id, record)
+
+
+def flow_entry(session_id: str) -> str:
+    """The map id of what one ingress session admitted in its last minute."""
+    return FLOW_ENTRY + session_id
+
+
+def flow_record(version: int, at: float, subjects: Mapping[str, List[int]]) -> Dict[str, Any]:
+    """{subject: [requests, tokens in the last minute, in flight, tokens served in all]} at `at`."""
+    return {"state": 0, "version": version, "at": at, "n": {s: list(v) for s, v in subjects.items()}}
+
+
+def validate_flow(entry_id: str, record: Any) -> bytes:
+    if not _FLOW_ENTRY.match(entry_id):
+        raise RecordError(f"bad flow entry {entry_id!r}: 'flow:' and a session id")
+    _check_object(entry_id, record)
+    _check_fields(entry_id, record, ("state", "version", "at", "n"), ("state", "version", "at", "n", "sig"))
+    if record["state"] != 0 or type(record["state"]) is not int:
+        raise RecordError(f"{entry_id}: a flow's state is 0")
+    _check_count(entry_id, "version", record["version"])
+    if not _is_number(record["at"]) or record["at"] < 0:
+        raise RecordError(f"{entry_id}: at must be a unix time")
+    subjects = record["n"]
+    if not isinstance(subjects, dict) or len(subjects) > MAX_FLOW_SUBJECTS:
+        raise RecordError(f"{entry_id}: n must be an object of at most {MAX_FLOW_SUBJECTS} subjects")
+    for subject, counts in subjects.items():
+        if not isinstance(subject, str) or not _SUBJECT.match(subject):
+            raise RecordError(f"{entry_id}: a subject is k, u, m or t, '-' and {SUBJECT_HEX} hex digits")
+        if not isinstance(counts, list) or len(counts) != 4:
+            raise RecordError(f"{entry_id}: a subject's counts are [requests, tokens, in flight, served]")
+        for count in counts:
+            _check_count(entry_id, "a count", count)
+    _check_sig(entry_id, record)
+    return _encode_checked(entry_id, record)
+
+
 def validate_unknown(entry_id: str, record: Any) -> bytes:
     """An entry of a kind this release does not know: checked only for what the map needs to
     order and bound it (rule 2 still holds: anything else raises RecordError)."""
@@ -682,6 +815,12 @@ class Authority:
         if not isinstance(sig, str):
             return False
         return any(hmac.compare_digest(self._tag(s, entry_id, record), sig) for s in self.secrets)
+
+    def subject_key(self) -> bytes:
+        """The key of limit and flow subjects (subject_of): every ingress derives the same one, a
+        compute job none (the first secret's: a rotation renames every subject, and the limits
+        of users and models are set again)."""
+        return hmac.new(self.secrets[0], b"otela-subject-key", hashlib.sha256).digest()
 
     # -- grants and record bindings (see "Records bound to their writers") --------------------
     def _grant_mac(self, secret: bytes, grant: Dict[str, Any]) -> str:
@@ -929,7 +1068,8 @@ def _encode_checked(entry_id: str, record: Dict[str, Any]) -> bytes:
 
 
 # The validator of each kind of entry but sessions (validate's own)
-_VALIDATORS = {KEY: validate_key, USAGE: validate_usage, REVOCATION: validate_revocation, UNKNOWN: validate_unknown}
+_VALIDATORS = {KEY: validate_key, USAGE: validate_usage, REVOCATION: validate_revocation, UNKNOWN: validate_unknown,
+               LIMIT: validate_limit, FLOW: validate_flow}
 
 
 # =============================================================================================
@@ -997,7 +1137,8 @@ def _same(session_id: str, encoded: bytes, old: _Entry) -> bool:
 
 
 # The kinds held only up to a count (new ids past it refused, counted under that name)
-_FULL = {UNKNOWN: (MAX_UNKNOWN, "unknown_full"), REVOCATION: (MAX_REVOCATIONS, "revocations_full")}
+_FULL = {UNKNOWN: (MAX_UNKNOWN, "unknown_full"), REVOCATION: (MAX_REVOCATIONS, "revocations_full"),
+         LIMIT: (MAX_LIMITS, "limits_full"), FLOW: (MAX_FLOWS, "flows_full")}
 
 Entries = Union[Dict[str, Dict[str, Any]], Iterable[Tuple[str, Dict[str, Any]]]]
 
@@ -1013,7 +1154,7 @@ class GMap:
         self.usage_months = int(usage_months)
         self.planes = frozenset(planes)          # what this replica holds (workers: ROUTING)
         self._entries: Dict[str, _Entry] = {}
-        self._by_kind: Dict[str, Dict[str, _Entry]] = {SESSION: {}, KEY: {}, USAGE: {}, REVOCATION: {}, UNKNOWN: {}}
+        self._by_kind: Dict[str, Dict[str, _Entry]] = {kind: {} for kind in PLANE_OF}
         self._usage_by_day: Dict[str, set] = {}  # period -> its usage entry ids: retention pops them
         self._session_bytes = 0                  # encoded bytes of the session records held
         self._all = _Hashes()
@@ -1024,6 +1165,7 @@ class GMap:
         self._usage_horizon = ("", "")           # usage slots of periods before these (oldest day
                                                  # and month kept) are refused
         self._key_horizon = -math.inf            # keys revoked or expired before this are refused
+        self._flow_horizon = -math.inf           # flows published before this are refused
         self.refused: collections.Counter = collections.Counter()   # entries not applied, by why
         self.binder: Optional[Binder] = None     # checks session records against their writers
 
@@ -1166,6 +1308,8 @@ class GMap:
             return record["state"] == LEFT and record["left_at"] < self._horizon
         if kind == USAGE:
             return not usage_kept(record["day"], *self._usage_horizon)
+        if kind == FLOW:
+            return record["at"] < self._flow_horizon
         return kind == KEY and _key_ended(record) < self._key_horizon
 
     def _unhash(self, entry: _Entry) -> None:
@@ -1203,7 +1347,13 @@ class GMap:
         ended = [eid for eid, e in self._by_kind[KEY].items() if _key_ended(e.record) < self._key_horizon]
         for eid in ended:
             self._forgotten[eid] = _key_ended(self._drop(eid, KEY).record)
-        old += stale + ended
+        # Flows not renewed for FLOW_RETENTION_S: their ingress session is gone (a live one's is
+        # renewed while it admits anything); an older copy is refused by its time alone.
+        self._flow_horizon = now - FLOW_RETENTION_S
+        quiet = [eid for eid, e in self._by_kind[FLOW].items() if e.record["at"] < self._flow_horizon]
+        for eid in quiet:
+            self._drop(eid, FLOW)
+        old += stale + ended + quiet
         # Forgotten ids are remembered (about 100 bytes each) so that a stale JOIN or SERVING
         # copy from a long partition cannot resurrect them: sessions' for FORGET_S, keys' for as
         # long as the cap allows; past the cap the oldest go first.

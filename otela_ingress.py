@@ -29,6 +29,8 @@ The sections, in file order, and what each holds:
                          completion_cap; _Exchange.bound_usage books them)
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
+    limits               ClusterFlow: requests and tokens per sliding minute and requests in flight,
+                         per key, user and model, summed over every ingress (lim: and flow: entries)
     grants               Grants: what each session may serve, as the login node signed it
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
                          PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
@@ -55,7 +57,8 @@ How a proxied request flows through them:
        Expect, odd bytes): one parser per connection, one kind of head (a MessageHead). A read
        holding exactly one plain proxied request is read from its own bytes (whole_request).
     2. Ingress.proxy: the key, its rate and budget, the JSON, the model, the candidates (cached
-       per model and allowlist); the policy picks a session and the request goes out on a
+       per model and allowlist), its limits' windows (ClusterFlow.admit, only for a request under
+       a limit); the policy picks a session and the request goes out on a
        kept-alive connection (UpstreamPool.send_request) before anything else is booked; an
        _Exchange is made. Any other head goes to Ingress.route: its body is read piece by piece
        by each data_received (_Client.read_body, under its deadline and size limit), then it is
@@ -147,7 +150,7 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, parse_qsl, quote, unquote, unquote_to_bytes, urlencode
 
 try:
@@ -415,6 +418,11 @@ CREATE TABLE IF NOT EXISTS keys (
     budget_day INTEGER NOT NULL DEFAULT 0, budget_month INTEGER NOT NULL DEFAULT 0,
     expires REAL, replica TEXT);
 CREATE TABLE IF NOT EXISTS usage_slots (id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS limit_entries (id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS limits (
+    kind TEXT NOT NULL, name TEXT NOT NULL, rpm INTEGER NOT NULL DEFAULT 0,
+    tpm INTEGER NOT NULL DEFAULT 0, concurrency INTEGER NOT NULL DEFAULT 0, changed REAL NOT NULL,
+    PRIMARY KEY (kind, name));
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
@@ -483,7 +491,7 @@ class Key:
     """An API key as routing sees it (the secret itself is never kept)."""
 
     __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
-                 "budget_month", "expires")
+                 "budget_month", "expires", "rpm", "tpm", "concurrency", "limited")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
                  rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
@@ -494,6 +502,9 @@ class Key:
         self.budget_day = int(record.get("budget_day", 0)) if record else 0
         self.budget_month = int(record.get("budget_month", 0)) if record else 0
         self.expires: Optional[float] = record.get("expires") if record else None
+        get = record.get if record else {}.get   # the window limits (ClusterFlow; 0: none)
+        self.rpm, self.tpm, self.concurrency = get("rpm", 0), get("tpm", 0), get("concurrency", 0)
+        self.limited = bool(self.rpm or self.tpm or self.concurrency)
 
     @classmethod
     def of_record(cls, key_hash: str, record: Dict[str, Any]) -> Key:
@@ -531,12 +542,13 @@ ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request 
 
 
 def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: float = 0.0,
-            budget_day: int = 0, budget_month: int = 0,
-            expires: Optional[float] = None) -> Tuple[str, str, Dict[str, Any]]:
-    """A new key: (the token, shown once and never stored, the sha256 of it, its record)."""
+            budget_day: int = 0, budget_month: int = 0, expires: Optional[float] = None,
+            limits: Optional[Mapping[str, int]] = None) -> Tuple[str, str, Dict[str, Any]]:
+    """A new key: (the token, shown once and never stored, the sha256 of it, its record);
+    `limits`: its window limits (limit_spec)."""
     token = KEY_PREFIX + secrets.token_urlsafe(32)
     record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
-                             budget_day, budget_month, expires)
+                             budget_day, budget_month, expires, limits=limits)
     return token, hash_key(token), record
 
 
@@ -614,7 +626,8 @@ def key_answer(token: str, record: Dict[str, Any]) -> Dict[str, Any]:
     return {"object": "api_key", "id": record["id"], "key": token, "user": record["user"],
             "created": record["created"], "admin": record.get("admin", False), "allow": record.get("allow", []),
             "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
-            "budget_month": record.get("budget_month", 0), "expires": record.get("expires")}
+            "budget_month": record.get("budget_month", 0), "expires": record.get("expires"),
+            **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -955,6 +968,9 @@ class Ledger:
                     except sqlite3.IntegrityError:   # its short id names another key here
                         print(f"otela-ingress: key {record['id']} from the overlay clashes with a "
                               "local key id; it works but is not kept in this --db", file=sys.stderr)
+                elif crdt.kind_of(entry_id) == crdt.LIMIT:
+                    db.execute("INSERT OR REPLACE INTO limit_entries VALUES (?, ?)",
+                               (entry_id, crdt.encode(record).decode()))
                 else:
                     db.execute("INSERT OR REPLACE INTO usage_slots VALUES (?, ?)",
                                (entry_id, crdt.encode(record).decode()))
@@ -1571,6 +1587,379 @@ def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,
         if isinstance(record, dict) and crdt.usage_kept(str(record.get("day", "")), *horizons):
             slots.append((entry_id, record))   # older periods stay in SQLite, out of the map
     return slots
+
+
+# =============================================================================================
+# Limits: requests and tokens per sliding minute, requests in flight, per key, user and model
+# =============================================================================================
+# Theory of operation. A subject (a key, a user across its keys, a model across every key's
+# requests to it) may carry limits (crdt.LIMIT_FIELDS: rpm, tpm, concurrency). A key's are fields
+# of its record; a user's and a model's are "lim:" entries an admin sets at any ingress (PUT
+# /v1/admin/limits/users/NAME, `limits set`). A model's limit counts all of its requests: it
+# protects the sessions serving it, which is what a per-model limit is for; a key's share of a
+# model is what its own limits (or the fair queue) are for, so no per-key-per-model entries.
+#   1. Admission (Ingress.proxy, after routing): every limited subject of the request has room
+#      for one more request in its window, for its tokens (the prompt estimated as OpenAI does,
+#      len/4, plus its max_tokens reserved; a request that names no max_tokens reserves its
+#      prompt only), and one more in flight. Past any: 429 rate_limit_exceeded, its type
+#      "requests" or "tokens", Retry-After and the x-ratelimit-* headers; else the request is
+#      booked in each subject's window and the same headers go on its answer. Requests of keys
+#      with no limits, where no user or model has any, cost one attribute test.
+#   2. Finish (_Exchange.finish): the reservation becomes the tokens served (bounded as the
+#      ledger books them), and the request leaves the in-flight counts.
+#   3. Windows are 61 one-second buckets (the current second and the 60 before): a request counts
+#      for at least a minute after it came, so no 60 s span ever holds more than the limit; at a
+#      single ingress each limit is hit exactly at its number.
+#   4. Cluster-wide: every FLOW_PUBLISH_S this ingress publishes its windows (the busiest
+#      MAX_FLOW_SUBJECTS, when changed) as its "flow:<session>" entry; each ingress adds the other
+#      sessions' latest to its own counts. What it cannot know is what the others admitted since
+#      their last publish reached it, so over any minute a subject is admitted at most
+#          limit + R * (FLOW_PUBLISH_S + d)
+#      requests (or tokens), R its rate at the other ingresses, d the push's delay (ms on a LAN);
+#      in flight likewise, R the arrival rate. A peer's counts are believed until it publishes
+#      again (a window that drains is published as it drains) or for FLOW_STALE_S at most.
+FLOW_PUBLISH_S = USAGE_PUBLISH_S   # the error bound's interval (above): half a second
+FLOW_STALE_S = 90.0                # a peer's counts older than this are dropped (its window is a
+                                   # minute: a session gone quiet or away holds nothing after it)
+WINDOW_S = 60                      # the limits' window: per minute, as OpenAI's
+PROMPT_CHARS_PER_TOKEN = 4         # OpenAI's own estimate for rate limits (characters / 4)
+FLOW_RECORD_BYTES = crdt.MAX_RECORD_BYTES - 96   # room for the signature ("sig", 64 hex digits)
+MAX_LOCAL_SUBJECTS = 65536         # windows kept here (limited keys, users, models, tenants): past
+                                   # it the idle ones go first; ~1 KB each at most
+
+
+def reset_text(seconds: float) -> str:
+    """A duration as OpenAI's x-ratelimit-reset-* write it: "20ms", "1s", "6m0s"."""
+    if seconds < 1.0:
+        return f"{max(0, int(seconds * 1000))}ms"
+    whole = int(math.ceil(seconds))
+    minutes, rest = divmod(whole, 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
+
+
+def limit_spec(spec: Mapping[str, Any]) -> Dict[str, int]:
+    """rpm, tpm and concurrency from the admin API's JSON or the CLI's flags: whole numbers >= 0
+    (0: none); ValueError with a one-line reason."""
+    limits = {}
+    for field in crdt.LIMIT_FIELDS:
+        value = spec.get(field, 0)
+        if value is None:
+            value = 0
+        if type(value) is not int or not 0 <= value < 2**53:
+            raise ValueError(f"{field} must be a whole number >= 0 below 2^53 (0: none)")
+        limits[field] = value
+    return limits
+
+
+class Window:
+    """One subject's last minute here: one-second buckets [second, requests, tokens], their sums,
+    its requests in flight, and the tokens served for it in all (the fair queue's counter)."""
+
+    __slots__ = ("buckets", "requests", "tokens", "inflight", "served")
+
+    def __init__(self):
+        self.buckets: Deque[List[int]] = collections.deque()
+        self.requests = self.tokens = self.inflight = self.served = 0
+
+    def slide(self, second: int) -> None:
+        buckets = self.buckets
+        while buckets and buckets[0][0] <= second - (WINDOW_S + 1):
+            _, requests, tokens = buckets.popleft()
+            self.requests -= requests
+            self.tokens -= tokens
+
+    def add(self, second: int, tokens: int) -> None:
+        buckets = self.buckets
+        if buckets and buckets[-1][0] == second:
+            buckets[-1][1] += 1
+            buckets[-1][2] += tokens
+        else:
+            buckets.append([second, 1, tokens])
+        self.requests += 1
+        self.tokens += tokens
+        self.inflight += 1
+
+    def correct(self, second: int, delta: int) -> None:
+        """A request of `second` served `delta` tokens more (or fewer) than reserved."""
+        for bucket in reversed(self.buckets):
+            if bucket[0] == second:
+                delta = max(delta, -bucket[2])
+                bucket[2] += delta
+                self.tokens += delta
+                return
+            if bucket[0] < second:
+                return   # slid out already: it counts no more
+
+    def until_free(self, now: float, requests: int = 0, tokens: int = 0) -> float:
+        """Seconds until `requests` requests and `tokens` tokens have left the window (0: all)."""
+        freed_r = freed_t = 0
+        for second, r, t in self.buckets:
+            freed_r += r
+            freed_t += t
+            if freed_r >= requests and freed_t >= tokens and (requests or tokens):
+                return max(0.0, second + WINDOW_S + 1 - now)
+        return max(0.0, self.buckets[-1][0] + WINDOW_S + 1 - now) if self.buckets else 0.0
+
+    def idle(self) -> bool:
+        return not self.buckets and not self.inflight
+
+
+class Ticket:
+    """What one admitted request holds: its subjects' windows, its second and its reservation."""
+
+    __slots__ = ("windows", "second", "reserved")
+
+    def __init__(self, windows: List[Window], second: int, reserved: int):
+        self.windows, self.second, self.reserved = windows, second, reserved
+
+
+class ClusterFlow:
+    """The limits of every subject and their windows, this ingress's and the others' (see above)."""
+
+    def __init__(self, node: Any, authority: Optional[crdt.Authority] = None):
+        self.node = node
+        self.active = False    # any user or model limit: requests then look theirs up
+        self.limits: Dict[str, Dict[str, Any]] = {}   # subject -> its lim record (users', models')
+        self.windows: Dict[str, Window] = {}          # subject -> its window here
+        self.remote: Dict[str, List[int]] = {}        # subject -> the other sessions' sums
+        self.peers: Dict[str, Dict[str, Any]] = {}    # flow entry id -> a peer's latest record
+        self.refused: collections.Counter = collections.Counter()   # 429s by subject kind and type
+        self._subjects: Dict[Tuple[str, str], str] = {}
+        self._published: Dict[str, List[int]] = {}
+        self._version = 0
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self.use(authority)
+
+    def use(self, authority: Optional[crdt.Authority]) -> None:
+        """The subjects' key: the ingress tier's (a node without the secret: a local one, as
+        nothing of the ingress plane leaves it then)."""
+        self._key = authority.subject_key() if authority is not None else b"otela-local-subjects"
+        self._subjects = {}
+
+    def subject(self, kind: str, name: str) -> str:
+        subjects = self._subjects
+        found = subjects.get((kind, name))
+        if found is None:
+            if len(subjects) >= MAX_LOCAL_SUBJECTS:
+                subjects.clear()
+            found = subjects[(kind, name)] = crdt.subject_of(self._key, kind, name)
+        return found
+
+    # -- admission and finish (the request path) ---------------------------------------------
+    def admit(self, key: Key, model: str, body: bytes, cap: Optional[int], client: Any) -> Optional[Ticket]:
+        """Book a request on its subjects, its x-ratelimit-* lines onto its answer; None when
+        nothing limits it. Raises HTTPError 429 when a subject has no room."""
+        checks = []
+        if key.limited:
+            checks.append((self.subject("k", key.hash or key.id), key.rpm, key.tpm, key.concurrency, "key"))
+        if self.active:
+            for kind, name in (("u", key.user), ("m", model)):
+                subject = self.subject(kind, name)
+                record = self.limits.get(subject)
+                if record is not None:
+                    checks.append((subject, record.get("rpm", 0), record.get("tpm", 0),
+                                   record.get("concurrency", 0), crdt.LIMIT_SUBJECTS[kind]))
+        if not checks:
+            return None
+        now = time.time()
+        second = int(now)
+        reserved = (len(body) + PROMPT_CHARS_PER_TOKEN - 1) // PROMPT_CHARS_PER_TOKEN + (cap or 0)
+        windows, heads = [], []
+        for subject, rpm, tpm, concurrency, what in checks:
+            window = self.windows.get(subject)
+            if window is None:
+                window = self.windows[subject] = Window()
+            window.slide(second)
+            remote = self.remote.get(subject) or (0, 0, 0, 0)
+            requests, tokens = window.requests + remote[0], window.tokens + remote[1]
+            if rpm and requests + 1 > rpm:
+                self._refuse(what, "requests", f"{rpm} requests per minute", window.until_free(now, 1),
+                             (rpm, rpm - requests, window, tpm, tokens))
+            if tpm and tokens + reserved > tpm:
+                if reserved > tpm:   # never fits: say so (OpenAI's "Request too large")
+                    self.refused[(what, "tokens")] += 1
+                    raise HTTPError(429, f"Request too large for this {what}: it reserves {reserved} tokens (its "
+                                         f"length / {PROMPT_CHARS_PER_TOKEN} and max_tokens), over the limit of {tpm} "
+                                         "tokens per minute. Ask for fewer max_tokens or send a shorter prompt.",
+                                    "rate_limit_exceeded", etype="tokens")
+                self._refuse(what, "tokens", f"{tpm} tokens per minute ({reserved} asked)",
+                             window.until_free(now, 0, tokens + reserved - tpm), (rpm, rpm - requests, window, tpm, tokens))
+            if concurrency and window.inflight + remote[2] + 1 > concurrency:
+                self._refuse(what, "requests", f"{concurrency} requests in flight", 1.0,
+                             (rpm, rpm - requests, window, tpm, tokens))
+            windows.append(window)
+            heads.append((rpm, rpm - requests - 1, window, tpm, tokens + reserved))
+        for window in windows:
+            window.add(second, reserved)
+        client.conn.extra += self._lines(heads, now)
+        return Ticket(windows, second, reserved)
+
+    def _refuse(self, what: str, kind: str, limit: str, wait: float, head: tuple) -> None:
+        self.refused[(what, kind)] += 1
+        lines = [(b"retry-after", str(max(1, int(math.ceil(wait)))).encode())]
+        lines += [tuple(line.split(b": ", 1)) for line in self._lines([head], time.time()).split(b"\r\n") if line]
+        raise HTTPError(429, f"Rate limit reached for this {what}: {limit}. Please try again in "
+                             f"{reset_text(wait)}.", "rate_limit_exceeded", etype=kind, headers=lines)
+
+    @staticmethod
+    def _lines(heads: List[tuple], now: float) -> bytes:
+        """The x-ratelimit-* header lines: for requests and for tokens, the subject with the
+        least room left (OpenAI's names; the reset: until the window is empty again)."""
+        out = b""
+        requests = [h for h in heads if h[0]]
+        if requests:
+            rpm, left, window = min(requests, key=lambda h: h[1])[:3]
+            out += b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n" \
+                   b"x-ratelimit-reset-requests: %s\r\n" % (rpm, max(0, left), reset_text(window.until_free(now)).encode())
+        tokens = [h for h in heads if h[3]]
+        if tokens:
+            _, _, window, tpm, used = min(tokens, key=lambda h: h[3] - h[4])
+            out += b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n" \
+                   b"x-ratelimit-reset-tokens: %s\r\n" % (tpm, max(0, tpm - used), reset_text(window.until_free(now)).encode())
+        return out
+
+    @staticmethod
+    def release(ticket: Ticket, served: int) -> None:
+        """The request is over: its reservation becomes the `served` tokens, it leaves the
+        in-flight counts."""
+        delta = served - ticket.reserved
+        for window in ticket.windows:
+            window.inflight -= 1
+            window.served += served
+            if delta:
+                window.correct(ticket.second, delta)
+
+    # -- the fair queue's counter ---------------------------------------------------------------
+    def note_service(self, tenant: str, tokens: int) -> None:
+        """Tokens served here for a tenant of the fair queue (published with the windows)."""
+        subject = self.subject("t", tenant)
+        window = self.windows.get(subject)
+        if window is None:
+            window = self.windows[subject] = Window()
+        window.served += tokens
+
+    def remote_service(self, tenant: str) -> int:
+        """The tokens the other ingress sessions served for `tenant`, as they last published."""
+        return (self.remote.get(self.subject("t", tenant)) or (0, 0, 0, 0))[3]
+
+    # -- the map: limits and the others' flows --------------------------------------------------
+    def on_entry(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
+        if record is None:
+            return
+        kind = crdt.kind_of(entry_id)
+        if kind == crdt.LIMIT:
+            subject = entry_id[len(crdt.LIMIT_ENTRY):]
+            if any(record.get(f) for f in crdt.LIMIT_FIELDS):
+                self.limits[subject] = record
+            else:
+                self.limits.pop(subject, None)   # cleared
+            self.active = bool(self.limits)
+        elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.node.session_id):
+            self._take_flow(entry_id, record)
+
+    def _take_flow(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
+        old = self.peers.pop(entry_id, None)
+        if old is not None:
+            self._add(old["n"], -1)
+        if record is not None and record["at"] >= time.time() - FLOW_STALE_S:
+            self.peers[entry_id] = record
+            self._add(record["n"], 1)
+
+    def _add(self, subjects: Dict[str, List[int]], sign: int) -> None:
+        remote = self.remote
+        for subject, counts in subjects.items():
+            sums = remote.get(subject)
+            if sums is None:
+                sums = remote[subject] = [0, 0, 0, 0]
+            for i in range(4):
+                sums[i] += sign * counts[i]
+            if not any(sums):
+                del remote[subject]
+
+    # -- the timer: publish ours, forget stale peers, drop idle windows ---------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(FLOW_PUBLISH_S, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(FLOW_PUBLISH_S, self._tick, loop)
+        try:
+            self.publish(time.time())
+        except Exception as exc:   # a bug here must not stop the timer, nor the ingress
+            print(f"otela-ingress: flow publish failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+
+    def publish(self, now: float) -> None:
+        """Our windows' counts, when they changed since the last time (the busiest first)."""
+        second = int(now)
+        counts = {}
+        for subject, window in list(self.windows.items()):
+            window.slide(second)
+            if window.idle() and not window.served:
+                del self.windows[subject]
+                continue
+            counts[subject] = [window.requests, window.tokens, window.inflight, window.served]
+        for entry_id in [e for e, r in self.peers.items() if r["at"] < now - FLOW_STALE_S]:
+            self._take_flow(entry_id, None)
+        busiest = sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][2], -kv[1][1]))
+        counts = dict(busiest[:crdt.MAX_FLOW_SUBJECTS])
+        if counts == self._published:
+            return
+        entry_id = crdt.flow_entry(self.node.session_id)
+        record = crdt.flow_record(self._version + 1, now, counts)
+        while len(crdt.encode(record)) > FLOW_RECORD_BYTES:   # large counts: fewer subjects
+            record["n"].popitem()
+        self._published = counts
+        self._version += 1
+        self._write(entry_id, record)
+
+    def _write(self, entry_id: str, record: Dict[str, Any]) -> None:
+        node = self.node
+        try:
+            if hasattr(node, "publish"):
+                node.publish(entry_id, record)
+            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
+                self.on_entry(entry_id, node.registry.get(entry_id))
+        except crdt.RecordError as exc:
+            print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
+
+    # -- the admin's side: set, list, clear ----------------------------------------------------
+    def set_limit(self, kind: str, name: str, limits: Dict[str, int], at: float,
+                  now: bool = True) -> Dict[str, Any]:
+        """Publish a user's or a model's limits (all zero: cleared) as set at `at`; returns the
+        admin's view. The version is `at` in milliseconds, so the latest setting wins at every
+        ingress; one made `now` (the admin API) wins over whatever is held, and a CLI row read
+        again (`now` False: a restart) changes nothing where a later setting is held."""
+        subject = self.subject(kind, name)
+        entry_id = crdt.limit_entry(subject)
+        held = self.node.registry.get(entry_id) if hasattr(self.node, "registry") else None
+        version = int(at * 1000)
+        if held is not None and held["version"] >= version:
+            if not now:
+                return self.view(subject, held, name)
+            version = held["version"] + 1   # this clock is behind the last setter's
+        record = crdt.limit_record(version, limits, name if kind == "m" else None)
+        crdt.validate(entry_id, record)   # a model name too long: refused here, not in the overlay
+        self._write(entry_id, record)
+        return self.view(subject, record, name)
+
+    @staticmethod
+    def view(subject: str, record: Dict[str, Any], name: Optional[str]) -> Dict[str, Any]:
+        kind = crdt.LIMIT_SUBJECTS[subject[0]]
+        return {"object": "rate_limit", kind: name, "subject": subject,
+                **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+
+    def listed(self, users: Iterable[str]) -> List[Dict[str, Any]]:
+        """Every limit set (not cleared), users named where a key of theirs is known here (the
+        entries carry no user name: see crdt, "Limits and flows")."""
+        names = {self.subject("u", user): user for user in users}
+        out = []
+        for subject, record in sorted(self.limits.items()):
+            out.append(self.view(subject, record, record.get("model") if subject[0] == "m" else names.get(subject)))
+        return out
 
 
 # =============================================================================================
@@ -4065,6 +4454,7 @@ class _Exchange:
     cached_tokens: Optional[int] = None   # the engine's cached prompt tokens, when it said
     answer_bytes = 0                      # the bytes its answer came in (bound_usage)
     completion_cap: Optional[int] = None  # the completion tokens the request asked for at most
+    ticket: Optional[Ticket] = None       # its booking in the limits' windows (ClusterFlow.admit)
     sent = False            # the stream's head went out: no other session may answer now
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
@@ -4182,6 +4572,8 @@ class _Exchange:
             ingress.metrics.inflight -= 1
             if row is not None:
                 ingress.ledger.queue(row)
+            if self.ticket is not None:
+                ClusterFlow.release(self.ticket, (self.prompt_tokens or 0) + (self.completion_tokens or 0))
         if booked:
             self.account(now)
         candidate = self.candidate
@@ -4921,10 +5313,16 @@ class AdminAPI:
         POST /v1/admin/keys/{id}/revoke        (or DELETE /v1/admin/keys/{id})
         GET  /v1/admin/usage?key=ID&days=N     the G-Counters' totals per key and day, and per month
         GET  /v1/admin/fallbacks               this ingress's fallback lists (admin_fallbacks)
-        POST /v1/admin/fallbacks/MODEL {fallbacks}   (or DELETE /v1/admin/fallbacks/MODEL)"""
+        POST /v1/admin/fallbacks/MODEL {fallbacks}   (or DELETE /v1/admin/fallbacks/MODEL)
+        GET  /v1/admin/limits                  every user's and model's limits (ClusterFlow)
+        PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL)
+        DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
+    A key's own limits are its fields (POST /v1/admin/keys {..., rpm?, tpm?, concurrency?})."""
 
-    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]]):
+    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]],
+                 flow: Optional[ClusterFlow] = None):
         self.cluster = cluster
+        self.flow = flow if flow is not None else ClusterFlow(cluster.node)
         self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
         self.fallbacks = fallbacks     # the ingress's own table (--fallback), changed in place
 
@@ -4942,6 +5340,8 @@ class AdminAPI:
             return self.usage(query)
         if rest[0] == "fallbacks":
             return admin_fallbacks(self.fallbacks, method, unquote("/".join(rest[1:])), body)
+        if rest[0] == "limits":
+            return self.limits(method, rest[1:], body)
         raise HTTPError(404, f"No admin route for {method.decode('latin-1')} "
                              f"{path.decode('utf-8', 'replace')}", "unknown_url")
 
@@ -4952,7 +5352,8 @@ class AdminAPI:
             view = {f: record[f] for f in ("id", "user", "created") if f in record}
             view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
                         admin=record.get("admin", False), rate=record.get("rate", 0.0),
-                        expires=record.get("expires"), usage=self.cluster.usage(digest, now))
+                        expires=record.get("expires"), usage=self.cluster.usage(digest, now),
+                        **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS})
             if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
                 view["state"] = "expired"
             out.append(view)
@@ -4969,7 +5370,11 @@ class AdminAPI:
         admin = spec.get("admin", False)
         if type(admin) is not bool:
             raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
-        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+        try:
+            limits = limit_spec(spec)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires, limits)
         self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
         return key_answer(token, record)
 
@@ -4977,6 +5382,35 @@ class AdminAPI:
         digest = self._digest(key_id)
         self.cluster.publish(crdt.key_entry(digest), crdt.revoked(self.cluster.records[digest], time.time()))
         return {"id": key_id, "object": "api_key", "state": "revoked"}
+
+    def limits(self, method: bytes, rest: List[str], body: bytes) -> Dict[str, Any]:
+        """The limits of users and models: listed, set (PUT) or cleared (DELETE)."""
+        if not rest and method in (b"GET", b"HEAD"):
+            users = {r["user"] for r in self.cluster.records.values()}
+            return {"object": "list", "data": self.flow.listed(users)}
+        kinds = {"users": "u", "models": "m"}
+        if len(rest) < 2 or rest[0] not in kinds or method not in (b"PUT", b"DELETE"):
+            raise HTTPError(404, "Limits are GET /v1/admin/limits, PUT or DELETE /v1/admin/limits/users/NAME "
+                                 "or /v1/admin/limits/models/MODEL", "unknown_url")
+        name = unquote("/".join(rest[1:]))
+        if not name.strip() or not name.isprintable() or len(name) > crdt.MAX_STRING:
+            raise HTTPError(400, f"A {rest[0][:-1]} name is 1 to {crdt.MAX_STRING} printable characters",
+                            "invalid_parameter")
+        limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
+        if method == b"PUT":
+            spec = json_object(body)
+            unknown = sorted(set(spec) - set(crdt.LIMIT_FIELDS))
+            if unknown:
+                raise HTTPError(400, f"Unknown field {unknown[0]!r}: a limit is rpm, tpm and concurrency",
+                                "invalid_parameter", unknown[0])
+            try:
+                limits = limit_spec(spec)
+            except ValueError as exc:
+                raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+        try:
+            return self.flow.set_limit(kinds[rest[0]], name, limits, time.time())
+        except crdt.RecordError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter") from None
 
     def _digest(self, key_id: str) -> str:
         for digest, record in self.cluster.records.items():
@@ -5021,8 +5455,9 @@ class MetricsPage:
 
     def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
                  doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
-                 tracer: Callable[[], Optional[otela_node.SpanExporter]]):
+                 tracer: Callable[[], Optional[otela_node.SpanExporter]], flow: Optional[ClusterFlow] = None):
         self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
+        self.flow = flow
         self.doubts, self.policy = doubts, policy
         self.ledger, self.tracer = ledger, tracer   # (made at start)
 
@@ -5055,6 +5490,16 @@ class MetricsPage:
         families.append(("otela_sessions_unrouted", "gauge", "Live sessions routed nothing because of their "
                          "grant, by reason.",
                          [(f'{{reason="{why}"}}', unrouted.get(why, 0)) for why in UNGRANTED_REASONS]))
+        if self.flow is not None:
+            families += [
+                ("otela_rate_limited_total", "counter", "Requests refused 429 rate_limit_exceeded by a limit "
+                 "per minute or in flight (ClusterFlow), by whose limit (key, user, model) and type (requests, "
+                 "tokens).", [(f'{{subject="{what}",type="{kind}"}}', self.flow.refused[(what, kind)])
+                              for what in ("key", "user", "model") for kind in ("requests", "tokens")]),
+                ("otela_rate_limits", "gauge", "User and model limits held (lim: entries, not cleared).",
+                 [("", len(self.flow.limits))]),
+                ("otela_flow_peers", "gauge", "Other ingress sessions whose windows are added to this one's.",
+                 [("", len(self.flow.peers))])]
         return body + exposition(families)
 
 
@@ -5197,6 +5642,40 @@ async def read_revocations(db_path: str, grants: Grants, publish: Callable[[str,
             db.close()
 
 
+async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tuple[str, Dict[str, Any]]]], None]
+                      ) -> None:
+    """The limits this --db holds: the replicated entries once (taken back as they were), then the
+    rows `limits set` and `limits clear` write, published as they change (as read_revocations)."""
+    db, version, seen = None, None, {}
+    try:
+        while True:
+            try:
+                if db is None:
+                    db = open_db(db_path)
+                    adopt([(e, crdt.loads(r)) for e, r in db.execute("SELECT id, record FROM limit_entries")])
+                now_version = db.execute("PRAGMA data_version").fetchone()[0]
+                if now_version != version:
+                    version = now_version
+                    for kind, name, rpm, tpm, concurrency, changed in db.execute(
+                            "SELECT kind, name, rpm, tpm, concurrency, changed FROM limits"):
+                        if seen.get((kind, name)) != changed and kind in crdt.LIMIT_SUBJECTS:
+                            seen[(kind, name)] = changed
+                            flow.set_limit(kind, name, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
+                                           changed, now=False)
+            except (sqlite3.Error, ValueError, crdt.RecordError) as exc:
+                print(f"otela-ingress: reading limits failed (retried): {exc}", file=sys.stderr)
+            await asyncio.sleep(GRANT_POLL_S)
+    finally:
+        if db is not None:
+            db.close()
+
+
+def store_limit(db: sqlite3.Connection, kind: str, name: str, limits: Dict[str, int], now: float) -> None:
+    """The CLI's limit of a user or a model (all zero: cleared), for the ingress to publish."""
+    db.execute("INSERT OR REPLACE INTO limits VALUES (?, ?, ?, ?, ?, ?)",
+               (kind, name, limits["rpm"], limits["tpm"], limits["concurrency"], now))
+
+
 class Ingress:
     """The HTTP side of the ingress: dispatch, auth, routing and answers (the GET endpoints,
     the admin API, doubted evictions and LoRA adapters are its collaborators above). `node` is an
@@ -5250,6 +5729,7 @@ class Ingress:
         self.headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
         self.headless_per: Dict[str, int] = {}    # ... how many of them per address
         self.cluster = ClusterKeys(node, lambda: self.ledger)   # keys and usage of every ingress, through the overlay
+        self.flow = ClusterFlow(node)   # limits per key, user and model, and every ingress's windows
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
@@ -5271,15 +5751,16 @@ class Ingress:
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
         self._revocations: Optional[asyncio.Task] = None
+        self._limits: Optional[asyncio.Task] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
-        self.admin = AdminAPI(self.cluster, usage_days, self.fallbacks)
+        self.admin = AdminAPI(self.cluster, usage_days, self.fallbacks, self.flow)
         self.adapters = AdapterRoutes(node, self.pool, self.health, self.policy, self.candidates, self._pinned,
                                       self._routable, self._model_elsewhere, self._key_read,
                                       self.grants.loaded, adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.views = Views(node, self.grants, self.health, self.stats, self.policy,
                            MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
-                                       self.policy, lambda: self.ledger, lambda: self.tracer).render,
+                                       self.policy, lambda: self.ledger, lambda: self.tracer, self.flow).render,
                            self.authenticate, self.models, lambda: self.ledger, db_path, no_auth,
                            require_key_for_views)
         self._stopped = False
@@ -5296,6 +5777,8 @@ class Ingress:
                                        for sid, _ in self.node.registry.items()):
             self._warm_until = time.monotonic() + self.warmup
         self.cluster.start(self._loop)   # (first: the ledger's thread hands it keys on this loop)
+        self.flow.use(getattr(getattr(self.node, "overlay", None), "authority", None))
+        self.flow.start(self._loop)
         self.ledger = Ledger(self.db_path, self.cluster.read_records)
         registry = getattr(self.node, "registry", None)
         if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
@@ -5312,6 +5795,7 @@ class Ingress:
         self._sweeper = asyncio.ensure_future(self._sweep())
         self._revocations = asyncio.ensure_future(read_revocations(self.db_path, self.grants, self.cluster.publish,
                                                                    self._candidates.clear))
+        self._limits = asyncio.ensure_future(read_limits(self.db_path, self.flow, self.cluster.adopt_slots))
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self, drain: float = 0.0) -> None:
@@ -5324,7 +5808,7 @@ class Ingress:
         deadline = time.monotonic() + drain
         while time.monotonic() < deadline and any(c.busy for c in self.clients):
             await asyncio.sleep(0.05)
-        for task in (self._sweeper, self._revocations):
+        for task in (self._sweeper, self._revocations, self._limits):
             if task is not None:
                 task.cancel()
         for client in list(self.clients):
@@ -5334,6 +5818,7 @@ class Ingress:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         self.cluster.stop()   # our last usage goes out, and into SQLite below
+        self.flow.stop()
         if self.tracer is not None:
             self.tracer.stop()
         if self.ledger is not None:
@@ -5341,9 +5826,15 @@ class Ingress:
 
     def _registry_changed(self, sid: str = "", record: Optional[Dict[str, Any]] = None) -> None:
         if ":" in sid:   # a key record or usage slot, not a session: routing is unchanged
-            if record is not None and crdt.kind_of(sid) == crdt.REVOCATION:
+            kind = crdt.kind_of(sid)
+            if record is not None and kind == crdt.REVOCATION:
                 self.grants.on_revocation(sid)
                 self._candidates.clear()
+                return
+            if kind == crdt.LIMIT or kind == crdt.FLOW:
+                self.flow.on_entry(sid, record)
+                if kind == crdt.LIMIT and record is not None and self.ledger is not None:
+                    self.ledger.replicate(sid, record)   # kept in the --db (limits table)
                 return
             self.cluster.on_entry(sid, record)
             return
@@ -5502,7 +5993,7 @@ class Ingress:
             and int(length) <= self.limits.max_header_bytes
         if path.startswith(ADMIN_PREFIX):   # the admin API (see _admin)
             self.authenticate(fields, admin=True)   # on the head, like the proxy
-            if method == b"POST" or small:
+            if method == b"POST" or method == b"PUT" or small:
                 return client.read_body(fields, lambda body: self._admin(client, method, path, query, body))
             return self._admin(client, method, path, query, b"")
         if small:
@@ -5782,6 +6273,8 @@ class Ingress:
                 client, path, fields, body, t0, query)
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
+            ticket = self.flow.admit(key, routed.model, body, cap, client) \
+                if key.limited or self.flow.active else None   # (Limits: the last check)
         except HTTPError as exc:
             return self._refused(client, fields, body, exc,
                                  lambda: self.proxy(client, path, fields, body, t0, False, method, query))
@@ -5804,6 +6297,8 @@ class Ingress:
             ex.pinned = True
         if chain:
             ex.chain = chain
+        if ticket is not None:
+            ex.ticket = ticket
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             return ex.send(candidate, fresh=True)
@@ -6317,6 +6812,12 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     create.add_argument("--expires", default=None, metavar="WHEN",
                         help="the key stops working then: a duration (30d, 12h, 90m) or a UTC date/time "
                              "(2027-01-31, 2027-01-31T12:00) (default: never)")
+    for field, what in (("rpm", "requests"), ("tpm", "tokens (prompt + completion)")):
+        create.add_argument("--" + field, type=int, default=0, metavar="N",
+                            help=f"{what} per sliding minute, for the whole cluster; past it 429 "
+                                 "rate_limit_exceeded (default 0: none)")
+    create.add_argument("--concurrency", type=int, default=0, metavar="N",
+                        help="requests in flight at once, for the whole cluster (default 0: none)")
     create.add_argument("--db", default=DEFAULT_DB, help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
@@ -6326,6 +6827,26 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id (at every ingress within 2 s)")
     revoke.add_argument("key_id")
     revoke.add_argument("--db", default=DEFAULT_DB, help=db_help)
+
+    limits = sub.add_parser("limits", help="set, list or clear the limits of a user (all its keys) or a model",
+                            description="A user's limits count all of its keys' requests, a model's every "
+                                        "key's requests to it, over the whole cluster. The ingress serving "
+                                        "this --db publishes a change within a second.")
+    limits_sub = limits.add_subparsers(dest="limits_command", required=True)
+    for name, text in (("set", "set a user's or a model's limits"), ("clear", "remove them"),
+                       ("list", "list the limits set through this --db")):
+        one = limits_sub.add_parser(name, help=text)
+        if name != "list":
+            who = one.add_mutually_exclusive_group(required=True)
+            who.add_argument("--user", default=None, help="a user, as its keys name it")
+            who.add_argument("--model", default=None, help="a model, as requests name it")
+        if name == "set":
+            for field, what in (("rpm", "requests per sliding minute"), ("tpm", "tokens per sliding minute"),
+                                ("concurrency", "requests in flight")):
+                one.add_argument("--" + field, type=int, default=0, metavar="N", help=f"{what} (default 0: none)")
+        one.add_argument("--db", default=DEFAULT_DB, help=db_help)
+        if name == "list":
+            one.add_argument("--json", action="store_true", help="print JSON")
 
     grant = sub.add_parser("grant", help="issue a compute job its grant (what it may serve), or revoke one",
                            description="On the login node (it needs the ingress secret): `grant --model M "
@@ -6358,6 +6879,7 @@ def _keys_command(args: argparse.Namespace) -> int:
     if args.keys_command == "create":   # checked before the database is touched
         try:
             spec = key_spec(args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
+            limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
         except ValueError as exc:
             raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     elif not os.path.exists(args.db):   # a typo must not become a new, empty database
@@ -6379,9 +6901,45 @@ def _keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limits_command(args: argparse.Namespace) -> int:
+    """`limits set|clear --user NAME|--model MODEL [--rpm N --tpm N --concurrency N]`, `limits list`."""
+    limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
+    if args.limits_command == "set":
+        limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
+        if not any(limits.values()):
+            raise ValueError("limits set: give --rpm, --tpm or --concurrency (`limits clear` removes them)")
+    if args.limits_command != "list":
+        kind, name = ("u", args.user) if args.user is not None else ("m", args.model)
+        if not name.strip() or not name.isprintable() or len(name) > crdt.MAX_STRING:
+            raise ValueError(f"--{crdt.LIMIT_SUBJECTS[kind]}: 1 to {crdt.MAX_STRING} printable characters")
+    elif not os.path.exists(args.db):
+        raise ValueError(f"--db {args.db}: no such database (check the path or OTELA_DB)")
+    db = open_db(args.db)
+    try:
+        if args.limits_command != "list":
+            store_limit(db, kind, name, limits, time.time())
+            print(f"{crdt.LIMIT_SUBJECTS[kind]} {name}: " + (", ".join(f"{f} {v}" for f, v in limits.items() if v)
+                                                              or "no limits"), file=sys.stderr)
+            return 0
+        rows = [{crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency}
+                for kind, name, rpm, tpm, concurrency in db.execute(
+                    "SELECT kind, name, rpm, tpm, concurrency FROM limits ORDER BY kind DESC, name")
+                if rpm or tpm or concurrency]
+    finally:
+        db.close()
+    if args.json:
+        print(crdt.dumps(rows).decode())
+    for row in [] if args.json else rows:
+        what = "user" if "user" in row else "model"
+        print(f"{what:5} {row[what]:24} rpm={row['rpm'] or '-'} tpm={row['tpm'] or '-'} "
+              f"concurrency={row['concurrency'] or '-'}")
+    return 0
+
+
 def _keys_create(args: argparse.Namespace, db: sqlite3.Connection, user: str, allow: List[str], rate: float,
                  budget_day: int, budget_month: int, expires: Optional[float]) -> None:
-    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires)
+    limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
+    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires, limits)
     store_key_record(db, digest, record)
     if args.json:
         print(crdt.dumps(key_answer(token, record)).decode())
@@ -6397,8 +6955,11 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
     now = time.time()
     day = crdt.time_day(now)
     slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
+    records = load_key_records(db)
     for r in rows:   # every ingress's use, as this --db last heard it
-        r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, r.pop("hash"), day)
+        digest = r.pop("hash")
+        r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, digest, day)
+        r.update((f, records.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
     if args.json:
         print(crdt.dumps(rows).decode())
         return
@@ -6412,6 +6973,7 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
         print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
               f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
               f"tokens today {today} month {month}  expires {expires}  "
+              + "".join(f"{f}={r[f]} " for f in crdt.LIMIT_FIELDS if r[f]) +
               f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
 
 
@@ -6477,6 +7039,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _keys_command(args)
         if args.command == "grant":
             return _grant_command(args)
+        if args.command == "limits":
+            return _limits_command(args)
         policy = load_policy(args.policy)
         if args.no_auth:
             print("otela-ingress: WARNING: --no-auth is ON: anyone who reaches this port can use "

@@ -2024,9 +2024,9 @@ class Overlay(FailureDetector):
         return self._count(self._changed(changed, now, push=False))
 
     def publish(self, entry_id: str, record: Dict[str, Any], now: float) -> List[Out]:
-        """Write a key record, a grant's revocation or one of our usage slots; rumoured if it
-        changed the map."""
-        if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE, crdt.REVOCATION):
+        """Write a key record, a grant's revocation, one of our usage slots, a limit or our flow;
+        rumoured if it changed the map."""
+        if crdt.kind_of(entry_id) not in (crdt.KEY, crdt.USAGE, crdt.REVOCATION, crdt.LIMIT, crdt.FLOW):
             raise crdt.RecordError(f"{entry_id}: sessions are written by update and eviction")
         if crdt.INGRESS not in self.map.planes:
             raise crdt.RecordError(f"{entry_id}: only an ingress writes keys and usage")
