@@ -3101,11 +3101,16 @@ class _TunnelConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self.busy:
+            # the ingress's end while the engine works for it: its client left (the ingress
+            # closes the upstream connection then, never half-closes it) and the engine's
+            # connection is closed now (connection_lost), which aborts the request there
+            self.cut()
+            return False
         if self.h11 is not None:
             self.h11.receive_data(b"")
-        if not self.busy:
-            self.serve()
-        return not self.tls                         # half-closed: the answer still goes out (TLS
+        self.serve()
+        return not self.tls                         # half-closed: an answer still goes out (TLS
                                                     # cannot: asyncio's SSL transport closes)
 
     def connection_lost(self, exc) -> None:
