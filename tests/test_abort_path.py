@@ -180,6 +180,39 @@ def test_a_client_that_closes_at_the_ingress_has_its_request_aborted_at_the_engi
     leave_in(phase, stream, engine, ("127.0.0.1", cluster.port), auth)
 
 
+def test_a_client_that_closes_on_a_plain_tunnel_has_its_request_aborted_at_the_engine(path, tmp_path):
+    """The node's own hop without TLS: an EOF on the tunnel while the engine works is the end of
+    the ingress's upstream connection (it never half-closes one), and the node drops the engine's."""
+    import otela_node as on
+    cluster, _ = path
+    folder = tmp_path / "plain"                 # the cluster key alone: the node runs the plain tunnel
+    folder.mkdir()
+    key = folder / "cluster.key"
+    key.write_bytes(open(cluster.key_file, "rb").read())
+    key.chmod(0o600)
+    port, listen = free_port(), free_port()
+    process = " ".join([sys.executable, "otela_sim.py", "serve", "--model", MODEL, "--gpu", "H100",
+                        "--port", str(port), *SLOW])
+    node = cluster._spawn("plain", [os.path.join(cluster.root, "otela_node.py"), "start", "--key-file", str(key),
+                                    "--bootstrap", f"127.0.0.1:{cluster.gossip}", "--listen", f"127.0.0.1:{listen}",
+                                    "--gossip", f"127.0.0.1:{free_port()}", "--process", process])
+    engine = f"http://127.0.0.1:{port}"
+    credential = b"%s: %s\r\n" % (on.TUNNEL_HEADER.encode(), on.tunnel_credential(on.load_key(str(key))).encode())
+
+    def tunnel_serves():
+        try:
+            with socket.create_connection(("127.0.0.1", listen), timeout=5) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n%sconnection: close\r\n\r\n" % credential)
+                return sock.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+    poll(tunnel_serves, "the node's plain tunnel serving", 60)
+    wait_http(engine + "/health", timeout=30, proc=node)
+    for phase in PHASES:
+        for stream in (False, True):
+            leave_in(phase, stream, engine, ("127.0.0.1", listen), credential)
+
+
 # --- priority scheduling ---------------------------------------------------------------------------
 
 class FlatCost:
