@@ -3004,7 +3004,8 @@ class _TunnelConnection(asyncio.Protocol):
     engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
     reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
-    client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
+    client too, never a silent 200; a client gone while the engine works (its reset, or its EOF:
+    the ingress never half-closes) drops the engine's connection, which aborts the request there."""
 
     # per connection (`buf`, `parts`, the tunnel and its loop are set in __init__; the rest starts as these)
     task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made

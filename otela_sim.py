@@ -4518,7 +4518,9 @@ class EmulatedServer:
                 ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in queried tokens.", core.cache.queries),
                 ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in cached tokens.", core.cache.hits),
                 ("vllm:num_preemptions", "counter", "Cumulative number of preemptions.", core.preemptions),
-                ("vllm:num_aborted_requests", "counter", "Requests aborted because their client left.", core.aborts),
+                ("vllm:num_aborted_requests", "counter",
+                 "Requests aborted because their client left (the emulator's own; vLLM has no such series).",
+                 core.aborts),
                 ("vllm:prompt_tokens", "counter", "Prefill tokens processed.", core.prompt_tokens),
                 ("vllm:generation_tokens", "counter", "Generation tokens processed.", core.generation_tokens))
         out = []
