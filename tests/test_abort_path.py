@@ -180,6 +180,37 @@ def test_a_client_that_closes_at_the_ingress_has_its_request_aborted_at_the_engi
     leave_in(phase, stream, engine, ("127.0.0.1", cluster.port), auth)
 
 
+def test_a_client_that_closes_its_socket_at_the_ingress_frees_the_upstream_connection_never_pooled_again(stack):
+    """A closed socket reads as an EOF at the ingress (only a write to it is reset): with the
+    request at a slow engine, the upstream connection is dropped at once, not returned to the
+    pool, and the request is booked 499; a new and a pooled upstream connection alike."""
+    from test_ingress_paths import CHAT, request
+    stack.engine("m1", mode="slow", slow_delay=3.0)
+    key = stack.key()
+    pool = stack.ingress.pool
+
+    def close_while_at_the_engine():
+        with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+            sock.sendall(request(key, CHAT))
+            upstream = poll(lambda: stack.call(lambda: next(iter(pool.active), None)), "the request upstream")
+        # the engine answers after 3 s; the connection is gone long before
+        poll(lambda: not stack.call(lambda: bool(pool.active)), "the upstream connection dropped", 2.5)
+        assert upstream.transport.is_closing()
+        assert all(upstream not in idle for idle in stack.call(lambda: list(pool._idle.values())))
+        time.sleep(3.2)                             # the engine's handler wakes to a closed connection
+
+    close_while_at_the_engine()                     # on a new upstream connection
+    from test_ingress_support import Client
+    client = Client(stack.url, key)
+    try:
+        assert client.chat()[0] == 200              # leaves a pooled connection
+    finally:
+        client.close()
+    close_while_at_the_engine()                     # on the pooled one
+    assert stack.inflight_settled() == 0
+    assert sorted(stack.sql("SELECT status FROM requests")) == [(200,), (499,), (499,)]
+
+
 def test_a_client_that_closes_on_a_plain_tunnel_has_its_request_aborted_at_the_engine(path, tmp_path):
     """The node's own hop without TLS: an EOF on the tunnel while the engine works is the end of
     the ingress's upstream connection (it never half-closes one), and the node drops the engine's."""
