@@ -4302,8 +4302,9 @@ class EmulatedServer:
             # the client gone: an end of its bytes or a reset aborts the request it has at the
             # engine at once, waiting, prefilling or decoding (`gone`, set by _completion), as
             # vLLM's server (uvicorn: an EOF closes the connection, a disconnect) aborts it; not
-            # only when a token would be written to it
-            gone = None
+            # only when a token would be written to it; `ended`: it left before its request
+            # was parsed (sent, then closed at once), which is then aborted as it is queued
+            gone, ended = None, False
 
             def eof_received(self):
                 keep = super().eof_received()
@@ -4315,6 +4316,7 @@ class EmulatedServer:
                 self.left()
 
             def left(self):
+                self.ended = True
                 gone, self.gone = self.gone, None
                 if gone is not None:
                     gone()
@@ -4619,6 +4621,8 @@ class EmulatedServer:
             return True
         if conn is not None:
             conn.gone = lambda: self._abandon(req)
+            if conn.ended:
+                conn.left()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.tag}-{self.counter}"
         obj = "chat.completion" if chat else "text_completion"
         finish = "length" if stated else "stop"

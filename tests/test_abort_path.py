@@ -152,6 +152,17 @@ def test_a_client_that_half_closes_is_gone_as_vllms_server_takes_it(engine):
     sock.close()
 
 
+def test_a_client_that_sends_and_closes_at_once_has_its_request_aborted_as_it_is_queued(engine):
+    """Its EOF may be read before its request is parsed: the request is aborted all the same."""
+    url = f"http://127.0.0.1:{engine}"
+    poll(lambda: idle(url), "the engine idle")
+    aborted = metrics(url)["vllm:num_aborted_requests_total"]
+    send(("127.0.0.1", engine), b"/v1/chat/completions", chat("send and go", False)).close()
+    poll(lambda: metrics(url)["vllm:num_aborted_requests_total"] == aborted + 1, "the request aborted",
+         GONE_WITHIN_S)
+    assert idle(url)
+
+
 # --- the whole path: ingress, tunnel, node, engine -------------------------------------------------
 
 @pytest.fixture(scope="module")
