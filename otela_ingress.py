@@ -4099,6 +4099,13 @@ class _Client(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self.lingering:
             return False   # the client read our answer and closed: close too
+        if self.exchange is not None or self.relay is not None:
+            # the client's end while its request is at an engine: it left (a closed socket reads
+            # as this EOF until a write to it is reset), as nginx (proxy_ignore_client_abort off)
+            # and vLLM's server take it; connection_lost stops the engine's work now, not once
+            # the answer is written to nobody
+            self.transport.abort()
+            return False
         self.data_received(b"")
         return self.ingress.tls is None   # half-closed: the answer may still go out (TLS has no half-close)
 

@@ -3004,7 +3004,8 @@ class _TunnelConnection(asyncio.Protocol):
     engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
     reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
-    client too, never a silent 200; a client gone mid-answer drops the engine's connection."""
+    client too, never a silent 200; a client gone while the engine works (its reset, or its EOF:
+    the ingress never half-closes) drops the engine's connection, which aborts the request there."""
 
     # per connection (`buf`, `parts`, the tunnel and its loop are set in __init__; the rest starts as these)
     task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
@@ -3101,11 +3102,16 @@ class _TunnelConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self.busy:
+            # the ingress's end while the engine works for it: its client left (the ingress
+            # closes the upstream connection then, never half-closes it) and the engine's
+            # connection is closed now (connection_lost), which aborts the request there
+            self.cut()
+            return False
         if self.h11 is not None:
             self.h11.receive_data(b"")
-        if not self.busy:
-            self.serve()
-        return not self.tls                         # half-closed: the answer still goes out (TLS
+        self.serve()
+        return not self.tls                         # half-closed: an answer still goes out (TLS
                                                     # cannot: asyncio's SSL transport closes)
 
     def connection_lost(self, exc) -> None:

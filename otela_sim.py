@@ -3066,7 +3066,12 @@ def use_calibration(cal):
 # cached after its request ends, until the pool needs it (least recently freed first). When a
 # running request needs a block and none is free, the most recently admitted running request
 # is preempted: its blocks are freed and it goes back to the head of the queue, to be
-# recomputed (its own freed blocks may still be cached then).
+# recomputed (its own freed blocks may still be cached then). --scheduling-policy priority
+# (vLLM's) orders the queue by the body's `priority` (lower first, ties by arrival) and
+# preempts the least urgent running request instead (PriorityWaiting, EngineCore.set_policy).
+# A client that leaves (an EOF or a reset on its connection, while its request waits, prefills
+# or decodes) has its request aborted at once, as vLLM's server does: out of the queue, its
+# blocks back in the pool (StampedProtocol.gone); vllm:num_requests_* show it gone.
 # Token counts come from a stated rule (TOKEN_RULE), not from a real tokenizer, so that a
 # workload generator (tests/workload.py) and the server agree on every length.
 # Rule 1 of this file holds here as in the probe: the I/O is EmulatedServer's and _cmd_serve's
@@ -3331,6 +3336,7 @@ class EmulatedRequest:
         self.stream = False                # the server writes a stream's tokens as they are made
         self.sink = None                   # ... with this (EmulatedServer._completion's flush)
         self.slot = None                   # llama.cpp mode: the slot it holds
+        self.priority = 0                  # the body's `priority` (--scheduling-policy priority)
 
     def block_hash(self, i, block_size):
         """The hash of block i: its tokens chained to the hash of the block before."""
@@ -3342,6 +3348,49 @@ class EmulatedRequest:
 
     def output_text(self):
         return "".join(self.tokens[self.prompt_len:])
+
+
+# --scheduling-policy: vLLM's flag and its two values (vllm/config: SchedulerConfig.policy).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class PriorityWaiting:
+    """vLLM V1's waiting queue under --scheduling-policy priority (PriorityRequestQueue): the
+    lowest `priority` first, ties by arrival, then by the order added. A preempted request goes
+    back by the same key (vLLM's prepend_request is its add), so it waits behind more urgent
+    work, ahead of the same class's later arrivals. The deque's methods EngineCore uses."""
+
+    def __init__(self):
+        self.heap = []
+        self.order = itertools.count()
+
+    def append(self, req):
+        heapq.heappush(self.heap, (req.priority, req.arrival, next(self.order), req))
+
+    appendleft = append
+
+    def __getitem__(self, i):
+        if i != 0:
+            raise IndexError("only the head of a priority queue is read")
+        return self.heap[0][3]
+
+    def popleft(self):
+        return heapq.heappop(self.heap)[3]
+
+    def remove(self, req):
+        for i, entry in enumerate(self.heap):
+            if entry[3] is req:
+                self.heap[i] = self.heap[-1]
+                self.heap.pop()
+                heapq.heapify(self.heap)
+                return
+        raise ValueError("not waiting")
+
+    def __len__(self):
+        return len(self.heap)
+
+    def __iter__(self):
+        return (entry[3] for entry in sorted(self.heap))
 
 
 class ScheduledStep:
@@ -3359,10 +3408,11 @@ class EngineCore:
     complete_run(step, ends) for a run of decode steps planned at once (EmulatedServer._run_ahead)."""
 
     def __init__(self, cost, num_blocks, block_size=BLOCK_SIZE, max_batched_tokens=SERVE_BATCHED_TOKENS_SMALL,
-                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False, mix_prefill=True):
+                 max_num_seqs=MAX_NUM_SEQS, max_model_len=None, slots=False, mix_prefill=True, policy="fcfs"):
         """`slots`: llama.cpp's prefix cache (one per slot, max_num_seqs slots; the block pool
         then only counts KV) instead of vLLM's shared block cache. `mix_prefill`: prompt chunks
-        ride in decode steps (vLLM V1); off, prompts run in steps of their own first (SGLang)."""
+        ride in decode steps (vLLM V1); off, prompts run in steps of their own first (SGLang).
+        `policy`: SCHEDULING_POLICIES, vLLM V1's (set_policy)."""
         self.cost, self.block_size = cost, block_size
         self.mix_prefill = mix_prefill
         # a decode-only step from the cost's per-batch-size constant, as estimate times it (StepCost
@@ -3379,6 +3429,23 @@ class EngineCore:
         self.waiting = deque()
         self.running = []
         self.preemptions = self.prompt_tokens = self.generation_tokens = 0
+        self.aborts = 0                    # requests aborted (their clients left)
+        self.set_policy(policy)
+
+    def set_policy(self, policy):
+        """vLLM V1's --scheduling-policy: "fcfs" admits in arrival order and preempts the most
+        recently admitted; "priority" admits by (priority, arrival) (PriorityWaiting) and preempts
+        the running request with the largest (priority, arrival), the least urgent, as vLLM's
+        scheduler picks its victim. Neither preempts a running request to admit a waiting one:
+        vLLM V1 preempts only when a running request needs a block and none is free."""
+        if policy not in SCHEDULING_POLICIES:
+            raise SimError(f"--scheduling-policy {policy!r}: expected one of {', '.join(SCHEDULING_POLICIES)}")
+        if policy != getattr(self, "policy", "fcfs"):
+            queue = PriorityWaiting() if policy == "priority" else deque()
+            for req in self.waiting:
+                queue.append(req)
+            self.waiting = queue
+        self.policy = policy
 
     # --- requests in and out -----------------------------------------------------------------
     def add(self, req):
@@ -3404,6 +3471,7 @@ class EngineCore:
             self.cache.release(req.blocks)
         req.blocks = []
         req.state = "aborted"
+        self.aborts += 1
 
     def idle(self):
         return not self.waiting and not self.running
@@ -3521,15 +3589,26 @@ class EngineCore:
                 budget -= n
                 continue
             while not self._grow(req, req.computed + n):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
+                for i, (planned, m) in enumerate(items):
+                    if planned is victim:      # (priority: a victim planned earlier in this step)
+                        del items[i]
+                        budget += m
+                        break
             if req.state == "running":
                 items.append((req, n))
                 budget -= n
         return items, budget, preempted
+
+    def _victim(self):
+        """The running request preempted when blocks run out (set_policy)."""
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival))
+        return self.running[-1]
 
     def _plan(self, prefill_only=False):
         items, budget, preempted = self._plan_running(self.max_batched_tokens, prefill_only)
@@ -4276,6 +4355,28 @@ class EmulatedServer:
                 self.ready = max(0, self.ready - len(data))
                 super().data_received(data)
 
+            # the client gone: an end of its bytes or a reset aborts the request it has at the
+            # engine at once, waiting, prefilling or decoding (`gone`, set by _completion), as
+            # vLLM's server (uvicorn: an EOF closes the connection, a disconnect) aborts it; not
+            # only when a token would be written to it; `ended`: it left before its request
+            # was parsed (sent, then closed at once), which is then aborted as it is queued
+            gone, ended = None, False
+
+            def eof_received(self):
+                keep = super().eof_received()
+                self.left()
+                return keep
+
+            def connection_lost(self, exc):
+                super().connection_lost(exc)
+                self.left()
+
+            def left(self):
+                self.ended = True
+                gone, self.gone = self.gone, None
+                if gone is not None:
+                    gone()
+
         def protocol():
             reader = asyncio.StreamReader(limit=SERVE_MAX_HEAD)
             stamped = StampedProtocol(reader, lambda r, w: self._connection(r, w, stamped))
@@ -4404,7 +4505,7 @@ class EmulatedServer:
                     return
                 # the request's arrival: its last bytes in (later if the next one's bytes came since)
                 received = min(stamped.arrived, self.loop.time())
-                keep = await self._route(method, target.split("?", 1)[0], body, writer, received) and keep
+                keep = await self._route(method, target.split("?", 1)[0], body, writer, received, stamped) and keep
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -4434,7 +4535,7 @@ class EmulatedServer:
     async def _send_json(self, writer, status, obj, close=False):
         await self._send(writer, status, "application/json", json.dumps(obj).encode(), close)
 
-    async def _route(self, method, path, body, writer, received):
+    async def _route(self, method, path, body, writer, received, conn=None):
         """Answer one request; False when the connection must close."""
         if not self.ready() and path != "/metrics":
             await self._send_json(writer, 503, _openai_error("the engine's node ranks have not all joined yet",
@@ -4444,7 +4545,7 @@ class EmulatedServer:
             if method != "POST":
                 await self._send_json(writer, 405, _openai_error(f"{method} not allowed on {path}", "invalid_request_error"))
                 return True
-            return await self._completion(path == "/v1/chat/completions", body, writer, received)
+            return await self._completion(path == "/v1/chat/completions", body, writer, received, conn)
         if method != "GET":
             known = path in ("/v1/models", "/health", "/metrics")
             await self._send_json(writer, 405 if known else 404,
@@ -4475,6 +4576,9 @@ class EmulatedServer:
                 ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in queried tokens.", core.cache.queries),
                 ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in cached tokens.", core.cache.hits),
                 ("vllm:num_preemptions", "counter", "Cumulative number of preemptions.", core.preemptions),
+                ("vllm:num_aborted_requests", "counter",
+                 "Requests aborted because their client left (the emulator's own; vLLM has no such series).",
+                 core.aborts),
                 ("vllm:prompt_tokens", "counter", "Prefill tokens processed.", core.prompt_tokens),
                 ("vllm:generation_tokens", "counter", "Generation tokens processed.", core.generation_tokens))
         out = []
@@ -4485,7 +4589,7 @@ class EmulatedServer:
 
     def _parse(self, chat, body):
         """(prompt text, tokens, max_tokens, stream, include_usage, stated max, the text its answer
-        is keyed on (None: the prompt), tokens of the answer already given) or an error tuple."""
+        is keyed on (None: the prompt), tokens of the answer already given, priority) or an error tuple."""
         key_text, skip = None, 0
         try:
             req = json.loads(body)
@@ -4527,30 +4631,54 @@ class EmulatedServer:
                                        param="max_tokens"))
         if req.get("n", 1) != 1:
             return (400, _openai_error("the emulator serves n = 1 only", "invalid_request_error", param="n"))
+        priority = req.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return (400, _openai_error("priority must be an integer", "invalid_request_error", param="priority"))
+        if priority and self.core.policy != "priority":
+            # vLLM's own refusal: a priority means nothing to a first-come-first-served queue
+            return (400, _openai_error(f"Got priority {priority} but Priority scheduling is not enabled.",
+                                       "invalid_request_error", param="priority"))
         stream = bool(req.get("stream", False))
         opts = req.get("stream_options") or {}
         return (text, tokens, stated or SERVE_DEFAULT_OUTPUT, stream,
-                bool(isinstance(opts, dict) and opts.get("include_usage")), stated is not None, key_text, skip)
+                bool(isinstance(opts, dict) and opts.get("include_usage")), stated is not None, key_text, skip,
+                priority)
 
-    async def _completion(self, chat, body, writer, received):
+    def _abandon(self, req):
+        """Its client left (StampedProtocol.gone): the request leaves the queue, or the batch
+        with its blocks freed, now; its handler wakes to end the connection."""
+        if req in self.inbox:
+            self.inbox.remove(req)
+            req.state = "aborted"
+            self.core.aborts += 1
+        else:
+            self.core.abort(req)
+        if not req.waiter.done():
+            req.waiter.set_result(None)
+
+    async def _completion(self, chat, body, writer, received, conn=None):
         import zlib
         parsed = self._parse(chat, body)
         if len(parsed) == 2:
             await self._send_json(writer, *parsed)
             return True
-        text, tokens, max_tokens, stream, include_usage, stated, key_text, skip = parsed
+        text, tokens, max_tokens, stream, include_usage, stated, key_text, skip, priority = parsed
         self.counter += 1
         loop = self.asyncio.get_running_loop()
         # the answer's i-th token is output_token(key, i); a continuation's starts at `skip`
         key = (zlib.crc32((key_text or text).encode()) + skip * 7) % len(OUTPUT_WORDS)
         req = EmulatedRequest(self.counter, tokens, max_tokens, received, key)
-        req.stream = stream
+        req.stream, req.priority = stream, priority
         req.waiter = loop.create_future()
         try:
             self._submit(req)
         except SimError as e:
             await self._send_json(writer, 400, _openai_error(str(e), "invalid_request_error", param="max_tokens"))
             return True
+        if conn is not None:
+            conn.gone = lambda: self._abandon(req)
+            if conn.ended:
+                conn.left()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.tag}-{self.counter}"
         obj = "chat.completion" if chat else "text_completion"
         finish = "length" if stated else "stop"
@@ -4558,6 +4686,8 @@ class EmulatedServer:
         try:             # client that has its answer finds its line
             if not stream:
                 await req.waiter
+                if req.state != "finished":    # aborted: its client left
+                    return False
                 usage = _usage(req)
                 choice = {"index": 0, "finish_reason": finish, "logprobs": None}
                 choice.update({"message": {"role": "assistant", "content": req.output_text()}} if chat
@@ -4601,7 +4731,7 @@ class EmulatedServer:
                 False when the client has left. The step timer calls it as tokens are made (no
                 task switch per token); inside a run, ahead of the core (its i-th token is
                 output_token(prompt_key, i) whenever it is made)."""
-                if transport.is_closing():
+                if transport.is_closing() or req.state == "aborted":
                     return False
                 upto = req.generated if upto is None else upto
                 i = sent[0]
@@ -4637,9 +4767,12 @@ class EmulatedServer:
         except (ConnectionError, self.asyncio.CancelledError):
             raise
         finally:
+            if conn is not None:
+                conn.gone = None
             if req in self.inbox:
                 self.inbox.remove(req)
                 req.state = "aborted"
+                self.core.aborts += 1
             elif req.state not in ("finished", "aborted"):
                 self.core.abort(req)
             if self.request_log is not None and not logged:
@@ -4699,10 +4832,11 @@ def _serve_engine_core(a, engine):
         cost = LinearStepCost.from_profile(read_json(a.step_profile))
         return EngineCore(cost, a.kv_tokens // a.block_size, a.block_size,
                           a.max_num_batched_tokens or SERVE_BATCHED_TOKENS_SMALL, a.max_num_seqs,
-                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots")
+                          a.max_model_len or a.kv_tokens, slots=a.prefix_cache == "slots", policy=a.scheduling_policy)
     core = serve_core(resolve_model(a.model), a.gpu, a.tp, engine.key, a.max_num_batched_tokens, a.max_num_seqs,
                       a.max_model_len, a.kv_tokens, a.block_size, pp=a.pp, fabric=a.fabric)
     core.slots = [[[], None, 0] for _ in range(a.max_num_seqs)] if a.prefix_cache == "slots" else None
+    core.set_policy(a.scheduling_policy)
     return core
 
 
@@ -4821,6 +4955,10 @@ def add_serve_command(sub):
     s.add_argument("--prefix-cache", default="blocks", choices=("blocks", "slots"),
                    help="blocks: vLLM's cache of shared blocks (default); slots: llama.cpp's, one prefix per "
                         "slot (--max-num-seqs slots)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="fcfs: waiting requests in arrival order (default, vLLM's); priority: by the body's integer "
+                        "`priority`, lower first, ties by arrival, and the least urgent running request is the one "
+                        "preempted when KV blocks run out (vLLM V1's)")
     s.add_argument("--step-profile", default=None, metavar="FILE",
                    help="time steps with a fitted linear profile (JSON: LinearStepCost) instead of the roofline")
     s.add_argument("--request-log", default=None, metavar="FILE",
