@@ -456,12 +456,13 @@ CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
     completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT,
-    trace_id TEXT);
+    trace_id TEXT, waited_ms REAL);
 CREATE TABLE IF NOT EXISTS daily (
     day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
     opted_out INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    completion_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, user, model));
+    completion_tokens INTEGER NOT NULL DEFAULT 0, waited_ms REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (day, user, model));
 """
 
 
@@ -507,9 +508,11 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
         if name not in have:
             db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
     have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
-    for name in ("request_id", "trace_id"):   # (in this order: the rows are inserted by position)
-        if name not in have:
-            db.execute(f"ALTER TABLE requests ADD COLUMN {name} TEXT")
+    for name, decl in (("request_id", "TEXT"), ("trace_id", "TEXT"), ("waited_ms", "REAL")):   # (in this
+        if name not in have:                                                      # order: rows go in by position)
+            db.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
+    if "waited_ms" not in {row[1] for row in db.execute("PRAGMA table_info(daily)")}:
+        db.execute("ALTER TABLE daily ADD COLUMN waited_ms REAL NOT NULL DEFAULT 0")
 
 
 def hash_key(token: str) -> str:
@@ -762,7 +765,8 @@ def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels:
 # =============================================================================================
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id", "trace_id")
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id", "trace_id",
+                "waited_ms")   # (waited_ms: time in the fair queue, a row of a request that waited alone has it)
 
 
 def _day(ts: float) -> str:
@@ -777,7 +781,7 @@ def ledger_row_ok(row: Any) -> bool:
     and types, a time gmtime takes, token counts no engine's answer is booked above
     (crdt.MAX_REQUEST_TOKENS), other integers within SQLite's. Only asked of a batch SQLite
     could not take, to find the rows to blame."""
-    if not isinstance(row, tuple) or len(row) not in (13, 14, 15):
+    if not isinstance(row, tuple) or len(row) not in (13, 14, 15, 16):
         return False
     ts, key_id, user, model, session, provider, status, prompt, completion, latency, stream, attempts, \
         tracked = row[:13]
@@ -786,17 +790,19 @@ def ledger_row_ok(row: Any) -> bool:
         and all(type(v) is str for v in (key_id, user, model, session, provider)) \
         and all(v is None or type(v) is int and 0 <= v <= crdt.MAX_REQUEST_TOKENS for v in (prompt, completion)) \
         and all(type(v) is int and 0 <= v < 1 << 63 for v in (status, stream, attempts, tracked)) \
-        and all(v is None or type(v) is str for v in row[13:])
+        and all(v is None or type(v) is str for v in row[13:15]) \
+        and all(v is None or type(v) in (int, float) and 0 <= v < 1e12 for v in row[15:])
 
 
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11, ?12, ?14, ?15 WHERE ?13")
-_INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
+                    "?10, ?11, ?12, ?14, ?15, ?16 WHERE ?13")
+_INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                  "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                  "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
-                 "completion_tokens=completion_tokens+excluded.completion_tokens")
+                 "completion_tokens=completion_tokens+excluded.completion_tokens, "
+                 "waited_ms=waited_ms+excluded.waited_ms")
 
 
 def _answer(futures: List[concurrent.futures.Future], result: Any) -> None:
@@ -970,7 +976,7 @@ class Ledger:
                         values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
                         continue
-                    if len(values) in (13, 14, 15):   # 13, 14: a journal from before request ids, trace ids
+                    if len(values) in (13, 14, 15, 16):   # 13, 14, 15: from before request ids, trace ids, waits
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
         if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
@@ -1137,24 +1143,25 @@ class Ledger:
         whole on any error). Returns the request rows written."""
         daily: Dict[Tuple[str, str, str], List[int]] = {}
         days: Dict[int, str] = {}
-        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *_ in rows:
+        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *rest in rows:
             day = days.get(int(ts // 86400))
             if day is None:
                 day = days[int(ts // 86400)] = _day(ts)
             agg = daily.get((day, user, model))
             if agg is None:
-                agg = daily[(day, user, model)] = [0, 0, 0, 0, 0]
+                agg = daily[(day, user, model)] = [0, 0, 0, 0, 0, 0.0]
             agg[0] += 1
             agg[1] += status >= 400
             agg[2] += not tracked
             agg[3] += prompt or 0
             agg[4] += completion or 0
+            agg[5] += (rest[2] or 0.0) if len(rest) > 2 else 0.0
         db = self._db
         written = 0
         db.execute("BEGIN")
         try:
             if rows:
-                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 15 else r + (None,) * (15 - len(r))
+                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 16 else r + (None,) * (16 - len(r))
                                                             for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
@@ -1198,7 +1205,7 @@ def query_usage(path: str, days: int = 31, user: Optional[str] = None,
     try:
         since = _day(time.time() - max(0, days - 1) * 86400.0)
         sql = ("SELECT day, user, model, requests, errors, opted_out, prompt_tokens, "
-               "completion_tokens FROM daily WHERE day >= ?")
+               "completion_tokens, waited_ms FROM daily WHERE day >= ?")
         args: List[Any] = [since]
         if user:
             sql += " AND user = ?"
@@ -1210,7 +1217,7 @@ def query_usage(path: str, days: int = 31, user: Optional[str] = None,
     finally:
         db.close()
     fields = ("day", "user", "model", "requests", "errors", "opted_out", "prompt_tokens",
-              "completion_tokens")
+              "completion_tokens", "waited_ms")   # (waited_ms: in the fair queue, FairQueue)
     data = [dict(zip(fields, row)) for row in rows]
     totals = {f: sum(r[f] for r in data) for f in fields[3:]}
     return {"object": "list", "since": since, "data": data, "totals": totals}
@@ -4414,7 +4421,8 @@ class _Exchange:
     span_id = b""                         # ... this ingress's span, the engine's parent
     routed_at = sent_at = head_at = 0.0   # when the policy picked, the last attempt went out, its head came
     charged = 0.0                         # prompt tokens charged to its tenant as it left the fair queue
-    queued = False                        # it waited in the fair queue
+    queued = False                        # it waited in the fair queue ...
+    waited_ms = 0.0                       # ... this long (its ledger row says so)
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -4530,8 +4538,8 @@ class _Exchange:
             routed.prompt_tokens, routed.completion_tokens = self.prompt_tokens, self.completion_tokens
             routed.cached_tokens = self.cached_tokens
             ingress.policy.on_request_end(candidate, routed, ok)
-        if ingress.queue.on:
-            ingress.served(self)
+        if self.queued or ingress.queue.count:   # (what went out while none waited is not charged: VTC
+            ingress.served(self)                 # lifts a tenant that starts waiting past it anyway)
         return True
 
     # -- booking: the engine's counts bounded, the ledger row (its head made while the engine works),
@@ -4584,7 +4592,7 @@ class _Exchange:
             return None
         candidate = self.candidate
         row_head = self.row_head
-        if row_head is not None and candidate is row_head[0] and self.prompt_tokens is not None:
+        if row_head is not None and candidate is row_head[0] and self.prompt_tokens is not None and not self.queued:
             # the latency in whole microseconds, written as milliseconds with three decimals from
             # the integer (a float's repr costs more than the rest of the line): the same number
             # in the journal and in SQLite
@@ -4602,7 +4610,7 @@ class _Exchange:
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             self.status, self.prompt_tokens, self.completion_tokens, round((now - self.t0) * 1000.0, 3),
             int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode(),
-            self.trace_id.decode() or None))
+            self.trace_id.decode() or None) + ((round(self.waited_ms, 3),) if self.queued else ()))
         return None
 
     def account(self, now: float) -> None:
@@ -6194,12 +6202,12 @@ class Ingress:
                 return False
             memo = routed.memo
             prompt = memo.size * self.policy.tokens_per_byte if memo is not None else len(body) / 4
-            queue.went(entry, prompt, time.monotonic())
+            now = time.monotonic()
+            queue.went(entry, prompt, now)
             client.waiting = None
             ex = self._send(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain,
                             ctype, left, candidate)
-            ex.charged = prompt
-            ex.queued = True
+            ex.charged, ex.queued, ex.waited_ms = prompt, True, (now - entry.since) * 1000.0
             return True
 
         entry = Waiting(queue, send, key, rank, time.monotonic(), len(body), routed.model, client)

@@ -267,6 +267,12 @@ def test_requests_wait_at_the_ingress_while_the_session_is_full(deep1):
     metrics = Client(deep1.url).request("GET", "/metrics")[2].decode()
     assert 'otela_queue_wait_seconds_count{tenant="alice"} 2' in metrics
     assert 'otela_queue_service_tokens_total{tenant="alice"}' in metrics
+    waits = sorted((w for (w,) in deep1.sql("SELECT waited_ms FROM requests")), key=lambda w: w or 0)
+    assert waits[0] is None and 150 < waits[1] < waits[2]   # the first went at once; the others' waits
+    admin = Client(deep1.url, deep1.key("root", admin=True))
+    usage = json.loads(admin.request("GET", "/v1/usage")[2])
+    assert usage["totals"]["waited_ms"] == pytest.approx(waits[1] + waits[2], rel=1e-3)
+    admin.close()
 
 
 def test_a_newcomer_tenant_goes_before_a_floods_backlog(deep1):
@@ -391,3 +397,25 @@ def test_admin_api_and_cli_make_keys_with_weight_and_priority(stack, tmp_path):
     bad = subprocess.run([sys.executable, otela_ingress.__file__, "keys", "create", "--user", "u", "--db", db,
                           "--weight", "-1"], capture_output=True, text=True)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_database_from_before_the_queue_gets_the_waited_columns(tmp_path):
+    import sqlite3
+    path = str(tmp_path / "old.sqlite")
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE requests (ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
+            session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER, completion_tokens INTEGER,
+            latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT, trace_id TEXT);
+        CREATE TABLE daily (day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
+            requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
+            opted_out INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, user, model));
+        INSERT INTO daily VALUES ('2026-01-01', 'u', 'm', 1, 0, 0, 2, 3);""")
+    old.close()
+    db = otela_ingress.open_db(path)
+    try:
+        assert [r[1] for r in db.execute("PRAGMA table_info(requests)")][-1] == "waited_ms"
+        assert db.execute("SELECT waited_ms FROM daily").fetchall() == [(0,)]
+    finally:
+        db.close()
