@@ -6393,6 +6393,9 @@ accepts requests without a key</p>
 <h2>Recent usage (last 5 minutes)</h2>
 <table><thead><tr><th>model</th><th>requests</th><th>arrivals/s</th><th>input tokens (mean &plusmn; std)</th>
 <th>output tokens (mean &plusmn; std)</th></tr></thead><tbody id="stats"></tbody></table>
+<h2>Fair queue per tenant (requests waiting for a saturated engine)</h2>
+<table><thead><tr><th>tenant</th><th>waiting</th><th>went out after waiting</th><th>mean wait</th>
+<th>tokens served</th><th>throttled (429)</th><th>left while waiting</th></tr></thead><tbody id="queue"></tbody></table>
 <h2>Usage per user and day</h2>
 <p><input id="key" type="password" placeholder="admin key" size="40">
 <button id="save">show</button> <span class="muted" id="usagemsg">an admin key shows totals per user, model and day</span></p>
@@ -6459,6 +6462,19 @@ async function refresh() {
       cell(tr, m); cell(tr, s.requests); cell(tr, fmt(s.arrival_rate));
       cell(tr, s.input_tokens ? fmt(s.input_tokens.mean) + " \\u00b1 " + fmt(s.input_tokens.std) : "unknown");
       cell(tr, fmt(s.output_tokens.mean) + " \\u00b1 " + fmt(s.output_tokens.std));
+      return tr;
+    }));
+    const metrics = await (await fetch("/metrics", {cache: "no-store"})).text();
+    const tenants = {};
+    for (const line of metrics.split("\\n")) {
+      const m = /^otela_queue_(\\w+)\\{tenant="((?:[^"\\\\]|\\\\.)*)"\\} (\\S+)$/.exec(line);
+      if (m) (tenants[m[2]] = tenants[m[2]] || {})[m[1]] = Number(m[3]);
+    }
+    fill("queue", Object.entries(tenants).map(([t, q]) => {
+      const tr = document.createElement("tr");
+      cell(tr, t); cell(tr, q.waiting); cell(tr, q.wait_seconds_count);
+      cell(tr, q.wait_seconds_count ? fmt(q.wait_seconds_sum / q.wait_seconds_count) + " s" : "");
+      cell(tr, q.service_tokens_total); cell(tr, q.throttled_total); cell(tr, q.aborted_total);
       return tr;
     }));
     const key = localStorage.getItem("otela-admin-key");
