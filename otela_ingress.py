@@ -33,6 +33,8 @@ The sections, in file order, and what each holds:
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
                          PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
                          rotation)
+    fair queue           FairQueue, Waiting: requests held at the ingress while the engines for
+                         them are saturated, sent in weighted fair order by tenant and class
     metrics              Metrics: /metrics in Prometheus' text format
     trace context        traceparent in and out, Server-Timing (spans: otela_node.SpanExporter)
     streams              StreamWatch: SSE events passed through, their usage read (and stripped)
@@ -57,7 +59,9 @@ How a proxied request flows through them:
     2. Ingress.proxy: the key, its rate and budget, the JSON, the model, the candidates (cached
        per model and allowlist); the policy picks a session and the request goes out on a
        kept-alive connection (UpstreamPool.send_request) before anything else is booked; an
-       _Exchange is made. Any other head goes to Ingress.route: its body is read piece by piece
+       _Exchange is made. When the session picked is full (FairQueue.full), or requests wait
+       already, the request waits instead (Ingress._wait) until Ingress.dispatch_waiting sends it
+       (after a finish, or on a short timer) in fair order. Any other head goes to Ingress.route: its body is read piece by piece
        by each data_received (_Client.read_body, under its deadline and size limit), then it is
        proxied, or the admin API or a GET endpoint answers it.
     3. The upstream connection's data_received (_UpstreamProtocol) calls the exchange back: the
@@ -98,7 +102,8 @@ Settings: a setting is its flag, else the OTELA_* variable named after it, else 
 (crdt.parse_settings); the limits below are flags too (LIMITS: --max-connections,
 OTELA_MAX_CONNECTIONS, ...).
 
-Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
+Headers: requests take `Authorization: Bearer <key>`, `X-Otela-Priority: interactive|standard|batch`
+(the class in the fair queue, as the key allows; see request_class), `X-Request-Id` (kept when sane, else
 made), `traceparent`/`tracestate` (W3C; continued, or a trace started: the engine gets them with
 X-Request-Id and User-Agent), `X-Otela-Model` (the model of a body that names none), from an
 admin key `X-Otela-Session: <session id>` (the request goes to that session alone) and, to opt
@@ -2622,17 +2627,20 @@ class FairQueue:
         return 0.0
 
     def full(self, candidate: Candidate, routed: RoutedRequest) -> bool:
-        """Whether the session the policy picked (its estimate in routed.memo) should not be sent
-        more now. A session holding none of this ingress's requests never is: what frees it is
-        not seen here, and a request must go somewhere for the queue to move."""
+        """Whether the session the policy picked should not be sent more now: the prompt tokens this
+        ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
+        QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
+        ingress's requests are in flight there. Only this ingress's own work counts: other
+        ingresses' (their nodes' `load`) is heard seconds late, and counting it held requests back
+        from engines that had drained meanwhile (measured: a flood's engines ran at a third of their
+        capacity); with k ingresses an engine holds up to k x the bound. A session holding none of
+        this ingress's requests is never full: what frees it is not seen here, and a request must
+        go somewhere for the queue to move."""
         est = self.engines.get(candidate.session)
         if est is None or not est.outstanding:
             return False
-        if est.outstanding >= self.limits.queue_session_depth:
-            return True
-        memo = routed.memo
-        return memo is not None and memo.session == candidate.session and \
-            (memo.work - memo.uncached) * est.fit.theta[1] > self.limits.queue_wait_s
+        return est.outstanding >= self.limits.queue_session_depth or \
+            est.queued * est.fit.theta[1] > self.limits.queue_wait_s
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""
@@ -2777,7 +2785,8 @@ def with_engine_priority(body: bytes, request: Any, rank: int) -> bytes:
     if isinstance(request, dict) and request.get("priority") == number and type(request["priority"]) is int:
         return body
     if isinstance(request, dict) and "priority" not in request and body[:1] == b"{":
-        return b'{"priority":%d,' % number + body[1:] if body[1:2] != b"}" else b'{"priority":%d}' % number
+        rest = body[1:]
+        return b'{"priority":%d,' % number + rest if rest.lstrip()[:1] != b"}" else b'{"priority":%d}' % number
     try:
         parsed = crdt.loads(body)
     except ValueError:

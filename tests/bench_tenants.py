@@ -103,15 +103,31 @@ def make_keys(procs, ingresses, tenants):
     return tokens
 
 
-async def _tenants(plan, duration, timeout):
-    """Each tenant's arrivals (its urls, rate, token, seed) concurrently; its records."""
+async def _tenants(plan, duration, drain):
+    """Each tenant's arrivals (its urls, rate, token, seed) concurrently, streamed; its records.
+    Every request is given until the run's end (the arrivals' `duration` plus `drain`): a flood's
+    client is patient, so what it waits for at the ingress is not given up half-served at an
+    engine, and its backlog is cut at the end."""
+    start = time.monotonic()
+    end = start + duration + drain
+
     async def one(name, urls, rate, token, seed):
         n = max(1, int(rate * duration * 1.5) + 5)
         times = workload.arrivals(n, rate, "poisson", seed=seed, duration=duration)
         reqs = requests_for(len(times), seed)
-        records = await workload.run_async(urls, br.MODEL, reqs, times, timeout,
-                                           headers={"authorization": f"Bearer {token}"})
-        return name, records
+        headers = {"authorization": f"Bearer {token}"}
+        tasks = []
+        for i, (req, at) in enumerate(zip(reqs, times)):
+            delay = start + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            host, port, prefix = workload.loopback(urls[i % len(urls)])
+            body, _ = workload._body(br.MODEL, req, None)
+            tasks.append(asyncio.ensure_future(workload.one_request(
+                host, port, prefix + "/v1/chat/completions", body, end - time.monotonic(), headers)))
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        return name, [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
+                      for r, at, req in zip(out, times, reqs)]
     done = await asyncio.gather(*(one(*p) for p in plan))
     return dict(done)
 
@@ -131,7 +147,7 @@ def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, sprea
         else:
             tokens = make_keys(procs, ingresses, classes)
             urls, _ = br.start_otela(procs, command, ENGINES, br.MODEL, "ttft", ingresses,
-                                     flags=("--queue-wait-s", f"{otela_ingress.QUEUE_WAIT_S * scale:g}", *flags))
+                                     flags=("--queue-wait-s", f"{a.queue_wait_s * scale:g}", *flags))
         plan = [(name, urls if name in spread else urls[:1], share * capacity / scale, tokens[name], 10 + i)
                 for i, (name, (share, _)) in enumerate(sorted(tenants.items()))]
         start = time.monotonic()
@@ -234,6 +250,9 @@ def main():
     p.add_argument("--time-scale", type=float, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per case")
     p.add_argument("--routers", default=None, help="a venv holding sglang-router (bench_routing's)")
+    p.add_argument("--queue-wait-s", type=float, default=otela_ingress.QUEUE_WAIT_S,
+                   help="the ingress's QUEUE_WAIT_S in GPU seconds (x K on the ingress's clock; default "
+                        f"{otela_ingress.QUEUE_WAIT_S:g})")
     p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,no_queue,sglang,priority,two "
                                                  "(default: all; --quick: alone,queue,no_queue,priority)")
     a = p.parse_args()
@@ -247,6 +266,7 @@ def main():
     a.duration = a.duration or (QUICK_DURATION_S if a.quick else DURATION_S)
     signal.signal(signal.SIGTERM, br._interrupt)
     result = {"command": "tests/bench_tenants.py " + " ".join(sys.argv[1:]), "time_scale": a.time_scale,
+              "queue_wait_s": a.queue_wait_s,
               "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
               "duration_s": a.duration, "engines": f"{ENGINES} x otela_sim.py serve --model {br.MODEL} --gpu "
               f"{br.GPU} --engine {br.ENGINE} --time-scale {a.time_scale:g}", "cases": {}, "skipped": {}}

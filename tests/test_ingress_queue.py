@@ -182,6 +182,7 @@ def test_the_engine_gets_the_class_as_its_priority_field():
     assert json.loads(out) == {"model": "m", "priority": 10}
     body = b'{"model":"m"}'
     assert json.loads(otela_ingress.with_engine_priority(body, json.loads(body), 0)) == {"priority": -10, "model": "m"}
+    assert json.loads(otela_ingress.with_engine_priority(b"{ }", {}, 1)) == {"priority": 0}
 
 
 def test_engine_scheduling_is_read_from_the_engine_command():
