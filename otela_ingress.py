@@ -232,11 +232,13 @@ WARMUP_MAX_S = 10.0                  # a (re)started ingress that has heard from
                                      # nodes redial a seed every ~3 s and the first answer carries
                                      # a node's whole view; 10 s without one means it is alone
 # The fair queue (FairQueue): requests wait at the ingress, not at saturated engines
-QUEUE_WAIT_S = 0.1                   # a session is full when the prefill queued ahead at its engine
-                                     # would take longer than this (its learned speed): a tenth of a
-                                     # second of work keeps an engine busy across the milliseconds a
-                                     # dispatch takes, and is all a newcomer of another tenant waits
-                                     # there behind the flood (the rest it waits here, in fair order)
+QUEUE_WAIT_S = 0.05                  # a session is full when the prefill this ingress queued at its
+                                     # engine would take longer than this (its learned speed): what a
+                                     # newcomer of another tenant waits there behind a flood (the rest
+                                     # it waits here, in fair order), against the engine's batches:
+                                     # measured (bench_tenants --quick, 512-token prompts), 0.02 s left
+                                     # the engines a third as busy as they could be, 0.2 s made a
+                                     # newcomer wait behind the flood's seconds of prefill at the engine
 QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
                                      # vLLM runs at most 256 at once (max_num_seqs); more wait in the
                                      # engine's own queue, first come first served, not in fair order
