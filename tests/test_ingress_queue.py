@@ -340,14 +340,19 @@ def test_a_retry_after_a_failed_attempt_does_not_wait_again(tmp_path):
     s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_session_depth=1))
     try:
         s.engine("m1", mode="error500")
-        s.engine("m1")
-        token = s.key("alice")
-        c = Client(s.url, token)
-        for _ in range(4):
-            status, _, _ = c.chat()
-            assert status == 200
-        c.close()
-        assert s.call(lambda: s.ingress.queue.count) == 0
+        good, _ = s.engine("m1", mode="slow", slow_delay=0.6)
+        admin, token = s.key("root", admin=True), s.key("alice")
+        # the good session is full (one request in flight, pinned there by an admin) ...
+        busy = threading.Thread(target=lambda: Client(s.url, admin).chat(headers={"x-otela-session": good}))
+        busy.start()
+        time.sleep(0.2)
+        # ... so alice's request goes to the other, which refuses it with a 500: its retry goes to the
+        # full session at once, as an attempt of a request already sent, not behind the queue
+        status, headers, _ = Client(s.url, token).chat(content="another question")
+        busy.join(10)
+        assert status == 200 and headers["x-otela-session"] == good
+        assert s.call(lambda: s.ingress.metrics.retries) == 1
+        assert s.call(lambda: s.ingress.queue.waited["alice"][1]) == 0
     finally:
         s.close()
 
