@@ -6156,7 +6156,8 @@ class Ingress:
               query: bytes, routed: RoutedRequest, key: Key, strip_usage: bool, cap: Optional[int],
               chain: Sequence[str], ctype: Optional[bytes], left: List[Candidate], candidate: Candidate) -> _Exchange:
         """Send a routed request to the session the policy picked, and make its exchange."""
-        if candidate.by_priority:   # its engine schedules by priority: the request's class goes in the body
+        if candidate.by_priority and all(c.by_priority for c in left):   # (the body goes to every attempt:
+            # a `priority` an engine without priority scheduling refuses is sent only where all take it)
             body = with_engine_priority(body, routed.body, request_class(key, fields, routed.body))
         trace, parent, span, lines = trace_context(fields, client.request_id)
         target = path + b"?" + query if query else path
