@@ -440,13 +440,24 @@ KEY_STATE_NAMES = {KEY_ACTIVE: "active", KEY_REVOKED: "revoked"}
 ACCEPTED_KEY_STATES = frozenset(s for s, (_, accepted, _) in KEY_LIFECYCLE.items() if accepted)
 _KEY_ENTRY = re.compile(r"^key:[0-9a-f]{64}$")
 _KEY_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
-# field: (required, check); budgets are tokens (prompt + completion), 0 meaning no budget
+# field: (required, check); budgets are tokens (prompt + completion), 0 meaning no budget.
+# `weight` (a number > 0, default 1), `priority` (the key's class, default "standard") and
+# `priorities` (the classes its requests may ask for besides its own) order the ingress's fair
+# queue; each is left out at its default, so a key that uses none of them is the record an older
+# release wrote and reads (that release refuses a record carrying one of them: the field set is
+# closed, so such a key is unknown there, never admitted with rights it does not understand).
 _KEY_FIELDS = {
     "state": True, "version": True, "id": True, "user": True, "created": True,
     "allow": False, "admin": False, "rate": False, "budget_day": False, "budget_month": False,
-    "expires": False, "revoked_at": False, "sig": False,
+    "expires": False, "revoked_at": False, "sig": False, "weight": False, "priority": False,
+    "priorities": False,
     "rpm": False, "tpm": False, "concurrency": False,   # the key's window limits (LIMIT_FIELDS)
 }
+# A request's priority classes, highest first: a class waits in the ingress's queue only behind
+# its own and higher ones (the names are the API: keys, X-Otela-Priority, /metrics)
+PRIORITY_CLASSES = ("interactive", "standard", "batch")
+DEFAULT_PRIORITY = "standard"
+MAX_KEY_WEIGHT = 1e6   # a share a million times another's is already all of it
 
 
 def key_entry(key_hash: str) -> str:
@@ -457,7 +468,8 @@ def key_entry(key_hash: str) -> str:
 def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = (), admin: bool = False,
                rate: float = 0.0, budget_day: int = 0, budget_month: int = 0,
                expires: Optional[float] = None, version: int = 0,
-               limits: Optional[Mapping[str, int]] = None) -> Dict[str, Any]:
+               limits: Optional[Mapping[str, int]] = None, *, weight: float = 1.0,
+               priority: str = DEFAULT_PRIORITY, priorities: Iterable[str] = ()) -> Dict[str, Any]:
     """A new active key's record (its defaults left out, to keep records small); `limits`:
     {rpm, tpm, concurrency} (LIMIT_FIELDS, 0 or absent: none)."""
     record: Dict[str, Any] = {"state": KEY_ACTIVE, "version": version, "id": key_id, "user": user,
@@ -470,6 +482,13 @@ def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = ()
             record[field] = value
     if expires is not None:
         record["expires"] = expires
+    if weight != 1:
+        record["weight"] = weight
+    if priority != DEFAULT_PRIORITY:
+        record["priority"] = priority
+    priorities = [c for c in PRIORITY_CLASSES if c in set(priorities) and c != priority]
+    if priorities:   # (in class order, its own class left out: it may always ask for that)
+        record["priorities"] = priorities
     return record
 
 
@@ -503,8 +522,23 @@ def validate_key(entry_id: str, record: Any) -> bytes:
         if type(value) is not int or not 0 <= value < 2**53:
             raise RecordError(f"{entry_id}: {field} must be an integer >= 0 (tokens; 0: none)")
     _check_limits(entry_id, record)
+    _check_priorities(entry_id, record)
     _check_sig(entry_id, record)
     return _encode_checked(entry_id, record)
+
+
+def _check_priorities(entry_id: str, record: Dict[str, Any]) -> None:
+    """A key's fair-queue fields: its weight, its class and the classes it may ask for."""
+    weight = record.get("weight", 1.0)
+    if not _is_number(weight) or not 0 < weight <= MAX_KEY_WEIGHT:
+        raise RecordError(f"{entry_id}: weight must be a number > 0 and <= {MAX_KEY_WEIGHT:g}")
+    if record.get("priority", DEFAULT_PRIORITY) not in PRIORITY_CLASSES:
+        raise RecordError(f"{entry_id}: priority must be one of {', '.join(PRIORITY_CLASSES)}")
+    asked = record.get("priorities", [])
+    if not isinstance(asked, list) or len(set(asked)) != len(asked) or \
+            any(not isinstance(c, str) or c not in PRIORITY_CLASSES for c in asked):
+        raise RecordError(f"{entry_id}: priorities must be a list of distinct classes of "
+                          f"{', '.join(PRIORITY_CLASSES)}")
 
 
 def key_accepts(record: Dict[str, Any], now: float) -> bool:

@@ -35,6 +35,8 @@ The sections, in file order, and what each holds:
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
                          PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
                          rotation)
+    fair queue           FairQueue, Waiting: requests held at the ingress while the engines for
+                         them are saturated, sent in weighted fair order by tenant and class
     metrics              Metrics: /metrics in Prometheus' text format
     trace context        traceparent in and out, Server-Timing (spans: otela_node.SpanExporter)
     streams              StreamWatch: SSE events passed through, their usage read (and stripped)
@@ -60,7 +62,9 @@ How a proxied request flows through them:
        per model and allowlist), its limits' windows (ClusterFlow.admit, only for a request under
        a limit); the policy picks a session and the request goes out on a
        kept-alive connection (UpstreamPool.send_request) before anything else is booked; an
-       _Exchange is made. Any other head goes to Ingress.route: its body is read piece by piece
+       _Exchange is made. When the session picked is full (FairQueue.full), or requests wait
+       already, the request waits instead (Ingress._wait) until Ingress.dispatch_waiting sends it
+       (after a finish, or on a short timer) in fair order. Any other head goes to Ingress.route: its body is read piece by piece
        by each data_received (_Client.read_body, under its deadline and size limit), then it is
        proxied, or the admin API or a GET endpoint answers it.
     3. The upstream connection's data_received (_UpstreamProtocol) calls the exchange back: the
@@ -101,7 +105,8 @@ Settings: a setting is its flag, else the OTELA_* variable named after it, else 
 (crdt.parse_settings); the limits below are flags too (LIMITS: --max-connections,
 OTELA_MAX_CONNECTIONS, ...).
 
-Headers: requests take `Authorization: Bearer <key>`, `X-Request-Id` (kept when sane, else
+Headers: requests take `Authorization: Bearer <key>`, `X-Otela-Priority: interactive|standard|batch`
+(the class in the fair queue, as the key allows; see request_class), `X-Request-Id` (kept when sane, else
 made), `traceparent`/`tracestate` (W3C; continued, or a trace started: the engine gets them with
 X-Request-Id and User-Agent), `X-Otela-Model` (the model of a body that names none), from an
 admin key `X-Otela-Session: <session id>` (the request goes to that session alone) and, to opt
@@ -229,6 +234,36 @@ WARMUP_MAX_S = 10.0                  # a (re)started ingress that has heard from
                                      # 503 (Retry-After: 1), not 404, for a model it does not know:
                                      # nodes redial a seed every ~3 s and the first answer carries
                                      # a node's whole view; 10 s without one means it is alone
+# The fair queue (FairQueue): requests wait at the ingress, not at saturated engines
+QUEUE_WAIT_S = 0.05                  # a session is full when the prefill this ingress queued at its
+                                     # engine would take longer than this (its learned speed): what a
+                                     # newcomer of another tenant waits there behind a flood (the rest
+                                     # it waits here, in fair order), against the engine's batches:
+                                     # measured (bench_tenants --quick, 512-token prompts), 0.02 s left
+                                     # the engines a third as busy as they could be, 0.2 s made a
+                                     # newcomer wait behind the flood's seconds of prefill at the engine
+QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
+                                     # vLLM runs at most 256 at once (max_num_seqs); more wait in the
+                                     # engine's own queue, first come first served, not in fair order
+QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
+                                     # body: the bytes bound below is the one that binds on memory)
+QUEUE_MAX_PER_KEY = 1000             # ... of one key: a flood fills its own share, not the queue
+QUEUE_MAX_BYTES = 256 * 1024 * 1024  # request bytes waiting at most (a tenth of a small login node)
+QUEUE_KEY_BYTES = 32 * 1024 * 1024   # ... of one key (two 16 MiB bodies, thousands of chats)
+QUEUE_TIMEOUT_S = 60.0               # a request waits this long at most, then gets 429: a client
+                                     # (the openai SDK: 600 s) is still there, and told to come back
+QUEUE_AGE_S = 10.0                   # a waiting request rises one class per this many seconds
+                                     # (batch is served as interactive after 20 s): never starved
+QUEUE_RETRY_AFTER_S = 2              # Retry-After of a 429 from the queue: about the time a request
+                                     # of a saturated engine takes to free its slot
+QUEUE_TICK_S = 0.02                  # while requests wait, dispatch is tried this often besides at each
+                                     # finish (an engine's first byte lowers its queued work too)
+PRIORITY_RANK = {name: rank for rank, name in enumerate(crdt.PRIORITY_CLASSES)}   # 0: served first
+PRIORITY_HEADER = b"x-otela-priority"   # request: the class it asks for (the key must allow it)
+# The engine's own `priority` (vLLM's: an integer, lower is scheduled sooner, 0 the default) of
+# each class, set in the body sent to a session whose engine runs priority scheduling; and the
+# class a body's `priority` asks for: below 0 interactive, 0 standard, above 0 batch.
+ENGINE_PRIORITY = (-10, 0, 10)
 DEFAULT_DB = "otela.sqlite"
 DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
                                      # told otherwise (a node's tunnel is on 7700)
@@ -258,7 +293,8 @@ LIMITS = {name: globals()[name] for name in (   # name -> its default
     "MAX_HEADER_BYTES", "MAX_BODY_BYTES", "MAX_CONNECTIONS", "ADDRESS_SHARE", "ADDRESS_FLOOR", "MAX_HEADLESS",
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
     "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
-    "DRAIN_S", "LINGER_S", "WARMUP_MAX_S")}
+    "DRAIN_S", "LINGER_S", "WARMUP_MAX_S", "QUEUE_WAIT_S", "QUEUE_SESSION_DEPTH", "QUEUE_MAX", "QUEUE_MAX_PER_KEY",
+    "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
 
 
 LIMIT_HELP = {   # each limit's unit and the short reason for its default (the long one is beside it)
@@ -281,6 +317,14 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "DRAIN_S": "seconds requests in flight get on SIGTERM",
     "LINGER_S": "seconds what a client still sends after a last answer is read and dropped (no TCP reset)",
     "WARMUP_MAX_S": "seconds a (re)started ingress says 503, not 404, until a peer's record arrives",
+    "QUEUE_WAIT_S": "seconds of prefill queued at an engine before requests wait at the ingress (in fair order)",
+    "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
+    "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
+    "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
+    "QUEUE_MAX_BYTES": "request bytes waiting at most, all keys (the queue's memory)",
+    "QUEUE_KEY_BYTES": "request bytes of one key waiting at most",
+    "QUEUE_TIMEOUT_S": "seconds a request waits at most, then 429 with Retry-After",
+    "QUEUE_AGE_S": "seconds of waiting that lift a request one priority class (no class starves)",
 }
 
 
@@ -427,12 +471,13 @@ CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
     completion_tokens INTEGER, latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT,
-    trace_id TEXT);
+    trace_id TEXT, waited_ms REAL);
 CREATE TABLE IF NOT EXISTS daily (
     day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
     opted_out INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    completion_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, user, model));
+    completion_tokens INTEGER NOT NULL DEFAULT 0, waited_ms REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (day, user, model));
 """
 
 
@@ -478,9 +523,11 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
         if name not in have:
             db.execute(f"ALTER TABLE keys ADD COLUMN {name} {decl}")
     have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
-    for name in ("request_id", "trace_id"):   # (in this order: the rows are inserted by position)
-        if name not in have:
-            db.execute(f"ALTER TABLE requests ADD COLUMN {name} TEXT")
+    for name, decl in (("request_id", "TEXT"), ("trace_id", "TEXT"), ("waited_ms", "REAL")):   # (in this
+        if name not in have:                                                      # order: rows go in by position)
+            db.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
+    if "waited_ms" not in {row[1] for row in db.execute("PRAGMA table_info(daily)")}:
+        db.execute("ALTER TABLE daily ADD COLUMN waited_ms REAL NOT NULL DEFAULT 0")
 
 
 def hash_key(token: str) -> str:
@@ -491,7 +538,8 @@ class Key:
     """An API key as routing sees it (the secret itself is never kept)."""
 
     __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
-                 "budget_month", "expires", "rpm", "tpm", "concurrency", "limited")
+                 "budget_month", "expires", "rpm", "tpm", "concurrency", "limited", "weight", "priority",
+                 "priorities")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
                  rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
@@ -505,6 +553,12 @@ class Key:
         get = record.get if record else {}.get   # the window limits (ClusterFlow; 0: none)
         self.rpm, self.tpm, self.concurrency = get("rpm", 0), get("tpm", 0), get("concurrency", 0)
         self.limited = bool(self.rpm or self.tpm or self.concurrency)
+        # its share of the fair queue, its class and the classes it may ask for (FairQueue)
+        self.weight = float(record.get("weight", 1.0)) if record else 1.0
+        self.priority = PRIORITY_RANK[record.get("priority", crdt.DEFAULT_PRIORITY)] if record \
+            else PRIORITY_RANK[crdt.DEFAULT_PRIORITY]
+        self.priorities = frozenset(PRIORITY_RANK[c] for c in record.get("priorities", ())) if record \
+            else frozenset()
 
     @classmethod
     def of_record(cls, key_hash: str, record: Dict[str, Any]) -> Key:
@@ -543,12 +597,12 @@ ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request 
 
 def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: float = 0.0,
             budget_day: int = 0, budget_month: int = 0, expires: Optional[float] = None,
-            limits: Optional[Mapping[str, int]] = None) -> Tuple[str, str, Dict[str, Any]]:
+            limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Tuple[str, str, Dict[str, Any]]:
     """A new key: (the token, shown once and never stored, the sha256 of it, its record);
-    `limits`: its window limits (limit_spec)."""
+    `limits`: its window limits (limit_spec); `queueing`: its fair-queue fields (queue_spec)."""
     token = KEY_PREFIX + secrets.token_urlsafe(32)
     record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
-                             budget_day, budget_month, expires, limits=limits)
+                             budget_day, budget_month, expires, limits=limits, **queueing)
     return token, hash_key(token), record
 
 
@@ -595,6 +649,25 @@ def key_spec(user: Any, allow: Any = None, rate: Any = 0.0, budget_day: Any = 0,
     return user, allow, float(rate), budget_day, budget_month, expires
 
 
+def queue_spec(weight: Any = 1.0, priority: Any = None, priorities: Any = None) -> Dict[str, Any]:
+    """Check a new key's fair-queue fields (the CLI's --weight, --priority, --priorities; the admin
+    API's weight, priority, priorities): crdt.key_record's keyword arguments, or ValueError with a
+    one-line reason. `priorities`: a list of classes or a comma-separated string."""
+    if type(weight) not in (int, float) or not (math.isfinite(weight) and 0 < weight <= crdt.MAX_KEY_WEIGHT):
+        raise ValueError(f"weight must be a number > 0 and <= {crdt.MAX_KEY_WEIGHT:g} (its share of "
+                         "the queue against a key of weight 1)")
+    classes = ", ".join(crdt.PRIORITY_CLASSES)
+    priority = crdt.DEFAULT_PRIORITY if priority is None else priority
+    if priority not in crdt.PRIORITY_CLASSES:
+        raise ValueError(f"priority must be one of {classes}")
+    if isinstance(priorities, str):
+        priorities = [c.strip() for c in priorities.split(",") if c.strip()]
+    priorities = [] if priorities is None else priorities
+    if not isinstance(priorities, list) or any(c not in crdt.PRIORITY_CLASSES for c in priorities):
+        raise ValueError(f"priorities must list classes of {classes}")
+    return {"weight": float(weight), "priority": priority, "priorities": sorted(set(priorities))}
+
+
 def _key_allow(allow: Any) -> List[str]:
     """A key's allowlist: a comma-separated string (the CLI's), a list of names, or None (any)."""
     if isinstance(allow, str):
@@ -627,7 +700,8 @@ def key_answer(token: str, record: Dict[str, Any]) -> Dict[str, Any]:
             "created": record["created"], "admin": record.get("admin", False), "allow": record.get("allow", []),
             "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
             "budget_month": record.get("budget_month", 0), "expires": record.get("expires"),
-            **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+            "weight": record.get("weight", 1.0), "priority": record.get("priority", crdt.DEFAULT_PRIORITY),
+            "priorities": record.get("priorities", []), **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -710,7 +784,8 @@ def allowed(allow: Sequence[str], session_id: str, owner: Optional[str], labels:
 # =============================================================================================
 # A usage row: the journal line (a JSON array) and the requests table take these, in this order.
 USAGE_FIELDS = ("ts", "key_id", "user", "model", "session", "provider", "status", "prompt_tokens",
-                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id", "trace_id")
+                "completion_tokens", "latency_ms", "stream", "attempts", "tracked", "request_id", "trace_id",
+                "waited_ms")   # (waited_ms: time in the fair queue, a row of a request that waited alone has it)
 
 
 def _day(ts: float) -> str:
@@ -725,7 +800,7 @@ def ledger_row_ok(row: Any) -> bool:
     and types, a time gmtime takes, token counts no engine's answer is booked above
     (crdt.MAX_REQUEST_TOKENS), other integers within SQLite's. Only asked of a batch SQLite
     could not take, to find the rows to blame."""
-    if not isinstance(row, tuple) or len(row) not in (13, 14, 15):
+    if not isinstance(row, tuple) or len(row) not in (13, 14, 15, 16):
         return False
     ts, key_id, user, model, session, provider, status, prompt, completion, latency, stream, attempts, \
         tracked = row[:13]
@@ -734,17 +809,19 @@ def ledger_row_ok(row: Any) -> bool:
         and all(type(v) is str for v in (key_id, user, model, session, provider)) \
         and all(v is None or type(v) is int and 0 <= v <= crdt.MAX_REQUEST_TOKENS for v in (prompt, completion)) \
         and all(type(v) is int and 0 <= v < 1 << 63 for v in (status, stream, attempts, tracked)) \
-        and all(v is None or type(v) is str for v in row[13:])
+        and all(v is None or type(v) is str for v in row[13:15]) \
+        and all(v is None or type(v) in (int, float) and 0 <= v < 1e12 for v in row[15:])
 
 
 # One statement for both kinds of rows: the day is derived in SQLite, and an opted-out request
 # (tracked = 0, the 13th value) leaves no row here; it is only counted in `daily`.
 _INSERT_REQUESTS = ("INSERT INTO requests SELECT ?1, date(?1, 'unixepoch'), ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, "
-                    "?10, ?11, ?12, ?14, ?15 WHERE ?13")
-_INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
+                    "?10, ?11, ?12, ?14, ?15, ?16 WHERE ?13")
+_INSERT_DAILY = ("INSERT INTO daily VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT(day, user, model) DO UPDATE SET "
                  "requests=requests+excluded.requests, errors=errors+excluded.errors, "
                  "opted_out=opted_out+excluded.opted_out, prompt_tokens=prompt_tokens+excluded.prompt_tokens, "
-                 "completion_tokens=completion_tokens+excluded.completion_tokens")
+                 "completion_tokens=completion_tokens+excluded.completion_tokens, "
+                 "waited_ms=waited_ms+excluded.waited_ms")
 
 
 def _answer(futures: List[concurrent.futures.Future], result: Any) -> None:
@@ -918,7 +995,7 @@ class Ledger:
                         values = tuple(crdt.loads(line))
                     except ValueError:   # a torn last line: that request never completed
                         continue
-                    if len(values) in (13, 14, 15):   # 13, 14: a journal from before request ids, trace ids
+                    if len(values) in (13, 14, 15, 16):   # 13, 14, 15: from before request ids, trace ids, waits
                         rows.append(values)
         nxt = max(seqs + [state[0]]) + 1
         if not self._commit(rows, (nxt, 0)):   # the writer retries them; the files stay till then
@@ -1088,24 +1165,25 @@ class Ledger:
         whole on any error). Returns the request rows written."""
         daily: Dict[Tuple[str, str, str], List[int]] = {}
         days: Dict[int, str] = {}
-        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *_ in rows:
+        for ts, _, user, model, _, _, status, prompt, completion, _, _, _, tracked, *rest in rows:
             day = days.get(int(ts // 86400))
             if day is None:
                 day = days[int(ts // 86400)] = _day(ts)
             agg = daily.get((day, user, model))
             if agg is None:
-                agg = daily[(day, user, model)] = [0, 0, 0, 0, 0]
+                agg = daily[(day, user, model)] = [0, 0, 0, 0, 0, 0.0]
             agg[0] += 1
             agg[1] += status >= 400
             agg[2] += not tracked
             agg[3] += prompt or 0
             agg[4] += completion or 0
+            agg[5] += (rest[2] or 0.0) if len(rest) > 2 else 0.0
         db = self._db
         written = 0
         db.execute("BEGIN")
         try:
             if rows:
-                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 15 else r + (None,) * (15 - len(r))
+                written = db.executemany(_INSERT_REQUESTS, [r if len(r) == 16 else r + (None,) * (16 - len(r))
                                                             for r in rows]).rowcount
                 db.executemany(_INSERT_DAILY, [(*key, *agg) for key, agg in daily.items()])
             db.execute("INSERT OR REPLACE INTO ledger_state VALUES (0, ?, ?)", position)
@@ -1149,7 +1227,7 @@ def query_usage(path: str, days: int = 31, user: Optional[str] = None,
     try:
         since = _day(time.time() - max(0, days - 1) * 86400.0)
         sql = ("SELECT day, user, model, requests, errors, opted_out, prompt_tokens, "
-               "completion_tokens FROM daily WHERE day >= ?")
+               "completion_tokens, waited_ms FROM daily WHERE day >= ?")
         args: List[Any] = [since]
         if user:
             sql += " AND user = ?"
@@ -1161,7 +1239,7 @@ def query_usage(path: str, days: int = 31, user: Optional[str] = None,
     finally:
         db.close()
     fields = ("day", "user", "model", "requests", "errors", "opted_out", "prompt_tokens",
-              "completion_tokens")
+              "completion_tokens", "waited_ms")   # (waited_ms: in the fair queue, FairQueue)
     data = [dict(zip(fields, row)) for row in rows]
     totals = {f: sum(r[f] for r in data) for f in fields[3:]}
     return {"object": "list", "since": since, "data": data, "totals": totals}
@@ -2197,11 +2275,12 @@ def earlier_turns(body: Any) -> Tuple[int, int]:
 class Candidate:
     """A session that may serve a request: its id, its record and a hardware weight."""
 
-    __slots__ = ("session", "session_bytes", "record", "addr", "weight", "pin")
+    __slots__ = ("session", "session_bytes", "record", "addr", "weight", "pin", "by_priority")
 
     def __init__(self, session: str, record: Dict[str, Any]):
         self.session, self.session_bytes, self.record = session, session.encode(), record
         self.addr = record.get("addr", "")
+        self.by_priority = record.get("scheduling") == "priority"   # its engine takes `priority` (FairQueue)
         self.weight = hardware_weight(record)
         grant = record.get("grant")   # the tunnel certificate its grant names (UpstreamPool.acquire)
         self.pin = grant.get("tls") if isinstance(grant, dict) else None
@@ -2866,6 +2945,257 @@ class PassiveHealth:
 
 
 # =============================================================================================
+# Fair queue: requests wait at the ingress, in weighted fair order, while engines are saturated
+# =============================================================================================
+# When the session the policy picks for a request is full (FairQueue.full: the prefill queued at
+# its engine would take over QUEUE_WAIT_S, or this ingress has QUEUE_SESSION_DEPTH requests there),
+# the request waits here instead of joining the engine's first-come-first-served queue, and so
+# does every request that arrives while others wait (none overtakes them on the fast path).
+# Waiting requests go out (Ingress.dispatch_waiting: after each finished request, and every
+# QUEUE_TICK_S while any waits) in this order:
+#
+#   1. class: interactive, then standard, then batch (PRIORITY_RANK); a request rises one class
+#      per QUEUE_AGE_S it has waited, so none waits behind a higher class forever;
+#   2. within a class, the tenant (a key's user) with the least service: its virtual token counter,
+#      tokens served divided by its weight (VTC, "Fairness in Serving LLMs", OSDI '24: prompt
+#      tokens charged as a request goes out, output tokens and the prompt's true count at its
+#      end), plus what other ingresses served it (remote_service, 0 until they share it). A
+#      tenant that starts waiting is lifted to the least counter among those waiting, so service
+#      it did not ask for while idle is no credit, and to the counter of the last tenant served
+#      when none waits;
+#   3. within a tenant and class, first come first served.
+#
+# A request whose model's sessions are all full is passed over, not the queue: others' models go
+# on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
+# bound the request gets 429 with Retry-After. A client that leaves while waiting is removed at
+# once (its connection's `waiting` is cancelled) and counted as a client abort, with no ledger
+# row (it was never served). A retry or a stream's continuation never waits again: they are
+# attempts of a request already dispatched (_Exchange), not new requests.
+class Waiting:
+    """One request waiting in the FairQueue: what sending it needs (`send`, called with nothing
+    when it goes out), its tenant, class and size. `cancel` (its client went away) removes it."""
+
+    __slots__ = ("queue", "send", "key", "tenant", "rank", "since", "size", "model", "client", "lane", "ticket")
+
+    def __init__(self, queue: FairQueue, send: Callable[[], None], key: Key, rank: int, since: float,
+                 size: int, model: str, client: Any, ticket: Optional[Ticket] = None):
+        self.queue, self.send, self.key, self.tenant, self.rank = queue, send, key, key.user, rank
+        self.since, self.size, self.model, self.client = since, size, model, client
+        self.lane: Optional[collections.deque] = None
+        self.ticket = ticket   # its booking in the limits' windows, handed to its exchange when it goes
+
+    def cancel(self) -> None:
+        if self.lane is not None:
+            self.queue.remove(self)
+            self.queue.aborted[self.tenant] += 1
+        self.unbook()
+
+    def unbook(self) -> None:
+        """It will not be served: out of its limits' windows (nothing served, in flight no more)."""
+        if self.ticket is not None:
+            ClusterFlow.release(self.ticket, 0)
+            self.ticket = None
+
+
+class FairQueue:
+    """The requests waiting at this ingress, and the fair share of service between tenants (see
+    above). Pure bookkeeping with a clock passed in: the ingress sends and answers."""
+
+    def __init__(self, limits: Limits, engines: Optional[Dict[str, EngineEstimate]]):
+        self.limits = limits
+        self.engines = engines   # the TTFT policy's estimates (None: another policy, nothing waits)
+        self.on = engines is not None and limits.queue_max > 0
+        self.lanes: Dict[Tuple[int, str], collections.deque] = {}   # (class, tenant) -> its requests
+        self.counters: Dict[str, float] = {}   # tenant -> tokens served / weight (VTC)
+        self.weights: Dict[str, float] = {}    # tenant -> the weight of its latest key
+        self.backlog: Dict[str, int] = {}      # tenant -> requests waiting
+        self.per_key: Dict[str, List[int]] = {}   # key id -> [requests, bytes] waiting
+        self.count = self.bytes = 0
+        self.last = 0.0   # the counter of the tenant served last
+        # for /metrics: per tenant
+        self.service: Dict[str, int] = collections.defaultdict(int)   # tokens served
+        self.waited: Dict[str, List[float]] = collections.defaultdict(lambda: [0.0, 0])   # seconds, requests
+        self.throttled: Dict[str, int] = collections.defaultdict(int)   # 429s from the queue's bounds
+        self.aborted: Dict[str, int] = collections.defaultdict(int)     # clients gone while waiting
+
+    def remote_service(self, tenant: str) -> float:
+        """Tokens other ingresses served `tenant` lately, for the order (counted here as this
+        ingress's own: the cluster's share is then fair, not each ingress's). 0 until the ingress
+        plane carries them; replace it (a subclass, or an assignment) to share them."""
+        return 0.0
+
+    def full(self, candidate: Candidate, routed: RoutedRequest) -> bool:
+        """Whether the session the policy picked should not be sent more now: the prompt tokens this
+        ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
+        QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
+        ingress's requests are in flight there. Only this ingress's own work counts: other
+        ingresses' (their nodes' `load`) is heard seconds late, and counting it held requests back
+        from engines that had drained meanwhile (measured: a flood's engines ran at a third of their
+        capacity); with k ingresses an engine holds up to k x the bound. A session holding none of
+        this ingress's requests is never full: what frees it is not seen here, and a request must
+        go somewhere for the queue to move."""
+        est = self.engines.get(candidate.session)
+        if est is None or not est.outstanding:
+            return False
+        return est.outstanding >= self.limits.queue_session_depth or \
+            est.queued * est.fit.theta[1] > self.limits.queue_wait_s
+
+    def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
+        """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""
+        limits = self.limits
+        held = self.per_key.get(key.id, (0, 0))
+        if self.count >= limits.queue_max or self.bytes + size > limits.queue_max_bytes:
+            what = "The ingress's queue is full"
+        elif held[0] >= limits.queue_max_per_key or held[1] + size > limits.queue_key_bytes:
+            what = "This key has as many requests waiting as it may"
+        else:
+            return None
+        self.throttled[key.user] += 1
+        return HTTPError(429, f"{what}: the engines are saturated; try again later", "rate_limit_exceeded",
+                         headers=[(b"retry-after", str(QUEUE_RETRY_AFTER_S).encode())], etype="requests")
+
+    def add(self, entry: Waiting) -> None:
+        """Queue `entry` (its bounds checked: refusal)."""
+        tenant = entry.tenant
+        self.weights[tenant] = entry.key.weight
+        if not self.backlog.get(tenant):   # starts waiting: no credit for the service it did not ask for
+            lowest = min((self.counters.get(t, 0.0) for t, n in self.backlog.items() if n), default=self.last)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), lowest)
+        self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
+        lane = self.lanes.get((entry.rank, tenant))
+        if lane is None:
+            lane = self.lanes[(entry.rank, tenant)] = collections.deque()
+        lane.append(entry)
+        entry.lane = lane
+        held = self.per_key.setdefault(entry.key.id, [0, 0])
+        held[0] += 1
+        held[1] += entry.size
+        self.count += 1
+        self.bytes += entry.size
+
+    def remove(self, entry: Waiting) -> None:
+        """Take `entry` out (it goes out, times out, or its client left)."""
+        lane = entry.lane
+        if lane is None:
+            return
+        entry.lane = None
+        if lane and lane[0] is entry:
+            lane.popleft()
+        else:
+            lane.remove(entry)
+        if not lane:
+            del self.lanes[(entry.rank, entry.tenant)]
+        tenant = entry.tenant
+        left = self.backlog[tenant] - 1
+        if left:
+            self.backlog[tenant] = left
+        else:
+            del self.backlog[tenant]
+        held = self.per_key[entry.key.id]
+        held[0] -= 1
+        held[1] -= entry.size
+        if not held[0]:
+            del self.per_key[entry.key.id]
+        self.count -= 1
+        self.bytes -= entry.size
+
+    def rank(self, entry: Waiting, now: float) -> int:
+        """Its class now: one higher per QUEUE_AGE_S waited."""
+        return max(0, entry.rank - int((now - entry.since) / self.limits.queue_age_s))
+
+    def order(self, now: float, passed: Iterable[str] = ()) -> Optional[Waiting]:
+        """The request to send next, skipping those for the models in `passed` (their sessions
+        are full), or None."""
+        best: Optional[Tuple[int, float, float]] = None
+        chosen = None
+        for (_, tenant), lane in self.lanes.items():
+            head = lane[0]
+            if head.model in passed:
+                continue
+            place = (self.rank(head, now), self.counters.get(tenant, 0.0) + self.remote_service(tenant)
+                     / self.weights.get(tenant, 1.0), head.since)
+            if best is None or place < best:
+                best, chosen = place, head
+        return chosen
+
+    def went(self, entry: Waiting, prompt_tokens: float, now: float) -> None:
+        """`entry` goes out now: out of the queue, its wait booked, its prompt charged."""
+        self.remove(entry)
+        waited = self.waited[entry.tenant]
+        waited[0] += now - entry.since
+        waited[1] += 1
+        self.charge(entry.tenant, prompt_tokens)
+        self.last = self.counters.get(entry.tenant, 0.0)
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """Service given to `tenant` (tokens; negative: a prompt charged at its estimate, corrected)."""
+        if tokens:
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)
+            self.service[tenant] += int(tokens)
+
+    def expired(self, now: float) -> List[Waiting]:
+        """The requests that have waited QUEUE_TIMEOUT_S, taken out (the oldest are at lane heads)."""
+        limit = now - self.limits.queue_timeout_s
+        out = []
+        for lane in list(self.lanes.values()):
+            while lane and lane[0].since < limit:
+                out.append(lane[0])
+                self.remove(lane[0])
+        for entry in out:
+            self.throttled[entry.tenant] += 1
+        return out
+
+    def tenants(self) -> List[str]:
+        """Every tenant with something to show on /metrics."""
+        return sorted(set(self.backlog) | set(self.service) | set(self.throttled) | set(self.waited)
+                      | set(self.aborted))
+
+
+def request_class(key: Key, fields: Dict[bytes, bytes], request: Any) -> int:
+    """The class (PRIORITY_RANK) a request runs in: X-Otela-Priority's, else its body's `priority`
+    (vLLM's integer: below 0 interactive, 0 standard, above 0 batch), else its key's. A key may
+    ask for its own class, a lower one (it hurts nobody) or one its record lists (`priorities`);
+    an admin key any. A header asking for another is refused (403), a body's `priority` only
+    capped at the key's class (vLLM clients send it for the engine, not for us)."""
+    asked = fields.get(PRIORITY_HEADER)
+    if asked is not None:
+        rank = PRIORITY_RANK.get(asked.strip().lower().decode("latin-1"))
+        if rank is None:
+            raise HTTPError(400, f"X-Otela-Priority must be one of {', '.join(crdt.PRIORITY_CLASSES)}",
+                            "invalid_priority")
+        if rank < key.priority and rank not in key.priorities and not key.admin:
+            raise HTTPError(403, f"This key may not ask for the class {crdt.PRIORITY_CLASSES[rank]}",
+                            "priority_not_allowed")
+        return rank
+    number = request.get("priority") if isinstance(request, dict) else None
+    if type(number) is int:
+        rank = 0 if number < 0 else 1 if number == 0 else 2
+        if rank < key.priority and rank not in key.priorities and not key.admin:
+            return key.priority
+        return rank
+    return key.priority
+
+
+def with_engine_priority(body: bytes, request: Any, rank: int) -> bytes:
+    """The body for an engine that schedules by priority: its `priority` the class's (the client's
+    own value is replaced: a key's class, not its client, decides where it runs)."""
+    number = ENGINE_PRIORITY[rank]
+    if isinstance(request, dict) and request.get("priority") == number and type(request["priority"]) is int:
+        return body
+    if isinstance(request, dict) and "priority" not in request and body[:1] == b"{":
+        rest = body[1:]
+        return b'{"priority":%d,' % number + rest if rest.lstrip()[:1] != b"}" else b'{"priority":%d}' % number
+    try:
+        parsed = crdt.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(parsed, dict):
+        return body
+    parsed["priority"] = number
+    return crdt.dumps(parsed)
+
+
+# =============================================================================================
 # Metrics (Prometheus text exposition, no dependency)
 # =============================================================================================
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -3000,6 +3330,23 @@ ROUTING_FAMILIES = (
      "Prompt tokens per second, fitted from its answers."),
     ("decode_tokens_per_second", "otela_session_decode_tokens_per_second", "gauge",
      "Output tokens per second of one stream, from its answers."))
+
+
+def queue_metrics(queue: FairQueue) -> bytes:
+    """The fair queue per tenant (a key's user): waiting now, time waited, service, refusals."""
+    tenants = [(t, _label(t)) for t in queue.tenants()]
+    return exposition([
+        ("otela_queue_waiting", "gauge", "Requests waiting at the ingress for a free engine, by tenant.",
+         [(f'{{tenant="{label}"}}', queue.backlog.get(t, 0)) for t, label in tenants]),
+        ("otela_queue_wait_seconds", "summary", "Time requests waited at the ingress before going out, by tenant.",
+         [line for t, label in tenants if t in queue.waited for line in (
+             (f'_sum{{tenant="{label}"}}', repr(queue.waited[t][0])), (f'_count{{tenant="{label}"}}', queue.waited[t][1]))]),
+        ("otela_queue_service_tokens_total", "counter", "Tokens served (prompt and completion), by tenant: "
+         "the fair queue's share of service.", [(f'{{tenant="{label}"}}', queue.service.get(t, 0)) for t, label in tenants]),
+        ("otela_queue_throttled_total", "counter", "Requests answered 429 by the queue's bounds (count, bytes, "
+         "time), by tenant.", [(f'{{tenant="{label}"}}', queue.throttled.get(t, 0)) for t, label in tenants]),
+        ("otela_queue_aborted_total", "counter", "Clients that left while their request waited, by tenant.",
+         [(f'{{tenant="{label}"}}', queue.aborted.get(t, 0)) for t, label in tenants])])
 
 
 def routing_metrics(stats: Dict[str, Dict[str, float]]) -> bytes:
@@ -4099,6 +4446,10 @@ class _Client(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self.lingering:
             return False   # the client read our answer and closed: close too
+        if isinstance(self.waiting, Waiting):   # it left while its request waited in the fair queue:
+            self.waiting.cancel()                # out at once (HTTP clients do not half-close and
+            self.waiting = None                  # wait; one that did would hold a place for nobody)
+            return False
         if self.exchange is not None or self.relay is not None:
             # the client's end while its request is at an engine: it left (a closed socket reads
             # as this EOF until a write to it is reset), as nginx (proxy_ignore_client_abort off)
@@ -4484,6 +4835,9 @@ class _Exchange:
     parent_span = b""                     # ... the client's span it continues (b"": it started the trace)
     span_id = b""                         # ... this ingress's span, the engine's parent
     routed_at = sent_at = head_at = 0.0   # when the policy picked, the last attempt went out, its head came
+    charged = 0.0                         # prompt tokens charged to its tenant as it left the fair queue
+    queued = False                        # it waited in the fair queue ...
+    waited_ms = 0.0                       # ... this long (its ledger row says so)
 
     def __init__(self, ingress, client, path, body, key, routed, strip_usage, tracked, t0):
         self.ingress, self.client, self.path, self.body, self.key = ingress, client, path, body, key
@@ -4601,6 +4955,8 @@ class _Exchange:
             routed.prompt_tokens, routed.completion_tokens = self.prompt_tokens, self.completion_tokens
             routed.cached_tokens = self.cached_tokens
             ingress.policy.on_request_end(candidate, routed, ok)
+        if self.queued or ingress.queue.count:   # (what went out while none waited is not charged: VTC
+            ingress.served(self)                 # lifts a tenant that starts waiting past it anyway)
         return True
 
     # -- booking: the engine's counts bounded, the ledger row (its head made while the engine works),
@@ -4653,7 +5009,7 @@ class _Exchange:
             return None
         candidate = self.candidate
         row_head = self.row_head
-        if row_head is not None and candidate is row_head[0] and self.prompt_tokens is not None:
+        if row_head is not None and candidate is row_head[0] and self.prompt_tokens is not None and not self.queued:
             # the latency in whole microseconds, written as milliseconds with three decimals from
             # the integer (a float's repr costs more than the rest of the line): the same number
             # in the journal and in SQLite
@@ -4671,7 +5027,7 @@ class _Exchange:
             candidate.session if candidate else "", candidate.record.get("owner", "") if candidate else "",
             self.status, self.prompt_tokens, self.completion_tokens, round((now - self.t0) * 1000.0, 3),
             int(self.routed.stream), self.attempts, int(self.tracked), self.request_id.decode(),
-            self.trace_id.decode() or None))
+            self.trace_id.decode() or None) + ((round(self.waited_ms, 3),) if self.queued else ()))
         return None
 
     def account(self, now: float) -> None:
@@ -5372,6 +5728,7 @@ class AdminAPI:
             user, allow, rate, budget_day, budget_month, expires = key_spec(
                 spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
                 spec.get("budget_month", 0), spec.get("expires"))
+            queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter") from None
         admin = spec.get("admin", False)
@@ -5381,7 +5738,8 @@ class AdminAPI:
             limits = limit_spec(spec)
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
-        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires, limits)
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires, limits,
+                                        **queueing)
         self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
         return key_answer(token, record)
 
@@ -5462,9 +5820,10 @@ class MetricsPage:
 
     def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
                  doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
-                 tracer: Callable[[], Optional[otela_node.SpanExporter]], flow: Optional[ClusterFlow] = None):
+                 tracer: Callable[[], Optional[otela_node.SpanExporter]], flow: Optional[ClusterFlow] = None,
+                 queue: Optional[FairQueue] = None):
         self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
-        self.flow = flow
+        self.flow, self.queue = flow, queue
         self.doubts, self.policy = doubts, policy
         self.ledger, self.tracer = ledger, tracer   # (made at start)
 
@@ -5480,6 +5839,8 @@ class MetricsPage:
         rows = (ledger.failed_commits, ledger.pending(), ledger.rows_dropped) if ledger is not None else (0, 0, 0)
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())), *rows)
         body += overlay_metrics(self.node) + routing_metrics(routing_stats(self.policy))
+        if self.queue is not None:
+            body += queue_metrics(self.queue)
         unrouted = collections.Counter(self.grants.unrouted(self.node.registry.items()).values())
         families = [
             ("otela_tunnel_impostors_total", "counter", "Connections cut because the node showed another tunnel "
@@ -5741,6 +6102,9 @@ class Ingress:
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
         self.metrics = Metrics()
+        # requests wait here while the engines are saturated (with the TTFT policy's estimates)
+        self.queue = FairQueue(limits, self.policy.engines if isinstance(self.policy, TTFTPolicy) else None)
+        self._queue_tick: Optional[asyncio.TimerHandle] = None
         self.stats = UsageStats()
         self.health = PassiveHealth(limits)
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
@@ -5767,7 +6131,8 @@ class Ingress:
                                       self.grants.loaded, adapter_on_demand)   # LoRA adapters loaded through the ingress
         self.views = Views(node, self.grants, self.health, self.stats, self.policy,
                            MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
-                                       self.policy, lambda: self.ledger, lambda: self.tracer, self.flow).render,
+                                       self.policy, lambda: self.ledger, lambda: self.tracer, self.flow,
+                                       self.queue).render,
                            self.authenticate, self.models, lambda: self.ledger, db_path, no_auth,
                            require_key_for_views)
         self._stopped = False
@@ -5818,6 +6183,8 @@ class Ingress:
         for task in (self._sweeper, self._revocations, self._limits):
             if task is not None:
                 task.cancel()
+        if self._queue_tick is not None:
+            self._queue_tick.cancel()
         for client in list(self.clients):
             client.transport.abort()
         self.pool.close()
@@ -6280,11 +6647,28 @@ class Ingress:
                 client, path, fields, body, t0, query)
             left = self.health.healthy(candidates)
             candidate = self.policy.pick(left, routed)
+            if PRIORITY_HEADER in fields:   # (checked here too: a class the key may not ask for is refused)
+                request_class(key, fields, routed.body)
             ticket = self.flow.admit(key, routed.model, body, cap, client) \
                 if key.limited or self.flow.active else None   # (Limits: the last check)
         except HTTPError as exc:
             return self._refused(client, fields, body, exc,
                                  lambda: self.proxy(client, path, fields, body, t0, False, method, query))
+        queue = self.queue
+        if queue.on and (queue.count or queue.full(candidate, routed)):   # saturated: it waits (FairQueue)
+            return self._wait(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain,
+                              ctype, left, ticket)
+        self._send(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain, ctype, left,
+                   candidate, ticket)
+
+    def _send(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float, method: bytes,
+              query: bytes, routed: RoutedRequest, key: Key, strip_usage: bool, cap: Optional[int],
+              chain: Sequence[str], ctype: Optional[bytes], left: List[Candidate], candidate: Candidate,
+              ticket: Optional[Ticket] = None) -> _Exchange:
+        """Send a routed request to the session the policy picked, and make its exchange."""
+        if candidate.by_priority and all(c.by_priority for c in left):   # (the body goes to every attempt:
+            # a `priority` an engine without priority scheduling refuses is sent only where all take it)
+            body = with_engine_priority(body, routed.body, request_class(key, fields, routed.body))
         trace, parent, span, lines = trace_context(fields, client.request_id)
         target = path + b"?" + query if query else path
         if routed.named is not None and routed.named != routed.model and (query or path not in PROXIED_PATHS):
@@ -6308,8 +6692,91 @@ class Ingress:
             ex.ticket = ticket
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
-            return ex.send(candidate, fresh=True)
-        ex.sent_on(candidate, up)
+            ex.send(candidate, fresh=True)
+        else:
+            ex.sent_on(candidate, up)
+        return ex
+
+    # -- the fair queue (FairQueue): a request waits while the sessions for it are full ----------
+    def _wait(self, client: _Client, path: bytes, fields: Dict[bytes, bytes], body: bytes, t0: float, method: bytes,
+              query: bytes, routed: RoutedRequest, key: Key, strip_usage: bool, cap: Optional[int],
+              chain: Sequence[str], ctype: Optional[bytes], left: List[Candidate], ticket: Optional[Ticket]) -> None:
+        """Queue a proxied request (429 past the queue's bounds); dispatch_waiting sends it."""
+        queue = self.queue
+        try:
+            refusal = queue.refusal(key, len(body))
+            if refusal is not None:
+                raise refusal
+            rank = request_class(key, fields, routed.body)
+        except HTTPError as exc:
+            if ticket is not None:
+                ClusterFlow.release(ticket, 0)
+            client.error(exc)
+            client.finish()
+            return
+
+        def send() -> bool:
+            try:
+                candidate = self.policy.pick(self.health.healthy(left), routed)
+            except HTTPError as exc:   # (a user's policy may refuse)
+                queue.remove(entry)
+                entry.unbook()
+                client.waiting = None
+                client.error(exc)
+                client.finish()
+                return True
+            if queue.full(candidate, routed):
+                return False
+            memo = routed.memo
+            prompt = memo.size * self.policy.tokens_per_byte if memo is not None else len(body) / 4
+            now = time.monotonic()
+            queue.went(entry, prompt, now)
+            client.waiting = None
+            booked, entry.ticket = entry.ticket, None   # (the exchange's now: released at its finish)
+            ex = self._send(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain,
+                            ctype, left, candidate, booked)
+            ex.charged, ex.queued, ex.waited_ms = prompt, True, (now - entry.since) * 1000.0
+            return True
+
+        entry = Waiting(queue, send, key, rank, time.monotonic(), len(body), routed.model, client, ticket)
+        queue.add(entry)
+        client.waiting = entry   # (cancelled by connection_lost: out of the queue at once)
+        self.dispatch_waiting()
+
+    def dispatch_waiting(self) -> None:
+        """Send waiting requests in fair order while their sessions take more (FairQueue); answer
+        those that waited too long with 429. While any still waits, again in QUEUE_TICK_S."""
+        queue = self.queue
+        now = time.monotonic()
+        for entry in queue.expired(now):
+            entry.unbook()
+            entry.client.waiting = None
+            entry.client.error(HTTPError(
+                429, f"The request waited {self.limits.queue_timeout_s:g} s for a free engine; try again later",
+                "rate_limit_exceeded", headers=[(b"retry-after", str(QUEUE_RETRY_AFTER_S).encode())],
+                etype="requests"))
+            entry.client.finish()
+        passed: set = set()
+        while queue.count:
+            entry = queue.order(now, passed)
+            if entry is None:
+                break
+            if not entry.send():
+                passed.add(entry.model)   # its sessions are full: the next model's requests may go
+        if queue.count and self._queue_tick is None and self._loop is not None:
+            self._queue_tick = self._loop.call_later(QUEUE_TICK_S, self._tick_queue)
+
+    def _tick_queue(self) -> None:
+        self._queue_tick = None
+        self.dispatch_waiting()
+
+    def served(self, ex: _Exchange) -> None:
+        """An exchange ended: its tokens are its tenant's service (the prompt's estimate charged
+        as it left the queue corrected), and a waiting request may take its place."""
+        queue = self.queue
+        queue.charge(ex.key.user, (ex.prompt_tokens or 0) + ex.completion_tokens - ex.charged)
+        if queue.count:
+            self.dispatch_waiting()
 
     def _refused(self, client: _Client, fields: Dict[bytes, bytes], body: bytes, exc: HTTPError,
                  again: Callable[[], None]) -> None:
@@ -6455,6 +6922,9 @@ accepts requests without a key</p>
 <h2>Recent usage (last 5 minutes)</h2>
 <table><thead><tr><th>model</th><th>requests</th><th>arrivals/s</th><th>input tokens (mean &plusmn; std)</th>
 <th>output tokens (mean &plusmn; std)</th></tr></thead><tbody id="stats"></tbody></table>
+<h2>Fair queue per tenant (requests waiting for a saturated engine)</h2>
+<table><thead><tr><th>tenant</th><th>waiting</th><th>went out after waiting</th><th>mean wait</th>
+<th>tokens served</th><th>throttled (429)</th><th>left while waiting</th></tr></thead><tbody id="queue"></tbody></table>
 <h2>Usage per user and day</h2>
 <p><input id="key" type="password" placeholder="admin key" size="40">
 <button id="save">show</button> <span class="muted" id="usagemsg">an admin key shows totals per user, model and day</span></p>
@@ -6523,6 +6993,19 @@ async function refresh() {
       cell(tr, fmt(s.output_tokens.mean) + " \\u00b1 " + fmt(s.output_tokens.std));
       return tr;
     }));
+    const metrics = await (await fetch("/metrics", {cache: "no-store"})).text();
+    const tenants = {};
+    for (const line of metrics.split("\\n")) {
+      const m = /^otela_queue_(\\w+)\\{tenant="((?:[^"\\\\]|\\\\.)*)"\\} (\\S+)$/.exec(line);
+      if (m) (tenants[m[2]] = tenants[m[2]] || {})[m[1]] = Number(m[3]);
+    }
+    fill("queue", Object.entries(tenants).map(([t, q]) => {
+      const tr = document.createElement("tr");
+      cell(tr, t); cell(tr, q.waiting); cell(tr, q.wait_seconds_count);
+      cell(tr, q.wait_seconds_count ? fmt(q.wait_seconds_sum / q.wait_seconds_count) + " s" : "");
+      cell(tr, q.service_tokens_total); cell(tr, q.throttled_total); cell(tr, q.aborted_total);
+      return tr;
+    }));
     const key = localStorage.getItem("otela-admin-key");
     if (key) {
       const r = await fetch("/v1/usage", {cache: "no-store", headers: {Authorization: "Bearer " + key}});
@@ -6566,6 +7049,8 @@ def _split_listen(listen: str) -> Tuple[str, int]:
 
 async def _serve(args: argparse.Namespace, policy: Any) -> int:
     limits = Limits.from_args(args)
+    if args.no_queue:   # every request goes to an engine at once, as before the fair queue
+        limits.queue_max = 0
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together (a certificate and its key)")
     # the ingress relays for members behind NATs unless told not to (--no-relay)
@@ -6790,6 +7275,9 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                        help="route to worker sessions without a grant too (env OTELA_ALLOW_UNGRANTED; default: "
                             "only sessions whose grant, from `grant` or the placer, names the model). For the "
                             "upgrade from a release without grants: see the README")
+    serve.add_argument("--no-queue", action="store_true",
+                       help="never hold requests at the ingress: each goes to an engine at once, however "
+                            "saturated (env OTELA_NO_QUEUE; by default they wait in fair order, FairQueue)")
     serve.add_argument("--no-relay", action="store_true",
                        help="do not relay for members behind NATs (env OTELA_NO_RELAY; by default the "
                             "ingress relays their gossip and tunnel streams)")
@@ -6825,6 +7313,15 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
                                  "rate_limit_exceeded (default 0: none)")
     create.add_argument("--concurrency", type=int, default=0, metavar="N",
                         help="requests in flight at once, for the whole cluster (default 0: none)")
+    create.add_argument("--weight", type=float, default=1.0,
+                        help="the key's share of the engines when requests wait at the ingress, against "
+                             "a key of weight 1 (tokens served; default 1)")
+    create.add_argument("--priority", default=None, choices=crdt.PRIORITY_CLASSES,
+                        help=f"the class of the key's requests (default {crdt.DEFAULT_PRIORITY}); "
+                             "a class waits only behind its own and higher ones")
+    create.add_argument("--priorities", default=None, metavar="CLASSES",
+                        help="comma-separated classes a request may ask for (X-Otela-Priority) besides "
+                             "the key's own and lower ones (default: none)")
     create.add_argument("--db", default=DEFAULT_DB, help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
@@ -6887,6 +7384,7 @@ def _keys_command(args: argparse.Namespace) -> int:
         try:
             spec = key_spec(args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
             limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
+            queueing = queue_spec(args.weight, args.priority, args.priorities)
         except ValueError as exc:
             raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     elif not os.path.exists(args.db):   # a typo must not become a new, empty database
@@ -6895,7 +7393,7 @@ def _keys_command(args: argparse.Namespace) -> int:
     db = open_db(args.db)
     try:
         if spec is not None:
-            _keys_create(args, db, *spec)
+            _keys_create(args, db, *spec, **queueing)
         elif args.keys_command == "list":
             _keys_list(args, db)
         elif not revoke_key(db, args.key_id):
@@ -6944,9 +7442,10 @@ def _limits_command(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace, db: sqlite3.Connection, user: str, allow: List[str], rate: float,
-                 budget_day: int, budget_month: int, expires: Optional[float]) -> None:
+                 budget_day: int, budget_month: int, expires: Optional[float], **queueing: Any) -> None:
     limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires, limits)
+    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires, limits,
+                                    **queueing)
     store_key_record(db, digest, record)
     if args.json:
         print(crdt.dumps(key_answer(token, record)).decode())

@@ -7242,6 +7242,15 @@ class SpanExporter:
                 "scopeSpans": [{"scope": {"name": self.service}, "spans": spans}]}]}
 
 
+def engine_scheduling(argv: List[str]) -> Dict[str, str]:
+    """{"scheduling": "priority"} when an engine's command line turns priority scheduling on."""
+    for at, arg in enumerate(argv):
+        if arg == "--enable-priority-scheduling" or arg == "--scheduling-policy=priority" or (
+                arg == "--scheduling-policy" and argv[at + 1:at + 2] == ["priority"]):
+            return {"scheduling": "priority"}
+    return {}
+
+
 def engine_catalog(data: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The record's fields of an engine's /v1/models `data`: `models` (every id, its LoRA adapters
     too, so an ingress of the release before adapters routes them as models), `adapters`
@@ -7332,6 +7341,12 @@ class EngineSupervisor:
         self.url = engine_url
         self.config = config
         self.client = EngineClient(engine_url)
+        # what the record says of how the engine orders its queue: "priority" where its command
+        # asks for priority scheduling (vLLM's --scheduling-policy priority, SGLang's
+        # --enable-priority-scheduling), so an ingress sends each request's class as the body's
+        # `priority`. A job that claims it falsely only gets requests with a `priority` it ignores
+        # or refuses (its own clients' loss); an ingress of a release before reads no such field.
+        self.scheduling = engine_scheduling(self.argv)
         self.health_path = "/health"
         self.health_route = True                    # False: the engine has no /health route
         self.proc: Optional[asyncio.subprocess.Process] = None
@@ -7813,7 +7828,7 @@ async def run_worker(args: argparse.Namespace, config: Config) -> int:
                     published.clear()
                     published.update(await supervisor.catalog())
                     models = published["models"]
-                    publish_catalog(node, published, state=crdt.SERVING)
+                    publish_catalog(node, published, state=crdt.SERVING, **supervisor.scheduling)
                     if publisher is None:
                         publisher = asyncio.ensure_future(publish_engine_view(node))
                         follower = asyncio.ensure_future(follow_engine_models(node, supervisor, published, changed))

@@ -233,9 +233,9 @@ def start_engines(procs, command, n):
     return urls
 
 
-def start_otela(procs, command, n, model, policy, ingresses=1):
-    """otela's fleet: `ingresses` ingresses on one overlay (--policy), n nodes wrapping the
-    engine command; their URLs once each ingress routes `model` to all n. Returns (urls, nodes)."""
+def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth",)):
+    """otela's fleet: `ingresses` ingresses on one overlay (--policy, and `flags`), n nodes wrapping
+    the engine command; their URLs once each ingress routes `model` to all n. Returns (urls, nodes)."""
     node_py, ingress_py = str(ROOT / "otela_node.py"), str(ROOT / "otela_ingress.py")
     subprocess.run([sys.executable, node_py, "keygen", "--out", procs.tmp], check=True, capture_output=True,
                    timeout=60)
@@ -245,7 +245,7 @@ def start_otela(procs, command, n, model, policy, ingresses=1):
         port, g = free_port(), free_port()
         argv = [sys.executable, ingress_py, "serve", "--key-file", key, "--listen", f"127.0.0.1:{port}",
                 "--gossip", f"127.0.0.1:{g}", "--db", os.path.join(procs.tmp, f"ingress{i}.sqlite"),
-                "--policy", policy, "--no-auth", "--max-connections", "16384"]
+                "--policy", policy, *flags, "--max-connections", "16384"]
         if gossip:
             argv += ["--bootstrap", gossip[0]]
         procs.spawn(f"ingress{i}", argv)

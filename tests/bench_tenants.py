@@ -1,0 +1,329 @@
+"""Benchmark of the ingress's fair queue (issue 43): tenants sharing saturated engines.
+
+    .venv/bin/python tests/bench_tenants.py [--out bench-results] [--quick] [--time-scale K]
+        [--duration S] [--routers DIR]
+
+Engines: ENGINES x `otela_sim.py serve --model Llama-3.1-8B-Instruct --gpu H100 --engine vllm-v1
+--time-scale K`, started as tests/bench_routing.py starts them (its helpers, imported), each run
+on a fresh fleet. Every request: a PROMPT_TOKENS-token random prompt (no shared prefix), OUTPUT_TOKENS
+tokens out, streamed, Poisson arrivals. The fleet's capacity (requests/s) is MEASURED first in
+the same run (bench_routing's closed loop straight to the engines at time scale 1), divided by K.
+
+--quick: 16 output tokens, K = 20, 10 s cases, and the cases alone, queue, no_queue, priority
+(--cases picks any). Cases, each with a tenant's own key (tenant = the key's user):
+  alone      B and C at SHARE_SMALL of capacity each, A absent: their TTFT p99 unloaded by A
+  queue      A at FLOOD x capacity, B and C as above, through otela's ingress (the fair queue on;
+             --queue-wait-s scaled by K: the same tolerance in GPU time as at K = 1)
+  no_queue   the same through an ingress with --no-queue (every request to an engine at once)
+  sglang     the same through sglang-router cache_aware (0.3.2, installed by bench_routing into
+             .cache/routers; its released wheel has a global concurrency cap with one first-come
+             queue, --max-concurrent-requests/--queue-size, and no priority or per-tenant fairness)
+  priority   a batch-class key floods at FLOOD x capacity beside an interactive-class key at
+             SHARE_SMALL: the interactive TTFT p99 against B's in `alone` (unloaded)
+  two        the `queue` case with two ingresses, A's requests alternating between them (B and C
+             through the first): the fair-share counters are each ingress's own until the ingress
+             plane shares them (FairQueue.remote_service), so this is the figure as it stands
+Per case and tenant: requests, ok, 429s, TTFT p50/p99 (ms, wall), output tokens served in the
+window; A's served tokens against the capacity the others left it; Jain's fairness index per
+window of WINDOW_S x K wall seconds (30 s of GPU time; --quick: a third of the run) over the
+tenants' service in tokens, each divided by its max-min fair share of what was served in the
+window (a tenant asking less than an equal share is owed what it asked: so 1.0 is fair also when
+B and C are not backlogged). Service is counted as it happened: a request's prompt at its first
+token, its output tokens spread evenly from its first to its last. Prints a table, writes
+<out>/tenants.json; never asserts. Loopback only; every process is stopped and every temporary
+folder removed (bench_routing.Processes).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import bench_routing as br  # noqa: E402
+import workload  # noqa: E402
+
+import otela_ingress  # noqa: E402
+
+ENGINES = 4
+PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128     # a chat turn's shape; no prefix shared (no cache effects)
+QUICK_OUTPUT_TOKENS = 16                    # --quick: at K = 20 a token is >= 0.14 s wall (more beside
+                                            # 40 streams); 16 of them fit a short run, 128 take 18 s or more
+FLOOD, SHARE_SMALL = 5.0, 0.2               # A at 5x capacity; B and C at 20 % each (issue 43)
+TIME_SCALE, QUICK_TIME_SCALE = 10.0, 20.0   # K: 4 emulated H100s slowed K times (at K = 20, ~2 cores
+                                            # carry the flood's streams through nodes and ingress)
+DURATION_S, QUICK_DURATION_S = 60.0, 10.0   # seconds of arrivals per case (wall)
+DRAIN_S, QUICK_DRAIN_S = 40.0, 16.0         # each request is awaited this long at most (wall): a flood's
+                                            # backlog is cut there (its requests time out), not drained
+WINDOW_S = 30.0                             # fairness windows, in GPU seconds (x K wall)
+CAPACITY_S, QUICK_CAPACITY_S, CAPACITY_INFLIGHT = 18.0, 9.0, 64
+
+
+def requests_for(n, seed):
+    rng = random.Random(seed)
+    return [{"messages": [{"role": "user", "content": workload.text(PROMPT_TOKENS, rng)}],
+             "max_tokens": OUTPUT_TOKENS} for _ in range(n)]
+
+
+def measure_capacity(seconds):
+    """The fleet's requests/s at time scale 1 (bench_routing's closed loop)."""
+    procs = br.Processes("tenants-capacity")
+    try:
+        urls = br.start_engines(procs, lambda port: br.sim_command(1.0, port), ENGINES)
+        tokens, done = asyncio.run(br._closed_loop(urls, br.MODEL, iter(requests_for(100000, 99)),
+                                                   CAPACITY_INFLIGHT, seconds))
+        return tokens / (seconds * 2 / 3 - 0.1) / OUTPUT_TOKENS, done
+    finally:
+        procs.stop()
+
+
+def make_keys(procs, ingresses, tenants):
+    """A key per tenant (name -> priority class), stored in every ingress's database before it
+    starts. Returns name -> token."""
+    tokens = {}
+    records = []
+    for name, priority in tenants.items():
+        token, digest, record = otela_ingress.new_key(name, priority=priority)
+        tokens[name] = token
+        records.append((digest, record))
+    for i in range(ingresses):
+        db = otela_ingress.open_db(os.path.join(procs.tmp, f"ingress{i}.sqlite"))
+        try:
+            for digest, record in records:
+                otela_ingress.store_key_record(db, digest, record)
+        finally:
+            db.close()
+    return tokens
+
+
+async def _tenants(plan, duration, drain):
+    """Each tenant's arrivals (its urls, rate, token, seed) concurrently, streamed; its records.
+    Every request is given until the run's end (the arrivals' `duration` plus `drain`): a flood's
+    client is patient, so what it waits for at the ingress is not given up half-served at an
+    engine, and its backlog is cut at the end."""
+    start = time.monotonic()
+    end = start + duration + drain
+
+    async def one(name, urls, rate, token, seed):
+        n = max(1, int(rate * duration * 1.5) + 5)
+        times = workload.arrivals(n, rate, "poisson", seed=seed, duration=duration)
+        reqs = requests_for(len(times), seed)
+        headers = {"authorization": f"Bearer {token}"}
+        tasks = []
+        for i, (req, at) in enumerate(zip(reqs, times)):
+            delay = start + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            host, port, prefix = workload.loopback(urls[i % len(urls)])
+            body, _ = workload._body(br.MODEL, req, None)
+            tasks.append(asyncio.ensure_future(workload.one_request(
+                host, port, prefix + "/v1/chat/completions", body, end - time.monotonic(), headers)))
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        return name, [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
+                      for r, at, req in zip(out, times, reqs)]
+    done = await asyncio.gather(*(one(*p) for p in plan))
+    return dict(done)
+
+
+def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, spread=("A",)):
+    """A fresh fleet and the tenants' arrivals: {tenant: rate share of capacity}; the tenants in
+    `spread` alternate between the ingresses. Returns {tenant: records}, the run's start."""
+    procs = br.Processes(f"tenants-{kind}")
+    scale = a.time_scale
+    try:
+        command = lambda port="{port}": br.sim_command(scale, port)  # noqa: E731
+        classes = {name: cls for name, (_, cls) in tenants.items()}
+        if kind == "sglang":
+            workers = br.start_engines(procs, command, ENGINES)
+            urls = [br.start_router(procs, rdir, "sglang-router", "cache_aware", workers, "router0")]
+            tokens = dict.fromkeys(tenants, "none")
+        else:
+            tokens = make_keys(procs, ingresses, classes)
+            urls, _ = br.start_otela(procs, command, ENGINES, br.MODEL, "ttft", ingresses,
+                                     flags=("--queue-wait-s", f"{a.queue_wait_s * scale:g}", *flags))
+        plan = [(name, urls if name in spread else urls[:1], share * capacity / scale, tokens[name], 10 + i)
+                for i, (name, (share, _)) in enumerate(sorted(tenants.items()))]
+        start = time.monotonic()
+        records = asyncio.run(_tenants(plan, a.duration, a.drain))
+        metrics = {}
+        if kind == "otela":
+            text = br.http_get(urls[0] + "/metrics")[1].decode()
+            metrics = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("otela_queue_")}
+        return records, start, metrics
+    finally:
+        procs.stop()
+
+
+def service_events(records):
+    """(time s from the start, tokens) of a tenant's service: the prompt at the first token, the
+    output spread evenly to the last."""
+    out = []
+    for r in records:
+        if r.get("ttft") is None or r.get("status") != 200:
+            continue
+        first, last = r["at"] + r["ttft"], r["at"] + r.get("last", r["ttft"])
+        out.append((first, r.get("prompt_tokens") or PROMPT_TOKENS))
+        n = r.get("tokens") or 0
+        for k in range(n):
+            out.append((first + (last - first) * (k + 1) / n, 1))
+    return out
+
+
+def fair_shares(total, demands):
+    """Max-min fair shares of `total` among `demands` (water-filling)."""
+    shares, left, open_ = {}, total, dict(demands)
+    while open_:
+        each = left / len(open_)
+        small = {t: d for t, d in open_.items() if d <= each}
+        if not small:
+            shares.update(dict.fromkeys(open_, each))
+            break
+        for t, d in small.items():
+            shares[t] = d
+            left -= d
+            del open_[t]
+    return shares
+
+
+def jain(values):
+    values = [v for v in values if v is not None]
+    if not values or not any(values):
+        return None
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+def fairness(records_by, window, horizon, rates):
+    """Jain's index per window over service / max-min fair share (demand: the tenant's offered
+    tokens per window, from its rate)."""
+    events = {t: service_events(r) for t, r in records_by.items()}
+    per_request = PROMPT_TOKENS + OUTPUT_TOKENS
+    out = []
+    t = 0.0
+    while t + window <= horizon + 1e-9:
+        served = {name: sum(k for at, k in ev if t <= at < t + window) for name, ev in events.items()}
+        total = sum(served.values())
+        demands = {name: rates[name] * window * per_request for name in served}
+        shares = fair_shares(total, demands)
+        out.append(jain([min(1.0, served[n] / shares[n]) if shares[n] else None for n in served]))
+        t += window
+    return out
+
+
+def tenant_figures(records, horizon):
+    """A tenant's figures; its TTFT over every request that had a first token (a flood's stream cut
+    by the run's end still had its wait measured)."""
+    ok = [r for r in records if br.complete(r)]
+    ttft = [r["ttft"] for r in records if r.get("ttft") is not None and r.get("status") == 200]
+    served = sum(k for at, k in service_events(records) if at < horizon)
+
+    def ms(x):
+        return None if x is None else round(x * 1e3, 1)
+    return {"requests": len(records), "ok": len(ok), "429": sum(r.get("status") == 429 for r in records),
+            "other_errors": sum(not br.complete(r) and r.get("status") != 429 for r in records),
+            "ttft_p50_ms": ms(br.percentile(ttft, 0.5)), "ttft_p99_ms": ms(br.percentile(ttft, 0.99)),
+            "served_tokens": served, "error_kinds": sorted({br.why(r) for r in records if not br.complete(r)
+                                                            and r.get("status") != 429})[:3]}
+
+
+def summarise(records_by, a, tenants, capacity):
+    horizon = a.duration
+    out = {name: tenant_figures(r, horizon) for name, r in records_by.items()}
+    rates = {name: share * capacity / a.time_scale for name, (share, _) in tenants.items()}
+    window = WINDOW_S * a.time_scale if not a.quick else a.duration / 3
+    out["jain_per_window"] = [None if j is None else round(j, 3) for j in fairness(records_by, window, horizon, rates)]
+    out["window_s"] = window
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--quick", action="store_true", help="short cases at a higher time scale (~3 min)")
+    p.add_argument("--time-scale", type=float, default=None)
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per case")
+    p.add_argument("--routers", default=None, help="a venv holding sglang-router (bench_routing's)")
+    p.add_argument("--queue-wait-s", type=float, default=otela_ingress.QUEUE_WAIT_S,
+                   help="the ingress's QUEUE_WAIT_S in GPU seconds (x K on the ingress's clock; default "
+                        f"{otela_ingress.QUEUE_WAIT_S:g})")
+    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,no_queue,sglang,priority,two "
+                                                 "(default: all; --quick: alone,queue,no_queue,priority)")
+    a = p.parse_args()
+    global OUTPUT_TOKENS
+    if a.quick:
+        OUTPUT_TOKENS = QUICK_OUTPUT_TOKENS
+    a.drain = QUICK_DRAIN_S if a.quick else DRAIN_S
+    wanted = a.cases.split(",") if a.cases else \
+        (["alone", "queue", "no_queue", "priority"] if a.quick else ["alone", "queue", "no_queue", "sglang", "priority", "two"])
+    a.time_scale = a.time_scale or (QUICK_TIME_SCALE if a.quick else TIME_SCALE)
+    a.duration = a.duration or (QUICK_DURATION_S if a.quick else DURATION_S)
+    signal.signal(signal.SIGTERM, br._interrupt)
+    result = {"command": "tests/bench_tenants.py " + " ".join(sys.argv[1:]), "time_scale": a.time_scale,
+              "queue_wait_s": a.queue_wait_s,
+              "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+              "duration_s": a.duration, "engines": f"{ENGINES} x otela_sim.py serve --model {br.MODEL} --gpu "
+              f"{br.GPU} --engine {br.ENGINE} --time-scale {a.time_scale:g}", "cases": {}, "skipped": {}}
+    t0 = time.monotonic()
+    capacity, done = measure_capacity(QUICK_CAPACITY_S if a.quick else CAPACITY_S)
+    result["capacity_rps_at_scale_1"], result["capacity_requests"] = capacity, done
+    print(f"capacity: {capacity:.1f} requests/s at time scale 1 ({capacity / a.time_scale:.2f} at {a.time_scale:g})")
+    small = (SHARE_SMALL, "standard")
+    mixed = {"A": (FLOOD, "standard"), "B": small, "C": small}
+    cases = [("alone", "otela", {"B": small, "C": small}, 1, ()),
+             ("queue", "otela", mixed, 1, ()),
+             ("no_queue", "otela", mixed, 1, ("--no-queue",)),
+             ("sglang", "sglang", mixed, 1, ()),
+             ("priority", "otela", {"batch": (FLOOD, "batch"), "chat": (SHARE_SMALL, "interactive")}, 1, ()),
+             ("two", "otela", mixed, 2, ())]
+    rdir, missing = br.routers_dir(a.routers)
+    for label, kind, tenants, ingresses, flags in cases:
+        if label not in wanted:
+            continue
+        if kind == "sglang" and "sglang-router" in missing:
+            result["skipped"][label] = missing["sglang-router"]
+            continue
+        records, _, metrics = run_case(kind, a, capacity, tenants, ingresses, flags, rdir)
+        case = summarise(records, a, tenants, capacity)
+        case["queue_metrics"] = metrics
+        result["cases"][label] = case
+        print(f"{label}: done ({time.monotonic() - t0:.0f} s)")
+    alone = result["cases"].get("alone", {})
+    for case in result["cases"].values():
+        for name in ("B", "C"):
+            if name in case and alone.get(name, {}).get("ttft_p99_ms") and case[name]["ttft_p99_ms"]:
+                case[name]["ttft_p99_vs_alone"] = round(case[name]["ttft_p99_ms"] / alone[name]["ttft_p99_ms"], 2)
+        if "A" in case:   # what A got against what B and C left of the fleet's output in the window
+            left = capacity / a.time_scale * a.duration * (PROMPT_TOKENS + OUTPUT_TOKENS) - \
+                case["B"]["served_tokens"] - case["C"]["served_tokens"]
+            case["A"]["served_vs_capacity_left"] = round(case["A"]["served_tokens"] / left, 2) if left > 0 else None
+        if "chat" in case and alone.get("B", {}).get("ttft_p99_ms") and case["chat"]["ttft_p99_ms"]:
+            case["chat"]["ttft_p99_vs_unloaded"] = round(case["chat"]["ttft_p99_ms"] / alone["B"]["ttft_p99_ms"], 2)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    print(f"{'case':9} {'tenant':6} {'req':>5} {'ok':>5} {'429':>5} {'err':>4} {'ttft p50':>9} {'ttft p99':>9} "
+          f"{'x alone':>7} {'served tok':>10} {'x left':>6}")
+    for label, case in result["cases"].items():
+        for name, f in case.items():
+            if not isinstance(f, dict) or "requests" not in f:
+                continue
+            ratio = f.get("ttft_p99_vs_alone", f.get("ttft_p99_vs_unloaded"))
+            print(f"{label:9} {name:6} {f['requests']:5d} {f['ok']:5d} {f['429']:5d} {f['other_errors']:4d} "
+                  f"{br.fmt(f['ttft_p50_ms'], '9.0f')} {br.fmt(f['ttft_p99_ms'], '9.0f')} {br.fmt(ratio, '7.2f')} "
+                  f"{f['served_tokens']:10d} {br.fmt(f.get('served_vs_capacity_left'), '6.2f')}")
+        print(f"{label:9} Jain per {case['window_s']:g} s window: {case['jain_per_window']}")
+    for label, why in result["skipped"].items():
+        print(f"{label}: skipped: {why}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "tenants.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {os.path.join(a.out, 'tenants.json')} ({result['wall_s']:g} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""The ingress's fair queue: requests wait at the ingress while engines are saturated, and go out
+by weighted fair share of service between tenants, by class, first come first served within one."""
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import threading
+import time
+
+import pytest
+from test_ingress_support import Client, Stack, sse_events
+
+import crdt
+import otela_ingress
+import otela_node
+from otela_ingress import FairQueue, HTTPError, Key, Limits, Waiting
+
+
+# -- the order, sans I/O ------------------------------------------------------------------------------
+def key(user: str, weight: float = 1.0, priority: str = "standard", priorities=(), key_id: str = "") -> Key:
+    record = crdt.key_record(key_id or user, user, 0.0, weight=weight, priority=priority, priorities=priorities)
+    return Key.of_record("0" * 64, record)
+
+
+def queue(**limits) -> FairQueue:
+    return FairQueue(Limits(**limits), {})
+
+
+def wait(q: FairQueue, k: Key, now: float, rank: int = 1, size: int = 100, model: str = "m") -> Waiting:
+    entry = Waiting(q, lambda: True, k, rank, now, size, model, None)
+    assert q.refusal(k, size) is None
+    q.add(entry)
+    return entry
+
+
+def serve(q: FairQueue, n: int, now: float = 0.0, tokens: float = 100.0) -> list:
+    """Send the next `n` in fair order, each charged `tokens`; their tenants in that order."""
+    out = []
+    for _ in range(n):
+        entry = q.order(now)
+        q.went(entry, tokens, now)
+        out.append(entry.tenant)
+    return out
+
+
+def test_backlogged_tenants_share_service_by_their_weights():
+    q = queue()
+    light, heavy = key("light"), key("heavy", weight=3.0)
+    for _ in range(100):
+        wait(q, light, 0.0)
+        wait(q, heavy, 0.0)
+    served = collections.Counter(serve(q, 80))
+    assert served == {"heavy": 60, "light": 20}
+
+
+def test_within_a_tenant_requests_go_first_come_first_served():
+    q = queue()
+    alice = key("alice")
+    entries = [wait(q, alice, float(i)) for i in range(5)]
+    assert [q.order(10.0) for _ in range(1)] == [entries[0]]
+    order = []
+    while q.count:
+        entry = q.order(10.0)
+        q.went(entry, 10, 10.0)
+        order.append(entry)
+    assert order == entries
+
+
+def test_a_tenant_that_starts_waiting_gets_no_credit_for_the_service_it_did_not_ask_for():
+    q = queue()
+    flood, late = key("flood"), key("late")
+    for _ in range(50):
+        wait(q, flood, 0.0)
+    serve(q, 20)   # flood's counter: 2,000 tokens
+    for _ in range(20):
+        wait(q, late, 1.0)
+    # lifted to the least counter among the waiting (flood's), it alternates rather than taking 20 in a row
+    assert serve(q, 6, 1.0).count("late") == 3
+
+
+def test_service_given_without_waiting_counts_against_the_tenant():
+    q = queue()
+    a, b = key("a"), key("b")
+    wait(q, a, 0.0)
+    wait(q, b, 0.0)
+    q.charge("a", 5000)   # e.g. the completion tokens of a request that went out at once
+    assert q.order(0.0).tenant == "b"
+
+
+def test_remote_service_counts_in_the_order():
+    q = queue()
+    a, b = key("a"), key("b")
+    wait(q, a, 0.0)
+    wait(q, b, 0.0)
+    q.remote_service = lambda tenant: 1000.0 if tenant == "a" else 0.0
+    assert q.order(0.0).tenant == "b"
+
+
+def test_a_higher_class_waits_only_behind_its_own_class():
+    q = queue()
+    batch, chat = key("batch", priority="batch"), key("chat", priority="interactive")
+    for _ in range(10):
+        wait(q, batch, 0.0, rank=2)
+    q.charge("chat", 10**6)   # however much service it had, its class goes first
+    first = wait(q, chat, 1.0, rank=0)
+    assert q.order(1.0) is first
+
+
+def test_a_lower_class_rises_a_class_per_age_step_and_is_not_starved():
+    q = queue(queue_age_s=10.0)
+    old = wait(q, key("batch"), 0.0, rank=2)
+    fresh = wait(q, key("chat"), 15.0, rank=1)   # a standard request, newer
+    assert q.rank(old, 15.0) == 1
+    assert q.order(15.0) is old   # the same class now, and the batch tenant has had less service
+    assert q.rank(old, 25.0) == 0 and q.rank(fresh, 25.0) == 0
+
+
+def test_bounds_per_key_and_overall_refuse_with_429_and_retry_after():
+    q = queue(queue_max=3, queue_max_per_key=2, queue_key_bytes=1000)
+    a, b = key("a"), key("b")
+    wait(q, a, 0.0)
+    wait(q, a, 0.0)
+    refused = q.refusal(a, 10)
+    assert isinstance(refused, HTTPError) and refused.status == 429
+    assert (b"retry-after", b"2") in refused.headers
+    assert q.refusal(b, 2000).status == 429   # bytes of one key
+    wait(q, b, 0.0)
+    assert q.refusal(b, 10).status == 429     # the whole queue
+    assert q.throttled == {"a": 1, "b": 2}
+
+
+def test_a_request_that_waited_too_long_is_taken_out():
+    q = queue(queue_timeout_s=5.0)
+    a = key("a")
+    old, new = wait(q, a, 0.0), wait(q, a, 4.0)
+    assert q.expired(6.0) == [old]
+    assert q.count == 1 and q.order(6.0) is new
+
+
+def test_a_cancelled_entry_leaves_the_queue_and_frees_its_key_share():
+    q = queue(queue_max_per_key=1)
+    a = key("a")
+    entry = wait(q, a, 0.0)
+    entry.cancel()
+    assert q.count == 0 and q.bytes == 0 and not q.lanes and not q.per_key
+    assert q.aborted == {"a": 1}
+    assert q.refusal(a, 10) is None
+
+
+def test_requests_of_a_model_whose_sessions_are_full_are_passed_over():
+    q = queue()
+    a, b = key("a"), key("b")
+    wait(q, a, 0.0, model="busy")
+    other = wait(q, b, 1.0, model="free")
+    q.charge("b", 100)
+    assert q.order(1.0, {"busy"}) is other
+
+
+# -- the request class -----------------------------------------------------------------------------
+def test_request_class_from_header_body_and_key():
+    plain = key("u")
+    allowed = key("v", priorities=["interactive"])
+    rc = otela_ingress.request_class
+    assert rc(plain, {}, {}) == 1
+    assert rc(plain, {b"x-otela-priority": b"batch"}, {}) == 2   # a lower class: always
+    with pytest.raises(HTTPError) as refused:
+        rc(plain, {b"x-otela-priority": b"interactive"}, {})
+    assert refused.value.status == 403
+    with pytest.raises(HTTPError) as bad:
+        rc(plain, {b"x-otela-priority": b"urgent"}, {})
+    assert bad.value.status == 400
+    assert rc(allowed, {b"x-otela-priority": b"interactive"}, {}) == 0
+    assert rc(plain, {}, {"priority": -5}) == 1   # the body's asks, capped at the key's class
+    assert rc(allowed, {}, {"priority": -5}) == 0
+    assert rc(plain, {}, {"priority": 3}) == 2
+
+
+def test_the_engine_gets_the_class_as_its_priority_field():
+    body = b'{"model":"m","priority":-100}'
+    out = otela_ingress.with_engine_priority(body, json.loads(body), 2)
+    assert json.loads(out) == {"model": "m", "priority": 10}
+    body = b'{"model":"m"}'
+    assert json.loads(otela_ingress.with_engine_priority(body, json.loads(body), 0)) == {"priority": -10, "model": "m"}
+    assert json.loads(otela_ingress.with_engine_priority(b"{ }", {}, 1)) == {"priority": 0}
+
+
+def test_engine_scheduling_is_read_from_the_engine_command():
+    assert otela_node.engine_scheduling(["vllm", "serve", "m", "--scheduling-policy", "priority"]) == \
+        {"scheduling": "priority"}
+    assert otela_node.engine_scheduling(["python", "-m", "sglang.launch_server", "--enable-priority-scheduling"]) == \
+        {"scheduling": "priority"}
+    assert otela_node.engine_scheduling(["vllm", "serve", "m", "--scheduling-policy", "fcfs"]) == {}
+
+
+# -- key records ----------------------------------------------------------------------------------------
+def test_a_key_without_queue_fields_is_the_record_of_before():
+    record = crdt.key_record("k1", "alice", 1.0)
+    assert set(record) == {"state", "version", "id", "user", "created"}
+    assert "weight" not in otela_ingress.new_key("bob", weight=1.0, priority="standard", priorities=[])[2]
+
+
+def test_key_queue_fields_are_validated():
+    entry = crdt.key_entry("ab" * 32)
+    good = crdt.key_record("k1", "alice", 1.0, weight=2.5, priority="batch", priorities=["standard"])
+    crdt.validate_key(entry, good)
+    assert good["weight"] == 2.5 and good["priority"] == "batch" and good["priorities"] == ["standard"]
+    for bad in ({"weight": 0}, {"weight": -1}, {"weight": True}, {"priority": "urgent"},
+                {"priorities": ["x"]}, {"priorities": "interactive"}, {"priorities": ["batch", "batch"]}):
+        with pytest.raises(crdt.RecordError):
+            crdt.validate_key(entry, dict(crdt.key_record("k1", "alice", 1.0), **bad))
+    with pytest.raises(ValueError):
+        otela_ingress.queue_spec(weight=float("nan"))
+    assert otela_ingress.queue_spec(2, "interactive", "batch, standard") == \
+        {"weight": 2.0, "priority": "interactive", "priorities": ["batch", "standard"]}
+
+
+# -- through the ingress (fake engines) --------------------------------------------------------------------
+@pytest.fixture
+def deep1(tmp_path):
+    """An ingress whose sessions are full with one request of its own in flight."""
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_session_depth=1, queue_max_per_key=3))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def in_threads(*calls):
+    """Run each call in its own thread, started in order 50 ms apart; their results in that order."""
+    results = [None] * len(calls)
+
+    def run(i, call):
+        results[i] = call()
+
+    threads = []
+    for i, call in enumerate(calls):
+        t = threading.Thread(target=run, args=(i, call))
+        t.start()
+        threads.append(t)
+        time.sleep(0.05)
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def chat_at(url, token, done, tag, **extra):
+    def call():
+        c = Client(url, token)
+        try:
+            answer = c.chat(**extra)
+            done.append((tag, time.monotonic()))
+            return answer
+        finally:
+            c.close()
+    return call
+
+
+def test_requests_wait_at_the_ingress_while_the_session_is_full(deep1):
+    _, engine = deep1.engine("m1", mode="slow", slow_delay=0.3)
+    token = deep1.key("alice")
+    done: list = []
+    answers = in_threads(*(chat_at(deep1.url, token, done, i) for i in range(3)))
+    assert [a[0] for a in answers] == [200, 200, 200]
+    assert [tag for tag, _ in done] == [0, 1, 2]   # first come first served within the tenant
+    # one at a time at the engine: each waited for the one before
+    assert done[2][1] - done[0][1] >= 0.5
+    metrics = Client(deep1.url).request("GET", "/metrics")[2].decode()
+    assert 'otela_queue_wait_seconds_count{tenant="alice"} 2' in metrics
+    assert 'otela_queue_service_tokens_total{tenant="alice"}' in metrics
+    waits = sorted((w for (w,) in deep1.sql("SELECT waited_ms FROM requests")), key=lambda w: w or 0)
+    assert waits[0] is None and 150 < waits[1] < waits[2]   # the first went at once; the others' waits
+    admin = Client(deep1.url, deep1.key("root", admin=True))
+    usage = json.loads(admin.request("GET", "/v1/usage")[2])
+    assert usage["totals"]["waited_ms"] == pytest.approx(waits[1] + waits[2], rel=1e-3)
+    admin.close()
+
+
+def test_a_newcomer_tenant_goes_before_a_floods_backlog(deep1):
+    deep1.engine("m1", mode="slow", slow_delay=0.3)
+    flood, other = deep1.key("flood"), deep1.key("other")
+    done: list = []
+    calls = [chat_at(deep1.url, flood, done, "flood") for _ in range(3)] + [chat_at(deep1.url, other, done, "other")]
+    answers = in_threads(*calls)
+    assert all(a[0] == 200 for a in answers)
+    # the first flood request was at the engine; "other" came last but went next
+    assert [tag for tag, _ in done][:2] == ["flood", "other"]
+
+
+def test_past_a_keys_share_of_the_queue_the_answer_is_429_with_retry_after(deep1):
+    deep1.engine("m1", mode="slow", slow_delay=0.5)
+    token = deep1.key("alice")
+    done: list = []
+    answers = in_threads(*(chat_at(deep1.url, token, done, i) for i in range(5)))   # 1 sent, 3 wait, 1 over
+    statuses = sorted(a[0] for a in answers)
+    assert statuses == [200, 200, 200, 200, 429]
+    refused = next(a for a in answers if a[0] == 429)
+    assert refused[1]["retry-after"] == "2"
+    assert json.loads(refused[2])["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_client_that_leaves_while_waiting_is_removed_at_once(deep1):
+    _, engine = deep1.engine("m1", mode="slow", slow_delay=0.5)
+    token = deep1.key("alice")
+    first = threading.Thread(target=lambda: Client(deep1.url, token).chat())
+    first.start()
+    time.sleep(0.1)
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    sock = socket.create_connection(("127.0.0.1", deep1.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\n"
+                 b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (token.encode(), len(body), body))
+    deadline = time.monotonic() + 5
+    while deep1.call(lambda: deep1.ingress.queue.count) != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deep1.call(lambda: deep1.ingress.queue.count) == 1
+    sock.close()
+    deadline = time.monotonic() + 5
+    while deep1.call(lambda: deep1.ingress.queue.count) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deep1.call(lambda: deep1.ingress.queue.count) == 0
+    assert deep1.call(lambda: dict(deep1.ingress.queue.aborted)) == {"alice": 1}
+    first.join(10)
+    time.sleep(0.2)
+    assert engine.requests == 1   # the one that left never reached the engine
+    assert deep1.sql("SELECT count(*) FROM requests") == [(1,)]   # no row for it
+
+
+def test_a_stream_goes_through_the_queue(deep1):
+    deep1.engine("m1", chunks=4, chunk_delay=0.1)
+    token = deep1.key("alice")
+    done: list = []
+    answers = in_threads(chat_at(deep1.url, token, done, 0, stream=True), chat_at(deep1.url, token, done, 1, stream=True))
+    for status, _, body in answers:
+        assert status == 200 and sse_events(body)[-1] == "[DONE]"
+        assert len(sse_events(body)) == 5
+    assert deep1.call(lambda: deep1.ingress.queue.waited["alice"][1]) == 1
+
+
+def test_a_retry_after_a_failed_attempt_does_not_wait_again(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_session_depth=1))
+    try:
+        s.engine("m1", mode="error500")
+        good, _ = s.engine("m1", mode="slow", slow_delay=0.6)
+        admin, token = s.key("root", admin=True), s.key("alice")
+        # the good session is full (one request in flight, pinned there by an admin) ...
+        busy = threading.Thread(target=lambda: Client(s.url, admin).chat(headers={"x-otela-session": good}))
+        busy.start()
+        time.sleep(0.2)
+        # ... so alice's request goes to the other, which refuses it with a 500: its retry goes to the
+        # full session at once, as an attempt of a request already sent, not behind the queue
+        status, headers, _ = Client(s.url, token).chat(content="another question")
+        busy.join(10)
+        assert status == 200 and headers["x-otela-session"] == good
+        assert s.call(lambda: s.ingress.metrics.retries) == 1
+        assert s.call(lambda: s.ingress.queue.waited["alice"][1]) == 0
+    finally:
+        s.close()
+
+
+def test_the_engine_gets_the_keys_class_where_it_schedules_by_priority(stack):
+    sid, engine = stack.engine("m1")
+    def by_priority():   # what a node whose engine runs `--scheduling-policy priority` publishes
+        record = dict(stack.node.registry.get(sid), scheduling="priority")
+        record["version"] = stack.node._versions[sid] = record["version"] + 1
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(by_priority)
+    db = otela_ingress.open_db(stack.db_path)
+    try:
+        token, digest, record = otela_ingress.new_key("batchy", priority="batch")
+        otela_ingress.store_key_record(db, digest, record)
+        records = otela_ingress.load_key_records(db)
+    finally:
+        db.close()
+    stack.call(stack.ingress.cluster.read_records, records)
+    c = Client(stack.url, token)
+    status, _, _ = c.chat(priority=-50)
+    assert status == 200
+    assert json.loads(engine.last_body)["priority"] == 10   # batch's, not what the client asked
+    status, _, body = c.chat(headers={"x-otela-priority": "interactive"})
+    assert status == 403 and json.loads(body)["error"]["code"] == "priority_not_allowed"
+    c.close()
+
+
+def test_admin_api_and_cli_make_keys_with_weight_and_priority(stack, tmp_path):
+    admin = stack.key("root", admin=True)
+    c = Client(stack.url, admin)
+    status, _, body = c.request("POST", "/v1/admin/keys", {"user": "lab", "weight": 4, "priority": "batch",
+                                                          "priorities": ["standard"]})
+    answer = json.loads(body)
+    assert status == 200
+    assert (answer["weight"], answer["priority"], answer["priorities"]) == (4.0, "batch", ["standard"])
+    status, _, body = c.request("POST", "/v1/admin/keys", {"user": "lab", "weight": 0})
+    assert status == 400 and "weight" in json.loads(body)["error"]["message"]
+    c.close()
+    import subprocess
+    import sys
+    db = str(tmp_path / "cli.sqlite")
+    made = subprocess.run([sys.executable, otela_ingress.__file__, "keys", "create", "--user", "u", "--db", db,
+                           "--weight", "2", "--priority", "interactive", "--json"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["weight"] == 2.0 and json.loads(made.stdout)["priority"] == "interactive"
+    bad = subprocess.run([sys.executable, otela_ingress.__file__, "keys", "create", "--user", "u", "--db", db,
+                          "--weight", "-1"], capture_output=True, text=True)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_database_from_before_the_queue_gets_the_waited_columns(tmp_path):
+    import sqlite3
+    path = str(tmp_path / "old.sqlite")
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE requests (ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
+            session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER, completion_tokens INTEGER,
+            latency_ms REAL, stream INTEGER, attempts INTEGER, request_id TEXT, trace_id TEXT);
+        CREATE TABLE daily (day TEXT NOT NULL, user TEXT NOT NULL, model TEXT NOT NULL,
+            requests INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0,
+            opted_out INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, user, model));
+        INSERT INTO daily VALUES ('2026-01-01', 'u', 'm', 1, 0, 0, 2, 3);""")
+    old.close()
+    db = otela_ingress.open_db(path)
+    try:
+        assert [r[1] for r in db.execute("PRAGMA table_info(requests)")][-1] == "waited_ms"
+        assert db.execute("SELECT waited_ms FROM daily").fetchall() == [(0,)]
+    finally:
+        db.close()
