@@ -5475,14 +5475,17 @@ class AdapterRoutes:
     """vLLM's load and unload of LoRA adapters through the ingress (see above), and the load asked
     first of a base's session for a request naming an adapter no session has (--adapter-on-demand)."""
 
-    def __init__(self, node: Any, pool: UpstreamPool, health: PassiveHealth, policy: Any,
+    def __init__(self, sessions: Callable[[], Iterable[Tuple[str, Dict[str, Any]]]],
+                 record_of: Callable[[str], Optional[Dict[str, Any]]],
+                 pool: UpstreamPool, health: PassiveHealth, policy: Any,
                  candidates: Callable[[str, Key], List[Candidate]],
                  pinned: Callable[[bytes, str, Key], List[Candidate]],
                  routable: Callable[[str, Dict[str, Any]], bool],
                  model_elsewhere: Callable[[bytes, bytes, Dict[bytes, bytes], Key], Optional[str]],
                  key_read: Callable[[_Client, Callable[[], None], asyncio.Future], None],
                  loaded: Dict[str, str], on_demand: bool = False):
-        self.node, self.pool, self.health, self.policy = node, pool, health, policy
+        self.sessions, self.record_of = sessions, record_of   # the registry's (made at start)
+        self.pool, self.health, self.policy = pool, health, policy
         self.candidates, self.pinned, self.routable = candidates, pinned, routable   # the ingress's routing
         self.model_elsewhere, self.key_read = model_elsewhere, key_read
         self.on_demand = on_demand
@@ -5521,7 +5524,7 @@ class AdapterRoutes:
         if isinstance(base, str) and base:
             return self.candidates(base, key)
         if action == "unload":
-            found = [Candidate(sid, record) for sid, record in self.node.registry.items()
+            found = [Candidate(sid, record) for sid, record in self.sessions()
                      if name in (record.get("adapters") or {}) and self.routable(sid, record)]
             if found:
                 return found
@@ -5546,7 +5549,7 @@ class AdapterRoutes:
         done = [c.session for c, d in zip(sessions, data) if d["status"] < 300]
         deadline = time.monotonic() + ADAPTER_SEEN_S
         while done and time.monotonic() < deadline and not all(
-                (name in ((self.node.registry.get(sid) or {}).get("adapters") or {})) == (action == "load")
+                (name in ((self.record_of(sid) or {}).get("adapters") or {})) == (action == "load")
                 for sid in done):
             await asyncio.sleep(0.02)
         return worst, b"application/json", crdt.dumps({"object": "lora_adapter", "lora_name": name,
@@ -5556,7 +5559,7 @@ class AdapterRoutes:
         """(base, path) of an adapter: from a load passed here, else any record that had it."""
         if name in self.known:
             return self.known[name]
-        for _, record in self.node.registry.items():
+        for _, record in self.sessions():
             found = (record.get("adapters") or {}).get(name)
             if found and found[1]:
                 return found[0], found[1]
@@ -5818,11 +5821,14 @@ def routing_stats(policy: Any) -> Dict[str, Dict[str, float]]:
 class MetricsPage:
     """GET /metrics: this ingress's counters, its node's and its policy's, as Prometheus text."""
 
-    def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
-                 doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
+    def __init__(self, sessions: Callable[[], Iterable[Tuple[str, Dict[str, Any]]]],
+                 is_suspected: Callable[[str], bool], overlay_metrics: Callable[[], bytes],
+                 metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool, doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
                  tracer: Callable[[], Optional[otela_node.SpanExporter]], flow: Optional[ClusterFlow] = None,
                  queue: Optional[FairQueue] = None):
-        self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
+        self.sessions, self.is_suspected = sessions, is_suspected   # the registry's (made at start)
+        self.overlay_metrics = overlay_metrics   # the node's refusals and entries (overlay_metrics)
+        self.metrics, self.health, self.grants, self.pool = metrics, health, grants, pool
         self.flow, self.queue = flow, queue
         self.doubts, self.policy = doubts, policy
         self.ledger, self.tracer = ledger, tracer   # (made at start)
@@ -5830,18 +5836,18 @@ class MetricsPage:
     def render(self) -> bytes:
         states: Dict[str, int] = collections.defaultdict(int)
         suspected = 0
-        for sid, record in self.node.registry.items():
+        for sid, record in self.sessions():
             state = record.get("state")
             states[crdt.STATE_NAMES.get(state, str(state))] += 1
-            if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
+            if state in (crdt.JOIN, crdt.SERVING) and self.is_suspected(sid):
                 suspected += 1
         ledger = self.ledger()
         rows = (ledger.failed_commits, ledger.pending(), ledger.rows_dropped) if ledger is not None else (0, 0, 0)
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())), *rows)
-        body += overlay_metrics(self.node) + routing_metrics(routing_stats(self.policy))
+        body += self.overlay_metrics() + routing_metrics(routing_stats(self.policy))
         if self.queue is not None:
             body += queue_metrics(self.queue)
-        unrouted = collections.Counter(self.grants.unrouted(self.node.registry.items()).values())
+        unrouted = collections.Counter(self.grants.unrouted(self.sessions()).values())
         families = [
             ("otela_tunnel_impostors_total", "counter", "Connections cut because the node showed another tunnel "
              "certificate than its session's grant pins.", [("", self.pool.impostors)]),
@@ -5880,11 +5886,14 @@ class Views:
     # password of HTTP Basic, which a browser asks for on /dashboard and then sends itself.
     KEYED = frozenset((b"/v1/registry", b"/metrics", b"/dashboard", b"/", b"/v1/usage/stats"))
 
-    def __init__(self, node: Any, grants: Grants, health: PassiveHealth, stats: UsageStats, policy: Any,
-                 metrics: Callable[[], bytes], authenticate: Callable[..., Key],
+    def __init__(self, sessions: Callable[[], Iterable[Tuple[str, Dict[str, Any]]]], session: Callable[[], str],
+                 registry_view: Callable[[], Dict[str, Any]],
+                 grants: Grants, health: PassiveHealth, stats: UsageStats, policy: Any, metrics: Callable[[], bytes], authenticate: Callable[..., Key],
                  models: Callable[[Key], List[str]], ledger: Callable[[], Optional[Ledger]], db_path: str,
                  no_auth: bool = False, require_key: bool = False):
-        self.node, self.grants, self.health, self.stats, self.policy = node, grants, health, stats, policy
+        self.sessions, self.session = sessions, session   # the registry's (made at start), our session id
+        self.registry_view = registry_view   # the node's GET /v1/registry
+        self.grants, self.health, self.stats, self.policy = grants, health, stats, policy
         self.metrics, self.authenticate, self.models, self.ledger = metrics, authenticate, models, ledger
         self.db_path, self.no_auth = db_path, no_auth
         self.require_key = require_key   # --require-key-for-views
@@ -5918,31 +5927,31 @@ class Views:
             raise
 
     def healthz(self, fields, query):
-        serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
+        serving = sum(1 for _, r in self.sessions() if serving_worker(r))
         ledger = self.ledger()
         health = ledger.health() if ledger is not None else {"ok": True, "error": None, "failed_commits": 0,
                                                              "pending_rows": 0, "dropped_rows": 0}
         return 200, b"application/json", crdt.dumps({
-            "status": "ok" if health["ok"] else "degraded", "session": self.node.session_id,
+            "status": "ok" if health["ok"] else "degraded", "session": self.session(),
             "serving_sessions": serving, "auth": not self.no_auth, "ledger": health})
 
     def registry(self, fields, query):
-        view = self.node.registry_view()
+        view = self.registry_view()
         if isinstance(view, dict):
-            unrouted = self.grants.unrouted(self.node.registry.items())
+            unrouted = self.grants.unrouted(self.sessions())
             sessions = view.get("sessions", ())   # a list; a stand-in node's, a dict by session
             for sid, session in sessions.items() if isinstance(sessions, dict) else \
                     ((s.get("session"), s) for s in sessions):
                 if sid in unrouted:   # shown apart: with why no request goes there
                     session["unrouted"] = unrouted[sid]
             now = time.monotonic()
-            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
+            view = dict(view, ingress={"session": self.session(), "sick": self.health.sick(now),
                                        "auth": not self.no_auth, "routing": routing_stats(self.policy)})
         return 200, b"application/json", crdt.dumps(view)
 
     def model_list(self, fields, query):
         created = int(time.time())
-        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r))
+        facts = model_facts(r for _, r in self.sessions() if serving_worker(r))
         data = [{"id": m, "object": "model", "created": created, "owned_by": "otela", **facts.get(m, {})}
                 for m in self.models(self.authenticate(fields))]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
@@ -5951,7 +5960,7 @@ class Views:
         if name not in self.models(self.authenticate(fields)):
             raise HTTPError(404, f"The model '{name}' does not exist or no session serves it",
                             "model_not_found", "model")
-        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r) and name in r.get("models", ()))
+        facts = model_facts(r for _, r in self.sessions() if serving_worker(r) and name in r.get("models", ()))
         return 200, b"application/json", crdt.dumps({"id": name, "object": "model", "created": int(time.time()),
                                                      "owned_by": "otela", **facts.get(name, {})})
 
@@ -6116,8 +6125,7 @@ class Ingress:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
-        self.doubts = EvictionDoubts(self.grants, self.health, lambda sid: node.registry.get(sid),
-                                     getattr(node, "evicted_here", None))   # (the registry: made at start)
+        self.doubts = EvictionDoubts(self.grants, self.health, self._record_of, getattr(node, "evicted_here", None))
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -6126,11 +6134,14 @@ class Ingress:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         self.admin = AdminAPI(self.cluster, usage_days, self.fallbacks, self.flow)
-        self.adapters = AdapterRoutes(node, self.pool, self.health, self.policy, self.candidates, self._pinned,
-                                      self._routable, self._model_elsewhere, self._key_read,
-                                      self.grants.loaded, adapter_on_demand)   # LoRA adapters loaded through the ingress
-        self.views = Views(node, self.grants, self.health, self.stats, self.policy,
-                           MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
+        # LoRA adapters loaded through the ingress
+        self.adapters = AdapterRoutes(self._sessions, self._record_of, self.pool, self.health, self.policy,
+                                      self.candidates, self._pinned, self._routable, self._model_elsewhere,
+                                      self._key_read, self.grants.loaded, adapter_on_demand)
+        self.views = Views(self._sessions, self._session_id, node.registry_view, self.grants,
+                           self.health, self.stats, self.policy,
+                           MetricsPage(self._sessions, node.is_suspected, functools.partial(overlay_metrics, node),
+                                       self.metrics, self.health, self.grants, self.pool, self.doubts,
                                        self.policy, lambda: self.ledger, lambda: self.tracer, self.flow,
                                        self.queue).render,
                            self.authenticate, self.models, lambda: self.ledger, db_path, no_auth,
@@ -6139,6 +6150,17 @@ class Ingress:
         on_change = getattr(node, "on_change", None)
         if on_change is not None:
             on_change(self._registry_changed)
+
+    # -- what the collaborators above read of the node, and only through these: its registry is
+    # made at start, and a rejoin makes a new session id, so each is read when asked ----------
+    def _sessions(self) -> Iterable[Tuple[str, Dict[str, Any]]]:
+        return self.node.registry.items()
+
+    def _record_of(self, entry_id: str) -> Optional[Dict[str, Any]]:
+        return self.node.registry.get(entry_id)
+
+    def _session_id(self) -> str:
+        return self.node.session_id
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
