@@ -49,7 +49,9 @@ The sections, in file order, and what each holds:
     LoRA adapters        AdapterRoutes: loads and unloads through the overlay, loads on demand
     the ingress          Ingress: the shared state, candidates from the registry, auth, the
                          routes; beside it, given what they use: EvictionDoubts, AdminAPI,
-                         MetricsPage (/metrics) and Views (the GET endpoints)
+                         MetricsPage (/metrics) and Views (the GET endpoints). Ingress alone
+                         holds the node: the parts above are given at construction what they
+                         read or write of it (the registry's reads, the session id, publish, adopt)
     dashboard, CLI
 
 How a proxied request flows through them:
@@ -1420,8 +1422,11 @@ QUOTA_MESSAGE = ("You exceeded your current quota ({what}); it renews at {renews
 class ClusterKeys:
     """The keys and usage of the whole cluster as this ingress sees them."""
 
-    def __init__(self, node: Any, ledger: Callable[[], Optional[Ledger]]):
-        self.node = node
+    def __init__(self, session_id: Callable[[], str], publish_entry: Callable[[str, Dict[str, Any]], None],
+                 adopt_entries: Callable[[List[Tuple[str, Dict[str, Any]]]], None],
+                 ledger: Callable[[], Optional[Ledger]]):
+        self.session_id = session_id           # our session's id: a rejoin makes a new one
+        self.publish_entry, self.adopt_entries = publish_entry, adopt_entries   # the overlay's writes
         self.ledger = ledger   # this ingress's SQLite copy (made at Ingress.start)
         self.keys: Dict[str, Key] = {}   # sha256 -> accepted key: what the request path reads
         self.records: Dict[str, Dict[str, Any]] = {}   # sha256 -> key record (revoked too)
@@ -1467,20 +1472,11 @@ class ClusterKeys:
     def adopt_slots(self, slots: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Usage slots kept in SQLite (ours from before a restart, and other ingresses'): taken
         back as they were, not published (no slot but our session's own is ours to write)."""
-        node = self.node
-        if hasattr(node, "adopt"):
-            node.adopt(slots)   # the overlay tells on_entry, as for any change
-            return
-        for entry_id, record in slots:
-            self.publish(entry_id, record)
+        self.adopt_entries(slots)   # the overlay tells on_entry, as for any change
 
     def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
-        node = self.node
         try:
-            if hasattr(node, "publish"):
-                node.publish(entry_id, record)   # the overlay tells on_entry, as for any change
-            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
-                self.on_entry(entry_id, node.registry.get(entry_id))
+            self.publish_entry(entry_id, record)   # the overlay tells on_entry, as for any change
         except crdt.RecordError as exc:   # a bad row in SQLite must not stop the ingress
             print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
 
@@ -1567,7 +1563,7 @@ class ClusterKeys:
         if not digest:
             return   # --no-auth's anonymous key: nothing to budget
         now = time.time()
-        slot = self.node.session_id
+        slot = self.session_id()
         hot = self._hot.get(digest)   # this key's slots today: the common case
         if hot is None or not hot[0] <= now < hot[1] or hot[2] != slot:
             day = self.today(now)
@@ -1634,7 +1630,7 @@ class ClusterKeys:
     def flush(self) -> None:
         """Publish our slots that changed (each write bumps its version)."""
         dirty, self._dirty = self._dirty, set()
-        slot = self.node.session_id
+        slot = self.session_id()
         today = crdt.time_day(time.time())
         for entry_id in [e for e, r in self.mine.items()
                          if r["day"] < today[:len(r["day"])] and e not in dirty]:
@@ -1794,8 +1790,10 @@ class Ticket:
 class ClusterFlow:
     """The limits of every subject and their windows, this ingress's and the others' (see above)."""
 
-    def __init__(self, node: Any, authority: Optional[crdt.Authority] = None):
-        self.node = node
+    def __init__(self, session_id: Callable[[], str], publish_entry: Callable[[str, Dict[str, Any]], None],
+                 record_of: Callable[[str], Optional[Dict[str, Any]]], authority: Optional[crdt.Authority] = None):
+        self.session_id = session_id           # our session's id: a rejoin makes a new one
+        self.publish_entry, self.record_of = publish_entry, record_of   # the overlay's map
         self.active = False    # any user or model limit: requests then look theirs up
         self.limits: Dict[str, Dict[str, Any]] = {}   # subject -> its lim record (users', models')
         self.windows: Dict[str, Window] = {}          # subject -> its window here
@@ -1932,7 +1930,7 @@ class ClusterFlow:
             else:
                 self.limits.pop(subject, None)   # cleared
             self.active = bool(self.limits)
-        elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.node.session_id):
+        elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.session_id()):
             self._take_flow(entry_id, record)
 
     def _take_flow(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
@@ -1986,7 +1984,7 @@ class ClusterFlow:
         counts = dict(busiest[:crdt.MAX_FLOW_SUBJECTS])
         if counts == self._published:
             return
-        entry_id = crdt.flow_entry(self.node.session_id)
+        entry_id = crdt.flow_entry(self.session_id())
         record = crdt.flow_record(self._version + 1, now, counts)
         while len(crdt.encode(record)) > FLOW_RECORD_BYTES:   # large counts: fewer subjects
             record["n"].popitem()
@@ -1995,12 +1993,8 @@ class ClusterFlow:
         self._write(entry_id, record)
 
     def _write(self, entry_id: str, record: Dict[str, Any]) -> None:
-        node = self.node
         try:
-            if hasattr(node, "publish"):
-                node.publish(entry_id, record)
-            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
-                self.on_entry(entry_id, node.registry.get(entry_id))
+            self.publish_entry(entry_id, record)   # the overlay tells on_entry, as for any change
         except crdt.RecordError as exc:
             print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
 
@@ -2013,7 +2007,7 @@ class ClusterFlow:
         again (`now` False: a restart) changes nothing where a later setting is held."""
         subject = self.subject(kind, name)
         entry_id = crdt.limit_entry(subject)
-        held = self.node.registry.get(entry_id) if hasattr(self.node, "registry") else None
+        held = self.record_of(entry_id)
         version = int(at * 1000)
         if held is not None and held["version"] >= version:
             if not now:
@@ -5685,10 +5679,8 @@ class AdminAPI:
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
     A key's own limits are its fields (POST /v1/admin/keys {..., rpm?, tpm?, concurrency?})."""
 
-    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]],
-                 flow: Optional[ClusterFlow] = None):
-        self.cluster = cluster
-        self.flow = flow if flow is not None else ClusterFlow(cluster.node)
+    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]], flow: ClusterFlow):
+        self.cluster, self.flow = cluster, flow
         self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
         self.fallbacks = fallbacks     # the ingress's own table (--fallback), changed in place
 
@@ -6057,7 +6049,7 @@ class Ingress:
     """The HTTP side of the ingress: dispatch, auth, routing and answers (the GET endpoints,
     the admin API, doubted evictions and LoRA adapters are its collaborators above). `node` is an
     otela_node.Node (or anything with its registry, is_suspected, registry_view, tunnel_header,
-    on_change and session_id)."""
+    on_change, session_id, publish and adopt)."""
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, limits: Optional[Limits] = None,
@@ -6105,8 +6097,10 @@ class Ingress:
         self.per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
         self.headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
         self.headless_per: Dict[str, int] = {}    # ... how many of them per address
-        self.cluster = ClusterKeys(node, lambda: self.ledger)   # keys and usage of every ingress, through the overlay
-        self.flow = ClusterFlow(node)   # limits per key, user and model, and every ingress's windows
+        # keys and usage of every ingress, through the overlay
+        self.cluster = ClusterKeys(self._session_id, node.publish, node.adopt, lambda: self.ledger)
+        # limits per key, user and model, and every ingress's windows
+        self.flow = ClusterFlow(self._session_id, node.publish, self._record_of)
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
