@@ -49,7 +49,9 @@ The sections, in file order, and what each holds:
     LoRA adapters        AdapterRoutes: loads and unloads through the overlay, loads on demand
     the ingress          Ingress: the shared state, candidates from the registry, auth, the
                          routes; beside it, given what they use: EvictionDoubts, AdminAPI,
-                         MetricsPage (/metrics) and Views (the GET endpoints)
+                         MetricsPage (/metrics) and Views (the GET endpoints). Ingress alone
+                         holds the node: the parts above are given at construction what they
+                         read or write of it (the registry's reads, the session id, publish, adopt)
     dashboard, CLI
 
 How a proxied request flows through them:
@@ -1420,8 +1422,11 @@ QUOTA_MESSAGE = ("You exceeded your current quota ({what}); it renews at {renews
 class ClusterKeys:
     """The keys and usage of the whole cluster as this ingress sees them."""
 
-    def __init__(self, node: Any, ledger: Callable[[], Optional[Ledger]]):
-        self.node = node
+    def __init__(self, session_id: Callable[[], str], publish_entry: Callable[[str, Dict[str, Any]], None],
+                 adopt_entries: Callable[[List[Tuple[str, Dict[str, Any]]]], None],
+                 ledger: Callable[[], Optional[Ledger]]):
+        self.session_id = session_id           # our session's id: a rejoin makes a new one
+        self.publish_entry, self.adopt_entries = publish_entry, adopt_entries   # the overlay's writes
         self.ledger = ledger   # this ingress's SQLite copy (made at Ingress.start)
         self.keys: Dict[str, Key] = {}   # sha256 -> accepted key: what the request path reads
         self.records: Dict[str, Dict[str, Any]] = {}   # sha256 -> key record (revoked too)
@@ -1467,20 +1472,11 @@ class ClusterKeys:
     def adopt_slots(self, slots: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Usage slots kept in SQLite (ours from before a restart, and other ingresses'): taken
         back as they were, not published (no slot but our session's own is ours to write)."""
-        node = self.node
-        if hasattr(node, "adopt"):
-            node.adopt(slots)   # the overlay tells on_entry, as for any change
-            return
-        for entry_id, record in slots:
-            self.publish(entry_id, record)
+        self.adopt_entries(slots)   # the overlay tells on_entry, as for any change
 
     def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
-        node = self.node
         try:
-            if hasattr(node, "publish"):
-                node.publish(entry_id, record)   # the overlay tells on_entry, as for any change
-            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
-                self.on_entry(entry_id, node.registry.get(entry_id))
+            self.publish_entry(entry_id, record)   # the overlay tells on_entry, as for any change
         except crdt.RecordError as exc:   # a bad row in SQLite must not stop the ingress
             print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
 
@@ -1567,7 +1563,7 @@ class ClusterKeys:
         if not digest:
             return   # --no-auth's anonymous key: nothing to budget
         now = time.time()
-        slot = self.node.session_id
+        slot = self.session_id()
         hot = self._hot.get(digest)   # this key's slots today: the common case
         if hot is None or not hot[0] <= now < hot[1] or hot[2] != slot:
             day = self.today(now)
@@ -1634,7 +1630,7 @@ class ClusterKeys:
     def flush(self) -> None:
         """Publish our slots that changed (each write bumps its version)."""
         dirty, self._dirty = self._dirty, set()
-        slot = self.node.session_id
+        slot = self.session_id()
         today = crdt.time_day(time.time())
         for entry_id in [e for e, r in self.mine.items()
                          if r["day"] < today[:len(r["day"])] and e not in dirty]:
@@ -1794,8 +1790,10 @@ class Ticket:
 class ClusterFlow:
     """The limits of every subject and their windows, this ingress's and the others' (see above)."""
 
-    def __init__(self, node: Any, authority: Optional[crdt.Authority] = None):
-        self.node = node
+    def __init__(self, session_id: Callable[[], str], publish_entry: Callable[[str, Dict[str, Any]], None],
+                 record_of: Callable[[str], Optional[Dict[str, Any]]], authority: Optional[crdt.Authority] = None):
+        self.session_id = session_id           # our session's id: a rejoin makes a new one
+        self.publish_entry, self.record_of = publish_entry, record_of   # the overlay's map
         self.active = False    # any user or model limit: requests then look theirs up
         self.limits: Dict[str, Dict[str, Any]] = {}   # subject -> its lim record (users', models')
         self.windows: Dict[str, Window] = {}          # subject -> its window here
@@ -1932,7 +1930,7 @@ class ClusterFlow:
             else:
                 self.limits.pop(subject, None)   # cleared
             self.active = bool(self.limits)
-        elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.node.session_id):
+        elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.session_id()):
             self._take_flow(entry_id, record)
 
     def _take_flow(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
@@ -1986,7 +1984,7 @@ class ClusterFlow:
         counts = dict(busiest[:crdt.MAX_FLOW_SUBJECTS])
         if counts == self._published:
             return
-        entry_id = crdt.flow_entry(self.node.session_id)
+        entry_id = crdt.flow_entry(self.session_id())
         record = crdt.flow_record(self._version + 1, now, counts)
         while len(crdt.encode(record)) > FLOW_RECORD_BYTES:   # large counts: fewer subjects
             record["n"].popitem()
@@ -1995,12 +1993,8 @@ class ClusterFlow:
         self._write(entry_id, record)
 
     def _write(self, entry_id: str, record: Dict[str, Any]) -> None:
-        node = self.node
         try:
-            if hasattr(node, "publish"):
-                node.publish(entry_id, record)
-            elif node.registry.put(entry_id, record):   # a stand-in node: no overlay to tell us
-                self.on_entry(entry_id, node.registry.get(entry_id))
+            self.publish_entry(entry_id, record)   # the overlay tells on_entry, as for any change
         except crdt.RecordError as exc:
             print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
 
@@ -2013,7 +2007,7 @@ class ClusterFlow:
         again (`now` False: a restart) changes nothing where a later setting is held."""
         subject = self.subject(kind, name)
         entry_id = crdt.limit_entry(subject)
-        held = self.node.registry.get(entry_id) if hasattr(self.node, "registry") else None
+        held = self.record_of(entry_id)
         version = int(at * 1000)
         if held is not None and held["version"] >= version:
             if not now:
@@ -5475,14 +5469,17 @@ class AdapterRoutes:
     """vLLM's load and unload of LoRA adapters through the ingress (see above), and the load asked
     first of a base's session for a request naming an adapter no session has (--adapter-on-demand)."""
 
-    def __init__(self, node: Any, pool: UpstreamPool, health: PassiveHealth, policy: Any,
+    def __init__(self, sessions: Callable[[], Iterable[Tuple[str, Dict[str, Any]]]],
+                 record_of: Callable[[str], Optional[Dict[str, Any]]],
+                 pool: UpstreamPool, health: PassiveHealth, policy: Any,
                  candidates: Callable[[str, Key], List[Candidate]],
                  pinned: Callable[[bytes, str, Key], List[Candidate]],
                  routable: Callable[[str, Dict[str, Any]], bool],
                  model_elsewhere: Callable[[bytes, bytes, Dict[bytes, bytes], Key], Optional[str]],
                  key_read: Callable[[_Client, Callable[[], None], asyncio.Future], None],
                  loaded: Dict[str, str], on_demand: bool = False):
-        self.node, self.pool, self.health, self.policy = node, pool, health, policy
+        self.sessions, self.record_of = sessions, record_of   # the registry's (made at start)
+        self.pool, self.health, self.policy = pool, health, policy
         self.candidates, self.pinned, self.routable = candidates, pinned, routable   # the ingress's routing
         self.model_elsewhere, self.key_read = model_elsewhere, key_read
         self.on_demand = on_demand
@@ -5521,7 +5518,7 @@ class AdapterRoutes:
         if isinstance(base, str) and base:
             return self.candidates(base, key)
         if action == "unload":
-            found = [Candidate(sid, record) for sid, record in self.node.registry.items()
+            found = [Candidate(sid, record) for sid, record in self.sessions()
                      if name in (record.get("adapters") or {}) and self.routable(sid, record)]
             if found:
                 return found
@@ -5546,7 +5543,7 @@ class AdapterRoutes:
         done = [c.session for c, d in zip(sessions, data) if d["status"] < 300]
         deadline = time.monotonic() + ADAPTER_SEEN_S
         while done and time.monotonic() < deadline and not all(
-                (name in ((self.node.registry.get(sid) or {}).get("adapters") or {})) == (action == "load")
+                (name in ((self.record_of(sid) or {}).get("adapters") or {})) == (action == "load")
                 for sid in done):
             await asyncio.sleep(0.02)
         return worst, b"application/json", crdt.dumps({"object": "lora_adapter", "lora_name": name,
@@ -5556,7 +5553,7 @@ class AdapterRoutes:
         """(base, path) of an adapter: from a load passed here, else any record that had it."""
         if name in self.known:
             return self.known[name]
-        for _, record in self.node.registry.items():
+        for _, record in self.sessions():
             found = (record.get("adapters") or {}).get(name)
             if found and found[1]:
                 return found[0], found[1]
@@ -5682,10 +5679,8 @@ class AdminAPI:
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
     A key's own limits are its fields (POST /v1/admin/keys {..., rpm?, tpm?, concurrency?})."""
 
-    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]],
-                 flow: Optional[ClusterFlow] = None):
-        self.cluster = cluster
-        self.flow = flow if flow is not None else ClusterFlow(cluster.node)
+    def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]], flow: ClusterFlow):
+        self.cluster, self.flow = cluster, flow
         self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
         self.fallbacks = fallbacks     # the ingress's own table (--fallback), changed in place
 
@@ -5818,11 +5813,14 @@ def routing_stats(policy: Any) -> Dict[str, Dict[str, float]]:
 class MetricsPage:
     """GET /metrics: this ingress's counters, its node's and its policy's, as Prometheus text."""
 
-    def __init__(self, node: Any, metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool,
-                 doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
+    def __init__(self, sessions: Callable[[], Iterable[Tuple[str, Dict[str, Any]]]],
+                 is_suspected: Callable[[str], bool], overlay_metrics: Callable[[], bytes],
+                 metrics: Metrics, health: PassiveHealth, grants: Grants, pool: UpstreamPool, doubts: EvictionDoubts, policy: Any, ledger: Callable[[], Optional[Ledger]],
                  tracer: Callable[[], Optional[otela_node.SpanExporter]], flow: Optional[ClusterFlow] = None,
                  queue: Optional[FairQueue] = None):
-        self.node, self.metrics, self.health, self.grants, self.pool = node, metrics, health, grants, pool
+        self.sessions, self.is_suspected = sessions, is_suspected   # the registry's (made at start)
+        self.overlay_metrics = overlay_metrics   # the node's refusals and entries (overlay_metrics)
+        self.metrics, self.health, self.grants, self.pool = metrics, health, grants, pool
         self.flow, self.queue = flow, queue
         self.doubts, self.policy = doubts, policy
         self.ledger, self.tracer = ledger, tracer   # (made at start)
@@ -5830,18 +5828,18 @@ class MetricsPage:
     def render(self) -> bytes:
         states: Dict[str, int] = collections.defaultdict(int)
         suspected = 0
-        for sid, record in self.node.registry.items():
+        for sid, record in self.sessions():
             state = record.get("state")
             states[crdt.STATE_NAMES.get(state, str(state))] += 1
-            if state in (crdt.JOIN, crdt.SERVING) and self.node.is_suspected(sid):
+            if state in (crdt.JOIN, crdt.SERVING) and self.is_suspected(sid):
                 suspected += 1
         ledger = self.ledger()
         rows = (ledger.failed_commits, ledger.pending(), ledger.rows_dropped) if ledger is not None else (0, 0, 0)
         body = self.metrics.render(states, suspected, len(self.health.sick(time.monotonic())), *rows)
-        body += overlay_metrics(self.node) + routing_metrics(routing_stats(self.policy))
+        body += self.overlay_metrics() + routing_metrics(routing_stats(self.policy))
         if self.queue is not None:
             body += queue_metrics(self.queue)
-        unrouted = collections.Counter(self.grants.unrouted(self.node.registry.items()).values())
+        unrouted = collections.Counter(self.grants.unrouted(self.sessions()).values())
         families = [
             ("otela_tunnel_impostors_total", "counter", "Connections cut because the node showed another tunnel "
              "certificate than its session's grant pins.", [("", self.pool.impostors)]),
@@ -5880,11 +5878,14 @@ class Views:
     # password of HTTP Basic, which a browser asks for on /dashboard and then sends itself.
     KEYED = frozenset((b"/v1/registry", b"/metrics", b"/dashboard", b"/", b"/v1/usage/stats"))
 
-    def __init__(self, node: Any, grants: Grants, health: PassiveHealth, stats: UsageStats, policy: Any,
-                 metrics: Callable[[], bytes], authenticate: Callable[..., Key],
+    def __init__(self, sessions: Callable[[], Iterable[Tuple[str, Dict[str, Any]]]], session: Callable[[], str],
+                 registry_view: Callable[[], Dict[str, Any]],
+                 grants: Grants, health: PassiveHealth, stats: UsageStats, policy: Any, metrics: Callable[[], bytes], authenticate: Callable[..., Key],
                  models: Callable[[Key], List[str]], ledger: Callable[[], Optional[Ledger]], db_path: str,
                  no_auth: bool = False, require_key: bool = False):
-        self.node, self.grants, self.health, self.stats, self.policy = node, grants, health, stats, policy
+        self.sessions, self.session = sessions, session   # the registry's (made at start), our session id
+        self.registry_view = registry_view   # the node's GET /v1/registry
+        self.grants, self.health, self.stats, self.policy = grants, health, stats, policy
         self.metrics, self.authenticate, self.models, self.ledger = metrics, authenticate, models, ledger
         self.db_path, self.no_auth = db_path, no_auth
         self.require_key = require_key   # --require-key-for-views
@@ -5918,31 +5919,31 @@ class Views:
             raise
 
     def healthz(self, fields, query):
-        serving = sum(1 for _, r in self.node.registry.items() if serving_worker(r))
+        serving = sum(1 for _, r in self.sessions() if serving_worker(r))
         ledger = self.ledger()
         health = ledger.health() if ledger is not None else {"ok": True, "error": None, "failed_commits": 0,
                                                              "pending_rows": 0, "dropped_rows": 0}
         return 200, b"application/json", crdt.dumps({
-            "status": "ok" if health["ok"] else "degraded", "session": self.node.session_id,
+            "status": "ok" if health["ok"] else "degraded", "session": self.session(),
             "serving_sessions": serving, "auth": not self.no_auth, "ledger": health})
 
     def registry(self, fields, query):
-        view = self.node.registry_view()
+        view = self.registry_view()
         if isinstance(view, dict):
-            unrouted = self.grants.unrouted(self.node.registry.items())
+            unrouted = self.grants.unrouted(self.sessions())
             sessions = view.get("sessions", ())   # a list; a stand-in node's, a dict by session
             for sid, session in sessions.items() if isinstance(sessions, dict) else \
                     ((s.get("session"), s) for s in sessions):
                 if sid in unrouted:   # shown apart: with why no request goes there
                     session["unrouted"] = unrouted[sid]
             now = time.monotonic()
-            view = dict(view, ingress={"session": self.node.session_id, "sick": self.health.sick(now),
+            view = dict(view, ingress={"session": self.session(), "sick": self.health.sick(now),
                                        "auth": not self.no_auth, "routing": routing_stats(self.policy)})
         return 200, b"application/json", crdt.dumps(view)
 
     def model_list(self, fields, query):
         created = int(time.time())
-        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r))
+        facts = model_facts(r for _, r in self.sessions() if serving_worker(r))
         data = [{"id": m, "object": "model", "created": created, "owned_by": "otela", **facts.get(m, {})}
                 for m in self.models(self.authenticate(fields))]
         return 200, b"application/json", crdt.dumps({"object": "list", "data": data})
@@ -5951,7 +5952,7 @@ class Views:
         if name not in self.models(self.authenticate(fields)):
             raise HTTPError(404, f"The model '{name}' does not exist or no session serves it",
                             "model_not_found", "model")
-        facts = model_facts(r for _, r in self.node.registry.items() if serving_worker(r) and name in r.get("models", ()))
+        facts = model_facts(r for _, r in self.sessions() if serving_worker(r) and name in r.get("models", ()))
         return 200, b"application/json", crdt.dumps({"id": name, "object": "model", "created": int(time.time()),
                                                      "owned_by": "otela", **facts.get(name, {})})
 
@@ -6048,7 +6049,7 @@ class Ingress:
     """The HTTP side of the ingress: dispatch, auth, routing and answers (the GET endpoints,
     the admin API, doubted evictions and LoRA adapters are its collaborators above). `node` is an
     otela_node.Node (or anything with its registry, is_suspected, registry_view, tunnel_header,
-    on_change and session_id)."""
+    on_change, session_id, publish and adopt)."""
 
     def __init__(self, node: Any, db_path: str = DEFAULT_DB, policy: Any = None,
                  no_auth: bool = False, limits: Optional[Limits] = None,
@@ -6096,8 +6097,10 @@ class Ingress:
         self.per_address: Dict[str, int] = {}   # open connections per client address (IPv6: /64)
         self.headless: Dict[_Client, None] = {}   # no complete head yet, oldest first (MAX_HEADLESS)
         self.headless_per: Dict[str, int] = {}    # ... how many of them per address
-        self.cluster = ClusterKeys(node, lambda: self.ledger)   # keys and usage of every ingress, through the overlay
-        self.flow = ClusterFlow(node)   # limits per key, user and model, and every ingress's windows
+        # keys and usage of every ingress, through the overlay
+        self.cluster = ClusterKeys(self._session_id, node.publish, node.adopt, lambda: self.ledger)
+        # limits per key, user and model, and every ingress's windows
+        self.flow = ClusterFlow(self._session_id, node.publish, self._record_of)
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
@@ -6116,8 +6119,7 @@ class Ingress:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
         self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
-        self.doubts = EvictionDoubts(self.grants, self.health, lambda sid: node.registry.get(sid),
-                                     getattr(node, "evicted_here", None))   # (the registry: made at start)
+        self.doubts = EvictionDoubts(self.grants, self.health, self._record_of, getattr(node, "evicted_here", None))
         self.clients: set = set()
         self._server: Optional[asyncio.AbstractServer] = None
         self._sweeper: Optional[asyncio.Task] = None
@@ -6126,11 +6128,14 @@ class Ingress:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.ledger: Optional[Ledger] = None
         self.admin = AdminAPI(self.cluster, usage_days, self.fallbacks, self.flow)
-        self.adapters = AdapterRoutes(node, self.pool, self.health, self.policy, self.candidates, self._pinned,
-                                      self._routable, self._model_elsewhere, self._key_read,
-                                      self.grants.loaded, adapter_on_demand)   # LoRA adapters loaded through the ingress
-        self.views = Views(node, self.grants, self.health, self.stats, self.policy,
-                           MetricsPage(node, self.metrics, self.health, self.grants, self.pool, self.doubts,
+        # LoRA adapters loaded through the ingress
+        self.adapters = AdapterRoutes(self._sessions, self._record_of, self.pool, self.health, self.policy,
+                                      self.candidates, self._pinned, self._routable, self._model_elsewhere,
+                                      self._key_read, self.grants.loaded, adapter_on_demand)
+        self.views = Views(self._sessions, self._session_id, node.registry_view, self.grants,
+                           self.health, self.stats, self.policy,
+                           MetricsPage(self._sessions, node.is_suspected, functools.partial(overlay_metrics, node),
+                                       self.metrics, self.health, self.grants, self.pool, self.doubts,
                                        self.policy, lambda: self.ledger, lambda: self.tracer, self.flow,
                                        self.queue).render,
                            self.authenticate, self.models, lambda: self.ledger, db_path, no_auth,
@@ -6139,6 +6144,17 @@ class Ingress:
         on_change = getattr(node, "on_change", None)
         if on_change is not None:
             on_change(self._registry_changed)
+
+    # -- what the collaborators above read of the node, and only through these: its registry is
+    # made at start, and a rejoin makes a new session id, so each is read when asked ----------
+    def _sessions(self) -> Iterable[Tuple[str, Dict[str, Any]]]:
+        return self.node.registry.items()
+
+    def _record_of(self, entry_id: str) -> Optional[Dict[str, Any]]:
+        return self.node.registry.get(entry_id)
+
+    def _session_id(self) -> str:
+        return self.node.session_id
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:

@@ -115,13 +115,25 @@ class FakeConn:
     extra = b""
 
 
+def flow_on(session_id: str = "ab" * 16, registry: crdt.GMap | None = None) -> otela_ingress.ClusterFlow:
+    """A ClusterFlow on a map of its own, wired as the ingress wires its node's: what it writes is
+    told back to it at once, as the overlay tells a change."""
+    registry = crdt.GMap() if registry is None else registry
+
+    def publish(entry_id, record):
+        if registry.put(entry_id, record):
+            flow.on_entry(entry_id, registry.get(entry_id))
+    flow = otela_ingress.ClusterFlow(lambda: session_id, publish, registry.get)
+    return flow
+
+
 class FakeClient:
     def __init__(self):
         self.conn = FakeConn()
 
 
 def test_concurrency_counts_requests_in_flight_until_they_finish():
-    flow = otela_ingress.ClusterFlow(None)
+    flow = flow_on()
     key = otela_ingress.Key.of_record("ab" * 32, crdt.key_record("k1", "u", 0.0, limits={"concurrency": 2}))
     tickets = [flow.admit(key, "m", b"{}", 1, FakeClient()) for _ in range(2)]
     with pytest.raises(otela_ingress.HTTPError) as refused:
@@ -135,7 +147,7 @@ def test_concurrency_counts_requests_in_flight_until_they_finish():
 def test_the_window_slides_a_request_counts_for_a_minute_and_no_more_than_a_second_longer(monkeypatch):
     clock = [1000.2]
     monkeypatch.setattr(otela_ingress.time, "time", lambda: clock[0])
-    flow = otela_ingress.ClusterFlow(None)
+    flow = flow_on()
     key = otela_ingress.Key.of_record("cd" * 32, crdt.key_record("k2", "u", 0.0, limits={"rpm": 2}))
     admitted = []
     for t in (1000.2, 1000.7, 1030.0, 1060.5, 1061.0, 1061.1, 1061.2):
@@ -160,12 +172,7 @@ def test_two_ingresses_share_a_window_within_the_stated_bound(field):
     otela_ingress.time.time = lambda: clock[0]
     try:
         maps = [crdt.GMap(), crdt.GMap()]
-
-        class Node:
-            def __init__(self, i):
-                self.session_id, self.registry, self.i = f"s{i}", maps[i], i
-
-        flows = [otela_ingress.ClusterFlow(Node(i)) for i in range(2)]
+        flows = [flow_on(f"s{i}", maps[i]) for i in range(2)]
         # rpm 100, or tpm 1,000 with 10 tokens a request (a 2-byte body: 1, and max_tokens 9)
         key = otela_ingress.Key.of_record("ef" * 32, crdt.key_record(
             "k3", "u", 0.0, limits={field: 100 if field == "rpm" else 1000}))
@@ -183,7 +190,7 @@ def test_two_ingresses_share_a_window_within_the_stated_bound(field):
                 next_publish += otela_ingress.FLOW_PUBLISH_S
                 for flow, mine, theirs in ((flows[0], maps[0], maps[1]), (flows[1], maps[1], maps[0])):
                     flow.publish(clock[0])
-                    entry = crdt.flow_entry(flow.node.session_id)
+                    entry = crdt.flow_entry(flow.session_id())
                     if theirs.merge({entry: mine.get(entry)}):
                         (flows[1] if flow is flows[0] else flows[0]).on_entry(entry, theirs.get(entry))
         bound = 100 + rate * otela_ingress.FLOW_PUBLISH_S
@@ -267,13 +274,13 @@ def test_limit_and_flow_records_are_closed_bounded_and_name_no_user():
     with pytest.raises(crdt.RecordError, match="subject"):
         crdt.validate(flow, crdt.flow_record(1, 1.0, {"alice": [1, 1, 1, 1]}))
     # the publisher keeps what fits one record: the busiest subjects, whatever their counts
-    flow_of = otela_ingress.ClusterFlow(type("N", (), {"session_id": "ab" * 16, "registry": crdt.GMap()})())
+    flow_of = flow_on("ab" * 16)
     for i in range(40):
         window = flow_of.windows[f"k-{i:016x}"] = otela_ingress.Window()
         window.add(int(time.time()), 2**40)
         window.served = 2**40 + i
     flow_of.publish(time.time())
-    published = flow_of.node.registry.get(flow)
+    published = flow_of.record_of(flow)
     assert 15 < len(published["n"]) <= crdt.MAX_FLOW_SUBJECTS
     assert len(crdt.validate(flow, authority.sign(flow, published))) <= crdt.MAX_RECORD_BYTES
     # a replica holds at most MAX_FLOWS flows and MAX_LIMITS limits; a flow gone quiet is compacted
@@ -419,17 +426,15 @@ def test_refusals_are_counted_on_metrics_by_subject_and_type(stack):
 def test_remote_service_sums_the_tokens_other_ingresses_served_a_tenant():
     """The fair queue's cluster-wide counter: what the other sessions published for a tenant,
     never this ingress's own."""
-    maps = [crdt.GMap(), crdt.GMap()]
-    nodes = [type("N", (), {"session_id": f"s{i}", "registry": maps[i]})() for i in range(2)]
-    a, b = otela_ingress.ClusterFlow(nodes[0]), otela_ingress.ClusterFlow(nodes[1])
+    a, b = flow_on("s0"), flow_on("s1")
     a.note_service("team-x", 300)
     a.note_service("team-x", 200)
     b.note_service("team-x", 7)
     now = time.time()
     for flow, other in ((a, b), (b, a)):
         flow.publish(now)
-        entry = crdt.flow_entry(flow.node.session_id)
-        other.on_entry(entry, flow.node.registry.get(entry))
+        entry = crdt.flow_entry(flow.session_id())
+        other.on_entry(entry, flow.record_of(entry))
     assert (b.remote_service("team-x"), a.remote_service("team-x")) == (500, 7)
     assert b.remote_service("team-y") == 0
 

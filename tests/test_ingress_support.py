@@ -46,6 +46,20 @@ class StandInNode:
                 "sessions": {sid: dict(r, suspected=sid in self.suspected) for sid, r in self.registry.items()},
                 "suspected": sorted(self.suspected)}
 
+    def publish(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """A key record, usage slot, limit or flow the ingress writes: told back at once, as the
+        overlay tells a change."""
+        if self.registry.put(entry_id, record):
+            self._changed(entry_id)
+
+    def adopt(self, entries: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """The ingress plane's entries kept in its --db, taken back (a malformed one skipped)."""
+        for entry_id, record in entries:
+            try:
+                self.publish(entry_id, record)
+            except crdt.RecordError:
+                pass
+
     def _changed(self, sid: str) -> None:
         for callback in self._callbacks:
             callback(sid, self.registry.get(sid))
