@@ -466,7 +466,7 @@ CREATE TABLE IF NOT EXISTS limit_entries (id TEXT PRIMARY KEY, record TEXT NOT N
 CREATE TABLE IF NOT EXISTS limits (
     kind TEXT NOT NULL, name TEXT NOT NULL, rpm INTEGER NOT NULL DEFAULT 0,
     tpm INTEGER NOT NULL DEFAULT 0, concurrency INTEGER NOT NULL DEFAULT 0, changed REAL NOT NULL,
-    PRIMARY KEY (kind, name));
+    queue TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (kind, name));
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
@@ -528,6 +528,8 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
     if "waited_ms" not in {row[1] for row in db.execute("PRAGMA table_info(daily)")}:
         db.execute("ALTER TABLE daily ADD COLUMN waited_ms REAL NOT NULL DEFAULT 0")
+    if "queue" not in {row[1] for row in db.execute("PRAGMA table_info(limits)")}:   # a key's fair-queue fields
+        db.execute("ALTER TABLE limits ADD COLUMN queue TEXT NOT NULL DEFAULT '{}'")
 
 
 def hash_key(token: str) -> str:
@@ -542,7 +544,8 @@ class Key:
                  "priorities")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
-                 rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
+                 rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None,
+                 settings: Optional[Dict[str, Any]] = None):
         self.id, self.user, self.allow = key_id, user, tuple(sorted(set(allow)))
         self.admin, self.rate = bool(admin), float(rate)
         self._tokens, self._stamp = max(1.0, self.rate), 0.0
@@ -550,20 +553,20 @@ class Key:
         self.budget_day = int(record.get("budget_day", 0)) if record else 0
         self.budget_month = int(record.get("budget_month", 0)) if record else 0
         self.expires: Optional[float] = record.get("expires") if record else None
-        get = record.get if record else {}.get   # the window limits (ClusterFlow; 0: none)
+        # its settings entry (crdt.key_settings_record; none: the defaults), read once here so the
+        # request path pays nothing for them: the window limits (ClusterFlow; 0: none), its share
+        # of the fair queue, its class and the classes it may ask for (FairQueue)
+        get = settings.get if settings else {}.get
         self.rpm, self.tpm, self.concurrency = get("rpm", 0), get("tpm", 0), get("concurrency", 0)
         self.limited = bool(self.rpm or self.tpm or self.concurrency)
-        # its share of the fair queue, its class and the classes it may ask for (FairQueue)
-        self.weight = float(record.get("weight", 1.0)) if record else 1.0
-        self.priority = PRIORITY_RANK[record.get("priority", crdt.DEFAULT_PRIORITY)] if record \
-            else PRIORITY_RANK[crdt.DEFAULT_PRIORITY]
-        self.priorities = frozenset(PRIORITY_RANK[c] for c in record.get("priorities", ())) if record \
-            else frozenset()
+        self.weight = float(get("weight", 1.0))
+        self.priority = PRIORITY_RANK[get("priority", crdt.DEFAULT_PRIORITY)]
+        self.priorities = frozenset(PRIORITY_RANK[c] for c in get("priorities", ()))
 
     @classmethod
-    def of_record(cls, key_hash: str, record: Dict[str, Any]) -> Key:
+    def of_record(cls, key_hash: str, record: Dict[str, Any], settings: Optional[Dict[str, Any]] = None) -> Key:
         return cls(record["id"], record["user"], record.get("allow", ()), record.get("admin", False),
-                   record.get("rate", 0.0), key_hash, record)
+                   record.get("rate", 0.0), key_hash, record, settings)
 
     def carry_bucket(self, old: Key) -> None:
         """This key replaces `old` (an edit of it): the requests `old` admitted still count."""
@@ -596,14 +599,21 @@ ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request 
 
 
 def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: float = 0.0,
-            budget_day: int = 0, budget_month: int = 0, expires: Optional[float] = None,
-            limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Tuple[str, str, Dict[str, Any]]:
-    """A new key: (the token, shown once and never stored, the sha256 of it, its record);
-    `limits`: its window limits (limit_spec); `queueing`: its fair-queue fields (queue_spec)."""
+            budget_day: int = 0, budget_month: int = 0, expires: Optional[float] = None
+            ) -> Tuple[str, str, Dict[str, Any]]:
+    """A new key: (the token, shown once and never stored, the sha256 of it, its record). Its
+    settings, if any, are an entry of their own (key_settings)."""
     token = KEY_PREFIX + secrets.token_urlsafe(32)
     record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
-                             budget_day, budget_month, expires, limits=limits, **queueing)
+                             budget_day, budget_month, expires)
     return token, hash_key(token), record
+
+
+def key_settings(at: float, limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Dict[str, Any]:
+    """A key's settings entry as set at `at` (its version: `at` in ms, so the latest setting wins,
+    as a user's limits): `limits` its window limits (limit_spec), `queueing` its fair-queue fields
+    (queue_spec); none of them: the settings cleared."""
+    return crdt.key_settings_record(int(at * 1000), limits, **queueing)
 
 
 def parse_expiry(text: str, now: float) -> float:
@@ -693,15 +703,17 @@ def _key_expiry(expires: Any) -> float:
     return float(expires)
 
 
-def key_answer(token: str, record: Dict[str, Any]) -> Dict[str, Any]:
+def key_answer(token: str, record: Dict[str, Any], settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """What `keys create --json` prints and POST /v1/admin/keys answers: one shape, every
-    field spelled out (the record leaves defaults out), no internal state or version."""
+    field spelled out (the record and its settings leave defaults out), no internal state or
+    version."""
+    settings = settings or {}
     return {"object": "api_key", "id": record["id"], "key": token, "user": record["user"],
             "created": record["created"], "admin": record.get("admin", False), "allow": record.get("allow", []),
             "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
             "budget_month": record.get("budget_month", 0), "expires": record.get("expires"),
-            "weight": record.get("weight", 1.0), "priority": record.get("priority", crdt.DEFAULT_PRIORITY),
-            "priorities": record.get("priorities", []), **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+            "weight": settings.get("weight", 1.0), "priority": settings.get("priority", crdt.DEFAULT_PRIORITY),
+            "priorities": settings.get("priorities", []), **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS}}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -848,10 +860,13 @@ class Ledger:
     failing ledger shows on /healthz and /metrics while requests go on being served.
     """
 
-    def __init__(self, path: str, on_keys: Callable[[Dict[str, Dict[str, Any]]], None]):
-        """`on_keys(records)` gets every key's record (revoked ones too: ClusterKeys) at each reload."""
+    def __init__(self, path: str, on_keys: Callable[[Dict[str, Dict[str, Any]]], None],
+                 on_settings: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None):
+        """`on_keys(records)` gets every key's record (revoked ones too: ClusterKeys) at each reload,
+        after `on_settings(settings)` got the keys' settings (so a new key never works without them)."""
         self.path = path
         self._on_keys = on_keys
+        self._on_settings = on_settings
         # One ingress per ledger: a second one would replay the first one's live journal.
         try:
             self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
@@ -1011,6 +1026,8 @@ class Ledger:
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         if version != self._data_version:
             self._data_version = version
+            if self._on_settings is not None:
+                self._on_settings(load_key_settings(self._db))
             self._on_keys(load_key_records(self._db))
 
     def reload_keys(self) -> Optional[concurrent.futures.Future]:
@@ -1435,7 +1452,29 @@ class ClusterKeys:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
         self._hot: Dict[str, tuple] = {}               # hash -> today's own slots, see count
+        # Keys' settings ("lim:k-" entries, crdt "Limits and flows"): they arrive apart from their
+        # keys, before or after them, so both are kept, and a change of either rebuilds the Key
+        self.settings: Dict[str, Dict[str, Any]] = {}  # subject -> settings record (not cleared)
+        self.by_subject: Dict[str, str] = {}           # subject -> sha256 of its key
+        self.flow: Optional[ClusterFlow] = None        # names the subjects (use_flow)
 
+    def use_flow(self, flow: ClusterFlow) -> None:
+        """The keys' settings come through `flow` (it holds every "lim:" entry) and are named by
+        its subject key."""
+        self.flow = flow
+        flow.on_key_settings = self.on_settings
+        self.resubject()
+
+    def subject(self, digest: str) -> str:
+        """The subject of a key's settings (ClusterFlow.admit books the key's window under it)."""
+        return self.flow.subject("k", digest) if self.flow is not None else ""
+
+    def resubject(self) -> None:
+        """The subject key changed (ClusterFlow.use, at start): every key's subject with it."""
+        self.by_subject = {self.subject(digest): digest for digest in self.records}
+        now = time.time()
+        for digest, record in list(self.records.items()):
+            self._rebuild_one(digest, record, now)
     def today(self, now: float) -> str:
         """The UTC day of `now`, formatted once a day instead of per request."""
         number = int(now // 86400)
@@ -1457,6 +1496,27 @@ class ClusterKeys:
             self.adopt(records)
         else:
             loop.call_soon_threadsafe(self.adopt, records)
+
+    def read_settings(self, settings: Dict[str, Dict[str, Any]]) -> None:
+        """Keys' settings the CLI stored in SQLite (read by the ledger thread just before the keys):
+        published on the event loop, unless a later setting is held."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here or loop is None:
+            self.adopt_settings(settings)
+        else:
+            loop.call_soon_threadsafe(self.adopt_settings, settings)
+
+    def adopt_settings(self, settings: Dict[str, Dict[str, Any]]) -> None:
+        for digest, record in settings.items():
+            if self.flow is not None:
+                try:
+                    self.flow.set_key_settings(digest, record, now=False)
+                except crdt.RecordError as exc:   # a bad row in SQLite must not stop the ingress
+                    print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
 
     def adopt(self, records: Dict[str, Dict[str, Any]]) -> None:
         """Key records read from this ingress's SQLite: publish them (the lattice keeps the
@@ -1492,6 +1552,8 @@ class ClusterKeys:
         ledger = self.ledger()
         if kind == crdt.KEY:
             digest = entry_id[len(crdt.KEY_ENTRY):]
+            if digest not in self.records:
+                self.by_subject[self.subject(digest)] = digest
             self.records[digest] = record
             self._rebuild_one(digest, record, time.time())
         elif kind == crdt.USAGE:
@@ -1500,6 +1562,22 @@ class ClusterKeys:
             return
         if ledger is not None:
             ledger.replicate(entry_id, record)
+
+    def on_settings(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """A key's settings changed in the map (ClusterFlow.on_entry): its Key is rebuilt with them
+        where its record is here already; else they wait for it."""
+        subject = entry_id[len(crdt.LIMIT_ENTRY):]
+        if crdt.has_settings(record):
+            self.settings[subject] = record
+        elif self.settings.pop(subject, None) is None:
+            return   # cleared, and nothing was set: no key changes
+        digest = self.by_subject.get(subject)
+        if digest is not None and digest in self.records:
+            self._rebuild_one(digest, self.records[digest], time.time())
+
+    def settings_of(self, digest: str) -> Dict[str, Any]:
+        """A key's settings record ({}: none, its defaults)."""
+        return self.settings.get(self.subject(digest), {})
 
     def _count_slot(self, entry_id: str, record: Dict[str, Any]) -> None:
         if entry_id in self.mine:
@@ -1526,7 +1604,7 @@ class ClusterKeys:
         keys = dict(self.keys)
         old = keys.pop(digest, None)
         if crdt.key_accepts(record, now):
-            key = Key.of_record(digest, record)
+            key = Key.of_record(digest, record, self.settings.get(self.subject(digest)) if self.settings else None)
             if old is not None:   # a rate bucket carries over an edit of its key
                 key.carry_bucket(old)
             keys[digest] = key
@@ -1806,6 +1884,8 @@ class ClusterFlow:
         self._published: Dict[str, List[int]] = {}
         self._version = 0
         self._timer: Optional[asyncio.TimerHandle] = None
+        # keys' settings entries go to the keys (ClusterKeys.use_flow), never into `limits`
+        self.on_key_settings: Optional[Callable[[str, Dict[str, Any]], None]] = None
         self.use(authority)
 
     def use(self, authority: Optional[crdt.Authority]) -> None:
@@ -1925,7 +2005,10 @@ class ClusterFlow:
         if record is None:
             return
         kind = crdt.kind_of(entry_id)
-        if kind == crdt.LIMIT:
+        if kind == crdt.LIMIT and entry_id.startswith(crdt.KEY_SETTINGS_ENTRY):
+            if self.on_key_settings is not None:
+                self.on_key_settings(entry_id, record)
+        elif kind == crdt.LIMIT:
             subject = entry_id[len(crdt.LIMIT_ENTRY):]
             if any(record.get(f) for f in crdt.LIMIT_FIELDS):
                 self.limits[subject] = record
@@ -2023,6 +2106,20 @@ class ClusterFlow:
         crdt.validate(entry_id, record)   # a model name too long: refused here, not in the overlay
         self._write(entry_id, record)
         return self.view(subject, record, name)
+
+    def set_key_settings(self, digest: str, settings: Dict[str, Any], now: bool = True) -> Dict[str, Any]:
+        """Publish a key's settings (key_settings: versioned by when they were set), as set_limit
+        a user's: one set `now` wins over whatever is held; one read again from the --db (`now`
+        False) changes nothing where a later setting is held. Returns the record published or held."""
+        entry_id = crdt.limit_entry(self.subject("k", digest))
+        held = self.node.registry.get(entry_id) if hasattr(self.node, "registry") else None
+        if held is not None and held["version"] >= settings["version"]:
+            if not now or held == settings:
+                return held
+            settings = dict(settings, version=held["version"] + 1)   # this clock is behind the last setter's
+        crdt.validate(entry_id, settings)
+        self._write(entry_id, settings)
+        return settings
 
     @staticmethod
     def view(subject: str, record: Dict[str, Any], name: Optional[str]) -> Dict[str, Any]:
@@ -5686,6 +5783,8 @@ class AdminAPI:
                  flow: Optional[ClusterFlow] = None):
         self.cluster = cluster
         self.flow = flow if flow is not None else ClusterFlow(cluster.node)
+        if cluster.flow is None:
+            cluster.use_flow(self.flow)
         self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
         self.fallbacks = fallbacks     # the ingress's own table (--fallback), changed in place
 
@@ -5712,11 +5811,12 @@ class AdminAPI:
         now = time.time()
         out = []
         for digest, record in sorted(self.cluster.records.items(), key=lambda kv: kv[1]["created"]):
+            settings = self.cluster.settings_of(digest)
             view = {f: record[f] for f in ("id", "user", "created") if f in record}
             view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
                         admin=record.get("admin", False), rate=record.get("rate", 0.0),
                         expires=record.get("expires"), usage=self.cluster.usage(digest, now),
-                        **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS})
+                        **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS})
             if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
                 view["state"] = "expired"
             out.append(view)
@@ -5738,10 +5838,12 @@ class AdminAPI:
             limits = limit_spec(spec)
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
-        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires, limits,
-                                        **queueing)
-        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
-        return key_answer(token, record)
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+        settings = key_settings(record["created"], limits, **queueing)
+        if crdt.has_settings(settings):   # first: the key never works here without them
+            self.flow.set_key_settings(digest, settings)
+        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets both from there
+        return key_answer(token, record, settings)
 
     def revoke(self, key_id: str) -> Dict[str, Any]:
         digest = self._digest(key_id)
@@ -6026,7 +6128,7 @@ async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tup
                     version = now_version
                     for kind, name, rpm, tpm, concurrency, changed in db.execute(
                             "SELECT kind, name, rpm, tpm, concurrency, changed FROM limits"):
-                        if seen.get((kind, name)) != changed and kind in crdt.LIMIT_SUBJECTS:
+                        if seen.get((kind, name)) != changed and kind in ("u", "m"):   # (keys': Ledger)
                             seen[(kind, name)] = changed
                             flow.set_limit(kind, name, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
                                            changed, now=False)
@@ -6038,10 +6140,26 @@ async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tup
             db.close()
 
 
-def store_limit(db: sqlite3.Connection, kind: str, name: str, limits: Dict[str, int], now: float) -> None:
-    """The CLI's limit of a user or a model (all zero: cleared), for the ingress to publish."""
-    db.execute("INSERT OR REPLACE INTO limits VALUES (?, ?, ?, ?, ?, ?)",
-               (kind, name, limits["rpm"], limits["tpm"], limits["concurrency"], now))
+def store_limit(db: sqlite3.Connection, kind: str, name: str, limits: Dict[str, int], now: float,
+                queueing: Optional[Dict[str, Any]] = None) -> None:
+    """The CLI's limit of a user or a model (all zero: cleared), or a key's settings (kind "k",
+    the name its sha256, `queueing` its fair-queue fields), for the ingress to publish."""
+    db.execute("INSERT OR REPLACE INTO limits (kind, name, rpm, tpm, concurrency, changed, queue) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?)", (kind, name, limits["rpm"], limits["tpm"], limits["concurrency"],
+                                                now, crdt.dumps(queueing or {}).decode()))
+
+
+def load_key_settings(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
+    """sha256 -> the settings record of every key the CLI gave settings (store_limit, kind "k")."""
+    settings = {}
+    for name, rpm, tpm, concurrency, changed, queue in db.execute(
+            "SELECT name, rpm, tpm, concurrency, changed, queue FROM limits WHERE kind = 'k'"):
+        try:
+            settings[name] = key_settings(changed, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
+                                          **queue_spec(**crdt.loads(queue)))
+        except (ValueError, TypeError) as exc:   # a hand-edited row: the others still count
+            print(f"otela-ingress: settings of key {name[:12]}... not read: {exc}", file=sys.stderr)
+    return settings
 
 
 class Ingress:
@@ -6098,6 +6216,7 @@ class Ingress:
         self.headless_per: Dict[str, int] = {}    # ... how many of them per address
         self.cluster = ClusterKeys(node, lambda: self.ledger)   # keys and usage of every ingress, through the overlay
         self.flow = ClusterFlow(node)   # limits per key, user and model, and every ingress's windows
+        self.cluster.use_flow(self.flow)   # (keys' settings are limit entries: the flow hands them over)
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
@@ -6150,11 +6269,13 @@ class Ingress:
             self._warm_until = time.monotonic() + self.warmup
         self.cluster.start(self._loop)   # (first: the ledger's thread hands it keys on this loop)
         self.flow.use(getattr(getattr(self.node, "overlay", None), "authority", None))
+        self.cluster.resubject()   # (keys held already were named under no key)
         self.flow.start(self._loop)
-        self.ledger = Ledger(self.db_path, self.cluster.read_records)
+        self.ledger = Ledger(self.db_path, self.cluster.read_records, self.cluster.read_settings)
         registry = getattr(self.node, "registry", None)
         if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
+            registry.key_subject = self.cluster.subject   # a key's settings compacted with it
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         if self.otlp_endpoint:
             self.tracer = otela_node.SpanExporter(self.otlp_endpoint, ingress_spans, "otela-ingress")
@@ -7428,7 +7549,8 @@ def _limits_command(args: argparse.Namespace) -> int:
             return 0
         rows = [{crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency}
                 for kind, name, rpm, tpm, concurrency in db.execute(
-                    "SELECT kind, name, rpm, tpm, concurrency FROM limits ORDER BY kind DESC, name")
+                    "SELECT kind, name, rpm, tpm, concurrency FROM limits WHERE kind != 'k' "   # (keys': keys list)
+                    "ORDER BY kind DESC, name")
                 if rpm or tpm or concurrency]
     finally:
         db.close()
@@ -7444,11 +7566,19 @@ def _limits_command(args: argparse.Namespace) -> int:
 def _keys_create(args: argparse.Namespace, db: sqlite3.Connection, user: str, allow: List[str], rate: float,
                  budget_day: int, budget_month: int, expires: Optional[float], **queueing: Any) -> None:
     limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires, limits,
-                                    **queueing)
-    store_key_record(db, digest, record)
+    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires)
+    settings = key_settings(record["created"], limits, **queueing)
+    db.execute("BEGIN")   # one transaction: the ingress reads the key and its settings together
+    try:
+        if crdt.has_settings(settings):
+            store_limit(db, "k", digest, limits, record["created"], queueing)
+        store_key_record(db, digest, record)
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
     if args.json:
-        print(crdt.dumps(key_answer(token, record)).decode())
+        print(crdt.dumps(key_answer(token, record, settings)).decode())
         return
     print(token)
     print(f"key id {record['id']} for user {user}"
@@ -7461,11 +7591,11 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
     now = time.time()
     day = crdt.time_day(now)
     slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
-    records = load_key_records(db)
+    settings = load_key_settings(db)
     for r in rows:   # every ingress's use, as this --db last heard it
         digest = r.pop("hash")
         r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, digest, day)
-        r.update((f, records.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
+        r.update((f, settings.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
     if args.json:
         print(crdt.dumps(rows).decode())
         return
