@@ -1047,6 +1047,12 @@ class Ledger:
         with self._rows_lock:
             self._replicas[entry_id] = record
 
+    def keep_settings(self, digest: str, record: Dict[str, Any]) -> None:
+        """Keep a key's settings (from the overlay, its key known here) as the row `keys create`
+        writes, so `keys list` shows them whichever ingress they were set at."""
+        with self._rows_lock:
+            self._replicas[SETTINGS_ROW + digest] = record
+
     def _store_replicas(self) -> None:
         with self._rows_lock:
             replicas, self._replicas = self._replicas, {}
@@ -1056,7 +1062,10 @@ class Ledger:
         try:
             db.execute("BEGIN")
             for entry_id, record in replicas.items():
-                if crdt.kind_of(entry_id) == crdt.KEY:
+                if entry_id.startswith(SETTINGS_ROW):   # (our own write: no reload reads it back now)
+                    store_limit(db, "k", entry_id[len(SETTINGS_ROW):], {f: record.get(f, 0) for f in crdt.LIMIT_FIELDS},
+                                record["version"] / 1000, {f: record[f] for f in crdt.KEY_QUEUE_FIELDS if f in record})
+                elif crdt.kind_of(entry_id) == crdt.KEY:
                     try:
                         store_key_record(db, entry_id[len(crdt.KEY_ENTRY):], record)
                     except sqlite3.IntegrityError:   # its short id names another key here
@@ -1421,7 +1430,15 @@ def too_long(window: int, prompt: int, completion: int) -> HTTPError:
 #   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
 #      learned from the overlay is written to this ingress's SQLite, so `keys list` shows it
 #      and a restart starts from it. The request path reads only `ClusterKeys.keys`, rebuilt
-#      on each change of a key record.
+#      on each change of a key record or of its settings.
+#   1a. A key's settings (limits, weight, classes: crdt "Limits and flows") are an entry of
+#      their own, "lim:k-<subject>", which an ingress of the release before carries without
+#      understanding while it admits the key. They reach here through ClusterFlow (it holds every
+#      "lim:" entry) and wait in `settings` for their key, or rebuild it; a Key reads them once
+#      when it is built, so a key without settings costs the request path nothing. Where both
+#      entries are made here, the settings go first (the CLI: one SQLite transaction the ledger
+#      thread reads settings first; the admin API: published first), so a new key never works
+#      here without them; at a peer the two may arrive a push apart.
 #   2. Each request this ingress serves adds to its own slot at once; the slots that changed
 #      go out every USAGE_PUBLISH_S. A peer's slot that grew charges the key's rate bucket
 #      here with the requests it served, so a rate holds for the cluster, not per ingress.
@@ -1554,6 +1571,9 @@ class ClusterKeys:
             digest = entry_id[len(crdt.KEY_ENTRY):]
             if digest not in self.records:
                 self.by_subject[self.subject(digest)] = digest
+                settings = self.settings.get(self.subject(digest))
+                if settings is not None and ledger is not None:   # they came first
+                    ledger.keep_settings(digest, settings)
             self.records[digest] = record
             self._rebuild_one(digest, record, time.time())
         elif kind == crdt.USAGE:
@@ -1574,6 +1594,9 @@ class ClusterKeys:
         digest = self.by_subject.get(subject)
         if digest is not None and digest in self.records:
             self._rebuild_one(digest, self.records[digest], time.time())
+            ledger = self.ledger()
+            if ledger is not None:
+                ledger.keep_settings(digest, record)
 
     def settings_of(self, digest: str) -> Dict[str, Any]:
         """A key's settings record ({}: none, its defaults)."""
@@ -1749,9 +1772,11 @@ def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,
 # Limits: requests and tokens per sliding minute, requests in flight, per key, user and model
 # =============================================================================================
 # Theory of operation. A subject (a key, a user across its keys, a model across every key's
-# requests to it) may carry limits (crdt.LIMIT_FIELDS: rpm, tpm, concurrency). A key's are fields
-# of its record; a user's and a model's are "lim:" entries an admin sets at any ingress (PUT
-# /v1/admin/limits/users/NAME, `limits set`). A model's limit counts all of its requests: it
+# requests to it) may carry limits (crdt.LIMIT_FIELDS: rpm, tpm, concurrency). Each is a "lim:"
+# entry an admin sets at any ingress: a user's or a model's with PUT /v1/admin/limits/users/NAME
+# or `limits set`, a key's (its settings, with its fair-queue fields) when the key is made
+# (`keys create --rpm`, POST /v1/admin/keys) or with PUT /v1/admin/keys/ID/limits; a key's go to
+# ClusterKeys, which builds them into the Key. A model's limit counts all of its requests: it
 # protects the sessions serving it, which is what a per-model limit is for; a key's share of a
 # model is what its own limits (or the fair queue) are for, so no per-key-per-model entries.
 #   1. Admission (Ingress.proxy, after routing): every limited subject of the request has room
@@ -5777,7 +5802,9 @@ class AdminAPI:
         GET  /v1/admin/limits                  every user's and model's limits (ClusterFlow)
         PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL)
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
-    A key's own limits are its fields (POST /v1/admin/keys {..., rpm?, tpm?, concurrency?})."""
+    A key's own settings (rpm, tpm, concurrency, weight, priority, priorities) are given when it is
+    made (POST /v1/admin/keys) or replaced later:
+        PUT  /v1/admin/keys/ID/limits {rpm?, tpm?, concurrency?, weight?, priority?, priorities?}"""
 
     def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]],
                  flow: Optional[ClusterFlow] = None):
@@ -5798,6 +5825,8 @@ class AdminAPI:
         if len(rest) == 3 and rest[0] == "keys" and rest[2] == "revoke" and method == b"POST" or \
                 len(rest) == 2 and rest[0] == "keys" and method == b"DELETE":
             return self.revoke(rest[1])
+        if len(rest) == 3 and rest[0] == "keys" and rest[2] == "limits" and method == b"PUT":
+            return self.settle(rest[1], body)
         if rest == ["usage"] and method in (b"GET", b"HEAD"):
             return self.usage(query)
         if rest[0] == "fallbacks":
@@ -5844,6 +5873,25 @@ class AdminAPI:
             self.flow.set_key_settings(digest, settings)
         self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets both from there
         return key_answer(token, record, settings)
+
+    def settle(self, key_id: str, body: bytes) -> Dict[str, Any]:
+        """Replace a key's settings (a field left out: its default); the answer is the key's, as
+        POST /v1/admin/keys gives it, without the token."""
+        digest = self._digest(key_id)
+        spec = json_object(body)
+        unknown = sorted(set(spec) - set(crdt.KEY_SETTINGS))
+        if unknown:
+            raise HTTPError(400, f"Unknown field {unknown[0]!r}: a key's settings are {', '.join(crdt.KEY_SETTINGS)}",
+                            "invalid_parameter", unknown[0])
+        try:
+            limits = limit_spec(spec)
+            queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+        settings = self.flow.set_key_settings(digest, key_settings(time.time(), limits, **queueing))
+        answer = key_answer("", self.cluster.records[digest], settings)
+        del answer["key"]
+        return answer
 
     def revoke(self, key_id: str) -> Dict[str, Any]:
         digest = self._digest(key_id)
@@ -6147,6 +6195,9 @@ def store_limit(db: sqlite3.Connection, kind: str, name: str, limits: Dict[str, 
     db.execute("INSERT OR REPLACE INTO limits (kind, name, rpm, tpm, concurrency, changed, queue) "
                "VALUES (?, ?, ?, ?, ?, ?, ?)", (kind, name, limits["rpm"], limits["tpm"], limits["concurrency"],
                                                 now, crdt.dumps(queueing or {}).decode()))
+
+
+SETTINGS_ROW = "settings "   # Ledger.keep_settings's rows among the replicated entries (no entry id has a space)
 
 
 def load_key_settings(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -162,6 +163,40 @@ def test_keys_settings_past_their_cap_are_refused_and_counted(monkeypatch):
     changed = gmap.merge({crdt.limit_entry(f"k-{i:016x}"): settings_of() for i in range(5)})
     assert len(changed) == 3 and gmap.refused["key_settings_full"] == 2
     assert gmap.merge({crdt.limit_entry("u-" + "0" * 16): crdt.limit_record(1, {"rpm": 1})})   # users': apart
+
+
+@pytest.fixture
+def stack(tmp_path):
+    from test_ingress_support import Stack
+    s = Stack(str(tmp_path / "o.sqlite"))
+    s.engine("m1")
+    yield s
+    s.close()
+
+
+def test_an_admin_replaces_a_keys_settings_and_keys_list_shows_them(stack):
+    from test_ingress_multi import poll
+    admin = Client(stack.url, stack.key("root", admin=True))
+    status, _, body = admin.request("POST", "/v1/admin/keys", {"user": "ann", "rpm": 1})
+    made = json.loads(body)
+    user = Client(stack.url, made["key"])
+    assert [user.chat("m1")[0] for _ in range(2)] == [200, 429]
+    status, _, body = admin.request("PUT", f"/v1/admin/keys/{made['id']}/limits", {"rpm": 5, "weight": 2})
+    changed = json.loads(body)
+    assert status == 200 and (changed["id"], changed["rpm"], changed["weight"], changed["tpm"]) == (made["id"], 5, 2.0, 0)
+    assert "key" not in changed   # the token is shown once, when the key is made
+    assert user.chat("m1")[1]["x-ratelimit-limit-requests"] == "5"
+    for spec, word in (({"rpm": -1}, "rpm"), ({"burst": 2}, "burst"), ({"priority": "urgent"}, "priority")):
+        status, _, body = admin.request("PUT", f"/v1/admin/keys/{made['id']}/limits", spec)
+        assert status == 400 and word in json.loads(body)["error"]["message"]
+    assert admin.request("PUT", "/v1/admin/keys/nope/limits", {"rpm": 1})[0] == 404
+    listed = json.loads(admin.request("GET", "/v1/admin/keys")[2])["data"]
+    assert [k["rpm"] for k in listed if k["id"] == made["id"]] == [5]
+    def listed_by_the_cli():   # the --db keeps what the overlay said, for `keys list`
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "otela_ingress.py"), "keys", "list", "--json",
+                               "--db", stack.db_path], capture_output=True, text=True, timeout=60)
+        return [k["rpm"] for k in json.loads(done.stdout) if k["id"] == made["id"]] == [5]
+    poll(listed_by_the_cli, "the settings in keys list")
 
 
 @pytest.mark.slow
