@@ -1504,28 +1504,23 @@ class ClusterKeys:
     def read_records(self, records: Dict[str, Dict[str, Any]]) -> None:
         """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
         and after the CLI changed them): adopted on the event loop."""
-        loop = self._loop
-        try:
-            here = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            here = False
-        if here or loop is None:
-            self.adopt(records)
-        else:
-            loop.call_soon_threadsafe(self.adopt, records)
+        self._on_loop(self.adopt, records)
 
     def read_settings(self, settings: Dict[str, Dict[str, Any]]) -> None:
         """Keys' settings the CLI stored in SQLite (read by the ledger thread just before the keys):
         published on the event loop, unless a later setting is held."""
+        self._on_loop(self.adopt_settings, settings)
+
+    def _on_loop(self, adopt: Callable[[Dict[str, Dict[str, Any]]], None], rows: Dict[str, Dict[str, Any]]) -> None:
         loop = self._loop
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:
             here = False
         if here or loop is None:
-            self.adopt_settings(settings)
-        else:
-            loop.call_soon_threadsafe(self.adopt_settings, settings)
+            adopt(rows)
+        else:   # (in the order they were read: settings before their keys)
+            loop.call_soon_threadsafe(adopt, rows)
 
     def adopt_settings(self, settings: Dict[str, Dict[str, Any]]) -> None:
         for digest, record in settings.items():
@@ -5878,13 +5873,8 @@ class AdminAPI:
         """Replace a key's settings (a field left out: its default); the answer is the key's, as
         POST /v1/admin/keys gives it, without the token."""
         digest = self._digest(key_id)
-        spec = json_object(body)
-        unknown = sorted(set(spec) - set(crdt.KEY_SETTINGS))
-        if unknown:
-            raise HTTPError(400, f"Unknown field {unknown[0]!r}: a key's settings are {', '.join(crdt.KEY_SETTINGS)}",
-                            "invalid_parameter", unknown[0])
+        spec, limits = self._limits_body(body, crdt.KEY_SETTINGS, "a key's settings are " + ", ".join(crdt.KEY_SETTINGS))
         try:
-            limits = limit_spec(spec)
             queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
@@ -5892,6 +5882,18 @@ class AdminAPI:
         answer = key_answer("", self.cluster.records[digest], settings)
         del answer["key"]
         return answer
+
+    @staticmethod
+    def _limits_body(body: bytes, fields: Sequence[str], what: str) -> Tuple[Dict[str, Any], Dict[str, int]]:
+        """A PUT's JSON object of `fields` only, and the limits in it (limit_spec); else a 400."""
+        spec = json_object(body)
+        unknown = sorted(set(spec) - set(fields))
+        if unknown:
+            raise HTTPError(400, f"Unknown field {unknown[0]!r}: {what}", "invalid_parameter", unknown[0])
+        try:
+            return spec, limit_spec(spec)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
 
     def revoke(self, key_id: str) -> Dict[str, Any]:
         digest = self._digest(key_id)
@@ -5913,15 +5915,7 @@ class AdminAPI:
                             "invalid_parameter")
         limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
         if method == b"PUT":
-            spec = json_object(body)
-            unknown = sorted(set(spec) - set(crdt.LIMIT_FIELDS))
-            if unknown:
-                raise HTTPError(400, f"Unknown field {unknown[0]!r}: a limit is rpm, tpm and concurrency",
-                                "invalid_parameter", unknown[0])
-            try:
-                limits = limit_spec(spec)
-            except ValueError as exc:
-                raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+            limits = self._limits_body(body, crdt.LIMIT_FIELDS, "a limit is rpm, tpm and concurrency")[1]
         try:
             return self.flow.set_limit(kinds[rest[0]], name, limits, time.time())
         except crdt.RecordError as exc:

@@ -438,11 +438,9 @@ def test_remote_service_sums_the_tokens_other_ingresses_served_a_tenant():
     assert b.remote_service("team-y") == 0
 
 
-@pytest.mark.slow
-def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(tmp_path):
-    """A (the release before limits) and B (this one) on one overlay: B enforces a user's limit
-    and publishes its flow; A takes those entries as kinds it does not know and keeps serving,
-    and the keys made at A still work at B."""
+def beside_the_release_before(tmp_path):
+    """A (the release before limits, with the cluster's admin key) and B (this release, serving at
+    the returned URL) on one overlay, and a node serving "fm" that B reaches: (cluster, B's URL)."""
     from test_ingress_multi import ENGINE, poll
     from test_ingress_support import Cluster, free_port
     folder = tmp_path / "before"
@@ -464,6 +462,21 @@ def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(t
         port = free_port()
         cluster.node("n1", f"{ENGINE} {port}", port, "fm")
         poll(lambda: Client(url_b, cluster.token).chat("fm")[0] == 200, "A's admin key and the node at B")
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster, url_b
+
+
+@pytest.mark.slow
+def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(tmp_path):
+    """A (the release before limits) and B (this one) on one overlay: B enforces a user's limit
+    and publishes its flow; A takes those entries as kinds it does not know and keeps serving,
+    and the keys made at A still work at B."""
+    from test_ingress_multi import poll
+    cluster, url_b = beside_the_release_before(tmp_path)
+    folder = tmp_path / "before"
+    try:
         admin_b = Client(url_b, cluster.token)
         assert admin_b.request("PUT", "/v1/admin/limits/users/tester", {"rpm": 5})[0] == 200
         answers = [Client(url_b, cluster.token).chat("fm") for _ in range(8)]

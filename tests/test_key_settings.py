@@ -204,26 +204,10 @@ def test_a_key_made_with_every_setting_at_this_release_works_at_an_ingress_of_th
     """A (the release before) and B (this one) on one overlay: a key made at B with every setting
     reaches A, which admits it (no refusal, no batch lost: a key made after it arrives too), and
     B applies its settings."""
-    from test_ingress_multi import ENGINE, poll
-    from test_ingress_support import Cluster, free_port
-    folder = tmp_path / "before"
-    folder.mkdir()
-    for name in ("otela_node.py", "crdt.py", "otela_ingress.py"):
-        shown = subprocess.run(["git", "-C", ROOT, "show", f"{RELEASE_BEFORE}:{name}"], capture_output=True, timeout=60)
-        if shown.returncode != 0:
-            pytest.skip(f"{RELEASE_BEFORE} is not in this clone's history")
-        (folder / name).write_bytes(shown.stdout)
-    cluster = Cluster(str(tmp_path), ingress_root=str(folder))
+    from test_ingress_limits import beside_the_release_before
+    from test_ingress_multi import poll
+    cluster, url_b = beside_the_release_before(tmp_path)
     try:
-        port_b = free_port()
-        url_b = f"http://127.0.0.1:{port_b}"
-        cluster._spawn("ingress-b", [os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", cluster.key_file,
-                                     "--listen", f"127.0.0.1:{port_b}", "--gossip", f"127.0.0.1:{free_port()}",
-                                     "--db", str(tmp_path / "b.sqlite"), "--bootstrap", f"127.0.0.1:{cluster.gossip}"])
-        cluster._wait(lambda: Client(url_b).request("GET", "/healthz")[0] == 200, "ingress B")
-        port = free_port()
-        cluster.node("n1", f"{ENGINE} {port}", port, "fm")
-        poll(lambda: Client(url_b, cluster.token).chat("fm")[0] == 200, "A's admin key and the node at B")
         status, _, body = Client(url_b, cluster.token).request("POST", "/v1/admin/keys",
                                                                dict(EVERY_SETTING, user="zoe"))
         made = json.loads(body)
