@@ -679,7 +679,8 @@ def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = No
 # ingress of the release before these kinds takes "lim:" and "flow:" for kinds it does not know,
 # holds them on its routing plane and hands them to workers (MAX_UNKNOWN of them at most), so they
 # say nothing a compute job may not read: no user name, no key, only counts, limits, a key's weight
-# and classes and a model's name (which the workers serving it know). This release holds them on the ingress plane.
+# and classes and a model's name (which the workers serving it know). This release holds them on
+# the ingress plane.
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency")   # requests and tokens a minute, requests in flight
 KEY_QUEUE_FIELDS = ("weight", "priority", "priorities")   # a key's share and classes (FairQueue)
 KEY_SETTINGS = LIMIT_FIELDS + KEY_QUEUE_FIELDS           # what a key's "lim:k-" entry may carry

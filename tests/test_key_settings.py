@@ -199,6 +199,21 @@ def test_an_admin_replaces_a_keys_settings_and_keys_list_shows_them(stack):
     poll(listed_by_the_cli, "the settings in keys list")
 
 
+def test_a_key_made_by_the_cli_beside_a_running_ingress_never_works_there_without_its_settings(stack):
+    made = subprocess.run([sys.executable, os.path.join(ROOT, "otela_ingress.py"), "keys", "create", "--user", "cli",
+                           "--rpm", "1", "--priority", "batch", "--json", "--db", stack.db_path],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    client = Client(stack.url, json.loads(made.stdout)["key"])
+    deadline = time.monotonic() + 20
+    while (answer := client.chat("m1"))[0] == 401 and time.monotonic() < deadline:   # not read yet
+        time.sleep(0.05)
+    assert answer[0] == 200 and answer[1]["x-ratelimit-limit-requests"] == "1"   # its first answer
+    assert client.chat("m1")[0] == 429
+    digest = next(d for d, r in stack.call(lambda: dict(stack.ingress.cluster.records)).items() if r["user"] == "cli")
+    assert stack.call(lambda: stack.ingress.cluster.keys[digest].priority) == otela_ingress.PRIORITY_RANK["batch"]
+
+
 @pytest.mark.slow
 def test_a_key_made_with_every_setting_at_this_release_works_at_an_ingress_of_the_release_before(tmp_path):
     """A (the release before) and B (this one) on one overlay: a key made at B with every setting
