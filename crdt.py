@@ -24,6 +24,8 @@ Three kinds of entry share the map, told apart by their id (a session id has no 
                                requests and tokens one ingress session served for that key then;
   revocation "rev:<grant>"     a grant (or a Slurm job's grants) revoked;
   limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight;
+           "lim:k-<16 hex>"    a key's settings: its limits and its share and classes of the
+                               fair queue (see "Limits and flows");
   flow     "flow:<session>"    what one ingress session admitted per limited subject in its last
                                minute (see "Limits and flows").
 All are ordered the same way (state, then version, then encoding), so they travel with
@@ -441,17 +443,15 @@ ACCEPTED_KEY_STATES = frozenset(s for s, (_, accepted, _) in KEY_LIFECYCLE.items
 _KEY_ENTRY = re.compile(r"^key:[0-9a-f]{64}$")
 _KEY_ID = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
 # field: (required, check); budgets are tokens (prompt + completion), 0 meaning no budget.
-# `weight` (a number > 0, default 1), `priority` (the key's class, default "standard") and
-# `priorities` (the classes its requests may ask for besides its own) order the ingress's fair
-# queue; each is left out at its default, so a key that uses none of them is the record an older
-# release wrote and reads (that release refuses a record carrying one of them: the field set is
-# closed, so such a key is unknown there, never admitted with rights it does not understand).
+# The set is the one the release before this wrote, and it stays closed: an ingress of that
+# release refuses a key record carrying anything else, and the whole batch it came in with. A
+# key's settings that came later (its limits per minute and in flight, its weight and classes in
+# the fair queue) live in an entry of their own, "lim:k-<subject>" (see "Limits and flows"),
+# which that release carries as a kind it does not know.
 _KEY_FIELDS = {
     "state": True, "version": True, "id": True, "user": True, "created": True,
     "allow": False, "admin": False, "rate": False, "budget_day": False, "budget_month": False,
-    "expires": False, "revoked_at": False, "sig": False, "weight": False, "priority": False,
-    "priorities": False,
-    "rpm": False, "tpm": False, "concurrency": False,   # the key's window limits (LIMIT_FIELDS)
+    "expires": False, "revoked_at": False, "sig": False,
 }
 # A request's priority classes, highest first: a class waits in the ingress's queue only behind
 # its own and higher ones (the names are the API: keys, X-Otela-Priority, /metrics)
@@ -467,28 +467,17 @@ def key_entry(key_hash: str) -> str:
 
 def key_record(key_id: str, user: str, created: float, allow: Iterable[str] = (), admin: bool = False,
                rate: float = 0.0, budget_day: int = 0, budget_month: int = 0,
-               expires: Optional[float] = None, version: int = 0,
-               limits: Optional[Mapping[str, int]] = None, *, weight: float = 1.0,
-               priority: str = DEFAULT_PRIORITY, priorities: Iterable[str] = ()) -> Dict[str, Any]:
-    """A new active key's record (its defaults left out, to keep records small); `limits`:
-    {rpm, tpm, concurrency} (LIMIT_FIELDS, 0 or absent: none)."""
+               expires: Optional[float] = None, version: int = 0) -> Dict[str, Any]:
+    """A new active key's record (its defaults left out, to keep records small; its settings:
+    key_settings_record)."""
     record: Dict[str, Any] = {"state": KEY_ACTIVE, "version": version, "id": key_id, "user": user,
                               "created": created}
-    limits = limits or {}
     for field, value in (("allow", sorted(set(allow))), ("admin", bool(admin)), ("rate", rate),
-                         ("budget_day", int(budget_day)), ("budget_month", int(budget_month)),
-                         *((f, int(limits.get(f, 0))) for f in LIMIT_FIELDS)):
+                         ("budget_day", int(budget_day)), ("budget_month", int(budget_month))):
         if value:
             record[field] = value
     if expires is not None:
         record["expires"] = expires
-    if weight != 1:
-        record["weight"] = weight
-    if priority != DEFAULT_PRIORITY:
-        record["priority"] = priority
-    priorities = [c for c in PRIORITY_CLASSES if c in set(priorities) and c != priority]
-    if priorities:   # (in class order, its own class left out: it may always ask for that)
-        record["priorities"] = priorities
     return record
 
 
@@ -521,8 +510,6 @@ def validate_key(entry_id: str, record: Any) -> bytes:
         value = record.get(field, 0)
         if type(value) is not int or not 0 <= value < 2**53:
             raise RecordError(f"{entry_id}: {field} must be an integer >= 0 (tokens; 0: none)")
-    _check_limits(entry_id, record)
-    _check_priorities(entry_id, record)
     _check_sig(entry_id, record)
     return _encode_checked(entry_id, record)
 
@@ -675,9 +662,14 @@ def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = No
 # Limits and flows: per-minute windows that the ingresses share
 # =============================================================================================
 # A limit caps a subject's requests and tokens per sliding minute and its requests in flight
-# (LIMIT_FIELDS, 0 meaning none). A key's limits are fields of its record; a user's (all of its
-# keys together) and a model's (every key's requests to it) are entries of their own,
-# "lim:<u|m>-<subject>", set by an admin at any ingress and signed by the ingress tier like keys.
+# (LIMIT_FIELDS, 0 meaning none). A user's (all of its keys together), a model's (every key's
+# requests to it) and a key's are entries of their own, "lim:<u|m|k>-<subject>", set by an admin
+# at any ingress and signed by the ingress tier like keys. A key's entry ("k", the subject of its
+# token's sha256) also carries its place in the fair queue (KEY_QUEUE_FIELDS: weight, priority,
+# priorities): all that this release added to a key lives there, so its key record stays the one
+# the release before reads, and a key with settings replicates to an ingress of that release as
+# any other (which admits it as that release would, without the settings it does not know). The
+# two entries travel apart: a key's entry may arrive before its key, or after it, or change alone.
 # Each ingress session publishes what it admitted per limited subject in its last minute, one
 # entry "flow:<session id>" of at most MAX_FLOW_SUBJECTS subjects; every ingress adds the others'
 # to its own window (otela_ingress.py, "Limits").
@@ -686,18 +678,29 @@ def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = No
 # "t", a tenant of the fair queue), under a key only ingresses derive (Authority.subject_key): an
 # ingress of the release before these kinds takes "lim:" and "flow:" for kinds it does not know,
 # holds them on its routing plane and hands them to workers (MAX_UNKNOWN of them at most), so they
-# say nothing a compute job may not read: no user name, no key, only counts, limits and a model's
-# name (which the workers serving it know). This release holds them on the ingress plane.
+# say nothing a compute job may not read: no user name, no key, only counts, limits, a key's weight
+# and classes and a model's name (which the workers serving it know). This release holds them on
+# the ingress plane.
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency")   # requests and tokens a minute, requests in flight
-LIMIT_SUBJECTS = {"u": "user", "m": "model"}   # who an entry of its own limits
+KEY_QUEUE_FIELDS = ("weight", "priority", "priorities")   # a key's share and classes (FairQueue)
+KEY_SETTINGS = LIMIT_FIELDS + KEY_QUEUE_FIELDS           # what a key's "lim:k-" entry may carry
+LIMIT_SUBJECTS = {"u": "user", "m": "model", "k": "key"}   # who an entry of its own limits
 MAX_LIMITS = 4096             # user and model limits held: a site's users and models, many times
                               # over; ~150 bytes each, 0.6 MB at most
+MAX_KEY_SETTINGS = 65536      # keys' settings held (counted apart from the above): a key may have
+                              # its own, and a site hands out keys per person, course and pipeline,
+                              # so 16x the 4,096 users above with settings on every key; ~200 bytes
+                              # each, 13 MB at most. Keys themselves are not capped (the tier signs
+                              # both), so this bounds a runaway script, not an attacker; a settings
+                              # entry past it is refused (counted), its key admitted without them.
+                              # (An ingress of the release before holds them among MAX_UNKNOWN.)
 MAX_FLOWS = 256               # flow entries held (one per ingress session seen within
 FLOW_RETENTION_S = 600.0      # ... this long: an ingress restarted every 3 s for 10 minutes)
 MAX_FLOW_SUBJECTS = 32        # subjects one flow entry carries: 40-80 bytes each, as many as
                               # MAX_RECORD_BYTES holds (the publisher keeps the busiest that fit)
 SUBJECT_HEX = 16              # 64 bits: no two of a site's subjects collide
-_LIMIT_ENTRY = re.compile(r"^lim:[um]-[0-9a-f]{16}$")
+_LIMIT_ENTRY = re.compile(r"^lim:[umk]-[0-9a-f]{16}$")
+KEY_SETTINGS_ENTRY = LIMIT_ENTRY + "k-"
 _FLOW_ENTRY = re.compile(r"^flow:[0-9A-Za-z_-]{1,64}$")
 _SUBJECT = re.compile(r"^[kumt]-[0-9a-f]{16}$")
 
@@ -710,10 +713,10 @@ def subject_of(key: bytes, kind: str, name: str) -> str:
 
 
 def limit_entry(subject: str) -> str:
-    """The map id of a user's or a model's limits."""
+    """The map id of a user's, a model's or a key's limits (a key's: its settings)."""
     entry_id = LIMIT_ENTRY + subject
     if not _LIMIT_ENTRY.match(entry_id):
-        raise RecordError(f"bad limit subject {subject!r}: u- or m- and {SUBJECT_HEX} hex digits")
+        raise RecordError(f"bad limit subject {subject!r}: u-, m- or k- and {SUBJECT_HEX} hex digits")
     return entry_id
 
 
@@ -726,6 +729,26 @@ def limit_record(version: int, limits: Mapping[str, int], model: Optional[str] =
     return record
 
 
+def key_settings_record(version: int, limits: Optional[Mapping[str, int]] = None, weight: float = 1.0,
+                        priority: str = DEFAULT_PRIORITY, priorities: Iterable[str] = ()) -> Dict[str, Any]:
+    """A key's settings entry: its limits (LIMIT_FIELDS) and its fair-queue fields, each left out
+    at its default (a record with none is the settings cleared)."""
+    record = limit_record(version, limits or {})
+    if weight != 1:
+        record["weight"] = weight
+    if priority != DEFAULT_PRIORITY:
+        record["priority"] = priority
+    priorities = [c for c in PRIORITY_CLASSES if c in set(priorities) and c != priority]
+    if priorities:   # (in class order, its own class left out: it may always ask for that)
+        record["priorities"] = priorities
+    return record
+
+
+def has_settings(record: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a key's settings entry sets anything (none: the key's defaults)."""
+    return record is not None and any(record.get(f) for f in KEY_SETTINGS)
+
+
 def _check_limits(where: str, record: Dict[str, Any]) -> None:
     for field in LIMIT_FIELDS:
         value = record.get(field, 0)
@@ -735,13 +758,17 @@ def _check_limits(where: str, record: Dict[str, Any]) -> None:
 
 def validate_limit(entry_id: str, record: Any) -> bytes:
     if not _LIMIT_ENTRY.match(entry_id):
-        raise RecordError(f"bad limit entry {entry_id!r}: 'lim:', u- or m- and {SUBJECT_HEX} hex digits")
+        raise RecordError(f"bad limit entry {entry_id!r}: 'lim:', u-, m- or k- and {SUBJECT_HEX} hex digits")
     _check_object(entry_id, record)
-    _check_fields(entry_id, record, ("state", "version"), ("state", "version", "model", "sig") + LIMIT_FIELDS)
+    key = entry_id.startswith(KEY_SETTINGS_ENTRY)   # a key's: its fair-queue fields too, no others'
+    _check_fields(entry_id, record, ("state", "version"), ("state", "version", "model", "sig") + LIMIT_FIELDS
+                  + (KEY_QUEUE_FIELDS if key else ()))
     if record["state"] != 0 or type(record["state"]) is not int:
         raise RecordError(f"{entry_id}: a limit's state is 0")
     _check_count(entry_id, "version", record["version"])
     _check_limits(entry_id, record)
+    if key:
+        _check_priorities(entry_id, record)
     if entry_id[len(LIMIT_ENTRY)] == "m":
         if "model" not in record:
             raise RecordError(f"{entry_id}: a model's limit names its model")
@@ -1202,6 +1229,9 @@ class GMap:
         self._flow_horizon = -math.inf           # flows published before this are refused
         self.refused: collections.Counter = collections.Counter()   # entries not applied, by why
         self.binder: Optional[Binder] = None     # checks session records against their writers
+        self.key_subject: Optional[Callable[[str], str]] = None   # a key's hash -> the subject of
+                                                 # its settings (an ingress's: compacted with it)
+        self._key_settings = 0                   # "lim:k-" entries held (MAX_KEY_SETTINGS)
 
     # -- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -1309,6 +1339,8 @@ class GMap:
             self._usage_by_day.setdefault(record["day"], set()).add(session_id)
         self._entries[session_id] = new
         self._by_kind[kind][session_id] = new
+        if old is None and kind == LIMIT and session_id.startswith(KEY_SETTINGS_ENTRY):
+            self._key_settings += 1
         if kind == SESSION:
             self._session_bytes += new.size - (old.size if old is not None else 0)
         self._all.flip(new)
@@ -1333,8 +1365,16 @@ class GMap:
             if why is None and self.binder is not None:
                 why = self.binder.refusal(session_id, record, held)
             return why
+        if old is not None:
+            return None
         cap, why = _FULL.get(kind, (math.inf, None))
-        return why if old is None and len(self._by_kind[kind]) >= cap else None
+        held = len(self._by_kind[kind])
+        if kind == LIMIT:   # keys' settings and users' and models' limits, each under its own cap
+            if session_id.startswith(KEY_SETTINGS_ENTRY):
+                cap, why, held = MAX_KEY_SETTINGS, "key_settings_full", self._key_settings
+            else:
+                held -= self._key_settings
+        return why if held >= cap else None
 
     def _past_horizon(self, kind: str, record: Dict[str, Any]) -> bool:
         """A LEFT session, usage period or ended key that compaction has already dropped."""
@@ -1353,6 +1393,8 @@ class GMap:
     def _drop(self, entry_id: str, kind: str) -> _Entry:
         entry = self._entries.pop(entry_id)
         del self._by_kind[kind][entry_id]
+        if kind == LIMIT and entry_id.startswith(KEY_SETTINGS_ENTRY):
+            self._key_settings -= 1
         if kind == SESSION:
             self._session_bytes -= entry.size
         self._unhash(entry)
@@ -1377,10 +1419,19 @@ class GMap:
                     stale.append(eid)
         # Keys revoked or expired longer than KEY_RETENTION_S ago: compacted, their ids remembered
         # so that an older active copy held by a replica that was away cannot bring them back.
+        # Their settings go with them, and are remembered alike (where this replica can name
+        # their subject: an ingress, `key_subject`).
         self._key_horizon = now - KEY_RETENTION_S
         ended = [eid for eid, e in self._by_kind[KEY].items() if _key_ended(e.record) < self._key_horizon]
-        for eid in ended:
-            self._forgotten[eid] = _key_ended(self._drop(eid, KEY).record)
+        for eid in list(ended):
+            self._forgotten[eid] = when = _key_ended(self._drop(eid, KEY).record)
+            settings = LIMIT_ENTRY + self.key_subject(eid[len(KEY_ENTRY):]) \
+                if self.key_subject is not None else None
+            if settings is not None:
+                self._forgotten[settings] = when
+                if settings in self._by_kind[LIMIT]:
+                    self._drop(settings, LIMIT)
+                    ended.append(settings)
         # Flows not renewed for FLOW_RETENTION_S: their ingress session is gone (a live one's is
         # renewed while it admits anything); an older copy is refused by its time alone.
         self._flow_horizon = now - FLOW_RETENTION_S

@@ -468,7 +468,7 @@ CREATE TABLE IF NOT EXISTS limit_entries (id TEXT PRIMARY KEY, record TEXT NOT N
 CREATE TABLE IF NOT EXISTS limits (
     kind TEXT NOT NULL, name TEXT NOT NULL, rpm INTEGER NOT NULL DEFAULT 0,
     tpm INTEGER NOT NULL DEFAULT 0, concurrency INTEGER NOT NULL DEFAULT 0, changed REAL NOT NULL,
-    PRIMARY KEY (kind, name));
+    queue TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (kind, name));
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL NOT NULL, day TEXT NOT NULL, key_id TEXT, user TEXT, model TEXT,
     session TEXT, provider TEXT, status INTEGER, prompt_tokens INTEGER,
@@ -530,6 +530,8 @@ def _add_key_columns(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
     if "waited_ms" not in {row[1] for row in db.execute("PRAGMA table_info(daily)")}:
         db.execute("ALTER TABLE daily ADD COLUMN waited_ms REAL NOT NULL DEFAULT 0")
+    if "queue" not in {row[1] for row in db.execute("PRAGMA table_info(limits)")}:   # a key's fair-queue fields
+        db.execute("ALTER TABLE limits ADD COLUMN queue TEXT NOT NULL DEFAULT '{}'")
 
 
 def hash_key(token: str) -> str:
@@ -544,7 +546,8 @@ class Key:
                  "priorities")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
-                 rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None):
+                 rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None,
+                 settings: Optional[Dict[str, Any]] = None):
         self.id, self.user, self.allow = key_id, user, tuple(sorted(set(allow)))
         self.admin, self.rate = bool(admin), float(rate)
         self._tokens, self._stamp = max(1.0, self.rate), 0.0
@@ -552,20 +555,20 @@ class Key:
         self.budget_day = int(record.get("budget_day", 0)) if record else 0
         self.budget_month = int(record.get("budget_month", 0)) if record else 0
         self.expires: Optional[float] = record.get("expires") if record else None
-        get = record.get if record else {}.get   # the window limits (ClusterFlow; 0: none)
+        # its settings entry (crdt.key_settings_record; none: the defaults), read once here so the
+        # request path pays nothing for them: the window limits (ClusterFlow; 0: none), its share
+        # of the fair queue, its class and the classes it may ask for (FairQueue)
+        get = settings.get if settings else {}.get
         self.rpm, self.tpm, self.concurrency = get("rpm", 0), get("tpm", 0), get("concurrency", 0)
         self.limited = bool(self.rpm or self.tpm or self.concurrency)
-        # its share of the fair queue, its class and the classes it may ask for (FairQueue)
-        self.weight = float(record.get("weight", 1.0)) if record else 1.0
-        self.priority = PRIORITY_RANK[record.get("priority", crdt.DEFAULT_PRIORITY)] if record \
-            else PRIORITY_RANK[crdt.DEFAULT_PRIORITY]
-        self.priorities = frozenset(PRIORITY_RANK[c] for c in record.get("priorities", ())) if record \
-            else frozenset()
+        self.weight = float(get("weight", 1.0))
+        self.priority = PRIORITY_RANK[get("priority", crdt.DEFAULT_PRIORITY)]
+        self.priorities = frozenset(PRIORITY_RANK[c] for c in get("priorities", ()))
 
     @classmethod
-    def of_record(cls, key_hash: str, record: Dict[str, Any]) -> Key:
+    def of_record(cls, key_hash: str, record: Dict[str, Any], settings: Optional[Dict[str, Any]] = None) -> Key:
         return cls(record["id"], record["user"], record.get("allow", ()), record.get("admin", False),
-                   record.get("rate", 0.0), key_hash, record)
+                   record.get("rate", 0.0), key_hash, record, settings)
 
     def carry_bucket(self, old: Key) -> None:
         """This key replaces `old` (an edit of it): the requests `old` admitted still count."""
@@ -598,14 +601,21 @@ ANONYMOUS = Key("-", "anonymous", admin=True)   # the identity of every request 
 
 
 def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: float = 0.0,
-            budget_day: int = 0, budget_month: int = 0, expires: Optional[float] = None,
-            limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Tuple[str, str, Dict[str, Any]]:
-    """A new key: (the token, shown once and never stored, the sha256 of it, its record);
-    `limits`: its window limits (limit_spec); `queueing`: its fair-queue fields (queue_spec)."""
+            budget_day: int = 0, budget_month: int = 0, expires: Optional[float] = None
+            ) -> Tuple[str, str, Dict[str, Any]]:
+    """A new key: (the token, shown once and never stored, the sha256 of it, its record). Its
+    settings, if any, are an entry of their own (key_settings)."""
     token = KEY_PREFIX + secrets.token_urlsafe(32)
     record = crdt.key_record(secrets.token_hex(4), user, time.time(), allow, admin, rate,
-                             budget_day, budget_month, expires, limits=limits, **queueing)
+                             budget_day, budget_month, expires)
     return token, hash_key(token), record
+
+
+def key_settings(at: float, limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Dict[str, Any]:
+    """A key's settings entry as set at `at` (its version: `at` in ms, so the latest setting wins,
+    as a user's limits): `limits` its window limits (limit_spec), `queueing` its fair-queue fields
+    (queue_spec); none of them: the settings cleared."""
+    return crdt.key_settings_record(int(at * 1000), limits, **queueing)
 
 
 def parse_expiry(text: str, now: float) -> float:
@@ -695,15 +705,17 @@ def _key_expiry(expires: Any) -> float:
     return float(expires)
 
 
-def key_answer(token: str, record: Dict[str, Any]) -> Dict[str, Any]:
+def key_answer(token: str, record: Dict[str, Any], settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """What `keys create --json` prints and POST /v1/admin/keys answers: one shape, every
-    field spelled out (the record leaves defaults out), no internal state or version."""
+    field spelled out (the record and its settings leave defaults out), no internal state or
+    version."""
+    settings = settings or {}
     return {"object": "api_key", "id": record["id"], "key": token, "user": record["user"],
             "created": record["created"], "admin": record.get("admin", False), "allow": record.get("allow", []),
             "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
             "budget_month": record.get("budget_month", 0), "expires": record.get("expires"),
-            "weight": record.get("weight", 1.0), "priority": record.get("priority", crdt.DEFAULT_PRIORITY),
-            "priorities": record.get("priorities", []), **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+            "weight": settings.get("weight", 1.0), "priority": settings.get("priority", crdt.DEFAULT_PRIORITY),
+            "priorities": settings.get("priorities", []), **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS}}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -850,10 +862,13 @@ class Ledger:
     failing ledger shows on /healthz and /metrics while requests go on being served.
     """
 
-    def __init__(self, path: str, on_keys: Callable[[Dict[str, Dict[str, Any]]], None]):
-        """`on_keys(records)` gets every key's record (revoked ones too: ClusterKeys) at each reload."""
+    def __init__(self, path: str, on_keys: Callable[[Dict[str, Dict[str, Any]]], None],
+                 on_settings: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None):
+        """`on_keys(records)` gets every key's record (revoked ones too: ClusterKeys) at each reload,
+        after `on_settings(settings)` got the keys' settings (so a new key never works without them)."""
         self.path = path
         self._on_keys = on_keys
+        self._on_settings = on_settings
         # One ingress per ledger: a second one would replay the first one's live journal.
         try:
             self._lock = os.open(f"{path}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
@@ -1013,6 +1028,8 @@ class Ledger:
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         if version != self._data_version:
             self._data_version = version
+            if self._on_settings is not None:
+                self._on_settings(load_key_settings(self._db))
             self._on_keys(load_key_records(self._db))
 
     def reload_keys(self) -> Optional[concurrent.futures.Future]:
@@ -1032,6 +1049,12 @@ class Ledger:
         with self._rows_lock:
             self._replicas[entry_id] = record
 
+    def keep_settings(self, digest: str, record: Dict[str, Any]) -> None:
+        """Keep a key's settings (from the overlay, its key known here) as the row `keys create`
+        writes, so `keys list` shows them whichever ingress they were set at."""
+        with self._rows_lock:
+            self._replicas[SETTINGS_ROW + digest] = record
+
     def _store_replicas(self) -> None:
         with self._rows_lock:
             replicas, self._replicas = self._replicas, {}
@@ -1041,7 +1064,10 @@ class Ledger:
         try:
             db.execute("BEGIN")
             for entry_id, record in replicas.items():
-                if crdt.kind_of(entry_id) == crdt.KEY:
+                if entry_id.startswith(SETTINGS_ROW):   # (our own write: no reload reads it back now)
+                    store_limit(db, "k", entry_id[len(SETTINGS_ROW):], {f: record.get(f, 0) for f in crdt.LIMIT_FIELDS},
+                                record["version"] / 1000, {f: record[f] for f in crdt.KEY_QUEUE_FIELDS if f in record})
+                elif crdt.kind_of(entry_id) == crdt.KEY:
                     try:
                         store_key_record(db, entry_id[len(crdt.KEY_ENTRY):], record)
                     except sqlite3.IntegrityError:   # its short id names another key here
@@ -1406,7 +1432,15 @@ def too_long(window: int, prompt: int, completion: int) -> HTTPError:
 #   1. A key made or revoked here (the CLI on this --db, or the admin API) is published; one
 #      learned from the overlay is written to this ingress's SQLite, so `keys list` shows it
 #      and a restart starts from it. The request path reads only `ClusterKeys.keys`, rebuilt
-#      on each change of a key record.
+#      on each change of a key record or of its settings.
+#   1a. A key's settings (limits, weight, classes: crdt "Limits and flows") are an entry of
+#      their own, "lim:k-<subject>", which an ingress of the release before carries without
+#      understanding while it admits the key. They reach here through ClusterFlow (it holds every
+#      "lim:" entry) and wait in `settings` for their key, or rebuild it; a Key reads them once
+#      when it is built, so a key without settings costs the request path nothing. Where both
+#      entries are made here, the settings go first (the CLI: one SQLite transaction the ledger
+#      thread reads settings first; the admin API: published first), so a new key never works
+#      here without them; at a peer the two may arrive a push apart.
 #   2. Each request this ingress serves adds to its own slot at once; the slots that changed
 #      go out every USAGE_PUBLISH_S. A peer's slot that grew charges the key's rate bucket
 #      here with the requests it served, so a rate holds for the cluster, not per ingress.
@@ -1440,7 +1474,29 @@ class ClusterKeys:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._today = (-1, "")                         # (unix day number, its YYYY-MM-DD)
         self._hot: Dict[str, tuple] = {}               # hash -> today's own slots, see count
+        # Keys' settings ("lim:k-" entries, crdt "Limits and flows"): they arrive apart from their
+        # keys, before or after them, so both are kept, and a change of either rebuilds the Key
+        self.settings: Dict[str, Dict[str, Any]] = {}  # subject -> settings record (not cleared)
+        self.by_subject: Dict[str, str] = {}           # subject -> sha256 of its key
+        self.flow: Optional[ClusterFlow] = None        # names the subjects (use_flow)
 
+    def use_flow(self, flow: ClusterFlow) -> None:
+        """The keys' settings come through `flow` (it holds every "lim:" entry) and are named by
+        its subject key."""
+        self.flow = flow
+        flow.on_key_settings = self.on_settings
+        self.resubject()
+
+    def subject(self, digest: str) -> str:
+        """The subject of a key's settings (ClusterFlow.admit books the key's window under it)."""
+        return self.flow.subject("k", digest) if self.flow is not None else ""
+
+    def resubject(self) -> None:
+        """The subject key changed (ClusterFlow.use, at start): every key's subject with it."""
+        self.by_subject = {self.subject(digest): digest for digest in self.records}
+        now = time.time()
+        for digest, record in list(self.records.items()):
+            self._rebuild_one(digest, record, now)
     def today(self, now: float) -> str:
         """The UTC day of `now`, formatted once a day instead of per request."""
         number = int(now // 86400)
@@ -1453,15 +1509,31 @@ class ClusterKeys:
     def read_records(self, records: Dict[str, Dict[str, Any]]) -> None:
         """Every key's record in SQLite, revoked ones too (read by the ledger thread at start
         and after the CLI changed them): adopted on the event loop."""
+        self._on_loop(self.adopt, records)
+
+    def read_settings(self, settings: Dict[str, Dict[str, Any]]) -> None:
+        """Keys' settings the CLI stored in SQLite (read by the ledger thread just before the keys):
+        published on the event loop, unless a later setting is held."""
+        self._on_loop(self.adopt_settings, settings)
+
+    def _on_loop(self, adopt: Callable[[Dict[str, Dict[str, Any]]], None], rows: Dict[str, Dict[str, Any]]) -> None:
         loop = self._loop
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:
             here = False
         if here or loop is None:
-            self.adopt(records)
-        else:
-            loop.call_soon_threadsafe(self.adopt, records)
+            adopt(rows)
+        else:   # (in the order they were read: settings before their keys)
+            loop.call_soon_threadsafe(adopt, rows)
+
+    def adopt_settings(self, settings: Dict[str, Dict[str, Any]]) -> None:
+        for digest, record in settings.items():
+            if self.flow is not None:
+                try:
+                    self.flow.set_key_settings(digest, record, now=False)
+                except crdt.RecordError as exc:   # a bad row in SQLite must not stop the ingress
+                    print(f"otela-ingress: not replicated: {exc}", file=sys.stderr)
 
     def adopt(self, records: Dict[str, Dict[str, Any]]) -> None:
         """Key records read from this ingress's SQLite: publish them (the lattice keeps the
@@ -1488,6 +1560,11 @@ class ClusterKeys:
         ledger = self.ledger()
         if kind == crdt.KEY:
             digest = entry_id[len(crdt.KEY_ENTRY):]
+            if digest not in self.records:
+                self.by_subject[self.subject(digest)] = digest
+                settings = self.settings.get(self.subject(digest))
+                if settings is not None and ledger is not None:   # they came first
+                    ledger.keep_settings(digest, settings)
             self.records[digest] = record
             self._rebuild_one(digest, record, time.time())
         elif kind == crdt.USAGE:
@@ -1496,6 +1573,25 @@ class ClusterKeys:
             return
         if ledger is not None:
             ledger.replicate(entry_id, record)
+
+    def on_settings(self, entry_id: str, record: Dict[str, Any]) -> None:
+        """A key's settings changed in the map (ClusterFlow.on_entry): its Key is rebuilt with them
+        where its record is here already; else they wait for it."""
+        subject = entry_id[len(crdt.LIMIT_ENTRY):]
+        if crdt.has_settings(record):
+            self.settings[subject] = record
+        elif self.settings.pop(subject, None) is None:
+            return   # cleared, and nothing was set: no key changes
+        digest = self.by_subject.get(subject)
+        if digest is not None and digest in self.records:
+            self._rebuild_one(digest, self.records[digest], time.time())
+            ledger = self.ledger()
+            if ledger is not None:
+                ledger.keep_settings(digest, record)
+
+    def settings_of(self, digest: str) -> Dict[str, Any]:
+        """A key's settings record ({}: none, its defaults)."""
+        return self.settings.get(self.subject(digest), {})
 
     def _count_slot(self, entry_id: str, record: Dict[str, Any]) -> None:
         if entry_id in self.mine:
@@ -1522,7 +1618,7 @@ class ClusterKeys:
         keys = dict(self.keys)
         old = keys.pop(digest, None)
         if crdt.key_accepts(record, now):
-            key = Key.of_record(digest, record)
+            key = Key.of_record(digest, record, self.settings.get(self.subject(digest)) if self.settings else None)
             if old is not None:   # a rate bucket carries over an edit of its key
                 key.carry_bucket(old)
             keys[digest] = key
@@ -1667,9 +1763,11 @@ def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,
 # Limits: requests and tokens per sliding minute, requests in flight, per key, user and model
 # =============================================================================================
 # Theory of operation. A subject (a key, a user across its keys, a model across every key's
-# requests to it) may carry limits (crdt.LIMIT_FIELDS: rpm, tpm, concurrency). A key's are fields
-# of its record; a user's and a model's are "lim:" entries an admin sets at any ingress (PUT
-# /v1/admin/limits/users/NAME, `limits set`). A model's limit counts all of its requests: it
+# requests to it) may carry limits (crdt.LIMIT_FIELDS: rpm, tpm, concurrency). Each is a "lim:"
+# entry an admin sets at any ingress: a user's or a model's with PUT /v1/admin/limits/users/NAME
+# or `limits set`, a key's (its settings, with its fair-queue fields) when the key is made
+# (`keys create --rpm`, POST /v1/admin/keys) or with PUT /v1/admin/keys/ID/limits; a key's go to
+# ClusterKeys, which builds them into the Key. A model's limit counts all of its requests: it
 # protects the sessions serving it, which is what a per-model limit is for; a key's share of a
 # model is what its own limits (or the fair queue) are for, so no per-key-per-model entries.
 #   1. Admission (Ingress.proxy, after routing): every limited subject of the request has room
@@ -1804,6 +1902,8 @@ class ClusterFlow:
         self._published: Dict[str, List[int]] = {}
         self._version = 0
         self._timer: Optional[asyncio.TimerHandle] = None
+        # keys' settings entries go to the keys (ClusterKeys.use_flow), never into `limits`
+        self.on_key_settings: Optional[Callable[[str, Dict[str, Any]], None]] = None
         self.use(authority)
 
     def use(self, authority: Optional[crdt.Authority]) -> None:
@@ -1923,7 +2023,10 @@ class ClusterFlow:
         if record is None:
             return
         kind = crdt.kind_of(entry_id)
-        if kind == crdt.LIMIT:
+        if kind == crdt.LIMIT and entry_id.startswith(crdt.KEY_SETTINGS_ENTRY):
+            if self.on_key_settings is not None:
+                self.on_key_settings(entry_id, record)
+        elif kind == crdt.LIMIT:
             subject = entry_id[len(crdt.LIMIT_ENTRY):]
             if any(record.get(f) for f in crdt.LIMIT_FIELDS):
                 self.limits[subject] = record
@@ -2017,6 +2120,20 @@ class ClusterFlow:
         crdt.validate(entry_id, record)   # a model name too long: refused here, not in the overlay
         self._write(entry_id, record)
         return self.view(subject, record, name)
+
+    def set_key_settings(self, digest: str, settings: Dict[str, Any], now: bool = True) -> Dict[str, Any]:
+        """Publish a key's settings (key_settings: versioned by when they were set), as set_limit
+        a user's: one set `now` wins over whatever is held; one read again from the --db (`now`
+        False) changes nothing where a later setting is held. Returns the record published or held."""
+        entry_id = crdt.limit_entry(self.subject("k", digest))
+        held = self.record_of(entry_id)
+        if held is not None and held["version"] >= settings["version"]:
+            if not now or held == settings:
+                return held
+            settings = dict(settings, version=held["version"] + 1)   # this clock is behind the last setter's
+        crdt.validate(entry_id, settings)
+        self._write(entry_id, settings)
+        return settings
 
     @staticmethod
     def view(subject: str, record: Dict[str, Any], name: Optional[str]) -> Dict[str, Any]:
@@ -5677,10 +5794,14 @@ class AdminAPI:
         GET  /v1/admin/limits                  every user's and model's limits (ClusterFlow)
         PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL)
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
-    A key's own limits are its fields (POST /v1/admin/keys {..., rpm?, tpm?, concurrency?})."""
+    A key's own settings (rpm, tpm, concurrency, weight, priority, priorities) are given when it is
+    made (POST /v1/admin/keys) or replaced later:
+        PUT  /v1/admin/keys/ID/limits {rpm?, tpm?, concurrency?, weight?, priority?, priorities?}"""
 
     def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]], flow: ClusterFlow):
         self.cluster, self.flow = cluster, flow
+        if cluster.flow is None:
+            cluster.use_flow(flow)
         self.usage_days = usage_days   # the longest a usage query looks back (--usage-days)
         self.fallbacks = fallbacks     # the ingress's own table (--fallback), changed in place
 
@@ -5694,6 +5815,8 @@ class AdminAPI:
         if len(rest) == 3 and rest[0] == "keys" and rest[2] == "revoke" and method == b"POST" or \
                 len(rest) == 2 and rest[0] == "keys" and method == b"DELETE":
             return self.revoke(rest[1])
+        if len(rest) == 3 and rest[0] == "keys" and rest[2] == "limits" and method == b"PUT":
+            return self.settle(rest[1], body)
         if rest == ["usage"] and method in (b"GET", b"HEAD"):
             return self.usage(query)
         if rest[0] == "fallbacks":
@@ -5707,11 +5830,12 @@ class AdminAPI:
         now = time.time()
         out = []
         for digest, record in sorted(self.cluster.records.items(), key=lambda kv: kv[1]["created"]):
+            settings = self.cluster.settings_of(digest)
             view = {f: record[f] for f in ("id", "user", "created") if f in record}
             view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
                         admin=record.get("admin", False), rate=record.get("rate", 0.0),
                         expires=record.get("expires"), usage=self.cluster.usage(digest, now),
-                        **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS})
+                        **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS})
             if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
                 view["state"] = "expired"
             out.append(view)
@@ -5733,10 +5857,38 @@ class AdminAPI:
             limits = limit_spec(spec)
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
-        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires, limits,
-                                        **queueing)
-        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets it from there
-        return key_answer(token, record)
+        token, digest, record = new_key(user, allow, admin, rate, budget_day, budget_month, expires)
+        settings = key_settings(record["created"], limits, **queueing)
+        if crdt.has_settings(settings):   # first: the key never works here without them
+            self.flow.set_key_settings(digest, settings)
+        self.cluster.publish(crdt.key_entry(digest), record)   # SQLite gets both from there
+        return key_answer(token, record, settings)
+
+    def settle(self, key_id: str, body: bytes) -> Dict[str, Any]:
+        """Replace a key's settings (a field left out: its default); the answer is the key's, as
+        POST /v1/admin/keys gives it, without the token."""
+        digest = self._digest(key_id)
+        spec, limits = self._limits_body(body, crdt.KEY_SETTINGS, "a key's settings are " + ", ".join(crdt.KEY_SETTINGS))
+        try:
+            queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+        settings = self.flow.set_key_settings(digest, key_settings(time.time(), limits, **queueing))
+        answer = key_answer("", self.cluster.records[digest], settings)
+        del answer["key"]
+        return answer
+
+    @staticmethod
+    def _limits_body(body: bytes, fields: Sequence[str], what: str) -> Tuple[Dict[str, Any], Dict[str, int]]:
+        """A PUT's JSON object of `fields` only, and the limits in it (limit_spec); else a 400."""
+        spec = json_object(body)
+        unknown = sorted(set(spec) - set(fields))
+        if unknown:
+            raise HTTPError(400, f"Unknown field {unknown[0]!r}: {what}", "invalid_parameter", unknown[0])
+        try:
+            return spec, limit_spec(spec)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
 
     def revoke(self, key_id: str) -> Dict[str, Any]:
         digest = self._digest(key_id)
@@ -5758,15 +5910,7 @@ class AdminAPI:
                             "invalid_parameter")
         limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
         if method == b"PUT":
-            spec = json_object(body)
-            unknown = sorted(set(spec) - set(crdt.LIMIT_FIELDS))
-            if unknown:
-                raise HTTPError(400, f"Unknown field {unknown[0]!r}: a limit is rpm, tpm and concurrency",
-                                "invalid_parameter", unknown[0])
-            try:
-                limits = limit_spec(spec)
-            except ValueError as exc:
-                raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+            limits = self._limits_body(body, crdt.LIMIT_FIELDS, "a limit is rpm, tpm and concurrency")[1]
         try:
             return self.flow.set_limit(kinds[rest[0]], name, limits, time.time())
         except crdt.RecordError as exc:
@@ -6027,7 +6171,7 @@ async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tup
                     version = now_version
                     for kind, name, rpm, tpm, concurrency, changed in db.execute(
                             "SELECT kind, name, rpm, tpm, concurrency, changed FROM limits"):
-                        if seen.get((kind, name)) != changed and kind in crdt.LIMIT_SUBJECTS:
+                        if seen.get((kind, name)) != changed and kind in ("u", "m"):   # (keys': Ledger)
                             seen[(kind, name)] = changed
                             flow.set_limit(kind, name, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
                                            changed, now=False)
@@ -6039,10 +6183,29 @@ async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tup
             db.close()
 
 
-def store_limit(db: sqlite3.Connection, kind: str, name: str, limits: Dict[str, int], now: float) -> None:
-    """The CLI's limit of a user or a model (all zero: cleared), for the ingress to publish."""
-    db.execute("INSERT OR REPLACE INTO limits VALUES (?, ?, ?, ?, ?, ?)",
-               (kind, name, limits["rpm"], limits["tpm"], limits["concurrency"], now))
+def store_limit(db: sqlite3.Connection, kind: str, name: str, limits: Dict[str, int], now: float,
+                queueing: Optional[Dict[str, Any]] = None) -> None:
+    """The CLI's limit of a user or a model (all zero: cleared), or a key's settings (kind "k",
+    the name its sha256, `queueing` its fair-queue fields), for the ingress to publish."""
+    db.execute("INSERT OR REPLACE INTO limits (kind, name, rpm, tpm, concurrency, changed, queue) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?)", (kind, name, limits["rpm"], limits["tpm"], limits["concurrency"],
+                                                now, crdt.dumps(queueing or {}).decode()))
+
+
+SETTINGS_ROW = "settings "   # Ledger.keep_settings's rows among the replicated entries (no entry id has a space)
+
+
+def load_key_settings(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
+    """sha256 -> the settings record of every key the CLI gave settings (store_limit, kind "k")."""
+    settings = {}
+    for name, rpm, tpm, concurrency, changed, queue in db.execute(
+            "SELECT name, rpm, tpm, concurrency, changed, queue FROM limits WHERE kind = 'k'"):
+        try:
+            settings[name] = key_settings(changed, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
+                                          **queue_spec(**crdt.loads(queue)))
+        except (ValueError, TypeError) as exc:   # a hand-edited row: the others still count
+            print(f"otela-ingress: settings of key {name[:12]}... not read: {exc}", file=sys.stderr)
+    return settings
 
 
 class Ingress:
@@ -6101,6 +6264,7 @@ class Ingress:
         self.cluster = ClusterKeys(self._session_id, node.publish, node.adopt, lambda: self.ledger)
         # limits per key, user and model, and every ingress's windows
         self.flow = ClusterFlow(self._session_id, node.publish, self._record_of)
+        self.cluster.use_flow(self.flow)   # (keys' settings are limit entries: the flow hands them over)
         self._digests: Dict[bytes, str] = {}   # Authorization header -> sha256 of its valid token
         self._last_miss: Optional[str] = None   # the unknown token authenticate met last (await_key)
         self._missed: Dict[str, float] = {}     # unknown token -> until when it is not looked for again
@@ -6166,11 +6330,13 @@ class Ingress:
             self._warm_until = time.monotonic() + self.warmup
         self.cluster.start(self._loop)   # (first: the ledger's thread hands it keys on this loop)
         self.flow.use(getattr(getattr(self.node, "overlay", None), "authority", None))
+        self.cluster.resubject()   # (keys held already were named under no key)
         self.flow.start(self._loop)
-        self.ledger = Ledger(self.db_path, self.cluster.read_records)
+        self.ledger = Ledger(self.db_path, self.cluster.read_records, self.cluster.read_settings)
         registry = getattr(self.node, "registry", None)
         if isinstance(registry, crdt.GMap):   # the operator's retention (--usage-days, --usage-months)
             registry.usage_days, registry.usage_months = self.usage_days, self.usage_months
+            registry.key_subject = self.cluster.subject   # a key's settings compacted with it
         self.cluster.adopt_slots(load_usage_slots(self.db_path, self.usage_days, self.usage_months))
         if self.otlp_endpoint:
             self.tracer = otela_node.SpanExporter(self.otlp_endpoint, ingress_spans, "otela-ingress")
@@ -7444,7 +7610,8 @@ def _limits_command(args: argparse.Namespace) -> int:
             return 0
         rows = [{crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency}
                 for kind, name, rpm, tpm, concurrency in db.execute(
-                    "SELECT kind, name, rpm, tpm, concurrency FROM limits ORDER BY kind DESC, name")
+                    "SELECT kind, name, rpm, tpm, concurrency FROM limits WHERE kind != 'k' "   # (keys': keys list)
+                    "ORDER BY kind DESC, name")
                 if rpm or tpm or concurrency]
     finally:
         db.close()
@@ -7460,11 +7627,19 @@ def _limits_command(args: argparse.Namespace) -> int:
 def _keys_create(args: argparse.Namespace, db: sqlite3.Connection, user: str, allow: List[str], rate: float,
                  budget_day: int, budget_month: int, expires: Optional[float], **queueing: Any) -> None:
     limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires, limits,
-                                    **queueing)
-    store_key_record(db, digest, record)
+    token, digest, record = new_key(user, allow, args.admin, rate, budget_day, budget_month, expires)
+    settings = key_settings(record["created"], limits, **queueing)
+    db.execute("BEGIN")   # one transaction: the ingress reads the key and its settings together
+    try:
+        if crdt.has_settings(settings):
+            store_limit(db, "k", digest, limits, record["created"], queueing)
+        store_key_record(db, digest, record)
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
     if args.json:
-        print(crdt.dumps(key_answer(token, record)).decode())
+        print(crdt.dumps(key_answer(token, record, settings)).decode())
         return
     print(token)
     print(f"key id {record['id']} for user {user}"
@@ -7477,11 +7652,11 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
     now = time.time()
     day = crdt.time_day(now)
     slots = [crdt.loads(text) for (text,) in db.execute("SELECT record FROM usage_slots")]
-    records = load_key_records(db)
+    settings = load_key_settings(db)
     for r in rows:   # every ingress's use, as this --db last heard it
         digest = r.pop("hash")
         r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, digest, day)
-        r.update((f, records.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
+        r.update((f, settings.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
     if args.json:
         print(crdt.dumps(rows).decode())
         return

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import bench_routing as br  # noqa: E402
 import workload  # noqa: E402
 
+import crdt  # noqa: E402
 import otela_ingress  # noqa: E402
 
 ENGINES = 4
@@ -90,13 +91,15 @@ def make_keys(procs, ingresses, tenants):
     tokens = {}
     records = []
     for name, priority in tenants.items():
-        token, digest, record = otela_ingress.new_key(name, priority=priority)
+        token, digest, record = otela_ingress.new_key(name)
         tokens[name] = token
-        records.append((digest, record))
+        records.append((digest, record, priority))
     for i in range(ingresses):
         db = otela_ingress.open_db(os.path.join(procs.tmp, f"ingress{i}.sqlite"))
         try:
-            for digest, record in records:
+            for digest, record, priority in records:   # (its class: the key's settings, as `keys create`)
+                otela_ingress.store_limit(db, "k", digest, dict.fromkeys(crdt.LIMIT_FIELDS, 0), record["created"],
+                                          {"priority": priority})
                 otela_ingress.store_key_record(db, digest, record)
         finally:
             db.close()

@@ -31,11 +31,13 @@ def stack(tmp_path):
 def limited_key(stack: Stack, user: str = "alice", admin: bool = False, **limits) -> str:
     db = otela_ingress.open_db(stack.db_path)
     try:
-        token, digest, record = otela_ingress.new_key(user, admin=admin, limits=limits)
+        token, digest, record = otela_ingress.new_key(user, admin=admin)
+        otela_ingress.store_limit(db, "k", digest, dict(dict.fromkeys(crdt.LIMIT_FIELDS, 0), **limits), time.time())
         otela_ingress.store_key_record(db, digest, record)
-        records = otela_ingress.load_key_records(db)
+        records, settings = otela_ingress.load_key_records(db), otela_ingress.load_key_settings(db)
     finally:
         db.close()
+    stack.call(stack.ingress.cluster.read_settings, settings)
     stack.call(stack.ingress.cluster.read_records, records)
     return token
 
@@ -134,7 +136,8 @@ class FakeClient:
 
 def test_concurrency_counts_requests_in_flight_until_they_finish():
     flow = flow_on()
-    key = otela_ingress.Key.of_record("ab" * 32, crdt.key_record("k1", "u", 0.0, limits={"concurrency": 2}))
+    key = otela_ingress.Key.of_record("ab" * 32, crdt.key_record("k1", "u", 0.0),
+        crdt.key_settings_record(1, {"concurrency": 2}))
     tickets = [flow.admit(key, "m", b"{}", 1, FakeClient()) for _ in range(2)]
     with pytest.raises(otela_ingress.HTTPError) as refused:
         flow.admit(key, "m", b"{}", 1, FakeClient())
@@ -148,7 +151,8 @@ def test_the_window_slides_a_request_counts_for_a_minute_and_no_more_than_a_seco
     clock = [1000.2]
     monkeypatch.setattr(otela_ingress.time, "time", lambda: clock[0])
     flow = flow_on()
-    key = otela_ingress.Key.of_record("cd" * 32, crdt.key_record("k2", "u", 0.0, limits={"rpm": 2}))
+    key = otela_ingress.Key.of_record("cd" * 32, crdt.key_record("k2", "u", 0.0),
+        crdt.key_settings_record(1, {"rpm": 2}))
     admitted = []
     for t in (1000.2, 1000.7, 1030.0, 1060.5, 1061.0, 1061.1, 1061.2):
         clock[0] = t
@@ -174,8 +178,8 @@ def test_two_ingresses_share_a_window_within_the_stated_bound(field):
         maps = [crdt.GMap(), crdt.GMap()]
         flows = [flow_on(f"s{i}", maps[i]) for i in range(2)]
         # rpm 100, or tpm 1,000 with 10 tokens a request (a 2-byte body: 1, and max_tokens 9)
-        key = otela_ingress.Key.of_record("ef" * 32, crdt.key_record(
-            "k3", "u", 0.0, limits={field: 100 if field == "rpm" else 1000}))
+        key = otela_ingress.Key.of_record("ef" * 32, crdt.key_record("k3", "u", 0.0), crdt.key_settings_record(
+            1, {field: 100 if field == "rpm" else 1000}))
         rate = 40.0                     # requests/s at each ingress: R = 40 for the other's view
         admitted, step, next_publish = 0, 1.0 / rate, clock[0]
         for i in range(int(rate * 30)):   # 30 s of flood at each ingress, alternating
@@ -439,11 +443,9 @@ def test_remote_service_sums_the_tokens_other_ingresses_served_a_tenant():
     assert b.remote_service("team-y") == 0
 
 
-@pytest.mark.slow
-def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(tmp_path):
-    """A (the release before limits) and B (this one) on one overlay: B enforces a user's limit
-    and publishes its flow; A takes those entries as kinds it does not know and keeps serving,
-    and the keys made at A still work at B."""
+def beside_the_release_before(tmp_path):
+    """A (the release before limits, with the cluster's admin key) and B (this release, serving at
+    the returned URL) on one overlay, and a node serving "fm" that B reaches: (cluster, B's URL)."""
     from test_ingress_multi import ENGINE, poll
     from test_ingress_support import Cluster, free_port
     folder = tmp_path / "before"
@@ -465,6 +467,21 @@ def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(t
         port = free_port()
         cluster.node("n1", f"{ENGINE} {port}", port, "fm")
         poll(lambda: Client(url_b, cluster.token).chat("fm")[0] == 200, "A's admin key and the node at B")
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster, url_b
+
+
+@pytest.mark.slow
+def test_an_ingress_of_the_release_before_keeps_serving_beside_one_that_limits(tmp_path):
+    """A (the release before limits) and B (this one) on one overlay: B enforces a user's limit
+    and publishes its flow; A takes those entries as kinds it does not know and keeps serving,
+    and the keys made at A still work at B."""
+    from test_ingress_multi import poll
+    cluster, url_b = beside_the_release_before(tmp_path)
+    folder = tmp_path / "before"
+    try:
         admin_b = Client(url_b, cluster.token)
         assert admin_b.request("PUT", "/v1/admin/limits/users/tester", {"rpm": 5})[0] == 200
         answers = [Client(url_b, cluster.token).chat("fm") for _ in range(8)]

@@ -19,8 +19,9 @@ from otela_ingress import FairQueue, HTTPError, Key, Limits, Waiting
 
 # -- the order, sans I/O ------------------------------------------------------------------------------
 def key(user: str, weight: float = 1.0, priority: str = "standard", priorities=(), key_id: str = "") -> Key:
-    record = crdt.key_record(key_id or user, user, 0.0, weight=weight, priority=priority, priorities=priorities)
-    return Key.of_record("0" * 64, record)
+    record = crdt.key_record(key_id or user, user, 0.0)
+    return Key.of_record("0" * 64, record, crdt.key_settings_record(1, weight=weight, priority=priority,
+                                                                    priorities=priorities))
 
 
 def queue(**limits) -> FairQueue:
@@ -194,21 +195,32 @@ def test_engine_scheduling_is_read_from_the_engine_command():
 
 
 # -- key records ----------------------------------------------------------------------------------------
-def test_a_key_without_queue_fields_is_the_record_of_before():
+def test_a_key_record_is_the_record_of_before_and_refuses_the_settings_fields():
     record = crdt.key_record("k1", "alice", 1.0)
     assert set(record) == {"state", "version", "id", "user", "created"}
-    assert "weight" not in otela_ingress.new_key("bob", weight=1.0, priority="standard", priorities=[])[2]
-
-
-def test_key_queue_fields_are_validated():
+    assert set(otela_ingress.new_key("bob")[2]) == {"state", "version", "id", "user", "created"}
+    assert otela_ingress.key_settings(1.0, {}, weight=1.0, priority="standard", priorities=[]) == \
+        {"state": 0, "version": 1000}   # every default: nothing set
     entry = crdt.key_entry("ab" * 32)
-    good = crdt.key_record("k1", "alice", 1.0, weight=2.5, priority="batch", priorities=["standard"])
-    crdt.validate_key(entry, good)
+    for field, value in (("weight", 2.0), ("priority", "batch"), ("priorities", ["batch"]), ("rpm", 1),
+                         ("tpm", 1), ("concurrency", 1)):   # (an ingress of the release before: the same)
+        with pytest.raises(crdt.RecordError, match=field):
+            crdt.validate_key(entry, dict(record, **{field: value}))
+
+
+def test_key_queue_fields_are_validated_in_the_keys_settings_entry_and_only_there():
+    entry = crdt.KEY_SETTINGS_ENTRY + "ab" * 8
+    good = crdt.key_settings_record(1, weight=2.5, priority="batch", priorities=["standard"])
+    crdt.validate(entry, good)
     assert good["weight"] == 2.5 and good["priority"] == "batch" and good["priorities"] == ["standard"]
     for bad in ({"weight": 0}, {"weight": -1}, {"weight": True}, {"priority": "urgent"},
                 {"priorities": ["x"]}, {"priorities": "interactive"}, {"priorities": ["batch", "batch"]}):
         with pytest.raises(crdt.RecordError):
-            crdt.validate_key(entry, dict(crdt.key_record("k1", "alice", 1.0), **bad))
+            crdt.validate(entry, dict(crdt.key_settings_record(1), **bad))
+    for other in ("lim:u-" + "ab" * 8, "lim:m-" + "ab" * 8):   # a user's or a model's: limits only
+        with pytest.raises(crdt.RecordError, match="priority"):
+            crdt.validate(other, dict(crdt.limit_record(1, {"rpm": 1}, "m" if "m-" in other else None),
+                                      priority="batch"))
     with pytest.raises(ValueError):
         otela_ingress.queue_spec(weight=float("nan"))
     assert otela_ingress.queue_spec(2, "interactive", "batch, standard") == \
@@ -367,11 +379,14 @@ def test_the_engine_gets_the_keys_class_where_it_schedules_by_priority(stack):
     stack.call(by_priority)
     db = otela_ingress.open_db(stack.db_path)
     try:
-        token, digest, record = otela_ingress.new_key("batchy", priority="batch")
+        token, digest, record = otela_ingress.new_key("batchy")
+        otela_ingress.store_limit(db, "k", digest, dict.fromkeys(crdt.LIMIT_FIELDS, 0), time.time(),
+                                  {"priority": "batch"})
         otela_ingress.store_key_record(db, digest, record)
-        records = otela_ingress.load_key_records(db)
+        records, settings = otela_ingress.load_key_records(db), otela_ingress.load_key_settings(db)
     finally:
         db.close()
+    stack.call(stack.ingress.cluster.read_settings, settings)
     stack.call(stack.ingress.cluster.read_records, records)
     c = Client(stack.url, token)
     status, _, _ = c.chat(priority=-50)
