@@ -474,9 +474,9 @@ def test_two_ingresses_that_never_spoke_send_each_turn_of_a_conversation_to_the_
     assert len(set(homes)) >= 3
 
 
-def test_a_prompt_cache_key_holds_a_conversation_from_its_second_turn_even_where_its_system_prompt_is_not():
-    """A first turn goes where its shared system prompt is cached (a lone request may be all
-    there is); every later turn, at either ingress, goes to the key's engine."""
+def test_a_prompt_cache_key_holds_a_conversation_from_its_first_turn_even_where_its_system_prompt_is_not():
+    """Every turn, the first too, at either ingress, goes to the key's engine: its rendezvous
+    choice, not the engine that already holds the app's shared system prompt."""
     sessions = [f"s{i}" for i in range(4)]
     a, _, ca = policy_with(sessions)
     b, _, cb = policy_with(sessions)
@@ -484,7 +484,33 @@ def test_a_prompt_cache_key_holds_a_conversation_from_its_second_turn_even_where
     for c in range(12):
         turns = agent_turns(50 + c, turns=5, key=f"conv-{c}", system=system)
         chosen = [serve(*((a, ca) if t % 2 == 0 else (b, cb)), body).session for t, body in enumerate(turns)]
-        assert len(set(chosen[1:])) == 1, (c, chosen)
+        home = sessions[otela_ingress.rendezvous(b"kconv-%d" % c, [s.encode() for s in sessions])]
+        assert chosen == [home] * 5, (c, chosen)
+
+
+def test_keyed_loops_of_one_app_spread_over_the_engines_rather_than_pile_onto_its_system_prompt():
+    """24 agent loops of 4 apps open one after another (their first turns, each app's system
+    prompt cached after its first): each goes to its key's engine, so no engine opens more of
+    them than hashing gives; unkeyed, the same openings follow the cached system prompt."""
+    sessions = [f"s{i}" for i in range(8)]
+    systems = [words(1500, 900 + app) for app in range(4)]
+
+    def opened(keyed):
+        policy, _, candidates = policy_with(sessions)
+        counts = {}
+        for loop in range(24):
+            body = agent_turns(700 + loop, turns=1, key=f"agent-{loop}" if keyed else None,
+                               system=systems[loop % 4])[0]
+            session = serve(policy, candidates, body).session
+            counts[session] = counts.get(session, 0) + 1
+        return counts
+    keyed = opened(True)
+    hashed = {}
+    for loop in range(24):
+        home = sessions[otela_ingress.rendezvous(b"kagent-%d" % loop, [s.encode() for s in sessions])]
+        hashed[home] = hashed.get(home, 0) + 1
+    assert keyed == hashed and len(keyed) >= 6
+    assert len(opened(False)) <= 4   # the shared system prompt draws them: what a key is for
 
 
 def test_the_affinity_key_is_prompt_cache_key_then_the_session_header_then_the_opening():
