@@ -2106,13 +2106,14 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "keyed", "affinity", "earlier", "previous", "home", "moved", "session", "work",
-                 "streams", "uncached", "held", "answering", "started")
+    __slots__ = ("chain", "size", "keyed", "affinity", "opens", "earlier", "previous", "home", "moved", "session",
+                 "work", "streams", "uncached", "held", "answering", "started")
 
     def __init__(self, chain: List[bytes], size: int):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
         self.keyed = False                    # affinity and earlier read (only where there is a choice)
         self.affinity: Optional[bytes] = None # its affinity_key
+        self.opens = False                    # ... a client's key this ingress had not seen lately
         self.earlier = self.previous = 0     # earlier_turns: answered, and the last turn's prompt
         self.home = -1                        # the candidate its affinity key names (-1: none)
         self.moved = False                    # ... and another is known to hold more of it, whole
@@ -2151,6 +2152,7 @@ class TTFTPolicy(Policy):
     # makes alike) is kept while its score is within this share of the best: its turns meet their
     # prefix there even when the ingress that sent the last one never said so.
     AFFINITY_TIE = 0.25
+    OPENED_KEYS = 65_536     # clients' keys remembered as seen (a digest each: ~6 MB at most)
     INDEX_BLOCKS = 100_000   # ~25 MB at most
     MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
@@ -2162,6 +2164,7 @@ class TTFTPolicy(Policy):
         self.tokens_per_byte = 0.25   # prompt tokens per byte of rendered prompt (EWMA over answers)
         self.registry: Any = None
         self.published = PublishedPrefixes(self.MAX_ENGINES)   # what the nodes say their engines hold
+        self.opened: collections.OrderedDict[bytes, None] = collections.OrderedDict()   # keys seen, oldest first
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
@@ -2219,6 +2222,7 @@ class TTFTPolicy(Policy):
         memo.home = -1
         if len(candidates) > 1 and not memo.keyed:   # (one candidate: nothing to keep together)
             memo.keyed, memo.affinity = True, affinity_key(request)
+            memo.opens = self._opens(memo.affinity)
             memo.earlier, memo.previous = earlier_turns(request.body)
         if memo.affinity is not None and len(candidates) > 1:
             memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
@@ -2248,6 +2252,20 @@ class TTFTPolicy(Policy):
                         work, streams, uncached, blocks, est.outstanding + others))
         memo.moved = deepest[1] > deepest[0]
         return out
+
+    def _opens(self, key: Optional[bytes]) -> bool:
+        """Whether a client's key is new here (not among the last OPENED_KEYS seen), and now seen."""
+        if key is None or key[:1] == b"o":
+            return False
+        digest = hashlib.blake2b(key, digest_size=16).digest()
+        opened = self.opened
+        if digest in opened:
+            opened.move_to_end(digest)
+            return False
+        opened[digest] = None
+        if len(opened) > self.OPENED_KEYS:
+            opened.popitem(last=False)
+        return True
 
     def pick(self, candidates, request):
         scored = self.estimates(candidates, request)
@@ -2284,18 +2302,20 @@ class TTFTPolicy(Policy):
                     home: int, request: RoutedRequest) -> bool:
         """Whether the affinity key's engine is about as good as the best. A key the client
         gave (it says its requests belong together: their prefix is computed there once) keeps
-        every request of it there, its first turn too, within AFFINITY_TIE by the queue alone,
-        unless the conversation is known to have moved to another engine (which holds a whole
-        turn of it deeper). The first turn counts: it decides where the turns to come, most of
-        the conversation's work, are computed, and keys spread over the engines as evenly as
-        hashing does, where the engine that holds a shared system prompt (the score's choice,
-        one prefill saved) drew every loop of an app (measured: 11 of 24 agent loops on one
-        of 8 engines, its queue the TTFT p99). Without a client's key a later turn keeps it
-        within AFFINITY_TIE by the score (what is cached where counts), and a first turn or a
-        lone request goes there on a tie only (TIE): where its prefix is held and the decode
-        balance decide as before."""
+        a conversation's later turn there within AFFINITY_TIE by the queue alone, unless the
+        conversation is known to have moved to another engine (which holds a whole turn of it
+        deeper); and so the key's first request here, which opens it: that decides where the
+        turns to come, most of a conversation's work, are computed, and keys spread over the
+        engines as hashing does, where the engine that holds a shared system prompt (the
+        score's choice: one prefill saved) drew every loop of an app (measured: 11 of 24 agent
+        loops opened on one of 8 engines, its queue the TTFT p99). A key's later first turns (a
+        group of one-shot prompts under one key) are scored as unkeyed ones are: where the
+        prefix is held and the decode balance spread the groups more evenly than hashing (a
+        shared prefix workload held at the key's engine hit 0.71 of prompt tokens, scored 0.79).
+        Without a client's key a later turn keeps it within AFFINITY_TIE by the score (what is
+        cached where counts), and a first turn or a lone request goes there on a tie only (TIE)."""
         memo = request.memo
-        if memo.affinity[:1] != b"o" and not memo.moved:
+        if memo.affinity[:1] != b"o" and (memo.earlier or memo.opens) and not memo.moved:
             queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
             return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
         best = min(s[0] for s in scored)

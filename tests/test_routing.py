@@ -513,6 +513,33 @@ def test_keyed_loops_of_one_app_spread_over_the_engines_rather_than_pile_onto_it
     assert len(opened(False)) <= 4   # the shared system prompt draws them: what a key is for
 
 
+def test_a_keys_later_one_shot_prompts_are_scored_as_unkeyed_ones_are():
+    """Only a key's first request here opens a conversation at the key's engine; the key's
+    later prompts with no earlier turns (a group of one-shot prompts under one key) go where
+    their prefix is held, as unkeyed ones do, and to the key's engine on a tie only."""
+    sessions = [f"s{i}" for i in range(4)]
+    for k in range(6):
+        policy, _, candidates = policy_with(sessions)
+        system = words(1500, 600 + k)
+        held = serve(policy, candidates, chat(system, words(200, 800 + k))).session
+        key = f"app-{k}"
+        home = sessions[otela_ingress.rendezvous(b"k" + key.encode(), [s.encode() for s in sessions])]
+        if home == held:
+            continue
+        opening = serve(policy, candidates, dict(chat(words(300, 700 + k), "q1"), prompt_cache_key=key))
+        later = serve(policy, candidates, dict(chat(system, words(200, 900 + k)), prompt_cache_key=key))
+        assert (opening.session, later.session) == (home, held)
+
+
+def test_the_keys_seen_are_bounded_and_a_forgotten_key_opens_again():
+    policy, _, _ = policy_with(["s0", "s1"])
+    policy.OPENED_KEYS = 4
+    assert [policy._opens(b"k%d" % i) for i in range(6)] == [True] * 6
+    assert len(policy.opened) == 4 and not policy._opens(b"k5")
+    assert policy._opens(b"k0")                                     # the oldest, forgotten
+    assert not policy._opens(b"o-opening") and not policy._opens(None)   # only a client's key opens
+
+
 def test_the_affinity_key_is_prompt_cache_key_then_the_session_header_then_the_opening():
     opening = agent_turns(5)
     keyed = routed(dict(opening[2], prompt_cache_key="conv-1"))
