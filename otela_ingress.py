@@ -2152,7 +2152,7 @@ class TTFTPolicy(Policy):
     # makes alike) is kept while its score is within this share of the best: its turns meet their
     # prefix there even when the ingress that sent the last one never said so.
     AFFINITY_TIE = 0.25
-    OPENED_KEYS = 65_536     # clients' keys remembered as seen (a digest each: ~6 MB at most)
+    OPENED_KEYS = 65_536     # clients' keys remembered as seen (a digest each: ~9 MB at most)
     INDEX_BLOCKS = 100_000   # ~25 MB at most
     MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
