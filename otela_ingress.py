@@ -2304,11 +2304,14 @@ class TTFTPolicy(Policy):
         gave (it says its requests belong together: their prefix is computed there once) keeps
         a conversation's later turn there within AFFINITY_TIE by the queue alone, unless the
         conversation is known to have moved to another engine (which holds a whole turn of it
-        deeper); and so the key's first request here, which opens it: that decides where the
-        turns to come, most of a conversation's work, are computed, and keys spread over the
-        engines as hashing does, where the engine that holds a shared system prompt (the
-        score's choice: one prefill saved) drew every loop of an app (measured: 11 of 24 agent
-        loops opened on one of 8 engines, its queue the TTFT p99). A key's later first turns (a
+        deeper). So does the key's first request here, which opens it, by the queue and its
+        own prompt counted whole at every engine: it decides where the turns to come, most of
+        a conversation's work, are computed, and keys spread over the engines as hashing does,
+        where the engine holding a shared system prompt (the score's choice: one prefill saved)
+        drew every loop of an app (measured: 11 of 24 agent loops opened on one of 8 engines,
+        its queue the TTFT p99). (The prompt counted keeps the margin as wide as a first turn's
+        tie by the score was: by the queue alone more openings left their key's engine, for one
+        the next turn's ingress did not know.) A key's later requests without earlier turns (a
         group of one-shot prompts under one key) are scored as unkeyed ones are: where the
         prefix is held and the decode balance spread the groups more evenly than hashing (a
         shared prefix workload held at the key's engine hit 0.71 of prompt tokens, scored 0.79).
@@ -2316,7 +2319,8 @@ class TTFTPolicy(Policy):
         cached where counts), and a first turn or a lone request goes there on a tie only (TIE)."""
         memo = request.memo
         if memo.affinity[:1] != b"o" and (memo.earlier or memo.opens) and not memo.moved:
-            queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
+            whole = 0.0 if memo.earlier else memo.size * self.tokens_per_byte   # an opening: as if held nowhere
+            queues = [self.engines[c.session].ttft(s[1] - s[3] + whole, s[2]) for c, s in zip(candidates, scored)]
             return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
         best = min(s[0] for s in scored)
         return scored[home][0] <= best + abs(best) * (self.AFFINITY_TIE if memo.earlier else self.TIE) + 1e-6

@@ -513,6 +513,22 @@ def test_keyed_loops_of_one_app_spread_over_the_engines_rather_than_pile_onto_it
     assert len(opened(False)) <= 4   # the shared system prompt draws them: what a key is for
 
 
+def test_an_opening_keeps_its_keys_engine_within_the_margin_of_its_whole_prompt():
+    """A key's first request goes to the key's engine while the queue there and the prompt's
+    own prefill are within AFFINITY_TIE of the best engine's: a few requests more queued
+    there than elsewhere do not send it away (the next turn's ingress would not know where
+    it went); a full engine does."""
+    sessions = [f"s{i}" for i in range(4)]
+    for k in range(4):
+        key = f"conv-{k}"
+        home = sessions[otela_ingress.rendezvous(b"k" + key.encode(), [s.encode() for s in sessions])]
+        opening = agent_turns(300 + k, turns=1, key=key)[0]
+        for load, stays in ((4, True), (200, False)):
+            policy, registry, candidates = policy_with(sessions)
+            registry[home] = dict(registry[home], load=load)   # another ingress's requests there
+            assert (policy.pick(candidates, routed(opening)).session == home) == stays, (k, load)
+
+
 def test_a_keys_later_one_shot_prompts_are_scored_as_unkeyed_ones_are():
     """Only a key's first request here opens a conversation at the key's engine; the key's
     later prompts with no earlier turns (a group of one-shot prompts under one key) go where
