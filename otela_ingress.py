@@ -2152,7 +2152,7 @@ class TTFTPolicy(Policy):
     # makes alike) is kept while its score is within this share of the best: its turns meet their
     # prefix there even when the ingress that sent the last one never said so.
     AFFINITY_TIE = 0.25
-    OPENED_KEYS = 65_536     # clients' keys remembered as seen (a digest each: ~9 MB at most)
+    OPENED_KEYS = 65_536     # clients' keys and prompts' first blocks remembered (~9 MB each at most)
     INDEX_BLOCKS = 100_000   # ~25 MB at most
     MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
@@ -2165,6 +2165,7 @@ class TTFTPolicy(Policy):
         self.registry: Any = None
         self.published = PublishedPrefixes(self.MAX_ENGINES)   # what the nodes say their engines hold
         self.opened: collections.OrderedDict[bytes, None] = collections.OrderedDict()   # keys seen, oldest first
+        self.openers: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # first block -> first key
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
@@ -2222,7 +2223,7 @@ class TTFTPolicy(Policy):
         memo.home = -1
         if len(candidates) > 1 and not memo.keyed:   # (one candidate: nothing to keep together)
             memo.keyed, memo.affinity = True, affinity_key(request)
-            memo.opens = self._opens(memo.affinity)
+            memo.opens = self._opens(memo.affinity, chain[0] if chain else None)
             memo.earlier, memo.previous = earlier_turns(request.body)
         if memo.affinity is not None and len(candidates) > 1:
             memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
@@ -2253,19 +2254,26 @@ class TTFTPolicy(Policy):
         memo.moved = deepest[1] > deepest[0]
         return out
 
-    def _opens(self, key: Optional[bytes]) -> bool:
-        """Whether a client's key is new here (not among the last OPENED_KEYS seen), and now seen."""
+    def _opens(self, key: Optional[bytes], first: Optional[bytes]) -> bool:
+        """Whether a request opens a conversation (see _keeps_home): a client's key new here (not
+        among the last OPENED_KEYS seen) on a prompt whose first block came here first with
+        another key (a system prompt that many conversations share); both now seen."""
         if key is None or key[:1] == b"o":
             return False
         digest = hashlib.blake2b(key, digest_size=16).digest()
-        opened = self.opened
-        if digest in opened:
-            opened.move_to_end(digest)
-            return False
+        opened, openers = self.opened, self.openers
+        new = digest not in opened
         opened[digest] = None
-        if len(opened) > self.OPENED_KEYS:
-            opened.popitem(last=False)
-        return True
+        opened.move_to_end(digest)
+        shared = False
+        if first is not None:
+            owner = openers.setdefault(first, digest)
+            openers.move_to_end(first)
+            shared = owner != digest
+        for seen in (opened, openers):
+            if len(seen) > self.OPENED_KEYS:
+                seen.popitem(last=False)
+        return new and shared
 
     def pick(self, candidates, request):
         scored = self.estimates(candidates, request)
@@ -2304,19 +2312,21 @@ class TTFTPolicy(Policy):
         gave (it says its requests belong together: their prefix is computed there once) keeps
         a conversation's later turn there within AFFINITY_TIE by the queue alone, unless the
         conversation is known to have moved to another engine (which holds a whole turn of it
-        deeper). So does the key's first request here, which opens it, by the queue and its
-        own prompt counted whole at every engine: it decides where the turns to come, most of
-        a conversation's work, are computed, and keys spread over the engines as hashing does,
-        where the engine holding a shared system prompt (the score's choice: one prefill saved)
-        drew every loop of an app (measured: 11 of 24 agent loops opened on one of 8 engines,
-        its queue the TTFT p99). (The prompt counted keeps the margin as wide as a first turn's
-        tie by the score was: by the queue alone more openings left their key's engine, for one
-        the next turn's ingress did not know.) A key's later requests without earlier turns (a
-        group of one-shot prompts under one key) are scored as unkeyed ones are: where the
-        prefix is held and the decode balance spread the groups more evenly than hashing (a
-        shared prefix workload held at the key's engine hit 0.71 of prompt tokens, scored 0.79).
-        Without a client's key a later turn keeps it within AFFINITY_TIE by the score (what is
-        cached where counts), and a first turn or a lone request goes there on a tie only (TIE)."""
+        deeper). So does a request that opens a conversation (_opens: a key new here, on a
+        system prompt another key brought first), by the queue and its own prompt counted
+        whole at every engine: it decides where the turns to come, most of the conversation's
+        work, are computed, and keys spread over the engines as hashing does, where the engine
+        holding the shared system prompt (the score's choice: one prefill saved) drew every
+        loop of an app (measured: 11 of 24 agent loops opened on one of 8 engines, its queue
+        the TTFT p99). (The prompt counted keeps the margin as wide as a first turn's tie by
+        the score was: by the queue alone more openings left their key's engine, for one the
+        next turn's ingress did not know.) Any other request without earlier turns (a key's
+        own group of one-shot prompts, the first on its prefix or a later one) is scored as an
+        unkeyed one is: where the prefix is held and the decode balance spread such groups
+        more evenly than hashing (a shared prefix workload held at its keys' engines hit 0.71
+        of prompt tokens, scored 0.79). Without a client's key a later turn keeps it within
+        AFFINITY_TIE by the score (what is cached where counts), and a first turn or a lone
+        request goes there on a tie only (TIE)."""
         memo = request.memo
         if memo.affinity[:1] != b"o" and (memo.earlier or memo.opens) and not memo.moved:
             whole = 0.0 if memo.earlier else memo.size * self.tokens_per_byte   # an opening: as if held nowhere

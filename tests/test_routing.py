@@ -514,17 +514,19 @@ def test_keyed_loops_of_one_app_spread_over_the_engines_rather_than_pile_onto_it
 
 
 def test_an_opening_keeps_its_keys_engine_within_the_margin_of_its_whole_prompt():
-    """A key's first request goes to the key's engine while the queue there and the prompt's
-    own prefill are within AFFINITY_TIE of the best engine's: a few requests more queued
-    there than elsewhere do not send it away (the next turn's ingress would not know where
-    it went); a full engine does."""
+    """A key's first request on a system prompt another key brought first goes to the key's
+    engine while the queue there and the prompt's own prefill are within AFFINITY_TIE of the
+    best engine's: a few requests more queued there than elsewhere do not send it away (the
+    next turn's ingress would not know where it went); a full engine does."""
     sessions = [f"s{i}" for i in range(4)]
     for k in range(4):
         key = f"conv-{k}"
         home = sessions[otela_ingress.rendezvous(b"k" + key.encode(), [s.encode() for s in sessions])]
-        opening = agent_turns(300 + k, turns=1, key=key)[0]
-        for load, stays in ((4, True), (200, False)):
+        system = words(600, 300 + k)
+        opening = agent_turns(300 + k, turns=1, key=key, system=system)[0]
+        for load, stays in ((3, True), (200, False)):
             policy, registry, candidates = policy_with(sessions)
+            serve(policy, candidates, agent_turns(400 + k, turns=1, key=f"other-{k}", system=system)[0])
             registry[home] = dict(registry[home], load=load)   # another ingress's requests there
             assert (policy.pick(candidates, routed(opening)).session == home) == stays, (k, load)
 
@@ -547,13 +549,19 @@ def test_a_keys_later_one_shot_prompts_are_scored_as_unkeyed_ones_are():
         assert (opening.session, later.session) == (home, held)
 
 
-def test_the_keys_seen_are_bounded_and_a_forgotten_key_opens_again():
+def test_an_opening_is_a_new_key_on_a_first_block_another_key_brought_and_both_are_bounded():
     policy, _, _ = policy_with(["s0", "s1"])
     policy.OPENED_KEYS = 4
-    assert [policy._opens(b"k%d" % i) for i in range(6)] == [True] * 6
-    assert len(policy.opened) == 4 and not policy._opens(b"k5")
-    assert policy._opens(b"k0")                                     # the oldest, forgotten
-    assert not policy._opens(b"o-opening") and not policy._opens(None)   # only a client's key opens
+    assert not policy._opens(b"k0", b"system")        # the first key on it: its group's own prefix
+    assert [policy._opens(b"k%d" % i, b"system") for i in range(1, 6)] == [True] * 5
+    assert not policy._opens(b"k5", b"system")        # seen: a later request of the key
+    assert len(policy.opened) == 4 and len(policy.openers) == 1
+    assert policy._opens(b"k1", b"system")            # the oldest, forgotten: it opens again
+    assert not policy._opens(b"k9", b"other") and not policy._opens(b"k9", b"other")
+    for i in range(6):
+        policy._opens(b"x%d" % i, b"block%d" % i)
+    assert len(policy.openers) == 4
+    assert not policy._opens(b"o-opening", b"system") and not policy._opens(None, b"system")   # a client's key only
 
 
 def test_the_affinity_key_is_prompt_cache_key_then_the_session_header_then_the_opening():
