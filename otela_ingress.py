@@ -2685,13 +2685,14 @@ class EngineEstimate:
 class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
-    __slots__ = ("chain", "size", "keyed", "affinity", "earlier", "previous", "home", "moved", "session", "work",
-                 "streams", "uncached", "held", "answering", "started")
+    __slots__ = ("chain", "size", "keyed", "affinity", "opens", "earlier", "previous", "home", "moved", "session",
+                 "work", "streams", "uncached", "held", "answering", "started")
 
     def __init__(self, chain: List[bytes], size: int):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
         self.keyed = False                    # affinity and earlier read (only where there is a choice)
         self.affinity: Optional[bytes] = None # its affinity_key
+        self.opens = False                    # ... a client's key this ingress had not seen lately
         self.earlier = self.previous = 0     # earlier_turns: answered, and the last turn's prompt
         self.home = -1                        # the candidate its affinity key names (-1: none)
         self.moved = False                    # ... and another is known to hold more of it, whole
@@ -2730,6 +2731,7 @@ class TTFTPolicy(Policy):
     # makes alike) is kept while its score is within this share of the best: its turns meet their
     # prefix there even when the ingress that sent the last one never said so.
     AFFINITY_TIE = 0.25
+    OPENED_KEYS = 65_536     # clients' keys and prompts' first blocks remembered (~9 MB each at most)
     INDEX_BLOCKS = 100_000   # ~25 MB at most
     MAX_ENGINES = 4096       # estimates kept before the sessions gone are forgotten
 
@@ -2741,6 +2743,8 @@ class TTFTPolicy(Policy):
         self.tokens_per_byte = 0.25   # prompt tokens per byte of rendered prompt (EWMA over answers)
         self.registry: Any = None
         self.published = PublishedPrefixes(self.MAX_ENGINES)   # what the nodes say their engines hold
+        self.opened: collections.OrderedDict[bytes, None] = collections.OrderedDict()   # keys seen, oldest first
+        self.openers: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # first block -> first key
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
@@ -2798,6 +2802,7 @@ class TTFTPolicy(Policy):
         memo.home = -1
         if len(candidates) > 1 and not memo.keyed:   # (one candidate: nothing to keep together)
             memo.keyed, memo.affinity = True, affinity_key(request)
+            memo.opens = self._opens(memo.affinity, chain[0] if chain else None)
             memo.earlier, memo.previous = earlier_turns(request.body)
         if memo.affinity is not None and len(candidates) > 1:
             memo.home = home = rendezvous(memo.affinity, [c.session_bytes for c in candidates])
@@ -2827,6 +2832,27 @@ class TTFTPolicy(Policy):
                         work, streams, uncached, blocks, est.outstanding + others))
         memo.moved = deepest[1] > deepest[0]
         return out
+
+    def _opens(self, key: Optional[bytes], first: Optional[bytes]) -> bool:
+        """Whether a request opens a conversation (see _keeps_home): a client's key new here (not
+        among the last OPENED_KEYS seen) on a prompt whose first block came here first with
+        another key (a system prompt that many conversations share); both now seen."""
+        if key is None or key[:1] == b"o":
+            return False
+        digest = hashlib.blake2b(key, digest_size=16).digest()
+        opened, openers = self.opened, self.openers
+        new = digest not in opened
+        opened[digest] = None
+        opened.move_to_end(digest)
+        shared = False
+        if first is not None:
+            owner = openers.setdefault(first, digest)
+            openers.move_to_end(first)
+            shared = owner != digest
+        for seen in (opened, openers):
+            if len(seen) > self.OPENED_KEYS:
+                seen.popitem(last=False)
+        return new and shared
 
     def pick(self, candidates, request):
         scored = self.estimates(candidates, request)
@@ -2861,16 +2887,29 @@ class TTFTPolicy(Policy):
 
     def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
                     home: int, request: RoutedRequest) -> bool:
-        """Whether the affinity key's engine is about as good as the best. A conversation's
-        later turn (it has earlier ones) keeps it within AFFINITY_TIE: by the queue alone for
-        a key the client gave (it says its turns belong together: their prefix is computed
-        there once), unless the conversation is known to have moved to another engine (which
-        holds a whole turn of it deeper); by the score otherwise (what is cached where counts).
-        A first turn or a lone request goes there on a tie only (TIE): nothing of it waits
-        anywhere, and where its prefix is held and the decode balance decide as before."""
+        """Whether the affinity key's engine is about as good as the best. A key the client
+        gave (it says its requests belong together: their prefix is computed there once) keeps
+        a conversation's later turn there within AFFINITY_TIE by the queue alone, unless the
+        conversation is known to have moved to another engine (which holds a whole turn of it
+        deeper). So does a request that opens a conversation (_opens: a key new here, on a
+        system prompt another key brought first), by the queue and its own prompt counted
+        whole at every engine: it decides where the turns to come, most of the conversation's
+        work, are computed, and keys spread over the engines as hashing does, where the engine
+        holding the shared system prompt (the score's choice: one prefill saved) drew every
+        loop of an app (measured: 11 of 24 agent loops opened on one of 8 engines, its queue
+        the TTFT p99). (The prompt counted keeps the margin as wide as a first turn's tie by
+        the score was: by the queue alone more openings left their key's engine, for one the
+        next turn's ingress did not know.) Any other request without earlier turns (a key's
+        own group of one-shot prompts, the first on its prefix or a later one) is scored as an
+        unkeyed one is: where the prefix is held and the decode balance spread such groups
+        more evenly than hashing (a shared prefix workload held at its keys' engines hit 0.71
+        of prompt tokens, scored 0.79). Without a client's key a later turn keeps it within
+        AFFINITY_TIE by the score (what is cached where counts), and a first turn or a lone
+        request goes there on a tie only (TIE)."""
         memo = request.memo
-        if memo.earlier and memo.affinity[:1] != b"o" and not memo.moved:
-            queues = [self.engines[c.session].ttft(s[1] - s[3], s[2]) for c, s in zip(candidates, scored)]
+        if memo.affinity[:1] != b"o" and (memo.earlier or memo.opens) and not memo.moved:
+            whole = 0.0 if memo.earlier else memo.size * self.tokens_per_byte   # an opening: as if held nowhere
+            queues = [self.engines[c.session].ttft(s[1] - s[3] + whole, s[2]) for c, s in zip(candidates, scored)]
             return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
         best = min(s[0] for s in scored)
         return scored[home][0] <= best + abs(best) * (self.AFFINITY_TIE if memo.earlier else self.TIE) + 1e-6

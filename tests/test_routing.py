@@ -474,9 +474,9 @@ def test_two_ingresses_that_never_spoke_send_each_turn_of_a_conversation_to_the_
     assert len(set(homes)) >= 3
 
 
-def test_a_prompt_cache_key_holds_a_conversation_from_its_second_turn_even_where_its_system_prompt_is_not():
-    """A first turn goes where its shared system prompt is cached (a lone request may be all
-    there is); every later turn, at either ingress, goes to the key's engine."""
+def test_a_prompt_cache_key_holds_a_conversation_from_its_first_turn_even_where_its_system_prompt_is_not():
+    """Every turn, the first too, at either ingress, goes to the key's engine: its rendezvous
+    choice, not the engine that already holds the app's shared system prompt."""
     sessions = [f"s{i}" for i in range(4)]
     a, _, ca = policy_with(sessions)
     b, _, cb = policy_with(sessions)
@@ -484,7 +484,84 @@ def test_a_prompt_cache_key_holds_a_conversation_from_its_second_turn_even_where
     for c in range(12):
         turns = agent_turns(50 + c, turns=5, key=f"conv-{c}", system=system)
         chosen = [serve(*((a, ca) if t % 2 == 0 else (b, cb)), body).session for t, body in enumerate(turns)]
-        assert len(set(chosen[1:])) == 1, (c, chosen)
+        home = sessions[otela_ingress.rendezvous(b"kconv-%d" % c, [s.encode() for s in sessions])]
+        assert chosen == [home] * 5, (c, chosen)
+
+
+def test_keyed_loops_of_one_app_spread_over_the_engines_rather_than_pile_onto_its_system_prompt():
+    """24 agent loops of 4 apps open one after another (their first turns, each app's system
+    prompt cached after its first): each goes to its key's engine, so no engine opens more of
+    them than hashing gives; unkeyed, the same openings follow the cached system prompt."""
+    sessions = [f"s{i}" for i in range(8)]
+    systems = [words(1500, 900 + app) for app in range(4)]
+
+    def opened(keyed):
+        policy, _, candidates = policy_with(sessions)
+        counts = {}
+        for loop in range(24):
+            body = agent_turns(700 + loop, turns=1, key=f"agent-{loop}" if keyed else None,
+                               system=systems[loop % 4])[0]
+            session = serve(policy, candidates, body).session
+            counts[session] = counts.get(session, 0) + 1
+        return counts
+    keyed = opened(True)
+    hashed = {}
+    for loop in range(24):
+        home = sessions[otela_ingress.rendezvous(b"kagent-%d" % loop, [s.encode() for s in sessions])]
+        hashed[home] = hashed.get(home, 0) + 1
+    assert keyed == hashed and len(keyed) >= 6
+    assert len(opened(False)) <= 4   # the shared system prompt draws them: what a key is for
+
+
+def test_an_opening_keeps_its_keys_engine_within_the_margin_of_its_whole_prompt():
+    """A key's first request on a system prompt another key brought first goes to the key's
+    engine while the queue there and the prompt's own prefill are within AFFINITY_TIE of the
+    best engine's: a few requests more queued there than elsewhere do not send it away (the
+    next turn's ingress would not know where it went); a full engine does."""
+    sessions = [f"s{i}" for i in range(4)]
+    for k in range(4):
+        key = f"conv-{k}"
+        home = sessions[otela_ingress.rendezvous(b"k" + key.encode(), [s.encode() for s in sessions])]
+        system = words(600, 300 + k)
+        opening = agent_turns(300 + k, turns=1, key=key, system=system)[0]
+        for load, stays in ((3, True), (200, False)):
+            policy, registry, candidates = policy_with(sessions)
+            serve(policy, candidates, agent_turns(400 + k, turns=1, key=f"other-{k}", system=system)[0])
+            registry[home] = dict(registry[home], load=load)   # another ingress's requests there
+            assert (policy.pick(candidates, routed(opening)).session == home) == stays, (k, load)
+
+
+def test_a_keys_later_one_shot_prompts_are_scored_as_unkeyed_ones_are():
+    """Only a key's first request here opens a conversation at the key's engine; the key's
+    later prompts with no earlier turns (a group of one-shot prompts under one key) go where
+    their prefix is held, as unkeyed ones do, and to the key's engine on a tie only."""
+    sessions = [f"s{i}" for i in range(4)]
+    for k in range(6):
+        policy, _, candidates = policy_with(sessions)
+        system = words(1500, 600 + k)
+        held = serve(policy, candidates, chat(system, words(200, 800 + k))).session
+        key = f"app-{k}"
+        home = sessions[otela_ingress.rendezvous(b"k" + key.encode(), [s.encode() for s in sessions])]
+        if home == held:
+            continue
+        opening = serve(policy, candidates, dict(chat(words(300, 700 + k), "q1"), prompt_cache_key=key))
+        later = serve(policy, candidates, dict(chat(system, words(200, 900 + k)), prompt_cache_key=key))
+        assert (opening.session, later.session) == (home, held)
+
+
+def test_an_opening_is_a_new_key_on_a_first_block_another_key_brought_and_both_are_bounded():
+    policy, _, _ = policy_with(["s0", "s1"])
+    policy.OPENED_KEYS = 4
+    assert not policy._opens(b"k0", b"system")        # the first key on it: its group's own prefix
+    assert [policy._opens(b"k%d" % i, b"system") for i in range(1, 6)] == [True] * 5
+    assert not policy._opens(b"k5", b"system")        # seen: a later request of the key
+    assert len(policy.opened) == 4 and len(policy.openers) == 1
+    assert policy._opens(b"k1", b"system")            # the oldest, forgotten: it opens again
+    assert not policy._opens(b"k9", b"other") and not policy._opens(b"k9", b"other")
+    for i in range(6):
+        policy._opens(b"x%d" % i, b"block%d" % i)
+    assert len(policy.openers) == 4
+    assert not policy._opens(b"o-opening", b"system") and not policy._opens(None, b"system")   # a client's key only
 
 
 def test_the_affinity_key_is_prompt_cache_key_then_the_session_header_then_the_opening():
