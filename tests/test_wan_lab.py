@@ -162,3 +162,18 @@ def test_tcp_crosses_a_lossy_link_whole_and_a_cut_link_passes_nothing_until_heal
     lab.set_link("a", "c", loss=0.0)
     healed = lab.host("a").call(wanlab.probe, wanlab.login_public(2), ECHO_PORT, 20, 0.01, 0.3)
     assert (len(cut["rtts_ms"]), len(healed["rtts_ms"])) == (0, 20)
+
+
+@root_only
+@pytest.mark.slow
+def test_a_request_through_site_a_ingress_reaches_site_b_node_40ms_away(tmp_path, capsys):
+    import reliability
+    out = wanlab.run_cross_site(str(tmp_path), dict(reliability.QUICK_TIMINGS), rtt_ms=40, requests=20)
+    with capsys.disabled():      # a figure to read, never asserted: this box runs other work
+        print(f"\ncross-site p50 {out['cross']['p50_ms']} ms, local p50 {out['local']['p50_ms']} ms, "
+              f"added {out['added_ms']} ms at {out['rtt_ms']:g} ms RTT; tunnels {out['reach_after']}")
+    assert (out["cross"]["ok"], out["local"]["ok"]) == (20, 20)
+    assert set(out["sites"]) == {"ingress@a", "ingress@b", "worker@a", "worker@b"}
+    assert out["cross"]["served_by"] == [out["sites"]["worker@b"]]
+    assert out["local"]["served_by"] == [out["sites"]["worker@a"]]
+    assert not [n for n in netns.existing() if n.startswith(f"{wanlab.PREFIX}{os.getpid()}-")]

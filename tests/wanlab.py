@@ -39,12 +39,15 @@ process inside and deletes the namespaces; a lab whose creator died is swept by 
 Nothing is attached to this machine's own network, so no packet leaves the lab.
 
     tests/wanlab.py forward SPEC.json     the emulator (the lab starts it inside its wan namespace)
+    tests/wanlab.py cross [--rtt-ms 40]   two sites, a request through site a's ingress to site b's
+                                          node: its p50 against a request served at site a (as root)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import fcntl
+import functools
 import ipaddress
 import itertools
 import json
@@ -409,12 +412,112 @@ def probe(addr: str, port: int, count: int, interval: float = 0.005, linger: flo
     return {"sent": count, "rtts_ms": [rtts[k] for k in sorted(rtts)]}
 
 
+# =============================================================================================
+# Two sites, one service: each site's ingress on its login host and a node (the fake engine)
+# behind its NAT; shared by tests/test_wan_lab.py and `tests/wanlab.py cross`
+# =============================================================================================
+LOCAL_MODEL = "fm-local"        # served at site a only: a's requests for it never cross the WAN
+
+
+def chat_times(url: str, token: str, model: str, count: int) -> Dict[str, Any]:
+    """`count` sequential non-streamed chats (one keep-alive connection): their statuses and
+    latencies (ms), and which sessions answered. Run it in a Place."""
+    import http.client
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    statuses, times, served_by, errors = [], [], set(), []
+    try:
+        for _ in range(count):
+            began = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body,
+                         {"authorization": f"Bearer {token}", "content-type": "application/json"})
+            resp = conn.getresponse()
+            answer = resp.read()
+            times.append((time.perf_counter() - began) * 1000)
+            statuses.append(resp.status)
+            if resp.status != 200:
+                errors.append(answer[:300].decode("utf-8", "replace"))
+            served_by.add(resp.getheader("x-otela-session", ""))
+    finally:
+        conn.close()
+    return {"statuses": statuses, "ms": times, "served_by": sorted(served_by), "errors": errors}
+
+
+def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requests: int = 30) -> Dict[str, Any]:
+    """Sites a and b `rtt_ms` apart, each with its ingress (its login host) and a node behind its
+    NAT (site a's serving LOCAL_MODEL, site b's reliability.MODEL): `requests` chats through a's
+    ingress for each model, from a's login host, after a warm-up. Returns the statuses, the p50
+    of each (ms), the sites a's ingress shows, and how it reaches each node."""
+    import reliability as rel
+    out: Dict[str, Any] = {"rtt_ms": rtt_ms}
+    # --reach private: a node's own login host reaches it over the LAN, so the seed's dial-back
+    # (reach auto) would call it public, and the other site's ingress would dial its private address
+    with WanLab(sites=2, links={"a-b": {"rtt_ms": rtt_ms}}) as lab, rel.Fleet(tmp, timings) as fleet:
+        ingress_a = fleet.ingress(lab.login("a"), name="ingress-a", flags=("--site-name", "a"))
+        ingress_b = fleet.ingress(lab.login("b"), name="ingress-b", bootstrap=(ingress_a.gossip,),
+                                  db=os.path.join(tmp, "b.sqlite"), flags=("--site-name", "b"))
+        engine_a = (f"{rel.PY} {os.path.join(rel.ROOT, 'tests', 'fake_engine.py')} --model {LOCAL_MODEL} "
+                    "--port {port}")
+        nodes = {
+            "a": fleet.node("node-a", lab.host("a"), bootstrap=(ingress_a.gossip,), engine=engine_a,
+                            grant=fleet.grant("node-a", (LOCAL_MODEL,), "--label", "site=a"),
+                            flags=("--site-name", "a", "--reach", "private")),
+            "b": fleet.node("node-b", lab.host("b"), bootstrap=(ingress_b.gossip,),
+                            grant=fleet.grant("node-b", (rel.MODEL,), "--label", "site=b"),
+                            flags=("--site-name", "b", "--reach", "private")),
+        }
+
+        def workers() -> Dict[str, Dict[str, Any]]:
+            return {s["session"]: s for s in fleet.registry(ingress_a)["sessions"]
+                    if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected")}
+        started = time.monotonic()
+        rel.wait(lambda: fleet.up() and len(workers()) == 2, 90, "both nodes SERVING at site a's ingress")
+        out["serving_after_s"] = round(time.monotonic() - started, 2)
+        view = fleet.registry(ingress_a)
+        out["sites"] = {s.get("role") + "@" + str(s.get("site")): s["session"] for s in view["sessions"]
+                        if s["state"] == "SERVING"}
+        out["reach"] = {s.get("site"): s.get("tunnel") for s in workers().values()}
+        client = lab.login("a")
+        def served(model: str) -> bool:
+            got = client.call(chat_times, ingress_a.url, fleet.token, model, 1)
+            out.setdefault("warm_up_errors", []).extend(got["errors"])
+            return got["statuses"] == [200]
+        for model in (rel.MODEL, LOCAL_MODEL):      # warm-up: tunnels and relay splices made
+            if rel.until(functools.partial(served, model), 30) is None:
+                raise TimeoutError(f"{model} not served through site a's ingress: {out['warm_up_errors'][-3:]}")
+        for name, model in (("cross", rel.MODEL), ("local", LOCAL_MODEL)):
+            got = client.call(chat_times, ingress_a.url, fleet.token, model, requests, timeout=120)
+            out[name] = {"ok": got["statuses"].count(200), "of": requests, "p50_ms": round(sorted(got["ms"])[requests // 2], 2),
+                         "served_by": got["served_by"]}
+        view = {s["session"]: s for s in fleet.registry(ingress_a)["sessions"]}
+        out["reach_after"] = {view[sid].get("site"): view[sid].get("tunnel") for sid in workers()}
+        out["added_ms"] = round(out["cross"]["p50_ms"] - out["local"]["p50_ms"], 2)
+        for member in (*nodes.values(), ingress_b, ingress_a):
+            fleet.stop(member)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="the WAN lab's link emulator (started by WanLab)")
-    parser.add_argument("command", choices=["forward"])
-    parser.add_argument("spec", help="the links, as JSON (WanLab writes it)")
+    parser.add_argument("command", choices=["forward", "cross"])
+    parser.add_argument("spec", nargs="?", help="forward: the links, as JSON (WanLab writes it)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="cross: the link's RTT")
+    parser.add_argument("--requests", type=int, default=30, help="cross: chats per model")
     args = parser.parse_args(argv)
-    forward(args.spec)
+    if args.command == "forward":
+        if not args.spec:
+            parser.error("forward needs the spec file")
+        forward(args.spec)
+        return 0
+    why = unavailable()
+    if why:
+        print(f"wanlab: {why}")
+        return 2
+    import reliability as rel
+    with tempfile.TemporaryDirectory(prefix="otela-wanlab-") as tmp:
+        out = run_cross_site(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests)
+    print(json.dumps(out, indent=1))
     return 0
 
 
