@@ -6027,10 +6027,10 @@ class MetricsPage:
 
 def show_site(session: Dict[str, Any], believed: Optional[str]) -> None:
     """A registry view's session: `site` as routing believes it, and what its record claims
-    beside it where the two differ (a job naming another site than its grant's)."""
+    beside it where it names another (a job naming another site than its grant's)."""
     claimed = (session.get("labels") or {}).get(crdt.SITE_LABEL)
     session["site"] = believed
-    if claimed != believed:
+    if claimed is not None and claimed != believed:
         session["site_claimed"] = claimed
 
 

@@ -71,16 +71,18 @@ def test_registry_shows_each_sessions_site_as_its_grant_says_and_a_contrary_clai
         honest, _ = stack.engine("m-site", labels={"site": "a"})
         liar, _ = stack.engine("m-site", labels={"site": "b"})      # its grant says site a
         unplaced, _ = stack.engine("m-site")
+        placed, _ = stack.engine("m-site")                         # placed by its grant alone
         assert registry(stack)[liar]["site"] == "b"                 # nothing checked yet: its word
         tier = crdt.Authority([b"i" * 32])
         stack.call(stack.ingress.grants.use, tier)
-        for sid in (honest, liar):
+        for sid in (honest, liar, placed):
             stack.call(grant_to, stack, tier, sid, {"site": "a"})
         stack.call(grant_to, stack, tier, unplaced, {})
         view = registry(stack)
         assert (view[honest]["site"], "site_claimed" in view[honest]) == ("a", False)
         assert (view[liar]["site"], view[liar]["site_claimed"]) == ("a", "b")
         assert view[unplaced]["site"] is None and "site_claimed" not in view[unplaced]
+        assert view[placed]["site"] == "a" and "site_claimed" not in view[placed]
         # a key whose requests must stay at site b reaches no engine: the one claiming b is at a
         assert Client(stack.url, stack.key("bob", allow=["site=b"])).chat("m-site")[0] != 200
         assert Client(stack.url, stack.key("carol", allow=["site=a"])).chat("m-site")[0] == 200
