@@ -7613,13 +7613,10 @@ def _parse_labels(items: Iterable[str]) -> Dict[str, str]:
     return labels
 
 
-SITE_NAME = re.compile(r"^[0-9A-Za-z_.-]{1,64}$")    # a name an operator types and a URL or label holds
-
-
 def _site_name(name: str, labels: Dict[str, str]) -> str:
     """--site-name checked, and consistent with a --label site=… given too. Raises ConfigError."""
     name = name.strip()
-    if not SITE_NAME.match(name):
+    if not crdt.SITE_NAME.match(name):
         raise ConfigError(f"bad --site-name {name!r}: 1-64 characters of [0-9A-Za-z_.-]")
     if labels.get(crdt.SITE_LABEL, name) != name:
         raise ConfigError(f"--site-name {name} and --label {crdt.SITE_LABEL}={labels[crdt.SITE_LABEL]} disagree: "
