@@ -166,14 +166,17 @@ def test_tcp_crosses_a_lossy_link_whole_and_a_cut_link_passes_nothing_until_heal
 
 @root_only
 @pytest.mark.slow
-def test_a_request_through_site_a_ingress_reaches_site_b_node_40ms_away(tmp_path, capsys):
+@pytest.mark.parametrize("direct", [False, True], ids=["relayed", "direct"])
+def test_a_request_through_site_a_ingress_reaches_site_b_node_40ms_away(tmp_path, capsys, direct):
     import reliability
-    out = wanlab.run_cross_site(str(tmp_path), dict(reliability.QUICK_TIMINGS), rtt_ms=40, requests=20)
+    out = wanlab.run_cross_site(str(tmp_path), dict(reliability.QUICK_TIMINGS), rtt_ms=40, requests=20, direct=direct)
     with capsys.disabled():      # a figure to read, never asserted: this box runs other work
-        print(f"\ncross-site p50 {out['cross']['p50_ms']} ms, local p50 {out['local']['p50_ms']} ms, "
-              f"added {out['added_ms']} ms at {out['rtt_ms']:g} ms RTT; tunnels {out['reach_after']}")
+        print(f"\n{'direct' if direct else 'relayed'}: cross-site p50 {out['cross']['p50_ms']} ms, local p50 "
+              f"{out['local']['p50_ms']} ms, added {out['added_ms']} ms over a link of {out['rtt_ms']:g} ms RTT "
+              f"({out['link_rtt_p50_ms']} ms measured): {out['added_over_link_ms']} ms beyond it")
     assert (out["cross"]["ok"], out["local"]["ok"]) == (20, 20)
     assert set(out["sites"]) == {"ingress@a", "ingress@b", "worker@a", "worker@b"}
     assert out["cross"]["served_by"] == [out["sites"]["worker@b"]]
     assert out["local"]["served_by"] == [out["sites"]["worker@a"]]
+    assert out["reach_after"]["b"] == ("direct" if direct else "relayed")
     assert not [n for n in netns.existing() if n.startswith(f"{wanlab.PREFIX}{os.getpid()}-")]

@@ -39,8 +39,8 @@ process inside and deletes the namespaces; a lab whose creator died is swept by 
 Nothing is attached to this machine's own network, so no packet leaves the lab.
 
     tests/wanlab.py forward SPEC.json     the emulator (the lab starts it inside its wan namespace)
-    tests/wanlab.py cross [--rtt-ms 40]   two sites, a request through site a's ingress to site b's
-                                          node: its p50 against a request served at site a (as root)
+    tests/wanlab.py cross [--rtt-ms 40] [--direct]   two sites, a request through site a's ingress
+                      to site b's node (relayed, or direct): its p50 against one served at site a (as root)
 """
 from __future__ import annotations
 
@@ -444,28 +444,40 @@ def chat_times(url: str, token: str, model: str, count: int) -> Dict[str, Any]:
     return {"statuses": statuses, "ms": times, "served_by": sorted(served_by), "errors": errors}
 
 
-def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requests: int = 30) -> Dict[str, Any]:
-    """Sites a and b `rtt_ms` apart, each with its ingress (its login host) and a node behind its
-    NAT (site a's serving LOCAL_MODEL, site b's reliability.MODEL): `requests` chats through a's
-    ingress for each model, from a's login host, after a warm-up. Returns the statuses, the p50
-    of each (ms), the sites a's ingress shows, and how it reaches each node."""
+def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requests: int = 30,
+                   direct: bool = False) -> Dict[str, Any]:
+    """Sites a and b `rtt_ms` apart, each with its ingress (its login host) and a node (site a's
+    serving LOCAL_MODEL behind its NAT; site b's serving reliability.MODEL behind its NAT, relayed,
+    or with `direct` on b's public login host): `requests` chats through a's ingress for each
+    model, from a's login host, after a warm-up. Returns the statuses, the p50 of each (ms), the
+    link's own round trip measured between the login hosts (UDP echo), the sites a's ingress
+    shows, and how it reaches each node."""
     import reliability as rel
-    out: Dict[str, Any] = {"rtt_ms": rtt_ms}
+    out: Dict[str, Any] = {"rtt_ms": rtt_ms, "direct": direct}
     # --reach private: a node's own login host reaches it over the LAN, so the seed's dial-back
     # (reach auto) would call it public, and the other site's ingress would dial its private address
     with WanLab(sites=2, links={"a-b": {"rtt_ms": rtt_ms}}) as lab, rel.Fleet(tmp, timings) as fleet:
+        echo = subprocess.Popen(lab.login("b").argv(echo_argv(7000)), stdout=subprocess.PIPE, text=True)
+        echo.stdout.readline()
+        link = lab.login("a").call(probe, login_public(1), 7000, 50, 0.01)
+        echo.kill()
+        echo.wait()
+        out["link_rtt_p50_ms"] = round(sorted(link["rtts_ms"])[len(link["rtts_ms"]) // 2], 2)
         ingress_a = fleet.ingress(lab.login("a"), name="ingress-a", flags=("--site-name", "a"))
         ingress_b = fleet.ingress(lab.login("b"), name="ingress-b", bootstrap=(ingress_a.gossip,),
                                   db=os.path.join(tmp, "b.sqlite"), flags=("--site-name", "b"))
         engine_a = (f"{rel.PY} {os.path.join(rel.ROOT, 'tests', 'fake_engine.py')} --model {LOCAL_MODEL} "
                     "--port {port}")
+        # direct: beside ingress b on its login host (a gossip port of its own), dialed over the WAN
+        b_place, b_flags = (lab.login("b"), ("--reach", "public", "--gossip", f"{login_public(1)}:7948")) \
+            if direct else (lab.host("b"), ("--reach", "private"))
         nodes = {
             "a": fleet.node("node-a", lab.host("a"), bootstrap=(ingress_a.gossip,), engine=engine_a,
                             grant=fleet.grant("node-a", (LOCAL_MODEL,), "--label", "site=a"),
                             flags=("--site-name", "a", "--reach", "private")),
-            "b": fleet.node("node-b", lab.host("b"), bootstrap=(ingress_b.gossip,),
+            "b": fleet.node("node-b", b_place, bootstrap=(ingress_b.gossip,),
                             grant=fleet.grant("node-b", (rel.MODEL,), "--label", "site=b"),
-                            flags=("--site-name", "b", "--reach", "private")),
+                            flags=("--site-name", "b", *b_flags)),
         }
 
         def workers() -> Dict[str, Dict[str, Any]]:
@@ -493,6 +505,7 @@ def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requ
         view = {s["session"]: s for s in fleet.registry(ingress_a)["sessions"]}
         out["reach_after"] = {view[sid].get("site"): view[sid].get("tunnel") for sid in workers()}
         out["added_ms"] = round(out["cross"]["p50_ms"] - out["local"]["p50_ms"], 2)
+        out["added_over_link_ms"] = round(out["added_ms"] - out["link_rtt_p50_ms"], 2)
         for member in (*nodes.values(), ingress_b, ingress_a):
             fleet.stop(member)
     return out
@@ -504,6 +517,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("spec", nargs="?", help="forward: the links, as JSON (WanLab writes it)")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="cross: the link's RTT")
     parser.add_argument("--requests", type=int, default=30, help="cross: chats per model")
+    parser.add_argument("--direct", action="store_true", help="cross: site b's node public, dialed directly")
     args = parser.parse_args(argv)
     if args.command == "forward":
         if not args.spec:
@@ -516,7 +530,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import reliability as rel
     with tempfile.TemporaryDirectory(prefix="otela-wanlab-") as tmp:
-        out = run_cross_site(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests)
+        out = run_cross_site(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests, args.direct)
     print(json.dumps(out, indent=1))
     return 0
 
