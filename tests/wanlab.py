@@ -445,7 +445,7 @@ def chat_times(url: str, token: str, model: str, count: int) -> Dict[str, Any]:
 
 
 def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requests: int = 30,
-                   direct: bool = False) -> Dict[str, Any]:
+                   direct: bool = False, loss: float = 0.0, jitter_ms: float = 0.0) -> Dict[str, Any]:
     """Sites a and b `rtt_ms` apart, each with its ingress (its login host) and a node (site a's
     serving LOCAL_MODEL behind its NAT; site b's serving reliability.MODEL behind its NAT, relayed,
     or with `direct` on b's public login host): `requests` chats through a's ingress for each
@@ -453,16 +453,17 @@ def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requ
     link's own round trip measured between the login hosts (UDP echo), the sites a's ingress
     shows, and how it reaches each node."""
     import reliability as rel
-    out: Dict[str, Any] = {"rtt_ms": rtt_ms, "direct": direct}
+    out: Dict[str, Any] = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms, "direct": direct}
+    links = {"a-b": {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms}}
     # --reach private: a node's own login host reaches it over the LAN, so the seed's dial-back
     # (reach auto) would call it public, and the other site's ingress would dial its private address
-    with WanLab(sites=2, links={"a-b": {"rtt_ms": rtt_ms}}) as lab, rel.Fleet(tmp, timings) as fleet:
+    with WanLab(sites=2, links=links) as lab, rel.Fleet(tmp, timings) as fleet:
         echo = subprocess.Popen(lab.login("b").argv(echo_argv(7000)), stdout=subprocess.PIPE, text=True)
         echo.stdout.readline()
         link = lab.login("a").call(probe, login_public(1), 7000, 50, 0.01)
         echo.kill()
         echo.wait()
-        out["link_rtt_p50_ms"] = round(sorted(link["rtts_ms"])[len(link["rtts_ms"]) // 2], 2)
+        out["link_rtt_p50_ms"] = round(sorted(link["rtts_ms"])[len(link["rtts_ms"]) // 2], 2) if link["rtts_ms"] else None
         ingress_a = fleet.ingress(lab.login("a"), name="ingress-a", flags=("--site-name", "a"))
         ingress_b = fleet.ingress(lab.login("b"), name="ingress-b", bootstrap=(ingress_a.gossip,),
                                   db=os.path.join(tmp, "b.sqlite"), flags=("--site-name", "b"))
@@ -505,7 +506,8 @@ def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requ
         view = {s["session"]: s for s in fleet.registry(ingress_a)["sessions"]}
         out["reach_after"] = {view[sid].get("site"): view[sid].get("tunnel") for sid in workers()}
         out["added_ms"] = round(out["cross"]["p50_ms"] - out["local"]["p50_ms"], 2)
-        out["added_over_link_ms"] = round(out["added_ms"] - out["link_rtt_p50_ms"], 2)
+        if out["link_rtt_p50_ms"] is not None:
+            out["added_over_link_ms"] = round(out["added_ms"] - out["link_rtt_p50_ms"], 2)
         for member in (*nodes.values(), ingress_b, ingress_a):
             fleet.stop(member)
     return out
@@ -518,6 +520,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="cross: the link's RTT")
     parser.add_argument("--requests", type=int, default=30, help="cross: chats per model")
     parser.add_argument("--direct", action="store_true", help="cross: site b's node public, dialed directly")
+    parser.add_argument("--loss", type=float, default=0.0, help="cross: the link's loss per packet and direction")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="cross: the link's jitter (uniform, +/-)")
     args = parser.parse_args(argv)
     if args.command == "forward":
         if not args.spec:
@@ -530,7 +534,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import reliability as rel
     with tempfile.TemporaryDirectory(prefix="otela-wanlab-") as tmp:
-        out = run_cross_site(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests, args.direct)
+        out = run_cross_site(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests, args.direct, args.loss,
+                             args.jitter_ms)
     print(json.dumps(out, indent=1))
     return 0
 
