@@ -106,6 +106,7 @@ def p50(values):
 
 
 @root_only
+@pytest.mark.root
 @pytest.mark.slow
 def test_a_40ms_link_gives_a_natted_host_a_40ms_round_trip_to_the_far_login(lab_of):
     lab = lab_of(sites=2, links={"a-b": {"rtt_ms": 40}})
@@ -118,6 +119,7 @@ def test_a_40ms_link_gives_a_natted_host_a_40ms_round_trip_to_the_far_login(lab_
 
 
 @root_only
+@pytest.mark.root
 @pytest.mark.slow
 def test_a_2_percent_link_loses_round_trips_within_a_binomial_bound(lab_of):
     lab = lab_of(sites=2, links={"a-b": {"rtt_ms": 10, "loss": 0.02}})
@@ -129,6 +131,7 @@ def test_a_2_percent_link_loses_round_trips_within_a_binomial_bound(lab_of):
 
 
 @root_only
+@pytest.mark.root
 @pytest.mark.slow
 def test_tcp_crosses_a_lossy_link_whole_and_a_cut_link_passes_nothing_until_healed(lab_of):
     lab = lab_of(sites=3, links={"a-b": {"rtt_ms": 20, "loss": 0.05}, "a-c": {"rtt_ms": 10}})
@@ -165,6 +168,7 @@ def test_tcp_crosses_a_lossy_link_whole_and_a_cut_link_passes_nothing_until_heal
 
 
 @root_only
+@pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, True], ids=["relayed", "direct"])
 def test_a_request_through_site_a_ingress_reaches_site_b_node_40ms_away(tmp_path, capsys, direct):
