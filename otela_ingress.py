@@ -7260,6 +7260,9 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
         raise ValueError("--tls-cert and --tls-key go together (a certificate and its key)")
     # the ingress relays for members behind NATs unless told not to (--no-relay)
     config = otela_node.config_from_args(args, ingress_keys=ingress_secrets(args.ingress_key_file, args.key_file))
+    site = config.labels.get(crdt.SITE_LABEL) or site_name_of(args.site)   # --site-name, else the site file's
+    if site:
+        config.labels[crdt.SITE_LABEL] = site
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
@@ -7301,18 +7304,32 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     return 0
 
 
+def read_site_file(path: str) -> Any:
+    try:
+        with open(path, "rb") as fh:
+            return crdt.loads(fh.read())
+    except OSError as exc:
+        raise ValueError(f"--site {path}: {exc.strerror}") from None
+    except ValueError:
+        raise ValueError(f"--site {path}: not JSON") from None
+
+
+def site_name_of(path: Optional[str]) -> Optional[str]:
+    """A site file's name (the placer puts it in its jobs' grants), None where it has none.
+    Raises ValueError naming the file and field."""
+    doc = read_site_file(path) if path else None
+    name = doc.get("name") if isinstance(doc, dict) else None
+    if name is not None and not (isinstance(name, str) and crdt.SITE_NAME.match(name)):
+        raise ValueError(f"--site {path}: name must be 1-64 characters of [0-9A-Za-z_.-]")
+    return name
+
+
 def site_catalogue(path: Optional[str]) -> List[str]:
     """The model and adapter names of a site file's catalogue (the rest is the placer's). Raises
     ValueError naming the file and field."""
     if not path:
         return []
-    try:
-        with open(path, "rb") as fh:
-            doc = crdt.loads(fh.read())
-    except OSError as exc:
-        raise ValueError(f"--site {path}: {exc.strerror}") from None
-    except ValueError:
-        raise ValueError(f"--site {path}: not JSON") from None
+    doc = read_site_file(path)
     entries = doc.get("catalogue", []) if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"--site {path}: catalogue must be a list")
@@ -7475,7 +7492,8 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--site", default=None, metavar="FILE",
                        help="the site file the placer reads (otela_place.py --site): a request for a model "
                             "of its catalogue that nothing serves yet gets 503 'starting' with Retry-After "
-                            "(not 404) and counts as demand in /v1/usage/stats (env OTELA_SITE)")
+                            "(not 404) and counts as demand in /v1/usage/stats; its name, where it has one, "
+                            "is this ingress's site unless --site-name is given (env OTELA_SITE)")
     serve.add_argument("--allow-ungranted", action="store_true",
                        help="route to worker sessions without a grant too (env OTELA_ALLOW_UNGRANTED; default: "
                             "only sessions whose grant, from `grant` or the placer, names the model). For the "

@@ -88,3 +88,26 @@ def test_registry_shows_each_sessions_site_as_its_grant_says_and_a_contrary_clai
         assert Client(stack.url, stack.key("carol", allow=["site=a"])).chat("m-site")[0] == 200
     finally:
         stack.close()
+
+
+def own_site(cluster):
+    view = json.loads(Client(cluster.url).request("GET", "/v1/registry")[2])
+    sessions = view["sessions"]
+    mine = [s for s in sessions if s["session"] == view["self"]] if isinstance(sessions, list) \
+        else [sessions[view["self"]]]
+    return mine[0]["site"]
+
+
+def test_an_ingress_is_at_its_site_files_site_unless_its_site_name_says_otherwise(tmp_path):
+    from test_ingress_support import Cluster
+    site_file = tmp_path / "site.json"
+    site_file.write_text(json.dumps({"name": "lrz", "catalogue": [{"name": "m"}]}))
+    for flags, site in ((("--site", str(site_file)), "lrz"),
+                        (("--site", str(site_file), "--site-name", "lrz-login2"), "lrz-login2")):
+        folder = tmp_path / site
+        folder.mkdir()
+        cluster = Cluster(str(folder), ingress_flags=flags)
+        try:
+            assert own_site(cluster) == site
+        finally:
+            cluster.close()
