@@ -144,6 +144,10 @@ MAX_RECORD_BYTES = 2048       # a record must fit one UDP datagram with room for
 MAX_STRING = 256              # model names and addresses; HF ids are well below this
 MAX_LIST = 64                 # models per session; real engines serve a handful
 MAX_LABELS = 32
+SITE_LABEL = "site"           # a session's site (--site-name) is this label, not a field of its own: a
+                              # previous release carries and shows labels, allowlists match them
+                              # ("site=a"), and a grant's labels pin it (otela_ingress.Grants.site)
+SITE_NAME = re.compile(r"^[0-9A-Za-z_.-]{1,64}$")   # a site's name: typed by an operator, held by a URL or label
 MAX_ADAPTERS = MAX_LIST       # LoRA adapters per session ({name: [base, path]}): each is a model too
 BUCKETS = 256                 # digest buckets: 256 * ~20 bytes is still one datagram, and at
                               # 10,000 sessions one changed bucket holds ~40 records

@@ -2165,6 +2165,10 @@ class ClusterFlow:
 #   - a session with no grant, an expired or revoked one, or a grant another live session holds
 #     (one grant, one live session: the newest) gets nothing, and /v1/registry, /metrics and the
 #     dashboard say why;
+#   - a session's site (its label site=NAME, `--site-name`) is its grant's site label: a job's
+#     record could claim any site, and a job claiming another site's name would draw what stays
+#     at that site to itself (a key allowed only "site=b", and later the locality of routing);
+#     a record's claim that differs from its grant's is shown beside it (site_claimed), never used;
 #   - without an ingress secret nothing can be checked: every session is believed, as before
 #     grants (the ingress says so at start). `--allow-ungranted` believes sessions without a grant
 #     too: the upgrade's middle step, while jobs started before it still serve.
@@ -2282,6 +2286,14 @@ class Grants:
         if self.believe_all or not isinstance(grant, dict):
             return allowed(allow, sid, record.get("owner"), record.get("labels") or {})
         return allowed(allow, sid, None, grant.get("labels") or {})
+
+    def site(self, record: Dict[str, Any]) -> Optional[str]:
+        """The site routing believes a session is at: its grant's site label (see above); its
+        record's where its word is all there is (an ingress's own, or nothing is checked)."""
+        grant = record.get("grant")
+        if self.believe_all or not isinstance(grant, dict):
+            return (record.get("labels") or {}).get(crdt.SITE_LABEL)
+        return (grant.get("labels") or {}).get(crdt.SITE_LABEL)
 
     def on_revocation(self, entry_id: str) -> None:
         self.revoked.add(entry_id[len(crdt.REVOCATION_ENTRY):])
@@ -6052,6 +6064,15 @@ class MetricsPage:
         return body + exposition(families)
 
 
+def show_site(session: Dict[str, Any], believed: Optional[str]) -> None:
+    """A registry view's session: `site` as routing believes it, and what its record claims
+    beside it where it names another (a job naming another site than its grant's)."""
+    claimed = (session.get("labels") or {}).get(crdt.SITE_LABEL)
+    session["site"] = believed
+    if claimed is not None and claimed != believed:
+        session["site_claimed"] = claimed
+
+
 class Views:
     """The GET (and HEAD) endpoints: each answers (status, content type, payload), or a future of
     it (a usage query, run in an executor); an HTTPError is its answer."""
@@ -6119,6 +6140,7 @@ class Views:
                     ((s.get("session"), s) for s in sessions):
                 if sid in unrouted:   # shown apart: with why no request goes there
                     session["unrouted"] = unrouted[sid]
+                show_site(session, self.grants.site(session))
             now = time.monotonic()
             view = dict(view, ingress={"session": self.session(), "sick": self.health.sick(now),
                                        "auth": not self.no_auth, "routing": routing_stats(self.policy)})
@@ -7138,7 +7160,7 @@ accepts requests without a key</p>
 <div id="counts"></div><div class="muted" id="status">loading&hellip;</div>
 <h2>Sessions</h2>
 <table><thead><tr><th>session</th><th>state</th><th>role</th><th>owner</th><th>models</th>
-<th>hardware</th><th>labels</th><th>addr</th><th>health</th><th>cache hits</th><th>queue</th>
+<th>site</th><th>hardware</th><th>labels</th><th>addr</th><th>health</th><th>cache hits</th><th>queue</th>
 <th>est. TTFT</th></tr></thead><tbody id="sessions"></tbody></table>
 <h2>Recent usage (last 5 minutes)</h2>
 <table><thead><tr><th>model</th><th>requests</th><th>arrivals/s</th><th>input tokens (mean &plusmn; std)</th>
@@ -7188,6 +7210,7 @@ async function refresh() {
       if (suspected) tr.className = "suspected"; else if (sick.has(sid) || r.unrouted) tr.className = "sick";
       cell(tr, sid.slice(0, 12)); cell(tr, state, state); cell(tr, r.role); cell(tr, r.owner);
       cell(tr, (r.models || []).join(", "));
+      cell(tr, (r.site || "") + (r.site_claimed ? " (claims " + r.site_claimed + ")" : ""));
       const hw = r.hardware || {};
       cell(tr, (hw.gpu ? `${hw.count || 1} x ${hw.gpu}${hw.memory_gb ? " (" + hw.memory_gb + " GB)" : ""}` : "") +
                (Array.isArray(hw.nodes) ? ` on ${hw.nodes.length} nodes (${hw.nodes.join(", ")}), tp ${hw.tp} x pp ${hw.pp}` : ""));
@@ -7276,6 +7299,9 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
         raise ValueError("--tls-cert and --tls-key go together (a certificate and its key)")
     # the ingress relays for members behind NATs unless told not to (--no-relay)
     config = otela_node.config_from_args(args, ingress_keys=ingress_secrets(args.ingress_key_file, args.key_file))
+    site = config.labels.get(crdt.SITE_LABEL) or site_name_of(args.site)   # --site-name, else the site file's
+    if site:
+        config.labels[crdt.SITE_LABEL] = site
     node = otela_node.Node(config, role="ingress", models=[], hardware={}, labels={})
     host, port = _split_listen(config.listen)
     ingress = Ingress(node, db_path=args.db, policy=policy, no_auth=args.no_auth,
@@ -7317,18 +7343,32 @@ async def _serve(args: argparse.Namespace, policy: Any) -> int:
     return 0
 
 
+def read_site_file(path: str) -> Any:
+    try:
+        with open(path, "rb") as fh:
+            return crdt.loads(fh.read())
+    except OSError as exc:
+        raise ValueError(f"--site {path}: {exc.strerror}") from None
+    except ValueError:
+        raise ValueError(f"--site {path}: not JSON") from None
+
+
+def site_name_of(path: Optional[str]) -> Optional[str]:
+    """A site file's name (the placer puts it in its jobs' grants), None where it has none.
+    Raises ValueError naming the file and field."""
+    doc = read_site_file(path) if path else None
+    name = doc.get("name") if isinstance(doc, dict) else None
+    if name is not None and not (isinstance(name, str) and crdt.SITE_NAME.match(name)):
+        raise ValueError(f"--site {path}: name must be 1-64 characters of [0-9A-Za-z_.-]")
+    return name
+
+
 def site_catalogue(path: Optional[str]) -> List[str]:
     """The model and adapter names of a site file's catalogue (the rest is the placer's). Raises
     ValueError naming the file and field."""
     if not path:
         return []
-    try:
-        with open(path, "rb") as fh:
-            doc = crdt.loads(fh.read())
-    except OSError as exc:
-        raise ValueError(f"--site {path}: {exc.strerror}") from None
-    except ValueError:
-        raise ValueError(f"--site {path}: not JSON") from None
+    doc = read_site_file(path)
     entries = doc.get("catalogue", []) if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"--site {path}: catalogue must be a list")
@@ -7491,7 +7531,8 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--site", default=None, metavar="FILE",
                        help="the site file the placer reads (otela_place.py --site): a request for a model "
                             "of its catalogue that nothing serves yet gets 503 'starting' with Retry-After "
-                            "(not 404) and counts as demand in /v1/usage/stats (env OTELA_SITE)")
+                            "(not 404) and counts as demand in /v1/usage/stats; its name, where it has one, "
+                            "is this ingress's site unless --site-name is given (env OTELA_SITE)")
     serve.add_argument("--allow-ungranted", action="store_true",
                        help="route to worker sessions without a grant too (env OTELA_ALLOW_UNGRANTED; default: "
                             "only sessions whose grant, from `grant` or the placer, names the model). For the "

@@ -6222,6 +6222,7 @@ class Node:
         for sid, record in self.registry.items():
             view = dict(record)
             view.update(session=sid, state=crdt.STATE_NAMES[record["state"]], suspected=self.is_suspected(sid),
+                        site=(record.get("labels") or {}).get(crdt.SITE_LABEL),
                         reach="direct" if sid == self.session_id else self.reach_of(record),
                         tunnel="direct" if sid == self.session_id else self.tunnel_reach_of(record))
             sessions.append(view)
@@ -7533,6 +7534,11 @@ def add_overlay_args(parser: argparse.ArgumentParser, gossip_default: str = DEFA
                    help=f"{listen_help} (env OTELA_LISTEN; default {listen_default})")
     g.add_argument("--label", action="append", default=None,
                    help="k=v label for this session, repeatable (env OTELA_LABEL, comma-separated)")
+    g.add_argument("--site-name", default=None, metavar="NAME",
+                   help="the site this member runs at (a machine room, an institution: 1-64 of [0-9A-Za-z_.-]), "
+                        "carried as its label site=NAME and shown in /v1/registry and the dashboard (env "
+                        "OTELA_SITE_NAME; default none). A job's word only: where an ingress checks grants, "
+                        "the site label of the job's grant is the one it believes")
     g.add_argument("--advertise", default=None,
                    help="host peers should use to reach this node when binding 0.0.0.0 (env OTELA_ADVERTISE; "
                         "default: the host bound, or the address this machine's name resolves to when that is 0.0.0.0)")
@@ -7578,6 +7584,8 @@ def config_from_args(args: argparse.Namespace, **fixed: Any) -> Config:
     config.bootstrap = [b for b in args.bootstrap or () if b]
     check_bootstrap(config.bootstrap)
     config.labels.update(_parse_labels(args.label or ()))
+    if args.site_name is not None:
+        config.labels[crdt.SITE_LABEL] = _site_name(args.site_name, config.labels)
     try:
         split_addr(args.gossip), split_addr(args.listen)
         config.gossip, config.listen = args.gossip, args.listen
@@ -7603,6 +7611,17 @@ def _parse_labels(items: Iterable[str]) -> Dict[str, str]:
         if item:
             labels[key.strip()] = value.strip()
     return labels
+
+
+def _site_name(name: str, labels: Dict[str, str]) -> str:
+    """--site-name checked, and consistent with a --label site=… given too. Raises ConfigError."""
+    name = name.strip()
+    if not crdt.SITE_NAME.match(name):
+        raise ConfigError(f"bad --site-name {name!r}: 1-64 characters of [0-9A-Za-z_.-]")
+    if labels.get(crdt.SITE_LABEL, name) != name:
+        raise ConfigError(f"--site-name {name} and --label {crdt.SITE_LABEL}={labels[crdt.SITE_LABEL]} disagree: "
+                          "give one")
+    return name
 
 
 def _set_probe_interval(config: Config, interval: float) -> None:

@@ -1960,7 +1960,7 @@ def run_lock(path=LOCK_PATH):
 
 # field: the JSON types it takes (bool is never an int here)
 SITE_FIELDS = {"gpus": list, "python": str, "setup": list, "engine_wrapper": str, "engine_env": dict,
-               "log_dir": str, "successor_lead_s": (int, float), "catalogue": list}
+               "log_dir": str, "successor_lead_s": (int, float), "catalogue": list, "name": str}
 GPU_FIELDS = {"type": str, "count": int, "per_node": int, "gres": str, "partition": str, "account": str,
               "qos": str, "constraint": str, "reservation": str, "time_limit": str, "sbatch": list}
 # the fields that become #SBATCH lines, in the order they are written
@@ -2091,6 +2091,10 @@ def check_site(doc, path="site file"):
             "successor_lead_s": float(doc.get("successor_lead_s", SUCCESSOR_LEAD_S)), "catalogue": [], "path": path}
     if site["successor_lead_s"] < 0 or not math.isfinite(site["successor_lead_s"]):
         raise _site_error(path, "successor_lead_s", "must be seconds >= 0")
+    if "name" in doc:
+        if not crdt.SITE_NAME.match(doc["name"]):
+            raise _site_error(path, "name", f"{doc['name'][:70]!r} is not 1-64 characters of [0-9A-Za-z_.-]")
+        site["name"] = doc["name"]
     site["gpus"] = [_check_site_gpu(path, f"gpus[{i}]", g) for i, g in enumerate(doc.get("gpus", []))]
     _check_site_engine(path, doc, site)
     names = set()
@@ -2423,6 +2427,8 @@ def job_scripts(rows, site, template, sbatch_vars, grant=None):
             labels = {"otela.model": r["model"], "otela.gpu": r["gpu"], "otela.tp": str(r["tp"])}
             if r.get("pp", 1) > 1:
                 labels["otela.pp"] = str(r["pp"])
+            if site.get("name"):        # the login node's word on where the job runs, not the job's
+                labels[crdt.SITE_LABEL] = site["name"]
             values["GRANT_FILE"] = grant(values["JOB_NAME"], [r["model"]] + [n for n, _ in riders], labels,
                                          values["TIME_LIMIT"]) if grant else ""
             values.update({k: _home(v) for k, v in sbatch_vars.items()})
@@ -2474,7 +2480,7 @@ class GrantIssuer:
             with open(path) as f:
                 held = json.load(f)["grant"]
             if held["until"] >= now + limit_seconds(time_limit) and sorted(held["models"]) == sorted(models) \
-                    and os.stat(path).st_mtime >= os.stat(self.secret).st_mtime:
+                    and held.get("labels", {}) == labels and os.stat(path).st_mtime >= os.stat(self.secret).st_mtime:
                 return path
         except (OSError, ValueError, KeyError, TypeError):
             pass

@@ -61,21 +61,32 @@ def unavailable() -> Optional[str]:
     return None
 
 
-def _sweep() -> None:
-    stale = []
-    for name in netns.existing():
-        if name.startswith(PREFIX):
-            pid = name[len(PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                stale.append(name)
-    if stale:
-        netns.remove(stale)
-
-
 def _run(ns: str, *argv: str) -> None:
     done = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=15)
     if done.returncode != 0:
         raise RuntimeError(f"{ns}: {' '.join(argv)}: {done.stderr.strip()}")
+
+
+def nat_firewall(router: str, mode: str, block_udp: bool = False, leaky: bool = False) -> None:
+    """Make namespace `router` a NAT from its lan0 to its wan0 (mode "cone" or "symmetric"),
+    dropping unsolicited inbound; `block_udp` drops all forwarded UDP, `leaky` leaves INPUT open."""
+    ipt = ["iptables", "-w"]
+    masquerade = [*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
+    if mode == "symmetric":
+        masquerade.append("--random-fully")
+    _run(router, *masquerade)
+    _run(router, *ipt, "-P", "FORWARD", "DROP")
+    if block_udp:
+        _run(router, *ipt, "-A", "FORWARD", "-p", "udp", "-j", "DROP")
+    _run(router, *ipt, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
+    _run(router, *ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-m", "conntrack",
+         "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+    if not leaky:
+        _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-p", "icmp", "--icmp-type", "echo-request",
+             "-j", "ACCEPT")
+        _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-j", "DROP")
 
 
 class NatLab:
@@ -91,7 +102,7 @@ class NatLab:
         self.nat = {"a": nat_a, "b": nat_b}
         self.block_udp, self.leaky, self.routed = block_udp, leaky, routed
         self.places: Dict[str, netns.Place] = {}
-        _sweep()
+        netns.sweep_orphans(PREFIX)
         try:
             self._build()
         except BaseException:
@@ -132,24 +143,7 @@ class NatLab:
                        "b": netns.Place(PRIVATE["b"], n["hb"])}
 
     def _firewall(self, side: str) -> None:
-        router = self.names["r" + side]
-        ipt = ["iptables", "-w"]
-        masquerade = [*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
-        if self.nat[side] == "symmetric":
-            masquerade.append("--random-fully")
-        _run(router, *masquerade)
-        _run(router, *ipt, "-P", "FORWARD", "DROP")
-        if side in self.block_udp:
-            _run(router, *ipt, "-A", "FORWARD", "-p", "udp", "-j", "DROP")
-        _run(router, *ipt, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
-        _run(router, *ipt, "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-m", "conntrack",
-             "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
-        if side not in self.leaky:
-            _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate",
-                 "ESTABLISHED,RELATED", "-j", "ACCEPT")
-            _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-p", "icmp", "--icmp-type", "echo-request",
-                 "-j", "ACCEPT")
-            _run(router, *ipt, "-A", "INPUT", "-i", "wan0", "-j", "DROP")
+        nat_firewall(self.names["r" + side], self.nat[side], side in self.block_udp, side in self.leaky)
 
     def place(self, host: str) -> netns.Place:
         """"pub", "a" or "b"."""

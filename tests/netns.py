@@ -208,13 +208,14 @@ def remove(names: List[str]) -> None:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
-def sweep_orphans() -> None:
-    """Remove labs left by a process that no longer exists (a run killed before its cleanup)."""
+def sweep_orphans(prefix: str = PREFIX) -> None:
+    """Remove labs named `prefix`<pid>-… left by a process that no longer exists (a run killed
+    before its cleanup)."""
     stale = []
     for name in existing():
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             stale.append(name)
     if stale:

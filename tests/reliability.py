@@ -143,16 +143,16 @@ class Fleet:
 
     # -- starting ----------------------------------------------------------------------------
     def ingress(self, place: Place = LOOPBACK, policy: str = "least_loaded", name: str = "ingress",
-                bootstrap: Tuple[str, ...] = (), db: Optional[str] = None) -> Member:
+                bootstrap: Tuple[str, ...] = (), db: Optional[str] = None, flags: Tuple[str, ...] = ()) -> Member:
         """`otela_ingress.py serve` (without --bootstrap: the README's set-up; a second ingress
-        bootstraps to the first and keeps its own `db`); waits for /healthz."""
+        bootstraps to the first and keeps its own `db`), with `flags` more; waits for /healthz."""
         listen = f"{place.host}:{place.port(8080)}"
         gossip = f"{place.host}:{place.port(7946)}"
         argv = [PY, os.path.join(ROOT, "otela_ingress.py"), "serve", "--key-file", self.key_file,
                 "--listen", listen, "--gossip", gossip, "--db", db or self.db, "--policy", policy]
         for addr in bootstrap:
             argv += ["--bootstrap", addr]
-        member = Member(name, "ingress", place, argv, listen, gossip)
+        member = Member(name, "ingress", place, argv + list(flags), listen, gossip)
         self.members.append(member)
         self.start(member)
         wait(lambda: self.up() and self.get(member, "/healthz")[0] == 200, 60, f"{name} /healthz")

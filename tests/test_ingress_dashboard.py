@@ -52,6 +52,7 @@ def test_dashboard_renders_sessions_and_usage_without_console_errors(tmp_path):
     assert done.returncode == 0, log[-2000:]
     assert serving[:12] in dom and suspected[:12] in dom
     assert "4 x H100" in dom and "site=lrz" in dom and "suspected" in dom
+    assert "<td> (claims lrz)</td>" in dom       # its grant names no site: its record's claim, shown apart
     assert "8 x H100 on 2 nodes (gpu1, gpu2), tp 4 x pp 2" in dom   # a model bigger than a node
     assert ungranted[:12] in dom and "unrouted: ungranted" in dom
     assert re.search(r"<td>m-dash</td><td>1</td>", dom), "the usage stats row is missing"

@@ -153,3 +153,22 @@ def test_a_member_of_the_release_before_adapters_reads_a_record_with_adapters_an
                           text=True, cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(["base", "sql"])   # the adapter, a model to it
+
+
+def test_a_member_of_the_previous_release_carries_a_session_site_as_the_label_it_is(tmp_path):
+    import argparse
+
+    import crdt
+    import otela_node as on
+    folder = member_of(PREVIOUS_RELEASE, tmp_path / "previous")
+    parser = argparse.ArgumentParser()
+    on.add_overlay_args(parser)
+    key = on.keygen(str(tmp_path / "keys"))[0]
+    labels = on.config_from_args(parser.parse_args(["--key-file", key, "--site-name", "lrz"])).labels
+    record = {"owner": "job", "state": crdt.SERVING, "version": 1, "started": 1.0, "gossip": "10.0.0.4:7946",
+              "role": "worker", "addr": "10.0.0.4:7700", "models": ["m"], "labels": labels}
+    reader = OLD_READER.replace('["models"]', '["labels"]')
+    done = subprocess.run([sys.executable, "-c", reader], input=json.dumps(record), capture_output=True,
+                          text=True, cwd=str(folder), env=dict(os.environ, PYTHONPATH=str(folder)), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str({"site": "lrz"})

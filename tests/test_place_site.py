@@ -151,7 +151,8 @@ def test_emitting_scripts_creates_their_log_folder(tmp_path):
 
 BAD = [
     ({"gpu": []}, "gpu: unknown key (known: gpus, python, setup, engine_wrapper, engine_env, log_dir, "
-                  "successor_lead_s, catalogue)"),
+                  "successor_lead_s, catalogue, name)"),
+    ({"name": "two words"}, "name: 'two words' is not 1-64 characters of [0-9A-Za-z_.-]"),
     ({"gpus": [{"type": "A", "count": 1, "partiton": "p"}]}, "gpus[0].partiton: unknown key (known: type, count, "
      "per_node, gres, partition, account, qos, constraint, reservation, time_limit, sbatch)"),
     ({"gpus": [{"type": "A", "count": "4"}]}, 'gpus[0].count: expected an integer, got "4"'),
@@ -511,8 +512,8 @@ def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(t
     subprocess.run([sys.executable, os.path.join(ROOT, "otela_node.py"), "keygen", "--out", str(keys)],
                    check=True, capture_output=True, timeout=60)
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    site = dict(SLOTS, catalogue=[{"name": "org/tiny", "weights": str(tmp_path), "min": 1},
-                                  {"name": "sql-lora", "base": "org/tiny", "weights": "/adapters/sql"}])
+    site = dict(SLOTS, name="lrz", catalogue=[{"name": "org/tiny", "weights": str(tmp_path), "min": 1},
+                                              {"name": "sql-lora", "base": "org/tiny", "weights": "/adapters/sql"}])
     key_var = ("--sbatch-var", f"KEY_FILE={keys / 'cluster.key'}")
     cron_plan(tmp_path, ingress, site, *key_var)
     text = (tmp_path / "jobs" / "otela-tiny-a100-80gb-sxm4-tp1-0.sbatch").read_text()
@@ -521,12 +522,16 @@ def test_every_job_gets_a_private_grant_for_its_model_and_adapters_issued_once(t
     assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
     grant = json.loads(path.read_text())["grant"]
     assert grant["models"] == ["org/tiny", "sql-lora"] and grant["labels"]["otela.model"] == "org/tiny"
+    assert grant["labels"]["site"] == "lrz"               # the site file's word, not the job's
     assert grant["job"] == "otela-tiny-a100-80gb-sxm4-tp1-0"
     cron_plan(tmp_path, ingress, site, *key_var)          # the next pass: the same grant, not a new one
     assert json.loads(path.read_text())["grant"]["id"] == grant["id"]
     os.utime(keys / "ingress.key")                        # a rotation step since: issued anew
     cron_plan(tmp_path, ingress, site, *key_var)
     assert json.loads(path.read_text())["grant"]["id"] != grant["id"]
+    renamed = dict(site, name="lrz-2")                    # the site renamed: issued anew, with its name
+    cron_plan(tmp_path, ingress, renamed, *key_var)
+    assert json.loads(path.read_text())["grant"]["labels"]["site"] == "lrz-2"
     (keys / "ingress.key").unlink()                       # no ingress secret on this host
     path.unlink()
     _, warned = cron_plan(tmp_path, ingress, site, *key_var)
