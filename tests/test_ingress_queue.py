@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+import types
 
 import pytest
 from test_ingress_support import Client, Stack, sse_events
@@ -88,13 +89,107 @@ def test_service_given_without_waiting_counts_against_the_tenant():
     assert q.order(0.0).tenant == "b"
 
 
-def test_remote_service_counts_in_the_order():
+def test_remote_service_counts_in_the_order_by_what_it_grew_since_last_heard():
     q = queue()
     a, b = key("a"), key("b")
+    remote = {"a": 50000.0, "b": 0.0}   # a's total from long before it waited here: no debt
+    q.remote_service = lambda tenant: remote[tenant]
+    wait(q, a, 0.0)
+    wait(q, b, 1.0)
+    assert q.order(1.0).tenant == "a"   # (equal counters: the older head)
+    remote["a"] += 1000.0               # served elsewhere while it waits here: it counts
+    assert q.order(1.0).tenant == "b"
+    assert q.counters["a"] == pytest.approx(q.counters["b"] + 1000.0)
+
+
+def test_a_remote_total_that_falls_is_no_credit():
+    q = queue()
+    a, b = key("a"), key("b", weight=2.0)
+    remote = {"a": 3000.0, "b": 0.0}
+    q.remote_service = lambda tenant: remote[tenant]
     wait(q, a, 0.0)
     wait(q, b, 0.0)
-    q.remote_service = lambda tenant: 1000.0 if tenant == "a" else 0.0
-    assert q.order(0.0).tenant == "b"
+    q.order(0.0)
+    before = q.counters["a"]
+    remote["a"] = 0.0   # a peer restarted (or went stale): its total is gone, not given back
+    q.order(0.0)
+    remote["a"] = 500.0
+    q.order(0.0)
+    assert q.counters["a"] == pytest.approx(before + 500.0)
+    remote["b"] = 1000.0   # charged by weight, as service here is
+    q.order(0.0)
+    assert q.counters["b"] == pytest.approx(500.0)   # (both started at 0)
+
+
+def test_service_given_here_is_noted_for_the_other_ingresses():
+    q = queue()
+    noted = []
+    q.note = lambda tenant, tokens: noted.append((tenant, tokens))
+    wait(q, key("a"), 0.0)
+    serve(q, 1, tokens=120.0)
+    q.charge("a", -20.0)
+    assert noted == [("a", 120.0), ("a", -20.0)]
+
+
+def test_two_ingresses_share_service_through_their_flows():
+    """A tenant served at one ingress stands behind at the other, by what it was served since."""
+    maps = [crdt.GMap(), crdt.GMap()]
+    nodes = [type("N", (), {"session_id": f"s{i}", "registry": maps[i]})() for i in range(2)]
+    flows = [otela_ingress.ClusterFlow(n) for n in nodes]
+    queues = [queue(), queue()]
+    for q, flow in zip(queues, flows):
+        q.remote_service, q.remote_inflight, q.note = flow.remote_service, flow.remote_inflight, flow.note_service
+
+    def gossip():
+        now = time.time()
+        for flow, other in ((flows[0], flows[1]), (flows[1], flows[0])):
+            flow.publish(now)
+            entry = crdt.flow_entry(flow.node.session_id)
+            other.on_entry(entry, flow.node.registry.get(entry))
+    flood, small = key("flood"), key("small")
+    for _ in range(10):
+        wait(queues[0], flood, 0.0)
+        wait(queues[1], flood, 0.0)
+    wait(queues[1], small, 1.0)
+    gossip()
+    queues[1].order(1.0)   # (heard: the baseline)
+    assert serve(queues[0], 5, 1.0) == ["flood"] * 5   # 500 tokens at the first ingress
+    gossip()
+    assert queues[1].order(1.0).tenant == "small"
+    flows[0].note_inflight("flood", 1)
+    gossip()
+    assert flows[1].remote_inflight("flood") == 1
+    assert queues[1].engine_priority(flood, 1) == 1 and queues[1].engine_priority(small, 1) == 0
+
+
+def test_the_engine_priority_ranks_a_tenant_by_its_requests_in_flight():
+    q = queue()
+    flood, newcomer, heavy = key("flood"), key("new"), key("heavy", weight=4.0)
+    for _ in range(100):
+        q.began("flood")
+        q.began("heavy")
+    assert q.engine_priority(newcomer, 1) == 0                # none in flight: the class's base
+    assert q.engine_priority(flood, 1) == 7                   # 100 in flight: 7 bits
+    assert q.engine_priority(heavy, 1) == 5                   # ... a weight of 4: 25
+    for _ in range(10000):
+        q.began("flood")
+    assert q.engine_priority(flood, 0) == -1                  # capped to its band: still interactive's
+    assert q.engine_priority(newcomer, 2) == 10
+    for _ in range(10100):
+        q.ended("flood")
+    assert "flood" not in q.inflight and q.engine_priority(flood, 1) == 0
+    q.ended("nobody")   # (never below none)
+    assert q.inflight == {"heavy": 100}
+
+
+def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(theta=(0.0, 0.001)), outstanding=3, queued=200.0)
+    q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    prio = type("C", (), {"session": "s", "by_priority": True})()
+    assert q.full(fcfs, None) and not q.full(prio, None)
+    est.queued = 600.0
+    assert q.full(prio, None)
 
 
 def test_a_higher_class_waits_only_behind_its_own_class():
@@ -176,13 +271,13 @@ def test_request_class_from_header_body_and_key():
     assert rc(plain, {}, {"priority": 3}) == 2
 
 
-def test_the_engine_gets_the_class_as_its_priority_field():
+def test_the_engine_gets_its_priority_field():
     body = b'{"model":"m","priority":-100}'
-    out = otela_ingress.with_engine_priority(body, json.loads(body), 2)
-    assert json.loads(out) == {"model": "m", "priority": 10}
+    out = otela_ingress.with_engine_priority(body, json.loads(body), 13)
+    assert json.loads(out) == {"model": "m", "priority": 13}
     body = b'{"model":"m"}'
-    assert json.loads(otela_ingress.with_engine_priority(body, json.loads(body), 0)) == {"priority": -10, "model": "m"}
-    assert json.loads(otela_ingress.with_engine_priority(b"{ }", {}, 1)) == {"priority": 0}
+    assert json.loads(otela_ingress.with_engine_priority(body, json.loads(body), -10)) == {"priority": -10, "model": "m"}
+    assert json.loads(otela_ingress.with_engine_priority(b"{ }", {}, 0)) == {"priority": 0}
 
 
 def test_engine_scheduling_is_read_from_the_engine_command():
@@ -377,6 +472,7 @@ def test_the_engine_gets_the_keys_class_where_it_schedules_by_priority(stack):
     status, _, _ = c.chat(priority=-50)
     assert status == 200
     assert json.loads(engine.last_body)["priority"] == 10   # batch's, not what the client asked
+    assert stack.call(lambda: dict(stack.ingress.queue.inflight)) == {}   # out of its tenant's count at its end
     status, _, body = c.chat(headers={"x-otela-priority": "interactive"})
     assert status == 403 and json.loads(body)["error"]["code"] == "priority_not_allowed"
     c.close()
