@@ -242,16 +242,31 @@ QUEUE_WAIT_S = 0.05                  # a session is full when the prefill this i
                                      # measured (bench_tenants --quick, 512-token prompts), 0.02 s left
                                      # the engines a third as busy as they could be, 0.2 s made a
                                      # newcomer wait behind the flood's seconds of prefill at the engine
-QUEUE_PRIORITY_WAIT_S = 0.5          # ... the same bound where the engine schedules by priority: a
-                                     # newcomer overtakes the queued work there (engine_priority), so
-                                     # the engines may hold more of a flood and never idle while it waits
+QUEUE_PRIORITY_WAIT_S = 0.05         # ... the bound where the engine schedules by priority: there a
+                                     # newcomer overtakes the queued work (engine_priority), so it may
+                                     # be looser, but measured (bench_tenants --quick --drain 60,
+                                     # queue_prio) 0.1 s gave the flood 0.63 of the capacity left (0.51
+                                     # at 0.05) and B's TTFT p99 6.6x unloaded (3.1x): the engine's
+                                     # running batch fills with the flood's streams, each step carries
+                                     # a full prefill chunk, and priority does not preempt for a slot;
+                                     # 0.15-0.5 worse still. Kept at QUEUE_WAIT_S until an engine
+                                     # preempts for priority
 QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
                                      # vLLM runs at most 256 at once (max_num_seqs); more wait in the
                                      # engine's own queue, first come first served, not in fair order
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
-                                     # body: the bytes bound below is the one that binds on memory)
+                                     # body: the bytes bound below is the one that binds on memory).
+                                     # Measured (tests/bench_queue_memory.py: 10,000 waiting from
+                                     # 1,000 keys, tracemalloc, the client connections not counted):
+                                     # 2.0 KB a request plus 2.2 x its body's bytes (the body, its
+                                     # parsed JSON, the prompt's block chain): 80 MiB for chats of
+                                     # 64-1024 tokens, 31 MiB at 64, 130 MiB at 1024
 QUEUE_MAX_PER_KEY = 1000             # ... of one key: a flood fills its own share, not the queue
-QUEUE_MAX_BYTES = 256 * 1024 * 1024  # request bytes waiting at most (a tenth of a small login node)
+QUEUE_MAX_BYTES = 256 * 1024 * 1024  # request bytes waiting at most (a tenth of a small login node):
+                                     # with the above, the queue holds at most 10,000 x 2 KB + 2.2 x
+                                     # 256 MiB, about 585 MiB of ASCII chats; a body whose text mixes
+                                     # ASCII with one astral character parses to 4 bytes a character,
+                                     # up to ~5 x its bytes (1.3 GiB at this bound)
 QUEUE_KEY_BYTES = 32 * 1024 * 1024   # ... of one key (two 16 MiB bodies, thousands of chats)
 QUEUE_TIMEOUT_S = 60.0               # a request waits this long at most, then gets 429: a client
                                      # (the openai SDK: 600 s) is still there, and told to come back
@@ -265,8 +280,8 @@ PRIORITY_RANK = {name: rank for rank, name in enumerate(crdt.PRIORITY_CLASSES)} 
 PRIORITY_HEADER = b"x-otela-priority"   # request: the class it asks for (the key must allow it)
 # The engine's own `priority` (vLLM's: an integer, lower is scheduled sooner, 0 the default) of
 # each class (its lowest: a tenant's standing is added), set in the body sent to a session whose
-# engine runs priority scheduling; and the
-# class a body's `priority` asks for: below 0 interactive, 0 standard, above 0 batch.
+# engine runs priority scheduling; and the class a body's `priority` asks for: below 0
+# interactive, 0 standard, above 0 batch.
 ENGINE_PRIORITY = (-10, 0, 10)
 ENGINE_PRIORITY_SPREAD = 10   # numbers per class: its base plus a tenant's standing (FairQueue.engine_priority)
 DEFAULT_DB = "otela.sqlite"
@@ -323,7 +338,7 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "LINGER_S": "seconds what a client still sends after a last answer is read and dropped (no TCP reset)",
     "WARMUP_MAX_S": "seconds a (re)started ingress says 503, not 404, until a peer's record arrives",
     "QUEUE_WAIT_S": "seconds of prefill queued at an engine before requests wait at the ingress (in fair order)",
-    "QUEUE_PRIORITY_WAIT_S": "QUEUE_WAIT_S where the engine schedules by priority (newcomers overtake there)",
+    "QUEUE_PRIORITY_WAIT_S": "QUEUE_WAIT_S where the engine schedules by priority (looser: measured worse)",
     "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
@@ -3004,9 +3019,10 @@ class PassiveHealth:
 # holds 100 (base + 7) at the engine, which then preempts the least urgent (the flood's) when
 # its memory runs out; two floods end at the cap and share the engine first come first served,
 # as the order here shares what is sent. The scale is logarithmic so the numbers stay in a band
-# of 10 whatever the load. With newcomers served first there, such a session may hold more of
-# a flood: it is full at QUEUE_PRIORITY_WAIT_S (0.5 s) of queued prefill instead of QUEUE_WAIT_S
-# (0.05 s), so its engine never idles while the flood waits here.
+# of 10 whatever the load. With newcomers served first there, such a session could hold more
+# of a flood (its own bound, QUEUE_PRIORITY_WAIT_S); measured, a looser one fills the engine's
+# running batch and costs the newcomers more than the flood gains (see the knob), so it is as
+# tight as QUEUE_WAIT_S by default.
 #
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
@@ -3105,10 +3121,10 @@ class FairQueue:
         ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
         ingress's requests are in flight there (QUEUE_PRIORITY_WAIT_S where the engine schedules
-        by priority: newcomers overtake the queued work there). Only this ingress's own work counts: other
-        ingresses' (their nodes' `load`) is heard seconds late, and counting it held requests back
-        from engines that had drained meanwhile (measured: a flood's engines ran at a third of their
-        capacity); with k ingresses an engine holds up to k x the bound. A session holding none of
+        by priority). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
+        is heard seconds late, and counting it held requests back from engines that had drained
+        meanwhile (measured: a flood's engines ran at a third of their capacity); with k
+        ingresses an engine holds up to k x the bound. A session holding none of
         this ingress's requests is never full: what frees it is not seen here, and a request must
         go somewhere for the queue to move."""
         est = self.engines.get(candidate.session)
