@@ -254,6 +254,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="short cases at a higher time scale (~3 min)")
     p.add_argument("--time-scale", type=float, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per case")
+    p.add_argument("--drain", type=float, default=None,
+                   help=f"seconds each request is awaited past the arrivals (default {DRAIN_S:g}; --quick {QUICK_DRAIN_S:g}): "
+                        "a request cut there has no TTFT, so a case whose streams outlast it reports its survivors")
     p.add_argument("--routers", default=None, help="a venv holding sglang-router (bench_routing's)")
     p.add_argument("--queue-wait-s", type=float, default=otela_ingress.QUEUE_WAIT_S,
                    help="the ingress's QUEUE_WAIT_S in GPU seconds (x K on the ingress's clock; default "
@@ -268,7 +271,7 @@ def main():
     global OUTPUT_TOKENS
     if a.quick:
         OUTPUT_TOKENS = QUICK_OUTPUT_TOKENS
-    a.drain = QUICK_DRAIN_S if a.quick else DRAIN_S
+    a.drain = a.drain or (QUICK_DRAIN_S if a.quick else DRAIN_S)
     wanted = a.cases.split(",") if a.cases else \
         (["alone", "queue", "queue_prio", "no_queue", "priority", "priority_prio"] if a.quick else
          ["alone", "queue", "queue_prio", "no_queue", "sglang", "priority", "priority_prio", "two", "two_prio"])
