@@ -284,6 +284,9 @@ PRIORITY_HEADER = b"x-otela-priority"   # request: the class it asks for (the ke
 # interactive, 0 standard, above 0 batch.
 ENGINE_PRIORITY = (-10, 0, 10)
 ENGINE_PRIORITY_SPREAD = 10   # numbers per class: its base plus a tenant's standing (FairQueue.engine_priority)
+ENGINE_PRIORITY_FIRST = 2     # a tenant with fewer requests than this at priority engines (its
+                              # number at most its class's base + 1) does not wait here: the engine
+                              # puts it before the flood's queued work (FairQueue.overtakes)
 DEFAULT_DB = "otela.sqlite"
 DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
                                      # told otherwise (a node's tunnel is on 7700)
@@ -3022,7 +3025,13 @@ class PassiveHealth:
 # of 10 whatever the load. With newcomers served first there, such a session could hold more
 # of a flood (its own bound, QUEUE_PRIORITY_WAIT_S); measured, a looser one fills the engine's
 # running batch and costs the newcomers more than the flood gains (see the knob), so it is as
-# tight as QUEUE_WAIT_S by default.
+# tight as QUEUE_WAIT_S by default. What priority scheduling does buy: a request of a tenant
+# with fewer than ENGINE_PRIORITY_FIRST requests at such engines (so at most its class's base + 1
+# there) and none waiting here does not wait here at all (FairQueue.overtakes): it goes at once
+# and the engine runs it before the flood's queued requests, so a newcomer waits neither here
+# nor there. It adds at most ENGINE_PRIORITY_FIRST requests per tenant (weighted) to an engine,
+# and never past QUEUE_SESSION_DEPTH; within a tenant it keeps first come first served (a tenant
+# with requests waiting here waits too).
 #
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
@@ -3104,6 +3113,18 @@ class FairQueue:
         """The engine's `priority` for a request of `key` in class `rank` (see above)."""
         held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
         return ENGINE_PRIORITY[rank] + min(ENGINE_PRIORITY_SPREAD - 1, int(held / key.weight).bit_length())
+
+    def overtakes(self, candidate: Candidate, left: List[Candidate], key: Key) -> bool:
+        """Whether a request that would wait goes to a priority engine at once (see above): its
+        tenant holds fewer than ENGINE_PRIORITY_FIRST of them there (by its weight) and waits
+        here for none, and the session has room (QUEUE_SESSION_DEPTH)."""
+        if not candidate.by_priority or self.backlog.get(key.user) or not all(c.by_priority for c in left):
+            return False
+        held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
+        if held / key.weight >= ENGINE_PRIORITY_FIRST:
+            return False
+        est = self.engines.get(candidate.session)
+        return est is None or est.outstanding < self.limits.queue_session_depth
 
     def began(self, tenant: str) -> None:
         """A request of `tenant` went to a priority engine (engine_priority counts it till `ended`)."""
@@ -6757,7 +6778,8 @@ class Ingress:
             return self._refused(client, fields, body, exc,
                                  lambda: self.proxy(client, path, fields, body, t0, False, method, query))
         queue = self.queue
-        if queue.on and (queue.count or queue.full(candidate, routed)):   # saturated: it waits (FairQueue)
+        if queue.on and (queue.count or queue.full(candidate, routed)) and not queue.overtakes(candidate, left, key):
+            # saturated: it waits (FairQueue)
             return self._wait(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain,
                               ctype, left, ticket)
         self._send(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain, ctype, left,

@@ -182,6 +182,26 @@ def test_the_engine_priority_ranks_a_tenant_by_its_requests_in_flight():
     assert q.inflight == {"heavy": 100}
 
 
+def test_a_tenant_with_little_at_priority_engines_goes_at_once():
+    est = types.SimpleNamespace(outstanding=3)
+    q = FairQueue(Limits(queue_session_depth=4), {"s": est})
+    prio = type("C", (), {"session": "s", "by_priority": True})()
+    fcfs = type("C", (), {"session": "f", "by_priority": False})()
+    newcomer, flood, heavy = key("new"), key("flood"), key("heavy", weight=4.0)
+    assert q.overtakes(prio, [prio], newcomer)
+    assert not q.overtakes(fcfs, [fcfs], newcomer)         # an engine that cannot put it first
+    assert not q.overtakes(prio, [prio, fcfs], newcomer)   # ... nor one it may be retried on
+    for _ in range(2):
+        q.began("flood")
+        q.began("heavy")
+    assert not q.overtakes(prio, [prio], flood)            # ENGINE_PRIORITY_FIRST in flight there
+    assert q.overtakes(prio, [prio], heavy)                # ... by its weight: 2 / 4
+    wait(q, newcomer, 0.0)
+    assert not q.overtakes(prio, [prio], newcomer)         # its own waiting requests go first
+    est.outstanding = 4
+    assert not q.overtakes(prio, [prio], heavy)            # the session holds QUEUE_SESSION_DEPTH
+
+
 def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
     est = types.SimpleNamespace(fit=types.SimpleNamespace(theta=(0.0, 0.001)), outstanding=3, queued=200.0)
     q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
@@ -380,6 +400,37 @@ def test_a_newcomer_tenant_goes_before_a_floods_backlog(deep1):
     assert all(a[0] == 200 for a in answers)
     # the first flood request was at the engine; "other" came last but went next
     assert [tag for tag, _ in done][:2] == ["flood", "other"]
+
+
+def by_priority(stack, sid):
+    """The session's record as a node whose engine runs `--scheduling-policy priority` publishes it."""
+    def change():
+        record = dict(stack.node.registry.get(sid), scheduling="priority")
+        record["version"] = stack.node._versions[sid] = record["version"] + 1
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(change)
+
+
+def test_a_newcomer_does_not_wait_where_the_engine_puts_it_first(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_wait_s=0.0, queue_priority_wait_s=0.0))
+    try:
+        sid, engine = s.engine("m1", mode="slow", slow_delay=0.3)
+        by_priority(s, sid)
+        flood, other = s.key("flood"), s.key("other")
+        done: list = []
+        calls = [chat_at(s.url, flood, done, "flood") for _ in range(4)] + [chat_at(s.url, other, done, "other")]
+        answers = in_threads(*calls)
+        assert all(a[0] == 200 for a in answers)
+        metrics = Client(s.url).request("GET", "/metrics")[2].decode()
+        # the flood's first ENGINE_PRIORITY_FIRST went at once, the others waited; the newcomer did not
+        assert 'otela_queue_wait_seconds_count{tenant="flood"} 2' in metrics, \
+            [line for line in metrics.splitlines() if "otela_queue" in line]
+        assert 'otela_queue_wait_seconds_count{tenant="other"}' not in metrics
+        assert [tag for tag, _ in done][:3] == ["flood", "flood", "other"]
+        assert s.call(lambda: dict(s.ingress.queue.inflight)) == {}
+    finally:
+        s.close()
 
 
 def test_past_a_keys_share_of_the_queue_the_answer_is_429_with_retry_after(deep1):
