@@ -9,8 +9,8 @@ on a fresh fleet. Every request: a PROMPT_TOKENS-token random prompt (no shared 
 tokens out, streamed, Poisson arrivals. The fleet's capacity (requests/s) is MEASURED first in
 the same run (bench_routing's closed loop straight to the engines at time scale 1), divided by K.
 
---quick: 16 output tokens, K = 20, 10 s cases, and the cases alone, queue, no_queue, priority
-(--cases picks any). Cases, each with a tenant's own key (tenant = the key's user):
+--quick: 16 output tokens, K = 20, 10 s cases, and the cases alone, queue, queue_prio, no_queue,
+priority, priority_prio (--cases picks any). Cases, each with a tenant's own key (tenant = the key's user):
   alone      B and C at SHARE_SMALL of capacity each, A absent: their TTFT p99 unloaded by A
   queue      A at FLOOD x capacity, B and C as above, through otela's ingress (the fair queue on;
              --queue-wait-s scaled by K: the same tolerance in GPU time as at K = 1)
@@ -24,7 +24,8 @@ the same run (bench_routing's closed loop straight to the engines at time scale 
              through the first): the ingresses share their tenants' service (FairQueue.standing)
 The cases named *_prio are the same on engines run with --scheduling-policy priority (vLLM's):
 the ingress then sets each request's `priority` by its class and its tenant's requests in flight
-(FairQueue.engine_priority) and fills such engines to --queue-priority-wait-s; alone, queue,
+(FairQueue.engine_priority), sends a tenant with little there at once (FairQueue.overtakes) and
+fills such engines to --queue-priority-wait-s; alone, queue,
 no_queue, priority and two run first come first served engines. For the two-ingress cases the
 tenants' shares of the tokens served are set against their one-ingress case's (share_delta).
 Per case and tenant: requests, ok, 429s, TTFT p50/p99 (ms, wall), output tokens served in the
