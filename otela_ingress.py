@@ -2990,8 +2990,11 @@ class PassiveHealth:
 # Waiting requests go out (Ingress.dispatch_waiting: after each finished request, and every
 # QUEUE_TICK_S while any waits) in this order:
 #
-#   1. class: interactive, then standard, then batch (PRIORITY_RANK); a request rises one class
-#      per QUEUE_AGE_S it has waited, so none waits behind a higher class forever;
+#   1. class: interactive, then standard, then batch (PRIORITY_RANK); a class rises one class per
+#      QUEUE_AGE_S its oldest request has waited, so none waits behind a higher class forever. The
+#      whole class rises, not the old request alone: within a class the order stays by share, and
+#      a flood's backlog, old by then, does not overtake a newcomer of its own class (it did:
+#      measured, bench_tenants --duration 30, B's TTFT was QUEUE_AGE_S, 43x unloaded);
 #   2. within a class, the tenant (a key's user) with the least service: its virtual token counter,
 #      tokens served divided by its weight (VTC, "Fairness in Serving LLMs", OSDI '24: prompt
 #      tokens charged as a request goes out, output tokens and the prompt's true count at its
@@ -3221,13 +3224,20 @@ class FairQueue:
     def order(self, now: float, passed: Iterable[str] = ()) -> Optional[Waiting]:
         """The request to send next, skipping those for the models in `passed` (their sessions
         are full), or None."""
+        oldest: Dict[int, float] = {}   # class -> when its oldest waiting request came (a lane's head)
+        for (rank, _), lane in self.lanes.items():
+            since = oldest.get(rank)
+            if since is None or lane[0].since < since:
+                oldest[rank] = lane[0].since
+        age = self.limits.queue_age_s
+        risen = {rank: max(0, rank - int((now - since) / age)) for rank, since in oldest.items()}
         best: Optional[Tuple[int, float, float]] = None
         chosen = None
-        for (_, tenant), lane in self.lanes.items():
+        for (rank, tenant), lane in self.lanes.items():
             head = lane[0]
             if head.model in passed:
                 continue
-            place = (self.rank(head, now), self.standing(tenant), head.since)
+            place = (risen[rank], self.standing(tenant), head.since)
             if best is None or place < best:
                 best, chosen = place, head
         return chosen

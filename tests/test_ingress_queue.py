@@ -231,6 +231,17 @@ def test_a_lower_class_rises_a_class_per_age_step_and_is_not_starved():
     assert q.rank(old, 25.0) == 0 and q.rank(fresh, 25.0) == 0
 
 
+def test_an_old_backlog_does_not_overtake_a_newcomer_of_its_own_class():
+    q = queue(queue_age_s=10.0)
+    flood, newcomer = key("flood"), key("new")
+    for _ in range(20):
+        wait(q, flood, 0.0)
+    serve(q, 5, 1.0)
+    for _ in range(3):
+        wait(q, newcomer, 30.0)   # the flood's backlog has waited 30 s: its class rose, and the newcomer's with it
+    assert serve(q, 6, 30.0) == ["flood", "new"] * 3   # (lifted to the flood's counter: a tie, the older first)
+
+
 def test_bounds_per_key_and_overall_refuse_with_429_and_retry_after():
     q = queue(queue_max=3, queue_max_per_key=2, queue_key_bytes=1000)
     a, b = key("a"), key("b")
