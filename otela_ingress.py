@@ -244,13 +244,31 @@ QUEUE_WAIT_S = 0.05                  # a session is full when the prefill this i
                                      # measured (bench_tenants --quick, 512-token prompts), 0.02 s left
                                      # the engines a third as busy as they could be, 0.2 s made a
                                      # newcomer wait behind the flood's seconds of prefill at the engine
+QUEUE_PRIORITY_WAIT_S = 0.05         # ... the bound where the engine schedules by priority: there a
+                                     # newcomer overtakes the queued work (engine_priority), so it may
+                                     # be looser, but measured (bench_tenants --quick --drain 60,
+                                     # queue_prio) 0.1 s gave the flood 0.63 of the capacity left (0.51
+                                     # at 0.05) and B's TTFT p99 6.6x unloaded (3.1x): the engine's
+                                     # running batch fills with the flood's streams, each step carries
+                                     # a full prefill chunk, and priority does not preempt for a slot;
+                                     # 0.15-0.5 worse still. Kept at QUEUE_WAIT_S until an engine
+                                     # preempts for priority
 QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
                                      # vLLM runs at most 256 at once (max_num_seqs); more wait in the
                                      # engine's own queue, first come first served, not in fair order
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
-                                     # body: the bytes bound below is the one that binds on memory)
+                                     # body: the bytes bound below is the one that binds on memory).
+                                     # Measured (tests/bench_queue_memory.py: 10,000 waiting from
+                                     # 1,000 keys, tracemalloc, the client connections not counted):
+                                     # 2.0 KB a request plus 2.2 x its body's bytes (the body, its
+                                     # parsed JSON, the prompt's block chain): 80 MiB for chats of
+                                     # 64-1024 tokens, 31 MiB at 64, 130 MiB at 1024
 QUEUE_MAX_PER_KEY = 1000             # ... of one key: a flood fills its own share, not the queue
-QUEUE_MAX_BYTES = 256 * 1024 * 1024  # request bytes waiting at most (a tenth of a small login node)
+QUEUE_MAX_BYTES = 256 * 1024 * 1024  # request bytes waiting at most (a tenth of a small login node):
+                                     # with the above, the queue holds at most 10,000 x 2 KB + 2.2 x
+                                     # 256 MiB, about 585 MiB of ASCII chats; a body whose text mixes
+                                     # ASCII with one astral character parses to 4 bytes a character,
+                                     # up to ~5 x its bytes (1.3 GiB at this bound)
 QUEUE_KEY_BYTES = 32 * 1024 * 1024   # ... of one key (two 16 MiB bodies, thousands of chats)
 QUEUE_TIMEOUT_S = 60.0               # a request waits this long at most, then gets 429: a client
                                      # (the openai SDK: 600 s) is still there, and told to come back
@@ -263,9 +281,14 @@ QUEUE_TICK_S = 0.02                  # while requests wait, dispatch is tried th
 PRIORITY_RANK = {name: rank for rank, name in enumerate(crdt.PRIORITY_CLASSES)}   # 0: served first
 PRIORITY_HEADER = b"x-otela-priority"   # request: the class it asks for (the key must allow it)
 # The engine's own `priority` (vLLM's: an integer, lower is scheduled sooner, 0 the default) of
-# each class, set in the body sent to a session whose engine runs priority scheduling; and the
-# class a body's `priority` asks for: below 0 interactive, 0 standard, above 0 batch.
+# each class (its lowest: a tenant's standing is added), set in the body sent to a session whose
+# engine runs priority scheduling; and the class a body's `priority` asks for: below 0
+# interactive, 0 standard, above 0 batch.
 ENGINE_PRIORITY = (-10, 0, 10)
+ENGINE_PRIORITY_SPREAD = 10   # numbers per class: its base plus a tenant's standing (FairQueue.engine_priority)
+ENGINE_PRIORITY_FIRST = 2     # a tenant with fewer requests than this at priority engines (its
+                              # number at most its class's base + 1) does not wait here: the engine
+                              # puts it before the flood's queued work (FairQueue.overtakes)
 DEFAULT_DB = "otela.sqlite"
 DEFAULT_LISTEN = "127.0.0.1:8080"    # the API's port in the README and `make run`; loopback until
                                      # told otherwise (a node's tunnel is on 7700)
@@ -295,8 +318,8 @@ LIMITS = {name: globals()[name] for name in (   # name -> its default
     "MAX_HEADER_BYTES", "MAX_BODY_BYTES", "MAX_CONNECTIONS", "ADDRESS_SHARE", "ADDRESS_FLOOR", "MAX_HEADLESS",
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
     "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
-    "DRAIN_S", "LINGER_S", "WARMUP_MAX_S", "QUEUE_WAIT_S", "QUEUE_SESSION_DEPTH", "QUEUE_MAX", "QUEUE_MAX_PER_KEY",
-    "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
+    "DRAIN_S", "LINGER_S", "WARMUP_MAX_S", "QUEUE_WAIT_S", "QUEUE_PRIORITY_WAIT_S", "QUEUE_SESSION_DEPTH",
+    "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
 
 
 LIMIT_HELP = {   # each limit's unit and the short reason for its default (the long one is beside it)
@@ -320,6 +343,7 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "LINGER_S": "seconds what a client still sends after a last answer is read and dropped (no TCP reset)",
     "WARMUP_MAX_S": "seconds a (re)started ingress says 503, not 404, until a peer's record arrives",
     "QUEUE_WAIT_S": "seconds of prefill queued at an engine before requests wait at the ingress (in fair order)",
+    "QUEUE_PRIORITY_WAIT_S": "QUEUE_WAIT_S where the engine schedules by priority (looser: measured worse)",
     "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
@@ -2012,11 +2036,23 @@ class ClusterFlow:
         window = self.windows.get(subject)
         if window is None:
             window = self.windows[subject] = Window()
-        window.served += tokens
+        window.served = max(0, window.served + int(tokens))   # (a count: >= 0, whole)
 
     def remote_service(self, tenant: str) -> int:
         """The tokens the other ingress sessions served for `tenant`, as they last published."""
         return (self.remote.get(self.subject("t", tenant)) or (0, 0, 0, 0))[3]
+
+    def note_inflight(self, tenant: str, delta: int) -> None:
+        """A request of a tenant went to (1) or left (-1) a priority-scheduling engine from here."""
+        subject = self.subject("t", tenant)
+        window = self.windows.get(subject)
+        if window is None:
+            window = self.windows[subject] = Window()
+        window.inflight = max(0, window.inflight + delta)
+
+    def remote_inflight(self, tenant: str) -> int:
+        """The requests of `tenant` the other ingress sessions have at such engines now."""
+        return (self.remote.get(self.subject("t", tenant)) or (0, 0, 0, 0))[2]
 
     # -- the map: limits and the others' flows --------------------------------------------------
     def on_entry(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
@@ -3116,16 +3152,51 @@ class PassiveHealth:
 # Waiting requests go out (Ingress.dispatch_waiting: after each finished request, and every
 # QUEUE_TICK_S while any waits) in this order:
 #
-#   1. class: interactive, then standard, then batch (PRIORITY_RANK); a request rises one class
-#      per QUEUE_AGE_S it has waited, so none waits behind a higher class forever;
+#   1. class: interactive, then standard, then batch (PRIORITY_RANK); a class rises one class per
+#      QUEUE_AGE_S its oldest request has waited, so none waits behind a higher class forever. The
+#      whole class rises, not the old request alone: within a class the order stays by share, and
+#      a flood's backlog, old by then, does not overtake a newcomer of its own class (measured,
+#      bench_tenants --duration 30: B's TTFT p99 3.6x unloaded, 43x when a request rose alone);
 #   2. within a class, the tenant (a key's user) with the least service: its virtual token counter,
 #      tokens served divided by its weight (VTC, "Fairness in Serving LLMs", OSDI '24: prompt
 #      tokens charged as a request goes out, output tokens and the prompt's true count at its
-#      end), plus what other ingresses served it (remote_service, 0 until they share it). A
-#      tenant that starts waiting is lifted to the least counter among those waiting, so service
-#      it did not ask for while idle is no credit, and to the counter of the last tenant served
-#      when none waits;
+#      end). A tenant that starts waiting is lifted to the least counter among those waiting, so
+#      service it did not ask for while idle is no credit, and to the counter of the last tenant
+#      served when none waits. What other ingresses served it counts as if served here: each
+#      ingress publishes its tenants' service (the `t` subjects of ClusterFlow's flow entries,
+#      every FLOW_PUBLISH_S) and adds to a tenant's counter what the others' total GREW by since
+#      it last looked (`heard`). Only the growth: the total is cumulative since each peer
+#      started, and added whole to a counter that is lifted it would charge a tenant forever for
+#      service it had long before it waited (and a peer restarting, its total falling, is no
+#      credit either). So the counter means the same at every ingress: service since the
+#      tenant's lift, wherever given. Its error: a peer's service is heard FLOW_PUBLISH_S + d
+#      late, so a tenant served at rate R elsewhere is ahead of its true counter by at most
+#      R x (FLOW_PUBLISH_S + d) tokens, and the shares over a window of W seconds are off by at
+#      most (FLOW_PUBLISH_S + d) / W of the capacity per ingress (0.5 s in 30 s: under 2 %);
 #   3. within a tenant and class, first come first served.
+#
+# Where a session's engine schedules by priority (its record says `scheduling: priority`, and
+# every session a request may try does), the body's `priority` says more than the class: the
+# engine's queue, not only this one, is ordered by share. Its number (engine_priority) is the
+# class's base (ENGINE_PRIORITY, bands ENGINE_PRIORITY_SPREAD wide, so a class never overtakes a
+# higher one) plus the tenant's standing: the bit length of its requests now in flight at such
+# engines (this ingress's and, as published, the others'), divided by its weight, capped to the
+# band. Not the VTC counter: a newcomer is lifted to the flood's counter, and the flood's queued
+# requests were sent with counters below it, so they would keep their place. By requests in
+# flight, a tenant holding none (a newcomer) sends at the band's base and overtakes a flood that
+# holds 100 (base + 7) at the engine, which then preempts the least urgent (the flood's) when
+# its memory runs out; two floods end at the cap and share the engine first come first served,
+# as the order here shares what is sent. The scale is logarithmic so the numbers stay in a band
+# of 10 whatever the load. With newcomers served first there, such a session could hold more
+# of a flood (its own bound, QUEUE_PRIORITY_WAIT_S); measured, a looser one fills the engine's
+# running batch and costs the newcomers more than the flood gains (see the knob), so it is as
+# tight as QUEUE_WAIT_S by default. What priority scheduling does buy: a request of a tenant
+# with fewer than ENGINE_PRIORITY_FIRST requests at such engines (so at most its class's base + 1
+# there) and none waiting here does not wait here at all (FairQueue.overtakes): it goes at once
+# and the engine runs it before the flood's queued requests, so a newcomer waits neither here
+# nor there. It adds at most ENGINE_PRIORITY_FIRST requests per tenant (weighted) to an engine,
+# and never past QUEUE_SESSION_DEPTH; within a tenant it keeps first come first served (a tenant
+# with requests waiting here waits too).
 #
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
@@ -3174,6 +3245,9 @@ class FairQueue:
         self.per_key: Dict[str, List[int]] = {}   # key id -> [requests, bytes] waiting
         self.count = self.bytes = 0
         self.last = 0.0   # the counter of the tenant served last
+        self.heard: Dict[str, float] = {}      # tenant -> the others' service total when last looked
+        self.inflight: Dict[str, int] = {}     # tenant -> its requests at priority engines from here
+        self.note: Optional[Callable[[str, float], None]] = None   # service given here, to publish
         # for /metrics: per tenant
         self.service: Dict[str, int] = collections.defaultdict(int)   # tokens served
         self.waited: Dict[str, List[float]] = collections.defaultdict(lambda: [0.0, 0])   # seconds, requests
@@ -3181,26 +3255,70 @@ class FairQueue:
         self.aborted: Dict[str, int] = collections.defaultdict(int)     # clients gone while waiting
 
     def remote_service(self, tenant: str) -> float:
-        """Tokens other ingresses served `tenant` lately, for the order (counted here as this
-        ingress's own: the cluster's share is then fair, not each ingress's). 0 until the ingress
-        plane carries them; replace it (a subclass, or an assignment) to share them."""
+        """Tokens other ingresses served `tenant` in all, as last heard (its growth counts here as
+        this ingress's own service: standing). 0 alone; the Ingress assigns ClusterFlow's."""
         return 0.0
+
+    def remote_inflight(self, tenant: str) -> int:
+        """Requests of `tenant` other ingresses have at priority engines (0: none heard of)."""
+        return 0
+
+    def standing(self, tenant: str) -> float:
+        """Its counter, with what other ingresses served it since this one last looked added."""
+        counter = self.counters.get(tenant, 0.0)
+        total = self.remote_service(tenant)
+        heard = self.heard.get(tenant)
+        if heard != total:
+            self.heard[tenant] = total
+            if heard is not None and total > heard:
+                counter = self.counters[tenant] = counter + (total - heard) / self.weights.get(tenant, 1.0)
+        return counter
+
+    def engine_priority(self, key: Key, rank: int) -> int:
+        """The engine's `priority` for a request of `key` in class `rank` (see above)."""
+        held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
+        return ENGINE_PRIORITY[rank] + min(ENGINE_PRIORITY_SPREAD - 1, int(held / key.weight).bit_length())
+
+    def overtakes(self, candidate: Candidate, left: List[Candidate], key: Key) -> bool:
+        """Whether a request that would wait goes to a priority engine at once (see above): its
+        tenant holds fewer than ENGINE_PRIORITY_FIRST of them there (by its weight) and waits
+        here for none, and the session has room (QUEUE_SESSION_DEPTH)."""
+        if not candidate.by_priority or self.backlog.get(key.user) or not all(c.by_priority for c in left):
+            return False
+        held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
+        if held / key.weight >= ENGINE_PRIORITY_FIRST:
+            return False
+        est = self.engines.get(candidate.session)
+        return est is None or est.outstanding < self.limits.queue_session_depth
+
+    def began(self, tenant: str) -> None:
+        """A request of `tenant` went to a priority engine (engine_priority counts it till `ended`)."""
+        self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
+
+    def ended(self, tenant: str) -> None:
+        left = self.inflight.get(tenant, 0) - 1
+        if left > 0:
+            self.inflight[tenant] = left
+        else:
+            self.inflight.pop(tenant, None)
 
     def full(self, candidate: Candidate, routed: RoutedRequest) -> bool:
         """Whether the session the policy picked should not be sent more now: the prompt tokens this
         ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
-        ingress's requests are in flight there. Only this ingress's own work counts: other
-        ingresses' (their nodes' `load`) is heard seconds late, and counting it held requests back
-        from engines that had drained meanwhile (measured: a flood's engines ran at a third of their
-        capacity); with k ingresses an engine holds up to k x the bound. A session holding none of
+        ingress's requests are in flight there (QUEUE_PRIORITY_WAIT_S where the engine schedules
+        by priority). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
+        is heard seconds late, and counting it held requests back from engines that had drained
+        meanwhile (measured: a flood's engines ran at a third of their capacity); with k
+        ingresses an engine holds up to k x the bound. A session holding none of
         this ingress's requests is never full: what frees it is not seen here, and a request must
         go somewhere for the queue to move."""
         est = self.engines.get(candidate.session)
         if est is None or not est.outstanding:
             return False
-        return est.outstanding >= self.limits.queue_session_depth or \
-            est.queued * est.fit.theta[1] > self.limits.queue_wait_s
+        limits = self.limits
+        return est.outstanding >= limits.queue_session_depth or \
+            est.queued * est.fit.theta[1] > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""
@@ -3222,7 +3340,7 @@ class FairQueue:
         self.weights[tenant] = entry.key.weight
         if not self.backlog.get(tenant):   # starts waiting: no credit for the service it did not ask for
             lowest = min((self.counters.get(t, 0.0) for t, n in self.backlog.items() if n), default=self.last)
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), lowest)
+            self.counters[tenant] = max(self.standing(tenant), lowest)
         self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
         lane = self.lanes.get((entry.rank, tenant))
         if lane is None:
@@ -3268,14 +3386,20 @@ class FairQueue:
     def order(self, now: float, passed: Iterable[str] = ()) -> Optional[Waiting]:
         """The request to send next, skipping those for the models in `passed` (their sessions
         are full), or None."""
+        oldest: Dict[int, float] = {}   # class -> when its oldest waiting request came (a lane's head)
+        for (rank, _), lane in self.lanes.items():
+            since = oldest.get(rank)
+            if since is None or lane[0].since < since:
+                oldest[rank] = lane[0].since
+        age = self.limits.queue_age_s
+        risen = {rank: max(0, rank - int((now - since) / age)) for rank, since in oldest.items()}
         best: Optional[Tuple[int, float, float]] = None
         chosen = None
-        for (_, tenant), lane in self.lanes.items():
+        for (rank, tenant), lane in self.lanes.items():
             head = lane[0]
             if head.model in passed:
                 continue
-            place = (self.rank(head, now), self.counters.get(tenant, 0.0) + self.remote_service(tenant)
-                     / self.weights.get(tenant, 1.0), head.since)
+            place = (risen[rank], self.standing(tenant), head.since)
             if best is None or place < best:
                 best, chosen = place, head
         return chosen
@@ -3294,6 +3418,8 @@ class FairQueue:
         if tokens:
             self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)
             self.service[tenant] += int(tokens)
+            if self.note is not None:
+                self.note(tenant, tokens)
 
     def expired(self, now: float) -> List[Waiting]:
         """The requests that have waited QUEUE_TIMEOUT_S, taken out (the oldest are at lane heads)."""
@@ -3338,10 +3464,9 @@ def request_class(key: Key, fields: Dict[bytes, bytes], request: Any) -> int:
     return key.priority
 
 
-def with_engine_priority(body: bytes, request: Any, rank: int) -> bytes:
-    """The body for an engine that schedules by priority: its `priority` the class's (the client's
-    own value is replaced: a key's class, not its client, decides where it runs)."""
-    number = ENGINE_PRIORITY[rank]
+def with_engine_priority(body: bytes, request: Any, number: int) -> bytes:
+    """The body for an engine that schedules by priority: its `priority` `number` (the client's
+    own value is replaced: a key's class and share, not its client, decide where it runs)."""
     if isinstance(request, dict) and request.get("priority") == number and type(request["priority"]) is int:
         return body
     if isinstance(request, dict) and "priority" not in request and body[:1] == b"{":
@@ -4975,6 +5100,7 @@ class _Exchange:
     answer_bytes = 0                      # the bytes its answer came in (bound_usage)
     completion_cap: Optional[int] = None  # the completion tokens the request asked for at most
     ticket: Optional[Ticket] = None       # its booking in the limits' windows (ClusterFlow.admit)
+    ranked = False                        # counted in its tenant's requests at priority engines
     sent = False            # the stream's head went out: no other session may answer now
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
@@ -5119,6 +5245,9 @@ class _Exchange:
             ingress.policy.on_request_end(candidate, routed, ok)
         if self.queued or ingress.queue.count:   # (what went out while none waited is not charged: VTC
             ingress.served(self)                 # lifts a tenant that starts waiting past it anyway)
+        if self.ranked:   # (its tenant's standing at priority engines: FairQueue.engine_priority)
+            ingress.queue.ended(self.key.user)
+            ingress.flow.note_inflight(self.key.user, -1)
         return True
 
     # -- booking: the engine's counts bounded, the ledger row (its head made while the engine works),
@@ -6332,6 +6461,10 @@ class Ingress:
         self.metrics = Metrics()
         # requests wait here while the engines are saturated (with the TTFT policy's estimates)
         self.queue = FairQueue(limits, self.policy.engines if isinstance(self.policy, TTFTPolicy) else None)
+        # ... sharing its tenants' service and requests at priority engines with the other ingresses
+        queue, flow = self.queue, self.flow
+        queue.remote_service, queue.remote_inflight, queue.note = \
+            flow.remote_service, flow.remote_inflight, flow.note_service
         self._queue_tick: Optional[asyncio.TimerHandle] = None
         self.stats = UsageStats()
         self.health = PassiveHealth(limits)
@@ -6898,7 +7031,8 @@ class Ingress:
             return self._refused(client, fields, body, exc,
                                  lambda: self.proxy(client, path, fields, body, t0, False, method, query))
         queue = self.queue
-        if queue.on and (queue.count or queue.full(candidate, routed)):   # saturated: it waits (FairQueue)
+        if queue.on and (queue.count or queue.full(candidate, routed)) and not queue.overtakes(candidate, left, key):
+            # saturated: it waits (FairQueue)
             return self._wait(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain,
                               ctype, left, ticket)
         self._send(client, path, fields, body, t0, method, query, routed, key, strip_usage, cap, chain, ctype, left,
@@ -6911,7 +7045,13 @@ class Ingress:
         """Send a routed request to the session the policy picked, and make its exchange."""
         if candidate.by_priority and all(c.by_priority for c in left):   # (the body goes to every attempt:
             # a `priority` an engine without priority scheduling refuses is sent only where all take it)
-            body = with_engine_priority(body, routed.body, request_class(key, fields, routed.body))
+            queue = self.queue
+            body = with_engine_priority(body, routed.body, queue.engine_priority(key, request_class(key, fields, routed.body)))
+            queue.began(key.user)
+            self.flow.note_inflight(key.user, 1)
+            ranked = True
+        else:
+            ranked = False
         trace, parent, span, lines = trace_context(fields, client.request_id)
         target = path + b"?" + query if query else path
         if routed.named is not None and routed.named != routed.model and (query or path not in PROXIED_PATHS):
@@ -6933,6 +7073,8 @@ class Ingress:
             ex.chain = chain
         if ticket is not None:
             ex.ticket = ticket
+        if ranked:
+            ex.ranked = True
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             ex.send(candidate, fresh=True)

@@ -9,8 +9,8 @@ on a fresh fleet. Every request: a PROMPT_TOKENS-token random prompt (no shared 
 tokens out, streamed, Poisson arrivals. The fleet's capacity (requests/s) is MEASURED first in
 the same run (bench_routing's closed loop straight to the engines at time scale 1), divided by K.
 
---quick: 16 output tokens, K = 20, 10 s cases, and the cases alone, queue, no_queue, priority
-(--cases picks any). Cases, each with a tenant's own key (tenant = the key's user):
+--quick: 16 output tokens, K = 20, 10 s cases, and the cases alone, queue, queue_prio, no_queue,
+priority, priority_prio (--cases picks any). Cases, each with a tenant's own key (tenant = the key's user):
   alone      B and C at SHARE_SMALL of capacity each, A absent: their TTFT p99 unloaded by A
   queue      A at FLOOD x capacity, B and C as above, through otela's ingress (the fair queue on;
              --queue-wait-s scaled by K: the same tolerance in GPU time as at K = 1)
@@ -21,8 +21,13 @@ the same run (bench_routing's closed loop straight to the engines at time scale 
   priority   a batch-class key floods at FLOOD x capacity beside an interactive-class key at
              SHARE_SMALL: the interactive TTFT p99 against B's in `alone` (unloaded)
   two        the `queue` case with two ingresses, A's requests alternating between them (B and C
-             through the first): the fair-share counters are each ingress's own until the ingress
-             plane shares them (FairQueue.remote_service), so this is the figure as it stands
+             through the first): the ingresses share their tenants' service (FairQueue.standing)
+The cases named *_prio are the same on engines run with --scheduling-policy priority (vLLM's):
+the ingress then sets each request's `priority` by its class and its tenant's requests in flight
+(FairQueue.engine_priority), sends a tenant with little there at once (FairQueue.overtakes) and
+fills such engines to --queue-priority-wait-s; alone, queue,
+no_queue, priority and two run first come first served engines. For the two-ingress cases the
+tenants' shares of the tokens served are set against their one-ingress case's (share_delta).
 Per case and tenant: requests, ok, 429s, TTFT p50/p99 (ms, wall), output tokens served in the
 window; A's served tokens against the capacity the others left it; Jain's fairness index per
 window of WINDOW_S x K wall seconds (30 s of GPU time; --quick: a third of the run) over the
@@ -135,13 +140,13 @@ async def _tenants(plan, duration, drain):
     return dict(done)
 
 
-def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, spread=("A",)):
+def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, spread=("A",), engine_flags=()):
     """A fresh fleet and the tenants' arrivals: {tenant: rate share of capacity}; the tenants in
     `spread` alternate between the ingresses. Returns {tenant: records}, the run's start."""
     procs = br.Processes(f"tenants-{kind}")
     scale = a.time_scale
     try:
-        command = lambda port="{port}": br.sim_command(scale, port)  # noqa: E731
+        command = lambda port="{port}": br.sim_command(scale, port) + list(engine_flags)  # noqa: E731
         classes = {name: cls for name, (_, cls) in tenants.items()}
         if kind == "sglang":
             workers = br.start_engines(procs, command, ENGINES)
@@ -150,7 +155,8 @@ def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, sprea
         else:
             tokens = make_keys(procs, ingresses, classes)
             urls, _ = br.start_otela(procs, command, ENGINES, br.MODEL, "ttft", ingresses,
-                                     flags=("--queue-wait-s", f"{a.queue_wait_s * scale:g}", *flags))
+                                     flags=("--queue-wait-s", f"{a.queue_wait_s * scale:g}", "--queue-priority-wait-s",
+                                            f"{a.queue_priority_wait_s * scale:g}", *flags))
         plan = [(name, urls if name in spread else urls[:1], share * capacity / scale, tokens[name], 10 + i)
                 for i, (name, (share, _)) in enumerate(sorted(tenants.items()))]
         start = time.monotonic()
@@ -252,24 +258,32 @@ def main():
     p.add_argument("--quick", action="store_true", help="short cases at a higher time scale (~3 min)")
     p.add_argument("--time-scale", type=float, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per case")
+    p.add_argument("--drain", type=float, default=None,
+                   help=f"seconds each request is awaited past the arrivals (default {DRAIN_S:g}; --quick {QUICK_DRAIN_S:g}): "
+                        "a request cut there has no TTFT, so a case whose streams outlast it reports its survivors")
     p.add_argument("--routers", default=None, help="a venv holding sglang-router (bench_routing's)")
     p.add_argument("--queue-wait-s", type=float, default=otela_ingress.QUEUE_WAIT_S,
                    help="the ingress's QUEUE_WAIT_S in GPU seconds (x K on the ingress's clock; default "
                         f"{otela_ingress.QUEUE_WAIT_S:g})")
-    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,no_queue,sglang,priority,two "
-                                                 "(default: all; --quick: alone,queue,no_queue,priority)")
+    p.add_argument("--queue-priority-wait-s", type=float, default=otela_ingress.QUEUE_PRIORITY_WAIT_S,
+                   help="the ingress's QUEUE_PRIORITY_WAIT_S in GPU seconds (x K; default "
+                        f"{otela_ingress.QUEUE_PRIORITY_WAIT_S:g})")
+    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,queue_prio,no_queue,sglang,"
+                                                 "priority,priority_prio,two,two_prio (default: all; --quick: "
+                                                 "alone,queue,queue_prio,no_queue,priority,priority_prio)")
     a = p.parse_args()
     global OUTPUT_TOKENS
     if a.quick:
         OUTPUT_TOKENS = QUICK_OUTPUT_TOKENS
-    a.drain = QUICK_DRAIN_S if a.quick else DRAIN_S
+    a.drain = a.drain or (QUICK_DRAIN_S if a.quick else DRAIN_S)
     wanted = a.cases.split(",") if a.cases else \
-        (["alone", "queue", "no_queue", "priority"] if a.quick else ["alone", "queue", "no_queue", "sglang", "priority", "two"])
+        (["alone", "queue", "queue_prio", "no_queue", "priority", "priority_prio"] if a.quick else
+         ["alone", "queue", "queue_prio", "no_queue", "sglang", "priority", "priority_prio", "two", "two_prio"])
     a.time_scale = a.time_scale or (QUICK_TIME_SCALE if a.quick else TIME_SCALE)
     a.duration = a.duration or (QUICK_DURATION_S if a.quick else DURATION_S)
     signal.signal(signal.SIGTERM, br._interrupt)
     result = {"command": "tests/bench_tenants.py " + " ".join(sys.argv[1:]), "time_scale": a.time_scale,
-              "queue_wait_s": a.queue_wait_s,
+              "queue_wait_s": a.queue_wait_s, "queue_priority_wait_s": a.queue_priority_wait_s,
               "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
               "duration_s": a.duration, "engines": f"{ENGINES} x otela_sim.py serve --model {br.MODEL} --gpu "
               f"{br.GPU} --engine {br.ENGINE} --time-scale {a.time_scale:g}", "cases": {}, "skipped": {}}
@@ -279,20 +293,25 @@ def main():
     print(f"capacity: {capacity:.1f} requests/s at time scale 1 ({capacity / a.time_scale:.2f} at {a.time_scale:g})")
     small = (SHARE_SMALL, "standard")
     mixed = {"A": (FLOOD, "standard"), "B": small, "C": small}
-    cases = [("alone", "otela", {"B": small, "C": small}, 1, ()),
-             ("queue", "otela", mixed, 1, ()),
-             ("no_queue", "otela", mixed, 1, ("--no-queue",)),
-             ("sglang", "sglang", mixed, 1, ()),
-             ("priority", "otela", {"batch": (FLOOD, "batch"), "chat": (SHARE_SMALL, "interactive")}, 1, ()),
-             ("two", "otela", mixed, 2, ())]
-    rdir, missing = br.routers_dir(a.routers)
-    for label, kind, tenants, ingresses, flags in cases:
+    flood = {"batch": (FLOOD, "batch"), "chat": (SHARE_SMALL, "interactive")}
+    prio = ("--scheduling-policy", "priority")
+    cases = [("alone", "otela", {"B": small, "C": small}, 1, (), ()),
+             ("queue", "otela", mixed, 1, (), ()),
+             ("queue_prio", "otela", mixed, 1, (), prio),
+             ("no_queue", "otela", mixed, 1, ("--no-queue",), ()),
+             ("sglang", "sglang", mixed, 1, (), ()),
+             ("priority", "otela", flood, 1, (), ()),
+             ("priority_prio", "otela", flood, 1, (), prio),
+             ("two", "otela", mixed, 2, (), ()),
+             ("two_prio", "otela", mixed, 2, (), prio)]
+    rdir, missing = br.routers_dir(a.routers) if "sglang" in wanted else (None, {})
+    for label, kind, tenants, ingresses, flags, engine_flags in cases:
         if label not in wanted:
             continue
         if kind == "sglang" and "sglang-router" in missing:
             result["skipped"][label] = missing["sglang-router"]
             continue
-        records, _, metrics = run_case(kind, a, capacity, tenants, ingresses, flags, rdir)
+        records, _, metrics = run_case(kind, a, capacity, tenants, ingresses, flags, rdir, engine_flags=engine_flags)
         case = summarise(records, a, tenants, capacity)
         case["queue_metrics"] = metrics
         result["cases"][label] = case
@@ -308,6 +327,13 @@ def main():
             case["A"]["served_vs_capacity_left"] = round(case["A"]["served_tokens"] / left, 2) if left > 0 else None
         if "chat" in case and alone.get("B", {}).get("ttft_p99_ms") and case["chat"]["ttft_p99_ms"]:
             case["chat"]["ttft_p99_vs_unloaded"] = round(case["chat"]["ttft_p99_ms"] / alone["B"]["ttft_p99_ms"], 2)
+        served = {n: f["served_tokens"] for n, f in case.items() if isinstance(f, dict) and "served_tokens" in f}
+        case["shares"] = {n: round(v / sum(served.values()), 3) for n, v in served.items()} if any(served.values()) else {}
+    for two, one in (("two", "queue"), ("two_prio", "queue_prio")):   # the shares' error across ingresses
+        cases_ = result["cases"]
+        if two in cases_ and one in cases_ and cases_[one]["shares"]:
+            cases_[two]["share_delta"] = {n: round(s - cases_[one]["shares"].get(n, 0.0), 3)
+                                          for n, s in cases_[two]["shares"].items()}
     result["wall_s"] = round(time.monotonic() - t0, 1)
     print(f"{'case':9} {'tenant':6} {'req':>5} {'ok':>5} {'429':>5} {'err':>4} {'ttft p50':>9} {'ttft p99':>9} "
           f"{'x alone':>7} {'served tok':>10} {'x left':>6}")
@@ -319,7 +345,8 @@ def main():
             print(f"{label:9} {name:6} {f['requests']:5d} {f['ok']:5d} {f['429']:5d} {f['other_errors']:4d} "
                   f"{br.fmt(f['ttft_p50_ms'], '9.0f')} {br.fmt(f['ttft_p99_ms'], '9.0f')} {br.fmt(ratio, '7.2f')} "
                   f"{f['served_tokens']:10d} {br.fmt(f.get('served_vs_capacity_left'), '6.2f')}")
-        print(f"{label:9} Jain per {case['window_s']:g} s window: {case['jain_per_window']}")
+        print(f"{label:9} Jain per {case['window_s']:g} s window: {case['jain_per_window']}; shares "
+              f"{case['shares']}" + (f"; vs one ingress {case['share_delta']}" if "share_delta" in case else ""))
     for label, why in result["skipped"].items():
         print(f"{label}: skipped: {why}")
     os.makedirs(a.out, exist_ok=True)

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+import types
 
 import pytest
 from test_ingress_support import Client, Stack, sse_events
@@ -89,13 +90,127 @@ def test_service_given_without_waiting_counts_against_the_tenant():
     assert q.order(0.0).tenant == "b"
 
 
-def test_remote_service_counts_in_the_order():
+def test_remote_service_counts_in_the_order_by_what_it_grew_since_last_heard():
     q = queue()
     a, b = key("a"), key("b")
+    remote = {"a": 50000.0, "b": 0.0}   # a's total from long before it waited here: no debt
+    q.remote_service = lambda tenant: remote[tenant]
+    wait(q, a, 0.0)
+    wait(q, b, 1.0)
+    assert q.order(1.0).tenant == "a"   # (equal counters: the older head)
+    remote["a"] += 1000.0               # served elsewhere while it waits here: it counts
+    assert q.order(1.0).tenant == "b"
+    assert q.counters["a"] == pytest.approx(q.counters["b"] + 1000.0)
+
+
+def test_a_remote_total_that_falls_is_no_credit():
+    q = queue()
+    a, b = key("a"), key("b", weight=2.0)
+    remote = {"a": 3000.0, "b": 0.0}
+    q.remote_service = lambda tenant: remote[tenant]
     wait(q, a, 0.0)
     wait(q, b, 0.0)
-    q.remote_service = lambda tenant: 1000.0 if tenant == "a" else 0.0
-    assert q.order(0.0).tenant == "b"
+    q.order(0.0)
+    before = q.counters["a"]
+    remote["a"] = 0.0   # a peer restarted (or went stale): its total is gone, not given back
+    q.order(0.0)
+    remote["a"] = 500.0
+    q.order(0.0)
+    assert q.counters["a"] == pytest.approx(before + 500.0)
+    remote["b"] = 1000.0   # charged by weight, as service here is
+    q.order(0.0)
+    assert q.counters["b"] == pytest.approx(500.0)   # (both started at 0)
+
+
+def test_service_given_here_is_noted_for_the_other_ingresses():
+    q = queue()
+    noted = []
+    q.note = lambda tenant, tokens: noted.append((tenant, tokens))
+    wait(q, key("a"), 0.0)
+    serve(q, 1, tokens=120.0)
+    q.charge("a", -20.0)
+    assert noted == [("a", 120.0), ("a", -20.0)]
+
+
+def test_two_ingresses_share_service_through_their_flows():
+    """A tenant served at one ingress stands behind at the other, by what it was served since."""
+    maps = [crdt.GMap(), crdt.GMap()]
+    nodes = [type("N", (), {"session_id": f"s{i}", "registry": maps[i]})() for i in range(2)]
+    flows = [otela_ingress.ClusterFlow(n) for n in nodes]
+    queues = [queue(), queue()]
+    for q, flow in zip(queues, flows):
+        q.remote_service, q.remote_inflight, q.note = flow.remote_service, flow.remote_inflight, flow.note_service
+
+    def gossip():
+        now = time.time()
+        for flow, other in ((flows[0], flows[1]), (flows[1], flows[0])):
+            flow.publish(now)
+            entry = crdt.flow_entry(flow.node.session_id)
+            other.on_entry(entry, flow.node.registry.get(entry))
+    flood, small = key("flood"), key("small")
+    for _ in range(10):
+        wait(queues[0], flood, 0.0)
+        wait(queues[1], flood, 0.0)
+    wait(queues[1], small, 1.0)
+    gossip()
+    queues[1].order(1.0)   # (heard: the baseline)
+    assert serve(queues[0], 5, 1.0) == ["flood"] * 5   # 500 tokens at the first ingress
+    gossip()
+    assert queues[1].order(1.0).tenant == "small"
+    flows[0].note_inflight("flood", 1)
+    gossip()
+    assert flows[1].remote_inflight("flood") == 1
+    assert queues[1].engine_priority(flood, 1) == 1 and queues[1].engine_priority(small, 1) == 0
+
+
+def test_the_engine_priority_ranks_a_tenant_by_its_requests_in_flight():
+    q = queue()
+    flood, newcomer, heavy = key("flood"), key("new"), key("heavy", weight=4.0)
+    for _ in range(100):
+        q.began("flood")
+        q.began("heavy")
+    assert q.engine_priority(newcomer, 1) == 0                # none in flight: the class's base
+    assert q.engine_priority(flood, 1) == 7                   # 100 in flight: 7 bits
+    assert q.engine_priority(heavy, 1) == 5                   # ... a weight of 4: 25
+    for _ in range(10000):
+        q.began("flood")
+    assert q.engine_priority(flood, 0) == -1                  # capped to its band: still interactive's
+    assert q.engine_priority(newcomer, 2) == 10
+    for _ in range(10100):
+        q.ended("flood")
+    assert "flood" not in q.inflight and q.engine_priority(flood, 1) == 0
+    q.ended("nobody")   # (never below none)
+    assert q.inflight == {"heavy": 100}
+
+
+def test_a_tenant_with_little_at_priority_engines_goes_at_once():
+    est = types.SimpleNamespace(outstanding=3)
+    q = FairQueue(Limits(queue_session_depth=4), {"s": est})
+    prio = type("C", (), {"session": "s", "by_priority": True})()
+    fcfs = type("C", (), {"session": "f", "by_priority": False})()
+    newcomer, flood, heavy = key("new"), key("flood"), key("heavy", weight=4.0)
+    assert q.overtakes(prio, [prio], newcomer)
+    assert not q.overtakes(fcfs, [fcfs], newcomer)         # an engine that cannot put it first
+    assert not q.overtakes(prio, [prio, fcfs], newcomer)   # ... nor one it may be retried on
+    for _ in range(2):
+        q.began("flood")
+        q.began("heavy")
+    assert not q.overtakes(prio, [prio], flood)            # ENGINE_PRIORITY_FIRST in flight there
+    assert q.overtakes(prio, [prio], heavy)                # ... by its weight: 2 / 4
+    wait(q, newcomer, 0.0)
+    assert not q.overtakes(prio, [prio], newcomer)         # its own waiting requests go first
+    est.outstanding = 4
+    assert not q.overtakes(prio, [prio], heavy)            # the session holds QUEUE_SESSION_DEPTH
+
+
+def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(theta=(0.0, 0.001)), outstanding=3, queued=200.0)
+    q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    prio = type("C", (), {"session": "s", "by_priority": True})()
+    assert q.full(fcfs, None) and not q.full(prio, None)
+    est.queued = 600.0
+    assert q.full(prio, None)
 
 
 def test_a_higher_class_waits_only_behind_its_own_class():
@@ -115,6 +230,17 @@ def test_a_lower_class_rises_a_class_per_age_step_and_is_not_starved():
     assert q.rank(old, 15.0) == 1
     assert q.order(15.0) is old   # the same class now, and the batch tenant has had less service
     assert q.rank(old, 25.0) == 0 and q.rank(fresh, 25.0) == 0
+
+
+def test_an_old_backlog_does_not_overtake_a_newcomer_of_its_own_class():
+    q = queue(queue_age_s=10.0)
+    flood, newcomer = key("flood"), key("new")
+    for _ in range(20):
+        wait(q, flood, 0.0)
+    serve(q, 5, 1.0)
+    for _ in range(3):
+        wait(q, newcomer, 30.0)   # the flood's backlog has waited 30 s: its class rose, and the newcomer's with it
+    assert serve(q, 6, 30.0) == ["flood", "new"] * 3   # (lifted to the flood's counter: a tie, the older first)
 
 
 def test_bounds_per_key_and_overall_refuse_with_429_and_retry_after():
@@ -177,13 +303,13 @@ def test_request_class_from_header_body_and_key():
     assert rc(plain, {}, {"priority": 3}) == 2
 
 
-def test_the_engine_gets_the_class_as_its_priority_field():
+def test_the_engine_gets_its_priority_field():
     body = b'{"model":"m","priority":-100}'
-    out = otela_ingress.with_engine_priority(body, json.loads(body), 2)
-    assert json.loads(out) == {"model": "m", "priority": 10}
+    out = otela_ingress.with_engine_priority(body, json.loads(body), 13)
+    assert json.loads(out) == {"model": "m", "priority": 13}
     body = b'{"model":"m"}'
-    assert json.loads(otela_ingress.with_engine_priority(body, json.loads(body), 0)) == {"priority": -10, "model": "m"}
-    assert json.loads(otela_ingress.with_engine_priority(b"{ }", {}, 1)) == {"priority": 0}
+    assert json.loads(otela_ingress.with_engine_priority(body, json.loads(body), -10)) == {"priority": -10, "model": "m"}
+    assert json.loads(otela_ingress.with_engine_priority(b"{ }", {}, 0)) == {"priority": 0}
 
 
 def test_engine_scheduling_is_read_from_the_engine_command():
@@ -299,6 +425,37 @@ def test_a_newcomer_tenant_goes_before_a_floods_backlog(deep1):
     assert [tag for tag, _ in done][:2] == ["flood", "other"]
 
 
+def by_priority(stack, sid):
+    """The session's record as a node whose engine runs `--scheduling-policy priority` publishes it."""
+    def change():
+        record = dict(stack.node.registry.get(sid), scheduling="priority")
+        record["version"] = stack.node._versions[sid] = record["version"] + 1
+        stack.node.registry.put(sid, record)
+        stack.node._changed(sid)
+    stack.call(change)
+
+
+def test_a_newcomer_does_not_wait_where_the_engine_puts_it_first(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_wait_s=0.0, queue_priority_wait_s=0.0))
+    try:
+        sid, engine = s.engine("m1", mode="slow", slow_delay=0.3)
+        by_priority(s, sid)
+        flood, other = s.key("flood"), s.key("other")
+        done: list = []
+        calls = [chat_at(s.url, flood, done, "flood") for _ in range(4)] + [chat_at(s.url, other, done, "other")]
+        answers = in_threads(*calls)
+        assert all(a[0] == 200 for a in answers)
+        metrics = Client(s.url).request("GET", "/metrics")[2].decode()
+        # the flood's first ENGINE_PRIORITY_FIRST went at once, the others waited; the newcomer did not
+        assert 'otela_queue_wait_seconds_count{tenant="flood"} 2' in metrics, \
+            [line for line in metrics.splitlines() if "otela_queue" in line]
+        assert 'otela_queue_wait_seconds_count{tenant="other"}' not in metrics
+        assert [tag for tag, _ in done][:3] == ["flood", "flood", "other"]
+        assert s.call(lambda: dict(s.ingress.queue.inflight)) == {}
+    finally:
+        s.close()
+
+
 def test_past_a_keys_share_of_the_queue_the_answer_is_429_with_retry_after(deep1):
     deep1.engine("m1", mode="slow", slow_delay=0.5)
     token = deep1.key("alice")
@@ -392,6 +549,7 @@ def test_the_engine_gets_the_keys_class_where_it_schedules_by_priority(stack):
     status, _, _ = c.chat(priority=-50)
     assert status == 200
     assert json.loads(engine.last_body)["priority"] == 10   # batch's, not what the client asked
+    assert stack.call(lambda: dict(stack.ingress.queue.inflight)) == {}   # out of its tenant's count at its end
     status, _, body = c.chat(headers={"x-otela-priority": "interactive"})
     assert status == 403 and json.loads(body)["error"]["code"] == "priority_not_allowed"
     c.close()
