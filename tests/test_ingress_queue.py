@@ -135,8 +135,7 @@ def test_service_given_here_is_noted_for_the_other_ingresses():
 def test_two_ingresses_share_service_through_their_flows():
     """A tenant served at one ingress stands behind at the other, by what it was served since."""
     maps = [crdt.GMap(), crdt.GMap()]
-    nodes = [type("N", (), {"session_id": f"s{i}", "registry": maps[i]})() for i in range(2)]
-    flows = [otela_ingress.ClusterFlow(n) for n in nodes]
+    flows = [otela_ingress.ClusterFlow(lambda i=i: f"s{i}", maps[i].put, maps[i].get) for i in range(2)]
     queues = [queue(), queue()]
     for q, flow in zip(queues, flows):
         q.remote_service, q.remote_inflight, q.note = flow.remote_service, flow.remote_inflight, flow.note_service
@@ -145,8 +144,8 @@ def test_two_ingresses_share_service_through_their_flows():
         now = time.time()
         for flow, other in ((flows[0], flows[1]), (flows[1], flows[0])):
             flow.publish(now)
-            entry = crdt.flow_entry(flow.node.session_id)
-            other.on_entry(entry, flow.node.registry.get(entry))
+            entry = crdt.flow_entry(flow.session_id())
+            other.on_entry(entry, maps[flows.index(flow)].get(entry))
     flood, small = key("flood"), key("small")
     for _ in range(10):
         wait(queues[0], flood, 0.0)
