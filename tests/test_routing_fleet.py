@@ -53,6 +53,17 @@ def fleet(tmp_path):
         cluster.close()
 
 
+def queued(cluster):
+    """Requests that waited in the ingress's fair queue (its /metrics)."""
+    client = Client(cluster.url)
+    try:
+        text = client.request("GET", "/metrics")[2].decode()
+    finally:
+        client.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("otela_queue_wait_seconds_count"))
+
+
 def registry(cluster):
     client = Client(cluster.url)
     try:
@@ -131,9 +142,10 @@ def test_a_node_killed_under_load_moves_its_prefixes_with_no_failed_request(flee
         t.start()
     try:
         poll(lambda: len(results) >= 24, "24 answers before the kill", 60)
-        # under load, the nodes publish how many requests they hold, from every ingress
-        poll(lambda: any(isinstance(s.get("load"), int) for s in registry(fleet)["sessions"]),
-             "a node's load published", 30)
+        # under load: the nodes publish how many requests they hold, from every ingress, or (where
+        # the engines are full by the ingress's own count) requests wait in its fair queue
+        poll(lambda: any(isinstance(s.get("load"), int) for s in registry(fleet)["sessions"]) or queued(fleet),
+             "a node's load published, or requests waiting at the ingress", 30)
         with lock:
             victim = max({r[3] for r in results}, key=lambda s: sum(r[3] == s for r in results))
         killed_at = time.monotonic()
