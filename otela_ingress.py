@@ -7424,7 +7424,7 @@ setInterval(refresh, 2000);
 
 
 # =============================================================================================
-# CLI: serve, keys, grant
+# CLI: serve, keys, limits, grant
 # =============================================================================================
 def _split_listen(listen: str) -> Tuple[str, int]:
     host, _, port = listen.rpartition(":")
