@@ -343,7 +343,8 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "LINGER_S": "seconds what a client still sends after a last answer is read and dropped (no TCP reset)",
     "WARMUP_MAX_S": "seconds a (re)started ingress says 503, not 404, until a peer's record arrives",
     "QUEUE_WAIT_S": "seconds of prefill queued at an engine before requests wait at the ingress (in fair order)",
-    "QUEUE_PRIORITY_WAIT_S": "QUEUE_WAIT_S where the engine schedules by priority (looser: measured worse)",
+    "QUEUE_PRIORITY_WAIT_S": "seconds of prefill queued at an engine that schedules by priority before requests "
+                             "wait at the ingress (looser bounds measured worse)",
     "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
