@@ -12,6 +12,7 @@ import time
 
 import pytest
 from test_ingress_support import Client, Stack
+from test_ingress_support import key_with_settings as limited_key
 
 import crdt
 import otela_ingress
@@ -26,20 +27,6 @@ def stack(tmp_path):
     s.engine("m2")
     yield s
     s.close()
-
-
-def limited_key(stack: Stack, user: str = "alice", admin: bool = False, **limits) -> str:
-    db = otela_ingress.open_db(stack.db_path)
-    try:
-        token, digest, record = otela_ingress.new_key(user, admin=admin)
-        otela_ingress.store_limit(db, "k", digest, dict(dict.fromkeys(crdt.LIMIT_FIELDS, 0), **limits), time.time())
-        otela_ingress.store_key_record(db, digest, record)
-        records, settings = otela_ingress.load_key_records(db), otela_ingress.load_key_settings(db)
-    finally:
-        db.close()
-    stack.call(stack.ingress.cluster.read_settings, settings)
-    stack.call(stack.ingress.cluster.read_records, records)
-    return token
 
 
 def statuses(client: Client, n: int, model: str = "m1", **extra):

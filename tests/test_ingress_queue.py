@@ -10,7 +10,7 @@ import time
 import types
 
 import pytest
-from test_ingress_support import Client, Stack, sse_events
+from test_ingress_support import Client, Stack, key_with_settings, sse_events
 
 import crdt
 import otela_ingress
@@ -533,17 +533,7 @@ def test_the_engine_gets_the_keys_class_where_it_schedules_by_priority(stack):
         stack.node.registry.put(sid, record)
         stack.node._changed(sid)
     stack.call(by_priority)
-    db = otela_ingress.open_db(stack.db_path)
-    try:
-        token, digest, record = otela_ingress.new_key("batchy")
-        otela_ingress.store_limit(db, "k", digest, dict.fromkeys(crdt.LIMIT_FIELDS, 0), time.time(),
-                                  {"priority": "batch"})
-        otela_ingress.store_key_record(db, digest, record)
-        records, settings = otela_ingress.load_key_records(db), otela_ingress.load_key_settings(db)
-    finally:
-        db.close()
-    stack.call(stack.ingress.cluster.read_settings, settings)
-    stack.call(stack.ingress.cluster.read_records, records)
+    token = key_with_settings(stack, "batchy", queueing={"priority": "batch"})
     c = Client(stack.url, token)
     status, _, _ = c.chat(priority=-50)
     assert status == 200

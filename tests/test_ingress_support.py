@@ -475,3 +475,20 @@ class RecordingTransport:
     def taken(self) -> bytes:
         data, self.out = b"".join(self.out), []
         return data
+
+
+def key_with_settings(stack, user: str = "alice", admin: bool = False, queueing=None, **limits) -> str:
+    """A new key of `user` with its settings (limits: rpm, tpm, concurrency; `queueing`: weight,
+    priority, priorities), made as `keys create` makes it (SQLite) and read by the running ingress."""
+    db = otela_ingress.open_db(stack.db_path)
+    try:
+        token, digest, record = otela_ingress.new_key(user, admin=admin)
+        otela_ingress.store_limit(db, "k", digest, dict(dict.fromkeys(crdt.LIMIT_FIELDS, 0), **limits), time.time(),
+                                  queueing)
+        otela_ingress.store_key_record(db, digest, record)
+        records, settings = otela_ingress.load_key_records(db), otela_ingress.load_key_settings(db)
+    finally:
+        db.close()
+    stack.call(stack.ingress.cluster.read_settings, settings)
+    stack.call(stack.ingress.cluster.read_records, records)
+    return token
