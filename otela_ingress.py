@@ -3013,6 +3013,8 @@ class TTFTPolicy(Policy):
             if done and done > 1 and now > first:
                 est.itl += ((now - first) / (done - 1) - est.itl) * 0.1
             est.fit.learn(memo.work - memo.uncached + uncached, memo.streams, ttft)
+        elif first is None:   # a whole answer: its first token came no later than its end
+            est.fit.bound(memo.work - memo.uncached + uncached, now - started)
 
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per session this ingress routed to and still in the registry: its answers' prompt and
@@ -3308,7 +3310,9 @@ class FairQueue:
         ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
         ingress's requests are in flight there (QUEUE_PRIORITY_WAIT_S where the engine schedules
-        by priority). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
+        by priority). The speed is the fit's, or faster where whole answers showed it (a fit
+        left at its prior by answers that are not streamed judged a fast engine full at 3
+        requests, and the queue halved the ingress's throughput). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
         is heard seconds late, and counting it held requests back from engines that had drained
         meanwhile (measured: a flood's engines ran at a third of their capacity); with k
         ingresses an engine holds up to k x the bound. A session holding none of
@@ -3319,7 +3323,7 @@ class FairQueue:
             return False
         limits = self.limits
         return est.outstanding >= limits.queue_session_depth or \
-            est.queued * est.fit.theta[1] > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
+            est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""

@@ -6910,7 +6910,7 @@ class SpeedFit:
     PRIOR_ANSWERS = 0.5
     SCALE = (1.0, 1000.0, 10.0)   # a feature's usual size, where answers have not shown it yet
 
-    __slots__ = ("prior", "theta", "sums", "targets", "answers")
+    __slots__ = ("prior", "theta", "sums", "targets", "answers", "ceiling")
 
     def __init__(self, weight: float, prefill: Optional[float] = None):
         """`prefill`: prompt tokens/s measured elsewhere (the engine's node publishes its own)."""
@@ -6922,6 +6922,18 @@ class SpeedFit:
         self.sums = [[0.0] * 3 for _ in range(3)]
         self.targets = [0.0] * 3
         self.answers = 0.0
+        self.ceiling = math.inf   # seconds per prompt token whole answers have shown at most (bound)
+
+    def per_token(self) -> float:
+        """Seconds per prompt token: the fit's, or less where whole answers showed less."""
+        return min(self.theta[1], self.ceiling)
+
+    def bound(self, prefill: float, seconds: float) -> None:
+        """A whole answer (no first token seen) came `seconds` after it went, with `prefill`
+        tokens to compute first: the engine prefills at least that fast. The ceiling rises by
+        1/DECAY per answer that does not renew it, so an engine that slowed is believed again."""
+        if prefill >= 1.0:
+            self.ceiling = min(seconds / prefill, self.ceiling / self.DECAY)
 
     def predict(self, prefill: float, streams: float) -> float:
         base, per_token, per_stream = self.theta

@@ -203,13 +203,27 @@ def test_a_tenant_with_little_at_priority_engines_goes_at_once():
 
 
 def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
-    est = types.SimpleNamespace(fit=types.SimpleNamespace(theta=(0.0, 0.001)), outstanding=3, queued=200.0)
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=3, queued=200.0)
     q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
     fcfs = type("C", (), {"session": "s", "by_priority": False})()
     prio = type("C", (), {"session": "s", "by_priority": True})()
     assert q.full(fcfs, None) and not q.full(prio, None)
     est.queued = 600.0
     assert q.full(prio, None)
+
+
+def test_whole_answers_show_an_engine_faster_than_the_prior_and_it_is_not_full():
+    fit = otela_node.SpeedFit(0.05)   # a CPU's prior: 3.3 ms per prompt token, full at 15 queued
+    est = types.SimpleNamespace(fit=fit, outstanding=3, queued=60.0)
+    q = FairQueue(Limits(queue_wait_s=0.05), {"s": est})
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    assert q.full(fcfs, None)
+    fit.bound(600.0, 0.006)   # a whole answer 6 ms after it went, 600 tokens to compute first
+    assert fit.per_token() == pytest.approx(1e-5) and not q.full(fcfs, None)
+    fit.bound(0.5, 0.006)     # (less than a token ahead: shows nothing)
+    for _ in range(400):      # answers that do not renew it: the ceiling rises back to the fit
+        fit.bound(10.0, 1.0)
+    assert fit.per_token() == fit.theta[1] and q.full(fcfs, None)
 
 
 def test_a_higher_class_waits_only_behind_its_own_class():
