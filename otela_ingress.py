@@ -201,6 +201,8 @@ UPSTREAM_CONNECT_TIMEOUT_S = 3.0     # loopback/LAN connects take < 1 ms; 3 s me
 UPSTREAM_IDLE_TIMEOUT_S = 600.0      # prefill of a long prompt on a busy engine can take
                                      # minutes before the first byte; longer means hung
 SWEEP_INTERVAL_S = 1.0               # granularity of the timeouts and deadlines above
+GONE_SILENT_S = 1.0                  # an answer awaited this long from a session no longer routed to
+                                     # (suspected, down: a site cut off) is given up and retried
 MAX_ATTEMPTS = 3                     # sessions tried per request: a second session rules out a
                                      # poison request (two 5xx), a third survives one dying meanwhile
 RETRY_STATUSES = frozenset((500, 502, 503))  # engine-side failures worth another session
@@ -6621,6 +6623,7 @@ class Ingress:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now = time.monotonic()
             self.pool.sweep(now)
+            self._cut_unreachable(now)
             for client in [c for c in self.clients if not c.busy and now > c.deadline]:
                 client.transport.abort()
             # kept-alive connections part-way through a next head join the headless ones here,
@@ -6628,6 +6631,25 @@ class Ingress:
             for client in [c for c in self.clients if not (c.busy or c.idle or c.headless or c.ending)
                            and c.waiting is None and c.reading is None]:
                 client.await_head()
+
+    def _cut_unreachable(self, now: float) -> None:
+        """Answers awaited from a session this ingress no longer routes to (suspected, down or
+        gone: its site cut off, its host dead without a reset) and silent for GONE_SILENT_S:
+        their connections close, so an attempt that had no byte yet is retried elsewhere and a
+        stream is continued (as for a reset). Without this they wait UPSTREAM_IDLE_TIMEOUT_S,
+        which is long for a prefill, not for a path. A session wrongly suspected loses at most
+        the prefill of what it was silently working on."""
+        silent = {up.addr for up in self.pool.active if now - up.last > GONE_SILENT_S}
+        if not silent:
+            return
+        kept = set()   # addresses some session routable here still answers at (a rejoin keeps its address)
+        for sid, record in self.node.registry.items():
+            addr = record.get("addr")
+            if addr in silent and addr not in kept and self._routable(sid, record):
+                kept.add(addr)
+        for up in [u for u in self.pool.active if u.addr in silent and u.addr not in kept
+                   and now - u.last > GONE_SILENT_S]:
+            self.pool.discard(up)
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:

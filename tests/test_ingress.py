@@ -891,3 +891,25 @@ def test_serve_refuses_addresses_it_cannot_use_in_one_line(tmp_path):
             assert done.returncode == 2 and len(lines) == 1 and says in lines[0], (flags, done.stderr)
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_awaited_from_a_session_gone_unroutable_is_retried_on_another(stack, client, stream):
+    """Its site cut off: the session stops answering without a reset and is suspected; what it
+    was silently working on goes to another session within seconds, not after the idle timeout."""
+    import threading
+    silent, _ = stack.engine("m1", mode="slow", slow_delay=60.0)
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(client.chat(stream=stream)))
+    worker.start()
+    deadline = time.monotonic() + 5
+    while not stack.call(lambda: stack.ingress.pool.active) and time.monotonic() < deadline:
+        time.sleep(0.02)   # its attempt is at the silent session
+    other, _ = stack.engine("m1")
+    t0 = time.monotonic()
+    stack.call(stack.node.suspected.add, silent)
+    stack.call(stack.node._changed, silent)
+    worker.join(15)
+    status, headers, _ = answers[0]
+    assert status == 200 and headers["x-otela-session"] == other
+    assert time.monotonic() - t0 < otela_ingress.GONE_SILENT_S + 2 * otela_ingress.SWEEP_INTERVAL_S + 2
