@@ -334,7 +334,16 @@ def sim_candidate(model_name, config, gpu_name, tp, workload, pp=1, per_node=Non
     once, over the time the last finishes. So the placer's figures and the replay that judges
     the placement are the same model. Latency is one request's end-to-end time in a full batch.
     An instance over several nodes (pp > 1 stages, or tp wider than a node) takes whole nodes
-    of per_node GPUs, joined by the GPU's usual fabric."""
+    of per_node GPUs, joined by the GPU's usual fabric.
+
+    Not the simulator's load test (otela_sim.load_test: vLLM V1's scheduler, prompts mixed
+    into decode steps): the highest Poisson rate it keeps up with, bisected on Table 1's six
+    candidates with SIM_ENGINE's step costs (300 s of arrivals, ~37 s of CPU for all six), is
+    13-33 % above this replay's and further from the measured capacities of those instances
+    (V0, chunked prefill off, as this replay schedules): median |error| over the five
+    consistent ones 21 % against 5 %. Capacity is no Little's-law mapping of a latency here,
+    so the load test's rate buys nothing for an engine this replay models; it would be the
+    figure for a V1 engine, whose measured capacities no row has yet."""
     sim = otela_sim
     nodes = nodes_of(tp, pp, per_node or tp)
     try:

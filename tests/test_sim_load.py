@@ -1,5 +1,6 @@
 """Specification of `otela_sim.py load`: a workload run through the emulator's engine core
 (vLLM V1's scheduler) in virtual time, its latency report, and its one-line answers."""
+import csv
 import json
 import subprocess
 import sys
@@ -182,3 +183,37 @@ def test_a_burst_queues_at_the_front_end_and_is_saturated():
     assert r["saturated"]
     assert r["ttft_ms"]["mean"] == pytest.approx(turns + sim.LOAD_REQUEST_OVERHEAD_S * 1e3, rel=0.15)
     assert r["throughput_req_s"] < 1.05 / sim.LOAD_FRONTEND_REQUEST_S
+
+
+# vLLM V1's host time per step, fitted on published V1 runs outside the held-out GPU: AccelMark's
+# verified vLLM 0.20.1 submission on one A100-SXM4-80GB (Qwen2.5-0.5B at batch 1 and with 32
+# requests in flight, Llama-3-8B at batch 1 and 8; measured_calibration.csv).
+V1_ROWS = ("accelmark_a100_80_qwen05b_v1_tpot", "accelmark_a100_80_qwen05b_v1_c32",
+           "accelmark_a100_80_8b_v1_tpot", "accelmark_a100_80_8b_v1_c8")
+
+
+def test_v1_host_time_per_step_and_per_request_is_fitted_on_published_v1_rows():
+    rows = [r for r in sim.load_calibration() if r["id"] in V1_ROWS]
+    assert len(rows) == 4 and {sim.row_engine(r).key for r in rows} == {"vllm-v1"}
+    assert not any(sim.held_out(r) for r in rows) and all("H100" not in r["gpu"] for r in rows)
+    errors = {o["id"]: o["error"] for o in sim.validate(rows, quick=True, logo=False)["rows"]}
+    assert max(abs(e) for e in errors.values()) <= 0.05, errors
+    v1 = sim.active_calibration()["engines"]["vllm-v1"]
+    # a 0.5B model's step grows 1.83 -> 2.76 ms from 1 to 32 requests where its bytes barely move:
+    # the per-request host time is what the data show, above its prior of 0.01 ms
+    assert v1["per_seq_overhead_ms"] > 2 * sim.engine_prior("vllm-v1", "per_seq_overhead_ms")[0]
+    assert 1.0 < v1["overhead_ms"] < 1.5
+
+
+def test_published_load_tests_are_reported_on_both_splits():
+    v = sim.validate_load_tests()
+    fit, held = v["splits"]["fit"], v["splits"]["held_out"]
+    with open(sim.LOAD_TESTS_CSV, newline="") as f:
+        split_of_gpu = {(r["gpu"].startswith("H100"), r["split"]) for r in csv.DictReader(f)}
+    assert split_of_gpu == {(True, "held_out"), (False, "fit")}      # split by GPU: H100 held out
+    # the V1 rows of the fit split (AccelMark, A100-80GB: Qwen2.5-0.5B at 10 and 40 req/s, Llama-3-8B at 5)
+    am = {o["id"]: o["error"] for o in v["rows"] if o["id"].startswith("am_a100_80")}
+    assert len(am) == 3 and max(abs(e) for e in am.values()) <= 0.10, am
+    # as measured when the V1 rows came in (held out: median 15.9 %, worst 21.3 %; fit 8.2 %)
+    assert held["all"]["median_abs_error"] <= 0.17 and held["all"]["max_abs_error"] <= 0.25
+    assert fit["itl"]["median_abs_error"] <= 0.10
