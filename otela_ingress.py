@@ -1494,6 +1494,7 @@ class ClusterKeys:
         self.slots: Dict[str, Dict[str, Any]] = {}     # usage entry id -> slot record
         self.mine: Dict[str, Dict[str, Any]] = {}      # our own slots, live (entry id -> record)
         self._dirty: set = set()                       # own slots changed since published
+        self.sent: Dict[str, tuple] = {}               # own slots' counts as last published (_carry)
         self.day_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)    # (hash, day)
         self.month_used: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # (hash, YYYY-MM)
         self.next_expiry = math.inf
@@ -1758,12 +1759,31 @@ class ClusterKeys:
         for entry_id in [e for e, r in self.mine.items()
                          if r["day"] < today[:len(r["day"])] and e not in dirty]:
             self.slots[entry_id] = self.mine.pop(entry_id)   # a closed day or month: no more writes
+            self.sent.pop(entry_id, None)
         for entry_id in dirty:
             record = self.mine[entry_id]
             if record["slot"] != slot:   # we rejoined as a new session: this slot is closed
+                self._carry(record, slot)
                 continue
             record["version"] += 1
+            self.sent[entry_id] = tuple(record[f] for f in crdt.USAGE_COUNTS)
             self.publish(entry_id, dict(record))
+
+    def _carry(self, record: Dict[str, Any], slot: str) -> None:
+        """Counts a closed slot of ours got after it last went out (this ingress was evicted, by a
+        partition, and rejoined as `slot` before the next flush): only its session may write it,
+        so they go on in the new session's slot of the same key and period, and the closed one
+        stays as the map has it. Without this they were counted here and nowhere else."""
+        sent = self.sent.get(crdt.usage_entry(record["key"], record["model"], record["day"], record["slot"]),
+                             (0,) * len(crdt.USAGE_COUNTS))
+        delta = [record[f] - was for f, was in zip(crdt.USAGE_COUNTS, sent)]
+        if not any(delta):
+            return
+        new, new_id = self._own(record["key"], record["day"], slot)
+        for f, was, more in zip(crdt.USAGE_COUNTS, sent, delta):
+            record[f] = was
+            new[f] += more
+        self._dirty.add(new_id)
 
 
 def load_usage_slots(path: str, days: int = crdt.USAGE_RETENTION_DAYS,

@@ -19,6 +19,9 @@ import time
 import pytest
 from test_ingress_support import Client, Cluster, Stack, free_port
 
+import crdt
+import otela_ingress
+
 pytestmark = pytest.mark.slow
 ENGINE = f"{sys.executable} tests/fake_engine.py --model fm --chunks 6 --port"
 CONVERGE_S = 20.0   # deadline of every wait: ten times the targets, for a loaded test box
@@ -561,3 +564,28 @@ def test_a_restarted_ingress_counts_the_usage_its_database_kept_in_budgets(tmp_p
     usage, session = asyncio.run(life(False))
     assert session != spent[1]
     assert (usage["tokens_today"], usage["tokens_this_month"]) == (450, 450)
+
+
+def test_counts_a_slot_got_after_it_last_went_out_go_on_in_the_slot_of_the_rejoined_session():
+    """A partition evicts an ingress, which rejoins as a new session before its next flush: the
+    old slot may only be written by its session, so what it counted since it last went out goes
+    out in the new session's slot (usage counted once, at every ingress)."""
+    registry = crdt.GMap()
+    session = ["ab" * 16]
+
+    def publish(entry_id, record):
+        registry.put(entry_id, record, writer=session[0])
+    cluster = otela_ingress.ClusterKeys(lambda: session[0], publish, lambda entries: None, lambda: None)
+    digest = "12" * 32
+    key = otela_ingress.Key.of_record(digest, crdt.key_record("k1", "alice", 1.0))
+    cluster.count(key, "m", 10, 5)
+    cluster.flush()
+    cluster.count(key, "m", 20, 7)   # counted, not yet out ...
+    session[0] = "cd" * 16           # ... when the ingress rejoins
+    cluster.count(key, "m", 1, 1)
+    cluster.flush()
+    cluster.flush()                  # (the carried counts go out with the new slot's next flush)
+    totals = crdt.usage_totals(registry.usage_records(), digest)
+    day = crdt.time_day(time.time())
+    assert totals[(digest, "", day)] == {"requests": 3, "prompt_tokens": 31, "completion_tokens": 13}
+    assert cluster.totals(digest)[(digest, "", day)] == totals[(digest, "", day)]   # here too, once
