@@ -3698,6 +3698,9 @@ def overlay_metrics(node: Any) -> bytes:
              "replay cache was full, by sender.", dict(wire.flooders.most_common(FLOODERS_SHOWN)), "sender"),
             ("otela_registry_refused_total", "Registry entries and exchanges refused, by reason.",
              {why: registry.get(why, 0) for why in REFUSAL_REASONS}, "why"))]
+    families.append(("otela_gossip_bytes_total", "counter", "Gossip bytes this member sent and received "
+                     "(datagrams and frames, relayed ones included).",
+                     [('{direction="sent"}', node.bytes_sent), ('{direction="received"}', node.bytes_received)]))
     families.append(("otela_registry_entries", "gauge", "Registry entries held, by plane (routing: sessions; "
                      "ingress: API keys and usage counters).",
                      [(f'{{plane="{plane}"}}', overlay.map.plane_size(plane)) for plane in crdt.PLANES]))
