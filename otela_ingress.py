@@ -75,6 +75,8 @@ How a proxied request flows through them:
        or refuses with a 5xx, hands the request to the next one (_Exchange.retry, up to
        MAX_ATTEMPTS); a stream whose session fails after its first bytes is continued on
        another from the text that went out (_Exchange.resume), or ends with an error event.
+       A session that goes silent without a reset (its site cut off) fails the same way once
+       this ingress no longer routes to it (Ingress._cut_unreachable, each SWEEP_INTERVAL_S).
     4. _Exchange.finish(outcome): the ledger row is journalled before the client's last bytes
        go out, the in-flight count, the policy, passive health and metrics right after them.
     5. _Client.serve_next: on to the next request the client sent meanwhile.
