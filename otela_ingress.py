@@ -2735,7 +2735,7 @@ class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
     __slots__ = ("chain", "size", "keyed", "affinity", "opens", "earlier", "previous", "home", "moved", "session",
-                 "work", "streams", "uncached", "held", "answering", "started")
+                 "work", "streams", "uncached", "held", "answering", "started", "path")
 
     def __init__(self, chain: List[bytes], size: int):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
@@ -2749,6 +2749,7 @@ class _Pick:
         self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
         self.streams = 0.0                    # ... and the streams it counted there
         self.held = 0                         # ... the prompt bytes it thought cached there
+        self.path = 0.0                       # ... and the round trip of the path there (seconds)
         self.answering = False                # the attempt's first byte came
         self.started = 0.0                    # when the attempt started
 
@@ -2763,7 +2764,16 @@ class TTFTPolicy(Policy):
     the first costs more than computing the prefix again. Among estimates within TIE of the
     best, the one holding the fewest requests (decode balance), and among those the one the
     prompt's first block hashes highest with (rendezvous hashing), so that ingresses that see
-    none of each other's traffic tend to send a new prefix to the same engine."""
+    none of each other's traffic tend to send a new prefix to the same engine.
+
+    Locality: every estimate adds the round trip of the path from this ingress to the session,
+    as this member's overlay measures it (Node.round_trip: its direct probes, through the relays
+    for a relayed session, so a relayed path pays its relay legs), and the fit learns the engine's
+    own time, the first byte's wait less that round trip. An engine at this ingress's site (a
+    round trip under a millisecond) therefore wins unless another site's saves more queue and
+    prefill than the crossing costs; no site is configured. A session not probed yet costs the
+    farthest round trip measured among the candidates (a new session far away is not free).
+    Where nothing is measured (a policy without an ingress) every path costs 0."""
 
     wants_body = True
     TIE = 0.02
@@ -2794,9 +2804,13 @@ class TTFTPolicy(Policy):
         self.published = PublishedPrefixes(self.MAX_ENGINES)   # what the nodes say their engines hold
         self.opened: collections.OrderedDict[bytes, None] = collections.OrderedDict()   # keys seen, oldest first
         self.openers: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # first block -> first key
+        self.round_trip: Callable[[str], Optional[float]] = lambda session: None   # seconds, measured
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
+        measured = getattr(ingress.node, "round_trip", None)      # the overlay's probes (read only)
+        if callable(measured):
+            self.round_trip = measured
         config = getattr(ingress.node, "config", None)   # the ingress tier's secret: nodes cannot hash
         tier = getattr(config, "ingress_keys", None)      # prompts as the ingresses do (see prefix_line)
         key = tier[0] if tier else getattr(config, "key", None)
@@ -2827,12 +2841,20 @@ class TTFTPolicy(Policy):
             memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
         return memo
 
+    def paths(self, candidates: List[Candidate]) -> List[float]:
+        """The round trip to each candidate in seconds (see Locality above)."""
+        measured = [self.round_trip(c.session) for c in candidates]
+        measured = [float(t) if _positive(t) or (t == 0 and not isinstance(t, bool)) else None for t in measured]
+        farthest = max((t for t in measured if t is not None), default=0.0)
+        return [farthest if t is None else t for t in measured]
+
     def estimates(self, candidates: List[Candidate],
-                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int, int]]:
-        """Per candidate: (its score: the estimated TTFT in seconds plus MISS_WEIGHT x the time
-        of the prompt's uncached part, the prefill counted in prompt tokens, the streams counted,
-        this prompt's uncached tokens there, blocks of the prompt it is thought to hold, the
-        requests it holds from every ingress)."""
+                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int, int, float]]:
+        """Per candidate: (its score: the estimated TTFT in seconds, the path's round trip
+        included, plus MISS_WEIGHT x the time of the prompt's uncached part, the prefill counted
+        in prompt tokens, the streams counted, this prompt's uncached tokens there, blocks of the
+        prompt it is thought to hold, the requests it holds from every ingress, the path's round
+        trip)."""
         memo = self._prompt(request)
         chain = memo.chain
         matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
@@ -2862,6 +2884,7 @@ class TTFTPolicy(Policy):
                                    for depth, whole in views.values()):
                 matched[candidates[home].session] = (earlier, True)
         deepest = [0, 0]   # the deepest whole prompt held: at the home, elsewhere
+        paths = self.paths(candidates)
         for n, (c, record) in enumerate(zip(candidates, records)):
             est = self._engine(c, model)
             blocks, whole = matched.get(c.session, (0, False))
@@ -2876,9 +2899,9 @@ class TTFTPolicy(Policy):
             work = est.queued + others * est.kind.queued_per_request() + uncached
             streams = est.decoding + others
             held = (memo.size * tpb - uncached) if whole else 0.0   # a conversation continued here
-            out.append((est.ttft(work, streams) + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
-                                                                       self.CONTINUED_WEIGHT * held),
-                        work, streams, uncached, blocks, est.outstanding + others))
+            out.append((est.ttft(work, streams) + paths[n] + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
+                                                                                 self.CONTINUED_WEIGHT * held),
+                        work, streams, uncached, blocks, est.outstanding + others, paths[n]))
         memo.moved = deepest[1] > deepest[0]
         return out
 
@@ -2930,11 +2953,11 @@ class TTFTPolicy(Policy):
                 else:
                     i = near[random.randrange(len(near))]
         choice, memo = candidates[i], request.memo
-        _, memo.work, memo.streams, memo.uncached, blocks, _ = scored[i]
+        _, memo.work, memo.streams, memo.uncached, blocks, _, memo.path = scored[i]
         memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
         return choice
 
-    def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
+    def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int, float]],
                     home: int, request: RoutedRequest) -> bool:
         """Whether the affinity key's engine is about as good as the best. A key the client
         gave (it says its requests belong together: their prefix is computed there once) keeps
@@ -2958,7 +2981,8 @@ class TTFTPolicy(Policy):
         memo = request.memo
         if memo.affinity[:1] != b"o" and (memo.earlier or memo.opens) and not memo.moved:
             whole = 0.0 if memo.earlier else memo.size * self.tokens_per_byte   # an opening: as if held nowhere
-            queues = [self.engines[c.session].ttft(s[1] - s[3] + whole, s[2]) for c, s in zip(candidates, scored)]
+            queues = [self.engines[c.session].ttft(s[1] - s[3] + whole, s[2]) + s[6]   # (a far site's crossing
+                      for c, s in zip(candidates, scored)]                              # counts as its queue)
             return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
         best = min(s[0] for s in scored)
         return scored[home][0] <= best + abs(best) * (self.AFFINITY_TIE if memo.earlier else self.TIE) + 1e-6
@@ -3008,13 +3032,13 @@ class TTFTPolicy(Policy):
                 est.trust += (min(cached / expected, 1.0) - est.trust) * 0.1
         first, started = request.first_at, memo.started
         if first is not None and first >= started:
-            ttft = first - started
+            ttft = max(0.0, first - started - memo.path)   # the engine's own time: the crossing is the path's
             done = request.completion_tokens
             if done and done > 1 and now > first:
                 est.itl += ((now - first) / (done - 1) - est.itl) * 0.1
             est.fit.learn(memo.work - memo.uncached + uncached, memo.streams, ttft)
         elif first is None:   # a whole answer: its first token came no later than its end
-            est.fit.bound(memo.work - memo.uncached + uncached, now - started)
+            est.fit.bound(memo.work - memo.uncached + uncached, max(0.0, now - started - memo.path))
 
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per session this ingress routed to and still in the registry: its answers' prompt and
@@ -3036,7 +3060,8 @@ class TTFTPolicy(Policy):
                 "ttft_estimate_seconds": est.ttft(est.queued, est.decoding),
                 "prefill_tokens_per_second": 1.0 / est.fit.theta[1],
                 "ttft_base_seconds": est.fit.theta[0], "ttft_per_stream_seconds": est.fit.theta[2],
-                "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0}
+                "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0,
+                "round_trip_seconds": self.round_trip(session) or 0.0}
         return out
 
 
@@ -3621,7 +3646,9 @@ ROUTING_FAMILIES = (
     ("prefill_tokens_per_second", "otela_session_prefill_tokens_per_second", "gauge",
      "Prompt tokens per second, fitted from its answers."),
     ("decode_tokens_per_second", "otela_session_decode_tokens_per_second", "gauge",
-     "Output tokens per second of one stream, from its answers."))
+     "Output tokens per second of one stream, from its answers."),
+    ("round_trip_seconds", "otela_session_round_trip_seconds", "gauge",
+     "The path's round trip from this ingress, as its overlay's probes measure it (counted in routing)."))
 
 
 def queue_metrics(queue: FairQueue) -> bytes:

@@ -837,6 +837,8 @@ PROBE_ROUND = (
     ("indirect", ("probe_timeout", "indirect_timeout"), "suspect"),  # all three paths failed
 )
 
+ROUND_TRIP_GAIN = 0.25   # a probe's round trip's share of FailureDetector.round_trip: ~4 probes
+                         # of a member to follow a path that changed (a relay to a punched path)
 Out = collections.namedtuple("Out", "addr msg tcp")
 # A rumour queued for gossip (Overlay.rumours): a record ("r", sid) or a suspicion of sid by a
 # confirmer ("s", sid, by); a tuple, as it keys the queue.
@@ -930,11 +932,17 @@ class FailureDetector:
         self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
         self.rtt = 0.0                              # moving average of every ack's delay
+        self.round_trips: Dict[str, float] = {}     # sid -> its direct probes' round trip (round_trip)
         self.next_probe = now + rng.uniform(0, config.probe_interval)
 
     # -- queries ----------------------------------------------------------------------------
     def is_suspected(self, sid: str) -> bool:
         return sid in self.suspects
+
+    def round_trip(self, sid: str) -> Optional[float]:
+        """Seconds a probe of ours takes to `sid` and back on its own path (through its relays,
+        for a relayed member: their legs are in it), smoothed; None before one was answered."""
+        return self.round_trips.get(sid)
 
     # -- the timer (Overlay.tick, Overlay.next_wakeup) -----------------------------------------
     def _detect(self, now: float) -> List[Out]:
@@ -967,6 +975,7 @@ class FailureDetector:
         self.late = {n: p for n, p in self.late.items() if p.start > horizon}
         self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
         self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
+        self.round_trips = {sid: v for sid, v in self.round_trips.items() if sid in self.members}
 
     def _stop_probing(self) -> None:
         """We leave: no probe round is finished or started."""
@@ -1018,6 +1027,8 @@ class FailureDetector:
         if p is not None and n == p["seq"]:
             if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
                 self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
+            if p["phase"] == 0:                              # the direct path alone (a helper's
+                self._timed(p["sid"], now - p["start"])      # ack adds its legs)
             self._acked(p["sid"], now - p["start"], now)
             self._end_probe()
             return []
@@ -1035,6 +1046,12 @@ class FailureDetector:
             if sus is not None and sid in self.members:   # tell it, so that it refutes
                 return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
         return []
+
+    def _timed(self, sid: str, rtt: float) -> None:
+        """A direct probe's round trip to `sid`: into its moving average (a quarter per sample, so
+        one ack delayed by a busy loop moves it a quarter of the delay; the first sample as it is)."""
+        held = self.round_trips.get(sid)
+        self.round_trips[sid] = rtt if held is None else held + (rtt - held) * ROUND_TRIP_GAIN
 
     def _acked(self, sid: str, rtt: float, now: float) -> None:
         """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
@@ -6200,6 +6217,10 @@ class Node:
 
     def is_suspected(self, sid: str) -> bool:
         return self.overlay is not None and self.overlay.is_suspected(sid)
+
+    def round_trip(self, sid: str) -> Optional[float]:
+        """This member's measured round trip to a session (FailureDetector.round_trip), read only."""
+        return self.overlay.round_trip(sid) if self.overlay is not None else None
 
     @property
     def bytes_sent(self) -> int:
