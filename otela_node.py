@@ -453,6 +453,17 @@ def config_from_env(config: Config, env: Optional[Mapping[str, str]] = None) -> 
         raise ConfigError(str(exc)) from None
 
 
+def own_address(host: str) -> bool:
+    """Whether `host` (an IP address) is one of this host's own: a socket can bind it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
 def split_addr(addr: str) -> Tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
@@ -3908,10 +3919,28 @@ class Reach:
         2     otherwise                                                    "splice"
 
     How gossip reaches it (reach_of): "punched" while a punched UDP path is on record (rule 4),
-    else "relayed"; a dialable member's address is "direct"."""
+    else "relayed"; a dialable member's address is "direct".
+
+    Whether this member is dialable (--reach auto, from its seeds' answers to "rq": `seen`, the
+    address a seed saw it connect from, and `back`, whether its dial-back to our address worked;
+    RelayClient._dialled_back), first rule that holds:
+
+        when                                                               judged
+        a seed dialled us back and saw us at an address of this host      public ("direct")
+        (no NAT translates our address on the way to it)
+        a seed dialled us back but saw another address (a NAT's)          private: it reached us
+                                                                           around the NAT, over a
+                                                                           LAN (a login host on our
+                                                                           site's); a member beyond
+                                                                           the NAT, at another
+                                                                           site, could not
+        no seed dialled us back                                           private
+
+    A seed of a release that says no `seen` is believed as before (its dial-back decides)."""
 
     TUNNEL_RULES = (("spare", "spare_fresh"), ("punch", "may_punch"), ("dial-back", "holds_link"),
                     ("splice", None))
+    DIALABLE_RULES = ((True, "dialled_untranslated"), (False, None))
 
     def __init__(self, config: Config):
         self.config = config                        # punch_retry, max_punched
@@ -3950,6 +3979,27 @@ class Reach:
     def forget(self, addr: str) -> None:
         """Its record went LEFT (or away): a relayed address names one process, gone for good."""
         self.peers.pop(addr, None)
+
+    @classmethod
+    def dialable(cls, answers: Iterable[Mapping[str, Any]], ours: Callable[[str], bool]) -> bool:
+        """Whether the seeds' `answers` make us dialable by every member (the table above);
+        `ours(host)`: whether an address is this host's own."""
+        facts = {"dialled_untranslated": lambda: any(a.get("back") and cls._untranslated(a.get("seen"), ours)
+                                                     for a in answers)}
+        return next(judged for judged, fact in cls.DIALABLE_RULES if fact is None or facts[fact]())
+
+    @staticmethod
+    def _untranslated(seen: Any, ours: Callable[[str], bool]) -> bool:
+        """Whether a seed saw us at our own address (`seen`, HOST:PORT; none said: as if it did)."""
+        if not isinstance(seen, str) or not seen:
+            return True
+        host = seen.rpartition(":")[0].strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return True                             # not an address we can judge: the dial-back decides
+        mapped = getattr(ip, "ipv4_mapped", None)   # a dual-stack seed's view of an IPv4 asker
+        return ours(str(mapped or ip))
 
     def tunnel_reach(self, addr: str) -> str:
         peer = self.peers.get(addr)
@@ -5542,10 +5592,13 @@ class RelayClient:
             await asyncio.sleep(delay)              # no seed answered yet: the join's backoff
             delay = min(delay * 2, cfg.join_retry_max)
         self.observed = str(heard[0][1].get("seen", ""))
-        if any(a.get("back") for _, a in heard):
+        if Reach.dialable([a for _, a in heard], own_address):
             log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
             self.reach_known(relaying=bool(cfg.relay))
             return True
+        if any(a.get("back") for _, a in heard):
+            log.info("a seed dialled us back but saw us as %s, through a NAT: other sites could not dial "
+                     "us (--reach public says otherwise)", self.observed)
         self._heard_seeds(heard)
         return False
 
