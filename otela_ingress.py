@@ -568,7 +568,7 @@ class Key:
 
     __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
                  "budget_month", "expires", "rpm", "tpm", "concurrency", "limited", "weight", "priority",
-                 "priorities")
+                 "priorities", "sites")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
                  rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None,
@@ -589,6 +589,8 @@ class Key:
         self.weight = float(get("weight", 1.0))
         self.priority = PRIORITY_RANK[get("priority", crdt.DEFAULT_PRIORITY)]
         self.priorities = frozenset(PRIORITY_RANK[c] for c in get("priorities", ()))
+        sites = get("sites")   # where its requests may be served (Ingress.candidates); None: anywhere
+        self.sites: Optional[frozenset] = frozenset(sites) if sites else None
 
     @classmethod
     def of_record(cls, key_hash: str, record: Dict[str, Any], settings: Optional[Dict[str, Any]] = None) -> Key:
@@ -639,7 +641,7 @@ def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: flo
 def key_settings(at: float, limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Dict[str, Any]:
     """A key's settings entry as set at `at` (its version: `at` in ms, so the latest setting wins,
     as a user's limits): `limits` its window limits (limit_spec), `queueing` its fair-queue fields
-    (queue_spec); none of them: the settings cleared."""
+    (queue_spec) and its sites (sites_spec); none of them: the settings cleared."""
     return crdt.key_settings_record(int(at * 1000), limits, **queueing)
 
 
@@ -705,6 +707,21 @@ def queue_spec(weight: Any = 1.0, priority: Any = None, priorities: Any = None) 
     return {"weight": float(weight), "priority": priority, "priorities": sorted(set(priorities))}
 
 
+def sites_spec(sites: Any) -> Dict[str, List[str]]:
+    """Check the sites a key's or a model's requests may be served at (the CLI's --sites, the
+    admin API's sites): a list of site names or a comma-separated string; None or empty: anywhere.
+    crdt.limit_record's keyword argument, or ValueError with a one-line reason."""
+    if isinstance(sites, str):
+        sites = [s.strip() for s in sites.split(",") if s.strip()]
+    sites = [] if sites is None else sites
+    if not isinstance(sites, list) or any(not isinstance(s, str) or not crdt.SITE_NAME.match(s) for s in sites):
+        raise ValueError("sites must list site names, as --site-name takes them (up to 64 letters, digits, "
+                         "dots, dashes or underscores each)")
+    if len(set(sites)) > crdt.MAX_SITES:
+        raise ValueError(f"sites names {len(set(sites))} sites; {crdt.MAX_SITES} at most")
+    return {"sites": sorted(set(sites))}
+
+
 def _key_allow(allow: Any) -> List[str]:
     """A key's allowlist: a comma-separated string (the CLI's), a list of names, or None (any)."""
     if isinstance(allow, str):
@@ -740,7 +757,8 @@ def key_answer(token: str, record: Dict[str, Any], settings: Optional[Dict[str, 
             "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
             "budget_month": record.get("budget_month", 0), "expires": record.get("expires"),
             "weight": settings.get("weight", 1.0), "priority": settings.get("priority", crdt.DEFAULT_PRIORITY),
-            "priorities": settings.get("priorities", []), **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+            "priorities": settings.get("priorities", []), "sites": settings.get("sites", []),
+            **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS}}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -1091,7 +1109,8 @@ class Ledger:
             for entry_id, record in replicas.items():
                 if entry_id.startswith(SETTINGS_ROW):   # (our own write: no reload reads it back now)
                     store_limit(db, "k", entry_id[len(SETTINGS_ROW):], {f: record.get(f, 0) for f in crdt.LIMIT_FIELDS},
-                                record["version"] / 1000, {f: record[f] for f in crdt.KEY_QUEUE_FIELDS if f in record})
+                                record["version"] / 1000, {f: record[f] for f in crdt.KEY_QUEUE_FIELDS
+                                                           + crdt.RESIDENCY_FIELDS if f in record})
                 elif crdt.kind_of(entry_id) == crdt.KEY:
                     try:
                         store_key_record(db, entry_id[len(crdt.KEY_ENTRY):], record)
@@ -6006,9 +6025,9 @@ class AdminAPI:
         GET  /v1/admin/limits                  every user's and model's limits (ClusterFlow)
         PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL)
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
-    A key's own settings (rpm, tpm, concurrency, weight, priority, priorities) are given when it is
+    A key's own settings (rpm, tpm, concurrency, weight, priority, priorities, sites) are given when it is
     made (POST /v1/admin/keys) or replaced later:
-        PUT  /v1/admin/keys/ID/limits {rpm?, tpm?, concurrency?, weight?, priority?, priorities?}"""
+        PUT  /v1/admin/keys/ID/limits {rpm?, tpm?, concurrency?, weight?, priority?, priorities?, sites?}"""
 
     def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]], flow: ClusterFlow):
         self.cluster, self.flow = cluster, flow
@@ -6047,7 +6066,7 @@ class AdminAPI:
             view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
                         admin=record.get("admin", False), rate=record.get("rate", 0.0),
                         expires=record.get("expires"), usage=self.cluster.usage(digest, now),
-                        **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS})
+                        sites=settings.get("sites", []), **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS})
             if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
                 view["state"] = "expired"
             out.append(view)
@@ -6060,8 +6079,9 @@ class AdminAPI:
                 spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
                 spec.get("budget_month", 0), spec.get("expires"))
             queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
+            queueing.update(sites_spec(spec.get("sites")))
         except ValueError as exc:
-            raise HTTPError(400, str(exc), "invalid_parameter") from None
+            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
         admin = spec.get("admin", False)
         if type(admin) is not bool:
             raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")
@@ -6083,6 +6103,7 @@ class AdminAPI:
         spec, limits = self._limits_body(body, crdt.KEY_SETTINGS, "a key's settings are " + ", ".join(crdt.KEY_SETTINGS))
         try:
             queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
+            queueing.update(sites_spec(spec.get("sites")))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
         settings = self.flow.set_key_settings(digest, key_settings(time.time(), limits, **queueing))
@@ -6423,8 +6444,10 @@ def load_key_settings(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
     for name, rpm, tpm, concurrency, changed, queue in db.execute(
             "SELECT name, rpm, tpm, concurrency, changed, queue FROM limits WHERE kind = 'k'"):
         try:
+            stored = crdt.loads(queue)   # (its fair-queue fields, and its sites)
+            sites = sites_spec(stored.pop("sites", None))
             settings[name] = key_settings(changed, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
-                                          **queue_spec(**crdt.loads(queue)))
+                                          **queue_spec(**stored), **sites)
         except (ValueError, TypeError) as exc:   # a hand-edited row: the others still count
             print(f"otela-ingress: settings of key {name[:12]}... not read: {exc}", file=sys.stderr)
     return settings
@@ -6507,7 +6530,7 @@ class Ingress:
                                  getattr(node, "tunnel_header", None), limits)
         if punch is not None:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
-        self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
+        self._candidates: Dict[Tuple[str, Tuple[str, ...], Optional[frozenset]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
         self.doubts = EvictionDoubts(self.grants, self.health, self._record_of, getattr(node, "evicted_here", None))
         self.clients: set = set()
@@ -6658,20 +6681,24 @@ class Ingress:
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:
-        """SERVING, unsuspected sessions serving `model` that the key's allowlist admits.
+        """SERVING, unsuspected sessions serving `model` that the key's allowlist admits, at the
+        sites the key and the model may be served at (residency).
 
-        Cached per (model, allowlist) until the registry changes; raises HTTPError 404 for a
-        model no live session knows, 403 when only the allowlist stands in the way, 503 when
-        the model's sessions are all unhealthy.
+        Cached per (model, allowlist, sites) until the registry changes; raises HTTPError 404 for
+        a model no live session knows, 403 when only the allowlist stands in the way, 503 when
+        the model's sessions are all unhealthy or none is at a site the request may be served at.
+        Every attempt's session comes from here (retries, continuations, fallbacks), so a request
+        never leaves its sites.
         """
-        cache_key = (model, key.allow)
+        sites = self.residency(model, key)
+        cache_key = (model, key.allow, sites)
         now = time.monotonic()
         hit = self._candidates.get(cache_key)
         if hit is not None and now - hit[0] < CANDIDATE_TTL_S:
             return hit[1]
         node = self.node
         grants = self.grants
-        found = known = False
+        found = known = outside = False
         result = []
         doubted = self.doubts.routed(now) if self.doubts.until else {}
         for sid, record in node.registry.items():
@@ -6685,8 +6712,14 @@ class Ingress:
                 continue
             found = True
             grants.served[model] = now
-            if grants.admits(key.allow, sid, record):
-                result.append(Candidate(sid, record))
+            if not grants.admits(key.allow, sid, record):
+                continue
+            if sites is not None and grants.site(record) not in sites:   # (no site label: outside)
+                outside = True
+                continue
+            result.append(Candidate(sid, record))
+        if not result and outside:
+            raise self._outside(model, sites)
         if not result:
             raise self._no_candidate(model, known, found, now)
         # A session inside its job's last minutes (its record's ends_at) gets nothing new while
@@ -6699,6 +6732,21 @@ class Ingress:
             self._candidates.clear()
         self._candidates[cache_key] = (now, result)
         return result
+
+    def residency(self, model: str, key: Key) -> Optional[frozenset]:
+        """The sites a request of `key` for `model` may be served at: the key's (its settings)
+        and the model's (its limits' entry), both where both are set; None: anywhere."""
+        return key.sites
+
+    @staticmethod
+    def _outside(model: str, sites: frozenset) -> HTTPError:
+        """No session of `model` at the sites a request may be served at, though one elsewhere
+        serves it: 503, as for a model with no healthy session (the model exists and the key may
+        use it; an engine at one of its sites, started or healed, serves it: a condition of the
+        service, not of the request, and worth a retry), never a session outside."""
+        return HTTPError(503, f"No session of '{model}' in the sites this key may use ({', '.join(sorted(sites)) or 'none'}) "
+                              "right now; its requests are never served elsewhere", "no_session_in_sites",
+                         headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
 
     def _no_candidate(self, model: str, known: bool, found: bool, now: float) -> HTTPError:
         """Why a request for `model` has no candidate: `known`, a live session says it serves it;
@@ -6878,6 +6926,10 @@ class Ingress:
         if not self._routable(sid, record):
             raise HTTPError(503, f"The session {sid!r} takes no requests now (state, suspicion, grant or code)",
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        sites = self.residency(model, key)
+        if sites is not None and self.grants.site(record) not in sites:   # an admin's key is bound too
+            raise HTTPError(403, f"The session {sid!r} is outside the sites this key may use "
+                                 f"({', '.join(sorted(sites))})", "outside_sites")
         return [Candidate(sid, record)]
 
     # -- the proxy ---------------------------------------------------------------------------
@@ -7758,6 +7810,9 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     create.add_argument("--priorities", default=None, metavar="CLASSES",
                         help="comma-separated classes a request may ask for (X-Otela-Priority) besides "
                              "the key's own and lower ones (default: none)")
+    create.add_argument("--sites", default=None, metavar="SITES",
+                        help="comma-separated site names: the key's requests are served only by sessions "
+                             "whose grant places them at one of these sites (data residency; default: any)")
     create.add_argument("--db", default=DEFAULT_DB, help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
@@ -7820,7 +7875,7 @@ def _keys_command(args: argparse.Namespace) -> int:
         try:
             spec = key_spec(args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
             limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-            queueing = queue_spec(args.weight, args.priority, args.priorities)
+            queueing = dict(queue_spec(args.weight, args.priority, args.priorities), **sites_spec(args.sites))
         except ValueError as exc:
             raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     elif not os.path.exists(args.db):   # a typo must not become a new, empty database
@@ -7911,6 +7966,7 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
         digest = r.pop("hash")
         r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, digest, day)
         r.update((f, settings.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
+        r["sites"] = settings.get(digest, {}).get("sites", [])
     if args.json:
         print(crdt.dumps(rows).decode())
         return
@@ -7924,7 +7980,8 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
         print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
               f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
               f"tokens today {today} month {month}  expires {expires}  "
-              + "".join(f"{f}={r[f]} " for f in crdt.LIMIT_FIELDS if r[f]) +
+              + "".join(f"{f}={r[f]} " for f in crdt.LIMIT_FIELDS if r[f])
+              + (f"sites={','.join(r['sites'])} " if r["sites"] else "") +
               f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
 
 
