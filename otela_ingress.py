@@ -1938,6 +1938,8 @@ class ClusterFlow:
         self.publish_entry, self.record_of = publish_entry, record_of   # the overlay's map
         self.active = False    # any user or model limit: requests then look theirs up
         self.limits: Dict[str, Dict[str, Any]] = {}   # subject -> its lim record (users', models')
+        self.sites: Dict[str, Dict[str, Any]] = {}    # subject -> a model's lim record that names sites
+        self.model_sites: Dict[str, frozenset] = {}   # model -> the sites its requests may be served at
         self.windows: Dict[str, Window] = {}          # subject -> its window here
         self.remote: Dict[str, List[int]] = {}        # subject -> the other sessions' sums
         self.peers: Dict[str, Dict[str, Any]] = {}    # flow entry id -> a peer's latest record
@@ -2089,8 +2091,18 @@ class ClusterFlow:
             else:
                 self.limits.pop(subject, None)   # cleared
             self.active = bool(self.limits)
+            self._take_sites(subject, record)
         elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.session_id()):
             self._take_flow(entry_id, record)
+
+    def _take_sites(self, subject: str, record: Dict[str, Any]) -> None:
+        """A model's sites (Ingress.residency), as its entry now says (none: anywhere)."""
+        old = self.sites.pop(subject, None)
+        if old is not None:
+            self.model_sites.pop(old["model"], None)
+        if subject[0] == "m" and record.get("sites"):
+            self.sites[subject] = record
+            self.model_sites[record["model"]] = frozenset(record["sites"])
 
     def _take_flow(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
         old = self.peers.pop(entry_id, None)
@@ -2159,9 +2171,9 @@ class ClusterFlow:
 
     # -- the admin's side: set, list, clear ----------------------------------------------------
     def set_limit(self, kind: str, name: str, limits: Dict[str, int], at: float,
-                  now: bool = True) -> Dict[str, Any]:
-        """Publish a user's or a model's limits (all zero: cleared) as set at `at`; returns the
-        admin's view. The version is `at` in milliseconds, so the latest setting wins at every
+                  now: bool = True, sites: Sequence[str] = ()) -> Dict[str, Any]:
+        """Publish a user's or a model's limits (all zero: cleared), and a model's `sites` (none:
+        anywhere), as set at `at`; returns the admin's view. The version is `at` in milliseconds, so the latest setting wins at every
         ingress; one made `now` (the admin API) wins over whatever is held, and a CLI row read
         again (`now` False: a restart) changes nothing where a later setting is held."""
         subject = self.subject(kind, name)
@@ -2172,8 +2184,8 @@ class ClusterFlow:
             if not now:
                 return self.view(subject, held, name)
             version = held["version"] + 1   # this clock is behind the last setter's
-        record = crdt.limit_record(version, limits, name if kind == "m" else None)
-        crdt.validate(entry_id, record)   # a model name too long: refused here, not in the overlay
+        record = crdt.limit_record(version, limits, name if kind == "m" else None, sites)
+        crdt.validate(entry_id, record)   # a model name too long, a user's sites: refused here, not in the overlay
         self._write(entry_id, record)
         return self.view(subject, record, name)
 
@@ -2194,15 +2206,17 @@ class ClusterFlow:
     @staticmethod
     def view(subject: str, record: Dict[str, Any], name: Optional[str]) -> Dict[str, Any]:
         kind = crdt.LIMIT_SUBJECTS[subject[0]]
-        return {"object": "rate_limit", kind: name, "subject": subject,
-                **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+        view = {"object": "rate_limit", kind: name, "subject": subject, **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+        if record.get("sites"):   # (a model's; absent where none: anywhere, the shape before residency)
+            view["sites"] = record["sites"]
+        return view
 
     def listed(self, users: Iterable[str]) -> List[Dict[str, Any]]:
         """Every limit set (not cleared), users named where a key of theirs is known here (the
         entries carry no user name: see crdt, "Limits and flows")."""
         names = {self.subject("u", user): user for user in users}
         out = []
-        for subject, record in sorted(self.limits.items()):
+        for subject, record in sorted(dict(self.limits, **self.sites).items()):
             out.append(self.view(subject, record, record.get("model") if subject[0] == "m" else names.get(subject)))
         return out
 
@@ -6023,7 +6037,7 @@ class AdminAPI:
         GET  /v1/admin/fallbacks               this ingress's fallback lists (admin_fallbacks)
         POST /v1/admin/fallbacks/MODEL {fallbacks}   (or DELETE /v1/admin/fallbacks/MODEL)
         GET  /v1/admin/limits                  every user's and model's limits (ClusterFlow)
-        PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL)
+        PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL {..., sites?})
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
     A key's own settings (rpm, tpm, concurrency, weight, priority, priorities, sites) are given when it is
     made (POST /v1/admin/keys) or replaced later:
@@ -6141,11 +6155,17 @@ class AdminAPI:
         if not name.strip() or not name.isprintable() or len(name) > crdt.MAX_STRING:
             raise HTTPError(400, f"A {rest[0][:-1]} name is 1 to {crdt.MAX_STRING} printable characters",
                             "invalid_parameter")
-        limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
+        limits, sites = dict.fromkeys(crdt.LIMIT_FIELDS, 0), {}
         if method == b"PUT":
-            limits = self._limits_body(body, crdt.LIMIT_FIELDS, "a limit is rpm, tpm and concurrency")[1]
+            fields = crdt.LIMIT_FIELDS + (crdt.RESIDENCY_FIELDS if rest[0] == "models" else ())
+            spec, limits = self._limits_body(body, fields, "a limit is rpm, tpm and concurrency" +
+                                             (", and a model's sites" if rest[0] == "models" else ""))
+            try:
+                sites = sites_spec(spec.get("sites"))
+            except ValueError as exc:
+                raise HTTPError(400, str(exc), "invalid_parameter", "sites") from None
         try:
-            return self.flow.set_limit(kinds[rest[0]], name, limits, time.time())
+            return self.flow.set_limit(kinds[rest[0]], name, limits, time.time(), **sites)
         except crdt.RecordError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter") from None
 
@@ -6412,12 +6432,12 @@ async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tup
                 now_version = db.execute("PRAGMA data_version").fetchone()[0]
                 if now_version != version:
                     version = now_version
-                    for kind, name, rpm, tpm, concurrency, changed in db.execute(
-                            "SELECT kind, name, rpm, tpm, concurrency, changed FROM limits"):
+                    for kind, name, rpm, tpm, concurrency, changed, stored in db.execute(
+                            "SELECT kind, name, rpm, tpm, concurrency, changed, queue FROM limits"):
                         if seen.get((kind, name)) != changed and kind in ("u", "m"):   # (keys': Ledger)
                             seen[(kind, name)] = changed
                             flow.set_limit(kind, name, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
-                                           changed, now=False)
+                                           changed, now=False, **sites_spec(crdt.loads(stored).get("sites")))
             except (sqlite3.Error, ValueError, crdt.RecordError) as exc:
                 print(f"otela-ingress: reading limits failed (retried): {exc}", file=sys.stderr)
             await asyncio.sleep(GRANT_POLL_S)
@@ -6736,7 +6756,10 @@ class Ingress:
     def residency(self, model: str, key: Key) -> Optional[frozenset]:
         """The sites a request of `key` for `model` may be served at: the key's (its settings)
         and the model's (its limits' entry), both where both are set; None: anywhere."""
-        return key.sites
+        bound = self.flow.model_sites.get(model) if self.flow.model_sites else None
+        if bound is None or key.sites is None:
+            return key.sites if bound is None else bound
+        return key.sites & bound
 
     @staticmethod
     def _outside(model: str, sites: frozenset) -> HTTPError:
@@ -6744,7 +6767,8 @@ class Ingress:
         serves it: 503, as for a model with no healthy session (the model exists and the key may
         use it; an engine at one of its sites, started or healed, serves it: a condition of the
         service, not of the request, and worth a retry), never a session outside."""
-        return HTTPError(503, f"No session of '{model}' in the sites this key may use ({', '.join(sorted(sites)) or 'none'}) "
+        return HTTPError(503, f"No session of '{model}' in the sites its requests may be served at "
+                              f"({', '.join(sorted(sites)) or 'none in common between the key and the model'}) "
                               "right now; its requests are never served elsewhere", "no_session_in_sites",
                          headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
 
@@ -6928,7 +6952,7 @@ class Ingress:
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
         sites = self.residency(model, key)
         if sites is not None and self.grants.site(record) not in sites:   # an admin's key is bound too
-            raise HTTPError(403, f"The session {sid!r} is outside the sites this key may use "
+            raise HTTPError(403, f"The session {sid!r} is outside the sites this request may be served at "
                                  f"({', '.join(sorted(sites))})", "outside_sites")
         return [Candidate(sid, record)]
 
@@ -7839,6 +7863,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
             for field, what in (("rpm", "requests per sliding minute"), ("tpm", "tokens per sliding minute"),
                                 ("concurrency", "requests in flight")):
                 one.add_argument("--" + field, type=int, default=0, metavar="N", help=f"{what} (default 0: none)")
+            one.add_argument("--sites", default=None, metavar="SITES",
+                             help="a model's: comma-separated site names; its requests are served only by "
+                                  "sessions whose grant places them at one of these sites (data residency; "
+                                  "set replaces the model's limits and sites together)")
         one.add_argument("--db", default=DEFAULT_DB, help=db_help)
         if name == "list":
             one.add_argument("--json", action="store_true", help="print JSON")
@@ -7899,11 +7927,18 @@ def _keys_command(args: argparse.Namespace) -> int:
 
 def _limits_command(args: argparse.Namespace) -> int:
     """`limits set|clear --user NAME|--model MODEL [--rpm N --tpm N --concurrency N]`, `limits list`."""
-    limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
+    limits, sites = dict.fromkeys(crdt.LIMIT_FIELDS, 0), {}
     if args.limits_command == "set":
         limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-        if not any(limits.values()):
-            raise ValueError("limits set: give --rpm, --tpm or --concurrency (`limits clear` removes them)")
+        try:
+            sites = sites_spec(args.sites) if args.sites is not None else {}
+        except ValueError as exc:
+            raise ValueError(f"--{exc}") from None
+        if sites and args.user is not None:
+            raise ValueError("--sites binds a model's requests (--model) or a key's (keys create --sites), not a user's")
+        if not any(limits.values()) and not sites.get("sites"):
+            raise ValueError("limits set: give --rpm, --tpm, --concurrency or (a model's) --sites "
+                             "(`limits clear` removes them)")
     if args.limits_command != "list":
         kind, name = ("u", args.user) if args.user is not None else ("m", args.model)
         if not name.strip() or not name.isprintable() or len(name) > crdt.MAX_STRING:
@@ -7913,15 +7948,17 @@ def _limits_command(args: argparse.Namespace) -> int:
     db = open_db(args.db)
     try:
         if args.limits_command != "list":
-            store_limit(db, kind, name, limits, time.time())
-            print(f"{crdt.LIMIT_SUBJECTS[kind]} {name}: " + (", ".join(f"{f} {v}" for f, v in limits.items() if v)
-                                                              or "no limits"), file=sys.stderr)
+            store_limit(db, kind, name, limits, time.time(), sites)   # (a model's sites beside its limits)
+            said = [f"{f} {v}" for f, v in limits.items() if v] + \
+                [f"sites {','.join(sites['sites'])}" for _ in (1,) if sites.get("sites")]
+            print(f"{crdt.LIMIT_SUBJECTS[kind]} {name}: " + (", ".join(said) or "no limits"), file=sys.stderr)
             return 0
-        rows = [{crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency}
-                for kind, name, rpm, tpm, concurrency in db.execute(
-                    "SELECT kind, name, rpm, tpm, concurrency FROM limits WHERE kind != 'k' "   # (keys': keys list)
+        rows = [dict({crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency},
+                     **{f: v for f, v in crdt.loads(stored).items() if f == "sites" and v})
+                for kind, name, rpm, tpm, concurrency, stored in db.execute(
+                    "SELECT kind, name, rpm, tpm, concurrency, queue FROM limits WHERE kind != 'k' "   # (keys': keys list)
                     "ORDER BY kind DESC, name")
-                if rpm or tpm or concurrency]
+                if rpm or tpm or concurrency or crdt.loads(stored).get("sites")]
     finally:
         db.close()
     if args.json:
@@ -7929,7 +7966,7 @@ def _limits_command(args: argparse.Namespace) -> int:
     for row in [] if args.json else rows:
         what = "user" if "user" in row else "model"
         print(f"{what:5} {row[what]:24} rpm={row['rpm'] or '-'} tpm={row['tpm'] or '-'} "
-              f"concurrency={row['concurrency'] or '-'}")
+              f"concurrency={row['concurrency'] or '-'}" + (f" sites={','.join(row['sites'])}" if row.get("sites") else ""))
     return 0
 
 

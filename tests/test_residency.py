@@ -201,3 +201,40 @@ def test_an_ingress_of_the_release_before_refuses_a_settings_entry_with_sites_so
     old.validate_limit(entry, settings_of({"rpm": 3}))                 # without sites: taken
     with pytest.raises(old.RecordError):                                # with them: refused (README: upgrade
         old.validate_limit(entry, settings_of({"rpm": 3, "sites": ["a"]}))   # every ingress first)
+
+
+def test_a_models_sites_bind_every_keys_requests_for_it_and_meet_a_keys_own(stack):
+    engines = sites_of(stack, {"a": ("a", "ok"), "b": ("b", "ok")})
+    admin = Client(stack.url, stack.key("root", admin=True))
+    try:
+        status, _, body = admin.request("PUT", f"/v1/admin/limits/models/{MODEL}", {"sites": "a"})
+        assert status == 200 and json.loads(body)["sites"] == ["a"]
+        anyone = key_with_settings(stack, "bob")
+        assert {(s, sid) for s, sid, _ in served(stack, anyone, 10)} == {(200, engines["a"][0])}
+        to_b = key_with_settings(stack, "carol", queueing={"sites": ["b"]})   # the key's b, the model's a: none
+        status, _, body = served(stack, to_b, 1)[0]
+        assert status == 503 and "none in common" in json.loads(body)["error"]["message"]
+        assert engines["b"][1].requests == 0
+        listed = json.loads(admin.request("GET", "/v1/admin/limits")[2])["data"]
+        assert [(v["model"], v["sites"]) for v in listed] == [(MODEL, ["a"])]
+        status, _, body = admin.request("PUT", "/v1/admin/limits/users/bob", {"sites": ["a"]})
+        assert status == 400 and "sites" in json.loads(body)["error"]["message"]
+        assert admin.request("DELETE", f"/v1/admin/limits/models/{MODEL}")[0] == 200   # anywhere again
+        assert {sid for _, sid, _ in served(stack, anyone, 12)} == {engines["a"][0], engines["b"][0]}
+    finally:
+        admin.close()
+
+
+def test_limits_set_gives_a_model_sites_that_the_running_ingress_follows(stack, capsys):
+    engines = sites_of(stack, {"a": ("a", "ok"), "b": ("b", "ok")})
+    db = stack.db_path
+    assert otela_ingress.main(["limits", "set", "--model", MODEL, "--sites", "b", "--db", db]) == 0
+    assert otela_ingress.main(["limits", "list", "--json", "--db", db]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"model": MODEL, "rpm": 0, "tpm": 0, "concurrency": 0, "sites": ["b"]}]
+    anyone = key_with_settings(stack, "bob")
+    deadline = time.monotonic() + 10
+    while stack.call(lambda: stack.ingress.flow.model_sites.get(MODEL)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {(s, sid) for s, sid, _ in served(stack, anyone, 8)} == {(200, engines["b"][0])}
+    assert otela_ingress.main(["limits", "set", "--user", "bob", "--sites", "b", "--db", db]) != 0
+    assert "not a user's" in capsys.readouterr().err
