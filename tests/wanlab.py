@@ -566,11 +566,16 @@ def run_locality(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, reques
                  parallel: int = 4, nodes: int = 2) -> Dict[str, Any]:
     """Sites a and b `rtt_ms` apart, each with its ingress (the ttft policy) and `nodes` nodes
     serving one model behind its NAT (--reach auto): `requests` chats through each site's
-    ingress from its login host, `parallel` at a time, after a warm-up. Returns, per site, how
-    many its ingress served at its own site, and how each ingress reaches each node."""
+    ingress from its login host, `parallel` at a time, after a warm-up; then as many with a key
+    bound to site a (keys create --sites a) through each. Returns, per site, how many its ingress
+    served at its own site, how each ingress reaches each node, and how many of the bound key's
+    requests were served outside site a."""
     import reliability as rel
     out: Dict[str, Any] = {"rtt_ms": rtt_ms, "requests": requests, "parallel": parallel, "nodes_per_site": nodes}
     with WanLab(sites=2, hosts=nodes, links={"a-b": {"rtt_ms": rtt_ms}}) as lab, rel.Fleet(tmp, timings) as fleet:
+        bound = subprocess.run([rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "keys", "create", "--user",
+                                "resident", "--sites", "a", "--db", fleet.db], env=fleet.env, check=True,
+                               capture_output=True, text=True, timeout=60).stdout.strip()
         ingresses = {"a": fleet.ingress(lab.login("a"), policy="ttft", name="ingress-a", flags=("--site-name", "a"))}
         ingresses["b"] = fleet.ingress(lab.login("b"), policy="ttft", name="ingress-b",
                                        bootstrap=(ingresses["a"].gossip,), db=os.path.join(tmp, "b.sqlite"),
@@ -604,6 +609,15 @@ def run_locality(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, reques
                          "reach": sorted(f"{s}:{t}" for s, t in where.values()),
                          "round_trip_ms": sorted(f"{where.get(sid, ('?', ''))[0]}:{ms}" for sid, ms in
                                                  client.call(round_trips, ingress.url, fleet.token).items())}
+        for site, ingress in ingresses.items():   # the key's settings reach b's ingress over the overlay
+            client = lab.login(site)
+            rel.wait(lambda at=ingress, c=client: c.call(chat_spread, at.url, bound, rel.MODEL, 1, 1)["statuses"] == [200],
+                     30, f"the key bound to site a served through site {site}'s ingress")
+            got = client.call(chat_spread, ingress.url, bound, rel.MODEL, requests, parallel, timeout=300)
+            where = sites_of(ingress)
+            at = [where.get(sid, ("?", ""))[0] for sid in got["served_by"]]
+            out[site]["bound_to_a"] = {"ok": got["statuses"].count(200), "of": requests,
+                                       "left_site_a": len(at) - at.count("a")}
         for member in list(fleet.members):
             fleet.stop(member)
     return out
