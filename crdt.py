@@ -23,9 +23,10 @@ Three kinds of entry share the map, told apart by their id (a session id has no 
   usage    "use:<32 hex>"      one slot of a per-(key, day) or per-(key, month) G-Counter: the
                                requests and tokens one ingress session served for that key then;
   revocation "rev:<grant>"     a grant (or a Slurm job's grants) revoked;
-  limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight;
-           "lim:k-<16 hex>"    a key's settings: its limits and its share and classes of the
-                               fair queue (see "Limits and flows");
+  limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight (a
+                               model's: and the sites its requests may be served at);
+           "lim:k-<16 hex>"    a key's settings: its limits, its share and classes of the
+                               fair queue and its sites (see "Limits and flows");
   flow     "flow:<session>"    what one ingress session admitted per limited subject in its last
                                minute (see "Limits and flows").
 All are ordered the same way (state, then version, then encoding), so they travel with

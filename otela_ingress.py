@@ -30,10 +30,12 @@ The sections, in file order, and what each holds:
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
     limits               ClusterFlow: requests and tokens per sliding minute and requests in flight,
-                         per key, user and model, summed over every ingress (lim: and flow: entries)
+                         per key, user and model, summed over every ingress (lim: and flow: entries);
+                         a key's and a model's sites (data residency: Ingress.candidates)
     grants               Grants: what each session may serve, as the login node signed it
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
-                         PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
+                         PublishedPrefixes, EngineKind, SpeedFit; the path's measured round trip,
+                         so a request stays at its ingress's site), PassiveHealth (sessions out of
                          rotation)
     fair queue           FairQueue, Waiting: requests held at the ingress while the engines for
                          them are saturated, sent in weighted fair order by tenant and class

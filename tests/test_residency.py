@@ -4,14 +4,12 @@ session's grant gives it: every attempt (retries, fallbacks) goes to a session a
 none left is a 503 that names them."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
 import time
 
 import pytest
 from test_ingress_support import Client, Stack, key_with_settings
-from test_key_settings import ROOT, keys_and_flow
+from test_key_settings import keys_and_flow, release_before_crdt
 
 import crdt
 import otela_ingress
@@ -191,12 +189,7 @@ def test_sites_replicate_with_a_keys_settings_and_a_bad_list_is_refused():
 
 
 def test_an_ingress_of_the_release_before_refuses_a_settings_entry_with_sites_so_ingresses_upgrade_first():
-    shown = subprocess.run(["git", "-C", ROOT, "show", f"{PREVIOUS}:crdt.py"], capture_output=True, timeout=60)
-    if shown.returncode != 0:
-        pytest.skip(f"{PREVIOUS} is not in this clone's history")
-    spec = importlib.util.spec_from_loader("crdt_previous", loader=None)
-    old = importlib.util.module_from_spec(spec)
-    exec(compile(shown.stdout, "crdt_previous.py", "exec"), old.__dict__)
+    old = release_before_crdt(PREVIOUS)
     entry = crdt.limit_entry("k-" + "1" * 16)
     old.validate_limit(entry, settings_of({"rpm": 3}))                 # without sites: taken
     with pytest.raises(old.RecordError):                                # with them: refused (README: upgrade
