@@ -6804,11 +6804,17 @@ class Ingress:
         return sorted(names)
 
     def _served_models(self, key: Key) -> set:
+        """The models a session the key may use serves (its allowlist, and each model's sites)."""
         names = set()
         grants = self.grants
+        bound = key.sites is not None or bool(self.flow.model_sites)
         for sid, record in self.node.registry.items():
             if self._routable(sid, record) and grants.admits(key.allow, sid, record):
-                names.update(grants.models(record))
+                models = grants.models(record)
+                if bound:   # (residency: a model served only outside its sites is not the key's)
+                    site = grants.site(record)
+                    models = [m for m in models if site in (self.residency(m, key) or (site,))]
+                names.update(models)
         return names
 
     def _routable(self, sid: str, record: Dict[str, Any]) -> bool:

@@ -72,6 +72,18 @@ def test_a_key_bound_to_a_site_is_served_there_only_and_never_retried_elsewhere(
     assert {sid for _, sid, _ in served(stack, free, 30)} == {engines[s][0] for s in ("a", "b", None)}
 
 
+def test_a_key_lists_only_the_models_served_at_its_sites(stack):
+    sites_of(stack, {"b": ("b", "ok")})
+    for token, listed in ((key_with_settings(stack, "alice", queueing={"sites": ["a"]}), []),
+                          (key_with_settings(stack, "bob", queueing={"sites": ["b"]}), [MODEL])):
+        client = Client(stack.url, token)
+        try:
+            status, _, body = client.request("GET", "/v1/models")
+        finally:
+            client.close()
+        assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == listed
+
+
 def test_a_failing_engine_at_the_keys_site_is_not_retried_at_another_site(stack):
     engines = sites_of(stack, {"a": ("a", "error500"), "b": ("b", "ok")})
     bound = key_with_settings(stack, "alice", queueing={"sites": ["a"]})
