@@ -89,3 +89,34 @@ def test_a_node_reads_its_overlays_round_trips_and_none_without_one():
     node = on.Node.__new__(on.Node)
     node.overlay = None
     assert node.round_trip("x") is None
+
+
+class Link:
+    """A relay link as RelayClient._send_private uses it: its writer's frames, and whether it closes."""
+
+    def __init__(self, closing=False):
+        self.frames = []
+        self.writer = self
+        self.transport = self
+        self.closing = closing
+
+    def is_closing(self):
+        return self.closing
+
+    def write(self, data):
+        self.frames.append(data)
+
+
+def test_a_private_member_sends_to_one_of_its_relays_down_that_relays_own_link():
+    import collections
+    import types
+    far, near = Link(), Link()   # linked first to a relay at another site, then to its own site's
+    member = types.SimpleNamespace(links={"10.80.0.129:7946": far, "10.80.1.129:7946": near},
+                                   traffic=collections.Counter())
+    on.RelayClient._send_private(member, "10.80.1.129:7946", b"ack")
+    assert (len(near.frames), len(far.frames)) == (1, 0)   # not across the WAN and back
+    on.RelayClient._send_private(member, "10.80.2.7:7946", b"gossip")   # any other member: the first link
+    assert (len(near.frames), len(far.frames)) == (1, 1)
+    near.closing = True
+    on.RelayClient._send_private(member, "10.80.1.129:7946", b"ack")   # its link closing: another carries it
+    assert (len(near.frames), len(far.frames)) == (1, 2)
