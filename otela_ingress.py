@@ -2175,9 +2175,10 @@ class ClusterFlow:
     def set_limit(self, kind: str, name: str, limits: Dict[str, int], at: float,
                   now: bool = True, sites: Sequence[str] = ()) -> Dict[str, Any]:
         """Publish a user's or a model's limits (all zero: cleared), and a model's `sites` (none:
-        anywhere), as set at `at`; returns the admin's view. The version is `at` in milliseconds, so the latest setting wins at every
-        ingress; one made `now` (the admin API) wins over whatever is held, and a CLI row read
-        again (`now` False: a restart) changes nothing where a later setting is held."""
+        anywhere), as set at `at`; returns the admin's view. The version is `at` in milliseconds,
+        so the latest setting wins at every ingress; one made `now` (the admin API) wins over
+        whatever is held, and a CLI row read again (`now` False: a restart) changes nothing where
+        a later setting is held."""
         subject = self.subject(kind, name)
         entry_id = crdt.limit_entry(subject)
         held = self.record_of(entry_id)
@@ -6097,7 +6098,7 @@ class AdminAPI:
             queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
             queueing.update(sites_spec(spec.get("sites")))
         except ValueError as exc:
-            raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
+            raise HTTPError(400, str(exc), "invalid_parameter") from None
         admin = spec.get("admin", False)
         if type(admin) is not bool:
             raise HTTPError(400, "admin must be true or false", "invalid_parameter", "admin")

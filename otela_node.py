@@ -5522,10 +5522,10 @@ class RelayClient:
 
     def _send_private(self, dest: str, data: bytes) -> None:
         """A private member's send: to one of our relays down its own link (through another
-        relay it would cross to that relay's site and back: a probe's ack from a node to its own
-        site's ingress took 41 ms through the other site's relay, 40 ms away, and the ingress
-        counted the node as far as the other site's); else over our first open link; with none
-        yet, straight out (a cone NAT passes it) unless `dest` is relayed."""
+        relay it would cross to that relay's site and back: with sites 40 ms apart, 41 ms for a
+        LAN path, and our own site's ingress, timing its probes, would judge us as far away as
+        the other site's engines); else over our first open link; with none yet, straight out
+        (a cone NAT passes it) unless `dest` is relayed."""
         own = self.links.get(dest)
         for link in ((own,) if own is not None else ()) + tuple(self.links.values()):
             if not link.writer.transport.is_closing():
