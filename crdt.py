@@ -23,9 +23,10 @@ Three kinds of entry share the map, told apart by their id (a session id has no 
   usage    "use:<32 hex>"      one slot of a per-(key, day) or per-(key, month) G-Counter: the
                                requests and tokens one ingress session served for that key then;
   revocation "rev:<grant>"     a grant (or a Slurm job's grants) revoked;
-  limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight;
-           "lim:k-<16 hex>"    a key's settings: its limits and its share and classes of the
-                               fair queue (see "Limits and flows");
+  limit    "lim:<u|m>-<16 hex>"  a user's or a model's limits per minute and in flight (a
+                               model's: and the sites its requests may be served at);
+           "lim:k-<16 hex>"    a key's settings: its limits, its share and classes of the
+                               fair queue and its sites (see "Limits and flows");
   flow     "flow:<session>"    what one ingress session admitted per limited subject in its last
                                minute (see "Limits and flows").
 All are ordered the same way (state, then version, then encoding), so they travel with
@@ -687,7 +688,14 @@ def usage_totals(records: Iterable[Dict[str, Any]], key_hash: Optional[str] = No
 # the ingress plane.
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency")   # requests and tokens a minute, requests in flight
 KEY_QUEUE_FIELDS = ("weight", "priority", "priorities")   # a key's share and classes (FairQueue)
-KEY_SETTINGS = LIMIT_FIELDS + KEY_QUEUE_FIELDS           # what a key's "lim:k-" entry may carry
+# Data residency: the sites a key's requests (its "lim:k-" entry) or a model's requests (its
+# "lim:m-" entry) may be served at, by the site its grant's label gives a session (absent: any).
+# An ingress of the release before refuses an entry with a field it does not know, and with it
+# the key's or model's other settings: ingresses are upgraded before any is given sites (README).
+RESIDENCY_FIELDS = ("sites",)
+MAX_SITES = 16                # sites one key or model may be bound to: 16 names of 64 characters
+                              # keep the entry under MAX_RECORD_BYTES with its other settings
+KEY_SETTINGS = LIMIT_FIELDS + KEY_QUEUE_FIELDS + RESIDENCY_FIELDS   # what a key's "lim:k-" entry may carry
 LIMIT_SUBJECTS = {"u": "user", "m": "model", "k": "key"}   # who an entry of its own limits
 MAX_LIMITS = 4096             # user and model limits held: a site's users and models, many times
                               # over; ~150 bytes each, 0.6 MB at most
@@ -724,20 +732,26 @@ def limit_entry(subject: str) -> str:
     return entry_id
 
 
-def limit_record(version: int, limits: Mapping[str, int], model: Optional[str] = None) -> Dict[str, Any]:
-    """A subject's limits (zeros left out: a record with none is a limit cleared)."""
+def limit_record(version: int, limits: Mapping[str, int], model: Optional[str] = None,
+                 sites: Iterable[str] = ()) -> Dict[str, Any]:
+    """A subject's limits (zeros left out: a record with none is a limit cleared), and the sites
+    its requests may be served at (none: anywhere)."""
     record: Dict[str, Any] = {"state": 0, "version": version}
     record.update((f, int(limits[f])) for f in LIMIT_FIELDS if limits.get(f))
     if model is not None:
         record["model"] = model
+    sites = sorted(set(sites))
+    if sites:
+        record["sites"] = sites
     return record
 
 
 def key_settings_record(version: int, limits: Optional[Mapping[str, int]] = None, weight: float = 1.0,
-                        priority: str = DEFAULT_PRIORITY, priorities: Iterable[str] = ()) -> Dict[str, Any]:
-    """A key's settings entry: its limits (LIMIT_FIELDS) and its fair-queue fields, each left out
-    at its default (a record with none is the settings cleared)."""
-    record = limit_record(version, limits or {})
+                        priority: str = DEFAULT_PRIORITY, priorities: Iterable[str] = (),
+                        sites: Iterable[str] = ()) -> Dict[str, Any]:
+    """A key's settings entry: its limits (LIMIT_FIELDS), its fair-queue fields and its sites,
+    each left out at its default (a record with none is the settings cleared)."""
+    record = limit_record(version, limits or {}, sites=sites)
     if weight != 1:
         record["weight"] = weight
     if priority != DEFAULT_PRIORITY:
@@ -760,17 +774,31 @@ def _check_limits(where: str, record: Dict[str, Any]) -> None:
             raise RecordError(f"{where}: {field} must be an integer >= 0 (0: none)")
 
 
+def _check_sites(where: str, record: Dict[str, Any]) -> None:
+    """A key's or a model's sites (RESIDENCY_FIELDS): 1 to MAX_SITES distinct names, sorted."""
+    if "sites" not in record:
+        return
+    if where[len(LIMIT_ENTRY)] == "u":
+        raise RecordError(f"{where}: only a key's or a model's settings name sites")
+    sites = record["sites"]
+    if not isinstance(sites, list) or not 0 < len(sites) <= MAX_SITES \
+            or any(not isinstance(site, str) or not SITE_NAME.match(site) for site in sites) \
+            or sites != sorted(set(sites)):
+        raise RecordError(f"{where}: sites must be 1 to {MAX_SITES} distinct site names, sorted")
+
+
 def validate_limit(entry_id: str, record: Any) -> bytes:
     if not _LIMIT_ENTRY.match(entry_id):
         raise RecordError(f"bad limit entry {entry_id!r}: 'lim:', u-, m- or k- and {SUBJECT_HEX} hex digits")
     _check_object(entry_id, record)
     key = entry_id.startswith(KEY_SETTINGS_ENTRY)   # a key's: its fair-queue fields too, no others'
     _check_fields(entry_id, record, ("state", "version"), ("state", "version", "model", "sig") + LIMIT_FIELDS
-                  + (KEY_QUEUE_FIELDS if key else ()))
+                  + RESIDENCY_FIELDS + (KEY_QUEUE_FIELDS if key else ()))
     if record["state"] != 0 or type(record["state"]) is not int:
         raise RecordError(f"{entry_id}: a limit's state is 0")
     _check_count(entry_id, "version", record["version"])
     _check_limits(entry_id, record)
+    _check_sites(entry_id, record)
     if key:
         _check_priorities(entry_id, record)
     if entry_id[len(LIMIT_ENTRY)] == "m":

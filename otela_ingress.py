@@ -30,10 +30,12 @@ The sections, in file order, and what each holds:
     cluster-wide keys    ClusterKeys: key records and usage counters as entries of the overlay's
                          map, so rate limits and budgets count the whole cluster's use
     limits               ClusterFlow: requests and tokens per sliding minute and requests in flight,
-                         per key, user and model, summed over every ingress (lim: and flow: entries)
+                         per key, user and model, summed over every ingress (lim: and flow: entries);
+                         a key's and a model's sites (data residency: Ingress.candidates)
     grants               Grants: what each session may serve, as the login node signed it
     routing              Candidate, the policies (TTFTPolicy, the default: PrefixIndex,
-                         PublishedPrefixes, EngineKind, SpeedFit), PassiveHealth (sessions out of
+                         PublishedPrefixes, EngineKind, SpeedFit; the path's measured round trip,
+                         so a request stays at its ingress's site), PassiveHealth (sessions out of
                          rotation)
     fair queue           FairQueue, Waiting: requests held at the ingress while the engines for
                          them are saturated, sent in weighted fair order by tenant and class
@@ -572,7 +574,7 @@ class Key:
 
     __slots__ = ("id", "user", "allow", "admin", "rate", "_tokens", "_stamp", "hash", "budget_day",
                  "budget_month", "expires", "rpm", "tpm", "concurrency", "limited", "weight", "priority",
-                 "priorities")
+                 "priorities", "sites")
 
     def __init__(self, key_id: str, user: str, allow: Sequence[str] = (), admin: bool = False,
                  rate: float = 0.0, key_hash: str = "", record: Optional[Dict[str, Any]] = None,
@@ -593,6 +595,8 @@ class Key:
         self.weight = float(get("weight", 1.0))
         self.priority = PRIORITY_RANK[get("priority", crdt.DEFAULT_PRIORITY)]
         self.priorities = frozenset(PRIORITY_RANK[c] for c in get("priorities", ()))
+        sites = get("sites")   # where its requests may be served (Ingress.candidates); None: anywhere
+        self.sites: Optional[frozenset] = frozenset(sites) if sites else None
 
     @classmethod
     def of_record(cls, key_hash: str, record: Dict[str, Any], settings: Optional[Dict[str, Any]] = None) -> Key:
@@ -643,7 +647,7 @@ def new_key(user: str, allow: Sequence[str] = (), admin: bool = False, rate: flo
 def key_settings(at: float, limits: Optional[Mapping[str, int]] = None, **queueing: Any) -> Dict[str, Any]:
     """A key's settings entry as set at `at` (its version: `at` in ms, so the latest setting wins,
     as a user's limits): `limits` its window limits (limit_spec), `queueing` its fair-queue fields
-    (queue_spec); none of them: the settings cleared."""
+    (queue_spec) and its sites (sites_spec); none of them: the settings cleared."""
     return crdt.key_settings_record(int(at * 1000), limits, **queueing)
 
 
@@ -709,6 +713,21 @@ def queue_spec(weight: Any = 1.0, priority: Any = None, priorities: Any = None) 
     return {"weight": float(weight), "priority": priority, "priorities": sorted(set(priorities))}
 
 
+def sites_spec(sites: Any) -> Dict[str, List[str]]:
+    """Check the sites a key's or a model's requests may be served at (the CLI's --sites, the
+    admin API's sites): a list of site names or a comma-separated string; None or empty: anywhere.
+    crdt.limit_record's keyword argument, or ValueError with a one-line reason."""
+    if isinstance(sites, str):
+        sites = [s.strip() for s in sites.split(",") if s.strip()]
+    sites = [] if sites is None else sites
+    if not isinstance(sites, list) or any(not isinstance(s, str) or not crdt.SITE_NAME.match(s) for s in sites):
+        raise ValueError("sites must list site names, as --site-name takes them (up to 64 letters, digits, "
+                         "dots, dashes or underscores each)")
+    if len(set(sites)) > crdt.MAX_SITES:
+        raise ValueError(f"sites names {len(set(sites))} sites; {crdt.MAX_SITES} at most")
+    return {"sites": sorted(set(sites))}
+
+
 def _key_allow(allow: Any) -> List[str]:
     """A key's allowlist: a comma-separated string (the CLI's), a list of names, or None (any)."""
     if isinstance(allow, str):
@@ -744,7 +763,8 @@ def key_answer(token: str, record: Dict[str, Any], settings: Optional[Dict[str, 
             "rate": record.get("rate", 0.0), "budget_day": record.get("budget_day", 0),
             "budget_month": record.get("budget_month", 0), "expires": record.get("expires"),
             "weight": settings.get("weight", 1.0), "priority": settings.get("priority", crdt.DEFAULT_PRIORITY),
-            "priorities": settings.get("priorities", []), **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+            "priorities": settings.get("priorities", []), "sites": settings.get("sites", []),
+            **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS}}
 
 
 def create_key(db: sqlite3.Connection, user: str, allow: Sequence[str] = (), admin: bool = False,
@@ -1095,7 +1115,8 @@ class Ledger:
             for entry_id, record in replicas.items():
                 if entry_id.startswith(SETTINGS_ROW):   # (our own write: no reload reads it back now)
                     store_limit(db, "k", entry_id[len(SETTINGS_ROW):], {f: record.get(f, 0) for f in crdt.LIMIT_FIELDS},
-                                record["version"] / 1000, {f: record[f] for f in crdt.KEY_QUEUE_FIELDS if f in record})
+                                record["version"] / 1000, {f: record[f] for f in crdt.KEY_QUEUE_FIELDS
+                                                           + crdt.RESIDENCY_FIELDS if f in record})
                 elif crdt.kind_of(entry_id) == crdt.KEY:
                     try:
                         store_key_record(db, entry_id[len(crdt.KEY_ENTRY):], record)
@@ -1943,6 +1964,8 @@ class ClusterFlow:
         self.publish_entry, self.record_of = publish_entry, record_of   # the overlay's map
         self.active = False    # any user or model limit: requests then look theirs up
         self.limits: Dict[str, Dict[str, Any]] = {}   # subject -> its lim record (users', models')
+        self.sites: Dict[str, Dict[str, Any]] = {}    # subject -> a model's lim record that names sites
+        self.model_sites: Dict[str, frozenset] = {}   # model -> the sites its requests may be served at
         self.windows: Dict[str, Window] = {}          # subject -> its window here
         self.remote: Dict[str, List[int]] = {}        # subject -> the other sessions' sums
         self.peers: Dict[str, Dict[str, Any]] = {}    # flow entry id -> a peer's latest record
@@ -2094,8 +2117,18 @@ class ClusterFlow:
             else:
                 self.limits.pop(subject, None)   # cleared
             self.active = bool(self.limits)
+            self._take_sites(subject, record)
         elif kind == crdt.FLOW and entry_id != crdt.flow_entry(self.session_id()):
             self._take_flow(entry_id, record)
+
+    def _take_sites(self, subject: str, record: Dict[str, Any]) -> None:
+        """A model's sites (Ingress.residency), as its entry now says (none: anywhere)."""
+        old = self.sites.pop(subject, None)
+        if old is not None:
+            self.model_sites.pop(old["model"], None)
+        if subject[0] == "m" and record.get("sites"):
+            self.sites[subject] = record
+            self.model_sites[record["model"]] = frozenset(record["sites"])
 
     def _take_flow(self, entry_id: str, record: Optional[Dict[str, Any]]) -> None:
         old = self.peers.pop(entry_id, None)
@@ -2164,11 +2197,12 @@ class ClusterFlow:
 
     # -- the admin's side: set, list, clear ----------------------------------------------------
     def set_limit(self, kind: str, name: str, limits: Dict[str, int], at: float,
-                  now: bool = True) -> Dict[str, Any]:
-        """Publish a user's or a model's limits (all zero: cleared) as set at `at`; returns the
-        admin's view. The version is `at` in milliseconds, so the latest setting wins at every
-        ingress; one made `now` (the admin API) wins over whatever is held, and a CLI row read
-        again (`now` False: a restart) changes nothing where a later setting is held."""
+                  now: bool = True, sites: Sequence[str] = ()) -> Dict[str, Any]:
+        """Publish a user's or a model's limits (all zero: cleared), and a model's `sites` (none:
+        anywhere), as set at `at`; returns the admin's view. The version is `at` in milliseconds,
+        so the latest setting wins at every ingress; one made `now` (the admin API) wins over
+        whatever is held, and a CLI row read again (`now` False: a restart) changes nothing where
+        a later setting is held."""
         subject = self.subject(kind, name)
         entry_id = crdt.limit_entry(subject)
         held = self.record_of(entry_id)
@@ -2177,8 +2211,8 @@ class ClusterFlow:
             if not now:
                 return self.view(subject, held, name)
             version = held["version"] + 1   # this clock is behind the last setter's
-        record = crdt.limit_record(version, limits, name if kind == "m" else None)
-        crdt.validate(entry_id, record)   # a model name too long: refused here, not in the overlay
+        record = crdt.limit_record(version, limits, name if kind == "m" else None, sites)
+        crdt.validate(entry_id, record)   # a model name too long, a user's sites: refused here, not in the overlay
         self._write(entry_id, record)
         return self.view(subject, record, name)
 
@@ -2199,15 +2233,17 @@ class ClusterFlow:
     @staticmethod
     def view(subject: str, record: Dict[str, Any], name: Optional[str]) -> Dict[str, Any]:
         kind = crdt.LIMIT_SUBJECTS[subject[0]]
-        return {"object": "rate_limit", kind: name, "subject": subject,
-                **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+        view = {"object": "rate_limit", kind: name, "subject": subject, **{f: record.get(f, 0) for f in crdt.LIMIT_FIELDS}}
+        if record.get("sites"):   # (a model's; absent where none: anywhere, the shape before residency)
+            view["sites"] = record["sites"]
+        return view
 
     def listed(self, users: Iterable[str]) -> List[Dict[str, Any]]:
         """Every limit set (not cleared), users named where a key of theirs is known here (the
         entries carry no user name: see crdt, "Limits and flows")."""
         names = {self.subject("u", user): user for user in users}
         out = []
-        for subject, record in sorted(self.limits.items()):
+        for subject, record in sorted(dict(self.limits, **self.sites).items()):
             out.append(self.view(subject, record, record.get("model") if subject[0] == "m" else names.get(subject)))
         return out
 
@@ -2759,7 +2795,7 @@ class _Pick:
     """What TTFTPolicy keeps of one request across its attempts (RoutedRequest.memo)."""
 
     __slots__ = ("chain", "size", "keyed", "affinity", "opens", "earlier", "previous", "home", "moved", "session",
-                 "work", "streams", "uncached", "held", "answering", "started")
+                 "work", "streams", "uncached", "held", "answering", "started", "path")
 
     def __init__(self, chain: List[bytes], size: int):
         self.chain, self.size = chain, size   # its prompt's block hashes, and its rendered bytes
@@ -2773,6 +2809,7 @@ class _Pick:
         self.work = self.uncached = 0.0       # ... the prefill it counted there, of which this prompt's
         self.streams = 0.0                    # ... and the streams it counted there
         self.held = 0                         # ... the prompt bytes it thought cached there
+        self.path = 0.0                       # ... and the round trip of the path there (seconds)
         self.answering = False                # the attempt's first byte came
         self.started = 0.0                    # when the attempt started
 
@@ -2787,7 +2824,16 @@ class TTFTPolicy(Policy):
     the first costs more than computing the prefix again. Among estimates within TIE of the
     best, the one holding the fewest requests (decode balance), and among those the one the
     prompt's first block hashes highest with (rendezvous hashing), so that ingresses that see
-    none of each other's traffic tend to send a new prefix to the same engine."""
+    none of each other's traffic tend to send a new prefix to the same engine.
+
+    Locality: every estimate adds the round trip of the path from this ingress to the session,
+    as this member's overlay measures it (Node.round_trip: its direct probes, through the relays
+    for a relayed session, so a relayed path pays its relay legs), and the fit learns the engine's
+    own time, the first byte's wait less that round trip. An engine at this ingress's site (a
+    round trip under a millisecond) therefore wins unless another site's saves more queue and
+    prefill than the crossing costs; no site is configured. A session not probed yet costs the
+    farthest round trip measured among the candidates (a new session far away is not free).
+    Where nothing is measured (a policy without an ingress) every path costs 0."""
 
     wants_body = True
     TIE = 0.02
@@ -2818,9 +2864,13 @@ class TTFTPolicy(Policy):
         self.published = PublishedPrefixes(self.MAX_ENGINES)   # what the nodes say their engines hold
         self.opened: collections.OrderedDict[bytes, None] = collections.OrderedDict()   # keys seen, oldest first
         self.openers: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # first block -> first key
+        self.round_trip: Callable[[str], Optional[float]] = lambda session: None   # seconds, measured
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
+        measured = getattr(ingress.node, "round_trip", None)      # the overlay's probes (read only)
+        if callable(measured):
+            self.round_trip = measured
         config = getattr(ingress.node, "config", None)   # the ingress tier's secret: nodes cannot hash
         tier = getattr(config, "ingress_keys", None)      # prompts as the ingresses do (see prefix_line)
         key = tier[0] if tier else getattr(config, "key", None)
@@ -2851,12 +2901,20 @@ class TTFTPolicy(Policy):
             memo = request.memo = _Pick(chain, len(text.encode("utf-8", "surrogatepass")))
         return memo
 
+    def paths(self, candidates: List[Candidate]) -> List[float]:
+        """The round trip to each candidate in seconds (see Locality above)."""
+        measured = [self.round_trip(c.session) for c in candidates]
+        measured = [float(t) if _positive(t) or (t == 0 and not isinstance(t, bool)) else None for t in measured]
+        farthest = max((t for t in measured if t is not None), default=0.0)
+        return [farthest if t is None else t for t in measured]
+
     def estimates(self, candidates: List[Candidate],
-                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int, int]]:
-        """Per candidate: (its score: the estimated TTFT in seconds plus MISS_WEIGHT x the time
-        of the prompt's uncached part, the prefill counted in prompt tokens, the streams counted,
-        this prompt's uncached tokens there, blocks of the prompt it is thought to hold, the
-        requests it holds from every ingress)."""
+                  request: RoutedRequest) -> List[Tuple[float, float, float, float, int, int, float]]:
+        """Per candidate: (its score: the estimated TTFT in seconds, the path's round trip
+        included, plus MISS_WEIGHT x the time of the prompt's uncached part, the prefill counted
+        in prompt tokens, the streams counted, this prompt's uncached tokens there, blocks of the
+        prompt it is thought to hold, the requests it holds from every ingress, the path's round
+        trip)."""
         memo = self._prompt(request)
         chain = memo.chain
         matched = self.index.match(chain, [c.session for c in candidates]) if chain else {}
@@ -2886,6 +2944,7 @@ class TTFTPolicy(Policy):
                                    for depth, whole in views.values()):
                 matched[candidates[home].session] = (earlier, True)
         deepest = [0, 0]   # the deepest whole prompt held: at the home, elsewhere
+        paths = self.paths(candidates)
         for n, (c, record) in enumerate(zip(candidates, records)):
             est = self._engine(c, model)
             blocks, whole = matched.get(c.session, (0, False))
@@ -2900,9 +2959,9 @@ class TTFTPolicy(Policy):
             work = est.queued + others * est.kind.queued_per_request() + uncached
             streams = est.decoding + others
             held = (memo.size * tpb - uncached) if whole else 0.0   # a conversation continued here
-            out.append((est.ttft(work, streams) + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
-                                                                       self.CONTINUED_WEIGHT * held),
-                        work, streams, uncached, blocks, est.outstanding + others))
+            out.append((est.ttft(work, streams) + paths[n] + est.fit.theta[1] * (self.MISS_WEIGHT * uncached -
+                                                                                 self.CONTINUED_WEIGHT * held),
+                        work, streams, uncached, blocks, est.outstanding + others, paths[n]))
         memo.moved = deepest[1] > deepest[0]
         return out
 
@@ -2954,11 +3013,11 @@ class TTFTPolicy(Policy):
                 else:
                     i = near[random.randrange(len(near))]
         choice, memo = candidates[i], request.memo
-        _, memo.work, memo.streams, memo.uncached, blocks, _ = scored[i]
+        _, memo.work, memo.streams, memo.uncached, blocks, _, memo.path = scored[i]
         memo.session, memo.held = choice.session, blocks * otela_node.PREFIX_BLOCK_CHARS
         return choice
 
-    def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int]],
+    def _keeps_home(self, candidates: List[Candidate], scored: List[Tuple[float, float, float, float, int, int, float]],
                     home: int, request: RoutedRequest) -> bool:
         """Whether the affinity key's engine is about as good as the best. A key the client
         gave (it says its requests belong together: their prefix is computed there once) keeps
@@ -2982,7 +3041,8 @@ class TTFTPolicy(Policy):
         memo = request.memo
         if memo.affinity[:1] != b"o" and (memo.earlier or memo.opens) and not memo.moved:
             whole = 0.0 if memo.earlier else memo.size * self.tokens_per_byte   # an opening: as if held nowhere
-            queues = [self.engines[c.session].ttft(s[1] - s[3] + whole, s[2]) for c, s in zip(candidates, scored)]
+            queues = [self.engines[c.session].ttft(s[1] - s[3] + whole, s[2]) + s[6]   # (a far site's crossing
+                      for c, s in zip(candidates, scored)]                              # counts as its queue)
             return queues[home] <= min(queues) * (1 + self.AFFINITY_TIE) + 1e-6
         best = min(s[0] for s in scored)
         return scored[home][0] <= best + abs(best) * (self.AFFINITY_TIE if memo.earlier else self.TIE) + 1e-6
@@ -3032,13 +3092,13 @@ class TTFTPolicy(Policy):
                 est.trust += (min(cached / expected, 1.0) - est.trust) * 0.1
         first, started = request.first_at, memo.started
         if first is not None and first >= started:
-            ttft = first - started
+            ttft = max(0.0, first - started - memo.path)   # the engine's own time: the crossing is the path's
             done = request.completion_tokens
             if done and done > 1 and now > first:
                 est.itl += ((now - first) / (done - 1) - est.itl) * 0.1
             est.fit.learn(memo.work - memo.uncached + uncached, memo.streams, ttft)
         elif first is None:   # a whole answer: its first token came no later than its end
-            est.fit.bound(memo.work - memo.uncached + uncached, now - started)
+            est.fit.bound(memo.work - memo.uncached + uncached, max(0.0, now - started - memo.path))
 
     def stats(self) -> Dict[str, Dict[str, float]]:
         """Per session this ingress routed to and still in the registry: its answers' prompt and
@@ -3060,7 +3120,8 @@ class TTFTPolicy(Policy):
                 "ttft_estimate_seconds": est.ttft(est.queued, est.decoding),
                 "prefill_tokens_per_second": 1.0 / est.fit.theta[1],
                 "ttft_base_seconds": est.fit.theta[0], "ttft_per_stream_seconds": est.fit.theta[2],
-                "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0}
+                "decode_tokens_per_second": 1.0 / est.itl if est.itl > 0 else 0.0,
+                "round_trip_seconds": self.round_trip(session) or 0.0}
         return out
 
 
@@ -3645,7 +3706,9 @@ ROUTING_FAMILIES = (
     ("prefill_tokens_per_second", "otela_session_prefill_tokens_per_second", "gauge",
      "Prompt tokens per second, fitted from its answers."),
     ("decode_tokens_per_second", "otela_session_decode_tokens_per_second", "gauge",
-     "Output tokens per second of one stream, from its answers."))
+     "Output tokens per second of one stream, from its answers."),
+    ("round_trip_seconds", "otela_session_round_trip_seconds", "gauge",
+     "The path's round trip from this ingress, as its overlay's probes measure it (counted in routing)."))
 
 
 def queue_metrics(queue: FairQueue) -> bytes:
@@ -6004,11 +6067,11 @@ class AdminAPI:
         GET  /v1/admin/fallbacks               this ingress's fallback lists (admin_fallbacks)
         POST /v1/admin/fallbacks/MODEL {fallbacks}   (or DELETE /v1/admin/fallbacks/MODEL)
         GET  /v1/admin/limits                  every user's and model's limits (ClusterFlow)
-        PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL)
+        PUT  /v1/admin/limits/users/NAME {rpm?, tpm?, concurrency?}   (or .../models/MODEL {..., sites?})
         DELETE /v1/admin/limits/users/NAME     (or .../models/MODEL): no limit any more
-    A key's own settings (rpm, tpm, concurrency, weight, priority, priorities) are given when it is
+    A key's own settings (rpm, tpm, concurrency, weight, priority, priorities, sites) are given when it is
     made (POST /v1/admin/keys) or replaced later:
-        PUT  /v1/admin/keys/ID/limits {rpm?, tpm?, concurrency?, weight?, priority?, priorities?}"""
+        PUT  /v1/admin/keys/ID/limits {rpm?, tpm?, concurrency?, weight?, priority?, priorities?, sites?}"""
 
     def __init__(self, cluster: ClusterKeys, usage_days: int, fallbacks: Dict[str, List[str]], flow: ClusterFlow):
         self.cluster, self.flow = cluster, flow
@@ -6047,7 +6110,7 @@ class AdminAPI:
             view.update(state=crdt.KEY_STATE_NAMES[record["state"]], allow=record.get("allow", []),
                         admin=record.get("admin", False), rate=record.get("rate", 0.0),
                         expires=record.get("expires"), usage=self.cluster.usage(digest, now),
-                        **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS})
+                        sites=settings.get("sites", []), **{f: settings.get(f, 0) for f in crdt.LIMIT_FIELDS})
             if record["state"] == crdt.KEY_ACTIVE and not crdt.key_accepts(record, now):
                 view["state"] = "expired"
             out.append(view)
@@ -6060,6 +6123,7 @@ class AdminAPI:
                 spec.get("user"), spec.get("allow"), spec.get("rate", 0.0), spec.get("budget_day", 0),
                 spec.get("budget_month", 0), spec.get("expires"))
             queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
+            queueing.update(sites_spec(spec.get("sites")))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter") from None
         admin = spec.get("admin", False)
@@ -6083,6 +6147,7 @@ class AdminAPI:
         spec, limits = self._limits_body(body, crdt.KEY_SETTINGS, "a key's settings are " + ", ".join(crdt.KEY_SETTINGS))
         try:
             queueing = queue_spec(spec.get("weight", 1.0), spec.get("priority"), spec.get("priorities"))
+            queueing.update(sites_spec(spec.get("sites")))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter", str(exc).split()[0]) from None
         settings = self.flow.set_key_settings(digest, key_settings(time.time(), limits, **queueing))
@@ -6120,11 +6185,17 @@ class AdminAPI:
         if not name.strip() or not name.isprintable() or len(name) > crdt.MAX_STRING:
             raise HTTPError(400, f"A {rest[0][:-1]} name is 1 to {crdt.MAX_STRING} printable characters",
                             "invalid_parameter")
-        limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
+        limits, sites = dict.fromkeys(crdt.LIMIT_FIELDS, 0), {}
         if method == b"PUT":
-            limits = self._limits_body(body, crdt.LIMIT_FIELDS, "a limit is rpm, tpm and concurrency")[1]
+            fields = crdt.LIMIT_FIELDS + (crdt.RESIDENCY_FIELDS if rest[0] == "models" else ())
+            spec, limits = self._limits_body(body, fields, "a limit is rpm, tpm and concurrency" +
+                                             (", and a model's sites" if rest[0] == "models" else ""))
+            try:
+                sites = sites_spec(spec.get("sites"))
+            except ValueError as exc:
+                raise HTTPError(400, str(exc), "invalid_parameter", "sites") from None
         try:
-            return self.flow.set_limit(kinds[rest[0]], name, limits, time.time())
+            return self.flow.set_limit(kinds[rest[0]], name, limits, time.time(), **sites)
         except crdt.RecordError as exc:
             raise HTTPError(400, str(exc), "invalid_parameter") from None
 
@@ -6391,12 +6462,12 @@ async def read_limits(db_path: str, flow: ClusterFlow, adopt: Callable[[List[Tup
                 now_version = db.execute("PRAGMA data_version").fetchone()[0]
                 if now_version != version:
                     version = now_version
-                    for kind, name, rpm, tpm, concurrency, changed in db.execute(
-                            "SELECT kind, name, rpm, tpm, concurrency, changed FROM limits"):
+                    for kind, name, rpm, tpm, concurrency, changed, stored in db.execute(
+                            "SELECT kind, name, rpm, tpm, concurrency, changed, queue FROM limits"):
                         if seen.get((kind, name)) != changed and kind in ("u", "m"):   # (keys': Ledger)
                             seen[(kind, name)] = changed
                             flow.set_limit(kind, name, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
-                                           changed, now=False)
+                                           changed, now=False, **sites_spec(crdt.loads(stored).get("sites")))
             except (sqlite3.Error, ValueError, crdt.RecordError) as exc:
                 print(f"otela-ingress: reading limits failed (retried): {exc}", file=sys.stderr)
             await asyncio.sleep(GRANT_POLL_S)
@@ -6423,8 +6494,10 @@ def load_key_settings(db: sqlite3.Connection) -> Dict[str, Dict[str, Any]]:
     for name, rpm, tpm, concurrency, changed, queue in db.execute(
             "SELECT name, rpm, tpm, concurrency, changed, queue FROM limits WHERE kind = 'k'"):
         try:
+            stored = crdt.loads(queue)   # (its fair-queue fields, and its sites)
+            sites = sites_spec(stored.pop("sites", None))
             settings[name] = key_settings(changed, {"rpm": rpm, "tpm": tpm, "concurrency": concurrency},
-                                          **queue_spec(**crdt.loads(queue)))
+                                          **queue_spec(**stored), **sites)
         except (ValueError, TypeError) as exc:   # a hand-edited row: the others still count
             print(f"otela-ingress: settings of key {name[:12]}... not read: {exc}", file=sys.stderr)
     return settings
@@ -6507,7 +6580,7 @@ class Ingress:
                                  getattr(node, "tunnel_header", None), limits)
         if punch is not None:
             punch.listeners.append(self.pool.retire)   # a private ingress's punched paths
-        self._candidates: Dict[Tuple[str, Tuple[str, ...]], Tuple[float, List[Candidate]]] = {}
+        self._candidates: Dict[Tuple[str, Tuple[str, ...], Optional[frozenset]], Tuple[float, List[Candidate]]] = {}
         self._signatures: Dict[str, int] = {}   # session -> the hash of its record less VIEW_FIELDS
         self.doubts = EvictionDoubts(self.grants, self.health, self._record_of, getattr(node, "evicted_here", None))
         self.clients: set = set()
@@ -6678,20 +6751,24 @@ class Ingress:
 
     # -- registry -> candidates --------------------------------------------------------------
     def candidates(self, model: str, key: Key) -> List[Candidate]:
-        """SERVING, unsuspected sessions serving `model` that the key's allowlist admits.
+        """SERVING, unsuspected sessions serving `model` that the key's allowlist admits, at the
+        sites the key and the model may be served at (residency).
 
-        Cached per (model, allowlist) until the registry changes; raises HTTPError 404 for a
-        model no live session knows, 403 when only the allowlist stands in the way, 503 when
-        the model's sessions are all unhealthy.
+        Cached per (model, allowlist, sites) until the registry changes; raises HTTPError 404 for
+        a model no live session knows, 403 when only the allowlist stands in the way, 503 when
+        the model's sessions are all unhealthy or none is at a site the request may be served at.
+        Every attempt's session comes from here (retries, continuations, fallbacks), so a request
+        never leaves its sites.
         """
-        cache_key = (model, key.allow)
+        sites = self.residency(model, key)
+        cache_key = (model, key.allow, sites)
         now = time.monotonic()
         hit = self._candidates.get(cache_key)
         if hit is not None and now - hit[0] < CANDIDATE_TTL_S:
             return hit[1]
         node = self.node
         grants = self.grants
-        found = known = False
+        found = known = outside = False
         result = []
         doubted = self.doubts.routed(now) if self.doubts.until else {}
         for sid, record in node.registry.items():
@@ -6705,8 +6782,14 @@ class Ingress:
                 continue
             found = True
             grants.served[model] = now
-            if grants.admits(key.allow, sid, record):
-                result.append(Candidate(sid, record))
+            if not grants.admits(key.allow, sid, record):
+                continue
+            if sites is not None and grants.site(record) not in sites:   # (no site label: outside)
+                outside = True
+                continue
+            result.append(Candidate(sid, record))
+        if not result and outside:
+            raise self._outside(model, sites)
         if not result:
             raise self._no_candidate(model, known, found, now)
         # A session inside its job's last minutes (its record's ends_at) gets nothing new while
@@ -6719,6 +6802,25 @@ class Ingress:
             self._candidates.clear()
         self._candidates[cache_key] = (now, result)
         return result
+
+    def residency(self, model: str, key: Key) -> Optional[frozenset]:
+        """The sites a request of `key` for `model` may be served at: the key's (its settings)
+        and the model's (its limits' entry), both where both are set; None: anywhere."""
+        bound = self.flow.model_sites.get(model) if self.flow.model_sites else None
+        if bound is None or key.sites is None:
+            return key.sites if bound is None else bound
+        return key.sites & bound
+
+    @staticmethod
+    def _outside(model: str, sites: frozenset) -> HTTPError:
+        """No session of `model` at the sites a request may be served at, though one elsewhere
+        serves it: 503, as for a model with no healthy session (the model exists and the key may
+        use it; an engine at one of its sites, started or healed, serves it: a condition of the
+        service, not of the request, and worth a retry), never a session outside."""
+        return HTTPError(503, f"No session of '{model}' in the sites its requests may be served at "
+                              f"({', '.join(sorted(sites)) or 'none in common between the key and the model'}) "
+                              "right now; its requests are never served elsewhere", "no_session_in_sites",
+                         headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
 
     def _no_candidate(self, model: str, known: bool, found: bool, now: float) -> HTTPError:
         """Why a request for `model` has no candidate: `known`, a live session says it serves it;
@@ -6750,11 +6852,17 @@ class Ingress:
         return sorted(names)
 
     def _served_models(self, key: Key) -> set:
+        """The models a session the key may use serves (its allowlist, and each model's sites)."""
         names = set()
         grants = self.grants
+        bound = key.sites is not None or bool(self.flow.model_sites)
         for sid, record in self.node.registry.items():
             if self._routable(sid, record) and grants.admits(key.allow, sid, record):
-                names.update(grants.models(record))
+                models = grants.models(record)
+                if bound:   # (residency: a model served only outside its sites is not the key's)
+                    site = grants.site(record)
+                    models = [m for m in models if site in (self.residency(m, key) or (site,))]
+                names.update(models)
         return names
 
     def _routable(self, sid: str, record: Dict[str, Any]) -> bool:
@@ -6898,6 +7006,10 @@ class Ingress:
         if not self._routable(sid, record):
             raise HTTPError(503, f"The session {sid!r} takes no requests now (state, suspicion, grant or code)",
                             "no_healthy_provider", headers=[(b"retry-after", str(RETRY_AFTER_S).encode())])
+        sites = self.residency(model, key)
+        if sites is not None and self.grants.site(record) not in sites:   # an admin's key is bound too
+            raise HTTPError(403, f"The session {sid!r} is outside the sites this request may be served at "
+                                 f"({', '.join(sorted(sites))})", "outside_sites")
         return [Candidate(sid, record)]
 
     # -- the proxy ---------------------------------------------------------------------------
@@ -7778,6 +7890,9 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
     create.add_argument("--priorities", default=None, metavar="CLASSES",
                         help="comma-separated classes a request may ask for (X-Otela-Priority) besides "
                              "the key's own and lower ones (default: none)")
+    create.add_argument("--sites", default=None, metavar="SITES",
+                        help="comma-separated site names: the key's requests are served only by sessions "
+                             "whose grant places them at one of these sites (data residency; default: any)")
     create.add_argument("--db", default=DEFAULT_DB, help=db_help)
     create.add_argument("--json", action="store_true", help="print {id, key, user} as JSON")
     lister = keys_sub.add_parser("list", help="list keys (never their secrets) and their use against "
@@ -7804,6 +7919,10 @@ def build_parser(overlay: bool = True) -> argparse.ArgumentParser:
             for field, what in (("rpm", "requests per sliding minute"), ("tpm", "tokens per sliding minute"),
                                 ("concurrency", "requests in flight")):
                 one.add_argument("--" + field, type=int, default=0, metavar="N", help=f"{what} (default 0: none)")
+            one.add_argument("--sites", default=None, metavar="SITES",
+                             help="a model's: comma-separated site names; its requests are served only by "
+                                  "sessions whose grant places them at one of these sites (data residency; "
+                                  "set replaces the model's limits and sites together)")
         one.add_argument("--db", default=DEFAULT_DB, help=db_help)
         if name == "list":
             one.add_argument("--json", action="store_true", help="print JSON")
@@ -7840,7 +7959,7 @@ def _keys_command(args: argparse.Namespace) -> int:
         try:
             spec = key_spec(args.user, args.allow, args.rate, args.budget_day, args.budget_month, args.expires)
             limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-            queueing = queue_spec(args.weight, args.priority, args.priorities)
+            queueing = dict(queue_spec(args.weight, args.priority, args.priorities), **sites_spec(args.sites))
         except ValueError as exc:
             raise ValueError(f"--{str(exc).replace('_', '-')}") from None
     elif not os.path.exists(args.db):   # a typo must not become a new, empty database
@@ -7864,11 +7983,18 @@ def _keys_command(args: argparse.Namespace) -> int:
 
 def _limits_command(args: argparse.Namespace) -> int:
     """`limits set|clear --user NAME|--model MODEL [--rpm N --tpm N --concurrency N]`, `limits list`."""
-    limits = dict.fromkeys(crdt.LIMIT_FIELDS, 0)
+    limits, sites = dict.fromkeys(crdt.LIMIT_FIELDS, 0), {}
     if args.limits_command == "set":
         limits = limit_spec({f: getattr(args, f) for f in crdt.LIMIT_FIELDS})
-        if not any(limits.values()):
-            raise ValueError("limits set: give --rpm, --tpm or --concurrency (`limits clear` removes them)")
+        try:
+            sites = sites_spec(args.sites) if args.sites is not None else {}
+        except ValueError as exc:
+            raise ValueError(f"--{exc}") from None
+        if sites and args.user is not None:
+            raise ValueError("--sites binds a model's requests (--model) or a key's (keys create --sites), not a user's")
+        if not any(limits.values()) and not sites.get("sites"):
+            raise ValueError("limits set: give --rpm, --tpm, --concurrency or (a model's) --sites "
+                             "(`limits clear` removes them)")
     if args.limits_command != "list":
         kind, name = ("u", args.user) if args.user is not None else ("m", args.model)
         if not name.strip() or not name.isprintable() or len(name) > crdt.MAX_STRING:
@@ -7878,15 +8004,17 @@ def _limits_command(args: argparse.Namespace) -> int:
     db = open_db(args.db)
     try:
         if args.limits_command != "list":
-            store_limit(db, kind, name, limits, time.time())
-            print(f"{crdt.LIMIT_SUBJECTS[kind]} {name}: " + (", ".join(f"{f} {v}" for f, v in limits.items() if v)
-                                                              or "no limits"), file=sys.stderr)
+            store_limit(db, kind, name, limits, time.time(), sites)   # (a model's sites beside its limits)
+            said = [f"{f} {v}" for f, v in limits.items() if v] + \
+                [f"sites {','.join(sites['sites'])}" for _ in (1,) if sites.get("sites")]
+            print(f"{crdt.LIMIT_SUBJECTS[kind]} {name}: " + (", ".join(said) or "no limits"), file=sys.stderr)
             return 0
-        rows = [{crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency}
-                for kind, name, rpm, tpm, concurrency in db.execute(
-                    "SELECT kind, name, rpm, tpm, concurrency FROM limits WHERE kind != 'k' "   # (keys': keys list)
+        rows = [dict({crdt.LIMIT_SUBJECTS[kind]: name, "rpm": rpm, "tpm": tpm, "concurrency": concurrency},
+                     **{f: v for f, v in crdt.loads(stored).items() if f == "sites" and v})
+                for kind, name, rpm, tpm, concurrency, stored in db.execute(
+                    "SELECT kind, name, rpm, tpm, concurrency, queue FROM limits WHERE kind != 'k' "   # (keys': keys list)
                     "ORDER BY kind DESC, name")
-                if rpm or tpm or concurrency]
+                if rpm or tpm or concurrency or crdt.loads(stored).get("sites")]
     finally:
         db.close()
     if args.json:
@@ -7894,7 +8022,7 @@ def _limits_command(args: argparse.Namespace) -> int:
     for row in [] if args.json else rows:
         what = "user" if "user" in row else "model"
         print(f"{what:5} {row[what]:24} rpm={row['rpm'] or '-'} tpm={row['tpm'] or '-'} "
-              f"concurrency={row['concurrency'] or '-'}")
+              f"concurrency={row['concurrency'] or '-'}" + (f" sites={','.join(row['sites'])}" if row.get("sites") else ""))
     return 0
 
 
@@ -7931,6 +8059,7 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
         digest = r.pop("hash")
         r["tokens_today"], r["tokens_this_month"] = crdt.usage_spent(slots, digest, day)
         r.update((f, settings.get(digest, {}).get(f, 0)) for f in crdt.LIMIT_FIELDS)
+        r["sites"] = settings.get(digest, {}).get("sites", [])
     if args.json:
         print(crdt.dumps(rows).decode())
         return
@@ -7944,7 +8073,8 @@ def _keys_list(args: argparse.Namespace, db: sqlite3.Connection) -> None:
         print(f"{r['id']}  {state:7}  {r['user']:16} admin={'yes' if r['admin'] else 'no':3} "
               f"rate={r['rate']:g} allow={','.join(r['allow']) or '*'}  "
               f"tokens today {today} month {month}  expires {expires}  "
-              + "".join(f"{f}={r[f]} " for f in crdt.LIMIT_FIELDS if r[f]) +
+              + "".join(f"{f}={r[f]} " for f in crdt.LIMIT_FIELDS if r[f])
+              + (f"sites={','.join(r['sites'])} " if r["sites"] else "") +
               f"created {time.strftime('%Y-%m-%d %H:%M', time.gmtime(r['created']))}")
 
 

@@ -453,6 +453,17 @@ def config_from_env(config: Config, env: Optional[Mapping[str, str]] = None) -> 
         raise ConfigError(str(exc)) from None
 
 
+def own_address(host: str) -> bool:
+    """Whether `host` (an IP address) is one of this host's own: a socket can bind it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
 def split_addr(addr: str) -> Tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
@@ -837,6 +848,8 @@ PROBE_ROUND = (
     ("indirect", ("probe_timeout", "indirect_timeout"), "suspect"),  # all three paths failed
 )
 
+ROUND_TRIP_GAIN = 0.25   # a probe's round trip's share of FailureDetector.round_trip: ~4 probes
+                         # of a member to follow a path that changed (a relay to a punched path)
 Out = collections.namedtuple("Out", "addr msg tcp")
 # A rumour queued for gossip (Overlay.rumours): a record ("r", sid) or a suspicion of sid by a
 # confirmer ("s", sid, by); a tuple, as it keys the queue.
@@ -930,11 +943,17 @@ class FailureDetector:
         self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
         self.rtt = 0.0                              # moving average of every ack's delay
+        self.round_trips: Dict[str, float] = {}     # sid -> its direct probes' round trip (round_trip)
         self.next_probe = now + rng.uniform(0, config.probe_interval)
 
     # -- queries ----------------------------------------------------------------------------
     def is_suspected(self, sid: str) -> bool:
         return sid in self.suspects
+
+    def round_trip(self, sid: str) -> Optional[float]:
+        """Seconds a probe of ours takes to `sid` and back on its own path (through its relays,
+        for a relayed member: their legs are in it), smoothed; None before one was answered."""
+        return self.round_trips.get(sid)
 
     # -- the timer (Overlay.tick, Overlay.next_wakeup) -----------------------------------------
     def _detect(self, now: float) -> List[Out]:
@@ -967,6 +986,7 @@ class FailureDetector:
         self.late = {n: p for n, p in self.late.items() if p.start > horizon}
         self.hinted = {a: t for a, t in self.hinted.items() if t > now - cfg.push_pull_interval}
         self.slow = {sid: v for sid, v in self.slow.items() if sid in self.members}
+        self.round_trips = {sid: v for sid, v in self.round_trips.items() if sid in self.members}
 
     def _stop_probing(self) -> None:
         """We leave: no probe round is finished or started."""
@@ -1018,6 +1038,8 @@ class FailureDetector:
         if p is not None and n == p["seq"]:
             if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
                 self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
+            if p["phase"] == 0:                              # the direct path alone (a helper's
+                self._timed(p["sid"], now - p["start"])      # ack adds its legs)
             self._acked(p["sid"], now - p["start"], now)
             self._end_probe()
             return []
@@ -1035,6 +1057,12 @@ class FailureDetector:
             if sus is not None and sid in self.members:   # tell it, so that it refutes
                 return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
         return []
+
+    def _timed(self, sid: str, rtt: float) -> None:
+        """A direct probe's round trip to `sid`: into its moving average (a quarter per sample, so
+        one ack delayed by a busy loop moves it a quarter of the delay; the first sample as it is)."""
+        held = self.round_trips.get(sid)
+        self.round_trips[sid] = rtt if held is None else held + (rtt - held) * ROUND_TRIP_GAIN
 
     def _acked(self, sid: str, rtt: float, now: float) -> None:
         """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
@@ -3891,10 +3919,28 @@ class Reach:
         2     otherwise                                                    "splice"
 
     How gossip reaches it (reach_of): "punched" while a punched UDP path is on record (rule 4),
-    else "relayed"; a dialable member's address is "direct"."""
+    else "relayed"; a dialable member's address is "direct".
+
+    Whether this member is dialable (--reach auto, from its seeds' answers to "rq": `seen`, the
+    address a seed saw it connect from, and `back`, whether its dial-back to our address worked;
+    RelayClient._dialled_back), first rule that holds:
+
+        when                                                               judged
+        a seed dialled us back and saw us at an address of this host      public ("direct")
+        (no NAT translates our address on the way to it)
+        a seed dialled us back but saw another address (a NAT's)          private: it reached us
+                                                                           around the NAT, over a
+                                                                           LAN (a login host on our
+                                                                           site's); a member beyond
+                                                                           the NAT, at another
+                                                                           site, could not
+        no seed dialled us back                                           private
+
+    A seed of a release that says no `seen` is believed as before (its dial-back decides)."""
 
     TUNNEL_RULES = (("spare", "spare_fresh"), ("punch", "may_punch"), ("dial-back", "holds_link"),
                     ("splice", None))
+    DIALABLE_RULES = ((True, "dialled_untranslated"), (False, None))
 
     def __init__(self, config: Config):
         self.config = config                        # punch_retry, max_punched
@@ -3933,6 +3979,27 @@ class Reach:
     def forget(self, addr: str) -> None:
         """Its record went LEFT (or away): a relayed address names one process, gone for good."""
         self.peers.pop(addr, None)
+
+    @classmethod
+    def dialable(cls, answers: Iterable[Mapping[str, Any]], ours: Callable[[str], bool]) -> bool:
+        """Whether the seeds' `answers` make us dialable by every member (the table above);
+        `ours(host)`: whether an address is this host's own."""
+        facts = {"dialled_untranslated": lambda: any(a.get("back") and cls._untranslated(a.get("seen"), ours)
+                                                     for a in answers)}
+        return next(judged for judged, fact in cls.DIALABLE_RULES if fact is None or facts[fact]())
+
+    @staticmethod
+    def _untranslated(seen: Any, ours: Callable[[str], bool]) -> bool:
+        """Whether a seed saw us at our own address (`seen`, HOST:PORT; none said: as if it did)."""
+        if not isinstance(seen, str) or not seen:
+            return True
+        host = seen.rpartition(":")[0].strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return True                             # not an address we can judge: the dial-back decides
+        mapped = getattr(ip, "ipv4_mapped", None)   # a dual-stack seed's view of an IPv4 asker
+        return ours(str(mapped or ip))
 
     def tunnel_reach(self, addr: str) -> str:
         peer = self.peers.get(addr)
@@ -5454,9 +5521,13 @@ class RelayClient:
             return
 
     def _send_private(self, dest: str, data: bytes) -> None:
-        """A private member's send: over its first open link; with none yet, straight out (a
-        cone NAT passes it) unless `dest` is relayed."""
-        for link in self.links.values():
+        """A private member's send: to one of our relays down its own link (through another
+        relay it would cross to that relay's site and back: with sites 40 ms apart, 41 ms for a
+        LAN path, and our own site's ingress, timing its probes, would judge us as far away as
+        the other site's engines); else over our first open link; with none yet, straight out
+        (a cone NAT passes it) unless `dest` is relayed."""
+        own = self.links.get(dest)
+        for link in ((own,) if own is not None else ()) + tuple(self.links.values()):
             if not link.writer.transport.is_closing():
                 link.writer.write(frame(envelope(dest, data)))
                 self.traffic["sent"] += len(data) + 4
@@ -5525,10 +5596,13 @@ class RelayClient:
             await asyncio.sleep(delay)              # no seed answered yet: the join's backoff
             delay = min(delay * 2, cfg.join_retry_max)
         self.observed = str(heard[0][1].get("seen", ""))
-        if any(a.get("back") for _, a in heard):
+        if Reach.dialable([a for _, a in heard], own_address):
             log.info("reachable: a seed dialled us back (seen as %s)", self.observed)
             self.reach_known(relaying=bool(cfg.relay))
             return True
+        if any(a.get("back") for _, a in heard):
+            log.info("a seed dialled us back but saw us as %s, through a NAT: other sites could not dial "
+                     "us (--reach public says otherwise)", self.observed)
         self._heard_seeds(heard)
         return False
 
@@ -6200,6 +6274,10 @@ class Node:
 
     def is_suspected(self, sid: str) -> bool:
         return self.overlay is not None and self.overlay.is_suspected(sid)
+
+    def round_trip(self, sid: str) -> Optional[float]:
+        """This member's measured round trip to a session (FailureDetector.round_trip), read only."""
+        return self.overlay.round_trip(sid) if self.overlay is not None else None
 
     @property
     def bytes_sent(self) -> int:

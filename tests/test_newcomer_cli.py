@@ -195,7 +195,7 @@ def test_a_ledger_opened_read_only_recovers_by_itself_once_the_file_is_writable(
 
 # -- a new key: one shape, checked before it is handed out ----------------------------------------
 KEY_FIELDS = {"object", "id", "key", "user", "created", "admin", "allow", "rate", "budget_day", "budget_month",
-              "expires", "rpm", "tpm", "concurrency", "weight", "priority", "priorities"}
+              "expires", "rpm", "tpm", "concurrency", "weight", "priority", "priorities", "sites"}
 
 
 def test_the_admin_api_and_keys_create_json_answer_the_same_fields(stack, tmp_path):

@@ -110,3 +110,41 @@ def test_a_relayed_tunnel_over_a_punched_udp_path_is_probed_once_until_it_punche
 def test_the_tunnel_rules_table_ends_in_a_rule_that_always_holds():
     assert on.Reach.TUNNEL_RULES[-1][1] is None
     assert math.isinf(on.PeerReach().given_up)
+
+
+MINE = {"10.81.0.10", "127.0.0.1", "::1"}   # this host's own addresses, as the bind test says
+
+
+def dialable(*answers):
+    return on.Reach.dialable(list(answers), MINE.__contains__)
+
+
+def test_a_seed_that_dials_back_and_sees_our_own_address_makes_us_public():
+    assert dialable({"seen": "10.81.0.10:40112", "back": True}) is True
+    assert dialable({"seen": "[::1]:40112", "back": True}) is True
+    assert dialable({"seen": "::ffff:10.81.0.10:40112", "back": True}) is True   # a dual-stack seed's view
+
+
+def test_a_login_host_that_dials_back_over_the_lan_but_sees_a_nat_leaves_us_private():
+    # the compute host reached its login's public address through its site's NAT (seen), and the
+    # login dialled it back over the site's LAN: another site would dial the same private address
+    assert dialable({"seen": "10.80.0.1:51000", "back": True}) is False
+    assert dialable({"seen": "10.80.0.1:51000", "back": True}, {"seen": "10.80.1.129:7946", "back": False}) is False
+    # one seed that sees us as we are is enough
+    assert dialable({"seen": "10.80.0.1:51000", "back": True}, {"seen": "10.81.0.10:40000", "back": True}) is True
+
+
+def test_no_dial_back_is_private_and_a_seed_that_says_no_seen_is_believed_as_before():
+    assert dialable({"seen": "10.81.0.10:40112", "back": False}) is False
+    assert dialable() is False
+    assert dialable({"back": True}) is True and dialable({"seen": "", "back": True}) is True
+    assert dialable({"seen": "a-host-name:40112", "back": True}) is True
+
+
+def test_the_dialable_rules_end_in_a_rule_that_always_holds():
+    assert on.Reach.DIALABLE_RULES[-1] == (False, None)
+
+
+def test_this_hosts_own_addresses_are_the_ones_a_socket_binds():
+    assert on.own_address("127.0.0.1") is True
+    assert on.own_address("192.0.2.77") is False   # TEST-NET-1: never this host's

@@ -46,6 +46,8 @@ Nothing is attached to this machine's own network, so no packet leaves the lab.
     tests/wanlab.py forward SPEC.json     the emulator (the lab starts it inside its wan namespace)
     tests/wanlab.py cross [--rtt-ms 40] [--direct]   two sites, a request through site a's ingress
                       to site b's node (relayed, or direct): its p50 against one served at site a (as root)
+    tests/wanlab.py locality [--rtt-ms 40] [--requests 200]   two sites, two nodes each serving one
+                      model: the share of each ingress's requests served at its own site (as root)
 """
 from __future__ import annotations
 
@@ -460,8 +462,8 @@ def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requ
     import reliability as rel
     out: Dict[str, Any] = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms, "direct": direct}
     links = {"a-b": {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms}}
-    # --reach private: a node's own login host reaches it over the LAN, so the seed's dial-back
-    # (reach auto) would call it public, and the other site's ingress would dial its private address
+    # (a node behind its site's NAT is judged private by --reach auto, though its login host, its
+    # seed, dials it back over the LAN: the seed saw the NAT's address, not the node's)
     with WanLab(sites=2, links=links) as lab, rel.Fleet(tmp, timings) as fleet:
         echo = subprocess.Popen(lab.login("b").argv(echo_argv(7000)), stdout=subprocess.PIPE, text=True)
         echo.stdout.readline()
@@ -476,11 +478,11 @@ def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requ
                     "--port {port}")
         # direct: beside ingress b on its login host (a gossip port of its own), dialed over the WAN
         b_place, b_flags = (lab.login("b"), ("--reach", "public", "--gossip", f"{login_public(1)}:7948")) \
-            if direct else (lab.host("b"), ("--reach", "private"))
+            if direct else (lab.host("b"), ())
         nodes = {
             "a": fleet.node("node-a", lab.host("a"), bootstrap=(ingress_a.gossip,), engine=engine_a,
                             grant=fleet.grant("node-a", (LOCAL_MODEL,), "--label", "site=a"),
-                            flags=("--site-name", "a", "--reach", "private")),
+                            flags=("--site-name", "a")),
             "b": fleet.node("node-b", b_place, bootstrap=(ingress_b.gossip,),
                             grant=fleet.grant("node-b", (rel.MODEL,), "--label", "site=b"),
                             flags=("--site-name", "b", *b_flags)),
@@ -518,12 +520,115 @@ def run_cross_site(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requ
     return out
 
 
+def chat_spread(url: str, token: str, model: str, count: int, parallel: int) -> Dict[str, Any]:
+    """`count` non-streamed chats, each its own prompt, from `parallel` clients at once (threads,
+    here in the caller's Place): their statuses and which session answered each."""
+    import concurrent.futures
+    import http.client
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+
+    def client(first: int) -> List[Tuple[int, str]]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        got = []
+        try:
+            for n in range(first, count, parallel):
+                body = json.dumps({"model": model, "max_tokens": 4,
+                                   "messages": [{"role": "user", "content": f"question {n}: " + "why " * (n % 50)}]})
+                conn.request("POST", "/v1/chat/completions", body,
+                             {"authorization": f"Bearer {token}", "content-type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                got.append((resp.status, resp.getheader("x-otela-session", "")))
+        finally:
+            conn.close()
+        return got
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        answers = [a for part in pool.map(client, range(parallel)) for a in part]
+    return {"statuses": [s for s, _ in answers], "served_by": [sid for _, sid in answers]}
+
+
+def round_trips(url: str, token: str) -> Dict[str, float]:
+    """Session -> the round trip (ms) the ingress at `url` counts in routing (its /metrics). Run
+    it in a Place."""
+    import urllib.request
+    req = urllib.request.Request(url + "/metrics", headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("otela_session_round_trip_seconds{session=\""):
+            session = line.split('"')[1]
+            out[session] = round(float(line.rsplit(" ", 1)[1]) * 1000, 2)
+    return out
+
+
+def run_locality(tmp: str, timings: Dict[str, str], rtt_ms: float = 40.0, requests: int = 200,
+                 parallel: int = 4, nodes: int = 2) -> Dict[str, Any]:
+    """Sites a and b `rtt_ms` apart, each with its ingress (the ttft policy) and `nodes` nodes
+    serving one model behind its NAT (--reach auto): `requests` chats through each site's
+    ingress from its login host, `parallel` at a time, after a warm-up; then as many with a key
+    bound to site a (keys create --sites a) through each. Returns, per site, how many its ingress
+    served at its own site, how each ingress reaches each node, and how many of the bound key's
+    requests were served outside site a."""
+    import reliability as rel
+    out: Dict[str, Any] = {"rtt_ms": rtt_ms, "requests": requests, "parallel": parallel, "nodes_per_site": nodes}
+    with WanLab(sites=2, hosts=nodes, links={"a-b": {"rtt_ms": rtt_ms}}) as lab, rel.Fleet(tmp, timings) as fleet:
+        bound = subprocess.run([rel.PY, os.path.join(rel.ROOT, "otela_ingress.py"), "keys", "create", "--user",
+                                "resident", "--sites", "a", "--db", fleet.db], env=fleet.env, check=True,
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+        ingresses = {"a": fleet.ingress(lab.login("a"), policy="ttft", name="ingress-a", flags=("--site-name", "a"))}
+        ingresses["b"] = fleet.ingress(lab.login("b"), policy="ttft", name="ingress-b",
+                                       bootstrap=(ingresses["a"].gossip,), db=os.path.join(tmp, "b.sqlite"),
+                                       flags=("--site-name", "b"))
+        for site in "ab":
+            for k in range(nodes):
+                name = f"node-{site}{k}"
+                fleet.node(name, lab.host(site, k), bootstrap=(ingresses[site].gossip,),
+                           grant=fleet.grant(name, (rel.MODEL,), "--label", f"site={site}"),
+                           flags=("--site-name", site))
+
+        def sites_of(ingress: Any) -> Dict[str, Tuple[str, str]]:
+            return {s["session"]: (s.get("site"), s.get("tunnel")) for s in fleet.registry(ingress)["sessions"]
+                    if s.get("role") == "worker" and s["state"] == "SERVING" and not s.get("suspected")}
+        started = time.monotonic()
+        for ingress in ingresses.values():
+            rel.wait(lambda at=ingress: fleet.up() and len(sites_of(at)) == 2 * nodes, 90,
+                     "every node SERVING at both ingresses")
+        out["serving_after_s"] = round(time.monotonic() - started, 2)
+        for site, ingress in ingresses.items():
+            client = lab.login(site)
+            warm = client.call(chat_spread, ingress.url, fleet.token, rel.MODEL, 4 * nodes * 2, 1, timeout=120)
+            time.sleep(3.0)   # every node probed by this ingress a few times (QUICK_TIMINGS: 0.3 s a round)
+            got = client.call(chat_spread, ingress.url, fleet.token, rel.MODEL, requests, parallel, timeout=300)
+            where = sites_of(ingress)
+            at = [where.get(sid, ("?", ""))[0] for sid in got["served_by"]]
+            out[site] = {"ok": got["statuses"].count(200), "of": requests, "stayed": at.count(site),
+                         "share_stayed": round(at.count(site) / requests, 4),
+                         "warm_up_stayed": [where.get(sid, ("?", ""))[0] for sid in warm["served_by"]].count(site),
+                         "warm_up_of": len(warm["served_by"]),
+                         "reach": sorted(f"{s}:{t}" for s, t in where.values()),
+                         "round_trip_ms": sorted(f"{where.get(sid, ('?', ''))[0]}:{ms}" for sid, ms in
+                                                 client.call(round_trips, ingress.url, fleet.token).items())}
+        for site, ingress in ingresses.items():   # the key's settings reach b's ingress over the overlay
+            client = lab.login(site)
+            rel.wait(lambda at=ingress, c=client: c.call(chat_spread, at.url, bound, rel.MODEL, 1, 1)["statuses"] == [200],
+                     30, f"the key bound to site a served through site {site}'s ingress")
+            got = client.call(chat_spread, ingress.url, bound, rel.MODEL, requests, parallel, timeout=300)
+            where = sites_of(ingress)
+            at = [where.get(sid, ("?", ""))[0] for sid in got["served_by"]]
+            out[site]["bound_to_a"] = {"ok": got["statuses"].count(200), "of": requests,
+                                       "left_site_a": len(at) - at.count("a")}
+        for member in list(fleet.members):
+            fleet.stop(member)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="the WAN lab's link emulator (started by WanLab)")
-    parser.add_argument("command", choices=["forward", "cross"])
+    parser.add_argument("command", choices=["forward", "cross", "locality"])
     parser.add_argument("spec", nargs="?", help="forward: the links, as JSON (WanLab writes it)")
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="cross: the link's RTT")
-    parser.add_argument("--requests", type=int, default=30, help="cross: chats per model")
+    parser.add_argument("--requests", type=int, default=30, help="cross: chats per model; locality: per site")
     parser.add_argument("--direct", action="store_true", help="cross: site b's node public, dialed directly")
     parser.add_argument("--loss", type=float, default=0.0, help="cross: the link's loss per packet and direction")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="cross: the link's jitter (uniform, +/-)")
@@ -539,6 +644,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import reliability as rel
     with tempfile.TemporaryDirectory(prefix="otela-wanlab-") as tmp:
+        if args.command == "locality":
+            print(json.dumps(run_locality(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests), indent=1))
+            return 0
         out = run_cross_site(tmp, dict(rel.QUICK_TIMINGS), args.rtt_ms, args.requests, args.direct, args.loss,
                              args.jitter_ms)
     print(json.dumps(out, indent=1))
