@@ -979,6 +979,131 @@ SCENARIOS.append(ingress_failover)
 
 
 # =============================================================================================
+# The overlay over a WAN: three sites 150 ms apart with 2 % loss, false evictions and detection
+# =============================================================================================
+WAN_SUSPECTED = "suspected: no ack on any path"    # otela_node's line for a suspicion of its own
+WAN_EVICTED = "evicted: "                          # ... and for an eviction it wrote
+
+
+def _log_count(fleet: Fleet, member: Member, needle: str) -> int:
+    return fleet.log(member).count(needle)
+
+
+def _left_at(fleet: Fleet, member: Member, session: str) -> Optional[float]:
+    """When `member` holds `session` LEFT (its record's left_at), or None (still live there, or
+    the member did not answer)."""
+    try:
+        view = fleet.registry(member)
+    except (OSError, ValueError, TimeoutError):
+        return None
+    for s in view["sessions"]:
+        if s["session"] == session:
+            return s.get("left_at") if s["state"] == "LEFT" else None
+    return None
+
+
+def run_wan_overlay(tmp: str, seconds: float, rtt_ms: float = 150.0, loss: float = 0.02, jitter_ms: float = 5.0,
+                    timings: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Three sites (tests/wanlab.py), every pair `rtt_ms` apart with `loss` per packet and
+    direction: an ingress on site a's login host, a relay on the login hosts of b and c, a node
+    behind each site's NAT (--reach private, so its gossip goes through the relays). Once all
+    serve, `seconds` of the overlay alone: each member's suspicions and evictions (its log), and
+    whether every session is still the one it was. Then site c's node is killed (SIGKILL): when
+    each other member holds it LEFT, from the kill, and the eviction's spread (the evictor's
+    write, stamped left_at, until it is at every member)."""
+    import wanlab
+    sites = ("a", "b", "c")
+    link = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms}
+    links = {"a-b": dict(link), "a-c": dict(link), "b-c": dict(link)}
+    out: Dict[str, Any] = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms, "seconds": seconds,
+                           "timings": timings_text(timings or {})}
+    with wanlab.WanLab(sites=3, links=links) as lab, Fleet(tmp, timings) as fleet:
+        ingress = fleet.ingress(lab.login("a"), name="ingress-a", flags=("--site-name", "a"))
+        relays = []
+        for i, site in enumerate(sites[1:], 1):
+            public = wanlab.login_public(i)
+            argv = [PY, os.path.join(ROOT, "otela_node.py"), "relay", "--key-file", fleet.key_file,
+                    "--gossip", f"{public}:7946", "--listen", f"{public}:7701", "--bootstrap", ingress.gossip,
+                    "--site-name", site]
+            relay = Member(f"relay-{site}", "relay", lab.login(site), argv, f"{public}:7701", f"{public}:7946")
+            fleet.members.append(relay)
+            fleet.start(relay)
+            relays.append(relay)
+        nodes = {site: fleet.node(f"node-{site}", lab.host(site), bootstrap=(ingress.gossip,),
+                                  grant=fleet.grant(f"node-{site}", (MODEL,), "--label", f"site={site}"),
+                                  flags=("--site-name", site, "--reach", "private"))
+                 for site in sites}
+        members = [ingress, *relays, *nodes.values()]
+
+        def all_serving() -> bool:
+            seen = live(fleet.registry(ingress))
+            return len(seen) == len(members) and all(live(fleet.registry(n)) == seen for n in nodes.values())
+        started = time.monotonic()
+        wait(lambda: fleet.up() and all_serving(), 120, "every member SERVING, alike at the ingress and the nodes")
+        out["serving_after_s"] = round(time.monotonic() - started, 1)
+        before = {m.name: fleet.registry(m)["self"] for m in [ingress, *nodes.values()]}
+        counted = {m.name: (_log_count(fleet, m, WAN_SUSPECTED), _log_count(fleet, m, WAN_EVICTED)) for m in members}
+        time.sleep(seconds)
+        fleet.up()
+        out["suspicions"] = sum(_log_count(fleet, m, WAN_SUSPECTED) - counted[m.name][0] for m in members)
+        out["evictions"] = sum(_log_count(fleet, m, WAN_EVICTED) - counted[m.name][1] for m in members)
+        view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
+        out["sessions_kept"] = sum(1 for m in [ingress, *nodes.values()]
+                                   if fleet.registry(m)["self"] == before[m.name]
+                                   and view.get(before[m.name], {}).get("state") == "SERVING")
+        out["sessions"] = len(before)
+
+        victim = nodes["c"]
+        victim_sid = before[victim.name]
+        watchers = [ingress, nodes["a"], nodes["b"]]
+        fleet.stop(victim, signal.SIGKILL)
+        killed_wall, killed = time.time(), time.monotonic()
+        seen: Dict[str, float] = {}
+        left_at: Dict[str, float] = {}
+
+        def all_know() -> bool:
+            for m in watchers:
+                if m.name not in seen:
+                    stamp = _left_at(fleet, m, victim_sid)
+                    if stamp is not None:
+                        seen[m.name], left_at[m.name] = time.monotonic() - killed, stamp
+            return len(seen) == len(watchers)
+        until(all_know, 60, every=0.1)
+        out["detected_s"] = {name: round(t, 2) for name, t in seen.items()}
+        out["detected_everywhere_s"] = round(max(seen.values()), 2) if len(seen) == len(watchers) else None
+        if left_at:
+            written = min(left_at.values()) - killed_wall       # the evictor's write, on the kill's clock
+            out["evicted_written_s"] = round(written, 2)
+            if out["detected_everywhere_s"] is not None:
+                out["eviction_spread_s"] = round(out["detected_everywhere_s"] - written, 2)
+        for member in reversed(members):
+            if member is not victim:
+                fleet.stop(member)
+    return out
+
+
+def wan_overlay(args: argparse.Namespace) -> Dict[str, Any]:
+    """The overlay across three sites 150 ms apart with 2 % loss (run_wan_overlay), default
+    timings: 30 minutes (--quick: 60 s). Heals when every other member holds the killed node
+    LEFT (seconds from the kill)."""
+    import wanlab
+    seconds = 60.0 if args.quick else 1800.0
+    name = "wan overlay: 3 sites, 150 ms RTT, 2 % loss"
+    load_text = "gossip only (ingress, 2 relays, 3 private nodes)"
+    faults = f"{seconds:g} s, then a node SIGKILLed (default timings)"
+    reason = wanlab.unavailable()
+    if reason:
+        return row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason)
+    with workdir(args, name) as tmp:
+        out = run_wan_overlay(tmp, seconds)
+    name += f": {out['evictions']} false evictions, {out['suspicions']} suspicions"
+    return row(name, load_text, faults, "-", "-", out["detected_everywhere_s"] or "not detected in 60 s", "-", **out)
+
+
+SCENARIOS.append(wan_overlay)
+
+
+# =============================================================================================
 # The table and the command line
 # =============================================================================================
 def table(rows: List[Dict[str, Any]]) -> str:

@@ -3,7 +3,8 @@
 
 Without sockets: the estimator, the timeouts it gives with a clock passed in, and members of
 three sites 150 ms apart on a simulated network (tests/simnet.py, with a delay and a loss per
-pair of sites), for 30 simulated minutes in about a second.
+pair of sites), for 30 simulated minutes in about a second. As root: the same in the WAN lab
+(tests/wanlab.py, real processes behind NATs and relays), for a minute.
 
 Bounds stated here and in otela_node (default settings, 9 members, 160 simulated runs):
     LAN            a killed member suspected within 2 s, LEFT at every member within 4.75 s (p50
@@ -23,6 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import simnet  # noqa: E402
+import wanlab  # noqa: E402
 
 import crdt  # noqa: E402
 import otela_node as on  # noqa: E402
@@ -245,3 +247,24 @@ def test_a_write_at_one_site_reaches_every_sites_members_within_rtt_and_resend_r
     took.sort()
     assert took[-1] <= bound, took[-5:]
     assert took[50] <= net.rtt / 2 + net.jitter + 0.015         # most writes: one crossing
+
+
+# ---- the WAN lab, as root ---------------------------------------------------------------------
+REASON = wanlab.unavailable()
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.root
+@pytest.mark.slow
+def test_three_sites_150ms_apart_with_2_percent_loss_evict_no_live_member_and_detect_a_killed_one(tmp_path, capsys):
+    import reliability
+    out = reliability.run_wan_overlay(str(tmp_path), seconds=60.0)
+    with capsys.disabled():          # figures to read; the bound below is the stated one
+        print(f"\nwan overlay {out['rtt_ms']:g} ms / {out['loss']:.0%}: {out['evictions']} evictions, "
+              f"{out['suspicions']} suspicions in {out['seconds']:g} s; a killed node LEFT everywhere after "
+              f"{out['detected_everywhere_s']} s ({out['detected_s']}), the eviction written after "
+              f"{out.get('evicted_written_s')} s and everywhere {out.get('eviction_spread_s')} s later")
+    assert out["evictions"] == 0
+    assert out["sessions_kept"] == out["sessions"]
+    assert out["detected_everywhere_s"] is not None and out["detected_everywhere_s"] <= 10.0
+    assert not [n for n in wanlab.netns.existing() if n.startswith(f"{wanlab.PREFIX}{os.getpid()}-")]
