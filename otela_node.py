@@ -347,6 +347,11 @@ class Config:
         "links a private member keeps: one relay dying is survived")
     relay_check_interval: float = knob(1.0, "seconds",
         "links re-checked each second: a dead relay is replaced in ~1 s")
+    relay_link_timeout: float = knob(10.0, "seconds",
+        "a relay link that gets nothing acked this long is dead (TCP_USER_TIMEOUT; idle: keepalive probes): "
+        "the kernel alone retries ~15 min while a private member's gossip goes into it. 10 s rides out 4 "
+        "RTO doublings on a 300 ms path at loss, and is under a lone suspector's grace (16.8 s), so the "
+        "member links again and refutes before it is evicted")
     dialback_timeout: float = knob(1.0, "seconds",
         "a seed's dial-back connect: LAN/WAN connects take < 100 ms")
     splice_timeout: float = knob(5.0, "seconds",
@@ -3919,13 +3924,14 @@ async def _link_frames(stream: _Stream, on_frame: Callable[[Any], bool], limit: 
     await frames.done
 
 
-def _keepalive(conn: _Stream) -> None:
-    """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
+def _keepalive(conn: _Stream, timeout: float) -> None:
+    """A long-lived relay link errors once nothing it sent is acked for `timeout` seconds
+    (relay_link_timeout), or its keepalive probes go unanswered when idle: a vanished peer or a
+    broken path is noticed by the kernel in seconds, and the link is replaced (rule 1): the watch
+    a punched connection has (_watch_punched)."""
     sock = conn.get_extra_info("socket")
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    except (OSError, AttributeError):
-        pass
+    if sock is not None:
+        _watch_punched(sock, timeout)
 
 
 def _no_delay(conn: _Stream) -> None:
@@ -5243,7 +5249,7 @@ class RelayServer:
             old.cut()
         mux = self.linked[link] = _MuxLink(conn, cfg.max_link_streams)
         mux.dial_back = not msg.get("mux", 1)
-        _keepalive(conn)
+        _keepalive(conn, cfg.relay_link_timeout)
         try:
             await self._serve_link(link, conn)
         finally:
@@ -5703,7 +5709,7 @@ class RelayClient:
             conn = await asyncio.wait_for(open_stream(*self.resolve(relay)), self.config.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return
-        _keepalive(conn)
+        _keepalive(conn, self.config.relay_link_timeout)
         conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
         self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)

@@ -18,6 +18,7 @@ Bounds stated here and in otela_node (default settings, 9 members, 160 simulated
 """
 import heapq
 import os
+import socket
 import sys
 
 import pytest
@@ -178,6 +179,26 @@ def test_a_helper_nacks_only_once_the_targets_round_trip_is_over():
     [req] = [r for r in helper.relays.values() if r.seq == 7]
     assert req.nack_at - net.now == pytest.approx(min(helper._rto(far.sid), cfg.probe_timeout_max))
     assert req.nack_at - net.now > cfg.nack_after * cfg.indirect_timeout
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_a_relay_link_errors_after_relay_link_timeout_without_an_ack_instead_of_tcps_15_minutes():
+    class Link:                                     # what _keepalive reads of a link: its socket
+        def __init__(self, sock):
+            self.sock = sock
+
+        def get_extra_info(self, name):
+            return self.sock if name == "socket" else None
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    try:
+        on._keepalive(Link(client), on.Config().relay_link_timeout)
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10_000
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+    finally:
+        client.close()
+        server.close()
 
 
 # ---- sites on the simulated network: no false suspicion, bounded detection, writes ----------------
