@@ -350,8 +350,9 @@ class Config:
     relay_link_timeout: float = knob(10.0, "seconds",
         "a relay link that gets nothing acked this long is dead (TCP_USER_TIMEOUT; idle: keepalive probes): "
         "the kernel alone retries ~15 min while a private member's gossip goes into it. 10 s rides out 4 "
-        "RTO doublings on a 300 ms path at loss, and is under a lone suspector's grace (16.8 s), so the "
-        "member links again and refutes before it is evicted")
+        "RTO doublings on a 300 ms path at loss (2 % loss: 4 losses in a row, 1 in 6 million), and is "
+        "within Lifeguard's grace (2.8-16.8 s): the member links again and refutes, or at worst rejoins, "
+        "in seconds")
     dialback_timeout: float = knob(1.0, "seconds",
         "a seed's dial-back connect: LAN/WAN connects take < 100 ms")
     splice_timeout: float = knob(5.0, "seconds",
