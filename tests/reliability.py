@@ -989,6 +989,23 @@ def _log_count(fleet: Fleet, member: Member, needle: str) -> int:
     return fleet.log(member).count(needle)
 
 
+def _seen_left(fleet: Fleet, watchers: List[Member], session: str, timeout: float) -> Dict[str, Any]:
+    """Poll `watchers` (every ~0.1 s) until each holds `session` LEFT: when each did (wall
+    clock), and the record's left_at, its writer's clock (one machine: one clock)."""
+    seen: Dict[str, float] = {}
+    stamp: Dict[str, float] = {}
+
+    def all_know() -> bool:
+        for m in watchers:
+            if m.name not in seen:
+                left_at = _left_at(fleet, m, session)
+                if left_at is not None:
+                    seen[m.name], stamp[m.name] = time.time(), left_at
+        return len(seen) == len(watchers)
+    until(all_know, timeout, every=0.1)
+    return {"seen": seen, "left_at": min(stamp.values()) if stamp else None, "all": len(seen) == len(watchers)}
+
+
 def _left_at(fleet: Fleet, member: Member, session: str) -> Optional[float]:
     """When `member` holds `session` LEFT (its record's left_at), or None (still live there, or
     the member did not answer)."""
@@ -1010,7 +1027,9 @@ def run_wan_overlay(tmp: str, seconds: float, rtt_ms: float = 150.0, loss: float
     serve, `seconds` of the overlay alone: each member's suspicions and evictions (its log), and
     whether every session is still the one it was. Then site c's node is killed (SIGKILL): when
     each other member holds it LEFT, from the kill, and the eviction's spread (the evictor's
-    write, stamped left_at, until it is at every member)."""
+    write, stamped left_at, until it is at every member); then site b's node drains (SIGTERM),
+    and its own LEFT's spread likewise. A spread is within the ~0.1 s each poll of five members
+    takes."""
     import wanlab
     sites = ("a", "b", "c")
     link = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms}
@@ -1037,48 +1056,40 @@ def run_wan_overlay(tmp: str, seconds: float, rtt_ms: float = 150.0, loss: float
 
         def all_serving() -> bool:
             seen = live(fleet.registry(ingress))
-            return len(seen) == len(members) and all(live(fleet.registry(n)) == seen for n in nodes.values())
+            return len(seen) == len(members) and all(live(fleet.registry(m)) == seen for m in members[1:])
         started = time.monotonic()
-        wait(lambda: fleet.up() and all_serving(), 120, "every member SERVING, alike at the ingress and the nodes")
+        wait(lambda: fleet.up() and all_serving(), 120, "every member SERVING, alike at every member")
         out["serving_after_s"] = round(time.monotonic() - started, 1)
-        before = {m.name: fleet.registry(m)["self"] for m in [ingress, *nodes.values()]}
+        before = {m.name: fleet.registry(m)["self"] for m in members}
         counted = {m.name: (_log_count(fleet, m, WAN_SUSPECTED), _log_count(fleet, m, WAN_EVICTED)) for m in members}
         time.sleep(seconds)
         fleet.up()
         out["suspicions"] = sum(_log_count(fleet, m, WAN_SUSPECTED) - counted[m.name][0] for m in members)
         out["evictions"] = sum(_log_count(fleet, m, WAN_EVICTED) - counted[m.name][1] for m in members)
         view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
-        out["sessions_kept"] = sum(1 for m in [ingress, *nodes.values()]
+        out["sessions_kept"] = sum(1 for m in members
                                    if fleet.registry(m)["self"] == before[m.name]
                                    and view.get(before[m.name], {}).get("state") == "SERVING")
         out["sessions"] = len(before)
 
-        victim = nodes["c"]
-        victim_sid = before[victim.name]
-        watchers = [ingress, nodes["a"], nodes["b"]]
-        fleet.stop(victim, signal.SIGKILL)
-        killed_wall, killed = time.time(), time.monotonic()
-        seen: Dict[str, float] = {}
-        left_at: Dict[str, float] = {}
-
-        def all_know() -> bool:
-            for m in watchers:
-                if m.name not in seen:
-                    stamp = _left_at(fleet, m, victim_sid)
-                    if stamp is not None:
-                        seen[m.name], left_at[m.name] = time.monotonic() - killed, stamp
-            return len(seen) == len(watchers)
-        until(all_know, 60, every=0.1)
-        out["detected_s"] = {name: round(t, 2) for name, t in seen.items()}
-        out["detected_everywhere_s"] = round(max(seen.values()), 2) if len(seen) == len(watchers) else None
-        if left_at:
-            written = min(left_at.values()) - killed_wall       # the evictor's write, on the kill's clock
-            out["evicted_written_s"] = round(written, 2)
-            if out["detected_everywhere_s"] is not None:
-                out["eviction_spread_s"] = round(out["detected_everywhere_s"] - written, 2)
+        # a node killed at site c: its eviction, written by a member of another site, is a write
+        # whose spread to every site's members is measured too
+        watchers = [ingress, *relays, nodes["a"], nodes["b"]]
+        fleet.stop(nodes["c"], signal.SIGKILL)
+        killed = time.time()
+        got = _seen_left(fleet, watchers, before[nodes["c"].name], 60)
+        out["detected_s"] = {name: round(t - killed, 2) for name, t in got["seen"].items()}
+        out["detected_everywhere_s"] = round(max(got["seen"].values()) - killed, 2) if got["all"] else None
+        if got["left_at"] is not None and got["all"]:
+            out["evicted_written_s"] = round(got["left_at"] - killed, 2)
+            out["eviction_spread_s"] = round(max(got["seen"].values()) - got["left_at"], 2)
+        # site b's node drains (SIGTERM): its own LEFT, written at site b, to every other member
+        nodes["b"].proc.send_signal(signal.SIGTERM)
+        got = _seen_left(fleet, watchers[:-1], before[nodes["b"].name], 60)
+        if got["left_at"] is not None and got["all"]:
+            out["leave_spread_s"] = round(max(got["seen"].values()) - got["left_at"], 2)
         for member in reversed(members):
-            if member is not victim:
-                fleet.stop(member)
+            fleet.stop(member)
     return out
 
 
@@ -1096,7 +1107,8 @@ def wan_overlay(args: argparse.Namespace) -> Dict[str, Any]:
         return row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason)
     with workdir(args, name) as tmp:
         out = run_wan_overlay(tmp, seconds)
-    name += f": {out['evictions']} false evictions, {out['suspicions']} suspicions"
+    name += (f": {out['evictions']} false evictions, {out['suspicions']} suspicions; a write at every member "
+             f"{out.get('eviction_spread_s', '?')} s / {out.get('leave_spread_s', '?')} s after it was made")
     return row(name, load_text, faults, "-", "-", out["detected_everywhere_s"] or "not detected in 60 s", "-", **out)
 
 

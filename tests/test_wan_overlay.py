@@ -284,8 +284,10 @@ def test_three_sites_150ms_apart_with_2_percent_loss_evict_no_live_member_and_de
         print(f"\nwan overlay {out['rtt_ms']:g} ms / {out['loss']:.0%}: {out['evictions']} evictions, "
               f"{out['suspicions']} suspicions in {out['seconds']:g} s; a killed node LEFT everywhere after "
               f"{out['detected_everywhere_s']} s ({out['detected_s']}), the eviction written after "
-              f"{out.get('evicted_written_s')} s and everywhere {out.get('eviction_spread_s')} s later")
+              f"{out.get('evicted_written_s')} s and everywhere {out.get('eviction_spread_s')} s later; a drained "
+              f"node's LEFT everywhere {out.get('leave_spread_s')} s after it was written")
     assert out["evictions"] == 0
     assert out["sessions_kept"] == out["sessions"]
-    assert out["detected_everywhere_s"] is not None and out["detected_everywhere_s"] <= 10.0
+    assert out["detected_everywhere_s"] is not None and out["detected_everywhere_s"] <= 12.0   # simulated: p95 6.4 s
+    assert out["eviction_spread_s"] <= 1.2 and out["leave_spread_s"] <= 1.2   # RTT/2 + 6 resends + a poll
     assert not [n for n in wanlab.netns.existing() if n.startswith(f"{wanlab.PREFIX}{os.getpid()}-")]
