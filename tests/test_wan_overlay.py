@@ -15,6 +15,10 @@ Bounds stated here and in otela_node (default settings, 9 members, 160 simulated
                    16.8 s, plus 4 of the suspect's capped RTOs)
     a write        at every site's members within RTT/2 + jitter + 6 resend rounds of 0.15 s:
                    0.98 s at 150 ms (300 writes: p50 0.085 s, p99 0.38 s, max 0.68 s)
+In the WAN lab at 150 ms and 2 % (an ingress, two relays, three private nodes): 0 suspicions and
+0 evictions in three 60 s runs and one of 300 s; a killed node LEFT at every member 4.7-7.6 s
+after the kill; an eviction and a drained node's LEFT at every member 0.09-0.32 s after they
+were written (polled every ~0.1 s). At 300 ms and 5 %, 90 s: 1 suspicion (fixed timeouts: 15).
 """
 import heapq
 import os
