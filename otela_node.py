@@ -173,10 +173,11 @@ class Config:
         "one probe per member per 0.7 s: ~0.23 KB/s sent, flat in N; some member probes a dead one within "
         "~1 round (P(no probe in a round) = e^-1), so 'suspected' lands ~1.3 s after death")
     probe_timeout: float = knob(0.3, "seconds",
-        "loopback/LAN RTT is < 1 ms; 300 ms absorbs a GC pause or a saturated CPU before we bother k other "
-        "members")
+        "the floor: loopback/LAN RTT is < 1 ms; 300 ms absorbs a GC pause or a saturated CPU before we bother "
+        "k other members. A member farther away gets its measured round trip + 4 deviations")
     indirect_timeout: float = knob(0.3, "seconds",
-        "then k members and the TCP path get as long again (4 hops)")
+        "then k members and the TCP path get as long again (4 hops); across a WAN, as long as their measured "
+        "round trips need")
     indirect_checks: int = knob(3, "members",
         "k members asked to probe for us (SWIM/memberlist default)")
     suspicion_mult: float = knob(4.0, "multiple",
@@ -346,6 +347,12 @@ class Config:
         "links a private member keeps: one relay dying is survived")
     relay_check_interval: float = knob(1.0, "seconds",
         "links re-checked each second: a dead relay is replaced in ~1 s")
+    relay_link_timeout: float = knob(10.0, "seconds",
+        "a relay link that gets nothing acked this long is dead (TCP_USER_TIMEOUT; idle: keepalive probes): "
+        "the kernel alone retries ~15 min while a private member's gossip goes into it. 10 s rides out 4 "
+        "RTO doublings on a 300 ms path at loss (2 % loss: 4 losses in a row, 1 in 6 million), and is "
+        "within Lifeguard's grace (2.8-16.8 s): the member links again and refutes, or at worst rejoins, "
+        "in seconds")
     dialback_timeout: float = knob(1.0, "seconds",
         "a seed's dial-back connect: LAN/WAN connects take < 100 ms")
     splice_timeout: float = knob(5.0, "seconds",
@@ -848,8 +855,6 @@ PROBE_ROUND = (
     ("indirect", ("probe_timeout", "indirect_timeout"), "suspect"),  # all three paths failed
 )
 
-ROUND_TRIP_GAIN = 0.25   # a probe's round trip's share of FailureDetector.round_trip: ~4 probes
-                         # of a member to follow a path that changed (a relay to a punched path)
 Out = collections.namedtuple("Out", "addr msg tcp")
 # A rumour queued for gossip (Overlay.rumours): a record ("r", sid) or a suspicion of sid by a
 # confirmer ("s", sid, by); a tuple, as it keys the queue.
@@ -913,6 +918,34 @@ class Suspicion:
                                                     # "The end of a session"
 
 
+class RoundTrip:
+    """One peer's measured round trip, estimated as TCP estimates its own (RFC 6298, Jacobson and
+    Karels): a smoothed mean `srtt` and a smoothed mean deviation `rttvar` of its acks' delays, so
+    that `srtt + 4 rttvar` (`timeout`) is rarely beaten by an ack that is merely slow. A peer on
+    loopback keeps a timeout of a few ms (today's floors rule); one 150 ms away with jitter gets
+    its RTT plus four deviations. Samples come from direct acks only (a ping-req's relayed ack
+    measures three legs, not this path)."""
+
+    __slots__ = ("srtt", "rttvar")
+
+    GAIN = 0.125                    # RFC 6298's alpha: the mean follows ~8 samples (we probe a
+                                    # given peer about once in N-1 rounds); a rise shows at its
+                                    # first slow ack through rttvar (and 2 x the slowest ack)
+    VAR_GAIN = 0.25                 # RFC 6298's beta: the deviation reacts faster than the mean
+    DEVIATIONS = 4                  # RFC 6298's K: a timeout four deviations above the mean
+
+    def __init__(self, sample: float):
+        self.srtt = sample
+        self.rttvar = sample / 2                    # RFC 6298: one sample says little of the spread
+
+    def add(self, sample: float) -> None:
+        self.rttvar += self.VAR_GAIN * (abs(self.srtt - sample) - self.rttvar)
+        self.srtt += self.GAIN * (sample - self.srtt)
+
+    def timeout(self) -> float:
+        return self.srtt + self.DEVIATIONS * self.rttvar
+
+
 class FailureDetector:
     """The failure detector's half of an Overlay (SWIM probes over three paths, Lifeguard
     suspicion, evictions with their evidence). It owns the liveness state: `members` (the
@@ -927,7 +960,28 @@ class FailureDetector:
         _rumour(keys, now, src)    gossip suspicions
         _notify(sid, record)       a change of suspicion, to the listeners
         _write_eviction(sid, record, now)  our LEFT for another session, merged and pushed
-        _voucher(sid, version)     our word that we suspected `sid` at `version`"""
+        _voucher(sid, version)     our word that we suspected `sid` at `version`
+
+    Timeouts that follow the round trip. Each member's direct acks are samples of its round trip
+    (RoundTrip: srtt and rttvar, as TCP's RTO), and every wait is the setting or the measure,
+    whichever is longer, so a LAN keeps the settings' fast detection and a WAN peer is not
+    judged before its answer could be back:
+        direct probe     max(probe_timeout, srtt + 4 rttvar, 2 x its slowest recent ack), at most
+                         probe_timeout_max
+        indirect phase   max(indirect_timeout, the slowest of its paths: the TCP ping's two round
+                         trips, and per helper its round trip twice plus the target's), at most
+                         2 x probe_timeout_max
+        helper's nack    max(nack_after x indirect_timeout, the target's srtt + 4 rttvar)
+        suspicion grace  Lifeguard's, its minimum plus 4 of the suspect's srtt + 4 rttvar (the
+                         rumour to it and its refutation back, twice)
+    Bounds, default settings, 9 members (tests/test_wan_overlay.py, simulated, 160 runs): a
+    killed member is suspected within 2 s and LEFT at every member within 4.75 s on a LAN (as
+    with fixed timeouts); across three sites 150 ms apart with 2 % loss, within 4 s and 7.85 s
+    (p50 1.45 s and 5.1 s), and no live member is suspected in 30 minutes, nor at 300 ms and
+    5 % (fixed timeouts: 1 and 597 suspicions, each refuted). A member answering late stretches
+    its own timeouts at most to probe_timeout_max, 2 x that for the indirect phase, and 4 x that
+    more grace. A private member's relay link is dropped when its relay is suspected, so the
+    links follow the same timeouts."""
 
     def __init__(self, config: Config, rng: random.Random, now: float):
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
@@ -942,18 +996,24 @@ class FailureDetector:
         self.relays: Dict[int, PingReq] = {}        # our seq -> the ping-req we carry out
         self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
         self.slow: Dict[str, float] = {}            # sid -> its slowest recent ack, decaying
-        self.rtt = 0.0                              # moving average of every ack's delay
-        self.round_trips: Dict[str, float] = {}     # sid -> its direct probes' round trip (round_trip)
+        self.round_trips: Dict[str, RoundTrip] = {} # sid -> its measured round trip (direct acks)
         self.next_probe = now + rng.uniform(0, config.probe_interval)
 
     # -- queries ----------------------------------------------------------------------------
     def is_suspected(self, sid: str) -> bool:
         return sid in self.suspects
 
-    def round_trip(self, sid: str) -> Optional[float]:
-        """Seconds a probe of ours takes to `sid` and back on its own path (through its relays,
-        for a relayed member: their legs are in it), smoothed; None before one was answered."""
-        return self.round_trips.get(sid)
+    def rtt(self, sid: str) -> Optional[float]:
+        """`sid`'s smoothed round trip in seconds as our probes measured it (direct acks), None
+        before its first ack: for routing, which weighs a path's RTT, and for the timeouts here."""
+        measured = self.round_trips.get(sid)
+        return None if measured is None else measured.srtt
+
+    def _rto(self, sid: str, unknown: float = 0.0) -> float:
+        """How long an ack from `sid` may take before it is late (srtt + 4 rttvar), unclamped;
+        `unknown` for a peer never measured."""
+        measured = self.round_trips.get(sid)
+        return unknown if measured is None else measured.timeout()
 
     # -- the timer (Overlay.tick, Overlay.next_wakeup) -----------------------------------------
     def _detect(self, now: float) -> List[Out]:
@@ -1036,11 +1096,9 @@ class FailureDetector:
         n = msg["n"]
         p = self.probe
         if p is not None and n == p["seq"]:
-            if now - p["start"] <= self.cfg.probe_timeout:   # in time by the undegraded clock:
-                self.lhm = max(0, self.lhm - 1)              # we may trust ourselves more again
-            if p["phase"] == 0:                              # the direct path alone (a helper's
-                self._timed(p["sid"], now - p["start"])      # ack adds its legs)
-            self._acked(p["sid"], now - p["start"], now)
+            if now - p["start"] <= self._timeout("probe_timeout", p["sid"]):   # in time by the
+                self.lhm = max(0, self.lhm - 1)     # undegraded clock: we may trust ourselves more again
+            self._acked(p["sid"], now - p["start"], now, direct=p["phase"] == 0 and src == p["addr"])   # (relay legs in it)
             self._end_probe()
             return []
         relay = self.relays.pop(n, None)
@@ -1049,7 +1107,7 @@ class FailureDetector:
         late = self.late.get(n)
         if late is not None:                        # after its round gave up: still evidence
             sid = late.sid
-            self._acked(sid, now - late.start, now)
+            self._acked(sid, now - late.start, now, direct=src == self.members.get(sid) and not tcp)
             if sid in self.suspects and self.suspects[sid].confirmers == {self.sid}:
                 self._degrade()                     # we alone accused a live member: our clock
                                                     # or socket lags, so we judge more slowly
@@ -1058,17 +1116,18 @@ class FailureDetector:
                 return [Out(self.members[sid], {"t": "r", "s": [[sid, sus.version, self.sid]]}, False)]
         return []
 
-    def _timed(self, sid: str, rtt: float) -> None:
-        """A direct probe's round trip to `sid`: into its moving average (a quarter per sample, so
-        one ack delayed by a busy loop moves it a quarter of the delay; the first sample as it is)."""
-        held = self.round_trips.get(sid)
-        self.round_trips[sid] = rtt if held is None else held + (rtt - held) * ROUND_TRIP_GAIN
-
-    def _acked(self, sid: str, rtt: float, now: float) -> None:
+    def _acked(self, sid: str, rtt: float, now: float, direct: bool = True) -> None:
         """An ack from `sid` after `rtt` seconds: remember how slow it is (the slowest recent
-        ack, decaying by a fifth per ack) and drop our own suspicion of it, which is refuted."""
+        ack, decaying by a fifth per ack), a `direct` one (its own UDP answer, not relayed by a
+        helper nor on the TCP path sent a phase later) as a sample of its round trip, and drop
+        our own suspicion of it, which is refuted."""
         self.slow[sid] = max(rtt, self.slow.get(sid, 0.0) * 0.8)
-        self.rtt = 0.9 * self.rtt + 0.1 * rtt       # every member answering late: *we* lag
+        if direct:
+            measured = self.round_trips.get(sid)
+            if measured is None:
+                self.round_trips[sid] = RoundTrip(rtt)
+            else:
+                measured.add(rtt)
         sus = self.suspects.get(sid)
         if sus is not None:
             record = self.record_of(sid)
@@ -1079,11 +1138,22 @@ class FailureDetector:
     def _on_i(self, msg, src, now, tcp):
         self.seq += 1
         cfg = self.cfg
-        nack_at = now + cfg.nack_after * cfg.indirect_timeout
+        # Nack once the target is late by the setting, or by its round trip as we measured it (a
+        # target across a WAN is not "late" before its ack could be back)
+        target = self._member_at(str(msg["a"]))
+        rto = min(self._rto(target), cfg.probe_timeout_max) if target else 0.0
+        nack_at = now + max(cfg.nack_after * cfg.indirect_timeout, rto)
         expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
         self.relays[self.seq] = PingReq(src, int(msg["n"]), expiry, nack_at)
         split_addr(msg["a"])
         return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
+
+    def _member_at(self, addr: str) -> Optional[str]:
+        """The live member at gossip address `addr`, if any (a scan: ping-reqs are rare)."""
+        for sid, at in self.members.items():
+            if at == addr:
+                return sid
+        return None
 
     def _on_n(self, msg, src, now, tcp):
         p = self.probe
@@ -1133,14 +1203,24 @@ class FailureDetector:
         return [Out(addr, ping, False)]
 
     def _timeout(self, name: str, sid: str) -> float:
-        """A probe phase's timeout: the direct one stretches for a member known to ack late."""
+        """A probe phase's timeout, for the member `sid`, as measured (see "Timeouts that follow
+        the round trip" below)."""
+        cfg = self.cfg
         if name == "probe_timeout":
-            cfg = self.cfg
             record = self.record_of(sid) or {}
             lhm = record.get("lhm", 0) if type(record.get("lhm", 0)) is int else 0
-            wait = max(2 * self.slow.get(sid, 0.0), cfg.probe_timeout * (1 + lhm))
+            wait = max(2 * self.slow.get(sid, 0.0), self._rto(sid), cfg.probe_timeout * (1 + lhm))
             return max(cfg.probe_timeout, min(cfg.probe_timeout_max, wait))
-        return getattr(self.cfg, name)
+        if name == "indirect_timeout":
+            p = self.probe
+            helpers = p.get("helper_ids", ()) if p is not None and p["sid"] == sid else ()
+            target = self._rto(sid, cfg.probe_timeout)
+            # the TCP ping: a connect and a frame, two round trips; a helper's path: to it and back
+            # (its RTT, measured), and from it to the target and back (at most its RTT plus the
+            # target's, by the triangle through us)
+            paths = [2 * target] + [2 * self._rto(h, cfg.probe_timeout) + target for h in helpers]
+            return max(cfg.indirect_timeout, min(2 * cfg.probe_timeout_max, max(paths)))
+        return getattr(cfg, name)
 
     def _set_deadline(self) -> None:
         p = self.probe
@@ -1165,12 +1245,12 @@ class FailureDetector:
         _, _, action = PROBE_ROUND[p["phase"]]
         if action == "indirect":
             p["phase"] += 1
-            self._set_deadline()
             ping_req = {"t": "i", "n": p["seq"], "to": p["sid"][:SHORT_ID], "a": p["addr"]}
-            helpers = [a for s, a in self.members.items() if s != p["sid"]]
+            helpers = [s for s in self.members if s != p["sid"]]
             helpers = self.rng.sample(helpers, min(len(helpers), self.cfg.indirect_checks))
-            p["helpers"] = len(helpers)
-            out = [Out(a, ping_req, False) for a in helpers]
+            p["helpers"], p["helper_ids"] = len(helpers), helpers
+            self._set_deadline()                    # (its indirect phase waits on these helpers)
+            out = [Out(self.members[s], ping_req, False) for s in helpers]
             out.append(Out(p["addr"], p["ping"], True))
             return out
         # action == "suspect": no path answered. Lifeguard: if the helpers' nacks did not reach
@@ -1197,6 +1277,8 @@ class FailureDetector:
             sus = self.suspects[sid] = Suspicion(version, now, by)
         if by == self.sid and src is None:          # our own probe failed: our word on it, which
             sus.vouchers[by] = (version, self._voucher(sid, version))   # nobody else can give
+            if new:                                 # (the WAN lab counts these: false suspicions)
+                log.info("session %s suspected: no ack on any path", sid)
         if not new:
             if by in sus.confirmers:
                 return []
@@ -1204,7 +1286,7 @@ class FailureDetector:
         # One member writes the eviction: the lowest-id confirmer. The rest are a backup a
         # little later, so that N timers firing together do not make N different LEFT records.
         backup = 2 * self.cfg.probe_interval if self.sid != min(sus.confirmers) else 0.0
-        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1) + backup
+        sus.deadline = sus.since + self._grace(len(sus.confirmers) - 1, sid) + backup
         out: List[Out] = []
         if len(sus.confirmers) <= self._expected_confirmations() + 1:
             out = self._rumour([Rumour("s", sid, by)], now, src)
@@ -1223,15 +1305,17 @@ class FailureDetector:
     def _expected_confirmations(self) -> int:
         return max(1, int(self.cfg.suspicion_mult) - 2)
 
-    def _grace(self, confirmations: int) -> float:
+    def _grace(self, confirmations: int, sid: str = "") -> float:
         """Lifeguard: start at max, fall towards min (which grows with log N) as independent
-        confirmations arrive."""
+        confirmations arrive. On top, the suspect gets REFUTE_ROUND_TRIPS of its measured
+        round trip to hear the rumour and answer it (milliseconds on a LAN)."""
         n = len(self.members) + 1
         low = self.cfg.suspicion_mult * max(1.0, math.log10(n)) * self.cfg.probe_interval
         high = self.cfg.suspicion_max_mult * low
         k = self._expected_confirmations()
         frac = math.log(confirmations + 1) / math.log(k + 1)
-        return max(low, high - (high - low) * frac)
+        refute = self.REFUTE_ROUND_TRIPS * min(self._rto(sid), self.cfg.probe_timeout_max)
+        return max(low, high - (high - low) * frac) + refute
 
     def _evict(self, sid: str, now: float) -> List[Out]:
         sus = self.suspects[sid]
@@ -1251,7 +1335,7 @@ class FailureDetector:
             # to hear of it and refute, as the rest of the cluster comes back into view.
             sus.held = False
             sus.since = now
-            sus.deadline = now + self._grace(len(sus.confirmers) - 1)
+            sus.deadline = now + self._grace(len(sus.confirmers) - 1, sid)
             return []
         del self.suspects[sid]
         version = (self.record_of(sid) or {}).get("version")
@@ -1259,12 +1343,14 @@ class FailureDetector:
         # the confirmers with a voucher first: made-up confirmers do not push them out of the evidence
         others = sorted((c for c in sus.confirmers if c != self.sid),
                         key=lambda c: (c not in vouchers, c))[: crdt.MAX_CONFIRMERS - 1]
-        grace = min(self._grace(len(sus.confirmers) - 1), max(0.0, now - sus.since))
+        grace = min(self._grace(len(sus.confirmers) - 1, sid), max(0.0, now - sus.since))
         by = [self.sid] + others
         return self._retire(sid, now, "suspected and unrefuted",
                             {"since": sus.since, "grace": grace, "by": by},
                             {c: vouchers[c] for c in by if c in vouchers})
 
+    REFUTE_ROUND_TRIPS = 4          # the rumour to the suspect and its refutation back, twice
+                                    # (one of them lost): 4 x ~0.2 s at 150 ms RTT
     PARTITION_SHARE = 0.25          # of the cluster, suspected now or evicted within ...
     PARTITION_WINDOW = 60.0         # ... this long: the first evictions of a split (before the
                                     # rest are suspected) must not shrink the cluster it is judged
@@ -3850,13 +3936,14 @@ async def _link_frames(stream: _Stream, on_frame: Callable[[Any], bool], limit: 
     await frames.done
 
 
-def _keepalive(conn: _Stream) -> None:
-    """TCP keepalive on a long-lived relay link: a vanished peer is noticed by the kernel."""
+def _keepalive(conn: _Stream, timeout: float) -> None:
+    """A long-lived relay link errors once nothing it sent is acked for `timeout` seconds
+    (relay_link_timeout), or its keepalive probes go unanswered when idle: a vanished peer or a
+    broken path is noticed by the kernel in seconds, and the link is replaced (rule 1): the watch
+    a punched connection has (_watch_punched)."""
     sock = conn.get_extra_info("socket")
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    except (OSError, AttributeError):
-        pass
+    if sock is not None:
+        _watch_punched(sock, timeout)
 
 
 def _no_delay(conn: _Stream) -> None:
@@ -5213,7 +5300,7 @@ class RelayServer:
             old.cut()
         mux = self.linked[link] = _MuxLink(conn, cfg.max_link_streams)
         mux.dial_back = not msg.get("mux", 1)
-        _keepalive(conn)
+        _keepalive(conn, cfg.relay_link_timeout)
         try:
             await self._serve_link(link, conn)
         finally:
@@ -5680,7 +5767,7 @@ class RelayClient:
             conn = await asyncio.wait_for(open_stream(*self.resolve(relay)), self.config.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return
-        _keepalive(conn)
+        _keepalive(conn, self.config.relay_link_timeout)
         conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
         self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
@@ -6276,8 +6363,8 @@ class Node:
         return self.overlay is not None and self.overlay.is_suspected(sid)
 
     def round_trip(self, sid: str) -> Optional[float]:
-        """This member's measured round trip to a session (FailureDetector.round_trip), read only."""
-        return self.overlay.round_trip(sid) if self.overlay is not None else None
+        """This member's measured round trip to a session (FailureDetector.rtt), read only."""
+        return self.overlay.rtt(sid) if self.overlay is not None else None
 
     @property
     def bytes_sent(self) -> int:

@@ -979,6 +979,143 @@ SCENARIOS.append(ingress_failover)
 
 
 # =============================================================================================
+# The overlay over a WAN: three sites 150 ms apart with 2 % loss, false evictions and detection
+# =============================================================================================
+WAN_SUSPECTED = "suspected: no ack on any path"    # otela_node's line for a suspicion of its own
+WAN_EVICTED = "evicted: "                          # ... and for an eviction it wrote
+
+
+def _log_count(fleet: Fleet, member: Member, needle: str) -> int:
+    return fleet.log(member).count(needle)
+
+
+def _seen_left(fleet: Fleet, watchers: List[Member], session: str, timeout: float) -> Dict[str, Any]:
+    """Poll `watchers` (every ~0.1 s) until each holds `session` LEFT: when each did (wall
+    clock), and the record's left_at, its writer's clock (one machine: one clock)."""
+    seen: Dict[str, float] = {}
+    stamp: Dict[str, float] = {}
+
+    def all_know() -> bool:
+        for m in watchers:
+            if m.name not in seen:
+                left_at = _left_at(fleet, m, session)
+                if left_at is not None:
+                    seen[m.name], stamp[m.name] = time.time(), left_at
+        return len(seen) == len(watchers)
+    until(all_know, timeout, every=0.1)
+    return {"seen": seen, "left_at": min(stamp.values()) if stamp else None, "all": len(seen) == len(watchers)}
+
+
+def _left_at(fleet: Fleet, member: Member, session: str) -> Optional[float]:
+    """When `member` holds `session` LEFT (its record's left_at), or None (still live there, or
+    the member did not answer)."""
+    try:
+        view = fleet.registry(member)
+    except (OSError, ValueError, TimeoutError):
+        return None
+    for s in view["sessions"]:
+        if s["session"] == session:
+            return s.get("left_at") if s["state"] == "LEFT" else None
+    return None
+
+
+def run_wan_overlay(tmp: str, seconds: float, rtt_ms: float = 150.0, loss: float = 0.02, jitter_ms: float = 5.0,
+                    timings: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Three sites (tests/wanlab.py), every pair `rtt_ms` apart with `loss` per packet and
+    direction: an ingress on site a's login host, a relay on the login hosts of b and c, a node
+    behind each site's NAT (--reach private, so its gossip goes through the relays). Once all
+    serve, `seconds` of the overlay alone: each member's suspicions and evictions (its log), and
+    whether every session is still the one it was. Then site c's node is killed (SIGKILL): when
+    each other member holds it LEFT, from the kill, and the eviction's spread (the evictor's
+    write, stamped left_at, until it is at every member); then site b's node drains (SIGTERM),
+    and its own LEFT's spread likewise. A spread is within the ~0.1 s each poll of five members
+    takes."""
+    import wanlab
+    sites = ("a", "b", "c")
+    link = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms}
+    links = {"a-b": dict(link), "a-c": dict(link), "b-c": dict(link)}
+    out: Dict[str, Any] = {"rtt_ms": rtt_ms, "loss": loss, "jitter_ms": jitter_ms, "seconds": seconds,
+                           "timings": timings_text(timings or {})}
+    with wanlab.WanLab(sites=3, links=links) as lab, Fleet(tmp, timings) as fleet:
+        ingress = fleet.ingress(lab.login("a"), name="ingress-a", flags=("--site-name", "a"))
+        relays = []
+        for i, site in enumerate(sites[1:], 1):
+            public = wanlab.login_public(i)
+            argv = [PY, os.path.join(ROOT, "otela_node.py"), "relay", "--key-file", fleet.key_file,
+                    "--gossip", f"{public}:7946", "--listen", f"{public}:7701", "--bootstrap", ingress.gossip,
+                    "--site-name", site]
+            relay = Member(f"relay-{site}", "relay", lab.login(site), argv, f"{public}:7701", f"{public}:7946")
+            fleet.members.append(relay)
+            fleet.start(relay)
+            relays.append(relay)
+        nodes = {site: fleet.node(f"node-{site}", lab.host(site), bootstrap=(ingress.gossip,),
+                                  grant=fleet.grant(f"node-{site}", (MODEL,), "--label", f"site={site}"),
+                                  flags=("--site-name", site, "--reach", "private"))
+                 for site in sites}
+        members = [ingress, *relays, *nodes.values()]
+
+        def all_serving() -> bool:
+            seen = live(fleet.registry(ingress))
+            return len(seen) == len(members) and all(live(fleet.registry(m)) == seen for m in members[1:])
+        started = time.monotonic()
+        wait(lambda: fleet.up() and all_serving(), 120, "every member SERVING, alike at every member")
+        out["serving_after_s"] = round(time.monotonic() - started, 1)
+        before = {m.name: fleet.registry(m)["self"] for m in members}
+        counted = {m.name: (_log_count(fleet, m, WAN_SUSPECTED), _log_count(fleet, m, WAN_EVICTED)) for m in members}
+        time.sleep(seconds)
+        fleet.up()
+        out["suspicions"] = sum(_log_count(fleet, m, WAN_SUSPECTED) - counted[m.name][0] for m in members)
+        out["evictions"] = sum(_log_count(fleet, m, WAN_EVICTED) - counted[m.name][1] for m in members)
+        view = {s["session"]: s for s in fleet.registry(ingress)["sessions"]}
+        out["sessions_kept"] = sum(1 for m in members
+                                   if fleet.registry(m)["self"] == before[m.name]
+                                   and view.get(before[m.name], {}).get("state") == "SERVING")
+        out["sessions"] = len(before)
+
+        # a node killed at site c: its eviction, written by a member of another site, is a write
+        # whose spread to every site's members is measured too
+        watchers = [ingress, *relays, nodes["a"], nodes["b"]]
+        fleet.stop(nodes["c"], signal.SIGKILL)
+        killed = time.time()
+        got = _seen_left(fleet, watchers, before[nodes["c"].name], 60)
+        out["detected_s"] = {name: round(t - killed, 2) for name, t in got["seen"].items()}
+        out["detected_everywhere_s"] = round(max(got["seen"].values()) - killed, 2) if got["all"] else None
+        if got["left_at"] is not None and got["all"]:
+            out["evicted_written_s"] = round(got["left_at"] - killed, 2)
+            out["eviction_spread_s"] = round(max(got["seen"].values()) - got["left_at"], 2)
+        # site b's node drains (SIGTERM): its own LEFT, written at site b, to every other member
+        nodes["b"].proc.send_signal(signal.SIGTERM)
+        got = _seen_left(fleet, watchers[:-1], before[nodes["b"].name], 60)
+        if got["left_at"] is not None and got["all"]:
+            out["leave_spread_s"] = round(max(got["seen"].values()) - got["left_at"], 2)
+        for member in reversed(members):
+            fleet.stop(member)
+    return out
+
+
+def wan_overlay(args: argparse.Namespace) -> Dict[str, Any]:
+    """The overlay across three sites 150 ms apart with 2 % loss (run_wan_overlay), default
+    timings: 30 minutes (--quick: 60 s). Heals when every other member holds the killed node
+    LEFT (seconds from the kill)."""
+    import wanlab
+    seconds = 60.0 if args.quick else 1800.0
+    name = "wan overlay: 3 sites, 150 ms RTT, 2 % loss"
+    load_text = "gossip only (ingress, 2 relays, 3 private nodes)"
+    faults = f"{seconds:g} s, then a node SIGKILLed (default timings)"
+    reason = wanlab.unavailable()
+    if reason:
+        return row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason)
+    with workdir(args, name) as tmp:
+        out = run_wan_overlay(tmp, seconds)
+    name += (f": {out['evictions']} false evictions, {out['suspicions']} suspicions; a write at every member "
+             f"{out.get('eviction_spread_s', '?')} s / {out.get('leave_spread_s', '?')} s after it was made")
+    return row(name, load_text, faults, "-", "-", out["detected_everywhere_s"] or "not detected in 60 s", "-", **out)
+
+
+SCENARIOS.append(wan_overlay)
+
+
+# =============================================================================================
 # The table and the command line
 # =============================================================================================
 def table(rows: List[Dict[str, Any]]) -> str:

@@ -77,12 +77,12 @@ def test_the_overlay_measures_each_members_round_trip_on_its_direct_path():
     far = net.add([ingress.record["gossip"]])
     net.slow[far.record["gossip"]] = (0.040, 0.040)   # what reaches it, 40 ms late: a site away
     net.run(30.0)
-    assert ingress.round_trip(near.sid) == pytest.approx(0.001, abs=0.0002)
-    assert ingress.round_trip(far.sid) == pytest.approx(0.041, abs=0.002)
-    assert ingress.round_trip("nobody") is None
+    assert ingress.rtt(near.sid) == pytest.approx(0.001, abs=0.0002)
+    assert ingress.rtt(far.sid) == pytest.approx(0.041, abs=0.002)
+    assert ingress.rtt("nobody") is None
     net.kill(far.record["gossip"])
     net.run(60.0)   # evicted: forgotten with its other probe state
-    assert ingress.round_trip(far.sid) is None and ingress.round_trip(near.sid) is not None
+    assert ingress.rtt(far.sid) is None and ingress.rtt(near.sid) is not None
 
 
 def test_a_node_reads_its_overlays_round_trips_and_none_without_one():
