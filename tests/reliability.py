@@ -1115,6 +1115,35 @@ def wan_overlay(args: argparse.Namespace) -> Dict[str, Any]:
 SCENARIOS.append(wan_overlay)
 
 
+def site_cut(args: argparse.Namespace) -> Dict[str, Any]:
+    """Two sites 10 ms apart lose their link for 3 minutes (--quick: 20 s, quick timings), each
+    serving the same model (wanlab.run_site_cut): client errors at either side during and after
+    the cut; heals when a key made at a during the cut works at b and one revoked at b is refused
+    at a; data lost: answers missing from the cluster's usage totals (or counted twice)."""
+    import wanlab
+    cut_s = 20.0 if args.quick else 180.0
+    timings = dict(QUICK_TIMINGS) if args.quick else {}
+    name = "site cut off: 2 sites, 10 ms RTT"
+    load_text = "~20 chat/s per side, its own ingress"
+    faults = f"WAN link down {cut_s:g} s; a key made at a, one revoked at b meanwhile ({timings_text(timings)})"
+    reason = wanlab.unavailable()
+    if reason:
+        return row(name, load_text, faults, time_to_heal=f"skipped: {reason}", skipped=reason)
+    with workdir(args, name) as tmp:
+        out = wanlab.run_site_cut(tmp, timings, cut_s=cut_s)
+    errors_seen = sum(v["errors"] for v in out["during"].values()) + sum(v["errors"] for v in out["after"].values())
+    heal = [out["made_works_at_b_after_s"], out["doomed_refused_at_a_after_s"]]
+    usage = out["usage"]
+    lost = abs(usage["answered_in_test"] - usage["at_a"]["requests"]) + abs(usage["at_a"]["requests"] - usage["at_b"]["requests"])
+    spent = out["budget"]["spent_total"]
+    name += f"; a day budget of {out['budget']['budget_day']} tokens spent {spent['a']} in all (bound: 2 x what was left)"
+    return row(name, load_text, faults, errors_seen, "-",
+               max(heal) if None not in heal else "not within 60 s", lost, **out)
+
+
+SCENARIOS.append(site_cut)
+
+
 # =============================================================================================
 # The table and the command line
 # =============================================================================================
