@@ -256,6 +256,17 @@ QUEUE_PRIORITY_WAIT_S = 0.05         # ... the bound where the engine schedules 
 QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
                                      # vLLM runs at most 256 at once (max_num_seqs); more wait in the
                                      # engine's own queue, first come first served, not in fair order
+QUEUE_SESSION_SLOTS = 256            # ... or this many (its running slots), past which only a tenant
+                                     # with fewer than ENGINE_PRIORITY_FIRST in flight from here goes
+                                     # (FairQueue.overtakes). As QUEUE_SESSION_DEPTH (off) by default: it
+                                     # caps an engine's batch with one tenant alone too, and the floor
+                                     # measured (bench_tenants --quick,
+                                     # frontier: A holding c requests per emulated H100 beside B and C
+                                     # at 20 % each) puts B's TTFT p99 within 1.5x of A-absent only at
+                                     # c <= 2, where A gets under 0.3 of the capacity B and C leave
+                                     # (c = 4: 2.3x, 0.42; c = 8: 3.6x, 0.76): a newcomer shares each
+                                     # engine step with the flood's prefill and decodes, and no
+                                     # admission at the ingress can take that back once sent
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
                                      # body: the bytes bound below is the one that binds on memory).
                                      # Measured (tests/bench_queue_memory.py: 10,000 waiting from
@@ -319,7 +330,7 @@ LIMITS = {name: globals()[name] for name in (   # name -> its default
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
     "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
     "DRAIN_S", "LINGER_S", "WARMUP_MAX_S", "QUEUE_WAIT_S", "QUEUE_PRIORITY_WAIT_S", "QUEUE_SESSION_DEPTH",
-    "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
+    "QUEUE_SESSION_SLOTS", "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
 
 
 LIMIT_HELP = {   # each limit's unit and the short reason for its default (the long one is beside it)
@@ -346,6 +357,9 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "QUEUE_PRIORITY_WAIT_S": "seconds of prefill queued at an engine that schedules by priority before requests "
                              "wait at the ingress (looser bounds measured worse)",
     "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
+    "QUEUE_SESSION_SLOTS": "requests in flight from this ingress at which a session is full but for a tenant with "
+                           "fewer than 2 in flight (as --queue-session-depth: off; 2 per engine keep a newcomer's "
+                           "TTFT near unloaded, at the cost of most of the flood's throughput)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
     "QUEUE_MAX_BYTES": "request bytes waiting at most, all keys (the queue's memory)",
@@ -3201,6 +3215,20 @@ class PassiveHealth:
 # and never past QUEUE_SESSION_DEPTH; within a tenant it keeps first come first served (a tenant
 # with requests waiting here waits too).
 #
+# Running slots (QUEUE_SESSION_SLOTS, off by default): a session is full too when this ingress has
+# that many requests in flight there, decoding or not; past them a request of a tenant holding
+# fewer than ENGINE_PRIORITY_FIRST in flight from here (by its weight) and none waiting goes at
+# once (overtakes, at any engine; counted in `held`, kept only while slots are on), up to
+# QUEUE_SESSION_DEPTH. So a flood holds at most the slots and a newcomer finds the engine's batch
+# small. Why a count and not more prefill: a newcomer's TTFT is the steps it shares with what the
+# engine carries (the flood's prefill chunks and decodes), not only the queue ahead of it, and
+# measured straight at the engines (bench_tenants frontier) that costs it 1.3x its unloaded p99
+# with one flood request per engine, 2.2x with four and 3.6x with eight, whatever the queue's
+# order or the engine's priority: at 1.5x the flood gets under 0.3 of the capacity left (the
+# floor). So the slots are a deployment's choice of that trade, a count per session since what
+# frees a slot is a request's end, not learned: the fit's per-stream cost (SpeedFit) sees the
+# decodes but not the prefill a flood's next request brings into the same steps.
+#
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
 # bound the request gets 429 with Retry-After. A client that leaves while waiting is removed at
@@ -3250,6 +3278,10 @@ class FairQueue:
         self.last = 0.0   # the counter of the tenant served last
         self.heard: Dict[str, float] = {}      # tenant -> the others' service total when last looked
         self.inflight: Dict[str, int] = {}     # tenant -> its requests at priority engines from here
+        # where sessions have fewer running slots than their depth: tenant -> its requests at any
+        # engine from here (overtakes; counted only then, so the default path does no more)
+        self.slotted = self.on and limits.queue_session_slots < limits.queue_session_depth
+        self.held: Dict[str, int] = {}
         self.note: Optional[Callable[[str, float], None]] = None   # service given here, to publish
         # for /metrics: per tenant
         self.service: Dict[str, int] = collections.defaultdict(int)   # tokens served
@@ -3283,34 +3315,63 @@ class FairQueue:
         return ENGINE_PRIORITY[rank] + min(ENGINE_PRIORITY_SPREAD - 1, int(held / key.weight).bit_length())
 
     def overtakes(self, candidate: Candidate, left: List[Candidate], key: Key) -> bool:
-        """Whether a request that would wait goes to a priority engine at once (see above): its
-        tenant holds fewer than ENGINE_PRIORITY_FIRST of them there (by its weight) and waits
-        here for none, and the session has room (QUEUE_SESSION_DEPTH)."""
-        if not candidate.by_priority or self.backlog.get(key.user) or not all(c.by_priority for c in left):
+        """Whether a request that would wait goes at once (see above): its tenant waits here for
+        none, the session has room (QUEUE_SESSION_DEPTH), and the tenant holds fewer than
+        ENGINE_PRIORITY_FIRST requests (by its weight) at priority engines, where the engine puts
+        it first, or, where sessions are full at fewer running slots (QUEUE_SESSION_SLOTS), fewer
+        at any engine from here than that or its share of the slots (slot_share): the slots left
+        free for it are what keeps its wait short there."""
+        if self.backlog.get(key.user):
             return False
-        held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
-        if held / key.weight >= ENGINE_PRIORITY_FIRST:
+        if candidate.by_priority and all(c.by_priority for c in left):
+            held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
+            if held / key.weight >= ENGINE_PRIORITY_FIRST:
+                return False
+        elif not self.slotted or self.held.get(key.user, 0) / key.weight >= \
+                max(ENGINE_PRIORITY_FIRST, self.slot_share(key, len(left))):
             return False
         est = self.engines.get(candidate.session)
         return est is None or est.outstanding < self.limits.queue_session_depth
+
+    def slot_share(self, key: Key, sessions: int) -> float:
+        """The running slots of `sessions` sessions per unit of weight among the tenants holding
+        requests from here or waiting here, `key`'s among them: a tenant below it holds less than
+        its weighted share, so a flood filling the slots does not make it wait (a tenant at 20 %
+        of the capacity holds as many requests as its answers take seconds, 4 per engine and more
+        for long answers). Over the tenants' requests at any model (held is not kept per model)."""
+        weights = self.weights
+        tenants = set(self.held).union(self.backlog)
+        tenants.add(key.user)
+        total = sum(key.weight if t == key.user else weights.get(t, 1.0) for t in tenants)
+        return self.limits.queue_session_slots * sessions / total
 
     def began(self, tenant: str) -> None:
         """A request of `tenant` went to a priority engine (engine_priority counts it till `ended`)."""
         self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
 
     def ended(self, tenant: str) -> None:
-        left = self.inflight.get(tenant, 0) - 1
+        self.released(tenant, self.inflight)
+
+    def holds(self, key: Key) -> None:
+        """A request of `key`'s tenant went to a session (counted till `released`, while slotted)."""
+        self.weights[key.user] = key.weight
+        self.held[key.user] = self.held.get(key.user, 0) + 1
+
+    @staticmethod
+    def released(tenant: str, counts: Dict[str, int]) -> None:
+        left = counts.get(tenant, 0) - 1
         if left > 0:
-            self.inflight[tenant] = left
+            counts[tenant] = left
         else:
-            self.inflight.pop(tenant, None)
+            counts.pop(tenant, None)
 
     def full(self, candidate: Candidate, routed: RoutedRequest) -> bool:
         """Whether the session the policy picked should not be sent more now: the prompt tokens this
         ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
-        ingress's requests are in flight there (QUEUE_PRIORITY_WAIT_S where the engine schedules
-        by priority). The speed is the fit's, or faster where whole answers showed it (a fit
+        ingress's requests are in flight there, or QUEUE_SESSION_SLOTS (its running slots: past
+        them only a tenant with few in flight goes, overtakes) (QUEUE_PRIORITY_WAIT_S where the
+        engine schedules by priority). The speed is the fit's, or faster where whole answers showed it (a fit
         left at its prior by answers that are not streamed judged a fast engine full at 3
         requests, and the queue halved the ingress's throughput). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
         is heard seconds late, and counting it held requests back from engines that had drained
@@ -3322,7 +3383,7 @@ class FairQueue:
         if est is None or not est.outstanding:
             return False
         limits = self.limits
-        return est.outstanding >= limits.queue_session_depth or \
+        return est.outstanding >= limits.queue_session_slots or est.outstanding >= limits.queue_session_depth or \
             est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
@@ -5106,6 +5167,7 @@ class _Exchange:
     completion_cap: Optional[int] = None  # the completion tokens the request asked for at most
     ticket: Optional[Ticket] = None       # its booking in the limits' windows (ClusterFlow.admit)
     ranked = False                        # counted in its tenant's requests at priority engines
+    slotted = False                       # ... in its tenant's requests in flight (FairQueue.held)
     sent = False            # the stream's head went out: no other session may answer now
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
@@ -5253,6 +5315,8 @@ class _Exchange:
         if self.ranked:   # (its tenant's standing at priority engines: FairQueue.engine_priority)
             ingress.queue.ended(self.key.user)
             ingress.flow.note_inflight(self.key.user, -1)
+        if self.slotted:
+            ingress.queue.released(self.key.user, ingress.queue.held)
         return True
 
     # -- booking: the engine's counts bounded, the ledger row (its head made while the engine works),
@@ -7080,6 +7144,9 @@ class Ingress:
             ex.ticket = ticket
         if ranked:
             ex.ranked = True
+        if self.queue.slotted:   # (FairQueue.overtakes: a tenant with few in flight goes at once)
+            self.queue.holds(key)
+            ex.slotted = True
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             ex.send(candidate, fresh=True)

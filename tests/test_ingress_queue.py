@@ -202,6 +202,47 @@ def test_a_tenant_with_little_at_priority_engines_goes_at_once():
     assert not q.overtakes(prio, [prio], heavy)            # the session holds QUEUE_SESSION_DEPTH
 
 
+def test_a_session_is_full_at_its_running_slots_but_for_a_tenant_below_its_share_of_them():
+    fit = types.SimpleNamespace(per_token=lambda: 0.0)   # (no prefill queued to speak of)
+    est = types.SimpleNamespace(fit=fit, outstanding=3, queued=0.0)
+    q = FairQueue(Limits(queue_session_slots=4, queue_session_depth=12), {"s": est})
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    flood, newcomer, light, heavy = key("flood"), key("new"), key("light"), key("heavy", weight=4.0)
+    assert q.slotted and not q.full(fcfs, None)
+    est.outstanding = 4
+    assert q.full(fcfs, None)                              # QUEUE_SESSION_SLOTS of this ingress's there
+    for _ in range(8):
+        q.holds(flood)
+    assert q.overtakes(fcfs, [fcfs, fcfs], newcomer)       # none in flight: it goes past the slots
+    for _ in range(4):
+        q.holds(light)
+    # 4 slots x 2 sessions between the flood and light: 4 each, and light holds 4
+    assert q.slot_share(light, 2) == 4.0 and not q.overtakes(fcfs, [fcfs, fcfs], light)
+    assert q.overtakes(fcfs, [fcfs] * 3, light)            # 12 slots: 6 each
+    assert not q.overtakes(fcfs, [fcfs] * 3, flood)        # ... and the flood holds 8
+    for _ in range(3):
+        q.holds(heavy)   # 12 slots over weights 1 + 1 + 4: 2 a unit of weight; heavy holds 3 / 4
+    assert q.slot_share(heavy, 3) == 2.0 and q.overtakes(fcfs, [fcfs] * 3, heavy)
+    assert not q.overtakes(fcfs, [fcfs] * 3, light)
+    for _ in range(3):
+        q.released("light", q.held)
+    assert q.overtakes(fcfs, [fcfs], light)                # below ENGINE_PRIORITY_FIRST whatever its share
+    wait(q, newcomer, 0.0)
+    assert not q.overtakes(fcfs, [fcfs, fcfs], newcomer)   # its own waiting requests go first
+    est.outstanding = 12
+    assert not q.overtakes(fcfs, [fcfs], light)            # never past QUEUE_SESSION_DEPTH
+    assert q.held == {"flood": 8, "light": 1, "heavy": 3} and q.inflight == {}   # (not the priority count)
+
+
+def test_without_slots_below_the_depth_nothing_overtakes_at_a_fcfs_engine_nor_is_counted():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.0), outstanding=5, queued=0.0)
+    q = FairQueue(Limits(), {"s": est})   # QUEUE_SESSION_SLOTS as QUEUE_SESSION_DEPTH: off
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    assert not q.slotted and not q.full(fcfs, None)
+    assert not q.overtakes(fcfs, [fcfs], key("new"))
+    assert not FairQueue(Limits(queue_session_slots=1), None).slotted   # (no queue: no count either)
+
+
 def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
     est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=3, queued=200.0)
     q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
@@ -516,6 +557,24 @@ def test_a_stream_goes_through_the_queue(deep1):
         assert status == 200 and sse_events(body)[-1] == "[DONE]"
         assert len(sse_events(body)) == 5
     assert deep1.call(lambda: deep1.ingress.queue.waited["alice"][1]) == 1
+
+
+def test_a_newcomer_goes_past_a_session_full_at_its_slots_while_the_flood_waits(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_session_slots=1, queue_max_per_key=5))
+    try:
+        s.engine("m1", mode="slow", slow_delay=0.6)
+        flood, other = s.key("flood"), s.key("other")
+        done: list = []
+        answers = in_threads(*(chat_at(s.url, flood, done, f"f{i}") for i in range(3)),
+                             chat_at(s.url, other, done, "o"))
+        assert [a[0] for a in answers] == [200] * 4
+        # past the one slot the flood holds ENGINE_PRIORITY_FIRST (2) at most, its third waited for a
+        # first to end; the other tenant, none in flight, went at once
+        assert [tag for tag, _ in done] == ["f0", "f1", "o", "f2"]
+        assert s.call(lambda: (s.ingress.queue.waited["flood"][1], s.ingress.queue.waited["other"][1])) == (1, 0)
+        assert s.call(lambda: dict(s.ingress.queue.held)) == {}   # out of the count at their ends
+    finally:
+        s.close()
 
 
 def test_a_retry_after_a_failed_attempt_does_not_wait_again(tmp_path):
