@@ -256,17 +256,15 @@ QUEUE_PRIORITY_WAIT_S = 0.05         # ... the bound where the engine schedules 
 QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
                                      # vLLM runs at most 256 at once (max_num_seqs); more wait in the
                                      # engine's own queue, first come first served, not in fair order
-QUEUE_SESSION_SLOTS = 256            # ... or this many (its running slots), past which only a tenant
-                                     # with fewer than ENGINE_PRIORITY_FIRST in flight from here goes
-                                     # (FairQueue.overtakes). As QUEUE_SESSION_DEPTH (off) by default: it
-                                     # caps an engine's batch with one tenant alone too, and the floor
-                                     # measured (bench_tenants --quick,
-                                     # frontier: A holding c requests per emulated H100 beside B and C
-                                     # at 20 % each) puts B's TTFT p99 within 1.5x of A-absent only at
-                                     # c <= 2, where A gets under 0.3 of the capacity B and C leave
-                                     # (c = 4: 2.3x, 0.42; c = 8: 3.6x, 0.76): a newcomer shares each
-                                     # engine step with the flood's prefill and decodes, and no
-                                     # admission at the ingress can take that back once sent
+QUEUE_SESSION_SLOTS = 256            # ... or, while two tenants or more hold requests here, this many
+                                     # (its running slots): past them only a tenant below its share
+                                     # of the slots goes (FairQueue.overtakes). Off (as the depth) by
+                                     # default: a count that suits one answer length starves another
+                                     # (a slot frees when an answer ends), and it was measured on one
+                                     # shape only: bench_tenants --quick (512 in, 16 out, 4 emulated
+                                     # H100s), 16 gave B/C TTFT p99 1.46x/1.32x of A-absent at A's
+                                     # 0.72 of the capacity left (2.74x/3.12x at 0.57 off); 8-10
+                                     # underfed the engines, 24 let the flood back in
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
                                      # body: the bytes bound below is the one that binds on memory).
                                      # Measured (tests/bench_queue_memory.py: 10,000 waiting from
@@ -357,9 +355,9 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "QUEUE_PRIORITY_WAIT_S": "seconds of prefill queued at an engine that schedules by priority before requests "
                              "wait at the ingress (looser bounds measured worse)",
     "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
-    "QUEUE_SESSION_SLOTS": "requests in flight from this ingress at which a session is full but for a tenant with "
-                           "fewer than 2 in flight (as --queue-session-depth: off; 2 per engine keep a newcomer's "
-                           "TTFT near unloaded, at the cost of most of the flood's throughput)",
+    "QUEUE_SESSION_SLOTS": "requests in flight from this ingress at which a session is full while two users or more "
+                           "have requests here, but for a user below its share of them (as --queue-session-depth: "
+                           "off; 16 measured best for 16-token answers on emulated H100s)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
     "QUEUE_MAX_BYTES": "request bytes waiting at most, all keys (the queue's memory)",
@@ -3215,19 +3213,27 @@ class PassiveHealth:
 # and never past QUEUE_SESSION_DEPTH; within a tenant it keeps first come first served (a tenant
 # with requests waiting here waits too).
 #
-# Running slots (QUEUE_SESSION_SLOTS, off by default): a session is full too when this ingress has
-# that many requests in flight there, decoding or not; past them a request of a tenant holding
-# fewer than ENGINE_PRIORITY_FIRST in flight from here (by its weight) and none waiting goes at
-# once (overtakes, at any engine; counted in `held`, kept only while slots are on), up to
-# QUEUE_SESSION_DEPTH. So a flood holds at most the slots and a newcomer finds the engine's batch
-# small. Why a count and not more prefill: a newcomer's TTFT is the steps it shares with what the
-# engine carries (the flood's prefill chunks and decodes), not only the queue ahead of it, and
-# measured straight at the engines (bench_tenants frontier) that costs it 1.3x its unloaded p99
-# with one flood request per engine, 2.2x with four and 3.6x with eight, whatever the queue's
-# order or the engine's priority: at 1.5x the flood gets under 0.3 of the capacity left (the
-# floor). So the slots are a deployment's choice of that trade, a count per session since what
-# frees a slot is a request's end, not learned: the fit's per-stream cost (SpeedFit) sees the
-# decodes but not the prefill a flood's next request brings into the same steps.
+# Running slots (QUEUE_SESSION_SLOTS, off by default): while two tenants or more hold requests from
+# here or wait here (contended), a session is full too when this ingress has that many requests
+# in flight there, decoding or not. Past them, and past the prefill bound, a request goes at once
+# (overtakes, at any engine; up to QUEUE_SESSION_DEPTH) when its tenant waits here for none and
+# holds fewer requests in flight from here (`held`, kept only while slots are on) than
+# ENGINE_PRIORITY_FIRST or, contended, than its share of the slots (slot_share: the slots of the
+# model's sessions by weight among the tenants present). So a flood holds what the others leave
+# of the slots, and a tenant below its share neither waits here nor finds the engine's batch
+# full of the flood. Why by count: a newcomer's TTFT is the steps it shares with what the engine
+# carries (the flood's prefill chunks and decodes), not only the prefill queued ahead of it, and
+# a request that waits here for the prefill bound waits twice (here, then behind the bound
+# there). Measured straight at the engines (bench_tenants frontier: A holding c requests per
+# engine, a closed loop) a newcomer's p99 is 1.3x its unloaded one at c = 1-2 (A gets 0.15-0.3 of
+# the capacity left), 2.2x at c = 4 (0.42), 4x at c = 8 (0.77), whatever the engine's priority:
+# the floor for an admission that only counts requests. With the slots the ingress does better
+# than that closed loop (the flood's next prompts come as the prefill bound lets them, not in
+# bursts as its requests end): 16 per session kept B and C near 1.5x at 0.72 (--quick, one run).
+# Alone, a tenant goes past no bound for its share: the slots are there to protect one tenant
+# from another, and an ingress that sees only a flood spread over several ingresses holds it by
+# the prefill bound (measured: that share let the flood's half at a second ingress fill the
+# engines, B 8.8x).
 #
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
@@ -3319,26 +3325,41 @@ class FairQueue:
         none, the session has room (QUEUE_SESSION_DEPTH), and the tenant holds fewer than
         ENGINE_PRIORITY_FIRST requests (by its weight) at priority engines, where the engine puts
         it first, or, where sessions are full at fewer running slots (QUEUE_SESSION_SLOTS), fewer
-        at any engine from here than that or its share of the slots (slot_share): the slots left
-        free for it are what keeps its wait short there."""
+        at any engine from here than that or its share of the slots (slot_share), however much
+        prefill is queued there: the slots left free for it are what keeps its wait short."""
         if self.backlog.get(key.user):
+            return False
+        est = self.engines.get(candidate.session)
+        if est is not None and est.outstanding >= self.limits.queue_session_depth:
             return False
         if candidate.by_priority and all(c.by_priority for c in left):
             held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
-            if held / key.weight >= ENGINE_PRIORITY_FIRST:
-                return False
-        elif not self.slotted or self.held.get(key.user, 0) / key.weight >= \
-                max(ENGINE_PRIORITY_FIRST, self.slot_share(key, len(left))):
+            return held / key.weight < ENGINE_PRIORITY_FIRST
+        if not self.slotted:
             return False
-        est = self.engines.get(candidate.session)
-        return est is None or est.outstanding < self.limits.queue_session_depth
+        held = self.held.get(key.user, 0) / key.weight
+        return held < ENGINE_PRIORITY_FIRST or (held < self.slot_share(key, len(left)) and self.contended(key.user))
+
+    def contended(self, tenant: str = "") -> bool:
+        """Whether two tenants or more (`tenant` among them) hold requests from here or wait here:
+        the running slots, and a tenant's share of them, count only then, so a tenant alone has
+        the engines' whole batch and goes past no bound. (Each ingress sees its own: one that
+        sees only a flood spread over several holds it by the prefill bound alone.)"""
+        held = self.held
+        if len(held) > 1:
+            return True
+        present = set(held).union(self.backlog)
+        if tenant:
+            present.add(tenant)
+        return len(present) > 1
 
     def slot_share(self, key: Key, sessions: int) -> float:
         """The running slots of `sessions` sessions per unit of weight among the tenants holding
         requests from here or waiting here, `key`'s among them: a tenant below it holds less than
         its weighted share, so a flood filling the slots does not make it wait (a tenant at 20 %
-        of the capacity holds as many requests as its answers take seconds, 4 per engine and more
-        for long answers). Over the tenants' requests at any model (held is not kept per model)."""
+        of the capacity holds its rate times its answers' seconds: about 2 per engine in
+        bench_tenants --quick, more for long answers). Over the tenants' requests at any model
+        (held is not kept per model)."""
         weights = self.weights
         tenants = set(self.held).union(self.backlog)
         tenants.add(key.user)
@@ -3369,9 +3390,9 @@ class FairQueue:
         """Whether the session the policy picked should not be sent more now: the prompt tokens this
         ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
-        ingress's requests are in flight there, or QUEUE_SESSION_SLOTS (its running slots: past
-        them only a tenant with few in flight goes, overtakes) (QUEUE_PRIORITY_WAIT_S where the
-        engine schedules by priority). The speed is the fit's, or faster where whole answers showed it (a fit
+        ingress's requests are in flight there, or QUEUE_SESSION_SLOTS while contended (its
+        running slots: past them only a tenant below its share goes, overtakes)
+        (QUEUE_PRIORITY_WAIT_S where the engine schedules by priority). The speed is the fit's, or faster where whole answers showed it (a fit
         left at its prior by answers that are not streamed judged a fast engine full at 3
         requests, and the queue halved the ingress's throughput). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
         is heard seconds late, and counting it held requests back from engines that had drained
@@ -3383,8 +3404,14 @@ class FairQueue:
         if est is None or not est.outstanding:
             return False
         limits = self.limits
-        return est.outstanding >= limits.queue_session_slots or est.outstanding >= limits.queue_session_depth or \
-            est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
+        return est.outstanding >= limits.queue_session_depth or self.prefilling(candidate, est) or \
+            (est.outstanding >= limits.queue_session_slots and self.contended())
+
+    def prefilling(self, candidate: Candidate, est: EngineEstimate) -> bool:
+        """Whether the prompt tokens queued at the session take over its wait bound (full)."""
+        limits = self.limits
+        return est.queued * est.fit.per_token() > \
+            (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""

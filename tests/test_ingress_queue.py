@@ -203,22 +203,30 @@ def test_a_tenant_with_little_at_priority_engines_goes_at_once():
 
 
 def test_a_session_is_full_at_its_running_slots_but_for_a_tenant_below_its_share_of_them():
-    fit = types.SimpleNamespace(per_token=lambda: 0.0)   # (no prefill queued to speak of)
-    est = types.SimpleNamespace(fit=fit, outstanding=3, queued=0.0)
-    q = FairQueue(Limits(queue_session_slots=4, queue_session_depth=12), {"s": est})
+    fit = types.SimpleNamespace(per_token=lambda: 0.001)
+    est = types.SimpleNamespace(fit=fit, outstanding=3, queued=0.0)   # (no prefill queued yet)
+    q = FairQueue(Limits(queue_session_slots=4, queue_session_depth=12, queue_wait_s=0.05), {"s": est})
     fcfs = type("C", (), {"session": "s", "by_priority": False})()
     flood, newcomer, light, heavy = key("flood"), key("new"), key("light"), key("heavy", weight=4.0)
     assert q.slotted and not q.full(fcfs, None)
     est.outstanding = 4
-    assert q.full(fcfs, None)                              # QUEUE_SESSION_SLOTS of this ingress's there
     for _ in range(8):
         q.holds(flood)
+    assert not q.full(fcfs, None)                          # the flood alone here: the slots do not bind
+    wait(q, newcomer, 0.0)
+    assert q.full(fcfs, None)                              # another waits: QUEUE_SESSION_SLOTS of this ingress's
+    q.remove(q.order(0.0))
+    assert not q.full(fcfs, None)
     assert q.overtakes(fcfs, [fcfs, fcfs], newcomer)       # none in flight: it goes past the slots
     for _ in range(4):
         q.holds(light)
+    assert q.full(fcfs, None)                              # two tenants hold requests from here
     # 4 slots x 2 sessions between the flood and light: 4 each, and light holds 4
     assert q.slot_share(light, 2) == 4.0 and not q.overtakes(fcfs, [fcfs, fcfs], light)
     assert q.overtakes(fcfs, [fcfs] * 3, light)            # 12 slots: 6 each
+    est.queued = 100.0                                     # 0.1 s of prefill queued there: full ...
+    assert q.full(fcfs, None) and q.overtakes(fcfs, [fcfs] * 3, light)   # ... but not for a tenant below its share
+    est.queued = 0.0
     assert not q.overtakes(fcfs, [fcfs] * 3, flood)        # ... and the flood holds 8
     for _ in range(3):
         q.holds(heavy)   # 12 slots over weights 1 + 1 + 4: 2 a unit of weight; heavy holds 3 / 4
@@ -232,6 +240,19 @@ def test_a_session_is_full_at_its_running_slots_but_for_a_tenant_below_its_share
     est.outstanding = 12
     assert not q.overtakes(fcfs, [fcfs], light)            # never past QUEUE_SESSION_DEPTH
     assert q.held == {"flood": 8, "light": 1, "heavy": 3} and q.inflight == {}   # (not the priority count)
+
+
+def test_a_tenant_alone_goes_past_no_bound_for_its_share_of_the_slots():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=8, queued=100.0)
+    q = FairQueue(Limits(queue_session_slots=4, queue_session_depth=12, queue_wait_s=0.05), {"s": est})
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    solo = key("solo")
+    for _ in range(3):
+        q.holds(solo)
+    assert q.full(fcfs, None)                              # 0.1 s of prefill queued: the bound holds it
+    assert q.slot_share(solo, 2) == 8.0 and not q.overtakes(fcfs, [fcfs, fcfs], solo)   # alone: no share
+    q.holds(key("other"))
+    assert q.overtakes(fcfs, [fcfs, fcfs], solo)           # 4 each of 8 slots, it holds 3
 
 
 def test_without_slots_below_the_depth_nothing_overtakes_at_a_fcfs_engine_nor_is_counted():
@@ -565,12 +586,12 @@ def test_a_newcomer_goes_past_a_session_full_at_its_slots_while_the_flood_waits(
         s.engine("m1", mode="slow", slow_delay=0.6)
         flood, other = s.key("flood"), s.key("other")
         done: list = []
-        answers = in_threads(*(chat_at(s.url, flood, done, f"f{i}") for i in range(3)),
-                             chat_at(s.url, other, done, "o"))
-        assert [a[0] for a in answers] == [200] * 4
-        # past the one slot the flood holds ENGINE_PRIORITY_FIRST (2) at most, its third waited for a
-        # first to end; the other tenant, none in flight, went at once
-        assert [tag for tag, _ in done] == ["f0", "f1", "o", "f2"]
+        answers = in_threads(chat_at(s.url, other, done, "o1"), *(chat_at(s.url, flood, done, f"f{i}") for i in range(3)),
+                             chat_at(s.url, other, done, "o2"))
+        assert [a[0] for a in answers] == [200] * 5
+        # two tenants hold requests: past the one slot the flood holds ENGINE_PRIORITY_FIRST (2) at most,
+        # its third waited for a request to end; the other's second, one in flight, went at once
+        assert [tag for tag, _ in done] == ["o1", "f0", "f1", "o2", "f2"]
         assert s.call(lambda: (s.ingress.queue.waited["flood"][1], s.ingress.queue.waited["other"][1])) == (1, 0)
         assert s.call(lambda: dict(s.ingress.queue.held)) == {}   # out of the count at their ends
     finally:
