@@ -260,11 +260,14 @@ QUEUE_SESSION_SLOTS = 256            # ... or, while two tenants or more hold re
                                      # (its running slots): past them only a tenant below its share
                                      # of the slots goes (FairQueue.overtakes). Off (as the depth) by
                                      # default: a count that suits one answer length starves another
-                                     # (a slot frees when an answer ends), and it was measured on one
-                                     # shape only: bench_tenants --quick (512 in, 16 out, 4 emulated
-                                     # H100s), 16 gave B/C TTFT p99 1.46x/1.32x of A-absent at A's
-                                     # 0.72 of the capacity left (2.74x/3.12x at 0.57 off); 8-10
-                                     # underfed the engines, 24 let the flood back in
+                                     # (a slot frees when an answer ends). Measured (bench_tenants,
+                                     # 512 in, 4 emulated H100s): --quick (16 out, three runs) 16 gave
+                                     # B/C TTFT p99 1.3-1.9x of A-absent at A's 0.68-0.72 of the
+                                     # capacity left (off: 2.7-3.4x at 0.57-0.61), 8-10 underfed the
+                                     # engines, 24 let the flood back in; with two ingresses no better
+                                     # than off (contended); but with 128 out (--duration 20 --drain
+                                     # 30) 16 gave B 38x at 0.35 (off: 3.3x at 1.06): B and C alone
+                                     # hold more than 16 a session there
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
                                      # body: the bytes bound below is the one that binds on memory).
                                      # Measured (tests/bench_queue_memory.py: 10,000 waiting from
@@ -3229,11 +3232,15 @@ class PassiveHealth:
 # the capacity left), 2.2x at c = 4 (0.42), 4x at c = 8 (0.77), whatever the engine's priority:
 # the floor for an admission that only counts requests. With the slots the ingress does better
 # than that closed loop (the flood's next prompts come as the prefill bound lets them, not in
-# bursts as its requests end): 16 per session kept B and C near 1.5x at 0.72 (--quick, one run).
+# bursts as its requests end): 16 per session kept B and C at 1.3-1.9x with A at 0.68-0.72 (--quick,
+# three runs; off: 2.7-3.4x at 0.57-0.61), but a count that fits 16-token answers starves 128-token
+# ones (see the knob): what a session can run at once is not learned here yet, so it is off.
 # Alone, a tenant goes past no bound for its share: the slots are there to protect one tenant
 # from another, and an ingress that sees only a flood spread over several ingresses holds it by
 # the prefill bound (measured: that share let the flood's half at a second ingress fill the
-# engines, B 8.8x).
+# engines, B 8.8x). So with the flood spread over two ingresses the one that sees it alone does
+# not count slots, and B and C were no better than with the slots off (5-6x at 0.71-0.95 of the
+# capacity, off 4.4-4.5x at 0.84): the tenants present at other ingresses are not heard here.
 #
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
@@ -3392,8 +3399,8 @@ class FairQueue:
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
         ingress's requests are in flight there, or QUEUE_SESSION_SLOTS while contended (its
         running slots: past them only a tenant below its share goes, overtakes)
-        (QUEUE_PRIORITY_WAIT_S where the engine schedules by priority). The speed is the fit's, or faster where whole answers showed it (a fit
-        left at its prior by answers that are not streamed judged a fast engine full at 3
+        (QUEUE_PRIORITY_WAIT_S where the engine schedules by priority). The speed is the fit's,
+        or faster where whole answers showed it (a fit left at its prior by answers that are not streamed judged a fast engine full at 3
         requests, and the queue halved the ingress's throughput). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
         is heard seconds late, and counting it held requests back from engines that had drained
         meanwhile (measured: a flood's engines ran at a third of their capacity); with k
@@ -3404,14 +3411,9 @@ class FairQueue:
         if est is None or not est.outstanding:
             return False
         limits = self.limits
-        return est.outstanding >= limits.queue_session_depth or self.prefilling(candidate, est) or \
-            (est.outstanding >= limits.queue_session_slots and self.contended())
-
-    def prefilling(self, candidate: Candidate, est: EngineEstimate) -> bool:
-        """Whether the prompt tokens queued at the session take over its wait bound (full)."""
-        limits = self.limits
-        return est.queued * est.fit.per_token() > \
-            (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
+        return est.outstanding >= limits.queue_session_depth or \
+            est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s) \
+            or (est.outstanding >= limits.queue_session_slots and self.contended())
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""
