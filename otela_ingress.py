@@ -3191,7 +3191,14 @@ class PassiveHealth:
 #      late, so a tenant served at rate R elsewhere is ahead of its true counter by at most
 #      R x (FLOW_PUBLISH_S + d) tokens, and the shares over a window of W seconds are off by at
 #      most (FLOW_PUBLISH_S + d) / W of the capacity per ingress (0.5 s in 30 s: under 2 %);
-#   3. within a tenant and class, first come first served.
+#   3. within a tenant and class, a conversation's next turn (its body holds an assistant message:
+#      an agent's tool call coming back) before the tenant's first turns and bare prompts, then
+#      first come first served. An agent's turn comes seconds after its answer, while the engine
+#      that served it still holds the conversation's KV; behind the tenant's cold requests it
+#      would wait while their prefill pushes that KV out of the engine's cache, and its whole
+#      context be computed again. A cold request goes back to first come first served once it
+#      has waited QUEUE_AGE_S (a tenant replaying transcripts cannot hold its own first turns
+#      back forever), and other tenants' order is not touched (the share decides first).
 #
 # Where a session's engine schedules by priority (its record says `scheduling: priority`, and
 # every session a request may try does), the body's `priority` says more than the class: the
@@ -3252,14 +3259,16 @@ class Waiting:
     """One request waiting in the FairQueue: what sending it needs (`send`, called with nothing
     when it goes out), its tenant, class and size. `cancel` (its client went away) removes it."""
 
-    __slots__ = ("queue", "send", "key", "tenant", "rank", "since", "size", "model", "client", "lane", "ticket")
+    __slots__ = ("queue", "send", "key", "tenant", "rank", "since", "size", "model", "client", "lane", "ticket",
+                 "cold")
 
     def __init__(self, queue: FairQueue, send: Callable[[], None], key: Key, rank: int, since: float,
-                 size: int, model: str, client: Any, ticket: Optional[Ticket] = None):
+                 size: int, model: str, client: Any, ticket: Optional[Ticket] = None, warm: bool = False):
         self.queue, self.send, self.key, self.tenant, self.rank = queue, send, key, key.user, rank
         self.since, self.size, self.model, self.client = since, size, model, client
         self.lane: Optional[collections.deque] = None
         self.ticket = ticket   # its booking in the limits' windows, handed to its exchange when it goes
+        self.cold = not warm   # not a conversation's next turn (FairQueue.order: warm turns first)
 
     def cancel(self) -> None:
         if self.lane is not None:
@@ -3282,7 +3291,7 @@ class FairQueue:
         self.limits = limits
         self.engines = engines   # the TTFT policy's estimates (None: another policy, nothing waits)
         self.on = engines is not None and limits.queue_max > 0
-        self.lanes: Dict[Tuple[int, str], collections.deque] = {}   # (class, tenant) -> its requests
+        self.lanes: Dict[Tuple[int, str, bool], collections.deque] = {}   # (class, tenant, cold) -> its requests
         self.counters: Dict[str, float] = {}   # tenant -> tokens served / weight (VTC)
         self.weights: Dict[str, float] = {}    # tenant -> the weight of its latest key
         self.backlog: Dict[str, int] = {}      # tenant -> requests waiting
@@ -3437,9 +3446,9 @@ class FairQueue:
             lowest = min((self.counters.get(t, 0.0) for t, n in self.backlog.items() if n), default=self.last)
             self.counters[tenant] = max(self.standing(tenant), lowest)
         self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
-        lane = self.lanes.get((entry.rank, tenant))
+        lane = self.lanes.get((entry.rank, tenant, entry.cold))
         if lane is None:
-            lane = self.lanes[(entry.rank, tenant)] = collections.deque()
+            lane = self.lanes[(entry.rank, tenant, entry.cold)] = collections.deque()
         lane.append(entry)
         entry.lane = lane
         held = self.per_key.setdefault(entry.key.id, [0, 0])
@@ -3459,7 +3468,7 @@ class FairQueue:
         else:
             lane.remove(entry)
         if not lane:
-            del self.lanes[(entry.rank, entry.tenant)]
+            del self.lanes[(entry.rank, entry.tenant, entry.cold)]
         tenant = entry.tenant
         left = self.backlog[tenant] - 1
         if left:
@@ -3482,19 +3491,25 @@ class FairQueue:
         """The request to send next, skipping those for the models in `passed` (their sessions
         are full), or None."""
         oldest: Dict[int, float] = {}   # class -> when its oldest waiting request came (a lane's head)
-        for (rank, _), lane in self.lanes.items():
-            since = oldest.get(rank)
-            if since is None or lane[0].since < since:
-                oldest[rank] = lane[0].since
+        first: Dict[Tuple[int, str], float] = {}   # (class, tenant) -> ... of the tenant's, warm or cold
+        for (rank, tenant, _), lane in self.lanes.items():
+            since = lane[0].since
+            if since < oldest.get(rank, math.inf):
+                oldest[rank] = since
+            if since < first.get((rank, tenant), math.inf):
+                first[(rank, tenant)] = since
         age = self.limits.queue_age_s
         risen = {rank: max(0, rank - int((now - since) / age)) for rank, since in oldest.items()}
-        best: Optional[Tuple[int, float, float]] = None
+        best: Optional[Tuple[int, float, float, bool, float]] = None
         chosen = None
-        for (rank, tenant), lane in self.lanes.items():
+        for (rank, tenant, cold), lane in self.lanes.items():
             head = lane[0]
             if head.model in passed:
                 continue
-            place = (risen[rank], self.standing(tenant), head.since)
+            # between tenants: class, share, then the older request, as if each had one lane;
+            # within one: its warm turns first, unless its cold head has waited QUEUE_AGE_S
+            place = (risen[rank], self.standing(tenant), first[(rank, tenant)], cold and now - head.since < age,
+                     head.since)
             if best is None or place < best:
                 best, chosen = place, head
         return chosen
@@ -7224,7 +7239,8 @@ class Ingress:
             ex.charged, ex.queued, ex.waited_ms = prompt, True, (now - entry.since) * 1000.0
             return True
 
-        entry = Waiting(queue, send, key, rank, time.monotonic(), len(body), routed.model, client, ticket)
+        entry = Waiting(queue, send, key, rank, time.monotonic(), len(body), routed.model, client, ticket,
+                        earlier_turns(routed.body)[0] > 0)
         queue.add(entry)
         client.waiting = entry   # (cancelled by connection_lost: out of the queue at once)
         self.dispatch_waiting()

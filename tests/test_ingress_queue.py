@@ -29,8 +29,9 @@ def queue(**limits) -> FairQueue:
     return FairQueue(Limits(**limits), {})
 
 
-def wait(q: FairQueue, k: Key, now: float, rank: int = 1, size: int = 100, model: str = "m") -> Waiting:
-    entry = Waiting(q, lambda: True, k, rank, now, size, model, None)
+def wait(q: FairQueue, k: Key, now: float, rank: int = 1, size: int = 100, model: str = "m",
+         warm: bool = False) -> Waiting:
+    entry = Waiting(q, lambda: True, k, rank, now, size, model, None, warm=warm)
     assert q.refusal(k, size) is None
     q.add(entry)
     return entry
@@ -286,6 +287,32 @@ def test_whole_answers_show_an_engine_faster_than_the_prior_and_it_is_not_full()
     for _ in range(400):      # answers that do not renew it: the ceiling rises back to the fit
         fit.bound(10.0, 1.0)
     assert fit.per_token() == fit.theta[1] and q.full(fcfs, None)
+
+
+def test_a_conversations_next_turn_goes_before_its_tenants_cold_requests_until_they_age():
+    q = queue(queue_age_s=10.0)
+    agent, other = key("agent"), key("other")
+    cold = [wait(q, agent, 0.0) for _ in range(2)]
+    turn = wait(q, agent, 1.0, warm=True)   # an agent's tool call back, after the tenant's cold ones
+    assert q.order(2.0) is turn
+    theirs = wait(q, other, 2.0)
+    assert q.order(2.0) is turn            # (between tenants of one share: the older request's, the agent's)
+    q.charge("agent", 1000)
+    assert q.order(2.0) is theirs          # (between tenants the share decides first)
+    q.went(theirs, 0, 2.0)
+    assert q.order(10.0) is cold[0]        # a cold request that waited QUEUE_AGE_S: first come first served
+    assert q.order(2.0) is turn
+    q.went(turn, 0, 2.0)
+    assert q.order(2.0) is cold[0]
+    q.went(cold[0], 0, 2.0)
+    assert q.order(2.0) is cold[1] and q.count == 1
+
+
+def test_a_turn_is_warm_when_its_body_holds_an_assistant_message():
+    first = {"messages": [{"role": "user", "content": "hi"}]}
+    turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "calling"},
+                         {"role": "tool", "content": "42"}]}
+    assert otela_ingress.earlier_turns(first)[0] == 0 and otela_ingress.earlier_turns(turn)[0] > 0
 
 
 def test_a_higher_class_waits_only_behind_its_own_class():
