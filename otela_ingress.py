@@ -262,6 +262,18 @@ QUEUE_PRIORITY_WAIT_S = 0.05         # ... the bound where the engine schedules 
 QUEUE_SESSION_DEPTH = 256            # ... or when this ingress has this many requests in flight at it:
                                      # vLLM runs at most 256 at once (max_num_seqs); more wait in the
                                      # engine's own queue, first come first served, not in fair order
+QUEUE_SESSION_SLOTS = 256            # ... or, while two tenants or more hold requests here, this many
+                                     # (its running slots): past them only a tenant below its share
+                                     # of the slots goes (FairQueue.overtakes). Off (as the depth) by
+                                     # default: a count that suits one answer length starves another
+                                     # (a slot frees when an answer ends). Measured (bench_tenants,
+                                     # 512 in, 4 emulated H100s): --quick (16 out, three runs) 16 gave
+                                     # B/C TTFT p99 1.3-1.9x of A-absent at A's 0.68-0.72 of the
+                                     # capacity left (off: 2.7-3.4x at 0.57-0.61), 8-10 underfed the
+                                     # engines, 24 let the flood back in; with two ingresses no better
+                                     # than off (contended); but with 128 out (--duration 20 --drain
+                                     # 30) 16 gave B 38x at 0.35 (off: 3.3x at 1.06): B and C alone
+                                     # hold more than 16 a session there
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
                                      # body: the bytes bound below is the one that binds on memory).
                                      # Measured (tests/bench_queue_memory.py: 10,000 waiting from
@@ -325,7 +337,7 @@ LIMITS = {name: globals()[name] for name in (   # name -> its default
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
     "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
     "DRAIN_S", "LINGER_S", "WARMUP_MAX_S", "QUEUE_WAIT_S", "QUEUE_PRIORITY_WAIT_S", "QUEUE_SESSION_DEPTH",
-    "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
+    "QUEUE_SESSION_SLOTS", "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
 
 
 LIMIT_HELP = {   # each limit's unit and the short reason for its default (the long one is beside it)
@@ -352,6 +364,9 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "QUEUE_PRIORITY_WAIT_S": "seconds of prefill queued at an engine that schedules by priority before requests "
                              "wait at the ingress (looser bounds measured worse)",
     "QUEUE_SESSION_DEPTH": "requests in flight from this ingress at which a session is full (vLLM runs 256)",
+    "QUEUE_SESSION_SLOTS": "requests in flight from this ingress at which a session is full while two users or more "
+                           "have requests here, but for a user below its share of them (as --queue-session-depth: "
+                           "off; 16 measured best for 16-token answers on emulated H100s)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
     "QUEUE_MAX_BYTES": "request bytes waiting at most, all keys (the queue's memory)",
@@ -3261,7 +3276,14 @@ class PassiveHealth:
 #      late, so a tenant served at rate R elsewhere is ahead of its true counter by at most
 #      R x (FLOW_PUBLISH_S + d) tokens, and the shares over a window of W seconds are off by at
 #      most (FLOW_PUBLISH_S + d) / W of the capacity per ingress (0.5 s in 30 s: under 2 %);
-#   3. within a tenant and class, first come first served.
+#   3. within a tenant and class, a conversation's next turn (its body holds an assistant message:
+#      an agent's tool call coming back) before the tenant's first turns and bare prompts, then
+#      first come first served. An agent's turn comes seconds after its answer, while the engine
+#      that served it still holds the conversation's KV; behind the tenant's cold requests it
+#      would wait while their prefill pushes that KV out of the engine's cache, and its whole
+#      context be computed again. A cold request goes back to first come first served once it
+#      has waited QUEUE_AGE_S (a tenant replaying transcripts cannot hold its own first turns
+#      back forever), and other tenants' order is not touched (the share decides first).
 #
 # Where a session's engine schedules by priority (its record says `scheduling: priority`, and
 # every session a request may try does), the body's `priority` says more than the class: the
@@ -3286,6 +3308,32 @@ class PassiveHealth:
 # and never past QUEUE_SESSION_DEPTH; within a tenant it keeps first come first served (a tenant
 # with requests waiting here waits too).
 #
+# Running slots (QUEUE_SESSION_SLOTS, off by default): while two tenants or more hold requests from
+# here or wait here (contended), a session is full too when this ingress has that many requests
+# in flight there, decoding or not. Past them, and past the prefill bound, a request goes at once
+# (overtakes, at any engine; up to QUEUE_SESSION_DEPTH) when its tenant waits here for none and
+# holds fewer requests in flight from here (`held`, kept only while slots are on) than
+# ENGINE_PRIORITY_FIRST or, contended, than its share of the slots (slot_share: the slots of the
+# model's sessions by weight among the tenants present). So a flood holds what the others leave
+# of the slots, and a tenant below its share neither waits here nor finds the engine's batch
+# full of the flood. Why by count: a newcomer's TTFT is the steps it shares with what the engine
+# carries (the flood's prefill chunks and decodes), not only the prefill queued ahead of it, and
+# a request that waits here for the prefill bound waits twice (here, then behind the bound
+# there). Measured straight at the engines (bench_tenants frontier: A holding c requests per
+# engine, a closed loop) a newcomer's p99 is 1.3x its unloaded one at c = 1-2 (A gets 0.15-0.3 of
+# the capacity left), 2.2x at c = 4 (0.42), 4x at c = 8 (0.77), whatever the engine's priority:
+# the floor for an admission that only counts requests. With the slots the ingress does better
+# than that closed loop (the flood's next prompts come as the prefill bound lets them, not in
+# bursts as its requests end): 16 per session kept B and C at 1.3-1.9x with A at 0.68-0.72 (--quick,
+# three runs; off: 2.7-3.4x at 0.57-0.61), but a count that fits 16-token answers starves 128-token
+# ones (see the knob): what a session can run at once is not learned here yet, so it is off.
+# Alone, a tenant goes past no bound for its share: the slots are there to protect one tenant
+# from another, and an ingress that sees only a flood spread over several ingresses holds it by
+# the prefill bound (measured: that share let the flood's half at a second ingress fill the
+# engines, B 8.8x). So with the flood spread over two ingresses the one that sees it alone does
+# not count slots, and B and C were no better than with the slots off (5-6x at 0.71-0.95 of the
+# capacity, off 4.4-4.5x at 0.84): the tenants present at other ingresses are not heard here.
+#
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
 # bound the request gets 429 with Retry-After. A client that leaves while waiting is removed at
@@ -3296,14 +3344,16 @@ class Waiting:
     """One request waiting in the FairQueue: what sending it needs (`send`, called with nothing
     when it goes out), its tenant, class and size. `cancel` (its client went away) removes it."""
 
-    __slots__ = ("queue", "send", "key", "tenant", "rank", "since", "size", "model", "client", "lane", "ticket")
+    __slots__ = ("queue", "send", "key", "tenant", "rank", "since", "size", "model", "client", "lane", "ticket",
+                 "cold")
 
     def __init__(self, queue: FairQueue, send: Callable[[], None], key: Key, rank: int, since: float,
-                 size: int, model: str, client: Any, ticket: Optional[Ticket] = None):
+                 size: int, model: str, client: Any, ticket: Optional[Ticket] = None, warm: bool = False):
         self.queue, self.send, self.key, self.tenant, self.rank = queue, send, key, key.user, rank
         self.since, self.size, self.model, self.client = since, size, model, client
         self.lane: Optional[collections.deque] = None
         self.ticket = ticket   # its booking in the limits' windows, handed to its exchange when it goes
+        self.cold = not warm   # not a conversation's next turn (FairQueue.order: warm turns first)
 
     def cancel(self) -> None:
         if self.lane is not None:
@@ -3326,7 +3376,7 @@ class FairQueue:
         self.limits = limits
         self.engines = engines   # the TTFT policy's estimates (None: another policy, nothing waits)
         self.on = engines is not None and limits.queue_max > 0
-        self.lanes: Dict[Tuple[int, str], collections.deque] = {}   # (class, tenant) -> its requests
+        self.lanes: Dict[Tuple[int, str, bool], collections.deque] = {}   # (class, tenant, cold) -> its requests
         self.counters: Dict[str, float] = {}   # tenant -> tokens served / weight (VTC)
         self.weights: Dict[str, float] = {}    # tenant -> the weight of its latest key
         self.backlog: Dict[str, int] = {}      # tenant -> requests waiting
@@ -3335,6 +3385,10 @@ class FairQueue:
         self.last = 0.0   # the counter of the tenant served last
         self.heard: Dict[str, float] = {}      # tenant -> the others' service total when last looked
         self.inflight: Dict[str, int] = {}     # tenant -> its requests at priority engines from here
+        # where sessions have fewer running slots than their depth: tenant -> its requests at any
+        # engine from here (overtakes; counted only then, so the default path does no more)
+        self.slotted = self.on and limits.queue_session_slots < limits.queue_session_depth
+        self.held: Dict[str, int] = {}
         self.note: Optional[Callable[[str, float], None]] = None   # service given here, to publish
         # for /metrics: per tenant
         self.service: Dict[str, int] = collections.defaultdict(int)   # tokens served
@@ -3368,35 +3422,79 @@ class FairQueue:
         return ENGINE_PRIORITY[rank] + min(ENGINE_PRIORITY_SPREAD - 1, int(held / key.weight).bit_length())
 
     def overtakes(self, candidate: Candidate, left: List[Candidate], key: Key) -> bool:
-        """Whether a request that would wait goes to a priority engine at once (see above): its
-        tenant holds fewer than ENGINE_PRIORITY_FIRST of them there (by its weight) and waits
-        here for none, and the session has room (QUEUE_SESSION_DEPTH)."""
-        if not candidate.by_priority or self.backlog.get(key.user) or not all(c.by_priority for c in left):
-            return False
-        held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
-        if held / key.weight >= ENGINE_PRIORITY_FIRST:
+        """Whether a request that would wait goes at once (see above): its tenant waits here for
+        none, the session has room (QUEUE_SESSION_DEPTH), and the tenant holds fewer than
+        ENGINE_PRIORITY_FIRST requests (by its weight) at priority engines, where the engine puts
+        it first, or, where sessions are full at fewer running slots (QUEUE_SESSION_SLOTS), fewer
+        at any engine from here than that or its share of the slots (slot_share), however much
+        prefill is queued there: the slots left free for it are what keeps its wait short."""
+        if self.backlog.get(key.user):
             return False
         est = self.engines.get(candidate.session)
-        return est is None or est.outstanding < self.limits.queue_session_depth
+        if est is not None and est.outstanding >= self.limits.queue_session_depth:
+            return False
+        if candidate.by_priority and all(c.by_priority for c in left):
+            held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
+            return held / key.weight < ENGINE_PRIORITY_FIRST
+        if not self.slotted:
+            return False
+        held = self.held.get(key.user, 0) / key.weight
+        return held < ENGINE_PRIORITY_FIRST or (held < self.slot_share(key, len(left)) and self.contended(key.user))
+
+    def contended(self, tenant: str = "") -> bool:
+        """Whether two tenants or more (`tenant` among them) hold requests from here or wait here:
+        the running slots, and a tenant's share of them, count only then, so a tenant alone has
+        the engines' whole batch and goes past no bound. (Each ingress sees its own: one that
+        sees only a flood spread over several holds it by the prefill bound alone.)"""
+        held = self.held
+        if len(held) > 1:
+            return True
+        present = set(held).union(self.backlog)
+        if tenant:
+            present.add(tenant)
+        return len(present) > 1
+
+    def slot_share(self, key: Key, sessions: int) -> float:
+        """The running slots of `sessions` sessions per unit of weight among the tenants holding
+        requests from here or waiting here, `key`'s among them: a tenant below it holds less than
+        its weighted share, so a flood filling the slots does not make it wait (a tenant at 20 %
+        of the capacity holds its rate times its answers' seconds: about 2 per engine in
+        bench_tenants --quick, more for long answers). Over the tenants' requests at any model
+        (held is not kept per model)."""
+        weights = self.weights
+        tenants = set(self.held).union(self.backlog)
+        tenants.add(key.user)
+        total = sum(key.weight if t == key.user else weights.get(t, 1.0) for t in tenants)
+        return self.limits.queue_session_slots * sessions / total
 
     def began(self, tenant: str) -> None:
         """A request of `tenant` went to a priority engine (engine_priority counts it till `ended`)."""
         self.inflight[tenant] = self.inflight.get(tenant, 0) + 1
 
     def ended(self, tenant: str) -> None:
-        left = self.inflight.get(tenant, 0) - 1
+        self.released(tenant, self.inflight)
+
+    def holds(self, key: Key) -> None:
+        """A request of `key`'s tenant went to a session (counted till `released`, while slotted)."""
+        self.weights[key.user] = key.weight
+        self.held[key.user] = self.held.get(key.user, 0) + 1
+
+    @staticmethod
+    def released(tenant: str, counts: Dict[str, int]) -> None:
+        left = counts.get(tenant, 0) - 1
         if left > 0:
-            self.inflight[tenant] = left
+            counts[tenant] = left
         else:
-            self.inflight.pop(tenant, None)
+            counts.pop(tenant, None)
 
     def full(self, candidate: Candidate, routed: RoutedRequest) -> bool:
         """Whether the session the policy picked should not be sent more now: the prompt tokens this
         ingress sent it that have had no first token yet (EngineEstimate.queued) would take over
         QUEUE_WAIT_S to prefill at its kind's learned speed, or QUEUE_SESSION_DEPTH of this
-        ingress's requests are in flight there (QUEUE_PRIORITY_WAIT_S where the engine schedules
-        by priority). The speed is the fit's, or faster where whole answers showed it (a fit
-        left at its prior by answers that are not streamed judged a fast engine full at 3
+        ingress's requests are in flight there, or QUEUE_SESSION_SLOTS while contended (its
+        running slots: past them only a tenant below its share goes, overtakes)
+        (QUEUE_PRIORITY_WAIT_S where the engine schedules by priority). The speed is the fit's,
+        or faster where whole answers showed it (a fit left at its prior by answers that are not streamed judged a fast engine full at 3
         requests, and the queue halved the ingress's throughput). Only this ingress's own work counts: other ingresses' (their nodes' `load`)
         is heard seconds late, and counting it held requests back from engines that had drained
         meanwhile (measured: a flood's engines ran at a third of their capacity); with k
@@ -3408,7 +3506,8 @@ class FairQueue:
             return False
         limits = self.limits
         return est.outstanding >= limits.queue_session_depth or \
-            est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s)
+            est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s) \
+            or (est.outstanding >= limits.queue_session_slots and self.contended())
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""
@@ -3432,9 +3531,9 @@ class FairQueue:
             lowest = min((self.counters.get(t, 0.0) for t, n in self.backlog.items() if n), default=self.last)
             self.counters[tenant] = max(self.standing(tenant), lowest)
         self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
-        lane = self.lanes.get((entry.rank, tenant))
+        lane = self.lanes.get((entry.rank, tenant, entry.cold))
         if lane is None:
-            lane = self.lanes[(entry.rank, tenant)] = collections.deque()
+            lane = self.lanes[(entry.rank, tenant, entry.cold)] = collections.deque()
         lane.append(entry)
         entry.lane = lane
         held = self.per_key.setdefault(entry.key.id, [0, 0])
@@ -3454,7 +3553,7 @@ class FairQueue:
         else:
             lane.remove(entry)
         if not lane:
-            del self.lanes[(entry.rank, entry.tenant)]
+            del self.lanes[(entry.rank, entry.tenant, entry.cold)]
         tenant = entry.tenant
         left = self.backlog[tenant] - 1
         if left:
@@ -3477,19 +3576,25 @@ class FairQueue:
         """The request to send next, skipping those for the models in `passed` (their sessions
         are full), or None."""
         oldest: Dict[int, float] = {}   # class -> when its oldest waiting request came (a lane's head)
-        for (rank, _), lane in self.lanes.items():
-            since = oldest.get(rank)
-            if since is None or lane[0].since < since:
-                oldest[rank] = lane[0].since
+        first: Dict[Tuple[int, str], float] = {}   # (class, tenant) -> ... of the tenant's, warm or cold
+        for (rank, tenant, _), lane in self.lanes.items():
+            since = lane[0].since
+            if since < oldest.get(rank, math.inf):
+                oldest[rank] = since
+            if since < first.get((rank, tenant), math.inf):
+                first[(rank, tenant)] = since
         age = self.limits.queue_age_s
         risen = {rank: max(0, rank - int((now - since) / age)) for rank, since in oldest.items()}
-        best: Optional[Tuple[int, float, float]] = None
+        best: Optional[Tuple[int, float, float, bool, float]] = None
         chosen = None
-        for (rank, tenant), lane in self.lanes.items():
+        for (rank, tenant, cold), lane in self.lanes.items():
             head = lane[0]
             if head.model in passed:
                 continue
-            place = (risen[rank], self.standing(tenant), head.since)
+            # between tenants: class, share, then the older request, as if each had one lane;
+            # within one: its warm turns first, unless its cold head has waited QUEUE_AGE_S
+            place = (risen[rank], self.standing(tenant), first[(rank, tenant)], cold and now - head.since < age,
+                     head.since)
             if best is None or place < best:
                 best, chosen = place, head
         return chosen
@@ -5196,6 +5301,7 @@ class _Exchange:
     completion_cap: Optional[int] = None  # the completion tokens the request asked for at most
     ticket: Optional[Ticket] = None       # its booking in the limits' windows (ClusterFlow.admit)
     ranked = False                        # counted in its tenant's requests at priority engines
+    slotted = False                       # ... in its tenant's requests in flight (FairQueue.held)
     sent = False            # the stream's head went out: no other session may answer now
     row_head: Optional[tuple] = None   # (candidate, first ledger fields, their JSON)
     refusal: Optional[Tuple[UpstreamHead, bytes]] = None   # this attempt's 5xx answer
@@ -5343,6 +5449,8 @@ class _Exchange:
         if self.ranked:   # (its tenant's standing at priority engines: FairQueue.engine_priority)
             ingress.queue.ended(self.key.user)
             ingress.flow.note_inflight(self.key.user, -1)
+        if self.slotted:
+            ingress.queue.released(self.key.user, ingress.queue.held)
         return True
 
     # -- booking: the engine's counts bounded, the ledger row (its head made while the engine works),
@@ -7239,6 +7347,9 @@ class Ingress:
             ex.ticket = ticket
         if ranked:
             ex.ranked = True
+        if self.queue.slotted:   # (FairQueue.overtakes: a tenant with few in flight goes at once)
+            self.queue.holds(key)
+            ex.slotted = True
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
         if up is None:
             ex.send(candidate, fresh=True)
@@ -7287,7 +7398,8 @@ class Ingress:
             ex.charged, ex.queued, ex.waited_ms = prompt, True, (now - entry.since) * 1000.0
             return True
 
-        entry = Waiting(queue, send, key, rank, time.monotonic(), len(body), routed.model, client, ticket)
+        entry = Waiting(queue, send, key, rank, time.monotonic(), len(body), routed.model, client, ticket,
+                        earlier_turns(routed.body)[0] > 0)
         queue.add(entry)
         client.waiting = entry   # (cancelled by connection_lost: out of the queue at once)
         self.dispatch_waiting()

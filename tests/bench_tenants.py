@@ -1,7 +1,7 @@
 """Benchmark of the ingress's fair queue (issue 43): tenants sharing saturated engines.
 
     .venv/bin/python tests/bench_tenants.py [--out bench-results] [--quick] [--time-scale K]
-        [--duration S] [--routers DIR]
+        [--duration S] [--routers DIR] [--cases C,...] [--frontier 0,1,2,4,...] [--queue-session-slots N]
 
 Engines: ENGINES x `otela_sim.py serve --model Llama-3.1-8B-Instruct --gpu H100 --engine vllm-v1
 --time-scale K`, started as tests/bench_routing.py starts them (its helpers, imported), each run
@@ -22,6 +22,12 @@ priority, priority_prio (--cases picks any). Cases, each with a tenant's own key
              SHARE_SMALL: the interactive TTFT p99 against B's in `alone` (unloaded)
   two        the `queue` case with two ingresses, A's requests alternating between them (B and C
              through the first): the ingresses share their tenants' service (FairQueue.standing)
+  frontier   straight to the engines (no ingress): A holds c requests at each engine (a closed loop,
+             for each c of --frontier; 0: A absent), B and C as in `alone`, round robin: B's and C's
+             TTFT p99 against c = 0 ("x held0") and A's served tokens against the capacity they left.
+             What any admission at an ingress can reach at best: the trade between the flood's
+             throughput and a newcomer's wait on an engine whose steps grow with what it carries
+  frontier_prio  the same on priority engines, B's and C's bodies at `priority` -1 (A's at 0)
 The cases named *_prio are the same on engines run with --scheduling-policy priority (vLLM's):
 the ingress then sets each request's `priority` by its class and its tenant's requests in flight
 (FairQueue.engine_priority), sends a tenant with little there at once (FairQueue.overtakes) and
@@ -40,6 +46,7 @@ folder removed (bench_routing.Processes).
 """
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -70,12 +77,18 @@ DRAIN_S, QUICK_DRAIN_S = 40.0, 16.0         # each request is awaited this long 
                                             # backlog is cut there (its requests time out), not drained
 WINDOW_S = 30.0                             # fairness windows, in GPU seconds (x K wall)
 CAPACITY_S, QUICK_CAPACITY_S, CAPACITY_INFLIGHT = 18.0, 9.0, 64
+FRONTIER_HELD = (0, 1, 2, 4, 8, 16, 32)     # the frontier's points: A's requests held per engine
+
+
+def request_stream(seed):
+    """Requests of the bench's shape, one after the other, as many as taken."""
+    rng = random.Random(seed)
+    while True:
+        yield {"messages": [{"role": "user", "content": workload.text(PROMPT_TOKENS, rng)}], "max_tokens": OUTPUT_TOKENS}
 
 
 def requests_for(n, seed):
-    rng = random.Random(seed)
-    return [{"messages": [{"role": "user", "content": workload.text(PROMPT_TOKENS, rng)}],
-             "max_tokens": OUTPUT_TOKENS} for _ in range(n)]
+    return list(itertools.islice(request_stream(seed), n))
 
 
 def measure_capacity(seconds):
@@ -83,7 +96,7 @@ def measure_capacity(seconds):
     procs = br.Processes("tenants-capacity")
     try:
         urls = br.start_engines(procs, lambda port: br.sim_command(1.0, port), ENGINES)
-        tokens, done = asyncio.run(br._closed_loop(urls, br.MODEL, iter(requests_for(100000, 99)),
+        tokens, done = asyncio.run(br._closed_loop(urls, br.MODEL, request_stream(99),
                                                    CAPACITY_INFLIGHT, seconds))
         return tokens / (seconds * 2 / 3 - 0.1) / OUTPUT_TOKENS, done
     finally:
@@ -111,13 +124,21 @@ def make_keys(procs, ingresses, tenants):
     return tokens
 
 
-async def _tenants(plan, duration, drain):
+async def _tenants(plan, duration, drain, loops=(), extra=None):
     """Each tenant's arrivals (its urls, rate, token, seed) concurrently, streamed; its records.
     Every request is given until the run's end (the arrivals' `duration` plus `drain`): a flood's
     client is patient, so what it waits for at the ingress is not given up half-served at an
-    engine, and its backlog is cut at the end."""
+    engine, and its backlog is cut at the end. `loops`: tenants (name, urls, held per url, seed)
+    that instead hold that many requests at each url until `duration` (a closed loop: each sends
+    its next as its last ends). `extra`: tenant -> what its bodies carry besides (`priority`)."""
     start = time.monotonic()
     end = start + duration + drain
+    extra = extra or {}
+
+    def send(name, url, req, headers=None):
+        host, port, prefix = workload.loopback(url)
+        body, _ = workload._body(br.MODEL, req, extra.get(name))
+        return workload.one_request(host, port, prefix + "/v1/chat/completions", body, end - time.monotonic(), headers)
 
     async def one(name, urls, rate, token, seed):
         n = max(1, int(rate * duration * 1.5) + 5)
@@ -129,14 +150,28 @@ async def _tenants(plan, duration, drain):
             delay = start + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            host, port, prefix = workload.loopback(urls[i % len(urls)])
-            body, _ = workload._body(br.MODEL, req, None)
-            tasks.append(asyncio.ensure_future(workload.one_request(
-                host, port, prefix + "/v1/chat/completions", body, end - time.monotonic(), headers)))
+            tasks.append(asyncio.ensure_future(send(name, urls[i % len(urls)], req, headers)))
         out = await asyncio.gather(*tasks, return_exceptions=True)
         return name, [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
                       for r, at, req in zip(out, times, reqs)]
-    done = await asyncio.gather(*(one(*p) for p in plan))
+
+    async def loop(name, urls, held, seed):
+        records = []
+
+        async def lane(url, seed):
+            for req in request_stream(seed):
+                at = time.monotonic() - start
+                if at >= duration:
+                    return
+                try:
+                    r = await send(name, url, req)
+                except (asyncio.TimeoutError, OSError, ValueError) as e:
+                    r = {"error": repr(e)}
+                records.append(dict(r, at=at, asked=req["max_tokens"]))
+        await asyncio.gather(*(lane(url, seed * 1000 + i * len(urls) + k)
+                               for i in range(held) for k, url in enumerate(urls)))
+        return name, records
+    done = await asyncio.gather(*(one(*p) for p in plan), *(loop(*p) for p in loops))
     return dict(done)
 
 
@@ -156,7 +191,8 @@ def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, sprea
             tokens = make_keys(procs, ingresses, classes)
             urls, _ = br.start_otela(procs, command, ENGINES, br.MODEL, "ttft", ingresses,
                                      flags=("--queue-wait-s", f"{a.queue_wait_s * scale:g}", "--queue-priority-wait-s",
-                                            f"{a.queue_priority_wait_s * scale:g}", *flags))
+                                            f"{a.queue_priority_wait_s * scale:g}", "--queue-session-slots",
+                                            str(a.queue_session_slots), *flags))
         plan = [(name, urls if name in spread else urls[:1], share * capacity / scale, tokens[name], 10 + i)
                 for i, (name, (share, _)) in enumerate(sorted(tenants.items()))]
         start = time.monotonic()
@@ -167,6 +203,21 @@ def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, sprea
             metrics = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("otela_queue_")}
         return records, start, metrics
+    finally:
+        procs.stop()
+
+
+def run_frontier(a, capacity, held, engine_flags=(), urgent=None):
+    """The frontier's point `held`: a fresh fleet straight on loopback (no ingress), A holding
+    `held` requests at each engine (a closed loop; none at 0), B and C at SHARE_SMALL of capacity
+    each, round robin; `urgent`: what B's and C's bodies carry besides (their `priority`).
+    Returns {tenant: records}."""
+    procs = br.Processes(f"tenants-frontier{held}")
+    try:
+        urls = br.start_engines(procs, lambda port: br.sim_command(a.time_scale, port) + list(engine_flags), ENGINES)
+        plan = [(name, urls, SHARE_SMALL * capacity / a.time_scale, "none", 11 + i) for i, name in enumerate("BC")]
+        loops = [("A", urls, held, 10)] if held else []
+        return asyncio.run(_tenants(plan, a.duration, a.drain, loops, dict.fromkeys("BC", urgent) if urgent else None))
     finally:
         procs.stop()
 
@@ -268,10 +319,17 @@ def main():
     p.add_argument("--queue-priority-wait-s", type=float, default=otela_ingress.QUEUE_PRIORITY_WAIT_S,
                    help="the ingress's QUEUE_PRIORITY_WAIT_S in GPU seconds (x K; default "
                         f"{otela_ingress.QUEUE_PRIORITY_WAIT_S:g})")
+    p.add_argument("--queue-session-slots", type=int, default=otela_ingress.QUEUE_SESSION_SLOTS,
+                   help="the ingress's QUEUE_SESSION_SLOTS: requests in flight from it at which a session is full "
+                        f"but for a tenant with few there (default {otela_ingress.QUEUE_SESSION_SLOTS}: off)")
     p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,queue_prio,no_queue,sglang,"
-                                                 "priority,priority_prio,two,two_prio (default: all; --quick: "
+                                                 "priority,priority_prio,two,two_prio,frontier,frontier_prio "
+                                                 "(default: all but the frontiers; --quick: "
                                                  "alone,queue,queue_prio,no_queue,priority,priority_prio)")
+    p.add_argument("--frontier", default=",".join(map(str, FRONTIER_HELD)),
+                   help="the frontier's points: requests A holds at each engine (0: A absent)")
     a = p.parse_args()
+    a.frontier = [int(x) for x in a.frontier.split(",")]
     global OUTPUT_TOKENS
     if a.quick:
         OUTPUT_TOKENS = QUICK_OUTPUT_TOKENS
@@ -284,6 +342,7 @@ def main():
     signal.signal(signal.SIGTERM, br._interrupt)
     result = {"command": "tests/bench_tenants.py " + " ".join(sys.argv[1:]), "time_scale": a.time_scale,
               "queue_wait_s": a.queue_wait_s, "queue_priority_wait_s": a.queue_priority_wait_s,
+              "queue_session_slots": a.queue_session_slots,
               "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
               "duration_s": a.duration, "engines": f"{ENGINES} x otela_sim.py serve --model {br.MODEL} --gpu "
               f"{br.GPU} --engine {br.ENGINE} --time-scale {a.time_scale:g}", "cases": {}, "skipped": {}}
@@ -316,11 +375,22 @@ def main():
         case["queue_metrics"] = metrics
         result["cases"][label] = case
         print(f"{label}: done ({time.monotonic() - t0:.0f} s)")
+    for label, urgent, engine_flags in (("frontier", None, ()), ("frontier_prio", -1, prio)):
+        if label not in wanted:
+            continue
+        for held in a.frontier:
+            records = run_frontier(a, capacity, held, engine_flags, urgent and {"priority": urgent})
+            result["cases"][f"{label}{held}"] = summarise(records, a, {n: mixed[n] for n in records}, capacity)
+            print(f"{label}{held}: done ({time.monotonic() - t0:.0f} s)")
     alone = result["cases"].get("alone", {})
-    for case in result["cases"].values():
+    for label, case in result["cases"].items():
         for name in ("B", "C"):
             if name in case and alone.get(name, {}).get("ttft_p99_ms") and case[name]["ttft_p99_ms"]:
                 case[name]["ttft_p99_vs_alone"] = round(case[name]["ttft_p99_ms"] / alone[name]["ttft_p99_ms"], 2)
+            unloaded = result["cases"].get(label.rstrip("0123456789") + "0", {}).get(name, {}).get("ttft_p99_ms")
+            if label.startswith("frontier") and name in case and unloaded and case[name]["ttft_p99_ms"]:
+                # against the same point with A absent: straight to the engines as A is
+                case[name]["ttft_p99_vs_held0"] = round(case[name]["ttft_p99_ms"] / unloaded, 2)
         if "A" in case:   # what A got against what B and C left of the fleet's output in the window
             left = capacity / a.time_scale * a.duration * (PROMPT_TOKENS + OUTPUT_TOKENS) - \
                 case["B"]["served_tokens"] - case["C"]["served_tokens"]
@@ -335,17 +405,17 @@ def main():
             cases_[two]["share_delta"] = {n: round(s - cases_[one]["shares"].get(n, 0.0), 3)
                                           for n, s in cases_[two]["shares"].items()}
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    print(f"{'case':9} {'tenant':6} {'req':>5} {'ok':>5} {'429':>5} {'err':>4} {'ttft p50':>9} {'ttft p99':>9} "
-          f"{'x alone':>7} {'served tok':>10} {'x left':>6}")
+    print(f"{'case':15} {'tenant':6} {'req':>5} {'ok':>5} {'429':>5} {'err':>4} {'ttft p50':>9} {'ttft p99':>9} "
+          f"{'x alone':>7} {'x held0':>7} {'served tok':>10} {'x left':>6}")
     for label, case in result["cases"].items():
         for name, f in case.items():
             if not isinstance(f, dict) or "requests" not in f:
                 continue
             ratio = f.get("ttft_p99_vs_alone", f.get("ttft_p99_vs_unloaded"))
-            print(f"{label:9} {name:6} {f['requests']:5d} {f['ok']:5d} {f['429']:5d} {f['other_errors']:4d} "
+            print(f"{label:15} {name:6} {f['requests']:5d} {f['ok']:5d} {f['429']:5d} {f['other_errors']:4d} "
                   f"{br.fmt(f['ttft_p50_ms'], '9.0f')} {br.fmt(f['ttft_p99_ms'], '9.0f')} {br.fmt(ratio, '7.2f')} "
-                  f"{f['served_tokens']:10d} {br.fmt(f.get('served_vs_capacity_left'), '6.2f')}")
-        print(f"{label:9} Jain per {case['window_s']:g} s window: {case['jain_per_window']}; shares "
+                  f"{br.fmt(f.get('ttft_p99_vs_held0'), '7.2f')} {f['served_tokens']:10d} {br.fmt(f.get('served_vs_capacity_left'), '6.2f')}")
+        print(f"{label:15} Jain per {case['window_s']:g} s window: {case['jain_per_window']}; shares "
               f"{case['shares']}" + (f"; vs one ingress {case['share_delta']}" if "share_delta" in case else ""))
     for label, why in result["skipped"].items():
         print(f"{label}: skipped: {why}")

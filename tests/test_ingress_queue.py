@@ -29,8 +29,9 @@ def queue(**limits) -> FairQueue:
     return FairQueue(Limits(**limits), {})
 
 
-def wait(q: FairQueue, k: Key, now: float, rank: int = 1, size: int = 100, model: str = "m") -> Waiting:
-    entry = Waiting(q, lambda: True, k, rank, now, size, model, None)
+def wait(q: FairQueue, k: Key, now: float, rank: int = 1, size: int = 100, model: str = "m",
+         warm: bool = False) -> Waiting:
+    entry = Waiting(q, lambda: True, k, rank, now, size, model, None, warm=warm)
     assert q.refusal(k, size) is None
     q.add(entry)
     return entry
@@ -202,6 +203,68 @@ def test_a_tenant_with_little_at_priority_engines_goes_at_once():
     assert not q.overtakes(prio, [prio], heavy)            # the session holds QUEUE_SESSION_DEPTH
 
 
+def test_a_session_is_full_at_its_running_slots_but_for_a_tenant_below_its_share_of_them():
+    fit = types.SimpleNamespace(per_token=lambda: 0.001)
+    est = types.SimpleNamespace(fit=fit, outstanding=3, queued=0.0)   # (no prefill queued yet)
+    q = FairQueue(Limits(queue_session_slots=4, queue_session_depth=12, queue_wait_s=0.05), {"s": est})
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    flood, newcomer, light, heavy = key("flood"), key("new"), key("light"), key("heavy", weight=4.0)
+    assert q.slotted and not q.full(fcfs, None)
+    est.outstanding = 4
+    for _ in range(8):
+        q.holds(flood)
+    assert not q.full(fcfs, None)                          # the flood alone here: the slots do not bind
+    wait(q, newcomer, 0.0)
+    assert q.full(fcfs, None)                              # another waits: QUEUE_SESSION_SLOTS of this ingress's
+    q.remove(q.order(0.0))
+    assert not q.full(fcfs, None)
+    assert q.overtakes(fcfs, [fcfs, fcfs], newcomer)       # none in flight: it goes past the slots
+    for _ in range(4):
+        q.holds(light)
+    assert q.full(fcfs, None)                              # two tenants hold requests from here
+    # 4 slots x 2 sessions between the flood and light: 4 each, and light holds 4
+    assert q.slot_share(light, 2) == 4.0 and not q.overtakes(fcfs, [fcfs, fcfs], light)
+    assert q.overtakes(fcfs, [fcfs] * 3, light)            # 12 slots: 6 each
+    est.queued = 100.0                                     # 0.1 s of prefill queued there: full ...
+    assert q.full(fcfs, None) and q.overtakes(fcfs, [fcfs] * 3, light)   # ... but not for a tenant below its share
+    est.queued = 0.0
+    assert not q.overtakes(fcfs, [fcfs] * 3, flood)        # ... and the flood holds 8
+    for _ in range(3):
+        q.holds(heavy)   # 12 slots over weights 1 + 1 + 4: 2 a unit of weight; heavy holds 3 / 4
+    assert q.slot_share(heavy, 3) == 2.0 and q.overtakes(fcfs, [fcfs] * 3, heavy)
+    assert not q.overtakes(fcfs, [fcfs] * 3, light)
+    for _ in range(3):
+        q.released("light", q.held)
+    assert q.overtakes(fcfs, [fcfs], light)                # below ENGINE_PRIORITY_FIRST whatever its share
+    wait(q, newcomer, 0.0)
+    assert not q.overtakes(fcfs, [fcfs, fcfs], newcomer)   # its own waiting requests go first
+    est.outstanding = 12
+    assert not q.overtakes(fcfs, [fcfs], light)            # never past QUEUE_SESSION_DEPTH
+    assert q.held == {"flood": 8, "light": 1, "heavy": 3} and q.inflight == {}   # (not the priority count)
+
+
+def test_a_tenant_alone_goes_past_no_bound_for_its_share_of_the_slots():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=8, queued=100.0)
+    q = FairQueue(Limits(queue_session_slots=4, queue_session_depth=12, queue_wait_s=0.05), {"s": est})
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    solo = key("solo")
+    for _ in range(3):
+        q.holds(solo)
+    assert q.full(fcfs, None)                              # 0.1 s of prefill queued: the bound holds it
+    assert q.slot_share(solo, 2) == 8.0 and not q.overtakes(fcfs, [fcfs, fcfs], solo)   # alone: no share
+    q.holds(key("other"))
+    assert q.overtakes(fcfs, [fcfs, fcfs], solo)           # 4 each of 8 slots, it holds 3
+
+
+def test_without_slots_below_the_depth_nothing_overtakes_at_a_fcfs_engine_nor_is_counted():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.0), outstanding=5, queued=0.0)
+    q = FairQueue(Limits(), {"s": est})   # QUEUE_SESSION_SLOTS as QUEUE_SESSION_DEPTH: off
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    assert not q.slotted and not q.full(fcfs, None)
+    assert not q.overtakes(fcfs, [fcfs], key("new"))
+    assert not FairQueue(Limits(queue_session_slots=1), None).slotted   # (no queue: no count either)
+
+
 def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
     est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=3, queued=200.0)
     q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
@@ -224,6 +287,32 @@ def test_whole_answers_show_an_engine_faster_than_the_prior_and_it_is_not_full()
     for _ in range(400):      # answers that do not renew it: the ceiling rises back to the fit
         fit.bound(10.0, 1.0)
     assert fit.per_token() == fit.theta[1] and q.full(fcfs, None)
+
+
+def test_a_conversations_next_turn_goes_before_its_tenants_cold_requests_until_they_age():
+    q = queue(queue_age_s=10.0)
+    agent, other = key("agent"), key("other")
+    cold = [wait(q, agent, 0.0) for _ in range(2)]
+    turn = wait(q, agent, 1.0, warm=True)   # an agent's tool call back, after the tenant's cold ones
+    assert q.order(2.0) is turn
+    theirs = wait(q, other, 2.0)
+    assert q.order(2.0) is turn            # (between tenants of one share: the older request's, the agent's)
+    q.charge("agent", 1000)
+    assert q.order(2.0) is theirs          # (between tenants the share decides first)
+    q.went(theirs, 0, 2.0)
+    assert q.order(10.0) is cold[0]        # a cold request that waited QUEUE_AGE_S: first come first served
+    assert q.order(2.0) is turn
+    q.went(turn, 0, 2.0)
+    assert q.order(2.0) is cold[0]
+    q.went(cold[0], 0, 2.0)
+    assert q.order(2.0) is cold[1] and q.count == 1
+
+
+def test_a_turn_is_warm_when_its_body_holds_an_assistant_message():
+    first = {"messages": [{"role": "user", "content": "hi"}]}
+    turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "calling"},
+                         {"role": "tool", "content": "42"}]}
+    assert otela_ingress.earlier_turns(first)[0] == 0 and otela_ingress.earlier_turns(turn)[0] > 0
 
 
 def test_a_higher_class_waits_only_behind_its_own_class():
@@ -516,6 +605,24 @@ def test_a_stream_goes_through_the_queue(deep1):
         assert status == 200 and sse_events(body)[-1] == "[DONE]"
         assert len(sse_events(body)) == 5
     assert deep1.call(lambda: deep1.ingress.queue.waited["alice"][1]) == 1
+
+
+def test_a_newcomer_goes_past_a_session_full_at_its_slots_while_the_flood_waits(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_session_slots=1, queue_max_per_key=5))
+    try:
+        s.engine("m1", mode="slow", slow_delay=0.6)
+        flood, other = s.key("flood"), s.key("other")
+        done: list = []
+        answers = in_threads(chat_at(s.url, other, done, "o1"), *(chat_at(s.url, flood, done, f"f{i}") for i in range(3)),
+                             chat_at(s.url, other, done, "o2"))
+        assert [a[0] for a in answers] == [200] * 5
+        # two tenants hold requests: past the one slot the flood holds ENGINE_PRIORITY_FIRST (2) at most,
+        # its third waited for a request to end; the other's second, one in flight, went at once
+        assert [tag for tag, _ in done] == ["o1", "f0", "f1", "o2", "f2"]
+        assert s.call(lambda: (s.ingress.queue.waited["flood"][1], s.ingress.queue.waited["other"][1])) == (1, 0)
+        assert s.call(lambda: dict(s.ingress.queue.held)) == {}   # out of the count at their ends
+    finally:
+        s.close()
 
 
 def test_a_retry_after_a_failed_attempt_does_not_wait_again(tmp_path):
