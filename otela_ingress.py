@@ -2880,6 +2880,7 @@ class TTFTPolicy(Policy):
         self.opened: collections.OrderedDict[bytes, None] = collections.OrderedDict()   # keys seen, oldest first
         self.openers: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # first block -> first key
         self.round_trip: Callable[[str], Optional[float]] = lambda session: None   # seconds, measured
+        self._paths: tuple = (None, None, [])   # (candidates, round_trip, paths) last read
 
     def attach(self, ingress: Any) -> None:
         self.registry = getattr(ingress.node, "registry", None)   # records as they are now (VIEW_FIELDS)
@@ -2917,11 +2918,18 @@ class TTFTPolicy(Policy):
         return memo
 
     def paths(self, candidates: List[Candidate]) -> List[float]:
-        """The round trip to each candidate in seconds (see Locality above)."""
+        """The round trip to each candidate in seconds (see Locality above), read again for each
+        list of candidates (the ingress's list of a model's is rebuilt at least every
+        CANDIDATE_TTL_S: probes take about as long to move a round trip)."""
+        held = self._paths
+        if held[0] is candidates and held[1] is self.round_trip:
+            return held[2]
         measured = [self.round_trip(c.session) for c in candidates]
         measured = [float(t) if _positive(t) or (t == 0 and not isinstance(t, bool)) else None for t in measured]
         farthest = max((t for t in measured if t is not None), default=0.0)
-        return [farthest if t is None else t for t in measured]
+        paths = [farthest if t is None else t for t in measured]
+        self._paths = (candidates, self.round_trip, paths)
+        return paths
 
     def estimates(self, candidates: List[Candidate],
                   request: RoutedRequest) -> List[Tuple[float, float, float, float, int, int, float]]:
