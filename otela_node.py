@@ -2157,12 +2157,6 @@ _FIELD_LINE_CACHED = 256            # longer lines (cookies, traces, long target
 _FRESH_FIELDS = frozenset((b"traceparent", b"tracestate", b"x-request-id"))
 
 
-def _field_line(line: bytes) -> bool:
-    """Whether `line` (no CRLF) is `token ":" value`: no control but tab, obs-fold excluded."""
-    name, colon, value = line.partition(b":")
-    return bool(colon and name) and not name.translate(None, _TCHARS) and not value.translate(None, _VALUE_CHARS)
-
-
 def _remember(table: Dict[bytes, Tuple], line: bytes, reading: Tuple) -> Tuple:
     if len(line) <= _FIELD_LINE_CACHED:
         if len(table) >= _FIELD_LINES_MAX:
@@ -2194,15 +2188,15 @@ def _status_line(line: bytes) -> Optional[Tuple[int, bytes, bytes]]:
 
 
 def _field_reading(line: bytes) -> Optional[Tuple[bytes, bytes]]:
-    """(lower-case name, value) of a field line not seen before, judged (and remembered unless
-    its value is new each time); None if it is not a valid field line."""
-    if not _field_line(line):
+    """(lower-case name, value) of a field line (no CRLF) not seen before, judged (and remembered
+    unless its value is new each time); None unless it is `token ":" value` with no control but
+    tab (obs-fold excluded)."""
+    name, colon, value = line.partition(b":")
+    if not colon or not name or name.translate(None, _TCHARS) or value.translate(None, _VALUE_CHARS):
         return None
-    name, _, value = line.partition(b":")
     name = name.lower()
-    if name in _FRESH_FIELDS:
-        return name, value.strip(b" \t")
-    return _remember(_FIELD_LINES, line, (name, value.strip(b" \t")))
+    reading = name, value.strip(b" \t")
+    return reading if name in _FRESH_FIELDS else _remember(_FIELD_LINES, line, reading)
 
 
 def _fields(lines: List[bytes], size: int) -> Optional[MessageHead]:
@@ -2405,7 +2399,7 @@ class BodyReader:
                 self.remaining, self.state = size, (_DATA if size else _TRAILER)
             elif line == b"\r":           # the blank line after the trailer fields: the end
                 self.state, self.done = _DONE, True
-            elif len(line) > MAX_CHUNK_LINE or not _field_line(line[:-1]) \
+            elif len(line) > MAX_CHUNK_LINE or _field_reading(line[:-1]) is None \
                     or not line.endswith(b"\r") or _TRAILER_FRAMING.match(line):
                 self.error = f"bad trailer line {bytes(line[:40])!r}"   # (framing there: RFC 9110 6.5.1)
                 return pos
