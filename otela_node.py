@@ -14,7 +14,8 @@ Theory of operation. The file is in sections, each a room with one job:
                        messages out (dissemination, SWIM failure detection); tests/simnet.py
                        runs many of them on a simulated network
     HTTP               the codec (parse_request/parse_response, BodyReader; request_head,
-                       response_head, whole_response write every head), EngineClient
+                       forwarded_request_head, response_head, whole_response write every
+                       head), EngineClient
     tunnel security    Tunnel: the tunnel port's admission (caps on strangers, TLS, credential)
                        and its HTTP: the node's pages, the engine forward
     NAT traversal      Reach: the rules of reaching a private peer, pure (per peer: relays,
@@ -50,8 +51,9 @@ A gossip message:
 
 A request (the ingress dials the node's "addr" from its record):
     direct       TCP to --listen ─▶ Tunnel.admit (caps, TLS, credential) ─▶ its _TunnelConnection's
-                 codec reads the head ─▶ request_head to the engine (EngineClient) ─▶ the answer's
-                 head re-written (response_head), its body relayed as it comes, in callbacks
+                 codec reads the head ─▶ forwarded_request_head to the engine (EngineClient's pool)
+                 ─▶ the answer passed on as it came (its head re-written by response_head when it
+                 holds a hop-by-hop field), its body relayed as it comes, in callbacks
     private      the dialer asks RelayClient.open, which asks Reach.tunnel_path: a punched TCP
                  connection, the member's dial-back, or a relay's splice / mux stream; at the
                  member each is given to Tunnel.admit like an accepted socket, then as above.
@@ -3031,7 +3033,8 @@ class _TunnelConnection(asyncio.Protocol):
     request goes to the engine on a kept-alive connection whose data_received calls engine_data
     here: the answer's head is parsed (and re-written when it holds a hop-by-hop field or its
     framing is not the client's), then its body goes to the client as each read comes, read by
-    a BodyReader only for its end. No task or future on that path (a new
+    a BodyReader only for its end; an answer whole in one read, with nothing to re-write, goes
+    out as that read. The request's own field lines go to the engine as they came. No task or future on that path (a new
     engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
     reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
     client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
@@ -3314,7 +3317,8 @@ class _TunnelConnection(asyncio.Protocol):
             self.transport.close()
             return
         self._await_head()
-        self.serve()
+        if self.buf or self.eof:                    # (else the next request's bytes call serve)
+            self.serve()
 
     # -- the engine's answer ---------------------------------------------------------------------
     def _forward(self, head: MessageHead, body: bytes) -> None:
