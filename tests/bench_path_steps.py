@@ -22,7 +22,7 @@ path too: the four hops' steps before their first writes, what a request waits f
 of each callback runs while the next hop works. Measured (--asyncio): 4,418 steps at 03c9f9c, of
 which the node's 908 (the ingress's request) + 483 (the engine's answer); 4,141 once the node
 passes the request's field lines and a whole answer on as they came (770 + 338). The rest is
-the ingress's: ~1,900 before its write to the node (routing by the ttft policy is ~700 of them)
+the ingress's: ~1,900 before its write to the node (routing by the ttft policy is ~600 of them)
 and ~1,130 before its write to the client (the ledger row is journalled first).
 Usage: python tests/bench_path_steps.py [--root DIR] [--n 200] [--quick] [--top 0] [--asyncio] [--out DIR]
 """
