@@ -110,6 +110,7 @@ from typing import (
     List,
     Mapping,
     Optional,
+    Sequence,
     Set,
     Tuple,
     Union,
@@ -2110,7 +2111,7 @@ class MessageHead:
     status = 0
     version = b"1.1"
     framing, length, keep_alive = NO_BODY, 0, True
-    lines: List[bytes] = []             # the codec's: the field lines as they came, judged valid
+    lines: Sequence[bytes] = ()         # the codec's: the field lines as they came, judged valid
                                         # (one per `headers` entry): what forwarded_request_head passes on
 
     def __init__(self, headers: List[Tuple[bytes, bytes]], fields: Dict[bytes, bytes], size: int):
@@ -2517,6 +2518,9 @@ def request_head(method: bytes, target: bytes, host: bytes, length: int,
     return out
 
 
+_NAME = operator.itemgetter(0)          # of a (name, value) field
+
+
 def forwarded_request_head(head: MessageHead, host: bytes, length: int, forwarded: Dict[bytes, bool]) -> bytes:
     """The head of a request passed on (a node's to its engine): host and content-length ours,
     then the request's own field lines as they came (the codec judged each), but those whose
@@ -2528,9 +2532,6 @@ def forwarded_request_head(head: MessageHead, host: bytes, length: int, forwarde
     kept = itertools.compress(head.lines, map(forwarded.get, map(_NAME, head.headers), itertools.repeat(True)))
     return b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
         head.method, head.target, host, length, b"\r\n".join([*kept, b""]))
-
-
-_NAME = operator.itemgetter(0)          # of a (name, value) field
 
 
 def response_head(status: int, reason: bytes, headers: Iterable[Tuple[bytes, bytes]] = (),
@@ -3034,12 +3035,13 @@ class _TunnelConnection(asyncio.Protocol):
     here: the answer's head is parsed (and re-written when it holds a hop-by-hop field or its
     framing is not the client's), then its body goes to the client as each read comes, read by
     a BodyReader only for its end; an answer whole in one read, with nothing to re-write, goes
-    out as that read. The request's own field lines go to the engine as they came. No task or future on that path (a new
-    engine connection is a future that calls `_engine_ready` back). Backpressure: the engine's
-    reading pauses while our writes to the client are over RELAY_HIGH_WATER (pause_writing), the
-    client's while it is far ahead of us (pipelining). An answer the engine cuts is cut for the
-    client too, never a silent 200; a client gone while the engine works (its reset, or its EOF:
-    the ingress never half-closes) drops the engine's connection, which aborts the request there."""
+    out as that read (the request's own field lines went to the engine as they came too). No
+    task or future on that path (a new engine connection is a future that calls `_engine_ready`
+    back). Backpressure: the engine's reading pauses while our writes to the client are over
+    RELAY_HIGH_WATER (pause_writing), the client's while it is far ahead of us (pipelining). An
+    answer the engine cuts is cut for the client too, never a silent 200; a client gone while
+    the engine works (its reset, or its EOF: the ingress never half-closes) drops the engine's
+    connection, which aborts the request there."""
 
     # per connection (`buf`, `parts`, the tunnel and its loop are set in __init__; the rest starts as these)
     task: Optional[asyncio.Task] = None             # its admission (a handshake) until connection_made
