@@ -24,7 +24,9 @@ With the whole path, "bare-asyncio x2": two bare asyncio proxies in a row, pinne
 and the node are, the floor of a path of two Python hops on this machine (without TLS), and
 "bare-asyncio x2 + TLS", the same with the second hop on TLS 1.3 with the tunnel's own contexts
 (mutual, the cluster certificate): the floor the whole path (ingress -> node tunnel over TLS ->
-engine) is to be read against.
+engine) is to be read against. "bare-asyncio + node" is that floor with its second hop the real
+node (the front bare proxy dials the whole path's nodes over TLS): less the floor, the node's own
+share of the whole path's excess; the rest is the ingress's.
 
 Prints a table and writes JSON to <--out DIR>/ingress.json. Never asserts on time.
 With --rounds N every config is measured N times in rotating order (a noisy machine's bursts
@@ -209,6 +211,19 @@ def start_bare_pair(ports: dict, procs: list, key_file: str = "") -> tuple:
         procs.append(proc)
         proc.stdout.readline()
         pin(proc.pid, cpu)
+    return proc.pid, front, "none"
+
+
+def start_bare_front(routes: dict, procs: list, key_file: str) -> tuple:
+    """One bare asyncio proxy (CPU 0, as the ingress) in front of each model's node tunnel (TLS,
+    the cluster's certificate beside `key_file`); the target."""
+    front = {model: free_port() for model in routes}
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(
+        {"relay": {str(front[m]): routes[m] for m in routes}, "parse": True, "tls": "connect",
+         "key_file": key_file})], stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
+    proc.stdout.readline()
+    pin(proc.pid, 0)
     return proc.pid, front, "none"
 
 
@@ -460,8 +475,8 @@ def h11_reference_us(n: int = 3000) -> float:
 
 def start_overlay(tmp: str, models: dict, flags: dict, procs: list, root: str = ROOT) -> tuple:
     """`otela_ingress.py serve` plus one `otela_node.py start` per model, each wrapping a fake
-    engine: the real path (of the checkout in `root`). Returns (ingress pid, port, key, [node and
-    engine pids])."""
+    engine: the real path (of the checkout in `root`). Returns (ingress pid, port, key, [node
+    pids], {model: its node's tunnel port})."""
     from test_ingress_support import Client
     py = sys.executable
     subprocess.run([py, os.path.join(root, "otela_node.py"), "keygen", "--out", tmp], check=True,
@@ -475,14 +490,15 @@ def start_overlay(tmp: str, models: dict, flags: dict, procs: list, root: str = 
                                 "--db", db], stderr=subprocess.DEVNULL)
     procs.append(ingress)
     pin(ingress.pid, 0)
-    side = []
+    side, listens = [], {}
     for model, engine_port in models.items():
         grant = os.path.join(tmp, f"{engine_port}.grant")   # the login node's grant for each job
         subprocess.run([py, os.path.join(root, "otela_ingress.py"), "grant", "--key-file", key_file, "--model", model,
                         "--out", grant], check=True, capture_output=True, timeout=60)
+        listens[model] = free_port()
         node = subprocess.Popen([py, os.path.join(root, "otela_node.py"), "start", "--key-file", key_file,
                                  "--grant-file", grant,
-                                 "--bootstrap", f"127.0.0.1:{gossip}", "--listen", f"127.0.0.1:{free_port()}",
+                                 "--bootstrap", f"127.0.0.1:{gossip}", "--listen", f"127.0.0.1:{listens[model]}",
                                  "--gossip", f"127.0.0.1:{free_port()}", "--log-level", "WARNING",
                                  "--process", f"{py} {os.path.join(HERE, 'fake_engine.py')} --port {engine_port} "
                                               f"--model {model} {flags[model]}",
@@ -502,7 +518,7 @@ def start_overlay(tmp: str, models: dict, flags: dict, procs: list, root: str = 
         time.sleep(0.2)
     for pid in side:
         pin(pid, 1)
-    return ingress.pid, port, key, side
+    return ingress.pid, port, key, side, listens
 
 
 def failure_runs(procs: list, tmp: str, quick: bool) -> dict:
@@ -646,7 +662,7 @@ def nginx_ratios(per_round: dict) -> dict:
     direct, nginx = per_round["direct"], per_round["nginx"]
     out = {}
     for name, rounds in per_round.items():
-        if name in ("direct", "nginx"):
+        if name in ("direct", "nginx") or not rounds:
             continue
         added, rps, sse = [], [], []
         for r, d, n in zip(rounds, direct, nginx):
@@ -664,7 +680,7 @@ def floor_ratios(per_round: dict, floor: str) -> dict:
     """Each whole path's added p50 over the floor's of the same round, the median over rounds (a
     noisy machine's load moves both alike)."""
     out = {}
-    for name in ("ingress+node", "before: ingress+node"):
+    for name in ("ingress+node", "before: ingress+node", "bare-asyncio + node", "before: bare-asyncio + node"):
         ratios = []
         for r, d, f in zip(per_round.get(name, []), per_round["direct"], per_round[floor]):
             if f["latency_p50_ms"] > d["latency_p50_ms"]:
@@ -684,6 +700,8 @@ def main() -> int:
                         help="measure every config N times in rotating order; medians and per-round ratios")
     parser.add_argument("--before", metavar="DIR",
                         help="a checkout of an earlier commit: its ingress measured beside this one")
+    parser.add_argument("--only", metavar="NAMES",
+                        help="measure only these configs (comma-separated; 'direct' always), no failure runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds < 1:
@@ -767,9 +785,14 @@ def main() -> int:
             overlays = [("ingress+node", ROOT)] + ([("before: ingress+node", args.before)] if before else [])
             for name, root in overlays:   # with --before, that checkout's whole path too
                 node_engines = {model: free_port() for model in flags}
-                pid, port, key, _ = start_overlay(os.path.join(tmp, f"overlay-{len(targets)}"), node_engines, flags,
-                                                  procs, os.path.abspath(root))
+                folder = os.path.join(tmp, f"overlay-{len(targets)}")
+                pid, port, key, _, listens = start_overlay(folder, node_engines, flags, procs, os.path.abspath(root))
                 targets[name] = (pid, {model: port for model in ports}, key)
+                # the node's hop alone: the bare front proxy (CPU 0) dials the same nodes' tunnels
+                # over TLS with the cluster's certificate, so this less "bare-asyncio x2 + TLS" is
+                # what the node adds over a bare Python hop on TLS
+                targets[name.replace("ingress+node", "bare-asyncio + node")] = start_bare_front(
+                    listens, procs, os.path.join(folder, "cluster.key"))
                 for engine_port in node_engines.values():
                     for engine_pid in _pids_of_port(engine_port):
                         pin(engine_pid, 1)
@@ -779,6 +802,8 @@ def main() -> int:
         # each figure is the median of its rounds, and the ratios to nginx are taken per round
         # (against nginx's figure of the same round) before their median is taken
         names = list(targets)
+        if args.only:
+            names = [name for name in names if name == "direct" or name in args.only.split(",")]
         per_round = {name: [] for name in names}
         for round_no in range(args.rounds):
             for name in names[round_no % len(names):] + names[:round_no % len(names)]:
@@ -786,6 +811,8 @@ def main() -> int:
                                                       stream_rounds))
         for name in names:
             rounds = per_round[name]
+            if not rounds:
+                continue
             results["configs"][name] = {col: statistics.median(r[col] for r in rounds) for col in rounds[0]}
             if args.rounds > 1:
                 results["configs"][name]["rounds"] = rounds
@@ -804,15 +831,16 @@ def main() -> int:
             if "cpu_us_per_request" in r:
                 r["cpu_us_per_request_normalised"] = r["cpu_us_per_request"] / results["machine"][
                     "slowdown_vs_reference"]
-        if "nginx" in per_round:
+        if per_round.get("nginx"):
             results["ratios_to_nginx"] = nginx_ratios(per_round)
-        on, off = results["configs"]["ingress+uvloop+otlp"], results["configs"]["ingress+uvloop"]
+        on, off = results["configs"].get("ingress+uvloop+otlp"), results["configs"].get("ingress+uvloop")
         results["tracing_cost"] = {col: on[col] / off[col] for col in ("added_p50_ms", "added_p99_ms", "rps_64conn",
-                                                                       "cpu_us_per_request") if off.get(col)}
-        if "bare-asyncio x2 + TLS" in per_round:
+                                                                       "cpu_us_per_request")
+                                   if on and off and off.get(col)}
+        if per_round.get("bare-asyncio x2 + TLS"):
             results["ratios_to_tls_floor"] = floor_ratios(per_round, "bare-asyncio x2 + TLS")
         results["rounds"] = args.rounds
-        results["failures"] = failure_runs(procs, tmp, quick)
+        results["failures"] = {} if args.only else failure_runs(procs, tmp, quick)
         results["machine"]["loadavg_end"] = os.getloadavg()[0]
     finally:
         for proc in procs:
@@ -850,15 +878,23 @@ def main() -> int:
         f"{col} {ratio:.2f}x" for col, ratio in results["tracing_cost"].items()))
     whole, floor = results["configs"].get("ingress+node"), results["configs"].get("bare-asyncio x2")
     tls_floor, nginx = results["configs"].get("bare-asyncio x2 + TLS"), results["configs"].get("nginx")
-    if whole and floor and tls_floor:
+    if whole and tls_floor:   # (--only may leave the floor without TLS out)
         print(f"whole path (ingress, TLS, node): added p50 {whole['added_p50_ms']:.3f} ms, p99 "
-              f"{whole['added_p99_ms']:.3f} ms (target <= 0.6 / 1.5 ms); floors of two Python hops here, two bare "
-              f"asyncio proxies in a row: {floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms, with the "
-              f"second hop on TLS as the tunnel {tls_floor['added_p50_ms']:.3f} / {tls_floor['added_p99_ms']:.3f} ms "
+              f"{whole['added_p99_ms']:.3f} ms (target <= 0.6 / 1.5 ms); floors of two Python hops here (two bare "
+              "asyncio proxies in a row): "
+              + (f"{floor['added_p50_ms']:.3f} / {floor['added_p99_ms']:.3f} ms, " if floor else "") +
+              f"with the second hop on TLS as the tunnel {tls_floor['added_p50_ms']:.3f} / {tls_floor['added_p99_ms']:.3f} ms "
               f"(whole path {whole['added_p50_ms'] / max(tls_floor['added_p50_ms'], 1e-9):.2f}x the TLS floor at "
               "p50" + (f"; nginx's single hop {nginx['added_p50_ms']:.3f} ms" if nginx else "") + ")")
         for name, ratio in results.get("ratios_to_tls_floor", {}).items():
             print(f"{name}: added p50 over the TLS floor's, median of {args.rounds} per-round ratios: {ratio:.2f}x")
+        for prefix in ("", "before: "):   # where the excess over the floor is: the node's hop, the ingress's
+            node_hop, path = (results["configs"].get(prefix + name) for name in ("bare-asyncio + node", "ingress+node"))
+            if node_hop and path:
+                print(f"{prefix}bare-asyncio + node (a bare proxy in front of the node): added p50 "
+                      f"{node_hop['added_p50_ms']:.3f} ms, p99 {node_hop['added_p99_ms']:.3f} ms: the node adds "
+                      f"{node_hop['added_p50_ms'] - tls_floor['added_p50_ms']:+.3f} ms at p50 over the bare TLS hop, "
+                      f"the ingress {path['added_p50_ms'] - node_hop['added_p50_ms']:+.3f} ms over the bare front hop")
         earlier = results["configs"].get("before: ingress+node")
         if earlier:
             print(f"whole path of --before: added p50 {earlier['added_p50_ms']:.3f} ms, p99 "

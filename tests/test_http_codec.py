@@ -452,6 +452,43 @@ def test_a_written_request_head_parses_back_with_its_body_and_without_the_droppe
     assert data[head.size:] == body
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"x-a", b"Accept", b"x-request-id", b"Connection", b"x-otela-tunnel",
+                                           b"x-otela-prefix", b"TE", b"traceparent"]), _values), max_size=6),
+       st.binary(max_size=50))
+def test_a_forwarded_request_keeps_its_lines_as_they_came_but_hop_by_hop_and_ours(headers, body):
+    # the node's request to its engine: host and length its own, every other line verbatim, in order
+    forwarded = dict.fromkeys(on.HOP_BY_HOP | {b"x-otela-tunnel", b"x-otela-prefix"}, False)
+    lines = b"".join(b"%s:  %s \r\n" % (n, v) for n, v in headers)
+    came = b"POST /v1/x?q=1 HTTP/1.1\r\nHost: node:1\r\n%scontent-length: %d\r\n\r\n%s" % (lines, len(body), body)
+    head = on.parse_request(bytearray(came))
+    data = on.forwarded_request_head(head, b"127.0.0.1:9", len(body), forwarded) + body
+    kept = [b"%s:  %s " % (n, v) for n, v in headers if n.lower() not in forwarded]
+    assert data == b"POST /v1/x?q=1 HTTP/1.1\r\nhost: 127.0.0.1:9\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body), b"".join(line + b"\r\n" for line in kept), body)
+    again = on.parse_request(bytearray(data))   # and it reads back as the same fields, less the dropped
+    assert again.headers[2:] == [(n.lower(), v) for n, v in headers if n.lower() not in forwarded]
+    # a head h11 read (no lines of the codec's) is written from its fields, to the same effect
+    fields = [(n.lower(), v) for n, v in [(b"host", b"node:1"), *headers]]
+    read = on.MessageHead(fields, dict(fields), 0)
+    read.method, read.target = b"POST", b"/v1/x?q=1"
+    assert on.parse_request(bytearray(on.forwarded_request_head(read, b"127.0.0.1:9", len(body), forwarded)
+                                      + body)).headers == again.headers
+
+
+def test_fields_new_on_every_request_are_judged_but_never_remembered():
+    # the ingress's trace context and request id differ on every request a node is sent: kept,
+    # they would fill the table and empty it of the lines that come again every ~2,000 requests
+    on._FIELD_LINES.clear()
+    for i in range(50):
+        head = on.parse_request(b"POST /v1/chat HTTP/1.1\r\nhost: n\r\ntraceparent: 00-%032x-%016x-01\r\n"
+                                b"x-request-id: r%d\r\ncontent-length: 0\r\n\r\n" % (i, i, i))
+        assert head.fields[b"x-request-id"] == b"r%d" % i and head.fields[b"traceparent"].endswith(b"-01")
+    assert sorted(on._FIELD_LINES) == [b"content-length: 0", b"host: n"]
+    with pytest.raises(HTTPViolation):   # judged all the same: a bad one is still refused
+        on.parse_response(b"HTTP/1.1 200 OK\r\nx-request-id: a\x01b\r\ncontent-length: 0\r\n\r\n")
+
+
 @pytest.mark.parametrize("framing", [NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE])
 def test_a_written_response_head_says_its_framing_and_h11_reads_it(framing):
     data = b"".join(on.response_head(200, b"OK", [(b"x-a", b"1"), (b"keep-alive", b"5")], on.HOP_BY_HOP,

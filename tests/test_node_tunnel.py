@@ -484,3 +484,42 @@ def test_a_pooled_engine_connection_closed_while_idle_is_retried_for_the_tunnel_
             await node.stop()
             server.close()
     assert run(t()) == ([(200, b"ok")] * 3, 3)
+
+
+def test_a_whole_answer_in_one_read_goes_out_as_it_came_and_one_with_a_hop_by_hop_field_is_rewritten():
+    plain = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nX-Engine:  1 \r\ncontent-length: 2\r\n\r\n{}"
+    hop = b"HTTP/1.1 200 OK\r\nkeep-alive: timeout=5\r\ncontent-length: 2\r\n\r\n{}"
+
+    async def engine(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(hop if b" /hop " in head else plain)   # one write: one read at the node
+        except (asyncio.IncompleteReadError, OSError):
+            writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        cfg = on.Config(key=KEY, listen="127.0.0.1:0", gossip="127.0.0.1:0", leave_linger=0.05)
+        node = on.Node(cfg, engine_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        await node.start()
+        host, port = node.registry.get(node.session_id)["addr"].rsplit(":", 1)
+        name, value = node.tunnel_header
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answers = []
+        try:
+            for path in (b"/plain", b"/hop", b"/plain"):
+                writer.write(b"POST %s HTTP/1.1\r\nhost: n\r\n%s: %s\r\ncontent-length: 2\r\n\r\n{}"
+                             % (path, name.encode(), value.encode()))
+                head = await reader.readuntil(b"\r\n\r\n")
+                answers.append(head + await reader.readexactly(2))
+            return answers, len(node.engine.idle)
+        finally:
+            writer.close()
+            await node.stop()
+            server.close()
+    answers, pooled = run(scenario())
+    assert answers[0] == answers[2] == plain and pooled == 1
+    assert answers[1] == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
