@@ -1801,19 +1801,18 @@ class ClusterKeys:
         for entry_id in dirty:
             record = self.mine[entry_id]
             if record["slot"] != slot:   # we rejoined as a new session: this slot is closed
-                self._carry(record, slot)
+                self._carry(entry_id, record, slot)
                 continue
             record["version"] += 1
             self.sent[entry_id] = tuple(record[f] for f in crdt.USAGE_COUNTS)
             self.publish(entry_id, dict(record))
 
-    def _carry(self, record: Dict[str, Any], slot: str) -> None:
+    def _carry(self, entry_id: str, record: Dict[str, Any], slot: str) -> None:
         """Counts a closed slot of ours got after it last went out (this ingress was evicted, by a
         partition, and rejoined as `slot` before the next flush): only its session may write it,
         so they go on in the new session's slot of the same key and period, and the closed one
         stays as the map has it. Without this they were counted here and nowhere else."""
-        sent = self.sent.get(crdt.usage_entry(record["key"], record["model"], record["day"], record["slot"]),
-                             (0,) * len(crdt.USAGE_COUNTS))
+        sent = self.sent.get(entry_id, (0,) * len(crdt.USAGE_COUNTS))
         delta = [record[f] - was for f, was in zip(crdt.USAGE_COUNTS, sent)]
         if not any(delta):
             return
