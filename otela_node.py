@@ -987,7 +987,7 @@ class FailureDetector:
     more grace. A private member's relay link is dropped when its relay is suspected, so the
     links follow the same timeouts."""
 
-    def __init__(self, config: Config, rng: random.Random, now: float):
+    def __init__(self, config: Config, rng: random.Random, now: float, replay: bool = False):
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
         self.ring: Optional[List[str]] = None       # sorted sids, self included: probe schedule
         self.hinted: Dict[str, float] = {}          # addr -> when we last answered a stray ping
@@ -995,7 +995,13 @@ class FailureDetector:
         self.evictions: collections.deque = collections.deque()   # when members were evicted
         self.retired: Dict[str, float] = {}         # sessions we evicted -> when (bounded)
         self.lhm = 0                                # Lifeguard local health multiplier
-        self.seq = 0                                # probe and ping-req numbers (and the Overlay's push ids)
+        self.seq = 0                                # the Overlay's push ids (acked by their receiver only)
+        # Probe and ping-req numbers: an ack names the probe it answers, and counts for the member
+        # probed whoever sends it (a ping-req's helper does), so a number another key holder could
+        # guess would let it keep a dead member alive or make a far one look near (locality reads
+        # these round trips). Drawn at random, 53 bits (JSON's exact integers); the simulator's runs
+        # replay, so they count there.
+        self.numbers = itertools.count(1).__next__ if replay else lambda: secrets.randbits(53)
         self.probe: Optional[dict] = None
         self.relays: Dict[int, PingReq] = {}        # our seq -> the ping-req we carry out
         self.late: Dict[int, LateProbe] = {}        # recent probe seq -> it: late acks
@@ -1140,7 +1146,7 @@ class FailureDetector:
                 self._notify(sid, record)
 
     def _on_i(self, msg, src, now, tcp):
-        self.seq += 1
+        n = self.numbers()
         cfg = self.cfg
         # Nack once the target is late by the setting, or by its round trip as we measured it (a
         # target across a WAN is not "late" before its ack could be back)
@@ -1148,9 +1154,9 @@ class FailureDetector:
         rto = min(self._rto(target), cfg.probe_timeout_max) if target else 0.0
         nack_at = now + max(cfg.nack_after * cfg.indirect_timeout, rto)
         expiry = now + (cfg.probe_interval + cfg.probe_timeout_max) * (1 + self.lhm)   # a late ack still counts
-        self.relays[self.seq] = PingReq(src, int(msg["n"]), expiry, nack_at)
+        self.relays[n] = PingReq(src, int(msg["n"]), expiry, nack_at)
         split_addr(msg["a"])
-        return [Out(msg["a"], {"t": "p", "n": self.seq, "to": str(msg["to"])}, False)]
+        return [Out(msg["a"], {"t": "p", "n": n, "to": str(msg["to"])}, False)]
 
     def _member_at(self, addr: str) -> Optional[str]:
         """The live member at gossip address `addr`, if any (a scan: ping-reqs are rare)."""
@@ -1193,13 +1199,13 @@ class FailureDetector:
         rnd = int(now / self.cfg.probe_interval)
         offset = 1 + ((rnd * 2654435761) >> 7) % (len(ring) - 1)   # Knuth's multiplicative hash
         sid = ring[(ring.index(self.sid) + offset) % len(ring)]
-        self.seq += 1
+        n = self.numbers()
         addr = self.members[sid]
-        self.probe = {"seq": self.seq, "sid": sid, "addr": addr, "start": now, "phase": 0,
+        self.probe = {"seq": n, "sid": sid, "addr": addr, "start": now, "phase": 0,
                       "extended": False, "nacks": 0, "helpers": 0}
-        self.late[self.seq] = LateProbe(sid, now)
+        self.late[n] = LateProbe(sid, now)
         self._set_deadline()
-        ping = {"t": "p", "n": self.seq, "to": sid[:SHORT_ID]}
+        ping = {"t": "p", "n": n, "to": sid[:SHORT_ID]}
         sus = self.suspects.get(sid)
         if sus is not None:
             ping["sv"] = sus.version                # Lifeguard's buddy: tell it, so it refutes
@@ -1405,7 +1411,7 @@ class Overlay(FailureDetector):
         self.cfg = config
         self.rng = rng or random.Random()
         self._secure = rng is None                  # the simulator passes rng: runs replay
-        FailureDetector.__init__(self, config, self.rng, now)   # members, suspects, probes
+        FailureDetector.__init__(self, config, self.rng, now, replay=not self._secure)   # members, suspects, probes
         # The ingress tier (crdt.Authority): only a member holding its secret writes, verifies and
         # sends on the ingress plane. An ingress without it keeps keys and usage to itself.
         self.authority = crdt.Authority(config.ingress_keys) if config.ingress_keys else None

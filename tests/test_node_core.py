@@ -626,3 +626,28 @@ def test_an_engines_model_list_past_the_registrys_bounds_is_cut_to_them():
     assert len(catalog["models"]) == crdt.MAX_LIST and "x" * 300 not in catalog["models"]
     assert catalog["adapters"]["far"] == ["base", ""]
     assert len(catalog["adapters"]) <= crdt.MAX_ADAPTERS
+
+
+def test_a_probes_number_cannot_be_guessed_so_a_forged_ack_neither_refutes_nor_looks_near():
+    """An ack counts for the member probed whoever sends it (a helper's does): a key holder that
+    could guess the number would keep a dead member alive, or answer before the probe arrives and
+    look closer than it is to the locality rule."""
+    cfg = fast_config()
+    a = on.Overlay(cfg, "a" * 32, {"owner": "x", "state": 1, "version": 0, "started": T0, "gossip": "h:1"}, T0)
+    b = "b" * 32
+    a.receive({"t": "st", "r": {b: {"owner": "x", "state": 1, "version": 0, "started": T0, "gossip": "h:2"}}},
+              "h:2", T0)
+    seen = []
+    now = T0
+    for _ in range(3):
+        a.probe = None
+        now += 1.0
+        out = a._start_probe(now)
+        seen.append(out[0].msg["n"])
+    a._suspect(b, 0, a.sid, now, None)
+    guesses = {seen[-1] + k for k in range(-1000, 1001)} | set(range(1, 1001))
+    for n in sorted(guesses - {a.probe["seq"]}):
+        a.receive({"t": "a", "n": n}, "h:9", now + 0.001)
+    assert a.is_suspected(b) and b not in a.round_trips
+    assert len(set(seen)) == 3 and all(0 <= n < 2 ** 53 for n in seen)
+    assert max(seen) - min(seen) > 10 ** 6          # not a counter
