@@ -4061,27 +4061,45 @@ def predict_load_test(row, seed=0):
                      **_load_row_core_args(row, model, gpu, engine))
 
 
+def _predicted_or_refusal(row):
+    """predict_load_test's report for a row, or the simulator's one-line refusal of it (a
+    published run it says cannot be served: a prompt past the KV pool its memory plan leaves)."""
+    try:
+        return predict_load_test(row)
+    except SimError as e:
+        return {"refused": str(e)}
+
+
 def validate_load_tests(path=LOAD_TESTS_CSV):
     """Predicted against measured for every load_tests.csv row: {"rows": [...], "splits":
-    {split: {metric: summary}}}; a row's test is run once for all its metrics."""
+    {split: {metric: summary}}}; a row's test is run once for all its metrics. A row the
+    simulator refuses (a real engine ran it) has no error: it is counted apart, as "refused"
+    in its split, and its reason kept in the row, never dropped from the file."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     reports, out = {}, []
     for row in rows:
         if row["id"] not in reports:
-            reports[row["id"]] = predict_load_test(row)
+            reports[row["id"]] = _predicted_or_refusal(row)
         r = reports[row["id"]]
+        entry = {"id": row["id"], "metric": row["metric"], "split": row["split"], "measured": float(row["value"]),
+                 "engine": row["engine"], "source": row["source_locator"]}
+        if "refused" in r:
+            out.append({**entry, "predicted": None, "error": None, "saturated": None, "refused": r["refused"]})
+            continue
         kind, stat = row["metric"].rsplit("_", 1)[0].rsplit("_", 1)
         predicted = r[f"{kind}_ms"][stat]
-        out.append({"id": row["id"], "metric": row["metric"], "split": row["split"], "measured": float(row["value"]),
-                    "predicted": predicted, "error": predicted / float(row["value"]) - 1,
-                    "saturated": r["saturated"], "engine": row["engine"], "source": row["source_locator"]})
+        out.append({**entry, "predicted": predicted, "error": predicted / float(row["value"]) - 1,
+                    "saturated": r["saturated"]})
     splits = {}
     for split in sorted({o["split"] for o in out}):
-        mine = [o for o in out if o["split"] == split]
+        mine = [o for o in out if o["split"] == split and o["error"] is not None]
         by = {m: _summary([o["error"] for o in mine if o["metric"].split("_")[0] == m]) for m in ("ttft", "itl", "e2e")}
         by["all"] = _summary([o["error"] for o in mine])
         splits[split] = {k: v for k, v in by.items() if v["n"]}
+        refused = sum(1 for o in out if o["split"] == split and o["error"] is None)
+        if refused:
+            splits[split]["refused"] = {"n": refused}
     return {"rows": out, "splits": splits}
 
 

@@ -143,9 +143,14 @@ def main():
           "rate and vLLM V1's admission defaults come from their sources); target median "
           "<= 10%, each metric <= 15%, worst <= 60%):")
     for split, by in lv["splits"].items():
-        print(f"    {split:9s} " + "  ".join(f"{m} n={s['n']} median {s['median_abs_error'] * 100:.1f}% max "
-                                             f"{s['max_abs_error'] * 100:.1f}%" for m, s in by.items()))
+        print(f"    {split:9s} " + "  ".join(f"{m} n={s['n']}" + ("" if m == "refused" else
+                                                                     f" median {s['median_abs_error'] * 100:.1f}% max "
+                                                                     f"{s['max_abs_error'] * 100:.1f}%")
+                                             for m, s in by.items()))
     for r in lv["rows"]:
+        if r["error"] is None:
+            print(f"    {r['id']:26s} {r['metric']:12s} measured {r['measured']:9.2f} refused: {r['refused']}")
+            continue
         print(f"    {r['id']:26s} {r['metric']:12s} measured {r['measured']:9.2f} predicted {r['predicted']:9.2f} "
               f"{r['error'] * 100:+6.1f}%{'  (saturated)' if r['saturated'] else ''}")
 

@@ -214,6 +214,17 @@ def test_published_load_tests_are_reported_on_both_splits():
     # the V1 rows of the fit split (AccelMark, A100-80GB: Qwen2.5-0.5B at 10 and 40 req/s, Llama-3-8B at 5)
     am = {o["id"]: o["error"] for o in v["rows"] if o["id"].startswith("am_a100_80")}
     assert len(am) == 3 and max(abs(e) for e in am.values()) <= 0.10, am
-    # as measured when the V1 rows came in (held out: median 15.9 %, worst 21.3 %; fit 8.2 %)
-    assert held["all"]["median_abs_error"] <= 0.17 and held["all"]["max_abs_error"] <= 0.25
-    assert fit["itl"]["median_abs_error"] <= 0.10
+    # as measured when GPUStack's burst runs of vLLM 0.10-0.11 came in (H100 held out, A100 fit:
+    # held out median 43.4 %, worst 107 %; fit 33.7 %): the honest figure, far from the targets
+    assert held["all"]["n"] >= 40 and fit["all"]["n"] >= 57
+    assert held["all"]["median_abs_error"] <= 0.45 and held["all"]["max_abs_error"] <= 1.10
+    assert fit["all"]["median_abs_error"] <= 0.35
+
+
+def test_a_published_run_the_simulator_refuses_is_counted_apart_not_dropped():
+    v = sim.validate_load_tests()
+    refused = [o for o in v["rows"] if o["error"] is None]
+    # Qwen3-32B's 32k prompts on one 80 GB GPU: vLLM ran them, the memory plan here leaves a smaller pool
+    assert {o["id"] for o in refused} == {"gs_h100_qwen332b_burst_32k", "gs_a100_qwen332b_burst_32k"}
+    assert all("maximum context length" in o["refused"] for o in refused)
+    assert v["splits"]["held_out"]["refused"] == {"n": 2} and v["splits"]["fit"]["refused"] == {"n": 2}
