@@ -511,6 +511,25 @@ _TDP_W = {"A100-40GB-SXM4": 400, "A100-80GB-SXM4": 400, "A100-80GB-PCIe": 300, "
           "MI250X": 250, "MI300X": 750}
 GPUS = {}      # filled below the fabric table (each row's fabric)
 
+# The device memory the CUDA runtime reports (torch.cuda.mem_get_info's total), which vLLM
+# multiplies by --gpu-memory-utilization for its budget: an "80 GB" HBM board holds 80 GiB less
+# what the driver keeps, not 80e9 bytes, ~7 % more than the data sheet's figure read as decimal
+# GB. Where it matters: the KV pool of a model that nearly fills the GPU (Qwen3-32B on one 80 GB
+# board: ~3.5 GB of KV read as decimal, ~9 GB as vLLM sees it; vLLM ran 32k-token prompts there).
+# Source: AccelMark's verified submissions, env_info.json accelerators[].memory_gb (GiB, read by
+# torch): A100-SXM4-80GB 80.0, A100-SXM4-40GB 40.0, H100 80GB HBM3 79.6, H200 140.4, RTX 3090
+# and 4090 24.0 (github.com/FreedomIntelligence/AccelMark, results/verified/*/env_info.json);
+# GH200's GPU (96 GB HBM3): nvidia-smi's 97871MiB on GH200 480GB nodes, 95.6 GiB. Boards not
+# listed keep their data-sheet GB.
+DEVICE_MEMORY_GIB = {"A100-80GB-SXM4": 80.0, "A100-40GB-SXM4": 40.0, "H100-SXM5-80GB": 79.6,
+                     "H200-SXM-141GB": 140.4, "GH200-96GB": 95.6, "RTX-3090": 24.0, "RTX-4090": 24.0}
+
+
+def device_memory_bytes(gpu) -> float:
+    """The memory an engine on `gpu` budgets from (DEVICE_MEMORY_GIB, else the data sheet's GB)."""
+    gib = DEVICE_MEMORY_GIB.get(gpu.name)
+    return gib * 2 ** 30 if gib else gpu.memory_gb * 1e9
+
 
 def _gpu_key(text):
     text = re.sub(r"\([^)]*\)", " ", str(text)).upper()
@@ -1621,7 +1640,7 @@ class StepCost:
         return RUNTIME_RESERVE_GB * 1e9 + self.act_per_token * tokens + self.window_kv_bytes * MAX_NUM_SEQS
 
     def usable_bytes(self):
-        return self.gpu.memory_gb * 1e9 * MEMORY_UTILIZATION
+        return device_memory_bytes(self.gpu) * MEMORY_UTILIZATION
 
     def kv_capacity_tokens(self, batched_tokens):
         free = self.usable_bytes() - self.weights_bytes - self.reserve_bytes(batched_tokens)
@@ -4041,7 +4060,7 @@ def _load_row_core_args(row, model, gpu, engine):
     if row["gpu_memory_utilization"]:
         c = _cost_for(model, gpu, int(row["tp"]), None, engine)
         budget = args.get("max_batched_tokens", v1_batch_defaults(gpu)[0])
-        free = float(row["gpu_memory_utilization"]) * gpu.memory_gb * 1e9 - c.weights_bytes - c.reserve_bytes(budget)
+        free = float(row["gpu_memory_utilization"]) * device_memory_bytes(gpu) - c.weights_bytes - c.reserve_bytes(budget)
         args["kv_tokens"] = max(BLOCK_SIZE, int(free // c.kv_bytes_per_token))
     return args
 

@@ -214,17 +214,37 @@ def test_published_load_tests_are_reported_on_both_splits():
     # the V1 rows of the fit split (AccelMark, A100-80GB: Qwen2.5-0.5B at 10 and 40 req/s, Llama-3-8B at 5)
     am = {o["id"]: o["error"] for o in v["rows"] if o["id"].startswith("am_a100_80")}
     assert len(am) == 3 and max(abs(e) for e in am.values()) <= 0.10, am
-    # as measured when GPUStack's burst runs of vLLM 0.10-0.11 came in (H100 held out, A100 fit:
-    # held out median 43.4 %, worst 107 %; fit 33.7 %): the honest figure, far from the targets
-    assert held["all"]["n"] >= 40 and fit["all"]["n"] >= 57
-    assert held["all"]["median_abs_error"] <= 0.45 and held["all"]["max_abs_error"] <= 1.10
-    assert fit["all"]["median_abs_error"] <= 0.35
+    # as measured when GPUStack's burst runs of vLLM 0.10-0.11 came in (H100 held out, A100 fit) and
+    # the KV pool was planned from the device's memory in GiB: held out median 40.6 %, worst 145 %
+    # (gpt-oss-120b's inter-token time on one H100); fit 20.5 %: the honest figure, far from the targets
+    assert held["all"]["n"] >= 42 and fit["all"]["n"] >= 59
+    assert held["all"]["median_abs_error"] <= 0.42 and held["all"]["max_abs_error"] <= 1.50
+    assert fit["all"]["median_abs_error"] <= 0.22
 
 
-def test_a_published_run_the_simulator_refuses_is_counted_apart_not_dropped():
+def test_the_kv_pool_is_planned_from_the_memory_the_device_reports():
+    # Qwen3-32B on one 80 GB board: vLLM ran 32k-token prompts there (GPUStack's burst runs), which
+    # the data sheet's 80e9 bytes could not hold (a ~14k-token pool); the A100's long-prompt runs are
+    # now predicted within 15 % (they were +50 % / +34 % TTFT with the smaller pool)
     v = sim.validate_load_tests()
+    assert not [o for o in v["rows"] if o["error"] is None]
+    a100_32b = [o["error"] for o in v["rows"] if o["id"].startswith("gs_a100_qwen332b") and "128" not in o["id"]]
+    assert len(a100_32b) == 6 and max(abs(e) for e in a100_32b) <= 0.15, a100_32b
+    assert sim.device_memory_bytes(sim.resolve_gpu("H100-SXM5-80GB")) == 79.6 * 2 ** 30
+    assert sim.device_memory_bytes(sim.resolve_gpu("L40S")) == 48e9      # not listed: the data sheet's
+
+
+def test_a_published_run_the_simulator_refuses_is_counted_apart_not_dropped(tmp_path):
+    with open(sim.LOAD_TESTS_CSV, newline="") as f:
+        rows = list(csv.DictReader(f))
+    row = next(r for r in rows if r["id"] == "kvc_h100_qwen06b_r16")
+    beyond = {**row, "id": "beyond_context", "input_len": "50000"}    # Qwen3-0.6B holds 40,960 positions
+    path = tmp_path / "load.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        w.writeheader()
+        w.writerows([row, beyond])
+    v = sim.validate_load_tests(str(path))
     refused = [o for o in v["rows"] if o["error"] is None]
-    # Qwen3-32B's 32k prompts on one 80 GB GPU: vLLM ran them, the memory plan here leaves a smaller pool
-    assert {o["id"] for o in refused} == {"gs_h100_qwen332b_burst_32k", "gs_a100_qwen332b_burst_32k"}
-    assert all("maximum context length" in o["refused"] for o in refused)
-    assert v["splits"]["held_out"]["refused"] == {"n": 2} and v["splits"]["fit"]["refused"] == {"n": 2}
+    assert [o["id"] for o in refused] == ["beyond_context"] and "maximum context length" in refused[0]["refused"]
+    assert v["splits"]["held_out"]["refused"] == {"n": 1} and v["splits"]["held_out"]["all"]["n"] == 1
