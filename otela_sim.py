@@ -3865,9 +3865,10 @@ class LinearStepCost:
 # EmulatedServer._submit), and decode runs are planned at once (EngineCore.run_ends), so minutes
 # of traffic take seconds of CPU. A workload's output lengths are generated in full, as a load
 # test's --ignore-eos makes a real engine do. Before the core, the serving stack's front end
-# (LOAD_FRONTEND_REQUEST_S) takes the requests one at a time: a burst beyond its rate waits
-# there, not in the core, and the engine sees a steady stream (kept apart from the core: the
-# emulator's own HTTP server is what stands in front of it in `serve`).
+# (LOAD_FRONTEND_FIXED_S a request, LOAD_FRONTEND_TOKEN_S a token it will stream back) takes the
+# requests one at a time: a burst beyond its rate waits there, not in the core, and the engine
+# sees a steady stream (kept apart from the core: the emulator's own HTTP server is what stands
+# in front of it in `serve`).
 
 # The engine has not kept up when the queue of requests waiting for admission grew, from the
 # second quarter of the arrivals to the last, by more than this share of the requests that
@@ -3893,6 +3894,15 @@ LOAD_REQUEST_OVERHEAD_S = 0.0337
 # A100, Llama-3.2-1B: far from their own limit) finish in 130.74 s, 76.5 req/s. A request's own
 # turn is inside LOAD_REQUEST_OVERHEAD_S; what this adds is the wait for the ones before it.
 LOAD_FRONTEND_REQUEST_S = 130.74 / 10000
+# That time is a part per request (HTTP, the chat template, tokenising, admission) and a part per
+# token streamed back (detokenising, one SSE event): a request is charged the first plus the
+# second times its output. The part per request is bounded by the fit split's fastest burst:
+# GPUStack's 1000 prompts of 128 tokens with 4 out (gpt-oss-20b, vLLM 0.11, one A100-80GB) all
+# went through in 5.44 s, GPU work included; the part per token is what is left of
+# LOAD_FRONTEND_REQUEST_S over ShareGPT's mean output in vLLM's benchmark (201.6 tokens: 201,648
+# for 1,000 prompts, GPUStack's ShareGPT run of Qwen3-14B).
+LOAD_FRONTEND_FIXED_S = 5.44 / 1000
+LOAD_FRONTEND_TOKEN_S = (LOAD_FRONTEND_REQUEST_S - LOAD_FRONTEND_FIXED_S) / 201.6
 # `load`'s exit status when the engine did not keep up (its report is printed all the same).
 LOAD_SATURATED_EXIT = 3
 
@@ -3933,24 +3943,34 @@ def _load_request(i, arrival, inp, out, prefix):
 
 def frontend_times(sent, per_request):
     """When each request (sent at the sorted times `sent`) leaves a front end that serves one
-    request at a time, `per_request` seconds each, first come first served: its turn starts
-    when it was sent or when the one before it left, whichever is later."""
+    request at a time, `per_request` seconds each (one number, or one a request), first come
+    first served: its turn starts when it was sent or when the one before it left, whichever is
+    later."""
+    each = per_request if isinstance(per_request, (list, tuple)) else [per_request] * len(sent)
     out, free = [], 0.0
-    for t in sent:
+    for t, busy in zip(sent, each):
         start = max(t, free)
-        free = start + per_request
+        free = start + busy
         out.append(start)
     return out
 
 
+def frontend_seconds(arrivals):
+    """The front end's time for each of `arrivals` [(arrival_s, input_len, output_len)]: its
+    part per request and its part per token streamed (LOAD_FRONTEND_FIXED_S, _TOKEN_S)."""
+    return [LOAD_FRONTEND_FIXED_S + LOAD_FRONTEND_TOKEN_S * out for _, _, out in arrivals]
+
+
 def run_load(core, arrivals, shared_prefix=0, delay=0.0, frontend_s=0.0):
     """Run `arrivals` [(arrival_s, input_len, output_len)] through `core` in virtual time, each
-    reaching the core `delay` seconds after its turn at the front end (frontend_times; its .sent:
-    when it was sent); the finished requests, and the queue each arrival found at the core (its
-    waiting requests and those still queued at the front end)."""
+    reaching the core `delay` seconds after its turn at the front end (frontend_times: `frontend_s`
+    seconds each, or one a request; its .sent: when it was sent); the finished requests, and the
+    queue each arrival found at the core (its waiting requests and those still queued at the
+    front end)."""
     sent = [t for t, _, _ in arrivals]
-    turns = frontend_times(sent, frontend_s)
-    done = [turn + frontend_s for turn in turns]
+    busy = frontend_s if isinstance(frontend_s, (list, tuple)) else [frontend_s] * len(sent)
+    turns = frontend_times(sent, busy)
+    done = [turn + b for turn, b in zip(turns, busy)]
     reqs = [_load_request(i, turn + delay, inp, out, shared_prefix)
             for i, (turn, (_, inp, out)) in enumerate(zip(turns, arrivals))]
     for req, t in zip(reqs, sent):
@@ -4028,7 +4048,7 @@ def load_test(model, gpu, tp=1, arrivals=(), shared_prefix=0, engine=SERVE_ENGIN
     core = serve_core(model, gpu, tp, engine, **core_args)
     if not arrivals:
         raise SimError("the workload has no requests (raise --rate or --duration)")
-    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S, LOAD_FRONTEND_REQUEST_S),
+    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S, frontend_seconds(arrivals)),
                        duration_s)
 
 
