@@ -511,6 +511,25 @@ _TDP_W = {"A100-40GB-SXM4": 400, "A100-80GB-SXM4": 400, "A100-80GB-PCIe": 300, "
           "MI250X": 250, "MI300X": 750}
 GPUS = {}      # filled below the fabric table (each row's fabric)
 
+# The device memory the CUDA runtime reports (torch.cuda.mem_get_info's total), which vLLM
+# multiplies by --gpu-memory-utilization for its budget: an "80 GB" HBM board holds 80 GiB less
+# what the driver keeps, not 80e9 bytes, ~7 % more than the data sheet's figure read as decimal
+# GB. Where it matters: the KV pool of a model that nearly fills the GPU (Qwen3-32B on one 80 GB
+# board: ~3.5 GB of KV read as decimal, ~9 GB as vLLM sees it; vLLM ran 32k-token prompts there).
+# Source: AccelMark's verified submissions, env_info.json accelerators[].memory_gb (GiB, read by
+# torch): A100-SXM4-80GB 80.0, A100-SXM4-40GB 40.0, H100 80GB HBM3 79.6, H200 140.4, RTX 3090
+# and 4090 24.0 (github.com/FreedomIntelligence/AccelMark, results/verified/*/env_info.json);
+# GH200's GPU (96 GB HBM3): nvidia-smi's 97871MiB on GH200 480GB nodes, 95.6 GiB. Boards not
+# listed keep their data-sheet GB.
+DEVICE_MEMORY_GIB = {"A100-80GB-SXM4": 80.0, "A100-40GB-SXM4": 40.0, "H100-SXM5-80GB": 79.6,
+                     "H200-SXM-141GB": 140.4, "GH200-96GB": 95.6, "RTX-3090": 24.0, "RTX-4090": 24.0}
+
+
+def device_memory_bytes(gpu) -> float:
+    """The memory an engine on `gpu` budgets from (DEVICE_MEMORY_GIB, else the data sheet's GB)."""
+    gib = DEVICE_MEMORY_GIB.get(gpu.name)
+    return gib * 2 ** 30 if gib else gpu.memory_gb * 1e9
+
 
 def _gpu_key(text):
     text = re.sub(r"\([^)]*\)", " ", str(text)).upper()
@@ -1621,7 +1640,7 @@ class StepCost:
         return RUNTIME_RESERVE_GB * 1e9 + self.act_per_token * tokens + self.window_kv_bytes * MAX_NUM_SEQS
 
     def usable_bytes(self):
-        return self.gpu.memory_gb * 1e9 * MEMORY_UTILIZATION
+        return device_memory_bytes(self.gpu) * MEMORY_UTILIZATION
 
     def kv_capacity_tokens(self, batched_tokens):
         free = self.usable_bytes() - self.weights_bytes - self.reserve_bytes(batched_tokens)
@@ -3846,9 +3865,10 @@ class LinearStepCost:
 # EmulatedServer._submit), and decode runs are planned at once (EngineCore.run_ends), so minutes
 # of traffic take seconds of CPU. A workload's output lengths are generated in full, as a load
 # test's --ignore-eos makes a real engine do. Before the core, the serving stack's front end
-# (LOAD_FRONTEND_REQUEST_S) takes the requests one at a time: a burst beyond its rate waits
-# there, not in the core, and the engine sees a steady stream (kept apart from the core: the
-# emulator's own HTTP server is what stands in front of it in `serve`).
+# (LOAD_FRONTEND_FIXED_S a request, LOAD_FRONTEND_TOKEN_S a token it will stream back) takes the
+# requests one at a time: a burst beyond its rate waits there, not in the core, and the engine
+# sees a steady stream (kept apart from the core: the emulator's own HTTP server is what stands
+# in front of it in `serve`).
 
 # The engine has not kept up when the queue of requests waiting for admission grew, from the
 # second quarter of the arrivals to the last, by more than this share of the requests that
@@ -3874,6 +3894,15 @@ LOAD_REQUEST_OVERHEAD_S = 0.0337
 # A100, Llama-3.2-1B: far from their own limit) finish in 130.74 s, 76.5 req/s. A request's own
 # turn is inside LOAD_REQUEST_OVERHEAD_S; what this adds is the wait for the ones before it.
 LOAD_FRONTEND_REQUEST_S = 130.74 / 10000
+# That time is a part per request (HTTP, the chat template, tokenising, admission) and a part per
+# token streamed back (detokenising, one SSE event): a request is charged the first plus the
+# second times its output. The part per request is bounded by the fit split's fastest burst:
+# GPUStack's 1000 prompts of 128 tokens with 4 out (gpt-oss-20b, vLLM 0.11, one A100-80GB) all
+# went through in 5.44 s, GPU work included; the part per token is what is left of
+# LOAD_FRONTEND_REQUEST_S over ShareGPT's mean output in vLLM's benchmark (201.6 tokens: 201,648
+# for 1,000 prompts, GPUStack's ShareGPT run of Qwen3-14B).
+LOAD_FRONTEND_FIXED_S = 5.44 / 1000
+LOAD_FRONTEND_TOKEN_S = (LOAD_FRONTEND_REQUEST_S - LOAD_FRONTEND_FIXED_S) / 201.6
 # `load`'s exit status when the engine did not keep up (its report is printed all the same).
 LOAD_SATURATED_EXIT = 3
 
@@ -3914,24 +3943,34 @@ def _load_request(i, arrival, inp, out, prefix):
 
 def frontend_times(sent, per_request):
     """When each request (sent at the sorted times `sent`) leaves a front end that serves one
-    request at a time, `per_request` seconds each, first come first served: its turn starts
-    when it was sent or when the one before it left, whichever is later."""
+    request at a time, `per_request` seconds each (one number, or one a request), first come
+    first served: its turn starts when it was sent or when the one before it left, whichever is
+    later."""
+    each = per_request if isinstance(per_request, (list, tuple)) else [per_request] * len(sent)
     out, free = [], 0.0
-    for t in sent:
+    for t, busy in zip(sent, each):
         start = max(t, free)
-        free = start + per_request
+        free = start + busy
         out.append(start)
     return out
 
 
+def frontend_seconds(arrivals):
+    """The front end's time for each of `arrivals` [(arrival_s, input_len, output_len)]: its
+    part per request and its part per token streamed (LOAD_FRONTEND_FIXED_S, _TOKEN_S)."""
+    return [LOAD_FRONTEND_FIXED_S + LOAD_FRONTEND_TOKEN_S * out for _, _, out in arrivals]
+
+
 def run_load(core, arrivals, shared_prefix=0, delay=0.0, frontend_s=0.0):
     """Run `arrivals` [(arrival_s, input_len, output_len)] through `core` in virtual time, each
-    reaching the core `delay` seconds after its turn at the front end (frontend_times; its .sent:
-    when it was sent); the finished requests, and the queue each arrival found at the core (its
-    waiting requests and those still queued at the front end)."""
+    reaching the core `delay` seconds after its turn at the front end (frontend_times: `frontend_s`
+    seconds each, or one a request; its .sent: when it was sent); the finished requests, and the
+    queue each arrival found at the core (its waiting requests and those still queued at the
+    front end)."""
     sent = [t for t, _, _ in arrivals]
-    turns = frontend_times(sent, frontend_s)
-    done = [turn + frontend_s for turn in turns]
+    busy = frontend_s if isinstance(frontend_s, (list, tuple)) else [frontend_s] * len(sent)
+    turns = frontend_times(sent, busy)
+    done = [turn + b for turn, b in zip(turns, busy)]
     reqs = [_load_request(i, turn + delay, inp, out, shared_prefix)
             for i, (turn, (_, inp, out)) in enumerate(zip(turns, arrivals))]
     for req, t in zip(reqs, sent):
@@ -4009,7 +4048,7 @@ def load_test(model, gpu, tp=1, arrivals=(), shared_prefix=0, engine=SERVE_ENGIN
     core = serve_core(model, gpu, tp, engine, **core_args)
     if not arrivals:
         raise SimError("the workload has no requests (raise --rate or --duration)")
-    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S, LOAD_FRONTEND_REQUEST_S),
+    return load_report(*run_load(core, arrivals, shared_prefix, LOAD_REQUEST_OVERHEAD_S, frontend_seconds(arrivals)),
                        duration_s)
 
 
@@ -4041,7 +4080,7 @@ def _load_row_core_args(row, model, gpu, engine):
     if row["gpu_memory_utilization"]:
         c = _cost_for(model, gpu, int(row["tp"]), None, engine)
         budget = args.get("max_batched_tokens", v1_batch_defaults(gpu)[0])
-        free = float(row["gpu_memory_utilization"]) * gpu.memory_gb * 1e9 - c.weights_bytes - c.reserve_bytes(budget)
+        free = float(row["gpu_memory_utilization"]) * device_memory_bytes(gpu) - c.weights_bytes - c.reserve_bytes(budget)
         args["kv_tokens"] = max(BLOCK_SIZE, int(free // c.kv_bytes_per_token))
     return args
 
@@ -4061,27 +4100,45 @@ def predict_load_test(row, seed=0):
                      **_load_row_core_args(row, model, gpu, engine))
 
 
+def _predicted_or_refusal(row):
+    """predict_load_test's report for a row, or the simulator's one-line refusal of it (a
+    published run it says cannot be served: a prompt past the KV pool its memory plan leaves)."""
+    try:
+        return predict_load_test(row)
+    except SimError as e:
+        return {"refused": str(e)}
+
+
 def validate_load_tests(path=LOAD_TESTS_CSV):
     """Predicted against measured for every load_tests.csv row: {"rows": [...], "splits":
-    {split: {metric: summary}}}; a row's test is run once for all its metrics."""
+    {split: {metric: summary}}}; a row's test is run once for all its metrics. A row the
+    simulator refuses (a real engine ran it) has no error: it is counted apart, as "refused"
+    in its split, and its reason kept in the row, never dropped from the file."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     reports, out = {}, []
     for row in rows:
         if row["id"] not in reports:
-            reports[row["id"]] = predict_load_test(row)
+            reports[row["id"]] = _predicted_or_refusal(row)
         r = reports[row["id"]]
+        entry = {"id": row["id"], "metric": row["metric"], "split": row["split"], "measured": float(row["value"]),
+                 "engine": row["engine"], "source": row["source_locator"]}
+        if "refused" in r:
+            out.append({**entry, "predicted": None, "error": None, "saturated": None, "refused": r["refused"]})
+            continue
         kind, stat = row["metric"].rsplit("_", 1)[0].rsplit("_", 1)
         predicted = r[f"{kind}_ms"][stat]
-        out.append({"id": row["id"], "metric": row["metric"], "split": row["split"], "measured": float(row["value"]),
-                    "predicted": predicted, "error": predicted / float(row["value"]) - 1,
-                    "saturated": r["saturated"], "engine": row["engine"], "source": row["source_locator"]})
+        out.append({**entry, "predicted": predicted, "error": predicted / float(row["value"]) - 1,
+                    "saturated": r["saturated"]})
     splits = {}
     for split in sorted({o["split"] for o in out}):
-        mine = [o for o in out if o["split"] == split]
+        mine = [o for o in out if o["split"] == split and o["error"] is not None]
         by = {m: _summary([o["error"] for o in mine if o["metric"].split("_")[0] == m]) for m in ("ttft", "itl", "e2e")}
         by["all"] = _summary([o["error"] for o in mine])
         splits[split] = {k: v for k, v in by.items() if v["n"]}
+        refused = sum(1 for o in out if o["split"] == split and o["error"] is None)
+        if refused:
+            splits[split]["refused"] = {"n": refused}
     return {"rows": out, "splits": splits}
 
 

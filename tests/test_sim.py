@@ -225,7 +225,7 @@ def test_memory_facts_of_small_gpus():
 def test_max_batch_is_the_kv_cache_left_after_weights_divided_by_the_context():
     m = sim.MODELS["llama-2-13b"]
     c = sim.StepCost(m, sim.GPUS["A100-80GB-SXM4"], 1)
-    free = 80e9 * sim.MEMORY_UTILIZATION - c.weights_bytes - c.reserve_bytes(4096)
+    free = 80 * 2 ** 30 * sim.MEMORY_UTILIZATION - c.weights_bytes - c.reserve_bytes(4096)   # the device's 80 GiB
     assert sim.max_batch(m, "A100", 1, 4096) == int(free // c.kv_bytes_per_token) // 4096
 
 
