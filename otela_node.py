@@ -3787,7 +3787,8 @@ class Tunnel:
 # to dial it back ("rq"); the seed answers ("rs") with the address it saw (`seen`) and whether
 # its own TCP connect to the worker's gossip port worked (`back`). A worker no seed could dial
 # is private: it keeps outbound TCP links to `relay_links` relays (any dialable member that
-# relays; standalone relays and the ingress first) and advertises
+# relays; its own site's first, by measured round trip, then standalone relays and the ingress:
+# Reach.rank_relays) and advertises
 # "relay/<link id>" as its gossip and tunnel address, with its relays' gossip addresses in its
 # record's "relay" (comma-separated; "relaying": true marks a member that relays). Rules:
 #   1. Gossip: a private member sends everything over a link, each message inside an envelope
@@ -4162,6 +4163,33 @@ class Reach:
             return True                             # not an address we can judge: the dial-back decides
         mapped = getattr(ip, "ipv4_mapped", None)   # a dual-stack seed's view of an IPv4 asker
         return ours(str(mapped or ip))
+
+    NEAR_RELAY_S = 0.005            # a relay this close (round trip) is at our own site: a LAN is
+                                    # under a millisecond, and sites are rarely under 5 ms apart
+    HELD_MARGIN = 1.5               # a relay we hold a link to is judged this much closer: a round
+                                    # trip that wavers at a band's edge does not swap links (a link
+                                    # dropped cuts the tunnel streams on it)
+    ROLE_RANK = {"relay": 0, "ingress": 1}   # standalone relays exist for it, then ingresses, then
+                                             # dialable workers
+
+    @classmethod
+    def rank_relays(cls, offers: Iterable[Tuple[str, str, Optional[float]]], held: Container[str] = ()) -> List[str]:
+        """The relays `offers` names ((gossip address, role, our measured round trip or None)),
+        best first: by distance band (our own site's, under NEAR_RELAY_S; then those not measured
+        yet; then farther ones in bands a factor of two apart), within a band by role, then those
+        we hold a link to (`held`), then address. So a private member gossips through its own site's relay, not through another
+        site's (whose relay sends it back across the WAN), and among far ones the nearest."""
+        def band(gossip: str, rtt: Optional[float]) -> int:
+            if rtt is None:
+                return 1
+            if gossip in held:
+                rtt /= cls.HELD_MARGIN
+            if rtt < cls.NEAR_RELAY_S:
+                return 0
+            return 2 + int(math.log2(rtt / cls.NEAR_RELAY_S))
+        ranked = sorted((band(gossip, rtt), cls.ROLE_RANK.get(role, 2), gossip not in held, gossip)
+                        for gossip, role, rtt in offers)
+        return [gossip for *_, gossip in ranked]
 
     LINK_RTOS = 16                  # a relay link's give-up time in its peer's srtt + 4 rttvar:
                                     # TCP resends after 1, 2, 4 and 8 RTOs, so the fourth resend of
@@ -6925,17 +6953,17 @@ class Node:
         return self.tunnel_sock is not None
 
     def relays_offered(self, leave_out: Tuple[str, ...] = ()) -> List[str]:
-        """The gossip addresses of the members offering to relay, best first: standalone relays
-        (they exist for it), then ingresses, then dialable workers; never ourselves, a suspected
-        or relayed member, or one at an address in `leave_out`."""
-        ranked = []
+        """The gossip addresses of the members offering to relay, best first (Reach.rank_relays:
+        the nearest by our measured round trip, then by role); never ourselves, a suspected or
+        relayed member, or one at an address in `leave_out`."""
+        offers = []
         for sid, record in self.registry.items() if self.overlay is not None else ():
             gossip = record.get("gossip", "")
             if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
                     or is_relayed(gossip) or self.is_suspected(sid) or gossip in leave_out:
                 continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        return [gossip for _, gossip in sorted(ranked)]
+            offers.append((gossip, str(record.get("role", "")), self.overlay.rtt(sid)))
+        return Reach.rank_relays(offers, held=self.relay_client.links)
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
