@@ -1455,7 +1455,7 @@ class Overlay(FailureDetector):
         self.bootstrap: List[str] = []
         self.leaving = False
         self.pushes: Dict[int, dict] = {}           # our push id -> its message, its unacked
-                                                    # addrs -> [next resend, rounds left], the earliest
+                                                    # addrs -> next resend, resends so far, the earliest
         self.next_resend = math.inf                 # the earliest push's next resend (or later):
                                                     # no scan of every push at every wakeup
         self.remembered: Dict[str, Redial] = {}     # addr -> when and how to dial it again
@@ -2004,11 +2004,10 @@ class Overlay(FailureDetector):
             payload["k"] = self.seq
             out += [Out(addr, payload, False) for addr in peers]
             if peers:
-                rounds = self.cfg.push_resend_rounds
-                pending = {addr: [now + self._resend_wait(addr), rounds] for addr in peers}
-                nxt = min(due for due, _ in pending.values())
+                pending = self._resend_dues(peers, now)
+                nxt = min(pending.values())
                 self.next_resend = min(self.next_resend, nxt)
-                self.pushes[self.seq] = {"msg": payload, "pending": pending, "next": nxt}
+                self.pushes[self.seq] = {"msg": payload, "pending": pending, "next": nxt, "resent": {}}
         return out
 
     def _resend(self, now: float) -> List[Out]:
@@ -2021,21 +2020,21 @@ class Overlay(FailureDetector):
                 continue
             if live is None:
                 live = set(self.members.values())
-            pending = push["pending"]
+            pending, resent, rounds = push["pending"], push["resent"], self.cfg.push_resend_rounds
             for addr, due in list(pending.items()):
                 if addr not in live:
                     del pending[addr]
-                elif due[0] <= now:
-                    due[1] -= 1
-                    if due[1] < 0:
+                elif due <= now:
+                    resent[addr] = times = resent.get(addr, 0) + 1
+                    if times > rounds:
                         del pending[addr]
                         continue
                     out.append(Out(addr, push["msg"], False))
-                    due[0] = now + self._resend_wait(addr)
+                    pending[addr] = now + self._resend_wait(addr)
             if not pending:
                 del self.pushes[pid]
                 continue
-            push["next"] = min(due for due, _ in pending.values())
+            push["next"] = min(pending.values())
         self.next_resend = min((p["next"] for p in self.pushes.values()), default=math.inf)
         return out
 
@@ -2044,9 +2043,24 @@ class Overlay(FailureDetector):
         setting (stretched by our local health: a slow member's acks come late), or the member's
         measured round trip plus four deviations when that is longer (a member 150 ms away acks
         after ~150 ms: resent every 150 ms, it got each write about twice)."""
-        sid = self.by_addr.get(addr)
-        rto = self._rto(sid) if sid is not None else 0.0
-        return max(self.cfg.push_resend_interval * (1 + self.lhm), rto)
+        measured = self.round_trips.get(self.by_addr.get(addr, ""))
+        setting = self.cfg.push_resend_interval * (1 + self.lhm)
+        return setting if measured is None else max(setting, measured.timeout())
+
+    def _resend_dues(self, addrs: List[str], now: float) -> Dict[str, float]:
+        """When each of `addrs` is due a resend (`now` + its _resend_wait): every one at the
+        setting, then the members measured slower than that later (a write goes to every member:
+        one pass over the round trips, not a lookup per member)."""
+        setting = self.cfg.push_resend_interval * (1 + self.lhm)
+        dues = dict.fromkeys(addrs, now + setting)
+        members = self.members
+        for sid, measured in self.round_trips.items():
+            wait = measured.srtt + RoundTrip.DEVIATIONS * measured.rttvar
+            if wait > setting:
+                addr = members.get(sid)
+                if addr in dues:
+                    dues[addr] = now + wait
+        return dues
 
     def _redial(self, now: float) -> List[Out]:
         """Dial remembered addresses that are due and have no live member: an anti-entropy
