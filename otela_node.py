@@ -225,7 +225,8 @@ class Config:
         "churn traffic")
     push_resend_interval: float = knob(0.15, "seconds",
         "the writer resends its change to members that have not acked it, every 150 ms (LAN RTTs are < 1 "
-        "ms; a busy host's loop may lag 100 ms)")
+        "ms; a busy host's loop may lag 100 ms); a member farther away: after its measured round trip + 4 "
+        "deviations, so its ack is not beaten by a copy it did not need")
     push_resend_rounds: int = knob(12, "rounds",
         "the writer resends up to this many times: at 20% loss a member still lacks it after k rounds with p = 0.2^k, so 128 "
         "members are all reached in ~1 s, and anti-entropy is the fallback, not the tail")
@@ -356,7 +357,8 @@ class Config:
         "the kernel alone retries ~15 min while a private member's gossip goes into it. 10 s rides out 4 "
         "RTO doublings on a 300 ms path at loss (2 % loss: 4 losses in a row, 1 in 6 million), and is "
         "within Lifeguard's grace (2.8-16.8 s): the member links again and refutes, or at worst rejoins, "
-        "in seconds")
+        "in seconds. The floor: a link whose peer is measured farther gets 16 x its srtt + 4 rttvar "
+        "(Reach.link_timeout)")
     dialback_timeout: float = knob(1.0, "seconds",
         "a seed's dial-back connect: LAN/WAN connects take < 100 ms")
     splice_timeout: float = knob(5.0, "seconds",
@@ -985,7 +987,20 @@ class FailureDetector:
     5 % (fixed timeouts: 1 and 597 suspicions, each refuted). A member answering late stretches
     its own timeouts at most to probe_timeout_max, 2 x that for the indirect phase, and 4 x that
     more grace. A private member's relay link is dropped when its relay is suspected, so the
-    links follow the same timeouts."""
+    links follow the same timeouts.
+
+    Outside the detector, two more waits for an answer follow the same estimate (`_rto`):
+        writer's resend  max(push_resend_interval x (1 + lhm), the member's srtt + 4 rttvar)
+                         per member (Overlay._resend_wait): at 150 ms a far member got each
+                         write 1.7 times (2.6 at 300 ms), now once when nothing is lost
+        relay link       TCP_USER_TIMEOUT and keepalive: max(relay_link_timeout, 16 x the
+                         peer's srtt + 4 rttvar), at both ends (Reach.link_timeout)
+    And these do not, on purpose: probe_interval (it sets how soon a death is noticed, and a
+    probe round already waits out its target's round trip before the next begins);
+    gossip_interval (a receiver's blind retransmits of a rumour to random peers, against loss,
+    no answer awaited); push_pull_interval and seed_redial_interval (seconds, far above any
+    round trip; an exchange in flight is not timed by them); punch and tunnel timings (a punch
+    has no measured round trip yet: it is what would measure one)."""
 
     def __init__(self, config: Config, rng: random.Random, now: float, replay: bool = False):
         self.members: Dict[str, str] = {}          # live or draining sid -> gossip address
@@ -1445,7 +1460,8 @@ class Overlay(FailureDetector):
         self.rejoin_listeners: List[Callable[[str, str], None]] = []
         self.bootstrap: List[str] = []
         self.leaving = False
-        self.pushes: Dict[int, dict] = {}           # our push id -> keys, unacked addrs, rounds
+        self.pushes: Dict[int, dict] = {}           # our push id -> its message, its unacked
+                                                    # addrs -> next resend, resends so far, the earliest
         self.next_resend = math.inf                 # the earliest push's next resend (or later):
                                                     # no scan of every push at every wakeup
         self.remembered: Dict[str, Redial] = {}     # addr -> when and how to dial it again
@@ -1661,7 +1677,7 @@ class Overlay(FailureDetector):
     def _on_k(self, msg, src, now, tcp):
         push = self.pushes.get(msg["k"])
         if push is not None:
-            push["pending"].discard(src)
+            push["pending"].pop(src, None)
             if not push["pending"]:
                 del self.pushes[msg["k"]]
         return []
@@ -1994,15 +2010,15 @@ class Overlay(FailureDetector):
             payload["k"] = self.seq
             out += [Out(addr, payload, False) for addr in peers]
             if peers:
-                self.next_resend = min(self.next_resend, now + self._resend_interval())
-                self.pushes[self.seq] = {"msg": payload, "pending": set(peers),
-                                         "next": now + self._resend_interval(),
-                                         "left": self.cfg.push_resend_rounds}
+                pending = self._resend_dues(peers, now)
+                nxt = min(pending.values())
+                self.next_resend = min(self.next_resend, nxt)
+                self.pushes[self.seq] = {"msg": payload, "pending": pending, "next": nxt, "resent": {}}
         return out
 
     def _resend(self, now: float) -> List[Out]:
-        """Resend each push to the members that have not acked it (still members), until every
-        one has or its rounds run out."""
+        """Resend each push to the members that have not acked it (still members) once their
+        own wait is over (_resend_wait), until every one has or its rounds run out."""
         out: List[Out] = []
         live = None
         for pid, push in list(self.pushes.items()):
@@ -2010,18 +2026,47 @@ class Overlay(FailureDetector):
                 continue
             if live is None:
                 live = set(self.members.values())
-            push["pending"] &= live
-            push["left"] -= 1
-            if not push["pending"] or push["left"] < 0:
+            pending, resent, rounds = push["pending"], push["resent"], self.cfg.push_resend_rounds
+            for addr, due in list(pending.items()):
+                if addr not in live:
+                    del pending[addr]
+                elif due <= now:
+                    resent[addr] = times = resent.get(addr, 0) + 1
+                    if times > rounds:
+                        del pending[addr]
+                        continue
+                    out.append(Out(addr, push["msg"], False))
+                    pending[addr] = now + self._resend_wait(addr)
+            if not pending:
                 del self.pushes[pid]
                 continue
-            out += [Out(addr, push["msg"], False) for addr in push["pending"]]
-            push["next"] = now + self._resend_interval()
+            push["next"] = min(pending.values())
         self.next_resend = min((p["next"] for p in self.pushes.values()), default=math.inf)
         return out
 
-    def _resend_interval(self) -> float:
-        return self.cfg.push_resend_interval * (1 + self.lhm)   # a slow member's acks come late
+    def _resend_wait(self, addr: str) -> float:
+        """How long the writer waits for `addr`'s ack before it sends the push again: the
+        setting (stretched by our local health: a slow member's acks come late), or the member's
+        measured round trip plus four deviations when that is longer (a member 150 ms away acks
+        after ~150 ms: resent every 150 ms, it got each write about twice)."""
+        measured = self.round_trips.get(self.by_addr.get(addr, ""))
+        setting = self.cfg.push_resend_interval * (1 + self.lhm)
+        return setting if measured is None else max(setting, measured.timeout())
+
+    def _resend_dues(self, addrs: List[str], now: float) -> Dict[str, float]:
+        """When each of `addrs` is due a resend (`now` + its _resend_wait): every one at the
+        setting, then the members measured slower than that later (a write goes to every member:
+        one pass over the round trips, not a lookup per member)."""
+        setting = self.cfg.push_resend_interval * (1 + self.lhm)
+        dues = dict.fromkeys(addrs, now + setting)
+        members = self.members
+        for sid, measured in self.round_trips.items():
+            wait = measured.srtt + RoundTrip.DEVIATIONS * measured.rttvar
+            if wait > setting:
+                addr = members.get(sid)
+                if addr in dues:
+                    dues[addr] = now + wait
+        return dues
 
     def _redial(self, now: float) -> List[Out]:
         """Dial remembered addresses that are due and have no live member: an anti-entropy
@@ -3762,7 +3807,8 @@ class Tunnel:
 # to dial it back ("rq"); the seed answers ("rs") with the address it saw (`seen`) and whether
 # its own TCP connect to the worker's gossip port worked (`back`). A worker no seed could dial
 # is private: it keeps outbound TCP links to `relay_links` relays (any dialable member that
-# relays; standalone relays and the ingress first) and advertises
+# relays; its own site's first, by measured round trip, then standalone relays and the ingress:
+# Reach.rank_relays) and advertises
 # "relay/<link id>" as its gossip and tunnel address, with its relays' gossip addresses in its
 # record's "relay" (comma-separated; "relaying": true marks a member that relays). Rules:
 #   1. Gossip: a private member sends everything over a link, each message inside an envelope
@@ -4138,6 +4184,47 @@ class Reach:
         mapped = getattr(ip, "ipv4_mapped", None)   # a dual-stack seed's view of an IPv4 asker
         return ours(str(mapped or ip))
 
+    NEAR_RELAY_S = 0.005            # a relay this close (round trip) is at our own site: a LAN is
+                                    # under a millisecond, and sites are rarely under 5 ms apart
+    HELD_MARGIN = 1.5               # a relay we hold a link to is judged this much closer: a round
+                                    # trip that wavers at a band's edge does not swap links (a link
+                                    # dropped cuts the tunnel streams on it)
+    ROLE_RANK = {"relay": 0, "ingress": 1}   # standalone relays exist for it, then ingresses, then
+                                             # dialable workers
+
+    @classmethod
+    def rank_relays(cls, offers: Iterable[Tuple[str, str, Optional[float]]], held: Container[str] = ()) -> List[str]:
+        """The relays `offers` names ((gossip address, role, our measured round trip or None)),
+        best first: by distance band (our own site's, under NEAR_RELAY_S; then those not measured
+        yet; then farther ones in bands a factor of two apart), within a band by role, then those
+        we hold a link to (`held`), then address. So a private member gossips through its own site's relay, not through another
+        site's (whose relay sends it back across the WAN), and among far ones the nearest."""
+        def band(gossip: str, rtt: Optional[float]) -> int:
+            if rtt is None:
+                return 1
+            if gossip in held:
+                rtt /= cls.HELD_MARGIN
+            if rtt < cls.NEAR_RELAY_S:
+                return 0
+            return 2 + int(math.log2(rtt / cls.NEAR_RELAY_S))
+        ranked = sorted((band(gossip, rtt), cls.ROLE_RANK.get(role, 2), gossip not in held, gossip)
+                        for gossip, role, rtt in offers)
+        return [gossip for *_, gossip in ranked]
+
+    LINK_RTOS = 16                  # a relay link's give-up time in its peer's srtt + 4 rttvar:
+                                    # TCP resends after 1, 2, 4 and 8 RTOs, so the fourth resend of
+                                    # a segment lost four times in a row is acked after ~16
+
+    @classmethod
+    def link_timeout(cls, setting: float, rto: Optional[float]) -> float:
+        """How long a relay link may leave what it sent unacked before it is dead: the setting
+        (relay_link_timeout), or LINK_RTOS of its peer's measured ack timeout when that is longer
+        (a relay 1 s away at loss: its link is not cut in the middle of TCP's resends), in
+        whole seconds (a new estimate at every ack does not set the socket again each time)."""
+        if rto is None or cls.LINK_RTOS * rto <= setting:
+            return setting
+        return float(math.ceil(cls.LINK_RTOS * rto))
+
     def tunnel_reach(self, addr: str) -> str:
         peer = self.peers.get(addr)
         return (peer.tunnel if peer is not None else None) or "relayed"
@@ -4450,6 +4537,7 @@ class _MuxLink:
         self._drain_lock = asyncio.Lock()           # one drain at a time on the shared writer
         self.refused = 0                            # OPENs over max_streams, answered CLOSE
         self.dial_back = False                      # at a relay: the member said "mux": 0 (rule 2)
+        self.watched = 0.0                          # the link's give-up time as set (watch)
         # What the streams send goes out once per read of the link (_LinkFrames), or else once
         # per turn of the loop: one write for every frame of a turn (the streams' DATA, their
         # credit, CLOSEs), and one per stream to its local side, not one per frame. Measured at
@@ -4459,6 +4547,13 @@ class _MuxLink:
         self._touched: List[Any] = []               # streams with bytes for their local side
         self.batching = False                       # in a read of the link: its end flushes
         self._soon = False                          # a flush is scheduled (call_soon)
+
+    def watch(self, timeout: float) -> None:
+        """The link errors once nothing it sent is acked for `timeout` seconds, or its keepalive
+        probes go unanswered when idle (_keepalive); set again only when it changed."""
+        if timeout != self.watched:
+            self.watched = timeout
+            _keepalive(self.writer, timeout)
 
     def send(self, data: bytes) -> None:
         self._out.append(data)
@@ -5321,16 +5416,17 @@ class RelayServer:
                  resolve: Callable[[str], tuple], address: Callable[[], str], deliver: Callable[..., Any],
                  sendto: Callable[[bytes, tuple], None], send_frame: Callable[[tuple, bytes], None],
                  relaying: Callable[[], bool], knows: Callable[[str], bool],
-                 relays_offered: Callable[..., List[str]]):
+                 relays_offered: Callable[..., List[str]], ack_timeout_at: Callable[[str], Optional[float]]):
         """`address()`: our gossip address ("" before the overlay starts); `deliver(msg, src, via)`:
         gossip for us in (Node.deliver); `sendto` a datagram and `send_frame` a frame too big for
         one out of the gossip port; `relaying()`: whether we relay now (not private);
         `knows(addr)`: a member or a remembered address; `relays_offered(leave_out)`: the
-        members offering to relay, best first."""
+        members offering to relay, best first; `ack_timeout_at(addr)`: the measured srtt + 4
+        rttvar of the member at a gossip address (None: not measured)."""
         self.config, self.wire, self.reach, self.relayed, self.traffic = config, wire, reach, relayed, traffic
         self.spawn, self.resolve, self.address, self.deliver = spawn, resolve, address, deliver
         self.sendto, self.send_frame, self.relaying, self.knows = sendto, send_frame, relaying, knows
-        self.relays_offered = relays_offered
+        self.relays_offered, self.ack_timeout_at = relays_offered, ack_timeout_at
         self.linked: Dict[str, _MuxLink] = {}       # link id -> the member's link and its streams
         self.splices: Dict[str, asyncio.Future] = {}   # token -> the dialer waiting for a dial-back
         self.forwarded: Dict[bytes, float] = {}     # envelopes passed on (nonce and destination) ->
@@ -5350,7 +5446,7 @@ class RelayServer:
             old.cut()
         mux = self.linked[link] = _MuxLink(conn, cfg.max_link_streams)
         mux.dial_back = not msg.get("mux", 1)
-        _keepalive(conn, cfg.relay_link_timeout)
+        mux.watch(cfg.relay_link_timeout)
         try:
             await self._serve_link(link, conn)
         finally:
@@ -5385,6 +5481,9 @@ class RelayServer:
             if msg is None:
                 return False
             if msg["t"] != "h":                     # its hello came first (GossipTCP.serve)
+                if mux is not None:                 # our probes' acks come this way: its watch
+                    mux.watch(Reach.link_timeout(self.config.relay_link_timeout,   # follows them
+                                                 self.ack_timeout_at(RELAYED_PREFIX + link)))
                 src = msg.pop("ra", None)
                 answer = self.deliver(msg, src if isinstance(src, str) else None,
                                       Via(True, RELAYED_PREFIX + link, conn))
@@ -5588,6 +5687,7 @@ class RelayClient:
                  set_address: Callable[[str], None], record: Callable[[], Dict[str, Any]],
                  suspected_at: Callable[[str], bool], is_member: Callable[[str], bool],
                  relays_offered: Callable[..., List[str]], reach_known: Callable[..., None],
+                 ack_timeout_at: Callable[[str], Optional[float]],
                  deliver: Callable[..., None], send_datagram: Callable[[bytes, tuple], None],
                  send_frame: Callable[[tuple, bytes], None], admit: Callable[[Any], None],
                  serving: Callable[[], bool], server_ssl: Optional[ssl.SSLContext]):
@@ -5595,7 +5695,8 @@ class RelayClient:
         `address()`/`set_address(addr)`: our gossip address, relayed once we are private;
         `record()`: our own record; `suspected_at(addr)`, `is_member(addr)`: whether the member at a
         gossip address is suspected, or live; `relays_offered()`: the members offering to relay,
-        best first; `reach_known(rejoin, **fields)`: our reach is known; `deliver(msg, src, via)`:
+        best first; `reach_known(rejoin, **fields)`: our reach is known; `ack_timeout_at(addr)`:
+        a member's measured srtt + 4 rttvar (None: not measured), which a link's watch follows; `deliver(msg, src, via)`:
         a link's gossip in (Node.deliver); `send_datagram`, `send_frame`: out of the gossip port;
         `admit`: a tunnel connection in (a stream, a dial-back) while `serving()`; `server_ssl`:
         the tunnel's TLS, for the streams a relay opens. `punch` (HolePunch) is set once both exist."""
@@ -5604,6 +5705,7 @@ class RelayClient:
         self.spawn, self.resolve, self.address, self.set_address = spawn, resolve, address, set_address
         self.record, self.suspected_at, self.is_member = record, suspected_at, is_member
         self.relays_offered, self.reach_known, self.deliver = relays_offered, reach_known, deliver
+        self.ack_timeout_at = ack_timeout_at
         self.send_datagram, self.send_frame, self.admit, self.serving = send_datagram, send_frame, admit, serving
         self.server_ssl = server_ssl
         self.punch: Optional[HolePunch] = None
@@ -5753,6 +5855,8 @@ class RelayClient:
             if link.writer.transport.is_closing() or self.suspected_at(relay):
                 link.writer.close()
                 del self.links[relay]
+            else:                               # the relay's round trip, as measured by now
+                link.watch(Reach.link_timeout(cfg.relay_link_timeout, self.ack_timeout_at(relay)))
         candidates = self._relay_candidates()
         for i, relay in enumerate(candidates):  # the best relay_links, or the next ones up
             if relay not in self.links and (i < cfg.relay_links or len(self.links) < cfg.relay_links):
@@ -5817,10 +5921,10 @@ class RelayClient:
             conn = await asyncio.wait_for(open_stream(*self.resolve(relay)), self.config.tcp_timeout)
         except (OSError, ValueError, asyncio.TimeoutError):
             return
-        _keepalive(conn, self.config.relay_link_timeout)
         conn.write(frame(self.wire.seal({"t": "h", "link": self.link_id, "mux": int(bool(self.config.relay_mux))},
                                           time.time())))
-        self.links[relay] = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
+        self.links[relay] = link = _MuxLink(conn, self.config.max_link_streams, self._answer_stream)
+        link.watch(Reach.link_timeout(self.config.relay_link_timeout, self.ack_timeout_at(relay)))
         self.spawn(self._read_link(relay, conn))
         log.info("relay link to %s", relay)
 
@@ -6368,12 +6472,13 @@ class Node:
         common = dict(spawn=self.spawn, resolve=self.resolve, address=self.address, deliver=self.deliver)
         self.relay_server = RelayServer(config, self.wire, self.reach, self.relayed, self.traffic, **common,
                                         sendto=self._sendto, send_frame=self.send_frame, relaying=self.relaying,
-                                        knows=self.knows, relays_offered=self.relays_offered)
+                                        knows=self.knows, relays_offered=self.relays_offered,
+                                        ack_timeout_at=self.ack_timeout_at)
         self.relay_client = RelayClient(config, self.wire, self.reach, self.relayed, self.traffic, self.relay_server,
                                         **common, set_address=self.set_address, record=self.own_record,
                                         suspected_at=self.suspected_at, is_member=self.is_member,
                                         relays_offered=self.relays_offered, reach_known=self.reach_known,
-                                        send_datagram=self.send_datagram, send_frame=self.send_frame,
+                                        ack_timeout_at=self.ack_timeout_at, send_datagram=self.send_datagram, send_frame=self.send_frame,
                                         admit=self.tunnel.admit, serving=self.serving_tunnel,
                                         server_ssl=self.tunnel_server_ssl)
         self.punch = HolePunch(config, self.wire, self.reach, self.relay_client, self.traffic, **common,
@@ -6844,6 +6949,12 @@ class Node:
         sid = self.overlay.by_addr.get(addr)
         return sid is not None and self.overlay.is_suspected(sid)
 
+    def ack_timeout_at(self, addr: str) -> Optional[float]:
+        """How long an ack from the live member at gossip address `addr` may take (its srtt + 4
+        rttvar, FailureDetector), None before its first ack or when no member is there."""
+        sid = self.overlay.by_addr.get(addr) if self.overlay is not None else None
+        return None if sid is None or sid not in self.overlay.round_trips else self.overlay._rto(sid)
+
     def is_member(self, addr: str) -> bool:
         """Whether a live member is at gossip address `addr`."""
         return addr in self.overlay.by_addr
@@ -6862,17 +6973,17 @@ class Node:
         return self.tunnel_sock is not None
 
     def relays_offered(self, leave_out: Tuple[str, ...] = ()) -> List[str]:
-        """The gossip addresses of the members offering to relay, best first: standalone relays
-        (they exist for it), then ingresses, then dialable workers; never ourselves, a suspected
-        or relayed member, or one at an address in `leave_out`."""
-        ranked = []
+        """The gossip addresses of the members offering to relay, best first (Reach.rank_relays:
+        the nearest by our measured round trip, then by role); never ourselves, a suspected or
+        relayed member, or one at an address in `leave_out`."""
+        offers = []
         for sid, record in self.registry.items() if self.overlay is not None else ():
             gossip = record.get("gossip", "")
             if sid == self.session_id or record.get("state", crdt.LEFT) >= crdt.LEFT or not record.get("relaying") \
                     or is_relayed(gossip) or self.is_suspected(sid) or gossip in leave_out:
                 continue
-            ranked.append(({"relay": 0, "ingress": 1}.get(record.get("role"), 2), gossip))
-        return [gossip for _, gossip in sorted(ranked)]
+            offers.append((gossip, str(record.get("role", "")), self.overlay.rtt(sid)))
+        return Reach.rank_relays(offers, held=self.relay_client.links)
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

@@ -148,3 +148,36 @@ def test_the_dialable_rules_end_in_a_rule_that_always_holds():
 def test_this_hosts_own_addresses_are_the_ones_a_socket_binds():
     assert on.own_address("127.0.0.1") is True
     assert on.own_address("192.0.2.77") is False   # TEST-NET-1: never this host's
+
+
+# ---- which relays a private member links to ------------------------------------------------------
+HERE_RELAY, HERE_INGRESS = "10.81.0.3:7946", "10.81.0.2:7946"       # its own site's login host
+NEAR_SITE, FAR_SITE = "10.80.1.129:7946", "10.80.2.129:7946"       # other sites, 40 and 150 ms away
+
+
+def test_without_round_trips_relays_rank_by_role_then_address_as_before():
+    offers = [("10.0.0.9:7946", "worker", None), ("10.0.0.5:7946", "ingress", None), ("10.0.0.7:7946", "relay", None)]
+    assert on.Reach.rank_relays(offers) == ["10.0.0.7:7946", "10.0.0.5:7946", "10.0.0.9:7946"]
+
+
+def test_a_relay_at_our_own_site_goes_before_another_sites_whatever_their_roles():
+    offers = [(FAR_SITE, "relay", 0.150), (NEAR_SITE, "relay", 0.040), (HERE_INGRESS, "ingress", 0.0004)]
+    assert on.Reach.rank_relays(offers) == [HERE_INGRESS, NEAR_SITE, FAR_SITE]
+
+
+def test_within_our_own_site_the_role_decides_not_a_fraction_of_a_millisecond():
+    offers = [(HERE_INGRESS, "ingress", 0.0003), (HERE_RELAY, "relay", 0.0009)]
+    assert on.Reach.rank_relays(offers) == [HERE_RELAY, HERE_INGRESS]
+
+
+def test_a_relay_not_measured_yet_goes_after_our_own_sites_and_before_far_ones():
+    offers = [(FAR_SITE, "relay", 0.150), ("10.0.0.5:7946", "ingress", None), (HERE_INGRESS, "ingress", 0.0004)]
+    assert on.Reach.rank_relays(offers) == [HERE_INGRESS, "10.0.0.5:7946", FAR_SITE]
+
+
+def test_a_held_relay_whose_round_trip_wavers_at_a_bands_edge_keeps_its_rank():
+    offers = [("10.0.0.1:7946", "relay", 0.039), ("10.0.0.2:7946", "relay", 0.041)]   # 40 ms: a band's edge
+    assert on.Reach.rank_relays(offers) == ["10.0.0.1:7946", "10.0.0.2:7946"]
+    assert on.Reach.rank_relays(offers, held={"10.0.0.2:7946"}) == ["10.0.0.2:7946", "10.0.0.1:7946"]
+    truly_farther = [("10.0.0.1:7946", "relay", 0.039), ("10.0.0.2:7946", "relay", 0.150)]
+    assert on.Reach.rank_relays(truly_farther, held={"10.0.0.2:7946"}) == ["10.0.0.1:7946", "10.0.0.2:7946"]

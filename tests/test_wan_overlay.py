@@ -14,7 +14,11 @@ Bounds stated here and in otela_node (default settings, 9 members, 160 simulated
     either         at most Lifeguard's longest grace after the first suspicion (a lone suspector:
                    16.8 s, plus 4 of the suspect's capped RTOs)
     a write        at every site's members within RTT/2 + jitter + 6 resend rounds of 0.15 s:
-                   0.98 s at 150 ms (300 writes: p50 0.085 s, p99 0.38 s, max 0.68 s)
+                   0.98 s at 150 ms (300 writes: p50 0.085 s, p99 0.38 s, max 0.68 s); a far
+                   member's round waits its ack timeout (~0.17 s), so 0.98 s covers 5 resends
+                   (a member missing 5 in a row at 2 % loss each way: p ~ 1e-7); measured
+                   with those waits, 300 writes: p50 0.085 s, max 0.42 s. Each far member gets
+                   a write once when nothing is lost (a fixed 0.15 s: 1.7 times, 2.6 at 300 ms)
 In the WAN lab at 150 ms and 2 % (an ingress, two relays, three private nodes): 0 suspicions and
 0 evictions in three 60 s runs and one of 300 s; a killed node LEFT at every member 4.7-7.6 s
 after the kill; an eviction and a drained node's LEFT at every member 0.09-0.32 s after they
@@ -185,6 +189,67 @@ def test_a_helper_nacks_only_once_the_targets_round_trip_is_over():
     assert req.nack_at - net.now > cfg.nack_after * cfg.indirect_timeout
 
 
+def stand_in_overlay(round_trips):
+    """A lone Overlay whose members are `round_trips`' (addr -> a steady round trip in seconds, or
+    None: never measured), their round trips as if measured: no network, no timing."""
+    record = {"owner": "sim@here", "state": crdt.SERVING, "version": 0, "started": T0, "role": "worker",
+              "gossip": "10.0.0.1:7946", "addr": "10.0.0.1:7700"}
+    overlay = on.Overlay(on.Config(key=KEY), "a" * 32, record, T0, rng=simnet.random.Random(1))
+    for i, (addr, rtt) in enumerate(round_trips.items()):
+        sid = f"{i + 1:032x}"
+        overlay.members[sid], overlay.by_addr[addr] = addr, sid
+        if rtt is not None:
+            overlay.round_trips[sid] = measured = on.RoundTrip(rtt)
+            for _ in range(40):
+                measured.add(rtt)
+    return overlay
+
+
+def test_the_writer_waits_a_far_members_round_trip_and_more_before_resending_and_the_setting_for_a_near_one():
+    overlay = stand_in_overlay({"near": 0.0005, "far": 0.150, "unmeasured": None})
+    setting = overlay.cfg.push_resend_interval
+    assert overlay._resend_wait("near") == setting
+    assert overlay._resend_wait("unmeasured") == setting
+    assert overlay._resend_wait("a stranger") == setting
+    far = overlay.round_trips[overlay.by_addr["far"]]
+    assert overlay._resend_wait("far") == pytest.approx(far.timeout()) and far.timeout() > 0.150
+    overlay.lhm = 2                                 # we are slow ourselves: the setting stretched wins
+    assert overlay._resend_wait("far") == pytest.approx(3 * setting)
+
+
+def test_each_member_is_resent_a_push_on_its_own_wait_and_an_ack_ends_only_its_own():
+    overlay = stand_in_overlay({"near": 0.0005, "far": 0.300})
+    setting = overlay.cfg.push_resend_interval
+    [pushed] = {o.msg["k"] for o in overlay._push([on.Rumour("r", overlay.sid)], ["near", "far"], T0)}
+    assert overlay.next_resend == T0 + setting
+    assert [o.addr for o in overlay._resend(T0 + setting)] == ["near"]     # the far one's ack is not due
+    far_due = T0 + overlay._resend_wait("far")
+    assert overlay.next_resend == pytest.approx(min(far_due, T0 + 2 * setting))
+    overlay.receive({"t": "k", "k": pushed}, "near", T0 + setting + 0.001)
+    assert [o.addr for o in overlay._resend(far_due)] == ["far"]
+    overlay.receive({"t": "k", "k": pushed}, "far", far_due + 0.01)
+    assert not overlay.pushes
+
+
+@pytest.mark.parametrize("rtt", [0.150, 0.300])
+def test_a_write_reaches_a_far_member_once_when_nothing_is_lost(rtt):
+    net = sites(rtt=rtt, loss=0.0, seed=3)
+    writer = by_site(net, 0)[0]
+    far = {m.addr for m in net.live() if net.site[m.addr] != 0}
+    sent = []
+    deliver = net.send
+
+    def count(src, outs):
+        if src == writer.addr:
+            sent.extend(o.addr for o in outs if o.addr in far and o.msg.get("t") == "r" and "k" in o.msg)
+        return deliver(src, outs)
+    net.send = count
+    for i in range(20):
+        net.send(writer.addr, writer.update(net.now, labels={"w": str(i)}))
+        net.run(2.0)
+    assert len(sent) == 20 * len(far)               # (a wait of 0.15 s: 1.7 copies at 150 ms, 2.6 at 300)
+
+
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
 def test_a_relay_link_errors_after_relay_link_timeout_without_an_ack_instead_of_tcps_15_minutes():
     class Link:                                     # what _keepalive reads of a link: its socket
@@ -200,6 +265,43 @@ def test_a_relay_link_errors_after_relay_link_timeout_without_an_ack_instead_of_
         assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10_000
         assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_relay_links_give_up_time_is_the_setting_until_its_peers_round_trip_needs_longer():
+    setting = on.Config().relay_link_timeout
+    assert on.Reach.link_timeout(setting, None) == setting          # not measured yet
+    assert on.Reach.link_timeout(setting, 0.0005) == setting        # a LAN
+    assert on.Reach.link_timeout(setting, 0.170) == setting         # 150 ms: 16 x 0.17 s is under 10 s
+    assert on.Reach.link_timeout(setting, 1.2) == 20.0              # 1 s away: 16 of its ack timeouts
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_a_relay_links_watch_is_set_again_on_its_socket_only_when_it_changes():
+    class Link:
+        def __init__(self, sock):
+            self.sock, self.watched = sock, 0
+
+        def get_extra_info(self, name):
+            if name == "socket":
+                self.watched += 1
+            return self.sock if name == "socket" else None
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+
+    async def watch():
+        link = on._MuxLink(Link(client), 1)
+        link.watch(10.0)
+        link.watch(10.0)
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10_000
+        link.watch(20.0)
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 20_000
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+        return link.writer.watched
+    try:
+        assert on.asyncio.run(watch()) == 2
     finally:
         client.close()
         server.close()
