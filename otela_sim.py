@@ -15,7 +15,8 @@ Data flow.
                                                                 shared experts, MLA, windowed
                                                                 layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
-    support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
+    support re-reads a group's KV from L2), output projection, gated MLP or experts (a grouped
+    GEMM: each expert's rows padded to its tile, MOE_GEMM_EFF of a dense GEMM's math), norms,
     lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message;
     vLLM V1's and SGLang's own all-reduce below 8 MiB, their decode in CUDA graphs of set sizes)
                                                              -> StepCost: seconds for a
@@ -155,6 +156,22 @@ INTER_NODE_GBps = 25.0
 # send goes over NVLink (or PCIe) at this small-message latency (NCCL's LL protocol, ~5 us).
 PP_TENSORS_PER_TOKEN = 2
 NVLINK_P2P_US = 5.0
+# Routed experts run as one grouped GEMM (vLLM's fused_moe; Marlin's MoE kernel for 4-bit experts
+# on GPUs without FP4 math): the tokens are sorted by expert and each expert's rows padded to the
+# kernel's row tile (BLOCK_SIZE_M, moe_align_block_size); a tile costs its full rows of math
+# whatever it holds. The tile grows with the rows an expert gets: vLLM's tuned fused_moe configs
+# take BLOCK_SIZE_M 16 for small batches and 64 for large ones, Marlin's MoE its moe_block_size
+# from the tokens per expert: here the smallest of MOE_TILE_ROWS at or above an expert's mean
+# rows. An expert's rows are binomial (T tokens, top_k / E each): a step's padded rows are the sum
+# over experts of the expected ceil(rows / tile) x tile (_moe_padded_rows), which exceeds T x
+# top_k by about half a tile an expert once the rows spread over several tiles.
+MOE_TILE_ROWS = (16, 32, 64)
+# The grouped GEMM's math runs at this share of a dense GEMM's (eff_gemm): its A rows are gathered
+# through the sorted token ids (no contiguous tiles for the copy engines) and every expert is a
+# short problem of its own. Fitted on the load tests' fit split only: GPUStack's A100-80GB bursts
+# of gpt-oss-20b, gpt-oss-120b and Qwen3-235B-A22B (tp 8), vLLM 0.10-0.11 (tests/data/load_tests.csv,
+# split fit; no static calibration row is a compute-bound MoE one: Mixtral's are decode).
+MOE_GEMM_EFF = 0.5
 # Prefill/decode disaggregation: KV moves over the same network by default.
 KV_TRANSFER_GBps = 25.0
 
@@ -1522,16 +1539,23 @@ class StepCost:
     def _linear(self, T):
         """A layer's linears for T tokens. MoE: the router, the shared experts and the routed
         experts the batch touches: with top_k of E experts a token, uniform routing, a batch of
-        T tokens reads E (1 - (1 - k/E)^T) experts' weights (all of them held in memory); a
-        mixed model's dense layers (DeepSeek's first_k_dense_replace) are averaged in."""
+        T tokens reads E (1 - (1 - k/E)^T) experts' weights (all of them held in memory) and
+        computes each expert's rows padded to the grouped GEMM's tile (_moe_padded_rows) at
+        MOE_GEMM_EFF of a dense GEMM's rate; a mixed model's dense layers (DeepSeek's
+        first_k_dense_replace) are averaged in."""
         pc, bm, bw, wb, roof = self.pc, self.bm, self.bw_weights, self.wb, self.roof
         t = 0.0
         for w, act in self.linears:
             t += roof(2 * w * T / pc, w * wb / bw + act * T / bm)
         if self.experts:
             touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
-            t += roof(2 * self.expert_w * self.top_k * T / pc,
-                     touched * self.expert_w * self.ewb / bw + self.expert_act * T / bm)
+            math_ = 2 * self.expert_w * self.top_k * T / pc
+            weights = touched * self.expert_w * self.ewb / bw + self.expert_act * T / bm
+            # the grouped GEMM's own math (padded tiles, gathered rows): hidden under the
+            # weight stream while the experts are memory-bound (decode), added past it (prefill)
+            grouped = 2 * self.expert_w * _moe_padded_rows(int(round(T)), self.top_k, self.experts) / \
+                (pc * MOE_GEMM_EFF)
+            t += roof(math_, weights) + max(0.0, grouped - max(math_, weights))
             if self.dense_linears:
                 attn = sum(roof(2 * w * T / pc, w * wb / bw + act * T / bm) for w, act in self.linears[:self.n_attn])
                 dense = attn + sum(roof(2 * w * T / pc, w * wb / bw + act * T / bm) for w, act in self.dense_linears)
@@ -1645,6 +1669,42 @@ class StepCost:
     def kv_capacity_tokens(self, batched_tokens):
         free = self.usable_bytes() - self.weights_bytes - self.reserve_bytes(batched_tokens)
         return max(0, int(free // self.kv_bytes_per_token))
+
+
+@lru_cache(maxsize=65536)
+def _moe_padded_rows(T, top_k, experts):
+    """Expected rows the grouped expert GEMM computes for a step of T tokens: each of `experts`
+    experts gets X ~ Binomial(T, top_k / experts) rows, padded to the tile (the smallest of
+    MOE_TILE_ROWS at or above the mean): experts x E[ceil(X / tile)] x tile, where E[ceil(X /
+    tile)] is the sum over j >= 0 of P(X > j tile) (a normal tail with a continuity correction;
+    an exact Poisson one when an expert's mean is under 30 rows)."""
+    if T <= 0 or not experts:
+        return 0.0
+    p = min(1.0, top_k / experts)
+    mean = T * p
+    tile = next((r for r in MOE_TILE_ROWS if r >= mean), MOE_TILE_ROWS[-1])
+    if mean < 30:
+        cdf, term, k, tiles, j = 0.0, math.exp(-mean), 0, 0.0, 0
+        while True:                          # P(X > j tile) for j = 0, 1, ... until it vanishes
+            while k <= j * tile:
+                cdf += term
+                k += 1
+                term *= mean / k
+            tail = max(0.0, 1.0 - cdf)
+            if tail < 1e-9:
+                break
+            tiles += tail
+            j += 1
+    else:
+        sd = math.sqrt(T * p * (1 - p)) or 1e-9
+        tiles, j = 0.0, 0
+        while True:
+            tail = 0.5 * math.erfc((j * tile + 0.5 - mean) / (sd * math.sqrt(2)))
+            if tail < 1e-9 and j * tile > mean:
+                break
+            tiles += tail
+            j += 1
+    return experts * tiles * tile
 
 
 @lru_cache(maxsize=4096)

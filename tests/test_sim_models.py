@@ -212,3 +212,29 @@ def test_more_stages_never_need_more_memory_per_gpu_and_never_speed_up_a_lone_re
     assert all(b <= a + 1e-9 for a, b in zip(mems, mems[1:]))
     lone = [sim.estimate(m, "H200", tp, 1, ctx, 16, pp=p)["decode_ms_per_token"] for p in pps]
     assert all(b >= a * 0.999 for a, b in zip(lone, lone[1:]))
+
+
+def test_routed_experts_compute_their_rows_padded_to_the_grouped_gemms_tile():
+    # a prefill step of 2048 tokens over gpt-oss-120b's 128 experts (4 a token): 64 rows an expert
+    # on average, spread over two 64-row tiles for about half of them; 8192 tokens on 8 of 128
+    # (Qwen3-235B) spread over many tiles: about half a tile an expert over the rows
+    assert 1.3 < sim._moe_padded_rows(2048, 4, 128) / (2048 * 4) < 1.6
+    assert 1.0 < sim._moe_padded_rows(8192, 8, 128) / (8192 * 8) < 1.1
+    # decode: one token on 2 of 8 experts computes (about) two 16-row tiles
+    assert 16 <= sim._moe_padded_rows(1, 2, 8) <= 2 * 16
+    assert sim._moe_padded_rows(0, 4, 128) == 0.0
+
+
+def test_the_grouped_expert_gemm_slows_moe_prefill_and_leaves_dense_models_and_decode_alone():
+    dense = sim.StepCost(sim.MODELS["qwen3-32b"], sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    moe = sim.StepCost(sim.MODELS["gpt-oss-20b"], sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    old_eff = sim.MOE_GEMM_EFF
+    try:
+        sim.MOE_GEMM_EFF = 1.0
+        dense_fast, prefill_fast, decode_fast = dense._linear(2048), moe._linear(2048), moe._linear(8)
+        sim.MOE_GEMM_EFF = old_eff
+        assert dense._linear(2048) == dense_fast                       # no experts: untouched
+        assert moe._linear(2048) > 1.5 * prefill_fast                  # prefill: the experts' math bounds it
+        assert moe._linear(8) == pytest.approx(decode_fast, rel=1e-9)  # decode: the weight stream hides it
+    finally:
+        sim.MOE_GEMM_EFF = old_eff
