@@ -170,9 +170,11 @@ MOE_TILE_ROWS = (16, 32, 64)
 # through the sorted token ids (no contiguous tiles for the copy engines) and every expert is a
 # short problem of its own. Fitted on the load tests' fit split only: GPUStack's A100-80GB bursts
 # of gpt-oss-20b, gpt-oss-120b and Qwen3-235B-A22B (tp 8), vLLM 0.10-0.11 (tests/data/load_tests.csv,
-# split fit; no static calibration row is a compute-bound MoE one: Mixtral's are decode): the least
-# mean absolute error of those 24 numbers over 0.45 .. 0.7 in steps of 0.05 (23.8 % at 0.55).
-MOE_GEMM_EFF = 0.55
+# split fit; no static calibration row is a compute-bound MoE one: Mixtral's are decode), jointly
+# with SINK_PREFILL_ATTN_SLOWDOWN: the mean absolute error of those 24 numbers over the grid 0.55 ..
+# 0.7 (steps of 0.05) x 2.5 .. 4.5 (steps of 0.5) is least, within 0.2 points (17.8-18.1 %), at 0.6 ..
+# 0.7 x 3.5 .. 4; of those the pair with the smallest worst error (63.7 %): 0.65 and 4.
+MOE_GEMM_EFF = 0.65
 # vLLM's Marlin MoE kernel runs MXFP4 experts on GPUs without an MXFP4 path of their own (compute
 # capability below 9.0: the Triton kernels it uses on Hopper need 9.0): it needs n % 256 == 0 and
 # k % 128 == 0, so Mxfp4MoEMethod.create_weights (quantization/mxfp4.py) pads the hidden size to a
@@ -181,6 +183,16 @@ MOE_GEMM_EFF = 0.55
 # Triton path pads the width to 64 only (2880 already is).
 MARLIN_MXFP4_ARCHS = ("ampere", "ampere-ga102", "ada")
 MARLIN_MXFP4_PAD = (256, 128)        # (hidden, an expert's width a rank)
+# Attention with learned sinks (gpt-oss: every layer) has no FlashAttention-2 kernel: vLLM runs it in
+# FlashAttention 3 on Hopper and in its Triton attention backend (TRITON_ATTN) on the GPUs before it
+# (compute capability below 9.0, as above), whose prefill over long contexts is this many times
+# slower than the FlashAttention-2 rate eff_attn stands for. Fitted on the fit split only, with
+# MOE_GEMM_EFF (see there): GPUStack's A100-80GB gpt-oss-20b and -120b bursts, whose 32k-token
+# prompts are the ones attention bounds (without it: -41 % and -34 % TTFT).
+SINK_ATTN_ARCHS = MARLIN_MXFP4_ARCHS
+SINK_PREFILL_ATTN_SLOWDOWN = 4.0
+# The model families whose attention layers all have sinks.
+SINK_FAMILIES = ("gpt_oss",)
 # Prefill/decode disaggregation: KV moves over the same network by default.
 KV_TRANSFER_GBps = 25.0
 
@@ -726,6 +738,7 @@ class Model:
     kv_bytes: int = 0                   # KV cache element (0: as the weights: this file's --dtype rule)
     embed_bytes: int = 0                # embedding and lm_head (0: as the weights)
     quantization: str = ""              # the checkpoint's quant_method, for the record
+    attention_sinks: bool = False       # learned attention sinks (gpt-oss; SINK_FAMILIES)
     source: str = field(default="", compare=False)   # where the numbers come from
 
     def __post_init__(self):
@@ -1180,7 +1193,7 @@ def _model_from_config(cfg, name=None):
             sliding_window=window if windowed else 0, sliding_layers=windowed if window else 0,
             linear_bytes=linear_b if linear_b and not (0.99 < linear_b < 1.1) else 0.0, expert_bytes=expert_b,
             kv_bytes=2 if quant else 0, embed_bytes=2 if quant else 0, quantization=quant,
-            source=str(cfg.get("_name_or_path") or label))
+            attention_sinks=family in SINK_FAMILIES, source=str(cfg.get("_name_or_path") or label))
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise SimError(f"{where}: invalid {e}") from None
 
@@ -1432,6 +1445,8 @@ class StepCost:
         # attention: flops per query-key pair; decode reads K and V of each context token
         self.attn_flops = 4 * hd * heads
         self.attn_flops_decode = self.attn_flops
+        if m.attention_sinks and gpu_arch(gpu) in SINK_ATTN_ARCHS:
+            self.attn_flops *= SINK_PREFILL_ATTN_SLOWDOWN      # Triton's prefill, not FlashAttention's
         group = heads / kvh
         # a decode kernel without GQA support reads the KV of a group once per query head
         # (ENGINE_VERSIONS: gqa_kv_once); the ideal calibration reads it once

@@ -234,7 +234,7 @@ def test_the_grouped_expert_gemm_slows_moe_prefill_and_leaves_dense_models_and_d
         dense_fast, prefill_fast, decode_fast = dense._linear(2048), moe._linear(2048), moe._linear(8)
         sim.MOE_GEMM_EFF = old_eff
         assert dense._linear(2048) == dense_fast                       # no experts: untouched
-        assert moe._linear(2048) > 1.5 * prefill_fast                  # prefill: the experts' math bounds it
+        assert moe._linear(2048) > 1.3 * prefill_fast                  # prefill: the experts' math bounds it
         assert moe._linear(8) == pytest.approx(decode_fast, rel=1e-9)  # decode: the weight stream hides it
     finally:
         sim.MOE_GEMM_EFF = old_eff
@@ -251,3 +251,19 @@ def test_marlin_pads_mxfp4_experts_on_gpus_before_hopper():
     # a 16-bit MoE is not padded on either
     q = sim.MODELS["qwen3-235b-a22b"]
     assert sim.StepCost(q, sim.GPUS["A100-80GB-SXM4"], 8).expert_w == sim.StepCost(q, sim.GPUS["H100-SXM5-80GB"], 8).expert_w
+
+
+def test_attention_with_sinks_prefills_in_triton_before_hopper():
+    # gpt-oss's sinks have no FlashAttention-2 kernel: its prefill attention costs
+    # SINK_PREFILL_ATTN_SLOWDOWN times more on an A100, not on an H100 (FlashAttention 3), and no other
+    # model's does; decode attention (memory-bound) is untouched
+    assert sim.MODELS["gpt-oss-20b"].attention_sinks and not sim.MODELS["qwen3-32b"].attention_sinks
+    cfg = dict(sim.BUILTIN_CONFIGS["gpt-oss-20b"])
+    assert sim.resolve_model(cfg).attention_sinks                      # read from a config.json too
+    m = sim.MODELS["gpt-oss-20b"]
+    a100 = sim.StepCost(m, sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    h100 = sim.StepCost(m, sim.GPUS["H100-SXM5-80GB"], 1, engine="vllm-v1")
+    assert a100.attn_flops == pytest.approx(sim.SINK_PREFILL_ATTN_SLOWDOWN * h100.attn_flops)
+    assert a100.attn_flops_decode == h100.attn_flops_decode
+    q = sim.MODELS["qwen3-32b"]
+    assert sim.StepCost(q, sim.GPUS["A100-80GB-SXM4"], 1).attn_flops == sim.StepCost(q, sim.GPUS["H100-SXM5-80GB"], 1).attn_flops
