@@ -15,8 +15,9 @@ Data flow.
                                                                 shared experts, MLA, windowed
                                                                 layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
-    support re-reads a group's KV from L2), output projection, gated MLP or experts (a grouped
-    GEMM: each expert's rows padded to its tile, MOE_GEMM_EFF of a dense GEMM's math), norms,
+    support re-reads a group's KV from L2; with sinks, Triton's slower prefill before Hopper),
+    output projection, gated MLP or experts (a grouped GEMM: each expert's rows padded to its
+    tile, MOE_GEMM_EFF of a dense GEMM's math; Marlin's padded MXFP4 experts before Hopper), norms,
     lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message;
     vLLM V1's and SGLang's own all-reduce below 8 MiB, their decode in CUDA graphs of set sizes)
                                                              -> StepCost: seconds for a
