@@ -15,7 +15,9 @@ Data flow.
                                                                 shared experts, MLA, windowed
                                                                 layers, FP8 / 4-bit weights)
     per-layer operators (QKV, attention with grouped KV heads (a decode kernel without GQA
-    support re-reads a group's KV from L2), output projection, gated MLP or experts, norms,
+    support re-reads a group's KV from L2; with sinks, Triton's slower prefill before Hopper),
+    output projection, gated MLP or experts (a grouped GEMM: each expert's rows padded to its
+    tile, MOE_GEMM_EFF of a dense GEMM's math; Marlin's padded MXFP4 experts before Hopper), norms,
     lm_head, tensor-parallel all-reduce: NCCL's ring, 2 (tp - 1) hops, its protocol per message;
     vLLM V1's and SGLang's own all-reduce below 8 MiB, their decode in CUDA graphs of set sizes)
                                                              -> StepCost: seconds for a
@@ -155,6 +157,43 @@ INTER_NODE_GBps = 25.0
 # send goes over NVLink (or PCIe) at this small-message latency (NCCL's LL protocol, ~5 us).
 PP_TENSORS_PER_TOKEN = 2
 NVLINK_P2P_US = 5.0
+# Routed experts run as one grouped GEMM (vLLM's fused_moe; Marlin's MoE kernel for 4-bit experts
+# on GPUs without FP4 math): the tokens are sorted by expert and each expert's rows padded to the
+# kernel's row tile (BLOCK_SIZE_M, moe_align_block_size); a tile costs its full rows of math
+# whatever it holds. The tile grows with the rows an expert gets: vLLM's tuned fused_moe configs
+# take BLOCK_SIZE_M 16 for small batches and 64 for large ones, Marlin's MoE its moe_block_size
+# from the tokens per expert: here the smallest of MOE_TILE_ROWS at or above an expert's mean
+# rows. An expert's rows are binomial (T tokens, top_k / E each): a step's padded rows are the sum
+# over experts of the expected ceil(rows / tile) x tile (_moe_padded_rows), which exceeds T x
+# top_k by about half a tile an expert once the rows spread over several tiles.
+MOE_TILE_ROWS = (16, 32, 64)
+# The grouped GEMM's math runs at this share of a dense GEMM's (eff_gemm): its A rows are gathered
+# through the sorted token ids (no contiguous tiles for the copy engines) and every expert is a
+# short problem of its own. Fitted on the load tests' fit split only: GPUStack's A100-80GB bursts
+# of gpt-oss-20b, gpt-oss-120b and Qwen3-235B-A22B (tp 8), vLLM 0.10-0.11 (tests/data/load_tests.csv,
+# split fit; no static calibration row is a compute-bound MoE one: Mixtral's are decode), jointly
+# with SINK_PREFILL_ATTN_SLOWDOWN: the mean absolute error of those 24 numbers over the grid 0.55 ..
+# 0.7 (steps of 0.05) x 2.5 .. 4.5 (steps of 0.5) is least, within 0.2 points (17.8-18.1 %), at 0.6 ..
+# 0.7 x 3.5 .. 4; of those the pair with the smallest worst error (63.7 %): 0.65 and 4.
+MOE_GEMM_EFF = 0.65
+# vLLM's Marlin MoE kernel runs MXFP4 experts on GPUs without an MXFP4 path of their own (compute
+# capability below 9.0: the Triton kernels it uses on Hopper need 9.0): it needs n % 256 == 0 and
+# k % 128 == 0, so Mxfp4MoEMethod.create_weights (quantization/mxfp4.py) pads the hidden size to a
+# multiple of 256 and an expert's width a rank to one of 128. gpt-oss's 2880 and 2880 become 3072
+# and 2944: 9 % more expert bytes held and read, and math done, than the checkpoint's. Hopper's
+# Triton path pads the width to 64 only (2880 already is).
+MARLIN_MXFP4_ARCHS = ("ampere", "ampere-ga102", "ada")
+MARLIN_MXFP4_PAD = (256, 128)        # (hidden, an expert's width a rank)
+# Attention with learned sinks (gpt-oss: every layer) has no FlashAttention-2 kernel: vLLM runs it in
+# FlashAttention 3 on Hopper and in its Triton attention backend (TRITON_ATTN) on the GPUs before it
+# (compute capability below 9.0, as above), whose prefill over long contexts is this many times
+# slower than the FlashAttention-2 rate eff_attn stands for. Fitted on the fit split only, with
+# MOE_GEMM_EFF (see there): GPUStack's A100-80GB gpt-oss-20b and -120b bursts, whose 32k-token
+# prompts are the ones attention bounds (without it: -41 % and -34 % TTFT).
+SINK_ATTN_ARCHS = MARLIN_MXFP4_ARCHS
+SINK_PREFILL_ATTN_SLOWDOWN = 4.0
+# The model families whose attention layers all have sinks.
+SINK_FAMILIES = ("gpt_oss",)
 # Prefill/decode disaggregation: KV moves over the same network by default.
 KV_TRANSFER_GBps = 25.0
 
@@ -700,6 +739,7 @@ class Model:
     kv_bytes: int = 0                   # KV cache element (0: as the weights: this file's --dtype rule)
     embed_bytes: int = 0                # embedding and lm_head (0: as the weights)
     quantization: str = ""              # the checkpoint's quant_method, for the record
+    attention_sinks: bool = False       # learned attention sinks (gpt-oss; SINK_FAMILIES)
     source: str = field(default="", compare=False)   # where the numbers come from
 
     def __post_init__(self):
@@ -1154,7 +1194,7 @@ def _model_from_config(cfg, name=None):
             sliding_window=window if windowed else 0, sliding_layers=windowed if window else 0,
             linear_bytes=linear_b if linear_b and not (0.99 < linear_b < 1.1) else 0.0, expert_bytes=expert_b,
             kv_bytes=2 if quant else 0, embed_bytes=2 if quant else 0, quantization=quant,
-            source=str(cfg.get("_name_or_path") or label))
+            attention_sinks=family in SINK_FAMILIES, source=str(cfg.get("_name_or_path") or label))
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise SimError(f"{where}: invalid {e}") from None
 
@@ -1387,6 +1427,9 @@ class StepCost:
         self.dense_linears = []               # a mixed model's dense layers (DeepSeek's first 3)
         if m.experts:
             self.expert_w = gate * h * inter
+            if m.quantization == "mxfp4" and gpu_arch(gpu) in MARLIN_MXFP4_ARCHS:
+                pad_h, pad_i = MARLIN_MXFP4_PAD
+                self.expert_w = gate * (-(-h // pad_h) * pad_h) * (-(-inter // pad_i) * pad_i)
             self.expert_act = (h + gate * inter) * ACT_BYTES * m.top_k
             self.linears.append((h * m.experts, (h + m.experts) * ACT_BYTES))   # router
             shared = m.shared_intermediate_size / tp
@@ -1403,6 +1446,8 @@ class StepCost:
         # attention: flops per query-key pair; decode reads K and V of each context token
         self.attn_flops = 4 * hd * heads
         self.attn_flops_decode = self.attn_flops
+        if m.attention_sinks and gpu_arch(gpu) in SINK_ATTN_ARCHS:
+            self.attn_flops *= SINK_PREFILL_ATTN_SLOWDOWN      # Triton's prefill, not FlashAttention's
         group = heads / kvh
         # a decode kernel without GQA support reads the KV of a group once per query head
         # (ENGINE_VERSIONS: gqa_kv_once); the ideal calibration reads it once
@@ -1522,16 +1567,23 @@ class StepCost:
     def _linear(self, T):
         """A layer's linears for T tokens. MoE: the router, the shared experts and the routed
         experts the batch touches: with top_k of E experts a token, uniform routing, a batch of
-        T tokens reads E (1 - (1 - k/E)^T) experts' weights (all of them held in memory); a
-        mixed model's dense layers (DeepSeek's first_k_dense_replace) are averaged in."""
+        T tokens reads E (1 - (1 - k/E)^T) experts' weights (all of them held in memory) and
+        computes each expert's rows padded to the grouped GEMM's tile (_moe_padded_rows) at
+        MOE_GEMM_EFF of a dense GEMM's rate; a mixed model's dense layers (DeepSeek's
+        first_k_dense_replace) are averaged in."""
         pc, bm, bw, wb, roof = self.pc, self.bm, self.bw_weights, self.wb, self.roof
         t = 0.0
         for w, act in self.linears:
             t += roof(2 * w * T / pc, w * wb / bw + act * T / bm)
         if self.experts:
             touched = self.experts * (1 - (1 - self.top_k / self.experts) ** T)
-            t += roof(2 * self.expert_w * self.top_k * T / pc,
-                     touched * self.expert_w * self.ewb / bw + self.expert_act * T / bm)
+            math_ = 2 * self.expert_w * self.top_k * T / pc
+            weights = touched * self.expert_w * self.ewb / bw + self.expert_act * T / bm
+            # the grouped GEMM's own math (padded tiles, gathered rows): hidden under the
+            # weight stream while the experts are memory-bound (decode), added past it (prefill)
+            grouped = 2 * self.expert_w * _moe_padded_rows(int(round(T)), self.top_k, self.experts) / \
+                (pc * MOE_GEMM_EFF)
+            t += roof(math_, weights) + max(0.0, grouped - max(math_, weights))
             if self.dense_linears:
                 attn = sum(roof(2 * w * T / pc, w * wb / bw + act * T / bm) for w, act in self.linears[:self.n_attn])
                 dense = attn + sum(roof(2 * w * T / pc, w * wb / bw + act * T / bm) for w, act in self.dense_linears)
@@ -1645,6 +1697,42 @@ class StepCost:
     def kv_capacity_tokens(self, batched_tokens):
         free = self.usable_bytes() - self.weights_bytes - self.reserve_bytes(batched_tokens)
         return max(0, int(free // self.kv_bytes_per_token))
+
+
+@lru_cache(maxsize=65536)
+def _moe_padded_rows(T, top_k, experts):
+    """Expected rows the grouped expert GEMM computes for a step of T tokens: each of `experts`
+    experts gets X ~ Binomial(T, top_k / experts) rows, padded to the tile (the smallest of
+    MOE_TILE_ROWS at or above the mean): experts x E[ceil(X / tile)] x tile, where E[ceil(X /
+    tile)] is the sum over j >= 0 of P(X > j tile) (a normal tail with a continuity correction;
+    an exact Poisson one when an expert's mean is under 30 rows)."""
+    if T <= 0 or not experts:
+        return 0.0
+    p = min(1.0, top_k / experts)
+    mean = T * p
+    tile = next((r for r in MOE_TILE_ROWS if r >= mean), MOE_TILE_ROWS[-1])
+    if mean < 30:
+        cdf, term, k, tiles, j = 0.0, math.exp(-mean), 0, 0.0, 0
+        while True:                          # P(X > j tile) for j = 0, 1, ... until it vanishes
+            while k <= j * tile:
+                cdf += term
+                k += 1
+                term *= mean / k
+            tail = max(0.0, 1.0 - cdf)
+            if tail < 1e-9:
+                break
+            tiles += tail
+            j += 1
+    else:
+        sd = math.sqrt(T * p * (1 - p)) or 1e-9
+        tiles, j = 0.0, 0
+        while True:
+            tail = 0.5 * math.erfc((j * tile + 0.5 - mean) / (sd * math.sqrt(2)))
+            if tail < 1e-9 and j * tile > mean:
+                break
+            tiles += tail
+            j += 1
+    return experts * tiles * tile
 
 
 @lru_cache(maxsize=4096)

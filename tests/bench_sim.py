@@ -140,7 +140,8 @@ def main():
     result["load_tests"] = lv
     print(f"published load tests (tests/data/load_tests.csv, {len({r['id'] for r in lv['rows']})} tests, "
           f"{time.perf_counter() - t0:.0f} s; fitted on the fit split: LOAD_REQUEST_OVERHEAD_S, and the bound on the "
-          "front end's part per request (LOAD_FRONTEND_FIXED_S); its rate and vLLM V1's admission defaults come from "
+          "front end's part per request (LOAD_FRONTEND_FIXED_S), the grouped expert GEMM's share (MOE_GEMM_EFF) and "
+          "attention with sinks before Hopper (SINK_PREFILL_ATTN_SLOWDOWN); its rate and vLLM V1's admission defaults come from "
           "their sources; target median "
           "<= 10%, each metric <= 15%, worst <= 60%):")
     for split, by in lv["splits"].items():

@@ -226,11 +226,14 @@ def test_published_load_tests_are_reported_on_both_splits():
     assert len(am) == 3 and max(abs(e) for e in am.values()) <= 0.10, am
     # as measured when GPUStack's burst runs of vLLM 0.10-0.11 came in (H100 held out, A100 fit) and
     # the KV pool was planned from the device's memory in GiB, the front end charged per request and per
-    # token: held out median 40.2 %, worst 145 % (gpt-oss-120b's inter-token time on one H100); fit
-    # 20.3 %, worst 71.5 %: the honest figure, far from the targets
+    # token, the routed experts' grouped GEMM priced, Marlin's padding of MXFP4 experts and Triton's
+    # prefill of attention with sinks on the A100 (MOE_GEMM_EFF and SINK_PREFILL_ATTN_SLOWDOWN fitted on
+    # the A100 rows): held out median 38.6 %, worst 203 % (gpt-oss-120b's inter-token time on one H100,
+    # 145 % before the experts were priced); fit 8.7 %, worst 70 %: the honest figure, far from the
+    # targets on the held-out split
     assert held["all"]["n"] >= 42 and fit["all"]["n"] >= 59
-    assert held["all"]["median_abs_error"] <= 0.42 and held["all"]["max_abs_error"] <= 1.50
-    assert fit["all"]["median_abs_error"] <= 0.22 and fit["all"]["max_abs_error"] <= 0.75
+    assert held["all"]["median_abs_error"] <= 0.40 and held["all"]["max_abs_error"] <= 2.10
+    assert fit["all"]["median_abs_error"] <= 0.10 and fit["all"]["max_abs_error"] <= 0.75
 
 
 def test_the_kv_pool_is_planned_from_the_memory_the_device_reports():

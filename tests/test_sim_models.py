@@ -212,3 +212,58 @@ def test_more_stages_never_need_more_memory_per_gpu_and_never_speed_up_a_lone_re
     assert all(b <= a + 1e-9 for a, b in zip(mems, mems[1:]))
     lone = [sim.estimate(m, "H200", tp, 1, ctx, 16, pp=p)["decode_ms_per_token"] for p in pps]
     assert all(b >= a * 0.999 for a, b in zip(lone, lone[1:]))
+
+
+def test_routed_experts_compute_their_rows_padded_to_the_grouped_gemms_tile():
+    # a prefill step of 2048 tokens over gpt-oss-120b's 128 experts (4 a token): 64 rows an expert
+    # on average, spread over two 64-row tiles for about half of them; 8192 tokens on 8 of 128
+    # (Qwen3-235B) spread over many tiles: about half a tile an expert over the rows
+    assert 1.3 < sim._moe_padded_rows(2048, 4, 128) / (2048 * 4) < 1.6
+    assert 1.0 < sim._moe_padded_rows(8192, 8, 128) / (8192 * 8) < 1.1
+    # decode: one token on 2 of 8 experts computes (about) two 16-row tiles
+    assert 16 <= sim._moe_padded_rows(1, 2, 8) <= 2 * 16
+    assert sim._moe_padded_rows(0, 4, 128) == 0.0
+
+
+def test_the_grouped_expert_gemm_slows_moe_prefill_and_leaves_dense_models_and_decode_alone():
+    dense = sim.StepCost(sim.MODELS["qwen3-32b"], sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    moe = sim.StepCost(sim.MODELS["gpt-oss-20b"], sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    old_eff = sim.MOE_GEMM_EFF
+    try:
+        sim.MOE_GEMM_EFF = 1.0
+        dense_fast, prefill_fast, decode_fast = dense._linear(2048), moe._linear(2048), moe._linear(8)
+        sim.MOE_GEMM_EFF = old_eff
+        assert dense._linear(2048) == dense_fast                       # no experts: untouched
+        assert moe._linear(2048) > 1.3 * prefill_fast                  # prefill: the experts' math bounds it
+        assert moe._linear(8) == pytest.approx(decode_fast, rel=1e-9)  # decode: the weight stream hides it
+    finally:
+        sim.MOE_GEMM_EFF = old_eff
+
+
+def test_marlin_pads_mxfp4_experts_on_gpus_before_hopper():
+    # gpt-oss-120b's experts (hidden 2880, width 2880) run in Marlin's MoE kernel on an A100: padded to
+    # 3072 x 2944, 9 % more than the checkpoint (~5 GiB more held); Hopper's Triton path keeps them
+    m = sim.MODELS["gpt-oss-120b"]
+    a100 = sim.StepCost(m, sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    h100 = sim.StepCost(m, sim.GPUS["H100-SXM5-80GB"], 1, engine="vllm-v1")
+    assert a100.expert_w == 3 * 3072 * 2944 and h100.expert_w == 3 * 2880 * 2880
+    assert 4.5 < (a100.weights_bytes - h100.weights_bytes) / 2 ** 30 < 5.5
+    # a 16-bit MoE is not padded on either
+    q = sim.MODELS["qwen3-235b-a22b"]
+    assert sim.StepCost(q, sim.GPUS["A100-80GB-SXM4"], 8).expert_w == sim.StepCost(q, sim.GPUS["H100-SXM5-80GB"], 8).expert_w
+
+
+def test_attention_with_sinks_prefills_in_triton_before_hopper():
+    # gpt-oss's sinks have no FlashAttention-2 kernel: its prefill attention costs
+    # SINK_PREFILL_ATTN_SLOWDOWN times more on an A100, not on an H100 (FlashAttention 3), and no other
+    # model's does; decode attention (memory-bound) is untouched
+    assert sim.MODELS["gpt-oss-20b"].attention_sinks and not sim.MODELS["qwen3-32b"].attention_sinks
+    cfg = dict(sim.BUILTIN_CONFIGS["gpt-oss-20b"])
+    assert sim.resolve_model(cfg).attention_sinks                      # read from a config.json too
+    m = sim.MODELS["gpt-oss-20b"]
+    a100 = sim.StepCost(m, sim.GPUS["A100-80GB-SXM4"], 1, engine="vllm-v1")
+    h100 = sim.StepCost(m, sim.GPUS["H100-SXM5-80GB"], 1, engine="vllm-v1")
+    assert a100.attn_flops == pytest.approx(sim.SINK_PREFILL_ATTN_SLOWDOWN * h100.attn_flops)
+    assert a100.attn_flops_decode == h100.attn_flops_decode
+    q = sim.MODELS["qwen3-32b"]
+    assert sim.StepCost(q, sim.GPUS["A100-80GB-SXM4"], 1).attn_flops == sim.StepCost(q, sim.GPUS["H100-SXM5-80GB"], 1).attn_flops
