@@ -14,6 +14,9 @@ priority, priority_prio (--cases picks any). Cases, each with a tenant's own key
   alone      B and C at SHARE_SMALL of capacity each, A absent: their TTFT p99 unloaded by A
   queue      A at FLOOD x capacity, B and C as above, through otela's ingress (the fair queue on;
              --queue-wait-s scaled by K: the same tolerance in GPU time as at K = 1)
+  queue_guard  the same with --queue-guard-wait-s (FairQueue.guarded: while B or C has requests
+             out and none waiting, A's prompts go to an engine only where under that much prefill
+             from the ingress awaits its first token); priority_guard: `priority` with it
   no_queue   the same through an ingress with --no-queue (every request to an engine at once)
   sglang     the same through sglang-router cache_aware (0.3.2, installed by bench_routing into
              .cache/routers; its released wheel has a global concurrency cap with one first-come
@@ -379,8 +382,14 @@ def main():
     p.add_argument("--queue-session-slots", type=int, default=otela_ingress.QUEUE_SESSION_SLOTS,
                    help="the ingress's QUEUE_SESSION_SLOTS: requests in flight from it at which a session is full "
                         f"but for a tenant with few there (default {otela_ingress.QUEUE_SESSION_SLOTS}: off)")
-    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,queue_prio,no_queue,sglang,"
-                                                 "priority,priority_prio,two,two_prio,frontier,frontier_prio,"
+    p.add_argument("--queue-guard-wait-s", type=float, default=0.001,
+                   help="the *_guard cases' QUEUE_GUARD_WAIT_S in GPU seconds (x K; default 0.001: a flood's "
+                        "prompts one at a time per engine while another tenant has requests out)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the ingress cases, interleaved (a repeat is named case#2, ...; each round's "
+                        "ratios against its own `alone`): the shared CPUs' load drifts between cases")
+    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,queue_guard,queue_prio,"
+                                                 "no_queue,sglang,priority,priority_guard,priority_prio,two,two_prio,frontier,frontier_prio,"
                                                  "frontier_shield,frontier_spaced,frontier_both "
                                                  "(default: all but the frontiers; --quick: "
                                                  "alone,queue,queue_prio,no_queue,priority,priority_prio)")
@@ -402,7 +411,7 @@ def main():
     signal.signal(signal.SIGTERM, br._interrupt)
     result = {"command": "tests/bench_tenants.py " + " ".join(sys.argv[1:]), "time_scale": a.time_scale,
               "queue_wait_s": a.queue_wait_s, "queue_priority_wait_s": a.queue_priority_wait_s,
-              "queue_session_slots": a.queue_session_slots,
+              "queue_session_slots": a.queue_session_slots, "queue_guard_wait_s": a.queue_guard_wait_s,
               "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
               "duration_s": a.duration, "engines": f"{ENGINES} x otela_sim.py serve --model {br.MODEL} --gpu "
               f"{br.GPU} --engine {br.ENGINE} --time-scale {a.time_scale:g}", "cases": {}, "skipped": {}}
@@ -414,18 +423,22 @@ def main():
     mixed = {"A": (FLOOD, "standard"), "B": small, "C": small}
     flood = {"batch": (FLOOD, "batch"), "chat": (SHARE_SMALL, "interactive")}
     prio = ("--scheduling-policy", "priority")
+    guard = ("--queue-guard-wait-s", f"{a.queue_guard_wait_s * a.time_scale:g}")
     cases = [("alone", "otela", {"B": small, "C": small}, 1, (), ()),
              ("queue", "otela", mixed, 1, (), ()),
+             ("queue_guard", "otela", mixed, 1, guard, ()),
              ("queue_prio", "otela", mixed, 1, (), prio),
              ("no_queue", "otela", mixed, 1, ("--no-queue",), ()),
              ("sglang", "sglang", mixed, 1, (), ()),
              ("priority", "otela", flood, 1, (), ()),
+             ("priority_guard", "otela", flood, 1, guard, ()),
              ("priority_prio", "otela", flood, 1, (), prio),
              ("two", "otela", mixed, 2, (), ()),
              ("two_prio", "otela", mixed, 2, (), prio)]
     rdir, missing = br.routers_dir(a.routers) if "sglang" in wanted else (None, {})
-    for label, kind, tenants, ingresses, flags, engine_flags in cases:
-        if label not in wanted:
+    for label, kind, tenants, ingresses, flags, engine_flags in [
+            (label + (f"#{r + 1}" if r else ""), *rest) for r in range(a.repeats) for label, *rest in cases]:
+        if label.split("#")[0] not in wanted:
             continue
         if kind == "sglang" and "sglang-router" in missing:
             result["skipped"][label] = missing["sglang-router"]
@@ -447,8 +460,9 @@ def main():
             records = run_frontier(a, capacity, held, engine_flags, urgent and {"priority": urgent}, hold)
             result["cases"][f"{label}{held}"] = summarise(records, a, {n: mixed[n] for n in records}, capacity)
             print(f"{label}{held}: done ({time.monotonic() - t0:.0f} s)")
-    alone = result["cases"].get("alone", {})
     for label, case in result["cases"].items():
+        round_ = label.partition("#")[1:]   # (a repeat is set against the `alone` of its own round)
+        alone = result["cases"].get("alone" + "".join(round_)) or result["cases"].get("alone", {})
         for name in ("B", "C"):
             if name in case and alone.get(name, {}).get("ttft_p99_ms") and case[name]["ttft_p99_ms"]:
                 case[name]["ttft_p99_vs_alone"] = round(case[name]["ttft_p99_ms"] / alone[name]["ttft_p99_ms"], 2)
