@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/bench_tenants.py [--out bench-results] [--quick] [--time-scale K]
         [--duration S] [--routers DIR] [--cases C,...] [--frontier 0,1,2,4,...] [--queue-session-slots N]
+        [--queue-guard-wait-s S] [--hold-s S] [--repeats N]
 
 Engines: ENGINES x `otela_sim.py serve --model Llama-3.1-8B-Instruct --gpu H100 --engine vllm-v1
 --time-scale K`, started as tests/bench_routing.py starts them (its helpers, imported), each run
