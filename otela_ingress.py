@@ -274,6 +274,15 @@ QUEUE_SESSION_SLOTS = 256            # ... or, while two tenants or more hold re
                                      # than off (contended); but with 128 out (--duration 20 --drain
                                      # 30) 16 gave B 38x at 0.35 (off: 3.3x at 1.06): B and C alone
                                      # hold more than 16 a session there
+QUEUE_GUARD_WAIT_S = float("inf")   # ... the prefill bound for a tenant with more requests waiting here
+                                     # while another, with none waiting, has requests in flight from
+                                     # here (FairQueue.guarded): below one prompt's prefill its prompts
+                                     # go one at a time, so the other's prompt shares its steps with
+                                     # one prefill of the flood, not QUEUE_WAIT_S of them. Off (no
+                                     # bound at or above QUEUE_WAIT_S guards) by default: measured at
+                                     # 0.001 with 128-token answers, B/C TTFT p99 1.6-1.8x of A-absent
+                                     # (off 3.2-3.9x) and A more, but not 1.5x; with 16-token answers
+                                     # no better than off (the fair queue's comment)
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
                                      # body: the bytes bound below is the one that binds on memory).
                                      # Measured (tests/bench_queue_memory.py: 10,000 waiting from
@@ -337,7 +346,7 @@ LIMITS = {name: globals()[name] for name in (   # name -> its default
     "IDLE_TIMEOUT_S", "HEAD_TIMEOUT_S", "REQUEST_TIMEOUT_S", "UPSTREAM_CONNECT_TIMEOUT_S", "UPSTREAM_IDLE_TIMEOUT_S",
     "MAX_ATTEMPTS", "POOL_IDLE_PER_PROVIDER", "SICK_AFTER_FAILURES", "SICK_BACKOFF_S", "SICK_BACKOFF_MAX_S",
     "DRAIN_S", "LINGER_S", "WARMUP_MAX_S", "QUEUE_WAIT_S", "QUEUE_PRIORITY_WAIT_S", "QUEUE_SESSION_DEPTH",
-    "QUEUE_SESSION_SLOTS", "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
+    "QUEUE_SESSION_SLOTS", "QUEUE_GUARD_WAIT_S", "QUEUE_MAX", "QUEUE_MAX_PER_KEY", "QUEUE_MAX_BYTES", "QUEUE_KEY_BYTES", "QUEUE_TIMEOUT_S", "QUEUE_AGE_S")}
 
 
 LIMIT_HELP = {   # each limit's unit and the short reason for its default (the long one is beside it)
@@ -367,6 +376,9 @@ LIMIT_HELP = {   # each limit's unit and the short reason for its default (the l
     "QUEUE_SESSION_SLOTS": "requests in flight from this ingress at which a session is full while two users or more "
                            "have requests here, but for a user below its share of them (as --queue-session-depth: "
                            "off; 16 measured best for 16-token answers on emulated H100s)",
+    "QUEUE_GUARD_WAIT_S": "seconds of prefill queued at an engine past which a user with more requests waiting "
+                          "is not sent more there while another user with none waiting has requests in flight "
+                          "here (at or above --queue-wait-s: off; 0.001: one prompt at a time)",
     "QUEUE_MAX": "requests waiting at the ingress at most, all keys (more get 429; --no-queue: none wait)",
     "QUEUE_MAX_PER_KEY": "requests of one key waiting at most (more get 429: a flood fills its own share)",
     "QUEUE_MAX_BYTES": "request bytes waiting at most, all keys (the queue's memory)",
@@ -3341,6 +3353,37 @@ class PassiveHealth:
 # not count slots, and B and C were no better than with the slots off (5-6x at 0.71-0.95 of the
 # capacity, off 4.4-4.5x at 0.84): the tenants present at other ingresses are not heard here.
 #
+# The guard (QUEUE_GUARD_WAIT_S, off by default): a newcomer's TTFT beside a flood is the steps it
+# shares with the flood's prefill (a decode of a memory-bound model costs little per sequence
+# more; a prompt's tokens are compute). So while a tenant with none waiting here (below its
+# share: it is sent all it asks) has requests in flight from here, a tenant with more than one
+# waiting goes to a session only where the prompts this ingress sent it that await their first
+# token come to under QUEUE_GUARD_WAIT_S of prefill (FairQueue.guarded; below one prompt: one at a
+# time): the flood keeps its running batch, its decodes go on, but its next prompt goes after
+# the newcomer's first token, and a newcomer finds at most one of the flood's prompts ahead of it,
+# not QUEUE_WAIT_S of them. A first byte then dispatches at once (not at the next tick). And such
+# a tenant goes at once (overtakes) while it holds fewer of the requests in flight from here
+# than its weighted share of them (held_share), past the prefill bound the flood keeps full. The
+# requests in flight per tenant (`held`) are counted while guarding, as for the slots; off, the
+# path does no more. A guard lasts to the first byte: a whole answer (not streamed) guards its
+# session to its end, one of the flood's prompts at a time there. Measured, it halves B's and C's
+# TTFT p99 beside a flood with chat-length answers and gives the flood more, but does not reach
+# 1.5x, and with 16-token answers it is no better beyond the spread between runs, so it is off
+# for now. 128 tokens out (bench_tenants --duration 20 --drain 30, K = 10, queue against
+# queue_guard at 0.001 s, three runs): B/C p99 3.2-3.4x / 3.9x of A-absent at A 1.03-1.05 of the
+# capacity left, guarded 1.6-1.7x / 1.7-1.8x at 1.24-1.25 (its decodes run beside fewer of its
+# own prefill chunks; its TTFT p50 8.6 s, 13.6 s unguarded); an interactive key beside a batch
+# flood (priority against priority_guard, one run) 2.27x unloaded against 1.62x, the batch served
+# 7 % more. Straight at the engines
+# (bench_tenants --quick frontier_*: A holding c per engine) holding A's next send while B's or C's prompt awaits its
+# first token changed nothing (c = 4: B/C p99 2.0/2.4x unloaded at A 0.37 of the capacity left,
+# as without), one A prompt at a time per engine did (1.6/1.4x at 0.42; c = 8: 3.2/3.4x against
+# 4.0/4.2x, 0.75): a newcomer waits for the flood's prompts queued before it, not for those sent
+# after. The ingress spaces them already (the prefill bound): queue against queue_guard (0.001 s,
+# --quick --duration 30, one run each) gave B/C 2.6/3.5x against 1.8/2.4x in one run, 1.30/1.57 against
+# 1.24/1.78 and 1.34/2.02 against 1.30/1.70 in another (A 0.50-0.61 either way; interactive beside
+# a batch flood 1.05x against 1.04x): the p99 of ~90 requests moves by more between runs.
+#
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a
 # bound the request gets 429 with Retry-After. A client that leaves while waiting is removed at
@@ -3392,10 +3435,15 @@ class FairQueue:
         self.last = 0.0   # the counter of the tenant served last
         self.heard: Dict[str, float] = {}      # tenant -> the others' service total when last looked
         self.inflight: Dict[str, int] = {}     # tenant -> its requests at priority engines from here
-        # where sessions have fewer running slots than their depth: tenant -> its requests at any
-        # engine from here (overtakes; counted only then, so the default path does no more)
+        # where sessions have fewer running slots than their depth, or while guarding (below):
+        # tenant -> its requests at any engine from here (overtakes, guarded; counted only then,
+        # so the default path does no more)
         self.slotted = self.on and limits.queue_session_slots < limits.queue_session_depth
         self.held: Dict[str, int] = {}
+        # where the guard's bound is tighter than the prefill bound (guarded): `held` is kept too
+        self.guarding = self.on and limits.queue_guard_wait_s < limits.queue_wait_s
+        self.counting = self.slotted or self.guarding
+        self.held_back = False   # a request was held by the guard in this dispatch (dispatch_waiting)
         self.note: Optional[Callable[[str, float], None]] = None   # service given here, to publish
         # for /metrics: per tenant
         self.service: Dict[str, int] = collections.defaultdict(int)   # tokens served
@@ -3434,7 +3482,8 @@ class FairQueue:
         ENGINE_PRIORITY_FIRST requests (by its weight) at priority engines, where the engine puts
         it first, or, where sessions are full at fewer running slots (QUEUE_SESSION_SLOTS), fewer
         at any engine from here than that or its share of the slots (slot_share), however much
-        prefill is queued there: the slots left free for it are what keeps its wait short."""
+        prefill is queued there: the slots left free for it are what keeps its wait short; or,
+        while guarding, fewer at any engine from here than its share of those (held_share)."""
         if self.backlog.get(key.user):
             return False
         est = self.engines.get(candidate.session)
@@ -3443,6 +3492,8 @@ class FairQueue:
         if candidate.by_priority and all(c.by_priority for c in left):
             held = self.inflight.get(key.user, 0) + self.remote_inflight(key.user)
             return held / key.weight < ENGINE_PRIORITY_FIRST
+        if self.guarding and self.held.get(key.user, 0) / key.weight < self.held_share(key):
+            return True
         if not self.slotted:
             return False
         held = self.held.get(key.user, 0) / key.weight
@@ -3473,6 +3524,17 @@ class FairQueue:
         tenants.add(key.user)
         total = sum(key.weight if t == key.user else weights.get(t, 1.0) for t in tenants)
         return self.limits.queue_session_slots * sessions / total
+
+    def held_share(self, key: Key) -> float:
+        """The requests in flight from here per unit of weight among the tenants holding requests
+        from here or waiting here, `key`'s among them: while guarding, a tenant waiting for none
+        that holds fewer than this (by its weight) goes at once (overtakes), so it waits neither
+        here nor, with the flood guarded, behind the flood's prefill there."""
+        weights = self.weights
+        tenants = set(self.held).union(self.backlog)
+        tenants.add(key.user)
+        total = sum(key.weight if t == key.user else weights.get(t, 1.0) for t in tenants)
+        return sum(self.held.values()) / total
 
     def began(self, tenant: str) -> None:
         """A request of `tenant` went to a priority engine (engine_priority counts it till `ended`)."""
@@ -3515,6 +3577,28 @@ class FairQueue:
         return est.outstanding >= limits.queue_session_depth or \
             est.queued * est.fit.per_token() > (limits.queue_priority_wait_s if candidate.by_priority else limits.queue_wait_s) \
             or (est.outstanding >= limits.queue_session_slots and self.contended())
+
+    def guarded(self, entry: Waiting, candidate: Candidate) -> bool:
+        """Whether `entry` may not go to `candidate`'s session though it is not full (see above): its
+        tenant has more waiting here, another tenant with none waiting has requests in flight from
+        here (it is below its share: it is sent all it asks), and the prompts this ingress sent the
+        session that have had no first token would take over QUEUE_GUARD_WAIT_S."""
+        if not self.guarding or self.backlog.get(entry.tenant, 0) <= 1:
+            return False
+        est = self.engines.get(candidate.session)
+        if est is None or est.queued * est.fit.per_token() <= self.limits.queue_guard_wait_s:
+            return False
+        backlog, tenant = self.backlog, entry.tenant
+        return any(t != tenant and not backlog.get(t) for t in self.held)
+
+    def unguarded(self, passed: Iterable[str]) -> List[Waiting]:
+        """The first requests of the tenants no guard holds (one waiting here) for the models in
+        `passed`, oldest first: passing a model over when a flood's request was held by the guard
+        passed them over too, and they are the ones it keeps room for."""
+        backlog = self.backlog
+        heads = [lane[0] for (_, tenant, _), lane in self.lanes.items()
+                 if backlog.get(tenant, 0) <= 1 and lane[0].model in passed]
+        return sorted(heads, key=lambda entry: entry.since)
 
     def refusal(self, key: Key, size: int) -> Optional[HTTPError]:
         """Why a request of `key` with `size` bytes cannot wait (a bound reached), or None."""
@@ -6686,6 +6770,8 @@ class Ingress:
         queue.remote_service, queue.remote_inflight, queue.note = \
             flow.remote_service, flow.remote_inflight, flow.note_service
         self._queue_tick: Optional[asyncio.TimerHandle] = None
+        if queue.guarding and self.on_first_byte is not None:   # a first token ends a guard: the flood's next
+            self.on_first_byte = self._first_byte_then_dispatch   # prompt goes then, not at the next tick
         self.stats = UsageStats()
         self.health = PassiveHealth(limits)
         # The node's tunnel is mutual TLS when the cluster certificate is there: the handshake is
@@ -7354,7 +7440,7 @@ class Ingress:
             ex.ticket = ticket
         if ranked:
             ex.ranked = True
-        if self.queue.slotted:   # (FairQueue.overtakes: a tenant with few in flight goes at once)
+        if self.queue.counting:   # (FairQueue.overtakes: a tenant with few in flight goes at once)
             self.queue.holds(key)
             ex.slotted = True
         ex.begin(candidate)   # (the first attempt: next_attempt's checks hold)
@@ -7394,6 +7480,9 @@ class Ingress:
                 return True
             if queue.full(candidate, routed):
                 return False
+            if queue.guarding and queue.guarded(entry, candidate):
+                queue.held_back = True
+                return False
             memo = routed.memo
             prompt = memo.size * self.policy.tokens_per_byte if memo is not None else len(body) / 4
             now = time.monotonic()
@@ -7425,14 +7514,23 @@ class Ingress:
                 etype="requests"))
             entry.client.finish()
         passed: set = set()
+        queue.held_back = False
         while queue.count:
             entry = queue.order(now, passed)
             if entry is None:
                 break
             if not entry.send():
                 passed.add(entry.model)   # its sessions are full: the next model's requests may go
+        if queue.held_back:   # a flood's request held by the guard: those of the tenants it guards may go
+            for entry in queue.unguarded(passed):
+                entry.send()
         if queue.count and self._queue_tick is None and self._loop is not None:
             self._queue_tick = self._loop.call_later(QUEUE_TICK_S, self._tick_queue)
+
+    def _first_byte_then_dispatch(self, candidate: Candidate, routed: RoutedRequest) -> None:
+        self.policy.on_first_byte(candidate, routed)
+        if self.queue.count:
+            self.dispatch_waiting()
 
     def _tick_queue(self) -> None:
         self._queue_tick = None

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/bench_tenants.py [--out bench-results] [--quick] [--time-scale K]
         [--duration S] [--routers DIR] [--cases C,...] [--frontier 0,1,2,4,...] [--queue-session-slots N]
+        [--queue-guard-wait-s S] [--hold-s S] [--repeats N]
 
 Engines: ENGINES x `otela_sim.py serve --model Llama-3.1-8B-Instruct --gpu H100 --engine vllm-v1
 --time-scale K`, started as tests/bench_routing.py starts them (its helpers, imported), each run
@@ -14,6 +15,9 @@ priority, priority_prio (--cases picks any). Cases, each with a tenant's own key
   alone      B and C at SHARE_SMALL of capacity each, A absent: their TTFT p99 unloaded by A
   queue      A at FLOOD x capacity, B and C as above, through otela's ingress (the fair queue on;
              --queue-wait-s scaled by K: the same tolerance in GPU time as at K = 1)
+  queue_guard  the same with --queue-guard-wait-s (FairQueue.guarded: while B or C has requests
+             out and none waiting, A's prompts go to an engine only where under that much prefill
+             from the ingress awaits its first token); priority_guard: `priority` with it
   no_queue   the same through an ingress with --no-queue (every request to an engine at once)
   sglang     the same through sglang-router cache_aware (0.3.2, installed by bench_routing into
              .cache/routers; its released wheel has a global concurrency cap with one first-come
@@ -28,6 +32,11 @@ priority, priority_prio (--cases picks any). Cases, each with a tenant's own key
              What any admission at an ingress can reach at best: the trade between the flood's
              throughput and a newcomer's wait on an engine whose steps grow with what it carries
   frontier_prio  the same on priority engines, B's and C's bodies at `priority` -1 (A's at 0)
+  frontier_shield  the frontier with A's next send at an engine held while a prompt of B or C sent
+             there awaits its first token (--hold-s at most): the best case of an ingress that
+             keeps the flood's running batch but sends none of its new prompts beside another's prefill
+  frontier_spaced  ... A's next send held while its own previous one there awaits its first token
+             (one of the flood's prefills at a time per engine); frontier_both: the two
 The cases named *_prio are the same on engines run with --scheduling-policy priority (vLLM's):
 the ingress then sets each request's `priority` by its class and its tenant's requests in flight
 (FairQueue.engine_priority), sends a tenant with little there at once (FairQueue.overtakes) and
@@ -46,6 +55,7 @@ folder removed (bench_routing.Processes).
 """
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -124,21 +134,66 @@ def make_keys(procs, ingresses, tenants):
     return tokens
 
 
-async def _tenants(plan, duration, drain, loops=(), extra=None):
+class Gate:
+    """The prompts sent to one engine that await their first token, for a closed loop that holds its
+    next sends there meanwhile (bounded): the frontier's `hold` variants."""
+
+    def __init__(self):
+        self.waiting = 0
+        self.clear = asyncio.Event()
+        self.clear.set()
+
+    def opened(self):
+        """A prompt went to the engine; returns what ends its wait (call it at its first token and at
+        its end: only the first call counts)."""
+        self.waiting += 1
+        self.clear.clear()
+        done = []
+
+        def close():
+            if not done:
+                done.append(True)
+                self.waiting -= 1
+                if not self.waiting:
+                    self.clear.set()
+        return close
+
+    async def passed(self, bound):
+        """Returns once no prompt awaits its first token here, or `bound` seconds went by."""
+        end = time.monotonic() + bound
+        while self.waiting and time.monotonic() < end:
+            try:
+                await asyncio.wait_for(self.clear.wait(), end - time.monotonic())
+            except asyncio.TimeoutError:
+                return
+
+
+async def _tenants(plan, duration, drain, loops=(), extra=None, hold=(), bound=0.0):
     """Each tenant's arrivals (its urls, rate, token, seed) concurrently, streamed; its records.
     Every request is given until the run's end (the arrivals' `duration` plus `drain`): a flood's
     client is patient, so what it waits for at the ingress is not given up half-served at an
     engine, and its backlog is cut at the end. `loops`: tenants (name, urls, held per url, seed)
     that instead hold that many requests at each url until `duration` (a closed loop: each sends
-    its next as its last ends). `extra`: tenant -> what its bodies carry besides (`priority`)."""
+    its next as its last ends). `extra`: tenant -> what its bodies carry besides (`priority`).
+    `hold`: what a loop's next send at an engine waits for there, `bound` seconds at most: "shield",
+    the open tenants' prompts sent there to have their first token; "spaced", its own previous
+    prompt there (one of its prefills at a time per engine)."""
     start = time.monotonic()
     end = start + duration + drain
     extra = extra or {}
+    shields = collections.defaultdict(Gate)   # url -> the open tenants' prompts before their first token
+    spaces = collections.defaultdict(Gate)    # url -> the loops' own
 
-    def send(name, url, req, headers=None):
+    async def send(name, url, req, headers=None, gate=None):
         host, port, prefix = workload.loopback(url)
         body, _ = workload._body(br.MODEL, req, extra.get(name))
-        return workload.one_request(host, port, prefix + "/v1/chat/completions", body, end - time.monotonic(), headers)
+        close = gate.opened() if gate is not None else None
+        try:
+            return await workload.one_request(host, port, prefix + "/v1/chat/completions", body,
+                                              end - time.monotonic(), headers, close)
+        finally:
+            if close is not None:
+                close()
 
     async def one(name, urls, rate, token, seed):
         n = max(1, int(rate * duration * 1.5) + 5)
@@ -150,7 +205,8 @@ async def _tenants(plan, duration, drain, loops=(), extra=None):
             delay = start + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(send(name, urls[i % len(urls)], req, headers)))
+            url = urls[i % len(urls)]
+            tasks.append(asyncio.ensure_future(send(name, url, req, headers, shields[url] if "shield" in hold else None)))
         out = await asyncio.gather(*tasks, return_exceptions=True)
         return name, [dict(r if isinstance(r, dict) else {"error": repr(r)}, at=at, asked=req["max_tokens"])
                       for r, at, req in zip(out, times, reqs)]
@@ -163,8 +219,12 @@ async def _tenants(plan, duration, drain, loops=(), extra=None):
                 at = time.monotonic() - start
                 if at >= duration:
                     return
+                if "shield" in hold:
+                    await shields[url].passed(bound)
+                if "spaced" in hold:
+                    await spaces[url].passed(bound)
                 try:
-                    r = await send(name, url, req)
+                    r = await send(name, url, req, gate=spaces[url] if "spaced" in hold else None)
                 except (asyncio.TimeoutError, OSError, ValueError) as e:
                     r = {"error": repr(e)}
                 records.append(dict(r, at=at, asked=req["max_tokens"]))
@@ -207,17 +267,18 @@ def run_case(kind, a, capacity, tenants, ingresses=1, flags=(), rdir=None, sprea
         procs.stop()
 
 
-def run_frontier(a, capacity, held, engine_flags=(), urgent=None):
+def run_frontier(a, capacity, held, engine_flags=(), urgent=None, hold=()):
     """The frontier's point `held`: a fresh fleet straight on loopback (no ingress), A holding
     `held` requests at each engine (a closed loop; none at 0), B and C at SHARE_SMALL of capacity
-    each, round robin; `urgent`: what B's and C's bodies carry besides (their `priority`).
-    Returns {tenant: records}."""
+    each, round robin; `urgent`: what B's and C's bodies carry besides (their `priority`); `hold`:
+    what A's next send at an engine waits for (_tenants), --hold-s at most. Returns {tenant: records}."""
     procs = br.Processes(f"tenants-frontier{held}")
     try:
         urls = br.start_engines(procs, lambda port: br.sim_command(a.time_scale, port) + list(engine_flags), ENGINES)
         plan = [(name, urls, SHARE_SMALL * capacity / a.time_scale, "none", 11 + i) for i, name in enumerate("BC")]
         loops = [("A", urls, held, 10)] if held else []
-        return asyncio.run(_tenants(plan, a.duration, a.drain, loops, dict.fromkeys("BC", urgent) if urgent else None))
+        return asyncio.run(_tenants(plan, a.duration, a.drain, loops, dict.fromkeys("BC", urgent) if urgent else None,
+                                    hold, a.hold_s * a.time_scale))
     finally:
         procs.stop()
 
@@ -322,10 +383,19 @@ def main():
     p.add_argument("--queue-session-slots", type=int, default=otela_ingress.QUEUE_SESSION_SLOTS,
                    help="the ingress's QUEUE_SESSION_SLOTS: requests in flight from it at which a session is full "
                         f"but for a tenant with few there (default {otela_ingress.QUEUE_SESSION_SLOTS}: off)")
-    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,queue_prio,no_queue,sglang,"
-                                                 "priority,priority_prio,two,two_prio,frontier,frontier_prio "
+    p.add_argument("--queue-guard-wait-s", type=float, default=0.001,
+                   help="the *_guard cases' QUEUE_GUARD_WAIT_S in GPU seconds (x K; default 0.001: a flood's "
+                        "prompts one at a time per engine while another tenant has requests out)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the ingress cases, interleaved (a repeat is named case#2, ...; each round's "
+                        "ratios against its own `alone`): the shared CPUs' load drifts between cases")
+    p.add_argument("--cases", default=None, help="comma-separated subset of alone,queue,queue_guard,queue_prio,"
+                                                 "no_queue,sglang,priority,priority_guard,priority_prio,two,two_prio,frontier,frontier_prio,"
+                                                 "frontier_shield,frontier_spaced,frontier_both "
                                                  "(default: all but the frontiers; --quick: "
                                                  "alone,queue,queue_prio,no_queue,priority,priority_prio)")
+    p.add_argument("--hold-s", type=float, default=0.1,
+                   help="GPU seconds (x K wall) the frontier's held variants hold A's next send at most")
     p.add_argument("--frontier", default=",".join(map(str, FRONTIER_HELD)),
                    help="the frontier's points: requests A holds at each engine (0: A absent)")
     a = p.parse_args()
@@ -342,7 +412,7 @@ def main():
     signal.signal(signal.SIGTERM, br._interrupt)
     result = {"command": "tests/bench_tenants.py " + " ".join(sys.argv[1:]), "time_scale": a.time_scale,
               "queue_wait_s": a.queue_wait_s, "queue_priority_wait_s": a.queue_priority_wait_s,
-              "queue_session_slots": a.queue_session_slots,
+              "queue_session_slots": a.queue_session_slots, "queue_guard_wait_s": a.queue_guard_wait_s,
               "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
               "duration_s": a.duration, "engines": f"{ENGINES} x otela_sim.py serve --model {br.MODEL} --gpu "
               f"{br.GPU} --engine {br.ENGINE} --time-scale {a.time_scale:g}", "cases": {}, "skipped": {}}
@@ -354,18 +424,22 @@ def main():
     mixed = {"A": (FLOOD, "standard"), "B": small, "C": small}
     flood = {"batch": (FLOOD, "batch"), "chat": (SHARE_SMALL, "interactive")}
     prio = ("--scheduling-policy", "priority")
+    guard = ("--queue-guard-wait-s", f"{a.queue_guard_wait_s * a.time_scale:g}")
     cases = [("alone", "otela", {"B": small, "C": small}, 1, (), ()),
              ("queue", "otela", mixed, 1, (), ()),
+             ("queue_guard", "otela", mixed, 1, guard, ()),
              ("queue_prio", "otela", mixed, 1, (), prio),
              ("no_queue", "otela", mixed, 1, ("--no-queue",), ()),
              ("sglang", "sglang", mixed, 1, (), ()),
              ("priority", "otela", flood, 1, (), ()),
+             ("priority_guard", "otela", flood, 1, guard, ()),
              ("priority_prio", "otela", flood, 1, (), prio),
              ("two", "otela", mixed, 2, (), ()),
              ("two_prio", "otela", mixed, 2, (), prio)]
     rdir, missing = br.routers_dir(a.routers) if "sglang" in wanted else (None, {})
-    for label, kind, tenants, ingresses, flags, engine_flags in cases:
-        if label not in wanted:
+    for label, kind, tenants, ingresses, flags, engine_flags in [
+            (label + (f"#{r + 1}" if r else ""), *rest) for r in range(a.repeats) for label, *rest in cases]:
+        if label.split("#")[0] not in wanted:
             continue
         if kind == "sglang" and "sglang-router" in missing:
             result["skipped"][label] = missing["sglang-router"]
@@ -375,19 +449,26 @@ def main():
         case["queue_metrics"] = metrics
         result["cases"][label] = case
         print(f"{label}: done ({time.monotonic() - t0:.0f} s)")
-    for label, urgent, engine_flags in (("frontier", None, ()), ("frontier_prio", -1, prio)):
+    for label, urgent, engine_flags, hold in (("frontier", None, (), ()), ("frontier_prio", -1, prio, ()),
+                                              ("frontier_shield", None, (), ("shield",)),
+                                              ("frontier_spaced", None, (), ("spaced",)),
+                                              ("frontier_both", None, (), ("shield", "spaced"))):
         if label not in wanted:
             continue
         for held in a.frontier:
-            records = run_frontier(a, capacity, held, engine_flags, urgent and {"priority": urgent})
+            if held == 0 and hold:
+                continue   # (A absent: the frontier's own point)
+            records = run_frontier(a, capacity, held, engine_flags, urgent and {"priority": urgent}, hold)
             result["cases"][f"{label}{held}"] = summarise(records, a, {n: mixed[n] for n in records}, capacity)
             print(f"{label}{held}: done ({time.monotonic() - t0:.0f} s)")
-    alone = result["cases"].get("alone", {})
     for label, case in result["cases"].items():
+        round_ = label.partition("#")[1:]   # (a repeat is set against the `alone` of its own round)
+        alone = result["cases"].get("alone" + "".join(round_)) or result["cases"].get("alone", {})
         for name in ("B", "C"):
             if name in case and alone.get(name, {}).get("ttft_p99_ms") and case[name]["ttft_p99_ms"]:
                 case[name]["ttft_p99_vs_alone"] = round(case[name]["ttft_p99_ms"] / alone[name]["ttft_p99_ms"], 2)
-            unloaded = result["cases"].get(label.rstrip("0123456789") + "0", {}).get(name, {}).get("ttft_p99_ms")
+            unloaded = (result["cases"].get(label.rstrip("0123456789") + "0") or result["cases"].get("frontier0", {})
+                        ).get(name, {}).get("ttft_p99_ms")
             if label.startswith("frontier") and name in case and unloaded and case[name]["ttft_p99_ms"]:
                 # against the same point with A absent: straight to the engines as A is
                 case[name]["ttft_p99_vs_held0"] = round(case[name]["ttft_p99_ms"] / unloaded, 2)

@@ -265,6 +265,56 @@ def test_without_slots_below_the_depth_nothing_overtakes_at_a_fcfs_engine_nor_is
     assert not FairQueue(Limits(queue_session_slots=1), None).slotted   # (no queue: no count either)
 
 
+def test_a_flood_is_guarded_to_its_tighter_bound_only_while_a_tenant_with_none_waiting_has_requests_out():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=3, queued=20.0)
+    q = FairQueue(Limits(queue_wait_s=0.05, queue_guard_wait_s=0.01), {"s": est})   # 0.02 s of prefill queued
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    flood, light = key("flood"), key("light")
+    assert q.guarding and q.counting and not q.slotted and not q.full(fcfs, None)
+    floods = [wait(q, flood, 0.0) for _ in range(3)]
+    q.holds(flood)
+    assert not q.guarded(floods[0], fcfs)                  # the flood alone: only the prefill bound
+    mine = wait(q, light, 1.0)
+    assert not q.guarded(floods[0], fcfs)                  # light waits: none of its requests is out yet
+    assert q.unguarded({"m"}) == [mine] and q.unguarded({"other"}) == []   # (the one head no guard holds)
+    q.went(mine, 100, 1.0)
+    q.holds(light)
+    assert q.guarded(floods[0], fcfs)                      # out, none waiting: the flood is held there
+    est.queued = 5.0
+    assert not q.guarded(floods[0], fcfs)                  # under the guard's bound: it may go
+    est.queued = 20.0
+    again = wait(q, light, 2.0)
+    assert not q.guarded(floods[0], fcfs)                  # light waits again: it is served in fair order
+    assert not q.guarded(again, fcfs)                      # (and a tenant's one waiting request is never held)
+    q.remove(again)
+    q.went(floods[0], 100, 2.0)
+    assert q.guarded(floods[1], fcfs)                      # the flood still has 2 waiting
+    q.released("light", q.held)
+    assert q.held == {"flood": 1} and not q.guarded(floods[1], fcfs)   # light's ended: nothing to guard
+
+
+def test_while_guarding_a_tenant_waiting_for_none_goes_at_once_below_its_share_of_the_requests_out():
+    est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=3, queued=200.0)
+    q = FairQueue(Limits(queue_wait_s=0.05, queue_guard_wait_s=0.01), {"s": est})
+    fcfs = type("C", (), {"session": "s", "by_priority": False})()
+    flood, light, heavy = key("flood"), key("light"), key("heavy", weight=2.0)
+    wait(q, flood, 0.0)
+    for _ in range(6):
+        q.holds(flood)
+    assert q.full(fcfs, None) and not q.overtakes(fcfs, [fcfs], flood)   # it waits for its own
+    assert q.held_share(light) == 3.0 and q.overtakes(fcfs, [fcfs], light)   # 6 out between two: past the bound
+    for _ in range(5):
+        q.holds(light)
+    assert q.overtakes(fcfs, [fcfs], light)                # 11 out between two: 5 is below its 5.5
+    q.holds(light)
+    assert not q.overtakes(fcfs, [fcfs], light)            # 12 between two: it holds its 6
+    for _ in range(4):
+        q.holds(heavy)   # 16 out over weights 1 + 1 + 2: 4 a unit of weight; heavy holds 4 / 2
+    assert q.held_share(heavy) == 4.0 and q.overtakes(fcfs, [fcfs], heavy) and not q.overtakes(fcfs, [fcfs], light)
+    off = FairQueue(Limits(queue_wait_s=0.05), {"s": est})   # QUEUE_GUARD_WAIT_S as QUEUE_WAIT_S: off
+    assert not off.guarding and not off.counting and not off.overtakes(fcfs, [fcfs], light)
+
+
 def test_a_session_of_a_priority_engine_is_full_at_the_looser_bound():
     est = types.SimpleNamespace(fit=types.SimpleNamespace(per_token=lambda: 0.001), outstanding=3, queued=200.0)
     q = FairQueue(Limits(queue_wait_s=0.05, queue_priority_wait_s=0.5), {"s": est})   # 0.2 s of prefill queued
@@ -621,6 +671,22 @@ def test_a_newcomer_goes_past_a_session_full_at_its_slots_while_the_flood_waits(
         assert [tag for tag, _ in done] == ["o1", "f0", "f1", "o2", "f2"]
         assert s.call(lambda: (s.ingress.queue.waited["flood"][1], s.ingress.queue.waited["other"][1])) == (1, 0)
         assert s.call(lambda: dict(s.ingress.queue.held)) == {}   # out of the count at their ends
+    finally:
+        s.close()
+
+
+def test_while_guarding_requests_go_in_fair_order_and_the_counts_in_flight_end_with_them(tmp_path):
+    s = Stack(str(tmp_path / "otela.sqlite"), limits=Limits(queue_session_depth=2, queue_max_per_key=5,
+                                                            queue_guard_wait_s=0.01))
+    try:
+        s.engine("m1", mode="slow", slow_delay=0.6)
+        flood, other = s.key("flood"), s.key("other")
+        done: list = []
+        answers = in_threads(*(chat_at(s.url, flood, done, f"f{i}") for i in range(3)), chat_at(s.url, other, done, "o1"))
+        assert [a[0] for a in answers] == [200] * 4
+        # the session full at its depth, the other tenant's request went before the flood's third
+        assert [tag for tag, _ in done] == ["f0", "f1", "o1", "f2"]
+        assert s.call(lambda: (s.ingress.queue.guarding, dict(s.ingress.queue.held))) == (True, {})
     finally:
         s.close()
 

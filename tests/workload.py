@@ -205,10 +205,11 @@ def _account(rec, obj):
         rec["_choices"] = obj["choices"]
 
 
-async def one_request(host, port, path, body, timeout, headers=None):
+async def one_request(host, port, path, body, timeout, headers=None, first=None):
     """Send one streamed request; {"ttft", "last" (s to the last token), "sent" (s to the last byte
     of the request written), "e2e", "tokens",
-    "prompt_tokens", "cached_tokens", and llama.cpp's "cache_n", "prompt_n" when it sends them}."""
+    "prompt_tokens", "cached_tokens", and llama.cpp's "cache_n", "prompt_n" when it sends them}.
+    `first`: called with nothing at its first token (a harness that holds other sends till then)."""
     t0 = time.monotonic()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     rec = {"ttft": None, "tokens": 0, "status": None, "prompt_tokens": None, "cached_tokens": None}
@@ -254,6 +255,8 @@ async def one_request(host, port, path, body, timeout, headers=None):
                         rec["last"] = now - t0
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0
+                            if first is not None:
+                                first()
                 _account(rec, ev)
         if rec["status"] != 200:              # what the server said, for the error's reason
             rec["body"] = buf[:300].decode(errors="replace")
