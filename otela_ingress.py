@@ -266,23 +266,14 @@ QUEUE_SESSION_SLOTS = 256            # ... or, while two tenants or more hold re
                                      # (its running slots): past them only a tenant below its share
                                      # of the slots goes (FairQueue.overtakes). Off (as the depth) by
                                      # default: a count that suits one answer length starves another
-                                     # (a slot frees when an answer ends). Measured (bench_tenants,
-                                     # 512 in, 4 emulated H100s): --quick (16 out, three runs) 16 gave
-                                     # B/C TTFT p99 1.3-1.9x of A-absent at A's 0.68-0.72 of the
-                                     # capacity left (off: 2.7-3.4x at 0.57-0.61), 8-10 underfed the
-                                     # engines, 24 let the flood back in; with two ingresses no better
-                                     # than off (contended); but with 128 out (--duration 20 --drain
-                                     # 30) 16 gave B 38x at 0.35 (off: 3.3x at 1.06): B and C alone
-                                     # hold more than 16 a session there
+                                     # (a slot frees when an answer ends; bench_tenants' figures)
 QUEUE_GUARD_WAIT_S = float("inf")   # ... the prefill bound for a tenant with more requests waiting here
                                      # while another, with none waiting, has requests in flight from
                                      # here (FairQueue.guarded): below one prompt's prefill its prompts
                                      # go one at a time, so the other's prompt shares its steps with
                                      # one prefill of the flood, not QUEUE_WAIT_S of them. Off (no
-                                     # bound at or above QUEUE_WAIT_S guards) by default: measured at
-                                     # 0.001 with 128-token answers, B/C TTFT p99 1.6-1.8x of A-absent
-                                     # (off 3.2-3.9x) and A more, but not 1.5x; with 16-token answers
-                                     # no better than off (the fair queue's comment)
+                                     # bound at or above QUEUE_WAIT_S guards) by default: not yet
+                                     # better at every answer length (the fair queue's comment)
 QUEUE_MAX = 10000                    # requests waiting at most, all keys together (each holds its
                                      # body: the bytes bound below is the one that binds on memory).
                                      # Measured (tests/bench_queue_memory.py: 10,000 waiting from
@@ -3366,23 +3357,10 @@ class PassiveHealth:
 # than its weighted share of them (held_share), past the prefill bound the flood keeps full. The
 # requests in flight per tenant (`held`) are counted while guarding, as for the slots; off, the
 # path does no more. A guard lasts to the first byte: a whole answer (not streamed) guards its
-# session to its end, one of the flood's prompts at a time there. Measured, it halves B's and C's
-# TTFT p99 beside a flood with chat-length answers and gives the flood more, but does not reach
-# 1.5x, and with 16-token answers it is no better beyond the spread between runs, so it is off
-# for now. 128 tokens out (bench_tenants --duration 20 --drain 30, K = 10, queue against
-# queue_guard at 0.001 s, three runs): B/C p99 3.2-3.4x / 3.9x of A-absent at A 1.03-1.05 of the
-# capacity left, guarded 1.6-1.7x / 1.7-1.8x at 1.24-1.25 (its decodes run beside fewer of its
-# own prefill chunks; its TTFT p50 8.6 s, 13.6 s unguarded); an interactive key beside a batch
-# flood (priority against priority_guard, one run) 2.27x unloaded against 1.62x, the batch served
-# 7 % more. Straight at the engines
-# (bench_tenants --quick frontier_*: A holding c per engine) holding A's next send while B's or C's prompt awaits its
-# first token changed nothing (c = 4: B/C p99 2.0/2.4x unloaded at A 0.37 of the capacity left,
-# as without), one A prompt at a time per engine did (1.6/1.4x at 0.42; c = 8: 3.2/3.4x against
-# 4.0/4.2x, 0.75): a newcomer waits for the flood's prompts queued before it, not for those sent
-# after. The ingress spaces them already (the prefill bound): queue against queue_guard (0.001 s,
-# --quick --duration 30, one run each) gave B/C 2.6/3.5x against 1.8/2.4x in one run, 1.30/1.57 against
-# 1.24/1.78 and 1.34/2.02 against 1.30/1.70 in another (A 0.50-0.61 either way; interactive beside
-# a batch flood 1.05x against 1.04x): the p99 of ~90 requests moves by more between runs.
+# session to its end, one of the flood's prompts at a time there. Off by default: it halves B's
+# and C's TTFT p99 beside a flood with chat-length answers and gives the flood more, but does not
+# reach 1.5x of A-absent, and with 16-token answers it is no better beyond the spread between runs
+# (tests/bench_tenants.py's docstring has the figures).
 #
 # A request whose model's sessions are all full is passed over, not the queue: others' models go
 # on. Waiting is bounded in count and bytes, per key and overall, and in time (QUEUE_*): past a

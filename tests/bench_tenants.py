@@ -52,6 +52,25 @@ B and C are not backlogged). Service is counted as it happened: a request's prom
 token, its output tokens spread evenly from its first to its last. Prints a table, writes
 <out>/tenants.json; never asserts. Loopback only; every process is stopped and every temporary
 folder removed (bench_routing.Processes).
+
+Measured, --queue-session-slots (512 in, 4 emulated H100s): --quick (16 out, three runs) 16 gave B/C
+TTFT p99 1.3-1.9x of A-absent at A's 0.68-0.72 of the capacity left (off: 2.7-3.4x at 0.57-0.61), 8-10
+underfed the engines, 24 let the flood back in; with two ingresses no better than off; with 128 out
+(--duration 20 --drain 30) 16 gave B 38x at 0.35 (off: 3.3x at 1.06): B and C alone hold more than
+16 a session there.
+Measured (2 shared cores; ratios within one run), the guard (--queue-guard-wait-s 0.001) against off:
+128 tokens out (--duration 20 --drain 30, K = 10, queue against queue_guard, three runs): B/C p99
+3.2-3.4x / 3.9x of A-absent at A 1.03-1.05 of the capacity left, guarded 1.6-1.7x / 1.7-1.8x at
+1.24-1.25 (the flood's decodes run beside fewer of its own prefill chunks: its TTFT p50 8.6 s, 13.6 s
+unguarded); an interactive key beside a batch flood (priority against priority_guard, one run) 2.27x
+unloaded against 1.62x, the batch served 7 % more. 16 tokens out (--quick --duration 30, one run
+each): B/C 2.6/3.5x against 1.8/2.4x in one run, 1.30/1.57 against 1.24/1.78 and 1.34/2.02 against
+1.30/1.70 in another (A 0.50-0.61 either way; interactive 1.05x against 1.04x): the p99 of ~90
+requests moves more between runs. Straight at the engines (--quick --cases frontier,frontier_shield,
+frontier_spaced,frontier_both --frontier 0,4,8): holding A's next send while B's or C's prompt awaits
+its first token changed nothing (c = 4: B/C 2.0/2.4x at A 0.37, as plain); one A prompt at a time per
+engine did (1.6/1.4x at 0.42; c = 8: 3.2/3.4x against 4.0/4.2x at 0.75): a newcomer waits for the
+flood's prompts queued before it, not for those sent after.
 """
 import argparse
 import asyncio
