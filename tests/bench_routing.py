@@ -58,6 +58,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -119,7 +120,23 @@ AGENT_PEERS = ("sglang cache_aware", "vllm consistent_hash")
 # and without prompt_cache_key (sglang's cache_aware through one router beside them)
 ALTERNATING = {"conversations": 48, "turns": 4, "system_len": 600}
 ALTERNATING_ENGINES, ALTERNATING_GAPS, ALTERNATING_START_S = 4, (0.0, 0.3), 10.0
-EXTRA_WORKLOADS = ("agentic", "alternating")
+# issue 44 item 3, the warm case: agent loops beside a flood of cold requests (no shared prefix)
+# at WARM_FLOOD x the fleet's capacity for the flood's shape, through ONE ingress whose fair
+# queue holds the flood back (its sessions full), FairQueue's warm-turn rule on and off (first
+# come first served within the tenant), WARM_REPEATS times each, alternating. Under --no-auth
+# every request is one tenant of one class, so only that rule orders them. The ingress's
+# QUEUE_WAIT_S is scaled by K (the same tolerance in GPU time as at K = 1, as bench_tenants
+# does). The engines' KV is cut to WARM_KV_TOKENS so that the flood's prefill turns the cache
+# over within the run (~1-2 s of GPU time: an H100's 409k tokens take ~20 s, longer than a
+# run), which is what a long flood does to a turn that waits behind it: its context evicted.
+# Loops of 4-8k tokens with 16-token tool calls, so that their turns fall inside the flood
+WARM_ENGINES, WARM_KV_TOKENS, WARM_FLOOD, WARM_REPEATS, WARM_TIME_SCALE = 4, 32768, 2.0, 2, 10.0
+WARM_LOOPS = dict(loops=8, context=(4000, 8000), tool_lens=(200, 2000), call_len=16, gaps=(0.0, 2.0))
+WARM_FLOOD_SHAPE = dict(prompt=1024, output=16)   # tokens in and out of each cold request
+WARM_START_S, WARM_DURATION_S = 5.0, 40.0         # loops started within; the flood's seconds (wall)
+# the ingress run with the rule off: otela_ingress's main, FairQueue._warm_first cleared first
+WARM_OFF = "import sys, otela_ingress; otela_ingress.FairQueue._warm_first = False; sys.exit(otela_ingress.main())"
+EXTRA_WORKLOADS = ("agentic", "alternating", "warm")
 # capacity: requests in flight per engine (above the ~128 that an H100's KV holds at 2-4k
 # tokens, so each engine's queue never runs dry) and the seconds it runs (three waves of the
 # slowest workload at time scale 1)
@@ -210,10 +227,12 @@ def wait_until(ready, what, procs, timeout=READY_S):
 
 # --- fleets -------------------------------------------------------------------------------------
 
-def sim_command(scale, port="{port}", log=None):
-    """An emulated engine; `log`: the file its requests' engine-side times are appended to."""
+def sim_command(scale, port="{port}", log=None, kv_tokens=None):
+    """An emulated engine; `log`: the file its requests' engine-side times are appended to;
+    `kv_tokens`: its KV pool (default: the GPU's)."""
     return [sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--gpu", GPU, "--engine", ENGINE,
-            "--time-scale", f"{scale:g}", "--port", str(port)] + (["--request-log", log] if log else [])
+            "--time-scale", f"{scale:g}", "--port", str(port)] + (["--request-log", log] if log else []) + \
+        (["--kv-tokens", str(kv_tokens)] if kv_tokens else [])
 
 
 def llama_command(port="{port}"):
@@ -233,9 +252,10 @@ def start_engines(procs, command, n):
     return urls
 
 
-def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth",)):
+def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth",), warm_first=True):
     """otela's fleet: `ingresses` ingresses on one overlay (--policy, and `flags`), n nodes wrapping
-    the engine command; their URLs once each ingress routes `model` to all n. Returns (urls, nodes)."""
+    the engine command; their URLs once each ingress routes `model` to all n. `warm_first` False:
+    the ingresses' fair queue without its warm-turn rule (WARM_OFF). Returns (urls, nodes)."""
     node_py, ingress_py = str(ROOT / "otela_node.py"), str(ROOT / "otela_ingress.py")
     subprocess.run([sys.executable, node_py, "keygen", "--out", procs.tmp], check=True, capture_output=True,
                    timeout=60)
@@ -243,7 +263,7 @@ def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth
     urls, gossip = [], []
     for i in range(ingresses):
         port, g = free_port(), free_port()
-        argv = [sys.executable, ingress_py, "serve", "--key-file", key, "--listen", f"127.0.0.1:{port}",
+        argv = [sys.executable, *((ingress_py,) if warm_first else ("-c", WARM_OFF)), "serve", "--key-file", key, "--listen", f"127.0.0.1:{port}",
                 "--gossip", f"127.0.0.1:{g}", "--db", os.path.join(procs.tmp, f"ingress{i}.sqlite"),
                 "--policy", policy, *flags, "--max-connections", "16384"]
         if gossip:
@@ -436,6 +456,24 @@ def ingress_counters(urls):
     return out
 
 
+def queue_counters(urls):
+    """The ingresses' fair queue: requests that waited and their seconds waited in all, 429s
+    from its bounds, summed over tenants and ingresses (/metrics)."""
+    names = {"otela_queue_wait_seconds_count": "waited", "otela_queue_wait_seconds_sum": "waited_s",
+             "otela_queue_throttled_total": "throttled"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for url in urls:
+        try:
+            text = http_get(url + "/metrics")[1].decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def generated_tokens(urls):
     """The engines' vllm:generation_tokens counters, summed."""
     total = 0.0
@@ -508,31 +546,38 @@ def with_session(requests, name):
     return [dict(r, session=f"{name}-{r['group']}") for r in requests]
 
 
-def start_fleet(procs, kind, policy, command, ingresses, rdir, engines=ENGINES):
-    """otela's nodes and ingresses, or the engines and `ingresses` routers: (urls, otela's nodes)."""
+def start_fleet(procs, kind, policy, command, ingresses, rdir, engines=ENGINES, **otela):
+    """otela's nodes and ingresses (`otela`: start_otela's flags and warm_first), or the engines
+    and `ingresses` routers: (urls, otela's nodes)."""
     if kind == "otela":
-        return start_otela(procs, command, engines, MODEL, policy, ingresses)
+        return start_otela(procs, command, engines, MODEL, policy, ingresses, **otela)
     workers = start_engines(procs, command, engines)
     return [start_router(procs, rdir, kind, policy, workers, f"router{i}") for i in range(ingresses)], []
 
 
-def loop_run(kind, policy, loops, starts, a, ingresses=1, rdir=None, engines=ENGINES, requests=(), times=()):
+def loop_run(kind, policy, loops, starts, a, ingresses=1, rdir=None, engines=ENGINES, requests=(), times=(),
+             kv_tokens=None, **otela):
     """A fresh fleet, closed loops (workload.agent_loops' shape; turns alternating between the
     ingresses) and open-loop `requests` at `times` beside them: the figures of all, of the
-    loops' turns after their first ("turns_2plus"), and of each kind where both ran."""
+    loops' turns after their first ("turns_2plus", with where their TTFT went: engine_side), and
+    of each kind where both ran; otela's: its fair queue's counters ("queue"). `kv_tokens`: the
+    engines' KV pool; `otela`: start_otela's flags and warm_first."""
     procs = Processes(f"loops-{kind}-{policy}")
     try:
         log = os.path.join(procs.tmp, "engines.jsonl")
-        command = lambda port="{port}": sim_command(a.time_scale, port, log)  # noqa: E731
-        urls, _ = start_fleet(procs, kind, policy, command, ingresses, rdir, engines)
+        command = lambda port="{port}": sim_command(a.time_scale, port, log, kv_tokens)  # noqa: E731
+        urls, _ = start_fleet(procs, kind, policy, command, ingresses, rdir, engines, **otela)
         records = asyncio.run(workload.run_loops_async(urls, MODEL, loops, starts, REQUEST_TIMEOUT_S,
                                                        requests=requests, times=times))
         out = figures(records)
         out.update(engine_side(records, log, a.time_scale), engines=engines, ingresses=ingresses)
         turns = [r for r in records if r.get("loop") is not None]
-        out["turns_2plus"] = figures([r for r in turns if r["turn"] >= 1])
+        later = [r for r in turns if r["turn"] >= 1]
+        out["turns_2plus"] = dict(figures(later), **engine_side(later, log, a.time_scale))
         if requests:
             out["loops"], out["chat"] = figures(turns), figures([r for r in records if r.get("loop") is None])
+        if kind == "otela":
+            out["queue"] = queue_counters(urls)
         return out
     finally:
         procs.stop()
@@ -673,6 +718,67 @@ def alternating_cases(a, plan, rdir, result):
                 f"{label} hit {fmt(f.get('turns_2plus', {}).get('hit_rate'), '.3f')} TTFT p99 "
                 f"{fmt(f.get('turns_2plus', {}).get('ttft_p99_ms'), '.0f')} ms" if isinstance(f, dict) else
                 f"{label} {f:.2f}" for label, f in runs.items()), flush=True)
+
+
+def flood_requests(n, seed):
+    """The warm case's cold requests: random prompts (no prefix shared with anything)."""
+    rng = random.Random(seed)
+    return [{"messages": [{"role": "user", "content": workload.text(WARM_FLOOD_SHAPE["prompt"], rng)}],
+             "max_tokens": WARM_FLOOD_SHAPE["output"]} for _ in range(n)]
+
+
+def warm_cases(a, result):
+    """Issue 44 item 3 (WARM_*): the warm-turn rule on and off, the same loops and flood, fresh
+    fleets alternating; per run the turns after each loop's first (TTFT p99, hit rate, where
+    their TTFT went: at the engine or on the path, which holds the wait in the ingress's queue),
+    the flood's output tokens/s and errors, and the queue's counters (it held the flood)."""
+    scale = WARM_TIME_SCALE if a.time_scale == TIME_SCALE else a.time_scale
+    shape = dict(WARM_LOOPS, loops=2, context=(2000, 3000)) if a.quick else WARM_LOOPS
+    repeats, duration = (1, 8.0) if a.quick else (WARM_REPEATS, WARM_DURATION_S)
+    loops = workload.agent_loops(**shape, seed=0)
+    for one in loops:
+        for turn in one["turns"]:
+            turn["session"] = f"agent-{one['loop']}"
+    starts = [(1.0 if a.quick else WARM_START_S) * i / len(loops) for i in range(len(loops))]
+    procs = Processes("warm-capacity")   # the flood's capacity: straight to the engines at K = 1
+    try:
+        urls = start_engines(procs, lambda port: sim_command(1.0, port, kv_tokens=WARM_KV_TOKENS), WARM_ENGINES)
+        seconds = 8.0 if a.quick else 18.0
+        tokens, _ = asyncio.run(_closed_loop(urls, MODEL, flood_requests(20000, 99), 64, seconds))
+        capacity = tokens / (seconds * 2 / 3 - 0.1) / WARM_FLOOD_SHAPE["output"]
+    finally:
+        procs.stop()
+    rate = WARM_FLOOD * capacity / scale
+    times = workload.arrivals(int(rate * duration * 2) + 10, rate, "poisson", seed=0, duration=duration)
+    flood = flood_requests(len(times), 0)
+    run_a = argparse.Namespace(**dict(vars(a), time_scale=scale))
+    flags = ("--no-auth", "--queue-wait-s", f"{otela_ingress.QUEUE_WAIT_S * scale:g}")
+    out = result["warm"] = {"time_scale": scale, "engines": WARM_ENGINES, "kv_tokens": WARM_KV_TOKENS,
+                            "flood_capacity_req_s_at_scale_1": capacity, "flood_rate_req_s": rate,
+                            "flood_sent": len(times), "loops": shape, "runs": []}
+    print(f"warm: {len(loops)} agent loops beside a flood of {len(times)} cold requests at {rate:.1f} req/s "
+          f"({WARM_FLOOD:g} x capacity {capacity:.1f} req/s at full speed), one ingress, K = {scale:g}", flush=True)
+    for i in range(repeats):
+        for warm_first in (True, False) if i % 2 == 0 else (False, True):
+            label = "rule on" if warm_first else "rule off"
+            try:
+                f = loop_run("otela", "ttft", loops, starts, run_a, 1, None, WARM_ENGINES, flood, times,
+                             kv_tokens=WARM_KV_TOKENS, flags=flags, warm_first=warm_first)
+                f["flood"] = f.pop("chat")
+            except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                f = {"skipped": f"failed: {exc}"}
+            f.update(label=label, repeat=i)
+            out["runs"].append(f)
+            if "skipped" in f:
+                print(f"  warm {label} #{i}: skipped: {f['skipped']}", flush=True)
+                continue
+            t, fl, q = f["turns_2plus"], f["flood"], f.get("queue", {})
+            print(f"  warm {label} #{i}: turns 2+ {t['ok']}/{t['requests']} TTFT p50/p99 "
+                  f"{fmt(t['ttft_p50_ms'], '.0f')}/{fmt(t['ttft_p99_ms'], '.0f')} ms (engine p99 "
+                  f"{fmt(t.get('engine_ttft_p99_ms'), '.0f')}, path p99 {fmt(t.get('path_p99_ms'), '.0f')}) hit "
+                  f"{fmt(t['hit_rate'], '.3f')}; flood ok {fl['ok']}/{fl['requests']} tok/s "
+                  f"{fmt(fl['output_tok_s'], '.0f')}; queue: {q.get('waited', 0):.0f} waited "
+                  f"{q.get('waited_s', 0):.0f} s in all, {q.get('throttled', 0):.0f} 429s", flush=True)
 
 
 def report(case, label, f):
@@ -835,6 +941,8 @@ def main():
             agentic_cases(a, plan, rdir, result)
         if "alternating" in names:
             alternating_cases(a, plan, rdir, result)
+        if "warm" in names:
+            warm_cases(a, result)
         if not a.quick:
             policy = "ttft" if "ttft" in otela_ingress.POLICIES else "least_loaded"
             if "shared_prefix" not in result["capacity"]:
