@@ -22,9 +22,13 @@ presets; agentic (issue 44): tool-calling loops (workload.agent_loops: contexts 
 tokens, tool outputs of 200-8,000 tokens, each turn 0-2 s after the last answer, a session key per
 loop), alone and beside multi-turn chat (one ingress beside it with --full only), through one and two
 ingresses/routers, against
-sglang's cache_aware and vllm's consistent_hash; alternating: 48 chats of 4 turns on 4 engines,
+sglang's cache_aware and vllm's consistent_hash (and, not --quick, otela's ttft with --no-queue: what
+the fair queue's wait costs the turns, a diagnosis); alternating: 48 chats of 4 turns on 4 engines,
 turns 0 or 0.3 s apart alternating over 1, 2 and 4 ingresses, with and without prompt_cache_key
-(its hit rate and TTFT p99 of turns 2+ against one ingress's); Poisson arrivals at a share of the
+(its hit rate and TTFT p99 of turns 2+ against one ingress's); warm (issue 44 item 3, otela
+only): agent loops beside one tenant's flood of cold requests through one ingress whose fair
+queue holds the flood, FairQueue's warm-turn rule on and off (WARM_*; at K = WARM_TIME_SCALE
+unless --time-scale says another than the default); Poisson arrivals at a share of the
 fleet's capacity for that workload, MEASURED first in
 the same run: a fresh fleet at time scale 1, requests not streamed (the engines sleep through
 their steps), the client round-robin over the engines with CAPACITY_INFLIGHT requests in flight
@@ -115,6 +119,9 @@ LOADS_DEFAULT, LOADS_FULL = (0.8,), (0.5, 0.8, 1.0)
 # against the peers named here; each loop has a session key (vllm's consistent_hash reads it)
 AGENT_LOOPS, AGENT_START_S, AGENT_CHAT_LOAD, AGENT_TOOL_LENS = 24, 20.0, 0.4, (200, 8000)
 AGENT_PEERS = ("sglang cache_aware", "vllm consistent_hash")
+# beside otela's `ttft` (not --quick): the same with --no-queue, a diagnosis, not a contender: what
+# the ingress's fair queue costs these turns (its wait is on the path, engine_side's split)
+AGENT_DIAGNOSIS = {"otela ttft no-queue": ("--no-auth", "--no-queue")}
 # issue 44's alternating case: 48 chats of 4 turns on 4 engines, a 600-token system prompt each,
 # the next turn 0 or 0.3 s after the answer, turns alternating over 1, 2 and 4 ingresses, with
 # and without prompt_cache_key (sglang's cache_aware through one router beside them)
@@ -124,13 +131,17 @@ ALTERNATING_ENGINES, ALTERNATING_GAPS, ALTERNATING_START_S = 4, (0.0, 0.3), 10.0
 # at WARM_FLOOD x the fleet's capacity for the flood's shape, through ONE ingress whose fair
 # queue holds the flood back (its sessions full), FairQueue's warm-turn rule on and off (first
 # come first served within the tenant), WARM_REPEATS times each, alternating. Under --no-auth
-# every request is one tenant of one class, so only that rule orders them. The ingress's
-# QUEUE_WAIT_S is scaled by K (the same tolerance in GPU time as at K = 1, as bench_tenants
-# does). The engines' KV is cut to WARM_KV_TOKENS so that the flood's prefill turns the cache
-# over within the run (~1-2 s of GPU time: an H100's 409k tokens take ~20 s, longer than a
-# run), which is what a long flood does to a turn that waits behind it: its context evicted.
-# Loops of 4-8k tokens with 16-token tool calls, so that their turns fall inside the flood
+# every request is one tenant of one class, so only that rule orders them. The ingress's queue
+# clocks (QUEUE_WAIT_S, QUEUE_AGE_S, QUEUE_TIMEOUT_S) are scaled by K: the same policy in GPU
+# time as at K = 1. The flood's backlog grows to ~4 s of GPU time (2x capacity for 4 s), under
+# QUEUE_AGE_S; each WARM_AGES_S (GPU seconds) is run, the second shorter than the backlog, as
+# a flood that outlasts QUEUE_AGE_S is (the rule lets an aged cold request go first). The
+# engines' KV is cut to WARM_KV_TOKENS so that the flood's prefill turns the cache over within
+# the run (~1-2 s of GPU time: an H100's 409k tokens take ~20 s, longer than a run), which is
+# what a long flood does to a turn that waits behind it: its context evicted. Loops of 4-8k
+# tokens with 16-token tool calls, so that their turns fall inside the flood
 WARM_ENGINES, WARM_KV_TOKENS, WARM_FLOOD, WARM_REPEATS, WARM_TIME_SCALE = 4, 32768, 2.0, 2, 10.0
+WARM_AGES_S = (otela_ingress.QUEUE_AGE_S, otela_ingress.QUEUE_AGE_S / 10)
 WARM_LOOPS = dict(loops=8, context=(4000, 8000), tool_lens=(200, 2000), call_len=16, gaps=(0.0, 2.0))
 WARM_FLOOD_SHAPE = dict(prompt=1024, output=16)   # tokens in and out of each cold request
 WARM_START_S, WARM_DURATION_S = 5.0, 40.0         # loops started within; the flood's seconds (wall)
@@ -672,10 +683,12 @@ def agentic_cases(a, plan, rdir, result):
         for ingresses in (2,) if a.quick or (requests and not a.full) else (1, 2):
             case = name + (" x2" if ingresses == 2 else "")
             cases = result["cases"][case] = {}
-            for label, kind, policy in ours + peers:
+            diagnosis = [(label, "otela", "ttft") for label in AGENT_DIAGNOSIS if ours and not a.quick]
+            for label, kind, policy in ours + diagnosis + peers:
+                flags = {"flags": AGENT_DIAGNOSIS[label]} if label in AGENT_DIAGNOSIS else {}
                 try:
                     cases[label] = loop_run(kind, policy, loops, starts, a, ingresses, rdir, requests=requests,
-                                            times=times)
+                                            times=times, **flags)
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     cases[label] = {"skipped": f"failed: {exc}"}
                 report(case, label, cases[label])
@@ -752,22 +765,23 @@ def warm_cases(a, result):
     times = workload.arrivals(int(rate * duration * 2) + 10, rate, "poisson", seed=0, duration=duration)
     flood = flood_requests(len(times), 0)
     run_a = argparse.Namespace(**dict(vars(a), time_scale=scale))
-    flags = ("--no-auth", "--queue-wait-s", f"{otela_ingress.QUEUE_WAIT_S * scale:g}")
     out = result["warm"] = {"time_scale": scale, "engines": WARM_ENGINES, "kv_tokens": WARM_KV_TOKENS,
                             "flood_capacity_req_s_at_scale_1": capacity, "flood_rate_req_s": rate,
                             "flood_sent": len(times), "loops": shape, "runs": []}
     print(f"warm: {len(loops)} agent loops beside a flood of {len(times)} cold requests at {rate:.1f} req/s "
           f"({WARM_FLOOD:g} x capacity {capacity:.1f} req/s at full speed), one ingress, K = {scale:g}", flush=True)
-    for i in range(repeats):
+    for age, i in [(age, i) for age in WARM_AGES_S[:1 if a.quick else None] for i in range(repeats)]:
+        flags = ("--no-auth", "--queue-wait-s", f"{otela_ingress.QUEUE_WAIT_S * scale:g}", "--queue-age-s",
+                 f"{age * scale:g}", "--queue-timeout-s", f"{otela_ingress.QUEUE_TIMEOUT_S * scale:g}")
         for warm_first in (True, False) if i % 2 == 0 else (False, True):
-            label = "rule on" if warm_first else "rule off"
+            label = ("rule on" if warm_first else "rule off") + f", age {age:g} s"
             try:
                 f = loop_run("otela", "ttft", loops, starts, run_a, 1, None, WARM_ENGINES, flood, times,
                              kv_tokens=WARM_KV_TOKENS, flags=flags, warm_first=warm_first)
                 f["flood"] = f.pop("chat")
             except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                 f = {"skipped": f"failed: {exc}"}
-            f.update(label=label, repeat=i)
+            f.update(label=label, repeat=i, queue_age_s=age)
             out["runs"].append(f)
             if "skipped" in f:
                 print(f"  warm {label} #{i}: skipped: {f['skipped']}", flush=True)
@@ -784,7 +798,9 @@ def warm_cases(a, result):
 def report(case, label, f):
     print(f"  {case:22s} {label:22s} " + (f"skipped: {f['skipped']}" if "skipped" in f else
           f"ok {f['ok']}/{f['requests']} TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms hit "
-          f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}"), flush=True)
+          f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}" +
+          (f" queue: {f['queue']['waited']:.0f} waited {f['queue']['waited_s']:.0f} s in all" if f.get("queue") else
+           "")), flush=True)
 
 
 # --- the run ------------------------------------------------------------------------------------
