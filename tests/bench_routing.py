@@ -60,6 +60,7 @@ process group) and every temporary folder removed, on Ctrl-C and failure too.
 """
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -733,11 +734,12 @@ def alternating_cases(a, plan, rdir, result):
                 f"{label} {f:.2f}" for label, f in runs.items()), flush=True)
 
 
-def flood_requests(n, seed):
-    """The warm case's cold requests: random prompts (no prefix shared with anything)."""
+def flood_requests(seed):
+    """The warm case's cold requests, as many as taken: random prompts (no prefix shared)."""
     rng = random.Random(seed)
-    return [{"messages": [{"role": "user", "content": workload.text(WARM_FLOOD_SHAPE["prompt"], rng)}],
-             "max_tokens": WARM_FLOOD_SHAPE["output"]} for _ in range(n)]
+    while True:
+        yield {"messages": [{"role": "user", "content": workload.text(WARM_FLOOD_SHAPE["prompt"], rng)}],
+               "max_tokens": WARM_FLOOD_SHAPE["output"]}
 
 
 def warm_cases(a, result):
@@ -757,13 +759,13 @@ def warm_cases(a, result):
     try:
         urls = start_engines(procs, lambda port: sim_command(1.0, port, kv_tokens=WARM_KV_TOKENS), WARM_ENGINES)
         seconds = 8.0 if a.quick else 18.0
-        tokens, _ = asyncio.run(_closed_loop(urls, MODEL, flood_requests(20000, 99), 64, seconds))
+        tokens, _ = asyncio.run(_closed_loop(urls, MODEL, flood_requests(99), 64, seconds))
         capacity = tokens / (seconds * 2 / 3 - 0.1) / WARM_FLOOD_SHAPE["output"]
     finally:
         procs.stop()
     rate = WARM_FLOOD * capacity / scale
     times = workload.arrivals(int(rate * duration * 2) + 10, rate, "poisson", seed=0, duration=duration)
-    flood = flood_requests(len(times), 0)
+    flood = list(itertools.islice(flood_requests(0), len(times)))
     run_a = argparse.Namespace(**dict(vars(a), time_scale=scale))
     out = result["warm"] = {"time_scale": scale, "engines": WARM_ENGINES, "kv_tokens": WARM_KV_TOKENS,
                             "flood_capacity_req_s_at_scale_1": capacity, "flood_rate_req_s": rate,
