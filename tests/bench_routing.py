@@ -451,28 +451,9 @@ def engine_floor_ms(lines, scale):
     return lo * scale * 1e3
 
 
-def ingress_counters(urls):
-    """The ingresses' retries, streams continued elsewhere and streams cut, summed (/metrics)."""
-    names = {"otela_retries_total": "retries", "otela_stream_resumes_total": "stream_resumes",
-             "otela_stream_cuts_total": "stream_cuts"}
-    out = dict.fromkeys(names.values(), 0)
-    for url in urls:
-        try:
-            text = http_get(url + "/metrics")[1].decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in names:
-                out[names[name]] += int(float(value))
-    return out
-
-
-def queue_counters(urls):
-    """The ingresses' fair queue: requests that waited and their seconds waited in all, 429s
-    from its bounds, summed over tenants and ingresses (/metrics)."""
-    names = {"otela_queue_wait_seconds_count": "waited", "otela_queue_wait_seconds_sum": "waited_s",
-             "otela_queue_throttled_total": "throttled"}
+def metric_sums(urls, names):
+    """The ingresses' /metrics series named in `names` (name -> key), summed over labels and
+    ingresses (an ingress that does not answer counts nothing)."""
     out = dict.fromkeys(names.values(), 0.0)
     for url in urls:
         try:
@@ -484,6 +465,19 @@ def queue_counters(urls):
             if name in names:
                 out[names[name]] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def ingress_counters(urls):
+    """The ingresses' retries, streams continued elsewhere and streams cut, summed."""
+    return {k: int(v) for k, v in metric_sums(urls, {"otela_retries_total": "retries", "otela_stream_resumes_total":
+                                                     "stream_resumes", "otela_stream_cuts_total": "stream_cuts"}).items()}
+
+
+def queue_counters(urls):
+    """The ingresses' fair queue: requests that waited and their seconds waited in all, 429s
+    from its bounds, summed over tenants and ingresses."""
+    return metric_sums(urls, {"otela_queue_wait_seconds_count": "waited", "otela_queue_wait_seconds_sum": "waited_s",
+                              "otela_queue_throttled_total": "throttled"})
 
 
 def generated_tokens(urls):
