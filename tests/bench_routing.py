@@ -22,9 +22,13 @@ presets; agentic (issue 44): tool-calling loops (workload.agent_loops: contexts 
 tokens, tool outputs of 200-8,000 tokens, each turn 0-2 s after the last answer, a session key per
 loop), alone and beside multi-turn chat (one ingress beside it with --full only), through one and two
 ingresses/routers, against
-sglang's cache_aware and vllm's consistent_hash; alternating: 48 chats of 4 turns on 4 engines,
+sglang's cache_aware and vllm's consistent_hash (and, not --quick, otela's ttft with --no-queue: what
+the fair queue's wait costs the turns, a diagnosis); alternating: 48 chats of 4 turns on 4 engines,
 turns 0 or 0.3 s apart alternating over 1, 2 and 4 ingresses, with and without prompt_cache_key
-(its hit rate and TTFT p99 of turns 2+ against one ingress's); Poisson arrivals at a share of the
+(its hit rate and TTFT p99 of turns 2+ against one ingress's); warm (issue 44 item 3, otela
+only): agent loops beside one tenant's flood of cold requests through one ingress whose fair
+queue holds the flood, FairQueue's warm-turn rule on and off (WARM_*; at K = WARM_TIME_SCALE
+unless --time-scale says another than the default); Poisson arrivals at a share of the
 fleet's capacity for that workload, MEASURED first in
 the same run: a fresh fleet at time scale 1, requests not streamed (the engines sleep through
 their steps), the client round-robin over the engines with CAPACITY_INFLIGHT requests in flight
@@ -56,8 +60,10 @@ process group) and every temporary folder removed, on Ctrl-C and failure too.
 """
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -114,12 +120,35 @@ LOADS_DEFAULT, LOADS_FULL = (0.8,), (0.5, 0.8, 1.0)
 # against the peers named here; each loop has a session key (vllm's consistent_hash reads it)
 AGENT_LOOPS, AGENT_START_S, AGENT_CHAT_LOAD, AGENT_TOOL_LENS = 24, 20.0, 0.4, (200, 8000)
 AGENT_PEERS = ("sglang cache_aware", "vllm consistent_hash")
+# beside otela's `ttft` (not --quick): the same with --no-queue, a diagnosis, not a contender: what
+# the ingress's fair queue costs these turns (its wait is on the path, engine_side's split)
+AGENT_DIAGNOSIS = {"otela ttft no-queue": ("--no-auth", "--no-queue")}
 # issue 44's alternating case: 48 chats of 4 turns on 4 engines, a 600-token system prompt each,
 # the next turn 0 or 0.3 s after the answer, turns alternating over 1, 2 and 4 ingresses, with
 # and without prompt_cache_key (sglang's cache_aware through one router beside them)
 ALTERNATING = {"conversations": 48, "turns": 4, "system_len": 600}
 ALTERNATING_ENGINES, ALTERNATING_GAPS, ALTERNATING_START_S = 4, (0.0, 0.3), 10.0
-EXTRA_WORKLOADS = ("agentic", "alternating")
+# issue 44 item 3, the warm case: agent loops beside a flood of cold requests (no shared prefix)
+# at WARM_FLOOD x the fleet's capacity for the flood's shape, through ONE ingress whose fair
+# queue holds the flood back (its sessions full), FairQueue's warm-turn rule on and off (first
+# come first served within the tenant), WARM_REPEATS times each, alternating. Under --no-auth
+# every request is one tenant of one class, so only that rule orders them. The ingress's queue
+# clocks (QUEUE_WAIT_S, QUEUE_AGE_S, QUEUE_TIMEOUT_S) are scaled by K: the same policy in GPU
+# time as at K = 1. The flood's backlog grows to ~4 s of GPU time (2x capacity for 4 s), under
+# QUEUE_AGE_S; each WARM_AGES_S (GPU seconds) is run, the second shorter than the backlog, as
+# a flood that outlasts QUEUE_AGE_S is (the rule lets an aged cold request go first). The
+# engines' KV is cut to WARM_KV_TOKENS so that the flood's prefill turns the cache over within
+# the run (~1-2 s of GPU time: an H100's 409k tokens take ~20 s, longer than a run), which is
+# what a long flood does to a turn that waits behind it: its context evicted. Loops of 4-8k
+# tokens with 16-token tool calls, so that their turns fall inside the flood
+WARM_ENGINES, WARM_KV_TOKENS, WARM_FLOOD, WARM_REPEATS, WARM_TIME_SCALE = 4, 32768, 2.0, 2, 10.0
+WARM_AGES_S = (otela_ingress.QUEUE_AGE_S, otela_ingress.QUEUE_AGE_S / 10)
+WARM_LOOPS = dict(loops=8, context=(4000, 8000), tool_lens=(200, 2000), call_len=16, gaps=(0.0, 2.0))
+WARM_FLOOD_SHAPE = dict(prompt=1024, output=16)   # tokens in and out of each cold request
+WARM_START_S, WARM_DURATION_S = 5.0, 40.0         # loops started within; the flood's seconds (wall)
+# the ingress run with the rule off: otela_ingress's main, FairQueue._warm_first cleared first
+WARM_OFF = "import sys, otela_ingress; otela_ingress.FairQueue._warm_first = False; sys.exit(otela_ingress.main())"
+EXTRA_WORKLOADS = ("agentic", "alternating", "warm")
 # capacity: requests in flight per engine (above the ~128 that an H100's KV holds at 2-4k
 # tokens, so each engine's queue never runs dry) and the seconds it runs (three waves of the
 # slowest workload at time scale 1)
@@ -210,10 +239,12 @@ def wait_until(ready, what, procs, timeout=READY_S):
 
 # --- fleets -------------------------------------------------------------------------------------
 
-def sim_command(scale, port="{port}", log=None):
-    """An emulated engine; `log`: the file its requests' engine-side times are appended to."""
+def sim_command(scale, port="{port}", log=None, kv_tokens=None):
+    """An emulated engine; `log`: the file its requests' engine-side times are appended to;
+    `kv_tokens`: its KV pool (default: the GPU's)."""
     return [sys.executable, str(ROOT / "otela_sim.py"), "serve", "--model", MODEL, "--gpu", GPU, "--engine", ENGINE,
-            "--time-scale", f"{scale:g}", "--port", str(port)] + (["--request-log", log] if log else [])
+            "--time-scale", f"{scale:g}", "--port", str(port)] + (["--request-log", log] if log else []) + \
+        (["--kv-tokens", str(kv_tokens)] if kv_tokens else [])
 
 
 def llama_command(port="{port}"):
@@ -233,9 +264,10 @@ def start_engines(procs, command, n):
     return urls
 
 
-def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth",)):
+def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth",), warm_first=True):
     """otela's fleet: `ingresses` ingresses on one overlay (--policy, and `flags`), n nodes wrapping
-    the engine command; their URLs once each ingress routes `model` to all n. Returns (urls, nodes)."""
+    the engine command; their URLs once each ingress routes `model` to all n. `warm_first` False:
+    the ingresses' fair queue without its warm-turn rule (WARM_OFF). Returns (urls, nodes)."""
     node_py, ingress_py = str(ROOT / "otela_node.py"), str(ROOT / "otela_ingress.py")
     subprocess.run([sys.executable, node_py, "keygen", "--out", procs.tmp], check=True, capture_output=True,
                    timeout=60)
@@ -243,7 +275,7 @@ def start_otela(procs, command, n, model, policy, ingresses=1, flags=("--no-auth
     urls, gossip = [], []
     for i in range(ingresses):
         port, g = free_port(), free_port()
-        argv = [sys.executable, ingress_py, "serve", "--key-file", key, "--listen", f"127.0.0.1:{port}",
+        argv = [sys.executable, *((ingress_py,) if warm_first else ("-c", WARM_OFF)), "serve", "--key-file", key, "--listen", f"127.0.0.1:{port}",
                 "--gossip", f"127.0.0.1:{g}", "--db", os.path.join(procs.tmp, f"ingress{i}.sqlite"),
                 "--policy", policy, *flags, "--max-connections", "16384"]
         if gossip:
@@ -419,21 +451,33 @@ def engine_floor_ms(lines, scale):
     return lo * scale * 1e3
 
 
-def ingress_counters(urls):
-    """The ingresses' retries, streams continued elsewhere and streams cut, summed (/metrics)."""
-    names = {"otela_retries_total": "retries", "otela_stream_resumes_total": "stream_resumes",
-             "otela_stream_cuts_total": "stream_cuts"}
-    out = dict.fromkeys(names.values(), 0)
+def metric_sums(urls, names):
+    """The ingresses' /metrics series named in `names` (name -> key), summed over labels and
+    ingresses (an ingress that does not answer counts nothing)."""
+    out = dict.fromkeys(names.values(), 0.0)
     for url in urls:
         try:
             text = http_get(url + "/metrics")[1].decode()
         except OSError:
             continue
         for line in text.splitlines():
-            name, _, value = line.partition(" ")
+            name = line.split("{", 1)[0].split(" ", 1)[0]
             if name in names:
-                out[names[name]] += int(float(value))
+                out[names[name]] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def ingress_counters(urls):
+    """The ingresses' retries, streams continued elsewhere and streams cut, summed."""
+    return {k: int(v) for k, v in metric_sums(urls, {"otela_retries_total": "retries", "otela_stream_resumes_total":
+                                                     "stream_resumes", "otela_stream_cuts_total": "stream_cuts"}).items()}
+
+
+def queue_counters(urls):
+    """The ingresses' fair queue: requests that waited and their seconds waited in all, 429s
+    from its bounds, summed over tenants and ingresses."""
+    return metric_sums(urls, {"otela_queue_wait_seconds_count": "waited", "otela_queue_wait_seconds_sum": "waited_s",
+                              "otela_queue_throttled_total": "throttled"})
 
 
 def generated_tokens(urls):
@@ -508,31 +552,38 @@ def with_session(requests, name):
     return [dict(r, session=f"{name}-{r['group']}") for r in requests]
 
 
-def start_fleet(procs, kind, policy, command, ingresses, rdir, engines=ENGINES):
-    """otela's nodes and ingresses, or the engines and `ingresses` routers: (urls, otela's nodes)."""
+def start_fleet(procs, kind, policy, command, ingresses, rdir, engines=ENGINES, **otela):
+    """otela's nodes and ingresses (`otela`: start_otela's flags and warm_first), or the engines
+    and `ingresses` routers: (urls, otela's nodes)."""
     if kind == "otela":
-        return start_otela(procs, command, engines, MODEL, policy, ingresses)
+        return start_otela(procs, command, engines, MODEL, policy, ingresses, **otela)
     workers = start_engines(procs, command, engines)
     return [start_router(procs, rdir, kind, policy, workers, f"router{i}") for i in range(ingresses)], []
 
 
-def loop_run(kind, policy, loops, starts, a, ingresses=1, rdir=None, engines=ENGINES, requests=(), times=()):
+def loop_run(kind, policy, loops, starts, a, ingresses=1, rdir=None, engines=ENGINES, requests=(), times=(),
+             kv_tokens=None, **otela):
     """A fresh fleet, closed loops (workload.agent_loops' shape; turns alternating between the
     ingresses) and open-loop `requests` at `times` beside them: the figures of all, of the
-    loops' turns after their first ("turns_2plus"), and of each kind where both ran."""
+    loops' turns after their first ("turns_2plus", with where their TTFT went: engine_side), and
+    of each kind where both ran; otela's: its fair queue's counters ("queue"). `kv_tokens`: the
+    engines' KV pool; `otela`: start_otela's flags and warm_first."""
     procs = Processes(f"loops-{kind}-{policy}")
     try:
         log = os.path.join(procs.tmp, "engines.jsonl")
-        command = lambda port="{port}": sim_command(a.time_scale, port, log)  # noqa: E731
-        urls, _ = start_fleet(procs, kind, policy, command, ingresses, rdir, engines)
+        command = lambda port="{port}": sim_command(a.time_scale, port, log, kv_tokens)  # noqa: E731
+        urls, _ = start_fleet(procs, kind, policy, command, ingresses, rdir, engines, **otela)
         records = asyncio.run(workload.run_loops_async(urls, MODEL, loops, starts, REQUEST_TIMEOUT_S,
                                                        requests=requests, times=times))
         out = figures(records)
         out.update(engine_side(records, log, a.time_scale), engines=engines, ingresses=ingresses)
         turns = [r for r in records if r.get("loop") is not None]
-        out["turns_2plus"] = figures([r for r in turns if r["turn"] >= 1])
+        later = [r for r in turns if r["turn"] >= 1]
+        out["turns_2plus"] = dict(figures(later), **engine_side(later, log, a.time_scale))
         if requests:
             out["loops"], out["chat"] = figures(turns), figures([r for r in records if r.get("loop") is None])
+        if kind == "otela":
+            out["queue"] = queue_counters(urls)
         return out
     finally:
         procs.stop()
@@ -627,10 +678,12 @@ def agentic_cases(a, plan, rdir, result):
         for ingresses in (2,) if a.quick or (requests and not a.full) else (1, 2):
             case = name + (" x2" if ingresses == 2 else "")
             cases = result["cases"][case] = {}
-            for label, kind, policy in ours + peers:
+            diagnosis = [(label, "otela", "ttft") for label in AGENT_DIAGNOSIS if ours and not a.quick]
+            for label, kind, policy in ours + diagnosis + peers:
+                flags = {"flags": AGENT_DIAGNOSIS[label]} if label in AGENT_DIAGNOSIS else {}
                 try:
                     cases[label] = loop_run(kind, policy, loops, starts, a, ingresses, rdir, requests=requests,
-                                            times=times)
+                                            times=times, **flags)
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     cases[label] = {"skipped": f"failed: {exc}"}
                 report(case, label, cases[label])
@@ -675,10 +728,75 @@ def alternating_cases(a, plan, rdir, result):
                 f"{label} {f:.2f}" for label, f in runs.items()), flush=True)
 
 
+def flood_requests(seed):
+    """The warm case's cold requests, as many as taken: random prompts (no prefix shared)."""
+    rng = random.Random(seed)
+    while True:
+        yield {"messages": [{"role": "user", "content": workload.text(WARM_FLOOD_SHAPE["prompt"], rng)}],
+               "max_tokens": WARM_FLOOD_SHAPE["output"]}
+
+
+def warm_cases(a, result):
+    """Issue 44 item 3 (WARM_*): the warm-turn rule on and off, the same loops and flood, fresh
+    fleets alternating; per run the turns after each loop's first (TTFT p99, hit rate, where
+    their TTFT went: at the engine or on the path, which holds the wait in the ingress's queue),
+    the flood's output tokens/s and errors, and the queue's counters (it held the flood)."""
+    scale = WARM_TIME_SCALE if a.time_scale == TIME_SCALE else a.time_scale
+    shape = dict(WARM_LOOPS, loops=2, context=(2000, 3000)) if a.quick else WARM_LOOPS
+    repeats, duration = (1, 8.0) if a.quick else (WARM_REPEATS, WARM_DURATION_S)
+    loops = workload.agent_loops(**shape, seed=0)
+    for one in loops:
+        for turn in one["turns"]:
+            turn["session"] = f"agent-{one['loop']}"
+    starts = [(1.0 if a.quick else WARM_START_S) * i / len(loops) for i in range(len(loops))]
+    procs = Processes("warm-capacity")   # the flood's capacity: straight to the engines at K = 1
+    try:
+        urls = start_engines(procs, lambda port: sim_command(1.0, port, kv_tokens=WARM_KV_TOKENS), WARM_ENGINES)
+        seconds = 8.0 if a.quick else 18.0
+        tokens, _ = asyncio.run(_closed_loop(urls, MODEL, flood_requests(99), 64, seconds))
+        capacity = tokens / (seconds * 2 / 3 - 0.1) / WARM_FLOOD_SHAPE["output"]
+    finally:
+        procs.stop()
+    rate = WARM_FLOOD * capacity / scale
+    times = workload.arrivals(int(rate * duration * 2) + 10, rate, "poisson", seed=0, duration=duration)
+    flood = list(itertools.islice(flood_requests(0), len(times)))
+    run_a = argparse.Namespace(**dict(vars(a), time_scale=scale))
+    out = result["warm"] = {"time_scale": scale, "engines": WARM_ENGINES, "kv_tokens": WARM_KV_TOKENS,
+                            "flood_capacity_req_s_at_scale_1": capacity, "flood_rate_req_s": rate,
+                            "flood_sent": len(times), "loops": shape, "runs": []}
+    print(f"warm: {len(loops)} agent loops beside a flood of {len(times)} cold requests at {rate:.1f} req/s "
+          f"({WARM_FLOOD:g} x capacity {capacity:.1f} req/s at full speed), one ingress, K = {scale:g}", flush=True)
+    for age, i in [(age, i) for age in WARM_AGES_S[:1 if a.quick else None] for i in range(repeats)]:
+        flags = ("--no-auth", "--queue-wait-s", f"{otela_ingress.QUEUE_WAIT_S * scale:g}", "--queue-age-s",
+                 f"{age * scale:g}", "--queue-timeout-s", f"{otela_ingress.QUEUE_TIMEOUT_S * scale:g}")
+        for warm_first in (True, False) if i % 2 == 0 else (False, True):
+            label = ("rule on" if warm_first else "rule off") + f", age {age:g} s"
+            try:
+                f = loop_run("otela", "ttft", loops, starts, run_a, 1, None, WARM_ENGINES, flood, times,
+                             kv_tokens=WARM_KV_TOKENS, flags=flags, warm_first=warm_first)
+                f["flood"] = f.pop("chat")
+            except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                f = {"skipped": f"failed: {exc}"}
+            f.update(label=label, repeat=i, queue_age_s=age)
+            out["runs"].append(f)
+            if "skipped" in f:
+                print(f"  warm {label} #{i}: skipped: {f['skipped']}", flush=True)
+                continue
+            t, fl, q = f["turns_2plus"], f["flood"], f.get("queue", {})
+            print(f"  warm {label} #{i}: turns 2+ {t['ok']}/{t['requests']} TTFT p50/p99 "
+                  f"{fmt(t['ttft_p50_ms'], '.0f')}/{fmt(t['ttft_p99_ms'], '.0f')} ms (engine p99 "
+                  f"{fmt(t.get('engine_ttft_p99_ms'), '.0f')}, path p99 {fmt(t.get('path_p99_ms'), '.0f')}) hit "
+                  f"{fmt(t['hit_rate'], '.3f')}; flood ok {fl['ok']}/{fl['requests']} tok/s "
+                  f"{fmt(fl['output_tok_s'], '.0f')}; queue: {q.get('waited', 0):.0f} waited "
+                  f"{q.get('waited_s', 0):.0f} s in all, {q.get('throttled', 0):.0f} 429s", flush=True)
+
+
 def report(case, label, f):
     print(f"  {case:22s} {label:22s} " + (f"skipped: {f['skipped']}" if "skipped" in f else
           f"ok {f['ok']}/{f['requests']} TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms hit "
-          f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}"), flush=True)
+          f"{fmt(f['hit_rate'], '.3f')} tok/s {fmt(f['output_tok_s'], '.0f')}" +
+          (f" queue: {f['queue']['waited']:.0f} waited {f['queue']['waited_s']:.0f} s in all" if f.get("queue") else
+           "")), flush=True)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -835,6 +953,8 @@ def main():
             agentic_cases(a, plan, rdir, result)
         if "alternating" in names:
             alternating_cases(a, plan, rdir, result)
+        if "warm" in names:
+            warm_cases(a, result)
         if not a.quick:
             policy = "ttft" if "ttft" in otela_ingress.POLICIES else "least_loaded"
             if "shared_prefix" not in result["capacity"]:

@@ -1,6 +1,6 @@
 """The routing benchmark (tests/bench_routing.py) runs end to end: `--quick` starts a measured
 fleet of emulated engines, otela's ingress and nodes and a peer router, and writes its figures
-(agent loops and the alternating case's too).
+(agent loops, the alternating case's and the warm case's too).
 What is checked is the JSON's shape and that every request was answered, never a speed."""
 import json
 import subprocess
@@ -50,6 +50,15 @@ def test_the_quick_routing_bench_writes_each_policys_figures_and_the_ratios(tmp_
     alternating = result["alternating"]["gap 0.3s"]
     assert alternating["otela ttft x1"]["ok"] == alternating["otela ttft x2"]["ok"] == 48
     assert alternating["x2_hit_rate_vs_x1"] > 0 and alternating["x2_ttft_p99_vs_x1"] > 0
+    # the warm case (issue 44 item 3): the same loops and flood through one ingress, the rule on
+    # and off, every turn and flood request answered, and the fair queue held the flood
+    warm = result["warm"]
+    assert [r["label"] for r in warm["runs"]] == [f"rule on, age {warm['runs'][0]['queue_age_s']:g} s",
+                                                  f"rule off, age {warm['runs'][0]['queue_age_s']:g} s"]
+    for f in warm["runs"]:
+        assert f["turns_2plus"]["ok"] == f["turns_2plus"]["requests"] > 0, f
+        assert f["flood"]["ok"] == f["flood"]["requests"] == warm["flood_sent"] > 0, f
+        assert f["queue"]["waited"] > 0, f
 
 
 def _line(i, arrived, e2e_ms, prompt, cached=0, engine="aa"):

@@ -358,6 +358,17 @@ def test_a_conversations_next_turn_goes_before_its_tenants_cold_requests_until_t
     assert q.order(2.0) is cold[1] and q.count == 1
 
 
+def test_with_the_warm_rule_off_a_tenants_turns_and_cold_requests_go_first_come_first_served():
+    q = queue(queue_age_s=10.0)
+    q._warm_first = False   # (the routing bench's warm case measures the rule against this)
+    agent = key("agent")
+    cold = wait(q, agent, 0.0)
+    turn = wait(q, agent, 1.0, warm=True)
+    assert q.order(2.0) is cold
+    q.went(cold, 0, 2.0)
+    assert q.order(2.0) is turn
+
+
 def test_a_turn_is_warm_when_its_body_holds_an_assistant_message():
     first = {"messages": [{"role": "user", "content": "hi"}]}
     turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "calling"},
