@@ -161,7 +161,7 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Container, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, parse_qsl, quote, unquote, unquote_to_bytes, urlencode
 
 try:
@@ -294,6 +294,11 @@ QUEUE_AGE_S = 10.0                   # a waiting request rises one class per thi
                                      # (batch is served as interactive after 20 s): never starved
 QUEUE_RETRY_AFTER_S = 2              # Retry-After of a 429 from the queue: about the time a request
                                      # of a saturated engine takes to free its slot
+QUEUE_LOOKAHEAD = 8                  # waiting requests of one model passed over in a dispatch because
+                                     # the session each picked is full while another of the model's
+                                     # is not: the next in line may pick that one (a conversation's
+                                     # own engine full stops only its turns); past this many, the
+                                     # model waits for the next dispatch (each costs a policy pick)
 QUEUE_TICK_S = 0.02                  # while requests wait, dispatch is tried this often besides at each
                                      # finish (an engine's first byte lowers its queued work too)
 PRIORITY_RANK = {name: rank for rank, name in enumerate(crdt.PRIORITY_CLASSES)}   # 0: served first
@@ -3383,7 +3388,7 @@ class Waiting:
     __slots__ = ("queue", "send", "key", "tenant", "rank", "since", "size", "model", "client", "lane", "ticket",
                  "cold")
 
-    def __init__(self, queue: FairQueue, send: Callable[[], None], key: Key, rank: int, since: float,
+    def __init__(self, queue: FairQueue, send: Callable[[], Optional[bool]], key: Key, rank: int, since: float,
                  size: int, model: str, client: Any, ticket: Optional[Ticket] = None, warm: bool = False):
         self.queue, self.send, self.key, self.tenant, self.rank = queue, send, key, key.user, rank
         self.since, self.size, self.model, self.client = since, size, model, client
@@ -3653,9 +3658,10 @@ class FairQueue:
         """Its class now: one higher per QUEUE_AGE_S waited."""
         return max(0, entry.rank - int((now - entry.since) / self.limits.queue_age_s))
 
-    def order(self, now: float, passed: Iterable[str] = ()) -> Optional[Waiting]:
+    def order(self, now: float, passed: Iterable[str] = (), skipped: Container[Waiting] = ()) -> Optional[Waiting]:
         """The request to send next, skipping those for the models in `passed` (their sessions
-        are full), or None."""
+        are full) and those in `skipped` (the session each picked is full: a lane's next request
+        stands in for its head, up to QUEUE_LOOKAHEAD in), or None."""
         oldest: Dict[int, float] = {}   # class -> when its oldest waiting request came (a lane's head)
         first: Dict[Tuple[int, str], float] = {}   # (class, tenant) -> ... of the tenant's, warm or cold
         for (rank, tenant, _), lane in self.lanes.items():
@@ -3672,6 +3678,10 @@ class FairQueue:
             head = lane[0]
             if head.model in passed:
                 continue
+            if head in skipped:
+                head = next((e for e in itertools.islice(lane, QUEUE_LOOKAHEAD) if e not in skipped), None)
+                if head is None:
+                    continue
             # between tenants: class, share, then the older request, as if each had one lane;
             # within one: its warm turns first, unless its cold head has waited QUEUE_AGE_S
             place = (risen[rank], self.standing(tenant), first[(rank, tenant)],
@@ -7458,9 +7468,12 @@ class Ingress:
             client.finish()
             return
 
-        def send() -> bool:
+        def send() -> Optional[bool]:
+            """True: it went (or was answered); False: the session it picked is full, or guarded,
+            and another of its model's is not; None: every session of its model is full."""
+            healthy = self.health.healthy(left)
             try:
-                candidate = self.policy.pick(self.health.healthy(left), routed)
+                candidate = self.policy.pick(healthy, routed)
             except HTTPError as exc:   # (a user's policy may refuse)
                 queue.remove(entry)
                 entry.unbook()
@@ -7469,7 +7482,7 @@ class Ingress:
                 client.finish()
                 return True
             if queue.full(candidate, routed):
-                return False
+                return False if any(c is not candidate and not queue.full(c, routed) for c in healthy) else None
             if queue.guarding and queue.guarded(entry, candidate):
                 queue.held_back = True
                 return False
@@ -7504,13 +7517,21 @@ class Ingress:
                 etype="requests"))
             entry.client.finish()
         passed: set = set()
+        skipped: set = set()     # its pick full, another session of its model not: the next may go
+        skips: Dict[str, int] = {}
         queue.held_back = False
         while queue.count:
-            entry = queue.order(now, passed)
+            entry = queue.order(now, passed, skipped)
             if entry is None:
                 break
-            if not entry.send():
+            went = entry.send()
+            if went is None:
                 passed.add(entry.model)   # its sessions are full: the next model's requests may go
+            elif not went:
+                skipped.add(entry)
+                skips[entry.model] = n = skips.get(entry.model, 0) + 1
+                if n >= QUEUE_LOOKAHEAD:
+                    passed.add(entry.model)
         if queue.held_back:   # a flood's request held by the guard: those of the tenants it guards may go
             for entry in queue.unguarded(passed):
                 entry.send()

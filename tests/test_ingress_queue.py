@@ -447,6 +447,46 @@ def test_requests_of_a_model_whose_sessions_are_full_are_passed_over():
     assert q.order(1.0, {"busy"}) is other
 
 
+
+def test_a_request_whose_picked_session_is_full_stops_only_itself_the_next_in_line_may_go():
+    """A conversation's own engine full while another of the model's is not: its turn waits for
+    it, and the requests behind it (of its own tenant too) go where there is room, up to
+    QUEUE_LOOKAHEAD passed over; a model whose every session is full is passed over at once."""
+    now = time.monotonic()   # (dispatch_waiting reads the clock: none has waited too long)
+    q = queue()
+    alice = key("alice")
+    outcome = {}
+    entries = []
+    for i in range(otela_ingress.QUEUE_LOOKAHEAD + 3):
+        entry = wait(q, alice, now + i * 1e-3)
+        entry.send = (lambda e=entry: outcome.get(e, True) and (q.went(e, 10, 20.0) or True))
+        entries.append(entry)
+    blocked = entries[0]
+    outcome[blocked] = False                        # its picked session is full, another is not
+    ingress = types.SimpleNamespace(queue=q, limits=q.limits, _queue_tick=None, _loop=None)
+    otela_ingress.Ingress.dispatch_waiting(ingress)
+    assert list(q.lanes.values())[0][0] is blocked and q.count == 1   # the rest went past it
+    for entry in entries[1:]:
+        assert entry.lane is None
+    # the lookahead is bounded: past QUEUE_LOOKAHEAD blocked ones, the model waits for the next dispatch
+    q2 = queue()
+    stuck = [wait(q2, alice, now + i * 1e-3) for i in range(otela_ingress.QUEUE_LOOKAHEAD + 2)]
+    tried = []
+    for entry in stuck:
+        entry.send = (lambda e=entry: tried.append(e) or False)
+    otela_ingress.Ingress.dispatch_waiting(types.SimpleNamespace(queue=q2, limits=q2.limits, _queue_tick=None,
+                                                                 _loop=None))
+    assert tried == stuck[:otela_ingress.QUEUE_LOOKAHEAD] and q2.count == len(stuck)
+    # every session full (None): the first try passes the model over
+    q3 = queue()
+    full = [wait(q3, alice, now + i * 1e-3) for i in range(3)]
+    calls = []
+    for entry in full:
+        entry.send = (lambda e=entry: calls.append(e))
+    otela_ingress.Ingress.dispatch_waiting(types.SimpleNamespace(queue=q3, limits=q3.limits, _queue_tick=None,
+                                                                 _loop=None))
+    assert calls == full[:1]
+
 # -- the request class -----------------------------------------------------------------------------
 def test_request_class_from_header_body_and_key():
     plain = key("u")
