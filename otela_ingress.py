@@ -3299,14 +3299,7 @@ class PassiveHealth:
 #      context be computed again. A cold request goes back to first come first served once it
 #      has waited QUEUE_AGE_S (a tenant replaying transcripts cannot hold its own first turns
 #      back forever), and other tenants' order is not touched (the share decides first).
-#      Measured (bench_routing's warm case: 8 agent loops beside a cold flood at 2x the capacity
-#      of 4 emulated H100s, one tenant, one ingress, two runs each): while the flood's backlog
-#      (~4 s of GPU time) stays under QUEUE_AGE_S the turns' TTFT p99 is 2.6-3.1 s against
-#      41-44 s first come first served (p50 1.3 s against 0.6-7.2 s), the flood's throughput
-#      the same (194-207 against 208-210 tokens/s); the hit rate is no better (0.48-0.54 against
-#      0.54-0.58: the flood turns a small cache over between turns either way). Once the backlog
-#      outlasts QUEUE_AGE_S (run with a tenth of it) the aged cold requests go first again and a
-#      turn waits behind all of them: p99 36-42 s against 42-47 s (p50 0.6-0.7 s against 2.4-8.9 s).
+#      It holds while a flood's backlog is shorter than QUEUE_AGE_S (bench_routing's warm case).
 #
 # Where a session's engine schedules by priority (its record says `scheduling: priority`, and
 # every session a request may try does), the body's `priority` says more than the class: the
