@@ -2049,9 +2049,7 @@ class Overlay(FailureDetector):
         setting (stretched by our local health: a slow member's acks come late), or the member's
         measured round trip plus four deviations when that is longer (a member 150 ms away acks
         after ~150 ms: resent every 150 ms, it got each write about twice)."""
-        measured = self.round_trips.get(self.by_addr.get(addr, ""))
-        setting = self.cfg.push_resend_interval * (1 + self.lhm)
-        return setting if measured is None else max(setting, measured.timeout())
+        return max(self.cfg.push_resend_interval * (1 + self.lhm), self._rto(self.by_addr.get(addr, "")))
 
     def _resend_dues(self, addrs: List[str], now: float) -> Dict[str, float]:
         """When each of `addrs` is due a resend (`now` + its _resend_wait): every one at the
@@ -2061,7 +2059,7 @@ class Overlay(FailureDetector):
         dues = dict.fromkeys(addrs, now + setting)
         members = self.members
         for sid, measured in self.round_trips.items():
-            wait = measured.srtt + RoundTrip.DEVIATIONS * measured.rttvar
+            wait = measured.timeout()
             if wait > setting:
                 addr = members.get(sid)
                 if addr in dues:
